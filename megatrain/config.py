@@ -1,0 +1,49 @@
+"""User-facing settings, validated by pydantic at the boundary."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic import Field
+
+
+class AdamW(pydantic.BaseModel):
+    """AdamW settings (Loshchilov & Hutter 2019, arXiv:1711.05101), as in ``torch.optim.AdamW``.
+
+    The update runs on the host, per layer, over the layer's flat FP32 tiles through torch's fused
+    AdamW kernel (``torch.optim.adamw.adamw(fused=True)``); weight decay is decoupled and applies to
+    every trainable parameter, as ``torch.optim.AdamW`` does with one parameter group.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(1e-3, ge=0.0, description="learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="first and second moment decay, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0.0, description="added to the denominator for stability")
+    weight_decay: float = Field(0.01, ge=0.0, description="decoupled weight decay coefficient")
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for name, b in zip(("beta1", "beta2"), v):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{name}={b} must be in [0, 1)")
+        return v
+
+
+class CompileOptions(pydantic.BaseModel):
+    """What ``megatrain.compile`` needs besides the model."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    seq_len: int = Field(gt=0, description="tokens per sequence")
+    micro_batch_size: int = Field(1, gt=0, description="sequences per micro-batch")
+    micro_batches: int = Field(1, gt=0, description="micro-batches per step (gradient accumulation)")
+    input_names: tuple[str, ...] = Field(("input_ids", "labels"), min_length=1,
+                                         description="keyword inputs of the model's forward, in order")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.micro_batches

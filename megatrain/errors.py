@@ -1,0 +1,31 @@
+"""Errors raised by megatrain. Each message names the object, the rule it broke and the fix."""
+
+from __future__ import annotations
+
+
+class MegatrainError(Exception):
+    """Base class of every error megatrain raises on purpose."""
+
+
+class ConfigError(MegatrainError, ValueError):
+    """A compile or optimizer setting is out of range or inconsistent."""
+
+
+class TraceError(MegatrainError):
+    """The model cannot be traced into a layer graph (names the module and the failing op)."""
+
+
+class UnsupportedModelError(TraceError):
+    """The model traced, but uses something megatrain does not support yet (names what)."""
+
+
+class PlanError(MegatrainError):
+    """No plan fits the requested hardware and batch."""
+
+
+class ScheduleError(MegatrainError):
+    """A schedule breaks one of the verifier's invariants (names the op and the rule)."""
+
+
+class BatchError(MegatrainError, ValueError):
+    """A batch does not match the shapes and dtypes the trainer was compiled for."""

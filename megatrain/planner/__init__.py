@@ -1,0 +1,1 @@
+"""The planner: trace -> LayerGraph -> Plan -> Schedule -> verify. Knows nothing of CUDA."""

@@ -1,0 +1,153 @@
+"""The LayerGraph: the planner's view of a model, as plain frozen data.
+
+A model is cut into an ordered list of layers (a prologue such as the embeddings, the repeated
+blocks, an epilogue such as the final norm, LM head and loss). Layers exchange *values*: the
+tensors that cross a layer boundary (the residual stream, but also side values such as rotary
+cos/sin tables or the attention mask, which the prologue computes once and every block reads).
+The solver, the lowering pass and the simulator read only this module's types; the executable
+templates live beside the graph in :class:`megatrain.planner.trace.TracedModel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Offsets of parameters inside a layer's flat tile are multiples of this many elements, so every
+# parameter starts on a 64-byte boundary in FP32 (and 32 bytes in BF16): vector loads and DMA
+# stay aligned. The padding is a few hundred bytes per layer at most.
+TILE_ALIGN_ELEMENTS = 16
+
+BATCH_PRODUCER = -1
+"""``Value.producer`` of a value that comes from the batch (``input_ids``, ``labels``)."""
+
+
+def align_up(n: int, a: int = TILE_ALIGN_ELEMENTS) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One parameter inside a layer's flat FP32 tile.
+
+    ``offset`` and ``numel`` are in elements of the tile; ``name`` is the parameter's fully
+    qualified name in the user's module (``model.layers.3.mlp.up_proj.weight``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    trainable: bool = True
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.offset % TILE_ALIGN_ELEMENTS:
+            raise ValueError(f"parameter {self.name!r}: offset {self.offset} is not a non-negative "
+                             f"multiple of {TILE_ALIGN_ELEMENTS}")
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """A tensor that crosses a layer boundary, for one micro-batch.
+
+    ``shape`` is the micro-batch shape; ``nbytes`` = numel x itemsize. ``producer`` is the index of
+    the layer that computes it (``BATCH_PRODUCER`` for batch inputs); ``consumers`` are the layers
+    that read it, ascending. ``requires_grad`` is true when the value is floating point and depends
+    on a parameter, so the local backward of a consumer returns a gradient for it.
+    """
+
+    id: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    producer: int
+    consumers: tuple[int, ...]
+    requires_grad: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One unit of streaming: its parameters move to the GPU together, in one H2D copy.
+
+    ``numel`` is the tile length in elements (parameters plus alignment padding);
+    ``trainable_numel`` the prefix of the tile the optimizer updates (trainable parameters are laid
+    out first). ``fwd_flops`` counts one forward of one micro-batch; ``bwd_flops`` one local
+    backward of one micro-batch (the recompute of the forward plus the backward proper).
+    ``template`` names the executable template; structurally identical layers share one.
+    ``buffers`` are the fully qualified names of the non-trainable tensors (buffers, constants) it
+    reads, which stay resident on the device.
+    """
+
+    index: int
+    name: str
+    template: int
+    params: tuple[ParamSpec, ...]
+    numel: int
+    trainable_numel: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    buffers: tuple[str, ...]
+    fwd_flops: int
+    bwd_flops: int
+    buffer_bytes: int = 0
+
+    @property
+    def param_count(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def trainable_param_count(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGraph:
+    """Ordered layers and the values between them, for one micro-batch of ``batch_shape``.
+
+    ``batch_inputs`` are the names of the model's inputs in call order, each a ``Value`` with
+    ``producer == BATCH_PRODUCER``; ``loss`` is the value id of the scalar loss, which the last
+    layer produces.
+    """
+
+    layers: tuple[Layer, ...]
+    values: tuple[Value, ...]
+    batch_inputs: tuple[str, ...]
+    loss: int
+    micro_batch_size: int
+    seq_len: int
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a LayerGraph needs at least one layer")
+        for i, layer in enumerate(self.layers):
+            if layer.index != i:
+                raise ValueError(f"layer {layer.name!r} has index {layer.index}, expected {i}")
+        for i, v in enumerate(self.values):
+            if v.id != i:
+                raise ValueError(f"value {v.name!r} has id {v.id}, expected {i}")
+            if v.producer != BATCH_PRODUCER and any(c <= v.producer for c in v.consumers):
+                raise ValueError(f"value {v.name!r} produced by layer {v.producer} is read by an "
+                                 f"earlier layer {v.consumers}; layers must be in execution order")
+        if self.values[self.loss].producer != len(self.layers) - 1:
+            raise ValueError("the loss must be produced by the last layer")
+
+    @property
+    def param_count(self) -> int:
+        return sum(layer.param_count for layer in self.layers)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def value_by_name(self, name: str) -> Value:
+        for v in self.values:
+            if v.name == name:
+                return v
+        raise KeyError(name)

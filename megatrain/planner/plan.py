@@ -1,0 +1,90 @@
+"""The Plan: the knobs a solver chooses, as one frozen record.
+
+The lowering pass turns (LayerGraph, Plan) into a Schedule; nothing downstream of the Plan makes
+a choice of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from megatrain.errors import PlanError
+from megatrain.planner.graph import LayerGraph
+
+
+class ActivationPolicy(enum.Enum):
+    """What happens to a layer's boundary activation (its output checkpoint) between passes."""
+
+    KEEP = "keep"  # stays in GPU memory until the local backward of its consumers
+    OFFLOAD = "offload"  # D2H to pinned host memory after forward, H2D back before backward
+    RECOMPUTE = "recompute"  # not stored; recomputed from the previous checkpoint
+
+
+class OptimizerPlacement(enum.Enum):
+    """When a layer's host AdamW step runs."""
+
+    DURING_BACKWARD = "during_backward"  # as soon as its gradients reach the host
+    NEXT_FORWARD = "next_forward"  # after backward, when clipping needs the global norm first
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one training step runs.
+
+    Attributes:
+        micro_batches: micro-batches per step (gradient accumulation), >= 1.
+        slots: streaming weight buffer slots on the GPU, each sized for the largest streamed layer.
+        prefetch_distance: how many layer visits ahead an H2D weight copy may start, in
+            ``[0, slots - 1]``; 0 means no overlap of copy and compute.
+        grad_ring: host gradient tiles that D2H writes and the optimizer reads, >= 1.
+        resident: layers whose weights are copied to the GPU once per step and kept for both
+            passes (each in a slot of its own, beside the streaming slots).
+        activations: one ActivationPolicy per layer, for its output checkpoint.
+        layer_by_layer: run every micro-batch through a layer while its weights are on the GPU
+            (L2L, Pudipeddi et al. 2020, arXiv:2002.05645): one weight load per pass and gradients
+            accumulated on the GPU, for the memory of all micro-batches' checkpoints.
+        optimizer: when each layer's host optimizer step runs.
+    """
+
+    micro_batches: int = 1
+    slots: int = 2
+    prefetch_distance: int = 1
+    grad_ring: int = 2
+    resident: frozenset[int] = frozenset()
+    activations: tuple[ActivationPolicy, ...] = ()
+    layer_by_layer: bool = True
+    optimizer: OptimizerPlacement = OptimizerPlacement.DURING_BACKWARD
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise PlanError(f"Plan.micro_batches={self.micro_batches}: must be >= 1")
+        if self.slots < 1:
+            raise PlanError(f"Plan.slots={self.slots}: at least one weight buffer slot is needed")
+        if not 0 <= self.prefetch_distance <= self.slots - 1:
+            raise PlanError(f"Plan.prefetch_distance={self.prefetch_distance} with {self.slots} slots: "
+                            f"the distance must be in [0, slots - 1]; raise slots or lower the distance")
+        if self.grad_ring < 1:
+            raise PlanError(f"Plan.grad_ring={self.grad_ring}: at least one host gradient tile is needed")
+        if any(r < 0 for r in self.resident):
+            raise PlanError(f"Plan.resident={sorted(self.resident)}: layer indices must be >= 0")
+
+    def check_against(self, graph: LayerGraph) -> None:
+        """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""
+        n = len(graph.layers)
+        if self.activations and len(self.activations) != n:
+            raise PlanError(f"Plan.activations has {len(self.activations)} entries for a graph of {n} "
+                            "layers: give one policy per layer, or none for KEEP everywhere")
+        bad = [r for r in self.resident if r >= n]
+        if bad:
+            raise PlanError(f"Plan.resident names layers {bad}, but the graph has {n} layers")
+
+    def activation(self, layer: int) -> ActivationPolicy:
+        return self.activations[layer] if self.activations else ActivationPolicy.KEEP
+
+
+def default_plan(graph: LayerGraph, micro_batches: int = 1) -> Plan:
+    """Two slots, prefetch distance one, a checkpoint kept at every layer boundary."""
+    plan = Plan(micro_batches=micro_batches)
+    plan.check_against(graph)
+    return plan

@@ -1,0 +1,196 @@
+"""The Schedule: an explicit DAG of typed ops on streams, and its JSON form.
+
+Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``FWD:L3:m0:s1``,
+``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``), after the ``_Action`` records of
+``torch.distributed.pipelining``. The op list is in issue order: a topological order of the DAG,
+and for each stream the order its in-order queue runs the ops. ``deps`` are indices of earlier ops
+that must finish first; a dependency that crosses streams becomes an event in the CUDA backend.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pydantic
+
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+
+SCHEDULE_FORMAT_VERSION = 1
+
+
+class Stream(enum.Enum):
+    """The in-order queues a schedule runs on."""
+
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+    HOST = "host"  # the host optimizer worker
+
+
+class OpKind(enum.Enum):
+    H2D = "H2D"  # copy a layer's weights (compute dtype) from host into a GPU buffer slot
+    FWD = "FWD"  # forward of one layer for one micro-batch; stores its output checkpoint
+    BWD = "BWD"  # local backward: recompute the layer's forward from its input checkpoint, then grad
+    D2H = "D2H"  # copy a slot's accumulated FP32 gradients into a host gradient tile
+    OPT = "OPT"  # host AdamW step of one layer from a host gradient tile
+
+    @property
+    def stream(self) -> Stream:
+        return _STREAM_OF[self]
+
+
+_STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: Stream.COMPUTE,
+              OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST}
+_FIELDS = {OpKind.H2D: ("layer", "slot"), OpKind.FWD: ("layer", "mb", "slot"),
+           OpKind.BWD: ("layer", "mb", "slot"), OpKind.D2H: ("layer", "slot", "ring"),
+           OpKind.OPT: ("layer", "ring")}
+_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r"}
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One op of a schedule. ``deps`` are indices of ops earlier in the schedule's list."""
+
+    kind: OpKind
+    layer: int
+    mb: int | None = None
+    slot: int | None = None
+    ring: int | None = None
+    deps: tuple[int, ...] = field(default=(), compare=True)
+
+    def __post_init__(self) -> None:
+        for name in ("mb", "slot", "ring"):
+            present = getattr(self, name) is not None
+            if present != (name in _FIELDS[self.kind]):
+                raise ValueError(f"{self.kind.value} op {'needs' if not present else 'takes no'} {name}")
+
+    @property
+    def stream(self) -> Stream:
+        return self.kind.stream
+
+    def __repr__(self) -> str:
+        return ":".join([self.kind.value] + [f"{_PREFIX[f]}{getattr(self, f)}" for f in _FIELDS[self.kind]])
+
+    __str__ = __repr__
+
+    @classmethod
+    def parse(cls, text: str, deps: tuple[int, ...] = ()) -> "Op":
+        """Inverse of ``repr``: ``Op.parse("FWD:L3:m0:s1")``. Raises ValueError on bad text."""
+        head, *parts = text.split(":")
+        try:
+            kind = OpKind(head)
+        except ValueError:
+            raise ValueError(f"{text!r}: unknown op kind {head!r}; kinds are "
+                             f"{[k.value for k in OpKind]}") from None
+        names = _FIELDS[kind]
+        if len(parts) != len(names):
+            raise ValueError(f"{text!r}: a {kind.value} op is written "
+                             + ":".join([kind.value] + [f"{_PREFIX[n]}<int>" for n in names]))
+        kw = {}
+        for name, part in zip(names, parts):
+            if not part.startswith(_PREFIX[name]) or not part[1:].isdigit():
+                raise ValueError(f"{text!r}: expected {_PREFIX[name]}<int> for {name}, got {part!r}")
+            kw[name] = int(part[1:])
+        return cls(kind, deps=tuple(deps), **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The ops of one step (``mode="train"``) or one evaluation pass (``mode="eval"``)."""
+
+    ops: tuple[Op, ...]
+    plan: Plan
+    n_layers: int
+    mode: Literal["train", "eval"] = "train"
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def format(self, marker: int | None = None, context: int | None = None) -> str:
+        """One op a line with its dependencies; ``marker`` points at op ``marker``."""
+        lo, hi = 0, len(self.ops)
+        if marker is not None and context is not None:
+            lo, hi = max(0, marker - context), min(len(self.ops), marker + context + 1)
+        lines = [] if lo == 0 else [f"      ... ({lo} ops before)"]
+        for i in range(lo, hi):
+            op = self.ops[i]
+            arrow = "-->" if i == marker else "   "
+            lines.append(f"{arrow} {i:5d} {op.stream.value:<7} {op!r:<16} deps={list(op.deps)}")
+        if hi < len(self.ops):
+            lines.append(f"      ... ({len(self.ops) - hi} ops after)")
+        return "\n".join(lines)
+
+    # -- JSON ------------------------------------------------------------------------------------
+    def to_json(self, indent: int | None = 1) -> str:
+        return _ScheduleModel.from_schedule(self).model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        """Load a schedule written by ``to_json``. Raises pydantic.ValidationError on bad JSON."""
+        return _ScheduleModel.model_validate_json(text).to_schedule()
+
+    def save(self, path) -> None:
+        from pathlib import Path
+
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "Schedule":
+        from pathlib import Path
+
+        return cls.from_json(Path(path).read_text())
+
+
+class _PlanModel(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    micro_batches: int
+    slots: int
+    prefetch_distance: int
+    grad_ring: int
+    resident: list[int]
+    activations: list[ActivationPolicy]
+    layer_by_layer: bool
+    optimizer: OptimizerPlacement
+
+
+class _OpModel(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    op: str
+    deps: list[int]
+
+
+class _ScheduleModel(pydantic.BaseModel):
+    """JSON boundary of a Schedule: ``{"version", "mode", "n_layers", "plan", "ops"}``."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    version: Literal[1] = SCHEDULE_FORMAT_VERSION
+    mode: Literal["train", "eval"]
+    n_layers: int
+    plan: _PlanModel
+    ops: list[_OpModel]
+
+    @classmethod
+    def from_schedule(cls, s: Schedule) -> "_ScheduleModel":
+        p = s.plan
+        return cls(mode=s.mode, n_layers=s.n_layers, plan=_PlanModel(
+            micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
+            grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
+            layer_by_layer=p.layer_by_layer, optimizer=p.optimizer),
+            ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
+
+    def to_schedule(self) -> Schedule:
+        p = self.plan
+        plan = Plan(micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
+                    grad_ring=p.grad_ring, resident=frozenset(p.resident),
+                    activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
+                    optimizer=p.optimizer)
+        return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
+                        n_layers=self.n_layers, mode=self.mode)
+
+
+def schedule_json_schema() -> str:
+    """The JSON schema of the schedule file format."""
+    return json.dumps(_ScheduleModel.model_json_schema(), indent=1)

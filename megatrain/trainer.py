@@ -1,0 +1,215 @@
+"""``megatrain.compile``: the visible pipeline trace -> plan -> lower -> verify -> bind -> execute."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import pydantic
+import torch
+from torch import nn
+
+from megatrain.config import AdamW, CompileOptions
+from megatrain.errors import BatchError, ConfigError
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.lower import lower
+from megatrain.planner.plan import Plan, default_plan
+from megatrain.planner.schedule import Schedule
+from megatrain.planner.trace import TracedModel, trace
+from megatrain.planner.verify import verify
+from megatrain.runtime.backend import Backend, make_backend
+from megatrain.runtime.executor import Executor
+from megatrain.runtime.host import HostState, bind_module
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one ``Trainer.step`` did.
+
+    ``loss`` is the mean of the micro-batch losses (a float); ``tokens`` the number of input
+    tokens in the global batch; ``seconds`` the wall time of the step; ``tokens_per_second`` their
+    ratio.
+    """
+
+    step: int
+    loss: float
+    micro_batch_losses: tuple[float, ...]
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Trainer:
+    """A compiled model: its host state, its schedules and an executor. Made by ``compile``."""
+
+    def __init__(self, model: nn.Module, options: CompileOptions, optimizer: AdamW, traced: TracedModel,
+                 plan: Plan, host: HostState, backend: Backend, executor: Executor, train_schedule: Schedule):
+        self.model = model
+        self.options = options
+        self.optimizer = optimizer
+        self.traced = traced
+        self.plan = plan
+        self.host = host
+        self.backend = backend
+        self.executor = executor
+        self.schedule = train_schedule
+        self.step_count = 0
+        self._eval_schedules: dict[int, Schedule] = {}
+
+    @property
+    def graph(self) -> LayerGraph:
+        return self.traced.graph
+
+    def step(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> StepResult:
+        """Forward, backward and AdamW update for one global batch.
+
+        ``batch`` maps each compiled input name to a ``LongTensor[global_batch, seq_len]`` (a plain
+        tensor is taken as ``input_ids``, and as ``labels`` too when the model takes labels). It is
+        split along dim 0 into ``micro_batches`` micro-batches of ``micro_batch_size``.
+
+        Raises:
+            BatchError: missing or extra inputs, or a shape or dtype other than compiled.
+        """
+        o = self.options
+        parts = self._split(batch, o.micro_batches)
+        t0 = time.perf_counter()
+        out = self.executor.run(self.schedule, parts)
+        seconds = time.perf_counter() - t0
+        self.step_count += 1
+        losses = tuple(out.losses)
+        return StepResult(step=self.step_count, loss=sum(losses) / len(losses), micro_batch_losses=losses,
+                          tokens=o.global_batch * o.seq_len, seconds=seconds)
+
+    def evaluate(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> float:
+        """Mean loss over ``batch`` without updating anything.
+
+        ``batch`` has any multiple of ``micro_batch_size`` rows, each ``seq_len`` long.
+        """
+        rows = self._rows(batch)
+        mbs = self.options.micro_batch_size
+        if rows % mbs:
+            raise BatchError(f"evaluate got {rows} sequences; it needs a multiple of micro_batch_size={mbs}")
+        k = rows // mbs
+        if k not in self._eval_schedules:
+            sched = lower(self.graph, _with_micro_batches(self.plan, k), mode="eval")
+            verify(sched, self.graph)
+            self._eval_schedules[k] = sched
+        out = self.executor.run(self._eval_schedules[k], self._split(batch, k))
+        return sum(out.losses) / len(out.losses)
+
+    # -- batches ---------------------------------------------------------------------------------
+    def _as_dict(self, batch) -> dict[str, torch.Tensor]:
+        names = self.options.input_names
+        if isinstance(batch, torch.Tensor):
+            if "input_ids" not in names:
+                raise BatchError(f"a plain tensor batch is taken as input_ids, but the model was compiled "
+                                 f"with inputs {list(names)}; pass a dict")
+            return {n: batch for n in names if n in ("input_ids", "labels")} | (
+                {} if set(names) <= {"input_ids", "labels"} else _missing(names, {"input_ids", "labels"}))
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"batch must be a dict of tensors or a tensor, not {type(batch).__name__}")
+        extra = sorted(set(batch) - set(names))
+        if extra:
+            raise BatchError(f"batch has inputs {extra} that the model was not compiled with (compiled: "
+                             f"{list(names)}); drop them or compile with input_names including them")
+        _missing(names, set(batch))
+        return dict(batch)
+
+    def _rows(self, batch) -> int:
+        d = self._as_dict(batch)
+        return next(iter(d.values())).shape[0] if d and next(iter(d.values())).dim() > 0 else 0
+
+    def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
+        d = self._as_dict(batch)
+        o = self.options
+        want = (k * o.micro_batch_size, o.seq_len)
+        for name, t in d.items():
+            if not isinstance(t, torch.Tensor):
+                raise BatchError(f"batch[{name!r}] is a {type(t).__name__}, not a tensor")
+            if t.dtype != torch.long:
+                raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; token inputs must be torch.long "
+                                 "(int64): convert with .long()")
+            if tuple(t.shape) != want:
+                raise BatchError(f"batch[{name!r}] has shape {tuple(t.shape)}, but the trainer was compiled "
+                                 f"for [{k} micro-batches x {o.micro_batch_size}, {o.seq_len}] = {list(want)}: "
+                                 "pad or crop the batch, or compile again with its shape")
+        mbs = o.micro_batch_size
+        return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
+
+
+def _missing(names: Sequence[str], have: set[str]) -> dict:
+    miss = [n for n in names if n not in have]
+    if miss:
+        raise BatchError(f"batch lacks inputs {miss}; the model was compiled with inputs {list(names)}")
+    return {}
+
+
+def _with_micro_batches(plan: Plan, k: int) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, micro_batches=k)
+
+
+def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
+            optimizer: AdamW | Mapping | None = None, plan: Plan | None = None, device: str = "cpu",
+            input_names: Sequence[str] = ("input_ids", "labels")) -> Trainer:
+    """Compile ``model`` for training on one device with all persistent state in host memory.
+
+    The pipeline is the visible one of DESIGN.md: ``trace`` the model (on whatever device it is on,
+    ``meta`` included) into a LayerGraph; take ``plan`` or the default one; ``lower`` it to a train
+    Schedule and ``verify`` it; allocate the host tiles (FP32 master weights and AdamW moments, 12
+    bytes per parameter) and bind the module's parameters to them; build the executor. The model's
+    parameters then live only in the tiles: ``model.state_dict()`` shows the trained weights.
+
+    Args:
+        model: an ``nn.Module`` whose ``forward(**batch)`` returns the loss (a Hugging Face causal
+            LM given ``labels``, or any module returning a scalar tensor).
+        seq_len: tokens per sequence.
+        micro_batch_size: sequences per micro-batch.
+        micro_batches: micro-batches per step (gradient accumulation); the global batch is
+            ``micro_batch_size * micro_batches`` sequences.
+        optimizer: ``megatrain.AdamW`` or a dict of its fields (lr, betas, eps, weight_decay).
+        plan: a ``Plan``; the default streams every layer through two slots.
+        device: ``"cpu"`` (the CPU backend) or ``"cuda"``.
+        input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``.
+
+    Raises:
+        ConfigError: an option or optimizer setting out of range.
+        TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
+        PlanError, ScheduleError: the plan does not fit the model.
+        Nothing is bound to the model unless every step before binding succeeded.
+    """
+    try:
+        options = CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                 micro_batches=micro_batches, input_names=tuple(input_names), device=device)
+        opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
+    except pydantic.ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+    backend = make_backend(options.device)
+    traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
+                   input_names=options.input_names)
+    plan = plan or default_plan(traced.graph, options.micro_batches)
+    if plan.micro_batches != options.micro_batches:
+        raise ConfigError(f"plan.micro_batches={plan.micro_batches} but micro_batches={options.micro_batches}")
+    schedule = lower(traced.graph, plan, mode="train")
+    verify(schedule, traced.graph)
+
+    host = HostState(traced.graph, backend.host_empty)
+    bind_module(model, host)
+    buffers = {}
+    for name, (kind, src) in traced.buffer_sources.items():
+        buffers[name] = model.get_buffer(src) if kind == "buffer" else src
+    executor = Executor(traced, host, backend, opt, buffers)
+    return Trainer(model, options, opt, traced, plan, host, backend, executor, schedule)
+
+
+def _describe(e: pydantic.ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "value"
+        parts.append(f"{loc}={err.get('input')!r}: {err['msg']}")
+    return "invalid settings: " + "; ".join(parts)
