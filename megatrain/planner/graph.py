@@ -81,7 +81,9 @@ class Layer:
     backward of one micro-batch (the recompute of the forward plus the backward proper).
     ``template`` names the executable template; structurally identical layers share one.
     ``buffers`` are the fully qualified names of the non-trainable tensors (buffers, constants) it
-    reads, which stay resident on the device.
+    reads, which stay resident on the device. ``work_bytes`` bounds the transient device memory of
+    one local backward of one micro-batch: the bytes of every intermediate tensor the layer's
+    forward creates (views excluded), which autograd may hold until the backward proper.
     """
 
     index: int
@@ -96,6 +98,7 @@ class Layer:
     fwd_flops: int
     bwd_flops: int
     buffer_bytes: int = 0
+    work_bytes: int = 0
 
     @property
     def param_count(self) -> int:

@@ -45,6 +45,10 @@ class Plan:
             (L2L, Pudipeddi et al. 2020, arXiv:2002.05645): one weight load per pass and gradients
             accumulated on the GPU, for the memory of all micro-batches' checkpoints.
         optimizer: when each layer's host optimizer step runs.
+        compute_dtype: dtype of the weights the GPU computes with, ``"float32"`` or ``"bfloat16"``;
+            H2D copies move ``numel x itemsize`` bytes per layer. Gradients and masters stay FP32.
+        staging_ring: host tiles holding compute-dtype copies of layers about to be copied to the
+            GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly).
     """
 
     micro_batches: int = 1
@@ -55,8 +59,14 @@ class Plan:
     activations: tuple[ActivationPolicy, ...] = ()
     layer_by_layer: bool = True
     optimizer: OptimizerPlacement = OptimizerPlacement.DURING_BACKWARD
+    compute_dtype: str = "float32"
+    staging_ring: int = 2
 
     def __post_init__(self) -> None:
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise PlanError(f"Plan.compute_dtype={self.compute_dtype!r}: use 'float32' or 'bfloat16'")
+        if self.staging_ring < 1:
+            raise PlanError(f"Plan.staging_ring={self.staging_ring}: at least one staging tile is needed")
         if self.micro_batches < 1:
             raise PlanError(f"Plan.micro_batches={self.micro_batches}: must be >= 1")
         if self.slots < 1:
@@ -78,6 +88,10 @@ class Plan:
         bad = [r for r in self.resident if r >= n]
         if bad:
             raise PlanError(f"Plan.resident names layers {bad}, but the graph has {n} layers")
+
+    @property
+    def compute_itemsize(self) -> int:
+        return 2 if self.compute_dtype == "bfloat16" else 4
 
     def activation(self, layer: int) -> ActivationPolicy:
         return self.activations[layer] if self.activations else ActivationPolicy.KEEP

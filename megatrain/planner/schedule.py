@@ -154,6 +154,8 @@ class _PlanModel(pydantic.BaseModel):
     activations: list[ActivationPolicy]
     layer_by_layer: bool
     optimizer: OptimizerPlacement
+    compute_dtype: Literal["float32", "bfloat16"]
+    staging_ring: int
 
 
 class _OpModel(pydantic.BaseModel):
@@ -178,7 +180,8 @@ class _ScheduleModel(pydantic.BaseModel):
         return cls(mode=s.mode, n_layers=s.n_layers, plan=_PlanModel(
             micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
-            layer_by_layer=p.layer_by_layer, optimizer=p.optimizer),
+            layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
+            staging_ring=p.staging_ring),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -186,7 +189,7 @@ class _ScheduleModel(pydantic.BaseModel):
         plan = Plan(micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
                     grad_ring=p.grad_ring, resident=frozenset(p.resident),
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
-                    optimizer=p.optimizer)
+                    optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode)
 

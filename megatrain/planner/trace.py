@@ -241,6 +241,20 @@ def _signature(gm: fx.GraphModule) -> tuple:
     return tuple(sig)
 
 
+def _work_bytes(nodes: list[fx.Node]) -> int:
+    """Bytes of the tensors a layer's ops create; a view shares its base's storage and is free."""
+    total = 0
+    for n in nodes:
+        v = _val(n)
+        if n.op != "call_function" or not isinstance(v, torch.Tensor):
+            continue
+        schema = getattr(n.target, "_schema", None)
+        is_view = schema is not None and any(r.alias_info is not None for r in schema.returns)
+        if not is_view:
+            total += v.numel() * v.element_size()
+    return total
+
+
 def _is_float(v) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
@@ -429,6 +443,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             trainable_numel=trainable_numel, inputs=tuple(value_of[a] for a in inputs),
             outputs=tuple(value_of[o] for o in outputs), buffers=tuple(buffer_names),
             buffer_bytes=sum(_val(a).numel() * _val(a).element_size() for a in buffers),
+            work_bytes=_work_bytes(nodes),
             arg_vals=[_val(a) for a in params + buffers + inputs],
             grad_args=[trainable[param_of[a.name]] for a in params] + [False] * len(buffers)
             + [a in needs_grad and _is_float(_val(a)) for a in inputs]))
@@ -454,6 +469,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
         Layer(index=L["index"], name=L["name"], template=L["template"], params=L["params"],
               numel=L["numel"], trainable_numel=L["trainable_numel"], inputs=L["inputs"],
               outputs=L["outputs"], buffers=L["buffers"], buffer_bytes=L["buffer_bytes"],
+              work_bytes=L["work_bytes"],
               fwd_flops=flops[L["template"]][0], bwd_flops=flops[L["template"]][1])
         for L in layers)
     graph = LayerGraph(layers=layer_recs, values=tuple(value_recs), batch_inputs=tuple(input_names),
