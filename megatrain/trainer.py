@@ -60,6 +60,13 @@ class Trainer:
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
 
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
+        self.optimizer = self.optimizer.model_copy(update={"lr": float(lr)})
+        if not lr >= 0:
+            raise ConfigError(f"learning rate {lr} must be >= 0")
+        self.executor.optimizer = self.optimizer
+
     @property
     def graph(self) -> LayerGraph:
         return self.traced.graph

@@ -93,8 +93,9 @@ def _extract_loss(out: Any) -> torch.Tensor:
             "whose forward returns its loss (a scalar tensor, an object with .loss, or a tuple whose "
             "first element is the loss): pass labels among the batch inputs")
     if loss.dim() != 0:
-        raise TraceError(f"the model's loss has shape {tuple(loss.shape)}; it must be a scalar "
-                         "(reduce it with mean or sum inside forward)")
+        raise TraceError(f"the model returned a tensor of shape {tuple(loss.shape)} where megatrain "
+                         "expects the scalar loss: if these are logits, pass labels among the batch "
+                         "inputs; otherwise reduce the loss with mean or sum inside forward")
     return loss
 
 

@@ -1,0 +1,1 @@
+"""Examples shipped with megatrain: a reference GPT model and the main training job."""

@@ -1,0 +1,402 @@
+"""The cost model: how long each op takes and how many bytes a plan holds, in one module.
+
+Everything that turns a (LayerGraph, Plan, HardwareSpec) into seconds or bytes lives here; the
+simulator, the solver and the CLI call these functions and never re-derive a formula (FlexGen's
+``cost_model.py`` shows what goes wrong when each constraint re-derives its own sizes).
+
+Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the resource it uses:
+
+- ``H2D``: ``layer.numel x plan.compute_itemsize`` bytes over ``h2d_bytes_per_s``. The tile is
+  copied whole, alignment padding included, so ``numel`` (not the parameter count) is moved.
+- ``D2H``: ``layer.trainable_numel x 4`` bytes (FP32 gradients) over ``d2h_bytes_per_s``.
+- ``FWD``/``BWD``: ``layer.fwd_flops`` / ``layer.bwd_flops`` (one micro-batch; the local backward
+  includes its recompute) over the matmul rate of ``plan.compute_dtype`` times
+  ``hw.matmul_efficiency``.
+- ``OPT``: ``layer.trainable_numel`` over ``host_optimizer_params_per_s``.
+
+Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
+when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
+serialises.
+
+Memory (bytes). GPU: weight slots ``(plan.slots + len(plan.resident)) x max numel x
+compute_itemsize``; gradient slots, the same count ``x max trainable_numel x 4``; buffers
+``sum(layer.buffer_bytes)``; the reserve ``hw.gpu_reserve_bytes``; and, varying over the step,
+checkpoints, boundary gradients and the working memory of the running compute op
+(:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
+Adam moments, a gradient ring ``plan.grad_ring x max trainable_numel x 4``, a staging ring
+``plan.staging_ring x max numel x 2`` for BF16 compute, and pinned space for offloaded
+checkpoints.
+
+FLOPs. Model FLOPs follow PaLM's model FLOPs utilisation (Chowdhery et al. 2022, "PaLM: Scaling
+Language Modeling with Pathways", appendix B): the FLOPs of one forward and backward of the model
+per token, with recompute not counted, over the step time and the peak rate. The backward is
+counted as twice the forward, so model FLOPs = 3 x the sum of the layers' traced forward FLOPs
+(which include attention as the kernels compute it) per micro-batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from megatrain.errors import ConfigError
+from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph
+from megatrain.planner.hardware import DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
+from megatrain.planner.plan import ActivationPolicy, Plan
+from megatrain.planner.schedule import Op, OpKind, Schedule, Stream
+
+GRAD_ITEMSIZE = 4
+"""Gradients are FP32 on the GPU, over D2H and in the host ring, whatever the compute dtype."""
+
+MASTER_BYTES_PER_ELEMENT = 4
+"""FP32 master weight per tile element."""
+
+MOMENT_BYTES_PER_ELEMENT = 8
+"""FP32 Adam exp_avg and exp_avg_sq per tile element."""
+
+STAGING_ITEMSIZE = 2
+"""The staging ring holds BF16 copies of the tiles H2D is about to read."""
+
+BACKWARD_TO_FORWARD_FLOPS = 2
+"""Model FLOPs count a backward as twice the forward (PaLM appendix B; Kaplan et al. 2020)."""
+
+
+class Resource(enum.Enum):
+    """What an op occupies while it runs; ops on one resource never overlap."""
+
+    GPU = "gpu"  # the SMs, for FWD and BWD
+    H2D_ENGINE = "h2d_engine"
+    D2H_ENGINE = "d2h_engine"
+    COPY_ENGINE = "copy_engine"  # one engine for both directions when the spec is not duplex
+    HOST = "host"  # the host optimizer worker
+
+
+def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
+    """The resource ``stream``'s ops run on under ``hw``."""
+    if stream is Stream.COMPUTE:
+        return Resource.GPU
+    if stream is Stream.HOST:
+        return Resource.HOST
+    if not hw.duplex:
+        return Resource.COPY_ENGINE
+    return Resource.H2D_ENGINE if stream is Stream.H2D else Resource.D2H_ENGINE
+
+
+# -- op times --------------------------------------------------------------------------------------
+
+def _rate(hw: HardwareSpec, field: str, value: float, what: str) -> float:
+    if value <= 0:
+        raise ConfigError(f"HardwareSpec {hw.name!r} has {field}=0, so it cannot time {what}; use a "
+                          "preset (megatrain.planner.hardware.preset('H100_SXM')) or "
+                          "HardwareSpec.measure() on a machine with a GPU")
+    return value
+
+
+def compute_rate(hw: HardwareSpec, compute_dtype: str) -> float:
+    """FLOP/s a layer's compute reaches in ``compute_dtype``: the peak matmul rate x efficiency."""
+    field = "bf16_flops" if compute_dtype == "bfloat16" else "fp32_flops"
+    return _rate(hw, field, hw.peak_flops(compute_dtype), "FWD/BWD ops") * hw.matmul_efficiency
+
+
+def h2d_bytes(layer: Layer, plan: Plan) -> int:
+    """Bytes one H2D weight copy moves: the whole tile, padding included, in the compute dtype."""
+    return layer.numel * plan.compute_itemsize
+
+
+def d2h_bytes(layer: Layer) -> int:
+    """Bytes one D2H gradient copy moves: the trainable prefix of the tile in FP32."""
+    return layer.trainable_numel * GRAD_ITEMSIZE
+
+
+def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
+    return hw.op_latency_s + h2d_bytes(layer, plan) / _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
+
+
+def d2h_time(layer: Layer, hw: HardwareSpec) -> float:
+    return hw.op_latency_s + d2h_bytes(layer) / _rate(hw, "d2h_bytes_per_s", hw.d2h_bytes_per_s, "D2H ops")
+
+
+def fwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
+    """One forward of one micro-batch."""
+    return hw.op_latency_s + layer.fwd_flops / compute_rate(hw, plan.compute_dtype)
+
+
+def bwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
+    """One local backward (recompute plus backward proper) of one micro-batch."""
+    return hw.op_latency_s + layer.bwd_flops / compute_rate(hw, plan.compute_dtype)
+
+
+def opt_time(layer: Layer, hw: HardwareSpec) -> float:
+    """One host AdamW step over the layer's trainable parameters."""
+    return hw.op_latency_s + layer.trainable_numel / hw.host_optimizer_params_per_s
+
+
+def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
+    """Seconds ``op`` takes on its resource under ``hw``."""
+    layer = graph.layers[op.layer]
+    if op.kind is OpKind.H2D:
+        return h2d_time(layer, plan, hw)
+    if op.kind is OpKind.D2H:
+        return d2h_time(layer, hw)
+    if op.kind is OpKind.FWD:
+        return fwd_time(layer, plan, hw)
+    if op.kind is OpKind.BWD:
+        return bwd_time(layer, plan, hw)
+    return opt_time(layer, hw)
+
+
+def op_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[float, ...]:
+    """``op_time`` of every op of ``schedule``, computed once per (layer, kind)."""
+    cache: dict[tuple[OpKind, int], float] = {}
+    out = []
+    for op in schedule.ops:
+        key = (op.kind, op.layer)
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = op_time(op, graph, schedule.plan, hw)
+        out.append(t)
+    return tuple(out)
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+def working_bytes(layer: Layer, kind: OpKind) -> int:
+    """Transient GPU bytes while a compute op of ``kind`` runs on ``layer``.
+
+    ``work_bytes`` bounds a local backward (every intermediate its forward creates may be held for
+    the backward proper). A forward under no_grad frees intermediates sooner, but the bound is
+    used for both: the runtime may run the forward with grad enabled, and an over-estimate here
+    costs a little batch size where an under-estimate costs an out-of-memory error.
+    """
+    return layer.work_bytes if kind in (OpKind.FWD, OpKind.BWD) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationLiveness:
+    """When checkpoint and boundary-gradient bytes are allocated and freed, per op of a schedule.
+
+    Every event belongs to a compute op, and compute ops run in list order on one in-order
+    stream, so GPU activation memory is a function of that order alone. Bytes in ``alloc[i]``
+    are taken when op ``i`` starts and those in ``free[i]`` given back when it ends; ``work[i]``
+    is held only while it runs; ``at_start`` (the batch inputs) is held from the step's start.
+
+    Liveness: a checkpoint (a value a FWD produces, one per micro-batch) from the start of its
+    producing FWD to the end of its last reader (FWDs and local backwards of its consumers, which
+    recompute from it); a value with no reader until its producer ends. The gradient of a value
+    that requires grad, from the start of the first consumer's local backward (which produces it)
+    to the end of its producer's local backward. A batch input from the step's start to the end of
+    its last reader (or the step's end). Values the last layer produces inside its local backward
+    (the loss) are part of that op's working memory.
+    """
+
+    at_start: int
+    alloc: tuple[int, ...]
+    free: tuple[int, ...]
+    work: tuple[int, ...]
+
+
+def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLiveness:
+    """The allocation events of checkpoints, boundary gradients and working memory."""
+    n = len(schedule.ops)
+    alloc, free, work = [0] * n, [0] * n, [0] * n
+    fwd: dict[tuple[int, int], int] = {}
+    bwd: dict[tuple[int, int], int] = {}
+    for i, op in enumerate(schedule.ops):
+        if op.kind is OpKind.FWD:
+            fwd[(op.layer, op.mb)] = i
+        elif op.kind is OpKind.BWD:
+            bwd[(op.layer, op.mb)] = i
+        work[i] = working_bytes(graph.layers[op.layer], op.kind)
+    at_start = 0
+    for mb in range(schedule.plan.micro_batches):
+        for v in graph.values:
+            readers = [t[(c, mb)] for c in v.consumers for t in (fwd, bwd) if (c, mb) in t]
+            if v.producer == BATCH_PRODUCER:
+                at_start += v.nbytes
+                if readers:
+                    free[max(readers)] += v.nbytes
+                continue
+            p = fwd.get((v.producer, mb))
+            if p is not None:
+                alloc[p] += v.nbytes
+                free[max(readers + [p])] += v.nbytes
+            q = bwd.get((v.producer, mb))
+            grads_from = [bwd[(c, mb)] for c in v.consumers if (c, mb) in bwd]
+            if v.requires_grad and q is not None and grads_from:
+                first = min(grads_from)
+                alloc[first] += v.nbytes
+                free[max(q, first)] += v.nbytes
+    return ActivationLiveness(at_start, tuple(alloc), tuple(free), tuple(work))
+
+
+def _dynamic_peaks(schedule: Schedule, live: ActivationLiveness) -> tuple[int, int, int]:
+    """(activations peak, working peak, peak of their sum) over the compute ops in stream order."""
+    cur = act_peak = dyn_peak = live.at_start
+    work_peak = 0
+    for i, op in enumerate(schedule.ops):
+        if op.stream is not Stream.COMPUTE:
+            continue
+        cur += live.alloc[i]
+        act_peak = max(act_peak, cur)
+        work_peak = max(work_peak, live.work[i])
+        dyn_peak = max(dyn_peak, cur + live.work[i])
+        cur -= live.free[i]
+    return act_peak, work_peak, dyn_peak
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """Bytes a plan holds, by purpose; what ``megatrain plan`` prints as a table.
+
+    Host: ``master_weights`` (FP32) and ``adam_moments`` (two FP32 moments) persist; the gradient
+    and staging rings and the offloaded-checkpoint space are pinned. ``state_pinned`` is true when
+    the persistent state must be pinned too: with FP32 compute the H2D reads the master tile
+    directly, and a DMA needs page-locked memory.
+
+    GPU: ``weight_slots``, ``gradient_slots``, ``buffers`` and ``reserve`` are allocated for the
+    whole step; ``activations_peak`` (checkpoints, boundary gradients, batch inputs) and
+    ``working_peak`` (the running compute op's transients) vary, and ``dynamic_peak`` is the peak
+    of their sum at one instant, at most the sum of the two peaks.
+    """
+
+    master_weights: int
+    adam_moments: int
+    gradient_ring: int
+    staging_ring: int
+    pinned_activations: int
+    state_pinned: bool
+    weight_slots: int
+    gradient_slots: int
+    buffers: int
+    activations_peak: int
+    working_peak: int
+    dynamic_peak: int
+    reserve: int
+
+    @property
+    def host_total(self) -> int:
+        return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
+                + self.pinned_activations)
+
+    @property
+    def host_pinned(self) -> int:
+        state = self.master_weights + self.adam_moments if self.state_pinned else 0
+        return state + self.gradient_ring + self.staging_ring + self.pinned_activations
+
+    @property
+    def gpu_fixed(self) -> int:
+        """GPU bytes allocated for the whole step."""
+        return self.weight_slots + self.gradient_slots + self.buffers + self.reserve
+
+    @property
+    def gpu_peak(self) -> int:
+        return self.gpu_fixed + self.dynamic_peak
+
+    def rows(self) -> list[tuple[str, str, int]]:
+        """``(where, what, bytes)`` rows for a table, totals last in each section."""
+        return [
+            ("host", "FP32 master weights", self.master_weights),
+            ("host", "Adam moments (FP32 x2)", self.adam_moments),
+            ("host", "gradient ring (pinned)", self.gradient_ring),
+            ("host", "BF16 staging ring (pinned)", self.staging_ring),
+            ("host", "offloaded checkpoints (pinned)", self.pinned_activations),
+            ("host", "total", self.host_total),
+            ("host", "of which pinned", self.host_pinned),
+            ("gpu", "weight slots", self.weight_slots),
+            ("gpu", "gradient slots", self.gradient_slots),
+            ("gpu", "buffers", self.buffers),
+            ("gpu", "checkpoints + boundary grads (peak)", self.activations_peak),
+            ("gpu", "working memory (peak)", self.working_peak),
+            ("gpu", "CUDA context / allocator reserve", self.reserve),
+            ("gpu", "peak", self.gpu_peak),
+        ]
+
+    def format(self) -> str:
+        lines = [f"{'':5} {'':38} {'GiB':>10}"]
+        for where, what, b in self.rows():
+            lines.append(f"{where:5} {what:38} {b / 2**30:10.3f}")
+        return "\n".join(lines)
+
+
+def weight_slot_count(plan: Plan) -> int:
+    """Streaming slots plus one slot per resident layer."""
+    return plan.slots + len(plan.resident)
+
+
+def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = None,
+                     schedule: Schedule | None = None) -> MemoryBreakdown:
+    """Host and GPU bytes of running ``graph`` under ``plan``.
+
+    The activation peaks depend on the order of the compute ops, which ``schedule`` gives; when
+    it is None the plan is lowered here (``lower(graph, plan)``, which raises PlanError for what
+    lowering does not implement). ``hw`` supplies the GPU reserve; without it the default
+    (``hardware.DEFAULT_GPU_RESERVE_BYTES``) is used.
+    """
+    if schedule is None:
+        from megatrain.planner.lower import lower
+
+        schedule = lower(graph, plan)
+    layers = graph.layers
+    numel = sum(layer.numel for layer in layers)
+    max_numel = max(layer.numel for layer in layers)
+    max_trainable = max(layer.trainable_numel for layer in layers)
+    n_slots = weight_slot_count(plan)
+    M = plan.micro_batches
+    offloaded = sum(v.nbytes for v in graph.values if v.producer != BATCH_PRODUCER
+                    and plan.activation(v.producer) is ActivationPolicy.OFFLOAD)
+    # With layer_by_layer every micro-batch's checkpoints are out at once; otherwise one at a time.
+    pinned_activations = offloaded * (M if plan.layer_by_layer else 1)
+    act, work, dyn = _dynamic_peaks(schedule, activation_liveness(schedule, graph))
+    bf16 = plan.compute_dtype == "bfloat16"
+    return MemoryBreakdown(
+        master_weights=numel * MASTER_BYTES_PER_ELEMENT,
+        adam_moments=numel * MOMENT_BYTES_PER_ELEMENT,
+        gradient_ring=plan.grad_ring * max_trainable * GRAD_ITEMSIZE,
+        staging_ring=plan.staging_ring * max_numel * STAGING_ITEMSIZE if bf16 else 0,
+        pinned_activations=pinned_activations,
+        state_pinned=not bf16,
+        weight_slots=n_slots * max_numel * plan.compute_itemsize,
+        gradient_slots=n_slots * max_trainable * GRAD_ITEMSIZE,
+        buffers=sum(layer.buffer_bytes for layer in layers),
+        activations_peak=act,
+        working_peak=work,
+        dynamic_peak=dyn,
+        reserve=hw.gpu_reserve_bytes if hw is not None else DEFAULT_GPU_RESERVE_BYTES,
+    )
+
+
+# -- FLOPs and MFU ---------------------------------------------------------------------------------
+
+def tokens_per_step(graph: LayerGraph, plan: Plan) -> int:
+    return graph.tokens_per_micro_batch * plan.micro_batches
+
+
+def model_flops_per_token(graph: LayerGraph) -> float:
+    """Model FLOPs of one training token: 3 x the forward FLOPs (forward + 2x for the backward)."""
+    fwd = sum(layer.fwd_flops for layer in graph.layers)
+    return (1 + BACKWARD_TO_FORWARD_FLOPS) * fwd / graph.tokens_per_micro_batch
+
+
+def flops_per_step(graph: LayerGraph, plan: Plan, mode: str = "train") -> float:
+    """Model FLOPs of one step (recompute not counted); ``mode="eval"`` counts forwards only."""
+    fwd = sum(layer.fwd_flops for layer in graph.layers) * plan.micro_batches
+    return fwd * (1 + BACKWARD_TO_FORWARD_FLOPS) if mode == "train" else float(fwd)
+
+
+def mfu(model_flops: float, step_time_s: float, compute_dtype: str, hw: HardwareSpec) -> float:
+    """Model FLOPs utilisation: model FLOPs / step time / the peak matmul rate of the dtype.
+
+    0 when either the step time or the peak is 0 (a host-only spec has no peak).
+    """
+    peak = hw.peak_flops(compute_dtype)
+    if step_time_s <= 0 or peak <= 0:
+        return 0.0
+    return model_flops / step_time_s / peak
+
+
+__all__ = [
+    "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
+    "fwd_time", "bwd_time", "opt_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
+    "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
+    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
+]

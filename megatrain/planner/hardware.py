@@ -1,0 +1,432 @@
+"""HardwareSpec: every hardware constant the cost model reads, in one place, with its source.
+
+A spec is plain data at a config boundary (it is loaded from and saved to JSON, and users write
+their own), so it is a frozen pydantic model. The cost model (:mod:`megatrain.planner.cost`) is
+the only reader that turns these rates into op times and memory budgets.
+
+Presets hold vendor datasheet numbers where the vendor publishes one and say so; where a number is
+an estimate (sustained copy bandwidth, host optimizer throughput, how much of the peak a layer
+reaches) the docstring says what it is estimated from. ``HardwareSpec.measure()`` replaces the
+estimates with numbers measured on the machine at hand.
+
+Units: bytes, seconds, FLOP/s (dense: no 2:4 sparsity), bytes/s, parameters/s. Decimal prefixes
+(GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s) as vendors use them; GiB/TiB where memory comes in
+powers of two.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import pydantic
+from pydantic import Field
+
+from megatrain.errors import ConfigError
+
+GiB = 1 << 30
+TiB = 1 << 40
+MiB = 1 << 20
+
+DEFAULT_MATMUL_EFFICIENCY = 0.7
+"""Fraction of the dense tensor-core peak a transformer layer's compute reaches (estimate).
+
+Large BF16 GEMMs reach 75-80% of the dense peak on Hopper (about 780 of 989 TFLOP/s for
+torch.mm with CUTLASS autotuning, Chillee's H100 peak-matmul gist); attention, norms and
+element-wise kernels in a layer run below that, so 0.7 for a whole layer. To be calibrated against
+measured timelines."""
+
+MEASURED_MATMUL_EFFICIENCY = 0.85
+"""The same fraction for a measured spec, whose FLOP/s fields hold the rate of one large square
+matmul (already below peak), so a layer loses less against it (estimate)."""
+
+DEFAULT_OP_LATENCY_S = 10e-6
+"""Fixed cost added to every op: a kernel launch or cudaMemcpyAsync plus the event record/wait
+that joins it to its dependencies is a few microseconds each (CUDA C++ Best Practices Guide,
+'Asynchronous and overlapping transfers'); 10 us per op covers one launch and its events."""
+
+DEFAULT_GPU_RESERVE_BYTES = 3 * GiB // 2
+"""GPU memory the plan may not use (1.5 GiB): the CUDA context with lazy module loading takes
+about 0.5 GiB on Hopper (visible in nvidia-smi for a process that only ran torch.cuda.init()),
+cuBLAS/cuDNN workspaces tens of MiB per stream, and the caching allocator's block rounding and
+fragmentation the rest."""
+
+PINNED_FRACTION = 0.9
+"""Pinned (page-locked) host memory cap as a fraction of host memory: the rest stays pageable
+for the OS, page cache, Python and the data loader. cudaHostAlloc is not bounded by
+RLIMIT_MEMLOCK, so the practical limit is what the OS can spare."""
+
+ADAMW_BYTES_PER_PARAM = 28
+"""DRAM traffic of one fused FP32 AdamW update: it reads the parameter, gradient and both moments
+(4 x 4 B) and writes the parameter and both moments (3 x 4 B). The host kernel does ~15 FLOPs per
+parameter, far below a server CPU's vector throughput, so it is memory-bound."""
+
+HOST_BANDWIDTH_FRACTION = 0.4
+"""Fraction of a host's theoretical DRAM bandwidth the optimizer worker sustains (estimate):
+STREAM-like kernels reach 60-80% of peak, and the two copy engines' DMA (up to ~100 GB/s on
+PCIe Gen5, more on NVLink-C2C) and the data loader share the same memory at the same time."""
+
+
+def _adamw_params_per_s(dram_bytes_per_s: float) -> float:
+    return dram_bytes_per_s * HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM
+
+
+class HardwareSpec(pydantic.BaseModel):
+    """One GPU and the host it is attached to, as rates and capacities.
+
+    Every field is in base units (bytes, seconds, FLOP/s, bytes/s, params/s). A GPU field of 0
+    means "not measured / no GPU" (a host-only spec from ``measure()`` on a machine without CUDA);
+    the cost model refuses to time GPU ops against it.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="what this spec describes, e.g. 'H100 SXM 80GB (preset)'")
+    gpu_memory_bytes: int = Field(ge=0, description="GPU memory in bytes, as cudaMemGetInfo/nvidia-smi report the total")
+    bf16_flops: float = Field(ge=0, description="dense BF16 matmul rate in FLOP/s (FP32 accumulate), peak or measured")
+    fp32_flops: float = Field(ge=0, description="dense FP32-input matmul rate in FLOP/s: the TF32 tensor-core "
+                                               "rate where the GPU has one, else plain FP32")
+    matmul_efficiency: float = Field(DEFAULT_MATMUL_EFFICIENCY, gt=0, le=1,
+                                     description="fraction of bf16_flops/fp32_flops a layer's forward and "
+                                                 "backward reach (dimensionless)")
+    h2d_bytes_per_s: float = Field(ge=0, description="pinned host-to-device copy bandwidth in bytes/s")
+    d2h_bytes_per_s: float = Field(ge=0, description="pinned device-to-host copy bandwidth in bytes/s")
+    duplex: bool = Field(description="H2D and D2H run at the same time, each at its full rate (two copy "
+                                     "engines and a full-duplex link); if false they share one engine")
+    host_memory_bytes: int = Field(ge=0, description="host DRAM in bytes")
+    pinned_memory_cap_bytes: int = Field(ge=0, description="most host memory that may be pinned, in bytes")
+    host_optimizer_params_per_s: float = Field(gt=0, description="FP32 AdamW updates per second on the host "
+                                                                 "(parameters/s), fused kernel, all host threads")
+    op_latency_s: float = Field(DEFAULT_OP_LATENCY_S, ge=0,
+                                description="fixed time added to every op in seconds (launch, events)")
+    gpu_reserve_bytes: int = Field(DEFAULT_GPU_RESERVE_BYTES, ge=0,
+                                   description="GPU bytes kept free for the CUDA context, library "
+                                               "workspaces and allocator fragmentation")
+
+    @pydantic.model_validator(mode="after")
+    def _pinned_within_host(self) -> "HardwareSpec":
+        if self.pinned_memory_cap_bytes > self.host_memory_bytes:
+            raise ValueError(f"HardwareSpec {self.name!r}: pinned_memory_cap_bytes "
+                             f"({self.pinned_memory_cap_bytes}) exceeds host_memory_bytes "
+                             f"({self.host_memory_bytes}); lower the cap")
+        return self
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_memory_bytes > 0 and self.bf16_flops > 0 and self.h2d_bytes_per_s > 0
+
+    def peak_flops(self, compute_dtype: str) -> float:
+        """The matmul rate field for ``compute_dtype`` (``"bfloat16"`` or ``"float32"``), FLOP/s."""
+        if compute_dtype == "bfloat16":
+            return self.bf16_flops
+        if compute_dtype == "float32":
+            return self.fp32_flops
+        raise ValueError(f"compute_dtype {compute_dtype!r}: use 'float32' or 'bfloat16'")
+
+    # -- JSON --------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "HardwareSpec":
+        """Load a spec written by ``save``. Raises pydantic.ValidationError on a bad file."""
+        return cls.model_validate_json(Path(path).read_text())
+
+    # -- measurement -------------------------------------------------------------------------------
+    @classmethod
+    def measure(cls, path: str | os.PathLike | None = None, *, optimizer_numel: int = 4 << 20,
+                seconds: float = 0.6) -> "HardwareSpec":
+        """Measure this machine; save the spec as JSON to ``path`` when given.
+
+        Host: memory from ``os.sysconf`` (``/proc/meminfo`` as a fallback), optimizer throughput by
+        timing ``torch.optim.adamw.adamw(fused=True)`` on flat FP32 tensors of ``optimizer_numel``
+        elements for about ``seconds`` (the same call the runtime makes per layer). With CUDA also:
+        GPU memory, the rate of a large BF16 and a large TF32 matmul, pinned H2D and D2H bandwidth
+        of 256 MiB copies, and whether both directions run at full rate at once on two streams.
+        Without CUDA the GPU fields are 0 and the name says the spec is host-only. Takes about
+        1 s on a CPU-only machine and a few seconds more with a GPU.
+        """
+        import torch
+
+        host = _host_memory_bytes()
+        opt_rate = _measure_adamw(optimizer_numel, seconds)
+        cpu = _cpu_name()
+        fields = dict(host_memory_bytes=host, pinned_memory_cap_bytes=int(host * PINNED_FRACTION),
+                      host_optimizer_params_per_s=opt_rate)
+        if torch.cuda.is_available():
+            spec = cls(**fields, **_measure_cuda(torch), matmul_efficiency=MEASURED_MATMUL_EFFICIENCY,
+                       name=f"measured: {torch.cuda.get_device_name()} + {cpu}")
+        else:
+            spec = cls(**fields, name=f"host-only (no CUDA), measured: {cpu}", gpu_memory_bytes=0,
+                       bf16_flops=0.0, fp32_flops=0.0, h2d_bytes_per_s=0.0, d2h_bytes_per_s=0.0,
+                       duplex=False)
+        if path is not None:
+            spec.save(path)
+        return spec
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def _measure_adamw(numel: int, seconds: float) -> float:
+    """Parameters per second of the fused host AdamW on one flat tile of ``numel`` elements."""
+    import torch
+    from torch.optim.adamw import adamw
+
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+
+    def run() -> None:
+        adamw([p], [grad], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.999,
+              lr=1e-3, weight_decay=0.01, eps=1e-8, maximize=False)
+
+    # The first calls fault the pages in and start the thread pool; they are not the steady state.
+    for _ in range(2):
+        run()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        run()
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and n >= 3:
+            return numel * n / elapsed
+
+
+def _measure_cuda(torch) -> dict:  # pragma: no cover - needs a GPU
+    """GPU fields of a spec, measured on the current CUDA device."""
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    n = 8192
+    rates = {}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 field is the TF32 tensor-core rate
+        for dtype, key in ((torch.bfloat16, "bf16_flops"), (torch.float32, "fp32_flops")):
+            a = torch.randn(n, n, device=dev, dtype=dtype)
+            b = torch.randn(n, n, device=dev, dtype=dtype)
+            rates[key] = 2 * n ** 3 / timed(lambda: a @ b, 10)
+            del a, b
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+    nbytes = 256 * MiB
+    host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dev_src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    h2d = nbytes / timed(lambda: dev_buf.copy_(host_src, non_blocking=True), 5)
+    d2h = nbytes / timed(lambda: host_dst.copy_(dev_src, non_blocking=True), 5)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            dev_buf.copy_(host_src, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host_dst.copy_(dev_src, non_blocking=True)
+
+    both()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        both()
+    torch.cuda.synchronize()
+    concurrent = (time.perf_counter() - t0) / 5
+    serial = nbytes / h2d + nbytes / d2h
+    # Full duplex finishes both in about the longer one's time; one shared engine needs the sum.
+    duplex = concurrent < 0.75 * serial
+    return dict(gpu_memory_bytes=int(props.total_memory), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+                duplex=duplex, **rates)
+
+
+# -- presets ---------------------------------------------------------------------------------------
+
+_PCIE5_MEASURED = 53e9
+"""Pinned cudaMemcpy over PCIe Gen5 x16: 64 GB/s per direction theoretical (PCI-SIG, 32 GT/s x 16
+lanes, 128b/130b), about 50-55 GB/s measured with bandwidthTest/nvbandwidth on H100 hosts."""
+
+_PCIE4_MEASURED = 25e9
+"""Pinned cudaMemcpy over PCIe Gen4 x16: 32 GB/s per direction theoretical, about 25 GB/s measured
+on A100 and RTX 4090 hosts."""
+
+H100_SXM = HardwareSpec(
+    name="H100 SXM 80GB (preset)",
+    gpu_memory_bytes=81559 * MiB,
+    bf16_flops=989e12,
+    fp32_flops=494.5e12,
+    h2d_bytes_per_s=_PCIE5_MEASURED,
+    d2h_bytes_per_s=_PCIE5_MEASURED,
+    duplex=True,
+    host_memory_bytes=2 * TiB,
+    pinned_memory_cap_bytes=int(2 * TiB * PINNED_FRACTION),
+    host_optimizer_params_per_s=_adamw_params_per_s(614.4e9),
+)
+"""NVIDIA H100 SXM5 80GB in a DGX H100-class node.
+
+- gpu_memory_bytes: 80 GB HBM3; 81559 MiB is the total nvidia-smi reports.
+- bf16_flops 989 TFLOP/s, fp32_flops (TF32) 494.5 TFLOP/s: NVIDIA H100 Tensor Core GPU
+  datasheet, dense (the headline 1979/989 TFLOP/s figures are with 2:4 sparsity).
+- h2d/d2h 53 GB/s: PCIe Gen5 x16, 64 GB/s theoretical per direction, ~50-55 GB/s measured pinned.
+- duplex: Hopper has several async copy engines and PCIe is full duplex.
+- host_memory_bytes 2 TiB: DGX H100 system memory (NVIDIA DGX H100 datasheet: 2 TB).
+- host_optimizer_params_per_s ~8.8e9: estimate, 2x Xeon Platinum 8480C with 8 channels of
+  DDR5-4800 each (614.4 GB/s theoretical) x HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+"""
+
+H200 = HardwareSpec(
+    name="H200 SXM 141GB (preset)",
+    gpu_memory_bytes=143771 * MiB,
+    bf16_flops=989e12,
+    fp32_flops=494.5e12,
+    h2d_bytes_per_s=_PCIE5_MEASURED,
+    d2h_bytes_per_s=_PCIE5_MEASURED,
+    duplex=True,
+    host_memory_bytes=3 * TiB // 2,
+    pinned_memory_cap_bytes=int(1.5 * TiB * PINNED_FRACTION),
+    host_optimizer_params_per_s=_adamw_params_per_s(716.8e9),
+)
+"""NVIDIA H200 SXM 141GB, host as in the MegaTrain paper (1.5 TB of host memory).
+
+- gpu_memory_bytes: 141 GB HBM3e (NVIDIA H200 datasheet); 143771 MiB as nvidia-smi reports.
+- bf16_flops 989 TFLOP/s, fp32_flops (TF32) 494.5 TFLOP/s: H200 datasheet, dense; same GH100
+  compute as the H100 SXM.
+- h2d/d2h 53 GB/s: PCIe Gen5 x16 as for H100_SXM.
+- host_memory_bytes 1.5 TiB: DESIGN.md / MegaTrain (arXiv 2604.05091) setup.
+- host_optimizer_params_per_s ~10.2e9: estimate, 2x Xeon 5th gen (Emerald Rapids) with 8 channels
+  of DDR5-5600 each (716.8 GB/s theoretical) x HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+"""
+
+GH200 = HardwareSpec(
+    name="GH200 Grace Hopper 96GB + 480GB LPDDR5X (preset)",
+    gpu_memory_bytes=96 * 10**9,
+    bf16_flops=989e12,
+    fp32_flops=494.5e12,
+    h2d_bytes_per_s=380e9,
+    d2h_bytes_per_s=380e9,
+    duplex=True,
+    host_memory_bytes=480 * 10**9,
+    pinned_memory_cap_bytes=int(480 * 10**9 * PINNED_FRACTION),
+    host_optimizer_params_per_s=_adamw_params_per_s(546e9),
+)
+"""NVIDIA GH200 Grace Hopper Superchip, 96 GB HBM3 + 480 GB LPDDR5X.
+
+- gpu_memory_bytes 96 GB HBM3 and host_memory_bytes 480 GB LPDDR5X: NVIDIA Grace Hopper
+  Superchip Architecture whitepaper (as summarised by datacrunch.io, 'Data movement in the NVIDIA
+  GH200 Grace Hopper Superchip').
+- bf16_flops/fp32_flops: the Hopper GPU's dense BF16 and TF32 tensor-core rates (GH200 datasheet;
+  the same GH100 compute as H100 SXM).
+- h2d/d2h 380 GB/s: NVLink-C2C is 900 GB/s total, 450 GB/s per direction (whitepaper); 380 GB/s
+  is an estimate of the sustained pinned copy rate (~85% of the link rate, the efficiency pinned
+  copies reach on PCIe). measure() on the machine replaces it.
+- host_optimizer_params_per_s ~7.8e9: estimate, Grace LPDDR5X up to 546 GB/s (whitepaper) x
+  HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+"""
+
+A100_80GB = HardwareSpec(
+    name="A100 SXM 80GB (preset)",
+    gpu_memory_bytes=81920 * MiB,
+    bf16_flops=312e12,
+    fp32_flops=156e12,
+    h2d_bytes_per_s=_PCIE4_MEASURED,
+    d2h_bytes_per_s=_PCIE4_MEASURED,
+    duplex=True,
+    host_memory_bytes=1 * TiB,
+    pinned_memory_cap_bytes=int(1 * TiB * PINNED_FRACTION),
+    host_optimizer_params_per_s=_adamw_params_per_s(409.6e9),
+)
+"""NVIDIA A100 SXM4 80GB in a DGX A100-class node.
+
+- gpu_memory_bytes: 80 GB HBM2e; 81920 MiB as nvidia-smi reports.
+- bf16_flops 312 TFLOP/s, fp32_flops (TF32) 156 TFLOP/s: NVIDIA A100 datasheet, dense.
+- h2d/d2h 25 GB/s: PCIe Gen4 x16, 32 GB/s theoretical, ~25 GB/s measured pinned.
+- host_memory_bytes 1 TiB: DGX A100 (1 TB standard, 2 TB option).
+- host_optimizer_params_per_s ~5.9e9: estimate, 2x AMD EPYC 7742 with 8 channels of DDR4-3200
+  each (409.6 GB/s theoretical) x HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+"""
+
+RTX_4090 = HardwareSpec(
+    name="GeForce RTX 4090 24GB (preset)",
+    gpu_memory_bytes=24564 * MiB,
+    bf16_flops=165.2e12,
+    fp32_flops=82.6e12,
+    h2d_bytes_per_s=_PCIE4_MEASURED,
+    d2h_bytes_per_s=_PCIE4_MEASURED,
+    duplex=True,
+    host_memory_bytes=128 * GiB,
+    pinned_memory_cap_bytes=int(128 * GiB * PINNED_FRACTION),
+    host_optimizer_params_per_s=_adamw_params_per_s(89.6e9),
+)
+"""NVIDIA GeForce RTX 4090 in a desktop workstation.
+
+- gpu_memory_bytes: 24 GB GDDR6X; 24564 MiB as nvidia-smi reports.
+- bf16_flops 165.2 TFLOP/s: dense BF16 with FP32 accumulate (NVIDIA Ada Lovelace architecture
+  whitepaper, appendix; the 330 TFLOP/s figure is FP16 accumulate). fp32_flops (TF32) 82.6
+  TFLOP/s dense, same source.
+- h2d/d2h 25 GB/s: PCIe Gen4 x16 as for A100_80GB.
+- duplex: AD102 boards report two async copy engines (cudaDeviceProp.asyncEngineCount == 2);
+  measure() checks it on the machine.
+- host_memory_bytes 128 GiB: a typical workstation.
+- host_optimizer_params_per_s ~1.3e9: estimate, dual-channel DDR5-5600 (89.6 GB/s theoretical) x
+  HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+"""
+
+PRESETS: dict[str, HardwareSpec] = {
+    "H100_SXM": H100_SXM,
+    "H200": H200,
+    "GH200": GH200,
+    "A100_80GB": A100_80GB,
+    "RTX_4090": RTX_4090,
+}
+"""The presets by canonical name. ``preset`` also accepts lower case, '-' and ' ' for '_'."""
+
+
+def preset(name: str) -> HardwareSpec:
+    """The preset called ``name`` (``"h100_sxm"``, ``"H100-SXM"`` and ``"H100 SXM"`` all work).
+
+    Raises:
+        ConfigError: no preset has that name; the message lists the valid names.
+    """
+    key = name.strip().upper().replace("-", "_").replace(" ", "_")
+    try:
+        return PRESETS[key]
+    except KeyError:
+        raise ConfigError(f"no hardware preset named {name!r}; valid names are {sorted(PRESETS)} "
+                       "(case-insensitive), or build a HardwareSpec / HardwareSpec.measure()") from None
+
+
+__all__ = ["HardwareSpec", "PRESETS", "preset", "H100_SXM", "H200", "GH200", "A100_80GB", "RTX_4090"]

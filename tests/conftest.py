@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny models built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def tiny_llama(layers: int = 2, vocab: int = 96, hidden: int = 32, device: str | None = None, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw.setdefault("tie_word_embeddings", False)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, **kw)
+    if device == "meta":
+        with torch.device("meta"):
+            return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_gpt(layers: int = 2, vocab: int = 96, d_model: int = 32):
+    from megatrain.examples.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=vocab, max_seq_len=64, d_model=d_model, n_heads=4, n_layers=layers))
+
+
+def random_batch(rows: int, seq_len: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
