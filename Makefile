@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 only where no torch is present; any torch >= 2.6 works.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[hf,test]"
+	$(PIP) install --quiet -e ".[hf,plot,test]"
 	touch $@
 
 setup: $(VENV)/.installed

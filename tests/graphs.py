@@ -17,26 +17,28 @@ from megatrain.planner.hardware import HardwareSpec
 
 
 def _per_layer(x: int | Sequence[int], n: int, what: str) -> list[int]:
-    if isinstance(x, int):
+    if isinstance(x, (int, bool)):
         return [x] * n
     if len(x) != n:
         raise ValueError(f"{what} has {len(x)} entries for {n} layers")
     return list(x)
 
 
-def chain_graph(n_layers: int, *, numel: int | Sequence[int] = 1024, trainable: bool = True,
+def chain_graph(n_layers: int, *, numel: int | Sequence[int] = 1024, trainable: bool | Sequence[bool] = True,
                 fwd_flops: int | Sequence[int] = 10**6, bwd_flops: int | Sequence[int] | None = None,
                 act_bytes: int = 4096, work_bytes: int | Sequence[int] = 0,
                 buffer_bytes: int | Sequence[int] = 0, micro_batch_size: int = 1, seq_len: int = 16,
                 ids_bytes: int | None = None) -> LayerGraph:
     """An ``n_layers`` chain: layer i reads ``h{i-1}`` (layer 0 reads ``input_ids``), writes ``h{i}``.
 
-    Each layer has one parameter of ``numel`` elements (a multiple of the tile alignment, so the
-    tile has no padding); ``bwd_flops`` defaults to 3x ``fwd_flops`` (recompute + backward).
-    ``act_bytes`` is each residual value's size; ``ids_bytes`` that of ``input_ids`` and
-    ``labels`` (default: int64 tokens).
+    Each layer has one parameter of ``numel`` elements, rounded up to the tile alignment so the
+    tile has no padding, trainable per ``trainable``. ``bwd_flops`` defaults to 3x ``fwd_flops``
+    (recompute + backward). ``act_bytes`` is each residual value's size; ``ids_bytes`` that of
+    ``input_ids`` and ``labels`` (default: int64 tokens). Scalars apply to every layer, sequences
+    give one entry per layer.
     """
     numels = [align_up(x) for x in _per_layer(numel, n_layers, "numel")]
+    train = [bool(t) for t in _per_layer(trainable, n_layers, "trainable")]
     fwd = _per_layer(fwd_flops, n_layers, "fwd_flops")
     bwd = [3 * f for f in fwd] if bwd_flops is None else _per_layer(bwd_flops, n_layers, "bwd_flops")
     work = _per_layer(work_bytes, n_layers, "work_bytes")
@@ -48,8 +50,9 @@ def chain_graph(n_layers: int, *, numel: int | Sequence[int] = 1024, trainable: 
         Value(1, "labels", (micro_batch_size, seq_len), "int64", ids_bytes, BATCH_PRODUCER, (last,), False),
     ]
     for i in range(last):
-        values.append(Value(len(values), f"h{i}", (micro_batch_size, seq_len, act_bytes // 4 // max(1, seq_len)),
-                            "float32", act_bytes, i, (i + 1,), True))
+        hidden = max(1, act_bytes // 4 // (micro_batch_size * seq_len))
+        values.append(Value(len(values), f"h{i}", (micro_batch_size, seq_len, hidden), "float32", act_bytes,
+                            i, (i + 1,), True))
     values.append(Value(len(values), "loss", (), "float32", 4, last, (), True))
     loss = len(values) - 1
     layers = []
@@ -58,9 +61,9 @@ def chain_graph(n_layers: int, *, numel: int | Sequence[int] = 1024, trainable: 
         if i == last:
             inputs = inputs + (1,)
         outputs = (loss,) if i == last else (2 + i,)
-        params = (ParamSpec(f"layers.{i}.weight", (numels[i],), 0, trainable),)
+        params = (ParamSpec(f"layers.{i}.weight", (numels[i],), 0, train[i]),)
         layers.append(Layer(index=i, name=f"layers.{i}", template=0, params=params, numel=numels[i],
-                            trainable_numel=numels[i] if trainable else 0, inputs=inputs, outputs=outputs,
+                            trainable_numel=numels[i] if train[i] else 0, inputs=inputs, outputs=outputs,
                             buffers=(), fwd_flops=fwd[i], bwd_flops=bwd[i], buffer_bytes=bufs[i],
                             work_bytes=work[i]))
     return LayerGraph(layers=tuple(layers), values=tuple(values), batch_inputs=("input_ids", "labels"),
@@ -87,7 +90,8 @@ def chain_graphs(draw, max_layers: int = 8) -> LayerGraph:
     fwd = draw(st.lists(st.integers(0, 10**9), min_size=n, max_size=n))
     work = draw(st.lists(st.integers(0, 1 << 20), min_size=n, max_size=n))
     return chain_graph(n, numel=numel, fwd_flops=fwd, work_bytes=work,
-                       act_bytes=draw(st.integers(4, 1 << 20)), trainable=draw(st.booleans()))
+                       act_bytes=draw(st.integers(4, 1 << 20)),
+                       trainable=draw(st.lists(st.booleans(), min_size=n, max_size=n)))
 
 
 @st.composite

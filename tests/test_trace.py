@@ -147,3 +147,21 @@ def test_llama_70b_traces_on_meta_without_parameter_memory():
     assert 70.0e9 < g.param_count < 71.0e9
     assert len(g.layers) == 82 and len({l.template for l in g.layers}) == 3
     assert grown_gib < 2.0, f"tracing grew the process by {grown_gib:.1f} GiB; 70B in FP32 would be 280 GB"
+
+
+def test_dropout_is_refused_but_zero_dropout_is_fine():
+    model = tiny_llama(layers=1, attention_dropout=0.0)
+    trace(model, micro_batch_size=1, seq_len=8)  # p == 0: no random draws, fine
+
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))])
+
+        def forward(self, input_ids, labels):
+            return self.blocks[0](self.emb(input_ids)).square().mean()
+
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.0.1'.*dropout"):
+        trace(Drop(), micro_batch_size=1, seq_len=3)
+    trace(Drop().eval(), micro_batch_size=1, seq_len=3)  # eval mode: dropout is the identity

@@ -109,11 +109,13 @@ def d2h_bytes(layer: Layer) -> int:
 
 
 def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
-    return hw.op_latency_s + h2d_bytes(layer, plan) / _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
+    rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
+    return hw.op_latency_s + h2d_bytes(layer, plan) / rate
 
 
 def d2h_time(layer: Layer, hw: HardwareSpec) -> float:
-    return hw.op_latency_s + d2h_bytes(layer) / _rate(hw, "d2h_bytes_per_s", hw.d2h_bytes_per_s, "D2H ops")
+    rate = _rate(hw, "d2h_bytes_per_s", hw.d2h_bytes_per_s, "D2H ops")
+    return hw.op_latency_s + d2h_bytes(layer) / rate
 
 
 def fwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
@@ -246,7 +248,7 @@ def _dynamic_peaks(schedule: Schedule, live: ActivationLiveness) -> tuple[int, i
 
 @dataclass(frozen=True, slots=True)
 class MemoryBreakdown:
-    """Bytes a plan holds, by purpose; what ``megatrain plan`` prints as a table.
+    """Bytes a plan holds, by purpose, as a CLI prints them (``rows()``, ``format()``).
 
     Host: ``master_weights`` (FP32) and ``adam_moments`` (two FP32 moments) persist; the gradient
     and staging rings and the offloaded-checkpoint space are pinned. ``state_pinned`` is true when
@@ -312,10 +314,17 @@ class MemoryBreakdown:
         ]
 
     def format(self) -> str:
-        lines = [f"{'':5} {'':38} {'GiB':>10}"]
-        for where, what, b in self.rows():
-            lines.append(f"{where:5} {what:38} {b / 2**30:10.3f}")
-        return "\n".join(lines)
+        """The rows as an aligned text table with binary units."""
+        width = max(len(what) for _, what, _ in self.rows())
+        return "\n".join(f"{where:<5} {what:<{width}} {_human_bytes(b):>10}"
+                         for where, what, b in self.rows())
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def weight_slot_count(plan: Plan) -> int:

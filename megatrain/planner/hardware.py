@@ -43,9 +43,9 @@ MEASURED_MATMUL_EFFICIENCY = 0.85
 matmul (already below peak), so a layer loses less against it (estimate)."""
 
 DEFAULT_OP_LATENCY_S = 10e-6
-"""Fixed cost added to every op: a kernel launch or cudaMemcpyAsync plus the event record/wait
-that joins it to its dependencies is a few microseconds each (CUDA C++ Best Practices Guide,
-'Asynchronous and overlapping transfers'); 10 us per op covers one launch and its events."""
+"""Fixed cost added to every op (estimate): launching a layer's kernels or a cudaMemcpyAsync and
+recording/waiting on the events that join it to its dependencies costs a few microseconds each;
+10 us per op. It dominates only for tiny layers; measure() keeps the default."""
 
 DEFAULT_GPU_RESERVE_BYTES = 3 * GiB // 2
 """GPU memory the plan may not use (1.5 GiB): the CUDA context with lazy module loading takes
@@ -84,10 +84,11 @@ class HardwareSpec(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(description="what this spec describes, e.g. 'H100 SXM 80GB (preset)'")
-    gpu_memory_bytes: int = Field(ge=0, description="GPU memory in bytes, as cudaMemGetInfo/nvidia-smi report the total")
-    bf16_flops: float = Field(ge=0, description="dense BF16 matmul rate in FLOP/s (FP32 accumulate), peak or measured")
-    fp32_flops: float = Field(ge=0, description="dense FP32-input matmul rate in FLOP/s: the TF32 tensor-core "
-                                               "rate where the GPU has one, else plain FP32")
+    gpu_memory_bytes: int = Field(ge=0, description="GPU memory in bytes, the total nvidia-smi reports")
+    bf16_flops: float = Field(ge=0, description="dense BF16 matmul rate in FLOP/s (FP32 accumulate), "
+                                               "peak or measured")
+    fp32_flops: float = Field(ge=0, description="dense FP32-input matmul rate in FLOP/s: the TF32 "
+                                               "tensor-core rate where the GPU has one, else plain FP32")
     matmul_efficiency: float = Field(DEFAULT_MATMUL_EFFICIENCY, gt=0, le=1,
                                      description="fraction of bf16_flops/fp32_flops a layer's forward and "
                                                  "backward reach (dimensionless)")
@@ -97,8 +98,9 @@ class HardwareSpec(pydantic.BaseModel):
                                      "engines and a full-duplex link); if false they share one engine")
     host_memory_bytes: int = Field(ge=0, description="host DRAM in bytes")
     pinned_memory_cap_bytes: int = Field(ge=0, description="most host memory that may be pinned, in bytes")
-    host_optimizer_params_per_s: float = Field(gt=0, description="FP32 AdamW updates per second on the host "
-                                                                 "(parameters/s), fused kernel, all host threads")
+    host_optimizer_params_per_s: float = Field(gt=0, description="FP32 AdamW updates per second on the "
+                                                                 "host (parameters/s), fused kernel, all "
+                                                                 "host threads")
     op_latency_s: float = Field(DEFAULT_OP_LATENCY_S, ge=0,
                                 description="fixed time added to every op in seconds (launch, events)")
     gpu_reserve_bytes: int = Field(DEFAULT_GPU_RESERVE_BYTES, ge=0,
@@ -318,7 +320,7 @@ H200 = HardwareSpec(
     duplex=True,
     host_memory_bytes=3 * TiB // 2,
     pinned_memory_cap_bytes=int(1.5 * TiB * PINNED_FRACTION),
-    host_optimizer_params_per_s=_adamw_params_per_s(716.8e9),
+    host_optimizer_params_per_s=_adamw_params_per_s(614.4e9),
 )
 """NVIDIA H200 SXM 141GB, host as in the MegaTrain paper (1.5 TB of host memory).
 
@@ -327,8 +329,9 @@ H200 = HardwareSpec(
   compute as the H100 SXM.
 - h2d/d2h 53 GB/s: PCIe Gen5 x16 as for H100_SXM.
 - host_memory_bytes 1.5 TiB: DESIGN.md / MegaTrain (arXiv 2604.05091) setup.
-- host_optimizer_params_per_s ~10.2e9: estimate, 2x Xeon 5th gen (Emerald Rapids) with 8 channels
-  of DDR5-5600 each (716.8 GB/s theoretical) x HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+- host_optimizer_params_per_s ~8.8e9: estimate, the host CPUs of DGX H100/H200 (2x Xeon Platinum
+  8480C, 8 channels of DDR5-4800 each, 614.4 GB/s theoretical) x HOST_BANDWIDTH_FRACTION /
+  ADAMW_BYTES_PER_PARAM; the paper does not name its host CPU.
 """
 
 GH200 = HardwareSpec(
@@ -345,7 +348,7 @@ GH200 = HardwareSpec(
 )
 """NVIDIA GH200 Grace Hopper Superchip, 96 GB HBM3 + 480 GB LPDDR5X.
 
-- gpu_memory_bytes 96 GB HBM3 and host_memory_bytes 480 GB LPDDR5X: NVIDIA Grace Hopper
+- gpu_memory_bytes 96 GB HBM3 and host_memory_bytes 480 GB LPDDR5X (decimal, as stated): NVIDIA Grace Hopper
   Superchip Architecture whitepaper (as summarised by datacrunch.io, 'Data movement in the NVIDIA
   GH200 Grace Hopper Superchip').
 - bf16_flops/fp32_flops: the Hopper GPU's dense BF16 and TF32 tensor-core rates (GH200 datasheet;

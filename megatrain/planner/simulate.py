@@ -93,7 +93,7 @@ def _deadlock_message(schedule: Schedule, queues: dict[Stream, list[int]], head:
                       active: list[Stream], end: list[float]) -> str:
     ops = schedule.ops
     heads = {queues[s][head[s]]: s for s in active}
-    where = {i: (s, k) for s in active for k, i in enumerate(queues[s]) if k >= head[s]}
+    where = {i: (s, k) for s in active for k, i in enumerate(queues[s]) if k >= head[s]}  # unfinished
     done = sum(1 for e in end if e >= 0)
     lines = [f"schedule deadlocks: {len(ops) - done} of {len(ops)} ops can never start, because the next op "
              "on every stream waits for an op that cannot finish first:"]
@@ -102,11 +102,11 @@ def _deadlock_message(schedule: Schedule, queues: dict[Stream, list[int]], head:
         for d in ops[i].deps:
             if end[d] >= 0:
                 continue
-            ds, pos = where[d]
+            ds, _ = where[d]
             if d == i:
                 why = "itself"
             elif ds is s:
-                why = f"queued {pos - head[s]} places behind it on {s.value}"
+                why = f"queued after it on its own stream, {s.value}"
             elif d in heads:
                 why = f"the blocked head of {ds.value}"
             else:

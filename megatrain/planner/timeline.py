@@ -113,7 +113,7 @@ class Timeline:
         seen = [r[0] for r in rows]
         if seen != list(range(len(ops))):
             missing = sorted(set(range(len(ops))) - set(seen))
-            extra = sorted({i for i in seen if not 0 <= i < len(ops)} | {i for i in seen if seen.count(i) > 1})
+            extra = sorted({i for i in seen if not 0 <= i < len(ops) or seen.count(i) > 1})
             raise ValueError(f"a timeline needs exactly one record per op of the {len(ops)}-op schedule; "
                              f"missing ops {missing[:10]}, unknown or repeated {extra[:10]}")
         t0 = min((r[2] for r in rows), default=0.0)
@@ -169,7 +169,8 @@ class Timeline:
         events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
                                "args": {"name": f"megatrain step ({self.source}, {self.hardware})"}}]
         for s, tid in tids.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": s.value}})
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"name": s.value}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
                            "args": {"sort_index": tid}})
         for r in self.records:
@@ -186,9 +187,13 @@ class Timeline:
     def save_png(self, path: str | os.PathLike, title: str | None = None) -> None:
         """Draw one lane per stream (ops coloured by kind) above the memory curves."""
         # Figure + FigureCanvasAgg, not pyplot: no global backend switch, no GUI, thread-safe.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
+        except ImportError as e:
+            raise ImportError("Timeline.save_png needs matplotlib, which megatrain does not install by "
+                              "default: pip install matplotlib (or use to_chrome_trace())") from e
 
         scale, unit = (1.0, "s") if self.step_time_s >= 10 else (1e3, "ms")
         colors = {OpKind.H2D: "tab:blue", OpKind.FWD: "tab:green", OpKind.BWD: "tab:olive",
@@ -204,12 +209,12 @@ class Timeline:
                                   facecolors=[colors[r.kind] for r in recs], edgecolor="black", linewidth=0.2)
         lanes.set_yticks(range(len(streams)),
                          [f"{s.value}\n{self.busy_fraction.get(s, 0.0):.0%} busy" for s in streams])
-        lanes.invert_yaxis()
+        lanes.set_ylim(len(streams) - 0.5, -1.3)  # inverted, with a free band on top for the legend
         lanes.legend(handles=[Patch(color=c, label=k.value) for k, c in colors.items()],
-                     loc="upper right", ncols=len(colors), fontsize="small")
-        lanes.set_title(title or (f"{self.source} step on {self.hardware}: {self.step_time_s * scale:.3g} {unit}, "
-                                  f"{self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}, "
-                                  f"bottleneck {self.bottleneck.value}"))
+                     loc="upper center", ncols=len(colors), fontsize="small", frameon=False)
+        lanes.set_title(title or (f"{self.source} step on {self.hardware}: "
+                                  f"{self.step_time_s * scale:.3g} {unit}, {self.tokens_per_s:,.0f} tokens/s, "
+                                  f"MFU {self.mfu:.1%}, bottleneck {self.bottleneck.value}"))
         gib = 2.0 ** 30
 
         def step_xy(curve):
@@ -232,7 +237,8 @@ class Timeline:
         fig.savefig(path, dpi=110)
 
 
-def _gpu_curve(recs: list[OpRecord], live: cost.ActivationLiveness, fixed: int) -> tuple[tuple[float, int], ...]:
+def _gpu_curve(recs: list[OpRecord], live: cost.ActivationLiveness,
+               fixed: int) -> tuple[tuple[float, int], ...]:
     """Allocated GPU bytes over time: every change comes from a compute op's start or end."""
     cur = fixed + live.at_start
     curve = [(0.0, cur)]
@@ -288,7 +294,8 @@ class _TimelineModel(pydantic.BaseModel):
 
     def to_timeline(self) -> Timeline:
         return Timeline(source=self.source, hardware=self.hardware, compute_dtype=self.compute_dtype,
-                        records=tuple(OpRecord(r.index, r.op, r.stream, r.start_s, r.end_s) for r in self.records),
+                        records=tuple(OpRecord(r.index, r.op, r.stream, r.start_s, r.end_s)
+                                      for r in self.records),
                         step_time_s=self.step_time_s, tokens_per_step=self.tokens_per_step,
                         tokens_per_s=self.tokens_per_s, model_flops_per_step=self.model_flops_per_step,
                         mfu=self.mfu, busy_s={s: self.busy_s.get(s, 0.0) for s in Stream},

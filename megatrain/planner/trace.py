@@ -44,6 +44,29 @@ _WRAPPED = "inner"  # attribute name of the user's model inside the loss wrapper
 # the meta device and carry no computation.
 _ASSERT_OPS = {torch.ops.aten._assert_tensor_metadata.default}
 
+# Ops that draw random numbers. A local backward recomputes the forward, which would draw a
+# different dropout mask than the forward did and silently train a different function.
+_RANDOM_OPS = {"aten::dropout", "aten::native_dropout", "aten::bernoulli", "aten::rand", "aten::randn",
+               "aten::rand_like", "aten::randn_like", "aten::randint", "aten::randperm", "aten::multinomial",
+               "aten::normal", "aten::uniform", "aten::feature_dropout", "aten::alpha_dropout"}
+
+
+def _check_no_randomness(gm: fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or schema.name not in _RANDOM_OPS:
+            continue
+        if schema.name.endswith("dropout") and (len(n.args) > 1 and n.args[1] == 0.0 or
+                                                len(n.args) > 2 and n.args[2] is False):
+            continue  # p == 0 or not training: no randomness
+        stack = n.meta.get("nn_module_stack") or {}
+        where = _strip(list(stack.values())[-1][0]) if stack else "the model's forward"
+        raise UnsupportedModelError(
+            f"module {where!r} calls {schema.name} ({n.name}): megatrain recomputes each layer's "
+            "forward in its local backward and does not replay random number draws yet, so dropout "
+            "and other random ops are not supported; set dropout probabilities to 0 or call "
+            "model.eval() on the dropout modules")
+
 
 @dataclass(frozen=True, slots=True)
 class TracedModel:
@@ -306,6 +329,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             gm.graph.erase_node(n)
     gm.graph.eliminate_dead_code()
     gm.recompile()
+    _check_no_randomness(gm)
 
     sig = ep.graph_signature
     param_of = {k: _strip(v) for k, v in sig.inputs_to_parameters.items()}

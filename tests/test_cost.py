@@ -1,0 +1,230 @@
+"""Tests for the cost model and the hardware spec: formulas checked against hand computation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graphs import chain_graph, spec
+from megatrain.errors import ConfigError
+from megatrain.planner import cost, hardware
+from megatrain.planner.hardware import PRESETS, HardwareSpec, preset
+from megatrain.planner.lower import lower
+from megatrain.planner.plan import ActivationPolicy, Plan
+from megatrain.planner.schedule import Op, OpKind, Stream
+
+
+# -- public surface --------------------------------------------------------------------------------
+
+def test_public_surface_is_pinned():
+    assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "H100_SXM", "H200", "GH200",
+                                     "A100_80GB", "RTX_4090"}
+    assert set(cost.__all__) == {
+        "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
+        "fwd_time", "bwd_time", "opt_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
+        "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
+        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
+
+
+# -- op times --------------------------------------------------------------------------------------
+
+def test_op_times_by_hand():
+    g = chain_graph(2, numel=[1000, 2000], fwd_flops=[3 * 10**6, 5 * 10**6], trainable=[True, False])
+    hw = spec(h2d_bytes_per_s=2e9, d2h_bytes_per_s=4e9, fp32_flops=1e9, bf16_flops=4e9, matmul_efficiency=0.5,
+              host_optimizer_params_per_s=1e6, op_latency_s=1e-6)
+    fp32, bf16 = Plan(), Plan(compute_dtype="bfloat16")
+    l0, l1 = g.layers
+    assert l0.numel == 1008  # rounded up to the tile alignment of 16 elements
+    assert cost.h2d_time(l0, fp32, hw) == pytest.approx(1e-6 + 1008 * 4 / 2e9)
+    assert cost.h2d_time(l1, bf16, hw) == pytest.approx(1e-6 + 2000 * 2 / 2e9)
+    assert cost.d2h_time(l0, hw) == pytest.approx(1e-6 + 1008 * 4 / 4e9)
+    assert cost.d2h_bytes(l1) == 0  # frozen layer: no gradients leave the GPU
+    assert cost.fwd_time(l0, fp32, hw) == pytest.approx(1e-6 + 3e6 / (1e9 * 0.5))
+    assert cost.fwd_time(l0, bf16, hw) == pytest.approx(1e-6 + 3e6 / (4e9 * 0.5))
+    assert cost.bwd_time(l1, fp32, hw) == pytest.approx(1e-6 + 15e6 / (1e9 * 0.5))
+    assert cost.opt_time(l0, hw) == pytest.approx(1e-6 + 1008 / 1e6)
+    for kind, fields, expect in [(OpKind.H2D, dict(slot=0), cost.h2d_time(l0, fp32, hw)),
+                                 (OpKind.FWD, dict(mb=0, slot=0), cost.fwd_time(l0, fp32, hw)),
+                                 (OpKind.BWD, dict(mb=0, slot=0), cost.bwd_time(l0, fp32, hw)),
+                                 (OpKind.D2H, dict(slot=0, ring=0), cost.d2h_time(l0, hw)),
+                                 (OpKind.OPT, dict(ring=0), cost.opt_time(l0, hw))]:
+        assert cost.op_time(Op(kind, 0, **fields), g, fp32, hw) == expect
+
+
+def test_h2d_time_doubles_when_bandwidth_halves():
+    g = chain_graph(1, numel=4096)
+    layer, plan = g.layers[0], Plan()
+    fast, slow = spec(h2d_bytes_per_s=8e9), spec(h2d_bytes_per_s=4e9)
+    assert cost.h2d_time(layer, plan, slow) == pytest.approx(2 * cost.h2d_time(layer, plan, fast))
+    # With a fixed per-op latency only the bandwidth term doubles.
+    lat = 5e-6
+    fast, slow = spec(h2d_bytes_per_s=8e9, op_latency_s=lat), spec(h2d_bytes_per_s=4e9, op_latency_s=lat)
+    fast_t, slow_t = cost.h2d_time(layer, plan, fast), cost.h2d_time(layer, plan, slow)
+    assert slow_t - lat == pytest.approx(2 * (fast_t - lat))
+
+
+def test_op_times_matches_op_time_for_every_op():
+    g = chain_graph(4, numel=[512, 1024, 2048, 64], fwd_flops=[1, 2, 3, 4])
+    s = lower(g, Plan(micro_batches=2))
+    hw = spec(op_latency_s=1e-6)
+    assert cost.op_times(s, g, hw) == tuple(cost.op_time(op, g, s.plan, hw) for op in s.ops)
+
+
+def test_resource_of_shares_one_copy_engine_without_duplex():
+    duplex, simplex = spec(duplex=True), spec(duplex=False)
+    assert cost.resource_of(Stream.H2D, duplex) != cost.resource_of(Stream.D2H, duplex)
+    assert cost.resource_of(Stream.H2D, simplex) == cost.resource_of(Stream.D2H, simplex)
+    for hw in (duplex, simplex):
+        assert cost.resource_of(Stream.COMPUTE, hw) is cost.Resource.GPU
+        assert cost.resource_of(Stream.HOST, hw) is cost.Resource.HOST
+
+
+def test_host_only_spec_cannot_time_gpu_ops():
+    hw = spec(bf16_flops=0.0, fp32_flops=0.0, h2d_bytes_per_s=0.0, name="host-only")
+    layer = chain_graph(1).layers[0]
+    with pytest.raises(ConfigError, match=r"'host-only' has h2d_bytes_per_s=0.*preset"):
+        cost.h2d_time(layer, Plan(), hw)
+    with pytest.raises(ConfigError, match="fp32_flops=0"):
+        cost.fwd_time(layer, Plan(), hw)
+    assert cost.opt_time(layer, hw) > 0  # the host side still has a rate
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+def test_memory_breakdown_static_terms_by_hand():
+    g = chain_graph(3, numel=[1024, 4096, 2048], trainable=[True, True, False], buffer_bytes=[100, 0, 28])
+    plan = Plan(slots=2, prefetch_distance=1, grad_ring=3, resident=frozenset({2}))
+    m = cost.memory_breakdown(g, plan, spec(gpu_reserve_bytes=777))
+    total = 1024 + 4096 + 2048
+    assert m.master_weights == total * 4
+    assert m.adam_moments == total * 8
+    assert m.gradient_ring == 3 * 4096 * 4
+    assert m.staging_ring == 0  # FP32 compute reads the master tile directly
+    assert m.state_pinned and m.host_pinned == total * 12 + 3 * 4096 * 4
+    assert m.weight_slots == (2 + 1) * 4096 * 4  # two streaming slots + one resident slot
+    assert m.gradient_slots == (2 + 1) * 4096 * 4
+    assert m.buffers == 128
+    assert m.reserve == 777
+    assert m.pinned_activations == 0
+    bf16 = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", staging_ring=2, grad_ring=3))
+    assert bf16.staging_ring == 2 * 4096 * 2
+    assert bf16.weight_slots == 2 * 4096 * 2
+    assert not bf16.state_pinned and bf16.host_pinned == 3 * 4096 * 4 + 2 * 4096 * 2
+    assert bf16.reserve == hardware.DEFAULT_GPU_RESERVE_BYTES  # no spec given
+    assert bf16.host_total == total * 12 + 3 * 4096 * 4 + 2 * 4096 * 2
+
+
+def test_activation_peak_by_hand():
+    # 3 layers, 2 micro-batches, KEEP everywhere. Fixed: 2 weight + 2 gradient slots of 1024 FP32
+    # elements = 16384 B. Batch inputs: input_ids and labels, 128 B each per micro-batch = 512 B.
+    # The peak is at the start of BWD:L2:m0: checkpoints h0, h1 of both micro-batches (4 x 4096),
+    # the gradient of h1 for m0 that this backward produces (4096) and its working memory (100).
+    g = chain_graph(3, numel=1024, act_bytes=4096, work_bytes=100)
+    plan = Plan(micro_batches=2)
+    m = cost.memory_breakdown(g, plan, spec())
+    assert m.gpu_fixed == 16384
+    assert m.activations_peak == 512 + 4 * 4096 + 4096
+    assert m.working_peak == 100
+    assert m.dynamic_peak == 512 + 5 * 4096 + 100
+    assert m.gpu_peak == 16384 + 512 + 5 * 4096 + 100
+    # The same with the lowered schedule passed in.
+    assert cost.memory_breakdown(g, plan, spec(), lower(g, plan)) == m
+
+
+def test_activation_liveness_balances():
+    g = chain_graph(5, act_bytes=1000, work_bytes=7)
+    s = lower(g, Plan(micro_batches=3))
+    live = cost.activation_liveness(s, g)
+    # Everything allocated is freed by the end of the step.
+    assert live.at_start + sum(live.alloc) == sum(live.free)
+    for i, op in enumerate(s.ops):
+        if op.stream is not Stream.COMPUTE:
+            assert live.alloc[i] == live.free[i] == live.work[i] == 0
+
+
+def test_pinned_activation_space_formula():
+    g = chain_graph(4, act_bytes=1000)
+    keep = Plan(micro_batches=3)
+    offload = Plan(micro_batches=3, activations=(ActivationPolicy.OFFLOAD, ActivationPolicy.KEEP,
+                                                 ActivationPolicy.OFFLOAD, ActivationPolicy.KEEP))
+    # Lowering does not implement OFFLOAD yet: time the formula against the KEEP schedule's order.
+    m = cost.memory_breakdown(g, offload, spec(), schedule=lower(g, keep))
+    assert m.pinned_activations == 2 * 1000 * 3  # h0 and h2, every micro-batch
+
+
+def test_memory_breakdown_table_lists_every_row():
+    m = cost.memory_breakdown(chain_graph(2), Plan(), spec())
+    text = m.format()
+    assert len(text.splitlines()) == len(m.rows())
+    assert "weight slots" in text and "peak" in text
+
+
+# -- FLOPs -----------------------------------------------------------------------------------------
+
+def test_model_flops_and_mfu():
+    g = chain_graph(3, fwd_flops=[0, 10**9, 2 * 10**9], micro_batch_size=2, seq_len=8)
+    plan = Plan(micro_batches=4)
+    assert cost.model_flops_per_token(g) == pytest.approx(3 * 3e9 / 16)
+    assert cost.flops_per_step(g, plan) == pytest.approx(3 * 3e9 * 4)
+    assert cost.flops_per_step(g, plan, "eval") == pytest.approx(3e9 * 4)
+    assert cost.tokens_per_step(g, plan) == 64
+    hw = spec(fp32_flops=1e12, bf16_flops=2e12)
+    assert cost.mfu(1e12, 2.0, "float32", hw) == pytest.approx(0.5)
+    assert cost.mfu(1e12, 2.0, "bfloat16", hw) == pytest.approx(0.25)
+    assert cost.mfu(1e12, 0.0, "float32", hw) == 0.0
+    assert cost.mfu(1e12, 1.0, "float32", spec(fp32_flops=0.0)) == 0.0
+
+
+# -- hardware spec ---------------------------------------------------------------------------------
+
+def test_presets_are_valid_and_looked_up_case_insensitively():
+    assert set(PRESETS) == {"H100_SXM", "H200", "GH200", "A100_80GB", "RTX_4090"}
+    for name, hw in PRESETS.items():
+        assert preset(name.lower()) is hw
+        assert preset(name.replace("_", "-")) is hw
+        assert hw.has_gpu and hw.pinned_memory_cap_bytes <= hw.host_memory_bytes
+        assert hw.fp32_flops < hw.bf16_flops
+        assert HardwareSpec.model_validate_json(hw.model_dump_json()) == hw
+    assert preset("h100 sxm").bf16_flops == 989e12
+    assert preset("GH200").h2d_bytes_per_s <= 450e9  # NVLink-C2C per direction
+    assert preset("H200").host_memory_bytes == 3 * 2**40 // 2
+    assert preset("A100_80GB").bf16_flops == 312e12
+    with pytest.raises(ConfigError, match=r"'h300'.*A100_80GB.*GH200.*H100_SXM.*H200.*RTX_4090"):
+        preset("h300")
+
+
+def test_spec_rejects_bad_values():
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        spec(tflops=3)
+    with pytest.raises(pydantic.ValidationError, match="pinned_memory_cap_bytes"):
+        spec(host_memory_bytes=10, pinned_memory_cap_bytes=11)
+    with pytest.raises(pydantic.ValidationError):
+        spec(matmul_efficiency=1.5)
+    with pytest.raises(pydantic.ValidationError):
+        spec(host_optimizer_params_per_s=0)
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        spec().h2d_bytes_per_s = 1.0
+
+
+def test_spec_save_load_round_trip(tmp_path):
+    hw = preset("RTX_4090")
+    hw.save(tmp_path / "hw.json")
+    assert HardwareSpec.load(tmp_path / "hw.json") == hw
+    assert json.loads((tmp_path / "hw.json").read_text())["name"] == hw.name
+
+
+def test_measure_host(tmp_path):
+    import torch
+
+    hw = HardwareSpec.measure(tmp_path / "me.json", optimizer_numel=1 << 20, seconds=0.2)
+    assert hw.host_optimizer_params_per_s > 0
+    assert hw.host_memory_bytes > 0 and 0 < hw.pinned_memory_cap_bytes <= hw.host_memory_bytes
+    assert HardwareSpec.load(tmp_path / "me.json") == hw
+    assert HardwareSpec.model_validate_json(hw.model_dump_json()) == hw
+    if not torch.cuda.is_available():
+        assert "host-only" in hw.name
+        assert hw.bf16_flops == hw.h2d_bytes_per_s == hw.gpu_memory_bytes == 0
+        assert not hw.has_gpu

@@ -1,0 +1,205 @@
+"""Ops, schedules, lowering and the verifier: round trips, invariants, and mutations it must catch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatrain.errors import PlanError, ScheduleError
+from megatrain.planner.lower import lower
+from megatrain.planner.plan import Plan
+from megatrain.planner.schedule import Op, OpKind, Schedule
+from megatrain.planner.verify import happens_before, verify
+
+from graphs import chain_graph
+
+
+@pytest.mark.parametrize("text", ["H2D:L3:s1", "FWD:L0:m2:s0", "BWD:L12:m0:s3", "D2H:L4:s1:r0", "OPT:L7:r1"])
+def test_op_repr_parses_back(text):
+    op = Op.parse(text, deps=(1, 2))
+    assert repr(op) == text and op.deps == (1, 2)
+    assert Op.parse(repr(op), op.deps) == op
+
+
+@pytest.mark.parametrize("text, match", [
+    ("XYZ:L1", "unknown op kind"), ("H2D:L1", "H2D:L<int>:s<int>"), ("FWD:L1:s0:m0", "m<int>"),
+    ("OPT:Lx:r0", "L<int>"),
+])
+def test_bad_op_text_is_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        Op.parse(text)
+
+
+def test_op_fields_are_checked():
+    with pytest.raises(ValueError, match="needs slot"):
+        Op(OpKind.H2D, 1)
+    with pytest.raises(ValueError, match="takes no mb"):
+        Op(OpKind.OPT, 1, mb=0, ring=0)
+
+
+@given(kind=st.sampled_from(list(OpKind)), layer=st.integers(0, 500), mb=st.integers(0, 64),
+       slot=st.integers(0, 16), ring=st.integers(0, 8))
+def test_any_op_round_trips(kind, layer, mb, slot, ring):
+    fields = {OpKind.H2D: dict(slot=slot), OpKind.FWD: dict(mb=mb, slot=slot), OpKind.BWD: dict(mb=mb, slot=slot),
+              OpKind.D2H: dict(slot=slot, ring=ring), OpKind.OPT: dict(ring=ring)}[kind]
+    op = Op(kind, layer, **fields)
+    assert Op.parse(repr(op)) == op
+
+
+PLANS = [Plan(), Plan(micro_batches=3), Plan(slots=1, prefetch_distance=0, grad_ring=1),
+         Plan(slots=4, prefetch_distance=3, grad_ring=3, micro_batches=2),
+         Plan(slots=2, prefetch_distance=1, resident=frozenset({0, 5}))]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_lowered_schedules_verify_and_round_trip_json(plan, mode):
+    g = chain_graph(6)
+    s = lower(g, plan, mode)
+    verify(s, g)
+    again = Schedule.from_json(s.to_json())
+    assert again == s and again.to_json() == s.to_json()
+
+
+def test_weights_are_loaded_at_most_twice_per_step_and_the_turn_reuses_a_slot():
+    g = chain_graph(6)
+    s = lower(g, Plan(micro_batches=4), "train")
+    loads = [op.layer for op in s.ops if op.kind is OpKind.H2D]
+    assert all(loads.count(layer) <= 2 for layer in range(6))
+    assert loads.count(5) == 1 and loads.count(4) == 1, "the last layers stay in their slots at the turn"
+    assert sum(op.kind is OpKind.FWD and op.layer == 5 for op in s.ops) == 0, "no separate loss forward"
+    resident = lower(g, Plan(resident=frozenset({2})), "train")
+    assert [op.layer for op in resident.ops if op.kind is OpKind.H2D].count(2) == 1
+
+
+def test_schedule_dag_with_stream_order_is_acyclic_per_networkx():
+    g = chain_graph(5)
+    s = lower(g, Plan(micro_batches=2), "train")
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(s)))
+    last = {}
+    for i, op in enumerate(s.ops):
+        dag.add_edges_from((d, i) for d in op.deps)
+        if op.stream in last:
+            dag.add_edge(last[op.stream], i)
+        last[op.stream] = i
+    assert nx.is_directed_acyclic_graph(dag)
+    anc = happens_before(s)
+    for i in range(len(s)):
+        assert {j for j in range(len(s)) if (anc[i] >> j) & 1} == nx.ancestors(dag, i)
+
+
+def _drop_dep(s: Schedule, i: int, dep: int) -> Schedule:
+    ops = list(s.ops)
+    ops[i] = dataclasses.replace(ops[i], deps=tuple(d for d in ops[i].deps if d != dep))
+    return dataclasses.replace(s, ops=tuple(ops))
+
+
+def _find(s: Schedule, kind: OpKind, layer: int, mb: int | None = None) -> int:
+    return next(i for i, op in enumerate(s.ops) if op.kind is kind and op.layer == layer and op.mb == mb)
+
+
+def test_verifier_catches_an_h2d_that_overwrites_a_slot_in_use():
+    g = chain_graph(4)
+    s = lower(g, Plan(), "train")
+    h = _find(s, OpKind.H2D, 2)
+    fwd0 = _find(s, OpKind.FWD, 0, 0)
+    bad = _drop_dep(s, h, fwd0)
+    with pytest.raises(ScheduleError, match=r"rule 'weights'.*may overwrite slot s0") as e:
+        verify(bad, g)
+    assert "-->" in str(e.value) and "FWD:L0:m0:s0" in str(e.value)
+
+
+def test_verifier_catches_gradients_overwritten_before_copy_out():
+    g = chain_graph(4)
+    s = lower(g, Plan(), "train")
+    d2h = _find(s, OpKind.D2H, 2)
+    later = next(i for i, op in enumerate(s.ops) if op.kind is OpKind.H2D and d2h in op.deps)
+    bad = _drop_dep(s, later, d2h)
+    with pytest.raises(ScheduleError, match="rule 'gradients'"):
+        verify(bad, g)
+
+
+def test_verifier_catches_an_update_before_all_micro_batches():
+    g = chain_graph(3)
+    s = lower(g, Plan(micro_batches=2), "train")
+    ops = list(s.ops)
+    # Move layer 1's update (and its gradient copy) to depend only on micro-batch 0.
+    b0 = _find(s, OpKind.BWD, 1, 0)
+    b1 = _find(s, OpKind.BWD, 1, 1)
+    ops[b1] = dataclasses.replace(ops[b1], deps=tuple(d for d in ops[b1].deps if d != b0))
+    d = next(i for i, op in enumerate(ops) if op.kind is OpKind.D2H and op.layer == 1)
+    ops[d] = dataclasses.replace(ops[d], deps=(b0,))
+    # Put the D2H before micro-batch 1's backward in issue order.
+    reordered = dataclasses.replace(s, ops=tuple(ops))
+    with pytest.raises(ScheduleError):
+        verify(reordered, g)
+
+
+def test_verifier_catches_missing_and_duplicate_work():
+    g = chain_graph(3)
+    s = lower(g, Plan(), "train")
+    opt = _find(s, OpKind.OPT, 1)
+    without = dataclasses.replace(s, ops=s.ops[:opt] + s.ops[opt + 1:])
+    with pytest.raises(ScheduleError):
+        verify(without, g)
+    twice = dataclasses.replace(s, ops=s.ops + (s.ops[opt],))
+    with pytest.raises(ScheduleError, match=r"rule 'coverage'.*updated 2 times"):
+        verify(twice, g)
+
+
+def test_verifier_catches_a_forward_before_its_input():
+    g = chain_graph(3)
+    s = lower(g, Plan(slots=3, prefetch_distance=2), "eval")
+    f1 = _find(s, OpKind.FWD, 1, 0)
+    f0 = _find(s, OpKind.FWD, 0, 0)
+    ops = list(s.ops)
+    ops[f1] = dataclasses.replace(ops[f1], deps=tuple(d for d in ops[f1].deps if d != f0))
+    # Issue layer 1's forward first so stream order does not hide the missing edge.
+    ops[f0], ops[f1] = ops[f1], ops[f0]
+    with pytest.raises(ScheduleError, match="rule 'weights'|rule 'data'|rule 'order'"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+def test_verifier_catches_deps_pointing_forward():
+    g = chain_graph(2)
+    s = lower(g, Plan(), "train")
+    ops = list(s.ops)
+    ops[0] = dataclasses.replace(ops[0], deps=(3,))
+    with pytest.raises(ScheduleError, match="rule 'order'"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(slots=0), "slot"), (dict(slots=2, prefetch_distance=2), "prefetch_distance"),
+    (dict(grad_ring=0), "grad_ring"), (dict(micro_batches=0), "micro_batches"),
+    (dict(compute_dtype="float16"), "compute_dtype"),
+])
+def test_bad_plans_are_refused(kw, match):
+    with pytest.raises(PlanError, match=match):
+        Plan(**kw)
+
+
+def test_plan_that_does_not_fit_the_graph_is_refused():
+    with pytest.raises(PlanError, match="resident names layers"):
+        lower(chain_graph(3), Plan(resident=frozenset({7})))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12), micro_batches=st.integers(1, 4), slots=st.integers(1, 5), data=st.data(),
+       numel=st.lists(st.integers(16, 4096), min_size=12, max_size=12))
+def test_every_lowered_schedule_verifies(n, micro_batches, slots, data, numel):
+    d = data.draw(st.integers(0, slots - 1))
+    ring = data.draw(st.integers(1, 4))
+    resident = frozenset(data.draw(st.sets(st.integers(0, n - 1), max_size=min(3, n))))
+    g = chain_graph(n, numel=numel[:n])
+    plan = Plan(micro_batches=micro_batches, slots=slots, prefetch_distance=d, grad_ring=ring, resident=resident)
+    for mode in ("train", "eval"):
+        s = lower(g, plan, mode)
+        verify(s, g)
+        loads = [op.layer for op in s.ops if op.kind is OpKind.H2D]
+        assert all(loads.count(layer) <= (1 if layer in resident else 2) for layer in range(n))

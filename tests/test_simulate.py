@@ -1,0 +1,337 @@
+"""Tests for the simulator and the Timeline it returns."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphs import chain_graph, chain_graphs, hardware_specs, spec
+from megatrain.errors import ScheduleError
+from megatrain.planner import cost
+from megatrain.planner.hardware import preset
+from megatrain.planner.lower import lower
+from megatrain.planner.plan import Plan
+from megatrain.planner.schedule import Op, OpKind, Schedule, Stream
+from megatrain.planner.simulate import simulate
+from megatrain.planner.timeline import Timeline
+from megatrain.planner.verify import verify
+
+
+def run(graph, plan, hw, mode="train"):
+    s = lower(graph, plan, mode)
+    verify(s, graph)
+    return s, simulate(s, graph, hw)
+
+
+def overlaps(a, b) -> bool:
+    return a.start_s < b.end_s and b.start_s < a.end_s
+
+
+def check_invariants(schedule, tl, hw):
+    """Properties every simulated timeline has, whatever the graph and spec."""
+    recs = tl.records
+    eps = 1e-12 * max(1.0, tl.step_time_s)
+    assert [r.index for r in recs] == list(range(len(schedule.ops)))
+    for r, op in zip(recs, schedule.ops):
+        assert r.op == repr(op) and r.stream is op.stream
+        for d in op.deps:
+            assert r.start_s >= recs[d].end_s - eps, f"{r.op} starts before its dependency {recs[d].op} ends"
+    by_resource = {}
+    for r in recs:
+        by_resource.setdefault(cost.resource_of(r.stream, hw), []).append(r)
+    for res, rs in by_resource.items():
+        rs.sort(key=lambda r: (r.start_s, r.index))
+        for a, b in zip(rs, rs[1:]):
+            assert b.start_s >= a.end_s - eps, f"{a.op} and {b.op} overlap on {res.value}"
+    for s in Stream:  # in-order queues run in list order
+        rs = [r for r in recs if r.stream is s]
+        assert all(a.end_s <= b.start_s + eps for a, b in zip(rs, rs[1:]))
+    busiest = max(tl.busy_s.values())
+    total = sum(r.duration_s for r in recs)
+    assert busiest - eps <= tl.step_time_s <= total + eps
+    assert tl.bottleneck is max(Stream, key=lambda s: tl.busy_s[s])
+
+
+# -- hand-checked cases ----------------------------------------------------------------------------
+
+def test_one_layer_step_is_the_sum_of_its_chain():
+    g = chain_graph(1, numel=1000, fwd_flops=10**6)
+    s, tl = run(g, Plan(slots=1, prefetch_distance=0), spec())
+    assert [repr(o) for o in s.ops] == ["H2D:L0:s0", "BWD:L0:m0:s0", "D2H:L0:s0:r0", "OPT:L0:r0"]
+    layer, plan, hw = g.layers[0], s.plan, spec()
+    expect = (cost.h2d_time(layer, plan, hw) + cost.bwd_time(layer, plan, hw) + cost.d2h_time(layer, hw)
+              + cost.opt_time(layer, hw))
+    assert tl.step_time_s == pytest.approx(expect)
+    assert tl.source == "simulated" and tl.hardware == "test"
+    assert tl.tokens_per_step == 16 and tl.tokens_per_s == pytest.approx(16 / expect)
+    check_invariants(s, tl, hw)
+
+
+def test_bottleneck_flips_between_compute_and_copy():
+    g = chain_graph(8, numel=1 << 16, fwd_flops=10**7)  # 256 KiB of FP32 weights, 10 MFLOP forward
+    fast_copy = spec(h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12, fp32_flops=1e9)
+    slow_copy = spec(h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e12, fp32_flops=1e12)
+    _, compute_bound = run(g, Plan(), fast_copy)
+    _, copy_bound = run(g, Plan(), slow_copy)
+    assert compute_bound.bottleneck is Stream.COMPUTE
+    assert copy_bound.bottleneck is Stream.H2D
+    assert compute_bound.busy_fraction[Stream.COMPUTE] > 0.9
+    assert copy_bound.busy_fraction[Stream.H2D] > 0.9
+    slow_opt = spec(host_optimizer_params_per_s=1e3)
+    _, host_bound = run(g, Plan(), slow_opt)
+    assert host_bound.bottleneck is Stream.HOST
+
+
+def test_prefetch_overlaps_copy_with_compute():
+    # Copy and compute of a layer take about as long: 1 MiB at 1 GB/s ~ 1 ms, 1 MFLOP at 1 GFLOP/s.
+    g = chain_graph(6, numel=1 << 18, fwd_flops=10**6)
+    hw = spec()
+    s_none, none = run(g, Plan(slots=1, prefetch_distance=0), hw)
+    s_pre, pre = run(g, Plan(slots=2, prefetch_distance=1), hw)
+    check_invariants(s_none, none, hw)
+    check_invariants(s_pre, pre, hw)
+    assert pre.step_time_s < 0.85 * none.step_time_s
+    # Without prefetch nothing overlaps the copies: every H2D runs while compute idles.
+    h2d = [r for r in none.records if r.stream is Stream.H2D]
+    fc = [r for r in none.records if r.stream is Stream.COMPUTE]
+    assert not any(overlaps(a, b) for a in h2d for b in fc)
+
+
+def test_non_duplex_serialises_h2d_and_d2h():
+    # Big gradients and weights in the backward: D2H of one layer and H2D of the next overlap on a
+    # duplex link, and queue behind each other on one copy engine.
+    g = chain_graph(6, numel=1 << 18, fwd_flops=10**5)
+    duplex, simplex = spec(duplex=True), spec(duplex=False)
+    s, tl_duplex = run(g, Plan(slots=3, prefetch_distance=2), duplex)
+    _, tl_simplex = run(g, Plan(slots=3, prefetch_distance=2), simplex)
+    copies = lambda tl, k: [r for r in tl.records if r.stream is k]  # noqa: E731
+    pairs = lambda tl: [(a, b) for a in copies(tl, Stream.H2D) for b in copies(tl, Stream.D2H)]  # noqa: E731
+    assert any(overlaps(a, b) for a, b in pairs(tl_duplex))
+    assert not any(overlaps(a, b) for a, b in pairs(tl_simplex))
+    assert tl_simplex.step_time_s > tl_duplex.step_time_s
+    check_invariants(s, tl_simplex, simplex)
+
+
+def test_gpu_memory_curve_peak_matches_hand_value_and_cost_model():
+    g = chain_graph(3, numel=1024, act_bytes=4096, work_bytes=100)
+    plan = Plan(micro_batches=2)
+    s, tl = run(g, plan, spec())
+    # See test_cost.test_activation_peak_by_hand for the terms.
+    assert tl.gpu_peak_bytes == 16384 + 512 + 5 * 4096 + 100
+    assert tl.gpu_peak_bytes == cost.memory_breakdown(g, plan, spec(), s).gpu_peak
+    assert tl.gpu_memory[0] == (0.0, 16384 + 512)
+    assert tl.gpu_memory[-1][1] == 16384  # everything but the fixed allocations is freed
+    times = [t for t, _ in tl.gpu_memory]
+    assert times == sorted(times) and times[-1] <= tl.step_time_s
+    # FP32 compute pins the master tiles and moments as well as the gradient ring.
+    assert tl.pinned_peak_bytes == 3 * 1024 * 12 + 2 * 1024 * 4
+    assert tl.pinned_memory[-1] == (tl.step_time_s, tl.pinned_peak_bytes)
+
+
+def test_eval_schedule_simulates():
+    g = chain_graph(4, fwd_flops=10**6)
+    s, tl = run(g, Plan(micro_batches=2), spec(), mode="eval")
+    assert {r.kind for r in tl.records} == {OpKind.H2D, OpKind.FWD}
+    assert tl.model_flops_per_step == cost.flops_per_step(g, s.plan, "eval")
+    check_invariants(s, tl, spec())
+
+
+# -- deadlocks -------------------------------------------------------------------------------------
+
+def _hand_schedule(*ops: Op) -> Schedule:
+    return Schedule(ops=tuple(ops), plan=Plan(slots=2), n_layers=2)
+
+
+def test_deadlock_on_a_dependency_behind_it_in_its_own_stream():
+    g = chain_graph(2)
+    s = _hand_schedule(Op(OpKind.H2D, 0, slot=0), Op(OpKind.FWD, 0, mb=0, slot=0, deps=(0, 3)),
+                       Op(OpKind.H2D, 1, slot=1), Op(OpKind.BWD, 1, mb=0, slot=1, deps=(2,)))
+    with pytest.raises(ScheduleError) as e:
+        simulate(s, g, spec())
+    msg = str(e.value)
+    assert "2 of 4 ops can never start" in msg
+    assert "#1 FWD:L0:m0:s0 waits for #3 BWD:L1:m0:s1 (queued after it on its own stream, compute)" in msg
+    assert "--> " in msg and "Fix:" in msg
+
+
+def test_deadlock_across_streams_names_every_stuck_head():
+    g = chain_graph(2)
+    # H2D:L1 waits for FWD:L1, which waits for H2D:L1: a cycle through two queues.
+    s = _hand_schedule(Op(OpKind.H2D, 0, slot=0), Op(OpKind.FWD, 0, mb=0, slot=0, deps=(0,)),
+                       Op(OpKind.H2D, 1, slot=1, deps=(3,)), Op(OpKind.FWD, 1, mb=0, slot=1, deps=(2,)))
+    with pytest.raises(ScheduleError) as e:
+        simulate(s, g, spec())
+    msg = str(e.value)
+    assert "h2d     #2 H2D:L1:s1 waits for #3 FWD:L1:m0:s1 (the blocked head of compute)" in msg
+    assert "compute #3 FWD:L1:m0:s1 waits for #2 H2D:L1:s1 (the blocked head of h2d)" in msg
+    # H2D:L0 waits for FWD:L1, which is queued behind FWD:L0, which waits for H2D:L0.
+    s = _hand_schedule(Op(OpKind.H2D, 0, slot=0, deps=(2,)), Op(OpKind.FWD, 0, mb=0, slot=0, deps=(0,)),
+                       Op(OpKind.FWD, 1, mb=0, slot=1))
+    with pytest.raises(ScheduleError) as e:
+        simulate(s, g, spec())
+    assert ("#0 H2D:L0:s0 waits for #2 FWD:L1:m0:s1 (queued on compute behind the blocked head #1 "
+            "FWD:L0:m0:s0)") in str(e.value)
+
+
+def test_dependency_on_a_missing_op_is_an_error():
+    s = _hand_schedule(Op(OpKind.H2D, 0, slot=0, deps=(5,)))
+    with pytest.raises(ScheduleError, match=r"op #0 H2D:L0:s0 depends on op #5, which does not exist"):
+        simulate(s, chain_graph(2), spec())
+
+
+# -- Timeline --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_timeline():
+    g = chain_graph(4, numel=1 << 14, fwd_flops=10**6, act_bytes=2048, work_bytes=512)
+    s = lower(g, Plan(micro_batches=2, compute_dtype="bfloat16"))
+    return s, g, simulate(s, g, spec())
+
+
+def test_timeline_json_round_trip(small_timeline, tmp_path):
+    _, _, tl = small_timeline
+    back = Timeline.from_json(tl.to_json())
+    assert back == tl
+    tl.save(tmp_path / "t.json")
+    assert Timeline.load(tmp_path / "t.json") == tl
+    assert json.loads(tl.to_json())["version"] == 1
+    assert Timeline.from_json(back.to_json(indent=1)).to_json() == tl.to_json()
+
+
+def test_from_records_rebuilds_a_timeline(small_timeline):
+    s, g, tl = small_timeline
+    shift = 123.0  # measured clocks have an arbitrary origin
+    recs = [(r.index, r.stream.value, r.start_s + shift, r.end_s + shift) for r in reversed(tl.records)]
+    back = Timeline.from_records(s, g, recs, spec(), source="simulated")
+    assert back.step_time_s == pytest.approx(tl.step_time_s)
+    assert back.gpu_peak_bytes == tl.gpu_peak_bytes and back.bottleneck is tl.bottleneck
+    assert Timeline.from_records(s, g, recs, spec()).source == "measured"
+    with pytest.raises(ValueError, match=r"missing ops \[0\]"):
+        Timeline.from_records(s, g, recs[:-1], spec())
+    bad = [(i, Stream.HOST if i == 0 else st_, a, b) for i, st_, a, b in recs]
+    with pytest.raises(ValueError, match="op #0 .* says stream 'host'"):
+        Timeline.from_records(s, g, bad, spec())
+
+
+def test_chrome_trace_has_one_event_per_op(small_timeline):
+    s, _, tl = small_timeline
+    trace = json.loads(json.dumps(tl.to_chrome_trace()))  # plain JSON types only
+    events = trace["traceEvents"]
+    xs = [e for e in events if e["ph"] == "X"]
+    assert len(xs) == len(s.ops)
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(threads.values()) == sorted(st_.value for st_ in Stream)
+    for e, op in zip(sorted(xs, key=lambda e: e["args"]["index"]), s.ops):
+        assert e["name"] == repr(op) and e["cat"] == op.kind.value
+        assert threads[e["tid"]] == op.stream.value
+        assert e["ts"] >= 0 and e["dur"] >= 0 and isinstance(e["pid"], int)
+    counters = [e for e in events if e["ph"] == "C"]
+    assert {e["name"] for e in counters} == {"GPU memory", "pinned host memory"}
+    assert max(e["args"]["bytes"] for e in counters if e["name"] == "GPU memory") == tl.gpu_peak_bytes
+    last_end = max(e["ts"] + e["dur"] for e in xs)
+    assert last_end == pytest.approx(tl.step_time_s * 1e6)
+
+
+def test_save_png(small_timeline, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, _, tl = small_timeline
+    path = tmp_path / "t.png"
+    tl.save_png(path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# -- real graph and scale --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_graph():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatrain.planner.trace import trace
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return trace(model, micro_batch_size=1, seq_len=128).graph
+
+
+def test_traced_llama_on_presets(llama_graph):
+    g = llama_graph
+    plan = Plan(micro_batches=2, compute_dtype="bfloat16")
+    for name in ("H100_SXM", "RTX_4090"):
+        hw = preset(name)
+        s, tl = run(g, plan, hw)
+        check_invariants(s, tl, hw)
+        assert 0 < tl.mfu < 1
+        assert tl.tokens_per_step == 2 * 128
+        assert tl.model_flops_per_step == pytest.approx(3 * sum(la.fwd_flops for la in g.layers) * 2)
+        m = cost.memory_breakdown(g, plan, hw, s)
+        assert tl.gpu_peak_bytes == m.gpu_peak
+        assert m.master_weights == 4 * sum(la.numel for la in g.layers)
+        # A tiny model on a big GPU: every op is latency-bound, weights stream faster than compute.
+        assert tl.step_time_s < 0.01
+    # The same schedule is slower on the slower GPU and link.
+    s = lower(g, plan)
+    assert simulate(s, g, preset("RTX_4090")).step_time_s > simulate(s, g, preset("H100_SXM")).step_time_s
+
+
+def test_simulating_120_layers_8_micro_batches_is_fast():
+    g = chain_graph(120, numel=1 << 20, fwd_flops=10**11, act_bytes=1 << 20, work_bytes=1 << 22)
+    s = lower(g, Plan(micro_batches=8, compute_dtype="bfloat16"))
+    assert len(s.ops) > 2000
+    t0 = time.perf_counter()
+    tl = simulate(s, g, preset("H200"))
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, f"simulating {len(s.ops)} ops took {elapsed:.3f} s"
+    check_invariants(s, tl, preset("H200"))
+
+
+# -- properties ------------------------------------------------------------------------------------
+
+@st.composite
+def plans(draw, n_layers: int) -> Plan:
+    slots = draw(st.integers(1, 3))
+    resident = draw(st.sets(st.integers(0, n_layers - 1), max_size=min(2, n_layers)))
+    return Plan(micro_batches=draw(st.integers(1, 3)), slots=slots,
+                prefetch_distance=draw(st.integers(0, slots - 1)), grad_ring=draw(st.integers(1, 3)),
+                resident=frozenset(resident), compute_dtype=draw(st.sampled_from(["float32", "bfloat16"])))
+
+
+@st.composite
+def cases(draw):
+    g = draw(chain_graphs(max_layers=6))
+    return g, draw(plans(len(g.layers))), draw(hardware_specs())
+
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(cases())
+def test_lowered_schedules_never_deadlock_and_respect_the_dag(case):
+    g, plan, hw = case
+    s, tl = run(g, plan, hw)
+    check_invariants(s, tl, hw)
+    assert tl.gpu_peak_bytes == cost.memory_breakdown(g, plan, hw, s).gpu_peak
+
+
+@PROPERTY
+@given(cases(), st.sampled_from(["h2d", "d2h", "copies", "gpu", "host", "all"]), st.floats(1.0, 100.0))
+def test_faster_hardware_never_slows_the_step(case, what, factor):
+    g, plan, hw = case
+    s = lower(g, plan)
+    fields = {"h2d": ["h2d_bytes_per_s"], "d2h": ["d2h_bytes_per_s"],
+              "copies": ["h2d_bytes_per_s", "d2h_bytes_per_s"], "gpu": ["bf16_flops", "fp32_flops"],
+              "host": ["host_optimizer_params_per_s"]}
+    names = fields.get(what) or [f for v in fields.values() for f in v]
+    faster = hw.model_copy(update={f: getattr(hw, f) * factor for f in set(names)})
+    before = simulate(s, g, hw).step_time_s
+    after = simulate(s, g, faster).step_time_s
+    assert after <= before * (1 + 1e-9)
