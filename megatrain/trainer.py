@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -112,11 +113,10 @@ class Trainer:
     def _as_dict(self, batch) -> dict[str, torch.Tensor]:
         names = self.options.input_names
         if isinstance(batch, torch.Tensor):
-            if "input_ids" not in names:
-                raise BatchError(f"a plain tensor batch is taken as input_ids, but the model was compiled "
-                                 f"with inputs {list(names)}; pass a dict")
-            return {n: batch for n in names if n in ("input_ids", "labels")} | (
-                {} if set(names) <= {"input_ids", "labels"} else _missing(names, {"input_ids", "labels"}))
+            if not set(names) <= {"input_ids", "labels"} or "input_ids" not in names:
+                raise BatchError(f"a plain tensor batch is taken as input_ids (and labels), but the model "
+                                 f"was compiled with inputs {list(names)}; pass a dict")
+            return {n: batch for n in names}
         if not isinstance(batch, Mapping):
             raise BatchError(f"batch must be a dict of tensors or a tensor, not {type(batch).__name__}")
         extra = sorted(set(batch) - set(names))
@@ -127,8 +127,10 @@ class Trainer:
         return dict(batch)
 
     def _rows(self, batch) -> int:
-        d = self._as_dict(batch)
-        return next(iter(d.values())).shape[0] if d and next(iter(d.values())).dim() > 0 else 0
+        first = next(iter(self._as_dict(batch).values()))
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            raise BatchError("batch tensors must be [batch, seq_len]")
+        return first.shape[0]
 
     def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
         d = self._as_dict(batch)
@@ -148,17 +150,14 @@ class Trainer:
         return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
 
 
-def _missing(names: Sequence[str], have: set[str]) -> dict:
+def _missing(names: Sequence[str], have: set[str]) -> None:
     miss = [n for n in names if n not in have]
     if miss:
         raise BatchError(f"batch lacks inputs {miss}; the model was compiled with inputs {list(names)}")
-    return {}
 
 
 def _with_micro_batches(plan: Plan, k: int) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, micro_batches=k)
+    return dataclasses.replace(plan, micro_batches=k)
 
 
 def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,

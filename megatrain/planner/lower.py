@@ -31,15 +31,12 @@ class _Visit:
     layer: int
     kind: OpKind  # FWD or BWD
     slot: int = -1
-    load: int | None = None  # index of the H2D op that brought the weights, once emitted
     ops: list[int] = field(default_factory=list)
-    d2h: int | None = None
 
 
 @dataclass(slots=True)
 class _Slot:
     layer: int | None = None
-    last_visit: int = -1  # last visit that used the current content
     users: list[int] = field(default_factory=list)  # op indices that used the current content
     h2d: int | None = None
 
@@ -136,7 +133,6 @@ def lower(graph: LayerGraph, plan: Plan, mode: str = "train") -> Schedule:
                 deps.add(ring_last_opt[r])
             d = emit(Op(OpKind.D2H, v.layer, slot=v.slot, ring=r, deps=tuple(sorted(deps))))
             st.users.append(d)
-            v.d2h = d
             ring_last_opt[r] = emit(Op(OpKind.OPT, v.layer, ring=r, deps=(d,)))
         emit_loads(i + plan.prefetch_distance + 1)
     return Schedule(ops=tuple(ops), plan=plan, n_layers=n, mode=mode)

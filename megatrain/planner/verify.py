@@ -26,7 +26,7 @@ from collections import defaultdict
 
 from megatrain.errors import ScheduleError
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
-from megatrain.planner.schedule import Op, OpKind, Schedule
+from megatrain.planner.schedule import OpKind, Schedule
 
 
 def happens_before(schedule: Schedule) -> list[int]:
@@ -197,8 +197,3 @@ def verify(schedule: Schedule, graph: LayerGraph) -> None:
     elif by_kind[OpKind.OPT] or by_kind[OpKind.D2H] or by_kind[OpKind.BWD]:
         fail(min(by_kind[OpKind.OPT] + by_kind[OpKind.D2H] + by_kind[OpKind.BWD]), "coverage",
              "an eval schedule computes no gradients and updates nothing", "lower with mode='eval'")
-
-
-def check_op(op: Op) -> Op:
-    """Round-trip an op through its repr (used by tests and the JSON loader)."""
-    return Op.parse(repr(op), op.deps)

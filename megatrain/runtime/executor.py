@@ -175,8 +175,9 @@ class Executor:
             if layer.trainable_numel > 0:
                 gflat, res = res[0], res[1:]
                 gslot = slots.grads[s][:layer.trainable_numel]
-                if gflat is None:
-                    gslot.zero_() if mb == 0 else None
+                if gflat is None:  # the loss does not depend on this layer's weights
+                    if mb == 0:
+                        gslot.zero_()
                 elif mb == 0:
                     gslot.copy_(gflat[:layer.trainable_numel])
                 else:
