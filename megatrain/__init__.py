@@ -6,7 +6,7 @@ into per-layer FP32 host tiles; ``trainer.step(batch)`` then trains one global b
 """
 
 from megatrain.config import AdamW
-from megatrain.errors import (BatchError, ConfigError, MegatrainError, PlanError, ScheduleError, TraceError,
+from megatrain.errors import (BatchError, CheckpointError, ConfigError, MegatrainError, PlanError, ScheduleError, TraceError,
                               UnsupportedModelError)
 from megatrain.planner.plan import Plan
 from megatrain.trainer import StepResult, Trainer, compile
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdamW",
     "BatchError",
+    "CheckpointError",
     "ConfigError",
     "MegatrainError",
     "Plan",

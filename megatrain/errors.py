@@ -29,3 +29,8 @@ class ScheduleError(MegatrainError):
 
 class BatchError(MegatrainError, ValueError):
     """A batch does not match the shapes and dtypes the trainer was compiled for."""
+
+
+class CheckpointError(MegatrainError):
+    """A checkpoint cannot be written or read: missing, corrupt, interrupted, or made for another
+    model. The message names the file and, where there is one, the tensor."""

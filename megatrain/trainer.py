@@ -61,6 +61,24 @@ class Trainer:
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
 
+    def save(self, path, **kwargs):
+        """Save a Hugging Face-layout checkpoint plus resumable state; see ``megatrain.checkpoint.save_checkpoint``."""
+        from megatrain.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, **kwargs)
+
+    def load(self, path, **kwargs) -> dict:
+        """Resume from ``save``'s checkpoint; returns its ``extra_state``. See ``load_checkpoint``."""
+        from megatrain.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, **kwargs)
+
+    def load_hf_weights(self, path, **kwargs):
+        """Stream (sharded) safetensors weights into the host tiles; see ``load_hf_weights``."""
+        from megatrain.checkpoint import load_hf_weights
+
+        return load_hf_weights(self, path, **kwargs)
+
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
         self.optimizer = self.optimizer.model_copy(update={"lr": float(lr)})

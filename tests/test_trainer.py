@@ -13,7 +13,7 @@ from conftest import random_batch, tiny_gpt, tiny_llama
 
 def test_public_surface_is_pinned():
     assert sorted(megatrain.__all__) == sorted([
-        "AdamW", "BatchError", "ConfigError", "MegatrainError", "Plan", "PlanError", "ScheduleError",
+        "AdamW", "BatchError", "CheckpointError", "ConfigError", "MegatrainError", "Plan", "PlanError", "ScheduleError",
         "StepResult", "TraceError", "Trainer", "UnsupportedModelError", "compile"])
     for name in megatrain.__all__:
         assert hasattr(megatrain, name)
@@ -114,3 +114,14 @@ def test_failed_compile_leaves_the_model_as_it_was():
         megatrain.compile(model, seq_len=8)
     for n, p in model.named_parameters():
         assert p is before[n][0] and torch.equal(p, before[n][1])
+
+
+def test_trainer_save_and_load_round_trip_the_training_state(tmp_path):
+    trainer = megatrain.compile(tiny_gpt(), seq_len=8, micro_batch_size=2)
+    trainer.step(random_batch(2, 8, 96, seed=0))
+    saved = [b.clone() for b in trainer.host.blocks]
+    trainer.save(tmp_path / "ck", extra_state={"data_position": 17})
+    trainer.step(random_batch(2, 8, 96, seed=1))
+    assert not all(torch.equal(a, b) for a, b in zip(saved, trainer.host.blocks))
+    assert trainer.load(tmp_path / "ck") == {"data_position": 17}
+    assert all(torch.equal(a, b) for a, b in zip(saved, trainer.host.blocks)) and trainer.step_count == 1

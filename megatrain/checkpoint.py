@@ -1,0 +1,781 @@
+"""Checkpoints: Hugging Face weights into the host tiles, and checkpoints out that both Hugging Face
+and megatrain can load.
+
+``load_hf_weights`` streams a directory of (sharded) safetensors files into the FP32 master tiles
+one tensor at a time, so host memory grows by about one shard (the memory-mapped file) plus one
+tensor, never by a second copy of the model.
+
+``save_checkpoint`` writes::
+
+    path/
+      config.json, generation_config.json    when the model has a Hugging Face config
+      model.safetensors                      one shard, or
+      model-00001-of-0000n.safetensors ...   several, with model.safetensors.index.json
+      megatrain_state/
+        trainer_state.json                   format version, step count, Adam step per layer,
+                                             AdamW settings, tile layout, RNG states of Python and
+                                             NumPy, the caller's extra_state
+        optimizer.safetensors or             per layer "<layer>.exp_avg", "<layer>.exp_avg_sq" rows of
+        optimizer-0000k-of-0000n.safetensors the tile (and "<layer>.master" when the model shards are
+                                             not FP32, so that resuming stays exact)
+        rng.safetensors                      torch CPU (and CUDA) generator states
+        manifest.json                        sha256 and size of every other file; written last
+
+The model shards are what ``transformers.AutoModelForCausalLM.from_pretrained(path)`` reads; the
+state directory is what ``load_checkpoint`` adds to resume training bit for bit.
+
+Atomicity. Everything is written into a hidden temporary directory beside ``path`` (same file
+system), every file and directory is fsynced, and only then does the directory move into place:
+by ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system offer it (one atomic swap with
+the previous checkpoint), otherwise by renaming the old checkpoint away and the new one in. A crash
+between those two renames leaves no directory at ``path`` but two complete ones beside it; the next
+``load_checkpoint`` or ``save_checkpoint`` moves the newer one into place. ``manifest.json`` is
+written (through a rename) after every other file is durable, so a directory without it is an
+interrupted save and is never loaded. Concurrent saves to one path are not supported.
+
+Files are written by a small streaming safetensors writer rather than ``safetensors.torch.save_file``
+because that serialises a whole shard into memory first (a second copy of up to ``max_shard_bytes``)
+and gives no hook to hash the bytes and fsync the file as they are written.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Mapping
+
+import numpy as np
+import torch
+
+from megatrain.config import AdamW
+from megatrain.errors import CheckpointError
+
+__all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint"]
+
+FORMAT_NAME = "megatrain-checkpoint"
+FORMAT_VERSION = 1
+STATE_DIR = "megatrain_state"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+RNG_FILE = "rng.safetensors"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_TMP_TAG, _OLD_TAG = "megatrain-tmp", "megatrain-old"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWeights:
+    """What ``load_hf_weights`` did: the files read, the number of tensors copied into the model,
+    and (only with ``strict=False``) the model tensors left as they were and the file tensors
+    skipped."""
+
+    files: tuple[str, ...]
+    tensors: int
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Where each named tensor of the model lives
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """One tensor of the model's state_dict: a view into a master tile, or a persistent buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+    layer: int  # -1 for a buffer
+
+
+def _targets(trainer) -> dict[str, _Target]:
+    """Every state_dict tensor of the trainer's model by its name (Hugging Face naming), in graph
+    order: parameters as views of the master tiles, then persistent buffers."""
+    out: dict[str, _Target] = {}
+    for li, layer in enumerate(trainer.graph.layers):
+        for pi, spec in enumerate(layer.params):
+            out[spec.name] = _Target(spec.name, tuple(spec.shape), trainer.host.param_view(li, pi), li)
+    for name, t in trainer.model.state_dict().items():
+        # state_dict() returns detached tensors sharing the module's storage: copying into one
+        # writes the module's buffer.
+        if name not in out and isinstance(t, torch.Tensor) and t.device.type != "meta":
+            out[name] = _Target(name, tuple(t.shape), t, -1)
+    return out
+
+
+def _ignored(patterns: Iterable[str] | None, name: str) -> bool:
+    return any(re.search(p, name) for p in (patterns or ()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading safetensors
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code: F32, BF16, ...
+
+
+def _open(file: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: file not found") from None
+    except Exception as e:  # safetensors raises its own SafetensorError for a bad header or length
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); it may be truncated or "
+                              "corrupt: write it again") from None
+
+
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The shard files of a Hugging Face weights directory (or a single .safetensors file), and the
+    index's weight map when there is one."""
+    if path.is_file():
+        return [path], None
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such file or directory")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e!r}); it needs a 'weight_map' "
+                                  "object from tensor name to shard file") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+        return [path / f for f in sorted(set(weight_map.values()))], weight_map
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single], None
+    raise CheckpointError(f"{path}: has neither {SINGLE_FILE} nor {INDEX_FILE}; point at a directory "
+                          "holding Hugging Face safetensors weights")
+
+
+def _scan(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, _Stored]:
+    """Headers of every shard (cheap: no tensor data is read); duplicates and index disagreements
+    are errors."""
+    stored: dict[str, _Stored] = {}
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                if name in stored:
+                    raise CheckpointError(f"{file.name}: tensor {name!r} is also in {stored[name].file.name}; "
+                                          "each tensor must be stored once")
+                stored[name] = _Stored(file, tuple(sl.get_shape()), sl.get_dtype())
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            if name not in stored or stored[name].file.name != fname:
+                raise CheckpointError(f"{INDEX_FILE}: lists tensor {name!r} in {fname}, but {fname} does not "
+                                      "hold it; the index and the shards disagree: write the checkpoint again")
+    return stored
+
+
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
+
+
+def _check_against(stored: Mapping[str, _Stored], targets: Mapping[str, _Target], where: Path, *,
+                   ignore_missing=(), ignore_unexpected=(), strict: bool = True) -> tuple[list[str], list[str]]:
+    """Shapes, dtypes, missing and unexpected names, all checked before anything is written, so a
+    refused checkpoint leaves the model as it was."""
+    problems: list[str] = []
+    for name, s in stored.items():
+        t = targets.get(name)
+        if t is None:
+            continue
+        if s.shape != t.shape:
+            problems.append(f"{s.file.name}: tensor {name!r} has shape {list(s.shape)} but the model "
+                            f"expects {list(t.shape)}")
+        elif t.tensor.is_floating_point() and s.dtype not in _FLOAT_CODES:
+            problems.append(f"{s.file.name}: tensor {name!r} has dtype {s.dtype} but the model expects a "
+                            "floating-point tensor")
+    missing = [n for n in targets if n not in stored and not _ignored(ignore_missing, n)]
+    unexpected = [n for n in stored if n not in targets and not _ignored(ignore_unexpected, n)]
+    if strict and missing:
+        problems.append(f"{where}: lacks {len(missing)} tensor(s) the model needs: {_few(missing)}; names "
+                        "must be the model's own state_dict names (Hugging Face naming)")
+    if strict and unexpected:
+        problems.append(f"{where}: has {len(unexpected)} tensor(s) the model does not have: "
+                        + ", ".join(f"{stored[n].file.name}: {n!r}" for n in unexpected[:8])
+                        + (" ..." if len(unexpected) > 8 else "")
+                        + "; is this a checkpoint of another model? (strict=False skips them)")
+    if problems:
+        raise CheckpointError("cannot load weights: " + "; ".join(problems))
+    return missing, unexpected
+
+
+def _few(names: list[str], k: int = 8) -> str:
+    return ", ".join(repr(n) for n in names[:k]) + (f" ... ({len(names) - k} more)" if len(names) > k else "")
+
+
+def _copy_in(stored: Mapping[str, _Stored], targets: Mapping[str, _Target]) -> int:
+    """Copy file tensors into their targets, one file open and one tensor in memory at a time."""
+    by_file: dict[Path, list[str]] = {}
+    for name, s in stored.items():
+        if name in targets:
+            by_file.setdefault(s.file, []).append(name)
+    n = 0
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with _open(file) as f:
+                for name in names:
+                    try:
+                        src = f.get_tensor(name)
+                    except Exception as e:
+                        raise CheckpointError(f"{file.name}: cannot read tensor {name!r} ({e})") from None
+                    targets[name].tensor.copy_(src)  # converts BF16/F16 to the tile's FP32 exactly
+                    del src
+                    n += 1
+    return n
+
+
+def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) -> LoadedWeights:
+    """Copy Hugging Face safetensors weights into a compiled trainer's FP32 master tiles.
+
+    ``path`` is a directory holding ``model.safetensors`` or ``model.safetensors.index.json`` with
+    its shards (what ``save_pretrained`` and ``save_checkpoint`` write), or one ``.safetensors``
+    file. Tensor names are the model's own ``state_dict`` names (Hugging Face naming); any floating
+    dtype is converted to FP32. Every header is checked before any tensor is copied, so a refused
+    checkpoint leaves the weights as they were. Tensors are then read one at a time, one shard open
+    at a time: host memory grows by about the largest shard (its pages are memory-mapped) plus the
+    largest tensor. Adam moments and steps are left as they are (zero on a fresh trainer).
+    Persistent buffers in the file are copied into the module's buffers.
+
+    Args:
+        trainer: a ``megatrain.Trainer`` from ``megatrain.compile``.
+        path: the weights directory or file.
+        strict: with False, tensors the model lacks are skipped and model tensors the files lack are
+            left as they are, and both are listed in the result instead of raising.
+
+    Returns:
+        ``LoadedWeights``: the files read and the number of tensors copied.
+
+    Raises:
+        CheckpointError: no weights at ``path``; a file that is not valid safetensors (truncated or
+            corrupt); a tensor whose shape differs from the model's (naming the file and tensor);
+            with ``strict``, tensors missing from the files or not in the model.
+    """
+    path = Path(path)
+    files, weight_map = _weight_files(path)
+    stored = _scan(files, weight_map)
+    targets = _targets(trainer)
+    model = trainer.model
+    missing, unexpected = _check_against(
+        stored, targets, path, strict=strict,
+        ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None),
+        ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    n = _copy_in(stored, targets)
+    return LoadedWeights(files=tuple(str(f) for f in files), tensors=n, missing=tuple(missing),
+                         unexpected=tuple(unexpected))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing files durably
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A tensor to write: its header fields, and how to produce its data when its turn comes (so at
+    most one converted tensor exists at a time)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    sha256: str
+    bytes: int
+
+
+class _HashingFile:
+    """A file opened for exclusive creation whose bytes are hashed as written, and fsynced on close."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "xb")
+        self._h = hashlib.sha256()
+        self._n = 0
+
+    def write(self, data) -> None:
+        self._h.update(data)
+        self._f.write(data)
+        self._n += memoryview(data).nbytes
+
+    def close(self) -> _Written:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return _Written(self._h.hexdigest(), self._n)
+
+
+def _write_bytes(path: Path, data: bytes) -> _Written:
+    f = _HashingFile(path)
+    f.write(data)
+    return f.close()
+
+
+def _write_json(path: Path, obj: Any) -> _Written:
+    return _write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, str] | None = None) -> _Written:
+    """Write ``entries`` as one safetensors file through the ``safetensors`` library.
+
+    The tensors of a shard are views of the same tiles, which ``safetensors`` refuses to store
+    (shared storage), so each is copied once; the file is then hashed and fsynced. Transient host
+    memory is about one shard (bounded by ``max_shard_bytes``).
+    """
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for e in entries:
+        t = e.source()
+        if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+            raise CheckpointError(f"{path.name}: tensor {e.name!r} is {t.dtype} {list(t.shape)} but was "
+                                  f"announced as {e.dtype} {list(e.shape)}")
+        tensors[e.name] = t.detach().cpu().clone()
+    if path.exists():  # the writer below would overwrite; a shard is only ever written once
+        raise CheckpointError(f"{path}: refusing to overwrite an existing file")
+    save_file(tensors, str(path), metadata=dict(metadata or {"format": "pt"}))
+    del tensors
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+        os.fsync(f.fileno())
+    return _Written(h.hexdigest(), path.stat().st_size)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plan_shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+    """Greedy in order: a new shard starts when the next tensor would overflow the current one; a
+    tensor larger than ``max_bytes`` gets a shard of its own (as Hugging Face does)."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def _shard_name(stem: str, k: int, n: int) -> str:
+    return f"{stem}.safetensors" if n == 1 else f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Moving a finished checkpoint into place, and recovering from a crash while doing so
+# ---------------------------------------------------------------------------------------------
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's ``renameat2(RENAME_EXCHANGE)``; False where the C
+    library, kernel or file system does not offer it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+
+
+def _siblings(path: Path, tag: str) -> list[Path]:
+    prefix = f".{path.name}.{tag}-"
+    if not path.parent.is_dir():
+        return []
+    return sorted((p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def _is_complete(d: Path) -> bool:
+    return (d / STATE_DIR / MANIFEST).is_file()
+
+
+def _recover(path: Path) -> None:
+    """If a crash interrupted the two-rename fallback (no directory at ``path``), move the newest
+    complete checkpoint beside it into place: the new one if it was complete, else the old one."""
+    if path.exists():
+        return
+    for candidate in [*reversed(_siblings(path, _TMP_TAG)), *reversed(_siblings(path, _OLD_TAG))]:
+        if _is_complete(candidate):
+            os.rename(candidate, path)
+            _fsync_dir(path.parent)
+            return
+
+
+def _place(tmp: Path, path: Path) -> None:
+    parent = path.parent
+    if not path.exists():
+        os.rename(tmp, path)
+        _fsync_dir(parent)
+        return
+    if _exchange(tmp, path):
+        _fsync_dir(parent)
+        shutil.rmtree(tmp)  # now the previous checkpoint
+        return
+    old = parent / f".{path.name}.{_OLD_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(parent)
+    shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------------
+
+_SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _layer_table(trainer) -> list[dict]:
+    return [{"name": l.name, "numel": l.numel, "trainable_numel": l.trainable_numel,
+             "params": [[p.name, list(p.shape), p.offset] for p in l.params]} for l in trainer.graph.layers]
+
+
+def _rng_state() -> tuple[list[_Entry], dict]:
+    tensors = {"torch.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch.cuda.{i}"] = s
+    entries = [_Entry(k, tuple(v.shape), v.dtype, (lambda v=v: v)) for k, v in tensors.items()]
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, state, gauss_next = random.getstate()
+    return entries, {"numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+                     "python": [version, list(state), gauss_next]}
+
+
+def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32", "bfloat16"] = "float32",
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    extra_state: Mapping[str, Any] | None = None) -> Path:
+    """Write the trainer's model in Hugging Face layout plus its resumable training state, atomically.
+
+    ``path`` afterwards holds ``config.json`` (when the model has a Hugging Face config), the weights
+    as ``model.safetensors`` or as ``model-0000k-of-0000n.safetensors`` shards with
+    ``model.safetensors.index.json``, which ``transformers.AutoModelForCausalLM.from_pretrained``
+    loads, and ``megatrain_state/`` with the Adam moments and steps, the step count, the AdamW
+    settings, the torch / NumPy / Python RNG states, ``extra_state`` and a manifest holding the
+    sha256 of every file (see the module docstring for the layout). Tensors stream from the host
+    tiles to disk one at a time: host memory grows by at most one converted tensor.
+
+    The checkpoint is built in a hidden directory beside ``path`` and moved into place only when
+    complete and fsynced; an existing checkpoint at ``path`` is replaced, and a crash at any moment
+    leaves the old or the new one loadable.
+
+    Args:
+        trainer: a ``megatrain.Trainer``.
+        path: the checkpoint directory; its parent is created if needed.
+        dtype: the weights' dtype in the model shards. With ``"bfloat16"`` the FP32 master weights
+            are also kept in ``megatrain_state/`` so that resuming is exact.
+        max_shard_bytes: largest shard in bytes (a single larger tensor gets a shard of its own);
+            the same limit applies to the optimizer-state shards. Loading needs about one shard of
+            extra host memory.
+        extra_state: JSON-serialisable dict saved as is and returned by ``load_checkpoint``: the
+            learning-rate schedule's state, the data loader's position, and so on.
+
+    Returns:
+        The checkpoint directory, as an absolute path.
+
+    Raises:
+        CheckpointError: ``dtype`` or ``max_shard_bytes`` out of range, ``extra_state`` not
+            JSON-serialisable, or ``path`` an existing file or a non-empty directory that is not a
+            megatrain checkpoint (it is never overwritten).
+        OSError: the file system refused a write; ``path`` is then left as it was.
+    """
+    if dtype not in _SAVE_DTYPES:
+        raise CheckpointError(f"dtype={dtype!r} is not supported; use one of {sorted(_SAVE_DTYPES)}")
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise CheckpointError(f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes")
+    extra = dict(extra_state or {})
+    try:
+        json.dumps(extra, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra_state is not JSON-serialisable ({e}); store tensors and arrays as "
+                              "lists or numbers") from None
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _recover(path)
+    if path.exists() and not (path.is_dir() and (_is_complete(path) or not any(path.iterdir()))):
+        raise CheckpointError(f"{path}: exists and is not a megatrain checkpoint; save_checkpoint replaces "
+                              "only its own checkpoints: remove it or choose another path")
+    # Leftovers of saves that crashed before their rename are never loadable; clear them.
+    for stale in _siblings(path, _TMP_TAG) + _siblings(path, _OLD_TAG):
+        shutil.rmtree(stale, ignore_errors=True)
+
+    tmp = path.parent / f".{path.name}.{_TMP_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        manifest = _write_all(trainer, tmp, _SAVE_DTYPES[dtype], max_shard_bytes, extra)
+        state = tmp / STATE_DIR
+        # The manifest marks the directory complete, so it appears (by rename) only once every
+        # other file and both directories are durable.
+        _fsync_dir(state)
+        _fsync_dir(tmp)
+        _write_json(state / (MANIFEST + ".part"), manifest)
+        os.rename(state / (MANIFEST + ".part"), state / MANIFEST)
+        _fsync_dir(state)
+        _place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_all(trainer, root: Path, dtype: torch.dtype, max_shard_bytes: int, extra: dict) -> dict:
+    files: dict[str, _Written] = {}
+    state = root / STATE_DIR
+    state.mkdir()
+
+    # Model shards, Hugging Face layout.
+    targets = _targets(trainer)
+    entries = []
+    for t in targets.values():
+        # Buffers keep their own dtype: they are not trained, and resuming must restore them exactly.
+        want = dtype if t.layer >= 0 else t.tensor.dtype
+        entries.append(_Entry(t.name, t.shape, want, (lambda t=t, want=want: t.tensor.to(want))))
+    shards = _plan_shards(entries, max_shard_bytes)
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        name = _shard_name("model", k, len(shards))
+        files[name] = _write_safetensors(root / name, shard, {"format": "pt"})
+        weight_map.update({e.name: name for e in shard})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
+        files[INDEX_FILE] = _write_json(root / INDEX_FILE, index)
+    model = trainer.model
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        cfg = copy.deepcopy(cfg)
+        cfg.architectures = [type(model).__name__]
+        if hasattr(cfg, "dtype"):
+            cfg.dtype = dtype
+        files["config.json"] = _write_bytes(root / "config.json", cfg.to_json_string(use_diff=True).encode())
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "to_json_string"):
+        files["generation_config.json"] = _write_bytes(root / "generation_config.json",
+                                                       gen.to_json_string(use_diff=True).encode())
+
+    # Optimizer state: the moment rows of each tile (and the master row when the shards are lossy).
+    host = trainer.host
+    layers = trainer.graph.layers
+    rows = []
+    for li, layer in enumerate(layers):
+        kinds = [("exp_avg", host.exp_avg), ("exp_avg_sq", host.exp_avg_sq)]
+        if dtype != torch.float32:
+            kinds.insert(0, ("master", host.master))
+        for kind, row in kinds:
+            rows.append(_Entry(f"{layer.name}.{kind}", (layer.numel,), torch.float32,
+                               (lambda row=row, li=li: row(li))))
+    opt_shards = _plan_shards(rows, max_shard_bytes)
+    for k, shard in enumerate(opt_shards):
+        name = f"{STATE_DIR}/{_shard_name('optimizer', k, len(opt_shards))}"
+        files[name] = _write_safetensors(root / name, shard, {"format": "pt"})
+
+    rng_entries, rng_json = _rng_state()
+    files[f"{STATE_DIR}/{RNG_FILE}"] = _write_safetensors(state / RNG_FILE, rng_entries, {"format": "pt"})
+    trainer_state = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step_count": trainer.step_count,
+        "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
+        "optimizer": trainer.optimizer.model_dump(mode="json"),
+        "model_dtype": str(dtype).removeprefix("torch."),
+        "master_weights": "model" if dtype == torch.float32 else "state",
+        "optimizer_files": [_shard_name("optimizer", k, len(opt_shards)) for k in range(len(opt_shards))],
+        "layers": _layer_table(trainer),
+        "rng": rng_json,
+        "extra_state": extra,
+    }
+    files[f"{STATE_DIR}/{TRAINER_STATE}"] = _write_json(state / TRAINER_STATE, trainer_state)
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "created_unix": time.time(),
+            "files": {k: {"sha256": w.sha256, "bytes": w.bytes} for k, w in sorted(files.items())}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: file not found") from None
+    except ValueError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify_files(root: Path, manifest: dict) -> None:
+    for rel, rec in manifest["files"].items():
+        file = root / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in the manifest but missing; the checkpoint is incomplete")
+        size = file.stat().st_size
+        if size != rec["bytes"]:
+            raise CheckpointError(f"{file}: has {size} bytes but the manifest records {rec['bytes']}; the "
+                                  "file is truncated or was changed after saving")
+        if _sha256(file) != rec["sha256"]:
+            raise CheckpointError(f"{file}: sha256 differs from the manifest's; the file is corrupt")
+
+
+def _check_layers(saved: list[dict], trainer, where: Path) -> None:
+    now = _layer_table(trainer)
+    if len(saved) != len(now):
+        raise CheckpointError(f"{where}: the checkpoint has {len(saved)} layers but the model has {len(now)}; "
+                              "it was saved from another model")
+    for s, n in zip(saved, now):
+        if s != n:
+            what = ("name" if s["name"] != n["name"] else "tile size" if s["numel"] != n["numel"]
+                    else "parameter layout")
+            detail = ""
+            for sp, np_ in zip(s["params"], n["params"]):
+                if sp != np_:
+                    detail = f": parameter {sp[0]!r} has shape {sp[1]} at offset {sp[2]} in the checkpoint " \
+                             f"but {np_[0]!r} has shape {np_[1]} at offset {np_[2]} in the model"
+                    break
+            raise CheckpointError(f"{where}: layer {n['name']!r} differs in {what} from the checkpoint's layer "
+                                  f"{s['name']!r}{detail}; load a checkpoint of this model")
+
+
+def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) -> dict:
+    """Restore a ``save_checkpoint`` checkpoint into a compiled trainer and return its ``extra_state``.
+
+    Restores the FP32 master weights, both Adam moments and the Adam step of every layer, the
+    trainer's ``step_count``, its AdamW settings (learning rate included) and the torch CPU (and
+    CUDA, where saved and available), NumPy and Python RNG states, so that training continues bit
+    for bit as if it had not stopped. The trainer must be compiled from the same model
+    architecture; its current weights (a meta-device model's initialisation, say) are overwritten.
+    If a crash interrupted a save's final renames, the complete checkpoint beside ``path`` is first
+    moved into place.
+
+    Args:
+        trainer: a ``megatrain.Trainer``.
+        path: the checkpoint directory.
+        verify: check every file's size and sha256 against the manifest before touching the trainer
+            (reads the whole checkpoint once more; turn off for speed when the storage is trusted).
+
+    Returns:
+        The ``extra_state`` dict given to ``save_checkpoint`` (empty when none was).
+
+    Raises:
+        CheckpointError: no complete checkpoint at ``path`` (an interrupted save, or plain Hugging
+            Face weights: use ``load_hf_weights``); a newer format version; a file missing,
+            truncated or corrupt (naming the file); a checkpoint of another model (naming the layer,
+            or the file and tensor). These are all detected before the trainer is changed.
+    """
+    path = Path(path).absolute()
+    _recover(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint there")
+    state = path / STATE_DIR
+    if not (state / MANIFEST).is_file():
+        raise CheckpointError(f"{path}: not a complete megatrain checkpoint ({STATE_DIR}/{MANIFEST} is missing); "
+                              "it is an interrupted save or plain weights: use load_hf_weights for weights only")
+    manifest = _read_json(state / MANIFEST)
+    if manifest.get("format") != FORMAT_NAME or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{state / MANIFEST}: not a megatrain manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{state / MANIFEST}: format version {manifest['format_version']} is newer than "
+                              f"this megatrain reads ({FORMAT_VERSION}); upgrade megatrain")
+    if verify:
+        _verify_files(path, manifest)
+    ts = _read_json(state / TRAINER_STATE)
+    _check_layers(ts["layers"], trainer, state / TRAINER_STATE)
+    try:
+        optimizer = AdamW(**ts["optimizer"])
+    except Exception as e:
+        raise CheckpointError(f"{state / TRAINER_STATE}: optimizer settings are invalid ({e})") from None
+
+    # Check every tensor header before changing anything.
+    layers = trainer.graph.layers
+    rows_stored = _scan([state / f for f in ts["optimizer_files"]], None)
+    row_targets: dict[str, _Target] = {}
+    host = trainer.host
+    kinds = ["exp_avg", "exp_avg_sq"] + (["master"] if ts["master_weights"] == "state" else [])
+    for li, layer in enumerate(layers):
+        for kind in kinds:
+            row = {"master": host.master, "exp_avg": host.exp_avg, "exp_avg_sq": host.exp_avg_sq}[kind](li)
+            row_targets[f"{layer.name}.{kind}"] = _Target(f"{layer.name}.{kind}", (layer.numel,), row, li)
+    _check_against(rows_stored, row_targets, state)
+    for name, s in rows_stored.items():
+        if s.dtype != "F32":
+            raise CheckpointError(f"{s.file.name}: tensor {name!r} has dtype {s.dtype}; optimizer state is F32")
+    weight_targets = _targets(trainer)
+    files, weight_map = _weight_files(path)
+    weights_stored = _scan(files, weight_map)
+    _check_against(weights_stored, weight_targets, path)
+    if ts["master_weights"] == "state":
+        # Masters come from the FP32 rows; the lossy model shards give only the buffers.
+        weight_targets = {k: t for k, t in weight_targets.items() if t.layer < 0}
+    rng_stored = _scan([state / RNG_FILE], None)
+
+    # Now restore.
+    _copy_in(weights_stored, weight_targets)
+    _copy_in(rows_stored, row_targets)
+    for li, layer in enumerate(layers):
+        host.steps[li].fill_(float(ts["adam_steps"][layer.name]))
+    trainer.step_count = int(ts["step_count"])
+    trainer.optimizer = optimizer
+    trainer.executor.optimizer = optimizer
+    _restore_rng(rng_stored, ts["rng"])
+    return dict(ts.get("extra_state") or {})
+
+
+def _restore_rng(stored: Mapping[str, _Stored], js: dict) -> None:
+    with _open(stored["torch.cpu"].file) as f:
+        torch.set_rng_state(f.get_tensor("torch.cpu"))
+        cuda = sorted((k for k in stored if k.startswith("torch.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+        if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all([f.get_tensor(k) for k in cuda])
+    kind, keys, pos, has_gauss, cached = js["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, state, gauss_next = js["python"]
+    random.setstate((version, tuple(state), gauss_next))
