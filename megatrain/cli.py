@@ -1,0 +1,234 @@
+"""The ``megatrain`` command line: ``megatrain plan`` traces a model on the meta device, solves for
+a plan on a hardware spec, and reports whether it fits, where the memory goes and how fast a step
+is predicted to run.
+
+    megatrain plan --model llama-3-8b --hardware H100_SXM --seq-len 4096 --global-batch 64 --out plan/
+
+Exit codes: 0 a plan fits; 2 no plan fits (the PlanError message says the smallest GPU and host
+memory that would and which layer is the obstacle); 1 invalid input (an unknown model or hardware,
+a bad option).
+
+The table is plain aligned text, the same on every install: megatrain does not depend on a
+terminal-formatting package, and tests read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from megatrain.errors import MegatrainError, PlanError
+from megatrain.planner import cost
+
+GiB = 1 << 30
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse exits with status 2 on a usage error, which this command reserves for "does not fit".
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="megatrain", description="Train large language models on one GPU with all persistent "
+                                              "state in host memory.")
+    sub = p.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan a model on a GPU and host, and predict its step",
+                          description="Trace a model on the meta device, solve for a plan and report memory "
+                                      "and predicted speed. Exit code 0 when it fits, 2 when it does not.")
+    plan.add_argument("--model", required=True,
+                      help="a preset (llama-2-7b, llama-3-8b, qwen2.5-14b, llama-3-70b, dense-120b) or the "
+                           "path of a Hugging Face config.json")
+    plan.add_argument("--hardware", required=True,
+                      help="a hardware preset (H100_SXM, H200, GH200, A100_80GB, RTX_4090) or the path of a "
+                           "HardwareSpec JSON file")
+    plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    plan.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="dtype the GPU computes in (default bfloat16)")
+    plan.add_argument("--solver", choices=("milp", "enumerate"), default="milp",
+                      help="resident-layer selection: MILP knapsack (default) or greedy")
+    plan.add_argument("--out", type=Path, default=None,
+                      help="write schedule.json, trace.json (Chrome trace) and timeline.png here")
+    return p
+
+
+def _load_hardware(name_or_path: str):
+    from megatrain.errors import ConfigError
+    from megatrain.planner.hardware import HardwareSpec, preset
+
+    path = Path(name_or_path)
+    if path.is_file():
+        import pydantic
+
+        try:
+            return HardwareSpec.load(path)
+        except pydantic.ValidationError as e:
+            raise ConfigError(f"{path} is not a valid HardwareSpec: {e}") from None
+    return preset(name_or_path)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole > 0 else "-"
+
+
+def _section(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    out = [title]
+    for a, b, c in rows:
+        out.append(f"  {a:<{w0}}  {b:>{w1}}" + (f"  {c}" if c else ""))
+    return out
+
+
+def format_report(solution, hw, *, model: str, trace_s: float) -> str:
+    """The plan table: fit, host and GPU memory in GiB, knobs, predicted step and streams."""
+    from megatrain.planner.schedule import Stream
+
+    plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
+    n = len(g.layers)
+    fits = (mem.gpu_peak <= hw.gpu_memory_bytes and mem.host_total <= hw.host_memory_bytes
+            and mem.host_pinned <= hw.pinned_memory_cap_bytes)
+    lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",
+             f"  seq_len {g.seq_len} x global batch {plan.micro_batches * solution.micro_batch_size}, "
+             f"{plan.compute_dtype} compute; traced in {trace_s:.2f} s, solved ({solution.method}) in "
+             f"{solution.solve_time_s:.2f} s: {solution.candidates} candidates, {solution.simulated} simulated",
+             "", f"fits: {'yes' if fits else 'NO'}", ""]
+    lines += _section("host memory (GiB)", [
+        ("FP32 master weights", _gib(mem.master_weights), ""),
+        ("Adam moments (FP32 x2)", _gib(mem.adam_moments), ""),
+        ("gradient ring (pinned)", _gib(mem.gradient_ring), f"{plan.grad_ring} tiles"),
+        ("staging ring (pinned)", _gib(mem.staging_ring),
+         f"{plan.staging_ring} BF16 tiles" if plan.compute_dtype == "bfloat16" else "unused with FP32 compute"),
+        ("pinned activations", _gib(mem.pinned_activations), ""),
+        ("total", _gib(mem.host_total),
+         f"of {_gib(hw.host_memory_bytes)} ({_pct(mem.host_total, hw.host_memory_bytes)})"),
+        ("of which pinned", _gib(mem.host_pinned),
+         f"of cap {_gib(hw.pinned_memory_cap_bytes)} ({_pct(mem.host_pinned, hw.pinned_memory_cap_bytes)})"),
+    ])
+    lines.append("")
+    lines += _section("GPU memory (GiB)", [
+        ("weight slots", _gib(mem.weight_slots), f"{cost.weight_slot_count(plan)} slots in {plan.compute_dtype}"),
+        ("gradient slots", _gib(mem.gradient_slots), "FP32"),
+        ("buffers", _gib(mem.buffers), ""),
+        ("activations peak", _gib(mem.activations_peak), "checkpoints + boundary gradients"),
+        ("working peak", _gib(mem.working_peak), "largest layer transient"),
+        ("reserve", _gib(mem.reserve), "CUDA context, workspaces, fragmentation"),
+        ("peak", _gib(mem.gpu_peak),
+         f"of {_gib(hw.gpu_memory_bytes)} ({_pct(mem.gpu_peak, hw.gpu_memory_bytes)}); activations and "
+         "working memory at one instant"),
+    ])
+    lines.append("")
+    resident = sorted(plan.resident)
+    lines += _section("plan", [
+        ("micro-batch size", str(solution.micro_batch_size), f"{plan.micro_batches} micro-batches per step"),
+        ("weight slots", str(plan.slots), "streaming"),
+        ("prefetch distance", str(plan.prefetch_distance), "layer visits ahead"),
+        ("resident layers", f"{len(resident)}/{n}", _short_list([g.layers[i].name for i in resident])),
+        ("gradient ring", str(plan.grad_ring), "host tiles"),
+        ("staging ring", str(plan.staging_ring), "host tiles"),
+        ("activations", "keep", "every checkpoint stays on the GPU"),
+        ("layer by layer", "yes" if plan.layer_by_layer else "no", "all micro-batches per weight load"),
+        ("optimizer", plan.optimizer.value.replace("_", " "), "host AdamW"),
+    ])
+    lines.append("")
+    busy = tl.busy_fraction
+    lines += _section("predicted step", [
+        ("step time", f"{tl.step_time_s:,.4g} s", ""),
+        ("tokens/s", f"{tl.tokens_per_s:,.0f}", f"{tl.tokens_per_step:,} tokens per step"),
+        ("MFU", f"{tl.mfu:.1%}",
+         f"model FLOPs (3 x traced forward, recompute not counted) / {plan.compute_dtype} peak"),
+        ("bottleneck", tl.bottleneck.value, "busiest stream"),
+    ] + [(f"{s.value} busy", f"{busy.get(s, 0.0):.1%}", f"{tl.busy_s.get(s, 0.0):,.4g} s") for s in Stream])
+    return "\n".join(lines)
+
+
+def _short_list(names: list[str], k: int = 4) -> str:
+    if len(names) <= k:
+        return ", ".join(names)
+    return ", ".join(names[:k]) + f", ... ({len(names) - k} more)"
+
+
+def write_outputs(solution, out: Path, model: str) -> list[Path]:
+    """DIR/schedule.json, DIR/trace.json (Chrome trace) and DIR/timeline.png; returns the paths.
+
+    Raises:
+        ImportError: matplotlib is not installed (after the two JSON files are written).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "schedule.json", out / "trace.json", out / "timeline.png"]
+    solution.schedule.save(paths[0])
+    paths[1].write_text(json.dumps(solution.timeline.to_chrome_trace()))
+    tl = solution.timeline
+    solution.timeline.save_png(paths[2], title=(
+        f"{model}: predicted step {tl.step_time_s:.4g} s, {tl.tokens_per_s:,.0f} tokens/s, MFU {tl.mfu:.1%}, "
+        f"bottleneck {tl.bottleneck.value} ({tl.hardware})"))
+    return paths
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.solve import SolveRequest, solve
+    from megatrain.planner.trace import trace
+    from megatrain.planner.verify import verify
+
+    if args.seq_len < 1 or args.global_batch < 1:
+        raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
+                          "must be >= 1")
+    hw = _load_hardware(args.hardware)
+    config = load_model_config(args.model)
+    t0 = time.perf_counter()
+    # Activations are recorded in the dtype the model computes in, so trace in the compute dtype.
+    model = build_meta_model(config, dtype=getattr(torch, args.compute_dtype))
+    graph = trace(model, micro_batch_size=1, seq_len=args.seq_len).graph
+    trace_s = time.perf_counter() - t0
+    try:
+        solution = solve(SolveRequest(graph, hw, args.global_batch, args.compute_dtype), args.solver)
+    except PlanError as e:
+        print(f"megatrain plan: {args.model} on {hw.name}, seq_len {args.seq_len} x global batch "
+              f"{args.global_batch}, {args.compute_dtype}: traced {len(graph.layers)} layers in {trace_s:.2f} s")
+        print("\nfits: NO\n")
+        print(str(e))
+        return 2
+    # The pipeline's verify pass: the solver lowered the plan; nothing is written unless it holds.
+    verify(solution.schedule, solution.graph)
+    print(format_report(solution, hw, model=args.model, trace_s=trace_s))
+    if args.out is not None:
+        try:
+            paths = write_outputs(solution, args.out, args.model)
+        except ImportError as e:  # matplotlib is an optional dependency (megatrain[plot])
+            print(f"\nwrote {args.out / 'schedule.json'}, {args.out / 'trace.json'}; not timeline.png: {e}")
+        else:
+            print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    try:
+        args = _parser().parse_args(argv)
+        return _plan_command(args)
+    except _UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    except MegatrainError as e:
+        print(f"megatrain: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Model presets as Hugging Face config dicts, and the meta-device models the planner traces.
+
+Nothing is downloaded: each preset is the architecture part of the model's published
+``config.json`` (tokenizer ids and generation settings dropped), with its source. The planner
+needs shapes only, so :func:`build_meta_model` builds the causal LM on the ``meta`` device, where
+parameters cost no memory, and :func:`megatrain.planner.trace.trace` exports it on fake tensors.
+
+Tied embeddings: megatrain streams each parameter with exactly one layer and does not stream
+tied parameters yet (the embedding lives in the prologue, the LM head in the epilogue), so every
+config this module returns has ``tie_word_embeddings=False``. Each preset below is untied in the
+original too; a user config.json with tied embeddings is untied here, which adds one
+``vocab x hidden`` matrix to the parameter count (see :func:`load_model_config`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megatrain.errors import ConfigError
+
+_LLAMA_COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                     attention_bias=False, attention_dropout=0.0, mlp_bias=False, initializer_range=0.02,
+                     tie_word_embeddings=False, use_cache=False)
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": dict(
+        _LLAMA_COMMON, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0),
+    "llama-3-8b": dict(
+        _LLAMA_COMMON, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0),
+    "qwen2.5-14b": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", hidden_size=5120,
+        intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        use_sliding_window=False, sliding_window=131072, max_window_layers=48, attention_dropout=0.0,
+        initializer_range=0.02, tie_word_embeddings=False, use_cache=False),
+    "llama-3-70b": dict(
+        _LLAMA_COMMON, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0),
+    "dense-120b": dict(
+        _LLAMA_COMMON, hidden_size=12288, intermediate_size=24576, num_hidden_layers=96,
+        num_attention_heads=96, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0),
+}
+"""Hugging Face config dicts by preset name.
+
+- ``llama-2-7b``: meta-llama/Llama-2-7b-hf config.json (Touvron et al. 2023, arXiv:2307.09288):
+  MHA with 32 heads, 11008 SwiGLU width, 32k vocabulary; 6.74B parameters.
+- ``llama-3-8b``: meta-llama/Meta-Llama-3-8B config.json: GQA with 8 KV heads, 14336 SwiGLU width,
+  128256 vocabulary, rope_theta 5e5; 8.03B parameters.
+- ``qwen2.5-14b``: Qwen/Qwen2.5-14B config.json (Qwen2.5 technical report, arXiv:2412.15115): 48
+  layers, 40 query / 8 KV heads, QKV biases (implied by model_type qwen2), untied embeddings;
+  14.77B parameters.
+- ``llama-3-70b``: meta-llama/Meta-Llama-3-70B config.json: 80 layers, hidden 8192, 64 query / 8
+  KV heads, 28672 SwiGLU width; 70.55B parameters.
+- ``dense-120b``: not a released model. A Llama-3-architecture decoder sized like the largest
+  model in the MegaTrain paper (arXiv 2604.05091, "up to 120B"): GPT-3 175B's depth and width
+  (96 layers, hidden 12288; Brown et al. 2020, table 2.1) with Llama 3's GQA (96 query heads of
+  128, 8 KV heads) and a SwiGLU width of 2 x hidden. Per block: attention
+  ``2·h² + 2·h·(8·128)`` = 327.2M, MLP ``3·h·24576`` = 905.97M, two norms ``2·h``; 96 blocks =
+  118.39B; embedding and LM head ``2·128256·h`` = 3.15B; final norm ``h``. Total 121.54B
+  (:func:`dense_decoder_param_count`). A width of 4·h would give 150B, 8/3·h 130B.
+"""
+
+
+def dense_decoder_param_count(config: dict[str, Any] | Any) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its config arithmetic (no model built).
+
+    Counts the embedding, per block the Q/K/V/O projections (with biases when ``model_type`` is
+    ``qwen2`` or ``attention_bias`` is set), the gated MLP and two RMSNorms, the final norm and an
+    untied LM head. ``config`` is a dict or a transformers config object.
+    """
+    c = config if isinstance(config, dict) else config.to_dict()
+    h = c["hidden_size"]
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or h // heads
+    q, kvd = heads * head_dim, kv * head_dim
+    attn = h * q + 2 * h * kvd + q * h
+    if c.get("model_type") == "qwen2" or c.get("attention_bias"):
+        attn += q + 2 * kvd
+    mlp = 3 * h * c["intermediate_size"] + (2 * c["intermediate_size"] + h if c.get("mlp_bias") else 0)
+    block = attn + mlp + 2 * h
+    head = 0 if c.get("tie_word_embeddings") else c["vocab_size"] * h
+    return c["vocab_size"] * h + c["num_hidden_layers"] * block + h + head
+
+
+def load_model_config(name_or_path: str | os.PathLike):
+    """A transformers config object for a preset name (``MODEL_PRESETS``) or a config.json path.
+
+    The result always has ``tie_word_embeddings=False`` and ``use_cache=False``: megatrain does not
+    stream tied embeddings yet (each parameter belongs to one layer), and a KV cache has no use in
+    training. A config.json with tied embeddings is therefore planned with an untied LM head.
+
+    Raises:
+        ConfigError: the name is neither a preset nor an existing file, the file is not JSON, or
+            it has no ``model_type`` transformers knows.
+    """
+    from transformers import AutoConfig
+
+    key = str(name_or_path)
+    if key in MODEL_PRESETS:
+        d = copy.deepcopy(MODEL_PRESETS[key])
+        source = f"preset {key!r}"
+    else:
+        path = Path(name_or_path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"model {key!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
+                              "config.json file: pass a preset name or the path of a Hugging Face "
+                              "config.json")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}); pass a Hugging Face config.json") from None
+        source = str(path)
+    model_type = d.pop("model_type", None)
+    if not model_type:
+        raise ConfigError(f"{source} has no 'model_type'; a Hugging Face config.json names its "
+                          "architecture there (e.g. \"llama\")")
+    d.update(tie_word_embeddings=False, use_cache=False)
+    for k in ("transformers_version", "_name_or_path"):
+        d.pop(k, None)
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{source}: transformers cannot build a config of model_type "
+                          f"{model_type!r}: {e}") from None
+
+
+def build_meta_model(config, dtype=None):
+    """The causal LM for ``config`` on the ``meta`` device (no parameter memory is allocated).
+
+    ``dtype`` (a ``torch.dtype``; default: the config's, else float32) is the dtype the model
+    computes in, which sets the bytes of the activations a trace records. The presets have no
+    dropout; a config.json with a non-zero dropout probability is rejected by ``trace``, which
+    does not replay random draws in the local backward yet.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+__all__ = ["MODEL_PRESETS", "dense_decoder_param_count", "load_model_config", "build_meta_model"]

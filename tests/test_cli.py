@@ -1,0 +1,104 @@
+"""Tests for ``megatrain plan``: the table, the three files, and the exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatrain.cli import main
+from megatrain.errors import ConfigError
+from megatrain.planner.hardware import H100_SXM, MiB
+from megatrain.planner.presets import MODEL_PRESETS, dense_decoder_param_count, load_model_config
+from megatrain.planner.schedule import Schedule
+
+
+def write_config(path, vocab=96, hidden=32, layers=2, tie=False):
+    cfg = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, tie_word_embeddings=tie)
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_plan_prints_the_table_writes_three_files_and_exits_0(tmp_path, capsys):
+    cfg = write_config(tmp_path / "config.json")
+    out = tmp_path / "out"
+    rc = main(["plan", "--model", str(cfg), "--hardware", "H100_SXM", "--seq-len", "16", "--global-batch", "4",
+               "--solver", "enumerate", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "fits: yes" in text
+    for row in ("FP32 master weights", "Adam moments", "gradient ring", "staging ring", "pinned activations",
+                "weight slots", "gradient slots", "buffers", "activations peak", "working peak", "reserve",
+                "micro-batch size", "prefetch distance", "resident layers", "step time", "tokens/s", "MFU",
+                "bottleneck", "compute busy", "h2d busy", "d2h busy", "host busy"):
+        assert row in text, row
+    assert "(GiB)" in text and "H100 SXM 80GB" in text
+    schedule = Schedule.load(out / "schedule.json")
+    assert schedule.n_layers == 4 and schedule.plan.compute_dtype == "bfloat16"
+    assert schedule.plan.micro_batches * int(text.split("micro-batch size")[1].split()[0]) == 4
+    trace = json.loads((out / "trace.json").read_text())
+    assert {e["ph"] for e in trace["traceEvents"]} >= {"X", "M", "C"}
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == len(schedule.ops)
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_exits_2_with_the_minimum_memory_when_nothing_fits(tmp_path, capsys):
+    # A 4096 x 64 embedding is a 256K-element layer: its BF16 weights and FP32 gradients alone
+    # take 1.5 MiB, more than the 1 MiB GPU of this spec (with no reserve).
+    cfg = write_config(tmp_path / "config.json", vocab=4096, hidden=64)
+    spec = H100_SXM.model_copy(update={"name": "tiny GPU", "gpu_memory_bytes": 1 * MiB, "gpu_reserve_bytes": 0})
+    spec_path = tmp_path / "tiny.json"
+    spec.save(spec_path)
+    rc = main(["plan", "--model", str(cfg), "--hardware", str(spec_path), "--seq-len", "16",
+               "--global-batch", "2", "--out", str(tmp_path / "out")])
+    text = capsys.readouterr().out
+    assert rc == 2, text
+    assert "fits: NO" in text and "no plan fits" in text
+    assert "Smallest memory that works: GPU" in text
+    assert "obstacle is layer 'prologue'" in text or "obstacle is layer 'epilogue'" in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_exits_1_on_bad_input(tmp_path, capsys):
+    assert main(["plan", "--model", "no-such-model", "--hardware", "H100_SXM", "--seq-len", "8",
+                 "--global-batch", "1"]) == 1
+    assert "neither a preset" in capsys.readouterr().err
+    cfg = write_config(tmp_path / "config.json")
+    assert main(["plan", "--model", str(cfg), "--hardware", "TPU", "--seq-len", "8", "--global-batch", "1"]) == 1
+    assert "no hardware preset named 'TPU'" in capsys.readouterr().err
+    assert main(["plan", "--model", str(cfg)]) == 1  # argparse's own exit status 2 means "does not fit" here
+    assert "required" in capsys.readouterr().err
+
+
+def test_load_model_config_unties_embeddings_and_rejects_bad_files(tmp_path):
+    cfg = load_model_config(write_config(tmp_path / "config.json", tie=True))
+    assert cfg.tie_word_embeddings is False and cfg.num_hidden_layers == 2
+    assert load_model_config("llama-3-70b").num_hidden_layers == 80
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_model_config(tmp_path / "bad.json")
+    (tmp_path / "untyped.json").write_text("{}")
+    with pytest.raises(ConfigError, match="model_type"):
+        load_model_config(tmp_path / "untyped.json")
+
+
+def test_every_preset_loads_and_counts_like_its_published_size():
+    published = {"llama-2-7b": 6.74e9, "llama-3-8b": 8.03e9, "qwen2.5-14b": 14.77e9, "llama-3-70b": 70.55e9,
+                 "dense-120b": 121.5e9}
+    assert set(published) == set(MODEL_PRESETS)
+    for name, size in published.items():
+        assert dense_decoder_param_count(load_model_config(name)) == pytest.approx(size, rel=2e-3), name
+
+
+def test_plan_in_float32_on_a_one_layer_model(tmp_path, capsys):
+    cfg = write_config(tmp_path / "config.json", layers=1)
+    out = tmp_path / "o"
+    assert main(["plan", "--model", str(cfg), "--hardware", "GH200", "--seq-len", "8", "--global-batch", "2",
+                 "--compute-dtype", "float32", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "unused with FP32 compute" in text and "float32 compute" in text
+    assert Schedule.load(out / "schedule.json").plan.compute_dtype == "float32"
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["otherData"]["source"] == "simulated" and trace["otherData"]["step_time_s"] > 0
