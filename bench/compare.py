@@ -536,24 +536,34 @@ def run_fsdp2(cfg: ModelConfig, args) -> dict:
         # With offload the sharded parameters stay on the host and the optimizer steps there.
         opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(args))
         model.train()
-        k = _micro_batches(args)
-
-        def step(batch) -> float:
-            losses = []
-            for mb in _split(batch, args.micro_batch, device):
-                loss = model(**mb).loss
-                (loss / k).backward()
-                losses.append(loss.detach())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(torch.stack(losses).float().mean())
-
-        out = _timed_loop(step, args, cfg)
+        # FSDP2's MixedPrecisionPolicy casts to BF16 itself: no autocast around its forward.
+        out = _timed_loop(_accumulating_step(model, opt, args, device, autocast=False), args, cfg)
         if not gpu:
             out["note"] = "dry run: sharded on the CPU over gloo, no offload (CPU to CPU is meaningless)"
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _accumulating_step(model, opt, args, device: str, *, autocast: bool):
+    """One optimizer step of eager training over the global batch's micro-batches (loss / k each),
+    as FSDP2 and plain PyTorch both run it; ``autocast`` wraps the forward in BF16 autocast."""
+    import torch
+
+    k = _micro_batches(args)
+
+    def step(batch) -> float:
+        losses = []
+        for mb in _split(batch, args.micro_batch, device):
+            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(**mb).loss
+            (loss / k).backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).float().mean())
+
+    return step
 
 
 def run_torch(cfg: ModelConfig, args) -> dict:
@@ -580,21 +590,8 @@ def run_torch(cfg: ModelConfig, args) -> dict:
     _enable_checkpointing(model)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(args))
     model.train()
-    k = _micro_batches(args)
-
-    def step(batch) -> float:
-        losses = []
-        for mb in _split(batch, args.micro_batch, device):
-            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=gpu):
-                loss = model(**mb).loss
-            (loss / k).backward()
-            losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(torch.stack(losses).float().mean())
-
     try:
-        return _timed_loop(step, args, cfg)
+        return _timed_loop(_accumulating_step(model, opt, args, device, autocast=gpu), args, cfg)
     except torch.cuda.OutOfMemoryError as e:
         raise Skip(f"out of GPU memory: {str(e).splitlines()[0]}") from None
 
