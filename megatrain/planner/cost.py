@@ -316,15 +316,16 @@ class MemoryBreakdown:
     def format(self) -> str:
         """The rows as an aligned text table with binary units."""
         width = max(len(what) for _, what, _ in self.rows())
-        return "\n".join(f"{where:<5} {what:<{width}} {_human_bytes(b):>10}"
+        return "\n".join(f"{where:<5} {what:<{width}} {human_bytes(b):>10}"
                          for where, what, b in self.rows())
 
 
-def _human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units with two decimals (``"1.50 GiB"``), for tables and messages."""
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+    return f"{int(n)} B"
 
 
 def weight_slot_count(plan: Plan) -> int:

@@ -405,14 +405,6 @@ def _requirements(request: SolveRequest, mbs: int, g: LayerGraph, sched: Schedul
                         obstacle=largest.name if slot else peak.name, obstacle_is_slot=slot)
 
 
-def _human(n: float) -> str:
-    """Bytes in binary units, three significant digits."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{int(n)} B"
-
-
 def _count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -428,40 +420,40 @@ def _infeasible(request: SolveRequest, req: Requirements) -> InfeasibleRequestEr
     largest = next(layer for layer in g.layers if layer.name == req.largest_layer)
     head = (f"no plan fits a {_count(g.param_count)}-parameter model of {len(g.layers)} layers, global batch "
             f"{G} x {S} tokens, {request.compute_dtype} compute, on {hw.name!r}. Smallest memory that works: "
-            f"GPU {req.gpu_memory_bytes} bytes ({_human(req.gpu_memory_bytes)}), host {req.host_memory_bytes} "
-            f"bytes ({_human(req.host_memory_bytes)}) of which pinned {req.pinned_memory_bytes} bytes "
-            f"({_human(req.pinned_memory_bytes)}).")
+            f"GPU {req.gpu_memory_bytes} bytes ({cost.human_bytes(req.gpu_memory_bytes)}), host {req.host_memory_bytes} "
+            f"bytes ({cost.human_bytes(req.host_memory_bytes)}) of which pinned {req.pinned_memory_bytes} bytes "
+            f"({cost.human_bytes(req.pinned_memory_bytes)}).")
     lines = [head]
     if not gpu_ok:
         slot = m.weight_slots + m.gradient_slots
         if req.obstacle_is_slot:
             why = (f"The obstacle is layer {req.obstacle!r}: its slot alone, with the buffers and reserve, "
-                   f"does not fit. Fix: use a GPU with at least {_human(req.gpu_memory_bytes)}, or make the "
+                   f"does not fit. Fix: use a GPU with at least {cost.human_bytes(req.gpu_memory_bytes)}, or make the "
                    "layer smaller (a smaller vocabulary for an embedding or LM head; megatrain does not split "
                    "a layer across slots yet).")
         else:
             why = (f"The obstacle is layer {req.obstacle!r}, where checkpoints plus working memory peak. Fix: "
                    "lower the global batch or the sequence length (checkpoints of every sequence stay on the "
-                   f"GPU until the backward), or use a GPU with at least {_human(req.gpu_memory_bytes)}; "
+                   f"GPU until the backward), or use a GPU with at least {cost.human_bytes(req.gpu_memory_bytes)}; "
                    "activation offload and recompute (not lowered yet) will lower this.")
         lines.append(
-            f"GPU: needs {_human(req.gpu_memory_bytes)} but has {_human(hw.gpu_memory_bytes)}, even with one "
+            f"GPU: needs {cost.human_bytes(req.gpu_memory_bytes)} but has {cost.human_bytes(hw.gpu_memory_bytes)}, even with one "
             f"weight slot, micro-batch size {req.micro_batch_size} and no resident layer: the slot, sized for "
-            f"the largest layer {req.largest_layer!r} ({largest.numel:,} elements), takes {_human(slot)} with "
+            f"the largest layer {req.largest_layer!r} ({largest.numel:,} elements), takes {cost.human_bytes(slot)} with "
             f"its gradients; the checkpoints and boundary gradients of the {G} sequence{'s' if G != 1 else ''} peak at "
-            f"{_human(m.activations_peak)}; layer {req.peak_layer!r} needs {_human(req.peak_layer_work_bytes)} "
-            f"of working memory at that peak; buffers {_human(m.buffers)}; reserve {_human(m.reserve)}. " + why)
+            f"{cost.human_bytes(m.activations_peak)}; layer {req.peak_layer!r} needs {cost.human_bytes(req.peak_layer_work_bytes)} "
+            f"of working memory at that peak; buffers {cost.human_bytes(m.buffers)}; reserve {cost.human_bytes(m.reserve)}. " + why)
     if not host_ok:
         lines.append(
-            f"host: needs {_human(req.host_memory_bytes)} (has {_human(hw.host_memory_bytes)}) and "
-            f"{_human(req.pinned_memory_bytes)} pinned (cap {_human(hw.pinned_memory_cap_bytes)}): FP32 master "
-            f"weights {_human(m.master_weights)} and Adam moments {_human(m.adam_moments)} (12 bytes per "
+            f"host: needs {cost.human_bytes(req.host_memory_bytes)} (has {cost.human_bytes(hw.host_memory_bytes)}) and "
+            f"{cost.human_bytes(req.pinned_memory_bytes)} pinned (cap {cost.human_bytes(hw.pinned_memory_cap_bytes)}): FP32 master "
+            f"weights {cost.human_bytes(m.master_weights)} and Adam moments {cost.human_bytes(m.adam_moments)} (12 bytes per "
             f"parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), one gradient "
-            f"tile {_human(m.gradient_ring)}, one staging tile {_human(m.staging_ring)}"
+            f"tile {cost.human_bytes(m.gradient_ring)}, one staging tile {cost.human_bytes(m.staging_ring)}"
             + (", and FP32 compute pins the master weights and moments (H2D reads them directly)"
                if m.state_pinned else "")
-            + f". Fix: a host with at least {_human(req.host_memory_bytes)} and a pinned cap of "
-            f"{_human(req.pinned_memory_bytes)}" + (", or compute in bfloat16 so only the rings are pinned"
+            + f". Fix: a host with at least {cost.human_bytes(req.host_memory_bytes)} and a pinned cap of "
+            f"{cost.human_bytes(req.pinned_memory_bytes)}" + (", or compute in bfloat16 so only the rings are pinned"
                                                     if m.state_pinned else "") + ".")
     return InfeasibleRequestError("\n".join(lines), req)
 
