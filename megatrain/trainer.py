@@ -81,9 +81,9 @@ class Trainer:
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
-        self.optimizer = self.optimizer.model_copy(update={"lr": float(lr)})
-        if not lr >= 0:
+        if not lr >= 0:  # also refuses NaN
             raise ConfigError(f"learning rate {lr} must be >= 0")
+        self.optimizer = self.optimizer.model_copy(update={"lr": float(lr)})
         self.executor.optimizer = self.optimizer
 
     @property

@@ -125,3 +125,13 @@ def test_trainer_save_and_load_round_trip_the_training_state(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(saved, trainer.host.blocks))
     assert trainer.load(tmp_path / "ck") == {"data_position": 17}
     assert all(torch.equal(a, b) for a, b in zip(saved, trainer.host.blocks)) and trainer.step_count == 1
+
+
+def test_a_bad_learning_rate_is_refused_and_the_old_one_kept():
+    trainer = megatrain.compile(tiny_gpt(), seq_len=8, optimizer=dict(lr=1e-3))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="learning rate"):
+            trainer.set_lr(bad)
+    assert trainer.optimizer.lr == 1e-3 and trainer.executor.optimizer.lr == 1e-3
+    trainer.set_lr(5e-4)
+    assert trainer.executor.optimizer.lr == 5e-4
