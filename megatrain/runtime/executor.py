@@ -55,6 +55,8 @@ class Executor:
         self.layer_buffers = [[buffers[name].to(dev) for name in layer.buffers] for layer in self.graph.layers]
         self._slots: _Slots | None = None
         self._slot_key: tuple[int, int] | None = None
+        # Per schedule (by identity, holding it alive): when each checkpoint is read for the last time.
+        self._last_read: dict[int, tuple[Schedule, dict[int, list[tuple[int, int]]]]] = {}
 
     # -- memory ----------------------------------------------------------------------------------
     def _ensure_slots(self, schedule: Schedule) -> _Slots:
@@ -85,7 +87,9 @@ class Executor:
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
                 acts[(g.value_by_name(name).id, mb)] = batch[name].to(dev, non_blocking=True)
-        last_read = _last_readers(schedule, g)
+        if id(schedule) not in self._last_read:
+            self._last_read[id(schedule)] = (schedule, _last_readers(schedule, g))
+        last_read = self._last_read[id(schedule)][1]
         out = StepOutput(losses=[0.0] * M)
         loss_tensors: dict[int, torch.Tensor] = {}
         events: list[Any] = [None] * len(schedule.ops)
