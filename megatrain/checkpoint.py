@@ -528,6 +528,7 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes")
     extra = dict(extra_state or {})
+    trainer.flush()  # a deferred (NEXT_FORWARD) update of the last step belongs in the saved weights
     try:
         json.dumps(extra, allow_nan=True)
     except (TypeError, ValueError) as e:
@@ -763,8 +764,8 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     for li, layer in enumerate(layers):
         host.steps[li].fill_(float(ts["adam_steps"][layer.name]))
     trainer.step_count = int(ts["step_count"])
-    trainer.optimizer = optimizer
-    trainer.executor.optimizer = optimizer
+    trainer.set_optimizer(optimizer)
+    trainer.drop_pending_updates()  # gradients of the run before the load do not apply to these weights
     _restore_rng(rng_stored, ts["rng"])
     return dict(ts.get("extra_state") or {})
 

@@ -43,6 +43,8 @@ class CompileOptions(pydantic.BaseModel):
     input_names: tuple[str, ...] = Field(("input_ids", "labels"), min_length=1,
                                          description="keyword inputs of the model's forward, in order")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
+    max_grad_norm: float | None = Field(None, gt=0.0, description="clip the gradients to this global L2 "
+                                        "norm (as torch.nn.utils.clip_grad_norm_), or None for no clipping")
 
     @property
     def global_batch(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -14,8 +15,8 @@ from torch import nn
 from megatrain.config import AdamW, CompileOptions
 from megatrain.errors import BatchError, ConfigError
 from megatrain.planner.graph import LayerGraph
-from megatrain.planner.lower import lower
-from megatrain.planner.plan import Plan, default_plan
+from megatrain.planner.lower import gradient_tiles, lower
+from megatrain.planner.plan import OptimizerPlacement, Plan, default_plan
 from megatrain.planner.schedule import Schedule
 from megatrain.planner.trace import TracedModel, trace
 from megatrain.planner.verify import verify
@@ -30,7 +31,16 @@ class StepResult:
 
     ``loss`` is the mean of the micro-batch losses (a float); ``tokens`` the number of input
     tokens in the global batch; ``seconds`` the wall time of the step; ``tokens_per_second`` their
-    ratio.
+    ratio. ``grad_norm`` is the global L2 norm of the step's gradients before clipping (FP32, as
+    ``torch.nn.utils.clip_grad_norm_`` returns it; NaN or inf when a gradient was not finite).
+
+    ``applied`` is False when a loss or a gradient of the step was NaN or infinite: that update is
+    not applied. With clipping (optimizer steps deferred to the next step's forward) nothing of it
+    is applied -- parameters, Adam moments and Adam step counts stay as they were. Without
+    clipping, each layer's step runs as soon as its gradients arrive during backward: a non-finite
+    loss is known before any of them (nothing is applied), but a non-finite gradient in layer ``i``
+    is found only when it arrives, so the layers after ``i`` (updated before it) keep their
+    update, and ``skipped_layers`` lists those that were not updated.
     """
 
     step: int
@@ -38,6 +48,9 @@ class StepResult:
     micro_batch_losses: tuple[float, ...]
     tokens: int
     seconds: float
+    grad_norm: float = float("nan")
+    applied: bool = True
+    skipped_layers: tuple[int, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -48,7 +61,7 @@ class Trainer:
     """A compiled model: its host state, its schedules and an executor. Made by ``compile``."""
 
     def __init__(self, model: nn.Module, options: CompileOptions, optimizer: AdamW, traced: TracedModel,
-                 plan: Plan, host: HostState, backend: Backend, executor: Executor, train_schedule: Schedule):
+                 plan: Plan, host: HostState, backend: Backend, executor: Executor, schedules: "Schedules"):
         self.model = model
         self.options = options
         self.optimizer = optimizer
@@ -57,9 +70,34 @@ class Trainer:
         self.host = host
         self.backend = backend
         self.executor = executor
-        self.schedule = train_schedule
+        self.schedules = schedules
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
+        self._pending = False  # the last step's update waits for the next schedule (NEXT_FORWARD)
+        self._clip_scale: float | None = None
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule of a steady-state training step (the one the next step runs)."""
+        return self.schedules.carrying if self._pending else self.schedules.first
+
+    def flush(self) -> None:
+        """Apply the update the last step deferred (plans whose optimizer steps run in the next
+        step's forward, as with ``max_grad_norm``). ``evaluate`` and ``save`` call it; call it
+        before reading ``model.state_dict()`` yourself. A no-op when nothing is pending."""
+        if self._pending:
+            self.executor.set_update(self._clip_scale)
+            self.executor.run(self.schedules.update, [])
+            self._pending = False
+
+    def drop_pending_updates(self) -> None:
+        """Forget a deferred update without applying it (after loading a checkpoint)."""
+        self._pending = False
+
+    def set_optimizer(self, optimizer: AdamW) -> None:
+        """Use these AdamW settings from the next optimizer step on (moments and steps are kept)."""
+        self.optimizer = optimizer
+        self.executor.optimizer = optimizer
 
     def save(self, path, **kwargs):
         """Save a Hugging Face-layout checkpoint plus resumable state; see ``megatrain.checkpoint.save_checkpoint``."""
@@ -83,8 +121,7 @@ class Trainer:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
         if not lr >= 0:  # also refuses NaN
             raise ConfigError(f"learning rate {lr} must be >= 0")
-        self.optimizer = self.optimizer.model_copy(update={"lr": float(lr)})
-        self.executor.optimizer = self.optimizer
+        self.set_optimizer(self.optimizer.model_copy(update={"lr": float(lr)}))
 
     @property
     def graph(self) -> LayerGraph:
@@ -103,12 +140,26 @@ class Trainer:
         o = self.options
         parts = self._split(batch, o.micro_batches)
         t0 = time.perf_counter()
+        if self._pending:
+            self.executor.set_update(self._clip_scale)
         out = self.executor.run(self.schedule, parts)
         seconds = time.perf_counter() - t0
         self.step_count += 1
         losses = tuple(out.losses)
+        norm = out.grad_norm if out.finite else float("nan") if not math.isfinite(out.grad_norm) else float("inf")
+        if self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD:
+            # The update waits for the next schedule; it is dropped here when anything was not finite.
+            self._pending = out.finite
+            max_norm = o.max_grad_norm
+            # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
+            self._clip_scale = None if max_norm is None else min(1.0, max_norm / (out.grad_norm + 1e-6))
+            skipped = () if out.finite else tuple(self.schedules.tiles)
+        else:
+            skipped = tuple(out.updates_skipped)
         return StepResult(step=self.step_count, loss=sum(losses) / len(losses), micro_batch_losses=losses,
-                          tokens=o.global_batch * o.seq_len, seconds=seconds)
+                          tokens=o.global_batch * o.seq_len, seconds=seconds,
+                          grad_norm=out.grad_norm if out.finite else norm, applied=out.finite,
+                          skipped_layers=skipped)
 
     def evaluate(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> float:
         """Mean loss over ``batch`` without updating anything.
@@ -120,6 +171,7 @@ class Trainer:
         if rows % mbs:
             raise BatchError(f"evaluate got {rows} sequences; it needs a multiple of micro_batch_size={mbs}")
         k = rows // mbs
+        self.flush()
         if k not in self._eval_schedules:
             sched = lower(self.graph, _with_micro_batches(self.plan, k), mode="eval")
             verify(sched, self.graph)
@@ -178,9 +230,37 @@ def _with_micro_batches(plan: Plan, k: int) -> Plan:
     return dataclasses.replace(plan, micro_batches=k)
 
 
+@dataclass(frozen=True, slots=True)
+class Schedules:
+    """The train schedules of one plan, lowered and verified once.
+
+    ``first``: a step with no update carried in (every step, with optimizer steps during
+    backward). With NEXT_FORWARD placement also ``carrying`` (a step that starts with the previous
+    step's optimizer steps), ``update`` (those steps alone) and ``tiles`` (each trainable layer's
+    gradient tile).
+    """
+
+    first: Schedule
+    carrying: Schedule | None = None
+    update: Schedule | None = None
+    tiles: tuple[int, ...] = ()
+
+    @classmethod
+    def lower(cls, graph: LayerGraph, plan: Plan) -> "Schedules":
+        first = lower(graph, plan, mode="train")
+        verify(first, graph)
+        if plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
+            return cls(first)
+        carrying = lower(graph, plan, mode="train", carries_updates=True)
+        update = lower(graph, plan, mode="update")
+        verify(carrying, graph)
+        verify(update, graph)
+        return cls(first, carrying, update, tuple(gradient_tiles(graph)))
+
+
 def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
             optimizer: AdamW | Mapping | None = None, plan: Plan | None = None, device: str = "cpu",
-            input_names: Sequence[str] = ("input_ids", "labels")) -> Trainer:
+            input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory.
 
     The pipeline is the visible one of DESIGN.md: ``trace`` the model (on whatever device it is on,
@@ -200,6 +280,12 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         plan: a ``Plan``; the default streams every layer through two slots.
         device: ``"cpu"`` (the CPU backend) or ``"cuda"``.
         input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``.
+        max_grad_norm: clip the gradients to this global L2 norm, as
+            ``torch.nn.utils.clip_grad_norm_`` does, or None. Clipping needs every gradient before
+            any update, so the optimizer steps then run in the next step's forward
+            (``OptimizerPlacement.NEXT_FORWARD``), with one host gradient tile per layer (4 bytes
+            per parameter of transient host memory); ``evaluate`` and ``save`` apply the last
+            step's update first (``Trainer.flush``).
 
     Raises:
         ConfigError: an option or optimizer setting out of range.
@@ -209,18 +295,23 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
     """
     try:
         options = CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size,
-                                 micro_batches=micro_batches, input_names=tuple(input_names), device=device)
+                                 micro_batches=micro_batches, input_names=tuple(input_names), device=device,
+                                 max_grad_norm=max_grad_norm)
         opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
     except pydantic.ValidationError as e:
         raise ConfigError(_describe(e)) from None
     backend = make_backend(options.device)
     traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                    input_names=options.input_names)
-    plan = plan or default_plan(traced.graph, options.micro_batches)
+    clip = options.max_grad_norm is not None
+    plan = plan or default_plan(traced.graph, options.micro_batches, clip_gradients=clip)
     if plan.micro_batches != options.micro_batches:
         raise ConfigError(f"plan.micro_batches={plan.micro_batches} but micro_batches={options.micro_batches}")
-    schedule = lower(traced.graph, plan, mode="train")
-    verify(schedule, traced.graph)
+    if clip and plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
+        raise ConfigError(f"max_grad_norm={options.max_grad_norm} needs the global gradient norm before any "
+                          f"update, but the plan runs optimizer steps {plan.optimizer.value}; use a plan with "
+                          "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
+    schedules = Schedules.lower(traced.graph, plan)
 
     host = HostState(traced.graph, backend.host_empty)
     bind_module(model, host)
@@ -228,7 +319,7 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
     executor = Executor(traced, host, backend, opt, buffers)
-    return Trainer(model, options, opt, traced, plan, host, backend, executor, schedule)
+    return Trainer(model, options, opt, traced, plan, host, backend, executor, schedules)
 
 
 def _describe(e: pydantic.ValidationError) -> str:

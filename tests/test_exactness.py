@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.planner.plan import Plan
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 
@@ -16,7 +16,7 @@ RTOL = 1e-5
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def eager_losses(model, batches, micro_batches: int) -> list[float]:
+def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None = None) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     out = []
     for batch in batches:
@@ -29,18 +29,22 @@ def eager_losses(model, batches, micro_batches: int) -> list[float]:
             loss = (res if isinstance(res, torch.Tensor) else res.loss) / micro_batches
             loss.backward()
             total += loss.item()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         out.append(total)
     return out
 
 
-def assert_same_training(model, *, steps=20, micro_batch_size=2, micro_batches=1, seq_len=16, plan=None, vocab=96):
+def assert_same_training(model, *, steps=20, micro_batch_size=2, micro_batches=1, seq_len=16, plan=None, vocab=96,
+                         max_grad_norm=None):
     ref = copy.deepcopy(model)
     batches = [random_batch(micro_batch_size * micro_batches, seq_len, vocab, seed=s % 3) for s in range(steps)]
     trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                                micro_batches=micro_batches, optimizer=ADAMW, plan=plan)
+                                micro_batches=micro_batches, optimizer=ADAMW, plan=plan, max_grad_norm=max_grad_norm)
     got = [trainer.step(b).loss for b in batches]
-    want = eager_losses(ref, batches, micro_batches)
+    trainer.flush()  # a deferred last update belongs in the final weights
+    want = eager_losses(ref, batches, micro_batches, max_grad_norm)
     for step, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
     assert got[-1] < got[0], "training on three repeated batches should reduce the loss"
@@ -70,6 +74,44 @@ def test_gpt_matches_eager(micro_batches):
 def test_every_plan_shape_matches_eager(plan):
     torch.manual_seed(1)
     assert_same_training(tiny_llama(layers=2), micro_batches=2, plan=plan, steps=6)
+
+
+K, OFF, RE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
+
+
+@pytest.mark.parametrize("plan", [
+    Plan(micro_batches=2, activations=(OFF,) * 6),
+    Plan(micro_batches=2, activations=(RE,) * 6),
+    Plan(micro_batches=2, slots=3, prefetch_distance=2, activations=(K, RE, OFF, RE, RE, K)),
+    Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=1, activations=(OFF, RE, RE, OFF, K, K)),
+], ids=["offload-all", "recompute-all", "mixed", "mixed-one-slot"])
+def test_offloaded_and_recomputed_checkpoints_match_eager(plan):
+    torch.manual_seed(2)
+    trainer = assert_same_training(tiny_llama(layers=4), micro_batches=2, plan=plan, steps=5)
+    kinds = {op.kind.value for op in trainer.schedule.ops}
+    assert ("OFFLOAD" in kinds) == (OFF in plan.activations) and ("RECOMPUTE" in kinds) == (RE in plan.activations)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_gradient_clipping_matches_clip_grad_norm(micro_batches):
+    """max_grad_norm defers each update to the next step's forward; the losses still equal eager
+    training with torch.nn.utils.clip_grad_norm_ (max norm 0.05: every step is clipped)."""
+    torch.manual_seed(3)
+    trainer = assert_same_training(tiny_llama(layers=2), micro_batches=micro_batches, steps=8, max_grad_norm=0.05)
+    assert trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+    assert trainer.schedules.carrying.carries_updates and trainer.schedule is trainer.schedules.first
+
+
+def test_clipped_gradient_norm_equals_torch():
+    torch.manual_seed(4)
+    model = tiny_llama(layers=2)
+    ref = copy.deepcopy(model)
+    batch = random_batch(2, 16, 96, seed=0)
+    trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=ADAMW, max_grad_norm=1.0)
+    got = trainer.step(batch).grad_norm
+    ref(**batch).loss.backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_model_built_on_meta_is_initialised_by_its_own_init():

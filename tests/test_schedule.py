@@ -18,7 +18,8 @@ from megatrain.planner.verify import happens_before, verify
 from graphs import chain_graph
 
 
-@pytest.mark.parametrize("text", ["H2D:L3:s1", "FWD:L0:m2:s0", "BWD:L12:m0:s3", "D2H:L4:s1:r0", "OPT:L7:r1"])
+@pytest.mark.parametrize("text", ["H2D:L3:s1", "FWD:L0:m2:s0", "BWD:L12:m0:s3", "D2H:L4:s1:r0", "OPT:L7:r1",
+                                  "OFFLOAD:L2:m1", "RELOAD:L2:m1", "RECOMPUTE:L5:m0:s2", "CAST:L3:t1"])
 def test_op_repr_parses_back(text):
     op = Op.parse(text, deps=(1, 2))
     assert repr(op) == text and op.deps == (1, 2)
@@ -45,7 +46,8 @@ def test_op_fields_are_checked():
        slot=st.integers(0, 16), ring=st.integers(0, 8))
 def test_any_op_round_trips(kind, layer, mb, slot, ring):
     fields = {OpKind.H2D: dict(slot=slot), OpKind.FWD: dict(mb=mb, slot=slot), OpKind.BWD: dict(mb=mb, slot=slot),
-              OpKind.D2H: dict(slot=slot, ring=ring), OpKind.OPT: dict(ring=ring)}[kind]
+              OpKind.D2H: dict(slot=slot, ring=ring), OpKind.OPT: dict(ring=ring), OpKind.OFFLOAD: dict(mb=mb),
+              OpKind.RELOAD: dict(mb=mb), OpKind.RECOMPUTE: dict(mb=mb, slot=slot), OpKind.CAST: dict(tile=ring)}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 

@@ -212,8 +212,9 @@ def test_from_records_rebuilds_a_timeline(small_timeline):
     assert Timeline.from_records(s, g, recs, spec()).source == "measured"
     with pytest.raises(ValueError, match=r"missing ops \[0\]"):
         Timeline.from_records(s, g, recs[:-1], spec())
-    bad = [(i, Stream.HOST if i == 0 else st_, a, b) for i, st_, a, b in recs]
-    with pytest.raises(ValueError, match="op #0 .* says stream 'host'"):
+    k = next(i for i, op in enumerate(s.ops) if op.stream is not Stream.HOST)
+    bad = [(i, Stream.HOST if i == k else st_, a, b) for i, st_, a, b in recs]
+    with pytest.raises(ValueError, match=f"op #{k} .* says stream 'host'"):
         Timeline.from_records(s, g, bad, spec())
 
 

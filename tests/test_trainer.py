@@ -38,7 +38,7 @@ def test_transient_buffers_are_a_few_layers_not_one_per_parameter():
     model = tiny_llama(layers=24, vocab=32, hidden=32)
     trainer = megatrain.compile(model, seq_len=8, micro_batch_size=1)
     trainer.step(random_batch(1, 8, 32, seed=0))
-    slots = trainer.executor._slots
+    slots = trainer.executor._buffers
     transient = sum(t.numel() * t.element_size() for t in slots.weights + slots.grads + slots.ring)
     largest = max(l.numel for l in trainer.graph.layers) * 4
     assert transient == (2 + 2 + 2) * largest  # two weight slots, two gradient slots, two ring tiles

@@ -13,6 +13,12 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
   includes its recompute) over the matmul rate of ``plan.compute_dtype`` times
   ``hw.matmul_efficiency``.
 - ``OPT``: ``layer.trainable_numel`` over ``host_optimizer_params_per_s``.
+- ``RECOMPUTE``: as ``FWD``.
+- ``OFFLOAD``/``RELOAD``: the bytes of the layer's outputs that some layer reads (one micro-batch)
+  over ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``.
+- ``CAST``: ``layer.numel`` FP32 reads and BF16 writes (6 bytes per element) on the host. The host
+  optimizer's rate is memory-bound at ``ADAMW_BYTES_PER_PARAM`` bytes per parameter
+  (:mod:`megatrain.planner.hardware`), so a cast runs at that rate times 28 / 6.
 
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
@@ -41,9 +47,9 @@ from dataclasses import dataclass
 
 from megatrain.errors import ConfigError
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph
-from megatrain.planner.hardware import DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
+from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
 from megatrain.planner.plan import ActivationPolicy, Plan
-from megatrain.planner.schedule import Op, OpKind, Schedule, Stream
+from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule, Stream
 
 GRAD_ITEMSIZE = 4
 """Gradients are FP32 on the GPU, over D2H and in the host ring, whatever the compute dtype."""
@@ -56,6 +62,9 @@ MOMENT_BYTES_PER_ELEMENT = 8
 
 STAGING_ITEMSIZE = 2
 """The staging ring holds BF16 copies of the tiles H2D is about to read."""
+
+CAST_BYTES_PER_ELEMENT = 6
+"""A CAST reads the FP32 master (4 B) and writes its BF16 copy (2 B) per element."""
 
 BACKWARD_TO_FORWARD_FLOPS = 2
 """Model FLOPs count a backward as twice the forward (PaLM appendix B; Kaplan et al. 2020)."""
@@ -133,6 +142,27 @@ def opt_time(layer: Layer, hw: HardwareSpec) -> float:
     return hw.op_latency_s + layer.trainable_numel / hw.host_optimizer_params_per_s
 
 
+def cast_time(layer: Layer, hw: HardwareSpec) -> float:
+    """One host CAST of the layer's master tile into a BF16 staging tile."""
+    rate = hw.host_optimizer_params_per_s * ADAMW_BYTES_PER_PARAM / CAST_BYTES_PER_ELEMENT
+    return hw.op_latency_s + layer.numel / rate
+
+
+def checkpoint_bytes(graph: LayerGraph, layer: int) -> int:
+    """Bytes of ``layer``'s outputs that another layer reads, for one micro-batch: what an OFFLOAD
+    or RELOAD moves and what offloading them keeps in pinned host memory."""
+    return sum(graph.values[vid].nbytes for vid in graph.layers[layer].outputs if graph.values[vid].consumers)
+
+
+def offload_time(graph: LayerGraph, layer: int, hw: HardwareSpec, kind: OpKind) -> float:
+    """One OFFLOAD (D2H) or RELOAD (H2D) of ``layer``'s checkpoints for one micro-batch."""
+    if kind is OpKind.OFFLOAD:
+        rate = _rate(hw, "d2h_bytes_per_s", hw.d2h_bytes_per_s, "OFFLOAD ops")
+    else:
+        rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "RELOAD ops")
+    return hw.op_latency_s + checkpoint_bytes(graph, layer) / rate
+
+
 def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
     """Seconds ``op`` takes on its resource under ``hw``."""
     layer = graph.layers[op.layer]
@@ -140,10 +170,14 @@ def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
         return h2d_time(layer, plan, hw)
     if op.kind is OpKind.D2H:
         return d2h_time(layer, hw)
-    if op.kind is OpKind.FWD:
+    if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
         return fwd_time(layer, plan, hw)
     if op.kind is OpKind.BWD:
         return bwd_time(layer, plan, hw)
+    if op.kind in (OpKind.OFFLOAD, OpKind.RELOAD):
+        return offload_time(graph, op.layer, hw, op.kind)
+    if op.kind is OpKind.CAST:
+        return cast_time(layer, hw)
     return opt_time(layer, hw)
 
 
@@ -170,7 +204,7 @@ def working_bytes(layer: Layer, kind: OpKind) -> int:
     used for both: the runtime may run the forward with grad enabled, and an over-estimate here
     costs a little batch size where an under-estimate costs an out-of-memory error.
     """
-    return layer.work_bytes if kind in (OpKind.FWD, OpKind.BWD) else 0
+    return layer.work_bytes if kind in COMPUTE_KINDS else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,13 +216,17 @@ class ActivationLiveness:
     are taken when op ``i`` starts and those in ``free[i]`` given back when it ends; ``work[i]``
     is held only while it runs; ``at_start`` (the batch inputs) is held from the step's start.
 
-    Liveness: a checkpoint (a value a FWD produces, one per micro-batch) from the start of its
-    producing FWD to the end of its last reader (FWDs and local backwards of its consumers, which
-    recompute from it); a value with no reader until its producer ends. The gradient of a value
-    that requires grad, from the start of the first consumer's local backward (which produces it)
-    to the end of its producer's local backward. A batch input from the step's start to the end of
-    its last reader (or the step's end). Values the last layer produces inside its local backward
-    (the loss) are part of that op's working memory.
+    Liveness, per (value, micro-batch). A checkpoint is on the GPU in generations: from the start
+    of the FWD or RECOMPUTE that produces it, or from a RELOAD that copies it back, to the end of
+    the last compute op that reads it before the next generation begins (a value nobody reads,
+    until its producer ends). A RELOAD's bytes are counted from the start of the compute op after
+    the last compute op it waits for (it cannot start earlier). A generation an OFFLOAD copies out
+    stays until the compute op just before the first compute op that waits for that OFFLOAD (the
+    lowering makes one wait, so the copy is known done by then), or the step's end. The gradient of
+    a value that requires grad, from the start of the first consumer's local backward (which
+    produces it) to the end of its producer's local backward. A batch input from the step's start
+    to the end of its last reader (or the step's end). Values the last layer produces inside its
+    local backward (the loss) are part of that op's working memory.
     """
 
     at_start: int
@@ -197,31 +235,78 @@ class ActivationLiveness:
     work: tuple[int, ...]
 
 
+@dataclass(slots=True)
+class _Generation:
+    nbytes: int
+    alloc_at: int  # compute op index; -1 for the step's start
+    readers: list[int]
+    offloads: list[int]
+
+
 def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLiveness:
     """The allocation events of checkpoints, boundary gradients and working memory."""
-    n = len(schedule.ops)
+    ops = schedule.ops
+    n = len(ops)
     alloc, free, work = [0] * n, [0] * n, [0] * n
-    fwd: dict[tuple[int, int], int] = {}
+    compute = [i for i, op in enumerate(ops) if op.stream is Stream.COMPUTE]
+    after = [len(ops)] * (n + 1)  # after[i]: first compute op at or after i
+    for i in range(n - 1, -1, -1):
+        after[i] = i if ops[i].stream is Stream.COMPUTE else after[i + 1]
+    before = [-1] * n  # before[i]: last compute op before i
+    for i in range(1, n):
+        before[i] = i - 1 if ops[i - 1].stream is Stream.COMPUTE else before[i - 1]
+    waiters: dict[int, int] = {}  # non-compute op -> first compute op that lists it as a dependency
     bwd: dict[tuple[int, int], int] = {}
-    for i, op in enumerate(schedule.ops):
-        if op.kind is OpKind.FWD:
-            fwd[(op.layer, op.mb)] = i
-        elif op.kind is OpKind.BWD:
+    read = {vid for vid, v in enumerate(graph.values) if v.consumers}
+    gens: list[_Generation] = []
+    current: dict[tuple[int, int], _Generation] = {}
+    for mb in range(schedule.plan.micro_batches):
+        for vid, v in enumerate(graph.values):
+            if v.producer == BATCH_PRODUCER:
+                current[(vid, mb)] = g = _Generation(v.nbytes, -1, [], [])
+                gens.append(g)
+    for i, op in enumerate(ops):
+        layer = graph.layers[op.layer]
+        if op.stream is Stream.COMPUTE:
+            work[i] = working_bytes(layer, op.kind)
+            for d in op.deps:
+                if ops[d].stream is not Stream.COMPUTE:
+                    waiters.setdefault(d, i)
+        if op.kind is OpKind.BWD:
             bwd[(op.layer, op.mb)] = i
-        work[i] = working_bytes(graph.layers[op.layer], op.kind)
+        if op.kind in COMPUTE_KINDS:
+            for vid in layer.inputs:
+                current[(vid, op.mb)].readers.append(i)
+        if op.kind is OpKind.OFFLOAD:
+            for vid in layer.outputs:
+                if vid in read:
+                    current[(vid, op.mb)].offloads.append(i)
+        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
+            if op.kind is OpKind.RELOAD:
+                waits = [d for d in op.deps if ops[d].stream is Stream.COMPUTE]
+                start = after[max(waits) + 1] if waits else -1
+            else:
+                start = i
+            for vid in layer.outputs:
+                if op.kind is OpKind.RELOAD and vid not in read:
+                    continue
+                current[(vid, op.mb)] = g = _Generation(graph.values[vid].nbytes, start, [], [])
+                gens.append(g)
+    last_compute = compute[-1] if compute else -1
     at_start = 0
+    for g in gens:
+        if g.alloc_at < 0:
+            at_start += g.nbytes
+        elif g.alloc_at < n:
+            alloc[g.alloc_at] += g.nbytes
+        end = max(g.readers, default=g.alloc_at)
+        for o in g.offloads:
+            w = waiters.get(o)
+            end = max(end, before[w] if w is not None else last_compute)
+        if end >= 0 and end < n:
+            free[end] += g.nbytes
     for mb in range(schedule.plan.micro_batches):
         for v in graph.values:
-            readers = [t[(c, mb)] for c in v.consumers for t in (fwd, bwd) if (c, mb) in t]
-            if v.producer == BATCH_PRODUCER:
-                at_start += v.nbytes
-                if readers:
-                    free[max(readers)] += v.nbytes
-                continue
-            p = fwd.get((v.producer, mb))
-            if p is not None:
-                alloc[p] += v.nbytes
-                free[max(readers + [p])] += v.nbytes
             q = bwd.get((v.producer, mb))
             grads_from = [bwd[(c, mb)] for c in v.consumers if (c, mb) in bwd]
             if v.requires_grad and q is not None and grads_from:
@@ -352,8 +437,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
     max_trainable = max(layer.trainable_numel for layer in layers)
     n_slots = weight_slot_count(plan)
     M = plan.micro_batches
-    offloaded = sum(v.nbytes for v in graph.values if v.producer != BATCH_PRODUCER
-                    and plan.activation(v.producer) is ActivationPolicy.OFFLOAD)
+    offloaded = sum(checkpoint_bytes(graph, p) for p in range(len(layers))
+                    if plan.activation(p) is ActivationPolicy.OFFLOAD)
     # With layer_by_layer every micro-batch's checkpoints are out at once; otherwise one at a time.
     pinned_activations = offloaded * (M if plan.layer_by_layer else 1)
     act, work, dyn = _dynamic_peaks(schedule, activation_liveness(schedule, graph))
@@ -406,7 +491,7 @@ def mfu(model_flops: float, step_time_s: float, compute_dtype: str, hw: Hardware
 
 __all__ = [
     "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-    "fwd_time", "bwd_time", "opt_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
+    "fwd_time", "bwd_time", "opt_time", "cast_time", "checkpoint_bytes", "offload_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
     "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
 ]

@@ -1,19 +1,36 @@
 """Lower (LayerGraph, Plan) to a Schedule.
 
-The compute order is fixed first: a training step visits layers ``0 .. n-2`` forward, then the
-last layer (which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward.
-The last layer never runs a separate forward: its local backward computes the loss on the way.
-With ``layer_by_layer`` every micro-batch passes through a layer during one visit.
+Compute order first. A training step visits layers ``0 .. n-2`` forward, then the last layer
+(which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward. The last
+layer never runs a separate forward: its local backward computes the loss on the way. With
+``layer_by_layer`` every micro-batch passes through a layer during one visit (L2L, Pudipeddi et al.
+2020, arXiv:2002.05645). A layer whose checkpoint policy is RECOMPUTE gets a RECOMPUTE visit in the
+backward phase, just before the first local backward that reads its outputs; a run of such layers
+is recomputed from the nearest stored checkpoint, producers first (Chen et al. 2016, "Training Deep
+Nets with Sublinear Memory Cost", arXiv:1604.06174, segment recomputation).
 
 Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` does in
-``torch.distributed.pipelining``): each visit needs its layer's weights in a buffer slot. A layer
-already in a slot (the last forward layer at the turn to backward, or a resident layer) is not
-copied again. Otherwise the copy goes into a slot that no visit inside the prefetch window uses,
-choosing the slot whose content is next needed farthest in the future (Belady's rule, which
-minimises reloads for a known access sequence). The copy waits for every op that used the slot's
-old content (its computes and, after backward, its gradient copy-out) and for the prefetch window.
-Gradients leave a slot by D2H into a host gradient tile of a ring; the optimizer step of that layer
-reads the tile and frees it for the D2H that reuses it.
+``torch.distributed.pipelining``):
+
+- Weights. Each visit needs its layer's weights in a buffer slot. A layer already in a slot (the
+  last forward layer at the turn to backward, a resident layer, a layer just recomputed) is not
+  copied again. Otherwise the copy goes into a slot that no visit inside the prefetch window uses,
+  choosing the slot whose content is next needed farthest in the future (Belady's rule, which
+  minimises reloads for a known access sequence). The copy waits for every op that used the
+  slot's old content (its computes and, after backward, its gradient copy-out) and for the
+  prefetch window. With BF16 compute a CAST op on the host stream first writes the layer's master
+  weights as BF16 into a staging tile (a ring of ``plan.staging_ring``), which the H2D reads.
+- Offloaded checkpoints. After a forward of a layer whose policy is OFFLOAD, an OFFLOAD op copies
+  its outputs to pinned host memory; the first op of the visit after the last forward that reads
+  them waits for that copy, so the GPU copy is gone one visit later at most. A RELOAD op brings
+  them back inside the same prefetch window as the weights of the first local backward that
+  reads them, and never before the forward phase ends.
+- Gradients leave a slot by D2H into a host gradient tile. With the optimizer placed
+  DURING_BACKWARD the tiles form a ring and the layer's OPT reads its tile as soon as it lands.
+  With NEXT_FORWARD (global-norm clipping needs every gradient first) each trainable layer has a
+  tile of its own, and the OPTs run at the start of the next step's schedule, each before its
+  layer's first weight copy, so the host optimizer overlaps that step's forward
+  (``Schedule.carries_updates``); an ``"update"`` schedule runs only those OPTs.
 """
 
 from __future__ import annotations
@@ -23,13 +40,13 @@ from dataclasses import dataclass, field
 from megatrain.errors import PlanError
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import Op, OpKind, Schedule
+from megatrain.planner.schedule import Mode, Op, OpKind, Schedule
 
 
 @dataclass(slots=True)
 class _Visit:
     layer: int
-    kind: OpKind  # FWD or BWD
+    kind: OpKind  # FWD, BWD or RECOMPUTE
     slot: int = -1
     ops: list[int] = field(default_factory=list)
 
@@ -41,101 +58,232 @@ class _Slot:
     h2d: int | None = None
 
 
-def lower(graph: LayerGraph, plan: Plan, mode: str = "train") -> Schedule:
-    """Lower ``graph`` under ``plan`` to a Schedule of ``mode`` ``"train"`` or ``"eval"``.
+def gradient_tiles(graph: LayerGraph) -> dict[int, int]:
+    """With NEXT_FORWARD placement: the host gradient tile of each trainable layer (in layer order)."""
+    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel > 0]
+    return {layer: k for k, layer in enumerate(trainable)}
+
+
+def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_updates: bool = False) -> Schedule:
+    """Lower ``graph`` under ``plan`` to a Schedule of ``mode`` ``"train"``, ``"eval"`` or ``"update"``.
+
+    ``carries_updates`` (train mode with ``OptimizerPlacement.NEXT_FORWARD`` only): the schedule
+    starts with the previous step's optimizer steps. An ``"update"`` schedule is those steps alone.
 
     Raises:
-        PlanError: the plan does not fit the graph, or asks for something this lowering does not
-            implement yet (activation offload or recompute, per-micro-batch passes, optimizer steps
-            deferred to the next forward).
+        PlanError: the plan does not fit the graph, or asks for per-micro-batch passes
+            (``layer_by_layer=False``) with several micro-batches, which this lowering does not
+            implement yet.
+        ValueError: an unknown mode, or ``carries_updates`` where there is nothing to carry.
     """
-    if mode not in ("train", "eval"):
-        raise ValueError(f"mode must be 'train' or 'eval', not {mode!r}")
+    if mode not in ("train", "eval", "update"):
+        raise ValueError(f"mode must be 'train', 'eval' or 'update', not {mode!r}")
+    deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+    if (carries_updates or mode == "update") and not deferred:
+        raise ValueError("only plans with OptimizerPlacement.NEXT_FORWARD carry optimizer steps into the "
+                         "next schedule")
+    if carries_updates and mode != "train":
+        raise ValueError(f"a {mode!r} schedule carries no optimizer steps; use mode='update' to run them")
     plan.check_against(graph)
-    unsupported = [i for i in range(len(graph.layers)) if plan.activation(i) is not ActivationPolicy.KEEP]
-    if unsupported:
-        raise PlanError(f"layers {unsupported} ask for activation offload/recompute, which this "
-                        "lowering does not implement yet; use ActivationPolicy.KEEP")
     if not plan.layer_by_layer and plan.micro_batches > 1:
         raise PlanError("per-micro-batch passes (layer_by_layer=False) with several micro-batches "
                         "are not implemented yet; use layer_by_layer=True")
-    if plan.optimizer is not OptimizerPlacement.DURING_BACKWARD:
-        raise PlanError(f"optimizer placement {plan.optimizer.value!r} is not implemented yet")
-
     n = len(graph.layers)
-    if mode == "train":
-        visits = [_Visit(i, OpKind.FWD) for i in range(n - 1)] + \
-                 [_Visit(i, OpKind.BWD) for i in range(n - 1, -1, -1)]
-    else:
-        visits = [_Visit(i, OpKind.FWD) for i in range(n)]
-    _assign_slots(visits, plan, n)
+    tiles = gradient_tiles(graph) if deferred else {}
+    if mode == "update":
+        ops = tuple(Op(OpKind.OPT, layer, ring=r) for layer, r in tiles.items())
+        return Schedule(ops=ops, plan=plan, n_layers=n, mode="update")
+    return _Lowering(graph, plan, mode, carries_updates, tiles).run()
 
-    ops: list[Op] = []
-    fwd: dict[tuple[int, int], int] = {}  # (layer, mb) -> FWD op index
-    bwd: dict[tuple[int, int], int] = {}
-    loaded_by: dict[int, int] = {}  # visit index -> H2D op index
-    slots: dict[int, _Slot] = {}
-    ring_last_opt: dict[int, int] = {}
-    ring_next = 0
-    emitted_loads = 0  # visits whose load decision has been emitted
 
-    def emit(op: Op) -> int:
-        ops.append(op)
-        return len(ops) - 1
+class _Lowering:
+    """One lowering: the visit list, then ops emitted visit by visit with their copies."""
 
-    def emit_loads(upto: int) -> None:
-        nonlocal emitted_loads
-        while emitted_loads < len(visits) and emitted_loads <= upto:
-            j = emitted_loads
+    def __init__(self, graph: LayerGraph, plan: Plan, mode: str, carries: bool, tiles: dict[int, int]):
+        self.g, self.plan, self.mode, self.carries, self.tiles = graph, plan, mode, carries, tiles
+        self.n = len(graph.layers)
+        self.train = mode == "train"
+        self.visits = self._visits()
+        _assign_slots(self.visits, plan, self.n)
+        self.ops: list[Op] = []
+        self.latest: dict[tuple[int, int], int] = {}  # (value, mb) -> op that last produced it on the GPU
+        self.bwd: dict[tuple[int, int], int] = {}
+        self.offloads: dict[tuple[int, int], int] = {}  # (layer, mb) -> OFFLOAD op
+        self.loaded_by: dict[int, int] = {}  # visit index -> H2D op index
+        self.slots: dict[int, _Slot] = {}
+        self.emitted_loads = 0
+        self.emitted_reloads: set[int] = set()
+        self.opt_at_start: dict[int, int] = {}
+        self.staging_next = 0
+        self.staging_reader: dict[int, int] = {}  # staging tile -> H2D that last read it
+        self.ring_next = 0
+        self.ring_last_opt: dict[int, int] = {}
+
+    def policy(self, layer: int) -> ActivationPolicy:
+        return self.plan.activation(layer) if self.train else ActivationPolicy.KEEP
+
+    # -- compute order ---------------------------------------------------------------------------
+    def _visits(self) -> list[_Visit]:
+        n = self.n
+        if not self.train:
+            return [_Visit(i, OpKind.FWD) for i in range(n)]
+        visits = [_Visit(i, OpKind.FWD) for i in range(n - 1)]
+        recomputed: set[int] = set()
+
+        def rebuild_inputs(layer: int) -> None:
+            for vid in self.g.layers[layer].inputs:
+                p = self.g.values[vid].producer
+                if (p == BATCH_PRODUCER or p in recomputed or p == n - 1
+                        or self.policy(p) is not ActivationPolicy.RECOMPUTE):
+                    continue
+                rebuild_inputs(p)
+                recomputed.add(p)
+                visits.append(_Visit(p, OpKind.RECOMPUTE))
+
+        for layer in range(n - 1, -1, -1):
+            rebuild_inputs(layer)
+            visits.append(_Visit(layer, OpKind.BWD))
+        return visits
+
+    # -- emission --------------------------------------------------------------------------------
+    def emit(self, op: Op) -> int:
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+    def run(self) -> Schedule:
+        plan, g = self.plan, self.g
+        if self.carries:
+            for layer, r in self.tiles.items():
+                self.opt_at_start[layer] = self.emit(Op(OpKind.OPT, layer, ring=r))
+        gates = self._offload_gates()
+        self.emit_loads(plan.prefetch_distance)
+        for i, v in enumerate(self.visits):
+            self.emit_loads(i)  # a visit's own load, if the window did not already bring it
+            self.emit_reloads_for(i)
+            st = self.slots[v.slot]
+            h = self.loaded_by[i]
+            for mb in range(plan.micro_batches):
+                deps = {h}
+                if mb == 0:
+                    deps.update(self.offloads[(p, m)] for p in gates.get(i, ())
+                                for m in range(plan.micro_batches))
+                layer = g.layers[v.layer]
+                for vid in layer.inputs:
+                    if g.values[vid].producer != BATCH_PRODUCER:
+                        deps.add(self.latest[(vid, mb)])
+                if v.kind is OpKind.BWD:
+                    for vid in layer.outputs:
+                        if g.values[vid].requires_grad:
+                            deps.update(self.bwd[(c, mb)] for c in g.values[vid].consumers)
+                    if mb > 0:
+                        deps.add(self.bwd[(v.layer, mb - 1)])  # gradients accumulate in the slot in order
+                k = self.emit(Op(v.kind, v.layer, mb=mb, slot=v.slot, deps=tuple(sorted(deps))))
+                v.ops.append(k)
+                st.users.append(k)
+                if v.kind is OpKind.BWD:
+                    self.bwd[(v.layer, mb)] = k
+                else:
+                    for vid in layer.outputs:
+                        self.latest[(vid, mb)] = k
+                if v.kind is OpKind.FWD and self.policy(v.layer) is ActivationPolicy.OFFLOAD:
+                    self.offloads[(v.layer, mb)] = self.emit(Op(OpKind.OFFLOAD, v.layer, mb=mb, deps=(k,)))
+            if v.kind is OpKind.BWD and g.layers[v.layer].trainable_numel > 0:
+                self.emit_gradient_out(v, st)
+            self.emit_loads(i + plan.prefetch_distance + 1)
+        return Schedule(ops=tuple(self.ops), plan=plan, n_layers=self.n, mode=self.mode,  # type: ignore[arg-type]
+                        carries_updates=self.carries)
+
+    def emit_gradient_out(self, v: _Visit, st: _Slot) -> None:
+        deps = {v.ops[-1]}
+        if self.tiles:  # NEXT_FORWARD: the layer's own tile; its OPT runs in the next schedule
+            r = self.tiles[v.layer]
+            if v.layer in self.opt_at_start:
+                deps.add(self.opt_at_start[v.layer])  # that OPT reads the previous step's gradients
+            st.users.append(self.emit(Op(OpKind.D2H, v.layer, slot=v.slot, ring=r, deps=tuple(sorted(deps)))))
+            return
+        r = self.ring_next % self.plan.grad_ring
+        self.ring_next += 1
+        if r in self.ring_last_opt:
+            deps.add(self.ring_last_opt[r])
+        d = self.emit(Op(OpKind.D2H, v.layer, slot=v.slot, ring=r, deps=tuple(sorted(deps))))
+        st.users.append(d)
+        self.ring_last_opt[r] = self.emit(Op(OpKind.OPT, v.layer, ring=r, deps=(d,)))
+
+    def emit_loads(self, upto: int) -> None:
+        visits, plan = self.visits, self.plan
+        while self.emitted_loads < len(visits) and self.emitted_loads <= upto:
+            j = self.emitted_loads
             v = visits[j]
-            st = slots.setdefault(v.slot, _Slot())
+            st = self.slots.setdefault(v.slot, _Slot())
             if st.layer == v.layer:
-                loaded_by[j] = st.h2d  # still there: no copy
+                self.loaded_by[j] = st.h2d  # still there: no copy
             else:
                 deps = set(st.users)
                 window = j - plan.prefetch_distance - 1
                 if window >= 0:
                     deps.update(visits[window].ops)
-                h = emit(Op(OpKind.H2D, v.layer, slot=v.slot, deps=tuple(sorted(deps))))
+                if v.layer in self.opt_at_start:
+                    deps.add(self.opt_at_start[v.layer])  # read the updated master weights
+                cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" else None
+                if cast is not None:
+                    deps.add(cast)
+                h = self.emit(Op(OpKind.H2D, v.layer, slot=v.slot, deps=tuple(sorted(deps))))
+                if cast is not None:
+                    self.staging_reader[self.ops[cast].tile] = h
                 st.layer, st.users, st.h2d = v.layer, [], h
-                loaded_by[j] = h
-            emitted_loads += 1
+                self.loaded_by[j] = h
+            self.emitted_loads += 1
 
-    emit_loads(plan.prefetch_distance)
-    M = plan.micro_batches
-    for i, v in enumerate(visits):
-        emit_loads(i)  # a visit's own load, if the window did not already bring it
-        layer = graph.layers[v.layer]
-        st = slots[v.slot]
-        h = loaded_by[i]
-        for mb in range(M):
-            deps = {h}
-            for vid in layer.inputs:
-                p = graph.values[vid].producer
-                if p != BATCH_PRODUCER:
-                    deps.add(fwd[(p, mb)])
-            if v.kind is OpKind.BWD:
-                for vid in layer.outputs:
-                    val = graph.values[vid]
-                    if val.requires_grad:
-                        deps.update(bwd[(c, mb)] for c in val.consumers)
-                if mb > 0:
-                    deps.add(bwd[(v.layer, mb - 1)])  # gradients accumulate in the slot in order
-            k = emit(Op(v.kind, v.layer, mb=mb, slot=v.slot, deps=tuple(sorted(deps))))
-            (fwd if v.kind is OpKind.FWD else bwd)[(v.layer, mb)] = k
-            v.ops.append(k)
-            st.users.append(k)
-        if v.kind is OpKind.BWD and layer.trainable_numel > 0:
-            r = ring_next % plan.grad_ring
-            ring_next += 1
-            deps = {v.ops[-1]}
-            if r in ring_last_opt:
-                deps.add(ring_last_opt[r])
-            d = emit(Op(OpKind.D2H, v.layer, slot=v.slot, ring=r, deps=tuple(sorted(deps))))
-            st.users.append(d)
-            ring_last_opt[r] = emit(Op(OpKind.OPT, v.layer, ring=r, deps=(d,)))
-        emit_loads(i + plan.prefetch_distance + 1)
-    return Schedule(ops=tuple(ops), plan=plan, n_layers=n, mode=mode)
+    def emit_cast(self, layer: int) -> int:
+        t = self.staging_next % self.plan.staging_ring
+        self.staging_next += 1
+        deps = set()
+        if t in self.staging_reader:
+            deps.add(self.staging_reader[t])  # the H2D that read the tile's old content
+        if layer in self.opt_at_start:
+            deps.add(self.opt_at_start[layer])
+        return self.emit(Op(OpKind.CAST, layer, tile=t, deps=tuple(sorted(deps))))
+
+    # -- offloaded checkpoints ---------------------------------------------------------------------
+    def _offloaded(self) -> list[int]:
+        return [p for p in range(self.n - 1) if self.policy(p) is ActivationPolicy.OFFLOAD]
+
+    def _offload_gates(self) -> dict[int, list[int]]:
+        """visit index -> offloaded layers whose OFFLOADs its first op waits for."""
+        fwd_visit = {v.layer: i for i, v in enumerate(self.visits) if v.kind is OpKind.FWD}
+        gates: dict[int, list[int]] = {}
+        for p in self._offloaded():
+            readers = [fwd_visit[c] for vid in self.g.layers[p].outputs
+                       for c in self.g.values[vid].consumers if c in fwd_visit]
+            gates.setdefault(max(readers + [fwd_visit[p]]) + 1, []).append(p)
+        return gates
+
+    def emit_reloads_for(self, upto: int) -> None:
+        """RELOADs for the backward visits whose prefetch window has opened by visit ``upto``."""
+        if not self.train:
+            return
+        d = self.plan.prefetch_distance
+        turn = self.n - 2  # the last forward visit: no reload starts before the forward phase ends
+        for j in range(upto, min(upto + d + 1, len(self.visits))):
+            if j in self.emitted_reloads:
+                continue
+            after = max(j - d - 1, turn)
+            if after >= upto or after < 0:
+                continue  # its window has not opened yet (or there is no forward phase)
+            self.emitted_reloads.add(j)
+            v = self.visits[j]
+            for vid in self.g.layers[v.layer].inputs:
+                p = self.g.values[vid].producer
+                if p == BATCH_PRODUCER or self.policy(p) is not ActivationPolicy.OFFLOAD:
+                    continue
+                for mb in range(self.plan.micro_batches):
+                    key = (vid, mb)
+                    if self.ops[self.latest[key]].kind is OpKind.RELOAD:
+                        continue  # already back for an earlier reader
+                    deps = {self.offloads[(p, mb)], *self.visits[after].ops}
+                    r = self.emit(Op(OpKind.RELOAD, p, mb=mb, deps=tuple(sorted(deps))))
+                    for out in self.g.layers[p].outputs:
+                        self.latest[(out, mb)] = r
 
 
 def _assign_slots(visits: list[_Visit], plan: Plan, n_layers: int) -> None:

@@ -37,7 +37,9 @@ class Plan:
         slots: streaming weight buffer slots on the GPU, each sized for the largest streamed layer.
         prefetch_distance: how many layer visits ahead an H2D weight copy may start, in
             ``[0, slots - 1]``; 0 means no overlap of copy and compute.
-        grad_ring: host gradient tiles that D2H writes and the optimizer reads, >= 1.
+        grad_ring: host gradient tiles that D2H writes and the optimizer reads, >= 1; with
+            ``optimizer=NEXT_FORWARD`` one per trainable layer (they hold the gradients until the
+            next step's forward).
         resident: layers whose weights are copied to the GPU once per step and kept for both
             passes (each in a slot of its own, beside the streaming slots).
         activations: one ActivationPolicy per layer, for its output checkpoint.
@@ -88,6 +90,11 @@ class Plan:
         bad = [r for r in self.resident if r >= n]
         if bad:
             raise PlanError(f"Plan.resident names layers {bad}, but the graph has {n} layers")
+        trainable = sum(1 for layer in graph.layers if layer.trainable_numel > 0)
+        if self.optimizer is OptimizerPlacement.NEXT_FORWARD and self.grad_ring < trainable:
+            raise PlanError(f"Plan.grad_ring={self.grad_ring} with optimizer steps in the next forward: each of "
+                            f"the {trainable} trainable layers keeps its gradients in a host tile of its own "
+                            f"until then; set grad_ring={trainable}")
 
     @property
     def compute_itemsize(self) -> int:
@@ -97,8 +104,18 @@ class Plan:
         return self.activations[layer] if self.activations else ActivationPolicy.KEEP
 
 
-def default_plan(graph: LayerGraph, micro_batches: int = 1) -> Plan:
-    """Two slots, prefetch distance one, a checkpoint kept at every layer boundary."""
+def default_plan(graph: LayerGraph, micro_batches: int = 1, clip_gradients: bool = False) -> Plan:
+    """Two slots, prefetch distance one, a checkpoint kept at every layer boundary.
+
+    With ``clip_gradients`` the optimizer steps wait for the global gradient norm: they run in the
+    next step's forward, and every trainable layer gets a host gradient tile.
+    """
+    if clip_gradients:
+        trainable = sum(1 for layer in graph.layers if layer.trainable_numel > 0)
+        plan = Plan(micro_batches=micro_batches, optimizer=OptimizerPlacement.NEXT_FORWARD,
+                    grad_ring=max(1, trainable))
+        plan.check_against(graph)
+        return plan
     plan = Plan(micro_batches=micro_batches)
     plan.check_against(graph)
     return plan

@@ -1,7 +1,8 @@
 """The Schedule: an explicit DAG of typed ops on streams, and its JSON form.
 
 Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``FWD:L3:m0:s1``,
-``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``), after the ``_Action`` records of
+``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OFFLOAD:L3:m0``, ``RELOAD:L3:m0``,
+``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``), after the ``_Action`` records of
 ``torch.distributed.pipelining``. The op list is in issue order: a topological order of the DAG,
 and for each stream the order its in-order queue runs the ops. ``deps`` are indices of earlier ops
 that must finish first; a dependency that crosses streams becomes an event in the CUDA backend.
@@ -18,7 +19,7 @@ import pydantic
 
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 1
+SCHEDULE_FORMAT_VERSION = 2
 
 
 class Stream(enum.Enum):
@@ -36,18 +37,27 @@ class OpKind(enum.Enum):
     BWD = "BWD"  # local backward: recompute the layer's forward from its input checkpoint, then grad
     D2H = "D2H"  # copy a slot's accumulated FP32 gradients into a host gradient tile
     OPT = "OPT"  # host AdamW step of one layer from a host gradient tile
+    OFFLOAD = "OFFLOAD"  # copy a layer's output checkpoints (one micro-batch) to pinned host memory
+    RELOAD = "RELOAD"  # copy them back to the GPU before the local backwards that read them
+    RECOMPUTE = "RECOMPUTE"  # forward of a layer in the backward phase, to rebuild its checkpoints
+    CAST = "CAST"  # host: write a layer's master weights in the compute dtype into a staging tile
 
     @property
     def stream(self) -> Stream:
         return _STREAM_OF[self]
 
 
+COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
+"""Op kinds that run a layer's template on the GPU with the layer's weights in a slot."""
+
 _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: Stream.COMPUTE,
-              OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST}
+              OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
+              OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.HOST}
 _FIELDS = {OpKind.H2D: ("layer", "slot"), OpKind.FWD: ("layer", "mb", "slot"),
            OpKind.BWD: ("layer", "mb", "slot"), OpKind.D2H: ("layer", "slot", "ring"),
-           OpKind.OPT: ("layer", "ring")}
-_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r"}
+           OpKind.OPT: ("layer", "ring"), OpKind.OFFLOAD: ("layer", "mb"), OpKind.RELOAD: ("layer", "mb"),
+           OpKind.RECOMPUTE: ("layer", "mb", "slot"), OpKind.CAST: ("layer", "tile")}
+_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +69,11 @@ class Op:
     mb: int | None = None
     slot: int | None = None
     ring: int | None = None
+    tile: int | None = None  # a staging tile (CAST)
     deps: tuple[int, ...] = field(default=(), compare=True)
 
     def __post_init__(self) -> None:
-        for name in ("mb", "slot", "ring"):
+        for name in ("mb", "slot", "ring", "tile"):
             present = getattr(self, name) is not None
             if present != (name in _FIELDS[self.kind]):
                 raise ValueError(f"{self.kind.value} op {'needs' if not present else 'takes no'} {name}")
@@ -97,14 +108,26 @@ class Op:
         return cls(kind, deps=tuple(deps), **kw)
 
 
+Mode = Literal["train", "eval", "update"]
+
+
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """The ops of one step (``mode="train"``) or one evaluation pass (``mode="eval"``)."""
+    """The ops of one step (``mode="train"``), one evaluation pass (``"eval"``), or the optimizer
+    steps still owed at the end of training (``"update"``).
+
+    ``carries_updates``: with ``OptimizerPlacement.NEXT_FORWARD`` a step's optimizer steps run in
+    the next step's schedule, before each layer's first weight copy, reading the gradient tiles the
+    previous step left (one tile per trainable layer). A train schedule with ``carries_updates``
+    starts with those steps; the first step after compiling (or after an ``"update"`` schedule, or a
+    step whose update was dropped) runs the one without.
+    """
 
     ops: tuple[Op, ...]
     plan: Plan
     n_layers: int
-    mode: Literal["train", "eval"] = "train"
+    mode: Mode = "train"
+    carries_updates: bool = False
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -118,7 +141,7 @@ class Schedule:
         for i in range(lo, hi):
             op = self.ops[i]
             arrow = "-->" if i == marker else "   "
-            lines.append(f"{arrow} {i:5d} {op.stream.value:<7} {op!r:<16} deps={list(op.deps)}")
+            lines.append(f"{arrow} {i:5d} {op.stream.value:<7} {op!r:<20} deps={list(op.deps)}")
         if hi < len(self.ops):
             lines.append(f"      ... ({len(self.ops) - hi} ops after)")
         return "\n".join(lines)
@@ -165,11 +188,12 @@ class _OpModel(pydantic.BaseModel):
 
 
 class _ScheduleModel(pydantic.BaseModel):
-    """JSON boundary of a Schedule: ``{"version", "mode", "n_layers", "plan", "ops"}``."""
+    """JSON boundary of a Schedule: ``{"version", "mode", "carries_updates", "n_layers", "plan", "ops"}``."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
-    version: Literal[1] = SCHEDULE_FORMAT_VERSION
-    mode: Literal["train", "eval"]
+    version: Literal[2] = SCHEDULE_FORMAT_VERSION
+    mode: Literal["train", "eval", "update"]
+    carries_updates: bool = False
     n_layers: int
     plan: _PlanModel
     ops: list[_OpModel]
@@ -177,7 +201,7 @@ class _ScheduleModel(pydantic.BaseModel):
     @classmethod
     def from_schedule(cls, s: Schedule) -> "_ScheduleModel":
         p = s.plan
-        return cls(mode=s.mode, n_layers=s.n_layers, plan=_PlanModel(
+        return cls(mode=s.mode, carries_updates=s.carries_updates, n_layers=s.n_layers, plan=_PlanModel(
             micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
@@ -191,7 +215,7 @@ class _ScheduleModel(pydantic.BaseModel):
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
-                        n_layers=self.n_layers, mode=self.mode)
+                        n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 
 
 def schedule_json_schema() -> str:

@@ -10,11 +10,20 @@ computed once as ancestor bitsets (Python ints) in list order, which the rules t
 - ``gradients``: a slot's gradients are copied out (D2H) after all its micro-batches' local
   backwards and before any later copy overwrites the slot; a host gradient tile is read by its
   layer's optimizer step before another D2H overwrites it;
-- ``coverage``: every (layer, micro-batch) runs its forward and local backward exactly once, and
-  every layer with trainable parameters is updated exactly once, after all its micro-batches;
-- ``data``: a forward happens after the forwards that produce its inputs; a local backward after
-  the local backwards that produce its output gradients;
-- ``budget``: slot and ring indices stay within what the plan allocates.
+- ``coverage``: every (layer, micro-batch) runs its forward and local backward exactly once (and
+  its recompute at most once); every layer with trainable parameters is updated exactly once, after
+  all its micro-batches -- in the same step (optimizer DURING_BACKWARD), or at the start of the next
+  step's schedule or an ``"update"`` schedule (NEXT_FORWARD), where the update comes before every
+  copy of that layer's weights and reads a gradient tile no copy of this schedule overwrote first;
+- ``data``: a compute op or checkpoint copy reads each checkpoint from the op that last put it on
+  the GPU (its forward, its recompute, or its reload), which happens before it; a reload happens
+  after the offload it reads back; a local backward runs after the local backwards that produce its
+  output gradients;
+- ``staging``: with a BF16 plan, each H2D reads a staging tile that a CAST of its layer filled and
+  no other CAST overwrites before the copy ends;
+- ``budget``: slot, ring and staging indices stay within what the plan allocates; given a
+  HardwareSpec, the cost model's peak GPU memory, pinned host memory and host memory stay within
+  its capacities.
 
 Errors name the op, the rule and the fix, and print the schedule with a marker at the failing op
 (as ``_format_pipeline_order(..., error_step_number)`` does in ``torch.distributed.pipelining``).
@@ -26,7 +35,9 @@ from collections import defaultdict
 
 from megatrain.errors import ScheduleError
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
-from megatrain.planner.schedule import OpKind, Schedule
+from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.plan import OptimizerPlacement
+from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule
 
 
 def happens_before(schedule: Schedule) -> list[int]:
@@ -47,8 +58,11 @@ def happens_before(schedule: Schedule) -> list[int]:
     return anc
 
 
-def verify(schedule: Schedule, graph: LayerGraph) -> None:
-    """Raise ScheduleError naming the first broken invariant; return None when all hold."""
+def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None) -> None:
+    """Raise ScheduleError naming the first broken invariant; return None when all hold.
+
+    With ``hw`` the memory budget is checked too (:func:`megatrain.planner.cost.memory_breakdown`).
+    """
     ops = schedule.ops
     plan = schedule.plan
 
@@ -69,6 +83,9 @@ def verify(schedule: Schedule, graph: LayerGraph) -> None:
             fail(i, "budget", f"slot {op.slot} outside the plan's {n_slots} slots", "raise Plan.slots")
         if op.ring is not None and not 0 <= op.ring < plan.grad_ring:
             fail(i, "budget", f"ring tile {op.ring} outside the plan's {plan.grad_ring}", "raise Plan.grad_ring")
+        if op.tile is not None and not 0 <= op.tile < plan.staging_ring:
+            fail(i, "budget", f"staging tile {op.tile} outside the plan's {plan.staging_ring}",
+                 "raise Plan.staging_ring")
         if op.mb is not None and not 0 <= op.mb < plan.micro_batches:
             fail(i, "coverage", f"micro-batch {op.mb} outside the plan's {plan.micro_batches}",
                  "lower with the same plan")
@@ -87,7 +104,7 @@ def verify(schedule: Schedule, graph: LayerGraph) -> None:
 
     # weights
     for i, op in enumerate(ops):
-        if op.kind not in (OpKind.FWD, OpKind.BWD):
+        if op.kind not in COMPUTE_KINDS:
             continue
         copies = h2d_by_slot[op.slot]
         earlier = [h for h in copies if before(h, i)]
@@ -126,8 +143,20 @@ def verify(schedule: Schedule, graph: LayerGraph) -> None:
     d2h_by_ring: dict[int, list[int]] = defaultdict(list)
     for i in by_kind[OpKind.D2H]:
         d2h_by_ring[ops[i].ring].append(i)
+    deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
     for i in by_kind[OpKind.OPT]:
         op = ops[i]
+        if deferred:  # it reads the tile the previous step left: nothing here may overwrite it first
+            for d in d2h_by_ring[op.ring]:
+                if not before(i, d):
+                    fail(d, "gradients", f"it may overwrite host gradient tile r{op.ring}, which holds layer "
+                         f"{op.layer}'s previous gradients, before #{i} {op!r} reads them",
+                         f"make it depend on #{i}")
+                if ops[d].layer != op.layer:
+                    fail(d, "gradients", f"it writes tile r{op.ring}, which layer {op.layer}'s deferred update "
+                         "reads; with NEXT_FORWARD every layer keeps a tile of its own",
+                         "use lower.gradient_tiles for the tile of each layer")
+            continue
         writers = [d for d in d2h_by_ring[op.ring] if before(d, i)]
         if not writers or ops[max(writers)].layer != op.layer:
             fail(i, "gradients", f"host gradient tile r{op.ring} does not hold layer {op.layer}'s "
@@ -137,63 +166,145 @@ def verify(schedule: Schedule, graph: LayerGraph) -> None:
             if d != w and not before(d, w) and not before(i, d):
                 fail(d, "gradients", f"it may overwrite host gradient tile r{op.ring} before #{i} "
                      f"{op!r} reads it", f"make it depend on #{i}")
+    if deferred:
+        owner: dict[int, int] = {}
+        for d in by_kind[OpKind.D2H]:
+            if owner.setdefault(ops[d].ring, ops[d].layer) != ops[d].layer:
+                fail(d, "gradients", f"tile r{ops[d].ring} also receives layer {owner[ops[d].ring]}'s "
+                     "gradients; with NEXT_FORWARD each layer's gradients wait in a tile of their own "
+                     "until the next step", "use lower.gradient_tiles for the tile of each layer")
 
-    # coverage and data
+    # staging
+    if plan.compute_dtype != "float32":
+        cast_by_tile: dict[int, list[int]] = defaultdict(list)
+        for i in by_kind[OpKind.CAST]:
+            cast_by_tile[ops[i].tile].append(i)
+        for h in by_kind[OpKind.H2D]:
+            casts = [d for d in ops[h].deps if ops[d].kind is OpKind.CAST]
+            if len(casts) != 1 or ops[casts[0]].layer != ops[h].layer:
+                fail(h, "staging", f"a {plan.compute_dtype} copy must read a staging tile that one CAST of "
+                     f"layer {ops[h].layer} filled, and it depends on {len(casts)} CASTs of that layer",
+                     f"make it depend on one CAST:L{ops[h].layer}:t<k>")
+            c = casts[0]
+            for other in cast_by_tile[ops[c].tile]:
+                if other != c and not before(other, c) and not before(h, other):
+                    fail(other, "staging", f"it may overwrite staging tile t{ops[c].tile} before #{h} "
+                         f"{ops[h]!r} has read it", f"make it depend on #{h}")
+    elif by_kind[OpKind.CAST]:
+        fail(by_kind[OpKind.CAST][0], "staging", "a float32 plan copies the master tiles directly",
+             "drop the CAST ops or lower with compute_dtype='bfloat16'")
+
+    # coverage
     M = plan.micro_batches
     n = len(graph.layers)
-    fwd_at: dict[tuple[int, int], list[int]] = defaultdict(list)
-    bwd_at: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i in by_kind[OpKind.FWD]:
-        fwd_at[(ops[i].layer, ops[i].mb)].append(i)
-    for i in by_kind[OpKind.BWD]:
-        bwd_at[(ops[i].layer, ops[i].mb)].append(i)
+    at: dict[tuple[OpKind, int, int], list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        if op.mb is not None:
+            at[(op.kind, op.layer, op.mb)].append(i)
     last = len(ops) - 1 if ops else 0
-    fwd_layers = range(n - 1) if schedule.mode == "train" else range(n)
+    if schedule.mode == "update" and len(by_kind[OpKind.OPT]) != len(ops):
+        fail(next(i for i, op in enumerate(ops) if op.kind is not OpKind.OPT), "coverage",
+             "an update schedule runs the deferred optimizer steps and nothing else", "lower with mode='update'")
+    fwd_layers = range(n - 1) if schedule.mode == "train" else range(n) if schedule.mode == "eval" else ()
     for layer in range(n):
         for mb in range(M):
             want_fwd = 1 if layer in fwd_layers else 0
             want_bwd = 1 if schedule.mode == "train" else 0
-            for table, want, kind in ((fwd_at, want_fwd, "FWD"), (bwd_at, want_bwd, "BWD")):
-                got = table.get((layer, mb), [])
-                if len(got) != want:
-                    at = got[1] if len(got) > 1 else last
-                    fail(at, "coverage", f"{kind} of layer {layer}, micro-batch {mb} runs {len(got)} "
-                         f"times, expected {want}", "lower the schedule again")
-    for (layer, mb), (i,) in fwd_at.items():
-        for vid in graph.layers[layer].inputs:
-            p = graph.values[vid].producer
-            if p != BATCH_PRODUCER and not before(fwd_at[(p, mb)][0], i):
-                fail(i, "data", f"its input {graph.values[vid].name!r} comes from a forward of layer "
-                     f"{p} that does not happen before it", f"make it depend on #{fwd_at[(p, mb)][0]}")
-    for (layer, mb), (i,) in bwd_at.items():
-        for vid in graph.layers[layer].inputs:
-            p = graph.values[vid].producer
-            if p != BATCH_PRODUCER and not before(fwd_at[(p, mb)][0], i):
-                fail(i, "data", f"its checkpoint {graph.values[vid].name!r} is not computed before it",
-                     f"make it depend on #{fwd_at[(p, mb)][0]}")
+            for kind, want in ((OpKind.FWD, want_fwd), (OpKind.BWD, want_bwd), (OpKind.RECOMPUTE, None)):
+                got = at.get((kind, layer, mb), [])
+                if (want is None and len(got) > (1 if schedule.mode == "train" else 0)) or \
+                        (want is not None and len(got) != want):
+                    fail(got[1] if len(got) > 1 else got[0] if got else last, "coverage",
+                         f"{kind.value} of layer {layer}, micro-batch {mb} runs {len(got)} times, expected "
+                         f"{'at most one' if want is None else want}", "lower the schedule again")
+
+    # data
+    producer_layer = {vid: v.producer for vid, v in enumerate(graph.values)}
+    read_values = _read_values(graph)
+    latest: dict[tuple[int, int], int] = {}
+    for i, op in enumerate(ops):
+        if op.kind in COMPUTE_KINDS or op.kind is OpKind.OFFLOAD:
+            reads = ([(vid, op.mb) for vid in graph.layers[op.layer].inputs
+                      if producer_layer[vid] != BATCH_PRODUCER] if op.kind in COMPUTE_KINDS
+                     else [(vid, op.mb) for vid in graph.layers[op.layer].outputs if vid in read_values])
+            for key in reads:
+                src = latest.get(key)
+                name = graph.values[key[0]].name
+                if src is None:
+                    fail(i, "data", f"checkpoint {name!r} (micro-batch {key[1]}) is read before any op "
+                         "puts it on the GPU", f"run FWD of layer {producer_layer[key[0]]} first")
+                if not before(src, i):
+                    fail(i, "data", f"it reads {name!r} from #{src} {ops[src]!r}, which does not happen "
+                         "before it", f"make it depend on #{src}")
+        if op.kind is OpKind.RELOAD:
+            off = at.get((OpKind.OFFLOAD, op.layer, op.mb), [])
+            if not off or not before(off[0], i):
+                fail(i, "data", f"it reloads layer {op.layer}'s checkpoints (micro-batch {op.mb}) that no "
+                     "earlier OFFLOAD copied out", f"make it depend on OFFLOAD:L{op.layer}:m{op.mb}")
+        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
+            for vid in graph.layers[op.layer].outputs:
+                latest[(vid, op.mb)] = i
+    for (kind, layer, mb), (i, *_) in at.items():
+        if kind is not OpKind.BWD:
+            continue
         for vid in graph.layers[layer].outputs:
             val = graph.values[vid]
             if not val.requires_grad:
                 continue
             for c in val.consumers:
-                j = bwd_at[(c, mb)][0]
+                j = at[(OpKind.BWD, c, mb)][0]
                 if not before(j, i):
                     fail(i, "data", f"the gradient of {val.name!r} from #{j} {ops[j]!r} does not "
                          "arrive before it", f"make it depend on #{j}")
-    if schedule.mode == "train":
+
+    # coverage of updates
+    if schedule.mode == "train" or schedule.mode == "update":
+        carried = schedule.mode == "update" or schedule.carries_updates
         for layer in range(n):
             trainable = graph.layers[layer].trainable_numel > 0
             opts = opt_by_layer.get(layer, [])
-            if len(opts) != (1 if trainable else 0):
-                at = opts[1] if len(opts) > 1 else last
-                fail(at, "coverage", f"layer {layer} is updated {len(opts)} times in the step, expected "
-                     f"{1 if trainable else 0}", "one OPT per trainable layer")
+            want = 1 if trainable and (not deferred or carried) else 0
+            if len(opts) != want:
+                fail(opts[want] if len(opts) > want else last, "coverage", f"layer {layer} is updated "
+                     f"{len(opts)} times in this {schedule.mode} schedule, expected {want}",
+                     "one OPT per trainable layer" + (" at the start of each step after the first, with "
+                                                      "lower(..., carries_updates=True)" if deferred else ""))
             for o in opts:
+                if carried:
+                    for h in by_kind[OpKind.H2D] + by_kind[OpKind.CAST]:
+                        if ops[h].layer == layer and not before(o, h):
+                            fail(h, "coverage", f"it reads layer {layer}'s master weights before the deferred "
+                                 f"update #{o} {ops[o]!r} writes them", f"make it depend on #{o}")
+                    continue
                 for mb in range(M):
-                    b = bwd_at[(layer, mb)][0]
+                    b = at[(OpKind.BWD, layer, mb)][0]
                     if not before(b, o):
                         fail(o, "coverage", f"it updates layer {layer} before micro-batch {mb}'s "
                              f"local backward #{b}", f"make it depend on #{b}")
     elif by_kind[OpKind.OPT] or by_kind[OpKind.D2H] or by_kind[OpKind.BWD]:
         fail(min(by_kind[OpKind.OPT] + by_kind[OpKind.D2H] + by_kind[OpKind.BWD]), "coverage",
              "an eval schedule computes no gradients and updates nothing", "lower with mode='eval'")
+
+    if hw is not None:
+        _check_memory(schedule, graph, hw)
+
+
+def _read_values(graph: LayerGraph) -> set[int]:
+    """Values some layer reads (an OFFLOAD copies only these of its layer's outputs)."""
+    return {vid for vid, v in enumerate(graph.values) if v.consumers}
+
+
+def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> None:
+    from megatrain.planner import cost
+
+    mem = cost.memory_breakdown(graph, schedule.plan, hw, schedule)
+    checks = [("GPU memory", mem.gpu_peak, hw.gpu_memory_bytes, "lower micro_batch_size, offload or recompute "
+               "checkpoints, or use fewer slots or resident layers"),
+              ("pinned host memory", mem.host_pinned, hw.pinned_memory_cap_bytes, "use fewer gradient or "
+               "staging tiles, or fewer offloaded checkpoints"),
+              ("host memory", mem.host_total, hw.host_memory_bytes, "use a machine with more host memory")]
+    for what, need, have, fix in checks:
+        if need > have:
+            raise ScheduleError(f"schedule breaks rule 'budget': it needs {cost.human_bytes(need)} of {what} at "
+                                f"its peak, and {hw.name!r} has {cost.human_bytes(have)}. Fix: {fix}.\n"
+                                + mem.format())

@@ -6,13 +6,23 @@ backward recomputes the layer's forward from its saved input checkpoint with gra
 calls ``torch.autograd.grad`` for the layer's weights (as one flat slot view, so the gradient lands
 in one contiguous tensor) and its differentiable inputs; no autograd graph outlives the op.
 
-The executor decides nothing: which slot, which ring tile, which order — all come from the
-Schedule. What it derives mechanically is when a checkpoint or a gradient is no longer read (after
-the last op in the list that reads it), so it can be freed.
+The executor decides nothing: which slot, which ring or staging tile, which order, what is
+offloaded or recomputed -- all come from the Schedule. What it derives mechanically is when a
+checkpoint on the GPU is no longer read (after the last op in the list that reads it before the
+op that next puts it there), so it can be dropped, and which staging tile an H2D reads (the one
+its CAST dependency filled).
+
+Gradient norms. Each D2H first takes the L2 norm of the slot's gradients on the device and copies
+it to the host with them, and flags the layer when that norm or a micro-batch loss of the step is
+not finite. A host optimizer step is skipped once any layer of the step was flagged (host ops run
+in order, so the flag is seen by every later one). With the optimizer placed NEXT_FORWARD the
+updates wait for the next schedule; the caller then knows the global norm, and passes the
+clipping scale (or drops the updates) with :meth:`Executor.set_update`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -21,24 +31,45 @@ from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
 from megatrain.planner.graph import LayerGraph
-from megatrain.planner.schedule import OpKind, Schedule
+from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule
 from megatrain.planner.trace import TracedModel, retarget
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.host import HostState
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 @dataclass
-class _Slots:
+class _Buffers:
+    """Transient memory a plan sizes: weight and gradient slots, host gradient and staging tiles."""
+
     weights: list[torch.Tensor]
     grads: list[torch.Tensor]
     ring: list[torch.Tensor]
+    staging: list[torch.Tensor]
 
 
 @dataclass
 class StepOutput:
-    """Losses of one schedule run: ``losses[mb]`` is micro-batch ``mb``'s scalar loss (a float)."""
+    """What one schedule run produced.
+
+    ``losses[mb]``: micro-batch ``mb``'s loss (a float). ``layer_norms``: the L2 norm of each
+    trainable layer's step gradients (FP32, before clipping) by layer index. ``finite``: every loss
+    and every gradient norm of the run was finite. ``updates_skipped``: layers whose optimizer
+    step was skipped because of a non-finite value.
+    """
 
     losses: list[float] = field(default_factory=list)
+    layer_norms: dict[int, float] = field(default_factory=dict)
+    finite: bool = True
+    updates_skipped: list[int] = field(default_factory=list)
+
+    @property
+    def grad_norm(self) -> float:
+        """Global L2 norm over all gradients of the run (``torch.nn.utils.clip_grad_norm_``'s)."""
+        if not self.layer_norms:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.tensor(list(self.layer_norms.values()), dtype=torch.float32)))
 
 
 class Executor:
@@ -53,34 +84,53 @@ class Executor:
         dev = backend.device
         self.templates = [retarget(gm, dev) for gm in traced.templates]
         self.layer_buffers = [[buffers[name].to(dev) for name in layer.buffers] for layer in self.graph.layers]
-        self._slots: _Slots | None = None
-        self._slot_key: tuple[int, int] | None = None
+        self._buffers: _Buffers | None = None
+        self._buffer_key: tuple | None = None
+        self._host_acts: dict[tuple[int, int], torch.Tensor] = {}  # offloaded checkpoints, reused
+        n = len(self.graph.layers)
+        self._norms_dev = backend.device_empty((n,), torch.float32)
+        self._norms = backend.host_empty((n,), torch.float32)
+        self._flags_dev = backend.device_empty((n,), torch.bool)
+        self._flags = backend.host_empty((n,), torch.bool)  # True: the layer's values were finite
+        self._skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
+        self._skipped: list[int] = []
+        self._grad_scale: torch.Tensor | None = None  # for carried (NEXT_FORWARD) updates
         # Per schedule (by identity, holding it alive): when each checkpoint is read for the last time.
         self._last_read: dict[int, tuple[Schedule, dict[int, list[tuple[int, int]]]]] = {}
 
     # -- memory ----------------------------------------------------------------------------------
-    def _ensure_slots(self, schedule: Schedule) -> _Slots:
-        n_slots = schedule.plan.slots + len(schedule.plan.resident)
-        key = (n_slots, schedule.plan.grad_ring)
-        if self._slots is None or self._slot_key != key:
+    def _ensure_buffers(self, schedule: Schedule) -> _Buffers:
+        plan = schedule.plan
+        n_slots = plan.slots + len(plan.resident)
+        key = (n_slots, plan.grad_ring, plan.compute_dtype, plan.staging_ring)
+        if self._buffers is None or self._buffer_key != key:
             width = max(layer.numel for layer in self.graph.layers)
             gwidth = max(layer.trainable_numel for layer in self.graph.layers) or 1
             be = self.backend
-            self._slots = _Slots(
-                weights=[be.device_empty((width,), torch.float32) for _ in range(n_slots)],
+            dtype = _DTYPES[plan.compute_dtype]
+            staging = plan.staging_ring if dtype is not torch.float32 else 0
+            self._buffers = _Buffers(
+                weights=[be.device_empty((width,), dtype) for _ in range(n_slots)],
                 grads=[be.device_empty((gwidth,), torch.float32) for _ in range(n_slots)],
-                ring=[be.host_empty((gwidth,), torch.float32) for _ in range(schedule.plan.grad_ring)])
-            self._slot_key = key
-        return self._slots
+                ring=[be.host_empty((gwidth,), torch.float32) for _ in range(plan.grad_ring)],
+                staging=[be.host_empty((width,), dtype) for _ in range(staging)])
+            self._buffer_key = key
+        return self._buffers
+
+    def set_update(self, clip_scale: float | None) -> None:
+        """Scale for the optimizer steps a NEXT_FORWARD schedule carries: the gradients are
+        multiplied by ``clip_scale`` (``torch.nn.utils.clip_grad_norm_``'s clamped coefficient), or
+        used as they are when None."""
+        self._grad_scale = None if clip_scale is None else torch.tensor(1.0 / clip_scale, dtype=torch.float32)
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, schedule: Schedule, micro_batches: Sequence[dict[str, torch.Tensor]]) -> StepOutput:
         """Run ``schedule`` on ``micro_batches`` (one dict of input tensors per micro-batch)."""
         g = self.graph
         M = schedule.plan.micro_batches
-        if len(micro_batches) != M:
+        if schedule.mode != "update" and len(micro_batches) != M:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(micro_batches)}")
-        slots = self._ensure_slots(schedule)
+        bufs = self._ensure_buffers(schedule)
         dev = self.backend.device
         acts: dict[tuple[int, int], torch.Tensor] = {}
         grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -93,42 +143,63 @@ class Executor:
         out = StepOutput(losses=[0.0] * M)
         loss_tensors: dict[int, torch.Tensor] = {}
         events: list[Any] = [None] * len(schedule.ops)
+        self._skip = False
+        self._skipped = []
+        trained: list[int] = []
 
         for i, op in enumerate(schedule.ops):
             waits = [events[d] for d in op.deps if schedule.ops[d].stream is not op.stream and events[d] is not None]
-            layer = g.layers[op.layer]
-            if op.kind is OpKind.H2D:
-                fn = self._h2d(slots.weights[op.slot], op.layer)
-            elif op.kind is OpKind.FWD:
-                fn = self._fwd(op.layer, op.mb, slots.weights[op.slot], acts, loss_tensors)
-            elif op.kind is OpKind.BWD:
-                fn = self._bwd(op.layer, op.mb, slots, op.slot, acts, grads, loss_tensors, M)
-            elif op.kind is OpKind.D2H:
-                n = layer.trainable_numel
-                fn = _copy(slots.ring[op.ring][:n], slots.grads[op.slot][:n])
-            elif op.kind is OpKind.OPT:
-                fn = self._opt(op.layer, slots.ring[op.ring])
+            k = op.kind
+            if k is OpKind.H2D:
+                fn = self._h2d(schedule, op, bufs)
+            elif k is OpKind.FWD or k is OpKind.RECOMPUTE:
+                fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], acts, loss_tensors)
+            elif k is OpKind.BWD:
+                fn = self._bwd(op.layer, op.mb, bufs, op.slot, acts, grads, loss_tensors, M)
+            elif k is OpKind.D2H:
+                trained.append(op.layer)
+                fn = self._d2h(op, bufs, loss_tensors)
+            elif k is OpKind.OPT:
+                carried = schedule.mode == "update" or schedule.carries_updates
+                fn = self._opt(op.layer, bufs.ring[op.ring], carried)
+            elif k is OpKind.OFFLOAD:
+                fn = self._offload(op, acts)
+            elif k is OpKind.RELOAD:
+                fn = self._reload(op, acts)
+            elif k is OpKind.CAST:
+                fn = self._cast(op, bufs)
             else:  # pragma: no cover - OpKind is closed
-                raise AssertionError(op.kind)
+                raise AssertionError(k)
             events[i] = self.backend.launch(op.stream, fn, waits)
             for key in last_read.get(i, ()):
                 acts.pop(key, None)
-            if op.kind is OpKind.BWD:
-                for vid in layer.outputs:
+            if k is OpKind.BWD:
+                for vid in g.layers[op.layer].outputs:
                     grads.pop((vid, op.mb), None)
         self.backend.synchronize()
         for mb, t in loss_tensors.items():
             out.losses[mb] = float(t)
+        out.layer_norms = {li: float(self._norms[li]) for li in trained}
+        out.finite = (all(bool(self._flags[li]) for li in trained)
+                      and all(math.isfinite(x) for x in out.losses))
+        out.updates_skipped = list(self._skipped)
         return out
 
-    def _h2d(self, slot: torch.Tensor, layer: int):
-        src = self.host.master(layer)
-        return _copy(slot[:src.numel()], src)
+    def _h2d(self, schedule: Schedule, op: Op, bufs: _Buffers):
+        casts = [schedule.ops[d] for d in op.deps if schedule.ops[d].kind is OpKind.CAST]
+        numel = self.graph.layers[op.layer].numel
+        src = bufs.staging[casts[0].tile][:numel] if casts else self.host.master(op.layer)
+        return _copy(bufs.weights[op.slot][:numel], src)
+
+    def _cast(self, op: Op, bufs: _Buffers):
+        master = self.host.master(op.layer)
+        return _copy(bufs.staging[op.tile][:master.numel()], master)
 
     def _bind(self, layer: int, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.graph.layers[layer].params]
 
     def _fwd(self, li: int, mb: int, slot: torch.Tensor, acts, loss_tensors):
+        """A forward (or a recompute: the same computation in the backward phase)."""
         layer = self.graph.layers[li]
         tmpl = self.templates[layer.template]
         bufs = self.layer_buffers[li]
@@ -144,15 +215,15 @@ class Executor:
                     acts[(vid, mb)] = t
         return run
 
-    def _bwd(self, li: int, mb: int, slots: _Slots, s: int, acts, grads, loss_tensors, M: int):
+    def _bwd(self, li: int, mb: int, bufs: _Buffers, s: int, acts, grads, loss_tensors, M: int):
         g = self.graph
         layer = g.layers[li]
         tmpl = self.templates[layer.template]
-        bufs = self.layer_buffers[li]
+        lbufs = self.layer_buffers[li]
 
         def run() -> None:
             with torch.enable_grad():
-                flat = slots.weights[s][:layer.numel].detach().requires_grad_(layer.trainable_numel > 0)
+                flat = bufs.weights[s][:layer.numel].detach().requires_grad_(layer.trainable_numel > 0)
                 ins = []
                 diff = []
                 for vid in layer.inputs:
@@ -161,7 +232,7 @@ class Executor:
                         x = x.detach().requires_grad_(True)
                         diff.append((vid, x))
                     ins.append(x)
-                outs = tmpl(*self._bind(li, flat), *bufs, *ins)
+                outs = tmpl(*self._bind(li, flat), *lbufs, *ins)
                 roots, seeds = [], []
                 for vid, t in zip(layer.outputs, outs):
                     if vid == g.loss:
@@ -178,7 +249,7 @@ class Executor:
                 res = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
             if layer.trainable_numel > 0:
                 gflat, res = res[0], res[1:]
-                gslot = slots.grads[s][:layer.trainable_numel]
+                gslot = bufs.grads[s][:layer.trainable_numel]
                 if gflat is None:  # the loss does not depend on this layer's weights
                     if mb == 0:
                         gslot.zero_()
@@ -193,17 +264,61 @@ class Executor:
                 grads[key] = grads[key] + gx if key in grads else gx
         return run
 
-    def _opt(self, li: int, ring_tile: torch.Tensor):
+    def _d2h(self, op: Op, bufs: _Buffers, loss_tensors: dict[int, torch.Tensor]):
+        li = op.layer
+        n = self.graph.layers[li].trainable_numel
+        gslot, tile = bufs.grads[op.slot][:n], bufs.ring[op.ring][:n]
+
+        def run() -> None:
+            norm = torch.linalg.vector_norm(gslot)
+            ok = torch.isfinite(norm)
+            if loss_tensors:  # every micro-batch's loss is known before any gradient leaves the GPU
+                ok = ok & torch.isfinite(torch.stack(list(loss_tensors.values()))).all()
+            self._norms_dev[li] = norm
+            self._flags_dev[li] = ok
+            self._norms[li:li + 1].copy_(self._norms_dev[li:li + 1], non_blocking=True)
+            self._flags[li:li + 1].copy_(self._flags_dev[li:li + 1], non_blocking=True)
+            tile.copy_(gslot, non_blocking=True)
+        return run
+
+    def _opt(self, li: int, ring_tile: torch.Tensor, carried: bool):
         layer = self.graph.layers[li]
         n = layer.trainable_numel
         h = self.host
         cfg = self.optimizer
+        scale = self._grad_scale if carried else None
 
         def run() -> None:
+            # Carried updates were checked by the caller, who drops them when a value was not finite.
+            if not carried and (self._skip or not bool(self._flags[li])):
+                self._skip = True
+                self._skipped.append(li)
+                return
             adamw(
                 [h.master(li)[:n]], [ring_tile[:n]], [h.exp_avg(li)[:n]], [h.exp_avg_sq(li)[:n]], [],
-                [h.steps[li]], fused=True, amsgrad=False, beta1=cfg.betas[0], beta2=cfg.betas[1],
-                lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+                [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
+                beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+        return run
+
+    def _offload(self, op: Op, acts):
+        keys = [(vid, op.mb) for vid in self.graph.layers[op.layer].outputs if self.graph.values[vid].consumers]
+
+        def run() -> None:
+            for key in keys:
+                src = acts[key]
+                dst = self._host_acts.get(key)
+                if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
+                    dst = self._host_acts[key] = self.backend.host_empty(tuple(src.shape), src.dtype)
+                dst.copy_(src, non_blocking=True)
+        return run
+
+    def _reload(self, op: Op, acts):
+        keys = [(vid, op.mb) for vid in self.graph.layers[op.layer].outputs if self.graph.values[vid].consumers]
+        dev = self.backend.device
+
+        def run() -> None:
+            for key in keys:
+                acts[key] = self._host_acts[key].to(dev, non_blocking=True, copy=True)
         return run
 
 
@@ -214,13 +329,26 @@ def _copy(dst: torch.Tensor, src: torch.Tensor):
 
 
 def _last_readers(schedule: Schedule, g: LayerGraph) -> dict[int, list[tuple[int, int]]]:
-    """For each op index, the (value, micro-batch) checkpoints no later op reads."""
+    """For each op index, the (value, micro-batch) checkpoints on the GPU that no later op reads
+    before another op puts them on the GPU again (a recompute or a reload)."""
+    read = {vid for vid, v in enumerate(g.values) if v.consumers}
     last: dict[tuple[int, int], int] = {}
-    for i, op in enumerate(schedule.ops):
-        if op.kind in (OpKind.FWD, OpKind.BWD):
-            for vid in g.layers[op.layer].inputs:
-                last[(vid, op.mb)] = i
     by_op: dict[int, list[tuple[int, int]]] = {}
+    for i, op in enumerate(schedule.ops):
+        layer = g.layers[op.layer]
+        if op.kind in COMPUTE_KINDS:
+            for vid in layer.inputs:
+                last[(vid, op.mb)] = i
+        elif op.kind is OpKind.OFFLOAD:
+            for vid in layer.outputs:
+                if vid in read:
+                    last[(vid, op.mb)] = i
+        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
+            for vid in layer.outputs:
+                key = (vid, op.mb)
+                if key in last:  # the previous generation ends at its last reader
+                    by_op.setdefault(last.pop(key), []).append(key)
+                last[key] = i
     for key, i in last.items():
         by_op.setdefault(i, []).append(key)
     return by_op
