@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from megatrain.errors import PlanError, ScheduleError
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import Plan
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.planner.verify import happens_before, verify
 
@@ -191,17 +191,113 @@ def test_plan_that_does_not_fit_the_graph_is_refused():
         lower(chain_graph(3), Plan(resident=frozenset({7})))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 12), micro_batches=st.integers(1, 4), slots=st.integers(1, 5), data=st.data(),
        numel=st.lists(st.integers(16, 4096), min_size=12, max_size=12))
 def test_every_lowered_schedule_verifies(n, micro_batches, slots, data, numel):
     d = data.draw(st.integers(0, slots - 1))
-    ring = data.draw(st.integers(1, 4))
     resident = frozenset(data.draw(st.sets(st.integers(0, n - 1), max_size=min(3, n))))
-    g = chain_graph(n, numel=numel[:n])
-    plan = Plan(micro_batches=micro_batches, slots=slots, prefetch_distance=d, grad_ring=ring, resident=resident)
-    for mode in ("train", "eval"):
-        s = lower(g, plan, mode)
+    trainable = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    policies = tuple(data.draw(st.lists(st.sampled_from(list(ActivationPolicy)), min_size=n, max_size=n)))
+    deferred = data.draw(st.booleans())
+    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
+    g = chain_graph(n, numel=numel[:n], trainable=trainable)
+    ring = max(1, sum(trainable)) if deferred else data.draw(st.integers(1, 4))
+    plan = Plan(micro_batches=micro_batches, slots=slots, prefetch_distance=d, grad_ring=ring, resident=resident,
+                activations=policies, compute_dtype=dtype, staging_ring=data.draw(st.integers(1, 3)),
+                optimizer=OptimizerPlacement.NEXT_FORWARD if deferred else OptimizerPlacement.DURING_BACKWARD)
+    modes = [("train", False), ("eval", False)] + ([("train", True), ("update", False)] if deferred else [])
+    for mode, carries in modes:
+        s = lower(g, plan, mode, carries_updates=carries)
         verify(s, g)
-        loads = [op.layer for op in s.ops if op.kind is OpKind.H2D]
-        assert all(loads.count(layer) <= (1 if layer in resident else 2) for layer in range(n))
+        assert Schedule.from_json(s.to_json()) == s
+        count = {}
+        for op in s.ops:
+            count[(op.kind, op.layer, op.mb)] = count.get((op.kind, op.layer, op.mb), 0) + 1
+        for layer in range(n):
+            recomputed = mode == "train" and policies[layer] is ActivationPolicy.RECOMPUTE and layer < n - 1
+            offloaded = mode == "train" and policies[layer] is ActivationPolicy.OFFLOAD and layer < n - 1
+            visits = (mode == "train") + (mode != "update" and layer < n - 1 or mode == "eval") + recomputed
+            loads = count.get((OpKind.H2D, layer, None), 0)
+            assert loads <= (min(1, visits) if layer in resident else visits)
+            if dtype == "bfloat16":
+                assert count.get((OpKind.CAST, layer, None), 0) == loads, "one CAST per weight copy"
+            for mb in range(micro_batches):
+                # No third forward: a layer recomputes only when its policy says so, and then once.
+                assert count.get((OpKind.RECOMPUTE, layer, mb), 0) <= int(recomputed)
+                assert count.get((OpKind.OFFLOAD, layer, mb), 0) == int(offloaded)
+                assert count.get((OpKind.RELOAD, layer, mb), 0) <= int(offloaded)
+
+
+def test_verifier_catches_a_reload_that_does_not_wait_for_its_offload():
+    g = chain_graph(5)
+    s = lower(g, Plan(activations=(ActivationPolicy.OFFLOAD,) * 5), "train")
+    r = _find(s, OpKind.RELOAD, 1, 0)
+    ops = list(s.ops)
+    o = _find(s, OpKind.OFFLOAD, 3, 0)
+    ops[o] = dataclasses.replace(ops[o], layer=1)  # layer 3's checkpoint is never copied out
+    with pytest.raises(ScheduleError, match=r"RELOAD:L3:m0 breaks rule 'data'.*no earlier OFFLOAD"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+    b = _find(s, OpKind.BWD, 2, 0)
+    bad = _drop_dep(s, b, r)
+    with pytest.raises(ScheduleError, match=r"rule 'data'.*reads 'h1' from #\d+ RELOAD:L1:m0"):
+        verify(bad, g)
+
+
+def test_verifier_catches_a_weight_copy_before_the_deferred_update():
+    g = chain_graph(4)
+    plan = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4)
+    s = lower(g, plan, "train", carries_updates=True)
+    assert [op.kind for op in s.ops[:4]] == [OpKind.OPT] * 4
+    h = _find(s, OpKind.H2D, 2)
+    bad = _drop_dep(s, h, _find(s, OpKind.OPT, 2))
+    with pytest.raises(ScheduleError, match=r"rule 'coverage'.*before the deferred update"):
+        verify(bad, g)
+    d = _find(s, OpKind.D2H, 1)
+    ops = list(s.ops)
+    ops[d] = dataclasses.replace(ops[d], ring=2)  # layer 2's tile, read by the next step's OPT:L2
+    with pytest.raises(ScheduleError, match=r"rule 'gradients'.*keeps a tile of its own"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+    with pytest.raises(ScheduleError, match="updated 0 times"):
+        verify(dataclasses.replace(lower(g, plan, "train"), carries_updates=True), g)
+
+
+def test_verifier_catches_a_staging_tile_overwritten_before_its_copy():
+    g = chain_graph(4)
+    s = lower(g, Plan(compute_dtype="bfloat16", staging_ring=1), "train")
+    casts = [i for i, op in enumerate(s.ops) if op.kind is OpKind.CAST]
+    second = casts[1]
+    first_h2d = next(i for i, op in enumerate(s.ops) if op.kind is OpKind.H2D)
+    bad = _drop_dep(s, second, first_h2d)
+    with pytest.raises(ScheduleError, match=r"rule 'staging'.*may overwrite staging tile t0"):
+        verify(bad, g)
+
+
+def test_verifier_checks_the_memory_budget_against_a_spec():
+    from graphs import spec
+
+    g = chain_graph(4, numel=1 << 20, act_bytes=1 << 20)
+    s = lower(g, Plan(), "train")
+    verify(s, g, spec())
+    with pytest.raises(ScheduleError, match=r"rule 'budget'.*GPU memory"):
+        verify(s, g, spec(gpu_memory_bytes=10 << 20))
+    with pytest.raises(ScheduleError, match=r"rule 'budget'.*pinned host memory"):
+        verify(s, g, spec(pinned_memory_cap_bytes=1 << 20))
+
+
+def test_offloaded_checkpoints_leave_the_gpu_and_lower_the_activation_peak():
+    from megatrain.planner import cost
+
+    g = chain_graph(8, act_bytes=1 << 20)
+    keep = cost.memory_breakdown(g, Plan(micro_batches=2))
+    off = cost.memory_breakdown(g, Plan(micro_batches=2, activations=(ActivationPolicy.OFFLOAD,) * 8))
+    every_other = (ActivationPolicy.KEEP, ActivationPolicy.RECOMPUTE) * 4
+    rec = cost.memory_breakdown(g, Plan(micro_batches=2, activations=every_other))
+    mib = 1 << 20
+    # KEEP: the 7 checkpoints of both micro-batches are on the GPU at the turn, with a gradient.
+    assert keep.activations_peak >= 15 * mib
+    # OFFLOAD: a few reloaded checkpoints and gradients around the running backward.
+    assert off.activations_peak <= 7.5 * mib
+    # Every other checkpoint recomputed: 4 of 7 kept, plus a recomputed one and gradients.
+    assert rec.activations_peak <= 11.5 * mib
+    assert off.pinned_activations == 14 * (1 << 20) and keep.pinned_activations == 0

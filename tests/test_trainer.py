@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -135,3 +137,84 @@ def test_a_bad_learning_rate_is_refused_and_the_old_one_kept():
     assert trainer.optimizer.lr == 1e-3 and trainer.executor.optimizer.lr == 1e-3
     trainer.set_lr(5e-4)
     assert trainer.executor.optimizer.lr == 5e-4
+
+
+class _Poisonable(torch.nn.Module):
+    """A tiny residual net whose loss stays finite while its gradients become NaN when a batch's
+    first token is 0: d/dx sqrt(|x|) at x = 0 is infinite, times the 0 that makes x = 0."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, n: int = 3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        ce = torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+        clean = (input_ids[:, 0] != 0).all().float()
+        return ce + 1e-3 * torch.sqrt((h.sum() * clean).abs())
+
+
+def _state(trainer):
+    return [b.clone() for b in trainer.host.blocks], [s.clone() for s in trainer.host.steps]
+
+
+def _batch(first_token: int):
+    ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = first_token
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_non_finite_gradients_are_not_applied_when_updates_wait_for_the_norm():
+    torch.manual_seed(0)
+    trainer = megatrain.compile(_Poisonable(), seq_len=8, micro_batch_size=2, max_grad_norm=1.0)
+    good = trainer.step(_batch(5))
+    assert good.applied and good.grad_norm > 0 and good.skipped_layers == ()
+    trainer.flush()
+    before = _state(trainer)
+    bad = trainer.step(_batch(0))
+    assert bad.loss == bad.loss, "the loss itself stays finite"
+    assert not bad.applied and not bad.grad_norm == bad.grad_norm  # NaN
+    trainer.flush()  # nothing is pending: the bad step's update was dropped
+    after = _state(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])), "weights or moments changed"
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])), "Adam step counts changed"
+    assert trainer.step(_batch(5)).applied, "training goes on after a skipped step"
+
+
+def test_non_finite_gradient_during_backward_stops_the_remaining_updates():
+    torch.manual_seed(0)
+    trainer = megatrain.compile(_Poisonable(), seq_len=8, micro_batch_size=2)
+    before = _state(trainer)
+    bad = trainer.step(_batch(0))
+    after = _state(trainer)
+    n = len(trainer.graph.layers)
+    # The head's gradients (last layer) are finite and arrive first; the blocks' are NaN.
+    assert not bad.applied and bad.skipped_layers == tuple(range(n - 2, -1, -1))
+    changed = [i for i in range(n) if not torch.equal(before[0][i], after[0][i])]
+    assert changed == [n - 1]
+    assert [float(s) for s in after[1]] == [0.0] * (n - 1) + [1.0]
+
+
+def test_non_finite_loss_applies_nothing_even_during_backward():
+    torch.manual_seed(0)
+    model = _Poisonable()
+    trainer = megatrain.compile(model, seq_len=8, micro_batch_size=2)
+    with torch.no_grad():
+        model.head.bias[0] = float("inf")  # a view of the master tile: the next H2D copies it
+    before = _state(trainer)
+    res = trainer.step(_batch(5))
+    assert not res.applied and not math.isfinite(res.loss) and res.skipped_layers == (4, 3, 2, 1, 0)
+    after = _state(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]) if torch.isfinite(a).all())
+    assert all(float(s) == 0.0 for s in after[1])
+
+
+def test_clipping_needs_deferred_optimizer_steps():
+    from megatrain.planner.plan import Plan
+
+    with pytest.raises(ConfigError, match="max_grad_norm=1.0 needs the global gradient norm"):
+        megatrain.compile(tiny_llama(layers=1), seq_len=8, micro_batch_size=1, plan=Plan(), max_grad_norm=1.0)
