@@ -22,6 +22,7 @@ clipping scale (or drops the updates) with :meth:`Executor.set_update`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -153,9 +154,10 @@ class Executor:
             if k is OpKind.H2D:
                 fn = self._h2d(schedule, op, bufs)
             elif k is OpKind.FWD or k is OpKind.RECOMPUTE:
-                fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], acts, loss_tensors)
+                fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], acts, loss_tensors, schedule.plan.compute_dtype)
             elif k is OpKind.BWD:
-                fn = self._bwd(op.layer, op.mb, bufs, op.slot, acts, grads, loss_tensors, M)
+                fn = self._bwd(op.layer, op.mb, bufs, op.slot, acts, grads, loss_tensors, M,
+                               schedule.plan.compute_dtype)
             elif k is OpKind.D2H:
                 trained.append(op.layer)
                 fn = self._d2h(op, bufs, loss_tensors)
@@ -198,7 +200,15 @@ class Executor:
     def _bind(self, layer: int, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.graph.layers[layer].params]
 
-    def _fwd(self, li: int, mb: int, slot: torch.Tensor, acts, loss_tensors):
+    def _precision(self, compute_dtype: str):
+        """BF16 compute runs the FP32-traced templates under ``torch.autocast``: matmuls in BF16 with
+        FP32 accumulation, reductions and norms in FP32, as eager autocast training does; the
+        weights arrive in BF16 already, so autocast's weight casts are no-ops."""
+        if compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.backend.device.type, dtype=_DTYPES[compute_dtype])
+
+    def _fwd(self, li: int, mb: int, slot: torch.Tensor, acts, loss_tensors, compute_dtype: str):
         """A forward (or a recompute: the same computation in the backward phase)."""
         layer = self.graph.layers[li]
         tmpl = self.templates[layer.template]
@@ -206,7 +216,7 @@ class Executor:
         loss_id = self.graph.loss
 
         def run() -> None:
-            with torch.no_grad():
+            with torch.no_grad(), self._precision(compute_dtype):
                 outs = tmpl(*self._bind(li, slot[:layer.numel]), *bufs, *[acts[(v, mb)] for v in layer.inputs])
             for vid, t in zip(layer.outputs, outs):
                 if vid == loss_id:
@@ -215,14 +225,15 @@ class Executor:
                     acts[(vid, mb)] = t
         return run
 
-    def _bwd(self, li: int, mb: int, bufs: _Buffers, s: int, acts, grads, loss_tensors, M: int):
+    def _bwd(self, li: int, mb: int, bufs: _Buffers, s: int, acts, grads, loss_tensors, M: int,
+             compute_dtype: str):
         g = self.graph
         layer = g.layers[li]
         tmpl = self.templates[layer.template]
         lbufs = self.layer_buffers[li]
 
         def run() -> None:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._precision(compute_dtype):
                 flat = bufs.weights[s][:layer.numel].detach().requires_grad_(layer.trainable_numel > 0)
                 ins = []
                 diff = []
