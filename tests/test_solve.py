@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 from graphs import chain_graph, chain_graphs, hardware_specs, spec
 from megatrain.errors import PlanError
 from megatrain.planner import cost, solve as solve_mod
+from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value
 from megatrain.planner.hardware import preset
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan, default_plan
 from megatrain.planner.presets import MODEL_PRESETS, dense_decoder_param_count
+from megatrain.planner.schedule import OpKind
 from megatrain.planner.simulate import simulate
 from megatrain.planner.solve import (InfeasibleRequestError, SolveLimits, SolveRequest, greedy_knapsack,
                                      milp_knapsack, minimum_requirements, scale_graph, solve, solve_enumerate,
@@ -27,6 +29,7 @@ from megatrain.planner.verify import verify
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 batches = st.sampled_from([1, 2, 4, 6])
 dtypes = st.sampled_from(["float32", "bfloat16"])
+GiB = 1 << 30
 
 
 def fits(mem, hw) -> bool:
@@ -35,15 +38,21 @@ def fits(mem, hw) -> bool:
 
 
 def check_solution(sol, request) -> None:
-    """What every solution satisfies: lowerable, verified, within memory, as predicted."""
+    """What every solution satisfies: lowerable, verified with the hardware's budget, within memory,
+    as predicted; the optimizer placement the request needs, and the steady-state schedule."""
     plan, hw = sol.plan, request.hardware
-    assert plan.layer_by_layer and plan.optimizer is OptimizerPlacement.DURING_BACKWARD
-    assert all(plan.activation(i) is ActivationPolicy.KEEP for i in range(len(sol.graph.layers)))
+    deferred = request.clip_gradients
+    assert plan.layer_by_layer
+    assert plan.optimizer is (OptimizerPlacement.NEXT_FORWARD if deferred else OptimizerPlacement.DURING_BACKWARD)
+    if deferred:
+        assert plan.grad_ring == max(1, sum(layer.trainable_numel > 0 for layer in sol.graph.layers))
     assert plan.micro_batches * sol.micro_batch_size == request.global_batch
     assert plan.compute_dtype == request.compute_dtype
-    sched = lower(sol.graph, plan)
-    verify(sched, sol.graph)
+    sched = lower(sol.graph, plan, carries_updates=deferred)
+    verify(sched, sol.graph, hw)
     assert sched == sol.schedule
+    if deferred:  # the first step, without the carried updates, fits too
+        verify(lower(sol.graph, plan), sol.graph, hw)
     assert sol.memory == cost.memory_breakdown(sol.graph, plan, hw, sched)
     assert fits(sol.memory, hw)
     assert sol.timeline.step_time_s == pytest.approx(simulate(sched, sol.graph, hw).step_time_s, rel=1e-12)
@@ -117,38 +126,44 @@ def test_knapsacks_break_ties_alike():
 
 # -- the bound the search prunes with --------------------------------------------------------------
 
+policies = st.sampled_from(list(ActivationPolicy))
+
+
 @FAST
-@given(chain_graphs(max_layers=6), hardware_specs(), st.integers(1, 3), st.data())
-def test_lower_bound_never_exceeds_the_simulated_step_and_equals_it_with_duplex_copies(g, hw, M, data):
+@given(chain_graphs(max_layers=6), hardware_specs(), st.integers(1, 3), dtypes, st.booleans(), st.data())
+def test_lower_bounds_never_exceed_the_simulated_step_and_equal_it_with_duplex_copies(g, hw, M, dtype, clip, data):
+    n = len(g.layers)
     slots = data.draw(st.integers(1, 4))
-    k = solve_mod._Knobs(slots, data.draw(st.integers(0, slots - 1)), data.draw(st.integers(1, 3)), 1,
-                         frozenset(data.draw(st.sets(st.integers(0, len(g.layers) - 1), max_size=3))))
-    req = SolveRequest(g, hw, M, "float32")
+    trainable = max(1, sum(layer.trainable_numel > 0 for layer in g.layers))
+    acts = tuple(data.draw(st.lists(policies, min_size=n, max_size=n)))
+    k = solve_mod._Knobs(slots, data.draw(st.integers(0, slots - 1)),
+                         trainable if clip else data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)),
+                         frozenset(data.draw(st.sets(st.integers(0, n - 1), max_size=3))), acts)
+    req = SolveRequest(g, hw, M, dtype, clip_gradients=clip)
     plan = solve_mod._plan(req, 1, k)
-    probe = Plan(compute_dtype="float32")
-    size = solve_mod._SizeOption(1, M, g, None, fwd=tuple(M * cost.fwd_time(x, probe, hw) for x in g.layers),
-                                 bwd=tuple(M * cost.bwd_time(x, probe, hw) for x in g.layers))
-    times = solve_mod._Times(tuple(cost.h2d_time(x, probe, hw) for x in g.layers),
-                             tuple(cost.d2h_time(x, hw) for x in g.layers),
-                             tuple(cost.opt_time(x, hw) for x in g.layers))
-    bound = solve_mod._lower_bound(solve_mod._pattern(g, k), size, times, hw.duplex)
-    step = simulate(lower(g, plan), g, hw).step_time_s
+    size = solve_mod._size_option(1, M, g, dtype, hw)
+    times = solve_mod._times(g, dtype, hw)
+    bound = solve_mod._lower_bound(solve_mod._pattern(g, plan), size, times, hw.duplex)
+    quick = solve_mod._quick_bound(size, times, plan.activations, deferred=clip, bf16=dtype == "bfloat16",
+                                   duplex=hw.duplex)
+    step = simulate(lower(g, plan, carries_updates=clip), g, hw).step_time_s
     assert bound <= step * (1 + 1e-9)
-    if hw.duplex:
+    assert quick <= step * (1 + 1e-9)
+    if hw.duplex and (M == 1 or ActivationPolicy.OFFLOAD not in plan.activations[:n - 1]):
         assert bound == pytest.approx(step, rel=1e-9)
 
 
 # -- solver properties -----------------------------------------------------------------------------
 
 @FAST
-@given(chain_graphs(max_layers=6), hardware_specs(), batches, dtypes)
-def test_solved_plan_is_never_slower_than_the_default_plan(g, hw, G, dtype):
-    req = SolveRequest(g, hw, G, dtype)
+@given(chain_graphs(max_layers=6), hardware_specs(), batches, dtypes, st.booleans())
+def test_solved_plan_is_never_slower_than_the_default_plan(g, hw, G, dtype, clip):
+    req = SolveRequest(g, hw, G, dtype, clip_gradients=clip)
     sol = solve(req, "enumerate")
     check_solution(sol, req)
-    default = Plan(compute_dtype=dtype)
+    default = replace(default_plan(g, clip_gradients=clip), compute_dtype=dtype)
     gG = scale_graph(g, G)
-    sched = lower(gG, default)
+    sched = lower(gG, default, carries_updates=clip)
     if fits(cost.memory_breakdown(gG, default, hw, sched), hw):
         assert sol.step_time_s <= simulate(sched, gG, hw).step_time_s * (1 + 1e-9)
 
@@ -207,8 +222,10 @@ def test_larger_micro_batches_are_chosen_when_they_fit_and_smaller_when_memory_i
     g = chain_graph(6, numel=1 << 12, fwd_flops=10**6, act_bytes=1 << 16, work_bytes=1 << 20)
     roomy = solve(SolveRequest(g, spec(op_latency_s=1e-5), 8, "float32"))
     assert roomy.micro_batch_size == 8  # fewest ops, least latency
-    need8 = cost.memory_breakdown(scale_graph(g, 8), Plan(compute_dtype="float32", slots=1, prefetch_distance=0,
-                                                           grad_ring=1), spec()).gpu_peak
+    # The least GPU memory of any plan at micro-batch size 8 (checkpoints offloaded or recomputed as
+    # needed): one byte less and only smaller micro-batches, with less working memory, fit.
+    need8 = minimum_requirements(SolveRequest(g, spec(), 8, "float32",
+                                              limits=SolveLimits(micro_batch_sizes=(8,)))).gpu_memory_bytes
     tight = solve(SolveRequest(g, spec(op_latency_s=1e-5, gpu_memory_bytes=need8 - 1), 8, "float32"))
     assert tight.micro_batch_size < 8
     check_solution(tight, SolveRequest(g, spec(op_latency_s=1e-5, gpu_memory_bytes=need8 - 1), 8, "float32"))
@@ -277,10 +294,260 @@ def test_infeasible_request_names_minima_and_obstacle_and_the_minima_work(case):
     at_min = spec(gpu_memory_bytes=gpu, host_memory_bytes=host, pinned_memory_cap_bytes=pinned)
     sol = solve(replace(req, hardware=at_min))
     check_solution(sol, replace(req, hardware=at_min))
-    assert sol.memory.gpu_peak == gpu and sol.memory.host_total == host
+    assert sol.memory.gpu_peak == gpu and sol.memory.host_total <= host
     with pytest.raises(PlanError):
         solve(replace(req, hardware=spec(gpu_memory_bytes=gpu - 1, host_memory_bytes=host,
                                          pinned_memory_cap_bytes=pinned)))
+
+
+# -- activation policies, optimizer placement, compute dtype ----------------------------------------
+
+KEEP, OFFLOAD, RECOMPUTE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
+
+
+def policies_of(plan, n):
+    return [plan.activation(i) for i in range(n)]
+
+
+def keep_everything_gpu_bytes(g, global_batch, dtype="bfloat16"):
+    """GPU peak of the smallest plan that keeps every checkpoint (one slot, one micro-batch of all)."""
+    gG = scale_graph(g, global_batch)
+    plan = Plan(compute_dtype=dtype, slots=1, prefetch_distance=0, grad_ring=1)
+    return cost.memory_breakdown(gG, plan, spec()).gpu_peak
+
+
+# Checkpoints dominate: 16 MiB per layer per sequence against 64 KiB of weights, compute-bound
+# (1 TFLOP per forward at 1 GFLOP/s), so copies hide behind compute.
+BIG_ACTIVATIONS = dict(numel=1 << 14, fwd_flops=10**9, act_bytes=16 << 20, work_bytes=1 << 20)
+
+
+def test_checkpoints_that_do_not_fit_are_offloaded_or_recomputed_and_the_plan_fits():
+    n, G = 10, 2
+    g = chain_graph(n, **BIG_ACTIVATIONS)
+    keep = keep_everything_gpu_bytes(g, G)
+    hw = spec(gpu_memory_bytes=keep // 2)  # room for about half the checkpoints
+    req = SolveRequest(g, hw, G, "bfloat16")
+    sol = solve(req)
+    check_solution(sol, req)  # lowers, verifies with hw (the memory budget included), simulates as predicted
+    acts = policies_of(sol.plan, n)
+    assert OFFLOAD in acts or RECOMPUTE in acts
+    assert sol.memory.gpu_peak <= hw.gpu_memory_bytes < keep
+    assert sol.memory.pinned_activations == G * 16 * 2**20 * acts.count(OFFLOAD)
+    # Earliest first: the layers left KEEP are the last ones, whose checkpoints are read right
+    # after the turn to backward.
+    kept = [i for i in range(n - 1) if acts[i] is KEEP]
+    assert kept == list(range(n - 1 - len(kept), n - 1))
+    ops = {op.kind for op in sol.schedule.ops}
+    assert (OpKind.OFFLOAD in ops and OpKind.RELOAD in ops) or OpKind.RECOMPUTE in ops
+    # Compute-bound, so moving checkpoints costs (almost) nothing.
+    roomy = solve(replace(req, hardware=spec()))
+    assert sol.step_time_s <= roomy.step_time_s * 1.02
+
+
+def test_with_abundant_gpu_memory_every_checkpoint_is_kept():
+    g = chain_graph(10, **BIG_ACTIVATIONS)
+    req = SolveRequest(g, spec(gpu_memory_bytes=10 * keep_everything_gpu_bytes(g, 2)), 2, "bfloat16")
+    sol = solve(req)
+    check_solution(sol, req)
+    assert sol.plan.activations == () and sol.memory.pinned_activations == 0
+    assert not {OpKind.OFFLOAD, OpKind.RELOAD, OpKind.RECOMPUTE} & {op.kind for op in sol.schedule.ops}
+
+
+def test_without_pinned_memory_for_checkpoints_they_are_recomputed():
+    n, G = 10, 2
+    g = chain_graph(n, **BIG_ACTIVATIONS)
+    hw = spec(gpu_memory_bytes=keep_everything_gpu_bytes(g, G) * 2 // 3, pinned_memory_cap_bytes=1 << 20)
+    req = SolveRequest(g, hw, G, "bfloat16")
+    sol = solve(req)
+    check_solution(sol, req)
+    acts = policies_of(sol.plan, n)
+    assert RECOMPUTE in acts and OFFLOAD not in acts
+    assert sol.memory.host_pinned <= 1 << 20
+
+
+def test_when_copies_are_the_bottleneck_checkpoints_are_recomputed_and_when_compute_is_they_are_offloaded():
+    n, G = 10, 2
+    g = chain_graph(n, numel=1 << 14, fwd_flops=10**6, act_bytes=16 << 20)
+    tight = keep_everything_gpu_bytes(g, G) // 2
+    # Copies at 10 MB/s: an offloaded 32 MiB checkpoint costs seconds each way; a forward costs 1 ms.
+    slow_copies = SolveRequest(g, spec(gpu_memory_bytes=tight, h2d_bytes_per_s=1e7, d2h_bytes_per_s=1e7), G,
+                               "bfloat16")
+    sol = solve(slow_copies)
+    check_solution(sol, slow_copies)
+    acts = policies_of(sol.plan, n)
+    assert RECOMPUTE in acts and OFFLOAD not in acts
+    # Copies at 1 TB/s and compute at 1 MFLOP/s: a recompute costs a second, an offload microseconds.
+    slow_compute = SolveRequest(g, spec(gpu_memory_bytes=tight, h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12,
+                                        bf16_flops=1e6, fp32_flops=1e6), G, "bfloat16")
+    sol = solve(slow_compute)
+    check_solution(sol, slow_compute)
+    acts = policies_of(sol.plan, n)
+    assert OFFLOAD in acts and RECOMPUTE not in acts
+
+
+def test_minimum_gpu_memory_offloads_or_recomputes_and_the_host_floor_offloads_nothing():
+    g = chain_graph(8, **BIG_ACTIVATIONS)
+    need = minimum_requirements(SolveRequest(g, spec(), 4, "bfloat16"))
+    assert need.activations != "keep" and need.micro_batch_size == 1
+    # Every checkpoint kept: 7 layers x 4 micro-batches x 16 MiB alive at the turn to backward.
+    keep = cost.memory_breakdown(g, Plan(micro_batches=4, slots=1, prefetch_distance=0, grad_ring=1), spec()).gpu_peak
+    assert keep > 7 * 4 * 16 * 2**20 > 2 * need.gpu_memory_bytes
+    assert need.host_floor_bytes <= need.host_memory_bytes and need.pinned_floor_bytes <= need.pinned_memory_bytes
+    floor = minimum_requirements(SolveRequest(g, spec(gpu_memory_bytes=need.gpu_memory_bytes), 4, "bfloat16"))
+    assert floor == need  # a function of the request's graph and batch, not of the hardware's sizes
+    assert need.memory.pinned_activations == need.pinned_memory_bytes - need.pinned_floor_bytes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_clip_gradients_gives_next_forward_plans_that_verify_in_the_steady_state(dtype):
+    n = 6
+    g = chain_graph(n, numel=1 << 16, fwd_flops=10**7, trainable=[True, False, True, True, True, True])
+    req = SolveRequest(g, spec(), 2, dtype, clip_gradients=True)
+    sol = solve(req)
+    check_solution(sol, req)
+    assert sol.plan.optimizer is OptimizerPlacement.NEXT_FORWARD and sol.plan.grad_ring == n - 1
+    assert sol.schedule.carries_updates
+    opts = [i for i, op in enumerate(sol.schedule.ops) if op.kind is OpKind.OPT]
+    assert len(opts) == n - 1 and max(opts) < min(i for i, op in enumerate(sol.schedule.ops) if op.kind is OpKind.FWD)
+    assert sol.memory.gradient_ring == (n - 1) * (1 << 16) * cost.GRAD_ITEMSIZE
+    # Without clipping: updates during the backward, a ring of a few tiles.
+    free = solve(replace(req, clip_gradients=False))
+    assert free.plan.optimizer is OptimizerPlacement.DURING_BACKWARD and free.plan.grad_ring <= 3
+    # A host that cannot hold one gradient tile per trainable layer: no plan, and the message says why.
+    floor = minimum_requirements(req).host_floor_bytes
+    assert floor > minimum_requirements(replace(req, clip_gradients=False)).host_floor_bytes
+    small = spec(host_memory_bytes=floor - 1, pinned_memory_cap_bytes=floor - 1)
+    with pytest.raises(InfeasibleRequestError, match="one gradient tile per trainable layer"):
+        solve(replace(req, hardware=small))
+    solve(replace(req, hardware=small, clip_gradients=False))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_request_s_compute_dtype_gives_the_plan_s_and_bf16_plans_cast_before_each_copy(dtype):
+    g = chain_graph(6, numel=1 << 16, fwd_flops=10**7)
+    req = SolveRequest(g, spec(), 2, dtype)
+    sol = solve(req)
+    check_solution(sol, req)
+    assert sol.plan.compute_dtype == dtype
+    kinds = [op.kind for op in sol.schedule.ops]
+    casts, copies = kinds.count(OpKind.CAST), kinds.count(OpKind.H2D)
+    assert casts == (copies if dtype == "bfloat16" else 0) and copies >= 6
+    assert (sol.memory.staging_ring > 0) == (dtype == "bfloat16")
+
+
+# -- headline capability checks ----------------------------------------------------------------------
+
+def test_dense_120b_trains_on_one_h200_with_1_5_tb_of_host_memory():
+    import torch
+
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.trace import trace
+
+    graph = trace(build_meta_model(load_model_config("dense-120b"), dtype=torch.bfloat16), micro_batch_size=1,
+                  seq_len=4096).graph
+    hw = preset("H200")
+    assert hw.host_memory_bytes == 3 * 2**40 // 2
+    req = SolveRequest(graph, hw, 8, "bfloat16")
+    sol = solve(req)
+    check_solution(sol, req)
+    assert 115e9 <= graph.param_count <= 125e9
+    assert sol.solve_time_s < 5.0, f"solve took {sol.solve_time_s:.2f} s"
+    assert sol.memory.host_total <= hw.host_memory_bytes and sol.memory.gpu_peak <= hw.gpu_memory_bytes
+    assert sol.timeline.bottleneck.value == "compute" and sol.timeline.mfu > 0.45
+
+
+GH200_SEQ = 524_288
+
+
+def llama2_7b_graph(seq_len: int, block_work_bytes: int) -> LayerGraph:
+    """Llama-2-7B (hidden 4096, SwiGLU width 11008, 32 blocks, 32k vocabulary) at one sequence of
+    ``seq_len`` tokens in BF16, cut as ``trace`` cuts it (prologue, 32 blocks, epilogue), with the
+    numbers the trace gives at 512k tokens (checked against ``trace`` in the comments):
+
+    - parameters: embedding 32000 x 4096 = 131,072,000; a block 4·4096² + 3·4096·11008 + 2·4096 =
+      202,383,360; final norm and LM head 4096 + 131,072,000 = 131,076,096. 6.74B in all.
+    - checkpoints per sequence: the residual stream after the prologue and after each block,
+      ``seq x 4096`` BF16 = 4 GiB at 512k (33 of them: 132 GiB, more than a GH200's 96 GB, so
+      keeping them all cannot fit); the rotary cos and sin tables, ``seq x 128`` BF16 = 128 MiB
+      each, read by every block. No causal mask (the trace lets SDPA build it).
+    - FLOPs, as ``FlopCounterMode`` counts them: a block's forward 2·seq·(4·4096² + 3·4096·11008)
+      for its matmuls plus 4·seq²·4096 for attention (4.72e15 at 512k); the local backward 3x
+      (forward recomputed, then twice the forward); the LM head 2·seq·4096·32000 (1.37e14).
+    - working memory: the prologue 4.26 GiB and the chunked LM head 25.49 GiB (as traced); a
+      block ``block_work_bytes``.
+    """
+    h, f, vocab, blocks = 4096, 11008, 32000, 32
+    n = blocks + 2
+    res = seq_len * h * 2
+    rope = seq_len * 128 * 2
+    values = [Value(0, "input_ids", (1, seq_len), "int64", seq_len * 8, BATCH_PRODUCER, (0,), False),
+              Value(1, "labels", (1, seq_len), "int64", seq_len * 8, BATCH_PRODUCER, (n - 1,), False),
+              Value(2, "prologue:embedding", (1, seq_len, h), "bfloat16", res, 0, (1,), True),
+              Value(3, "prologue:cos", (1, seq_len, 128), "bfloat16", rope, 0, tuple(range(1, n - 1)), False),
+              Value(4, "prologue:sin", (1, seq_len, 128), "bfloat16", rope, 0, tuple(range(1, n - 1)), False)]
+    for b in range(1, n - 1):
+        values.append(Value(len(values), f"block{b}:out", (1, seq_len, h), "bfloat16", res, b, (b + 1,), True))
+    values.append(Value(len(values), "loss", (), "float32", 4, n - 1, (), True))
+    block_fwd = 2 * seq_len * (4 * h * h + 3 * h * f) + 4 * seq_len**2 * h
+    head_fwd = 2 * seq_len * h * vocab
+
+    def layer(i, name, numel, inputs, outputs, fwd, work):
+        return Layer(index=i, name=name, template=min(i, 2), params=(ParamSpec(f"{name}.weight", (numel,), 0),),
+                     numel=numel, trainable_numel=numel, inputs=inputs, outputs=outputs, buffers=(),
+                     fwd_flops=fwd, bwd_flops=3 * fwd, work_bytes=work)
+
+    layers = [layer(0, "prologue", vocab * h, (0,), (2, 3, 4), 0, int(4.26 * GiB))]
+    for b in range(1, n - 1):
+        layers.append(layer(b, f"model.layers.{b - 1}", 4 * h * h + 3 * h * f + 2 * h,
+                            (1 + b if b > 1 else 2, 3, 4), (4 + b,), block_fwd, block_work_bytes))
+    layers.append(layer(n - 1, "epilogue", h + vocab * h, (len(values) - 2, 1), (len(values) - 1,), head_fwd,
+                        int(25.49 * GiB)))
+    return LayerGraph(layers=tuple(layers), values=tuple(values), batch_inputs=("input_ids", "labels"),
+                      loss=len(values) - 1, micro_batch_size=1, seq_len=seq_len)
+
+
+# What a block's local backward holds at 512k tokens if its SwiGLU MLP runs in sequence chunks
+# (Mini-Sequence Transformer, Luo et al. 2024, arXiv:2407.15892) and attention is flash (no
+# seq x seq scores): the tensors autograd saves -- the two RMSNorms' FP32 inputs (8 GiB each) and
+# BF16 normalised values and outputs (4 + 4 GiB each), the rotated q and k, v and the attention
+# output (4 x 4 GiB), a 32k-token chunk of the MLP's gate, up, activation and product (4 x 0.67
+# GiB) -- 51 GiB, plus the gradients in flight (about 13 GiB): 64 GiB.
+CHUNKED_BLOCK_WORK = 64 * GiB
+# What ``trace`` counts today: every tensor a block's forward creates, 1.18 GiB at 4k tokens and
+# linear in tokens, 151 GiB at 512k -- more than the whole GPU.
+TRACED_BLOCK_WORK = int(151.01 * GiB)
+
+
+def test_llama2_7b_at_512k_tokens_trains_on_one_gh200_with_checkpoints_offloaded():
+    g = llama2_7b_graph(GH200_SEQ, CHUNKED_BLOCK_WORK)
+    assert 6.7e9 <= g.param_count <= 6.8e9
+    assert g.layers[1].fwd_flops == pytest.approx(4.716e15, rel=1e-3)
+    hw = preset("GH200")
+    assert keep_everything_gpu_bytes(g, 1) > hw.gpu_memory_bytes  # 33 x 4 GiB of checkpoints
+    req = SolveRequest(g, hw, 1, "bfloat16")
+    sol = solve(req)
+    check_solution(sol, req)
+    acts = policies_of(sol.plan, len(g.layers))
+    # The copies take milliseconds (4 GiB at 380 GB/s) against seconds of compute per block, and a
+    # recompute would cost a block's forward: every checkpoint that moves is offloaded.
+    assert RECOMPUTE not in acts and acts.count(OFFLOAD) >= 24
+    assert sol.memory.pinned_activations >= 24 * 4 * GiB
+    assert sol.memory.host_total <= hw.host_memory_bytes and sol.memory.gpu_peak <= hw.gpu_memory_bytes
+    assert sol.solve_time_s < 5.0
+    # Compute-bound: MFU is the matmul efficiency x 3/4 (model FLOPs count the backward as 2
+    # forwards; the local backward recomputes the forward too), less the start and the tail.
+    assert sol.timeline.bottleneck.value == "compute"
+    assert sol.timeline.mfu >= 0.98 * hw.matmul_efficiency * 3 / 4
+
+
+def test_llama2_7b_at_512k_tokens_does_not_fit_a_gh200_with_every_intermediate_of_a_block_held():
+    g = llama2_7b_graph(GH200_SEQ, TRACED_BLOCK_WORK)
+    with pytest.raises(InfeasibleRequestError) as info:
+        solve(SolveRequest(g, preset("GH200"), 1, "bfloat16"))
+    need = info.value.requirements
+    assert need.obstacle.startswith("model.layers.") and not need.obstacle_is_slot
+    assert need.gpu_memory_bytes > TRACED_BLOCK_WORK
+    assert "every checkpoint offloaded or recomputed" in str(info.value)
 
 
 # -- scale and surface -----------------------------------------------------------------------------

@@ -1,57 +1,119 @@
 """Solve for a Plan: choose the knobs that minimise the simulated step time within memory.
 
-Method. Branch and bound over a small enumeration, with the simulator as the objective.
+Method. Best-first branch and bound over a structured enumeration, with the simulator as the
+objective and two lower bounds to prune with.
 
-1. Knobs. The small integer knobs are enumerated exhaustively: micro-batch size (a divisor of the
-   global batch; the number of micro-batches follows), streaming weight slots ``1..max_slots``,
-   prefetch distance ``0..slots-1`` and host gradient ring ``1..max_grad_ring``; the BF16 staging
-   ring is 2 (double-buffered) where host memory allows and 1 otherwise. It has no op of its own in
-   the schedule, so it costs pinned memory and no time.
-2. Resident layers. For each (micro-batch size, slots, prefetch distance) the GPU memory left after
-   the streaming slots, buffers, reserve and the activation peak is filled with resident layers: a
-   0/1 knapsack whose value per layer is the H2D seconds residency saves (the copies the lowering
-   issues for it without residency, less the one a resident layer still needs, times
-   :func:`cost.h2d_time`) and whose weight is the GPU bytes of one more weight and gradient slot.
-   The knapsack is a plain-data function ``(values, weights, capacity) -> chosen indices``, as in
+1. Knobs. Enumerated exhaustively: micro-batch size (a divisor of the global batch; the number of
+   micro-batches follows), streaming weight slots ``1..max_slots`` and prefetch distance
+   ``0..slots-1``. The host gradient ring is the largest in ``1..max_grad_ring`` that host memory
+   allows (one more tile only removes a wait of a D2H on an optimizer step), and one tile per
+   trainable layer when the request clips gradients (below). The BF16 staging ring is 2 (a CAST
+   fills one tile while the H2D in flight reads the other) where pinned memory allows, else 1.
+2. Activation policy per layer: KEEP the output checkpoint on the GPU, OFFLOAD it to pinned host
+   memory after the forward and back before the local backward, or RECOMPUTE it in the backward
+   phase. The 3^n choices are searched in structured families, each a nested chain of policies
+   indexed by a depth ``j``: the policy covers the first ``j`` layers that have a checkpoint,
+   earliest first, and keeps the rest.
+
+   - ``offload``: every covered checkpoint is offloaded (activation checkpoint offload as in
+     ZeRO-Infinity, Rajbhandari et al. 2021, arXiv:2104.07857).
+   - ``alternate``: every other covered checkpoint is recomputed from the kept one before it. A
+     run of one recompute needs no extra weight copy (the layer's weights stay in their slot for
+     its own local backward, which comes next), and halves the covered memory for one extra
+     forward of half the covered layers.
+   - ``alternate+offload``: the same with the others offloaded: the least memory for half the
+     copy traffic of ``offload`` (recompute and offload combined as in Beaumont et al. 2021,
+     "Efficient Combination of Rematerialization and Offloading for Training DNNs", NeurIPS).
+   - ``segments`` and ``segments+offload`` (deep models): one checkpoint stored every
+     ``k = round(sqrt(n))`` layers and the others recomputed segment by segment (Chen et al. 2016,
+     "Training Deep Nets with Sublinear Memory Cost", arXiv:1604.06174): about ``2 sqrt(n)``
+     checkpoints alive, and no pinned memory in the kept variant.
+
+   Earliest first, because with layer-by-layer streaming the checkpoint of layer ``p`` is read
+   by the local backward of its consumer about ``2 (n - p)`` visits after it is written: the
+   earliest are held longest, all of them are alive at the turn to backward (where the memory of
+   a step peaks), and their round trip to the host has the most compute to hide behind, while the
+   last layers' checkpoints are read right after the turn, so offloading them would put a round
+   trip on the critical path.
+
+   For each family, micro-batch size, slot count and prefetch distance the least depth that fits
+   is taken. Offloading more cannot make a step faster: with duplex copies an offload adds ops and
+   dependencies to the DAG and never shortens its longest path, which is what the simulator
+   computes; and offloading more to pay for resident layers does not pay either, because a
+   resident slot holds the compute-dtype weights and the FP32 gradients of the largest layer, so
+   the reloads that free it move more H2D bytes than residency saves (at most one compute-dtype
+   copy of a layer per step). Recomputing more to pay for resident layers could pay when copies
+   are the bottleneck; it is not searched.
+
+   Why not a MILP over per-layer binaries, as Checkmate does for rematerialisation (Jain et al.
+   2020, "Checkmate: Breaking the Memory Wall with Optimal Tensor Rematerialization",
+   arXiv:1910.02653)? A MILP needs each choice's time as a linear term, such as its bytes over a
+   copy engine's rate; but whether an offload costs anything depends on where it is (its round
+   trip hides behind compute only with enough visits between the forward and the backward), and
+   whether a recompute needs another weight copy depends on the slots, both of which the
+   lowering and the simulator decide. The families are few, each candidate is timed by the
+   simulator itself, and nesting makes the least depth that fits a bisection.
+
+   The exact memory of a policy is ``cost.memory_breakdown`` of its lowered schedule. The least
+   depth is found from a floor (every kept checkpoint of every micro-batch is alive when the
+   first local backward starts, beside that op's working memory), then by galloping and bisection
+   over exact evaluations, which assumes memory falls with depth (an offload or recompute only
+   shortens a checkpoint's lifetime). Pinned host memory bounds the depth of offloading families
+   from above.
+3. Resident layers. For each candidate the GPU memory left after the streaming slots, buffers,
+   reserve and the activation peak is filled with resident layers: a 0/1 knapsack whose value per
+   layer is the H2D seconds residency saves (the copies the lowering issues for it without
+   residency, less the one a resident layer still needs, times :func:`cost.h2d_time`) and whose
+   weight is the GPU bytes of one more weight and gradient slot. The knapsack is a plain-data
+   function ``(values, weights, capacity) -> chosen indices``, as in
    ``torch/_functorch/_activation_checkpointing/knapsack.py``: :func:`greedy_knapsack` (by value
-   per byte) for :func:`solve_enumerate`, :func:`milp_knapsack` (``scipy.optimize.milp``, HiGHS) for
-   :func:`solve_milp`; the two are swapped and compared under one signature.
-3. Bounds. Every candidate gets a lower bound on its step time: the longest path through its
-   schedule lowered for one micro-batch, with each compute op standing for the visit's ``M``
-   micro-batches (:func:`_lower_bound`), timed by the cost model's op times. The simulator respects
-   every edge of that path, so it can never beat the bound; with duplex copies it adds no other
-   wait and the bound is the simulated step time, so one simulation confirms the optimum. With one
-   shared copy engine the engine's busy time is a second bound and a few more candidates are
-   simulated.
-4. Search. Candidates are simulated in order of their bound (ties: fewer ops first); the search
-   stops when the next bound is not below the best simulated time (within ``limits.rtol``), so
-   the result is the enumeration's optimum, or after ``limits.max_simulations`` simulations, when
-   :attr:`Solution.bound_s` says how far from proven it is. The default plan's knobs (two slots,
-   distance one, ring two, no resident layer, one micro-batch) are always a candidate, so a solved
-   plan never simulates slower than the default one when that fits.
+   per byte) for :func:`solve_enumerate`, :func:`milp_knapsack` (``scipy.optimize.milp``, HiGHS)
+   for :func:`solve_milp`; the two are swapped and compared under one signature.
+4. Optimizer placement. A request that clips gradients by their global norm needs every gradient
+   before any update, so its plans place the optimizer steps in the next step's forward
+   (``OptimizerPlacement.NEXT_FORWARD``), with one host gradient tile per trainable layer; the
+   objective is then the steady-state step, the schedule that starts with the previous step's
+   updates (``lower(..., carries_updates=True)``). Otherwise updates run DURING_BACKWARD.
+5. Bounds. Every candidate has two lower bounds on its step time. The cheap one needs no
+   lowering (:func:`_quick_bound`): each resource's busy time (compute with the recomputes, H2D
+   with every layer copied once and the reloads, D2H with the gradients and offloads, the host
+   with the optimizer steps and one CAST per layer), and a flow-shop path: the forward of layer
+   ``k`` cannot start before the first ``k + 1`` copies (and casts) are done, the rest of the
+   compute follows, and after the local backward of layer ``l`` its gradients and those of every
+   earlier layer still have to be copied out and applied. The pattern bound (:func:`_lower_bound`)
+   is the longest path through the candidate's schedule lowered for one micro-batch, each op
+   standing for its ``M`` micro-batches; the simulator respects every edge of that path, so it
+   can never beat it. With duplex copies and no per-micro-batch edge between streams (no offload)
+   the simulator adds no other wait and the bound is the simulated step time.
+6. Search. One priority queue holds micro-batch sizes not yet evaluated (keyed by the cheap
+   bound with every checkpoint kept), families not yet searched at a size and distance (keyed by
+   the cheap bound of the floor's depth, which no deeper policy of the family beats), candidates
+   (cheap bound) and refined candidates (pattern bound); the lowest key is expanded, refined or
+   simulated, the most refined first among equals. The search stops when the lowest key is
+   not below the best simulated time (within ``limits.rtol``), so the result is the enumeration's
+   optimum, or after ``limits.max_simulations`` simulations, when :attr:`Solution.bound_s` says
+   how far from proven it is. The default plan's knobs (two slots, distance one, ring two, every
+   checkpoint kept, one micro-batch) are always a candidate, so a solved plan never simulates
+   slower than the default plan when that fits.
 
-Memory. GPU and host bytes come from :func:`cost.memory_breakdown`, evaluated once per micro-batch
-size at one slot, one ring tile and one staging tile; a candidate's bytes scale the slot and ring
-terms by their counts, which is how the cost model defines them (count x per-unit bytes). The
-chosen plan's breakdown is then recomputed exactly from its own schedule.
+Memory. GPU and host bytes come from :func:`cost.memory_breakdown`, evaluated once per
+micro-batch size, activation policy and (for offloading policies) prefetch distance, whose
+reload windows move the reloaded checkpoints' lifetimes; a candidate's bytes scale the slot and
+ring terms by their counts, which is how the cost model defines them (count x per-unit bytes).
+The chosen plan's breakdown is then recomputed exactly from its own schedule, and the schedule is
+verified against the hardware (``verify(schedule, graph, hw)``).
 
 Micro-batch sizes. A graph traced at one micro-batch size is rescaled by :func:`scale_graph`;
 a request may instead give traced graphs per size (``SolveRequest.graphs``).
 
-Extending. Only plans that :func:`megatrain.planner.lower.lower` accepts today are produced:
-every checkpoint KEEP, ``layer_by_layer=True``, optimizer steps DURING_BACKWARD. Activation offload
-or recompute per layer and per-micro-batch passes are to be further fields of :class:`_Knobs`,
-enumerated in :func:`_knob_grid` and passed on by :func:`_plan`. The bound follows the lowered
-pattern, so new ops (an activation D2H/H2D) only need their stream in ``_STREAM_INDEX`` and a
-duration in :func:`_lower_bound`; per-micro-batch passes break its "a visit's ops run back to back"
-premise and need the pattern lowered with every micro-batch. Their memory is not a function of
-slot and ring counts alone (offload moves checkpoint bytes to pinned host memory, and the
-activation peak then depends on the policy), so :func:`_scaled_memory` must take the activation
-terms from a breakdown per activation policy.
+Not produced: per-micro-batch passes (``layer_by_layer=False``), which the lowering does not
+implement; they would break the pattern bound's premise that a visit's micro-batches run back to
+back and need the pattern lowered with every micro-batch.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -59,18 +121,21 @@ from typing import Callable, Literal, Mapping, Sequence
 
 from megatrain.errors import PlanError
 from megatrain.planner import cost
-from megatrain.planner.graph import Layer, LayerGraph, Value
+from megatrain.planner.graph import LayerGraph, Value
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import OptimizerPlacement, Plan
-from megatrain.planner.schedule import OpKind, Schedule
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule
 from megatrain.planner.simulate import simulate
 from megatrain.planner.timeline import Timeline
+from megatrain.planner.verify import verify
 
 GiB = 1 << 30
 
 DEFAULT_STAGING_RING = 2
 """BF16 staging tiles: one being read by the H2D in flight, one being filled for the next copy."""
+
+KEEP, OFFLOAD, RECOMPUTE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 
 
 # -- micro-batch scaling ---------------------------------------------------------------------------
@@ -169,6 +234,10 @@ class SolveRequest:
         limits: the search ranges and stopping rule.
         graphs: optional traced graphs by micro-batch size (a mapping or a callable), used instead
             of rescaling ``graph`` for the sizes they cover.
+        clip_gradients: the run clips gradients by their global norm, so no layer may be updated
+            before every gradient is known: plans place the optimizer steps in the next step's
+            forward (``OptimizerPlacement.NEXT_FORWARD``, one host gradient tile per trainable
+            layer) and are timed by their steady-state step.
     """
 
     graph: LayerGraph
@@ -177,6 +246,7 @@ class SolveRequest:
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     limits: SolveLimits = SolveLimits()
     graphs: GraphSource | None = field(default=None, compare=False)
+    clip_gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -229,7 +299,11 @@ class Solution:
         plan: the chosen Plan (lower it with ``graph``).
         micro_batch_size: sequences per micro-batch; ``plan.micro_batches`` of them make the step.
         graph: the LayerGraph at ``micro_batch_size`` the plan was lowered and simulated with.
-        schedule: ``lower(graph, plan)``, verified by the caller if it wishes.
+        schedule: the steady-state step's schedule, verified against the hardware:
+            ``lower(graph, plan)``, or with ``OptimizerPlacement.NEXT_FORWARD`` (a request that
+            clips gradients) ``lower(graph, plan, carries_updates=True)``, which starts with the
+            previous step's optimizer steps (the first step after compiling runs
+            ``lower(graph, plan)``).
         timeline: the simulated step (``timeline.step_time_s`` in seconds).
         memory: host and GPU bytes of the plan (``cost.memory_breakdown`` of ``schedule``).
         method: ``"enumerate"`` or ``"milp"``.
@@ -324,26 +398,96 @@ def milp_knapsack(values: Sequence[float], weights: Sequence[int], capacity: int
     return frozenset(chosen)
 
 
+# -- activation policy families --------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """A nested chain of activation policies indexed by depth (module docstring, item 2).
+
+    The first ``depth`` layers that have a checkpoint are covered, earliest first: every
+    ``period``-th covered layer (an anchor) is ``stored`` (KEEP or OFFLOAD), the others are
+    RECOMPUTE; uncovered layers KEEP. ``period == 1`` covers with ``stored`` alone.
+    """
+
+    name: str
+    stored: ActivationPolicy
+    period: int
+
+    def policy(self, eligible: Sequence[int], n_layers: int, depth: int) -> tuple[ActivationPolicy, ...]:
+        """One policy per layer, or ``()`` (KEEP everywhere, the Plan's canonical form)."""
+        out = [KEEP] * n_layers
+        for rank, layer in enumerate(eligible[:depth]):
+            out[layer] = self.stored if rank % self.period == self.period - 1 else RECOMPUTE
+        return tuple(out) if any(a is not KEEP for a in out) else ()
+
+    def removed(self, eligible: Sequence[int], checkpoint_bytes: Sequence[int]) -> list[int]:
+        """``removed[j]``: checkpoint bytes (one micro-batch) not kept on the GPU at depth ``j``."""
+        out = [0]
+        for rank, layer in enumerate(eligible):
+            gone = not (rank % self.period == self.period - 1 and self.stored is KEEP)
+            out.append(out[-1] + (checkpoint_bytes[layer] if gone else 0))
+        return out
+
+    def offloaded(self, eligible: Sequence[int], checkpoint_bytes: Sequence[int]) -> list[int]:
+        """``offloaded[j]``: checkpoint bytes (one micro-batch) offloaded at depth ``j``."""
+        out = [0]
+        for rank, layer in enumerate(eligible):
+            moved = rank % self.period == self.period - 1 and self.stored is OFFLOAD
+            out.append(out[-1] + (checkpoint_bytes[layer] if moved else 0))
+        return out
+
+
+def _families(n_eligible: int) -> tuple[_Family, ...]:
+    """The families searched; segments of ``round(sqrt(n))`` only where they differ from pairs."""
+    families = [_Family("offload", OFFLOAD, 1), _Family("alternate", KEEP, 2),
+                _Family("alternate+offload", OFFLOAD, 2)]
+    k = round(math.sqrt(n_eligible))
+    if k >= 3:
+        families += [_Family("segments", KEEP, k), _Family("segments+offload", OFFLOAD, k)]
+    return tuple(families)
+
+
+def _eligible(graph: LayerGraph) -> list[int]:
+    """Layers whose policy matters: they run a forward (not the last) and another layer reads them."""
+    return [p for p in range(len(graph.layers) - 1) if cost.checkpoint_bytes(graph, p) > 0]
+
+
+def _describe(policy: Sequence[ActivationPolicy]) -> str:
+    if not policy:
+        return "every checkpoint kept"
+    off = sum(a is OFFLOAD for a in policy)
+    rec = sum(a is RECOMPUTE for a in policy)
+    return f"{off} checkpoints offloaded and {rec} recomputed"
+
+
 # -- infeasibility ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class Requirements:
-    """The smallest memory any plan in the search needs, and what drives it (bytes).
+    """The smallest memory that plans in the search need, and what drives it (bytes).
 
-    Computed at the smallest micro-batch size, one streaming slot, prefetch distance 0, no resident
-    layer, one gradient-ring tile and one staging tile; GPU and host needs are independent of each
-    other (no knob trades one for the other today), so together they are feasible.
+    ``gpu_memory_bytes`` is the least GPU memory of any plan: at the smallest micro-batch size,
+    one streaming slot, prefetch distance 0, no resident layer, one gradient-ring tile (one per
+    trainable layer when gradients are clipped), one staging tile, and the activation policy
+    (``activations``, a family name or ``"keep"``) with the lowest peak, every checkpoint
+    offloaded or recomputed. ``host_memory_bytes`` and ``pinned_memory_bytes`` are what that plan
+    needs on the host (offloaded checkpoints included), so a machine with all three fits it.
+    ``host_floor_bytes`` and ``pinned_floor_bytes`` are the least any plan needs on the host
+    (nothing offloaded): below them nothing fits, whatever the GPU.
 
     ``largest_layer`` sizes every weight slot; ``peak_layer`` runs when checkpoints plus working
-    memory peak. ``obstacle`` is the layer that keeps the GPU from fitting: the largest layer when
-    the fixed allocations alone (one slot, buffers, reserve) exceed the GPU
+    memory peak in the least-GPU plan. ``obstacle`` is the layer that keeps the GPU from fitting:
+    the largest layer when the fixed allocations alone (one slot, buffers, reserve) exceed the GPU
     (``obstacle_is_slot``), else the peak layer.
     """
 
     gpu_memory_bytes: int
     host_memory_bytes: int
     pinned_memory_bytes: int
+    host_floor_bytes: int
+    pinned_floor_bytes: int
     micro_batch_size: int
+    activations: str
     memory: cost.MemoryBreakdown
     largest_layer: str
     peak_layer: str
@@ -352,10 +496,11 @@ class Requirements:
     obstacle_is_slot: bool
 
     def fits(self, hw: HardwareSpec) -> tuple[bool, bool]:
-        """(GPU fits, host fits) on ``hw``."""
+        """(GPU could fit, host could fit) on ``hw``: each against its own least need. Both true
+        does not promise a plan: the offload that brings the GPU down needs pinned memory."""
         return (self.gpu_memory_bytes <= hw.gpu_memory_bytes,
-                self.host_memory_bytes <= hw.host_memory_bytes
-                and self.pinned_memory_bytes <= hw.pinned_memory_cap_bytes)
+                self.host_floor_bytes <= hw.host_memory_bytes
+                and self.pinned_floor_bytes <= hw.pinned_memory_cap_bytes)
 
 
 class InfeasibleRequestError(PlanError):
@@ -371,7 +516,7 @@ def _peak_op_layer(schedule: Schedule, graph: LayerGraph) -> int:
     live = cost.activation_liveness(schedule, graph)
     cur, best, best_layer = live.at_start, -1, 0
     for i, op in enumerate(schedule.ops):
-        if op.kind not in (OpKind.FWD, OpKind.BWD):
+        if op.kind not in COMPUTE_KINDS:
             continue
         cur += live.alloc[i]
         if cur + live.work[i] > best:
@@ -381,28 +526,8 @@ def _peak_op_layer(schedule: Schedule, graph: LayerGraph) -> int:
 
 
 def minimum_requirements(request: SolveRequest) -> Requirements:
-    """The least GPU, host and pinned host memory a plan for ``request`` needs (see Requirements)."""
-    mbs = min(request.micro_batch_sizes())
-    g = request.graph_for(mbs)
-    return _requirements(request, mbs, g, *_unit(request, mbs, g))
-
-
-def _unit(request: SolveRequest, mbs: int, g: LayerGraph) -> tuple[Schedule, cost.MemoryBreakdown]:
-    """Schedule and bytes of the smallest plan at ``mbs``: one slot, distance 0, one tile per ring."""
-    plan = _plan(request, mbs, _Knobs(slots=1, prefetch_distance=0, grad_ring=1, staging_ring=1))
-    sched = lower(g, plan)
-    return sched, cost.memory_breakdown(g, plan, request.hardware, sched)
-
-
-def _requirements(request: SolveRequest, mbs: int, g: LayerGraph, sched: Schedule,
-                  mem: cost.MemoryBreakdown) -> Requirements:
-    largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))
-    peak = g.layers[_peak_op_layer(sched, g)]
-    slot = mem.gpu_fixed > request.hardware.gpu_memory_bytes
-    return Requirements(gpu_memory_bytes=mem.gpu_peak, host_memory_bytes=mem.host_total,
-                        pinned_memory_bytes=mem.host_pinned, micro_batch_size=mbs, memory=mem,
-                        largest_layer=largest.name, peak_layer=peak.name, peak_layer_work_bytes=peak.work_bytes,
-                        obstacle=largest.name if slot else peak.name, obstacle_is_slot=slot)
+    """The least GPU, host and pinned host memory plans for ``request`` need (see Requirements)."""
+    return _Search(request, greedy_knapsack).requirements()
 
 
 def _count(n: int) -> str:
@@ -417,44 +542,57 @@ def _infeasible(request: SolveRequest, req: Requirements) -> InfeasibleRequestEr
     m = req.memory
     gpu_ok, host_ok = req.fits(hw)
     G, S = request.global_batch, g.seq_len
+    hb = cost.human_bytes
     largest = next(layer for layer in g.layers if layer.name == req.largest_layer)
     head = (f"no plan fits a {_count(g.param_count)}-parameter model of {len(g.layers)} layers, global batch "
-            f"{G} x {S} tokens, {request.compute_dtype} compute, on {hw.name!r}. Smallest memory that works: "
-            f"GPU {req.gpu_memory_bytes} bytes ({cost.human_bytes(req.gpu_memory_bytes)}), host {req.host_memory_bytes} "
-            f"bytes ({cost.human_bytes(req.host_memory_bytes)}) of which pinned {req.pinned_memory_bytes} bytes "
-            f"({cost.human_bytes(req.pinned_memory_bytes)}).")
+            f"{G} x {S} tokens, {request.compute_dtype} compute"
+            + (", gradients clipped" if request.clip_gradients else "") + f", on {hw.name!r}. Smallest memory "
+            f"that works: GPU {req.gpu_memory_bytes} bytes ({hb(req.gpu_memory_bytes)}), host "
+            f"{req.host_memory_bytes} bytes ({hb(req.host_memory_bytes)}) of which pinned "
+            f"{req.pinned_memory_bytes} bytes ({hb(req.pinned_memory_bytes)}), with "
+            + ("every checkpoint kept." if req.activations == "keep" else f"activation policy {req.activations!r}."))
     lines = [head]
     if not gpu_ok:
         slot = m.weight_slots + m.gradient_slots
         if req.obstacle_is_slot:
             why = (f"The obstacle is layer {req.obstacle!r}: its slot alone, with the buffers and reserve, "
-                   f"does not fit. Fix: use a GPU with at least {cost.human_bytes(req.gpu_memory_bytes)}, or make the "
+                   f"does not fit. Fix: use a GPU with at least {hb(req.gpu_memory_bytes)}, or make the "
                    "layer smaller (a smaller vocabulary for an embedding or LM head; megatrain does not split "
                    "a layer across slots yet).")
         else:
             why = (f"The obstacle is layer {req.obstacle!r}, where checkpoints plus working memory peak. Fix: "
-                   "lower the global batch or the sequence length (checkpoints of every sequence stay on the "
-                   f"GPU until the backward), or use a GPU with at least {cost.human_bytes(req.gpu_memory_bytes)}; "
-                   "activation offload and recompute (not lowered yet) will lower this.")
+                   "lower the micro-batch size, the global batch or the sequence length (the layer's working "
+                   f"memory grows with them), or use a GPU with at least {hb(req.gpu_memory_bytes)}.")
         lines.append(
-            f"GPU: needs {cost.human_bytes(req.gpu_memory_bytes)} but has {cost.human_bytes(hw.gpu_memory_bytes)}, even with one "
-            f"weight slot, micro-batch size {req.micro_batch_size} and no resident layer: the slot, sized for "
-            f"the largest layer {req.largest_layer!r} ({largest.numel:,} elements), takes {cost.human_bytes(slot)} with "
-            f"its gradients; the checkpoints and boundary gradients of the {G} sequence{'s' if G != 1 else ''} peak at "
-            f"{cost.human_bytes(m.activations_peak)}; layer {req.peak_layer!r} needs {cost.human_bytes(req.peak_layer_work_bytes)} "
-            f"of working memory at that peak; buffers {cost.human_bytes(m.buffers)}; reserve {cost.human_bytes(m.reserve)}. " + why)
+            f"GPU: needs {hb(req.gpu_memory_bytes)} but has {hb(hw.gpu_memory_bytes)}, even with one weight slot, "
+            f"micro-batch size {req.micro_batch_size}, no resident layer and every checkpoint offloaded or "
+            f"recomputed (the least memory is with {req.activations!r}): the slot, sized for the largest layer "
+            f"{req.largest_layer!r} ({largest.numel:,} elements), takes {hb(slot)} with its gradients; the "
+            f"checkpoints and boundary gradients still on the GPU peak at {hb(m.activations_peak)}; layer "
+            f"{req.peak_layer!r} needs {hb(req.peak_layer_work_bytes)} of working memory at that peak; buffers "
+            f"{hb(m.buffers)}; reserve {hb(m.reserve)}. " + why)
     if not host_ok:
         lines.append(
-            f"host: needs {cost.human_bytes(req.host_memory_bytes)} (has {cost.human_bytes(hw.host_memory_bytes)}) and "
-            f"{cost.human_bytes(req.pinned_memory_bytes)} pinned (cap {cost.human_bytes(hw.pinned_memory_cap_bytes)}): FP32 master "
-            f"weights {cost.human_bytes(m.master_weights)} and Adam moments {cost.human_bytes(m.adam_moments)} (12 bytes per "
-            f"parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), one gradient "
-            f"tile {cost.human_bytes(m.gradient_ring)}, one staging tile {cost.human_bytes(m.staging_ring)}"
+            f"host: needs {hb(req.host_floor_bytes)} (has {hb(hw.host_memory_bytes)}) and "
+            f"{hb(req.pinned_floor_bytes)} pinned (cap {hb(hw.pinned_memory_cap_bytes)}) even with no checkpoint "
+            f"offloaded: FP32 master weights {hb(m.master_weights)} and Adam moments {hb(m.adam_moments)} (12 "
+            f"bytes per parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), "
+            f"{'one gradient tile per trainable layer' if request.clip_gradients else 'one gradient tile'} "
+            f"{hb(m.gradient_ring)}, one staging tile {hb(m.staging_ring)}"
             + (", and FP32 compute pins the master weights and moments (H2D reads them directly)"
                if m.state_pinned else "")
-            + f". Fix: a host with at least {cost.human_bytes(req.host_memory_bytes)} and a pinned cap of "
-            f"{cost.human_bytes(req.pinned_memory_bytes)}" + (", or compute in bfloat16 so only the rings are pinned"
-                                                    if m.state_pinned else "") + ".")
+            + f". Fix: a host with at least {hb(req.host_floor_bytes)} and a pinned cap of "
+            f"{hb(req.pinned_floor_bytes)}" + (", or compute in bfloat16 so only the rings are pinned"
+                                               if m.state_pinned else "")
+            + (", or do not clip gradients (the updates then run during the backward and share a ring of "
+               "a few tiles)" if request.clip_gradients else "") + ".")
+    if gpu_ok and host_ok:
+        lines.append(
+            f"GPU and host together: the GPU ({hb(hw.gpu_memory_bytes)}) fits only with checkpoints offloaded "
+            f"to pinned host memory, and the pinned cap ({hb(hw.pinned_memory_cap_bytes)}) cannot hold them beside "
+            "the gradient and staging rings; recomputing instead does not bring the GPU low enough. Fix: raise "
+            "the pinned cap or host memory, use a GPU with more memory, or lower the global batch or the "
+            "sequence length.")
     return InfeasibleRequestError("\n".join(lines), req)
 
 
@@ -462,85 +600,65 @@ def _infeasible(request: SolveRequest, req: Requirements) -> InfeasibleRequestEr
 
 @dataclass(frozen=True, slots=True)
 class _Knobs:
-    """The enumerated knobs of one candidate besides the micro-batch size.
-
-    New knobs (a per-layer ActivationPolicy, ``layer_by_layer=False``) go here and into
-    :func:`_knob_grid`, once :func:`lower` implements them.
-    """
+    """The knobs of one candidate besides the micro-batch size."""
 
     slots: int
     prefetch_distance: int
     grad_ring: int
     staging_ring: int
     resident: frozenset[int] = frozenset()
+    activations: tuple[ActivationPolicy, ...] = ()
+
+
+def _placement(request: SolveRequest) -> OptimizerPlacement:
+    return OptimizerPlacement.NEXT_FORWARD if request.clip_gradients else OptimizerPlacement.DURING_BACKWARD
 
 
 def _plan(request: SolveRequest, micro_batch_size: int, k: _Knobs) -> Plan:
     return Plan(micro_batches=request.global_batch // micro_batch_size, slots=k.slots,
                 prefetch_distance=k.prefetch_distance, grad_ring=k.grad_ring, resident=k.resident,
-                activations=(), layer_by_layer=True, optimizer=OptimizerPlacement.DURING_BACKWARD,
+                activations=k.activations, layer_by_layer=True, optimizer=_placement(request),
                 compute_dtype=request.compute_dtype, staging_ring=k.staging_ring)
 
 
-def _knob_grid(limits: SolveLimits) -> list[tuple[int, int]]:
-    """(slots, prefetch distance) pairs; rings and residents are chosen per pair."""
-    return [(s, d) for s in range(1, limits.max_slots + 1) for d in range(s)]
-
-
-def _scaled_memory(base: cost.MemoryBreakdown, weight_slots: int, grad_ring: int,
+def _scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, grad_ring: int,
                    staging_ring: int) -> cost.MemoryBreakdown:
-    """``base`` (one weight slot, one ring tile, one staging tile) with the counts of a candidate.
+    """``unit`` (one weight slot, one ring tile, one staging tile) with the counts of a candidate.
 
-    The cost model defines these terms as count x per-unit bytes (``cost.memory_breakdown``), and
-    the activation terms depend only on the order of compute ops, which no knob here changes.
+    The cost model defines these terms as count x per-unit bytes (``cost.memory_breakdown``).
+    The activation terms (GPU peaks, pinned offload space) are those of the unit's own activation
+    policy and micro-batch size: they depend on the order of compute ops and reloads, which the
+    policy and the prefetch distance set and no count here changes.
     """
-    return replace(base, weight_slots=base.weight_slots * weight_slots,
-                   gradient_slots=base.gradient_slots * weight_slots,
-                   gradient_ring=base.gradient_ring * grad_ring, staging_ring=base.staging_ring * staging_ring)
+    return replace(unit, weight_slots=unit.weight_slots * weight_slots,
+                   gradient_slots=unit.gradient_slots * weight_slots,
+                   gradient_ring=unit.gradient_ring * grad_ring, staging_ring=unit.staging_ring * staging_ring)
 
 
 @dataclass(slots=True)
 class _SizeOption:
-    """Everything about one micro-batch size the search reuses."""
+    """Everything about one micro-batch size the search reuses; times in seconds, one micro-batch."""
 
     size: int
     micro_batches: int
     graph: LayerGraph
-    base: cost.MemoryBreakdown  # one slot, one ring tile, one staging tile
-    fwd: tuple[float, ...]  # seconds of all micro-batches' forwards of each layer
+    fwd: tuple[float, ...]
     bwd: tuple[float, ...]
+    offload: tuple[float, ...]
+    reload: tuple[float, ...]
+    checkpoints: tuple[int, ...]  # cost.checkpoint_bytes per layer
 
 
-_STREAM_INDEX = {OpKind.H2D: 0, OpKind.FWD: 1, OpKind.BWD: 1, OpKind.D2H: 2, OpKind.OPT: 3}
-
-
-@dataclass(frozen=True, slots=True)
-class _Pattern:
-    """The schedule of a candidate's knobs at one micro-batch, as flat arrays for the bound.
-
-    ``lower`` with ``micro_batches=1`` gives every op of a layer visit once, with the same
-    dependencies the full schedule has between visits (see :func:`_lower_bound`); which copies it
-    issues depends on slots, distance, residents and ring only, not on sizes or micro-batches.
-    """
-
-    kinds: tuple[OpKind, ...]
-    layers: tuple[int, ...]
-    deps: tuple[tuple[int, ...], ...]
-
-    def copies(self, n_layers: int) -> list[int]:
-        """H2D copies per layer."""
-        c = [0] * n_layers
-        for kind, layer in zip(self.kinds, self.layers):
-            if kind is OpKind.H2D:
-                c[layer] += 1
-        return c
-
-
-def _pattern(graph: LayerGraph, k: _Knobs) -> _Pattern:
-    sched = lower(graph, Plan(micro_batches=1, slots=k.slots, prefetch_distance=k.prefetch_distance,
-                              grad_ring=k.grad_ring, resident=k.resident))
-    return _Pattern(tuple(op.kind for op in sched.ops), tuple(op.layer for op in sched.ops),
-                    tuple(op.deps for op in sched.ops))
+def _size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype: str,
+                 hw: HardwareSpec) -> _SizeOption:
+    probe = Plan(compute_dtype=compute_dtype)
+    n = len(graph.layers)
+    return _SizeOption(size, micro_batches, graph,
+                       fwd=tuple(cost.fwd_time(layer, probe, hw) for layer in graph.layers),
+                       bwd=tuple(cost.bwd_time(layer, probe, hw) for layer in graph.layers),
+                       offload=tuple(cost.offload_time(graph, i, hw, OpKind.OFFLOAD) for i in range(n)),
+                       reload=tuple(cost.offload_time(graph, i, hw, OpKind.RELOAD) for i in range(n)),
+                       checkpoints=tuple(cost.checkpoint_bytes(graph, i) for i in range(n)))
 
 
 @dataclass(slots=True)
@@ -550,56 +668,195 @@ class _Times:
     h2d: tuple[float, ...]
     d2h: tuple[float, ...]
     opt: tuple[float, ...]
+    cast: tuple[float, ...]
+    trainable: tuple[bool, ...]
+
+
+def _times(graph: LayerGraph, compute_dtype: str, hw: HardwareSpec) -> _Times:
+    probe = Plan(compute_dtype=compute_dtype)
+    layers = graph.layers
+    return _Times(h2d=tuple(cost.h2d_time(layer, probe, hw) for layer in layers),
+                  d2h=tuple(cost.d2h_time(layer, hw) for layer in layers),
+                  opt=tuple(cost.opt_time(layer, hw) for layer in layers),
+                  cast=tuple(cost.cast_time(layer, hw) for layer in layers),
+                  trainable=tuple(layer.trainable_numel > 0 for layer in layers))
+
+
+def _quick_bound(size: _SizeOption, t: _Times, policy: Sequence[ActivationPolicy], *, deferred: bool,
+                 bf16: bool, duplex: bool) -> float:
+    """A step time no schedule with this micro-batch size and activation policy can beat, from op
+    times alone (module docstring, item 5); it holds for any slots, distance, rings and residents.
+
+    Premises, all from the lowering: every layer's weights are copied at least once, the first
+    copies in layer order (each after its CAST with BF16; the first after a carried update of
+    layer 0); the compute stream runs the forwards ``0..n-2``, then the local backwards
+    ``n-1..0`` with the recomputes among them (those of the last layer's inputs may run before
+    its local backward, as soon as their weights are in a slot), one op per micro-batch; each
+    trainable layer's D2H follows its local backward, in backward order, and with
+    DURING_BACKWARD its optimizer step follows its D2H, in the same order.
+    """
+    n, M = len(t.h2d), size.micro_batches
+    fwd, bwd = size.fwd, size.bwd
+    rec = [p for p, a in enumerate(policy) if a is RECOMPUTE and p < n - 1]
+    off = [p for p, a in enumerate(policy) if a is OFFLOAD and p < n - 1]
+    trainable = [i for i in range(n) if t.trainable[i]]
+    backward = M * (sum(bwd) + sum(fwd[p] for p in rec))
+    compute = M * sum(fwd[:n - 1]) + backward
+    h2d = sum(t.h2d) + M * sum(size.reload[p] for p in off)
+    d2h = sum(t.d2h[i] for i in trainable) + M * sum(size.offload[p] for p in off)
+    host = sum(t.opt[i] for i in trainable) + (sum(t.cast) if bf16 else 0.0)
+    bound = max(compute, h2d, d2h, host, 0.0 if duplex else h2d + d2h)
+    # Flow shop: the forward of layer k waits for the copies of layers 0..k, and the rest of the
+    # forward and the whole backward phase follow it; the turn's local backward (layer n-1) waits
+    # for the copy of layer n-1 too, and every local backward follows it (recomputes of its own
+    # inputs may run before it, so they are not counted there).
+    first_opt = t.opt[0] if deferred and t.trainable[0] else 0.0
+    fwd_after = [0.0] * (n + 1)
+    for k in range(n - 2, -1, -1):
+        fwd_after[k] = fwd_after[k + 1] + M * fwd[k]
+    copies = first_opt + (t.cast[0] if bf16 else 0.0)
+    casts = first_opt
+    forward_end = turn = 0.0
+    for k in range(n):
+        copies += t.h2d[k]
+        ready = copies
+        if bf16:
+            casts += t.cast[k]
+            ready = max(ready, casts + t.h2d[k])
+        if k < n - 1:
+            forward_end = max(forward_end, ready + fwd_after[k])
+        else:
+            turn = ready
+    bound = max(bound, forward_end + backward, turn + M * sum(bwd))
+    # Tails: after the local backward of layer l, its D2H and those of every earlier trainable
+    # layer, then the last optimizer step; or its optimizer step and those of every earlier layer.
+    if trainable:
+        last_opt = 0.0 if deferred else t.opt[trainable[0]]
+        done = max(forward_end, turn)  # lower bound of the end of the local backward of layer l
+        d2h_left = sum(t.d2h[i] for i in trainable)
+        opt_left = sum(t.opt[i] for i in trainable)
+        for layer in range(n - 1, -1, -1):
+            done += M * bwd[layer]
+            if not t.trainable[layer]:
+                continue
+            bound = max(bound, done + d2h_left + last_opt)
+            if not deferred:
+                bound = max(bound, done + t.d2h[layer] + opt_left)
+            d2h_left -= t.d2h[layer]
+            opt_left -= t.opt[layer]
+    return bound
+
+
+_STREAM_INDEX = {OpKind.H2D: 0, OpKind.RELOAD: 0, OpKind.FWD: 1, OpKind.BWD: 1, OpKind.RECOMPUTE: 1,
+                 OpKind.D2H: 2, OpKind.OFFLOAD: 2, OpKind.OPT: 3, OpKind.CAST: 3}
+"""Index of each op kind's stream (Stream.H2D, COMPUTE, D2H, HOST) in the bound's arrays."""
+
+_PER_MICRO_BATCH = ({(kind, OpKind.RELOAD) for kind in COMPUTE_KINDS}
+                    | {(OpKind.OFFLOAD, OpKind.FWD), (OpKind.RELOAD, OpKind.OFFLOAD)})
+"""(op kind, dependency kind) pairs where micro-batch ``m``'s op waits only for micro-batch ``m``'s
+dependency (a checkpoint's copy); every other edge waits for a whole visit, or is within the compute
+stream, which runs a visit's micro-batches back to back."""
+
+_PER_VISIT_ONCE = frozenset({OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST})
+"""Kinds issued once per visit or layer; the others once per micro-batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Pattern:
+    """The schedule of a candidate's knobs at one micro-batch, as flat arrays for the bound.
+
+    ``lower`` with ``micro_batches=1`` gives every op of a layer visit once, with the same
+    dependencies the full schedule has between visits (see :func:`_lower_bound`); which copies it
+    issues depends on the activation policy, slots, distance, residents and rings only, not on
+    sizes or micro-batches. ``deps`` are the dependencies on a whole visit, ``mb_deps`` those that
+    hold micro-batch by micro-batch (:data:`_PER_MICRO_BATCH`).
+    """
+
+    kinds: tuple[OpKind, ...]
+    layers: tuple[int, ...]
+    deps: tuple[tuple[int, ...], ...]
+    mb_deps: tuple[tuple[int, ...], ...]
+
+    def copies(self, n_layers: int) -> list[int]:
+        """H2D weight copies per layer."""
+        c = [0] * n_layers
+        for kind, layer in zip(self.kinds, self.layers):
+            if kind is OpKind.H2D:
+                c[layer] += 1
+        return c
+
+
+def _pattern(graph: LayerGraph, plan: Plan) -> _Pattern:
+    """The pattern of ``plan`` (its steady-state schedule, at one micro-batch)."""
+    sched = lower(graph, replace(plan, micro_batches=1),
+                  carries_updates=plan.optimizer is OptimizerPlacement.NEXT_FORWARD)
+    ops = sched.ops
+    kinds = tuple(op.kind for op in ops)
+    deps, mb_deps = [], []
+    for op in ops:
+        whole, per = [], []
+        for d in op.deps:
+            (per if (op.kind, kinds[d]) in _PER_MICRO_BATCH else whole).append(d)
+        deps.append(tuple(whole))
+        mb_deps.append(tuple(per))
+    return _Pattern(kinds, tuple(op.layer for op in ops), tuple(deps), tuple(mb_deps))
 
 
 def _lower_bound(p: _Pattern, size: _SizeOption, t: _Times, duplex: bool) -> float:
     """A step time no schedule of this candidate can beat: the longest path of its pattern.
 
-    The pattern's compute op of a visit stands for the visit's ``M`` compute ops, which run back to
-    back on the in-order compute stream, so it lasts their sum (``M x`` the op time at this
-    micro-batch size); everything the full schedule makes wait on a visit (copies into its slot,
-    the prefetch window, its gradient copy) waits on the visit's last op, so it waits on the whole
-    group here. Every op then starts no earlier than the latest end of its dependencies and of the
-    op before it on its stream, which the simulator also respects. With duplex copies each stream
-    has a resource of its own, the simulator adds no other wait, and the bound is the simulated
-    step time; with one shared copy engine the engine's total busy time is a second bound.
+    Each pattern op stands for its ``r`` micro-batch copies (``r = M`` for compute ops, offloads and
+    reloads, 1 otherwise), of ``u`` seconds each, and its end is a lower bound of the last copy's
+    end: the first copy starts no earlier than the ends of the op before it on its stream and of
+    its whole-visit dependencies, and the ``r`` copies run one after another on one resource, so
+    the last ends at least ``r x u`` later; and the last copy waits for the last copy of each
+    per-micro-batch dependency, so it ends at least ``u`` after that. The simulator respects all of
+    these. With duplex copies and ``M = 1`` (or no per-micro-batch edge, as with every checkpoint
+    kept) each stream has a resource of its own, the simulator adds no other wait, and the bound is
+    the simulated step time; with one shared copy engine the engine's total busy time is a second
+    bound.
     """
     n = len(p.kinds)
+    M = size.micro_batches
     end = [0.0] * n
     stream_end = [0.0, 0.0, 0.0, 0.0]
-    h_sum = d_sum = 0.0
-    fwd, bwd, h2d, d2h, opt = size.fwd, size.bwd, t.h2d, t.d2h, t.opt
+    copy_busy = 0.0
+    fwd, bwd, off, rel = size.fwd, size.bwd, size.offload, size.reload
+    h2d, d2h, opt, cast = t.h2d, t.d2h, t.opt, t.cast
+    kinds, layers, deps, mb_deps = p.kinds, p.layers, p.deps, p.mb_deps
     for i in range(n):
-        kind, layer = p.kinds[i], p.layers[i]
+        kind, layer = kinds[i], layers[i]
         s = _STREAM_INDEX[kind]
+        if kind is OpKind.FWD or kind is OpKind.RECOMPUTE:
+            u = fwd[layer]
+        elif kind is OpKind.BWD:
+            u = bwd[layer]
+        elif kind is OpKind.H2D:
+            u = h2d[layer]
+        elif kind is OpKind.D2H:
+            u = d2h[layer]
+        elif kind is OpKind.OPT:
+            u = opt[layer]
+        elif kind is OpKind.CAST:
+            u = cast[layer]
+        elif kind is OpKind.OFFLOAD:
+            u = off[layer]
+        else:
+            u = rel[layer]
+        r = 1 if kind in _PER_VISIT_ONCE else M
         start = stream_end[s]
-        for d in p.deps[i]:
+        for d in deps[i]:
             if end[d] > start:
                 start = end[d]
-        if kind is OpKind.FWD:
-            dur = fwd[layer]
-        elif kind is OpKind.BWD:
-            dur = bwd[layer]
-        elif kind is OpKind.H2D:
-            dur = h2d[layer]
-            h_sum += dur
-        elif kind is OpKind.D2H:
-            dur = d2h[layer]
-            d_sum += dur
-        else:
-            dur = opt[layer]
-        end[i] = stream_end[s] = start + dur
+        e = start + r * u
+        for d in mb_deps[i]:
+            if end[d] + u > e:
+                e = end[d] + u
+        end[i] = stream_end[s] = e
+        if s == 0 or s == 2:
+            copy_busy += r * u
     bound = max(stream_end)
-    return bound if duplex else max(bound, h_sum + d_sum)
-
-
-@dataclass(order=True, slots=True)
-class _Candidate:
-    key: tuple
-    option: _SizeOption = field(compare=False)
-    knobs: _Knobs = field(compare=False)
-    bound: float = field(compare=False)
-    memory: cost.MemoryBreakdown = field(compare=False)
+    return bound if duplex else max(bound, copy_busy)
 
 
 def _fits(mem: cost.MemoryBreakdown, hw: HardwareSpec) -> bool:
@@ -607,127 +864,377 @@ def _fits(mem: cost.MemoryBreakdown, hw: HardwareSpec) -> bool:
             and mem.host_pinned <= hw.pinned_memory_cap_bytes)
 
 
-def _search(request: SolveRequest, knapsack: Knapsack, method: str) -> Solution:
-    t_start = time.perf_counter()
-    hw, limits = request.hardware, request.limits
-    sizes = request.micro_batch_sizes()
-    units = {}  # the smallest size's unit plan also gives the minimum requirements
-    smallest = sizes[-1]
-    g_small = request.graph_for(smallest)
-    units[smallest] = (g_small, *_unit(request, smallest, g_small))
-    need = _requirements(request, smallest, *units[smallest])
-    if not all(need.fits(hw)):
-        raise _infeasible(request, need)
+def _host_fits(mem: cost.MemoryBreakdown, hw: HardwareSpec) -> bool:
+    return mem.host_total <= hw.host_memory_bytes and mem.host_pinned <= hw.pinned_memory_cap_bytes
 
-    probe = Plan(compute_dtype=request.compute_dtype)
-    layers: tuple[Layer, ...] = request.graph.layers
-    n = len(layers)
-    times = _Times(h2d=tuple(cost.h2d_time(layer, probe, hw) for layer in layers),
-                   d2h=tuple(cost.d2h_time(layer, hw) for layer in layers),
-                   opt=tuple(cost.opt_time(layer, hw) for layer in layers))
 
-    options: list[_SizeOption] = []
-    for mbs in sizes:
-        M = request.global_batch // mbs
-        g = request.graph_for(mbs) if mbs not in units else units[mbs][0]
-        base = units[mbs][2] if mbs in units else _unit(request, mbs, g)[1]
-        if base.gpu_peak > hw.gpu_memory_bytes:
-            continue  # not even one slot fits beside this size's activations
-        options.append(_SizeOption(mbs, M, g, base,
-                                   fwd=tuple(M * cost.fwd_time(layer, probe, hw) for layer in g.layers),
-                                   bwd=tuple(M * cost.bwd_time(layer, probe, hw) for layer in g.layers)))
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """Knobs whose residents the knapsack has yet to choose (``resident is None``) or chosen."""
 
-    # Host memory does not depend on the micro-batch size or the slots (no checkpoint is offloaded).
-    host_choices: list[tuple[int, int]] = []
-    base0 = options[0].base
-    for ring in range(1, limits.max_grad_ring + 1):
+    option: _SizeOption
+    policy: tuple[ActivationPolicy, ...]
+    slots: int
+    distance: int
+    grad_ring: int
+    staging_ring: int
+    resident: frozenset[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Work not yet done at one micro-batch size: with ``family`` None, evaluating every checkpoint
+    kept (and making the groups below); else searching ``family``'s depths at ``distance`` for the
+    slot counts ``slots`` (those where every checkpoint kept does not fit)."""
+
+    option: _SizeOption
+    family: _Family | None = None
+    distance: int = 0
+    slots: tuple[int, ...] = ()
+
+
+# Queue levels: among equal bounds the most refined item goes first, so that a simulation can end
+# the search before more candidates are lowered or more depths searched.
+_SIMULATE, _REFINE, _EXPAND = 0, 1, 2
+
+
+class _Search:
+    """One solve: caches of memory units, patterns and bounds, and the best-first queue."""
+
+    def __init__(self, request: SolveRequest, knapsack: Knapsack):
+        self.request, self.knapsack = request, knapsack
+        self.hw, self.limits = request.hardware, request.limits
+        g = request.graph
+        self.n = len(g.layers)
+        self.eligible = _eligible(g)
+        self.families = _families(len(self.eligible))
+        self.deferred = request.clip_gradients
+        self.ring = max(1, sum(1 for layer in g.layers if layer.trainable_numel > 0))  # NEXT_FORWARD tiles
+        self.bf16 = request.compute_dtype == "bfloat16"
+        self.times = _times(g, request.compute_dtype, self.hw)
+        self.options: dict[int, _SizeOption] = {}
+        self.units: dict[tuple, tuple[Schedule, cost.MemoryBreakdown]] = {}
+        self.patterns: dict[_Knobs, _Pattern] = {}
+        self.quick: dict[tuple, float] = {}
+        self.depths: dict[tuple, int | None] = {}
+        self.removed: dict[tuple, list[int]] = {}
+        self.residents: dict[tuple, frozenset[int]] = {}
+        self.queue: list = []
+        self.seq = 0
+        self.candidates = 0
+        self.seen: set = set()
+
+    # -- per size ----------------------------------------------------------------------------------
+    def option(self, size: int) -> _SizeOption:
+        if size not in self.options:
+            r = self.request
+            self.options[size] = _size_option(size, r.global_batch // size, r.graph_for(size), r.compute_dtype,
+                                              self.hw)
+        return self.options[size]
+
+    def unit(self, opt: _SizeOption, policy: tuple[ActivationPolicy, ...],
+             distance: int) -> tuple[Schedule, cost.MemoryBreakdown]:
+        """Schedule and bytes of ``policy`` at ``opt``'s size, per one slot, ring tile and staging tile.
+
+        Lowered with ``distance + 1`` slots; only offloading policies depend on the distance (it
+        places the reloads), so the others are evaluated once, at distance 0.
+        """
+        d = distance if OFFLOAD in policy else 0
+        key = (opt.size, policy, d)
+        if key not in self.units:
+            slots = d + 1
+            plan = Plan(micro_batches=opt.micro_batches, slots=slots, prefetch_distance=d, grad_ring=1,
+                        staging_ring=1, activations=policy, compute_dtype=self.request.compute_dtype)
+            sched = lower(opt.graph, plan)
+            m = cost.memory_breakdown(opt.graph, plan, self.hw, sched)
+            self.units[key] = (sched, replace(m, weight_slots=m.weight_slots // slots,
+                                              gradient_slots=m.gradient_slots // slots))
+        return self.units[key]
+
+    def gpu_fits(self, unit: cost.MemoryBreakdown, slots: int, cap: int | None = None) -> bool:
+        cap = self.hw.gpu_memory_bytes if cap is None else cap
+        return _scaled_memory(unit, slots, 1, 1).gpu_peak <= cap
+
+    def host_choices(self, unit: cost.MemoryBreakdown) -> list[tuple[int, int]]:
+        """(gradient ring, staging ring) pairs to try: the largest ring with each staging ring,
+        the second only if it allows a larger ring (a tile more of either only removes waits)."""
+        rings = [self.ring] if self.deferred else list(range(self.limits.max_grad_ring, 0, -1))
+        out: list[tuple[int, int]] = []
         for staging in (DEFAULT_STAGING_RING, 1):
-            m = _scaled_memory(base0, 1, ring, staging)
-            if m.host_total <= hw.host_memory_bytes and m.host_pinned <= hw.pinned_memory_cap_bytes:
-                host_choices.append((ring, staging))
-                break
+            for ring in rings:
+                if _host_fits(_scaled_memory(unit, 1, ring, staging), self.hw):
+                    out.append((ring, staging))
+                    break
+        if len(out) == 2 and (out[0][0] >= out[1][0] or not self.bf16):
+            out = out[:1]
+        return out
 
-    patterns: dict[_Knobs, _Pattern] = {}
+    def quick_bound(self, opt: _SizeOption, policy: tuple[ActivationPolicy, ...]) -> float:
+        key = (opt.size, policy)
+        if key not in self.quick:
+            self.quick[key] = _quick_bound(opt, self.times, policy, deferred=self.deferred, bf16=self.bf16,
+                                           duplex=self.hw.duplex)
+        return self.quick[key]
 
-    def pattern(k: _Knobs) -> _Pattern:
-        k = replace(k, staging_ring=1)  # no op reads the staging ring
-        if k not in patterns:
-            patterns[k] = _pattern(request.graph, k)
-        return patterns[k]
+    # -- depths ------------------------------------------------------------------------------------
+    def floor_depth(self, opt: _SizeOption, family: _Family, slots: int, cap: int | None = None) -> int | None:
+        """The least depth whose floor fits: no shallower policy of ``family`` can fit.
 
-    chosen: dict[tuple, frozenset[int]] = {}
-    candidates: list[_Candidate] = []
-    seen: set[tuple] = set()
+        Floor: when the first local backward starts, every kept checkpoint of every micro-batch is
+        alive (its readers' local backwards are still to come) beside that op's working memory,
+        and no compute op runs with less than its own working memory.
+        """
+        key = (opt.size, family)
+        if key not in self.removed:
+            self.removed[key] = family.removed(self.eligible, opt.checkpoints)
+        removed = self.removed[key]
+        layers = opt.graph.layers
+        work = max(layer.work_bytes for layer in layers)
+        total = sum(opt.checkpoints[p] for p in self.eligible)
+        _, keep = self.unit(opt, (), 0)
+        room = (self.hw.gpu_memory_bytes if cap is None else cap) - _scaled_memory(keep, slots, 1, 1).gpu_fixed
+        if work > room:
+            return None
+        for depth, gone in enumerate(removed):
+            if opt.micro_batches * (total - gone) + layers[-1].work_bytes <= room:
+                return depth
+        return None
 
-    def add(opt: _SizeOption, k: _Knobs) -> None:
-        if (opt.size, k) in seen:
+    def host_depth(self, opt: _SizeOption, family: _Family) -> int:
+        """The deepest depth of ``family`` whose offloaded checkpoints fit in host and pinned memory
+        beside the smallest rings: ``cost.memory_breakdown`` keeps every micro-batch's offloaded
+        checkpoints in pinned memory (``M x`` their bytes), and nothing else on the host depends on
+        the activation policy. A bound to search within; candidates are checked exactly."""
+        top = len(self.eligible)
+        if family.stored is not OFFLOAD:
+            return top
+        _, keep = self.unit(opt, (), 0)
+        base = _scaled_memory(keep, 1, self.ring if self.deferred else 1, 1)
+        room = min(self.hw.host_memory_bytes - base.host_total, self.hw.pinned_memory_cap_bytes - base.host_pinned)
+        moved = family.offloaded(self.eligible, opt.checkpoints)
+        return max((j for j in range(top + 1) if opt.micro_batches * moved[j] <= room), default=-1)
+
+    def least_depth(self, opt: _SizeOption, family: _Family, distance: int, slots: int,
+                    cap: int | None = None) -> int | None:
+        """The least depth of ``family`` whose exact GPU memory fits with ``slots`` slots in ``cap``
+        bytes (default: the GPU's)."""
+        key = (opt.size, family, distance, slots, cap)
+        if key in self.depths:
+            return self.depths[key]
+        top = self.host_depth(opt, family) if cap is None else len(self.eligible)
+
+        def fits(depth: int) -> bool:
+            policy = family.policy(self.eligible, self.n, depth)
+            return self.gpu_fits(self.unit(opt, policy, distance)[1], slots, cap)
+
+        found = None
+        lo = self.floor_depth(opt, family, slots, cap)
+        if lo is not None and lo <= top:
+            if fits(lo):
+                found = lo
+            else:  # gallop up from the floor, then bisect
+                step, hi = 1, None
+                while lo < top:
+                    probe = min(top, lo + step)
+                    if fits(probe):
+                        hi = probe
+                        break
+                    lo, step = probe, step * 2
+                if hi is not None:
+                    while hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+                    found = hi
+        self.depths[key] = found
+        return found
+
+    # -- the queue ---------------------------------------------------------------------------------
+    def push(self, bound: float, level: int, order: tuple, item) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (bound, level, order, self.seq, item))
+
+    def order(self, opt: _SizeOption, policy: tuple, distance: int, ring: int, staging: int, slots: int,
+              resident: int = 0) -> tuple:
+        # Ties: fewer micro-batches (fewer ops, less latency), fewer checkpoints moved or
+        # recomputed, more overlap, larger rings, fewer slots, more residents.
+        changed = sum(a is not KEEP for a in policy)
+        return (opt.micro_batches, changed, -distance, -ring, -staging, slots, -resident)
+
+    def add_candidate(self, c: _Candidate) -> None:
+        _, unit = self.unit(c.option, c.policy, c.distance)
+        mem = _scaled_memory(unit, c.slots + len(c.resident or ()), c.grad_ring, c.staging_ring)
+        if not _fits(mem, self.hw):
             return
-        mem = _scaled_memory(opt.base, k.slots + len(k.resident), k.grad_ring, k.staging_ring)
-        if not _fits(mem, hw):
+        key = (c.option.size, c.policy, c.slots, c.distance, c.grad_ring, c.staging_ring, c.resident)
+        if key in self.seen:
             return
-        seen.add((opt.size, k))
-        lb = _lower_bound(pattern(k), opt, times, hw.duplex)
-        # Ties: fewer ops (cheaper to simulate, less latency), more overlap, fewer bytes.
-        key = (lb, opt.micro_batches, -k.prefetch_distance, -k.grad_ring, k.slots, -len(k.resident))
-        candidates.append(_Candidate(key, opt, k, lb, mem))
+        self.seen.add(key)
+        self.candidates += 1
+        self.push(self.quick_bound(c.option, c.policy), _REFINE,
+                  self.order(c.option, c.policy, c.distance, c.grad_ring, c.staging_ring, c.slots), c)
 
-    for opt in options:
-        slot_bytes = opt.base.weight_slots + opt.base.gradient_slots
-        for slots, distance in _knob_grid(limits):
-            fixed = _scaled_memory(opt.base, slots, 1, 1).gpu_peak
-            if fixed > hw.gpu_memory_bytes:
+    def add_knobs(self, opt: _SizeOption, policy: tuple, distance: int, slots: int) -> None:
+        _, unit = self.unit(opt, policy, distance)
+        for ring, staging in self.host_choices(unit):
+            self.add_candidate(_Candidate(opt, policy, slots, distance, ring, staging))
+
+    def start(self, sizes: Sequence[int]) -> None:
+        """A group per micro-batch size, and the default plan's knobs."""
+        for size in sizes:
+            opt = self.option(size)
+            self.push(self.quick_bound(opt, ()), _EXPAND, self.order(opt, (), 0, 0, 0, 0), _Group(opt))
+        # The default plan's knobs: the solver never does worse than Plan() where Plan() fits.
+        default = Plan()
+        G = self.request.global_batch
+        if (G in sizes and default.slots <= self.limits.max_slots
+                and (self.deferred or default.grad_ring <= self.limits.max_grad_ring)):
+            ring = self.ring if self.deferred else default.grad_ring
+            self.add_candidate(_Candidate(self.option(G), (), default.slots, default.prefetch_distance, ring,
+                                          default.staging_ring, frozenset()))
+
+    def expand(self, group: _Group) -> None:
+        opt = group.option
+        if group.family is not None:
+            for slots in group.slots:
+                depth = self.least_depth(opt, group.family, group.distance, slots)
+                if depth is None:
+                    break  # more slots leave less room for checkpoints
+                self.add_knobs(opt, group.family.policy(self.eligible, self.n, depth), group.distance, slots)
+            return
+        _, keep = self.unit(opt, (), 0)
+        max_slots = self.limits.max_slots
+        for distance in range(max_slots):
+            short = []  # slot counts at this distance where every checkpoint kept does not fit
+            for slots in range(distance + 1, max_slots + 1):
+                if self.gpu_fits(keep, slots):
+                    self.add_knobs(opt, (), distance, slots)
+                else:
+                    short.append(slots)
+            if not short or not self.eligible:
                 continue
-            spare = hw.gpu_memory_bytes - fixed
-            # Every resident layer costs one more slot sized for the largest layer, so the spare
-            # memory in slots decides the knapsack's answer.
-            room = min(spare // slot_bytes, n) if slot_bytes else n
-            key = (slots, distance, room)
-            if key not in chosen:
-                p0 = pattern(_Knobs(slots, distance, 1, 1))
-                saved = [(c - 1) * times.h2d[i] for i, c in enumerate(p0.copies(n))]
-                chosen[key] = knapsack(saved, [slot_bytes] * n, room * slot_bytes)
-            resident = chosen[key]
-            for ring, staging in host_choices:
-                add(opt, _Knobs(slots, distance, ring, staging, resident))
-    # The default plan's knobs: the solver never does worse than Plan() where Plan() fits.
-    default = Plan()
-    for opt in options:
-        if (opt.micro_batches == 1 and default.slots <= limits.max_slots
-                and default.grad_ring <= limits.max_grad_ring):
-            add(opt, _Knobs(default.slots, default.prefetch_distance, default.grad_ring, default.staging_ring))
+            for family in self.families:
+                depth = self.floor_depth(opt, family, short[0])
+                if depth is None or depth > self.host_depth(opt, family):
+                    continue
+                policy = family.policy(self.eligible, self.n, depth)
+                self.push(self.quick_bound(opt, policy), _EXPAND, self.order(opt, policy, distance, 0, 0, short[0]),
+                          _Group(opt, family, distance, tuple(short)))
 
-    if not candidates:  # every size's fixed memory passed minimum_requirements, so this is a bug
-        raise _infeasible(request, need)
-    candidates.sort()
+    def knobs(self, c: _Candidate) -> _Knobs:
+        k = _Knobs(c.slots, c.distance, c.grad_ring, c.staging_ring, frozenset(), c.policy)
+        if c.resident is not None:
+            return replace(k, resident=c.resident)
+        _, unit = self.unit(c.option, c.policy, c.distance)
+        slot_bytes = unit.weight_slots + unit.gradient_slots
+        spare = self.hw.gpu_memory_bytes - _scaled_memory(unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
+        # Every resident layer costs one more slot sized for the largest layer, so the spare memory
+        # in slots decides the knapsack's answer.
+        room = min(spare // slot_bytes, self.n) if slot_bytes else self.n
+        key = (c.policy, c.slots, c.distance, room)
+        if key not in self.residents:
+            copies = self.pattern(k).copies(self.n)
+            saved = [(x - 1) * self.times.h2d[i] for i, x in enumerate(copies)]
+            self.residents[key] = self.knapsack(saved, [slot_bytes] * self.n, room * slot_bytes)
+        return replace(k, resident=self.residents[key])
 
-    best: tuple[float, _Candidate, Schedule, Timeline] | None = None
-    simulated = 0
-    bound = math.inf
-    for c in candidates:
-        # 1e-9: the bound and the simulator add the same durations in different orders.
-        if best is not None and c.bound >= best[0] * (1.0 - max(limits.rtol, 1e-9)):
-            bound = c.bound
-            break
-        if simulated >= limits.max_simulations:
-            bound = c.bound
-            break
-        plan = _plan(request, c.option.size, c.knobs)
-        sched = lower(c.option.graph, plan)
-        tl = simulate(sched, c.option.graph, hw)
-        simulated += 1
-        if best is None or tl.step_time_s < best[0]:
-            best = (tl.step_time_s, c, sched, tl)
-    assert best is not None
-    _, c, sched, tl = best
-    plan = sched.plan
-    mem = cost.memory_breakdown(c.option.graph, plan, hw, sched)
-    if mem != c.memory or not _fits(mem, hw):
-        raise PlanError(f"internal: the solver predicted {c.memory} for {plan} but the cost model gives {mem}; "
-                        "cost.memory_breakdown's slot and ring terms are no longer count x per-unit bytes "
-                        "(update megatrain.planner.solve._scaled_memory)")
-    return Solution(plan=plan, micro_batch_size=c.option.size, graph=c.option.graph, schedule=sched,
-                    timeline=tl, memory=mem, method=method, candidates=len(candidates), simulated=simulated,
-                    bound_s=bound, solve_time_s=time.perf_counter() - t_start)
+    def pattern(self, k: _Knobs) -> _Pattern:
+        if k not in self.patterns:
+            self.patterns[k] = _pattern(self.request.graph, _plan(self.request, self.request.global_batch, k))
+        return self.patterns[k]
+
+    # -- run ---------------------------------------------------------------------------------------
+    def requirements(self) -> Requirements:
+        """Minimum memory at the smallest micro-batch size (see :class:`Requirements`)."""
+        size = min(self.request.micro_batch_sizes())
+        opt = self.option(size)
+        ring = self.ring if self.deferred else 1
+        top = len(self.eligible)
+        options = [("keep", ())] + [(f.name, f.policy(self.eligible, self.n, top)) for f in self.families]
+        rows = []
+        for i, (name, policy) in enumerate(options):
+            sched, unit = self.unit(opt, policy, 0)
+            mem = _scaled_memory(unit, 1, ring, 1)
+            rows.append(((mem.gpu_peak, mem.host_total, i), name, sched, mem))
+        (_, _, i), name, sched, mem = min(rows, key=lambda row: row[0])
+        if i > 0:  # the shallowest depth of that family with the same peak offloads the least
+            family = self.families[i - 1]
+            depth = self.least_depth(opt, family, 0, 1, cap=mem.gpu_peak)
+            if depth is not None:
+                sched, unit = self.unit(opt, family.policy(self.eligible, self.n, depth), 0)
+                mem = _scaled_memory(unit, 1, ring, 1)
+        keep = rows[0][3]
+        g = opt.graph
+        largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))
+        peak = g.layers[_peak_op_layer(sched, g)]
+        slot = mem.gpu_fixed > self.hw.gpu_memory_bytes
+        return Requirements(gpu_memory_bytes=mem.gpu_peak, host_memory_bytes=mem.host_total,
+                            pinned_memory_bytes=mem.host_pinned, host_floor_bytes=keep.host_total,
+                            pinned_floor_bytes=keep.host_pinned, micro_batch_size=size, activations=name,
+                            memory=mem, largest_layer=largest.name, peak_layer=peak.name,
+                            peak_layer_work_bytes=peak.work_bytes, obstacle=largest.name if slot else peak.name,
+                            obstacle_is_slot=slot)
+
+    def run(self, method: str) -> Solution:
+        t_start = time.perf_counter()
+        hw, limits, request = self.hw, self.limits, self.request
+        sizes = request.micro_batch_sizes()
+        # Fail fast without a lowering per family: the host needs at least what every checkpoint
+        # kept needs, and the GPU at least the floor of the deepest policy of some family.
+        small = self.option(sizes[-1])
+        _, keep = self.unit(small, (), 0)
+        if (not _host_fits(_scaled_memory(keep, 1, self.ring if self.deferred else 1, 1), hw)
+                or (not self.gpu_fits(keep, 1)
+                    and all(self.floor_depth(small, f, 1) is None for f in self.families))):
+            raise _infeasible(request, self.requirements())
+        self.start(sizes)
+        best: tuple[float, _SizeOption, Schedule, Timeline] | None = None
+        simulated = 0
+        bound = math.inf
+        while self.queue:
+            key, level, _, _, item = self.queue[0]
+            # 1e-9: the bounds and the simulator add the same durations in different orders.
+            if best is not None and key >= best[0] * (1.0 - max(limits.rtol, 1e-9)):
+                bound = key
+                break
+            if level == _SIMULATE and simulated >= limits.max_simulations:
+                bound = key
+                break
+            heapq.heappop(self.queue)
+            if level == _EXPAND:
+                self.expand(item)
+            elif level == _REFINE:
+                k = self.knobs(item)
+                if (item.option.size, k) in self.seen:
+                    continue
+                self.seen.add((item.option.size, k))
+                lb = _lower_bound(self.pattern(k), item.option, self.times, hw.duplex)
+                self.push(max(key, lb), _SIMULATE, self.order(item.option, k.activations, k.prefetch_distance,
+                                                              k.grad_ring, k.staging_ring, k.slots,
+                                                              len(k.resident)), (item.option, k))
+            else:
+                opt, k = item
+                plan = _plan(request, opt.size, k)
+                sched = lower(opt.graph, plan, carries_updates=self.deferred)
+                tl = simulate(sched, opt.graph, hw)
+                simulated += 1
+                if best is None or tl.step_time_s < best[0]:
+                    best = (tl.step_time_s, opt, sched, tl)
+        if best is None:
+            raise _infeasible(request, self.requirements())
+        _, opt, sched, tl = best
+        plan = sched.plan
+        _, unit = self.unit(opt, plan.activations, plan.prefetch_distance)
+        predicted = _scaled_memory(unit, cost.weight_slot_count(plan), plan.grad_ring, plan.staging_ring)
+        mem = cost.memory_breakdown(opt.graph, plan, hw, sched)
+        if mem != predicted or not _fits(mem, hw):
+            raise PlanError(f"internal: the solver predicted {predicted} for {plan} but the cost model gives {mem}; "
+                            "cost.memory_breakdown's slot and ring terms are no longer count x per-unit bytes, or "
+                            "its activation terms depend on more than the policy and prefetch distance (update "
+                            "megatrain.planner.solve._scaled_memory)")
+        verify(sched, opt.graph, hw)
+        return Solution(plan=plan, micro_batch_size=opt.size, graph=opt.graph, schedule=sched, timeline=tl,
+                        memory=mem, method=method, candidates=self.candidates, simulated=simulated,
+                        bound_s=bound, solve_time_s=time.perf_counter() - t_start)
 
 
 # -- public solvers --------------------------------------------------------------------------------
@@ -739,7 +1246,7 @@ def solve_enumerate(request: SolveRequest) -> Solution:
         InfeasibleRequestError (a PlanError): no plan fits; the message gives the smallest GPU and
             host memory that would work and the layer that is the obstacle.
     """
-    return _search(request, greedy_knapsack, "enumerate")
+    return _Search(request, greedy_knapsack).run("enumerate")
 
 
 def solve_milp(request: SolveRequest) -> Solution:
@@ -748,7 +1255,7 @@ def solve_milp(request: SolveRequest) -> Solution:
     Raises:
         InfeasibleRequestError (a PlanError): as :func:`solve_enumerate`.
     """
-    return _search(request, milp_knapsack, "milp")
+    return _Search(request, milp_knapsack).run("milp")
 
 
 SOLVERS: dict[str, Callable[[SolveRequest], Solution]] = {"milp": solve_milp, "enumerate": solve_enumerate}
