@@ -248,7 +248,9 @@ def test_verifier_catches_a_weight_copy_before_the_deferred_update():
     g = chain_graph(4)
     plan = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4)
     s = lower(g, plan, "train", carries_updates=True)
-    assert [op.kind for op in s.ops[:4]] == [OpKind.OPT] * 4
+    for layer in range(4):  # each deferred update sits right before its layer's first weight copy
+        first_copy = _find(s, OpKind.H2D, layer)
+        assert s.ops[first_copy - 1] == Op(OpKind.OPT, layer, ring=layer) and first_copy - 1 in s.ops[first_copy].deps
     h = _find(s, OpKind.H2D, 2)
     bad = _drop_dep(s, h, _find(s, OpKind.OPT, 2))
     with pytest.raises(ScheduleError, match=r"rule 'coverage'.*before the deferred update"):

@@ -248,13 +248,14 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
     ops = schedule.ops
     n = len(ops)
     alloc, free, work = [0] * n, [0] * n, [0] * n
-    compute = [i for i, op in enumerate(ops) if op.stream is Stream.COMPUTE]
+    on_gpu = [op.kind in COMPUTE_KINDS for op in ops]  # the compute stream's ops, computed once
+    compute = [i for i in range(n) if on_gpu[i]]
     after = [len(ops)] * (n + 1)  # after[i]: first compute op at or after i
     for i in range(n - 1, -1, -1):
-        after[i] = i if ops[i].stream is Stream.COMPUTE else after[i + 1]
+        after[i] = i if on_gpu[i] else after[i + 1]
     before = [-1] * n  # before[i]: last compute op before i
     for i in range(1, n):
-        before[i] = i - 1 if ops[i - 1].stream is Stream.COMPUTE else before[i - 1]
+        before[i] = i - 1 if on_gpu[i - 1] else before[i - 1]
     waiters: dict[int, int] = {}  # non-compute op -> first compute op that lists it as a dependency
     bwd: dict[tuple[int, int], int] = {}
     read = {vid for vid, v in enumerate(graph.values) if v.consumers}
@@ -267,10 +268,10 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
                 gens.append(g)
     for i, op in enumerate(ops):
         layer = graph.layers[op.layer]
-        if op.stream is Stream.COMPUTE:
+        if on_gpu[i]:
             work[i] = working_bytes(layer, op.kind)
             for d in op.deps:
-                if ops[d].stream is not Stream.COMPUTE:
+                if not on_gpu[d]:
                     waiters.setdefault(d, i)
         if op.kind is OpKind.BWD:
             bwd[(op.layer, op.mb)] = i
@@ -283,7 +284,7 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
                     current[(vid, op.mb)].offloads.append(i)
         if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
             if op.kind is OpKind.RELOAD:
-                waits = [d for d in op.deps if ops[d].stream is Stream.COMPUTE]
+                waits = [d for d in op.deps if on_gpu[d]]
                 start = after[max(waits) + 1] if waits else -1
             else:
                 start = i

@@ -28,9 +28,9 @@ Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` d
 - Gradients leave a slot by D2H into a host gradient tile. With the optimizer placed
   DURING_BACKWARD the tiles form a ring and the layer's OPT reads its tile as soon as it lands.
   With NEXT_FORWARD (global-norm clipping needs every gradient first) each trainable layer has a
-  tile of its own, and the OPTs run at the start of the next step's schedule, each before its
-  layer's first weight copy, so the host optimizer overlaps that step's forward
-  (``Schedule.carries_updates``); an ``"update"`` schedule runs only those OPTs.
+  tile of its own, and the OPTs run in the next step's schedule, each on the host stream just
+  before its layer's first weight copy (and CAST), so the host optimizer overlaps that step's
+  forward (``Schedule.carries_updates``); an ``"update"`` schedule runs only those OPTs.
 """
 
 from __future__ import annotations
@@ -152,9 +152,6 @@ class _Lowering:
 
     def run(self) -> Schedule:
         plan, g = self.plan, self.g
-        if self.carries:
-            for layer, r in self.tiles.items():
-                self.opt_at_start[layer] = self.emit(Op(OpKind.OPT, layer, ring=r))
         gates = self._offload_gates()
         self.emit_loads(plan.prefetch_distance)
         for i, v in enumerate(self.visits):
@@ -222,6 +219,10 @@ class _Lowering:
                 window = j - plan.prefetch_distance - 1
                 if window >= 0:
                     deps.update(visits[window].ops)
+                if self.carries and v.layer in self.tiles and v.layer not in self.opt_at_start:
+                    # The deferred update goes on the host stream just before the layer's first load
+                    # (and its CAST), so each copy waits for its own layer's update, not for all.
+                    self.opt_at_start[v.layer] = self.emit(Op(OpKind.OPT, v.layer, ring=self.tiles[v.layer]))
                 if v.layer in self.opt_at_start:
                     deps.add(self.opt_at_start[v.layer])  # read the updated master weights
                 cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" else None
