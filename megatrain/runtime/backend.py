@@ -1,26 +1,38 @@
 """Backends: where the executor's ops run, and how streams and events map onto the machine.
 
-The executor walks a Schedule and hands each op to ``Backend.launch`` with the events of its
+The executor walks a Schedule and hands each op to ``Backend.launch`` with the handles of its
 dependencies on other streams; a backend decides nothing about order. ``CPUBackend`` runs each op
 at once on the calling thread (the "device" is the CPU, slots are ordinary tensors, events are
-unnecessary); a CUDA backend implements the same interface with one CUDA stream per
-:class:`~megatrain.planner.schedule.Stream`, a CUDA event per launched op, and a host worker
-thread for the optimizer stream.
+unnecessary). :class:`megatrain.runtime.cuda.CUDABackend` implements the same interface with one
+CUDA stream per :class:`~megatrain.planner.schedule.Stream`, a CUDA event per launched op, and a
+host worker thread for the optimizer stream.
+
+A *run* is everything launched between two ``synchronize()`` calls; the executor runs one
+schedule per run and launches its ops in list order, so the k-th launch of a run is op k of the
+schedule. With ``record`` on, a backend times every op of a run, and after ``synchronize()``
+``timeline(schedule, graph, hw)`` returns the run as the same :class:`Timeline` the simulator
+predicts (``source="measured"``), so predicted and measured steps compare field by field.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from megatrain.planner.schedule import Stream
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.schedule import Schedule, Stream
+from megatrain.planner.timeline import Timeline
 
 
 class Backend(Protocol):
     """What the executor needs from a machine."""
 
     device: torch.device
+    record: bool  # time every op of the next run (read at a run's first launch)
 
     def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised memory on the compute device (weight slots, gradient slots)."""
@@ -28,17 +40,82 @@ class Backend(Protocol):
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised host memory that the copy engines read and write (pinned on CUDA)."""
 
-    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any]) -> Any:
-        """Run ``fn`` on ``stream`` after the events in ``wait_for``; return this op's event."""
+    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "") -> Any:
+        """Run ``fn`` on ``stream`` after the ops whose handles are in ``wait_for``; return this op's handle.
+
+        ``label`` names the op in errors and is checked against the schedule by ``timeline``
+        (pass ``repr(op)``). A ``None`` in ``wait_for`` stands for an op already complete.
+        """
 
     def synchronize(self) -> None:
-        """Block until everything launched has finished."""
+        """Block until everything launched has finished; this ends the run."""
+
+    def timeline(self, schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
+        """The last finished run, measured, as a Timeline (needs ``record`` on during the run)."""
 
 
-class CPUBackend:
-    """Runs every op immediately on the calling thread. Streams and events are no-ops."""
+@dataclass(frozen=True, slots=True)
+class OpTiming:
+    """When one launched op ran, in seconds on one clock per run (any origin)."""
+
+    index: int
+    stream: Stream
+    label: str
+    start_s: float
+    end_s: float
+
+
+class _Recording:
+    """What both backends share: counting a run's launches and turning its timings into a Timeline."""
+
+    record: bool = False
+    _last: tuple[OpTiming, ...] = ()
+    _last_recorded: bool = False
+
+    @property
+    def last_records(self) -> tuple[OpTiming, ...]:
+        """The timed ops of the last finished run, in launch order (empty when it was not recorded)."""
+        return self._last
+
+    def timeline(self, schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
+        """The last finished run as a measured Timeline of ``schedule``.
+
+        Raises:
+            ValueError: the run was not recorded, or it is not a run of ``schedule`` (another
+                number of ops, or an op whose label is not the schedule's op at that index).
+        """
+        if not self._last_recorded:
+            raise ValueError(f"{type(self).__name__} did not record the last run: set backend.record = True "
+                             "before the step (it is read at the run's first launch), then call timeline() "
+                             "after it")
+        recs = self._last
+        ops = schedule.ops
+        if len(recs) != len(ops):
+            raise ValueError(f"the last run launched {len(recs)} ops, but the schedule has {len(ops)}: pass "
+                             "the schedule that ran (train and eval schedules differ)")
+        for r in recs:
+            if r.label and r.label != repr(ops[r.index]):
+                raise ValueError(f"launch #{r.index} was labelled {r.label!r}, but op #{r.index} of the schedule "
+                                 f"is {ops[r.index]!r}: pass the schedule that ran")
+        return Timeline.from_records(schedule, graph, [(r.index, r.stream, r.start_s, r.end_s) for r in recs],
+                                     hw, source="measured")
+
+
+class CPUBackend(_Recording):
+    """Runs every op immediately on the calling thread. Streams and events are no-ops.
+
+    With ``record`` on, each op is timed with ``time.perf_counter`` around ``fn``; ops never
+    overlap, so the measured Timeline shows the serial CPU step (useful on CI and as the
+    reference the CUDA timeline's shape is compared with).
+    """
 
     device = torch.device("cpu")
+
+    def __init__(self, record: bool = False):
+        self.record = record
+        self._index = 0
+        self._run_records: bool | None = None  # None: no run open
+        self._pending: list[OpTiming] = []
 
     def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -46,23 +123,44 @@ class CPUBackend:
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any]) -> None:
+    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "") -> None:
+        if self._run_records is None:
+            self._run_records = self.record
+        index = self._index
+        self._index += 1
+        if not self._run_records:
+            fn()
+            return None
+        t0 = time.perf_counter()
         fn()
+        self._pending.append(OpTiming(index, stream, label, t0, time.perf_counter()))
         return None
 
     def synchronize(self) -> None:
-        return None
+        self._last, self._last_recorded = tuple(self._pending), bool(self._run_records)
+        self._pending = []
+        self._index = 0
+        self._run_records = None
 
 
-def make_backend(device: str) -> Backend:
-    """The backend for ``device`` ("cpu" or "cuda"). Raises ConfigError for what is not available."""
+def make_backend(device: str, record: bool = False) -> Backend:
+    """The backend for ``device`` ("cpu" or "cuda"). Raises ConfigError for what is not available.
+
+    ``record`` turns on per-op timing (see ``Backend.timeline``). Nothing CUDA is created here:
+    the CUDA backend makes its streams, events and worker thread at the first launch.
+    """
     from megatrain.errors import ConfigError
 
     if device == "cpu":
-        return CPUBackend()
+        return CPUBackend(record=record)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for, but torch.cuda.is_available() is False: "
                               "install a CUDA build of torch or use device='cpu'")
-        raise ConfigError("the CUDA backend is not implemented yet; use device='cpu'")
+        from megatrain.runtime.cuda import CUDABackend
+
+        return CUDABackend(record=record)
     raise ConfigError(f"device={device!r}: use 'cpu' or 'cuda'")
+
+
+__all__ = ["Backend", "CPUBackend", "OpTiming", "make_backend"]

@@ -172,7 +172,7 @@ class Executor:
                 fn = self._cast(op, bufs)
             else:  # pragma: no cover - OpKind is closed
                 raise AssertionError(k)
-            events[i] = self.backend.launch(op.stream, fn, waits)
+            events[i] = self.backend.launch(op.stream, fn, waits, label=repr(op))
             for key in last_read.get(i, ()):
                 acts.pop(key, None)
             if k is OpKind.BWD:
@@ -216,8 +216,10 @@ class Executor:
         loss_id = self.graph.loss
 
         def run() -> None:
+            ins = [acts[(v, mb)] for v in layer.inputs]
+            _read_here(ins)
             with torch.no_grad(), self._precision(compute_dtype):
-                outs = tmpl(*self._bind(li, slot[:layer.numel]), *bufs, *[acts[(v, mb)] for v in layer.inputs])
+                outs = tmpl(*self._bind(li, slot[:layer.numel]), *bufs, *ins)
             for vid, t in zip(layer.outputs, outs):
                 if vid == loss_id:
                     loss_tensors[mb] = t.detach()
@@ -239,6 +241,7 @@ class Executor:
                 diff = []
                 for vid in layer.inputs:
                     x = acts[(vid, mb)]
+                    _read_here((x,))
                     if g.values[vid].requires_grad:
                         x = x.detach().requires_grad_(True)
                         diff.append((vid, x))
@@ -317,6 +320,7 @@ class Executor:
         def run() -> None:
             for key in keys:
                 src = acts[key]
+                _read_here((src,))
                 dst = self._host_acts.get(key)
                 if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
                     dst = self._host_acts[key] = self.backend.host_empty(tuple(src.shape), src.dtype)
@@ -331,6 +335,16 @@ class Executor:
             for key in keys:
                 acts[key] = self._host_acts[key].to(dev, non_blocking=True, copy=True)
         return run
+
+
+def _read_here(tensors) -> None:
+    """Tell the CUDA caching allocator that ``tensors`` are used on the current stream, so that
+    memory made on one stream and freed after a read on another (a checkpoint offloaded by the D2H
+    stream, one reloaded by the H2D stream and read by compute) is not reused before that read
+    ends (``Tensor.record_stream``). Nothing to do for CPU tensors."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor):

@@ -1,0 +1,590 @@
+"""The CUDA backend: a schedule's streams as CUDA streams, its cross-stream edges as CUDA events,
+and the host optimizer stream as one worker thread.
+
+Streams. ``Stream.COMPUTE``, ``Stream.H2D`` and ``Stream.D2H`` each map to one
+``torch.cuda.Stream``, created at the first op launched on it (nothing CUDA happens at import or
+construction: STYLE.md item 8). A CUDA stream is an in-order queue, so an op needs no event for a
+dependency on its own stream; the backend drops such waits even when asked.
+
+Events. After every op the backend records a ``torch.cuda.Event`` on the op's stream
+(``event.record(stream)``); that event is the op's handle. An op on another GPU stream that
+depends on it calls ``stream.wait_event(event)`` before its kernels are enqueued, under the
+``torch.cuda.stream(stream)`` context, so the wait is on the GPU and the issuing thread runs on.
+Each cross-stream dependency the executor passes is waited on exactly once.
+
+The host worker. ``Stream.HOST`` (AdamW on the FP32 master tiles) runs on one thread fed by an
+in-order queue, so host ops run in schedule order, overlapped with the GPU and with the issuing
+thread. A host op that depends on GPU ops (the D2H copy of its gradients) calls
+``event.synchronize()`` *in the worker*, so the issuing thread never stalls for it. Its handle is
+a future-like :class:`HostOp`.
+
+Why a GPU op waits on the thread for a host dependency. A CUDA stream can wait on a CUDA event,
+but not on a host thread: there is no event the host optimizer could record that a stream would
+honour, and enqueuing the op early would let the GPU read the tile (the master weights an H2D
+copies, the gradient tile a D2H overwrites) while the worker still writes it. So ``launch`` blocks
+the issuing thread on the host op's handle before it enqueues a GPU op that depends on it. The
+schedule places such edges where the wait is short (the ring of gradient tiles is deep enough).
+A host op's ``fn`` must therefore be host-synchronous work: it must not enqueue CUDA work that a
+later GPU op relies on.
+
+Run entry. Work the caller enqueued on its current stream before a run's first launch (the
+executor's non-blocking copies of the batch to the GPU) must finish before the run's ops read it:
+the first op on each GPU stream in a run waits on one event recorded on the caller's stream at the
+run's first launch.
+
+Memory. ``host_empty`` allocates pinned memory with ``torch.empty(..., pin_memory=True)``: torch's
+pinned allocator takes each block from ``cudaHostAlloc`` whole (its caching host allocator does not
+split blocks), and ``cudaHostAlloc`` returns page-aligned memory, so each layer's ``[3, numel]``
+host block is one contiguous, page-aligned, page-locked region that one DMA moves. ``device_empty``
+allocates the persistent slots once on the device. Tensors an op allocates inside ``fn`` belong to
+its stream in the caching allocator; the executor frees activations on the issuing thread while
+the GPU may still read them, which is safe because the allocator reuses a block only for later
+work on the same stream. A tensor made on one stream and read on another would need
+``Tensor.record_stream``; no current op does that.
+
+Errors. An exception in a host op is kept by the worker; the worker skips the host ops queued
+after it (their inputs may depend on the failed update), and ``synchronize()`` drains everything
+and raises :class:`HostOpError` naming the op, chained to the original exception. A GPU op whose
+host dependency failed raises the same error from ``launch``. ``close()`` stops the worker; an
+``atexit`` hook stops and joins any worker still alive when the interpreter exits.
+
+Timing (``record``). Each GPU op is bracketed by two ``torch.cuda.Event(enable_timing=True)``
+(start recorded before its kernels, end after); host ops are timed with ``time.perf_counter`` in
+the worker. The two clocks meet at the run's entry event: it is synchronized once (the streams
+are idle then, since the previous run ended with ``synchronize()``) and the host time read just
+after it is its time. ``Event.elapsed_time`` turns the GPU events into seconds after the entry.
+
+The adapter. Every CUDA call goes through one small object (:class:`TorchCuda`), so tests run the
+same backend logic on CPU tensors with :class:`FakeCuda`, whose streams run work at once and whose
+events keep the bookkeeping: which stream waited on which event, that every event waited on was
+recorded first, that no stream waits on its own events, and that host dependencies never reach
+``wait_event``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
+
+import torch
+
+from megatrain.errors import MegatrainError
+from megatrain.planner.schedule import Stream
+from megatrain.runtime.backend import OpTiming, _Recording
+
+GPU_STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.D2H)
+
+
+class HostOpError(MegatrainError, RuntimeError):
+    """An op on the host stream raised; the message names the op, ``__cause__`` is its exception."""
+
+
+# -- the adapter ------------------------------------------------------------------------------------
+
+class CudaApi(Protocol):
+    """The CUDA calls the backend makes, in one place so that a fake can stand in on CPU."""
+
+    device: torch.device
+
+    def stream(self) -> Any:
+        """A new stream."""
+
+    def current_stream(self) -> Any:
+        """The calling thread's current stream."""
+
+    def use_stream(self, stream: Any) -> ContextManager[Any]:
+        """Make ``stream`` current for the work enqueued inside the ``with`` block."""
+
+    def event(self, timing: bool) -> Any:
+        """A new event; ``timing`` makes it usable with ``elapsed_s``."""
+
+    def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream`` (it completes when the stream's work before it has)."""
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream``'s later work wait for ``event`` (on the GPU, not the calling thread)."""
+
+    def event_synchronize(self, event: Any) -> None:
+        """Block the calling thread until ``event`` completed."""
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` (both recorded with timing, both complete)."""
+
+    def host_time(self, event: Any) -> float:
+        """Block until ``event`` completed; the ``time.perf_counter`` value that matches it."""
+
+    def synchronize(self) -> None:
+        """Block until all work on the device finished."""
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised device memory."""
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised page-locked host memory."""
+
+
+class TorchCuda:
+    """The real adapter: ``torch.cuda``. Constructing it touches no CUDA state."""
+
+    device = torch.device("cuda")  # a name, not a context: torch.device does not initialise CUDA
+
+    def stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream()
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+    def use_stream(self, stream: torch.cuda.Stream) -> ContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def event(self, timing: bool) -> torch.cuda.Event:
+        # Events without timing are cheaper to record and wait on (cudaEventDisableTiming).
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def event_synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def elapsed_s(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+
+    def host_time(self, event: torch.cuda.Event) -> float:
+        event.synchronize()
+        return time.perf_counter()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+# -- op handles -------------------------------------------------------------------------------------
+
+@dataclass(eq=False, slots=True)
+class GpuOp:
+    """Handle of an op launched on a GPU stream: ``event`` is recorded right after its work."""
+
+    index: int
+    stream: Stream
+    label: str
+    event: Any
+    start: Any = None  # the timing event recorded before its work, when recording
+
+
+@dataclass(eq=False, slots=True)
+class HostOp:
+    """Future-like handle of an op on the host worker."""
+
+    index: int
+    label: str
+    _done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    skipped_after: "HostOp | None" = None  # not run, because this earlier host op failed
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+    stream = Stream.HOST
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Block until the op finished; raise HostOpError if it (or a host op before it) failed."""
+        self._done.wait()
+        if self.error is not None:
+            raise _host_error(self) from self.error
+
+
+def _name(op: GpuOp | HostOp) -> str:
+    return repr(op.label) if op.label else f"#{op.index}"
+
+
+def _host_error(op: HostOp) -> HostOpError:
+    e = op.error
+    if op.skipped_after is not None:
+        return HostOpError(f"host op {_name(op)} was not run because host op {_name(op.skipped_after)} "
+                           f"before it raised {type(e).__name__}: {e}")
+    return HostOpError(f"host op {_name(op)} (launch #{op.index} of the run) raised {type(e).__name__}: {e}. "
+                       "The host stream skipped the host ops queued after it, so this step's host work "
+                       "(optimizer updates of later layers) is incomplete: fix the cause, then reload the "
+                       "state from a checkpoint before training on")
+
+
+_STOP = object()
+_LIVE_WORKERS: "weakref.WeakSet[_HostWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    # Idle daemon workers still alive when the interpreter finalises made the process abort
+    # ("terminate called without an active exception", exit status 134) in about half the runs of
+    # the test suite; stopping and joining them first, while the interpreter is intact, avoids it.
+    workers = list(_LIVE_WORKERS)
+    for w in workers:
+        w.stop()
+    for w in workers:
+        w.thread.join(timeout=10)
+
+
+class _HostWorker:
+    """One thread running host ops in queue order. Holds no reference to the backend, so a backend
+    that is garbage-collected stops its worker (``weakref.finalize`` in CUDABackend)."""
+
+    def __init__(self, cuda: CudaApi):
+        self._cuda = cuda
+        self._queue: queue.Queue = queue.Queue()
+        self._failed: HostOp | None = None  # the first failed op, until reported
+        self._thread = threading.Thread(target=self._loop, name="megatrain-host", daemon=True)
+        self._thread.start()
+        _LIVE_WORKERS.add(self)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def submit(self, op: HostOp, fn: Callable[[], Any], waits: list[Any]) -> None:
+        self._queue.put((op, fn, waits))
+
+    def drain(self) -> HostOp | None:
+        """Wait until every submitted op finished; return (and forget) the first failed one."""
+        self._queue.join()
+        failed, self._failed = self._failed, None
+        return failed
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                op, fn, waits = item
+                if self._failed is not None:
+                    op.error, op.skipped_after = self._failed.error, self._failed
+                    continue
+                try:
+                    for ev in waits:
+                        self._cuda.event_synchronize(ev)
+                    op.start_s = time.perf_counter()
+                    fn()
+                    op.end_s = time.perf_counter()
+                except BaseException as e:  # noqa: BLE001 - kept and re-raised by synchronize()
+                    op.error = e
+                    self._failed = op
+            finally:
+                if item is not _STOP:
+                    item[0]._done.set()
+                self._queue.task_done()
+
+
+# -- the backend ------------------------------------------------------------------------------------
+
+class CUDABackend(_Recording):
+    """Runs a schedule's ops on CUDA streams and a host worker thread; see the module docstring.
+
+    Args:
+        adapter: the CUDA calls; :class:`TorchCuda` by default, :class:`FakeCuda` in CPU tests.
+        record: time every op (see ``timeline``); may also be set later as ``backend.record``.
+    """
+
+    def __init__(self, adapter: CudaApi | None = None, *, record: bool = False):
+        self.cuda: CudaApi = adapter if adapter is not None else TorchCuda()
+        self.device = self.cuda.device
+        self.record = record
+        self._streams: dict[Stream, Any] = {}
+        self._worker: _HostWorker | None = None
+        # The open run: its launches so far, its entry event, the streams that waited on it.
+        self._index = 0
+        self._entry: Any = None
+        self._entry_host_s = 0.0
+        self._fenced: set[Stream] = set()
+        self._run_records: bool | None = None
+        self._launched: list[GpuOp | HostOp] = []
+
+    # -- memory ------------------------------------------------------------------------------------
+    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.cuda.empty(shape, dtype)
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.cuda.pinned_empty(shape, dtype)
+
+    # -- streams -----------------------------------------------------------------------------------
+    def stream(self, stream: Stream) -> Any:
+        """The CUDA stream of ``stream`` (created on first use)."""
+        if stream is Stream.HOST:
+            raise ValueError("Stream.HOST is the host worker thread, not a CUDA stream")
+        s = self._streams.get(stream)
+        if s is None:
+            s = self._streams[stream] = self.cuda.stream()
+        return s
+
+    def _host_worker(self) -> _HostWorker:
+        if self._worker is None:
+            self._worker = _HostWorker(self.cuda)
+            weakref.finalize(self, self._worker.stop)
+        return self._worker
+
+    def close(self) -> None:
+        """Finish everything launched and stop the host worker (a later host op starts a new one)."""
+        try:
+            self.synchronize()
+        finally:
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker.thread.join()  # prompt: synchronize() left its queue empty
+                self._worker = None
+
+    # -- launching ---------------------------------------------------------------------------------
+    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any],
+               label: str = "") -> GpuOp | HostOp:
+        """Run ``fn`` on ``stream`` after the ops whose handles are in ``wait_for``; return its handle.
+
+        GPU streams: ``fn`` runs now on the calling thread with the stream current, after the
+        stream was told to wait for each GPU handle in ``wait_for`` (and the calling thread waited
+        for each host handle). Host stream: ``fn`` is queued to the worker, which first waits for
+        the GPU handles in ``wait_for``; host handles need nothing, the worker runs in order.
+
+        Raises:
+            HostOpError: a host op this GPU op depends on failed (everything launched is drained
+                first, so the backend can be used again).
+        """
+        if self._run_records is None:
+            self._open_run()
+        index = self._index
+        self._index += 1
+        deps = _unique(wait_for)
+        if stream is Stream.HOST:
+            op = HostOp(index, label)
+            self._host_worker().submit(op, fn, [h.event for h in deps if isinstance(h, GpuOp)])
+            self._launched.append(op)
+            return op
+
+        s = self.stream(stream)
+        if stream not in self._fenced:
+            self.cuda.wait_event(s, self._entry)
+            self._fenced.add(stream)
+        for h in deps:
+            if isinstance(h, HostOp):
+                h._done.wait()  # a CUDA stream cannot wait on a host thread: see the module docstring
+                if h.error is not None:
+                    failed = self._drain() or h
+                    raise _host_error(failed) from failed.error
+            elif h.stream is not stream:  # the same stream is in order already
+                self.cuda.wait_event(s, h.event)
+        timing = self._run_records
+        start = None
+        if timing:
+            start = self.cuda.event(True)
+            self.cuda.record(start, s)
+        try:
+            with self.cuda.use_stream(s):
+                fn()
+        except BaseException as e:
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(f"while launching {label or f'#{index}'} on the {stream.value} stream")
+            raise
+        end = self.cuda.event(timing)
+        self.cuda.record(end, s)
+        op = GpuOp(index, stream, label, end, start)
+        self._launched.append(op)
+        return op
+
+    def _open_run(self) -> None:
+        self._run_records = bool(self.record)
+        self._entry = self.cuda.event(self._run_records)
+        self.cuda.record(self._entry, self.cuda.current_stream())
+        if self._run_records:
+            self._entry_host_s = self.cuda.host_time(self._entry)
+
+    # -- finishing ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for the worker and every stream, end the run, and collect its timings.
+
+        Raises:
+            HostOpError: a host op of the run raised; names the op, chained to its exception.
+        """
+        failed = self._drain()
+        if failed is not None:
+            raise _host_error(failed) from failed.error
+
+    def _drain(self) -> HostOp | None:
+        failed = self._worker.drain() if self._worker is not None else None
+        if self._streams:  # no launch on a GPU stream yet: nothing to wait for, nothing to initialise
+            self.cuda.synchronize()
+        recorded = bool(self._run_records)
+        if recorded and failed is None:
+            self._last = tuple(self._timings())
+        else:
+            self._last = ()
+        self._last_recorded = recorded and failed is None
+        self._index = 0
+        self._entry = None
+        self._fenced = set()
+        self._run_records = None
+        self._launched = []
+        return failed
+
+    def _timings(self) -> Iterator[OpTiming]:
+        entry, host0 = self._entry, self._entry_host_s
+        for op in self._launched:
+            if isinstance(op, HostOp):
+                yield OpTiming(op.index, Stream.HOST, op.label, op.start_s - host0, op.end_s - host0)
+            else:
+                yield OpTiming(op.index, op.stream, op.label, self.cuda.elapsed_s(entry, op.start),
+                               self.cuda.elapsed_s(entry, op.event))
+
+
+def _unique(handles: Sequence[Any]) -> list[Any]:
+    """The handles without ``None`` (an op already complete) and without repeats, in order."""
+    seen: set[int] = set()
+    out = []
+    for h in handles:
+        if h is not None and id(h) not in seen:
+            seen.add(id(h))
+            out.append(h)
+    return out
+
+
+# -- a fake CUDA for CPU tests ----------------------------------------------------------------------
+
+class FakeCudaError(AssertionError):
+    """The backend used the (fake) CUDA API in a way that would be a bug, or a wasted wait, on a GPU."""
+
+
+@dataclass(eq=False)
+class FakeStream:
+    name: str
+    recorded: int = 0  # events recorded on it so far
+
+
+@dataclass(eq=False)
+class FakeEvent:
+    id: int
+    timing: bool
+    stream: FakeStream | None = None  # where it was recorded
+    seq: int = 0  # its position among the events recorded on that stream (1-based)
+    time_s: float = 0.0
+
+    @property
+    def recorded(self) -> bool:
+        return self.stream is not None
+
+
+class FakeCuda:
+    """A CPU stand-in for :class:`TorchCuda`: work runs at once on CPU tensors, bookkeeping is kept.
+
+    Streams and events are plain records. ``log`` lists every call in order as tuples:
+    ``("record", stream, event)``, ``("wait", stream, event)``, ``("run", stream)`` when work is
+    issued on a stream, ``("event_sync", event, thread name)``, ``("sync",)``. Misuse that would be
+    a bug on a GPU raises :class:`FakeCudaError` at once: waiting on (or synchronising, or timing)
+    an event never recorded — on a GPU ``cudaStreamWaitEvent`` on such an event returns at once, a
+    silent race — and a stream waiting on its own event, which an in-order stream never needs.
+    ``strict=False`` keeps the log but raises nothing.
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(self, strict: bool = True):
+        self.strict = strict
+        self.log: list[tuple] = []
+        self.empty_calls: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.pinned_calls: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.default = FakeStream("default")
+        self.streams: list[FakeStream] = []
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def _log(self, *entry) -> None:
+        with self._lock:
+            self.log.append(entry)
+
+    def _fail(self, msg: str) -> None:
+        if self.strict:
+            raise FakeCudaError(msg)
+
+    def stream(self) -> FakeStream:
+        s = FakeStream(f"stream{len(self.streams)}")
+        self.streams.append(s)
+        return s
+
+    def current_stream(self) -> FakeStream:
+        return getattr(self._local, "current", self.default)
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: FakeStream) -> Iterator[FakeStream]:
+        prev = self.current_stream()
+        self._local.current = stream
+        self._log("run", stream)
+        try:
+            yield stream
+        finally:
+            self._local.current = prev
+
+    def event(self, timing: bool) -> FakeEvent:
+        return FakeEvent(next(self._ids), timing)
+
+    def record(self, event: FakeEvent, stream: FakeStream) -> None:
+        with self._lock:
+            stream.recorded += 1
+            event.stream, event.seq, event.time_s = stream, stream.recorded, time.perf_counter()
+            self.log.append(("record", stream, event))
+
+    def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
+        if not isinstance(event, FakeEvent):
+            self._fail(f"stream {stream.name} was asked to wait on {event!r}, which is not an event "
+                       "(a host op's handle must be waited on by the issuing thread)")
+        elif not event.recorded:
+            self._fail(f"stream {stream.name} waits on event {event.id}, which was never recorded")
+        elif event.stream is stream:
+            self._fail(f"stream {stream.name} waits on its own event {event.id}: an in-order stream "
+                       "never needs that")
+        self._log("wait", stream, event)
+
+    def event_synchronize(self, event: FakeEvent) -> None:
+        if not event.recorded:
+            self._fail(f"synchronising on event {event.id}, which was never recorded")
+        self._log("event_sync", event, threading.current_thread().name)
+
+    def elapsed_s(self, start: FakeEvent, end: FakeEvent) -> float:
+        if not (start.timing and end.timing and start.recorded and end.recorded):
+            self._fail(f"elapsed time between events {start.id} and {end.id} needs both recorded with "
+                       "timing=True")
+        return end.time_s - start.time_s
+
+    def host_time(self, event: FakeEvent) -> float:
+        self.event_synchronize(event)
+        return event.time_s  # fake work is done when issued, so the event's time is its host time
+
+    def synchronize(self) -> None:
+        self._log("sync")
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self.empty_calls.append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype)
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self.pinned_calls.append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype)
+
+
+__all__ = ["CUDABackend", "CudaApi", "TorchCuda", "FakeCuda", "FakeCudaError", "GpuOp", "HostOp",
+           "HostOpError", "GPU_STREAMS"]

@@ -1,0 +1,534 @@
+"""Backends: the CUDA backend's stream/event/worker logic on CPU through FakeCuda, the measured
+Timeline on both backends, and the same checks on a real GPU behind ``requires_cuda``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.errors import ConfigError
+from megatrain.planner.hardware import preset
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.planner.schedule import Stream
+from megatrain.planner.timeline import Timeline
+from megatrain.runtime.backend import CPUBackend, make_backend
+from megatrain.runtime.cuda import (GPU_STREAMS, CUDABackend, FakeCuda, FakeCudaError, FakeEvent, GpuOp, HostOp,
+                                    HostOpError, TorchCuda)
+from megatrain.runtime.host import HostState
+
+from conftest import random_batch, requires_cuda, tiny_llama
+
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+HW = preset("H100_SXM")  # only names the timeline and sizes its memory curve; times are measured
+SEQ, MBS, VOCAB = 16, 2, 96
+
+
+def noop() -> None:
+    return None
+
+
+def compile_pair(plan: Plan | None = None, micro_batches: int = 2, seed: int = 0):
+    """Two trainers of the same tiny Llama, both compiled on the CPU backend."""
+    torch.manual_seed(seed)
+    model = tiny_llama(layers=2)
+    twin = copy.deepcopy(model)
+    kw = dict(seq_len=SEQ, micro_batch_size=MBS, micro_batches=micro_batches, optimizer=ADAMW, plan=plan)
+    return megatrain.compile(model, **kw), megatrain.compile(twin, **kw)
+
+
+def compile_one(plan: Plan | None = None, micro_batches: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    return megatrain.compile(tiny_llama(layers=2), seq_len=SEQ, micro_batch_size=MBS, micro_batches=micro_batches,
+                             optimizer=ADAMW, plan=plan)
+
+
+def use_backend(trainer, backend) -> None:
+    # The executor reads its backend at run time and allocates its slots on the first run, so
+    # swapping it before the first step runs the whole step through ``backend``.
+    trainer.backend = trainer.executor.backend = backend
+
+
+def batches(n: int, micro_batches: int = 2):
+    return [random_batch(MBS * micro_batches, SEQ, VOCAB, seed=s) for s in range(n)]
+
+
+class Spy:
+    """Wraps a backend for the executor: labels each launch with its schedule op (as the executor
+    should; ``labels=False`` passes none, as it does today), logs when each op's ``fn`` starts and
+    ends and on which thread, records which fake events each GPU launch waited on, and replaces
+    the ``fn`` of launch ``fail_at`` with one that raises ``error``. ``host_delay`` slows every host
+    op, so that a GPU op issued before its host dependency finished is caught, not missed by luck."""
+
+    def __init__(self, inner, fake: FakeCuda | None = None, labels: bool = True, fail_at: int | None = None,
+                 error: BaseException | None = None, host_delay: float = 0.0):
+        self.inner, self.fake, self.labels = inner, fake, labels
+        self.host_delay = host_delay
+        self.fail_at, self.error = fail_at, error
+        self.device = inner.device
+        self.schedule = None
+        self.k = 0
+        self.lock = threading.Lock()
+        self.log: list[tuple[str, int, str]] = []
+        self.handles: dict[int, object] = {}
+        self.waits: dict[int, list[FakeEvent]] = {}
+
+    record = property(lambda self: self.inner.record)
+
+    def device_empty(self, shape, dtype):
+        return self.inner.device_empty(shape, dtype)
+
+    def host_empty(self, shape, dtype):
+        return self.inner.host_empty(shape, dtype)
+
+    def launch(self, stream, fn, wait_for, label=""):
+        k = self.k
+        self.k += 1
+        op = self.schedule.ops[k]
+        assert op.stream is stream, f"launch #{k} on {stream} but the schedule's op #{k} is {op!r}"
+
+        if k == self.fail_at:
+            def fn():
+                raise self.error
+
+        def run():
+            with self.lock:
+                self.log.append(("start", k, threading.current_thread().name))
+            if stream is Stream.HOST:
+                time.sleep(self.host_delay)
+            fn()
+            with self.lock:
+                self.log.append(("end", k, threading.current_thread().name))
+
+        n0 = len(self.fake.log) if self.fake else 0
+        h = self.inner.launch(stream, run, wait_for, label=repr(op) if self.labels else "")
+        if self.fake:
+            # Only the issuing thread calls wait_event, so these entries belong to this launch.
+            self.waits[k] = [e[2] for e in self.fake.log[n0:] if e[0] == "wait"]
+        self.handles[k] = h
+        return h
+
+    def synchronize(self):
+        self.k = 0
+        self.inner.synchronize()
+
+    def position(self, what: str, k: int) -> int:
+        return next(i for i, e in enumerate(self.log) if e[0] == what and e[1] == k)
+
+
+def test_public_surface():
+    import megatrain.runtime.backend as backend_mod
+    import megatrain.runtime.cuda as cuda_mod
+
+    assert sorted(backend_mod.__all__) == ["Backend", "CPUBackend", "OpTiming", "make_backend"]
+    assert sorted(cuda_mod.__all__) == ["CUDABackend", "CudaApi", "FakeCuda", "FakeCudaError", "GPU_STREAMS", "GpuOp",
+                                        "HostOp", "HostOpError", "TorchCuda"]
+
+
+# -- construction: nothing CUDA until the first launch ---------------------------------------------
+
+def test_construction_creates_no_stream_event_or_thread():
+    before = set(threading.enumerate())  # compared as sets: other tests' workers may exit meanwhile
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake, record=True)
+    assert fake.log == [] and fake.streams == [] and fake.empty_calls == []
+    assert set(threading.enumerate()) - before == set(), "the host worker starts at the first host op"
+    be.launch(Stream.COMPUTE, noop, [])
+    assert len(fake.streams) == 1 and set(threading.enumerate()) - before == set()
+    be.launch(Stream.HOST, noop, [])
+    assert set(threading.enumerate()) - before == {be._worker.thread}
+    be.close()
+    assert be._worker is None and not any(t.name == "megatrain-host" and t not in before and t.is_alive()
+                                          for t in threading.enumerate())
+
+
+def test_default_adapter_is_torch_cuda_and_touches_nothing_on_a_cpu_machine():
+    # On a CPU-only torch any CUDA call raises, so constructing proves nothing CUDA ran.
+    be = CUDABackend()
+    assert isinstance(be.cuda, TorchCuda) and be.device == torch.device("cuda")
+    be.synchronize()  # nothing launched: nothing to wait for, and no CUDA initialisation
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_make_backend_cuda_without_a_gpu_raises_config_error():
+    with pytest.raises(ConfigError, match="is_available"):
+        make_backend("cuda")
+
+
+def test_make_backend_cuda_returns_the_cuda_backend_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    be = make_backend("cuda", record=True)
+    assert isinstance(be, CUDABackend) and isinstance(be.cuda, TorchCuda) and be.record
+    assert be._streams == {} and be._worker is None
+    assert isinstance(make_backend("cpu"), CPUBackend)
+
+
+# -- events and waits ---------------------------------------------------------------------------------
+
+def test_each_stream_gets_one_lazy_stream_and_ops_are_recorded_in_order():
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake)
+    hs = [be.launch(s, noop, []) for s in (Stream.COMPUTE, Stream.H2D, Stream.COMPUTE, Stream.D2H, Stream.H2D)]
+    assert len(fake.streams) == 3
+    assert {be.stream(s) for s in GPU_STREAMS} == set(fake.streams)
+    for s in GPU_STREAMS:
+        seqs = [h.event.seq for h in hs if h.stream is s]
+        assert seqs == sorted(seqs) and all(h.event.stream is be.stream(s) for h in hs if h.stream is s)
+    with pytest.raises(ValueError, match="host worker"):
+        be.stream(Stream.HOST)
+    be.synchronize()
+
+
+def test_cross_stream_deps_are_waited_once_and_same_stream_deps_not_at_all():
+    fake = FakeCuda()  # strict: a wait on an own-stream event would raise
+    be = CUDABackend(adapter=fake)
+    a = be.launch(Stream.COMPUTE, noop, [])
+    b = be.launch(Stream.H2D, noop, [])
+    n0 = len(fake.log)
+    be.launch(Stream.COMPUTE, noop, [a, b, b, None])
+    waits = [e for e in fake.log[n0:] if e[0] == "wait"]
+    assert waits == [("wait", be.stream(Stream.COMPUTE), b.event)]
+    be.synchronize()
+
+
+def test_first_op_of_each_stream_in_a_run_waits_for_the_callers_stream_once():
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake)
+    for _ in range(2):  # two runs: the fence is set up again after synchronize
+        n0 = len(fake.log)
+        for s in (Stream.COMPUTE, Stream.COMPUTE, Stream.H2D, Stream.H2D):
+            be.launch(s, noop, [])
+        entry = [e for e in fake.log[n0:] if e[0] == "wait"]
+        assert [e[1] for e in entry] == [be.stream(Stream.COMPUTE), be.stream(Stream.H2D)]
+        assert all(e[2].stream is fake.default for e in entry)
+        be.synchronize()
+
+
+def test_fake_cuda_refuses_waits_that_would_be_bugs_on_a_gpu():
+    fake = FakeCuda()
+    s, t = fake.stream(), fake.stream()
+    ev = fake.event(False)
+    with pytest.raises(FakeCudaError, match="never recorded"):
+        fake.wait_event(s, ev)
+    fake.record(ev, s)
+    with pytest.raises(FakeCudaError, match="its own event"):
+        fake.wait_event(s, ev)
+    fake.wait_event(t, ev)
+    with pytest.raises(FakeCudaError, match="not an event"):
+        fake.wait_event(t, HostOp(0, "OPT:L0:r0"))
+    with pytest.raises(FakeCudaError, match="timing"):
+        fake.elapsed_s(ev, ev)
+    lax = FakeCuda(strict=False)
+    lax.wait_event(lax.stream(), lax.event(False))
+    assert lax.log[-1][0] == "wait"
+
+
+# -- the host worker -----------------------------------------------------------------------------------
+
+def test_host_op_waits_for_its_gpu_deps_on_the_worker_thread():
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake)
+    g = be.launch(Stream.D2H, noop, [])
+    h = be.launch(Stream.HOST, noop, [g])
+    be.synchronize()
+    syncs = [e for e in fake.log if e[0] == "event_sync"]
+    assert syncs == [("event_sync", g.event, "megatrain-host")]
+    assert isinstance(h, HostOp) and h.done() and h.error is None
+
+
+def test_gpu_op_depending_on_a_host_op_is_issued_only_after_it_finished():
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake)
+    gate = threading.Event()
+    h = be.launch(Stream.HOST, lambda: gate.wait(10), [])
+    seen = []
+    be.launch(Stream.COMPUTE, lambda: seen.append(h.done()), [])  # no dependency: runs at once
+    timer = threading.Timer(0.05, gate.set)
+    timer.start()
+    t0 = time.perf_counter()
+    be.launch(Stream.H2D, lambda: seen.append(h.done()), [h])
+    assert seen == [False, True]
+    assert time.perf_counter() - t0 >= 0.04, "the issuing thread must have blocked on the host op"
+    assert not any(e[0] == "wait" and not isinstance(e[2], FakeEvent) for e in fake.log)
+    be.synchronize()
+    timer.join()
+
+
+def test_host_op_error_surfaces_from_synchronize_naming_the_op():
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake)
+    ran = []
+    be.launch(Stream.HOST, lambda: ran.append("first"), [])
+
+    def boom():
+        raise ValueError("tile has NaNs")
+
+    be.launch(Stream.HOST, boom, [], label="OPT:L1:r0")
+    after = be.launch(Stream.HOST, lambda: ran.append("after"), [], label="OPT:L0:r1")
+    with pytest.raises(HostOpError, match=r"'OPT:L1:r0'.*ValueError: tile has NaNs") as info:
+        be.synchronize()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert ran == ["first"], "host ops queued after a failed one are skipped"
+    with pytest.raises(HostOpError, match=r"'OPT:L0:r1' was not run because host op 'OPT:L1:r0'"):
+        after.wait()
+    # The error was reported once; the backend runs again.
+    be.launch(Stream.HOST, lambda: ran.append("next run"), [])
+    be.synchronize()
+    assert ran == ["first", "next run"]
+
+
+def test_gpu_op_whose_host_dep_failed_raises_at_launch_and_leaves_the_backend_usable():
+    be = CUDABackend(adapter=FakeCuda())
+    h = be.launch(Stream.HOST, lambda: 1 / 0, [], label="CAST:L2:t0")
+    ran = []
+    with pytest.raises(HostOpError, match="CAST:L2:t0.*ZeroDivisionError"):
+        be.launch(Stream.H2D, lambda: ran.append(1), [h])
+    assert ran == []
+    be.synchronize()  # already reported and drained: nothing left to raise
+    be.launch(Stream.H2D, lambda: ran.append(2), [])
+    be.synchronize()
+    assert ran == [2]
+
+
+def test_gpu_op_error_names_the_op():
+    be = CUDABackend(adapter=FakeCuda())
+
+    def bad():
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch") as info:
+        be.launch(Stream.COMPUTE, bad, [], label="FWD:L1:m0:s1")
+    if sys.version_info >= (3, 11):  # exception notes are new in 3.11
+        assert any("FWD:L1:m0:s1" in n and "compute" in n for n in info.value.__notes__)
+    be.synchronize()
+
+
+# -- the real executor through the fake CUDA layer ----------------------------------------------------
+
+_K, _OFF, _RE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
+PLANS = [None, Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=1),
+         Plan(micro_batches=2, slots=2, prefetch_distance=1, resident=frozenset({0, 3})),
+         # Checkpoints offloaded and recomputed; updates deferred into the next step's forward.
+         Plan(micro_batches=2, slots=3, prefetch_distance=2, activations=(_OFF, _RE, _OFF, _K),
+              optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4)]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=["default", "one-slot-one-tile", "resident", "offload-recompute-deferred"])
+def test_fake_cuda_backend_trains_exactly_like_the_cpu_backend(plan):
+    ref, got = compile_pair(plan)
+    fake = FakeCuda()
+    use_backend(got, CUDABackend(adapter=fake))
+    allocated = -1
+    for b in batches(3):
+        a, c = ref.step(b), got.step(b)
+        assert c.micro_batch_losses == a.micro_batch_losses  # exactly: same ops, same order, same data
+        if c.step == 1:
+            allocated = len(fake.empty_calls)
+    for i, (x, y) in enumerate(zip(ref.host.blocks, got.host.blocks)):
+        assert torch.equal(x, y), f"layer {i}: master weights or moments differ"
+    assert allocated > 0, "the slots are allocated through the backend on the first step"
+    assert len(fake.empty_calls) == allocated, "nothing is allocated on the device in the steady state"
+
+
+def test_waits_and_blocks_match_the_schedules_cross_stream_edges():
+    trainer = compile_one(Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=1))
+    fake = FakeCuda()
+    spy = Spy(CUDABackend(adapter=fake), fake, host_delay=0.005)
+    spy.schedule = trainer.schedule
+    use_backend(trainer, spy)
+    ops = trainer.schedule.ops
+    host_deps_checked = 0
+    for b in batches(2):
+        fake.log.clear()
+        spy.log.clear()
+        trainer.step(b)
+        ev_of = {id(h.event): d for d, h in spy.handles.items() if isinstance(h, GpuOp)}
+        for k, op in enumerate(ops):
+            cross = [d for d in op.deps if ops[d].stream is not op.stream]
+            if op.stream is Stream.HOST:
+                assert spy.log[spy.position("start", k)][2] == "megatrain-host"
+                continue
+            want = Counter(d for d in cross if ops[d].stream is not Stream.HOST)
+            waited = Counter(ev_of[id(e)] for e in spy.waits[k] if e.stream is not fake.default)
+            assert waited == want, f"op #{k} {op!r} waited on ops {sorted(waited.elements())}, deps say {dict(want)}"
+            for d in cross:
+                if ops[d].stream is Stream.HOST:
+                    assert spy.position("end", d) < spy.position("start", k), \
+                        f"{op!r} ran before its host dependency {ops[d]!r} finished"
+                    host_deps_checked += 1
+        # The run-entry fence: one wait per GPU stream the schedule uses.
+        fences = [e for k in spy.waits for e in spy.waits[k] if e.stream is fake.default]
+        assert len(fences) == len({op.stream for op in ops} - {Stream.HOST})
+        # Host ops waited for their GPU deps in the worker, once per edge.
+        synced = Counter(ev_of[id(e[1])] for e in fake.log if e[0] == "event_sync" and e[2] == "megatrain-host")
+        want_sync = Counter(d for op in ops if op.stream is Stream.HOST for d in op.deps
+                            if ops[d].stream is not Stream.HOST)
+        assert synced == want_sync
+    assert host_deps_checked > 0, "the one-tile plan makes a gradient copy wait for the previous optimizer step"
+
+
+@pytest.mark.parametrize("labels", [True, False], ids=["labelled", "unlabelled"])
+def test_host_op_error_in_a_step_names_the_failing_op(labels):
+    trainer = compile_one()
+    ops = trainer.schedule.ops
+    first_opt = next(k for k, op in enumerate(ops) if op.stream is Stream.HOST)
+    later = next(op.layer for op in ops[first_opt + 1:] if op.stream is Stream.HOST)
+    spy = Spy(CUDABackend(adapter=FakeCuda()), labels=labels, fail_at=first_opt,
+              error=FloatingPointError("overflow in exp_avg_sq"))
+    spy.schedule = trainer.schedule
+    use_backend(trainer, spy)
+    before = trainer.host.blocks[later].clone()
+    name = re.escape(repr(repr(ops[first_opt]))) if labels else f"#{first_opt}"
+    want = rf"host op {name} \(launch #{first_opt} .*FloatingPointError: overflow"
+    with pytest.raises(HostOpError, match=want) as info:
+        trainer.step(batches(1)[0])
+    assert isinstance(info.value.__cause__, FloatingPointError)
+    assert torch.equal(trainer.host.blocks[later], before), "host ops after the failed one must not run"
+
+
+# -- measured timelines -------------------------------------------------------------------------------
+
+def check_timeline(tl: Timeline, schedule, tol: float = 0.0) -> None:
+    ops = schedule.ops
+    assert tl.source == "measured" and len(tl.records) == len(ops)
+    assert [r.op for r in tl.records] == [repr(op) for op in ops]
+    for r in tl.records:
+        assert 0.0 <= r.start_s <= r.end_s and r.stream is ops[r.index].stream
+    for s in Stream:
+        recs = sorted((r for r in tl.records if r.stream is s), key=lambda r: r.index)
+        for a, b in zip(recs, recs[1:]):
+            assert b.start_s >= a.end_s, f"{a.op} and {b.op} overlap on {s.value}"
+    for r in tl.records:
+        for d in ops[r.index].deps:
+            dep = tl.records[d]
+            assert r.start_s >= dep.end_s - tol, f"{r.op} started before its dependency {dep.op} ended"
+    assert tl.step_time_s == pytest.approx(max(r.end_s for r in tl.records))
+
+
+def test_fake_cuda_backend_records_a_measured_timeline():
+    trainer = compile_one()
+    be = CUDABackend(adapter=FakeCuda(), record=True)
+    spy = Spy(be)
+    spy.schedule = trainer.schedule
+    use_backend(trainer, spy)
+    trainer.step(batches(1)[0])
+    tl = be.timeline(trainer.schedule, trainer.graph, HW)
+    check_timeline(tl, trainer.schedule)
+    assert tl.busy_s[Stream.HOST] > 0 and tl.busy_s[Stream.COMPUTE] > 0
+    assert Timeline.from_json(tl.to_json()) == tl
+    # Labels tie the records to the schedule: a schedule with other ops at the same indices is refused.
+    shuffled = dataclasses.replace(trainer.schedule, ops=trainer.schedule.ops[::-1])
+    with pytest.raises(ValueError, match="labelled 'H2D:L0:s0'"):
+        be.timeline(shuffled, trainer.graph, HW)
+    # So is one of another length (the last run is now an evaluation).
+    use_backend(trainer, be)
+    trainer.evaluate(random_batch(MBS, SEQ, VOCAB, seed=9))
+    with pytest.raises(ValueError, match="schedule that ran"):
+        be.timeline(trainer.schedule, trainer.graph, HW)
+
+
+def test_timeline_needs_recording():
+    trainer = compile_one()
+    be = CUDABackend(adapter=FakeCuda())
+    use_backend(trainer, be)
+    trainer.step(batches(1)[0])
+    assert be.last_records == ()
+    with pytest.raises(ValueError, match="record = True"):
+        be.timeline(trainer.schedule, trainer.graph, HW)
+    be.record = True
+    trainer.step(batches(1)[0])
+    assert len(be.last_records) == len(trainer.schedule.ops)
+
+
+def test_cpu_backend_records_a_measured_timeline():
+    trainer = compile_one()
+    be = CPUBackend(record=True)
+    use_backend(trainer, be)
+    trainer.step(batches(1)[0])
+    tl = be.timeline(trainer.schedule, trainer.graph, HW)
+    check_timeline(tl, trainer.schedule)
+    recs = sorted(tl.records, key=lambda r: r.start_s)
+    assert [r.index for r in recs] == list(range(len(recs))), "the CPU backend runs ops one after another"
+    be.record = False
+    trainer.step(batches(1)[0])
+    with pytest.raises(ValueError, match="record"):
+        be.timeline(trainer.schedule, trainer.graph, HW)
+
+
+# -- host memory: one block per layer through host_empty -------------------------------------------
+
+def test_host_state_takes_one_pinned_block_per_layer():
+    trainer = compile_one()
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake)
+    host = HostState(trainer.graph, be.host_empty)
+    assert fake.pinned_calls == [((3, layer.numel), torch.float32) for layer in trainer.graph.layers]
+    assert all(b.is_contiguous() for b in host.blocks)
+    assert fake.empty_calls == [] and fake.log == []
+
+
+# -- on a real GPU ---------------------------------------------------------------------------------------
+
+@requires_cuda
+def test_cuda_pinned_host_blocks_are_page_aligned():  # CPU twin: test_host_state_takes_one_pinned_block_per_layer
+    trainer = compile_one()
+    host = HostState(trainer.graph, CUDABackend().host_empty)
+    for i, b in enumerate(host.blocks):
+        assert b.is_pinned() and b.is_contiguous() and b.shape == (3, trainer.graph.layers[i].numel)
+        assert b.data_ptr() % 4096 == 0, f"layer {i}'s block is not page-aligned"
+
+
+@requires_cuda
+def test_cuda_host_op_reads_what_a_gpu_op_wrote():  # CPU twin: test_host_op_waits_for_its_gpu_deps_on_the_worker_thread
+    be = CUDABackend()
+    src = torch.zeros(1 << 20, device="cuda")
+    dst = be.host_empty((1 << 20,), torch.float32).zero_()
+    seen = []
+
+    def fill():
+        torch.cuda._sleep(50_000_000)  # keep the GPU busy so a missing wait would read zeros
+        src.fill_(3.0)
+
+    c = be.launch(Stream.COMPUTE, fill, [])
+    d = be.launch(Stream.D2H, lambda: dst.copy_(src, non_blocking=True), [c])
+    be.launch(Stream.HOST, lambda: seen.append(float(dst.min())), [d])
+    be.synchronize()
+    assert seen == [3.0]
+    be.close()
+
+
+@requires_cuda
+def test_cuda_backend_trains_like_the_cpu_backend_and_allocates_nothing_new():  # CPU twin: the fake exactness test
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    twin = copy.deepcopy(model)
+    kw = dict(seq_len=SEQ, micro_batch_size=MBS, micro_batches=2, optimizer=ADAMW)
+    ref = megatrain.compile(model, **kw)
+    got = megatrain.compile(twin, device="cuda", **kw)
+    assert isinstance(got.backend, CUDABackend)
+    segments = []
+    for b in batches(4):
+        a, c = ref.step(b).loss, got.step(b).loss
+        assert c == pytest.approx(a, rel=1e-4)
+        segments.append(torch.cuda.memory_stats()["segment.all.allocated"])
+    assert segments[1] == segments[-1], f"cudaMalloc calls grew in the steady state: {segments}"
+
+
+@requires_cuda
+def test_cuda_backend_records_a_measured_timeline():  # CPU twin: test_fake_cuda_backend_records_a_measured_timeline
+    torch.manual_seed(0)
+    trainer = megatrain.compile(tiny_llama(layers=2), seq_len=SEQ, micro_batch_size=MBS, micro_batches=2,
+                                optimizer=ADAMW, device="cuda")
+    trainer.backend.record = True
+    trainer.step(batches(1)[0])
+    tl = trainer.backend.timeline(trainer.schedule, trainer.graph, HW)
+    # Host and GPU clocks meet at the run's entry event; allow the launch latency between them.
+    check_timeline(tl, trainer.schedule, tol=1e-3)
