@@ -260,7 +260,8 @@ class Schedules:
 
 def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
             optimizer: AdamW | Mapping | None = None, plan: Plan | None = None, device: str = "cpu",
-            input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None) -> Trainer:
+            input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
+            hardware: "HardwareSpec | str | None" = None, compute_dtype: str | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory.
 
     The pipeline is the visible one of DESIGN.md: ``trace`` the model (on whatever device it is on,
@@ -277,7 +278,18 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         micro_batches: micro-batches per step (gradient accumulation); the global batch is
             ``micro_batch_size * micro_batches`` sequences.
         optimizer: ``megatrain.AdamW`` or a dict of its fields (lr, betas, eps, weight_decay).
-        plan: a ``Plan``; the default streams every layer through two slots.
+        plan: a ``Plan``; by default the solver chooses one (see ``hardware``).
+        hardware: what to plan for when ``plan`` is None: a ``HardwareSpec``, a preset name
+            (``"H100_SXM"``, ``"H200"``, ``"GH200"``, ``"A100_80GB"``, ``"RTX_4090"``) or a spec JSON
+            file. The solver (``megatrain.planner.solve``) then picks slots, prefetch distance,
+            resident layers, checkpoint offload/recompute and the optimizer placement for the
+            shortest simulated step that fits, with this micro-batch split. With None: on
+            ``device="cuda"`` the machine is measured (``HardwareSpec.measure()``, a few seconds);
+            on ``device="cpu"``, which has no GPU rates to plan with, the default plan (two
+            slots, prefetch distance one, every checkpoint kept) is used.
+        compute_dtype: ``"float32"`` (strict full precision) or ``"bfloat16"`` (BF16 weights and
+            matmuls under autocast; FP32 masters, moments and gradients). Default: BF16 on CUDA,
+            FP32 on the CPU. A given ``plan`` brings its own.
         device: ``"cpu"`` (the CPU backend) or ``"cuda"``.
         input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``.
         max_grad_norm: clip the gradients to this global L2 norm, as
@@ -304,7 +316,8 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
     traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                    input_names=options.input_names)
     clip = options.max_grad_norm is not None
-    plan = plan or default_plan(traced.graph, options.micro_batches, clip_gradients=clip)
+    if plan is None:
+        plan = _choose_plan(traced.graph, options, hardware, compute_dtype)
     if plan.micro_batches != options.micro_batches:
         raise ConfigError(f"plan.micro_batches={plan.micro_batches} but micro_batches={options.micro_batches}")
     if clip and plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
@@ -320,6 +333,33 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
     executor = Executor(traced, host, backend, opt, buffers)
     return Trainer(model, options, opt, traced, plan, host, backend, executor, schedules)
+
+
+def _choose_plan(graph: LayerGraph, options: CompileOptions, hardware, compute_dtype: str | None) -> Plan:
+    """The solver's plan for ``hardware`` (or the measured GPU), else the default plan on the CPU."""
+    from megatrain.planner.hardware import HardwareSpec, preset
+    from megatrain.planner.solve import SolveLimits, SolveRequest, solve
+
+    dtype = compute_dtype or ("bfloat16" if options.device == "cuda" else "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"compute_dtype={dtype!r}: use 'float32' or 'bfloat16'")
+    clip = options.max_grad_norm is not None
+    if hardware is None and options.device == "cpu":
+        return dataclasses.replace(default_plan(graph, options.micro_batches, clip_gradients=clip),
+                                   compute_dtype=dtype)
+    if hardware is None:
+        hw = HardwareSpec.measure()
+    elif isinstance(hardware, HardwareSpec):
+        hw = hardware
+    elif isinstance(hardware, str) and hardware.endswith(".json"):
+        hw = HardwareSpec.load(hardware)
+    elif isinstance(hardware, str):
+        hw = preset(hardware)
+    else:
+        raise ConfigError(f"hardware={hardware!r}: give a HardwareSpec, a preset name or a spec .json file")
+    request = SolveRequest(graph, hw, options.global_batch, dtype, clip_gradients=clip,
+                           limits=SolveLimits(micro_batch_sizes=(options.micro_batch_size,)))
+    return solve(request).plan
 
 
 def _describe(e: pydantic.ValidationError) -> str:

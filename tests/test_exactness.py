@@ -37,11 +37,12 @@ def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None
 
 
 def assert_same_training(model, *, steps=20, micro_batch_size=2, micro_batches=1, seq_len=16, plan=None, vocab=96,
-                         max_grad_norm=None):
+                         max_grad_norm=None, hardware=None):
     ref = copy.deepcopy(model)
     batches = [random_batch(micro_batch_size * micro_batches, seq_len, vocab, seed=s % 3) for s in range(steps)]
     trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                                micro_batches=micro_batches, optimizer=ADAMW, plan=plan, max_grad_norm=max_grad_norm)
+                                micro_batches=micro_batches, optimizer=ADAMW, plan=plan, max_grad_norm=max_grad_norm,
+                                hardware=hardware)
     got = [trainer.step(b).loss for b in batches]
     trainer.flush()  # a deferred last update belongs in the final weights
     want = eager_losses(ref, batches, micro_batches, max_grad_norm)
@@ -181,3 +182,23 @@ def test_bf16_compute_tracks_eager_autocast(make):
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     assert worst <= 1e-2, f"largest relative loss difference {worst:.2e}"
     assert got[-1] < 0.8 * got[0]
+
+
+def test_compile_plans_with_the_solver_for_a_given_gpu_and_stays_exact():
+    """With ``hardware=`` compile asks the solver. A GPU with just the least memory any plan needs
+    forces checkpoints off the GPU; the run still equals eager training."""
+    from dataclasses import replace
+
+    from megatrain.planner.hardware import preset
+    from megatrain.planner.solve import SolveLimits, SolveRequest, minimum_requirements, solve
+    from megatrain.planner.trace import trace
+
+    torch.manual_seed(6)
+    model = tiny_llama(layers=4)
+    graph = trace(copy.deepcopy(model), micro_batch_size=2, seq_len=16, input_names=("input_ids", "labels")).graph
+    request = SolveRequest(graph, preset("H100_SXM").model_copy(update={"gpu_reserve_bytes": 0}), 4, "float32",
+                           limits=SolveLimits(micro_batch_sizes=(2,)))
+    tight = request.hardware.model_copy(update={"gpu_memory_bytes": minimum_requirements(request).gpu_memory_bytes})
+    trainer = assert_same_training(model, micro_batches=2, steps=5, hardware=tight)
+    assert trainer.plan == solve(replace(request, hardware=tight)).plan
+    assert set(trainer.plan.activations) - {ActivationPolicy.KEEP}, "the least GPU memory needs offload/recompute"

@@ -218,3 +218,10 @@ def test_clipping_needs_deferred_optimizer_steps():
 
     with pytest.raises(ConfigError, match="max_grad_norm=1.0 needs the global gradient norm"):
         megatrain.compile(tiny_llama(layers=1), seq_len=8, micro_batch_size=1, plan=Plan(), max_grad_norm=1.0)
+
+
+def test_hardware_for_the_solver_is_validated():
+    with pytest.raises(ConfigError, match="no hardware preset named 'B300'"):
+        megatrain.compile(tiny_llama(layers=1), seq_len=8, micro_batch_size=1, hardware="B300")
+    with pytest.raises(ConfigError, match="compute_dtype='float16'"):
+        megatrain.compile(tiny_llama(layers=1), seq_len=8, micro_batch_size=1, compute_dtype="float16")
