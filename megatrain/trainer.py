@@ -75,6 +75,7 @@ class Trainer:
         self._eval_schedules: dict[int, Schedule] = {}
         self._pending = False  # the last step's update waits for the next schedule (NEXT_FORWARD)
         self._clip_scale: float | None = None
+        self._pending_optimizer: AdamW | None = None
 
     @property
     def schedule(self) -> Schedule:
@@ -86,7 +87,7 @@ class Trainer:
         step's forward, as with ``max_grad_norm``). ``evaluate`` and ``save`` call it; call it
         before reading ``model.state_dict()`` yourself. A no-op when nothing is pending."""
         if self._pending:
-            self.executor.set_update(self._clip_scale)
+            self.executor.set_update(self._clip_scale, self._pending_optimizer)
             self.executor.run(self.schedules.update, [])
             self._pending = False
 
@@ -141,7 +142,7 @@ class Trainer:
         parts = self._split(batch, o.micro_batches)
         t0 = time.perf_counter()
         if self._pending:
-            self.executor.set_update(self._clip_scale)
+            self.executor.set_update(self._clip_scale, self._pending_optimizer)
         out = self.executor.run(self.schedule, parts)
         seconds = time.perf_counter() - t0
         self.step_count += 1
@@ -150,6 +151,7 @@ class Trainer:
         if self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD:
             # The update waits for the next schedule; it is dropped here when anything was not finite.
             self._pending = out.finite
+            self._pending_optimizer = self.optimizer  # a later set_lr is for the next step's update
             max_norm = o.max_grad_norm
             # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
             self._clip_scale = None if max_norm is None else min(1.0, max_norm / (out.grad_norm + 1e-6))

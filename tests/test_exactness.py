@@ -202,3 +202,30 @@ def test_compile_plans_with_the_solver_for_a_given_gpu_and_stays_exact():
     trainer = assert_same_training(model, micro_batches=2, steps=5, hardware=tight)
     assert trainer.plan == solve(replace(request, hardware=tight)).plan
     assert set(trainer.plan.activations) - {ActivationPolicy.KEEP}, "the least GPU memory needs offload/recompute"
+
+
+def test_a_deferred_update_keeps_the_learning_rate_of_its_step():
+    """With clipping, step k's update runs in step k+1's forward; set_lr before step k+1 must not
+    reach it (eager: the scheduler changes the rate after opt.step())."""
+    torch.manual_seed(7)
+    model = tiny_llama(layers=2)
+    ref = copy.deepcopy(model)
+    lrs = [3e-3, 1e-3, 5e-3, 2e-3, 4e-3]
+    batches = [random_batch(2, 16, 96, seed=s) for s in range(len(lrs))]
+    trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=ADAMW, max_grad_norm=0.1)
+    opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for lr, batch in zip(lrs, batches):
+        trainer.set_lr(lr)
+        got = trainer.step(batch).loss
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        loss = ref(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt.step()
+        assert got == pytest.approx(loss.item(), rel=RTOL)
+    trainer.set_lr(0.0)  # not the rate of the last step, whose update flush applies
+    trainer.flush()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert ((p - q).norm() / q.norm()).item() <= RTOL, name

@@ -96,6 +96,7 @@ class Executor:
         self._skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
         self._skipped: list[int] = []
         self._grad_scale: torch.Tensor | None = None  # for carried (NEXT_FORWARD) updates
+        self._carried_optimizer: AdamW | None = None
         # Per schedule (by identity, holding it alive): when each checkpoint is read for the last time.
         self._last_read: dict[int, tuple[Schedule, dict[int, list[tuple[int, int]]]]] = {}
 
@@ -118,11 +119,13 @@ class Executor:
             self._buffer_key = key
         return self._buffers
 
-    def set_update(self, clip_scale: float | None) -> None:
-        """Scale for the optimizer steps a NEXT_FORWARD schedule carries: the gradients are
+    def set_update(self, clip_scale: float | None, optimizer: AdamW | None = None) -> None:
+        """How to run the optimizer steps a NEXT_FORWARD schedule carries: the gradients are
         multiplied by ``clip_scale`` (``torch.nn.utils.clip_grad_norm_``'s clamped coefficient), or
-        used as they are when None."""
+        used as they are when None, with the AdamW settings of the step that made them
+        (``optimizer``; None for the current ones)."""
         self._grad_scale = None if clip_scale is None else torch.tensor(1.0 / clip_scale, dtype=torch.float32)
+        self._carried_optimizer = optimizer
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, schedule: Schedule, micro_batches: Sequence[dict[str, torch.Tensor]]) -> StepOutput:
@@ -299,7 +302,7 @@ class Executor:
         layer = self.graph.layers[li]
         n = layer.trainable_numel
         h = self.host
-        cfg = self.optimizer
+        cfg = (self._carried_optimizer or self.optimizer) if carried else self.optimizer
         scale = self._grad_scale if carried else None
 
         def run() -> None:
