@@ -1,14 +1,24 @@
-"""The ``megatrain`` command line: ``megatrain plan`` traces a model on the meta device, solves for
-a plan on a hardware spec, and reports whether it fits, where the memory goes and how fast a step
-is predicted to run.
+"""The ``megatrain`` command line.
+
+``megatrain plan`` traces a model on the meta device, solves for a plan on a hardware spec, and
+reports whether it fits, where the memory goes and how fast a step is predicted to run.
 
     megatrain plan --model llama-3-8b --hardware H100_SXM --seq-len 4096 --global-batch 64 --out plan/
 
-Exit codes: 0 a plan fits; 2 no plan fits (the PlanError message says the smallest GPU and host
-memory that would and which layer is the obstacle); 1 invalid input (an unknown model or hardware,
-a bad option).
+Exit codes of ``plan``: 0 a plan fits; 2 no plan fits (the PlanError message says the smallest GPU
+and host memory that would and which layer is the obstacle); 1 invalid input (an unknown model or
+hardware, a bad option).
 
-The table is plain aligned text, the same on every install: megatrain does not depend on a
+``megatrain train`` trains a model from a YAML or JSON config file whose every field is also a
+flag (flags win); see :mod:`megatrain.train`.
+
+    megatrain train --config run.yaml --max-steps 2000 --output-dir runs/a
+
+Exit codes of ``train``: 0 the run finished, or SIGINT/SIGTERM stopped it after saving a
+checkpoint; 2 any error (``error: <message>`` on stderr: a bad config, model, data or checkpoint,
+not enough host memory, a non-finite step with ``nonfinite: stop``); 130 a second interrupt.
+
+The plan table is plain aligned text, the same on every install: megatrain does not depend on a
 terminal-formatting package, and tests read the output.
 """
 
@@ -58,22 +68,40 @@ def _parser() -> argparse.ArgumentParser:
                       help="resident-layer selection: MILP knapsack (default) or greedy")
     plan.add_argument("--out", type=Path, default=None,
                       help="write schedule.json, trace.json (Chrome trace) and timeline.png here")
+    train = sub.add_parser("train", help="train a causal LM from a config file and flags",
+                           description="Train a causal LM with all persistent state in host memory. Settings "
+                                       "come from --config (YAML or JSON) and the flags below, which override "
+                                       "it. Exit code 0 when the run finishes or a signal stops it after a "
+                                       "checkpoint, 2 on any error.")
+    _add_train_flags(train)
     return p
 
 
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """``--config`` plus one flag per TrainConfig field, generated so that none is forgotten. Flags
+    are strings that pydantic validates (its errors name the field); absent flags leave the file's
+    value alone."""
+    import typing
+
+    from megatrain.train import TrainConfig
+
+    parser.add_argument("--config", type=Path, default=None, help="YAML (.yaml/.yml) or JSON file of the settings")
+    for name, field in TrainConfig.model_fields.items():
+        kw: dict = {"dest": name, "default": argparse.SUPPRESS, "metavar": name.upper()}
+        args = typing.get_args(field.annotation)
+        if typing.get_origin(field.annotation) is typing.Literal:
+            kw["choices"] = list(args)
+            kw.pop("metavar")
+        default = "required" if field.is_required() else f"default {field.default!r}"
+        none = "; none for null" if type(None) in args else ""
+        kw["help"] = f"{field.description} ({default}{none})".replace("%", "%%")
+        parser.add_argument("--" + name.replace("_", "-"), **kw)
+
+
 def _load_hardware(name_or_path: str):
-    from megatrain.errors import ConfigError
-    from megatrain.planner.hardware import HardwareSpec, preset
+    from megatrain.train import load_hardware_spec
 
-    path = Path(name_or_path)
-    if path.is_file():
-        import pydantic
-
-        try:
-            return HardwareSpec.load(path)
-        except pydantic.ValidationError as e:
-            raise ConfigError(f"{path} is not a valid HardwareSpec: {e}") from None
-    return preset(name_or_path)
+    return load_hardware_spec(name_or_path)
 
 
 def _gib(n: float) -> str:
@@ -217,12 +245,38 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_command(args: argparse.Namespace) -> int:
+    from megatrain.train import load_train_config, train
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        cfg = load_train_config(args.config, overrides)
+        train(cfg)
+    except MegatrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system refused a read or write: the message names the path
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"error: interrupted ({e or 'SIGINT'}); nothing more was saved, and a checkpoint already written "
+              "is intact", file=sys.stderr)
+        return 130
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
+        if args.command == "train":
+            return _train_command(args)
         return _plan_command(args)
     except _UsageError as e:
+        if argv[:1] == ["train"]:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(str(e), file=sys.stderr)
         return 1
     except MegatrainError as e:

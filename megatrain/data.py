@@ -2,14 +2,25 @@
 
 Everything runs locally with nothing downloaded. The default corpus is the
 source tree of the running interpreter's standard library (real text that is
-always present); a user may instead point at a directory of text files, a
-single text file, or a ``.jsonl`` file.
+always present); a user may instead point at a directory of documents, a
+single text file, a ``.jsonl`` file or a Parquet file (``pyarrow``, the
+``data`` extra).
 
-Typical use::
+Two ways to cut token streams into rows:
 
-    tokenizer, data = prepare_lm_data(seq_len=256)
-    for step, batch in zip(range(num_steps), data.batches(8, seed=0)):
-        loss = model(**batch).loss   # input_ids, labels: LongTensor[8, 256]
+- :class:`TokenDataset` cuts one stream into fixed windows, documents
+  running across window boundaries (GPT-style; the main job uses it)::
+
+      tokenizer, data = prepare_lm_data(seq_len=256)
+      for step, batch in zip(range(num_steps), data.batches(8, seed=0)):
+          loss = model(**batch).loss   # input_ids, labels: LongTensor[8, 256]
+
+- :func:`pack_documents` + :class:`PackedDataset` pack whole documents into
+  rows so that no loss target crosses a document boundary (``megatrain
+  train`` uses it)::
+
+      docs = tokenize_documents(tokenizer, load_documents(path))
+      data = PackedDataset(pack_documents(docs, 256, eot_id=eot), seed=0)
 
 Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
@@ -17,12 +28,15 @@ lengths of token arrays count tokens.
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
 import logging
 import os
 import sysconfig
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +46,23 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_SEQ_LEN",
+    "EOT_CANDIDATES",
     "EOT_TOKEN",
+    "IGNORE_INDEX",
+    "RECORD_SUFFIXES",
     "TEXT_SUFFIXES",
+    "PackedDataset",
+    "PackedRows",
     "TokenDataset",
+    "corpus_bytes",
     "default_corpus_dir",
     "encode_documents",
+    "find_eot_token",
     "load_documents",
     "load_tokenizer",
+    "pack_documents",
     "prepare_lm_data",
+    "tokenize_documents",
     "train_bpe_tokenizer",
 ]
 
@@ -50,6 +73,18 @@ EOT_TOKEN = "<|endoftext|>"
 
 #: Suffixes collected from a directory (and accepted as a single-document file).
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+
+#: Suffixes of files holding many documents, one per record, each taken from a
+#: text field (``.jsonl``) or column (``.parquet``); read alone or in a directory.
+RECORD_SUFFIXES = (".jsonl", ".parquet")
+
+#: End-of-sequence tokens :func:`find_eot_token` looks for, in this order: this
+#: package's BPE, GPT-2/Qwen, Llama 3, Llama 2/Mistral, Gemma.
+EOT_CANDIDATES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+
+#: Label value a causal-LM loss ignores (``torch.nn.CrossEntropyLoss``'s and
+#: Hugging Face's ``ignore_index``).
+IGNORE_INDEX = -100
 
 #: Default cap on the text collected, in UTF-8 bytes. 3 MB of stdlib source is
 #: about 0.9 M tokens at vocab 2048 — more than a 5-minute CPU run consumes —
@@ -66,9 +101,9 @@ DEFAULT_SEQ_LEN = 256
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 _ACCEPTED = (
-    "a directory (its *.py, *.txt, *.md, *.rst files are read recursively), "
-    "a single .py/.txt/.md/.rst file (one document), or a .jsonl file "
-    "(one JSON object per line)"
+    "a directory (its *.py, *.txt, *.md, *.rst, *.jsonl, *.parquet files are read "
+    "recursively), a single .py/.txt/.md/.rst file (one document), a .jsonl file "
+    "(one JSON object per line) or a .parquet file (one document per row)"
 )
 
 _MIN_VOCAB = 257  # 256 byte-level symbols + the end-of-text token
@@ -104,7 +139,7 @@ def _iter_corpus_files(root: Path) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
         for name in filenames:
-            if name.lower().endswith(TEXT_SUFFIXES):
+            if name.lower().endswith(TEXT_SUFFIXES + RECORD_SUFFIXES):
                 p = Path(dirpath, name)
                 if p.is_file():
                     files.append(p)
@@ -112,6 +147,23 @@ def _iter_corpus_files(root: Path) -> list[Path]:
     # filesystem) so the same tree always yields the same document order.
     files.sort(key=lambda p: p.relative_to(root).parts)
     return files
+
+
+def corpus_bytes(source: str | os.PathLike[str] | None = None) -> int:
+    """Size on disk, in bytes, of the files :func:`load_documents` reads from ``source``.
+
+    ``None`` is :func:`default_corpus_dir`. Parquet files count compressed, so
+    their text may be larger; nothing is read but directory entries.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+    """
+    path = default_corpus_dir() if source is None else Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected {_ACCEPTED}")
+    if path.is_dir():
+        return sum(f.stat().st_size for f in _iter_corpus_files(path))
+    return path.stat().st_size
 
 
 class _Budget:
@@ -145,22 +197,27 @@ def load_documents(
     max_bytes: int | None = DEFAULT_MAX_BYTES,
     text_field: str = "text",
 ) -> list[str]:
-    """Load text documents from a directory, a text file, or a ``.jsonl`` file.
+    """Load text documents from a directory, a text file, a ``.jsonl`` or a ``.parquet`` file.
 
     Args:
-        source: ``None`` for :func:`default_corpus_dir`; a directory, whose
-            ``*.py``, ``*.txt``, ``*.md`` and ``*.rst`` files (recursive,
-            case-insensitive suffix) become one document each, in sorted
-            relative-path order — ``site-packages``, ``dist-packages``,
-            ``__pycache__`` and hidden directories are skipped, and files that
-            are not valid UTF-8 or are empty are skipped; a ``.py``/``.txt``/
-            ``.md``/``.rst`` file, which is one document; or a ``.jsonl`` file,
-            one document per non-blank line taken from ``text_field``.
+        source: ``None`` for :func:`default_corpus_dir`; a directory, read
+            recursively in sorted relative-path order, whose ``*.py``,
+            ``*.txt``, ``*.md`` and ``*.rst`` files (case-insensitive suffix)
+            become one document each and whose ``*.jsonl`` and ``*.parquet``
+            files contribute one document per record, as below —
+            ``site-packages``, ``dist-packages``, ``__pycache__`` and hidden
+            directories are skipped, and text files that are not valid UTF-8
+            or are empty are skipped; a ``.py``/``.txt``/``.md``/``.rst`` file,
+            which is one document; a ``.jsonl`` file, one document per
+            non-blank line taken from ``text_field``; or a ``.parquet`` file,
+            one document per row taken from the string column ``text_field``
+            (null and empty values are skipped; needs ``pyarrow``).
         max_bytes: stop once this many UTF-8 bytes of text are collected.
             Documents are taken whole, except the one that would cross the
             limit, which is truncated (at a character boundary) to fit.
             ``None`` loads everything.
-        text_field: key of the document text in each ``.jsonl`` object.
+        text_field: key of the document text in each ``.jsonl`` object, and
+            name of the text column of a ``.parquet`` file.
 
     Returns:
         The documents, in a deterministic order, each a non-empty ``str``;
@@ -172,8 +229,11 @@ def load_documents(
         ValueError: unsupported file suffix; ``max_bytes`` not positive; a
             single text file that is not UTF-8; a ``.jsonl`` line that is not
             a JSON object with a string ``text_field`` (the message names the
-            file, the 1-based line number and the field); or no non-empty
-            document was found.
+            file, the 1-based line number and the field); a ``.parquet`` file
+            that cannot be read or has no string column ``text_field`` (the
+            message names the file and its columns); or no non-empty document
+            was found.
+        ImportError: a ``.parquet`` file without ``pyarrow`` installed.
     """
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive number of bytes or None, got {max_bytes}")
@@ -188,13 +248,16 @@ def load_documents(
         files = _iter_corpus_files(path)
         if not files:
             raise FileNotFoundError(
-                f"corpus directory {str(path)!r} contains no *.py, *.txt, *.md or *.rst "
-                f"files (site-packages, __pycache__ and hidden directories are skipped); "
-                f"expected {_ACCEPTED}"
+                f"corpus directory {str(path)!r} contains no *.py, *.txt, *.md, *.rst, "
+                f"*.jsonl or *.parquet files (site-packages, __pycache__ and hidden "
+                f"directories are skipped); expected {_ACCEPTED}"
             )
         for f in files:
             if budget.exhausted:
                 break
+            if f.suffix.lower() in RECORD_SUFFIXES:
+                docs.extend(_load_records(f, budget, text_field))
+                continue
             data = f.read_bytes()
             try:
                 data.decode("utf-8")
@@ -209,8 +272,8 @@ def load_documents(
                 docs.append(text)
     else:
         suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            docs = _load_jsonl(path, budget, text_field)
+        if suffix in RECORD_SUFFIXES:
+            docs = _load_records(path, budget, text_field)
         elif suffix in TEXT_SUFFIXES:
             data = path.read_bytes()
             try:
@@ -228,6 +291,50 @@ def load_documents(
 
     if not docs:
         raise ValueError(f"no non-empty UTF-8 documents found in {str(path)!r}")
+    return docs
+
+
+def _load_records(path: Path, budget: _Budget, text_field: str) -> list[str]:
+    if path.suffix.lower() == ".parquet":
+        return _load_parquet(path, budget, text_field)
+    return _load_jsonl(path, budget, text_field)
+
+
+def _load_parquet(path: Path, budget: _Budget, text_field: str) -> list[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(
+            f"reading {str(path)!r} needs pyarrow, which megatrain does not install by "
+            f"default: pip install 'megatrain[data]' (or pyarrow)"
+        ) from e
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{str(path)!r} is not a readable Parquet file: {e}") from e
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise ValueError(
+            f"{str(path)!r} has no column {text_field!r} (columns: {schema.names}); "
+            f"name the text column with text_field"
+        )
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(
+            f"{str(path)!r}: column {text_field!r} has type {kind}, not string; name a "
+            f"string column with text_field"
+        )
+    docs: list[str] = []
+    # Record batches of the one column bound memory to a batch, not the file.
+    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if budget.exhausted:
+                return docs
+            if text:
+                taken = budget.take(text.encode("utf-8"))
+                if taken:
+                    docs.append(taken)
     return docs
 
 
@@ -361,6 +468,46 @@ def _eot_id(tokenizer: Tokenizer, eot_token: str) -> int:
     return eot
 
 
+def find_eot_token(tokenizer: Tokenizer, candidates: Sequence[str] = EOT_CANDIDATES) -> str:
+    """The first of ``candidates`` that is a token of ``tokenizer``.
+
+    Raises:
+        ValueError: none is; the message lists the candidates and says to
+            name the tokenizer's end-of-sequence token explicitly.
+    """
+    for token in candidates:
+        if tokenizer.token_to_id(token) is not None:
+            return token
+    raise ValueError(
+        f"the tokenizer has none of the end-of-sequence tokens {list(candidates)}; "
+        f"name its end-of-sequence token (eot_token) explicitly"
+    )
+
+
+def tokenize_documents(
+    tokenizer: Tokenizer, docs: Sequence[str], *, batch_size: int = 1024
+) -> list[np.ndarray]:
+    """Tokenize each document on its own, without any special token.
+
+    Documents are encoded ``batch_size`` at a time with the tokenizer's
+    parallel batch encoder and ``add_special_tokens=False`` (a BOS added per
+    encode call would otherwise appear mid-row once documents are packed).
+
+    Returns:
+        One ``np.ndarray[int64]`` of token ids per document, in order.
+    """
+    # encode_batch_fast skips offset tracking we never use; same ids.
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    # Per-document arrays rather than lists of Python ints: ~8 bytes per
+    # token instead of ~36.
+    out: list[np.ndarray] = []
+    docs = list(docs)
+    for start in range(0, len(docs), batch_size):
+        for enc in encode(docs[start : start + batch_size], add_special_tokens=False):
+            out.append(np.asarray(enc.ids, dtype=np.int64))
+    return out
+
+
 def encode_documents(
     tokenizer: Tokenizer,
     docs: Sequence[str],
@@ -370,9 +517,7 @@ def encode_documents(
 ) -> np.ndarray:
     """Tokenize documents into one stream, with ``eot_token`` after each.
 
-    Documents are encoded ``batch_size`` at a time with the tokenizer's
-    parallel batch encoder and without the tokenizer's own special tokens
-    (a BOS added per encode call would otherwise appear mid-stream).
+    Documents are encoded as by :func:`tokenize_documents`.
 
     Args:
         tokenizer: any ``tokenizers.Tokenizer`` that has ``eot_token``.
@@ -387,29 +532,294 @@ def encode_documents(
     Raises:
         ValueError: the tokenizer has no ``eot_token``.
     """
-    eot = _eot_id(tokenizer, eot_token)
-    # encode_batch_fast skips offset tracking we never use; same ids.
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-    eot_arr = np.array([eot], dtype=np.int64)
-    # Per-document arrays rather than one list of Python ints: ~8 bytes per
-    # token instead of ~36 while the stream is built.
+    eot_arr = np.array([_eot_id(tokenizer, eot_token)], dtype=np.int64)
     pieces: list[np.ndarray] = []
-    docs = list(docs)
-    for start in range(0, len(docs), batch_size):
-        for enc in encode(docs[start : start + batch_size], add_special_tokens=False):
-            pieces.append(np.asarray(enc.ids, dtype=np.int64))
-            pieces.append(eot_arr)
+    for ids in tokenize_documents(tokenizer, docs, batch_size=batch_size):
+        pieces.append(ids)
+        pieces.append(eot_arr)
     if not pieces:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate(pieces)
 
 
 # --------------------------------------------------------------------------
-# Windows and batches
+# Packing documents into rows
 # --------------------------------------------------------------------------
 
 
-class TokenDataset:
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedRows:
+    """Rows made by :func:`pack_documents`.
+
+    Attributes:
+        input_ids: ``np.ndarray[int64]`` of shape ``[rows, seq_len]``.
+        labels: the same shape: ``input_ids`` where a position is a loss
+            target, :data:`IGNORE_INDEX` (-100) at the first position of
+            every piece and at padding.
+        num_documents: documents packed.
+        num_pieces: pieces they were cut into (``>= num_documents``).
+        num_tokens: document tokens placed, each document's end-of-text
+            token and the tokens repeated at splits included.
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    num_documents: int
+    num_pieces: int
+    num_tokens: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def padding_fraction(self) -> float:
+        """Fraction of the rows' positions that are padding."""
+        return 1.0 - self.num_tokens / max(1, self.input_ids.size)
+
+
+def pack_documents(
+    docs: Sequence[np.ndarray | Sequence[int]],
+    seq_len: int,
+    *,
+    eot_id: int,
+    pad_id: int | None = None,
+) -> PackedRows:
+    """Pack tokenized documents into rows of ``seq_len`` tokens for a causal LM.
+
+    The rule, precisely:
+
+    1. **Boundaries.** Every document (its token ids, without special tokens)
+       gets one end-of-text token ``eot_id`` appended; call its length,
+       end-of-text included, ``L``.
+    2. **Splitting.** A document with ``L <= seq_len`` is one piece. A longer
+       one is split into pieces of ``seq_len`` tokens that overlap by one
+       token: piece ``k`` starts at token ``k * (seq_len - 1)`` and the last
+       piece holds what is left (between 2 and ``seq_len`` tokens). The
+       repeated token is there only as context for the next piece's first
+       target; it is never a target twice.
+    3. **Packing.** Pieces are placed whole into rows, best-fit decreasing:
+       in order of decreasing length (ties: corpus order), each goes into the
+       row with the least free space that still holds it, else into a new
+       row; within a row, pieces sit back to back in the order placed. The
+       rest of a row is padding, ``pad_id`` (default ``eot_id``). The result
+       depends only on the inputs.
+    4. **Labels.** ``labels`` equals ``input_ids`` except that it is
+       ``-100`` (:data:`IGNORE_INDEX`) at the first position of every piece
+       and at every padding position.
+
+    Hugging Face causal LMs shift inside their loss: the logits at position
+    ``t`` are scored against ``labels[t + 1]``. So with rule 4, the first
+    token of a document is never predicted from the document before it in
+    the row (no cross-document target), padding is never predicted, and
+    every other token of every document, its end-of-text token included, is
+    a target exactly once. Each row has at least one target.
+
+    Attention is not masked at boundaries: the trainer feeds ``input_ids``
+    and ``labels`` only, so a document attends to the documents before it in
+    its row, as in GPT-style packing; only the targets respect boundaries.
+
+    Args:
+        docs: one sequence of token ids per document (empty ones are skipped).
+        seq_len: tokens per row, at least 2 (one context and one target).
+        eot_id: the end-of-text token id.
+        pad_id: the id written at padding positions (never a target).
+
+    Returns:
+        :class:`PackedRows`.
+
+    Raises:
+        ValueError: ``seq_len < 2``, or no non-empty document.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2 (one context and one target token), got {seq_len}")
+    pad = eot_id if pad_id is None else pad_id
+    arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in docs]
+    arrays = [a for a in arrays if a.size]
+    if not arrays:
+        raise ValueError("no non-empty document to pack")
+
+    # Pieces as (length, document, start in the document + end-of-text).
+    pieces: list[tuple[int, int, int]] = []
+    for i, a in enumerate(arrays):
+        total = a.size + 1
+        start = 0
+        while True:
+            n = min(seq_len, total - start)
+            pieces.append((n, i, start))
+            if start + n >= total:
+                break
+            start += seq_len - 1
+    pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
+
+    # Best fit: ``open_rows`` is sorted by (free space, row), so the first
+    # entry with free >= n is the tightest row, the oldest among equals. A
+    # row with fewer than 2 free positions can take no piece and is closed.
+    placements: list[tuple[int, int, int, int, int]] = []  # row, offset, length, doc, start
+    open_rows: list[tuple[int, int]] = []
+    rows = 0
+    for n, i, start in pieces:
+        k = bisect.bisect_left(open_rows, (n, -1))
+        if k < len(open_rows):
+            free, row = open_rows.pop(k)
+        else:
+            free, row = seq_len, rows
+            rows += 1
+        placements.append((row, seq_len - free, n, i, start))
+        if free - n >= 2:
+            bisect.insort(open_rows, (free - n, row))
+
+    input_ids = np.full((rows, seq_len), pad, dtype=np.int64)
+    labels = np.full((rows, seq_len), IGNORE_INDEX, dtype=np.int64)
+    for row, off, n, i, start in placements:
+        a = arrays[i]
+        end = start + n
+        if end <= a.size:
+            seg = a[start:end]
+        else:  # the last piece ends with the end-of-text token
+            seg = np.append(a[start:], eot_id)
+        input_ids[row, off : off + n] = seg
+        labels[row, off + 1 : off + n] = seg[1:]
+    return PackedRows(
+        input_ids=input_ids,
+        labels=labels,
+        num_documents=len(arrays),
+        num_pieces=len(pieces),
+        num_tokens=sum(p[0] for p in pieces),
+    )
+
+
+# --------------------------------------------------------------------------
+# Rows and batches
+# --------------------------------------------------------------------------
+
+
+class _SplitRows:
+    """A held-out split of equal-length rows and the batching both datasets share.
+
+    Subclasses set ``seq_len``, call :meth:`_split` with their row count, and
+    build one batch from row indices in :meth:`_batch`.
+    """
+
+    _noun = "row"
+    seq_len: int
+    train_indices: np.ndarray
+    val_indices: np.ndarray
+
+    def _split(self, num_rows: int, val_fraction: float, seed: int) -> None:
+        num_val = min(max(1, round(val_fraction * num_rows)), num_rows - 1)
+        perm = np.random.default_rng(seed).permutation(num_rows)
+        self.val_indices = np.sort(perm[:num_val]).astype(np.int64)
+        self.train_indices = np.sort(perm[num_val:]).astype(np.int64)
+
+    def _batch(self, row_ids: np.ndarray) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """Number of training rows."""
+        return len(self.train_indices)
+
+    def _split_indices(self, split: str) -> np.ndarray:
+        if split == "train":
+            return self.train_indices
+        if split in ("val", "validation"):
+            return self.val_indices
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+
+    def _check_batch(self, batch_size: int, split: str, idx: np.ndarray) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(idx) < batch_size:
+            raise ValueError(
+                f"corpus too small for one batch: the {split} split has {len(idx)} "
+                f"{self._noun}(s) of {self.seq_len} tokens, batch_size={batch_size}. Use more "
+                f"text (max_bytes), a shorter seq_len or a smaller batch."
+            )
+
+    def batches_per_epoch(self, batch_size: int, split: str = "train") -> int:
+        """Full batches of ``batch_size`` rows in one pass over ``split``."""
+        return len(self._split_indices(split)) // batch_size
+
+    def batches(
+        self, batch_size: int, *, seed: int = 0, split: str = "train", start: int = 0
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield shuffled batches endlessly, epoch after epoch.
+
+        Each epoch visits the split's rows in a fresh order from
+        ``np.random.default_rng((seed, epoch))``, so a run is reproducible
+        from ``seed`` alone. Batches are always full: the
+        ``len(split) % batch_size`` rows left at the end of an epoch are
+        skipped that epoch (they land elsewhere in the next permutation).
+
+        Args:
+            batch_size: rows per batch.
+            seed: shuffle seed.
+            split: ``"train"`` or ``"val"``.
+            start: begin with batch number ``start`` (0-based, counting
+                across epochs) of that sequence, without producing the
+                earlier ones: how a resumed run continues where it stopped.
+
+        Yields:
+            ``{"input_ids": LongTensor[batch_size, seq_len],
+            "labels": LongTensor[batch_size, seq_len]}`` (CPU tensors, dtype
+            ``torch.int64``).
+
+        Raises:
+            ValueError (immediately, not on first ``next``): unknown split,
+            ``batch_size < 1``, ``start < 0``, or the split has fewer than
+            ``batch_size`` rows.
+        """
+        idx = self._split_indices(split)
+        self._check_batch(batch_size, split, idx)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        return self._endless(idx, batch_size, seed, start)
+
+    def _endless(
+        self, idx: np.ndarray, batch_size: int, seed: int, start: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        per_epoch = len(idx) // batch_size
+        epoch, first = divmod(start, per_epoch)
+        while True:
+            order = idx[np.random.default_rng((seed, epoch)).permutation(len(idx))]
+            for b in range(first, per_epoch):
+                yield self._batch(order[b * batch_size : (b + 1) * batch_size])
+            first = 0
+            epoch += 1
+
+    def eval_batches(
+        self, batch_size: int, max_batches: int | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield validation batches in a fixed order (ascending row index).
+
+        Only full batches are produced, so every batch has the same shape;
+        the last ``num_val % batch_size`` rows are not used.
+
+        Args:
+            batch_size: rows per batch.
+            max_batches: stop after this many batches; ``None`` for all
+                ``num_val // batch_size`` of them.
+
+        Yields:
+            ``{"input_ids": LongTensor[batch_size, seq_len],
+            "labels": LongTensor[batch_size, seq_len]}``; the same sequence
+            on every call.
+
+        Raises:
+            ValueError (immediately): ``batch_size < 1``, ``max_batches < 1``,
+            or fewer than ``batch_size`` validation rows.
+        """
+        idx = self.val_indices
+        self._check_batch(batch_size, "val", idx)
+        n = len(idx) // batch_size
+        if max_batches is not None:
+            if max_batches < 1:
+                raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
+            n = min(n, max_batches)
+        return (self._batch(idx[i * batch_size : (i + 1) * batch_size]) for i in range(n))
+
+
+class TokenDataset(_SplitRows):
     """Fixed-length training windows cut from a token stream, with a held-out split.
 
     The stream is cut into ``num_windows = len(tokens) // seq_len``
@@ -428,6 +838,9 @@ class TokenDataset:
     text — with the sorted stdlib corpus, the tail would be a handful of
     modules only. The two sets are disjoint and cover all windows.
 
+    Batching (:meth:`batches`, :meth:`eval_batches`) is as for every row
+    dataset here; each batch's ``labels`` is a copy of its ``input_ids``.
+
     Attributes:
         tokens: ``np.ndarray[int64]`` of shape ``[num_windows * seq_len]``.
         seq_len: tokens per window.
@@ -440,6 +853,8 @@ class TokenDataset:
             fewer than two windows (one for training, one for validation) —
             the message gives the token count and what is needed.
     """
+
+    _noun = "window"
 
     def __init__(
         self,
@@ -465,15 +880,7 @@ class TokenDataset:
         self.num_windows = num_windows
         self.tokens = tokens[: num_windows * seq_len].copy()
         self._windows = self.tokens.reshape(num_windows, seq_len)
-
-        num_val = min(max(1, round(val_fraction * num_windows)), num_windows - 1)
-        perm = np.random.default_rng(seed).permutation(num_windows)
-        self.val_indices = np.sort(perm[:num_val]).astype(np.int64)
-        self.train_indices = np.sort(perm[num_val:]).astype(np.int64)
-
-    def __len__(self) -> int:
-        """Number of training windows."""
-        return len(self.train_indices)
+        self._split(num_windows, val_fraction, seed)
 
     @property
     def num_train_windows(self) -> int:
@@ -483,23 +890,6 @@ class TokenDataset:
     def num_val_windows(self) -> int:
         return len(self.val_indices)
 
-    def _split_indices(self, split: str) -> np.ndarray:
-        if split == "train":
-            return self.train_indices
-        if split in ("val", "validation"):
-            return self.val_indices
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-
-    def _check_batch(self, batch_size: int, split: str, idx: np.ndarray) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if len(idx) < batch_size:
-            raise ValueError(
-                f"corpus too small for one batch: the {split} split has {len(idx)} "
-                f"window(s) of {self.seq_len} tokens, batch_size={batch_size}. Use more "
-                f"text (max_bytes), a shorter seq_len or a smaller batch."
-            )
-
     def _batch(self, window_ids: np.ndarray) -> dict[str, torch.Tensor]:
         # Fancy indexing copies, so the tensor owns fresh memory; labels are a
         # separate copy so a caller masking labels in place (-100) cannot
@@ -507,77 +897,62 @@ class TokenDataset:
         x = torch.from_numpy(self._windows[window_ids])
         return {"input_ids": x, "labels": x.clone()}
 
-    def batches(
-        self, batch_size: int, *, seed: int = 0, split: str = "train"
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield shuffled batches endlessly, epoch after epoch.
 
-        Each epoch visits the split's windows in a fresh order from
-        ``np.random.default_rng((seed, epoch))``, so a run is reproducible
-        from ``seed`` alone. Batches are always full: the
-        ``len(split) % batch_size`` windows left at the end of an epoch are
-        skipped that epoch (they land elsewhere in the next permutation).
+class PackedDataset(_SplitRows):
+    """Rows from :func:`pack_documents`, with a held-out split.
 
-        Args:
-            batch_size: windows per batch.
-            seed: shuffle seed.
-            split: ``"train"`` or ``"val"``.
+    Validation split: ``max(1, round(val_fraction * rows))`` rows chosen by a
+    permutation seeded with ``seed``; the rest train. Batches carry the
+    packed ``labels`` (``-100`` at piece starts and padding), not a copy of
+    ``input_ids``.
 
-        Yields:
-            ``{"input_ids": LongTensor[batch_size, seq_len],
-            "labels": LongTensor[batch_size, seq_len]}`` with equal values
-            (CPU tensors, dtype ``torch.int64``).
+    Attributes:
+        packed: the :class:`PackedRows`.
+        seq_len: tokens per row.
+        num_rows: total rows.
+        train_indices / val_indices: sorted row indices of each split.
 
-        Raises:
-            ValueError (immediately, not on first ``next``): unknown split,
-            ``batch_size < 1``, or the split has fewer than ``batch_size``
-            windows.
-        """
-        idx = self._split_indices(split)
-        self._check_batch(batch_size, split, idx)
-        return self._endless(idx, batch_size, seed)
+    Raises:
+        ValueError: ``val_fraction`` not in ``(0, 1)``, or fewer than two
+            rows (one for training, one for validation).
+    """
 
-    def _endless(
-        self, idx: np.ndarray, batch_size: int, seed: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        n_full = len(idx) // batch_size * batch_size
-        epoch = 0
-        while True:
-            order = idx[np.random.default_rng((seed, epoch)).permutation(len(idx))]
-            for start in range(0, n_full, batch_size):
-                yield self._batch(order[start : start + batch_size])
-            epoch += 1
+    def __init__(self, packed: PackedRows, *, val_fraction: float = 0.05, seed: int = 0) -> None:
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        rows = packed.input_ids.shape[0]
+        if rows < 2:
+            raise ValueError(
+                f"corpus too small: its {packed.num_tokens} tokens pack into {rows} row(s) of "
+                f"seq_len={packed.seq_len}; need at least 2 (one training and one validation "
+                f"row). Use more text (max_bytes) or a shorter seq_len."
+            )
+        self.packed = packed
+        self.seq_len = packed.seq_len
+        self.num_rows = rows
+        self._split(rows, val_fraction, seed)
 
-    def eval_batches(
-        self, batch_size: int, max_batches: int | None = None
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield validation batches in a fixed order (ascending window index).
+    @property
+    def num_train_rows(self) -> int:
+        return len(self.train_indices)
 
-        Only full batches are produced, so every batch has the same shape;
-        the last ``num_val_windows % batch_size`` windows are not used.
+    @property
+    def num_val_rows(self) -> int:
+        return len(self.val_indices)
 
-        Args:
-            batch_size: windows per batch.
-            max_batches: stop after this many batches; ``None`` for all
-                ``num_val_windows // batch_size`` of them.
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the rows, labels and split: equal iff the batches are equal."""
+        h = hashlib.sha256()
+        for a in (self.packed.input_ids, self.packed.labels, self.train_indices, self.val_indices):
+            h.update(np.ascontiguousarray(a).tobytes())
+            h.update(str(a.shape).encode())
+        return h.hexdigest()
 
-        Yields:
-            ``{"input_ids": LongTensor[batch_size, seq_len],
-            "labels": LongTensor[batch_size, seq_len]}``; the same sequence
-            on every call.
-
-        Raises:
-            ValueError (immediately): ``batch_size < 1``, ``max_batches < 1``,
-            or fewer than ``batch_size`` validation windows.
-        """
-        idx = self.val_indices
-        self._check_batch(batch_size, "val", idx)
-        n = len(idx) // batch_size
-        if max_batches is not None:
-            if max_batches < 1:
-                raise ValueError(f"max_batches must be >= 1 or None, got {max_batches}")
-            n = min(n, max_batches)
-        return (self._batch(idx[i * batch_size : (i + 1) * batch_size]) for i in range(n))
+    def _batch(self, row_ids: np.ndarray) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.from_numpy(self.packed.input_ids[row_ids]),
+            "labels": torch.from_numpy(self.packed.labels[row_ids]),
+        }
 
 
 # --------------------------------------------------------------------------

@@ -6,6 +6,8 @@ outputs are hard-coded: the tests check properties that hold for any text.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import sysconfig
 from pathlib import Path
@@ -19,12 +21,18 @@ from hypothesis import strategies as st
 from megatrain.data import (
     DEFAULT_MAX_BYTES,
     EOT_TOKEN,
+    IGNORE_INDEX,
+    PackedDataset,
     TokenDataset,
+    corpus_bytes,
     default_corpus_dir,
     encode_documents,
+    find_eot_token,
     load_documents,
     load_tokenizer,
+    pack_documents,
     prepare_lm_data,
+    tokenize_documents,
     train_bpe_tokenizer,
 )
 
@@ -367,3 +375,175 @@ def test_prepare_lm_data_too_small(tmp_path):
     f.write_text("just a few words\n", encoding="utf-8")
     with pytest.raises(ValueError, match="too small"):
         prepare_lm_data(f, seq_len=64)
+
+
+# ---------------------------------------------------------------- parquet and mixed directories
+
+
+def _write_parquet(path: Path, **columns) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table(columns), path, row_group_size=2)
+    return path
+
+
+def test_parquet_loading_takes_the_text_column(tmp_path):
+    texts = [_read("textwrap.py"), None, "", _read("shlex.py"), "short ✓"]
+    f = _write_parquet(tmp_path / "docs.parquet", body=texts, n=list(range(5)))
+    want = [t for t in texts if t]
+    assert load_documents(f, text_field="body", max_bytes=None) == want
+    budget = len(want[0].encode("utf-8")) + 10
+    docs = load_documents(f, text_field="body", max_bytes=budget)
+    assert docs[0] == want[0] and want[1].startswith(docs[1]) and len(docs[1]) == 10
+    with pytest.raises(ValueError, match=r"docs\.parquet.*no column 'text'.*\['body', 'n'\]"):
+        load_documents(f)
+    with pytest.raises(ValueError, match=r"column 'n' has type int64, not string"):
+        load_documents(f, text_field="n")
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=r"bad\.parquet.*not a readable Parquet"):
+        load_documents(bad)
+
+
+def test_directory_reads_text_jsonl_and_parquet_files_in_path_order(tmp_path):
+    root = tmp_path / "mixed"
+    (root / "b").mkdir(parents=True)
+    (root / "a.txt").write_text(_read("string.py"), encoding="utf-8")
+    (root / "b" / "c.jsonl").write_text(json.dumps({"text": "from jsonl"}) + "\n", encoding="utf-8")
+    _write_parquet(root / "b" / "d.parquet", text=["parquet one", "parquet two"])
+    (root / "e.csv").write_text("skipped,1\n", encoding="utf-8")
+    docs = load_documents(root, max_bytes=None)
+    assert docs == [_read("string.py"), "from jsonl", "parquet one", "parquet two"]
+    on_disk = sum(f.stat().st_size for f in [root / "a.txt", root / "b" / "c.jsonl", root / "b" / "d.parquet"])
+    assert corpus_bytes(root) == on_disk
+    with pytest.raises(FileNotFoundError, match="nope"):
+        corpus_bytes(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_tokenize_documents_matches_the_stream_encoding(real_docs, tokenizer):
+    per_doc = tokenize_documents(tokenizer, real_docs, batch_size=2)
+    assert len(per_doc) == len(real_docs) and all(a.dtype == np.int64 for a in per_doc)
+    eot = tokenizer.token_to_id(EOT_TOKEN)
+    stream = np.concatenate([np.append(a, eot) for a in per_doc])
+    assert np.array_equal(stream, encode_documents(tokenizer, real_docs))
+    assert find_eot_token(tokenizer) == EOT_TOKEN
+    bare = train_bpe_tokenizer(real_docs[:1], vocab_size=300)
+    assert find_eot_token(bare, ["</s>", EOT_TOKEN]) == EOT_TOKEN
+    with pytest.raises(ValueError, match=r"none of the end-of-sequence tokens \['</s>'\]"):
+        find_eot_token(bare, ["</s>"])
+
+
+def test_pack_documents_golden_example():
+    # S=6. [1 2 3]+E fits; [10..21]+E (13 tokens) splits with one token of overlap into 6 + 6 + 3;
+    # [30]+E and [40..44]+E fit. Best-fit decreasing: the three 6s, then 5, 4, 3 (the tail goes to a
+    # new row: the 4-row has 2 left), then 2 into the 4-row.
+    docs = [np.arange(1, 4), np.arange(10, 22), np.array([30]), np.arange(40, 45)]
+    p = pack_documents(docs, 6, eot_id=0, pad_id=-1)
+    E, P, X = 0, -1, IGNORE_INDEX
+    assert p.input_ids.tolist() == [
+        [10, 11, 12, 13, 14, 15],
+        [15, 16, 17, 18, 19, 20],
+        [40, 41, 42, 43, 44, E],
+        [1, 2, 3, E, 30, E],
+        [20, 21, E, P, P, P],
+    ]
+    assert p.labels.tolist() == [
+        [X, 11, 12, 13, 14, 15],
+        [X, 16, 17, 18, 19, 20],
+        [X, 41, 42, 43, 44, E],
+        [X, 2, 3, E, X, E],  # 30 starts a document: never predicted from document [1 2 3]
+        [X, 21, E, X, X, X],
+    ]
+    assert (p.num_documents, p.num_pieces, p.num_tokens) == (4, 6, 27)
+    assert p.padding_fraction == pytest.approx(3 / 30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=25), seq_len=st.integers(2, 12))
+def test_packing_targets_are_exactly_the_within_document_pairs(lengths, seq_len):
+    # Unique ids per token (>= 1); end-of-text 0; padding -1, so every fact is checkable.
+    docs, nxt = [], 1
+    for n in lengths:
+        docs.append(np.arange(nxt, nxt + n))
+        nxt += n
+    if not any(lengths):
+        with pytest.raises(ValueError, match="no non-empty"):
+            pack_documents(docs, seq_len, eot_id=0)
+        return
+    p = pack_documents(docs, seq_len, eot_id=0, pad_id=-1)
+    x, y = p.input_ids, p.labels
+    assert x.shape == y.shape and x.shape[1] == seq_len and x.dtype == y.dtype == np.int64
+    # Labels are the inputs or ignored; position 0 of a row is never a target anyway.
+    assert np.all((y == x) | (y == IGNORE_INDEX)) and np.all(y[:, 0] == IGNORE_INDEX)
+    # Padding is a suffix of each row and never a target.
+    pad = x == -1
+    assert np.all(np.diff(pad.astype(int), axis=1) >= 0) and np.all(y[pad] == IGNORE_INDEX)
+    assert pad.sum() == x.size - p.num_tokens
+    # Every (context token, target) pair is a pair of neighbours in one document + end-of-text, and
+    # each such pair is a target exactly once: no cross-document target, none lost at a split.
+    want = collections.Counter()
+    for d in docs:
+        if d.size:
+            seq = np.append(d, 0).tolist()
+            want.update(zip(seq, seq[1:]))
+    got = collections.Counter()
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        pairs = [(row_x[t - 1], row_y[t]) for t in range(1, seq_len) if row_y[t] != IGNORE_INDEX]
+        assert pairs, "a row without a target"
+        got.update(pairs)
+    assert got == want
+    # A document that fits in a row is never split.
+    for d in docs:
+        if 0 < d.size < seq_len:
+            r, c = np.argwhere(x == d[0])[0]
+            assert x[r, c : c + d.size + 1].tolist() == np.append(d, 0).tolist()
+    # Rows are not wasted: fewer than one row's worth of padding per two rows, plus one row.
+    assert pad.sum() <= seq_len * (x.shape[0] // 2 + 1)
+
+
+def test_pack_documents_rejects_bad_input():
+    with pytest.raises(ValueError, match="seq_len must be >= 2"):
+        pack_documents([np.arange(5)], 1, eot_id=0)
+    with pytest.raises(ValueError, match="no non-empty document"):
+        pack_documents([np.array([], dtype=np.int64)], 8, eot_id=0)
+
+
+def _packed_dataset(n_docs=40, seq_len=8, **kw) -> PackedDataset:
+    docs = [np.arange(100 * i + 1, 100 * i + 1 + (i % 13) + 1) for i in range(n_docs)]
+    return PackedDataset(pack_documents(docs, seq_len, eot_id=0), **kw)
+
+
+def test_packed_dataset_batches_carry_the_packed_labels_and_split_rows():
+    ds = _packed_dataset(val_fraction=0.2, seed=1)
+    rows = ds.num_rows
+    assert ds.num_train_rows + ds.num_val_rows == rows and ds.num_val_rows == round(0.2 * rows)
+    assert set(ds.train_indices.tolist()).isdisjoint(ds.val_indices.tolist())
+    batch = next(ds.batches(4, seed=0))
+    assert batch["input_ids"].shape == batch["labels"].shape == (4, 8)
+    assert batch["labels"].dtype == torch.int64
+    assert (batch["labels"] == IGNORE_INDEX).any() and not torch.equal(batch["labels"], batch["input_ids"])
+    by_first = {tuple(r): tuple(l) for r, l in zip(ds.packed.input_ids.tolist(), ds.packed.labels.tolist())}
+    for r, l in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+        assert by_first[tuple(r)] == tuple(l)
+    for b in ds.eval_batches(2):
+        assert all(tuple(r) in {tuple(ds.packed.input_ids[i]) for i in ds.val_indices} for r in b["input_ids"].tolist())
+    assert ds.fingerprint() == _packed_dataset(val_fraction=0.2, seed=1).fingerprint()
+    assert ds.fingerprint() != _packed_dataset(val_fraction=0.2, seed=2).fingerprint()
+    with pytest.raises(ValueError, match="too small"):
+        PackedDataset(pack_documents([np.arange(1, 4)], 8, eot_id=0))
+
+
+@pytest.mark.parametrize("make", [lambda: _packed_dataset(val_fraction=0.1), lambda: _unique_dataset(500, 10)])
+def test_batches_start_resumes_the_same_sequence_across_epochs(make):
+    ds = make()
+    per_epoch = ds.batches_per_epoch(3)
+    whole = [b["input_ids"] for b in itertools.islice(ds.batches(3, seed=5), 3 * per_epoch)]
+    for start in (0, 1, per_epoch - 1, per_epoch, 2 * per_epoch + 1):
+        tail = [b["input_ids"] for b in itertools.islice(ds.batches(3, seed=5, start=start), 3 * per_epoch - start)]
+        assert len(tail) == len(whole) - start
+        assert all(torch.equal(a, b) for a, b in zip(tail, whole[start:]))
+    with pytest.raises(ValueError, match="start"):
+        ds.batches(3, start=-1)

@@ -1,0 +1,357 @@
+"""``megatrain train``: config and flags, the run's files, exact resume after a signal, and every
+failure ending in one ``error:`` line with exit code 2.
+
+A tiny Llama (2 layers, hidden 32, vocab 320) on 20 KB of this Python's standard library, seq_len
+32. Runs of the CLI take a few seconds each; one module-scoped run serves several tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import megatrain.train as T
+from megatrain.cli import _parser, main
+from megatrain.errors import ConfigError, PlanError
+from megatrain.trainer import Trainer
+
+TINY = dict(model_type="llama", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+# The file sets max_steps 99 and run() sets 8: the flag must win.
+CONFIG_YAML = """\
+model: {model}
+max_bytes: 20000
+seq_len: 32
+global_batch: 4
+micro_batch_size: 2
+lr: 5.0e-3
+warmup_steps: 2
+max_steps: 99
+eval_interval: 4
+eval_batches: 2
+checkpoint_interval: 4
+max_grad_norm: 1.0
+"""
+STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def _quick_matmul_probe(monkeypatch):
+    monkeypatch.setattr(T, "MATMUL_SECONDS", 0.02)
+
+
+def write_model(path: Path, **over) -> Path:
+    path.write_text(json.dumps({**TINY, **over}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("train")
+    write_model(d / "config.json")
+    (d / "run.yaml").write_text(CONFIG_YAML.format(model=d / "config.json"))
+    return d
+
+
+def run(setup: Path, out: Path, *extra: str) -> int:
+    return main(["train", "--config", str(setup / "run.yaml"), "--output-dir", str(out),
+                 "--max-steps", str(STEPS), *extra])
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved_state(ckpt: Path) -> dict:
+    return json.loads((ckpt / "megatrain_state" / "trainer_state.json").read_text())["extra_state"][T.STATE_KEY]
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines()
+             if line.strip() and not line.startswith(("train:", "[transformers]"))]
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def first_run(setup, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("first") / "out"
+    T.MATMUL_SECONDS, keep = 0.02, T.MATMUL_SECONDS
+    try:
+        assert run(setup, out, "--hardware", "H100_SXM") == 0
+    finally:
+        T.MATMUL_SECONDS = keep
+    return out
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+def test_every_config_field_is_a_flag_and_flags_override_the_file(setup, tmp_path):
+    train_parser = _parser()._subparsers._group_actions[0].choices["train"]
+    flags = {s for a in train_parser._actions for s in a.option_strings} - {"-h", "--help"}
+    assert flags == {"--config"} | {"--" + f.replace("_", "-") for f in T.TrainConfig.model_fields}
+
+    cfg = T.load_train_config(setup / "run.yaml", {"max_steps": "7", "max_grad_norm": "none", "nonfinite": "skip",
+                                                   "output_dir": "o"})
+    assert (cfg.max_steps, cfg.max_grad_norm, cfg.nonfinite, cfg.seq_len) == (7, None, "skip", 32)
+    as_json = tmp_path / "run.json"
+    as_json.write_text(json.dumps({"model": "m", "output_dir": "o", "global_batch": 6, "micro_batch_size": 3}))
+    assert T.load_train_config(as_json).micro_batches == 2
+
+    bad = tmp_path / "bad.yaml"
+    for text, match in [("model: m\noutput_dir: o\nsequence_len: 3\n", r"sequence_len.*Extra inputs"),
+                        ("model: m\noutput_dir: o\nglobal_batch: 6\nmicro_batch_size: 4\n",
+                         "global_batch=6 is not a multiple of micro_batch_size=4"),
+                        ("model: m\noutput_dir: o\nwarmup_steps: 9\nmax_steps: 5\n", "warmup_steps=9 exceeds"),
+                        ("output_dir: o\n", "model is required: give --model"),
+                        ("- a list\n", "must hold a mapping"),
+                        ("model: [unclosed\n", "not valid YAML")]:
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            T.load_train_config(bad)
+    (tmp_path / "x.toml").write_text("model = 'm'\n")
+    with pytest.raises(ConfigError, match=r"\.toml.*neither"):
+        T.load_train_config(tmp_path / "x.toml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        T.load_train_config(tmp_path / "absent.yaml")
+
+
+def test_bad_flag_value_and_unknown_flag_exit_2(setup, tmp_path, capsys):
+    assert run(setup, tmp_path / "o", "--seq-len", "many") == 2
+    assert "seq_len='many'" in one_error_line(capsys.readouterr().err)
+    assert run(setup, tmp_path / "o", "--nonfinite", "ignore") == 2
+    assert "invalid choice: 'ignore'" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_learning_rate_warms_up_then_decays_by_cosine_to_the_floor():
+    kw = dict(lr=1e-3, warmup_steps=4, max_steps=21, min_lr_ratio=0.1)
+    lrs = [T.lr_at(s, **kw) for s in range(23)]
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    # Cosine from the peak at step 4 to the floor at the last step (20), halfway at step 12.
+    assert lrs[4] == pytest.approx(1e-3) and lrs[12] == pytest.approx(0.55e-3) and lrs[20] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(lrs[4:20], lrs[5:21])) and lrs[22] == pytest.approx(1e-4)
+    assert T.lr_at(0, lr=1.0, warmup_steps=0, max_steps=1, min_lr_ratio=0.0) == 1.0
+
+
+# -- a run ----------------------------------------------------------------------------------------
+
+def test_run_writes_metrics_checkpoint_tokenizer_and_plot(first_run, setup):
+    out = first_run
+    r = rows(out)
+    assert [x["step"] for x in r] == list(range(1, STEPS + 1))  # --max-steps beat the file's 99
+    assert all(set(x) == set(T.METRIC_FIELDS) for x in r)
+    assert all(x["applied"] for x in r)
+    cfg = T.load_train_config(setup / "run.yaml", {"max_steps": STEPS, "output_dir": str(out)})
+    for x in r:
+        assert x["lr"] == T.lr_at(x["step"] - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=STEPS,
+                                  min_lr_ratio=cfg.min_lr_ratio)
+        assert x["tokens_per_s"] == pytest.approx(4 * 32 / x["measured_step_s"])
+        assert 0 < x["mfu"] < 1 and 0 < x["grad_norm"] < 100 and x["host_rss_mib"] > 50
+    assert len({x["predicted_step_s"] for x in r}) == 1 and 0 < r[0]["predicted_step_s"] < 0.01  # H100_SXM
+    assert [x["step"] for x in r if x["val_loss"] is not None] == [4, 8]
+    # The loss falls on real text.
+    assert sum(x["loss"] for x in r[-3:]) / 3 < r[0]["loss"] - 0.1
+    assert r[-1]["val_loss"] < r[3]["val_loss"]
+
+    ckpt = out / "checkpoint"
+    state = saved_state(ckpt)
+    assert state["step"] == state["batches_consumed"] == STEPS and state["seq_len"] == 32
+    assert (ckpt / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
+    assert json.loads((out / "train_config.json").read_text())["max_steps"] == STEPS
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sigint_stops_after_the_step_saves_and_resume_is_exact(first_run, setup, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    real_step = Trainer.step
+
+    def step_then_sigint(self, batch):
+        res = real_step(self, batch)
+        if res.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal, delivered while step 5 finishes
+        return res
+
+    monkeypatch.setattr(Trainer, "step", step_then_sigint)
+    assert run(setup, out, "--hardware", "H100_SXM") == 0
+    assert "SIGINT: stopped after step 5" in capsys.readouterr().out
+    assert [x["step"] for x in rows(out)] == [1, 2, 3, 4, 5]
+    assert saved_state(out / "checkpoint")["step"] == 5
+    monkeypatch.setattr(Trainer, "step", real_step)
+
+    # A row a crashed run wrote after its last checkpoint is dropped on resume.
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**rows(out)[-1], "step": 6, "loss": -1.0}) + "\n")
+    assert run(setup, out, "--hardware", "H100_SXM", "--model", str(out / "checkpoint")) == 0
+    resumed, straight = rows(out), rows(first_run)
+    assert [x["step"] for x in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(resumed, straight):
+        assert (a["loss"], a["lr"], a["grad_norm"], a["val_loss"]) == (b["loss"], b["lr"], b["grad_norm"],
+                                                                         b["val_loss"]), a["step"]
+    w_resumed, w_straight = load_file(out / "checkpoint" / "model.safetensors"), \
+        load_file(first_run / "checkpoint" / "model.safetensors")
+    assert w_resumed.keys() == w_straight.keys()
+    assert all(torch.equal(w_resumed[k], w_straight[k]) for k in w_straight)
+
+
+def test_sigterm_to_a_real_process_saves_and_exits_0(setup, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "megatrain.cli", "train", "--config", str(setup / "run.yaml"), "--output-dir",
+           str(out), "--max-steps", "100000", "--checkpoint-interval", "0", "--eval-interval", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and len(rows(out)) >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no steps within 120 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    last = rows(out)[-1]["step"]
+    assert f"SIGTERM: stopped after step {last}" in stdout
+    assert saved_state(out / "checkpoint")["step"] == last < 100000
+    assert (out / "loss.png").is_file()
+
+
+# -- non-finite steps -----------------------------------------------------------------------------
+
+def _poison_step(at: int):
+    """Trainer.step whose step ``at`` sees a NaN output layer, so its loss is NaN; the layer is
+    restored after the step, so only that step is affected."""
+    real_step = Trainer.step
+
+    def step(self, batch):
+        if self.step_count + 1 != at:
+            return real_step(self, batch)
+        self.flush()  # the previous step's deferred update belongs to the state we restore
+        tile = self.host.master(len(self.graph.layers) - 1)
+        keep = tile.clone()
+        tile.fill_(math.nan)
+        try:
+            return real_step(self, batch)
+        finally:
+            tile.copy_(keep)
+
+    return step
+
+
+def test_nonfinite_step_is_skipped_or_stops_without_saving(setup, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Trainer, "step", _poison_step(3))
+    skip = tmp_path / "skip"
+    assert run(setup, skip, "--nonfinite", "skip", "--max-steps", "4") == 0
+    assert "warning: step 3: the loss is not finite" in capsys.readouterr().out
+    r = rows(skip)
+    assert [x["applied"] for x in r] == [True, True, False, True]
+    assert r[2]["loss"] is None and all(x["loss"] is not None and math.isfinite(x["loss"]) for x in r[3:])
+    assert saved_state(skip / "checkpoint")["skipped_steps"] == 1
+
+    stop = tmp_path / "stop"
+    assert run(setup, stop, "--nonfinite", "stop", "--max-steps", "5", "--checkpoint-interval", "2") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: step 3: the loss is not finite") and "holds step 2" in line
+    assert saved_state(stop / "checkpoint")["step"] == 2  # the state at step 3 was not saved
+    assert [x["step"] for x in rows(stop)] == [1, 2, 3] and rows(stop)[2]["applied"] is False
+
+
+# -- clean errors ---------------------------------------------------------------------------------
+
+def test_corrupt_checkpoint_is_one_error_line_naming_the_file(first_run, setup, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(first_run / "checkpoint", ckpt)
+    shard = ckpt / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert run(setup, tmp_path / "o", "--model", str(ckpt)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "model.safetensors" in line and "corrupt" in line
+
+
+def test_weights_directory_loads_and_a_mismatched_one_names_file_and_tensor(first_run, setup, tmp_path, capsys):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(first_run / "checkpoint" / name, weights / name)
+    # A tiny learning rate: the validation loss after one step is the loaded model's.
+    assert run(setup, tmp_path / "a", "--model", str(weights), "--max-steps", "1", "--warmup-steps", "0",
+               "--lr", "1e-12") == 0
+    assert "weights: loaded from" in capsys.readouterr().out
+    assert rows(tmp_path / "a")[0]["val_loss"] == pytest.approx(rows(first_run)[-1]["val_loss"], abs=1e-5)
+
+    cfg = json.loads((weights / "config.json").read_text())
+    (weights / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
+    assert run(setup, tmp_path / "b", "--model", str(weights)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "model.safetensors: tensor 'model.layers.0.mlp." in line and "[64, 32]" in line
+
+
+def test_unsupported_model_names_what_is_unsupported(setup, tmp_path, capsys):
+    # GPT-2's defaults drop out embeddings, residuals and attention with p=0.1.
+    model = tmp_path / "gpt2.json"
+    model.write_text(json.dumps(dict(model_type="gpt2", vocab_size=320, n_embd=32, n_layer=2, n_head=4,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)))
+    assert run(setup, tmp_path / "o", "--model", str(model)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "module 'transformer.drop' calls aten::dropout" in line and "set dropout probabilities to 0" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_host_memory_preflight_refuses_before_allocating(setup, tmp_path, capsys):
+    # 8.8e12 parameters: ~100 TB of host state, traced on the meta device in a second or two.
+    huge = write_model(tmp_path / "huge.json", vocab_size=1 << 26, hidden_size=1 << 16, intermediate_size=1 << 17,
+                       num_hidden_layers=1)
+    t0 = time.perf_counter()
+    assert run(setup, tmp_path / "o", "--model", str(huge)) == 2
+    assert time.perf_counter() - t0 < 30
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: not enough host memory: this run needs about ")
+    assert "GiB is available (MemAvailable" in line and "12 bytes of host state" in line
+    assert "max_grad_norm: null" in line and not (tmp_path / "o").exists()
+
+
+def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
+    from megatrain.planner.cost import memory_breakdown
+    from megatrain.planner.plan import default_plan
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.trace import trace
+
+    graph = trace(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))), micro_batch_size=1,
+                  seq_len=16).graph
+    plan = default_plan(graph, 1)
+    host = memory_breakdown(graph, plan).host_total
+    assert T.preflight_host_memory(graph, plan, data_bytes=7, checkpoint_bytes=5, available=None) == host + 12
+    assert T.preflight_host_memory(graph, plan, data_bytes=7, available=(host + 7, "test")) == host + 7
+    with pytest.raises(PlanError, match=r"needs about 0\.00 GiB .*data and tokenizer.* is available \(test\)"):
+        T.preflight_host_memory(graph, plan, data_bytes=7, available=(host + 6, "test"))
+    have = T.available_host_memory()
+    assert have is None or have[0] > 0
+
+
+def test_bad_data_tokenizer_and_output_dir_are_clean_errors(first_run, setup, tmp_path, capsys):
+    assert run(setup, tmp_path / "o1", "--data", str(tmp_path / "missing")) == 2
+    assert "error: data: corpus path" in one_error_line(capsys.readouterr().err)
+    big = tmp_path / "big_tokenizer.json"
+    shutil.copy(first_run / "tokenizer.json", big)
+    assert run(setup, tmp_path / "o2", "--tokenizer", str(big), "--model",
+               str(write_model(tmp_path / "small.json", vocab_size=300))) == 2
+    assert "has 320 tokens but the model's vocab_size is 300" in one_error_line(capsys.readouterr().err)
+    assert run(setup, first_run) == 2  # a directory holding another run
+    assert f"resume the run in it with --model {first_run / 'checkpoint'}" in one_error_line(capsys.readouterr().err)
