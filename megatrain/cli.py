@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     plan.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="dtype the GPU computes in (default bfloat16)")
+    plan.add_argument("--clip-gradients", action="store_true",
+                      help="the run clips gradients by global norm: optimizer steps wait for every "
+                           "gradient and run in the next step's forward (one host gradient tile per layer)")
     plan.add_argument("--solver", choices=("milp", "enumerate"), default="milp",
                       help="resident-layer selection: MILP knapsack (default) or greedy")
     plan.add_argument("--out", type=Path, default=None,
@@ -167,7 +170,8 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
         ("resident layers", f"{len(resident)}/{n}", _short_list([g.layers[i].name for i in resident])),
         ("gradient ring", str(plan.grad_ring), "host tiles"),
         ("staging ring", str(plan.staging_ring), "host tiles"),
-        ("activations", "keep", "every checkpoint stays on the GPU"),
+        ("activations", _policy_counts(plan, n), "checkpoints kept on the GPU / offloaded to pinned host "
+                                                  "memory / recomputed in the backward"),
         ("layer by layer", "yes" if plan.layer_by_layer else "no", "all micro-batches per weight load"),
         ("optimizer", plan.optimizer.value.replace("_", " "), "host AdamW"),
     ])
@@ -206,6 +210,15 @@ def write_outputs(solution, out: Path, model: str) -> list[Path]:
     return paths
 
 
+def _policy_counts(plan, n_layers: int) -> str:
+    from megatrain.planner.plan import ActivationPolicy
+
+    counts = {p: 0 for p in ActivationPolicy}
+    for layer in range(n_layers - 1):  # the last layer's output is the loss: no checkpoint
+        counts[plan.activation(layer)] += 1
+    return " / ".join(f"{counts[p]} {p.value}" for p in ActivationPolicy)
+
+
 def _plan_command(args: argparse.Namespace) -> int:
     import torch
 
@@ -225,7 +238,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     graph = trace(model, micro_batch_size=1, seq_len=args.seq_len).graph
     trace_s = time.perf_counter() - t0
     try:
-        solution = solve(SolveRequest(graph, hw, args.global_batch, args.compute_dtype), args.solver)
+        solution = solve(SolveRequest(graph, hw, args.global_batch, args.compute_dtype,
+                                      clip_gradients=args.clip_gradients), args.solver)
     except PlanError as e:
         print(f"megatrain plan: {args.model} on {hw.name}, seq_len {args.seq_len} x global batch "
               f"{args.global_batch}, {args.compute_dtype}: traced {len(graph.layers)} layers in {trace_s:.2f} s")
@@ -233,7 +247,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(str(e))
         return 2
     # The pipeline's verify pass: the solver lowered the plan; nothing is written unless it holds.
-    verify(solution.schedule, solution.graph)
+    verify(solution.schedule, solution.graph, hw)
     print(format_report(solution, hw, model=args.model, trace_s=trace_s))
     if args.out is not None:
         try:

@@ -35,6 +35,7 @@ def test_plan_prints_the_table_writes_three_files_and_exits_0(tmp_path, capsys):
                 "bottleneck", "compute busy", "h2d busy", "d2h busy", "host busy"):
         assert row in text, row
     assert "(GiB)" in text and "H100 SXM 80GB" in text
+    assert "3 keep / 0 offload / 0 recompute" in text, "an H100 keeps a tiny model's 3 checkpoints"
     schedule = Schedule.load(out / "schedule.json")
     assert schedule.n_layers == 4 and schedule.plan.compute_dtype == "bfloat16"
     assert schedule.plan.micro_batches * int(text.split("micro-batch size")[1].split()[0]) == 4
@@ -102,3 +103,15 @@ def test_plan_in_float32_on_a_one_layer_model(tmp_path, capsys):
     assert Schedule.load(out / "schedule.json").plan.compute_dtype == "float32"
     trace = json.loads((out / "trace.json").read_text())
     assert trace["otherData"]["source"] == "simulated" and trace["otherData"]["step_time_s"] > 0
+
+
+def test_plan_with_clipped_gradients_defers_the_optimizer(tmp_path, capsys):
+    cfg = write_config(tmp_path / "config.json")
+    out = tmp_path / "out"
+    rc = main(["plan", "--model", str(cfg), "--hardware", "H100_SXM", "--seq-len", "16", "--global-batch", "2",
+               "--clip-gradients", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "next forward" in text
+    schedule = Schedule.load(out / "schedule.json")
+    assert schedule.carries_updates and schedule.plan.grad_ring == schedule.n_layers
