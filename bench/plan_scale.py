@@ -11,11 +11,15 @@ Two cases, each run end to end on this CPU with the planner only (no GPU, nothin
 For each: wall time of building the meta model, tracing it (torch.export + FLOP counting), solving,
 and lowering + verifying + simulating the chosen plan once more; whether a plan fits, and if not
 the PlanError's message with the smallest memory that would. DESIGN.md's target is a plan in under
-10 s on a 2-core CPU.
+10 s on a 2-core CPU. Tracing exports three blocks and replicates them when the blocks are all
+alike (``graph.meta["trace"]`` says whether it did), which is what keeps the 120B case in budget.
+At 512k tokens the trace holds no ``S x S`` causal mask (SDPA runs with ``is_causal``) and the LM
+head's cross-entropy is chunked, so the largest boundary value is the residual stream.
 
-The 512k case needs activation offload (and a chunked LM head) that the lowering does not
-implement yet, so today the planner reports that no plan fits; this script prints that answer and
-the reason as they are, with the part of the checkpoints that no plan under KEEP can avoid.
+At 512k tokens the 33 residual checkpoints (4 GiB each) do not fit a 96 GB GPU kept, so the solver
+offloads them to pinned host memory; whether a plan fits then turns on the working memory the
+trace records for one block's local backward. When no plan fits, this script prints the
+planner's answer and reason as they are, with the smallest memory that would work.
 
 Usage::
 
@@ -60,7 +64,10 @@ def run_case(model: str, hardware: str, seq_len: int, global_batch: int, solver:
     t = time.perf_counter()
     graph = trace(meta_model, micro_batch_size=1, seq_len=seq_len).graph
     row["trace_s"] = time.perf_counter() - t
-    row.update(params=graph.param_count, layers=len(graph.layers))
+    largest = max(graph.values, key=lambda v: v.nbytes)
+    row.update(params=graph.param_count, layers=len(graph.layers), trace=graph.meta.get("trace"),
+               largest_value=largest.name, largest_value_bytes=largest.nbytes,
+               head_work_bytes=graph.layers[-1].work_bytes)
     # Values that need a gradient (the residual stream) must be kept, offloaded or recomputed by
     # any plan; side values (masks, rotary tables) depend on how the model was traced.
     residual = sum(v.nbytes for v in graph.values if v.producer != BATCH_PRODUCER and v.requires_grad)
@@ -81,14 +88,17 @@ def run_case(model: str, hardware: str, seq_len: int, global_batch: int, solver:
         return row
     row["solve_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    sched = lower(sol.graph, sol.plan)
-    verify(sched, sol.graph)
+    sched = lower(sol.graph, sol.plan, carries_updates=sol.schedule.carries_updates)
+    verify(sched, sol.graph, hw)
     tl = simulate(sched, sol.graph, hw)
     row["lower_verify_simulate_s"] = time.perf_counter() - t
     p = sol.plan
     row.update(fits=True, micro_batch_size=sol.micro_batch_size, micro_batches=p.micro_batches, slots=p.slots,
                prefetch_distance=p.prefetch_distance, grad_ring=p.grad_ring, staging_ring=p.staging_ring,
-               resident=len(p.resident), ops=len(sched.ops), candidates=sol.candidates, simulated=sol.simulated,
+               resident=len(p.resident), offloaded=sum(a.value == "offload" for a in p.activations),
+               recomputed=sum(a.value == "recompute" for a in p.activations), optimizer=p.optimizer.value,
+               pinned_activation_bytes=sol.memory.pinned_activations,
+               ops=len(sched.ops), candidates=sol.candidates, simulated=sol.simulated,
                optimality_gap=sol.optimality_gap, step_time_s=tl.step_time_s, tokens_per_s=tl.tokens_per_s,
                mfu=tl.mfu, bottleneck=tl.bottleneck.value,
                busy={s.value: f for s, f in tl.busy_fraction.items()},
@@ -104,15 +114,20 @@ def report(row: dict) -> str:
     out.append(f"  wall time: build meta model {row['build_s']:.2f} s, trace {row['trace_s']:.2f} s, "
                f"solve ({row['solver']}) {row['solve_s']:.2f} s"
                + (f", lower+verify+simulate {row['lower_verify_simulate_s']:.2f} s" if row["fits"] else "")
-               + f"; total {total:.2f} s (target < 10 s: {'met' if total < 10 else 'missed'})")
+               + f"; total {total:.2f} s (target < 10 s: {'met' if total < 10 else 'missed'}); "
+               f"blocks {row['trace']}")
     out.append(f"  checkpoints per sequence: residual stream {row['residual_checkpoint_bytes_per_sequence'] / GiB:.2f} "
                f"GiB, side values (masks, rotary tables) {row['side_value_bytes_per_sequence'] / GiB:.2f} GiB; "
-               f"largest working memory {row['max_work_bytes'] / GiB:.2f} GiB ({row['max_work_layer']})")
+               f"largest working memory {row['max_work_bytes'] / GiB:.2f} GiB ({row['max_work_layer']}); "
+               f"largest boundary value {row['largest_value_bytes'] / GiB:.2f} GiB ({row['largest_value']}); "
+               f"LM head + loss working memory {row['head_work_bytes'] / GiB:.2f} GiB")
     if row["fits"]:
         out.append(f"  fits: yes. micro-batch {row['micro_batch_size']} x {row['micro_batches']}, "
                    f"slots {row['slots']}, "
                    f"prefetch {row['prefetch_distance']}, grad ring {row['grad_ring']}, staging ring "
-                   f"{row['staging_ring']}, resident {row['resident']}; {row['ops']} ops; {row['candidates']} "
+                   f"{row['staging_ring']}, resident {row['resident']}; checkpoints: {row['offloaded']} offloaded "
+                   f"({row['pinned_activation_bytes'] / GiB:.1f} GiB pinned), {row['recomputed']} recomputed; "
+                   f"optimizer {row['optimizer']}; {row['ops']} ops; {row['candidates']} "
                    f"candidates, {row['simulated']} simulated, optimality gap {row['optimality_gap']:.2%}")
         out.append(f"  predicted step {row['step_time_s']:.2f} s, {row['tokens_per_s']:,.0f} tokens/s, MFU "
                    f"{row['mfu']:.1%}, bottleneck {row['bottleneck']}; busy "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import resource
 
 import pytest
@@ -10,9 +12,9 @@ from torch import nn
 
 from megatrain.errors import TraceError, UnsupportedModelError
 from megatrain.planner.graph import BATCH_PRODUCER, TILE_ALIGN_ELEMENTS
-from megatrain.planner.trace import trace
+from megatrain.planner.trace import _signature, trace
 
-from conftest import tiny_gpt, tiny_llama
+from conftest import random_batch, tiny_gpt, tiny_llama
 
 
 def _check_graph_invariants(model: nn.Module, g) -> None:
@@ -165,3 +167,164 @@ def test_dropout_is_refused_but_zero_dropout_is_fine():
     with pytest.raises(UnsupportedModelError, match=r"'blocks.0.1'.*dropout"):
         trace(Drop(), micro_batch_size=1, seq_len=3)
     trace(Drop().eval(), micro_batch_size=1, seq_len=3)  # eval mode: dropout is the identity
+
+
+# -- replicated blocks -------------------------------------------------------------------------------
+
+def _assert_same_graph(fast, full) -> None:
+    assert len(fast.graph.layers) == len(full.graph.layers)
+    for a, b in zip(fast.graph.layers, full.graph.layers):
+        assert a == b, f"layer {b.name}: replicated {a} != traced {b}"
+    assert fast.graph.values == full.graph.values
+    assert fast.graph == full.graph
+    assert fast.buffer_sources.keys() == full.buffer_sources.keys()
+    assert [_signature(t) for t in fast.templates] == [_signature(t) for t in full.templates]
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(layers=6, device="meta"), lambda: tiny_gpt(layers=6)],
+                         ids=["llama", "gpt"])
+def test_replicated_blocks_equal_the_full_trace(make):
+    model = make()
+    fast = trace(model, micro_batch_size=2, seq_len=16)
+    full = trace(model, micro_batch_size=2, seq_len=16, replicate_blocks=False)
+    assert fast.graph.meta["trace"] == "replicated" and fast.graph.meta["traced_blocks"] == (0, 3, 5)
+    assert full.graph.meta["trace"] == "full"
+    _assert_same_graph(fast, full)
+    _check_graph_invariants(model, fast.graph)
+    # Value names count within their layer, so every block's residual output has the same local name.
+    assert len({v.name.split(":")[1] for v in fast.graph.values if v.producer in range(1, 7)}) == 1
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt], ids=["llama", "gpt"])
+def test_replicated_blocks_train_exactly_like_the_full_trace(monkeypatch, make):
+    import megatrain
+    import megatrain.trainer
+
+    torch.manual_seed(0)
+    model = make(layers=4)
+    ref = copy.deepcopy(model)
+    batches = [random_batch(2, 16, 96, seed=s) for s in range(2)]
+    fast = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=dict(lr=3e-3))
+    monkeypatch.setattr(megatrain.trainer, "trace", functools.partial(trace, replicate_blocks=False))
+    full = megatrain.compile(ref, seq_len=16, micro_batch_size=2, optimizer=dict(lr=3e-3))
+    assert fast.traced.graph.meta["trace"] == "replicated" and full.traced.graph.meta["trace"] == "full"
+    assert [fast.step(b).loss for b in batches] == [full.step(b).loss for b in batches]
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_tracing_leaves_the_users_model_as_it_was():
+    from transformers import masking_utils
+
+    packed = masking_utils.find_packed_sequence_indices
+    model = tiny_llama(layers=6, device="meta")
+    layers, inner = model.model.layers, dict(model.model._modules)
+    names = [n for n, _ in model.named_parameters()]
+    trace(model, micro_batch_size=1, seq_len=8)
+    assert model.model.layers is layers and len(layers) == 6
+    assert all(model.model._modules[k] is v for k, v in inner.items()) and model.model._modules.keys() == inner.keys()
+    assert [n for n, _ in model.named_parameters()] == names
+    assert model.config._attn_implementation == "sdpa"
+    assert masking_utils.find_packed_sequence_indices is packed
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_block_that_differs_is_traced_in_full():
+    model = tiny_llama(layers=6, device="meta")
+    model.model.layers[4].self_attn.scaling = 0.5  # one block attends at another temperature
+    g = trace(model, micro_batch_size=1, seq_len=8).graph
+    assert g.meta["trace"] == "full" and "'scaling'" in g.meta["trace_full_because"]
+    blocks = [layer.template for layer in g.layers[1:-1]]
+    assert blocks[4] != blocks[0] and len(set(blocks)) == 2
+
+
+def test_a_loop_that_treats_a_traced_block_differently_is_traced_in_full():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+            self.out = nn.Linear(8, 16)
+
+        def forward(self, input_ids, labels):
+            x = self.emb(input_ids)
+            for i, block in enumerate(self.blocks):
+                x = torch.tanh(block(x))
+                if i == len(self.blocks) // 2:  # glue after the middle block only
+                    x = x * 2
+            return nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+    g = trace(Net(), micro_batch_size=1, seq_len=4).graph
+    assert g.meta["trace"] == "full" and "differ" in g.meta["trace_full_because"]
+    blocks = [layer.template for layer in g.layers[1:-1]]
+    # Block 2 multiplies; the last block's tanh runs after it and so belongs to the epilogue.
+    assert blocks[0] == blocks[1] == blocks[3] and len({blocks[0], blocks[2], blocks[4]}) == 3
+
+
+def test_per_layer_attention_types_are_traced_in_full_and_keep_their_sliding_mask():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      use_sliding_window=True, sliding_window=4, max_window_layers=2, tie_word_embeddings=False)
+    assert cfg.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    model = Qwen2ForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    t = trace(model, micro_batch_size=2, seq_len=16)
+    assert t.graph.meta["trace"] == "full"
+    masks = [v for v in t.graph.values if v.shape == (2, 1, 16, 16)]
+    assert len(masks) == 1 and masks[0].consumers == (3, 4), "only the sliding-window layers read a mask"
+    # And the sliding-window layers compute what eager transformers computes.
+    import megatrain
+
+    trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=dict(lr=1e-3))
+    batch = random_batch(2, 16, 96, seed=0)
+    want = ref(**batch).loss.item()
+    assert trainer.step(batch).loss == pytest.approx(want, rel=1e-5)
+
+
+# -- the causal mask ---------------------------------------------------------------------------------
+
+def test_causal_lm_traces_without_a_materialised_mask():
+    S = 48  # no other dimension of the tiny model is 48
+    model = tiny_llama(layers=2, device="meta")
+    t = trace(model, micro_batch_size=2, seq_len=S)
+    assert t.graph.meta["skip_causal_mask"] is True
+    assert not [v for v in t.graph.values if list(v.shape).count(S) > 1], "no S x S boundary value"
+    sdpa = [n for gm in t.templates for n in gm.graph.nodes
+            if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert sdpa and all(len(n.args) > 5 and n.args[3] is None and n.args[5] is True for n in sdpa), \
+        "attention runs with is_causal and no mask tensor"
+    for gm in t.templates:
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            assert not (isinstance(v, torch.Tensor) and list(v.shape).count(S) > 1), f"{n.name} is S x S"
+
+
+def test_an_attention_mask_input_keeps_the_mask():
+    S = 32
+    model = tiny_llama(layers=2, device="meta")
+    g = trace(model, micro_batch_size=2, seq_len=S, input_names=("input_ids", "attention_mask", "labels")).graph
+    assert g.meta["skip_causal_mask"] is False
+    assert any(v.shape == (2, 1, S, S) for v in g.values), "padding needs the mask"
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_llama2_7b_at_512k_traces_on_meta_in_seconds_with_no_sequence_squared_value():
+    import time
+
+    from megatrain.planner.presets import build_meta_model, load_model_config
+
+    S, d, vocab = 524288, 4096, 32000
+    model = build_meta_model(load_model_config("llama-2-7b"), dtype=torch.bfloat16)
+    start = time.perf_counter()
+    g = trace(model, micro_batch_size=1, seq_len=S).graph
+    seconds = time.perf_counter() - start
+    assert g.meta["trace"] == "replicated" and g.meta["skip_causal_mask"] is True
+    residual = S * d * 2
+    assert max(v.nbytes for v in g.values) == residual, "nothing crosses a layer bigger than the residual stream"
+    head = g.layers[-1]
+    assert head.fwd_flops == 2 * S * d * vocab and head.bwd_flops == 3 * head.fwd_flops
+    assert head.work_bytes < S * vocab * 4 // 2, "the LM head's logits are chunked"
+    assert seconds < 20, f"tracing took {seconds:.1f} s"

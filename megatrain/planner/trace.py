@@ -15,18 +15,56 @@ causal mask), nodes after the last block the *epilogue* (final norm, LM head, lo
 then cut at those boundaries: every tensor one layer produces and a later layer reads becomes a
 ``Value``, and each layer becomes a pure function ``(params..., buffers..., inputs...) ->
 outputs`` as an ``fx.GraphModule``. Layers whose functions are structurally equal (same ops, same
-shapes, same wiring) share one template, so a 80-block model has three templates.
+shapes, same wiring) share one template, so a 80-block model has three templates. A value is
+named after its layer and its node's name counted within that layer (``model.layers.7:add_5``),
+so names do not depend on how many layers came before.
 
 FLOPs per layer are counted by running each template once on the meta device under
 ``torch.utils.flop_counter.FlopCounterMode`` (forward, then forward plus backward for the local
 backward), so attention FLOPs are included exactly as the kernels see them.
+
+Three refinements keep tracing fast and its graph small at scale:
+
+- *Replicated blocks.* Export costs time in proportion to the ops it records, ~0.1 s per block of
+  a 120B model. When every block is the same module (same module types, parameter and buffer
+  shapes, dtypes and ``requires_grad``, the same plain attributes but for the block's own index,
+  no per-layer entries in a Hugging Face config such as ``layer_types``), a shallow copy of the
+  model keeping three blocks (the first, the middle one, the last) is traced instead, and the
+  full-depth graph is built by repeating the middle block's layer record with its parameter
+  names and value ids renumbered. It is used only when the three traced blocks agree (one
+  template, the same work bytes and FLOPs, the same wiring: each reads the batch, the prologue
+  and the block before it, and only the next layer reads its outputs); otherwise, or when the
+  short copy fails to trace, the full model is traced. ``graph.meta["trace"]`` says which (and
+  ``meta["trace_full_because"]`` why not). What the checks cannot see is Python in the model's
+  forward that treats an untraced block differently by its position alone (``if i == 17:``) or
+  computes with the number of blocks (``len(self.layers)``, which is 3 in the copy; transformers
+  models read ``config.num_hidden_layers``, which the copy shares); the check on config lists
+  covers the transformers idiom for per-layer variation (``layer_types``).
+- *No materialised causal mask.* Under export transformers' ``masking_utils`` builds the
+  ``(B, 1, S, S)`` causal mask as a tensor (at 512k tokens a 256 GiB boundary value), because
+  the check that would let SDPA use ``is_causal`` instead is disabled while tracing. When the
+  batch has no ``attention_mask`` and no ``position_ids`` every row is one unpadded causal
+  sequence, so for ``sdpa`` models the trace registers (through transformers' public
+  ``AttentionInterface`` / ``AttentionMaskInterface``) an implementation that is SDPA itself with
+  a mask function returning ``None`` for exactly the plain causal mask, and switches the
+  model's configs to it for the duration of the export only (see :func:`_causal_attention`).
+- *Chunked LM head loss.* The epilogue's ``lm_head -> cast -> cross_entropy`` would hold the
+  ``[tokens, vocab]`` logits (64 GiB at 512k tokens x 32k vocabulary in FP32).
+  :func:`chunk_lm_head_loss` rewrites that subgraph of the epilogue template into one call of
+  :func:`megatrain.kernels.linear_cross_entropy`, which never holds more than a chunk of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import enum
+import functools
 import inspect
 import operator
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,6 +74,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain.errors import TraceError, UnsupportedModelError
+from megatrain.kernels import linear_cross_entropy, linear_cross_entropy_work_bytes
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
 
 _WRAPPED = "inner"  # attribute name of the user's model inside the loss wrapper
@@ -74,9 +113,10 @@ class TracedModel:
 
     ``templates[t]`` is an ``fx.GraphModule`` taking ``(*params, *buffers, *inputs)`` of a layer
     whose ``template == t`` and returning the tuple of its output values, traced on the device the
-    model was on (the runtime re-targets it). ``buffer_sources`` maps each buffer name a layer lists
-    to where its value lives: ``("buffer", fqn)`` for a module buffer, ``("constant", tensor)`` for
-    a tensor constant export lifted out of ``forward``.
+    model was on (the runtime re-targets it). Besides aten ops a template may call the kernels of
+    :mod:`megatrain.kernels` (the chunked LM head loss). ``buffer_sources`` maps each buffer name
+    a layer lists to where its value lives: ``("buffer", fqn)`` for a module buffer,
+    ``("constant", tensor)`` for a tensor constant export lifted out of ``forward``.
     """
 
     graph: LayerGraph
@@ -265,18 +305,31 @@ def _signature(gm: fx.GraphModule) -> tuple:
     return tuple(sig)
 
 
-def _work_bytes(nodes: list[fx.Node]) -> int:
-    """Bytes of the tensors a layer's ops create; a view shares its base's storage and is free."""
+def _work_bytes(nodes: Sequence[fx.Node]) -> int:
+    """Bytes of the tensors a layer's ops create; a view shares its base's storage and is free.
+
+    A call of a chunked kernel adds the working memory the kernel allocates inside, which its
+    output (a scalar) does not show.
+    """
     total = 0
     for n in nodes:
         v = _val(n)
         if n.op != "call_function" or not isinstance(v, torch.Tensor):
             continue
+        if n.target is linear_cross_entropy:
+            total += _linear_cross_entropy_work(n)
         schema = getattr(n.target, "_schema", None)
         is_view = schema is not None and any(r.alias_info is not None for r in schema.returns)
         if not is_view:
             total += v.numel() * v.element_size()
     return total
+
+
+def _linear_cross_entropy_work(n: fx.Node) -> int:
+    hidden, weight, bias = (_val(a) if isinstance(a, fx.Node) else None for a in n.args[:3])
+    return linear_cross_entropy_work_bytes(
+        hidden.shape[0], hidden.shape[1], weight.shape[0], n.args[6], dtype=torch.result_type(hidden, weight),
+        logits_dtype=n.args[7], bias=bias is not None)
 
 
 def _is_float(v) -> bool:
@@ -300,13 +353,289 @@ def _count_flops(gm: fx.GraphModule, args: list[torch.Tensor], grad_args: list[b
     return int(fwd), int(fc.get_total_flops())
 
 
+# -- causal attention without a materialised mask --------------------------------------------------
+
+_CAUSAL_SDPA = "megatrain_causal_sdpa"
+"""Name of the attention implementation :func:`_causal_attention` registers with transformers."""
+
+# Batch inputs that can make rows something other than one unpadded causal sequence each.
+_MASK_INPUTS = frozenset({"attention_mask", "position_ids"})
+
+
+def _causal_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                      attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers' ``sdpa_mask`` without its refusal to skip the causal mask while exporting.
+
+    ``sdpa_mask`` returns ``None`` (so that SDPA runs with ``is_causal``) when its caller allows it
+    (``allow_is_causal_skip``: the plain causal pattern, no extra mask functions) and the mask
+    would be plain causal: no padding, queries and keys of one length at offset 0, no sliding
+    window or chunk reaching across the sequence. Under export it never does, because the padding
+    check would read tensor values. Here there is no padding mask by construction (the batch has
+    no ``attention_mask``), so the same decision needs no values. Anything else is delegated.
+    """
+    from transformers import masking_utils as mu
+
+    if (allow_is_causal_skip and attention_mask is None and isinstance(q_offset, int) and isinstance(kv_offset, int)
+            and q_offset == kv_offset == 0 and q_length == kv_length
+            and (local_size is None or kv_length < local_size)):
+        return None
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                        kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
+                        attention_mask=attention_mask, local_size=local_size,
+                        allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def _no_packed_sequences(position_ids):
+    """``find_packed_sequence_indices`` for the default positions: one sequence per row (None)."""
+    return None
+
+
+def _hf_configs(model: nn.Module) -> list:
+    """Every transformers config a module of ``model`` holds, sub-configs included, once each."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:  # not imported, so no module of the model is a transformers model
+        return []
+    PretrainedConfig = transformers.PretrainedConfig
+    seen: dict[int, Any] = {}
+
+    def visit(cfg) -> None:
+        if isinstance(cfg, PretrainedConfig) and id(cfg) not in seen:
+            seen[id(cfg)] = cfg
+            for key in getattr(cfg, "sub_configs", {}) or {}:
+                visit(getattr(cfg, key, None))
+
+    for mod in model.modules():
+        visit(getattr(mod, "config", None))
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def _causal_attention(model: nn.Module, input_names: Sequence[str]):
+    """Within the block, ``sdpa`` models skip the plain causal mask as they do eagerly; yields whether.
+
+    Applies only when the batch has neither ``attention_mask`` nor ``position_ids``, so every row is
+    one unpadded sequence at positions ``0..S-1``. Two of transformers' decisions read tensor
+    values, and under export both are answered conservatively; the trace knows the answers:
+
+    - whether the positions pack several sequences into a row (``find_packed_sequence_indices``;
+      with the default positions they do not, so it is replaced by one returning None for the
+      export), which otherwise forbids the skip for every causal mask;
+    - whether the padding mask is all ones (there is none; :func:`_causal_sdpa_mask`).
+
+    The second is a mask function registered through transformers' ``AttentionMaskInterface``
+    under :data:`_CAUSAL_SDPA`, beside ``AttentionInterface``'s own ``sdpa`` attention function
+    under the same name, so the kernels are unchanged. The ``sdpa`` configs of ``model`` name it
+    for the export only. Every change is undone on exit, whatever happens.
+    """
+    configs = [] if _MASK_INPUTS & set(input_names) else [c for c in _hf_configs(model)
+                                                          if getattr(c, "_attn_implementation", None) == "sdpa"]
+    if not configs:
+        yield False
+        return
+    from transformers import AttentionInterface
+    from transformers import masking_utils as mu
+
+    AttentionInterface.register(_CAUSAL_SDPA, AttentionInterface._global_mapping["sdpa"])
+    mu.AttentionMaskInterface.register(_CAUSAL_SDPA, _causal_sdpa_mask)
+    packed = getattr(mu, "find_packed_sequence_indices", None)
+    try:
+        if packed is not None:
+            mu.find_packed_sequence_indices = _no_packed_sequences
+        for c in configs:
+            # A dict sets this config only; the plain setter would recurse into sub-configs.
+            c._attn_implementation = {"": _CAUSAL_SDPA}
+        yield True
+    finally:
+        for c in configs:
+            c._attn_implementation = {"": "sdpa"}
+        if packed is not None:
+            mu.find_packed_sequence_indices = packed
+
+
+# -- chunked LM head + cross-entropy ---------------------------------------------------------------
+
+DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20
+"""Bytes of one chunk of logits in :func:`chunk_lm_head_loss`, counted at 4 bytes a logit: about
+2,100 tokens of a 32k vocabulary, 520 of a 128k one. Each chunk's matmul is still thousands of
+rows by the full hidden size, large enough to run at full rate on a GPU."""
+
+_aten = torch.ops.aten
+_CASTS = {_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default}
+_RESHAPES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+_SAME = {_aten.contiguous.default, _aten.alias.default, _aten.clone.default}
+_NLL = {_aten.nll_loss.default, _aten.nll_loss_nd.default, _aten.nll_loss_forward.default}
+_LOG_SOFTMAX = {_aten.log_softmax.int, _aten._log_softmax.default}
+_REDUCTION_NAMES = {1: "mean", 2: "sum"}  # at::Reduction; "none" (0) is left unfused
+
+
+def _bind(n: fx.Node) -> dict[str, Any]:
+    """The arguments of an aten call by schema name, defaults filled in."""
+    out = {}
+    for i, a in enumerate(n.target._schema.arguments):
+        if i < len(n.args):
+            out[a.name] = n.args[i]
+        elif a.name in n.kwargs:
+            out[a.name] = n.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _only_user(n: fx.Node) -> fx.Node | None:
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def _find_loss(n: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], dict] | None:
+    """If ``n`` computes a cross-entropy: (its logits input, the node whose value is the loss, the
+    nodes to remove, the arguments). Matches ``cross_entropy_loss`` and ``nll_loss(log_softmax)``."""
+    if n.op != "call_function":
+        return None
+    if n.target is _aten.cross_entropy_loss.default:
+        args = _bind(n)
+        return args["self"], n, [n], args
+    if n.target in _NLL:
+        args = _bind(n)
+        ls = args["self"]
+        if not (isinstance(ls, fx.Node) and ls.op == "call_function" and ls.target in _LOG_SOFTMAX
+                and _only_user(ls) is n):
+            return None
+        lsa = _bind(ls)
+        x = lsa["self"]
+        if lsa["dim"] not in (1, -1) or lsa.get("dtype") is not None or lsa.get("half_to_float"):
+            return None
+        args.update(label_smoothing=0.0)
+        if n.target is _aten.nll_loss_forward.default:
+            # (loss, total_weight): only the loss may be read.
+            outs = list(n.users)
+            if not (len(outs) == 1 and outs[0].target is operator.getitem and outs[0].args[1] == 0):
+                return None
+            return x, outs[0], [outs[0], n, ls], args
+        return x, n, [n, ls], args
+    return None
+
+
+def _replay_on_hidden(g: fx.Graph, chain: list[fx.Node], hidden: fx.Node, vocab: int,
+                      features: int) -> tuple[fx.Node | None, list[fx.Node]]:
+    """Apply to ``hidden [..., features]`` the row ops ``chain`` applied to the logits ``[..., vocab]``.
+
+    ``chain`` runs from the linear's output to the loss's input; casts and copies are skipped
+    (the kernel casts its logits itself), reshapes keep the last dimension and swap its size,
+    slices and flattens must not touch the last dimension. Returns the last new node (None for an
+    op it cannot move) and the nodes it created.
+    """
+    cur, made = hidden, []
+    for n in chain:
+        src = _val(n.args[0])
+        last = src.dim() - 1
+        if n.target in _CASTS or n.target in _SAME:
+            continue
+        if n.target in _RESHAPES:
+            shape = list(n.args[1])
+            if _val(n).shape[-1] != vocab or shape[-1] not in (vocab, -1):
+                return None, made
+            target, rest = _aten.reshape.default, (shape[:-1] + [features],)
+        elif n.target is _aten.slice.Tensor:
+            a = _bind(n)
+            if a["dim"] % src.dim() == last:
+                return None, made
+            target, rest = _aten.slice.Tensor, (a["dim"], a["start"], a["end"], a["step"])
+        elif n.target is _aten.flatten.using_ints:
+            a = _bind(n)
+            if last in (a["start_dim"] % src.dim(), a["end_dim"] % src.dim()):
+                return None, made
+            target, rest = _aten.flatten.using_ints, (a["start_dim"], a["end_dim"])
+        else:
+            return None, made
+        h = _val(cur)
+        new = g.call_function(target, (cur, *rest))
+        new.meta["val"] = target(torch.empty(h.shape, dtype=h.dtype, device="meta"), *rest)
+        made.append(new)
+        cur = new
+    return cur, made
+
+
+def chunk_lm_head_loss(gm: fx.GraphModule, chunk_bytes: int = DEFAULT_LOSS_CHUNK_BYTES) -> bool:
+    """Fuse ``linear -> (casts, row reshapes) -> cross_entropy`` in ``gm`` into one chunked kernel.
+
+    Finds a cross-entropy (``aten.cross_entropy_loss``, or ``nll_loss`` of ``log_softmax`` over the
+    class dimension) with the mean or sum reduction, no class weights and no label smoothing,
+    whose ``[tokens, vocab]`` input is a linear layer's output reached only through dtype casts,
+    copies, and reshapes, slices or flattens of the leading dimensions (Hugging Face's
+    ``logits.float().view(-1, V)``, or a GPT's ``logits[:, :-1].reshape(-1, V)``), each read by
+    nothing else. It replaces them with :func:`megatrain.kernels.linear_cross_entropy` over the
+    linear's input put through the same row ops, the weight, the bias, the unchanged labels and
+    the loss's ``ignore_index`` and reduction. Chunks hold ``chunk_bytes // (vocab * 4)`` tokens
+    (at least one). Rewrites ``gm`` in place; returns whether it found the pattern. A graph
+    without it (a model whose loss is not a cross-entropy over an LM head) is left unchanged.
+    """
+    g = gm.graph
+    for node in list(g.nodes):
+        found = _find_loss(node)
+        if found is None:
+            continue
+        x, loss_node, loss_nodes, args = found
+        if (args.get("weight") is not None or args.get("label_smoothing", 0.0) != 0.0
+                or args["reduction"] not in _REDUCTION_NAMES or not isinstance(x, fx.Node)
+                or not _is_float(_val(x)) or _val(x).dim() != 2):
+            continue
+        chain, cur = [], x
+        while cur.op == "call_function" and cur.target is not _aten.linear.default and len(chain) < 16:
+            if len(cur.users) != 1 or not isinstance(cur.args[0], fx.Node):
+                break
+            chain.append(cur)
+            cur = cur.args[0]
+        if cur.op != "call_function" or cur.target is not _aten.linear.default or len(cur.users) != 1:
+            continue
+        la = _bind(cur)
+        hidden, weight, bias = la["input"], la["weight"], la.get("bias")
+        w = _val(weight)
+        if w.dim() != 2 or _val(x).shape[1] != w.shape[0]:
+            continue
+        vocab, features = w.shape
+        logits_dtype = _val(x).dtype
+        # The kernel casts its logits once, straight to the loss's dtype, on the linear's device: a
+        # chain through a third dtype would round differently, one across devices would move data.
+        if any(_val(n).dtype not in (_val(cur).dtype, logits_dtype) or _val(n).device != _val(cur).device
+               for n in chain):
+            continue
+        with g.inserting_before(loss_node):
+            rows, made = _replay_on_hidden(g, chain[::-1], hidden, vocab, features)
+            if rows is None or tuple(_val(rows).shape) != (_val(x).shape[0], features):
+                for n in reversed(made):
+                    g.erase_node(n)
+                continue
+            chunk = max(1, min(_val(x).shape[0], chunk_bytes // (vocab * 4)))
+            fused = g.call_function(linear_cross_entropy, (
+                rows, weight, bias, args["target"], args["ignore_index"], _REDUCTION_NAMES[args["reduction"]],
+                chunk, logits_dtype))
+        fused.meta = dict(loss_node.meta)
+        fused.meta["val"] = torch.empty((), dtype=logits_dtype, device="meta")
+        loss_node.replace_all_uses_with(fused)
+        # Users before what they read: the loss, then the chain back to the linear.
+        for n in loss_nodes + chain + [cur]:
+            g.erase_node(n)
+        g.lint()
+        gm.recompile()
+        return True
+    return False
+
+
+# -- tracing ---------------------------------------------------------------------------------------
+
 def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
-          input_names: Sequence[str] = ("input_ids", "labels")) -> TracedModel:
+          input_names: Sequence[str] = ("input_ids", "labels"), replicate_blocks: bool = True,
+          loss_chunk_bytes: int | None = DEFAULT_LOSS_CHUNK_BYTES) -> TracedModel:
     """Trace ``model`` into a LayerGraph for micro-batches of ``[micro_batch_size, seq_len]``.
 
     ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
     its scalar loss (a tensor, an object with ``.loss`` or a tuple whose first element is the loss).
-    The model may live on the ``meta`` device; no parameter memory is touched either way.
+    The model may live on the ``meta`` device; no parameter memory is touched either way, and the
+    model is not modified.
+
+    ``replicate_blocks``: trace three blocks and repeat them when every block is the same (see
+    the module docstring); the graph equals the full trace's. ``loss_chunk_bytes``: the bytes of
+    one chunk of logits for :func:`chunk_lm_head_loss`, or None to keep the LM head and loss as
+    the model wrote them.
 
     Raises:
         TraceError: export failed (names the module that was running and the failing op).
@@ -315,11 +644,56 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     """
     if micro_batch_size < 1 or seq_len < 1:
         raise TraceError(f"micro_batch_size ({micro_batch_size}) and seq_len ({seq_len}) must be >= 1")
-    device = _model_device(model)
+    if loss_chunk_bytes is not None and loss_chunk_bytes < 1:
+        raise TraceError(f"loss_chunk_bytes ({loss_chunk_bytes}) must be >= 1, or None to keep the unchunked loss")
+    _model_device(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModelError(
             f"{type(model).__name__} has no trainable parameters (all have requires_grad=False): "
             "there is nothing to train")
+    container = _find_block_container(model)
+    options = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),
+                   loss_chunk_bytes=loss_chunk_bytes)
+    with _causal_attention(model, input_names) as mask_free:
+        why = _why_not_replicate(model, container) if replicate_blocks else "replicate_blocks=False"
+        traced = None
+        if why is None:
+            picks = _picks(len(model.get_submodule(container)))
+            try:
+                short = _trace_graph(_short_copy(model, container, picks), container, **options)
+            except TraceError as e:
+                # The full trace either succeeds or raises this error with the real block names.
+                why = f"the three-block copy did not trace ({type(e).__name__})"
+            else:
+                traced = _replicate(short, model, container, picks)
+                if isinstance(traced, str):
+                    why, traced = traced, None
+        if traced is None:
+            traced = _trace_graph(model, container, **options)
+    traced.graph.meta.update(trace="full" if why else "replicated", skip_causal_mask=mask_free)
+    if why:
+        traced.graph.meta["trace_full_because"] = why
+    _check_covers_params(model, traced.graph)
+    return traced
+
+
+def _local_names(nodes: Sequence[fx.Node]) -> dict[fx.Node, str]:
+    """Node names renumbered within one layer: ``add_14`` is ``add_5`` when it is the layer's sixth
+    ``add``. fx numbers names across the whole graph, so a block's names would depend on its depth."""
+    seen: dict[str, int] = {}
+    out = {}
+    for n in nodes:
+        base = re.sub(r"_\d+$", "", n.name)
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        out[n] = base if k == 0 else f"{base}_{k}"
+    return out
+
+
+def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: int, seq_len: int,
+                 input_names: tuple[str, ...], loss_chunk_bytes: int | None) -> TracedModel:
+    """Export ``model`` and cut it into layers at the children of ``container``."""
+    device = _model_device(model)
     example = tuple(torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)
                     for _ in input_names)
     ep = _export(model, input_names, example)
@@ -338,7 +712,6 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     user_inputs = [s for s in sig.user_inputs]
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
 
-    container = _find_block_container(model)
     n_blocks = len(model.get_submodule(container)) if container is not None else 0
     stage, stage_names = _assign_stages(gm, container, n_blocks)
     n_stages = len(stage_names)
@@ -373,6 +746,12 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             f"the loss is computed in layer {names[stage[loss_node]]!r}, but later layers compute "
             "more; megatrain needs the loss to be the model's last computation")
 
+    stage_nodes: list[list[fx.Node]] = [[] for _ in names]
+    for n in gm.graph.nodes:
+        if n in stage:
+            stage_nodes[stage[n]].append(n)
+    local = {n: name for nodes in stage_nodes for n, name in _local_names(nodes).items()}
+
     # Values: batch inputs, then every node read by a later stage, in graph order.
     values: list[dict] = []
     value_of: dict[fx.Node, int] = {}
@@ -388,18 +767,13 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
                     f"layer {names[stage[n]]!r} passes a non-tensor value ({type(v).__name__}, node "
                     f"{n.name}) to a later layer; only tensors can cross a layer boundary")
             value_of[n] = len(values)
-            values.append(dict(node=n, name=f"{names[stage[n]]}:{n.name}", producer=stage[n]))
+            values.append(dict(node=n, name=f"{names[stage[n]]}:{local[n]}", producer=stage[n]))
 
     # Does a value depend on a parameter? Propagate from parameter placeholders.
     needs_grad: set[fx.Node] = {placeholders[p] for p in param_of}
     for n in gm.graph.nodes:
         if n.op == "call_function" and any(a in needs_grad for a in n.all_input_nodes):
             needs_grad.add(n)
-
-    stage_nodes: list[list[fx.Node]] = [[] for _ in names]
-    for n in gm.graph.nodes:
-        if n in stage:
-            stage_nodes[stage[n]].append(n)
 
     buffer_sources: dict[str, tuple[str, Any]] = {}
     for ph_name, fqn in buffer_of.items():
@@ -444,6 +818,8 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             env[n] = g.node_copy(n, lookup)
         g.output(tuple(env[o] for o in outputs))
         sub = fx.GraphModule(gm, g)
+        if loss_chunk_bytes is not None and loss_node in in_stage:
+            chunk_lm_head_loss(sub, loss_chunk_bytes)
 
         layer_sig = _signature(sub)
         if layer_sig in template_sigs:
@@ -468,7 +844,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             trainable_numel=trainable_numel, inputs=tuple(value_of[a] for a in inputs),
             outputs=tuple(value_of[o] for o in outputs), buffers=tuple(buffer_names),
             buffer_bytes=sum(_val(a).numel() * _val(a).element_size() for a in buffers),
-            work_bytes=_work_bytes(nodes),
+            work_bytes=_work_bytes(list(sub.graph.nodes)),
             arg_vals=[_val(a) for a in params + buffers + inputs],
             grad_args=[trainable[param_of[a.name]] for a in params] + [False] * len(buffers)
             + [a in needs_grad and _is_float(_val(a)) for a in inputs]))
@@ -500,8 +876,242 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     graph = LayerGraph(layers=layer_recs, values=tuple(value_recs), batch_inputs=tuple(input_names),
                        loss=value_of[loss_node], micro_batch_size=micro_batch_size, seq_len=seq_len,
                        meta={"model": type(model).__name__, "block_container": container})
-    _check_covers_params(model, graph)
     return TracedModel(graph=graph, templates=tuple(templates), buffer_sources=buffer_sources)
+
+
+
+
+# -- replicated blocks -----------------------------------------------------------------------------
+
+# What every nn.Module keeps in its __dict__ (parameters, buffers, submodules, hooks): compared
+# structurally below, not as attributes.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
+def _attr_key(v: Any) -> Any:
+    """An attribute as compared between blocks: plain data by value, anything else by identity
+    (a config object all blocks share is the same; a tensor each block keeps is not). A
+    ``functools.partial`` (transformers' activations keep one each) is its function and arguments."""
+    if isinstance(v, _PLAIN):
+        return ("value", v)
+    if isinstance(v, (tuple, list, frozenset)) and all(isinstance(x, _PLAIN) for x in v):
+        return ("value", type(v).__name__, tuple(v))
+    if isinstance(v, functools.partial):
+        return ("partial", _attr_key(v.func), tuple(_attr_key(a) for a in v.args),
+                tuple(sorted((k, _attr_key(x)) for k, x in v.keywords.items())))
+    return ("object", id(v))
+
+
+def _fingerprint(block: nn.Module) -> dict[tuple, Any]:
+    """What must match between two blocks for one's traced graph to stand for the other's."""
+    out: dict[tuple, Any] = {}
+    for path, mod in block.named_modules(remove_duplicate=False):
+        out[("module", path)] = type(mod)
+        for key, v in vars(mod).items():
+            if key not in _MODULE_INTERNALS:
+                out[("attr", path, key)] = _attr_key(v)
+        for h in _HOOKS:
+            out[("hooks", path, h)] = tuple(id(getattr(f, "__func__", f)) for f in getattr(mod, h, {}).values())
+        out[("non-persistent", path)] = frozenset(mod._non_persistent_buffers_set)
+    for name, p in block.named_parameters(remove_duplicate=False):
+        out[("param", name)] = (tuple(p.shape), p.dtype, p.requires_grad, p.device, type(p))
+    for name, b in block.named_buffers(remove_duplicate=False):
+        out[("buffer", name)] = (tuple(b.shape), b.dtype, b.device)
+    return out
+
+
+def _why_not_replicate(model: nn.Module, container: str | None) -> str | None:
+    """None when the blocks of ``container`` are interchangeable up to their index, else why not."""
+    if not container:  # None, or the root itself, which a copy cannot shorten
+        return "no block container"
+    blocks = list(model.get_submodule(container))
+    if len(blocks) <= len(_picks(len(blocks))):
+        return f"{len(blocks)} blocks: no fewer to trace"
+    if len({id(b) for b in blocks}) != len(blocks):
+        return f"a module appears twice in {container}"
+    params = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
+    if len(set(params)) != len(params):
+        return "tied parameters"  # the full trace names them in its error
+    prints = [_fingerprint(b) for b in blocks]
+    if any(p.keys() != prints[0].keys() for p in prints):
+        return f"the blocks of {container} differ in their modules, parameters or buffers"
+    for key, first in prints[0].items():
+        vals = [p[key] for p in prints]
+        if all(v == first for v in vals):
+            continue
+        # An int attribute that counts with the block (transformers' ``layer_idx``) is the block's
+        # own index: it selects a KV-cache slot, which training does not have.
+        ints = [v[1] if v[0] == "value" and type(v[1]) is int else None for v in vals]
+        if key[0] == "attr" and None not in ints and all(x - ints[0] == i for i, x in enumerate(ints)):
+            continue
+        if key[0] == "attr":
+            where = ".".join(filter(None, (container, "<i>", key[1])))
+            return f"attribute {key[2]!r} of {where} differs between blocks"
+        return f"{key[0]} {key[1]!r} of {container}.<i> differs between blocks"
+    for cfg in _hf_configs(model):
+        for key, v in vars(cfg).items():
+            if isinstance(v, (list, tuple)) and len(v) == len(blocks) and any(x != v[0] for x in v):
+                return f"config.{key} differs between layers"
+    return None
+
+
+def _picks(n: int) -> tuple[int, ...]:
+    """The blocks a short copy keeps: first, middle, last (the ones models most often special-case)."""
+    return tuple(sorted({0, n // 2, n - 1}))
+
+
+def _short_copy(model: nn.Module, container: str, picks: Sequence[int]) -> nn.Module:
+    """A shallow copy of ``model`` whose ``container`` holds only the blocks ``picks``.
+
+    Every module on the path to the container is copied with its own ``_modules`` dict, so the
+    user's model is untouched; everything else (parameters, buffers, configs, the blocks) is
+    shared, and the copy is used only for one export.
+    """
+    root = copy.copy(model)
+    node = root
+    parts = container.split(".")
+    for i, name in enumerate(parts):
+        node.__dict__["_modules"] = dict(node._modules)
+        old = node._modules[name]
+        new = copy.copy(old)
+        if i == len(parts) - 1:
+            new.__dict__["_modules"] = {str(j): old[k] for j, k in enumerate(picks)}
+        node._modules[name] = new
+        node = new
+    return root
+
+
+def _replicate(short: TracedModel, model: nn.Module, container: str, picks: Sequence[int]) -> TracedModel | str:
+    """The full-depth TracedModel of ``model`` from the trace of its three-block copy, or why not.
+
+    In the short graph the blocks are ``container.0..k-1`` standing for real blocks ``picks``.
+    Block 0 is kept as it is; blocks ``1..n-1`` repeat short block 1 (the middle one), which must
+    agree with every other short block field for field once its own index is taken out of its
+    parameter and buffer names, and read only batch inputs, prologue values and the block before
+    it. Layers after the blocks may read batch inputs, prologue values and the last block.
+    """
+    g = short.graph
+    k, n = len(picks), len(model.get_submodule(container))
+    index = {layer.name: layer.index for layer in g.layers}
+    if any(f"{container}.{j}" not in index for j in range(k)):
+        return "a block of the three-block copy traced to no layer"
+    first = index[f"{container}.0"]
+    if [index[f"{container}.{j}"] for j in range(k)] != list(range(first, first + k)):
+        return "the blocks of the three-block copy are not consecutive layers"
+    blocks = g.layers[first:first + k]
+    pre, post = g.layers[:first], g.layers[first + k:]
+    if [v.producer for v in g.values] != sorted(v.producer for v in g.values):
+        return "values are not in layer order"
+
+    def own(name: str, j: int) -> str | None:
+        prefix = f"{container}.{j}."
+        return name[len(prefix):] if name.startswith(prefix) else None
+
+    def canon(layer: Layer, j: int):
+        params = tuple((own(p.name, j), p.shape, p.offset, p.trainable) for p in layer.params)
+        bufs = tuple(own(b, j) if b.startswith(f"{container}.") else ("shared", b) for b in layer.buffers)
+        outs = tuple((g.values[v].name.split(":", 1)[1], g.values[v].shape, g.values[v].dtype,
+                      g.values[v].requires_grad, g.values[v].consumers == (layer.index + 1,)) for v in layer.outputs)
+        return (layer.template, params, layer.numel, layer.trainable_numel, bufs, layer.buffer_bytes,
+                layer.work_bytes, layer.fwd_flops, layer.bwd_flops, outs)
+
+    def wiring(layer: Layer):
+        prev = g.layers[layer.index - 1].outputs
+        out = []
+        for v in layer.inputs:
+            if g.values[v].producer < first:
+                out.append(("head", v))
+            elif v in prev:
+                out.append(("prev", prev.index(v)))
+            else:
+                return None
+        return tuple(out)
+
+    shapes = [canon(b, j) for j, b in enumerate(blocks)]
+    if any(None in (p[0] for p in s[1]) for s in shapes):
+        return "a block reads a parameter outside itself"
+    if any(None in s[4] for s in shapes):
+        return "a block reads another block's buffer"
+    if any(s != shapes[0] for s in shapes) or not all(o[-1] for o in shapes[0][-1]):
+        return "the three traced blocks differ"
+    pattern = wiring(blocks[1])
+    if pattern is None or any(wiring(b) != pattern for b in blocks[2:]):
+        return "the traced blocks read values other than the batch, the prologue and the block before"
+    if any(short.buffer_sources.get(b, ("buffer",))[0] != "buffer" for layer in blocks for b in layer.buffers):
+        return "a block reads a tensor constant"
+
+    # Value ids: the head (batch inputs, prologue outputs) keeps its ids; then each block's outputs;
+    # then those of the layers after the blocks.
+    head = [v for v in g.values if v.producer < first]
+    values: list[dict] = [dict(v=v, name=v.name, producer=v.producer) for v in head]
+    block_outs: list[list[int]] = []
+    for b in range(n):
+        src = blocks[0] if b == 0 else blocks[1]
+        ids = []
+        for v in src.outputs:
+            ids.append(len(values))
+            local = g.values[v].name.split(":", 1)[1]
+            values.append(dict(v=g.values[v], name=f"{container}.{b}:{local}", producer=first + b))
+        block_outs.append(ids)
+    post_id: dict[int, int] = {}
+    for i, layer in enumerate(post):
+        for v in layer.outputs:
+            post_id[v] = len(values)
+            values.append(dict(v=g.values[v], name=g.values[v].name, producer=first + n + i))
+    last_outs = blocks[-1].outputs
+
+    def post_input(v: int) -> int | None:
+        if g.values[v].producer < first:
+            return v
+        if v in last_outs:
+            return block_outs[-1][last_outs.index(v)]
+        return post_id.get(v)
+
+    def rename(name: str, b: int) -> str:
+        rest = own(name, 1)
+        return name if rest is None else f"{container}.{b}.{rest}"
+
+    layers: list[Layer] = list(pre)
+    layers.append(dataclasses.replace(blocks[0], outputs=tuple(block_outs[0])))
+    tmpl = blocks[1]
+    for b in range(1, n):
+        ins = tuple(x if kind == "head" else block_outs[b - 1][x] for kind, x in pattern)
+        layers.append(dataclasses.replace(
+            tmpl, index=first + b, name=f"{container}.{b}",
+            params=tuple(dataclasses.replace(p, name=rename(p.name, b)) for p in tmpl.params),
+            buffers=tuple(rename(x, b) for x in tmpl.buffers), inputs=ins, outputs=tuple(block_outs[b])))
+    for i, layer in enumerate(post):
+        ins = tuple(post_input(v) for v in layer.inputs)
+        if None in ins:
+            return "a layer after the blocks reads a block other than the last"
+        layers.append(dataclasses.replace(layer, index=first + n + i, inputs=ins,
+                                          outputs=tuple(post_id[v] for v in layer.outputs)))
+
+    consumers: dict[int, list[int]] = {i: [] for i in range(len(values))}
+    for layer in layers:
+        for v in layer.inputs:
+            consumers[v].append(layer.index)
+    value_recs = tuple(
+        dataclasses.replace(d["v"], id=i, name=d["name"], producer=d["producer"], consumers=tuple(sorted(consumers[i])))
+        for i, d in enumerate(values))
+    if g.loss not in post_id:
+        return "the loss is not computed after the blocks"
+    graph = LayerGraph(layers=tuple(layers), values=value_recs, batch_inputs=g.batch_inputs, loss=post_id[g.loss],
+                       micro_batch_size=g.micro_batch_size, seq_len=g.seq_len,
+                       meta={**g.meta, "model": type(model).__name__, "traced_blocks": tuple(picks)})
+
+    sources = {}
+    for name, src in short.buffer_sources.items():
+        j = next((j for j in range(k) if own(name, j) is not None), None)
+        if j is None:
+            sources[name] = src
+        else:
+            for b in range(n):
+                real = f"{container}.{b}.{own(name, j)}"
+                sources[real] = ("buffer", real)
+    return TracedModel(graph=graph, templates=short.templates, buffer_sources=sources)
 
 
 def _check_covers_params(model: nn.Module, graph: LayerGraph) -> None:
