@@ -167,6 +167,9 @@ def test_dropout_is_refused_but_zero_dropout_is_fine():
     with pytest.raises(UnsupportedModelError, match=r"'blocks.0.1'.*dropout"):
         trace(Drop(), micro_batch_size=1, seq_len=3)
     trace(Drop().eval(), micro_batch_size=1, seq_len=3)  # eval mode: dropout is the identity
+    # Attention dropout reaches scaled_dot_product_attention as an argument, not as a dropout op.
+    with pytest.raises(UnsupportedModelError, match=r"scaled_dot_product_attention.*dropout"):
+        trace(tiny_llama(layers=1, attention_dropout=0.1), micro_batch_size=1, seq_len=8)
 
 
 # -- replicated blocks -------------------------------------------------------------------------------

@@ -93,10 +93,20 @@ _RANDOM_OPS = {"aten::dropout", "aten::native_dropout", "aten::bernoulli", "aten
 def _check_no_randomness(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if schema is None or schema.name not in _RANDOM_OPS:
+        if schema is None:
             continue
-        if schema.name.endswith("dropout") and (len(n.args) > 1 and n.args[1] == 0.0 or
-                                                len(n.args) > 2 and n.args[2] is False):
+        if schema.name not in _RANDOM_OPS:
+            # Attention kernels take their dropout as an argument (HF's attention_dropout > 0 reaches
+            # scaled_dot_product_attention as dropout_p).
+            names = [a.name for a in schema.arguments]
+            if "dropout_p" not in names:
+                continue
+            k = names.index("dropout_p")
+            p = n.args[k] if len(n.args) > k else n.kwargs.get("dropout_p", 0.0)
+            if not p:
+                continue
+        elif schema.name.endswith("dropout") and (len(n.args) > 1 and n.args[1] == 0.0 or
+                                                  len(n.args) > 2 and n.args[2] is False):
             continue  # p == 0 or not training: no randomness
         stack = n.meta.get("nn_module_stack") or {}
         where = _strip(list(stack.values())[-1][0]) if stack else "the model's forward"
