@@ -52,6 +52,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from megatrain.planner.hardware import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout where megatrain is not installed
     sys.path.insert(0, str(ROOT))
@@ -230,17 +232,7 @@ def measure_peak_matmul(dry_run: bool) -> dict:
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     return {"flops_per_s": 2 * n ** 3 / t, "what": f"fp32 {n}^3 matmul on the CPU (no GPU: not a GPU peak)",
-            "device": "cpu: " + _cpu_name(), "dtype": "float32"}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+            "device": "cpu: " + cpu_name(), "dtype": "float32"}
 
 
 def _free_port() -> int:
@@ -750,7 +742,7 @@ def parent_main(args, argv_used: list[str]) -> int:
     meta = {
         "date_utc": now.strftime("%Y-%m-%d %H:%M UTC"),
         "device": peak_row["device"],
-        "host": {"cpu": _cpu_name(), "cores": os.cpu_count(), "mem_available_bytes": _mem_available_bytes()},
+        "host": {"cpu": cpu_name(), "cores": os.cpu_count(), "mem_available_bytes": _mem_available_bytes()},
         "versions": _versions(),
         "command": command,
         "peak_matmul": peak_row,

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatrain.planner.hardware import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -40,16 +42,6 @@ MODEL = dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_
 CONFIG = dict(max_bytes=3_000_000, seq_len=128, global_batch=16, micro_batch_size=8, lr=3e-3, warmup_steps=30,
               weight_decay=0.1, beta1=0.9, beta2=0.95, max_grad_norm=1.0, eval_interval=40, eval_batches=4,
               checkpoint_interval=40, nonfinite="stop")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _median(xs: list[float]) -> float:
@@ -78,7 +70,7 @@ def soak(steps: int, warmup: int, threads: int | None, workdir: Path) -> dict:
     at_warmup, at_end = rss[warmup - 1], rss[-1]
     return {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core CPU ({_cpu()})",
+        "machine": f"{os.cpu_count()}-core CPU ({cpu_name()})",
         "python": platform.python_version(),
         "command": " ".join(cmd),
         "config": cfg,

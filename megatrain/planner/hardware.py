@@ -154,7 +154,7 @@ class HardwareSpec(pydantic.BaseModel):
 
         host = _host_memory_bytes()
         opt_rate = _measure_adamw(optimizer_numel, seconds)
-        cpu = _cpu_name()
+        cpu = f"{cpu_name()} x{os.cpu_count()}"
         fields = dict(host_memory_bytes=host, pinned_memory_cap_bytes=int(host * PINNED_FRACTION),
                       host_optimizer_params_per_s=opt_rate)
         if torch.cuda.is_available():
@@ -183,14 +183,15 @@ def _host_memory_bytes() -> int:
     return 0
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``, else ``platform``), for reports."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+    return platform.processor() or platform.machine()
 
 
 def _measure_adamw(numel: int, seconds: float) -> float:
