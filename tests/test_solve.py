@@ -477,7 +477,7 @@ def llama2_7b_graph(seq_len: int, block_work_bytes: int) -> LayerGraph:
     - FLOPs, as ``FlopCounterMode`` counts them: a block's forward 2·seq·(4·4096² + 3·4096·11008)
       for its matmuls plus 4·seq²·4096 for attention (4.72e15 at 512k); the local backward 3x
       (forward recomputed, then twice the forward); the LM head 2·seq·4096·32000 (1.37e14).
-    - working memory: the prologue 4.26 GiB and the chunked LM head 25.49 GiB (as traced); a
+    - working memory: the prologue 4.26 GiB and the chunked LM head 25.74 GiB (as traced); a
       block ``block_work_bytes``.
     """
     h, f, vocab, blocks = 4096, 11008, 32000, 32
@@ -505,7 +505,7 @@ def llama2_7b_graph(seq_len: int, block_work_bytes: int) -> LayerGraph:
         layers.append(layer(b, f"model.layers.{b - 1}", 4 * h * h + 3 * h * f + 2 * h,
                             (1 + b if b > 1 else 2, 3, 4), (4 + b,), block_fwd, block_work_bytes))
     layers.append(layer(n - 1, "epilogue", h + vocab * h, (len(values) - 2, 1), (len(values) - 1,), head_fwd,
-                        int(25.49 * GiB)))
+                        int(25.74 * GiB)))
     return LayerGraph(layers=tuple(layers), values=tuple(values), batch_inputs=("input_ids", "labels"),
                       loss=len(values) - 1, micro_batch_size=1, seq_len=seq_len)
 
