@@ -151,7 +151,7 @@ def cast_time(layer: Layer, hw: HardwareSpec) -> float:
 def checkpoint_bytes(graph: LayerGraph, layer: int) -> int:
     """Bytes of ``layer``'s outputs that another layer reads, for one micro-batch: what an OFFLOAD
     or RELOAD moves and what offloading them keeps in pinned host memory."""
-    return sum(graph.values[vid].nbytes for vid in graph.layers[layer].outputs if graph.values[vid].consumers)
+    return sum(graph.values[vid].nbytes for vid in graph.checkpoints(layer))
 
 
 def offload_time(graph: LayerGraph, layer: int, hw: HardwareSpec, kind: OpKind) -> float:
@@ -258,7 +258,6 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
         before[i] = i - 1 if on_gpu[i - 1] else before[i - 1]
     waiters: dict[int, int] = {}  # non-compute op -> first compute op that lists it as a dependency
     bwd: dict[tuple[int, int], int] = {}
-    read = {vid for vid, v in enumerate(graph.values) if v.consumers}
     gens: list[_Generation] = []
     current: dict[tuple[int, int], _Generation] = {}
     for mb in range(schedule.plan.micro_batches):
@@ -279,18 +278,15 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
             for vid in layer.inputs:
                 current[(vid, op.mb)].readers.append(i)
         if op.kind is OpKind.OFFLOAD:
-            for vid in layer.outputs:
-                if vid in read:
-                    current[(vid, op.mb)].offloads.append(i)
+            for vid in graph.checkpoints(op.layer):
+                current[(vid, op.mb)].offloads.append(i)
         if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
             if op.kind is OpKind.RELOAD:
                 waits = [d for d in op.deps if on_gpu[d]]
                 start = after[max(waits) + 1] if waits else -1
             else:
                 start = i
-            for vid in layer.outputs:
-                if op.kind is OpKind.RELOAD and vid not in read:
-                    continue
+            for vid in graph.checkpoints(op.layer) if op.kind is OpKind.RELOAD else layer.outputs:
                 current[(vid, op.mb)] = g = _Generation(graph.values[vid].nbytes, start, [], [])
                 gens.append(g)
     last_compute = compute[-1] if compute else -1

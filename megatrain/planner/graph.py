@@ -149,6 +149,11 @@ class LayerGraph:
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.seq_len
 
+    def checkpoints(self, layer: int) -> tuple[int, ...]:
+        """Ids of ``layer``'s outputs that some layer reads: its checkpoints, what an OFFLOAD or
+        RELOAD of the layer moves (the loss, read by no layer, is not one)."""
+        return tuple(vid for vid in self.layers[layer].outputs if self.values[vid].consumers)
+
     def value_by_name(self, name: str) -> Value:
         for v in self.values:
             if v.name == name:

@@ -283,7 +283,7 @@ class _Lowering:
                         continue  # already back for an earlier reader
                     deps = {self.offloads[(p, mb)], *self.visits[after].ops}
                     r = self.emit(Op(OpKind.RELOAD, p, mb=mb, deps=tuple(sorted(deps))))
-                    for out in self.g.layers[p].outputs:
+                    for out in self.g.checkpoints(p):
                         self.latest[(out, mb)] = r
 
 

@@ -220,13 +220,12 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
 
     # data
     producer_layer = {vid: v.producer for vid, v in enumerate(graph.values)}
-    read_values = _read_values(graph)
     latest: dict[tuple[int, int], int] = {}
     for i, op in enumerate(ops):
         if op.kind in COMPUTE_KINDS or op.kind is OpKind.OFFLOAD:
             reads = ([(vid, op.mb) for vid in graph.layers[op.layer].inputs
                       if producer_layer[vid] != BATCH_PRODUCER] if op.kind in COMPUTE_KINDS
-                     else [(vid, op.mb) for vid in graph.layers[op.layer].outputs if vid in read_values])
+                     else [(vid, op.mb) for vid in graph.checkpoints(op.layer)])
             for key in reads:
                 src = latest.get(key)
                 name = graph.values[key[0]].name
@@ -287,11 +286,6 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
 
     if hw is not None:
         _check_memory(schedule, graph, hw)
-
-
-def _read_values(graph: LayerGraph) -> set[int]:
-    """Values some layer reads (an OFFLOAD copies only these of its layer's outputs)."""
-    return {vid for vid, v in enumerate(graph.values) if v.consumers}
 
 
 def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> None:

@@ -318,7 +318,7 @@ class Executor:
         return run
 
     def _offload(self, op: Op, acts):
-        keys = [(vid, op.mb) for vid in self.graph.layers[op.layer].outputs if self.graph.values[vid].consumers]
+        keys = [(vid, op.mb) for vid in self.graph.checkpoints(op.layer)]
 
         def run() -> None:
             for key in keys:
@@ -331,7 +331,7 @@ class Executor:
         return run
 
     def _reload(self, op: Op, acts):
-        keys = [(vid, op.mb) for vid in self.graph.layers[op.layer].outputs if self.graph.values[vid].consumers]
+        keys = [(vid, op.mb) for vid in self.graph.checkpoints(op.layer)]
         dev = self.backend.device
 
         def run() -> None:
@@ -359,7 +359,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor):
 def _last_readers(schedule: Schedule, g: LayerGraph) -> dict[int, list[tuple[int, int]]]:
     """For each op index, the (value, micro-batch) checkpoints on the GPU that no later op reads
     before another op puts them on the GPU again (a recompute or a reload)."""
-    read = {vid for vid, v in enumerate(g.values) if v.consumers}
     last: dict[tuple[int, int], int] = {}
     by_op: dict[int, list[tuple[int, int]]] = {}
     for i, op in enumerate(schedule.ops):
@@ -368,9 +367,8 @@ def _last_readers(schedule: Schedule, g: LayerGraph) -> dict[int, list[tuple[int
             for vid in layer.inputs:
                 last[(vid, op.mb)] = i
         elif op.kind is OpKind.OFFLOAD:
-            for vid in layer.outputs:
-                if vid in read:
-                    last[(vid, op.mb)] = i
+            for vid in g.checkpoints(op.layer):
+                last[(vid, op.mb)] = i
         if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
             for vid in layer.outputs:
                 key = (vid, op.mb)
