@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -147,7 +146,6 @@ class Trainer:
         seconds = time.perf_counter() - t0
         self.step_count += 1
         losses = tuple(out.losses)
-        norm = out.grad_norm if out.finite else float("nan") if not math.isfinite(out.grad_norm) else float("inf")
         if self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD:
             # The update waits for the next schedule; it is dropped here when anything was not finite.
             self._pending = out.finite
@@ -160,7 +158,7 @@ class Trainer:
             skipped = tuple(out.updates_skipped)
         return StepResult(step=self.step_count, loss=sum(losses) / len(losses), micro_batch_losses=losses,
                           tokens=o.global_batch * o.seq_len, seconds=seconds,
-                          grad_norm=out.grad_norm if out.finite else norm, applied=out.finite,
+                          grad_norm=out.grad_norm, applied=out.finite,
                           skipped_layers=skipped)
 
     def evaluate(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> float:
