@@ -17,9 +17,15 @@ At 512k tokens the trace holds no ``S x S`` causal mask (SDPA runs with ``is_cau
 head's cross-entropy is chunked, so the largest boundary value is the residual stream.
 
 At 512k tokens the 33 residual checkpoints (4 GiB each) do not fit a 96 GB GPU kept, so the solver
-offloads them to pinned host memory; whether a plan fits then turns on the working memory the
-trace records for one block's local backward. When no plan fits, this script prints the
-planner's answer and reason as they are, with the smallest memory that would work.
+offloads most of them to pinned host memory; whether a plan fits then turns on the working memory
+the trace records for one block's local backward (``Layer.work_bytes``, a liveness simulation of
+the block's template). Each block's two token-wise regions (input norm, q/k/v projections and
+rotary embedding; o projection, second norm and MLP) and the final norm run in checkpointed chunks
+of the sequence (Mini-Sequence Transformer, arXiv:2407.15892; ``trace(seq_chunk_bytes=...)``), so a
+block holds one chunk's intermediates instead of about 160 GiB of them; its peak is then attention's
+backward, with q, k, v, the output and their gradients whole (about 44 GiB). At 4096 tokens the
+dense-120b regions are below the chunking threshold and run whole. When no plan fits, this script
+prints the planner's answer and reason as they are, with the smallest memory that would work.
 
 Usage::
 

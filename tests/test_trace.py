@@ -12,7 +12,8 @@ from torch import nn
 
 from megatrain.errors import TraceError, UnsupportedModelError
 from megatrain.planner.graph import BATCH_PRODUCER, TILE_ALIGN_ELEMENTS
-from megatrain.planner.trace import _signature, trace
+from megatrain.kernels import sequence_chunked
+from megatrain.planner.trace import DEFAULT_SEQ_CHUNK_BYTES, _signature, trace
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 
@@ -184,12 +185,17 @@ def _assert_same_graph(fast, full) -> None:
     assert [_signature(t) for t in fast.templates] == [_signature(t) for t in full.templates]
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_llama(layers=6, device="meta"), lambda: tiny_gpt(layers=6)],
-                         ids=["llama", "gpt"])
-def test_replicated_blocks_equal_the_full_trace(make):
+@pytest.mark.parametrize("make,seq_chunk_bytes", [
+    (lambda: tiny_llama(layers=6, device="meta"), DEFAULT_SEQ_CHUNK_BYTES),
+    (lambda: tiny_gpt(layers=6), DEFAULT_SEQ_CHUNK_BYTES),
+    (lambda: tiny_llama(layers=6, device="meta"), 1000),
+], ids=["llama", "gpt", "llama-sequence-chunked"])
+def test_replicated_blocks_equal_the_full_trace(make, seq_chunk_bytes):
     model = make()
-    fast = trace(model, micro_batch_size=2, seq_len=16)
-    full = trace(model, micro_batch_size=2, seq_len=16, replicate_blocks=False)
+    fast = trace(model, micro_batch_size=2, seq_len=16, seq_chunk_bytes=seq_chunk_bytes)
+    full = trace(model, micro_batch_size=2, seq_len=16, replicate_blocks=False, seq_chunk_bytes=seq_chunk_bytes)
+    chunked = [n for t in fast.templates for n in t.graph.nodes if n.target is sequence_chunked]
+    assert len(chunked) == (3 if seq_chunk_bytes == 1000 else 0), "two regions per block, one in the head"
     assert fast.graph.meta["trace"] == "replicated" and fast.graph.meta["traced_blocks"] == (0, 3, 5)
     assert full.graph.meta["trace"] == "full"
     _assert_same_graph(fast, full)
@@ -322,7 +328,8 @@ def test_llama2_7b_at_512k_traces_on_meta_in_seconds_with_no_sequence_squared_va
     S, d, vocab = 524288, 4096, 32000
     model = build_meta_model(load_model_config("llama-2-7b"), dtype=torch.bfloat16)
     start = time.perf_counter()
-    g = trace(model, micro_batch_size=1, seq_len=S).graph
+    traced = trace(model, micro_batch_size=1, seq_len=S)
+    g = traced.graph
     seconds = time.perf_counter() - start
     assert g.meta["trace"] == "replicated" and g.meta["skip_causal_mask"] is True
     residual = S * d * 2
@@ -331,3 +338,9 @@ def test_llama2_7b_at_512k_traces_on_meta_in_seconds_with_no_sequence_squared_va
     assert head.fwd_flops == 2 * S * d * vocab and head.bwd_flops == 3 * head.fwd_flops
     assert head.work_bytes < S * vocab * 4 // 2, "the LM head's logits are chunked"
     assert seconds < 20, f"tracing took {seconds:.1f} s"
+    # Each block runs its two token-wise regions (norm, q/k/v, rotary; o proj, norm, MLP) in chunks
+    # of the sequence; what stays whole is attention's q, k, v, output and their gradients.
+    block = g.layers[1]
+    calls = [n for n in traced.templates[block.template].graph.nodes if n.target is sequence_chunked]
+    assert len(calls) == 2 and all(16 <= n.args[1] <= 64 for n in calls)
+    assert 36 * 2**30 < block.work_bytes < 48 * 2**30, f"{block.work_bytes / 2**30:.1f} GiB"

@@ -82,8 +82,15 @@ class Layer:
     ``template`` names the executable template; structurally identical layers share one.
     ``buffers`` are the fully qualified names of the non-trainable tensors (buffers, constants) it
     reads, which stay resident on the device. ``work_bytes`` bounds the transient device memory of
-    one local backward of one micro-batch: the bytes of every intermediate tensor the layer's
-    forward creates (views excluded), which autograd may hold until the backward proper.
+    one local backward of one micro-batch (and so of a forward): the peak of a liveness simulation
+    over the layer's template (:func:`megatrain.planner.trace._work_bytes`) in which every tensor
+    the forward creates (views excluded) is held until its own op's backward step, the backward
+    allocates a gradient for each differentiable input of each op in reverse order, the flat
+    tile's weight gradient is gathered at the end, and chunked kernels add what they hold inside
+    (one chunk's recompute and gradients for a sequence-chunked region; the logits chunk and held
+    gradients of the fused LM head loss). It excludes what is accounted elsewhere: the layer's
+    inputs, weights and buffers (checkpoints, slots, resident buffers), the gradients arriving for
+    its outputs and the first gradient of each input (boundary gradients in the cost model).
     """
 
     index: int

@@ -23,7 +23,7 @@ FLOPs per layer are counted by running each template once on the meta device und
 ``torch.utils.flop_counter.FlopCounterMode`` (forward, then forward plus backward for the local
 backward), so attention FLOPs are included exactly as the kernels see them.
 
-Three refinements keep tracing fast and its graph small at scale:
+Four refinements keep tracing fast and its graph and working memory small at scale:
 
 - *Replicated blocks.* Export costs time in proportion to the ops it records, ~0.1 s per block of
   a 120B model. When every block is the same module (same module types, parameter and buffer
@@ -52,6 +52,16 @@ Three refinements keep tracing fast and its graph small at scale:
   ``[tokens, vocab]`` logits (64 GiB at 512k tokens x 32k vocabulary in FP32).
   :func:`chunk_lm_head_loss` rewrites that subgraph of the epilogue template into one call of
   :func:`megatrain.kernels.linear_cross_entropy`, which never holds more than a chunk of them.
+- *Sequence chunking.* Norms, projections, rotary embeddings and MLPs compute each position on its
+  own; at 512k tokens a Llama-2-7B block's such ops create 160 GiB of intermediates.
+  :func:`chunk_sequence_regions` (Mini-Sequence Transformer, Luo et al. 2024, arXiv:2407.15892)
+  finds the maximal regions of such token-wise ops between attention calls and, where their
+  intermediates exceed ``seq_chunk_bytes``, runs each as one call of
+  :func:`megatrain.kernels.sequence_chunked`, a checkpointed chunk of the sequence at a time.
+
+A layer's ``work_bytes`` comes from a liveness simulation of its local backward over the template
+(:func:`_work_bytes`): what its forward creates, the gradients its backward creates, and what the
+chunked kernels hold inside, at the peak.
 """
 
 from __future__ import annotations
@@ -66,7 +76,7 @@ import operator
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -74,8 +84,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain.errors import TraceError, UnsupportedModelError
-from megatrain.kernels import linear_cross_entropy, linear_cross_entropy_work_bytes
+from megatrain.kernels import (chunk_bounds, linear_cross_entropy, linear_cross_entropy_work_bytes,
+                               sequence_chunked)
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
+
+_aten = torch.ops.aten
 
 _WRAPPED = "inner"  # attribute name of the user's model inside the loss wrapper
 
@@ -315,24 +328,243 @@ def _signature(gm: fx.GraphModule) -> tuple:
     return tuple(sig)
 
 
-def _work_bytes(nodes: Sequence[fx.Node]) -> int:
-    """Bytes of the tensors a layer's ops create; a view shares its base's storage and is free.
+def _grad_kinds(params: Sequence[fx.Node], inputs: Sequence[fx.Node], trainable: dict[str, bool],
+                param_of: dict[str, str], needs_grad: set[fx.Node]) -> dict[str, str]:
+    """What the executor's local backward differentiates: every parameter view of the flat tile when
+    the layer has a trainable parameter (the whole tile requires grad), and the inputs that depend
+    on a parameter."""
+    kinds = {}
+    if any(trainable[param_of[a.name]] for a in params):
+        kinds.update((a.name, "keep") for a in params)
+    kinds.update((a.name, "boundary") for a in inputs if a in needs_grad and _is_float(_val(a)))
+    return kinds
 
-    A call of a chunked kernel adds the working memory the kernel allocates inside, which its
-    output (a scalar) does not show.
-    """
-    total = 0
-    for n in nodes:
-        v = _val(n)
-        if n.op != "call_function" or not isinstance(v, torch.Tensor):
+
+def _flat_bytes(params: Sequence[fx.Node], numel: int, trainable: dict[str, bool], param_of: dict[str, str]) -> int:
+    """Bytes of the gradient of a layer's flat tile of ``numel`` elements (none without trainable
+    parameters), in the parameters' dtype."""
+    if not any(trainable[param_of[a.name]] for a in params):
+        return 0
+    return numel * max(_val(a).element_size() for a in params)
+
+
+def _value_bytes(n: fx.Node) -> int:
+    """Bytes of ``n``'s value: a tensor's, or the sum over the tensors of a tuple."""
+    v = _val(n)
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (list, tuple)):
+        return sum(x.numel() * x.element_size() for x in v if isinstance(x, torch.Tensor))
+    return 0
+
+
+def _viewable(x: torch.Tensor, shape: Sequence[int]) -> bool:
+    """Whether ``x.reshape(shape)`` is a view (no copy), as the strides of ``x`` decide."""
+    try:
+        torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta").view(shape)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _allocates(n: fx.Node) -> bool:
+    """Whether op ``n`` creates new storage (not a view or alias of an input)."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return False
+    t = n.target
+    x = _val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    v = _val(n)
+    if t in (_aten.to.dtype, _aten.to.dtype_layout) and isinstance(x, torch.Tensor):
+        return x.dtype != v.dtype or x.device != v.device or bool(_bind(n).get("copy"))
+    if t is _aten.contiguous.default and isinstance(x, torch.Tensor):
+        return not x.is_contiguous()
+    if t in (_aten.reshape.default, _aten.flatten.using_ints) and isinstance(x, torch.Tensor):
+        return not _viewable(x, v.shape)
+    if t is _aten._unsafe_view.default:
+        return False  # a view its schema does not annotate
+    schema = getattr(t, "_schema", None)
+    return not (schema is not None and any(r.alias_info is not None for r in schema.returns))
+
+
+def _allocated_bytes(n: fx.Node) -> int:
+    return _value_bytes(n) if _allocates(n) else 0
+
+
+# Ops whose backward hands the output's gradient to the input as it is or as a view of it.
+_GRAD_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.flatten.using_ints,
+               _aten.transpose.int, _aten.permute.default, _aten.t.default, _aten.unsqueeze.default,
+               _aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze.default, _aten.alias.default,
+               _aten.clone.default, _aten.contiguous.default}
+
+
+def _passes_gradient(n: fx.Node) -> bool:
+    if n.target is operator.getitem or n.target in _GRAD_VIEWS:
+        return True
+    return n.target in (_aten.to.dtype, _aten.to.dtype_layout) and not _allocates(n)
+
+
+def _differentiable(gm: fx.GraphModule, grad_kinds: dict[str, str]) -> set[fx.Node]:
+    """Nodes whose value requires grad: floating point and computed from a placeholder named in
+    ``grad_kinds`` (a grad-disabling higher-order op cuts the chain)."""
+    rg = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in grad_kinds}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not any(a in rg for a in n.all_input_nodes):
             continue
-        if n.target is linear_cross_entropy:
-            total += _linear_cross_entropy_work(n)
-        schema = getattr(n.target, "_schema", None)
-        is_view = schema is not None and any(r.alias_info is not None for r in schema.returns)
-        if not is_view:
-            total += v.numel() * v.element_size()
-    return total
+        if n.target is torch.ops.higher_order.wrap_with_set_grad_enabled and not n.args[0]:
+            continue
+        v = _val(n)
+        vals = v if isinstance(v, (list, tuple)) else (v,)
+        if any(_is_float(x) for x in vals):
+            rg.add(n)
+    return rg
+
+
+def _op_memory(gm: fx.GraphModule, n: fx.Node, nbytes, rg: set[fx.Node]) -> tuple[int, int, int, int]:
+    """What op ``n`` holds beyond its output: (bytes it allocates with its output and frees in its
+    backward, a transient at its forward, bytes held from its forward to its backward, a transient
+    at its backward)."""
+    t = n.target
+    if t is sequence_chunked:
+        return (0, *_chunked_memory(gm, n, nbytes, rg))
+    if t is linear_cross_entropy:
+        # The kernel computes its gradients in the forward and holds them until the backward.
+        held = sum(nbytes(a) for a in n.args[:3] if isinstance(a, fx.Node) and a in rg)
+        return 0, _linear_cross_entropy_work(n), held, 0
+    if t in _ATTENTION:
+        q = _val(n.args[0])
+        rows = q.numel() // q.shape[-1]
+        # The flash and memory-efficient kernels save the FP32 logsumexp of every query row; the
+        # FlashAttention-2 backward accumulates dq in FP32 (Dao 2023, arXiv:2307.08691, algorithm 2).
+        return rows * 4, 0, 0, q.numel() * 4
+    nested = [getattr(gm, a.target) for a in n.all_input_nodes
+              if a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)]
+    if nested:  # a higher-order op: its body's intermediates, while it runs
+        return 0, max(_simulate(m, _value_bytes, {})[1] for m in nested), 0, 0
+    return 0, 0, 0, 0
+
+
+def _chunked_memory(gm: fx.GraphModule, n: fx.Node, nbytes, rg: set[fx.Node]) -> tuple[int, int, int]:
+    """(forward transient, held, backward transient) of a :func:`sequence_chunked` call.
+
+    Forward: the chunks' outputs, all of which exist just before they are concatenated (the
+    concatenation is the node's own value), plus one chunk's intermediates. Backward: one chunk's
+    recompute and backward (:func:`_simulate` of the region with every tensor that has the sequence
+    scaled to the largest chunk), plus the chunk gradients of each sliced input, which exist whole
+    before the split's backward joins them.
+    """
+    region = getattr(gm, n.args[0].target)
+    chunks, in_dims = n.args[1], n.args[2]
+    args = list(n.args[4:])
+    seq_len = next(_val(a).shape[d] for a, d in zip(args, in_dims) if d is not None)
+    largest = chunk_bounds(seq_len, chunks)[0]
+    phs = [p for p in region.graph.nodes if p.op == "placeholder"]
+    sliced = {p for p, d in zip(phs, in_dims) if d is not None}
+
+    def inner_bytes(m: fx.Node) -> int:
+        full = _value_bytes(m)
+        return full * largest // seq_len if (m.op == "call_function" or m in sliced) else full
+
+    kinds = {p.name: "keep" for p, a in zip(phs, args) if a in rg}
+    inner_peak, inner_fwd = _simulate(region, inner_bytes, kinds)
+    pieces = sum(nbytes(a) for a, d in zip(args, in_dims) if d is not None and a in rg)
+    return _value_bytes(n) + inner_fwd, 0, inner_peak + pieces
+
+
+def _simulate(gm: fx.GraphModule, nbytes, grad_kinds: dict[str, str], finalize: int = 0) -> tuple[int, int]:
+    """(peak bytes of one forward + backward of ``gm``, peak of the forward alone), as modelled.
+
+    ``nbytes(node)`` gives the bytes of a node's value (and of its gradient); ``grad_kinds`` maps
+    the placeholders that require grad to ``"keep"`` (the gradient is this graph's to hold, to the
+    end) or ``"boundary"`` (a layer input whose gradient the cost model already counts: only
+    contributions beyond its first are transient here). ``finalize`` is added at the end. See
+    :func:`_work_bytes` for the model.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    rg = _differentiable(gm, grad_kinds)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    base: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        src = n.args[0] if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) else None
+        base[n] = base.get(src, src) if src is not None and not _allocates(n) else n
+    pinned = {base[o] for o in out_node.all_input_nodes}  # the caller holds the outputs to the end
+    live = peak = 0
+    value: dict[fx.Node, int] = {}
+    held: dict[fx.Node, int] = {}
+    memory: dict[fx.Node, tuple[int, int, int, int]] = {}
+    for n in nodes:
+        memory[n] = extra, fwd_transient, keep, _ = _op_memory(gm, n, nbytes, rg)
+        value[n] = (nbytes(n) if _allocates(n) else 0) + extra
+        live += value[n]
+        peak = max(peak, live + fwd_transient)
+        held[n] = keep
+        live += keep
+    fwd_peak = peak
+    grads: dict[fx.Node, int] = {o: 0 for o in out_node.all_input_nodes if o in rg}  # seeds: the caller's
+    for n in reversed(nodes):
+        out_grad = grads.pop(n, None)
+        if n in rg and out_grad is not None:
+            xs = list(dict.fromkeys(a for a in n.all_input_nodes if a in rg))
+            alloc, freed = 0, out_grad
+            if _passes_gradient(n):
+                for x in xs[:1]:
+                    if x.op == "placeholder" and grad_kinds.get(x.name) == "boundary" and x not in grads:
+                        grads[x] = 0  # it becomes the layer input's gradient, which the cost model counts
+                    elif x not in grads:
+                        grads[x], freed = out_grad, 0  # the input's gradient is the output's
+                    elif n.target is operator.getitem:
+                        grads[x], freed = grads[x] + out_grad, 0  # held apart until the op's backward
+            else:
+                for x in xs:
+                    g = nbytes(x)
+                    if x in grads:  # added into the gradient x already has, then freed
+                        alloc, freed = alloc + g, freed + g
+                    elif x.op == "placeholder" and grad_kinds.get(x.name) == "boundary":
+                        grads[x] = 0
+                    else:
+                        grads[x] = g
+                        alloc += g
+            live += alloc
+            peak = max(peak, live + memory[n][3])
+            live -= freed
+        if base[n] is n and n not in pinned:
+            live -= value[n]
+        live -= held[n]
+    return max(peak, live + finalize), fwd_peak
+
+
+def _work_bytes(gm: fx.GraphModule, grad_kinds: dict[str, str], flat_bytes: int = 0) -> int:
+    """Peak transient bytes of one local backward of template ``gm``, by a liveness simulation.
+
+    The executor's local backward runs the template with gradients on and calls
+    ``torch.autograd.grad`` on its outputs for the flat weight tile and the inputs that require
+    grad. The model, over the template's nodes:
+
+    - Forward, in node order: each op's new storage (views and aliases are free) is allocated and
+      stays alive, as if autograd saved every intermediate for the backward.
+    - Backward, in reverse node order, for each op that requires grad and gets a gradient: a
+      gradient the size of each differentiable input is allocated (a view-like op hands its
+      output's gradient on instead; a second contribution to a gradient is allocated and freed
+      once added in); the output's gradient is freed; the op's own value is freed (its consumers'
+      backward steps ran before it), unless it backs a template output, which the caller holds.
+    - Op internals: a :func:`~megatrain.kernels.sequence_chunked` call holds, at its forward, its
+      chunk outputs before concatenation plus one chunk's intermediates, and at its backward one
+      chunk's recompute and backward (the same simulation over its region, sizes scaled to a
+      chunk) plus the chunk gradients of its sliced inputs; :func:`linear_cross_entropy` holds
+      :func:`~megatrain.kernels.linear_cross_entropy_work_bytes` at its forward and its gradients
+      until its backward; attention saves an FP32 logsumexp per query row and its backward an FP32
+      dq accumulator; a higher-order op's body its own forward peak.
+    - End: the parameter gradients (each accumulated in a buffer of its size) are gathered into
+      the flat tile's gradient; each parameter's slice backward allocates a zero-filled tile, so
+      ``2 * flat_bytes`` is counted on top of what is still alive then.
+
+    Not counted (accounted elsewhere, as checkpoints, slots and boundary gradients): the layer's
+    inputs, weights and buffers, the gradients arriving for its outputs, and the first
+    contribution to each input's gradient (``grad_kinds[name] == "boundary"``). Workspace inside
+    single aten kernels (matmul, norm) is not modelled: it is small next to the tensors here.
+    Since every intermediate is assumed held from its creation to its own backward step, the
+    figure bounds a forward under ``no_grad`` too.
+    """
+    return _simulate(gm, _value_bytes, grad_kinds, 2 * flat_bytes)[0]
 
 
 def _linear_cross_entropy_work(n: fx.Node) -> int:
@@ -469,7 +701,6 @@ DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20
 2,100 tokens of a 32k vocabulary, 520 of a 128k one. Each chunk's matmul is still thousands of
 rows by the full hidden size, large enough to run at full rate on a GPU."""
 
-_aten = torch.ops.aten
 _CASTS = {_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default}
 _RESHAPES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 _SAME = {_aten.contiguous.default, _aten.alias.default, _aten.clone.default}
@@ -630,11 +861,429 @@ def chunk_lm_head_loss(gm: fx.GraphModule, chunk_bytes: int = DEFAULT_LOSS_CHUNK
     return False
 
 
+# -- sequence chunking of token-wise regions -------------------------------------------------------
+
+DEFAULT_SEQ_CHUNK_BYTES = 4 * 2**30
+"""Intermediate bytes above which :func:`chunk_sequence_regions` chunks a region, and about those
+of one chunk (``ceil(intermediates / this)`` chunks).
+
+Larger than the loss chunk (:data:`DEFAULT_LOSS_CHUNK_BYTES`) on purpose: the chunked LM head costs
+no extra FLOPs, but a chunked region is recomputed in the backward, one more forward of its
+projections and MLP per step (a quarter more compute for a block whose matmuls dominate), and the
+trace decides this without knowing the GPU. So only regions too large for any GPU's comfort are
+chunked: a Llama-2-7B block's regions hold 0.5, 0.7 GiB of intermediates at 4k tokens per
+micro-batch (not chunked; nor is the dense-120b preset's largest, 1.9 GiB at 4k) and 68, 91 GiB at
+512k (17 and 23 chunks of 31k and 23k tokens, each still thousands of rows for the matmuls).
+With 1 GiB instead, planning dense-120b at 4k tokens for an H200 (``bench/plan_scale.py``)
+predicts 44.5% MFU instead of 52.1%."""
+
+
+class _Mixed:
+    """Sequence dimension of a tensor whose positions cannot be told apart (attention scores, a
+    slice along the sequence, the output of an op this pass does not know)."""
+
+    def __repr__(self) -> str:
+        return "MIXED"
+
+
+MIXED = _Mixed()
+
+# Ops that map each element on its own (besides those tagged ``pointwise``): casts, copies, aliases
+# and the ``*_like`` constructors, whose output has the input's shape.
+_ELEMENTWISE = {_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default, _aten.type_as.default,
+                _aten.contiguous.default, _aten.alias.default, _aten.detach.default, _aten.clone.default,
+                _aten.zeros_like.default, _aten.ones_like.default, _aten.full_like.default,
+                _aten.empty_like.default}
+# Reductions over the dimensions named by their ``dim`` argument (all of them when it is None).
+_REDUCTIONS = {_aten.mean.dim, _aten.sum.dim_IntList, _aten.amax.default, _aten.amin.default,
+               _aten.var.correction, _aten.std.correction, _aten.var_mean.correction,
+               _aten.logsumexp.default, _aten.linalg_vector_norm.default, _aten.max.dim, _aten.min.dim,
+               _aten.argmax.default, _aten.argmin.default}
+# Ops that normalise, accumulate or scan along one dimension ``dim``.
+_ALONG_DIM = {_aten._softmax.default, _aten._log_softmax.default, _aten.softmax.int, _aten.log_softmax.int,
+              _aten.cumsum.default, _aten.cumprod.default, _aten.logcumsumexp.default}
+_NORMS = {_aten.layer_norm.default, _aten.native_layer_norm.default, _aten.rms_norm.default}
+_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
+# Ops whose size argument names the sequence length: rewritten to -1 there inside a region.
+_SIZED = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
+_ATTENTION = {_aten.scaled_dot_product_attention.default}
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _reshaped_seq_dim(src: Sequence[int], d: int, dst: Sequence[int], seq_len: int):
+    """Where dimension ``d`` of a row-major ``src``-shaped tensor lands in a reshape to ``dst``: the
+    dimension ``j`` with ``dst[j] == seq_len`` and the same number of elements before it, or MIXED
+    (the sequence dimension is merged with or split into others)."""
+    before, acc = _prod(src[:d]), 1
+    for j, size in enumerate(dst):
+        if acc == before and size == seq_len:
+            return j
+        acc *= size
+    return MIXED
+
+
+def _seq_rule(n: fx.Node, sd: dict[fx.Node, Any], tokenwise: set[fx.Node], seq_len: int) -> tuple[Any, bool]:
+    """(Sequence dimension of ``n``'s value, whether ``n`` is token-wise), given its inputs'."""
+    v = _val(n)
+    ins = n.all_input_nodes
+    dims = [sd.get(a, MIXED) for a in ins]
+    if n.target is operator.getitem:
+        src, i = n.args[0], n.args[1]
+        d = sd.get(src, MIXED)
+        return (d[i], src in tokenwise) if isinstance(d, tuple) else (d if d is None else MIXED, False)
+    if any(d is MIXED or isinstance(d, tuple) for d in dims):
+        return MIXED, False
+    if all(d is None for d in dims):
+        return None, False  # computed without the sequence: whole in every chunk
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or not isinstance(v, (torch.Tensor, list, tuple)):
+        return MIXED, False
+    if t in _ATTENTION:
+        q = n.args[0]
+        nd = _val(q).dim()
+        return (nd - 2, False) if sd.get(q) == nd - 2 else (MIXED, False)
+    if torch.Tag.pointwise in t.tags or t in _ELEMENTWISE:
+        nd = v.dim()
+        aligned = {d + nd - _val(a).dim() for a, d in zip(ins, dims) if d is not None}
+        if len(aligned) != 1:
+            return MIXED, False
+        od = aligned.pop()
+        # An input without the sequence broadcasts over it only where its size there is 1 (a
+        # learned position table of size S added to the stream is not sliced with the chunk).
+        whole = True
+        for a, d in zip(ins, dims):
+            if d is None:
+                av = _val(a)
+                k = av.dim() - (nd - od) if isinstance(av, torch.Tensor) else -1
+                whole = whole and (k < 0 or av.shape[k] == 1)
+        return od, whole
+    a = _bind(n)
+    if t is _aten.embedding.default:
+        return sd.get(a["indices"], MIXED), False  # a gather from the table: its gradient is table-sized
+    # From here on the first input (``self``/``input``) carries the sequence; for all but cat and
+    # stack every other tensor input (weights, biases) must be without it.
+    x = ins[0]
+    d = sd.get(x)
+    joins = t in (_aten.cat.default, _aten.stack.default)
+    if not isinstance(d, int) or (not joins and any(sd.get(o) is not None for o in ins[1:])):
+        return MIXED, False
+    xv = _val(x)
+    nd = xv.dim()
+    if t is _aten.linear.default or t in (_aten.matmul.default, _aten.mm.default):
+        w = _val(ins[1])
+        ok = d != nd - 1 and (t is _aten.linear.default or w.dim() <= 2)
+        return (d, True) if ok else (MIXED, False)
+    if t in _NORMS:
+        k = len(a["normalized_shape"])
+        if d >= nd - k:
+            return MIXED, False
+        return ((d,) * 3 if t is _aten.native_layer_norm.default else d), True
+    if t in _REDUCTIONS:
+        red = a.get("dim")
+        if red is None or (isinstance(red, (list, tuple)) and not red):
+            return None, False  # reduced over the whole sequence: the same value for every chunk
+        red = [r % nd for r in ([red] if isinstance(red, int) else red)]
+        if d in red:
+            return None, False
+        od = d if a.get("keepdim", False) else d - sum(r < d for r in red)
+        return ((od,) * len(v) if isinstance(v, (list, tuple)) else od), True
+    if t in _ALONG_DIM:
+        # Along the sequence (a softmax over keys, a cumulative sum) each output position reads
+        # others, but it is still the same position: later token-wise ops may slice it.
+        return d, a["dim"] % nd != d
+    if t in (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.flatten.using_ints):
+        return _reshaped_seq_dim(xv.shape, d, v.shape, seq_len), True
+    if t is _aten.transpose.int:
+        d0, d1 = a["dim0"] % nd, a["dim1"] % nd
+        return (d1 if d == d0 else d0 if d == d1 else d), True
+    if t is _aten.permute.default:
+        return [p % nd for p in a["dims"]].index(d), True
+    if t is _aten.t.default:
+        return (nd - 1 - d if nd == 2 else d), True
+    if t is _aten.unsqueeze.default:
+        k = a["dim"] % (nd + 1)
+        return (d + 1 if k <= d else d), True
+    if t in (_aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze.default):
+        named = a.get("dim", None) if t is not _aten.squeeze.default else None
+        cand = range(nd) if named is None else [r % nd for r in ([named] if isinstance(named, int) else named)]
+        gone = [r for r in cand if xv.shape[r] == 1]
+        return (MIXED, False) if d in gone else (d - sum(r < d for r in gone), True)
+    if t is _aten.expand.default:
+        return d + v.dim() - nd, True
+    if t is _aten.slice.Tensor:
+        k = a["dim"] % nd
+        if k != d:
+            return d, True
+        whole = a["start"] in (None, 0) and (a["end"] is None or a["end"] >= seq_len) and a["step"] == 1
+        return (d, True) if whole else (MIXED, False)
+    if t is _aten.narrow.default:
+        return (d, True) if a["dim"] % nd != d else (MIXED, False)
+    if t is _aten.select.int:
+        k = a["dim"] % nd
+        return (d - (k < d), True) if k != d else (MIXED, False)
+    if t in _SPLITS or t is _aten.unbind.int:
+        k = a["dim"] % nd
+        if k == d:
+            return MIXED, False
+        od = d - (k < d) if t is _aten.unbind.int else d
+        return (od,) * len(v), True
+    if t in (_aten.cat.default, _aten.stack.default):
+        out_nd = v.dim()
+        k = a["dim"] % out_nd
+        if any(sd.get(o) != d for o in ins):
+            # A tensor without the sequence joined to ones with it would need slicing too.
+            return MIXED, False
+        if t is _aten.cat.default:
+            return (d, True) if k != d else (MIXED, False)
+        return d + (k <= d), True
+    return MIXED, False
+
+
+def sequence_dims(gm: fx.GraphModule, *, batch: int, seq_len: int,
+                  activations: Collection[str]) -> tuple[dict[fx.Node, Any], set[fx.Node]]:
+    """The sequence dimension of every value of template ``gm`` and its token-wise nodes.
+
+    A placeholder named in ``activations`` (a layer input, not a parameter or buffer) has its
+    sequence dimension at index 1 when its shape starts ``(batch or 1, seq_len)`` (the residual
+    stream ``(B, S, D)``, rotary tables ``(1, S, D)``), and none otherwise, unless ``seq_len`` is
+    one of its sizes (a ``(B, 1, S, S)`` mask: MIXED). Parameters, buffers and constants have none.
+    From there each op's rule (:func:`_seq_rule`) carries the dimension through: elementwise ops
+    with broadcasting, reductions and norms over other dimensions, linear layers, reshapes that
+    keep the sequence dimension whole, transposes, permutes, (un)squeezes, slices, splits and
+    concatenations along other dimensions. A value's entry is an int, None (no sequence dimension:
+    computed without the sequence, or reduced over all of it, so the same for every chunk) or
+    MIXED; a tuple of those for an op returning several. Token-wise nodes compute output positions
+    ``[a, b)`` from input positions ``[a, b)`` alone; attention and anything mixing positions is
+    not, though its output may still have a known sequence dimension (SDPA's is its query's, a
+    cumulative sum's its input's).
+    """
+    sd: dict[fx.Node, Any] = {}
+    tokenwise: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        v = _val(n)
+        if n.op == "placeholder":
+            if n.name in activations and isinstance(v, torch.Tensor) and seq_len > 1:
+                lead = tuple(v.shape[:2])
+                sd[n] = 1 if lead in ((batch, seq_len), (1, seq_len)) else (MIXED if seq_len in v.shape else None)
+            else:
+                sd[n] = None
+        elif n.op == "get_attr":
+            sd[n] = None
+        elif n.op == "call_function":
+            d, tw = _seq_rule(n, sd, tokenwise, seq_len)
+            vals = v if isinstance(d, tuple) else (v,)
+            dd = d if isinstance(d, tuple) else (d,)
+            if len(vals) != len(dd) or any(
+                    isinstance(k, int) and not (isinstance(x, torch.Tensor) and 0 <= k < x.dim()
+                                                and x.shape[k] == seq_len) for k, x in zip(dd, vals)):
+                d, tw = MIXED, False  # a rule's claim the shapes do not bear out: do not trust it
+            tw = tw and all(isinstance(k, int) for k in dd)  # a chunk is a slice of every output
+            sd[n] = d
+            if tw:
+                tokenwise.add(n)
+    return sd, tokenwise
+
+
+def _find_regions(gm: fx.GraphModule, tokenwise: set[fx.Node]) -> list[list[fx.Node]]:
+    """Maximal connected sets of token-wise nodes, each of which can become one call.
+
+    Regions grow in graph order: a token-wise node joins the regions of its token-wise inputs,
+    merging them, unless that would put a node outside the region on a path from the region back
+    into it (a region feeding attention whose output feeds the region again would become a call
+    that needs its own output). Then it tries each of those regions alone, largest first, and
+    else starts a region of its own. ``deps[n]`` is the set of regions ``n`` depends on.
+    """
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(r: fx.Node) -> fx.Node:
+        while parent[r] is not r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    members: dict[fx.Node, list[fx.Node]] = {}
+    outside: dict[fx.Node, set[fx.Node]] = {}  # region -> inputs its members read from outside it
+    region_of: dict[fx.Node, fx.Node] = {}
+    deps: dict[fx.Node, set[fx.Node]] = {}
+
+    def roots(s: set[fx.Node]) -> set[fx.Node]:
+        return {find(r) for r in s}
+
+    def convex(group: set[fx.Node], n: fx.Node) -> bool:
+        inside = set().union(*(members[r] for r in group)) | {n}
+        reads = set().union(*(outside[r] for r in group)) | set(n.all_input_nodes)
+        return not any(roots(deps.get(z, set())) & group for z in reads - inside)
+
+    for n in gm.graph.nodes:
+        dep = set()
+        for a in n.all_input_nodes:
+            dep |= deps.get(a, set())
+        if n in tokenwise:
+            cands = {find(region_of[a]) for a in n.all_input_nodes if a in region_of}
+            trials = [cands] + [{c} for c in sorted(cands, key=lambda r: -len(members[r]))] if cands else []
+            group = next((g for g in trials if convex(g, n)), None)
+            if group is None:
+                parent[n] = n
+                members[n], outside[n] = [n], set(n.all_input_nodes)
+                r = n
+            else:
+                r, *rest = sorted(group, key=lambda x: -len(members[x]))
+                for q in rest:
+                    parent[q] = r
+                    members[r] += members.pop(q)
+                    outside[r] |= outside.pop(q)
+                members[r].append(n)
+                outside[r] |= set(n.all_input_nodes)
+                outside[r] -= set(members[r])
+            region_of[n] = r
+            dep.add(r)
+        deps[n] = dep
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return [sorted(m, key=order.__getitem__) for m in members.values()]
+
+
+def _region_plan(gm: fx.GraphModule, region: list[fx.Node], sd: dict[fx.Node, Any]):
+    """(members, external inputs in first-use order, outputs, intermediate bytes) of a region, or
+    None when an output is not a single tensor (it could not be concatenated).
+
+    Views and aliases of the region's inputs, and views the region would only return, leave it
+    first: they cost nothing outside, while an output of the region is a new tensor (the chunks'
+    concatenation), which for an alias of the residual stream (an FP32 model's no-op
+    ``.to(float32)``) would be a copy of it.
+    """
+    inside = set(region)
+    peeled = True
+    while peeled:
+        peeled = False
+        for m in list(region):
+            if _allocates(m) or m.target is operator.getitem:
+                continue
+            if not inside & set(m.all_input_nodes) or not inside & set(m.users):
+                region.remove(m)
+                inside.discard(m)
+                peeled = True
+    if not region:
+        return None
+    inputs: list[fx.Node] = []
+    for m in region:
+        for a in m.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [m for m in region if any(u not in inside for u in m.users)]
+    if any(not isinstance(_val(o), torch.Tensor) or not isinstance(sd[o], int) for o in outputs):
+        return None
+    work = sum(_allocated_bytes(m) for m in region if m not in outputs)
+    return region, inputs, outputs, work
+
+
+def _extract_region(gm: fx.GraphModule, region: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+                    sd: dict[fx.Node, Any]) -> fx.GraphModule:
+    """The region as a GraphModule ``(*inputs) -> tuple(outputs)`` whose size arguments leave the
+    sequence length free (-1), so one module runs every chunk."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for k, a in enumerate(inputs):
+        env[a] = g.placeholder(f"in_{k}")
+        env[a].meta = dict(a.meta)
+    for m in region:
+        new = g.node_copy(m, lambda x: env[x])
+        if m.target in _SIZED:
+            size = list(_val(m).shape)
+            size[sd[m]] = -1
+            new.args = (new.args[0], size, *new.args[2:])
+        env[m] = new
+    g.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def chunk_sequence_regions(gm: fx.GraphModule, *, batch: int, seq_len: int, activations: Collection[str],
+                           chunk_bytes: int = DEFAULT_SEQ_CHUNK_BYTES) -> int:
+    """Run each large token-wise region of template ``gm`` a chunk of the sequence at a time.
+
+    The method of Mini-Sequence Transformer (Luo et al. 2024, arXiv:2407.15892): a block's norms,
+    projections, rotary embeddings and MLP treat every position on its own, so they can run on
+    slices of the sequence, and with each slice checkpointed a local backward holds one slice's
+    intermediates at a time. :func:`sequence_dims` finds the token-wise nodes and
+    :func:`_find_regions` groups them into maximal regions that attention (or any op mixing
+    positions) separates; for a Llama block that is (a) the input RMSNorm, the q/k/v projections
+    and the rotary embedding, up to attention's inputs, and (b) from attention's output the o
+    projection, the residual add, the second RMSNorm, the MLP and the second residual add.
+
+    A region whose intermediates (the non-view tensors its nodes create, less its outputs) exceed
+    ``chunk_bytes`` is replaced by one call of :func:`megatrain.kernels.sequence_chunked` over a
+    nested GraphModule (a submodule ``seq_chunk_<k>`` of ``gm``, read by a ``get_attr`` node),
+    with ``min(seq_len, ceil(intermediates / chunk_bytes))`` chunks. Inputs with a sequence
+    dimension are sliced along it; parameters, buffers and values computed without the sequence
+    are passed whole. ``activations`` names the placeholders that are layer inputs (only they can
+    carry the sequence). Rewrites ``gm`` in place; returns the number of regions rewritten (0
+    leaves ``gm`` as it was).
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_sequence_regions: chunk_bytes must be >= 1, got {chunk_bytes}")
+    sd, tokenwise = sequence_dims(gm, batch=batch, seq_len=seq_len, activations=activations)
+    g = gm.graph
+    done = 0
+    for region in _find_regions(gm, tokenwise):
+        plan = _region_plan(gm, region, sd)
+        if plan is None:
+            continue
+        region, inputs, outputs, work = plan
+        chunks = min(seq_len, -(-work // chunk_bytes))
+        if chunks < 2:
+            continue
+        sub = _extract_region(gm, region, inputs, outputs, sd)
+        name = f"seq_chunk_{done}"
+        while hasattr(gm, name):
+            name += "_"
+        gm.add_submodule(name, sub)
+        in_dims = tuple(sd[a] if isinstance(sd[a], int) else None for a in inputs)
+        out_dims = tuple(sd[o] for o in outputs)
+        inside = set(region)
+        # Nodes between the region's first and last node that read its outputs, directly or not,
+        # move after the call (none of them feeds the region, or the region would not be convex).
+        moved: list[fx.Node] = []
+        node = region[0].next
+        while node is not region[-1]:
+            if node not in inside and any(a in inside or a in moved for a in node.all_input_nodes):
+                moved.append(node)
+            node = node.next
+        with g.inserting_after(region[-1]):
+            attr = g.get_attr(name)
+        with g.inserting_after(attr):
+            call = g.call_function(sequence_chunked, (attr, chunks, in_dims, out_dims, *inputs))
+        call.meta["val"] = tuple(_val(o) for o in outputs)
+        prev = call
+        for k, o in enumerate(outputs):
+            with g.inserting_after(prev):
+                item = g.call_function(operator.getitem, (call, k))
+            item.meta = dict(o.meta)
+            sd[item] = sd[o]  # a later region may read it
+            o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+            prev = item
+        for m in moved:
+            prev.append(m)
+            prev = m
+        for m in reversed(region):
+            g.erase_node(m)
+        done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
 # -- tracing ---------------------------------------------------------------------------------------
 
 def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
           input_names: Sequence[str] = ("input_ids", "labels"), replicate_blocks: bool = True,
-          loss_chunk_bytes: int | None = DEFAULT_LOSS_CHUNK_BYTES) -> TracedModel:
+          loss_chunk_bytes: int | None = DEFAULT_LOSS_CHUNK_BYTES,
+          seq_chunk_bytes: int | None = DEFAULT_SEQ_CHUNK_BYTES) -> TracedModel:
     """Trace ``model`` into a LayerGraph for micro-batches of ``[micro_batch_size, seq_len]``.
 
     ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
@@ -645,7 +1294,9 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     ``replicate_blocks``: trace three blocks and repeat them when every block is the same (see
     the module docstring); the graph equals the full trace's. ``loss_chunk_bytes``: the bytes of
     one chunk of logits for :func:`chunk_lm_head_loss`, or None to keep the LM head and loss as
-    the model wrote them.
+    the model wrote them. ``seq_chunk_bytes``: for :func:`chunk_sequence_regions`, the intermediate
+    bytes above which a token-wise region of a layer runs in chunks of the sequence, and about the
+    bytes of one chunk's intermediates; None runs every region whole.
 
     Raises:
         TraceError: export failed (names the module that was running and the failing op).
@@ -656,6 +1307,9 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
         raise TraceError(f"micro_batch_size ({micro_batch_size}) and seq_len ({seq_len}) must be >= 1")
     if loss_chunk_bytes is not None and loss_chunk_bytes < 1:
         raise TraceError(f"loss_chunk_bytes ({loss_chunk_bytes}) must be >= 1, or None to keep the unchunked loss")
+    if seq_chunk_bytes is not None and seq_chunk_bytes < 1:
+        raise TraceError(f"seq_chunk_bytes ({seq_chunk_bytes}) must be >= 1, or None to run token-wise regions "
+                         "over the whole sequence")
     _model_device(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModelError(
@@ -663,7 +1317,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             "there is nothing to train")
     container = _find_block_container(model)
     options = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),
-                   loss_chunk_bytes=loss_chunk_bytes)
+                   loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes)
     with _causal_attention(model, input_names) as mask_free:
         why = _why_not_replicate(model, container) if replicate_blocks else "replicate_blocks=False"
         traced = None
@@ -701,7 +1355,8 @@ def _local_names(nodes: Sequence[fx.Node]) -> dict[fx.Node, str]:
 
 
 def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: int, seq_len: int,
-                 input_names: tuple[str, ...], loss_chunk_bytes: int | None) -> TracedModel:
+                 input_names: tuple[str, ...], loss_chunk_bytes: int | None,
+                 seq_chunk_bytes: int | None) -> TracedModel:
     """Export ``model`` and cut it into layers at the children of ``container``."""
     device = _model_device(model)
     example = tuple(torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=device)
@@ -830,6 +1485,10 @@ def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: i
         sub = fx.GraphModule(gm, g)
         if loss_chunk_bytes is not None and loss_node in in_stage:
             chunk_lm_head_loss(sub, loss_chunk_bytes)
+        if seq_chunk_bytes is not None:
+            # After the loss pass: its pattern starts at the LM head's linear, which is token-wise.
+            chunk_sequence_regions(sub, batch=micro_batch_size, seq_len=seq_len,
+                                   activations={a.name for a in inputs}, chunk_bytes=seq_chunk_bytes)
 
         layer_sig = _signature(sub)
         if layer_sig in template_sigs:
@@ -854,7 +1513,8 @@ def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: i
             trainable_numel=trainable_numel, inputs=tuple(value_of[a] for a in inputs),
             outputs=tuple(value_of[o] for o in outputs), buffers=tuple(buffer_names),
             buffer_bytes=sum(_val(a).numel() * _val(a).element_size() for a in buffers),
-            work_bytes=_work_bytes(list(sub.graph.nodes)),
+            work_bytes=_work_bytes(sub, _grad_kinds(params, inputs, trainable, param_of, needs_grad),
+                                   flat_bytes=_flat_bytes(params, offset, trainable, param_of)),
             arg_vals=[_val(a) for a in params + buffers + inputs],
             grad_args=[trainable[param_of[a.name]] for a in params] + [False] * len(buffers)
             + [a in needs_grad and _is_float(_val(a)) for a in inputs]))
