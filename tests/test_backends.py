@@ -318,10 +318,14 @@ PLANS = [None, Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=1),
          Plan(micro_batches=2, slots=2, prefetch_distance=1, resident=frozenset({0, 3})),
          # Checkpoints offloaded and recomputed; updates deferred into the next step's forward.
          Plan(micro_batches=2, slots=3, prefetch_distance=2, activations=(_OFF, _RE, _OFF, _K),
-              optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4)]
+              optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4),
+         # Per-micro-batch passes: ACCs on the host worker, one pinned checkpoint copy reused.
+         Plan(micro_batches=2, layer_by_layer=False, slots=2, prefetch_distance=1, grad_ring=1,
+              activations=(_OFF, _RE, _K, _K))]
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["default", "one-slot-one-tile", "resident", "offload-recompute-deferred"])
+@pytest.mark.parametrize("plan", PLANS, ids=["default", "one-slot-one-tile", "resident", "offload-recompute-deferred",
+                                             "per-micro-batch"])
 def test_fake_cuda_backend_trains_exactly_like_the_cpu_backend(plan):
     ref, got = compile_pair(plan)
     fake = FakeCuda()

@@ -22,7 +22,7 @@ def test_public_surface_is_pinned():
                                      "A100_80GB", "RTX_4090"}
     assert set(cost.__all__) == {
         "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-        "fwd_time", "bwd_time", "opt_time", "cast_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
+        "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
             "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
@@ -45,11 +45,14 @@ def test_op_times_by_hand():
     assert cost.fwd_time(l0, bf16, hw) == pytest.approx(1e-6 + 3e6 / (4e9 * 0.5))
     assert cost.bwd_time(l1, fp32, hw) == pytest.approx(1e-6 + 15e6 / (1e9 * 0.5))
     assert cost.opt_time(l0, hw) == pytest.approx(1e-6 + 1008 / 1e6)
+    # An ACC moves 12 bytes per element at the optimizer's memory-bound rate (28 bytes per parameter).
+    assert cost.acc_time(l0, hw) == pytest.approx(1e-6 + 1008 * 12 / (1e6 * 28))
     for kind, fields, expect in [(OpKind.H2D, dict(slot=0), cost.h2d_time(l0, fp32, hw)),
                                  (OpKind.FWD, dict(mb=0, slot=0), cost.fwd_time(l0, fp32, hw)),
                                  (OpKind.BWD, dict(mb=0, slot=0), cost.bwd_time(l0, fp32, hw)),
                                  (OpKind.D2H, dict(slot=0, ring=0), cost.d2h_time(l0, hw)),
-                                 (OpKind.OPT, dict(ring=0), cost.opt_time(l0, hw))]:
+                                 (OpKind.OPT, dict(ring=0), cost.opt_time(l0, hw)),
+                                 (OpKind.ACC, dict(mb=1, ring=0), cost.acc_time(l0, hw))]:
         assert cost.op_time(Op(kind, 0, **fields), g, fp32, hw) == expect
 
 
@@ -149,9 +152,27 @@ def test_pinned_activation_space_formula():
     keep = Plan(micro_batches=3)
     offload = Plan(micro_batches=3, activations=(ActivationPolicy.OFFLOAD, ActivationPolicy.KEEP,
                                                  ActivationPolicy.OFFLOAD, ActivationPolicy.KEEP))
-    # Lowering does not implement OFFLOAD yet: time the formula against the KEEP schedule's order.
-    m = cost.memory_breakdown(g, offload, spec(), schedule=lower(g, keep))
+    m = cost.memory_breakdown(g, offload, spec())
     assert m.pinned_activations == 2 * 1000 * 3  # h0 and h2, every micro-batch
+    assert cost.memory_breakdown(g, keep, spec()).pinned_activations == 0
+
+
+def test_per_micro_batch_passes_trade_gpu_checkpoints_for_host_accumulators():
+    """Layer by layer, all 3 micro-batches' checkpoints are alive at the turn; per-micro-batch passes
+    hold one micro-batch's (and pin one micro-batch's offloaded copies), and add FP32 accumulators."""
+    g = chain_graph(4, numel=[1024, 2048, 512, 4096], trainable=[True, True, False, True], act_bytes=1000)
+    offload_h0 = (ActivationPolicy.OFFLOAD,) + (ActivationPolicy.KEEP,) * 3
+    l2l = cost.memory_breakdown(g, Plan(micro_batches=3, activations=offload_h0), spec())
+    per = cost.memory_breakdown(g, Plan(micro_batches=3, activations=offload_h0, layer_by_layer=False), spec())
+    assert l2l.pinned_activations == 3 * 1000 and per.pinned_activations == 1000
+    assert l2l.gradient_accumulators == 0 and per.gradient_accumulators == (1024 + 2048 + 4096) * 4
+    assert per.host_total - l2l.host_total == per.gradient_accumulators - 2 * 1000
+    assert per.host_pinned == l2l.host_pinned - 2 * 1000  # the accumulators are pageable
+    # Peak at the turn (BWD:L3:m0): labels of every micro-batch (128 B each, read by the last layer),
+    # h1 and h2 kept, h0 already reloaded, and the gradient of h2 that this backward makes. Layer by
+    # layer that is every micro-batch's; per micro-batch it is m0's, plus input_ids of m1 and m2.
+    assert l2l.activations_peak == 3 * 128 + 3 * 2 * 1000 + 3 * 1000 + 1000
+    assert per.activations_peak == 3 * 128 + 2 * 128 + 2 * 1000 + 1000 + 1000
 
 
 def test_memory_breakdown_table_lists_every_row():

@@ -93,6 +93,33 @@ def test_offloaded_and_recomputed_checkpoints_match_eager(plan):
     assert ("OFFLOAD" in kinds) == (OFF in plan.activations) and ("RECOMPUTE" in kinds) == (RE in plan.activations)
 
 
+@pytest.mark.parametrize("plan", [
+    Plan(micro_batches=3, layer_by_layer=False),
+    Plan(micro_batches=3, layer_by_layer=False, slots=1, prefetch_distance=0, grad_ring=1,
+         activations=(OFF, RE, RE, OFF, K, K)),
+    Plan(micro_batches=2, layer_by_layer=False, slots=3, prefetch_distance=2, resident=frozenset({0, 5}),
+         activations=(K, OFF, K, RE, K, K)),
+], ids=["keep", "offload-recompute-one-slot", "resident-deep-prefetch"])
+def test_per_micro_batch_passes_match_eager(plan):
+    """Each micro-batch makes its own pass and the host sums the gradients (ACC): the same losses
+    and weights as eager gradient accumulation."""
+    torch.manual_seed(5)
+    trainer = assert_same_training(tiny_llama(layers=4), micro_batches=plan.micro_batches, plan=plan, steps=5)
+    accs = [op for op in trainer.schedule.ops if op.kind.value == "ACC"]
+    assert len(accs) == plan.micro_batches * 6  # every (trainable layer, micro-batch) once
+
+
+def test_per_micro_batch_passes_with_clipping_match_clip_grad_norm():
+    """NEXT_FORWARD with host accumulators: the carried updates read the accumulators, and the
+    global norm is the accumulated gradients' (every step is clipped at 0.05)."""
+    torch.manual_seed(6)
+    model = tiny_llama(layers=2)
+    plan = Plan(micro_batches=2, layer_by_layer=False, optimizer=OptimizerPlacement.NEXT_FORWARD,
+                activations=(OFF, K, K, K))
+    trainer = assert_same_training(model, micro_batches=2, plan=plan, steps=6, max_grad_norm=0.05)
+    assert trainer.schedules.carrying.carries_updates and trainer.plan.accumulates_on_host
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_gradient_clipping_matches_clip_grad_norm(micro_batches):
     """max_grad_norm defers each update to the next step's forward; the losses still equal eager

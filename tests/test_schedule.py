@@ -19,7 +19,7 @@ from graphs import chain_graph
 
 
 @pytest.mark.parametrize("text", ["H2D:L3:s1", "FWD:L0:m2:s0", "BWD:L12:m0:s3", "D2H:L4:s1:r0", "OPT:L7:r1",
-                                  "OFFLOAD:L2:m1", "RELOAD:L2:m1", "RECOMPUTE:L5:m0:s2", "CAST:L3:t1"])
+                                  "OFFLOAD:L2:m1", "RELOAD:L2:m1", "RECOMPUTE:L5:m0:s2", "CAST:L3:t1", "ACC:L3:m1:r0"])
 def test_op_repr_parses_back(text):
     op = Op.parse(text, deps=(1, 2))
     assert repr(op) == text and op.deps == (1, 2)
@@ -47,14 +47,16 @@ def test_op_fields_are_checked():
 def test_any_op_round_trips(kind, layer, mb, slot, ring):
     fields = {OpKind.H2D: dict(slot=slot), OpKind.FWD: dict(mb=mb, slot=slot), OpKind.BWD: dict(mb=mb, slot=slot),
               OpKind.D2H: dict(slot=slot, ring=ring), OpKind.OPT: dict(ring=ring), OpKind.OFFLOAD: dict(mb=mb),
-              OpKind.RELOAD: dict(mb=mb), OpKind.RECOMPUTE: dict(mb=mb, slot=slot), OpKind.CAST: dict(tile=ring)}[kind]
+              OpKind.RELOAD: dict(mb=mb), OpKind.RECOMPUTE: dict(mb=mb, slot=slot), OpKind.CAST: dict(tile=ring),
+              OpKind.ACC: dict(mb=mb, ring=ring)}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 
 
 PLANS = [Plan(), Plan(micro_batches=3), Plan(slots=1, prefetch_distance=0, grad_ring=1),
          Plan(slots=4, prefetch_distance=3, grad_ring=3, micro_batches=2),
-         Plan(slots=2, prefetch_distance=1, resident=frozenset({0, 5}))]
+         Plan(slots=2, prefetch_distance=1, resident=frozenset({0, 5})),
+         Plan(micro_batches=3, layer_by_layer=False, activations=(ActivationPolicy.OFFLOAD,) * 6)]
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -201,11 +203,14 @@ def test_every_lowered_schedule_verifies(n, micro_batches, slots, data, numel):
     policies = tuple(data.draw(st.lists(st.sampled_from(list(ActivationPolicy)), min_size=n, max_size=n)))
     deferred = data.draw(st.booleans())
     dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
+    per_mb = data.draw(st.booleans()) and micro_batches > 1  # per-micro-batch passes, host accumulation
     g = chain_graph(n, numel=numel[:n], trainable=trainable)
-    ring = max(1, sum(trainable)) if deferred else data.draw(st.integers(1, 4))
+    ring = max(1, sum(trainable)) if deferred and not per_mb else data.draw(st.integers(1, 4))
     plan = Plan(micro_batches=micro_batches, slots=slots, prefetch_distance=d, grad_ring=ring, resident=resident,
                 activations=policies, compute_dtype=dtype, staging_ring=data.draw(st.integers(1, 3)),
-                optimizer=OptimizerPlacement.NEXT_FORWARD if deferred else OptimizerPlacement.DURING_BACKWARD)
+                optimizer=OptimizerPlacement.NEXT_FORWARD if deferred else OptimizerPlacement.DURING_BACKWARD,
+                layer_by_layer=not per_mb)
+    passes = micro_batches if per_mb else 1
     modes = [("train", False), ("eval", False)] + ([("train", True), ("update", False)] if deferred else [])
     for mode, carries in modes:
         s = lower(g, plan, mode, carries_updates=carries)
@@ -219,7 +224,9 @@ def test_every_lowered_schedule_verifies(n, micro_batches, slots, data, numel):
             offloaded = mode == "train" and policies[layer] is ActivationPolicy.OFFLOAD and layer < n - 1
             visits = (mode == "train") + (mode != "update" and layer < n - 1 or mode == "eval") + recomputed
             loads = count.get((OpKind.H2D, layer, None), 0)
-            assert loads <= (min(1, visits) if layer in resident else visits)
+            assert loads <= (min(1, visits) if layer in resident else visits * passes)
+            accs = [count.get((OpKind.ACC, layer, mb), 0) for mb in range(micro_batches)]
+            assert accs == [int(per_mb and mode == "train" and trainable[layer])] * micro_batches
             if dtype == "bfloat16":
                 assert count.get((OpKind.CAST, layer, None), 0) == loads, "one CAST per weight copy"
             for mb in range(micro_batches):
@@ -303,3 +310,39 @@ def test_offloaded_checkpoints_leave_the_gpu_and_lower_the_activation_peak():
     # Every other checkpoint recomputed: 4 of 7 kept, plus a recomputed one and gradients.
     assert rec.activations_peak <= 11.5 * mib
     assert off.pinned_activations == 14 * (1 << 20) and keep.pinned_activations == 0
+
+
+def test_verifier_catches_a_local_backward_that_overwrites_gradients_not_yet_copied_out():
+    """Per-micro-batch passes: layer 1 stays in its slot from micro-batch 0's local backward to
+    micro-batch 1's, so the second must wait for the first one's D2H (no reload orders them)."""
+    g = chain_graph(2)
+    s = lower(g, Plan(micro_batches=2, layer_by_layer=False), "train")
+    b0, b1 = _find(s, OpKind.BWD, 1, 0), _find(s, OpKind.BWD, 1, 1)
+    assert s.ops[b0].slot == s.ops[b1].slot
+    assert not any(op.kind is OpKind.H2D and b0 < i < b1 for i, op in enumerate(s.ops))
+    d = next(i for i in s.ops[b1].deps if s.ops[i].kind is OpKind.D2H)
+    verify(s, g)
+    with pytest.raises(ScheduleError, match=r"BWD:L1:m1:s\d breaks rule 'gradients'.*before #\d+ D2H:L1"):
+        verify(_drop_dep(s, b1, d), g)
+
+
+def test_verifier_catches_an_update_reading_another_layers_accumulator():
+    g = chain_graph(3)
+    s = lower(g, Plan(micro_batches=2, layer_by_layer=False), "train")
+    opt = _find(s, OpKind.OPT, 1)
+    ops = list(s.ops)
+    ops[opt] = dataclasses.replace(ops[opt], ring=2)
+    with pytest.raises(ScheduleError, match=r"OPT:L1:r2 breaks rule 'gradients': it reads accumulator 2, not layer 1's"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+def test_verifier_catches_an_accumulation_of_the_wrong_micro_batch():
+    """ACC of micro-batch 0 made to wait for micro-batch 1's D2H instead: the tile then holds
+    micro-batch 1's gradients, which would be counted twice."""
+    g = chain_graph(2)
+    s = lower(g, Plan(micro_batches=2, layer_by_layer=False, grad_ring=1), "train")
+    a0, a1 = _find(s, OpKind.ACC, 0, 0), _find(s, OpKind.ACC, 0, 1)
+    ops = list(s.ops)
+    ops[a0], ops[a1] = dataclasses.replace(ops[a0], mb=1), dataclasses.replace(ops[a1], mb=0)
+    with pytest.raises(ScheduleError, match=r"ACC:L0:m1:r0 breaks rule 'gradients'.*not those of micro-batch 1"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)

@@ -42,9 +42,9 @@ def check_solution(sol, request) -> None:
     as predicted; the optimizer placement the request needs, and the steady-state schedule."""
     plan, hw = sol.plan, request.hardware
     deferred = request.clip_gradients
-    assert plan.layer_by_layer
+    assert plan.layer_by_layer or plan.micro_batches > 1
     assert plan.optimizer is (OptimizerPlacement.NEXT_FORWARD if deferred else OptimizerPlacement.DURING_BACKWARD)
-    if deferred:
+    if deferred and plan.layer_by_layer:
         assert plan.grad_ring == max(1, sum(layer.trainable_numel > 0 for layer in sol.graph.layers))
     assert plan.micro_batches * sol.micro_batch_size == request.global_batch
     assert plan.compute_dtype == request.compute_dtype
@@ -357,12 +357,34 @@ def test_without_pinned_memory_for_checkpoints_they_are_recomputed():
     n, G = 10, 2
     g = chain_graph(n, **BIG_ACTIVATIONS)
     hw = spec(gpu_memory_bytes=keep_everything_gpu_bytes(g, G) * 2 // 3, pinned_memory_cap_bytes=1 << 20)
-    req = SolveRequest(g, hw, G, "bfloat16")
+    req = SolveRequest(g, hw, G, "bfloat16", limits=SolveLimits(per_micro_batch_passes=False))
     sol = solve(req)
     check_solution(sol, req)
+    assert sol.plan.layer_by_layer
     acts = policies_of(sol.plan, n)
     assert RECOMPUTE in acts and OFFLOAD not in acts
     assert sol.memory.host_pinned <= 1 << 20
+
+
+def test_per_micro_batch_passes_beat_recompute_when_copies_hide_behind_compute():
+    """The same request with per-micro-batch passes allowed: two passes of one sequence each keep
+    every checkpoint of one sequence on the GPU (2/3 of the memory of keeping both), which recompute
+    can only match with extra forwards; the second pass's weight copies hide behind compute. When
+    the GPU holds both sequences' checkpoints, layer by layer wins (one copy per pass fewer)."""
+    n, G = 10, 2
+    g = chain_graph(n, **BIG_ACTIVATIONS)
+    hw = spec(gpu_memory_bytes=keep_everything_gpu_bytes(g, G) * 2 // 3, pinned_memory_cap_bytes=1 << 20)
+    req = SolveRequest(g, hw, G, "bfloat16")
+    sol = solve(req)
+    check_solution(sol, req)
+    assert not sol.plan.layer_by_layer and sol.plan.micro_batches == 2
+    assert set(policies_of(sol.plan, n)) == {KEEP}
+    assert sol.memory.gradient_accumulators == sum(layer.trainable_numel for layer in g.layers) * 4
+    l2l = solve(replace(req, limits=SolveLimits(per_micro_batch_passes=False)))
+    assert sol.step_time_s < l2l.step_time_s
+    roomy = replace(req, hardware=spec(gpu_memory_bytes=keep_everything_gpu_bytes(g, G) * 2,
+                                       pinned_memory_cap_bytes=1 << 20))
+    assert solve(roomy).plan.layer_by_layer
 
 
 def test_when_copies_are_the_bottleneck_checkpoints_are_recomputed_and_when_compute_is_they_are_offloaded():
@@ -477,8 +499,9 @@ def llama2_7b_graph(seq_len: int, block_work_bytes: int) -> LayerGraph:
     - FLOPs, as ``FlopCounterMode`` counts them: a block's forward 2·seq·(4·4096² + 3·4096·11008)
       for its matmuls plus 4·seq²·4096 for attention (4.72e15 at 512k); the local backward 3x
       (forward recomputed, then twice the forward); the LM head 2·seq·4096·32000 (1.37e14).
-    - working memory: the prologue 4.26 GiB and the chunked LM head 25.74 GiB (as traced); a
-      block ``block_work_bytes``.
+    - working memory: the prologue 5.89 GiB and the chunked final norm, LM head and loss 17.75 GiB
+      (as traced); a block ``block_work_bytes``. The traced local backward of a block costs 3.03x
+      its forward (the sequence-chunked regions recompute their forward once more); here 3x.
     """
     h, f, vocab, blocks = 4096, 11008, 32000, 32
     n = blocks + 2
@@ -500,26 +523,25 @@ def llama2_7b_graph(seq_len: int, block_work_bytes: int) -> LayerGraph:
                      numel=numel, trainable_numel=numel, inputs=inputs, outputs=outputs, buffers=(),
                      fwd_flops=fwd, bwd_flops=3 * fwd, work_bytes=work)
 
-    layers = [layer(0, "prologue", vocab * h, (0,), (2, 3, 4), 0, int(4.26 * GiB))]
+    layers = [layer(0, "prologue", vocab * h, (0,), (2, 3, 4), 0, int(5.885 * GiB))]
     for b in range(1, n - 1):
         layers.append(layer(b, f"model.layers.{b - 1}", 4 * h * h + 3 * h * f + 2 * h,
                             (1 + b if b > 1 else 2, 3, 4), (4 + b,), block_fwd, block_work_bytes))
     layers.append(layer(n - 1, "epilogue", h + vocab * h, (len(values) - 2, 1), (len(values) - 1,), head_fwd,
-                        int(25.74 * GiB)))
+                        int(17.745 * GiB)))
     return LayerGraph(layers=tuple(layers), values=tuple(values), batch_inputs=("input_ids", "labels"),
                       loss=len(values) - 1, micro_batch_size=1, seq_len=seq_len)
 
 
-# What a block's local backward holds at 512k tokens if its SwiGLU MLP runs in sequence chunks
+# A block's local backward at 512k tokens as ``trace`` models it (``Layer.work_bytes``, a liveness
+# simulation of the forward and backward) when its token-wise regions run in sequence chunks
 # (Mini-Sequence Transformer, Luo et al. 2024, arXiv:2407.15892) and attention is flash (no
-# seq x seq scores): the tensors autograd saves -- the two RMSNorms' FP32 inputs (8 GiB each) and
-# BF16 normalised values and outputs (4 + 4 GiB each), the rotated q and k, v and the attention
-# output (4 x 4 GiB), a 32k-token chunk of the MLP's gate, up, activation and product (4 x 0.67
-# GiB) -- 51 GiB, plus the gradients in flight (about 13 GiB): 64 GiB.
-CHUNKED_BLOCK_WORK = 64 * GiB
-# What ``trace`` counts today: every tensor a block's forward creates, 1.18 GiB at 4k tokens and
-# linear in tokens, 151 GiB at 512k -- more than the whole GPU.
-TRACED_BLOCK_WORK = int(151.01 * GiB)
+# seq x seq scores): q, k, v, the attention output and their gradients whole, one chunk of the
+# norms and the MLP at a time. 44.35 GiB.
+CHUNKED_BLOCK_WORK = int(44.346 * GiB)
+# The same with the regions unchunked (``trace(..., seq_chunk_bytes=None)``): 211.41 GiB, more than
+# the whole GPU.
+UNCHUNKED_BLOCK_WORK = int(211.408 * GiB)
 
 
 def test_llama2_7b_at_512k_tokens_trains_on_one_gh200_with_checkpoints_offloaded():
@@ -545,13 +567,33 @@ def test_llama2_7b_at_512k_tokens_trains_on_one_gh200_with_checkpoints_offloaded
 
 
 def test_llama2_7b_at_512k_tokens_does_not_fit_a_gh200_with_every_intermediate_of_a_block_held():
-    g = llama2_7b_graph(GH200_SEQ, TRACED_BLOCK_WORK)
+    g = llama2_7b_graph(GH200_SEQ, UNCHUNKED_BLOCK_WORK)
     with pytest.raises(InfeasibleRequestError) as info:
         solve(SolveRequest(g, preset("GH200"), 1, "bfloat16"))
     need = info.value.requirements
     assert need.obstacle.startswith("model.layers.") and not need.obstacle_is_slot
-    assert need.gpu_memory_bytes > TRACED_BLOCK_WORK
+    assert need.gpu_memory_bytes > UNCHUNKED_BLOCK_WORK
     assert "every checkpoint offloaded or recomputed" in str(info.value)
+
+
+def test_traced_llama2_7b_at_512k_tokens_trains_on_one_gh200():
+    """The headline case end to end from the model: trace on the meta device (sequence-chunked
+    norms and MLP, chunked LM head and loss, mask-free causal attention), then solve."""
+    import torch
+
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.trace import trace
+
+    model = build_meta_model(load_model_config("llama-2-7b"), dtype=torch.bfloat16)
+    g = trace(model, micro_batch_size=1, seq_len=GH200_SEQ).graph
+    assert max(layer.work_bytes for layer in g.layers) < 48 * GiB
+    hw = preset("GH200")
+    req = SolveRequest(g, hw, 1, "bfloat16")
+    sol = solve(req)
+    check_solution(sol, req)
+    assert OFFLOAD in policies_of(sol.plan, len(g.layers))
+    assert sol.memory.gpu_peak <= hw.gpu_memory_bytes and sol.memory.host_total <= hw.host_memory_bytes
+    assert sol.timeline.bottleneck.value == "compute" and sol.timeline.mfu > 0.45
 
 
 # -- scale and surface -----------------------------------------------------------------------------

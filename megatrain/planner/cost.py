@@ -19,6 +19,8 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
 - ``CAST``: ``layer.numel`` FP32 reads and BF16 writes (6 bytes per element) on the host. The host
   optimizer's rate is memory-bound at ``ADAMW_BYTES_PER_PARAM`` bytes per parameter
   (:mod:`megatrain.planner.hardware`), so a cast runs at that rate times 28 / 6.
+- ``ACC``: ``layer.trainable_numel`` FP32 additions on the host, two reads and one write (12 bytes
+  per element), at the same memory-bound rate (micro-batch 0's copy moves 8 and is counted as 12).
 
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
@@ -31,7 +33,8 @@ checkpoints, boundary gradients and the working memory of the running compute op
 (:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
 Adam moments, a gradient ring ``plan.grad_ring x max trainable_numel x 4``, a staging ring
 ``plan.staging_ring x max numel x 2`` for BF16 compute, and pinned space for offloaded
-checkpoints.
+checkpoints; with per-micro-batch passes also FP32 gradient accumulators, ``trainable_numel x 4``
+per trainable layer (pageable: only the host reads and writes them).
 
 FLOPs. Model FLOPs follow PaLM's model FLOPs utilisation (Chowdhery et al. 2022, "PaLM: Scaling
 Language Modeling with Pathways", appendix B): the FLOPs of one forward and backward of the model
@@ -65,6 +68,9 @@ STAGING_ITEMSIZE = 2
 
 CAST_BYTES_PER_ELEMENT = 6
 """A CAST reads the FP32 master (4 B) and writes its BF16 copy (2 B) per element."""
+
+ACC_BYTES_PER_ELEMENT = 12
+"""An ACC reads the ring tile and the accumulator and writes the accumulator, FP32 each."""
 
 BACKWARD_TO_FORWARD_FLOPS = 2
 """Model FLOPs count a backward as twice the forward (PaLM appendix B; Kaplan et al. 2020)."""
@@ -148,6 +154,12 @@ def cast_time(layer: Layer, hw: HardwareSpec) -> float:
     return hw.op_latency_s + layer.numel / rate
 
 
+def acc_time(layer: Layer, hw: HardwareSpec) -> float:
+    """One host ACC of a micro-batch's gradients of ``layer`` into its accumulator."""
+    rate = hw.host_optimizer_params_per_s * ADAMW_BYTES_PER_PARAM / ACC_BYTES_PER_ELEMENT
+    return hw.op_latency_s + layer.trainable_numel / rate
+
+
 def checkpoint_bytes(graph: LayerGraph, layer: int) -> int:
     """Bytes of ``layer``'s outputs that another layer reads, for one micro-batch: what an OFFLOAD
     or RELOAD moves and what offloading them keeps in pinned host memory."""
@@ -178,6 +190,8 @@ def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
         return offload_time(graph, op.layer, hw, op.kind)
     if op.kind is OpKind.CAST:
         return cast_time(layer, hw)
+    if op.kind is OpKind.ACC:
+        return acc_time(layer, hw)
     return opt_time(layer, hw)
 
 
@@ -333,7 +347,8 @@ class MemoryBreakdown:
     """Bytes a plan holds, by purpose, as a CLI prints them (``rows()``, ``format()``).
 
     Host: ``master_weights`` (FP32) and ``adam_moments`` (two FP32 moments) persist; the gradient
-    and staging rings and the offloaded-checkpoint space are pinned. ``state_pinned`` is true when
+    and staging rings and the offloaded-checkpoint space are pinned; ``gradient_accumulators``
+    (per-micro-batch passes only) are pageable. ``state_pinned`` is true when
     the persistent state must be pinned too: with FP32 compute the H2D reads the master tile
     directly, and a DMA needs page-locked memory.
 
@@ -349,6 +364,7 @@ class MemoryBreakdown:
     staging_ring: int
     pinned_activations: int
     state_pinned: bool
+    gradient_accumulators: int
     weight_slots: int
     gradient_slots: int
     buffers: int
@@ -360,7 +376,7 @@ class MemoryBreakdown:
     @property
     def host_total(self) -> int:
         return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
-                + self.pinned_activations)
+                + self.pinned_activations + self.gradient_accumulators)
 
     @property
     def host_pinned(self) -> int:
@@ -384,6 +400,7 @@ class MemoryBreakdown:
             ("host", "gradient ring (pinned)", self.gradient_ring),
             ("host", "BF16 staging ring (pinned)", self.staging_ring),
             ("host", "offloaded checkpoints (pinned)", self.pinned_activations),
+            ("host", "gradient accumulators (FP32)", self.gradient_accumulators),
             ("host", "total", self.host_total),
             ("host", "of which pinned", self.host_pinned),
             ("gpu", "weight slots", self.weight_slots),
@@ -447,6 +464,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         staging_ring=plan.staging_ring * max_numel * STAGING_ITEMSIZE if bf16 else 0,
         pinned_activations=pinned_activations,
         state_pinned=not bf16,
+        gradient_accumulators=(sum(layer.trainable_numel for layer in layers) * GRAD_ITEMSIZE
+                               if plan.accumulates_on_host else 0),
         weight_slots=n_slots * max_numel * plan.compute_itemsize,
         gradient_slots=n_slots * max_trainable * GRAD_ITEMSIZE,
         buffers=sum(layer.buffer_bytes for layer in layers),
@@ -488,7 +507,7 @@ def mfu(model_flops: float, step_time_s: float, compute_dtype: str, hw: Hardware
 
 __all__ = [
     "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-    "fwd_time", "bwd_time", "opt_time", "cast_time", "checkpoint_bytes", "offload_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
+    "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
     "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
 ]

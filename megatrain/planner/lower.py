@@ -31,6 +31,16 @@ Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` d
   tile of its own, and the OPTs run in the next step's schedule, each on the host stream just
   before its layer's first weight copy (and CAST), so the host optimizer overlaps that step's
   forward (``Schedule.carries_updates``); an ``"update"`` schedule runs only those OPTs.
+
+Per-micro-batch passes (``layer_by_layer=False`` with several micro-batches): the visit list
+above is repeated for each micro-batch, one micro-batch per visit, so only that micro-batch's
+checkpoints are alive (and offloaded) at a time; weights are copied again in every pass, except
+where the slot still holds them (the first forward of a pass reuses the last backward's slot).
+After each local backward a D2H copies the slot's gradients into a ring tile and an ACC on the
+host stream adds the tile into the layer's FP32 accumulator (micro-batch 0 overwrites it); the
+layer's OPT reads the accumulator after the last ACC (DURING_BACKWARD), or in the next step
+(NEXT_FORWARD, the accumulators then hold the gradients until it runs). A local backward into a
+slot whose gradients were copied out waits for that D2H (the slot is not reloaded in between).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from megatrain.planner.schedule import Mode, Op, OpKind, Schedule
 class _Visit:
     layer: int
     kind: OpKind  # FWD, BWD or RECOMPUTE
+    mb: int | None = None  # None: every micro-batch (layer by layer); else its pass's micro-batch
     slot: int = -1
     ops: list[int] = field(default_factory=list)
 
@@ -59,7 +70,8 @@ class _Slot:
 
 
 def gradient_tiles(graph: LayerGraph) -> dict[int, int]:
-    """With NEXT_FORWARD placement: the host gradient tile of each trainable layer (in layer order)."""
+    """The host gradient tile of each trainable layer (in layer order) where each has its own: the
+    ring tile with NEXT_FORWARD placement, the accumulator with per-micro-batch passes."""
     trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel > 0]
     return {layer: k for k, layer in enumerate(trainable)}
 
@@ -71,9 +83,7 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     starts with the previous step's optimizer steps. An ``"update"`` schedule is those steps alone.
 
     Raises:
-        PlanError: the plan does not fit the graph, or asks for per-micro-batch passes
-            (``layer_by_layer=False``) with several micro-batches, which this lowering does not
-            implement yet.
+        PlanError: the plan does not fit the graph.
         ValueError: an unknown mode, or ``carries_updates`` where there is nothing to carry.
     """
     if mode not in ("train", "eval", "update"):
@@ -85,11 +95,8 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     if carries_updates and mode != "train":
         raise ValueError(f"a {mode!r} schedule carries no optimizer steps; use mode='update' to run them")
     plan.check_against(graph)
-    if not plan.layer_by_layer and plan.micro_batches > 1:
-        raise PlanError("per-micro-batch passes (layer_by_layer=False) with several micro-batches "
-                        "are not implemented yet; use layer_by_layer=True")
     n = len(graph.layers)
-    tiles = gradient_tiles(graph) if deferred else {}
+    tiles = gradient_tiles(graph) if deferred or plan.accumulates_on_host else {}
     if mode == "update":
         ops = tuple(Op(OpKind.OPT, layer, ring=r) for layer, r in tiles.items())
         return Schedule(ops=ops, plan=plan, n_layers=n, mode="update")
@@ -103,7 +110,10 @@ class _Lowering:
         self.g, self.plan, self.mode, self.carries, self.tiles = graph, plan, mode, carries, tiles
         self.n = len(graph.layers)
         self.train = mode == "train"
+        self.deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+        self.per_mb = plan.accumulates_on_host
         self.visits = self._visits()
+        self.pass_length = len(self.visits) // (plan.micro_batches if self.per_mb else 1)
         _assign_slots(self.visits, plan, self.n)
         self.ops: list[Op] = []
         self.latest: dict[tuple[int, int], int] = {}  # (value, mb) -> op that last produced it on the GPU
@@ -117,17 +127,25 @@ class _Lowering:
         self.staging_next = 0
         self.staging_reader: dict[int, int] = {}  # staging tile -> H2D that last read it
         self.ring_next = 0
-        self.ring_last_opt: dict[int, int] = {}
+        self.ring_last_opt: dict[int, int] = {}  # ring tile -> the OPT (or ACC) that last read it
+        self.slot_d2h: dict[int, int] = {}  # slot -> the D2H that last copied its gradients out
+        self.acc: dict[tuple[int, int], int] = {}  # (layer, mb) -> ACC op
 
     def policy(self, layer: int) -> ActivationPolicy:
         return self.plan.activation(layer) if self.train else ActivationPolicy.KEEP
 
     # -- compute order ---------------------------------------------------------------------------
     def _visits(self) -> list[_Visit]:
+        if not self.per_mb:
+            return self._pass(None)
+        return [v for mb in range(self.plan.micro_batches) for v in self._pass(mb)]
+
+    def _pass(self, mb: int | None) -> list[_Visit]:
+        """One pass over the layers for micro-batch ``mb`` (None: all of them, layer by layer)."""
         n = self.n
         if not self.train:
-            return [_Visit(i, OpKind.FWD) for i in range(n)]
-        visits = [_Visit(i, OpKind.FWD) for i in range(n - 1)]
+            return [_Visit(i, OpKind.FWD, mb) for i in range(n)]
+        visits = [_Visit(i, OpKind.FWD, mb) for i in range(n - 1)]
         recomputed: set[int] = set()
 
         def rebuild_inputs(layer: int) -> None:
@@ -138,12 +156,16 @@ class _Lowering:
                     continue
                 rebuild_inputs(p)
                 recomputed.add(p)
-                visits.append(_Visit(p, OpKind.RECOMPUTE))
+                visits.append(_Visit(p, OpKind.RECOMPUTE, mb))
 
         for layer in range(n - 1, -1, -1):
             rebuild_inputs(layer)
-            visits.append(_Visit(layer, OpKind.BWD))
+            visits.append(_Visit(layer, OpKind.BWD, mb))
         return visits
+
+    def mbs(self, v: _Visit) -> range:
+        """The micro-batches a visit runs."""
+        return range(self.plan.micro_batches) if v.mb is None else range(v.mb, v.mb + 1)
 
     # -- emission --------------------------------------------------------------------------------
     def emit(self, op: Op) -> int:
@@ -159,11 +181,10 @@ class _Lowering:
             self.emit_reloads_for(i)
             st = self.slots[v.slot]
             h = self.loaded_by[i]
-            for mb in range(plan.micro_batches):
+            for mb in self.mbs(v):
                 deps = {h}
-                if mb == 0:
-                    deps.update(self.offloads[(p, m)] for p in gates.get(i, ())
-                                for m in range(plan.micro_batches))
+                if not v.ops:
+                    deps.update(self.offloads[key] for key in gates.get(i, ()))
                 layer = g.layers[v.layer]
                 for vid in layer.inputs:
                     if g.values[vid].producer != BATCH_PRODUCER:
@@ -172,8 +193,11 @@ class _Lowering:
                     for vid in layer.outputs:
                         if g.values[vid].requires_grad:
                             deps.update(self.bwd[(c, mb)] for c in g.values[vid].consumers)
-                    if mb > 0:
+                    if v.ops:
                         deps.add(self.bwd[(v.layer, mb - 1)])  # gradients accumulate in the slot in order
+                    out = self.slot_d2h.get(v.slot)
+                    if out is not None and out > h:
+                        deps.add(out)  # the slot was not reloaded since its gradients were copied out
                 k = self.emit(Op(v.kind, v.layer, mb=mb, slot=v.slot, deps=tuple(sorted(deps))))
                 v.ops.append(k)
                 st.users.append(k)
@@ -185,14 +209,17 @@ class _Lowering:
                 if v.kind is OpKind.FWD and self.policy(v.layer) is ActivationPolicy.OFFLOAD:
                     self.offloads[(v.layer, mb)] = self.emit(Op(OpKind.OFFLOAD, v.layer, mb=mb, deps=(k,)))
             if v.kind is OpKind.BWD and g.layers[v.layer].trainable_numel > 0:
-                self.emit_gradient_out(v, st)
+                if self.per_mb:
+                    self.emit_accumulation(v, st)
+                else:
+                    self.emit_gradient_out(v, st)
             self.emit_loads(i + plan.prefetch_distance + 1)
         return Schedule(ops=tuple(self.ops), plan=plan, n_layers=self.n, mode=self.mode,  # type: ignore[arg-type]
                         carries_updates=self.carries)
 
     def emit_gradient_out(self, v: _Visit, st: _Slot) -> None:
         deps = {v.ops[-1]}
-        if self.tiles:  # NEXT_FORWARD: the layer's own tile; its OPT runs in the next schedule
+        if self.deferred:  # the layer's own tile; its OPT runs in the next schedule
             r = self.tiles[v.layer]
             if v.layer in self.opt_at_start:
                 deps.add(self.opt_at_start[v.layer])  # that OPT reads the previous step's gradients
@@ -205,6 +232,28 @@ class _Lowering:
         d = self.emit(Op(OpKind.D2H, v.layer, slot=v.slot, ring=r, deps=tuple(sorted(deps))))
         st.users.append(d)
         self.ring_last_opt[r] = self.emit(Op(OpKind.OPT, v.layer, ring=r, deps=(d,)))
+
+    def emit_accumulation(self, v: _Visit, st: _Slot) -> None:
+        """Per-micro-batch passes: D2H into a ring tile, ACC into the layer's accumulator, and after
+        the last micro-batch the OPT (DURING_BACKWARD) that reads the accumulator."""
+        layer, mb = v.layer, v.mb
+        r = self.ring_next % self.plan.grad_ring
+        self.ring_next += 1
+        deps = {v.ops[-1]}
+        if r in self.ring_last_opt:
+            deps.add(self.ring_last_opt[r])  # the ACC that read the tile's old content
+        d = self.emit(Op(OpKind.D2H, layer, slot=v.slot, ring=r, deps=tuple(sorted(deps))))
+        st.users.append(d)
+        self.slot_d2h[v.slot] = d
+        deps = {d}
+        if mb > 0:
+            deps.add(self.acc[(layer, mb - 1)])
+        elif layer in self.opt_at_start:
+            deps.add(self.opt_at_start[layer])  # the carried update reads the accumulator first
+        a = self.acc[(layer, mb)] = self.emit(Op(OpKind.ACC, layer, mb=mb, ring=r, deps=tuple(sorted(deps))))
+        self.ring_last_opt[r] = a
+        if mb == self.plan.micro_batches - 1 and not self.deferred:
+            self.emit(Op(OpKind.OPT, layer, ring=self.tiles[layer], deps=(a,)))
 
     def emit_loads(self, upto: int) -> None:
         visits, plan = self.visits, self.plan
@@ -249,14 +298,17 @@ class _Lowering:
     def _offloaded(self) -> list[int]:
         return [p for p in range(self.n - 1) if self.policy(p) is ActivationPolicy.OFFLOAD]
 
-    def _offload_gates(self) -> dict[int, list[int]]:
-        """visit index -> offloaded layers whose OFFLOADs its first op waits for."""
-        fwd_visit = {v.layer: i for i, v in enumerate(self.visits) if v.kind is OpKind.FWD}
-        gates: dict[int, list[int]] = {}
+    def _offload_gates(self) -> dict[int, list[tuple[int, int]]]:
+        """visit index -> (offloaded layer, micro-batch) pairs whose OFFLOADs its first op waits for."""
+        fwd_visit = {(v.layer, v.mb): i for i, v in enumerate(self.visits) if v.kind is OpKind.FWD}
+        passes = [None] if not self.per_mb else range(self.plan.micro_batches)
+        gates: dict[int, list[tuple[int, int]]] = {}
         for p in self._offloaded():
-            readers = [fwd_visit[c] for vid in self.g.layers[p].outputs
-                       for c in self.g.values[vid].consumers if c in fwd_visit]
-            gates.setdefault(max(readers + [fwd_visit[p]]) + 1, []).append(p)
+            for pas in passes:
+                readers = [fwd_visit[(c, pas)] for vid in self.g.layers[p].outputs
+                           for c in self.g.values[vid].consumers if (c, pas) in fwd_visit]
+                gate = gates.setdefault(max(readers + [fwd_visit[(p, pas)]]) + 1, [])
+                gate.extend((p, mb) for mb in (range(self.plan.micro_batches) if pas is None else (pas,)))
         return gates
 
     def emit_reloads_for(self, upto: int) -> None:
@@ -264,10 +316,11 @@ class _Lowering:
         if not self.train:
             return
         d = self.plan.prefetch_distance
-        turn = self.n - 2  # the last forward visit: no reload starts before the forward phase ends
         for j in range(upto, min(upto + d + 1, len(self.visits))):
             if j in self.emitted_reloads:
                 continue
+            # No reload starts before the last forward visit of its pass (the forward phase) ends.
+            turn = self.n - 2 + (self.visits[j].mb or 0) * self.pass_length
             after = max(j - d - 1, turn)
             if after >= upto or after < 0:
                 continue  # its window has not opened yet (or there is no forward phase)
@@ -277,7 +330,7 @@ class _Lowering:
                 p = self.g.values[vid].producer
                 if p == BATCH_PRODUCER or self.policy(p) is not ActivationPolicy.OFFLOAD:
                     continue
-                for mb in range(self.plan.micro_batches):
+                for mb in self.mbs(v):
                     key = (vid, mb)
                     if self.ops[self.latest[key]].kind is OpKind.RELOAD:
                         continue  # already back for an earlier reader

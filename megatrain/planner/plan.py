@@ -37,15 +37,21 @@ class Plan:
         slots: streaming weight buffer slots on the GPU, each sized for the largest streamed layer.
         prefetch_distance: how many layer visits ahead an H2D weight copy may start, in
             ``[0, slots - 1]``; 0 means no overlap of copy and compute.
-        grad_ring: host gradient tiles that D2H writes and the optimizer reads, >= 1; with
-            ``optimizer=NEXT_FORWARD`` one per trainable layer (they hold the gradients until the
-            next step's forward).
+        grad_ring: host gradient tiles that D2H writes and the optimizer (or, with per-micro-batch
+            passes, the accumulation) reads, >= 1; with ``optimizer=NEXT_FORWARD`` and
+            layer-by-layer passes one per trainable layer (they hold the gradients until the next
+            step's forward; per-micro-batch passes keep them in the accumulators instead).
         resident: layers whose weights are copied to the GPU once per step and kept for both
             passes (each in a slot of its own, beside the streaming slots).
         activations: one ActivationPolicy per layer, for its output checkpoint.
         layer_by_layer: run every micro-batch through a layer while its weights are on the GPU
             (L2L, Pudipeddi et al. 2020, arXiv:2002.05645): one weight load per pass and gradients
-            accumulated on the GPU, for the memory of all micro-batches' checkpoints.
+            accumulated on the GPU, for the memory of all micro-batches' checkpoints. False: each
+            micro-batch makes its own forward and backward pass (weights copied in every pass),
+            with the checkpoints of one micro-batch alive at a time, and gradients accumulated
+            on the host in one FP32 accumulator per trainable layer (4 bytes per trainable
+            parameter, as ZeRO-Offload accumulates on the CPU; Ren et al. 2021,
+            arXiv:2101.06840).
         optimizer: when each layer's host optimizer step runs.
         compute_dtype: dtype of the weights the GPU computes with, ``"float32"`` or ``"bfloat16"``;
             H2D copies move ``numel x itemsize`` bytes per layer. Gradients and masters stay FP32.
@@ -91,10 +97,16 @@ class Plan:
         if bad:
             raise PlanError(f"Plan.resident names layers {bad}, but the graph has {n} layers")
         trainable = sum(1 for layer in graph.layers if layer.trainable_numel > 0)
-        if self.optimizer is OptimizerPlacement.NEXT_FORWARD and self.grad_ring < trainable:
+        if (self.optimizer is OptimizerPlacement.NEXT_FORWARD and not self.accumulates_on_host
+                and self.grad_ring < trainable):
             raise PlanError(f"Plan.grad_ring={self.grad_ring} with optimizer steps in the next forward: each of "
                             f"the {trainable} trainable layers keeps its gradients in a host tile of its own "
                             f"until then; set grad_ring={trainable}")
+
+    @property
+    def accumulates_on_host(self) -> bool:
+        """Per-micro-batch passes with several micro-batches: gradients are summed on the host."""
+        return not self.layer_by_layer and self.micro_batches > 1
 
     @property
     def compute_itemsize(self) -> int:

@@ -2,7 +2,7 @@
 
 Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``FWD:L3:m0:s1``,
 ``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OFFLOAD:L3:m0``, ``RELOAD:L3:m0``,
-``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``), after the ``_Action`` records of
+``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``, ``ACC:L3:m1:r0``), after the ``_Action`` records of
 ``torch.distributed.pipelining``. The op list is in issue order: a topological order of the DAG,
 and for each stream the order its in-order queue runs the ops. ``deps`` are indices of earlier ops
 that must finish first; a dependency that crosses streams becomes an event in the CUDA backend.
@@ -19,7 +19,8 @@ import pydantic
 
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 2
+SCHEDULE_FORMAT_VERSION = 3
+"""3 added ACC ops (per-micro-batch passes); version 2 files, which have none, still load."""
 
 
 class Stream(enum.Enum):
@@ -36,11 +37,12 @@ class OpKind(enum.Enum):
     FWD = "FWD"  # forward of one layer for one micro-batch; stores its output checkpoint
     BWD = "BWD"  # local backward: recompute the layer's forward from its input checkpoint, then grad
     D2H = "D2H"  # copy a slot's accumulated FP32 gradients into a host gradient tile
-    OPT = "OPT"  # host AdamW step of one layer from a host gradient tile
+    OPT = "OPT"  # host AdamW step of one layer from its gradients on the host (see Schedule)
     OFFLOAD = "OFFLOAD"  # copy a layer's output checkpoints (one micro-batch) to pinned host memory
     RELOAD = "RELOAD"  # copy them back to the GPU before the local backwards that read them
     RECOMPUTE = "RECOMPUTE"  # forward of a layer in the backward phase, to rebuild its checkpoints
     CAST = "CAST"  # host: write a layer's master weights in the compute dtype into a staging tile
+    ACC = "ACC"  # host: add one micro-batch's gradients from a ring tile into the layer's accumulator
 
     @property
     def stream(self) -> Stream:
@@ -52,11 +54,13 @@ COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
 
 _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: Stream.COMPUTE,
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
-              OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.HOST}
+              OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.HOST,
+              OpKind.ACC: Stream.HOST}
 _FIELDS = {OpKind.H2D: ("layer", "slot"), OpKind.FWD: ("layer", "mb", "slot"),
            OpKind.BWD: ("layer", "mb", "slot"), OpKind.D2H: ("layer", "slot", "ring"),
            OpKind.OPT: ("layer", "ring"), OpKind.OFFLOAD: ("layer", "mb"), OpKind.RELOAD: ("layer", "mb"),
-           OpKind.RECOMPUTE: ("layer", "mb", "slot"), OpKind.CAST: ("layer", "tile")}
+           OpKind.RECOMPUTE: ("layer", "mb", "slot"), OpKind.CAST: ("layer", "tile"),
+           OpKind.ACC: ("layer", "mb", "ring")}
 _PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t"}
 
 
@@ -121,6 +125,13 @@ class Schedule:
     previous step left (one tile per trainable layer). A train schedule with ``carries_updates``
     starts with those steps; the first step after compiling (or after an ``"update"`` schedule, or a
     step whose update was dropped) runs the one without.
+
+    Host gradients. A D2H copies a slot's gradients into ring tile ``r``. With layer-by-layer
+    passes (or one micro-batch) that tile holds the layer's step gradients and ``OPT:L3:r<k>`` reads
+    ring tile ``k``. With per-micro-batch passes (``plan.accumulates_on_host``) each micro-batch's
+    D2H is followed by ``ACC:L3:m<mb>:r<k>``, which adds ring tile ``k`` into layer 3's FP32
+    accumulator (micro-batch 0 overwrites it), and ``OPT:L3:r<a>`` reads accumulator ``a``, the
+    layer's index in ``lower.gradient_tiles``.
     """
 
     ops: tuple[Op, ...]
@@ -191,7 +202,7 @@ class _ScheduleModel(pydantic.BaseModel):
     """JSON boundary of a Schedule: ``{"version", "mode", "carries_updates", "n_layers", "plan", "ops"}``."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
-    version: Literal[2] = SCHEDULE_FORMAT_VERSION
+    version: Literal[2, 3] = SCHEDULE_FORMAT_VERSION
     mode: Literal["train", "eval", "update"]
     carries_updates: bool = False
     n_layers: int

@@ -4,7 +4,11 @@ Method. Best-first branch and bound over a structured enumeration, with the simu
 objective and two lower bounds to prune with.
 
 1. Knobs. Enumerated exhaustively: micro-batch size (a divisor of the global batch; the number of
-   micro-batches follows), streaming weight slots ``1..max_slots`` and prefetch distance
+   micro-batches follows) and, with several micro-batches, the pass structure: layer by layer
+   (every micro-batch through a layer while its weights are on the GPU: one weight load per pass,
+   every micro-batch's checkpoints alive at once) or per-micro-batch passes (weights loaded in every
+   pass, one micro-batch's checkpoints alive, gradients summed in host accumulators of 4 bytes per
+   trainable parameter); streaming weight slots ``1..max_slots`` and prefetch distance
    ``0..slots-1``. The host gradient ring is the largest in ``1..max_grad_ring`` that host memory
    allows (one more tile only removes a wait of a D2H on an optimizer step), and one tile per
    trainable layer when the request clips gradients (below). The BF16 staging ring is 2 (a CAST
@@ -84,7 +88,10 @@ objective and two lower bounds to prune with.
    is the longest path through the candidate's schedule lowered for one micro-batch, each op
    standing for its ``M`` micro-batches; the simulator respects every edge of that path, so it
    can never beat it. With duplex copies and no per-micro-batch edge between streams (no offload)
-   the simulator adds no other wait and the bound is the simulated step time.
+   the simulator adds no other wait and the bound is the simulated step time. Per-micro-batch
+   passes break the pattern's premise that a visit's micro-batches run back to back, so their
+   candidates are simulated on the cheap bound alone, with the D2H copies and host accumulations
+   of every micro-batch in its busy times.
 6. Search. One priority queue holds micro-batch sizes not yet evaluated (keyed by the cheap
    bound with every checkpoint kept), families not yet searched at a size and distance (keyed by
    the cheap bound of the floor's depth, which no deeper policy of the family beats), candidates
@@ -106,9 +113,11 @@ verified against the hardware (``verify(schedule, graph, hw)``).
 Micro-batch sizes. A graph traced at one micro-batch size is rescaled by :func:`scale_graph`;
 a request may instead give traced graphs per size (``SolveRequest.graphs``).
 
-Not produced: per-micro-batch passes (``layer_by_layer=False``), which the lowering does not
-implement; they would break the pattern bound's premise that a visit's micro-batches run back to
-back and need the pattern lowered with every micro-batch.
+When per-micro-batch passes win. They copy every streamed layer in each pass, so layer by layer is
+faster whenever both fit; they fit where layer by layer does not when the GPU cannot hold every
+micro-batch's checkpoints and pinned memory cannot hold every micro-batch's offloaded copies, and
+then beat recomputation when the copies hide behind compute (a fast host link, large
+micro-batches).
 """
 
 from __future__ import annotations
@@ -196,6 +205,8 @@ class SolveLimits:
             proves the optimum of the enumeration under the simulator.
         max_simulations: most candidates simulated; the search stops there, and
             ``Solution.bound_s`` tells how far from proven the answer is.
+        per_micro_batch_passes: also try per-micro-batch passes (``Plan.layer_by_layer=False``)
+            at sizes with several micro-batches; False searches layer-by-layer plans only.
     """
 
     max_slots: int = 4
@@ -203,6 +214,7 @@ class SolveLimits:
     micro_batch_sizes: tuple[int, ...] | None = None
     rtol: float = 0.0
     max_simulations: int = 64
+    per_micro_batch_passes: bool = True
 
     def __post_init__(self) -> None:
         if self.max_slots < 1 or self.max_grad_ring < 1:
@@ -468,12 +480,12 @@ class Requirements:
 
     ``gpu_memory_bytes`` is the least GPU memory of any plan: at the smallest micro-batch size,
     one streaming slot, prefetch distance 0, no resident layer, one gradient-ring tile (one per
-    trainable layer when gradients are clipped), one staging tile, and the activation policy
-    (``activations``, a family name or ``"keep"``) with the lowest peak, every checkpoint
-    offloaded or recomputed. ``host_memory_bytes`` and ``pinned_memory_bytes`` are what that plan
-    needs on the host (offloaded checkpoints included), so a machine with all three fits it.
-    ``host_floor_bytes`` and ``pinned_floor_bytes`` are the least any plan needs on the host
-    (nothing offloaded): below them nothing fits, whatever the GPU.
+    trainable layer when gradients are clipped layer by layer), one staging tile, and the pass
+    structure (``layer_by_layer``) and activation policy (``activations``, a family name or
+    ``"keep"``) with the lowest peak. ``host_memory_bytes`` and ``pinned_memory_bytes`` are what
+    that plan needs on the host (offloaded checkpoints and accumulators included), so a machine
+    with all three fits it. ``host_floor_bytes`` and ``pinned_floor_bytes`` are the least any plan
+    needs on the host (nothing offloaded): below them nothing fits, whatever the GPU.
 
     ``largest_layer`` sizes every weight slot; ``peak_layer`` runs when checkpoints plus working
     memory peak in the least-GPU plan. ``obstacle`` is the layer that keeps the GPU from fitting:
@@ -488,6 +500,7 @@ class Requirements:
     pinned_floor_bytes: int
     micro_batch_size: int
     activations: str
+    layer_by_layer: bool
     memory: cost.MemoryBreakdown
     largest_layer: str
     peak_layer: str
@@ -550,7 +563,8 @@ def _infeasible(request: SolveRequest, req: Requirements) -> InfeasibleRequestEr
             f"that works: GPU {req.gpu_memory_bytes} bytes ({hb(req.gpu_memory_bytes)}), host "
             f"{req.host_memory_bytes} bytes ({hb(req.host_memory_bytes)}) of which pinned "
             f"{req.pinned_memory_bytes} bytes ({hb(req.pinned_memory_bytes)}), with "
-            + ("every checkpoint kept." if req.activations == "keep" else f"activation policy {req.activations!r}."))
+            + ("every checkpoint kept" if req.activations == "keep" else f"activation policy {req.activations!r}")
+            + ("." if req.layer_by_layer else ", each micro-batch in a pass of its own."))
     lines = [head]
     if not gpu_ok:
         slot = m.weight_slots + m.gradient_slots
@@ -614,10 +628,10 @@ def _placement(request: SolveRequest) -> OptimizerPlacement:
     return OptimizerPlacement.NEXT_FORWARD if request.clip_gradients else OptimizerPlacement.DURING_BACKWARD
 
 
-def _plan(request: SolveRequest, micro_batch_size: int, k: _Knobs) -> Plan:
+def _plan(request: SolveRequest, micro_batch_size: int, k: _Knobs, layer_by_layer: bool = True) -> Plan:
     return Plan(micro_batches=request.global_batch // micro_batch_size, slots=k.slots,
                 prefetch_distance=k.prefetch_distance, grad_ring=k.grad_ring, resident=k.resident,
-                activations=k.activations, layer_by_layer=True, optimizer=_placement(request),
+                activations=k.activations, layer_by_layer=layer_by_layer, optimizer=_placement(request),
                 compute_dtype=request.compute_dtype, staging_ring=k.staging_ring)
 
 
@@ -637,7 +651,8 @@ def _scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, grad_ring: int
 
 @dataclass(slots=True)
 class _SizeOption:
-    """Everything about one micro-batch size the search reuses; times in seconds, one micro-batch."""
+    """Everything about one micro-batch size (and pass structure) the search reuses; times in
+    seconds, one micro-batch."""
 
     size: int
     micro_batches: int
@@ -647,10 +662,20 @@ class _SizeOption:
     offload: tuple[float, ...]
     reload: tuple[float, ...]
     checkpoints: tuple[int, ...]  # cost.checkpoint_bytes per layer
+    layer_by_layer: bool = True  # False: per-micro-batch passes
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        return (self.size, self.layer_by_layer)
+
+    @property
+    def alive(self) -> int:
+        """Micro-batches whose checkpoints are alive (and offloaded) at once."""
+        return self.micro_batches if self.layer_by_layer else 1
 
 
 def _size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype: str,
-                 hw: HardwareSpec) -> _SizeOption:
+                 hw: HardwareSpec, layer_by_layer: bool = True) -> _SizeOption:
     probe = Plan(compute_dtype=compute_dtype)
     n = len(graph.layers)
     return _SizeOption(size, micro_batches, graph,
@@ -658,7 +683,8 @@ def _size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype
                        bwd=tuple(cost.bwd_time(layer, probe, hw) for layer in graph.layers),
                        offload=tuple(cost.offload_time(graph, i, hw, OpKind.OFFLOAD) for i in range(n)),
                        reload=tuple(cost.offload_time(graph, i, hw, OpKind.RELOAD) for i in range(n)),
-                       checkpoints=tuple(cost.checkpoint_bytes(graph, i) for i in range(n)))
+                       checkpoints=tuple(cost.checkpoint_bytes(graph, i) for i in range(n)),
+                       layer_by_layer=layer_by_layer)
 
 
 @dataclass(slots=True)
@@ -669,6 +695,7 @@ class _Times:
     d2h: tuple[float, ...]
     opt: tuple[float, ...]
     cast: tuple[float, ...]
+    acc: tuple[float, ...]
     trainable: tuple[bool, ...]
 
 
@@ -679,6 +706,7 @@ def _times(graph: LayerGraph, compute_dtype: str, hw: HardwareSpec) -> _Times:
                   d2h=tuple(cost.d2h_time(layer, hw) for layer in layers),
                   opt=tuple(cost.opt_time(layer, hw) for layer in layers),
                   cast=tuple(cost.cast_time(layer, hw) for layer in layers),
+                  acc=tuple(cost.acc_time(layer, hw) for layer in layers),
                   trainable=tuple(layer.trainable_numel > 0 for layer in layers))
 
 
@@ -693,9 +721,14 @@ def _quick_bound(size: _SizeOption, t: _Times, policy: Sequence[ActivationPolicy
     ``n-1..0`` with the recomputes among them (those of the last layer's inputs may run before
     its local backward, as soon as their weights are in a slot), one op per micro-batch; each
     trainable layer's D2H follows its local backward, in backward order, and with
-    DURING_BACKWARD its optimizer step follows its D2H, in the same order.
+    DURING_BACKWARD its optimizer step follows its D2H, in the same order. Per-micro-batch passes
+    keep every premise for their first pass and last micro-batch (their first forward of layer
+    ``k`` waits for ``k + 1`` copies and the rest of the step follows it; the last micro-batch's
+    D2H and update of each layer follow its last local backward), and add a D2H and an ACC per
+    micro-batch to the busy times.
     """
     n, M = len(t.h2d), size.micro_batches
+    passes = 1 if size.layer_by_layer else M
     fwd, bwd = size.fwd, size.bwd
     rec = [p for p, a in enumerate(policy) if a is RECOMPUTE and p < n - 1]
     off = [p for p, a in enumerate(policy) if a is OFFLOAD and p < n - 1]
@@ -703,8 +736,10 @@ def _quick_bound(size: _SizeOption, t: _Times, policy: Sequence[ActivationPolicy
     backward = M * (sum(bwd) + sum(fwd[p] for p in rec))
     compute = M * sum(fwd[:n - 1]) + backward
     h2d = sum(t.h2d) + M * sum(size.reload[p] for p in off)
-    d2h = sum(t.d2h[i] for i in trainable) + M * sum(size.offload[p] for p in off)
+    d2h = passes * sum(t.d2h[i] for i in trainable) + M * sum(size.offload[p] for p in off)
     host = sum(t.opt[i] for i in trainable) + (sum(t.cast) if bf16 else 0.0)
+    if not size.layer_by_layer:
+        host += M * sum(t.acc[i] for i in trainable)
     bound = max(compute, h2d, d2h, host, 0.0 if duplex else h2d + d2h)
     # Flow shop: the forward of layer k waits for the copies of layers 0..k, and the rest of the
     # forward and the whole backward phase follow it; the turn's local backward (layer n-1) waits
@@ -925,12 +960,16 @@ class _Search:
         self.seen: set = set()
 
     # -- per size ----------------------------------------------------------------------------------
-    def option(self, size: int) -> _SizeOption:
-        if size not in self.options:
+    def option(self, size: int, layer_by_layer: bool = True) -> _SizeOption:
+        key = (size, layer_by_layer)
+        if key not in self.options:
             r = self.request
-            self.options[size] = _size_option(size, r.global_batch // size, r.graph_for(size), r.compute_dtype,
-                                              self.hw)
-        return self.options[size]
+            if layer_by_layer:
+                self.options[key] = _size_option(size, r.global_batch // size, r.graph_for(size), r.compute_dtype,
+                                                 self.hw)
+            else:  # the same graph and times, another pass structure
+                self.options[key] = replace(self.option(size), layer_by_layer=False)
+        return self.options[key]
 
     def unit(self, opt: _SizeOption, policy: tuple[ActivationPolicy, ...],
              distance: int) -> tuple[Schedule, cost.MemoryBreakdown]:
@@ -940,11 +979,12 @@ class _Search:
         places the reloads), so the others are evaluated once, at distance 0.
         """
         d = distance if OFFLOAD in policy else 0
-        key = (opt.size, policy, d)
+        key = (opt.key, policy, d)
         if key not in self.units:
             slots = d + 1
             plan = Plan(micro_batches=opt.micro_batches, slots=slots, prefetch_distance=d, grad_ring=1,
-                        staging_ring=1, activations=policy, compute_dtype=self.request.compute_dtype)
+                        staging_ring=1, activations=policy, compute_dtype=self.request.compute_dtype,
+                        layer_by_layer=opt.layer_by_layer)
             sched = lower(opt.graph, plan)
             m = cost.memory_breakdown(opt.graph, plan, self.hw, sched)
             self.units[key] = (sched, replace(m, weight_slots=m.weight_slots // slots,
@@ -955,10 +995,11 @@ class _Search:
         cap = self.hw.gpu_memory_bytes if cap is None else cap
         return _scaled_memory(unit, slots, 1, 1).gpu_peak <= cap
 
-    def host_choices(self, unit: cost.MemoryBreakdown) -> list[tuple[int, int]]:
+    def host_choices(self, opt: _SizeOption, unit: cost.MemoryBreakdown) -> list[tuple[int, int]]:
         """(gradient ring, staging ring) pairs to try: the largest ring with each staging ring,
         the second only if it allows a larger ring (a tile more of either only removes waits)."""
-        rings = [self.ring] if self.deferred else list(range(self.limits.max_grad_ring, 0, -1))
+        rings = [self.ring_floor(opt)] if self.deferred and opt.layer_by_layer else \
+            list(range(self.limits.max_grad_ring, 0, -1))
         out: list[tuple[int, int]] = []
         for staging in (DEFAULT_STAGING_RING, 1):
             for ring in rings:
@@ -969,8 +1010,17 @@ class _Search:
             out = out[:1]
         return out
 
+    def per_mb_sizes(self, size: int) -> bool:
+        """Whether per-micro-batch passes are searched at micro-batch size ``size``."""
+        return self.limits.per_micro_batch_passes and self.request.global_batch // size > 1
+
+    def ring_floor(self, opt: _SizeOption) -> int:
+        """The fewest host gradient tiles: one per trainable layer with NEXT_FORWARD layer by layer
+        (the tiles hold the gradients until the next step), else one (accumulators hold them)."""
+        return self.ring if self.deferred and opt.layer_by_layer else 1
+
     def quick_bound(self, opt: _SizeOption, policy: tuple[ActivationPolicy, ...]) -> float:
-        key = (opt.size, policy)
+        key = (opt.key, policy)
         if key not in self.quick:
             self.quick[key] = _quick_bound(opt, self.times, policy, deferred=self.deferred, bf16=self.bf16,
                                            duplex=self.hw.duplex)
@@ -996,29 +1046,30 @@ class _Search:
         if work > room:
             return None
         for depth, gone in enumerate(removed):
-            if opt.micro_batches * (total - gone) + layers[-1].work_bytes <= room:
+            if opt.alive * (total - gone) + layers[-1].work_bytes <= room:
                 return depth
         return None
 
     def host_depth(self, opt: _SizeOption, family: _Family) -> int:
         """The deepest depth of ``family`` whose offloaded checkpoints fit in host and pinned memory
-        beside the smallest rings: ``cost.memory_breakdown`` keeps every micro-batch's offloaded
-        checkpoints in pinned memory (``M x`` their bytes), and nothing else on the host depends on
-        the activation policy. A bound to search within; candidates are checked exactly."""
+        beside the smallest rings: ``cost.memory_breakdown`` keeps the offloaded checkpoints of
+        every micro-batch alive at once in pinned memory (``M x`` their bytes layer by layer, ``1 x``
+        per micro-batch pass), and nothing else on the host depends on the activation policy. A
+        bound to search within; candidates are checked exactly."""
         top = len(self.eligible)
         if family.stored is not OFFLOAD:
             return top
         _, keep = self.unit(opt, (), 0)
-        base = _scaled_memory(keep, 1, self.ring if self.deferred else 1, 1)
+        base = _scaled_memory(keep, 1, self.ring_floor(opt), 1)
         room = min(self.hw.host_memory_bytes - base.host_total, self.hw.pinned_memory_cap_bytes - base.host_pinned)
         moved = family.offloaded(self.eligible, opt.checkpoints)
-        return max((j for j in range(top + 1) if opt.micro_batches * moved[j] <= room), default=-1)
+        return max((j for j in range(top + 1) if opt.alive * moved[j] <= room), default=-1)
 
     def least_depth(self, opt: _SizeOption, family: _Family, distance: int, slots: int,
                     cap: int | None = None) -> int | None:
         """The least depth of ``family`` whose exact GPU memory fits with ``slots`` slots in ``cap``
         bytes (default: the GPU's)."""
-        key = (opt.size, family, distance, slots, cap)
+        key = (opt.key, family, distance, slots, cap)
         if key in self.depths:
             return self.depths[key]
         top = self.host_depth(opt, family) if cap is None else len(self.eligible)
@@ -1055,17 +1106,17 @@ class _Search:
 
     def order(self, opt: _SizeOption, policy: tuple, distance: int, ring: int, staging: int, slots: int,
               resident: int = 0) -> tuple:
-        # Ties: fewer micro-batches (fewer ops, less latency), fewer checkpoints moved or
-        # recomputed, more overlap, larger rings, fewer slots, more residents.
+        # Ties: fewer micro-batches (fewer ops, less latency), layer by layer (fewer copies), fewer
+        # checkpoints moved or recomputed, more overlap, larger rings, fewer slots, more residents.
         changed = sum(a is not KEEP for a in policy)
-        return (opt.micro_batches, changed, -distance, -ring, -staging, slots, -resident)
+        return (opt.micro_batches, not opt.layer_by_layer, changed, -distance, -ring, -staging, slots, -resident)
 
     def add_candidate(self, c: _Candidate) -> None:
         _, unit = self.unit(c.option, c.policy, c.distance)
         mem = _scaled_memory(unit, c.slots + len(c.resident or ()), c.grad_ring, c.staging_ring)
         if not _fits(mem, self.hw):
             return
-        key = (c.option.size, c.policy, c.slots, c.distance, c.grad_ring, c.staging_ring, c.resident)
+        key = (c.option.key, c.policy, c.slots, c.distance, c.grad_ring, c.staging_ring, c.resident)
         if key in self.seen:
             return
         self.seen.add(key)
@@ -1075,14 +1126,15 @@ class _Search:
 
     def add_knobs(self, opt: _SizeOption, policy: tuple, distance: int, slots: int) -> None:
         _, unit = self.unit(opt, policy, distance)
-        for ring, staging in self.host_choices(unit):
+        for ring, staging in self.host_choices(opt, unit):
             self.add_candidate(_Candidate(opt, policy, slots, distance, ring, staging))
 
     def start(self, sizes: Sequence[int]) -> None:
         """A group per micro-batch size, and the default plan's knobs."""
         for size in sizes:
-            opt = self.option(size)
-            self.push(self.quick_bound(opt, ()), _EXPAND, self.order(opt, (), 0, 0, 0, 0), _Group(opt))
+            for layer_by_layer in (True, False) if self.per_mb_sizes(size) else (True,):
+                opt = self.option(size, layer_by_layer)
+                self.push(self.quick_bound(opt, ()), _EXPAND, self.order(opt, (), 0, 0, 0, 0), _Group(opt))
         # The default plan's knobs: the solver never does worse than Plan() where Plan() fits.
         default = Plan()
         G = self.request.global_batch
@@ -1130,9 +1182,14 @@ class _Search:
         # Every resident layer costs one more slot sized for the largest layer, so the spare memory
         # in slots decides the knapsack's answer.
         room = min(spare // slot_bytes, self.n) if slot_bytes else self.n
-        key = (c.policy, c.slots, c.distance, room)
+        key = (c.policy, c.slots, c.distance, room, c.option.layer_by_layer)
         if key not in self.residents:
-            copies = self.pattern(k).copies(self.n)
+            # Per-micro-batch passes repeat the pattern's copies in every pass (the pattern, one
+            # micro-batch, is lowered layer by layer, whose NEXT_FORWARD ring has a tile per layer;
+            # the ring does not change the copies).
+            passes = 1 if c.option.layer_by_layer else c.option.micro_batches
+            pk = k if passes == 1 or not self.deferred else replace(k, grad_ring=self.ring)
+            copies = [x * passes for x in self.pattern(pk).copies(self.n)]
             saved = [(x - 1) * self.times.h2d[i] for i, x in enumerate(copies)]
             self.residents[key] = self.knapsack(saved, [slot_bytes] * self.n, room * slot_bytes)
         return replace(k, resident=self.residents[key])
@@ -1146,23 +1203,26 @@ class _Search:
     def requirements(self) -> Requirements:
         """Minimum memory at the smallest micro-batch size (see :class:`Requirements`)."""
         size = min(self.request.micro_batch_sizes())
-        opt = self.option(size)
-        ring = self.ring if self.deferred else 1
+        passes = [self.option(size)] + ([self.option(size, False)] if self.per_mb_sizes(size) else [])
         top = len(self.eligible)
         options = [("keep", ())] + [(f.name, f.policy(self.eligible, self.n, top)) for f in self.families]
-        rows = []
-        for i, (name, policy) in enumerate(options):
-            sched, unit = self.unit(opt, policy, 0)
-            mem = _scaled_memory(unit, 1, ring, 1)
-            rows.append(((mem.gpu_peak, mem.host_total, i), name, sched, mem))
-        (_, _, i), name, sched, mem = min(rows, key=lambda row: row[0])
+        rows, keeps = [], []
+        for p, opt in enumerate(passes):
+            for i, (name, policy) in enumerate(options):
+                sched, unit = self.unit(opt, policy, 0)
+                mem = _scaled_memory(unit, 1, self.ring_floor(opt), 1)
+                # Ties: layer by layer (fewer copies), then the simpler policy.
+                rows.append(((mem.gpu_peak, mem.host_total, p, i), name, opt, sched, mem))
+                if i == 0:
+                    keeps.append(mem)
+        (_, _, _, i), name, opt, sched, mem = min(rows, key=lambda row: row[0])
         if i > 0:  # the shallowest depth of that family with the same peak offloads the least
             family = self.families[i - 1]
             depth = self.least_depth(opt, family, 0, 1, cap=mem.gpu_peak)
             if depth is not None:
                 sched, unit = self.unit(opt, family.policy(self.eligible, self.n, depth), 0)
-                mem = _scaled_memory(unit, 1, ring, 1)
-        keep = rows[0][3]
+                mem = _scaled_memory(unit, 1, self.ring_floor(opt), 1)
+        keep = min(keeps, key=lambda m: (m.host_total, m.host_pinned))
         g = opt.graph
         largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))
         peak = g.layers[_peak_op_layer(sched, g)]
@@ -1170,6 +1230,7 @@ class _Search:
         return Requirements(gpu_memory_bytes=mem.gpu_peak, host_memory_bytes=mem.host_total,
                             pinned_memory_bytes=mem.host_pinned, host_floor_bytes=keep.host_total,
                             pinned_floor_bytes=keep.host_pinned, micro_batch_size=size, activations=name,
+                            layer_by_layer=opt.layer_by_layer,
                             memory=mem, largest_layer=largest.name, peak_layer=peak.name,
                             peak_layer_work_bytes=peak.work_bytes, obstacle=largest.name if slot else peak.name,
                             obstacle_is_slot=slot)
@@ -1182,7 +1243,9 @@ class _Search:
         # kept needs, and the GPU at least the floor of the deepest policy of some family.
         small = self.option(sizes[-1])
         _, keep = self.unit(small, (), 0)
-        if (not _host_fits(_scaled_memory(keep, 1, self.ring if self.deferred else 1, 1), hw)
+        passes = [small] + ([self.option(sizes[-1], False)] if self.per_mb_sizes(sizes[-1]) else [])
+        if (not any(_host_fits(_scaled_memory(self.unit(o, (), 0)[1], 1, self.ring_floor(o), 1), hw)
+                    for o in passes)
                 or (not self.gpu_fits(keep, 1)
                     and all(self.floor_depth(small, f, 1) is None for f in self.families))):
             raise _infeasible(request, self.requirements())
@@ -1204,16 +1267,17 @@ class _Search:
                 self.expand(item)
             elif level == _REFINE:
                 k = self.knobs(item)
-                if (item.option.size, k) in self.seen:
+                if (item.option.key, k) in self.seen:
                     continue
-                self.seen.add((item.option.size, k))
-                lb = _lower_bound(self.pattern(k), item.option, self.times, hw.duplex)
+                self.seen.add((item.option.key, k))
+                lb = _lower_bound(self.pattern(k), item.option, self.times, hw.duplex) \
+                    if item.option.layer_by_layer else key
                 self.push(max(key, lb), _SIMULATE, self.order(item.option, k.activations, k.prefetch_distance,
                                                               k.grad_ring, k.staging_ring, k.slots,
                                                               len(k.resident)), (item.option, k))
             else:
                 opt, k = item
-                plan = _plan(request, opt.size, k)
+                plan = _plan(request, opt.size, k, opt.layer_by_layer)
                 sched = lower(opt.graph, plan, carries_updates=self.deferred)
                 tl = simulate(sched, opt.graph, hw)
                 simulated += 1

@@ -198,7 +198,8 @@ class Timeline:
         scale, unit = (1.0, "s") if self.step_time_s >= 10 else (1e3, "ms")
         colors = {OpKind.H2D: "tab:blue", OpKind.FWD: "tab:green", OpKind.BWD: "tab:olive",
                   OpKind.D2H: "tab:orange", OpKind.OPT: "tab:purple", OpKind.OFFLOAD: "tab:red",
-                  OpKind.RELOAD: "tab:cyan", OpKind.RECOMPUTE: "tab:pink", OpKind.CAST: "tab:gray"}
+                  OpKind.RELOAD: "tab:cyan", OpKind.RECOMPUTE: "tab:pink", OpKind.CAST: "tab:gray",
+                  OpKind.ACC: "tab:brown"}
         fig = Figure(figsize=(12, 6.5), layout="constrained")
         FigureCanvasAgg(fig)
         lanes, mem = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))

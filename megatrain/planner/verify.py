@@ -8,17 +8,22 @@ computed once as ancestor bitsets (Python ints) in list order, which the rules t
 - ``weights``: a compute op's slot was last filled with its layer's weights by an H2D that happens
   before it, and every other H2D into that slot happens before that copy or after the op;
 - ``gradients``: a slot's gradients are copied out (D2H) after all its micro-batches' local
-  backwards and before any later copy overwrites the slot; a host gradient tile is read by its
-  layer's optimizer step before another D2H overwrites it;
+  backwards and before any later copy or (with per-micro-batch passes) local backward overwrites
+  the slot; a host gradient tile is read by its layer's optimizer step (or, with per-micro-batch
+  passes, by the ACC of the micro-batch it holds) before another D2H overwrites it; accumulators
+  are written by their layer's ACCs in micro-batch order, micro-batch 0's first;
 - ``coverage``: every (layer, micro-batch) runs its forward and local backward exactly once (and
   its recompute at most once); every layer with trainable parameters is updated exactly once, after
   all its micro-batches -- in the same step (optimizer DURING_BACKWARD), or at the start of the next
   step's schedule or an ``"update"`` schedule (NEXT_FORWARD), where the update comes before every
-  copy of that layer's weights and reads a gradient tile no copy of this schedule overwrote first;
+  copy of that layer's weights and reads a gradient tile (or accumulator) no op of this schedule
+  overwrote first; with per-micro-batch passes every (trainable layer, micro-batch) is accumulated
+  exactly once, and an update reads the accumulator after the last ACC;
 - ``data``: a compute op or checkpoint copy reads each checkpoint from the op that last put it on
   the GPU (its forward, its recompute, or its reload), which happens before it; a reload happens
   after the offload it reads back; a local backward runs after the local backwards that produce its
-  output gradients;
+  output gradients; with per-micro-batch passes, which keep one micro-batch's offloaded checkpoints
+  in pinned memory, a layer's offload comes after the reloads of the micro-batches before it;
 - ``staging``: with a BF16 plan, each H2D reads a staging tile that a CAST of its layer filled and
   no other CAST overwrites before the copy ends;
 - ``budget``: slot, ring and staging indices stay within what the plan allocates; given a
@@ -36,6 +41,7 @@ from collections import defaultdict
 from megatrain.errors import ScheduleError
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.plan import OptimizerPlacement
 from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule
 
@@ -73,6 +79,7 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     if schedule.n_layers != len(graph.layers):
         raise ScheduleError(f"schedule is for {schedule.n_layers} layers, graph has {len(graph.layers)}")
     n_slots = plan.slots + len(plan.resident)
+    n_accumulators = sum(1 for layer in graph.layers if layer.trainable_numel > 0)
     for i, op in enumerate(ops):
         for d in op.deps:
             if not 0 <= d < i:
@@ -81,7 +88,11 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             fail(i, "order", f"layer {op.layer} does not exist", "lower against this graph")
         if op.slot is not None and not 0 <= op.slot < n_slots:
             fail(i, "budget", f"slot {op.slot} outside the plan's {n_slots} slots", "raise Plan.slots")
-        if op.ring is not None and not 0 <= op.ring < plan.grad_ring:
+        if op.kind is OpKind.OPT and plan.accumulates_on_host:
+            if not 0 <= op.ring < n_accumulators:
+                fail(i, "budget", f"accumulator {op.ring} outside the {n_accumulators} trainable layers",
+                     "use lower.gradient_tiles for each layer's accumulator")
+        elif op.ring is not None and not 0 <= op.ring < plan.grad_ring:
             fail(i, "budget", f"ring tile {op.ring} outside the plan's {plan.grad_ring}", "raise Plan.grad_ring")
         if op.tile is not None and not 0 <= op.tile < plan.staging_ring:
             fail(i, "budget", f"staging tile {op.tile} outside the plan's {plan.staging_ring}",
@@ -124,6 +135,12 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     d2h_of: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in by_kind[OpKind.D2H]:
         d2h_of[(ops[i].layer, ops[i].slot)].append(i)
+    bwd_by_slot: dict[int, list[int]] = defaultdict(list)
+    at_bwd: dict[tuple[int, int], int] = {}
+    for i in by_kind[OpKind.BWD]:
+        bwd_by_slot[ops[i].slot].append(i)
+        at_bwd.setdefault((ops[i].layer, ops[i].mb), i)
+    first_out: dict[int, int] = {}  # local backward -> the D2H that copies its gradients out
     for i in by_kind[OpKind.BWD]:
         op = ops[i]
         if graph.layers[op.layer].trainable_numel == 0:
@@ -133,10 +150,17 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             fail(i, "gradients", f"its gradients in slot s{op.slot} are never copied out",
                  f"add a D2H:L{op.layer}:s{op.slot} after it")
         d = min(outs)
+        first_out[i] = d
         for h in h2d_by_slot[op.slot]:
             if before(i, h) and not before(d, h):
                 fail(h, "gradients", f"it may overwrite slot s{op.slot} before #{d} {ops[d]!r} copies "
                      f"layer {op.layer}'s gradients out", f"make it depend on #{d}")
+        for j in bwd_by_slot[op.slot]:
+            # Layer by layer, the micro-batches of one visit accumulate in the slot on purpose.
+            same_visit = plan.layer_by_layer and ops[j].layer == op.layer
+            if j != i and not same_visit and before(i, j) and not before(d, j):
+                fail(j, "gradients", f"it writes slot s{op.slot}'s gradients before #{d} {ops[d]!r} copies "
+                     f"out those of #{i} {op!r}", f"make it depend on #{d}")
     opt_by_layer: dict[int, list[int]] = defaultdict(list)
     for i in by_kind[OpKind.OPT]:
         opt_by_layer[ops[i].layer].append(i)
@@ -144,8 +168,51 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     for i in by_kind[OpKind.D2H]:
         d2h_by_ring[ops[i].ring].append(i)
     deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+    accumulating = plan.accumulates_on_host
+    acc_at: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i in by_kind[OpKind.ACC]:
+        acc_at[(ops[i].layer, ops[i].mb)].append(i)
+    if by_kind[OpKind.ACC] and not accumulating:
+        fail(by_kind[OpKind.ACC][0], "gradients", "only per-micro-batch passes accumulate gradients on "
+             "the host", "drop the ACC ops, or lower with layer_by_layer=False and several micro-batches")
+    # Ring tiles are read by the ACCs with per-micro-batch passes, else by DURING_BACKWARD updates.
+    ring_readers = by_kind[OpKind.ACC] if accumulating else [] if deferred else by_kind[OpKind.OPT]
+    for i in ring_readers:
+        op = ops[i]
+        writers = [d for d in d2h_by_ring[op.ring] if before(d, i)]
+        if not writers or ops[max(writers)].layer != op.layer:
+            fail(i, "gradients", f"host gradient tile r{op.ring} does not hold layer {op.layer}'s "
+                 "gradients when it runs", f"make it depend on D2H:L{op.layer}:*:r{op.ring}")
+        w = max(writers)
+        for d in d2h_by_ring[op.ring]:
+            if d != w and not before(d, w) and not before(i, d):
+                fail(d, "gradients", f"it may overwrite host gradient tile r{op.ring} before #{i} "
+                     f"{op!r} reads it", f"make it depend on #{i}")
+        if op.kind is OpKind.ACC:
+            b = at_bwd.get((op.layer, op.mb))
+            if b is None or first_out.get(b) != w:
+                fail(i, "gradients", f"tile r{op.ring} holds the gradients #{w} {ops[w]!r} copied, which are "
+                     f"not those of micro-batch {op.mb}'s local backward of layer {op.layer}",
+                     "make it depend on the D2H that follows that local backward")
     for i in by_kind[OpKind.OPT]:
         op = ops[i]
+        if accumulating:
+            if op.ring != gradient_tiles(graph).get(op.layer):
+                fail(i, "gradients", f"it reads accumulator {op.ring}, not layer {op.layer}'s",
+                     f"read accumulator {gradient_tiles(graph).get(op.layer)} (lower.gradient_tiles)")
+            accs = [a for mb in range(plan.micro_batches) for a in acc_at[(op.layer, mb)]]
+            if deferred:  # the previous step's accumulator: no ACC of this schedule may overwrite it first
+                for a in accs:
+                    if not before(i, a):
+                        fail(a, "gradients", f"it may overwrite layer {op.layer}'s accumulator before the "
+                             f"deferred update #{i} {op!r} reads the previous step's gradients",
+                             f"make it depend on #{i}")
+            else:
+                for a in accs:
+                    if not before(a, i):
+                        fail(i, "gradients", f"it reads layer {op.layer}'s accumulator before #{a} {ops[a]!r} "
+                             "adds into it", f"make it depend on #{a}")
+            continue
         if deferred:  # it reads the tile the previous step left: nothing here may overwrite it first
             for d in d2h_by_ring[op.ring]:
                 if not before(i, d):
@@ -156,17 +223,22 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                     fail(d, "gradients", f"it writes tile r{op.ring}, which layer {op.layer}'s deferred update "
                          "reads; with NEXT_FORWARD every layer keeps a tile of its own",
                          "use lower.gradient_tiles for the tile of each layer")
-            continue
-        writers = [d for d in d2h_by_ring[op.ring] if before(d, i)]
-        if not writers or ops[max(writers)].layer != op.layer:
-            fail(i, "gradients", f"host gradient tile r{op.ring} does not hold layer {op.layer}'s "
-                 "gradients when it runs", f"make it depend on D2H:L{op.layer}:*:r{op.ring}")
-        w = max(writers)
-        for d in d2h_by_ring[op.ring]:
-            if d != w and not before(d, w) and not before(i, d):
-                fail(d, "gradients", f"it may overwrite host gradient tile r{op.ring} before #{i} "
-                     f"{op!r} reads it", f"make it depend on #{i}")
-    if deferred:
+    if accumulating and schedule.mode == "train":
+        for layer in range(len(graph.layers)):
+            if graph.layers[layer].trainable_numel == 0:
+                continue
+            prev = None
+            for mb in range(plan.micro_batches):
+                got = acc_at.get((layer, mb), [])
+                if len(got) != 1:
+                    fail(got[1] if got else len(ops) - 1, "coverage", f"layer {layer}'s gradients of "
+                         f"micro-batch {mb} are accumulated {len(got)} times, expected once", "lower the schedule again")
+                if prev is not None and not before(prev, got[0]):
+                    fail(got[0], "gradients", f"it adds into layer {layer}'s accumulator before #{prev} "
+                         f"{ops[prev]!r} (micro-batch 0 overwrites it, the others add in order)",
+                         f"make it depend on #{prev}")
+                prev = got[0]
+    if deferred and not accumulating:
         owner: dict[int, int] = {}
         for d in by_kind[OpKind.D2H]:
             if owner.setdefault(ops[d].ring, ops[d].layer) != ops[d].layer:
@@ -240,6 +312,13 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             if not off or not before(off[0], i):
                 fail(i, "data", f"it reloads layer {op.layer}'s checkpoints (micro-batch {op.mb}) that no "
                      "earlier OFFLOAD copied out", f"make it depend on OFFLOAD:L{op.layer}:m{op.mb}")
+        if op.kind is OpKind.OFFLOAD and not plan.layer_by_layer:
+            # Per-micro-batch passes hold one micro-batch's offloaded checkpoints in pinned memory.
+            for m in range(op.mb):
+                for r in at.get((OpKind.RELOAD, op.layer, m), []):
+                    if not before(r, i):
+                        fail(i, "data", f"it overwrites layer {op.layer}'s pinned checkpoint copy before "
+                             f"#{r} {ops[r]!r} reads micro-batch {m}'s back", f"make it depend on #{r}")
         if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
             for vid in graph.layers[op.layer].outputs:
                 latest[(vid, op.mb)] = i
@@ -280,8 +359,8 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                     if not before(b, o):
                         fail(o, "coverage", f"it updates layer {layer} before micro-batch {mb}'s "
                              f"local backward #{b}", f"make it depend on #{b}")
-    elif by_kind[OpKind.OPT] or by_kind[OpKind.D2H] or by_kind[OpKind.BWD]:
-        fail(min(by_kind[OpKind.OPT] + by_kind[OpKind.D2H] + by_kind[OpKind.BWD]), "coverage",
+    elif by_kind[OpKind.OPT] or by_kind[OpKind.D2H] or by_kind[OpKind.BWD] or by_kind[OpKind.ACC]:
+        fail(min(by_kind[OpKind.OPT] + by_kind[OpKind.D2H] + by_kind[OpKind.BWD] + by_kind[OpKind.ACC]), "coverage",
              "an eval schedule computes no gradients and updates nothing", "lower with mode='eval'")
 
     if hw is not None:

@@ -14,7 +14,9 @@ its CAST dependency filled).
 
 Gradient norms. Each D2H first takes the L2 norm of the slot's gradients on the device and copies
 it to the host with them, and flags the layer when that norm or a micro-batch loss of the step is
-not finite. A host optimizer step is skipped once any layer of the step was flagged (host ops run
+not finite. With per-micro-batch passes the step's gradients exist only once the last ACC has
+summed them on the host, so that ACC replaces the norm with the accumulator's and keeps the flag
+of the last D2H (which has seen every loss) only if that norm is finite. A host optimizer step is skipped once any layer of the step was flagged (host ops run
 in order, so the flag is seen by every later one). With the optimizer placed NEXT_FORWARD the
 updates wait for the next schedule; the caller then knows the global norm, and passes the
 clipping scale (or drops the updates) with :meth:`Executor.set_update`.
@@ -32,6 +34,7 @@ from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
 from megatrain.planner.graph import LayerGraph
+from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule
 from megatrain.planner.trace import TracedModel, retarget
 from megatrain.runtime.backend import Backend
@@ -48,6 +51,7 @@ class _Buffers:
     grads: list[torch.Tensor]
     ring: list[torch.Tensor]
     staging: list[torch.Tensor]
+    accumulators: list[torch.Tensor]  # per trainable layer (lower.gradient_tiles), per-micro-batch passes
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Executor:
         self._buffers: _Buffers | None = None
         self._buffer_key: tuple | None = None
         self._host_acts: dict[tuple[int, int], torch.Tensor] = {}  # offloaded checkpoints, reused
+        self._accumulator_of = gradient_tiles(self.graph)
         n = len(self.graph.layers)
         self._norms_dev = backend.device_empty((n,), torch.float32)
         self._norms = backend.host_empty((n,), torch.float32)
@@ -111,12 +116,20 @@ class Executor:
             be = self.backend
             dtype = _DTYPES[plan.compute_dtype]
             staging = plan.staging_ring if dtype is not torch.float32 else 0
+            accumulators = self._buffers.accumulators if self._buffers is not None else []
+            self._buffers = None  # let the old buffers go before the new ones are made
             self._buffers = _Buffers(
                 weights=[be.device_empty((width,), dtype) for _ in range(n_slots)],
                 grads=[be.device_empty((gwidth,), torch.float32) for _ in range(n_slots)],
                 ring=[be.host_empty((gwidth,), torch.float32) for _ in range(plan.grad_ring)],
-                staging=[be.host_empty((width,), dtype) for _ in range(staging)])
+                staging=[be.host_empty((width,), dtype) for _ in range(staging)],
+                accumulators=accumulators)
             self._buffer_key = key
+        if plan.accumulates_on_host and schedule.mode != "eval" and not self._buffers.accumulators:
+            # Pageable: only host ops (ACC, OPT) touch them. Kept across schedules, since with
+            # NEXT_FORWARD they hold the gradients the next schedule's updates read.
+            self._buffers.accumulators = [torch.empty((layer.trainable_numel,), dtype=torch.float32)
+                                          for layer in self.graph.layers if layer.trainable_numel > 0]
         return self._buffers
 
     def set_update(self, clip_scale: float | None, optimizer: AdamW | None = None) -> None:
@@ -159,18 +172,24 @@ class Executor:
             elif k is OpKind.FWD or k is OpKind.RECOMPUTE:
                 fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], acts, loss_tensors, schedule.plan.compute_dtype)
             elif k is OpKind.BWD:
+                # Layer by layer a visit's micro-batches accumulate in the slot; per-micro-batch
+                # passes accumulate on the host (ACC), so every local backward starts the slot afresh.
+                fresh = op.mb == 0 or not schedule.plan.layer_by_layer
                 fn = self._bwd(op.layer, op.mb, bufs, op.slot, acts, grads, loss_tensors, M,
-                               schedule.plan.compute_dtype)
+                               schedule.plan.compute_dtype, fresh)
             elif k is OpKind.D2H:
                 trained.append(op.layer)
                 fn = self._d2h(op, bufs, loss_tensors)
             elif k is OpKind.OPT:
                 carried = schedule.mode == "update" or schedule.carries_updates
-                fn = self._opt(op.layer, bufs.ring[op.ring], carried)
+                tiles = bufs.accumulators if schedule.plan.accumulates_on_host else bufs.ring
+                fn = self._opt(op.layer, tiles[op.ring], carried)
+            elif k is OpKind.ACC:
+                fn = self._acc(op, bufs, last=op.mb == M - 1)
             elif k is OpKind.OFFLOAD:
-                fn = self._offload(op, acts)
+                fn = self._offload(op, acts, schedule.plan.layer_by_layer)
             elif k is OpKind.RELOAD:
-                fn = self._reload(op, acts)
+                fn = self._reload(op, acts, schedule.plan.layer_by_layer)
             elif k is OpKind.CAST:
                 fn = self._cast(op, bufs)
             else:  # pragma: no cover - OpKind is closed
@@ -231,7 +250,7 @@ class Executor:
         return run
 
     def _bwd(self, li: int, mb: int, bufs: _Buffers, s: int, acts, grads, loss_tensors, M: int,
-             compute_dtype: str):
+             compute_dtype: str, fresh: bool):
         g = self.graph
         layer = g.layers[li]
         tmpl = self.templates[layer.template]
@@ -268,9 +287,9 @@ class Executor:
                 gflat, res = res[0], res[1:]
                 gslot = bufs.grads[s][:layer.trainable_numel]
                 if gflat is None:  # the loss does not depend on this layer's weights
-                    if mb == 0:
+                    if fresh:
                         gslot.zero_()
-                elif mb == 0:
+                elif fresh:
                     gslot.copy_(gflat[:layer.trainable_numel])
                 else:
                     gslot.add_(gflat[:layer.trainable_numel])
@@ -298,6 +317,22 @@ class Executor:
             tile.copy_(gslot, non_blocking=True)
         return run
 
+    def _acc(self, op: Op, bufs: _Buffers, last: bool):
+        li = op.layer
+        tile = bufs.ring[op.ring][:self.graph.layers[li].trainable_numel]
+        acc = bufs.accumulators[self._accumulator_of[li]]
+
+        def run() -> None:
+            if op.mb == 0:
+                acc.copy_(tile)
+            else:
+                acc.add_(tile)
+            if last:
+                norm = torch.linalg.vector_norm(acc)
+                self._norms[li] = norm
+                self._flags[li] = bool(self._flags[li]) and bool(torch.isfinite(norm))
+        return run
+
     def _opt(self, li: int, ring_tile: torch.Tensor, carried: bool):
         layer = self.graph.layers[li]
         n = layer.trainable_numel
@@ -317,26 +352,32 @@ class Executor:
                 beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
         return run
 
-    def _offload(self, op: Op, acts):
-        keys = [(vid, op.mb) for vid in self.graph.checkpoints(op.layer)]
+    def _host_keys(self, op: Op, layer_by_layer: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """(checkpoint, pinned copy) keys of an OFFLOAD or RELOAD. Per-micro-batch passes reuse one
+        pinned copy per checkpoint for every micro-batch (the verifier's 'data' rule orders each
+        offload after the previous micro-batch's reload)."""
+        return [((vid, op.mb), (vid, op.mb if layer_by_layer else 0)) for vid in self.graph.checkpoints(op.layer)]
+
+    def _offload(self, op: Op, acts, layer_by_layer: bool):
+        keys = self._host_keys(op, layer_by_layer)
 
         def run() -> None:
-            for key in keys:
+            for key, hkey in keys:
                 src = acts[key]
                 _read_here((src,))
-                dst = self._host_acts.get(key)
+                dst = self._host_acts.get(hkey)
                 if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                    dst = self._host_acts[key] = self.backend.host_empty(tuple(src.shape), src.dtype)
+                    dst = self._host_acts[hkey] = self.backend.host_empty(tuple(src.shape), src.dtype)
                 dst.copy_(src, non_blocking=True)
         return run
 
-    def _reload(self, op: Op, acts):
-        keys = [(vid, op.mb) for vid in self.graph.checkpoints(op.layer)]
+    def _reload(self, op: Op, acts, layer_by_layer: bool):
+        keys = self._host_keys(op, layer_by_layer)
         dev = self.backend.device
 
         def run() -> None:
-            for key in keys:
-                acts[key] = self._host_acts[key].to(dev, non_blocking=True, copy=True)
+            for key, hkey in keys:
+                acts[key] = self._host_acts[hkey].to(dev, non_blocking=True, copy=True)
         return run
 
 
