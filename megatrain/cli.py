@@ -172,7 +172,9 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
         ("staging ring", str(plan.staging_ring), "host tiles"),
         ("activations", _policy_counts(plan, n), "checkpoints kept on the GPU / offloaded to pinned host "
                                                   "memory / recomputed in the backward"),
-        ("layer by layer", "yes" if plan.layer_by_layer else "no", "all micro-batches per weight load"),
+        ("layer by layer", "yes" if plan.layer_by_layer else "no",
+         "all micro-batches per weight load" if plan.layer_by_layer
+         else "a pass per micro-batch, gradients summed in host accumulators"),
         ("optimizer", plan.optimizer.value.replace("_", " "), "host AdamW"),
     ])
     lines.append("")

@@ -783,7 +783,7 @@ def _quick_bound(size: _SizeOption, t: _Times, policy: Sequence[ActivationPolicy
 
 
 _STREAM_INDEX = {OpKind.H2D: 0, OpKind.RELOAD: 0, OpKind.FWD: 1, OpKind.BWD: 1, OpKind.RECOMPUTE: 1,
-                 OpKind.D2H: 2, OpKind.OFFLOAD: 2, OpKind.OPT: 3, OpKind.CAST: 3}
+                 OpKind.D2H: 2, OpKind.OFFLOAD: 2, OpKind.OPT: 3, OpKind.CAST: 3, OpKind.ACC: 3}
 """Index of each op kind's stream (Stream.H2D, COMPUTE, D2H, HOST) in the bound's arrays."""
 
 _PER_MICRO_BATCH = ({(kind, OpKind.RELOAD) for kind in COMPUTE_KINDS}
@@ -874,6 +874,8 @@ def _lower_bound(p: _Pattern, size: _SizeOption, t: _Times, duplex: bool) -> flo
             u = opt[layer]
         elif kind is OpKind.CAST:
             u = cast[layer]
+        elif kind is OpKind.ACC:  # not in patterns today: they are lowered with one micro-batch
+            u = t.acc[layer]
         elif kind is OpKind.OFFLOAD:
             u = off[layer]
         else:
