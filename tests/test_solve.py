@@ -576,16 +576,22 @@ def test_llama2_7b_at_512k_tokens_does_not_fit_a_gh200_with_every_intermediate_o
     assert "every checkpoint offloaded or recomputed" in str(info.value)
 
 
-def test_traced_llama2_7b_at_512k_tokens_trains_on_one_gh200():
-    """The headline case end to end from the model: trace on the meta device (sequence-chunked
-    norms and MLP, chunked LM head and loss, mask-free causal attention), then solve."""
+@pytest.fixture(scope="module")
+def traced_7b_512k() -> LayerGraph:
+    """Llama-2-7B traced on the meta device at one sequence of 512k tokens (sequence-chunked norms
+    and MLP, chunked LM head and loss, mask-free causal attention)."""
     import torch
 
     from megatrain.planner.presets import build_meta_model, load_model_config
     from megatrain.planner.trace import trace
 
     model = build_meta_model(load_model_config("llama-2-7b"), dtype=torch.bfloat16)
-    g = trace(model, micro_batch_size=1, seq_len=GH200_SEQ).graph
+    return trace(model, micro_batch_size=1, seq_len=GH200_SEQ).graph
+
+
+def test_traced_llama2_7b_at_512k_tokens_trains_on_one_gh200(traced_7b_512k):
+    """The headline case end to end from the model."""
+    g = traced_7b_512k
     assert max(layer.work_bytes for layer in g.layers) < 48 * GiB
     hw = preset("GH200")
     req = SolveRequest(g, hw, 1, "bfloat16")
@@ -594,6 +600,21 @@ def test_traced_llama2_7b_at_512k_tokens_trains_on_one_gh200():
     assert OFFLOAD in policies_of(sol.plan, len(g.layers))
     assert sol.memory.gpu_peak <= hw.gpu_memory_bytes and sol.memory.host_total <= hw.host_memory_bytes
     assert sol.timeline.bottleneck.value == "compute" and sol.timeline.mfu > 0.45
+
+
+def test_four_512k_sequences_fit_a_gh200_only_in_passes_of_their_own(traced_7b_512k):
+    """Global batch 4 at 512k tokens: layer by layer, every sequence's offloaded checkpoints (about
+    104 GiB each) would be pinned at once, beyond the GH200's pinned cap; a pass per sequence pins
+    one sequence's and sums the gradients on the host, at the same predicted MFU."""
+    g, hw = traced_7b_512k, preset("GH200")
+    req = SolveRequest(g, hw, 4, "bfloat16")
+    with pytest.raises(InfeasibleRequestError):
+        solve(replace(req, limits=SolveLimits(per_micro_batch_passes=False)))
+    sol = solve(req)
+    check_solution(sol, req)
+    assert not sol.plan.layer_by_layer and sol.plan.micro_batches == 4
+    assert sol.memory.host_pinned <= hw.pinned_memory_cap_bytes < 4 * sol.memory.pinned_activations
+    assert sol.timeline.mfu > 0.45
 
 
 # -- scale and surface -----------------------------------------------------------------------------
