@@ -675,7 +675,7 @@ class _SizeOption:
 
 
 def _size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype: str,
-                 hw: HardwareSpec, layer_by_layer: bool = True) -> _SizeOption:
+                 hw: HardwareSpec) -> _SizeOption:
     probe = Plan(compute_dtype=compute_dtype)
     n = len(graph.layers)
     return _SizeOption(size, micro_batches, graph,
@@ -683,8 +683,7 @@ def _size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype
                        bwd=tuple(cost.bwd_time(layer, probe, hw) for layer in graph.layers),
                        offload=tuple(cost.offload_time(graph, i, hw, OpKind.OFFLOAD) for i in range(n)),
                        reload=tuple(cost.offload_time(graph, i, hw, OpKind.RELOAD) for i in range(n)),
-                       checkpoints=tuple(cost.checkpoint_bytes(graph, i) for i in range(n)),
-                       layer_by_layer=layer_by_layer)
+                       checkpoints=tuple(cost.checkpoint_bytes(graph, i) for i in range(n)))
 
 
 @dataclass(slots=True)
@@ -1000,8 +999,7 @@ class _Search:
     def host_choices(self, opt: _SizeOption, unit: cost.MemoryBreakdown) -> list[tuple[int, int]]:
         """(gradient ring, staging ring) pairs to try: the largest ring with each staging ring,
         the second only if it allows a larger ring (a tile more of either only removes waits)."""
-        rings = [self.ring_floor(opt)] if self.deferred and opt.layer_by_layer else \
-            list(range(self.limits.max_grad_ring, 0, -1))
+        rings = [self.ring] if self.deferred and opt.layer_by_layer else list(range(self.limits.max_grad_ring, 0, -1))
         out: list[tuple[int, int]] = []
         for staging in (DEFAULT_STAGING_RING, 1):
             for ring in rings:

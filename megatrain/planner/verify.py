@@ -79,7 +79,8 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     if schedule.n_layers != len(graph.layers):
         raise ScheduleError(f"schedule is for {schedule.n_layers} layers, graph has {len(graph.layers)}")
     n_slots = plan.slots + len(plan.resident)
-    n_accumulators = sum(1 for layer in graph.layers if layer.trainable_numel > 0)
+    accumulator_of = gradient_tiles(graph)  # per-micro-batch passes: each trainable layer's accumulator
+    n_accumulators = len(accumulator_of)
     for i, op in enumerate(ops):
         for d in op.deps:
             if not 0 <= d < i:
@@ -197,9 +198,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     for i in by_kind[OpKind.OPT]:
         op = ops[i]
         if accumulating:
-            if op.ring != gradient_tiles(graph).get(op.layer):
+            if op.ring != accumulator_of.get(op.layer):
                 fail(i, "gradients", f"it reads accumulator {op.ring}, not layer {op.layer}'s",
-                     f"read accumulator {gradient_tiles(graph).get(op.layer)} (lower.gradient_tiles)")
+                     f"read accumulator {accumulator_of.get(op.layer)} (lower.gradient_tiles)")
             accs = [a for mb in range(plan.micro_batches) for a in acc_at[(op.layer, mb)]]
             if deferred:  # the previous step's accumulator: no ACC of this schedule may overwrite it first
                 for a in accs:

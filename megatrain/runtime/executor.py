@@ -16,8 +16,9 @@ Gradient norms. Each D2H first takes the L2 norm of the slot's gradients on the 
 it to the host with them, and flags the layer when that norm or a micro-batch loss of the step is
 not finite. With per-micro-batch passes the step's gradients exist only once the last ACC has
 summed them on the host, so that ACC replaces the norm with the accumulator's and keeps the flag
-of the last D2H (which has seen every loss) only if that norm is finite. A host optimizer step is skipped once any layer of the step was flagged (host ops run
-in order, so the flag is seen by every later one). With the optimizer placed NEXT_FORWARD the
+of the last D2H (which has seen every loss) only if that norm is finite. A host optimizer step is
+skipped once any layer of the step was flagged (host ops run in order, so the flag is seen by
+every later one). With the optimizer placed NEXT_FORWARD the
 updates wait for the next schedule; the caller then knows the global norm, and passes the
 clipping scale (or drops the updates) with :meth:`Executor.set_update`.
 """
