@@ -1,17 +1,36 @@
-# Set-up and the two entry points. Each target creates the virtual environment it needs.
+# Set-up and the entry points. Each target creates the virtual environment it needs.
+#
+#   make test          the test suite on the locked versions (constraints.txt): what CI runs
+#   make test-oldest   the trace and exactness tests on the oldest supported versions
+#                      (constraints-oldest.txt); CI runs it too
+#   make test-latest   the test suite on today's newest releases, after printing how they differ
+#                      from the lock; `make lock` then writes them into constraints.txt
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+EXTRAS := .[hf,plot,test]
+# The tests that depend most on transformers' modelling code and on torch.export.
+OLDEST_TESTS := tests/test_trace.py tests/test_exactness.py tests/test_compat.py
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-oldest test-latest lock clean
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	# The CPU build of torch 2.13.0 only where no torch is present; any torch >= 2.6 works.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[hf,plot,test]"
+# $(call make-venv,DIR,PIP_INSTALL_ARGS): a virtual environment with torch (the CPU build 2.13.0,
+# only where no torch is present; any torch >= 2.6 works) and megatrain installed editable.
+define make-venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/python -m pip install --quiet torch==2.13.0
+	$(1)/bin/python -m pip install --quiet $(2) -e "$(EXTRAS)"
+endef
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(call make-venv,$(VENV),-c constraints.txt)
+	touch $@
+
+.venv-oldest/.installed: pyproject.toml constraints-oldest.txt
+	$(call make-venv,.venv-oldest,-c constraints-oldest.txt)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -22,5 +41,21 @@ train: setup  ## train a small Llama on the Python standard library's source, on
 test: setup  ## the test suite (CPU; CUDA tests skip without a GPU)
 	$(PY) -m pytest tests $(ARGS)
 
+test-oldest: .venv-oldest/.installed  ## trace and exactness tests on the oldest supported versions
+	.venv-oldest/bin/python -c "import torch, transformers; print('oldest stack: torch', torch.__version__, '- transformers', transformers.__version__)"
+	.venv-oldest/bin/python -m pytest $(OLDEST_TESTS) $(ARGS)
+
+test-latest:  ## the test suite on today's newest releases; prints how they differ from the lock first
+	rm -rf .venv-latest
+	$(call make-venv,.venv-latest,--upgrade)
+	.venv-latest/bin/python -m pip freeze --exclude-editable | grep -iv '^torch==' > .venv-latest/freeze.txt
+	@echo "== newest releases vs constraints.txt (- locked, + newest) =="
+	@diff <(grep -v '^#' constraints.txt | sort -f) <(sort -f .venv-latest/freeze.txt) | grep '^[<>]' | sed 's/^</-/; s/^>/+/' || echo "(no difference)"
+	.venv-latest/bin/python -m pytest tests $(ARGS)
+
+lock:  ## write the versions `make test-latest` installed into constraints.txt
+	test -f .venv-latest/freeze.txt || { echo "run make test-latest first"; exit 2; }
+	{ sed -n '/^#/p' constraints.txt; cat .venv-latest/freeze.txt; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-oldest .venv-latest *.egg-info .pytest_cache .hypothesis

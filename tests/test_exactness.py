@@ -175,40 +175,72 @@ def test_evaluate_equals_eager_loss_and_changes_nothing():
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def eager_autocast_losses(model, batches) -> list[float]:
-    """BF16 autocast forward, FP32 parameters, gradients and torch.optim.AdamW: the usual eager
-    mixed-precision recipe."""
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    out = []
-    for batch in batches:
-        opt.zero_grad()
+BF16_U = 2.0 ** -8
+"""Unit roundoff of bfloat16 (8 significant bits, round to nearest): a rounding moves a value by at
+most ``BF16_U`` of it, and two roundings of nearly equal values differ by at most one ulp, ``2 * BF16_U``."""
+
+
+def bf16_tolerances(blocks: int) -> tuple[float, float]:
+    """Per-step relative bounds for megatrain BF16 against eager BF16 autocast at the same weights.
+
+    Both round the same FP32 weights to BF16 in the same way (round to nearest; megatrain's CAST and
+    autocast's weight cast are the same conversion), run the same matmuls in BF16 with FP32
+    accumulation, and differ only in FP32 summation order (chunked LM head and loss, templates
+    instead of modules). A different FP32 sum can flip a later BF16 rounding by one ulp, at most
+    ``2 * BF16_U`` of that value. Loss: the worst case is every logit moved by one ulp in the same
+    direction, which moves the cross-entropy by at most ``2 * BF16_U`` of itself. Gradient norm:
+    each weight gradient ``X^T dY`` has both operands rounded, and ``dY`` carries the error of every
+    matmul level above it, so a chain of ``D`` levels (two per block: attention and MLP, plus the
+    head) bounds it by ``2 * BF16_U * D``. Both are worst-case first-order bounds that hold on any
+    CPU's kernels; independent flips average out, so real differences are one to two orders smaller.
+    """
+    return 2 * BF16_U, 2 * BF16_U * (2 * blocks + 1)
+
+
+def assert_bf16_tracks_eager_autocast(model, trainer, batches, blocks: int) -> list[float]:
+    """Teacher-forced comparison: before each step, an eager copy of the model takes megatrain's
+    current FP32 master weights, then runs forward and backward under BF16 autocast on the same
+    batch; megatrain's loss and global gradient norm for that step must match within
+    ``bf16_tolerances``. Comparing at the same weights, step by step, keeps the bound independent
+    of the step count and of the CPU: free-running BF16 trajectories diverge chaotically, by an
+    amount that depends on the instruction set. Returns megatrain's losses."""
+    ref = copy.deepcopy(model)
+    tol_loss, tol_norm = bf16_tolerances(blocks)
+    got = []
+    for step, batch in enumerate(batches):
+        with torch.no_grad():
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                q.copy_(p)
+                q.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            res = model(**batch)
+            res = ref(**batch)
         loss = res if isinstance(res, torch.Tensor) else res.loss
         loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in ref.parameters()]))
+        result = trainer.step(batch)
+        assert abs(result.loss - loss.item()) <= tol_loss * loss.item(), \
+            f"step {step}: loss {result.loss} vs eager autocast {loss.item()} (bound {tol_loss:.1e} relative)"
+        assert abs(result.grad_norm - norm.item()) <= tol_norm * norm.item(), \
+            f"step {step}: gradient norm {result.grad_norm} vs eager autocast {norm.item()} (bound {tol_norm:.1e})"
+        got.append(result.loss)
+    return got
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt], ids=["llama", "gpt"])
 def test_bf16_compute_tracks_eager_autocast(make):
-    """BF16 weights over H2D, BF16 matmuls under autocast, FP32 gradients, masters and moments:
-    50 steps within 1e-2 relative of eager autocast training (issue 4's BF16 criterion, on CPU)."""
+    """BF16 weights over H2D, BF16 matmuls under autocast, FP32 gradients, masters and moments: at
+    every step, the loss and gradient norm of eager BF16 autocast at the same weights (issue 4's
+    BF16 criterion, made portable across CPUs by issue 13); and training converges."""
     torch.manual_seed(5)
     model = make(layers=2)
-    ref = copy.deepcopy(model)
-    batches = [random_batch(2, 16, 96, seed=s % 3) for s in range(50)]
+    batches = [random_batch(2, 16, 96, seed=s % 3) for s in range(30)]
     trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=ADAMW,
                                 plan=Plan(compute_dtype="bfloat16"))
     assert {op.kind.value for op in trainer.schedule.ops} >= {"CAST"}
-    got = [trainer.step(b).loss for b in batches]
+    got = assert_bf16_tracks_eager_autocast(model, trainer, batches, blocks=2)
     assert trainer.executor._buffers.weights[0].dtype is torch.bfloat16
     assert all(b.dtype is torch.float32 for b in trainer.host.blocks), "masters and moments stay FP32"
-    want = eager_autocast_losses(ref, batches)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-    assert worst <= 1e-2, f"largest relative loss difference {worst:.2e}"
-    assert got[-1] < 0.8 * got[0]
+    assert got[-1] < 0.8 * got[0], "30 steps on three repeated batches must cut the loss by a fifth"
 
 
 def test_compile_plans_with_the_solver_for_a_given_gpu_and_stays_exact():
