@@ -60,8 +60,9 @@ Sections, in the order they run (``--sections`` picks a subset):
     ``cuda``, or skipped with a reason that names CUDA: ``conftest.requires_cuda``), with
     ``--junitxml``; the JSON holds the counts and each failure's message.
 ``race_detector``
-    ``pytest tests/test_race_detector.py`` in a subprocess (the whole file; on real streams when
-    CUDA is there), when that file exists; ``skipped`` when it does not.
+    The CUDA tests of ``tests/test_race_detector.py`` (the detector on real streams) in a pytest
+    subprocess of their own, when that file exists (``cuda_tests`` then leaves the file out);
+    ``skipped`` when it does not.
 
 The tests run last so that the measurements and the step, which the spec and the simulator need,
 are not squeezed by a slow test run; the probe frees its GPU and pinned memory before them.
@@ -108,8 +109,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    # Appended, not prepended: an installed megatrain (pip install --target, on the device) wins,
-    # and a plain checkout still imports.
+    # Appended, not prepended: a megatrain on PYTHONPATH or installed wins, and a plain checkout
+    # still imports.
     sys.path.append(str(ROOT))
 
 PROBE_FORMAT_VERSION = 1
@@ -174,6 +175,7 @@ class Ctx:
     dry: bool
     results: dict[str, dict] = field(default_factory=dict)
     spec: Any = None  # the HardwareSpec the spec section built
+    sections: tuple[str, ...] = ()  # the sections of this run
     limit_s: float = 0.0  # the running section's limit
 
     @property
@@ -570,23 +572,32 @@ def _register_exact(ctx: Ctx, torch, n: int) -> dict:
     mm = mmap.mmap(-1, n)
     t = torch.frombuffer(mm, dtype=torch.uint8)
     try:
-        t0 = time.perf_counter()
-        err = int(cudart.cudaHostRegister(t.data_ptr(), n, 0))  # 0: cudaHostRegisterDefault
-        reg_s = time.perf_counter() - t0
-        out: dict[str, Any] = {"status": "ok" if err == 0 else "error", "cuda_error": err, "register_s": reg_s}
-        if err == 0:
-            out["is_pinned"] = bool(t.is_pinned())
-            dev = torch.empty(min(n, 256 * MiB), dtype=torch.uint8, device="cuda")
-            times = _median_times(lambda: dev.copy_(t[:dev.numel()], non_blocking=True), cuda=True, reps=3)
-            out["h2d_bytes_per_s"] = dev.numel() / statistics.median(times)
-            del dev
-            t0 = time.perf_counter()
-            out["unregister_error"] = int(cudart.cudaHostUnregister(t.data_ptr()))
-            out["unregister_s"] = time.perf_counter() - t0
-        return out
+        return _register_and_copy(torch, cudart, t, n)
+    except Exception as e:  # noqa: BLE001 - one size's failure is recorded in its row; the others still run
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"}
     finally:
         del t
         mm.close()
+
+
+def _register_and_copy(torch, cudart, t, n: int) -> dict:
+    t0 = time.perf_counter()
+    err = int(cudart.cudaHostRegister(t.data_ptr(), n, 0))  # 0: cudaHostRegisterDefault
+    out: dict[str, Any] = {"status": "ok" if err == 0 else "error", "cuda_error": err,
+                           "register_s": time.perf_counter() - t0}
+    if err != 0:
+        return out
+    try:
+        out["is_pinned"] = bool(t.is_pinned())
+        dev = torch.empty(min(n, 256 * MiB), dtype=torch.uint8, device="cuda")
+        times = _median_times(lambda: dev.copy_(t[:dev.numel()], non_blocking=True), cuda=True, reps=3)
+        out["h2d_bytes_per_s"] = dev.numel() / statistics.median(times)
+    finally:
+        torch.cuda.synchronize()  # no copy may still read the pages when they are unregistered
+        t0 = time.perf_counter()
+        out["unregister_error"] = int(cudart.cudaHostUnregister(t.data_ptr()))
+        out["unregister_s"] = time.perf_counter() - t0
+    return out
 
 
 # -- host rates -------------------------------------------------------------------------------------------
@@ -731,50 +742,59 @@ def section_matmul(ctx: Ctx) -> dict:
 
 # -- spec -------------------------------------------------------------------------------------------------
 
+MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gpu_memory_bytes": ("environment", ("gpu", "total_memory_bytes")),
+    "bf16_flops": ("matmul", ("bf16", "flops_per_s")),
+    "fp32_flops": ("matmul", ("tf32", "flops_per_s")),  # the field is the TF32 tensor-core rate
+    "h2d_bytes_per_s": ("copies", ("h2d_bytes_per_s",)),  # at the largest size
+    "d2h_bytes_per_s": ("copies", ("d2h_bytes_per_s",)),
+    "duplex": ("copies", ("duplex",)),
+    "host_memory_bytes": ("environment", ("memory", "MemTotal")),
+    "host_optimizer_params_per_s": ("host_rates", ("adamw_params_per_s_at_default",)),
+    # Seconds of the issuing thread per dispatched aten op (a kernel launch): the field the simulator's
+    # issue model reads, where this megatrain's HardwareSpec has it.
+    "launch_overhead_s": ("launch", ("issue_s_per_op",)),
+}
+"""Each HardwareSpec field the probe measures: (section, keys into its result). Fields the spec type
+lacks are left out; fields whose section did not succeed come from ``--fallback-preset``, listed."""
+
+
 def section_spec(ctx: Ctx) -> dict:
     from megatrain.planner.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
                                             preset)
 
     fallback = preset(ctx.args.fallback_preset)
-    env, copies = ctx.measured("environment"), ctx.measured("copies")
-    matmul, host = ctx.measured("matmul"), ctx.measured("host_rates")
+    known = HardwareSpec.model_fields
     fields: dict[str, Any] = {}
     sources: dict[str, str] = {}
     from_preset: list[str] = []
-
-    def take(name: str, value, source: str) -> None:
+    for name, (section, keys) in MEASURED_FIELDS.items():
+        if name not in known:
+            continue
+        value: Any = ctx.measured(section)
+        for k in keys:
+            value = value.get(k) if isinstance(value, dict) else None
+        where = f"{section}.{'.'.join(keys)}"
         if value is None:
             fields[name] = getattr(fallback, name)
             from_preset.append(name)
-            sources[name] = f"{ctx.args.fallback_preset} preset ({source} not measured)"
+            sources[name] = f"{ctx.args.fallback_preset} preset ({where} not measured)"
         else:
             fields[name] = value
-            sources[name] = source
-
-    gpu = (env or {}).get("gpu") or {}
-    take("gpu_memory_bytes", gpu.get("total_memory_bytes"), "environment.gpu.total_memory_bytes")
-    take("bf16_flops", (matmul or {}).get("bf16", {}).get("flops_per_s"), "matmul.bf16.flops_per_s")
-    take("fp32_flops", (matmul or {}).get("tf32", {}).get("flops_per_s"),
-         "matmul.tf32.flops_per_s (the field is the TF32 rate)")
-    take("h2d_bytes_per_s", (copies or {}).get("h2d_bytes_per_s"), "copies.h2d_bytes_per_s (largest size)")
-    take("d2h_bytes_per_s", (copies or {}).get("d2h_bytes_per_s"), "copies.d2h_bytes_per_s (largest size)")
-    take("duplex", (copies or {}).get("duplex"), "copies.duplex (largest size)")
-    host_bytes = ((env or {}).get("memory") or {}).get("MemTotal")
-    take("host_memory_bytes", host_bytes, "environment.memory.MemTotal")
+            sources[name] = where
     fields["pinned_memory_cap_bytes"] = int(fields["host_memory_bytes"] * PINNED_FRACTION)
     sources["pinned_memory_cap_bytes"] = "PINNED_FRACTION x host_memory_bytes"
-    take("host_optimizer_params_per_s", (host or {}).get("adamw_params_per_s_at_default"),
-         "host_rates.adamw_params_per_s_at_default")
     fields["matmul_efficiency"] = MEASURED_MATMUL_EFFICIENCY
     sources["matmul_efficiency"] = "MEASURED_MATMUL_EFFICIENCY (an estimate, not measured)"
-    defaults = [k for k in ("op_latency_s", "gpu_reserve_bytes") if k in HardwareSpec.model_fields]
+    defaults = [k for k in known if k not in fields and k != "name"]
     for k in defaults:
-        sources[k] = "HardwareSpec default (see launch for the measured per-op cost)"
+        sources[k] = "HardwareSpec default (not measured by the probe)"
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    gpu = ((ctx.measured("environment") or {}).get("gpu") or {}).get("name", "GPU?")
     if ctx.dry:
         name = f"gpu_probe dry run {when}: CPU stand-in measurements on {cpu_name()}, not a GPU"
     else:
-        name = f"gpu_probe {when}: {gpu.get('name', 'GPU?')} + {cpu_name()} x{os.cpu_count()}"
+        name = f"gpu_probe {when}: {gpu} + {cpu_name()} x{os.cpu_count()}"
     if from_preset:
         name += f" (partly {ctx.args.fallback_preset} preset: {', '.join(from_preset)})"
     spec = HardwareSpec(name=name, **fields)
@@ -785,7 +805,8 @@ def section_spec(ctx: Ctx) -> dict:
         raise RuntimeError(f"{path} does not read back to the spec that was saved")
     ctx.spec = spec
     return {"path": path.name, "spec": json.loads(spec.model_dump_json()), "sources": sources,
-            "fields_from_preset": from_preset, "fields_at_default": defaults}
+            "fields_from_preset": from_preset, "fields_at_default": defaults,
+            "measured_fields_not_in_spec_type": [f for f in MEASURED_FIELDS if f not in known]}
 
 
 # -- one measured step beside simulate() --------------------------------------------------------------------
@@ -805,19 +826,28 @@ class StepShape:
 
 GPU_STEP = StepShape(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, vocab=32000, seq_len=2048,
                      micro_batch_size=2, micro_batches=4)
-"""Llama-3.2-1B's blocks with Llama-2's 32,000-token vocabulary, untied: 1,100,056,576 parameters."""
+"""Llama-3.2-1B's blocks with Llama-2's 32,000-token vocabulary, untied: 1,104,218,112 parameters
+(per block 2 h^2 + 2 h kv + 3 h ffn + 2 h = 60,821,504 with h 2048, kv 512, ffn 8192; 16 blocks, the
+final norm and two 32,000 x 2048 embeddings). Global batch 8 x 2048 tokens as 4 micro-batches of 2."""
 
 DRY_STEP = StepShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, seq_len=32,
                      micro_batch_size=2, micro_batches=2)
 
 
+def llama_config(sh: StepShape):
+    """The ``LlamaConfig`` of ``sh`` (untied embeddings, no KV cache)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=sh.vocab, hidden_size=sh.hidden, intermediate_size=sh.ffn,
+                       num_hidden_layers=sh.layers, num_attention_heads=sh.heads, num_key_value_heads=sh.kv_heads,
+                       max_position_embeddings=max(sh.seq_len, 128), tie_word_embeddings=False, use_cache=False)
+
+
 def section_step(ctx: Ctx) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import megatrain
-    from megatrain.planner.simulate import simulate
-    from megatrain.planner.timeline import Timeline
 
     if ctx.spec is None:
         raise RuntimeError("the step needs the spec section's HardwareSpec, which it did not build (see the "
@@ -826,12 +856,9 @@ def section_step(ctx: Ctx) -> dict:
     sh = DRY_STEP if ctx.dry else GPU_STEP
     if ctx.args.layers:
         sh = StepShape(**{**sh.__dict__, "layers": ctx.args.layers})
-    cfg = LlamaConfig(vocab_size=sh.vocab, hidden_size=sh.hidden, intermediate_size=sh.ffn,
-                      num_hidden_layers=sh.layers, num_attention_heads=sh.heads, num_key_value_heads=sh.kv_heads,
-                      max_position_embeddings=max(sh.seq_len, 128), tie_word_embeddings=False, use_cache=False)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(llama_config(sh))
     params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     trainer = megatrain.compile(model, seq_len=sh.seq_len, micro_batch_size=sh.micro_batch_size,
@@ -844,52 +871,61 @@ def section_step(ctx: Ctx) -> dict:
         # The CUDA backend's logic on CPU tensors; the executor allocates its slots at the first run.
         trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())
     backend = trainer.backend
+    try:
+        out = _measured_step(ctx, torch, trainer, spec, sh, compile_s, params)
+    except BaseException:
+        # The step's own error is what the JSON records; closing the backend after it adds nothing.
+        with contextlib.suppress(Exception):
+            backend.close()
+        raise
+    backend.close()
+    return out
+
+
+def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: float, params: int) -> dict:
+    from megatrain.planner.simulate import simulate
+
+    backend = trainer.backend
     rows = sh.micro_batch_size * sh.micro_batches
     g = torch.Generator().manual_seed(0)
-    try:
-        out: dict[str, Any] = {"model": {**sh.__dict__, "params": params, "tied": False},
-                               "backend": type(backend).__name__ + (" + FakeCuda" if ctx.dry else ""),
-                               "compile_s": compile_s, "plan": _plan_dict(trainer.plan), "steps": []}
-        if ctx.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        measured = None
-        sched = None
-        for i in range(1 + ctx.args.steps):
-            ids = torch.randint(0, sh.vocab, (rows, sh.seq_len), generator=g)
-            backend.record = i > 0  # the first step is the warm-up: allocations, cuBLAS handles
-            sched = trainer.schedule  # the schedule this step runs
-            res = trainer.step({"input_ids": ids, "labels": ids})
-            row = {"step": res.step, "loss": res.loss, "wall_s": res.seconds, "warmup": i == 0,
-                   "applied": res.applied}
-            if i > 0:
-                measured = backend.timeline(sched, trainer.graph, spec)
-                row["timeline_step_s"] = measured.step_time_s
-            out["steps"].append(row)
-            if not math.isfinite(res.loss):
-                raise RuntimeError(f"step {res.step} gave a non-finite loss {res.loss}")
-        predicted = simulate(sched, trainer.graph, spec)
-        out["measured"] = _timeline_summary(measured)
-        out["predicted"] = _timeline_summary(predicted)
-        out["predicted_over_measured"] = predicted.step_time_s / measured.step_time_s
-        out["ops"] = len(sched.ops)
-        if ctx.cuda:
-            out["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            out["host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
-                                        if k in ("allocated_bytes.current", "allocated_bytes.peak",
-                                                 "num_host_alloc", "host_alloc_time.total")}
-        (ctx.out / "timelines.json").write_text(json.dumps(
-            {"measured": json.loads(measured.to_json()), "predicted": json.loads(predicted.to_json())}))
-        trace = measured.to_chrome_trace()
-        for ev in predicted.to_chrome_trace()["traceEvents"]:
-            trace["traceEvents"].append({**ev, "pid": 2})
-        (ctx.out / "trace.json").write_text(json.dumps(trace))
-        out["files"] = ["timelines.json", "trace.json"]
-        return out
-    finally:
-        close = getattr(backend, "close", None)
-        if close is not None:
-            close()
-        del trainer, model
+    out: dict[str, Any] = {"model": {**sh.__dict__, "params": params, "tied": False},
+                           "backend": type(backend).__name__ + (" + FakeCuda" if ctx.dry else ""),
+                           "compile_s": compile_s, "plan": _plan_dict(trainer.plan), "steps": []}
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    measured = None
+    sched = None
+    for i in range(1 + ctx.args.steps):
+        ids = torch.randint(0, sh.vocab, (rows, sh.seq_len), generator=g)
+        backend.record = i > 0  # the first step is the warm-up: allocations, cuBLAS handles
+        sched = trainer.schedule  # the schedule this step runs
+        res = trainer.step({"input_ids": ids, "labels": ids})
+        row = {"step": res.step, "loss": res.loss, "wall_s": res.seconds, "warmup": i == 0,
+               "applied": res.applied}
+        if i > 0:
+            measured = backend.timeline(sched, trainer.graph, spec)
+            row["timeline_step_s"] = measured.step_time_s
+        out["steps"].append(row)
+        if not math.isfinite(res.loss):
+            raise RuntimeError(f"step {res.step} gave a non-finite loss {res.loss}")
+    predicted = simulate(sched, trainer.graph, spec)
+    out["measured"] = _timeline_summary(measured)
+    out["predicted"] = _timeline_summary(predicted)
+    out["predicted_over_measured"] = predicted.step_time_s / measured.step_time_s
+    out["ops"] = len(sched.ops)
+    if ctx.cuda:
+        out["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
+                                    if k in ("allocated_bytes.current", "allocated_bytes.peak",
+                                             "num_host_alloc", "host_alloc_time.total")}
+    (ctx.out / "timelines.json").write_text(json.dumps(
+        {"measured": json.loads(measured.to_json()), "predicted": json.loads(predicted.to_json())}))
+    trace = measured.to_chrome_trace()
+    for ev in predicted.to_chrome_trace()["traceEvents"]:
+        trace["traceEvents"].append({**ev, "pid": 2})
+    (ctx.out / "trace.json").write_text(json.dumps(trace))
+    out["files"] = ["timelines.json", "trace.json"]
+    return out
 
 
 def _plan_dict(plan) -> dict:
@@ -915,17 +951,22 @@ def _timeline_summary(tl) -> dict:
 
 # -- the tests, in subprocesses -----------------------------------------------------------------------------
 
+RACE_TESTS = "tests/test_race_detector.py"
+
+
 def section_cuda_tests(ctx: Ctx) -> dict:
     paths = ["tests/test_backends.py"] if ctx.dry else ["tests"]
+    if "race_detector" in ctx.sections and (ROOT / RACE_TESTS).exists():
+        paths.append(f"--ignore={RACE_TESTS}")  # its CUDA tests run in their own section
     return _pytest(ctx, paths, "junit_cuda.xml", select_cuda=True)
 
 
 def section_race_detector(ctx: Ctx) -> dict | Skipped:
-    path = ROOT / "tests" / "test_race_detector.py"
-    if not path.exists():
-        return Skipped(f"{path.relative_to(ROOT)} does not exist in this checkout")
-    # The dry run keeps only the file's CUDA tests (they skip): it checks the plumbing in seconds.
-    return _pytest(ctx, [str(path.relative_to(ROOT))], "junit_race.xml", select_cuda=ctx.dry)
+    if not (ROOT / RACE_TESTS).exists():
+        return Skipped(f"{RACE_TESTS} does not exist in this checkout")
+    # The file's CUDA tests: the detector on real streams (its CPU tests run in the ordinary suite).
+    # Without CUDA they skip, which checks the plumbing in seconds.
+    return _pytest(ctx, [RACE_TESTS], "junit_race.xml", select_cuda=True)
 
 
 SUBPROCESS_SECTIONS = ("cuda_tests", "race_detector")
@@ -1099,7 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(args=args, out=args.out, dry=args.dry_run)
+    ctx = Ctx(args=args, out=args.out, dry=args.dry_run, sections=tuple(names))
     doc: dict[str, Any] = {"probe_format_version": PROBE_FORMAT_VERSION,
                            "mode": "dry-run" if args.dry_run else "gpu",
                            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -130,6 +130,8 @@ def test_dry_run_spec_reads_back_and_names_its_sources(dry):
     assert spec.fp32_flops == s["matmul"]["tf32"]["flops_per_s"]
     assert spec.host_optimizer_params_per_s == s["host_rates"]["adamw_params_per_s_at_default"]
     assert spec.host_memory_bytes == s["environment"]["memory"]["MemTotal"]
+    if "launch_overhead_s" in HardwareSpec.model_fields:  # the issue model's per-launch cost, where it exists
+        assert spec.launch_overhead_s == s["launch"]["issue_s_per_op"]
     assert set(s["spec"]["sources"]) >= set(HardwareSpec.model_fields) - {"name"}
 
 
@@ -185,7 +187,8 @@ def test_a_failing_and_a_hanging_section_are_recorded_and_the_rest_runs(tmp_path
     assert spec["status"] == "ok"
     # Every measured field fell back to the preset, and the spec lists each one and says so in its name.
     fallback = set(spec["result"]["fields_from_preset"])
-    assert fallback == {"gpu_memory_bytes", "bf16_flops", "fp32_flops", "h2d_bytes_per_s", "d2h_bytes_per_s",
+    assert fallback == {f for f in probe.MEASURED_FIELDS if f in HardwareSpec.model_fields}
+    assert fallback >= {"gpu_memory_bytes", "bf16_flops", "fp32_flops", "h2d_bytes_per_s", "d2h_bytes_per_s",
                         "duplex", "host_memory_bytes", "host_optimizer_params_per_s"}
     assert all("preset" in spec["result"]["sources"][f] for f in fallback)
     loaded = HardwareSpec.load(tmp_path / "spec.json")
@@ -264,3 +267,13 @@ def test_cuda_test_selection():
                                           ("16 MiB", 16 << 20)])
 def test_parse_cache_size(text, nbytes):
     assert probe._parse_size(text) == nbytes
+
+
+def test_gpu_step_model_is_the_documented_1b():
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(probe.llama_config(probe.GPU_STEP))
+    h, kv, ffn, vocab = 2048, 8 * 64, 8192, 32000  # hidden, KV heads x head dim, FFN, vocabulary
+    block = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    assert sum(p.numel() for p in model.parameters()) == 16 * block + h + 2 * vocab * h == 1_104_218_112
