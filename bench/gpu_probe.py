@@ -129,7 +129,9 @@ DEFAULT_LIMITS_S = {"environment": 30, "copies": 45, "pinned_alloc": 45, "host_r
 host the measurements take 5-30 s each, the 1B step about a minute with compile, the CUDA tests
 about a minute). A section also never gets more than what is left of ``--budget-s``."""
 
-DRY_LIMITS_S = {k: 60 for k in SECTION_ORDER}
+DRY_LIMITS_S = {k: 240 for k in SECTION_ORDER}
+"""The dry run's sections take 0.1-30 s on two CPU cores; 240 s keeps a loaded CI machine from
+turning slowness into a timeout."""
 
 
 class SectionTimeout(Exception):
@@ -223,7 +225,10 @@ def run_sections(ctx: Ctx, names: list[str], doc: dict, write: Callable[[], None
         doc["sections"][name] = entry
         print(f"[probe] {name}: {entry['status']} in {entry['seconds']:.1f} s"
               + (f" -- {entry['error']}" if "error" in entry else ""), flush=True)
-        _release_memory(ctx)
+        try:
+            _release_memory(ctx)
+        except Exception as e:  # noqa: BLE001 - e.g. a sticky CUDA error the section left; later sections show it
+            entry["release_error"] = f"{type(e).__name__}: {e}"
         write()
 
 
@@ -294,9 +299,6 @@ def _repeat_for(fn: Callable[[], Any], min_s: float, min_reps: int = 3, max_reps
     return times
 
 
-def _stats(times: list[float]) -> dict:
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "samples": len(times)}
-
 
 # -- environment ------------------------------------------------------------------------------------------
 
@@ -320,7 +322,19 @@ NVIDIA_SMI_FIELDS = ("name", "driver_version", "memory.total", "pcie.link.gen.cu
 
 def l3_cache() -> dict:
     """Total L3 bytes of the host: the sum over distinct L3 instances in sysfs (one per socket or
-    CCX, told apart by their ``shared_cpu_list``), with the per-instance size."""
+    CCX, told apart by their ``shared_cpu_list``), with the per-instance size; where sysfs has no L3
+    (some virtual machines), the total from ``lscpu``'s ``L3 cache:`` line; 0 when neither says."""
+    sysfs = _l3_sysfs()
+    if sysfs["total_bytes"] > 0:
+        return sysfs
+    out = _cmd(["lscpu"]).get("stdout") or ""
+    m = re.search(r"^L3 cache:\s*([\d.]+\s*[KMG]i?B?)", out, re.MULTILINE)
+    if m:
+        return {"total_bytes": _parse_size(m.group(1)), "source": "lscpu (sysfs has no L3)"}
+    return {"total_bytes": 0, "source": "unknown: neither sysfs nor lscpu gives an L3 size"}
+
+
+def _l3_sysfs() -> dict:
     seen: dict[str, int] = {}
     base = Path("/sys/devices/system/cpu")
     for cache in sorted(base.glob("cpu[0-9]*/cache/index[0-9]*")):
@@ -559,7 +573,8 @@ def section_pinned_alloc(ctx: Ctx) -> dict:
                        "torch.empty(pin_memory=True) after torch._C._host_emptyCache(); deltas of "
                        "torch.cuda.host_memory_stats() (allocated_bytes.current is the rounded block the caching "
                        "host allocator took); register_exact: cudaHostRegister of an exact-size anonymous mmap"),
-            "host_memory_stats_available": stats_fn is not None, "sizes": rows}
+            "host_memory_stats_available": stats_fn is not None,
+            "host_memory_stats_keys": sorted(stats_fn()) if stats_fn else None, "sizes": rows}
 
 
 def _register_exact(ctx: Ctx, torch, n: int) -> dict:
@@ -613,9 +628,10 @@ def section_host_rates(ctx: Ctx) -> dict:
         adam_numel = cast_numel = 1 << 18
     else:
         # Working set at least 4x the total L3 (AdamW touches 16 B/param, a cast 6 B/element), and
-        # never under 16M elements, so the tiles stream from DRAM.
-        adam_numel = _round_up(max(4 * l3 // 16, 16 << 20), 1 << 20)
-        cast_numel = _round_up(max(4 * l3 // 6, 16 << 20), 1 << 20)
+        # never under 64M elements (1 GiB for AdamW, above any single host's L3 today, should the L3
+        # size be unknown), so the tiles stream from DRAM.
+        adam_numel = _round_up(max(4 * l3 // 16, 64 << 20), 1 << 20)
+        cast_numel = _round_up(max(4 * l3 // 6, 64 << 20), 1 << 20)
     min_s = 0.02 if ctx.dry else 0.5
     g = torch.Generator().manual_seed(0)
     p = torch.randn(adam_numel, generator=g)
