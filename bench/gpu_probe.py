@@ -412,7 +412,7 @@ def section_environment(ctx: Ctx) -> dict:
         import megatrain.examples  # noqa: F401 - the tests' tiny GPT lives there (installed package only)
         env["megatrain_examples_importable"] = True
     except ImportError as e:
-        env["megatrain_examples_importable"] = f"no: {e} (install the package: bench/README.md)"
+        env["megatrain_examples_importable"] = f"no: {e} (bench/README.md's device command links megatrain/examples)"
     git = _cmd(["git", "-C", str(ROOT), "rev-parse", "HEAD"], timeout=5)
     env["git_commit"] = git.get("stdout", "").strip() or git.get("error") or git.get("stderr", "").strip()
     env["cpu"] = {"model": cpu_name(), "os_cpu_count": os.cpu_count(),
@@ -463,6 +463,10 @@ def section_copies(ctx: Ctx) -> dict:
     rows = []
     for nbytes in sizes:
         rows.append(_copy_rates(ctx, torch, nbytes, reps))
+    wrong = [r["bytes"] for r in rows if not r["data_checked"]]
+    if wrong:
+        raise RuntimeError(f"copies of {wrong} bytes delivered other data than the source (checked at a stride): the "
+                           f"rates are of broken copies; rows: {rows}")
     largest = rows[-1]
     return {"method": ("CPU tensors, perf_counter; 'both' runs the two copies one after the other (dry run: "
                        "no GPU)") if ctx.dry else
@@ -748,11 +752,15 @@ def section_matmul(ctx: Ctx) -> dict:
             rows = torch.arange(0, n, n // 2)[:2]
             ref = a[rows].double().cpu() @ b.double().cpu()
             err = float((c[rows].double().cpu() - ref).norm() / ref.norm())
+            # rel_err tells the modes apart: FP32 ~1e-6, TF32 ~3e-4, a BF16 output ~2e-3 (METHOD.md's ranges).
             out[key] = {"dtype": str(dtype), "allow_tf32": tf32, "s": t, "flops_per_s": 2 * n ** 3 / t,
-                        "rel_err_vs_fp64": err}
+                        "rel_err_vs_fp64": err,
+                        "fp32_precision": str(getattr(torch.backends.cuda.matmul, "fp32_precision", "n/a"))}
             del a, b, c
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
+    if ctx.dry:
+        out["note"] = "dry run: CPU products; the TF32 switch has no effect on the CPU"
     return out
 
 
