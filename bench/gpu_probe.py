@@ -1,0 +1,1201 @@
+"""One-call GPU readiness probe: measure the machine, run the CUDA tests, time one ~1B step beside
+the simulator, and write everything as JSON under one directory.
+
+Why one call. A GPU session of this workplace has 30 minutes of device time and 10 minutes per
+command, and a fresh machine each time. This script does, in one command that ends well inside
+10 minutes (``--budget-s``, 540 s by default), everything a session needs to calibrate the cost
+model and check the CUDA runtime. Each section runs under its own time limit; a section that
+raises or runs past its limit is recorded with ``status`` ``"error"`` or ``"timeout"`` and its
+message and traceback, and the probe goes on with the next one. Nothing is silently replaced:
+where a later section needs a number an earlier one failed to measure, it says so (the spec lists
+every field it took from ``--fallback-preset`` instead of a measurement).
+
+Sections, in the order they run (``--sections`` picks a subset):
+
+``environment``
+    GPU (``nvidia-smi`` query and ``topo -m``, ``torch.cuda.get_device_properties``), driver, CUDA,
+    torch, transformers and other versions, host CPU (``lscpu``, L3 size from sysfs), NUMA nodes
+    (``numactl -H`` and ``/sys/devices/system/node``), ``/proc/meminfo``, transparent huge pages,
+    ``RLIMIT_MEMLOCK``, and where ``megatrain`` was imported from.
+``copies``
+    Pinned H2D, D2H and both at once (one copy per direction on two streams) at 256 MiB and
+    1 GiB, each the median of several copies timed with CUDA events; the data that arrived is
+    checked against the source at a stride. ``duplex``: both at once finish in under 0.75 x the
+    sum of the two alone (the rule ``HardwareSpec.measure`` uses).
+``pinned_alloc``
+    For a few sizes, powers of two and not: the wall time of ``torch.empty(pin_memory=True)`` from
+    an empty host cache, and what ``torch.cuda.host_memory_stats()`` says the caching host
+    allocator took for it (``allocated_bytes.current`` grows by the *rounded* block size: torch
+    rounds pinned blocks up to a power of two), ``num_host_alloc`` and ``host_alloc_time``. Then
+    the exact-size alternative: ``cudaHostRegister`` of an anonymous ``mmap`` of exactly that many
+    bytes (``torch.cuda.cudart()``), its time, and whether torch sees the memory as pinned.
+``host_rates``
+    Host AdamW (``torch.optim.adamw.adamw(fused=True)`` on flat FP32 tensors, the executor's call)
+    and CAST (an FP32 -> BF16 ``copy_``, what a CAST op does) at 1, 2, 4, 8 and 16 threads
+    (``torch.set_num_threads``, capped at the CPU count), on tiles whose working set is at least
+    four times the host's total L3 (read from sysfs) so the rates are DRAM rates, not cache rates.
+``launch``
+    Per-op launch cost: N tiny in-place adds issued from Python on one stream with no
+    synchronisation in between, then one synchronisation; ``issue_s_per_op`` is the issuing
+    thread's time per launch, ``total_s_per_op`` includes draining the queue. Also the cost of
+    one event record plus one cross-stream ``wait_event`` (what the CUDA backend adds per op).
+    The result is checked (the tensor must hold N).
+``matmul``
+    Square BF16, FP32 with TF32 off, and FP32 with TF32 on (``HardwareSpec.fp32_flops`` is the
+    TF32 rate) products on random data, median of 10 after 3 warm-ups, timed with CUDA events;
+    relative error of two rows against an FP64 reference on the CPU.
+``spec``
+    A ``HardwareSpec`` built from the sections above, saved as ``spec.json`` and read back with
+    ``HardwareSpec.load``. ``sources`` names the measurement behind each field.
+``step``
+    A ~1.1B Llama (Llama-3.2-1B's blocks: 16 layers, hidden 2048, FFN 8192, 32 heads, 8 KV heads;
+    a 32,000-token vocabulary, untied) built on the meta device, ``megatrain.compile(...,
+    device="cuda", hardware=spec)``, one warm-up step, then measured steps with the CUDA backend
+    recording a timeline (``backend.record``, ``backend.timeline``) beside ``simulate()`` of the
+    same schedule on the same spec: step times, per-stream busy fractions, bottlenecks and time per
+    op kind, predicted and measured. ``timelines.json`` holds both timelines and ``trace.json``
+    both as a Chrome/Perfetto trace (measured pid 1, predicted pid 2).
+``cuda_tests``
+    ``pytest`` in a subprocess over ``tests/``, selecting the tests that need CUDA (marked
+    ``cuda``, or skipped with a reason that names CUDA: ``conftest.requires_cuda``), with
+    ``--junitxml``; the JSON holds the counts and each failure's message.
+``race_detector``
+    The CUDA tests of ``tests/test_race_detector.py`` (the detector on real streams) in a pytest
+    subprocess of their own, when that file exists (``cuda_tests`` then leaves the file out);
+    ``skipped`` when it does not.
+
+The tests run last so that the measurements and the step, which the spec and the simulator need,
+are not squeezed by a slow test run; the probe frees its GPU and pinned memory before them.
+
+``--dry-run`` runs every section end to end on the CPU in seconds with tiny sizes and the same
+JSON layout: copies between CPU tensors, pageable "pinned" allocations, small tiles, a 256^3
+matmul, the step on the CUDA backend through ``FakeCuda`` (``CUDABackend(adapter=FakeCuda())``),
+and only ``tests/test_backends.py`` for the CUDA-test selection (those tests skip without CUDA).
+Its numbers check the harness, not a machine; the spec's name says so.
+
+Output directory (``--out``; at most 8 files, no sub-folders, so all of it comes back from the
+device machine): ``probe.json`` (rewritten after every section, so a killed run leaves what it
+finished), ``spec.json``, ``timelines.json``, ``trace.json``, ``junit_cuda.xml``,
+``junit_race.xml``.
+
+Usage (see bench/README.md for the device command and the wheels to carry)::
+
+    python bench/gpu_probe.py --out $OUT
+    python bench/gpu_probe.py --dry-run --out /tmp/probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    # Appended, not prepended: a megatrain on PYTHONPATH or installed wins, and a plain checkout
+    # still imports.
+    sys.path.append(str(ROOT))
+
+PROBE_FORMAT_VERSION = 1
+MiB = 1 << 20
+GiB = 1 << 30
+SELECT_ENV = "GPU_PROBE_SELECT"
+"""Set to ``cuda`` in the pytest subprocesses: this module, loaded as a pytest plugin
+(``-p gpu_probe``), then keeps only the tests that need CUDA."""
+
+SECTION_ORDER = ("environment", "copies", "pinned_alloc", "host_rates", "launch", "matmul", "spec", "step",
+                 "cuda_tests", "race_detector")
+
+DEFAULT_LIMITS_S = {"environment": 30, "copies": 45, "pinned_alloc": 45, "host_rates": 75, "launch": 20,
+                    "matmul": 40, "spec": 15, "step": 200, "cuda_tests": 180, "race_detector": 90}
+"""Per-section wall-clock limits in seconds on a GPU machine (estimates, with room: on an H100
+host the measurements take 5-30 s each, the 1B step about a minute with compile, the CUDA tests
+about a minute). A section also never gets more than what is left of ``--budget-s``."""
+
+DRY_LIMITS_S = {k: 240 for k in SECTION_ORDER}
+"""The dry run's sections take 0.1-30 s on two CPU cores; 240 s keeps a loaded CI machine from
+turning slowness into a timeout."""
+
+
+class SectionTimeout(Exception):
+    """A section ran past its time limit (raised in the main thread by SIGALRM)."""
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by ``--inject NAME=error``: lets the tests check that a failing section is recorded."""
+
+
+# -- running sections ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise SectionTimeout in the main thread after ``seconds``.
+
+    SIGALRM interrupts Python code between bytecodes and interrupts ``time.sleep``; a long C call
+    (one CUDA synchronisation) finishes first, so a limit can be overrun by one such call. The
+    subprocess sections also pass their limit to ``subprocess.run``, which kills the child.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise SectionTimeout(f"ran past its limit of {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@dataclass
+class Ctx:
+    """What sections share: the options, the output directory and the results so far."""
+
+    args: argparse.Namespace
+    out: Path
+    dry: bool
+    results: dict[str, dict] = field(default_factory=dict)
+    spec: Any = None  # the HardwareSpec the spec section built
+    sections: tuple[str, ...] = ()  # the sections of this run
+    limit_s: float = 0.0  # the running section's limit
+
+    @property
+    def cuda(self) -> bool:
+        return not self.dry
+
+    def measured(self, section: str) -> dict | None:
+        """The result of ``section`` if it ran and succeeded, else None."""
+        r = self.results.get(section)
+        return r["result"] if r and r.get("status") == "ok" else None
+
+
+def run_sections(ctx: Ctx, names: list[str], doc: dict, write: Callable[[], None]) -> None:
+    deadline = time.monotonic() + ctx.args.budget_s
+    limits = dict(DRY_LIMITS_S if ctx.dry else DEFAULT_LIMITS_S)
+    limits.update(ctx.args.limit)
+    for name in names:
+        left = deadline - time.monotonic()
+        limit = min(limits[name], left)
+        entry: dict[str, Any] = {"limit_s": round(limit, 1)}
+        if limit < 1.0:
+            entry.update(status="skipped", reason=f"the probe's budget of {ctx.args.budget_s:.0f} s was spent "
+                                                  "before this section; raise --budget-s or run fewer --sections")
+            ctx.results[name] = entry
+            doc["sections"][name] = entry
+            write()
+            continue
+        print(f"[probe] {name} (limit {limit:.0f} s)", flush=True)
+        ctx.limit_s = limit
+        t0 = time.perf_counter()
+        try:
+            with time_limit(limit + (5.0 if name in SUBPROCESS_SECTIONS else 0.0)):
+                _inject(ctx, name)
+                result = SECTIONS[name](ctx)
+            if isinstance(result, Skipped):
+                entry.update(status="skipped", reason=result.reason)
+            else:
+                entry.update(status="ok", result=result)
+        except SectionTimeout as e:
+            entry.update(status="timeout", error=f"section {name!r} {e}", traceback=traceback.format_exc(limit=-8))
+        except Exception as e:  # noqa: BLE001 - recorded in the JSON; the probe goes on (module docstring)
+            entry.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=-12))
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        ctx.results[name] = entry
+        doc["sections"][name] = entry
+        print(f"[probe] {name}: {entry['status']} in {entry['seconds']:.1f} s"
+              + (f" -- {entry['error']}" if "error" in entry else ""), flush=True)
+        try:
+            _release_memory(ctx)
+        except Exception as e:  # noqa: BLE001 - e.g. a sticky CUDA error the section left; later sections show it
+            entry["release_error"] = f"{type(e).__name__}: {e}"
+        write()
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A section that had nothing to do here, and why."""
+
+    reason: str
+
+
+def _inject(ctx: Ctx, name: str) -> None:
+    what = ctx.args.inject.get(name)
+    if what == "error":
+        raise InjectedFailure(f"failure injected into section {name!r} by --inject (a test of the probe)")
+    if what == "hang":
+        while True:  # until the section's time limit interrupts it
+            time.sleep(0.05)
+
+
+def _release_memory(ctx: Ctx) -> None:
+    gc.collect()
+    if ctx.cuda:
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch._C._host_emptyCache()  # cached pinned blocks go back to the OS (torch.cuda.graphs does this too)
+
+
+# -- timing helpers ---------------------------------------------------------------------------------------
+
+def _median_times(fn: Callable[[], Any], *, cuda: bool, reps: int, warmup: int = 1, stream=None) -> list[float]:
+    """Seconds per call of ``fn``, one sample per call: CUDA events on ``stream`` (the current
+    stream by default) when ``cuda``, else ``time.perf_counter``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if cuda:
+        import torch
+
+        s = stream or torch.cuda.current_stream()
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(s)
+            with torch.cuda.stream(s):
+                fn()
+            b.record(s)
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _repeat_for(fn: Callable[[], Any], min_s: float, min_reps: int = 3, max_reps: int = 1000) -> list[float]:
+    """Host wall time of each call of ``fn``, repeated for at least ``min_s`` and ``min_reps`` calls."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+
+# -- environment ------------------------------------------------------------------------------------------
+
+def _cmd(argv: list[str], timeout: float = 10.0) -> dict:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return {"available": False, "error": f"{argv[0]} not found"}
+    except subprocess.TimeoutExpired:
+        return {"available": True, "error": f"{' '.join(argv)} took over {timeout:.0f} s"}
+    out = {"available": True, "returncode": p.returncode, "stdout": p.stdout[-8000:]}
+    if p.returncode:
+        out["stderr"] = p.stderr[-2000:]
+    return out
+
+
+NVIDIA_SMI_FIELDS = ("name", "driver_version", "memory.total", "pcie.link.gen.current", "pcie.link.gen.max",
+                     "pcie.link.width.current", "pcie.link.width.max", "clocks.sm", "clocks.max.sm", "clocks.mem",
+                     "power.limit", "persistence_mode", "compute_mode", "mig.mode.current")
+
+
+def l3_cache() -> dict:
+    """Total L3 bytes of the host: the sum over distinct L3 instances in sysfs (one per socket or
+    CCX, told apart by their ``shared_cpu_list``), with the per-instance size; where sysfs has no L3
+    (some virtual machines), the total from ``lscpu``'s ``L3 cache:`` line; 0 when neither says."""
+    sysfs = _l3_sysfs()
+    if sysfs["total_bytes"] > 0:
+        return sysfs
+    out = _cmd(["lscpu"]).get("stdout") or ""
+    m = re.search(r"^L3 cache:\s*([\d.]+\s*[KMG]i?B?)", out, re.MULTILINE)
+    if m:
+        return {"total_bytes": _parse_size(m.group(1)), "source": "lscpu (sysfs has no L3)"}
+    return {"total_bytes": 0, "source": "unknown: neither sysfs nor lscpu gives an L3 size"}
+
+
+def _l3_sysfs() -> dict:
+    seen: dict[str, int] = {}
+    base = Path("/sys/devices/system/cpu")
+    for cache in sorted(base.glob("cpu[0-9]*/cache/index[0-9]*")):
+        try:
+            if (cache / "level").read_text().strip() != "3":
+                continue
+            size = _parse_size((cache / "size").read_text().strip())
+            seen[(cache / "shared_cpu_list").read_text().strip()] = size
+        except (OSError, ValueError):
+            continue
+    return {"total_bytes": sum(seen.values()), "instances": len(seen),
+            "instance_bytes": sorted(set(seen.values())), "source": "/sys/devices/system/cpu/*/cache/index*/"}
+
+
+def _parse_size(text: str) -> int:
+    """Bytes in a sysfs/lscpu cache size: ``32768K``, ``1M``, ``16 MiB``, ``512`` (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)I?B?\s*", text.upper())
+    if m is None:
+        raise ValueError(f"cache size {text!r} is not a number with an optional K/M/G unit")
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])
+
+
+def _meminfo() -> dict:
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    except OSError as e:
+        out["error"] = str(e)
+    return out
+
+
+def _numa_nodes() -> list[dict]:
+    nodes = []
+    for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        entry: dict[str, Any] = {"node": node.name}
+        with contextlib.suppress(OSError):
+            entry["cpulist"] = (node / "cpulist").read_text().strip()
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in (node / "meminfo").read_text().splitlines():
+                if "MemTotal" in line:
+                    entry["mem_total_bytes"] = int(line.split()[-2]) * 1024
+        nodes.append(entry)
+    return nodes
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "pydantic", "pydantic-core", "numpy", "scipy", "networkx", "safetensors",
+                "accelerate", "pytest", "typing-extensions"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def section_environment(ctx: Ctx) -> dict:
+    import resource
+
+    import torch
+
+    import megatrain
+    from megatrain.planner.hardware import cpu_name
+
+    env: dict[str, Any] = {"versions": _versions(), "torch_cuda": torch.version.cuda,
+                           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                           "megatrain_file": megatrain.__file__, "platform": platform.platform()}
+    try:
+        import megatrain.examples  # noqa: F401 - the tests' tiny GPT lives there (installed package only)
+        env["megatrain_examples_importable"] = True
+    except ImportError as e:
+        env["megatrain_examples_importable"] = f"no: {e} (bench/README.md's device command links megatrain/examples)"
+    git = _cmd(["git", "-C", str(ROOT), "rev-parse", "HEAD"], timeout=5)
+    env["git_commit"] = git.get("stdout", "").strip() or git.get("error") or git.get("stderr", "").strip()
+    env["cpu"] = {"model": cpu_name(), "os_cpu_count": os.cpu_count(),
+                  "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                  "torch_threads": torch.get_num_threads(), "l3": l3_cache()}
+    lscpu = _cmd(["lscpu"])
+    env["lscpu"] = lscpu.get("stdout") or lscpu.get("error")
+    env["numa"] = {"nodes": _numa_nodes()}
+    numactl = _cmd(["numactl", "-H"])
+    env["numa"]["numactl_H"] = numactl.get("stdout") or numactl.get("error")
+    mem = _meminfo()
+    keep = ("MemTotal", "MemAvailable", "Hugepagesize", "HugePages_Total", "HugePages_Free", "Mlocked")
+    env["memory"] = {k: mem.get(k) for k in keep}
+    with contextlib.suppress(OSError):
+        env["memory"]["transparent_hugepage"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    env["memory"]["rlimit_memlock"] = {"soft": soft, "hard": hard}
+    smi = _cmd(["nvidia-smi", f"--query-gpu={','.join(NVIDIA_SMI_FIELDS)}", "--format=csv,noheader"])
+    if smi.get("returncode") == 0:
+        values = [v.strip() for v in smi["stdout"].strip().splitlines()[0].split(",")]
+        env["nvidia_smi"] = dict(zip(NVIDIA_SMI_FIELDS, values))
+    else:
+        env["nvidia_smi"] = smi
+    topo = _cmd(["nvidia-smi", "topo", "-m"])
+    env["nvidia_smi_topo"] = topo.get("stdout") or topo.get("error")
+    env["cuda_available"] = torch.cuda.is_available()
+    if ctx.cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch.cuda.is_available() is False on a GPU run: check the driver and torch's "
+                               "CUDA build (env['torch_cuda']), or pass --dry-run")
+        p = torch.cuda.get_device_properties(0)
+        env["gpu"] = {"name": p.name, "total_memory_bytes": int(p.total_memory), "sm_count": p.multi_processor_count,
+                      "capability": f"{p.major}.{p.minor}", "l2_cache_bytes": getattr(p, "L2_cache_size", None),
+                      "uuid": str(getattr(p, "uuid", "")), "device_count": torch.cuda.device_count()}
+        env["allow_tf32_default"] = torch.backends.cuda.matmul.allow_tf32
+    else:
+        env["gpu"] = None
+    return env
+
+
+# -- copies -----------------------------------------------------------------------------------------------
+
+def section_copies(ctx: Ctx) -> dict:
+    import torch
+
+    sizes = [1 * MiB, 4 * MiB] if ctx.dry else [256 * MiB, 1 * GiB]
+    reps = 3 if ctx.dry else 5
+    rows = []
+    for nbytes in sizes:
+        rows.append(_copy_rates(ctx, torch, nbytes, reps))
+    wrong = [r["bytes"] for r in rows if not r["data_checked"]]
+    if wrong:
+        raise RuntimeError(f"copies of {wrong} bytes delivered other data than the source (checked at a stride): the "
+                           f"rates are of broken copies; rows: {rows}")
+    largest = rows[-1]
+    return {"method": ("CPU tensors, perf_counter; 'both' runs the two copies one after the other (dry run: "
+                       "no GPU)") if ctx.dry else
+            ("pinned torch.empty(pin_memory=True) <-> device, copy_(non_blocking=True) on side streams, "
+             "CUDA events, median; 'both' = one H2D and one D2H on two streams at once"),
+            "sizes": rows, "h2d_bytes_per_s": largest["h2d_bytes_per_s"],
+            "d2h_bytes_per_s": largest["d2h_bytes_per_s"], "duplex": largest["duplex"],
+            "from_size_bytes": largest["bytes"]}
+
+
+def _copy_rates(ctx: Ctx, torch, nbytes: int, reps: int) -> dict:
+    g = torch.Generator().manual_seed(nbytes % 1000)
+    host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ctx.cuda)
+    host_src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g))
+    host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ctx.cuda)
+    dev = "cuda" if ctx.cuda else "cpu"
+    dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dev_src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    s1 = torch.cuda.Stream() if ctx.cuda else None
+    s2 = torch.cuda.Stream() if ctx.cuda else None
+
+    def h2d():
+        dev_dst.copy_(host_src, non_blocking=True)
+
+    def d2h():
+        host_dst.copy_(dev_src, non_blocking=True)
+
+    t_h2d = statistics.median(_median_times(h2d, cuda=ctx.cuda, reps=reps, stream=s1))
+    t_d2h = statistics.median(_median_times(d2h, cuda=ctx.cuda, reps=reps, stream=s2))
+    stride = max(1, nbytes // 4096)
+    h2d_ok = torch.equal(dev_dst[::stride].cpu(), host_src[::stride])
+    if ctx.cuda:
+        torch.cuda.synchronize()
+    d2h_ok = torch.equal(host_dst[::stride], dev_src[::stride].cpu())
+    both = []
+    for _ in range(reps):
+        if ctx.cuda:
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            e1, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(s1)
+            s2.wait_event(start)
+            with torch.cuda.stream(s1):
+                h2d()
+            with torch.cuda.stream(s2):
+                d2h()
+            e1.record(s1)
+            e2.record(s2)
+            e1.synchronize()
+            e2.synchronize()
+            both.append((start.elapsed_time(e1) / 1e3, start.elapsed_time(e2) / 1e3))
+        else:
+            t0 = time.perf_counter()
+            h2d()
+            t1 = time.perf_counter()
+            d2h()
+            t2 = time.perf_counter()
+            both.append((t1 - t0, t2 - t0))
+    t_both = statistics.median(max(a, b) for a, b in both)
+    t_both_h2d = statistics.median(a for a, _ in both)
+    t_both_d2h = statistics.median(b for _, b in both)
+    return {"bytes": nbytes, "h2d_s": t_h2d, "d2h_s": t_d2h, "h2d_bytes_per_s": nbytes / t_h2d,
+            "d2h_bytes_per_s": nbytes / t_d2h, "both_s": t_both,
+            "both_h2d_bytes_per_s": nbytes / t_both_h2d, "both_d2h_bytes_per_s": nbytes / t_both_d2h,
+            "both_total_bytes_per_s": 2 * nbytes / t_both,
+            # Full duplex finishes both in about the longer one's time; one shared engine needs the sum.
+            "duplex": t_both < 0.75 * (t_h2d + t_d2h), "data_checked": bool(h2d_ok and d2h_ok),
+            "reps": reps}
+
+
+# -- pinned allocation ------------------------------------------------------------------------------------
+
+def section_pinned_alloc(ctx: Ctx) -> dict:
+    import torch
+
+    if ctx.dry:
+        sizes = [1 * MiB, 3 * MiB + 4096]
+    else:
+        sizes = [64 * MiB, 256 * MiB, 300 * MiB, 1 * GiB, 1 * GiB + 4096]
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None) if ctx.cuda else None
+    rows = []
+    for n in sizes:
+        row: dict[str, Any] = {"requested_bytes": n}
+        if ctx.cuda:
+            torch._C._host_emptyCache()  # so that the block is new, not a cached one handed out again
+        before = stats_fn() if stats_fn else None
+        t0 = time.perf_counter()
+        t = torch.empty(n, dtype=torch.uint8, pin_memory=ctx.cuda)
+        row["empty_s"] = time.perf_counter() - t0
+        row["is_pinned"] = bool(t.is_pinned()) if ctx.cuda else False
+        if before is not None:
+            after = stats_fn()
+
+            def delta(key: str):
+                return (after.get(key, 0) or 0) - (before.get(key, 0) or 0)
+
+            row["allocator_allocated_bytes_delta"] = delta("allocated_bytes.current")
+            row["allocator_num_host_alloc_delta"] = delta("num_host_alloc")
+            row["allocator_host_alloc_time_us_delta"] = delta("host_alloc_time.total")
+            row["rounding_overhead_bytes"] = row["allocator_allocated_bytes_delta"] - n
+        t0 = time.perf_counter()
+        t.fill_(1)  # first touch: pinned pages are already resident, pageable ones fault in here
+        row["first_fill_s"] = time.perf_counter() - t0
+        del t
+        row["register_exact"] = _register_exact(ctx, torch, n)
+        rows.append(row)
+    return {"method": ("dry run: pageable torch.empty, no allocator statistics, no cudaHostRegister" if ctx.dry else
+                       "torch.empty(pin_memory=True) after torch._C._host_emptyCache(); deltas of "
+                       "torch.cuda.host_memory_stats() (allocated_bytes.current is the rounded block the caching "
+                       "host allocator took); register_exact: cudaHostRegister of an exact-size anonymous mmap"),
+            "host_memory_stats_available": stats_fn is not None,
+            "host_memory_stats_keys": sorted(stats_fn()) if stats_fn else None, "sizes": rows}
+
+
+def _register_exact(ctx: Ctx, torch, n: int) -> dict:
+    """Pin exactly ``n`` bytes: an anonymous mmap (page-aligned) registered with cudaHostRegister."""
+    if not ctx.cuda:
+        return {"status": "skipped", "reason": "no CUDA (dry run)"}
+    import mmap
+
+    cudart = torch.cuda.cudart()
+    mm = mmap.mmap(-1, n)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    try:
+        return _register_and_copy(torch, cudart, t, n)
+    except Exception as e:  # noqa: BLE001 - one size's failure is recorded in its row; the others still run
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"}
+    finally:
+        del t
+        mm.close()
+
+
+def _register_and_copy(torch, cudart, t, n: int) -> dict:
+    t0 = time.perf_counter()
+    err = int(cudart.cudaHostRegister(t.data_ptr(), n, 0))  # 0: cudaHostRegisterDefault
+    out: dict[str, Any] = {"status": "ok" if err == 0 else "error", "cuda_error": err,
+                           "register_s": time.perf_counter() - t0}
+    if err != 0:
+        return out
+    try:
+        out["is_pinned"] = bool(t.is_pinned())
+        dev = torch.empty(min(n, 256 * MiB), dtype=torch.uint8, device="cuda")
+        times = _median_times(lambda: dev.copy_(t[:dev.numel()], non_blocking=True), cuda=True, reps=3)
+        out["h2d_bytes_per_s"] = dev.numel() / statistics.median(times)
+    finally:
+        torch.cuda.synchronize()  # no copy may still read the pages when they are unregistered
+        t0 = time.perf_counter()
+        out["unregister_error"] = int(cudart.cudaHostUnregister(t.data_ptr()))
+        out["unregister_s"] = time.perf_counter() - t0
+    return out
+
+
+# -- host rates -------------------------------------------------------------------------------------------
+
+def section_host_rates(ctx: Ctx) -> dict:
+    import torch
+    from torch.optim.adamw import adamw
+
+    l3 = l3_cache()["total_bytes"]
+    cpus = os.cpu_count() or 1
+    threads = [t for t in ((1, 2) if ctx.dry else (1, 2, 4, 8, 16)) if t <= cpus] or [1]
+    if ctx.dry:
+        adam_numel = cast_numel = 1 << 18
+    else:
+        # Working set at least 4x the total L3 (AdamW touches 16 B/param, a cast 6 B/element), and
+        # never under 64M elements (1 GiB for AdamW, above any single host's L3 today, should the L3
+        # size be unknown), so the tiles stream from DRAM.
+        adam_numel = _round_up(max(4 * l3 // 16, 64 << 20), 1 << 20)
+        cast_numel = _round_up(max(4 * l3 // 6, 64 << 20), 1 << 20)
+    min_s = 0.02 if ctx.dry else 0.5
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(adam_numel, generator=g)
+    grad = torch.randn(adam_numel, generator=g)
+    m, v, step = torch.zeros(adam_numel), torch.zeros(adam_numel), torch.zeros(())
+    src = torch.randn(cast_numel, generator=g)
+    dst = torch.empty(cast_numel, dtype=torch.bfloat16)
+
+    def run_adamw():
+        adamw([p], [grad], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
+              weight_decay=0.01, eps=1e-8, maximize=False)
+
+    def run_cast():
+        dst.copy_(src)
+
+    default = torch.get_num_threads()
+    rows = []
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            run_adamw()  # warm: the pool at this size
+            run_cast()
+            ta = statistics.median(_repeat_for(run_adamw, min_s))
+            tc = statistics.median(_repeat_for(run_cast, min_s))
+            rows.append({"threads": t, "adamw_s": ta, "adamw_params_per_s": adam_numel / ta,
+                         "adamw_bytes_per_s": 28 * adam_numel / ta, "cast_s": tc,
+                         "cast_elements_per_s": cast_numel / tc, "cast_bytes_per_s": 6 * cast_numel / tc})
+    finally:
+        torch.set_num_threads(default)
+    if not torch.isfinite(p).all():
+        raise RuntimeError("host AdamW produced non-finite parameters; the rates are not trustworthy")
+    at_default = min(rows, key=lambda r: (abs(r["threads"] - default), -r["threads"]))
+    return {"l3_total_bytes": l3, "adamw_numel": adam_numel, "adamw_working_set_bytes": 16 * adam_numel,
+            "cast_numel": cast_numel, "cast_working_set_bytes": 6 * cast_numel,
+            "larger_than_l3": 16 * adam_numel > l3 and 6 * cast_numel > l3 and l3 > 0,
+            "bytes_per_param_counted": {"adamw": 28, "cast": 6}, "default_threads": default, "rows": rows,
+            "adamw_params_per_s_at_default": at_default["adamw_params_per_s"],
+            "default_row_threads": at_default["threads"],
+            "note": ("dry run: small tiles that fit in cache" if ctx.dry else
+                     "adamw_bytes_per_s counts 28 B/param (read p, g, m, v; write p, m, v), cast 6 B/element")}
+
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+# -- launch cost ------------------------------------------------------------------------------------------
+
+def section_launch(ctx: Ctx) -> dict:
+    import torch
+
+    n = 2000 if ctx.dry else 20000
+    trials = 3 if ctx.dry else 5
+    dev = "cuda" if ctx.cuda else "cpu"
+    x = torch.zeros(1, device=dev)
+    issue, total = [], []
+    sync = torch.cuda.synchronize if ctx.cuda else (lambda: None)
+    for _ in range(trials):
+        x.zero_()
+        for _ in range(100):
+            x.add_(1.0)
+        x.zero_()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1.0)
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        issue.append((t1 - t0) / n)
+        total.append((t2 - t0) / n)
+        if float(x.item()) != float(n):
+            raise RuntimeError(f"{n} launches of x.add_(1) left x = {x.item()}, not {n}: launches were lost")
+    out = {"ops_per_trial": n, "trials": trials, "kernel": "x.add_(1.0) on a 1-element tensor",
+           "issue_s_per_op": statistics.median(issue), "total_s_per_op": statistics.median(total),
+           "issue_s_per_op_all": issue, "total_s_per_op_all": total}
+    if ctx.cuda:
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        evs = [torch.cuda.Event() for _ in range(1000)]
+        sync()
+        t0 = time.perf_counter()
+        for e in evs:
+            e.record(s1)
+            s2.wait_event(e)
+        t1 = time.perf_counter()
+        sync()
+        out["event_record_and_wait_s"] = (t1 - t0) / len(evs)
+    else:
+        out["event_record_and_wait_s"] = None
+        out["note"] = "dry run: CPU kernels; no events"
+    return out
+
+
+# -- matmul -----------------------------------------------------------------------------------------------
+
+def section_matmul(ctx: Ctx) -> dict:
+    import torch
+
+    n = 256 if ctx.dry else 8192
+    dev = "cuda" if ctx.cuda else "cpu"
+    reps, warm = (3, 1) if ctx.dry else (10, 3)
+    out: dict[str, Any] = {"n": n, "flop_per_product": 2 * n ** 3, "reps": reps, "warmup": warm}
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for key, dtype, tf32 in (("bf16", torch.bfloat16, False), ("fp32", torch.float32, False),
+                                 ("tf32", torch.float32, True)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            g = torch.Generator(device=dev).manual_seed(1)
+            a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+            b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+            c = torch.empty(n, n, device=dev, dtype=dtype)
+            times = _median_times(lambda: torch.mm(a, b, out=c), cuda=ctx.cuda, reps=reps, warmup=warm)
+            t = statistics.median(times)
+            rows = torch.arange(0, n, n // 2)[:2]
+            ref = a[rows].double().cpu() @ b.double().cpu()
+            err = float((c[rows].double().cpu() - ref).norm() / ref.norm())
+            # rel_err tells the modes apart: FP32 ~1e-6, TF32 ~3e-4, a BF16 output ~2e-3 (METHOD.md's ranges).
+            out[key] = {"dtype": str(dtype), "allow_tf32": tf32, "s": t, "flops_per_s": 2 * n ** 3 / t,
+                        "rel_err_vs_fp64": err,
+                        "fp32_precision": str(getattr(torch.backends.cuda.matmul, "fp32_precision", "n/a"))}
+            del a, b, c
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+    if ctx.dry:
+        out["note"] = "dry run: CPU products; the TF32 switch has no effect on the CPU"
+    return out
+
+
+# -- spec -------------------------------------------------------------------------------------------------
+
+MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gpu_memory_bytes": ("environment", ("gpu", "total_memory_bytes")),
+    "bf16_flops": ("matmul", ("bf16", "flops_per_s")),
+    "fp32_flops": ("matmul", ("tf32", "flops_per_s")),  # the field is the TF32 tensor-core rate
+    "h2d_bytes_per_s": ("copies", ("h2d_bytes_per_s",)),  # at the largest size
+    "d2h_bytes_per_s": ("copies", ("d2h_bytes_per_s",)),
+    "duplex": ("copies", ("duplex",)),
+    "host_memory_bytes": ("environment", ("memory", "MemTotal")),
+    "host_optimizer_params_per_s": ("host_rates", ("adamw_params_per_s_at_default",)),
+    # Seconds of the issuing thread per dispatched aten op (a kernel launch): the field the simulator's
+    # issue model reads, where this megatrain's HardwareSpec has it.
+    "launch_overhead_s": ("launch", ("issue_s_per_op",)),
+}
+"""Each HardwareSpec field the probe measures: (section, keys into its result). Fields the spec type
+lacks are left out; fields whose section did not succeed come from ``--fallback-preset``, listed."""
+
+
+def section_spec(ctx: Ctx) -> dict:
+    from megatrain.planner.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
+                                            preset)
+
+    fallback = preset(ctx.args.fallback_preset)
+    known = HardwareSpec.model_fields
+    fields: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    from_preset: list[str] = []
+    for name, (section, keys) in MEASURED_FIELDS.items():
+        if name not in known:
+            continue
+        value: Any = ctx.measured(section)
+        for k in keys:
+            value = value.get(k) if isinstance(value, dict) else None
+        where = f"{section}.{'.'.join(keys)}"
+        if value is None:
+            fields[name] = getattr(fallback, name)
+            from_preset.append(name)
+            sources[name] = f"{ctx.args.fallback_preset} preset ({where} not measured)"
+        else:
+            fields[name] = value
+            sources[name] = where
+    fields["pinned_memory_cap_bytes"] = int(fields["host_memory_bytes"] * PINNED_FRACTION)
+    sources["pinned_memory_cap_bytes"] = "PINNED_FRACTION x host_memory_bytes"
+    fields["matmul_efficiency"] = MEASURED_MATMUL_EFFICIENCY
+    sources["matmul_efficiency"] = "MEASURED_MATMUL_EFFICIENCY (an estimate, not measured)"
+    defaults = [k for k in known if k not in fields and k != "name"]
+    for k in defaults:
+        sources[k] = "HardwareSpec default (not measured by the probe)"
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    gpu = ((ctx.measured("environment") or {}).get("gpu") or {}).get("name", "GPU?")
+    if ctx.dry:
+        name = f"gpu_probe dry run {when}: CPU stand-in measurements on {cpu_name()}, not a GPU"
+    else:
+        name = f"gpu_probe {when}: {gpu} + {cpu_name()} x{os.cpu_count()}"
+    if from_preset:
+        name += f" (partly {ctx.args.fallback_preset} preset: {', '.join(from_preset)})"
+    spec = HardwareSpec(name=name, **fields)
+    path = ctx.out / "spec.json"
+    spec.save(path)
+    back = HardwareSpec.load(path)
+    if back != spec:
+        raise RuntimeError(f"{path} does not read back to the spec that was saved")
+    ctx.spec = spec
+    return {"path": path.name, "spec": json.loads(spec.model_dump_json()), "sources": sources,
+            "fields_from_preset": from_preset, "fields_at_default": defaults,
+            "measured_fields_not_in_spec_type": [f for f in MEASURED_FIELDS if f not in known]}
+
+
+# -- one measured step beside simulate() --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepShape:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq_len: int
+    micro_batch_size: int
+    micro_batches: int
+
+
+GPU_STEP = StepShape(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, vocab=32000, seq_len=2048,
+                     micro_batch_size=2, micro_batches=4)
+"""Llama-3.2-1B's blocks with Llama-2's 32,000-token vocabulary, untied: 1,104,218,112 parameters
+(per block 2 h^2 + 2 h kv + 3 h ffn + 2 h = 60,821,504 with h 2048, kv 512, ffn 8192; 16 blocks, the
+final norm and two 32,000 x 2048 embeddings). Global batch 8 x 2048 tokens as 4 micro-batches of 2."""
+
+DRY_STEP = StepShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, seq_len=32,
+                     micro_batch_size=2, micro_batches=2)
+
+
+def llama_config(sh: StepShape):
+    """The ``LlamaConfig`` of ``sh`` (untied embeddings, no KV cache)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=sh.vocab, hidden_size=sh.hidden, intermediate_size=sh.ffn,
+                       num_hidden_layers=sh.layers, num_attention_heads=sh.heads, num_key_value_heads=sh.kv_heads,
+                       max_position_embeddings=max(sh.seq_len, 128), tie_word_embeddings=False, use_cache=False)
+
+
+def section_step(ctx: Ctx) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import megatrain
+
+    if ctx.spec is None:
+        raise RuntimeError("the step needs the spec section's HardwareSpec, which it did not build (see the "
+                           "spec section's error); run with --sections including spec")
+    spec = ctx.spec
+    sh = DRY_STEP if ctx.dry else GPU_STEP
+    if ctx.args.layers:
+        sh = StepShape(**{**sh.__dict__, "layers": ctx.args.layers})
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(sh))
+    params = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    trainer = megatrain.compile(model, seq_len=sh.seq_len, micro_batch_size=sh.micro_batch_size,
+                                micro_batches=sh.micro_batches, optimizer=megatrain.AdamW(lr=1e-4),
+                                hardware=spec, device="cpu" if ctx.dry else "cuda")
+    compile_s = time.perf_counter() - t0
+    if ctx.dry:
+        from megatrain.runtime.cuda import CUDABackend, FakeCuda
+
+        # The CUDA backend's logic on CPU tensors; the executor allocates its slots at the first run.
+        trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())
+    backend = trainer.backend
+    try:
+        out = _measured_step(ctx, torch, trainer, spec, sh, compile_s, params)
+    except BaseException:
+        # The step's own error is what the JSON records; closing the backend after it adds nothing.
+        with contextlib.suppress(Exception):
+            backend.close()
+        raise
+    backend.close()
+    return out
+
+
+def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: float, params: int) -> dict:
+    from megatrain.planner.simulate import simulate
+
+    backend = trainer.backend
+    rows = sh.micro_batch_size * sh.micro_batches
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {"model": {**sh.__dict__, "params": params, "tied": False},
+                           "backend": type(backend).__name__ + (" + FakeCuda" if ctx.dry else ""),
+                           "compile_s": compile_s, "plan": _plan_dict(trainer.plan), "steps": []}
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    measured = None
+    sched = None
+    for i in range(1 + ctx.args.steps):
+        ids = torch.randint(0, sh.vocab, (rows, sh.seq_len), generator=g)
+        backend.record = i > 0  # the first step is the warm-up: allocations, cuBLAS handles
+        sched = trainer.schedule  # the schedule this step runs
+        res = trainer.step({"input_ids": ids, "labels": ids})
+        row = {"step": res.step, "loss": res.loss, "wall_s": res.seconds, "warmup": i == 0,
+               "applied": res.applied}
+        if i > 0:
+            measured = backend.timeline(sched, trainer.graph, spec)
+            row["timeline_step_s"] = measured.step_time_s
+        out["steps"].append(row)
+        if not math.isfinite(res.loss):
+            raise RuntimeError(f"step {res.step} gave a non-finite loss {res.loss}")
+    predicted = simulate(sched, trainer.graph, spec)
+    out["measured"] = _timeline_summary(measured)
+    out["predicted"] = _timeline_summary(predicted)
+    out["predicted_over_measured"] = predicted.step_time_s / measured.step_time_s
+    out["ops"] = len(sched.ops)
+    if ctx.cuda:
+        out["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
+                                    if k in ("allocated_bytes.current", "allocated_bytes.peak",
+                                             "num_host_alloc", "host_alloc_time.total")}
+    (ctx.out / "timelines.json").write_text(json.dumps(
+        {"measured": json.loads(measured.to_json()), "predicted": json.loads(predicted.to_json())}))
+    trace = measured.to_chrome_trace()
+    for ev in predicted.to_chrome_trace()["traceEvents"]:
+        trace["traceEvents"].append({**ev, "pid": 2})
+    (ctx.out / "trace.json").write_text(json.dumps(trace))
+    out["files"] = ["timelines.json", "trace.json"]
+    return out
+
+
+def _plan_dict(plan) -> dict:
+    return {"micro_batches": plan.micro_batches, "slots": plan.slots, "prefetch_distance": plan.prefetch_distance,
+            "grad_ring": plan.grad_ring, "resident": sorted(plan.resident), "layer_by_layer": plan.layer_by_layer,
+            "optimizer": plan.optimizer.value, "compute_dtype": plan.compute_dtype,
+            "staging_ring": plan.staging_ring,
+            "activations": [a.value for a in plan.activations]}
+
+
+def _timeline_summary(tl) -> dict:
+    by_kind: dict[str, dict] = {}
+    for r in tl.records:
+        k = by_kind.setdefault(r.kind.value, {"count": 0, "total_s": 0.0})
+        k["count"] += 1
+        k["total_s"] += r.duration_s
+    return {"step_time_s": tl.step_time_s, "hardware": tl.hardware, "tokens_per_s": tl.tokens_per_s,
+            "mfu": tl.mfu, "bottleneck": tl.bottleneck.value,
+            "busy_s": {s.value: b for s, b in tl.busy_s.items()},
+            "busy_fraction": {s.value: f for s, f in tl.busy_fraction.items()}, "by_kind": by_kind,
+            "gpu_peak_bytes": tl.gpu_peak_bytes, "pinned_peak_bytes": tl.pinned_peak_bytes}
+
+
+# -- the tests, in subprocesses -----------------------------------------------------------------------------
+
+RACE_TESTS = "tests/test_race_detector.py"
+
+
+def section_cuda_tests(ctx: Ctx) -> dict:
+    paths = ["tests/test_backends.py"] if ctx.dry else ["tests"]
+    if "race_detector" in ctx.sections and (ROOT / RACE_TESTS).exists():
+        paths.append(f"--ignore={RACE_TESTS}")  # its CUDA tests run in their own section
+    return _pytest(ctx, paths, "junit_cuda.xml", select_cuda=True)
+
+
+def section_race_detector(ctx: Ctx) -> dict | Skipped:
+    if not (ROOT / RACE_TESTS).exists():
+        return Skipped(f"{RACE_TESTS} does not exist in this checkout")
+    # The file's CUDA tests: the detector on real streams (its CPU tests run in the ordinary suite).
+    # Without CUDA they skip, which checks the plumbing in seconds.
+    return _pytest(ctx, [RACE_TESTS], "junit_race.xml", select_cuda=True)
+
+
+SUBPROCESS_SECTIONS = ("cuda_tests", "race_detector")
+
+
+def _pytest(ctx: Ctx, paths: list[str], junit_name: str, select_cuda: bool) -> dict:
+    junit = ctx.out / junit_name
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", f"--junitxml={junit}", *paths]
+    env = dict(os.environ)
+    if select_cuda:
+        argv[3:3] = ["-p", "gpu_probe"]
+        env[SELECT_ENV] = "cuda"
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), *filter(None, [env.get("PYTHONPATH")])])
+    timeout = max(ctx.limit_s, 1.0)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"")
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise SectionTimeout(f"pytest {' '.join(paths)} ran past its limit of {timeout:.0f} s and was killed; "
+                             f"output so far: ...{tail[-1500:]}") from None
+    out: dict[str, Any] = {"command": " ".join(argv[1:]), "selection": "needs CUDA" if select_cuda else "all",
+                           "exit_code": p.returncode, "seconds": time.perf_counter() - t0,
+                           "output_tail": (p.stdout + p.stderr)[-4000:], "junit": junit_name}
+    if junit.exists():
+        out.update(parse_junit(junit))
+    else:
+        out["junit_missing"] = True
+    if p.returncode not in (0, 1, 5):  # 1: some tests failed (in the counts); 5: none selected
+        raise RuntimeError(f"pytest exited with {p.returncode} (interrupted, internal or usage error): "
+                           f"{(p.stdout + p.stderr)[-1500:]}")
+    return out
+
+
+def parse_junit(path: Path) -> dict:
+    """Counts and failures from a pytest ``--junitxml`` file."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for s in suites:
+        for k in counts:
+            counts[k] += int(s.get(k, 0))
+    failed, skipped_reasons = [], {}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        for tag in ("failure", "error"):
+            el = case.find(tag)
+            if el is not None:
+                failed.append({"test": name, "kind": tag, "message": (el.get("message") or "")[:500]})
+        sk = case.find("skipped")
+        if sk is not None:
+            reason = (sk.get("message") or "")[:200]
+            skipped_reasons[reason] = skipped_reasons.get(reason, 0) + 1
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {**counts, "failed": failed, "skip_reasons": skipped_reasons}
+
+
+def _needs_cuda(item) -> bool:
+    """Marked ``cuda``, or skipped exactly when CUDA is absent with a reason naming CUDA
+    (``conftest.requires_cuda``). The condition is compared with this machine's CUDA, so a test
+    skipped *on* CUDA machines (one that checks the error raised without a GPU) is left out."""
+    if item.get_closest_marker("cuda") is not None:
+        return True
+    import torch
+
+    absent = not torch.cuda.is_available()
+    for m in item.iter_markers("skipif"):
+        cond = m.args[0] if m.args else m.kwargs.get("condition")
+        if isinstance(cond, bool) and cond == absent and "cuda" in str(m.kwargs.get("reason", "")).lower():
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Pytest plugin hook (``-p gpu_probe`` with ``GPU_PROBE_SELECT=cuda``): keep the CUDA tests."""
+    if os.environ.get(SELECT_ENV) != "cuda":
+        return
+    needs = [_needs_cuda(it) for it in items]
+    keep = [it for it, n in zip(items, needs) if n]
+    drop = [it for it, n in zip(items, needs) if not n]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+SECTIONS: dict[str, Callable[[Ctx], Any]] = {
+    "environment": section_environment, "copies": section_copies, "pinned_alloc": section_pinned_alloc,
+    "host_rates": section_host_rates, "launch": section_launch, "matmul": section_matmul, "spec": section_spec,
+    "step": section_step, "cuda_tests": section_cuda_tests, "race_detector": section_race_detector,
+}
+
+
+# -- summary and main ---------------------------------------------------------------------------------------
+
+def summary(ctx: Ctx) -> dict:
+    """The few numbers a reader wants first, each None where its section did not succeed."""
+    def get(section: str, *keys):
+        cur: Any = ctx.measured(section)
+        for k in keys:
+            if not isinstance(cur, dict):
+                return None
+            cur = cur.get(k)
+        return cur
+
+    return {
+        "gpu": get("environment", "gpu", "name"),
+        "h2d_GBps": _scale(get("copies", "h2d_bytes_per_s"), 1e-9),
+        "d2h_GBps": _scale(get("copies", "d2h_bytes_per_s"), 1e-9),
+        "duplex": get("copies", "duplex"),
+        "bf16_TFLOPs": _scale(get("matmul", "bf16", "flops_per_s"), 1e-12),
+        "fp32_TFLOPs": _scale(get("matmul", "fp32", "flops_per_s"), 1e-12),
+        "tf32_TFLOPs": _scale(get("matmul", "tf32", "flops_per_s"), 1e-12),
+        "adamw_Gparams_per_s": _scale(get("host_rates", "adamw_params_per_s_at_default"), 1e-9),
+        "launch_us_per_op": _scale(get("launch", "issue_s_per_op"), 1e6),
+        "measured_step_s": get("step", "measured", "step_time_s"),
+        "predicted_step_s": get("step", "predicted", "step_time_s"),
+        "predicted_over_measured": get("step", "predicted_over_measured"),
+        "cuda_tests": _test_counts(get("cuda_tests")),
+        "race_detector": _test_counts(get("race_detector")),
+        "statuses": {k: v["status"] for k, v in ctx.results.items()},
+    }
+
+
+def _scale(x, k):
+    return None if x is None else x * k
+
+
+def _test_counts(r) -> str | None:
+    if not r or "tests" not in r:
+        return None
+    return f"{r['passed']} passed, {r['failures']} failed, {r['errors']} errors, {r['skipped']} skipped"
+
+
+def _kv(pairs: list[str], what: str, choices=None, convert=str) -> dict:
+    out = {}
+    for p in pairs:
+        name, sep, val = p.partition("=")
+        if not sep or name not in SECTIONS:
+            raise SystemExit(f"{what} {p!r}: write SECTION=VALUE with SECTION one of {list(SECTIONS)}")
+        if choices and val not in choices:
+            raise SystemExit(f"{what} {p!r}: VALUE must be one of {choices}")
+        out[name] = convert(val)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for probe.json and the other files")
+    ap.add_argument("--dry-run", action="store_true", help="every section on the CPU with tiny sizes, in seconds")
+    ap.add_argument("--sections", default=",".join(SECTION_ORDER),
+                    help=f"comma-separated subset of {','.join(SECTION_ORDER)} (run in that order)")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="wall-clock budget of the whole probe; no section starts past it (default 540)")
+    ap.add_argument("--limit", action="append", default=[], metavar="SECTION=SECONDS",
+                    help="override one section's time limit")
+    ap.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step (default 2)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers of the step's model (default: 16; dry 2)")
+    ap.add_argument("--fallback-preset", default="H100_SXM",
+                    help="preset whose values the spec takes, listed, for fields whose measurement failed")
+    ap.add_argument("--inject", action="append", default=[], metavar="SECTION=error|hang",
+                    help="for the probe's own tests: make SECTION raise, or hang until its limit")
+    args = ap.parse_args(argv)
+    args.limit = _kv(args.limit, "--limit", convert=float)
+    args.inject = _kv(args.inject, "--inject", choices=("error", "hang"))
+    names = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"--sections: unknown {unknown}; choose from {list(SECTION_ORDER)}")
+    names = [s for s in SECTION_ORDER if s in names]
+    if args.steps < 1:
+        raise SystemExit("--steps must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(args=args, out=args.out, dry=args.dry_run, sections=tuple(names))
+    doc: dict[str, Any] = {"probe_format_version": PROBE_FORMAT_VERSION,
+                           "mode": "dry-run" if args.dry_run else "gpu",
+                           "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                           "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                           "budget_s": args.budget_s, "sections": {}}
+    path = args.out / "probe.json"
+
+    def write() -> None:
+        doc["summary"] = summary(ctx)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        os.replace(tmp, path)
+
+    run_sections(ctx, names, doc, write)
+    doc["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write()
+    print_table(doc)
+    return 0
+
+
+def print_table(doc: dict) -> None:
+    print(f"\ngpu_probe ({doc['mode']}), {doc['started_utc']} -> {doc['finished_utc']}")
+    print("| section | status | seconds |")
+    print("| --- | --- | --- |")
+    for name, e in doc["sections"].items():
+        print(f"| {name} | {e['status']} | {e.get('seconds', '-')} |")
+    print()
+    for k, v in doc["summary"].items():
+        if k != "statuses":
+            print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

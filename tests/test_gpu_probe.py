@@ -1,0 +1,289 @@
+"""bench/gpu_probe.py: its --dry-run end to end on the CPU, a failing and a hanging section recorded
+while the others run, and the parts that need no run (junit parsing, which tests count as CUDA
+tests, sizes read from sysfs, the section time limit, the budget)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.timeline import Timeline
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_probe.py"
+
+
+def _load_probe():
+    spec = importlib.util.spec_from_file_location("gpu_probe", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+probe = _load_probe()
+
+
+def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    # A budget far above the dry run's needs: on a loaded machine slowness must not read as a failure.
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--budget-s", "3000", *extra],
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probe")
+    p = _run(out)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, json.loads((out / "probe.json").read_text())
+
+
+def test_dry_run_runs_every_section(dry):
+    out, doc = dry
+    assert doc["mode"] == "dry-run" and doc["probe_format_version"] == probe.PROBE_FORMAT_VERSION
+    assert list(doc["sections"]) == list(probe.SECTION_ORDER)
+    race_file = (ROOT / "tests" / "test_race_detector.py").exists()
+    for name, entry in doc["sections"].items():
+        want = "skipped" if name == "race_detector" and not race_file else "ok"
+        assert entry["status"] == want, f"{name}: {entry.get('error')}\n{entry.get('traceback', '')}"
+        assert entry["seconds"] >= 0 and entry["limit_s"] > 0
+    assert doc["summary"]["statuses"] == {k: v["status"] for k, v in doc["sections"].items()}
+    assert doc["finished_utc"] >= doc["started_utc"]
+
+
+def test_dry_run_environment(dry):
+    _, doc = dry
+    env = doc["sections"]["environment"]["result"]
+    assert env["versions"]["torch"] == torch.__version__.split("+")[0] or env["versions"]["torch"] == torch.__version__
+    assert env["versions"]["pydantic"] and env["versions"]["transformers"]
+    assert env["cpu"]["os_cpu_count"] == os.cpu_count()
+    assert env["memory"]["MemTotal"] > env["memory"]["MemAvailable"] > 0
+    assert env["cpu"]["l3"]["total_bytes"] == probe.l3_cache()["total_bytes"]
+    assert env["gpu"] is None and Path(env["megatrain_file"]).resolve().is_relative_to(ROOT)
+
+
+def test_dry_run_copies_pinned_launch_and_matmul(dry):
+    _, doc = dry
+    s = {k: v["result"] for k, v in doc["sections"].items() if v["status"] == "ok"}
+    copies = s["copies"]
+    assert [r["bytes"] for r in copies["sizes"]] == [1 << 20, 4 << 20]
+    for r in copies["sizes"]:
+        assert r["data_checked"] and r["h2d_bytes_per_s"] > 0 and r["d2h_bytes_per_s"] > 0
+        assert r["both_total_bytes_per_s"] > 0 and isinstance(r["duplex"], bool)
+    assert copies["h2d_bytes_per_s"] == copies["sizes"][-1]["h2d_bytes_per_s"]
+
+    pinned = s["pinned_alloc"]["sizes"]
+    assert [r["requested_bytes"] for r in pinned] == [1 << 20, (3 << 20) + 4096]
+    assert all(r["empty_s"] >= 0 and r["register_exact"]["status"] == "skipped" for r in pinned)
+
+    launch = s["launch"]
+    # Issue time is a prefix of each trial's total time, so its median cannot exceed the total's.
+    assert 0 < launch["issue_s_per_op"] <= launch["total_s_per_op"]
+    assert all(a <= b for a, b in zip(launch["issue_s_per_op_all"], launch["total_s_per_op_all"]))
+
+    mm = s["matmul"]
+    for key in ("bf16", "fp32", "tf32"):
+        assert mm[key]["flops_per_s"] > 0 and math.isfinite(mm[key]["rel_err_vs_fp64"])
+    # The reference multiplies the same (already rounded) inputs in FP64, so only the output and the
+    # accumulation round: FP32 over 256 terms is ~sqrt(256) x 2^-24 ~ 1e-6 relative (1e-4 bounds it
+    # far off); a BF16 output alone rounds by up to 2^-8 ~ 3.9e-3 (1e-2 leaves room for blocked sums).
+    assert mm["fp32"]["rel_err_vs_fp64"] < 1e-4
+    assert mm["bf16"]["rel_err_vs_fp64"] < 1e-2
+
+
+def test_dry_run_host_rates(dry):
+    _, doc = dry
+    h = doc["sections"]["host_rates"]["result"]
+    assert [r["threads"] for r in h["rows"]] == [t for t in (1, 2) if t <= os.cpu_count()]
+    for r in h["rows"]:
+        assert r["adamw_params_per_s"] > 0 and r["cast_elements_per_s"] > 0
+        assert r["adamw_bytes_per_s"] == pytest.approx(28 * r["adamw_params_per_s"])
+        assert r["cast_bytes_per_s"] == pytest.approx(6 * r["cast_elements_per_s"])
+    row = next(r for r in h["rows"] if r["threads"] == h["default_row_threads"])
+    assert h["adamw_params_per_s_at_default"] == row["adamw_params_per_s"]
+
+
+def test_dry_run_spec_reads_back_and_names_its_sources(dry):
+    out, doc = dry
+    s = {k: v["result"] for k, v in doc["sections"].items() if v["status"] == "ok"}
+    spec = HardwareSpec.load(out / "spec.json")
+    assert spec == HardwareSpec.model_validate(s["spec"]["spec"])
+    # Without a GPU only the GPU's memory has no measurement; it comes from the preset, and says so.
+    assert s["spec"]["fields_from_preset"] == ["gpu_memory_bytes"]
+    assert "dry run" in spec.name and "partly H100_SXM preset: gpu_memory_bytes" in spec.name
+    assert spec.h2d_bytes_per_s == s["copies"]["h2d_bytes_per_s"]
+    assert spec.d2h_bytes_per_s == s["copies"]["d2h_bytes_per_s"]
+    assert spec.duplex == s["copies"]["duplex"]
+    assert spec.bf16_flops == s["matmul"]["bf16"]["flops_per_s"]
+    assert spec.fp32_flops == s["matmul"]["tf32"]["flops_per_s"]
+    assert spec.host_optimizer_params_per_s == s["host_rates"]["adamw_params_per_s_at_default"]
+    assert spec.host_memory_bytes == s["environment"]["memory"]["MemTotal"]
+    if "launch_overhead_s" in HardwareSpec.model_fields:  # the issue model's per-launch cost, where it exists
+        assert spec.launch_overhead_s == s["launch"]["issue_s_per_op"]
+    assert set(s["spec"]["sources"]) >= set(HardwareSpec.model_fields) - {"name"}
+
+
+def test_dry_run_step_measured_beside_predicted(dry):
+    out, doc = dry
+    step = doc["sections"]["step"]["result"]
+    assert step["backend"] == "CUDABackend + FakeCuda"
+    assert [r["warmup"] for r in step["steps"]] == [True, False, False]
+    assert all(math.isfinite(r["loss"]) for r in step["steps"])
+    m, p = step["measured"], step["predicted"]
+    assert m["step_time_s"] > 0 and p["step_time_s"] > 0
+    assert step["predicted_over_measured"] == pytest.approx(p["step_time_s"] / m["step_time_s"])
+    assert m["step_time_s"] == step["steps"][-1]["timeline_step_s"]
+    for tl in (m, p):
+        # Ops on one stream never overlap, so no stream is busy for longer than the step.
+        assert all(0 <= f <= 1 + 1e-9 for f in tl["busy_fraction"].values())
+        assert sum(k["count"] for k in tl["by_kind"].values()) == step["ops"]
+        assert tl["bottleneck"] in tl["busy_s"]
+    timelines = json.loads((out / "timelines.json").read_text())
+    measured = Timeline.from_json(json.dumps(timelines["measured"]))
+    predicted = Timeline.from_json(json.dumps(timelines["predicted"]))
+    assert measured.source == "measured" and predicted.source == "simulated"
+    assert [r.op for r in measured.records] == [r.op for r in predicted.records]
+    assert measured.step_time_s == m["step_time_s"] and predicted.step_time_s == p["step_time_s"]
+    trace = json.loads((out / "trace.json").read_text())
+    ops = {pid: sum(1 for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid) for pid in (1, 2)}
+    assert ops == {1: step["ops"], 2: step["ops"]}
+
+
+def test_dry_run_cuda_tests_select_only_tests_that_need_cuda(dry):
+    out, doc = dry
+    t = doc["sections"]["cuda_tests"]["result"]
+    assert (out / "junit_cuda.xml").exists() and t["exit_code"] == 0
+    assert t["tests"] >= 1 and t["failures"] == 0 and t["errors"] == 0
+    if not torch.cuda.is_available():
+        # Every selected test needs CUDA, so here each one skips: a selected test that ran would be
+        # one that does not need a GPU (test_make_backend_cuda_without_a_gpu_... must be left out).
+        assert t["skipped"] == t["tests"] and t["passed"] == 0
+        assert set(t["skip_reasons"]) == {"needs a CUDA GPU"}
+
+
+def test_a_failing_and_a_hanging_section_are_recorded_and_the_rest_runs(tmp_path):
+    p = _run(tmp_path, "--sections", "copies,launch,spec", "--inject", "copies=error", "--inject", "launch=hang",
+             "--limit", "launch=1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "probe.json").read_text())
+    assert list(doc["sections"]) == ["copies", "launch", "spec"]
+    copies, launch, spec = (doc["sections"][k] for k in ("copies", "launch", "spec"))
+    assert copies["status"] == "error" and copies["error"].startswith("InjectedFailure")
+    assert "InjectedFailure" in copies["traceback"] and "result" not in copies
+    assert launch["status"] == "timeout" and "limit of 1 s" in launch["error"]
+    assert launch["seconds"] >= 1.0 and launch["limit_s"] == 1.0
+    assert spec["status"] == "ok"
+    # Every measured field fell back to the preset, and the spec lists each one and says so in its name.
+    fallback = set(spec["result"]["fields_from_preset"])
+    assert fallback == {f for f in probe.MEASURED_FIELDS if f in HardwareSpec.model_fields}
+    assert fallback >= {"gpu_memory_bytes", "bf16_flops", "fp32_flops", "h2d_bytes_per_s", "d2h_bytes_per_s",
+                        "duplex", "host_memory_bytes", "host_optimizer_params_per_s"}
+    assert all("preset" in spec["result"]["sources"][f] for f in fallback)
+    loaded = HardwareSpec.load(tmp_path / "spec.json")
+    assert "partly H100_SXM preset" in loaded.name
+    assert doc["summary"]["statuses"] == {"copies": "error", "launch": "timeout", "spec": "ok"}
+    assert doc["summary"]["h2d_GBps"] is None
+
+
+def test_a_spent_budget_skips_sections_and_says_why(tmp_path, capsys):
+    assert probe.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "0", "--sections", "copies,spec"]) == 0
+    doc = json.loads((tmp_path / "probe.json").read_text())
+    for name in ("copies", "spec"):
+        assert doc["sections"][name]["status"] == "skipped"
+        assert "budget" in doc["sections"][name]["reason"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inject", "nosuch=error"], "SECTION one of"),
+    (["--inject", "copies=explode"], "VALUE must be one of"),
+    (["--limit", "copies"], "SECTION=VALUE"),
+    (["--sections", "copies,nosuch"], "unknown ['nosuch']"),
+])
+def test_bad_options_name_the_rule(tmp_path, argv, message):
+    with pytest.raises(SystemExit) as info:
+        probe.main(["--dry-run", "--out", str(tmp_path), *argv])
+    assert message in str(info.value)
+
+
+def test_time_limit_interrupts_python_code():
+    t0 = time.perf_counter()
+    with pytest.raises(probe.SectionTimeout, match="limit of 0 s"):
+        with probe.time_limit(0.2):
+            while True:
+                time.sleep(0.01)
+    assert time.perf_counter() - t0 >= 0.2
+    with probe.time_limit(5):  # a section that finishes in time leaves no alarm behind
+        pass
+    time.sleep(0.01)
+
+
+def test_parse_junit(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text("""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1"
+        failures="1" skipped="2" tests="5" time="1.0">
+        <testcase classname="tests.test_a" name="test_ok" time="0.1"/>
+        <testcase classname="tests.test_a" name="test_bad" time="0.1"><failure message="assert 1 == 2">x</failure></testcase>
+        <testcase classname="tests.test_a" name="test_err" time="0.1"><error message="fixture broke">y</error></testcase>
+        <testcase classname="tests.test_b" name="test_s1" time="0"><skipped message="needs a CUDA GPU"/></testcase>
+        <testcase classname="tests.test_b" name="test_s2" time="0"><skipped message="needs a CUDA GPU"/></testcase>
+        </testsuite></testsuites>""")
+    r = probe.parse_junit(xml)
+    assert (r["tests"], r["passed"], r["failures"], r["errors"], r["skipped"]) == (5, 1, 1, 1, 2)
+    assert r["failed"] == [{"test": "tests.test_a::test_bad", "kind": "failure", "message": "assert 1 == 2"},
+                           {"test": "tests.test_a::test_err", "kind": "error", "message": "fixture broke"}]
+    assert r["skip_reasons"] == {"needs a CUDA GPU": 2}
+
+
+def _item(*marks):
+    return SimpleNamespace(get_closest_marker=lambda name: next((m for m in marks if m.name == name), None),
+                           iter_markers=lambda name=None: [m for m in marks if name is None or m.name == name])
+
+
+def test_cuda_test_selection():
+    absent = not torch.cuda.is_available()
+    needs_gpu = pytest.mark.skipif(absent, reason="needs a CUDA GPU").mark
+    needs_no_gpu = pytest.mark.skipif(not absent, reason="checks the error on a machine without CUDA").mark
+    other = pytest.mark.skipif(absent, reason="needs scipy").mark
+    assert probe._needs_cuda(_item(pytest.mark.cuda.mark))
+    assert probe._needs_cuda(_item(needs_gpu))
+    assert not probe._needs_cuda(_item(needs_no_gpu))
+    assert not probe._needs_cuda(_item(other))
+    assert not probe._needs_cuda(_item())
+
+
+@pytest.mark.parametrize("text, nbytes", [("32768K", 32 << 20), ("1M", 1 << 20), ("2G", 2 << 30), ("512", 512),
+                                          ("16 MiB", 16 << 20)])
+def test_parse_cache_size(text, nbytes):
+    assert probe._parse_size(text) == nbytes
+
+
+def test_gpu_step_model_is_the_documented_1b():
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(probe.llama_config(probe.GPU_STEP))
+    h, kv, ffn, vocab = 2048, 8 * 64, 8192, 32000  # hidden, KV heads x head dim, FFN, vocabulary
+    block = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    assert sum(p.numel() for p in model.parameters()) == 16 * block + h + 2 * vocab * h == 1_104_218_112
+
+
+def test_l3_size_falls_back_to_lscpu_when_sysfs_has_none(monkeypatch):
+    monkeypatch.setattr(probe, "_l3_sysfs", lambda: {"total_bytes": 0})
+    lscpu = "L2 cache:                               1 MiB (2 instances)\nL3 cache:          256 MiB (8 instances)\n"
+    monkeypatch.setattr(probe, "_cmd", lambda argv, timeout=10.0: {"stdout": lscpu})
+    assert probe.l3_cache() == {"total_bytes": 256 << 20, "source": "lscpu (sysfs has no L3)"}
+    monkeypatch.setattr(probe, "_cmd", lambda argv, timeout=10.0: {"error": "lscpu not found"})
+    assert probe.l3_cache()["total_bytes"] == 0
