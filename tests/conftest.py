@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def requires_cuda(test):
+    """A test that needs a CUDA GPU: marked ``cuda`` (so ``pytest -m cuda`` selects it, as the GPU
+    probe does) and skipped where there is none."""
+    return pytest.mark.cuda(_NO_CUDA(test))
 
 
 def tiny_llama(layers: int = 2, vocab: int = 96, hidden: int = 32, device: str | None = None, **kw):
