@@ -258,8 +258,16 @@ def _measure_adamw(numel: int, seconds: float) -> float:
             return numel * n / elapsed
 
 
-def _measure_cuda(torch) -> dict:  # pragma: no cover - needs a GPU
-    """GPU fields of a spec, measured on the current CUDA device."""
+def _measure_cuda(torch) -> dict:
+    """GPU fields of a spec, measured on the current CUDA device.
+
+    Raises:
+        ConfigError: torch sees no CUDA device (the GPU fields cannot be measured on a CPU).
+    """
+    if not torch.cuda.is_available():
+        raise ConfigError("HardwareSpec.measure: the GPU fields need a CUDA device and torch sees none "
+                          f"(torch {torch.__version__}, CUDA build: {torch.backends.cuda.is_built()}); "
+                          "measure on the GPU machine, or use a preset")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
 
