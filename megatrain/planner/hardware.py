@@ -16,10 +16,12 @@ powers of two.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pydantic
 from pydantic import Field
@@ -87,8 +89,9 @@ class HardwareSpec(pydantic.BaseModel):
     gpu_memory_bytes: int = Field(ge=0, description="GPU memory in bytes, the total nvidia-smi reports")
     bf16_flops: float = Field(ge=0, description="dense BF16 matmul rate in FLOP/s (FP32 accumulate), "
                                                "peak or measured")
-    fp32_flops: float = Field(ge=0, description="dense FP32-input matmul rate in FLOP/s: the TF32 "
-                                               "tensor-core rate where the GPU has one, else plain FP32")
+    fp32_flops: float = Field(ge=0, description="dense strict-FP32 matmul rate in FLOP/s (IEEE FP32, no "
+                                               "TF32 tensor cores: megatrain runs FP32 compute that way, "
+                                               "see strict_fp32)")
     matmul_efficiency: float = Field(DEFAULT_MATMUL_EFFICIENCY, gt=0, le=1,
                                      description="fraction of bf16_flops/fp32_flops a layer's forward and "
                                                  "backward reach (dimensionless)")
@@ -145,10 +148,12 @@ class HardwareSpec(pydantic.BaseModel):
         Host: memory from ``os.sysconf`` (``/proc/meminfo`` as a fallback), optimizer throughput by
         timing ``torch.optim.adamw.adamw(fused=True)`` on flat FP32 tensors of ``optimizer_numel``
         elements for about ``seconds`` (the same call the runtime makes per layer). With CUDA also:
-        GPU memory, the rate of a large BF16 and a large TF32 matmul, pinned H2D and D2H bandwidth
-        of 256 MiB copies, and whether both directions run at full rate at once on two streams.
-        Without CUDA the GPU fields are 0 and the name says the spec is host-only. Takes about
-        1 s on a CPU-only machine and a few seconds more with a GPU.
+        GPU memory, the rate of a large BF16 matmul and of a large strict-FP32 one (TF32 off, under
+        :func:`strict_fp32`, the precision megatrain's FP32 compute runs in, so ``fp32_flops`` is
+        the rate the runtime gets; the caller's TF32 settings are restored after), pinned H2D and
+        D2H bandwidth of 256 MiB copies, and whether both directions run at full rate at once on
+        two streams. Without CUDA the GPU fields are 0 and the name says the spec is host-only.
+        Takes about 1 s on a CPU-only machine and a few seconds more with a GPU.
         """
         import torch
 
@@ -167,6 +172,40 @@ class HardwareSpec(pydantic.BaseModel):
         if path is not None:
             spec.save(path)
         return spec
+
+
+@contextlib.contextmanager
+def strict_fp32() -> Iterator[None]:
+    """Within the block, FP32 matmuls and convolutions on CUDA run in IEEE FP32: TensorFloat-32
+    (10-bit mantissa inputs on tensor cores) is off for cuBLAS and cuDNN; on exit the caller's
+    settings are restored exactly. megatrain's FP32 forward and local backward ops and the FP32
+    rate ``HardwareSpec.measure()`` times run under it, so the spec's ``fp32_flops`` is the rate the
+    runtime gets. BF16 matmuls are unaffected. No CUDA call is made (the flags are host globals),
+    so it is safe on a machine without a GPU.
+
+    torch 2.9 added per-backend ``fp32_precision`` settings and raises when the legacy
+    ``allow_tf32`` flags are read after the new API was used; so where the new API exists it is the
+    one saved, set and restored (which also restores a legacy setting: they share state), else the
+    legacy flags are (PyTorch docs, "TensorFloat-32 (TF32) on Ampere (and later) devices").
+    """
+    import torch
+
+    cublas, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(cublas, "fp32_precision"):  # torch >= 2.9
+        conv = cudnn.conv
+        saved = (cublas.fp32_precision, conv.fp32_precision)
+        cublas.fp32_precision = conv.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            cublas.fp32_precision, conv.fp32_precision = saved
+    else:
+        saved = (cublas.allow_tf32, cudnn.allow_tf32)
+        cublas.allow_tf32 = cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            cublas.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def _host_memory_bytes() -> int:
@@ -219,8 +258,16 @@ def _measure_adamw(numel: int, seconds: float) -> float:
             return numel * n / elapsed
 
 
-def _measure_cuda(torch) -> dict:  # pragma: no cover - needs a GPU
-    """GPU fields of a spec, measured on the current CUDA device."""
+def _measure_cuda(torch) -> dict:
+    """GPU fields of a spec, measured on the current CUDA device.
+
+    Raises:
+        ConfigError: torch sees no CUDA device (the GPU fields cannot be measured on a CPU).
+    """
+    if not torch.cuda.is_available():
+        raise ConfigError("HardwareSpec.measure: the GPU fields need a CUDA device and torch sees none "
+                          f"(torch {torch.__version__}, CUDA build: {torch.backends.cuda.is_built()}); "
+                          "measure on the GPU machine, or use a preset")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
 
@@ -237,16 +284,12 @@ def _measure_cuda(torch) -> dict:  # pragma: no cover - needs a GPU
 
     n = 8192
     rates = {}
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 field is the TF32 tensor-core rate
-        for dtype, key in ((torch.bfloat16, "bf16_flops"), (torch.float32, "fp32_flops")):
-            a = torch.randn(n, n, device=dev, dtype=dtype)
-            b = torch.randn(n, n, device=dev, dtype=dtype)
+    for dtype, key in ((torch.bfloat16, "bf16_flops"), (torch.float32, "fp32_flops")):
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        b = torch.randn(n, n, device=dev, dtype=dtype)
+        with strict_fp32():  # the precision the runtime's FP32 compute runs in; BF16 is unaffected
             rates[key] = 2 * n ** 3 / timed(lambda: a @ b, 10)
-            del a, b
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        del a, b
 
     nbytes = 256 * MiB
     host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -291,7 +334,7 @@ H100_SXM = HardwareSpec(
     name="H100 SXM 80GB (preset)",
     gpu_memory_bytes=81559 * MiB,
     bf16_flops=989e12,
-    fp32_flops=494.5e12,
+    fp32_flops=67e12,
     h2d_bytes_per_s=_PCIE5_MEASURED,
     d2h_bytes_per_s=_PCIE5_MEASURED,
     duplex=True,
@@ -302,8 +345,9 @@ H100_SXM = HardwareSpec(
 """NVIDIA H100 SXM5 80GB in a DGX H100-class node.
 
 - gpu_memory_bytes: 80 GB HBM3; 81559 MiB is the total nvidia-smi reports.
-- bf16_flops 989 TFLOP/s, fp32_flops (TF32) 494.5 TFLOP/s: NVIDIA H100 Tensor Core GPU
-  datasheet, dense (the headline 1979/989 TFLOP/s figures are with 2:4 sparsity).
+- bf16_flops 989 TFLOP/s: NVIDIA H100 Tensor Core GPU datasheet, dense (the headline 1979 TFLOP/s
+  figure is with 2:4 sparsity). fp32_flops 67 TFLOP/s: the same datasheet's FP32 (strict, no
+  TF32; the TF32 tensor-core rate, 494.5 dense, is not what megatrain's FP32 compute uses).
 - h2d/d2h 53 GB/s: PCIe Gen5 x16, 64 GB/s theoretical per direction, ~50-55 GB/s measured pinned.
 - duplex: Hopper has several async copy engines and PCIe is full duplex.
 - host_memory_bytes 2 TiB: DGX H100 system memory (NVIDIA DGX H100 datasheet: 2 TB).
@@ -315,7 +359,7 @@ H200 = HardwareSpec(
     name="H200 SXM 141GB (preset)",
     gpu_memory_bytes=143771 * MiB,
     bf16_flops=989e12,
-    fp32_flops=494.5e12,
+    fp32_flops=67e12,
     h2d_bytes_per_s=_PCIE5_MEASURED,
     d2h_bytes_per_s=_PCIE5_MEASURED,
     duplex=True,
@@ -326,8 +370,8 @@ H200 = HardwareSpec(
 """NVIDIA H200 SXM 141GB, host as in the MegaTrain paper (1.5 TB of host memory).
 
 - gpu_memory_bytes: 141 GB HBM3e (NVIDIA H200 datasheet); 143771 MiB as nvidia-smi reports.
-- bf16_flops 989 TFLOP/s, fp32_flops (TF32) 494.5 TFLOP/s: H200 datasheet, dense; same GH100
-  compute as the H100 SXM.
+- bf16_flops 989 TFLOP/s (dense), fp32_flops 67 TFLOP/s (strict FP32, no TF32): H200 datasheet;
+  same GH100 compute as the H100 SXM.
 - h2d/d2h 53 GB/s: PCIe Gen5 x16 as for H100_SXM.
 - host_memory_bytes 1.5 TiB: DESIGN.md / MegaTrain (arXiv 2604.05091) setup.
 - host_optimizer_params_per_s ~8.8e9: estimate, the host CPUs of DGX H100/H200 (2x Xeon Platinum
@@ -339,7 +383,7 @@ GH200 = HardwareSpec(
     name="GH200 Grace Hopper 96GB + 480GB LPDDR5X (preset)",
     gpu_memory_bytes=96 * 10**9,
     bf16_flops=989e12,
-    fp32_flops=494.5e12,
+    fp32_flops=67e12,
     h2d_bytes_per_s=380e9,
     d2h_bytes_per_s=380e9,
     duplex=True,
@@ -352,8 +396,8 @@ GH200 = HardwareSpec(
 - gpu_memory_bytes 96 GB HBM3 and host_memory_bytes 480 GB LPDDR5X (decimal, as stated): NVIDIA Grace Hopper
   Superchip Architecture whitepaper (as summarised by datacrunch.io, 'Data movement in the NVIDIA
   GH200 Grace Hopper Superchip').
-- bf16_flops/fp32_flops: the Hopper GPU's dense BF16 and TF32 tensor-core rates (GH200 datasheet;
-  the same GH100 compute as H100 SXM).
+- bf16_flops/fp32_flops: the Hopper GPU's dense BF16 tensor-core rate and its strict FP32 rate, 67
+  TFLOP/s (GH200 datasheet; the same GH100 compute as H100 SXM).
 - h2d/d2h 380 GB/s: NVLink-C2C is 900 GB/s total, 450 GB/s per direction (whitepaper); 380 GB/s
   is an estimate of the sustained pinned copy rate (~85% of the link rate, the efficiency pinned
   copies reach on PCIe). measure() on the machine replaces it.
@@ -365,7 +409,7 @@ A100_80GB = HardwareSpec(
     name="A100 SXM 80GB (preset)",
     gpu_memory_bytes=81920 * MiB,
     bf16_flops=312e12,
-    fp32_flops=156e12,
+    fp32_flops=19.5e12,
     h2d_bytes_per_s=_PCIE4_MEASURED,
     d2h_bytes_per_s=_PCIE4_MEASURED,
     duplex=True,
@@ -376,7 +420,8 @@ A100_80GB = HardwareSpec(
 """NVIDIA A100 SXM4 80GB in a DGX A100-class node.
 
 - gpu_memory_bytes: 80 GB HBM2e; 81920 MiB as nvidia-smi reports.
-- bf16_flops 312 TFLOP/s, fp32_flops (TF32) 156 TFLOP/s: NVIDIA A100 datasheet, dense.
+- bf16_flops 312 TFLOP/s (dense), fp32_flops 19.5 TFLOP/s (strict FP32; TF32 would be 156):
+  NVIDIA A100 datasheet.
 - h2d/d2h 25 GB/s: PCIe Gen4 x16, 32 GB/s theoretical, ~25 GB/s measured pinned.
 - host_memory_bytes 1 TiB: DGX A100 (1 TB standard, 2 TB option).
 - host_optimizer_params_per_s ~5.9e9: estimate, 2x AMD EPYC 7742 with 8 channels of DDR4-3200
@@ -399,8 +444,8 @@ RTX_4090 = HardwareSpec(
 
 - gpu_memory_bytes: 24 GB GDDR6X; 24564 MiB as nvidia-smi reports.
 - bf16_flops 165.2 TFLOP/s: dense BF16 with FP32 accumulate (NVIDIA Ada Lovelace architecture
-  whitepaper, appendix; the 330 TFLOP/s figure is FP16 accumulate). fp32_flops (TF32) 82.6
-  TFLOP/s dense, same source.
+  whitepaper, appendix; the 330 TFLOP/s figure is FP16 accumulate). fp32_flops 82.6 TFLOP/s,
+  the peak FP32 (non-tensor) rate, same source (dense TF32 is also 82.6 on this GPU).
 - h2d/d2h 25 GB/s: PCIe Gen4 x16 as for A100_80GB.
 - duplex: AD102 boards report two async copy engines (cudaDeviceProp.asyncEngineCount == 2);
   measure() checks it on the machine.

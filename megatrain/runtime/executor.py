@@ -3,8 +3,10 @@
 Layers run through stateless templates: one ``fx.GraphModule`` per kind of layer, called with the
 layer's weights bound as views of the buffer slot they were copied into (no copy at bind). A local
 backward recomputes the layer's forward from its saved input checkpoint with gradients on, then
-calls ``torch.autograd.grad`` for the layer's weights (as one flat slot view, so the gradient lands
-in one contiguous tensor) and its differentiable inputs; no autograd graph outlives the op.
+calls ``torch.autograd.grad`` for the layer's trainable weights (each a leaf of its own: a detached
+view of the slot) and its differentiable inputs, and writes each weight's gradient into its slice
+of the gradient slot; no autograd graph outlives the op. (A single flat leaf over the slot would
+cost, per parameter, a zero-filled tile and a tile-sized sum in ``slice_backward``.)
 
 The executor decides nothing: which slot, which ring or staging tile, which order, what is
 offloaded or recomputed -- all come from the Schedule. What it derives mechanically is when a
@@ -25,7 +27,6 @@ clipping scale (or drops the updates) with :meth:`Executor.set_update`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -35,6 +36,7 @@ from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
 from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import strict_fp32
 from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule
 from megatrain.planner.trace import TracedModel, retarget
@@ -224,11 +226,14 @@ class Executor:
         return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.graph.layers[layer].params]
 
     def _precision(self, compute_dtype: str):
-        """BF16 compute runs the FP32-traced templates under ``torch.autocast``: matmuls in BF16 with
-        FP32 accumulation, reductions and norms in FP32, as eager autocast training does; the
-        weights arrive in BF16 already, so autocast's weight casts are no-ops."""
+        """FP32 compute is strict IEEE FP32 (TF32 off for the op, the caller's setting restored after:
+        :func:`~megatrain.planner.hardware.strict_fp32`), the precision ``HardwareSpec.measure()``
+        times FP32 in and eager FP32 training on the CPU computes in. BF16 compute runs the
+        FP32-traced templates under ``torch.autocast``: matmuls in BF16 with FP32 accumulation,
+        reductions and norms in FP32, as eager autocast training does; the weights arrive in BF16
+        already, so autocast's weight casts are no-ops."""
         if compute_dtype == "float32":
-            return contextlib.nullcontext()
+            return strict_fp32()
         return torch.autocast(self.backend.device.type, dtype=_DTYPES[compute_dtype])
 
     def _fwd(self, li: int, mb: int, slot: torch.Tensor, acts, loss_tensors, compute_dtype: str):
@@ -256,10 +261,24 @@ class Executor:
         layer = g.layers[li]
         tmpl = self.templates[layer.template]
         lbufs = self.layer_buffers[li]
+        gslot = bufs.grads[s]
+        # Where each trainable parameter's gradient goes, and the alignment padding between them,
+        # which a fresh backward zeroes so the D2H norm and the optimizer see zeros there.
+        trained = [p for p in layer.params if p.trainable]
+        gviews = [gslot[p.offset:p.offset + p.numel].view(p.shape) for p in trained]
+        gaps = [gslot[a:b] for a, b in _padding(trained, layer.trainable_numel)]
 
         def run() -> None:
             with torch.enable_grad(), self._precision(compute_dtype):
-                flat = bufs.weights[s][:layer.numel].detach().requires_grad_(layer.trainable_numel > 0)
+                # Each trainable parameter is a leaf of its own (a detached view of the slot), so its
+                # gradient lands in a tensor of its size; a flat leaf would gather them through
+                # slice_backward, one zero-filled and one summed full tile per parameter.
+                weights = self._bind(li, bufs.weights[s])
+                leaves = []
+                for k, p in enumerate(layer.params):
+                    if p.trainable:
+                        weights[k] = weights[k].detach().requires_grad_(True)
+                        leaves.append(weights[k])
                 ins = []
                 diff = []
                 for vid in layer.inputs:
@@ -269,7 +288,7 @@ class Executor:
                         x = x.detach().requires_grad_(True)
                         diff.append((vid, x))
                     ins.append(x)
-                outs = tmpl(*self._bind(li, flat), *lbufs, *ins)
+                outs = tmpl(*weights, *lbufs, *ins)
                 roots, seeds = [], []
                 for vid, t in zip(layer.outputs, outs):
                     if vid == g.loss:
@@ -280,20 +299,20 @@ class Executor:
                     elif (vid, mb) in grads and t.requires_grad:
                         roots.append(t)
                         seeds.append(grads[(vid, mb)])
-                wrt = ([flat] if layer.trainable_numel > 0 else []) + [x for _, x in diff]
-                if not roots or not wrt:
-                    return
-                res = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
-            if layer.trainable_numel > 0:
-                gflat, res = res[0], res[1:]
-                gslot = bufs.grads[s][:layer.trainable_numel]
-                if gflat is None:  # the loss does not depend on this layer's weights
-                    if fresh:
-                        gslot.zero_()
-                elif fresh:
-                    gslot.copy_(gflat[:layer.trainable_numel])
-                else:
-                    gslot.add_(gflat[:layer.trainable_numel])
+                wrt = leaves + [x for _, x in diff]
+                # No gradient reaches the layer: its weights' gradients are zero (written when fresh).
+                res = torch.autograd.grad(roots, wrt, seeds, allow_unused=True) if roots and wrt else [None] * len(wrt)
+            pgrads, res = res[:len(leaves)], res[len(leaves):]
+            # Gradients of BF16 weights are BF16; the FP32 slot takes them exactly (copy_/add_ cast).
+            got = [(v, gp) for v, gp in zip(gviews, pgrads) if gp is not None]
+            if fresh:
+                missing = [v for v, gp in zip(gviews, pgrads) if gp is None]  # the loss does not use it
+                if missing or gaps:
+                    torch._foreach_zero_(missing + gaps)
+                if got:
+                    torch._foreach_copy_([v for v, _ in got], [gp for _, gp in got])
+            elif got:
+                torch._foreach_add_([v for v, _ in got], [gp for _, gp in got])
             for (vid, _), gx in zip(diff, res):
                 if gx is None:
                     continue
@@ -390,6 +409,19 @@ def _read_here(tensors) -> None:
     for t in tensors:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def _padding(params, end: int) -> list[tuple[int, int]]:
+    """The [start, stop) element ranges of a tile's prefix ``[0, end)`` that no parameter in
+    ``params`` (ascending offsets) covers: the alignment padding between and after them."""
+    gaps, pos = [], 0
+    for p in params:
+        if p.offset > pos:
+            gaps.append((pos, p.offset))
+        pos = p.offset + p.numel
+    if end > pos:
+        gaps.append((pos, end))
+    return gaps
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor):
