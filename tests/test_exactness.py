@@ -181,30 +181,34 @@ most ``BF16_U`` of it, and two roundings of nearly equal values differ by at mos
 
 
 def bf16_tolerances(blocks: int) -> tuple[float, float]:
-    """Per-step relative bounds for megatrain BF16 against eager BF16 autocast at the same weights.
+    """Per-step relative bounds (loss, gradient norm) for megatrain BF16 against eager BF16 autocast
+    at the same weights.
 
-    Both round the same FP32 weights to BF16 in the same way (round to nearest; megatrain's CAST and
-    autocast's weight cast are the same conversion), run the same matmuls in BF16 with FP32
-    accumulation, and differ only in FP32 summation order (chunked LM head and loss, templates
-    instead of modules). A different FP32 sum can flip a later BF16 rounding by one ulp, at most
-    ``2 * BF16_U`` of that value. Loss: the worst case is every logit moved by one ulp in the same
-    direction, which moves the cross-entropy by at most ``2 * BF16_U`` of itself. Gradient norm:
-    each weight gradient ``X^T dY`` has both operands rounded, and ``dY`` carries the error of every
-    matmul level above it, so a chain of ``D`` levels (two per block: attention and MLP, plus the
-    head) bounds it by ``2 * BF16_U * D``. Both are worst-case first-order bounds that hold on any
-    CPU's kernels; independent flips average out, so real differences are one to two orders smaller.
+    Both round the same FP32 weights to BF16 in the same way (round to nearest: megatrain's CAST and
+    autocast's weight cast are the same conversion) and run the same matmuls in BF16 with FP32
+    accumulation. They differ in two ways: FP32 summation order (chunked LM head and loss, layer
+    templates), which can flip a later BF16 rounding by one ulp (at most ``2 * BF16_U`` of the
+    value); and megatrain's non-matmul weights (embedding, norms) arrive in BF16, so its residual
+    stream is rounded to BF16 after the embedding and after each of a block's two residual adds,
+    where eager's stays FP32 (one more rounding, at most ``BF16_U``, each). Along the chain of
+    ``D = 2 * blocks + 1`` levels from the embedding to the logits, each level can so add at most
+    ``2 * BF16_U`` relative error, to first order: the loss (whose change is bounded by the logits')
+    and each weight gradient ``X^T dY`` (both operands carry the error of the levels they pass) are
+    within ``2 * BF16_U * D``. A worst-case first-order bound that holds on any CPU's or GPU's
+    kernels; independent roundings average out, so real differences are one to two orders smaller.
     """
-    return 2 * BF16_U, 2 * BF16_U * (2 * blocks + 1)
+    bound = 2 * BF16_U * (2 * blocks + 1)
+    return bound, bound
 
 
-def assert_bf16_tracks_eager_autocast(model, trainer, batches, blocks: int) -> list[float]:
+def assert_bf16_tracks_eager_autocast(model, trainer, batches, blocks: int, eager_device: str = "cpu") -> list[float]:
     """Teacher-forced comparison: before each step, an eager copy of the model takes megatrain's
     current FP32 master weights, then runs forward and backward under BF16 autocast on the same
     batch; megatrain's loss and global gradient norm for that step must match within
     ``bf16_tolerances``. Comparing at the same weights, step by step, keeps the bound independent
     of the step count and of the CPU: free-running BF16 trajectories diverge chaotically, by an
     amount that depends on the instruction set. Returns megatrain's losses."""
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(eager_device)
     tol_loss, tol_norm = bf16_tolerances(blocks)
     got = []
     for step, batch in enumerate(batches):
@@ -212,12 +216,12 @@ def assert_bf16_tracks_eager_autocast(model, trainer, batches, blocks: int) -> l
             for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
                 q.copy_(p)
                 q.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            res = ref(**batch)
+        with torch.autocast(eager_device, dtype=torch.bfloat16):
+            res = ref(**{k: t.to(eager_device) for k, t in batch.items()})
         loss = res if isinstance(res, torch.Tensor) else res.loss
         loss.backward()
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in ref.parameters()]))
-        result = trainer.step(batch)
+        result = trainer.step({k: t.cpu() for k, t in batch.items()})
         assert abs(result.loss - loss.item()) <= tol_loss * loss.item(), \
             f"step {step}: loss {result.loss} vs eager autocast {loss.item()} (bound {tol_loss:.1e} relative)"
         assert abs(result.grad_norm - norm.item()) <= tol_norm * norm.item(), \
