@@ -301,7 +301,8 @@ def resolve_model(spec: str) -> ModelSource:
 
     Raises:
         ConfigError: no such file, directory or preset; a directory without config.json; a
-            config.json transformers cannot read.
+            config.json transformers cannot read (not UTF-8, not JSON, an unknown model_type).
+        UnsupportedModelError: not a causal decoder (``megatrain.models.check_causal_decoder``).
     """
     from megatrain.checkpoint import INDEX_FILE, STATE_DIR
     from megatrain.planner.presets import MODEL_PRESETS, load_model_config
@@ -329,9 +330,12 @@ def resolve_model(spec: str) -> ModelSource:
                           f"({sorted(MODEL_PRESETS)}); give a Hugging Face config.json, a weights directory "
                           "or a megatrain checkpoint")
     config = load_model_config(spec if config_file is None else config_file)
+    from megatrain.models import check_causal_decoder
+
+    check_causal_decoder(config, str(config_file or spec))
     tied = False
     if config_file is not None:
-        raw = json.loads(config_file.read_text())  # load_model_config parsed it already
+        raw = json.loads(config_file.read_bytes().decode("utf-8"))  # load_model_config parsed it already
         if "tie_word_embeddings" in raw:
             tied = bool(raw["tie_word_embeddings"])
         else:
@@ -524,9 +528,24 @@ def _finite(x: float | None) -> float | None:
 
 
 def _read_metrics(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl``. A run killed while writing leaves a partial last line: it is
+    dropped (its step runs again on resume). A bad line elsewhere is a ConfigError."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_bytes().decode("utf-8", errors="replace").splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break  # the partial last line of a killed run
+            raise ConfigError(f"{path}: line {i + 1} is not JSON ({line[:60]!r}); the file was changed after "
+                              "the run wrote it: fix or delete that line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ConfigError(f"{path}: line {i + 1} is not a metrics row with a 'step'; fix or delete it")
+        rows.append(row)
+    return rows
 
 
 def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> None:
@@ -715,8 +734,10 @@ def _meta_model(cfg: TrainConfig, source: ModelSource, echo):
     graph = trace(model, micro_batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len).graph
     # The plan compile will choose: clipping keeps one host gradient tile per layer.
     plan = default_plan(graph, cfg.micro_batches, clip_gradients=cfg.max_grad_norm is not None)
+    # On the CPU backend the model is built on the CPU before compile moves it (_compile_and_load).
+    built = 4 * graph.param_count if cfg.device == "cpu" else 0
     needed = preflight_host_memory(graph, plan, data_bytes=_data_bytes(cfg),
-                                   checkpoint_bytes=_largest_safetensors(source.directory),
+                                   checkpoint_bytes=_largest_safetensors(source.directory) + built,
                                    available=available_host_memory())
     echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
          f"layers; host memory needed about {human_bytes(needed)}")
@@ -731,6 +752,14 @@ def _compile_and_load(cfg: TrainConfig, model, source: ModelSource, fingerprint:
     import megatrain
 
     torch.manual_seed(cfg.seed)
+    if cfg.device == "cpu":
+        # Models branch on the device type while they are traced (Mixtral's expert histogram takes
+        # an int32 input except on the CPU, where histc has no integer kernel): a model built on the
+        # meta device would be traced for a GPU. On the CPU backend build it on the CPU (4 bytes a
+        # parameter for the moment compile moves it into the host tiles; the preflight counts them).
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
     optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay)
     trainer = megatrain.compile(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
@@ -825,6 +854,9 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     out = Path(cfg.output_dir)
     hw = load_hardware_spec(cfg.hardware) if cfg.hardware else None
     source = resolve_model(cfg.model)
+    from megatrain.models import check_positions
+
+    check_positions(source.config, cfg.seq_len, cfg.model)
     resuming_here = _check_output_dir(out, source)
     if source.tied and source.kind == "config":
         echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")

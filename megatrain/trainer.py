@@ -13,6 +13,7 @@ from torch import nn
 
 from megatrain.config import AdamW, CompileOptions
 from megatrain.errors import BatchError, ConfigError, StepError
+from megatrain.models import check_model
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.lower import gradient_tiles, lower
 from megatrain.planner.plan import OptimizerPlacement, Plan, default_plan
@@ -419,8 +420,10 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
             step's update first (``Trainer.flush``).
 
     Raises:
-        ConfigError: an option or optimizer setting out of range.
-        TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
+        ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
+            model's ``max_position_embeddings`` (``megatrain.models.check_positions``).
+        TraceError / UnsupportedModelError: the model cannot be traced or is not supported (a
+            Hugging Face model that is not a causal decoder: ``megatrain.models``).
         PlanError, ScheduleError: the plan does not fit the model.
         Nothing is bound to the model unless every step before binding succeeded.
     """
@@ -431,6 +434,7 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
     except pydantic.ValidationError as e:
         raise ConfigError(_describe(e)) from None
+    check_model(model, options.seq_len)
     backend = make_backend(options.device)
     traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                    input_names=options.input_names)
