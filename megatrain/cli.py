@@ -288,7 +288,8 @@ def _train_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(f"error: interrupted ({e or 'SIGINT'}); nothing more was saved, and a checkpoint already written "
-              "is intact", file=sys.stderr)
+              "is intact: the same command resumes from it (or starts the run again when none was written)",
+              file=sys.stderr)
         return 130
     return 0
 

@@ -629,19 +629,87 @@ class TrainResult:
     output_dir: Path
 
 
-def _check_output_dir(out: Path, source: ModelSource) -> bool:
-    """Refuse to mix two runs in one directory; True when resuming the run that lives in it."""
+RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR)
+"""What ``megatrain train`` writes in ``output_dir`` (besides the hidden directories of a save)."""
+
+RUN_IDENTITY = ("model", "data", "seq_len", "global_batch", "seed")
+"""Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
+
+
+def _is_save_leftover(name: str) -> bool:
+    from megatrain.checkpoint import _OLD_TAG, _TMP_TAG
+
+    return name.startswith(f".{CHECKPOINT_DIR}.") and (_TMP_TAG in name or _OLD_TAG in name)
+
+
+def _check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> tuple[bool, ModelSource]:
+    """Refuse to mix two runs in one directory, and let a run be re-run with the same command.
+
+    Returns ``(resuming, source)``: resuming the run that lives in ``out`` (from its
+    ``checkpoint/``), with the source to load. ``out`` holding a run with the same
+    :data:`RUN_IDENTITY` settings (its ``train_config.json``) is that run again: with a complete
+    checkpoint it resumes from it; without one (killed before the first save, ``nonfinite: stop``,
+    a crash) its files are removed and it starts over. Then ``out`` must be writable.
+    """
+    from megatrain.checkpoint import _is_complete, _recover
+
     ckpt = out / CHECKPOINT_DIR
     here = source.kind == "checkpoint" and source.directory.resolve() == ckpt.resolve()
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir {out} is a file; give a directory")
-    if out.is_dir() and not here:
-        held = sorted(p.name for p in out.iterdir())
-        if held:
-            raise ConfigError(f"output_dir {out} is not empty (it holds {', '.join(held[:5])}"
-                              f"{' ...' if len(held) > 5 else ''}); choose another output_dir, or resume the "
-                              f"run in it with --model {ckpt}")
-    return here
+        raise ConfigError(f"output_dir {out} is a file; set output_dir (--output-dir) to a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not here:
+        saved = _saved_settings(out)
+        foreign = [n for n in held if n not in RUN_FILES and not _is_save_leftover(n)]
+        if saved is None or foreign:
+            _recover(ckpt)
+            hint = (f", or resume the run in it with --model {ckpt}" if _is_complete(ckpt) else "")
+            raise ConfigError(f"output_dir {out} is not empty and holds no megatrain run of its own (it holds "
+                              f"{', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); choose another "
+                              f"output_dir{hint}")
+        differ = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in RUN_IDENTITY
+                  if saved.get(k) != getattr(cfg, k)]
+        if differ:
+            raise ConfigError(f"output_dir {out} holds another run ({'; '.join(differ)}); choose another "
+                              f"output_dir, or continue that run with its settings (see {out / CONFIG_FILE})")
+        _recover(ckpt)
+        if _is_complete(ckpt):
+            echo(f"resume: {out} holds this run with a checkpoint; continuing from {ckpt}")
+            source, here = resolve_model(str(ckpt)), True
+        else:
+            import shutil
+
+            echo(f"note: {out} holds this run, stopped before its first complete checkpoint; starting it again")
+            for name in held:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    _check_writable(out)
+    return here, source
+
+
+def _saved_settings(out: Path) -> dict | None:
+    try:
+        saved = json.loads((out / CONFIG_FILE).read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def _check_writable(out: Path) -> None:
+    """Create ``out`` and a file in it (then remove what was made): before data and compile."""
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    probe = out / f".megatrain-write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir {out} is not writable ({e.strerror or e}): set output_dir "
+                          "(--output-dir) to a directory you can write") from None
+    finally:
+        for p in made:  # deepest first; left as it was
+            if p.is_dir():
+                p.rmdir()
 
 
 def _prepare_data(cfg: TrainConfig, source: ModelSource, echo):
@@ -857,7 +925,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     from megatrain.models import check_positions
 
     check_positions(source.config, cfg.seq_len, cfg.model)
-    resuming_here = _check_output_dir(out, source)
+    resuming_here, source = _check_output_dir(out, source, cfg, echo)
     if source.tied and source.kind == "config":
         echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")
     model = _meta_model(cfg, source, echo)
@@ -881,7 +949,12 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
 
     def save(step: int) -> None:
         nonlocal last_saved
-        trainer.save(ckpt_path, extra_state=_train_state(cfg, step, skipped, fingerprint, tokenizer_sha))
+        try:
+            trainer.save(ckpt_path, extra_state=_train_state(cfg, step, skipped, fingerprint, tokenizer_sha))
+        except CheckpointError as e:
+            after = (f"the same command resumes from step {last_saved}" if last_saved is not None
+                     else "the same command starts the run again")
+            raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
         (ckpt_path / TOKENIZER_FILE).write_text(tokenizer_json)
@@ -914,9 +987,10 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
                     metrics.write(json.dumps(row) + "\n")
                     raise MegatrainError(
                         f"{msg}; stopping without saving (nonfinite: stop). "
-                        + (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: resume from it"
-                           if last_saved is not None else "No checkpoint was saved: start again")
-                        + " with a lower lr or max_grad_norm, or set nonfinite: skip")
+                        + (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: the same command "
+                           "resumes from it" if last_saved is not None
+                           else "No checkpoint was saved: the same command starts the run again")
+                        + "; add a lower --lr or --max-grad-norm, or --nonfinite skip")
                 bar.write(f"warning: {msg}; skipped (nonfinite: skip)")
             if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 val_loss = _evaluate(trainer, dataset, cfg)
@@ -934,7 +1008,8 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         if stop.name is not None:
             if last_saved != step:
                 save(step)
-            bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. Resume with --model {ckpt_path}")
+            bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
+                      "from it")
 
     rows = _read_metrics(metrics_path)
     try:

@@ -353,5 +353,11 @@ def test_bad_data_tokenizer_and_output_dir_are_clean_errors(first_run, setup, tm
     assert run(setup, tmp_path / "o2", "--tokenizer", str(big), "--model",
                str(write_model(tmp_path / "small.json", vocab_size=300))) == 2
     assert "has 320 tokens but the model's vocab_size is 300" in one_error_line(capsys.readouterr().err)
-    assert run(setup, first_run) == 2  # a directory holding another run
-    assert f"resume the run in it with --model {first_run / 'checkpoint'}" in one_error_line(capsys.readouterr().err)
+    assert run(setup, first_run) == 2  # the same command again: the finished run resumes, with nothing to do
+    assert "is at step 8, and max_steps is 8: nothing to do" in one_error_line(capsys.readouterr().err)
+    assert run(setup, first_run, "--seed", "3") == 2  # another run
+    assert "holds another run (seed=0 there, 3 now)" in one_error_line(capsys.readouterr().err)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    assert run(setup, tmp_path / "foreign") == 2
+    assert "holds no megatrain run of its own (it holds notes.txt)" in one_error_line(capsys.readouterr().err)
