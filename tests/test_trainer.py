@@ -386,3 +386,15 @@ def test_a_failed_backward_without_clipping_updates_no_layer_twice():
     assert all(torch.equal(blocks[i], before[i]) for i in range(n - 1))
     trainer.step(_good(6))
     assert [float(s) for s in trainer.host.steps] == [1.0] * (n - 1) + [2.0]
+
+
+def test_compile_refuses_encoders_and_sequences_past_the_positions():
+    from transformers import BertConfig, BertLMHeadModel
+
+    bert = BertLMHeadModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      intermediate_size=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+    with pytest.raises(UnsupportedModelError, match="model_type 'bert' is an encoder family"):
+        megatrain.compile(bert, seq_len=8)
+    with pytest.raises(ConfigError, match="seq_len=65 exceeds .*max_position_embeddings=64"):
+        megatrain.compile(tiny_llama(layers=1), seq_len=65)
