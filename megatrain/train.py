@@ -85,6 +85,8 @@ MiB = 1 << 20
 CHECKPOINT_DIR = "checkpoint"
 METRICS_FILE = "metrics.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
 CONFIG_FILE = "train_config.json"
 PLOT_FILE = "loss.png"
 STATE_KEY = "megatrain_train"
@@ -758,6 +760,28 @@ def _prepare_data(cfg: TrainConfig, source: ModelSource, echo):
     return tokenizer, dataset, eot
 
 
+def _match_special_tokens(model, tokenizer, eot: str, seq_len: int) -> dict:
+    """Make the model's config and generation config name the tokenizer's special tokens, and
+    return the ``tokenizer_config.json`` that lets ``transformers.AutoTokenizer`` load the checkpoint.
+
+    The end-of-text token the data were packed with is the end of sequence; the beginning of
+    sequence is the tokenizer's own (``<|begin_of_text|>``, ``<s>``, ``<bos>``) or, as with GPT-2's
+    byte-level BPE, the end-of-text token too. A config's default ids (often 1 and 2) would
+    otherwise make generation stop on the wrong token.
+    """
+    bos = next((t for t in BOS_CANDIDATES if tokenizer.token_to_id(t) is not None), eot)
+    ids = {"bos_token_id": tokenizer.token_to_id(bos), "eos_token_id": tokenizer.token_to_id(eot)}
+    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        if cfg is not None:
+            for k, v in ids.items():
+                setattr(cfg, k, v)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(gen, "pad_token_id", None) is None:
+        gen.pad_token_id = ids["eos_token_id"]  # packed rows have no padding token; generate() needs one
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eot,
+            "model_max_length": seq_len}
+
+
 def _train_state(cfg: TrainConfig, step: int, skipped: int, fingerprint: str, tokenizer_sha: str) -> dict:
     return {STATE_KEY: {
         "version": STATE_VERSION, "step": step, "batches_consumed": step, "skipped_steps": skipped,
@@ -929,11 +953,12 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     if source.tied and source.kind == "config":
         echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")
     model = _meta_model(cfg, source, echo)
-    tokenizer, dataset, _ = _prepare_data(cfg, source, echo)
+    tokenizer, dataset, eot = _prepare_data(cfg, source, echo)
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped = _compile_and_load(cfg, model, source, fingerprint, echo)
     rates = _rates(cfg, trainer, hw, cpu_peak, echo)
+    tokenizer_config = _match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len)
 
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(cfg.model_dump_json(indent=1) + "\n")
@@ -958,6 +983,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
         (ckpt_path / TOKENIZER_FILE).write_text(tokenizer_json)
+        (ckpt_path / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1) + "\n")
         last_saved = step
 
     from tqdm import tqdm

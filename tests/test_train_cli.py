@@ -491,3 +491,20 @@ def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_d
     assert run(setup, resumed, "--max-steps", str(STEPS + 1)) == 0  # the same command, one step more
     assert "continuing from" in capsys.readouterr().out
     assert [r["step"] for r in rows(resumed)] == list(range(1, STEPS + 2))
+
+
+def test_the_checkpoint_names_the_tokenizers_special_tokens_and_generates(first_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    ckpt = first_run / "checkpoint"
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    gen = GenerationConfig.from_pretrained(ckpt)
+    eot = tok.convert_ids_to_tokens(tok.eos_token_id)
+    assert eot == "<|endoftext|>" and tok.eos_token_id == tok.convert_tokens_to_ids(eot)
+    assert model.config.eos_token_id == gen.eos_token_id == tok.eos_token_id
+    assert model.config.bos_token_id == gen.bos_token_id == tok.bos_token_id  # byte-level BPE: the same token
+    ids = tok("def main():", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 4) or out[0, -1] == tok.eos_token_id  # stops only at end-of-text
+    assert tok.decode(out[0, :ids.shape[1]]) == "def main():"
