@@ -278,7 +278,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
-        cfg = load_train_config(args.config, overrides)
+        cfg = load_train_config(args.config, overrides, saved_run=True)
         train(cfg)
     except MegatrainError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -119,8 +119,8 @@ MATMUL_SECONDS = 0.3
 class TrainConfig(pydantic.BaseModel):
     """Everything ``megatrain train`` needs; each field is also a flag (``seq_len`` -> ``--seq-len``).
 
-    Paths are relative to the working directory. Optional fields take ``null`` in a file and
-    ``none`` on the command line.
+    Paths in a config file are relative to the file's directory, paths in flags to the working
+    directory. Optional fields take ``null`` in a file and ``none`` on the command line.
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -201,13 +201,20 @@ def _describe(e: pydantic.ValidationError) -> str:
     return "; ".join(parts)
 
 
-def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None, *,
+                      saved_run: bool = False) -> TrainConfig:
     """The config from a YAML (``.yaml``/``.yml``) or JSON (``.json``) file with ``overrides`` on top.
 
     Args:
-        path: the config file, a mapping of TrainConfig fields; None for flags only.
+        path: the config file, a mapping of TrainConfig fields; None for flags only. Relative
+            paths in it (``model``, ``data``, ``tokenizer``, ``hardware``, ``output_dir``) are relative
+            to the file's directory; a ``model`` or ``hardware`` naming no file there stays as it is
+            (a preset name).
         overrides: field values that replace the file's (the CLI's flags); the string ``"none"`` or
             ``"null"`` sets an optional field to None.
+        saved_run: when ``output_dir`` holds a run's ``train_config.json``, its settings are the
+            defaults under the file and the flags (``megatrain train`` sets this, so a resume needs
+            only ``--model`` and ``--output-dir``).
 
     Raises:
         ConfigError: the file is missing, not YAML/JSON, not a mapping, or a field is unknown,
@@ -241,16 +248,40 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of fields, not a {type(loaded).__name__}")
-        values.update(loaded)
+        values.update(_relative_to(p.parent, loaded))
     optional = {name for name, f in TrainConfig.model_fields.items() if _allows_none(f.annotation)}
     for k, v in (overrides or {}).items():
         if k in optional and isinstance(v, str) and v.strip().lower() in ("none", "null"):
             v = None
         values[k] = v
+    if saved_run and isinstance(values.get("output_dir"), str):
+        saved = Path(values["output_dir"]) / CONFIG_FILE
+        if saved.is_file():  # the run in output_dir: its settings are the defaults
+            try:
+                run = json.loads(saved.read_bytes().decode("utf-8"))
+            except ValueError as e:
+                raise ConfigError(f"{saved} is not valid JSON ({e}); delete it or choose another output_dir") from None
+            if isinstance(run, dict):
+                values = {**{k: v for k, v in run.items() if k in TrainConfig.model_fields}, **values}
+                where += f" on top of {saved}"
     try:
         return TrainConfig.model_validate(values)
     except pydantic.ValidationError as e:
         raise ConfigError(f"invalid train config ({where}): {_describe(e)}") from None
+
+
+_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir")
+
+
+def _relative_to(base: Path, loaded: dict) -> dict:
+    out = dict(loaded)
+    for k in _PATH_FIELDS:
+        v = out.get(k)
+        if isinstance(v, str) and v and not Path(v).is_absolute():
+            p = base / v
+            if k in ("data", "tokenizer", "output_dir") or p.exists():
+                out[k] = str(p)
+    return out
 
 
 def _allows_none(annotation) -> bool:
@@ -720,7 +751,11 @@ def _prepare_data(cfg: TrainConfig, source: ModelSource, echo):
 
     try:
         t0 = time.perf_counter()
-        docs = D.load_documents(cfg.data, max_bytes=cfg.max_bytes, text_field=cfg.text_field)
+        skipped: list[Path] = []
+        docs = D.load_documents(cfg.data, max_bytes=cfg.max_bytes, text_field=cfg.text_field, skipped=skipped)
+        if skipped:
+            echo(f"note: data: skipped {len(skipped)} file{'s' if len(skipped) > 1 else ''} that are not UTF-8 "
+                 f"text ({', '.join(str(p) for p in skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
         vocab = source.config.vocab_size
         if cfg.tokenizer is not None:
             tokenizer, origin = D.load_tokenizer(cfg.tokenizer), cfg.tokenizer
@@ -869,6 +904,13 @@ def _compile_and_load(cfg: TrainConfig, model, source: ModelSource, fingerprint:
                               "(no data position to resume from); copy its config.json and model*.safetensors "
                               "into a new directory to start from its weights")
     _check_resume(state, cfg, source.directory, fingerprint)
+    now = {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "max_steps": cfg.max_steps,
+           "min_lr_ratio": cfg.min_lr_ratio}
+    changed = [f"{k}={now[k]} (was {v})" for k, v in state["lr_schedule"].items() if now.get(k) != v]
+    if changed:
+        echo(f"warning: resuming with {', '.join(changed)}: the learning-rate schedule differs from the run's "
+             f"from step {state['step'] + 1} on (a resume needs only --model and --output-dir; the run's other "
+             "settings come from its train_config.json)")
     saved = trainer.optimizer.model_copy(update={"lr": optimizer.lr})
     if saved != optimizer:
         echo(f"note: the checkpoint's AdamW settings were {saved.model_dump()}; going on with this config's "

@@ -431,9 +431,13 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         options = CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size,
                                  micro_batches=micro_batches, input_names=tuple(input_names), device=device,
                                  max_grad_norm=max_grad_norm)
-        opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
     except pydantic.ValidationError as e:
         raise ConfigError(_describe(e)) from None
+    if optimizer is not None and not isinstance(optimizer, (AdamW, Mapping)):
+        raise ConfigError(f"optimizer={type(optimizer).__module__}.{type(optimizer).__qualname__}: megatrain runs "
+                          "AdamW itself on the host tiles, so it takes the settings, not an optimizer object; pass "
+                          "megatrain.AdamW(lr=..., betas=..., eps=..., weight_decay=...) or a dict of those fields")
+    opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
     check_model(model, options.seq_len)
     backend = make_backend(options.device)
     traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,

@@ -488,8 +488,10 @@ def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_d
     shutil.copytree(first_run, resumed)
     with open(resumed / "metrics.jsonl", "a") as f:
         f.write('{"step": 9, "lo')
-    assert run(setup, resumed, "--max-steps", str(STEPS + 1)) == 0  # the same command, one step more
-    assert "continuing from" in capsys.readouterr().out
+    # Only the checkpoint, the output_dir and one more step: the run's other settings come from it.
+    assert main(["train", "--model", str(resumed / "checkpoint"), "--output-dir", str(resumed), "--max-steps",
+                 str(STEPS + 1)]) == 0
+    assert f"warning: resuming with max_steps={STEPS + 1} (was {STEPS})" in capsys.readouterr().out
     assert [r["step"] for r in rows(resumed)] == list(range(1, STEPS + 2))
 
 
@@ -508,3 +510,19 @@ def test_the_checkpoint_names_the_tokenizers_special_tokens_and_generates(first_
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 4) or out[0, -1] == tok.eos_token_id  # stops only at end-of-text
     assert tok.decode(out[0, :ids.shape[1]]) == "def main():"
+
+
+def test_config_paths_are_relative_to_the_file_and_binary_files_are_reported(tmp_path):
+    from megatrain.data import load_documents
+
+    sub = tmp_path / "conf"
+    (sub / "corpus").mkdir(parents=True)
+    (sub / "corpus" / "a.py").write_text("x = 1\n")
+    (sub / "corpus" / "b.txt").write_bytes(b"\xff\xfe\x00binary")
+    (sub / "c.json").write_text("{}")
+    (sub / "run.yaml").write_text("model: c.json\ndata: corpus\noutput_dir: out\nhardware: H100_SXM\n")
+    cfg = T.load_train_config(sub / "run.yaml")
+    assert (cfg.model, cfg.data, cfg.output_dir) == (str(sub / "c.json"), str(sub / "corpus"), str(sub / "out"))
+    assert cfg.hardware == "H100_SXM"  # names no file there: a preset
+    skipped = []
+    assert load_documents(cfg.data, skipped=skipped) == ["x = 1\n"] and skipped == [sub / "corpus" / "b.txt"]

@@ -398,3 +398,11 @@ def test_compile_refuses_encoders_and_sequences_past_the_positions():
         megatrain.compile(bert, seq_len=8)
     with pytest.raises(ConfigError, match="seq_len=65 exceeds .*max_position_embeddings=64"):
         megatrain.compile(tiny_llama(layers=1), seq_len=65)
+
+
+def test_optimizer_errors_are_config_errors_that_say_what_to_pass():
+    with pytest.raises(ConfigError, match=r"invalid AdamW settings: lr=-1"):
+        megatrain.AdamW(lr=-1)
+    model = tiny_gpt(layers=1)
+    with pytest.raises(ConfigError, match=r"torch.optim.adamw.AdamW.*pass megatrain.AdamW\(lr="):
+        megatrain.compile(model, seq_len=8, optimizer=torch.optim.AdamW(model.parameters()))
