@@ -113,7 +113,7 @@ class Trainer:
         try:
             self.executor.run(sched, [])
         except BaseException as e:
-            self._end_failed_run()
+            self._end_failed_run(e)
             self._pending_layers -= set(self.executor.updated)
             if not isinstance(e, Exception):
                 raise
@@ -123,14 +123,15 @@ class Trainer:
                 "flush() or step() again applies the rest") from (cause or e)
         self._pending_layers = frozenset()
 
-    def _end_failed_run(self) -> None:
-        """Close the run an exception left open: the backend waits for (or skips) what it queued
-        and starts its next run afresh. The failure itself may surface again here (the CUDA
-        backend's host worker reports it); it is the same failure, already being handled."""
+    def _end_failed_run(self, failure: BaseException) -> None:
+        """Close the run ``failure`` left open: the backend waits for (or skips) what it queued and
+        starts its next run afresh. An error here (the CUDA backend's host worker reporting the
+        same failure, or one it caused) is added to ``failure``'s notes, which the caller raises."""
         try:
             self.backend.synchronize()
-        except Exception:  # noqa: BLE001 - re-raised by the caller as the original exception
-            pass
+        except Exception as e:  # noqa: BLE001 - reported with the failure being handled
+            if e is not failure and e.__cause__ is not failure:
+                failure.add_note(f"then, while the failed run was ended: {type(e).__name__}: {e}")
 
     def _run_step(self, schedule: Schedule, parts, what: str) -> StepOutput:
         """Run a train or eval schedule. When it raises, the trainer's state is made to match one
@@ -141,7 +142,7 @@ class Trainer:
         try:
             return self.executor.run(schedule, parts)
         except BaseException as e:
-            self._end_failed_run()
+            self._end_failed_run(e)
             ran = tuple(self.executor.updated)
             carried = schedule.carries_updates
             if carried and ran:

@@ -247,9 +247,11 @@ def _good(seed: int):
 
 class _Faults:
     """Makes ``backend.launch`` raise at chosen ``(run, op index)`` pairs, counting runs from now;
-    ``after=True`` raises once the op has run (its effect stays), else instead of running it."""
+    ``after=True`` raises once the op has run (its effect stays), else instead of running it;
+    ``inside=True`` makes the op itself raise where it runs (a host op: on the CUDA backend's worker).
+    """
 
-    def __init__(self, backend, at, after: bool = False):
+    def __init__(self, backend, at, after: bool = False, inside: bool = False):
         self.run = self.index = 0
         self.hits: list[tuple[int, int]] = []
         launch, sync = backend.launch, backend.synchronize
@@ -257,6 +259,12 @@ class _Faults:
         def faulty_launch(stream, fn, waits, label=""):
             where = (self.run, self.index)
             self.index += 1
+            if where in at and inside:
+                self.hits.append(where)
+
+                def failing():
+                    raise RuntimeError(f"injected fault in {label}")
+                return launch(stream, failing, waits, label)
             if where in at and not after:
                 self.hits.append(where)
                 raise RuntimeError(f"injected fault at {label}")
@@ -425,3 +433,19 @@ def test_attention_mask_is_an_input_like_the_token_ids():
     trainer = megatrain.compile(model, seq_len=8, micro_batch_size=2,
                                 input_names=("input_ids", "attention_mask", "labels"))
     assert trainer.step(batch).loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_host_op_failing_on_the_cuda_backends_worker_leaves_the_trainer_as_if_it_never_ran(reference):
+    # The CUDA backend's logic on the CPU (FakeCuda): the second carried OPT raises on the host
+    # worker, which skips the host ops queued after it; the GPU op waiting on it raises on the issuing
+    # thread. The trainer learns which updates ran, applies the rest, and matches the CPU reference.
+    from megatrain.runtime.cuda import CUDABackend, FakeCuda
+
+    trainer = _small_trainer()
+    trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())
+    first = trainer.step(_good(1)).loss
+    faults = _Faults(trainer.backend, {(0, _ops(trainer, "OPT")[1])}, inside=True)
+    with pytest.raises(megatrain.StepError, match=r"step 2 failed .*injected fault in OPT:L1.*as if it never saw"):
+        trainer.step(_good(5))
+    assert len(faults.hits) == 1 and trainer.schedule is trainer.schedules.first
+    _assert_as_reference(trainer, reference, first)
