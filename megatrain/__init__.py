@@ -6,8 +6,8 @@ into per-layer FP32 host tiles; ``trainer.step(batch)`` then trains one global b
 """
 
 from megatrain.config import AdamW
-from megatrain.errors import (BatchError, CheckpointError, ConfigError, MegatrainError, PlanError, ScheduleError, TraceError,
-                              UnsupportedModelError)
+from megatrain.errors import (BatchError, CheckpointError, ConfigError, MegatrainError, PlanError, ScheduleError,
+                              StepError, TraceError, UnsupportedModelError)
 from megatrain.planner.plan import Plan
 from megatrain.trainer import StepResult, Trainer, compile
 
@@ -22,6 +22,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "ScheduleError",
+    "StepError",
     "StepResult",
     "TraceError",
     "Trainer",

@@ -521,7 +521,8 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
         CheckpointError: ``dtype`` or ``max_shard_bytes`` out of range, ``extra_state`` not
             JSON-serialisable, or ``path`` an existing file or a non-empty directory that is not a
             megatrain checkpoint (it is never overwritten).
-        OSError: the file system refused a write; ``path`` is then left as it was.
+        CheckpointError: also when the file system refused a write (a full disk: ``OSError`` or
+            safetensors' ``SafetensorError`` is the cause); ``path`` is then left as it was.
     """
     if dtype not in _SAVE_DTYPES:
         raise CheckpointError(f"dtype={dtype!r} is not supported; use one of {sorted(_SAVE_DTYPES)}")
@@ -545,8 +546,9 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
         shutil.rmtree(stale, ignore_errors=True)
 
     tmp = path.parent / f".{path.name}.{_TMP_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    had = _is_complete(path)
     try:
+        tmp.mkdir()
         manifest = _write_all(trainer, tmp, _SAVE_DTYPES[dtype], max_shard_bytes, extra)
         state = tmp / STATE_DIR
         # The manifest marks the directory complete, so it appears (by rename) only once every
@@ -557,8 +559,15 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
         os.rename(state / (MANIFEST + ".part"), state / MANIFEST)
         _fsync_dir(state)
         _place(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # safetensors reports a failed write (a full disk, a file size limit) as its own
+        # SafetensorError, not as an OSError.
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+            kept = (f"the previous checkpoint at {path} is intact" if had and _is_complete(path)
+                    else f"nothing was written to {path}")
+            raise CheckpointError(f"{path}: could not write the checkpoint ({type(e).__name__}: {e}); {kept}. "
+                                  "Free disk space (or fix the file system's error) and save again") from e
         raise
     return path
 

@@ -7,7 +7,8 @@ reports whether it fits, where the memory goes and how fast a step is predicted 
 
 Exit codes of ``plan``: 0 a plan fits; 2 no plan fits (the PlanError message says the smallest GPU
 and host memory that would and which layer is the obstacle); 1 invalid input (an unknown model or
-hardware, a bad option).
+hardware, a model that is not a causal decoder, a bad option, an ``--out`` that is a file), with one
+``error: <message>`` line on stderr. ``megatrain --version`` prints the version.
 
 ``megatrain train`` trains a model from a YAML or JSON config file whose every field is also a
 flag (flags win); see :mod:`megatrain.train`.
@@ -31,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from megatrain.errors import MegatrainError, PlanError
+from megatrain import __version__
+from megatrain.errors import ConfigError, MegatrainError, PlanError
 from megatrain.planner import cost
 
 GiB = 1 << 30
@@ -50,6 +52,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="megatrain", description="Train large language models on one GPU with all persistent "
                                               "state in host memory.")
+    p.add_argument("--version", action="version", version=f"megatrain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan a model on a GPU and host, and predict its step",
                           description="Trace a model on the meta device, solve for a plan and report memory "
@@ -232,8 +235,14 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.seq_len < 1 or args.global_batch < 1:
         raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
                           "must be >= 1")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a file; --out names a directory for schedule.json, trace.json and "
+                          "timeline.png: give a directory (new or existing)")
     hw = _load_hardware(args.hardware)
     config = load_model_config(args.model)
+    from megatrain.models import check_causal_decoder
+
+    check_causal_decoder(config, args.model)
     t0 = time.perf_counter()
     # Activations are recorded in the dtype the model computes in, so trace in the compute dtype.
     model = build_meta_model(config, dtype=getattr(torch, args.compute_dtype))
@@ -254,6 +263,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.out is not None:
         try:
             paths = write_outputs(solution, args.out, args.model)
+        except OSError as e:
+            raise ConfigError(f"--out {args.out}: cannot write the plan's files ({e}); give a writable "
+                              "directory") from None
         except ImportError as e:  # matplotlib is an optional dependency (megatrain[plot])
             print(f"\nwrote {args.out / 'schedule.json'}, {args.out / 'trace.json'}; not timeline.png: {e}")
         else:
@@ -266,7 +278,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
-        cfg = load_train_config(args.config, overrides)
+        cfg = load_train_config(args.config, overrides, saved_run=True)
         train(cfg)
     except MegatrainError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -276,7 +288,8 @@ def _train_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(f"error: interrupted ({e or 'SIGINT'}); nothing more was saved, and a checkpoint already written "
-              "is intact", file=sys.stderr)
+              "is intact: the same command resumes from it (or starts the run again when none was written)",
+              file=sys.stderr)
         return 130
     return 0
 
@@ -285,18 +298,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser().parse_args(argv)
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as e:  # --help and --version print and exit 0
+            return e.code if isinstance(e.code, int) else 0
         if args.command == "train":
             return _train_command(args)
         return _plan_command(args)
     except _UsageError as e:
-        if argv[:1] == ["train"]:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(str(e), file=sys.stderr)
-        return 1
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if argv[:1] == ["train"] else 1
     except MegatrainError as e:
-        print(f"megatrain: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 1
 
 

@@ -7,6 +7,8 @@ from typing import Literal
 import pydantic
 from pydantic import Field
 
+from megatrain.errors import ConfigError
+
 
 class AdamW(pydantic.BaseModel):
     """AdamW settings (Loshchilov & Hutter 2019, arXiv:1711.05101), as in ``torch.optim.AdamW``.
@@ -17,6 +19,13 @@ class AdamW(pydantic.BaseModel):
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **settings):
+        """Raises ConfigError (not pydantic's ValidationError) naming each setting out of range."""
+        try:
+            super().__init__(**settings)
+        except pydantic.ValidationError as e:
+            raise ConfigError("invalid AdamW settings: " + describe_validation(e)) from None
 
     lr: float = Field(1e-3, ge=0.0, description="learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="first and second moment decay, each in [0, 1)")
@@ -30,6 +39,15 @@ class AdamW(pydantic.BaseModel):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"{name}={b} must be in [0, 1)")
         return v
+
+
+def describe_validation(e: pydantic.ValidationError) -> str:
+    """pydantic's errors as ``field=value: rule; ...``."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "value"
+        parts.append(f"{loc}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 class CompileOptions(pydantic.BaseModel):

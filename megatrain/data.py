@@ -196,6 +196,7 @@ def load_documents(
     *,
     max_bytes: int | None = DEFAULT_MAX_BYTES,
     text_field: str = "text",
+    skipped: list[Path] | None = None,
 ) -> list[str]:
     """Load text documents from a directory, a text file, a ``.jsonl`` or a ``.parquet`` file.
 
@@ -218,6 +219,9 @@ def load_documents(
             ``None`` loads everything.
         text_field: key of the document text in each ``.jsonl`` object, and
             name of the text column of a ``.parquet`` file.
+        skipped: when given, the text files of a directory skipped because
+            they are not UTF-8 (binary or legacy-encoded) are appended to it,
+            so that the caller can say so.
 
     Returns:
         The documents, in a deterministic order, each a non-empty ``str``;
@@ -264,6 +268,8 @@ def load_documents(
             except UnicodeDecodeError:
                 # Legacy-encoded or deliberately broken files (the stdlib
                 # test suite has some) are not usable text for byte-level BPE.
+                if skipped is not None:
+                    skipped.append(f)
                 continue
             if not data.strip():
                 continue  # empty __init__.py files would add only an EOT token

@@ -31,6 +31,18 @@ class BatchError(MegatrainError, ValueError):
     """A batch does not match the shapes and dtypes the trainer was compiled for."""
 
 
+class StepError(MegatrainError):
+    """A training step raised while its schedule ran (a failing op, out of memory, an interrupt of a
+    kernel). The message says what of the trainer's state changed; ``updated_layers`` lists the
+    layers whose update from the failed batch was applied (only without ``max_grad_norm``, where
+    each layer is updated as its gradients arrive; empty otherwise). The original exception is the
+    ``__cause__``."""
+
+    def __init__(self, message: str, updated_layers: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.updated_layers = updated_layers
+
+
 class CheckpointError(MegatrainError):
     """A checkpoint cannot be written or read: missing, corrupt, interrupted, or made for another
     model. The message names the file and, where there is one, the tensor."""

@@ -85,6 +85,8 @@ MiB = 1 << 20
 CHECKPOINT_DIR = "checkpoint"
 METRICS_FILE = "metrics.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
 CONFIG_FILE = "train_config.json"
 PLOT_FILE = "loss.png"
 STATE_KEY = "megatrain_train"
@@ -117,8 +119,8 @@ MATMUL_SECONDS = 0.3
 class TrainConfig(pydantic.BaseModel):
     """Everything ``megatrain train`` needs; each field is also a flag (``seq_len`` -> ``--seq-len``).
 
-    Paths are relative to the working directory. Optional fields take ``null`` in a file and
-    ``none`` on the command line.
+    Paths in a config file are relative to the file's directory, paths in flags to the working
+    directory. Optional fields take ``null`` in a file and ``none`` on the command line.
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -199,13 +201,20 @@ def _describe(e: pydantic.ValidationError) -> str:
     return "; ".join(parts)
 
 
-def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None, *,
+                      saved_run: bool = False) -> TrainConfig:
     """The config from a YAML (``.yaml``/``.yml``) or JSON (``.json``) file with ``overrides`` on top.
 
     Args:
-        path: the config file, a mapping of TrainConfig fields; None for flags only.
+        path: the config file, a mapping of TrainConfig fields; None for flags only. Relative
+            paths in it (``model``, ``data``, ``tokenizer``, ``hardware``, ``output_dir``) are relative
+            to the file's directory; a ``model`` or ``hardware`` naming no file there stays as it is
+            (a preset name).
         overrides: field values that replace the file's (the CLI's flags); the string ``"none"`` or
             ``"null"`` sets an optional field to None.
+        saved_run: when ``output_dir`` holds a run's ``train_config.json``, its settings are the
+            defaults under the file and the flags (``megatrain train`` sets this, so a resume needs
+            only ``--model`` and ``--output-dir``).
 
     Raises:
         ConfigError: the file is missing, not YAML/JSON, not a mapping, or a field is unknown,
@@ -239,16 +248,40 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of fields, not a {type(loaded).__name__}")
-        values.update(loaded)
+        values.update(_relative_to(p.parent, loaded))
     optional = {name for name, f in TrainConfig.model_fields.items() if _allows_none(f.annotation)}
     for k, v in (overrides or {}).items():
         if k in optional and isinstance(v, str) and v.strip().lower() in ("none", "null"):
             v = None
         values[k] = v
+    if saved_run and isinstance(values.get("output_dir"), str):
+        saved = Path(values["output_dir"]) / CONFIG_FILE
+        if saved.is_file():  # the run in output_dir: its settings are the defaults
+            try:
+                run = json.loads(saved.read_bytes().decode("utf-8"))
+            except ValueError as e:
+                raise ConfigError(f"{saved} is not valid JSON ({e}); delete it or choose another output_dir") from None
+            if isinstance(run, dict):
+                values = {**{k: v for k, v in run.items() if k in TrainConfig.model_fields}, **values}
+                where += f" on top of {saved}"
     try:
         return TrainConfig.model_validate(values)
     except pydantic.ValidationError as e:
         raise ConfigError(f"invalid train config ({where}): {_describe(e)}") from None
+
+
+_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir")
+
+
+def _relative_to(base: Path, loaded: dict) -> dict:
+    out = dict(loaded)
+    for k in _PATH_FIELDS:
+        v = out.get(k)
+        if isinstance(v, str) and v and not Path(v).is_absolute():
+            p = base / v
+            if k in ("data", "tokenizer", "output_dir") or p.exists():
+                out[k] = str(p)
+    return out
 
 
 def _allows_none(annotation) -> bool:
@@ -301,7 +334,8 @@ def resolve_model(spec: str) -> ModelSource:
 
     Raises:
         ConfigError: no such file, directory or preset; a directory without config.json; a
-            config.json transformers cannot read.
+            config.json transformers cannot read (not UTF-8, not JSON, an unknown model_type).
+        UnsupportedModelError: not a causal decoder (``megatrain.models.check_causal_decoder``).
     """
     from megatrain.checkpoint import INDEX_FILE, STATE_DIR
     from megatrain.planner.presets import MODEL_PRESETS, load_model_config
@@ -329,9 +363,12 @@ def resolve_model(spec: str) -> ModelSource:
                           f"({sorted(MODEL_PRESETS)}); give a Hugging Face config.json, a weights directory "
                           "or a megatrain checkpoint")
     config = load_model_config(spec if config_file is None else config_file)
+    from megatrain.models import check_causal_decoder
+
+    check_causal_decoder(config, str(config_file or spec))
     tied = False
     if config_file is not None:
-        raw = json.loads(config_file.read_text())  # load_model_config parsed it already
+        raw = json.loads(config_file.read_bytes().decode("utf-8"))  # load_model_config parsed it already
         if "tie_word_embeddings" in raw:
             tied = bool(raw["tie_word_embeddings"])
         else:
@@ -524,9 +561,24 @@ def _finite(x: float | None) -> float | None:
 
 
 def _read_metrics(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl``. A run killed while writing leaves a partial last line: it is
+    dropped (its step runs again on resume). A bad line elsewhere is a ConfigError."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_bytes().decode("utf-8", errors="replace").splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break  # the partial last line of a killed run
+            raise ConfigError(f"{path}: line {i + 1} is not JSON ({line[:60]!r}); the file was changed after "
+                              "the run wrote it: fix or delete that line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ConfigError(f"{path}: line {i + 1} is not a metrics row with a 'step'; fix or delete it")
+        rows.append(row)
+    return rows
 
 
 def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> None:
@@ -610,19 +662,87 @@ class TrainResult:
     output_dir: Path
 
 
-def _check_output_dir(out: Path, source: ModelSource) -> bool:
-    """Refuse to mix two runs in one directory; True when resuming the run that lives in it."""
+RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR)
+"""What ``megatrain train`` writes in ``output_dir`` (besides the hidden directories of a save)."""
+
+RUN_IDENTITY = ("model", "data", "seq_len", "global_batch", "seed")
+"""Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
+
+
+def _is_save_leftover(name: str) -> bool:
+    from megatrain.checkpoint import _OLD_TAG, _TMP_TAG
+
+    return name.startswith(f".{CHECKPOINT_DIR}.") and (_TMP_TAG in name or _OLD_TAG in name)
+
+
+def _check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> tuple[bool, ModelSource]:
+    """Refuse to mix two runs in one directory, and let a run be re-run with the same command.
+
+    Returns ``(resuming, source)``: resuming the run that lives in ``out`` (from its
+    ``checkpoint/``), with the source to load. ``out`` holding a run with the same
+    :data:`RUN_IDENTITY` settings (its ``train_config.json``) is that run again: with a complete
+    checkpoint it resumes from it; without one (killed before the first save, ``nonfinite: stop``,
+    a crash) its files are removed and it starts over. Then ``out`` must be writable.
+    """
+    from megatrain.checkpoint import _is_complete, _recover
+
     ckpt = out / CHECKPOINT_DIR
     here = source.kind == "checkpoint" and source.directory.resolve() == ckpt.resolve()
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir {out} is a file; give a directory")
-    if out.is_dir() and not here:
-        held = sorted(p.name for p in out.iterdir())
-        if held:
-            raise ConfigError(f"output_dir {out} is not empty (it holds {', '.join(held[:5])}"
-                              f"{' ...' if len(held) > 5 else ''}); choose another output_dir, or resume the "
-                              f"run in it with --model {ckpt}")
-    return here
+        raise ConfigError(f"output_dir {out} is a file; set output_dir (--output-dir) to a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not here:
+        saved = _saved_settings(out)
+        foreign = [n for n in held if n not in RUN_FILES and not _is_save_leftover(n)]
+        if saved is None or foreign:
+            _recover(ckpt)
+            hint = (f", or resume the run in it with --model {ckpt}" if _is_complete(ckpt) else "")
+            raise ConfigError(f"output_dir {out} is not empty and holds no megatrain run of its own (it holds "
+                              f"{', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); choose another "
+                              f"output_dir{hint}")
+        differ = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in RUN_IDENTITY
+                  if saved.get(k) != getattr(cfg, k)]
+        if differ:
+            raise ConfigError(f"output_dir {out} holds another run ({'; '.join(differ)}); choose another "
+                              f"output_dir, or continue that run with its settings (see {out / CONFIG_FILE})")
+        _recover(ckpt)
+        if _is_complete(ckpt):
+            echo(f"resume: {out} holds this run with a checkpoint; continuing from {ckpt}")
+            source, here = resolve_model(str(ckpt)), True
+        else:
+            import shutil
+
+            echo(f"note: {out} holds this run, stopped before its first complete checkpoint; starting it again")
+            for name in held:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    _check_writable(out)
+    return here, source
+
+
+def _saved_settings(out: Path) -> dict | None:
+    try:
+        saved = json.loads((out / CONFIG_FILE).read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def _check_writable(out: Path) -> None:
+    """Create ``out`` and a file in it (then remove what was made): before data and compile."""
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    probe = out / f".megatrain-write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir {out} is not writable ({e.strerror or e}): set output_dir "
+                          "(--output-dir) to a directory you can write") from None
+    finally:
+        for p in made:  # deepest first; left as it was
+            if p.is_dir():
+                p.rmdir()
 
 
 def _prepare_data(cfg: TrainConfig, source: ModelSource, echo):
@@ -631,7 +751,11 @@ def _prepare_data(cfg: TrainConfig, source: ModelSource, echo):
 
     try:
         t0 = time.perf_counter()
-        docs = D.load_documents(cfg.data, max_bytes=cfg.max_bytes, text_field=cfg.text_field)
+        skipped: list[Path] = []
+        docs = D.load_documents(cfg.data, max_bytes=cfg.max_bytes, text_field=cfg.text_field, skipped=skipped)
+        if skipped:
+            echo(f"note: data: skipped {len(skipped)} file{'s' if len(skipped) > 1 else ''} that are not UTF-8 "
+                 f"text ({', '.join(str(p) for p in skipped[:3])}{', ...' if len(skipped) > 3 else ''})")
         vocab = source.config.vocab_size
         if cfg.tokenizer is not None:
             tokenizer, origin = D.load_tokenizer(cfg.tokenizer), cfg.tokenizer
@@ -669,6 +793,28 @@ def _prepare_data(cfg: TrainConfig, source: ModelSource, echo):
          f"{cfg.seq_len} ({packed.padding_fraction:.1%} padding); tokenizer: {origin}, vocab "
          f"{tokenizer.get_vocab_size():,}, end-of-text {eot!r} ({time.perf_counter() - t0:.1f} s)")
     return tokenizer, dataset, eot
+
+
+def _match_special_tokens(model, tokenizer, eot: str, seq_len: int) -> dict:
+    """Make the model's config and generation config name the tokenizer's special tokens, and
+    return the ``tokenizer_config.json`` that lets ``transformers.AutoTokenizer`` load the checkpoint.
+
+    The end-of-text token the data were packed with is the end of sequence; the beginning of
+    sequence is the tokenizer's own (``<|begin_of_text|>``, ``<s>``, ``<bos>``) or, as with GPT-2's
+    byte-level BPE, the end-of-text token too. A config's default ids (often 1 and 2) would
+    otherwise make generation stop on the wrong token.
+    """
+    bos = next((t for t in BOS_CANDIDATES if tokenizer.token_to_id(t) is not None), eot)
+    ids = {"bos_token_id": tokenizer.token_to_id(bos), "eos_token_id": tokenizer.token_to_id(eot)}
+    for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        if cfg is not None:
+            for k, v in ids.items():
+                setattr(cfg, k, v)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(gen, "pad_token_id", None) is None:
+        gen.pad_token_id = ids["eos_token_id"]  # packed rows have no padding token; generate() needs one
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eot,
+            "model_max_length": seq_len}
 
 
 def _train_state(cfg: TrainConfig, step: int, skipped: int, fingerprint: str, tokenizer_sha: str) -> dict:
@@ -715,8 +861,10 @@ def _meta_model(cfg: TrainConfig, source: ModelSource, echo):
     graph = trace(model, micro_batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len).graph
     # The plan compile will choose: clipping keeps one host gradient tile per layer.
     plan = default_plan(graph, cfg.micro_batches, clip_gradients=cfg.max_grad_norm is not None)
+    # On the CPU backend the model is built on the CPU before compile moves it (_compile_and_load).
+    built = 4 * graph.param_count if cfg.device == "cpu" else 0
     needed = preflight_host_memory(graph, plan, data_bytes=_data_bytes(cfg),
-                                   checkpoint_bytes=_largest_safetensors(source.directory),
+                                   checkpoint_bytes=_largest_safetensors(source.directory) + built,
                                    available=available_host_memory())
     echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
          f"layers; host memory needed about {human_bytes(needed)}")
@@ -731,6 +879,14 @@ def _compile_and_load(cfg: TrainConfig, model, source: ModelSource, fingerprint:
     import megatrain
 
     torch.manual_seed(cfg.seed)
+    if cfg.device == "cpu":
+        # Models branch on the device type while they are traced (Mixtral's expert histogram takes
+        # an int32 input except on the CPU, where histc has no integer kernel): a model built on the
+        # meta device would be traced for a GPU. On the CPU backend build it on the CPU (4 bytes a
+        # parameter for the moment compile moves it into the host tiles; the preflight counts them).
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
     optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay)
     trainer = megatrain.compile(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
@@ -748,6 +904,13 @@ def _compile_and_load(cfg: TrainConfig, model, source: ModelSource, fingerprint:
                               "(no data position to resume from); copy its config.json and model*.safetensors "
                               "into a new directory to start from its weights")
     _check_resume(state, cfg, source.directory, fingerprint)
+    now = {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "max_steps": cfg.max_steps,
+           "min_lr_ratio": cfg.min_lr_ratio}
+    changed = [f"{k}={now[k]} (was {v})" for k, v in state["lr_schedule"].items() if now.get(k) != v]
+    if changed:
+        echo(f"warning: resuming with {', '.join(changed)}: the learning-rate schedule differs from the run's "
+             f"from step {state['step'] + 1} on (a resume needs only --model and --output-dir; the run's other "
+             "settings come from its train_config.json)")
     saved = trainer.optimizer.model_copy(update={"lr": optimizer.lr})
     if saved != optimizer:
         echo(f"note: the checkpoint's AdamW settings were {saved.model_dump()}; going on with this config's "
@@ -825,15 +988,19 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     out = Path(cfg.output_dir)
     hw = load_hardware_spec(cfg.hardware) if cfg.hardware else None
     source = resolve_model(cfg.model)
-    resuming_here = _check_output_dir(out, source)
+    from megatrain.models import check_positions
+
+    check_positions(source.config, cfg.seq_len, cfg.model)
+    resuming_here, source = _check_output_dir(out, source, cfg, echo)
     if source.tied and source.kind == "config":
         echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")
     model = _meta_model(cfg, source, echo)
-    tokenizer, dataset, _ = _prepare_data(cfg, source, echo)
+    tokenizer, dataset, eot = _prepare_data(cfg, source, echo)
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped = _compile_and_load(cfg, model, source, fingerprint, echo)
     rates = _rates(cfg, trainer, hw, cpu_peak, echo)
+    tokenizer_config = _match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len)
 
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(cfg.model_dump_json(indent=1) + "\n")
@@ -849,10 +1016,16 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
 
     def save(step: int) -> None:
         nonlocal last_saved
-        trainer.save(ckpt_path, extra_state=_train_state(cfg, step, skipped, fingerprint, tokenizer_sha))
+        try:
+            trainer.save(ckpt_path, extra_state=_train_state(cfg, step, skipped, fingerprint, tokenizer_sha))
+        except CheckpointError as e:
+            after = (f"the same command resumes from step {last_saved}" if last_saved is not None
+                     else "the same command starts the run again")
+            raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
         (ckpt_path / TOKENIZER_FILE).write_text(tokenizer_json)
+        (ckpt_path / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1) + "\n")
         last_saved = step
 
     from tqdm import tqdm
@@ -882,9 +1055,10 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
                     metrics.write(json.dumps(row) + "\n")
                     raise MegatrainError(
                         f"{msg}; stopping without saving (nonfinite: stop). "
-                        + (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: resume from it"
-                           if last_saved is not None else "No checkpoint was saved: start again")
-                        + " with a lower lr or max_grad_norm, or set nonfinite: skip")
+                        + (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: the same command "
+                           "resumes from it" if last_saved is not None
+                           else "No checkpoint was saved: the same command starts the run again")
+                        + "; add a lower --lr or --max-grad-norm, or --nonfinite skip")
                 bar.write(f"warning: {msg}; skipped (nonfinite: skip)")
             if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 val_loss = _evaluate(trainer, dataset, cfg)
@@ -902,7 +1076,8 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         if stop.name is not None:
             if last_saved != step:
                 save(step)
-            bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. Resume with --model {ckpt_path}")
+            bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
+                      "from it")
 
     rows = _read_metrics(metrics_path)
     try:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from megatrain.config import AdamW, CompileOptions
-from megatrain.errors import BatchError, ConfigError
+from megatrain.errors import BatchError, ConfigError, StepError
+from megatrain.models import check_model
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.lower import gradient_tiles, lower
 from megatrain.planner.plan import OptimizerPlacement, Plan, default_plan
@@ -20,7 +21,7 @@ from megatrain.planner.schedule import Schedule
 from megatrain.planner.trace import TracedModel, trace
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, make_backend
-from megatrain.runtime.executor import Executor
+from megatrain.runtime.executor import Executor, StepOutput
 from megatrain.runtime.host import HostState, bind_module
 
 
@@ -40,6 +41,8 @@ class StepResult:
     loss is known before any of them (nothing is applied), but a non-finite gradient in layer ``i``
     is found only when it arrives, so the layers after ``i`` (updated before it) keep their
     update, and ``skipped_layers`` lists those that were not updated.
+
+    A step that raises returns no StepResult; see ``Trainer.step`` for what it leaves behind.
     """
 
     step: int
@@ -72,27 +75,95 @@ class Trainer:
         self.schedules = schedules
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
-        self._pending = False  # the last step's update waits for the next schedule (NEXT_FORWARD)
+        # Layers whose update from the last step waits for the next schedule (NEXT_FORWARD). All of
+        # them after a step; a subset only after a failure stopped a run part-way through them.
+        self._pending_layers: frozenset[int] = frozenset()
+        self._token_limits = _token_limits(model, options.input_names)
         self._clip_scale: float | None = None
         self._pending_optimizer: AdamW | None = None
 
     @property
     def schedule(self) -> Schedule:
         """The schedule of a steady-state training step (the one the next step runs)."""
-        return self.schedules.carrying if self._pending else self.schedules.first
+        carries = self._pending_layers and self._pending_layers == frozenset(self.schedules.tiles)
+        return self.schedules.carrying if carries else self.schedules.first
 
     def flush(self) -> None:
         """Apply the update the last step deferred (plans whose optimizer steps run in the next
         step's forward, as with ``max_grad_norm``). ``evaluate`` and ``save`` call it; call it
-        before reading ``model.state_dict()`` yourself. A no-op when nothing is pending."""
-        if self._pending:
+        before reading ``model.state_dict()`` yourself. A no-op when nothing is pending.
+
+        Raises:
+            StepError: an optimizer step raised; the updates that ran are not pending any more, the
+                others still are (a later ``flush`` or ``step`` applies them, each exactly once).
+        """
+        if self._pending_layers:
             self.executor.set_update(self._clip_scale, self._pending_optimizer)
-            self.executor.run(self.schedules.update, [])
-            self._pending = False
+            self._apply_pending(None)
 
     def drop_pending_updates(self) -> None:
         """Forget a deferred update without applying it (after loading a checkpoint)."""
-        self._pending = False
+        self._pending_layers = frozenset()
+
+    def _apply_pending(self, cause: BaseException | None) -> None:
+        """Run the pending layers' optimizer steps alone (an ``"update"`` schedule of just those)."""
+        full = self.schedules.update
+        sched = full if self._pending_layers == frozenset(self.schedules.tiles) else dataclasses.replace(
+            full, ops=tuple(op for op in full.ops if op.layer in self._pending_layers))
+        try:
+            self.executor.run(sched, [])
+        except BaseException as e:
+            self._end_failed_run(e)
+            self._pending_layers -= set(self.executor.updated)
+            if not isinstance(e, Exception):
+                raise
+            raise StepError(
+                f"a deferred optimizer step failed ({type(e).__name__}: {e}); the updates of layers "
+                f"{sorted(self._pending_layers)} are still pending and the others were applied once: calling "
+                "flush() or step() again applies the rest") from (cause or e)
+        self._pending_layers = frozenset()
+
+    def _end_failed_run(self, failure: BaseException) -> None:
+        """Close the run ``failure`` left open: the backend waits for (or skips) what it queued and
+        starts its next run afresh. An error here (the CUDA backend's host worker reporting the
+        same failure, or one it caused) is added to ``failure``'s notes, which the caller raises."""
+        try:
+            self.backend.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported with the failure being handled
+            if e is not failure and e.__cause__ is not failure:
+                failure.add_note(f"then, while the failed run was ended: {type(e).__name__}: {e}")
+
+    def _run_step(self, schedule: Schedule, parts, what: str) -> StepOutput:
+        """Run a train or eval schedule. When it raises, the trainer's state is made to match one
+        of two stories and the error says which: with deferred updates (NEXT_FORWARD), the
+        previous step's update was applied in full (or not at all, and is still pending) and
+        nothing of this batch was; with updates during backward, the layers listed in
+        ``StepError.updated_layers`` took this batch's update once and the rest are untouched."""
+        try:
+            return self.executor.run(schedule, parts)
+        except BaseException as e:
+            self._end_failed_run(e)
+            ran = tuple(self.executor.updated)
+            carried = schedule.carries_updates
+            if carried and ran:
+                self._pending_layers -= set(ran)
+                if self._pending_layers:  # part of the previous step's update ran: apply the rest
+                    self._apply_pending(e)
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the state is consistent
+                raise
+            if carried or not ran:
+                previous = ("" if not carried else " The previous step's update was applied in full."
+                            if not self._pending_layers else " The previous step's update is still pending.")
+                state = f"nothing of this batch was applied.{previous} The trainer is as if it never saw the batch"
+                updated = ()
+            else:
+                state = (f"the optimizer steps of layers {list(ran)} had already applied this batch's gradients "
+                         "(without max_grad_norm each layer is updated as its gradients arrive); the other layers "
+                         "are as before the step and no layer was updated twice. Compile with max_grad_norm to "
+                         "have a failed step leave nothing behind")
+                updated = ran
+            raise StepError(f"{what} failed while running ({type(e).__name__}: {e}); {state}.",
+                            updated_layers=updated) from e
 
     def set_optimizer(self, optimizer: AdamW) -> None:
         """Use these AdamW settings from the next optimizer step on (moments and steps are kept)."""
@@ -135,20 +206,31 @@ class Trainer:
         split along dim 0 into ``micro_batches`` micro-batches of ``micro_batch_size``.
 
         Raises:
-            BatchError: missing or extra inputs, or a shape or dtype other than compiled.
+            BatchError: missing or extra inputs, a shape or dtype other than compiled, or a token id
+                (``input_ids``) or label (``labels``, -100 ignored) outside the model's vocabulary;
+                checked before anything runs, so nothing changes.
+            StepError: the schedule raised while it ran (the cause is chained). With
+                ``max_grad_norm`` (deferred updates) the trainer is then as if the batch had never
+                been given: the previous step's update is applied exactly once, in full or still
+                pending, and parameters, moments and step counts hold nothing of the failed batch.
+                Without it, layers whose update ran before the failure keep it (once; listed in
+                ``StepError.updated_layers``) and the others are as before. ``step_count`` does not
+                advance. KeyboardInterrupt is re-raised as it is, after the same clean-up.
         """
         o = self.options
         parts = self._split(batch, o.micro_batches)
         t0 = time.perf_counter()
-        if self._pending:
+        if self._pending_layers:
             self.executor.set_update(self._clip_scale, self._pending_optimizer)
-        out = self.executor.run(self.schedule, parts)
+            if self.schedule is self.schedules.first:  # a failure left part of the update pending
+                self._apply_pending(None)
+        out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}")
         seconds = time.perf_counter() - t0
         self.step_count += 1
         losses = tuple(out.losses)
         if self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD:
             # The update waits for the next schedule; it is dropped here when anything was not finite.
-            self._pending = out.finite
+            self._pending_layers = frozenset(self.schedules.tiles) if out.finite else frozenset()
             self._pending_optimizer = self.optimizer  # a later set_lr is for the next step's update
             max_norm = o.max_grad_norm
             # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
@@ -176,7 +258,7 @@ class Trainer:
             sched = lower(self.graph, _with_micro_batches(self.plan, k), mode="eval")
             verify(sched, self.graph)
             self._eval_schedules[k] = sched
-        out = self.executor.run(self._eval_schedules[k], self._split(batch, k))
+        out = self._run_step(self._eval_schedules[k], self._split(batch, k), "evaluate")
         return sum(out.losses) / len(out.losses)
 
     # -- batches ---------------------------------------------------------------------------------
@@ -216,6 +298,8 @@ class Trainer:
                 raise BatchError(f"batch[{name!r}] has shape {tuple(t.shape)}, but the trainer was compiled "
                                  f"for [{k} micro-batches x {o.micro_batch_size}, {o.seq_len}] = {list(want)}: "
                                  "pad or crop the batch, or compile again with its shape")
+        for name, limit in self._token_limits.items():
+            _check_ids(name, d[name], limit)
         mbs = o.micro_batch_size
         return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
 
@@ -224,6 +308,43 @@ def _missing(names: Sequence[str], have: set[str]) -> None:
     miss = [n for n in names if n not in have]
     if miss:
         raise BatchError(f"batch lacks inputs {miss}; the model was compiled with inputs {list(names)}")
+
+
+IGNORE_INDEX = -100
+"""The label that ``torch.nn.functional.cross_entropy`` (and Hugging Face causal LMs) skip."""
+
+
+def _token_limits(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
+    """The exclusive upper bound of ``input_ids`` (the input embedding's rows) and of ``labels``
+    (the output layer's rows), where the model shows them: Hugging Face's ``get_input_embeddings``
+    / ``get_output_embeddings``, else the model's first ``nn.Embedding`` for both."""
+    def call(name: str):
+        fn = getattr(model, name, None)
+        try:
+            return fn() if callable(fn) else None
+        except (NotImplementedError, AttributeError):  # transformers' base class without embeddings
+            return None
+
+    emb = call("get_input_embeddings")
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    head = call("get_output_embeddings")
+    vocab_in = emb.num_embeddings if isinstance(emb, nn.Embedding) else None
+    vocab_out = head.out_features if isinstance(head, nn.Linear) else vocab_in
+    limits = {"input_ids": vocab_in, "labels": vocab_out}
+    return {n: limits[n] for n in names if limits.get(n) is not None}
+
+
+def _check_ids(name: str, t: torch.Tensor, limit: int) -> None:
+    bad = (t < 0) | (t >= limit)
+    if name == "labels":
+        bad &= t != IGNORE_INDEX
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        allowed = f"0..{limit - 1}" + (f" or {IGNORE_INDEX} (ignored)" if name == "labels" else "")
+        raise BatchError(f"batch[{name!r}] holds {int(t[where])} at {list(where)}, but the model has {limit} "
+                         f"{'embedding rows' if name == 'input_ids' else 'output classes'} ({name} must be "
+                         f"{allowed}); use a tokenizer that matches the model's vocab_size")
 
 
 def _with_micro_batches(plan: Plan, k: int) -> Plan:
@@ -300,8 +421,10 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
             step's update first (``Trainer.flush``).
 
     Raises:
-        ConfigError: an option or optimizer setting out of range.
-        TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
+        ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
+            model's ``max_position_embeddings`` (``megatrain.models.check_positions``).
+        TraceError / UnsupportedModelError: the model cannot be traced or is not supported (a
+            Hugging Face model that is not a causal decoder: ``megatrain.models``).
         PlanError, ScheduleError: the plan does not fit the model.
         Nothing is bound to the model unless every step before binding succeeded.
     """
@@ -309,9 +432,14 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         options = CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size,
                                  micro_batches=micro_batches, input_names=tuple(input_names), device=device,
                                  max_grad_norm=max_grad_norm)
-        opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
     except pydantic.ValidationError as e:
         raise ConfigError(_describe(e)) from None
+    if optimizer is not None and not isinstance(optimizer, (AdamW, Mapping)):
+        raise ConfigError(f"optimizer={type(optimizer).__module__}.{type(optimizer).__qualname__}: megatrain runs "
+                          "AdamW itself on the host tiles, so it takes the settings, not an optimizer object; pass "
+                          "megatrain.AdamW(lr=..., betas=..., eps=..., weight_decay=...) or a dict of those fields")
+    opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
+    check_model(model, options.seq_len)
     backend = make_backend(options.device)
     traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                    input_names=options.input_names)

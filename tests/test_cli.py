@@ -63,14 +63,37 @@ def test_plan_exits_2_with_the_minimum_memory_when_nothing_fits(tmp_path, capsys
 
 
 def test_plan_exits_1_on_bad_input(tmp_path, capsys):
+    def error_line() -> str:
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+        return err
+
     assert main(["plan", "--model", "no-such-model", "--hardware", "H100_SXM", "--seq-len", "8",
                  "--global-batch", "1"]) == 1
-    assert "neither a preset" in capsys.readouterr().err
+    assert "neither a preset" in error_line()
     cfg = write_config(tmp_path / "config.json")
     assert main(["plan", "--model", str(cfg), "--hardware", "TPU", "--seq-len", "8", "--global-batch", "1"]) == 1
-    assert "no hardware preset named 'TPU'" in capsys.readouterr().err
+    assert "no hardware preset named 'TPU'" in error_line()
     assert main(["plan", "--model", str(cfg)]) == 1  # argparse's own exit status 2 means "does not fit" here
-    assert "required" in capsys.readouterr().err
+    assert "required" in error_line()
+    bert = tmp_path / "bert.json"
+    bert.write_text(json.dumps(dict(model_type="bert", vocab_size=96, hidden_size=32, num_hidden_layers=1,
+                                    num_attention_heads=4, intermediate_size=64)))
+    assert main(["plan", "--model", str(bert), "--hardware", "H100_SXM", "--seq-len", "8", "--global-batch", "1"]) == 1
+    assert "model_type 'bert' is an encoder family" in error_line()
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps(dict(model_type="no-such-type")))
+    assert main(["plan", "--model", str(unknown), "--hardware", "H100_SXM", "--seq-len", "8",
+                 "--global-batch", "1"]) == 1
+    line = error_line()
+    assert "cannot build a config of model_type 'no-such-type'" in line and len(line) < 400, line
+
+
+def test_version(capsys):
+    import megatrain
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"megatrain {megatrain.__version__}"
 
 
 def test_load_model_config_unties_embeddings_and_rejects_bad_files(tmp_path):

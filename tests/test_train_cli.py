@@ -353,5 +353,176 @@ def test_bad_data_tokenizer_and_output_dir_are_clean_errors(first_run, setup, tm
     assert run(setup, tmp_path / "o2", "--tokenizer", str(big), "--model",
                str(write_model(tmp_path / "small.json", vocab_size=300))) == 2
     assert "has 320 tokens but the model's vocab_size is 300" in one_error_line(capsys.readouterr().err)
-    assert run(setup, first_run) == 2  # a directory holding another run
-    assert f"resume the run in it with --model {first_run / 'checkpoint'}" in one_error_line(capsys.readouterr().err)
+    assert run(setup, first_run) == 2  # the same command again: the finished run resumes, with nothing to do
+    assert "is at step 8, and max_steps is 8: nothing to do" in one_error_line(capsys.readouterr().err)
+    assert run(setup, first_run, "--seed", "3") == 2  # another run
+    assert "holds another run (seed=0 there, 3 now)" in one_error_line(capsys.readouterr().err)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    assert run(setup, tmp_path / "foreign") == 2
+    assert "holds no megatrain run of its own (it holds notes.txt)" in one_error_line(capsys.readouterr().err)
+
+
+# -- failure paths in real processes ----------------------------------------------------------------
+# Each was a traceback (exit 1) or a run that could not be re-run. The processes of one test run
+# side by side: they are independent, and the suite runs on two cores.
+
+REPO = Path(__file__).parents[1]
+
+
+def _start(*args: str, limit_file_bytes: int | None = None) -> subprocess.Popen:
+    def limit():  # a write past the limit fails with EFBIG, as a full disk fails with ENOSPC
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
+
+    return subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)},
+                            preexec_fn=limit if limit_file_bytes else None)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def _train_args(setup: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--config", str(setup / "run.yaml"), "--output-dir", str(out), "--max-steps", "1",
+            "--warmup-steps", "0", "--eval-batches", "1", *extra]
+
+
+def test_bad_models_and_plan_out_are_one_error_line_in_a_real_process(setup, tmp_path):
+    t5 = tmp_path / "t5.json"
+    t5.write_text(json.dumps(dict(model_type="t5", vocab_size=320, d_model=32, num_layers=2, num_heads=4)))
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(json.dumps({**TINY, "note": "caf\xe9"}, ensure_ascii=False).encode("latin-1"))
+    (tmp_path / "a_file").write_text("")
+    procs = {
+        "t5": _start(*_train_args(setup, tmp_path / "o1", "--model", str(t5))),
+        "latin1": _start(*_train_args(setup, tmp_path / "o2", "--model", str(latin1))),
+        "plan --out a file": _start("plan", "--model", str(write_model(tmp_path / "c.json")), "--hardware",
+                                    "H100_SXM", "--seq-len", "8", "--global-batch", "1", "--out",
+                                    str(tmp_path / "a_file")),
+    }
+    res = {k: _finish(p) for k, p in procs.items()}
+    expect = {"t5": (2, "model_type 't5' is an encoder-decoder model; megatrain trains causal decoder-only"),
+              "latin1": (2, "latin1.json is not UTF-8 text"),
+              "plan --out a file": (1, "a_file is a file; --out names a directory")}
+    for k, (code, text) in expect.items():
+        rc, out, err = res[k]
+        line = one_error_line(err)
+        assert rc == code and text in line, (k, rc, err)
+        assert len(line) < 400, f"{k}: a {len(line)}-character message"
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_failed_save_is_an_error_line_and_the_same_command_runs_again(setup, tmp_path):
+    # The first process may write files of at most 64 KB: the 0.16 MB model shard fails (a full disk
+    # as far as the run can tell), before any checkpoint exists. The same command then starts over.
+    # Beside it, Mixtral (a mixture of experts) trains a step on the CPU backend.
+    mixtral = write_model(tmp_path / "mixtral.json", model_type="mixtral", num_local_experts=4,
+                          num_experts_per_tok=2)
+    out = tmp_path / "out"
+    full = _start(*_train_args(setup, out), limit_file_bytes=64 * 1024)
+    moe = _start(*_train_args(setup, tmp_path / "moe", "--model", str(mixtral)))
+    rc, _, err = _finish(full)
+    line = one_error_line(err)
+    assert rc == 2 and "could not write the checkpoint" in line and "nothing was written" in line, err
+    assert "the same command starts the run again" in line
+    assert not (out / "checkpoint").exists() and (out / "train_config.json").is_file()
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [], "a partial save was left behind"
+    again = _start(*_train_args(setup, out))
+    rc, stdout, err = _finish(moe)
+    assert rc == 0 and rows(tmp_path / "moe")[0]["applied"], err
+    rc, stdout, err = _finish(again)
+    assert rc == 0, err
+    assert "stopped before its first complete checkpoint; starting it again" in stdout
+    assert [r["step"] for r in rows(out)] == [1] and saved_state(out / "checkpoint")["step"] == 1
+
+
+def test_models_that_are_not_causal_decoders_or_too_short_are_refused_first(setup, tmp_path, capsys):
+    # BERT with its default dropout: the model kind is the error, not the dropout.
+    bert = tmp_path / "bert.json"
+    bert.write_text(json.dumps(dict(model_type="bert", vocab_size=320, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64)))
+    assert run(setup, tmp_path / "o", "--model", str(bert)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "model_type 'bert' is an encoder family with bidirectional attention" in line and "dropout" not in line
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps(dict(model_type="gpt2", vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                    embd_pdrop=0, resid_pdrop=0, attn_pdrop=0)))
+    assert run(setup, tmp_path / "o", "--model", str(gpt2)) == 2  # seq_len 32
+    assert "seq_len=32 exceeds" in (line := one_error_line(capsys.readouterr().err)) and "n_positions=16" in line
+    llama = write_model(tmp_path / "llama.json", max_position_embeddings=16)
+    assert run(setup, tmp_path / "o", "--model", str(llama)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "max_position_embeddings=16" in line and "rotary positions are computed" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_unwritable_output_dir_is_refused_before_the_data(setup, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(T, "_prepare_data", lambda *a: pytest.fail("data prepared before the check"))
+    assert run(setup, tmp_path / "a_file" / "out") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "a_file/out is not writable" in line and "--output-dir" in line
+
+
+def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_dropped(
+        first_run, setup, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "stop"
+    monkeypatch.setattr(Trainer, "step", _poison_step(2))
+    assert run(setup, out, "--nonfinite", "stop", "--max-steps", "3") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "No checkpoint was saved: the same command starts the run again" in line
+    monkeypatch.undo()
+    monkeypatch.setattr(T, "MATMUL_SECONDS", 0.02)
+    assert run(setup, out, "--nonfinite", "stop", "--max-steps", "3") == 0
+    assert "starting it again" in capsys.readouterr().out
+    assert [r["applied"] for r in rows(out)] == [True] * 3
+
+    # A run killed while writing metrics.jsonl: the partial line is dropped when it resumes.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(first_run, resumed)
+    with open(resumed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "lo')
+    # Only the checkpoint, the output_dir and one more step: the run's other settings come from it.
+    assert main(["train", "--model", str(resumed / "checkpoint"), "--output-dir", str(resumed), "--max-steps",
+                 str(STEPS + 1)]) == 0
+    assert f"warning: resuming with max_steps={STEPS + 1} (was {STEPS})" in capsys.readouterr().out
+    assert [r["step"] for r in rows(resumed)] == list(range(1, STEPS + 2))
+
+
+def test_the_checkpoint_names_the_tokenizers_special_tokens_and_generates(first_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    ckpt = first_run / "checkpoint"
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    gen = GenerationConfig.from_pretrained(ckpt)
+    eot = tok.convert_ids_to_tokens(tok.eos_token_id)
+    assert eot == "<|endoftext|>" and tok.eos_token_id == tok.convert_tokens_to_ids(eot)
+    assert model.config.eos_token_id == gen.eos_token_id == tok.eos_token_id
+    assert model.config.bos_token_id == gen.bos_token_id == tok.bos_token_id  # byte-level BPE: the same token
+    ids = tok("def main():", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 4) or out[0, -1] == tok.eos_token_id  # stops only at end-of-text
+    assert tok.decode(out[0, :ids.shape[1]]) == "def main():"
+
+
+def test_config_paths_are_relative_to_the_file_and_binary_files_are_reported(tmp_path):
+    from megatrain.data import load_documents
+
+    sub = tmp_path / "conf"
+    (sub / "corpus").mkdir(parents=True)
+    (sub / "corpus" / "a.py").write_text("x = 1\n")
+    (sub / "corpus" / "b.txt").write_bytes(b"\xff\xfe\x00binary")
+    (sub / "c.json").write_text("{}")
+    (sub / "run.yaml").write_text("model: c.json\ndata: corpus\noutput_dir: out\nhardware: H100_SXM\n")
+    cfg = T.load_train_config(sub / "run.yaml")
+    assert (cfg.model, cfg.data, cfg.output_dir) == (str(sub / "c.json"), str(sub / "corpus"), str(sub / "out"))
+    assert cfg.hardware == "H100_SXM"  # names no file there: a preset
+    skipped = []
+    assert load_documents(cfg.data, skipped=skipped) == ["x = 1\n"] and skipped == [sub / "corpus" / "b.txt"]

@@ -16,7 +16,7 @@ from conftest import random_batch, tiny_gpt, tiny_llama
 def test_public_surface_is_pinned():
     assert sorted(megatrain.__all__) == sorted([
         "AdamW", "BatchError", "CheckpointError", "ConfigError", "MegatrainError", "Plan", "PlanError", "ScheduleError",
-        "StepResult", "TraceError", "Trainer", "UnsupportedModelError", "compile"])
+        "StepError", "StepResult", "TraceError", "Trainer", "UnsupportedModelError", "compile"])
     for name in megatrain.__all__:
         assert hasattr(megatrain, name)
 
@@ -225,3 +225,227 @@ def test_hardware_for_the_solver_is_validated():
         megatrain.compile(tiny_llama(layers=1), seq_len=8, micro_batch_size=1, hardware="B300")
     with pytest.raises(ConfigError, match="compute_dtype='float16'"):
         megatrain.compile(tiny_llama(layers=1), seq_len=8, micro_batch_size=1, compute_dtype="float16")
+
+
+# -- a step that raises -----------------------------------------------------------------------------
+# The reference trains batches 1 and 2; the faulty run trains 1, then a step that raises (a bad batch,
+# or a fault injected at a chosen op), then 2. A failed step must leave the trainer as if it had
+# never been called, so both runs agree bit for bit (the same ops on the same CPU in the same order).
+
+VOCAB = 96
+
+
+def _small_trainer(clip: bool = True, model=None):
+    torch.manual_seed(0)
+    return megatrain.compile(model or tiny_gpt(layers=1, vocab=VOCAB), seq_len=8, micro_batch_size=2,
+                             max_grad_norm=1.0 if clip else None)
+
+
+def _good(seed: int):
+    return random_batch(2, 8, VOCAB, seed=seed)
+
+
+class _Faults:
+    """Makes ``backend.launch`` raise at chosen ``(run, op index)`` pairs, counting runs from now;
+    ``after=True`` raises once the op has run (its effect stays), else instead of running it;
+    ``inside=True`` makes the op itself raise where it runs (a host op: on the CUDA backend's worker).
+    """
+
+    def __init__(self, backend, at, after: bool = False, inside: bool = False):
+        self.run = self.index = 0
+        self.hits: list[tuple[int, int]] = []
+        launch, sync = backend.launch, backend.synchronize
+
+        def faulty_launch(stream, fn, waits, label=""):
+            where = (self.run, self.index)
+            self.index += 1
+            if where in at and inside:
+                self.hits.append(where)
+
+                def failing():
+                    raise RuntimeError(f"injected fault in {label}")
+                return launch(stream, failing, waits, label)
+            if where in at and not after:
+                self.hits.append(where)
+                raise RuntimeError(f"injected fault at {label}")
+            handle = launch(stream, fn, waits, label)
+            if where in at:
+                self.hits.append(where)
+                raise RuntimeError(f"injected fault after {label}")
+            return handle
+
+        def counting_sync():
+            self.run, self.index = self.run + 1, 0
+            sync()
+
+        backend.launch, backend.synchronize = faulty_launch, counting_sync
+
+
+def _flushed_state(trainer):
+    trainer.flush()
+    return [b.clone() for b in trainer.host.blocks], [float(s) for s in trainer.host.steps]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    trainer = _small_trainer()
+    losses = [trainer.step(_good(s)).loss for s in (1, 2)]
+    return losses, _flushed_state(trainer)
+
+
+def _assert_as_reference(trainer, reference, first_loss):
+    ref_losses, (ref_blocks, ref_steps) = reference
+    losses = [first_loss, trainer.step(_good(2)).loss]
+    assert trainer.step_count == 2
+    assert losses == ref_losses, "a failed step changed what later steps compute"
+    blocks, steps = _flushed_state(trainer)
+    assert steps == ref_steps == [2.0] * len(steps), "an update was applied twice or lost"
+    assert all(torch.equal(a, b) for a, b in zip(blocks, ref_blocks)), "weights or moments differ"
+
+
+def test_out_of_range_ids_are_a_batch_error_before_anything_runs():
+    # A Hugging Face model: the bounds come from get_input_embeddings / get_output_embeddings.
+    trainer = _small_trainer(model=tiny_llama(layers=1, vocab=VOCAB))
+    trainer.step(_good(1))
+    before = _state(trainer)
+    for name, bad in (("input_ids", VOCAB), ("input_ids", -1), ("labels", VOCAB), ("labels", -2)):
+        batch = _good(5)
+        batch[name][1, 3] = bad
+        with pytest.raises(BatchError, match=rf"batch\['{name}'\] holds {bad} at \[1, 3\].*{VOCAB}"):
+            trainer.step(batch)
+    assert trainer.step_count == 1 and trainer.schedule is trainer.schedules.carrying, "the update is still pending"
+    after = _state(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))
+    batch = _good(5)
+    batch["labels"][:, :4] = -100  # the ignore index is not refused
+    assert math.isfinite(trainer.step(batch).loss)
+
+
+def _ops(trainer, kind):
+    return [i for i, op in enumerate(trainer.schedules.carrying.ops) if op.kind.name == kind]
+
+
+# Where the fault hits the carrying schedule (it starts with the previous step's optimizer steps,
+# interleaved with the forward): which op, and whether before or after it ran.
+_FAULTS = {
+    "first carried OPT, before it runs (none ran)": (lambda t: _ops(t, "OPT")[0], False),
+    "second carried OPT, before it runs (one ran)": (lambda t: _ops(t, "OPT")[1], False),
+    "second carried OPT, after it ran": (lambda t: _ops(t, "OPT")[1], True),
+    "forward after every carried OPT": (lambda t: [i for i in _ops(t, "FWD") if i > _ops(t, "OPT")[-1]][0], False),
+    "second local backward": (lambda t: _ops(t, "BWD")[1], False),
+    "last gradient copy, after it ran": (lambda t: _ops(t, "D2H")[-1], True),
+}
+
+
+@pytest.mark.parametrize("where", list(_FAULTS))
+def test_a_step_that_raises_leaves_the_trainer_as_if_it_never_ran(reference, where):
+    trainer = _small_trainer()
+    first = trainer.step(_good(1)).loss
+    pick, after = _FAULTS[where]
+    index = pick(trainer)
+    faults = _Faults(trainer.backend, {(0, index)}, after=after)
+    with pytest.raises(megatrain.StepError, match=r"step 2 failed .*injected fault.*as if it never saw the batch"):
+        trainer.step(_good(5))
+    assert faults.hits == [(0, index)] and trainer.step_count == 1
+    _assert_as_reference(trainer, reference, first)
+
+
+def test_a_failure_while_finishing_the_carried_updates_leaves_the_rest_pending(reference):
+    # The step fails after one carried OPT ran; the trainer then runs the others alone, and that
+    # fails too before its first one: two updates stay pending, and the next step applies them
+    # (once) before running its batch with the schedule that carries no update.
+    trainer = _small_trainer()
+    first = trainer.step(_good(1)).loss
+    faults = _Faults(trainer.backend, {(0, _ops(trainer, "OPT")[1]), (1, 0)})
+    with pytest.raises(megatrain.StepError, match=r"updates of layers \[1, 2\] are still pending"):
+        trainer.step(_good(5))
+    assert len(faults.hits) == 2 and trainer.schedule is trainer.schedules.first
+    _assert_as_reference(trainer, reference, first)
+
+
+def test_a_failed_flush_applies_each_update_once(reference):
+    trainer = _small_trainer()
+    losses = [trainer.step(_good(s)).loss for s in (1, 2)]
+    _Faults(trainer.backend, {(0, 1)})
+    with pytest.raises(megatrain.StepError, match=r"updates of layers \[1, 2\] are still pending"):
+        trainer.flush()
+    assert losses == reference[0]
+    blocks, steps = _flushed_state(trainer)  # applies the rest
+    assert steps == reference[1][1] and all(torch.equal(a, b) for a, b in zip(blocks, reference[1][0]))
+
+
+def test_a_failed_backward_without_clipping_updates_no_layer_twice():
+    # Without max_grad_norm each layer's update runs as soon as its gradients arrive: a fault in the
+    # second local backward comes after the last layer's update, which stays (applied once).
+    clean = _small_trainer(clip=False)
+    before, _ = _state(clean)
+    clean.step(_good(5))
+    once, _ = _state(clean)
+    trainer = _small_trainer(clip=False)
+    bwd = [i for i, op in enumerate(trainer.schedules.first.ops) if op.kind.name == "BWD"]
+    _Faults(trainer.backend, {(0, bwd[1])})
+    n = len(trainer.graph.layers)
+    with pytest.raises(megatrain.StepError, match=rf"layers \[{n - 1}\] had already applied") as info:
+        trainer.step(_good(5))
+    assert info.value.updated_layers == (n - 1,) and trainer.step_count == 0
+    blocks, steps = _state(trainer)
+    assert [float(s) for s in steps] == [0.0] * (n - 1) + [1.0]
+    assert torch.equal(blocks[n - 1], once[n - 1])
+    assert all(torch.equal(blocks[i], before[i]) for i in range(n - 1))
+    trainer.step(_good(6))
+    assert [float(s) for s in trainer.host.steps] == [1.0] * (n - 1) + [2.0]
+
+
+def test_compile_refuses_encoders_and_sequences_past_the_positions():
+    from transformers import BertConfig, BertLMHeadModel
+
+    bert = BertLMHeadModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      intermediate_size=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+    with pytest.raises(UnsupportedModelError, match="model_type 'bert' is an encoder family"):
+        megatrain.compile(bert, seq_len=8)
+    with pytest.raises(ConfigError, match="seq_len=65 exceeds .*max_position_embeddings=64"):
+        megatrain.compile(tiny_llama(layers=1), seq_len=65)
+
+
+def test_optimizer_errors_are_config_errors_that_say_what_to_pass():
+    with pytest.raises(ConfigError, match=r"invalid AdamW settings: lr=-1"):
+        megatrain.AdamW(lr=-1)
+    model = tiny_gpt(layers=1)
+    with pytest.raises(ConfigError, match=r"torch.optim.adamw.AdamW.*pass megatrain.AdamW\(lr="):
+        megatrain.compile(model, seq_len=8, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_attention_mask_is_an_input_like_the_token_ids():
+    # The same first-step loss as the eager model given the same mask; FP32 on both sides, the
+    # difference being only the summation order of per-layer templates (DESIGN.md's 1e-5 relative).
+    torch.manual_seed(0)
+    model = tiny_llama(layers=1, vocab=VOCAB)
+    eager = tiny_llama(layers=1, vocab=VOCAB)
+    eager.load_state_dict(model.state_dict())
+    batch = _good(1)
+    batch["attention_mask"] = torch.ones(2, 8, dtype=torch.long)
+    batch["attention_mask"][0, :3] = 0
+    with torch.no_grad():
+        expected = float(eager(**batch).loss)
+        unmasked = float(eager(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+    assert abs(expected - unmasked) > 1e-3, "the mask must change the loss for this test to mean anything"
+    trainer = megatrain.compile(model, seq_len=8, micro_batch_size=2,
+                                input_names=("input_ids", "attention_mask", "labels"))
+    assert trainer.step(batch).loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_host_op_failing_on_the_cuda_backends_worker_leaves_the_trainer_as_if_it_never_ran(reference):
+    # The CUDA backend's logic on the CPU (FakeCuda): the second carried OPT raises on the host
+    # worker, which skips the host ops queued after it; the GPU op waiting on it raises on the issuing
+    # thread. The trainer learns which updates ran, applies the rest, and matches the CPU reference.
+    from megatrain.runtime.cuda import CUDABackend, FakeCuda
+
+    trainer = _small_trainer()
+    trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())
+    first = trainer.step(_good(1)).loss
+    faults = _Faults(trainer.backend, {(0, _ops(trainer, "OPT")[1])}, inside=True)
+    with pytest.raises(megatrain.StepError, match=r"step 2 failed .*injected fault in OPT:L1.*as if it never saw"):
+        trainer.step(_good(5))
+    assert len(faults.hits) == 1 and trainer.schedule is trainer.schedules.first
+    _assert_as_reference(trainer, reference, first)

@@ -119,9 +119,14 @@ def load_model_config(name_or_path: str | os.PathLike):
                               "config.json file: pass a preset name or the path of a Hugging Face "
                               "config.json")
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_bytes().decode("utf-8"))  # JSON is UTF-8 whatever the locale
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8 (JSON files are)") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e}); pass a Hugging Face config.json") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not an object; pass a Hugging Face "
+                              "config.json")
         source = str(path)
     model_type = d.pop("model_type", None)
     if not model_type:
@@ -133,8 +138,12 @@ def load_model_config(name_or_path: str | os.PathLike):
     try:
         return AutoConfig.for_model(model_type, **d)
     except (ValueError, KeyError) as e:
+        # transformers' message lists every model type it knows (about 12,000 characters): keep its
+        # first sentence.
+        first = str(e).split(". ")[0].split("\n")[0][:200]
         raise ConfigError(f"{source}: transformers cannot build a config of model_type "
-                          f"{model_type!r}: {e}") from None
+                          f"{model_type!r} ({first}); use a causal decoder's model_type such as "
+                          "llama, mistral, qwen2 or gpt2") from None
 
 
 def build_meta_model(config, dtype=None):

@@ -103,6 +103,9 @@ class Executor:
         self._flags = backend.host_empty((n,), torch.bool)  # True: the layer's values were finite
         self._skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
         self._skipped: list[int] = []
+        # Layers whose optimizer step ran in the current (or last) run, in order: after a run that
+        # raised, the caller reads which updates were applied (Trainer keeps its state consistent).
+        self.updated: list[int] = []
         self._grad_scale: torch.Tensor | None = None  # for carried (NEXT_FORWARD) updates
         self._carried_optimizer: AdamW | None = None
         # Per schedule (by identity, holding it alive): when each checkpoint is read for the last time.
@@ -165,6 +168,7 @@ class Executor:
         events: list[Any] = [None] * len(schedule.ops)
         self._skip = False
         self._skipped = []
+        self.updated = []
         trained: list[int] = []
 
         for i, op in enumerate(schedule.ops):
@@ -370,6 +374,7 @@ class Executor:
                 [h.master(li)[:n]], [ring_tile[:n]], [h.exp_avg(li)[:n]], [h.exp_avg_sq(li)[:n]], [],
                 [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
                 beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+            self.updated.append(li)
         return run
 
     def _host_keys(self, op: Op, layer_by_layer: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
