@@ -1,9 +1,10 @@
 """Kernels that layer templates call in place of ops whose intermediates would not fit.
 
-Two kernels, each installed by a graph pass of :mod:`megatrain.planner.trace`:
-:func:`linear_cross_entropy` (the LM head fused with its loss, below) and
+Three kernels, each installed by a graph pass of :mod:`megatrain.planner.trace`:
+:func:`linear_cross_entropy` (the LM head fused with its loss, below),
 :func:`sequence_chunked` (a token-wise region of a layer run a chunk of the sequence at a time, at
-the end of this docstring).
+the end of this docstring) and :func:`without_autocast` (one op that autocast must not recast:
+rotary angle math, see its docstring).
 
 ``linear_cross_entropy``: the LM head (a linear layer ``hidden -> vocab``) fused with the
 token-level cross-entropy, computed ``chunk_tokens`` rows at a time so the ``[tokens, vocab]``
@@ -296,5 +297,21 @@ def sequence_chunked(region: Callable[..., Sequence[torch.Tensor]], chunks: int,
     return tuple(result)
 
 
+def without_autocast(op: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
+    """``op(*args, **kwargs)`` with autocast off on the device of its first tensor argument.
+
+    The op computes in its inputs' own dtypes (FP32 for the rotary angle math this is for), also
+    when the caller runs under ``torch.autocast``, which would otherwise run a matmul such as
+    ``inv_freq @ position_ids`` in BF16: at position 4096 a BF16 angle is off by up to 16 rad (8
+    mantissa bits), so cos/sin would be wrong by up to 2.0. Transformers disables autocast around
+    that math; ``torch.export`` keeps no trace of a region that is a no-op at trace time, so
+    :func:`megatrain.planner.trace.keep_position_math_fp32` restores it per op with this kernel.
+    Without a tensor argument, or on a device without autocast (``meta``), it just calls ``op``.
+    """
+    dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    with _no_autocast(dev) if dev is not None else contextlib.nullcontext():
+        return op(*args, **kwargs)
+
+
 __all__ = ["REDUCTIONS", "chunk_bounds", "linear_cross_entropy", "linear_cross_entropy_work_bytes",
-           "sequence_chunked"]
+           "sequence_chunked", "without_autocast"]

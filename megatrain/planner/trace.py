@@ -85,7 +85,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain.errors import TraceError, UnsupportedModelError
 from megatrain.kernels import (chunk_bounds, linear_cross_entropy, linear_cross_entropy_work_bytes,
-                               sequence_chunked)
+                               sequence_chunked, without_autocast)
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
 
 _aten = torch.ops.aten
@@ -1278,6 +1278,156 @@ def chunk_sequence_regions(gm: fx.GraphModule, *, batch: int, seq_len: int, acti
     return done
 
 
+# -- export clean-up -------------------------------------------------------------------------------
+
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and every graph nested in it (the bodies of higher-order ops such as
+    ``wrap_with_set_grad_enabled``, which export makes of a ``torch.no_grad`` region)."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
+def _nested_calls(gm: fx.GraphModule, n: fx.Node) -> list[tuple[fx.GraphModule, tuple]]:
+    """(body, operands) of each graph a higher-order op ``n`` calls: the arguments after the body."""
+    out = []
+    for i, a in enumerate(n.args):
+        if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule):
+            out.append((getattr(gm, a.target), tuple(n.args[i + 1:])))
+    return out
+
+
+def erase_metadata_asserts(gm: fx.GraphModule) -> int:
+    """Drop the ``aten._assert_tensor_metadata`` checks export inserts, in ``gm`` and every nested graph.
+
+    They assert the dtype and device each ``.to()`` saw at trace time: they would pin a template
+    to the trace device, and under autocast (BF16 compute) they fail where an input's dtype
+    legitimately differs from the FP32 trace. Returns how many were erased; recompiles what changed.
+    """
+    erased = 0
+    for m in _graph_modules(gm):
+        dead = [n for n in m.graph.nodes if n.op == "call_function" and n.target in _ASSERT_OPS]
+        for n in dead:
+            m.graph.erase_node(n)
+        if dead:
+            m.graph.eliminate_dead_code()
+            m.recompile()
+        erased += len(dead)
+    return erased
+
+
+# Ops autocast runs in its low-precision dtype (torch/csrc/autograd/autocast_mode.cpp, the
+# ``lower_precision_fp`` lists of CUDA and CPU) that can appear in position arithmetic.
+_AUTOCAST_LOW = {_aten.mm, _aten.bmm, _aten.matmul, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.addmv,
+                 _aten.addr, _aten.mv, _aten.linear, _aten.einsum, _aten.chain_matmul, _aten.linalg_multi_dot,
+                 _aten.linalg_vecdot, _aten.dot, _aten.vdot}
+
+
+def keep_position_math_fp32(gm: fx.GraphModule, learned: Collection[str]) -> int:
+    """Run every matmul-like op that reads no learned value with autocast off, in ``gm`` and its nested graphs.
+
+    Position and angle arithmetic (rotary ``inv_freq @ position_ids``, ALiBi slopes) is computed
+    from buffers, constants, integer inputs and ``arange`` alone. Models compute it in FP32 and
+    switch autocast off around it (transformers' rotary embeddings: ``maybe_autocast(...,
+    enabled=False)``), because in BF16 the angle at position ``p`` is off by up to ``p * 2**-8``
+    rad. Export traces in FP32 without autocast, so that region is a no-op and leaves nothing in
+    the graph; the executor then runs the template under autocast for BF16 compute, and the
+    matmul would run in BF16. Each such op, one whose inputs depend on no placeholder named in
+    ``learned`` (parameters and floating-point batch inputs: where learned or data values enter),
+    becomes a call of :func:`megatrain.kernels.without_autocast`, so it computes in its inputs'
+    dtype under any autocast; in FP32 nothing changes. Other position ops (cos, sin, cat, mul) are
+    not recast by autocast. Dependence follows values into the bodies of higher-order ops.
+    Rewrites in place; returns how many ops were wrapped.
+    """
+    return _pin_fp32(gm, {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in learned})
+
+
+def _pin_fp32(gm: fx.GraphModule, tainted: set[fx.Node]) -> int:
+    tainted = set(tainted)
+    nested: dict[int, tuple[fx.GraphModule, set[fx.Node]]] = {}
+    wrap = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if any(a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
+        for body, operands in _nested_calls(gm, n):
+            phs = [p for p in body.graph.nodes if p.op == "placeholder"]
+            # wrap_with_set_grad_enabled and wrap_with_autocast pass their operands to the body's
+            # placeholders in order; for any other layout every placeholder is tainted if the call is.
+            inner = ({p for p, a in zip(phs, operands) if a in tainted} if len(phs) == len(operands)
+                     else set(phs) if n in tainted else set())
+            nested.setdefault(id(body), (body, set()))[1].update(inner)  # a body called twice: either's taint
+        packet = getattr(n.target, "overloadpacket", None)
+        if n not in tainted and packet in _AUTOCAST_LOW:
+            wrap.append(n)
+    for n in wrap:
+        n.args = (n.target, *n.args)
+        n.target = without_autocast
+    if wrap:
+        gm.recompile()
+    return len(wrap) + sum(_pin_fp32(body, inner) for body, inner in nested.values())
+
+
+def expand_grouped_kv(gm: fx.GraphModule) -> int:
+    """Give grouped-query attention (GQA) as many key/value heads as query heads, in ``gm`` and its nested graphs.
+
+    Transformers calls ``scaled_dot_product_attention(..., enable_gqa=True)`` where no mask is
+    passed (megatrain's causal trace). On CUDA only the flash and cuDNN kernels accept
+    ``enable_gqa``; they need FP16/BF16, and the memory-efficient kernel, the one FP32 runs on,
+    rejects it (PyTorch ``sdp_utils``; huggingface/transformers#46960), so FP32 GQA would fall back
+    to the math kernel, which holds ``[B, H, S, S]`` scores the memory model does not count. Each
+    such call is rewritten to take ``k`` and ``v`` expanded from ``Hkv`` to ``H`` heads (head ``h``
+    reads KV head ``h // (H / Hkv)``, the grouping SDPA and ``repeat_interleave`` use), which is
+    what transformers' own ``repeat_kv`` path computes: the same outputs, gradients equal up to
+    the order of the group sums, and a fused kernel in every dtype. The expanded K and V (and
+    their gradients) are graph values, so :func:`_work_bytes` counts them. Rewrites in place;
+    returns how many attention calls changed.
+    """
+    done = 0
+    for m in _graph_modules(gm):
+        g = m.graph
+        changed = False
+        for n in list(g.nodes):
+            if n.op != "call_function" or n.target not in _ATTENTION or not _bind(n).get("enable_gqa"):
+                continue
+            q, k, v = n.args[:3]
+            heads = _val(q).shape[-3]
+            expanded = []
+            for kv in (k, v):
+                kvv = _val(kv)
+                nd, kv_heads = kvv.dim(), kvv.shape[-3]
+                if heads % kv_heads:
+                    raise TraceError(f"attention {n.name}: {heads} query heads are not a multiple of {kv_heads} "
+                                     "key/value heads, which scaled_dot_product_attention's enable_gqa requires")
+                group = heads // kv_heads
+                if group == 1:
+                    expanded.append(kv)
+                    continue
+                grouped = [*kvv.shape[:-2], group, *kvv.shape[-2:]]
+                with g.inserting_before(n):
+                    u = g.call_function(_aten.unsqueeze.default, (kv, nd - 2))
+                    e = g.call_function(_aten.expand.default, (u, grouped))
+                    r = g.call_function(_aten.reshape.default, (e, [*kvv.shape[:-3], heads, *kvv.shape[-2:]]))
+                u.meta["val"] = kvv.unsqueeze(nd - 2)
+                e.meta["val"] = u.meta["val"].expand(grouped)
+                r.meta["val"] = e.meta["val"].reshape(r.args[1])
+                for x in (u, e, r):
+                    x.meta["nn_module_stack"] = dict(n.meta.get("nn_module_stack", {}))
+                expanded.append(r)
+            schema = [a.name for a in n.target._schema.arguments]
+            args = [q, *expanded, *n.args[3:]]
+            k_gqa = schema.index("enable_gqa")
+            if len(args) > k_gqa:
+                args[k_gqa] = False
+            n.args = tuple(args)
+            n.kwargs = {key: val for key, val in n.kwargs.items() if key != "enable_gqa"}
+            changed = True
+            done += 1
+        if changed:
+            g.lint()
+            m.recompile()
+    return done
+
+
 # -- tracing ---------------------------------------------------------------------------------------
 
 def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
@@ -1363,18 +1513,18 @@ def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: i
                     for _ in input_names)
     ep = _export(model, input_names, example)
     gm = ep.graph_module
-    for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target in _ASSERT_OPS:
-            gm.graph.erase_node(n)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    _check_no_randomness(gm)
-
     sig = ep.graph_signature
     param_of = {k: _strip(v) for k, v in sig.inputs_to_parameters.items()}
+    user_inputs = [s for s in sig.user_inputs]
+    # Export clean-up, over the nested graphs of higher-order ops as well as the top-level one.
+    erase_metadata_asserts(gm)
+    for sub in _graph_modules(gm):
+        _check_no_randomness(sub)
+    keep_position_math_fp32(gm, learned=set(param_of) | {ph for ph, x in zip(user_inputs, example) if _is_float(x)})
+    expand_grouped_kv(gm)
+
     buffer_of = {k: _strip(v) for k, v in sig.inputs_to_buffers.items()}
     const_of = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-    user_inputs = [s for s in sig.user_inputs]
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
 
     n_blocks = len(model.get_submodule(container)) if container is not None else 0
