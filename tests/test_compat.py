@@ -14,8 +14,8 @@ from torch import nn
 import torch.fx as fx
 
 import megatrain.planner.trace as trace_mod
-from megatrain.kernels import without_autocast
-from megatrain.planner.trace import expand_grouped_kv, retarget, trace
+from megatrain.kernels import expand_kv_heads, gqa_needs_expansion, grouped_query_attention, without_autocast
+from megatrain.planner.trace import retarget, trace
 
 from conftest import requires_cuda, tiny_llama
 
@@ -170,65 +170,82 @@ def test_no_dtype_asserts_survive_in_any_nested_graph():
 
 # -- grouped-query attention ---------------------------------------------------------------------
 
-def _attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for m in _graphs(gm) for n in m.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+def _calls_to(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for m in _graphs(gm) for n in m.graph.nodes if n.target is target]
 
 
-def test_gqa_attention_gets_as_many_kv_heads_as_query_heads():
+def test_gqa_attention_is_routed_through_the_expanding_kernel():
     """FP32 on CUDA runs SDPA on the memory-efficient kernel, which rejects ``enable_gqa``: the traced
-    block of a GQA model (4 query, 2 KV heads) must call SDPA with expanded K/V and no enable_gqa,
-    or the math kernel would hold [B, H, S, S] scores the memory model does not count."""
+    block of a GQA model (4 query, 2 KV heads) must not call SDPA with enable_gqa directly, or the
+    math kernel would hold [B, H, S, S] scores the memory model does not count."""
     traced = trace(tiny_llama(layers=1), micro_batch_size=2, seq_len=16)
-    (att,) = _attention_nodes(traced.templates[traced.graph.layers[1].template])
+    block = traced.templates[traced.graph.layers[1].template]
+    assert not [n for n in _calls_to(block, aten.scaled_dot_product_attention.default) if trace_mod._bind(n).get("enable_gqa")]
+    (att,) = _calls_to(block, grouped_query_attention)
     q, k, v = (att.args[i].meta["val"] for i in range(3))
-    assert q.shape[1] == k.shape[1] == v.shape[1] == 4
-    assert not trace_mod._bind(att).get("enable_gqa")
+    assert (q.shape[1], k.shape[1], v.shape[1]) == (4, 2, 2)
+    assert att.args[5] is True and att.args[3] is None, "causal, with no materialised mask"
 
 
 def test_expanded_kv_is_counted_in_the_work_bytes(monkeypatch):
-    """The expanded K and V are graph values: the block's modelled working memory grows by at least
-    both of them, which live from the forward to the attention's backward."""
+    """The block's modelled working memory grows by at least the expanded K and V, which the
+    expanding path holds from the forward to the attention's backward."""
     b, s, heads, hd = 2, 64, 4, 8
-    with_expand = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
-    monkeypatch.setattr(trace_mod, "expand_grouped_kv", lambda gm: 0)
-    without = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
-    assert with_expand - without >= 2 * b * heads * s * hd * 4
+    routed = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
+    monkeypatch.setattr(trace_mod, "install_grouped_query_attention", lambda gm: 0)
+    plain = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
+    assert routed - plain >= 2 * b * heads * s * hd * 4
 
 
-def test_expanded_kv_attention_equals_enable_gqa_in_value_and_gradient():
-    """The rewrite computes what SDPA's own GQA computes (head h reads KV head h // group)."""
-
-    class M(nn.Module):
-        def forward(self, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
+def _gqa_inputs():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 12, 8, generator=gen) for h in (6, 2, 2))
-    gm = torch.export.export(M(), (q, k, v), strict=False).graph_module
-    assert expand_grouped_kv(gm) == 1
-    (att,) = _attention_nodes(gm)
-    assert att.args[1].meta["val"].shape[1] == 6
-    leaves = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
-    want = M()(*leaves[0])
-    got = gm(*leaves[1])[0]
-    seed = torch.randn(want.shape, generator=gen)
-    want.backward(seed)
-    got.backward(seed)
-    # The forward reads the same K/V values; dk/dv sum the group's 3 head gradients in another
-    # order: a few FP32 roundings of values of size ~|dk|.
+    return q, k, v, torch.randn(2, 6, 12, 8, generator=gen)
+
+
+def _run(fn, q, k, v, seed):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(seed)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def test_the_kernel_is_sdpa_itself_on_cpu():
+    """Off CUDA no kernel needs the expansion: the same SDPA call, bit for bit, so CPU exactness
+    against eager transformers is untouched."""
+    q, k, v, seed = _gqa_inputs()
+    assert not gqa_needs_expansion(q, k, v, is_causal=True)
+    want = _run(lambda *x: F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), q, k, v, seed)
+    got = _run(lambda *x: grouped_query_attention(*x, None, 0.0, True), q, k, v, seed)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_the_expanding_path_equals_enable_gqa_in_value_and_gradient():
+    """What runs on CUDA in FP32, checked on CPU: head h reads KV head h // group, as SDPA's GQA does."""
+    q, k, v, seed = _gqa_inputs()
+    assert torch.equal(expand_kv_heads(k, 6), k.repeat_interleave(3, dim=1))
+    want = _run(lambda *x: F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), q, k, v, seed)
+    got = _run(lambda *x: grouped_query_attention(*x, None, 0.0, True, expand=True), q, k, v, seed)
+    # Same inputs to one attention kernel: the forward and dq can differ only by the kernel's
+    # blocking (a few FP32 roundings of values of size max|out|); dk and dv also sum the group's 3
+    # head gradients in another order (3 more roundings).
     eps = torch.finfo(torch.float32).eps
-    assert torch.allclose(got, want, rtol=0, atol=8 * eps * want.abs().max().item())
-    for a, b in zip(leaves[1], leaves[0]):
-        assert torch.allclose(a.grad, b.grad, rtol=0, atol=8 * eps * 3 * b.grad.abs().max().item())
+    assert torch.allclose(got[0], want[0], rtol=0, atol=8 * eps * want[0].abs().max().item())
+    for a, b in zip(got[1], want[1]):
+        assert torch.allclose(a, b, rtol=0, atol=8 * eps * 3 * b.abs().max().item())
+    with pytest.raises(ValueError, match="not a multiple"):
+        expand_kv_heads(k, 5)
 
 
 @pytest.mark.cuda
 @requires_cuda
-def test_fp32_gqa_attention_runs_on_a_fused_cuda_kernel():
-    """On CUDA the expanded FP32 call is one the memory-efficient kernel accepts (the enable_gqa call,
-    which it rejects in torch <= 2.13, is gone; the CPU twin is the graph test above)."""
-    traced = trace(tiny_llama(layers=1), micro_batch_size=2, seq_len=16)
-    (att,) = _attention_nodes(traced.templates[traced.graph.layers[1].template])
-    q, k, v = (torch.randn(att.args[i].meta["val"].shape, device="cuda") for i in range(3))
-    params = torch.backends.cuda.SDPAParams
-    assert torch.backends.cuda.can_use_efficient_attention(params(q, k, v, None, 0.0, True, False), True)
+def test_fp32_gqa_on_cuda_expands_and_bf16_keeps_enable_gqa():
+    """On CUDA: FP32 GQA needs the expansion (no fused kernel takes enable_gqa in FP32), and the
+    expanded call is one the memory-efficient kernel accepts; under BF16 autocast flash takes GQA
+    as it is. The CPU twins are the tests above."""
+    q, k, v = (torch.randn(2, h, 16, 8, device="cuda") for h in (4, 2, 2))
+    assert gqa_needs_expansion(q, k, v, is_causal=True)
+    params = torch.backends.cuda.SDPAParams(q, expand_kv_heads(k, 4), expand_kv_heads(v, 4), None, 0.0, True, False)
+    assert torch.backends.cuda.can_use_efficient_attention(params, True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert not gqa_needs_expansion(q, k, v, is_causal=True)

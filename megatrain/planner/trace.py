@@ -19,6 +19,16 @@ shapes, same wiring) share one template, so a 80-block model has three templates
 named after its layer and its node's name counted within that layer (``model.layers.7:add_5``),
 so names do not depend on how many layers came before.
 
+Export's graph is cleaned before it is cut, in every nested graph (the bodies of higher-order ops
+such as ``wrap_with_set_grad_enabled``, which a ``torch.no_grad`` region becomes) as well as the
+top-level one, so that a template traced in FP32 runs the same under BF16 autocast:
+:func:`erase_metadata_asserts` drops export's dtype asserts, :func:`keep_position_math_fp32` runs
+matmuls that read no parameter (rotary angles) with autocast off, as the model's own
+autocast-disabled region did before export dropped it, and
+:func:`install_grouped_query_attention` routes grouped-query attention through a kernel that expands
+key/value heads where SDPA would otherwise fall back to the math kernel's ``[B, H, S, S]`` scores
+(FP32 on CUDA).
+
 FLOPs per layer are counted by running each template once on the meta device under
 ``torch.utils.flop_counter.FlopCounterMode`` (forward, then forward plus backward for the local
 backward), so attention FLOPs are included exactly as the kernels see them.
@@ -84,8 +94,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain.errors import TraceError, UnsupportedModelError
-from megatrain.kernels import (chunk_bounds, linear_cross_entropy, linear_cross_entropy_work_bytes,
-                               sequence_chunked, without_autocast)
+from megatrain.kernels import (chunk_bounds, grouped_query_attention, linear_cross_entropy,
+                               linear_cross_entropy_work_bytes, sequence_chunked, without_autocast)
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
 
 _aten = torch.ops.aten
@@ -106,6 +116,8 @@ _RANDOM_OPS = {"aten::dropout", "aten::native_dropout", "aten::bernoulli", "aten
 def _check_no_randomness(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if n.op == "call_function" and n.target is grouped_query_attention:
+            schema = _aten.scaled_dot_product_attention.default._schema  # it takes SDPA's leading arguments
         if schema is None:
             continue
         if schema.name not in _RANDOM_OPS:
@@ -433,9 +445,15 @@ def _op_memory(gm: fx.GraphModule, n: fx.Node, nbytes, rg: set[fx.Node]) -> tupl
     if t in _ATTENTION:
         q = _val(n.args[0])
         rows = q.numel() // q.shape[-1]
+        expanded = 0
+        if t is grouped_query_attention:
+            # Where it expands K and V to the query heads (FP32 on CUDA), SDPA saves the expanded
+            # copies until the backward, which creates their gradients before summing each group.
+            k, v = _val(n.args[1]), _val(n.args[2])
+            expanded = sum(x.numel() * x.element_size() * (q.shape[-3] // x.shape[-3]) for x in (k, v))
         # The flash and memory-efficient kernels save the FP32 logsumexp of every query row; the
         # FlashAttention-2 backward accumulates dq in FP32 (Dao 2023, arXiv:2307.08691, algorithm 2).
-        return rows * 4, 0, 0, q.numel() * 4
+        return rows * 4, 0, expanded, q.numel() * 4 + expanded
     nested = [getattr(gm, a.target) for a in n.all_input_nodes
               if a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)]
     if nested:  # a higher-order op: its body's intermediates, while it runs
@@ -906,7 +924,8 @@ _NORMS = {_aten.layer_norm.default, _aten.native_layer_norm.default, _aten.rms_n
 _SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
 # Ops whose size argument names the sequence length: rewritten to -1 there inside a region.
 _SIZED = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
-_ATTENTION = {_aten.scaled_dot_product_attention.default}
+# Both take (query, key, value, attn_mask, dropout_p, is_causal, scale) first.
+_ATTENTION = {_aten.scaled_dot_product_attention.default, grouped_query_attention}
 
 
 def _prod(xs) -> int:
@@ -942,12 +961,12 @@ def _seq_rule(n: fx.Node, sd: dict[fx.Node, Any], tokenwise: set[fx.Node], seq_l
     if all(d is None for d in dims):
         return None, False  # computed without the sequence: whole in every chunk
     t = n.target
-    if not isinstance(t, torch._ops.OpOverload) or not isinstance(v, (torch.Tensor, list, tuple)):
-        return MIXED, False
     if t in _ATTENTION:
         q = n.args[0]
         nd = _val(q).dim()
         return (nd - 2, False) if sd.get(q) == nd - 2 else (MIXED, False)
+    if not isinstance(t, torch._ops.OpOverload) or not isinstance(v, (torch.Tensor, list, tuple)):
+        return MIXED, False
     if torch.Tag.pointwise in t.tags or t in _ELEMENTWISE:
         nd = v.dim()
         aligned = {d + nd - _val(a).dim() for a, d in zip(ins, dims) if d is not None}
@@ -1367,63 +1386,35 @@ def _pin_fp32(gm: fx.GraphModule, tainted: set[fx.Node]) -> int:
     return len(wrap) + sum(_pin_fp32(body, inner) for body, inner in nested.values())
 
 
-def expand_grouped_kv(gm: fx.GraphModule) -> int:
-    """Give grouped-query attention (GQA) as many key/value heads as query heads, in ``gm`` and its nested graphs.
+def install_grouped_query_attention(gm: fx.GraphModule) -> int:
+    """Route grouped-query attention (GQA) through :func:`megatrain.kernels.grouped_query_attention`, in ``gm`` and its nested graphs.
 
     Transformers calls ``scaled_dot_product_attention(..., enable_gqa=True)`` where no mask is
-    passed (megatrain's causal trace). On CUDA only the flash and cuDNN kernels accept
-    ``enable_gqa``; they need FP16/BF16, and the memory-efficient kernel, the one FP32 runs on,
-    rejects it (PyTorch ``sdp_utils``; huggingface/transformers#46960), so FP32 GQA would fall back
-    to the math kernel, which holds ``[B, H, S, S]`` scores the memory model does not count. Each
-    such call is rewritten to take ``k`` and ``v`` expanded from ``Hkv`` to ``H`` heads (head ``h``
-    reads KV head ``h // (H / Hkv)``, the grouping SDPA and ``repeat_interleave`` use), which is
-    what transformers' own ``repeat_kv`` path computes: the same outputs, gradients equal up to
-    the order of the group sums, and a fused kernel in every dtype. The expanded K and V (and
-    their gradients) are graph values, so :func:`_work_bytes` counts them. Rewrites in place;
-    returns how many attention calls changed.
+    passed (megatrain's causal trace). On CUDA in FP32 no fused kernel takes ``enable_gqa`` and
+    SDPA silently runs the math kernel, whose ``[B, H, S, S]`` scores the memory model does not
+    count; the kernel expands K and V to the query heads exactly there (decided when it runs, on
+    the dtype autocast gives it) and is SDPA itself everywhere else, so CPU runs and BF16 flash
+    runs are unchanged. :func:`_work_bytes` counts the expanded K and V and their gradients in
+    every case (the planner does not know the device's choice). Rewrites in place; returns how
+    many attention calls changed.
     """
     done = 0
     for m in _graph_modules(gm):
-        g = m.graph
         changed = False
-        for n in list(g.nodes):
-            if n.op != "call_function" or n.target not in _ATTENTION or not _bind(n).get("enable_gqa"):
+        for n in m.graph.nodes:
+            if n.op != "call_function" or n.target is not _aten.scaled_dot_product_attention.default:
                 continue
-            q, k, v = n.args[:3]
-            heads = _val(q).shape[-3]
-            expanded = []
-            for kv in (k, v):
-                kvv = _val(kv)
-                nd, kv_heads = kvv.dim(), kvv.shape[-3]
-                if heads % kv_heads:
-                    raise TraceError(f"attention {n.name}: {heads} query heads are not a multiple of {kv_heads} "
-                                     "key/value heads, which scaled_dot_product_attention's enable_gqa requires")
-                group = heads // kv_heads
-                if group == 1:
-                    expanded.append(kv)
-                    continue
-                grouped = [*kvv.shape[:-2], group, *kvv.shape[-2:]]
-                with g.inserting_before(n):
-                    u = g.call_function(_aten.unsqueeze.default, (kv, nd - 2))
-                    e = g.call_function(_aten.expand.default, (u, grouped))
-                    r = g.call_function(_aten.reshape.default, (e, [*kvv.shape[:-3], heads, *kvv.shape[-2:]]))
-                u.meta["val"] = kvv.unsqueeze(nd - 2)
-                e.meta["val"] = u.meta["val"].expand(grouped)
-                r.meta["val"] = e.meta["val"].reshape(r.args[1])
-                for x in (u, e, r):
-                    x.meta["nn_module_stack"] = dict(n.meta.get("nn_module_stack", {}))
-                expanded.append(r)
-            schema = [a.name for a in n.target._schema.arguments]
-            args = [q, *expanded, *n.args[3:]]
-            k_gqa = schema.index("enable_gqa")
-            if len(args) > k_gqa:
-                args[k_gqa] = False
-            n.args = tuple(args)
-            n.kwargs = {key: val for key, val in n.kwargs.items() if key != "enable_gqa"}
+            a = _bind(n)
+            if not a.get("enable_gqa") or _val(a["query"]).shape[-3] == _val(a["key"]).shape[-3]:
+                continue
+            n.target = grouped_query_attention
+            n.args = (a["query"], a["key"], a["value"], a.get("attn_mask"), a.get("dropout_p", 0.0),
+                      a.get("is_causal", False), a.get("scale"))
+            n.kwargs = {}
             changed = True
             done += 1
         if changed:
-            g.lint()
+            m.graph.lint()
             m.recompile()
     return done
 
@@ -1521,7 +1512,7 @@ def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: i
     for sub in _graph_modules(gm):
         _check_no_randomness(sub)
     keep_position_math_fp32(gm, learned=set(param_of) | {ph for ph, x in zip(user_inputs, example) if _is_float(x)})
-    expand_grouped_kv(gm)
+    install_grouped_query_attention(gm)
 
     buffer_of = {k: _strip(v) for k, v in sig.inputs_to_buffers.items()}
     const_of = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
