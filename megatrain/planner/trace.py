@@ -622,8 +622,7 @@ _CAUSAL_SDPA = "megatrain_causal_sdpa"
 _MASK_INPUTS = frozenset({"attention_mask", "position_ids"})
 
 
-def _causal_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                      attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+def _causal_sdpa_mask(*args, **kwargs):
     """transformers' ``sdpa_mask`` without its refusal to skip the causal mask while exporting.
 
     ``sdpa_mask`` returns ``None`` (so that SDPA runs with ``is_causal``) when its caller allows it
@@ -632,17 +631,29 @@ def _causal_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     window or chunk reaching across the sequence. Under export it never does, because the padding
     check would read tensor values. Here there is no padding mask by construction (the batch has
     no ``attention_mask``), so the same decision needs no values. Anything else is delegated.
+
+    The arguments are bound to the installed ``sdpa_mask``'s own signature: early 5.x releases
+    (5.0) pass ``cache_position`` where later ones pass ``q_length`` and ``q_offset``; in a
+    training forward (no KV cache, no ``position_ids``: the only case this mask function is used
+    in) it is ``arange(q_length)``, so the offset is 0.
     """
     from transformers import masking_utils as mu
 
-    if (allow_is_causal_skip and attention_mask is None and isinstance(q_offset, int) and isinstance(kv_offset, int)
-            and q_offset == kv_offset == 0 and q_length == kv_length
+    bound = inspect.signature(mu.sdpa_mask).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if "q_length" in a:
+        q_length, q_offset = a["q_length"], a["q_offset"]
+    else:
+        q_length, q_offset = a["cache_position"].shape[0], 0
+    kv_length, kv_offset, local_size = a["kv_length"], a.get("kv_offset", 0), a.get("local_size")
+    if (a.get("allow_is_causal_skip", True) and a.get("attention_mask") is None and isinstance(q_offset, int)
+            and isinstance(kv_offset, int) and q_offset == kv_offset == 0 and q_length == kv_length
             and (local_size is None or kv_length < local_size)):
         return None
-    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                        kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
-                        attention_mask=attention_mask, local_size=local_size,
-                        allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if a.get("mask_function") is None:
+        a["mask_function"] = mu.causal_mask_function
+    return mu.sdpa_mask(*bound.args, **bound.kwargs)
 
 
 def _no_packed_sequences(position_ids):
