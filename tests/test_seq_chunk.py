@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import megatrain
 import megatrain.trainer
-from megatrain.kernels import chunk_bounds, sequence_chunked
+from megatrain.kernels import chunk_bounds, grouped_query_attention, sequence_chunked
 from megatrain.planner.plan import Plan
 from megatrain.planner.trace import MIXED, chunk_sequence_regions, retarget, sequence_dims, trace
 
@@ -230,7 +230,8 @@ def test_a_llama_block_becomes_two_regions_around_attention():
         "input norm, q/k/v projections and the rotary embedding"
     assert rb.count(aten.linear.default) == 4 and aten.silu.default in rb and rb.count(aten.rsqrt.default) == 1, \
         "o projection, post-attention norm and the MLP"
-    sdpa = next(n for n in block.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    sdpa = next(n for n in block.graph.nodes if n.target in (aten.scaled_dot_product_attention.default,
+                                                             grouped_query_attention))  # GQA: the kernel
 
     def source(x):
         while x.target is not operator.getitem:

@@ -19,6 +19,16 @@ shapes, same wiring) share one template, so a 80-block model has three templates
 named after its layer and its node's name counted within that layer (``model.layers.7:add_5``),
 so names do not depend on how many layers came before.
 
+Export's graph is cleaned before it is cut, in every nested graph (the bodies of higher-order ops
+such as ``wrap_with_set_grad_enabled``, which a ``torch.no_grad`` region becomes) as well as the
+top-level one, so that a template traced in FP32 runs the same under BF16 autocast:
+:func:`erase_metadata_asserts` drops export's dtype asserts, :func:`keep_position_math_fp32` runs
+matmuls that read no parameter (rotary angles) with autocast off, as the model's own
+autocast-disabled region did before export dropped it, and
+:func:`install_grouped_query_attention` routes grouped-query attention through a kernel that expands
+key/value heads where SDPA would otherwise fall back to the math kernel's ``[B, H, S, S]`` scores
+(FP32 on CUDA).
+
 FLOPs per layer are counted by running each template once on the meta device under
 ``torch.utils.flop_counter.FlopCounterMode`` (forward, then forward plus backward for the local
 backward), so attention FLOPs are included exactly as the kernels see them.
@@ -84,8 +94,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain.errors import TraceError, UnsupportedModelError
-from megatrain.kernels import (chunk_bounds, linear_cross_entropy, linear_cross_entropy_work_bytes,
-                               sequence_chunked)
+from megatrain.kernels import (chunk_bounds, grouped_query_attention, linear_cross_entropy,
+                               linear_cross_entropy_work_bytes, sequence_chunked, without_autocast)
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
 
 _aten = torch.ops.aten
@@ -106,6 +116,8 @@ _RANDOM_OPS = {"aten::dropout", "aten::native_dropout", "aten::bernoulli", "aten
 def _check_no_randomness(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if n.op == "call_function" and n.target is grouped_query_attention:
+            schema = _aten.scaled_dot_product_attention.default._schema  # it takes SDPA's leading arguments
         if schema is None:
             continue
         if schema.name not in _RANDOM_OPS:
@@ -433,9 +445,15 @@ def _op_memory(gm: fx.GraphModule, n: fx.Node, nbytes, rg: set[fx.Node]) -> tupl
     if t in _ATTENTION:
         q = _val(n.args[0])
         rows = q.numel() // q.shape[-1]
+        expanded = 0
+        if t is grouped_query_attention:
+            # Where it expands K and V to the query heads (FP32 on CUDA), SDPA saves the expanded
+            # copies until the backward, which creates their gradients before summing each group.
+            k, v = _val(n.args[1]), _val(n.args[2])
+            expanded = sum(x.numel() * x.element_size() * (q.shape[-3] // x.shape[-3]) for x in (k, v))
         # The flash and memory-efficient kernels save the FP32 logsumexp of every query row; the
         # FlashAttention-2 backward accumulates dq in FP32 (Dao 2023, arXiv:2307.08691, algorithm 2).
-        return rows * 4, 0, 0, q.numel() * 4
+        return rows * 4, 0, expanded, q.numel() * 4 + expanded
     nested = [getattr(gm, a.target) for a in n.all_input_nodes
               if a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)]
     if nested:  # a higher-order op: its body's intermediates, while it runs
@@ -604,8 +622,7 @@ _CAUSAL_SDPA = "megatrain_causal_sdpa"
 _MASK_INPUTS = frozenset({"attention_mask", "position_ids"})
 
 
-def _causal_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                      attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+def _causal_sdpa_mask(*args, **kwargs):
     """transformers' ``sdpa_mask`` without its refusal to skip the causal mask while exporting.
 
     ``sdpa_mask`` returns ``None`` (so that SDPA runs with ``is_causal``) when its caller allows it
@@ -614,17 +631,29 @@ def _causal_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     window or chunk reaching across the sequence. Under export it never does, because the padding
     check would read tensor values. Here there is no padding mask by construction (the batch has
     no ``attention_mask``), so the same decision needs no values. Anything else is delegated.
+
+    The arguments are bound to the installed ``sdpa_mask``'s own signature: early 5.x releases
+    (5.0) pass ``cache_position`` where later ones pass ``q_length`` and ``q_offset``; in a
+    training forward (no KV cache, no ``position_ids``: the only case this mask function is used
+    in) it is ``arange(q_length)``, so the offset is 0.
     """
     from transformers import masking_utils as mu
 
-    if (allow_is_causal_skip and attention_mask is None and isinstance(q_offset, int) and isinstance(kv_offset, int)
-            and q_offset == kv_offset == 0 and q_length == kv_length
+    bound = inspect.signature(mu.sdpa_mask).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if "q_length" in a:
+        q_length, q_offset = a["q_length"], a["q_offset"]
+    else:
+        q_length, q_offset = a["cache_position"].shape[0], 0
+    kv_length, kv_offset, local_size = a["kv_length"], a.get("kv_offset", 0), a.get("local_size")
+    if (a.get("allow_is_causal_skip", True) and a.get("attention_mask") is None and isinstance(q_offset, int)
+            and isinstance(kv_offset, int) and q_offset == kv_offset == 0 and q_length == kv_length
             and (local_size is None or kv_length < local_size)):
         return None
-    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                        kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
-                        attention_mask=attention_mask, local_size=local_size,
-                        allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if a.get("mask_function") is None:
+        a["mask_function"] = mu.causal_mask_function
+    return mu.sdpa_mask(*bound.args, **bound.kwargs)
 
 
 def _no_packed_sequences(position_ids):
@@ -906,7 +935,8 @@ _NORMS = {_aten.layer_norm.default, _aten.native_layer_norm.default, _aten.rms_n
 _SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
 # Ops whose size argument names the sequence length: rewritten to -1 there inside a region.
 _SIZED = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.expand.default}
-_ATTENTION = {_aten.scaled_dot_product_attention.default}
+# Both take (query, key, value, attn_mask, dropout_p, is_causal, scale) first.
+_ATTENTION = {_aten.scaled_dot_product_attention.default, grouped_query_attention}
 
 
 def _prod(xs) -> int:
@@ -942,12 +972,12 @@ def _seq_rule(n: fx.Node, sd: dict[fx.Node, Any], tokenwise: set[fx.Node], seq_l
     if all(d is None for d in dims):
         return None, False  # computed without the sequence: whole in every chunk
     t = n.target
-    if not isinstance(t, torch._ops.OpOverload) or not isinstance(v, (torch.Tensor, list, tuple)):
-        return MIXED, False
     if t in _ATTENTION:
         q = n.args[0]
         nd = _val(q).dim()
         return (nd - 2, False) if sd.get(q) == nd - 2 else (MIXED, False)
+    if not isinstance(t, torch._ops.OpOverload) or not isinstance(v, (torch.Tensor, list, tuple)):
+        return MIXED, False
     if torch.Tag.pointwise in t.tags or t in _ELEMENTWISE:
         nd = v.dim()
         aligned = {d + nd - _val(a).dim() for a, d in zip(ins, dims) if d is not None}
@@ -1278,6 +1308,128 @@ def chunk_sequence_regions(gm: fx.GraphModule, *, batch: int, seq_len: int, acti
     return done
 
 
+# -- export clean-up -------------------------------------------------------------------------------
+
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and every graph nested in it (the bodies of higher-order ops such as
+    ``wrap_with_set_grad_enabled``, which export makes of a ``torch.no_grad`` region)."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
+def _nested_calls(gm: fx.GraphModule, n: fx.Node) -> list[tuple[fx.GraphModule, tuple]]:
+    """(body, operands) of each graph a higher-order op ``n`` calls: the arguments after the body."""
+    out = []
+    for i, a in enumerate(n.args):
+        if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule):
+            out.append((getattr(gm, a.target), tuple(n.args[i + 1:])))
+    return out
+
+
+def erase_metadata_asserts(gm: fx.GraphModule) -> int:
+    """Drop the ``aten._assert_tensor_metadata`` checks export inserts, in ``gm`` and every nested graph.
+
+    They assert the dtype and device each ``.to()`` saw at trace time: they would pin a template
+    to the trace device, and under autocast (BF16 compute) they fail where an input's dtype
+    legitimately differs from the FP32 trace. Returns how many were erased; recompiles what changed.
+    """
+    erased = 0
+    for m in _graph_modules(gm):
+        dead = [n for n in m.graph.nodes if n.op == "call_function" and n.target in _ASSERT_OPS]
+        for n in dead:
+            m.graph.erase_node(n)
+        if dead:
+            m.graph.eliminate_dead_code()
+            m.recompile()
+        erased += len(dead)
+    return erased
+
+
+# Ops autocast runs in its low-precision dtype (torch/csrc/autograd/autocast_mode.cpp, the
+# ``lower_precision_fp`` lists of CUDA and CPU) that can appear in position arithmetic.
+_AUTOCAST_LOW = {_aten.mm, _aten.bmm, _aten.matmul, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.addmv,
+                 _aten.addr, _aten.mv, _aten.linear, _aten.einsum, _aten.chain_matmul, _aten.linalg_multi_dot,
+                 _aten.linalg_vecdot, _aten.dot, _aten.vdot}
+
+
+def keep_position_math_fp32(gm: fx.GraphModule, learned: Collection[str]) -> int:
+    """Run every matmul-like op that reads no learned value with autocast off, in ``gm`` and its nested graphs.
+
+    Position and angle arithmetic (rotary ``inv_freq @ position_ids``, ALiBi slopes) is computed
+    from buffers, constants, integer inputs and ``arange`` alone. Models compute it in FP32 and
+    switch autocast off around it (transformers' rotary embeddings: ``maybe_autocast(...,
+    enabled=False)``), because in BF16 the angle at position ``p`` is off by up to ``p * 2**-8``
+    rad. Export traces in FP32 without autocast, so that region is a no-op and leaves nothing in
+    the graph; the executor then runs the template under autocast for BF16 compute, and the
+    matmul would run in BF16. Each such op, one whose inputs depend on no placeholder named in
+    ``learned`` (parameters and floating-point batch inputs: where learned or data values enter),
+    becomes a call of :func:`megatrain.kernels.without_autocast`, so it computes in its inputs'
+    dtype under any autocast; in FP32 nothing changes. Other position ops (cos, sin, cat, mul) are
+    not recast by autocast. Dependence follows values into the bodies of higher-order ops.
+    Rewrites in place; returns how many ops were wrapped.
+    """
+    return _pin_fp32(gm, {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in learned})
+
+
+def _pin_fp32(gm: fx.GraphModule, tainted: set[fx.Node]) -> int:
+    tainted = set(tainted)
+    nested: dict[int, tuple[fx.GraphModule, set[fx.Node]]] = {}
+    wrap = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if any(a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
+        for body, operands in _nested_calls(gm, n):
+            phs = [p for p in body.graph.nodes if p.op == "placeholder"]
+            # wrap_with_set_grad_enabled and wrap_with_autocast pass their operands to the body's
+            # placeholders in order; for any other layout every placeholder is tainted if the call is.
+            inner = ({p for p, a in zip(phs, operands) if a in tainted} if len(phs) == len(operands)
+                     else set(phs) if n in tainted else set())
+            nested.setdefault(id(body), (body, set()))[1].update(inner)  # a body called twice: either's taint
+        packet = getattr(n.target, "overloadpacket", None)
+        if n not in tainted and packet in _AUTOCAST_LOW:
+            wrap.append(n)
+    for n in wrap:
+        n.args = (n.target, *n.args)
+        n.target = without_autocast
+    if wrap:
+        gm.recompile()
+    return len(wrap) + sum(_pin_fp32(body, inner) for body, inner in nested.values())
+
+
+def install_grouped_query_attention(gm: fx.GraphModule) -> int:
+    """Route grouped-query attention (GQA) through :func:`megatrain.kernels.grouped_query_attention`, in ``gm`` and its nested graphs.
+
+    Transformers calls ``scaled_dot_product_attention(..., enable_gqa=True)`` where no mask is
+    passed (megatrain's causal trace). On CUDA in FP32 no fused kernel takes ``enable_gqa`` and
+    SDPA silently runs the math kernel, whose ``[B, H, S, S]`` scores the memory model does not
+    count; the kernel expands K and V to the query heads exactly there (decided when it runs, on
+    the dtype autocast gives it) and is SDPA itself everywhere else, so CPU runs and BF16 flash
+    runs are unchanged. :func:`_work_bytes` counts the expanded K and V and their gradients in
+    every case (the planner does not know the device's choice). Rewrites in place; returns how
+    many attention calls changed.
+    """
+    done = 0
+    for m in _graph_modules(gm):
+        changed = False
+        for n in m.graph.nodes:
+            if n.op != "call_function" or n.target is not _aten.scaled_dot_product_attention.default:
+                continue
+            a = _bind(n)
+            if not a.get("enable_gqa") or _val(a["query"]).shape[-3] == _val(a["key"]).shape[-3]:
+                continue
+            n.target = grouped_query_attention
+            n.args = (a["query"], a["key"], a["value"], a.get("attn_mask"), a.get("dropout_p", 0.0),
+                      a.get("is_causal", False), a.get("scale"))
+            n.kwargs = {}
+            changed = True
+            done += 1
+        if changed:
+            m.graph.lint()
+            m.recompile()
+    return done
+
+
 # -- tracing ---------------------------------------------------------------------------------------
 
 def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
@@ -1363,18 +1515,18 @@ def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: i
                     for _ in input_names)
     ep = _export(model, input_names, example)
     gm = ep.graph_module
-    for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target in _ASSERT_OPS:
-            gm.graph.erase_node(n)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    _check_no_randomness(gm)
-
     sig = ep.graph_signature
     param_of = {k: _strip(v) for k, v in sig.inputs_to_parameters.items()}
+    user_inputs = [s for s in sig.user_inputs]
+    # Export clean-up, over the nested graphs of higher-order ops as well as the top-level one.
+    erase_metadata_asserts(gm)
+    for sub in _graph_modules(gm):
+        _check_no_randomness(sub)
+    keep_position_math_fp32(gm, learned=set(param_of) | {ph for ph, x in zip(user_inputs, example) if _is_float(x)})
+    install_grouped_query_attention(gm)
+
     buffer_of = {k: _strip(v) for k, v in sig.inputs_to_buffers.items()}
     const_of = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-    user_inputs = [s for s in sig.user_inputs]
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
 
     n_blocks = len(model.get_submodule(container)) if container is not None else 0

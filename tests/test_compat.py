@@ -1,0 +1,251 @@
+"""Traced templates keep eager numerics across transformers versions: no dtype asserts left in
+nested graphs, rotary angle math in FP32 under BF16 autocast, and grouped-query attention that
+a fused SDPA kernel accepts in FP32."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+import torch.fx as fx
+
+import megatrain.planner.trace as trace_mod
+from megatrain.kernels import expand_kv_heads, gqa_needs_expansion, grouped_query_attention, without_autocast
+from megatrain.planner.trace import retarget, trace
+
+from conftest import requires_cuda, tiny_llama
+
+aten = torch.ops.aten
+POSITIONS = 4096
+
+
+def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
+def _layer_args(model: nn.Module, traced, li: int, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Layer ``li``'s template arguments, as the executor passes them: parameters, buffers, inputs."""
+    g = traced.graph
+    layer = g.layers[li]
+    named = dict(model.named_parameters())
+    params = [named[p.name].detach() for p in layer.params]
+    buffers = []
+    for b in layer.buffers:
+        kind, src = traced.buffer_sources[b]
+        buffers.append(model.get_buffer(src) if kind == "buffer" else src)
+    inputs = [batch[g.values[v].name] for v in layer.inputs]
+    return params + buffers + inputs
+
+
+def _prologue_tables(model: nn.Module, seq_len: int = POSITIONS):
+    """The prologue's outputs run in FP32 and under BF16 autocast, and the FP32 run's rotary tables."""
+    traced = trace(model, micro_batch_size=1, seq_len=seq_len)
+    tmpl = retarget(traced.templates[traced.graph.layers[0].template], "cpu")
+    ids = torch.randint(0, 96, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    args = _layer_args(model, traced, 0, {"input_ids": ids, "labels": ids})
+    with torch.no_grad():
+        fp32 = tmpl(*args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = tmpl(*args)
+    # The tables: the float outputs that depend on no parameter (the embedding output does).
+    values = [traced.graph.values[v] for v in traced.graph.layers[0].outputs]
+    tables = [o for o, v in zip(fp32, values) if o.dtype.is_floating_point and not v.requires_grad]
+    return fp32, bf16, tables
+
+
+def _angle_bound(positions: int) -> float:
+    # An FP32 angle p * inv_freq (inv_freq <= 1, one rounding) is off by at most |angle| * 2**-24, and
+    # cos/sin are 1-Lipschitz; their FP32 evaluation adds a few ulp of 1 (2**-23 each). Doubled for slack.
+    return 2 * (positions * 2.0**-24 + 4 * 2.0**-23)
+
+
+def _check_tables_fp32(fp32, bf16, tables, inv_freq: torch.Tensor) -> None:
+    assert len(tables) == 2, "the prologue passes the cos and sin tables to the blocks"
+    # Autocast recasts none of the prologue's ops (the angle matmul runs with autocast off), so the
+    # BF16-autocast run computes every output with the same FP32 kernels on the same inputs: equal.
+    for a, b in zip(fp32, bf16):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # And they are the FP32 tables, not merely self-consistent: against float64 angles from the same inv_freq.
+    pos = torch.arange(POSITIONS, dtype=torch.float64)
+    angles = pos[:, None] * inv_freq.double()[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    refs = {"cos": emb.cos(), "sin": emb.sin()}
+    matched = {}
+    for t in tables:
+        name, err = min(((k, (t[0].double() - r).abs().max().item()) for k, r in refs.items()), key=lambda x: x[1])
+        assert err <= _angle_bound(POSITIONS), f"{name} table off by {err:.2e} at {POSITIONS} positions"
+        matched[name] = err
+    assert set(matched) == {"cos", "sin"}
+
+def test_hf_rotary_tables_under_bf16_autocast_equal_fp32_at_4096_positions():
+    """Whatever the installed transformers computes its rotary angles with (transformers 5.17: a matmul
+    in an autocast-disabled region export drops; newer: an elementwise product), the traced prologue
+    under BF16 autocast yields the FP32 cos/sin. In BF16 the angle at position 4095 would be off by
+    up to 8 rad and cos/sin by up to 2.0."""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=1)
+    fp32, bf16, tables = _prologue_tables(model)
+    _check_tables_fp32(fp32, bf16, tables, model.model.rotary_emb.inv_freq)
+
+
+class _MatmulRotary(nn.Module):
+    """Rotary tables computed as transformers 5.17 does: ``inv_freq @ position_ids`` under no_grad,
+    with autocast switched off only where it is on (so export, which runs without it, sees nothing)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        inv = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        inv = self.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(torch.float)
+        pos = position_ids[:, None, :].float()
+        dev = x.device.type
+        off = torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext()
+        with off:
+            freqs = (inv @ pos).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class _RotaryNet(nn.Module):
+    def __init__(self, vocab: int = 96, dim: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.rotary = _MatmulRotary(dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        cos, sin = self.rotary(x, pos)
+        for blk in self.blocks:
+            x = x + blk(x * cos + x * sin)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_matmul_rotary_tables_stay_fp32_under_bf16_autocast():
+    """The 5.17 pattern on any installed transformers: the angle matmul becomes a without_autocast call
+    inside the no_grad body, and the tables equal the FP32 ones at 4096 positions."""
+    torch.manual_seed(0)
+    model = _RotaryNet()
+    traced = trace(model, micro_batch_size=1, seq_len=16)
+    pro = traced.templates[traced.graph.layers[0].template]
+    pinned = [n for m in _graphs(pro) for n in m.graph.nodes if n.target is without_autocast]
+    assert [n.args[0] for n in pinned] == [aten.matmul.default]
+    holders = [m for m in _graphs(pro) if any(n.target is without_autocast for n in m.graph.nodes)]
+    assert holders and all(m is not pro for m in holders), "the matmul sits in the nested no_grad graph"
+    blocks = [traced.templates[L.template] for L in traced.graph.layers[1:]]
+    assert not any(n.target is without_autocast for b in blocks for m in _graphs(b) for n in m.graph.nodes), \
+        "matmuls that read parameters keep autocast"
+    fp32, bf16, tables = _prologue_tables(model)
+    _check_tables_fp32(fp32, bf16, tables, model.rotary.inv_freq)
+
+
+def test_without_the_pass_the_check_sees_bf16_angles(monkeypatch):
+    """The assertion above can fail: with the pass off the same template's BF16 tables are off by more
+    than 0.5 (BF16 keeps 8 bits: position 4095 rounds to 4096, an angle error of 1 rad at inv_freq 1)."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(trace_mod, "keep_position_math_fp32", lambda gm, learned: 0)
+    fp32, bf16, tables = _prologue_tables(_RotaryNet())
+    pairs = [(a, b) for a, b in zip(fp32, bf16) if any(a is t for t in tables)]
+    assert len(pairs) == 2 and max((a - b.float()).abs().max().item() for a, b in pairs) > 0.5
+
+
+def test_no_dtype_asserts_survive_in_any_nested_graph():
+    """Export's ``_assert_tensor_metadata`` checks pin the FP32 trace dtypes; under autocast they
+    fail (transformers 5.17: 'Tensor dtype mismatch') wherever they are, nested graphs included."""
+    traced = trace(tiny_llama(layers=1), micro_batch_size=1, seq_len=8)
+    assert any(len(_graphs(t)) > 1 for t in traced.templates), "the rotary no_grad body is a nested graph"
+    for t in traced.templates:
+        for m in _graphs(t):
+            assert not [n for n in m.graph.nodes if n.target is aten._assert_tensor_metadata.default]
+
+
+# -- grouped-query attention ---------------------------------------------------------------------
+
+def _calls_to(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for m in _graphs(gm) for n in m.graph.nodes if n.target is target]
+
+
+def test_gqa_attention_is_routed_through_the_expanding_kernel():
+    """FP32 on CUDA runs SDPA on the memory-efficient kernel, which rejects ``enable_gqa``: the traced
+    block of a GQA model (4 query, 2 KV heads) must not call SDPA with enable_gqa directly, or the
+    math kernel would hold [B, H, S, S] scores the memory model does not count."""
+    traced = trace(tiny_llama(layers=1), micro_batch_size=2, seq_len=16)
+    block = traced.templates[traced.graph.layers[1].template]
+    assert not [n for n in _calls_to(block, aten.scaled_dot_product_attention.default) if trace_mod._bind(n).get("enable_gqa")]
+    (att,) = _calls_to(block, grouped_query_attention)
+    q, k, v = (att.args[i].meta["val"] for i in range(3))
+    assert (q.shape[1], k.shape[1], v.shape[1]) == (4, 2, 2)
+    assert att.args[5] is True and att.args[3] is None, "causal, with no materialised mask"
+
+
+def test_expanded_kv_is_counted_in_the_work_bytes(monkeypatch):
+    """The block's modelled working memory grows by at least the expanded K and V, which the
+    expanding path holds from the forward to the attention's backward."""
+    b, s, heads, hd = 2, 64, 4, 8
+    routed = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
+    monkeypatch.setattr(trace_mod, "install_grouped_query_attention", lambda gm: 0)
+    plain = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
+    assert routed - plain >= 2 * b * heads * s * hd * 4
+
+
+def _gqa_inputs():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 12, 8, generator=gen) for h in (6, 2, 2))
+    return q, k, v, torch.randn(2, 6, 12, 8, generator=gen)
+
+
+def _run(fn, q, k, v, seed):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(seed)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def test_the_kernel_is_sdpa_itself_on_cpu():
+    """Off CUDA no kernel needs the expansion: the same SDPA call, bit for bit, so CPU exactness
+    against eager transformers is untouched."""
+    q, k, v, seed = _gqa_inputs()
+    assert not gqa_needs_expansion(q, k, v, is_causal=True)
+    want = _run(lambda *x: F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), q, k, v, seed)
+    got = _run(lambda *x: grouped_query_attention(*x, None, 0.0, True), q, k, v, seed)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_the_expanding_path_equals_enable_gqa_in_value_and_gradient():
+    """What runs on CUDA in FP32, checked on CPU: head h reads KV head h // group, as SDPA's GQA does."""
+    q, k, v, seed = _gqa_inputs()
+    assert torch.equal(expand_kv_heads(k, 6), k.repeat_interleave(3, dim=1))
+    want = _run(lambda *x: F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), q, k, v, seed)
+    got = _run(lambda *x: grouped_query_attention(*x, None, 0.0, True, expand=True), q, k, v, seed)
+    # Same inputs to one attention kernel: the forward and dq can differ only by the kernel's
+    # blocking (a few FP32 roundings of values of size max|out|); dk and dv also sum the group's 3
+    # head gradients in another order (3 more roundings).
+    eps = torch.finfo(torch.float32).eps
+    assert torch.allclose(got[0], want[0], rtol=0, atol=8 * eps * want[0].abs().max().item())
+    for a, b in zip(got[1], want[1]):
+        assert torch.allclose(a, b, rtol=0, atol=8 * eps * 3 * b.abs().max().item())
+    with pytest.raises(ValueError, match="not a multiple"):
+        expand_kv_heads(k, 5)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_fp32_gqa_on_cuda_expands_and_bf16_keeps_enable_gqa():
+    """On CUDA: FP32 GQA needs the expansion (no fused kernel takes enable_gqa in FP32), and the
+    expanded call is one the memory-efficient kernel accepts; under BF16 autocast flash takes GQA
+    as it is. The CPU twins are the tests above."""
+    q, k, v = (torch.randn(2, h, 16, 8, device="cuda") for h in (4, 2, 2))
+    assert gqa_needs_expansion(q, k, v, is_causal=True)
+    params = torch.backends.cuda.SDPAParams(q, expand_kv_heads(k, 4), expand_kv_heads(v, 4), None, 0.0, True, False)
+    assert torch.backends.cuda.can_use_efficient_attention(params, True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert not gqa_needs_expansion(q, k, v, is_causal=True)
