@@ -106,7 +106,9 @@ objective and two lower bounds to prune with.
 Memory. GPU and host bytes come from :func:`cost.memory_breakdown`, evaluated once per
 micro-batch size, activation policy and (for offloading policies) prefetch distance, whose
 reload windows move the reloaded checkpoints' lifetimes; a candidate's bytes scale the slot and
-ring terms by their counts, which is how the cost model defines them (count x per-unit bytes).
+staging terms by their counts, which is how the cost model defines them (count x per-unit bytes),
+and take the gradient tiles' bytes from :func:`cost.gradient_ring_bytes` (each tile is sized to the
+widest layer that uses it: with clipping, one tile per trainable layer at its own size).
 The chosen plan's breakdown is then recomputed exactly from its own schedule, and the schedule is
 verified against the hardware (``verify(schedule, graph, hw)``).
 
@@ -591,9 +593,9 @@ def _infeasible(request: SolveRequest, req: Requirements) -> InfeasibleRequestEr
             f"{hb(req.pinned_floor_bytes)} pinned (cap {hb(hw.pinned_memory_cap_bytes)}) even with no checkpoint "
             f"offloaded: FP32 master weights {hb(m.master_weights)} and Adam moments {hb(m.adam_moments)} (12 "
             f"bytes per parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), "
-            f"{'one gradient tile per trainable layer' if request.clip_gradients else 'one gradient tile'} "
+            f"{'one gradient tile per trainable layer, each at its size,' if request.clip_gradients else 'one gradient tile'} "
             f"{hb(m.gradient_ring)}, one staging tile {hb(m.staging_ring)}"
-            + (", and FP32 compute pins the master weights and moments (H2D reads them directly)"
+            + (f", and FP32 compute pins the master weights ({hb(m.pinned_masters)}; H2D reads them directly)"
                if m.state_pinned else "")
             + f". Fix: a host with at least {hb(req.host_floor_bytes)} and a pinned cap of "
             f"{hb(req.pinned_floor_bytes)}" + (", or compute in bfloat16 so only the rings are pinned"
@@ -635,18 +637,20 @@ def _plan(request: SolveRequest, micro_batch_size: int, k: _Knobs, layer_by_laye
                 compute_dtype=request.compute_dtype, staging_ring=k.staging_ring)
 
 
-def _scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, grad_ring: int,
+def _scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, gradient_ring: int,
                    staging_ring: int) -> cost.MemoryBreakdown:
-    """``unit`` (one weight slot, one ring tile, one staging tile) with the counts of a candidate.
+    """``unit`` (one weight slot, one ring tile, one staging tile) with the slot and staging counts
+    of a candidate and its gradient tiles' bytes (``gradient_ring``, from
+    :func:`cost.gradient_ring_bytes`: the tiles are sized per layer, so not count x unit).
 
-    The cost model defines these terms as count x per-unit bytes (``cost.memory_breakdown``).
+    The cost model defines the slot and staging terms as count x per-unit bytes (``cost.memory_breakdown``).
     The activation terms (GPU peaks, pinned offload space) are those of the unit's own activation
     policy and micro-batch size: they depend on the order of compute ops and reloads, which the
     policy and the prefetch distance set and no count here changes.
     """
     return replace(unit, weight_slots=unit.weight_slots * weight_slots,
                    gradient_slots=unit.gradient_slots * weight_slots,
-                   gradient_ring=unit.gradient_ring * grad_ring, staging_ring=unit.staging_ring * staging_ring)
+                   gradient_ring=gradient_ring, staging_ring=unit.staging_ring * staging_ring)
 
 
 @dataclass(slots=True)
@@ -950,6 +954,7 @@ class _Search:
         self.times = _times(g, request.compute_dtype, self.hw)
         self.options: dict[int, _SizeOption] = {}
         self.units: dict[tuple, tuple[Schedule, cost.MemoryBreakdown]] = {}
+        self.rings: dict[tuple, int] = {}
         self.patterns: dict[_Knobs, _Pattern] = {}
         self.quick: dict[tuple, float] = {}
         self.depths: dict[tuple, int | None] = {}
@@ -992,9 +997,23 @@ class _Search:
                                               gradient_slots=m.gradient_slots // slots))
         return self.units[key]
 
+    def ring_bytes(self, opt: _SizeOption, grad_ring: int) -> int:
+        """Pinned bytes of ``grad_ring`` host gradient tiles at ``opt`` (:func:`cost.gradient_ring_bytes`)."""
+        key = (opt.key, grad_ring)
+        if key not in self.rings:
+            plan = Plan(micro_batches=opt.micro_batches, grad_ring=grad_ring, layer_by_layer=opt.layer_by_layer,
+                        optimizer=_placement(self.request))
+            self.rings[key] = cost.gradient_ring_bytes(opt.graph, plan)
+        return self.rings[key]
+
+    def scaled(self, opt: _SizeOption, unit: cost.MemoryBreakdown, weight_slots: int, grad_ring: int,
+               staging_ring: int) -> cost.MemoryBreakdown:
+        """``unit`` with a candidate's slot, gradient tile and staging tile counts."""
+        return _scaled_memory(unit, weight_slots, self.ring_bytes(opt, grad_ring), staging_ring)
+
     def gpu_fits(self, unit: cost.MemoryBreakdown, slots: int, cap: int | None = None) -> bool:
         cap = self.hw.gpu_memory_bytes if cap is None else cap
-        return _scaled_memory(unit, slots, 1, 1).gpu_peak <= cap
+        return _scaled_memory(unit, slots, unit.gradient_ring, 1).gpu_peak <= cap  # GPU terms only
 
     def host_choices(self, opt: _SizeOption, unit: cost.MemoryBreakdown) -> list[tuple[int, int]]:
         """(gradient ring, staging ring) pairs to try: the largest ring with each staging ring,
@@ -1003,7 +1022,7 @@ class _Search:
         out: list[tuple[int, int]] = []
         for staging in (DEFAULT_STAGING_RING, 1):
             for ring in rings:
-                if _host_fits(_scaled_memory(unit, 1, ring, staging), self.hw):
+                if _host_fits(self.scaled(opt, unit, 1, ring, staging), self.hw):
                     out.append((ring, staging))
                     break
         if len(out) == 2 and (out[0][0] >= out[1][0] or not self.bf16):
@@ -1042,7 +1061,7 @@ class _Search:
         work = max(layer.work_bytes for layer in layers)
         total = sum(opt.checkpoints[p] for p in self.eligible)
         _, keep = self.unit(opt, (), 0)
-        room = (self.hw.gpu_memory_bytes if cap is None else cap) - _scaled_memory(keep, slots, 1, 1).gpu_fixed
+        room = (self.hw.gpu_memory_bytes if cap is None else cap) - _scaled_memory(keep, slots, 0, 1).gpu_fixed
         if work > room:
             return None
         for depth, gone in enumerate(removed):
@@ -1060,7 +1079,7 @@ class _Search:
         if family.stored is not OFFLOAD:
             return top
         _, keep = self.unit(opt, (), 0)
-        base = _scaled_memory(keep, 1, self.ring_floor(opt), 1)
+        base = self.scaled(opt, keep, 1, self.ring_floor(opt), 1)
         room = min(self.hw.host_memory_bytes - base.host_total, self.hw.pinned_memory_cap_bytes - base.host_pinned)
         moved = family.offloaded(self.eligible, opt.checkpoints)
         return max((j for j in range(top + 1) if opt.alive * moved[j] <= room), default=-1)
@@ -1113,7 +1132,7 @@ class _Search:
 
     def add_candidate(self, c: _Candidate) -> None:
         _, unit = self.unit(c.option, c.policy, c.distance)
-        mem = _scaled_memory(unit, c.slots + len(c.resident or ()), c.grad_ring, c.staging_ring)
+        mem = self.scaled(c.option, unit, c.slots + len(c.resident or ()), c.grad_ring, c.staging_ring)
         if not _fits(mem, self.hw):
             return
         key = (c.option.key, c.policy, c.slots, c.distance, c.grad_ring, c.staging_ring, c.resident)
@@ -1178,7 +1197,7 @@ class _Search:
             return replace(k, resident=c.resident)
         _, unit = self.unit(c.option, c.policy, c.distance)
         slot_bytes = unit.weight_slots + unit.gradient_slots
-        spare = self.hw.gpu_memory_bytes - _scaled_memory(unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
+        spare = self.hw.gpu_memory_bytes - self.scaled(c.option, unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
         # Every resident layer costs one more slot sized for the largest layer, so the spare memory
         # in slots decides the knapsack's answer.
         room = min(spare // slot_bytes, self.n) if slot_bytes else self.n
@@ -1210,7 +1229,7 @@ class _Search:
         for p, opt in enumerate(passes):
             for i, (name, policy) in enumerate(options):
                 sched, unit = self.unit(opt, policy, 0)
-                mem = _scaled_memory(unit, 1, self.ring_floor(opt), 1)
+                mem = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
                 # Ties: layer by layer (fewer copies), then the simpler policy.
                 rows.append(((mem.gpu_peak, mem.host_total, p, i), name, opt, sched, mem))
                 if i == 0:
@@ -1221,7 +1240,7 @@ class _Search:
             depth = self.least_depth(opt, family, 0, 1, cap=mem.gpu_peak)
             if depth is not None:
                 sched, unit = self.unit(opt, family.policy(self.eligible, self.n, depth), 0)
-                mem = _scaled_memory(unit, 1, self.ring_floor(opt), 1)
+                mem = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
         keep = min(keeps, key=lambda m: (m.host_total, m.host_pinned))
         g = opt.graph
         largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))
@@ -1244,7 +1263,7 @@ class _Search:
         small = self.option(sizes[-1])
         _, keep = self.unit(small, (), 0)
         passes = [small] + ([self.option(sizes[-1], False)] if self.per_mb_sizes(sizes[-1]) else [])
-        if (not any(_host_fits(_scaled_memory(self.unit(o, (), 0)[1], 1, self.ring_floor(o), 1), hw)
+        if (not any(_host_fits(self.scaled(o, self.unit(o, (), 0)[1], 1, self.ring_floor(o), 1), hw)
                     for o in passes)
                 or (not self.gpu_fits(keep, 1)
                     and all(self.floor_depth(small, f, 1) is None for f in self.families))):
@@ -1288,7 +1307,7 @@ class _Search:
         _, opt, sched, tl = best
         plan = sched.plan
         _, unit = self.unit(opt, plan.activations, plan.prefetch_distance)
-        predicted = _scaled_memory(unit, cost.weight_slot_count(plan), plan.grad_ring, plan.staging_ring)
+        predicted = self.scaled(opt, unit, cost.weight_slot_count(plan), plan.grad_ring, plan.staging_ring)
         mem = cost.memory_breakdown(opt.graph, plan, hw, sched)
         if mem != predicted or not _fits(mem, hw):
             raise PlanError(f"internal: the solver predicted {predicted} for {plan} but the cost model gives {mem}; "
