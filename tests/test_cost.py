@@ -25,7 +25,7 @@ def test_public_surface_is_pinned():
         "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
             "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
-        "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numel",
+        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numel",
         "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
 
@@ -114,8 +114,10 @@ def test_memory_breakdown_static_terms_by_hand():
     # Masters pinned (each row a whole number of pages here), moments not; norms and flags a page each.
     assert m.state_pinned and m.pinned_masters == total * 4 and m.pinned_norms == 2 * page
     assert m.host_pinned == total * 4 + 4096 * 4 + 1024 * 4 + 2 * page
-    assert m.weight_slots == (2 + 1) * 4096 * 4  # two streaming slots + one resident slot
-    assert m.gradient_slots == (2 + 1) * 4096 * 4
+    # Two streaming slots for the widest streamed layer, and the resident layer 2's own slot (2048
+    # elements, frozen: no gradient slot space).
+    assert m.weight_slots == (2 * 4096 + 2048) * 4
+    assert m.gradient_slots == 2 * 4096 * 4
     assert m.buffers == 128
     assert m.reserve == 777
     assert m.pinned_activations == 0

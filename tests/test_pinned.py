@@ -177,3 +177,55 @@ def test_cuda_pinned_bytes_equal_the_plans_figure():  # CPU twin: test_pinned_by
     assert ex._arena.memory.is_pinned() and ex._arena.nbytes == cost.memory_breakdown(trainer.graph, plan).host_pinned
     assert all(t.is_pinned() for t in ex._buffers.ring + ex._buffers.staging)
     assert not any(b.is_pinned() for b in trainer.host.blocks), "BF16 compute pins no master row"
+
+
+# -- per-layer sizes in the cost model and the verifier ------------------------------------------------
+
+def test_slots_are_sized_per_layer_and_residents_cost_their_own_size():
+    from graphs import chain_graph
+
+    # A wide first and last layer (embedding, LM head) around narrow blocks.
+    g = chain_graph(5, numel=[8192, 1024, 1024, 1024, 8192], trainable=[True, True, False, True, True])
+    plan = Plan(slots=2, prefetch_distance=1, resident=frozenset({0, 4}))
+    assert cost.slot_numels(g, plan.slots, plan.resident) == ((1024, 1024),) * 2 + ((8192, 8192),) * 2
+    m = cost.memory_breakdown(g, plan)
+    assert m.weight_slots == (2 * 1024 + 2 * 8192) * 4 and m.gradient_slots == (2 * 1024 + 2 * 8192) * 4
+    # Without residents every streaming slot must hold the widest layer.
+    assert cost.memory_breakdown(g, Plan(slots=2)).weight_slots == 2 * 8192 * 4
+
+
+def test_verifier_catches_a_layer_in_a_slot_too_small_for_it():
+    from graphs import chain_graph
+    from megatrain.errors import ScheduleError
+    from megatrain.planner.lower import lower
+    from megatrain.planner.schedule import OpKind
+    from megatrain.planner.verify import verify
+
+    g = chain_graph(5, numel=[8192, 1024, 1024, 1024, 8192])
+    plan = Plan(slots=2, prefetch_distance=1, resident=frozenset({0, 4}))
+    s = lower(g, plan)
+    verify(s, g)
+    ops = list(s.ops)
+    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.H2D and op.layer == 4)
+    ops[i] = dataclasses.replace(ops[i], slot=0)  # the LM head into a block-sized streaming slot
+    with pytest.raises(ScheduleError, match=r"rule 'budget'.*layer 4 .*does not fit slot 0"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+def test_verifier_catches_gradients_in_a_tile_too_small_for_them():
+    from graphs import chain_graph
+    from megatrain.errors import ScheduleError
+    from megatrain.planner.lower import lower
+    from megatrain.planner.schedule import OpKind
+    from megatrain.planner.verify import verify
+
+    g = chain_graph(4, numel=[4096, 1024, 1024, 4096])
+    plan = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4)
+    assert cost.gradient_tile_numels(g, plan) == (4096, 1024, 1024, 4096)
+    s = lower(g, plan)
+    verify(s, g)
+    ops = list(s.ops)
+    i = next(k for k, op in enumerate(ops) if op.kind is OpKind.D2H and op.layer == 3)
+    ops[i] = dataclasses.replace(ops[i], ring=1)  # layer 3's gradients into layer 1's narrow tile
+    with pytest.raises(ScheduleError, match=r"rule 'budget'.*do not fit host tile r1"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)

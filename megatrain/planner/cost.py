@@ -26,8 +26,10 @@ Resources. Each stream is an in-order queue on one resource; H2D and D2H are sep
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
 serialises.
 
-Memory (bytes). GPU: weight slots ``(plan.slots + len(plan.resident)) x max numel x
-compute_itemsize``; gradient slots, the same count ``x max trainable_numel x 4``; buffers
+Memory (bytes). GPU: weight slots, ``numel x compute_itemsize`` each, and gradient slots,
+``trainable_numel x 4`` each, sized per slot (:func:`slot_numels`): each of the ``plan.slots``
+streaming slots for the widest layer that is not resident, each resident layer's slot for that
+layer alone (an embedding or LM head much wider than a block then costs only its own slot); buffers
 ``sum(layer.buffer_bytes)``; the reserve ``hw.gpu_reserve_bytes``; and, varying over the step,
 checkpoints, boundary gradients and the working memory of the running compute op
 (:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
@@ -584,6 +586,24 @@ def weight_slot_count(plan: Plan) -> int:
     return plan.slots + len(plan.resident)
 
 
+def slot_numels(graph: LayerGraph, slots: int, resident: frozenset[int] | set[int] = frozenset()) -> tuple[tuple[int, int], ...]:
+    """``(numel, trainable_numel)`` of each GPU slot, in slot order: ``slots`` streaming slots sized
+    for the widest layer not in ``resident`` (only those stream through them), then one slot per
+    resident layer, ascending, sized for that layer (the lowering's slot numbering)."""
+    layers = graph.layers
+    streamed = [layer for i, layer in enumerate(layers) if i not in resident]
+    width = max((layer.numel for layer in streamed), default=0)
+    gwidth = max((layer.trainable_numel for layer in streamed), default=0)
+    own = [(layers[r].numel, layers[r].trainable_numel) for r in sorted(resident)]
+    return tuple([(width, gwidth)] * slots + own)
+
+
+def slot_bytes(graph: LayerGraph, slots: int, resident: frozenset[int] | set[int], compute_itemsize: int) -> tuple[int, int]:
+    """GPU bytes of the weight slots (compute dtype) and of the gradient slots (FP32) of :func:`slot_numels`."""
+    sizes = slot_numels(graph, slots, resident)
+    return (sum(w for w, _ in sizes) * compute_itemsize, sum(g for _, g in sizes) * GRAD_ITEMSIZE)
+
+
 def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = None,
                      schedule: Schedule | None = None) -> MemoryBreakdown:
     """Host and GPU bytes of running ``graph`` under ``plan``.
@@ -599,9 +619,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         schedule = lower(graph, plan)
     layers = graph.layers
     numel = sum(layer.numel for layer in layers)
-    max_numel = max(layer.numel for layer in layers)
-    max_trainable = max(layer.trainable_numel for layer in layers)
-    n_slots = weight_slot_count(plan)
+    weight_slots, gradient_slots = slot_bytes(graph, plan.slots, plan.resident, plan.compute_itemsize)
     pinned = pinned_buffers(graph, plan, "train")
     act, work, dyn = _dynamic_peaks(schedule, activation_liveness(schedule, graph))
     bf16 = plan.compute_dtype == "bfloat16"
@@ -616,8 +634,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         pinned_norms=pinned.bytes_of("norms") + pinned.bytes_of("flags"),
         gradient_accumulators=(sum(layer.trainable_numel for layer in layers) * GRAD_ITEMSIZE
                                if plan.accumulates_on_host else 0),
-        weight_slots=n_slots * max_numel * plan.compute_itemsize,
-        gradient_slots=n_slots * max_trainable * GRAD_ITEMSIZE,
+        weight_slots=weight_slots,
+        gradient_slots=gradient_slots,
         buffers=sum(layer.buffer_bytes for layer in layers),
         activations_peak=act,
         working_peak=work,
@@ -658,7 +676,8 @@ def mfu(model_flops: float, step_time_s: float, compute_dtype: str, hw: Hardware
 __all__ = [
     "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
     "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
-    "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown", "HOST_PAGE_BYTES",
+    "activation_liveness", "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
+    "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numel", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",

@@ -359,8 +359,8 @@ Knapsack = Callable[[Sequence[float], Sequence[int], int], frozenset[int]]
 def greedy_knapsack(values: Sequence[float], weights: Sequence[int], capacity: int) -> frozenset[int]:
     """Items by value per unit of weight (ties: lower index), each taken while it fits.
 
-    Optimal when every weight is equal (the case for resident layers, whose slots are all sized for
-    the largest layer), within one item's value otherwise. Items of value <= 0 are never taken.
+    Optimal when every weight is equal (resident blocks of one size), within one item's value
+    otherwise (an embedding or LM head's slot is sized for it, not for a block). Items of value <= 0 are never taken.
     """
     order = sorted((i for i, v in enumerate(values) if v > 0),
                    key=lambda i: (-values[i] / max(weights[i], 1), i))
@@ -1006,10 +1006,15 @@ class _Search:
             self.rings[key] = cost.gradient_ring_bytes(opt.graph, plan)
         return self.rings[key]
 
-    def scaled(self, opt: _SizeOption, unit: cost.MemoryBreakdown, weight_slots: int, grad_ring: int,
-               staging_ring: int) -> cost.MemoryBreakdown:
-        """``unit`` with a candidate's slot, gradient tile and staging tile counts."""
-        return _scaled_memory(unit, weight_slots, self.ring_bytes(opt, grad_ring), staging_ring)
+    def scaled(self, opt: _SizeOption, unit: cost.MemoryBreakdown, slots: int, grad_ring: int,
+               staging_ring: int, resident: frozenset[int] = frozenset()) -> cost.MemoryBreakdown:
+        """``unit`` with a candidate's streaming slots, resident layers (a slot each, at its own
+        size: :func:`cost.slot_bytes`), gradient tiles and staging tiles."""
+        m = _scaled_memory(unit, slots, self.ring_bytes(opt, grad_ring), staging_ring)
+        if not resident:
+            return m
+        w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4)
+        return replace(m, weight_slots=w, gradient_slots=g)
 
     def gpu_fits(self, unit: cost.MemoryBreakdown, slots: int, cap: int | None = None) -> bool:
         cap = self.hw.gpu_memory_bytes if cap is None else cap
@@ -1132,7 +1137,7 @@ class _Search:
 
     def add_candidate(self, c: _Candidate) -> None:
         _, unit = self.unit(c.option, c.policy, c.distance)
-        mem = self.scaled(c.option, unit, c.slots + len(c.resident or ()), c.grad_ring, c.staging_ring)
+        mem = self.scaled(c.option, unit, c.slots, c.grad_ring, c.staging_ring, c.resident or frozenset())
         if not _fits(mem, self.hw):
             return
         key = (c.option.key, c.policy, c.slots, c.distance, c.grad_ring, c.staging_ring, c.resident)
@@ -1196,11 +1201,14 @@ class _Search:
         if c.resident is not None:
             return replace(k, resident=c.resident)
         _, unit = self.unit(c.option, c.policy, c.distance)
-        slot_bytes = unit.weight_slots + unit.gradient_slots
         spare = self.hw.gpu_memory_bytes - self.scaled(c.option, unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
-        # Every resident layer costs one more slot sized for the largest layer, so the spare memory
-        # in slots decides the knapsack's answer.
-        room = min(spare // slot_bytes, self.n) if slot_bytes else self.n
+        # Every resident layer costs one more slot sized for that layer (cost.slot_numels), so its
+        # weight is its own weights and gradients. The streaming slots stay sized for the widest
+        # layer here; residents can only narrow them, so the choice is within memory.
+        itemsize = 2 if self.bf16 else 4
+        weights = [layer.numel * itemsize + layer.trainable_numel * cost.GRAD_ITEMSIZE
+                   for layer in c.option.graph.layers]
+        room = max(spare, 0)
         key = (c.policy, c.slots, c.distance, room, c.option.layer_by_layer)
         if key not in self.residents:
             # Per-micro-batch passes repeat the pattern's copies in every pass (the pattern, one
@@ -1210,7 +1218,7 @@ class _Search:
             pk = k if passes == 1 or not self.deferred else replace(k, grad_ring=self.ring)
             copies = [x * passes for x in self.pattern(pk).copies(self.n)]
             saved = [(x - 1) * self.times.h2d[i] for i, x in enumerate(copies)]
-            self.residents[key] = self.knapsack(saved, [slot_bytes] * self.n, room * slot_bytes)
+            self.residents[key] = self.knapsack(saved, weights, room)
         return replace(k, resident=self.residents[key])
 
     def pattern(self, k: _Knobs) -> _Pattern:
@@ -1307,7 +1315,7 @@ class _Search:
         _, opt, sched, tl = best
         plan = sched.plan
         _, unit = self.unit(opt, plan.activations, plan.prefetch_distance)
-        predicted = self.scaled(opt, unit, cost.weight_slot_count(plan), plan.grad_ring, plan.staging_ring)
+        predicted = self.scaled(opt, unit, plan.slots, plan.grad_ring, plan.staging_ring, plan.resident)
         mem = cost.memory_breakdown(opt.graph, plan, hw, sched)
         if mem != predicted or not _fits(mem, hw):
             raise PlanError(f"internal: the solver predicted {predicted} for {plan} but the cost model gives {mem}; "

@@ -26,7 +26,8 @@ computed once as ancestor bitsets (Python ints) in list order, which the rules t
   in pinned memory, a layer's offload comes after the reloads of the micro-batches before it;
 - ``staging``: with a BF16 plan, each H2D reads a staging tile that a CAST of its layer filled and
   no other CAST overwrites before the copy ends;
-- ``budget``: slot, ring and staging indices stay within what the plan allocates; given a
+- ``budget``: slot, ring and staging indices stay within what the plan allocates, and each op's
+  layer fits the slot and host gradient tile it uses, as the cost model sizes them; given a
   HardwareSpec, the cost model's peak GPU memory, pinned host memory and host memory stay within
   its capacities.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from megatrain.errors import ScheduleError
+from megatrain.planner import cost
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.lower import gradient_tiles
@@ -81,6 +83,8 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     n_slots = plan.slots + len(plan.resident)
     accumulator_of = gradient_tiles(graph)  # per-micro-batch passes: each trainable layer's accumulator
     n_accumulators = len(accumulator_of)
+    slot_sizes = cost.slot_numels(graph, plan.slots, plan.resident)
+    tile_numels = cost.gradient_tile_numels(graph, plan)
     for i, op in enumerate(ops):
         for d in op.deps:
             if not 0 <= d < i:
@@ -101,6 +105,18 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
         if op.mb is not None and not 0 <= op.mb < plan.micro_batches:
             fail(i, "coverage", f"micro-batch {op.mb} outside the plan's {plan.micro_batches}",
                  "lower with the same plan")
+        layer = graph.layers[op.layer]
+        if op.slot is not None and (layer.numel > slot_sizes[op.slot][0]
+                                    or layer.trainable_numel > slot_sizes[op.slot][1]):
+            fail(i, "budget", f"layer {op.layer} ({layer.numel:,} elements, {layer.trainable_numel:,} trainable) does "
+                 f"not fit slot {op.slot}, sized {slot_sizes[op.slot][0]:,} / {slot_sizes[op.slot][1]:,} "
+                 "(cost.slot_numels: streaming slots for the widest non-resident layer, a resident layer's for it)",
+                 "put a resident layer only in its own slot")
+        if op.kind is OpKind.D2H and 0 <= op.ring < plan.grad_ring and layer.trainable_numel > tile_numels[op.ring]:
+            fail(i, "budget", f"layer {op.layer}'s {layer.trainable_numel:,} gradients do not fit host tile "
+                 f"r{op.ring} of {tile_numels[op.ring]:,} (cost.gradient_tile_numels sizes each tile for the layers "
+                 "the lowering gives it)", "assign ring tiles as lower.py does (D2H number k of a step takes tile "
+                 "k % grad_ring; with NEXT_FORWARD a layer's own tile, lower.gradient_tiles)")
 
     anc = happens_before(schedule)
 
@@ -369,8 +385,6 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
 
 
 def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> None:
-    from megatrain.planner import cost
-
     mem = cost.memory_breakdown(graph, schedule.plan, hw, schedule)
     checks = [("GPU memory", mem.gpu_peak, hw.gpu_memory_bytes, "lower micro_batch_size, offload or recompute "
                "checkpoints, or use fewer slots or resident layers"),

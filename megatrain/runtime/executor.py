@@ -125,13 +125,11 @@ class Executor:
                 (carried updates) needs a new arena, which would not hold them.
         """
         plan = schedule.plan
-        n_slots = plan.slots + len(plan.resident)
         layout = cost.pinned_buffers(self.graph, plan, schedule.mode)
         arena_ok = self._arena is not None and self._arena.layout.covers(layout)
-        key = (n_slots, plan.compute_dtype)
+        sizes = cost.slot_numels(self.graph, plan.slots, plan.resident)  # each slot at its own size
+        key = (sizes, plan.compute_dtype)
         if self._buffers is None or self._buffer_key != key or not arena_ok:
-            width = max(layer.numel for layer in self.graph.layers)
-            gwidth = max(layer.trainable_numel for layer in self.graph.layers) or 1
             be = self.backend
             dtype = _DTYPES[plan.compute_dtype]
             accumulators = self._buffers.accumulators if self._buffers is not None else []
@@ -152,8 +150,8 @@ class Executor:
             self._buffers = None  # let the old device buffers go before the new ones are made
             lay = arena.layout
             self._buffers = _Buffers(
-                weights=[be.device_empty((width,), dtype) for _ in range(n_slots)],
-                grads=[be.device_empty((gwidth,), torch.float32) for _ in range(n_slots)],
+                weights=[be.device_empty((width,), dtype) for width, _ in sizes],
+                grads=[be.device_empty((gwidth,), torch.float32) for _, gwidth in sizes],
                 ring=[arena.view("ring", t.key, torch.float32) for t in lay.tiles if t.kind == "ring"],
                 staging=[arena.view("staging", t.key, dtype) for t in lay.tiles if t.kind == "staging"],
                 accumulators=accumulators)

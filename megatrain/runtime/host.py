@@ -57,7 +57,10 @@ class HostState:
         for layer in graph.layers:
             row = cost.page_up(layer.numel * cost.MASTER_BYTES_PER_ELEMENT)
             raw = page_aligned_empty(max(3 * layer.numel * 4, row))
-            block = raw[:3 * layer.numel * 4].view(torch.float32).view(3, layer.numel)  # moments start at zero
+            block = raw[:3 * layer.numel * 4].view(torch.float32).view(3, layer.numel)
+            # The mapping reads as zeros already; writing them faults its pages in now, as an
+            # allocation would, rather than at the first read (a checkpoint save, say).
+            block[1:].zero_()
             self.blocks.append(block)
             self._rows.append(raw[:row])
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
