@@ -25,7 +25,7 @@ def test_public_surface_is_pinned():
         "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
             "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
-        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numel",
+        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numels",
         "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
 

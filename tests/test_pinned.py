@@ -37,6 +37,7 @@ PLANS = {
     "fp32-clip": Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4),
     "bf16-per-micro-batch-offload": Plan(micro_batches=2, layer_by_layer=False, grad_ring=2,
                                          activations=(_OFF, _RE, _K, _K), compute_dtype="bfloat16"),
+    "bf16-cast-once": Plan(micro_batches=2, compute_dtype="bfloat16", cast_once=True),
 }
 
 
@@ -229,3 +230,73 @@ def test_verifier_catches_gradients_in_a_tile_too_small_for_them():
     ops[i] = dataclasses.replace(ops[i], ring=1)  # layer 3's gradients into layer 1's narrow tile
     with pytest.raises(ScheduleError, match=r"rule 'budget'.*do not fit host tile r1"):
         verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+# -- cast once per step ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer_by_layer", [True, False], ids=["layer-by-layer", "per-micro-batch"])
+def test_cast_once_trains_bitwise_like_a_cast_per_copy(layer_by_layer):
+    """The BF16 copy a reused tile holds is the cast of the same master, so the run is bitwise the
+    same as casting before every copy; each layer is cast once per step."""
+    from megatrain.planner.schedule import OpKind
+
+    base = Plan(micro_batches=2, compute_dtype="bfloat16", layer_by_layer=layer_by_layer)
+    ref, _ = compile_on_fake(base)
+    got, fake = compile_on_fake(dataclasses.replace(base, cast_once=True))
+    casts = [op for op in got.schedule.ops if op.kind is OpKind.CAST]
+    assert sorted(op.layer for op in casts) == list(range(len(got.graph.layers)))
+    assert sum(op.kind is OpKind.CAST for op in ref.schedule.ops) > len(casts)
+    for s in range(3):
+        batch = random_batch(MBS * 2, SEQ, VOCAB, seed=s)
+        assert got.step(batch).micro_batch_losses == ref.step(batch).micro_batch_losses
+    for x, y in zip(ref.host.blocks, got.host.blocks):
+        assert torch.equal(x, y)
+    # Each layer's staging tile is sized to it: 2 bytes per element pinned, in whole pages.
+    staging = [t.numel() for t in got.executor._buffers.staging]
+    assert staging == [layer.numel for layer in got.graph.layers]
+    assert fake.pinned_bytes == cost.memory_breakdown(got.graph, got.plan).host_pinned
+
+
+def test_verifier_catches_a_copy_of_a_cast_older_than_the_last_update():
+    from graphs import chain_graph
+    from megatrain.errors import ScheduleError
+    from megatrain.planner.lower import lower
+    from megatrain.planner.schedule import Op, OpKind
+    from megatrain.planner.verify import verify
+
+    g = chain_graph(4)
+    s = lower(g, Plan(compute_dtype="bfloat16", cast_once=True))
+    verify(s, g)
+    ops = list(s.ops)
+    cast = next(i for i, op in enumerate(ops) if op.kind is OpKind.CAST and op.layer == 1)
+    opt = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer == 1)
+    # A copy of layer 1 after its update, from the cast made before it: stale weights.
+    ops.append(Op(OpKind.H2D, 1, slot=0, deps=(cast, opt, len(ops) - 1)))  # after everything else
+    with pytest.raises(ScheduleError, match=r"rule 'staging'.*may update the master in between"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+def test_the_solver_casts_once_only_where_that_is_faster_and_fits():
+    """A slow host makes the host stream (casts and optimizer steps) the bottleneck: a tile per
+    layer removes a cast per reloaded layer, so the solver takes it where pinned memory holds it."""
+    from graphs import chain_graph, spec
+    from megatrain.planner.solve import SolveRequest, minimum_requirements, solve
+    from test_solve import check_solution
+
+    g = chain_graph(6, numel=1 << 16, fwd_flops=10**7)
+    slow_host = spec(host_optimizer_params_per_s=1e6)
+    req = SolveRequest(g, slow_host, 2, "bfloat16")
+    # A GPU with room for about one slot beyond the least any plan needs: layers are copied again
+    # in the backward, and each copy would need a cast.
+    gpu = minimum_requirements(req).gpu_memory_bytes + 3 * (1 << 17)
+    slow_host = slow_host.model_copy(update={"gpu_memory_bytes": gpu})
+    req = dataclasses.replace(req, hardware=slow_host)
+    sol = solve(req)
+    check_solution(sol, req)
+    kinds = [op.kind.value for op in sol.schedule.ops]
+    assert sol.plan.cast_once and kinds.count("CAST") == len(g.layers) < kinds.count("H2D")
+    assert sol.memory.staging_ring == sum(cost.page_up(layer.numel * 2) for layer in g.layers)
+    # Pinned memory short of a tile per layer beside the smallest gradient ring: a cast per copy again.
+    least = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", cast_once=True, grad_ring=1)).host_pinned
+    tight = dataclasses.replace(req, hardware=slow_host.model_copy(update={"pinned_memory_cap_bytes": least - 1}))
+    assert not solve(tight).plan.cast_once

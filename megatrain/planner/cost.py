@@ -41,7 +41,8 @@ for the runtime, which pins the same regions (one arena registered with ``cudaHo
 the caching host allocator, which rounds every block up to a power of two): the host gradient
 tiles that D2H writes, each sized to the widest layer that uses it (one per trainable layer, at
 its own size, when the optimizer waits for the next step; :func:`gradient_tile_numels`); with BF16
-compute the staging tiles that H2D reads, ``max numel x 2`` each; the offloaded checkpoints, one
+compute the staging tiles that H2D reads, ``max numel x 2`` each (with ``plan.cast_once`` one per
+layer, ``numel x 2``: :func:`staging_tile_numels`); the offloaded checkpoints, one
 region per (value, micro-batch) alive at once; and each layer's gradient norm and finite flag.
 Every region starts on a page and takes whole pages (``HOST_PAGE_BYTES``). With FP32 compute H2D
 reads the master row itself, so each layer's master is pinned too, rounded up to whole pages
@@ -401,12 +402,16 @@ def gradient_ring_bytes(graph: LayerGraph, plan: Plan) -> int:
     return sum(page_up(w * GRAD_ITEMSIZE) for w in gradient_tile_numels(graph, plan))
 
 
-def staging_tile_numel(graph: LayerGraph, plan: Plan) -> int:
-    """Elements of each BF16 staging tile: the widest layer (any layer may be cast into any tile,
-    and every layer is loaded at least once per step); 0 with FP32 compute, which has none."""
+def staging_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
+    """Elements of each BF16 staging tile: with ``plan.cast_once`` tile ``k`` is layer ``k``'s and
+    sized to it; otherwise each of the ``staging_ring`` tiles is sized for the widest layer (any
+    layer may be cast into any tile, and every layer is loaded at least once per step). None with
+    FP32 compute."""
     if plan.compute_dtype == "float32":
-        return 0
-    return max(layer.numel for layer in graph.layers)
+        return ()
+    if plan.cast_once:
+        return tuple(layer.numel for layer in graph.layers)
+    return (max(layer.numel for layer in graph.layers),) * plan.staging_ring
 
 
 def pinned_master_bytes(graph: LayerGraph, plan: Plan) -> int:
@@ -475,8 +480,7 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
             regions += [("norms", 0, n * NORM_ITEMSIZE), ("flags", 0, n * FLAG_ITEMSIZE)]
         regions += [("ring", r, w * GRAD_ITEMSIZE) for r, w in enumerate(gradient_tile_numels(graph, plan))]
     if mode in ("train", "eval"):
-        width = staging_tile_numel(graph, plan) * STAGING_ITEMSIZE
-        regions += [("staging", t, width) for t in range(plan.staging_ring if width else 0)]
+        regions += [("staging", t, w * STAGING_ITEMSIZE) for t, w in enumerate(staging_tile_numels(graph, plan))]
     if mode == "train":
         copies = plan.micro_batches if plan.layer_by_layer else 1
         for p in range(n):
@@ -678,7 +682,7 @@ __all__ = [
     "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
     "activation_liveness", "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
     "HOST_PAGE_BYTES",
-    "page_up", "gradient_tile_numels", "staging_tile_numel", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
+    "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
 ]

@@ -12,7 +12,10 @@ objective and two lower bounds to prune with.
    ``0..slots-1``. The host gradient ring is the largest in ``1..max_grad_ring`` that host memory
    allows (one more tile only removes a wait of a D2H on an optimizer step), and one tile per
    trainable layer when the request clips gradients (below). The BF16 staging ring is 2 (a CAST
-   fills one tile while the H2D in flight reads the other) where pinned memory allows, else 1.
+   fills one tile while the H2D in flight reads the other) where pinned memory allows, else 1; and
+   where pinned memory allows, also a tile per layer (``Plan.cast_once``: each layer cast once per
+   step, for 2 bytes per parameter pinned), which the simulator keeps only when it is faster (ties
+   go to the ring).
 2. Activation policy per layer: KEEP the output checkpoint on the GPU, OFFLOAD it to pinned host
    memory after the forward and back before the local backward, or RECOMPUTE it in the backward
    phase. The 3^n choices are searched in structured families, each a nested chain of policies
@@ -145,6 +148,9 @@ GiB = 1 << 30
 
 DEFAULT_STAGING_RING = 2
 """BF16 staging tiles: one being read by the H2D in flight, one being filled for the next copy."""
+
+CAST_ONCE = 0
+"""The search's staging count for ``Plan.cast_once`` (a tile per layer, each layer cast once per step)."""
 
 KEEP, OFFLOAD, RECOMPUTE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 
@@ -634,7 +640,8 @@ def _plan(request: SolveRequest, micro_batch_size: int, k: _Knobs, layer_by_laye
     return Plan(micro_batches=request.global_batch // micro_batch_size, slots=k.slots,
                 prefetch_distance=k.prefetch_distance, grad_ring=k.grad_ring, resident=k.resident,
                 activations=k.activations, layer_by_layer=layer_by_layer, optimizer=_placement(request),
-                compute_dtype=request.compute_dtype, staging_ring=k.staging_ring)
+                compute_dtype=request.compute_dtype, staging_ring=max(k.staging_ring, 1),
+                cast_once=k.staging_ring == CAST_ONCE)
 
 
 def _scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, gradient_ring: int,
@@ -1006,11 +1013,18 @@ class _Search:
             self.rings[key] = cost.gradient_ring_bytes(opt.graph, plan)
         return self.rings[key]
 
+    def cast_once_bytes(self, opt: _SizeOption) -> int:
+        """Pinned bytes of one staging tile per layer, each at its size (``Plan.cast_once``)."""
+        plan = Plan(compute_dtype="bfloat16", cast_once=True)
+        return sum(cost.page_up(w * cost.STAGING_ITEMSIZE) for w in cost.staging_tile_numels(opt.graph, plan))
+
     def scaled(self, opt: _SizeOption, unit: cost.MemoryBreakdown, slots: int, grad_ring: int,
                staging_ring: int, resident: frozenset[int] = frozenset()) -> cost.MemoryBreakdown:
         """``unit`` with a candidate's streaming slots, resident layers (a slot each, at its own
         size: :func:`cost.slot_bytes`), gradient tiles and staging tiles."""
         m = _scaled_memory(unit, slots, self.ring_bytes(opt, grad_ring), staging_ring)
+        if staging_ring == CAST_ONCE:
+            m = replace(m, staging_ring=self.cast_once_bytes(opt))
         if not resident:
             return m
         w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4)
@@ -1032,6 +1046,11 @@ class _Search:
                     break
         if len(out) == 2 and (out[0][0] >= out[1][0] or not self.bf16):
             out = out[:1]
+        if self.bf16:  # a staging tile per layer, each layer cast once per step (staging 0: Plan.cast_once)
+            for ring in rings:
+                if _host_fits(self.scaled(opt, unit, 1, ring, CAST_ONCE), self.hw):
+                    out.append((ring, CAST_ONCE))
+                    break
         return out
 
     def per_mb_sizes(self, size: int) -> bool:
@@ -1315,7 +1334,8 @@ class _Search:
         _, opt, sched, tl = best
         plan = sched.plan
         _, unit = self.unit(opt, plan.activations, plan.prefetch_distance)
-        predicted = self.scaled(opt, unit, plan.slots, plan.grad_ring, plan.staging_ring, plan.resident)
+        staging = CAST_ONCE if plan.cast_once else plan.staging_ring
+        predicted = self.scaled(opt, unit, plan.slots, plan.grad_ring, staging, plan.resident)
         mem = cost.memory_breakdown(opt.graph, plan, hw, sched)
         if mem != predicted or not _fits(mem, hw):
             raise PlanError(f"internal: the solver predicted {predicted} for {plan} but the cost model gives {mem}; "
