@@ -32,10 +32,12 @@ executor's non-blocking copies of the batch to the GPU) must finish before the r
 the first op on each GPU stream in a run waits on one event recorded on the caller's stream at the
 run's first launch.
 
-Memory. ``host_empty`` allocates pinned memory with ``torch.empty(..., pin_memory=True)``: torch's
-pinned allocator takes each block from ``cudaHostAlloc`` whole (its caching host allocator does not
-split blocks), and ``cudaHostAlloc`` returns page-aligned memory, so each layer's ``[3, numel]``
-host block is one contiguous, page-aligned, page-locked region that one DMA moves. ``device_empty``
+Memory. ``host_pin`` page-locks host memory the caller allocated (page-aligned, whole pages) in
+place with ``cudaHostRegister``, exactly its bytes, and unlocks it when the returned handle is
+dropped: the executor pins each FP32 master row and one arena of transient host tiles this way
+(:mod:`megatrain.runtime.host`). ``host_empty`` (``torch.empty(..., pin_memory=True)``) is kept
+for small scratch buffers; its caching host allocator rounds every block up to a power of two,
+so nothing a plan sizes goes through it. ``device_empty``
 allocates the persistent slots once on the device. Tensors an op allocates inside ``fn`` belong to
 its stream in the caching allocator; the executor frees activations on the issuing thread while
 the GPU may still read them, which is safe because the allocator reuses a block only for later

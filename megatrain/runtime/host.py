@@ -83,8 +83,9 @@ class HostState:
 
     @property
     def pinned_nbytes(self) -> int:
-        """Bytes of master rows pinned now: ``cost.pinned_master_bytes`` of an FP32 plan, or 0."""
-        return sum(r.numel() for r in self._rows) if self._pinned_by is not None else 0
+        """Bytes of master rows pinned now: ``cost.pinned_master_bytes`` of an FP32 plan on a backend
+        that pins (the CPU backend pins nothing), or 0."""
+        return sum(r.numel() for r, pin in zip(self._rows, self._pins) if pin is not None)
 
     def pin_masters(self, backend: Any) -> None:
         """Page-lock every layer's master row, rounded up to whole pages, through
