@@ -300,3 +300,46 @@ def test_the_solver_casts_once_only_where_that_is_faster_and_fits():
     least = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", cast_once=True, grad_ring=1)).host_pinned
     tight = dataclasses.replace(req, hardware=slow_host.model_copy(update={"pinned_memory_cap_bytes": least - 1}))
     assert not solve(tight).plan.cast_once
+
+
+def test_torch_cuda_registers_exactly_the_bytes_and_unregisters_on_drop(monkeypatch):
+    """``TorchCuda.host_register``'s calls, against a stand-in for ``torch.cuda.cudart()`` (the CPU
+    twin of the GPU test above): one cudaHostRegister of the tensor's address and bytes, flags 0,
+    and one cudaHostUnregister of that address when the handle goes; a failure names the size."""
+    import enum
+    import gc
+
+    from megatrain.runtime.cuda import TorchCuda
+
+    class Err(enum.Enum):
+        success = 0
+        cudaErrorHostMemoryAlreadyRegistered = 712
+
+    class Cudart:
+        cudaError = Err
+
+        def __init__(self):
+            self.calls, self.fail = [], False
+
+        def cudaHostRegister(self, ptr, size, flags):
+            self.calls.append(("register", ptr, size, flags))
+            return Err.cudaErrorHostMemoryAlreadyRegistered if self.fail else Err.success
+
+        def cudaHostUnregister(self, ptr):
+            self.calls.append(("unregister", ptr))
+            return Err.success
+
+        def cudaGetErrorString(self, err):
+            return err.name
+
+    rt = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    mem = page_aligned_empty(2 * cost.HOST_PAGE_BYTES)
+    pin = TorchCuda().host_register(mem)
+    assert rt.calls == [("register", mem.data_ptr(), 2 * cost.HOST_PAGE_BYTES, 0)]
+    del pin
+    gc.collect()
+    assert rt.calls[-1] == ("unregister", mem.data_ptr())
+    rt.fail = True
+    with pytest.raises(RuntimeError, match=rf"cudaHostRegister of {2 * cost.HOST_PAGE_BYTES} bytes.*AlreadyRegistered"):
+        TorchCuda().host_register(mem)
