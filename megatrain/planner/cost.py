@@ -590,7 +590,8 @@ def weight_slot_count(plan: Plan) -> int:
     return plan.slots + len(plan.resident)
 
 
-def slot_numels(graph: LayerGraph, slots: int, resident: frozenset[int] | set[int] = frozenset()) -> tuple[tuple[int, int], ...]:
+def slot_numels(graph: LayerGraph, slots: int,
+                resident: frozenset[int] | set[int] = frozenset()) -> tuple[tuple[int, int], ...]:
     """``(numel, trainable_numel)`` of each GPU slot, in slot order: ``slots`` streaming slots sized
     for the widest layer not in ``resident`` (only those stream through them), then one slot per
     resident layer, ascending, sized for that layer (the lowering's slot numbering)."""
@@ -602,7 +603,8 @@ def slot_numels(graph: LayerGraph, slots: int, resident: frozenset[int] | set[in
     return tuple([(width, gwidth)] * slots + own)
 
 
-def slot_bytes(graph: LayerGraph, slots: int, resident: frozenset[int] | set[int], compute_itemsize: int) -> tuple[int, int]:
+def slot_bytes(graph: LayerGraph, slots: int, resident: frozenset[int] | set[int],
+               compute_itemsize: int) -> tuple[int, int]:
     """GPU bytes of the weight slots (compute dtype) and of the gradient slots (FP32) of :func:`slot_numels`."""
     sizes = slot_numels(graph, slots, resident)
     return (sum(w for w, _ in sizes) * compute_itemsize, sum(g for _, g in sizes) * GRAD_ITEMSIZE)

@@ -599,8 +599,9 @@ def _infeasible(request: SolveRequest, req: Requirements) -> InfeasibleRequestEr
             f"{hb(req.pinned_floor_bytes)} pinned (cap {hb(hw.pinned_memory_cap_bytes)}) even with no checkpoint "
             f"offloaded: FP32 master weights {hb(m.master_weights)} and Adam moments {hb(m.adam_moments)} (12 "
             f"bytes per parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), "
-            f"{'one gradient tile per trainable layer, each at its size,' if request.clip_gradients else 'one gradient tile'} "
-            f"{hb(m.gradient_ring)}, one staging tile {hb(m.staging_ring)}"
+            + ("one gradient tile per trainable layer, each at its size, " if request.clip_gradients
+               else "one gradient tile ")
+            + f"{hb(m.gradient_ring)}, one staging tile {hb(m.staging_ring)}"
             + (f", and FP32 compute pins the master weights ({hb(m.pinned_masters)}; H2D reads them directly)"
                if m.state_pinned else "")
             + f". Fix: a host with at least {hb(req.host_floor_bytes)} and a pinned cap of "
