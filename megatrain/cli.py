@@ -145,7 +145,8 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
         ("Adam moments (FP32 x2)", _gib(mem.adam_moments), ""),
         ("gradient ring (pinned)", _gib(mem.gradient_ring), f"{plan.grad_ring} tiles"),
         ("staging ring (pinned)", _gib(mem.staging_ring),
-         f"{plan.staging_ring} BF16 tiles" if plan.compute_dtype == "bfloat16" else "unused with FP32 compute"),
+         ("one BF16 tile per layer: each cast once per step" if plan.cast_once else f"{plan.staging_ring} BF16 tiles")
+         if plan.compute_dtype == "bfloat16" else "unused with FP32 compute"),
         ("pinned activations", _gib(mem.pinned_activations), ""),
         ("total", _gib(mem.host_total),
          f"of {_gib(hw.host_memory_bytes)} ({_pct(mem.host_total, hw.host_memory_bytes)})"),
@@ -172,7 +173,7 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
         ("prefetch distance", str(plan.prefetch_distance), "layer visits ahead"),
         ("resident layers", f"{len(resident)}/{n}", _short_list([g.layers[i].name for i in resident])),
         ("gradient ring", str(plan.grad_ring), "host tiles"),
-        ("staging ring", str(plan.staging_ring), "host tiles"),
+        ("staging ring", "per layer" if plan.cast_once else str(plan.staging_ring), "host tiles"),
         ("activations", _policy_counts(plan, n), "checkpoints kept on the GPU / offloaded to pinned host "
                                                   "memory / recomputed in the backward"),
         ("layer by layer", "yes" if plan.layer_by_layer else "no",

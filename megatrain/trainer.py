@@ -454,7 +454,7 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
                           "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
     schedules = Schedules.lower(traced.graph, plan)
 
-    host = HostState(traced.graph, backend.host_empty)
+    host = HostState(traced.graph)
     bind_module(model, host)
     buffers = {}
     for name, (kind, src) in traced.buffer_sources.items():

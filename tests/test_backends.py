@@ -89,6 +89,9 @@ class Spy:
     def host_empty(self, shape, dtype):
         return self.inner.host_empty(shape, dtype)
 
+    def host_pin(self, t):
+        return self.inner.host_pin(t)
+
     def launch(self, stream, fn, wait_for, label=""):
         k = self.k
         self.k += 1
@@ -467,26 +470,36 @@ def test_cpu_backend_records_a_measured_timeline():
         be.timeline(trainer.schedule, trainer.graph, HW)
 
 
-# -- host memory: one block per layer through host_empty -------------------------------------------
+# -- host memory: one block per layer, only the master rows pinned --------------------------------
 
-def test_host_state_takes_one_pinned_block_per_layer():
+def test_host_state_pins_only_the_master_rows():
     trainer = compile_one()
     fake = FakeCuda()
     be = CUDABackend(adapter=fake)
-    host = HostState(trainer.graph, be.host_empty)
-    assert fake.pinned_calls == [((3, layer.numel), torch.float32) for layer in trainer.graph.layers]
-    assert all(b.is_contiguous() for b in host.blocks)
-    assert fake.empty_calls == [] and fake.log == []
+    host = HostState(trainer.graph)
+    assert fake.pinned_bytes == 0, "nothing is pinned before a plan asks for it"
+    host.pin_masters(be)
+    page = 4096
+    rows = [-(-layer.numel * 4 // page) * page for layer in trainer.graph.layers]
+    assert sorted(fake.registered.values()) == sorted(rows) and host.pinned_nbytes == sum(rows)
+    assert set(fake.registered) == {b.data_ptr() for b in host.blocks}, "each pin starts at its master row"
+    assert all(b.is_contiguous() and b.data_ptr() % page == 0 for b in host.blocks)
+    assert fake.pinned_calls == [] and fake.empty_calls == [] and fake.log == []
+    host.pin_masters(be)  # idempotent
+    assert len(fake.pin_log) == len(rows)
+    host.unpin_masters()
+    assert fake.pinned_bytes == 0 and fake.registered == {}
 
 
 # -- on a real GPU ---------------------------------------------------------------------------------------
 
 @requires_cuda
-def test_cuda_pinned_host_blocks_are_page_aligned():  # CPU twin: test_host_state_takes_one_pinned_block_per_layer
+def test_cuda_pinned_host_blocks_are_page_aligned():  # CPU twin: test_host_state_pins_only_the_master_rows
     trainer = compile_one()
-    host = HostState(trainer.graph, CUDABackend().host_empty)
+    host = HostState(trainer.graph)
+    host.pin_masters(CUDABackend())
     for i, b in enumerate(host.blocks):
-        assert b.is_pinned() and b.is_contiguous() and b.shape == (3, trainer.graph.layers[i].numel)
+        assert b[0].is_pinned() and b.is_contiguous() and b.shape == (3, trainer.graph.layers[i].numel)
         assert b.data_ptr() % 4096 == 0, f"layer {i}'s block is not page-aligned"
 
 

@@ -25,6 +25,8 @@ def test_public_surface_is_pinned():
         "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
             "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
+        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numels",
+        "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
 
 
@@ -101,22 +103,32 @@ def test_memory_breakdown_static_terms_by_hand():
     plan = Plan(slots=2, prefetch_distance=1, grad_ring=3, resident=frozenset({2}))
     m = cost.memory_breakdown(g, plan, spec(gpu_reserve_bytes=777))
     total = 1024 + 4096 + 2048
+    page = cost.HOST_PAGE_BYTES
     assert m.master_weights == total * 4
     assert m.adam_moments == total * 8
-    assert m.gradient_ring == 3 * 4096 * 4
+    # The D2Hs run L1 then L0 (L2 is frozen): tile 0 holds L1's 4096 gradients, tile 1 L0's 1024,
+    # tile 2 none. Each tile is pinned in whole pages (4096 B is one page).
+    assert cost.gradient_tile_numels(g, plan) == (4096, 1024, 0)
+    assert m.gradient_ring == 4096 * 4 + 1024 * 4
     assert m.staging_ring == 0  # FP32 compute reads the master tile directly
-    assert m.state_pinned and m.host_pinned == total * 12 + 3 * 4096 * 4
-    assert m.weight_slots == (2 + 1) * 4096 * 4  # two streaming slots + one resident slot
-    assert m.gradient_slots == (2 + 1) * 4096 * 4
+    # Masters pinned (each row a whole number of pages here), moments not; norms and flags a page each.
+    assert m.state_pinned and m.pinned_masters == total * 4 and m.pinned_norms == 2 * page
+    assert m.host_pinned == total * 4 + 4096 * 4 + 1024 * 4 + 2 * page
+    # Two streaming slots for the widest streamed layer, and the resident layer 2's own slot (2048
+    # elements, frozen: no gradient slot space).
+    assert m.weight_slots == (2 * 4096 + 2048) * 4
+    assert m.gradient_slots == 2 * 4096 * 4
     assert m.buffers == 128
     assert m.reserve == 777
     assert m.pinned_activations == 0
     bf16 = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", staging_ring=2, grad_ring=3))
     assert bf16.staging_ring == 2 * 4096 * 2
     assert bf16.weight_slots == 2 * 4096 * 2
-    assert not bf16.state_pinned and bf16.host_pinned == 3 * 4096 * 4 + 2 * 4096 * 2
+    rings = 4096 * 4 + 1024 * 4
+    assert not bf16.state_pinned and bf16.pinned_masters == 0
+    assert bf16.host_pinned == rings + 2 * 4096 * 2 + 2 * page
     assert bf16.reserve == hardware.DEFAULT_GPU_RESERVE_BYTES  # no spec given
-    assert bf16.host_total == total * 12 + 3 * 4096 * 4 + 2 * 4096 * 2
+    assert bf16.host_total == total * 12 + rings + 2 * 4096 * 2 + 2 * page
 
 
 def test_activation_peak_by_hand():
@@ -153,7 +165,8 @@ def test_pinned_activation_space_formula():
     offload = Plan(micro_batches=3, activations=(ActivationPolicy.OFFLOAD, ActivationPolicy.KEEP,
                                                  ActivationPolicy.OFFLOAD, ActivationPolicy.KEEP))
     m = cost.memory_breakdown(g, offload, spec())
-    assert m.pinned_activations == 2 * 1000 * 3  # h0 and h2, every micro-batch
+    # h0 and h2, every micro-batch, each copy in a page of its own (1000 B rounds up to one page).
+    assert m.pinned_activations == 2 * 3 * cost.HOST_PAGE_BYTES
     assert cost.memory_breakdown(g, keep, spec()).pinned_activations == 0
 
 
@@ -164,10 +177,16 @@ def test_per_micro_batch_passes_trade_gpu_checkpoints_for_host_accumulators():
     offload_h0 = (ActivationPolicy.OFFLOAD,) + (ActivationPolicy.KEEP,) * 3
     l2l = cost.memory_breakdown(g, Plan(micro_batches=3, activations=offload_h0), spec())
     per = cost.memory_breakdown(g, Plan(micro_batches=3, activations=offload_h0, layer_by_layer=False), spec())
-    assert l2l.pinned_activations == 3 * 1000 and per.pinned_activations == 1000
+    page = cost.HOST_PAGE_BYTES
+    assert l2l.pinned_activations == 3 * page and per.pinned_activations == page  # 1000 B: a page each
     assert l2l.gradient_accumulators == 0 and per.gradient_accumulators == (1024 + 2048 + 4096) * 4
-    assert per.host_total - l2l.host_total == per.gradient_accumulators - 2 * 1000
-    assert per.host_pinned == l2l.host_pinned - 2 * 1000  # the accumulators are pageable
+    # Two ring tiles. Layer by layer the D2Hs run L3, L1, L0: tile 0 takes L3 and L0, tile 1 L1.
+    # Per-micro-batch passes continue the turn in each pass (L3 L1 L0 L3 L1 L0 ...), so L3 reaches both.
+    assert cost.gradient_tile_numels(g, Plan(micro_batches=3)) == (4096, 2048)
+    assert cost.gradient_tile_numels(g, Plan(micro_batches=3, layer_by_layer=False)) == (4096, 4096)
+    ring_growth = (4096 - 2048) * 4
+    assert per.host_total - l2l.host_total == per.gradient_accumulators - 2 * page + ring_growth
+    assert per.host_pinned == l2l.host_pinned - 2 * page + ring_growth  # the accumulators are pageable
     # Peak at the turn (BWD:L3:m0): labels of every micro-batch (128 B each, read by the last layer),
     # h1 and h2 kept, h0 already reloaded, and the gradient of h2 that this backward makes. Layer by
     # layer that is every micro-batch's; per micro-batch it is m0's, plus input_ids of m1 and m2.

@@ -127,8 +127,10 @@ def test_gpu_memory_curve_peak_matches_hand_value_and_cost_model():
     assert tl.gpu_memory[-1][1] == 16384  # everything but the fixed allocations is freed
     times = [t for t, _ in tl.gpu_memory]
     assert times == sorted(times) and times[-1] <= tl.step_time_s
-    # FP32 compute pins the master tiles and moments as well as the gradient ring.
-    assert tl.pinned_peak_bytes == 3 * 1024 * 12 + 2 * 1024 * 4
+    # FP32 compute pins the master rows (not the moments) as well as the gradient ring, and the
+    # per-layer norms and flags take a page each (every row and tile here is whole pages).
+    assert tl.pinned_peak_bytes == 3 * 1024 * 4 + 2 * 1024 * 4 + 2 * cost.HOST_PAGE_BYTES
+    assert tl.pinned_peak_bytes == cost.memory_breakdown(g, plan, spec(), s).host_pinned
     assert tl.pinned_memory[-1] == (tl.step_time_s, tl.pinned_peak_bytes)
 
 

@@ -26,15 +26,27 @@ Resources. Each stream is an in-order queue on one resource; H2D and D2H are sep
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
 serialises.
 
-Memory (bytes). GPU: weight slots ``(plan.slots + len(plan.resident)) x max numel x
-compute_itemsize``; gradient slots, the same count ``x max trainable_numel x 4``; buffers
+Memory (bytes). GPU: weight slots, ``numel x compute_itemsize`` each, and gradient slots,
+``trainable_numel x 4`` each, sized per slot (:func:`slot_numels`): each of the ``plan.slots``
+streaming slots for the widest layer that is not resident, each resident layer's slot for that
+layer alone (an embedding or LM head much wider than a block then costs only its own slot); buffers
 ``sum(layer.buffer_bytes)``; the reserve ``hw.gpu_reserve_bytes``; and, varying over the step,
 checkpoints, boundary gradients and the working memory of the running compute op
 (:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
-Adam moments, a gradient ring ``plan.grad_ring x max trainable_numel x 4``, a staging ring
-``plan.staging_ring x max numel x 2`` for BF16 compute, and pinned space for offloaded
-checkpoints; with per-micro-batch passes also FP32 gradient accumulators, ``trainable_numel x 4``
+Adam moments; with per-micro-batch passes also FP32 gradient accumulators, ``trainable_numel x 4``
 per trainable layer (pageable: only the host reads and writes them).
+
+Pinned host memory is exactly what DMA reads or writes, and :func:`pinned_buffers` lays it out
+for the runtime, which pins the same regions (one arena registered with ``cudaHostRegister``, not
+the caching host allocator, which rounds every block up to a power of two): the host gradient
+tiles that D2H writes, each sized to the widest layer that uses it (one per trainable layer, at
+its own size, when the optimizer waits for the next step; :func:`gradient_tile_numels`); with BF16
+compute the staging tiles that H2D reads, ``max numel x 2`` each (with ``plan.cast_once`` one per
+layer, ``numel x 2``: :func:`staging_tile_numels`); the offloaded checkpoints, one
+region per (value, micro-batch) alive at once; and each layer's gradient norm and finite flag.
+Every region starts on a page and takes whole pages (``HOST_PAGE_BYTES``). With FP32 compute H2D
+reads the master row itself, so each layer's master is pinned too, rounded up to whole pages
+(:func:`pinned_master_bytes`); the Adam moments are never DMA'd and stay pageable.
 
 FLOPs. Model FLOPs follow PaLM's model FLOPs utilisation (Chowdhery et al. 2022, "PaLM: Scaling
 Language Modeling with Pathways", appendix B): the FLOPs of one forward and backward of the model
@@ -51,7 +63,8 @@ from dataclasses import dataclass
 from megatrain.errors import ConfigError
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph
 from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
-from megatrain.planner.plan import ActivationPolicy, Plan
+from megatrain.planner.lower import gradient_tiles
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule, Stream
 
 GRAD_ITEMSIZE = 4
@@ -71,6 +84,17 @@ CAST_BYTES_PER_ELEMENT = 6
 
 ACC_BYTES_PER_ELEMENT = 12
 """An ACC reads the ring tile and the accumulator and writes the accumulator, FP32 each."""
+
+HOST_PAGE_BYTES = 4096
+"""Granularity of pinned host memory: ``cudaHostRegister`` page-locks whole pages, so every pinned
+region starts on a page boundary and is a whole number of pages (the x86-64 base page; on a host
+with larger pages the driver locks whole pages of its own size around each region)."""
+
+NORM_ITEMSIZE = 4
+"""Each layer's gradient norm reaches the host as one FP32 value (D2H, pinned)."""
+
+FLAG_ITEMSIZE = 1
+"""Each layer's finite flag reaches the host as one bool (D2H, pinned)."""
 
 BACKWARD_TO_FORWARD_FLOPS = 2
 """Model FLOPs count a backward as twice the forward (PaLM appendix B; Kaplan et al. 2020)."""
@@ -342,15 +366,145 @@ def _dynamic_peaks(schedule: Schedule, live: ActivationLiveness) -> tuple[int, i
     return act_peak, work_peak, dyn_peak
 
 
+def page_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pinned pages (``HOST_PAGE_BYTES``)."""
+    return -(-nbytes // HOST_PAGE_BYTES) * HOST_PAGE_BYTES
+
+
+def gradient_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
+    """FP32 elements of each of the ``plan.grad_ring`` host gradient tiles: the widest
+    ``trainable_numel`` among the layers whose D2H writes the tile (0 for a tile no D2H uses).
+
+    With ``OptimizerPlacement.NEXT_FORWARD`` layer by layer, tile ``k`` belongs to the ``k``-th
+    trainable layer (:func:`megatrain.planner.lower.gradient_tiles`) and is sized to it alone.
+    Otherwise the D2Hs take the tiles in turn, in the order the local backwards run (trainable
+    layers from last to first, once per pass): D2H number ``k`` of the step writes tile
+    ``k % grad_ring``, as :mod:`megatrain.planner.lower` assigns them. The verifier checks that
+    every D2H's layer fits its tile (rule ``budget``).
+    """
+    layers = graph.layers
+    widths = [0] * plan.grad_ring
+    if plan.optimizer is OptimizerPlacement.NEXT_FORWARD and not plan.accumulates_on_host:
+        for layer, k in gradient_tiles(graph).items():
+            if k < plan.grad_ring:
+                widths[k] = layers[layer].trainable_numel
+        return tuple(widths)
+    backward = [i for i in range(len(layers) - 1, -1, -1) if layers[i].trainable_numel > 0]
+    passes = plan.micro_batches if plan.accumulates_on_host else 1
+    for k, layer in enumerate(backward * passes):
+        r = k % plan.grad_ring
+        widths[r] = max(widths[r], layers[layer].trainable_numel)
+    return tuple(widths)
+
+
+def gradient_ring_bytes(graph: LayerGraph, plan: Plan) -> int:
+    """Pinned bytes of the host gradient tiles, each in whole pages (what ``pinned_buffers`` gives them)."""
+    return sum(page_up(w * GRAD_ITEMSIZE) for w in gradient_tile_numels(graph, plan))
+
+
+def staging_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
+    """Elements of each BF16 staging tile: with ``plan.cast_once`` tile ``k`` is layer ``k``'s and
+    sized to it; otherwise each of the ``staging_ring`` tiles is sized for the widest layer (any
+    layer may be cast into any tile, and every layer is loaded at least once per step). None with
+    FP32 compute."""
+    if plan.compute_dtype == "float32":
+        return ()
+    if plan.cast_once:
+        return tuple(layer.numel for layer in graph.layers)
+    return (max(layer.numel for layer in graph.layers),) * plan.staging_ring
+
+
+def pinned_master_bytes(graph: LayerGraph, plan: Plan) -> int:
+    """Pinned bytes of the FP32 master rows: with FP32 compute H2D reads each layer's master row
+    directly, so each is pinned, rounded up to whole pages; with BF16 compute none (H2D reads the
+    staging tiles)."""
+    if plan.compute_dtype != "float32":
+        return 0
+    return sum(page_up(layer.numel * MASTER_BYTES_PER_ELEMENT) for layer in graph.layers)
+
+
+PinnedKind = str
+"""``"norms"``, ``"flags"``, ``"ring"``, ``"staging"`` or ``"offload"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedTile:
+    """One region of the pinned arena: ``nbytes`` at byte ``offset`` (a multiple of
+    ``HOST_PAGE_BYTES``). ``key`` is the tile index for ``ring`` and ``staging``, ``(value id,
+    micro-batch)`` for ``offload`` (micro-batch 0 for every pass with per-micro-batch passes, which
+    reuse one copy), and 0 for ``norms`` and ``flags`` (``[n_layers]`` FP32 and bool)."""
+
+    kind: PinnedKind
+    key: int | tuple[int, int]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedLayout:
+    """The pinned arena of one plan: its tiles in order, and its size ``nbytes`` (whole pages)."""
+
+    tiles: tuple[PinnedTile, ...]
+    nbytes: int
+
+    def tile(self, kind: PinnedKind, key: int | tuple[int, int]) -> PinnedTile:
+        """The tile ``(kind, key)``. Raises KeyError naming it when the layout has none."""
+        for t in self.tiles:
+            if t.kind == kind and t.key == key:
+                return t
+        raise KeyError(f"the pinned layout has no {kind} tile {key!r}")
+
+    def bytes_of(self, kind: PinnedKind) -> int:
+        """Bytes the tiles of ``kind`` take in the arena, page rounding included."""
+        return sum(page_up(t.nbytes) for t in self.tiles if t.kind == kind)
+
+    def covers(self, other: "PinnedLayout") -> bool:
+        """Whether every tile of ``other`` has a tile of the same kind and key here at least as large."""
+        have = {(t.kind, t.key): t.nbytes for t in self.tiles}
+        return all(have.get((t.kind, t.key), -1) >= t.nbytes for t in other.tiles)
+
+
+def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> PinnedLayout:
+    """The pinned arena a schedule of ``mode`` under ``plan`` needs besides the master rows.
+
+    ``"train"``: per-layer norms and flags, the gradient tiles (:func:`gradient_tile_numels`), the
+    staging tiles with BF16 compute, and a region per offloaded checkpoint (``graph.values[v].nbytes``
+    for each value of :meth:`LayerGraph.checkpoints` of a layer whose policy is OFFLOAD, for every
+    micro-batch layer by layer, once with per-micro-batch passes). ``"eval"``: the staging tiles.
+    ``"update"``: the gradient tiles. Each tile starts on a page and takes whole pages.
+    """
+    regions: list[tuple[PinnedKind, int | tuple[int, int], int]] = []
+    n = len(graph.layers)
+    if mode in ("train", "update"):
+        if mode == "train":
+            regions += [("norms", 0, n * NORM_ITEMSIZE), ("flags", 0, n * FLAG_ITEMSIZE)]
+        regions += [("ring", r, w * GRAD_ITEMSIZE) for r, w in enumerate(gradient_tile_numels(graph, plan))]
+    if mode in ("train", "eval"):
+        regions += [("staging", t, w * STAGING_ITEMSIZE) for t, w in enumerate(staging_tile_numels(graph, plan))]
+    if mode == "train":
+        copies = plan.micro_batches if plan.layer_by_layer else 1
+        for p in range(n):
+            if plan.activation(p) is ActivationPolicy.OFFLOAD:
+                regions += [("offload", (vid, mb), graph.values[vid].nbytes)
+                            for mb in range(copies) for vid in graph.checkpoints(p)]
+    tiles, offset = [], 0
+    for kind, key, nbytes in regions:
+        tiles.append(PinnedTile(kind, key, offset, nbytes))
+        offset += page_up(nbytes)
+    return PinnedLayout(tuple(tiles), offset)
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryBreakdown:
     """Bytes a plan holds, by purpose, as a CLI prints them (``rows()``, ``format()``).
 
     Host: ``master_weights`` (FP32) and ``adam_moments`` (two FP32 moments) persist; the gradient
-    and staging rings and the offloaded-checkpoint space are pinned; ``gradient_accumulators``
-    (per-micro-batch passes only) are pageable. ``state_pinned`` is true when
-    the persistent state must be pinned too: with FP32 compute the H2D reads the master tile
-    directly, and a DMA needs page-locked memory.
+    and staging rings, the offloaded-checkpoint space and the per-layer norms and flags
+    (``pinned_norms``) are pinned, each in whole pages (:func:`pinned_buffers`);
+    ``gradient_accumulators`` (per-micro-batch passes only) are pageable. ``state_pinned`` is true
+    when the master rows must be pinned too (``pinned_masters`` bytes, :func:`pinned_master_bytes`):
+    with FP32 compute the H2D reads the master row directly, and a DMA needs page-locked memory.
+    The moments are never pinned. ``host_pinned`` is the bytes the runtime page-locks, exactly.
 
     GPU: ``weight_slots``, ``gradient_slots``, ``buffers`` and ``reserve`` are allocated for the
     whole step; ``activations_peak`` (checkpoints, boundary gradients, batch inputs) and
@@ -364,6 +518,8 @@ class MemoryBreakdown:
     staging_ring: int
     pinned_activations: int
     state_pinned: bool
+    pinned_masters: int
+    pinned_norms: int
     gradient_accumulators: int
     weight_slots: int
     gradient_slots: int
@@ -376,12 +532,12 @@ class MemoryBreakdown:
     @property
     def host_total(self) -> int:
         return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
-                + self.pinned_activations + self.gradient_accumulators)
+                + self.pinned_activations + self.pinned_norms + self.gradient_accumulators)
 
     @property
     def host_pinned(self) -> int:
-        state = self.master_weights + self.adam_moments if self.state_pinned else 0
-        return state + self.gradient_ring + self.staging_ring + self.pinned_activations
+        return (self.pinned_masters + self.gradient_ring + self.staging_ring + self.pinned_activations
+                + self.pinned_norms)
 
     @property
     def gpu_fixed(self) -> int:
@@ -400,6 +556,8 @@ class MemoryBreakdown:
             ("host", "gradient ring (pinned)", self.gradient_ring),
             ("host", "BF16 staging ring (pinned)", self.staging_ring),
             ("host", "offloaded checkpoints (pinned)", self.pinned_activations),
+            ("host", "FP32 master rows (pinned)", self.pinned_masters),
+            ("host", "gradient norms and flags (pinned)", self.pinned_norms),
             ("host", "gradient accumulators (FP32)", self.gradient_accumulators),
             ("host", "total", self.host_total),
             ("host", "of which pinned", self.host_pinned),
@@ -432,6 +590,26 @@ def weight_slot_count(plan: Plan) -> int:
     return plan.slots + len(plan.resident)
 
 
+def slot_numels(graph: LayerGraph, slots: int,
+                resident: frozenset[int] | set[int] = frozenset()) -> tuple[tuple[int, int], ...]:
+    """``(numel, trainable_numel)`` of each GPU slot, in slot order: ``slots`` streaming slots sized
+    for the widest layer not in ``resident`` (only those stream through them), then one slot per
+    resident layer, ascending, sized for that layer (the lowering's slot numbering)."""
+    layers = graph.layers
+    streamed = [layer for i, layer in enumerate(layers) if i not in resident]
+    width = max((layer.numel for layer in streamed), default=0)
+    gwidth = max((layer.trainable_numel for layer in streamed), default=0)
+    own = [(layers[r].numel, layers[r].trainable_numel) for r in sorted(resident)]
+    return tuple([(width, gwidth)] * slots + own)
+
+
+def slot_bytes(graph: LayerGraph, slots: int, resident: frozenset[int] | set[int],
+               compute_itemsize: int) -> tuple[int, int]:
+    """GPU bytes of the weight slots (compute dtype) and of the gradient slots (FP32) of :func:`slot_numels`."""
+    sizes = slot_numels(graph, slots, resident)
+    return (sum(w for w, _ in sizes) * compute_itemsize, sum(g for _, g in sizes) * GRAD_ITEMSIZE)
+
+
 def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = None,
                      schedule: Schedule | None = None) -> MemoryBreakdown:
     """Host and GPU bytes of running ``graph`` under ``plan``.
@@ -447,27 +625,23 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         schedule = lower(graph, plan)
     layers = graph.layers
     numel = sum(layer.numel for layer in layers)
-    max_numel = max(layer.numel for layer in layers)
-    max_trainable = max(layer.trainable_numel for layer in layers)
-    n_slots = weight_slot_count(plan)
-    M = plan.micro_batches
-    offloaded = sum(checkpoint_bytes(graph, p) for p in range(len(layers))
-                    if plan.activation(p) is ActivationPolicy.OFFLOAD)
-    # With layer_by_layer every micro-batch's checkpoints are out at once; otherwise one at a time.
-    pinned_activations = offloaded * (M if plan.layer_by_layer else 1)
+    weight_slots, gradient_slots = slot_bytes(graph, plan.slots, plan.resident, plan.compute_itemsize)
+    pinned = pinned_buffers(graph, plan, "train")
     act, work, dyn = _dynamic_peaks(schedule, activation_liveness(schedule, graph))
     bf16 = plan.compute_dtype == "bfloat16"
     return MemoryBreakdown(
         master_weights=numel * MASTER_BYTES_PER_ELEMENT,
         adam_moments=numel * MOMENT_BYTES_PER_ELEMENT,
-        gradient_ring=plan.grad_ring * max_trainable * GRAD_ITEMSIZE,
-        staging_ring=plan.staging_ring * max_numel * STAGING_ITEMSIZE if bf16 else 0,
-        pinned_activations=pinned_activations,
+        gradient_ring=pinned.bytes_of("ring"),
+        staging_ring=pinned.bytes_of("staging"),
+        pinned_activations=pinned.bytes_of("offload"),
         state_pinned=not bf16,
+        pinned_masters=pinned_master_bytes(graph, plan),
+        pinned_norms=pinned.bytes_of("norms") + pinned.bytes_of("flags"),
         gradient_accumulators=(sum(layer.trainable_numel for layer in layers) * GRAD_ITEMSIZE
                                if plan.accumulates_on_host else 0),
-        weight_slots=n_slots * max_numel * plan.compute_itemsize,
-        gradient_slots=n_slots * max_trainable * GRAD_ITEMSIZE,
+        weight_slots=weight_slots,
+        gradient_slots=gradient_slots,
         buffers=sum(layer.buffer_bytes for layer in layers),
         activations_peak=act,
         working_peak=work,
@@ -508,6 +682,9 @@ def mfu(model_flops: float, step_time_s: float, compute_dtype: str, hw: Hardware
 __all__ = [
     "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
     "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
-    "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
+    "activation_liveness", "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
+    "HOST_PAGE_BYTES",
+    "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
+    "pinned_buffers", "gradient_ring_bytes",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
 ]

@@ -19,7 +19,10 @@ Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` d
   minimises reloads for a known access sequence). The copy waits for every op that used the
   slot's old content (its computes and, after backward, its gradient copy-out) and for the
   prefetch window. With BF16 compute a CAST op on the host stream first writes the layer's master
-  weights as BF16 into a staging tile (a ring of ``plan.staging_ring``), which the H2D reads.
+  weights as BF16 into a staging tile (a ring of ``plan.staging_ring``), which the H2D reads. With
+  ``plan.cast_once`` tile ``k`` belongs to layer ``k``: a copy re-reads the CAST already in the
+  layer's tile unless an OPT of the layer was emitted since (the master changed), so each layer is
+  cast once per step.
 - Offloaded checkpoints. After a forward of a layer whose policy is OFFLOAD, an OFFLOAD op copies
   its outputs to pinned host memory; the first op of the visit after the last forward that reads
   them waits for that copy, so the GPU copy is gone one visit later at most. A RELOAD op brings
@@ -126,6 +129,7 @@ class _Lowering:
         self.opt_at_start: dict[int, int] = {}
         self.staging_next = 0
         self.staging_reader: dict[int, int] = {}  # staging tile -> H2D that last read it
+        self.staged: dict[int, int] = {}  # cast_once: layer -> CAST in its tile, while its master is unchanged
         self.ring_next = 0
         self.ring_last_opt: dict[int, int] = {}  # ring tile -> the OPT (or ACC) that last read it
         self.slot_d2h: dict[int, int] = {}  # slot -> the D2H that last copied its gradients out
@@ -232,6 +236,7 @@ class _Lowering:
         d = self.emit(Op(OpKind.D2H, v.layer, slot=v.slot, ring=r, deps=tuple(sorted(deps))))
         st.users.append(d)
         self.ring_last_opt[r] = self.emit(Op(OpKind.OPT, v.layer, ring=r, deps=(d,)))
+        self.staged.pop(v.layer, None)  # the master changes: a later copy casts again
 
     def emit_accumulation(self, v: _Visit, st: _Slot) -> None:
         """Per-micro-batch passes: D2H into a ring tile, ACC into the layer's accumulator, and after
@@ -254,6 +259,7 @@ class _Lowering:
         self.ring_last_opt[r] = a
         if mb == self.plan.micro_batches - 1 and not self.deferred:
             self.emit(Op(OpKind.OPT, layer, ring=self.tiles[layer], deps=(a,)))
+            self.staged.pop(layer, None)  # the master changes: a later copy casts again
 
     def emit_loads(self, upto: int) -> None:
         visits, plan = self.visits, self.plan
@@ -285,14 +291,24 @@ class _Lowering:
             self.emitted_loads += 1
 
     def emit_cast(self, layer: int) -> int:
-        t = self.staging_next % self.plan.staging_ring
-        self.staging_next += 1
+        """The CAST an H2D of ``layer`` reads: a new one, or with ``cast_once`` the one still in
+        the layer's own tile."""
+        if self.plan.cast_once:
+            if layer in self.staged:
+                return self.staged[layer]
+            t = layer
+        else:
+            t = self.staging_next % self.plan.staging_ring
+            self.staging_next += 1
         deps = set()
         if t in self.staging_reader:
             deps.add(self.staging_reader[t])  # the H2D that read the tile's old content
         if layer in self.opt_at_start:
             deps.add(self.opt_at_start[layer])
-        return self.emit(Op(OpKind.CAST, layer, tile=t, deps=tuple(sorted(deps))))
+        c = self.emit(Op(OpKind.CAST, layer, tile=t, deps=tuple(sorted(deps))))
+        if self.plan.cast_once:
+            self.staged[layer] = c
+        return c
 
     # -- offloaded checkpoints ---------------------------------------------------------------------
     def _offloaded(self) -> list[int]:

@@ -57,6 +57,11 @@ class Plan:
             H2D copies move ``numel x itemsize`` bytes per layer. Gradients and masters stay FP32.
         staging_ring: host tiles holding compute-dtype copies of layers about to be copied to the
             GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly).
+        cast_once: BF16 only. Each layer gets a staging tile of its own, sized to it
+            (``staging_ring`` is then unused), which the step's first copy of the layer fills by a
+            CAST and its later copies re-read while its master is unchanged: one CAST per layer per
+            step instead of one per copy (6 bytes per element of host traffic saved per reuse),
+            for 2 bytes per element of pinned memory.
     """
 
     micro_batches: int = 1
@@ -69,8 +74,12 @@ class Plan:
     optimizer: OptimizerPlacement = OptimizerPlacement.DURING_BACKWARD
     compute_dtype: str = "float32"
     staging_ring: int = 2
+    cast_once: bool = False
 
     def __post_init__(self) -> None:
+        if self.cast_once and self.compute_dtype == "float32":
+            raise PlanError("Plan.cast_once=True with compute_dtype='float32': only BF16 compute casts; drop "
+                            "cast_once or compute in bfloat16")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise PlanError(f"Plan.compute_dtype={self.compute_dtype!r}: use 'float32' or 'bfloat16'")
         if self.staging_ring < 1:
@@ -111,6 +120,11 @@ class Plan:
     @property
     def compute_itemsize(self) -> int:
         return 2 if self.compute_dtype == "bfloat16" else 4
+
+    def staging_tiles(self, n_layers: int) -> int:
+        """Staging tiles the plan holds: one per layer with ``cast_once``, else ``staging_ring``
+        (none are used with FP32 compute)."""
+        return n_layers if self.cast_once else self.staging_ring
 
     def activation(self, layer: int) -> ActivationPolicy:
         return self.activations[layer] if self.activations else ActivationPolicy.KEEP

@@ -190,6 +190,7 @@ class _PlanModel(pydantic.BaseModel):
     optimizer: OptimizerPlacement
     compute_dtype: Literal["float32", "bfloat16"]
     staging_ring: int
+    cast_once: bool = False
 
 
 class _OpModel(pydantic.BaseModel):
@@ -216,7 +217,7 @@ class _ScheduleModel(pydantic.BaseModel):
             micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
-            staging_ring=p.staging_ring),
+            staging_ring=p.staging_ring, cast_once=p.cast_once),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -224,7 +225,8 @@ class _ScheduleModel(pydantic.BaseModel):
         plan = Plan(micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
                     grad_ring=p.grad_ring, resident=frozenset(p.resident),
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
-                    optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring)
+                    optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
+                    cast_once=p.cast_once)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

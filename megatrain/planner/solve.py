@@ -12,7 +12,10 @@ objective and two lower bounds to prune with.
    ``0..slots-1``. The host gradient ring is the largest in ``1..max_grad_ring`` that host memory
    allows (one more tile only removes a wait of a D2H on an optimizer step), and one tile per
    trainable layer when the request clips gradients (below). The BF16 staging ring is 2 (a CAST
-   fills one tile while the H2D in flight reads the other) where pinned memory allows, else 1.
+   fills one tile while the H2D in flight reads the other) where pinned memory allows, else 1; and
+   where pinned memory allows, also a tile per layer (``Plan.cast_once``: each layer cast once per
+   step, for 2 bytes per parameter pinned), which the simulator keeps only when it is faster (ties
+   go to the ring).
 2. Activation policy per layer: KEEP the output checkpoint on the GPU, OFFLOAD it to pinned host
    memory after the forward and back before the local backward, or RECOMPUTE it in the backward
    phase. The 3^n choices are searched in structured families, each a nested chain of policies
@@ -106,7 +109,9 @@ objective and two lower bounds to prune with.
 Memory. GPU and host bytes come from :func:`cost.memory_breakdown`, evaluated once per
 micro-batch size, activation policy and (for offloading policies) prefetch distance, whose
 reload windows move the reloaded checkpoints' lifetimes; a candidate's bytes scale the slot and
-ring terms by their counts, which is how the cost model defines them (count x per-unit bytes).
+staging terms by their counts, which is how the cost model defines them (count x per-unit bytes),
+and take the gradient tiles' bytes from :func:`cost.gradient_ring_bytes` (each tile is sized to the
+widest layer that uses it: with clipping, one tile per trainable layer at its own size).
 The chosen plan's breakdown is then recomputed exactly from its own schedule, and the schedule is
 verified against the hardware (``verify(schedule, graph, hw)``).
 
@@ -143,6 +148,9 @@ GiB = 1 << 30
 
 DEFAULT_STAGING_RING = 2
 """BF16 staging tiles: one being read by the H2D in flight, one being filled for the next copy."""
+
+CAST_ONCE = 0
+"""The search's staging count for ``Plan.cast_once`` (a tile per layer, each layer cast once per step)."""
 
 KEEP, OFFLOAD, RECOMPUTE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 
@@ -357,8 +365,8 @@ Knapsack = Callable[[Sequence[float], Sequence[int], int], frozenset[int]]
 def greedy_knapsack(values: Sequence[float], weights: Sequence[int], capacity: int) -> frozenset[int]:
     """Items by value per unit of weight (ties: lower index), each taken while it fits.
 
-    Optimal when every weight is equal (the case for resident layers, whose slots are all sized for
-    the largest layer), within one item's value otherwise. Items of value <= 0 are never taken.
+    Optimal when every weight is equal (resident blocks of one size), within one item's value
+    otherwise (an embedding or LM head's slot is sized for it, not for a block). Items of value <= 0 are never taken.
     """
     order = sorted((i for i, v in enumerate(values) if v > 0),
                    key=lambda i: (-values[i] / max(weights[i], 1), i))
@@ -591,9 +599,10 @@ def _infeasible(request: SolveRequest, req: Requirements) -> InfeasibleRequestEr
             f"{hb(req.pinned_floor_bytes)} pinned (cap {hb(hw.pinned_memory_cap_bytes)}) even with no checkpoint "
             f"offloaded: FP32 master weights {hb(m.master_weights)} and Adam moments {hb(m.adam_moments)} (12 "
             f"bytes per parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), "
-            f"{'one gradient tile per trainable layer' if request.clip_gradients else 'one gradient tile'} "
-            f"{hb(m.gradient_ring)}, one staging tile {hb(m.staging_ring)}"
-            + (", and FP32 compute pins the master weights and moments (H2D reads them directly)"
+            + ("one gradient tile per trainable layer, each at its size, " if request.clip_gradients
+               else "one gradient tile ")
+            + f"{hb(m.gradient_ring)}, one staging tile {hb(m.staging_ring)}"
+            + (f", and FP32 compute pins the master weights ({hb(m.pinned_masters)}; H2D reads them directly)"
                if m.state_pinned else "")
             + f". Fix: a host with at least {hb(req.host_floor_bytes)} and a pinned cap of "
             f"{hb(req.pinned_floor_bytes)}" + (", or compute in bfloat16 so only the rings are pinned"
@@ -632,21 +641,24 @@ def _plan(request: SolveRequest, micro_batch_size: int, k: _Knobs, layer_by_laye
     return Plan(micro_batches=request.global_batch // micro_batch_size, slots=k.slots,
                 prefetch_distance=k.prefetch_distance, grad_ring=k.grad_ring, resident=k.resident,
                 activations=k.activations, layer_by_layer=layer_by_layer, optimizer=_placement(request),
-                compute_dtype=request.compute_dtype, staging_ring=k.staging_ring)
+                compute_dtype=request.compute_dtype, staging_ring=max(k.staging_ring, 1),
+                cast_once=k.staging_ring == CAST_ONCE)
 
 
-def _scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, grad_ring: int,
+def _scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, gradient_ring: int,
                    staging_ring: int) -> cost.MemoryBreakdown:
-    """``unit`` (one weight slot, one ring tile, one staging tile) with the counts of a candidate.
+    """``unit`` (one weight slot, one ring tile, one staging tile) with the slot and staging counts
+    of a candidate and its gradient tiles' bytes (``gradient_ring``, from
+    :func:`cost.gradient_ring_bytes`: the tiles are sized per layer, so not count x unit).
 
-    The cost model defines these terms as count x per-unit bytes (``cost.memory_breakdown``).
+    The cost model defines the slot and staging terms as count x per-unit bytes (``cost.memory_breakdown``).
     The activation terms (GPU peaks, pinned offload space) are those of the unit's own activation
     policy and micro-batch size: they depend on the order of compute ops and reloads, which the
     policy and the prefetch distance set and no count here changes.
     """
     return replace(unit, weight_slots=unit.weight_slots * weight_slots,
                    gradient_slots=unit.gradient_slots * weight_slots,
-                   gradient_ring=unit.gradient_ring * grad_ring, staging_ring=unit.staging_ring * staging_ring)
+                   gradient_ring=gradient_ring, staging_ring=unit.staging_ring * staging_ring)
 
 
 @dataclass(slots=True)
@@ -950,6 +962,7 @@ class _Search:
         self.times = _times(g, request.compute_dtype, self.hw)
         self.options: dict[int, _SizeOption] = {}
         self.units: dict[tuple, tuple[Schedule, cost.MemoryBreakdown]] = {}
+        self.rings: dict[tuple, int] = {}
         self.patterns: dict[_Knobs, _Pattern] = {}
         self.quick: dict[tuple, float] = {}
         self.depths: dict[tuple, int | None] = {}
@@ -992,9 +1005,35 @@ class _Search:
                                               gradient_slots=m.gradient_slots // slots))
         return self.units[key]
 
+    def ring_bytes(self, opt: _SizeOption, grad_ring: int) -> int:
+        """Pinned bytes of ``grad_ring`` host gradient tiles at ``opt`` (:func:`cost.gradient_ring_bytes`)."""
+        key = (opt.key, grad_ring)
+        if key not in self.rings:
+            plan = Plan(micro_batches=opt.micro_batches, grad_ring=grad_ring, layer_by_layer=opt.layer_by_layer,
+                        optimizer=_placement(self.request))
+            self.rings[key] = cost.gradient_ring_bytes(opt.graph, plan)
+        return self.rings[key]
+
+    def cast_once_bytes(self, opt: _SizeOption) -> int:
+        """Pinned bytes of one staging tile per layer, each at its size (``Plan.cast_once``)."""
+        plan = Plan(compute_dtype="bfloat16", cast_once=True)
+        return sum(cost.page_up(w * cost.STAGING_ITEMSIZE) for w in cost.staging_tile_numels(opt.graph, plan))
+
+    def scaled(self, opt: _SizeOption, unit: cost.MemoryBreakdown, slots: int, grad_ring: int,
+               staging_ring: int, resident: frozenset[int] = frozenset()) -> cost.MemoryBreakdown:
+        """``unit`` with a candidate's streaming slots, resident layers (a slot each, at its own
+        size: :func:`cost.slot_bytes`), gradient tiles and staging tiles."""
+        m = _scaled_memory(unit, slots, self.ring_bytes(opt, grad_ring), staging_ring)
+        if staging_ring == CAST_ONCE:
+            m = replace(m, staging_ring=self.cast_once_bytes(opt))
+        if not resident:
+            return m
+        w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4)
+        return replace(m, weight_slots=w, gradient_slots=g)
+
     def gpu_fits(self, unit: cost.MemoryBreakdown, slots: int, cap: int | None = None) -> bool:
         cap = self.hw.gpu_memory_bytes if cap is None else cap
-        return _scaled_memory(unit, slots, 1, 1).gpu_peak <= cap
+        return _scaled_memory(unit, slots, unit.gradient_ring, 1).gpu_peak <= cap  # GPU terms only
 
     def host_choices(self, opt: _SizeOption, unit: cost.MemoryBreakdown) -> list[tuple[int, int]]:
         """(gradient ring, staging ring) pairs to try: the largest ring with each staging ring,
@@ -1003,11 +1042,16 @@ class _Search:
         out: list[tuple[int, int]] = []
         for staging in (DEFAULT_STAGING_RING, 1):
             for ring in rings:
-                if _host_fits(_scaled_memory(unit, 1, ring, staging), self.hw):
+                if _host_fits(self.scaled(opt, unit, 1, ring, staging), self.hw):
                     out.append((ring, staging))
                     break
         if len(out) == 2 and (out[0][0] >= out[1][0] or not self.bf16):
             out = out[:1]
+        if self.bf16:  # a staging tile per layer, each layer cast once per step (staging 0: Plan.cast_once)
+            for ring in rings:
+                if _host_fits(self.scaled(opt, unit, 1, ring, CAST_ONCE), self.hw):
+                    out.append((ring, CAST_ONCE))
+                    break
         return out
 
     def per_mb_sizes(self, size: int) -> bool:
@@ -1042,7 +1086,7 @@ class _Search:
         work = max(layer.work_bytes for layer in layers)
         total = sum(opt.checkpoints[p] for p in self.eligible)
         _, keep = self.unit(opt, (), 0)
-        room = (self.hw.gpu_memory_bytes if cap is None else cap) - _scaled_memory(keep, slots, 1, 1).gpu_fixed
+        room = (self.hw.gpu_memory_bytes if cap is None else cap) - _scaled_memory(keep, slots, 0, 1).gpu_fixed
         if work > room:
             return None
         for depth, gone in enumerate(removed):
@@ -1060,7 +1104,7 @@ class _Search:
         if family.stored is not OFFLOAD:
             return top
         _, keep = self.unit(opt, (), 0)
-        base = _scaled_memory(keep, 1, self.ring_floor(opt), 1)
+        base = self.scaled(opt, keep, 1, self.ring_floor(opt), 1)
         room = min(self.hw.host_memory_bytes - base.host_total, self.hw.pinned_memory_cap_bytes - base.host_pinned)
         moved = family.offloaded(self.eligible, opt.checkpoints)
         return max((j for j in range(top + 1) if opt.alive * moved[j] <= room), default=-1)
@@ -1113,7 +1157,7 @@ class _Search:
 
     def add_candidate(self, c: _Candidate) -> None:
         _, unit = self.unit(c.option, c.policy, c.distance)
-        mem = _scaled_memory(unit, c.slots + len(c.resident or ()), c.grad_ring, c.staging_ring)
+        mem = self.scaled(c.option, unit, c.slots, c.grad_ring, c.staging_ring, c.resident or frozenset())
         if not _fits(mem, self.hw):
             return
         key = (c.option.key, c.policy, c.slots, c.distance, c.grad_ring, c.staging_ring, c.resident)
@@ -1177,11 +1221,14 @@ class _Search:
         if c.resident is not None:
             return replace(k, resident=c.resident)
         _, unit = self.unit(c.option, c.policy, c.distance)
-        slot_bytes = unit.weight_slots + unit.gradient_slots
-        spare = self.hw.gpu_memory_bytes - _scaled_memory(unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
-        # Every resident layer costs one more slot sized for the largest layer, so the spare memory
-        # in slots decides the knapsack's answer.
-        room = min(spare // slot_bytes, self.n) if slot_bytes else self.n
+        spare = self.hw.gpu_memory_bytes - self.scaled(c.option, unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
+        # Every resident layer costs one more slot sized for that layer (cost.slot_numels), so its
+        # weight is its own weights and gradients. The streaming slots stay sized for the widest
+        # layer here; residents can only narrow them, so the choice is within memory.
+        itemsize = 2 if self.bf16 else 4
+        weights = [layer.numel * itemsize + layer.trainable_numel * cost.GRAD_ITEMSIZE
+                   for layer in c.option.graph.layers]
+        room = max(spare, 0)
         key = (c.policy, c.slots, c.distance, room, c.option.layer_by_layer)
         if key not in self.residents:
             # Per-micro-batch passes repeat the pattern's copies in every pass (the pattern, one
@@ -1191,7 +1238,7 @@ class _Search:
             pk = k if passes == 1 or not self.deferred else replace(k, grad_ring=self.ring)
             copies = [x * passes for x in self.pattern(pk).copies(self.n)]
             saved = [(x - 1) * self.times.h2d[i] for i, x in enumerate(copies)]
-            self.residents[key] = self.knapsack(saved, [slot_bytes] * self.n, room * slot_bytes)
+            self.residents[key] = self.knapsack(saved, weights, room)
         return replace(k, resident=self.residents[key])
 
     def pattern(self, k: _Knobs) -> _Pattern:
@@ -1210,7 +1257,7 @@ class _Search:
         for p, opt in enumerate(passes):
             for i, (name, policy) in enumerate(options):
                 sched, unit = self.unit(opt, policy, 0)
-                mem = _scaled_memory(unit, 1, self.ring_floor(opt), 1)
+                mem = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
                 # Ties: layer by layer (fewer copies), then the simpler policy.
                 rows.append(((mem.gpu_peak, mem.host_total, p, i), name, opt, sched, mem))
                 if i == 0:
@@ -1221,7 +1268,7 @@ class _Search:
             depth = self.least_depth(opt, family, 0, 1, cap=mem.gpu_peak)
             if depth is not None:
                 sched, unit = self.unit(opt, family.policy(self.eligible, self.n, depth), 0)
-                mem = _scaled_memory(unit, 1, self.ring_floor(opt), 1)
+                mem = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
         keep = min(keeps, key=lambda m: (m.host_total, m.host_pinned))
         g = opt.graph
         largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))
@@ -1244,7 +1291,7 @@ class _Search:
         small = self.option(sizes[-1])
         _, keep = self.unit(small, (), 0)
         passes = [small] + ([self.option(sizes[-1], False)] if self.per_mb_sizes(sizes[-1]) else [])
-        if (not any(_host_fits(_scaled_memory(self.unit(o, (), 0)[1], 1, self.ring_floor(o), 1), hw)
+        if (not any(_host_fits(self.scaled(o, self.unit(o, (), 0)[1], 1, self.ring_floor(o), 1), hw)
                     for o in passes)
                 or (not self.gpu_fits(keep, 1)
                     and all(self.floor_depth(small, f, 1) is None for f in self.families))):
@@ -1288,7 +1335,8 @@ class _Search:
         _, opt, sched, tl = best
         plan = sched.plan
         _, unit = self.unit(opt, plan.activations, plan.prefetch_distance)
-        predicted = _scaled_memory(unit, cost.weight_slot_count(plan), plan.grad_ring, plan.staging_ring)
+        staging = CAST_ONCE if plan.cast_once else plan.staging_ring
+        predicted = self.scaled(opt, unit, plan.slots, plan.grad_ring, staging, plan.resident)
         mem = cost.memory_breakdown(opt.graph, plan, hw, sched)
         if mem != predicted or not _fits(mem, hw):
             raise PlanError(f"internal: the solver predicted {predicted} for {plan} but the cost model gives {mem}; "

@@ -24,9 +24,11 @@ computed once as ancestor bitsets (Python ints) in list order, which the rules t
   after the offload it reads back; a local backward runs after the local backwards that produce its
   output gradients; with per-micro-batch passes, which keep one micro-batch's offloaded checkpoints
   in pinned memory, a layer's offload comes after the reloads of the micro-batches before it;
-- ``staging``: with a BF16 plan, each H2D reads a staging tile that a CAST of its layer filled and
-  no other CAST overwrites before the copy ends;
-- ``budget``: slot, ring and staging indices stay within what the plan allocates; given a
+- ``staging``: with a BF16 plan, each H2D reads a staging tile that a CAST of its layer filled, with
+  no optimizer step of that layer between the CAST and the copy (the tile holds the current
+  master's cast), and no other CAST overwrites the tile before the copy ends;
+- ``budget``: slot, ring and staging indices stay within what the plan allocates, and each op's
+  layer fits the slot and host gradient tile it uses, as the cost model sizes them; given a
   HardwareSpec, the cost model's peak GPU memory, pinned host memory and host memory stay within
   its capacities.
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from megatrain.errors import ScheduleError
+from megatrain.planner import cost
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.lower import gradient_tiles
@@ -81,6 +84,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     n_slots = plan.slots + len(plan.resident)
     accumulator_of = gradient_tiles(graph)  # per-micro-batch passes: each trainable layer's accumulator
     n_accumulators = len(accumulator_of)
+    slot_sizes = cost.slot_numels(graph, plan.slots, plan.resident)
+    tile_numels = cost.gradient_tile_numels(graph, plan)
+    staging_numels = cost.staging_tile_numels(graph, plan) or (0,) * plan.staging_ring
     for i, op in enumerate(ops):
         for d in op.deps:
             if not 0 <= d < i:
@@ -95,12 +101,28 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                      "use lower.gradient_tiles for each layer's accumulator")
         elif op.ring is not None and not 0 <= op.ring < plan.grad_ring:
             fail(i, "budget", f"ring tile {op.ring} outside the plan's {plan.grad_ring}", "raise Plan.grad_ring")
-        if op.tile is not None and not 0 <= op.tile < plan.staging_ring:
-            fail(i, "budget", f"staging tile {op.tile} outside the plan's {plan.staging_ring}",
+        if op.tile is not None and not 0 <= op.tile < len(staging_numels):
+            fail(i, "budget", f"staging tile {op.tile} outside the plan's {len(staging_numels)}",
                  "raise Plan.staging_ring")
         if op.mb is not None and not 0 <= op.mb < plan.micro_batches:
             fail(i, "coverage", f"micro-batch {op.mb} outside the plan's {plan.micro_batches}",
                  "lower with the same plan")
+        layer = graph.layers[op.layer]
+        if op.slot is not None and (layer.numel > slot_sizes[op.slot][0]
+                                    or layer.trainable_numel > slot_sizes[op.slot][1]):
+            fail(i, "budget", f"layer {op.layer} ({layer.numel:,} elements, {layer.trainable_numel:,} trainable) does "
+                 f"not fit slot {op.slot}, sized {slot_sizes[op.slot][0]:,} / {slot_sizes[op.slot][1]:,} "
+                 "(cost.slot_numels: streaming slots for the widest non-resident layer, a resident layer's for it)",
+                 "put a resident layer only in its own slot")
+        if op.kind is OpKind.CAST and plan.compute_dtype != "float32" and layer.numel > staging_numels[op.tile]:
+            fail(i, "budget", f"layer {op.layer} ({layer.numel:,} elements) does not fit staging tile t{op.tile} of "
+                 f"{staging_numels[op.tile]:,} (cost.staging_tile_numels)", "with Plan.cast_once cast layer k "
+                 "into tile k")
+        if op.kind is OpKind.D2H and 0 <= op.ring < plan.grad_ring and layer.trainable_numel > tile_numels[op.ring]:
+            fail(i, "budget", f"layer {op.layer}'s {layer.trainable_numel:,} gradients do not fit host tile "
+                 f"r{op.ring} of {tile_numels[op.ring]:,} (cost.gradient_tile_numels sizes each tile for the layers "
+                 "the lowering gives it)", "assign ring tiles as lower.py does (D2H number k of a step takes tile "
+                 "k % grad_ring; with NEXT_FORWARD a layer's own tile, lower.gradient_tiles)")
 
     anc = happens_before(schedule)
 
@@ -249,6 +271,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
 
     # staging
     if plan.compute_dtype != "float32":
+        opt_by_layer: dict[int, list[int]] = defaultdict(list)
+        for i in by_kind[OpKind.OPT]:
+            opt_by_layer[ops[i].layer].append(i)
         cast_by_tile: dict[int, list[int]] = defaultdict(list)
         for i in by_kind[OpKind.CAST]:
             cast_by_tile[ops[i].tile].append(i)
@@ -263,6 +288,13 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                 if other != c and not before(other, c) and not before(h, other):
                     fail(other, "staging", f"it may overwrite staging tile t{ops[c].tile} before #{h} "
                          f"{ops[h]!r} has read it", f"make it depend on #{h}")
+            # The tile must hold the current master: no update of the layer between the cast and
+            # the copy (a copy that re-reads an earlier cast, with cast_once, must not cross one).
+            for o in opt_by_layer[ops[h].layer]:
+                if not before(o, c) and not before(h, o):
+                    fail(h, "staging", f"it reads the cast #{c} {ops[c]!r}, but #{o} {ops[o]!r} may update the "
+                         "master in between, so the copy may send stale weights",
+                         f"cast layer {ops[h].layer} again after #{o} and copy from that cast")
     elif by_kind[OpKind.CAST]:
         fail(by_kind[OpKind.CAST][0], "staging", "a float32 plan copies the master tiles directly",
              "drop the CAST ops or lower with compute_dtype='bfloat16'")
@@ -369,8 +401,6 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
 
 
 def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> None:
-    from megatrain.planner import cost
-
     mem = cost.memory_breakdown(graph, schedule.plan, hw, schedule)
     checks = [("GPU memory", mem.gpu_peak, hw.gpu_memory_bytes, "lower micro_batch_size, offload or recompute "
                "checkpoints, or use fewer slots or resident layers"),

@@ -40,6 +40,11 @@ class Backend(Protocol):
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised host memory that the copy engines read and write (pinned on CUDA)."""
 
+    def host_pin(self, t: torch.Tensor) -> Any:
+        """Page-lock the memory of the contiguous host tensor ``t`` in place, exactly its bytes (its
+        first byte on a page, its size whole pages: ``cost.HOST_PAGE_BYTES``), so DMA can read and
+        write it; return a handle that releases the pin when dropped (None where nothing is pinned)."""
+
     def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "") -> Any:
         """Run ``fn`` on ``stream`` after the ops whose handles are in ``wait_for``; return this op's handle.
 
@@ -122,6 +127,9 @@ class CPUBackend(_Recording):
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    def host_pin(self, t: torch.Tensor) -> None:
+        return None  # no DMA on the CPU backend
 
     def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "") -> None:
         if self._run_records is None:

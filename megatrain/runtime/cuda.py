@@ -32,10 +32,12 @@ executor's non-blocking copies of the batch to the GPU) must finish before the r
 the first op on each GPU stream in a run waits on one event recorded on the caller's stream at the
 run's first launch.
 
-Memory. ``host_empty`` allocates pinned memory with ``torch.empty(..., pin_memory=True)``: torch's
-pinned allocator takes each block from ``cudaHostAlloc`` whole (its caching host allocator does not
-split blocks), and ``cudaHostAlloc`` returns page-aligned memory, so each layer's ``[3, numel]``
-host block is one contiguous, page-aligned, page-locked region that one DMA moves. ``device_empty``
+Memory. ``host_pin`` page-locks host memory the caller allocated (page-aligned, whole pages) in
+place with ``cudaHostRegister``, exactly its bytes, and unlocks it when the returned handle is
+dropped: the executor pins each FP32 master row and one arena of transient host tiles this way
+(:mod:`megatrain.runtime.host`). ``host_empty`` (``torch.empty(..., pin_memory=True)``) is kept
+for small scratch buffers; its caching host allocator rounds every block up to a power of two,
+so nothing a plan sizes goes through it. ``device_empty``
 allocates the persistent slots once on the device. Tensors an op allocates inside ``fn`` belong to
 its stream in the caching allocator; the executor frees activations on the issuing thread while
 the GPU may still read them, which is safe because the allocator reuses a block only for later
@@ -66,6 +68,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import math
 import queue
 import threading
 import time
@@ -129,6 +132,9 @@ class CudaApi(Protocol):
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised page-locked host memory."""
 
+    def host_register(self, t: torch.Tensor) -> Any:
+        """Page-lock ``t``'s bytes in place (page-aligned, whole pages); the handle unpins when dropped."""
+
 
 class TorchCuda:
     """The real adapter: ``torch.cuda``. Constructing it touches no CUDA state."""
@@ -172,6 +178,42 @@ class TorchCuda:
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def host_register(self, t: torch.Tensor) -> "_Pin":
+        # cudaHostRegister locks exactly these pages; the caching host allocator behind
+        # pin_memory=True would round the block up to a power of two.
+        _check_pinnable(t)
+        cudart = torch.cuda.cudart()
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if err != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: "
+                               f"{cudart.cudaGetErrorString(err)}; lower the plan's pinned memory or raise the "
+                               "locked-memory limit (ulimit -l)")
+        return _Pin(nbytes, lambda: cudart.cudaHostUnregister(ptr), t)
+
+
+class _Pin:
+    """A page-locked region: unpinned when this handle is dropped, and the memory kept alive until then."""
+
+    def __init__(self, nbytes: int, release: Callable[[], Any], memory: torch.Tensor):
+        self.nbytes = nbytes
+        weakref.finalize(self, _release_pin, release, memory)
+
+
+def _release_pin(release: Callable[[], Any], memory: torch.Tensor) -> None:
+    release()
+    del memory  # freed (by the caller's reference count) only after the pages are unlocked
+
+
+def _check_pinnable(t: torch.Tensor) -> None:
+    from megatrain.planner.cost import HOST_PAGE_BYTES
+
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % HOST_PAGE_BYTES or nbytes % HOST_PAGE_BYTES:
+        raise ValueError(f"cannot pin a {t.device.type} tensor of {nbytes} bytes at {t.data_ptr():#x} "
+                         f"(contiguous={t.is_contiguous()}): pinning takes contiguous host memory that starts on a "
+                         f"{HOST_PAGE_BYTES}-byte page and is whole pages (megatrain.runtime.host.page_aligned_empty)")
 
 
 # -- op handles -------------------------------------------------------------------------------------
@@ -325,6 +367,9 @@ class CUDABackend(_Recording):
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.cuda.pinned_empty(shape, dtype)
+
+    def host_pin(self, t: torch.Tensor) -> Any:
+        return self.cuda.host_register(t)
 
     # -- streams -----------------------------------------------------------------------------------
     def stream(self, stream: Stream) -> Any:
@@ -507,6 +552,8 @@ class FakeCuda:
         self.log: list[tuple] = []
         self.empty_calls: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.pinned_calls: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.registered: dict[int, int] = {}  # live host_register regions: address -> bytes
+        self.pin_log: list[tuple] = []  # ("register", address, bytes), ("unregister", address)
         self.default = FakeStream("default")
         self.streams: list[FakeStream] = []
         self._ids = itertools.count()
@@ -584,6 +631,31 @@ class FakeCuda:
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         self.pinned_calls.append((tuple(shape), dtype))
         return torch.empty(shape, dtype=dtype)
+
+    def host_register(self, t: torch.Tensor) -> _Pin:
+        """Logs ``("register", address, bytes)`` in ``pin_log``; raises what ``TorchCuda`` would (and a region that
+        overlaps one still registered, which ``cudaHostRegister`` refuses)."""
+        _check_pinnable(t)
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        with self._lock:
+            for p, n in self.registered.items():
+                if p < ptr + nbytes and ptr < p + n:
+                    self._fail(f"host_register of {nbytes} bytes at {ptr:#x} overlaps the region of {n} bytes at "
+                               f"{p:#x} still registered")
+            self.registered[ptr] = nbytes
+            self.pin_log.append(("register", ptr, nbytes))
+        return _Pin(nbytes, lambda: self._unregister(ptr), t)
+
+    def _unregister(self, ptr: int) -> None:
+        with self._lock:
+            self.registered.pop(ptr)
+            self.pin_log.append(("unregister", ptr))
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked now: live ``host_register`` regions plus every ``pinned_empty``."""
+        return sum(self.registered.values()) + sum(
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in self.pinned_calls)
 
 
 __all__ = ["CUDABackend", "CudaApi", "TorchCuda", "FakeCuda", "FakeCudaError", "GpuOp", "HostOp",

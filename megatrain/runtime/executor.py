@@ -35,20 +35,23 @@ import torch
 from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
+from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import strict_fp32
 from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule
 from megatrain.planner.trace import TracedModel, retarget
 from megatrain.runtime.backend import Backend
-from megatrain.runtime.host import HostState
+from megatrain.runtime.host import HostState, PinnedArena
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class _Buffers:
-    """Transient memory a plan sizes: weight and gradient slots, host gradient and staging tiles."""
+    """Transient memory a plan sizes: weight and gradient slots on the device; host gradient and
+    staging tiles, views of the pinned arena (each at its own size, ``cost.pinned_buffers``); and
+    the pageable accumulators."""
 
     weights: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -94,13 +97,15 @@ class Executor:
         self.layer_buffers = [[buffers[name].to(dev) for name in layer.buffers] for layer in self.graph.layers]
         self._buffers: _Buffers | None = None
         self._buffer_key: tuple | None = None
-        self._host_acts: dict[tuple[int, int], torch.Tensor] = {}  # offloaded checkpoints, reused
+        self._arena: PinnedArena | None = None
+        self._host_acts: dict[tuple[int, int], torch.Tensor] = {}  # offloaded checkpoints: views of the arena
         self._accumulator_of = gradient_tiles(self.graph)
         n = len(self.graph.layers)
         self._norms_dev = backend.device_empty((n,), torch.float32)
-        self._norms = backend.host_empty((n,), torch.float32)
         self._flags_dev = backend.device_empty((n,), torch.bool)
-        self._flags = backend.host_empty((n,), torch.bool)  # True: the layer's values were finite
+        # Host copies of the norms and flags (True: the layer's values were finite), in the arena.
+        self._norms: torch.Tensor | None = None
+        self._flags: torch.Tensor | None = None
         self._skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
         self._skipped: list[int] = []
         # Layers whose optimizer step ran in the current (or last) run, in order: after a run that
@@ -113,23 +118,51 @@ class Executor:
 
     # -- memory ----------------------------------------------------------------------------------
     def _ensure_buffers(self, schedule: Schedule) -> _Buffers:
+        """The buffers ``schedule`` uses, made when the last ones do not serve it.
+
+        Pinned host memory is exactly ``cost.memory_breakdown(graph, plan).host_pinned``: the
+        master rows with FP32 compute (:meth:`HostState.pin_masters`) and one arena laid out by
+        ``cost.pinned_buffers`` for the schedule's mode; an arena that already holds every tile
+        the schedule needs (a train arena serves eval and update schedules) is kept.
+
+        Raises:
+            RuntimeError: a schedule that reads gradients an earlier one left in the host tiles
+                (carried updates) needs a new arena, which would not hold them.
+        """
         plan = schedule.plan
-        n_slots = plan.slots + len(plan.resident)
-        key = (n_slots, plan.grad_ring, plan.compute_dtype, plan.staging_ring)
-        if self._buffers is None or self._buffer_key != key:
-            width = max(layer.numel for layer in self.graph.layers)
-            gwidth = max(layer.trainable_numel for layer in self.graph.layers) or 1
+        layout = cost.pinned_buffers(self.graph, plan, schedule.mode)
+        arena_ok = self._arena is not None and self._arena.layout.covers(layout)
+        sizes = cost.slot_numels(self.graph, plan.slots, plan.resident)  # each slot at its own size
+        key = (sizes, plan.compute_dtype)
+        if self._buffers is None or self._buffer_key != key or not arena_ok:
             be = self.backend
             dtype = _DTYPES[plan.compute_dtype]
-            staging = plan.staging_ring if dtype is not torch.float32 else 0
             accumulators = self._buffers.accumulators if self._buffers is not None else []
-            self._buffers = None  # let the old buffers go before the new ones are made
+            if not arena_ok:
+                if self._arena is not None and (schedule.mode == "update" or schedule.carries_updates) \
+                        and not plan.accumulates_on_host:
+                    raise RuntimeError(f"a {schedule.mode} schedule that carries optimizer steps reads the gradients "
+                                       "the previous schedule left in the host tiles, but its plan needs another "
+                                       "pinned layout; run carried updates with the plan that made them")
+                self._buffers = self._arena = self._norms = self._flags = None  # let the old go first
+                self._host_acts = {}
+                self._arena = PinnedArena(layout, be)
+            arena = self._arena
+            if plan.compute_dtype == "float32":
+                self.host.pin_masters(be)  # H2D reads the master rows directly
+            else:
+                self.host.unpin_masters()
+            self._buffers = None  # let the old device buffers go before the new ones are made
+            lay = arena.layout
             self._buffers = _Buffers(
-                weights=[be.device_empty((width,), dtype) for _ in range(n_slots)],
-                grads=[be.device_empty((gwidth,), torch.float32) for _ in range(n_slots)],
-                ring=[be.host_empty((gwidth,), torch.float32) for _ in range(plan.grad_ring)],
-                staging=[be.host_empty((width,), dtype) for _ in range(staging)],
+                weights=[be.device_empty((width,), dtype) for width, _ in sizes],
+                grads=[be.device_empty((gwidth,), torch.float32) for _, gwidth in sizes],
+                ring=[arena.view("ring", t.key, torch.float32) for t in lay.tiles if t.kind == "ring"],
+                staging=[arena.view("staging", t.key, dtype) for t in lay.tiles if t.kind == "staging"],
                 accumulators=accumulators)
+            if arena.has("norms", 0):
+                self._norms = arena.view("norms", 0, torch.float32)
+                self._flags = arena.view("flags", 0, torch.bool)
             self._buffer_key = key
         if plan.accumulates_on_host and schedule.mode != "eval" and not self._buffers.accumulators:
             # Pageable: only host ops (ACC, OPT) touch them. Kept across schedules, since with
@@ -385,14 +418,20 @@ class Executor:
 
     def _offload(self, op: Op, acts, layer_by_layer: bool):
         keys = self._host_keys(op, layer_by_layer)
+        arena = self._arena
 
         def run() -> None:
             for key, hkey in keys:
                 src = acts[key]
                 _read_here((src,))
-                dst = self._host_acts.get(hkey)
-                if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                    dst = self._host_acts[hkey] = self.backend.host_empty(tuple(src.shape), src.dtype)
+                region = arena.view("offload", hkey)
+                nbytes = src.numel() * src.element_size()
+                if nbytes > region.numel():
+                    raise RuntimeError(
+                        f"checkpoint {self.graph.values[key[0]].name!r} of micro-batch {key[1]} has {nbytes} bytes "
+                        f"but the trace gave it {region.numel()} (its pinned region, cost.pinned_buffers): the "
+                        "batch shape or dtype differs from the traced one; compile with the shapes you train on")
+                dst = self._host_acts[hkey] = region[:nbytes].view(src.dtype).view(src.shape)
                 dst.copy_(src, non_blocking=True)
         return run
 

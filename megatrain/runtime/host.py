@@ -1,40 +1,72 @@
 """Persistent host state: one contiguous block per layer holding FP32 master weights and the two
-AdamW moments (12 bytes per parameter), plus binding the user's module to it.
+AdamW moments (12 bytes per parameter), plus binding the user's module to it, and the pinned arena
+of a plan's transient host buffers.
 
 After binding, every parameter of the user's module is a view into its layer's master tile, so
 the module holds no storage of its own, ``model.state_dict()`` reads the trained weights, and host
 memory is not doubled.
+
+Pinned memory. Only what DMA reads or writes is page-locked, at exact sizes: each block is
+ordinary (pageable) memory that starts on a page, and with FP32 compute, where H2D reads the
+master row directly, :meth:`HostState.pin_masters` page-locks that row alone (rounded up to whole
+pages) through the backend's ``host_pin`` (``cudaHostRegister`` on CUDA); the moments are never
+copied to or from the GPU and stay pageable. The gradient and staging tiles, offloaded
+checkpoints and per-layer norms and flags live in one :class:`PinnedArena` laid out by
+:func:`megatrain.planner.cost.pinned_buffers` and pinned whole. So the bytes the runtime pins are
+``cost.memory_breakdown(...).host_pinned``, exactly; ``torch.empty(..., pin_memory=True)`` would
+instead round every block up to a power of two (PyTorch's caching host allocator), pinning up to
+twice the plan's figure.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import mmap
+from typing import Any
 
 import torch
 from torch import nn
 
 from megatrain.errors import UnsupportedModelError
+from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
+# Host memory that may be pinned is an anonymous mapping of whole pages (of the larger of the
+# planner's page and the system's): it starts on a page, its storage starts there too (so
+# ``Tensor.is_pinned`` sees the registration), and no other allocation shares its pages (two
+# registrations of one page would collide).
+_ALIGN = max(cost.HOST_PAGE_BYTES, mmap.PAGESIZE)
+
+
+def page_aligned_empty(nbytes: int) -> torch.Tensor:
+    """Zero-filled pageable ``uint8[nbytes]`` host memory that starts on a page boundary: an
+    anonymous ``mmap`` of ``nbytes`` rounded up to whole pages, whose pages no other allocation uses."""
+    size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)[:nbytes]
+
 
 class HostState:
-    """FP32 tiles for every layer: ``block(i)`` is a ``[3, numel]`` float32 tensor.
+    """FP32 tiles for every layer: ``blocks[i]`` is a ``[3, numel]`` float32 tensor (master, Adam
+    exp_avg, exp_avg_sq rows), page-aligned, contiguous and pageable until :meth:`pin_masters`."""
 
-    ``alloc(shape, dtype)`` makes the memory: ordinary for the CPU backend, pinned (page-locked,
-    page-aligned) for the CUDA backend so that one DMA moves a layer.
-    """
-
-    def __init__(self, graph: LayerGraph, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]):
+    def __init__(self, graph: LayerGraph):
         self.graph = graph
-        self.blocks = []
+        self.blocks: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
         for layer in graph.layers:
-            block = alloc((3, layer.numel), torch.float32)
+            row = cost.page_up(layer.numel * cost.MASTER_BYTES_PER_ELEMENT)
+            raw = page_aligned_empty(max(3 * layer.numel * 4, row))
+            block = raw[:3 * layer.numel * 4].view(torch.float32).view(3, layer.numel)
+            # The mapping reads as zeros already; writing them faults its pages in now, as an
+            # allocation would, rather than at the first read (a checkpoint save, say).
             block[1:].zero_()
             self.blocks.append(block)
+            self._rows.append(raw[:row])
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
+        self._pins: list[Any] = []
+        self._pinned_by: Any = None
 
     def master(self, layer: int) -> torch.Tensor:
         return self.blocks[layer][MASTER]
@@ -49,9 +81,60 @@ class HostState:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.blocks)
 
+    @property
+    def pinned_nbytes(self) -> int:
+        """Bytes of master rows pinned now: ``cost.pinned_master_bytes`` of an FP32 plan on a backend
+        that pins (the CPU backend pins nothing), or 0."""
+        return sum(r.numel() for r, pin in zip(self._rows, self._pins) if pin is not None)
+
+    def pin_masters(self, backend: Any) -> None:
+        """Page-lock every layer's master row, rounded up to whole pages, through
+        ``backend.host_pin`` (so FP32 H2D copies read them by DMA); the moments stay pageable.
+        Idempotent for one backend; pinning for another backend releases the previous pins."""
+        if self._pinned_by is backend:
+            return
+        self.unpin_masters()
+        self._pins = [backend.host_pin(row) for row in self._rows]
+        self._pinned_by = backend
+
+    def unpin_masters(self) -> None:
+        """Release the pins of :meth:`pin_masters` (BF16 compute reads staging tiles instead)."""
+        self._pins = []
+        self._pinned_by = None
+
     def param_view(self, layer: int, index: int) -> torch.Tensor:
         spec = self.graph.layers[layer].params[index]
         return self.master(layer)[spec.offset:spec.offset + spec.numel].view(spec.shape)
+
+
+class PinnedArena:
+    """One page-aligned host region holding a :class:`~megatrain.planner.cost.PinnedLayout`'s
+    tiles, pinned whole through ``backend.host_pin`` (``layout.nbytes`` bytes, exactly).
+
+    ``view(kind, key, dtype)`` is the tile as a 1-D ``dtype`` tensor of ``nbytes // itemsize``
+    elements. The pin is released when the arena is dropped.
+    """
+
+    def __init__(self, layout: cost.PinnedLayout, backend: Any):
+        self.layout = layout
+        self.memory = page_aligned_empty(layout.nbytes)
+        self._tiles = {(t.kind, t.key): t for t in layout.tiles}
+        self._pin = backend.host_pin(self.memory) if layout.nbytes else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def has(self, kind: str, key: Any) -> bool:
+        return (kind, key) in self._tiles
+
+    def view(self, kind: str, key: Any, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """The tile ``(kind, key)`` as ``dtype``. Raises KeyError naming it when the layout has none."""
+        t = self._tiles.get((kind, key))
+        if t is None:
+            raise KeyError(f"the pinned arena has no {kind} tile {key!r}: its layout was made for another "
+                           "plan or mode (cost.pinned_buffers)")
+        return self.memory[t.offset:t.offset + t.nbytes].view(dtype)
 
 
 def bind_module(model: nn.Module, host: HostState) -> None:
