@@ -144,7 +144,7 @@ def test_construction_creates_no_stream_event_or_thread():
     be.launch(Stream.COMPUTE, noop, [])
     assert len(fake.streams) == 1 and set(threading.enumerate()) - before == set()
     be.launch(Stream.HOST, noop, [])
-    assert set(threading.enumerate()) - before == {be._worker.thread}
+    assert set(threading.enumerate()) - before == {be._workers[Stream.HOST].thread}
     be.close()
     assert be._worker is None and not any(t.name == "megatrain-host" and t not in before and t.is_alive()
                                           for t in threading.enumerate())

@@ -90,7 +90,9 @@ def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
     """The resource ``stream``'s ops run on under ``hw``."""
     if stream is Stream.COMPUTE:
         return Resource.GPU
-    if stream is Stream.HOST:
+    if stream is Stream.HOST or stream is Stream.CAST:
+        # Two host workers, one DRAM: AdamW and a cast are both memory-bound, so running them on
+        # two threads at once shares the bandwidth; the model serialises them on one resource.
         return Resource.HOST
     if not hw.duplex:
         return Resource.COPY_ENGINE
