@@ -123,4 +123,27 @@ class DispatchCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-__all__ = ["IssueQueue", "DispatchCounter"]
+def count_launches(gm, args, grad_args) -> tuple[int, int]:
+    """(aten ops of one forward, aten ops of one local backward: recompute plus backward) of a layer
+    template called with ``args`` (tensors or their meta stand-ins; ``grad_args[k]``: argument ``k``
+    is differentiated), counted on meta tensors: what the issuing thread dispatches per FWD and per
+    BWD op on a GPU."""
+    import torch
+
+    from megatrain.planner.trace import retarget
+
+    fn = retarget(gm, torch.device("meta"))
+    metas = [torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args]
+    with DispatchCounter() as fc, torch.no_grad():
+        fn(*metas)
+    fwd = fc.count
+    leaves = [m.requires_grad_(g) if g else m for m, g in zip(metas, grad_args)]
+    with DispatchCounter() as bc, torch.enable_grad():
+        outs = [o for o in fn(*leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [m for m, g in zip(leaves, grad_args) if g]
+        if outs and wrt:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+    return fwd, bc.count
+
+
+__all__ = ["IssueQueue", "DispatchCounter", "count_launches"]
