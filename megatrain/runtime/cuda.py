@@ -1,5 +1,5 @@
 """The CUDA backend: a schedule's streams as CUDA streams, its cross-stream edges as CUDA events,
-and the host optimizer stream as one worker thread.
+and the host streams as worker threads.
 
 Streams. ``Stream.COMPUTE``, ``Stream.H2D`` and ``Stream.D2H`` each map to one
 ``torch.cuda.Stream``, created at the first op launched on it (nothing CUDA happens at import or
@@ -12,20 +12,22 @@ depends on it calls ``stream.wait_event(event)`` before its kernels are enqueued
 ``torch.cuda.stream(stream)`` context, so the wait is on the GPU and the issuing thread runs on.
 Each cross-stream dependency the executor passes is waited on exactly once.
 
-The host worker. ``Stream.HOST`` (AdamW on the FP32 master tiles) runs on one thread fed by an
-in-order queue, so host ops run in schedule order, overlapped with the GPU and with the issuing
-thread. A host op that depends on GPU ops (the D2H copy of its gradients) calls
-``event.synchronize()`` *in the worker*, so the issuing thread never stalls for it. Its handle is
-a future-like :class:`HostOp`.
+The host workers. ``Stream.HOST`` (AdamW, ACC) and ``Stream.CAST`` (the BF16 staging copies)
+each run on one thread fed by an in-order queue, so host ops run in schedule order per stream,
+overlapped with the GPU, with the issuing thread and with each other: a CAST never queues behind
+the optimizer steps of other layers. A host op that depends on GPU ops (the D2H copy of its
+gradients) calls ``event.synchronize()`` *in its worker*; one that depends on a host op of the
+other worker waits for it there too. Its handle is a future-like :class:`HostOp`.
 
-Why a GPU op waits on the thread for a host dependency. A CUDA stream can wait on a CUDA event,
-but not on a host thread: there is no event the host optimizer could record that a stream would
-honour, and enqueuing the op early would let the GPU read the tile (the master weights an H2D
-copies, the gradient tile a D2H overwrites) while the worker still writes it. So ``launch`` blocks
-the issuing thread on the host op's handle before it enqueues a GPU op that depends on it. The
-schedule places such edges where the wait is short (the ring of gradient tiles is deep enough).
-A host op's ``fn`` must therefore be host-synchronous work: it must not enqueue CUDA work that a
-later GPU op relies on.
+Issue order (:class:`megatrain.planner.issue.IssueQueue`, shared with the simulator). A CUDA
+stream can wait on a CUDA event, not on a host thread, and enqueuing a GPU op before a host op it
+depends on finished would let the GPU read a tile the worker still writes (the staging tile an
+H2D copies, the gradient tile a D2H overwrites). Such a GPU op, and the ops after it on its stream,
+wait in a per-stream pending queue; ``launch`` never blocks on a host op. Every ``launch`` first
+issues the pending ops that became ready (lowest schedule index first), and ``synchronize``
+issues the rest as their host dependencies finish. An op's ``fn`` may therefore run after later
+ops were launched: it must read what it needs when it runs (the executor keys activations by the
+op that produced them for this reason).
 
 Run entry. Work the caller enqueued on its current stream before a run's first launch (the
 executor's non-blocking copies of the batch to the GPU) must finish before the run's ops read it:
@@ -42,10 +44,13 @@ the GPU may still read them, which is safe because the allocator reuses a block 
 work on the same stream. A tensor made on one stream and read on another would need
 ``Tensor.record_stream``; no current op does that.
 
-Errors. An exception in a host op is kept by the worker; the worker skips the host ops queued
+Errors. An exception in a host op is kept by its worker; the worker skips the host ops queued
 after it (their inputs may depend on the failed update), and ``synchronize()`` drains everything
 and raises :class:`HostOpError` naming the op, chained to the original exception. A GPU op whose
-host dependency failed raises the same error from ``launch``. ``close()`` stops the worker; an
+host dependency failed raises the same error when it is issued. Any exception from ``launch`` or
+``synchronize`` first aborts the run: pending ops are dropped, everything issued is drained, and
+the next launch opens a new run with a fresh entry fence; ``abort()`` does the same for a caller
+that failed between launches (the executor calls it). ``close()`` stops the workers; an
 ``atexit`` hook stops and joins any worker still alive when the interpreter exits.
 
 Timing (``record``). Each GPU op is bracketed by two ``torch.cuda.Event(enable_timing=True)``
@@ -54,9 +59,11 @@ the worker. The two clocks meet at the run's entry event: it is synchronized onc
 are idle then, since the previous run ended with ``synchronize()``) and the host time read just
 after it is its time. ``Event.elapsed_time`` turns the GPU events into seconds after the entry.
 
-The adapter. Every CUDA call goes through one small object (:class:`TorchCuda`), so tests run the
-same backend logic on CPU tensors with :class:`FakeCuda`, whose streams run work at once and whose
-events keep the bookkeeping: which stream waited on which event, that every event waited on was
+The adapter. Every CUDA call goes through one small object (:class:`TorchCuda`; an op's work is
+enqueued with ``run(stream, fn, label)``, a host op's run with ``host_run(fn, label)``), so tests
+run the same backend logic on CPU tensors with :class:`FakeCuda`, or with
+:class:`megatrain.testing.AsyncFakeCuda` (streams as threads, random delays: races show). FakeCuda's
+streams run work at once and its events keep the bookkeeping: which stream waited on which event, that every event waited on was
 recorded first, that no stream waits on its own events, and that host dependencies never reach
 ``wait_event``.
 """
