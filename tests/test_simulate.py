@@ -339,3 +339,33 @@ def test_faster_hardware_never_slows_the_step(case, what, factor):
     before = simulate(s, g, hw).step_time_s
     after = simulate(s, g, faster).step_time_s
     assert after <= before * (1 + 1e-9)
+
+
+# -- the issuing thread ---------------------------------------------------------------------------------
+
+def test_issue_bound_step_takes_at_least_every_launch():
+    g = chain_graph(3, numel=1000, fwd_flops=10)  # compute and copies take microseconds
+    hw = spec(launch_overhead_s=1e-3)
+    s, tl = run(g, Plan(micro_batches=2), hw)
+    launch = cost.launch_times(s, g, hw)
+    assert all(t > 0 for t in launch)
+    assert sum(launch) <= tl.step_time_s <= sum(launch) + sum(r.duration_s for r in tl.records)
+    check_invariants(s, tl, hw, g)
+    assert run(g, Plan(micro_batches=2), spec())[1].step_time_s < 0.1 * tl.step_time_s
+
+
+def test_gpu_op_gated_by_a_slow_host_op_does_not_hold_back_other_streams():
+    # CAST:L0 is slow; H2D:L0 waits for it in the issuing thread's pending queue, while the
+    # independent H2D:L1 (listed after it, on the same stream: it must wait, stream order) and
+    # a FWD on the compute stream (given nothing to wait for) are issued at once.
+    g = chain_graph(3, numel=1000)
+    hw = spec(launch_overhead_s=1e-6, host_optimizer_params_per_s=1e3)
+    s = Schedule(ops=(Op(OpKind.CAST, 0, tile=0), Op(OpKind.H2D, 0, slot=0, deps=(0,)),
+                      Op(OpKind.H2D, 1, slot=1), Op(OpKind.FWD, 0, mb=0, slot=2)),
+                 plan=Plan(slots=3, prefetch_distance=2, compute_dtype="bfloat16", staging_ring=1), n_layers=3)
+    tl = simulate(s, g, hw)
+    rec = tl.records
+    cast_end = rec[0].end_s
+    assert cast_end > 0.2  # 1000 elements at 1e3 x 28/6 elements/s
+    assert rec[3].end_s < 0.01, "the compute stream was not held back by the host op"
+    assert rec[1].start_s >= cast_end and rec[2].start_s >= rec[1].end_s, "h2d keeps its list order"

@@ -2,7 +2,7 @@
 
 Method. Discrete-event list scheduling over the same DAG the runtime walks. Each Stream is an
 in-order queue on a resource (:func:`megatrain.planner.cost.resource_of`: the GPU, one or two
-copy engines, the host optimizer worker). An op at the head of its queue is *ready* once all its
+copy engines, the host, shared by the optimizer and cast workers). An op at the head of its queue is *ready* once all its
 dependencies have finished; it starts at ``max(ready time, its stream predecessor's end, its
 resource's free time)`` and lasts :func:`megatrain.planner.cost.op_time`. At every step the ready
 head with the earliest start (ties: the earlier op in the list) is committed. Starts are
@@ -10,6 +10,17 @@ committed in non-decreasing time, so this is an event-driven simulation: an op n
 cannot later claim a resource earlier than a committed one. When two queues share a resource (H2D
 and D2H on a non-duplex spec) the resource goes to whichever op can start first, as a single copy
 engine serves whichever channel has work.
+
+The issuing thread. On a GPU one Python thread launches every op's kernels, so it is simulated
+too, with the runtime's own issue policy (:class:`megatrain.planner.issue.IssueQueue`, the object
+the CUDA backend uses): ops are offered in list order; issuing op ``i`` costs the thread
+``cost.launch_times()[i]`` (its dispatched aten ops, event records and waits x
+``hw.launch_overhead_s``); a GPU op whose host dependency has not finished by the thread's clock
+waits in its stream's pending queue while the thread issues other work, and the thread waits only
+when nothing it holds is ready (until the next host op ends). A GPU op starts no earlier than its
+issue starts and ends no earlier than its issue ends (its last kernel must have been launched); a
+host op starts once it was handed to its worker. The thread acts whenever its clock is strictly
+before every start still to commit, so "done by the clock" is known when it asks.
 
 Deadlock. If ops remain but no queue head has all its dependencies finished, no op can ever
 start: the error lists each blocked head and what it waits for (a dependency queued behind it on
