@@ -125,9 +125,13 @@ class DispatchCounter(TorchDispatchMode):
 
 def count_launches(gm, args, grad_args) -> tuple[int, int]:
     """(aten ops of one forward, aten ops of one local backward: recompute plus backward) of a layer
-    template called with ``args`` (tensors or their meta stand-ins; ``grad_args[k]``: argument ``k``
-    is differentiated), counted on meta tensors: what the issuing thread dispatches per FWD and per
-    BWD op on a GPU."""
+    template called with ``args`` (tensors of any device, meta included; ``grad_args[k]``: argument
+    ``k`` is differentiated): what the issuing thread dispatches per FWD and per BWD op.
+
+    Counted on meta tensors (no memory, any size). Meta has no fused attention kernel, so
+    ``scaled_dot_product_attention`` is counted as its math decomposition: an upper estimate, e.g.
+    100 ops for a tiny Llama block's forward against 70 on CPU tensors. (Fake CPU tensors would
+    pick the fused kernel but count the fake mode's own meta kernels: 114.)"""
     import torch
 
     from megatrain.planner.trace import retarget
@@ -136,14 +140,13 @@ def count_launches(gm, args, grad_args) -> tuple[int, int]:
     metas = [torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args]
     with DispatchCounter() as fc, torch.no_grad():
         fn(*metas)
-    fwd = fc.count
     leaves = [m.requires_grad_(g) if g else m for m, g in zip(metas, grad_args)]
     with DispatchCounter() as bc, torch.enable_grad():
         outs = [o for o in fn(*leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
         wrt = [m for m, g in zip(leaves, grad_args) if g]
         if outs and wrt:
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
-    return fwd, bc.count
+    return fc.count, bc.count
 
 
 __all__ = ["IssueQueue", "DispatchCounter", "count_launches"]

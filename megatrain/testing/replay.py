@@ -90,3 +90,30 @@ def replay_ratio(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, scale:
 
 
 __all__ = ["ReplayCuda", "replay", "replay_ratio"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megatrain.testing.replay [model] [gpu] [global_batch] [seq_len]``: solve the model
+    for the GPU in BF16, with and without gradient clipping, and print simulated vs replayed step
+    times (each replay scaled to about 1.5 s of wall time)."""
+    import sys
+
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.hardware import preset
+    from megatrain.planner.solve import SolveRequest, solve
+    from megatrain.planner.trace import trace
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    model, gpu, batch, seq = (args + ["llama-3-8b", "H100_SXM", "8", "4096"][len(args):])[:4]
+    graph = trace(build_meta_model(load_model_config(model)), micro_batch_size=1, seq_len=int(seq)).graph
+    hw = preset(gpu)
+    for clip in (False, True):
+        sol = solve(SolveRequest(graph, hw, global_batch=int(batch), compute_dtype="bfloat16", clip_gradients=clip))
+        sim = simulate(sol.schedule, sol.graph, hw).step_time_s
+        rep = replay(sol.schedule, sol.graph, hw, scale=1.5 / sim)
+        print(f"{model} {gpu} batch {batch}x{seq} clip={clip}: {len(sol.schedule.ops)} ops, simulated {sim:.3f} s, "
+              f"replayed {rep:.3f} s, ratio {rep / sim:.3f}")
+
+
+if __name__ == "__main__":
+    main()
