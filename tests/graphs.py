@@ -71,11 +71,11 @@ def chain_graph(n_layers: int, *, numel: int | Sequence[int] = 1024, trainable: 
 
 
 def spec(**overrides) -> HardwareSpec:
-    """A round-numbered spec for hand computation: 1 GB/s copies, 1 GFLOP/s, no latency."""
+    """A round-numbered spec for hand computation: 1 GB/s copies, 1 GFLOP/s, no latency, free launches."""
     base = dict(name="test", gpu_memory_bytes=10**10, bf16_flops=2e9, fp32_flops=1e9, matmul_efficiency=1.0,
                 h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex=True, host_memory_bytes=10**11,
                 pinned_memory_cap_bytes=10**10, host_optimizer_params_per_s=1e9, op_latency_s=0.0,
-                gpu_reserve_bytes=0)
+                launch_overhead_s=0.0, gpu_reserve_bytes=0)
     base.update(overrides)
     return HardwareSpec(**base)
 
@@ -101,4 +101,5 @@ def hardware_specs(draw) -> HardwareSpec:
     return spec(bf16_flops=draw(rate), fp32_flops=draw(rate), h2d_bytes_per_s=draw(rate),
                 d2h_bytes_per_s=draw(rate), host_optimizer_params_per_s=draw(st.floats(1e5, 1e10)),
                 matmul_efficiency=draw(st.floats(0.1, 1.0)), duplex=draw(st.booleans()),
-                op_latency_s=draw(st.sampled_from([0.0, 1e-5])))
+                op_latency_s=draw(st.sampled_from([0.0, 1e-5])),
+                launch_overhead_s=draw(st.sampled_from([0.0, 1e-5])))

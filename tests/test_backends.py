@@ -18,7 +18,7 @@ import megatrain
 from megatrain.errors import ConfigError
 from megatrain.planner.hardware import preset
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import Stream
+from megatrain.planner.schedule import HOST_STREAMS, Stream
 from megatrain.planner.timeline import Timeline
 from megatrain.runtime.backend import CPUBackend, make_backend
 from megatrain.runtime.cuda import (GPU_STREAMS, CUDABackend, FakeCuda, FakeCudaError, FakeEvent, GpuOp, HostOp,
@@ -80,6 +80,7 @@ class Spy:
         self.log: list[tuple[str, int, str]] = []
         self.handles: dict[int, object] = {}
         self.waits: dict[int, list[FakeEvent]] = {}
+        self.mark = 0  # fake.log entries before it belong to GPU ops already started
 
     record = property(lambda self: self.inner.record)
 
@@ -105,23 +106,29 @@ class Spy:
         def run():
             with self.lock:
                 self.log.append(("start", k, threading.current_thread().name))
-            if stream is Stream.HOST:
+                if self.fake and stream not in HOST_STREAMS:
+                    # GPU ops are issued one at a time on the issuing thread, each right after its
+                    # waits: the waits logged since the last GPU op started are this op's.
+                    n = len(self.fake.log)
+                    self.waits[k] = [e[2] for e in self.fake.log[self.mark:n] if e[0] == "wait"]
+                    self.mark = n
+            if stream in HOST_STREAMS:
                 time.sleep(self.host_delay)
             fn()
             with self.lock:
                 self.log.append(("end", k, threading.current_thread().name))
 
-        n0 = len(self.fake.log) if self.fake else 0
         h = self.inner.launch(stream, run, wait_for, label=repr(op) if self.labels else "")
-        if self.fake:
-            # Only the issuing thread calls wait_event, so these entries belong to this launch.
-            self.waits[k] = [e[2] for e in self.fake.log[n0:] if e[0] == "wait"]
         self.handles[k] = h
         return h
 
     def synchronize(self):
         self.k = 0
         self.inner.synchronize()
+
+    def abort(self):
+        self.k = 0
+        self.inner.abort()
 
     def position(self, what: str, k: int) -> int:
         return next(i for i, e in enumerate(self.log) if e[0] == what and e[1] == k)
@@ -147,9 +154,9 @@ def test_construction_creates_no_stream_event_or_thread():
     be.launch(Stream.COMPUTE, noop, [])
     assert len(fake.streams) == 1 and set(threading.enumerate()) - before == set()
     be.launch(Stream.HOST, noop, [])
-    assert set(threading.enumerate()) - before == {be._worker.thread}
+    assert set(threading.enumerate()) - before == {be._workers[Stream.HOST].thread}
     be.close()
-    assert be._worker is None and not any(t.name == "megatrain-host" and t not in before and t.is_alive()
+    assert be._workers == {} and not any(t.name == "megatrain-host" and t not in before and t.is_alive()
                                           for t in threading.enumerate())
 
 
@@ -170,7 +177,7 @@ def test_make_backend_cuda_returns_the_cuda_backend_when_cuda_is_available(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     be = make_backend("cuda", record=True)
     assert isinstance(be, CUDABackend) and isinstance(be.cuda, TorchCuda) and be.record
-    assert be._streams == {} and be._worker is None
+    assert be._streams == {} and be._workers == {}
     assert isinstance(make_backend("cpu"), CPUBackend)
 
 
@@ -247,22 +254,56 @@ def test_host_op_waits_for_its_gpu_deps_on_the_worker_thread():
     assert isinstance(h, HostOp) and h.done() and h.error is None
 
 
-def test_gpu_op_depending_on_a_host_op_is_issued_only_after_it_finished():
+def test_gpu_op_depending_on_a_host_op_waits_pending_and_the_issuing_thread_runs_on():
     fake = FakeCuda()
     be = CUDABackend(adapter=fake)
     gate = threading.Event()
     h = be.launch(Stream.HOST, lambda: gate.wait(10), [])
     seen = []
-    be.launch(Stream.COMPUTE, lambda: seen.append(h.done()), [])  # no dependency: runs at once
+    copy = be.launch(Stream.H2D, lambda: seen.append(("h2d", h.done())), [h])
+    after = be.launch(Stream.H2D, lambda: seen.append(("h2d after", h.done())), [])  # behind it: stream order
+    be.launch(Stream.COMPUTE, lambda: seen.append(("compute", h.done())), [])  # other streams run on
+    assert seen == [("compute", False)], "launch must not block on a host op, nor pass the pending copy"
+    assert not copy.issued.is_set() and copy.event is None and not after.issued.is_set()
     timer = threading.Timer(0.05, gate.set)
     timer.start()
-    t0 = time.perf_counter()
-    be.launch(Stream.H2D, lambda: seen.append(h.done()), [h])
-    assert seen == [False, True]
-    assert time.perf_counter() - t0 >= 0.04, "the issuing thread must have blocked on the host op"
-    assert not any(e[0] == "wait" and not isinstance(e[2], FakeEvent) for e in fake.log)
-    be.synchronize()
+    be.synchronize()  # issues the pending copies once the host op is done
     timer.join()
+    assert seen == [("compute", False), ("h2d", True), ("h2d after", True)]
+    assert not any(e[0] == "wait" and not isinstance(e[2], FakeEvent) for e in fake.log)
+
+
+def test_pending_op_is_issued_at_a_later_launch_once_its_host_dep_is_done():
+    be = CUDABackend(adapter=FakeCuda())
+    gate = threading.Event()
+    h = be.launch(Stream.CAST, gate.wait, [])
+    seen = []
+    be.launch(Stream.H2D, lambda: seen.append("h2d"), [h])
+    gate.set()
+    h._done.wait(10)
+    be.launch(Stream.COMPUTE, lambda: seen.append("compute"), [])
+    assert seen == ["h2d", "compute"], "a ready pending op goes before the newly launched one"
+    be.synchronize()
+
+
+def test_cast_does_not_queue_behind_the_optimizer():
+    be = CUDABackend(adapter=FakeCuda())
+    gate = threading.Event()
+    be.launch(Stream.HOST, gate.wait, [], label="OPT:L3:r0")
+    cast = be.launch(Stream.CAST, noop, [], label="CAST:L1:t0")
+    cast._done.wait(10)
+    assert cast.done(), "a CAST runs on its own host worker while an OPT holds the optimizer worker"
+    gate.set()
+    be.synchronize()
+
+
+def test_cast_waits_for_its_host_dependency_on_the_other_worker():
+    be = CUDABackend(adapter=FakeCuda())
+    order = []
+    opt = be.launch(Stream.HOST, lambda: (time.sleep(0.02), order.append("opt")), [], label="OPT:L1:r0")
+    be.launch(Stream.CAST, lambda: order.append("cast"), [opt], label="CAST:L1:t0")
+    be.synchronize()
+    assert order == ["opt", "cast"]
 
 
 def test_host_op_error_surfaces_from_synchronize_naming_the_op():
@@ -288,17 +329,44 @@ def test_host_op_error_surfaces_from_synchronize_naming_the_op():
     assert ran == ["first", "next run"]
 
 
-def test_gpu_op_whose_host_dep_failed_raises_at_launch_and_leaves_the_backend_usable():
+def test_gpu_op_whose_host_dep_failed_raises_and_leaves_the_backend_usable():
     be = CUDABackend(adapter=FakeCuda())
-    h = be.launch(Stream.HOST, lambda: 1 / 0, [], label="CAST:L2:t0")
+    gate = threading.Event()
+    h = be.launch(Stream.CAST, lambda: (gate.wait(10), 1 / 0), [], label="CAST:L2:t0")
     ran = []
+    be.launch(Stream.H2D, lambda: ran.append(1), [h])  # pending
+    be.launch(Stream.HOST, lambda: ran.append("opt"), [], label="OPT:L0:r0")
+    gate.set()
     with pytest.raises(HostOpError, match="CAST:L2:t0.*ZeroDivisionError"):
-        be.launch(Stream.H2D, lambda: ran.append(1), [h])
-    assert ran == []
+        be.synchronize()
+    assert 1 not in ran
     be.synchronize()  # already reported and drained: nothing left to raise
     be.launch(Stream.H2D, lambda: ran.append(2), [])
     be.synchronize()
-    assert ran == [2]
+    assert ran[-1] == 2
+
+
+def test_gpu_op_error_aborts_the_run_so_the_next_one_is_fenced_afresh():
+    fake = FakeCuda()
+    be = CUDABackend(adapter=fake)
+    gate = threading.Event()
+    h = be.launch(Stream.HOST, gate.wait, [], label="OPT:L0:r0")
+    pending = be.launch(Stream.H2D, noop, [h], label="H2D:L0:s0")
+
+    def bad():
+        raise RuntimeError("injected failure")
+
+    timer = threading.Timer(0.05, gate.set)  # the abort drains the host op: let it end
+    timer.start()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        be.launch(Stream.COMPUTE, bad, [], label="FWD:L1:m0:s1")
+    timer.join()
+    assert h.done() and pending.cancelled, "the run was drained (host op waited for) and its pending ops dropped"
+    n0 = len(fake.log)
+    be.launch(Stream.COMPUTE, noop, [])
+    waits = [e for e in fake.log[n0:] if e[0] == "wait"]
+    assert len(waits) == 1 and waits[0][2].stream is fake.default, "a new run: the entry fence again"
+    be.synchronize()
 
 
 def test_gpu_op_error_names_the_op():
@@ -356,28 +424,29 @@ def test_waits_and_blocks_match_the_schedules_cross_stream_edges():
     for b in batches(2):
         fake.log.clear()
         spy.log.clear()
+        spy.mark = 0
         trainer.step(b)
         ev_of = {id(h.event): d for d, h in spy.handles.items() if isinstance(h, GpuOp)}
         for k, op in enumerate(ops):
             cross = [d for d in op.deps if ops[d].stream is not op.stream]
-            if op.stream is Stream.HOST:
-                assert spy.log[spy.position("start", k)][2] == "megatrain-host"
+            if op.stream in HOST_STREAMS:
+                assert spy.log[spy.position("start", k)][2] == f"megatrain-{op.stream.value}"
                 continue
-            want = Counter(d for d in cross if ops[d].stream is not Stream.HOST)
+            want = Counter(d for d in cross if ops[d].stream not in HOST_STREAMS)
             waited = Counter(ev_of[id(e)] for e in spy.waits[k] if e.stream is not fake.default)
             assert waited == want, f"op #{k} {op!r} waited on ops {sorted(waited.elements())}, deps say {dict(want)}"
             for d in cross:
-                if ops[d].stream is Stream.HOST:
+                if ops[d].stream in HOST_STREAMS:
                     assert spy.position("end", d) < spy.position("start", k), \
                         f"{op!r} ran before its host dependency {ops[d]!r} finished"
                     host_deps_checked += 1
         # The run-entry fence: one wait per GPU stream the schedule uses.
         fences = [e for k in spy.waits for e in spy.waits[k] if e.stream is fake.default]
-        assert len(fences) == len({op.stream for op in ops} - {Stream.HOST})
+        assert len(fences) == len({op.stream for op in ops} - HOST_STREAMS)
         # Host ops waited for their GPU deps in the worker, once per edge.
-        synced = Counter(ev_of[id(e[1])] for e in fake.log if e[0] == "event_sync" and e[2] == "megatrain-host")
-        want_sync = Counter(d for op in ops if op.stream is Stream.HOST for d in op.deps
-                            if ops[d].stream is not Stream.HOST)
+        synced = Counter(ev_of[id(e[1])] for e in fake.log if e[0] == "event_sync" and e[2].startswith("megatrain-"))
+        want_sync = Counter(d for op in ops if op.stream in HOST_STREAMS for d in op.deps
+                            if ops[d].stream not in HOST_STREAMS)
         assert synced == want_sync
     assert host_deps_checked > 0, "the one-tile plan makes a gradient copy wait for the previous optimizer step"
 

@@ -31,7 +31,7 @@ def overlaps(a, b) -> bool:
     return a.start_s < b.end_s and b.start_s < a.end_s
 
 
-def check_invariants(schedule, tl, hw):
+def check_invariants(schedule, tl, hw, graph):
     """Properties every simulated timeline has, whatever the graph and spec."""
     recs = tl.records
     eps = 1e-12 * max(1.0, tl.step_time_s)
@@ -51,7 +51,8 @@ def check_invariants(schedule, tl, hw):
         rs = [r for r in recs if r.stream is s]
         assert all(a.end_s <= b.start_s + eps for a, b in zip(rs, rs[1:]))
     busiest = max(tl.busy_s.values())
-    total = sum(r.duration_s for r in recs)
+    # The issuing thread may leave gaps (a host op starts once it was handed over), at most its own time.
+    total = sum(r.duration_s for r in recs) + sum(cost.launch_times(schedule, graph, hw))
     assert busiest - eps <= tl.step_time_s <= total + eps
     assert tl.bottleneck is max(Stream, key=lambda s: tl.busy_s[s])
 
@@ -68,7 +69,7 @@ def test_one_layer_step_is_the_sum_of_its_chain():
     assert tl.step_time_s == pytest.approx(expect)
     assert tl.source == "simulated" and tl.hardware == "test"
     assert tl.tokens_per_step == 16 and tl.tokens_per_s == pytest.approx(16 / expect)
-    check_invariants(s, tl, hw)
+    check_invariants(s, tl, hw, g)
 
 
 def test_bottleneck_flips_between_compute_and_copy():
@@ -92,8 +93,8 @@ def test_prefetch_overlaps_copy_with_compute():
     hw = spec()
     s_none, none = run(g, Plan(slots=1, prefetch_distance=0), hw)
     s_pre, pre = run(g, Plan(slots=2, prefetch_distance=1), hw)
-    check_invariants(s_none, none, hw)
-    check_invariants(s_pre, pre, hw)
+    check_invariants(s_none, none, hw, g)
+    check_invariants(s_pre, pre, hw, g)
     assert pre.step_time_s < 0.85 * none.step_time_s
     # Without prefetch nothing overlaps the copies: every H2D runs while compute idles.
     h2d = [r for r in none.records if r.stream is Stream.H2D]
@@ -113,7 +114,7 @@ def test_non_duplex_serialises_h2d_and_d2h():
     assert any(overlaps(a, b) for a, b in pairs(tl_duplex))
     assert not any(overlaps(a, b) for a, b in pairs(tl_simplex))
     assert tl_simplex.step_time_s > tl_duplex.step_time_s
-    check_invariants(s, tl_simplex, simplex)
+    check_invariants(s, tl_simplex, simplex, g)
 
 
 def test_gpu_memory_curve_peak_matches_hand_value_and_cost_model():
@@ -139,7 +140,7 @@ def test_eval_schedule_simulates():
     s, tl = run(g, Plan(micro_batches=2), spec(), mode="eval")
     assert {r.kind for r in tl.records} == {OpKind.H2D, OpKind.FWD}
     assert tl.model_flops_per_step == cost.flops_per_step(g, s.plan, "eval")
-    check_invariants(s, tl, spec())
+    check_invariants(s, tl, spec(), g)
 
 
 # -- deadlocks -------------------------------------------------------------------------------------
@@ -271,15 +272,17 @@ def test_traced_llama_on_presets(llama_graph):
     for name in ("H100_SXM", "RTX_4090"):
         hw = preset(name)
         s, tl = run(g, plan, hw)
-        check_invariants(s, tl, hw)
+        check_invariants(s, tl, hw, g)
         assert 0 < tl.mfu < 1
         assert tl.tokens_per_step == 2 * 128
         assert tl.model_flops_per_step == pytest.approx(3 * sum(la.fwd_flops for la in g.layers) * 2)
         m = cost.memory_breakdown(g, plan, hw, s)
         assert tl.gpu_peak_bytes == m.gpu_peak
         assert m.master_weights == 4 * sum(la.numel for la in g.layers)
-        # A tiny model on a big GPU: every op is latency-bound, weights stream faster than compute.
-        assert tl.step_time_s < 0.01
+        # A tiny model on a big GPU is issue-bound: the one issuing thread launches every kernel
+        # in turn, so the step takes at least its launches, and little more.
+        issue = sum(cost.launch_times(s, g, hw))
+        assert issue <= tl.step_time_s < issue + 0.01
     # The same schedule is slower on the slower GPU and link.
     s = lower(g, plan)
     assert simulate(s, g, preset("RTX_4090")).step_time_s > simulate(s, g, preset("H100_SXM")).step_time_s
@@ -293,7 +296,7 @@ def test_simulating_120_layers_8_micro_batches_is_fast():
     tl = simulate(s, g, preset("H200"))
     elapsed = time.perf_counter() - t0
     assert elapsed < 1.0, f"simulating {len(s.ops)} ops took {elapsed:.3f} s"
-    check_invariants(s, tl, preset("H200"))
+    check_invariants(s, tl, preset("H200"), g)
 
 
 # -- properties ------------------------------------------------------------------------------------
@@ -321,7 +324,7 @@ PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 def test_lowered_schedules_never_deadlock_and_respect_the_dag(case):
     g, plan, hw = case
     s, tl = run(g, plan, hw)
-    check_invariants(s, tl, hw)
+    check_invariants(s, tl, hw, g)
     assert tl.gpu_peak_bytes == cost.memory_breakdown(g, plan, hw, s).gpu_peak
 
 
@@ -338,3 +341,33 @@ def test_faster_hardware_never_slows_the_step(case, what, factor):
     before = simulate(s, g, hw).step_time_s
     after = simulate(s, g, faster).step_time_s
     assert after <= before * (1 + 1e-9)
+
+
+# -- the issuing thread ---------------------------------------------------------------------------------
+
+def test_issue_bound_step_takes_at_least_every_launch():
+    g = chain_graph(3, numel=1000, fwd_flops=10)  # compute and copies take microseconds
+    hw = spec(launch_overhead_s=1e-3)
+    s, tl = run(g, Plan(micro_batches=2), hw)
+    launch = cost.launch_times(s, g, hw)
+    assert all(t > 0 for t in launch)
+    assert sum(launch) <= tl.step_time_s <= sum(launch) + sum(r.duration_s for r in tl.records)
+    check_invariants(s, tl, hw, g)
+    assert run(g, Plan(micro_batches=2), spec())[1].step_time_s < 0.1 * tl.step_time_s
+
+
+def test_gpu_op_gated_by_a_slow_host_op_does_not_hold_back_other_streams():
+    # CAST:L0 is slow; H2D:L0 waits for it in the issuing thread's pending queue, while the
+    # independent H2D:L1 (listed after it, on the same stream: it must wait, stream order) and
+    # a FWD on the compute stream (given nothing to wait for) are issued at once.
+    g = chain_graph(3, numel=1000)
+    hw = spec(launch_overhead_s=1e-6, host_optimizer_params_per_s=1e3)
+    s = Schedule(ops=(Op(OpKind.CAST, 0, tile=0), Op(OpKind.H2D, 0, slot=0, deps=(0,)),
+                      Op(OpKind.H2D, 1, slot=1), Op(OpKind.FWD, 0, mb=0, slot=2)),
+                 plan=Plan(slots=3, prefetch_distance=2, compute_dtype="bfloat16", staging_ring=1), n_layers=3)
+    tl = simulate(s, g, hw)
+    rec = tl.records
+    cast_end = rec[0].end_s
+    assert cast_end > 0.2  # 1000 elements at 1e3 x 28/6 elements/s
+    assert rec[3].end_s < 0.01, "the compute stream was not held back by the host op"
+    assert rec[1].start_s >= cast_end and rec[2].start_s >= rec[1].end_s, "h2d keeps its list order"

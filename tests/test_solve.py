@@ -149,7 +149,11 @@ def test_lower_bounds_never_exceed_the_simulated_step_and_equal_it_with_duplex_c
     step = simulate(lower(g, plan, carries_updates=clip), g, hw).step_time_s
     assert bound <= step * (1 + 1e-9)
     assert quick <= step * (1 + 1e-9)
-    if hw.duplex and (M == 1 or ActivationPolicy.OFFLOAD not in plan.activations[:n - 1]):
+    # Equal only when launching is free (the bound does not model the issuing thread) and in FP32:
+    # a BF16 CAST on its own worker may wait for the host while an OPT holds it, which the bound's
+    # per-stream chains (and its host busy time) do not both see.
+    if (hw.duplex and hw.launch_overhead_s == 0 and dtype == "float32"
+            and (M == 1 or ActivationPolicy.OFFLOAD not in plan.activations[:n - 1])):
         assert bound == pytest.approx(step, rel=1e-9)
 
 

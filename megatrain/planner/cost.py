@@ -65,7 +65,7 @@ from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph
 from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
 from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule, Stream
+from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream
 
 GRAD_ITEMSIZE = 4
 """Gradients are FP32 on the GPU, over D2H and in the host ring, whatever the compute dtype."""
@@ -114,7 +114,9 @@ def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
     """The resource ``stream``'s ops run on under ``hw``."""
     if stream is Stream.COMPUTE:
         return Resource.GPU
-    if stream is Stream.HOST:
+    if stream is Stream.HOST or stream is Stream.CAST:
+        # Two host workers, one DRAM: AdamW and a cast are both memory-bound, so running them on
+        # two threads at once shares the bandwidth; the model serialises them on one resource.
         return Resource.HOST
     if not hw.duplex:
         return Resource.COPY_ENGINE
@@ -229,6 +231,50 @@ def op_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[f
         if t is None:
             t = cache[key] = op_time(op, graph, schedule.plan, hw)
         out.append(t)
+    return tuple(out)
+
+
+# -- launches on the issuing thread ----------------------------------------------------------------
+
+D2H_LAUNCHES = 23
+"""Aten ops the executor's D2H dispatches: the slot's norm and finiteness (with every micro-batch
+loss), the two flag writes and three copies (counted with ``issue.DispatchCounter``)."""
+
+COPY_LAUNCHES = 1
+"""An H2D weight copy, and each checkpoint an OFFLOAD or RELOAD copies: one ``copy_``."""
+
+HOST_OP_LAUNCHES = 1
+"""A host op costs the issuing thread one queue put; its work runs on a host worker."""
+
+
+def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
+    """Calls the issuing thread makes for ``op``: the aten ops its work dispatches (a layer's
+    ``fwd_launches`` / ``bwd_launches`` for compute ops), plus for GPU ops the event recorded after
+    it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
+    layer = graph.layers[op.layer]
+    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC):
+        return HOST_OP_LAUNCHES
+    if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
+        n = layer.fwd_launches
+    elif op.kind is OpKind.BWD:
+        n = layer.bwd_launches
+    elif op.kind is OpKind.D2H:
+        n = D2H_LAUNCHES
+    elif op.kind is OpKind.H2D:
+        n = COPY_LAUNCHES
+    else:  # OFFLOAD, RELOAD
+        n = COPY_LAUNCHES * len(graph.checkpoints(op.layer))
+    return n + 1 + gpu_waits
+
+
+def launch_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[float, ...]:
+    """Seconds the issuing thread spends issuing each op of ``schedule`` (``launch_count`` x
+    ``hw.launch_overhead_s``)."""
+    ops = schedule.ops
+    out = []
+    for op in ops:
+        waits = sum(1 for d in op.deps if ops[d].stream is not op.stream and ops[d].stream not in HOST_STREAMS)
+        out.append(launch_count(op, graph, waits) * hw.launch_overhead_s)
     return tuple(out)
 
 
@@ -681,7 +727,8 @@ def mfu(model_flops: float, step_time_s: float, compute_dtype: str, hw: Hardware
 
 __all__ = [
     "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-    "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times", "working_bytes", "ActivationLiveness",
+    "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
+    "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
     "activation_liveness", "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
     "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",

@@ -106,6 +106,8 @@ class Layer:
     bwd_flops: int
     buffer_bytes: int = 0
     work_bytes: int = 0
+    fwd_launches: int = 0  # aten ops one forward dispatches (megatrain.planner.issue.count_launches)
+    bwd_launches: int = 0  # the same for one local backward: its recompute plus the backward proper
 
     @property
     def param_count(self) -> int:

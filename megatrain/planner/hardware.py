@@ -49,6 +49,14 @@ DEFAULT_OP_LATENCY_S = 10e-6
 recording/waiting on the events that join it to its dependencies costs a few microseconds each;
 10 us per op. It dominates only for tiny layers; measure() keeps the default."""
 
+DEFAULT_LAUNCH_OVERHEAD_S = 8e-6
+"""Seconds of the issuing thread per dispatched op (estimate, calibrated on the CPU backend): eager
+PyTorch spends a few microseconds in Python and the dispatcher per aten op, and a CUDA kernel
+launch adds cudaLaunchKernel's 2-4 us. Measured 2026-11-23 on this project's 2-core CI CPU under
+a load average of 7: a tiny Llama block's forward (100 aten ops at hidden 16, so dispatch-bound)
+at 13.4 us per op at best, its local backward (257 ops) at 27 us; unloaded that is about 4 and
+8 us. A layer's op counts are ``Layer.fwd_launches`` / ``bwd_launches``."""
+
 DEFAULT_GPU_RESERVE_BYTES = 3 * GiB // 2
 """GPU memory the plan may not use (1.5 GiB): the CUDA context with lazy module loading takes
 about 0.5 GiB on Hopper (visible in nvidia-smi for a process that only ran torch.cuda.init()),
@@ -106,6 +114,9 @@ class HardwareSpec(pydantic.BaseModel):
                                                                  "host threads")
     op_latency_s: float = Field(DEFAULT_OP_LATENCY_S, ge=0,
                                 description="fixed time added to every op in seconds (launch, events)")
+    launch_overhead_s: float = Field(DEFAULT_LAUNCH_OVERHEAD_S, ge=0,
+                                     description="seconds the issuing thread spends per dispatched op "
+                                                 "(kernel launch, event record or wait)")
     gpu_reserve_bytes: int = Field(DEFAULT_GPU_RESERVE_BYTES, ge=0,
                                    description="GPU bytes kept free for the CUDA context, library "
                                                "workspaces and allocator fragmentation")

@@ -29,7 +29,9 @@ class Stream(enum.Enum):
     COMPUTE = "compute"
     H2D = "h2d"
     D2H = "d2h"
-    HOST = "host"  # the host optimizer worker
+    HOST = "host"  # the host optimizer worker: OPT and ACC, in list order
+    CAST = "cast"  # a second host worker for CASTs, so a layer's BF16 staging copy never queues behind
+    #                the optimizer steps of other layers (it still waits for its own layer's update)
 
 
 class OpKind(enum.Enum):
@@ -49,12 +51,15 @@ class OpKind(enum.Enum):
         return _STREAM_OF[self]
 
 
+HOST_STREAMS = frozenset({Stream.HOST, Stream.CAST})
+"""Streams whose ops run on host worker threads (the others are GPU streams)."""
+
 COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
 """Op kinds that run a layer's template on the GPU with the layer's weights in a slot."""
 
 _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: Stream.COMPUTE,
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
-              OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.HOST,
+              OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
               OpKind.ACC: Stream.HOST}
 _FIELDS = {OpKind.H2D: ("layer", "slot"), OpKind.FWD: ("layer", "mb", "slot"),
            OpKind.BWD: ("layer", "mb", "slot"), OpKind.D2H: ("layer", "slot", "ring"),

@@ -2,7 +2,7 @@
 
 Method. Discrete-event list scheduling over the same DAG the runtime walks. Each Stream is an
 in-order queue on a resource (:func:`megatrain.planner.cost.resource_of`: the GPU, one or two
-copy engines, the host optimizer worker). An op at the head of its queue is *ready* once all its
+copy engines, the host, shared by the optimizer and cast workers). An op at the head of its queue is *ready* once all its
 dependencies have finished; it starts at ``max(ready time, its stream predecessor's end, its
 resource's free time)`` and lasts :func:`megatrain.planner.cost.op_time`. At every step the ready
 head with the earliest start (ties: the earlier op in the list) is committed. Starts are
@@ -10,6 +10,17 @@ committed in non-decreasing time, so this is an event-driven simulation: an op n
 cannot later claim a resource earlier than a committed one. When two queues share a resource (H2D
 and D2H on a non-duplex spec) the resource goes to whichever op can start first, as a single copy
 engine serves whichever channel has work.
+
+The issuing thread. On a GPU one Python thread launches every op's kernels, so it is simulated
+too, with the runtime's own issue policy (:class:`megatrain.planner.issue.IssueQueue`, the object
+the CUDA backend uses): ops are offered in list order; issuing op ``i`` costs the thread
+``cost.launch_times()[i]`` (its dispatched aten ops, event records and waits x
+``hw.launch_overhead_s``); a GPU op whose host dependency has not finished by the thread's clock
+waits in its stream's pending queue while the thread issues other work, and the thread waits only
+when nothing it holds is ready (until the next host op ends). A GPU op starts no earlier than its
+issue starts and ends no earlier than its issue ends (its last kernel must have been launched); a
+host op starts once it was handed to its worker. The thread acts whenever its clock is strictly
+before every start still to commit, so "done by the clock" is known when it asks.
 
 Deadlock. If ops remain but no queue head has all its dependencies finished, no op can ever
 start: the error lists each blocked head and what it waits for (a dependency queued behind it on
@@ -23,12 +34,17 @@ few milliseconds.
 
 from __future__ import annotations
 
+import heapq
+
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.schedule import Schedule, Stream
+from megatrain.planner.issue import IssueQueue
+from megatrain.planner.schedule import HOST_STREAMS, Schedule, Stream
 from megatrain.planner.timeline import Timeline
+
+_INF = float("inf")
 
 
 def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
@@ -48,6 +64,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
                                     f"{n}-op schedule. Fix: lower the schedule again.\n"
                                     + schedule.format(marker=i, context=8))
     dur = cost.op_times(schedule, graph, hw)
+    launch = cost.launch_times(schedule, graph, hw)
     queues: dict[Stream, list[int]] = {s: [] for s in Stream}
     for i, op in enumerate(ops):
         queues[op.stream].append(i)
@@ -56,14 +73,28 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
     stream_free = {s: 0.0 for s in Stream}
     head = {s: 0 for s in Stream}
     deps = [op.deps for op in ops]
+    host = [op.stream in HOST_STREAMS for op in ops]
     start = [0.0] * n
     end = [-1.0] * n  # -1: not finished (not yet committed)
+    issued = [_INF] * n  # when the issuing thread started issuing the op
+    issued_end = [_INF] * n
     active = [s for s in Stream if queues[s]]
-    for _ in range(n):
+    # The issuing thread: ``clock`` is when it is next free; ``offered`` ops were handed to it.
+    iq = IssueQueue()
+    clock, offered = 0.0, 0
+    host_ends: list[float] = []  # heap: end times of committed host ops, for a blocked issuer
+    committed = 0
+
+    def done(h: int) -> bool:
+        return 0.0 <= end[h] <= clock
+
+    while committed < n:
         best_t, best_i, best_s = 0.0, -1, None
         for s in active:
             i = queues[s][head[s]]
-            t = stream_free[s]
+            if issued[i] == _INF:
+                continue
+            t = max(stream_free[s], issued_end[i] if host[i] else issued[i])
             for d in deps[i]:
                 e = end[d]
                 if e < 0:
@@ -76,10 +107,36 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
                     t = r
                 if best_s is None or t < best_t or (t == best_t and i < best_i):
                     best_t, best_i, best_s = t, i, s
-        if best_s is None:
-            raise ScheduleError(_deadlock_message(schedule, queues, head, active, end))
+        # The issuer acts while it is strictly ahead of every op still to start, so each host op
+        # that is done by its clock has been committed (ops start in non-decreasing time).
+        if best_s is None or clock < best_t:
+            j = iq.next(done)
+            if j is not None:
+                issued[j] = clock
+                clock += launch[j]
+                issued_end[j] = clock
+                continue
+            if offered < n:
+                op = ops[offered]
+                # A dependency on a later op (no topological order) cannot be offered; the streams
+                # then stall on it and the deadlock is reported below.
+                iq.add(offered, op.stream, [d for d in op.deps if d < offered and ops[d].stream is not op.stream])
+                offered += 1
+                continue
+            while host_ends and host_ends[0] <= clock:
+                heapq.heappop(host_ends)
+            if host_ends and (best_s is None or host_ends[0] < best_t):
+                clock = heapq.heappop(host_ends)  # wait for the next host op to finish
+                continue
+            if best_s is None:
+                raise ScheduleError(_deadlock_message(schedule, queues, head, active, end))
         e = best_t + dur[best_i]
+        if not host[best_i] and issued_end[best_i] > e:
+            e = issued_end[best_i]  # the GPU cannot finish an op before its last kernel is launched
         start[best_i], end[best_i] = best_t, e
+        if host[best_i]:
+            heapq.heappush(host_ends, e)
+        committed += 1
         stream_free[best_s] = e
         resource_free[resource[best_s]] = e
         head[best_s] += 1

@@ -794,8 +794,8 @@ def _quick_bound(size: _SizeOption, t: _Times, policy: Sequence[ActivationPolicy
 
 
 _STREAM_INDEX = {OpKind.H2D: 0, OpKind.RELOAD: 0, OpKind.FWD: 1, OpKind.BWD: 1, OpKind.RECOMPUTE: 1,
-                 OpKind.D2H: 2, OpKind.OFFLOAD: 2, OpKind.OPT: 3, OpKind.CAST: 3, OpKind.ACC: 3}
-"""Index of each op kind's stream (Stream.H2D, COMPUTE, D2H, HOST) in the bound's arrays."""
+                 OpKind.D2H: 2, OpKind.OFFLOAD: 2, OpKind.OPT: 3, OpKind.CAST: 4, OpKind.ACC: 3}
+"""Index of each op kind's stream (Stream.H2D, COMPUTE, D2H, HOST, CAST) in the bound's arrays."""
 
 _PER_MICRO_BATCH = ({(kind, OpKind.RELOAD) for kind in COMPUTE_KINDS}
                     | {(OpKind.OFFLOAD, OpKind.FWD), (OpKind.RELOAD, OpKind.OFFLOAD)})
@@ -865,8 +865,8 @@ def _lower_bound(p: _Pattern, size: _SizeOption, t: _Times, duplex: bool) -> flo
     n = len(p.kinds)
     M = size.micro_batches
     end = [0.0] * n
-    stream_end = [0.0, 0.0, 0.0, 0.0]
-    copy_busy = 0.0
+    stream_end = [0.0, 0.0, 0.0, 0.0, 0.0]
+    copy_busy = host_busy = 0.0
     fwd, bwd, off, rel = size.fwd, size.bwd, size.offload, size.reload
     h2d, d2h, opt, cast = t.h2d, t.d2h, t.opt, t.cast
     kinds, layers, deps, mb_deps = p.kinds, p.layers, p.deps, p.mb_deps
@@ -903,7 +903,9 @@ def _lower_bound(p: _Pattern, size: _SizeOption, t: _Times, duplex: bool) -> flo
         end[i] = stream_end[s] = e
         if s == 0 or s == 2:
             copy_busy += r * u
-    bound = max(stream_end)
+        elif s >= 3:
+            host_busy += r * u  # the optimizer and cast workers share the host (cost.resource_of)
+    bound = max(max(stream_end), host_busy)
     return bound if duplex else max(bound, copy_busy)
 
 

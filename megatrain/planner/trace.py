@@ -97,6 +97,7 @@ from megatrain.errors import TraceError, UnsupportedModelError
 from megatrain.kernels import (chunk_bounds, grouped_query_attention, linear_cross_entropy,
                                linear_cross_entropy_work_bytes, sequence_chunked, without_autocast)
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
+from megatrain.planner.issue import count_launches
 
 _aten = torch.ops.aten
 
@@ -1674,7 +1675,8 @@ def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: i
     flops: dict[int, tuple[int, int]] = {}
     for L in layers:
         if L["template"] not in flops:
-            flops[L["template"]] = _count_flops(templates[L["template"]], L["arg_vals"], L["grad_args"])
+            flops[L["template"]] = (_count_flops(templates[L["template"]], L["arg_vals"], L["grad_args"])
+                                    + count_launches(templates[L["template"]], L["arg_vals"], L["grad_args"]))
 
     consumers: dict[int, set[int]] = {i: set() for i in range(len(values))}
     for L in layers:
@@ -1693,7 +1695,8 @@ def _trace_graph(model: nn.Module, container: str | None, *, micro_batch_size: i
               numel=L["numel"], trainable_numel=L["trainable_numel"], inputs=L["inputs"],
               outputs=L["outputs"], buffers=L["buffers"], buffer_bytes=L["buffer_bytes"],
               work_bytes=L["work_bytes"],
-              fwd_flops=flops[L["template"]][0], bwd_flops=flops[L["template"]][1])
+              fwd_flops=flops[L["template"]][0], bwd_flops=flops[L["template"]][1],
+              fwd_launches=flops[L["template"]][2], bwd_launches=flops[L["template"]][3])
         for L in layers)
     graph = LayerGraph(layers=layer_recs, values=tuple(value_recs), batch_inputs=tuple(input_names),
                        loss=value_of[loss_node], micro_batch_size=micro_batch_size, seq_len=seq_len,

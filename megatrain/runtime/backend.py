@@ -53,7 +53,11 @@ class Backend(Protocol):
         """
 
     def synchronize(self) -> None:
-        """Block until everything launched has finished; this ends the run."""
+        """Block until everything launched has finished; this ends the run (also when it raises)."""
+
+    def abort(self) -> None:
+        """End the open run after the caller failed mid-run: wait for what was started, drop the
+        rest, so the next launch opens a new run. A no-op without an open run."""
 
     def timeline(self, schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
         """The last finished run, measured, as a Timeline (needs ``record`` on during the run)."""
@@ -143,6 +147,11 @@ class CPUBackend(_Recording):
         fn()
         self._pending.append(OpTiming(index, stream, label, t0, time.perf_counter()))
         return None
+
+    def abort(self) -> None:
+        self._pending = []
+        self._index = 0
+        self._run_records = None
 
     def synchronize(self) -> None:
         self._last, self._last_recorded = tuple(self._pending), bool(self._run_records)

@@ -1,5 +1,5 @@
 """The CUDA backend: a schedule's streams as CUDA streams, its cross-stream edges as CUDA events,
-and the host optimizer stream as one worker thread.
+and the host streams as worker threads.
 
 Streams. ``Stream.COMPUTE``, ``Stream.H2D`` and ``Stream.D2H`` each map to one
 ``torch.cuda.Stream``, created at the first op launched on it (nothing CUDA happens at import or
@@ -12,20 +12,22 @@ depends on it calls ``stream.wait_event(event)`` before its kernels are enqueued
 ``torch.cuda.stream(stream)`` context, so the wait is on the GPU and the issuing thread runs on.
 Each cross-stream dependency the executor passes is waited on exactly once.
 
-The host worker. ``Stream.HOST`` (AdamW on the FP32 master tiles) runs on one thread fed by an
-in-order queue, so host ops run in schedule order, overlapped with the GPU and with the issuing
-thread. A host op that depends on GPU ops (the D2H copy of its gradients) calls
-``event.synchronize()`` *in the worker*, so the issuing thread never stalls for it. Its handle is
-a future-like :class:`HostOp`.
+The host workers. ``Stream.HOST`` (AdamW, ACC) and ``Stream.CAST`` (the BF16 staging copies)
+each run on one thread fed by an in-order queue, so host ops run in schedule order per stream,
+overlapped with the GPU, with the issuing thread and with each other: a CAST never queues behind
+the optimizer steps of other layers. A host op that depends on GPU ops (the D2H copy of its
+gradients) calls ``event.synchronize()`` *in its worker*; one that depends on a host op of the
+other worker waits for it there too. Its handle is a future-like :class:`HostOp`.
 
-Why a GPU op waits on the thread for a host dependency. A CUDA stream can wait on a CUDA event,
-but not on a host thread: there is no event the host optimizer could record that a stream would
-honour, and enqueuing the op early would let the GPU read the tile (the master weights an H2D
-copies, the gradient tile a D2H overwrites) while the worker still writes it. So ``launch`` blocks
-the issuing thread on the host op's handle before it enqueues a GPU op that depends on it. The
-schedule places such edges where the wait is short (the ring of gradient tiles is deep enough).
-A host op's ``fn`` must therefore be host-synchronous work: it must not enqueue CUDA work that a
-later GPU op relies on.
+Issue order (:class:`megatrain.planner.issue.IssueQueue`, shared with the simulator). A CUDA
+stream can wait on a CUDA event, not on a host thread, and enqueuing a GPU op before a host op it
+depends on finished would let the GPU read a tile the worker still writes (the staging tile an
+H2D copies, the gradient tile a D2H overwrites). Such a GPU op, and the ops after it on its stream,
+wait in a per-stream pending queue; ``launch`` never blocks on a host op. Every ``launch`` first
+issues the pending ops that became ready (lowest schedule index first), and ``synchronize``
+issues the rest as their host dependencies finish. An op's ``fn`` may therefore run after later
+ops were launched: it must read what it needs when it runs (the executor keys activations by the
+op that produced them for this reason).
 
 Run entry. Work the caller enqueued on its current stream before a run's first launch (the
 executor's non-blocking copies of the batch to the GPU) must finish before the run's ops read it:
@@ -44,10 +46,13 @@ the GPU may still read them, which is safe because the allocator reuses a block 
 work on the same stream. A tensor made on one stream and read on another would need
 ``Tensor.record_stream``; no current op does that.
 
-Errors. An exception in a host op is kept by the worker; the worker skips the host ops queued
+Errors. An exception in a host op is kept by its worker; the worker skips the host ops queued
 after it (their inputs may depend on the failed update), and ``synchronize()`` drains everything
 and raises :class:`HostOpError` naming the op, chained to the original exception. A GPU op whose
-host dependency failed raises the same error from ``launch``. ``close()`` stops the worker; an
+host dependency failed raises the same error when it is issued. Any exception from ``launch`` or
+``synchronize`` first aborts the run: pending ops are dropped, everything issued is drained, and
+the next launch opens a new run with a fresh entry fence; ``abort()`` does the same for a caller
+that failed between launches (the executor calls it). ``close()`` stops the workers; an
 ``atexit`` hook stops and joins any worker still alive when the interpreter exits.
 
 Timing (``record``). Each GPU op is bracketed by two ``torch.cuda.Event(enable_timing=True)``
@@ -56,9 +61,11 @@ the worker. The two clocks meet at the run's entry event: it is synchronized onc
 are idle then, since the previous run ended with ``synchronize()``) and the host time read just
 after it is its time. ``Event.elapsed_time`` turns the GPU events into seconds after the entry.
 
-The adapter. Every CUDA call goes through one small object (:class:`TorchCuda`), so tests run the
-same backend logic on CPU tensors with :class:`FakeCuda`, whose streams run work at once and whose
-events keep the bookkeeping: which stream waited on which event, that every event waited on was
+The adapter. Every CUDA call goes through one small object (:class:`TorchCuda`; an op's work is
+enqueued with ``run(stream, fn, label)``, a host op's run with ``host_run(fn, label)``), so tests
+run the same backend logic on CPU tensors with :class:`FakeCuda`, or with
+:class:`megatrain.testing.AsyncFakeCuda` (streams as threads, random delays: races show). FakeCuda's
+streams run work at once and its events keep the bookkeeping: which stream waited on which event, that every event waited on was
 recorded first, that no stream waits on its own events, and that host dependencies never reach
 ``wait_event``.
 """
@@ -79,7 +86,8 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 import torch
 
 from megatrain.errors import MegatrainError
-from megatrain.planner.schedule import Stream
+from megatrain.planner.issue import IssueQueue
+from megatrain.planner.schedule import HOST_STREAMS, Stream
 from megatrain.runtime.backend import OpTiming, _Recording
 
 GPU_STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.D2H)
@@ -104,6 +112,12 @@ class CudaApi(Protocol):
 
     def use_stream(self, stream: Any) -> ContextManager[Any]:
         """Make ``stream`` current for the work enqueued inside the ``with`` block."""
+
+    def run(self, stream: Any, fn: Callable[[], Any], label: str) -> None:
+        """Enqueue ``fn``'s work on ``stream`` (``label`` names the op, for fakes that delay or log)."""
+
+    def host_run(self, fn: Callable[[], Any], label: str) -> None:
+        """Run host op ``fn`` on the calling (worker) thread."""
 
     def event(self, timing: bool) -> Any:
         """A new event; ``timing`` makes it usable with ``elapsed_s``."""
@@ -149,6 +163,13 @@ class TorchCuda:
 
     def use_stream(self, stream: torch.cuda.Stream) -> ContextManager[Any]:
         return torch.cuda.stream(stream)
+
+    def run(self, stream: torch.cuda.Stream, fn: Callable[[], Any], label: str) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    def host_run(self, fn: Callable[[], Any], label: str) -> None:
+        fn()
 
     def event(self, timing: bool) -> torch.cuda.Event:
         # Events without timing are cheaper to record and wait on (cudaEventDisableTiming).
@@ -220,28 +241,31 @@ def _check_pinnable(t: torch.Tensor) -> None:
 
 @dataclass(eq=False, slots=True)
 class GpuOp:
-    """Handle of an op launched on a GPU stream: ``event`` is recorded right after its work."""
+    """Handle of an op launched on a GPU stream. Until it is issued (its host dependencies done)
+    it waits in the backend's pending queue; ``event`` is recorded right after its work once it is.
+    ``issued`` is set then, or when the run is aborted first (``cancelled``)."""
 
     index: int
     stream: Stream
     label: str
-    event: Any
+    event: Any = None
     start: Any = None  # the timing event recorded before its work, when recording
+    issued: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
 
 
 @dataclass(eq=False, slots=True)
 class HostOp:
-    """Future-like handle of an op on the host worker."""
+    """Future-like handle of an op on a host worker (``stream``: Stream.HOST or Stream.CAST)."""
 
     index: int
     label: str
+    stream: Stream = Stream.HOST
     _done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    skipped_after: "HostOp | None" = None  # not run, because this earlier host op failed
+    skipped_after: "HostOp | GpuOp | None" = None  # not run, because this earlier op failed or never ran
     start_s: float = 0.0
     end_s: float = 0.0
-
-    stream = Stream.HOST
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -259,6 +283,9 @@ def _name(op: GpuOp | HostOp) -> str:
 
 def _host_error(op: HostOp) -> HostOpError:
     e = op.error
+    if isinstance(op.skipped_after, GpuOp):
+        return HostOpError(f"host op {_name(op)} was not run because the run was aborted before GPU op "
+                           f"{_name(op.skipped_after)} it waits for was issued")
     if op.skipped_after is not None:
         return HostOpError(f"host op {_name(op)} was not run because host op {_name(op.skipped_after)} "
                            f"before it raised {type(e).__name__}: {e}")
@@ -266,6 +293,10 @@ def _host_error(op: HostOp) -> HostOpError:
                        "The host stream skipped the host ops queued after it, so this step's host work "
                        "(optimizer updates of later layers) is incomplete: fix the cause, then reload the "
                        "state from a checkpoint before training on")
+
+
+class _Cancelled(Exception):
+    """A host op's GPU dependency was never issued: the run was aborted."""
 
 
 _STOP = object()
@@ -285,14 +316,16 @@ def _stop_workers() -> None:
 
 
 class _HostWorker:
-    """One thread running host ops in queue order. Holds no reference to the backend, so a backend
-    that is garbage-collected stops its worker (``weakref.finalize`` in CUDABackend)."""
+    """One thread running one host stream's ops in queue order. Holds no reference to the backend,
+    so a backend that is garbage-collected stops its workers (``weakref.finalize`` in CUDABackend).
+    ``changed`` is notified after every op, so the issuing thread can wait for any host op."""
 
-    def __init__(self, cuda: CudaApi):
+    def __init__(self, cuda: CudaApi, stream: Stream, changed: threading.Condition):
         self._cuda = cuda
+        self._changed = changed
         self._queue: queue.Queue = queue.Queue()
         self._failed: HostOp | None = None  # the first failed op, until reported
-        self._thread = threading.Thread(target=self._loop, name="megatrain-host", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"megatrain-{stream.value}", daemon=True)
         self._thread.start()
         _LIVE_WORKERS.add(self)
 
@@ -300,8 +333,8 @@ class _HostWorker:
     def thread(self) -> threading.Thread:
         return self._thread
 
-    def submit(self, op: HostOp, fn: Callable[[], Any], waits: list[Any]) -> None:
-        self._queue.put((op, fn, waits))
+    def submit(self, op: HostOp, fn: Callable[[], Any], deps: list[GpuOp | HostOp]) -> None:
+        self._queue.put((op, fn, deps))
 
     def drain(self) -> HostOp | None:
         """Wait until every submitted op finished; return (and forget) the first failed one."""
@@ -318,32 +351,48 @@ class _HostWorker:
             try:
                 if item is _STOP:
                     return
-                op, fn, waits = item
+                op, fn, deps = item
                 if self._failed is not None:
                     op.error, op.skipped_after = self._failed.error, self._failed
                     continue
                 try:
-                    for ev in waits:
-                        self._cuda.event_synchronize(ev)
-                    op.start_s = time.perf_counter()
-                    fn()
-                    op.end_s = time.perf_counter()
+                    for d in deps:
+                        if isinstance(d, HostOp):  # on the other host stream (this one is in order)
+                            d._done.wait()
+                            if d.error is not None:
+                                op.error, op.skipped_after = d.error, d
+                                break
+                        else:
+                            d.issued.wait()  # a pending GPU op has no event yet
+                            if d.cancelled:
+                                op.error, op.skipped_after = _Cancelled(d.label), d
+                                break
+                            self._cuda.event_synchronize(d.event)
+                    else:
+                        op.start_s = time.perf_counter()
+                        self._cuda.host_run(fn, op.label)
+                        op.end_s = time.perf_counter()
+                    if op.error is not None:
+                        self._failed = op
                 except BaseException as e:  # noqa: BLE001 - kept and re-raised by synchronize()
                     op.error = e
                     self._failed = op
             finally:
                 if item is not _STOP:
                     item[0]._done.set()
+                    with self._changed:
+                        self._changed.notify_all()
                 self._queue.task_done()
 
 
 # -- the backend ------------------------------------------------------------------------------------
 
 class CUDABackend(_Recording):
-    """Runs a schedule's ops on CUDA streams and a host worker thread; see the module docstring.
+    """Runs a schedule's ops on CUDA streams and host worker threads; see the module docstring.
 
     Args:
-        adapter: the CUDA calls; :class:`TorchCuda` by default, :class:`FakeCuda` in CPU tests.
+        adapter: the CUDA calls; :class:`TorchCuda` by default, :class:`FakeCuda` (or
+            :class:`megatrain.testing.AsyncFakeCuda`) in CPU tests.
         record: time every op (see ``timeline``); may also be set later as ``backend.record``.
     """
 
@@ -352,7 +401,8 @@ class CUDABackend(_Recording):
         self.device = self.cuda.device
         self.record = record
         self._streams: dict[Stream, Any] = {}
-        self._worker: _HostWorker | None = None
+        self._workers: dict[Stream, _HostWorker] = {}
+        self._changed = threading.Condition()
         # The open run: its launches so far, its entry event, the streams that waited on it.
         self._index = 0
         self._entry: Any = None
@@ -360,6 +410,9 @@ class CUDABackend(_Recording):
         self._fenced: set[Stream] = set()
         self._run_records: bool | None = None
         self._launched: list[GpuOp | HostOp] = []
+        self._issue = IssueQueue()
+        self._fns: dict[int, Callable[[], Any]] = {}
+        self._deps: dict[int, list[GpuOp | HostOp]] = {}
 
     # -- memory ------------------------------------------------------------------------------------
     def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -374,83 +427,109 @@ class CUDABackend(_Recording):
     # -- streams -----------------------------------------------------------------------------------
     def stream(self, stream: Stream) -> Any:
         """The CUDA stream of ``stream`` (created on first use)."""
-        if stream is Stream.HOST:
-            raise ValueError("Stream.HOST is the host worker thread, not a CUDA stream")
+        if stream in HOST_STREAMS:
+            raise ValueError(f"Stream.{stream.name} is a host worker thread, not a CUDA stream")
         s = self._streams.get(stream)
         if s is None:
             s = self._streams[stream] = self.cuda.stream()
         return s
 
-    def _host_worker(self) -> _HostWorker:
-        if self._worker is None:
-            self._worker = _HostWorker(self.cuda)
-            weakref.finalize(self, self._worker.stop)
-        return self._worker
+    def _host_worker(self, stream: Stream) -> _HostWorker:
+        w = self._workers.get(stream)
+        if w is None:
+            w = self._workers[stream] = _HostWorker(self.cuda, stream, self._changed)
+            weakref.finalize(self, w.stop)
+        return w
 
     def close(self) -> None:
-        """Finish everything launched and stop the host worker (a later host op starts a new one)."""
+        """Finish everything launched and stop the host workers (a later host op starts new ones)."""
         try:
             self.synchronize()
         finally:
-            if self._worker is not None:
-                self._worker.stop()
-                self._worker.thread.join()  # prompt: synchronize() left its queue empty
-                self._worker = None
+            for w in self._workers.values():
+                w.stop()
+                w.thread.join()  # prompt: synchronize() left its queue empty
+            self._workers = {}
 
     # -- launching ---------------------------------------------------------------------------------
     def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any],
                label: str = "") -> GpuOp | HostOp:
         """Run ``fn`` on ``stream`` after the ops whose handles are in ``wait_for``; return its handle.
 
-        GPU streams: ``fn`` runs now on the calling thread with the stream current, after the
-        stream was told to wait for each GPU handle in ``wait_for`` (and the calling thread waited
-        for each host handle). Host stream: ``fn`` is queued to the worker, which first waits for
-        the GPU handles in ``wait_for``; host handles need nothing, the worker runs in order.
+        Host streams: ``fn`` is queued to the stream's worker, which first waits for the handles
+        in ``wait_for``. GPU streams: ``fn`` runs on the calling thread with the stream current,
+        after the stream was told to wait for each GPU handle in ``wait_for``, once every host
+        handle in ``wait_for`` is done: now, or at a later ``launch`` or ``synchronize`` (the op
+        waits in its stream's pending queue meanwhile, and the ops after it on that stream too).
+        This call never blocks on a host op.
 
         Raises:
-            HostOpError: a host op this GPU op depends on failed (everything launched is drained
-                first, so the backend can be used again).
+            HostOpError: a host op that a GPU op issued now depends on failed.
+            BaseException: whatever an ``fn`` issued now raised (with a note naming its op).
+            In both cases the run is aborted first: everything issued is drained, ops not yet
+            issued are dropped, and the next launch opens a new run.
         """
         if self._run_records is None:
             self._open_run()
         index = self._index
         self._index += 1
         deps = _unique(wait_for)
-        if stream is Stream.HOST:
-            op = HostOp(index, label)
-            self._host_worker().submit(op, fn, [h.event for h in deps if isinstance(h, GpuOp)])
-            self._launched.append(op)
-            return op
+        op: GpuOp | HostOp
+        op = HostOp(index, label, stream) if stream in HOST_STREAMS else GpuOp(index, stream, label)
+        self._launched.append(op)
+        self._fns[index], self._deps[index] = fn, deps
+        try:
+            self._issue.add(index, stream, [h.index for h in deps])
+            self._pump(block=False)
+        except BaseException as e:
+            self._abort(e)
+            raise
+        return op
 
-        s = self.stream(stream)
-        if stream not in self._fenced:
+    def _pump(self, block: bool) -> None:
+        """Issue every ready op; with ``block``, until none is pending, waiting for host ops."""
+        done = self._host_done
+        while True:
+            with self._changed:
+                i = self._issue.next(done)
+                if i is None:
+                    if not block or not self._issue.pending():
+                        return
+                    self._changed.wait()
+                    continue
+            self._issue_op(self._launched[i])
+
+    def _host_done(self, i: int) -> bool:
+        return self._launched[i]._done.is_set()  # type: ignore[union-attr] - only asked for host ops
+
+    def _issue_op(self, op: GpuOp | HostOp) -> None:
+        fn, deps = self._fns.pop(op.index), self._deps.pop(op.index)
+        if isinstance(op, HostOp):
+            self._host_worker(op.stream).submit(op, fn, [h for h in deps if h.stream is not op.stream])
+            return
+        s = self.stream(op.stream)
+        if op.stream not in self._fenced:
             self.cuda.wait_event(s, self._entry)
-            self._fenced.add(stream)
+            self._fenced.add(op.stream)
         for h in deps:
             if isinstance(h, HostOp):
-                h._done.wait()  # a CUDA stream cannot wait on a host thread: see the module docstring
-                if h.error is not None:
-                    failed = self._drain() or h
-                    raise _host_error(failed) from failed.error
-            elif h.stream is not stream:  # the same stream is in order already
+                if h.error is not None:  # done (the issue queue checked), but failed
+                    raise _host_error(h) from h.error
+            elif h.stream is not op.stream:  # the same stream is in order already
                 self.cuda.wait_event(s, h.event)
         timing = self._run_records
-        start = None
         if timing:
-            start = self.cuda.event(True)
-            self.cuda.record(start, s)
+            op.start = self.cuda.event(True)
+            self.cuda.record(op.start, s)
         try:
-            with self.cuda.use_stream(s):
-                fn()
+            self.cuda.run(s, fn, op.label)
         except BaseException as e:
             if hasattr(e, "add_note"):  # Python 3.11+
-                e.add_note(f"while launching {label or f'#{index}'} on the {stream.value} stream")
+                e.add_note(f"while launching {_name(op)} on the {op.stream.value} stream")
             raise
-        end = self.cuda.event(timing)
-        self.cuda.record(end, s)
-        op = GpuOp(index, stream, label, end, start)
-        self._launched.append(op)
-        return op
+        op.event = self.cuda.event(bool(timing))
+        self.cuda.record(op.event, s)
+        op.issued.set()
 
     def _open_run(self) -> None:
         self._run_records = bool(self.record)
@@ -461,37 +540,74 @@ class CUDABackend(_Recording):
 
     # -- finishing ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait for the worker and every stream, end the run, and collect its timings.
+        """Issue what is pending, wait for the workers and every stream, end the run, and collect its
+        timings. Ends the run also when it raises, so the backend can be used again.
 
         Raises:
             HostOpError: a host op of the run raised; names the op, chained to its exception.
+            BaseException: an op issued now raised, or the device reported an error.
         """
+        if self._run_records is None:
+            return
+        try:
+            self._pump(block=True)
+        except BaseException as e:
+            self._abort(e)
+            raise
         failed = self._drain()
         if failed is not None:
             raise _host_error(failed) from failed.error
 
+    def abort(self) -> None:
+        """End the open run after an error outside the backend (the executor raised mid-run): drop
+        the ops not yet issued, wait for everything issued, and forget the run. Errors the run's
+        ops raised meanwhile are dropped: the caller is already raising its own."""
+        if self._run_records is not None:
+            self._abort(None)
+
+    def _abort(self, error: BaseException | None) -> None:
+        for op in self._launched:
+            if isinstance(op, GpuOp) and not op.issued.is_set():
+                op.cancelled = True
+                op.issued.set()  # host ops waiting for it stop waiting
+        self._issue = IssueQueue()
+        self._fns, self._deps = {}, {}
+        try:
+            self._drain()
+        except BaseException as e:  # noqa: BLE001 - the error being raised is the one to report
+            if error is not None and hasattr(error, "add_note"):
+                error.add_note(f"while draining the aborted run, {type(e).__name__} was also raised: {e}")
+
     def _drain(self) -> HostOp | None:
-        failed = self._worker.drain() if self._worker is not None else None
-        if self._streams:  # no launch on a GPU stream yet: nothing to wait for, nothing to initialise
-            self.cuda.synchronize()
-        recorded = bool(self._run_records)
-        if recorded and failed is None:
-            self._last = tuple(self._timings())
-        else:
-            self._last = ()
-        self._last_recorded = recorded and failed is None
-        self._index = 0
-        self._entry = None
-        self._fenced = set()
-        self._run_records = None
-        self._launched = []
+        failed = None
+        try:
+            for w in self._workers.values():
+                f = w.drain()
+                if failed is None or (f is not None and f.index < failed.index):
+                    failed = f
+            if self._streams:  # no launch on a GPU stream yet: nothing to wait for, nothing to initialise
+                self.cuda.synchronize()
+            recorded = bool(self._run_records)
+            if recorded and failed is None:
+                self._last = tuple(self._timings())
+            else:
+                self._last = ()
+            self._last_recorded = recorded and failed is None
+        finally:
+            self._index = 0
+            self._entry = None
+            self._fenced = set()
+            self._run_records = None
+            self._launched = []
+            self._issue = IssueQueue()
+            self._fns, self._deps = {}, {}
         return failed
 
     def _timings(self) -> Iterator[OpTiming]:
         entry, host0 = self._entry, self._entry_host_s
         for op in self._launched:
             if isinstance(op, HostOp):
-                yield OpTiming(op.index, Stream.HOST, op.label, op.start_s - host0, op.end_s - host0)
+                yield OpTiming(op.index, op.stream, op.label, op.start_s - host0, op.end_s - host0)
             else:
                 yield OpTiming(op.index, op.stream, op.label, self.cuda.elapsed_s(entry, op.start),
                                self.cuda.elapsed_s(entry, op.event))
@@ -585,6 +701,13 @@ class FakeCuda:
             yield stream
         finally:
             self._local.current = prev
+
+    def run(self, stream: FakeStream, fn: Callable[[], Any], label: str) -> None:
+        with self.use_stream(stream):
+            fn()
+
+    def host_run(self, fn: Callable[[], Any], label: str) -> None:
+        fn()
 
     def event(self, timing: bool) -> FakeEvent:
         return FakeEvent(next(self._ids), timing)

@@ -28,6 +28,7 @@ clipping scale (or drops the updates) with :meth:`Executor.set_update`.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -113,8 +114,9 @@ class Executor:
         self.updated: list[int] = []
         self._grad_scale: torch.Tensor | None = None  # for carried (NEXT_FORWARD) updates
         self._carried_optimizer: AdamW | None = None
-        # Per schedule (by identity, holding it alive): when each checkpoint is read for the last time.
-        self._last_read: dict[int, tuple[Schedule, dict[int, list[tuple[int, int]]]]] = {}
+        # Per schedule (by identity, holding it alive): which generation of each checkpoint each op
+        # reads and how many ops read each generation.
+        self._generations: dict[int, tuple[Schedule, _Generations]] = {}
 
     # -- memory ----------------------------------------------------------------------------------
     def _ensure_buffers(self, schedule: Schedule) -> _Buffers:
@@ -188,14 +190,13 @@ class Executor:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(micro_batches)}")
         bufs = self._ensure_buffers(schedule)
         dev = self.backend.device
-        acts: dict[tuple[int, int], torch.Tensor] = {}
+        if id(schedule) not in self._generations:
+            self._generations[id(schedule)] = (schedule, _generations(schedule, g))
+        acts = _Activations(self._generations[id(schedule)][1])
         grads: dict[tuple[int, int], torch.Tensor] = {}
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
-                acts[(g.value_by_name(name).id, mb)] = batch[name].to(dev, non_blocking=True)
-        if id(schedule) not in self._last_read:
-            self._last_read[id(schedule)] = (schedule, _last_readers(schedule, g))
-        last_read = self._last_read[id(schedule)][1]
+                acts.put((g.value_by_name(name).id, mb), _BATCH, batch[name].to(dev, non_blocking=True))
         out = StepOutput(losses=[0.0] * M)
         loss_tensors: dict[int, torch.Tensor] = {}
         events: list[Any] = [None] * len(schedule.ops)
@@ -203,43 +204,49 @@ class Executor:
         self._skipped = []
         self.updated = []
         trained: list[int] = []
-
-        for i, op in enumerate(schedule.ops):
-            waits = [events[d] for d in op.deps if schedule.ops[d].stream is not op.stream and events[d] is not None]
-            k = op.kind
-            if k is OpKind.H2D:
-                fn = self._h2d(schedule, op, bufs)
-            elif k is OpKind.FWD or k is OpKind.RECOMPUTE:
-                fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], acts, loss_tensors, schedule.plan.compute_dtype)
-            elif k is OpKind.BWD:
-                # Layer by layer a visit's micro-batches accumulate in the slot; per-micro-batch
-                # passes accumulate on the host (ACC), so every local backward starts the slot afresh.
-                fresh = op.mb == 0 or not schedule.plan.layer_by_layer
-                fn = self._bwd(op.layer, op.mb, bufs, op.slot, acts, grads, loss_tensors, M,
-                               schedule.plan.compute_dtype, fresh)
-            elif k is OpKind.D2H:
-                trained.append(op.layer)
-                fn = self._d2h(op, bufs, loss_tensors)
-            elif k is OpKind.OPT:
-                carried = schedule.mode == "update" or schedule.carries_updates
-                tiles = bufs.accumulators if schedule.plan.accumulates_on_host else bufs.ring
-                fn = self._opt(op.layer, tiles[op.ring], carried)
-            elif k is OpKind.ACC:
-                fn = self._acc(op, bufs, last=op.mb == M - 1)
-            elif k is OpKind.OFFLOAD:
-                fn = self._offload(op, acts, schedule.plan.layer_by_layer)
-            elif k is OpKind.RELOAD:
-                fn = self._reload(op, acts, schedule.plan.layer_by_layer)
-            elif k is OpKind.CAST:
-                fn = self._cast(op, bufs)
-            else:  # pragma: no cover - OpKind is closed
-                raise AssertionError(k)
-            events[i] = self.backend.launch(op.stream, fn, waits, label=repr(op))
-            for key in last_read.get(i, ()):
-                acts.pop(key, None)
-            if k is OpKind.BWD:
-                for vid in g.layers[op.layer].outputs:
-                    grads.pop((vid, op.mb), None)
+        try:
+            for i, op in enumerate(schedule.ops):
+                waits = [events[d] for d in op.deps
+                         if schedule.ops[d].stream is not op.stream and events[d] is not None]
+                view = acts.view(i)
+                k = op.kind
+                if k is OpKind.H2D:
+                    fn = self._h2d(schedule, op, bufs)
+                elif k is OpKind.FWD or k is OpKind.RECOMPUTE:
+                    fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], view, loss_tensors,
+                                   schedule.plan.compute_dtype)
+                elif k is OpKind.BWD:
+                    # Layer by layer a visit's micro-batches accumulate in the slot; per-micro-batch
+                    # passes accumulate on the host (ACC), so every local backward starts the slot afresh.
+                    fresh = op.mb == 0 or not schedule.plan.layer_by_layer
+                    fn = self._bwd(op.layer, op.mb, bufs, op.slot, view, grads, loss_tensors, M,
+                                   schedule.plan.compute_dtype, fresh)
+                    fn = _then(fn, _drop_grads(grads, [(vid, op.mb) for vid in g.layers[op.layer].outputs]))
+                elif k is OpKind.D2H:
+                    trained.append(op.layer)
+                    fn = self._d2h(op, bufs, loss_tensors)
+                elif k is OpKind.OPT:
+                    carried = schedule.mode == "update" or schedule.carries_updates
+                    tiles = bufs.accumulators if schedule.plan.accumulates_on_host else bufs.ring
+                    fn = self._opt(op.layer, tiles[op.ring], carried)
+                elif k is OpKind.ACC:
+                    fn = self._acc(op, bufs, last=op.mb == M - 1)
+                elif k is OpKind.OFFLOAD:
+                    fn = self._offload(op, view, schedule.plan.layer_by_layer)
+                elif k is OpKind.RELOAD:
+                    fn = self._reload(op, view, schedule.plan.layer_by_layer)
+                elif k is OpKind.CAST:
+                    fn = self._cast(op, bufs)
+                else:  # pragma: no cover - OpKind is closed
+                    raise AssertionError(k)
+                if acts.touches(i):
+                    fn = _then(fn, view.release)
+                events[i] = self.backend.launch(op.stream, fn, waits, label=repr(op))
+        except BaseException:
+            # The backend drains and closes the run, so the next run opens a fresh entry fence
+            # instead of racing this run's leftovers (its pending ops are dropped).
+            self.backend.abort()
+            raise
         self.backend.synchronize()
         for mb, t in loss_tensors.items():
             out.losses[mb] = float(t)
@@ -474,25 +481,126 @@ def _copy(dst: torch.Tensor, src: torch.Tensor):
     return run
 
 
-def _last_readers(schedule: Schedule, g: LayerGraph) -> dict[int, list[tuple[int, int]]]:
-    """For each op index, the (value, micro-batch) checkpoints on the GPU that no later op reads
-    before another op puts them on the GPU again (a recompute or a reload)."""
-    last: dict[tuple[int, int], int] = {}
-    by_op: dict[int, list[tuple[int, int]]] = {}
+_BATCH = -1
+"""Generation of a batch input: it is on the device before the run's first op."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Generations:
+    """Which generation of each (value, micro-batch) checkpoint each op reads, and how many ops read
+    each generation. A generation is named by the op that put it on the device (a FWD or RECOMPUTE
+    that computed it, a RELOAD that copied it back), or ``_BATCH``."""
+
+    reads: tuple[dict[tuple[int, int], int], ...]
+    readers: dict[tuple[tuple[int, int], int], int]
+
+
+def _generations(schedule: Schedule, g: LayerGraph) -> _Generations:
+    current: dict[tuple[int, int], int] = {}
+    for mb in range(schedule.plan.micro_batches):
+        for name in g.batch_inputs:
+            current[(g.value_by_name(name).id, mb)] = _BATCH
+    readers: dict[tuple[tuple[int, int], int], int] = {(key, gen): 0 for key, gen in current.items()}
+    reads: list[dict[tuple[int, int], int]] = []
     for i, op in enumerate(schedule.ops):
         layer = g.layers[op.layer]
+        read_vids: tuple[int, ...] = ()
         if op.kind in COMPUTE_KINDS:
-            for vid in layer.inputs:
-                last[(vid, op.mb)] = i
+            read_vids = layer.inputs
         elif op.kind is OpKind.OFFLOAD:
-            for vid in g.checkpoints(op.layer):
-                last[(vid, op.mb)] = i
-        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
-            for vid in layer.outputs:
-                key = (vid, op.mb)
-                if key in last:  # the previous generation ends at its last reader
-                    by_op.setdefault(last.pop(key), []).append(key)
-                last[key] = i
-    for key, i in last.items():
-        by_op.setdefault(i, []).append(key)
-    return by_op
+            read_vids = g.checkpoints(op.layer)
+        r = {}
+        for vid in read_vids:
+            key = (vid, op.mb)
+            r[key] = current[key]
+            readers[(key, current[key])] += 1
+        reads.append(r)
+        w: tuple[int, ...] = ()
+        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
+            w = tuple(v for v in layer.outputs if v != g.loss)
+        elif op.kind is OpKind.RELOAD:
+            w = g.checkpoints(op.layer)
+        for vid in w:
+            current[(vid, op.mb)] = i
+            readers[((vid, op.mb), i)] = 0
+    return _Generations(tuple(reads), readers)
+
+
+class _Activations:
+    """The checkpoints on the device during one run, by generation.
+
+    An op's ``fn`` may run later than its launch (a GPU op waiting for a host op in the backend's
+    pending queue) and on another thread (a fake CUDA stream's worker), so each op reads the
+    generation the schedule's list order gives it, never whatever the dictionary holds when it
+    runs, and a generation is dropped when the last of its readers has run, not when the last
+    reader was launched. A read of a generation that is not there (its producer has not run: a
+    dependency is missing) raises at once.
+    """
+
+    def __init__(self, gens: _Generations):
+        self._gens = gens
+        self._left = dict(gens.readers)
+        self._live: dict[tuple[tuple[int, int], int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: tuple[int, int], gen: int, t: torch.Tensor) -> None:
+        with self._lock:
+            if self._left.get((key, gen), 0) > 0:
+                self._live[(key, gen)] = t
+
+    def get(self, key: tuple[int, int], i: int) -> torch.Tensor:
+        gen = self._gens.reads[i][key]
+        try:
+            return self._live[(key, gen)]
+        except KeyError:
+            raise RuntimeError(f"op #{i} reads value {key[0]} of micro-batch {key[1]} as op #{gen} put it on the "
+                               "device, but that op has not run yet: the schedule lacks a dependency (or a "
+                               "backend ran an op before its dependencies)") from None
+
+    def touches(self, i: int) -> bool:
+        return bool(self._gens.reads[i])
+
+    def view(self, i: int) -> "_ActivationsView":
+        return _ActivationsView(self, i)
+
+    def release(self, i: int) -> None:
+        with self._lock:
+            for key, gen in self._gens.reads[i].items():
+                k = (key, gen)
+                self._left[k] -= 1
+                if self._left[k] == 0:
+                    self._live.pop(k, None)
+
+
+class _ActivationsView:
+    """``acts[(value, mb)]`` as op ``i`` sees it: reads its generation, writes generation ``i``."""
+
+    __slots__ = ("_acts", "_i")
+
+    def __init__(self, acts: _Activations, i: int):
+        self._acts, self._i = acts, i
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        return self._acts.get(key, self._i)
+
+    def __setitem__(self, key: tuple[int, int], t: torch.Tensor) -> None:
+        self._acts.put(key, self._i, t)
+
+    def release(self) -> None:
+        self._acts.release(self._i)
+
+
+def _then(fn, after):
+    """``fn`` then ``after``, as one op's work (run wherever and whenever the backend runs it)."""
+    def run() -> None:
+        fn()
+        after()
+    return run
+
+
+def _drop_grads(grads: dict, keys: list[tuple[int, int]]):
+    """After a local backward: the gradients of its outputs were read for the last time."""
+    def run() -> None:
+        for key in keys:
+            grads.pop(key, None)
+    return run
