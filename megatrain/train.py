@@ -18,9 +18,20 @@ One run (:func:`train`) is a visible sequence of stages, each a function of this
 Files in ``output_dir``: ``train_config.json`` (the resolved config of the latest start),
 ``tokenizer.json``, ``metrics.jsonl`` (one JSON object per step, see :data:`METRIC_FIELDS`),
 ``checkpoint/`` (Hugging Face layout plus ``megatrain_state/``, replaced atomically at every save,
-with a copy of ``tokenizer.json``), ``loss.png``. Resume by passing ``output_dir/checkpoint`` as the
-model: the weights, Adam moments and steps, RNG states, the step number and the data position come
-back, so the resumed run takes the same batches at the same learning rates as an uninterrupted one.
+with copies of ``tokenizer.json`` and a ``tokenizer_config.json`` naming its special tokens, which the
+checkpoint's config and generation config use too), ``loss.png``. Resume by passing
+``output_dir/checkpoint`` as the model (the run's other settings then come from its
+``train_config.json``), or by running the same command again: the weights, Adam moments and steps,
+RNG states, the step number and the data position come back, so the resumed run takes the same
+batches at the same learning rates as an uninterrupted one.
+
+Re-running a failed run. Whatever stopped a run (a kill before the first checkpoint, ``nonfinite:
+stop``, a second SIGINT, a crash, a full disk), the same command runs again: an ``output_dir``
+holding this run (:data:`RUN_IDENTITY`) resumes from its checkpoint, or starts over when it has none
+(:func:`_check_output_dir`). A partial last line of ``metrics.jsonl`` is dropped.
+
+Model checks, before anything is built: a causal decoder-only model, and ``seq_len`` within its
+``max_position_embeddings`` (``megatrain.models``); ``output_dir`` writable.
 
 MFU (model FLOPs utilisation) is ``megatrain.planner.cost.model_flops_per_token(graph)`` x tokens/s
 over a peak matmul rate. On the CPU backend there is no GPU peak to divide by: the peak is this
@@ -130,7 +141,8 @@ class TrainConfig(pydantic.BaseModel):
                                    "start from them; or a megatrain checkpoint directory (with "
                                    "megatrain_state/) to resume exactly")
     output_dir: str = Field(description="where metrics.jsonl, checkpoint/, tokenizer.json and loss.png go; "
-                                        "must be empty unless the model is its checkpoint/")
+                                        "empty, or holding this run (same model, data, seq_len, global_batch "
+                                        "and seed), which then resumes from its checkpoint or starts over")
     data: str | None = Field(None, description="a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
                                                "or one such file (default: this Python's standard library)")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "

@@ -316,8 +316,10 @@ IGNORE_INDEX = -100
 
 def _token_limits(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
     """The exclusive upper bound of ``input_ids`` (the input embedding's rows) and of ``labels``
-    (the output layer's rows), where the model shows them: Hugging Face's ``get_input_embeddings``
-    / ``get_output_embeddings``, else the model's first ``nn.Embedding`` for both."""
+    (the output layer's rows), where the model states them: Hugging Face's ``get_input_embeddings``
+    and ``get_output_embeddings`` (labels: else the input bound). Other models are not checked: a
+    guess (say, their first ``nn.Embedding``, which may be a position table) could refuse good
+    batches; an id out of range then fails inside the step, which leaves the trainer as it was."""
     def call(name: str):
         fn = getattr(model, name, None)
         try:
@@ -326,8 +328,6 @@ def _token_limits(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
             return None
 
     emb = call("get_input_embeddings")
-    if not isinstance(emb, nn.Embedding):
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     head = call("get_output_embeddings")
     vocab_in = emb.num_embeddings if isinstance(emb, nn.Embedding) else None
     vocab_out = head.out_features if isinstance(head, nn.Linear) else vocab_in

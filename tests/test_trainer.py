@@ -251,7 +251,7 @@ class _Faults:
     ``inside=True`` makes the op itself raise where it runs (a host op: on the CUDA backend's worker).
     """
 
-    def __init__(self, backend, at, after: bool = False, inside: bool = False):
+    def __init__(self, backend, at, after: bool = False, inside: bool = False, error=RuntimeError):
         self.run = self.index = 0
         self.hits: list[tuple[int, int]] = []
         launch, sync = backend.launch, backend.synchronize
@@ -267,7 +267,7 @@ class _Faults:
                 return launch(stream, failing, waits, label)
             if where in at and not after:
                 self.hits.append(where)
-                raise RuntimeError(f"injected fault at {label}")
+                raise error(f"injected fault at {label}")
             handle = launch(stream, fn, waits, label)
             if where in at:
                 self.hits.append(where)
@@ -448,4 +448,16 @@ def test_a_host_op_failing_on_the_cuda_backends_worker_leaves_the_trainer_as_if_
     with pytest.raises(megatrain.StepError, match=r"step 2 failed .*injected fault in OPT:L1.*as if it never saw"):
         trainer.step(_good(5))
     assert len(faults.hits) == 1 and trainer.schedule is trainer.schedules.first
+    _assert_as_reference(trainer, reference, first)
+
+
+def test_an_interrupt_mid_step_is_re_raised_after_the_same_clean_up(reference):
+    # A second SIGINT (KeyboardInterrupt) between two carried updates: it propagates as it is, and
+    # the trainer has applied the rest of the previous step's update, as for any other failure.
+    trainer = _small_trainer()
+    first = trainer.step(_good(1)).loss
+    _Faults(trainer.backend, {(0, _ops(trainer, "OPT")[1])}, error=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt, match="injected fault"):
+        trainer.step(_good(5))
+    assert trainer.step_count == 1 and trainer.schedule is trainer.schedules.first
     _assert_as_reference(trainer, reference, first)
