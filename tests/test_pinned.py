@@ -162,8 +162,9 @@ def test_offloaded_checkpoint_larger_than_traced_is_an_error():
     trainer.executor._ensure_buffers(trainer.schedule)
     trainer.executor._arena = PinnedArena(small, trainer.backend)
     trainer.executor._arena.layout = layout  # pretend it covers the plan, so it is kept
-    with pytest.raises(RuntimeError, match="trace gave it"):
+    with pytest.raises(megatrain.StepError, match="trace gave it") as info:
         trainer.step(random_batch(MBS * 2, SEQ, VOCAB, seed=0))
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 @requires_cuda

@@ -75,6 +75,9 @@ class DropWait:
     def host_empty(self, shape, dtype):
         return self.inner.host_empty(shape, dtype)
 
+    def host_pin(self, t):
+        return self.inner.host_pin(t)
+
     def launch(self, stream, fn, wait_for, label=""):
         k = self.k
         self.k += 1

@@ -233,6 +233,14 @@ class AsyncFakeCuda:
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return _poisoned(shape, dtype)
 
+    def host_register(self, t: torch.Tensor) -> Any:
+        """Page-lock ``t`` in place: on CPU nothing to lock; checked as ``TorchCuda`` checks it (page
+        alignment, whole pages), and the handle keeps the memory alive as the real one does."""
+        from megatrain.runtime.cuda import _Pin, _check_pinnable
+
+        _check_pinnable(t)
+        return _Pin(t.numel() * t.element_size(), lambda: None, t)
+
     def close(self) -> None:
         """Stop the stream threads (after the work queued on them)."""
         for s in self.streams:
