@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -16,7 +17,10 @@ RTOL = 1e-5
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None = None) -> list[float]:
+def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None = None,
+                 precision=contextlib.nullcontext) -> list[float]:
+    """Eager training with torch.optim.AdamW and gradient accumulation; each forward runs under
+    ``precision()`` (e.g. BF16 autocast, or strict FP32)."""
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     out = []
     for batch in batches:
@@ -25,8 +29,9 @@ def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None
         rows = batch["input_ids"].shape[0] // micro_batches
         for k in range(micro_batches):
             part = {n: t[k * rows:(k + 1) * rows] for n, t in batch.items()}
-            res = model(**part)
-            loss = (res if isinstance(res, torch.Tensor) else res.loss) / micro_batches
+            with precision():
+                res = model(**part)
+                loss = (res if isinstance(res, torch.Tensor) else res.loss) / micro_batches
             loss.backward()
             total += loss.item()
         if max_grad_norm is not None:

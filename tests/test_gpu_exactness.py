@@ -22,9 +22,8 @@ from megatrain.planner.plan import Plan
 from megatrain.runtime.cuda import CUDABackend, FakeCuda
 
 from conftest import random_batch, requires_cuda, tiny_gpt, tiny_llama
-from test_exactness import assert_bf16_tracks_eager_autocast
+from test_exactness import ADAMW, assert_bf16_tracks_eager_autocast, eager_losses
 
-ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SEQ, MBS, VOCAB = 16, 2, 96
 
 FP32_RTOL = 1e-5
@@ -81,24 +80,9 @@ def _batches(n: int, micro_batches: int, device: str):
 def _eager(model, batches, micro_batches: int, compute_dtype: str) -> list[float]:
     """Eager training on the model's device: FP32 with TF32 off, or BF16 autocast with FP32 weights."""
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     precision = (strict_fp32 if compute_dtype == "float32"
                  else lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-    out = []
-    for batch in batches:
-        opt.zero_grad()
-        total = 0.0
-        rows = batch["input_ids"].shape[0] // micro_batches
-        for k in range(micro_batches):
-            part = {n: t[k * rows:(k + 1) * rows] for n, t in batch.items()}
-            with precision():
-                res = model(**part)
-                loss = (res if isinstance(res, torch.Tensor) else res.loss) / micro_batches
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        out.append(total)
-    return out
+    return eager_losses(model, batches, micro_batches, precision=precision)
 
 
 def _megatrain(model, batches, micro_batches: int, compute_dtype: str, device: str):

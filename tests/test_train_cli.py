@@ -161,7 +161,9 @@ def test_run_writes_metrics_checkpoint_tokenizer_and_plot(first_run, setup):
                                   min_lr_ratio=cfg.min_lr_ratio)
         assert x["tokens_per_s"] == pytest.approx(4 * 32 / x["measured_step_s"])
         assert 0 < x["mfu"] < 1 and 0 < x["grad_norm"] < 100 and x["host_rss_mib"] > 50
-    assert len({x["predicted_step_s"] for x in r}) == 1 and 0 < r[0]["predicted_step_s"] < 0.01  # H100_SXM
+    # H100_SXM: a tiny model's step is bound by the issuing thread (about 2,000 dispatched ops at
+    # launch_overhead_s = 8 us each, ~15 ms), far under 0.1 s and far over nothing.
+    assert len({x["predicted_step_s"] for x in r}) == 1 and 0.001 < r[0]["predicted_step_s"] < 0.1
     assert [x["step"] for x in r if x["val_loss"] is not None] == [4, 8]
     # The loss falls on real text.
     assert sum(x["loss"] for x in r[-3:]) / 3 < r[0]["loss"] - 0.1
