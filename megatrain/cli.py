@@ -39,12 +39,16 @@ from megatrain.planner import cost
 GiB = 1 << 30
 
 
+NO_FIT = 3
+"""``megatrain plan``'s exit code when no plan fits: an answer, not an error (errors exit 2, as argparse's do)."""
+
+
 class _UsageError(Exception):
     pass
 
 
 class _Parser(argparse.ArgumentParser):
-    # argparse exits with status 2 on a usage error, which this command reserves for "does not fit".
+    # argparse would print its usage and exit itself; every error of this CLI is instead one `error:` line, exit 2.
     def error(self, message: str):
         raise _UsageError(f"{self.prog}: {message}")
 
@@ -56,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan a model on a GPU and host, and predict its step",
                           description="Trace a model on the meta device, solve for a plan and report memory "
-                                      "and predicted speed. Exit code 0 when it fits, 2 when it does not.")
+                                      "and predicted speed. Exit code 0 when it fits, 3 when it does not, 2 on an error "
+                                      "(one `error:` line).")
     plan.add_argument("--model", required=True,
                       help="a preset (llama-2-7b, llama-3-8b, qwen2.5-14b, llama-3-70b, dense-120b) or the "
                            "path of a Hugging Face config.json")
@@ -257,7 +262,7 @@ def _plan_command(args: argparse.Namespace) -> int:
               f"{args.global_batch}, {args.compute_dtype}: traced {len(graph.layers)} layers in {trace_s:.2f} s")
         print("\nfits: NO\n")
         print(str(e))
-        return 2
+        return NO_FIT
     # The pipeline's verify pass: the solver lowered the plan; nothing is written unless it holds.
     verify(solution.schedule, solution.graph, hw)
     print(format_report(solution, hw, model=args.model, trace_s=trace_s))
@@ -308,10 +313,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _plan_command(args)
     except _UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if argv[:1] == ["train"] else 1
+        return 2
     except MegatrainError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 if __name__ == "__main__":

@@ -55,36 +55,36 @@ def test_plan_exits_2_with_the_minimum_memory_when_nothing_fits(tmp_path, capsys
     rc = main(["plan", "--model", str(cfg), "--hardware", str(spec_path), "--seq-len", "16",
                "--global-batch", "2", "--out", str(tmp_path / "out")])
     text = capsys.readouterr().out
-    assert rc == 2, text
+    assert rc == 3, text
     assert "fits: NO" in text and "no plan fits" in text
     assert "Smallest memory that works: GPU" in text
     assert "obstacle is layer 'prologue'" in text or "obstacle is layer 'epilogue'" in text
     assert not (tmp_path / "out").exists()
 
 
-def test_plan_exits_1_on_bad_input(tmp_path, capsys):
+def test_plan_exits_2_with_one_error_line_on_bad_input(tmp_path, capsys):
     def error_line() -> str:
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and err.startswith("error: "), err
         return err
 
     assert main(["plan", "--model", "no-such-model", "--hardware", "H100_SXM", "--seq-len", "8",
-                 "--global-batch", "1"]) == 1
+                 "--global-batch", "1"]) == 2
     assert "neither a preset" in error_line()
     cfg = write_config(tmp_path / "config.json")
-    assert main(["plan", "--model", str(cfg), "--hardware", "TPU", "--seq-len", "8", "--global-batch", "1"]) == 1
+    assert main(["plan", "--model", str(cfg), "--hardware", "TPU", "--seq-len", "8", "--global-batch", "1"]) == 2
     assert "no hardware preset named 'TPU'" in error_line()
-    assert main(["plan", "--model", str(cfg)]) == 1  # argparse's own exit status 2 means "does not fit" here
+    assert main(["plan", "--model", str(cfg)]) == 2
     assert "required" in error_line()
     bert = tmp_path / "bert.json"
     bert.write_text(json.dumps(dict(model_type="bert", vocab_size=96, hidden_size=32, num_hidden_layers=1,
                                     num_attention_heads=4, intermediate_size=64)))
-    assert main(["plan", "--model", str(bert), "--hardware", "H100_SXM", "--seq-len", "8", "--global-batch", "1"]) == 1
+    assert main(["plan", "--model", str(bert), "--hardware", "H100_SXM", "--seq-len", "8", "--global-batch", "1"]) == 2
     assert "model_type 'bert' is an encoder family" in error_line()
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps(dict(model_type="no-such-type")))
     assert main(["plan", "--model", str(unknown), "--hardware", "H100_SXM", "--seq-len", "8",
-                 "--global-batch", "1"]) == 1
+                 "--global-batch", "1"]) == 2
     line = error_line()
     assert "cannot build a config of model_type 'no-such-type'" in line and len(line) < 400, line
 

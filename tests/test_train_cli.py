@@ -411,7 +411,7 @@ def test_bad_models_and_plan_out_are_one_error_line_in_a_real_process(setup, tmp
     res = {k: _finish(p) for k, p in procs.items()}
     expect = {"t5": (2, "model_type 't5' is an encoder-decoder model; megatrain trains causal decoder-only"),
               "latin1": (2, "latin1.json is not UTF-8 text"),
-              "plan --out a file": (1, "a_file is a file; --out names a directory")}
+              "plan --out a file": (2, "a_file is a file; --out names a directory")}
     for k, (code, text) in expect.items():
         rc, out, err = res[k]
         line = one_error_line(err)
