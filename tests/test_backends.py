@@ -25,7 +25,7 @@ from megatrain.runtime.cuda import (GPU_STREAMS, CUDABackend, FakeCuda, FakeCuda
                                     HostOpError, TorchCuda)
 from megatrain.runtime.host import HostState
 
-from conftest import random_batch, requires_cuda, tiny_llama
+from conftest import BackendWrapper, random_batch, requires_cuda, tiny_llama
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 HW = preset("H100_SXM")  # only names the timeline and sizes its memory curve; times are measured
@@ -61,7 +61,7 @@ def batches(n: int, micro_batches: int = 2):
     return [random_batch(MBS * micro_batches, SEQ, VOCAB, seed=s) for s in range(n)]
 
 
-class Spy:
+class Spy(BackendWrapper):
     """Wraps a backend for the executor: labels each launch with its schedule op (as the executor
     should; ``labels=False`` passes none, as it does today), logs when each op's ``fn`` starts and
     ends and on which thread, records which fake events each GPU launch waited on, and replaces
@@ -70,10 +70,10 @@ class Spy:
 
     def __init__(self, inner, fake: FakeCuda | None = None, labels: bool = True, fail_at: int | None = None,
                  error: BaseException | None = None, host_delay: float = 0.0):
-        self.inner, self.fake, self.labels = inner, fake, labels
+        super().__init__(inner)
+        self.fake, self.labels = fake, labels
         self.host_delay = host_delay
         self.fail_at, self.error = fail_at, error
-        self.device = inner.device
         self.schedule = None
         self.k = 0
         self.lock = threading.Lock()
@@ -83,15 +83,6 @@ class Spy:
         self.mark = 0  # fake.log entries before it belong to GPU ops already started
 
     record = property(lambda self: self.inner.record)
-
-    def device_empty(self, shape, dtype):
-        return self.inner.device_empty(shape, dtype)
-
-    def host_empty(self, shape, dtype):
-        return self.inner.host_empty(shape, dtype)
-
-    def host_pin(self, t):
-        return self.inner.host_pin(t)
 
     def launch(self, stream, fn, wait_for, label=""):
         k = self.k

@@ -26,7 +26,7 @@ from megatrain.runtime.backend import CPUBackend
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import AsyncFakeCuda, SlowTorchCuda
 
-from conftest import random_batch, requires_cuda, tiny_llama
+from conftest import BackendWrapper, random_batch, requires_cuda, tiny_llama
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SEQ, MBS, VOCAB, M = 16, 2, 96, 2
@@ -57,26 +57,17 @@ PLANS = {
 }
 
 
-class DropWait:
+class DropWait(BackendWrapper):
     """A backend wrapper for the executor: names each launch ``<op>@<run>.<index>`` (so a delay can
     target one op), and in run ``victim[0]`` leaves op ``victim[2]``'s handle out of op
     ``victim[1]``'s waits."""
 
     def __init__(self, inner: Any, victim: tuple[int, int, int] | None = None):
-        self.inner, self.victim = inner, victim
-        self.device = inner.device
+        super().__init__(inner)
+        self.victim = victim
         self.record = False
         self.run, self.k = 0, 0
         self.dropped = False
-
-    def device_empty(self, shape, dtype):
-        return self.inner.device_empty(shape, dtype)
-
-    def host_empty(self, shape, dtype):
-        return self.inner.host_empty(shape, dtype)
-
-    def host_pin(self, t):
-        return self.inner.host_pin(t)
 
     def launch(self, stream, fn, wait_for, label=""):
         k = self.k
