@@ -117,6 +117,8 @@ class Executor:
         # Per schedule (by identity, holding it alive): which generation of each checkpoint each op
         # reads and how many ops read each generation.
         self._generations: dict[int, tuple[Schedule, _Generations]] = {}
+        # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
+        self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
 
     # -- memory ----------------------------------------------------------------------------------
     def _ensure_buffers(self, schedule: Schedule) -> _Buffers:
@@ -132,9 +134,11 @@ class Executor:
                 (carried updates) needs a new arena, which would not hold them.
         """
         plan = schedule.plan
-        layout = cost.pinned_buffers(self.graph, plan, schedule.mode)
+        if id(schedule) not in self._sizing:
+            self._sizing[id(schedule)] = (schedule, cost.pinned_buffers(self.graph, plan, schedule.mode),
+                                          cost.slot_numels(self.graph, plan.slots, plan.resident))
+        _, layout, sizes = self._sizing[id(schedule)]  # each slot at its own size
         arena_ok = self._arena is not None and self._arena.layout.covers(layout)
-        sizes = cost.slot_numels(self.graph, plan.slots, plan.resident)  # each slot at its own size
         key = (sizes, plan.compute_dtype)
         if self._buffers is None or self._buffer_key != key or not arena_ok:
             be = self.backend
