@@ -9,16 +9,17 @@ import pytest
 from graphs import chain_graph, spec
 from megatrain.errors import ConfigError
 from megatrain.planner import cost, hardware
-from megatrain.planner.hardware import PRESETS, HardwareSpec, preset
+from megatrain.planner.hardware import PRESETS, HardwareSpec, load_hardware, preset
 from megatrain.planner.lower import lower
 from megatrain.planner.plan import ActivationPolicy, Plan
 from megatrain.planner.schedule import Op, OpKind, Stream
+from megatrain.runtime import measure
 
 
 # -- public surface --------------------------------------------------------------------------------
 
 def test_public_surface_is_pinned():
-    assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "H100_SXM", "H200", "GH200",
+    assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200", "GH200",
                                      "A100_80GB", "RTX_4090"}
     assert set(cost.__all__) == {
         "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
@@ -257,10 +258,44 @@ def test_spec_save_load_round_trip(tmp_path):
     assert json.loads((tmp_path / "hw.json").read_text())["name"] == hw.name
 
 
+def test_load_hardware_by_spec_name_or_file(tmp_path):
+    hw = preset("RTX_4090")
+    assert load_hardware(hw) is hw
+    assert load_hardware("rtx-4090") is hw
+    hw.save(tmp_path / "hw.json")
+    assert load_hardware(tmp_path / "hw.json") == hw
+    assert load_hardware(str(tmp_path / "hw.json")) == hw
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    with pytest.raises(ConfigError, match=r"(?s)bad\.json is not a valid HardwareSpec.*gpu_memory_bytes"):
+        load_hardware(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match=r"missing\.json' does not exist"):
+        load_hardware(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="no hardware preset named 'h300'"):
+        load_hardware("h300")
+
+
+def test_host_memory_readers():
+    total = measure.total_host_memory_bytes()
+    available, where = measure.available_host_memory()
+    rss = measure.host_rss_bytes()
+    assert 0 < available <= total and where
+    assert 0 < rss <= total
+
+
+def test_matmul_flops_is_positive_and_leaves_the_global_rng_alone():
+    import torch
+
+    torch.manual_seed(3)
+    expect = torch.rand(2)
+    torch.manual_seed(3)
+    assert measure.measure_matmul_flops("cpu", n=64, seconds=0.01) > 0
+    assert torch.equal(torch.rand(2), expect)
+
+
 def test_measure_host(tmp_path):
     import torch
 
-    hw = HardwareSpec.measure(tmp_path / "me.json", optimizer_numel=1 << 20, seconds=0.2)
+    hw = measure.measure_hardware(tmp_path / "me.json", optimizer_numel=1 << 20, seconds=0.2)
     assert hw.host_optimizer_params_per_s > 0
     assert hw.host_memory_bytes > 0 and 0 < hw.pinned_memory_cap_bytes <= hw.host_memory_bytes
     assert HardwareSpec.load(tmp_path / "me.json") == hw

@@ -129,7 +129,7 @@ def _rate(hw: HardwareSpec, field: str, value: float, what: str) -> float:
     if value <= 0:
         raise ConfigError(f"HardwareSpec {hw.name!r} has {field}=0, so it cannot time {what}; use a "
                           "preset (megatrain.planner.hardware.preset('H100_SXM')) or "
-                          "HardwareSpec.measure() on a machine with a GPU")
+                          "megatrain.runtime.measure.measure_hardware() on a machine with a GPU")
     return value
 
 
