@@ -23,7 +23,7 @@ def test_public_surface_is_pinned():
                                      "A100_80GB", "RTX_4090"}
     assert set(cost.__all__) == {
         "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-        "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
+        "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_duration", "op_time", "op_times",
             "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
         "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numels",
@@ -57,6 +57,18 @@ def test_op_times_by_hand():
                                  (OpKind.OPT, dict(ring=0), cost.opt_time(l0, hw)),
                                  (OpKind.ACC, dict(mb=1, ring=0), cost.acc_time(l0, hw))]:
         assert cost.op_time(Op(kind, 0, **fields), g, fp32, hw) == expect
+        assert cost.op_duration(kind, g, 0, fp32, hw) == expect
+
+
+def test_every_op_kind_has_one_duration_formula():
+    g = chain_graph(2, numel=[1000, 2000], fwd_flops=[3 * 10**6, 5 * 10**6])
+    hw, plan = spec(op_latency_s=1e-6), Plan(compute_dtype="bfloat16")
+    assert cost.op_duration(OpKind.RECOMPUTE, g, 1, plan, hw) == cost.fwd_time(g.layers[1], plan, hw)
+    assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw)
+    assert cost.op_duration(OpKind.OFFLOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.OFFLOAD)
+    assert cost.op_duration(OpKind.RELOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.RELOAD)
+    for kind in OpKind:
+        assert cost.op_duration(kind, g, 1, plan, hw) > 0
 
 
 def test_h2d_time_doubles_when_bandwidth_halves():
@@ -122,6 +134,16 @@ def test_memory_breakdown_static_terms_by_hand():
     assert m.buffers == 128
     assert m.reserve == 777
     assert m.pinned_activations == 0
+    # Fits exactly at every budget, and not one byte below any of them.
+    exact = spec(gpu_memory_bytes=m.gpu_peak, host_memory_bytes=m.host_total, pinned_memory_cap_bytes=m.host_pinned)
+    assert m.fits(exact) and m.host_fits(exact)
+    assert [what for what, need, have in m.budgets(exact) if need == have] == [
+        "GPU memory", "pinned host memory", "host memory"]
+    assert not m.fits(exact.model_copy(update={"gpu_memory_bytes": m.gpu_peak - 1}))
+    assert m.host_fits(exact.model_copy(update={"gpu_memory_bytes": m.gpu_peak - 1}))
+    for field, need in (("pinned_memory_cap_bytes", m.host_pinned), ("host_memory_bytes", m.host_total)):
+        short = exact.model_copy(update={field: need - 1})
+        assert not m.fits(short) and not m.host_fits(short)
     bf16 = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", staging_ring=2, grad_ring=3))
     assert bf16.staging_ring == 2 * 4096 * 2
     assert bf16.weight_slots == 2 * 4096 * 2
