@@ -19,16 +19,37 @@ from megatrain.runtime import measure
 # -- public surface --------------------------------------------------------------------------------
 
 def test_public_surface_is_pinned():
-    assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200", "GH200",
-                                     "A100_80GB", "RTX_4090"}
+    assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200",
+                                     "GH200", "A100_80GB", "RTX_4090"}
     assert set(cost.__all__) == {
         "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-        "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_duration", "op_time", "op_times",
-            "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
+        "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time",
+        "op_duration", "op_time", "op_times", "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
-        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numels",
-        "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
+        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes",
+        "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
+
+
+def test_the_planner_imports_no_runtime():
+    """Layering: the planner plans against a HardwareSpec and never imports the runtime (measuring
+    the machine is ``megatrain.runtime.measure``'s)."""
+    import ast
+    from pathlib import Path
+
+    import megatrain.planner
+
+    # HardwareSpec.measure, a deprecated forwarder until megatrain.trainer calls measure_hardware.
+    allowed = {("hardware.py", "megatrain.runtime.measure.measure_hardware")}
+    root = Path(megatrain.planner.__file__).parent
+    found = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom)
+                     else [])
+            found |= {(str(path.relative_to(root)), n) for n in names if n.startswith("megatrain.runtime")}
+    assert found <= allowed, sorted(found - allowed)
 
 
 # -- op times --------------------------------------------------------------------------------------

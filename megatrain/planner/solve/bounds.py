@@ -123,7 +123,7 @@ def size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype:
 
 
 def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolicy], *, deferred: bool,
-                 bf16: bool, duplex: bool) -> float:
+                bf16: bool, duplex: bool) -> float:
     """A step time no schedule with this micro-batch size and activation policy can beat, from op
     times alone (:mod:`megatrain.planner.solve`, item 5); it holds for any slots, distance, rings and residents.
 

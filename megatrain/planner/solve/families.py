@@ -21,7 +21,7 @@ KEEP, OFFLOAD, RECOMPUTE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, Acti
 
 @dataclass(frozen=True, slots=True)
 class Family:
-    """A nested chain of activation policies indexed by depth (module docstring, item 2).
+    """A nested chain of activation policies indexed by depth (:mod:`megatrain.planner.solve`, item 2).
 
     The first ``depth`` layers that have a checkpoint are covered, earliest first: every
     ``period``-th covered layer (an anchor) is ``stored`` (KEEP or OFFLOAD), the others are

@@ -52,10 +52,14 @@ class Knobs:
 
 
 def placement(request: SolveRequest) -> OptimizerPlacement:
+    """Where the request's optimizer steps go: the next forward when gradients are clipped by their
+    global norm (every gradient is needed before any update), else during the backward."""
     return OptimizerPlacement.NEXT_FORWARD if request.clip_gradients else OptimizerPlacement.DURING_BACKWARD
 
 
 def plan_for(request: SolveRequest, micro_batch_size: int, k: Knobs, layer_by_layer: bool = True) -> Plan:
+    """The Plan of knobs ``k`` at ``micro_batch_size`` for ``request`` (``k.staging_ring ==
+    CAST_ONCE`` is ``Plan.cast_once``)."""
     return Plan(micro_batches=request.global_batch // micro_batch_size, slots=k.slots,
                 prefetch_distance=k.prefetch_distance, grad_ring=k.grad_ring, resident=k.resident,
                 activations=k.activations, layer_by_layer=layer_by_layer, optimizer=placement(request),
@@ -64,7 +68,7 @@ def plan_for(request: SolveRequest, micro_batch_size: int, k: Knobs, layer_by_la
 
 
 def scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, gradient_ring: int,
-                   staging_ring: int) -> cost.MemoryBreakdown:
+                  staging_ring: int) -> cost.MemoryBreakdown:
     """``unit`` (one weight slot, one ring tile, one staging tile) with the slot and staging counts
     of a candidate and its gradient tiles' bytes (``gradient_ring``, from
     :func:`cost.gradient_ring_bytes`: the tiles are sized per layer, so not count x unit).
