@@ -125,7 +125,8 @@ def size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype:
 def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolicy], *, deferred: bool,
                 bf16: bool, duplex: bool) -> float:
     """A step time no schedule with this micro-batch size and activation policy can beat, from op
-    times alone (:mod:`megatrain.planner.solve`, item 5); it holds for any slots, distance, rings and residents.
+    times alone (:mod:`megatrain.planner.solve`, item 5); it holds for any slots, distance, rings
+    and residents.
 
     Premises, all from the lowering: every layer's weights are copied at least once, the first
     copies in layer order (each after its CAST with BF16; the first after a carried update of
@@ -141,11 +142,11 @@ def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolic
     """
     n, M = len(t.h2d), size.micro_batches
     passes = 1 if size.layer_by_layer else M
-    fwd, bwd = size.fwd, size.bwd
+    fwd, bwd, recompute = size.fwd, size.bwd, size.times[OpKind.RECOMPUTE]
     rec = [p for p, a in enumerate(policy) if a is RECOMPUTE and p < n - 1]
     off = [p for p, a in enumerate(policy) if a is OFFLOAD and p < n - 1]
     trainable = [i for i in range(n) if t.trainable[i]]
-    backward = M * (sum(bwd) + sum(fwd[p] for p in rec))
+    backward = M * (sum(bwd) + sum(recompute[p] for p in rec))
     compute = M * sum(fwd[:n - 1]) + backward
     h2d = sum(t.h2d) + M * sum(size.reload[p] for p in off)
     d2h = passes * sum(t.d2h[i] for i in trainable) + M * sum(size.offload[p] for p in off)
