@@ -82,12 +82,12 @@ objective and two lower bounds to prune with.
    objective is then the steady-state step, the schedule that starts with the previous step's
    updates (``lower(..., carries_updates=True)``). Otherwise updates run DURING_BACKWARD.
 5. Bounds. Every candidate has two lower bounds on its step time. The cheap one needs no
-   lowering (:func:`_quick_bound`): each resource's busy time (compute with the recomputes, H2D
+   lowering (:func:`.bounds.quick_bound`): each resource's busy time (compute with the recomputes, H2D
    with every layer copied once and the reloads, D2H with the gradients and offloads, the host
    with the optimizer steps and one CAST per layer), and a flow-shop path: the forward of layer
    ``k`` cannot start before the first ``k + 1`` copies (and casts) are done, the rest of the
    compute follows, and after the local backward of layer ``l`` its gradients and those of every
-   earlier layer still have to be copied out and applied. The pattern bound (:func:`_lower_bound`)
+   earlier layer still have to be copied out and applied. The pattern bound (:func:`.bounds.pattern_bound`)
    is the longest path through the candidate's schedule lowered for one micro-batch, each op
    standing for its ``M`` micro-batches; the simulator respects every edge of that path, so it
    can never beat it. With duplex copies and no per-micro-batch edge between streams (no offload)
