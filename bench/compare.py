@@ -380,7 +380,7 @@ def _megatrain_extras(row: dict, trainer, result, args) -> None:
         row["stream_busy_measured"] = _stream_dict(getattr(measured, "busy_fraction", None))
         row["megatrain_timeline_step_s"] = getattr(measured, "step_time_s", None)
     try:
-        from megatrain.planner.hardware import HardwareSpec, preset
+        from megatrain.planner.hardware import preset
         from megatrain.planner.simulate import simulate
     except ImportError as e:  # an older megatrain without a simulator
         row["predicted_note"] = f"no simulator in this megatrain ({e})"
@@ -391,7 +391,9 @@ def _megatrain_extras(row: dict, trainer, result, args) -> None:
             hw = preset(args.sim_preset)
             label = f"{args.sim_preset} preset (dry run: not comparable with the CPU time)"
         else:
-            hw = HardwareSpec.measure()
+            from megatrain.runtime.measure import measure_hardware
+
+            hw = measure_hardware()
             label = f"spec measured in this run: {hw.name}"
         tl = simulate(trainer.schedule, trainer.graph, hw)
     except Exception as e:  # noqa: BLE001 - the row records why there is no prediction

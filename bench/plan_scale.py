@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -49,8 +48,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout where megatrain is not installed
     sys.path.insert(0, str(ROOT))
-
-GiB = 1 << 30
 
 
 def run_case(model: str, hardware: str, seq_len: int, global_batch: int, solver: str) -> dict:
@@ -119,6 +116,8 @@ def run_case(model: str, hardware: str, seq_len: int, global_batch: int, solver:
 
 
 def report(row: dict) -> str:
+    from megatrain.units import GiB  # here, not at the top: importing megatrain imports torch (timed in main)
+
     out = [f"== {row['model']} ({row['params'] / 1e9:.2f}B parameters, {row['layers']} layers), seq {row['seq_len']:,} "
            f"x global batch {row['global_batch']}, on {row['hardware']}"]
     total = row["build_s"] + row["trace_s"] + row["solve_s"] + row.get("lower_verify_simulate_s", 0.0)
@@ -167,7 +166,9 @@ def main(argv=None) -> int:
     import transformers  # noqa: F401
 
     import_s = time.perf_counter() - t0
-    print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}, "
+    from megatrain.planner.hardware import cpu_name
+
+    print(f"host: {cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, "
           f"transformers {transformers.__version__}; import {import_s:.2f} s (not counted below)\n")
     rows = [run_case("dense-120b", "H200", 4096, args.global_batch, args.solver)]
     print(report(rows[-1]) + "\n")

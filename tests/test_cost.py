@@ -9,25 +9,47 @@ import pytest
 from graphs import chain_graph, spec
 from megatrain.errors import ConfigError
 from megatrain.planner import cost, hardware
-from megatrain.planner.hardware import PRESETS, HardwareSpec, preset
+from megatrain.planner.hardware import PRESETS, HardwareSpec, load_hardware, preset
 from megatrain.planner.lower import lower
 from megatrain.planner.plan import ActivationPolicy, Plan
 from megatrain.planner.schedule import Op, OpKind, Stream
+from megatrain.runtime import measure
 
 
 # -- public surface --------------------------------------------------------------------------------
 
 def test_public_surface_is_pinned():
-    assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "H100_SXM", "H200", "GH200",
-                                     "A100_80GB", "RTX_4090"}
+    assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200",
+                                     "GH200", "A100_80GB", "RTX_4090"}
     assert set(cost.__all__) == {
         "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-        "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
-            "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
+        "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time",
+        "op_duration", "op_time", "op_times", "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
-        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numels",
-        "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
+        "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes",
+        "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
+
+
+def test_the_planner_imports_no_runtime():
+    """Layering: the planner plans against a HardwareSpec and never imports the runtime (measuring
+    the machine is ``megatrain.runtime.measure``'s)."""
+    import ast
+    from pathlib import Path
+
+    import megatrain.planner
+
+    # HardwareSpec.measure, a deprecated forwarder until megatrain.trainer calls measure_hardware.
+    allowed = {("hardware.py", "megatrain.runtime.measure.measure_hardware")}
+    root = Path(megatrain.planner.__file__).parent
+    found = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom)
+                     else [])
+            found |= {(str(path.relative_to(root)), n) for n in names if n.startswith("megatrain.runtime")}
+    assert found <= allowed, sorted(found - allowed)
 
 
 # -- op times --------------------------------------------------------------------------------------
@@ -56,6 +78,18 @@ def test_op_times_by_hand():
                                  (OpKind.OPT, dict(ring=0), cost.opt_time(l0, hw)),
                                  (OpKind.ACC, dict(mb=1, ring=0), cost.acc_time(l0, hw))]:
         assert cost.op_time(Op(kind, 0, **fields), g, fp32, hw) == expect
+        assert cost.op_duration(kind, g, 0, fp32, hw) == expect
+
+
+def test_every_op_kind_has_one_duration_formula():
+    g = chain_graph(2, numel=[1000, 2000], fwd_flops=[3 * 10**6, 5 * 10**6])
+    hw, plan = spec(op_latency_s=1e-6), Plan(compute_dtype="bfloat16")
+    assert cost.op_duration(OpKind.RECOMPUTE, g, 1, plan, hw) == cost.fwd_time(g.layers[1], plan, hw)
+    assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw)
+    assert cost.op_duration(OpKind.OFFLOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.OFFLOAD)
+    assert cost.op_duration(OpKind.RELOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.RELOAD)
+    for kind in OpKind:
+        assert cost.op_duration(kind, g, 1, plan, hw) > 0
 
 
 def test_h2d_time_doubles_when_bandwidth_halves():
@@ -121,6 +155,16 @@ def test_memory_breakdown_static_terms_by_hand():
     assert m.buffers == 128
     assert m.reserve == 777
     assert m.pinned_activations == 0
+    # Fits exactly at every budget, and not one byte below any of them.
+    exact = spec(gpu_memory_bytes=m.gpu_peak, host_memory_bytes=m.host_total, pinned_memory_cap_bytes=m.host_pinned)
+    assert m.fits(exact) and m.host_fits(exact)
+    assert [what for what, need, have in m.budgets(exact) if need == have] == [
+        "GPU memory", "pinned host memory", "host memory"]
+    assert not m.fits(exact.model_copy(update={"gpu_memory_bytes": m.gpu_peak - 1}))
+    assert m.host_fits(exact.model_copy(update={"gpu_memory_bytes": m.gpu_peak - 1}))
+    for field, need in (("pinned_memory_cap_bytes", m.host_pinned), ("host_memory_bytes", m.host_total)):
+        short = exact.model_copy(update={field: need - 1})
+        assert not m.fits(short) and not m.host_fits(short)
     bf16 = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", staging_ring=2, grad_ring=3))
     assert bf16.staging_ring == 2 * 4096 * 2
     assert bf16.weight_slots == 2 * 4096 * 2
@@ -257,10 +301,44 @@ def test_spec_save_load_round_trip(tmp_path):
     assert json.loads((tmp_path / "hw.json").read_text())["name"] == hw.name
 
 
+def test_load_hardware_by_spec_name_or_file(tmp_path):
+    hw = preset("RTX_4090")
+    assert load_hardware(hw) is hw
+    assert load_hardware("rtx-4090") is hw
+    hw.save(tmp_path / "hw.json")
+    assert load_hardware(tmp_path / "hw.json") == hw
+    assert load_hardware(str(tmp_path / "hw.json")) == hw
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    with pytest.raises(ConfigError, match=r"(?s)bad\.json is not a valid HardwareSpec.*gpu_memory_bytes"):
+        load_hardware(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match=r"missing\.json' does not exist"):
+        load_hardware(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="no hardware preset named 'h300'"):
+        load_hardware("h300")
+
+
+def test_host_memory_readers():
+    total = measure.total_host_memory_bytes()
+    available, where = measure.available_host_memory()
+    rss = measure.host_rss_bytes()
+    assert 0 < available <= total and where
+    assert 0 < rss <= total
+
+
+def test_matmul_flops_is_positive_and_leaves_the_global_rng_alone():
+    import torch
+
+    torch.manual_seed(3)
+    expect = torch.rand(2)
+    torch.manual_seed(3)
+    assert measure.measure_matmul_flops("cpu", n=64, seconds=0.01) > 0
+    assert torch.equal(torch.rand(2), expect)
+
+
 def test_measure_host(tmp_path):
     import torch
 
-    hw = HardwareSpec.measure(tmp_path / "me.json", optimizer_numel=1 << 20, seconds=0.2)
+    hw = measure.measure_hardware(tmp_path / "me.json", optimizer_numel=1 << 20, seconds=0.2)
     assert hw.host_optimizer_params_per_s > 0
     assert hw.host_memory_bytes > 0 and 0 < hw.pinned_memory_cap_bytes <= hw.host_memory_bytes
     assert HardwareSpec.load(tmp_path / "me.json") == hw

@@ -185,9 +185,9 @@ def test_strict_fp32_turns_tf32_off_and_restores_the_callers_setting(user_tf32):
 
 @requires_cuda
 def test_measure_times_fp32_in_strict_fp32_and_restores_tf32(user_tf32):  # CPU twin: the strict_fp32 test
-    from megatrain.planner.hardware import HardwareSpec
+    from megatrain.runtime.measure import measure_hardware
 
-    hw = HardwareSpec.measure(optimizer_numel=1 << 20, seconds=0.1)
+    hw = measure_hardware(optimizer_numel=1 << 20, seconds=0.1)
     assert _tf32_enabled()
     assert hw.has_gpu and 0 < hw.fp32_flops < hw.bf16_flops
 
@@ -195,7 +195,7 @@ def test_measure_times_fp32_in_strict_fp32_and_restores_tf32(user_tf32):  # CPU 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_measuring_gpu_fields_without_cuda_raises_config_error():  # GPU twin: the measure test above
     from megatrain.errors import ConfigError
-    from megatrain.planner.hardware import _measure_cuda
+    from megatrain.runtime.measure import measure_cuda_fields
 
     with pytest.raises(ConfigError, match="need a CUDA device"):
-        _measure_cuda(torch)
+        measure_cuda_fields()

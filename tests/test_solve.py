@@ -24,17 +24,15 @@ from megatrain.planner.simulate import simulate
 from megatrain.planner.solve import (InfeasibleRequestError, SolveLimits, SolveRequest, greedy_knapsack,
                                      milp_knapsack, minimum_requirements, scale_graph, solve, solve_enumerate,
                                      solve_milp)
+from megatrain.planner.solve.bounds import (SIZE_KINDS, STEP_KINDS, lower_pattern, pattern_bound, quick_bound,
+                                            size_option, step_times)
+from megatrain.planner.solve.search import Knobs, plan_for
 from megatrain.planner.verify import verify
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 batches = st.sampled_from([1, 2, 4, 6])
 dtypes = st.sampled_from(["float32", "bfloat16"])
 GiB = 1 << 30
-
-
-def fits(mem, hw) -> bool:
-    return (mem.gpu_peak <= hw.gpu_memory_bytes and mem.host_total <= hw.host_memory_bytes
-            and mem.host_pinned <= hw.pinned_memory_cap_bytes)
 
 
 def check_solution(sol, request) -> None:
@@ -54,7 +52,7 @@ def check_solution(sol, request) -> None:
     if deferred:  # the first step, without the carried updates, fits too
         verify(lower(sol.graph, plan), sol.graph, hw)
     assert sol.memory == cost.memory_breakdown(sol.graph, plan, hw, sched)
-    assert fits(sol.memory, hw)
+    assert sol.memory.fits(hw)
     assert sol.timeline.step_time_s == pytest.approx(simulate(sched, sol.graph, hw).step_time_s, rel=1e-12)
     assert 1 <= sol.simulated <= sol.candidates
 
@@ -136,16 +134,15 @@ def test_lower_bounds_never_exceed_the_simulated_step_and_equal_it_with_duplex_c
     slots = data.draw(st.integers(1, 4))
     trainable = max(1, sum(layer.trainable_numel > 0 for layer in g.layers))
     acts = tuple(data.draw(st.lists(policies, min_size=n, max_size=n)))
-    k = solve_mod._Knobs(slots, data.draw(st.integers(0, slots - 1)),
-                         trainable if clip else data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)),
-                         frozenset(data.draw(st.sets(st.integers(0, n - 1), max_size=3))), acts)
+    k = Knobs(slots, data.draw(st.integers(0, slots - 1)),
+              trainable if clip else data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)),
+              frozenset(data.draw(st.sets(st.integers(0, n - 1), max_size=3))), acts)
     req = SolveRequest(g, hw, M, dtype, clip_gradients=clip)
-    plan = solve_mod._plan(req, 1, k)
-    size = solve_mod._size_option(1, M, g, dtype, hw)
-    times = solve_mod._times(g, dtype, hw)
-    bound = solve_mod._lower_bound(solve_mod._pattern(g, plan), size, times, hw.duplex)
-    quick = solve_mod._quick_bound(size, times, plan.activations, deferred=clip, bf16=dtype == "bfloat16",
-                                   duplex=hw.duplex)
+    plan = plan_for(req, 1, k)
+    size = size_option(1, M, g, dtype, hw)
+    times = step_times(g, dtype, hw)
+    bound = pattern_bound(lower_pattern(g, plan), size, times, hw)
+    quick = quick_bound(size, times, plan.activations, deferred=clip, bf16=dtype == "bfloat16", duplex=hw.duplex)
     step = simulate(lower(g, plan, carries_updates=clip), g, hw).step_time_s
     assert bound <= step * (1 + 1e-9)
     assert quick <= step * (1 + 1e-9)
@@ -155,6 +152,16 @@ def test_lower_bounds_never_exceed_the_simulated_step_and_equal_it_with_duplex_c
     if (hw.duplex and hw.launch_overhead_s == 0 and dtype == "float32"
             and (M == 1 or ActivationPolicy.OFFLOAD not in plan.activations[:n - 1])):
         assert bound == pytest.approx(step, rel=1e-9)
+
+
+def test_bound_durations_cover_every_op_kind_once():
+    assert set(SIZE_KINDS) | set(STEP_KINDS) == set(OpKind) and not set(SIZE_KINDS) & set(STEP_KINDS)
+    g, hw = chain_graph(3), spec()
+    size, times = size_option(1, 1, g, "bfloat16", hw), step_times(g, "bfloat16", hw)
+    probe = Plan(compute_dtype="bfloat16")
+    for kind in OpKind:
+        table = size.times if kind in SIZE_KINDS else times.times
+        assert table[kind] == tuple(cost.op_duration(kind, g, i, probe, hw) for i in range(3))
 
 
 # -- solver properties -----------------------------------------------------------------------------
@@ -168,7 +175,7 @@ def test_solved_plan_is_never_slower_than_the_default_plan(g, hw, G, dtype, clip
     default = replace(default_plan(g, clip_gradients=clip), compute_dtype=dtype)
     gG = scale_graph(g, G)
     sched = lower(gG, default, carries_updates=clip)
-    if fits(cost.memory_breakdown(gG, default, hw, sched), hw):
+    if cost.memory_breakdown(gG, default, hw, sched).fits(hw):
         assert sol.step_time_s <= simulate(sched, gG, hw).step_time_s * (1 + 1e-9)
 
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable
 
 from megatrain.errors import ConfigError
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph
@@ -66,6 +67,7 @@ from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERV
 from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream
+from megatrain.units import GiB, KiB, MiB
 
 GRAD_ITEMSIZE = 4
 """Gradients are FP32 on the GPU, over D2H and in the host ring, whatever the compute dtype."""
@@ -129,7 +131,7 @@ def _rate(hw: HardwareSpec, field: str, value: float, what: str) -> float:
     if value <= 0:
         raise ConfigError(f"HardwareSpec {hw.name!r} has {field}=0, so it cannot time {what}; use a "
                           "preset (megatrain.planner.hardware.preset('H100_SXM')) or "
-                          "HardwareSpec.measure() on a machine with a GPU")
+                          "megatrain.runtime.measure.measure_hardware() on a machine with a GPU")
     return value
 
 
@@ -201,24 +203,35 @@ def offload_time(graph: LayerGraph, layer: int, hw: HardwareSpec, kind: OpKind) 
     return hw.op_latency_s + checkpoint_bytes(graph, layer) / rate
 
 
+_DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] = {
+    OpKind.H2D: lambda g, i, plan, hw: h2d_time(g.layers[i], plan, hw),
+    OpKind.D2H: lambda g, i, plan, hw: d2h_time(g.layers[i], hw),
+    OpKind.FWD: lambda g, i, plan, hw: fwd_time(g.layers[i], plan, hw),
+    OpKind.RECOMPUTE: lambda g, i, plan, hw: fwd_time(g.layers[i], plan, hw),
+    OpKind.BWD: lambda g, i, plan, hw: bwd_time(g.layers[i], plan, hw),
+    OpKind.OFFLOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.OFFLOAD),
+    OpKind.RELOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.RELOAD),
+    OpKind.OPT: lambda g, i, plan, hw: opt_time(g.layers[i], hw),
+    OpKind.CAST: lambda g, i, plan, hw: cast_time(g.layers[i], hw),
+    OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw),
+}
+"""The formula of each op kind (module docstring, "Op times"); every op time is looked up here."""
+
+
+def op_duration(kind: OpKind, graph: LayerGraph, layer: int, plan: Plan, hw: HardwareSpec) -> float:
+    """Seconds an op of ``kind`` on layer index ``layer`` takes on its resource under ``hw`` (one
+    micro-batch; ``plan`` gives the compute dtype). The simulator (through :func:`op_time`) and the
+    solver's bounds both time ops with it, so they cannot disagree on a formula.
+
+    Raises:
+        ConfigError: ``hw`` has a rate of 0 that the kind needs (a host-only spec timing GPU ops).
+    """
+    return _DURATION[kind](graph, layer, plan, hw)
+
+
 def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
-    """Seconds ``op`` takes on its resource under ``hw``."""
-    layer = graph.layers[op.layer]
-    if op.kind is OpKind.H2D:
-        return h2d_time(layer, plan, hw)
-    if op.kind is OpKind.D2H:
-        return d2h_time(layer, hw)
-    if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
-        return fwd_time(layer, plan, hw)
-    if op.kind is OpKind.BWD:
-        return bwd_time(layer, plan, hw)
-    if op.kind in (OpKind.OFFLOAD, OpKind.RELOAD):
-        return offload_time(graph, op.layer, hw, op.kind)
-    if op.kind is OpKind.CAST:
-        return cast_time(layer, hw)
-    if op.kind is OpKind.ACC:
-        return acc_time(layer, hw)
-    return opt_time(layer, hw)
+    """Seconds ``op`` takes on its resource under ``hw`` (:func:`op_duration` of its kind and layer)."""
+    return _DURATION[op.kind](graph, op.layer, plan, hw)
 
 
 def op_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[float, ...]:
@@ -594,6 +607,22 @@ class MemoryBreakdown:
     def gpu_peak(self) -> int:
         return self.gpu_fixed + self.dynamic_peak
 
+    def budgets(self, hw: HardwareSpec) -> tuple[tuple[str, int, int], ...]:
+        """``(what, bytes needed, bytes hw has)`` for each limit a plan must stay within: GPU memory
+        at the step's peak, pinned host memory against ``hw``'s cap, and host memory in total.
+        The one definition of "fits" (:meth:`fits`, :meth:`host_fits`, the verifier's budget rule)."""
+        return (("GPU memory", self.gpu_peak, hw.gpu_memory_bytes),
+                ("pinned host memory", self.host_pinned, hw.pinned_memory_cap_bytes),
+                ("host memory", self.host_total, hw.host_memory_bytes))
+
+    def fits(self, hw: HardwareSpec) -> bool:
+        """Whether every budget (:meth:`budgets`) holds on ``hw``."""
+        return all(need <= have for _, need, have in self.budgets(hw))
+
+    def host_fits(self, hw: HardwareSpec) -> bool:
+        """Whether the host budgets hold on ``hw`` (host memory and its pinned cap), GPU aside."""
+        return all(need <= have for what, need, have in self.budgets(hw) if what != "GPU memory")
+
     def rows(self) -> list[tuple[str, str, int]]:
         """``(where, what, bytes)`` rows for a table, totals last in each section."""
         return [
@@ -625,7 +654,7 @@ class MemoryBreakdown:
 
 def human_bytes(n: float) -> str:
     """``n`` bytes in binary units with two decimals (``"1.50 GiB"``), for tables and messages."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
@@ -727,7 +756,8 @@ def mfu(model_flops: float, step_time_s: float, compute_dtype: str, hw: Hardware
 
 __all__ = [
     "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
-    "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_time", "op_times",
+    "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_duration",
+    "op_time", "op_times",
     "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
     "activation_liveness", "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
     "HOST_PAGE_BYTES",

@@ -6,8 +6,9 @@ the only reader that turns these rates into op times and memory budgets.
 
 Presets hold vendor datasheet numbers where the vendor publishes one and say so; where a number is
 an estimate (sustained copy bandwidth, host optimizer throughput, how much of the peak a layer
-reaches) the docstring says what it is estimated from. ``HardwareSpec.measure()`` replaces the
-estimates with numbers measured on the machine at hand.
+reaches) the docstring says what it is estimated from.
+:func:`megatrain.runtime.measure.measure_hardware` replaces the estimates with numbers measured on
+the machine at hand (measuring is the runtime's: the planner times nothing).
 
 Units: bytes, seconds, FLOP/s (dense: no 2:4 sparsity), bytes/s, parameters/s. Decimal prefixes
 (GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s) as vendors use them; GiB/TiB where memory comes in
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -27,10 +27,9 @@ import pydantic
 from pydantic import Field
 
 from megatrain.errors import ConfigError
+from megatrain.units import GiB, MiB
 
-GiB = 1 << 30
-TiB = 1 << 40
-MiB = 1 << 20
+TiB = 1024 * GiB  # the only TiB user; megatrain.units stops at GiB
 
 DEFAULT_MATMUL_EFFICIENCY = 0.7
 """Fraction of the dense tensor-core peak a transformer layer's compute reaches (estimate).
@@ -47,7 +46,7 @@ matmul (already below peak), so a layer loses less against it (estimate)."""
 DEFAULT_OP_LATENCY_S = 10e-6
 """Fixed cost added to every op (estimate): launching a layer's kernels or a cudaMemcpyAsync and
 recording/waiting on the events that join it to its dependencies costs a few microseconds each;
-10 us per op. It dominates only for tiny layers; measure() keeps the default."""
+10 us per op. It dominates only for tiny layers; ``measure_hardware()`` keeps the default."""
 
 DEFAULT_LAUNCH_OVERHEAD_S = 8e-6
 """Seconds of the issuing thread per dispatched op (estimate, calibrated on the CPU backend): eager
@@ -87,7 +86,7 @@ class HardwareSpec(pydantic.BaseModel):
     """One GPU and the host it is attached to, as rates and capacities.
 
     Every field is in base units (bytes, seconds, FLOP/s, bytes/s, params/s). A GPU field of 0
-    means "not measured / no GPU" (a host-only spec from ``measure()`` on a machine without CUDA);
+    means "not measured / no GPU" (a host-only spec from ``measure_hardware()`` on a machine without CUDA);
     the cost model refuses to time GPU ops against it.
     """
 
@@ -150,39 +149,18 @@ class HardwareSpec(pydantic.BaseModel):
         """Load a spec written by ``save``. Raises pydantic.ValidationError on a bad file."""
         return cls.model_validate_json(Path(path).read_text())
 
-    # -- measurement -------------------------------------------------------------------------------
+    # -- measurement ---------------------------------------------------------------------------------
     @classmethod
     def measure(cls, path: str | os.PathLike | None = None, *, optimizer_numel: int = 4 << 20,
                 seconds: float = 0.6) -> "HardwareSpec":
-        """Measure this machine; save the spec as JSON to ``path`` when given.
+        """Deprecated: :func:`megatrain.runtime.measure.measure_hardware` (same arguments).
 
-        Host: memory from ``os.sysconf`` (``/proc/meminfo`` as a fallback), optimizer throughput by
-        timing ``torch.optim.adamw.adamw(fused=True)`` on flat FP32 tensors of ``optimizer_numel``
-        elements for about ``seconds`` (the same call the runtime makes per layer). With CUDA also:
-        GPU memory, the rate of a large BF16 matmul and of a large strict-FP32 one (TF32 off, under
-        :func:`strict_fp32`, the precision megatrain's FP32 compute runs in, so ``fp32_flops`` is
-        the rate the runtime gets; the caller's TF32 settings are restored after), pinned H2D and
-        D2H bandwidth of 256 MiB copies, and whether both directions run at full rate at once on
-        two streams. Without CUDA the GPU fields are 0 and the name says the spec is host-only.
-        Takes about 1 s on a CPU-only machine and a few seconds more with a GPU.
+        Kept only until ``megatrain.trainer`` calls ``measure_hardware`` itself: measuring is the
+        runtime's, and the planner imports no runtime module (this import runs only when called).
         """
-        import torch
+        from megatrain.runtime.measure import measure_hardware
 
-        host = _host_memory_bytes()
-        opt_rate = _measure_adamw(optimizer_numel, seconds)
-        cpu = f"{cpu_name()} x{os.cpu_count()}"
-        fields = dict(host_memory_bytes=host, pinned_memory_cap_bytes=int(host * PINNED_FRACTION),
-                      host_optimizer_params_per_s=opt_rate)
-        if torch.cuda.is_available():
-            spec = cls(**fields, **_measure_cuda(torch), matmul_efficiency=MEASURED_MATMUL_EFFICIENCY,
-                       name=f"measured: {torch.cuda.get_device_name()} + {cpu}")
-        else:
-            spec = cls(**fields, name=f"host-only (no CUDA), measured: {cpu}", gpu_memory_bytes=0,
-                       bf16_flops=0.0, fp32_flops=0.0, h2d_bytes_per_s=0.0, d2h_bytes_per_s=0.0,
-                       duplex=False)
-        if path is not None:
-            spec.save(path)
-        return spec
+        return measure_hardware(path, optimizer_numel=optimizer_numel, seconds=seconds)
 
 
 @contextlib.contextmanager
@@ -190,7 +168,7 @@ def strict_fp32() -> Iterator[None]:
     """Within the block, FP32 matmuls and convolutions on CUDA run in IEEE FP32: TensorFloat-32
     (10-bit mantissa inputs on tensor cores) is off for cuBLAS and cuDNN; on exit the caller's
     settings are restored exactly. megatrain's FP32 forward and local backward ops and the FP32
-    rate ``HardwareSpec.measure()`` times run under it, so the spec's ``fp32_flops`` is the rate the
+    rate ``measure_hardware()`` times run under it, so the spec's ``fp32_flops`` is the rate the
     runtime gets. BF16 matmuls are unaffected. No CUDA call is made (the flags are host globals),
     so it is safe on a machine without a GPU.
 
@@ -219,20 +197,6 @@ def strict_fp32() -> Iterator[None]:
             cublas.allow_tf32, cudnn.allow_tf32 = saved
 
 
-def _host_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        pass
-    return 0
-
-
 def cpu_name() -> str:
     """The host CPU's model name (``/proc/cpuinfo``, else ``platform``), for reports."""
     try:
@@ -242,93 +206,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _measure_adamw(numel: int, seconds: float) -> float:
-    """Parameters per second of the fused host AdamW on one flat tile of ``numel`` elements."""
-    import torch
-    from torch.optim.adamw import adamw
-
-    g = torch.Generator().manual_seed(0)
-    p, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
-    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
-
-    def run() -> None:
-        adamw([p], [grad], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.999,
-              lr=1e-3, weight_decay=0.01, eps=1e-8, maximize=False)
-
-    # The first calls fault the pages in and start the thread pool; they are not the steady state.
-    for _ in range(2):
-        run()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        run()
-        n += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds and n >= 3:
-            return numel * n / elapsed
-
-
-def _measure_cuda(torch) -> dict:
-    """GPU fields of a spec, measured on the current CUDA device.
-
-    Raises:
-        ConfigError: torch sees no CUDA device (the GPU fields cannot be measured on a CPU).
-    """
-    if not torch.cuda.is_available():
-        raise ConfigError("HardwareSpec.measure: the GPU fields need a CUDA device and torch sees none "
-                          f"(torch {torch.__version__}, CUDA build: {torch.backends.cuda.is_built()}); "
-                          "measure on the GPU machine, or use a preset")
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-
-    def timed(fn, reps: int) -> float:
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-
-    n = 8192
-    rates = {}
-    for dtype, key in ((torch.bfloat16, "bf16_flops"), (torch.float32, "fp32_flops")):
-        a = torch.randn(n, n, device=dev, dtype=dtype)
-        b = torch.randn(n, n, device=dev, dtype=dtype)
-        with strict_fp32():  # the precision the runtime's FP32 compute runs in; BF16 is unaffected
-            rates[key] = 2 * n ** 3 / timed(lambda: a @ b, 10)
-        del a, b
-
-    nbytes = 256 * MiB
-    host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dev_src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    h2d = nbytes / timed(lambda: dev_buf.copy_(host_src, non_blocking=True), 5)
-    d2h = nbytes / timed(lambda: host_dst.copy_(dev_src, non_blocking=True), 5)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def both() -> None:
-        with torch.cuda.stream(s1):
-            dev_buf.copy_(host_src, non_blocking=True)
-        with torch.cuda.stream(s2):
-            host_dst.copy_(dev_src, non_blocking=True)
-
-    both()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        both()
-    torch.cuda.synchronize()
-    concurrent = (time.perf_counter() - t0) / 5
-    serial = nbytes / h2d + nbytes / d2h
-    # Full duplex finishes both in about the longer one's time; one shared engine needs the sum.
-    duplex = concurrent < 0.75 * serial
-    return dict(gpu_memory_bytes=int(props.total_memory), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
-                duplex=duplex, **rates)
 
 
 # -- presets ---------------------------------------------------------------------------------------
@@ -411,7 +288,7 @@ GH200 = HardwareSpec(
   TFLOP/s (GH200 datasheet; the same GH100 compute as H100 SXM).
 - h2d/d2h 380 GB/s: NVLink-C2C is 900 GB/s total, 450 GB/s per direction (whitepaper); 380 GB/s
   is an estimate of the sustained pinned copy rate (~85% of the link rate, the efficiency pinned
-  copies reach on PCIe). measure() on the machine replaces it.
+  copies reach on PCIe). ``measure_hardware()`` on the machine replaces it.
 - host_optimizer_params_per_s ~7.8e9: estimate, Grace LPDDR5X up to 546 GB/s (whitepaper) x
   HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
 """
@@ -459,7 +336,7 @@ RTX_4090 = HardwareSpec(
   the peak FP32 (non-tensor) rate, same source (dense TF32 is also 82.6 on this GPU).
 - h2d/d2h 25 GB/s: PCIe Gen4 x16 as for A100_80GB.
 - duplex: AD102 boards report two async copy engines (cudaDeviceProp.asyncEngineCount == 2);
-  measure() checks it on the machine.
+  ``measure_hardware()`` checks it on the machine.
 - host_memory_bytes 128 GiB: a typical workstation.
 - host_optimizer_params_per_s ~1.3e9: estimate, dual-channel DDR5-5600 (89.6 GB/s theoretical) x
   HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
@@ -486,7 +363,36 @@ def preset(name: str) -> HardwareSpec:
         return PRESETS[key]
     except KeyError:
         raise ConfigError(f"no hardware preset named {name!r}; valid names are {sorted(PRESETS)} "
-                       "(case-insensitive), or build a HardwareSpec / HardwareSpec.measure()") from None
+                          "(case-insensitive), or build a HardwareSpec, load one from a JSON file "
+                          "(load_hardware) or measure one (megatrain.runtime.measure.measure_hardware)") from None
 
 
-__all__ = ["HardwareSpec", "PRESETS", "preset", "H100_SXM", "H200", "GH200", "A100_80GB", "RTX_4090"]
+def load_hardware(hardware: "HardwareSpec | str | os.PathLike") -> HardwareSpec:
+    """The spec ``hardware`` names: a HardwareSpec as is, a JSON file written by
+    :meth:`HardwareSpec.save`, or a preset name (:func:`preset`).
+
+    A string that names an existing file, or ends in ``.json``, is a file; anything else a preset.
+
+    Raises:
+        ConfigError: no such file or preset, or the file is not a valid spec (the message names
+            the file and the field).
+    """
+    if isinstance(hardware, HardwareSpec):
+        return hardware
+    path = Path(hardware)
+    if path.is_file():
+        try:
+            return HardwareSpec.load(path)
+        except pydantic.ValidationError as e:
+            raise ConfigError(f"{path} is not a valid HardwareSpec: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read the hardware spec {path}: {e}") from None
+    if path.suffix == ".json":
+        raise ConfigError(f"hardware spec file {str(hardware)!r} does not exist; write one with "
+                          "megatrain.runtime.measure.measure_hardware(path) or name a preset "
+                          f"({sorted(PRESETS)})")
+    return preset(str(hardware))
+
+
+__all__ = ["HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200", "GH200", "A100_80GB",
+           "RTX_4090"]

@@ -121,11 +121,6 @@ class Plan:
     def compute_itemsize(self) -> int:
         return 2 if self.compute_dtype == "bfloat16" else 4
 
-    def staging_tiles(self, n_layers: int) -> int:
-        """Staging tiles the plan holds: one per layer with ``cast_once``, else ``staging_ring``
-        (none are used with FP32 compute)."""
-        return n_layers if self.cast_once else self.staging_ring
-
     def activation(self, layer: int) -> ActivationPolicy:
         return self.activations[layer] if self.activations else ActivationPolicy.KEEP
 

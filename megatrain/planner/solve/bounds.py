@@ -1,0 +1,298 @@
+"""Lower bounds on a candidate's step time, from op durations alone (no simulation).
+
+:func:`quick_bound` needs no lowering: each resource's busy time and a flow-shop path over the
+layers, for a micro-batch size and activation policy (any slots, distance, rings, residents).
+:func:`pattern_bound` is the longest path through the candidate's schedule lowered for one
+micro-batch (:func:`lower_pattern`), each op standing for its micro-batches; the simulator
+respects every edge of that path, so it never beats it (:mod:`megatrain.planner.solve`, item 5).
+
+Every op time is :func:`megatrain.planner.cost.op_duration` of its kind (:func:`durations`), and
+every op's stream is ``OpKind.stream``: the bounds re-derive neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+from megatrain.planner import cost
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.lower import lower
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Stream
+
+OFFLOAD, RECOMPUTE = ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
+
+SIZE_KINDS = (OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE, OpKind.OFFLOAD, OpKind.RELOAD)
+"""Op kinds whose duration grows with the micro-batch size: compute, and checkpoint copies."""
+
+STEP_KINDS = (OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST, OpKind.ACC)
+"""Op kinds whose duration is the layer's alone (weights, gradients, optimizer state)."""
+
+
+def durations(graph: LayerGraph, kinds: Sequence[OpKind], compute_dtype: str,
+              hw: HardwareSpec) -> dict[OpKind, tuple[float, ...]]:
+    """Seconds of one op of each of ``kinds`` on every layer of ``graph`` (one micro-batch, in
+    ``compute_dtype``): :func:`cost.op_duration`, indexed ``[kind][layer]``."""
+    probe = Plan(compute_dtype=compute_dtype)
+    n = len(graph.layers)
+    return {kind: tuple(cost.op_duration(kind, graph, i, probe, hw) for i in range(n)) for kind in kinds}
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Per-layer op times (seconds) that do not depend on the micro-batch size (:data:`STEP_KINDS`),
+    and which layers are trainable."""
+
+    times: Mapping[OpKind, tuple[float, ...]]
+    trainable: tuple[bool, ...]
+
+    @property
+    def h2d(self) -> tuple[float, ...]:
+        return self.times[OpKind.H2D]
+
+    @property
+    def d2h(self) -> tuple[float, ...]:
+        return self.times[OpKind.D2H]
+
+    @property
+    def opt(self) -> tuple[float, ...]:
+        return self.times[OpKind.OPT]
+
+    @property
+    def cast(self) -> tuple[float, ...]:
+        return self.times[OpKind.CAST]
+
+    @property
+    def acc(self) -> tuple[float, ...]:
+        return self.times[OpKind.ACC]
+
+
+def step_times(graph: LayerGraph, compute_dtype: str, hw: HardwareSpec) -> StepTimes:
+    """The :class:`StepTimes` of ``graph`` in ``compute_dtype`` on ``hw``."""
+    return StepTimes(durations(graph, STEP_KINDS, compute_dtype, hw),
+                     tuple(layer.trainable_numel > 0 for layer in graph.layers))
+
+
+@dataclass(slots=True)
+class SizeOption:
+    """Everything about one micro-batch size (and pass structure) the search reuses: its graph,
+    the durations of :data:`SIZE_KINDS` (seconds, one micro-batch) and each layer's checkpoint
+    bytes (:func:`cost.checkpoint_bytes`, one micro-batch)."""
+
+    size: int
+    micro_batches: int
+    graph: LayerGraph
+    times: Mapping[OpKind, tuple[float, ...]]
+    checkpoints: tuple[int, ...]
+    layer_by_layer: bool = True  # False: per-micro-batch passes
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        return (self.size, self.layer_by_layer)
+
+    @property
+    def alive(self) -> int:
+        """Micro-batches whose checkpoints are alive (and offloaded) at once."""
+        return self.micro_batches if self.layer_by_layer else 1
+
+    @property
+    def fwd(self) -> tuple[float, ...]:
+        return self.times[OpKind.FWD]
+
+    @property
+    def bwd(self) -> tuple[float, ...]:
+        return self.times[OpKind.BWD]
+
+    @property
+    def offload(self) -> tuple[float, ...]:
+        return self.times[OpKind.OFFLOAD]
+
+    @property
+    def reload(self) -> tuple[float, ...]:
+        return self.times[OpKind.RELOAD]
+
+
+def size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype: str,
+                hw: HardwareSpec) -> SizeOption:
+    """The :class:`SizeOption` of ``graph`` (traced or scaled for micro-batches of ``size``),
+    layer by layer."""
+    return SizeOption(size, micro_batches, graph, durations(graph, SIZE_KINDS, compute_dtype, hw),
+                      tuple(cost.checkpoint_bytes(graph, i) for i in range(len(graph.layers))))
+
+
+def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolicy], *, deferred: bool,
+                bf16: bool, duplex: bool) -> float:
+    """A step time no schedule with this micro-batch size and activation policy can beat, from op
+    times alone (:mod:`megatrain.planner.solve`, item 5); it holds for any slots, distance, rings
+    and residents.
+
+    Premises, all from the lowering: every layer's weights are copied at least once, the first
+    copies in layer order (each after its CAST with BF16; the first after a carried update of
+    layer 0); the compute stream runs the forwards ``0..n-2``, then the local backwards
+    ``n-1..0`` with the recomputes among them (those of the last layer's inputs may run before
+    its local backward, as soon as their weights are in a slot), one op per micro-batch; each
+    trainable layer's D2H follows its local backward, in backward order, and with
+    DURING_BACKWARD its optimizer step follows its D2H, in the same order. Per-micro-batch passes
+    keep every premise for their first pass and last micro-batch (their first forward of layer
+    ``k`` waits for ``k + 1`` copies and the rest of the step follows it; the last micro-batch's
+    D2H and update of each layer follow its last local backward), and add a D2H and an ACC per
+    micro-batch to the busy times.
+    """
+    n, M = len(t.h2d), size.micro_batches
+    passes = 1 if size.layer_by_layer else M
+    fwd, bwd, recompute = size.fwd, size.bwd, size.times[OpKind.RECOMPUTE]
+    rec = [p for p, a in enumerate(policy) if a is RECOMPUTE and p < n - 1]
+    off = [p for p, a in enumerate(policy) if a is OFFLOAD and p < n - 1]
+    trainable = [i for i in range(n) if t.trainable[i]]
+    backward = M * (sum(bwd) + sum(recompute[p] for p in rec))
+    compute = M * sum(fwd[:n - 1]) + backward
+    h2d = sum(t.h2d) + M * sum(size.reload[p] for p in off)
+    d2h = passes * sum(t.d2h[i] for i in trainable) + M * sum(size.offload[p] for p in off)
+    host = sum(t.opt[i] for i in trainable) + (sum(t.cast) if bf16 else 0.0)
+    if not size.layer_by_layer:
+        host += M * sum(t.acc[i] for i in trainable)
+    bound = max(compute, h2d, d2h, host, 0.0 if duplex else h2d + d2h)
+    # Flow shop: the forward of layer k waits for the copies of layers 0..k, and the rest of the
+    # forward and the whole backward phase follow it; the turn's local backward (layer n-1) waits
+    # for the copy of layer n-1 too, and every local backward follows it (recomputes of its own
+    # inputs may run before it, so they are not counted there).
+    first_opt = t.opt[0] if deferred and t.trainable[0] else 0.0
+    fwd_after = [0.0] * (n + 1)
+    for k in range(n - 2, -1, -1):
+        fwd_after[k] = fwd_after[k + 1] + M * fwd[k]
+    copies = first_opt + (t.cast[0] if bf16 else 0.0)
+    casts = first_opt
+    forward_end = turn = 0.0
+    for k in range(n):
+        copies += t.h2d[k]
+        ready = copies
+        if bf16:
+            casts += t.cast[k]
+            ready = max(ready, casts + t.h2d[k])
+        if k < n - 1:
+            forward_end = max(forward_end, ready + fwd_after[k])
+        else:
+            turn = ready
+    bound = max(bound, forward_end + backward, turn + M * sum(bwd))
+    # Tails: after the local backward of layer l, its D2H and those of every earlier trainable
+    # layer, then the last optimizer step; or its optimizer step and those of every earlier layer.
+    if trainable:
+        last_opt = 0.0 if deferred else t.opt[trainable[0]]
+        done = max(forward_end, turn)  # lower bound of the end of the local backward of layer l
+        d2h_left = sum(t.d2h[i] for i in trainable)
+        opt_left = sum(t.opt[i] for i in trainable)
+        for layer in range(n - 1, -1, -1):
+            done += M * bwd[layer]
+            if not t.trainable[layer]:
+                continue
+            bound = max(bound, done + d2h_left + last_opt)
+            if not deferred:
+                bound = max(bound, done + t.d2h[layer] + opt_left)
+            d2h_left -= t.d2h[layer]
+            opt_left -= t.opt[layer]
+    return bound
+
+
+STREAMS = tuple(Stream)
+"""The streams in a fixed order: the bound's per-stream arrays are indexed by position here."""
+
+_STREAM_INDEX = {kind: STREAMS.index(kind.stream) for kind in OpKind}
+"""Position in :data:`STREAMS` of each op kind's stream (``OpKind.stream``, the schedule's one mapping)."""
+
+_PER_MICRO_BATCH = ({(kind, OpKind.RELOAD) for kind in COMPUTE_KINDS}
+                    | {(OpKind.OFFLOAD, OpKind.FWD), (OpKind.RELOAD, OpKind.OFFLOAD)})
+"""(op kind, dependency kind) pairs where micro-batch ``m``'s op waits only for micro-batch ``m``'s
+dependency (a checkpoint's copy); every other edge waits for a whole visit, or is within the compute
+stream, which runs a visit's micro-batches back to back."""
+
+_PER_VISIT_ONCE = frozenset({OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST})
+"""Kinds issued once per visit or layer; the others once per micro-batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """The schedule of a candidate's knobs at one micro-batch, as flat arrays for the bound.
+
+    ``lower`` with ``micro_batches=1`` gives every op of a layer visit once, with the same
+    dependencies the full schedule has between visits (see :func:`pattern_bound`); which copies it
+    issues depends on the activation policy, slots, distance, residents and rings only, not on
+    sizes or micro-batches. ``deps`` are the dependencies on a whole visit, ``mb_deps`` those that
+    hold micro-batch by micro-batch (:data:`_PER_MICRO_BATCH`).
+    """
+
+    kinds: tuple[OpKind, ...]
+    layers: tuple[int, ...]
+    deps: tuple[tuple[int, ...], ...]
+    mb_deps: tuple[tuple[int, ...], ...]
+
+    def copies(self, n_layers: int) -> list[int]:
+        """H2D weight copies per layer."""
+        c = [0] * n_layers
+        for kind, layer in zip(self.kinds, self.layers):
+            if kind is OpKind.H2D:
+                c[layer] += 1
+        return c
+
+
+def lower_pattern(graph: LayerGraph, plan: Plan) -> Pattern:
+    """The pattern of ``plan`` (its steady-state schedule, at one micro-batch)."""
+    sched = lower(graph, replace(plan, micro_batches=1),
+                  carries_updates=plan.optimizer is OptimizerPlacement.NEXT_FORWARD)
+    ops = sched.ops
+    kinds = tuple(op.kind for op in ops)
+    deps, mb_deps = [], []
+    for op in ops:
+        whole, per = [], []
+        for d in op.deps:
+            (per if (op.kind, kinds[d]) in _PER_MICRO_BATCH else whole).append(d)
+        deps.append(tuple(whole))
+        mb_deps.append(tuple(per))
+    return Pattern(kinds, tuple(op.layer for op in ops), tuple(deps), tuple(mb_deps))
+
+
+def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) -> float:
+    """A step time no schedule of this candidate can beat: the longest path of its pattern.
+
+    Each pattern op stands for its ``r`` micro-batch copies (``r = M`` for compute ops, offloads and
+    reloads, 1 otherwise), of ``u`` seconds each (:func:`cost.op_duration` of its kind and layer),
+    and its end is a lower bound of the last copy's end: the first copy starts no earlier than the
+    ends of the op before it on its stream and of its whole-visit dependencies, and the ``r``
+    copies run one after another on one resource, so the last ends at least ``r x u`` later; and
+    the last copy waits for the last copy of each per-micro-batch dependency, so it ends at least
+    ``u`` after that. The simulator respects all of these. Each resource's total busy time is a
+    bound too (:func:`cost.resource_of`: the two host workers share one, and without duplex
+    copies H2D and D2H share one engine). With duplex copies and ``M = 1`` (or no per-micro-batch
+    edge, as with every checkpoint kept) each stream has a resource of its own, the simulator adds
+    no other wait, and the bound is the simulated step time.
+    """
+    n = len(p.kinds)
+    M = size.micro_batches
+    end = [0.0] * n
+    stream_end = [0.0] * len(STREAMS)
+    resources = list(cost.Resource)
+    resource = [resources.index(cost.resource_of(s, hw)) for s in STREAMS]
+    busy = [0.0] * len(resources)
+    unit = {**t.times, **size.times}
+    kinds, layers, deps, mb_deps = p.kinds, p.layers, p.deps, p.mb_deps
+    for i in range(n):
+        kind = kinds[i]
+        s = _STREAM_INDEX[kind]
+        u = unit[kind][layers[i]]
+        r = 1 if kind in _PER_VISIT_ONCE else M
+        start = stream_end[s]
+        for d in deps[i]:
+            if end[d] > start:
+                start = end[d]
+        e = start + r * u
+        for d in mb_deps[i]:
+            if end[d] + u > e:
+                e = end[d] + u
+        end[i] = stream_end[s] = e
+        busy[resource[s]] += r * u
+    return max(max(stream_end), max(busy))
+
+
+__all__ = ["SIZE_KINDS", "STEP_KINDS", "STREAMS", "durations", "StepTimes", "step_times", "SizeOption",
+           "size_option", "quick_bound", "Pattern", "lower_pattern", "pattern_bound"]
