@@ -206,7 +206,14 @@ def test_milp_and_enumeration_agree(g, hw, G, frac, dtype):
     check_solution(a, req)
     check_solution(b, req)
     assert a.method == "enumerate" and b.method == "milp"
-    assert b.step_time_s == pytest.approx(a.step_time_s, rel=0.01)
+    # The two searches differ only in the resident-layer knapsack: the MILP's is exact, the greedy's
+    # (value per byte) is optimal only when the candidates' slots are of one size and otherwise may
+    # leave up to one item's value behind (a plan 25% slower was seen). The knapsack's values are
+    # the solver's per-layer estimates of time saved, not the simulated step, so "never slower" holds
+    # to the 1% the two already agree within where every candidate layer is of one size.
+    assert b.step_time_s <= a.step_time_s * 1.01
+    if len({layer.numel for layer in g.layers}) == 1:
+        assert b.step_time_s == pytest.approx(a.step_time_s, rel=0.01)
 
 
 def test_a_model_that_nearly_fits_is_made_mostly_resident():
