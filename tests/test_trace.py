@@ -13,7 +13,8 @@ from torch import nn
 from megatrain.errors import TraceError, UnsupportedModelError
 from megatrain.planner.graph import BATCH_PRODUCER, TILE_ALIGN_ELEMENTS
 from megatrain.kernels import grouped_query_attention, sequence_chunked
-from megatrain.planner.trace import DEFAULT_SEQ_CHUNK_BYTES, _signature, trace
+from megatrain.planner.trace import DEFAULT_SEQ_CHUNK_BYTES, trace
+from megatrain.planner.trace.fx_util import signature
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 
@@ -182,7 +183,7 @@ def _assert_same_graph(fast, full) -> None:
     assert fast.graph.values == full.graph.values
     assert fast.graph == full.graph
     assert fast.buffer_sources.keys() == full.buffer_sources.keys()
-    assert [_signature(t) for t in fast.templates] == [_signature(t) for t in full.templates]
+    assert [signature(t) for t in fast.templates] == [signature(t) for t in full.templates]
 
 
 @pytest.mark.parametrize("make,seq_chunk_bytes", [
