@@ -1,4 +1,4 @@
-"""Trace a model into a :class:`LayerGraph` and one executable template per kind of layer.
+"""Trace a model into a :class:`~megatrain.planner.graph.LayerGraph` and one executable template per kind of layer.
 
 Method. The model, wrapped so that it returns only its scalar loss, is exported with
 ``torch.export.export(strict=False)`` on the device its parameters are on (``meta`` for a model

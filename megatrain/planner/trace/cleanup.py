@@ -140,16 +140,19 @@ def _pin_fp32(gm: fx.GraphModule, tainted: set[fx.Node]) -> int:
 
 
 def install_grouped_query_attention(gm: fx.GraphModule) -> int:
-    """Route grouped-query attention (GQA) through :func:`megatrain.kernels.grouped_query_attention`, in ``gm`` and its nested graphs.
+    """Route grouped-query attention (GQA) through a kernel that expands heads where it must.
+
+    The kernel is :func:`megatrain.kernels.grouped_query_attention`; ``gm`` and its nested graphs
+    are rewritten.
 
     Transformers calls ``scaled_dot_product_attention(..., enable_gqa=True)`` where no mask is
     passed (megatrain's causal trace). On CUDA in FP32 no fused kernel takes ``enable_gqa`` and
     SDPA silently runs the math kernel, whose ``[B, H, S, S]`` scores the memory model does not
     count; the kernel expands K and V to the query heads exactly there (decided when it runs, on
     the dtype autocast gives it) and is SDPA itself everywhere else, so CPU runs and BF16 flash
-    runs are unchanged. :func:`work_bytes` counts the expanded K and V and their gradients in
-    every case (the planner does not know the device's choice). Rewrites in place; returns how
-    many attention calls changed.
+    runs are unchanged. :func:`~megatrain.planner.trace.measure.work_bytes` counts the expanded K
+    and V and their gradients in every case (the planner does not know the device's choice).
+    Rewrites in place; returns how many attention calls changed.
     """
     done = 0
     for m in graph_modules(gm):

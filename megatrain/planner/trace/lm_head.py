@@ -8,20 +8,21 @@ FP32). :func:`chunk_lm_head_loss` rewrites it into one call of
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from megatrain.kernels import linear_cross_entropy
 from megatrain.planner.trace.fx_util import bind, is_float, node_val, only_user
+from megatrain.units import MiB
 
 if TYPE_CHECKING:
     from megatrain.planner.trace.context import TraceContext
 
 _aten = torch.ops.aten
 
-DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20
+DEFAULT_LOSS_CHUNK_BYTES = 256 * MiB
 """Bytes of one chunk of logits in :func:`chunk_lm_head_loss`, counted at 4 bytes a logit: about
 2,100 tokens of a 32k vocabulary, 520 of a 128k one. Each chunk's matmul is still thousands of
 rows by the full hidden size, large enough to run at full rate on a GPU."""
@@ -32,23 +33,6 @@ _SAME = {_aten.contiguous.default, _aten.alias.default, _aten.clone.default}
 _NLL = {_aten.nll_loss.default, _aten.nll_loss_nd.default, _aten.nll_loss_forward.default}
 _LOG_SOFTMAX = {_aten.log_softmax.int, _aten._log_softmax.default}
 _REDUCTION_NAMES = {1: "mean", 2: "sum"}  # at::Reduction; "none" (0) is left unfused
-
-
-def bind(n: fx.Node) -> dict[str, Any]:
-    """The arguments of an aten call by schema name, defaults filled in."""
-    out = {}
-    for i, a in enumerate(n.target._schema.arguments):
-        if i < len(n.args):
-            out[a.name] = n.args[i]
-        elif a.name in n.kwargs:
-            out[a.name] = n.kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-    return out
-
-
-def only_user(n: fx.Node) -> fx.Node | None:
-    return next(iter(n.users)) if len(n.users) == 1 else None
 
 
 def _find_loss(n: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], dict] | None:
@@ -161,7 +145,8 @@ def chunk_lm_head_loss(gm: fx.GraphModule, chunk_bytes: int = DEFAULT_LOSS_CHUNK
         logits_dtype = node_val(x).dtype
         # The kernel casts its logits once, straight to the loss's dtype, on the linear's device: a
         # chain through a third dtype would round differently, one across devices would move data.
-        if any(node_val(n).dtype not in (node_val(cur).dtype, logits_dtype) or node_val(n).device != node_val(cur).device
+        linear = node_val(cur)
+        if any(node_val(n).dtype not in (linear.dtype, logits_dtype) or node_val(n).device != linear.device
                for n in chain):
             continue
         with g.inserting_before(loss_node):

@@ -18,25 +18,26 @@ import torch.fx as fx
 
 from megatrain.kernels import sequence_chunked
 from megatrain.planner.trace.fx_util import ATTENTION_OPS, allocated_bytes, allocates, bind, node_val, prod
+from megatrain.units import GiB
 
 if TYPE_CHECKING:
     from megatrain.planner.trace.context import TraceContext
 
 _aten = torch.ops.aten
 
-DEFAULT_SEQ_CHUNK_BYTES = 4 * 2**30
+DEFAULT_SEQ_CHUNK_BYTES = 4 * GiB
 """Intermediate bytes above which :func:`chunk_sequence_regions` chunks a region, and about those
 of one chunk (``ceil(intermediates / this)`` chunks).
 
-Larger than the loss chunk (:data:`DEFAULT_LOSS_CHUNK_BYTES`) on purpose: the chunked LM head costs
-no extra FLOPs, but a chunked region is recomputed in the backward, one more forward of its
-projections and MLP per step (a quarter more compute for a block whose matmuls dominate), and the
-trace decides this without knowing the GPU. So only regions too large for any GPU's comfort are
-chunked: a Llama-2-7B block's regions hold 0.5, 0.7 GiB of intermediates at 4k tokens per
-micro-batch (not chunked; nor is the dense-120b preset's largest, 1.9 GiB at 4k) and 68, 91 GiB at
-512k (17 and 23 chunks of 31k and 23k tokens, each still thousands of rows for the matmuls).
-With 1 GiB instead, planning dense-120b at 4k tokens for an H200 (``bench/plan_scale.py``)
-predicts 44.5% MFU instead of 52.1%."""
+Larger than the loss chunk (:data:`~megatrain.planner.trace.lm_head.DEFAULT_LOSS_CHUNK_BYTES`) on
+purpose: the chunked LM head costs no extra FLOPs, but a chunked region is recomputed in the
+backward, one more forward of its projections and MLP per step (a quarter more compute for a block
+whose matmuls dominate), and the trace decides this without knowing the GPU. So only regions too
+large for any GPU's comfort are chunked: a Llama-2-7B block's regions hold 0.5, 0.7 GiB of
+intermediates at 4k tokens per micro-batch (not chunked; nor is the dense-120b preset's largest,
+1.9 GiB at 4k) and 68, 91 GiB at 512k (17 and 23 chunks of 31k and 23k tokens, each still thousands
+of rows for the matmuls). With 1 GiB instead, planning dense-120b at 4k tokens for an H200
+(``bench/plan_scale.py``) predicts 44.5% MFU instead of 52.1%."""
 
 
 class _Mixed:
