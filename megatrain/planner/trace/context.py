@@ -43,6 +43,17 @@ class TraceOptions:
                              "regions over the whole sequence")
 
 
+@dataclass(frozen=True, slots=True)
+class ValueCut:
+    """A node of export's graph that becomes a :class:`~megatrain.planner.graph.Value`: a batch
+    input or a tensor a later layer reads. ``name`` is ``layer:node`` (or the batch input's name);
+    ``producer`` the layer index (``BATCH_PRODUCER`` for the batch)."""
+
+    node: fx.Node
+    name: str
+    producer: int
+
+
 @dataclass(slots=True)
 class LayerCut:
     """One layer cut out of export's graph, before it becomes a :class:`~megatrain.planner.graph.Layer`.
@@ -95,7 +106,7 @@ class TraceContext:
     trainable: dict[str, bool] = field(default_factory=dict)  # parameter name -> requires_grad
     # cut
     loss_node: fx.Node | None = None
-    values: list[dict] = field(default_factory=list)
+    values: list[ValueCut] = field(default_factory=list)
     value_of: dict[fx.Node, int] = field(default_factory=dict)
     needs_grad: set[fx.Node] = field(default_factory=set)
     buffer_sources: dict[str, tuple[str, Any]] = field(default_factory=dict)
@@ -108,4 +119,4 @@ class TraceContext:
     full_because: str | None = None
 
 
-__all__ = ["LayerCut", "TraceContext", "TraceOptions"]
+__all__ = ["LayerCut", "TraceContext", "TraceOptions", "ValueCut"]

@@ -26,7 +26,7 @@ from torch import nn
 
 from megatrain.errors import UnsupportedModelError
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, TracedModel, Value, align_up
-from megatrain.planner.trace.context import LayerCut
+from megatrain.planner.trace.context import LayerCut, ValueCut
 from megatrain.planner.trace.export import WRAPPED, strip_wrapper
 from megatrain.planner.trace.fx_util import is_float, node_val, signature
 
@@ -156,12 +156,12 @@ def cut(ctx: TraceContext) -> None:
     local = {n: name for nodes in stage_nodes for n, name in _local_names(nodes).items()}
 
     # Values: batch inputs, then every node read by a later stage, in graph order.
-    values: list[dict] = []
+    values: list[ValueCut] = []
     value_of: dict[fx.Node, int] = {}
     for ph, input_name in zip(user_inputs, input_names):
         node = placeholders[ph]
         value_of[node] = len(values)
-        values.append(dict(node=node, name=input_name, producer=BATCH_PRODUCER))
+        values.append(ValueCut(node, input_name, BATCH_PRODUCER))
     for n in gm.graph.nodes:
         if n in stage and (any(r > stage[n] for r in readers[n]) or n is loss_node):
             v = node_val(n)
@@ -170,7 +170,7 @@ def cut(ctx: TraceContext) -> None:
                     f"layer {names[stage[n]]!r} passes a non-tensor value ({type(v).__name__}, node "
                     f"{n.name}) to a later layer; only tensors can cross a layer boundary")
             value_of[n] = len(values)
-            values.append(dict(node=n, name=f"{names[stage[n]]}:{local[n]}", producer=stage[n]))
+            values.append(ValueCut(n, f"{names[stage[n]]}:{local[n]}", stage[n]))
 
     # Does a value depend on a parameter? Propagate from parameter placeholders.
     needs_grad: set[fx.Node] = {placeholders[p] for p in param_of}
@@ -256,12 +256,12 @@ def build_graph(ctx: TraceContext) -> None:
             consumers[ctx.value_of[a]].add(layer.index)
     value_recs = []
     for i, v in enumerate(ctx.values):
-        t = node_val(v["node"])
+        t = node_val(v.node)
         value_recs.append(Value(
-            id=i, name=v["name"], shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-            nbytes=t.numel() * t.element_size(), producer=v["producer"],
+            id=i, name=v.name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+            nbytes=t.numel() * t.element_size(), producer=v.producer,
             consumers=tuple(sorted(consumers[i])),
-            requires_grad=v["node"] in ctx.needs_grad and is_float(t)))
+            requires_grad=v.node in ctx.needs_grad and is_float(t)))
     layer_recs = []
     for L in ctx.layers:
         flops = ctx.flops[L.template]
