@@ -15,7 +15,8 @@ import torch.fx as fx
 
 import megatrain.planner.trace.cleanup as cleanup
 from megatrain.kernels import expand_kv_heads, gqa_needs_expansion, grouped_query_attention, without_autocast
-from megatrain.planner.trace import retarget, trace
+from megatrain.planner.graph import retarget
+from megatrain.planner.trace import trace
 from megatrain.planner.trace.fx_util import bind
 
 from conftest import requires_cuda, tiny_llama
