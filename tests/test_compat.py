@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 import torch.fx as fx
 
-import megatrain.planner.trace as trace_mod
+import megatrain.planner.trace.cleanup as cleanup
 from megatrain.kernels import expand_kv_heads, gqa_needs_expansion, grouped_query_attention, without_autocast
-from megatrain.planner.trace import retarget, trace
+from megatrain.planner.graph import retarget
+from megatrain.planner.trace import trace
+from megatrain.planner.trace.fx_util import bind
 
 from conftest import requires_cuda, tiny_llama
 
@@ -152,7 +154,7 @@ def test_without_the_pass_the_check_sees_bf16_angles(monkeypatch):
     """The assertion above can fail: with the pass off the same template's BF16 tables are off by more
     than 0.5 (BF16 keeps 8 bits: position 4095 rounds to 4096, an angle error of 1 rad at inv_freq 1)."""
     torch.manual_seed(0)
-    monkeypatch.setattr(trace_mod, "keep_position_math_fp32", lambda gm, learned: 0)
+    monkeypatch.setattr(cleanup, "keep_position_math_fp32", lambda gm, learned: 0)
     fp32, bf16, tables = _prologue_tables(_RotaryNet())
     pairs = [(a, b) for a, b in zip(fp32, bf16) if any(a is t for t in tables)]
     assert len(pairs) == 2 and max((a - b.float()).abs().max().item() for a, b in pairs) > 0.5
@@ -180,7 +182,7 @@ def test_gqa_attention_is_routed_through_the_expanding_kernel():
     math kernel would hold [B, H, S, S] scores the memory model does not count."""
     traced = trace(tiny_llama(layers=1), micro_batch_size=2, seq_len=16)
     block = traced.templates[traced.graph.layers[1].template]
-    assert not [n for n in _calls_to(block, aten.scaled_dot_product_attention.default) if trace_mod._bind(n).get("enable_gqa")]
+    assert not [n for n in _calls_to(block, aten.scaled_dot_product_attention.default) if bind(n).get("enable_gqa")]
     (att,) = _calls_to(block, grouped_query_attention)
     q, k, v = (att.args[i].meta["val"] for i in range(3))
     assert (q.shape[1], k.shape[1], v.shape[1]) == (4, 2, 2)
@@ -192,7 +194,7 @@ def test_expanded_kv_is_counted_in_the_work_bytes(monkeypatch):
     expanding path holds from the forward to the attention's backward."""
     b, s, heads, hd = 2, 64, 4, 8
     routed = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
-    monkeypatch.setattr(trace_mod, "install_grouped_query_attention", lambda gm: 0)
+    monkeypatch.setattr(cleanup, "install_grouped_query_attention", lambda gm: 0)
     plain = trace(tiny_llama(layers=1), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
     assert routed - plain >= 2 * b * heads * s * hd * 4
 

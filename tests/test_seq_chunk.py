@@ -17,8 +17,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import megatrain
 import megatrain.trainer
 from megatrain.kernels import chunk_bounds, grouped_query_attention, sequence_chunked
+from megatrain.planner.graph import retarget
 from megatrain.planner.plan import Plan
-from megatrain.planner.trace import MIXED, chunk_sequence_regions, retarget, sequence_dims, trace
+from megatrain.planner.trace import MIXED, chunk_sequence_regions, sequence_dims, trace
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 from test_exactness import ADAMW, assert_bf16_tracks_eager_autocast, assert_same_training

@@ -13,7 +13,8 @@ from torch import nn
 from megatrain.errors import TraceError, UnsupportedModelError
 from megatrain.planner.graph import BATCH_PRODUCER, TILE_ALIGN_ELEMENTS
 from megatrain.kernels import grouped_query_attention, sequence_chunked
-from megatrain.planner.trace import DEFAULT_SEQ_CHUNK_BYTES, _signature, trace
+from megatrain.planner.trace import DEFAULT_SEQ_CHUNK_BYTES, trace
+from megatrain.planner.trace.fx_util import signature
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 
@@ -182,7 +183,7 @@ def _assert_same_graph(fast, full) -> None:
     assert fast.graph.values == full.graph.values
     assert fast.graph == full.graph
     assert fast.buffer_sources.keys() == full.buffer_sources.keys()
-    assert [_signature(t) for t in fast.templates] == [_signature(t) for t in full.templates]
+    assert [signature(t) for t in fast.templates] == [signature(t) for t in full.templates]
 
 
 @pytest.mark.parametrize("make,seq_chunk_bytes", [
@@ -345,3 +346,60 @@ def test_llama2_7b_at_512k_traces_on_meta_in_seconds_with_no_sequence_squared_va
     calls = [n for n in traced.templates[block.template].graph.nodes if n.target is sequence_chunked]
     assert len(calls) == 2 and all(16 <= n.args[1] <= 64 for n in calls)
     assert 36 * 2**30 < block.work_bytes < 48 * 2**30, f"{block.work_bytes / 2**30:.1f} GiB"
+
+
+# -- the package's shape ---------------------------------------------------------------------------
+
+def test_trace_runs_one_visible_list_of_named_passes():
+    """``trace()`` is the pipeline PASSES names, in this order; a new pass is added here on purpose."""
+    from megatrain.planner.trace import PASSES
+
+    assert [p.__name__ for p in PASSES] == ["export", "clean", "cut", "fuse_lm_head_loss", "chunk_sequences",
+                                            "share_templates", "measure", "build_graph", "replicate"]
+
+
+def test_public_surface_and_old_import_paths():
+    import megatrain.kernels as kernels
+    import megatrain.planner.graph as graph
+    import megatrain.planner.trace as trace_pkg
+
+    assert sorted(trace_pkg.__all__) == sorted([
+        "DEFAULT_LOSS_CHUNK_BYTES", "DEFAULT_SEQ_CHUNK_BYTES", "MIXED", "PASSES", "TraceContext", "TraceOptions",
+        "TracedModel", "chunk_lm_head_loss", "chunk_sequence_regions", "erase_metadata_asserts",
+        "install_grouped_query_attention", "keep_position_math_fp32", "retarget", "run_passes", "sequence_dims",
+        "trace"])
+    assert sorted(kernels.__all__) == sorted([
+        "REDUCTIONS", "chunk_bounds", "expand_kv_heads", "gqa_needs_expansion", "grouped_query_attention",
+        "linear_cross_entropy", "linear_cross_entropy_work_bytes", "sequence_chunked", "without_autocast"])
+    # The IR owns TracedModel and retarget; the trace re-exports them for old imports.
+    assert trace_pkg.TracedModel is graph.TracedModel and trace_pkg.retarget is graph.retarget
+
+
+def _imports(path) -> set[str]:
+    import ast
+
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            out.add(n.module)
+    return out
+
+
+def test_the_trace_and_the_kernels_import_no_runtime():
+    """Layering: the planner's trace and the kernels it installs never import the runtime (or the
+    kernels the planner), and the IR module imports torch only inside ``retarget``."""
+    import ast
+    import pathlib
+
+    import megatrain
+
+    root = pathlib.Path(megatrain.__file__).parent
+    for path in [*(root / "planner" / "trace").glob("*.py"), *(root / "kernels").glob("*.py")]:
+        bad = {m for m in _imports(path) if m.startswith("megatrain.runtime") or m == "megatrain.trainer"}
+        assert not bad, f"{path.relative_to(root)} imports {sorted(bad)}"
+    for path in (root / "kernels").glob("*.py"):
+        assert not {m for m in _imports(path) if m.startswith("megatrain.planner")}, path.name
+    top = ast.parse((root / "planner" / "graph.py").read_text()).body
+    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.unparse(n) for n in top)

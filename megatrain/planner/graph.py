@@ -4,13 +4,21 @@ A model is cut into an ordered list of layers (a prologue such as the embeddings
 blocks, an epilogue such as the final norm, LM head and loss). Layers exchange *values*: the
 tensors that cross a layer boundary (the residual stream, but also side values such as rotary
 cos/sin tables or the attention mask, which the prologue computes once and every block reads).
-The solver, the lowering pass and the simulator read only this module's types; the executable
-templates live beside the graph in :class:`megatrain.planner.trace.TracedModel`.
+The solver, the lowering pass and the simulator read only the LayerGraph's types; the executable
+templates live beside the graph in :class:`TracedModel`, which :func:`megatrain.planner.trace.trace`
+makes and the runtime runs (after :func:`retarget` to its device). This module imports torch only
+inside :func:`retarget`, so the solver and the simulator plan without it.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import torch.fx as fx
 
 # Offsets of parameters inside a layer's flat tile are multiples of this many elements, so every
 # parameter starts on a 64-byte boundary in FP32 (and 32 bytes in BF16): vector loads and DMA
@@ -83,7 +91,7 @@ class Layer:
     ``buffers`` are the fully qualified names of the non-trainable tensors (buffers, constants) it
     reads, which stay resident on the device. ``work_bytes`` bounds the transient device memory of
     one local backward of one micro-batch (and so of a forward): the peak of a liveness simulation
-    over the layer's template (:func:`megatrain.planner.trace._work_bytes`) in which every tensor
+    over the layer's template (:func:`megatrain.planner.trace.measure.work_bytes`) in which every tensor
     the forward creates (views excluded) is held until its own op's backward step, the backward
     allocates a gradient for each differentiable input of each op in reverse order, the flat
     tile's weight gradient is gathered at the end, and chunked kernels add what they hold inside
@@ -112,10 +120,6 @@ class Layer:
     @property
     def param_count(self) -> int:
         return sum(p.numel for p in self.params)
-
-    @property
-    def trainable_param_count(self) -> int:
-        return sum(p.numel for p in self.params if p.trainable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,3 +172,52 @@ class LayerGraph:
             if v.name == name:
                 return v
         raise KeyError(name)
+
+
+@dataclass(frozen=True, slots=True)
+class TracedModel:
+    """A LayerGraph with what it takes to run it.
+
+    ``templates[t]`` is an ``fx.GraphModule`` taking ``(*params, *buffers, *inputs)`` of a layer
+    whose ``template == t`` and returning the tuple of its output values, traced on the device the
+    model was on (the runtime re-targets it with :func:`retarget`). Besides aten ops a template may
+    call the kernels of :mod:`megatrain.kernels` (the chunked LM head loss, sequence-chunked
+    regions, autocast-free position math, grouped-query attention). ``buffer_sources`` maps each
+    buffer name a layer lists to where its value lives: ``("buffer", fqn)`` for a module buffer,
+    ``("constant", tensor)`` for a tensor constant export lifted out of ``forward``.
+    """
+
+    graph: LayerGraph
+    templates: tuple[fx.GraphModule, ...]
+    buffer_sources: dict[str, tuple[str, Any]]
+
+
+def _map_devices(a, device: torch.device):
+    if isinstance(a, type(device)):  # a torch.device, without importing torch here
+        return device
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map_devices(x, device) for x in a)
+    if isinstance(a, dict):
+        return {k: _map_devices(v, device) for k, v in a.items()}
+    return a
+
+
+def retarget(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphModule:
+    """A copy of template ``gm`` whose ops create tensors on ``device``.
+
+    Export records the device it traced on (``meta`` for a model too large to build) in ops such
+    as ``arange(..., device=meta)``; running the template elsewhere needs those rewritten. Nested
+    graphs (higher-order ops such as ``wrap_with_set_grad_enabled``) are rewritten too.
+    """
+    import torch
+    import torch.fx as fx
+
+    device = torch.device(device)
+    out = copy.deepcopy(gm)
+    for mod in out.modules():
+        if isinstance(mod, fx.GraphModule):
+            for n in mod.graph.nodes:
+                n.args = _map_devices(n.args, device)
+                n.kwargs = _map_devices(n.kwargs, device)
+            mod.recompile()
+    return out

@@ -1,0 +1,133 @@
+"""Trace a model into a :class:`~megatrain.planner.graph.LayerGraph` and one executable template per kind of layer.
+
+Method. The model, wrapped so that it returns only its scalar loss, is exported with
+``torch.export.export(strict=False)`` on the device its parameters are on (``meta`` for a model
+too large to build: fake tensors, no parameter memory). The graph is cleaned so that a template
+traced in FP32 runs the same under BF16 autocast, cut into layers at the children of the block
+container (the ``nn.ModuleList`` holding the most parameters), and each layer's function is
+rewritten where its intermediates would not fit (the LM head with its loss, large token-wise
+regions a chunk of the sequence at a time); structurally equal layers share one template, and
+each layer is measured (working memory, FLOPs, launches). When every block is the same module,
+only three blocks are traced and the graph is repeated to the model's depth.
+
+:func:`trace` runs :data:`PASSES`, each a function of one :class:`TraceContext` that fills the
+fields later ones read; each module's docstring gives the method of its pass and its sources:
+
+- :mod:`.export` (``export``): ``torch.export`` of the loss-only wrapper, naming the module that
+  failed;
+- :mod:`.cleanup` (``clean``): export's dtype asserts out, random ops refused, position math kept
+  in FP32, grouped-query attention routed through :mod:`megatrain.kernels`;
+- :mod:`.cut` (``cut``, ``share_templates``, ``build_graph``): stages, values, one GraphModule per
+  layer, templates, the LayerGraph records;
+- :mod:`.lm_head` (``fuse_lm_head_loss``): ``lm_head -> cross_entropy`` as one chunked kernel;
+- :mod:`.seq_chunk` (``chunk_sequences``): Mini-Sequence Transformer chunking of token-wise regions;
+- :mod:`.measure` (``measure``): work bytes by a liveness simulation, FLOPs and launches on meta;
+- :mod:`.replicate` (``replicate``): the three-block trace repeated to full depth;
+- :mod:`.hf` (transformers specifics: causal attention without an ``S x S`` mask, its configs) and
+  :mod:`.fx_util` (fx helpers) serve the passes.
+
+The planner's IR (:class:`~megatrain.planner.graph.TracedModel`, :func:`~megatrain.planner.graph.retarget`)
+lives in :mod:`megatrain.planner.graph`; both are re-exported here for old imports.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from torch import nn
+
+from megatrain.errors import TraceError
+from megatrain.planner.graph import TracedModel, retarget
+from megatrain.planner.trace.cleanup import (clean, erase_metadata_asserts, install_grouped_query_attention,
+                                             keep_position_math_fp32)
+from megatrain.planner.trace.context import TraceContext, TraceOptions
+from megatrain.planner.trace.cut import build_graph, check_covers_params, cut, find_block_container, share_templates
+from megatrain.planner.trace.export import check_model, export
+from megatrain.planner.trace.hf import causal_attention
+from megatrain.planner.trace.lm_head import DEFAULT_LOSS_CHUNK_BYTES, chunk_lm_head_loss, fuse_lm_head_loss
+from megatrain.planner.trace.measure import measure
+from megatrain.planner.trace.replicate import pick_blocks, replicate, short_copy, why_not_replicate
+from megatrain.planner.trace.seq_chunk import (DEFAULT_SEQ_CHUNK_BYTES, MIXED, chunk_sequence_regions,
+                                               chunk_sequences, sequence_dims)
+
+PASSES: tuple[Callable[[TraceContext], None], ...] = (
+    export,             # the loss-only wrapper as one aten graph
+    clean,              # in every nested graph: asserts out, no randomness, FP32 positions, GQA kernel
+    cut,                # stages, values, one GraphModule per layer
+    fuse_lm_head_loss,  # before chunk_sequences: the pattern starts at the LM head's linear, which is token-wise
+    chunk_sequences,    # large token-wise regions a chunk of the sequence at a time
+    share_templates,    # structurally equal layers share one template (after the rewrites above)
+    measure,            # work bytes per layer; FLOPs and launches per template
+    build_graph,        # the LayerGraph and the TracedModel
+    replicate,          # a three-block trace repeated to the model's depth (full traces pass through)
+)
+"""The trace pipeline, in order; :func:`trace` runs it on the model or its three-block copy."""
+
+
+def run_passes(ctx: TraceContext) -> TraceContext:
+    """Run :data:`PASSES` over ``ctx`` in order; returns it."""
+    for p in PASSES:
+        p(ctx)
+    return ctx
+
+
+def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
+          input_names: Sequence[str] = ("input_ids", "labels"), replicate_blocks: bool = True,
+          loss_chunk_bytes: int | None = DEFAULT_LOSS_CHUNK_BYTES,
+          seq_chunk_bytes: int | None = DEFAULT_SEQ_CHUNK_BYTES) -> TracedModel:
+    """Trace ``model`` into a LayerGraph for micro-batches of ``[micro_batch_size, seq_len]``.
+
+    ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
+    its scalar loss (a tensor, an object with ``.loss`` or a tuple whose first element is the loss).
+    The model may live on the ``meta`` device; no parameter memory is touched either way, and the
+    model is not modified.
+
+    ``replicate_blocks``: trace three blocks and repeat them when every block is the same (see
+    :mod:`.replicate`); the graph equals the full trace's. ``loss_chunk_bytes``: the bytes of
+    one chunk of logits for :func:`chunk_lm_head_loss`, or None to keep the LM head and loss as
+    the model wrote them. ``seq_chunk_bytes``: for :func:`chunk_sequence_regions`, the intermediate
+    bytes above which a token-wise region of a layer runs in chunks of the sequence, and about the
+    bytes of one chunk's intermediates; None runs every region whole.
+
+    The three-block copy is traced first when :func:`why_not_replicate` finds the blocks
+    interchangeable; if it fails to trace (any TraceError) or its blocks disagree, :data:`PASSES`
+    run again on the full model. ``graph.meta`` records ``trace`` (``"replicated"`` or ``"full"``),
+    ``trace_full_because``, ``skip_causal_mask`` and any ``unused_parameters``.
+
+    Raises:
+        TraceError: export failed (names the module that was running and the failing op), or a
+            size argument is below 1.
+        UnsupportedModelError: no trainable parameters, tied parameters used by two layers, or
+            blocks called out of order.
+    """
+    options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),
+                           loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes)
+    check_model(model)
+    container = find_block_container(model)
+    with causal_attention(model, options.input_names) as mask_free:
+        why = why_not_replicate(model, container) if replicate_blocks else "replicate_blocks=False"
+        ctx = None
+        if why is None:
+            picks = pick_blocks(len(model.get_submodule(container)))
+            try:
+                ctx = run_passes(TraceContext(model=model, module=short_copy(model, container, picks),
+                                              options=options, container=container, picks=picks))
+            except TraceError as e:
+                # The full trace either succeeds or raises this error with the real block names.
+                why = f"the three-block copy did not trace ({type(e).__name__})"
+            else:
+                why = ctx.full_because
+        if why is not None:
+            ctx = run_passes(TraceContext(model=model, module=model, options=options, container=container))
+    traced = ctx.traced
+    traced.graph.meta.update(trace="full" if why else "replicated", skip_causal_mask=mask_free)
+    if why:
+        traced.graph.meta["trace_full_because"] = why
+    check_covers_params(model, traced.graph)
+    return traced
+
+
+__all__ = ["DEFAULT_LOSS_CHUNK_BYTES", "DEFAULT_SEQ_CHUNK_BYTES", "MIXED", "PASSES", "TraceContext",
+           "TraceOptions", "TracedModel", "chunk_lm_head_loss", "chunk_sequence_regions", "erase_metadata_asserts",
+           "install_grouped_query_attention", "keep_position_math_fp32", "retarget", "run_passes", "sequence_dims",
+           "trace"]
