@@ -890,7 +890,8 @@ def section_step(ctx: Ctx) -> dict:
                                 hardware=spec, device="cpu" if ctx.dry else "cuda")
     compile_s = time.perf_counter() - t0
     if ctx.dry:
-        from megatrain.runtime.cuda import CUDABackend, FakeCuda
+        from megatrain.runtime.cuda import CUDABackend
+        from megatrain.testing import FakeCuda
 
         # The CUDA backend's logic on CPU tensors; the executor allocates its slots at the first run.
         trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())

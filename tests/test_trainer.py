@@ -439,7 +439,8 @@ def test_a_host_op_failing_on_the_cuda_backends_worker_leaves_the_trainer_as_if_
     # The CUDA backend's logic on the CPU (FakeCuda): the second carried OPT raises on the host
     # worker, which skips the host ops queued after it; the GPU op waiting on it raises on the issuing
     # thread. The trainer learns which updates ran, applies the rest, and matches the CPU reference.
-    from megatrain.runtime.cuda import CUDABackend, FakeCuda
+    from megatrain.runtime.cuda import CUDABackend
+    from megatrain.testing import FakeCuda
 
     trainer = _small_trainer()
     trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())

@@ -19,7 +19,7 @@ Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` d
   minimises reloads for a known access sequence). The copy waits for every op that used the
   slot's old content (its computes and, after backward, its gradient copy-out) and for the
   prefetch window. With BF16 compute a CAST op on the host stream first writes the layer's master
-  weights as BF16 into a staging tile (a ring of ``plan.staging_ring``), which the H2D reads. With
+  weights as BF16 into a staging tile (a ring of ``plan.staging_ring``), which the H2D names and reads. With
   ``plan.cast_once`` tile ``k`` belongs to layer ``k``: a copy re-reads the CAST already in the
   layer's tile unless an OPT of the layer was emitted since (the master changed), so each layer is
   cast once per step.
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from megatrain.errors import PlanError
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import Mode, Op, OpKind, Schedule
+from megatrain.planner.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
 
 
 @dataclass(slots=True)
@@ -70,13 +70,6 @@ class _Slot:
     layer: int | None = None
     users: list[int] = field(default_factory=list)  # op indices that used the current content
     h2d: int | None = None
-
-
-def gradient_tiles(graph: LayerGraph) -> dict[int, int]:
-    """The host gradient tile of each trainable layer (in layer order) where each has its own: the
-    ring tile with NEXT_FORWARD placement, the accumulator with per-micro-batch passes."""
-    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel > 0]
-    return {layer: k for k, layer in enumerate(trainable)}
 
 
 def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_updates: bool = False) -> Schedule:
@@ -101,7 +94,7 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     n = len(graph.layers)
     tiles = gradient_tiles(graph) if deferred or plan.accumulates_on_host else {}
     if mode == "update":
-        ops = tuple(Op(OpKind.OPT, layer, ring=r) for layer, r in tiles.items())
+        ops = tuple(_opt(plan, layer, r) for layer, r in tiles.items())
         return Schedule(ops=ops, plan=plan, n_layers=n, mode="update")
     return _Lowering(graph, plan, mode, carries_updates, tiles).run()
 
@@ -134,6 +127,12 @@ class _Lowering:
         self.ring_last_opt: dict[int, int] = {}  # ring tile -> the OPT (or ACC) that last read it
         self.slot_d2h: dict[int, int] = {}  # slot -> the D2H that last copied its gradients out
         self.acc: dict[tuple[int, int], int] = {}  # (layer, mb) -> ACC op
+
+    def copy_of(self, mb: int) -> int:
+        """The pinned copy of a layer's checkpoints that micro-batch ``mb`` is offloaded into: one per
+        micro-batch layer by layer; per-micro-batch passes reuse copy 0 (each pass's offload waits
+        for the previous pass's reload: the verifier's 'data' rule), as cost.pinned_buffers sizes it."""
+        return mb if self.plan.layer_by_layer else 0
 
     def policy(self, layer: int) -> ActivationPolicy:
         return self.plan.activation(layer) if self.train else ActivationPolicy.KEEP
@@ -211,7 +210,8 @@ class _Lowering:
                     for vid in layer.outputs:
                         self.latest[(vid, mb)] = k
                 if v.kind is OpKind.FWD and self.policy(v.layer) is ActivationPolicy.OFFLOAD:
-                    self.offloads[(v.layer, mb)] = self.emit(Op(OpKind.OFFLOAD, v.layer, mb=mb, deps=(k,)))
+                    self.offloads[(v.layer, mb)] = self.emit(Op(OpKind.OFFLOAD, v.layer, mb=mb, copy=self.copy_of(mb),
+                                                                deps=(k,)))
             if v.kind is OpKind.BWD and g.layers[v.layer].trainable_numel > 0:
                 if self.per_mb:
                     self.emit_accumulation(v, st)
@@ -255,10 +255,11 @@ class _Lowering:
             deps.add(self.acc[(layer, mb - 1)])
         elif layer in self.opt_at_start:
             deps.add(self.opt_at_start[layer])  # the carried update reads the accumulator first
-        a = self.acc[(layer, mb)] = self.emit(Op(OpKind.ACC, layer, mb=mb, ring=r, deps=tuple(sorted(deps))))
+        a = self.acc[(layer, mb)] = self.emit(Op(OpKind.ACC, layer, mb=mb, ring=r, acc=self.tiles[layer],
+                                                 deps=tuple(sorted(deps))))
         self.ring_last_opt[r] = a
         if mb == self.plan.micro_batches - 1 and not self.deferred:
-            self.emit(Op(OpKind.OPT, layer, ring=self.tiles[layer], deps=(a,)))
+            self.emit(Op(OpKind.OPT, layer, acc=self.tiles[layer], deps=(a,)))
             self.staged.pop(layer, None)  # the master changes: a later copy casts again
 
     def emit_loads(self, upto: int) -> None:
@@ -277,13 +278,14 @@ class _Lowering:
                 if self.carries and v.layer in self.tiles and v.layer not in self.opt_at_start:
                     # The deferred update goes on the host stream just before the layer's first load
                     # (and its CAST), so each copy waits for its own layer's update, not for all.
-                    self.opt_at_start[v.layer] = self.emit(Op(OpKind.OPT, v.layer, ring=self.tiles[v.layer]))
+                    self.opt_at_start[v.layer] = self.emit(_opt(plan, v.layer, self.tiles[v.layer]))
                 if v.layer in self.opt_at_start:
                     deps.add(self.opt_at_start[v.layer])  # read the updated master weights
                 cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" else None
                 if cast is not None:
                     deps.add(cast)
-                h = self.emit(Op(OpKind.H2D, v.layer, slot=v.slot, deps=tuple(sorted(deps))))
+                tile = self.ops[cast].tile if cast is not None else None
+                h = self.emit(Op(OpKind.H2D, v.layer, slot=v.slot, tile=tile, deps=tuple(sorted(deps))))
                 if cast is not None:
                     self.staging_reader[self.ops[cast].tile] = h
                 st.layer, st.users, st.h2d = v.layer, [], h
@@ -351,9 +353,16 @@ class _Lowering:
                     if self.ops[self.latest[key]].kind is OpKind.RELOAD:
                         continue  # already back for an earlier reader
                     deps = {self.offloads[(p, mb)], *self.visits[after].ops}
-                    r = self.emit(Op(OpKind.RELOAD, p, mb=mb, deps=tuple(sorted(deps))))
+                    r = self.emit(Op(OpKind.RELOAD, p, mb=mb, copy=self.copy_of(mb), deps=tuple(sorted(deps))))
                     for out in self.g.checkpoints(p):
                         self.latest[(out, mb)] = r
+
+
+def _opt(plan: Plan, layer: int, k: int) -> Op:
+    """A deferred (NEXT_FORWARD) update of ``layer`` from its own gradient tile or accumulator ``k``."""
+    if plan.accumulates_on_host:
+        return Op(OpKind.OPT, layer, acc=k)
+    return Op(OpKind.OPT, layer, ring=k)
 
 
 def _assign_slots(visits: list[_Visit], plan: Plan, n_layers: int) -> None:

@@ -44,9 +44,8 @@ from megatrain.errors import ScheduleError
 from megatrain.planner import cost
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.plan import OptimizerPlacement
-from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule
+from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule, gradient_tiles
 
 
 def happens_before(schedule: Schedule) -> list[int]:
@@ -87,6 +86,7 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     slot_sizes = cost.slot_numels(graph, plan.slots, plan.resident)
     tile_numels = cost.gradient_tile_numels(graph, plan)
     staging_numels = cost.staging_tile_numels(graph, plan) or (0,) * plan.staging_ring
+    n_copies = plan.micro_batches if plan.layer_by_layer else 1
     for i, op in enumerate(ops):
         for d in op.deps:
             if not 0 <= d < i:
@@ -95,15 +95,18 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             fail(i, "order", f"layer {op.layer} does not exist", "lower against this graph")
         if op.slot is not None and not 0 <= op.slot < n_slots:
             fail(i, "budget", f"slot {op.slot} outside the plan's {n_slots} slots", "raise Plan.slots")
-        if op.kind is OpKind.OPT and plan.accumulates_on_host:
-            if not 0 <= op.ring < n_accumulators:
-                fail(i, "budget", f"accumulator {op.ring} outside the {n_accumulators} trainable layers",
-                     "use lower.gradient_tiles for each layer's accumulator")
-        elif op.ring is not None and not 0 <= op.ring < plan.grad_ring:
+        if op.acc is not None and not 0 <= op.acc < n_accumulators:
+            fail(i, "budget", f"accumulator {op.acc} outside the {n_accumulators} trainable layers",
+                 "use schedule.gradient_tiles for each layer's accumulator")
+        if op.ring is not None and not 0 <= op.ring < plan.grad_ring:
             fail(i, "budget", f"ring tile {op.ring} outside the plan's {plan.grad_ring}", "raise Plan.grad_ring")
         if op.tile is not None and not 0 <= op.tile < len(staging_numels):
             fail(i, "budget", f"staging tile {op.tile} outside the plan's {len(staging_numels)}",
                  "raise Plan.staging_ring")
+        if op.copy is not None and not 0 <= op.copy < n_copies:
+            fail(i, "budget", f"pinned checkpoint copy c{op.copy} outside the plan's {n_copies} (one per micro-batch "
+                 "layer by layer, one reused copy with per-micro-batch passes: cost.pinned_buffers)",
+                 "offload micro-batch m into copy m layer by layer, else into copy 0")
         if op.mb is not None and not 0 <= op.mb < plan.micro_batches:
             fail(i, "coverage", f"micro-batch {op.mb} outside the plan's {plan.micro_batches}",
                  "lower with the same plan")
@@ -122,7 +125,7 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             fail(i, "budget", f"layer {op.layer}'s {layer.trainable_numel:,} gradients do not fit host tile "
                  f"r{op.ring} of {tile_numels[op.ring]:,} (cost.gradient_tile_numels sizes each tile for the layers "
                  "the lowering gives it)", "assign ring tiles as lower.py does (D2H number k of a step takes tile "
-                 "k % grad_ring; with NEXT_FORWARD a layer's own tile, lower.gradient_tiles)")
+                 "k % grad_ring; with NEXT_FORWARD a layer's own tile, schedule.gradient_tiles)")
 
     anc = happens_before(schedule)
 
@@ -198,6 +201,11 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     if by_kind[OpKind.ACC] and not accumulating:
         fail(by_kind[OpKind.ACC][0], "gradients", "only per-micro-batch passes accumulate gradients on "
              "the host", "drop the ACC ops, or lower with layer_by_layer=False and several micro-batches")
+    for i in by_kind[OpKind.ACC]:
+        op = ops[i]
+        if op.acc != accumulator_of.get(op.layer):
+            fail(i, "gradients", f"it adds into accumulator {op.acc}, not layer {op.layer}'s",
+                 f"add into accumulator a{accumulator_of.get(op.layer)} (schedule.gradient_tiles)")
     # Ring tiles are read by the ACCs with per-micro-batch passes, else by DURING_BACKWARD updates.
     ring_readers = by_kind[OpKind.ACC] if accumulating else [] if deferred else by_kind[OpKind.OPT]
     for i in ring_readers:
@@ -219,10 +227,14 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                      "make it depend on the D2H that follows that local backward")
     for i in by_kind[OpKind.OPT]:
         op = ops[i]
+        if accumulating != (op.acc is not None):
+            fail(i, "gradients", f"it steps from {'ring tile r' + str(op.ring) if op.ring is not None else 'accumulator a' + str(op.acc)}, "
+                 f"but {'per-micro-batch passes sum the gradients in accumulators' if accumulating else 'only per-micro-batch passes have accumulators'}",
+                 f"read {'accumulator a' if accumulating else 'ring tile r'}<k>")
         if accumulating:
-            if op.ring != accumulator_of.get(op.layer):
-                fail(i, "gradients", f"it reads accumulator {op.ring}, not layer {op.layer}'s",
-                     f"read accumulator {accumulator_of.get(op.layer)} (lower.gradient_tiles)")
+            if op.acc != accumulator_of.get(op.layer):
+                fail(i, "gradients", f"it reads accumulator {op.acc}, not layer {op.layer}'s",
+                     f"read accumulator {accumulator_of.get(op.layer)} (schedule.gradient_tiles)")
             accs = [a for mb in range(plan.micro_batches) for a in acc_at[(op.layer, mb)]]
             if deferred:  # the previous step's accumulator: no ACC of this schedule may overwrite it first
                 for a in accs:
@@ -245,7 +257,7 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                 if ops[d].layer != op.layer:
                     fail(d, "gradients", f"it writes tile r{op.ring}, which layer {op.layer}'s deferred update "
                          "reads; with NEXT_FORWARD every layer keeps a tile of its own",
-                         "use lower.gradient_tiles for the tile of each layer")
+                         "use schedule.gradient_tiles for the tile of each layer")
     if accumulating and schedule.mode == "train":
         for layer in range(len(graph.layers)):
             if graph.layers[layer].trainable_numel == 0:
@@ -267,7 +279,7 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             if owner.setdefault(ops[d].ring, ops[d].layer) != ops[d].layer:
                 fail(d, "gradients", f"tile r{ops[d].ring} also receives layer {owner[ops[d].ring]}'s "
                      "gradients; with NEXT_FORWARD each layer's gradients wait in a tile of their own "
-                     "until the next step", "use lower.gradient_tiles for the tile of each layer")
+                     "until the next step", "use schedule.gradient_tiles for the tile of each layer")
 
     # staging
     if plan.compute_dtype != "float32":
@@ -284,6 +296,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                      f"layer {ops[h].layer} filled, and it depends on {len(casts)} CASTs of that layer",
                      f"make it depend on one CAST:L{ops[h].layer}:t<k>")
             c = casts[0]
+            if ops[h].tile != ops[c].tile:
+                fail(h, "staging", f"it names staging tile t{ops[h].tile}, but the CAST it reads, #{c} {ops[c]!r}, "
+                     f"fills tile t{ops[c].tile}", f"name tile t{ops[c].tile}")
             for other in cast_by_tile[ops[c].tile]:
                 if other != c and not before(other, c) and not before(h, other):
                     fail(other, "staging", f"it may overwrite staging tile t{ops[c].tile} before #{h} "
@@ -298,6 +313,11 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     elif by_kind[OpKind.CAST]:
         fail(by_kind[OpKind.CAST][0], "staging", "a float32 plan copies the master tiles directly",
              "drop the CAST ops or lower with compute_dtype='bfloat16'")
+    else:
+        for h in by_kind[OpKind.H2D]:
+            if ops[h].tile is not None:
+                fail(h, "staging", f"a float32 plan copies the master rows directly, but it names staging tile "
+                     f"t{ops[h].tile}", f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
 
     # coverage
     M = plan.micro_batches
@@ -344,14 +364,21 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             off = at.get((OpKind.OFFLOAD, op.layer, op.mb), [])
             if not off or not before(off[0], i):
                 fail(i, "data", f"it reloads layer {op.layer}'s checkpoints (micro-batch {op.mb}) that no "
-                     "earlier OFFLOAD copied out", f"make it depend on OFFLOAD:L{op.layer}:m{op.mb}")
-        if op.kind is OpKind.OFFLOAD and not plan.layer_by_layer:
-            # Per-micro-batch passes hold one micro-batch's offloaded checkpoints in pinned memory.
+                     "earlier OFFLOAD copied out", f"make it depend on OFFLOAD:L{op.layer}:m{op.mb}:c{op.copy}")
+            if ops[off[0]].copy != op.copy:
+                fail(i, "data", f"it reads pinned copy c{op.copy}, but #{off[0]} {ops[off[0]]!r} wrote micro-batch "
+                     f"{op.mb}'s checkpoints into c{ops[off[0]].copy}", f"read copy c{ops[off[0]].copy}")
+        if op.kind is OpKind.OFFLOAD:
+            # A pinned copy holds one micro-batch's checkpoints at a time (per-micro-batch passes
+            # reuse one): an offload into it comes after the reloads of what it held.
             for m in range(op.mb):
-                for r in at.get((OpKind.RELOAD, op.layer, m), []):
-                    if not before(r, i):
-                        fail(i, "data", f"it overwrites layer {op.layer}'s pinned checkpoint copy before "
-                             f"#{r} {ops[r]!r} reads micro-batch {m}'s back", f"make it depend on #{r}")
+                for o in at.get((OpKind.OFFLOAD, op.layer, m), []):
+                    if ops[o].copy != op.copy:
+                        continue
+                    for r in at.get((OpKind.RELOAD, op.layer, m), []):
+                        if not before(r, i):
+                            fail(i, "data", f"it overwrites layer {op.layer}'s pinned checkpoint copy c{op.copy} "
+                                 f"before #{r} {ops[r]!r} reads micro-batch {m}'s back", f"make it depend on #{r}")
         if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
             for vid in graph.layers[op.layer].outputs:
                 latest[(vid, op.mb)] = i

@@ -39,7 +39,6 @@ from megatrain.config import AdamW
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import strict_fp32
-from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule
 from megatrain.planner.trace import TracedModel, retarget
 from megatrain.runtime.backend import Backend
@@ -100,7 +99,6 @@ class Executor:
         self._buffer_key: tuple | None = None
         self._arena: PinnedArena | None = None
         self._host_acts: dict[tuple[int, int], torch.Tensor] = {}  # offloaded checkpoints: views of the arena
-        self._accumulator_of = gradient_tiles(self.graph)
         n = len(self.graph.layers)
         self._norms_dev = backend.device_empty((n,), torch.float32)
         self._flags_dev = backend.device_empty((n,), torch.bool)
@@ -215,7 +213,7 @@ class Executor:
                 view = acts.view(i)
                 k = op.kind
                 if k is OpKind.H2D:
-                    fn = self._h2d(schedule, op, bufs)
+                    fn = self._h2d(op, bufs)
                 elif k is OpKind.FWD or k is OpKind.RECOMPUTE:
                     fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], view, loss_tensors,
                                    schedule.plan.compute_dtype)
@@ -231,14 +229,14 @@ class Executor:
                     fn = self._d2h(op, bufs, loss_tensors)
                 elif k is OpKind.OPT:
                     carried = schedule.mode == "update" or schedule.carries_updates
-                    tiles = bufs.accumulators if schedule.plan.accumulates_on_host else bufs.ring
-                    fn = self._opt(op.layer, tiles[op.ring], carried)
+                    fn = self._opt(op.layer, bufs.accumulators[op.acc] if op.acc is not None else bufs.ring[op.ring],
+                                   carried)
                 elif k is OpKind.ACC:
                     fn = self._acc(op, bufs, last=op.mb == M - 1)
                 elif k is OpKind.OFFLOAD:
-                    fn = self._offload(op, view, schedule.plan.layer_by_layer)
+                    fn = self._offload(op, view)
                 elif k is OpKind.RELOAD:
-                    fn = self._reload(op, view, schedule.plan.layer_by_layer)
+                    fn = self._reload(op, view)
                 elif k is OpKind.CAST:
                     fn = self._cast(op, bufs)
                 else:  # pragma: no cover - OpKind is closed
@@ -260,10 +258,9 @@ class Executor:
         out.updates_skipped = list(self._skipped)
         return out
 
-    def _h2d(self, schedule: Schedule, op: Op, bufs: _Buffers):
-        casts = [schedule.ops[d] for d in op.deps if schedule.ops[d].kind is OpKind.CAST]
+    def _h2d(self, op: Op, bufs: _Buffers):
         numel = self.graph.layers[op.layer].numel
-        src = bufs.staging[casts[0].tile][:numel] if casts else self.host.master(op.layer)
+        src = bufs.staging[op.tile][:numel] if op.tile is not None else self.host.master(op.layer)
         return _copy(bufs.weights[op.slot][:numel], src)
 
     def _cast(self, op: Op, bufs: _Buffers):
@@ -388,7 +385,7 @@ class Executor:
     def _acc(self, op: Op, bufs: _Buffers, last: bool):
         li = op.layer
         tile = bufs.ring[op.ring][:self.graph.layers[li].trainable_numel]
-        acc = bufs.accumulators[self._accumulator_of[li]]
+        acc = bufs.accumulators[op.acc]
 
         def run() -> None:
             if op.mb == 0:
@@ -421,14 +418,12 @@ class Executor:
             self.updated.append(li)
         return run
 
-    def _host_keys(self, op: Op, layer_by_layer: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-        """(checkpoint, pinned copy) keys of an OFFLOAD or RELOAD. Per-micro-batch passes reuse one
-        pinned copy per checkpoint for every micro-batch (the verifier's 'data' rule orders each
-        offload after the previous micro-batch's reload)."""
-        return [((vid, op.mb), (vid, op.mb if layer_by_layer else 0)) for vid in self.graph.checkpoints(op.layer)]
+    def _host_keys(self, op: Op) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """(checkpoint, pinned region) keys of an OFFLOAD or RELOAD: the op names its pinned copy."""
+        return [((vid, op.mb), (vid, op.copy)) for vid in self.graph.checkpoints(op.layer)]
 
-    def _offload(self, op: Op, acts, layer_by_layer: bool):
-        keys = self._host_keys(op, layer_by_layer)
+    def _offload(self, op: Op, acts):
+        keys = self._host_keys(op)
         arena = self._arena
 
         def run() -> None:
@@ -446,8 +441,8 @@ class Executor:
                 dst.copy_(src, non_blocking=True)
         return run
 
-    def _reload(self, op: Op, acts, layer_by_layer: bool):
-        keys = self._host_keys(op, layer_by_layer)
+    def _reload(self, op: Op, acts):
+        keys = self._host_keys(op)
         dev = self.backend.device
 
         def run() -> None:
