@@ -246,7 +246,8 @@ def _good(seed: int):
 
 
 class _Faults:
-    """Makes ``backend.launch`` raise at chosen ``(run, op index)`` pairs, counting runs from now;
+    """Makes ``backend.launch`` raise at chosen ``(run, op index)`` pairs, counting runs from now (a
+    run ends at ``synchronize``, or at ``abort`` when the executor closes a run that failed);
     ``after=True`` raises once the op has run (its effect stays), else instead of running it;
     ``inside=True`` makes the op itself raise where it runs (a host op: on the CUDA backend's worker).
     """
@@ -254,7 +255,7 @@ class _Faults:
     def __init__(self, backend, at, after: bool = False, inside: bool = False, error=RuntimeError):
         self.run = self.index = 0
         self.hits: list[tuple[int, int]] = []
-        launch, sync = backend.launch, backend.synchronize
+        launch, sync, abort = backend.launch, backend.synchronize, backend.abort
 
         def faulty_launch(stream, fn, waits, label=""):
             where = (self.run, self.index)
@@ -278,7 +279,11 @@ class _Faults:
             self.run, self.index = self.run + 1, 0
             sync()
 
-        backend.launch, backend.synchronize = faulty_launch, counting_sync
+        def counting_abort():
+            self.run, self.index = self.run + 1, 0
+            abort()
+
+        backend.launch, backend.synchronize, backend.abort = faulty_launch, counting_sync, counting_abort
 
 
 def _flushed_state(trainer):
