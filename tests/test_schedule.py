@@ -401,3 +401,22 @@ def test_verifier_catches_an_accumulation_of_the_wrong_micro_batch():
     ops[a0], ops[a1] = dataclasses.replace(ops[a0], mb=1), dataclasses.replace(ops[a1], mb=0)
     with pytest.raises(ScheduleError, match=r"ACC:L0:m1:r0:a0 breaks rule 'gradients'.*not those of micro-batch 1"):
         verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+def test_verifier_rules_are_data_and_each_runs_alone():
+    """verify() is its RULES in order; each rule is a function of the shared context, so a rule can
+    be run (or tested) on its own and its error marks the failing op in the printed schedule."""
+    from megatrain.planner import verify as verify_mod
+
+    assert [r.__name__ for r in verify_mod.RULES] == [
+        "_check_order", "_check_budget", "_check_weights", "_check_gradients", "_check_staging",
+        "_check_coverage", "_check_data", "_check_updates"]
+    g = chain_graph(4)
+    s = lower(g, Plan(), "train")
+    ops = list(s.ops)
+    ops[3] = dataclasses.replace(ops[3], deps=(7,))
+    bad = dataclasses.replace(s, ops=tuple(ops))
+    with pytest.raises(ScheduleError, match=r"(?s)op #3 .* breaks rule 'order'.*-->     3 "):
+        verify_mod._check_order(verify_mod._Context(bad, g))
+    for rule in verify_mod.RULES:
+        rule(verify_mod._Context(s, g))

@@ -1,7 +1,9 @@
-"""The verifier: one function that checks a Schedule's invariants against its LayerGraph.
+"""The verifier: a Schedule's invariants against its LayerGraph, as a list of rule functions.
 
-Happens-before is the DAG's dependencies plus program order on each in-order stream. It is
-computed once as ancestor bitsets (Python ints) in list order, which the rules then query:
+``verify`` runs the functions in ``RULES`` in order over one shared :class:`_Context` (after
+tinygrad's ``uop/spec.py``, whose verifier is its rules as data). Happens-before is the DAG's
+dependencies plus program order on each in-order stream. It is computed once as ancestor bitsets
+(Python ints) in list order, which the rules then query:
 
 - ``order``: every dependency names an earlier op (the list is a topological order, so the DAG
   together with in-order streams is acyclic and cannot deadlock);
@@ -39,11 +41,13 @@ Errors name the op, the rule and the fix, and print the schedule with a marker a
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable, NoReturn
 
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
-from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
+from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.plan import OptimizerPlacement
 from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule, gradient_tiles
 
@@ -69,30 +73,88 @@ def happens_before(schedule: Schedule) -> list[int]:
 def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None) -> None:
     """Raise ScheduleError naming the first broken invariant; return None when all hold.
 
-    With ``hw`` the memory budget is checked too (:func:`megatrain.planner.cost.memory_breakdown`).
+    The rules in ``RULES`` run in order, each raising at the first op that breaks it, with the op,
+    the rule and the fix, and the schedule printed around the op with a marker. With ``hw`` the
+    memory budget is checked too (:func:`megatrain.planner.cost.memory_breakdown`).
+
+    Raises:
+        ScheduleError: the schedule is for another graph, or breaks a rule.
     """
-    ops = schedule.ops
-    plan = schedule.plan
-
-    def fail(i: int, rule: str, what: str, fix: str) -> None:
-        raise ScheduleError(f"op #{i} {ops[i]!r} breaks rule '{rule}': {what}. Fix: {fix}.\n"
-                            + schedule.format(marker=i, context=12))
-
     if schedule.n_layers != len(graph.layers):
         raise ScheduleError(f"schedule is for {schedule.n_layers} layers, graph has {len(graph.layers)}")
-    n_slots = plan.slots + len(plan.resident)
-    accumulator_of = gradient_tiles(graph)  # per-micro-batch passes: each trainable layer's accumulator
-    n_accumulators = len(accumulator_of)
-    slot_sizes = cost.slot_numels(graph, plan.slots, plan.resident)
-    tile_numels = cost.gradient_tile_numels(graph, plan)
-    staging_numels = cost.staging_tile_numels(graph, plan) or (0,) * plan.staging_ring
-    n_copies = plan.micro_batches if plan.layer_by_layer else 1
+    c = _Context(schedule, graph)
+    for rule in RULES:
+        rule(c)
+    if hw is not None:
+        _check_memory(schedule, graph, hw)
+
+
+class _Context:
+    """What the rules share, computed once per schedule: happens-before, ops by kind and index."""
+
+    def __init__(self, schedule: Schedule, graph: LayerGraph):
+        self.schedule, self.graph, self.plan, self.ops = schedule, graph, schedule.plan, schedule.ops
+        plan, ops = self.plan, self.ops
+        self.accumulator_of = gradient_tiles(graph)  # per-micro-batch passes: each trainable layer's accumulator
+        self.staging_numels = cost.staging_tile_numels(graph, plan) or (0,) * plan.staging_ring
+        self.deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+        self.accumulating = plan.accumulates_on_host
+        self.last = len(ops) - 1 if ops else 0
+        self.by_kind: dict[OpKind, list[int]] = defaultdict(list)
+        self.at: dict[tuple[OpKind, int, int], list[int]] = defaultdict(list)
+        for i, op in enumerate(ops):
+            self.by_kind[op.kind].append(i)
+            if op.mb is not None:
+                self.at[(op.kind, op.layer, op.mb)].append(i)
+        self.h2d_by_slot: dict[int, list[int]] = defaultdict(list)
+        for i in self.by_kind[OpKind.H2D]:
+            self.h2d_by_slot[ops[i].slot].append(i)
+        self.opt_by_layer: dict[int, list[int]] = defaultdict(list)
+        for i in self.by_kind[OpKind.OPT]:
+            self.opt_by_layer[ops[i].layer].append(i)
+        self._anc: list[int] | None = None
+        self._liveness: Liveness | None = None
+
+    def fail(self, i: int, rule: str, what: str, fix: str) -> NoReturn:
+        """Raise the ScheduleError of op ``i`` breaking ``rule``, with the schedule around it, marked."""
+        raise ScheduleError(f"op #{i} {self.ops[i]!r} breaks rule '{rule}': {what}. Fix: {fix}.\n"
+                            + self.schedule.format(marker=i, context=12))
+
+    def before(self, a: int, b: int) -> bool:
+        """Whether op ``a`` happens before op ``b``."""
+        if self._anc is None:  # after rule 'order', so every dependency names an earlier op
+            self._anc = happens_before(self.schedule)
+        return bool((self._anc[b] >> a) & 1)
+
+    @property
+    def liveness(self) -> Liveness:
+        if self._liveness is None:
+            self._liveness = liveness(self.schedule, self.graph)
+        return self._liveness
+
+
+def _check_order(c: _Context) -> None:
+    """Rule ``order``: every dependency names an earlier op, and every op a layer of the graph."""
+    ops, graph, fail = c.ops, c.graph, c.fail
     for i, op in enumerate(ops):
         for d in op.deps:
             if not 0 <= d < i:
                 fail(i, "order", f"dependency {d} is not an earlier op", "list ops in a topological order")
         if not 0 <= op.layer < len(graph.layers):
             fail(i, "order", f"layer {op.layer} does not exist", "lower against this graph")
+
+
+def _check_budget(c: _Context) -> None:
+    """Rule ``budget`` (per op): slot, ring, staging, accumulator and pinned-copy indices within the plan,
+    each op's layer fitting the slot and tiles it uses (and micro-batches within the plan: ``coverage``)."""
+    ops, plan, graph, fail = c.ops, c.plan, c.graph, c.fail
+    n_slots = plan.slots + len(plan.resident)
+    n_accumulators = len(c.accumulator_of)
+    slot_sizes = cost.slot_numels(graph, plan.slots, plan.resident)
+    tile_numels = cost.gradient_tile_numels(graph, plan)
+    staging_numels = c.staging_numels
+    n_copies = plan.micro_batches if plan.layer_by_layer else 1
+    for i, op in enumerate(ops):
         if op.slot is not None and not 0 <= op.slot < n_slots:
             fail(i, "budget", f"slot {op.slot} outside the plan's {n_slots} slots", "raise Plan.slots")
         if op.acc is not None and not 0 <= op.acc < n_accumulators:
@@ -127,19 +189,11 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                  "the lowering gives it)", "assign ring tiles as lower.py does (D2H number k of a step takes tile "
                  "k % grad_ring; with NEXT_FORWARD a layer's own tile, schedule.gradient_tiles)")
 
-    anc = happens_before(schedule)
 
-    def before(a: int, b: int) -> bool:
-        return bool((anc[b] >> a) & 1)
-
-    by_kind: dict[OpKind, list[int]] = defaultdict(list)
-    for i, op in enumerate(ops):
-        by_kind[op.kind].append(i)
-    h2d_by_slot: dict[int, list[int]] = defaultdict(list)
-    for i in by_kind[OpKind.H2D]:
-        h2d_by_slot[ops[i].slot].append(i)
-
-    # weights
+def _check_weights(c: _Context) -> None:
+    """Rule ``weights``: a compute op's slot holds its layer's weights, copied before it and not
+    overwritten while it runs."""
+    ops, fail, before, h2d_by_slot = c.ops, c.fail, c.before, c.h2d_by_slot
     for i, op in enumerate(ops):
         if op.kind not in COMPUTE_KINDS:
             continue
@@ -157,7 +211,13 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                 fail(i, "weights", f"#{h} {ops[h]!r} may overwrite slot s{op.slot} while it reads it",
                      f"make #{h} depend on #{i}")
 
-    # gradients
+
+def _check_gradients(c: _Context) -> None:
+    """Rule ``gradients``: gradients leave each slot before it is overwritten; host tiles and accumulators
+    are read by the right op before they are overwritten."""
+    ops, plan, graph, fail, before, by_kind = c.ops, c.plan, c.graph, c.fail, c.before, c.by_kind
+    h2d_by_slot, accumulator_of, schedule = c.h2d_by_slot, c.accumulator_of, c.schedule
+    deferred, accumulating = c.deferred, c.accumulating
     d2h_of: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in by_kind[OpKind.D2H]:
         d2h_of[(ops[i].layer, ops[i].slot)].append(i)
@@ -187,14 +247,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             if j != i and not same_visit and before(i, j) and not before(d, j):
                 fail(j, "gradients", f"it writes slot s{op.slot}'s gradients before #{d} {ops[d]!r} copies "
                      f"out those of #{i} {op!r}", f"make it depend on #{d}")
-    opt_by_layer: dict[int, list[int]] = defaultdict(list)
-    for i in by_kind[OpKind.OPT]:
-        opt_by_layer[ops[i].layer].append(i)
     d2h_by_ring: dict[int, list[int]] = defaultdict(list)
     for i in by_kind[OpKind.D2H]:
         d2h_by_ring[ops[i].ring].append(i)
-    deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
-    accumulating = plan.accumulates_on_host
     acc_at: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in by_kind[OpKind.ACC]:
         acc_at[(ops[i].layer, ops[i].mb)].append(i)
@@ -281,11 +336,12 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                      "gradients; with NEXT_FORWARD each layer's gradients wait in a tile of their own "
                      "until the next step", "use schedule.gradient_tiles for the tile of each layer")
 
-    # staging
+
+def _check_staging(c: _Context) -> None:
+    """Rule ``staging``: a BF16 copy reads the staging tile its layer's CAST filled, with no update in
+    between; FP32 copies read the master rows."""
+    ops, plan, fail, before, by_kind, opt_by_layer = c.ops, c.plan, c.fail, c.before, c.by_kind, c.opt_by_layer
     if plan.compute_dtype != "float32":
-        opt_by_layer: dict[int, list[int]] = defaultdict(list)
-        for i in by_kind[OpKind.OPT]:
-            opt_by_layer[ops[i].layer].append(i)
         cast_by_tile: dict[int, list[int]] = defaultdict(list)
         for i in by_kind[OpKind.CAST]:
             cast_by_tile[ops[i].tile].append(i)
@@ -319,14 +375,12 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                 fail(h, "staging", f"a float32 plan copies the master rows directly, but it names staging tile "
                      f"t{ops[h].tile}", f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
 
-    # coverage
-    M = plan.micro_batches
-    n = len(graph.layers)
-    at: dict[tuple[OpKind, int, int], list[int]] = defaultdict(list)
-    for i, op in enumerate(ops):
-        if op.mb is not None:
-            at[(op.kind, op.layer, op.mb)].append(i)
-    last = len(ops) - 1 if ops else 0
+
+def _check_coverage(c: _Context) -> None:
+    """Rule ``coverage``: each (layer, micro-batch) runs its forward and local backward once, its
+    recompute at most once."""
+    ops, plan, graph, fail, by_kind, schedule, at = c.ops, c.plan, c.graph, c.fail, c.by_kind, c.schedule, c.at
+    M, n, last = plan.micro_batches, len(graph.layers), c.last
     if schedule.mode == "update" and len(by_kind[OpKind.OPT]) != len(ops):
         fail(next(i for i, op in enumerate(ops) if op.kind is not OpKind.OPT), "coverage",
              "an update schedule runs the deferred optimizer steps and nothing else", "lower with mode='update'")
@@ -343,23 +397,23 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                          f"{kind.value} of layer {layer}, micro-batch {mb} runs {len(got)} times, expected "
                          f"{'at most one' if want is None else want}", "lower the schedule again")
 
-    # data
+
+def _check_data(c: _Context) -> None:
+    """Rule ``data``: every checkpoint read comes after the op that put that generation on the GPU
+    (:mod:`megatrain.planner.liveness`); reloads after their offloads; gradients after their producers."""
+    ops, graph, fail, before, at = c.ops, c.graph, c.fail, c.before, c.at
     producer_layer = {vid: v.producer for vid, v in enumerate(graph.values)}
-    latest: dict[tuple[int, int], int] = {}
+    live = c.liveness
     for i, op in enumerate(ops):
-        if op.kind in COMPUTE_KINDS or op.kind is OpKind.OFFLOAD:
-            reads = ([(vid, op.mb) for vid in graph.layers[op.layer].inputs
-                      if producer_layer[vid] != BATCH_PRODUCER] if op.kind in COMPUTE_KINDS
-                     else [(vid, op.mb) for vid in graph.checkpoints(op.layer)])
-            for key in reads:
-                src = latest.get(key)
-                name = graph.values[key[0]].name
-                if src is None:
-                    fail(i, "data", f"checkpoint {name!r} (micro-batch {key[1]}) is read before any op "
-                         "puts it on the GPU", f"run FWD of layer {producer_layer[key[0]]} first")
-                if not before(src, i):
-                    fail(i, "data", f"it reads {name!r} from #{src} {ops[src]!r}, which does not happen "
-                         "before it", f"make it depend on #{src}")
+        for key, k in live.reads[i].items():
+            name = graph.values[key[0]].name
+            if k is None:
+                fail(i, "data", f"checkpoint {name!r} (micro-batch {key[1]}) is read before any op "
+                     "puts it on the GPU", f"run FWD of layer {producer_layer[key[0]]} first")
+            src = live.generations[k].producer
+            if src != BATCH and not before(src, i):
+                fail(i, "data", f"it reads {name!r} from #{src} {ops[src]!r}, which does not happen "
+                     "before it", f"make it depend on #{src}")
         if op.kind is OpKind.RELOAD:
             off = at.get((OpKind.OFFLOAD, op.layer, op.mb), [])
             if not off or not before(off[0], i):
@@ -379,9 +433,6 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                         if not before(r, i):
                             fail(i, "data", f"it overwrites layer {op.layer}'s pinned checkpoint copy c{op.copy} "
                                  f"before #{r} {ops[r]!r} reads micro-batch {m}'s back", f"make it depend on #{r}")
-        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
-            for vid in graph.layers[op.layer].outputs:
-                latest[(vid, op.mb)] = i
     for (kind, layer, mb), (i, *_) in at.items():
         if kind is not OpKind.BWD:
             continue
@@ -395,7 +446,12 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                     fail(i, "data", f"the gradient of {val.name!r} from #{j} {ops[j]!r} does not "
                          "arrive before it", f"make it depend on #{j}")
 
-    # coverage of updates
+
+def _check_updates(c: _Context) -> None:
+    """Rule ``coverage`` of updates: each trainable layer is updated once, after all its micro-batches
+    (or, carried, before every copy of its weights)."""
+    ops, graph, fail, before, by_kind, schedule, at = c.ops, c.graph, c.fail, c.before, c.by_kind, c.schedule, c.at
+    opt_by_layer, deferred, M, n, last = c.opt_by_layer, c.deferred, c.plan.micro_batches, len(graph.layers), c.last
     if schedule.mode == "train" or schedule.mode == "update":
         carried = schedule.mode == "update" or schedule.carries_updates
         for layer in range(n):
@@ -423,8 +479,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
         fail(min(by_kind[OpKind.OPT] + by_kind[OpKind.D2H] + by_kind[OpKind.BWD] + by_kind[OpKind.ACC]), "coverage",
              "an eval schedule computes no gradients and updates nothing", "lower with mode='eval'")
 
-    if hw is not None:
-        _check_memory(schedule, graph, hw)
+RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_weights, _check_gradients,
+                                           _check_staging, _check_coverage, _check_data, _check_updates]
+"""The verifier's rules, in the order they run (``order`` first: the others index by dependency)."""
 
 
 def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> None:
