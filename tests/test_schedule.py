@@ -420,3 +420,29 @@ def test_verifier_rules_are_data_and_each_runs_alone():
         verify_mod._check_order(verify_mod._Context(bad, g))
     for rule in verify_mod.RULES:
         rule(verify_mod._Context(s, g))
+
+
+def test_lowering_is_its_passes_in_order():
+    """lower() is PASSES run in order: compute order first, then the passes that add copies and the
+    carried updates; running them by hand gives the same schedule."""
+    from megatrain.planner import lower as lower_mod
+    from megatrain.planner.schedule import gradient_tiles
+
+    assert [p.__name__ for p in lower_mod.PASSES] == ["order_compute", "assign_slots", "add_copies",
+                                                      "add_carried_updates"]
+    g = chain_graph(4)
+    plan = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4,
+                compute_dtype="bfloat16", staging_ring=2)
+    req = lower_mod._Request(g, plan, "train", True, gradient_tiles(g))
+    visits = lower_mod.order_compute([], req)
+    assert [(v.kind.value, v.layer) for v in visits] == [("FWD", 0), ("FWD", 1), ("FWD", 2), ("BWD", 3),
+                                                         ("BWD", 2), ("BWD", 1), ("BWD", 0)]
+    ops = lower_mod.add_copies(lower_mod.assign_slots(visits, req), req)
+    assert not any(op.kind is OpKind.OPT for op in ops)  # the carried updates come last
+    ops = lower_mod.add_carried_updates(ops, req)
+    assert tuple(ops) == lower(g, plan, "train", carries_updates=True).ops
+    s = Schedule(ops=tuple(ops), plan=plan, n_layers=4, carries_updates=True)
+    verify(s, g)
+    for layer in range(4):  # each update just before its layer's first CAST, which waits for it
+        o = _find(s, OpKind.OPT, layer)
+        assert s.ops[o + 1].kind is OpKind.CAST and s.ops[o + 1].layer == layer and o in s.ops[o + 1].deps
