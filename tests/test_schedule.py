@@ -378,7 +378,8 @@ def test_verifier_catches_an_update_reading_another_layers_accumulator():
     opt = _find(s, OpKind.OPT, 1)
     ops = list(s.ops)
     ops[opt] = dataclasses.replace(ops[opt], acc=2)
-    with pytest.raises(ScheduleError, match=r"OPT:L1:a2 breaks rule 'gradients': it reads accumulator 2, not layer 1's"):
+    with pytest.raises(ScheduleError,
+                       match=r"OPT:L1:a2 breaks rule 'gradients': it reads accumulator 2, not layer 1's"):
         verify(dataclasses.replace(s, ops=tuple(ops)), g)
     ops[opt] = dataclasses.replace(ops[opt], acc=None, ring=0)
     with pytest.raises(ScheduleError, match=r"OPT:L1:r0 breaks rule 'gradients': it steps from ring tile r0, but "

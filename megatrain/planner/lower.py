@@ -105,7 +105,8 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     x: list = []
     for lowering_pass in PASSES:
         x = lowering_pass(x, req)
-    return Schedule(ops=tuple(x), plan=plan, n_layers=n, mode=mode, carries_updates=carries_updates)  # type: ignore[arg-type]
+    return Schedule(ops=tuple(x), plan=plan, n_layers=n, mode=mode,  # type: ignore[arg-type]
+                    carries_updates=carries_updates)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
 """The Schedule: an explicit DAG of typed ops on streams, and its JSON form.
 
-Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``FWD:L3:m0:s1``,
-``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OFFLOAD:L3:m0``, ``RELOAD:L3:m0``,
-``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``, ``ACC:L3:m1:r0``), after the ``_Action`` records of
-``torch.distributed.pipelining``. The op list is in issue order: a topological order of the DAG,
-and for each stream the order its in-order queue runs the ops. ``deps`` are indices of earlier ops
+Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``H2D:L3:s1:t0``,
+``FWD:L3:m0:s1``, ``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OPT:L3:a2``,
+``OFFLOAD:L3:m0:c0``, ``RELOAD:L3:m0:c0``, ``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``,
+``ACC:L3:m1:r0:a2``), after the ``_Action`` records of ``torch.distributed.pipelining``. Each op
+names every buffer it touches (see :class:`Op`), so the lowering decides and the runtime reads.
+The op list is in issue order: a topological order of the DAG, and for each stream the order its
+in-order queue runs the ops. ``deps`` are indices of earlier ops
 that must finish first; a dependency that crosses streams becomes an event in the CUDA backend.
 """
 

@@ -283,8 +283,10 @@ def _check_gradients(c: _Context) -> None:
     for i in by_kind[OpKind.OPT]:
         op = ops[i]
         if accumulating != (op.acc is not None):
-            fail(i, "gradients", f"it steps from {'ring tile r' + str(op.ring) if op.ring is not None else 'accumulator a' + str(op.acc)}, "
-                 f"but {'per-micro-batch passes sum the gradients in accumulators' if accumulating else 'only per-micro-batch passes have accumulators'}",
+            src = f"ring tile r{op.ring}" if op.ring is not None else f"accumulator a{op.acc}"
+            why = ("per-micro-batch passes sum the gradients in accumulators" if accumulating
+                   else "only per-micro-batch passes have accumulators")
+            fail(i, "gradients", f"it steps from {src}, but {why}",
                  f"read {'accumulator a' if accumulating else 'ring tile r'}<k>")
         if accumulating:
             if op.acc != accumulator_of.get(op.layer):

@@ -65,9 +65,9 @@ The adapter. Every CUDA call goes through one small object (:class:`TorchCuda`; 
 enqueued with ``run(stream, fn, label)``, a host op's run with ``host_run(fn, label)``), so tests
 run the same backend logic on CPU tensors with :class:`megatrain.testing.FakeCuda`, or with
 :class:`megatrain.testing.AsyncFakeCuda` (streams as threads, random delays: races show). FakeCuda's
-streams run work at once and its events keep the bookkeeping: which stream waited on which event, that every event waited on was
-recorded first, that no stream waits on its own events, and that host dependencies never reach
-``wait_event``.
+streams run work at once and its events keep the bookkeeping: which stream waited on which event,
+that every event waited on was recorded first, that no stream waits on its own events, and that
+host dependencies never reach ``wait_event``.
 """
 
 from __future__ import annotations

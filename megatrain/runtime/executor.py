@@ -68,7 +68,8 @@ class _Buffers:
     grads: list[torch.Tensor]
     ring: list[torch.Tensor]
     staging: list[torch.Tensor]
-    accumulators: list[torch.Tensor]  # per trainable layer (lower.gradient_tiles), per-micro-batch passes
+    # One per trainable layer (schedule.gradient_tiles) with per-micro-batch passes: Op.acc indexes it.
+    accumulators: list[torch.Tensor]
 
 
 @dataclass
