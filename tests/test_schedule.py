@@ -447,3 +447,43 @@ def test_lowering_is_its_passes_in_order():
     for layer in range(4):  # each update just before its layer's first CAST, which waits for it
         o = _find(s, OpKind.OPT, layer)
         assert s.ops[o + 1].kind is OpKind.CAST and s.ops[o + 1].layer == layer and o in s.ops[o + 1].deps
+
+
+def test_public_surface_of_the_schedule_modules():
+    from megatrain.planner import liveness as liveness_mod
+    from megatrain.planner import lower as lower_mod
+    from megatrain.planner import schedule as schedule_mod
+    from megatrain.planner import verify as verify_mod
+    from megatrain.runtime import executor as executor_mod
+
+    assert sorted(schedule_mod.__all__) == ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "Op", "OpKind",
+                                            "SCHEDULE_FORMAT_VERSION", "Schedule", "Stream", "gradient_tiles"]
+    assert sorted(lower_mod.__all__) == ["PASSES", "add_carried_updates", "add_copies", "assign_slots", "lower",
+                                         "order_compute"]
+    assert sorted(verify_mod.__all__) == ["RULES", "happens_before", "verify"]
+    assert sorted(liveness_mod.__all__) == ["BATCH", "Generation", "Liveness", "liveness", "reads_of", "writes_of"]
+    assert sorted(executor_mod.__all__) == ["DeferredUpdates", "Executor", "HANDLERS", "StepOutput", "local_backward"]
+    assert set(executor_mod.HANDLERS) == set(OpKind)  # every op kind runs through the table
+    assert not hasattr(schedule_mod, "schedule_json_schema")  # unused: removed
+
+
+def test_liveness_names_each_generation_and_its_readers():
+    """Table-driven: in a 3-layer chain (layer 2 computes the loss), one micro-batch, the output of
+    layer 0 is read by FWD:L1 and by BWD:L1; with RECOMPUTE of layer 0 the backward reads a second
+    generation, the recompute's."""
+    from megatrain.planner.liveness import BATCH, liveness
+
+    g = chain_graph(3)
+    for policy, producers in [(ActivationPolicy.KEEP, ["FWD"]), (ActivationPolicy.RECOMPUTE, ["FWD", "RECOMPUTE"])]:
+        s = lower(g, Plan(activations=(policy, ActivationPolicy.KEEP, ActivationPolicy.KEEP)), "train")
+        live = liveness(s, g)
+        out0 = g.layers[0].outputs[0]
+        gens = [gen for gen in live.generations if gen.key == (out0, 0)]
+        assert [s.ops[gen.producer].kind.value for gen in gens] == producers
+        readers = [s.ops[r] for gen in gens for r in gen.readers]
+        assert sorted((op.kind.value, op.layer) for op in readers) == [("BWD", 1), ("FWD", 1)]
+        assert gens[-1].last_reader == _find(s, OpKind.BWD, 1, 0)
+        batch = [gen for gen in live.generations if gen.producer == BATCH]
+        assert batch and all(gen.readers for gen in batch)
+        for i, reads in enumerate(live.reads):  # every read of a lowered schedule has a generation
+            assert all(k is not None and i in live.generations[k].readers for k in reads.values())

@@ -474,3 +474,7 @@ def _assign_slots(visits: list[_Visit], plan: Plan, n_layers: int) -> None:
             content[s] = v.layer
         v.slot = s
         last_use[s] = i
+
+
+# gradient_tiles is imported here by callers of the IR that predate its move to schedule.py.
+__all__ = ["PASSES", "add_carried_updates", "add_copies", "assign_slots", "lower", "order_compute"]

@@ -308,3 +308,7 @@ class _ScheduleModel(pydantic.BaseModel):
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 
+
+
+__all__ = ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "Op", "OpKind", "SCHEDULE_FORMAT_VERSION", "Schedule", "Stream",
+           "gradient_tiles"]

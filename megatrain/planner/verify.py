@@ -498,3 +498,6 @@ def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> No
             raise ScheduleError(f"schedule breaks rule 'budget': it needs {cost.human_bytes(need)} of {what} at "
                                 f"its peak, and {hw.name!r} has {cost.human_bytes(have)}. Fix: {fix}.\n"
                                 + mem.format())
+
+
+__all__ = ["RULES", "happens_before", "verify"]

@@ -655,3 +655,6 @@ def _then(fn: Work, after: Work) -> Work:
         fn()
         after()
     return run
+
+
+__all__ = ["DeferredUpdates", "Executor", "HANDLERS", "StepOutput", "local_backward"]
