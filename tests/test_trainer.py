@@ -467,3 +467,26 @@ def test_an_interrupt_mid_step_is_re_raised_after_the_same_clean_up(reference):
         trainer.step(_good(5))
     assert trainer.step_count == 1 and trainer.schedule is trainer.schedules.first
     _assert_as_reference(trainer, reference, first)
+
+
+def test_deferred_updates_live_in_the_executor_alone():
+    """With clipping, a step's updates are owed to the next schedule: the executor holds which layers,
+    the clipping scale and the AdamW settings of the step that made them (one place), a carried run
+    takes each update it ran off them, and set_lr after the step does not change the owed update."""
+    from megatrain.runtime.executor import DeferredUpdates
+
+    trainer = _small_trainer()
+    ex = trainer.executor
+    assert ex.deferred == DeferredUpdates()
+    result = trainer.step(_good(1))
+    owed = ex.deferred
+    assert owed.layers == frozenset(trainer.schedules.tiles) and owed.optimizer == trainer.optimizer
+    assert owed.clip_scale == pytest.approx(min(1.0, 1.0 / (result.grad_norm + 1e-6)))
+    assert not any(hasattr(trainer, name) for name in ("_clip_scale", "_pending_optimizer"))
+    trainer.set_lr(0.5)
+    assert ex.deferred.optimizer == owed.optimizer and ex.deferred.optimizer.lr != 0.5
+    trainer.flush()
+    assert ex.deferred.layers == frozenset() and ex.updated == sorted(owed.layers)
+    trainer.step(_good(2))
+    trainer.drop_pending_updates()
+    assert ex.deferred == DeferredUpdates()
