@@ -113,9 +113,9 @@ if str(ROOT) not in sys.path:
     # still imports.
     sys.path.append(str(ROOT))
 
+from megatrain.units import GiB, MiB  # noqa: E402 - after the path above, so a plain checkout imports
+
 PROBE_FORMAT_VERSION = 1
-MiB = 1 << 20
-GiB = 1 << 30
 SELECT_ENV = "GPU_PROBE_SELECT"
 """Set to ``cuda`` in the pytest subprocesses: this module, loaded as a pytest plugin
 (``-p gpu_probe``), then keeps only the tests that need CUDA."""
