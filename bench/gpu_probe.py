@@ -113,9 +113,9 @@ if str(ROOT) not in sys.path:
     # still imports.
     sys.path.append(str(ROOT))
 
+from megatrain.units import GiB, MiB  # noqa: E402 - after the path above, so a plain checkout imports
+
 PROBE_FORMAT_VERSION = 1
-MiB = 1 << 20
-GiB = 1 << 30
 SELECT_ENV = "GPU_PROBE_SELECT"
 """Set to ``cuda`` in the pytest subprocesses: this module, loaded as a pytest plugin
 (``-p gpu_probe``), then keeps only the tests that need CUDA."""
@@ -890,7 +890,8 @@ def section_step(ctx: Ctx) -> dict:
                                 hardware=spec, device="cpu" if ctx.dry else "cuda")
     compile_s = time.perf_counter() - t0
     if ctx.dry:
-        from megatrain.runtime.cuda import CUDABackend, FakeCuda
+        from megatrain.runtime.cuda import CUDABackend
+        from megatrain.testing import FakeCuda
 
         # The CUDA backend's logic on CPU tensors; the executor allocates its slots at the first run.
         trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())

@@ -31,6 +31,7 @@ from megatrain.planner.plan import ActivationPolicy, Plan
 from megatrain.planner.presets import build_meta_model, load_model_config
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
 from megatrain.planner.trace import trace
+from megatrain.units import GiB
 
 # Qwen/Qwen2.5-3B config.json, with the LM head untied as megatrain plans it (presets.load_model_config).
 QWEN25_3B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", hidden_size=2048,
@@ -38,7 +39,6 @@ QWEN25_3B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_
                  vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                  use_sliding_window=False, sliding_window=32768, max_window_layers=36, attention_dropout=0.0,
                  initializer_range=0.02, tie_word_embeddings=False, use_cache=False)
-GIB = 1 << 30
 
 
 def pow2(n: int) -> int:
@@ -92,15 +92,15 @@ def main() -> None:
         for dtype in ("bfloat16", "float32"):
             for clip in (False, True):
                 head = f"{name:<12} {dtype[:4]:<9} {str(clip):<5} {graph.param_count / 1e9:>6.2f}B " \
-                       f"{12 * graph.param_count / GIB:>8.2f}"
+                       f"{12 * graph.param_count / GiB:>8.2f}"
                 try:
                     plan = solve(SolveRequest(graph, hw, 8, dtype, clip_gradients=clip)).plan
                 except InfeasibleRequestError as e:
                     print(f"{head}  no plan fits: {str(e).splitlines()[0][:80]}")
                     continue
                 after = cost.memory_breakdown(graph, plan, hw).host_pinned
-                print(f"{head} {before_bytes(graph, plan) / GIB:>8.2f} {old_plan_bytes(graph, plan) / GIB:>9.2f} "
-                      f"{after / GIB:>8.2f}", flush=True)
+                print(f"{head} {before_bytes(graph, plan) / GiB:>8.2f} {old_plan_bytes(graph, plan) / GiB:>9.2f} "
+                      f"{after / GiB:>8.2f}", flush=True)
 
 
 if __name__ == "__main__":

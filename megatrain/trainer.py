@@ -75,12 +75,14 @@ class Trainer:
         self.schedules = schedules
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
-        # Layers whose update from the last step waits for the next schedule (NEXT_FORWARD). All of
-        # them after a step; a subset only after a failure stopped a run part-way through them.
-        self._pending_layers: frozenset[int] = frozenset()
         self._token_limits = _token_limits(model, options.input_names)
-        self._clip_scale: float | None = None
-        self._pending_optimizer: AdamW | None = None
+
+    @property
+    def _pending_layers(self) -> frozenset[int]:
+        """Layers whose update from the last step waits for the next schedule (NEXT_FORWARD): all
+        of them after a step, a subset only after a failure stopped a run part-way through them.
+        The executor keeps them (``Executor.deferred``), with their clipping and AdamW settings."""
+        return self.executor.deferred.layers
 
     @property
     def schedule(self) -> Schedule:
@@ -98,12 +100,11 @@ class Trainer:
                 others still are (a later ``flush`` or ``step`` applies them, each exactly once).
         """
         if self._pending_layers:
-            self.executor.set_update(self._clip_scale, self._pending_optimizer)
             self._apply_pending(None)
 
     def drop_pending_updates(self) -> None:
         """Forget a deferred update without applying it (after loading a checkpoint)."""
-        self._pending_layers = frozenset()
+        self.executor.drop_deferred()
 
     def _apply_pending(self, cause: BaseException | None) -> None:
         """Run the pending layers' optimizer steps alone (an ``"update"`` schedule of just those)."""
@@ -111,44 +112,31 @@ class Trainer:
         sched = full if self._pending_layers == frozenset(self.schedules.tiles) else dataclasses.replace(
             full, ops=tuple(op for op in full.ops if op.layer in self._pending_layers))
         try:
-            self.executor.run(sched, [])
+            self.executor.run(sched, [])  # takes each update that ran off the pending ones
         except BaseException as e:
-            self._end_failed_run(e)
-            self._pending_layers -= set(self.executor.updated)
             if not isinstance(e, Exception):
                 raise
             raise StepError(
                 f"a deferred optimizer step failed ({type(e).__name__}: {e}); the updates of layers "
                 f"{sorted(self._pending_layers)} are still pending and the others were applied once: calling "
                 "flush() or step() again applies the rest") from (cause or e)
-        self._pending_layers = frozenset()
-
-    def _end_failed_run(self, failure: BaseException) -> None:
-        """Close the run ``failure`` left open: the backend waits for (or skips) what it queued and
-        starts its next run afresh. An error here (the CUDA backend's host worker reporting the
-        same failure, or one it caused) is added to ``failure``'s notes, which the caller raises."""
-        try:
-            self.backend.synchronize()
-        except Exception as e:  # noqa: BLE001 - reported with the failure being handled
-            if e is not failure and e.__cause__ is not failure:
-                failure.add_note(f"then, while the failed run was ended: {type(e).__name__}: {e}")
 
     def _run_step(self, schedule: Schedule, parts, what: str) -> StepOutput:
         """Run a train or eval schedule. When it raises, the trainer's state is made to match one
         of two stories and the error says which: with deferred updates (NEXT_FORWARD), the
         previous step's update was applied in full (or not at all, and is still pending) and
         nothing of this batch was; with updates during backward, the layers listed in
-        ``StepError.updated_layers`` took this batch's update once and the rest are untouched."""
+        ``StepError.updated_layers`` took this batch's update once and the rest are untouched.
+
+        The executor has closed the backend's run when it raises (``Backend.abort``), and taken the
+        carried updates that ran off the pending ones."""
         try:
             return self.executor.run(schedule, parts)
         except BaseException as e:
-            self._end_failed_run(e)
             ran = tuple(self.executor.updated)
             carried = schedule.carries_updates
-            if carried and ran:
-                self._pending_layers -= set(ran)
-                if self._pending_layers:  # part of the previous step's update ran: apply the rest
-                    self._apply_pending(e)
+            if carried and ran and self._pending_layers:  # part of the previous step's update ran: apply the rest
+                self._apply_pending(e)
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the state is consistent
                 raise
             if carried or not ran:
@@ -220,21 +208,20 @@ class Trainer:
         o = self.options
         parts = self._split(batch, o.micro_batches)
         t0 = time.perf_counter()
-        if self._pending_layers:
-            self.executor.set_update(self._clip_scale, self._pending_optimizer)
-            if self.schedule is self.schedules.first:  # a failure left part of the update pending
-                self._apply_pending(None)
+        if self._pending_layers and self.schedule is self.schedules.first:
+            self._apply_pending(None)  # a failure left part of the update pending
         out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}")
         seconds = time.perf_counter() - t0
         self.step_count += 1
         losses = tuple(out.losses)
         if self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD:
             # The update waits for the next schedule; it is dropped here when anything was not finite.
-            self._pending_layers = frozenset(self.schedules.tiles) if out.finite else frozenset()
-            self._pending_optimizer = self.optimizer  # a later set_lr is for the next step's update
+            # It runs with this step's AdamW settings (a later set_lr is for the next step's update).
             max_norm = o.max_grad_norm
             # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
-            self._clip_scale = None if max_norm is None else min(1.0, max_norm / (out.grad_norm + 1e-6))
+            clip_scale = None if max_norm is None else min(1.0, max_norm / (out.grad_norm + 1e-6))
+            self.executor.defer(frozenset(self.schedules.tiles) if out.finite else frozenset(), clip_scale,
+                                self.optimizer)
             skipped = () if out.finite else tuple(self.schedules.tiles)
         else:
             skipped = tuple(out.updates_skipped)

@@ -21,9 +21,9 @@ from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import HOST_STREAMS, Stream
 from megatrain.planner.timeline import Timeline
 from megatrain.runtime.backend import CPUBackend, make_backend
-from megatrain.runtime.cuda import (GPU_STREAMS, CUDABackend, FakeCuda, FakeCudaError, FakeEvent, GpuOp, HostOp,
-                                    HostOpError, TorchCuda)
+from megatrain.runtime.cuda import GPU_STREAMS, CUDABackend, GpuOp, HostOp, HostOpError, TorchCuda
 from megatrain.runtime.host import HostState
+from megatrain.testing import FakeCuda, FakeCudaError, FakeEvent
 
 from conftest import BackendWrapper, random_batch, requires_cuda, tiny_llama
 
@@ -130,8 +130,13 @@ def test_public_surface():
     import megatrain.runtime.cuda as cuda_mod
 
     assert sorted(backend_mod.__all__) == ["Backend", "CPUBackend", "OpTiming", "make_backend"]
-    assert sorted(cuda_mod.__all__) == ["CUDABackend", "CudaApi", "FakeCuda", "FakeCudaError", "GPU_STREAMS", "GpuOp",
-                                        "HostOp", "HostOpError", "TorchCuda"]
+    import megatrain.testing as testing_mod
+
+    assert sorted(cuda_mod.__all__) == ["CUDABackend", "CudaApi", "GPU_STREAMS", "GpuOp", "HostOp", "HostOpError",
+                                        "TorchCuda"]
+    # The fakes are test doubles: they live in megatrain.testing, not in the runtime.
+    assert sorted(testing_mod.__all__) == ["AsyncEvent", "AsyncFakeCuda", "AsyncFakeCudaError", "AsyncStream",
+                                           "FakeCuda", "FakeCudaError", "FakeEvent", "FakeStream", "SlowTorchCuda"]
 
 
 # -- construction: nothing CUDA until the first launch ---------------------------------------------

@@ -76,7 +76,7 @@ def test_op_times_by_hand():
                                  (OpKind.BWD, dict(mb=0, slot=0), cost.bwd_time(l0, fp32, hw)),
                                  (OpKind.D2H, dict(slot=0, ring=0), cost.d2h_time(l0, hw)),
                                  (OpKind.OPT, dict(ring=0), cost.opt_time(l0, hw)),
-                                 (OpKind.ACC, dict(mb=1, ring=0), cost.acc_time(l0, hw))]:
+                                 (OpKind.ACC, dict(mb=1, ring=0, acc=0), cost.acc_time(l0, hw))]:
         assert cost.op_time(Op(kind, 0, **fields), g, fp32, hw) == expect
         assert cost.op_duration(kind, g, 0, fp32, hw) == expect
 

@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatrain
 from megatrain.planner.hardware import strict_fp32
 from megatrain.planner.plan import Plan
-from megatrain.runtime.cuda import CUDABackend, FakeCuda
+from megatrain.runtime.cuda import CUDABackend
+from megatrain.testing import FakeCuda
 
 from conftest import random_batch, requires_cuda, tiny_gpt, tiny_llama
 from test_exactness import ADAMW, assert_bf16_tracks_eager_autocast, eager_losses

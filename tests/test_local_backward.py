@@ -57,6 +57,7 @@ def _run_bwd(trainer, li: int, weights, acts, seeds, compute_dtype: str, mbs=(0,
     ``mode`` when given; returns the gradient slot and the input gradients of the last micro-batch."""
     from megatrain.planner.plan import Plan
     from megatrain.planner.lower import lower
+    from megatrain.runtime.executor import local_backward
 
     ex = trainer.executor
     schedule = lower(trainer.graph, Plan(micro_batches=2, compute_dtype=compute_dtype))
@@ -67,7 +68,8 @@ def _run_bwd(trainer, li: int, weights, acts, seeds, compute_dtype: str, mbs=(0,
     for k, mb in enumerate(mbs):
         grads = {key: t.clone() for key, t in seeds.items() if key[1] == mb}
         with mode or contextlib.nullcontext():
-            ex._bwd(li, mb, bufs, 0, acts, grads, {}, 2, compute_dtype, fresh=k == 0)()
+            local_backward(ex, li, mb, bufs.weights[0], bufs.grads[0], acts, grads, {}, 2, compute_dtype,
+                           fresh=k == 0)()
     layer = trainer.graph.layers[li]
     return bufs.grads[0].clone(), {vid: grads[(vid, mbs[-1])] for vid in layer.inputs if (vid, mbs[-1]) in grads}
 

@@ -17,7 +17,8 @@ import torch
 import megatrain
 from megatrain.planner import cost
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.runtime.cuda import CUDABackend, FakeCuda, FakeCudaError
+from megatrain.runtime.cuda import CUDABackend
+from megatrain.testing import FakeCuda, FakeCudaError
 from megatrain.runtime.host import HostState, PinnedArena, page_aligned_empty
 
 from conftest import random_batch, requires_cuda, tiny_llama
@@ -272,7 +273,7 @@ def test_verifier_catches_a_copy_of_a_cast_older_than_the_last_update():
     cast = next(i for i, op in enumerate(ops) if op.kind is OpKind.CAST and op.layer == 1)
     opt = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer == 1)
     # A copy of layer 1 after its update, from the cast made before it: stale weights.
-    ops.append(Op(OpKind.H2D, 1, slot=0, deps=(cast, opt, len(ops) - 1)))  # after everything else
+    ops.append(Op(OpKind.H2D, 1, slot=0, tile=ops[cast].tile, deps=(cast, opt, len(ops) - 1)))  # after everything else
     with pytest.raises(ScheduleError, match=r"rule 'staging'.*may update the master in between"):
         verify(dataclasses.replace(s, ops=tuple(ops)), g)
 

@@ -18,8 +18,9 @@ from megatrain.planner.verify import happens_before, verify
 from graphs import chain_graph
 
 
-@pytest.mark.parametrize("text", ["H2D:L3:s1", "FWD:L0:m2:s0", "BWD:L12:m0:s3", "D2H:L4:s1:r0", "OPT:L7:r1",
-                                  "OFFLOAD:L2:m1", "RELOAD:L2:m1", "RECOMPUTE:L5:m0:s2", "CAST:L3:t1", "ACC:L3:m1:r0"])
+@pytest.mark.parametrize("text", ["H2D:L3:s1", "H2D:L3:s1:t0", "FWD:L0:m2:s0", "BWD:L12:m0:s3", "D2H:L4:s1:r0",
+                                  "OPT:L7:r1", "OPT:L7:a1", "OFFLOAD:L2:m1:c1", "RELOAD:L2:m1:c0",
+                                  "RECOMPUTE:L5:m0:s2", "CAST:L3:t1", "ACC:L3:m1:r0:a2"])
 def test_op_repr_parses_back(text):
     op = Op.parse(text, deps=(1, 2))
     assert repr(op) == text and op.deps == (1, 2)
@@ -28,7 +29,9 @@ def test_op_repr_parses_back(text):
 
 @pytest.mark.parametrize("text, match", [
     ("XYZ:L1", "unknown op kind"), ("H2D:L1", "H2D:L<int>:s<int>"), ("FWD:L1:s0:m0", "m<int>"),
-    ("OPT:Lx:r0", "L<int>"),
+    ("OPT:Lx:r0", "L<int>"), ("OPT:L1", "ring.*or an accumulator"), ("OPT:L1:r0:a0", "exactly one"),
+    ("ACC:L3:m1:r0", r"needs acc.*ACC:L<int>:m<int>:r<int>:a<int>"), ("OFFLOAD:L2:m1", "needs copy"),
+    ("H2D:L1:s0:s1", "unexpected 's1'"), ("m0:s1", "unknown op kind"), ("FWD:m0:s1", "no layer"),
 ])
 def test_bad_op_text_is_refused(text, match):
     with pytest.raises(ValueError, match=match):
@@ -40,15 +43,18 @@ def test_op_fields_are_checked():
         Op(OpKind.H2D, 1)
     with pytest.raises(ValueError, match="takes no mb"):
         Op(OpKind.OPT, 1, mb=0, ring=0)
+    with pytest.raises(ValueError, match="takes no tile"):
+        Op(OpKind.FWD, 1, mb=0, slot=0, tile=0)
 
 
 @given(kind=st.sampled_from(list(OpKind)), layer=st.integers(0, 500), mb=st.integers(0, 64),
-       slot=st.integers(0, 16), ring=st.integers(0, 8))
-def test_any_op_round_trips(kind, layer, mb, slot, ring):
-    fields = {OpKind.H2D: dict(slot=slot), OpKind.FWD: dict(mb=mb, slot=slot), OpKind.BWD: dict(mb=mb, slot=slot),
-              OpKind.D2H: dict(slot=slot, ring=ring), OpKind.OPT: dict(ring=ring), OpKind.OFFLOAD: dict(mb=mb),
-              OpKind.RELOAD: dict(mb=mb), OpKind.RECOMPUTE: dict(mb=mb, slot=slot), OpKind.CAST: dict(tile=ring),
-              OpKind.ACC: dict(mb=mb, ring=ring)}[kind]
+       slot=st.integers(0, 16), ring=st.integers(0, 8), other=st.integers(0, 8), flag=st.booleans())
+def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
+    fields = {OpKind.H2D: dict(slot=slot, tile=other if flag else None), OpKind.FWD: dict(mb=mb, slot=slot),
+              OpKind.BWD: dict(mb=mb, slot=slot), OpKind.D2H: dict(slot=slot, ring=ring),
+              OpKind.OPT: dict(ring=ring) if flag else dict(acc=other), OpKind.OFFLOAD: dict(mb=mb, copy=other),
+              OpKind.RELOAD: dict(mb=mb, copy=other), OpKind.RECOMPUTE: dict(mb=mb, slot=slot),
+              OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other)}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 
@@ -243,12 +249,52 @@ def test_verifier_catches_a_reload_that_does_not_wait_for_its_offload():
     ops = list(s.ops)
     o = _find(s, OpKind.OFFLOAD, 3, 0)
     ops[o] = dataclasses.replace(ops[o], layer=1)  # layer 3's checkpoint is never copied out
-    with pytest.raises(ScheduleError, match=r"RELOAD:L3:m0 breaks rule 'data'.*no earlier OFFLOAD"):
+    with pytest.raises(ScheduleError, match=r"RELOAD:L3:m0:c0 breaks rule 'data'.*no earlier OFFLOAD"):
         verify(dataclasses.replace(s, ops=tuple(ops)), g)
     b = _find(s, OpKind.BWD, 2, 0)
     bad = _drop_dep(s, b, r)
     with pytest.raises(ScheduleError, match=r"rule 'data'.*reads 'h1' from #\d+ RELOAD:L1:m0"):
         verify(bad, g)
+
+
+def test_verifier_checks_the_resources_ops_name():
+    """Each op names its staging tile, accumulator and pinned copy; a wrong name is caught."""
+    g = chain_graph(5)
+    s = lower(g, Plan(micro_batches=2, activations=(ActivationPolicy.OFFLOAD,) * 5), "train")
+    ops = list(s.ops)
+    r = _find(s, OpKind.RELOAD, 1, 1)
+    ops[r] = dataclasses.replace(ops[r], copy=0)  # micro-batch 1 went into copy 1
+    with pytest.raises(ScheduleError, match=r"RELOAD:L1:m1:c0 breaks rule 'data': it reads pinned copy c0, but "
+                                            r"#\d+ OFFLOAD:L1:m1:c1 wrote"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+    ops[r] = dataclasses.replace(ops[r], copy=2)
+    with pytest.raises(ScheduleError, match=r"RELOAD:L1:m1:c2 breaks rule 'budget': pinned checkpoint copy c2"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+    h = _find(s, OpKind.H2D, 1)
+    ops = list(s.ops)
+    ops[h] = dataclasses.replace(ops[h], tile=0)
+    with pytest.raises(ScheduleError, match=r"H2D:L1:s\d:t0 breaks rule 'staging': a float32 plan copies the master"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+    s = lower(g, Plan(compute_dtype="bfloat16", staging_ring=2), "train")
+    verify(s, g)
+    h = _find(s, OpKind.H2D, 1)
+    ops = list(s.ops)
+    ops[h] = dataclasses.replace(ops[h], tile=1 - ops[h].tile)
+    with pytest.raises(ScheduleError, match=r"rule 'staging': it names staging tile t\d, but the CAST it reads"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+def test_schedule_files_of_an_older_format_are_refused():
+    import json
+
+    import pydantic
+
+    s = lower(chain_graph(3), Plan(), "train")
+    doc = json.loads(s.to_json())
+    assert doc["version"] == 4
+    doc["version"] = 3
+    with pytest.raises(pydantic.ValidationError, match="version 3 is not 4.*lower the plan again"):
+        Schedule.from_json(json.dumps(doc))
 
 
 def test_verifier_catches_a_weight_copy_before_the_deferred_update():
@@ -331,8 +377,18 @@ def test_verifier_catches_an_update_reading_another_layers_accumulator():
     s = lower(g, Plan(micro_batches=2, layer_by_layer=False), "train")
     opt = _find(s, OpKind.OPT, 1)
     ops = list(s.ops)
-    ops[opt] = dataclasses.replace(ops[opt], ring=2)
-    with pytest.raises(ScheduleError, match=r"OPT:L1:r2 breaks rule 'gradients': it reads accumulator 2, not layer 1's"):
+    ops[opt] = dataclasses.replace(ops[opt], acc=2)
+    with pytest.raises(ScheduleError,
+                       match=r"OPT:L1:a2 breaks rule 'gradients': it reads accumulator 2, not layer 1's"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+    ops[opt] = dataclasses.replace(ops[opt], acc=None, ring=0)
+    with pytest.raises(ScheduleError, match=r"OPT:L1:r0 breaks rule 'gradients': it steps from ring tile r0, but "
+                                            "per-micro-batch passes sum the gradients in accumulators"):
+        verify(dataclasses.replace(s, ops=tuple(ops)), g)
+    acc = _find(s, OpKind.ACC, 1, 0)
+    ops = list(s.ops)
+    ops[acc] = dataclasses.replace(ops[acc], acc=0)
+    with pytest.raises(ScheduleError, match=r"ACC:L1:m0:r\d:a0 breaks rule 'gradients': it adds into accumulator 0"):
         verify(dataclasses.replace(s, ops=tuple(ops)), g)
 
 
@@ -344,5 +400,90 @@ def test_verifier_catches_an_accumulation_of_the_wrong_micro_batch():
     a0, a1 = _find(s, OpKind.ACC, 0, 0), _find(s, OpKind.ACC, 0, 1)
     ops = list(s.ops)
     ops[a0], ops[a1] = dataclasses.replace(ops[a0], mb=1), dataclasses.replace(ops[a1], mb=0)
-    with pytest.raises(ScheduleError, match=r"ACC:L0:m1:r0 breaks rule 'gradients'.*not those of micro-batch 1"):
+    with pytest.raises(ScheduleError, match=r"ACC:L0:m1:r0:a0 breaks rule 'gradients'.*not those of micro-batch 1"):
         verify(dataclasses.replace(s, ops=tuple(ops)), g)
+
+
+def test_verifier_rules_are_data_and_each_runs_alone():
+    """verify() is its RULES in order; each rule is a function of the shared context, so a rule can
+    be run (or tested) on its own and its error marks the failing op in the printed schedule."""
+    from megatrain.planner import verify as verify_mod
+
+    assert [r.__name__ for r in verify_mod.RULES] == [
+        "_check_order", "_check_budget", "_check_weights", "_check_gradients", "_check_staging",
+        "_check_coverage", "_check_data", "_check_updates"]
+    g = chain_graph(4)
+    s = lower(g, Plan(), "train")
+    ops = list(s.ops)
+    ops[3] = dataclasses.replace(ops[3], deps=(7,))
+    bad = dataclasses.replace(s, ops=tuple(ops))
+    with pytest.raises(ScheduleError, match=r"(?s)op #3 .* breaks rule 'order'.*-->     3 "):
+        verify_mod._check_order(verify_mod._Context(bad, g))
+    for rule in verify_mod.RULES:
+        rule(verify_mod._Context(s, g))
+
+
+def test_lowering_is_its_passes_in_order():
+    """lower() is PASSES run in order: compute order first, then the passes that add copies and the
+    carried updates; running them by hand gives the same schedule."""
+    from megatrain.planner import lower as lower_mod
+    from megatrain.planner.schedule import gradient_tiles
+
+    assert [p.__name__ for p in lower_mod.PASSES] == ["order_compute", "assign_slots", "add_copies",
+                                                      "add_carried_updates"]
+    g = chain_graph(4)
+    plan = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4,
+                compute_dtype="bfloat16", staging_ring=2)
+    req = lower_mod._Request(g, plan, "train", True, gradient_tiles(g))
+    visits = lower_mod.order_compute([], req)
+    assert [(v.kind.value, v.layer) for v in visits] == [("FWD", 0), ("FWD", 1), ("FWD", 2), ("BWD", 3),
+                                                         ("BWD", 2), ("BWD", 1), ("BWD", 0)]
+    ops = lower_mod.add_copies(lower_mod.assign_slots(visits, req), req)
+    assert not any(op.kind is OpKind.OPT for op in ops)  # the carried updates come last
+    ops = lower_mod.add_carried_updates(ops, req)
+    assert tuple(ops) == lower(g, plan, "train", carries_updates=True).ops
+    s = Schedule(ops=tuple(ops), plan=plan, n_layers=4, carries_updates=True)
+    verify(s, g)
+    for layer in range(4):  # each update just before its layer's first CAST, which waits for it
+        o = _find(s, OpKind.OPT, layer)
+        assert s.ops[o + 1].kind is OpKind.CAST and s.ops[o + 1].layer == layer and o in s.ops[o + 1].deps
+
+
+def test_public_surface_of_the_schedule_modules():
+    from megatrain.planner import liveness as liveness_mod
+    from megatrain.planner import lower as lower_mod
+    from megatrain.planner import schedule as schedule_mod
+    from megatrain.planner import verify as verify_mod
+    from megatrain.runtime import executor as executor_mod
+
+    assert sorted(schedule_mod.__all__) == ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "Op", "OpKind",
+                                            "SCHEDULE_FORMAT_VERSION", "Schedule", "Stream", "gradient_tiles"]
+    assert sorted(lower_mod.__all__) == ["PASSES", "add_carried_updates", "add_copies", "assign_slots", "lower",
+                                         "order_compute"]
+    assert sorted(verify_mod.__all__) == ["RULES", "happens_before", "verify"]
+    assert sorted(liveness_mod.__all__) == ["BATCH", "Generation", "Liveness", "liveness", "reads_of", "writes_of"]
+    assert sorted(executor_mod.__all__) == ["DeferredUpdates", "Executor", "HANDLERS", "StepOutput", "local_backward"]
+    assert set(executor_mod.HANDLERS) == set(OpKind)  # every op kind runs through the table
+    assert not hasattr(schedule_mod, "schedule_json_schema")  # unused: removed
+
+
+def test_liveness_names_each_generation_and_its_readers():
+    """Table-driven: in a 3-layer chain (layer 2 computes the loss), one micro-batch, the output of
+    layer 0 is read by FWD:L1 and by BWD:L1; with RECOMPUTE of layer 0 the backward reads a second
+    generation, the recompute's."""
+    from megatrain.planner.liveness import BATCH, liveness
+
+    g = chain_graph(3)
+    for policy, producers in [(ActivationPolicy.KEEP, ["FWD"]), (ActivationPolicy.RECOMPUTE, ["FWD", "RECOMPUTE"])]:
+        s = lower(g, Plan(activations=(policy, ActivationPolicy.KEEP, ActivationPolicy.KEEP)), "train")
+        live = liveness(s, g)
+        out0 = g.layers[0].outputs[0]
+        gens = [gen for gen in live.generations if gen.key == (out0, 0)]
+        assert [s.ops[gen.producer].kind.value for gen in gens] == producers
+        readers = [s.ops[r] for gen in gens for r in gen.readers]
+        assert sorted((op.kind.value, op.layer) for op in readers) == [("BWD", 1), ("FWD", 1)]
+        assert gens[-1].last_reader == _find(s, OpKind.BWD, 1, 0)
+        batch = [gen for gen in live.generations if gen.producer == BATCH]
+        assert batch and all(gen.readers for gen in batch)
+        for i, reads in enumerate(live.reads):  # every read of a lowered schedule has a generation
+            assert all(k is not None and i in live.generations[k].readers for k in reads.values())

@@ -362,7 +362,7 @@ def test_gpu_op_gated_by_a_slow_host_op_does_not_hold_back_other_streams():
     # a FWD on the compute stream (given nothing to wait for) are issued at once.
     g = chain_graph(3, numel=1000)
     hw = spec(launch_overhead_s=1e-6, host_optimizer_params_per_s=1e3)
-    s = Schedule(ops=(Op(OpKind.CAST, 0, tile=0), Op(OpKind.H2D, 0, slot=0, deps=(0,)),
+    s = Schedule(ops=(Op(OpKind.CAST, 0, tile=0), Op(OpKind.H2D, 0, slot=0, tile=0, deps=(0,)),
                       Op(OpKind.H2D, 1, slot=1), Op(OpKind.FWD, 0, mb=0, slot=2)),
                  plan=Plan(slots=3, prefetch_distance=2, compute_dtype="bfloat16", staging_ring=1), n_layers=3)
     tl = simulate(s, g, hw)

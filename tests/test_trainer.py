@@ -246,7 +246,8 @@ def _good(seed: int):
 
 
 class _Faults:
-    """Makes ``backend.launch`` raise at chosen ``(run, op index)`` pairs, counting runs from now;
+    """Makes ``backend.launch`` raise at chosen ``(run, op index)`` pairs, counting runs from now (a
+    run ends at ``synchronize``, or at ``abort`` when the executor closes a run that failed);
     ``after=True`` raises once the op has run (its effect stays), else instead of running it;
     ``inside=True`` makes the op itself raise where it runs (a host op: on the CUDA backend's worker).
     """
@@ -254,7 +255,7 @@ class _Faults:
     def __init__(self, backend, at, after: bool = False, inside: bool = False, error=RuntimeError):
         self.run = self.index = 0
         self.hits: list[tuple[int, int]] = []
-        launch, sync = backend.launch, backend.synchronize
+        launch, sync, abort = backend.launch, backend.synchronize, backend.abort
 
         def faulty_launch(stream, fn, waits, label=""):
             where = (self.run, self.index)
@@ -278,7 +279,11 @@ class _Faults:
             self.run, self.index = self.run + 1, 0
             sync()
 
-        backend.launch, backend.synchronize = faulty_launch, counting_sync
+        def counting_abort():
+            self.run, self.index = self.run + 1, 0
+            abort()
+
+        backend.launch, backend.synchronize, backend.abort = faulty_launch, counting_sync, counting_abort
 
 
 def _flushed_state(trainer):
@@ -439,7 +444,8 @@ def test_a_host_op_failing_on_the_cuda_backends_worker_leaves_the_trainer_as_if_
     # The CUDA backend's logic on the CPU (FakeCuda): the second carried OPT raises on the host
     # worker, which skips the host ops queued after it; the GPU op waiting on it raises on the issuing
     # thread. The trainer learns which updates ran, applies the rest, and matches the CPU reference.
-    from megatrain.runtime.cuda import CUDABackend, FakeCuda
+    from megatrain.runtime.cuda import CUDABackend
+    from megatrain.testing import FakeCuda
 
     trainer = _small_trainer()
     trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())
@@ -461,3 +467,26 @@ def test_an_interrupt_mid_step_is_re_raised_after_the_same_clean_up(reference):
         trainer.step(_good(5))
     assert trainer.step_count == 1 and trainer.schedule is trainer.schedules.first
     _assert_as_reference(trainer, reference, first)
+
+
+def test_deferred_updates_live_in_the_executor_alone():
+    """With clipping, a step's updates are owed to the next schedule: the executor holds which layers,
+    the clipping scale and the AdamW settings of the step that made them (one place), a carried run
+    takes each update it ran off them, and set_lr after the step does not change the owed update."""
+    from megatrain.runtime.executor import DeferredUpdates
+
+    trainer = _small_trainer()
+    ex = trainer.executor
+    assert ex.deferred == DeferredUpdates()
+    result = trainer.step(_good(1))
+    owed = ex.deferred
+    assert owed.layers == frozenset(trainer.schedules.tiles) and owed.optimizer == trainer.optimizer
+    assert owed.clip_scale == pytest.approx(min(1.0, 1.0 / (result.grad_norm + 1e-6)))
+    assert not any(hasattr(trainer, name) for name in ("_clip_scale", "_pending_optimizer"))
+    trainer.set_lr(0.5)
+    assert ex.deferred.optimizer == owed.optimizer and ex.deferred.optimizer.lr != 0.5
+    trainer.flush()
+    assert ex.deferred.layers == frozenset() and ex.updated == sorted(owed.layers)
+    trainer.step(_good(2))
+    trainer.drop_pending_updates()
+    assert ex.deferred == DeferredUpdates()

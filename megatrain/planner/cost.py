@@ -62,8 +62,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatrain.errors import ConfigError
-from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph
+from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
+from megatrain.planner.liveness import BATCH, liveness
 from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream
@@ -332,16 +333,10 @@ class ActivationLiveness:
     work: tuple[int, ...]
 
 
-@dataclass(slots=True)
-class _Generation:
-    nbytes: int
-    alloc_at: int  # compute op index; -1 for the step's start
-    readers: list[int]
-    offloads: list[int]
-
-
 def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLiveness:
-    """The allocation events of checkpoints, boundary gradients and working memory."""
+    """The allocation events of checkpoints, boundary gradients and working memory. The
+    generations of the checkpoints and their readers come from
+    :func:`megatrain.planner.liveness.liveness`, the walk the executor frees memory by too."""
     ops = schedule.ops
     n = len(ops)
     alloc, free, work = [0] * n, [0] * n, [0] * n
@@ -355,50 +350,36 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
         before[i] = i - 1 if on_gpu[i - 1] else before[i - 1]
     waiters: dict[int, int] = {}  # non-compute op -> first compute op that lists it as a dependency
     bwd: dict[tuple[int, int], int] = {}
-    gens: list[_Generation] = []
-    current: dict[tuple[int, int], _Generation] = {}
-    for mb in range(schedule.plan.micro_batches):
-        for vid, v in enumerate(graph.values):
-            if v.producer == BATCH_PRODUCER:
-                current[(vid, mb)] = g = _Generation(v.nbytes, -1, [], [])
-                gens.append(g)
     for i, op in enumerate(ops):
-        layer = graph.layers[op.layer]
         if on_gpu[i]:
-            work[i] = working_bytes(layer, op.kind)
+            work[i] = working_bytes(graph.layers[op.layer], op.kind)
             for d in op.deps:
                 if not on_gpu[d]:
                     waiters.setdefault(d, i)
         if op.kind is OpKind.BWD:
             bwd[(op.layer, op.mb)] = i
-        if op.kind in COMPUTE_KINDS:
-            for vid in layer.inputs:
-                current[(vid, op.mb)].readers.append(i)
-        if op.kind is OpKind.OFFLOAD:
-            for vid in graph.checkpoints(op.layer):
-                current[(vid, op.mb)].offloads.append(i)
-        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
-            if op.kind is OpKind.RELOAD:
-                waits = [d for d in op.deps if on_gpu[d]]
-                start = after[max(waits) + 1] if waits else -1
-            else:
-                start = i
-            for vid in graph.checkpoints(op.layer) if op.kind is OpKind.RELOAD else layer.outputs:
-                current[(vid, op.mb)] = g = _Generation(graph.values[vid].nbytes, start, [], [])
-                gens.append(g)
     last_compute = compute[-1] if compute else -1
     at_start = 0
-    for g in gens:
-        if g.alloc_at < 0:
-            at_start += g.nbytes
-        elif g.alloc_at < n:
-            alloc[g.alloc_at] += g.nbytes
-        end = max(g.readers, default=g.alloc_at)
-        for o in g.offloads:
-            w = waiters.get(o)
-            end = max(end, before[w] if w is not None else last_compute)
+    for g in liveness(schedule, graph).generations:
+        nbytes = graph.values[g.key[0]].nbytes
+        if g.producer == BATCH:
+            alloc_at = -1
+        elif ops[g.producer].kind is OpKind.RELOAD:
+            waits = [d for d in ops[g.producer].deps if on_gpu[d]]
+            alloc_at = after[max(waits) + 1] if waits else -1  # it cannot start earlier
+        else:
+            alloc_at = g.producer
+        if alloc_at < 0:
+            at_start += nbytes
+        elif alloc_at < n:
+            alloc[alloc_at] += nbytes
+        end = max((r for r in g.readers if on_gpu[r]), default=alloc_at)
+        for o in g.readers:
+            if not on_gpu[o]:  # an OFFLOAD: the copy is known done before its first waiter
+                w = waiters.get(o)
+                end = max(end, before[w] if w is not None else last_compute)
         if end >= 0 and end < n:
-            free[end] += g.nbytes
+            free[end] += nbytes
     for mb in range(schedule.plan.micro_batches):
         for v in graph.values:
             q = bwd.get((v.producer, mb))

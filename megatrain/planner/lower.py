@@ -1,4 +1,7 @@
-"""Lower (LayerGraph, Plan) to a Schedule.
+"""Lower (LayerGraph, Plan) to a Schedule, as the passes in ``PASSES`` (each a function from the
+previous pass's list and the request to a new list): ``order_compute`` (the visits),
+``assign_slots``, ``add_copies`` (the ops with their weight, checkpoint and gradient copies) and
+``add_carried_updates`` (the previous step's optimizer steps at the start of a NEXT_FORWARD step).
 
 Compute order first. A training step visits layers ``0 .. n-2`` forward, then the last layer
 (which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward. The last
@@ -19,7 +22,7 @@ Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` d
   minimises reloads for a known access sequence). The copy waits for every op that used the
   slot's old content (its computes and, after backward, its gradient copy-out) and for the
   prefetch window. With BF16 compute a CAST op on the host stream first writes the layer's master
-  weights as BF16 into a staging tile (a ring of ``plan.staging_ring``), which the H2D reads. With
+  weights as BF16 into a staging tile (a ring of ``plan.staging_ring``), which the H2D names and reads. With
   ``plan.cast_once`` tile ``k`` belongs to layer ``k``: a copy re-reads the CAST already in the
   layer's tile unless an OPT of the layer was emitted since (the master changed), so each layer is
   cast once per step.
@@ -33,7 +36,8 @@ Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` d
   With NEXT_FORWARD (global-norm clipping needs every gradient first) each trainable layer has a
   tile of its own, and the OPTs run in the next step's schedule, each on the host stream just
   before its layer's first weight copy (and CAST), so the host optimizer overlaps that step's
-  forward (``Schedule.carries_updates``); an ``"update"`` schedule runs only those OPTs.
+  forward (``Schedule.carries_updates``, added by ``add_carried_updates`` once the rest is in
+  place); an ``"update"`` schedule runs only those OPTs.
 
 Per-micro-batch passes (``layer_by_layer=False`` with several micro-batches): the visit list
 above is repeated for each micro-batch, one micro-batch per visit, so only that micro-batch's
@@ -48,12 +52,13 @@ slot whose gradients were copied out waits for that D2H (the slot is not reloade
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatrain.errors import PlanError
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import Mode, Op, OpKind, Schedule
+from megatrain.planner.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
 
 
 @dataclass(slots=True)
@@ -70,13 +75,6 @@ class _Slot:
     layer: int | None = None
     users: list[int] = field(default_factory=list)  # op indices that used the current content
     h2d: int | None = None
-
-
-def gradient_tiles(graph: LayerGraph) -> dict[int, int]:
-    """The host gradient tile of each trainable layer (in layer order) where each has its own: the
-    ring tile with NEXT_FORWARD placement, the accumulator with per-micro-batch passes."""
-    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel > 0]
-    return {layer: k for k, layer in enumerate(trainable)}
 
 
 def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_updates: bool = False) -> Schedule:
@@ -101,23 +99,139 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     n = len(graph.layers)
     tiles = gradient_tiles(graph) if deferred or plan.accumulates_on_host else {}
     if mode == "update":
-        ops = tuple(Op(OpKind.OPT, layer, ring=r) for layer, r in tiles.items())
+        ops = tuple(_opt(plan, layer, r) for layer, r in tiles.items())
         return Schedule(ops=ops, plan=plan, n_layers=n, mode="update")
-    return _Lowering(graph, plan, mode, carries_updates, tiles).run()
+    req = _Request(graph, plan, mode, carries_updates, tiles)
+    x: list = []
+    for lowering_pass in PASSES:
+        x = lowering_pass(x, req)
+    return Schedule(ops=tuple(x), plan=plan, n_layers=n, mode=mode,  # type: ignore[arg-type]
+                    carries_updates=carries_updates)
 
 
-class _Lowering:
-    """One lowering: the visit list, then ops emitted visit by visit with their copies."""
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """What every pass reads: the graph, the plan, the mode, whether the schedule starts with the
+    previous step's updates, and each trainable layer's own gradient tile or accumulator."""
 
-    def __init__(self, graph: LayerGraph, plan: Plan, mode: str, carries: bool, tiles: dict[int, int]):
-        self.g, self.plan, self.mode, self.carries, self.tiles = graph, plan, mode, carries, tiles
+    graph: LayerGraph
+    plan: Plan
+    mode: str
+    carries: bool
+    tiles: dict[int, int]
+
+    @property
+    def train(self) -> bool:
+        return self.mode == "train"
+
+    def policy(self, layer: int) -> ActivationPolicy:
+        return self.plan.activation(layer) if self.train else ActivationPolicy.KEEP
+
+
+# -- passes ----------------------------------------------------------------------------------------
+
+def order_compute(_: list, req: _Request) -> list[_Visit]:
+    """Pass 1, the compute order: the visits (FWD, RECOMPUTE, BWD of a layer for one micro-batch, or
+    for all of them layer by layer), one pass over the layers, or one per micro-batch."""
+    if not req.plan.accumulates_on_host:
+        return _compute_pass(req, None)
+    return [v for mb in range(req.plan.micro_batches) for v in _compute_pass(req, mb)]
+
+
+def _compute_pass(req: _Request, mb: int | None) -> list[_Visit]:
+    """One pass over the layers for micro-batch ``mb`` (None: all of them, layer by layer)."""
+    g = req.graph
+    n = len(g.layers)
+    if not req.train:
+        return [_Visit(i, OpKind.FWD, mb) for i in range(n)]
+    visits = [_Visit(i, OpKind.FWD, mb) for i in range(n - 1)]
+    recomputed: set[int] = set()
+
+    def rebuild_inputs(layer: int) -> None:
+        for vid in g.layers[layer].inputs:
+            p = g.values[vid].producer
+            if (p == BATCH_PRODUCER or p in recomputed or p == n - 1
+                    or req.policy(p) is not ActivationPolicy.RECOMPUTE):
+                continue
+            rebuild_inputs(p)
+            recomputed.add(p)
+            visits.append(_Visit(p, OpKind.RECOMPUTE, mb))
+
+    for layer in range(n - 1, -1, -1):
+        rebuild_inputs(layer)
+        visits.append(_Visit(layer, OpKind.BWD, mb))
+    return visits
+
+
+def assign_slots(visits: list[_Visit], req: _Request) -> list[_Visit]:
+    """Pass 2: give every visit a buffer slot (resident layers their own, others by Belady's rule)."""
+    _assign_slots(visits, req.plan, len(req.graph.layers))
+    return visits
+
+
+def add_copies(visits: list[_Visit], req: _Request) -> list[Op]:
+    """Pass 3: the ops, visit by visit, with the copies each needs: weight copies (and CASTs) in the
+    prefetch window, checkpoint offloads and reloads, and the gradients' way out (D2H, then ACC or
+    the DURING_BACKWARD update)."""
+    return _Emitter(visits, req).run()
+
+
+def add_carried_updates(ops: list[Op], req: _Request) -> list[Op]:
+    """Pass 4 (schedules that carry updates): the previous step's OPT of each trainable layer on the
+    host stream just before its first weight copy (and CAST), so each copy waits for its own
+    layer's update, not for all. Every copy and CAST of the layer then reads the updated master,
+    and the layer's gradient copy-out (the first ACC with per-micro-batch passes) waits for the
+    update to have read the gradients the previous step left."""
+    if not req.carries:
+        return ops
+    first: dict[int, int] = {}  # layer -> its first H2D or CAST
+    for i, op in enumerate(ops):
+        if op.kind in (OpKind.H2D, OpKind.CAST) and op.layer in req.tiles:
+            first.setdefault(op.layer, i)
+    at = sorted(first.values())
+    # Old op i moves by the number of OPTs inserted before it (an OPT goes just before op first[l]).
+    moved = [0] * (len(ops) + 1)
+    for k in at:
+        moved[k] += 1
+    for i in range(1, len(ops) + 1):
+        moved[i] += moved[i - 1]
+    new_index = [i + moved[i] for i in range(len(ops))]
+    opt_at = {layer: new_index[i] - 1 for layer, i in first.items()}
+    starts = {i: layer for layer, i in first.items()}
+    # What overwrites the gradients the update reads: the D2H into the layer's own ring tile, or
+    # with per-micro-batch passes the first ACC into its accumulator (its D2Hs use the shared ring).
+    reader_of_old = (lambda op: op.kind is OpKind.ACC and op.mb == 0) if req.plan.accumulates_on_host \
+        else (lambda op: op.kind is OpKind.D2H)
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        if i in starts:
+            out.append(_opt(req.plan, starts[i], req.tiles[starts[i]]))
+        deps = {new_index[d] for d in op.deps}
+        o = opt_at.get(op.layer)
+        if o is not None and (op.kind in (OpKind.H2D, OpKind.CAST) or reader_of_old(op)):
+            deps.add(o)
+        out.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
+    return out
+
+
+PASSES = [order_compute, assign_slots, add_copies, add_carried_updates]
+"""The lowering, in order: compute order first, then the passes that add copies and optimizer
+steps (as ``_add_unshard_reshard`` follows the compute order in ``torch.distributed.pipelining``)."""
+
+
+class _Emitter:
+    """Pass 3's state: ops emitted visit by visit, with what each later copy must wait for."""
+
+    def __init__(self, visits: list[_Visit], req: _Request):
+        graph, plan = req.graph, req.plan
+        self.g, self.plan, self.mode, self.tiles = graph, plan, req.mode, req.tiles
+        self.req = req
         self.n = len(graph.layers)
-        self.train = mode == "train"
+        self.train = req.train
         self.deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
         self.per_mb = plan.accumulates_on_host
-        self.visits = self._visits()
+        self.visits = visits
         self.pass_length = len(self.visits) // (plan.micro_batches if self.per_mb else 1)
-        _assign_slots(self.visits, plan, self.n)
         self.ops: list[Op] = []
         self.latest: dict[tuple[int, int], int] = {}  # (value, mb) -> op that last produced it on the GPU
         self.bwd: dict[tuple[int, int], int] = {}
@@ -126,7 +240,6 @@ class _Lowering:
         self.slots: dict[int, _Slot] = {}
         self.emitted_loads = 0
         self.emitted_reloads: set[int] = set()
-        self.opt_at_start: dict[int, int] = {}
         self.staging_next = 0
         self.staging_reader: dict[int, int] = {}  # staging tile -> H2D that last read it
         self.staged: dict[int, int] = {}  # cast_once: layer -> CAST in its tile, while its master is unchanged
@@ -135,37 +248,14 @@ class _Lowering:
         self.slot_d2h: dict[int, int] = {}  # slot -> the D2H that last copied its gradients out
         self.acc: dict[tuple[int, int], int] = {}  # (layer, mb) -> ACC op
 
+    def copy_of(self, mb: int) -> int:
+        """The pinned copy of a layer's checkpoints that micro-batch ``mb`` is offloaded into: one per
+        micro-batch layer by layer; per-micro-batch passes reuse copy 0 (each pass's offload waits
+        for the previous pass's reload: the verifier's 'data' rule), as cost.pinned_buffers sizes it."""
+        return mb if self.plan.layer_by_layer else 0
+
     def policy(self, layer: int) -> ActivationPolicy:
-        return self.plan.activation(layer) if self.train else ActivationPolicy.KEEP
-
-    # -- compute order ---------------------------------------------------------------------------
-    def _visits(self) -> list[_Visit]:
-        if not self.per_mb:
-            return self._pass(None)
-        return [v for mb in range(self.plan.micro_batches) for v in self._pass(mb)]
-
-    def _pass(self, mb: int | None) -> list[_Visit]:
-        """One pass over the layers for micro-batch ``mb`` (None: all of them, layer by layer)."""
-        n = self.n
-        if not self.train:
-            return [_Visit(i, OpKind.FWD, mb) for i in range(n)]
-        visits = [_Visit(i, OpKind.FWD, mb) for i in range(n - 1)]
-        recomputed: set[int] = set()
-
-        def rebuild_inputs(layer: int) -> None:
-            for vid in self.g.layers[layer].inputs:
-                p = self.g.values[vid].producer
-                if (p == BATCH_PRODUCER or p in recomputed or p == n - 1
-                        or self.policy(p) is not ActivationPolicy.RECOMPUTE):
-                    continue
-                rebuild_inputs(p)
-                recomputed.add(p)
-                visits.append(_Visit(p, OpKind.RECOMPUTE, mb))
-
-        for layer in range(n - 1, -1, -1):
-            rebuild_inputs(layer)
-            visits.append(_Visit(layer, OpKind.BWD, mb))
-        return visits
+        return self.req.policy(layer)
 
     def mbs(self, v: _Visit) -> range:
         """The micro-batches a visit runs."""
@@ -176,7 +266,7 @@ class _Lowering:
         self.ops.append(op)
         return len(self.ops) - 1
 
-    def run(self) -> Schedule:
+    def run(self) -> list[Op]:
         plan, g = self.plan, self.g
         gates = self._offload_gates()
         self.emit_loads(plan.prefetch_distance)
@@ -211,22 +301,20 @@ class _Lowering:
                     for vid in layer.outputs:
                         self.latest[(vid, mb)] = k
                 if v.kind is OpKind.FWD and self.policy(v.layer) is ActivationPolicy.OFFLOAD:
-                    self.offloads[(v.layer, mb)] = self.emit(Op(OpKind.OFFLOAD, v.layer, mb=mb, deps=(k,)))
+                    self.offloads[(v.layer, mb)] = self.emit(Op(OpKind.OFFLOAD, v.layer, mb=mb, copy=self.copy_of(mb),
+                                                                deps=(k,)))
             if v.kind is OpKind.BWD and g.layers[v.layer].trainable_numel > 0:
                 if self.per_mb:
                     self.emit_accumulation(v, st)
                 else:
                     self.emit_gradient_out(v, st)
             self.emit_loads(i + plan.prefetch_distance + 1)
-        return Schedule(ops=tuple(self.ops), plan=plan, n_layers=self.n, mode=self.mode,  # type: ignore[arg-type]
-                        carries_updates=self.carries)
+        return self.ops
 
     def emit_gradient_out(self, v: _Visit, st: _Slot) -> None:
         deps = {v.ops[-1]}
-        if self.deferred:  # the layer's own tile; its OPT runs in the next schedule
+        if self.deferred:  # the layer's own tile; its OPT runs in the next schedule (add_carried_updates)
             r = self.tiles[v.layer]
-            if v.layer in self.opt_at_start:
-                deps.add(self.opt_at_start[v.layer])  # that OPT reads the previous step's gradients
             st.users.append(self.emit(Op(OpKind.D2H, v.layer, slot=v.slot, ring=r, deps=tuple(sorted(deps)))))
             return
         r = self.ring_next % self.plan.grad_ring
@@ -253,12 +341,11 @@ class _Lowering:
         deps = {d}
         if mb > 0:
             deps.add(self.acc[(layer, mb - 1)])
-        elif layer in self.opt_at_start:
-            deps.add(self.opt_at_start[layer])  # the carried update reads the accumulator first
-        a = self.acc[(layer, mb)] = self.emit(Op(OpKind.ACC, layer, mb=mb, ring=r, deps=tuple(sorted(deps))))
+        a = self.acc[(layer, mb)] = self.emit(Op(OpKind.ACC, layer, mb=mb, ring=r, acc=self.tiles[layer],
+                                                 deps=tuple(sorted(deps))))
         self.ring_last_opt[r] = a
         if mb == self.plan.micro_batches - 1 and not self.deferred:
-            self.emit(Op(OpKind.OPT, layer, ring=self.tiles[layer], deps=(a,)))
+            self.emit(Op(OpKind.OPT, layer, acc=self.tiles[layer], deps=(a,)))
             self.staged.pop(layer, None)  # the master changes: a later copy casts again
 
     def emit_loads(self, upto: int) -> None:
@@ -274,16 +361,11 @@ class _Lowering:
                 window = j - plan.prefetch_distance - 1
                 if window >= 0:
                     deps.update(visits[window].ops)
-                if self.carries and v.layer in self.tiles and v.layer not in self.opt_at_start:
-                    # The deferred update goes on the host stream just before the layer's first load
-                    # (and its CAST), so each copy waits for its own layer's update, not for all.
-                    self.opt_at_start[v.layer] = self.emit(Op(OpKind.OPT, v.layer, ring=self.tiles[v.layer]))
-                if v.layer in self.opt_at_start:
-                    deps.add(self.opt_at_start[v.layer])  # read the updated master weights
                 cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" else None
                 if cast is not None:
                     deps.add(cast)
-                h = self.emit(Op(OpKind.H2D, v.layer, slot=v.slot, deps=tuple(sorted(deps))))
+                tile = self.ops[cast].tile if cast is not None else None
+                h = self.emit(Op(OpKind.H2D, v.layer, slot=v.slot, tile=tile, deps=tuple(sorted(deps))))
                 if cast is not None:
                     self.staging_reader[self.ops[cast].tile] = h
                 st.layer, st.users, st.h2d = v.layer, [], h
@@ -303,8 +385,6 @@ class _Lowering:
         deps = set()
         if t in self.staging_reader:
             deps.add(self.staging_reader[t])  # the H2D that read the tile's old content
-        if layer in self.opt_at_start:
-            deps.add(self.opt_at_start[layer])
         c = self.emit(Op(OpKind.CAST, layer, tile=t, deps=tuple(sorted(deps))))
         if self.plan.cast_once:
             self.staged[layer] = c
@@ -351,9 +431,16 @@ class _Lowering:
                     if self.ops[self.latest[key]].kind is OpKind.RELOAD:
                         continue  # already back for an earlier reader
                     deps = {self.offloads[(p, mb)], *self.visits[after].ops}
-                    r = self.emit(Op(OpKind.RELOAD, p, mb=mb, deps=tuple(sorted(deps))))
+                    r = self.emit(Op(OpKind.RELOAD, p, mb=mb, copy=self.copy_of(mb), deps=tuple(sorted(deps))))
                     for out in self.g.checkpoints(p):
                         self.latest[(out, mb)] = r
+
+
+def _opt(plan: Plan, layer: int, k: int) -> Op:
+    """A deferred (NEXT_FORWARD) update of ``layer`` from its own gradient tile or accumulator ``k``."""
+    if plan.accumulates_on_host:
+        return Op(OpKind.OPT, layer, acc=k)
+    return Op(OpKind.OPT, layer, ring=k)
 
 
 def _assign_slots(visits: list[_Visit], plan: Plan, n_layers: int) -> None:
@@ -387,3 +474,7 @@ def _assign_slots(visits: list[_Visit], plan: Plan, n_layers: int) -> None:
             content[s] = v.layer
         v.slot = s
         last_use[s] = i
+
+
+# gradient_tiles is imported here by callers of the IR that predate its move to schedule.py.
+__all__ = ["PASSES", "add_carried_updates", "add_copies", "assign_slots", "lower", "order_compute"]

@@ -1,26 +1,29 @@
 """The Schedule: an explicit DAG of typed ops on streams, and its JSON form.
 
-Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``FWD:L3:m0:s1``,
-``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OFFLOAD:L3:m0``, ``RELOAD:L3:m0``,
-``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``, ``ACC:L3:m1:r0``), after the ``_Action`` records of
-``torch.distributed.pipelining``. The op list is in issue order: a topological order of the DAG,
-and for each stream the order its in-order queue runs the ops. ``deps`` are indices of earlier ops
+Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``H2D:L3:s1:t0``,
+``FWD:L3:m0:s1``, ``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OPT:L3:a2``,
+``OFFLOAD:L3:m0:c0``, ``RELOAD:L3:m0:c0``, ``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``,
+``ACC:L3:m1:r0:a2``), after the ``_Action`` records of ``torch.distributed.pipelining``. Each op
+names every buffer it touches (see :class:`Op`), so the lowering decides and the runtime reads.
+The op list is in issue order: a topological order of the DAG, and for each stream the order its
+in-order queue runs the ops. ``deps`` are indices of earlier ops
 that must finish first; a dependency that crosses streams becomes an event in the CUDA backend.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
 from typing import Literal
 
 import pydantic
 
+from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 3
-"""3 added ACC ops (per-micro-batch passes); version 2 files, which have none, still load."""
+SCHEDULE_FORMAT_VERSION = 4
+"""4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
+OFFLOAD's pinned copy); files of earlier versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -61,38 +64,87 @@ _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: St
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
               OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
               OpKind.ACC: Stream.HOST}
-_FIELDS = {OpKind.H2D: ("layer", "slot"), OpKind.FWD: ("layer", "mb", "slot"),
-           OpKind.BWD: ("layer", "mb", "slot"), OpKind.D2H: ("layer", "slot", "ring"),
-           OpKind.OPT: ("layer", "ring"), OpKind.OFFLOAD: ("layer", "mb"), OpKind.RELOAD: ("layer", "mb"),
-           OpKind.RECOMPUTE: ("layer", "mb", "slot"), OpKind.CAST: ("layer", "tile"),
-           OpKind.ACC: ("layer", "mb", "ring")}
-_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t"}
+
+_ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "copy")
+"""Every index field, in the order a repr writes them."""
+_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc": "a", "copy": "c"}
+_FIELD_OF = {prefix: name for name, prefix in _PREFIX.items()}
+
+# (required fields, optional fields) of each kind. An H2D names the staging tile it reads when the
+# plan computes in BF16 (FP32 copies read the master rows); an OPT reads either a host gradient
+# tile (``ring``) or an accumulator (``acc``), exactly one of them.
+_FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    OpKind.H2D: (("layer", "slot"), ("tile",)),
+    OpKind.FWD: (("layer", "mb", "slot"), ()),
+    OpKind.BWD: (("layer", "mb", "slot"), ()),
+    OpKind.D2H: (("layer", "slot", "ring"), ()),
+    OpKind.OPT: (("layer",), ("ring", "acc")),
+    OpKind.OFFLOAD: (("layer", "mb", "copy"), ()),
+    OpKind.RELOAD: (("layer", "mb", "copy"), ()),
+    OpKind.RECOMPUTE: (("layer", "mb", "slot"), ()),
+    OpKind.CAST: (("layer", "tile"), ()),
+    OpKind.ACC: (("layer", "mb", "ring", "acc"), ()),
+}
+
+
+def _spelling(kind: OpKind) -> str:
+    """How an op of ``kind`` is written, e.g. ``H2D:L<int>:s<int>[:t<int>]``."""
+    required, optional = _FIELDS[kind]
+    text = ":".join([kind.value] + [f"{_PREFIX[n]}<int>" for n in required])
+    if kind is OpKind.OPT:
+        return text + ":(r<int>|a<int>)"
+    return text + "".join(f"[:{_PREFIX[n]}<int>]" for n in optional)
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One op of a schedule. ``deps`` are indices of ops earlier in the schedule's list."""
+    """One op of a schedule. ``deps`` are indices of ops earlier in the schedule's list.
+
+    Every resource an op touches is a field, filled by the lowering and checked by the verifier,
+    so a backend reads it and derives nothing:
+
+    - ``slot``: the device buffer slot (weights and gradients) of H2D, FWD, BWD, RECOMPUTE, D2H;
+    - ``ring``: a pinned host gradient tile, written by D2H and read by ACC, or by an OPT that
+      steps from the tile (layer-by-layer passes);
+    - ``tile``: a pinned staging tile, written by CAST and read by a BF16 H2D (None: the H2D reads
+      the FP32 master rows);
+    - ``acc``: a layer's FP32 host accumulator (per-micro-batch passes), which ACC adds into and
+      an OPT steps from;
+    - ``copy``: the pinned copy of a layer's checkpoints an OFFLOAD writes and a RELOAD reads (one
+      per micro-batch layer by layer; copy 0, reused, with per-micro-batch passes).
+
+    Raises:
+        ValueError: a field the kind needs is missing, or one it takes no part in is set.
+    """
 
     kind: OpKind
     layer: int
     mb: int | None = None
     slot: int | None = None
     ring: int | None = None
-    tile: int | None = None  # a staging tile (CAST)
+    tile: int | None = None
+    acc: int | None = None
+    copy: int | None = None
     deps: tuple[int, ...] = field(default=(), compare=True)
 
     def __post_init__(self) -> None:
-        for name in ("mb", "slot", "ring", "tile"):
+        required, optional = _FIELDS[self.kind]
+        for name in _ORDER[1:]:
             present = getattr(self, name) is not None
-            if present != (name in _FIELDS[self.kind]):
-                raise ValueError(f"{self.kind.value} op {'needs' if not present else 'takes no'} {name}")
+            if name in required and not present:
+                raise ValueError(f"{self.kind.value} op needs {name}: it is written {_spelling(self.kind)}")
+            if present and name not in required and name not in optional:
+                raise ValueError(f"{self.kind.value} op takes no {name}: it is written {_spelling(self.kind)}")
+        if self.kind is OpKind.OPT and (self.ring is None) == (self.acc is None):
+            raise ValueError("OPT op reads a gradient tile (ring) or an accumulator (acc): give exactly one")
 
     @property
     def stream(self) -> Stream:
         return self.kind.stream
 
     def __repr__(self) -> str:
-        return ":".join([self.kind.value] + [f"{_PREFIX[f]}{getattr(self, f)}" for f in _FIELDS[self.kind]])
+        return ":".join([self.kind.value] + [f"{_PREFIX[f]}{getattr(self, f)}" for f in _ORDER
+                                             if getattr(self, f) is not None])
 
     __str__ = __repr__
 
@@ -105,16 +157,27 @@ class Op:
         except ValueError:
             raise ValueError(f"{text!r}: unknown op kind {head!r}; kinds are "
                              f"{[k.value for k in OpKind]}") from None
-        names = _FIELDS[kind]
-        if len(parts) != len(names):
-            raise ValueError(f"{text!r}: a {kind.value} op is written "
-                             + ":".join([kind.value] + [f"{_PREFIX[n]}<int>" for n in names]))
-        kw = {}
-        for name, part in zip(names, parts):
-            if not part.startswith(_PREFIX[name]) or not part[1:].isdigit():
-                raise ValueError(f"{text!r}: expected {_PREFIX[name]}<int> for {name}, got {part!r}")
+        kw: dict[str, int] = {}
+        for part in parts:
+            name = _FIELD_OF.get(part[:1])
+            if name is None or not part[1:].isdigit() or name in kw \
+                    or (kw and _ORDER.index(name) < _ORDER.index(list(kw)[-1])):
+                raise ValueError(f"{text!r}: unexpected {part!r}; a {kind.value} op is written {_spelling(kind)}")
             kw[name] = int(part[1:])
-        return cls(kind, deps=tuple(deps), **kw)
+        if "layer" not in kw:
+            raise ValueError(f"{text!r}: no layer; a {kind.value} op is written {_spelling(kind)}")
+        try:
+            return cls(kind, deps=tuple(deps), **kw)
+        except ValueError as e:
+            raise ValueError(f"{text!r}: {e}") from None
+
+
+def gradient_tiles(graph: LayerGraph) -> dict[int, int]:
+    """The host gradient tile of each trainable layer (in layer order) where each has its own: the
+    ring tile with NEXT_FORWARD placement layer by layer, the accumulator with per-micro-batch
+    passes. Lowering assigns them, the verifier checks them and the cost model sizes them."""
+    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel > 0]
+    return {layer: k for k, layer in enumerate(trainable)}
 
 
 Mode = Literal["train", "eval", "update"]
@@ -134,9 +197,10 @@ class Schedule:
     Host gradients. A D2H copies a slot's gradients into ring tile ``r``. With layer-by-layer
     passes (or one micro-batch) that tile holds the layer's step gradients and ``OPT:L3:r<k>`` reads
     ring tile ``k``. With per-micro-batch passes (``plan.accumulates_on_host``) each micro-batch's
-    D2H is followed by ``ACC:L3:m<mb>:r<k>``, which adds ring tile ``k`` into layer 3's FP32
-    accumulator (micro-batch 0 overwrites it), and ``OPT:L3:r<a>`` reads accumulator ``a``, the
-    layer's index in ``lower.gradient_tiles``.
+    D2H is followed by ``ACC:L3:m<mb>:r<k>:a<a>``, which adds ring tile ``k`` into accumulator
+    ``a``, layer 3's (micro-batch 0 overwrites it), and ``OPT:L3:a<a>`` steps from the accumulator.
+    Where each layer keeps a tile or accumulator of its own, its index is the layer's in
+    :func:`gradient_tiles`.
     """
 
     ops: tuple[Op, ...]
@@ -208,12 +272,21 @@ class _ScheduleModel(pydantic.BaseModel):
     """JSON boundary of a Schedule: ``{"version", "mode", "carries_updates", "n_layers", "plan", "ops"}``."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
-    version: Literal[2, 3] = SCHEDULE_FORMAT_VERSION
+    version: int = SCHEDULE_FORMAT_VERSION
     mode: Literal["train", "eval", "update"]
     carries_updates: bool = False
     n_layers: int
     plan: _PlanModel
     ops: list[_OpModel]
+
+    @pydantic.field_validator("version")
+    @classmethod
+    def _current(cls, v: int) -> int:
+        if v != SCHEDULE_FORMAT_VERSION:
+            raise ValueError(f"schedule file format version {v} is not {SCHEDULE_FORMAT_VERSION}, the one this "
+                             "megatrain reads (version 4 names staging tiles, accumulators and pinned copies in "
+                             "the ops): lower the plan again (megatrain plan --out DIR)")
+        return v
 
     @classmethod
     def from_schedule(cls, s: Schedule) -> "_ScheduleModel":
@@ -236,6 +309,6 @@ class _ScheduleModel(pydantic.BaseModel):
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 
 
-def schedule_json_schema() -> str:
-    """The JSON schema of the schedule file format."""
-    return json.dumps(_ScheduleModel.model_json_schema(), indent=1)
+
+__all__ = ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "Op", "OpKind", "SCHEDULE_FORMAT_VERSION", "Schedule", "Stream",
+           "gradient_tiles"]

@@ -1,7 +1,9 @@
-"""The verifier: one function that checks a Schedule's invariants against its LayerGraph.
+"""The verifier: a Schedule's invariants against its LayerGraph, as a list of rule functions.
 
-Happens-before is the DAG's dependencies plus program order on each in-order stream. It is
-computed once as ancestor bitsets (Python ints) in list order, which the rules then query:
+``verify`` runs the functions in ``RULES`` in order over one shared :class:`_Context` (after
+tinygrad's ``uop/spec.py``, whose verifier is its rules as data). Happens-before is the DAG's
+dependencies plus program order on each in-order stream. It is computed once as ancestor bitsets
+(Python ints) in list order, which the rules then query:
 
 - ``order``: every dependency names an earlier op (the list is a topological order, so the DAG
   together with in-order streams is acyclic and cannot deadlock);
@@ -39,14 +41,15 @@ Errors name the op, the rule and the fix, and print the schedule with a marker a
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable, NoReturn
 
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
-from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
+from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.lower import gradient_tiles
+from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.plan import OptimizerPlacement
-from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule
+from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule, gradient_tiles
 
 
 def happens_before(schedule: Schedule) -> list[int]:
@@ -70,40 +73,102 @@ def happens_before(schedule: Schedule) -> list[int]:
 def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None) -> None:
     """Raise ScheduleError naming the first broken invariant; return None when all hold.
 
-    With ``hw`` the memory budget is checked too (:func:`megatrain.planner.cost.memory_breakdown`).
+    The rules in ``RULES`` run in order, each raising at the first op that breaks it, with the op,
+    the rule and the fix, and the schedule printed around the op with a marker. With ``hw`` the
+    memory budget is checked too (:func:`megatrain.planner.cost.memory_breakdown`).
+
+    Raises:
+        ScheduleError: the schedule is for another graph, or breaks a rule.
     """
-    ops = schedule.ops
-    plan = schedule.plan
-
-    def fail(i: int, rule: str, what: str, fix: str) -> None:
-        raise ScheduleError(f"op #{i} {ops[i]!r} breaks rule '{rule}': {what}. Fix: {fix}.\n"
-                            + schedule.format(marker=i, context=12))
-
     if schedule.n_layers != len(graph.layers):
         raise ScheduleError(f"schedule is for {schedule.n_layers} layers, graph has {len(graph.layers)}")
-    n_slots = plan.slots + len(plan.resident)
-    accumulator_of = gradient_tiles(graph)  # per-micro-batch passes: each trainable layer's accumulator
-    n_accumulators = len(accumulator_of)
-    slot_sizes = cost.slot_numels(graph, plan.slots, plan.resident)
-    tile_numels = cost.gradient_tile_numels(graph, plan)
-    staging_numels = cost.staging_tile_numels(graph, plan) or (0,) * plan.staging_ring
+    c = _Context(schedule, graph)
+    for rule in RULES:
+        rule(c)
+    if hw is not None:
+        _check_memory(schedule, graph, hw)
+
+
+class _Context:
+    """What the rules share, computed once per schedule: happens-before, ops by kind and index."""
+
+    def __init__(self, schedule: Schedule, graph: LayerGraph):
+        self.schedule, self.graph, self.plan, self.ops = schedule, graph, schedule.plan, schedule.ops
+        plan, ops = self.plan, self.ops
+        self.accumulator_of = gradient_tiles(graph)  # per-micro-batch passes: each trainable layer's accumulator
+        self.staging_numels = cost.staging_tile_numels(graph, plan) or (0,) * plan.staging_ring
+        self.deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+        self.accumulating = plan.accumulates_on_host
+        self.last = len(ops) - 1 if ops else 0
+        self.by_kind: dict[OpKind, list[int]] = defaultdict(list)
+        self.at: dict[tuple[OpKind, int, int], list[int]] = defaultdict(list)
+        for i, op in enumerate(ops):
+            self.by_kind[op.kind].append(i)
+            if op.mb is not None:
+                self.at[(op.kind, op.layer, op.mb)].append(i)
+        self.h2d_by_slot: dict[int, list[int]] = defaultdict(list)
+        for i in self.by_kind[OpKind.H2D]:
+            self.h2d_by_slot[ops[i].slot].append(i)
+        self.opt_by_layer: dict[int, list[int]] = defaultdict(list)
+        for i in self.by_kind[OpKind.OPT]:
+            self.opt_by_layer[ops[i].layer].append(i)
+        self._anc: list[int] | None = None
+        self._liveness: Liveness | None = None
+
+    def fail(self, i: int, rule: str, what: str, fix: str) -> NoReturn:
+        """Raise the ScheduleError of op ``i`` breaking ``rule``, with the schedule around it, marked."""
+        raise ScheduleError(f"op #{i} {self.ops[i]!r} breaks rule '{rule}': {what}. Fix: {fix}.\n"
+                            + self.schedule.format(marker=i, context=12))
+
+    def before(self, a: int, b: int) -> bool:
+        """Whether op ``a`` happens before op ``b``."""
+        if self._anc is None:  # after rule 'order', so every dependency names an earlier op
+            self._anc = happens_before(self.schedule)
+        return bool((self._anc[b] >> a) & 1)
+
+    @property
+    def liveness(self) -> Liveness:
+        if self._liveness is None:
+            self._liveness = liveness(self.schedule, self.graph)
+        return self._liveness
+
+
+def _check_order(c: _Context) -> None:
+    """Rule ``order``: every dependency names an earlier op, and every op a layer of the graph."""
+    ops, graph, fail = c.ops, c.graph, c.fail
     for i, op in enumerate(ops):
         for d in op.deps:
             if not 0 <= d < i:
                 fail(i, "order", f"dependency {d} is not an earlier op", "list ops in a topological order")
         if not 0 <= op.layer < len(graph.layers):
             fail(i, "order", f"layer {op.layer} does not exist", "lower against this graph")
+
+
+def _check_budget(c: _Context) -> None:
+    """Rule ``budget`` (per op): slot, ring, staging, accumulator and pinned-copy indices within the plan,
+    each op's layer fitting the slot and tiles it uses (and micro-batches within the plan: ``coverage``)."""
+    ops, plan, graph, fail = c.ops, c.plan, c.graph, c.fail
+    n_slots = plan.slots + len(plan.resident)
+    n_accumulators = len(c.accumulator_of)
+    slot_sizes = cost.slot_numels(graph, plan.slots, plan.resident)
+    tile_numels = cost.gradient_tile_numels(graph, plan)
+    staging_numels = c.staging_numels
+    n_copies = plan.micro_batches if plan.layer_by_layer else 1
+    for i, op in enumerate(ops):
         if op.slot is not None and not 0 <= op.slot < n_slots:
             fail(i, "budget", f"slot {op.slot} outside the plan's {n_slots} slots", "raise Plan.slots")
-        if op.kind is OpKind.OPT and plan.accumulates_on_host:
-            if not 0 <= op.ring < n_accumulators:
-                fail(i, "budget", f"accumulator {op.ring} outside the {n_accumulators} trainable layers",
-                     "use lower.gradient_tiles for each layer's accumulator")
-        elif op.ring is not None and not 0 <= op.ring < plan.grad_ring:
+        if op.acc is not None and not 0 <= op.acc < n_accumulators:
+            fail(i, "budget", f"accumulator {op.acc} outside the {n_accumulators} trainable layers",
+                 "use schedule.gradient_tiles for each layer's accumulator")
+        if op.ring is not None and not 0 <= op.ring < plan.grad_ring:
             fail(i, "budget", f"ring tile {op.ring} outside the plan's {plan.grad_ring}", "raise Plan.grad_ring")
         if op.tile is not None and not 0 <= op.tile < len(staging_numels):
             fail(i, "budget", f"staging tile {op.tile} outside the plan's {len(staging_numels)}",
                  "raise Plan.staging_ring")
+        if op.copy is not None and not 0 <= op.copy < n_copies:
+            fail(i, "budget", f"pinned checkpoint copy c{op.copy} outside the plan's {n_copies} (one per micro-batch "
+                 "layer by layer, one reused copy with per-micro-batch passes: cost.pinned_buffers)",
+                 "offload micro-batch m into copy m layer by layer, else into copy 0")
         if op.mb is not None and not 0 <= op.mb < plan.micro_batches:
             fail(i, "coverage", f"micro-batch {op.mb} outside the plan's {plan.micro_batches}",
                  "lower with the same plan")
@@ -122,21 +187,13 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             fail(i, "budget", f"layer {op.layer}'s {layer.trainable_numel:,} gradients do not fit host tile "
                  f"r{op.ring} of {tile_numels[op.ring]:,} (cost.gradient_tile_numels sizes each tile for the layers "
                  "the lowering gives it)", "assign ring tiles as lower.py does (D2H number k of a step takes tile "
-                 "k % grad_ring; with NEXT_FORWARD a layer's own tile, lower.gradient_tiles)")
+                 "k % grad_ring; with NEXT_FORWARD a layer's own tile, schedule.gradient_tiles)")
 
-    anc = happens_before(schedule)
 
-    def before(a: int, b: int) -> bool:
-        return bool((anc[b] >> a) & 1)
-
-    by_kind: dict[OpKind, list[int]] = defaultdict(list)
-    for i, op in enumerate(ops):
-        by_kind[op.kind].append(i)
-    h2d_by_slot: dict[int, list[int]] = defaultdict(list)
-    for i in by_kind[OpKind.H2D]:
-        h2d_by_slot[ops[i].slot].append(i)
-
-    # weights
+def _check_weights(c: _Context) -> None:
+    """Rule ``weights``: a compute op's slot holds its layer's weights, copied before it and not
+    overwritten while it runs."""
+    ops, fail, before, h2d_by_slot = c.ops, c.fail, c.before, c.h2d_by_slot
     for i, op in enumerate(ops):
         if op.kind not in COMPUTE_KINDS:
             continue
@@ -154,7 +211,13 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                 fail(i, "weights", f"#{h} {ops[h]!r} may overwrite slot s{op.slot} while it reads it",
                      f"make #{h} depend on #{i}")
 
-    # gradients
+
+def _check_gradients(c: _Context) -> None:
+    """Rule ``gradients``: gradients leave each slot before it is overwritten; host tiles and accumulators
+    are read by the right op before they are overwritten."""
+    ops, plan, graph, fail, before, by_kind = c.ops, c.plan, c.graph, c.fail, c.before, c.by_kind
+    h2d_by_slot, accumulator_of, schedule = c.h2d_by_slot, c.accumulator_of, c.schedule
+    deferred, accumulating = c.deferred, c.accumulating
     d2h_of: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in by_kind[OpKind.D2H]:
         d2h_of[(ops[i].layer, ops[i].slot)].append(i)
@@ -184,20 +247,20 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             if j != i and not same_visit and before(i, j) and not before(d, j):
                 fail(j, "gradients", f"it writes slot s{op.slot}'s gradients before #{d} {ops[d]!r} copies "
                      f"out those of #{i} {op!r}", f"make it depend on #{d}")
-    opt_by_layer: dict[int, list[int]] = defaultdict(list)
-    for i in by_kind[OpKind.OPT]:
-        opt_by_layer[ops[i].layer].append(i)
     d2h_by_ring: dict[int, list[int]] = defaultdict(list)
     for i in by_kind[OpKind.D2H]:
         d2h_by_ring[ops[i].ring].append(i)
-    deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
-    accumulating = plan.accumulates_on_host
     acc_at: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in by_kind[OpKind.ACC]:
         acc_at[(ops[i].layer, ops[i].mb)].append(i)
     if by_kind[OpKind.ACC] and not accumulating:
         fail(by_kind[OpKind.ACC][0], "gradients", "only per-micro-batch passes accumulate gradients on "
              "the host", "drop the ACC ops, or lower with layer_by_layer=False and several micro-batches")
+    for i in by_kind[OpKind.ACC]:
+        op = ops[i]
+        if op.acc != accumulator_of.get(op.layer):
+            fail(i, "gradients", f"it adds into accumulator {op.acc}, not layer {op.layer}'s",
+                 f"add into accumulator a{accumulator_of.get(op.layer)} (schedule.gradient_tiles)")
     # Ring tiles are read by the ACCs with per-micro-batch passes, else by DURING_BACKWARD updates.
     ring_readers = by_kind[OpKind.ACC] if accumulating else [] if deferred else by_kind[OpKind.OPT]
     for i in ring_readers:
@@ -219,10 +282,16 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                      "make it depend on the D2H that follows that local backward")
     for i in by_kind[OpKind.OPT]:
         op = ops[i]
+        if accumulating != (op.acc is not None):
+            src = f"ring tile r{op.ring}" if op.ring is not None else f"accumulator a{op.acc}"
+            why = ("per-micro-batch passes sum the gradients in accumulators" if accumulating
+                   else "only per-micro-batch passes have accumulators")
+            fail(i, "gradients", f"it steps from {src}, but {why}",
+                 f"read {'accumulator a' if accumulating else 'ring tile r'}<k>")
         if accumulating:
-            if op.ring != accumulator_of.get(op.layer):
-                fail(i, "gradients", f"it reads accumulator {op.ring}, not layer {op.layer}'s",
-                     f"read accumulator {accumulator_of.get(op.layer)} (lower.gradient_tiles)")
+            if op.acc != accumulator_of.get(op.layer):
+                fail(i, "gradients", f"it reads accumulator {op.acc}, not layer {op.layer}'s",
+                     f"read accumulator {accumulator_of.get(op.layer)} (schedule.gradient_tiles)")
             accs = [a for mb in range(plan.micro_batches) for a in acc_at[(op.layer, mb)]]
             if deferred:  # the previous step's accumulator: no ACC of this schedule may overwrite it first
                 for a in accs:
@@ -245,7 +314,7 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                 if ops[d].layer != op.layer:
                     fail(d, "gradients", f"it writes tile r{op.ring}, which layer {op.layer}'s deferred update "
                          "reads; with NEXT_FORWARD every layer keeps a tile of its own",
-                         "use lower.gradient_tiles for the tile of each layer")
+                         "use schedule.gradient_tiles for the tile of each layer")
     if accumulating and schedule.mode == "train":
         for layer in range(len(graph.layers)):
             if graph.layers[layer].trainable_numel == 0:
@@ -267,13 +336,14 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
             if owner.setdefault(ops[d].ring, ops[d].layer) != ops[d].layer:
                 fail(d, "gradients", f"tile r{ops[d].ring} also receives layer {owner[ops[d].ring]}'s "
                      "gradients; with NEXT_FORWARD each layer's gradients wait in a tile of their own "
-                     "until the next step", "use lower.gradient_tiles for the tile of each layer")
+                     "until the next step", "use schedule.gradient_tiles for the tile of each layer")
 
-    # staging
+
+def _check_staging(c: _Context) -> None:
+    """Rule ``staging``: a BF16 copy reads the staging tile its layer's CAST filled, with no update in
+    between; FP32 copies read the master rows."""
+    ops, plan, fail, before, by_kind, opt_by_layer = c.ops, c.plan, c.fail, c.before, c.by_kind, c.opt_by_layer
     if plan.compute_dtype != "float32":
-        opt_by_layer: dict[int, list[int]] = defaultdict(list)
-        for i in by_kind[OpKind.OPT]:
-            opt_by_layer[ops[i].layer].append(i)
         cast_by_tile: dict[int, list[int]] = defaultdict(list)
         for i in by_kind[OpKind.CAST]:
             cast_by_tile[ops[i].tile].append(i)
@@ -284,6 +354,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                      f"layer {ops[h].layer} filled, and it depends on {len(casts)} CASTs of that layer",
                      f"make it depend on one CAST:L{ops[h].layer}:t<k>")
             c = casts[0]
+            if ops[h].tile != ops[c].tile:
+                fail(h, "staging", f"it names staging tile t{ops[h].tile}, but the CAST it reads, #{c} {ops[c]!r}, "
+                     f"fills tile t{ops[c].tile}", f"name tile t{ops[c].tile}")
             for other in cast_by_tile[ops[c].tile]:
                 if other != c and not before(other, c) and not before(h, other):
                     fail(other, "staging", f"it may overwrite staging tile t{ops[c].tile} before #{h} "
@@ -298,15 +371,18 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
     elif by_kind[OpKind.CAST]:
         fail(by_kind[OpKind.CAST][0], "staging", "a float32 plan copies the master tiles directly",
              "drop the CAST ops or lower with compute_dtype='bfloat16'")
+    else:
+        for h in by_kind[OpKind.H2D]:
+            if ops[h].tile is not None:
+                fail(h, "staging", f"a float32 plan copies the master rows directly, but it names staging tile "
+                     f"t{ops[h].tile}", f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
 
-    # coverage
-    M = plan.micro_batches
-    n = len(graph.layers)
-    at: dict[tuple[OpKind, int, int], list[int]] = defaultdict(list)
-    for i, op in enumerate(ops):
-        if op.mb is not None:
-            at[(op.kind, op.layer, op.mb)].append(i)
-    last = len(ops) - 1 if ops else 0
+
+def _check_coverage(c: _Context) -> None:
+    """Rule ``coverage``: each (layer, micro-batch) runs its forward and local backward once, its
+    recompute at most once."""
+    ops, plan, graph, fail, by_kind, schedule, at = c.ops, c.plan, c.graph, c.fail, c.by_kind, c.schedule, c.at
+    M, n, last = plan.micro_batches, len(graph.layers), c.last
     if schedule.mode == "update" and len(by_kind[OpKind.OPT]) != len(ops):
         fail(next(i for i, op in enumerate(ops) if op.kind is not OpKind.OPT), "coverage",
              "an update schedule runs the deferred optimizer steps and nothing else", "lower with mode='update'")
@@ -323,38 +399,42 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                          f"{kind.value} of layer {layer}, micro-batch {mb} runs {len(got)} times, expected "
                          f"{'at most one' if want is None else want}", "lower the schedule again")
 
-    # data
+
+def _check_data(c: _Context) -> None:
+    """Rule ``data``: every checkpoint read comes after the op that put that generation on the GPU
+    (:mod:`megatrain.planner.liveness`); reloads after their offloads; gradients after their producers."""
+    ops, graph, fail, before, at = c.ops, c.graph, c.fail, c.before, c.at
     producer_layer = {vid: v.producer for vid, v in enumerate(graph.values)}
-    latest: dict[tuple[int, int], int] = {}
+    live = c.liveness
     for i, op in enumerate(ops):
-        if op.kind in COMPUTE_KINDS or op.kind is OpKind.OFFLOAD:
-            reads = ([(vid, op.mb) for vid in graph.layers[op.layer].inputs
-                      if producer_layer[vid] != BATCH_PRODUCER] if op.kind in COMPUTE_KINDS
-                     else [(vid, op.mb) for vid in graph.checkpoints(op.layer)])
-            for key in reads:
-                src = latest.get(key)
-                name = graph.values[key[0]].name
-                if src is None:
-                    fail(i, "data", f"checkpoint {name!r} (micro-batch {key[1]}) is read before any op "
-                         "puts it on the GPU", f"run FWD of layer {producer_layer[key[0]]} first")
-                if not before(src, i):
-                    fail(i, "data", f"it reads {name!r} from #{src} {ops[src]!r}, which does not happen "
-                         "before it", f"make it depend on #{src}")
+        for key, k in live.reads[i].items():
+            name = graph.values[key[0]].name
+            if k is None:
+                fail(i, "data", f"checkpoint {name!r} (micro-batch {key[1]}) is read before any op "
+                     "puts it on the GPU", f"run FWD of layer {producer_layer[key[0]]} first")
+            src = live.generations[k].producer
+            if src != BATCH and not before(src, i):
+                fail(i, "data", f"it reads {name!r} from #{src} {ops[src]!r}, which does not happen "
+                     "before it", f"make it depend on #{src}")
         if op.kind is OpKind.RELOAD:
             off = at.get((OpKind.OFFLOAD, op.layer, op.mb), [])
             if not off or not before(off[0], i):
                 fail(i, "data", f"it reloads layer {op.layer}'s checkpoints (micro-batch {op.mb}) that no "
-                     "earlier OFFLOAD copied out", f"make it depend on OFFLOAD:L{op.layer}:m{op.mb}")
-        if op.kind is OpKind.OFFLOAD and not plan.layer_by_layer:
-            # Per-micro-batch passes hold one micro-batch's offloaded checkpoints in pinned memory.
+                     "earlier OFFLOAD copied out", f"make it depend on OFFLOAD:L{op.layer}:m{op.mb}:c{op.copy}")
+            if ops[off[0]].copy != op.copy:
+                fail(i, "data", f"it reads pinned copy c{op.copy}, but #{off[0]} {ops[off[0]]!r} wrote micro-batch "
+                     f"{op.mb}'s checkpoints into c{ops[off[0]].copy}", f"read copy c{ops[off[0]].copy}")
+        if op.kind is OpKind.OFFLOAD:
+            # A pinned copy holds one micro-batch's checkpoints at a time (per-micro-batch passes
+            # reuse one): an offload into it comes after the reloads of what it held.
             for m in range(op.mb):
-                for r in at.get((OpKind.RELOAD, op.layer, m), []):
-                    if not before(r, i):
-                        fail(i, "data", f"it overwrites layer {op.layer}'s pinned checkpoint copy before "
-                             f"#{r} {ops[r]!r} reads micro-batch {m}'s back", f"make it depend on #{r}")
-        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.RELOAD):
-            for vid in graph.layers[op.layer].outputs:
-                latest[(vid, op.mb)] = i
+                for o in at.get((OpKind.OFFLOAD, op.layer, m), []):
+                    if ops[o].copy != op.copy:
+                        continue
+                    for r in at.get((OpKind.RELOAD, op.layer, m), []):
+                        if not before(r, i):
+                            fail(i, "data", f"it overwrites layer {op.layer}'s pinned checkpoint copy c{op.copy} "
+                                 f"before #{r} {ops[r]!r} reads micro-batch {m}'s back", f"make it depend on #{r}")
     for (kind, layer, mb), (i, *_) in at.items():
         if kind is not OpKind.BWD:
             continue
@@ -368,7 +448,12 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
                     fail(i, "data", f"the gradient of {val.name!r} from #{j} {ops[j]!r} does not "
                          "arrive before it", f"make it depend on #{j}")
 
-    # coverage of updates
+
+def _check_updates(c: _Context) -> None:
+    """Rule ``coverage`` of updates: each trainable layer is updated once, after all its micro-batches
+    (or, carried, before every copy of its weights)."""
+    ops, graph, fail, before, by_kind, schedule, at = c.ops, c.graph, c.fail, c.before, c.by_kind, c.schedule, c.at
+    opt_by_layer, deferred, M, n, last = c.opt_by_layer, c.deferred, c.plan.micro_batches, len(graph.layers), c.last
     if schedule.mode == "train" or schedule.mode == "update":
         carried = schedule.mode == "update" or schedule.carries_updates
         for layer in range(n):
@@ -396,8 +481,9 @@ def verify(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec | None = None
         fail(min(by_kind[OpKind.OPT] + by_kind[OpKind.D2H] + by_kind[OpKind.BWD] + by_kind[OpKind.ACC]), "coverage",
              "an eval schedule computes no gradients and updates nothing", "lower with mode='eval'")
 
-    if hw is not None:
-        _check_memory(schedule, graph, hw)
+RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_weights, _check_gradients,
+                                           _check_staging, _check_coverage, _check_data, _check_updates]
+"""The verifier's rules, in the order they run (``order`` first: the others index by dependency)."""
 
 
 def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> None:
@@ -412,3 +498,6 @@ def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> No
             raise ScheduleError(f"schedule breaks rule 'budget': it needs {cost.human_bytes(need)} of {what} at "
                                 f"its peak, and {hw.name!r} has {cost.human_bytes(have)}. Fix: {fix}.\n"
                                 + mem.format())
+
+
+__all__ = ["RULES", "happens_before", "verify"]

@@ -1,5 +1,12 @@
 """The executor: walks a Schedule's ops in order and runs each on its backend.
 
+The walk is a dispatch table over a run context (tinygrad's ``pm_exec`` over ``ExecContext`` in
+``engine/realize.py``): for op ``i``, ``HANDLERS[op.kind](ctx, i, op)`` returns the work to launch,
+and the backend runs it on the op's stream after its dependencies. :class:`_RunContext` holds what
+one run reads and writes besides the op itself: the buffers, the checkpoints on the device by
+generation, the boundary gradients, the losses, the handles of launched ops and which optimizer
+steps ran or were skipped.
+
 Layers run through stateless templates: one ``fx.GraphModule`` per kind of layer, called with the
 layer's weights bound as views of the buffer slot they were copied into (no copy at bind). A local
 backward recomputes the layer's forward from its saved input checkpoint with gradients on, then
@@ -8,11 +15,10 @@ view of the slot) and its differentiable inputs, and writes each weight's gradie
 of the gradient slot; no autograd graph outlives the op. (A single flat leaf over the slot would
 cost, per parameter, a zero-filled tile and a tile-sized sum in ``slice_backward``.)
 
-The executor decides nothing: which slot, which ring or staging tile, which order, what is
-offloaded or recomputed -- all come from the Schedule. What it derives mechanically is when a
-checkpoint on the GPU is no longer read (after the last op in the list that reads it before the
-op that next puts it there), so it can be dropped, and which staging tile an H2D reads (the one
-its CAST dependency filled).
+The executor decides nothing: which slot, ring tile, staging tile, accumulator or pinned copy an op
+uses, and in which order, are fields of the op (:class:`~megatrain.planner.schedule.Op`); when a
+checkpoint on the GPU is read for the last time comes from
+:func:`megatrain.planner.liveness.liveness`, the same function the cost model frees memory by.
 
 Gradient norms. Each D2H first takes the L2 norm of the slot's gradients on the device and copies
 it to the host with them, and flags the layer when that norm or a micro-batch loss of the step is
@@ -20,9 +26,13 @@ not finite. With per-micro-batch passes the step's gradients exist only once the
 summed them on the host, so that ACC replaces the norm with the accumulator's and keeps the flag
 of the last D2H (which has seen every loss) only if that norm is finite. A host optimizer step is
 skipped once any layer of the step was flagged (host ops run in order, so the flag is seen by
-every later one). With the optimizer placed NEXT_FORWARD the
-updates wait for the next schedule; the caller then knows the global norm, and passes the
-clipping scale (or drops the updates) with :meth:`Executor.set_update`.
+every later one).
+
+Deferred updates. With the optimizer placed NEXT_FORWARD a step's optimizer steps run in the next
+schedule. :class:`DeferredUpdates` (``Executor.deferred``) is the one place that says which
+layers' updates are still owed, with which clipping scale and AdamW settings: the caller, who knows
+the global norm, sets it with :meth:`Executor.defer` after a step, and every run that carries
+updates takes the layers it updated off it, also when the run fails part-way.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.optim.adamw import adamw
@@ -39,8 +49,8 @@ from megatrain.config import AdamW
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import strict_fp32
-from megatrain.planner.lower import gradient_tiles
-from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Schedule
+from megatrain.planner.liveness import BATCH, Liveness, liveness
+from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.planner.trace import TracedModel, retarget
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.host import HostState, PinnedArena
@@ -58,7 +68,8 @@ class _Buffers:
     grads: list[torch.Tensor]
     ring: list[torch.Tensor]
     staging: list[torch.Tensor]
-    accumulators: list[torch.Tensor]  # per trainable layer (lower.gradient_tiles), per-micro-batch passes
+    # One per trainable layer (schedule.gradient_tiles) with per-micro-batch passes: Op.acc indexes it.
+    accumulators: list[torch.Tensor]
 
 
 @dataclass
@@ -84,8 +95,25 @@ class StepOutput:
         return float(torch.linalg.vector_norm(torch.tensor(list(self.layer_norms.values()), dtype=torch.float32)))
 
 
+@dataclass(frozen=True, slots=True)
+class DeferredUpdates:
+    """The optimizer steps a NEXT_FORWARD step leaves to the next schedule that carries updates (or
+    to an ``"update"`` schedule): which ``layers`` are still owed, the clipping scale their
+    gradients are multiplied by (``torch.nn.utils.clip_grad_norm_``'s clamped coefficient; None:
+    used as they are) and the AdamW settings of the step that made them (None: the current ones)."""
+
+    layers: frozenset[int] = frozenset()
+    clip_scale: float | None = None
+    optimizer: AdamW | None = None
+
+
 class Executor:
-    """Runs schedules of one traced model on one backend, against one host state."""
+    """Runs schedules of one traced model on one backend, against one host state.
+
+    ``deferred`` holds the updates still owed (:class:`DeferredUpdates`); ``updated`` lists the
+    layers whose optimizer step ran in the current (or last) run, in order, so that after a run
+    that raised the caller knows which updates were applied.
+    """
 
     def __init__(self, traced: TracedModel, host: HostState, backend: Backend, optimizer: AdamW,
                  buffers: dict[str, torch.Tensor]):
@@ -100,23 +128,16 @@ class Executor:
         self._buffer_key: tuple | None = None
         self._arena: PinnedArena | None = None
         self._host_acts: dict[tuple[int, int], torch.Tensor] = {}  # offloaded checkpoints: views of the arena
-        self._accumulator_of = gradient_tiles(self.graph)
         n = len(self.graph.layers)
         self._norms_dev = backend.device_empty((n,), torch.float32)
         self._flags_dev = backend.device_empty((n,), torch.bool)
         # Host copies of the norms and flags (True: the layer's values were finite), in the arena.
         self._norms: torch.Tensor | None = None
         self._flags: torch.Tensor | None = None
-        self._skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
-        self._skipped: list[int] = []
-        # Layers whose optimizer step ran in the current (or last) run, in order: after a run that
-        # raised, the caller reads which updates were applied (Trainer keeps its state consistent).
+        self.deferred = DeferredUpdates()
         self.updated: list[int] = []
-        self._grad_scale: torch.Tensor | None = None  # for carried (NEXT_FORWARD) updates
-        self._carried_optimizer: AdamW | None = None
-        # Per schedule (by identity, holding it alive): which generation of each checkpoint each op
-        # reads and how many ops read each generation.
-        self._generations: dict[int, tuple[Schedule, _Generations]] = {}
+        # Per schedule (by identity, holding it alive): the liveness of its checkpoints.
+        self._liveness: dict[int, tuple[Schedule, Liveness]] = {}
         # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
         self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
 
@@ -177,98 +198,67 @@ class Executor:
                                           for layer in self.graph.layers if layer.trainable_numel > 0]
         return self._buffers
 
-    def set_update(self, clip_scale: float | None, optimizer: AdamW | None = None) -> None:
-        """How to run the optimizer steps a NEXT_FORWARD schedule carries: the gradients are
-        multiplied by ``clip_scale`` (``torch.nn.utils.clip_grad_norm_``'s clamped coefficient), or
-        used as they are when None, with the AdamW settings of the step that made them
-        (``optimizer``; None for the current ones)."""
-        self._grad_scale = None if clip_scale is None else torch.tensor(1.0 / clip_scale, dtype=torch.float32)
-        self._carried_optimizer = optimizer
+    # -- deferred updates ------------------------------------------------------------------------
+    def defer(self, layers: frozenset[int], clip_scale: float | None, optimizer: AdamW | None) -> None:
+        """Owe the optimizer steps of ``layers`` to the next schedule that carries updates, each
+        from gradients multiplied by ``clip_scale`` (None: as they are), with AdamW ``optimizer``
+        (None: the settings current when they run). Replaces what was owed before."""
+        self.deferred = DeferredUpdates(frozenset(layers), clip_scale, optimizer)
+
+    def drop_deferred(self) -> None:
+        """Forget the updates still owed without running them (after loading a checkpoint)."""
+        self.deferred = DeferredUpdates()
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, schedule: Schedule, micro_batches: Sequence[dict[str, torch.Tensor]]) -> StepOutput:
-        """Run ``schedule`` on ``micro_batches`` (one dict of input tensors per micro-batch)."""
+        """Run ``schedule`` on ``micro_batches`` (one dict of input tensors per micro-batch).
+
+        A schedule that carries updates (an ``"update"`` schedule, or a train schedule with
+        ``carries_updates``) takes each layer whose update ran off ``deferred``, also when it raises.
+
+        Raises:
+            ValueError: ``micro_batches`` is not the plan's number of micro-batches.
+            Exception: whatever an op or the backend raised; the backend's run is closed first
+                (``Backend.abort``), so the next run starts afresh.
+        """
         g = self.graph
         M = schedule.plan.micro_batches
         if schedule.mode != "update" and len(micro_batches) != M:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(micro_batches)}")
         bufs = self._ensure_buffers(schedule)
         dev = self.backend.device
-        if id(schedule) not in self._generations:
-            self._generations[id(schedule)] = (schedule, _generations(schedule, g))
-        acts = _Activations(self._generations[id(schedule)][1])
-        grads: dict[tuple[int, int], torch.Tensor] = {}
+        if id(schedule) not in self._liveness:
+            self._liveness[id(schedule)] = (schedule, liveness(schedule, g))
+        ctx = _RunContext(self, schedule, bufs, _Activations(self._liveness[id(schedule)][1]))
+        self.updated = ctx.updated
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
-                acts.put((g.value_by_name(name).id, mb), _BATCH, batch[name].to(dev, non_blocking=True))
-        out = StepOutput(losses=[0.0] * M)
-        loss_tensors: dict[int, torch.Tensor] = {}
-        events: list[Any] = [None] * len(schedule.ops)
-        self._skip = False
-        self._skipped = []
-        self.updated = []
-        trained: list[int] = []
+                ctx.acts.put_batch((g.value_by_name(name).id, mb), batch[name].to(dev, non_blocking=True))
         try:
-            for i, op in enumerate(schedule.ops):
-                waits = [events[d] for d in op.deps
-                         if schedule.ops[d].stream is not op.stream and events[d] is not None]
-                view = acts.view(i)
-                k = op.kind
-                if k is OpKind.H2D:
-                    fn = self._h2d(schedule, op, bufs)
-                elif k is OpKind.FWD or k is OpKind.RECOMPUTE:
-                    fn = self._fwd(op.layer, op.mb, bufs.weights[op.slot], view, loss_tensors,
-                                   schedule.plan.compute_dtype)
-                elif k is OpKind.BWD:
-                    # Layer by layer a visit's micro-batches accumulate in the slot; per-micro-batch
-                    # passes accumulate on the host (ACC), so every local backward starts the slot afresh.
-                    fresh = op.mb == 0 or not schedule.plan.layer_by_layer
-                    fn = self._bwd(op.layer, op.mb, bufs, op.slot, view, grads, loss_tensors, M,
-                                   schedule.plan.compute_dtype, fresh)
-                    fn = _then(fn, _drop_grads(grads, [(vid, op.mb) for vid in g.layers[op.layer].outputs]))
-                elif k is OpKind.D2H:
-                    trained.append(op.layer)
-                    fn = self._d2h(op, bufs, loss_tensors)
-                elif k is OpKind.OPT:
-                    carried = schedule.mode == "update" or schedule.carries_updates
-                    tiles = bufs.accumulators if schedule.plan.accumulates_on_host else bufs.ring
-                    fn = self._opt(op.layer, tiles[op.ring], carried)
-                elif k is OpKind.ACC:
-                    fn = self._acc(op, bufs, last=op.mb == M - 1)
-                elif k is OpKind.OFFLOAD:
-                    fn = self._offload(op, view, schedule.plan.layer_by_layer)
-                elif k is OpKind.RELOAD:
-                    fn = self._reload(op, view, schedule.plan.layer_by_layer)
-                elif k is OpKind.CAST:
-                    fn = self._cast(op, bufs)
-                else:  # pragma: no cover - OpKind is closed
-                    raise AssertionError(k)
-                if acts.touches(i):
-                    fn = _then(fn, view.release)
-                events[i] = self.backend.launch(op.stream, fn, waits, label=repr(op))
-        except BaseException:
-            # The backend drains and closes the run, so the next run opens a fresh entry fence
-            # instead of racing this run's leftovers (its pending ops are dropped).
-            self.backend.abort()
-            raise
-        self.backend.synchronize()
-        for mb, t in loss_tensors.items():
+            try:
+                for i, op in enumerate(schedule.ops):
+                    fn = HANDLERS[op.kind](ctx, i, op)
+                    if ctx.acts.touches(i):
+                        fn = _then(fn, ctx.acts.view(i).release)
+                    ctx.events[i] = self.backend.launch(op.stream, fn, ctx.waits(i), label=repr(op))
+            except BaseException:
+                # The backend drains and closes the run, so the next run opens a fresh entry fence
+                # instead of racing this run's leftovers (its pending ops are dropped).
+                self.backend.abort()
+                raise
+            self.backend.synchronize()
+        finally:
+            if ctx.carried:
+                d = self.deferred
+                self.deferred = DeferredUpdates(d.layers - set(ctx.updated), d.clip_scale, d.optimizer)
+        out = StepOutput(losses=[0.0] * M)
+        for mb, t in ctx.losses.items():
             out.losses[mb] = float(t)
-        out.layer_norms = {li: float(self._norms[li]) for li in trained}
-        out.finite = (all(bool(self._flags[li]) for li in trained)
+        out.layer_norms = {li: float(self._norms[li]) for li in ctx.trained}
+        out.finite = (all(bool(self._flags[li]) for li in ctx.trained)
                       and all(math.isfinite(x) for x in out.losses))
-        out.updates_skipped = list(self._skipped)
+        out.updates_skipped = list(ctx.skipped)
         return out
-
-    def _h2d(self, schedule: Schedule, op: Op, bufs: _Buffers):
-        casts = [schedule.ops[d] for d in op.deps if schedule.ops[d].kind is OpKind.CAST]
-        numel = self.graph.layers[op.layer].numel
-        src = bufs.staging[casts[0].tile][:numel] if casts else self.host.master(op.layer)
-        return _copy(bufs.weights[op.slot][:numel], src)
-
-    def _cast(self, op: Op, bufs: _Buffers):
-        master = self.host.master(op.layer)
-        return _copy(bufs.staging[op.tile][:master.numel()], master)
 
     def _bind(self, layer: int, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.graph.layers[layer].params]
@@ -284,176 +274,280 @@ class Executor:
             return strict_fp32()
         return torch.autocast(self.backend.device.type, dtype=_DTYPES[compute_dtype])
 
-    def _fwd(self, li: int, mb: int, slot: torch.Tensor, acts, loss_tensors, compute_dtype: str):
-        """A forward (or a recompute: the same computation in the backward phase)."""
-        layer = self.graph.layers[li]
-        tmpl = self.templates[layer.template]
-        bufs = self.layer_buffers[li]
-        loss_id = self.graph.loss
 
-        def run() -> None:
-            ins = [acts[(v, mb)] for v in layer.inputs]
-            _read_here(ins)
-            with torch.no_grad(), self._precision(compute_dtype):
-                outs = tmpl(*self._bind(li, slot[:layer.numel]), *bufs, *ins)
-            for vid, t in zip(layer.outputs, outs):
-                if vid == loss_id:
-                    loss_tensors[mb] = t.detach()
-                else:
-                    acts[(vid, mb)] = t
-        return run
+# -- one run -------------------------------------------------------------------------------------
 
-    def _bwd(self, li: int, mb: int, bufs: _Buffers, s: int, acts, grads, loss_tensors, M: int,
-             compute_dtype: str, fresh: bool):
-        g = self.graph
-        layer = g.layers[li]
-        tmpl = self.templates[layer.template]
-        lbufs = self.layer_buffers[li]
-        gslot = bufs.grads[s]
-        # Where each trainable parameter's gradient goes, and the alignment padding between them,
-        # which a fresh backward zeroes so the D2H norm and the optimizer see zeros there.
-        trained = [p for p in layer.params if p.trainable]
-        gviews = [gslot[p.offset:p.offset + p.numel].view(p.shape) for p in trained]
-        gaps = [gslot[a:b] for a, b in _padding(trained, layer.trainable_numel)]
+class _RunContext:
+    """What one run of a schedule reads and writes besides the op: the executor (templates, host
+    state, norms and flags), the schedule, its buffers, the checkpoints on the device by
+    generation, the boundary gradients ``grads[(value, mb)]``, the losses by micro-batch, the
+    backend handle of every launched op, and the run's record of optimizer steps.
 
-        def run() -> None:
-            with torch.enable_grad(), self._precision(compute_dtype):
-                # Each trainable parameter is a leaf of its own (a detached view of the slot), so its
-                # gradient lands in a tensor of its size; a flat leaf would gather them through
-                # slice_backward, one zero-filled and one summed full tile per parameter.
-                weights = self._bind(li, bufs.weights[s])
-                leaves = []
-                for k, p in enumerate(layer.params):
-                    if p.trainable:
-                        weights[k] = weights[k].detach().requires_grad_(True)
-                        leaves.append(weights[k])
-                ins = []
-                diff = []
-                for vid in layer.inputs:
-                    x = acts[(vid, mb)]
-                    _read_here((x,))
-                    if g.values[vid].requires_grad:
-                        x = x.detach().requires_grad_(True)
-                        diff.append((vid, x))
-                    ins.append(x)
-                outs = tmpl(*weights, *lbufs, *ins)
-                roots, seeds = [], []
-                for vid, t in zip(layer.outputs, outs):
-                    if vid == g.loss:
-                        loss_tensors[mb] = t.detach()
-                        roots.append(t)
-                        # Step loss is the mean over micro-batches, as in eager accumulation of loss / M.
-                        seeds.append(torch.full_like(t, 1.0 / M))
-                    elif (vid, mb) in grads and t.requires_grad:
-                        roots.append(t)
-                        seeds.append(grads[(vid, mb)])
-                wrt = leaves + [x for _, x in diff]
-                # No gradient reaches the layer: its weights' gradients are zero (written when fresh).
-                res = torch.autograd.grad(roots, wrt, seeds, allow_unused=True) if roots and wrt else [None] * len(wrt)
-            pgrads, res = res[:len(leaves)], res[len(leaves):]
-            # Gradients of BF16 weights are BF16; the FP32 slot takes them exactly (copy_/add_ cast).
-            got = [(v, gp) for v, gp in zip(gviews, pgrads) if gp is not None]
-            if fresh:
-                missing = [v for v, gp in zip(gviews, pgrads) if gp is None]  # the loss does not use it
-                if missing or gaps:
-                    torch._foreach_zero_(missing + gaps)
-                if got:
-                    torch._foreach_copy_([v for v, _ in got], [gp for _, gp in got])
-            elif got:
-                torch._foreach_add_([v for v, _ in got], [gp for _, gp in got])
-            for (vid, _), gx in zip(diff, res):
-                if gx is None:
-                    continue
-                key = (vid, mb)
-                grads[key] = grads[key] + gx if key in grads else gx
-        return run
+    Handlers run on the issuing thread and return work that the backend runs later, perhaps on
+    another thread (a host worker): the work reads what it needs when it runs.
+    """
 
-    def _d2h(self, op: Op, bufs: _Buffers, loss_tensors: dict[int, torch.Tensor]):
-        li = op.layer
-        n = self.graph.layers[li].trainable_numel
-        gslot, tile = bufs.grads[op.slot][:n], bufs.ring[op.ring][:n]
+    def __init__(self, ex: Executor, schedule: Schedule, bufs: _Buffers, acts: "_Activations"):
+        plan = schedule.plan
+        self.ex, self.schedule, self.bufs, self.acts = ex, schedule, bufs, acts
+        self.graph = ex.graph
+        self.micro_batches = plan.micro_batches
+        self.compute_dtype = plan.compute_dtype
+        self.layer_by_layer = plan.layer_by_layer
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.events: list[Any] = [None] * len(schedule.ops)
+        self.trained: list[int] = []  # layers whose gradients a D2H copied out, in order
+        self.updated: list[int] = []  # layers whose optimizer step ran, in order (host worker)
+        self.skipped: list[int] = []  # layers whose optimizer step was skipped (a non-finite value)
+        self.skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
+        # Carried (NEXT_FORWARD) updates run with the clipping and AdamW settings of the step that
+        # made their gradients, as ``deferred`` says.
+        self.carried = schedule.mode == "update" or schedule.carries_updates
+        d = ex.deferred
+        self.carried_optimizer = d.optimizer or ex.optimizer
+        self.carried_scale = None if d.clip_scale is None else torch.tensor(1.0 / d.clip_scale, dtype=torch.float32)
 
-        def run() -> None:
-            norm = torch.linalg.vector_norm(gslot)
-            ok = torch.isfinite(norm)
-            if loss_tensors:  # every micro-batch's loss is known before any gradient leaves the GPU
-                ok = ok & torch.isfinite(torch.stack(list(loss_tensors.values()))).all()
-            self._norms_dev[li] = norm
-            self._flags_dev[li] = ok
-            self._norms[li:li + 1].copy_(self._norms_dev[li:li + 1], non_blocking=True)
-            self._flags[li:li + 1].copy_(self._flags_dev[li:li + 1], non_blocking=True)
-            tile.copy_(gslot, non_blocking=True)
-        return run
+    def waits(self, i: int) -> list[Any]:
+        """Handles of op ``i``'s dependencies on other streams (an own-stream one is stream order)."""
+        ops = self.schedule.ops
+        op = ops[i]
+        return [self.events[d] for d in op.deps if ops[d].stream is not op.stream and self.events[d] is not None]
 
-    def _acc(self, op: Op, bufs: _Buffers, last: bool):
-        li = op.layer
-        tile = bufs.ring[op.ring][:self.graph.layers[li].trainable_numel]
-        acc = bufs.accumulators[self._accumulator_of[li]]
 
-        def run() -> None:
-            if op.mb == 0:
-                acc.copy_(tile)
+Work = Callable[[], None]
+Handler = Callable[[_RunContext, int, Op], Work]
+
+
+def _h2d(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Copy a layer's weights into its slot: from the staging tile the op names (BF16), else from
+    the FP32 master rows."""
+    numel = ctx.graph.layers[op.layer].numel
+    src = ctx.bufs.staging[op.tile][:numel] if op.tile is not None else ctx.ex.host.master(op.layer)
+    return _copy(ctx.bufs.weights[op.slot][:numel], src)
+
+
+def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
+    master = ctx.ex.host.master(op.layer)
+    return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+
+
+def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
+    """A forward (or a recompute: the same computation in the backward phase)."""
+    ex, li, mb = ctx.ex, op.layer, op.mb
+    layer = ctx.graph.layers[li]
+    tmpl = ex.templates[layer.template]
+    lbufs = ex.layer_buffers[li]
+    slot = ctx.bufs.weights[op.slot]
+    loss_id = ctx.graph.loss
+    acts = ctx.acts.view(i)
+
+    def run() -> None:
+        ins = [acts[(v, mb)] for v in layer.inputs]
+        _read_here(ins)
+        with torch.no_grad(), ex._precision(ctx.compute_dtype):
+            outs = tmpl(*ex._bind(li, slot[:layer.numel]), *lbufs, *ins)
+        for vid, t in zip(layer.outputs, outs):
+            if vid == loss_id:
+                ctx.losses[mb] = t.detach()
             else:
-                acc.add_(tile)
-            if last:
-                norm = torch.linalg.vector_norm(acc)
-                self._norms[li] = norm
-                self._flags[li] = bool(self._flags[li]) and bool(torch.isfinite(norm))
-        return run
+                acts[(vid, mb)] = t
+    return run
 
-    def _opt(self, li: int, ring_tile: torch.Tensor, carried: bool):
-        layer = self.graph.layers[li]
-        n = layer.trainable_numel
-        h = self.host
-        cfg = (self._carried_optimizer or self.optimizer) if carried else self.optimizer
-        scale = self._grad_scale if carried else None
 
-        def run() -> None:
-            # Carried updates were checked by the caller, who drops them when a value was not finite.
-            if not carried and (self._skip or not bool(self._flags[li])):
-                self._skip = True
-                self._skipped.append(li)
-                return
-            adamw(
-                [h.master(li)[:n]], [ring_tile[:n]], [h.exp_avg(li)[:n]], [h.exp_avg_sq(li)[:n]], [],
-                [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
-                beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
-            self.updated.append(li)
-        return run
+def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
+    """A local backward. Layer by layer a visit's micro-batches accumulate in the slot; per-micro-batch
+    passes accumulate on the host (ACC), so there every local backward starts the slot afresh."""
+    mb = op.mb
+    work = local_backward(ctx.ex, op.layer, mb, ctx.bufs.weights[op.slot], ctx.bufs.grads[op.slot],
+                          ctx.acts.view(i), ctx.grads, ctx.losses, ctx.micro_batches, ctx.compute_dtype,
+                          fresh=mb == 0 or not ctx.layer_by_layer)
+    done = [(vid, mb) for vid in ctx.graph.layers[op.layer].outputs]
 
-    def _host_keys(self, op: Op, layer_by_layer: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-        """(checkpoint, pinned copy) keys of an OFFLOAD or RELOAD. Per-micro-batch passes reuse one
-        pinned copy per checkpoint for every micro-batch (the verifier's 'data' rule orders each
-        offload after the previous micro-batch's reload)."""
-        return [((vid, op.mb), (vid, op.mb if layer_by_layer else 0)) for vid in self.graph.checkpoints(op.layer)]
+    def drop() -> None:  # the gradients of its outputs were read for the last time
+        for key in done:
+            ctx.grads.pop(key, None)
+    return _then(work, drop)
 
-    def _offload(self, op: Op, acts, layer_by_layer: bool):
-        keys = self._host_keys(op, layer_by_layer)
-        arena = self._arena
 
-        def run() -> None:
-            for key, hkey in keys:
-                src = acts[key]
-                _read_here((src,))
-                region = arena.view("offload", hkey)
-                nbytes = src.numel() * src.element_size()
-                if nbytes > region.numel():
-                    raise RuntimeError(
-                        f"checkpoint {self.graph.values[key[0]].name!r} of micro-batch {key[1]} has {nbytes} bytes "
-                        f"but the trace gave it {region.numel()} (its pinned region, cost.pinned_buffers): the "
-                        "batch shape or dtype differs from the traced one; compile with the shapes you train on")
-                dst = self._host_acts[hkey] = region[:nbytes].view(src.dtype).view(src.shape)
-                dst.copy_(src, non_blocking=True)
-        return run
+def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: torch.Tensor, acts, grads: dict,
+                   losses: dict, M: int, compute_dtype: str, fresh: bool) -> Work:
+    """The work of layer ``li``'s local backward for micro-batch ``mb``: recompute its forward from
+    ``acts[(input, mb)]`` with weights bound to ``wslot``, then write (``fresh``) or add the weight
+    gradients into ``gslot`` (FP32) and add the input gradients into ``grads[(input, mb)]``; the
+    loss, seeded with ``1 / M``, goes into ``losses[mb]``."""
+    g = ex.graph
+    layer = g.layers[li]
+    tmpl = ex.templates[layer.template]
+    lbufs = ex.layer_buffers[li]
+    # Where each trainable parameter's gradient goes, and the alignment padding between them,
+    # which a fresh backward zeroes so the D2H norm and the optimizer see zeros there.
+    trained = [p for p in layer.params if p.trainable]
+    gviews = [gslot[p.offset:p.offset + p.numel].view(p.shape) for p in trained]
+    gaps = [gslot[a:b] for a, b in _padding(trained, layer.trainable_numel)]
 
-    def _reload(self, op: Op, acts, layer_by_layer: bool):
-        keys = self._host_keys(op, layer_by_layer)
-        dev = self.backend.device
+    def run() -> None:
+        with torch.enable_grad(), ex._precision(compute_dtype):
+            # Each trainable parameter is a leaf of its own (a detached view of the slot), so its
+            # gradient lands in a tensor of its size; a flat leaf would gather them through
+            # slice_backward, one zero-filled and one summed full tile per parameter.
+            weights = ex._bind(li, wslot)
+            leaves = []
+            for k, p in enumerate(layer.params):
+                if p.trainable:
+                    weights[k] = weights[k].detach().requires_grad_(True)
+                    leaves.append(weights[k])
+            ins = []
+            diff = []
+            for vid in layer.inputs:
+                x = acts[(vid, mb)]
+                _read_here((x,))
+                if g.values[vid].requires_grad:
+                    x = x.detach().requires_grad_(True)
+                    diff.append((vid, x))
+                ins.append(x)
+            outs = tmpl(*weights, *lbufs, *ins)
+            roots, seeds = [], []
+            for vid, t in zip(layer.outputs, outs):
+                if vid == g.loss:
+                    losses[mb] = t.detach()
+                    roots.append(t)
+                    # Step loss is the mean over micro-batches, as in eager accumulation of loss / M.
+                    seeds.append(torch.full_like(t, 1.0 / M))
+                elif (vid, mb) in grads and t.requires_grad:
+                    roots.append(t)
+                    seeds.append(grads[(vid, mb)])
+            wrt = leaves + [x for _, x in diff]
+            # No gradient reaches the layer: its weights' gradients are zero (written when fresh).
+            res = torch.autograd.grad(roots, wrt, seeds, allow_unused=True) if roots and wrt else [None] * len(wrt)
+        pgrads, res = res[:len(leaves)], res[len(leaves):]
+        # Gradients of BF16 weights are BF16; the FP32 slot takes them exactly (copy_/add_ cast).
+        got = [(v, gp) for v, gp in zip(gviews, pgrads) if gp is not None]
+        if fresh:
+            missing = [v for v, gp in zip(gviews, pgrads) if gp is None]  # the loss does not use it
+            if missing or gaps:
+                torch._foreach_zero_(missing + gaps)
+            if got:
+                torch._foreach_copy_([v for v, _ in got], [gp for _, gp in got])
+        elif got:
+            torch._foreach_add_([v for v, _ in got], [gp for _, gp in got])
+        for (vid, _), gx in zip(diff, res):
+            if gx is None:
+                continue
+            key = (vid, mb)
+            grads[key] = grads[key] + gx if key in grads else gx
+    return run
 
-        def run() -> None:
-            for key, hkey in keys:
-                acts[key] = self._host_acts[hkey].to(dev, non_blocking=True, copy=True)
-        return run
+
+def _d2h(ctx: _RunContext, i: int, op: Op) -> Work:
+    ex, li = ctx.ex, op.layer
+    ctx.trained.append(li)
+    n = ctx.graph.layers[li].trainable_numel
+    gslot, tile = ctx.bufs.grads[op.slot][:n], ctx.bufs.ring[op.ring][:n]
+    losses = ctx.losses
+
+    def run() -> None:
+        norm = torch.linalg.vector_norm(gslot)
+        ok = torch.isfinite(norm)
+        if losses:  # every micro-batch's loss is known before any gradient leaves the GPU
+            ok = ok & torch.isfinite(torch.stack(list(losses.values()))).all()
+        ex._norms_dev[li] = norm
+        ex._flags_dev[li] = ok
+        ex._norms[li:li + 1].copy_(ex._norms_dev[li:li + 1], non_blocking=True)
+        ex._flags[li:li + 1].copy_(ex._flags_dev[li:li + 1], non_blocking=True)
+        tile.copy_(gslot, non_blocking=True)
+    return run
+
+
+def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Add ring tile ``op.ring`` into accumulator ``op.acc`` (micro-batch 0 overwrites it); the last
+    micro-batch's takes the step's gradient norm from the accumulator."""
+    ex, li = ctx.ex, op.layer
+    tile = ctx.bufs.ring[op.ring][:ctx.graph.layers[li].trainable_numel]
+    acc = ctx.bufs.accumulators[op.acc]
+    last = op.mb == ctx.micro_batches - 1
+
+    def run() -> None:
+        if op.mb == 0:
+            acc.copy_(tile)
+        else:
+            acc.add_(tile)
+        if last:
+            norm = torch.linalg.vector_norm(acc)
+            ex._norms[li] = norm
+            ex._flags[li] = bool(ex._flags[li]) and bool(torch.isfinite(norm))
+    return run
+
+
+def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Host AdamW step of one layer from the gradient tile or accumulator the op names."""
+    ex, li = ctx.ex, op.layer
+    n = ctx.graph.layers[li].trainable_numel
+    h = ex.host
+    grads = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
+    carried = ctx.carried
+    cfg = ctx.carried_optimizer if carried else ex.optimizer
+    scale = ctx.carried_scale if carried else None
+
+    def run() -> None:
+        # Carried updates were checked by the caller, who drops them when a value was not finite.
+        if not carried and (ctx.skip or not bool(ex._flags[li])):
+            ctx.skip = True
+            ctx.skipped.append(li)
+            return
+        adamw(
+            [h.master(li)[:n]], [grads[:n]], [h.exp_avg(li)[:n]], [h.exp_avg_sq(li)[:n]], [],
+            [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
+            beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+        ctx.updated.append(li)
+    return run
+
+
+def _host_keys(ctx: _RunContext, op: Op) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(checkpoint, pinned region) keys of an OFFLOAD or RELOAD: the op names its pinned copy."""
+    return [((vid, op.mb), (vid, op.copy)) for vid in ctx.graph.checkpoints(op.layer)]
+
+
+def _offload(ctx: _RunContext, i: int, op: Op) -> Work:
+    ex, g = ctx.ex, ctx.graph
+    keys = _host_keys(ctx, op)
+    arena = ex._arena
+    acts = ctx.acts.view(i)
+
+    def run() -> None:
+        for key, hkey in keys:
+            src = acts[key]
+            _read_here((src,))
+            region = arena.view("offload", hkey)
+            nbytes = src.numel() * src.element_size()
+            if nbytes > region.numel():
+                raise RuntimeError(
+                    f"checkpoint {g.values[key[0]].name!r} of micro-batch {key[1]} has {nbytes} bytes "
+                    f"but the trace gave it {region.numel()} (its pinned region, cost.pinned_buffers): the "
+                    "batch shape or dtype differs from the traced one; compile with the shapes you train on")
+            dst = ex._host_acts[hkey] = region[:nbytes].view(src.dtype).view(src.shape)
+            dst.copy_(src, non_blocking=True)
+    return run
+
+
+def _reload(ctx: _RunContext, i: int, op: Op) -> Work:
+    ex = ctx.ex
+    keys = _host_keys(ctx, op)
+    dev = ex.backend.device
+    acts = ctx.acts.view(i)
+
+    def run() -> None:
+        for key, hkey in keys:
+            acts[key] = ex._host_acts[hkey].to(dev, non_blocking=True, copy=True)
+    return run
+
+
+HANDLERS: dict[OpKind, Handler] = {
+    OpKind.H2D: _h2d, OpKind.CAST: _cast, OpKind.FWD: _fwd, OpKind.RECOMPUTE: _fwd, OpKind.BWD: _bwd,
+    OpKind.D2H: _d2h, OpKind.ACC: _acc, OpKind.OPT: _opt, OpKind.OFFLOAD: _offload, OpKind.RELOAD: _reload,
+}
+"""How each op kind runs: ``HANDLERS[op.kind](ctx, i, op)`` returns the work the backend launches."""
+assert set(HANDLERS) == set(OpKind), "every op kind needs a handler"
 
 
 def _read_here(tensors) -> None:
@@ -479,61 +573,16 @@ def _padding(params, end: int) -> list[tuple[int, int]]:
     return gaps
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor):
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> Work:
     def run() -> None:
         dst.copy_(src, non_blocking=True)
     return run
 
 
-_BATCH = -1
-"""Generation of a batch input: it is on the device before the run's first op."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Generations:
-    """Which generation of each (value, micro-batch) checkpoint each op reads, and how many ops read
-    each generation. A generation is named by the op that put it on the device (a FWD or RECOMPUTE
-    that computed it, a RELOAD that copied it back), or ``_BATCH``."""
-
-    reads: tuple[dict[tuple[int, int], int], ...]
-    readers: dict[tuple[tuple[int, int], int], int]
-
-
-def _generations(schedule: Schedule, g: LayerGraph) -> _Generations:
-    current: dict[tuple[int, int], int] = {}
-    for mb in range(schedule.plan.micro_batches):
-        for name in g.batch_inputs:
-            current[(g.value_by_name(name).id, mb)] = _BATCH
-    readers: dict[tuple[tuple[int, int], int], int] = {(key, gen): 0 for key, gen in current.items()}
-    reads: list[dict[tuple[int, int], int]] = []
-    for i, op in enumerate(schedule.ops):
-        layer = g.layers[op.layer]
-        read_vids: tuple[int, ...] = ()
-        if op.kind in COMPUTE_KINDS:
-            read_vids = layer.inputs
-        elif op.kind is OpKind.OFFLOAD:
-            read_vids = g.checkpoints(op.layer)
-        r = {}
-        for vid in read_vids:
-            key = (vid, op.mb)
-            r[key] = current[key]
-            readers[(key, current[key])] += 1
-        reads.append(r)
-        w: tuple[int, ...] = ()
-        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
-            w = tuple(v for v in layer.outputs if v != g.loss)
-        elif op.kind is OpKind.RELOAD:
-            w = g.checkpoints(op.layer)
-        for vid in w:
-            current[(vid, op.mb)] = i
-            readers[((vid, op.mb), i)] = 0
-    return _Generations(tuple(reads), readers)
-
-
 class _Activations:
-    """The checkpoints on the device during one run, by generation.
+    """The checkpoints on the device during one run, by generation (:mod:`megatrain.planner.liveness`).
 
-    An op's ``fn`` may run later than its launch (a GPU op waiting for a host op in the backend's
+    An op's work may run later than its launch (a GPU op waiting for a host op in the backend's
     pending queue) and on another thread (a fake CUDA stream's worker), so each op reads the
     generation the schedule's list order gives it, never whatever the dictionary holds when it
     runs, and a generation is dropped when the last of its readers has run, not when the last
@@ -541,36 +590,42 @@ class _Activations:
     dependency is missing) raises at once.
     """
 
-    def __init__(self, gens: _Generations):
-        self._gens = gens
-        self._left = dict(gens.readers)
-        self._live: dict[tuple[tuple[int, int], int], torch.Tensor] = {}
+    def __init__(self, live: Liveness):
+        self._live_info = live
+        self._gen_of: dict[tuple[tuple[int, int], int], int] = {
+            (gen.key, gen.producer): k for k, gen in enumerate(live.generations)}
+        self._left = [len(gen.readers) for gen in live.generations]
+        self._live: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def put(self, key: tuple[int, int], gen: int, t: torch.Tensor) -> None:
+    def put(self, key: tuple[int, int], producer: int, t: torch.Tensor) -> None:
+        k = self._gen_of.get((key, producer))
         with self._lock:
-            if self._left.get((key, gen), 0) > 0:
-                self._live[(key, gen)] = t
+            if k is not None and self._left[k] > 0:
+                self._live[k] = t
+
+    def put_batch(self, key: tuple[int, int], t: torch.Tensor) -> None:
+        self.put(key, BATCH, t)
 
     def get(self, key: tuple[int, int], i: int) -> torch.Tensor:
-        gen = self._gens.reads[i][key]
+        k = self._live_info.reads[i][key]
         try:
-            return self._live[(key, gen)]
+            return self._live[k]
         except KeyError:
-            raise RuntimeError(f"op #{i} reads value {key[0]} of micro-batch {key[1]} as op #{gen} put it on the "
-                               "device, but that op has not run yet: the schedule lacks a dependency (or a "
+            gen = self._live_info.generations[k]
+            raise RuntimeError(f"op #{i} reads value {key[0]} of micro-batch {key[1]} as op #{gen.producer} put it on "
+                               "the device, but that op has not run yet: the schedule lacks a dependency (or a "
                                "backend ran an op before its dependencies)") from None
 
     def touches(self, i: int) -> bool:
-        return bool(self._gens.reads[i])
+        return bool(self._live_info.reads[i])
 
     def view(self, i: int) -> "_ActivationsView":
         return _ActivationsView(self, i)
 
     def release(self, i: int) -> None:
         with self._lock:
-            for key, gen in self._gens.reads[i].items():
-                k = (key, gen)
+            for k in self._live_info.reads[i].values():
                 self._left[k] -= 1
                 if self._left[k] == 0:
                     self._live.pop(k, None)
@@ -594,7 +649,7 @@ class _ActivationsView:
         self._acts.release(self._i)
 
 
-def _then(fn, after):
+def _then(fn: Work, after: Work) -> Work:
     """``fn`` then ``after``, as one op's work (run wherever and whenever the backend runs it)."""
     def run() -> None:
         fn()
@@ -602,9 +657,4 @@ def _then(fn, after):
     return run
 
 
-def _drop_grads(grads: dict, keys: list[tuple[int, int]]):
-    """After a local backward: the gradients of its outputs were read for the last time."""
-    def run() -> None:
-        for key in keys:
-            grads.pop(key, None)
-    return run
+__all__ = ["DeferredUpdates", "Executor", "HANDLERS", "StepOutput", "local_backward"]

@@ -2,14 +2,18 @@
 
 - :class:`AsyncFakeCuda`: streams as worker threads, events as cross-thread signals, random
   delays before every op; races in a schedule show up as wrong results or errors.
+- :class:`FakeCuda`: synchronous; streams run work at once on the issuing thread and events keep
+  the bookkeeping, so a wait on an unrecorded event, a stream waiting on its own event, or a host
+  handle passed to ``wait_event`` raises :class:`FakeCudaError` at once.
 - :class:`SlowTorchCuda`: the real ``torch.cuda`` adapter with the same delay hook (a GPU-side
   sleep before a chosen op's kernels), so the race tests run on real streams when a GPU is there.
 
-The synchronous :class:`megatrain.runtime.cuda.FakeCuda` (bookkeeping checks, work at once) stays
-in :mod:`megatrain.runtime.cuda`, beside the adapter protocol it checks.
+Each implements the adapter protocol :class:`megatrain.runtime.cuda.CudaApi`.
 """
 
 from megatrain.testing.async_cuda import AsyncEvent, AsyncFakeCuda, AsyncFakeCudaError, AsyncStream
+from megatrain.testing.fake_cuda import FakeCuda, FakeCudaError, FakeEvent, FakeStream
 from megatrain.testing.slow_cuda import SlowTorchCuda
 
-__all__ = ["AsyncFakeCuda", "AsyncFakeCudaError", "AsyncEvent", "AsyncStream", "SlowTorchCuda"]
+__all__ = ["AsyncFakeCuda", "AsyncFakeCudaError", "AsyncEvent", "AsyncStream", "FakeCuda", "FakeCudaError",
+           "FakeEvent", "FakeStream", "SlowTorchCuda"]

@@ -1,6 +1,6 @@
 """An asynchronous fake CUDA layer: the CUDA backend's streams as CPU worker threads.
 
-:class:`megatrain.runtime.cuda.FakeCuda` runs every op at once on the issuing thread, so it checks
+:class:`megatrain.testing.FakeCuda` runs every op at once on the issuing thread, so it checks
 the backend's bookkeeping but can never show a race: work on one stream is always done before
 work issued later on another. :class:`AsyncFakeCuda` behaves like a GPU instead:
 
