@@ -7,7 +7,8 @@ import torch
 
 from megatrain.planner.issue import DispatchCounter, IssueQueue
 from megatrain.planner.schedule import Stream
-from megatrain.planner.trace import retarget, trace
+from megatrain.planner.graph import retarget
+from megatrain.planner.trace import trace
 
 from conftest import tiny_llama
 

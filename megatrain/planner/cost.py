@@ -65,9 +65,8 @@ from megatrain.errors import ConfigError
 from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
 from megatrain.planner.liveness import BATCH, liveness
-from megatrain.planner.lower import gradient_tiles
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream
+from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream, gradient_tiles
 from megatrain.units import GiB, KiB, MiB
 
 GRAD_ITEMSIZE = 4

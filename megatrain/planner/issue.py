@@ -134,7 +134,7 @@ def count_launches(gm, args, grad_args) -> tuple[int, int]:
     pick the fused kernel but count the fake mode's own meta kernels: 114.)"""
     import torch
 
-    from megatrain.planner.trace import retarget
+    from megatrain.planner.graph import retarget
 
     fn = retarget(gm, torch.device("meta"))
     metas = [torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args]

@@ -47,11 +47,10 @@ from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
+from megatrain.planner.graph import LayerGraph, TracedModel, retarget
 from megatrain.planner.hardware import strict_fp32
 from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
-from megatrain.planner.trace import TracedModel, retarget
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.host import HostState, PinnedArena
 
