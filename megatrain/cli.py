@@ -35,8 +35,7 @@ from typing import Sequence
 from megatrain import __version__
 from megatrain.errors import ConfigError, MegatrainError, PlanError
 from megatrain.planner import cost
-
-GiB = 1 << 30
+from megatrain.units import GiB
 
 
 NO_FIT = 3
@@ -116,6 +115,7 @@ def _load_hardware(name_or_path: str):
 
 
 def _gib(n: float) -> str:
+    # The tables name the unit in their titles ("host memory (GiB)"), so numbers only.
     return f"{n / GiB:,.2f}"
 
 

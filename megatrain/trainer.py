@@ -11,7 +11,7 @@ import pydantic
 import torch
 from torch import nn
 
-from megatrain.config import AdamW, CompileOptions
+from megatrain.config import AdamW, CompileOptions, describe_validation
 from megatrain.errors import BatchError, ConfigError, StepError
 from megatrain.models import check_model
 from megatrain.planner.graph import LayerGraph
@@ -433,7 +433,7 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
                                  micro_batches=micro_batches, input_names=tuple(input_names), device=device,
                                  max_grad_norm=max_grad_norm)
     except pydantic.ValidationError as e:
-        raise ConfigError(_describe(e)) from None
+        raise ConfigError("invalid settings: " + describe_validation(e)) from None
     if optimizer is not None and not isinstance(optimizer, (AdamW, Mapping)):
         raise ConfigError(f"optimizer={type(optimizer).__module__}.{type(optimizer).__qualname__}: megatrain runs "
                           "AdamW itself on the host tiles, so it takes the settings, not an optimizer object; pass "
@@ -489,10 +489,3 @@ def _choose_plan(graph: LayerGraph, options: CompileOptions, hardware, compute_d
                            limits=SolveLimits(micro_batch_sizes=(options.micro_batch_size,)))
     return solve(request).plan
 
-
-def _describe(e: pydantic.ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "value"
-        parts.append(f"{loc}={err.get('input')!r}: {err['msg']}")
-    return "invalid settings: " + "; ".join(parts)

@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 import megatrain.train as T
+import megatrain.train.loop
+import megatrain.train.machine
 from megatrain.cli import _parser, main
 from megatrain.errors import ConfigError, PlanError
 from megatrain.trainer import Trainer
@@ -49,7 +51,7 @@ STEPS = 8
 
 @pytest.fixture(autouse=True)
 def _quick_matmul_probe(monkeypatch):
-    monkeypatch.setattr(T, "MATMUL_SECONDS", 0.02)
+    monkeypatch.setattr(megatrain.train.machine, "MATMUL_SECONDS", 0.02)
 
 
 def write_model(path: Path, **over) -> Path:
@@ -89,11 +91,11 @@ def one_error_line(err: str) -> str:
 @pytest.fixture(scope="module")
 def first_run(setup, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("first") / "out"
-    T.MATMUL_SECONDS, keep = 0.02, T.MATMUL_SECONDS
+    megatrain.train.machine.MATMUL_SECONDS, keep = 0.02, megatrain.train.machine.MATMUL_SECONDS
     try:
         assert run(setup, out, "--hardware", "H100_SXM") == 0
     finally:
-        T.MATMUL_SECONDS = keep
+        megatrain.train.machine.MATMUL_SECONDS = keep
     return out
 
 
@@ -466,7 +468,7 @@ def test_models_that_are_not_causal_decoders_or_too_short_are_refused_first(setu
 
 def test_an_unwritable_output_dir_is_refused_before_the_data(setup, tmp_path, capsys, monkeypatch):
     (tmp_path / "a_file").write_text("")
-    monkeypatch.setattr(T, "_prepare_data", lambda *a: pytest.fail("data prepared before the check"))
+    monkeypatch.setattr(megatrain.train.loop, "prepare_data", lambda *a: pytest.fail("data prepared before the check"))
     assert run(setup, tmp_path / "a_file" / "out") == 2
     line = one_error_line(capsys.readouterr().err)
     assert "a_file/out is not writable" in line and "--output-dir" in line
@@ -480,7 +482,7 @@ def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_d
     line = one_error_line(capsys.readouterr().err)
     assert "No checkpoint was saved: the same command starts the run again" in line
     monkeypatch.undo()
-    monkeypatch.setattr(T, "MATMUL_SECONDS", 0.02)
+    monkeypatch.setattr(megatrain.train.machine, "MATMUL_SECONDS", 0.02)
     assert run(setup, out, "--nonfinite", "stop", "--max-steps", "3") == 0
     assert "starting it again" in capsys.readouterr().out
     assert [r["applied"] for r in rows(out)] == [True] * 3
