@@ -236,7 +236,6 @@ def _plan_command(args: argparse.Namespace) -> int:
     from megatrain.planner.presets import build_meta_model, load_model_config
     from megatrain.planner.solve import SolveRequest, solve
     from megatrain.planner.trace import trace
-    from megatrain.planner.verify import verify
 
     if args.seq_len < 1 or args.global_batch < 1:
         raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
@@ -263,8 +262,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print("\nfits: NO\n")
         print(str(e))
         return NO_FIT
-    # The pipeline's verify pass: the solver lowered the plan; nothing is written unless it holds.
-    verify(solution.schedule, solution.graph, hw)
+    # Planned once: the solver lowered this schedule and verified it against hw (Solution.schedule).
     print(format_report(solution, hw, model=args.model, trace_s=trace_s))
     if args.out is not None:
         try:

@@ -319,7 +319,8 @@ def test_unsupported_model_names_what_is_unsupported(setup, tmp_path, capsys):
 
 
 def test_host_memory_preflight_refuses_before_allocating(setup, tmp_path, capsys):
-    # 8.8e12 parameters: ~100 TB of host state, traced on the meta device in a second or two.
+    # 8.8e12 parameters: ~100 TB of host state, refused from the meta model's parameter count before
+    # the CPU backend would build (or trace) it.
     huge = write_model(tmp_path / "huge.json", vocab_size=1 << 26, hidden_size=1 << 16, intermediate_size=1 << 17,
                        num_hidden_layers=1)
     t0 = time.perf_counter()
@@ -331,20 +332,42 @@ def test_host_memory_preflight_refuses_before_allocating(setup, tmp_path, capsys
     assert "max_grad_norm: null" in line and not (tmp_path / "o").exists()
 
 
+def test_a_run_traces_plans_and_simulates_once(setup, tmp_path, monkeypatch):
+    """`megatrain train` plans once: the model it preflights is the one that runs, and the
+    predicted step is the planned model's (not simulated again after compile)."""
+    import megatrain.trainer
+
+    calls = {"trace": 0, "simulate": 0, "lower": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    for name in calls:
+        monkeypatch.setattr(megatrain.trainer, name, counting(name, getattr(megatrain.trainer, name)))
+    assert main(_train_args(setup, tmp_path / "o", "--hardware", "H100_SXM", "--eval-interval", "0")) == 0
+    # Clipping (max_grad_norm: 1.0): the first, carrying and update schedules, then one eval schedule.
+    assert calls == {"trace": 1, "simulate": 1, "lower": 4}
+    assert rows(tmp_path / "o")[0]["predicted_step_s"] > 0
+
+
 def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
+    import megatrain
     from megatrain.planner.cost import memory_breakdown
     from megatrain.planner.plan import default_plan
     from megatrain.planner.presets import build_meta_model, load_model_config
-    from megatrain.planner.trace import trace
 
-    graph = trace(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))), micro_batch_size=1,
-                  seq_len=16).graph
-    plan = default_plan(graph, 1)
-    host = memory_breakdown(graph, plan).host_total
-    assert T.preflight_host_memory(graph, plan, data_bytes=7, checkpoint_bytes=5, available=None) == host + 12
-    assert T.preflight_host_memory(graph, plan, data_bytes=7, available=(host + 7, "test")) == host + 7
+    planned = megatrain.plan_model(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))),
+                                   seq_len=16)
+    graph = planned.graph
+    host = memory_breakdown(graph, default_plan(graph, 1)).host_total
+    assert planned.memory.host_total == host  # the preflight checks the plan that runs
+    assert T.preflight_host_memory(planned, data_bytes=7, checkpoint_bytes=5, available=None) == host + 12
+    assert T.preflight_host_memory(planned, data_bytes=7, available=(host + 7, "test")) == host + 7
     with pytest.raises(PlanError, match=r"needs about 0\.00 GiB .*data and tokenizer.* is available \(test\)"):
-        T.preflight_host_memory(graph, plan, data_bytes=7, available=(host + 6, "test"))
+        T.preflight_host_memory(planned, data_bytes=7, available=(host + 6, "test"))
     have = T.available_host_memory()
     assert have is None or have[0] > 0
 

@@ -46,11 +46,13 @@ hardware spec's GPU peak would not describe the processor doing the work. With `
 the peak is the ``hardware`` spec's rate for the plan's compute dtype, or measured on the GPU the
 same way when no spec is given. Tokens count padding, as model-FLOPs accounting usually does.
 
-Predicted step time: ``megatrain.planner.simulate.simulate`` of the trainer's steady-state train
-schedule (with clipping, the one that also runs the previous step's deferred optimizer steps) on
-the ``hardware`` spec, when one with non-zero GPU rates is given (a preset such as ``H100_SXM``, or
-a spec file); otherwise ``predicted_step_s`` is null. On the CPU backend it is the step the spec's
-GPU is predicted to take, next to the step this machine measured.
+Predicted step time: the planned model's ``timeline`` (``megatrain.plan_model``), the simulated
+steady-state train schedule (with clipping, the one that also runs the previous step's deferred
+optimizer steps) on the ``hardware`` spec, when one with non-zero GPU rates is given (a preset
+such as ``H100_SXM``, or a spec file); otherwise ``predicted_step_s`` is null. It is simulated once,
+when the model is planned (on ``device="cuda"`` it is the solver's own simulation of the plan it
+chose for that spec). On the CPU backend it is the step the spec's GPU is predicted to take, next
+to the step this machine measured.
 
 Non-finite steps: ``Trainer.step`` does not apply a step whose loss or gradient is NaN or infinite
 (``StepResult.applied``); ``nonfinite: skip`` logs it and goes on, ``nonfinite: stop`` raises
@@ -62,8 +64,7 @@ Errors are megatrain.errors types; the CLI prints ``error: <message>`` and exits
 from megatrain.train.config import TrainConfig, load_train_config
 from megatrain.train.loop import TrainResult, train
 from megatrain.train.lr import lr_at
-from megatrain.train.machine import (MATMUL_N, MATMUL_SECONDS, _host_rss_bytes, available_host_memory,
-                                     load_hardware_spec, measure_matmul_flops)
+from megatrain.train.machine import available_host_memory, load_hardware_spec, measure_matmul_flops
 from megatrain.train.metrics import METRIC_FIELDS, save_loss_plot
 from megatrain.train.model import ModelSource, resolve_model
 from megatrain.train.preflight import DATA_BYTES_PER_TEXT_BYTE, preflight_host_memory

@@ -67,7 +67,9 @@ class TrainConfig(pydantic.BaseModel):
                                                                    "and go on, or stop (exit 2, nothing saved)")
     hardware: str | None = Field(None, description="a hardware preset (H100_SXM, H200, GH200, A100_80GB, "
                                                    "RTX_4090) or HardwareSpec JSON file: the simulator's "
-                                                   "predicted step, and the MFU peak on a GPU")
+                                                   "predicted step, the MFU peak on a GPU, and with "
+                                                   "device cuda the spec the plan is solved for (default: "
+                                                   "the measured GPU)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of packed rows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")

@@ -11,7 +11,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from megatrain.errors import CheckpointError, MegatrainError
 from megatrain.train.config import TrainConfig
@@ -20,11 +20,15 @@ from megatrain.train.lr import lr_at
 from megatrain.train.machine import _host_rss_bytes, available_host_memory, load_hardware_spec, measure_matmul_flops
 from megatrain.train.metrics import finite, fmt, nonfinite_message, read_metrics, run_rates, save_loss_plot
 from megatrain.train.model import ModelSource, load_weights, resolve_model
-from megatrain.train.preflight import data_pipeline_bytes, largest_safetensors, preflight_host_memory
+from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
+                                       preflight_cpu_build, preflight_host_memory)
 from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY,
                                     TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir, check_resume,
                                     train_state)
 from megatrain.units import MiB
+
+if TYPE_CHECKING:
+    from megatrain.trainer import PlannedModel
 
 
 class _StopOnSignal:
@@ -77,51 +81,56 @@ def _evaluate(trainer, dataset, cfg: TrainConfig) -> float:
     return sum(losses) / len(losses)
 
 
-def _meta_model(cfg: TrainConfig, source: ModelSource, echo):
-    """The model on the meta device, traced; PlanError before anything large exists when the run
-    cannot fit in host memory."""
-    import torch
+def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
+    """The model, traced and planned once (``megatrain.plan_model``), and the host-memory preflight
+    of that planned model: PlanError before anything large exists when the run cannot fit.
 
-    from megatrain.planner.cost import human_bytes
-    from megatrain.planner.plan import default_plan
-    from megatrain.planner.presets import build_meta_model
-    from megatrain.planner.trace import trace
-
-    model = build_meta_model(source.config, dtype=torch.float32)
-    graph = trace(model, micro_batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len).graph
-    # The plan compile will choose: clipping keeps one host gradient tile per layer.
-    plan = default_plan(graph, cfg.micro_batches, clip_gradients=cfg.max_grad_norm is not None)
-    # On the CPU backend the model is built on the CPU before compile moves it (_compile_and_load).
-    built = 4 * graph.param_count if cfg.device == "cpu" else 0
-    needed = preflight_host_memory(graph, plan, data_bytes=data_pipeline_bytes(cfg),
-                                   checkpoint_bytes=largest_safetensors(source.directory) + built,
-                                   available=available_host_memory())
-    echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
-         f"layers; host memory needed about {human_bytes(needed)}")
-    return model
-
-
-def _compile_and_load(cfg: TrainConfig, model, source: ModelSource, fingerprint: str, echo):
-    """Compile (allocating and initialising the host tiles), then load weights or resume. Returns
-    ``(trainer, start step, skipped steps so far)``."""
+    On ``device="cuda"`` the model stays on the meta device until ``materialize`` initialises it
+    in the host tiles, and the plan is the solver's for ``hw`` (or the measured GPU). On the CPU
+    backend the model is built on the CPU: models branch on the device type while they are traced
+    (Mixtral's expert histogram takes an int32 input except on the CPU, where histc has no
+    integer kernel), so a model on the meta device would be traced for a GPU. Building it takes 4
+    bytes a parameter, so a bound from the meta model's parameter count is checked first
+    (``preflight_cpu_build``); the plan is the default one, and ``hw`` gives the prediction.
+    """
     import torch
 
     import megatrain
+    from megatrain.planner.cost import human_bytes
+    from megatrain.planner.presets import build_meta_model
 
+    available = available_host_memory()  # before the build: what the run may use
+    data, shard = data_pipeline_bytes(cfg), largest_safetensors(source.directory)
+    clip = cfg.max_grad_norm is not None
     torch.manual_seed(cfg.seed)
+    model = build_meta_model(source.config, dtype=torch.float32)
+    built = 0
     if cfg.device == "cpu":
-        # Models branch on the device type while they are traced (Mixtral's expert histogram takes
-        # an int32 input except on the CPU, where histc has no integer kernel): a model built on the
-        # meta device would be traced for a GPU. On the CPU backend build it on the CPU (4 bytes a
-        # parameter for the moment compile moves it into the host tiles; the preflight counts them).
+        preflight_cpu_build(model, clip=clip, data_bytes=data, checkpoint_bytes=shard, available=available)
+        built = sum(p.numel() for p in model.parameters()) * BUILT_BYTES_PER_PARAMETER
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
+    planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                                   micro_batches=cfg.micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
+                                   plan="default" if cfg.device == "cpu" else None, hardware=hw)
+    needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
+                                   available=available)
+    graph = planned.graph
+    echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
+         f"layers; host memory needed about {human_bytes(needed)}")
+    return planned
+
+
+def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
+                          echo):
+    """Materialize the planned model (allocating and initialising the host tiles), then load
+    weights or resume. Returns ``(trainer, start step, skipped steps so far)``."""
+    import megatrain
+
     optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay)
-    trainer = megatrain.compile(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                micro_batches=cfg.micro_batches, optimizer=optimizer, device=cfg.device,
-                                max_grad_norm=cfg.max_grad_norm)
+    trainer = megatrain.materialize(planned, optimizer)
     if source.kind == "weights":
         load_weights(trainer, source, echo)
         echo(f"weights: loaded from {source.directory}")
@@ -183,12 +192,12 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     resuming_here, source = check_output_dir(out, source, cfg, echo)
     if source.tied and source.kind == "config":
         echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")
-    model = _meta_model(cfg, source, echo)
+    planned = _plan(cfg, source, hw, echo)
     tokenizer, dataset, eot = prepare_data(cfg, source, echo)
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
-    trainer, start, skipped = _compile_and_load(cfg, model, source, fingerprint, echo)
-    rates = run_rates(cfg, trainer, hw, cpu_peak, echo)
+    trainer, start, skipped = _materialize_and_load(cfg, planned, source, fingerprint, echo)
+    rates = run_rates(cfg, planned, hw, cpu_peak, echo)
     tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len)
 
     out.mkdir(parents=True, exist_ok=True)

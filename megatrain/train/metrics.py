@@ -15,6 +15,7 @@ from megatrain.train.machine import measure_matmul_flops
 
 if TYPE_CHECKING:
     from megatrain.train.config import TrainConfig
+    from megatrain.trainer import PlannedModel
 
 METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "predicted_step_s",
                  "measured_step_s", "applied", "val_loss", "host_rss_mib")
@@ -97,12 +98,15 @@ class Rates:
         return self.flops_per_token * tokens_per_s / self.peak_flops
 
 
-def run_rates(cfg: TrainConfig, trainer, hw, cpu_peak: float | None, echo) -> Rates:
+def run_rates(cfg: TrainConfig, planned: PlannedModel, hw, cpu_peak: float | None, echo) -> Rates:
+    """MFU's FLOPs per token and peak, and the predicted step on ``hw`` (the config's
+    ``hardware`` spec, or None): ``planned.timeline``, the prediction made when the model was
+    planned on that spec (nothing is simulated here)."""
     import torch
 
     from megatrain.planner import cost
 
-    dtype = trainer.plan.compute_dtype
+    dtype = planned.plan.compute_dtype
     if cpu_peak is not None:
         peak, what = cpu_peak, f"this CPU's measured FP32 matmul rate, {cpu_peak / 1e9:,.1f} GFLOP/s"
     elif hw is not None and hw.peak_flops(dtype) > 0:
@@ -111,17 +115,13 @@ def run_rates(cfg: TrainConfig, trainer, hw, cpu_peak: float | None, echo) -> Ra
         peak = measure_matmul_flops(cfg.device, getattr(torch, dtype))
         what = f"this GPU's measured {dtype} matmul rate, {peak / 1e12:,.1f} TFLOP/s"
     predicted = None
-    if hw is not None:
-        if hw.has_gpu and hw.peak_flops(dtype) > 0 and hw.d2h_bytes_per_s > 0:
-            from megatrain.planner.simulate import simulate
-
-            # The steady-state step: with clipping it also runs the previous step's deferred updates.
-            steady = trainer.schedules.carrying or trainer.schedules.first
-            predicted = simulate(steady, trainer.graph, hw).step_time_s
-            echo(f"predicted step on {hw.name}: {predicted:.4g} s (simulated)")
-        else:
-            echo(f"note: {hw.name} has no GPU rates; predicted_step_s is null")
-    rates = Rates(cost.model_flops_per_token(trainer.graph), peak, predicted)
+    if hw is not None and planned.timeline is not None:
+        # The steady-state step: with clipping it also runs the previous step's deferred updates.
+        predicted = planned.timeline.step_time_s
+        echo(f"predicted step on {hw.name}: {predicted:.4g} s (simulated)")
+    elif hw is not None:
+        echo(f"note: {hw.name} has no GPU rates; predicted_step_s is null")
+    rates = Rates(cost.model_flops_per_token(planned.graph), peak, predicted)
     echo(f"MFU peak: {what}; {rates.flops_per_token / 1e6:,.2f} MFLOPs per token")
     return rates
 
