@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import pydantic
 import torch
 from torch import nn
 
 from megatrain.config import AdamW, CompileOptions, describe_validation
-from megatrain.errors import BatchError, ConfigError, StepError
+from megatrain.errors import BatchError, CheckpointError, ConfigError, StepError
 from megatrain.models import check_model
 from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
 from megatrain.planner.graph import LayerGraph
@@ -200,6 +200,96 @@ class Trainer:
         from megatrain.checkpoint import load_hf_weights
 
         return load_hf_weights(self, path, **kwargs)
+
+    # -- the checkpoint boundary ------------------------------------------------------------------
+    def state_dict(self, *, flush: bool = True) -> dict[str, Any]:
+        """The trainer's whole training state, as views of its memory: what a checkpoint saves and
+        loads (``megatrain.checkpoint`` reads it and loads into it, as torchtitan's checkpointer
+        does with its ``Stateful`` components). A deferred update is applied first (``flush``), so
+        the weights are the latest; a loader that only writes into the views passes
+        ``flush=False`` (the load drops that update, and a refused load leaves it pending).
+
+        Returns a dict of:
+            ``"model"``: ``{name: Tensor}``, each parameter by its ``state_dict`` name (Hugging Face
+                naming), an FP32 view into its layer's master tile, in graph order.
+            ``"buffers"``: ``{name: Tensor}``, the module's persistent buffers (its own tensors and
+                dtypes), except those on the ``meta`` device.
+            ``"masters"``: ``{"<layer>.master": Tensor[numel]}``, each layer's FP32 master row (the
+                memory ``"model"`` views, whole, padding included).
+            ``"optimizer"``: ``{"<layer>.exp_avg" | "<layer>.exp_avg_sq": Tensor[numel]}``, the FP32
+                AdamW moment rows.
+            ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
+            ``"step_count"``: ``int``, the steps this trainer has taken.
+            ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).
+            ``"layers"``: the tile layout, one ``{"name", "numel", "trainable_numel", "params":
+                [[name, shape, offset], ...]}`` per layer: what makes another trainer's state fit
+                this one.
+
+        Raises:
+            StepError: as ``flush``.
+        """
+        if flush:
+            self.flush()
+        host, layers = self.host, self.graph.layers
+        model = {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
+                 for pi, spec in enumerate(layer.params)}
+        # state_dict() returns detached tensors sharing the module's storage: copying into one
+        # writes the module's buffer.
+        buffers = {name: t for name, t in self.model.state_dict().items()
+                   if name not in model and isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        return {
+            "model": model,
+            "buffers": buffers,
+            "masters": {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
+            "optimizer": {f"{layer.name}.{kind}": row(li) for li, layer in enumerate(layers)
+                          for kind, row in (("exp_avg", host.exp_avg), ("exp_avg_sq", host.exp_avg_sq))},
+            "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
+            "step_count": self.step_count,
+            "optimizer_settings": self.optimizer,
+            "layers": [{"name": layer.name, "numel": layer.numel, "trainable_numel": layer.trainable_numel,
+                        "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: tensors are copied into the tiles and buffers (a loader that
+        already wrote into this trainer's ``state_dict()`` views, as a checkpoint load does, passes
+        those same tensors and nothing is copied twice); AdamW steps, the step count and the AdamW
+        settings are set; an update deferred from before is dropped (its gradients belong to other
+        weights). ``state`` may omit ``"masters"`` (``"model"`` holds the same weights).
+
+        Raises:
+            CheckpointError: a layer layout, tensor name or shape that differs from this trainer's
+                (the message names it); checked before anything changes.
+        """
+        mine = self.state_dict(flush=False)  # a pending update is dropped, not applied to what is overwritten
+        if state["layers"] != mine["layers"]:
+            raise CheckpointError("load_state_dict: the state's layer layout differs from this trainer's; load the "
+                                  "state of a trainer compiled from the same model")
+        pairs = []
+        for group in ("model", "buffers", "masters", "optimizer"):
+            if group == "masters" and group not in state:
+                continue
+            theirs = state[group]
+            if set(theirs) != set(mine[group]):
+                diff = sorted(set(theirs) ^ set(mine[group]))
+                raise CheckpointError(f"load_state_dict: {group} tensors differ from this trainer's: {diff[:8]}")
+            for name, dst in mine[group].items():
+                src = theirs[name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise CheckpointError(f"load_state_dict: {group} tensor {name!r} has shape {list(src.shape)}, "
+                                          f"this trainer's {list(dst.shape)}")
+                pairs.append((dst, src))
+        if set(state["adam_steps"]) != set(mine["adam_steps"]):
+            raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
+        with torch.no_grad():
+            for dst, src in pairs:
+                if not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.shape == src.shape):
+                    dst.copy_(src)
+        for li, layer in enumerate(self.graph.layers):
+            self.host.steps[li].fill_(float(state["adam_steps"][layer.name]))
+        self.step_count = int(state["step_count"])
+        self.set_optimizer(state["optimizer_settings"])
+        self.drop_pending_updates()
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
