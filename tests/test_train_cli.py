@@ -372,6 +372,24 @@ def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
     assert have is None or have[0] > 0
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_cpu_build_bound_is_a_lower_bound_of_the_planned_preflight(tmp_path, clip):
+    import megatrain
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.train.preflight import BUILT_BYTES_PER_PARAMETER, preflight_cpu_build
+
+    model = build_meta_model(load_model_config(write_model(tmp_path / "c.json")))
+    n = sum(p.numel() for p in model.parameters())
+    bound = preflight_cpu_build(model, clip=clip is not None, data_bytes=7, checkpoint_bytes=5, available=None)
+    assert bound == n * (12 + (4 if clip else 0) + BUILT_BYTES_PER_PARAMETER) + 12
+    planned = megatrain.plan_model(model, seq_len=16, max_grad_norm=clip)
+    exact = T.preflight_host_memory(planned, data_bytes=7, checkpoint_bytes=5,
+                                    built_bytes=n * BUILT_BYTES_PER_PARAMETER, available=None)
+    assert bound <= exact  # what the bound refuses, the exact check would refuse too
+    with pytest.raises(PlanError, match=r"the model built on the CPU .* is available \(test\)"):
+        preflight_cpu_build(model, clip=clip is not None, data_bytes=7, available=(bound - 6, "test"))
+
+
 def test_bad_data_tokenizer_and_output_dir_are_clean_errors(first_run, setup, tmp_path, capsys):
     assert run(setup, tmp_path / "o1", "--data", str(tmp_path / "missing")) == 2
     assert "error: data: corpus path" in one_error_line(capsys.readouterr().err)
