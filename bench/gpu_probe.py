@@ -21,7 +21,7 @@ Sections, in the order they run (``--sections`` picks a subset):
     Pinned H2D, D2H and both at once (one copy per direction on two streams) at 256 MiB and
     1 GiB, each the median of several copies timed with CUDA events; the data that arrived is
     checked against the source at a stride. ``duplex``: both at once finish in under 0.75 x the
-    sum of the two alone (the rule ``HardwareSpec.measure`` uses).
+    sum of the two alone (the rule ``measure_hardware`` uses).
 ``pinned_alloc``
     For a few sizes, powers of two and not: the wall time of ``torch.empty(pin_memory=True)`` from
     an empty host cache, and what ``torch.cuda.host_memory_stats()`` says the caching host

@@ -17,9 +17,12 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+
+MIN_LR_RATIO = 0.1
+"""The cosine decays to this fraction of the peak learning rate at the last step."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 10%%")
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 10%% at the last step")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -48,14 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
-    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to 10% of it at ``total``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from tqdm import tqdm
@@ -63,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import megatrain
     from megatrain.data import prepare_lm_data
+    from megatrain.train import lr_at
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = data.batches(global_batch, seed=args.seed)
     bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
     for step in bar:
-        lr = lr_at(step, args.lr, args.warmup, args.steps)
+        lr = lr_at(step, lr=args.lr, warmup_steps=args.warmup, max_steps=args.steps, min_lr_ratio=MIN_LR_RATIO)
         trainer.set_lr(lr)
         res = trainer.step(next(batches))
         train_loss = res.loss

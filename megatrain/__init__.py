@@ -2,30 +2,55 @@
 
 ``trainer = megatrain.compile(model, seq_len=..., optimizer=megatrain.AdamW(lr=...))`` traces the
 model into layers, plans and verifies a schedule of copies and computes, and moves the parameters
-into per-layer FP32 host tiles; ``trainer.step(batch)`` then trains one global batch.
+into per-layer FP32 host tiles; ``trainer.step(batch)`` then trains one global batch. ``compile``
+is ``materialize(plan_model(...))``: ``plan_model`` decides everything that will run (a frozen
+``PlannedModel`` with its memory and predicted step) and allocates nothing, so it can be checked
+first.
+
+What users need besides: the hardware a plan is for (``HardwareSpec``, ``preset("H100_SXM")``),
+the plan's knobs (``Plan``, ``OptimizerPlacement``, ``ActivationPolicy``), the solver
+(``solve(SolveRequest(graph, hardware, global_batch, compute_dtype))``) and every error megatrain
+raises on purpose (each a ``MegatrainError``).
 """
 
-from megatrain.config import AdamW
+from megatrain.config import AdamW, CompileOptions
 from megatrain.errors import (BatchError, CheckpointError, ConfigError, MegatrainError, PlanError, ScheduleError,
                               StepError, TraceError, UnsupportedModelError)
-from megatrain.planner.plan import Plan
-from megatrain.trainer import StepResult, Trainer, compile
+from megatrain.planner.hardware import HardwareSpec, preset
+from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
+from megatrain.trainer import PlannedModel, StepResult, Trainer, compile, materialize, plan_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # compile = materialize(plan_model(...)), and what it returns
+    "compile",
+    "plan_model",
+    "materialize",
+    "PlannedModel",
+    "Trainer",
+    "StepResult",
+    # settings
     "AdamW",
+    "CompileOptions",
+    # planning
+    "HardwareSpec",
+    "preset",
+    "Plan",
+    "OptimizerPlacement",
+    "ActivationPolicy",
+    "SolveRequest",
+    "solve",
+    # errors
+    "MegatrainError",
     "BatchError",
     "CheckpointError",
     "ConfigError",
-    "MegatrainError",
-    "Plan",
+    "InfeasibleRequestError",
     "PlanError",
     "ScheduleError",
     "StepError",
-    "StepResult",
     "TraceError",
-    "Trainer",
     "UnsupportedModelError",
-    "compile",
 ]

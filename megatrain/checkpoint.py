@@ -33,9 +33,14 @@ between those two renames leaves no directory at ``path`` but two complete ones 
 written (through a rename) after every other file is durable, so a directory without it is an
 interrupted save and is never loaded. Concurrent saves to one path are not supported.
 
-Files are written by a small streaming safetensors writer rather than ``safetensors.torch.save_file``
-because that serialises a whole shard into memory first (a second copy of up to ``max_shard_bytes``)
-and gives no hook to hash the bytes and fsync the file as they are written.
+The checkpoint boundary is the trainer's ``state_dict()`` (as torchtitan's checkpointer works on its
+components' ``state_dict``/``load_state_dict``): saving reads the tensors and counters it returns,
+loading checks every file against it, copies the file tensors into its views (in place, one tensor
+at a time) and hands it back to ``Trainer.load_state_dict``. The model's Hugging Face config and
+generation config are the only other things read from the trainer.
+
+Shards are written by ``safetensors.torch.save_file``, one shard in memory at a time (bounded by
+``max_shard_bytes``), then hashed and fsynced; JSON files are hashed as they are written.
 """
 
 from __future__ import annotations
@@ -93,26 +98,21 @@ class LoadedWeights:
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    """One tensor of the model's state_dict: a view into a master tile, or a persistent buffer."""
+    """One tensor of the trainer's state: a view into a master tile (``param``), a persistent
+    buffer, or an optimizer-state row."""
 
     name: str
     shape: tuple[int, ...]
     tensor: torch.Tensor
-    layer: int  # -1 for a buffer
+    param: bool
 
 
-def _targets(trainer) -> dict[str, _Target]:
-    """Every state_dict tensor of the trainer's model by its name (Hugging Face naming), in graph
-    order: parameters as views of the master tiles, then persistent buffers."""
-    out: dict[str, _Target] = {}
-    for li, layer in enumerate(trainer.graph.layers):
-        for pi, spec in enumerate(layer.params):
-            out[spec.name] = _Target(spec.name, tuple(spec.shape), trainer.host.param_view(li, pi), li)
-    for name, t in trainer.model.state_dict().items():
-        # state_dict() returns detached tensors sharing the module's storage: copying into one
-        # writes the module's buffer.
-        if name not in out and isinstance(t, torch.Tensor) and t.device.type != "meta":
-            out[name] = _Target(name, tuple(t.shape), t, -1)
+def _targets(state: Mapping[str, Any]) -> dict[str, _Target]:
+    """Every tensor of the model's state_dict by its name (Hugging Face naming), from
+    ``Trainer.state_dict()``, in graph order: parameters (views of the master tiles), then
+    persistent buffers."""
+    out = {n: _Target(n, tuple(t.shape), t, True) for n, t in state["model"].items()}
+    out.update({n: _Target(n, tuple(t.shape), t, False) for n, t in state["buffers"].items() if n not in out})
     return out
 
 
@@ -274,7 +274,8 @@ def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) ->
     path = Path(path)
     files, weight_map = _weight_files(path)
     stored = _scan(files, weight_map)
-    targets = _targets(trainer)
+    # The views to load into; a deferred update stays pending (these weights replace what it was for).
+    targets = _targets(trainer.state_dict(flush=False))
     model = trainer.model
     missing, unexpected = _check_against(
         stored, targets, path, strict=strict,
@@ -292,8 +293,8 @@ def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) ->
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    """A tensor to write: its header fields, and how to produce its data when its turn comes (so at
-    most one converted tensor exists at a time)."""
+    """A tensor to write: its header fields, and how to produce its data when its shard is written
+    (so only that shard is converted and held)."""
 
     name: str
     shape: tuple[int, ...]
@@ -469,11 +470,6 @@ def _place(tmp: Path, path: Path) -> None:
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _layer_table(trainer) -> list[dict]:
-    return [{"name": l.name, "numel": l.numel, "trainable_numel": l.trainable_numel,
-             "params": [[p.name, list(p.shape), p.offset] for p in l.params]} for l in trainer.graph.layers]
-
-
 def _rng_state() -> tuple[list[_Entry], dict]:
     tensors = {"torch.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -496,8 +492,8 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     ``model.safetensors.index.json``, which ``transformers.AutoModelForCausalLM.from_pretrained``
     loads, and ``megatrain_state/`` with the Adam moments and steps, the step count, the AdamW
     settings, the torch / NumPy / Python RNG states, ``extra_state`` and a manifest holding the
-    sha256 of every file (see the module docstring for the layout). Tensors stream from the host
-    tiles to disk one at a time: host memory grows by at most one converted tensor.
+    sha256 of every file (see the module docstring for the layout). What is saved is
+    ``trainer.state_dict()``; host memory grows by about one shard (``max_shard_bytes``).
 
     The checkpoint is built in a hidden directory beside ``path`` and moved into place only when
     complete and fsynced; an existing checkpoint at ``path`` is replaced, and a crash at any moment
@@ -529,7 +525,7 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes")
     extra = dict(extra_state or {})
-    trainer.flush()  # a deferred (NEXT_FORWARD) update of the last step belongs in the saved weights
+    state_dict = trainer.state_dict()  # flushes: a deferred update of the last step belongs in the weights
     try:
         json.dumps(extra, allow_nan=True)
     except (TypeError, ValueError) as e:
@@ -549,7 +545,7 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     had = _is_complete(path)
     try:
         tmp.mkdir()
-        manifest = _write_all(trainer, tmp, _SAVE_DTYPES[dtype], max_shard_bytes, extra)
+        manifest = _write_all(trainer.model, state_dict, tmp, _SAVE_DTYPES[dtype], max_shard_bytes, extra)
         state = tmp / STATE_DIR
         # The manifest marks the directory complete, so it appears (by rename) only once every
         # other file and both directories are durable.
@@ -572,17 +568,20 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     return path
 
 
-def _write_all(trainer, root: Path, dtype: torch.dtype, max_shard_bytes: int, extra: dict) -> dict:
+def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max_shard_bytes: int,
+               extra: dict) -> dict:
+    """Write ``sd`` (``Trainer.state_dict()``) and ``model``'s Hugging Face configs under ``root``;
+    return the manifest."""
     files: dict[str, _Written] = {}
     state = root / STATE_DIR
     state.mkdir()
 
     # Model shards, Hugging Face layout.
-    targets = _targets(trainer)
+    targets = _targets(sd)
     entries = []
     for t in targets.values():
         # Buffers keep their own dtype: they are not trained, and resuming must restore them exactly.
-        want = dtype if t.layer >= 0 else t.tensor.dtype
+        want = dtype if t.param else t.tensor.dtype
         entries.append(_Entry(t.name, t.shape, want, (lambda t=t, want=want: t.tensor.to(want))))
     shards = _plan_shards(entries, max_shard_bytes)
     weight_map = {}
@@ -593,7 +592,6 @@ def _write_all(trainer, root: Path, dtype: torch.dtype, max_shard_bytes: int, ex
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         files[INDEX_FILE] = _write_json(root / INDEX_FILE, index)
-    model = trainer.model
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "to_json_string"):
         cfg = copy.deepcopy(cfg)
@@ -607,16 +605,14 @@ def _write_all(trainer, root: Path, dtype: torch.dtype, max_shard_bytes: int, ex
                                                        gen.to_json_string(use_diff=True).encode())
 
     # Optimizer state: the moment rows of each tile (and the master row when the shards are lossy).
-    host = trainer.host
-    layers = trainer.graph.layers
     rows = []
-    for li, layer in enumerate(layers):
-        kinds = [("exp_avg", host.exp_avg), ("exp_avg_sq", host.exp_avg_sq)]
+    for layer in sd["layers"]:
+        kinds = [("optimizer", "exp_avg"), ("optimizer", "exp_avg_sq")]
         if dtype != torch.float32:
-            kinds.insert(0, ("master", host.master))
-        for kind, row in kinds:
-            rows.append(_Entry(f"{layer.name}.{kind}", (layer.numel,), torch.float32,
-                               (lambda row=row, li=li: row(li))))
+            kinds.insert(0, ("masters", "master"))
+        for group, kind in kinds:
+            key = f"{layer['name']}.{kind}"
+            rows.append(_Entry(key, (layer["numel"],), torch.float32, (lambda t=sd[group][key]: t)))
     opt_shards = _plan_shards(rows, max_shard_bytes)
     for k, shard in enumerate(opt_shards):
         name = f"{STATE_DIR}/{_shard_name('optimizer', k, len(opt_shards))}"
@@ -627,13 +623,13 @@ def _write_all(trainer, root: Path, dtype: torch.dtype, max_shard_bytes: int, ex
     trainer_state = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "step_count": trainer.step_count,
-        "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
-        "optimizer": trainer.optimizer.model_dump(mode="json"),
+        "step_count": sd["step_count"],
+        "adam_steps": dict(sd["adam_steps"]),
+        "optimizer": sd["optimizer_settings"].model_dump(mode="json"),
         "model_dtype": str(dtype).removeprefix("torch."),
         "master_weights": "model" if dtype == torch.float32 else "state",
         "optimizer_files": [_shard_name("optimizer", k, len(opt_shards)) for k in range(len(opt_shards))],
-        "layers": _layer_table(trainer),
+        "layers": sd["layers"],
         "rng": rng_json,
         "extra_state": extra,
     }
@@ -676,8 +672,7 @@ def _verify_files(root: Path, manifest: dict) -> None:
             raise CheckpointError(f"{file}: sha256 differs from the manifest's; the file is corrupt")
 
 
-def _check_layers(saved: list[dict], trainer, where: Path) -> None:
-    now = _layer_table(trainer)
+def _check_layers(saved: list[dict], now: list[dict], where: Path) -> None:
     if len(saved) != len(now):
         raise CheckpointError(f"{where}: the checkpoint has {len(saved)} layers but the model has {len(now)}; "
                               "it was saved from another model")
@@ -738,43 +733,38 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     if verify:
         _verify_files(path, manifest)
     ts = _read_json(state / TRAINER_STATE)
-    _check_layers(ts["layers"], trainer, state / TRAINER_STATE)
+    # The trainer's state as views: files are checked against it, then copied into it in place.
+    sd = trainer.state_dict(flush=False)
+    _check_layers(ts["layers"], sd["layers"], state / TRAINER_STATE)
     try:
         optimizer = AdamW(**ts["optimizer"])
     except Exception as e:
         raise CheckpointError(f"{state / TRAINER_STATE}: optimizer settings are invalid ({e})") from None
 
     # Check every tensor header before changing anything.
-    layers = trainer.graph.layers
     rows_stored = _scan([state / f for f in ts["optimizer_files"]], None)
-    row_targets: dict[str, _Target] = {}
-    host = trainer.host
-    kinds = ["exp_avg", "exp_avg_sq"] + (["master"] if ts["master_weights"] == "state" else [])
-    for li, layer in enumerate(layers):
-        for kind in kinds:
-            row = {"master": host.master, "exp_avg": host.exp_avg, "exp_avg_sq": host.exp_avg_sq}[kind](li)
-            row_targets[f"{layer.name}.{kind}"] = _Target(f"{layer.name}.{kind}", (layer.numel,), row, li)
+    rows = {**sd["optimizer"], **(sd["masters"] if ts["master_weights"] == "state" else {})}
+    row_targets = {k: _Target(k, tuple(t.shape), t, False) for k, t in rows.items()}
     _check_against(rows_stored, row_targets, state)
     for name, s in rows_stored.items():
         if s.dtype != "F32":
             raise CheckpointError(f"{s.file.name}: tensor {name!r} has dtype {s.dtype}; optimizer state is F32")
-    weight_targets = _targets(trainer)
+    weight_targets = _targets(sd)
     files, weight_map = _weight_files(path)
     weights_stored = _scan(files, weight_map)
     _check_against(weights_stored, weight_targets, path)
     if ts["master_weights"] == "state":
         # Masters come from the FP32 rows; the lossy model shards give only the buffers.
-        weight_targets = {k: t for k, t in weight_targets.items() if t.layer < 0}
+        weight_targets = {k: t for k, t in weight_targets.items() if not t.param}
     rng_stored = _scan([state / RNG_FILE], None)
 
-    # Now restore.
+    # Now restore: the tensors into the state's views, then the state into the trainer (which
+    # copies nothing more, sets the counters and settings, and drops a deferred update: its
+    # gradients were of the weights before the load).
     _copy_in(weights_stored, weight_targets)
     _copy_in(rows_stored, row_targets)
-    for li, layer in enumerate(layers):
-        host.steps[li].fill_(float(ts["adam_steps"][layer.name]))
-    trainer.step_count = int(ts["step_count"])
-    trainer.set_optimizer(optimizer)
-    trainer.drop_pending_updates()  # gradients of the run before the load do not apply to these weights
+    trainer.load_state_dict({**sd, "adam_steps": {k: float(v) for k, v in ts["adam_steps"].items()},
+                             "step_count": int(ts["step_count"]), "optimizer_settings": optimizer})
     _restore_rng(rng_stored, ts["rng"])
     return dict(ts.get("extra_state") or {})
 

@@ -35,8 +35,8 @@ from typing import Sequence
 from megatrain import __version__
 from megatrain.errors import ConfigError, MegatrainError, PlanError
 from megatrain.planner import cost
-
-GiB = 1 << 30
+from megatrain.planner.hardware import load_hardware
+from megatrain.units import GiB
 
 
 NO_FIT = 3
@@ -109,13 +109,8 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), **kw)
 
 
-def _load_hardware(name_or_path: str):
-    from megatrain.train import load_hardware_spec
-
-    return load_hardware_spec(name_or_path)
-
-
 def _gib(n: float) -> str:
+    # The tables name the unit in their titles ("host memory (GiB)"), so numbers only.
     return f"{n / GiB:,.2f}"
 
 
@@ -138,8 +133,7 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
 
     plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
     n = len(g.layers)
-    fits = (mem.gpu_peak <= hw.gpu_memory_bytes and mem.host_total <= hw.host_memory_bytes
-            and mem.host_pinned <= hw.pinned_memory_cap_bytes)
+    fits = mem.fits(hw)
     lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",
              f"  seq_len {g.seq_len} x global batch {plan.micro_batches * solution.micro_batch_size}, "
              f"{plan.compute_dtype} compute; traced in {trace_s:.2f} s, solved ({solution.method}) in "
@@ -236,7 +230,6 @@ def _plan_command(args: argparse.Namespace) -> int:
     from megatrain.planner.presets import build_meta_model, load_model_config
     from megatrain.planner.solve import SolveRequest, solve
     from megatrain.planner.trace import trace
-    from megatrain.planner.verify import verify
 
     if args.seq_len < 1 or args.global_batch < 1:
         raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
@@ -244,7 +237,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; --out names a directory for schedule.json, trace.json and "
                           "timeline.png: give a directory (new or existing)")
-    hw = _load_hardware(args.hardware)
+    hw = load_hardware(args.hardware)
     config = load_model_config(args.model)
     from megatrain.models import check_causal_decoder
 
@@ -263,8 +256,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print("\nfits: NO\n")
         print(str(e))
         return NO_FIT
-    # The pipeline's verify pass: the solver lowered the plan; nothing is written unless it holds.
-    verify(solution.schedule, solution.graph, hw)
+    # Planned once: the solver lowered this schedule and verified it against hw (Solution.schedule).
     print(format_report(solution, hw, model=args.model, trace_s=trace_s))
     if args.out is not None:
         try:

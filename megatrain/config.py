@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import pydantic
 from pydantic import Field
@@ -41,12 +41,24 @@ class AdamW(pydantic.BaseModel):
         return v
 
 
-def describe_validation(e: pydantic.ValidationError) -> str:
-    """pydantic's errors as ``field=value: rule; ...``."""
+def describe_validation(e: pydantic.ValidationError, *, missing_hint: Callable[[str], str] | None = None) -> str:
+    """pydantic's errors as one line, ``field=value: rule; ...``: the one formatting of every
+    settings error megatrain raises (``AdamW``, ``compile``'s options, ``megatrain train``'s config).
+
+    A missing field reads ``field is required`` followed by ``missing_hint(field)`` when given (the
+    train config says which flag or file key sets it); an error of the whole model (a
+    ``model_validator``, no field) is its message alone, which names the fields itself.
+    """
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "value"
-        parts.append(f"{loc}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}")
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            parts.append(f"{loc} is required" + (missing_hint(loc) if missing_hint else ""))
+        elif loc:
+            parts.append(f"{loc}={err.get('input')!r}: {msg}")
+        else:
+            parts.append(msg)
     return "; ".join(parts)
 
 

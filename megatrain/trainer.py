@@ -1,28 +1,41 @@
-"""``megatrain.compile``: the visible pipeline trace -> plan -> lower -> verify -> bind -> execute."""
+"""``megatrain.compile``: the visible pipeline, in two stages.
+
+``plan_model``: trace -> plan (given, default or solved) -> lower -> verify, once, into a frozen
+:class:`PlannedModel` (the schedules that will run, their memory and predicted step).
+``materialize``: host tiles -> bind the module -> backend -> executor, into a :class:`Trainer`,
+whose ``step`` executes the planned schedules.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import pydantic
 import torch
 from torch import nn
 
-from megatrain.config import AdamW, CompileOptions
-from megatrain.errors import BatchError, ConfigError, StepError
+from megatrain.config import AdamW, CompileOptions, describe_validation
+from megatrain.errors import BatchError, CheckpointError, ConfigError, StepError
 from megatrain.models import check_model
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.lower import gradient_tiles, lower
+from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
+from megatrain.planner.graph import LayerGraph, TracedModel
+from megatrain.planner.hardware import HardwareSpec, load_hardware
+from megatrain.planner.lower import lower
 from megatrain.planner.plan import OptimizerPlacement, Plan, default_plan
-from megatrain.planner.schedule import Schedule
-from megatrain.planner.trace import TracedModel, trace
+from megatrain.planner.schedule import Schedule, gradient_tiles
+from megatrain.planner.simulate import simulate
+from megatrain.planner.solve import Solution, SolveLimits, SolveRequest, solve
+from megatrain.planner.timeline import Timeline
+from megatrain.planner.trace import trace
 from megatrain.planner.verify import verify
-from megatrain.runtime.backend import Backend, make_backend
+from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.executor import Executor, StepOutput
 from megatrain.runtime.host import HostState, bind_module
+from megatrain.runtime.measure import measure_hardware
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,22 +73,24 @@ class StepResult:
 
 
 class Trainer:
-    """A compiled model: its host state, its schedules and an executor. Made by ``compile``."""
+    """A compiled model: its planned schedules, its host state and an executor. Made by
+    ``compile`` (= ``materialize(plan_model(...))``); ``planned`` is what was decided."""
 
-    def __init__(self, model: nn.Module, options: CompileOptions, optimizer: AdamW, traced: TracedModel,
-                 plan: Plan, host: HostState, backend: Backend, executor: Executor, schedules: "Schedules"):
-        self.model = model
-        self.options = options
+    def __init__(self, planned: "PlannedModel", optimizer: AdamW, host: HostState, backend: Backend,
+                 executor: Executor):
+        self.planned = planned
+        self.model = planned.model
+        self.options = planned.options
         self.optimizer = optimizer
-        self.traced = traced
-        self.plan = plan
+        self.traced = planned.traced
+        self.plan = planned.plan
         self.host = host
         self.backend = backend
         self.executor = executor
-        self.schedules = schedules
+        self.schedules = planned.schedules
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
-        self._token_limits = _token_limits(model, options.input_names)
+        self._token_limits = _token_limits(self.model, self.options.input_names)
 
     @property
     def _pending_layers(self) -> frozenset[int]:
@@ -175,6 +190,96 @@ class Trainer:
         from megatrain.checkpoint import load_hf_weights
 
         return load_hf_weights(self, path, **kwargs)
+
+    # -- the checkpoint boundary ------------------------------------------------------------------
+    def state_dict(self, *, flush: bool = True) -> dict[str, Any]:
+        """The trainer's whole training state, as views of its memory: what a checkpoint saves and
+        loads (``megatrain.checkpoint`` reads it and loads into it, as torchtitan's checkpointer
+        does with its ``Stateful`` components). A deferred update is applied first (``flush``), so
+        the weights are the latest; a loader that only writes into the views passes
+        ``flush=False`` (the load drops that update, and a refused load leaves it pending).
+
+        Returns a dict of:
+            ``"model"``: ``{name: Tensor}``, each parameter by its ``state_dict`` name (Hugging Face
+                naming), an FP32 view into its layer's master tile, in graph order.
+            ``"buffers"``: ``{name: Tensor}``, the module's persistent buffers (its own tensors and
+                dtypes), except those on the ``meta`` device.
+            ``"masters"``: ``{"<layer>.master": Tensor[numel]}``, each layer's FP32 master row (the
+                memory ``"model"`` views, whole, padding included).
+            ``"optimizer"``: ``{"<layer>.exp_avg" | "<layer>.exp_avg_sq": Tensor[numel]}``, the FP32
+                AdamW moment rows.
+            ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
+            ``"step_count"``: ``int``, the steps this trainer has taken.
+            ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).
+            ``"layers"``: the tile layout, one ``{"name", "numel", "trainable_numel", "params":
+                [[name, shape, offset], ...]}`` per layer: what makes another trainer's state fit
+                this one.
+
+        Raises:
+            StepError: as ``flush``.
+        """
+        if flush:
+            self.flush()
+        host, layers = self.host, self.graph.layers
+        model = {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
+                 for pi, spec in enumerate(layer.params)}
+        # state_dict() returns detached tensors sharing the module's storage: copying into one
+        # writes the module's buffer.
+        buffers = {name: t for name, t in self.model.state_dict().items()
+                   if name not in model and isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        return {
+            "model": model,
+            "buffers": buffers,
+            "masters": {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
+            "optimizer": {f"{layer.name}.{kind}": row(li) for li, layer in enumerate(layers)
+                          for kind, row in (("exp_avg", host.exp_avg), ("exp_avg_sq", host.exp_avg_sq))},
+            "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
+            "step_count": self.step_count,
+            "optimizer_settings": self.optimizer,
+            "layers": [{"name": layer.name, "numel": layer.numel, "trainable_numel": layer.trainable_numel,
+                        "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: tensors are copied into the tiles and buffers (a loader that
+        already wrote into this trainer's ``state_dict()`` views, as a checkpoint load does, passes
+        those same tensors and nothing is copied twice); AdamW steps, the step count and the AdamW
+        settings are set; an update deferred from before is dropped (its gradients belong to other
+        weights). ``state`` may omit ``"masters"`` (``"model"`` holds the same weights).
+
+        Raises:
+            CheckpointError: a layer layout, tensor name or shape that differs from this trainer's
+                (the message names it); checked before anything changes.
+        """
+        mine = self.state_dict(flush=False)  # a pending update is dropped, not applied to what is overwritten
+        if state["layers"] != mine["layers"]:
+            raise CheckpointError("load_state_dict: the state's layer layout differs from this trainer's; load the "
+                                  "state of a trainer compiled from the same model")
+        pairs = []
+        for group in ("model", "buffers", "masters", "optimizer"):
+            if group == "masters" and group not in state:
+                continue
+            theirs = state[group]
+            if set(theirs) != set(mine[group]):
+                diff = sorted(set(theirs) ^ set(mine[group]))
+                raise CheckpointError(f"load_state_dict: {group} tensors differ from this trainer's: {diff[:8]}")
+            for name, dst in mine[group].items():
+                src = theirs[name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise CheckpointError(f"load_state_dict: {group} tensor {name!r} has shape {list(src.shape)}, "
+                                          f"this trainer's {list(dst.shape)}")
+                pairs.append((dst, src))
+        if set(state["adam_steps"]) != set(mine["adam_steps"]):
+            raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
+        with torch.no_grad():
+            for dst, src in pairs:
+                if not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.shape == src.shape):
+                    dst.copy_(src)
+        for li, layer in enumerate(self.graph.layers):
+            self.host.steps[li].fill_(float(state["adam_steps"][layer.name]))
+        self.step_count = int(state["step_count"])
+        self.set_optimizer(state["optimizer_settings"])
+        self.drop_pending_updates()
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
@@ -353,29 +458,185 @@ class Schedules:
     update: Schedule | None = None
     tiles: tuple[int, ...] = ()
 
+    @property
+    def steady(self) -> Schedule:
+        """The schedule every step after the first runs (``carrying`` with NEXT_FORWARD placement)."""
+        return self.carrying or self.first
+
     @classmethod
-    def lower(cls, graph: LayerGraph, plan: Plan) -> "Schedules":
-        first = lower(graph, plan, mode="train")
-        verify(first, graph)
-        if plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
-            return cls(first)
-        carrying = lower(graph, plan, mode="train", carries_updates=True)
-        update = lower(graph, plan, mode="update")
-        verify(carrying, graph)
-        verify(update, graph)
-        return cls(first, carrying, update, tuple(gradient_tiles(graph)))
+    def lower(cls, graph: LayerGraph, plan: Plan, steady: Schedule | None = None) -> "Schedules":
+        """Lower and verify ``plan``'s train schedules. ``steady``: the steady-state schedule the
+        solver already lowered and verified (``Solution.schedule``), used as it is rather than
+        lowered a second time."""
+        next_forward = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+        if steady is not None and (steady.plan != plan or steady.carries_updates != next_forward
+                                   or steady.mode != "train"):
+            raise ValueError("Schedules.lower: steady is not the steady train schedule of this plan")
+
+        def lowered(**kw) -> Schedule:
+            sched = lower(graph, plan, **kw)
+            verify(sched, graph)
+            return sched
+
+        if not next_forward:
+            return cls(steady or lowered(mode="train"))
+        return cls(lowered(mode="train"), steady or lowered(mode="train", carries_updates=True),
+                   lowered(mode="update"), tuple(gradient_tiles(graph)))
+
+
+# ---------------------------------------------------------------------------------------------
+# compile = plan_model (trace, solve, lower, verify: decided once) + materialize (memory, executor)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlannedModel:
+    """A model planned for training: everything that will run, decided once by :func:`plan_model`
+    and turned into a :class:`Trainer` by :func:`materialize`. Nothing is allocated yet.
+
+    Attributes:
+        model: the ``nn.Module`` as given (on any device, ``meta`` included); ``materialize``
+            binds its parameters to the host tiles.
+        options: the validated ``CompileOptions``.
+        traced: the ``TracedModel`` (layer templates and the ``LayerGraph``).
+        plan: the ``Plan`` the schedules were lowered from.
+        schedules: the train ``Schedules`` the trainer runs, lowered and verified once.
+        memory: ``cost.MemoryBreakdown`` of the plan on the graph (bytes): host state, pinned
+            buffers, GPU peak; what a preflight checks.
+        hardware: the ``HardwareSpec`` planned for or predicted on, or None.
+        timeline: the predicted steady-state step on ``hardware`` (``Timeline``; its
+            ``step_time_s`` in seconds): the solver's when it chose the plan, else simulated once
+            here; None without a spec that has GPU rates.
+        solution: the solver's ``Solution`` when it chose the plan (its search statistics), else None.
+    """
+
+    model: nn.Module
+    options: CompileOptions
+    traced: TracedModel
+    plan: Plan
+    schedules: Schedules
+    memory: MemoryBreakdown
+    hardware: HardwareSpec | None = None
+    timeline: Timeline | None = None
+    solution: Solution | None = None
+
+    @property
+    def graph(self) -> LayerGraph:
+        return self.traced.graph
+
+
+def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
+               plan: Plan | Literal["default"] | None = None, device: str = "cpu",
+               input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
+               hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None) -> PlannedModel:
+    """Plan ``model`` for training, once: ``trace`` it (on whatever device it is on, ``meta``
+    included) into a LayerGraph; take ``plan``, the default plan or the solver's; ``lower`` the
+    train schedules and ``verify`` them. Allocates nothing and touches no parameter memory; the
+    result is frozen and :func:`materialize` runs exactly its schedules.
+
+    Args:
+        model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
+        compute_dtype: as for :func:`compile`.
+        plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
+            every checkpoint kept), with ``hardware`` used only for the prediction; None: the
+            solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
+            GPU: ``measure_hardware()``, a few seconds), and the default plan on
+            ``device="cpu"`` without one.
+        hardware: a ``HardwareSpec``, a preset name or a spec JSON file: what the solver plans
+            for, and what ``timeline`` predicts the step on.
+
+    Returns:
+        The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
+        schedule and ``timeline`` the solver's simulation of it (nothing is lowered or simulated
+        twice); with another plan and a spec with GPU rates the steady schedule is simulated once.
+
+    Raises:
+        ConfigError: an option out of range; ``seq_len`` beyond a Hugging Face model's
+            ``max_position_embeddings``; a plan inconsistent with the options.
+        TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
+        PlanError, ScheduleError: the plan does not fit the model.
+    """
+    options = _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm)
+    if options.device == "cuda":
+        make_backend("cuda")  # ConfigError now, before tracing, where CUDA is missing (creates nothing CUDA)
+    check_model(model, options.seq_len)
+    hw = _hardware(hardware)
+    traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
+                   input_names=options.input_names)
+    graph = traced.graph
+    clip = options.max_grad_norm is not None
+    solution = None
+    if plan is None and (hw is not None or options.device == "cuda"):
+        if hw is None:
+            hw = measure_hardware()
+        solution = _solve(graph, options, hw, _compute_dtype(options, compute_dtype))
+        plan = solution.plan
+    elif plan is None or plan == "default":
+        plan = dataclasses.replace(default_plan(graph, options.micro_batches, clip_gradients=clip),
+                                   compute_dtype=_compute_dtype(options, compute_dtype))
+    elif not isinstance(plan, Plan):
+        raise ConfigError(f"plan={plan!r}: give a megatrain Plan, 'default' or None (the solver's)")
+    if plan.micro_batches != options.micro_batches:
+        raise ConfigError(f"plan.micro_batches={plan.micro_batches} but micro_batches={options.micro_batches}")
+    if clip and plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
+        raise ConfigError(f"max_grad_norm={options.max_grad_norm} needs the global gradient norm before any "
+                          f"update, but the plan runs optimizer steps {plan.optimizer.value}; use a plan with "
+                          "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
+    if solution is not None:
+        schedules = Schedules.lower(graph, plan, steady=solution.schedule)
+        memory, timeline = solution.memory, solution.timeline
+    else:
+        schedules = Schedules.lower(graph, plan)
+        memory = memory_breakdown(graph, plan, hw, schedule=schedules.steady)
+        timeline = None
+        if hw is not None and hw.has_gpu and hw.peak_flops(plan.compute_dtype) > 0 and hw.d2h_bytes_per_s > 0:
+            timeline = simulate(schedules.steady, graph, hw)
+    return PlannedModel(model, options, traced, plan, schedules, memory, hw, timeline, solution)
+
+
+def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None, *,
+                backend: Backend | None = None) -> Trainer:
+    """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
+    master weights and AdamW moments, 12 bytes per parameter), the module's parameters bound to
+    them (a meta-device model is initialised there by its own initialisation), the backend and
+    the executor. On ``device="cuda"`` the train schedule's GPU slots and pinned buffers are
+    allocated here too, so that running out of memory is a compile error, not a first-step one;
+    the CPU backend makes its (host) buffers at the first step. ``backend``: the one to run on
+    (default ``make_backend(planned.options.device)``; tests pass a CUDA backend over FakeCuda).
+
+    Raises:
+        ConfigError: an optimizer setting out of range, or an optimizer object rather than settings;
+            ``device="cuda"`` without CUDA.
+        UnsupportedModelError: a meta-device parameter its module's initialisation does not set.
+        Nothing is bound to the model unless the optimizer settings and the backend are valid.
+    """
+    opt = _optimizer(optimizer)
+    backend = make_backend(planned.options.device) if backend is None else backend
+    traced, model = planned.traced, planned.model
+    host = HostState(traced.graph)
+    bind_module(model, host)
+    buffers = {}
+    for name, (kind, src) in traced.buffer_sources.items():
+        buffers[name] = model.get_buffer(src) if kind == "buffer" else src
+    executor = Executor(traced, host, backend, opt, buffers)
+    if not isinstance(backend, CPUBackend):
+        # Commit the GPU slots and the pinned arena now. The CPU backend's buffers are host memory
+        # made at the first run (tests that swap a fake CUDA backend in after compile rely on it).
+        executor.allocate(planned.schedules.first)
+    return Trainer(planned, opt, host, backend, executor)
 
 
 def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
-            optimizer: AdamW | Mapping | None = None, plan: Plan | None = None, device: str = "cpu",
-            input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
-            hardware: "HardwareSpec | str | None" = None, compute_dtype: str | None = None) -> Trainer:
-    """Compile ``model`` for training on one device with all persistent state in host memory.
+            optimizer: AdamW | Mapping | None = None, plan: Plan | Literal["default"] | None = None,
+            device: str = "cpu", input_names: Sequence[str] = ("input_ids", "labels"),
+            max_grad_norm: float | None = None, hardware: HardwareSpec | str | None = None,
+            compute_dtype: str | None = None) -> Trainer:
+    """Compile ``model`` for training on one device with all persistent state in host memory:
+    ``materialize(plan_model(model, ...), optimizer)``.
 
-    The pipeline is the visible one of DESIGN.md: ``trace`` the model (on whatever device it is on,
-    ``meta`` included) into a LayerGraph; take ``plan`` or the default one; ``lower`` it to a train
-    Schedule and ``verify`` it; allocate the host tiles (FP32 master weights and AdamW moments, 12
-    bytes per parameter) and bind the module's parameters to them; build the executor. The model's
+    ``plan_model`` traces the model (on whatever device it is on, ``meta`` included) into a
+    LayerGraph, takes ``plan`` or chooses one, and lowers and verifies the train schedules, once;
+    ``materialize`` allocates the host tiles (FP32 master weights and AdamW moments, 12 bytes per
+    parameter), binds the module's parameters to them and builds the executor. The model's
     parameters then live only in the tiles: ``model.state_dict()`` shows the trained weights.
 
     Args:
@@ -386,15 +647,17 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         micro_batches: micro-batches per step (gradient accumulation); the global batch is
             ``micro_batch_size * micro_batches`` sequences.
         optimizer: ``megatrain.AdamW`` or a dict of its fields (lr, betas, eps, weight_decay).
-        plan: a ``Plan``; by default the solver chooses one (see ``hardware``).
+        plan: a ``Plan``; ``"default"`` for the default plan; by default the solver chooses one
+            (see ``hardware``).
         hardware: what to plan for when ``plan`` is None: a ``HardwareSpec``, a preset name
             (``"H100_SXM"``, ``"H200"``, ``"GH200"``, ``"A100_80GB"``, ``"RTX_4090"``) or a spec JSON
             file. The solver (``megatrain.planner.solve``) then picks slots, prefetch distance,
             resident layers, checkpoint offload/recompute and the optimizer placement for the
             shortest simulated step that fits, with this micro-batch split. With None: on
-            ``device="cuda"`` the machine is measured (``HardwareSpec.measure()``, a few seconds);
+            ``device="cuda"`` the machine is measured (``measure_hardware()``, a few seconds);
             on ``device="cpu"``, which has no GPU rates to plan with, the default plan (two
-            slots, prefetch distance one, every checkpoint kept) is used.
+            slots, prefetch distance one, every checkpoint kept) is used. With a given plan, the
+            spec the step is predicted on (``Trainer.planned.timeline``).
         compute_dtype: ``"float32"`` (strict full precision) or ``"bfloat16"`` (BF16 weights and
             matmuls under autocast; FP32 masters, moments and gradients). Default: BF16 on CUDA,
             FP32 on the CPU. A given ``plan`` brings its own.
@@ -415,71 +678,46 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         PlanError, ScheduleError: the plan does not fit the model.
         Nothing is bound to the model unless every step before binding succeeded.
     """
+    _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm)
+    opt = _optimizer(optimizer)  # settings errors before anything is traced
+    planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                         plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
+                         hardware=hardware, compute_dtype=compute_dtype)
+    return materialize(planned, opt)
+
+
+def _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm) -> CompileOptions:
     try:
-        options = CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size,
-                                 micro_batches=micro_batches, input_names=tuple(input_names), device=device,
-                                 max_grad_norm=max_grad_norm)
+        return CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                              input_names=tuple(input_names), device=device, max_grad_norm=max_grad_norm)
     except pydantic.ValidationError as e:
-        raise ConfigError(_describe(e)) from None
+        raise ConfigError("invalid settings: " + describe_validation(e)) from None
+
+
+def _optimizer(optimizer: AdamW | Mapping | None) -> AdamW:
     if optimizer is not None and not isinstance(optimizer, (AdamW, Mapping)):
         raise ConfigError(f"optimizer={type(optimizer).__module__}.{type(optimizer).__qualname__}: megatrain runs "
                           "AdamW itself on the host tiles, so it takes the settings, not an optimizer object; pass "
                           "megatrain.AdamW(lr=..., betas=..., eps=..., weight_decay=...) or a dict of those fields")
-    opt = optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
-    check_model(model, options.seq_len)
-    backend = make_backend(options.device)
-    traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
-                   input_names=options.input_names)
-    clip = options.max_grad_norm is not None
-    if plan is None:
-        plan = _choose_plan(traced.graph, options, hardware, compute_dtype)
-    if plan.micro_batches != options.micro_batches:
-        raise ConfigError(f"plan.micro_batches={plan.micro_batches} but micro_batches={options.micro_batches}")
-    if clip and plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
-        raise ConfigError(f"max_grad_norm={options.max_grad_norm} needs the global gradient norm before any "
-                          f"update, but the plan runs optimizer steps {plan.optimizer.value}; use a plan with "
-                          "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
-    schedules = Schedules.lower(traced.graph, plan)
-
-    host = HostState(traced.graph)
-    bind_module(model, host)
-    buffers = {}
-    for name, (kind, src) in traced.buffer_sources.items():
-        buffers[name] = model.get_buffer(src) if kind == "buffer" else src
-    executor = Executor(traced, host, backend, opt, buffers)
-    return Trainer(model, options, opt, traced, plan, host, backend, executor, schedules)
+    return optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
 
 
-def _choose_plan(graph: LayerGraph, options: CompileOptions, hardware, compute_dtype: str | None) -> Plan:
-    """The solver's plan for ``hardware`` (or the measured GPU), else the default plan on the CPU."""
-    from megatrain.planner.hardware import HardwareSpec, preset
-    from megatrain.planner.solve import SolveLimits, SolveRequest, solve
-
+def _compute_dtype(options: CompileOptions, compute_dtype: str | None) -> str:
     dtype = compute_dtype or ("bfloat16" if options.device == "cuda" else "float32")
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={dtype!r}: use 'float32' or 'bfloat16'")
-    clip = options.max_grad_norm is not None
-    if hardware is None and options.device == "cpu":
-        return dataclasses.replace(default_plan(graph, options.micro_batches, clip_gradients=clip),
-                                   compute_dtype=dtype)
-    if hardware is None:
-        hw = HardwareSpec.measure()
-    elif isinstance(hardware, HardwareSpec):
-        hw = hardware
-    elif isinstance(hardware, str) and hardware.endswith(".json"):
-        hw = HardwareSpec.load(hardware)
-    elif isinstance(hardware, str):
-        hw = preset(hardware)
-    else:
-        raise ConfigError(f"hardware={hardware!r}: give a HardwareSpec, a preset name or a spec .json file")
-    request = SolveRequest(graph, hw, options.global_batch, dtype, clip_gradients=clip,
+    return dtype
+
+
+def _hardware(hardware: HardwareSpec | str | None) -> HardwareSpec | None:
+    """A HardwareSpec from itself, a spec ``.json`` file or a preset name (None stays None)."""
+    if hardware is None or isinstance(hardware, (HardwareSpec, str, os.PathLike)):
+        return None if hardware is None else load_hardware(hardware)
+    raise ConfigError(f"hardware={hardware!r}: give a HardwareSpec, a preset name or a spec .json file")
+
+
+def _solve(graph: LayerGraph, options: CompileOptions, hw: HardwareSpec, dtype: str) -> Solution:
+    """The solver's plan for ``hw`` with the compiled micro-batch size."""
+    request = SolveRequest(graph, hw, options.global_batch, dtype, clip_gradients=options.max_grad_norm is not None,
                            limits=SolveLimits(micro_batch_sizes=(options.micro_batch_size,)))
-    return solve(request).plan
-
-
-def _describe(e: pydantic.ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "value"
-        parts.append(f"{loc}={err.get('input')!r}: {err['msg']}")
-    return "invalid settings: " + "; ".join(parts)
+    return solve(request)

@@ -61,6 +61,37 @@ def test_public_surface_is_pinned():
 
 
 # ---------------------------------------------------------------------------------------------
+# The checkpoint boundary: Trainer.state_dict() / load_state_dict()
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_state_dict_round_trip_continues_training_exactly(clip):
+    a = _compile(_seeded_llama(0), max_grad_norm=clip)
+    _train(a, range(2))
+    b = _compile(_seeded_llama(1), max_grad_norm=clip)
+    b.load_state_dict({k: (dict(v) if isinstance(v, dict) else v) for k, v in a.state_dict().items()})
+    assert b.step_count == a.step_count == 2 and b.optimizer == a.optimizer
+    _assert_equal_weights(_params(a), _params(b))
+    assert _train(a, range(2, 4)) == _train(b, range(2, 4))
+    _assert_equal_weights(_params(a), _params(b))
+
+
+def test_state_dict_is_views_of_the_trainer_and_refuses_another_model():
+    t = _compile(_seeded_llama(0))
+    sd = t.state_dict()
+    assert set(sd) == {"model", "buffers", "masters", "optimizer", "adam_steps", "step_count",
+                       "optimizer_settings", "layers"}
+    name = next(iter(sd["model"]))
+    assert sd["model"][name].data_ptr() == dict(t.model.named_parameters())[name].data_ptr()
+    assert all(v.dtype == torch.float32 for v in [*sd["model"].values(), *sd["optimizer"].values()])
+    other = _compile(_seeded_llama(0, hidden=64)).state_dict()
+    before = _params(t)
+    with pytest.raises(CheckpointError, match="layer layout differs"):
+        t.load_state_dict(other)
+    _assert_equal_weights(before, _params(t))
+
+
+# ---------------------------------------------------------------------------------------------
 # Hugging Face layout, both ways
 # ---------------------------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 import megatrain.train as T
+import megatrain.train.loop
+import megatrain.runtime.measure
 from megatrain.cli import _parser, main
 from megatrain.errors import ConfigError, PlanError
 from megatrain.trainer import Trainer
@@ -49,7 +51,7 @@ STEPS = 8
 
 @pytest.fixture(autouse=True)
 def _quick_matmul_probe(monkeypatch):
-    monkeypatch.setattr(T, "MATMUL_SECONDS", 0.02)
+    monkeypatch.setattr(megatrain.train.machine, "MATMUL_SECONDS", 0.02)
 
 
 def write_model(path: Path, **over) -> Path:
@@ -89,11 +91,11 @@ def one_error_line(err: str) -> str:
 @pytest.fixture(scope="module")
 def first_run(setup, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("first") / "out"
-    T.MATMUL_SECONDS, keep = 0.02, T.MATMUL_SECONDS
+    megatrain.train.machine.MATMUL_SECONDS, keep = 0.02, megatrain.train.machine.MATMUL_SECONDS
     try:
         assert run(setup, out, "--hardware", "H100_SXM") == 0
     finally:
-        T.MATMUL_SECONDS = keep
+        megatrain.train.machine.MATMUL_SECONDS = keep
     return out
 
 
@@ -317,7 +319,8 @@ def test_unsupported_model_names_what_is_unsupported(setup, tmp_path, capsys):
 
 
 def test_host_memory_preflight_refuses_before_allocating(setup, tmp_path, capsys):
-    # 8.8e12 parameters: ~100 TB of host state, traced on the meta device in a second or two.
+    # 8.8e12 parameters: ~100 TB of host state, refused from the meta model's parameter count before
+    # the CPU backend would build (or trace) it.
     huge = write_model(tmp_path / "huge.json", vocab_size=1 << 26, hidden_size=1 << 16, intermediate_size=1 << 17,
                        num_hidden_layers=1)
     t0 = time.perf_counter()
@@ -329,22 +332,62 @@ def test_host_memory_preflight_refuses_before_allocating(setup, tmp_path, capsys
     assert "max_grad_norm: null" in line and not (tmp_path / "o").exists()
 
 
+def test_a_run_traces_plans_and_simulates_once(setup, tmp_path, monkeypatch):
+    """`megatrain train` plans once: the model it preflights is the one that runs, and the
+    predicted step is the planned model's (not simulated again after compile)."""
+    import megatrain.trainer
+
+    calls = {"trace": 0, "simulate": 0, "lower": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    for name in calls:
+        monkeypatch.setattr(megatrain.trainer, name, counting(name, getattr(megatrain.trainer, name)))
+    assert main(_train_args(setup, tmp_path / "o", "--hardware", "H100_SXM", "--eval-interval", "0")) == 0
+    # Clipping (max_grad_norm: 1.0): the first, carrying and update schedules, then one eval schedule.
+    assert calls == {"trace": 1, "simulate": 1, "lower": 4}
+    assert rows(tmp_path / "o")[0]["predicted_step_s"] > 0
+
+
 def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
+    import megatrain
     from megatrain.planner.cost import memory_breakdown
     from megatrain.planner.plan import default_plan
     from megatrain.planner.presets import build_meta_model, load_model_config
-    from megatrain.planner.trace import trace
 
-    graph = trace(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))), micro_batch_size=1,
-                  seq_len=16).graph
-    plan = default_plan(graph, 1)
-    host = memory_breakdown(graph, plan).host_total
-    assert T.preflight_host_memory(graph, plan, data_bytes=7, checkpoint_bytes=5, available=None) == host + 12
-    assert T.preflight_host_memory(graph, plan, data_bytes=7, available=(host + 7, "test")) == host + 7
+    planned = megatrain.plan_model(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))),
+                                   seq_len=16)
+    graph = planned.graph
+    host = memory_breakdown(graph, default_plan(graph, 1)).host_total
+    assert planned.memory.host_total == host  # the preflight checks the plan that runs
+    assert T.preflight_host_memory(planned, data_bytes=7, checkpoint_bytes=5, available=None) == host + 12
+    assert T.preflight_host_memory(planned, data_bytes=7, available=(host + 7, "test")) == host + 7
     with pytest.raises(PlanError, match=r"needs about 0\.00 GiB .*data and tokenizer.* is available \(test\)"):
-        T.preflight_host_memory(graph, plan, data_bytes=7, available=(host + 6, "test"))
+        T.preflight_host_memory(planned, data_bytes=7, available=(host + 6, "test"))
     have = T.available_host_memory()
     assert have is None or have[0] > 0
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_cpu_build_bound_is_a_lower_bound_of_the_planned_preflight(tmp_path, clip):
+    import megatrain
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.train.preflight import BUILT_BYTES_PER_PARAMETER, preflight_cpu_build
+
+    model = build_meta_model(load_model_config(write_model(tmp_path / "c.json")))
+    n = sum(p.numel() for p in model.parameters())
+    bound = preflight_cpu_build(model, clip=clip is not None, data_bytes=7, checkpoint_bytes=5, available=None)
+    assert bound == n * (12 + (4 if clip else 0) + BUILT_BYTES_PER_PARAMETER) + 12
+    planned = megatrain.plan_model(model, seq_len=16, max_grad_norm=clip)
+    exact = T.preflight_host_memory(planned, data_bytes=7, checkpoint_bytes=5,
+                                    built_bytes=n * BUILT_BYTES_PER_PARAMETER, available=None)
+    assert bound <= exact  # what the bound refuses, the exact check would refuse too
+    with pytest.raises(PlanError, match=r"the model built on the CPU .* is available \(test\)"):
+        preflight_cpu_build(model, clip=clip is not None, data_bytes=7, available=(bound - 6, "test"))
 
 
 def test_bad_data_tokenizer_and_output_dir_are_clean_errors(first_run, setup, tmp_path, capsys):
@@ -466,7 +509,7 @@ def test_models_that_are_not_causal_decoders_or_too_short_are_refused_first(setu
 
 def test_an_unwritable_output_dir_is_refused_before_the_data(setup, tmp_path, capsys, monkeypatch):
     (tmp_path / "a_file").write_text("")
-    monkeypatch.setattr(T, "_prepare_data", lambda *a: pytest.fail("data prepared before the check"))
+    monkeypatch.setattr(megatrain.train.loop, "prepare_data", lambda *a: pytest.fail("data prepared before the check"))
     assert run(setup, tmp_path / "a_file" / "out") == 2
     line = one_error_line(capsys.readouterr().err)
     assert "a_file/out is not writable" in line and "--output-dir" in line
@@ -480,7 +523,7 @@ def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_d
     line = one_error_line(capsys.readouterr().err)
     assert "No checkpoint was saved: the same command starts the run again" in line
     monkeypatch.undo()
-    monkeypatch.setattr(T, "MATMUL_SECONDS", 0.02)
+    monkeypatch.setattr(megatrain.train.machine, "MATMUL_SECONDS", 0.02)
     assert run(setup, out, "--nonfinite", "stop", "--max-steps", "3") == 0
     assert "starting it again" in capsys.readouterr().out
     assert [r["applied"] for r in rows(out)] == [True] * 3

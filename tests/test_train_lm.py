@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import re
 
-from megatrain.examples.train_lm import lr_at, main
+from megatrain.examples.train_lm import MIN_LR_RATIO, main
+from megatrain.train import lr_at
 
 
-def test_learning_rate_warms_up_then_decays_to_a_tenth():
+def test_learning_rate_warms_up_then_decays_to_a_tenth_at_the_last_step():
+    # The example runs megatrain train's schedule: the last step taken (total - 1) is at the floor.
     peak, warm, total = 1e-3, 10, 100
-    lrs = [lr_at(s, peak, warm, total) for s in range(total + 1)]
-    assert lrs[0] == peak / warm and lrs[warm - 1] == peak
+    lrs = [lr_at(s, lr=peak, warmup_steps=warm, max_steps=total, min_lr_ratio=MIN_LR_RATIO) for s in range(total + 1)]
+    assert lrs[0] == peak / warm and lrs[warm - 1] == peak and lrs[warm] == peak
     assert all(a >= b for a, b in zip(lrs[warm:], lrs[warm + 1:]))
-    assert abs(lrs[total] - 0.1 * peak) < 1e-12
+    assert abs(lrs[total - 1] - 0.1 * peak) < 1e-12 and abs(lrs[total] - 0.1 * peak) < 1e-12
 
 
 def test_short_run_on_stdlib_text_lowers_validation_loss(capsys):

@@ -149,19 +149,6 @@ class HardwareSpec(pydantic.BaseModel):
         """Load a spec written by ``save``. Raises pydantic.ValidationError on a bad file."""
         return cls.model_validate_json(Path(path).read_text())
 
-    # -- measurement ---------------------------------------------------------------------------------
-    @classmethod
-    def measure(cls, path: str | os.PathLike | None = None, *, optimizer_numel: int = 4 << 20,
-                seconds: float = 0.6) -> "HardwareSpec":
-        """Deprecated: :func:`megatrain.runtime.measure.measure_hardware` (same arguments).
-
-        Kept only until ``megatrain.trainer`` calls ``measure_hardware`` itself: measuring is the
-        runtime's, and the planner imports no runtime module (this import runs only when called).
-        """
-        from megatrain.runtime.measure import measure_hardware
-
-        return measure_hardware(path, optimizer_numel=optimizer_numel, seconds=seconds)
-
 
 @contextlib.contextmanager
 def strict_fp32() -> Iterator[None]:

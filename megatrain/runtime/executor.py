@@ -141,6 +141,15 @@ class Executor:
         self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
 
     # -- memory ----------------------------------------------------------------------------------
+    def allocate(self, schedule: Schedule) -> None:
+        """Make the GPU slots and the pinned host buffers ``schedule`` runs on now, not at its first
+        run, so that running out of memory is a compile-time error (``materialize`` calls it on a
+        GPU backend). The buffers are those of :meth:`_ensure_buffers`.
+
+        Raises:
+            torch.OutOfMemoryError / RuntimeError: the device or the pinned allocation failed."""
+        self._ensure_buffers(schedule)
+
     def _ensure_buffers(self, schedule: Schedule) -> _Buffers:
         """The buffers ``schedule`` uses, made when the last ones do not serve it.
 
@@ -264,7 +273,7 @@ class Executor:
 
     def _precision(self, compute_dtype: str):
         """FP32 compute is strict IEEE FP32 (TF32 off for the op, the caller's setting restored after:
-        :func:`~megatrain.planner.hardware.strict_fp32`), the precision ``HardwareSpec.measure()``
+        :func:`~megatrain.planner.hardware.strict_fp32`), the precision ``megatrain.runtime.measure.measure_hardware()``
         times FP32 in and eager FP32 training on the CPU computes in. BF16 compute runs the
         FP32-traced templates under ``torch.autocast``: matmuls in BF16 with FP32 accumulation,
         reductions and norms in FP32, as eager autocast training does; the weights arrive in BF16

@@ -1,0 +1,88 @@
+"""``megatrain train``: train a causal LM from a config file and flags, with checkpoints, metrics and
+clean failures.
+
+One run (:func:`train`, in :mod:`~megatrain.train.loop`) is a visible sequence of stages, each a
+function of a module of this package::
+
+    config      TrainConfig: YAML or JSON file, then flags on top, validated by pydantic
+    model       resolve_model: a config.json | Hugging Face weights | a megatrain checkpoint
+    rundir      output_dir: this run again (resume or start over), or refuse another run
+    plan        megatrain.plan_model, once: trace, solve, lower, verify (the model on the meta
+                device for CUDA; on the CPU built there, after a parameter-count bound)
+    preflight   that planned model's host bytes + data + a checkpoint shard against MemAvailable,
+                before anything large is allocated
+    corpus      documents -> tokenizer -> rows packed by megatrain.data.pack_documents
+    materialize megatrain.materialize of the same planned model: host tiles, backend, executor
+    weights     Trainer.load_hf_weights, or Trainer.load for an exact resume
+    loop        lr (warm-up + cosine), step, non-finite policy, evaluation, checkpoints,
+                metrics.jsonl (metrics), progress bar, SIGINT / SIGTERM
+    metrics     loss.png, the loss curve (matplotlib, the ``plot`` extra)
+
+``machine`` holds what this machine offers (host memory, RSS, a matmul rate, a hardware spec).
+
+Files in ``output_dir``: ``train_config.json`` (the resolved config of the latest start),
+``tokenizer.json``, ``metrics.jsonl`` (one JSON object per step, see :data:`~megatrain.train.metrics.METRIC_FIELDS`),
+``checkpoint/`` (Hugging Face layout plus ``megatrain_state/``, replaced atomically at every save,
+with copies of ``tokenizer.json`` and a ``tokenizer_config.json`` naming its special tokens, which the
+checkpoint's config and generation config use too), ``loss.png``. Resume by passing
+``output_dir/checkpoint`` as the model (the run's other settings then come from its
+``train_config.json``), or by running the same command again: the weights, Adam moments and steps,
+RNG states, the step number and the data position come back, so the resumed run takes the same
+batches at the same learning rates as an uninterrupted one.
+
+Re-running a failed run. Whatever stopped a run (a kill before the first checkpoint, ``nonfinite:
+stop``, a second SIGINT, a crash, a full disk), the same command runs again: an ``output_dir``
+holding this run (:data:`~megatrain.train.rundir.RUN_IDENTITY`) resumes from its checkpoint, or starts over when it has none
+(:func:`~megatrain.train.rundir.check_output_dir`). A partial last line of ``metrics.jsonl`` is dropped.
+
+Model checks, before anything is built: a causal decoder-only model, and ``seq_len`` within its
+``max_position_embeddings`` (``megatrain.models``); ``output_dir`` writable.
+
+MFU (model FLOPs utilisation) is ``megatrain.planner.cost.model_flops_per_token(graph)`` x tokens/s
+over a peak matmul rate. On the CPU backend there is no GPU peak to divide by: the peak is this
+CPU's FP32 matmul rate, measured once at start-up by timing ``torch.mm`` of two 1024 x 1024 FP32
+matrices for about 0.3 s with the training's thread count (:func:`~megatrain.train.machine.measure_matmul_flops`); a
+hardware spec's GPU peak would not describe the processor doing the work. With ``device="cuda"``
+the peak is the ``hardware`` spec's rate for the plan's compute dtype, or measured on the GPU the
+same way when no spec is given. Tokens count padding, as model-FLOPs accounting usually does.
+
+Predicted step time: the planned model's ``timeline`` (``megatrain.plan_model``), the simulated
+steady-state train schedule (with clipping, the one that also runs the previous step's deferred
+optimizer steps) on the ``hardware`` spec, when one with non-zero GPU rates is given (a preset
+such as ``H100_SXM``, or a spec file); otherwise ``predicted_step_s`` is null. It is simulated once,
+when the model is planned (on ``device="cuda"`` it is the solver's own simulation of the plan it
+chose for that spec). On the CPU backend it is the step the spec's GPU is predicted to take, next
+to the step this machine measured.
+
+Non-finite steps: ``Trainer.step`` does not apply a step whose loss or gradient is NaN or infinite
+(``StepResult.applied``); ``nonfinite: skip`` logs it and goes on, ``nonfinite: stop`` raises
+without saving. SIGINT and SIGTERM finish the current step, save a checkpoint and return.
+
+Errors are megatrain.errors types; the CLI prints ``error: <message>`` and exits 2.
+"""
+
+from megatrain.train.config import TrainConfig, load_train_config
+from megatrain.train.loop import TrainResult, train
+from megatrain.train.lr import lr_at
+from megatrain.train.machine import available_host_memory, load_hardware_spec, measure_matmul_flops
+from megatrain.train.metrics import METRIC_FIELDS, save_loss_plot
+from megatrain.train.model import ModelSource, resolve_model
+from megatrain.train.preflight import DATA_BYTES_PER_TEXT_BYTE, preflight_host_memory
+from megatrain.train.rundir import RUN_FILES, RUN_IDENTITY, STATE_KEY
+
+__all__ = [
+    "DATA_BYTES_PER_TEXT_BYTE",
+    "METRIC_FIELDS",
+    "ModelSource",
+    "TrainConfig",
+    "TrainResult",
+    "available_host_memory",
+    "load_hardware_spec",
+    "load_train_config",
+    "lr_at",
+    "measure_matmul_flops",
+    "preflight_host_memory",
+    "resolve_model",
+    "save_loss_plot",
+    "train",
+]

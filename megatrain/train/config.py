@@ -1,0 +1,181 @@
+"""``megatrain train``'s settings: :class:`TrainConfig` (every field is also a flag) and
+:func:`load_train_config` (a YAML or JSON file, the saved run's settings under it, flags on top)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field
+
+from megatrain.config import describe_validation
+from megatrain.errors import ConfigError
+from megatrain.train.rundir import CONFIG_FILE
+
+
+class TrainConfig(pydantic.BaseModel):
+    """Everything ``megatrain train`` needs; each field is also a flag (``seq_len`` -> ``--seq-len``).
+
+    Paths in a config file are relative to the file's directory, paths in flags to the working
+    directory. Optional fields take ``null`` in a file and ``none`` on the command line.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str = Field(description="a Hugging Face config.json (or a directory holding only one) to train "
+                                   "from scratch; a directory of safetensors weights with its config.json to "
+                                   "start from them; or a megatrain checkpoint directory (with "
+                                   "megatrain_state/) to resume exactly")
+    output_dir: str = Field(description="where metrics.jsonl, checkpoint/, tokenizer.json and loss.png go; "
+                                        "empty, or holding this run (same model, data, seq_len, global_batch "
+                                        "and seed), which then resumes from its checkpoint or starts over")
+    data: str | None = Field(None, description="a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
+                                               "or one such file (default: this Python's standard library)")
+    text_field: str = Field("text", description="the text field of .jsonl records and text column of "
+                                                ".parquet files")
+    max_bytes: int | None = Field(3_000_000, gt=0, description="UTF-8 bytes of text to read (null: all)")
+    tokenizer: str | None = Field(None, description="a tokenizers JSON file (default: the model directory's "
+                                                    "tokenizer.json, else a byte-level BPE trained on the "
+                                                    "data with the model's vocab_size)")
+    eot_token: str | None = Field(None, description="the tokenizer's end-of-text token (default: the first of "
+                                                    "<|endoftext|>, <|end_of_text|>, </s>, <eos> it has)")
+    seq_len: int = Field(1024, ge=2, description="tokens per packed row")
+    global_batch: int = Field(8, gt=0, description="rows per optimizer step")
+    micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch; global_batch must be a "
+                                                       "multiple of it")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    warmup_steps: int = Field(100, ge=0, description="steps of linear warm-up to lr")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decays to lr x this at the last step")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient L2 norm to this "
+                                                               "(null: no clipping)")
+    max_steps: int = Field(1000, gt=0, description="optimizer steps of the whole run (a resumed run counts "
+                                                   "the steps before it)")
+    eval_interval: int = Field(100, ge=0, description="evaluate every this many steps and at the end "
+                                                      "(0: only at the end)")
+    eval_batches: int = Field(8, gt=0, description="validation micro-batches per evaluation")
+    checkpoint_interval: int = Field(500, ge=0, description="save output_dir/checkpoint every this many steps "
+                                                            "and at the end (0: only at the end)")
+    nonfinite: Literal["skip", "stop"] = Field("stop", description="a step whose loss or gradient is NaN or "
+                                                                   "infinite is never applied; then skip it "
+                                                                   "and go on, or stop (exit 2, nothing saved)")
+    hardware: str | None = Field(None, description="a hardware preset (H100_SXM, H200, GH200, A100_80GB, "
+                                                   "RTX_4090) or HardwareSpec JSON file: the simulator's "
+                                                   "predicted step, the MFU peak on a GPU, and with "
+                                                   "device cuda the spec the plan is solved for (default: "
+                                                   "the measured GPU)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
+    val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of packed rows held out for validation")
+    seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
+    threads: int | None = Field(None, gt=0, description="torch CPU threads (null: torch's default)")
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> "TrainConfig":
+        if self.global_batch % self.micro_batch_size:
+            raise ValueError(f"global_batch={self.global_batch} is not a multiple of micro_batch_size="
+                             f"{self.micro_batch_size}; change one of them")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}; lower "
+                             "warmup_steps")
+        return self
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch // self.micro_batch_size
+
+
+def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None, *,
+                      saved_run: bool = False) -> TrainConfig:
+    """The config from a YAML (``.yaml``/``.yml``) or JSON (``.json``) file with ``overrides`` on top.
+
+    Args:
+        path: the config file, a mapping of TrainConfig fields; None for flags only. Relative
+            paths in it (``model``, ``data``, ``tokenizer``, ``hardware``, ``output_dir``) are relative
+            to the file's directory; a ``model`` or ``hardware`` naming no file there stays as it is
+            (a preset name).
+        overrides: field values that replace the file's (the CLI's flags); the string ``"none"`` or
+            ``"null"`` sets an optional field to None.
+        saved_run: when ``output_dir`` holds a run's ``train_config.json``, its settings are the
+            defaults under the file and the flags (``megatrain train`` sets this, so a resume needs
+            only ``--model`` and ``--output-dir``).
+
+    Raises:
+        ConfigError: the file is missing, not YAML/JSON, not a mapping, or a field is unknown,
+            missing or out of range (the message names the field and the file).
+    """
+    values: dict[str, Any] = {}
+    where = "flags"
+    if path is not None:
+        p = Path(path)
+        where = f"{p} and flags"
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        text = p.read_text()
+        suffix = p.suffix.lower()
+        try:
+            if suffix in (".yaml", ".yml"):
+                import yaml
+
+                loaded = yaml.safe_load(text)
+            elif suffix == ".json":
+                loaded = json.loads(text)
+            else:
+                raise ConfigError(f"config file {p}: suffix {p.suffix!r} is neither .yaml, .yml nor .json")
+        except (ValueError, ImportError) as e:  # json.JSONDecodeError is a ValueError
+            raise ConfigError(f"config file {p} is not valid {suffix[1:].upper()}: {e}") from None
+        except Exception as e:  # yaml.YAMLError, imported lazily
+            if type(e).__module__.startswith("yaml"):
+                raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of fields, not a {type(loaded).__name__}")
+        values.update(_relative_to(p.parent, loaded))
+    optional = {name for name, f in TrainConfig.model_fields.items() if _allows_none(f.annotation)}
+    for k, v in (overrides or {}).items():
+        if k in optional and isinstance(v, str) and v.strip().lower() in ("none", "null"):
+            v = None
+        values[k] = v
+    if saved_run and isinstance(values.get("output_dir"), str):
+        saved = Path(values["output_dir"]) / CONFIG_FILE
+        if saved.is_file():  # the run in output_dir: its settings are the defaults
+            try:
+                run = json.loads(saved.read_bytes().decode("utf-8"))
+            except ValueError as e:
+                raise ConfigError(f"{saved} is not valid JSON ({e}); delete it or choose another output_dir") from None
+            if isinstance(run, dict):
+                values = {**{k: v for k, v in run.items() if k in TrainConfig.model_fields}, **values}
+                where += f" on top of {saved}"
+    try:
+        return TrainConfig.model_validate(values)
+    except pydantic.ValidationError as e:
+        raise ConfigError(f"invalid train config ({where}): {describe_validation(e, missing_hint=_flag_hint)}") from None
+
+
+_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir")
+
+
+def _relative_to(base: Path, loaded: dict) -> dict:
+    out = dict(loaded)
+    for k in _PATH_FIELDS:
+        v = out.get(k)
+        if isinstance(v, str) and v and not Path(v).is_absolute():
+            p = base / v
+            if k in ("data", "tokenizer", "output_dir") or p.exists():
+                out[k] = str(p)
+    return out
+
+
+def _flag_hint(field: str) -> str:
+    return f": give --{field.replace('_', '-')} or '{field}:' in the config file"
+
+
+def _allows_none(annotation) -> bool:
+    return type(None) in getattr(annotation, "__args__", ())

@@ -1,0 +1,291 @@
+"""The run: :func:`train` takes a :class:`~megatrain.train.config.TrainConfig` through the stages
+of the package docstring, then steps, evaluates, checkpoints and writes metrics until
+``max_steps``, a signal or a non-finite step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from megatrain.errors import CheckpointError, MegatrainError
+from megatrain.train.config import TrainConfig
+from megatrain.train.corpus import match_special_tokens, prepare_data
+from megatrain.train.lr import lr_at
+from megatrain.train.machine import _host_rss_bytes, available_host_memory, load_hardware_spec, measure_matmul_flops
+from megatrain.train.metrics import finite, fmt, nonfinite_message, read_metrics, run_rates, save_loss_plot
+from megatrain.train.model import ModelSource, load_weights, resolve_model
+from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
+                                       preflight_cpu_build, preflight_host_memory)
+from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY,
+                                    TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir, check_resume,
+                                    train_state)
+from megatrain.units import MiB
+
+if TYPE_CHECKING:
+    from megatrain.trainer import PlannedModel
+
+
+class _StopOnSignal:
+    """While active, SIGINT and SIGTERM only record a request to stop after the current step; a
+    second signal interrupts at once (KeyboardInterrupt). Only the main thread can install
+    handlers; elsewhere signals keep their handlers."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.name is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.name = signal.Signals(signum).name
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """How a run ended. ``step``: the last step taken (1-based; the resumed-from step if none was);
+    ``skipped_steps``: steps not applied (non-finite), over the whole run; ``stopped_by``: the
+    signal's name when SIGINT/SIGTERM ended it early, else None; ``loss`` / ``val_loss``: the last
+    ones (None when not finite or never evaluated); ``checkpoint``: the last checkpoint written."""
+
+    step: int
+    skipped_steps: int
+    stopped_by: str | None
+    loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+    output_dir: Path
+
+
+def _evaluate(trainer, dataset, cfg: TrainConfig) -> float:
+    losses = [trainer.evaluate(b) for b in dataset.eval_batches(cfg.micro_batch_size, cfg.eval_batches)]
+    return sum(losses) / len(losses)
+
+
+def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
+    """The model, traced and planned once (``megatrain.plan_model``), and the host-memory preflight
+    of that planned model: PlanError before anything large exists when the run cannot fit.
+
+    On ``device="cuda"`` the model stays on the meta device until ``materialize`` initialises it
+    in the host tiles, and the plan is the solver's for ``hw`` (or the measured GPU). On the CPU
+    backend the model is built on the CPU: models branch on the device type while they are traced
+    (Mixtral's expert histogram takes an int32 input except on the CPU, where histc has no
+    integer kernel), so a model on the meta device would be traced for a GPU. Building it takes 4
+    bytes a parameter, so a bound from the meta model's parameter count is checked first
+    (``preflight_cpu_build``); the plan is the default one, and ``hw`` gives the prediction.
+    """
+    import torch
+
+    import megatrain
+    from megatrain.planner.cost import human_bytes
+    from megatrain.planner.presets import build_meta_model
+
+    available = available_host_memory()  # before the build: what the run may use
+    data, shard = data_pipeline_bytes(cfg), largest_safetensors(source.directory)
+    clip = cfg.max_grad_norm is not None
+    torch.manual_seed(cfg.seed)
+    model = build_meta_model(source.config, dtype=torch.float32)
+    built = 0
+    if cfg.device == "cpu":
+        preflight_cpu_build(model, clip=clip, data_bytes=data, checkpoint_bytes=shard, available=available)
+        built = sum(p.numel() for p in model.parameters()) * BUILT_BYTES_PER_PARAMETER
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
+    planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                                   micro_batches=cfg.micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
+                                   plan="default" if cfg.device == "cpu" else None, hardware=hw)
+    needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
+                                   available=available)
+    graph = planned.graph
+    echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
+         f"layers; host memory needed about {human_bytes(needed)}")
+    return planned
+
+
+def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
+                          echo):
+    """Materialize the planned model (allocating and initialising the host tiles), then load
+    weights or resume. Returns ``(trainer, start step, skipped steps so far)``."""
+    import megatrain
+
+    optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                weight_decay=cfg.weight_decay)
+    trainer = megatrain.materialize(planned, optimizer)
+    if source.kind == "weights":
+        load_weights(trainer, source, echo)
+        echo(f"weights: loaded from {source.directory}")
+        return trainer, 0, 0
+    if source.kind == "config":
+        return trainer, 0, 0
+    state = trainer.load(source.directory).get(STATE_KEY)
+    if state is None:
+        raise CheckpointError(f"{source.directory}: a megatrain checkpoint without `megatrain train` state "
+                              "(no data position to resume from); copy its config.json and model*.safetensors "
+                              "into a new directory to start from its weights")
+    check_resume(state, cfg, source.directory, fingerprint)
+    now = {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "max_steps": cfg.max_steps,
+           "min_lr_ratio": cfg.min_lr_ratio}
+    changed = [f"{k}={now[k]} (was {v})" for k, v in state["lr_schedule"].items() if now.get(k) != v]
+    if changed:
+        echo(f"warning: resuming with {', '.join(changed)}: the learning-rate schedule differs from the run's "
+             f"from step {state['step'] + 1} on (a resume needs only --model and --output-dir; the run's other "
+             "settings come from its train_config.json)")
+    saved = trainer.optimizer.model_copy(update={"lr": optimizer.lr})
+    if saved != optimizer:
+        echo(f"note: the checkpoint's AdamW settings were {saved.model_dump()}; going on with this config's "
+             f"{optimizer.model_dump()}")
+    trainer.set_optimizer(optimizer)  # the schedule sets lr before every step
+    echo(f"resume: step {state['step']} of {source.directory}")
+    return trainer, int(state["step"]), int(state["skipped_steps"])
+
+
+def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResult:
+    """Run ``cfg`` to ``max_steps``, or until SIGINT/SIGTERM or a non-finite step with
+    ``nonfinite="stop"``.
+
+    ``echo`` prints one line (the progress bar goes to stderr). SIGINT and SIGTERM finish the
+    current step, save ``output_dir/checkpoint`` and return normally (``stopped_by`` says which);
+    a second signal interrupts at once (KeyboardInterrupt).
+
+    Raises:
+        ConfigError: a bad setting, model, data or tokenizer; an output_dir holding another run; a
+            checkpoint whose data or shapes differ from this run's.
+        PlanError: the run does not fit in the host memory available (before anything large is
+            allocated).
+        TraceError / UnsupportedModelError: the model cannot be traced, or uses what megatrain does
+            not support (named in the message).
+        CheckpointError: a corrupt, incomplete or mismatched checkpoint or weights (naming the file
+            and tensor).
+        MegatrainError: with ``nonfinite="stop"``, a step whose loss or gradient was not finite
+            (naming the step); nothing is saved.
+    """
+    import torch
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    hw = load_hardware_spec(cfg.hardware) if cfg.hardware else None
+    source = resolve_model(cfg.model)
+    from megatrain.models import check_positions
+
+    check_positions(source.config, cfg.seq_len, cfg.model)
+    resuming_here, source = check_output_dir(out, source, cfg, echo)
+    if source.tied and source.kind == "config":
+        echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")
+    planned = _plan(cfg, source, hw, echo)
+    tokenizer, dataset, eot = prepare_data(cfg, source, echo)
+    fingerprint = dataset.fingerprint()
+    cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
+    trainer, start, skipped = _materialize_and_load(cfg, planned, source, fingerprint, echo)
+    rates = run_rates(cfg, planned, hw, cpu_peak, echo)
+    tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(cfg.model_dump_json(indent=1) + "\n")
+    tokenizer_json = tokenizer.to_str()
+    (out / TOKENIZER_FILE).write_text(tokenizer_json)
+    metrics_path = out / METRICS_FILE
+    # Rows a crashed run wrote after its last checkpoint are run again: drop them.
+    kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if resuming_here else []
+    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    ckpt_path = out / CHECKPOINT_DIR
+    last_saved: int | None = start if resuming_here else None
+    tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        try:
+            trainer.save(ckpt_path, extra_state=train_state(cfg, step, skipped, fingerprint, tokenizer_sha))
+        except CheckpointError as e:
+            after = (f"the same command resumes from step {last_saved}" if last_saved is not None
+                     else "the same command starts the run again")
+            raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
+        # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
+        # BPE again (deterministic) and the data fingerprint check catches any difference.
+        (ckpt_path / TOKENIZER_FILE).write_text(tokenizer_json)
+        (ckpt_path / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1) + "\n")
+        last_saved = step
+
+    from tqdm import tqdm
+
+    step, loss, val_loss = start, None, None
+    batches = dataset.batches(cfg.global_batch, seed=cfg.seed, start=start)
+    n_layers = len(trainer.graph.layers)
+    with _StopOnSignal() as stop, open(metrics_path, "a", buffering=1) as metrics, \
+            tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", file=sys.stderr,
+                 dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
+        while step < cfg.max_steps and stop.name is None:
+            lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                       min_lr_ratio=cfg.min_lr_ratio)
+            trainer.set_lr(lr)
+            res = trainer.step(next(batches))
+            step += 1
+            loss = res.loss
+            mfu = rates.mfu(res.tokens_per_second)
+            row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
+                   "tokens_per_s": res.tokens_per_second, "mfu": mfu, "predicted_step_s": rates.predicted_step_s,
+                   "measured_step_s": res.seconds, "applied": bool(res.applied), "val_loss": None,
+                   "host_rss_mib": None}
+            if not res.applied:
+                skipped += 1
+                msg = nonfinite_message(step, res, n_layers)
+                if cfg.nonfinite == "stop":
+                    metrics.write(json.dumps(row) + "\n")
+                    raise MegatrainError(
+                        f"{msg}; stopping without saving (nonfinite: stop). "
+                        + (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: the same command "
+                           "resumes from it" if last_saved is not None
+                           else "No checkpoint was saved: the same command starts the run again")
+                        + "; add a lower --lr or --max-grad-norm, or --nonfinite skip")
+                bar.write(f"warning: {msg}; skipped (nonfinite: skip)")
+            if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                val_loss = _evaluate(trainer, dataset, cfg)
+                row["val_loss"] = finite(val_loss)
+                bar.write(f"step {step}: validation loss {val_loss:.4f}")
+            rss = _host_rss_bytes()
+            row["host_rss_mib"] = rss / MiB if rss is not None else None
+            metrics.write(json.dumps(row) + "\n")
+            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
+                save(step)
+                bar.write(f"step {step}: saved {ckpt_path}")
+            bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}",
+                                refresh=False)
+            bar.update(1)
+        if stop.name is not None:
+            if last_saved != step:
+                save(step)
+            bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
+                      "from it")
+
+    rows = read_metrics(metrics_path)
+    try:
+        save_loss_plot(rows, out / PLOT_FILE, title=f"{Path(cfg.model).name}: {step} steps, "
+                                                    f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}")
+    except ImportError as e:
+        echo(f"note: no {PLOT_FILE}: {e}")
+    echo(f"done: step {step}, train loss {fmt(loss)}, validation loss {fmt(val_loss)}, {skipped} skipped "
+         f"steps; {out}")
+    applied = [r for r in rows if r["applied"]]
+    return TrainResult(step=step, skipped_steps=skipped, stopped_by=stop.name,
+                       loss=applied[-1]["loss"] if applied else None, val_loss=finite(val_loss),
+                       checkpoint=ckpt_path if last_saved is not None else None, output_dir=out)

@@ -1,0 +1,141 @@
+"""A run's metrics: the rows of ``metrics.jsonl``, the MFU and predicted-step rates, the
+non-finite step message and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatrain.errors import ConfigError
+from megatrain.train.machine import measure_matmul_flops
+
+if TYPE_CHECKING:
+    from megatrain.train.config import TrainConfig
+    from megatrain.trainer import PlannedModel
+
+METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "predicted_step_s",
+                 "measured_step_s", "applied", "val_loss", "host_rss_mib")
+"""Keys of every ``metrics.jsonl`` row. ``step`` is 1-based; ``loss`` the mean micro-batch loss;
+``lr`` the learning rate the step used; ``grad_norm`` the global L2 norm of the gradients before
+clipping; ``tokens_per_s`` tokens of the step (padding included) over ``measured_step_s``, the
+step's wall time in seconds; ``mfu`` model FLOPs utilisation (module docstring); ``predicted_step_s``
+the simulator's step time on the ``hardware`` spec, seconds, or null; ``applied`` false when the
+update was not applied (non-finite loss or gradient); ``val_loss`` the validation loss when this
+step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB. Non-finite
+floats are written as null (JSON has no NaN)."""
+
+
+def finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl``. A run killed while writing leaves a partial last line: it is
+    dropped (its step runs again on resume). A bad line elsewhere is a ConfigError."""
+    if not path.is_file():
+        return []
+    lines = [line for line in path.read_bytes().decode("utf-8", errors="replace").splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break  # the partial last line of a killed run
+            raise ConfigError(f"{path}: line {i + 1} is not JSON ({line[:60]!r}); the file was changed after "
+                              "the run wrote it: fix or delete that line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ConfigError(f"{path}: line {i + 1} is not a metrics row with a 'step'; fix or delete it")
+        rows.append(row)
+    return rows
+
+
+def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> None:
+    """Draw training loss (applied steps) and validation loss against the step as a PNG.
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``plot`` extra).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("the loss plot needs matplotlib: pip install 'megatrain[plot]'") from e
+    # Figure + FigureCanvasAgg, not pyplot: no global backend switch, no GUI.
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    train = [(r["step"], r["loss"]) for r in rows if r.get("applied") and r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    skipped = [r["step"] for r in rows if not r.get("applied")]
+    for s in skipped:
+        ax.axvline(s, color="tab:red", alpha=0.3, linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title + (f" ({len(skipped)} skipped steps in red)" if skipped else ""), fontsize="medium")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=100)
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """What turns a step's measured time into MFU, and the simulator's prediction (seconds or None)."""
+
+    flops_per_token: float
+    peak_flops: float
+    predicted_step_s: float | None
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return self.flops_per_token * tokens_per_s / self.peak_flops
+
+
+def run_rates(cfg: TrainConfig, planned: PlannedModel, hw, cpu_peak: float | None, echo) -> Rates:
+    """MFU's FLOPs per token and peak, and the predicted step on ``hw`` (the config's
+    ``hardware`` spec, or None): ``planned.timeline``, the prediction made when the model was
+    planned on that spec (nothing is simulated here)."""
+    import torch
+
+    from megatrain.planner import cost
+
+    dtype = planned.plan.compute_dtype
+    if cpu_peak is not None:
+        peak, what = cpu_peak, f"this CPU's measured FP32 matmul rate, {cpu_peak / 1e9:,.1f} GFLOP/s"
+    elif hw is not None and hw.peak_flops(dtype) > 0:
+        peak, what = hw.peak_flops(dtype), f"{hw.name}'s {dtype} peak"
+    else:
+        peak = measure_matmul_flops(cfg.device, getattr(torch, dtype))
+        what = f"this GPU's measured {dtype} matmul rate, {peak / 1e12:,.1f} TFLOP/s"
+    predicted = None
+    if hw is not None and planned.timeline is not None:
+        # The steady-state step: with clipping it also runs the previous step's deferred updates.
+        predicted = planned.timeline.step_time_s
+        echo(f"predicted step on {hw.name}: {predicted:.4g} s (simulated)")
+    elif hw is not None:
+        echo(f"note: {hw.name} has no GPU rates; predicted_step_s is null")
+    rates = Rates(cost.model_flops_per_token(planned.graph), peak, predicted)
+    echo(f"MFU peak: {what}; {rates.flops_per_token / 1e6:,.2f} MFLOPs per token")
+    return rates
+
+
+def nonfinite_message(step: int, res, n_layers: int) -> str:
+    bad_loss = not math.isfinite(res.loss)
+    if bad_loss or len(res.skipped_layers) >= n_layers:
+        effect = "the update was not applied"
+    else:  # optimizer steps during backward: the layers whose gradients came first were updated
+        effect = (f"the update was not applied to {len(res.skipped_layers)} of {n_layers} layers (without "
+                  "max_grad_norm each layer is updated as its gradient arrives)")
+    return (f"step {step}: the {'loss' if bad_loss else 'gradient'} is not finite (loss {res.loss}, gradient "
+            f"norm {res.grad_norm}); {effect}")
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"

@@ -1,0 +1,100 @@
+"""What ``TrainConfig.model`` names (a config, a weights directory or a checkpoint), and loading
+a weights directory into a trainer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megatrain.errors import CheckpointError, ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What ``TrainConfig.model`` names.
+
+    ``kind``: ``"config"`` (train from scratch), ``"weights"`` (a Hugging Face safetensors
+    directory) or ``"checkpoint"`` (a megatrain checkpoint to resume). ``directory``: the model
+    directory, None for a bare config file or preset. ``config``: the transformers config, with
+    ``tie_word_embeddings=False`` (megatrain trains tied embeddings as two matrices); ``tied``:
+    whether the original config tied them.
+    """
+
+    kind: Literal["config", "weights", "checkpoint"]
+    directory: Path | None
+    config: Any
+    tied: bool
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Classify and load ``TrainConfig.model``.
+
+    Raises:
+        ConfigError: no such file, directory or preset; a directory without config.json; a
+            config.json transformers cannot read (not UTF-8, not JSON, an unknown model_type).
+        UnsupportedModelError: not a causal decoder (``megatrain.models.check_causal_decoder``).
+    """
+    from megatrain.checkpoint import INDEX_FILE, STATE_DIR
+    from megatrain.planner.presets import MODEL_PRESETS, load_model_config
+
+    p = Path(spec)
+    directory = None
+    if p.is_dir():
+        directory = p
+        config_file = p / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model directory {p} has no config.json; point model at a Hugging Face "
+                              "config.json, a weights directory or a megatrain checkpoint")
+        if (p / STATE_DIR).is_dir():
+            kind = "checkpoint"
+        elif (p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")):
+            kind = "weights"
+        else:
+            kind = "config"
+    elif p.is_file():
+        config_file, kind = p, "config"
+    elif spec in MODEL_PRESETS:
+        config_file, kind = None, "config"
+    else:
+        raise ConfigError(f"model {spec!r} is neither a file, a directory nor a preset "
+                          f"({sorted(MODEL_PRESETS)}); give a Hugging Face config.json, a weights directory "
+                          "or a megatrain checkpoint")
+    config = load_model_config(spec if config_file is None else config_file)
+    from megatrain.models import check_causal_decoder
+
+    check_causal_decoder(config, str(config_file or spec))
+    tied = False
+    if config_file is not None:
+        raw = json.loads(config_file.read_bytes().decode("utf-8"))  # load_model_config parsed it already
+        if "tie_word_embeddings" in raw:
+            tied = bool(raw["tie_word_embeddings"])
+        else:
+            from transformers import AutoConfig
+
+            tied = bool(AutoConfig.for_model(raw["model_type"]).tie_word_embeddings)
+    return ModelSource(kind=kind, directory=directory, config=config, tied=tied)
+
+
+def load_weights(trainer, source: ModelSource, echo) -> None:
+    """Copy the weights of a ``"weights"`` source into the trainer; tied embeddings are copied into
+    the (untied) output embedding."""
+    if not source.tied:
+        trainer.load_hf_weights(source.directory)
+        return
+    loaded = trainer.load_hf_weights(source.directory, strict=False)
+    model = trainer.model
+    out_w = model.get_output_embeddings().weight
+    out_name = next(n for n, p in model.named_parameters() if p is out_w)
+    if set(loaded.missing) - {out_name} or loaded.unexpected:
+        raise CheckpointError(f"{source.directory}: cannot load weights: missing {list(loaded.missing)}, "
+                              f"unexpected {list(loaded.unexpected)}; names must be the model's own "
+                              "state_dict names")
+    if out_name in loaded.missing:
+        import torch
+
+        with torch.no_grad():
+            out_w.copy_(model.get_input_embeddings().weight)
+    echo(f"note: {source.directory} ties its input and output embeddings; megatrain trains them as two "
+         f"matrices, both starting from the input embedding")

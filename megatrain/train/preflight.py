@@ -1,0 +1,125 @@
+"""The host-memory preflight: the planned model's host bytes plus the data pipeline's and a
+checkpoint shard's, against what the machine has, before anything large is allocated."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatrain.errors import ConfigError, PlanError
+from megatrain.units import GiB, gib
+
+if TYPE_CHECKING:
+    from megatrain.train.config import TrainConfig
+    from megatrain.trainer import PlannedModel
+
+DATA_BYTES_PER_TEXT_BYTE = 40
+"""Host bytes the data pipeline may hold per byte of text read (estimate, for the preflight): the
+documents as ``str``, BPE training, per-document token arrays and the packed rows with labels.
+megatrain.data measured about 1.3 GB of RAM for the 32 MB standard-library corpus, i.e. ~40x."""
+
+
+def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_bytes: int = 0,
+                          built_bytes: int = 0, available: tuple[int, str] | None) -> int:
+    """Check that the planned run fits in host memory before anything large is allocated; return
+    its bytes.
+
+    Needed: ``planned.memory.host_total`` (FP32 master weights, two Adam moments, gradient and
+    staging rings, pinned activations: the breakdown of the very plan that will run), plus
+    ``data_bytes`` (text, tokenizer, token ids and packed rows: see
+    :data:`DATA_BYTES_PER_TEXT_BYTE`), plus ``checkpoint_bytes`` (the largest safetensors file
+    loaded, whose pages are mapped while it is read), plus ``built_bytes`` (a model built on the
+    CPU, held until ``materialize`` moves it into the host tiles).
+
+    Args:
+        available: ``(bytes, source)`` from :func:`available_host_memory`, read before the model
+            was built; None skips the check.
+
+    Raises:
+        PlanError: the run needs more than is available; the message gives both in GiB, what the
+            bytes are for, and what to change.
+    """
+    mem = planned.memory
+    needed = mem.host_total + data_bytes + checkpoint_bytes + built_bytes
+    if available is None or needed <= available[0]:
+        return needed
+    parts = [f"FP32 master weights {gib(mem.master_weights)}", f"Adam moments {gib(mem.adam_moments)}",
+             f"gradient ring {gib(mem.gradient_ring)}"]
+    if mem.staging_ring:
+        parts.append(f"staging ring {gib(mem.staging_ring)}")
+    if mem.pinned_activations:
+        parts.append(f"pinned activations {gib(mem.pinned_activations)}")
+    _refuse(needed, parts, data_bytes, checkpoint_bytes, built_bytes, available, planned.graph.param_count,
+            clip_hint=mem.gradient_ring > 0.1 * needed)
+
+
+def preflight_cpu_build(meta_model, *, clip: bool, data_bytes: int, checkpoint_bytes: int = 0,
+                        available: tuple[int, str] | None) -> int:
+    """The bound checked before a model is built on the CPU (to be traced and planned there):
+    building it is itself an allocation of 4 bytes per parameter, too large to attempt when the
+    run cannot fit. Returns the bytes counted.
+
+    Counts, from ``meta_model``'s parameters (a model on the ``meta`` device: nothing traced, no
+    memory), what :func:`preflight_host_memory` will count at least: FP32 master weights and two
+    Adam moments (``cost.MASTER_BYTES_PER_ELEMENT + cost.MOMENT_BYTES_PER_ELEMENT`` per
+    parameter), with ``clip`` a gradient tile per layer (``cost.GRAD_ITEMSIZE`` per parameter),
+    the built FP32 model, ``data_bytes`` and ``checkpoint_bytes``. The exact check of the planned
+    model follows the build.
+
+    Raises:
+        PlanError: as :func:`preflight_host_memory`.
+    """
+    from megatrain.planner import cost
+
+    n = sum(p.numel() for p in meta_model.parameters())
+    master, moments = n * cost.MASTER_BYTES_PER_ELEMENT, n * cost.MOMENT_BYTES_PER_ELEMENT
+    grads = n * cost.GRAD_ITEMSIZE if clip else 0
+    built = n * BUILT_BYTES_PER_PARAMETER
+    needed = master + moments + grads + built + data_bytes + checkpoint_bytes
+    if available is None or needed <= available[0]:
+        return needed
+    parts = [f"FP32 master weights {gib(master)}", f"Adam moments {gib(moments)}"]
+    if grads:
+        parts.append(f"gradient tiles {gib(grads)}")
+    _refuse(needed, parts, data_bytes, checkpoint_bytes, built, available, n, clip_hint=grads > 0.1 * needed)
+
+
+BUILT_BYTES_PER_PARAMETER = 4
+"""A model built on the CPU in FP32 (the CPU backend traces the model it runs), until ``materialize``
+moves its parameters into the host tiles."""
+
+
+def _refuse(needed: int, parts: list[str], data_bytes: int, checkpoint_bytes: int, built_bytes: int,
+            available: tuple[int, str], params: int, *, clip_hint: bool):
+    have, where = available
+    parts = parts + [f"data and tokenizer about {gib(data_bytes)}"]
+    if checkpoint_bytes:
+        parts.append(f"largest checkpoint shard {gib(checkpoint_bytes)}")
+    if built_bytes:
+        parts.append(f"the model built on the CPU {gib(built_bytes)}")
+    clip = (" or max_grad_norm: null (clipping keeps every gradient, 4 more bytes per parameter),"
+            if clip_hint else "")
+    raise PlanError(
+        f"not enough host memory: this run needs about {gib(needed)} ({', '.join(parts)}) but "
+        f"{gib(have)} is available ({where}). Each parameter takes 12 bytes of host state "
+        f"({params / 1e9:,.2f}B parameters here): train a smaller model, lower max_bytes,{clip} "
+        f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available")
+
+
+def data_pipeline_bytes(cfg: TrainConfig) -> int:
+    from megatrain.data import corpus_bytes
+
+    try:
+        text = corpus_bytes(cfg.data)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data: {e}") from None
+    if cfg.max_bytes is not None:
+        text = min(text, cfg.max_bytes)
+    return text * DATA_BYTES_PER_TEXT_BYTE
+
+
+def largest_safetensors(directory: Path | None) -> int:
+    if directory is None:
+        return 0
+    return max((f.stat().st_size for f in directory.glob("*.safetensors")), default=0)

@@ -1,0 +1,133 @@
+"""A run's directory: the files ``megatrain train`` writes in ``output_dir``, which run an
+``output_dir`` holds (continue it, start it over, or refuse another), and the resumable state
+saved in each checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatrain.train.config import TrainConfig
+    from megatrain.train.model import ModelSource
+
+CHECKPOINT_DIR = "checkpoint"
+METRICS_FILE = "metrics.jsonl"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CONFIG_FILE = "train_config.json"
+PLOT_FILE = "loss.png"
+STATE_KEY = "megatrain_train"
+STATE_VERSION = 1
+
+RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR)
+"""What ``megatrain train`` writes in ``output_dir`` (besides the hidden directories of a save)."""
+
+RUN_IDENTITY = ("model", "data", "seq_len", "global_batch", "seed")
+"""Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
+
+
+def _is_save_leftover(name: str) -> bool:
+    from megatrain.checkpoint import _OLD_TAG, _TMP_TAG
+
+    return name.startswith(f".{CHECKPOINT_DIR}.") and (_TMP_TAG in name or _OLD_TAG in name)
+
+
+def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> tuple[bool, ModelSource]:
+    """Refuse to mix two runs in one directory, and let a run be re-run with the same command.
+
+    Returns ``(resuming, source)``: resuming the run that lives in ``out`` (from its
+    ``checkpoint/``), with the source to load. ``out`` holding a run with the same
+    :data:`RUN_IDENTITY` settings (its ``train_config.json``) is that run again: with a complete
+    checkpoint it resumes from it; without one (killed before the first save, ``nonfinite: stop``,
+    a crash) its files are removed and it starts over. Then ``out`` must be writable.
+    """
+    from megatrain.checkpoint import _is_complete, _recover
+    from megatrain.train.model import resolve_model
+
+    ckpt = out / CHECKPOINT_DIR
+    here = source.kind == "checkpoint" and source.directory.resolve() == ckpt.resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file; set output_dir (--output-dir) to a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not here:
+        saved = _saved_settings(out)
+        foreign = [n for n in held if n not in RUN_FILES and not _is_save_leftover(n)]
+        if saved is None or foreign:
+            _recover(ckpt)
+            hint = (f", or resume the run in it with --model {ckpt}" if _is_complete(ckpt) else "")
+            raise ConfigError(f"output_dir {out} is not empty and holds no megatrain run of its own (it holds "
+                              f"{', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); choose another "
+                              f"output_dir{hint}")
+        differ = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in RUN_IDENTITY
+                  if saved.get(k) != getattr(cfg, k)]
+        if differ:
+            raise ConfigError(f"output_dir {out} holds another run ({'; '.join(differ)}); choose another "
+                              f"output_dir, or continue that run with its settings (see {out / CONFIG_FILE})")
+        _recover(ckpt)
+        if _is_complete(ckpt):
+            echo(f"resume: {out} holds this run with a checkpoint; continuing from {ckpt}")
+            source, here = resolve_model(str(ckpt)), True
+        else:
+            import shutil
+
+            echo(f"note: {out} holds this run, stopped before its first complete checkpoint; starting it again")
+            for name in held:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    _check_writable(out)
+    return here, source
+
+
+def _saved_settings(out: Path) -> dict | None:
+    try:
+        saved = json.loads((out / CONFIG_FILE).read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def _check_writable(out: Path) -> None:
+    """Create ``out`` and a file in it (then remove what was made): before data and compile."""
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    probe = out / f".megatrain-write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir {out} is not writable ({e.strerror or e}): set output_dir "
+                          "(--output-dir) to a directory you can write") from None
+    finally:
+        for p in made:  # deepest first; left as it was
+            if p.is_dir():
+                p.rmdir()
+
+
+def train_state(cfg: TrainConfig, step: int, skipped: int, fingerprint: str, tokenizer_sha: str) -> dict:
+    return {STATE_KEY: {
+        "version": STATE_VERSION, "step": step, "batches_consumed": step, "skipped_steps": skipped,
+        "data_fingerprint": fingerprint, "tokenizer_sha256": tokenizer_sha, "seq_len": cfg.seq_len,
+        "global_batch": cfg.global_batch, "seed": cfg.seed,
+        "lr_schedule": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "max_steps": cfg.max_steps,
+                        "min_lr_ratio": cfg.min_lr_ratio},
+    }}
+
+
+def check_resume(state: dict, cfg: TrainConfig, where: Path, fingerprint: str) -> None:
+    for key in ("seq_len", "global_batch", "seed"):
+        if state[key] != getattr(cfg, key):
+            raise ConfigError(f"{where} was trained with {key}={state[key]} but this run has {key}="
+                              f"{getattr(cfg, key)}; resuming needs the same {key} (the data position counts "
+                              "batches of that shape and order)")
+    if state["data_fingerprint"] != fingerprint:
+        raise ConfigError(f"{where}: the packed data differ from the checkpoint's (sha256 "
+                          f"{state['data_fingerprint'][:12]} there, {fingerprint[:12]} now); resume with the same "
+                          "data, max_bytes, text_field, tokenizer, val_fraction and seed")
+    if state["step"] >= cfg.max_steps:
+        raise ConfigError(f"{where} is at step {state['step']}, and max_steps is {cfg.max_steps}: nothing to do; "
+                          "raise max_steps to train on")

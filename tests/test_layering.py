@@ -1,0 +1,44 @@
+"""Layering, read from the sources: the planner imports no runtime (measuring the machine is
+``megatrain.runtime.measure``'s), the runtime imports the IR and the cost model but no pass that
+makes a schedule (trace, solve, lower, verify), and kernels import neither."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import megatrain
+
+ROOT = Path(megatrain.__file__).parent
+
+
+def imports(package: str) -> set[tuple[str, str]]:
+    """``(file, imported module or name)`` for every import under ``megatrain/<package>``, lazy
+    imports inside functions included."""
+    found = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found |= {(str(path.relative_to(ROOT)), n) for n in names}
+    return found
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("planner", ("megatrain.runtime", "megatrain.trainer", "megatrain.train", "megatrain.testing")),
+    ("runtime", ("megatrain.planner.trace", "megatrain.planner.solve", "megatrain.planner.lower",
+                 "megatrain.planner.verify", "megatrain.trainer", "megatrain.train", "megatrain.testing")),
+    ("kernels", ("megatrain.planner", "megatrain.runtime")),
+])
+def test_a_layer_imports_nothing_above_it(package, forbidden):
+    bad = sorted((f, n) for f, n in imports(package) if n.startswith(forbidden))
+    assert not bad, f"megatrain/{package} imports {bad}"
+
+
+def test_the_check_sees_imports():
+    # The checker itself: the runtime does import the IR, lazily or not.
+    assert any(n.startswith("megatrain.planner.schedule") for _, n in imports("runtime"))
