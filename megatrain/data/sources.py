@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
@@ -18,7 +19,9 @@ __all__ = [
     "RECORD_SUFFIXES",
     "TEXT_SUFFIXES",
     "corpus_bytes",
+    "corpus_files",
     "default_corpus_dir",
+    "iter_file_documents",
     "load_documents",
 ]
 
@@ -175,12 +178,43 @@ def load_documents(
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive number of bytes or None, got {max_bytes}")
     path = default_corpus_dir() if source is None else Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected {_ACCEPTED}")
-
+    files = corpus_files(path)
+    in_directory = path.is_dir()
     budget = _Budget(max_bytes)
     docs: list[str] = []
+    for f in files:
+        # Stopping as soon as the budget is spent (not before the next document) means records
+        # past it are never parsed, so a malformed line beyond max_bytes is no error.
+        for text in iter_file_documents(
+            f, text_field=text_field, skip_undecodable=in_directory, skipped=skipped
+        ):
+            taken = budget.take(text.encode("utf-8"))
+            if taken:
+                docs.append(taken)
+            if budget.exhausted:
+                break
+        if budget.exhausted:
+            break
+    if not docs:
+        raise ValueError(f"no non-empty UTF-8 documents found in {str(path)!r}")
+    return docs
 
+
+def corpus_files(source: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The files :func:`load_documents` reads from ``source``, in reading order.
+
+    ``None`` is :func:`default_corpus_dir`; a directory gives its accepted files in sorted
+    relative-path order (skipping ``site-packages``, ``dist-packages``, ``__pycache__`` and hidden
+    directories); a single file gives itself.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist, or a directory holds no file with an
+            accepted suffix.
+        ValueError: a single file whose suffix is not accepted.
+    """
+    path = default_corpus_dir() if source is None else Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected {_ACCEPTED}")
     if path.is_dir():
         files = _iter_corpus_files(path)
         if not files:
@@ -189,57 +223,67 @@ def load_documents(
                 f"*.jsonl or *.parquet files (site-packages, __pycache__ and hidden "
                 f"directories are skipped); expected {_ACCEPTED}"
             )
-        for f in files:
-            if budget.exhausted:
-                break
-            if f.suffix.lower() in RECORD_SUFFIXES:
-                docs.extend(_load_records(f, budget, text_field))
-                continue
-            data = f.read_bytes()
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError:
-                # Legacy-encoded or deliberately broken files (the stdlib
-                # test suite has some) are not usable text for byte-level BPE.
-                if skipped is not None:
-                    skipped.append(f)
-                continue
-            if not data.strip():
-                continue  # empty __init__.py files would add only an EOT token
-            text = budget.take(data)
-            if text:
-                docs.append(text)
+        return files
+    if not path.name.lower().endswith(TEXT_SUFFIXES + RECORD_SUFFIXES):
+        raise ValueError(
+            f"unsupported corpus file {str(path)!r} (suffix {path.suffix!r}); "
+            f"expected {_ACCEPTED}"
+        )
+    return [path]
+
+
+def iter_file_documents(
+    path: Path,
+    *,
+    text_field: str = "text",
+    skip_undecodable: bool = False,
+    skipped: list[Path] | None = None,
+) -> Iterator[str]:
+    """Yield the non-empty documents of one corpus file, lazily, in file order.
+
+    A ``.py``/``.txt``/``.md``/``.rst`` file is one document (nothing if it is only whitespace);
+    a ``.jsonl`` file gives one per non-blank line (the string ``text_field``); a ``.parquet``
+    file one per non-empty value of its string column ``text_field``, read one record batch at
+    a time so memory is bounded by a batch, not the file.
+
+    Args:
+        path: the file.
+        text_field: the ``.jsonl`` key / ``.parquet`` column holding the text.
+        skip_undecodable: a text file that is not UTF-8 yields nothing (and is appended to
+            ``skipped`` when given) instead of raising: how a directory is read.
+        skipped: see ``skip_undecodable``.
+
+    Raises:
+        ValueError: a text file that is not UTF-8 (unless skipped); a ``.jsonl`` line that is not
+            UTF-8 or not a JSON object with a string ``text_field`` (the message names the file,
+            the 1-based line and the field); a ``.parquet`` file that cannot be read or has no
+            string column ``text_field``.
+        ImportError: a ``.parquet`` file without ``pyarrow``.
+    """
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from _iter_parquet(path, text_field)
+    elif suffix == ".jsonl":
+        yield from _iter_jsonl(path, text_field)
     else:
-        suffix = path.suffix.lower()
-        if suffix in RECORD_SUFFIXES:
-            docs = _load_records(path, budget, text_field)
-        elif suffix in TEXT_SUFFIXES:
-            data = path.read_bytes()
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError as e:
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if not skip_undecodable:
                 raise ValueError(f"{str(path)!r} is not valid UTF-8 text: {e}") from e
-            text = budget.take(data) if data.strip() else None
-            if text:
-                docs.append(text)
-        else:
-            raise ValueError(
-                f"unsupported corpus file {str(path)!r} (suffix {path.suffix!r}); "
-                f"expected {_ACCEPTED}"
-            )
-
-    if not docs:
-        raise ValueError(f"no non-empty UTF-8 documents found in {str(path)!r}")
-    return docs
+            # Legacy-encoded or deliberately broken files (the stdlib test suite has some) are
+            # not usable text for byte-level BPE.
+            if skipped is not None:
+                skipped.append(path)
+            return
+        # bytes.strip (ASCII whitespace), as before the split: empty __init__.py files would
+        # add only an end-of-text token.
+        if data.strip():
+            yield text
 
 
-def _load_records(path: Path, budget: _Budget, text_field: str) -> list[str]:
-    if path.suffix.lower() == ".parquet":
-        return _load_parquet(path, budget, text_field)
-    return _load_jsonl(path, budget, text_field)
-
-
-def _load_parquet(path: Path, budget: _Budget, text_field: str) -> list[str]:
+def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -264,27 +308,17 @@ def _load_parquet(path: Path, budget: _Budget, text_field: str) -> list[str]:
             f"{str(path)!r}: column {text_field!r} has type {kind}, not string; name a "
             f"string column with text_field"
         )
-    docs: list[str] = []
-    # Record batches of the one column bound memory to a batch, not the file.
     for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
         for text in batch.column(0).to_pylist():
-            if budget.exhausted:
-                return docs
             if text:
-                taken = budget.take(text.encode("utf-8"))
-                if taken:
-                    docs.append(taken)
-    return docs
+                yield text
 
 
-def _load_jsonl(path: Path, budget: _Budget, text_field: str) -> list[str]:
-    docs: list[str] = []
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
     lineno = 0
     try:
         with path.open("r", encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, start=1):
-                if budget.exhausted:
-                    break
                 if not line.strip():
                     continue  # tolerate blank lines, e.g. a trailing newline
                 where = f"{str(path)!r}, line {lineno}"
@@ -304,10 +338,6 @@ def _load_jsonl(path: Path, budget: _Budget, text_field: str) -> list[str]:
                         f"got {type(text).__name__}"
                     )
                 if text:
-                    taken = budget.take(text.encode("utf-8"))
-                    if taken:
-                        docs.append(taken)
+                    yield text
     except UnicodeDecodeError as e:
         raise ValueError(f"{str(path)!r}, line {lineno + 1}: not valid UTF-8 ({e})") from e
-    return docs
-
