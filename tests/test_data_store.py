@@ -388,3 +388,21 @@ def test_reading_an_epoch_leaves_no_store_pages_resident(tmp_path, tokenizer, mo
     for _, _batch in zip(range(data.batches_per_epoch(8)), data.batches(8)):
         pass
     assert _mapping_rss_kib(tokens_file) > size_kib // 2
+
+
+def test_the_rss_bench_runs_on_a_tiny_corpus(tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "data_rss.py"
+    spec = importlib.util.spec_from_file_location("data_rss", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    rc = bench.main(["--gb", "0.002", "--workers", "1", "--vocab", "300", "--seq-len", "64", "--train-steps", "4",
+                     "--warmup", "2", "--sample-every", "2", "--scan", "20", "--dir", str(tmp_path / "w"),
+                     "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["ok"]
+    assert r["build"]["origin"] == "built" and r["reuse"]["origin"] == "reused"
+    assert r["corpus"]["bytes"] >= 2_000_000 and r["scan"]["batches"] == 20
+    assert r["rss_growth_bytes"] < 200 * 10**6
