@@ -558,8 +558,10 @@ def build_token_store(
         eot_token: the token appended after each document; ``None`` takes the first of
             :data:`~megatrain.data.tokenizer.EOT_CANDIDATES` the tokenizer has.
         text_field: the ``.jsonl`` key / ``.parquet`` column holding the text.
-        workers: tokenising processes; ``None`` is ``os.cpu_count()``, at most one per shard;
-            ``1`` tokenises in this process (with the tokenizer's own threads).
+        workers: tokenising processes; ``None`` is the number of cores this process may run on,
+            at most one per shard; ``1`` tokenises in this process (with the tokenizer's own
+            threads). One build per store directory at a time: a build removes the temporary
+            directories it finds beside ``path`` (left by crashed builds).
         progress: show a tqdm bar of source bytes tokenised (on stderr).
 
     Returns:
@@ -572,9 +574,11 @@ def build_token_store(
         StoreError: the tokenizer lacks ``eot_token`` (or every candidate end-of-text token), or
             the source holds no non-empty document.
     """
-    t0 = time.perf_counter()
-    path = Path(path).absolute()
-    src = _Source.resolve(source)
+    return _build(_Source.resolve(source), tokenizer, Path(path).absolute(), eot_token=eot_token,
+                  text_field=text_field, workers=workers, progress=progress)
+
+
+def _resolve_eot(tokenizer: Tokenizer, eot_token: str | None) -> tuple[str, int]:
     if eot_token is None:
         try:
             eot_token = find_eot_token(tokenizer)
@@ -584,10 +588,24 @@ def build_token_store(
     if eot_id is None:
         raise StoreError(f"the tokenizer has no token {eot_token!r} to end documents with; pass its "
                          f"end-of-sequence token as eot_token")
+    return eot_token, eot_id
+
+
+def _default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use, not the machine's
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _build(src: _Source, tokenizer: Tokenizer, path: Path, *, eot_token: str | None, text_field: str,
+           workers: int | None, progress: bool) -> TokenStore:
+    t0 = time.perf_counter()
+    eot_token, eot_id = _resolve_eot(tokenizer, eot_token)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = _dtype_for(vocab)
     tok_sha = _sha256(tokenizer.to_str())
-    n_workers = (os.cpu_count() or 1) if workers is None else workers
+    n_workers = _default_workers() if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers must be >= 1 or None, got {workers}")
 
@@ -652,11 +670,7 @@ def cached_token_store(
     """
     path = Path(path).absolute()
     src = _Source.resolve(source)
-    if eot_token is None:
-        try:
-            eot_token = find_eot_token(tokenizer)
-        except ValueError as e:
-            raise StoreError(str(e)) from None
+    eot_token, _ = _resolve_eot(tokenizer, eot_token)
     tok_sha = _sha256(tokenizer.to_str())
     key = store_key(src.sha256, tok_sha, eot_token, text_field)
     reason = None
@@ -682,8 +696,8 @@ def cached_token_store(
                 reason = "options changed"
         if reason.startswith("corrupt"):
             logger.warning("token store %s is not usable, rebuilding it: %s", path, reason)
-    store = build_token_store(source, tokenizer, path, eot_token=eot_token, text_field=text_field,
-                              workers=workers, progress=progress)
+    store = _build(src, tokenizer, path, eot_token=eot_token, text_field=text_field, workers=workers,
+                   progress=progress)
     store.origin = "built" if reason is None else f"rebuilt ({reason})"
     return store
 
