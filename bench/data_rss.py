@@ -8,10 +8,10 @@ grow with the corpus. This script measures it, end to end, on files of this mach
    of a temporary directory until ``--gb`` GB (10^9 bytes) are on disk.
 2. **Tokenizer**: a byte-level BPE of ``--vocab`` tokens trained on the first 3 MB (as
    ``megatrain train`` does when the model brings none).
-3. **Build**: :func:`megatrain.data.store.cached_token_store` with ``--workers`` processes; then a
+3. **Build**: :func:`megatrain.data.cached_token_store` with ``--workers`` processes; then a
    second call that must reuse the store (its time is the full sha256 verification).
 4. **Train**: ``--train-steps`` AdamW steps of a tiny model (embedding -> linear head, ``--dim``)
-   on :class:`~megatrain.data.store.StoreWindows` batches, then **scan**: the rest of one epoch
+   on :class:`~megatrain.data.StoreWindows` batches, then **scan**: the rest of one epoch
    read without a model, so that every window of the corpus has been read once.
 
 RSS is this process's ``VmRSS`` from ``/proc/self/status`` (its ``RssAnon`` and ``RssFile`` parts
@@ -46,8 +46,8 @@ if __package__ in (None, ""):  # run as a script from the checkout
 import numpy as np
 import torch
 
-from megatrain.data import TEXT_SUFFIXES, corpus_files, default_corpus_dir, load_documents, train_bpe_tokenizer
-from megatrain.data.store import StoreWindows, cached_token_store
+from megatrain.data import (TEXT_SUFFIXES, StoreWindows, cached_token_store, corpus_files, default_corpus_dir,
+                            load_documents, train_bpe_tokenizer)
 
 MB = 10**6
 

@@ -1,4 +1,4 @@
-"""Tests for megatrain.data.store: the memory-mapped token store and its window reader.
+"""Tests for megatrain.data.store and .windows: the memory-mapped token store and its window reader.
 
 Corpora are copies of standard-library sources in tmp dirs (the real stdlib is never touched);
 the oracle for the store's contents is the in-memory pipeline (load_documents + encode_documents).
@@ -28,15 +28,16 @@ from megatrain.data import (
     train_bpe_tokenizer,
 )
 from megatrain.data import store as S
+from megatrain.data import windows as W
 from megatrain.data.store import (
     CorruptStoreError,
     StoreError,
     StoreManifest,
-    StoreWindows,
     build_token_store,
     cached_token_store,
     open_token_store,
 )
+from megatrain.data.windows import StoreWindows
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -255,7 +256,7 @@ def test_size_verification_misses_a_flipped_byte_full_verification_does_not(buil
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 5000), a=st.integers(0, 2**32), b=st.integers(0, 100))
 def test_feistel_permutation_is_a_bijection_with_its_inverse(n, a, b):
-    p = S._Permutation(n, (a, b))
+    p = W._Permutation(n, (a, b))
     image = p(np.arange(n))
     assert np.array_equal(np.sort(image), np.arange(n))
     assert np.array_equal(p.inverse(image), np.arange(n))
@@ -263,14 +264,14 @@ def test_feistel_permutation_is_a_bijection_with_its_inverse(n, a, b):
 
 def test_feistel_permutation_shuffles_and_depends_on_its_key():
     n = 10_000
-    a = S._Permutation(n, (0, 1))(np.arange(n))
-    b = S._Permutation(n, (0, 2))(np.arange(n))
+    a = W._Permutation(n, (0, 1))(np.arange(n))
+    b = W._Permutation(n, (0, 2))(np.arange(n))
     assert (a == np.arange(n)).mean() < 0.01  # about 1/n fixed points for a random permutation
     assert (a == b).mean() < 0.01
     # Positions spread over the whole range: first 100 outputs are not clustered.
     assert np.ptp(a[:100]) > n // 2
     with pytest.raises(IndexError):
-        S._Permutation(5, (0,))(np.array([5]))
+        W._Permutation(5, (0,))(np.array([5]))
 
 
 # ---------------------------------------------------------------- windows

@@ -22,6 +22,17 @@ Two ways to cut token streams into rows:
       docs = tokenize_documents(tokenizer, load_documents(path))
       data = PackedDataset(pack_documents(docs, 256, eot_id=eot), seed=0)
 
+- :func:`cached_token_store` + :class:`StoreWindows` tokenise the corpus once
+  into a memory-mapped file on disk (in parallel processes, reused while the
+  source and tokenizer are unchanged) and read windows from it, so corpora
+  larger than RAM train with flat host memory::
+
+      store = cached_token_store(path, tokenizer, "runs/tokens")
+      data = StoreWindows(store, 256, seed=0)   # same batches/eval_batches API
+
+Modules: ``sources`` (readers), ``tokenizer``, ``packing``, ``datasets``
+(in-memory rows), ``store`` (the on-disk token store), ``windows`` (reading it).
+
 Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
 """
@@ -42,7 +53,6 @@ from megatrain.data.store import (
     CorruptStoreError,
     StoreError,
     StoreManifest,
-    StoreWindows,
     TokenStore,
     build_token_store,
     cached_token_store,
@@ -57,6 +67,7 @@ from megatrain.data.tokenizer import (
     tokenize_documents,
     train_bpe_tokenizer,
 )
+from megatrain.data.windows import StoreWindows
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
