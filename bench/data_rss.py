@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         result["build"] = {
             "origin": store.origin, "seconds": round(build_s, 1), "documents": m.num_documents,
             "tokens": m.num_tokens, "tokens_file_bytes": (store.path / "tokens.bin").stat().st_size,
-            "skipped_files": len(m.skipped_files), "workers": args.workers or os.cpu_count(),
+            "skipped_files": m.skipped_files, "workers": args.workers or os.cpu_count(),
             "parent_rss_before": before["VmRSS"], "parent_rss_after": rss()["VmRSS"],
             "largest_worker_max_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
         }

@@ -91,6 +91,7 @@ _MIN_SHARD_BYTES = MiB
 _ENCODE_DOCS = 512
 _ENCODE_CHARS = MiB
 _HASH_CHUNK = 8 * MiB
+_SKIPPED_EXAMPLES = 10
 
 
 class StoreError(MegatrainError, ValueError):
@@ -130,8 +131,10 @@ class StoreManifest(BaseModel):
     dtype: Literal["uint16", "uint32"]
     num_documents: int
     num_tokens: int
-    skipped_files: list[str]
+    skipped_files: int
     """Text files of a directory skipped because they are not UTF-8."""
+    skipped_examples: list[str]
+    """The first (at most 10) of them, so the manifest stays small on any corpus."""
     tokens_sha256: str
     offsets_sha256: str
     build_seconds: float
@@ -627,7 +630,8 @@ def _build(src: _Source, tokenizer: Tokenizer, path: Path, *, eot_token: str | N
             source_sha256=src.sha256, tokenizer_sha256=tok_sha, vocab_size=vocab,
             eot_token=eot_token, eot_id=eot_id, text_field=text_field, dtype=dtype.name,
             num_documents=num_docs, num_tokens=sum(s.num_tokens for s in shards),
-            skipped_files=[p for s in shards for p in s.skipped],
+            skipped_files=sum(len(s.skipped) for s in shards),
+            skipped_examples=[p for s in shards for p in s.skipped][:_SKIPPED_EXAMPLES],
             tokens_sha256=tokens_sha, offsets_sha256=offsets_sha,
             build_seconds=round(time.perf_counter() - t0, 3),
         )
