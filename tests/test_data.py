@@ -547,3 +547,18 @@ def test_batches_start_resumes_the_same_sequence_across_epochs(make):
         assert all(torch.equal(a, b) for a, b in zip(tail, whole[start:]))
     with pytest.raises(ValueError, match="start"):
         ds.batches(3, start=-1)
+
+
+def test_public_surface_of_megatrain_data_is_pinned():
+    import megatrain.data
+
+    assert sorted(megatrain.data.__all__) == sorted([
+        "DEFAULT_MAX_BYTES", "DEFAULT_SEQ_LEN", "EOT_CANDIDATES", "EOT_TOKEN", "IGNORE_INDEX",
+        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "CorruptStoreError", "PackedDataset", "PackedRows",
+        "StoreError", "StoreManifest", "StoreWindows", "TokenDataset", "TokenStore",
+        "build_token_store", "cached_token_store", "corpus_bytes", "corpus_files",
+        "default_corpus_dir", "encode_documents", "find_eot_token", "iter_file_documents",
+        "load_documents", "load_tokenizer", "open_token_store", "pack_documents", "prepare_lm_data",
+        "tokenize_documents", "train_bpe_tokenizer",
+    ])
+    assert all(hasattr(megatrain.data, name) for name in megatrain.data.__all__)

@@ -1,0 +1,704 @@
+"""Out-of-core token store: a corpus tokenised once into a memory-mapped file, reused across runs.
+
+A store is a directory of three files (format version 1):
+
+``tokens.bin``
+    Every document's token ids followed by the end-of-text id, documents in corpus order
+    (:func:`~megatrain.data.sources.corpus_files`, then file order), as little-endian
+    ``uint16`` when the vocabulary has at most 65,536 tokens, else ``uint32``: one flat array of
+    ``num_tokens`` ids that ``mmap`` reads without loading it.
+``offsets.npy``
+    ``int64[num_documents + 1]``: document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``, its
+    end-of-text token included; ``offsets[0] == 0`` and ``offsets[-1] == num_tokens``.
+``manifest.json``
+    A :class:`StoreManifest`: what was tokenised (a fingerprint of the source files: relative
+    paths, sizes, modification times), with what (the sha256 of the tokenizer's JSON, the
+    end-of-text id), the dtype, the counts and the sha256 of both files.
+
+The layout is the one large training frameworks use: Megatron-LM's indexed dataset
+(``megatron/core/datasets/indexed_dataset.py``: a ``.bin`` of token ids and an ``.idx`` of
+document pointers) and nanoGPT's ``data/openwebtext/prepare.py`` (one ``uint16`` memmap).
+
+Building (:func:`build_token_store`): the source's files are cut into contiguous runs of about
+equal size; spawned worker processes tokenise runs into shard files, and the parent concatenates
+the shards in corpus order while hashing them, so the store's bytes do not depend on the number
+of workers. Everything is written into a temporary directory beside the target and renamed into
+place, so a store is either complete or absent; a crash leaves only the temporary directory,
+which the next build of that directory removes.
+
+Reuse (:func:`cached_token_store`): the store directory is reused when its manifest's key (source
+fingerprint, tokenizer sha256, end-of-text token, text field, format version) matches and the
+store verifies (sizes, and by default the sha256 of both files); a store that fails to verify is
+rebuilt, never used.
+
+Reading: :class:`~megatrain.data.windows.StoreWindows`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+from tokenizers import Tokenizer
+
+from megatrain.data.sources import corpus_files, default_corpus_dir, iter_file_documents
+from megatrain.data.tokenizer import find_eot_token
+from megatrain.errors import MegatrainError
+from megatrain.units import MiB
+
+__all__ = [
+    "CorruptStoreError",
+    "StoreError",
+    "StoreManifest",
+    "TokenStore",
+    "build_token_store",
+    "cached_token_store",
+    "open_token_store",
+    "store_key",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "megatrain-token-store"
+VERSION = 1
+TOKENS_FILE = "tokens.bin"
+OFFSETS_FILE = "offsets.npy"
+MANIFEST_FILE = "manifest.json"
+
+# Shards are contiguous runs of files of about this many source bytes (at most; at least 1 MiB):
+# 16 per worker balance the load, and at 16 MiB or less the progress bar moves every 10 s or so
+# per worker (tokenising runs at 1-2 MB/s per core here); per-shard costs (a task, two files)
+# stay negligible.
+_MAX_SHARD_BYTES = 16 * MiB
+_SHARDS_PER_WORKER = 16
+_MIN_SHARD_BYTES = MiB
+# Documents per encode_batch call and the text they may hold: bounds a worker's memory to a
+# batch, not its shard. An Encoding keeps each token's string, ids and masks: measured here, a
+# batch of 1 MiB of stdlib text (~0.3 M tokens) peaks at +47 MB, one of 8 MiB at +377 MB.
+_ENCODE_DOCS = 512
+_ENCODE_CHARS = MiB
+_HASH_CHUNK = 8 * MiB
+_SKIPPED_EXAMPLES = 10
+
+
+class StoreError(MegatrainError, ValueError):
+    """A token store cannot be built from its source (empty corpus, no end-of-text token)."""
+
+
+class CorruptStoreError(StoreError):
+    """A token store on disk is incomplete, altered or of another format; it must be rebuilt."""
+
+
+class StoreManifest(BaseModel):
+    """``manifest.json`` of a token store: the JSON boundary, validated on read.
+
+    Hashes are lowercase hex sha256. Sizes in bytes; counts in tokens or documents.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["megatrain-token-store"]
+    version: Literal[1]
+    key: str
+    """:func:`store_key` of the source, tokenizer and options the store was built from."""
+    source: str
+    """Absolute path of the corpus (a directory or one file)."""
+    source_files: int
+    source_bytes: int
+    """Size on disk of the source files read."""
+    source_sha256: str
+    """sha256 of the listing of the source files: relative path, size and mtime (ns) of each."""
+    tokenizer_sha256: str
+    """sha256 of ``Tokenizer.to_str()``."""
+    vocab_size: int
+    """``Tokenizer.get_vocab_size()`` (added tokens included): every id is below it."""
+    eot_token: str
+    eot_id: int
+    text_field: str
+    dtype: Literal["uint16", "uint32"]
+    num_documents: int
+    num_tokens: int
+    skipped_files: int
+    """Text files of a directory skipped because they are not UTF-8."""
+    skipped_examples: list[str]
+    """The first (at most 10) of them, so the manifest stays small on any corpus."""
+    tokens_sha256: str
+    offsets_sha256: str
+    build_seconds: float
+
+
+# --------------------------------------------------------------------------
+# Keys and fingerprints
+# --------------------------------------------------------------------------
+
+
+def _sha256(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    # Plain reads into one reused buffer, not the memory map: the page cache holds the file, and
+    # the process's resident set does not grow by its size.
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """The resolved corpus: its root, its files in reading order and their fingerprint."""
+
+    root: Path
+    files: tuple[Path, ...]
+    in_directory: bool
+    sizes: tuple[int, ...]
+    sha256: str
+
+    @classmethod
+    def resolve(cls, source: str | os.PathLike[str] | None) -> _Source:
+        root = (default_corpus_dir() if source is None else Path(source)).absolute()
+        files = tuple(corpus_files(root))
+        stats = [f.stat() for f in files]
+        base = root if root.is_dir() else root.parent
+        listing = [[f.relative_to(base).as_posix(), s.st_size, s.st_mtime_ns] for f, s in zip(files, stats)]
+        return cls(
+            root=root,
+            files=files,
+            in_directory=root.is_dir(),
+            sizes=tuple(s.st_size for s in stats),
+            sha256=_sha256(json.dumps(listing, separators=(",", ":"))),
+        )
+
+
+def store_key(source_sha256: str, tokenizer_sha256: str, eot_token: str, text_field: str) -> str:
+    """sha256 naming what a store holds: equal keys mean equal ``tokens.bin``.
+
+    Args:
+        source_sha256: :attr:`StoreManifest.source_sha256` (the file listing's hash).
+        tokenizer_sha256: sha256 of the tokenizer's JSON.
+        eot_token: the end-of-text token appended after each document.
+        text_field: the ``.jsonl`` key / ``.parquet`` column read.
+    """
+    return _sha256(json.dumps([FORMAT, VERSION, source_sha256, tokenizer_sha256, eot_token, text_field]))
+
+
+def _le(dtype: str | np.dtype) -> np.dtype:
+    """``dtype`` little-endian: the file's byte order on every machine."""
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def _dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+# --------------------------------------------------------------------------
+# Opening a store
+# --------------------------------------------------------------------------
+
+
+class TokenStore:
+    """An open token store: its manifest and a read-only memory map of its tokens.
+
+    Nothing is read at construction beyond the manifest and the ``.npy`` header of the offsets;
+    pages of ``tokens`` are read on access. Use as a context manager or call :meth:`close`.
+
+    Attributes:
+        path: the store directory.
+        manifest: its :class:`StoreManifest`.
+        tokens: ``np.ndarray`` of the manifest's dtype, shape ``[num_tokens]``, read-only, backed
+            by the map.
+        origin: how it came to be open: ``"opened"``, ``"reused"``, ``"built"`` or
+            ``"rebuilt (<reason>)"``, for a caller to report.
+    """
+
+    def __init__(self, path: Path, manifest: StoreManifest, *, origin: str = "opened") -> None:
+        self.path = path
+        self.manifest = manifest
+        self.origin = origin
+        self._fh = open(path / TOKENS_FILE, "rb")
+        # A shared read-only map of a file we never write: the kernel reads pages on demand and
+        # can drop them at any time, and madvise(DONTNEED) only unmaps them from this process.
+        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):
+            # Windows are read at random: no read-ahead and no mapping of neighbouring pages.
+            self._mm.madvise(mmap.MADV_RANDOM)
+        self.tokens = np.frombuffer(self._mm, dtype=_le(manifest.dtype))
+        self._offsets: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    @property
+    def num_documents(self) -> int:
+        return self.manifest.num_documents
+
+    @property
+    def eot_id(self) -> int:
+        return self.manifest.eot_id
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``int64[num_documents + 1]`` document starts, memory-mapped (see the module docstring)."""
+        if self._offsets is None:
+            self._offsets = np.load(self.path / OFFSETS_FILE, mmap_mode="r")
+        return self._offsets
+
+    def document(self, i: int) -> np.ndarray:
+        """Token ids of document ``i`` (its end-of-text token last), as ``int64[n]`` (a copy).
+
+        Raises:
+            IndexError: ``i`` is not in ``[0, num_documents)``.
+        """
+        if not 0 <= i < self.num_documents:
+            raise IndexError(f"document {i} out of range: the store holds {self.num_documents}")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b].astype(np.int64)
+
+    def release(self) -> None:
+        """Unmap every page of the token map from this process (the page cache keeps the data).
+
+        This keeps pages a reader has finished with out of the process's resident set, so that
+        reading the whole corpus does not grow it; a later read maps them again. The whole map,
+        not the ranges read: a fault may map more than the page it needs (the page-cache folio
+        around it, up to megabytes on recent kernels), and ``MADV_DONTNEED`` on an empty range
+        costs only the page-table walk of what is mapped. A no-op where ``madvise`` is missing.
+        """
+        if hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._mm.madvise(mmap.MADV_DONTNEED)
+        # else (e.g. Windows): pages stay resident until the OS trims the working set
+
+    def close(self) -> None:
+        """Close the map and the file. ``tokens`` must not be used afterwards."""
+        self.tokens = np.empty(0, dtype=self.manifest.dtype)
+        self._offsets = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a view of the map; it is closed when that view dies
+        self._fh.close()
+
+    def __enter__(self) -> TokenStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (f"TokenStore({str(self.path)!r}, {m.num_documents:,} documents, {m.num_tokens:,} "
+                f"{m.dtype} tokens, vocab {m.vocab_size:,})")
+
+
+def _read_manifest(path: Path) -> StoreManifest:
+    f = path / MANIFEST_FILE
+    if not f.is_file():
+        raise CorruptStoreError(f"token store {str(path)!r} has no {MANIFEST_FILE} (an interrupted "
+                                f"build, or not a store); rebuild it")
+    try:
+        return StoreManifest.model_validate_json(f.read_bytes())
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise CorruptStoreError(f"token store {str(path)!r}: {MANIFEST_FILE} is not a version-{VERSION} "
+                                f"manifest ({where}: {first['msg']}); rebuild it") from None
+
+
+def open_token_store(
+    path: str | os.PathLike[str], *, verify: Literal["full", "size"] = "full"
+) -> TokenStore:
+    """Open the store in ``path`` after checking it is the store its manifest describes.
+
+    Args:
+        path: the store directory.
+        verify: ``"full"`` checks file sizes, the offsets' shape and ends, and the sha256 of
+            ``tokens.bin`` and ``offsets.npy`` (a read of both files, about 1 s per GB here);
+            ``"size"`` checks all but the hashes (instant, but a flipped byte goes unseen).
+
+    Returns:
+        The open :class:`TokenStore`.
+
+    Raises:
+        CorruptStoreError: a file is missing, the manifest is malformed or of another version,
+            a size or a hash does not match; the message names the file and says to rebuild.
+        ValueError: ``verify`` is neither ``"full"`` nor ``"size"``.
+    """
+    if verify not in ("full", "size"):
+        raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
+    path = Path(path)
+    m = _read_manifest(path)
+    tokens, offsets = path / TOKENS_FILE, path / OFFSETS_FILE
+
+    def corrupt(what: str) -> CorruptStoreError:
+        return CorruptStoreError(f"token store {str(path)!r}: {what}; it must be rebuilt "
+                                 f"(delete the directory or build it again)")
+
+    for f in (tokens, offsets):
+        if not f.is_file():
+            raise corrupt(f"{f.name} is missing")
+    want = m.num_tokens * np.dtype(m.dtype).itemsize
+    if tokens.stat().st_size != want:
+        raise corrupt(f"{TOKENS_FILE} holds {tokens.stat().st_size:,} bytes, the manifest's "
+                      f"{m.num_tokens:,} {m.dtype} tokens need {want:,}")
+    try:
+        off = np.load(offsets, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        raise corrupt(f"{OFFSETS_FILE} is not a readable .npy file ({e})") from None
+    if off.dtype != np.int64 or off.shape != (m.num_documents + 1,):
+        raise corrupt(f"{OFFSETS_FILE} is {off.dtype}{list(off.shape)}, the manifest needs "
+                      f"int64[{m.num_documents + 1}]")
+    if int(off[0]) != 0 or int(off[-1]) != m.num_tokens:
+        raise corrupt(f"{OFFSETS_FILE} runs from {int(off[0])} to {int(off[-1])}, not 0 to {m.num_tokens}")
+    del off
+    if verify == "full":
+        for f, expected in ((tokens, m.tokens_sha256), (offsets, m.offsets_sha256)):
+            if _file_sha256(f) != expected:
+                raise corrupt(f"{f.name} does not match the sha256 in {MANIFEST_FILE}")
+    return TokenStore(path, m)
+
+
+# --------------------------------------------------------------------------
+# Building a store
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    """One shard: a contiguous run of source files, tokenised into ``out``."""
+
+    index: int
+    files: tuple[str, ...]
+    nbytes: int
+    out: str
+    text_field: str
+    in_directory: bool
+    eot_id: int
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Shard:
+    index: int
+    num_documents: int
+    num_tokens: int
+    skipped: tuple[str, ...]
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _WORKER_TOKENIZER
+    # Each worker is one of N processes: its encode_batch must not start N threads of its own.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
+
+
+def _run_task(task: _Task, tokenizer: Tokenizer | None = None) -> _Shard:
+    """Tokenise one shard: ``<out>.bin`` (ids, end-of-text after each document) and ``<out>.len``."""
+    tok = tokenizer if tokenizer is not None else _WORKER_TOKENIZER
+    assert tok is not None, "_init_worker sets the worker's tokenizer"
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # same ids, no offsets
+    skipped: list[Path] = []
+    lengths: list[int] = []
+    num_tokens = 0
+    with open(task.out + ".bin", "wb") as out:
+        batch: list[str] = []
+        chars = 0
+
+        def flush() -> None:
+            nonlocal num_tokens, chars
+            flat: list[int] = []
+            for enc in encode(batch, add_special_tokens=False):
+                flat.extend(enc.ids)
+                flat.append(task.eot_id)
+                lengths.append(len(enc.ids) + 1)
+            np.asarray(flat, dtype=_le(task.dtype)).tofile(out)
+            num_tokens += len(flat)
+            batch.clear()
+            chars = 0
+
+        for name in task.files:
+            for text in iter_file_documents(Path(name), text_field=task.text_field,
+                                            skip_undecodable=task.in_directory, skipped=skipped):
+                batch.append(text)
+                chars += len(text)
+                if len(batch) >= _ENCODE_DOCS or chars >= _ENCODE_CHARS:
+                    flush()
+        if batch:
+            flush()
+    np.asarray(lengths, dtype=np.int64).tofile(task.out + ".len")
+    return _Shard(task.index, len(lengths), num_tokens, tuple(str(p) for p in skipped))
+
+
+def _plan_tasks(src: _Source, workers: int, tmp: Path, **common) -> list[_Task]:
+    total = sum(src.sizes)
+    target = int(min(_MAX_SHARD_BYTES, max(_MIN_SHARD_BYTES, total // max(1, workers * _SHARDS_PER_WORKER))))
+    tasks: list[_Task] = []
+    run: list[str] = []
+    run_bytes = 0
+    for f, size in zip(src.files, src.sizes):
+        run.append(str(f))
+        run_bytes += size
+        if run_bytes >= target:
+            tasks.append(_Task(len(tasks), tuple(run), run_bytes, str(tmp / f"shard{len(tasks):06d}"), **common))
+            run, run_bytes = [], 0
+    if run:
+        tasks.append(_Task(len(tasks), tuple(run), run_bytes, str(tmp / f"shard{len(tasks):06d}"), **common))
+    return tasks
+
+
+def _tokenise(tasks: list[_Task], tokenizer: Tokenizer, workers: int, progress: bool) -> list[_Shard]:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(t.nbytes for t in tasks), unit="B", unit_scale=True, unit_divisor=1024,
+               desc="tokenising", disable=not progress)
+    shards: list[_Shard | None] = [None] * len(tasks)
+    try:
+        if workers <= 1:
+            for t in tasks:
+                shards[t.index] = _run_task(t, tokenizer)
+                bar.update(t.nbytes)
+        else:
+            # spawn, not fork: the parent has torch's and tokenizers' thread pools running, and a
+            # forked child of a threaded process may deadlock (tokenizers warns and disables its
+            # parallelism after fork for that reason).
+            with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
+                                     initializer=_init_worker, initargs=(tokenizer.to_str(),)) as pool:
+                futures = {pool.submit(_run_task, t): t for t in tasks}
+                try:
+                    for fut in as_completed(futures):
+                        shard = fut.result()
+                        shards[shard.index] = shard
+                        bar.update(futures[fut].nbytes)
+                except BaseException:
+                    for fut in futures:
+                        fut.cancel()
+                    raise
+    finally:
+        bar.close()
+    return [s for s in shards if s is not None]
+
+
+def _merge(tasks: list[_Task], shards: list[_Shard], tmp: Path, dtype: np.dtype) -> tuple[str, str]:
+    """Concatenate the shards into ``tokens.bin`` and ``offsets.npy``; return their sha256."""
+    num_docs = sum(s.num_documents for s in shards)
+    h = hashlib.sha256()
+    with open(tmp / TOKENS_FILE, "wb") as out:
+        for t in tasks:
+            with open(t.out + ".bin", "rb") as fh:
+                while chunk := fh.read(_HASH_CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
+            os.unlink(t.out + ".bin")
+        out.flush()
+        os.fsync(out.fileno())
+    offsets = np.lib.format.open_memmap(tmp / OFFSETS_FILE, mode="w+", dtype=np.int64, shape=(num_docs + 1,))
+    offsets[0] = 0
+    pos, base = 1, 0
+    for t in tasks:
+        lengths = np.fromfile(t.out + ".len", dtype=np.int64)
+        ends = base + np.cumsum(lengths)
+        offsets[pos : pos + len(lengths)] = ends
+        if len(lengths):
+            base = int(ends[-1])
+        pos += len(lengths)
+        os.unlink(t.out + ".len")
+    offsets.flush()
+    del offsets
+    if base != sum(s.num_tokens for s in shards) or base * dtype.itemsize != (tmp / TOKENS_FILE).stat().st_size:
+        raise RuntimeError("token store build: shard lengths and shard files disagree (a bug)")
+    return h.hexdigest(), _file_sha256(tmp / OFFSETS_FILE)
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` directory to ``path``, replacing what is there."""
+    trash = None
+    if path.exists():
+        trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(path, trash)
+    os.rename(tmp, path)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def build_token_store(
+    source: str | os.PathLike[str] | None,
+    tokenizer: Tokenizer,
+    path: str | os.PathLike[str],
+    *,
+    eot_token: str | None = None,
+    text_field: str = "text",
+    workers: int | None = None,
+    progress: bool = True,
+) -> TokenStore:
+    """Tokenise ``source`` into a new store at ``path`` (replacing any store there).
+
+    Args:
+        source: the corpus, as for :func:`~megatrain.data.sources.load_documents` (``None``:
+            the interpreter's standard library); read whole (there is no ``max_bytes``).
+        tokenizer: any ``tokenizers.Tokenizer``; documents are encoded without special tokens.
+        path: the store directory; its parent is created if missing.
+        eot_token: the token appended after each document; ``None`` takes the first of
+            :data:`~megatrain.data.tokenizer.EOT_CANDIDATES` the tokenizer has.
+        text_field: the ``.jsonl`` key / ``.parquet`` column holding the text.
+        workers: tokenising processes; ``None`` is the number of cores this process may run on,
+            at most one per shard; ``1`` tokenises in this process (with the tokenizer's own
+            threads). One build per store directory at a time: a build removes the temporary
+            directories it finds beside ``path`` (left by crashed builds).
+        progress: show a tqdm bar of source bytes tokenised (on stderr).
+
+    Returns:
+        The open :class:`TokenStore` (``origin == "built"``).
+
+    Raises:
+        FileNotFoundError, ValueError, ImportError: as
+            :func:`~megatrain.data.sources.load_documents` for the source (a malformed record
+            names its file and line).
+        StoreError: the tokenizer lacks ``eot_token`` (or every candidate end-of-text token), or
+            the source holds no non-empty document.
+    """
+    return _build(_Source.resolve(source), tokenizer, Path(path).absolute(), eot_token=eot_token,
+                  text_field=text_field, workers=workers, progress=progress)
+
+
+def _resolve_eot(tokenizer: Tokenizer, eot_token: str | None) -> tuple[str, int]:
+    if eot_token is None:
+        try:
+            eot_token = find_eot_token(tokenizer)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+    eot_id = tokenizer.token_to_id(eot_token)
+    if eot_id is None:
+        raise StoreError(f"the tokenizer has no token {eot_token!r} to end documents with; pass its "
+                         f"end-of-sequence token as eot_token")
+    return eot_token, eot_id
+
+
+def _default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use, not the machine's
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _build(src: _Source, tokenizer: Tokenizer, path: Path, *, eot_token: str | None, text_field: str,
+           workers: int | None, progress: bool) -> TokenStore:
+    t0 = time.perf_counter()
+    eot_token, eot_id = _resolve_eot(tokenizer, eot_token)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = _dtype_for(vocab)
+    tok_sha = _sha256(tokenizer.to_str())
+    n_workers = _default_workers() if workers is None else workers
+    if n_workers < 1:
+        raise ValueError(f"workers must be >= 1 or None, got {workers}")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a build that crashed
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        tasks = _plan_tasks(src, n_workers, tmp, text_field=text_field, in_directory=src.in_directory,
+                            eot_id=eot_id, dtype=dtype.name)
+        shards = _tokenise(tasks, tokenizer, min(n_workers, len(tasks)), progress)
+        num_docs = sum(s.num_documents for s in shards)
+        if num_docs == 0:
+            raise StoreError(f"no non-empty UTF-8 documents found in {str(src.root)!r}")
+        tokens_sha, offsets_sha = _merge(tasks, shards, tmp, dtype)
+        manifest = StoreManifest(
+            format=FORMAT, version=VERSION,
+            key=store_key(src.sha256, tok_sha, eot_token, text_field),
+            source=str(src.root), source_files=len(src.files), source_bytes=sum(src.sizes),
+            source_sha256=src.sha256, tokenizer_sha256=tok_sha, vocab_size=vocab,
+            eot_token=eot_token, eot_id=eot_id, text_field=text_field, dtype=dtype.name,
+            num_documents=num_docs, num_tokens=sum(s.num_tokens for s in shards),
+            skipped_files=sum(len(s.skipped) for s in shards),
+            skipped_examples=[p for s in shards for p in s.skipped][:_SKIPPED_EXAMPLES],
+            tokens_sha256=tokens_sha, offsets_sha256=offsets_sha,
+            build_seconds=round(time.perf_counter() - t0, 3),
+        )
+        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as fh:
+            fh.write(manifest.model_dump_json(indent=1))
+            fh.flush()
+            os.fsync(fh.fileno())
+        _install(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("token store %s: %d documents, %d tokens (%.1f s)", path, manifest.num_documents,
+                manifest.num_tokens, manifest.build_seconds)
+    return TokenStore(path, manifest, origin="built")
+
+
+def cached_token_store(
+    source: str | os.PathLike[str] | None,
+    tokenizer: Tokenizer,
+    path: str | os.PathLike[str],
+    *,
+    eot_token: str | None = None,
+    text_field: str = "text",
+    workers: int | None = None,
+    progress: bool = True,
+    verify: Literal["full", "size"] = "full",
+) -> TokenStore:
+    """The store at ``path`` if it holds ``source`` tokenised by ``tokenizer``, else a new one.
+
+    The store is reused when its manifest's key equals the key of the arguments (the source's
+    file listing with sizes and modification times, the tokenizer's JSON, the end-of-text token
+    and the text field) and it verifies (:func:`open_token_store` with ``verify``). Otherwise it
+    is rebuilt in place, and :attr:`TokenStore.origin` says why: ``"rebuilt (source changed)"``,
+    ``"rebuilt (tokenizer changed)"``, ``"rebuilt (options changed)"`` or
+    ``"rebuilt (corrupt: ...)"`` (also logged as a warning). A corrupt store is never used.
+
+    Arguments and errors as for :func:`build_token_store` and :func:`open_token_store`.
+    """
+    path = Path(path).absolute()
+    src = _Source.resolve(source)
+    eot_token, _ = _resolve_eot(tokenizer, eot_token)
+    tok_sha = _sha256(tokenizer.to_str())
+    key = store_key(src.sha256, tok_sha, eot_token, text_field)
+    reason = None
+    if path.exists():
+        try:
+            m = _read_manifest(path)
+        except CorruptStoreError as e:
+            reason = f"corrupt: {e}"
+        else:
+            if m.key == key:
+                try:
+                    store = open_token_store(path, verify=verify)
+                except CorruptStoreError as e:
+                    reason = f"corrupt: {e}"
+                else:
+                    store.origin = "reused"
+                    return store
+            elif m.source_sha256 != src.sha256:
+                reason = "source changed"
+            elif m.tokenizer_sha256 != tok_sha:
+                reason = "tokenizer changed"
+            else:
+                reason = "options changed"
+        if reason.startswith("corrupt"):
+            logger.warning("token store %s is not usable, rebuilding it: %s", path, reason)
+    store = _build(src, tokenizer, path, eot_token=eot_token, text_field=text_field, workers=workers,
+                   progress=progress)
+    store.origin = "built" if reason is None else f"rebuilt ({reason})"
+    return store
