@@ -51,7 +51,7 @@ STEPS = 8
 
 @pytest.fixture(autouse=True)
 def _quick_matmul_probe(monkeypatch):
-    monkeypatch.setattr(megatrain.train.machine, "MATMUL_SECONDS", 0.02)
+    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
 
 
 def write_model(path: Path, **over) -> Path:
@@ -91,11 +91,11 @@ def one_error_line(err: str) -> str:
 @pytest.fixture(scope="module")
 def first_run(setup, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("first") / "out"
-    megatrain.train.machine.MATMUL_SECONDS, keep = 0.02, megatrain.train.machine.MATMUL_SECONDS
+    megatrain.runtime.measure.MATMUL_SECONDS, keep = 0.02, megatrain.runtime.measure.MATMUL_SECONDS
     try:
         assert run(setup, out, "--hardware", "H100_SXM") == 0
     finally:
-        megatrain.train.machine.MATMUL_SECONDS = keep
+        megatrain.runtime.measure.MATMUL_SECONDS = keep
     return out
 
 
@@ -523,7 +523,7 @@ def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_d
     line = one_error_line(capsys.readouterr().err)
     assert "No checkpoint was saved: the same command starts the run again" in line
     monkeypatch.undo()
-    monkeypatch.setattr(megatrain.train.machine, "MATMUL_SECONDS", 0.02)
+    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
     assert run(setup, out, "--nonfinite", "stop", "--max-steps", "3") == 0
     assert "starting it again" in capsys.readouterr().out
     assert [r["applied"] for r in rows(out)] == [True] * 3

@@ -41,7 +41,7 @@ Model checks, before anything is built: a causal decoder-only model, and ``seq_l
 MFU (model FLOPs utilisation) is ``megatrain.planner.cost.model_flops_per_token(graph)`` x tokens/s
 over a peak matmul rate. On the CPU backend there is no GPU peak to divide by: the peak is this
 CPU's FP32 matmul rate, measured once at start-up by timing ``torch.mm`` of two 1024 x 1024 FP32
-matrices for about 0.3 s with the training's thread count (:func:`~megatrain.train.machine.measure_matmul_flops`); a
+matrices for about 0.3 s with the training's thread count (:func:`~megatrain.runtime.measure.measure_matmul_flops`); a
 hardware spec's GPU peak would not describe the processor doing the work. With ``device="cuda"``
 the peak is the ``hardware`` spec's rate for the plan's compute dtype, or measured on the GPU the
 same way when no spec is given. Tokens count padding, as model-FLOPs accounting usually does.
@@ -64,7 +64,7 @@ Errors are megatrain.errors types; the CLI prints ``error: <message>`` and exits
 from megatrain.train.config import TrainConfig, load_train_config
 from megatrain.train.loop import TrainResult, train
 from megatrain.train.lr import lr_at
-from megatrain.train.machine import available_host_memory, load_hardware_spec, measure_matmul_flops
+from megatrain.runtime.measure import available_host_memory, measure_matmul_flops
 from megatrain.train.metrics import METRIC_FIELDS, save_loss_plot
 from megatrain.train.model import ModelSource, resolve_model
 from megatrain.train.preflight import DATA_BYTES_PER_TEXT_BYTE, preflight_host_memory
@@ -77,7 +77,6 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "available_host_memory",
-    "load_hardware_spec",
     "load_train_config",
     "lr_at",
     "measure_matmul_flops",

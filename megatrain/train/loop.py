@@ -17,7 +17,8 @@ from megatrain.errors import CheckpointError, MegatrainError
 from megatrain.train.config import TrainConfig
 from megatrain.train.corpus import match_special_tokens, prepare_data
 from megatrain.train.lr import lr_at
-from megatrain.train.machine import _host_rss_bytes, available_host_memory, load_hardware_spec, measure_matmul_flops
+from megatrain.planner.hardware import load_hardware
+from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
 from megatrain.train.metrics import finite, fmt, nonfinite_message, read_metrics, run_rates, save_loss_plot
 from megatrain.train.model import ModelSource, load_weights, resolve_model
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
@@ -184,7 +185,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    hw = load_hardware_spec(cfg.hardware) if cfg.hardware else None
+    hw = load_hardware(cfg.hardware) if cfg.hardware else None
     source = resolve_model(cfg.model)
     from megatrain.models import check_positions
 
@@ -262,7 +263,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
                 val_loss = _evaluate(trainer, dataset, cfg)
                 row["val_loss"] = finite(val_loss)
                 bar.write(f"step {step}: validation loss {val_loss:.4f}")
-            rss = _host_rss_bytes()
+            rss = host_rss_bytes()
             row["host_rss_mib"] = rss / MiB if rss is not None else None
             metrics.write(json.dumps(row) + "\n")
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:

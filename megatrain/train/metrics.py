@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatrain.errors import ConfigError
-from megatrain.train.machine import measure_matmul_flops
+from megatrain.runtime.measure import measure_matmul_flops
 
 if TYPE_CHECKING:
     from megatrain.train.config import TrainConfig
