@@ -612,7 +612,8 @@ def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max
             kinds.insert(0, ("masters", "master"))
         for group, kind in kinds:
             key = f"{layer['name']}.{kind}"
-            rows.append(_Entry(key, (layer["numel"],), torch.float32, (lambda t=sd[group][key]: t)))
+            numel = layer["numel"] if group == "masters" else layer["trainable_numel"]  # frozen: no moments
+            rows.append(_Entry(key, (numel,), torch.float32, (lambda t=sd[group][key]: t)))
     opt_shards = _plan_shards(rows, max_shard_bytes)
     for k, shard in enumerate(opt_shards):
         name = f"{STATE_DIR}/{_shard_name('optimizer', k, len(opt_shards))}"

@@ -206,8 +206,9 @@ class Trainer:
                 dtypes), except those on the ``meta`` device.
             ``"masters"``: ``{"<layer>.master": Tensor[numel]}``, each layer's FP32 master row (the
                 memory ``"model"`` views, whole, padding included).
-            ``"optimizer"``: ``{"<layer>.exp_avg" | "<layer>.exp_avg_sq": Tensor[numel]}``, the FP32
-                AdamW moment rows.
+            ``"optimizer"``: ``{"<layer>.exp_avg" | "<layer>.exp_avg_sq": Tensor[trainable_numel]}``,
+                the FP32 AdamW moment rows of each layer's trainable prefix (frozen parameters,
+                laid out after it, have none).
             ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
             ``"step_count"``: ``int``, the steps this trainer has taken.
             ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).

@@ -72,7 +72,8 @@ def test_pinned_bytes_equal_the_plans_figure(name):
     arena = trainer.executor._arena
     expected = {arena.memory.data_ptr(): arena.nbytes}
     if plan.compute_dtype == "float32":
-        expected.update({b.data_ptr(): cost.page_up(b.shape[1] * 4) for b in trainer.host.blocks})
+        expected.update({b.data_ptr(): cost.page_up(layer.numel * 4)
+                         for b, layer in zip(trainer.host.blocks, trainer.graph.layers)})
     assert fake.registered == expected
     # An evaluation reuses the train arena (it needs only staging tiles): nothing more is pinned.
     trainer.evaluate(random_batch(MBS * plan.micro_batches, SEQ, VOCAB, seed=9))

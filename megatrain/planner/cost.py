@@ -686,7 +686,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
     bf16 = plan.compute_dtype == "bfloat16"
     return MemoryBreakdown(
         master_weights=numel * MASTER_BYTES_PER_ELEMENT,
-        adam_moments=numel * MOMENT_BYTES_PER_ELEMENT,
+        adam_moments=sum(layer.trainable_numel for layer in layers) * MOMENT_BYTES_PER_ELEMENT,
         gradient_ring=pinned.bytes_of("ring"),
         staging_ring=pinned.bytes_of("staging"),
         pinned_activations=pinned.bytes_of("offload"),

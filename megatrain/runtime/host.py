@@ -30,8 +30,6 @@ from megatrain.errors import UnsupportedModelError
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 
-MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
-
 # Host memory that may be pinned is an anonymous mapping of whole pages (of the larger of the
 # planner's page and the system's): it starts on a page, its storage starts there too (so
 # ``Tensor.is_pinned`` sees the registration), and no other allocation shares its pages (two
@@ -47,20 +45,24 @@ def page_aligned_empty(nbytes: int) -> torch.Tensor:
 
 
 class HostState:
-    """FP32 tiles for every layer: ``blocks[i]`` is a ``[3, numel]`` float32 tensor (master, Adam
-    exp_avg, exp_avg_sq rows), page-aligned, contiguous and pageable until :meth:`pin_masters`."""
+    """FP32 tiles for every layer: ``blocks[i]`` is a flat float32 tensor of
+    ``numel + 2 * trainable_numel`` elements: the master row (every parameter, frozen ones
+    included), then the AdamW ``exp_avg`` and ``exp_avg_sq`` rows of the trainable prefix only
+    (frozen parameters, ``requires_grad=False``, are laid out after it and have no optimizer
+    state). Page-aligned, contiguous and pageable until :meth:`pin_masters`."""
 
     def __init__(self, graph: LayerGraph):
         self.graph = graph
         self.blocks: list[torch.Tensor] = []
         self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
         for layer in graph.layers:
-            row = cost.page_up(layer.numel * cost.MASTER_BYTES_PER_ELEMENT)
-            raw = page_aligned_empty(max(3 * layer.numel * 4, row))
-            block = raw[:3 * layer.numel * 4].view(torch.float32).view(3, layer.numel)
+            n, t = layer.numel, layer.trainable_numel
+            row = cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT)
+            raw = page_aligned_empty(max((n + 2 * t) * 4, row))
+            block = raw[:(n + 2 * t) * 4].view(torch.float32)
             # The mapping reads as zeros already; writing them faults its pages in now, as an
             # allocation would, rather than at the first read (a checkpoint save, say).
-            block[1:].zero_()
+            block[n:].zero_()
             self.blocks.append(block)
             self._rows.append(raw[:row])
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
@@ -69,13 +71,20 @@ class HostState:
         self._pinned_by: Any = None
 
     def master(self, layer: int) -> torch.Tensor:
-        return self.blocks[layer][MASTER]
+        """``float32[numel]``: the layer's FP32 master weights (frozen parameters included)."""
+        return self.blocks[layer][:self.graph.layers[layer].numel]
 
     def exp_avg(self, layer: int) -> torch.Tensor:
-        return self.blocks[layer][EXP_AVG]
+        """``float32[trainable_numel]``: AdamW's first moment of the layer's trainable prefix."""
+        return self._moment(layer, 0)
 
     def exp_avg_sq(self, layer: int) -> torch.Tensor:
-        return self.blocks[layer][EXP_AVG_SQ]
+        """``float32[trainable_numel]``: AdamW's second moment of the layer's trainable prefix."""
+        return self._moment(layer, 1)
+
+    def _moment(self, layer: int, k: int) -> torch.Tensor:
+        n, t = self.graph.layers[layer].numel, self.graph.layers[layer].trainable_numel
+        return self.blocks[layer][n + k * t:n + (k + 1) * t]
 
     @property
     def nbytes(self) -> int:
