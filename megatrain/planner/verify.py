@@ -488,13 +488,13 @@ RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_w
 
 def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> None:
     mem = cost.memory_breakdown(graph, schedule.plan, hw, schedule)
-    checks = [("GPU memory", mem.gpu_peak, hw.gpu_memory_bytes, "lower micro_batch_size, offload or recompute "
-               "checkpoints, or use fewer slots or resident layers"),
-              ("pinned host memory", mem.host_pinned, hw.pinned_memory_cap_bytes, "use fewer gradient or "
-               "staging tiles, or fewer offloaded checkpoints"),
-              ("host memory", mem.host_total, hw.host_memory_bytes, "use a machine with more host memory")]
-    for what, need, have, fix in checks:
+    fixes = {"GPU memory": "lower micro_batch_size, offload or recompute checkpoints, or use fewer slots or "
+                           "resident layers",
+             "pinned host memory": "use fewer gradient or staging tiles, or fewer offloaded checkpoints",
+             "host memory": "use a machine with more host memory"}
+    for what, need, have in mem.budgets(hw):  # the one definition of "fits"
         if need > have:
+            fix = fixes[what]
             raise ScheduleError(f"schedule breaks rule 'budget': it needs {cost.human_bytes(need)} of {what} at "
                                 f"its peak, and {hw.name!r} has {cost.human_bytes(have)}. Fix: {fix}.\n"
                                 + mem.format())
