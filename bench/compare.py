@@ -188,13 +188,10 @@ def _proc_status_bytes(field: str) -> int | None:
 
 
 def _mem_available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from megatrain.runtime.measure import available_host_memory
+
+    got = available_host_memory()
+    return None if got is None else got[0]
 
 
 def measure_peak_matmul(dry_run: bool) -> dict:

@@ -26,6 +26,7 @@ from typing import Iterator
 import pydantic
 from pydantic import Field
 
+from megatrain.config import describe_validation
 from megatrain.errors import ConfigError
 from megatrain.units import GiB, MiB
 
@@ -371,7 +372,7 @@ def load_hardware(hardware: "HardwareSpec | str | os.PathLike") -> HardwareSpec:
         try:
             return HardwareSpec.load(path)
         except pydantic.ValidationError as e:
-            raise ConfigError(f"{path} is not a valid HardwareSpec: {e}") from None
+            raise ConfigError(f"{path} is not a valid HardwareSpec: {describe_validation(e)}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read the hardware spec {path}: {e}") from None
     if path.suffix == ".json":
