@@ -20,12 +20,14 @@ from megatrain.planner.hardware import HardwareSpec, preset
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
 from megatrain.trainer import PlannedModel, StepResult, Trainer, compile, materialize, plan_model
+from megatrain.pretrained import from_pretrained
 
 __version__ = "0.1.0"
 
 __all__ = [
     # compile = materialize(plan_model(...)), and what it returns
     "compile",
+    "from_pretrained",
     "plan_model",
     "materialize",
     "PlannedModel",

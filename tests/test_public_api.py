@@ -11,7 +11,7 @@ from megatrain import errors
 
 def test_public_surface_is_pinned():
     assert sorted(megatrain.__all__) == sorted([
-        "compile", "plan_model", "materialize", "PlannedModel", "Trainer", "StepResult",
+        "compile", "from_pretrained", "plan_model", "materialize", "PlannedModel", "Trainer", "StepResult",
         "AdamW", "CompileOptions",
         "HardwareSpec", "preset", "Plan", "OptimizerPlacement", "ActivationPolicy", "SolveRequest", "solve",
         "MegatrainError", "BatchError", "CheckpointError", "ConfigError", "InfeasibleRequestError", "PlanError",

@@ -1,0 +1,62 @@
+"""``megatrain.from_pretrained``: a Hugging Face checkpoint directory straight into host tiles.
+
+The model is built on the ``meta`` device from the directory's ``config.json`` (no parameter
+memory), compiled, and its safetensors are then streamed tensor by tensor into the FP32 master
+tiles (:func:`megatrain.checkpoint.load_hf_weights`): host memory holds the tiles, plus about one
+shard's pages and one tensor while loading, never a second full copy of the weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatrain.errors import ConfigError
+from megatrain.trainer import Trainer, compile
+
+
+def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_kwargs: Any) -> Trainer:
+    """Compile the causal LM saved in the local directory ``path`` and load its weights.
+
+    Args:
+        path: a directory written by ``save_pretrained`` (or ``megatrain``'s ``Trainer.save``):
+            ``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+            Nothing is downloaded: a hub name that is not a local directory is refused.
+        strict: as :func:`megatrain.checkpoint.load_hf_weights`: with False, tensors the files lack
+            keep the model's own initialisation instead of raising.
+        **compile_kwargs: :func:`megatrain.compile`'s arguments (``seq_len`` is required, as there;
+            ``micro_batch_size``, ``optimizer``, ``hardware``, ...).
+
+    Returns:
+        The ``Trainer``, its FP32 master tiles holding the checkpoint's weights (any floating dtype
+        on disk is widened to FP32) and its AdamW moments zero.
+
+    Raises:
+        ConfigError: ``path`` is not a directory or has no ``config.json``; ``compile``'s own errors
+            for its arguments.
+        UnsupportedModelError / TraceError: as ``compile`` (for example a model with tied input and
+            output embeddings: set ``tie_word_embeddings`` false in ``config.json`` and give the
+            checkpoint an ``lm_head.weight``).
+        CheckpointError: as ``load_hf_weights`` (no weights, a corrupt file, a shape that differs).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(f"from_pretrained({str(path)!r}): not a directory; megatrain downloads nothing, so give "
+                          "the local directory save_pretrained wrote (config.json and *.safetensors)")
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"from_pretrained({str(path)!r}): no config.json there; it is what the model is built "
+                          "from (save_pretrained writes it beside the weights)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    trainer = compile(model, **compile_kwargs)
+    trainer.load_hf_weights(root, strict=strict)
+    return trainer
+
+
+__all__ = ["from_pretrained"]
