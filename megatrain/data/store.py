@@ -507,7 +507,7 @@ def _tokenise(tasks: list[_Task], tokenizer: Tokenizer, workers: int, progress: 
     from tqdm.auto import tqdm
 
     bar = tqdm(total=sum(t.nbytes for t in tasks), unit="B", unit_scale=True, unit_divisor=1024,
-               desc="tokenising", disable=not progress)
+               desc="tokenising", disable=not progress, delay=2.0)  # no bar for a build of seconds
     shards: list[_Shard | None] = [None] * len(tasks)
     try:
         if workers <= 1:
