@@ -531,7 +531,9 @@ def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_d
     monkeypatch.undo()
     monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
     assert run(setup, out, "--nonfinite", "stop", "--max-steps", "3") == 0
-    assert "starting it again" in capsys.readouterr().out
+    started_again = capsys.readouterr().out
+    assert "starting it again" in started_again
+    assert f"token store {out / 'tokens'} (reused)" in started_again  # the run's files go, its store stays
     assert [r["applied"] for r in rows(out)] == [True] * 3
 
     # A run killed while writing metrics.jsonl: the partial line is dropped when it resumes.
@@ -639,6 +641,20 @@ def test_bad_data_is_one_error_line_naming_the_file_and_line(first_run, setup, t
     (tmp_path / "empty" / "a.txt").write_text("x = 1\n" * 2000)
     assert run(setup, tmp_path / f"o{len(cases) - 1}", "--data", str(tmp_path / "empty"), *tok,
                "--max-steps", "2") == 0
+
+
+def test_too_little_text_for_a_batch_leaves_only_the_store_and_the_same_command_runs_again(
+        first_run, setup, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("x = 1\n" * 20)
+    out = tmp_path / "out"
+    tok = ("--tokenizer", str(first_run / "tokenizer.json"))
+    assert run(setup, out, "--data", str(corpus), *tok) == 2
+    assert "corpus too small" in one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in out.iterdir()) == ["tokens"]
+    corpus.write_text("x = 1\n" * 2000)
+    assert run(setup, out, "--data", str(corpus), *tok, "--max-steps", "2") == 0
+    assert f"token store {out / 'tokens'} (rebuilt (source changed))" in capsys.readouterr().out
 
 
 def test_the_preflight_counts_the_store_reader_not_the_corpus(setup, tmp_path):
