@@ -657,6 +657,34 @@ def test_too_little_text_for_a_batch_leaves_only_the_store_and_the_same_command_
     assert f"token store {out / 'tokens'} (rebuilt (source changed))" in capsys.readouterr().out
 
 
+def test_task_sft_trains_on_completions_with_the_tokenizers_chat_template(first_run, setup, tmp_path, capsys):
+    data = tmp_path / "sft.jsonl"
+    records = [{"prompt": f"def f{i}(x):\n", "completion": f"    return x + {i}\n"} for i in range(30)]
+    records += [{"messages": [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
+                for i in range(10)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # A tokenizer whose tokenizer_config.json has a chat template: the chats are rendered with it.
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(first_run / "tokenizer.json", tok / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")}))
+    out = tmp_path / "out"
+    assert run(setup, out, "--task", "sft", "--data", str(data), "--tokenizer", str(tok / "tokenizer.json"),
+               "--max-steps", "2", "--val-fraction", "0.2") == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data: "))
+    assert line.startswith("data: 40 SFT examples (0 cut at seq_len) in 32 training + 8 validation rows of 32")
+    assert "chat template of tokenizer_config.json" in line
+    assert [r["step"] for r in rows(out)] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows(out))
+    assert not (out / "tokens").exists()  # SFT rows are not the token store's windows
+    # A bad record: one error line naming the file and line.
+    data.write_text(json.dumps(records[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    assert run(setup, tmp_path / "bad", "--task", "sft", "--data", str(data)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "sft.jsonl', line 2: an SFT record needs string fields 'prompt' and 'completion'" in line
+
+
 def test_the_preflight_counts_the_store_reader_not_the_corpus(setup, tmp_path):
     from megatrain.train.preflight import (BATCH_BYTES_PER_TOKEN, DATA_BYTES_PER_TEXT_BYTE, STORE_READER_BYTES,
                                            data_pipeline_bytes)

@@ -18,11 +18,15 @@ corpora larger than RAM train with flat host memory::
     for step, batch in zip(range(num_steps), data.batches(8, seed=0)):
         loss = model(**batch).loss   # input_ids, labels: LongTensor[8, 256]
 
+Supervised fine-tuning (``sft``): :func:`read_sft_examples` reads ``{"prompt",
+"completion"}`` or chat ``{"messages"}`` JSONL, :func:`tokenize_sft` makes padded
+rows with labels only on the answer, :class:`SftDataset` batches them.
+
 :func:`pack_documents` packs whole documents into rows so that no loss target
 is predicted from another document's text: the rows per-document attention needs.
 
 Modules: ``sources`` (readers), ``tokenizer``, ``packing``, ``store`` (the
-on-disk token store), ``windows`` (reading it).
+on-disk token store), ``windows`` (reading it), ``sft`` (fine-tuning examples).
 
 Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
@@ -57,6 +61,7 @@ from megatrain.data.tokenizer import (
     tokenize_documents,
     train_bpe_tokenizer,
 )
+from megatrain.data.sft import SftDataset, SftRows, read_sft_examples, render_chat, tokenize_sft
 from megatrain.data.windows import StoreWindows
 
 __all__ = [
@@ -70,6 +75,8 @@ __all__ = [
     "PackedRows",
     "StoreError",
     "StoreManifest",
+    "SftDataset",
+    "SftRows",
     "StoreWindows",
     "TokenStore",
     "build_token_store",
@@ -84,6 +91,9 @@ __all__ = [
     "load_tokenizer",
     "open_token_store",
     "pack_documents",
+    "read_sft_examples",
+    "render_chat",
     "tokenize_documents",
+    "tokenize_sft",
     "train_bpe_tokenizer",
 ]

@@ -234,6 +234,10 @@ class StoreWindows:
             first = 0
             epoch += 1
 
+    def close(self) -> None:
+        """Close the store's map (:meth:`TokenStore.close`); no batch may be read afterwards."""
+        self.store.close()
+
     def eval_batches(
         self, batch_size: int, max_batches: int | None = None
     ) -> Iterator[dict[str, torch.Tensor]]:

@@ -32,6 +32,11 @@ class TrainConfig(pydantic.BaseModel):
     output_dir: str = Field(description="where metrics.jsonl, checkpoint/, tokenizer.json and loss.png go; "
                                         "empty, or holding this run (same model, data, seq_len, global_batch "
                                         "and seed), which then resumes from its checkpoint or starts over")
+    task: Literal["lm", "sft"] = Field("lm", description="lm: language modelling on the text of data; sft: "
+                                                         "supervised fine-tuning on a .jsonl of {prompt, "
+                                                         "completion} or chat {messages} records, loss only on "
+                                                         "completion / assistant tokens, one example per "
+                                                         "row padded to seq_len (the token store is not used)")
     data: str | None = Field(None, description="a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
                                                "or one such file (default: this Python's standard library)")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "

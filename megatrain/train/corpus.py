@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatrain.errors import ConfigError
-from megatrain.train.rundir import STORE_DIR, TOKENIZER_FILE
+from megatrain.train.rundir import STORE_DIR, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 if TYPE_CHECKING:
     from megatrain.data import StoreWindows
@@ -57,6 +57,64 @@ def _tokenizer(cfg: TrainConfig, source: ModelSource):
     return D.train_bpe_tokenizer(sample, vocab_size=vocab), "byte-level BPE trained here"
 
 
+def _chat_template(cfg: TrainConfig, source: ModelSource) -> str | None:
+    """The ``chat_template`` of the ``tokenizer_config.json`` beside the run's tokenizer file, if any."""
+    import json
+
+    where = Path(cfg.tokenizer) if cfg.tokenizer is not None else source.directory
+    if where is None:
+        return None
+    f = (where if where.is_dir() else where.parent) / TOKENIZER_CONFIG_FILE
+    try:
+        template = json.loads(f.read_text(encoding="utf-8")).get("chat_template") if f.is_file() else None
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{f} is not a JSON object ({e}); fix or remove it") from None
+    return template if isinstance(template, str) else None
+
+
+def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo):
+    from megatrain import data as D
+
+    t0 = time.perf_counter()
+    if cfg.data is None:
+        raise ConfigError("task sft needs data: a .jsonl of {prompt, completion} or {messages} records (--data)")
+    vocab = source.config.vocab_size
+    if trains_tokenizer(cfg, source):
+        if vocab < 257:
+            raise ConfigError(f"the model's vocab_size is {vocab}, below the 257 tokens of a byte-level BPE; "
+                              "raise vocab_size or give a tokenizer")
+        # The BPE learns from the examples' text (default rendering: there is no template yet).
+        texts = ["".join(t for t, _ in ex) for ex in D.read_sft_examples(cfg.data, eot_token=D.EOT_TOKEN)]
+        tokenizer, origin = D.train_bpe_tokenizer(texts, vocab_size=vocab), "byte-level BPE trained here"
+        del texts
+    else:
+        tokenizer, origin = _tokenizer(cfg, source)
+    _check_vocab(tokenizer, origin, vocab)
+    eot = cfg.eot_token or D.find_eot_token(tokenizer)
+    eot_id = tokenizer.token_to_id(eot)
+    if eot_id is None:
+        raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
+    template = _chat_template(cfg, source)
+    rows = D.tokenize_sft(tokenizer, D.read_sft_examples(cfg.data, chat_template=template, eot_token=eot),
+                          cfg.seq_len, pad_id=eot_id)
+    dataset = D.SftDataset(rows, val_fraction=cfg.val_fraction, seed=cfg.seed)
+    dataset.batches(cfg.global_batch)
+    dataset.eval_batches(cfg.micro_batch_size, 1)
+    n = rows.input_ids.shape[0]
+    echo(f"data: {n:,} SFT examples ({rows.truncated:,} cut at seq_len) in {dataset.num_train_rows:,} training + "
+         f"{dataset.num_val_rows:,} validation rows of {cfg.seq_len}, {rows.num_target_tokens:,} target tokens; "
+         f"{'chat template of ' + TOKENIZER_CONFIG_FILE if template else 'no chat template'}; tokenizer: {origin}, "
+         f"vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} ({time.perf_counter() - t0:.1f} s)")
+    return tokenizer, dataset, eot
+
+
+def _check_vocab(tokenizer, origin: str, vocab: int) -> None:
+    if tokenizer.get_vocab_size() > vocab:
+        raise ConfigError(f"the tokenizer ({origin}) has {tokenizer.get_vocab_size()} tokens but the model's "
+                          f"vocab_size is {vocab}: token ids would index past the embedding; use a "
+                          "matching tokenizer or raise vocab_size")
+
+
 def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None = None):
     """Tokenizer -> token store -> windows. Returns ``(tokenizer, dataset, eot_token)``.
 
@@ -75,14 +133,18 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
     from megatrain import data as D
 
     path = store_dir(cfg) if path is None else path
+    if cfg.task == "sft":
+        try:
+            return _prepare_sft(cfg, source, echo)
+        except (OSError, ValueError, ImportError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"data: {e}") from None
     try:
         t0 = time.perf_counter()
         vocab = source.config.vocab_size
         tokenizer, origin = _tokenizer(cfg, source)
-        if tokenizer.get_vocab_size() > vocab:
-            raise ConfigError(f"the tokenizer ({origin}) has {tokenizer.get_vocab_size()} tokens but the model's "
-                              f"vocab_size is {vocab}: token ids would index past the embedding; use a "
-                              "matching tokenizer or raise vocab_size")
+        _check_vocab(tokenizer, origin, vocab)
         eot = cfg.eot_token or D.find_eot_token(tokenizer)
         if tokenizer.token_to_id(eot) is None:
             raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its "

@@ -280,7 +280,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
             bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
                       "from it")
 
-    dataset.store.close()
+    dataset.close()
     rows = read_metrics(metrics_path)
     try:
         save_loss_plot(rows, out / PLOT_FILE, title=f"{Path(cfg.model).name}: {step} steps, "

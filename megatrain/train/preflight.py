@@ -125,7 +125,7 @@ def data_pipeline_bytes(cfg: TrainConfig, tokenizer_sample: int = 0) -> int:
     batch (:data:`BATCH_BYTES_PER_TOKEN` per token), and ``tokenizer_sample`` bytes of text that
     train a BPE (:data:`DATA_BYTES_PER_TEXT_BYTE` each; 0 when the tokenizer is given). The corpus
     itself is tokenised into the on-disk store and read through a memory map, so its size does not
-    count; the store's build runs in worker processes, each bounded by a batch of documents
+    count (with ``task: sft`` the examples are read into memory and count in full); the store's build runs in worker processes, each bounded by a batch of documents
     (``megatrain.data.store``), and ends before the model's host state is allocated.
 
     Raises:
@@ -138,6 +138,8 @@ def data_pipeline_bytes(cfg: TrainConfig, tokenizer_sample: int = 0) -> int:
         text = corpus_bytes(cfg.data)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
+    if cfg.task == "sft":  # the examples are held in memory as padded rows (SFT sets are small)
+        return cfg.global_batch * cfg.seq_len * BATCH_BYTES_PER_TOKEN + text * DATA_BYTES_PER_TEXT_BYTE
     sample = min(text, tokenizer_sample)
     return (STORE_READER_BYTES + cfg.global_batch * cfg.seq_len * BATCH_BYTES_PER_TOKEN
             + sample * DATA_BYTES_PER_TEXT_BYTE)
