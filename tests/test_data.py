@@ -424,13 +424,12 @@ def test_public_surface_of_megatrain_data_is_pinned():
 
     assert sorted(megatrain.data.__all__) == sorted([
         "DEFAULT_MAX_BYTES", "EOT_CANDIDATES", "EOT_TOKEN", "IGNORE_INDEX",
-        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "CorruptStoreError", "PackedRows",
+        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "CorruptStoreError", "PackedRows", "SftDataset", "SftRows",
         "StoreError", "StoreManifest", "StoreWindows", "TokenStore",
         "build_token_store", "cached_token_store", "corpus_bytes", "corpus_files",
         "default_corpus_dir", "encode_documents", "find_eot_token", "iter_file_documents",
-        "load_documents", "load_tokenizer", "open_token_store", "pack_documents", "SftDataset", "SftRows", "read_sft_examples", "render_chat",
-        "tokenize_sft",
-        "tokenize_documents", "train_bpe_tokenizer",
+        "load_documents", "load_tokenizer", "open_token_store", "pack_documents", "read_sft_examples",
+        "render_chat", "tokenize_documents", "tokenize_sft", "train_bpe_tokenizer",
     ])
     assert all(hasattr(megatrain.data, name) for name in megatrain.data.__all__)
 
