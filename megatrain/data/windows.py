@@ -1,8 +1,8 @@
 """Training windows read from a token store without loading it, shuffled by keyed bijections.
 
 :class:`StoreWindows` cuts a :class:`~megatrain.data.store.TokenStore`'s flat stream into fixed
-windows of ``seq_len`` tokens. The train/validation split and each epoch's shuffle are keyed bijections computed per batch (a Feistel network with
-cycle walking: Black & Rogaway, "Ciphers with Arbitrary Finite Domains", CT-RSA 2002), never a
+windows of ``seq_len`` tokens. The train/validation split and each epoch's shuffle are keyed
+bijections computed per batch (a Feistel network with cycle walking: Black & Rogaway, "Ciphers with Arbitrary Finite Domains", CT-RSA 2002), never a
 materialised index, and the pages a batch touched are released after it is copied out
 (``madvise(MADV_DONTNEED)``), so the reader's resident memory does not grow with the corpus.
 """

@@ -42,7 +42,9 @@ def tokenizer_sample_bytes(cfg: TrainConfig) -> int:
     return min(cfg.max_bytes or TOKENIZER_SAMPLE_BYTES, TOKENIZER_SAMPLE_BYTES)
 
 
-def _tokenizer(cfg: TrainConfig, source: ModelSource):
+def _tokenizer(cfg: TrainConfig, source: ModelSource, sample=None):
+    """The run's tokenizer and where it came from; a BPE is trained on ``sample()`` (default: the
+    first :func:`tokenizer_sample_bytes` of the corpus)."""
     from megatrain import data as D
 
     vocab = source.config.vocab_size
@@ -53,8 +55,11 @@ def _tokenizer(cfg: TrainConfig, source: ModelSource):
     if vocab < 257:
         raise ConfigError(f"the model's vocab_size is {vocab}, below the 257 tokens of a byte-level BPE "
                           "(256 bytes + end-of-text); raise vocab_size or give a tokenizer")
-    sample = D.load_documents(cfg.data, max_bytes=tokenizer_sample_bytes(cfg), text_field=cfg.text_field)
-    return D.train_bpe_tokenizer(sample, vocab_size=vocab), "byte-level BPE trained here"
+    if sample is None:
+        docs = D.load_documents(cfg.data, max_bytes=tokenizer_sample_bytes(cfg), text_field=cfg.text_field)
+    else:
+        docs = sample()
+    return D.train_bpe_tokenizer(docs, vocab_size=vocab), "byte-level BPE trained here"
 
 
 def _chat_template(cfg: TrainConfig, source: ModelSource) -> str | None:
@@ -79,16 +84,9 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo):
     if cfg.data is None:
         raise ConfigError("task sft needs data: a .jsonl of {prompt, completion} or {messages} records (--data)")
     vocab = source.config.vocab_size
-    if trains_tokenizer(cfg, source):
-        if vocab < 257:
-            raise ConfigError(f"the model's vocab_size is {vocab}, below the 257 tokens of a byte-level BPE; "
-                              "raise vocab_size or give a tokenizer")
-        # The BPE learns from the examples' text (default rendering: there is no template yet).
-        texts = ["".join(t for t, _ in ex) for ex in D.read_sft_examples(cfg.data, eot_token=D.EOT_TOKEN)]
-        tokenizer, origin = D.train_bpe_tokenizer(texts, vocab_size=vocab), "byte-level BPE trained here"
-        del texts
-    else:
-        tokenizer, origin = _tokenizer(cfg, source)
+    # A BPE learns from the examples' text (in the default rendering: it has no chat template).
+    tokenizer, origin = _tokenizer(cfg, source, lambda: [
+        "".join(t for t, _ in ex) for ex in D.read_sft_examples(cfg.data, eot_token=D.EOT_TOKEN)])
     _check_vocab(tokenizer, origin, vocab)
     eot = cfg.eot_token or D.find_eot_token(tokenizer)
     eot_id = tokenizer.token_to_id(eot)
@@ -117,6 +115,9 @@ def _check_vocab(tokenizer, origin: str, vocab: int) -> None:
 
 def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None = None):
     """Tokenizer -> token store -> windows. Returns ``(tokenizer, dataset, eot_token)``.
+
+    With ``task: sft`` instead: tokenizer -> the ``.jsonl`` examples -> padded rows with labels on
+    completion and assistant tokens only (:class:`~megatrain.data.SftDataset`).
 
     The store at ``path`` (default :func:`store_dir`) holds the corpus's first ``max_bytes`` bytes
     of text (all of it when ``max_bytes`` is None) tokenised with the run's tokenizer; it is

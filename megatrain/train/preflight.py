@@ -41,8 +41,8 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
     Needed: ``planned.memory.host_total`` (FP32 master weights, two Adam moments, gradient and
     staging rings, pinned activations: the breakdown of the very plan that will run), plus
     ``data_bytes`` (the token store's reader and a batch, and a tokenizer's training sample:
-    :func:`data_pipeline_bytes`; not the corpus, which stays on disk), plus ``checkpoint_bytes`` (the largest safetensors file
-    loaded, whose pages are mapped while it is read), plus ``built_bytes`` (a model built on the
+    :func:`data_pipeline_bytes`; not the corpus, which stays on disk), plus ``checkpoint_bytes``
+    (the largest safetensors file loaded, whose pages are mapped while it is read), plus ``built_bytes`` (a model built on the
     CPU, held until ``materialize`` moves it into the host tiles).
 
     Args:
@@ -125,8 +125,9 @@ def data_pipeline_bytes(cfg: TrainConfig, tokenizer_sample: int = 0) -> int:
     batch (:data:`BATCH_BYTES_PER_TOKEN` per token), and ``tokenizer_sample`` bytes of text that
     train a BPE (:data:`DATA_BYTES_PER_TEXT_BYTE` each; 0 when the tokenizer is given). The corpus
     itself is tokenised into the on-disk store and read through a memory map, so its size does not
-    count (with ``task: sft`` the examples are read into memory and count in full); the store's build runs in worker processes, each bounded by a batch of documents
-    (``megatrain.data.store``), and ends before the model's host state is allocated.
+    count (with ``task: sft`` the examples are read into memory and count in full); the store's
+    build runs in worker processes, each bounded by a batch of documents (``megatrain.data.store``),
+    and ends before the model's host state is allocated.
 
     Raises:
         ConfigError: the data path does not exist or holds no corpus file (checked here, before the

@@ -68,8 +68,9 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> 
             raise ConfigError(f"output_dir {out} is not empty and holds no megatrain run of its own (it holds "
                               f"{', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); choose another "
                               f"output_dir{hint}")
-        differ = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in RUN_IDENTITY
-                  if saved.get(k) != getattr(cfg, k)]
+        # A setting missing from a run saved before it existed had its default then.
+        was = {k: saved.get(k, type(cfg).model_fields[k].default) for k in RUN_IDENTITY}
+        differ = [f"{k}={was[k]!r} there, {getattr(cfg, k)!r} now" for k in RUN_IDENTITY if was[k] != getattr(cfg, k)]
         if differ:
             raise ConfigError(f"output_dir {out} holds another run ({'; '.join(differ)}); choose another "
                               f"output_dir, or continue that run with its settings (see {out / CONFIG_FILE})")
