@@ -7,7 +7,7 @@ grow with the corpus. This script measures it, end to end, on files of this mach
    ``*.md``, ``*.rst``; ``site-packages`` excluded), repeated into ``copy000/``, ``copy001/``, ...
    of a temporary directory until ``--gb`` GB (10^9 bytes) are on disk.
 2. **Tokenizer**: a byte-level BPE of ``--vocab`` tokens trained on the first 3 MB (as
-   ``megatrain train`` does when the model brings none).
+   ``megatrain train`` does with its default ``max_bytes`` when the model brings no tokenizer).
 3. **Build**: :func:`megatrain.data.cached_token_store` with ``--workers`` processes; then a
    second call that must reuse the store (its time is the full sha256 verification).
 4. **Train**: ``--train-steps`` AdamW steps of a tiny model (embedding -> linear head, ``--dim``)

@@ -1,7 +1,8 @@
 """The main job: train a small Llama-architecture model on real text with megatrain, on the CPU.
 
 By default the corpus is the source tree of this interpreter's Python standard library (real text
-nobody here wrote; nothing is downloaded), tokenised with a byte-level BPE trained on it. The model
+nobody here wrote; nothing is downloaded), tokenised with a byte-level BPE trained on it, once, into
+a memory-mapped token store (``megatrain.data.cached_token_store``) that training windows are read from. The model
 is built on the meta device and materialised straight into megatrain's host tiles by its own
 initialisation. A validation split is held out; the job prints the validation loss before and
 after training.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 
 import torch
@@ -33,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="field holding the text in a .jsonl")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of training a BPE")
     p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size when training one")
-    p.add_argument("--max-bytes", type=int, default=3_000_000, help="UTF-8 bytes of text to read")
+    p.add_argument("--max-bytes", type=int, default=3_000_000,
+                   help="UTF-8 bytes of text to train on, from the corpus's start (0: all of it)")
+    p.add_argument("--data-cache", default=None,
+                   help="directory of the token store, reused by later runs on the same data and tokenizer "
+                        "(default: a temporary directory removed at the end)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation steps")
@@ -53,23 +59,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="megatrain-tokens-") as tmp:
+        return _run(args, args.data_cache or tmp)
+
+
+def _run(args, cache: str) -> int:
     from tqdm import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import megatrain
-    from megatrain.data import prepare_lm_data
+    from megatrain.data import (StoreWindows, cached_token_store, load_documents, load_tokenizer,
+                                train_bpe_tokenizer)
     from megatrain.train import lr_at
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    tokenizer, data = prepare_lm_data(args.data, tokenizer_path=args.tokenizer, vocab_size=args.vocab_size,
-                                      seq_len=args.seq_len, max_bytes=args.max_bytes, seed=args.seed,
-                                      text_field=args.text_field)
-    print(f"data: {data.tokens.size:,} tokens, {data.num_train_windows} train / {data.num_val_windows} "
-          f"validation windows of {args.seq_len}, vocab {tokenizer.get_vocab_size()} "
-          f"({time.perf_counter() - t0:.1f} s)")
+    max_bytes = args.max_bytes or None
+    if args.tokenizer is not None:
+        tokenizer = load_tokenizer(args.tokenizer)
+    else:  # megatrain train's rule: a BPE learns from at most the first 10 MB
+        sample = load_documents(args.data, max_bytes=min(max_bytes or 10_000_000, 10_000_000),
+                                text_field=args.text_field)
+        tokenizer = train_bpe_tokenizer(sample, args.vocab_size)
+        del sample
+    store = cached_token_store(args.data, tokenizer, cache, text_field=args.text_field, max_bytes=max_bytes)
+    data = StoreWindows(store, args.seq_len, seed=args.seed)
+    print(f"data: {store.num_tokens:,} tokens, {data.num_train_rows} train / {data.num_val_rows} "
+          f"validation windows of {args.seq_len}, vocab {tokenizer.get_vocab_size()}; token store {store.path} "
+          f"({store.origin}, {time.perf_counter() - t0:.1f} s)")
 
     cfg = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=args.hidden_size,
                       intermediate_size=3 * args.hidden_size, num_hidden_layers=args.layers,

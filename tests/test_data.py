@@ -1,4 +1,4 @@
-"""Tests for megatrain.data: loading, BPE tokenizer, encoding, windows and batches.
+"""Tests for megatrain.data: loading, BPE tokenizer, encoding, packing, and the pipeline to the store.
 
 Corpora are built in tmp_path from real standard-library files, so no expected
 outputs are hard-coded: the tests check properties that hold for any text.
@@ -7,7 +7,6 @@ outputs are hard-coded: the tests check properties that hold for any text.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import sysconfig
 from pathlib import Path
@@ -22,8 +21,9 @@ from megatrain.data import (
     DEFAULT_MAX_BYTES,
     EOT_TOKEN,
     IGNORE_INDEX,
-    PackedDataset,
-    TokenDataset,
+    SftDataset,
+    StoreWindows,
+    cached_token_store,
     corpus_bytes,
     default_corpus_dir,
     encode_documents,
@@ -31,8 +31,10 @@ from megatrain.data import (
     load_documents,
     load_tokenizer,
     pack_documents,
-    prepare_lm_data,
+    read_sft_examples,
+    render_chat,
     tokenize_documents,
+    tokenize_sft,
     train_bpe_tokenizer,
 )
 
@@ -255,126 +257,32 @@ def test_encode_documents_separates_with_eot(real_docs, tokenizer):
         encode_documents(tokenizer, real_docs, eot_token="</s>")
 
 
-# ---------------------------------------------------------------- dataset
-
-
-def _unique_dataset(n_tokens=1000, seq_len=10, **kw) -> TokenDataset:
-    # Distinct token values make every window identifiable by its first token.
-    return TokenDataset(np.arange(n_tokens, dtype=np.int64), seq_len, **kw)
-
-
-def _window_ids(batch: dict, seq_len: int) -> list[int]:
-    return (batch["input_ids"][:, 0] // seq_len).tolist()
-
-
-def test_windows_and_split_partition():
-    ds = _unique_dataset(1005, 10, val_fraction=0.05, seed=3)
-    assert ds.num_windows == 100 and ds.tokens.shape == (1000,)
-    train, val = set(ds.train_indices.tolist()), set(ds.val_indices.tolist())
-    assert len(val) == 5 and train.isdisjoint(val)
-    assert train | val == set(range(100))
-    assert len(ds) == ds.num_train_windows == 95
-    # Deterministic for a seed; the holdout is not simply the tail.
-    again = _unique_dataset(1005, 10, val_fraction=0.05, seed=3)
-    assert np.array_equal(again.val_indices, ds.val_indices)
-    other = _unique_dataset(1005, 10, val_fraction=0.05, seed=4)
-    assert not np.array_equal(other.val_indices, ds.val_indices)
-
-
-def test_at_least_one_validation_window():
-    ds = _unique_dataset(30, 10, val_fraction=0.01)
-    assert ds.num_val_windows == 1 and ds.num_train_windows == 2
-
-
-def test_batches_shape_dtype_labels():
-    ds = _unique_dataset(1000, 10)
-    batch = next(ds.batches(4, seed=0))
-    assert set(batch) == {"input_ids", "labels"}
-    for t in batch.values():
-        assert t.dtype == torch.int64 and t.shape == (4, 10)
-    assert torch.equal(batch["input_ids"], batch["labels"])
-    assert batch["labels"].data_ptr() != batch["input_ids"].data_ptr()
-    # Each row is exactly one contiguous window of the stream.
-    for row in batch["input_ids"]:
-        assert row[0] % 10 == 0 and torch.equal(row, torch.arange(row[0], row[0] + 10))
-
-
-def test_batches_epochs_are_shuffled_permutations():
-    ds = _unique_dataset(1000, 10, val_fraction=0.1)  # 90 train windows
-    bs = 8
-    per_epoch = 90 // bs
-    it = ds.batches(bs, seed=7)
-    epochs = []
-    for _ in range(3):
-        seen = [w for _ in range(per_epoch) for w in _window_ids(next(it), 10)]
-        assert len(seen) == len(set(seen)) == per_epoch * bs  # no repeats in an epoch
-        assert set(seen) <= set(ds.train_indices.tolist())
-        epochs.append(seen)
-    assert epochs[0] != epochs[1] != epochs[2]
-    assert epochs[0] != sorted(epochs[0])
-    # Same seed, same stream; different seed, different stream.
-    it2 = ds.batches(bs, seed=7)
-    assert [w for _ in range(per_epoch) for w in _window_ids(next(it2), 10)] == epochs[0]
-    it3 = ds.batches(bs, seed=8)
-    assert [w for _ in range(per_epoch) for w in _window_ids(next(it3), 10)] != epochs[0]
-
-
-def test_val_split_batches_and_eval_batches():
-    ds = _unique_dataset(1000, 10, val_fraction=0.2)  # 20 val windows
-    val = set(ds.val_indices.tolist())
-    for _ in range(10):
-        assert set(_window_ids(next(ds.batches(3, split="val")), 10)) <= val
-    first = [_window_ids(b, 10) for b in ds.eval_batches(4)]
-    second = [_window_ids(b, 10) for b in ds.eval_batches(4)]
-    assert first == second and len(first) == 5
-    assert [w for b in first for w in b] == sorted(val)
-    limited = list(ds.eval_batches(4, max_batches=2))
-    assert len(limited) == 2 and all(b["input_ids"].shape == (4, 10) for b in limited)
-    with pytest.raises(ValueError, match="split"):
-        ds.batches(2, split="test")
-
-
-def test_too_small_corpus_errors():
-    with pytest.raises(ValueError, match="too small"):
-        TokenDataset(np.arange(15), 10)
-    ds = _unique_dataset(40, 10, val_fraction=0.25)  # 3 train, 1 val
-    with pytest.raises(ValueError, match="one batch"):
-        ds.batches(4)  # raised at call time, not on first next()
-    with pytest.raises(ValueError, match="one batch"):
-        ds.eval_batches(2)
-    with pytest.raises(ValueError, match="val_fraction"):
-        TokenDataset(np.arange(100), 10, val_fraction=0.0)
-
-
 # ---------------------------------------------------------------- pipeline
 
 
-def test_prepare_lm_data_on_directory(corpus_dir, tmp_path):
-    tok, ds = prepare_lm_data(corpus_dir, vocab_size=400, seq_len=32, seed=1)
+def test_directory_corpus_through_the_token_store(corpus_dir, tmp_path):
+    """load -> BPE -> store -> windows on a directory: the store holds the directory's documents
+    in path order, each ended by the end-of-text token; a tokenizer saved and loaded reuses it."""
+    tok = train_bpe_tokenizer(load_documents(corpus_dir), vocab_size=400)
     assert tok.get_vocab_size() <= 400
-    assert ds.seq_len == 32 and ds.tokens.dtype == np.int64
-    assert ds.tokens.max() < tok.get_vocab_size()
+    store = cached_token_store(corpus_dir, tok, tmp_path / "store", max_bytes=None, progress=False)
     expected = encode_documents(tok, _expected_dir_docs(corpus_dir))
-    assert np.array_equal(ds.tokens, expected[: ds.num_windows * 32])
+    assert np.array_equal(store.tokens.astype(np.int64), expected)
+    ds = StoreWindows(store, 32, seed=1)
     batch = next(ds.batches(4, seed=0))
-    assert batch["input_ids"].shape == (4, 32)
-
-    tok2, ds2 = prepare_lm_data(corpus_dir, vocab_size=400, seq_len=32, seed=1)
-    assert tok2.to_str() == tok.to_str() and np.array_equal(ds2.tokens, ds.tokens)
-    assert np.array_equal(ds2.val_indices, ds.val_indices)
+    assert batch["input_ids"].shape == (4, 32) and int(batch["input_ids"].max()) < tok.get_vocab_size()
 
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    tok3, ds3 = prepare_lm_data(corpus_dir, tokenizer_path=path, vocab_size=999, seq_len=32)
-    assert tok3.get_vocab_size() == tok.get_vocab_size()
-    assert np.array_equal(ds3.tokens, ds.tokens)
+    again = cached_token_store(corpus_dir, load_tokenizer(path), tmp_path / "store", progress=False)
+    assert again.origin == "reused" and StoreWindows(again, 32, seed=1).fingerprint() == ds.fingerprint()
 
 
-def test_prepare_lm_data_too_small(tmp_path):
+def test_too_small_corpus_for_the_windows(tmp_path, tokenizer):
     f = tmp_path / "tiny.txt"
     f.write_text("just a few words\n", encoding="utf-8")
     with pytest.raises(ValueError, match="too small"):
-        prepare_lm_data(f, seq_len=64)
+        StoreWindows(cached_token_store(f, tokenizer, tmp_path / "s", progress=False), 64)
 
 
 # ---------------------------------------------------------------- parquet and mixed directories
@@ -511,54 +419,104 @@ def test_pack_documents_rejects_bad_input():
         pack_documents([np.array([], dtype=np.int64)], 8, eot_id=0)
 
 
-def _packed_dataset(n_docs=40, seq_len=8, **kw) -> PackedDataset:
-    docs = [np.arange(100 * i + 1, 100 * i + 1 + (i % 13) + 1) for i in range(n_docs)]
-    return PackedDataset(pack_documents(docs, seq_len, eot_id=0), **kw)
-
-
-def test_packed_dataset_batches_carry_the_packed_labels_and_split_rows():
-    ds = _packed_dataset(val_fraction=0.2, seed=1)
-    rows = ds.num_rows
-    assert ds.num_train_rows + ds.num_val_rows == rows and ds.num_val_rows == round(0.2 * rows)
-    assert set(ds.train_indices.tolist()).isdisjoint(ds.val_indices.tolist())
-    batch = next(ds.batches(4, seed=0))
-    assert batch["input_ids"].shape == batch["labels"].shape == (4, 8)
-    assert batch["labels"].dtype == torch.int64
-    assert (batch["labels"] == IGNORE_INDEX).any() and not torch.equal(batch["labels"], batch["input_ids"])
-    by_first = {tuple(r): tuple(l) for r, l in zip(ds.packed.input_ids.tolist(), ds.packed.labels.tolist())}
-    for r, l in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
-        assert by_first[tuple(r)] == tuple(l)
-    for b in ds.eval_batches(2):
-        assert all(tuple(r) in {tuple(ds.packed.input_ids[i]) for i in ds.val_indices} for r in b["input_ids"].tolist())
-    assert ds.fingerprint() == _packed_dataset(val_fraction=0.2, seed=1).fingerprint()
-    assert ds.fingerprint() != _packed_dataset(val_fraction=0.2, seed=2).fingerprint()
-    with pytest.raises(ValueError, match="too small"):
-        PackedDataset(pack_documents([np.arange(1, 4)], 8, eot_id=0))
-
-
-@pytest.mark.parametrize("make", [lambda: _packed_dataset(val_fraction=0.1), lambda: _unique_dataset(500, 10)])
-def test_batches_start_resumes_the_same_sequence_across_epochs(make):
-    ds = make()
-    per_epoch = ds.batches_per_epoch(3)
-    whole = [b["input_ids"] for b in itertools.islice(ds.batches(3, seed=5), 3 * per_epoch)]
-    for start in (0, 1, per_epoch - 1, per_epoch, 2 * per_epoch + 1):
-        tail = [b["input_ids"] for b in itertools.islice(ds.batches(3, seed=5, start=start), 3 * per_epoch - start)]
-        assert len(tail) == len(whole) - start
-        assert all(torch.equal(a, b) for a, b in zip(tail, whole[start:]))
-    with pytest.raises(ValueError, match="start"):
-        ds.batches(3, start=-1)
-
-
 def test_public_surface_of_megatrain_data_is_pinned():
     import megatrain.data
 
     assert sorted(megatrain.data.__all__) == sorted([
-        "DEFAULT_MAX_BYTES", "DEFAULT_SEQ_LEN", "EOT_CANDIDATES", "EOT_TOKEN", "IGNORE_INDEX",
-        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "CorruptStoreError", "PackedDataset", "PackedRows",
-        "StoreError", "StoreManifest", "StoreWindows", "TokenDataset", "TokenStore",
+        "DEFAULT_MAX_BYTES", "EOT_CANDIDATES", "EOT_TOKEN", "IGNORE_INDEX",
+        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "CorruptStoreError", "PackedRows", "SftDataset", "SftRows",
+        "StoreError", "StoreManifest", "StoreWindows", "TokenStore",
         "build_token_store", "cached_token_store", "corpus_bytes", "corpus_files",
         "default_corpus_dir", "encode_documents", "find_eot_token", "iter_file_documents",
-        "load_documents", "load_tokenizer", "open_token_store", "pack_documents", "prepare_lm_data",
-        "tokenize_documents", "train_bpe_tokenizer",
+        "load_documents", "load_tokenizer", "open_token_store", "pack_documents", "read_sft_examples",
+        "render_chat", "tokenize_documents", "tokenize_sft", "train_bpe_tokenizer",
     ])
     assert all(hasattr(megatrain.data, name) for name in megatrain.data.__all__)
+
+
+# ---------------------------------------------------------------- supervised fine-tuning
+
+
+def _sft_file(path: Path, records: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    return path
+
+
+def _targets(tokenizer, row_ids, row_labels) -> str:
+    return tokenizer.decode([int(t) for t, y in zip(row_ids, row_labels) if y != IGNORE_INDEX],
+                            skip_special_tokens=False)
+
+
+def test_sft_prompt_completion_rows_learn_only_the_completion(tmp_path, tokenizer):
+    f = _sft_file(tmp_path / "d.jsonl", [{"prompt": "def add(a, b):\n", "completion": "    return a + b\n"},
+                                         "", {"prompt": "x = ", "completion": "1"}])
+    eot = tokenizer.token_to_id(EOT_TOKEN)
+    rows = tokenize_sft(tokenizer, read_sft_examples(f, eot_token=EOT_TOKEN), 32, pad_id=eot)
+    assert rows.input_ids.shape == rows.labels.shape == (2, 32) and rows.truncated == 0
+    prompt = tokenizer.encode("def add(a, b):\n", add_special_tokens=False).ids
+    done = tokenizer.encode("    return a + b\n" + EOT_TOKEN, add_special_tokens=False).ids
+    assert rows.input_ids[0, :len(prompt) + len(done)].tolist() == prompt + done
+    assert rows.labels[0].tolist() == [IGNORE_INDEX] * len(prompt) + done + [IGNORE_INDEX] * (
+        32 - len(prompt) - len(done))
+    assert (rows.input_ids[0, len(prompt) + len(done):] == eot).all()  # padded with end-of-text
+    assert _targets(tokenizer, rows.input_ids[1], rows.labels[1]) == "1" + EOT_TOKEN
+    cut = tokenize_sft(tokenizer, read_sft_examples(f), len(prompt) + 2, pad_id=eot)
+    assert cut.truncated == 1 and (cut.labels[0] != IGNORE_INDEX).sum() == 2
+
+
+def test_sft_chat_without_and_with_a_template_learns_only_assistant_turns(tmp_path, tokenizer):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
+            {"role": "assistant", "content": "6"}]
+    f = _sft_file(tmp_path / "c.jsonl", [{"messages": chat}])
+    eot = tokenizer.token_to_id(EOT_TOKEN)
+    plain = tokenize_sft(tokenizer, read_sft_examples(f), 128, pad_id=eot)
+    assert plain.truncated == 0
+    assert _targets(tokenizer, plain.input_ids[0], plain.labels[0]) == f"<|assistant|>\n4{EOT_TOKEN}" \
+        f"<|assistant|>\n6{EOT_TOKEN}"
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    segs = render_chat(chat, template, EOT_TOKEN)
+    # trim_blocks (as transformers renders) drops the newline after each block tag
+    assert "".join(t for t, _ in segs) == f"<system>Be brief.<user>2+2?<assistant>4{EOT_TOKEN}" \
+        f"<user>3+3?<assistant>6{EOT_TOKEN}"
+    assert [t for t, a in segs if a] == [f"4{EOT_TOKEN}", f"6{EOT_TOKEN}"]  # the header is context
+    with pytest.raises(ValueError, match="no 'assistant' message"):
+        render_chat(chat[:2], template, EOT_TOKEN)
+    with pytest.raises(ValueError, match="not a prefix"):
+        render_chat(chat, "{{ messages | length }}", EOT_TOKEN)
+
+
+def test_sft_bad_records_name_the_file_and_line(tmp_path, tokenizer):
+    for records, match in [
+        ([{"prompt": "a", "completion": "b"}, "{oops"], r"b\.jsonl', line 2: not valid JSON"),
+        ([{"prompt": "a"}], r"line 1: an SFT record needs string fields 'prompt' and 'completion'"),
+        (["", {"messages": [{"role": "user"}]}], r"line 2: message 0 must be an object"),
+    ]:
+        f = _sft_file(tmp_path / "b.jsonl", records)
+        with pytest.raises(ValueError, match=match):
+            list(read_sft_examples(f))
+    with pytest.raises(ValueError, match="must be a .jsonl"):
+        list(read_sft_examples(tmp_path / "x.txt"))
+    with pytest.raises(ValueError, match="only blank lines"):
+        tokenize_sft(tokenizer, read_sft_examples(_sft_file(tmp_path / "e.jsonl", [""])), 8, pad_id=0)
+    long_prompt = _sft_file(tmp_path / "p.jsonl", [{"prompt": "word " * 50, "completion": "x"}])
+    with pytest.raises(ValueError, match="example 0: no completion or assistant token within seq_len=8"):
+        tokenize_sft(tokenizer, read_sft_examples(long_prompt), 8, pad_id=0)
+
+
+def test_sft_dataset_splits_and_resumes_exactly(tmp_path, tokenizer):
+    f = _sft_file(tmp_path / "d.jsonl", [{"prompt": f"q{i} ", "completion": f"a{i}"} for i in range(23)])
+    ds = SftDataset(tokenize_sft(tokenizer, read_sft_examples(f), 16, pad_id=0), val_fraction=0.2, seed=1)
+    assert (ds.num_train_rows, ds.num_val_rows) == (18, 5)
+    assert set(ds.train_indices.tolist()).isdisjoint(ds.val_indices.tolist())
+    whole = [b for _, b in zip(range(20), ds.batches(4, seed=3))]
+    for start in (0, 3, 4, 9):
+        tail = [b for _, b in zip(range(20 - start), ds.batches(4, seed=3, start=start))]
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+                   for a, b in zip(tail, whole[start:]))
+    assert len(list(ds.eval_batches(2))) == 2
+    assert ds.fingerprint() == SftDataset(ds.rows, val_fraction=0.2, seed=1).fingerprint() != SftDataset(
+        ds.rows, val_fraction=0.2, seed=2).fingerprint()
+    with pytest.raises(ValueError, match="too small for one batch"):
+        ds.batches(19)

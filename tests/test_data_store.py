@@ -81,6 +81,8 @@ def test_store_holds_exactly_the_in_memory_stream(built, corpus, tokenizer):
     assert m.eot_token == "<|endoftext|>" and m.eot_id == tokenizer.token_to_id("<|endoftext|>")
     assert m.skipped_files == 1 and m.skipped_examples == [str(corpus.absolute() / "latin1.txt")]
     assert m.source_files == 7 and built.origin == "built"
+    assert m.max_bytes is None
+    assert m.text_bytes == sum(len(d.encode("utf-8")) for d in load_documents(corpus, max_bytes=None))
     for i in (0, 3, len(docs) - 1):
         assert np.array_equal(built.document(i), np.append(docs[i], m.eot_id))
     assert built.offsets[0] == 0 and built.offsets[-1] == m.num_tokens
@@ -110,6 +112,28 @@ def test_parallel_build_is_byte_identical_to_serial(corpus, tokenizer, tmp_path,
     a = serial.manifest.model_dump(exclude={"build_seconds"})
     b = parallel.manifest.model_dump(exclude={"build_seconds"})
     assert a == b
+
+
+@pytest.mark.parametrize("budget", [1, 4321, 20_000, 10**9])
+def test_a_byte_budget_takes_what_load_documents_takes(corpus, tokenizer, tmp_path, budget):
+    # 4321 and 20,000 end inside a document (cut at a character boundary), 10**9 past the corpus.
+    store = build_token_store(corpus, tokenizer, tmp_path / "s", max_bytes=budget, workers=2, progress=False)
+    docs = load_documents(corpus, max_bytes=budget)
+    assert np.array_equal(store.tokens.astype(np.int64), encode_documents(tokenizer, docs))
+    assert store.manifest.max_bytes == budget
+    assert store.manifest.text_bytes == sum(len(d.encode("utf-8")) for d in docs) <= budget
+
+
+def test_a_changed_byte_budget_rebuilds_and_no_budget_keeps_the_old_key(corpus, tokenizer, tmp_path):
+    assert cached_token_store(corpus, tokenizer, tmp_path / "s", max_bytes=5000, progress=False).origin == "built"
+    again = cached_token_store(corpus, tokenizer, tmp_path / "s", max_bytes=5000, progress=False)
+    assert again.origin == "reused"
+    whole = cached_token_store(corpus, tokenizer, tmp_path / "s", workers=1, progress=False)
+    assert whole.origin == "rebuilt (options changed)"
+    m = whole.manifest
+    assert m.key == S.store_key(m.source_sha256, m.tokenizer_sha256, m.eot_token, m.text_field)
+    with pytest.raises(ValueError, match="max_bytes must be a positive"):
+        build_token_store(corpus, tokenizer, tmp_path / "t", max_bytes=0, progress=False)
 
 
 def test_single_jsonl_file_source(tmp_path, tokenizer):

@@ -199,7 +199,13 @@ def test_sigint_stops_after_the_step_saves_and_resume_is_exact(first_run, setup,
     # A row a crashed run wrote after its last checkpoint is dropped on resume.
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps({**rows(out)[-1], "step": 6, "loss": -1.0}) + "\n")
+    stamp = (out / "tokens" / "tokens.bin").stat().st_mtime_ns
     assert run(setup, out, "--hardware", "H100_SXM", "--model", str(out / "checkpoint")) == 0
+    # The resumed run reads the same token store (not tokenised again) from batch 5 on.
+    assert f"token store {out / 'tokens'} (reused)" in capsys.readouterr().out
+    assert (out / "tokens" / "tokens.bin").stat().st_mtime_ns == stamp
+    assert saved_state(out / "checkpoint")["data_fingerprint"] == saved_state(first_run / "checkpoint")[
+        "data_fingerprint"]
     resumed, straight = rows(out), rows(first_run)
     assert [x["step"] for x in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(resumed, straight):
@@ -525,7 +531,9 @@ def test_a_stopped_run_without_checkpoint_reruns_and_a_partial_metrics_line_is_d
     monkeypatch.undo()
     monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
     assert run(setup, out, "--nonfinite", "stop", "--max-steps", "3") == 0
-    assert "starting it again" in capsys.readouterr().out
+    started_again = capsys.readouterr().out
+    assert "starting it again" in started_again
+    assert f"token store {out / 'tokens'} (reused)" in started_again  # the run's files go, its store stays
     assert [r["applied"] for r in rows(out)] == [True] * 3
 
     # A run killed while writing metrics.jsonl: the partial line is dropped when it resumes.
@@ -555,6 +563,146 @@ def test_the_checkpoint_names_the_tokenizers_special_tokens_and_generates(first_
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 4) or out[0, -1] == tok.eos_token_id  # stops only at end-of-text
     assert tok.decode(out[0, :ids.shape[1]]) == "def main():"
+
+
+# -- the token store ------------------------------------------------------------------------------
+
+def test_the_data_line_reports_the_store_and_a_shared_data_cache_is_reused(setup, tmp_path, capsys):
+    from megatrain.data import StoreWindows, open_token_store
+
+    cache = tmp_path / "cache"
+    assert main(_train_args(setup, tmp_path / "a", "--data-cache", str(cache))) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data: "))
+    with open_token_store(cache) as store:
+        m = store.manifest
+        windows = StoreWindows(store, 32, val_fraction=0.05, seed=0)
+        assert m.max_bytes == 20000 and 19000 < m.text_bytes <= 20000
+        assert line.startswith(f"data: {m.num_documents:,} documents, {m.text_bytes / 1e6:.2f} MB of text -> "
+                               f"{m.num_tokens:,} tokens in {windows.num_train_rows:,} training + "
+                               f"{windows.num_val_rows:,} validation windows of 32; token store {cache} (built); "
+                               "tokenizer: byte-level BPE trained here, vocab 320, end-of-text '<|endoftext|>'")
+        fingerprint = windows.fingerprint()
+    assert not (tmp_path / "a" / "tokens").exists()
+    assert saved_state(tmp_path / "a" / "checkpoint")["data_fingerprint"] == fingerprint
+    # Another run on the same data and tokenizer reads the same store; another budget rebuilds it.
+    assert main(_train_args(setup, tmp_path / "b", "--data-cache", str(cache))) == 0
+    assert f"token store {cache} (reused)" in capsys.readouterr().out
+    assert main(_train_args(setup, tmp_path / "c", "--data-cache", str(cache), "--max-bytes", "30000")) == 0
+    # (the BPE learns from the first max_bytes too, so it is the tokenizer that changed)
+    assert f"token store {cache} (rebuilt (tokenizer changed))" in capsys.readouterr().out
+    assert T.load_train_config(None, {"model": "m", "output_dir": "o"}).data_cache is None
+
+
+def test_a_corrupted_store_is_rebuilt_and_the_resume_stays_exact(first_run, tmp_path, capsys):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(first_run, resumed)
+    tokens = resumed / "tokens" / "tokens.bin"
+    data = bytearray(tokens.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    tokens.write_bytes(bytes(data))
+    assert main(["train", "--model", str(resumed / "checkpoint"), "--output-dir", str(resumed), "--max-steps",
+                 str(STEPS + 1)]) == 0
+    out = capsys.readouterr().out
+    assert f"token store {resumed / 'tokens'} (rebuilt (corrupt: " in out and "tokens.bin does not match" in out
+    # The rebuilt store holds the same tokens: the resume's data check (the windows' fingerprint) passed.
+    assert [r["step"] for r in rows(resumed)] == list(range(1, STEPS + 2))
+    assert tokens.read_bytes() == (first_run / "tokens" / "tokens.bin").read_bytes()
+
+
+def _jsonl(path: Path, records: list[str]) -> Path:
+    path.write_text("\n".join(records) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("given_tokenizer", [False, True], ids=["bpe-sample", "store-build"])
+def test_bad_data_is_one_error_line_naming_the_file_and_line(first_run, setup, tmp_path, capsys, given_tokenizer):
+    # Without a tokenizer the BPE's sample meets the bad record first; with one, the store's build.
+    tok = ("--tokenizer", str(first_run / "tokenizer.json")) if given_tokenizer else ()
+    good = json.dumps({"text": "def f(x):\n    return x\n" * 40})
+    cases = [
+        (_jsonl(tmp_path / "broken.jsonl", [good, good, '{"text": "no end']),
+         ["broken.jsonl', line 3: not valid JSON"]),
+        (_jsonl(tmp_path / "field.jsonl", [good, json.dumps({"body": "x"})]),
+         ["field.jsonl', line 2: JSON value has no field 'text'"]),
+        (_jsonl(tmp_path / "number.jsonl", [json.dumps({"text": 7})]),
+         ["number.jsonl', line 1: field 'text' must be a string, got int"]),
+        (_jsonl(tmp_path / "blank.jsonl", ["", json.dumps({"text": ""})]),
+         ["no non-empty UTF-8 documents", "blank.jsonl"]),
+    ]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("  \n")
+    cases.append((tmp_path / "empty", ["no non-empty UTF-8 documents found in", "empty"]))
+    for i, (data, expected) in enumerate(cases):
+        assert run(setup, tmp_path / f"o{i}", "--data", str(data), *tok) == 2, data
+        line = one_error_line(capsys.readouterr().err)
+        assert line.startswith("error: data: ") and all(e in line for e in expected), line
+        assert not (tmp_path / f"o{i}" / "checkpoint").exists()
+    # The same command after the data are fixed: the failed run left at most its (unfinished) store.
+    (tmp_path / "empty" / "a.txt").write_text("x = 1\n" * 2000)
+    assert run(setup, tmp_path / f"o{len(cases) - 1}", "--data", str(tmp_path / "empty"), *tok,
+               "--max-steps", "2") == 0
+
+
+def test_too_little_text_for_a_batch_leaves_only_the_store_and_the_same_command_runs_again(
+        first_run, setup, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("x = 1\n" * 20)
+    out = tmp_path / "out"
+    tok = ("--tokenizer", str(first_run / "tokenizer.json"))
+    assert run(setup, out, "--data", str(corpus), *tok) == 2
+    assert "corpus too small" in one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in out.iterdir()) == ["tokens"]
+    corpus.write_text("x = 1\n" * 2000)
+    assert run(setup, out, "--data", str(corpus), *tok, "--max-steps", "2") == 0
+    assert f"token store {out / 'tokens'} (rebuilt (source changed))" in capsys.readouterr().out
+
+
+def test_task_sft_trains_on_completions_with_the_tokenizers_chat_template(first_run, setup, tmp_path, capsys):
+    data = tmp_path / "sft.jsonl"
+    records = [{"prompt": f"def f{i}(x):\n", "completion": f"    return x + {i}\n"} for i in range(30)]
+    records += [{"messages": [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
+                for i in range(10)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # A tokenizer whose tokenizer_config.json has a chat template: the chats are rendered with it.
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(first_run / "tokenizer.json", tok / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")}))
+    out = tmp_path / "out"
+    assert run(setup, out, "--task", "sft", "--data", str(data), "--tokenizer", str(tok / "tokenizer.json"),
+               "--max-steps", "2", "--val-fraction", "0.2") == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data: "))
+    assert line.startswith("data: 40 SFT examples (0 cut at seq_len) in 32 training + 8 validation rows of 32")
+    assert "chat template of tokenizer_config.json" in line
+    assert [r["step"] for r in rows(out)] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows(out))
+    assert not (out / "tokens").exists()  # SFT rows are not the token store's windows
+    # A bad record: one error line naming the file and line.
+    data.write_text(json.dumps(records[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    assert run(setup, tmp_path / "bad", "--task", "sft", "--data", str(data)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "sft.jsonl', line 2: an SFT record needs string fields 'prompt' and 'completion'" in line
+
+
+def test_the_preflight_counts_the_store_reader_not_the_corpus(setup, tmp_path):
+    from megatrain.train.preflight import (BATCH_BYTES_PER_TOKEN, DATA_BYTES_PER_TEXT_BYTE, STORE_READER_BYTES,
+                                           data_pipeline_bytes)
+
+    small, big = tmp_path / "small.txt", tmp_path / "big.txt"
+    small.write_text("x" * 1000)
+    with open(big, "wb") as f:  # sparse: 8 GB on paper, nothing on disk
+        f.truncate(8 << 30)
+    reader = STORE_READER_BYTES + 4 * 32 * BATCH_BYTES_PER_TOKEN
+    for data in (small, big):
+        cfg = T.load_train_config(setup / "run.yaml", {"data": str(data), "max_bytes": "none", "output_dir": "o"})
+        assert data_pipeline_bytes(cfg) == reader
+        # A BPE's sample counts, up to the corpus's size.
+        assert data_pipeline_bytes(cfg, 10_000_000) == reader + min(data.stat().st_size, 10_000_000) * \
+            DATA_BYTES_PER_TEXT_BYTE
+    with pytest.raises(ConfigError, match="data: corpus path"):
+        data_pipeline_bytes(T.load_train_config(None, {"model": "m", "output_dir": "o",
+                                                       "data": str(tmp_path / "none")}))
 
 
 def test_config_paths_are_relative_to_the_file_and_binary_files_are_reported(tmp_path):

@@ -6,38 +6,32 @@ always present); a user may instead point at a directory of documents, a
 single text file, a ``.jsonl`` file or a Parquet file (``pyarrow``, the
 ``data`` extra).
 
-Two ways to cut token streams into rows:
+One dataset path: :func:`cached_token_store` tokenises the corpus once into a
+memory-mapped file on disk (in parallel processes, reused while the source and
+tokenizer are unchanged, rebuilt when it fails its checks) and
+:class:`StoreWindows` reads seeded, resumable training windows from it, so
+corpora larger than RAM train with flat host memory::
 
-- :class:`TokenDataset` cuts one stream into fixed windows, documents
-  running across window boundaries (GPT-style; the main job uses it)::
+    tokenizer = train_bpe_tokenizer(load_documents(path), vocab_size=2048)
+    store = cached_token_store(path, tokenizer, "runs/tokens")
+    data = StoreWindows(store, 256, seed=0)
+    for step, batch in zip(range(num_steps), data.batches(8, seed=0)):
+        loss = model(**batch).loss   # input_ids, labels: LongTensor[8, 256]
 
-      tokenizer, data = prepare_lm_data(seq_len=256)
-      for step, batch in zip(range(num_steps), data.batches(8, seed=0)):
-          loss = model(**batch).loss   # input_ids, labels: LongTensor[8, 256]
+Supervised fine-tuning (``sft``): :func:`read_sft_examples` reads ``{"prompt",
+"completion"}`` or chat ``{"messages"}`` JSONL, :func:`tokenize_sft` makes padded
+rows with labels only on the answer, :class:`SftDataset` batches them.
 
-- :func:`pack_documents` + :class:`PackedDataset` pack whole documents into
-  rows so that no loss target crosses a document boundary (``megatrain
-  train`` uses it)::
+:func:`pack_documents` packs whole documents into rows so that no loss target
+is predicted from another document's text: the rows per-document attention needs.
 
-      docs = tokenize_documents(tokenizer, load_documents(path))
-      data = PackedDataset(pack_documents(docs, 256, eot_id=eot), seed=0)
-
-- :func:`cached_token_store` + :class:`StoreWindows` tokenise the corpus once
-  into a memory-mapped file on disk (in parallel processes, reused while the
-  source and tokenizer are unchanged) and read windows from it, so corpora
-  larger than RAM train with flat host memory::
-
-      store = cached_token_store(path, tokenizer, "runs/tokens")
-      data = StoreWindows(store, 256, seed=0)   # same batches/eval_batches API
-
-Modules: ``sources`` (readers), ``tokenizer``, ``packing``, ``datasets``
-(in-memory rows), ``store`` (the on-disk token store), ``windows`` (reading it).
+Modules: ``sources`` (readers), ``tokenizer``, ``packing``, ``store`` (the
+on-disk token store), ``windows`` (reading it), ``sft`` (fine-tuning examples).
 
 Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
 """
 
-from megatrain.data.datasets import DEFAULT_SEQ_LEN, PackedDataset, TokenDataset, prepare_lm_data
 from megatrain.data.packing import IGNORE_INDEX, PackedRows, pack_documents
 from megatrain.data.sources import (
     DEFAULT_MAX_BYTES,
@@ -67,23 +61,23 @@ from megatrain.data.tokenizer import (
     tokenize_documents,
     train_bpe_tokenizer,
 )
+from megatrain.data.sft import SftDataset, SftRows, read_sft_examples, render_chat, tokenize_sft
 from megatrain.data.windows import StoreWindows
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
-    "DEFAULT_SEQ_LEN",
     "EOT_CANDIDATES",
     "EOT_TOKEN",
     "IGNORE_INDEX",
     "RECORD_SUFFIXES",
     "TEXT_SUFFIXES",
     "CorruptStoreError",
-    "PackedDataset",
     "PackedRows",
+    "SftDataset",
+    "SftRows",
     "StoreError",
     "StoreManifest",
     "StoreWindows",
-    "TokenDataset",
     "TokenStore",
     "build_token_store",
     "cached_token_store",
@@ -97,7 +91,9 @@ __all__ = [
     "load_tokenizer",
     "open_token_store",
     "pack_documents",
-    "prepare_lm_data",
+    "read_sft_examples",
+    "render_chat",
     "tokenize_documents",
+    "tokenize_sft",
     "train_bpe_tokenizer",
 ]

@@ -1,9 +1,8 @@
 """Training windows read from a token store without loading it, shuffled by keyed bijections.
 
 :class:`StoreWindows` cuts a :class:`~megatrain.data.store.TokenStore`'s flat stream into fixed
-windows of ``seq_len`` tokens, as :class:`~megatrain.data.datasets.TokenDataset` cuts an in-memory
-stream. The train/validation split and each epoch's shuffle are keyed bijections computed per batch (a Feistel network with
-cycle walking: Black & Rogaway, "Ciphers with Arbitrary Finite Domains", CT-RSA 2002), never a
+windows of ``seq_len`` tokens. The train/validation split and each epoch's shuffle are keyed
+bijections computed per batch (a Feistel network with cycle walking: Black & Rogaway, "Ciphers with Arbitrary Finite Domains", CT-RSA 2002), never a
 materialised index, and the pages a batch touched are released after it is copied out
 (``madvise(MADV_DONTNEED)``), so the reader's resident memory does not grow with the corpus.
 """
@@ -84,9 +83,9 @@ class _Permutation:
 class StoreWindows:
     """Fixed-length training windows read from a :class:`TokenStore`, with a held-out split.
 
-    The stream is cut into ``num_windows = num_tokens // seq_len`` windows, as
-    :class:`~megatrain.data.datasets.TokenDataset` cuts an in-memory stream; documents run across
-    window boundaries. ``labels`` equal ``input_ids`` (Hugging Face causal LMs shift inside their
+    The stream is cut into ``num_windows = num_tokens // seq_len`` non-overlapping windows (the
+    trailing remainder is dropped); documents run across window boundaries, as in GPT-style
+    pre-training. ``labels`` equal ``input_ids`` (Hugging Face causal LMs shift inside their
     loss) except that with ``mask_document_starts`` the first token of every document that starts
     inside a window (the token after an end-of-text) is :data:`IGNORE_INDEX`, so no loss target
     is predicted from another document's text, as :func:`~megatrain.data.packing.pack_documents`
@@ -100,8 +99,8 @@ class StoreWindows:
     not depend on the corpus; batch ``b`` depends only on the seeds and ``b``, which is how a
     resumed run takes exactly the batches of one that never stopped.
 
-    The API is :class:`~megatrain.data.datasets.PackedDataset`'s (``batches``, ``eval_batches``,
-    ``batches_per_epoch``, ``fingerprint``, ``num_train_rows``, ``num_val_rows``).
+    API: ``batches``, ``eval_batches``, ``batches_per_epoch``, ``fingerprint``, ``num_train_rows``,
+    ``num_val_rows``.
 
     Raises:
         ValueError: ``seq_len < 2``; ``val_fraction`` not in ``(0, 1)``; fewer than two windows.
@@ -202,7 +201,7 @@ class StoreWindows:
     def batches(
         self, batch_size: int, *, seed: int = 0, split: str = "train", start: int = 0
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield shuffled batches endlessly, epoch after epoch, as ``PackedDataset.batches``.
+        """Yield shuffled batches endlessly, epoch after epoch.
 
         Args:
             batch_size: windows per batch.
@@ -235,10 +234,15 @@ class StoreWindows:
             first = 0
             epoch += 1
 
+    def close(self) -> None:
+        """Close the store's map (:meth:`TokenStore.close`); no batch may be read afterwards."""
+        self.store.close()
+
     def eval_batches(
         self, batch_size: int, max_batches: int | None = None
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield validation batches in a fixed order, as ``PackedDataset.eval_batches``.
+        """Yield validation batches in a fixed order (the validation windows by ascending rank of
+        the split's bijection): the same sequence on every call, only full batches.
 
         Raises:
             ValueError (immediately): ``batch_size < 1``, ``max_batches < 1``, or fewer than

@@ -32,18 +32,32 @@ class TrainConfig(pydantic.BaseModel):
     output_dir: str = Field(description="where metrics.jsonl, checkpoint/, tokenizer.json and loss.png go; "
                                         "empty, or holding this run (same model, data, seq_len, global_batch "
                                         "and seed), which then resumes from its checkpoint or starts over")
+    task: Literal["lm", "sft"] = Field("lm", description="lm: language modelling on the text of data; sft: "
+                                                         "supervised fine-tuning on a .jsonl of {prompt, "
+                                                         "completion} or chat {messages} records, loss only on "
+                                                         "completion / assistant tokens, one example per "
+                                                         "row padded to seq_len (the token store is not used)")
     data: str | None = Field(None, description="a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
                                                "or one such file (default: this Python's standard library)")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
                                                 ".parquet files")
-    max_bytes: int | None = Field(3_000_000, gt=0, description="UTF-8 bytes of text to read (null: all)")
+    max_bytes: int | None = Field(3_000_000, gt=0, description="UTF-8 bytes of text, from the corpus's start, "
+                                                               "to tokenise into the token store and train on "
+                                                               "(null: the whole corpus, tokenised in parallel "
+                                                               "processes); a trained BPE learns from at most "
+                                                               "the first 10 MB of it")
+    data_cache: str | None = Field(None, description="the token store's directory: the data tokenised once into "
+                                                     "a memory-mapped file that training reads, reused while the "
+                                                     "data files, tokenizer, eot_token, text_field and max_bytes "
+                                                     "are unchanged, rebuilt when it fails its sha256 check "
+                                                     "(default: output_dir/tokens)")
     tokenizer: str | None = Field(None, description="a tokenizers JSON file (default: the model directory's "
                                                     "tokenizer.json, else a byte-level BPE trained on the "
                                                     "data with the model's vocab_size)")
     eot_token: str | None = Field(None, description="the tokenizer's end-of-text token (default: the first of "
                                                     "<|endoftext|>, <|end_of_text|>, </s>, <eos> it has)")
-    seq_len: int = Field(1024, ge=2, description="tokens per packed row")
-    global_batch: int = Field(8, gt=0, description="rows per optimizer step")
+    seq_len: int = Field(1024, ge=2, description="tokens per training window")
+    global_batch: int = Field(8, gt=0, description="windows (rows) per optimizer step")
     micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch; global_batch must be a "
                                                        "multiple of it")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
@@ -71,7 +85,7 @@ class TrainConfig(pydantic.BaseModel):
                                                    "device cuda the spec the plan is solved for (default: "
                                                    "the measured GPU)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
-    val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of packed rows held out for validation")
+    val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (null: torch's default)")
 
@@ -159,7 +173,7 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str
         raise ConfigError(f"invalid train config ({where}): {describe_validation(e, missing_hint=_flag_hint)}") from None
 
 
-_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir")
+_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir", "data_cache")
 
 
 def _relative_to(base: Path, loaded: dict) -> dict:
@@ -168,7 +182,7 @@ def _relative_to(base: Path, loaded: dict) -> dict:
         v = out.get(k)
         if isinstance(v, str) and v and not Path(v).is_absolute():
             p = base / v
-            if k in ("data", "tokenizer", "output_dir") or p.exists():
+            if k in ("data", "tokenizer", "output_dir", "data_cache") or p.exists():
                 out[k] = str(p)
     return out
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from megatrain.errors import CheckpointError, MegatrainError
 from megatrain.train.config import TrainConfig
-from megatrain.train.corpus import match_special_tokens, prepare_data
+from megatrain.train.corpus import (match_special_tokens, prepare_data, store_dir, tokenizer_sample_bytes,
+                                    trains_tokenizer)
 from megatrain.train.lr import lr_at
 from megatrain.planner.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
@@ -101,7 +102,8 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
     from megatrain.planner.presets import build_meta_model
 
     available = available_host_memory()  # before the build: what the run may use
-    data, shard = data_pipeline_bytes(cfg), largest_safetensors(source.directory)
+    data = data_pipeline_bytes(cfg, tokenizer_sample_bytes(cfg) if trains_tokenizer(cfg, source) else 0)
+    shard = largest_safetensors(source.directory)
     clip = cfg.max_grad_norm is not None
     torch.manual_seed(cfg.seed)
     model = build_meta_model(source.config, dtype=torch.float32)
@@ -194,7 +196,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     if source.tied and source.kind == "config":
         echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")
     planned = _plan(cfg, source, hw, echo)
-    tokenizer, dataset, eot = prepare_data(cfg, source, echo)
+    tokenizer, dataset, eot = prepare_data(cfg, source, echo, store_dir(cfg))
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped = _materialize_and_load(cfg, planned, source, fingerprint, echo)
@@ -278,6 +280,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
             bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
                       "from it")
 
+    dataset.close()
     rows = read_metrics(metrics_path)
     try:
         save_loss_plot(rows, out / PLOT_FILE, title=f"{Path(cfg.model).name}: {step} steps, "

@@ -8,16 +8,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatrain.errors import ConfigError, PlanError
-from megatrain.units import GiB, gib
+from megatrain.units import GiB, MiB, gib
 
 if TYPE_CHECKING:
     from megatrain.train.config import TrainConfig
     from megatrain.trainer import PlannedModel
 
 DATA_BYTES_PER_TEXT_BYTE = 40
-"""Host bytes the data pipeline may hold per byte of text read (estimate, for the preflight): the
-documents as ``str``, BPE training, per-document token arrays and the packed rows with labels.
-megatrain.data measured about 1.3 GB of RAM for the 32 MB standard-library corpus, i.e. ~40x."""
+"""Host bytes per byte of a tokenizer's training sample (estimate, for the preflight): the sample's
+documents as ``str`` and BPE training on them. The in-memory pipeline this replaced (documents,
+BPE, token arrays, packed rows) measured about 1.3 GB of RAM for the 32 MB standard-library
+corpus, i.e. ~40x: an upper bound for the sample alone."""
+
+STORE_READER_BYTES = 64 * MiB
+"""Host bytes reading the token store may add to the process, whatever the corpus's size: the
+window reader maps only the pages of the batch it copies and unmaps them after
+(``megatrain.data.StoreWindows``). ``bench/data_rss.py`` measured +6.3 MB of RSS over a whole
+epoch of a 1 GB corpus (352 M tokens) and +0.5 MB at 100 MB
+(``bench/results/2026-11-24-cpu-data-rss-*.json``); 64 MiB is that with a tenfold margin for
+page tables and the batch's index arrays."""
+
+BATCH_BYTES_PER_TOKEN = 32
+"""Host bytes per token of a global batch while it is read: int64 ``input_ids`` and ``labels``
+(16 bytes) and the gather index and staging copy of the same size."""
 
 
 def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_bytes: int = 0,
@@ -27,9 +40,9 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
 
     Needed: ``planned.memory.host_total`` (FP32 master weights, two Adam moments, gradient and
     staging rings, pinned activations: the breakdown of the very plan that will run), plus
-    ``data_bytes`` (text, tokenizer, token ids and packed rows: see
-    :data:`DATA_BYTES_PER_TEXT_BYTE`), plus ``checkpoint_bytes`` (the largest safetensors file
-    loaded, whose pages are mapped while it is read), plus ``built_bytes`` (a model built on the
+    ``data_bytes`` (the token store's reader and a batch, and a tokenizer's training sample:
+    :func:`data_pipeline_bytes`; not the corpus, which stays on disk), plus ``checkpoint_bytes``
+    (the largest safetensors file loaded, whose pages are mapped while it is read), plus ``built_bytes`` (a model built on the
     CPU, held until ``materialize`` moves it into the host tiles).
 
     Args:
@@ -103,20 +116,34 @@ def _refuse(needed: int, parts: list[str], data_bytes: int, checkpoint_bytes: in
     raise PlanError(
         f"not enough host memory: this run needs about {gib(needed)} ({', '.join(parts)}) but "
         f"{gib(have)} is available ({where}). Each parameter takes 12 bytes of host state "
-        f"({params / 1e9:,.2f}B parameters here): train a smaller model, lower max_bytes,{clip} "
+        f"({params / 1e9:,.2f}B parameters here): train a smaller model,{clip} "
         f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available")
 
 
-def data_pipeline_bytes(cfg: TrainConfig) -> int:
+def data_pipeline_bytes(cfg: TrainConfig, tokenizer_sample: int = 0) -> int:
+    """Host bytes of the data pipeline for the preflight: :data:`STORE_READER_BYTES`, a global
+    batch (:data:`BATCH_BYTES_PER_TOKEN` per token), and ``tokenizer_sample`` bytes of text that
+    train a BPE (:data:`DATA_BYTES_PER_TEXT_BYTE` each; 0 when the tokenizer is given). The corpus
+    itself is tokenised into the on-disk store and read through a memory map, so its size does not
+    count (with ``task: sft`` the examples are read into memory and count in full); the store's
+    build runs in worker processes, each bounded by a batch of documents (``megatrain.data.store``),
+    and ends before the model's host state is allocated.
+
+    Raises:
+        ConfigError: the data path does not exist or holds no corpus file (checked here, before the
+            model is built).
+    """
     from megatrain.data import corpus_bytes
 
     try:
         text = corpus_bytes(cfg.data)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
-    if cfg.max_bytes is not None:
-        text = min(text, cfg.max_bytes)
-    return text * DATA_BYTES_PER_TEXT_BYTE
+    if cfg.task == "sft":  # the examples are held in memory as padded rows (SFT sets are small)
+        return cfg.global_batch * cfg.seq_len * BATCH_BYTES_PER_TOKEN + text * DATA_BYTES_PER_TEXT_BYTE
+    sample = min(text, tokenizer_sample)
+    return (STORE_READER_BYTES + cfg.global_batch * cfg.seq_len * BATCH_BYTES_PER_TOKEN
+            + sample * DATA_BYTES_PER_TEXT_BYTE)
 
 
 def largest_safetensors(directory: Path | None) -> int:

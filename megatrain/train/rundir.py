@@ -21,13 +21,15 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CONFIG_FILE = "train_config.json"
 PLOT_FILE = "loss.png"
+STORE_DIR = "tokens"
+"""The run's token store (``megatrain.data.cached_token_store``) unless ``data_cache`` puts it elsewhere."""
 STATE_KEY = "megatrain_train"
 STATE_VERSION = 1
 
-RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR)
+RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR, STORE_DIR)
 """What ``megatrain train`` writes in ``output_dir`` (besides the hidden directories of a save)."""
 
-RUN_IDENTITY = ("model", "data", "seq_len", "global_batch", "seed")
+RUN_IDENTITY = ("model", "task", "data", "seq_len", "global_batch", "seed")
 """Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
 
 
@@ -44,7 +46,8 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> 
     ``checkpoint/``), with the source to load. ``out`` holding a run with the same
     :data:`RUN_IDENTITY` settings (its ``train_config.json``) is that run again: with a complete
     checkpoint it resumes from it; without one (killed before the first save, ``nonfinite: stop``,
-    a crash) its files are removed and it starts over. Then ``out`` must be writable.
+    a crash) its files are removed and it starts over, all but its token store (:data:`STORE_DIR`),
+    which verifies itself when opened and is reused. Then ``out`` must be writable.
     """
     from megatrain.checkpoint import _is_complete, _recover
     from megatrain.train.model import resolve_model
@@ -54,7 +57,9 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {out} is a file; set output_dir (--output-dir) to a directory")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if held and not here:
+    # A run that failed after building its token store but before writing anything else (too
+    # little text for a batch, say) left only the store: as good as empty, and kept for reuse.
+    if held and held != [STORE_DIR] and not here:
         saved = _saved_settings(out)
         foreign = [n for n in held if n not in RUN_FILES and not _is_save_leftover(n)]
         if saved is None or foreign:
@@ -63,8 +68,9 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> 
             raise ConfigError(f"output_dir {out} is not empty and holds no megatrain run of its own (it holds "
                               f"{', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); choose another "
                               f"output_dir{hint}")
-        differ = [f"{k}={saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in RUN_IDENTITY
-                  if saved.get(k) != getattr(cfg, k)]
+        # A setting missing from a run saved before it existed had its default then.
+        was = {k: saved.get(k, type(cfg).model_fields[k].default) for k in RUN_IDENTITY}
+        differ = [f"{k}={was[k]!r} there, {getattr(cfg, k)!r} now" for k in RUN_IDENTITY if was[k] != getattr(cfg, k)]
         if differ:
             raise ConfigError(f"output_dir {out} holds another run ({'; '.join(differ)}); choose another "
                               f"output_dir, or continue that run with its settings (see {out / CONFIG_FILE})")
@@ -77,6 +83,8 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> 
 
             echo(f"note: {out} holds this run, stopped before its first complete checkpoint; starting it again")
             for name in held:
+                if name == STORE_DIR:
+                    continue
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     _check_writable(out)
@@ -125,9 +133,9 @@ def check_resume(state: dict, cfg: TrainConfig, where: Path, fingerprint: str) -
                               f"{getattr(cfg, key)}; resuming needs the same {key} (the data position counts "
                               "batches of that shape and order)")
     if state["data_fingerprint"] != fingerprint:
-        raise ConfigError(f"{where}: the packed data differ from the checkpoint's (sha256 "
+        raise ConfigError(f"{where}: the training windows differ from the checkpoint's (sha256 "
                           f"{state['data_fingerprint'][:12]} there, {fingerprint[:12]} now); resume with the same "
-                          "data, max_bytes, text_field, tokenizer, val_fraction and seed")
+                          "data, max_bytes, text_field, tokenizer, eot_token, val_fraction and seed")
     if state["step"] >= cfg.max_steps:
         raise ConfigError(f"{where} is at step {state['step']}, and max_steps is {cfg.max_steps}: nothing to do; "
                           "raise max_steps to train on")
