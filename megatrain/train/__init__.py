@@ -11,7 +11,8 @@ function of a module of this package::
                 device for CUDA; on the CPU built there, after a parameter-count bound)
     preflight   that planned model's host bytes + data + a checkpoint shard against MemAvailable,
                 before anything large is allocated
-    corpus      documents -> tokenizer -> rows packed by megatrain.data.pack_documents
+    corpus      tokenizer -> token store (megatrain.data.cached_token_store) -> StoreWindows
+                windows; --task sft: padded rows with labels on the answers (megatrain.data.sft)
     materialize megatrain.materialize of the same planned model: host tiles, backend, executor
     weights     Trainer.load_hf_weights, or Trainer.load for an exact resume
     loop        lr (warm-up + cosine), step, non-finite policy, evaluation, checkpoints,
