@@ -34,8 +34,13 @@ STEP_KINDS = (OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST, OpKind.ACC)
 def durations(graph: LayerGraph, kinds: Sequence[OpKind], compute_dtype: str,
               hw: HardwareSpec) -> dict[OpKind, tuple[float, ...]]:
     """Seconds of one op of each of ``kinds`` on every layer of ``graph`` (one micro-batch, in
-    ``compute_dtype``): :func:`cost.op_duration`, indexed ``[kind][layer]``."""
-    probe = Plan(compute_dtype=compute_dtype)
+    ``compute_dtype``): :func:`cost.op_duration`, indexed ``[kind][layer]``.
+
+    Gradient ops are timed at their cheapest form over the plans the search tries, so that the
+    bounds built on them stay below every plan's step: the probe (per-micro-batch passes) sends
+    BF16 gradients where compute is BF16 (``Plan.gradient_dtype``: half the D2H bytes) and its
+    OPT reads an FP32 accumulator (no widening, ``cost.widens_gradients``)."""
+    probe = Plan(compute_dtype=compute_dtype, micro_batches=2, layer_by_layer=False)
     n = len(graph.layers)
     return {kind: tuple(cost.op_duration(kind, graph, i, probe, hw) for i in range(n)) for kind in kinds}
 

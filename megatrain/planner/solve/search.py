@@ -177,9 +177,15 @@ class Search:
         key = (opt.key, grad_ring)
         if key not in self.rings:
             plan = Plan(micro_batches=opt.micro_batches, grad_ring=grad_ring, layer_by_layer=opt.layer_by_layer,
-                        optimizer=placement(self.request))
+                        optimizer=placement(self.request), compute_dtype=self.request.compute_dtype)
             self.rings[key] = cost.gradient_ring_bytes(opt.graph, plan)
         return self.rings[key]
+
+    def gradient_itemsize(self, opt: SizeOption) -> int:
+        """Bytes per gradient element in the slots and host tiles of ``opt``'s plans
+        (``Plan.gradient_itemsize``: BF16 where BF16 compute makes it exact)."""
+        return Plan(micro_batches=opt.micro_batches, layer_by_layer=opt.layer_by_layer,
+                    compute_dtype=self.request.compute_dtype).gradient_itemsize
 
     def cast_once_bytes(self, opt: SizeOption) -> int:
         """Pinned bytes of one staging tile per layer, each at its size (``Plan.cast_once``)."""
@@ -195,7 +201,7 @@ class Search:
             m = replace(m, staging_ring=self.cast_once_bytes(opt))
         if not resident:
             return m
-        w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4)
+        w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4, self.gradient_itemsize(opt))
         return replace(m, weight_slots=w, gradient_slots=g)
 
     def gpu_fits(self, unit: cost.MemoryBreakdown, slots: int, cap: int | None = None) -> bool:
@@ -393,7 +399,7 @@ class Search:
         # weight is its own weights and gradients. The streaming slots stay sized for the widest
         # layer here; residents can only narrow them, so the choice is within memory.
         itemsize = 2 if self.bf16 else 4
-        weights = [layer.numel * itemsize + layer.trainable_numel * cost.GRAD_ITEMSIZE
+        weights = [layer.numel * itemsize + layer.trainable_numel * self.gradient_itemsize(c.option)
                    for layer in c.option.graph.layers]
         room = max(spare, 0)
         key = (c.policy, c.slots, c.distance, room, c.option.layer_by_layer)
