@@ -54,7 +54,8 @@ class Plan:
             arXiv:2101.06840).
         optimizer: when each layer's host optimizer step runs.
         compute_dtype: dtype of the weights the GPU computes with, ``"float32"`` or ``"bfloat16"``;
-            H2D copies move ``numel x itemsize`` bytes per layer. Gradients and masters stay FP32.
+            H2D copies move ``numel x itemsize`` bytes per layer. Masters and moments stay FP32;
+            gradients too unless they are BF16 where exact (``d2h_dtype``, :attr:`gradient_dtype`).
         staging_ring: host tiles holding compute-dtype copies of layers about to be copied to the
             GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly).
         cast_once: BF16 only. Each layer gets a staging tile of its own, sized to it
