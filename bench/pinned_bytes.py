@@ -13,21 +13,28 @@ gradient clipping, and three figures for that same plan:
   rings of the widest layer), which the planner checked against the pinned cap.
 - ``after``: ``cost.memory_breakdown(...).host_pinned``, which is what the runtime pins now,
   exactly (``tests/test_pinned.py`` checks the equality through the fake CUDA layer).
+- ``FP32 D2H``: ``after`` for the same plan with FP32 gradients (``Plan(d2h_dtype="float32")``),
+  and the D2H bytes of one step with FP32 gradients and with the plan's own (``Plan.gradient_dtype``:
+  BF16 where BF16 compute makes it exact), summed over the schedule's D2H ops (``cost.d2h_bytes``).
 
 Usage::
 
-    .venv/bin/python bench/pinned_bytes.py [--models llama-3-8b,llama-2-7b,qwen2.5-3b]
+    .venv/bin/python bench/pinned_bytes.py [--models llama-3-8b,llama-2-7b,qwen2.5-3b] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import argparse
 
+from dataclasses import replace
+
 import torch
 
 from megatrain.planner import cost
+from megatrain.planner.lower import lower
 from megatrain.planner.hardware import preset
 from megatrain.planner.plan import ActivationPolicy, Plan
+from megatrain.planner.schedule import OpKind
 from megatrain.planner.presets import build_meta_model, load_model_config
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
 from megatrain.planner.trace import trace
@@ -73,14 +80,22 @@ def old_plan_bytes(graph, plan: Plan) -> int:
                                 if plan.activation(p) is ActivationPolicy.OFFLOAD)
 
 
+def d2h_step_bytes(graph, plan: Plan) -> tuple[int, int]:
+    """(pinned bytes, D2H bytes of one step) of ``plan``: its D2H ops each move ``cost.d2h_bytes``."""
+    sched = lower(graph, plan)
+    moved = sum(cost.d2h_bytes(graph.layers[op.layer], plan) for op in sched.ops if op.kind is OpKind.D2H)
+    return cost.memory_breakdown(graph, plan, None, sched).host_pinned, moved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-3-8b,llama-2-7b,qwen2.5-3b")
     ap.add_argument("--hardware", default="H100_SXM")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
     args = ap.parse_args()
     hw = preset(args.hardware)
     print(f"{'model':<12} {'compute':<9} {'clip':<5} {'params':>7} {'state':>8} {'before':>8} {'old plan':>9} "
-          f"{'after':>8}  (GiB; state = 12 B/param)")
+          f"{'after':>8} {'FP32 D2H':>9} {'D2H/step':>9} {'FP32 D2H/step':>14}  (GiB; state = 12 B/param)")
     for name in args.models.split(","):
         if name == "qwen2.5-3b":
             from transformers import Qwen2Config
@@ -89,7 +104,7 @@ def main() -> None:
         else:
             config = load_model_config(name)
         graph = trace(build_meta_model(config, dtype=torch.bfloat16), micro_batch_size=1, seq_len=4096).graph
-        for dtype in ("bfloat16", "float32"):
+        for dtype in args.dtypes.split(","):
             for clip in (False, True):
                 head = f"{name:<12} {dtype[:4]:<9} {str(clip):<5} {graph.param_count / 1e9:>6.2f}B " \
                        f"{12 * graph.param_count / GiB:>8.2f}"
@@ -98,9 +113,11 @@ def main() -> None:
                 except InfeasibleRequestError as e:
                     print(f"{head}  no plan fits: {str(e).splitlines()[0][:80]}")
                     continue
-                after = cost.memory_breakdown(graph, plan, hw).host_pinned
+                after, moved = d2h_step_bytes(graph, plan)
+                after32, moved32 = d2h_step_bytes(graph, replace(plan, d2h_dtype="float32"))
                 print(f"{head} {before_bytes(graph, plan) / GiB:>8.2f} {old_plan_bytes(graph, plan) / GiB:>9.2f} "
-                      f"{after / GiB:>8.2f}", flush=True)
+                      f"{after / GiB:>8.2f} {after32 / GiB:>9.2f} {moved / GiB:>9.2f} {moved32 / GiB:>14.2f}",
+                      flush=True)
 
 
 if __name__ == "__main__":

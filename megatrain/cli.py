@@ -109,6 +109,11 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), **kw)
 
 
+def _grad_dtype(plan) -> str:
+    # BF16 where it is exact (one micro-batch's gradients per slot, BF16 compute): Plan.gradient_dtype.
+    return "BF16" if plan.gradient_dtype == "bfloat16" else "FP32"
+
+
 def _gib(n: float) -> str:
     # The tables name the unit in their titles ("host memory (GiB)"), so numbers only.
     return f"{n / GiB:,.2f}"
@@ -142,7 +147,7 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
     lines += _section("host memory (GiB)", [
         ("FP32 master weights", _gib(mem.master_weights), ""),
         ("Adam moments (FP32 x2)", _gib(mem.adam_moments), ""),
-        ("gradient ring (pinned)", _gib(mem.gradient_ring), f"{plan.grad_ring} tiles"),
+        ("gradient ring (pinned)", _gib(mem.gradient_ring), f"{plan.grad_ring} tiles in {_grad_dtype(plan)}"),
         ("staging ring (pinned)", _gib(mem.staging_ring),
          ("one BF16 tile per layer: each cast once per step" if plan.cast_once else f"{plan.staging_ring} BF16 tiles")
          if plan.compute_dtype == "bfloat16" else "unused with FP32 compute"),
@@ -155,7 +160,7 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
     lines.append("")
     lines += _section("GPU memory (GiB)", [
         ("weight slots", _gib(mem.weight_slots), f"{cost.weight_slot_count(plan)} slots in {plan.compute_dtype}"),
-        ("gradient slots", _gib(mem.gradient_slots), "FP32"),
+        ("gradient slots", _gib(mem.gradient_slots), _grad_dtype(plan)),
         ("buffers", _gib(mem.buffers), ""),
         ("activations peak", _gib(mem.activations_peak), "checkpoints + boundary gradients"),
         ("working peak", _gib(mem.working_peak), "largest layer transient"),
@@ -171,7 +176,7 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
         ("weight slots", str(plan.slots), "streaming"),
         ("prefetch distance", str(plan.prefetch_distance), "layer visits ahead"),
         ("resident layers", f"{len(resident)}/{n}", _short_list([g.layers[i].name for i in resident])),
-        ("gradient ring", str(plan.grad_ring), "host tiles"),
+        ("gradient ring", str(plan.grad_ring), f"host tiles; gradients leave the GPU in {_grad_dtype(plan)}"),
         ("staging ring", "per layer" if plan.cast_once else str(plan.staging_ring), "host tiles"),
         ("activations", _policy_counts(plan, n), "checkpoints kept on the GPU / offloaded to pinned host "
                                                   "memory / recomputed in the backward"),

@@ -28,6 +28,7 @@ def test_public_surface_is_pinned():
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown",
         "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes",
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
+        "widens_gradients", "gradient_scratch_numel",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
 
 
@@ -144,7 +145,7 @@ def test_memory_breakdown_static_terms_by_hand():
     for field, need in (("pinned_memory_cap_bytes", m.host_pinned), ("host_memory_bytes", m.host_total)):
         short = exact.model_copy(update={field: need - 1})
         assert not m.fits(short) and not m.host_fits(short)
-    bf16 = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", staging_ring=2, grad_ring=3))
+    bf16 = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", staging_ring=2, grad_ring=3, d2h_dtype="float32"))
     assert bf16.staging_ring == 2 * 4096 * 2
     assert bf16.weight_slots == 2 * 4096 * 2
     rings = 4096 * 4 + 1024 * 4
@@ -152,6 +153,17 @@ def test_memory_breakdown_static_terms_by_hand():
     assert bf16.host_pinned == rings + 2 * 4096 * 2 + 2 * page
     assert bf16.reserve == hardware.DEFAULT_GPU_RESERVE_BYTES  # no spec given
     assert bf16.host_total == total * 4 + (1024 + 4096) * 8 + rings + 2 * 4096 * 2 + 2 * page
+    assert bf16.gradient_scratch == 0
+    # BF16 gradients (the default where exact): ring tiles and gradient slots halve, and the
+    # optimizer's FP32 widening scratch (pageable, the widest trainable layer) joins the host total.
+    half = cost.memory_breakdown(g, Plan(compute_dtype="bfloat16", staging_ring=2, grad_ring=3))
+    # (Each tile in whole pages: the 1024-element tile takes one page in either dtype.)
+    half_rings = 4096 * 2 + page
+    assert half.gradient_ring == half_rings
+    assert half.gradient_slots == bf16.gradient_slots // 2
+    assert half.host_pinned == bf16.host_pinned - rings + half_rings
+    assert half.gradient_scratch == 4096 * 4
+    assert half.host_total == bf16.host_total - rings + half_rings + 4096 * 4
 
 
 def test_activation_peak_by_hand():

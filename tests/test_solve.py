@@ -176,7 +176,9 @@ def test_solved_plan_is_never_slower_than_the_default_plan(g, hw, G, dtype, clip
     gG = scale_graph(g, G)
     sched = lower(gG, default, carries_updates=clip)
     if cost.memory_breakdown(gG, default, hw, sched).fits(hw):
-        assert sol.step_time_s <= simulate(sched, gG, hw).step_time_s * (1 + 1e-9)
+        # 1e-6: two equally fast plans whose op durations add up in another order differ in the last
+        # digits (1e-7 relative was seen), far below any real difference between plans.
+        assert sol.step_time_s <= simulate(sched, gG, hw).step_time_s * (1 + 1e-6)
 
 
 @FAST
@@ -453,7 +455,7 @@ def test_clip_gradients_gives_next_forward_plans_that_verify_in_the_steady_state
         layer = sol.schedule.ops[o].layer
         assert o < min(i for i, op in enumerate(sol.schedule.ops)
                        if op.layer == layer and op.kind in (OpKind.H2D, OpKind.CAST))
-    assert sol.memory.gradient_ring == (n - 1) * (1 << 16) * cost.GRAD_ITEMSIZE
+    assert sol.memory.gradient_ring == (n - 1) * (1 << 16) * sol.plan.gradient_itemsize  # BF16 where exact
     # Without clipping: updates during the backward, a ring of a few tiles.
     free = solve(replace(req, clip_gradients=False))
     assert free.plan.optimizer is OptimizerPlacement.DURING_BACKWARD and free.plan.grad_ring <= 3
@@ -575,8 +577,9 @@ def test_llama2_7b_at_512k_tokens_trains_on_one_gh200_with_checkpoints_offloaded
     acts = policies_of(sol.plan, len(g.layers))
     # The copies take milliseconds (4 GiB at 380 GB/s) against seconds of compute per block, and a
     # recompute would cost a block's forward: every checkpoint that moves is offloaded.
-    assert RECOMPUTE not in acts and acts.count(OFFLOAD) >= 24
-    assert sol.memory.pinned_activations >= 24 * 4 * GiB
+    # (BF16 gradient slots, Plan.gradient_dtype, leave the GPU room to keep one checkpoint more.)
+    assert RECOMPUTE not in acts and acts.count(OFFLOAD) >= 23
+    assert sol.memory.pinned_activations >= 23 * 4 * GiB
     assert sol.memory.host_total <= hw.host_memory_bytes and sol.memory.gpu_peak <= hw.gpu_memory_bytes
     # Compute-bound: MFU is the matmul efficiency x 3/4 (model FLOPs count the backward as 2
     # forwards; the local backward recomputes the forward too), less the start and the tail.
@@ -631,7 +634,9 @@ def test_four_512k_sequences_fit_a_gh200_only_in_passes_of_their_own(traced_7b_5
     sol = solve(req)
     check_solution(sol, req)
     assert not sol.plan.layer_by_layer and sol.plan.micro_batches == 4
-    assert sol.memory.host_pinned <= hw.pinned_memory_cap_bytes < 4 * sol.memory.pinned_activations
+    # Layer by layer would pin all four sequences' offloaded checkpoints beside the same tiles.
+    m = sol.memory
+    assert m.host_pinned <= hw.pinned_memory_cap_bytes < 4 * m.pinned_activations + m.host_pinned - m.pinned_activations
     assert sol.timeline.mfu > 0.45
 
 

@@ -8,11 +8,15 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
 
 - ``H2D``: ``layer.numel x plan.compute_itemsize`` bytes over ``h2d_bytes_per_s``. The tile is
   copied whole, alignment padding included, so ``numel`` (not the parameter count) is moved.
-- ``D2H``: ``layer.trainable_numel x 4`` bytes (FP32 gradients) over ``d2h_bytes_per_s``.
+- ``D2H``: ``layer.trainable_numel x plan.gradient_itemsize`` bytes over ``d2h_bytes_per_s``
+  (FP32 gradients, or BF16 ones where they are exact: :attr:`Plan.gradient_dtype`).
 - ``FWD``/``BWD``: ``layer.fwd_flops`` / ``layer.bwd_flops`` (one micro-batch; the local backward
   includes its recompute) over the matmul rate of ``plan.compute_dtype`` times
   ``hw.matmul_efficiency``.
-- ``OPT``: ``layer.trainable_numel`` over ``host_optimizer_params_per_s``.
+- ``OPT``: ``layer.trainable_numel`` over ``host_optimizer_params_per_s``; with BF16 gradients
+  read from a host tile it first widens them into an FP32 scratch (fused AdamW takes FP32
+  gradients for FP32 masters), ``WIDEN_BYTES_PER_ELEMENT`` more bytes per element at the same
+  memory-bound rate.
 - ``RECOMPUTE``: as ``FWD``.
 - ``OFFLOAD``/``RELOAD``: the bytes of the layer's outputs that some layer reads (one micro-batch)
   over ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``.
@@ -27,19 +31,20 @@ when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), w
 serialises.
 
 Memory (bytes). GPU: weight slots, ``numel x compute_itemsize`` each, and gradient slots,
-``trainable_numel x 4`` each, sized per slot (:func:`slot_numels`): each of the ``plan.slots``
+``trainable_numel x plan.gradient_itemsize`` each, sized per slot (:func:`slot_numels`): each of the ``plan.slots``
 streaming slots for the widest layer that is not resident, each resident layer's slot for that
 layer alone (an embedding or LM head much wider than a block then costs only its own slot); buffers
 ``sum(layer.buffer_bytes)``; the reserve ``hw.gpu_reserve_bytes``; and, varying over the step,
 checkpoints, boundary gradients and the working memory of the running compute op
 (:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
 Adam moments; with per-micro-batch passes also FP32 gradient accumulators, ``trainable_numel x 4``
-per trainable layer (pageable: only the host reads and writes them).
+per trainable layer (pageable: only the host reads and writes them); with BF16 gradients that the
+optimizer reads from a host tile, one FP32 scratch as wide as the widest trainable layer (pageable).
 
 Pinned host memory is exactly what DMA reads or writes, and :func:`pinned_buffers` lays it out
 for the runtime, which pins the same regions (one arena registered with ``cudaHostRegister``, not
 the caching host allocator, which rounds every block up to a power of two): the host gradient
-tiles that D2H writes, each sized to the widest layer that uses it (one per trainable layer, at
+tiles that D2H writes (``plan.gradient_itemsize`` per element), each sized to the widest layer that uses it (one per trainable layer, at
 its own size, when the optimizer waits for the next step; :func:`gradient_tile_numels`); with BF16
 compute the staging tiles that H2D reads, ``max numel x 2`` each (with ``plan.cast_once`` one per
 layer, ``numel x 2``: :func:`staging_tile_numels`); the offloaded checkpoints, one
@@ -70,7 +75,11 @@ from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, 
 from megatrain.units import GiB, KiB, MiB
 
 GRAD_ITEMSIZE = 4
-"""Gradients are FP32 on the GPU, over D2H and in the host ring, whatever the compute dtype."""
+"""FP32 gradients: the accumulators, the optimizer's input, and the GPU slot, D2H and host tiles
+unless the plan sends BF16 ones (``Plan.gradient_itemsize`` is what those use)."""
+
+WIDEN_BYTES_PER_ELEMENT = 6
+"""An OPT of BF16 gradients first widens them: reads the BF16 tile (2 B), writes the FP32 scratch (4 B)."""
 
 MASTER_BYTES_PER_ELEMENT = 4
 """FP32 master weight per tile element."""
@@ -146,9 +155,10 @@ def h2d_bytes(layer: Layer, plan: Plan) -> int:
     return layer.numel * plan.compute_itemsize
 
 
-def d2h_bytes(layer: Layer) -> int:
-    """Bytes one D2H gradient copy moves: the trainable prefix of the tile in FP32."""
-    return layer.trainable_numel * GRAD_ITEMSIZE
+def d2h_bytes(layer: Layer, plan: Plan | None = None) -> int:
+    """Bytes one D2H gradient copy moves: the trainable prefix of the tile in the plan's gradient
+    dtype (FP32 without a plan)."""
+    return layer.trainable_numel * (plan.gradient_itemsize if plan is not None else GRAD_ITEMSIZE)
 
 
 def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
@@ -156,9 +166,9 @@ def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
     return hw.op_latency_s + h2d_bytes(layer, plan) / rate
 
 
-def d2h_time(layer: Layer, hw: HardwareSpec) -> float:
+def d2h_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
     rate = _rate(hw, "d2h_bytes_per_s", hw.d2h_bytes_per_s, "D2H ops")
-    return hw.op_latency_s + d2h_bytes(layer) / rate
+    return hw.op_latency_s + d2h_bytes(layer, plan) / rate
 
 
 def fwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
@@ -171,9 +181,20 @@ def bwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
     return hw.op_latency_s + layer.bwd_flops / compute_rate(hw, plan.compute_dtype)
 
 
-def opt_time(layer: Layer, hw: HardwareSpec) -> float:
-    """One host AdamW step over the layer's trainable parameters."""
-    return hw.op_latency_s + layer.trainable_numel / hw.host_optimizer_params_per_s
+def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
+    """One host AdamW step over the layer's trainable parameters; with ``plan``'s BF16 gradients
+    read from a host tile (not an FP32 accumulator) it first widens them into the FP32 scratch."""
+    t = hw.op_latency_s + layer.trainable_numel / hw.host_optimizer_params_per_s
+    if plan is not None and widens_gradients(plan):
+        rate = hw.host_optimizer_params_per_s * ADAMW_BYTES_PER_PARAM / WIDEN_BYTES_PER_ELEMENT
+        t += layer.trainable_numel / rate
+    return t
+
+
+def widens_gradients(plan: Plan) -> bool:
+    """Whether the host optimizer reads BF16 gradients from a host tile and widens them into an FP32
+    scratch first (with per-micro-batch passes ACC widens them into the FP32 accumulator instead)."""
+    return plan.gradient_dtype == "bfloat16" and not plan.accumulates_on_host
 
 
 def cast_time(layer: Layer, hw: HardwareSpec) -> float:
@@ -205,13 +226,13 @@ def offload_time(graph: LayerGraph, layer: int, hw: HardwareSpec, kind: OpKind) 
 
 _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] = {
     OpKind.H2D: lambda g, i, plan, hw: h2d_time(g.layers[i], plan, hw),
-    OpKind.D2H: lambda g, i, plan, hw: d2h_time(g.layers[i], hw),
+    OpKind.D2H: lambda g, i, plan, hw: d2h_time(g.layers[i], hw, plan),
     OpKind.FWD: lambda g, i, plan, hw: fwd_time(g.layers[i], plan, hw),
     OpKind.RECOMPUTE: lambda g, i, plan, hw: fwd_time(g.layers[i], plan, hw),
     OpKind.BWD: lambda g, i, plan, hw: bwd_time(g.layers[i], plan, hw),
     OpKind.OFFLOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.OFFLOAD),
     OpKind.RELOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.RELOAD),
-    OpKind.OPT: lambda g, i, plan, hw: opt_time(g.layers[i], hw),
+    OpKind.OPT: lambda g, i, plan, hw: opt_time(g.layers[i], hw, plan),
     OpKind.CAST: lambda g, i, plan, hw: cast_time(g.layers[i], hw),
     OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw),
 }
@@ -411,7 +432,7 @@ def page_up(nbytes: int) -> int:
 
 
 def gradient_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
-    """FP32 elements of each of the ``plan.grad_ring`` host gradient tiles: the widest
+    """Elements of each of the ``plan.grad_ring`` host gradient tiles: the widest
     ``trainable_numel`` among the layers whose D2H writes the tile (0 for a tile no D2H uses).
 
     With ``OptimizerPlacement.NEXT_FORWARD`` layer by layer, tile ``k`` belongs to the ``k``-th
@@ -437,8 +458,9 @@ def gradient_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
 
 
 def gradient_ring_bytes(graph: LayerGraph, plan: Plan) -> int:
-    """Pinned bytes of the host gradient tiles, each in whole pages (what ``pinned_buffers`` gives them)."""
-    return sum(page_up(w * GRAD_ITEMSIZE) for w in gradient_tile_numels(graph, plan))
+    """Pinned bytes of the host gradient tiles, ``plan.gradient_itemsize`` per element, each in whole
+    pages (what ``pinned_buffers`` gives them)."""
+    return sum(page_up(w * plan.gradient_itemsize) for w in gradient_tile_numels(graph, plan))
 
 
 def staging_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
@@ -517,7 +539,7 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
     if mode in ("train", "update"):
         if mode == "train":
             regions += [("norms", 0, n * NORM_ITEMSIZE), ("flags", 0, n * FLAG_ITEMSIZE)]
-        regions += [("ring", r, w * GRAD_ITEMSIZE) for r, w in enumerate(gradient_tile_numels(graph, plan))]
+        regions += [("ring", r, w * plan.gradient_itemsize) for r, w in enumerate(gradient_tile_numels(graph, plan))]
     if mode in ("train", "eval"):
         regions += [("staging", t, w * STAGING_ITEMSIZE) for t, w in enumerate(staging_tile_numels(graph, plan))]
     if mode == "train":
@@ -540,7 +562,8 @@ class MemoryBreakdown:
     Host: ``master_weights`` (FP32) and ``adam_moments`` (two FP32 moments) persist; the gradient
     and staging rings, the offloaded-checkpoint space and the per-layer norms and flags
     (``pinned_norms``) are pinned, each in whole pages (:func:`pinned_buffers`);
-    ``gradient_accumulators`` (per-micro-batch passes only) are pageable. ``state_pinned`` is true
+    ``gradient_accumulators`` (per-micro-batch passes only) and ``gradient_scratch`` (the FP32
+    widening of BF16 gradients for the optimizer, :func:`widens_gradients`) are pageable. ``state_pinned`` is true
     when the master rows must be pinned too (``pinned_masters`` bytes, :func:`pinned_master_bytes`):
     with FP32 compute the H2D reads the master row directly, and a DMA needs page-locked memory.
     The moments are never pinned. ``host_pinned`` is the bytes the runtime page-locks, exactly.
@@ -567,11 +590,13 @@ class MemoryBreakdown:
     working_peak: int
     dynamic_peak: int
     reserve: int
+    gradient_scratch: int = 0
 
     @property
     def host_total(self) -> int:
         return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
-                + self.pinned_activations + self.pinned_norms + self.gradient_accumulators)
+                + self.pinned_activations + self.pinned_norms + self.gradient_accumulators
+                + self.gradient_scratch)
 
     @property
     def host_pinned(self) -> int:
@@ -614,6 +639,7 @@ class MemoryBreakdown:
             ("host", "FP32 master rows (pinned)", self.pinned_masters),
             ("host", "gradient norms and flags (pinned)", self.pinned_norms),
             ("host", "gradient accumulators (FP32)", self.gradient_accumulators),
+            ("host", "gradient widening scratch (FP32)", self.gradient_scratch),
             ("host", "total", self.host_total),
             ("host", "of which pinned", self.host_pinned),
             ("gpu", "weight slots", self.weight_slots),
@@ -659,10 +685,11 @@ def slot_numels(graph: LayerGraph, slots: int,
 
 
 def slot_bytes(graph: LayerGraph, slots: int, resident: frozenset[int] | set[int],
-               compute_itemsize: int) -> tuple[int, int]:
-    """GPU bytes of the weight slots (compute dtype) and of the gradient slots (FP32) of :func:`slot_numels`."""
+               compute_itemsize: int, gradient_itemsize: int = GRAD_ITEMSIZE) -> tuple[int, int]:
+    """GPU bytes of the weight slots (compute dtype) and of the gradient slots (``gradient_itemsize``:
+    the plan's :attr:`Plan.gradient_itemsize`, FP32 by default) of :func:`slot_numels`."""
     sizes = slot_numels(graph, slots, resident)
-    return (sum(w for w, _ in sizes) * compute_itemsize, sum(g for _, g in sizes) * GRAD_ITEMSIZE)
+    return (sum(w for w, _ in sizes) * compute_itemsize, sum(g for _, g in sizes) * gradient_itemsize)
 
 
 def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = None,
@@ -680,7 +707,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         schedule = lower(graph, plan)
     layers = graph.layers
     numel = sum(layer.numel for layer in layers)
-    weight_slots, gradient_slots = slot_bytes(graph, plan.slots, plan.resident, plan.compute_itemsize)
+    weight_slots, gradient_slots = slot_bytes(graph, plan.slots, plan.resident, plan.compute_itemsize,
+                                              plan.gradient_itemsize)
     pinned = pinned_buffers(graph, plan, "train")
     act, work, dyn = _dynamic_peaks(schedule, activation_liveness(schedule, graph))
     bf16 = plan.compute_dtype == "bfloat16"
@@ -702,7 +730,17 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         working_peak=work,
         dynamic_peak=dyn,
         reserve=hw.gpu_reserve_bytes if hw is not None else DEFAULT_GPU_RESERVE_BYTES,
+        gradient_scratch=gradient_scratch_numel(graph, plan) * GRAD_ITEMSIZE,
     )
+
+
+def gradient_scratch_numel(graph: LayerGraph, plan: Plan) -> int:
+    """FP32 elements of the host scratch an OPT widens BF16 gradients into: the widest trainable
+    layer when :func:`widens_gradients`, else 0. One suffices: OPTs run one at a time, in order,
+    on the host stream."""
+    if not widens_gradients(plan):
+        return 0
+    return max((layer.trainable_numel for layer in graph.layers), default=0)
 
 
 # -- FLOPs and MFU ---------------------------------------------------------------------------------
@@ -742,6 +780,6 @@ __all__ = [
     "activation_liveness", "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
     "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
-    "pinned_buffers", "gradient_ring_bytes",
+    "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
 ]

@@ -54,7 +54,8 @@ class Plan:
             arXiv:2101.06840).
         optimizer: when each layer's host optimizer step runs.
         compute_dtype: dtype of the weights the GPU computes with, ``"float32"`` or ``"bfloat16"``;
-            H2D copies move ``numel x itemsize`` bytes per layer. Gradients and masters stay FP32.
+            H2D copies move ``numel x itemsize`` bytes per layer. Masters and moments stay FP32;
+            gradients too unless they are BF16 where exact (``d2h_dtype``, :attr:`gradient_dtype`).
         staging_ring: host tiles holding compute-dtype copies of layers about to be copied to the
             GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly).
         cast_once: BF16 only. Each layer gets a staging tile of its own, sized to it
@@ -62,6 +63,14 @@ class Plan:
             CAST and its later copies re-read while its master is unchanged: one CAST per layer per
             step instead of one per copy (6 bytes per element of host traffic saved per reuse),
             for 2 bytes per element of pinned memory.
+        d2h_dtype: dtype of the weight gradients in the GPU gradient slot, over D2H and in the host
+            gradient tiles: ``"float32"``, ``"bfloat16"``, or None (the default) for the narrowest
+            exact one, :attr:`gradient_dtype`. BF16 needs BF16 compute (the gradient of a BF16
+            weight is a BF16 value, so BF16 carries it exactly in half the bytes) and a slot that
+            holds one micro-batch's gradients (not ``layer_by_layer`` with several micro-batches,
+            which sums them in the slot in FP32). The host widens them to FP32 where it reads
+            them (ACC into the FP32 accumulator, OPT into an FP32 scratch); norms and finite flags
+            are computed in FP32 on the device.
     """
 
     micro_batches: int = 1
@@ -75,8 +84,19 @@ class Plan:
     compute_dtype: str = "float32"
     staging_ring: int = 2
     cast_once: bool = False
+    d2h_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.d2h_dtype not in (None, "float32", "bfloat16"):
+            raise PlanError(f"Plan.d2h_dtype={self.d2h_dtype!r}: use 'float32', 'bfloat16' or None (the narrowest "
+                            "exact one)")
+        if self.d2h_dtype == "bfloat16" and not self.bf16_gradients_exact:
+            why = ("FP32 compute makes FP32 gradients" if self.compute_dtype != "bfloat16" else
+                   f"layer-by-layer passes sum the {self.micro_batches} micro-batches' gradients in the slot in FP32")
+            raise PlanError(f"Plan.d2h_dtype='bfloat16' with compute_dtype={self.compute_dtype!r}, "
+                            f"layer_by_layer={self.layer_by_layer}, micro_batches={self.micro_batches}: {why}, which "
+                            "BF16 would round; use d2h_dtype=None or 'float32', or BF16 compute with one micro-batch "
+                            "per slot (micro_batches=1 or layer_by_layer=False)")
         if self.cast_once and self.compute_dtype == "float32":
             raise PlanError("Plan.cast_once=True with compute_dtype='float32': only BF16 compute casts; drop "
                             "cast_once or compute in bfloat16")
@@ -120,6 +140,26 @@ class Plan:
     @property
     def compute_itemsize(self) -> int:
         return 2 if self.compute_dtype == "bfloat16" else 4
+
+    @property
+    def bf16_gradients_exact(self) -> bool:
+        """BF16 holds every weight gradient of a step's slot exactly: BF16 compute (autograd returns
+        the gradient of a BF16 weight in BF16) and no sum of several micro-batches in the slot."""
+        return self.compute_dtype == "bfloat16" and not (self.layer_by_layer and self.micro_batches > 1)
+
+    @property
+    def gradient_dtype(self) -> str:
+        """The weight gradients' dtype on the GPU slot, over D2H and in the host tiles: ``d2h_dtype``,
+        or when that is None BF16 where it is exact (:attr:`bf16_gradients_exact`; never slower:
+        half the D2H and pinned bytes) and FP32 otherwise."""
+        if self.d2h_dtype is not None:
+            return self.d2h_dtype
+        return "bfloat16" if self.bf16_gradients_exact else "float32"
+
+    @property
+    def gradient_itemsize(self) -> int:
+        """Bytes per weight gradient element in the GPU slot, over D2H and in the host tiles."""
+        return 2 if self.gradient_dtype == "bfloat16" else 4
 
     def activation(self, layer: int) -> ActivationPolicy:
         return self.activations[layer] if self.activations else ActivationPolicy.KEEP

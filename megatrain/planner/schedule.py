@@ -260,6 +260,7 @@ class _PlanModel(pydantic.BaseModel):
     compute_dtype: Literal["float32", "bfloat16"]
     staging_ring: int
     cast_once: bool = False
+    d2h_dtype: Literal["float32", "bfloat16"] | None = None
 
 
 class _OpModel(pydantic.BaseModel):
@@ -295,7 +296,7 @@ class _ScheduleModel(pydantic.BaseModel):
             micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
-            staging_ring=p.staging_ring, cast_once=p.cast_once),
+            staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -304,7 +305,7 @@ class _ScheduleModel(pydantic.BaseModel):
                     grad_ring=p.grad_ring, resident=frozenset(p.resident),
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
-                    cast_once=p.cast_once)
+                    cast_once=p.cast_once, d2h_dtype=p.d2h_dtype)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

@@ -20,6 +20,14 @@ uses, and in which order, are fields of the op (:class:`~megatrain.planner.sched
 checkpoint on the GPU is read for the last time comes from
 :func:`megatrain.planner.liveness.liveness`, the same function the cost model frees memory by.
 
+Gradient dtype. The gradient slots, the D2H and the host gradient tiles hold
+``plan.gradient_dtype``: FP32, or BF16 where the plan says so (BF16 compute, one micro-batch's
+gradients per slot: the gradient autograd returns for a BF16 weight is a BF16 value, so BF16 holds
+it exactly in half the bytes). The host widens BF16 gradients to FP32 where it reads them: ACC adds
+them into the FP32 accumulator, and OPT copies them into an FP32 scratch first (fused AdamW takes
+FP32 gradients for FP32 masters); the norms are computed in FP32 on the device. Every value is then
+the one an FP32 slot would have carried, so BF16 and FP32 gradients give bitwise the same steps.
+
 Gradient norms. Each D2H first takes the L2 norm of the slot's gradients on the device and copies
 it to the host with them, and flags the layer when that norm or a micro-batch loss of the step is
 not finite. With per-micro-batch passes the step's gradients exist only once the last ACC has
@@ -69,6 +77,8 @@ class _Buffers:
     staging: list[torch.Tensor]
     # One per trainable layer (schedule.gradient_tiles) with per-micro-batch passes: Op.acc indexes it.
     accumulators: list[torch.Tensor]
+    # Pageable FP32 scratch an OPT widens BF16 gradients into (cost.gradient_scratch_numel), or None.
+    widened: torch.Tensor | None = None
 
 
 @dataclass
@@ -168,10 +178,11 @@ class Executor:
                                           cost.slot_numels(self.graph, plan.slots, plan.resident))
         _, layout, sizes = self._sizing[id(schedule)]  # each slot at its own size
         arena_ok = self._arena is not None and self._arena.layout.covers(layout)
-        key = (sizes, plan.compute_dtype)
+        key = (sizes, plan.compute_dtype, plan.gradient_dtype)
         if self._buffers is None or self._buffer_key != key or not arena_ok:
             be = self.backend
             dtype = _DTYPES[plan.compute_dtype]
+            gdtype = _DTYPES[plan.gradient_dtype]
             accumulators = self._buffers.accumulators if self._buffers is not None else []
             if not arena_ok:
                 if self._arena is not None and (schedule.mode == "update" or schedule.carries_updates) \
@@ -191,8 +202,8 @@ class Executor:
             lay = arena.layout
             self._buffers = _Buffers(
                 weights=[be.device_empty((width,), dtype) for width, _ in sizes],
-                grads=[be.device_empty((gwidth,), torch.float32) for _, gwidth in sizes],
-                ring=[arena.view("ring", t.key, torch.float32) for t in lay.tiles if t.kind == "ring"],
+                grads=[be.device_empty((gwidth,), gdtype) for _, gwidth in sizes],
+                ring=[arena.view("ring", t.key, gdtype) for t in lay.tiles if t.kind == "ring"],
                 staging=[arena.view("staging", t.key, dtype) for t in lay.tiles if t.kind == "staging"],
                 accumulators=accumulators)
             if arena.has("norms", 0):
@@ -204,6 +215,10 @@ class Executor:
             # NEXT_FORWARD they hold the gradients the next schedule's updates read.
             self._buffers.accumulators = [torch.empty((layer.trainable_numel,), dtype=torch.float32)
                                           for layer in self.graph.layers if layer.trainable_numel > 0]
+        scratch = cost.gradient_scratch_numel(self.graph, plan)
+        if scratch and schedule.mode != "eval" and (self._buffers.widened is None
+                                                     or self._buffers.widened.numel() < scratch):
+            self._buffers.widened = torch.empty((scratch,), dtype=torch.float32)  # pageable: host ops only
         return self._buffers
 
     # -- deferred updates ------------------------------------------------------------------------
@@ -382,7 +397,7 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
                    losses: dict, M: int, compute_dtype: str, fresh: bool) -> Work:
     """The work of layer ``li``'s local backward for micro-batch ``mb``: recompute its forward from
     ``acts[(input, mb)]`` with weights bound to ``wslot``, then write (``fresh``) or add the weight
-    gradients into ``gslot`` (FP32) and add the input gradients into ``grads[(input, mb)]``; the
+    gradients into ``gslot`` (FP32, or BF16 when ``fresh``: the plan's gradient dtype) and add the input gradients into ``grads[(input, mb)]``; the
     loss, seeded with ``1 / M``, goes into ``losses[mb]``."""
     g = ex.graph
     layer = g.layers[li]
@@ -429,7 +444,8 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
             # No gradient reaches the layer: its weights' gradients are zero (written when fresh).
             res = torch.autograd.grad(roots, wrt, seeds, allow_unused=True) if roots and wrt else [None] * len(wrt)
         pgrads, res = res[:len(leaves)], res[len(leaves):]
-        # Gradients of BF16 weights are BF16; the FP32 slot takes them exactly (copy_/add_ cast).
+        # Gradients of BF16 weights are BF16 (autograd returns a leaf's gradient in its dtype): an FP32
+        # slot takes them exactly (copy_/add_ cast), and so does a BF16 one, written fresh only.
         got = [(v, gp) for v, gp in zip(gviews, pgrads) if gp is not None]
         if fresh:
             missing = [v for v, gp in zip(gviews, pgrads) if gp is None]  # the loss does not use it
@@ -455,7 +471,8 @@ def _d2h(ctx: _RunContext, i: int, op: Op) -> Work:
     losses = ctx.losses
 
     def run() -> None:
-        norm = torch.linalg.vector_norm(gslot)
+        # In FP32 from BF16 gradients too (widened inside the reduction, no FP32 copy of the slot).
+        norm = torch.linalg.vector_norm(gslot, dtype=torch.float32)
         ok = torch.isfinite(norm)
         if losses:  # every micro-batch's loss is known before any gradient leaves the GPU
             ok = ok & torch.isfinite(torch.stack(list(losses.values()))).all()
@@ -469,7 +486,8 @@ def _d2h(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
     """Add ring tile ``op.ring`` into accumulator ``op.acc`` (micro-batch 0 overwrites it); the last
-    micro-batch's takes the step's gradient norm from the accumulator."""
+    micro-batch's takes the step's gradient norm from the accumulator. A BF16 tile is widened on
+    the way: the copy and the FP32 sum read it as FP32 (exact), as an FP32 tile of the same values."""
     ex, li = ctx.ex, op.layer
     tile = ctx.bufs.ring[op.ring][:ctx.graph.layers[li].trainable_numel]
     acc = ctx.bufs.accumulators[op.acc]
@@ -488,11 +506,16 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Host AdamW step of one layer from the gradient tile or accumulator the op names."""
+    """Host AdamW step of one layer from the gradient tile or accumulator the op names; BF16
+    gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
+    for FP32 masters; the widening is exact)."""
     ex, li = ctx.ex, op.layer
     n = ctx.graph.layers[li].trainable_numel
     h = ex.host
     grads = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
+    tile = None
+    if grads.dtype != torch.float32:
+        tile, grads = grads, ctx.bufs.widened
     carried = ctx.carried
     cfg = ctx.carried_optimizer if carried else ex.optimizer
     scale = ctx.carried_scale if carried else None
@@ -503,6 +526,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             ctx.skip = True
             ctx.skipped.append(li)
             return
+        if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
+            grads[:n].copy_(tile[:n])
         adamw(
             [h.master(li)[:n]], [grads[:n]], [h.exp_avg(li)[:n]], [h.exp_avg_sq(li)[:n]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],

@@ -34,7 +34,9 @@ STEP_KINDS = (OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST, OpKind.ACC)
 def durations(graph: LayerGraph, kinds: Sequence[OpKind], compute_dtype: str,
               hw: HardwareSpec) -> dict[OpKind, tuple[float, ...]]:
     """Seconds of one op of each of ``kinds`` on every layer of ``graph`` (one micro-batch, in
-    ``compute_dtype``): :func:`cost.op_duration`, indexed ``[kind][layer]``."""
+    ``compute_dtype``): :func:`cost.op_duration`, indexed ``[kind][layer]``. Gradient ops as a
+    plan of one micro-batch runs them (``Plan.gradient_dtype``); :meth:`StepTimes.gradient_times`
+    gives them for other pass structures."""
     probe = Plan(compute_dtype=compute_dtype)
     n = len(graph.layers)
     return {kind: tuple(cost.op_duration(kind, graph, i, probe, hw) for i in range(n)) for kind in kinds}
@@ -47,6 +49,22 @@ class StepTimes:
 
     times: Mapping[OpKind, tuple[float, ...]]
     trainable: tuple[bool, ...]
+    # D2H of FP32 gradients and OPT from FP32 ones (no widening): where the probe's BF16 gradients
+    # (``Plan.gradient_dtype`` of one micro-batch) are not what a pass structure sends.
+    d2h_fp32: tuple[float, ...] = ()
+    opt_fp32: tuple[float, ...] = ()
+
+    def gradient_times(self, size: "SizeOption") -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(D2H, OPT) times per layer for the bounds of ``size``'s pass structure. D2H as its plans
+        run it: layer by layer with several micro-batches the slot sums in FP32 (FP32 D2H), else
+        BF16 where the compute is BF16 (``Plan.gradient_dtype``). OPT without the widening of BF16
+        gradients (``cost.widens_gradients``): a bound below every plan's step stays one, and the
+        widening is what it always was relative to the rest (the search ranks candidates of
+        equal bound in order, and a cheaper D2H must not rank them behind ones that send FP32)."""
+        if not self.d2h_fp32:
+            return self.d2h, self.opt
+        multi_l2l = size.micro_batches > 1 and size.layer_by_layer
+        return (self.d2h_fp32 if multi_l2l else self.d2h), self.opt_fp32
 
     @property
     def h2d(self) -> tuple[float, ...]:
@@ -71,8 +89,11 @@ class StepTimes:
 
 def step_times(graph: LayerGraph, compute_dtype: str, hw: HardwareSpec) -> StepTimes:
     """The :class:`StepTimes` of ``graph`` in ``compute_dtype`` on ``hw``."""
+    fp32 = Plan(compute_dtype=compute_dtype, d2h_dtype="float32")
     return StepTimes(durations(graph, STEP_KINDS, compute_dtype, hw),
-                     tuple(layer.trainable_numel > 0 for layer in graph.layers))
+                     tuple(layer.trainable_numel > 0 for layer in graph.layers),
+                     tuple(cost.d2h_time(layer, hw, fp32) for layer in graph.layers),
+                     tuple(cost.opt_time(layer, hw, fp32) for layer in graph.layers))
 
 
 @dataclass(slots=True)
@@ -146,11 +167,12 @@ def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolic
     rec = [p for p, a in enumerate(policy) if a is RECOMPUTE and p < n - 1]
     off = [p for p, a in enumerate(policy) if a is OFFLOAD and p < n - 1]
     trainable = [i for i in range(n) if t.trainable[i]]
+    d2h_t, opt_t = t.gradient_times(size)
     backward = M * (sum(bwd) + sum(recompute[p] for p in rec))
     compute = M * sum(fwd[:n - 1]) + backward
     h2d = sum(t.h2d) + M * sum(size.reload[p] for p in off)
-    d2h = passes * sum(t.d2h[i] for i in trainable) + M * sum(size.offload[p] for p in off)
-    host = sum(t.opt[i] for i in trainable) + (sum(t.cast) if bf16 else 0.0)
+    d2h = passes * sum(d2h_t[i] for i in trainable) + M * sum(size.offload[p] for p in off)
+    host = sum(opt_t[i] for i in trainable) + (sum(t.cast) if bf16 else 0.0)
     if not size.layer_by_layer:
         host += M * sum(t.acc[i] for i in trainable)
     bound = max(compute, h2d, d2h, host, 0.0 if duplex else h2d + d2h)
@@ -158,7 +180,7 @@ def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolic
     # forward and the whole backward phase follow it; the turn's local backward (layer n-1) waits
     # for the copy of layer n-1 too, and every local backward follows it (recomputes of its own
     # inputs may run before it, so they are not counted there).
-    first_opt = t.opt[0] if deferred and t.trainable[0] else 0.0
+    first_opt = opt_t[0] if deferred and t.trainable[0] else 0.0
     fwd_after = [0.0] * (n + 1)
     for k in range(n - 2, -1, -1):
         fwd_after[k] = fwd_after[k + 1] + M * fwd[k]
@@ -179,19 +201,19 @@ def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolic
     # Tails: after the local backward of layer l, its D2H and those of every earlier trainable
     # layer, then the last optimizer step; or its optimizer step and those of every earlier layer.
     if trainable:
-        last_opt = 0.0 if deferred else t.opt[trainable[0]]
+        last_opt = 0.0 if deferred else opt_t[trainable[0]]
         done = max(forward_end, turn)  # lower bound of the end of the local backward of layer l
-        d2h_left = sum(t.d2h[i] for i in trainable)
-        opt_left = sum(t.opt[i] for i in trainable)
+        d2h_left = sum(d2h_t[i] for i in trainable)
+        opt_left = sum(opt_t[i] for i in trainable)
         for layer in range(n - 1, -1, -1):
             done += M * bwd[layer]
             if not t.trainable[layer]:
                 continue
             bound = max(bound, done + d2h_left + last_opt)
             if not deferred:
-                bound = max(bound, done + t.d2h[layer] + opt_left)
-            d2h_left -= t.d2h[layer]
-            opt_left -= t.opt[layer]
+                bound = max(bound, done + d2h_t[layer] + opt_left)
+            d2h_left -= d2h_t[layer]
+            opt_left -= opt_t[layer]
     return bound
 
 
@@ -274,7 +296,8 @@ def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) 
     resources = list(cost.Resource)
     resource = [resources.index(cost.resource_of(s, hw)) for s in STREAMS]
     busy = [0.0] * len(resources)
-    unit = {**t.times, **size.times}
+    d2h_t, opt_t = t.gradient_times(size)
+    unit = {**t.times, **size.times, OpKind.D2H: d2h_t, OpKind.OPT: opt_t}
     kinds, layers, deps, mb_deps = p.kinds, p.layers, p.deps, p.mb_deps
     for i in range(n):
         kind = kinds[i]

@@ -177,9 +177,15 @@ class Search:
         key = (opt.key, grad_ring)
         if key not in self.rings:
             plan = Plan(micro_batches=opt.micro_batches, grad_ring=grad_ring, layer_by_layer=opt.layer_by_layer,
-                        optimizer=placement(self.request))
+                        optimizer=placement(self.request), compute_dtype=self.request.compute_dtype)
             self.rings[key] = cost.gradient_ring_bytes(opt.graph, plan)
         return self.rings[key]
+
+    def gradient_itemsize(self, opt: SizeOption) -> int:
+        """Bytes per gradient element in the slots and host tiles of ``opt``'s plans
+        (``Plan.gradient_itemsize``: BF16 where BF16 compute makes it exact)."""
+        return Plan(micro_batches=opt.micro_batches, layer_by_layer=opt.layer_by_layer,
+                    compute_dtype=self.request.compute_dtype).gradient_itemsize
 
     def cast_once_bytes(self, opt: SizeOption) -> int:
         """Pinned bytes of one staging tile per layer, each at its size (``Plan.cast_once``)."""
@@ -195,7 +201,7 @@ class Search:
             m = replace(m, staging_ring=self.cast_once_bytes(opt))
         if not resident:
             return m
-        w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4)
+        w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4, self.gradient_itemsize(opt))
         return replace(m, weight_slots=w, gradient_slots=g)
 
     def gpu_fits(self, unit: cost.MemoryBreakdown, slots: int, cap: int | None = None) -> bool:
@@ -393,7 +399,7 @@ class Search:
         # weight is its own weights and gradients. The streaming slots stay sized for the widest
         # layer here; residents can only narrow them, so the choice is within memory.
         itemsize = 2 if self.bf16 else 4
-        weights = [layer.numel * itemsize + layer.trainable_numel * cost.GRAD_ITEMSIZE
+        weights = [layer.numel * itemsize + layer.trainable_numel * self.gradient_itemsize(c.option)
                    for layer in c.option.graph.layers]
         room = max(spare, 0)
         key = (c.policy, c.slots, c.distance, room, c.option.layer_by_layer)
@@ -436,6 +442,8 @@ class Search:
             if depth is not None:
                 sched, unit = self.unit(opt, family.policy(self.eligible, self.n, depth), 0)
                 mem = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
+        # Floors, each the least over the pass structures: per-micro-batch passes hold accumulators
+        # (more host memory) but may pin BF16 gradient tiles where layer by layer pins FP32 ones.
         keep = min(keeps, key=lambda m: (m.host_total, m.host_pinned))
         g = opt.graph
         largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))
@@ -443,7 +451,7 @@ class Search:
         slot = mem.gpu_fixed > self.hw.gpu_memory_bytes
         return Requirements(gpu_memory_bytes=mem.gpu_peak, host_memory_bytes=mem.host_total,
                             pinned_memory_bytes=mem.host_pinned, host_floor_bytes=keep.host_total,
-                            pinned_floor_bytes=keep.host_pinned, micro_batch_size=size, activations=name,
+                            pinned_floor_bytes=min(m.host_pinned for m in keeps), micro_batch_size=size, activations=name,
                             layer_by_layer=opt.layer_by_layer,
                             memory=mem, largest_layer=largest.name, peak_layer=peak.name,
                             peak_layer_work_bytes=peak.work_bytes, obstacle=largest.name if slot else peak.name,
@@ -456,12 +464,13 @@ class Search:
         # Fail fast without a lowering per family: the host needs at least what every checkpoint
         # kept needs, and the GPU at least the floor of the deepest policy of some family.
         small = self.option(sizes[-1])
-        _, keep = self.unit(small, (), 0)
         passes = [small] + ([self.option(sizes[-1], False)] if self.per_mb_sizes(sizes[-1]) else [])
+        # Each pass structure on its own: per-micro-batch passes may send BF16 gradients where layer
+        # by layer sums them in FP32 (Plan.gradient_dtype), so their slots can be the smaller.
         if (not any(self.scaled(o, self.unit(o, (), 0)[1], 1, self.ring_floor(o), 1).host_fits(hw)
                     for o in passes)
-                or (not self.gpu_fits(keep, 1)
-                    and all(self.floor_depth(small, f, 1) is None for f in self.families))):
+                or all(not self.gpu_fits(self.unit(o, (), 0)[1], 1)
+                       and all(self.floor_depth(o, f, 1) is None for f in self.families) for o in passes)):
             raise infeasible_error(request, self.requirements())
         self.start(sizes)
         best: tuple[float, SizeOption, Schedule, Timeline] | None = None
