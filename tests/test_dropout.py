@@ -164,6 +164,27 @@ def test_layers_without_random_ops_pay_nothing(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_evaluate_runs_with_dropout_off(family):
+    """``evaluate`` computes what the model computes in eval mode and draws nothing; training
+    afterwards still draws its masks."""
+    torch.manual_seed(0)
+    model = MODELS[family](p=0.3)
+    ref = copy.deepcopy(model).eval()
+    trainer = megatrain.compile(model, seq_len=SEQ, micro_batch_size=MBS, micro_batches=1, optimizer=ADAMW,
+                                plan="default")
+    batch = random_batch(2 * MBS, SEQ, VOCAB, seed=4)
+    before = torch.get_rng_state()
+    got = trainer.evaluate(batch)
+    assert torch.equal(torch.get_rng_state(), before), "evaluate drew random numbers"
+    with torch.no_grad(), strict_fp32():
+        want = sum(ref(**{n: t[k * MBS:(k + 1) * MBS] for n, t in batch.items()}).loss.item() for k in range(2)) / 2
+    assert abs(got - want) <= RTOL * abs(want)
+    assert trainer.evaluate(batch) == got
+    trainer.step(random_batch(MBS, SEQ, VOCAB, seed=0))
+    assert not torch.equal(torch.get_rng_state(), before), "training drew no masks"
+
+
 # -- several micro-batches: the forward's masks are the recompute's -------------------------------------------
 
 class _Recorder:

@@ -190,11 +190,15 @@ class TracedModel:
     regions, autocast-free position math, grouped-query attention). ``buffer_sources`` maps each
     buffer name a layer lists to where its value lives: ``("buffer", fqn)`` for a module buffer,
     ``("constant", tensor)`` for a tensor constant export lifted out of ``forward``.
+    ``eval_templates[t]``: template ``t`` as the model's eval mode runs it (dropout off:
+    :func:`megatrain.planner.trace.cleanup.without_dropout`) where template ``t`` draws random
+    numbers, else None; empty when no template does. Eval schedules run these.
     """
 
     graph: LayerGraph
     templates: tuple[fx.GraphModule, ...]
     buffer_sources: dict[str, tuple[str, Any]]
+    eval_templates: tuple[fx.GraphModule | None, ...] = ()
 
 
 def _map_devices(a, device: torch.device):

@@ -186,6 +186,8 @@ class Executor:
         self.optimizer = optimizer
         dev = backend.device
         self.templates = [retarget(gm, dev) for gm in traced.templates]
+        # Eval schedules run random templates with dropout off, as the model's eval mode does.
+        self.eval_templates = [None if gm is None else retarget(gm, dev) for gm in traced.eval_templates]
         self.layer_buffers = [[buffers[name].to(dev) for name in layer.buffers] for layer in self.graph.layers]
         self.rng = DeviceRng(torch.device(dev))  # replayed for layers that draw random numbers (dropout)
         self._buffers: _Buffers | None = None
@@ -410,10 +412,14 @@ def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
     """A forward (or a recompute: the same computation in the backward phase). A forward of a layer
-    that draws random numbers records the generator state it starts from; a recompute replays it."""
+    that draws random numbers records the generator state it starts from; a recompute replays it.
+    An eval schedule runs such a layer's eval-mode template (dropout off, ``TracedModel.eval_templates``)."""
     ex, li, mb = ctx.ex, op.layer, op.mb
     layer = ctx.graph.layers[li]
     tmpl = ex.templates[layer.template]
+    evaluate = ctx.schedule.mode == "eval" and layer.draws_random
+    if evaluate and layer.template < len(ex.eval_templates) and ex.eval_templates[layer.template] is not None:
+        tmpl = ex.eval_templates[layer.template]
     lbufs = ex.layer_buffers[li]
     slot = ctx.bufs.weights[op.slot]
     loss_id = ctx.graph.loss
@@ -424,7 +430,7 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
         ins = [acts[(v, mb)] for v in layer.inputs]
         _read_here(ins)
         state = None
-        if layer.draws_random:
+        if layer.draws_random and not evaluate:  # nothing recomputes an eval forward
             # Read when the op runs (is issued, on CUDA): the stream has advanced by every earlier forward.
             if recompute:
                 state = ctx.rng_states[(li, mb)]

@@ -15,6 +15,7 @@ forward for that recompute (:func:`draws_random` marks the templates that need i
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Collection
 
 import torch
@@ -81,6 +82,36 @@ def draws_random(gm: fx.GraphModule) -> bool:
     records the device generator's state at the layer's forward and restores it for every recompute
     (``Layer.draws_random``)."""
     return bool(random_nodes(gm))
+
+
+def without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of template ``gm`` (and its nested graphs) that computes as the model does in eval
+    mode: every dropout op gets ``train=False`` (the identity) and every attention call
+    ``dropout_p=0``, as ``model.eval()`` would have traced them (transformers passes
+    ``dropout_p = p if self.training else 0``). Other random ops (``rand``, ``bernoulli``, ...) are
+    kept: eval mode does not turn them off in eager PyTorch either. ``gm`` is not modified."""
+    out = copy.deepcopy(gm)
+    for m in graph_modules(out):
+        changed = False
+        for n in m.graph.nodes:
+            if not _draws(n):
+                continue
+            names = [a.name for a in _schema(n).arguments]
+            if "dropout_p" in names:
+                name, value = "dropout_p", 0.0
+            elif _schema(n).name in _DROPOUT_OPS:
+                name, value = "train", False
+            else:
+                continue
+            k = names.index(name)
+            if len(n.args) > k:
+                n.args = (*n.args[:k], value, *n.args[k + 1:])
+            else:
+                n.kwargs = {**n.kwargs, name: value}
+            changed = True
+        if changed:
+            m.recompile()
+    return out
 
 
 def check_random_ops(gm: fx.GraphModule) -> None:
@@ -229,4 +260,4 @@ def clean(ctx: TraceContext) -> None:
 
 
 __all__ = ["check_random_ops", "clean", "draws_random", "erase_metadata_asserts", "install_grouped_query_attention",
-           "keep_position_math_fp32", "random_nodes"]
+           "keep_position_math_fp32", "random_nodes", "without_dropout"]

@@ -26,7 +26,7 @@ from torch import nn
 
 from megatrain.errors import UnsupportedModelError
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, TracedModel, Value, align_up
-from megatrain.planner.trace.cleanup import draws_random
+from megatrain.planner.trace.cleanup import draws_random, without_dropout
 from megatrain.planner.trace.context import LayerCut, ValueCut
 from megatrain.planner.trace.export import WRAPPED, strip_wrapper
 from megatrain.planner.trace.fx_util import is_float, node_val, signature
@@ -251,7 +251,8 @@ def share_templates(ctx: TraceContext) -> None:
 
 def build_graph(ctx: TraceContext) -> None:
     """Pass: the LayerGraph's records from the cut layers and their measurements, into ``ctx.traced``;
-    a layer whose template draws random numbers is marked ``draws_random``."""
+    a layer whose template draws random numbers is marked ``draws_random``, and its template gets
+    an eval-mode copy with dropout off (``TracedModel.eval_templates``)."""
     consumers: dict[int, set[int]] = {i: set() for i in range(len(ctx.values))}
     for layer in ctx.layers:
         for a in layer.inputs:
@@ -280,7 +281,9 @@ def build_graph(ctx: TraceContext) -> None:
     graph = LayerGraph(layers=tuple(layer_recs), values=tuple(value_recs), batch_inputs=o.input_names,
                        loss=ctx.value_of[ctx.loss_node], micro_batch_size=o.micro_batch_size, seq_len=o.seq_len,
                        meta={"model": type(ctx.module).__name__, "block_container": ctx.container})
-    ctx.traced = TracedModel(graph=graph, templates=tuple(ctx.templates), buffer_sources=ctx.buffer_sources)
+    evals = tuple(without_dropout(t) if r else None for t, r in zip(ctx.templates, random_templates))
+    ctx.traced = TracedModel(graph=graph, templates=tuple(ctx.templates), buffer_sources=ctx.buffer_sources,
+                             eval_templates=evals if any(random_templates) else ())
 
 
 def check_covers_params(model: nn.Module, graph: LayerGraph) -> None:
