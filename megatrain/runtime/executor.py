@@ -433,7 +433,11 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
         if layer.draws_random and not evaluate:  # nothing recomputes an eval forward
             # Read when the op runs (is issued, on CUDA): the stream has advanced by every earlier forward.
             if recompute:
-                state = ctx.rng_states[(li, mb)]
+                state = ctx.rng_states.get((li, mb))
+                if state is None:
+                    raise RuntimeError(f"op #{i} ({op!r}) recomputes layer {layer.name!r}, which draws random "
+                                       f"numbers, but no forward of micro-batch {mb} recorded its generator state "
+                                       "before it: the schedule lacks the forward (or ran it after the recompute)")
             else:
                 ctx.rng_states[(li, mb)] = ex.rng.get()
         with torch.no_grad(), ex._precision(ctx.compute_dtype), replaying_rng(ex.rng, state):
