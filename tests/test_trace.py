@@ -153,9 +153,9 @@ def test_llama_70b_traces_on_meta_without_parameter_memory():
     assert grown_gib < 2.0, f"tracing grew the process by {grown_gib:.1f} GiB; 70B in FP32 would be 280 GB"
 
 
-def test_dropout_is_refused_but_zero_dropout_is_fine():
-    model = tiny_llama(layers=1, attention_dropout=0.0)
-    trace(model, micro_batch_size=1, seq_len=8)  # p == 0: no random draws, fine
+def test_dropout_marks_its_layer_and_zero_dropout_does_not():
+    g = trace(tiny_llama(layers=1, attention_dropout=0.0), micro_batch_size=1, seq_len=8).graph
+    assert not any(layer.draws_random for layer in g.layers)  # p == 0: no random draws
 
     class Drop(nn.Module):
         def __init__(self):
@@ -166,12 +166,30 @@ def test_dropout_is_refused_but_zero_dropout_is_fine():
         def forward(self, input_ids, labels):
             return self.blocks[0](self.emb(input_ids)).square().mean()
 
-    with pytest.raises(UnsupportedModelError, match=r"'blocks.0.1'.*dropout"):
-        trace(Drop(), micro_batch_size=1, seq_len=3)
-    trace(Drop().eval(), micro_batch_size=1, seq_len=3)  # eval mode: dropout is the identity
+    g = trace(Drop(), micro_batch_size=1, seq_len=3).graph
+    assert [layer.draws_random for layer in g.layers] == [False, True, False]
+    g = trace(Drop().eval(), micro_batch_size=1, seq_len=3).graph  # eval mode: dropout is the identity
+    assert not any(layer.draws_random for layer in g.layers)
     # Attention dropout reaches scaled_dot_product_attention as an argument, not as a dropout op.
-    with pytest.raises(UnsupportedModelError, match=r"scaled_dot_product_attention.*dropout"):
-        trace(tiny_llama(layers=1, attention_dropout=0.1), micro_batch_size=1, seq_len=8)
+    g = trace(tiny_llama(layers=2, attention_dropout=0.1), micro_batch_size=1, seq_len=8).graph
+    assert [layer.draws_random for layer in g.layers] == [False, True, True, False]
+
+
+def test_random_ops_drawing_from_their_own_generator_are_refused():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+            self.gen = torch.Generator().manual_seed(0)
+
+        def forward(self, input_ids, labels):
+            h = self.blocks[0](self.emb(input_ids))
+            return (h * torch.rand(h.shape, generator=self.gen)).square().mean()
+
+    # Either export refuses the generator, or the trace names the op: a recompute cannot replay it.
+    with pytest.raises((UnsupportedModelError, TraceError), match=r"(?i)generator"):
+        trace(Noisy(), micro_batch_size=1, seq_len=3)
 
 
 # -- replicated blocks -------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ def sequence_chunked(region: Callable[..., Sequence[torch.Tensor]], chunks: int,
     intermediates are dropped after the forward and recomputed in the backward one chunk at a time.
     The checkpoint restores the autocast state of the forward for the recompute, works with
     ``torch.autograd.grad`` (which the executor's local backward calls), and a region has no random
-    ops (the tracer refuses them), so no RNG state needs replaying. Under ``no_grad`` the chunks
+    ops (random ops are not token-wise, so the tracer never puts one in a chunked region), so no RNG
+    state needs replaying. Under ``no_grad`` the chunks
     just run. Returns the outputs concatenated along ``out_dims``: equal to ``region(*args)`` up to
     the order of floating-point sums over chunks (the gradients of broadcast inputs add up one chunk
     at a time).

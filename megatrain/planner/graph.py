@@ -99,6 +99,10 @@ class Layer:
     gradients of the fused LM head loss). It excludes what is accounted elsewhere: the layer's
     inputs, weights and buffers (checkpoints, slots, resident buffers), the gradients arriving for
     its outputs and the first gradient of each input (boundary gradients in the cost model).
+    ``draws_random``: its template draws random numbers (dropout with ``p > 0`` in training mode,
+    attention with ``dropout_p > 0``; :func:`megatrain.planner.trace.cleanup.draws_random`), so the
+    executor records the device generator's state at its forward and restores it for every
+    recompute (RECOMPUTE and the local backward), which then draws the same masks.
     """
 
     index: int
@@ -116,6 +120,7 @@ class Layer:
     work_bytes: int = 0
     fwd_launches: int = 0  # aten ops one forward dispatches (megatrain.planner.issue.count_launches)
     bwd_launches: int = 0  # the same for one local backward: its recompute plus the backward proper
+    draws_random: bool = False  # its forward draws random numbers: recomputes replay the forward's RNG state
 
     @property
     def param_count(self) -> int:
@@ -185,11 +190,15 @@ class TracedModel:
     regions, autocast-free position math, grouped-query attention). ``buffer_sources`` maps each
     buffer name a layer lists to where its value lives: ``("buffer", fqn)`` for a module buffer,
     ``("constant", tensor)`` for a tensor constant export lifted out of ``forward``.
+    ``eval_templates[t]``: template ``t`` as the model's eval mode runs it (dropout off:
+    :func:`megatrain.planner.trace.cleanup.without_dropout`) where template ``t`` draws random
+    numbers, else None; empty when no template does. Eval schedules run these.
     """
 
     graph: LayerGraph
     templates: tuple[fx.GraphModule, ...]
     buffer_sources: dict[str, tuple[str, Any]]
+    eval_templates: tuple[fx.GraphModule | None, ...] = ()
 
 
 def _map_devices(a, device: torch.device):

@@ -151,8 +151,8 @@ def build_meta_model(config, dtype=None):
 
     ``dtype`` (a ``torch.dtype``; default: the config's, else float32) is the dtype the model
     computes in, which sets the bytes of the activations a trace records. The presets have no
-    dropout; a config.json with a non-zero dropout probability is rejected by ``trace``, which
-    does not replay random draws in the local backward yet.
+    dropout; a config.json with dropout traces too (the executor replays each random layer's
+    draws in its recompute).
     """
     import torch
     from transformers import AutoModelForCausalLM

@@ -15,6 +15,18 @@ view of the slot) and its differentiable inputs, and writes each weight's gradie
 of the gradient slot; no autograd graph outlives the op. (A single flat leaf over the slot would
 cost, per parameter, a zero-filled tile and a tile-sized sum in ``slice_backward``.)
 
+Random ops. A layer whose template draws random numbers (``Layer.draws_random``: dropout) has its
+forward of each micro-batch record the state of its device's default generator just before the
+template runs (:class:`DeviceRng`: ``torch.get_rng_state()`` on the CPU,
+``torch.cuda.get_rng_state(device)`` on CUDA, read when the op is issued: CUDA's Philox seed and
+offset live on the host and advance as kernels are enqueued, which is what
+``torch.utils.checkpoint``'s ``preserve_rng_state`` relies on too). Every recompute of that forward
+(a RECOMPUTE op, the recompute inside the local backward) runs with that state restored and then
+puts the caller's state back (:func:`replaying_rng`), so it draws the forward's masks and the
+global stream advances by the forward draws only, as in eager training. A local backward with no
+forward before it (the last layer's, whose forward it is) draws from the stream as the forward
+would. Layers without random ops pay nothing.
+
 The executor decides nothing: which slot, ring tile, staging tile, accumulator or pinned copy an op
 uses, and in which order, are fields of the op (:class:`~megatrain.planner.schedule.Op`); when a
 checkpoint on the GPU is read for the last time comes from
@@ -45,10 +57,11 @@ updates takes the layers it updated off it, also when the run fails part-way.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.optim.adamw import adamw
@@ -116,6 +129,57 @@ class DeferredUpdates:
     optimizer: AdamW | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceRng:
+    """The default random number generator of ``device``, whose state a recompute replays.
+
+    ``get()`` returns a copy of its state (a CPU ``uint8`` tensor: the Mersenne Twister state on the
+    CPU, Philox seed and offset on CUDA) and ``set(state)`` restores it. On CUDA the state is read
+    on the host when the op is issued, without synchronizing (``torch.cuda.get_rng_state``); other
+    device types go through ``torch.get_device_module(type)``, as ``torch.utils.checkpoint`` does.
+    Nothing is touched at construction (no CUDA initialisation).
+    """
+
+    device: torch.device
+
+    def _module(self):
+        if self.device.type == "cpu":
+            return None
+        mod = torch.get_device_module(self.device.type)
+        if not hasattr(mod, "get_rng_state") or not hasattr(mod, "set_rng_state"):
+            raise RuntimeError(f"device {self.device}: torch.{self.device.type} has no get_rng_state/set_rng_state, "
+                               "so megatrain cannot replay the random draws (dropout) of a layer's forward in its "
+                               "recompute; set the dropout probabilities to 0 or train on cpu or cuda")
+        return mod
+
+    def get(self) -> torch.Tensor:
+        mod = self._module()
+        return torch.get_rng_state() if mod is None else mod.get_rng_state(self.device)
+
+    def set(self, state: torch.Tensor) -> None:
+        mod = self._module()
+        if mod is None:
+            torch.set_rng_state(state)
+        else:
+            mod.set_rng_state(state, self.device)
+
+
+@contextlib.contextmanager
+def replaying_rng(rng: DeviceRng, state: torch.Tensor | None) -> Iterator[None]:
+    """Run the ``with`` block with ``rng`` in ``state`` (a forward's, from ``rng.get()``), then put
+    the caller's state back, so the block redraws the forward's random numbers and the caller's
+    stream does not advance. ``state`` None: the block draws from the caller's stream."""
+    if state is None:
+        yield
+        return
+    caller = rng.get()
+    rng.set(state)
+    try:
+        yield
+    finally:
+        rng.set(caller)
+
+
 class Executor:
     """Runs schedules of one traced model on one backend, against one host state.
 
@@ -132,7 +196,10 @@ class Executor:
         self.optimizer = optimizer
         dev = backend.device
         self.templates = [retarget(gm, dev) for gm in traced.templates]
+        # Eval schedules run random templates with dropout off, as the model's eval mode does.
+        self.eval_templates = [None if gm is None else retarget(gm, dev) for gm in traced.eval_templates]
         self.layer_buffers = [[buffers[name].to(dev) for name in layer.buffers] for layer in self.graph.layers]
+        self.rng = DeviceRng(torch.device(dev))  # replayed for layers that draw random numbers (dropout)
         self._buffers: _Buffers | None = None
         self._buffer_key: tuple | None = None
         self._arena: PinnedArena | None = None
@@ -319,6 +386,9 @@ class _RunContext:
         self.layer_by_layer = plan.layer_by_layer
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        # The generator state each random layer's forward started from, by (layer, mb): its
+        # recomputes replay it; the local backward (the last reader) drops it.
+        self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
         self.events: list[Any] = [None] * len(schedule.ops)
         self.trained: list[int] = []  # layers whose gradients a D2H copied out, in order
         self.updated: list[int] = []  # layers whose optimizer step ran, in order (host worker)
@@ -356,19 +426,36 @@ def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
-    """A forward (or a recompute: the same computation in the backward phase)."""
+    """A forward (or a recompute: the same computation in the backward phase). A forward of a layer
+    that draws random numbers records the generator state it starts from; a recompute replays it.
+    An eval schedule runs such a layer's eval-mode template (dropout off, ``TracedModel.eval_templates``)."""
     ex, li, mb = ctx.ex, op.layer, op.mb
     layer = ctx.graph.layers[li]
     tmpl = ex.templates[layer.template]
+    evaluate = ctx.schedule.mode == "eval" and layer.draws_random
+    if evaluate and layer.template < len(ex.eval_templates) and ex.eval_templates[layer.template] is not None:
+        tmpl = ex.eval_templates[layer.template]
     lbufs = ex.layer_buffers[li]
     slot = ctx.bufs.weights[op.slot]
     loss_id = ctx.graph.loss
     acts = ctx.acts.view(i)
+    recompute = op.kind is OpKind.RECOMPUTE
 
     def run() -> None:
         ins = [acts[(v, mb)] for v in layer.inputs]
         _read_here(ins)
-        with torch.no_grad(), ex._precision(ctx.compute_dtype):
+        state = None
+        if layer.draws_random and not evaluate:  # nothing recomputes an eval forward
+            # Read when the op runs (is issued, on CUDA): the stream has advanced by every earlier forward.
+            if recompute:
+                state = ctx.rng_states.get((li, mb))
+                if state is None:
+                    raise RuntimeError(f"op #{i} ({op!r}) recomputes layer {layer.name!r}, which draws random "
+                                       f"numbers, but no forward of micro-batch {mb} recorded its generator state "
+                                       "before it: the schedule lacks the forward (or ran it after the recompute)")
+            else:
+                ctx.rng_states[(li, mb)] = ex.rng.get()
+        with torch.no_grad(), ex._precision(ctx.compute_dtype), replaying_rng(ex.rng, state):
             outs = tmpl(*ex._bind(li, slot[:layer.numel]), *lbufs, *ins)
         for vid, t in zip(layer.outputs, outs):
             if vid == loss_id:
@@ -384,7 +471,7 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
     mb = op.mb
     work = local_backward(ctx.ex, op.layer, mb, ctx.bufs.weights[op.slot], ctx.bufs.grads[op.slot],
                           ctx.acts.view(i), ctx.grads, ctx.losses, ctx.micro_batches, ctx.compute_dtype,
-                          fresh=mb == 0 or not ctx.layer_by_layer)
+                          fresh=mb == 0 or not ctx.layer_by_layer, rng_states=ctx.rng_states)
     done = [(vid, mb) for vid in ctx.graph.layers[op.layer].outputs]
 
     def drop() -> None:  # the gradients of its outputs were read for the last time
@@ -394,11 +481,18 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: torch.Tensor, acts, grads: dict,
-                   losses: dict, M: int, compute_dtype: str, fresh: bool) -> Work:
+                   losses: dict, M: int, compute_dtype: str, fresh: bool,
+                   rng_states: dict[tuple[int, int], torch.Tensor] | None = None) -> Work:
     """The work of layer ``li``'s local backward for micro-batch ``mb``: recompute its forward from
     ``acts[(input, mb)]`` with weights bound to ``wslot``, then write (``fresh``) or add the weight
-    gradients into ``gslot`` (FP32, or BF16 when ``fresh``: the plan's gradient dtype) and add the input gradients into ``grads[(input, mb)]``; the
-    loss, seeded with ``1 / M``, goes into ``losses[mb]``."""
+    gradients into ``gslot`` (FP32, or BF16 when ``fresh``: the plan's gradient dtype) and add the
+    input gradients into ``grads[(input, mb)]``; the loss, seeded with ``1 / M``, goes into
+    ``losses[mb]``.
+
+    A layer that draws random numbers recomputes with the generator state its forward recorded in
+    ``rng_states[(li, mb)]`` (taken off it: nothing recomputes the forward after its backward),
+    the caller's state put back after; without one (no forward ran: the last layer, whose forward
+    this is) it draws from the generator's stream as a forward would."""
     g = ex.graph
     layer = g.layers[li]
     tmpl = ex.templates[layer.template]
@@ -410,7 +504,8 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
     gaps = [gslot[a:b] for a, b in _padding(trained, layer.trainable_numel)]
 
     def run() -> None:
-        with torch.enable_grad(), ex._precision(compute_dtype):
+        state = rng_states.pop((li, mb), None) if rng_states is not None and layer.draws_random else None
+        with torch.enable_grad(), ex._precision(compute_dtype), replaying_rng(ex.rng, state):
             # Each trainable parameter is a leaf of its own (a detached view of the slot), so its
             # gradient lands in a tensor of its size; a flat leaf would gather them through
             # slice_backward, one zero-filled and one summed full tile per parameter.
@@ -690,4 +785,4 @@ def _then(fn: Work, after: Work) -> Work:
     return run
 
 
-__all__ = ["DeferredUpdates", "Executor", "HANDLERS", "StepOutput", "local_backward"]
+__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "local_backward", "replaying_rng"]

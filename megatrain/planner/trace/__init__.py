@@ -15,7 +15,8 @@ fields later ones read; each module's docstring gives the method of its pass and
 
 - :mod:`.export` (``export``): ``torch.export`` of the loss-only wrapper, naming the module that
   failed;
-- :mod:`.cleanup` (``clean``): export's dtype asserts out, random ops refused, position math kept
+- :mod:`.cleanup` (``clean``): export's dtype asserts out, random ops that cannot be replayed refused
+  (layers with dropout are marked ``Layer.draws_random`` by ``build_graph``), position math kept
   in FP32, grouped-query attention routed through :mod:`megatrain.kernels`;
 - :mod:`.cut` (``cut``, ``share_templates``, ``build_graph``): stages, values, one GraphModule per
   layer, templates, the LayerGraph records;
@@ -52,7 +53,7 @@ from megatrain.planner.trace.seq_chunk import (DEFAULT_SEQ_CHUNK_BYTES, MIXED, c
 
 PASSES: tuple[Callable[[TraceContext], None], ...] = (
     export,             # the loss-only wrapper as one aten graph
-    clean,              # in every nested graph: asserts out, no randomness, FP32 positions, GQA kernel
+    clean,              # in every nested graph: asserts out, replayable randomness, FP32 positions, GQA
     cut,                # stages, values, one GraphModule per layer
     fuse_lm_head_loss,  # before chunk_sequences: the pattern starts at the LM head's linear, which is token-wise
     chunk_sequences,    # large token-wise regions a chunk of the sequence at a time

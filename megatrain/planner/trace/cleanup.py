@@ -7,11 +7,15 @@ BF16 autocast: :func:`erase_metadata_asserts` drops export's dtype asserts,
 off, as the model's own autocast-disabled region did before export dropped it, and
 :func:`install_grouped_query_attention` routes grouped-query attention through a kernel that expands
 key/value heads where SDPA would otherwise fall back to the math kernel's ``[B, H, S, S]`` scores
-(FP32 on CUDA). Random ops are refused: a local backward recomputes the forward.
+(FP32 on CUDA). Random ops (dropout) are allowed where the executor can replay them: a local
+backward recomputes the forward, and the executor restores the device generator's state of the
+forward for that recompute (:func:`draws_random` marks the templates that need it,
+``Layer.draws_random``); :func:`check_random_ops` refuses those drawing from a private generator.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Collection
 
 import torch
@@ -31,40 +35,108 @@ _aten = torch.ops.aten
 # the meta device and carry no computation.
 _ASSERT_OPS = {torch.ops.aten._assert_tensor_metadata.default}
 
-# Ops that draw random numbers. A local backward recomputes the forward, which would draw a
-# different dropout mask than the forward did and silently train a different function.
-_RANDOM_OPS = {"aten::dropout", "aten::native_dropout", "aten::bernoulli", "aten::rand", "aten::randn",
-               "aten::rand_like", "aten::randn_like", "aten::randint", "aten::randperm", "aten::multinomial",
-               "aten::normal", "aten::uniform", "aten::feature_dropout", "aten::alpha_dropout"}
+# Random ops the executor replays by restoring the device generator's state (the attention kernels,
+# which draw only when their ``dropout_p`` is not 0, are told apart by that argument instead). Any
+# other op tagged ``nondeterministic_seeded`` draws random numbers too and is replayed the same way.
+_DROPOUT_OPS = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout", "aten::feature_alpha_dropout",
+                "aten::native_dropout"}
 
 
-def _check_no_randomness(gm: fx.GraphModule) -> None:
-    for n in gm.graph.nodes:
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if n.op == "call_function" and n.target is grouped_query_attention:
-            schema = _aten.scaled_dot_product_attention.default._schema  # it takes SDPA's leading arguments
-        if schema is None:
-            continue
-        if schema.name not in _RANDOM_OPS:
-            # Attention kernels take their dropout as an argument (HF's attention_dropout > 0 reaches
-            # scaled_dot_product_attention as dropout_p).
-            names = [a.name for a in schema.arguments]
-            if "dropout_p" not in names:
+def _schema(n: fx.Node):
+    if n.op != "call_function":
+        return None
+    if n.target is grouped_query_attention:
+        return _aten.scaled_dot_product_attention.default._schema  # it takes SDPA's leading arguments
+    return getattr(n.target, "_schema", None)
+
+
+def _draws(n: fx.Node) -> bool:
+    """Whether ``n`` draws random numbers when it runs (a dropout with ``p == 0`` or ``train=False``
+    and attention with ``dropout_p == 0`` do not)."""
+    schema = _schema(n)
+    if schema is None:
+        return False
+    names = [a.name for a in schema.arguments]
+
+    def arg(name: str, default):
+        k = names.index(name)
+        return n.args[k] if len(n.args) > k else n.kwargs.get(name, default)
+
+    if "dropout_p" in names:  # SDPA and its kernels: attention_dropout > 0 reaches them as dropout_p
+        return bool(arg("dropout_p", 0.0))
+    if schema.name in _DROPOUT_OPS:
+        return arg("p", 0.5) != 0.0 and arg("train", True) is not False
+    tags = getattr(n.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` and of its nested graphs that draw random numbers (dropout with ``p > 0`` in
+    training, attention with ``dropout_p > 0``, ``bernoulli``, ``rand*``, ``normal``, ...: every op
+    tagged ``torch.Tag.nondeterministic_seeded``), in graph order."""
+    return [n for m in graph_modules(gm) for n in m.graph.nodes if _draws(n)]
+
+
+def draws_random(gm: fx.GraphModule) -> bool:
+    """Whether template ``gm`` (or a graph nested in it) draws random numbers: the executor then
+    records the device generator's state at the layer's forward and restores it for every recompute
+    (``Layer.draws_random``)."""
+    return bool(random_nodes(gm))
+
+
+def without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of template ``gm`` (and its nested graphs) that computes as the model does in eval
+    mode: every dropout op gets ``train=False`` (the identity) and every attention call
+    ``dropout_p=0``, as ``model.eval()`` would have traced them (transformers passes
+    ``dropout_p = p if self.training else 0``). Other random ops (``rand``, ``bernoulli``, ...) are
+    kept: eval mode does not turn them off in eager PyTorch either. ``gm`` is not modified."""
+    out = copy.deepcopy(gm)
+    for m in graph_modules(out):
+        changed = False
+        for n in m.graph.nodes:
+            if not _draws(n):
                 continue
-            k = names.index("dropout_p")
-            p = n.args[k] if len(n.args) > k else n.kwargs.get("dropout_p", 0.0)
-            if not p:
+            names = [a.name for a in _schema(n).arguments]
+            if "dropout_p" in names:
+                name, value = "dropout_p", 0.0
+            elif _schema(n).name in _DROPOUT_OPS:
+                name, value = "train", False
+            else:
                 continue
-        elif schema.name.endswith("dropout") and (len(n.args) > 1 and n.args[1] == 0.0 or
-                                                  len(n.args) > 2 and n.args[2] is False):
-            continue  # p == 0 or not training: no randomness
-        stack = n.meta.get("nn_module_stack") or {}
-        where = strip_wrapper(list(stack.values())[-1][0]) if stack else "the model's forward"
-        raise UnsupportedModelError(
-            f"module {where!r} calls {schema.name} ({n.name}): megatrain recomputes each layer's "
-            "forward in its local backward and does not replay random number draws yet, so dropout "
-            "and other random ops are not supported; set dropout probabilities to 0 or call "
-            "model.eval() on the dropout modules")
+            k = names.index(name)
+            if len(n.args) > k:
+                n.args = (*n.args[:k], value, *n.args[k + 1:])
+            else:
+                n.kwargs = {**n.kwargs, name: value}
+            changed = True
+        if changed:
+            m.recompile()
+    return out
+
+
+def check_random_ops(gm: fx.GraphModule) -> None:
+    """Refuse random ops the executor cannot replay: one that draws from a ``torch.Generator`` passed
+    as an argument. A recompute restores the state of the device's default generator only (the
+    generator ``torch.manual_seed`` seeds and ``torch.utils.checkpoint`` restores), so a private
+    generator would advance again and draw a different mask in the recompute.
+
+    Raises:
+        UnsupportedModelError: naming the module, the op and the fix.
+    """
+    for n in random_nodes(gm):
+        # Export lifts a generator to a placeholder of the graph, so look at the argument's slot.
+        names = [a.name for a in _schema(n).arguments]
+        k = names.index("generator") if "generator" in names else None
+        gen = None if k is None else n.args[k] if len(n.args) > k else n.kwargs.get("generator")
+        if gen is not None:
+            stack = n.meta.get("nn_module_stack") or {}
+            where = strip_wrapper(list(stack.values())[-1][0]) if stack else "the model's forward"
+            raise UnsupportedModelError(
+                f"module {where!r} calls {_schema(n).name} ({n.name}) with its own torch.Generator: megatrain "
+                "recomputes each layer's forward in its local backward and replays random draws by restoring "
+                "the device's default generator, not a private one, so the recompute would draw different "
+                "numbers; draw from the default generator (drop the generator= argument) or set the "
+                "probability to 0")
 
 
 def erase_metadata_asserts(gm: fx.GraphModule) -> int:
@@ -176,15 +248,16 @@ def install_grouped_query_attention(gm: fx.GraphModule) -> int:
 
 
 def clean(ctx: TraceContext) -> None:
-    """Pass: erase export's asserts, refuse random ops, keep position math in FP32 and route GQA,
-    over ``ctx.gm`` and its nested graphs. Learned values enter at the parameters and the
-    floating-point batch inputs. Raises UnsupportedModelError for a random op."""
+    """Pass: erase export's asserts, refuse random ops that cannot be replayed, keep position math in
+    FP32 and route GQA, over ``ctx.gm`` and its nested graphs. Learned values enter at the parameters
+    and the floating-point batch inputs. Raises UnsupportedModelError for a random op drawing from
+    its own generator (:func:`check_random_ops`)."""
     erase_metadata_asserts(ctx.gm)
-    for sub in graph_modules(ctx.gm):
-        _check_no_randomness(sub)
+    check_random_ops(ctx.gm)
     floats = {ph for ph, x in zip(ctx.user_inputs, ctx.example) if is_float(x)}
     keep_position_math_fp32(ctx.gm, learned=set(ctx.param_of) | floats)
     install_grouped_query_attention(ctx.gm)
 
 
-__all__ = ["clean", "erase_metadata_asserts", "install_grouped_query_attention", "keep_position_math_fp32"]
+__all__ = ["check_random_ops", "clean", "draws_random", "erase_metadata_asserts", "install_grouped_query_attention",
+           "keep_position_math_fp32", "random_nodes", "without_dropout"]

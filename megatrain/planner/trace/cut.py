@@ -26,6 +26,7 @@ from torch import nn
 
 from megatrain.errors import UnsupportedModelError
 from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, TracedModel, Value, align_up
+from megatrain.planner.trace.cleanup import draws_random, without_dropout
 from megatrain.planner.trace.context import LayerCut, ValueCut
 from megatrain.planner.trace.export import WRAPPED, strip_wrapper
 from megatrain.planner.trace.fx_util import is_float, node_val, signature
@@ -249,7 +250,9 @@ def share_templates(ctx: TraceContext) -> None:
 
 
 def build_graph(ctx: TraceContext) -> None:
-    """Pass: the LayerGraph's records from the cut layers and their measurements, into ``ctx.traced``."""
+    """Pass: the LayerGraph's records from the cut layers and their measurements, into ``ctx.traced``;
+    a layer whose template draws random numbers is marked ``draws_random``, and its template gets
+    an eval-mode copy with dropout off (``TracedModel.eval_templates``)."""
     consumers: dict[int, set[int]] = {i: set() for i in range(len(ctx.values))}
     for layer in ctx.layers:
         for a in layer.inputs:
@@ -262,6 +265,7 @@ def build_graph(ctx: TraceContext) -> None:
             nbytes=t.numel() * t.element_size(), producer=v.producer,
             consumers=tuple(sorted(consumers[i])),
             requires_grad=v.node in ctx.needs_grad and is_float(t)))
+    random_templates = [draws_random(t) for t in ctx.templates]
     layer_recs = []
     for L in ctx.layers:
         flops = ctx.flops[L.template]
@@ -272,12 +276,14 @@ def build_graph(ctx: TraceContext) -> None:
             outputs=tuple(ctx.value_of[o] for o in L.outputs), buffers=buffer_names,
             buffer_bytes=sum(node_val(a).numel() * node_val(a).element_size() for a in L.buffers),
             work_bytes=L.work_bytes, fwd_flops=flops[0], bwd_flops=flops[1], fwd_launches=flops[2],
-            bwd_launches=flops[3]))
+            bwd_launches=flops[3], draws_random=random_templates[L.template]))
     o = ctx.options
     graph = LayerGraph(layers=tuple(layer_recs), values=tuple(value_recs), batch_inputs=o.input_names,
                        loss=ctx.value_of[ctx.loss_node], micro_batch_size=o.micro_batch_size, seq_len=o.seq_len,
                        meta={"model": type(ctx.module).__name__, "block_container": ctx.container})
-    ctx.traced = TracedModel(graph=graph, templates=tuple(ctx.templates), buffer_sources=ctx.buffer_sources)
+    evals = tuple(without_dropout(t) if r else None for t, r in zip(ctx.templates, random_templates))
+    ctx.traced = TracedModel(graph=graph, templates=tuple(ctx.templates), buffer_sources=ctx.buffer_sources,
+                             eval_templates=evals if any(random_templates) else ())
 
 
 def check_covers_params(model: nn.Module, graph: LayerGraph) -> None:

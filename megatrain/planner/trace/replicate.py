@@ -263,7 +263,8 @@ def _replicate(short: TracedModel, model: nn.Module, container: str, picks: Sequ
             for b in range(n):
                 real = f"{container}.{b}.{own(name, j)}"
                 sources[real] = ("buffer", real)
-    return TracedModel(graph=graph, templates=short.templates, buffer_sources=sources)
+    return TracedModel(graph=graph, templates=short.templates, buffer_sources=sources,
+                       eval_templates=short.eval_templates)
 
 
 def replicate(ctx: TraceContext) -> None:
