@@ -27,9 +27,8 @@ from megatrain.runtime.executor import DeviceRng, replaying_rng
 from megatrain.testing import AsyncFakeCuda, FakeCuda
 
 from conftest import random_batch, tiny_llama
+from test_exactness import ADAMW, RTOL, eager_losses
 
-RTOL = 1e-5
-ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SEQ, MBS, VOCAB = 16, 2, 96
 K, OFF, RE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 TRAIN_SEED = 1234  # both runs are seeded with it right before training
@@ -52,25 +51,6 @@ def llama_with_dropout(layers: int = 2, p: float = 0.1):
 MODELS = {"gpt2": tiny_gpt2, "llama": llama_with_dropout}
 
 
-def eager_training(model, batches, micro_batches: int, device: str = "cpu") -> list[float]:
-    """Eager training in strict FP32 with torch.optim.AdamW and gradient accumulation (loss / M)."""
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    out = []
-    for batch in batches:
-        opt.zero_grad()
-        total = 0.0
-        rows = batch["input_ids"].shape[0] // micro_batches
-        for k in range(micro_batches):
-            part = {n: t[k * rows:(k + 1) * rows].to(device) for n, t in batch.items()}
-            with strict_fp32():
-                loss = model(**part).loss / micro_batches
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        out.append(total)
-    return out
-
-
 def rng_state(device: str) -> torch.Tensor:
     return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
 
@@ -91,7 +71,7 @@ def assert_same_training_with_dropout(model, *, plan=None, steps: int = 4, devic
     trainer.flush()
     got_state = rng_state(device)
     torch.manual_seed(TRAIN_SEED)
-    want = eager_training(ref, batches, 1, device)
+    want = eager_losses(ref, batches, 1, precision=strict_fp32)  # strict FP32 on the model's device
     for step, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
     assert torch.equal(got_state, rng_state(device)), "the generator advanced differently than in eager training"

@@ -19,8 +19,10 @@ ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None = None,
                  precision=contextlib.nullcontext) -> list[float]:
-    """Eager training with torch.optim.AdamW and gradient accumulation; each forward runs under
-    ``precision()`` (e.g. BF16 autocast, or strict FP32)."""
+    """Eager training with torch.optim.AdamW and gradient accumulation on the model's device (the
+    batches are moved there); each forward runs under ``precision()`` (e.g. BF16 autocast, or
+    strict FP32)."""
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     out = []
     for batch in batches:
@@ -28,7 +30,7 @@ def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None
         total = 0.0
         rows = batch["input_ids"].shape[0] // micro_batches
         for k in range(micro_batches):
-            part = {n: t[k * rows:(k + 1) * rows] for n, t in batch.items()}
+            part = {n: t[k * rows:(k + 1) * rows].to(device) for n, t in batch.items()}
             with precision():
                 res = model(**part)
                 loss = (res if isinstance(res, torch.Tensor) else res.loss) / micro_batches
