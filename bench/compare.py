@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatrain.planner.hardware import cpu_name
+from megatrain.units import GiB
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout where megatrain is not installed
@@ -62,7 +63,6 @@ SYSTEMS = ("megatrain", "deepspeed", "fsdp2", "torch")
 RESULT_MARK = "BENCH_RESULT "
 """A child prints exactly one line starting with this, followed by its row as JSON."""
 
-GIB = 1 << 30
 
 
 # -- models ----------------------------------------------------------------------------------------
@@ -321,8 +321,8 @@ def _host_skip_reason(system: str, cfg: ModelConfig, args) -> str | None:
     need = HOST_BYTES_PER_PARAM[system] * param_count(cfg)
     avail = _mem_available_bytes()
     if avail is not None and need > 0.9 * avail:
-        return (f"needs ~{need / GIB:.0f} GiB of host memory ({HOST_BYTES_PER_PARAM[system]} B/param), "
-                f"{avail / GIB:.0f} GiB available; pass --force to try anyway")
+        return (f"needs ~{need / GiB:.0f} GiB of host memory ({HOST_BYTES_PER_PARAM[system]} B/param), "
+                f"{avail / GiB:.0f} GiB available; pass --force to try anyway")
     return None
 
 
@@ -574,8 +574,8 @@ def run_torch(cfg: ModelConfig, args) -> dict:
         need = _gpu_fit_estimate(cfg, args)
         free, _ = torch.cuda.mem_get_info()
         if need > 0.92 * free:
-            raise Skip(f"does not fit: needs ~{need / GIB:.1f} GiB on the GPU (16 B/param + activations), "
-                       f"{free / GIB:.1f} GiB free; pass --force to try anyway")
+            raise Skip(f"does not fit: needs ~{need / GiB:.1f} GiB on the GPU (16 B/param + activations), "
+                       f"{free / GiB:.1f} GiB free; pass --force to try anyway")
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg.hf_config(args.seq_len)).to(device)
     _enable_checkpointing(model)
@@ -782,7 +782,7 @@ def _count(n: int) -> str:
 
 
 def _gib(b) -> str:
-    return f"{b / GIB:.2f}" if b else "-"
+    return f"{b / GiB:.2f}" if b else "-"
 
 
 def format_table(record: dict) -> str:

@@ -72,7 +72,7 @@ from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERV
 from megatrain.planner.liveness import BATCH, liveness
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream, gradient_tiles
-from megatrain.units import GiB, KiB, MiB
+from megatrain.units import human_bytes
 
 GRAD_ITEMSIZE = 4
 """FP32 gradients: the accumulators, the optimizer's input, and the GPU slot, D2H and host tiles
@@ -656,14 +656,6 @@ class MemoryBreakdown:
         width = max(len(what) for _, what, _ in self.rows())
         return "\n".join(f"{where:<5} {what:<{width}} {human_bytes(b):>10}"
                          for where, what, b in self.rows())
-
-
-def human_bytes(n: float) -> str:
-    """``n`` bytes in binary units with two decimals (``"1.50 GiB"``), for tables and messages."""
-    for unit, size in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def weight_slot_count(plan: Plan) -> int:

@@ -28,9 +28,8 @@ from pydantic import Field
 
 from megatrain.config import describe_validation
 from megatrain.errors import ConfigError
-from megatrain.units import GiB, MiB
+from megatrain.units import GiB, MiB, TiB
 
-TiB = 1024 * GiB  # the only TiB user; megatrain.units stops at GiB
 
 DEFAULT_MATMUL_EFFICIENCY = 0.7
 """Fraction of the dense tensor-core peak a transformer layer's compute reaches (estimate).

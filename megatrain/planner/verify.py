@@ -50,6 +50,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.plan import OptimizerPlacement
 from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule, gradient_tiles
+from megatrain.units import human_bytes
 
 
 def happens_before(schedule: Schedule) -> list[int]:
@@ -495,8 +496,8 @@ def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> No
     for what, need, have in mem.budgets(hw):  # the one definition of "fits"
         if need > have:
             fix = fixes[what]
-            raise ScheduleError(f"schedule breaks rule 'budget': it needs {cost.human_bytes(need)} of {what} at "
-                                f"its peak, and {hw.name!r} has {cost.human_bytes(have)}. Fix: {fix}.\n"
+            raise ScheduleError(f"schedule breaks rule 'budget': it needs {human_bytes(need)} of {what} at "
+                                f"its peak, and {hw.name!r} has {human_bytes(have)}. Fix: {fix}.\n"
                                 + mem.format())
 
 

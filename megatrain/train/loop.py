@@ -98,7 +98,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
     import torch
 
     import megatrain
-    from megatrain.planner.cost import human_bytes
+    from megatrain.units import human_bytes
     from megatrain.planner.presets import build_meta_model
 
     available = available_host_memory()  # before the build: what the run may use

@@ -16,6 +16,7 @@ from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.schedule import COMPUTE_KINDS, Schedule
 from megatrain.planner.solve.request import SolveRequest
+from megatrain.units import human_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequ
     m = req.memory
     gpu_ok, host_ok = req.fits(hw)
     G, S = request.global_batch, g.seq_len
-    hb = cost.human_bytes
+    hb = human_bytes
     largest = next(layer for layer in g.layers if layer.name == req.largest_layer)
     head = (f"no plan fits a {_count(g.param_count)}-parameter model of {len(g.layers)} layers, global batch "
             f"{G} x {S} tokens, {request.compute_dtype} compute"
