@@ -171,6 +171,45 @@ def test_jsonl_missing_or_wrong_field(tmp_path):
         load_documents(g)
 
 
+def test_jsonl_type_change_mid_file_names_the_line(tmp_path):
+    """datasets' JSON reader fails on a column that changes type (ArrowInvalid, no line number):
+    the error names the file and the first offending line instead."""
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"text": "a"}\n\n{"text": "b"}\n{"text": [1, 2]}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"mixed\.jsonl', line 4: field 'text' must be a string, got list"):
+        load_documents(f)
+
+
+def test_saved_hf_dataset_directory_is_a_corpus(tmp_path, tokenizer):
+    """A directory written by datasets' save_to_disk (a Dataset, or a DatasetDict's 'train' split)
+    reads as one document per row, memory-mapped, and builds the same token store as the same
+    rows in a .jsonl file."""
+    datasets = pytest.importorskip("datasets")
+    rows = [_read("textwrap.py"), "", _read("shlex.py"), "short ✓"]
+    ds = datasets.Dataset.from_dict({"body": rows, "n": list(range(len(rows)))})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    want = [r for r in rows if r]
+    assert load_documents(tmp_path / "saved", text_field="body", max_bytes=None) == want
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    assert load_documents(tmp_path / "dict", text_field="body", max_bytes=None) == want
+    jsonl = tmp_path / "same.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": r}) + "\n" for r in rows), encoding="utf-8")
+    from_disk = cached_token_store(tmp_path / "saved", tokenizer, tmp_path / "s1", text_field="body",
+                                   max_bytes=None, progress=False)
+    from_jsonl = cached_token_store(jsonl, tokenizer, tmp_path / "s2", text_field="body", max_bytes=None,
+                                    progress=False)
+    assert np.array_equal(from_disk.tokens, from_jsonl.tokens) and from_disk.num_documents == len(want)
+    with pytest.raises(ValueError, match=r"saved.*no column 'text'.*\['body', 'n'\]"):
+        load_documents(tmp_path / "saved")
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "notrain"))
+    with pytest.raises(ValueError, match=r"no 'train' split \(splits: \['test'\]\).*notrain/test"):
+        load_documents(tmp_path / "notrain")
+    shard = next((tmp_path / "saved").glob("*.arrow"))
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"lists '{shard.name}'.*missing"):
+        load_documents(tmp_path / "saved", text_field="body")
+
+
 def test_loading_errors(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match="nope"):

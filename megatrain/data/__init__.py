@@ -3,8 +3,8 @@
 Everything runs locally with nothing downloaded. The default corpus is the
 source tree of the running interpreter's standard library (real text that is
 always present); a user may instead point at a directory of documents, a
-single text file, a ``.jsonl`` file or a Parquet file (``pyarrow``, the
-``data`` extra).
+single text file, a ``.jsonl`` file, a Parquet file or a directory saved with
+Hugging Face ``datasets`` (``save_to_disk``); records are read through ``datasets``.
 
 One dataset path: :func:`cached_token_store` tokenises the corpus once into a
 memory-mapped file on disk (in parallel processes, reused while the source and

@@ -1,8 +1,14 @@
-"""Corpus readers: a directory of text files, one text file, ``.jsonl`` or ``.parquet``.
+"""Corpus readers: a directory of text files, one text file, ``.jsonl``, ``.parquet``, or a dataset
+saved with Hugging Face ``datasets`` (``save_to_disk``).
 
+Records are read through ``datasets``: ``.jsonl`` and ``.parquet`` with
+``load_dataset("json"/"parquet", data_files=..., streaming=True)`` (record batches, no Arrow cache
+written, memory bounded by a batch) and a saved dataset's Arrow shards with
+``Dataset.from_file`` (memory-mapped). A text file is one document, read as bytes (no reader needed).
 Each reader yields whole UTF-8 documents under one byte budget (``max_bytes``, in UTF-8 bytes of
-document text); every malformed input is an error naming the file and the line (``.jsonl``) or
-column (``.parquet``). Nothing is downloaded: the default corpus is the running interpreter's
+document text); every malformed input is an error naming the file and the line (``.jsonl``: the
+library's own errors do not say which line, so the file is scanned for it) or column
+(``.parquet``, Arrow). Nothing is downloaded: the default corpus is the running interpreter's
 standard library (:func:`default_corpus_dir`).
 """
 
@@ -46,7 +52,8 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _ACCEPTED = (
     "a directory (its *.py, *.txt, *.md, *.rst, *.jsonl, *.parquet files are read "
     "recursively), a single .py/.txt/.md/.rst file (one document), a .jsonl file "
-    "(one JSON object per line) or a .parquet file (one document per row)"
+    "(one JSON object per line), a .parquet file (one document per row) or a directory saved "
+    "with Hugging Face datasets' save_to_disk (one document per row of its 'train' split)"
 )
 
 
@@ -98,7 +105,7 @@ def corpus_bytes(source: str | os.PathLike[str] | None = None) -> int:
     if not path.exists():
         raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected {_ACCEPTED}")
     if path.is_dir():
-        return sum(f.stat().st_size for f in _iter_corpus_files(path))
+        return sum(f.stat().st_size for f in corpus_files(path))
     return path.stat().st_size
 
 
@@ -148,7 +155,9 @@ def load_documents(
             which is one document; a ``.jsonl`` file, one document per
             non-blank line taken from ``text_field``; or a ``.parquet`` file,
             one document per row taken from the string column ``text_field``
-            (null and empty values are skipped; needs ``pyarrow``).
+            (null and empty values are skipped); or a directory saved with
+            ``datasets``' ``save_to_disk``, one document per row of its string column
+            ``text_field`` (of the ``train`` split for a ``DatasetDict``).
         max_bytes: stop once this many UTF-8 bytes of text are collected.
             Documents are taken whole, except the one that would cross the
             limit, which is truncated (at a character boundary) to fit.
@@ -173,7 +182,7 @@ def load_documents(
             that cannot be read or has no string column ``text_field`` (the
             message names the file and its columns); or no non-empty document
             was found.
-        ImportError: a ``.parquet`` file without ``pyarrow`` installed.
+        ImportError: ``datasets`` is not installed (a dependency of megatrain).
     """
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive number of bytes or None, got {max_bytes}")
@@ -216,6 +225,9 @@ def corpus_files(source: str | os.PathLike[str] | None = None) -> list[Path]:
     if not path.exists():
         raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected {_ACCEPTED}")
     if path.is_dir():
+        saved = _saved_dataset_files(path)
+        if saved is not None:
+            return saved
         files = _iter_corpus_files(path)
         if not files:
             raise FileNotFoundError(
@@ -232,6 +244,39 @@ def corpus_files(source: str | os.PathLike[str] | None = None) -> list[Path]:
     return [path]
 
 
+def _saved_dataset_files(path: Path) -> list[Path] | None:
+    """The Arrow shards of a dataset saved with ``Dataset.save_to_disk`` (``state.json``) or of the
+    ``train`` split of a ``DatasetDict.save_to_disk`` (``dataset_dict.json``), in row order;
+    ``None`` when ``path`` is no saved dataset.
+
+    Raises:
+        ValueError: a ``DatasetDict`` without a ``train`` split (names its splits), or a
+            ``state.json`` that does not list its data files.
+        FileNotFoundError: a listed shard is missing.
+    """
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        if "train" not in splits:
+            raise ValueError(
+                f"saved dataset {str(path)!r} has no 'train' split (splits: {splits}); pass the "
+                f"directory of the split to train on, e.g. {str(path / splits[0])!r}"
+            )
+        return _saved_dataset_files(path / "train")
+    state = path / "state.json"
+    if not (state.is_file() and (path / "dataset_info.json").is_file()):
+        return None
+    try:
+        names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(state)!r} does not list the saved dataset's data files ({e!r}); "
+                         f"save it again with datasets' save_to_disk") from e
+    files = [path / n for n in names]
+    for n, f in zip(names, files):
+        if not f.is_file():
+            raise FileNotFoundError(f"saved dataset {str(path)!r} lists {n!r} but {str(f)!r} is missing")
+    return files
+
+
 def iter_file_documents(
     path: Path,
     *,
@@ -243,8 +288,8 @@ def iter_file_documents(
 
     A ``.py``/``.txt``/``.md``/``.rst`` file is one document (nothing if it is only whitespace);
     a ``.jsonl`` file gives one per non-blank line (the string ``text_field``); a ``.parquet``
-    file one per non-empty value of its string column ``text_field``, read one record batch at
-    a time so memory is bounded by a batch, not the file.
+    file, or an ``.arrow`` shard of a saved dataset, one per non-empty value of its string column
+    ``text_field``, read one record batch at a time so memory is bounded by a batch, not the file.
 
     Args:
         path: the file.
@@ -258,10 +303,12 @@ def iter_file_documents(
             UTF-8 or not a JSON object with a string ``text_field`` (the message names the file,
             the 1-based line and the field); a ``.parquet`` file that cannot be read or has no
             string column ``text_field``.
-        ImportError: a ``.parquet`` file without ``pyarrow``.
+        ImportError: ``datasets`` is not installed.
     """
     suffix = path.suffix.lower()
-    if suffix == ".parquet":
+    if suffix == ".arrow":
+        yield from _iter_arrow(path, text_field)
+    elif suffix == ".parquet":
         yield from _iter_parquet(path, text_field)
     elif suffix == ".jsonl":
         yield from _iter_jsonl(path, text_field)
@@ -283,61 +330,121 @@ def iter_file_documents(
             yield text
 
 
-def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _load_datasets():
     try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:
+        import datasets
+    except ImportError as e:  # a core dependency; only a broken install lacks it
         raise ImportError(
-            f"reading {str(path)!r} needs pyarrow, which megatrain does not install by "
-            f"default: pip install 'megatrain[data]' (or pyarrow)"
+            "reading .jsonl, .parquet and saved Hugging Face datasets needs the `datasets` package: "
+            "pip install 'datasets>=5.2'"
         ) from e
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{str(path)!r} is not a readable Parquet file: {e}") from e
-    schema = pf.schema_arrow
-    if text_field not in schema.names:
+    datasets.disable_progress_bars()  # one file of many: the store's own bar reports progress
+    return datasets
+
+
+def _stream(builder: str, path: Path):
+    """``datasets.load_dataset(builder, data_files=path, streaming=True)``: record batches read
+    lazily from the file (no Arrow cache written, memory bounded by a batch)."""
+    return _load_datasets().load_dataset(builder, data_files=str(path), split="train", streaming=True)
+
+
+def _check_text_column(path: Path, features, text_field: str, fix: str) -> None:
+    names = list(features) if features is not None else []
+    if text_field not in names:
+        raise ValueError(f"{str(path)!r} has no column {text_field!r} (columns: {names}); {fix}")
+    dtype = getattr(features[text_field], "dtype", None)
+    if dtype not in ("string", "large_string"):
         raise ValueError(
-            f"{str(path)!r} has no column {text_field!r} (columns: {schema.names}); "
-            f"name the text column with text_field"
+            f"{str(path)!r}: column {text_field!r} has type {dtype or features[text_field]}, not string; {fix}"
         )
-    kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ValueError(
-            f"{str(path)!r}: column {text_field!r} has type {kind}, not string; name a "
-            f"string column with text_field"
-        )
-    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
+
+
+def _iter_text_column(rows: Iterator[dict], text_field: str, on_bad) -> Iterator[str]:
+    for batch in rows:
+        for text in batch[text_field]:
+            if text is None or not isinstance(text, str):
+                on_bad()
+                continue
             if text:
                 yield text
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+    fix = "name the text column with text_field"
+    try:
+        ds = _stream("parquet", path)
+        features = ds.features
+    except Exception as e:  # datasets/pyarrow raise ArrowInvalid, OSError, ValueError, ...
+        raise ValueError(f"{str(path)!r} is not a readable Parquet file: {e}") from e
+    _check_text_column(path, features, text_field, fix)
+    # Null values are no documents (as empty strings are not): skip them.
+    yield from _iter_text_column(ds.select_columns([text_field]).iter(batch_size=4096), text_field,
+                                 on_bad=lambda: None)
+
+
+def _iter_arrow(path: Path, text_field: str) -> Iterator[str]:
+    """One Arrow shard of a dataset saved with ``save_to_disk``, memory-mapped by
+    ``datasets.Dataset.from_file`` (no copy in RAM)."""
+    try:
+        ds = _load_datasets().Dataset.from_file(str(path))
+    except Exception as e:
+        raise ValueError(f"{str(path)!r} is not a readable Arrow file of a saved dataset: {e}") from e
+    _check_text_column(path, ds.features, text_field, "name the text column with text_field")
+    yield from _iter_text_column(ds.select_columns([text_field]).iter(batch_size=4096), text_field,
+                                 on_bad=lambda: None)
+
+
+class _RecordError(ValueError):
+    """A bad record, located (file and line): raised as is, never re-wrapped."""
+
+
+def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None) -> ValueError:
+    """The first line of a ``.jsonl`` file that is not an object with a string ``text_field``.
+
+    ``datasets`` reports a bad record without its line (``ArrowInvalid: JSON parse error``, a
+    pandas ``ValueError``, or a row of None for a missing field), so on any failure the file is
+    scanned with :mod:`json` for the line to name. Returns the error to raise.
+    """
     lineno = 0
     try:
         with path.open("r", encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, start=1):
                 if not line.strip():
-                    continue  # tolerate blank lines, e.g. a trailing newline
+                    continue
                 where = f"{str(path)!r}, line {lineno}"
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(
+                    return _RecordError(
                         f"{where}: not valid JSON ({e.msg}); each line must be a JSON "
                         f"object with a string field {text_field!r}"
-                    ) from e
-                if not isinstance(obj, dict) or text_field not in obj:
-                    raise ValueError(f"{where}: JSON value has no field {text_field!r}")
-                text = obj[text_field]
-                if not isinstance(text, str):
-                    raise ValueError(
-                        f"{where}: field {text_field!r} must be a string, "
-                        f"got {type(text).__name__}"
                     )
-                if text:
-                    yield text
+                if not isinstance(obj, dict) or text_field not in obj:
+                    return _RecordError(f"{where}: JSON value has no field {text_field!r}")
+                if not isinstance(obj[text_field], str):
+                    return _RecordError(
+                        f"{where}: field {text_field!r} must be a string, "
+                        f"got {type(obj[text_field]).__name__}"
+                    )
     except UnicodeDecodeError as e:
-        raise ValueError(f"{str(path)!r}, line {lineno + 1}: not valid UTF-8 ({e})") from e
+        return _RecordError(f"{str(path)!r}, line {lineno + 1}: not valid UTF-8 ({e})")
+    return _RecordError(f"{str(path)!r} could not be read as JSON Lines: {cause}")
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    def bad() -> None:
+        raise _jsonl_error(path, text_field)
+
+    try:
+        ds = _stream("json", path)
+        features = ds.features
+        if features is None or text_field not in features:
+            bad()
+        if getattr(features[text_field], "dtype", None) not in ("string", "large_string"):
+            bad()
+        yield from _iter_text_column(ds.select_columns([text_field]).iter(batch_size=4096), text_field,
+                                     on_bad=bad)
+    except _RecordError:
+        raise
+    except Exception as e:  # ArrowInvalid, DatasetGenerationError, UnicodeDecodeError, ...
+        raise _jsonl_error(path, text_field, e) from e

@@ -38,9 +38,11 @@ class TrainConfig(pydantic.BaseModel):
                                                          "completion / assistant tokens, one example per "
                                                          "row padded to seq_len (the token store is not used)")
     data: str | None = Field(None, description="a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
-                                               "or one such file (default: this Python's standard library)")
+                                               "one such file, or a directory saved with Hugging Face "
+                                               "datasets' save_to_disk (default: this Python's standard "
+                                               "library)")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
-                                                ".parquet files")
+                                                ".parquet files and saved datasets")
     max_bytes: int | None = Field(3_000_000, gt=0, description="UTF-8 bytes of text, from the corpus's start, "
                                                                "to tokenise into the token store and train on "
                                                                "(null: the whole corpus, tokenised in parallel "
