@@ -43,8 +43,9 @@ class StepResult:
     """What one ``Trainer.step`` did.
 
     ``loss`` is the mean of the micro-batch losses (a float); ``tokens`` the number of input
-    tokens in the global batch; ``seconds`` the wall time of the step; ``tokens_per_second`` their
-    ratio. ``grad_norm`` is the global L2 norm of the step's gradients before clipping (FP32, as
+    tokens in the global batch that are not padding (``attention_mask == 1`` when the batch has an
+    ``attention_mask``, else every token); ``seconds`` the wall time of the step;
+    ``tokens_per_second`` their ratio. ``grad_norm`` is the global L2 norm of the step's gradients before clipping (FP32, as
     ``torch.nn.utils.clip_grad_norm_`` returns it; NaN or inf when a gradient was not finite).
 
     ``applied`` is False when a loss or a gradient of the step was NaN or infinite: that update is
@@ -296,11 +297,16 @@ class Trainer:
         """Forward, backward and AdamW update for one global batch.
 
         ``batch`` maps each compiled input name to a ``LongTensor[global_batch, seq_len]`` (a plain
-        tensor is taken as ``input_ids``, and as ``labels`` too when the model takes labels). It is
-        split along dim 0 into ``micro_batches`` micro-batches of ``micro_batch_size``.
+        tensor is taken as ``input_ids``, and as ``labels`` too when the model takes labels);
+        ``attention_mask`` may also be bool or any integer dtype, 0 (padding) or 1. It is split
+        along dim 0 into ``micro_batches`` micro-batches of ``micro_batch_size``. Padding (left or
+        right, by ``attention_mask``), ``position_ids`` and packed rows (``position_ids`` that restart
+        at 0 for each document: attention does not cross documents) run as the model runs them
+        eagerly with ``use_cache=False``; labels of -100 are ignored by the model's loss.
 
         Raises:
-            BatchError: missing or extra inputs, a shape or dtype other than compiled, or a token id
+            BatchError: missing or extra inputs, a shape or dtype other than compiled, an
+                ``attention_mask`` with values other than 0 and 1, or a token id
                 (``input_ids``) or label (``labels``, -100 ignored) outside the model's vocabulary;
                 checked before anything runs, so nothing changes.
             StepError: the schedule raised while it ran (the cause is chained). With
@@ -313,6 +319,7 @@ class Trainer:
         """
         o = self.options
         parts = self._split(batch, o.micro_batches)
+        tokens = sum(_real_tokens(p) for p in parts)
         t0 = time.perf_counter()
         if self._pending_layers and self.schedule is self.schedules.first:
             self._apply_pending(None)  # a failure left part of the update pending
@@ -332,7 +339,7 @@ class Trainer:
         else:
             skipped = tuple(out.updates_skipped)
         return StepResult(step=self.step_count, loss=sum(losses) / len(losses), micro_batch_losses=losses,
-                          tokens=o.global_batch * o.seq_len, seconds=seconds,
+                          tokens=tokens, seconds=seconds,
                           grad_norm=out.grad_norm, applied=out.finite,
                           skipped_layers=skipped)
 
@@ -384,6 +391,8 @@ class Trainer:
         for name, t in d.items():
             if not isinstance(t, torch.Tensor):
                 raise BatchError(f"batch[{name!r}] is a {type(t).__name__}, not a tensor")
+            if name == "attention_mask":
+                d[name] = t = _mask_as_long(t)
             if t.dtype != torch.long:
                 raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; token inputs must be torch.long "
                                  "(int64): convert with .long()")
@@ -395,6 +404,33 @@ class Trainer:
             _check_ids(name, d[name], limit)
         mbs = o.micro_batch_size
         return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
+
+
+def _mask_as_long(mask: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face padding mask as the model was traced with it: ``LongTensor`` of 0/1.
+
+    Accepts bool and integer masks (what tokenizers and collators return); values are checked.
+
+    Raises:
+        BatchError: a floating-point mask, or values other than 0 and 1 (an additive mask of
+            0/-inf, or a 4D mask, is not a padding mask).
+    """
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise BatchError(f"batch['attention_mask'] has dtype {mask.dtype}; pass the 0/1 padding mask (1 = real "
+                         "token, 0 = padding) as torch.long or torch.bool, as Hugging Face tokenizers return it")
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = sorted({int(v) for v in mask.unique()} - {0, 1})[:5]
+        raise BatchError(f"batch['attention_mask'] holds values {bad}; a padding mask is 0 (padding) or 1 "
+                         "(real token)")
+    return mask.long() if mask.dtype != torch.long else mask
+
+
+def _real_tokens(part: Mapping[str, torch.Tensor]) -> int:
+    """Tokens of a micro-batch that are not padding: ``attention_mask.sum()``, else every token."""
+    mask = part.get("attention_mask")
+    if mask is not None:
+        return int(mask.sum())
+    return next(iter(part.values())).numel()
 
 
 def _missing(names: Sequence[str], have: set[str]) -> None:
@@ -663,7 +699,9 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
             matmuls under autocast; FP32 masters, moments and gradients). Default: BF16 on CUDA,
             FP32 on the CPU. A given ``plan`` brings its own.
         device: ``"cpu"`` (the CPU backend) or ``"cuda"``.
-        input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``.
+        input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``:
+            e.g. ``("input_ids", "attention_mask", "labels")`` for padded batches,
+            ``("input_ids", "position_ids", "labels")`` for packed documents (see ``Trainer.step``).
         max_grad_norm: clip the gradients to this global L2 norm, as
             ``torch.nn.utils.clip_grad_norm_`` does, or None. Clipping needs every gradient before
             any update, so the optimizer steps then run in the next step's forward

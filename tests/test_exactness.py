@@ -18,12 +18,12 @@ ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None = None,
-                 precision=contextlib.nullcontext) -> list[float]:
+                 precision=contextlib.nullcontext, adamw: dict = ADAMW) -> list[float]:
     """Eager training with torch.optim.AdamW and gradient accumulation on the model's device (the
     batches are moved there); each forward runs under ``precision()`` (e.g. BF16 autocast, or
     strict FP32)."""
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
     out = []
     for batch in batches:
         opt.zero_grad()

@@ -576,7 +576,7 @@ def test_the_data_line_reports_the_store_and_a_shared_data_cache_is_reused(setup
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data: "))
     with open_token_store(cache) as store:
         m = store.manifest
-        windows = StoreWindows(store, 32, val_fraction=0.05, seed=0)
+        windows = StoreWindows(store, 32, val_fraction=0.05, seed=0, document_attention=True)
         assert m.max_bytes == 20000 and 19000 < m.text_bytes <= 20000
         assert line.startswith(f"data: {m.num_documents:,} documents, {m.text_bytes / 1e6:.2f} MB of text -> "
                                f"{m.num_tokens:,} tokens in {windows.num_train_rows:,} training + "

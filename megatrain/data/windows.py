@@ -89,7 +89,10 @@ class StoreWindows:
     loss) except that with ``mask_document_starts`` the first token of every document that starts
     inside a window (the token after an end-of-text) is :data:`IGNORE_INDEX`, so no loss target
     is predicted from another document's text, as :func:`~megatrain.data.packing.pack_documents`
-    guarantees for packed rows.
+    guarantees for packed rows. With ``document_attention`` each batch also has ``position_ids``
+    that restart at 0 at every document start inside the window (and at the window's first token):
+    Hugging Face causal LMs given ``position_ids`` that restart (and no ``attention_mask``) attend
+    only within each document, as their packing without padding does (``DataCollatorWithFlattening``).
 
     Split: ``num_val = min(max(1, round(val_fraction * num_windows)), num_windows - 1)`` windows
     are held out: window ``w`` is a validation window iff ``S(w) < num_val`` for a bijection ``S``
@@ -114,6 +117,7 @@ class StoreWindows:
         val_fraction: float = 0.05,
         seed: int = 0,
         mask_document_starts: bool = True,
+        document_attention: bool = False,
     ) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (one context and one target token), got {seq_len}")
@@ -132,6 +136,7 @@ class StoreWindows:
         self.val_fraction = val_fraction
         self.seed = seed
         self.mask_document_starts = mask_document_starts
+        self.document_attention = document_attention
         self.num_val_rows = min(max(1, round(val_fraction * num_windows)), num_windows - 1)
         self.num_train_rows = num_windows - self.num_val_rows
         self._split = _Permutation(num_windows, (seed, 0))
@@ -144,6 +149,8 @@ class StoreWindows:
         """sha256 (hex) of the store's tokens hash and the windowing: equal iff the batches are equal."""
         key = [self.store.manifest.tokens_sha256, self.seq_len, self.val_fraction, self.seed,
                self.mask_document_starts]
+        if self.document_attention:  # appended only when on: the windows' key before it existed
+            key.append("document_attention")
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
     def _rows(self, split: str) -> int:
@@ -187,16 +194,24 @@ class StoreWindows:
         """The batch of ``windows`` (window indices), copied out of the map.
 
         Returns:
-            ``{"input_ids": LongTensor[len(windows), seq_len], "labels": LongTensor[...]}``, CPU.
+            ``{"input_ids": LongTensor[len(windows), seq_len], "labels": LongTensor[...]}``, CPU,
+            and ``"position_ids"`` (same shape, 0 at each document start) with ``document_attention``.
         """
         windows = np.asarray(windows, dtype=np.int64)
         starts = windows * self.seq_len
         x = self.store.tokens[starts[:, None] + np.arange(self.seq_len)].astype(np.int64)
         self.store.release()
         labels = x.copy()
+        starts_doc = np.zeros_like(x, dtype=bool)
+        starts_doc[:, 1:] = x[:, :-1] == self.store.eot_id
         if self.mask_document_starts:
-            labels[:, 1:][x[:, :-1] == self.store.eot_id] = IGNORE_INDEX
-        return {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(labels)}
+            labels[starts_doc] = IGNORE_INDEX
+        out = {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(labels)}
+        if self.document_attention:
+            t = np.arange(self.seq_len, dtype=np.int64)
+            last_start = np.maximum.accumulate(np.where(starts_doc, t, 0), axis=1)
+            out["position_ids"] = torch.from_numpy(t - last_start)
+        return out
 
     def batches(
         self, batch_size: int, *, seed: int = 0, split: str = "train", start: int = 0

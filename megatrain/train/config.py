@@ -58,6 +58,11 @@ class TrainConfig(pydantic.BaseModel):
                                                     "data with the model's vocab_size)")
     eot_token: str | None = Field(None, description="the tokenizer's end-of-text token (default: the first of "
                                                     "<|endoftext|>, <|end_of_text|>, </s>, <eos> it has)")
+    document_attention: bool = Field(True, description="lm task: each token attends only to earlier tokens of "
+                                                       "its own document, not to the documents packed before "
+                                                       "it in the window (position_ids restart at 0 at every "
+                                                       "document start, as Hugging Face packing without padding "
+                                                       "does); false: plain causal attention across the window")
     seq_len: int = Field(1024, ge=2, description="tokens per training window")
     global_batch: int = Field(8, gt=0, description="windows (rows) per optimizer step")
     micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch; global_batch must be a "

@@ -157,7 +157,8 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
             shown = ", ".join(m.skipped_examples[:3]) + (", ..." if m.skipped_files > 3 else "")
             echo(f"note: data: skipped {m.skipped_files} file{'s' if m.skipped_files > 1 else ''} that are not "
                  f"UTF-8 text ({shown})")
-        dataset = D.StoreWindows(store, cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed)
+        dataset = D.StoreWindows(store, cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                                 document_attention=cfg.document_attention)
         dataset.batches(cfg.global_batch)  # raises now when one batch does not fit
         dataset.eval_batches(cfg.micro_batch_size, 1)
     except (OSError, ValueError, ImportError) as e:

@@ -114,7 +114,11 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
+    # Packed LM windows carry position_ids that restart per document (per-document attention).
+    names = ("input_ids", "position_ids", "labels") if cfg.task == "lm" and cfg.document_attention \
+        else ("input_ids", "labels")
     planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                                   input_names=names,
                                    micro_batches=cfg.micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
                                    plan="default" if cfg.device == "cpu" else None, hardware=hw)
     needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,

@@ -21,7 +21,7 @@ METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "pred
                  "measured_step_s", "applied", "val_loss", "host_rss_mib")
 """Keys of every ``metrics.jsonl`` row. ``step`` is 1-based; ``loss`` the mean micro-batch loss;
 ``lr`` the learning rate the step used; ``grad_norm`` the global L2 norm of the gradients before
-clipping; ``tokens_per_s`` tokens of the step (padding included) over ``measured_step_s``, the
+clipping; ``tokens_per_s`` the step's non-padding tokens (``StepResult.tokens``) over ``measured_step_s``, the
 step's wall time in seconds; ``mfu`` model FLOPs utilisation (module docstring); ``predicted_step_s``
 the simulator's step time on the ``hardware`` spec, seconds, or null; ``applied`` false when the
 update was not applied (non-finite loss or gradient); ``val_loss`` the validation loss when this

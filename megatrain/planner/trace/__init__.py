@@ -103,7 +103,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     """
     options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),
                            loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes)
-    check_model(model)
+    check_model(model, options.input_names)
     container = find_block_container(model)
     with causal_attention(model, options.input_names) as mask_free:
         why = why_not_replicate(model, container) if replicate_blocks else "replicate_blocks=False"

@@ -120,13 +120,24 @@ def strip_wrapper(fqn: str) -> str:
     return fqn[len(WRAPPED) + 1:] if fqn.startswith(WRAPPED + ".") else fqn
 
 
-def check_model(model: nn.Module) -> None:
-    """Raise UnsupportedModelError unless ``model`` has a parameter that requires grad."""
+def check_model(model: nn.Module, input_names: Sequence[str] = ()) -> None:
+    """Raise UnsupportedModelError unless ``model`` has a parameter that requires grad and its
+    ``forward`` takes every name of ``input_names`` as a keyword (or has ``**kwargs``)."""
     model_device(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModelError(
             f"{type(model).__name__} has no trainable parameters (all have requires_grad=False): "
             "there is nothing to train")
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                       inspect.Parameter.KEYWORD_ONLY)]
+    missing = [n for n in input_names if n not in takes]
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward takes no {missing} (its inputs: {takes}); compile with "
+            f"input_names from those, or give forward those arguments")
 
 
 def export(ctx: TraceContext) -> None:
