@@ -631,7 +631,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
 
 def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None, *,
-                backend: Backend | None = None) -> Trainer:
+                backend: Backend | None = None, host: HostState | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
     master weights and AdamW moments, 12 bytes per parameter), the module's parameters bound to
     them (a meta-device model is initialised there by its own initialisation), the backend and
@@ -639,6 +639,9 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     allocated here too, so that running out of memory is a compile error, not a first-step one;
     the CPU backend makes its (host) buffers at the first step. ``backend``: the one to run on
     (default ``make_backend(planned.options.device)``; tests pass a CUDA backend over FakeCuda).
+    ``host``: the host tiles of another trainer of the same model (the module already bound to
+    them), shared instead of allocated: how a shape-free trainer (``megatrain.shapes``) runs one
+    set of weights and moments under the schedules of several batch shapes.
 
     Raises:
         ConfigError: an optimizer setting out of range, or an optimizer object rather than settings;
@@ -649,8 +652,12 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     opt = _optimizer(optimizer)
     backend = make_backend(planned.options.device) if backend is None else backend
     traced, model = planned.traced, planned.model
-    host = HostState(traced.graph)
-    bind_module(model, host)
+    if host is None:
+        host = HostState(traced.graph)
+        bind_module(model, host)
+    elif [lay.params for lay in host.graph.layers] != [lay.params for lay in traced.graph.layers]:
+        raise ConfigError("this plan's layers hold other parameters than the shared host tiles' (the model "
+                          "traced differently at this shape); compile the shape with its own trainer")
     buffers = {}
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
@@ -662,11 +669,12 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     return Trainer(planned, opt, host, backend, executor)
 
 
-def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
-            optimizer: AdamW | Mapping | None = None, plan: Plan | Literal["default"] | None = None,
-            device: str = "cpu", input_names: Sequence[str] = ("input_ids", "labels"),
-            max_grad_norm: float | None = None, hardware: HardwareSpec | str | None = None,
-            compute_dtype: str | None = None) -> Trainer:
+def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: int | None = None,
+            micro_batches: int = 1, optimizer: AdamW | Mapping | None = None,
+            plan: Plan | Literal["default"] | None = None, device: str = "cpu",
+            input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
+            hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
+            seq_len_buckets: Sequence[int] | None = None, max_shapes: int | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -679,8 +687,12 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
     Args:
         model: an ``nn.Module`` whose ``forward(**batch)`` returns the loss (a Hugging Face causal
             LM given ``labels``, or any module returning a scalar tensor).
-        seq_len: tokens per sequence.
-        micro_batch_size: sequences per micro-batch.
+        seq_len: tokens per sequence. None (the default): shape-free; returns a
+            ``megatrain.shapes.ShapeFreeTrainer`` that plans each batch shape it meets (from the
+            first batch on), caches up to ``max_shapes`` of them (default 8) and pads to
+            ``seq_len_buckets`` when given (see ``megatrain.shapes``).
+        micro_batch_size: sequences per micro-batch (default 1; shape-free: the batch's rows
+            divided by ``micro_batches``).
         micro_batches: micro-batches per step (gradient accumulation); the global batch is
             ``micro_batch_size * micro_batches`` sequences.
         optimizer: ``megatrain.AdamW`` or a dict of its fields (lr, betas, eps, weight_decay).
@@ -717,6 +729,21 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
         PlanError, ScheduleError: the plan does not fit the model.
         Nothing is bound to the model unless every step before binding succeeded.
     """
+    if seq_len is None:
+        from megatrain.shapes import DEFAULT_MAX_SHAPES, ShapeFreeTrainer
+
+        if plan is not None and plan != "default":
+            raise ConfigError("a Plan is made for one batch shape: give seq_len and micro_batch_size with it, "
+                              "or leave plan unset (shape-free compile plans each shape)")
+        return ShapeFreeTrainer(model, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                                seq_len_buckets=seq_len_buckets,
+                                max_shapes=DEFAULT_MAX_SHAPES if max_shapes is None else max_shapes,
+                                optimizer=optimizer, plan=plan, device=device, input_names=input_names,
+                                max_grad_norm=max_grad_norm, hardware=hardware, compute_dtype=compute_dtype)
+    if seq_len_buckets is not None or max_shapes is not None:
+        raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
+                          f"seq_len={seq_len} every batch has that length")
+    micro_batch_size = 1 if micro_batch_size is None else micro_batch_size
     _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm)
     opt = _optimizer(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
