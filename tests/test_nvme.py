@@ -94,3 +94,18 @@ def test_bad_input(tmp_path):
     with NvmeStore(tmp_path, {"a": 2 * ALIGN}) as store:
         with pytest.raises(ValueError, match="smaller than the tile"):
             store.write("a", aligned_buffer(ALIGN))
+
+
+def test_bench_nvme_io_small(tmp_path):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "bench" / "nvme_io.py"
+    spec = importlib.util.spec_from_file_location("nvme_io", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure(str(tmp_path), gib=8 / 1024, tile_mib=2, block_mib=1, workers=2, repeat=1)
+    assert r["bytes"] == 8 << 20
+    for k in ("megatrain_write_GBps", "megatrain_read_GBps", "dd_write_GBps", "dd_read_GBps"):
+        assert r[k] > 0
+    assert r["read_ratio"] == pytest.approx(r["megatrain_read_GBps"] / r["dd_read_GBps"])
+    assert not list(tmp_path.iterdir())  # the scratch files are gone
