@@ -281,6 +281,9 @@ class Trainer:
         self.step_count = int(state["step_count"])
         self.set_optimizer(state["optimizer_settings"])
         self.drop_pending_updates()
+        from megatrain.runtime.executor import nvme_sync
+
+        nvme_sync(self.executor)  # the NVMe tier's moment files follow the loaded state
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
@@ -595,7 +598,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
 
 def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None, *,
-                backend: Backend | None = None) -> Trainer:
+                backend: Backend | None = None, nvme_dir: str | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
     master weights and AdamW moments, 12 bytes per parameter), the module's parameters bound to
     them (a meta-device model is initialised there by its own initialisation), the backend and
@@ -611,6 +614,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
     opt = _optimizer(optimizer)
+    if planned.plan.nvme_moments and nvme_dir is None:
+        raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(planned.plan.nvme_moments)} on NVMe "
+                          "(Plan.nvme_moments) but no NVMe directory was given: pass nvme_dir= (an existing "
+                          "directory on an NVMe drive)")
     backend = make_backend(planned.options.device) if backend is None else backend
     traced, model = planned.traced, planned.model
     host = HostState(traced.graph)
@@ -619,6 +626,12 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
     executor = Executor(traced, host, backend, opt, buffers)
+    executor.nvme_dir = None if nvme_dir is None else str(nvme_dir)
+    if planned.plan.nvme_moments:
+        # Make and fill the NVMe files now: a missing directory or a full disk fails at compile.
+        from megatrain.runtime.executor import nvme_store
+
+        nvme_store(executor, planned.plan.nvme_moments)
     if not isinstance(backend, CPUBackend):
         # Commit the GPU slots and the pinned arena now. The CPU backend's buffers are host memory
         # made at the first run (tests that swap a fake CUDA backend in after compile rely on it).
@@ -630,7 +643,7 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
             optimizer: AdamW | Mapping | None = None, plan: Plan | Literal["default"] | None = None,
             device: str = "cpu", input_names: Sequence[str] = ("input_ids", "labels"),
             max_grad_norm: float | None = None, hardware: HardwareSpec | str | None = None,
-            compute_dtype: str | None = None) -> Trainer:
+            compute_dtype: str | None = None, nvme_dir: str | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -670,6 +683,10 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
             (``OptimizerPlacement.NEXT_FORWARD``), with one host gradient tile per layer (4 bytes
             per parameter of transient host memory); ``evaluate`` and ``save`` apply the last
             step's update first (``Trainer.flush``).
+        nvme_dir: an existing directory on an NVMe drive, for a plan that keeps some layers' Adam
+            moments there (``Plan.nvme_moments``, read before and written after each of their
+            optimizer steps: :mod:`megatrain.runtime.nvme`); its files are scratch, checkpoints
+            stay the source of truth. Required for such a plan, ignored otherwise.
 
     Raises:
         ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
@@ -684,7 +701,7 @@ def compile(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype)
-    return materialize(planned, opt)
+    return materialize(planned, opt, nvme_dir=nvme_dir)
 
 
 def _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm) -> CompileOptions:

@@ -199,3 +199,112 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     tiny = with_nvme(hw, None, parse_bytes("8GiB"))
     with pytest.raises(PlanError, match="still needs .* of host memory"):
         place_on_nvme(ns.solution.graph, ns.solution.plan, ns.solution.memory, tiny)
+
+
+# -- schedule: NVME_READ / NVME_WRITE on the I/O stream, lowered, verified, simulated ----------------
+
+from megatrain.errors import ScheduleError  # noqa: E402
+from megatrain.planner.lower import lower  # noqa: E402
+from megatrain.planner.plan import OptimizerPlacement, Plan  # noqa: E402
+from megatrain.planner.schedule import Op, OpKind, Schedule, Stream  # noqa: E402
+from megatrain.planner.simulate import simulate  # noqa: E402
+from megatrain.planner.verify import verify  # noqa: E402
+
+from graphs import chain_graph, spec  # noqa: E402
+
+
+@pytest.mark.parametrize("optimizer,carries", [(OptimizerPlacement.DURING_BACKWARD, False),
+                                               (OptimizerPlacement.NEXT_FORWARD, True)])
+def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carries):
+    g = chain_graph(5)
+    on_nvme = frozenset({1, 3, 4})
+    grad_ring = 5 if optimizer is OptimizerPlacement.NEXT_FORWARD else 2
+    plan = Plan(optimizer=optimizer, nvme_moments=on_nvme, grad_ring=grad_ring)
+    s = lower(g, plan, carries_updates=carries)
+    verify(s, g)
+    ops = s.ops
+    reads = {op.layer: i for i, op in enumerate(ops) if op.kind is OpKind.NVME_READ}
+    writes = {op.layer: i for i, op in enumerate(ops) if op.kind is OpKind.NVME_WRITE}
+    opts = {op.layer: i for i, op in enumerate(ops) if op.kind is OpKind.OPT}
+    assert set(reads) == set(writes) == on_nvme
+    for layer in on_nvme:
+        assert reads[layer] in ops[opts[layer]].deps and ops[writes[layer]].deps == (opts[layer],)
+    assert all(ops[i].stream is Stream.IO for i in list(reads.values()) + list(writes.values()))
+    # Round trip through JSON, with the plan's NVMe layers.
+    assert Schedule.from_json(s.to_json()) == s
+    assert repr(ops[reads[1]]) == "NVME_READ:L1"
+    # The I/O stream has its own resource: the step is timed with it, and its busy time is the ops'.
+    hw = spec(nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e6, nvme_write_bytes_per_s=5e5)
+    tl = simulate(s, g, hw)
+    per_layer = -(-1024 * 8 // 4096) * 4096
+    assert tl.busy_s[Stream.IO] == pytest.approx(3 * (per_layer / 1e6 + per_layer / 5e5))
+    assert tl.step_time_s >= tl.busy_s[Stream.IO]
+    with pytest.raises(ConfigError, match="nvme_read_bytes_per_s=0"):
+        simulate(s, g, spec())
+
+
+def test_verifier_rejects_nvme_op_misuse():
+    g = chain_graph(3)
+    plan = Plan(nvme_moments=frozenset({1}))
+    s = lower(g, plan)
+    ops = list(s.ops)
+    r = next(i for i, op in enumerate(ops) if op.kind is OpKind.NVME_READ)
+    o = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer == 1)
+    # The OPT no longer waits for the read.
+    bad = ops[:o] + [Op(OpKind.OPT, 1, ring=ops[o].ring, deps=tuple(d for d in ops[o].deps if d != r))] + ops[o + 1:]
+    with pytest.raises(ScheduleError, match="rule 'nvme'.*no NVME_READ"):
+        verify(Schedule(tuple(bad), plan, 3), g)
+    # The write no longer waits for the OPT.
+    w = next(i for i, op in enumerate(ops) if op.kind is OpKind.NVME_WRITE)
+    bad = ops[:w] + [Op(OpKind.NVME_WRITE, 1)] + ops[w + 1:]
+    with pytest.raises(ScheduleError, match="rule 'nvme'"):
+        verify(Schedule(tuple(bad), plan, 3), g)
+    # An NVMe op of a layer whose moments are in host memory.
+    with pytest.raises(ScheduleError, match="rule 'nvme'.*not on NVMe"):
+        verify(Schedule(tuple(ops), Plan(), 3), g)
+    with pytest.raises(PlanError, match="nvme_moments names layers \\[7\\]"):
+        lower(g, Plan(nvme_moments=frozenset({7})))
+
+
+# -- runtime: bitwise the same training with moments on NVMe (a temp dir) as all in RAM --------------
+
+import copy  # noqa: E402
+import dataclasses  # noqa: E402
+
+import megatrain  # noqa: E402
+
+from conftest import random_batch, tiny_llama  # noqa: E402
+from test_exactness import ADAMW  # noqa: E402
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_norm):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    ref_model = copy.deepcopy(model)
+    kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=max_grad_norm)
+    planned = megatrain.plan_model(copy.deepcopy(model), plan="default", **kw)
+    graph = planned.traced.graph
+    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel]
+    on_nvme = frozenset(trainable[::2] + trainable[-1:])  # some layers on NVMe, some in RAM
+    plan = dataclasses.replace(planned.plan, nvme_moments=on_nvme)
+    with pytest.raises(ConfigError, match="nvme_dir"):
+        megatrain.compile(copy.deepcopy(model), plan=plan, optimizer=ADAMW, **kw)
+    ref = megatrain.compile(ref_model, plan=planned.plan, optimizer=ADAMW, **kw)
+    got = megatrain.compile(model, plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path), **kw)
+    # The files are made and filled at compile (a missing directory or full disk fails there).
+    assert sorted(os.listdir(tmp_path)) == sorted(f"L{li}.moments.tile" for li in on_nvme)
+    batches = [random_batch(2, 16, 96, seed=s % 3) for s in range(6)]
+    for step, b in enumerate(batches):
+        assert got.step(b).loss == ref.step(b).loss, f"step {step}"
+        host = got.executor.host
+        # Evict: the moments of NVMe layers in host memory are garbage between steps, so the next
+        # step's updates are right only if their NVME_READ brought them back from the files.
+        for li in on_nvme:
+            host.exp_avg(li).fill_(float("nan"))
+            host.exp_avg_sq(li).fill_(float("nan"))
+    assert sorted(os.listdir(tmp_path)) == sorted(f"L{li}.moments.tile" for li in on_nvme)
+    ref.flush()
+    got.flush()
+    for (name, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
