@@ -148,6 +148,8 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None) -> str
     from megatrain.planner.schedule import Stream
 
     plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
+    if nvme is not None:  # the plan with its NVMe layers, and its step with their I/O ops
+        plan, tl = nvme.plan, nvme.timeline
     n = len(g.layers)
     fits = mem.fits(hw) if nvme is None else nvme.fits
     lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",

@@ -165,7 +165,15 @@ def _check_placement(ns, graph):
     assert mem.host_total > hw.host_memory_bytes  # the plan needed the NVMe tier ...
     assert ns.fits and ns.host_total <= hw.host_memory_bytes  # ... and fits with it
     assert moved <= p.nvme_bytes <= hw.nvme_capacity_bytes
-    assert ns.step_time_s == max(ns.simulated_step_s, p.io_time_s)
+    assert ns.step_time_s == max(ns.timeline.step_time_s, p.io_time_s)
+    # The plan carries the moment layers; its schedule has their NVMe ops, verified, and adding ops
+    # and edges cannot make the simulated step shorter than the all-in-RAM one.
+    assert ns.plan.nvme_moments == p.moments
+    from megatrain.planner.schedule import OpKind as K
+    from megatrain.planner.verify import verify as check
+    check(ns.schedule, ns.solution.graph)
+    assert sum(op.kind is K.NVME_READ for op in ns.schedule.ops) == len(p.moments)
+    assert ns.timeline.step_time_s >= ns.simulated_step_s * (1 - 1e-9)
 
 
 def test_dense_120b_with_clipping_fits_h200_1_5tb_with_nvme(dense_120b):
@@ -190,6 +198,10 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     ns = solve_with_nvme(SolveRequest(dense_120b, hw, 8, "bfloat16"))
     _check_placement(ns, dense_120b)
     assert ns.placement.moments and not ns.placement.gradients
+    from megatrain.planner.schedule import Stream as S
+    assert ns.timeline.busy_s[S.IO] == pytest.approx(
+        sum(cost.nvme_time(ns.solution.graph.layers[i], hw, k) for i in ns.placement.moments
+            for k in (OpKind.NVME_READ, OpKind.NVME_WRITE)))
     assert ns.step_time_s >= ns.simulated_step_s
     # Not enough NVMe: the error names the bytes needed and the fix.
     small = HardwareSpec.model_validate({**hw.model_dump(), "nvme_capacity_bytes": 10 * 2**30})
