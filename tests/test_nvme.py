@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 
 import pytest
@@ -320,3 +321,17 @@ def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_
     got.flush()
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_readme_nvme_snippet_runs(tmp_path):
+    import pathlib
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text[text.index("## NVMe tier"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")].replace("/mnt/nvme/run1", str(tmp_path))
+    ns = {"megatrain": megatrain, "dataclasses": dataclasses, "model": tiny_llama(layers=2)}
+    exec(code, ns)
+    trainer = ns["trainer"]
+    assert trainer.planned.plan.nvme_moments == frozenset({1, 3})
+    assert math.isfinite(trainer.step(random_batch(1, 16, 96, seed=0)).loss)
+    assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
