@@ -335,3 +335,60 @@ def test_readme_nvme_snippet_runs(tmp_path):
     assert trainer.planned.plan.nvme_moments == frozenset({1, 3})
     assert math.isfinite(trainer.step(random_batch(1, 16, 96, seed=0)).loss)
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
+
+
+def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
+    """The CUDA backend runs Stream.IO on a host worker of its own; on the asynchronous fake (random
+    delays before every op) the NVMe plan trains bitwise like the CPU backend."""
+    from megatrain.runtime.cuda import CUDABackend
+    from megatrain.testing import AsyncFakeCuda
+
+    torch.manual_seed(0)
+    base = tiny_llama(layers=2)
+    kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=0.5)
+    planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
+    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}))
+    batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
+
+    def run(backend, d):
+        model = copy.deepcopy(base)
+        p = megatrain.plan_model(model, plan=plan, **kw)
+        t = megatrain.materialize(p, ADAMW, backend=backend, nvme_dir=str(d))
+        losses = [t.step(b).loss for b in batches]
+        t.flush()
+        return losses, [b.clone() for b in t.executor.host.blocks]
+
+    want = run(None, tmp_path)
+    for seed in range(2):
+        fake = AsyncFakeCuda(seed=seed, max_delay_s=2e-3)
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        got = run(CUDABackend(adapter=fake), d)
+        fake.close()
+        assert got[0] == want[0], f"seed {seed}"
+        assert all(torch.equal(x, y) for x, y in zip(got[1], want[1])), f"seed {seed}"
+
+
+def test_checkpoint_load_refills_the_nvme_files(tmp_path):
+    """Loading a checkpoint changes the host moments; the NVMe files must follow, or the next
+    update would read the moments of before the load."""
+    torch.manual_seed(0)
+    base = tiny_llama(layers=2)
+    kw = dict(seq_len=16, micro_batch_size=2)
+    planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
+    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({1, 2}))
+    batches = [random_batch(2, 16, 96, seed=s) for s in range(4)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = megatrain.compile(copy.deepcopy(base), plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path / "a"), **kw)
+    for b in batches[:2]:
+        a.step(b)
+    a.save(tmp_path / "ckpt")
+    b = megatrain.compile(copy.deepcopy(base), plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path / "b"), **kw)
+    b.load(tmp_path / "ckpt")
+    for li in (1, 2):  # evict the host copies: the next update must read the loaded moments from disk
+        b.executor.host.exp_avg(li).fill_(float("nan"))
+        b.executor.host.exp_avg_sq(li).fill_(float("nan"))
+    for batch in batches[2:]:
+        assert b.step(batch).loss == a.step(batch).loss
+    assert all(torch.equal(x, y) for x, y in zip(a.executor.host.blocks, b.executor.host.blocks))
