@@ -392,3 +392,28 @@ def test_checkpoint_load_refills_the_nvme_files(tmp_path):
     for batch in batches[2:]:
         assert b.step(batch).loss == a.step(batch).loss
     assert all(torch.equal(x, y) for x, y in zip(a.executor.host.blocks, b.executor.host.blocks))
+
+
+def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch):
+    import json
+
+    import megatrain.runtime.measure
+    from megatrain.cli import main
+    from test_train_cli import CONFIG_YAML, write_model
+
+    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    write_model(tmp_path / "config.json")
+    (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json"))
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+
+    def losses(out, *extra):
+        assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(out), "--max-steps", "4",
+                     *extra]) == 0
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    want = losses(tmp_path / "ram")
+    got = losses(tmp_path / "nvme_run", "--nvme-dir", str(nvme_dir))
+    assert len(want) == 4 and got == want
+    assert sorted(os.listdir(nvme_dir)) and all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
