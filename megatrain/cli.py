@@ -79,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="resident-layer selection: MILP knapsack (default) or greedy")
     plan.add_argument("--out", type=Path, default=None,
                       help="write schedule.json, trace.json (Chrome trace) and timeline.png here")
+    plan.add_argument("--nvme", default=None, metavar="ARRAY",
+                      help="attach an NVMe array to the hardware (4xgen4, 8xgen4, 4xgen5, 8xgen5: striped "
+                           "Micron 7450 PRO / Samsung PM1743 drives, datasheet rates); when the state does not "
+                           "fit in host memory the planner puts gradient tiles, Adam moments and masters of "
+                           "some layers on it and reports them and the step time with their traffic")
+    plan.add_argument("--host-memory", default=None, metavar="SIZE",
+                      help="replace the hardware's host memory, e.g. 512GiB or 1.5TiB (the pinned cap becomes "
+                           "90%% of it)")
     train = sub.add_parser("train", help="train a causal LM from a config file and flags",
                            description="Train a causal LM with all persistent state in host memory. Settings "
                                        "come from --config (YAML or JSON) and the flags below, which override "
@@ -132,13 +140,18 @@ def _section(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
     return out
 
 
-def format_report(solution, hw, *, model: str, trace_s: float) -> str:
-    """The plan table: fit, host and GPU memory in GiB, knobs, predicted step and streams."""
+def format_report(solution, hw, *, model: str, trace_s: float, nvme=None) -> str:
+    """The plan table: fit, host and GPU memory in GiB, knobs, predicted step and streams; with
+    ``nvme`` (a :class:`megatrain.planner.nvme.NvmeSolution`) also what went to NVMe, the host
+    memory after it and the step time with the NVMe traffic (the host memory table then shows the
+    plan before state moved to NVMe)."""
     from megatrain.planner.schedule import Stream
 
     plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
+    if nvme is not None:  # the plan with its NVMe layers, and its step with their I/O ops
+        plan, tl = nvme.plan, nvme.timeline
     n = len(g.layers)
-    fits = mem.fits(hw)
+    fits = mem.fits(hw) if nvme is None else nvme.fits
     lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",
              f"  seq_len {g.seq_len} x global batch {plan.micro_batches * solution.micro_batch_size}, "
              f"{plan.compute_dtype} compute; traced in {trace_s:.2f} s, solved ({solution.method}) in "
@@ -194,6 +207,11 @@ def format_report(solution, hw, *, model: str, trace_s: float) -> str:
          f"model FLOPs (3 x traced forward, recompute not counted) / {plan.compute_dtype} peak"),
         ("bottleneck", tl.bottleneck.value, "busiest stream"),
     ] + [(f"{s.value} busy", f"{busy.get(s, 0.0):.1%}", f"{tl.busy_s.get(s, 0.0):,.4g} s") for s in Stream])
+    if nvme is not None:
+        from megatrain.planner.nvme import describe
+
+        lines.append("")
+        lines += _section("NVMe tier", describe(nvme))
     return "\n".join(lines)
 
 
@@ -243,6 +261,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out} is a file; --out names a directory for schedule.json, trace.json and "
                           "timeline.png: give a directory (new or existing)")
     hw = load_hardware(args.hardware)
+    if args.nvme is not None or args.host_memory is not None:
+        from megatrain.planner.nvme import parse_bytes, with_nvme
+
+        hw = with_nvme(hw, args.nvme, None if args.host_memory is None else parse_bytes(args.host_memory))
     config = load_model_config(args.model)
     from megatrain.models import check_causal_decoder
 
@@ -252,9 +274,17 @@ def _plan_command(args: argparse.Namespace) -> int:
     model = build_meta_model(config, dtype=getattr(torch, args.compute_dtype))
     graph = trace(model, micro_batch_size=1, seq_len=args.seq_len).graph
     trace_s = time.perf_counter() - t0
+    nvme = None
     try:
-        solution = solve(SolveRequest(graph, hw, args.global_batch, args.compute_dtype,
-                                      clip_gradients=args.clip_gradients), args.solver)
+        if hw.has_nvme:
+            from megatrain.planner.nvme import solve_with_nvme
+
+            nvme = solve_with_nvme(SolveRequest(graph, hw, args.global_batch, args.compute_dtype,
+                                                clip_gradients=args.clip_gradients), args.solver)
+            solution = nvme.solution
+        else:
+            solution = solve(SolveRequest(graph, hw, args.global_batch, args.compute_dtype,
+                                          clip_gradients=args.clip_gradients), args.solver)
     except PlanError as e:
         print(f"megatrain plan: {args.model} on {hw.name}, seq_len {args.seq_len} x global batch "
               f"{args.global_batch}, {args.compute_dtype}: traced {len(graph.layers)} layers in {trace_s:.2f} s")
@@ -262,7 +292,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(str(e))
         return NO_FIT
     # Planned once: the solver lowered this schedule and verified it against hw (Solution.schedule).
-    print(format_report(solution, hw, model=args.model, trace_s=trace_s))
+    print(format_report(solution, hw, model=args.model, trace_s=trace_s, nvme=nvme))
     if args.out is not None:
         try:
             paths = write_outputs(solution, args.out, args.model)

@@ -92,7 +92,7 @@ class ShapeFreeTrainer:
 
     def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None, micro_batches: int = 1,
                  seq_len_buckets: Sequence[int] | None = None, max_shapes: int = DEFAULT_MAX_SHAPES,
-                 optimizer: Any = None, **compile_kwargs: Any) -> None:
+                 optimizer: Any = None, nvme_dir: str | None = None, **compile_kwargs: Any) -> None:
         from megatrain.trainer import _optimizer
 
         if max_shapes < 1:
@@ -108,6 +108,7 @@ class ShapeFreeTrainer:
         self.max_shapes = max_shapes
         self.optimizer = _optimizer(optimizer)
         self.compile_kwargs = compile_kwargs
+        self.nvme_dir = nvme_dir
         self._plans: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
         self._key: tuple[int, int] | None = None
         self.trainer = None
@@ -168,7 +169,7 @@ class ShapeFreeTrainer:
                         "again. Pad batches to a few lengths with seq_len_buckets=(...) or compile with "
                         "seq_len= and micro_batch_size=", stacklevel=3)
         self._plans.move_to_end(key)
-        trainer = materialize(planned, self.optimizer, host=self._host)
+        trainer = materialize(planned, self.optimizer, nvme_dir=self.nvme_dir, host=self._host)
         self._host = trainer.host
         trainer.step_count = self.step_count
         self.trainer, self._key = trainer, key

@@ -282,6 +282,9 @@ class Trainer:
         self.step_count = int(state["step_count"])
         self.set_optimizer(state["optimizer_settings"])
         self.drop_pending_updates()
+        from megatrain.runtime.executor import nvme_sync
+
+        nvme_sync(self.executor)  # the NVMe tier's moment files follow the loaded state
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
@@ -631,7 +634,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
 
 def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None, *,
-                backend: Backend | None = None, host: HostState | None = None) -> Trainer:
+                backend: Backend | None = None, nvme_dir: str | None = None,
+                host: HostState | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
     master weights and AdamW moments, 12 bytes per parameter), the module's parameters bound to
     them (a meta-device model is initialised there by its own initialisation), the backend and
@@ -650,6 +654,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
     opt = _optimizer(optimizer)
+    if planned.plan.nvme_moments and nvme_dir is None:
+        raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(planned.plan.nvme_moments)} on NVMe "
+                          "(Plan.nvme_moments) but no NVMe directory was given: pass nvme_dir= (an existing "
+                          "directory on an NVMe drive)")
     backend = make_backend(planned.options.device) if backend is None else backend
     traced, model = planned.traced, planned.model
     if host is None:
@@ -662,6 +670,12 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
     executor = Executor(traced, host, backend, opt, buffers)
+    executor.nvme_dir = None if nvme_dir is None else str(nvme_dir)
+    if planned.plan.nvme_moments:
+        # Make and fill the NVMe files now: a missing directory or a full disk fails at compile.
+        from megatrain.runtime.executor import nvme_store
+
+        nvme_store(executor, planned.plan.nvme_moments)
     if not isinstance(backend, CPUBackend):
         # Commit the GPU slots and the pinned arena now. The CPU backend's buffers are host memory
         # made at the first run (tests that swap a fake CUDA backend in after compile rely on it).
@@ -674,7 +688,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             plan: Plan | Literal["default"] | None = None, device: str = "cpu",
             input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
-            seq_len_buckets: Sequence[int] | None = None, max_shapes: int | None = None) -> Trainer:
+            nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
+            max_shapes: int | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -720,6 +735,10 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             (``OptimizerPlacement.NEXT_FORWARD``), with one host gradient tile per layer (4 bytes
             per parameter of transient host memory); ``evaluate`` and ``save`` apply the last
             step's update first (``Trainer.flush``).
+        nvme_dir: an existing directory on an NVMe drive, for a plan that keeps some layers' Adam
+            moments there (``Plan.nvme_moments``, read before and written after each of their
+            optimizer steps: :mod:`megatrain.runtime.nvme`); its files are scratch, checkpoints
+            stay the source of truth. Required for such a plan, ignored otherwise.
 
     Raises:
         ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
@@ -738,8 +757,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         return ShapeFreeTrainer(model, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                                 seq_len_buckets=seq_len_buckets,
                                 max_shapes=DEFAULT_MAX_SHAPES if max_shapes is None else max_shapes,
-                                optimizer=optimizer, plan=plan, device=device, input_names=input_names,
-                                max_grad_norm=max_grad_norm, hardware=hardware, compute_dtype=compute_dtype)
+                                optimizer=optimizer, nvme_dir=nvme_dir, plan=plan, device=device,
+                                input_names=input_names, max_grad_norm=max_grad_norm, hardware=hardware,
+                                compute_dtype=compute_dtype)
     if seq_len_buckets is not None or max_shapes is not None:
         raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
                           f"seq_len={seq_len} every batch has that length")
@@ -749,7 +769,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype)
-    return materialize(planned, opt)
+    return materialize(planned, opt, nvme_dir=nvme_dir)
 
 
 def _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm) -> CompileOptions:

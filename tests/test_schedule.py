@@ -54,7 +54,8 @@ def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
               OpKind.BWD: dict(mb=mb, slot=slot), OpKind.D2H: dict(slot=slot, ring=ring),
               OpKind.OPT: dict(ring=ring) if flag else dict(acc=other), OpKind.OFFLOAD: dict(mb=mb, copy=other),
               OpKind.RELOAD: dict(mb=mb, copy=other), OpKind.RECOMPUTE: dict(mb=mb, slot=slot),
-              OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other)}[kind]
+              OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other),
+              OpKind.NVME_READ: dict(), OpKind.NVME_WRITE: dict()}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 
@@ -411,7 +412,7 @@ def test_verifier_rules_are_data_and_each_runs_alone():
 
     assert [r.__name__ for r in verify_mod.RULES] == [
         "_check_order", "_check_budget", "_check_weights", "_check_gradients", "_check_staging",
-        "_check_coverage", "_check_data", "_check_updates"]
+        "_check_coverage", "_check_data", "_check_updates", "_check_nvme"]
     g = chain_graph(4)
     s = lower(g, Plan(), "train")
     ops = list(s.ops)
@@ -430,7 +431,7 @@ def test_lowering_is_its_passes_in_order():
     from megatrain.planner.schedule import gradient_tiles
 
     assert [p.__name__ for p in lower_mod.PASSES] == ["order_compute", "assign_slots", "add_copies",
-                                                      "add_carried_updates"]
+                                                      "add_carried_updates", "add_nvme_io"]
     g = chain_graph(4)
     plan = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4,
                 compute_dtype="bfloat16", staging_ring=2)

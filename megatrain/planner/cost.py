@@ -119,12 +119,15 @@ class Resource(enum.Enum):
     D2H_ENGINE = "d2h_engine"
     COPY_ENGINE = "copy_engine"  # one engine for both directions when the spec is not duplex
     HOST = "host"  # the host optimizer worker
+    NVME = "nvme"  # the NVMe drives: reads and writes share them
 
 
 def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
     """The resource ``stream``'s ops run on under ``hw``."""
     if stream is Stream.COMPUTE:
         return Resource.GPU
+    if stream is Stream.IO:
+        return Resource.NVME
     if stream is Stream.HOST or stream is Stream.CAST:
         # Two host workers, one DRAM: AdamW and a cast are both memory-bound, so running them on
         # two threads at once shares the bandwidth; the model serialises them on one resource.
@@ -235,6 +238,8 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.OPT: lambda g, i, plan, hw: opt_time(g.layers[i], hw, plan),
     OpKind.CAST: lambda g, i, plan, hw: cast_time(g.layers[i], hw),
     OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw),
+    OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ),
+    OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE),
 }
 """The formula of each op kind (module docstring, "Op times"); every op time is looked up here."""
 
@@ -286,7 +291,7 @@ def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
     ``fwd_launches`` / ``bwd_launches`` for compute ops), plus for GPU ops the event recorded after
     it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
     layer = graph.layers[op.layer]
-    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC):
+    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE):
         return HOST_OP_LAUNCHES
     if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
         n = layer.fwd_launches
@@ -775,3 +780,23 @@ __all__ = [
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
 ]
+
+
+def nvme_bytes(layer: Layer) -> int:
+    """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves: its two FP32 Adam moments (8 bytes per
+    trainable parameter), padded to the 4096-byte O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
+    return -(-layer.trainable_numel * MOMENT_BYTES_PER_ELEMENT // 4096) * 4096
+
+
+def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind) -> float:
+    """Seconds an NVME_READ or NVME_WRITE of ``layer`` takes on the NVMe tier: :func:`nvme_bytes`
+    over ``hw.nvme_read_bytes_per_s`` / ``nvme_write_bytes_per_s``, plus the op latency.
+
+    Raises:
+        ConfigError: ``hw`` has no NVMe rate (attach an array: ``planner.nvme.with_nvme``).
+    """
+    if kind is OpKind.NVME_READ:
+        rate = _rate(hw, "nvme_read_bytes_per_s", hw.nvme_read_bytes_per_s, "an NVMe read")
+    else:
+        rate = _rate(hw, "nvme_write_bytes_per_s", hw.nvme_write_bytes_per_s, "an NVMe write")
+    return nvme_bytes(layer) / rate + hw.op_latency_s

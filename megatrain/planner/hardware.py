@@ -119,6 +119,12 @@ class HardwareSpec(pydantic.BaseModel):
     gpu_reserve_bytes: int = Field(DEFAULT_GPU_RESERVE_BYTES, ge=0,
                                    description="GPU bytes kept free for the CUDA context, library "
                                                "workspaces and allocator fragmentation")
+    nvme_capacity_bytes: int = Field(0, ge=0, description="bytes of the NVMe tier (a directory on local NVMe "
+                                                         "drives) the plan may fill; 0: no NVMe tier")
+    nvme_read_bytes_per_s: float = Field(0, ge=0, description="sustained sequential read rate of the NVMe "
+                                                              "tier, bytes/s, large direct reads")
+    nvme_write_bytes_per_s: float = Field(0, ge=0, description="sustained sequential write rate of the NVMe "
+                                                               "tier, bytes/s, large direct writes")
 
     @pydantic.model_validator(mode="after")
     def _pinned_within_host(self) -> "HardwareSpec":
@@ -127,6 +133,12 @@ class HardwareSpec(pydantic.BaseModel):
                              f"({self.pinned_memory_cap_bytes}) exceeds host_memory_bytes "
                              f"({self.host_memory_bytes}); lower the cap")
         return self
+
+    @property
+    def has_nvme(self) -> bool:
+        """An NVMe tier with capacity and both rates (see :mod:`megatrain.planner.nvme`)."""
+        return (self.nvme_capacity_bytes > 0 and self.nvme_read_bytes_per_s > 0
+                and self.nvme_write_bytes_per_s > 0)
 
     @property
     def has_gpu(self) -> bool:

@@ -53,6 +53,7 @@ slot whose gradients were copied out waits for that D2H (the slot is not reloade
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatrain.errors import PlanError
@@ -99,7 +100,7 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     n = len(graph.layers)
     tiles = gradient_tiles(graph) if deferred or plan.accumulates_on_host else {}
     if mode == "update":
-        ops = tuple(_opt(plan, layer, r) for layer, r in tiles.items())
+        ops = tuple(add_nvme_io([_opt(plan, layer, r) for layer, r in tiles.items()], plan))
         return Schedule(ops=ops, plan=plan, n_layers=n, mode="update")
     req = _Request(graph, plan, mode, carries_updates, tiles)
     x: list = []
@@ -214,7 +215,47 @@ def add_carried_updates(ops: list[Op], req: _Request) -> list[Op]:
     return out
 
 
-PASSES = [order_compute, assign_slots, add_copies, add_carried_updates]
+def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
+    """Pass 5 (plans with ``nvme_moments``): on the I/O stream, an NVME_READ of each such layer's
+    Adam moments before its OPT, and an NVME_WRITE after it. The reads run one OPT ahead (the read
+    of the next NVMe layer is issued before this layer's OPT, two host I/O buffers, as
+    ``planner.nvme.NVME_BUFFERS`` counts), so the in-order I/O stream is not held by a write that
+    waits for its OPT while the next read could run. A write happens after the last modification
+    (it depends on the OPT) and a read before the use (the OPT depends on it); the I/O stream is
+    in order, so no two transfers of one file are in flight at once."""
+    plan = req if isinstance(req, Plan) else req.plan
+    if not plan.nvme_moments:
+        return ops
+    order = [i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer in plan.nvme_moments]
+    opts = set(order)
+    # Where each new op goes: reads before an OPT (the first OPT gets its own read and the next
+    # one's; later OPTs get the read of the one after), writes after it.
+    before: dict[int, list[int]] = defaultdict(list)  # old index -> layers to read just before it
+    for k, i in enumerate(order):
+        if k == 0:
+            before[i].append(ops[i].layer)
+        if k + 1 < len(order):
+            before[i].append(ops[order[k + 1]].layer)
+    new_index, j = [], 0
+    for i in range(len(ops)):
+        j += len(before.get(i, ()))
+        new_index.append(j)
+        j += 1 + (1 if i in opts else 0)
+    read_at: dict[int, int] = {}
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        for layer in before.get(i, ()):
+            read_at[layer] = len(out)
+            out.append(Op(OpKind.NVME_READ, layer))
+        deps = tuple(sorted({new_index[d] for d in op.deps} | ({read_at[op.layer]} if i in opts else set())))
+        at = len(out)
+        out.append(dataclasses.replace(op, deps=deps))
+        if i in opts:
+            out.append(Op(OpKind.NVME_WRITE, op.layer, deps=(at,)))
+    return out
+
+
+PASSES = [order_compute, assign_slots, add_copies, add_carried_updates, add_nvme_io]
 """The lowering, in order: compute order first, then the passes that add copies and optimizer
 steps (as ``_add_unshard_reshard`` follows the compute order in ``torch.distributed.pipelining``)."""
 

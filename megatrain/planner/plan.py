@@ -71,6 +71,9 @@ class Plan:
             which sums them in the slot in FP32). The host widens them to FP32 where it reads
             them (ACC into the FP32 accumulator, OPT into an FP32 scratch); norms and finite flags
             are computed in FP32 on the device.
+        nvme_moments: layers whose Adam moments live on the NVMe tier (:mod:`megatrain.planner.nvme`):
+            the lowering reads them (NVME_READ) before the layer's OPT and writes them (NVME_WRITE)
+            after it, on the I/O stream. The runtime needs an NVMe directory (``nvme_dir``).
     """
 
     micro_batches: int = 1
@@ -85,6 +88,7 @@ class Plan:
     staging_ring: int = 2
     cast_once: bool = False
     d2h_dtype: str | None = None
+    nvme_moments: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
@@ -115,6 +119,8 @@ class Plan:
             raise PlanError(f"Plan.grad_ring={self.grad_ring}: at least one host gradient tile is needed")
         if any(r < 0 for r in self.resident):
             raise PlanError(f"Plan.resident={sorted(self.resident)}: layer indices must be >= 0")
+        if any(i < 0 for i in self.nvme_moments):
+            raise PlanError(f"Plan.nvme_moments={sorted(self.nvme_moments)}: layer indices must be >= 0")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""
@@ -125,6 +131,10 @@ class Plan:
         bad = [r for r in self.resident if r >= n]
         if bad:
             raise PlanError(f"Plan.resident names layers {bad}, but the graph has {n} layers")
+        bad = [i for i in sorted(self.nvme_moments) if i >= n or graph.layers[i].trainable_numel == 0]
+        if bad:
+            raise PlanError(f"Plan.nvme_moments names layers {bad}, which the graph of {n} layers does not have or "
+                            "which have no trainable parameters (so no Adam moments); name trainable layers only")
         trainable = sum(1 for layer in graph.layers if layer.trainable_numel > 0)
         if (self.optimizer is OptimizerPlacement.NEXT_FORWARD and not self.accumulates_on_host
                 and self.grad_ring < trainable):

@@ -35,6 +35,7 @@ class Stream(enum.Enum):
     HOST = "host"  # the host optimizer worker: OPT and ACC, in list order
     CAST = "cast"  # a second host worker for CASTs, so a layer's BF16 staging copy never queues behind
     #                the optimizer steps of other layers (it still waits for its own layer's update)
+    IO = "io"  # a host worker for NVMe reads and writes (megatrain.runtime.nvme), in list order
 
 
 class OpKind(enum.Enum):
@@ -48,13 +49,15 @@ class OpKind(enum.Enum):
     RECOMPUTE = "RECOMPUTE"  # forward of a layer in the backward phase, to rebuild its checkpoints
     CAST = "CAST"  # host: write a layer's master weights in the compute dtype into a staging tile
     ACC = "ACC"  # host: add one micro-batch's gradients from a ring tile into the layer's accumulator
+    NVME_READ = "NVME_READ"  # read a layer's Adam moments from its NVMe tile into host memory, before its OPT
+    NVME_WRITE = "NVME_WRITE"  # write them back to the NVMe tile after the OPT modified them
 
     @property
     def stream(self) -> Stream:
         return _STREAM_OF[self]
 
 
-HOST_STREAMS = frozenset({Stream.HOST, Stream.CAST})
+HOST_STREAMS = frozenset({Stream.HOST, Stream.CAST, Stream.IO})
 """Streams whose ops run on host worker threads (the others are GPU streams)."""
 
 COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
@@ -63,7 +66,7 @@ COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
 _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: Stream.COMPUTE,
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
               OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
-              OpKind.ACC: Stream.HOST}
+              OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO}
 
 _ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "copy")
 """Every index field, in the order a repr writes them."""
@@ -84,6 +87,8 @@ _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.RECOMPUTE: (("layer", "mb", "slot"), ()),
     OpKind.CAST: (("layer", "tile"), ()),
     OpKind.ACC: (("layer", "mb", "ring", "acc"), ()),
+    OpKind.NVME_READ: (("layer",), ()),
+    OpKind.NVME_WRITE: (("layer",), ()),
 }
 
 
@@ -261,6 +266,7 @@ class _PlanModel(pydantic.BaseModel):
     staging_ring: int
     cast_once: bool = False
     d2h_dtype: Literal["float32", "bfloat16"] | None = None
+    nvme_moments: list[int] = []
 
 
 class _OpModel(pydantic.BaseModel):
@@ -296,7 +302,8 @@ class _ScheduleModel(pydantic.BaseModel):
             micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
-            staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype),
+            staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
+            nvme_moments=sorted(p.nvme_moments)),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -305,7 +312,7 @@ class _ScheduleModel(pydantic.BaseModel):
                     grad_ring=p.grad_ring, resident=frozenset(p.resident),
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
-                    cast_once=p.cast_once, d2h_dtype=p.d2h_dtype)
+                    cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments))
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

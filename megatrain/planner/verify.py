@@ -384,8 +384,10 @@ def _check_coverage(c: _Context) -> None:
     recompute at most once."""
     ops, plan, graph, fail, by_kind, schedule, at = c.ops, c.plan, c.graph, c.fail, c.by_kind, c.schedule, c.at
     M, n, last = plan.micro_batches, len(graph.layers), c.last
-    if schedule.mode == "update" and len(by_kind[OpKind.OPT]) != len(ops):
-        fail(next(i for i, op in enumerate(ops) if op.kind is not OpKind.OPT), "coverage",
+    # An update schedule runs the deferred optimizer steps, and the NVMe transfers of their moments.
+    update_kinds = (OpKind.OPT, OpKind.NVME_READ, OpKind.NVME_WRITE)
+    if schedule.mode == "update" and sum(len(by_kind[k]) for k in update_kinds) != len(ops):
+        fail(next(i for i, op in enumerate(ops) if op.kind not in update_kinds), "coverage",
              "an update schedule runs the deferred optimizer steps and nothing else", "lower with mode='update'")
     fwd_layers = range(n - 1) if schedule.mode == "train" else range(n) if schedule.mode == "eval" else ()
     for layer in range(n):
@@ -482,8 +484,45 @@ def _check_updates(c: _Context) -> None:
         fail(min(by_kind[OpKind.OPT] + by_kind[OpKind.D2H] + by_kind[OpKind.BWD] + by_kind[OpKind.ACC]), "coverage",
              "an eval schedule computes no gradients and updates nothing", "lower with mode='eval'")
 
+def _check_nvme(c: _Context) -> None:
+    """Rule ``nvme``: for a layer whose Adam moments live on NVMe (``Plan.nvme_moments``), each OPT
+    happens after an NVME_READ of the layer and before an NVME_WRITE of it (the read before the use,
+    the write after the last modification), and no two NVMe transfers of one layer's file are
+    unordered (in flight at once). No NVMe op names a layer that is not on NVMe."""
+    ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
+    on_nvme = c.plan.nvme_moments
+    io = sorted(by_kind[OpKind.NVME_READ] + by_kind[OpKind.NVME_WRITE])
+    for i in io:
+        if ops[i].layer not in on_nvme:
+            fail(i, "nvme", f"layer {ops[i].layer}'s moments are not on NVMe (Plan.nvme_moments)",
+                 "drop the op or add the layer to Plan.nvme_moments")
+    by_layer: dict[int, list[int]] = defaultdict(list)
+    for i in io:
+        by_layer[ops[i].layer].append(i)
+    for layer, mine in by_layer.items():
+        for a, b in zip(mine, mine[1:]):
+            if not before(a, b):
+                fail(b, "nvme", f"it may run while #{a} {ops[a]!r} moves the same file", f"make it depend on #{a}")
+    for layer in sorted(on_nvme):
+        for o in c.opt_by_layer.get(layer, []):
+            reads = [i for i in by_layer.get(layer, []) if ops[i].kind is OpKind.NVME_READ and before(i, o)]
+            if not reads:
+                fail(o, "nvme", f"it steps layer {layer} whose moments are on NVMe, but no NVME_READ of the layer "
+                     "happens before it", "lower the plan again (lower adds the reads)")
+            writes = [i for i in by_layer.get(layer, []) if ops[i].kind is OpKind.NVME_WRITE and before(o, i)]
+            if not writes:
+                fail(o, "nvme", f"its update of layer {layer}'s moments is never written back to NVMe",
+                     "add an NVME_WRITE that depends on it")
+            late = [i for i in by_layer.get(layer, []) if ops[i].kind is OpKind.NVME_WRITE and not before(o, i)
+                    and not before(i, reads[-1])]
+            if late:
+                fail(late[0], "nvme", f"it writes layer {layer}'s moments while OPT #{o} may be changing them",
+                     f"make it depend on #{o}")
+
+
 RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_weights, _check_gradients,
-                                           _check_staging, _check_coverage, _check_data, _check_updates]
+                                           _check_staging, _check_coverage, _check_data, _check_updates,
+                                           _check_nvme]
 """The verifier's rules, in the order they run (``order`` first: the others index by dependency)."""
 
 

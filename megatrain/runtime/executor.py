@@ -216,6 +216,10 @@ class Executor:
         self._liveness: dict[int, tuple[Schedule, Liveness]] = {}
         # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
         self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
+        # The NVMe tier (plans with ``nvme_moments``): the directory the trainer was given, and the
+        # store over it, made at the first schedule that reads or writes NVMe (:meth:`nvme_store`).
+        self.nvme_dir: str | None = None
+        self._nvme = None
 
     # -- memory ----------------------------------------------------------------------------------
     def allocate(self, schedule: Schedule) -> None:
@@ -670,9 +674,81 @@ def _reload(ctx: _RunContext, i: int, op: Op) -> Work:
     return run
 
 
+def nvme_store(ex: Executor, layers: frozenset[int]):
+    """The executor's :class:`megatrain.runtime.nvme.NvmeStore` in ``ex.nvme_dir``, one tile per layer
+    of ``layers`` holding its two Adam moments (``exp_avg`` then ``exp_avg_sq``, FP32, contiguous in
+    the host block), made once and filled from the host state, so a loaded checkpoint's moments are
+    on disk before the first NVME_READ.
+
+    Raises:
+        ConfigError: no ``nvme_dir`` was given, or a later plan puts other layers on NVMe.
+        NvmeError: the directory is missing, or the disk has no room (names the file and the bytes).
+    """
+    from megatrain.errors import ConfigError
+    from megatrain.runtime.nvme import NvmeStore, aligned_buffer
+
+    if ex._nvme is not None:
+        store = ex._nvme[0]
+        missing = [li for li in layers if f"L{li}.moments" not in store.tiles]
+        if missing:
+            raise ConfigError(f"this schedule puts the moments of layers {sorted(missing)} on NVMe, but the "
+                              f"NVMe store in {store.directory!r} was made for others; compile again")
+        return ex._nvme
+    if ex.nvme_dir is None:
+        raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(layers)} on NVMe "
+                          "(Plan.nvme_moments) but no NVMe directory was given: pass nvme_dir= to compile "
+                          "(megatrain train --nvme-dir DIR)")
+    g, h = ex.graph, ex.host
+    sizes = {f"L{li}.moments": 2 * g.layers[li].trainable_numel * 4 for li in sorted(layers)}
+    store = NvmeStore(ex.nvme_dir, sizes)
+    ex._nvme = (store, aligned_buffer(max(sizes.values())))
+    nvme_sync(ex)
+    return ex._nvme
+
+
+def nvme_sync(ex: Executor) -> None:
+    """Write every NVMe layer's moments from the host state to its tile (after the store is made,
+    and after a checkpoint load changed the host state); waits. No-op without an NVMe store."""
+    if ex._nvme is None:
+        return
+    store, staging = ex._nvme
+    for key in store.tiles:
+        store.write_tensor(key, _moments(ex.host, int(key[1:].split(".")[0])), staging)
+
+
+def _moments(h: HostState, li: int) -> torch.Tensor:
+    """Both Adam moments of layer ``li``: one contiguous ``float32[2 * trainable_numel]`` view."""
+    a, b = h.exp_avg(li), h.exp_avg_sq(li)
+    return a.as_strided((a.numel() + b.numel(),), (1,))
+
+
+def _nvme_read(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Read layer ``op.layer``'s Adam moments from its NVMe tile into the host state (I/O stream;
+    the OPT that reads them depends on this op)."""
+    store, staging = nvme_store(ctx.ex, ctx.schedule.plan.nvme_moments)
+    dst = _moments(ctx.ex.host, op.layer)
+    key = f"L{op.layer}.moments"
+
+    def run() -> None:
+        store.read_tensor(key, dst, staging)
+    return run
+
+
+def _nvme_write(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Write layer ``op.layer``'s Adam moments from the host state to its NVMe tile, after its OPT."""
+    store, staging = nvme_store(ctx.ex, ctx.schedule.plan.nvme_moments)
+    src = _moments(ctx.ex.host, op.layer)
+    key = f"L{op.layer}.moments"
+
+    def run() -> None:
+        store.write_tensor(key, src, staging)
+    return run
+
+
 HANDLERS: dict[OpKind, Handler] = {
     OpKind.H2D: _h2d, OpKind.CAST: _cast, OpKind.FWD: _fwd, OpKind.RECOMPUTE: _fwd, OpKind.BWD: _bwd,
     OpKind.D2H: _d2h, OpKind.ACC: _acc, OpKind.OPT: _opt, OpKind.OFFLOAD: _offload, OpKind.RELOAD: _reload,
+    OpKind.NVME_READ: _nvme_read, OpKind.NVME_WRITE: _nvme_write,
 }
 """How each op kind runs: ``HANDLERS[op.kind](ctx, i, op)`` returns the work the backend launches."""
 assert set(HANDLERS) == set(OpKind), "every op kind needs a handler"

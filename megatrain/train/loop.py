@@ -4,6 +4,8 @@ of the package docstring, then steps, evaluates, checkpoints and writes metrics 
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import signal
@@ -121,6 +123,13 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
                                    input_names=names,
                                    micro_batches=cfg.micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
                                    plan="default" if cfg.device == "cpu" else None, hardware=hw)
+    if cfg.nvme_dir is not None:
+        # Every trainable layer's moments on NVMe: Plan.nvme_moments, lowered into NVME_READ/NVME_WRITE.
+        on_nvme = frozenset(i for i, layer in enumerate(planned.graph.layers) if layer.trainable_numel)
+        planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                                       micro_batches=cfg.micro_batches, device=cfg.device,
+                                       max_grad_norm=cfg.max_grad_norm, hardware=hw,
+                                       plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme))
     needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
                                    available=available)
     graph = planned.graph
@@ -137,7 +146,7 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
 
     optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay)
-    trainer = megatrain.materialize(planned, optimizer)
+    trainer = megatrain.materialize(planned, optimizer, nvme_dir=cfg.nvme_dir)
     if source.kind == "weights":
         load_weights(trainer, source, echo)
         echo(f"weights: loaded from {source.directory}")

@@ -30,6 +30,10 @@ SIZE_KINDS = (OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE, OpKind.OFFLOAD, OpKind.R
 STEP_KINDS = (OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST, OpKind.ACC)
 """Op kinds whose duration is the layer's alone (weights, gradients, optimizer state)."""
 
+IO_KINDS = (OpKind.NVME_READ, OpKind.NVME_WRITE)
+"""Op kinds the bounds do not time: the solver's candidates keep all state in host memory, and
+:mod:`megatrain.planner.nvme` moves some of it to NVMe after the solve (the NVMe rates may be 0)."""
+
 
 def durations(graph: LayerGraph, kinds: Sequence[OpKind], compute_dtype: str,
               hw: HardwareSpec) -> dict[OpKind, tuple[float, ...]]:
@@ -317,5 +321,5 @@ def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) 
     return max(max(stream_end), max(busy))
 
 
-__all__ = ["SIZE_KINDS", "STEP_KINDS", "STREAMS", "durations", "StepTimes", "step_times", "SizeOption",
+__all__ = ["SIZE_KINDS", "STEP_KINDS", "IO_KINDS", "STREAMS", "durations", "StepTimes", "step_times", "SizeOption",
            "size_option", "quick_bound", "Pattern", "lower_pattern", "pattern_bound"]

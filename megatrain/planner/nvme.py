@@ -1,0 +1,351 @@
+"""The NVMe tier in the planner: NVMe array presets, attaching one to a hardware spec, choosing
+per layer what state lives on NVMe, and the step time with its traffic.
+
+What may live on NVMe, per layer (ZeRO-Infinity's "infinity offload", Rajbhandari et al. 2021,
+arXiv:2104.07857, offloads the same three to NVMe):
+
+- the host gradient tile that a deferred update waits on (``Plan.optimizer`` NEXT_FORWARD, used
+  when gradients are clipped by their global norm): written once after the D2H lands, read once
+  before the layer's OPT in the next step;
+- the two FP32 Adam moments (8 bytes per trainable parameter): read before the layer's OPT,
+  written after it;
+- the FP32 master weights (4 bytes per parameter), BF16 compute only: read before the OPT and
+  written after it (the CAST of the BF16 copy runs while the master is in its I/O buffer). With
+  FP32 compute the H2D reads the pinned master row itself, so masters stay in host memory.
+
+Choice. :func:`place_on_nvme` moves the least it must: while the plan's host bytes (plus the
+NVMe I/O buffers) exceed the host memory, it moves one more layer's tile, gradient tiles first,
+then moments, then masters, each kind largest layer first. Every kind costs the same NVMe traffic
+per byte of host memory freed (one write and one read per step), so the order only prefers what
+frees pinned memory (gradient tiles) and what leaves the H2D path alone (moments before masters).
+The I/O buffers are :data:`NVME_BUFFERS` tiles of the widest placed layer's NVMe bytes, so a read
+of the next layer overlaps the OPT of this one; the gradient part of them is pinned (a D2H lands
+there).
+
+Time. Reads and writes share the drives, so the NVMe I/O stream is busy
+``read_bytes / nvme_read_bytes_per_s + write_bytes / nvme_write_bytes_per_s`` per step, and the
+predicted step is the larger of the simulated step and that busy time: the I/O stream
+overlaps compute and PCIe, and a step can run no faster than its busiest stream. The moments'
+transfers are ops of the lowered schedule (``Plan.nvme_moments``: NVME_READ before the layer's
+OPT, NVME_WRITE after, on ``Stream.IO``), so the simulator places them in its DAG, waits
+included; the gradient-tile and master transfers are not ops yet and enter through the bound
+only. ``megatrain plan`` reports both and the step with all state in RAM.
+
+Solving. :func:`solve_with_nvme` solves as usual; if no plan fits and the spec has an NVMe tier
+(:attr:`HardwareSpec.has_nvme`), it solves again with the NVMe capacity added to the host memory
+(the pinned cap unchanged, so pinned buffers stay within the real cap), then places state on NVMe
+until the real host memory holds the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatrain.errors import ConfigError, PlanError
+from megatrain.planner import cost
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import PINNED_FRACTION, HardwareSpec
+from megatrain.planner.plan import OptimizerPlacement, Plan
+from megatrain.units import GiB, TiB, human_bytes
+
+NVME_BUFFERS = 2
+"""Host I/O buffers per NVMe stream: one being read or written while the OPT uses the other."""
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeArray:
+    """An array of identical NVMe drives, striped (RAID 0 or one file per drive): capacity and
+    rates are the drive's times ``drives`` (the datasheet's sequential rates, an upper bound on
+    what large direct I/O sustains; ``bench/nvme_io.py`` measures a machine's)."""
+
+    name: str
+    drives: int
+    drive_bytes: int
+    drive_read_bytes_per_s: float
+    drive_write_bytes_per_s: float
+    source: str
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.drives * self.drive_bytes
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        return self.drives * self.drive_read_bytes_per_s
+
+    @property
+    def write_bytes_per_s(self) -> float:
+        return self.drives * self.drive_write_bytes_per_s
+
+
+_MICRON_7450 = ("Micron 7450 PRO 7.68 TB, PCIe Gen4 x4 U.3: sequential read 6,800 MB/s, sequential write "
+                "5,300 MB/s (Micron 7450 SSD product brief)")
+_SAMSUNG_PM1743 = ("Samsung PM1743 7.68 TB, PCIe Gen5 x4: sequential read 13,000 MB/s, sequential write "
+                   "6,600 MB/s (Samsung PM1743 data sheet)")
+
+NVME_ARRAYS: dict[str, NvmeArray] = {
+    "4xgen4": NvmeArray("4x PCIe Gen4 NVMe (Micron 7450 PRO 7.68 TB)", 4, 7_680 * 10**9, 6.8e9, 5.3e9, _MICRON_7450),
+    "8xgen4": NvmeArray("8x PCIe Gen4 NVMe (Micron 7450 PRO 7.68 TB)", 8, 7_680 * 10**9, 6.8e9, 5.3e9, _MICRON_7450),
+    "4xgen5": NvmeArray("4x PCIe Gen5 NVMe (Samsung PM1743 7.68 TB)", 4, 7_680 * 10**9, 13.0e9, 6.6e9,
+                        _SAMSUNG_PM1743),
+    "8xgen5": NvmeArray("8x PCIe Gen5 NVMe (Samsung PM1743 7.68 TB)", 8, 7_680 * 10**9, 13.0e9, 6.6e9,
+                        _SAMSUNG_PM1743),
+}
+"""NVMe array presets by name (``megatrain plan --nvme NAME``), each with its drive's source."""
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": GiB, "tib": TiB}
+
+
+def parse_bytes(text: str) -> int:
+    """``"512GiB"``, ``"1.5TiB"``, ``"512 GB"`` (decimal), ``"1000000"`` (bytes) -> bytes.
+
+    Raises:
+        ConfigError: not a size; the message shows the accepted forms.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigError(f"{text!r} is not a size; write a number and a unit, e.g. 512GiB, 1.5TiB or 768GB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+
+
+def with_nvme(hw: HardwareSpec, nvme: str | NvmeArray | None = None,
+              host_memory_bytes: int | None = None) -> HardwareSpec:
+    """``hw`` with an NVMe array attached (a name of :data:`NVME_ARRAYS` or an :class:`NvmeArray`)
+    and/or its host memory replaced (the pinned cap becomes ``PINNED_FRACTION`` of it, or stays
+    if smaller). The name records both.
+
+    Raises:
+        ConfigError: unknown array name, or a host memory of 0.
+    """
+    update: dict = {}
+    name = hw.name
+    if host_memory_bytes is not None:
+        if host_memory_bytes <= 0:
+            raise ConfigError(f"host memory {host_memory_bytes} bytes: give a positive size, e.g. 512GiB")
+        update["host_memory_bytes"] = host_memory_bytes
+        update["pinned_memory_cap_bytes"] = min(hw.pinned_memory_cap_bytes, int(host_memory_bytes * PINNED_FRACTION))
+        name += f" + {human_bytes(host_memory_bytes)} host"
+    if nvme is not None:
+        if isinstance(nvme, str):
+            try:
+                nvme = NVME_ARRAYS[nvme.strip().lower()]
+            except KeyError:
+                raise ConfigError(f"no NVMe array preset named {nvme!r}; valid names are {sorted(NVME_ARRAYS)}, "
+                                  "or set nvme_capacity_bytes / nvme_read_bytes_per_s / nvme_write_bytes_per_s "
+                                  "in a hardware JSON file") from None
+        update.update(nvme_capacity_bytes=nvme.capacity_bytes, nvme_read_bytes_per_s=nvme.read_bytes_per_s,
+                      nvme_write_bytes_per_s=nvme.write_bytes_per_s)
+        name += f" + {nvme.name}"
+    update["name"] = name
+    return HardwareSpec.model_validate({**hw.model_dump(), **update})
+
+
+@dataclass(frozen=True, slots=True)
+class NvmePlacement:
+    """Which layers' state lives on NVMe, and what it costs.
+
+    Attributes:
+        gradients, moments, masters: layer indices whose deferred gradient tile / Adam moments /
+            FP32 masters live on NVMe.
+        nvme_bytes: bytes on NVMe (each tile rounded up to 4096 bytes, the O_DIRECT alignment).
+        host_freed: host bytes the plan no longer holds (of which ``pinned_freed`` were pinned).
+        buffer_bytes: host I/O buffers added (of which ``pinned_buffer_bytes`` pinned).
+        read_bytes, write_bytes: NVMe traffic of one step.
+        io_time_s: seconds the NVMe I/O stream is busy per step.
+    """
+
+    gradients: frozenset[int] = frozenset()
+    moments: frozenset[int] = frozenset()
+    masters: frozenset[int] = frozenset()
+    nvme_bytes: int = 0
+    host_freed: int = 0
+    pinned_freed: int = 0
+    buffer_bytes: int = 0
+    pinned_buffer_bytes: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    io_time_s: float = 0.0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.gradients or self.moments or self.masters)
+
+    def host_total(self, memory: cost.MemoryBreakdown) -> int:
+        """Host bytes of the plan with this placement."""
+        return memory.host_total - self.host_freed + self.buffer_bytes
+
+    def host_pinned(self, memory: cost.MemoryBreakdown) -> int:
+        return memory.host_pinned - self.pinned_freed + self.pinned_buffer_bytes
+
+
+def _align(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, hw: HardwareSpec) -> NvmePlacement:
+    """The least state to move to NVMe so that ``memory`` (the plan's breakdown) plus the I/O
+    buffers fits ``hw.host_memory_bytes`` and the pinned cap (module docstring, "Choice").
+
+    Raises:
+        PlanError: even with every movable tile on NVMe the host memory is short, or the NVMe
+            tier has less capacity than the tiles need (the message gives the bytes and the fix).
+    """
+    if memory.host_total <= hw.host_memory_bytes and memory.host_pinned <= hw.pinned_memory_cap_bytes:
+        return NvmePlacement()
+    if not hw.has_nvme:
+        raise PlanError(f"{hw.name}: the plan needs {human_bytes(memory.host_total)} of host memory, "
+                        f"{human_bytes(hw.host_memory_bytes)} is there and no NVMe tier is attached; attach one "
+                        "(megatrain plan --nvme 4xgen5, or nvme_* fields in the hardware spec)")
+    layers = graph.layers
+    gsize = plan.gradient_itemsize
+    deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+    # (kind, layer, bytes freed on the host, of which pinned, bytes on disk)
+    moves: list[tuple[str, int, int, int]] = []
+    if deferred:
+        moves += sorted((("gradients", i, cost.page_up(l.trainable_numel * gsize), True)
+                         for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
+    moves += sorted((("moments", i, l.trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT, False)
+                     for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
+    if plan.compute_dtype == "bfloat16":
+        moves += sorted((("masters", i, l.numel * cost.MASTER_BYTES_PER_ELEMENT, False)
+                         for i, l in enumerate(layers) if l.numel), key=lambda m: -m[2])
+    chosen: dict[str, set[int]] = {"gradients": set(), "moments": set(), "masters": set()}
+    per_layer: dict[int, list[int]] = {}  # layer -> [NVMe bytes, of which gradient bytes]
+    freed = pinned_freed = 0
+
+    def buffers() -> tuple[int, int]:
+        if not per_layer:
+            return 0, 0
+        return (NVME_BUFFERS * max(_align(b) for b, _ in per_layer.values()),
+                NVME_BUFFERS * max(_align(g) for _, g in per_layer.values()))
+
+    def fits() -> bool:
+        buf, pbuf = buffers()
+        return (memory.host_total - freed + buf <= hw.host_memory_bytes
+                and memory.host_pinned - pinned_freed + pbuf <= hw.pinned_memory_cap_bytes)
+
+    for kind, i, nbytes, pinned in moves:
+        if fits():
+            break
+        chosen[kind].add(i)
+        entry = per_layer.setdefault(i, [0, 0])
+        entry[0] += nbytes
+        entry[1] += nbytes if pinned else 0
+        freed += nbytes
+        pinned_freed += nbytes if pinned else 0
+    buf, pbuf = buffers()
+    if not fits():
+        raise PlanError(f"{hw.name}: with every gradient tile, Adam moment"
+                        f"{' and master' if plan.compute_dtype == 'bfloat16' else ''} on NVMe the plan still needs "
+                        f"{human_bytes(memory.host_total - freed + buf)} of host memory, and "
+                        f"{human_bytes(hw.host_memory_bytes)} is there; add host memory"
+                        f"{'' if plan.compute_dtype == 'bfloat16' else ' or compute in bfloat16 (FP32 compute keeps masters in pinned host memory)'}")
+    placed = [n for kind, i, n, _ in moves if i in chosen[kind]]
+    on_disk = sum(_align(n) for n in placed)
+    if on_disk > hw.nvme_capacity_bytes:
+        raise PlanError(f"{hw.name}: the NVMe tier needs {human_bytes(on_disk)} and has "
+                        f"{human_bytes(hw.nvme_capacity_bytes)}; attach a larger array (e.g. --nvme 8xgen5) or "
+                        "more host memory")
+    # One write and one read of every placed tile per step.
+    traffic = sum(placed)
+    io = traffic / hw.nvme_read_bytes_per_s + traffic / hw.nvme_write_bytes_per_s
+    return NvmePlacement(frozenset(chosen["gradients"]), frozenset(chosen["moments"]), frozenset(chosen["masters"]),
+                         nvme_bytes=on_disk, host_freed=freed, pinned_freed=pinned_freed, buffer_bytes=buf,
+                         pinned_buffer_bytes=pbuf, read_bytes=traffic, write_bytes=traffic, io_time_s=io)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeSolution:
+    """A solved plan (:class:`megatrain.planner.solve.Solution`) with its NVMe placement on ``hardware``.
+
+    ``plan`` is the solver's plan with ``nvme_moments`` set to the placement's moment layers, and
+    ``schedule``/``timeline`` its lowering (NVME_READ/NVME_WRITE ops on the I/O stream) and
+    simulation on ``hardware`` (the solver's own when nothing went to NVMe). ``step_time_s`` is
+    the larger of that simulated step and the NVMe I/O stream's busy time with the gradient and
+    master traffic, which are not ops of the schedule yet (module docstring, "Time");
+    ``simulated_step_s`` is the solver's simulated step with all state in host memory."""
+
+    solution: object
+    placement: NvmePlacement
+    hardware: HardwareSpec
+    plan: Plan
+    schedule: object
+    timeline: object
+
+    @property
+    def simulated_step_s(self) -> float:
+        return self.solution.timeline.step_time_s
+
+    @property
+    def step_time_s(self) -> float:
+        return max(self.timeline.step_time_s, self.placement.io_time_s)
+
+    @property
+    def host_total(self) -> int:
+        return self.placement.host_total(self.solution.memory)
+
+    @property
+    def fits(self) -> bool:
+        mem = self.solution.memory
+        return (mem.gpu_peak <= self.hardware.gpu_memory_bytes
+                and self.host_total <= self.hardware.host_memory_bytes
+                and self.placement.host_pinned(mem) <= self.hardware.pinned_memory_cap_bytes
+                and self.placement.nvme_bytes <= self.hardware.nvme_capacity_bytes)
+
+
+def solve_with_nvme(request, method: str = "milp") -> NvmeSolution:
+    """Solve ``request`` (a :class:`~megatrain.planner.solve.SolveRequest`); when no plan fits the
+    host memory and the spec has an NVMe tier, solve with the NVMe capacity counted as host memory
+    and place state on NVMe (module docstring, "Solving").
+
+    Raises:
+        PlanError: no plan fits even with the NVMe tier (InfeasibleRequestError from the solver,
+            or :func:`place_on_nvme`'s error).
+    """
+    from dataclasses import replace
+
+    from megatrain.planner.solve import InfeasibleRequestError, solve
+
+    from megatrain.planner.lower import lower
+    from megatrain.planner.simulate import simulate
+
+    hw = request.hardware
+    try:
+        sol = solve(request, method)
+        return NvmeSolution(sol, NvmePlacement(), hw, sol.plan, sol.schedule, sol.timeline)
+    except InfeasibleRequestError:
+        if not hw.has_nvme:
+            raise
+    relaxed = HardwareSpec.model_validate({**hw.model_dump(),
+                                           "host_memory_bytes": hw.host_memory_bytes + hw.nvme_capacity_bytes})
+    sol = solve(replace(request, hardware=relaxed), method)
+    placement = place_on_nvme(sol.graph, sol.plan, sol.memory, hw)
+    plan = replace(sol.plan, nvme_moments=placement.moments)
+    schedule = lower(sol.graph, plan, carries_updates=plan.optimizer is OptimizerPlacement.NEXT_FORWARD)
+    # The moments' traffic is now in the schedule; the bound keeps the rest (gradients, masters).
+    return NvmeSolution(sol, placement, hw, plan, schedule, simulate(schedule, sol.graph, hw))
+
+
+def describe(ns: NvmeSolution) -> list[tuple[str, str, str]]:
+    """Rows ``(what, value, note)`` for ``megatrain plan``'s NVMe section."""
+    p, hw = ns.placement, ns.hardware
+    n = len(ns.solution.graph.layers)
+    return [
+        ("NVMe tier", human_bytes(hw.nvme_capacity_bytes),
+         f"read {hw.nvme_read_bytes_per_s / 1e9:.1f} GB/s, write {hw.nvme_write_bytes_per_s / 1e9:.1f} GB/s"),
+        ("gradient tiles on NVMe", f"{len(p.gradients)}/{n}", "deferred (clipped) updates' tiles"),
+        ("Adam moments on NVMe", f"{len(p.moments)}/{n}", "layers"),
+        ("FP32 masters on NVMe", f"{len(p.masters)}/{n}", "layers"),
+        ("bytes on NVMe", human_bytes(p.nvme_bytes), f"host freed {human_bytes(p.host_freed)}, I/O buffers "
+                                                     f"{human_bytes(p.buffer_bytes)}"),
+        ("host total", human_bytes(ns.host_total), f"of {human_bytes(hw.host_memory_bytes)}"),
+        ("NVMe traffic", f"{(p.read_bytes + p.write_bytes) / 1e9:,.1f} GB", "per step, read + write"),
+        ("NVMe I/O busy", f"{p.io_time_s:,.4g} s", "per step"),
+        ("step time", f"{ns.step_time_s:,.4g} s", f"simulated with the moments' NVMe ops "
+                                                  f"{ns.timeline.step_time_s:,.4g} s; all NVMe traffic "
+                                                  f"{p.io_time_s:,.4g} s; all state in RAM {ns.simulated_step_s:,.4g} s"),
+        ("slowdown", f"{ns.step_time_s / ns.simulated_step_s:.2f}x", "vs the same plan with all state in host memory"),
+    ]

@@ -1,0 +1,419 @@
+"""NVMe tier: the file-backed tile store (megatrain.runtime.nvme), on a temp dir as the NVMe."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+
+import pytest
+import torch
+
+from megatrain.runtime import nvme
+from megatrain.runtime.nvme import ALIGN, NvmeError, NvmeStore, aligned_buffer
+
+
+def _random_bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_roundtrip_many_blocks_bitwise(tmp_path, direct):
+    # Sizes: one byte, an exact block, and a tile spread over several blocks with a ragged tail.
+    sizes = {"a": 1, "b": ALIGN, "c": 5 * ALIGN + 17}
+    with NvmeStore(tmp_path, sizes, workers=3, block_bytes=2 * ALIGN, direct=direct) as store:
+        if not direct:
+            assert store.direct is False and store.fallback_reason == "direct=False"
+        data = {k: _random_bytes(n, i) for i, (k, n) in enumerate(sizes.items())}
+        bufs = {k: aligned_buffer(n) for k, n in sizes.items()}
+        for k in sizes:
+            bufs[k][:sizes[k]].copy_(data[k])
+        reqs = [store.write(k, bufs[k]) for k in sizes]  # all in flight together
+        for r in reqs:
+            r.wait()
+        for k, n in sizes.items():
+            assert os.path.getsize(tmp_path / f"{k}.tile") == nvme.align_up(n)
+            out = aligned_buffer(n)
+            store.read(k, out).wait()
+            assert torch.equal(out[:n], data[k])
+
+
+def test_tensor_helpers_float32_exact(tmp_path):
+    x = torch.randn(1000, dtype=torch.float32)
+    with NvmeStore(tmp_path, {"m": x.nbytes}) as store:
+        store.write_tensor("m", x)
+        y = torch.empty_like(x)
+        store.read_tensor("m", y)
+    assert torch.equal(x, y)
+
+
+def test_direct_probe_reports_outcome(tmp_path):
+    with NvmeStore(tmp_path, {"a": 10}) as store:
+        # Either O_DIRECT works here, or the reason it was refused is kept for the user.
+        assert store.direct or store.fallback_reason
+        assert not (tmp_path / ".megatrain-odirect-probe").exists()
+
+
+def test_missing_file_named(tmp_path):
+    with NvmeStore(tmp_path, {"layer0.m": 8192}) as store:
+        os.unlink(tmp_path / "layer0.m.tile")
+        with pytest.raises(NvmeError, match=r"layer0\.m\.tile.*missing"):
+            store.read("layer0.m", aligned_buffer(8192))
+
+
+def test_truncated_file_named(tmp_path):
+    with NvmeStore(tmp_path, {"layer1.v": 3 * ALIGN}) as store:
+        os.truncate(tmp_path / "layer1.v.tile", ALIGN)
+        with pytest.raises(NvmeError, match=r"layer1\.v\.tile.*truncated.*4096 bytes on disk, 12288"):
+            store.read("layer1.v", aligned_buffer(3 * ALIGN))
+
+
+def test_disk_full_at_setup_names_bytes(tmp_path, monkeypatch):
+    class Usage:
+        free = 3 * ALIGN
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda _: Usage)
+    with pytest.raises(NvmeError, match=r"need 16384 bytes.*a\.tile.*12288 bytes free"):
+        NvmeStore(tmp_path, {"a": 2 * ALIGN, "b": 2 * ALIGN})
+
+
+def test_fallocate_failure_names_file(tmp_path, monkeypatch):
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(nvme.os, "posix_fallocate", full)
+    with pytest.raises(NvmeError, match=r"reserve 4096 bytes.*x\.tile.*disk full"):
+        NvmeStore(tmp_path, {"x": 100})
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(NvmeError, match="does not exist"):
+        NvmeStore(tmp_path / "nope", {"a": 1})
+    with pytest.raises(ValueError, match="at least one byte"):
+        NvmeStore(tmp_path, {"a": 0})
+    with pytest.raises(ValueError, match="letters, digits"):
+        NvmeStore(tmp_path, {"../a": 1})
+    with NvmeStore(tmp_path, {"a": 2 * ALIGN}) as store:
+        with pytest.raises(ValueError, match="smaller than the tile"):
+            store.write("a", aligned_buffer(ALIGN))
+
+
+def test_bench_nvme_io_small(tmp_path):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "bench" / "nvme_io.py"
+    spec = importlib.util.spec_from_file_location("nvme_io", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure(str(tmp_path), gib=8 / 1024, tile_mib=2, block_mib=1, workers=2, repeat=1)
+    assert r["bytes"] == 8 << 20
+    for k in ("megatrain_write_GBps", "megatrain_read_GBps", "dd_write_GBps", "dd_read_GBps"):
+        assert r[k] > 0
+    assert r["read_ratio"] == pytest.approx(r["megatrain_read_GBps"] / r["dd_read_GBps"])
+    assert not list(tmp_path.iterdir())  # the scratch files are gone
+
+
+# -- planner: HardwareSpec NVMe fields, presets, placement, the dense-120b answers -------------------
+
+from megatrain.errors import ConfigError, PlanError  # noqa: E402
+from megatrain.planner import cost  # noqa: E402
+from megatrain.planner.hardware import PRESETS, HardwareSpec, preset  # noqa: E402
+from megatrain.planner.nvme import (NVME_ARRAYS, parse_bytes, place_on_nvme, solve_with_nvme,  # noqa: E402
+                                    with_nvme)
+from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dense_120b():
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.trace import trace
+
+    return trace(build_meta_model(load_model_config("dense-120b"), dtype=torch.bfloat16), micro_batch_size=1,
+                 seq_len=4096).graph
+
+
+def test_hardware_nvme_fields_default_off_and_roundtrip(tmp_path):
+    assert all(not hw.has_nvme and hw.nvme_capacity_bytes == 0 for hw in PRESETS.values())
+    hw = with_nvme(preset("H200"), "8xgen4", parse_bytes("512GiB"))
+    a = NVME_ARRAYS["8xgen4"]
+    assert hw.has_nvme and hw.nvme_capacity_bytes == 8 * a.drive_bytes
+    assert hw.nvme_read_bytes_per_s == 8 * a.drive_read_bytes_per_s
+    assert hw.host_memory_bytes == 512 * 2**30 and hw.pinned_memory_cap_bytes <= hw.host_memory_bytes
+    hw.save(tmp_path / "hw.json")
+    assert HardwareSpec.load(tmp_path / "hw.json") == hw
+    with pytest.raises(ConfigError, match="no NVMe array preset named 'raid9'.*4xgen5"):
+        with_nvme(hw, "raid9")
+
+
+@pytest.mark.parametrize("text,n", [("512GiB", 512 << 30), ("1.5TiB", 3 << 39), ("768 GB", 768 * 10**9),
+                                    ("4096", 4096)])
+def test_parse_bytes(text, n):
+    assert parse_bytes(text) == n
+
+
+def test_parse_bytes_rejects():
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_bytes("lots")
+
+
+def _check_placement(ns, graph):
+    p, hw, mem = ns.placement, ns.hardware, ns.solution.memory
+    layers = graph.layers
+    moved = (sum(cost.page_up(layers[i].trainable_numel * ns.solution.plan.gradient_itemsize) for i in p.gradients)
+             + sum(layers[i].trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT for i in p.moments)
+             + sum(layers[i].numel * cost.MASTER_BYTES_PER_ELEMENT for i in p.masters))
+    assert p.host_freed == moved and p.read_bytes == p.write_bytes == moved
+    assert p.io_time_s == pytest.approx(moved / hw.nvme_read_bytes_per_s + moved / hw.nvme_write_bytes_per_s)
+    assert mem.host_total > hw.host_memory_bytes  # the plan needed the NVMe tier ...
+    assert ns.fits and ns.host_total <= hw.host_memory_bytes  # ... and fits with it
+    assert moved <= p.nvme_bytes <= hw.nvme_capacity_bytes
+    assert ns.step_time_s == max(ns.timeline.step_time_s, p.io_time_s)
+    # The plan carries the moment layers; its schedule has their NVMe ops, verified, and adding ops
+    # and edges cannot make the simulated step shorter than the all-in-RAM one.
+    assert ns.plan.nvme_moments == p.moments
+    from megatrain.planner.schedule import OpKind as K
+    from megatrain.planner.verify import verify as check
+    check(ns.schedule, ns.solution.graph)
+    assert sum(op.kind is K.NVME_READ for op in ns.schedule.ops) == len(p.moments)
+    assert ns.timeline.step_time_s >= ns.simulated_step_s * (1 - 1e-9)
+
+
+def test_dense_120b_with_clipping_fits_h200_1_5tb_with_nvme(dense_120b):
+    req = SolveRequest(dense_120b, preset("H200"), 8, "bfloat16", clip_gradients=True)
+    with pytest.raises(InfeasibleRequestError):  # the issue's premise: without NVMe it does not fit
+        solve(req)
+    ns = solve_with_nvme(SolveRequest(dense_120b, with_nvme(preset("H200"), "4xgen5"), 8, "bfloat16",
+                                      clip_gradients=True))
+    _check_placement(ns, dense_120b)
+    assert ns.placement.gradients  # deferred gradient tiles go first
+    assert ns.solution.plan.optimizer.name == "NEXT_FORWARD"
+
+
+def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, capsys):
+    from megatrain.cli import main
+
+    assert main(["plan", "--model", "dense-120b", "--hardware", "H200", "--seq-len", "4096", "--global-batch", "8",
+                 "--host-memory", "512GiB", "--nvme", "4xgen5"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "Adam moments on NVMe" in out and "slowdown" in out
+    hw = with_nvme(preset("H200"), "4xgen5", parse_bytes("512GiB"))
+    ns = solve_with_nvme(SolveRequest(dense_120b, hw, 8, "bfloat16"))
+    _check_placement(ns, dense_120b)
+    assert ns.placement.moments and not ns.placement.gradients
+    from megatrain.planner.schedule import Stream as S
+    assert ns.timeline.busy_s[S.IO] == pytest.approx(
+        sum(cost.nvme_time(ns.solution.graph.layers[i], hw, k) for i in ns.placement.moments
+            for k in (OpKind.NVME_READ, OpKind.NVME_WRITE)))
+    assert ns.step_time_s >= ns.simulated_step_s
+    # Not enough NVMe: the error names the bytes needed and the fix.
+    small = HardwareSpec.model_validate({**hw.model_dump(), "nvme_capacity_bytes": 10 * 2**30})
+    with pytest.raises(PlanError, match="NVMe tier needs .* and has 10.00 GiB.*larger array"):
+        place_on_nvme(ns.solution.graph, ns.solution.plan, ns.solution.memory, small)
+    # Too little host memory even with everything movable on NVMe.
+    tiny = with_nvme(hw, None, parse_bytes("8GiB"))
+    with pytest.raises(PlanError, match="still needs .* of host memory"):
+        place_on_nvme(ns.solution.graph, ns.solution.plan, ns.solution.memory, tiny)
+
+
+# -- schedule: NVME_READ / NVME_WRITE on the I/O stream, lowered, verified, simulated ----------------
+
+from megatrain.errors import ScheduleError  # noqa: E402
+from megatrain.planner.lower import lower  # noqa: E402
+from megatrain.planner.plan import OptimizerPlacement, Plan  # noqa: E402
+from megatrain.planner.schedule import Op, OpKind, Schedule, Stream  # noqa: E402
+from megatrain.planner.simulate import simulate  # noqa: E402
+from megatrain.planner.verify import verify  # noqa: E402
+
+from graphs import chain_graph, spec  # noqa: E402
+
+
+@pytest.mark.parametrize("optimizer,carries", [(OptimizerPlacement.DURING_BACKWARD, False),
+                                               (OptimizerPlacement.NEXT_FORWARD, True)])
+def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carries):
+    g = chain_graph(5)
+    on_nvme = frozenset({1, 3, 4})
+    grad_ring = 5 if optimizer is OptimizerPlacement.NEXT_FORWARD else 2
+    plan = Plan(optimizer=optimizer, nvme_moments=on_nvme, grad_ring=grad_ring)
+    s = lower(g, plan, carries_updates=carries)
+    verify(s, g)
+    ops = s.ops
+    reads = {op.layer: i for i, op in enumerate(ops) if op.kind is OpKind.NVME_READ}
+    writes = {op.layer: i for i, op in enumerate(ops) if op.kind is OpKind.NVME_WRITE}
+    opts = {op.layer: i for i, op in enumerate(ops) if op.kind is OpKind.OPT}
+    assert set(reads) == set(writes) == on_nvme
+    for layer in on_nvme:
+        assert reads[layer] in ops[opts[layer]].deps and ops[writes[layer]].deps == (opts[layer],)
+    assert all(ops[i].stream is Stream.IO for i in list(reads.values()) + list(writes.values()))
+    # Round trip through JSON, with the plan's NVMe layers.
+    assert Schedule.from_json(s.to_json()) == s
+    assert repr(ops[reads[1]]) == "NVME_READ:L1"
+    # The I/O stream has its own resource: the step is timed with it, and its busy time is the ops'.
+    hw = spec(nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e6, nvme_write_bytes_per_s=5e5)
+    tl = simulate(s, g, hw)
+    per_layer = -(-1024 * 8 // 4096) * 4096
+    assert tl.busy_s[Stream.IO] == pytest.approx(3 * (per_layer / 1e6 + per_layer / 5e5))
+    assert tl.step_time_s >= tl.busy_s[Stream.IO]
+    with pytest.raises(ConfigError, match="nvme_read_bytes_per_s=0"):
+        simulate(s, g, spec())
+
+
+def test_verifier_rejects_nvme_op_misuse():
+    g = chain_graph(3)
+    plan = Plan(nvme_moments=frozenset({1}))
+    s = lower(g, plan)
+    ops = list(s.ops)
+    r = next(i for i, op in enumerate(ops) if op.kind is OpKind.NVME_READ)
+    o = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer == 1)
+    # The OPT no longer waits for the read.
+    bad = ops[:o] + [Op(OpKind.OPT, 1, ring=ops[o].ring, deps=tuple(d for d in ops[o].deps if d != r))] + ops[o + 1:]
+    with pytest.raises(ScheduleError, match="rule 'nvme'.*no NVME_READ"):
+        verify(Schedule(tuple(bad), plan, 3), g)
+    # The write no longer waits for the OPT.
+    w = next(i for i, op in enumerate(ops) if op.kind is OpKind.NVME_WRITE)
+    bad = ops[:w] + [Op(OpKind.NVME_WRITE, 1)] + ops[w + 1:]
+    with pytest.raises(ScheduleError, match="rule 'nvme'"):
+        verify(Schedule(tuple(bad), plan, 3), g)
+    # An NVMe op of a layer whose moments are in host memory.
+    with pytest.raises(ScheduleError, match="rule 'nvme'.*not on NVMe"):
+        verify(Schedule(tuple(ops), Plan(), 3), g)
+    with pytest.raises(PlanError, match="nvme_moments names layers \\[7\\]"):
+        lower(g, Plan(nvme_moments=frozenset({7})))
+
+
+# -- runtime: bitwise the same training with moments on NVMe (a temp dir) as all in RAM --------------
+
+import copy  # noqa: E402
+import dataclasses  # noqa: E402
+
+import megatrain  # noqa: E402
+
+from conftest import random_batch, tiny_llama  # noqa: E402
+from test_exactness import ADAMW  # noqa: E402
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_norm):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    ref_model = copy.deepcopy(model)
+    kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=max_grad_norm)
+    planned = megatrain.plan_model(copy.deepcopy(model), plan="default", **kw)
+    graph = planned.traced.graph
+    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel]
+    on_nvme = frozenset(trainable[::2] + trainable[-1:])  # some layers on NVMe, some in RAM
+    plan = dataclasses.replace(planned.plan, nvme_moments=on_nvme)
+    with pytest.raises(ConfigError, match="nvme_dir"):
+        megatrain.compile(copy.deepcopy(model), plan=plan, optimizer=ADAMW, **kw)
+    ref = megatrain.compile(ref_model, plan=planned.plan, optimizer=ADAMW, **kw)
+    got = megatrain.compile(model, plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path), **kw)
+    # The files are made and filled at compile (a missing directory or full disk fails there).
+    assert sorted(os.listdir(tmp_path)) == sorted(f"L{li}.moments.tile" for li in on_nvme)
+    batches = [random_batch(2, 16, 96, seed=s % 3) for s in range(6)]
+    for step, b in enumerate(batches):
+        assert got.step(b).loss == ref.step(b).loss, f"step {step}"
+        host = got.executor.host
+        # Evict: the moments of NVMe layers in host memory are garbage between steps, so the next
+        # step's updates are right only if their NVME_READ brought them back from the files.
+        for li in on_nvme:
+            host.exp_avg(li).fill_(float("nan"))
+            host.exp_avg_sq(li).fill_(float("nan"))
+    assert sorted(os.listdir(tmp_path)) == sorted(f"L{li}.moments.tile" for li in on_nvme)
+    ref.flush()
+    got.flush()
+    for (name, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_readme_nvme_snippet_runs(tmp_path):
+    import pathlib
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text[text.index("## NVMe tier"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")].replace("/mnt/nvme/run1", str(tmp_path))
+    ns = {"megatrain": megatrain, "dataclasses": dataclasses, "model": tiny_llama(layers=2)}
+    exec(code, ns)
+    trainer = ns["trainer"]
+    assert trainer.planned.plan.nvme_moments == frozenset({1, 3})
+    assert math.isfinite(trainer.step(random_batch(1, 16, 96, seed=0)).loss)
+    assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
+
+
+def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
+    """The CUDA backend runs Stream.IO on a host worker of its own; on the asynchronous fake (random
+    delays before every op) the NVMe plan trains bitwise like the CPU backend."""
+    from megatrain.runtime.cuda import CUDABackend
+    from megatrain.testing import AsyncFakeCuda
+
+    torch.manual_seed(0)
+    base = tiny_llama(layers=2)
+    kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=0.5)
+    planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
+    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}))
+    batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
+
+    def run(backend, d):
+        model = copy.deepcopy(base)
+        p = megatrain.plan_model(model, plan=plan, **kw)
+        t = megatrain.materialize(p, ADAMW, backend=backend, nvme_dir=str(d))
+        losses = [t.step(b).loss for b in batches]
+        t.flush()
+        return losses, [b.clone() for b in t.executor.host.blocks]
+
+    want = run(None, tmp_path)
+    for seed in range(2):
+        fake = AsyncFakeCuda(seed=seed, max_delay_s=2e-3)
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        got = run(CUDABackend(adapter=fake), d)
+        fake.close()
+        assert got[0] == want[0], f"seed {seed}"
+        assert all(torch.equal(x, y) for x, y in zip(got[1], want[1])), f"seed {seed}"
+
+
+def test_checkpoint_load_refills_the_nvme_files(tmp_path):
+    """Loading a checkpoint changes the host moments; the NVMe files must follow, or the next
+    update would read the moments of before the load."""
+    torch.manual_seed(0)
+    base = tiny_llama(layers=2)
+    kw = dict(seq_len=16, micro_batch_size=2)
+    planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
+    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({1, 2}))
+    batches = [random_batch(2, 16, 96, seed=s) for s in range(4)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = megatrain.compile(copy.deepcopy(base), plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path / "a"), **kw)
+    for b in batches[:2]:
+        a.step(b)
+    a.save(tmp_path / "ckpt")
+    b = megatrain.compile(copy.deepcopy(base), plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path / "b"), **kw)
+    b.load(tmp_path / "ckpt")
+    for li in (1, 2):  # evict the host copies: the next update must read the loaded moments from disk
+        b.executor.host.exp_avg(li).fill_(float("nan"))
+        b.executor.host.exp_avg_sq(li).fill_(float("nan"))
+    for batch in batches[2:]:
+        assert b.step(batch).loss == a.step(batch).loss
+    assert all(torch.equal(x, y) for x, y in zip(a.executor.host.blocks, b.executor.host.blocks))
+
+
+def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch):
+    import json
+
+    import megatrain.runtime.measure
+    from megatrain.cli import main
+    from test_train_cli import CONFIG_YAML, write_model
+
+    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    write_model(tmp_path / "config.json")
+    (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json"))
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+
+    def losses(out, *extra):
+        assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(out), "--max-steps", "4",
+                     *extra]) == 0
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    want = losses(tmp_path / "ram")
+    got = losses(tmp_path / "nvme_run", "--nvme-dir", str(nvme_dir))
+    assert len(want) == 4 and got == want
+    assert sorted(os.listdir(nvme_dir)) and all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
