@@ -21,9 +21,10 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 4
+SCHEDULE_FORMAT_VERSION = 5
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
-OFFLOAD's pinned copy); files of earlier versions are refused (lower the plan again)."""
+OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
+Plan.nvme_moments; files of earlier versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
