@@ -127,7 +127,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
         # Every trainable layer's moments on NVMe: Plan.nvme_moments, lowered into NVME_READ/NVME_WRITE.
         on_nvme = frozenset(i for i, layer in enumerate(planned.graph.layers) if layer.trainable_numel)
         planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                       micro_batches=cfg.micro_batches, device=cfg.device,
+                                       input_names=names, micro_batches=cfg.micro_batches, device=cfg.device,
                                        max_grad_norm=cfg.max_grad_norm, hardware=hw,
                                        plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme))
     needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
