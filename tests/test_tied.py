@@ -80,7 +80,7 @@ def test_tied_family_matches_eager_with_micro_batches(family):
 
 
 @pytest.mark.parametrize("plan,clip", [
-    (Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=1, activations=(OFF, RE, K, K),
+    (Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=4, activations=(OFF, RE, K, K),
           optimizer=OptimizerPlacement.NEXT_FORWARD), 0.05),
     (Plan(micro_batches=2, slots=2, prefetch_distance=1, resident=frozenset({0, 3})), None),
     (Plan(micro_batches=2, layer_by_layer=False, optimizer=OptimizerPlacement.NEXT_FORWARD,
@@ -98,16 +98,17 @@ def test_tied_plan_shapes_match_eager(plan, clip):
 def test_tied_solved_plan_matches_eager():
     """The solver plans the tied model for a GPU with the least memory any plan needs."""
     from megatrain.planner.hardware import preset
-    from megatrain.planner.solve import SolveLimits, SolveRequest, minimum_requirements
+    from megatrain.planner.solve import SolveLimits, SolveRequest, minimum_requirements, solve
     from megatrain.planner.trace import trace
 
     torch.manual_seed(6)
     model = tied_llama(layers=2)
     graph = trace(copy.deepcopy(model), micro_batch_size=2, seq_len=16).graph
-    request = SolveRequest(graph, preset("H100_SXM").model_copy(update={"gpu_reserve_bytes": 0}), 2, "float32",
+    request = SolveRequest(graph, preset("H100_SXM").model_copy(update={"gpu_reserve_bytes": 0}), 4, "float32",
                            limits=SolveLimits(micro_batch_sizes=(2,)))
     tight = request.hardware.model_copy(update={"gpu_memory_bytes": minimum_requirements(request).gpu_memory_bytes})
-    assert_same_training(model, micro_batches=2, steps=3, hardware=tight)
+    trainer = assert_same_training(model, micro_batches=2, steps=4, hardware=tight)
+    assert trainer.plan == solve(dataclasses.replace(request, hardware=tight)).plan and trainer.plan.slots == 1
 
 
 def test_tied_training_on_the_cuda_backend_logic_through_fake_cuda():
@@ -128,7 +129,7 @@ def test_tied_training_on_the_cuda_backend_logic_through_fake_cuda():
 
 
 def test_verifier_rejects_a_reader_that_runs_before_the_owner_made_its_copy():
-    """Hand-mutated schedule: the LM head's forward moved before the owner's forward (the one that
+    """Hand-mutated schedule: the LM head's first op moved before the owner's forward (the one that
     clones the shared weight), with the edge between them removed."""
     torch.manual_seed(3)
     planned = megatrain.plan_model(tied_llama(), seq_len=16, micro_batch_size=2,
@@ -138,7 +139,8 @@ def test_verifier_rejects_a_reader_that_runs_before_the_owner_made_its_copy():
     verify(s, graph)
     ops = list(s.ops)
     owner = next(i for i, op in enumerate(ops) if op.kind is OpKind.FWD and op.layer == tied.producer)
-    reader = next(i for i, op in enumerate(ops) if op.kind is OpKind.FWD and op.layer == tied.consumers[0])
+    # The LM head's layer computes the loss: its forward is the first half of its local backward.
+    reader = next(i for i, op in enumerate(ops) if op.kind in (OpKind.FWD, OpKind.BWD) and op.layer == tied.consumers[0])
     moved = dataclasses.replace(ops[reader], deps=tuple(d for d in ops[reader].deps if d < owner))
     ops = ops[:owner] + [moved] + ops[owner:reader] + ops[reader + 1:]
     remap = {old: new for new, old in enumerate(list(range(owner)) + [reader] + list(range(owner, reader))
