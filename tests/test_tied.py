@@ -149,3 +149,44 @@ def test_verifier_rejects_a_reader_that_runs_before_the_owner_made_its_copy():
            for k, op in enumerate(ops)]
     with pytest.raises(ScheduleError, match=r"rule '(data|order)'"):
         verify(dataclasses.replace(s, ops=tuple(ops)), graph)
+
+
+def test_tied_checkpoint_is_hf_layout_with_one_tensor_and_loads_back(tmp_path):
+    """save_checkpoint writes the shared matrix once, under its input-embedding name (what
+    transformers writes for a tied model); megatrain and transformers both load it back tied."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    model = tied_llama()
+    trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=ADAMW)
+    for s in range(2):
+        trainer.step(random_batch(2, 16, VOCAB, seed=s))
+    trainer.save(tmp_path / "ckpt")
+    files = list((tmp_path / "ckpt").glob("model*.safetensors"))
+    names = set()
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            names |= set(h.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight, "transformers keeps the tie"
+    assert torch.equal(hf.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    again = megatrain.from_pretrained(tmp_path / "ckpt", seq_len=16, micro_batch_size=2, optimizer=ADAMW)
+    assert _is_tied(again.model)
+    assert torch.equal(again.model.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_file_that_also_stores_the_lm_head_loads_it_once(tmp_path):
+    """Some tied checkpoints store the matrix under both names; megatrain loads it (strict) once."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(6)
+    src = tied_llama()
+    state = {k: v.detach().clone().contiguous() for k, v in src.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    trainer = megatrain.compile(tied_llama(), seq_len=16, micro_batch_size=2)
+    loaded = trainer.load_hf_weights(tmp_path)
+    assert loaded.unexpected == () and loaded.missing == ()
+    assert torch.equal(trainer.model.lm_head.weight, src.lm_head.weight) and _is_tied(trainer.model)
