@@ -56,8 +56,6 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()  # from_config may leave two matrices; from_pretrained ties them: so do we
     trainer = compile(model, **compile_kwargs)
     trainer.load_hf_weights(root, strict=strict)
     return trainer

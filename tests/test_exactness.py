@@ -299,3 +299,15 @@ def test_a_deferred_update_keeps_the_learning_rate_of_its_step():
     trainer.flush()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert ((p - q).norm() / q.norm()).item() <= RTOL, name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_tied_embeddings_match_eager(family):
+    """tie_word_embeddings=True: one owner tile for the shared matrix (tests/test_tied.py has the
+    plan shapes, FakeCuda, checkpoints and the verifier)."""
+    from test_tied import FAMILIES
+
+    torch.manual_seed(8)
+    model = FAMILIES[family]()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert_same_training(model, micro_batches=2, steps=4)

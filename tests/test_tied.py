@@ -190,3 +190,13 @@ def test_a_file_that_also_stores_the_lm_head_loads_it_once(tmp_path):
     loaded = trainer.load_hf_weights(tmp_path)
     assert loaded.unexpected == () and loaded.missing == ()
     assert torch.equal(trainer.model.lm_head.weight, src.lm_head.weight) and _is_tied(trainer.model)
+
+
+def test_readme_tied_embeddings_snippet_runs():
+    """The README's "Tied embeddings" example, run as written."""
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    section = text[text.index("## Tied embeddings"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python") + 9)]
+    exec(compile(code, "README.md (Tied embeddings)", "exec"), {})
