@@ -132,11 +132,12 @@ def cut(ctx: TraceContext) -> None:
     Fills ``loss_node``, ``values`` (batch inputs, then every node a later layer reads, in graph
     order), ``value_of``, ``needs_grad`` (nodes computed from a parameter), ``buffer_sources`` and
     one :class:`LayerCut` per non-empty stage, its parameters laid out in a flat tile (trainable
-    first: the optimizer updates one contiguous prefix of the tile).
+    first: the optimizer updates one contiguous prefix of the tile). A parameter read by several
+    layers (tied weights) belongs to the first; the others read its copy (:func:`_tie`).
 
     Raises:
         UnsupportedModelError: the loss depends on no computation or is not the last one, a
-            parameter is read by two layers (tied weights), blocks run out of order, or a
+            blocks run out of order, or a
             non-tensor value crosses a layer boundary.
     """
     gm, param_of, buffer_of, const_of = ctx.gm, ctx.param_of, ctx.buffer_of, ctx.const_of
@@ -156,7 +157,7 @@ def cut(ctx: TraceContext) -> None:
     if loss_node not in stage:
         raise UnsupportedModelError("the loss does not depend on any computation of the model")
 
-    for ph_name, fqn in param_of.items():
+    for ph_name in param_of:
         if len(readers[placeholders[ph_name]]) > 1:
             _tie(gm, placeholders[ph_name], stage, readers)
 
