@@ -245,6 +245,22 @@ def _copy_in(stored: Mapping[str, _Stored], targets: Mapping[str, _Target]) -> i
     return n
 
 
+def _tied_names(stored: dict[str, _Stored], model, targets: Mapping[str, _Target]) -> dict[str, _Stored]:
+    """A tied parameter is one tensor under its first name (``model.embed_tokens.weight``), as
+    transformers saves it; a file that also (or only) stores it under another of its names
+    (``lm_head.weight``) loads that tensor once, under the first name."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    out = dict(stored)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        main = first[id(p)]
+        if name != main and name in out and name not in targets:
+            s = out.pop(name)
+            out.setdefault(main, s)
+    return out
+
+
 def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) -> LoadedWeights:
     """Copy Hugging Face safetensors weights into a compiled trainer's FP32 master tiles.
 
@@ -277,6 +293,7 @@ def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) ->
     # The views to load into; a deferred update stays pending (these weights replace what it was for).
     targets = _targets(trainer.state_dict(flush=False))
     model = trainer.model
+    stored = _tied_names(stored, model, targets)
     missing, unexpected = _check_against(
         stored, targets, path, strict=strict,
         ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None),

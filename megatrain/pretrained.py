@@ -9,7 +9,6 @@ shard's pages and one tensor while loading, never a second full copy of the weig
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,9 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
         **compile_kwargs: :func:`megatrain.compile`'s arguments (``seq_len`` is required, as there;
             ``micro_batch_size``, ``optimizer``, ``hardware``, ...).
 
-    A model whose config ties its input and output embeddings (``tie_word_embeddings``) is trained
-    as ``megatrain train`` trains it, with the two as separate matrices, both starting from the
-    checkpoint's input embedding; a ``UserWarning`` says so (shared-tile tied training is not
-    supported yet).
+    A model whose config ties its input and output embeddings (``tie_word_embeddings``) stays
+    tied: the shared matrix has one owner tile and one optimizer step (see README, "Tied
+    embeddings"), loaded from the checkpoint's one tensor.
 
     Returns:
         The ``Trainer``, its FP32 master tiles holding the checkpoint's weights (any floating dtype
@@ -55,20 +53,11 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
                           "from (save_pretrained writes it beside the weights)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatrain.train.model import ModelSource, load_weights
-
     config = AutoConfig.from_pretrained(root, local_files_only=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:
-        config.tie_word_embeddings = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     trainer = compile(model, **compile_kwargs)
-    if tied:
-        load_weights(trainer, ModelSource(kind="weights", directory=root, config=config, tied=True),
-                     echo=lambda message: warnings.warn(message, UserWarning, stacklevel=3))
-    else:
-        trainer.load_hf_weights(root, strict=strict)
+    trainer.load_hf_weights(root, strict=strict)
     return trainer
 
 

@@ -227,8 +227,11 @@ class Trainer:
                  for pi, spec in enumerate(layer.params)}
         # state_dict() returns detached tensors sharing the module's storage: copying into one
         # writes the module's buffer.
+        # A tied parameter's other names (lm_head.weight) are no buffers: it is saved once, in "model".
+        aliases = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
         buffers = {name: t for name, t in self.model.state_dict().items()
-                   if name not in model and isinstance(t, torch.Tensor) and t.device.type != "meta"}
+                   if name not in model and name not in aliases and isinstance(t, torch.Tensor)
+                   and t.device.type != "meta"}
         return {
             "model": model,
             "buffers": buffers,

@@ -96,9 +96,9 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"megatrain {megatrain.__version__}"
 
 
-def test_load_model_config_unties_embeddings_and_rejects_bad_files(tmp_path):
+def test_load_model_config_keeps_tied_embeddings_and_rejects_bad_files(tmp_path):
     cfg = load_model_config(write_config(tmp_path / "config.json", tie=True))
-    assert cfg.tie_word_embeddings is False and cfg.num_hidden_layers == 2
+    assert cfg.tie_word_embeddings is True and cfg.num_hidden_layers == 2
     assert load_model_config("llama-3-70b").num_hidden_layers == 80
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):

@@ -116,12 +116,15 @@ def test_model_with_data_dependent_control_flow_names_the_module():
         trace(Net(), micro_batch_size=1, seq_len=3)
 
 
-def test_tied_weights_are_refused_with_the_fix():
+def test_tied_weights_have_one_owner_and_reach_the_lm_head_as_a_value():
     model = tiny_llama(layers=1, tie_word_embeddings=True)
     model.tie_weights()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(UnsupportedModelError, match="tie_word_embeddings=False"):
-        trace(model, micro_batch_size=1, seq_len=8)
+    g = trace(model, micro_batch_size=1, seq_len=8).graph
+    placed = [(layer.name, p.name) for layer in g.layers for p in layer.params if "embed" in p.name or "lm_head" in p.name]
+    assert placed == [("prologue", "model.embed_tokens.weight")]
+    (tied,) = [v for v in g.values if v.name.endswith("_tied")]
+    assert (tied.producer, tied.consumers, tied.shape) == (0, (len(g.layers) - 1,), (96, 32))
 
 
 def test_no_trainable_parameters_is_an_error():

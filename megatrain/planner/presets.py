@@ -5,11 +5,9 @@ Nothing is downloaded: each preset is the architecture part of the model's publi
 needs shapes only, so :func:`build_meta_model` builds the causal LM on the ``meta`` device, where
 parameters cost no memory, and :func:`megatrain.planner.trace.trace` exports it on fake tensors.
 
-Tied embeddings: megatrain streams each parameter with exactly one layer and does not stream
-tied parameters yet (the embedding lives in the prologue, the LM head in the epilogue), so every
-config this module returns has ``tie_word_embeddings=False``. Each preset below is untied in the
-original too; a user config.json with tied embeddings is untied here, which adds one
-``vocab x hidden`` matrix to the parameter count (see :func:`load_model_config`).
+Tied embeddings: a config.json that ties its input and output embeddings stays tied (the shared
+matrix has one owner layer, the prologue; the LM head reads a copy of it through the schedule).
+Each preset below is untied, as in the original.
 """
 
 from __future__ import annotations
@@ -96,9 +94,8 @@ def dense_decoder_param_count(config: dict[str, Any] | Any) -> int:
 def load_model_config(name_or_path: str | os.PathLike):
     """A transformers config object for a preset name (``MODEL_PRESETS``) or a config.json path.
 
-    The result always has ``tie_word_embeddings=False`` and ``use_cache=False``: megatrain does not
-    stream tied embeddings yet (each parameter belongs to one layer), and a KV cache has no use in
-    training. A config.json with tied embeddings is therefore planned with an untied LM head.
+    The result has ``use_cache=False`` (a KV cache has no use in training); a config.json's
+    ``tie_word_embeddings`` is kept (tied embeddings train as one matrix).
 
     Raises:
         ConfigError: the name is neither a preset nor an existing file, the file is not JSON, or
@@ -132,7 +129,7 @@ def load_model_config(name_or_path: str | os.PathLike):
     if not model_type:
         raise ConfigError(f"{source} has no 'model_type'; a Hugging Face config.json names its "
                           "architecture there (e.g. \"llama\")")
-    d.update(tie_word_embeddings=False, use_cache=False)
+    d.update(use_cache=False)
     for k in ("transformers_version", "_name_or_path"):
         d.pop(k, None)
     try:

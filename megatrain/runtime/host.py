@@ -158,6 +158,11 @@ def bind_module(model: nn.Module, host: HostState) -> None:
     """
     needs_init: dict[str, nn.Module] = {}
     fresh: list[tuple[int, int]] = []
+    # Every name of each parameter: a tied one (lm_head.weight is model.embed_tokens.weight) is
+    # rebound under all of them to the one view, so the module stays tied.
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
     for li, layer in enumerate(host.graph.layers):
         for pi, spec in enumerate(layer.params):
             mod_name, _, attr = spec.name.rpartition(".")
@@ -172,7 +177,10 @@ def bind_module(model: nn.Module, host: HostState) -> None:
             else:
                 with torch.no_grad():
                     view.copy_(old)
-            setattr(mod, attr, nn.Parameter(view, requires_grad=old.requires_grad))
+            bound = nn.Parameter(view, requires_grad=old.requires_grad)
+            for alias in aliases.get(id(old), [spec.name]):
+                owner, _, name = alias.rpartition(".")
+                setattr(model.get_submodule(owner), name, bound)
     for name, mod in model.named_modules():
         for bname, buf in list(mod._buffers.items()):
             # Not to_empty(): that would also re-allocate the parameters just bound to tiles.

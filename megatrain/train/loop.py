@@ -206,8 +206,6 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
 
     check_positions(source.config, cfg.seq_len, cfg.model)
     resuming_here, source = check_output_dir(out, source, cfg, echo)
-    if source.tied and source.kind == "config":
-        echo("note: the config ties input and output embeddings; megatrain trains them as two matrices")
     planned = _plan(cfg, source, hw, echo)
     tokenizer, dataset, eot = prepare_data(cfg, source, echo, store_dir(cfg))
     fingerprint = dataset.fingerprint()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from megatrain.errors import CheckpointError, ConfigError
+from megatrain.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,9 +17,8 @@ class ModelSource:
 
     ``kind``: ``"config"`` (train from scratch), ``"weights"`` (a Hugging Face safetensors
     directory) or ``"checkpoint"`` (a megatrain checkpoint to resume). ``directory``: the model
-    directory, None for a bare config file or preset. ``config``: the transformers config, with
-    ``tie_word_embeddings=False`` (megatrain trains tied embeddings as two matrices); ``tied``:
-    whether the original config tied them.
+    directory, None for a bare config file or preset. ``config``: the transformers config (tied embeddings stay tied: one matrix, one
+    owner tile); ``tied``: whether the config ties them.
     """
 
     kind: Literal["config", "weights", "checkpoint"]
@@ -78,23 +77,6 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def load_weights(trainer, source: ModelSource, echo) -> None:
-    """Copy the weights of a ``"weights"`` source into the trainer; tied embeddings are copied into
-    the (untied) output embedding."""
-    if not source.tied:
-        trainer.load_hf_weights(source.directory)
-        return
-    loaded = trainer.load_hf_weights(source.directory, strict=False)
-    model = trainer.model
-    out_w = model.get_output_embeddings().weight
-    out_name = next(n for n, p in model.named_parameters() if p is out_w)
-    if set(loaded.missing) - {out_name} or loaded.unexpected:
-        raise CheckpointError(f"{source.directory}: cannot load weights: missing {list(loaded.missing)}, "
-                              f"unexpected {list(loaded.unexpected)}; names must be the model's own "
-                              "state_dict names")
-    if out_name in loaded.missing:
-        import torch
-
-        with torch.no_grad():
-            out_w.copy_(model.get_input_embeddings().weight)
-    echo(f"note: {source.directory} ties its input and output embeddings; megatrain trains them as two "
-         f"matrices, both starting from the input embedding")
+    """Copy the weights of a ``"weights"`` source into the trainer (strict: every tensor by name).
+    A tied model's shared matrix loads from the one tensor its checkpoint stores."""
+    trainer.load_hf_weights(source.directory)

@@ -98,7 +98,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     Raises:
         TraceError: export failed (names the module that was running and the failing op), or a
             size argument is below 1.
-        UnsupportedModelError: no trainable parameters, tied parameters used by two layers, or
+        UnsupportedModelError: no trainable parameters, or
             blocks called out of order.
     """
     options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),

@@ -88,6 +88,31 @@ def _assign_stages(gm: fx.GraphModule, container: str | None, n_blocks: int) -> 
     return stage, names
 
 
+def _tie(gm: fx.GraphModule, param: fx.Node, stage: dict[fx.Node, int], readers: dict[fx.Node, set[int]]) -> None:
+    """A parameter read by several layers (tied weights, such as an input embedding and the LM
+    head): the first layer that reads it owns it (its tile holds it, its optimizer step updates it
+    once), and passes an ``aten.clone`` of it to the later readers as a value. The copy travels
+    through the schedule like any checkpoint (kept, offloaded or recomputed as planned, and checked
+    by the verifier: produced by the owner's FWD before a reader runs), and each reader's local
+    backward returns the gradient of that value, which the owner's local backward adds to the
+    gradient of its own use before its one optimizer step: the sum eager autograd forms for the
+    shared leaf. The clone, not the parameter itself, crosses the boundary because a layer's
+    parameters are views into its device slot, which a later layer's H2D overwrites."""
+    owner = min(readers[param])
+    first = next(n for n in gm.graph.nodes if stage.get(n) == owner and param in n.all_input_nodes)
+    with gm.graph.inserting_before(first):
+        copy = gm.graph.call_function(torch.ops.aten.clone.default, (param,))
+    copy.name = f"{param.name}_tied"
+    copy.meta = dict(param.meta)
+    stage[copy] = owner
+    later = [n for n in param.users if n is not copy and stage.get(n, owner) != owner]
+    for n in later:
+        n.replace_input_with(param, copy)
+    readers[param] = {owner}
+    readers[copy] = {stage[n] for n in later}
+    gm.recompile()
+
+
 def _local_names(nodes: Sequence[fx.Node]) -> dict[fx.Node, str]:
     """Node names renumbered within one layer: ``add_14`` is ``add_5`` when it is the layer's sixth
     ``add``. fx numbers names across the whole graph, so a block's names would depend on its depth."""
@@ -107,11 +132,12 @@ def cut(ctx: TraceContext) -> None:
     Fills ``loss_node``, ``values`` (batch inputs, then every node a later layer reads, in graph
     order), ``value_of``, ``needs_grad`` (nodes computed from a parameter), ``buffer_sources`` and
     one :class:`LayerCut` per non-empty stage, its parameters laid out in a flat tile (trainable
-    first: the optimizer updates one contiguous prefix of the tile).
+    first: the optimizer updates one contiguous prefix of the tile). A parameter read by several
+    layers (tied weights) belongs to the first; the others read its copy (:func:`_tie`).
 
     Raises:
         UnsupportedModelError: the loss depends on no computation or is not the last one, a
-            parameter is read by two layers (tied weights), blocks run out of order, or a
+            blocks run out of order, or a
             non-tensor value crosses a layer boundary.
     """
     gm, param_of, buffer_of, const_of = ctx.gm, ctx.param_of, ctx.buffer_of, ctx.const_of
@@ -131,13 +157,9 @@ def cut(ctx: TraceContext) -> None:
     if loss_node not in stage:
         raise UnsupportedModelError("the loss does not depend on any computation of the model")
 
-    for ph_name, fqn in param_of.items():
-        used = sorted(readers[placeholders[ph_name]])
-        if len(used) > 1:
-            raise UnsupportedModelError(
-                f"parameter {fqn!r} is used by layers {[stage_names[s] for s in used]} (tied "
-                "weights); megatrain streams each parameter with one layer and does not support tied "
-                "parameters yet: untie them (for Hugging Face models, tie_word_embeddings=False)")
+    for ph_name in param_of:
+        if len(readers[placeholders[ph_name]]) > 1:
+            _tie(gm, placeholders[ph_name], stage, readers)
 
     # Drop stages with no ops (a model with no prologue, say) and renumber.
     live = sorted(set(stage.values()))

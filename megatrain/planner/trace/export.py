@@ -155,7 +155,11 @@ def export(ctx: TraceContext) -> None:
     ctx.program = _export(ctx.module, o.input_names, ctx.example)
     ctx.gm = ctx.program.graph_module
     sig = ctx.program.graph_signature
-    ctx.param_of = {k: strip_wrapper(v) for k, v in sig.inputs_to_parameters.items()}
+    # A tied parameter has several names (``lm_head.weight`` and ``model.embed_tokens.weight``);
+    # export may pick any: use the one ``named_parameters()`` lists, the name its checkpoints use.
+    first = {id(p): name for name, p in reversed(list(ctx.module.named_parameters(remove_duplicate=False)))}
+    canonical = {name: first[id(p)] for name, p in ctx.module.named_parameters(remove_duplicate=False)}
+    ctx.param_of = {k: canonical.get(strip_wrapper(v), strip_wrapper(v)) for k, v in sig.inputs_to_parameters.items()}
     ctx.user_inputs = list(sig.user_inputs)
     ctx.buffer_of = {k: strip_wrapper(v) for k, v in sig.inputs_to_buffers.items()}
     ctx.const_of = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})

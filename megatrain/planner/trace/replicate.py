@@ -85,7 +85,7 @@ def why_not_replicate(model: nn.Module, container: str | None) -> str | None:
         return f"a module appears twice in {container}"
     params = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
     if len(set(params)) != len(params):
-        return "tied parameters"  # the full trace names them in its error
+        return "tied parameters"  # the full trace gives them one owner layer (cut._tie)
     prints = [_fingerprint(b) for b in blocks]
     if any(p.keys() != prints[0].keys() for p in prints):
         return f"the blocks of {container} differ in their modules, parameters or buffers"
