@@ -52,3 +52,13 @@ class BackendWrapper:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+
+def readme_snippet(heading: str) -> str:
+    """The first ```python block after ``heading`` (a whole heading line, e.g. "### Padded and
+    packed batches") in the repository's README.md, as source code."""
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    section = text[text.index(heading + "\n"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("```\n", start)]

@@ -115,3 +115,11 @@ def test_explicit_shapes_still_give_a_trainer():
     torch.manual_seed(0)
     trainer = megatrain.compile(tiny_llama(), seq_len=8)
     assert isinstance(trainer, megatrain.Trainer) and trainer.options.micro_batch_size == 1
+
+
+def test_readme_without_shapes_snippet_runs(capsys):
+    """The README's example, run as written."""
+    from conftest import readme_snippet
+
+    exec(compile(readme_snippet("### Without shapes: `megatrain.compile(model)`"), "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "[(2, 16), (2, 32)]"
