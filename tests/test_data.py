@@ -180,6 +180,21 @@ def test_jsonl_type_change_mid_file_names_the_line(tmp_path):
         load_documents(f)
 
 
+def test_jsonl_errors_name_the_line_past_blank_lines_and_bad_bytes(tmp_path):
+    """datasets' row numbers skip blank lines and its errors name no file: ours count file lines."""
+    f = tmp_path / "gaps.jsonl"
+    f.write_text('{"text": "one"}\n\n\n{"text": "two", "n": 1}\n\n{"body": "x"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"gaps\.jsonl', line 6: JSON value has no field 'text'"):
+        load_documents(f)
+    g = tmp_path / "ok.jsonl"
+    g.write_text('{"text": "one"}\n\n{"text": ""}\n{"text": "two"}\n', encoding="utf-8")
+    assert load_documents(g) == ["one", "two"]
+    h = tmp_path / "latin1.jsonl"
+    h.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl', line 2: not valid UTF-8"):
+        load_documents(h)
+
+
 def test_saved_hf_dataset_directory_is_a_corpus(tmp_path, tokenizer):
     """A directory written by datasets' save_to_disk (a Dataset, or a DatasetDict's 'train' split)
     reads as one document per row, memory-mapped, and builds the same token store as the same
@@ -535,6 +550,10 @@ def test_sft_bad_records_name_the_file_and_line(tmp_path, tokenizer):
         f = _sft_file(tmp_path / "b.jsonl", records)
         with pytest.raises(ValueError, match=match):
             list(read_sft_examples(f))
+    bad_byte = tmp_path / "latin1.jsonl"  # on line 3, not on the line a chunked decoder stops at
+    bad_byte.write_bytes(b'{"prompt": "a", "completion": "b"}\n\n{"prompt": "caf\xe9", "completion": "b"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl', line 3: not valid UTF-8"):
+        list(read_sft_examples(bad_byte))
     with pytest.raises(ValueError, match="must be a .jsonl"):
         list(read_sft_examples(tmp_path / "x.txt"))
     with pytest.raises(ValueError, match="only blank lines"):

@@ -113,27 +113,29 @@ def read_sft_examples(path: str | Path, *, chat_template: str | None = None,
                          f"records, got {str(path)!r}")
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist")
-    lineno = 0
-    try:
-        with path.open("r", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                where = f"{str(path)!r}, line {lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-                if isinstance(obj, dict) and "messages" in obj:
-                    yield render_chat(obj["messages"], chat_template, eot_token, where=where)
-                elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) \
-                        and isinstance(obj.get("completion"), str):
-                    yield [(obj["prompt"], False), (obj["completion"] + eot_token, True)]
-                else:
-                    raise ValueError(f"{where}: an SFT record needs string fields 'prompt' and 'completion', "
-                                     "or a 'messages' list")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{str(path)!r}, line {lineno + 1}: not valid UTF-8 ({e})") from None
+    # Bytes, decoded line by line: a text-mode file decodes ahead in chunks and would report a bad
+    # byte on an earlier line than its own.
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{str(path)!r}, line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not valid UTF-8 ({e})") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if isinstance(obj, dict) and "messages" in obj:
+                yield render_chat(obj["messages"], chat_template, eot_token, where=where)
+            elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) \
+                    and isinstance(obj.get("completion"), str):
+                yield [(obj["prompt"], False), (obj["completion"] + eot_token, True)]
+            else:
+                raise ValueError(f"{where}: an SFT record needs string fields 'prompt' and 'completion', "
+                                 "or a 'messages' list")
 
 
 @dataclass(frozen=True, slots=True)

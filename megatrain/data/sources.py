@@ -405,29 +405,31 @@ def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None
     pandas ``ValueError``, or a row of None for a missing field), so on any failure the file is
     scanned with :mod:`json` for the line to name. Returns the error to raise.
     """
-    lineno = 0
-    try:
-        with path.open("r", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                where = f"{str(path)!r}, line {lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    return _RecordError(
-                        f"{where}: not valid JSON ({e.msg}); each line must be a JSON "
-                        f"object with a string field {text_field!r}"
-                    )
-                if not isinstance(obj, dict) or text_field not in obj:
-                    return _RecordError(f"{where}: JSON value has no field {text_field!r}")
-                if not isinstance(obj[text_field], str):
-                    return _RecordError(
-                        f"{where}: field {text_field!r} must be a string, "
-                        f"got {type(obj[text_field]).__name__}"
-                    )
-    except UnicodeDecodeError as e:
-        return _RecordError(f"{str(path)!r}, line {lineno + 1}: not valid UTF-8 ({e})")
+    # Bytes, decoded line by line: a text-mode file decodes ahead in chunks and would report a
+    # bad byte on an earlier line than its own.
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return _RecordError(f"{str(path)!r}, line {lineno}: not valid UTF-8 ({e})")
+            if not line.strip():
+                continue
+            where = f"{str(path)!r}, line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                return _RecordError(
+                    f"{where}: not valid JSON ({e.msg}); each line must be a JSON "
+                    f"object with a string field {text_field!r}"
+                )
+            if not isinstance(obj, dict) or text_field not in obj:
+                return _RecordError(f"{where}: JSON value has no field {text_field!r}")
+            if not isinstance(obj[text_field], str):
+                return _RecordError(
+                    f"{where}: field {text_field!r} must be a string, "
+                    f"got {type(obj[text_field]).__name__}"
+                )
     return _RecordError(f"{str(path)!r} could not be read as JSON Lines: {cause}")
 
 
