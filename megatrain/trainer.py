@@ -175,10 +175,18 @@ class Trainer:
         self.executor.optimizer = optimizer
 
     def save(self, path, **kwargs):
-        """Save a Hugging Face-layout checkpoint plus resumable state; see ``megatrain.checkpoint.save_checkpoint``."""
+        """Save a Hugging Face-layout checkpoint plus resumable state; see ``megatrain.checkpoint.save_checkpoint``.
+        Data parallel: every rank holds the same state, rank 0 writes it and the others wait for it."""
         from megatrain.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, **kwargs)
+        if self.plan.data_parallel == 1:
+            return save_checkpoint(self, path, **kwargs)
+        import torch.distributed as dist
+
+        self.flush()
+        out = save_checkpoint(self, path, **kwargs) if dist.get_rank() == 0 else None
+        dist.barrier()
+        return out
 
     def load(self, path, **kwargs) -> dict:
         """Resume from ``save``'s checkpoint; returns its ``extra_state``. See ``load_checkpoint``."""
@@ -344,6 +352,8 @@ class Trainer:
             skipped = () if out.finite else tuple(self.schedules.tiles)
         else:
             skipped = tuple(out.updates_skipped)
+        if self.plan.data_parallel > 1:
+            losses, tokens = _gather_losses(losses, tokens)
         return StepResult(step=self.step_count, loss=sum(losses) / len(losses), micro_batch_losses=losses,
                           tokens=tokens, seconds=seconds,
                           grad_norm=out.grad_norm, applied=out.finite,
@@ -410,6 +420,26 @@ class Trainer:
             _check_ids(name, d[name], limit)
         mbs = o.micro_batch_size
         return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
+
+
+def data_parallel_world() -> int:
+    """Ranks of the default ``torch.distributed`` process group (1 when none is initialised): how
+    many processes train one global batch together (``torchrun --nproc-per-node N``)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather_losses(losses: tuple[float, ...], tokens: int) -> tuple[tuple[float, ...], int]:
+    """Every rank's micro-batch losses in rank order (the global batch's micro-batches, as one
+    process running them all would list them) and the global token count."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    mine = torch.tensor([*losses, float(tokens)], dtype=torch.float64)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return tuple(float(x) for p in parts for x in p[:-1]), int(sum(int(p[-1]) for p in parts))
 
 
 def _mask_as_long(mask: torch.Tensor) -> torch.Tensor:
@@ -624,14 +654,20 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         raise ConfigError(f"max_grad_norm={options.max_grad_norm} needs the global gradient norm before any "
                           f"update, but the plan runs optimizer steps {plan.optimizer.value}; use a plan with "
                           "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
-    if solution is not None:
+    world = data_parallel_world()
+    if world > 1:
+        # One rank's plan, and an ALL_REDUCE of every layer's step gradients (FP32 on the host).
+        plan = dataclasses.replace(plan, data_parallel=world,
+                                   d2h_dtype="float32" if plan.gradient_dtype != "float32" else plan.d2h_dtype)
+    if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)
         memory, timeline = solution.memory, solution.timeline
     else:
         schedules = Schedules.lower(graph, plan)
         memory = memory_breakdown(graph, plan, hw, schedule=schedules.steady)
         timeline = None
-        if hw is not None and hw.has_gpu and hw.peak_flops(plan.compute_dtype) > 0 and hw.d2h_bytes_per_s > 0:
+        if hw is not None and hw.has_gpu and hw.peak_flops(plan.compute_dtype) > 0 and hw.d2h_bytes_per_s > 0 \
+                and (world == 1 or hw.allreduce_bytes_per_s > 0):
             timeline = simulate(schedules.steady, graph, hw)
     return PlannedModel(model, options, traced, plan, schedules, memory, hw, timeline, solution)
 

@@ -120,6 +120,7 @@ class Resource(enum.Enum):
     COPY_ENGINE = "copy_engine"  # one engine for both directions when the spec is not duplex
     HOST = "host"  # the host optimizer worker
     NVME = "nvme"  # the NVMe drives: reads and writes share them
+    COMM = "comm"  # the interconnect the data-parallel collectives use
 
 
 def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
@@ -128,6 +129,8 @@ def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
         return Resource.GPU
     if stream is Stream.IO:
         return Resource.NVME
+    if stream is Stream.COMM:
+        return Resource.COMM
     if stream is Stream.HOST or stream is Stream.CAST:
         # Two host workers, one DRAM: AdamW and a cast are both memory-bound, so running them on
         # two threads at once shares the bandwidth; the model serialises them on one resource.
@@ -240,6 +243,7 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw),
     OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ),
     OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE),
+    OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
 }
 """The formula of each op kind (module docstring, "Op times"); every op time is looked up here."""
 
@@ -291,7 +295,7 @@ def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
     ``fwd_launches`` / ``bwd_launches`` for compute ops), plus for GPU ops the event recorded after
     it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
     layer = graph.layers[op.layer]
-    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE):
+    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE):
         return HOST_OP_LAUNCHES
     if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
         n = layer.fwd_launches
@@ -778,7 +782,7 @@ __all__ = [
     "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
-    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
+    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time",
 ]
 
 
@@ -800,3 +804,20 @@ def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind) -> float:
     else:
         rate = _rate(hw, "nvme_write_bytes_per_s", hw.nvme_write_bytes_per_s, "an NVMe write")
     return nvme_bytes(layer) / rate + hw.op_latency_s
+
+
+def all_reduce_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
+    """Seconds an ALL_REDUCE of ``layer``'s FP32 step gradients (4 bytes per trainable parameter)
+    takes over ``plan.data_parallel`` ranks: a ring all-reduce moves ``2 (N - 1) / N`` of the bytes
+    through each rank's link (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for
+    clusters of workstations", JPDC 2009; NCCL's "busbw" is that rate), at
+    ``hw.allreduce_bytes_per_s``, plus the op latency. 0 for one rank.
+
+    Raises:
+        ConfigError: ``hw`` has no all-reduce bandwidth and the plan has more than one rank.
+    """
+    n = plan.data_parallel
+    if n == 1:
+        return 0.0
+    rate = _rate(hw, "allreduce_bytes_per_s", hw.allreduce_bytes_per_s, "a data-parallel all-reduce")
+    return 2 * (n - 1) / n * layer.trainable_numel * 4 / rate + hw.op_latency_s

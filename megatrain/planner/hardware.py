@@ -125,6 +125,10 @@ class HardwareSpec(pydantic.BaseModel):
                                                               "tier, bytes/s, large direct reads")
     nvme_write_bytes_per_s: float = Field(0, ge=0, description="sustained sequential write rate of the NVMe "
                                                                "tier, bytes/s, large direct writes")
+    allreduce_bytes_per_s: float = Field(0, ge=0, description="data parallel: the bus bandwidth of an all-reduce "
+                                                              "of host gradient tiles across the ranks, bytes/s "
+                                                              "(NCCL's busbw convention: an all-reduce of B bytes "
+                                                              "over N ranks takes 2(N-1)/N x B / this); 0: not known")
 
     @pydantic.model_validator(mode="after")
     def _pinned_within_host(self) -> "HardwareSpec":

@@ -255,7 +255,44 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     return out
 
 
-PASSES = [order_compute, assign_slots, add_copies, add_carried_updates, add_nvme_io]
+def add_all_reduce(ops: list[Op], req: "_Request") -> list[Op]:
+    """Pass 6 (train schedules of plans with ``data_parallel > 1``): after the op that completes a
+    layer's step gradients on the host (its last D2H, or with host accumulation its last ACC), an
+    ALL_REDUCE of that tile or accumulator on the COMM stream, which averages it over the ranks;
+    the layer's OPT in this schedule depends on it. Each ALL_REDUCE also depends on the one before
+    it, so the collectives run in list order on every rank: each rank lowers the same plan, so
+    every rank issues the same collectives in the same order (gloo and NCCL match them by order)."""
+    if req.plan.data_parallel == 1 or not req.train:
+        return ops
+    last: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.kind in (OpKind.D2H, OpKind.ACC):
+            last[op.layer] = i
+    after = {i: layer for layer, i in last.items()}
+    moved = [0] * len(ops)
+    shift = 0
+    for i in range(len(ops)):
+        moved[i] = i + shift
+        if i in after:
+            shift += 1
+    reduce_at: dict[int, int] = {}
+    prev: int | None = None
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        deps = {moved[d] for d in op.deps}
+        if op.kind is OpKind.OPT and op.layer in reduce_at:
+            deps.add(reduce_at[op.layer])
+        out.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
+        if i in after:
+            src = ops[i]
+            where = {"acc": src.acc} if src.kind is OpKind.ACC else {"ring": src.ring}
+            chain = {moved[i]} | ({prev} if prev is not None else set())
+            reduce_at[op.layer] = prev = len(out)
+            out.append(Op(OpKind.ALL_REDUCE, op.layer, deps=tuple(sorted(chain)), **where))
+    return out
+
+
+PASSES = [order_compute, assign_slots, add_copies, add_carried_updates, add_nvme_io, add_all_reduce]
 """The lowering, in order: compute order first, then the passes that add copies and optimizer
 steps (as ``_add_unshard_reshard`` follows the compute order in ``torch.distributed.pipelining``)."""
 

@@ -74,6 +74,11 @@ class Plan:
         nvme_moments: layers whose Adam moments live on the NVMe tier (:mod:`megatrain.planner.nvme`):
             the lowering reads them (NVME_READ) before the layer's OPT and writes them (NVME_WRITE)
             after it, on the I/O stream. The runtime needs an NVMe directory (``nvme_dir``).
+        data_parallel: ranks that train one global batch together (torch.distributed, one
+            process per rank, each running this schedule on its own micro-batches). >1 lowers an
+            ALL_REDUCE of each layer's step gradients (on the COMM stream, after the op that
+            completes them on the host, before anything reads them) that averages them over the
+            ranks, so every rank steps the same gradients. 1: one process, no collectives.
     """
 
     micro_batches: int = 1
@@ -89,6 +94,7 @@ class Plan:
     cast_once: bool = False
     d2h_dtype: str | None = None
     nvme_moments: frozenset[int] = frozenset()
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
@@ -121,6 +127,11 @@ class Plan:
             raise PlanError(f"Plan.resident={sorted(self.resident)}: layer indices must be >= 0")
         if any(i < 0 for i in self.nvme_moments):
             raise PlanError(f"Plan.nvme_moments={sorted(self.nvme_moments)}: layer indices must be >= 0")
+        if self.data_parallel < 1:
+            raise PlanError(f"Plan.data_parallel={self.data_parallel}: the number of ranks is >= 1")
+        if self.data_parallel > 1 and self.d2h_dtype == "bfloat16":
+            raise PlanError("Plan.d2h_dtype='bfloat16' with data_parallel > 1: the ranks' gradients are summed on "
+                            "the host, which BF16 would round; use d2h_dtype='float32'")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""

@@ -21,10 +21,11 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 5
+SCHEDULE_FORMAT_VERSION = 6
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
-Plan.nvme_moments; files of earlier versions are refused (lower the plan again)."""
+Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; files
+of earlier versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -37,6 +38,7 @@ class Stream(enum.Enum):
     CAST = "cast"  # a second host worker for CASTs, so a layer's BF16 staging copy never queues behind
     #                the optimizer steps of other layers (it still waits for its own layer's update)
     IO = "io"  # a host worker for NVMe reads and writes (megatrain.runtime.nvme), in list order
+    COMM = "comm"  # a host worker for data-parallel collectives (torch.distributed), in list order
 
 
 class OpKind(enum.Enum):
@@ -52,13 +54,14 @@ class OpKind(enum.Enum):
     ACC = "ACC"  # host: add one micro-batch's gradients from a ring tile into the layer's accumulator
     NVME_READ = "NVME_READ"  # read a layer's Adam moments from its NVMe tile into host memory, before its OPT
     NVME_WRITE = "NVME_WRITE"  # write them back to the NVMe tile after the OPT modified them
+    ALL_REDUCE = "ALL_REDUCE"  # data parallel: average a layer's step gradients (its tile or accumulator) over ranks
 
     @property
     def stream(self) -> Stream:
         return _STREAM_OF[self]
 
 
-HOST_STREAMS = frozenset({Stream.HOST, Stream.CAST, Stream.IO})
+HOST_STREAMS = frozenset({Stream.HOST, Stream.CAST, Stream.IO, Stream.COMM})
 """Streams whose ops run on host worker threads (the others are GPU streams)."""
 
 COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
@@ -67,7 +70,8 @@ COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
 _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: Stream.COMPUTE,
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
               OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
-              OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO}
+              OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO,
+              OpKind.ALL_REDUCE: Stream.COMM}
 
 _ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "copy")
 """Every index field, in the order a repr writes them."""
@@ -90,6 +94,7 @@ _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.ACC: (("layer", "mb", "ring", "acc"), ()),
     OpKind.NVME_READ: (("layer",), ()),
     OpKind.NVME_WRITE: (("layer",), ()),
+    OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
 }
 
 
@@ -97,7 +102,7 @@ def _spelling(kind: OpKind) -> str:
     """How an op of ``kind`` is written, e.g. ``H2D:L<int>:s<int>[:t<int>]``."""
     required, optional = _FIELDS[kind]
     text = ":".join([kind.value] + [f"{_PREFIX[n]}<int>" for n in required])
-    if kind is OpKind.OPT:
+    if kind in (OpKind.OPT, OpKind.ALL_REDUCE):
         return text + ":(r<int>|a<int>)"
     return text + "".join(f"[:{_PREFIX[n]}<int>]" for n in optional)
 
@@ -141,8 +146,9 @@ class Op:
                 raise ValueError(f"{self.kind.value} op needs {name}: it is written {_spelling(self.kind)}")
             if present and name not in required and name not in optional:
                 raise ValueError(f"{self.kind.value} op takes no {name}: it is written {_spelling(self.kind)}")
-        if self.kind is OpKind.OPT and (self.ring is None) == (self.acc is None):
-            raise ValueError("OPT op reads a gradient tile (ring) or an accumulator (acc): give exactly one")
+        if self.kind in (OpKind.OPT, OpKind.ALL_REDUCE) and (self.ring is None) == (self.acc is None):
+            raise ValueError(f"{self.kind.value} op reads a gradient tile (ring) or an accumulator (acc): give "
+                             "exactly one")
 
     @property
     def stream(self) -> Stream:
@@ -268,6 +274,7 @@ class _PlanModel(pydantic.BaseModel):
     cast_once: bool = False
     d2h_dtype: Literal["float32", "bfloat16"] | None = None
     nvme_moments: list[int] = []
+    data_parallel: int = 1
 
 
 class _OpModel(pydantic.BaseModel):
@@ -304,7 +311,7 @@ class _ScheduleModel(pydantic.BaseModel):
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
             staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
-            nvme_moments=sorted(p.nvme_moments)),
+            nvme_moments=sorted(p.nvme_moments), data_parallel=p.data_parallel),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -313,7 +320,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     grad_ring=p.grad_ring, resident=frozenset(p.resident),
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
-                    cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments))
+                    cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
+                    data_parallel=p.data_parallel)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

@@ -520,9 +520,55 @@ def _check_nvme(c: _Context) -> None:
                      f"make it depend on #{o}")
 
 
+def _check_collectives(c: _Context) -> None:
+    """Rule ``collectives`` (data parallel): a train schedule of a plan with ``data_parallel > 1``
+    has one ALL_REDUCE per layer whose step gradients reach the host, reading what the layer's
+    last D2H (or last ACC, with host accumulation) wrote and happening after it; the layer's OPT
+    in the schedule happens after it; and the ALL_REDUCEs form one chain (each after the one
+    before it), so every rank, running this same schedule, issues the collectives in list order:
+    none can overtake another and leave two ranks waiting in different collectives (a deadlock).
+    Other schedules have none."""
+    ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
+    reduces = by_kind[OpKind.ALL_REDUCE]
+    if c.plan.data_parallel == 1 or c.schedule.mode != "train":
+        if reduces:
+            fail(reduces[0], "collectives", f"the plan has data_parallel={c.plan.data_parallel} and the schedule is "
+                 f"{c.schedule.mode!r}, so nothing is reduced across ranks", "drop the op")
+        return
+    last: dict[int, int] = {}
+    for i in sorted(by_kind[OpKind.D2H] + by_kind[OpKind.ACC]):
+        last[ops[i].layer] = i
+    mine: dict[int, list[int]] = defaultdict(list)
+    for i in reduces:
+        mine[ops[i].layer].append(i)
+    for layer, src in sorted(last.items()):
+        got = mine.get(layer, [])
+        if len(got) != 1:
+            at = got[1] if got else src
+            fail(at, "collectives", f"layer {layer}'s step gradients need exactly one ALL_REDUCE, found {len(got)}",
+                 "lower the plan again (lower adds one after the last D2H or ACC)")
+        r = got[0]
+        s = ops[src]
+        reads = ("acc", s.acc) if s.kind is OpKind.ACC else ("ring", s.ring)
+        if not before(src, r) or getattr(ops[r], reads[0]) != reads[1]:
+            fail(r, "collectives", f"it must reduce what #{src} {s!r} wrote ({reads[0]} {reads[1]}) after it",
+                 f"make it depend on #{src} and name that {reads[0]}")
+        for o in c.opt_by_layer.get(layer, []):
+            if o > src and not before(r, o):
+                fail(o, "collectives", f"it steps layer {layer} before its gradients were reduced across ranks "
+                     f"(#{r})", f"make it depend on #{r}")
+    for layer in sorted(set(mine) - set(last)):
+        fail(mine[layer][0], "collectives", f"layer {layer} has no gradients on the host in this schedule",
+             "drop the op")
+    for a, b in zip(reduces, reduces[1:]):
+        if not before(a, b):
+            fail(b, "collectives", f"it may run before #{a} {ops[a]!r}, so ranks could issue the collectives in "
+                 "different orders and wait on each other forever", f"make it depend on #{a}")
+
+
 RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_weights, _check_gradients,
                                            _check_staging, _check_coverage, _check_data, _check_updates,
-                                           _check_nvme]
+                                           _check_nvme, _check_collectives]
 """The verifier's rules, in the order they run (``order`` first: the others index by dependency)."""
 
 

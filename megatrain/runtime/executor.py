@@ -745,10 +745,38 @@ def _nvme_write(ctx: _RunContext, i: int, op: Op) -> Work:
     return run
 
 
+def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Average layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over
+    the ``plan.data_parallel`` ranks of the default ``torch.distributed`` process group (sum, then
+    divide: the mean of the ranks' gradients is the gradient of the global batch's mean loss when
+    every rank has as many micro-batches), then recompute the layer's gradient norm from the
+    reduced tile and AND the finite flags over the ranks, so every rank clips with the global norm
+    and skips the same updates. Runs on the COMM host worker, in list order (rule 'collectives')."""
+    ex, li = ctx.ex, op.layer
+    n = ctx.graph.layers[li].trainable_numel
+    tile = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
+    tile = tile[:n]
+    world = ctx.schedule.plan.data_parallel
+
+    def run() -> None:
+        import torch.distributed as dist
+
+        if tile.dtype != torch.float32:
+            raise RuntimeError("data-parallel gradients must be FP32 on the host (Plan.d2h_dtype='float32')")
+        dist.all_reduce(tile, op=dist.ReduceOp.SUM)
+        tile.div_(world)
+        norm = torch.linalg.vector_norm(tile)
+        flag = torch.tensor([1.0 if bool(ex._flags[li]) and bool(torch.isfinite(norm)) else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ex._norms[li] = norm
+        ex._flags[li] = bool(flag.item())
+    return run
+
+
 HANDLERS: dict[OpKind, Handler] = {
     OpKind.H2D: _h2d, OpKind.CAST: _cast, OpKind.FWD: _fwd, OpKind.RECOMPUTE: _fwd, OpKind.BWD: _bwd,
     OpKind.D2H: _d2h, OpKind.ACC: _acc, OpKind.OPT: _opt, OpKind.OFFLOAD: _offload, OpKind.RELOAD: _reload,
-    OpKind.NVME_READ: _nvme_read, OpKind.NVME_WRITE: _nvme_write,
+    OpKind.NVME_READ: _nvme_read, OpKind.NVME_WRITE: _nvme_write, OpKind.ALL_REDUCE: _all_reduce,
 }
 """How each op kind runs: ``HANDLERS[op.kind](ctx, i, op)`` returns the work the backend launches."""
 assert set(HANDLERS) == set(OpKind), "every op kind needs a handler"

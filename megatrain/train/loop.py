@@ -195,7 +195,18 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         MegatrainError: with ``nonfinite="stop"``, a step whose loss or gradient was not finite
             (naming the step); nothing is saved.
     """
+    import os
+
     import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Every rank would read the same batches and write the same output_dir.
+        from megatrain.errors import ConfigError
+
+        raise ConfigError(f"megatrain train was launched as one of {os.environ['WORLD_SIZE']} processes "
+                          "(torchrun sets WORLD_SIZE); it does not shard data or coordinate ranks yet. Run it as "
+                          "one process, or train data-parallel from Python: torch.distributed.init_process_group, "
+                          "then megatrain.compile and each rank's slice of the batch (README: Data parallel)")
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
