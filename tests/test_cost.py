@@ -29,7 +29,7 @@ def test_public_surface_is_pinned():
         "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes",
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "widens_gradients", "gradient_scratch_numel",
-        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu"}
+        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time"}
 
 
 # -- op times --------------------------------------------------------------------------------------
@@ -63,13 +63,15 @@ def test_op_times_by_hand():
 
 def test_every_op_kind_has_one_duration_formula():
     g = chain_graph(2, numel=[1000, 2000], fwd_flops=[3 * 10**6, 5 * 10**6])
-    hw, plan = spec(op_latency_s=1e-6, nvme_read_bytes_per_s=2e9, nvme_write_bytes_per_s=1e9), Plan(compute_dtype="bfloat16")
+    hw = spec(op_latency_s=1e-6, nvme_read_bytes_per_s=2e9, nvme_write_bytes_per_s=1e9, allreduce_bytes_per_s=1e9)
+    plan = Plan(compute_dtype="bfloat16", data_parallel=2)
     assert cost.op_duration(OpKind.RECOMPUTE, g, 1, plan, hw) == cost.fwd_time(g.layers[1], plan, hw)
     assert cost.op_duration(OpKind.NVME_READ, g, 1, plan, hw) == cost.nvme_time(g.layers[1], hw, OpKind.NVME_READ)
     assert cost.nvme_time(g.layers[1], hw, OpKind.NVME_WRITE) == pytest.approx(16384 / 1e9 + 1e-6)
     assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw)
     assert cost.op_duration(OpKind.OFFLOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.OFFLOAD)
     assert cost.op_duration(OpKind.RELOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.RELOAD)
+    assert cost.op_duration(OpKind.ALL_REDUCE, g, 1, plan, hw) == cost.all_reduce_time(g.layers[1], hw, plan)
     for kind in OpKind:
         assert cost.op_duration(kind, g, 1, plan, hw) > 0
 

@@ -197,3 +197,18 @@ def test_readme_data_parallel_snippet_runs(tmp_path, monkeypatch):
         exec(compile(readme_snippet("## Data parallel (torch.distributed)"), "README.md", "exec"), {})
     finally:
         dist.destroy_process_group()
+
+
+def test_all_reduce_time_is_a_ring_all_reduce(graph):
+    from megatrain.errors import ConfigError
+    from megatrain.planner import cost
+    from megatrain.planner.hardware import preset
+
+    layer = next(lay for lay in graph.layers if lay.trainable_numel)
+    hw = preset("H100_SXM").model_copy(update={"allreduce_bytes_per_s": 1e9, "op_latency_s": 1e-5})
+    # each rank sends and receives 2 (N - 1) / N of the FP32 gradients (4 bytes per parameter)
+    want = 2 * 3 / 4 * layer.trainable_numel * 4 / 1e9 + 1e-5
+    assert cost.all_reduce_time(layer, hw, Plan(data_parallel=4)) == pytest.approx(want, rel=1e-12)
+    assert cost.all_reduce_time(layer, hw, Plan()) == 0.0
+    with pytest.raises(ConfigError, match="allreduce_bytes_per_s=0"):
+        cost.all_reduce_time(layer, preset("H100_SXM"), Plan(data_parallel=2))

@@ -412,7 +412,7 @@ def test_verifier_rules_are_data_and_each_runs_alone():
 
     assert [r.__name__ for r in verify_mod.RULES] == [
         "_check_order", "_check_budget", "_check_weights", "_check_gradients", "_check_staging",
-        "_check_coverage", "_check_data", "_check_updates", "_check_nvme"]
+        "_check_coverage", "_check_data", "_check_updates", "_check_nvme", "_check_collectives"]
     g = chain_graph(4)
     s = lower(g, Plan(), "train")
     ops = list(s.ops)
@@ -431,7 +431,7 @@ def test_lowering_is_its_passes_in_order():
     from megatrain.planner.schedule import gradient_tiles
 
     assert [p.__name__ for p in lower_mod.PASSES] == ["order_compute", "assign_slots", "add_copies",
-                                                      "add_carried_updates", "add_nvme_io"]
+                                                      "add_carried_updates", "add_nvme_io", "add_all_reduce"]
     g = chain_graph(4)
     plan = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4,
                 compute_dtype="bfloat16", staging_ring=2)
