@@ -55,7 +55,8 @@ def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
               OpKind.OPT: dict(ring=ring) if flag else dict(acc=other), OpKind.OFFLOAD: dict(mb=mb, copy=other),
               OpKind.RELOAD: dict(mb=mb, copy=other), OpKind.RECOMPUTE: dict(mb=mb, slot=slot),
               OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other),
-              OpKind.NVME_READ: dict(), OpKind.NVME_WRITE: dict()}[kind]
+              OpKind.NVME_READ: dict(), OpKind.NVME_WRITE: dict(),
+              OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other)}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 
