@@ -14,8 +14,8 @@ raises on purpose (each a ``MegatrainError``).
 """
 
 from megatrain.config import AdamW, CompileOptions
-from megatrain.errors import (BatchError, CheckpointError, ConfigError, MegatrainError, PlanError, ScheduleError,
-                              StepError, TraceError, UnsupportedModelError)
+from megatrain.errors import (BatchError, CheckpointError, CollectiveError, ConfigError, MegatrainError, PlanError,
+                              ScheduleError, StepError, TraceError, UnsupportedModelError)
 from megatrain.planner.hardware import HardwareSpec, preset
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
@@ -48,6 +48,7 @@ __all__ = [
     "MegatrainError",
     "BatchError",
     "CheckpointError",
+    "CollectiveError",
     "ConfigError",
     "InfeasibleRequestError",
     "PlanError",

@@ -43,6 +43,14 @@ class StepError(MegatrainError):
         self.updated_layers = updated_layers
 
 
+class CollectiveError(StepError):
+    """Data parallel: a collective (or the barrier around a save or load) failed on this rank,
+    because another rank died, hung past the process group's timeout or failed on its own. The
+    ranks' states may differ from then on, so every rank stops; the message names the collective,
+    the rank and the timeout, and says to restart every rank from the last checkpoint (saves are
+    atomic: it is complete). The original exception is the ``__cause__``."""
+
+
 class CheckpointError(MegatrainError):
     """A checkpoint cannot be written or read: missing, corrupt, interrupted, or made for another
     model. The message names the file and, where there is one, the tensor."""

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from megatrain.config import AdamW, CompileOptions, describe_validation
-from megatrain.errors import BatchError, CheckpointError, ConfigError, StepError
+from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
 from megatrain.models import check_model
 from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
 from megatrain.planner.graph import LayerGraph, TracedModel
@@ -33,6 +33,7 @@ from megatrain.planner.timeline import Timeline
 from megatrain.planner.trace import trace
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
+from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
 from megatrain.runtime.host import HostState, bind_module
 from megatrain.runtime.measure import measure_hardware
@@ -125,8 +126,8 @@ class Trainer:
     def _apply_pending(self, cause: BaseException | None) -> None:
         """Run the pending layers' optimizer steps alone (an ``"update"`` schedule of just those)."""
         full = self.schedules.update
-        sched = full if self._pending_layers == frozenset(self.schedules.tiles) else dataclasses.replace(
-            full, ops=tuple(op for op in full.ops if op.layer in self._pending_layers))
+        sched = full if self._pending_layers == frozenset(self.schedules.tiles) else full.of_layers(
+            self._pending_layers)
         try:
             self.executor.run(sched, [])  # takes each update that ran off the pending ones
         except BaseException as e:
@@ -148,6 +149,8 @@ class Trainer:
         carried updates that ran off the pending ones."""
         try:
             return self.executor.run(schedule, parts)
+        except CollectiveError:
+            raise  # another rank failed: no story holds across ranks, and applying more would wait on them
         except BaseException as e:
             ran = tuple(self.executor.updated)
             carried = schedule.carries_updates
@@ -185,14 +188,23 @@ class Trainer:
 
         self.flush()
         out = save_checkpoint(self, path, **kwargs) if dist.get_rank() == 0 else None
-        dist.barrier()
+        with collective("the barrier after rank 0's save"):
+            dist.barrier()
         return out
 
     def load(self, path, **kwargs) -> dict:
         """Resume from ``save``'s checkpoint; returns its ``extra_state``. See ``load_checkpoint``."""
         from megatrain.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, **kwargs)
+        extra = load_checkpoint(self, path, **kwargs)
+        if self.plan.data_parallel > 1:
+            # Every rank read it (the ranks of a node wrote the same bytes into their shared
+            # tiles); none steps before all have.
+            import torch.distributed as dist
+
+            with collective("the barrier after the ranks' load"):
+                dist.barrier()
+        return extra
 
     def load_hf_weights(self, path, **kwargs):
         """Stream (sharded) safetensors weights into the host tiles; see ``load_hf_weights``."""
@@ -438,7 +450,8 @@ def _gather_losses(losses: tuple[float, ...], tokens: int) -> tuple[tuple[float,
     world = dist.get_world_size()
     mine = torch.tensor([*losses, float(tokens)], dtype=torch.float64)
     parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine)
+    with collective("the all-gather of the step's losses"):
+        dist.all_gather(parts, mine)
     return tuple(float(x) for p in parts for x in p[:-1]), int(sum(int(p[-1]) for p in parts))
 
 
@@ -600,7 +613,8 @@ class PlannedModel:
 def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
                plan: Plan | Literal["default"] | None = None, device: str = "cpu",
                input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
-               hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None) -> PlannedModel:
+               hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
+               share_host_memory: bool = True) -> PlannedModel:
     """Plan ``model`` for training, once: ``trace`` it (on whatever device it is on, ``meta``
     included) into a LayerGraph; take ``plan``, the default plan or the solver's; ``lower`` the
     train schedules and ``verify`` them. Allocates nothing and touches no parameter memory; the
@@ -616,6 +630,11 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
             ``device="cpu"`` without one.
         hardware: a ``HardwareSpec``, a preset name or a spec JSON file: what the solver plans
             for, and what ``timeline`` predicts the step on.
+        share_host_memory: data parallel (a ``torch.distributed`` process group of several
+            ranks): the ranks of a node (torchrun's ``LOCAL_WORLD_SIZE``) keep one copy of the
+            masters and moments in shared memory (``/dev/shm``) and each steps its shard of every
+            layer (``Plan.optimizer_shards``); False: each rank keeps a copy of its own and steps
+            all of it.
 
     Returns:
         The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
@@ -656,8 +675,12 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                           "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
     world = data_parallel_world()
     if world > 1:
-        # One rank's plan, and an ALL_REDUCE of every layer's step gradients (FP32 on the host).
+        # One rank's plan, and an ALL_REDUCE of every layer's step gradients (FP32 on the host);
+        # the ranks of a node share one host copy and split its optimizer work.
+        from megatrain.runtime.distributed import topology
+
         plan = dataclasses.replace(plan, data_parallel=world,
+                                   optimizer_shards=topology().local_world if share_host_memory else 1,
                                    d2h_dtype="float32" if plan.gradient_dtype != "float32" else plan.d2h_dtype)
     if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)
@@ -699,7 +722,16 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
                           "directory on an NVMe drive)")
     backend = make_backend(planned.options.device) if backend is None else backend
     traced, model = planned.traced, planned.model
-    if host is None:
+    if host is None and planned.plan.data_parallel > 1:
+        from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
+
+        dp = data_parallel_host(HostState.shared_nbytes(traced.graph), planned.plan.data_parallel,
+                                planned.plan.optimizer_shards)
+        host = HostState(traced.graph, shared=dp.shared, writer=dp.writer)
+        host.data_parallel = dp
+        bind_module(model, host, writer=dp.writer)
+        broadcast_masters([host.master(i) for i in range(len(traced.graph.layers))], dp)
+    elif host is None:
         host = HostState(traced.graph)
         bind_module(model, host)
     elif [lay.params for lay in host.graph.layers] != [lay.params for lay in traced.graph.layers]:
@@ -710,6 +742,8 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
     executor = Executor(traced, host, backend, opt, buffers)
     executor.nvme_dir = None if nvme_dir is None else str(nvme_dir)
+    if host.data_parallel is not None:
+        executor.groups, executor.shard_index = host.data_parallel.groups, host.data_parallel.shard_index
     if planned.plan.nvme_moments:
         # Make and fill the NVMe files now: a missing directory or a full disk fails at compile.
         from megatrain.runtime.executor import nvme_store
@@ -728,7 +762,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
             nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
-            max_shapes: int | None = None) -> Trainer:
+            max_shapes: int | None = None, share_host_memory: bool = True) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -778,6 +812,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             moments there (``Plan.nvme_moments``, read before and written after each of their
             optimizer steps: :mod:`megatrain.runtime.nvme`); its files are scratch, checkpoints
             stay the source of truth. Required for such a plan, ignored otherwise.
+        share_host_memory: data parallel under ``torchrun``: the ranks of a node share one copy
+            of the host state and split the optimizer work (True, the default), or each keeps a
+            copy (False); see :func:`plan_model`.
 
     Raises:
         ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
@@ -798,7 +835,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                                 max_shapes=DEFAULT_MAX_SHAPES if max_shapes is None else max_shapes,
                                 optimizer=optimizer, nvme_dir=nvme_dir, plan=plan, device=device,
                                 input_names=input_names, max_grad_norm=max_grad_norm, hardware=hardware,
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, share_host_memory=share_host_memory)
     if seq_len_buckets is not None or max_shapes is not None:
         raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
                           f"seq_len={seq_len} every batch has that length")
@@ -807,7 +844,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     opt = _optimizer(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
-                         hardware=hardware, compute_dtype=compute_dtype)
+                         hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 

@@ -29,7 +29,7 @@ def test_public_surface_is_pinned():
         "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes",
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "widens_gradients", "gradient_scratch_numel",
-        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time"}
+        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard"}
 
 
 # -- op times --------------------------------------------------------------------------------------
@@ -72,8 +72,31 @@ def test_every_op_kind_has_one_duration_formula():
     assert cost.op_duration(OpKind.OFFLOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.OFFLOAD)
     assert cost.op_duration(OpKind.RELOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.RELOAD)
     assert cost.op_duration(OpKind.ALL_REDUCE, g, 1, plan, hw) == cost.all_reduce_time(g.layers[1], hw, plan)
+    assert cost.op_duration(OpKind.ALL_GATHER, g, 1, plan, hw) == hw.op_latency_s  # shared memory: a barrier
     for kind in OpKind:
         assert cost.op_duration(kind, g, 1, plan, hw) > 0
+
+
+@pytest.mark.parametrize("numel", [0, 1, 15, 16, 17, 1000, 4099])
+@pytest.mark.parametrize("shards", [1, 2, 3, 8])
+def test_optimizer_shards_cover_the_tile_once_in_rank_order_on_cache_lines(numel, shards):
+    parts = [cost.optimizer_shard(numel, shards, i) for i in range(shards)]
+    assert parts[0][0] == 0 and parts[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, no overlap
+    assert all(lo % cost.SHARD_ALIGN_ELEMENTS == 0 for lo, hi in parts if hi > lo)
+    sizes = [hi - lo for lo, hi in parts]
+    assert max(sizes) - min(sizes) <= cost.SHARD_ALIGN_ELEMENTS * shards  # balanced up to the alignment
+    with pytest.raises(ValueError, match="index is in"):
+        cost.optimizer_shard(numel, shards, shards)
+
+
+def test_a_sharded_optimizer_step_takes_the_largest_shard_s_time():
+    g = chain_graph(1, numel=4096)
+    hw = spec(op_latency_s=1e-6, host_optimizer_params_per_s=1e9)
+    whole = cost.opt_time(g.layers[0], hw, Plan())
+    quarter = cost.opt_time(g.layers[0], hw, Plan(data_parallel=4, optimizer_shards=4))
+    assert whole == pytest.approx(1e-6 + 4096 / 1e9)
+    assert quarter == pytest.approx(1e-6 + 1024 / 1e9)
 
 
 def test_h2d_time_doubles_when_bandwidth_halves():

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime
+import os
+import time
 
 import pytest
 import torch
@@ -13,12 +16,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megatrain
+from megatrain.checkpoint import MANIFEST, STATE_DIR
 from megatrain.errors import ScheduleError
 from megatrain.planner.lower import lower
 from megatrain.planner.plan import OptimizerPlacement, Plan
 from megatrain.planner.schedule import OpKind, Schedule
 from megatrain.planner.trace import trace
 from megatrain.planner.verify import verify
+from megatrain.runtime import executor
 
 from conftest import random_batch, tiny_llama
 from test_exactness import ADAMW, RTOL, eager_losses
@@ -85,48 +90,100 @@ def test_the_verifier_rejects_collectives_out_of_order_or_missing(graph):
         verify(dataclasses.replace(s, plan=PLANS["during-backward"]), graph)
 
 
+def test_sharded_optimizer_steps_are_gathered_before_any_read_of_the_master(graph):
+    """optimizer_shards > 1: one ALL_GATHER per OPT on the COMM chain, before the layer's next H2D
+    or CAST; the verifier rejects a read that does not wait for it, a missing gather, and a gather
+    without sharding; an update schedule of some pending layers keeps its chain."""
+    plan = dataclasses.replace(PLANS["clipped-deferred"], data_parallel=4, optimizer_shards=2)
+    s = lower(graph, plan, "train", carries_updates=True)
+    verify(s, graph)
+    opts = [i for i, op in enumerate(s.ops) if op.kind is OpKind.OPT]
+    gathers = [i for i, op in enumerate(s.ops) if op.kind is OpKind.ALL_GATHER]
+    assert [s.ops[i].layer for i in gathers] == [s.ops[o].layer for o in opts]
+    comm = [i for i, op in enumerate(s.ops) if op.stream.value == "comm"]
+    assert all(comm[k - 1] in s.ops[comm[k]].deps for k in range(1, len(comm)))
+    g0 = gathers[0]
+    reader = next(i for i in range(g0, len(s.ops)) if s.ops[i].layer == s.ops[g0].layer
+                  and s.ops[i].kind in (OpKind.H2D, OpKind.CAST))
+    assert g0 in s.ops[reader].deps
+
+    def unwaited(ops):
+        ops[reader] = dataclasses.replace(ops[reader], deps=tuple(d for d in ops[reader].deps if d != g0))
+        return ops
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*while other ranks may still be stepping"):
+        verify(_mutated(s, unwaited), graph)
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*nothing to gather"):
+        verify(dataclasses.replace(s, plan=dataclasses.replace(plan, optimizer_shards=1)), graph)
+    update = lower(graph, plan, "update")
+    verify(update, graph)
+    pending = frozenset({0, 2})
+    part = update.of_layers(pending)  # what flush() runs when only some updates are pending
+    assert [repr(op) for op in part.ops] == ["OPT:L0:r0", "OPT:L2:r2", "ALL_GATHER:L0", "ALL_GATHER:L2"]
+    assert [op.deps for op in part.ops] == [(), (), (0,), (1, 2)]  # the gathers' chain goes through L1's
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*each OPT needs one"):
+        verify(dataclasses.replace(update, ops=tuple(op for op in update.ops if op.kind is not OpKind.ALL_GATHER)),
+               graph)
+
+
 def _global_batches(world: int, k: int, steps: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(world * k * MBS, S, VOCAB, seed=s % 3) for s in range(steps)]
 
 
-def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: float | None, steps: int,
-               layer_by_layer: bool) -> None:
-    """One rank: its slice of each global batch (micro-batches rank*k .. rank*k+k-1)."""
+@contextlib.contextmanager
+def _process_group(rank: int, world: int, init_file: str, local_world: int = 1):
+    """This spawned process as rank ``rank`` of ``world`` gloo ranks, ``local_world`` per node
+    (torchrun's LOCAL_* variables), seeded by its rank: nothing but the broadcast of rank 0's
+    weights at compile makes the ranks' models equal."""
+    os.environ.update(LOCAL_WORLD_SIZE=str(local_world), LOCAL_RANK=str(rank % local_world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
+    torch.manual_seed(rank)
     try:
-        torch.manual_seed(0)
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: float | None, steps: int,
+               layer_by_layer: bool, local_world: int) -> None:
+    """One rank: its slice of each global batch (micro-batches rank*k .. rank*k+k-1)."""
+    with _process_group(rank, world, init_file, local_world):
+        stepped = []  # the elements each of this rank's AdamW calls updated
+        real = executor.adamw
+        executor.adamw = lambda params, *a, **kw: (stepped.append(sum(p.numel() for p in params)), real(params, *a, **kw))
         model = tiny_llama()
         plan = dataclasses.replace(megatrain.planner.plan.Plan(micro_batches=k, layer_by_layer=layer_by_layer),
                                    optimizer=OptimizerPlacement.NEXT_FORWARD if clip else
                                    OptimizerPlacement.DURING_BACKWARD, grad_ring=8 if clip else 2)
         trainer = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, micro_batches=k, optimizer=OPT,
                                     max_grad_norm=clip, plan=plan)
-        assert trainer.plan.data_parallel == world
+        assert (trainer.plan.data_parallel, trainer.plan.optimizer_shards) == (world, local_world)
         rows = k * MBS
         results = []
         for b in _global_batches(world, k, steps):
             res = trainer.step({n: t[rank * rows:(rank + 1) * rows] for n, t in b.items()})
             results.append((res.loss, res.micro_batch_losses, res.tokens, res.grad_norm))
-        trainer.flush()
+        trainer.save(f"{out}.ckpt")  # rank 0 writes it, the others wait; it flushes the last update
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
-        torch.save({"results": results, "state": state}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+        shared = trainer.host.shared
+        torch.save({"results": results, "state": state, "stepped": sum(stepped),
+                    "inode": None if shared is None else shared.inode}, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("world,k,clip,layer_by_layer", [
-    (2, 1, None, True),
-    (2, 2, 1.0, True),
-    (2, 2, None, False),
-    (4, 1, 0.5, True),
-], ids=["2-ranks", "2-ranks-clipped-2-microbatches", "2-ranks-host-accumulation", "4-ranks-clipped"])
-def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, clip, layer_by_layer):
+@pytest.mark.parametrize("world,k,clip,layer_by_layer,local_world", [
+    (2, 1, None, True, 2),
+    (2, 2, 1.0, True, 2),
+    (2, 2, None, False, 1),
+    (4, 1, 0.5, True, 2),
+], ids=["2-ranks-sharing-a-node", "2-ranks-sharing-clipped-2-microbatches", "2-ranks-own-copies-host-accumulation",
+        "2-nodes-of-2-clipped"])
+def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, clip, layer_by_layer, local_world):
     steps = 4
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), out, k, clip, steps, layer_by_layer), nprocs=world,
-             join=True)
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), out, k, clip, steps, layer_by_layer, local_world),
+             nprocs=world, join=True)
     torch.manual_seed(0)
     ref = tiny_llama()
     batches = _global_batches(world, k, steps)
@@ -143,36 +200,70 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
         q = ranks[0]["state"][name]
         err = ((q - p.detach()).norm() / p.detach().norm()).item()
         assert err <= RTOL, f"{name}: relative difference {err:.2e}"
-
-
-def test_a_checkpoint_written_by_ranks_loads_into_one_process(tmp_path):
-    """Rank 0 writes the checkpoint (the others wait); one process loads it: the same weights."""
-    out = str(tmp_path / "rank")
-    mp.spawn(_save_main, args=(2, str(tmp_path / "init"), out, str(tmp_path / "ckpt")), nprocs=2, join=True)
+    # One host copy per node, and the node's ranks split every optimizer step between them.
+    trainable = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    nodes = [[ranks[r]["inode"] for r in range(n, n + local_world)] for n in range(0, world, local_world)]
+    if local_world == 1:
+        assert all(r["inode"] is None for r in ranks)
+    else:
+        assert all(len(set(node)) == 1 for node in nodes) and len({node[0] for node in nodes}) == len(nodes)
+    for node in range(0, world, local_world):
+        assert sum(ranks[r]["stepped"] for r in range(node, node + local_world)) == steps * trainable
+    if local_world > 1:  # (each rank's share is its shards' sizes: cost.optimizer_shard)
+        assert all(r["stepped"] < steps * trainable for r in ranks)
+    if world != 4:
+        return
+    # The checkpoint the four ranks saved (two nodes) loads into one process: the same weights and
+    # step count. (Checked in this case only: each load compiles the model once more.)
     torch.manual_seed(1)
     model = tiny_llama()
     trainer = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, optimizer=OPT)
-    trainer.load(tmp_path / "ckpt")
-    saved = torch.load(f"{out}.0")
-    assert all(torch.equal(p.detach(), saved[n]) for n, p in model.named_parameters())
-    assert trainer.step_count == 2
+    trainer.load(f"{out}.ckpt")
+    assert all(torch.equal(p.detach(), ranks[0]["state"][n]) for n, p in model.named_parameters())
+    assert trainer.step_count == steps
 
 
-def _save_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> None:
+def _hang_main(rank: int, world: int, init_file: str, out: str) -> None:
+    """Both ranks train a step and save; then rank 1 hangs and rank 0 steps on."""
+    os.environ.update(LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=HANG_TIMEOUT_S))
     torch.set_num_threads(1)
+    trainer = megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=MBS, optimizer=OPT)
+    batch = random_batch(MBS, S, VOCAB, seed=rank)
+    trainer.step(batch)
+    trainer.save(f"{out}.ckpt")
+    if rank == 1:
+        time.sleep(120)  # hangs (the test kills it)
+    start = time.monotonic()
     try:
-        torch.manual_seed(0)
-        model = tiny_llama()
-        trainer = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, optimizer=OPT)
-        for b in _global_batches(world, 1, 2):
-            trainer.step({n: t[rank * MBS:(rank + 1) * MBS] for n, t in b.items()})
-        trainer.save(ckpt)
-        if rank == 0:
-            torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}.0")
-    finally:
-        dist.destroy_process_group()
+        trainer.step(batch)
+        result = "no error"
+    except megatrain.CollectiveError as e:
+        result = str(e)
+    torch.save({"error": result, "seconds": time.monotonic() - start}, f"{out}.{rank}")
+    os._exit(0)  # no destroy_process_group: it would wait for the hung rank
+
+
+HANG_TIMEOUT_S = 3
+
+
+def test_a_hung_rank_makes_the_others_stop_with_a_clear_error_within_the_timeout(tmp_path):
+    out = str(tmp_path / "rank")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_hang_main, args=(r, 2, str(tmp_path / "init"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=120)
+    for p in procs:
+        p.kill()
+    got = torch.load(f"{out}.0")
+    assert "ALL_REDUCE" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
+    assert f"timeout ({HANG_TIMEOUT_S} s" in got["error"] and "restart all of them from the last checkpoint" in got["error"]
+    # It waited for the timeout, not for the hung rank (which sleeps 120 s).
+    assert HANG_TIMEOUT_S <= got["seconds"] < 60
+    # The checkpoint saved before the hang is complete: its manifest (written last) is there.
+    assert (tmp_path / "rank.ckpt" / STATE_DIR / MANIFEST).is_file()
 
 
 def test_megatrain_train_under_torchrun_is_refused_before_anything_runs(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ def test_public_surface_is_pinned():
         "compile", "from_pretrained", "plan_model", "materialize", "PlannedModel", "Trainer", "StepResult",
         "AdamW", "CompileOptions",
         "HardwareSpec", "preset", "Plan", "OptimizerPlacement", "ActivationPolicy", "SolveRequest", "solve",
-        "MegatrainError", "BatchError", "CheckpointError", "ConfigError", "InfeasibleRequestError", "PlanError",
+        "MegatrainError", "BatchError", "CheckpointError", "CollectiveError", "ConfigError", "InfeasibleRequestError", "PlanError",
         "ScheduleError", "StepError", "TraceError", "UnsupportedModelError"])
     assert len(set(megatrain.__all__)) == len(megatrain.__all__)
     for name in megatrain.__all__:

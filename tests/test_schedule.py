@@ -56,7 +56,7 @@ def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
               OpKind.RELOAD: dict(mb=mb, copy=other), OpKind.RECOMPUTE: dict(mb=mb, slot=slot),
               OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other),
               OpKind.NVME_READ: dict(), OpKind.NVME_WRITE: dict(),
-              OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other)}[kind]
+              OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other), OpKind.ALL_GATHER: dict()}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 
@@ -293,9 +293,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 6
-    doc["version"] = 5
-    with pytest.raises(pydantic.ValidationError, match="version 5 is not 6.*lower the plan again"):
+    assert doc["version"] == 7
+    doc["version"] = 6
+    with pytest.raises(pydantic.ValidationError, match="version 6 is not 7.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 
@@ -432,7 +432,8 @@ def test_lowering_is_its_passes_in_order():
     from megatrain.planner.schedule import gradient_tiles
 
     assert [p.__name__ for p in lower_mod.PASSES] == ["order_compute", "assign_slots", "add_copies",
-                                                      "add_carried_updates", "add_nvme_io", "add_all_reduce"]
+                                                      "add_carried_updates", "add_nvme_io", "add_all_reduce",
+                                                      "add_all_gather"]
     g = chain_graph(4)
     plan = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4,
                 compute_dtype="bfloat16", staging_ring=2)

@@ -187,13 +187,40 @@ def bwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
     return hw.op_latency_s + layer.bwd_flops / compute_rate(hw, plan.compute_dtype)
 
 
+SHARD_ALIGN_ELEMENTS = 16
+"""Optimizer shards start on a multiple of 16 FP32 elements (64 bytes, one x86 cache line), so two
+ranks stepping neighbouring shards of a shared tile never write the same line."""
+
+
+def optimizer_shard(numel: int, shards: int, index: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of a layer's ``numel`` trainable parameters that rank ``index`` of
+    ``shards`` steps (``Plan.optimizer_shards``): contiguous, in rank order, each but the last
+    ``ceil(numel / shards)`` rounded up to :data:`SHARD_ALIGN_ELEMENTS` (the last may be shorter or
+    empty). Together they cover ``[0, numel)`` once.
+
+    Raises:
+        ValueError: ``index`` is not in ``[0, shards)``.
+    """
+    if not 0 <= index < shards:
+        raise ValueError(f"optimizer shard {index} of {shards}: the index is in [0, {shards})")
+    per = -(-(-(-numel // SHARD_ALIGN_ELEMENTS)) // shards) * SHARD_ALIGN_ELEMENTS
+    lo = min(numel, index * per)
+    return lo, min(numel, lo + per)
+
+
 def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
-    """One host AdamW step over the layer's trainable parameters; with ``plan``'s BF16 gradients
-    read from a host tile (not an FP32 accumulator) it first widens them into the FP32 scratch."""
-    t = hw.op_latency_s + layer.trainable_numel / hw.host_optimizer_params_per_s
+    """One host AdamW step over the layer's trainable parameters (with ``plan.optimizer_shards > 1``,
+    over this rank's shard, the largest: :func:`optimizer_shard`; each rank of the node is assumed
+    to step at ``host_optimizer_params_per_s``); with ``plan``'s BF16 gradients read from a host
+    tile (not an FP32 accumulator) it first widens them into the FP32 scratch."""
+    n = layer.trainable_numel
+    if plan is not None and plan.optimizer_shards > 1:
+        lo, hi = optimizer_shard(n, plan.optimizer_shards, 0)
+        n = hi - lo
+    t = hw.op_latency_s + n / hw.host_optimizer_params_per_s
     if plan is not None and widens_gradients(plan):
         rate = hw.host_optimizer_params_per_s * ADAMW_BYTES_PER_PARAM / WIDEN_BYTES_PER_ELEMENT
-        t += layer.trainable_numel / rate
+        t += n / rate
     return t
 
 
@@ -244,6 +271,8 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ),
     OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE),
     OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
+    # On a node's shared host state the gather moves no bytes: it waits for the other ranks' shards.
+    OpKind.ALL_GATHER: lambda g, i, plan, hw: hw.op_latency_s,
 }
 """The formula of each op kind (module docstring, "Op times"); every op time is looked up here."""
 
@@ -295,7 +324,8 @@ def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
     ``fwd_launches`` / ``bwd_launches`` for compute ops), plus for GPU ops the event recorded after
     it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
     layer = graph.layers[op.layer]
-    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE):
+    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE,
+                   OpKind.ALL_GATHER):
         return HOST_OP_LAUNCHES
     if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
         n = layer.fwd_launches
@@ -782,7 +812,7 @@ __all__ = [
     "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
-    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time",
+    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
 ]
 
 

@@ -100,7 +100,7 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     n = len(graph.layers)
     tiles = gradient_tiles(graph) if deferred or plan.accumulates_on_host else {}
     if mode == "update":
-        ops = tuple(add_nvme_io([_opt(plan, layer, r) for layer, r in tiles.items()], plan))
+        ops = tuple(add_all_gather(add_nvme_io([_opt(plan, layer, r) for layer, r in tiles.items()], plan), plan))
         return Schedule(ops=ops, plan=plan, n_layers=n, mode="update")
     req = _Request(graph, plan, mode, carries_updates, tiles)
     x: list = []
@@ -292,7 +292,46 @@ def add_all_reduce(ops: list[Op], req: "_Request") -> list[Op]:
     return out
 
 
-PASSES = [order_compute, assign_slots, add_copies, add_carried_updates, add_nvme_io, add_all_reduce]
+def add_all_gather(ops: list[Op], req: "_Request | Plan") -> list[Op]:
+    """Pass 7 (plans with ``optimizer_shards > 1``): each rank's OPT steps only its shard of the
+    layer's tile, so after each OPT an ALL_GATHER of the layer on the COMM stream gives every rank
+    the others' updated shards (on the node's shared host state: waits until every rank's OPT of
+    the layer is done). It goes just before the first later op that reads the layer's master (its
+    H2D or CAST), which then depends on it, or at the end of the schedule when none does (the
+    next schedule's reads come after this one ends). Then every COMM op depends on the one before
+    it in the list, so the ranks issue all their collectives in one order."""
+    plan = req if isinstance(req, Plan) else req.plan
+    if plan.optimizer_shards == 1:
+        return ops
+    before: dict[int, list[int]] = defaultdict(list)  # list position -> the OPTs whose gather goes there
+    for o in (i for i, op in enumerate(ops) if op.kind is OpKind.OPT):
+        layer = ops[o].layer
+        reader = next((j for j in range(o + 1, len(ops)) if ops[j].layer == layer
+                       and ops[j].kind in (OpKind.H2D, OpKind.CAST)), len(ops))
+        before[reader].append(o)
+    moved: list[int] = []
+    out: list[Op] = []
+    gathers: dict[int, int] = {}  # the OPT's index -> its ALL_GATHER's new index
+    for i in range(len(ops) + 1):
+        for o in before.get(i, []):
+            gathers[o] = len(out)
+            out.append(Op(OpKind.ALL_GATHER, ops[o].layer, deps=(moved[o],)))
+        if i < len(ops):
+            moved.append(len(out))
+            out.append(ops[i])
+    for i, op in enumerate(ops):
+        extra = {gathers[o] for o in before.get(i, [])}  # the reader waits for its gather
+        out[moved[i]] = dataclasses.replace(op, deps=tuple(sorted({moved[d] for d in op.deps} | extra)))
+    prev: int | None = None
+    for j, op in enumerate(out):
+        if op.stream.value == "comm":
+            if prev is not None and prev not in op.deps:
+                out[j] = dataclasses.replace(op, deps=tuple(sorted((*op.deps, prev))))
+            prev = j
+    return out
+
+
+PASSES = [order_compute, assign_slots, add_copies, add_carried_updates, add_nvme_io, add_all_reduce, add_all_gather]
 """The lowering, in order: compute order first, then the passes that add copies and optimizer
 steps (as ``_add_unshard_reshard`` follows the compute order in ``torch.distributed.pipelining``)."""
 

@@ -79,6 +79,13 @@ class Plan:
             ALL_REDUCE of each layer's step gradients (on the COMM stream, after the op that
             completes them on the host, before anything reads them) that averages them over the
             ranks, so every rank steps the same gradients. 1: one process, no collectives.
+        optimizer_shards: data parallel within a node: how many ranks share one copy of the
+            persistent host state (FP32 masters and Adam moments in shared memory,
+            :mod:`megatrain.runtime.distributed`) and split its AdamW work. Each of them steps its
+            own contiguous shard of every layer's tile (:func:`megatrain.planner.cost.optimizer_shard`),
+            and an ALL_GATHER after each OPT (on the COMM stream; on shared memory, a barrier of the
+            node's ranks) makes the updated shards every rank's before anything reads the layer's
+            master again. 1 (the default): each rank steps whole tiles of a copy of its own.
     """
 
     micro_batches: int = 1
@@ -95,6 +102,7 @@ class Plan:
     d2h_dtype: str | None = None
     nvme_moments: frozenset[int] = frozenset()
     data_parallel: int = 1
+    optimizer_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
@@ -132,6 +140,10 @@ class Plan:
         if self.data_parallel > 1 and self.d2h_dtype == "bfloat16":
             raise PlanError("Plan.d2h_dtype='bfloat16' with data_parallel > 1: the ranks' gradients are summed on "
                             "the host, which BF16 would round; use d2h_dtype='float32'")
+        if self.optimizer_shards < 1 or self.data_parallel % self.optimizer_shards:
+            raise PlanError(f"Plan.optimizer_shards={self.optimizer_shards} with data_parallel={self.data_parallel}: "
+                            "the ranks that share a node's host state are >= 1 and divide the ranks; use the "
+                            "GPUs per node (torchrun --nproc-per-node)")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""

@@ -12,6 +12,8 @@ that must finish first; a dependency that crosses streams becomes an event in th
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,11 +23,12 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 6
+SCHEDULE_FORMAT_VERSION = 7
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
-Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; files
-of earlier versions are refused (lower the plan again)."""
+Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
+sharded optimizer's ALL_GATHER and Plan.optimizer_shards; files of earlier versions are refused
+(lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -55,6 +58,7 @@ class OpKind(enum.Enum):
     NVME_READ = "NVME_READ"  # read a layer's Adam moments from its NVMe tile into host memory, before its OPT
     NVME_WRITE = "NVME_WRITE"  # write them back to the NVMe tile after the OPT modified them
     ALL_REDUCE = "ALL_REDUCE"  # data parallel: average a layer's step gradients (its tile or accumulator) over ranks
+    ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
 
     @property
     def stream(self) -> Stream:
@@ -71,7 +75,7 @@ _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: St
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
               OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
               OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO,
-              OpKind.ALL_REDUCE: Stream.COMM}
+              OpKind.ALL_REDUCE: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM}
 
 _ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "copy")
 """Every index field, in the order a repr writes them."""
@@ -95,6 +99,7 @@ _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.NVME_READ: (("layer",), ()),
     OpKind.NVME_WRITE: (("layer",), ()),
     OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
+    OpKind.ALL_GATHER: (("layer",), ()),
 }
 
 
@@ -221,6 +226,22 @@ class Schedule:
     mode: Mode = "train"
     carries_updates: bool = False
 
+    def of_layers(self, layers: frozenset[int]) -> "Schedule":
+        """The ops of ``layers`` alone, in order (an update schedule of some pending layers): a
+        dependency on a dropped op becomes a dependency on what that op depended on, so the order
+        the kept ops had through it (the chain of collectives, say) stays."""
+        index: dict[int, int] = {}
+        through: dict[int, frozenset[int]] = {}  # a dropped op -> the kept ops it waited for
+        ops: list[Op] = []
+        for i, op in enumerate(self.ops):
+            deps = frozenset().union(*({index[d]} if d in index else through[d] for d in op.deps))
+            if op.layer in layers:
+                index[i] = len(ops)
+                ops.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
+            else:
+                through[i] = deps
+        return dataclasses.replace(self, ops=tuple(ops))
+
     def __len__(self) -> int:
         return len(self.ops)
 
@@ -275,6 +296,7 @@ class _PlanModel(pydantic.BaseModel):
     d2h_dtype: Literal["float32", "bfloat16"] | None = None
     nvme_moments: list[int] = []
     data_parallel: int = 1
+    optimizer_shards: int = 1
 
 
 class _OpModel(pydantic.BaseModel):
@@ -311,7 +333,8 @@ class _ScheduleModel(pydantic.BaseModel):
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
             staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
-            nvme_moments=sorted(p.nvme_moments), data_parallel=p.data_parallel),
+            nvme_moments=sorted(p.nvme_moments), data_parallel=p.data_parallel,
+            optimizer_shards=p.optimizer_shards),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -321,7 +344,7 @@ class _ScheduleModel(pydantic.BaseModel):
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
                     cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
-                    data_parallel=p.data_parallel)
+                    data_parallel=p.data_parallel, optimizer_shards=p.optimizer_shards)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

@@ -385,7 +385,7 @@ def _check_coverage(c: _Context) -> None:
     ops, plan, graph, fail, by_kind, schedule, at = c.ops, c.plan, c.graph, c.fail, c.by_kind, c.schedule, c.at
     M, n, last = plan.micro_batches, len(graph.layers), c.last
     # An update schedule runs the deferred optimizer steps, and the NVMe transfers of their moments.
-    update_kinds = (OpKind.OPT, OpKind.NVME_READ, OpKind.NVME_WRITE)
+    update_kinds = (OpKind.OPT, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_GATHER)
     if schedule.mode == "update" and sum(len(by_kind[k]) for k in update_kinds) != len(ops):
         fail(next(i for i, op in enumerate(ops) if op.kind not in update_kinds), "coverage",
              "an update schedule runs the deferred optimizer steps and nothing else", "lower with mode='update'")
@@ -534,6 +534,7 @@ def _check_collectives(c: _Context) -> None:
         if reduces:
             fail(reduces[0], "collectives", f"the plan has data_parallel={c.plan.data_parallel} and the schedule is "
                  f"{c.schedule.mode!r}, so nothing is reduced across ranks", "drop the op")
+        _check_gathers(c)
         return
     last: dict[int, int] = {}
     for i in sorted(by_kind[OpKind.D2H] + by_kind[OpKind.ACC]):
@@ -560,10 +561,49 @@ def _check_collectives(c: _Context) -> None:
     for layer in sorted(set(mine) - set(last)):
         fail(mine[layer][0], "collectives", f"layer {layer} has no gradients on the host in this schedule",
              "drop the op")
-    for a, b in zip(reduces, reduces[1:]):
+    _check_gathers(c)
+    comm = sorted(reduces + by_kind[OpKind.ALL_GATHER])
+    for a, b in zip(comm, comm[1:]):
         if not before(a, b):
             fail(b, "collectives", f"it may run before #{a} {ops[a]!r}, so ranks could issue the collectives in "
                  "different orders and wait on each other forever", f"make it depend on #{a}")
+
+
+def _check_gathers(c: _Context) -> None:
+    """Part of rule ``collectives`` (plans with ``optimizer_shards > 1``): each OPT, which steps
+    only this rank's shard of the layer, is followed by one ALL_GATHER of the layer that happens
+    after it, and every later H2D or CAST of the layer (a read of its master) happens after that
+    gather, so no rank reads a master that another rank's shard step is still writing."""
+    ops, fail, before = c.ops, c.fail, c.before
+    gathers = c.by_kind[OpKind.ALL_GATHER]
+    if c.plan.optimizer_shards == 1:
+        if gathers:
+            fail(gathers[0], "collectives", "the plan has optimizer_shards=1: each rank steps whole tiles of its "
+                 "own, so there is nothing to gather", "drop the op")
+        return
+    mine: dict[int, list[int]] = defaultdict(list)
+    for g in gathers:
+        mine[ops[g].layer].append(g)
+    readers: dict[int, list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        if op.kind in (OpKind.H2D, OpKind.CAST):
+            readers[op.layer].append(i)
+    for layer, steps in sorted(c.opt_by_layer.items()):
+        got = mine.pop(layer, [])
+        if len(got) != len(steps):
+            fail(got[len(steps)] if len(got) > len(steps) else steps[-1], "collectives",
+                 f"layer {layer} has {len(steps)} sharded OPT(s) and {len(got)} ALL_GATHER(s); each OPT needs one "
+                 "after it", "lower the plan again (lower adds one after each OPT)")
+        for o, g in zip(steps, got):
+            if not before(o, g):
+                fail(g, "collectives", f"it gathers layer {layer}'s shards before OPT #{o} wrote them",
+                     f"make it depend on #{o}")
+            for r in readers[layer]:
+                if r > o and not before(g, r):
+                    fail(r, "collectives", f"it reads layer {layer}'s master while other ranks may still be stepping "
+                         f"their shards of it (OPT #{o})", f"make it depend on ALL_GATHER #{g}")
+    for layer, got in sorted(mine.items()):
+        fail(got[0], "collectives", f"layer {layer} has no OPT in this schedule", "drop the op")
 
 
 RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_weights, _check_gradients,

@@ -73,6 +73,7 @@ from megatrain.planner.hardware import strict_fp32
 from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
+from megatrain.runtime.distributed import collective
 from megatrain.runtime.host import HostState, PinnedArena
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -220,6 +221,11 @@ class Executor:
         # store over it, made at the first schedule that reads or writes NVMe (:meth:`nvme_store`).
         self.nvme_dir: str | None = None
         self._nvme = None
+        # Data parallel (``materialize`` sets them): the gloo groups of the host collectives
+        # (``runtime.distributed.Groups``; None: the default group), and this rank's optimizer
+        # shard among the ``Plan.optimizer_shards`` ranks of its node.
+        self.groups = None
+        self.shard_index = 0
 
     # -- memory ----------------------------------------------------------------------------------
     def allocate(self, schedule: Schedule) -> None:
@@ -605,11 +611,13 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Host AdamW step of one layer from the gradient tile or accumulator the op names; BF16
+    """Host AdamW step of one layer from the gradient tile or accumulator the op names (with
+    ``Plan.optimizer_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``); BF16
     gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
     for FP32 masters; the widening is exact)."""
     ex, li = ctx.ex, op.layer
-    n = ctx.graph.layers[li].trainable_numel
+    lo, n = cost.optimizer_shard(ctx.graph.layers[li].trainable_numel, ctx.schedule.plan.optimizer_shards,
+                                 ex.shard_index)
     h = ex.host
     grads = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
     tile = None
@@ -626,9 +634,9 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             ctx.skipped.append(li)
             return
         if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
-            grads[:n].copy_(tile[:n])
+            grads[lo:n].copy_(tile[lo:n])
         adamw(
-            [h.master(li)[:n]], [grads[:n]], [h.exp_avg(li)[:n]], [h.exp_avg_sq(li)[:n]], [],
+            [h.master(li)[lo:n]], [grads[lo:n]], [h.exp_avg(li)[lo:n]], [h.exp_avg_sq(li)[lo:n]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
             beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
         ctx.updated.append(li)
@@ -757,19 +765,37 @@ def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
     tile = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
     tile = tile[:n]
     world = ctx.schedule.plan.data_parallel
+    group = None if ex.groups is None else ex.groups.world
 
     def run() -> None:
         import torch.distributed as dist
 
         if tile.dtype != torch.float32:
             raise RuntimeError("data-parallel gradients must be FP32 on the host (Plan.d2h_dtype='float32')")
-        dist.all_reduce(tile, op=dist.ReduceOp.SUM)
+        with collective(repr(op)):
+            dist.all_reduce(tile, op=dist.ReduceOp.SUM, group=group)
         tile.div_(world)
         norm = torch.linalg.vector_norm(tile)
         flag = torch.tensor([1.0 if bool(ex._flags[li]) and bool(torch.isfinite(norm)) else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        with collective(repr(op) + " (its finite flags)"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         ex._norms[li] = norm
         ex._flags[li] = bool(flag.item())
+    return run
+
+
+def _all_gather(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Give every rank of the node the shards of layer ``op.layer`` the others' OPTs stepped: on the
+    node's shared host state they are in place already, so this waits until every rank of the node
+    has reached it, and so finished its OPT of the layer (a barrier of the node's group; runs on the
+    COMM host worker, in list order)."""
+    group = None if ctx.ex.groups is None else ctx.ex.groups.node
+
+    def run() -> None:
+        import torch.distributed as dist
+
+        with collective(repr(op)):
+            dist.barrier(group=group)
     return run
 
 
@@ -777,6 +803,7 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.H2D: _h2d, OpKind.CAST: _cast, OpKind.FWD: _fwd, OpKind.RECOMPUTE: _fwd, OpKind.BWD: _bwd,
     OpKind.D2H: _d2h, OpKind.ACC: _acc, OpKind.OPT: _opt, OpKind.OFFLOAD: _offload, OpKind.RELOAD: _reload,
     OpKind.NVME_READ: _nvme_read, OpKind.NVME_WRITE: _nvme_write, OpKind.ALL_REDUCE: _all_reduce,
+    OpKind.ALL_GATHER: _all_gather,
 }
 """How each op kind runs: ``HANDLERS[op.kind](ctx, i, op)`` returns the work the backend launches."""
 assert set(HANDLERS) == set(OpKind), "every op kind needs a handler"

@@ -44,6 +44,14 @@ def page_aligned_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)[:nbytes]
 
 
+def _block_bytes(layer) -> int:
+    """Bytes of a layer's block mapping: its master row (rounded up to whole pages, so the row can
+    be pinned alone) and moments, rounded up to whole pages."""
+    n, t = layer.numel, layer.trainable_numel
+    size = max((n + 2 * t) * 4, cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT))
+    return -(-size // _ALIGN) * _ALIGN
+
+
 class HostState:
     """FP32 tiles for every layer: ``blocks[i]`` is a flat float32 tensor of
     ``numel + 2 * trainable_numel`` elements: the master row (every parameter, frozen ones
@@ -51,24 +59,38 @@ class HostState:
     (frozen parameters, ``requires_grad=False``, are laid out after it and have no optimizer
     state). Page-aligned, contiguous and pageable until :meth:`pin_masters`."""
 
-    def __init__(self, graph: LayerGraph):
+    def __init__(self, graph: LayerGraph, shared: Any = None, writer: bool = True):
+        """``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
+        :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
+        private memory. ``writer``: False on the ranks that map a shared copy another rank fills."""
         self.graph = graph
+        self.shared = shared
+        # Data parallel: the ``runtime.distributed.DataParallelHost`` these tiles were set up with
+        # (``materialize``), which later trainers over them (one per batch shape) reuse.
+        self.data_parallel: Any = None
         self.blocks: list[torch.Tensor] = []
         self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
         for layer in graph.layers:
             n, t = layer.numel, layer.trainable_numel
             row = cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT)
-            raw = page_aligned_empty(max((n + 2 * t) * 4, row))
+            size = _block_bytes(layer)
+            raw = page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN)
             block = raw[:(n + 2 * t) * 4].view(torch.float32)
-            # The mapping reads as zeros already; writing them faults its pages in now, as an
-            # allocation would, rather than at the first read (a checkpoint save, say).
-            block[n:].zero_()
+            if writer:
+                # The mapping reads as zeros already; writing them faults its pages in now, as an
+                # allocation would, rather than at the first read (a checkpoint save, say).
+                block[n:].zero_()
             self.blocks.append(block)
             self._rows.append(raw[:row])
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
         self._pins: list[Any] = []
         self._pinned_by: Any = None
+
+    @staticmethod
+    def shared_nbytes(graph: LayerGraph) -> int:
+        """Bytes of shared memory the blocks of ``graph`` take: each rounded up to whole pages."""
+        return sum(_block_bytes(lay) for lay in graph.layers)
 
     def master(self, layer: int) -> torch.Tensor:
         """``float32[numel]``: the layer's FP32 master weights (frozen parameters included)."""
@@ -146,18 +168,24 @@ class PinnedArena:
         return self.memory[t.offset:t.offset + t.nbytes].view(dtype)
 
 
-def bind_module(model: nn.Module, host: HostState) -> None:
+def bind_module(model: nn.Module, host: HostState, writer: bool = True) -> None:
     """Move every parameter of ``model`` into its master tile and make it a view of the tile.
 
     Parameters on the ``meta`` device are initialised in place by the model's own initialisation:
     a Hugging Face model's ``_init_weights(module)``, otherwise ``module.reset_parameters()``.
     Buffers on ``meta`` are materialised on the CPU and initialised the same way.
 
+    ``writer=False`` (a rank of a node whose shared host state another rank fills): the parameters
+    become views of the tiles and nothing is written to them; meta buffers are initialised first,
+    while the parameters are still the module's own.
+
     Raises:
         UnsupportedModelError: a meta module has no initialisation megatrain can call.
     """
     needs_init: dict[str, nn.Module] = {}
     fresh: list[tuple[int, int]] = []
+    if not writer and _meta_buffers(model, needs_init):
+        _initialise(model, needs_init)  # the parameters are still the module's own: nothing shared is written
     # Every name of each parameter: a tied one (lm_head.weight is model.embed_tokens.weight) is
     # rebound under all of them to the one view, so the module stays tied.
     aliases: dict[int, list[str]] = {}
@@ -169,7 +197,9 @@ def bind_module(model: nn.Module, host: HostState) -> None:
             mod = model.get_submodule(mod_name)
             old = getattr(mod, attr)
             view = host.param_view(li, pi)
-            if old.device.type == "meta":
+            if not writer:
+                pass
+            elif old.device.type == "meta":
                 # NaN marks "not initialised yet", so an init that skips a parameter is caught.
                 view.fill_(float("nan"))
                 needs_init[mod_name] = mod
@@ -181,12 +211,9 @@ def bind_module(model: nn.Module, host: HostState) -> None:
             for alias in aliases.get(id(old), [spec.name]):
                 owner, _, name = alias.rpartition(".")
                 setattr(model.get_submodule(owner), name, bound)
-    for name, mod in model.named_modules():
-        for bname, buf in list(mod._buffers.items()):
-            # Not to_empty(): that would also re-allocate the parameters just bound to tiles.
-            if buf is not None and buf.device.type == "meta":
-                mod._buffers[bname] = torch.empty_like(buf, device="cpu")
-                needs_init[name] = mod
+    if not writer:
+        return
+    _meta_buffers(model, needs_init)
     if needs_init:
         _initialise(model, needs_init)
     for li, pi in fresh:
@@ -196,6 +223,20 @@ def bind_module(model: nn.Module, host: HostState) -> None:
                 f"parameter {spec.name!r} was built on the meta device and its module's "
                 "initialisation did not set it: give the module reset_parameters() (or handle it "
                 "in the model's _init_weights), or build the model on the CPU")
+
+
+def _meta_buffers(model: nn.Module, needs_init: dict[str, nn.Module]) -> bool:
+    """Materialise ``model``'s meta-device buffers on the CPU (uninitialised) and add their
+    modules to ``needs_init``; whether there were any."""
+    found = False
+    for name, mod in model.named_modules():
+        for bname, buf in list(mod._buffers.items()):
+            # Not to_empty(): that would also re-allocate the parameters bound to tiles.
+            if buf is not None and buf.device.type == "meta":
+                mod._buffers[bname] = torch.empty_like(buf, device="cpu")
+                needs_init[name] = mod
+                found = True
+    return found
 
 
 def _initialise(model: nn.Module, modules: dict[str, nn.Module]) -> None:

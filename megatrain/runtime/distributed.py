@@ -1,0 +1,264 @@
+"""Data parallel on ``torch.distributed``: who the ranks are, the process groups the host
+collectives run in, and the node's shared host state.
+
+Topology. ``torchrun`` gives every process ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE``; the ranks of one node are ``LOCAL_WORLD_SIZE`` consecutive global ranks
+(torchrun numbers them node by node). Without the local variables every rank is a node of its
+own. :func:`topology` reads them once the default process group exists.
+
+Groups. The collectives of a schedule (ALL_REDUCE, ALL_GATHER) read and write host memory, so they
+run in gloo groups made here, whatever the default group's backend (NCCL on GPUs reduces device
+memory only): one over every rank and one per node (``new_group`` is called for every node on
+every rank, as torch.distributed requires).
+
+Shared host state. With ``Plan.optimizer_shards > 1`` the ranks of a node keep one copy of the
+FP32 masters and Adam moments, not one each: the node's first rank (its leader) creates a file in
+``/dev/shm`` (a tmpfs: memory, not disk), sized for every layer's block, and tells the others its
+name; every rank maps it with ``MAP_SHARED``; once all have, the leader unlinks it, so the memory
+goes back to the system when the last rank exits, however it exits. The leader initialises the
+weights (each rank's module is bound to views of the shared blocks without writing them), and the
+leaders of all nodes then take global rank 0's weights (a broadcast), so every rank starts from the
+same weights, as DDP's construction does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import mmap
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from megatrain.errors import CollectiveError, ConfigError
+
+SHM_DIR = "/dev/shm"
+"""Where the node's shared host state is created (a tmpfs). ``MEGATRAIN_SHM_DIR`` overrides it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """This process's place among the ranks: global ``rank`` of ``world``; ``local_rank`` of the
+    ``local_world`` ranks of node ``node`` (of ``world // local_world`` nodes)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+    def __post_init__(self) -> None:
+        if self.local_world < 1 or self.world % self.local_world:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={self.local_world} does not divide WORLD_SIZE={self.world}: every "
+                              "node must run as many ranks (torchrun --nproc-per-node)")
+        if not 0 <= self.local_rank < self.local_world or self.rank % self.local_world != self.local_rank:
+            raise ConfigError(f"rank {self.rank} has LOCAL_RANK={self.local_rank} with LOCAL_WORLD_SIZE="
+                              f"{self.local_world}: megatrain expects torchrun's numbering, node by node")
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world
+
+    @property
+    def leader(self) -> bool:
+        """The node's first rank: it creates and initialises the node's shared host state."""
+        return self.local_rank == 0
+
+
+def topology() -> Topology:
+    """The default process group's ranks, with the node layout from torchrun's ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (each rank its own node when they are not set).
+
+    Raises:
+        ConfigError: the local variables contradict the global ones.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank % local_world)))
+    return Topology(rank, world, local_rank, local_world)
+
+
+def world_timeout() -> datetime.timedelta | None:
+    """The timeout the default process group was made with (``init_process_group(timeout=)``), or
+    None where its backend does not say (``new_group`` would otherwise fall back to torch's
+    default, 30 minutes, whatever the user chose)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):  # no backend for that device, or one without options
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Turn a failure of the ``torch.distributed`` calls inside into a :class:`CollectiveError`
+    that names ``what`` (an op such as ``ALL_REDUCE:L3``, or "the barrier after a save"), this
+    rank and the timeout."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise DistBackendError (a RuntimeError), timeouts included
+        import torch.distributed as dist
+
+        timeout = world_timeout()
+        waited = f"{timeout.total_seconds():g} s" if timeout is not None else "torch's default timeout"
+        first = (str(e).strip().splitlines() or [repr(e)])[0]
+        raise CollectiveError(
+            f"data parallel: {what} failed on rank {dist.get_rank()} of {dist.get_world_size()} ({type(e).__name__}: "
+            f"{first}). Another rank died, hung for longer than "
+            f"the process group's timeout ({waited}: init_process_group(timeout=), megatrain train "
+            "--collective-timeout) or failed on its own. The ranks' states may differ now, so every rank stops: "
+            "restart all of them from the last checkpoint (saves are atomic, so it is complete)") from e
+
+
+class Groups:
+    """The gloo process groups the host collectives use: ``world`` (every rank; None where the
+    default group is that), ``node`` (the ranks of this process's node) and ``leaders`` (every
+    node's first rank). ``timeout``: how long a collective waits for the other ranks before it
+    raises (a rank that died or hangs); default the default group's."""
+
+    def __init__(self, topo: Topology, timeout: datetime.timedelta | None = None):
+        import torch.distributed as dist
+
+        timeout = world_timeout() if timeout is None else timeout
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        self.topo = topo
+        self.world = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", **kw)
+        self.node = None
+        for node in range(topo.world // topo.local_world):
+            ranks = list(range(node * topo.local_world, (node + 1) * topo.local_world))
+            g = dist.new_group(ranks, backend="gloo", **kw)
+            if node == topo.node:
+                self.node = g
+        self.leaders = dist.new_group(list(range(0, topo.world, topo.local_world)), backend="gloo", **kw)
+
+
+class SharedHostMemory:
+    """One ``MAP_SHARED`` mapping of a file in ``/dev/shm``, shared by the ranks of a node, from
+    which :class:`~megatrain.runtime.host.HostState` carves its page-aligned blocks in order (the
+    same order, so the same offsets, on every rank). Made by :func:`shared_host_memory`."""
+
+    def __init__(self, path: str, nbytes: int, create: bool):
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            elif os.fstat(fd).st_size != nbytes:
+                raise ConfigError(f"the node's shared host state {path!r} has {os.fstat(fd).st_size} bytes, not "
+                                  f"{nbytes}: the ranks of a node traced different models; give every rank the same "
+                                  "model and shapes")
+            self.inode = os.fstat(fd).st_ino
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.path, self.nbytes, self._used = path, nbytes, 0
+
+    def take(self, nbytes: int, align: int) -> torch.Tensor:
+        """The next ``uint8[nbytes]`` of the mapping, starting on a multiple of ``align`` bytes."""
+        start = -(-self._used // align) * align
+        if start + nbytes > self.nbytes:
+            raise RuntimeError(f"shared host memory {self.path!r}: {start + nbytes} bytes asked of {self.nbytes}")
+        self._used = start + nbytes
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def shared_host_memory(nbytes: int, topo: Topology, group: Any, directory: str | None = None) -> SharedHostMemory:
+    """The node's shared mapping of ``nbytes``: the leader creates it, the others open it (the name
+    goes from the leader to them in ``group``, the node's group), and the leader unlinks it once
+    every rank has it mapped. Collective over the node's ranks.
+
+    Raises:
+        ConfigError: the directory lacks room (a container's ``/dev/shm`` is 64 MiB unless it is
+            run with ``--shm-size``), named with the bytes needed and what to change.
+    """
+    import torch.distributed as dist
+
+    directory = directory or os.environ.get("MEGATRAIN_SHM_DIR", SHM_DIR)
+    payload: list[str | None] = [None, None]  # the file's name, or why there is none
+    if topo.leader:
+        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else -1
+        if free < nbytes:
+            payload[1] = (f"the node's shared host state needs {nbytes / 2**30:.2f} GiB in {directory!r}, which "
+                          + ("does not exist" if free < 0 else f"has {free / 2**30:.2f} GiB free") + ": give the "
+                          "container more shared memory (docker run --shm-size), point MEGATRAIN_SHM_DIR at a larger "
+                          "tmpfs, or compile with share_host_memory=False (one copy per rank)")
+        else:
+            payload[0] = os.path.join(directory, f"megatrain-host-{os.getpid()}-{os.urandom(6).hex()}")
+    dist.broadcast_object_list(payload, src=topo.rank - topo.local_rank, group=group)
+    name, error = payload
+    if error is not None:
+        raise ConfigError(error)
+    mem = None
+    try:
+        if topo.leader:
+            mem = SharedHostMemory(name, nbytes, create=True)
+        dist.barrier(group=group)
+        if not topo.leader:
+            mem = SharedHostMemory(name, nbytes, create=False)
+        dist.barrier(group=group)
+    finally:
+        if topo.leader and os.path.exists(name):
+            os.unlink(name)
+    return mem
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelHost:
+    """What :func:`data_parallel_host` set up: the ranks' ``topo``, the host collectives'
+    ``groups``, the node's ``shared`` mapping (None: this rank has a copy of its own) and whether
+    this rank writes the host state at set-up (``writer``: the node's leader, or every rank
+    without sharing)."""
+
+    topo: Topology
+    groups: Groups
+    shared: SharedHostMemory | None
+    writer: bool
+
+    @property
+    def shard_index(self) -> int:
+        """This rank's optimizer shard (``cost.optimizer_shard``): its place in the node when shared."""
+        return self.topo.local_rank if self.shared is not None else 0
+
+
+def data_parallel_host(nbytes: int, data_parallel: int, optimizer_shards: int) -> DataParallelHost:
+    """Set up data parallel for a plan with ``data_parallel`` ranks of which ``optimizer_shards``
+    per node share the host state (``nbytes`` of it, ``HostState.shared_nbytes``). Collective.
+
+    Raises:
+        ConfigError: the plan's ranks are not the process group's, or its shards not the node's
+            ranks; no room in ``/dev/shm`` (:func:`shared_host_memory`).
+    """
+    topo = topology()
+    if data_parallel != topo.world:
+        raise ConfigError(f"the plan has data_parallel={data_parallel} but the process group has {topo.world} "
+                          "ranks; compile in the process group you train in")
+    if optimizer_shards not in (1, topo.local_world):
+        raise ConfigError(f"the plan shares each node's host state among optimizer_shards={optimizer_shards} ranks, "
+                          f"but a node runs LOCAL_WORLD_SIZE={topo.local_world}; compile on the nodes you train on")
+    g = Groups(topo)
+    if optimizer_shards == 1:
+        return DataParallelHost(topo, g, None, True)
+    return DataParallelHost(topo, g, shared_host_memory(nbytes, topo, g.node), topo.leader)
+
+
+def broadcast_masters(masters: list[torch.Tensor], dp: DataParallelHost) -> None:
+    """Give every copy of the host state global rank 0's master weights (``masters``: each layer's
+    FP32 master row), as DDP does at construction, then let the node's ranks read them. Collective."""
+    import torch.distributed as dist
+
+    topo = dp.topo
+    group = dp.groups.world if dp.shared is None else dp.groups.leaders
+    with collective("the broadcast of rank 0's weights at compile"):
+        if dp.writer and (dp.shared is None or topo.world > topo.local_world):
+            for m in masters:
+                dist.broadcast(m, src=0, group=group)
+        if dp.shared is not None:
+            dist.barrier(group=dp.groups.node)
+
