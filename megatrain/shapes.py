@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatrain.data.packing import IGNORE_INDEX
 from megatrain.errors import BatchError, ConfigError
 
 __all__ = ["ShapeFreeTrainer", "pad_to_bucket"]
@@ -40,9 +41,6 @@ __all__ = ["ShapeFreeTrainer", "pad_to_bucket"]
 DEFAULT_MAX_SHAPES = 8
 """Plans a :class:`ShapeFreeTrainer` keeps by default: enough for a few ``seq_len`` buckets at a
 couple of batch sizes; each is a traced graph and its schedules (host metadata, no tensors)."""
-
-_IGNORE_INDEX = -100
-
 
 def pad_to_bucket(batch: Mapping[str, torch.Tensor], buckets: Sequence[int]) -> dict[str, torch.Tensor]:
     """Right-pad every ``[rows, seq]`` tensor of ``batch`` to the smallest bucket ``>= seq``.
@@ -67,7 +65,7 @@ def pad_to_bucket(batch: Mapping[str, torch.Tensor], buckets: Sequence[int]) -> 
         if name == "position_ids":
             tail = t[:, -1:] + torch.arange(1, pad + 1, dtype=t.dtype)
         else:
-            fill = _IGNORE_INDEX if name == "labels" else 0
+            fill = IGNORE_INDEX if name == "labels" else 0
             tail = torch.full((t.shape[0], pad), fill, dtype=t.dtype)
         out[name] = torch.cat([t, tail], dim=1)
     return out
@@ -203,9 +201,9 @@ class ShapeFreeTrainer:
             self.trainer.set_optimizer(optimizer)
 
     def set_lr(self, lr: float) -> None:
-        if not lr >= 0:
-            raise ConfigError(f"learning rate {lr} must be >= 0")
-        self.set_optimizer(self.optimizer.model_copy(update={"lr": float(lr)}))
+        from megatrain.trainer import Trainer
+
+        Trainer.set_lr(self, lr)  # the same check, then this class's set_optimizer
 
     def save(self, path, **kwargs):
         return self._current().save(path, **kwargs)

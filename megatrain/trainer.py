@@ -193,24 +193,32 @@ class Trainer:
         return out
 
     def load(self, path, **kwargs) -> dict:
-        """Resume from ``save``'s checkpoint; returns its ``extra_state``. See ``load_checkpoint``."""
+        """Resume from ``save``'s checkpoint; returns its ``extra_state``. See ``load_checkpoint``.
+        Data parallel: every rank reads it and waits for the others, so it loads into any number
+        of ranks (the state is the same on every rank)."""
         from megatrain.checkpoint import load_checkpoint
 
         extra = load_checkpoint(self, path, **kwargs)
+        self._loaded_by_every_rank()
+        return extra
+
+    def load_hf_weights(self, path, **kwargs):
+        """Stream (sharded) safetensors weights into the host tiles; see ``load_hf_weights``.
+        Data parallel: as ``load``, every rank reads them and waits for the others."""
+        from megatrain.checkpoint import load_hf_weights
+
+        out = load_hf_weights(self, path, **kwargs)
+        self._loaded_by_every_rank()
+        return out
+
+    def _loaded_by_every_rank(self) -> None:
+        """Data parallel: every rank read the same files (the ranks of a node wrote the same bytes
+        into their shared tiles); none steps before all have."""
         if self.plan.data_parallel > 1:
-            # Every rank read it (the ranks of a node wrote the same bytes into their shared
-            # tiles); none steps before all have.
             import torch.distributed as dist
 
             with collective("the barrier after the ranks' load"):
                 dist.barrier()
-        return extra
-
-    def load_hf_weights(self, path, **kwargs):
-        """Stream (sharded) safetensors weights into the host tiles; see ``load_hf_weights``."""
-        from megatrain.checkpoint import load_hf_weights
-
-        return load_hf_weights(self, path, **kwargs)
 
     # -- the checkpoint boundary ------------------------------------------------------------------
     def state_dict(self, *, flush: bool = True) -> dict[str, Any]:

@@ -7,8 +7,12 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,15 +270,64 @@ def test_a_hung_rank_makes_the_others_stop_with_a_clear_error_within_the_timeout
     assert (tmp_path / "rank.ckpt" / STATE_DIR / MANIFEST).is_file()
 
 
-def test_megatrain_train_under_torchrun_is_refused_before_anything_runs(tmp_path, monkeypatch):
-    """Not yet data parallel: each rank would read the same batches and write one output_dir."""
+RUN_YAML = """\
+model: {model}
+max_bytes: 20000
+seq_len: 32
+global_batch: 4
+micro_batch_size: 2
+lr: 5.0e-3
+eps: 1.0e-6
+warmup_steps: 1
+max_steps: 3
+eval_interval: 2
+eval_batches: 2
+checkpoint_interval: 2
+max_grad_norm: 1.0
+collective_timeout: 60
+"""
+
+
+def test_megatrain_train_under_torchrun_trains_as_one_process_does(tmp_path):
+    """The README's command: two ranks (one node) train the run one process trains; only rank 0
+    writes the outputs."""
+    from safetensors.torch import load_file
+
+    from megatrain.cli import main
+    from test_train_cli import write_model
+
+    (tmp_path / "run.yaml").write_text(RUN_YAML.format(model=write_model(tmp_path / "config.json")))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "one")]) == 0
+    bin_dir = Path(sys.executable).parent
+    proc = subprocess.run([str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2", "--no-python",
+                           str(bin_dir / "megatrain"), "train", "--config", str(tmp_path / "run.yaml"),
+                           "--output-dir", str(tmp_path / "two")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("one", "two"))
+    assert [r["step"] for r in two] == [1, 2, 3]  # one writer
+    for a, b in zip(one, two):
+        for key in ("loss", "val_loss", "grad_norm"):
+            if a[key] is not None:
+                assert abs(b[key] - a[key]) <= RTOL * abs(a[key]), (key, a, b)
+    w1, w2 = (load_file(tmp_path / d / "checkpoint" / "model.safetensors") for d in ("one", "two"))
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        err = ((w2[name] - w1[name]).norm() / w1[name].norm()).item()
+        assert err <= RTOL, f"{name}: relative difference {err:.2e}"
+    assert proc.stdout.count("done: step 3") == 1  # rank 0 prints; the other rank is quiet
+
+
+def test_megatrain_train_refuses_a_global_batch_the_ranks_cannot_split(tmp_path, monkeypatch):
     from megatrain.errors import ConfigError
     from megatrain.train import TrainConfig
     from megatrain.train.loop import train
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="one of 2 processes.*README: Data parallel"):
-        train(TrainConfig(model=str(tmp_path / "config.json"), output_dir=str(tmp_path / "out")))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="global_batch=8 rows do not split into 3 ranks.*multiple of 6"):
+        train(TrainConfig(model=str(tmp_path / "config.json"), output_dir=str(tmp_path / "out"), global_batch=8,
+                          micro_batch_size=2))
     assert not (tmp_path / "out").exists()
 
 

@@ -194,12 +194,9 @@ def test_a_file_that_also_stores_the_lm_head_loads_it_once(tmp_path):
 
 def test_readme_tied_embeddings_snippet_runs():
     """The README's "Tied embeddings" example, run as written."""
-    from pathlib import Path
+    from conftest import readme_snippet
 
-    text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
-    section = text[text.index("## Tied embeddings"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python") + 9)]
-    exec(compile(code, "README.md (Tied embeddings)", "exec"), {})
+    exec(compile(readme_snippet("## Tied embeddings"), "README.md (Tied embeddings)", "exec"), {})
 
 
 def test_tied_bf16_compute_tracks_eager_autocast():

@@ -95,6 +95,10 @@ class TrainConfig(pydantic.BaseModel):
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (null: torch's default)")
+    collective_timeout: float = Field(1800.0, gt=0, description="data parallel (under torchrun): seconds a rank "
+                                                                  "waits in a collective, or for rank 0's save, "
+                                                                  "before it stops with an error naming it (a rank "
+                                                                  "died or hangs)")
     nvme_dir: str | None = Field(None, description="an existing directory on an NVMe drive: every layer's "
                                                    "Adam moments are read from files there before its update "
                                                    "and written back after it (megatrain.runtime.nvme); the "

@@ -8,6 +8,7 @@ import dataclasses
 
 import hashlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -85,7 +86,7 @@ def _evaluate(trainer, dataset, cfg: TrainConfig) -> float:
     return sum(losses) / len(losses)
 
 
-def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
+def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> PlannedModel:
     """The model, traced and planned once (``megatrain.plan_model``), and the host-memory preflight
     of that planned model: PlanError before anything large exists when the run cannot fit.
 
@@ -119,15 +120,16 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo) -> PlannedModel:
     # Packed LM windows carry position_ids that restart per document (per-document attention).
     names = ("input_ids", "position_ids", "labels") if cfg.task == "lm" and cfg.document_attention \
         else ("input_ids", "labels")
+    micro_batches = cfg.micro_batches // world  # each rank's share of the global batch
     planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                    input_names=names,
-                                   micro_batches=cfg.micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
+                                   micro_batches=micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
                                    plan="default" if cfg.device == "cpu" else None, hardware=hw)
     if cfg.nvme_dir is not None:
         # Every trainable layer's moments on NVMe: Plan.nvme_moments, lowered into NVME_READ/NVME_WRITE.
         on_nvme = frozenset(i for i, layer in enumerate(planned.graph.layers) if layer.trainable_numel)
         planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                       input_names=names, micro_batches=cfg.micro_batches, device=cfg.device,
+                                       input_names=names, micro_batches=micro_batches, device=cfg.device,
                                        max_grad_norm=cfg.max_grad_norm, hardware=hw,
                                        plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme))
     needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
@@ -195,18 +197,99 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         MegatrainError: with ``nonfinite="stop"``, a step whose loss or gradient was not finite
             (naming the step); nothing is saved.
     """
-    import os
+    ranks = _Ranks.start(cfg)
+    try:
+        return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks)
+    finally:
+        ranks.close()
 
-    import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Every rank would read the same batches and write the same output_dir.
+@dataclass(slots=True)
+class _Ranks:
+    """``megatrain train`` under torchrun (``WORLD_SIZE`` > 1): this process is rank ``rank`` of
+    ``world``, ``local_rank`` on its node. The process group is made here (gloo on the CPU;
+    ``cpu:gloo,cuda:nccl`` on GPUs) with ``collective_timeout``, unless the caller made one.
+    Rank 0 writes every output; each rank trains on its rows of every global batch."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @classmethod
+    def start(cls, cfg: TrainConfig) -> "_Ranks":
+        import datetime
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
         from megatrain.errors import ConfigError
 
-        raise ConfigError(f"megatrain train was launched as one of {os.environ['WORLD_SIZE']} processes "
-                          "(torchrun sets WORLD_SIZE); it does not shard data or coordinate ranks yet. Run it as "
-                          "one process, or train data-parallel from Python: torch.distributed.init_process_group, "
-                          "then megatrain.compile and each rank's slice of the batch (README: Data parallel)")
+        if cfg.global_batch % (cfg.micro_batch_size * world):
+            raise ConfigError(f"global_batch={cfg.global_batch} rows do not split into {world} ranks' micro-batches of "
+                              f"micro_batch_size={cfg.micro_batch_size}: make global_batch a multiple of "
+                              f"{cfg.micro_batch_size * world} (micro_batch_size x ranks)")
+        import torch
+        import torch.distributed as dist
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if cfg.device == "cuda":
+            torch.cuda.set_device(local_rank)
+        owns = not dist.is_initialized()
+        if owns:
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cfg.device == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+        return cls(dist.get_rank(), dist.get_world_size(), local_rank, owns)
+
+    def rows(self, batch: dict) -> dict:
+        """This rank's rows of a global batch: the ``rank``-th of ``world`` equal slices."""
+        if self.world == 1:
+            return batch
+        n = next(iter(batch.values())).shape[0] // self.world
+        return {k: t[self.rank * n:(self.rank + 1) * n] for k, t in batch.items()}
+
+    def in_turn(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0 first, then on the other nodes' first ranks, then on the rest, so the
+        data store and tokenizer are built once per file system and the others reuse them."""
+        if self.world == 1:
+            return fn()
+        import torch.distributed as dist
+
+        from megatrain.runtime.distributed import collective
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        out = None
+        for turn in (self.rank == 0, self.rank != 0 and self.rank % local == 0, self.rank % local != 0):
+            if turn:
+                out = fn()
+            with collective("the barrier while rank 0 prepares the data"):
+                dist.barrier()
+        return out
+
+    def any_stopped(self, name: str | None, groups) -> str | None:
+        """The signal that stopped any rank after this step (every rank stops after the same step:
+        one stopping alone would leave the others waiting in the next step's collectives)."""
+        if self.world == 1:
+            return name
+        import torch
+        import torch.distributed as dist
+
+        from megatrain.runtime.distributed import collective
+
+        flag = torch.tensor([0 if name is None else 1 + ["SIGINT", "SIGTERM"].index(name)])
+        with collective("the all-reduce of the ranks' stop requests"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.world)
+        return None if int(flag) == 0 else ["SIGINT", "SIGTERM"][int(flag) - 1]
+
+    def close(self) -> None:
+        if self.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> TrainResult:
+    import torch
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -217,22 +300,24 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
 
     check_positions(source.config, cfg.seq_len, cfg.model)
     resuming_here, source = check_output_dir(out, source, cfg, echo)
-    planned = _plan(cfg, source, hw, echo)
-    tokenizer, dataset, eot = prepare_data(cfg, source, echo, store_dir(cfg))
+    planned = _plan(cfg, source, hw, echo, ranks.world)
+    tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped = _materialize_and_load(cfg, planned, source, fingerprint, echo)
     rates = run_rates(cfg, planned, hw, cpu_peak, echo)
     tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(cfg.model_dump_json(indent=1) + "\n")
+    writes = ranks.rank == 0  # one writer of every output; trainer.save coordinates the ranks itself
     tokenizer_json = tokenizer.to_str()
-    (out / TOKENIZER_FILE).write_text(tokenizer_json)
     metrics_path = out / METRICS_FILE
-    # Rows a crashed run wrote after its last checkpoint are run again: drop them.
-    kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if resuming_here else []
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(cfg.model_dump_json(indent=1) + "\n")
+        (out / TOKENIZER_FILE).write_text(tokenizer_json)
+        # Rows a crashed run wrote after its last checkpoint are run again: drop them.
+        kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if resuming_here else []
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     ckpt_path = out / CHECKPOINT_DIR
     last_saved: int | None = start if resuming_here else None
     tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
@@ -247,8 +332,9 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
             raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
-        (ckpt_path / TOKENIZER_FILE).write_text(tokenizer_json)
-        (ckpt_path / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1) + "\n")
+        if writes:
+            (ckpt_path / TOKENIZER_FILE).write_text(tokenizer_json)
+            (ckpt_path / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1) + "\n")
         last_saved = step
 
     from tqdm import tqdm
@@ -256,17 +342,19 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     step, loss, val_loss = start, None, None
     batches = dataset.batches(cfg.global_batch, seed=cfg.seed, start=start)
     n_layers = len(trainer.graph.layers)
-    with _StopOnSignal() as stop, open(metrics_path, "a", buffering=1) as metrics, \
-            tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", file=sys.stderr,
+    groups = trainer.host.data_parallel.groups if ranks.world > 1 else None
+    with _StopOnSignal() as stop, open(metrics_path if writes else os.devnull, "a", buffering=1) as metrics, \
+            tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", file=sys.stderr, disable=not writes,
                  dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
-        while step < cfg.max_steps and stop.name is None:
+        stopped = ranks.any_stopped(stop.name, groups)
+        while step < cfg.max_steps and stopped is None:
             lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                        min_lr_ratio=cfg.min_lr_ratio)
             trainer.set_lr(lr)
-            res = trainer.step(next(batches))
+            res = trainer.step(ranks.rows(next(batches)))
             step += 1
             loss = res.loss
-            mfu = rates.mfu(res.tokens_per_second)
+            mfu = rates.mfu(res.tokens_per_second / ranks.world)  # per GPU: tokens/s counts every rank's
             row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
                    "tokens_per_s": res.tokens_per_second, "mfu": mfu, "predicted_step_s": rates.predicted_step_s,
                    "measured_step_s": res.seconds, "applied": bool(res.applied), "val_loss": None,
@@ -296,22 +384,25 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
             bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}",
                                 refresh=False)
             bar.update(1)
-        if stop.name is not None:
+            stopped = ranks.any_stopped(stop.name, groups)
+        if stopped is not None:
             if last_saved != step:
                 save(step)
-            bar.write(f"{stop.name}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
+            bar.write(f"{stopped}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
                       "from it")
 
     dataset.close()
-    rows = read_metrics(metrics_path)
-    try:
-        save_loss_plot(rows, out / PLOT_FILE, title=f"{Path(cfg.model).name}: {step} steps, "
-                                                    f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}")
-    except ImportError as e:
-        echo(f"note: no {PLOT_FILE}: {e}")
+    # The ranks' results are the same (losses are gathered): rank 0's rows tell the run's.
+    rows = read_metrics(metrics_path) if writes else [{"loss": finite(loss), "applied": loss is not None}]
+    if writes:
+        try:
+            save_loss_plot(rows, out / PLOT_FILE, title=f"{Path(cfg.model).name}: {step} steps, "
+                                                        f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}")
+        except ImportError as e:
+            echo(f"note: no {PLOT_FILE}: {e}")
     echo(f"done: step {step}, train loss {fmt(loss)}, validation loss {fmt(val_loss)}, {skipped} skipped "
          f"steps; {out}")
     applied = [r for r in rows if r["applied"]]
-    return TrainResult(step=step, skipped_steps=skipped, stopped_by=stop.name,
+    return TrainResult(step=step, skipped_steps=skipped, stopped_by=stopped,
                        loss=applied[-1]["loss"] if applied else None, val_loss=finite(val_loss),
                        checkpoint=ckpt_path if last_saved is not None else None, output_dir=out)
