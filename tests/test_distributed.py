@@ -227,6 +227,50 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
     assert trainer.step_count == steps
 
 
+def _async_main(rank: int, world: int, init_file: str, out: str) -> None:
+    """One rank of a node of two: the same clipped steps on the CPU backend and on the CUDA backend
+    over the asynchronous fake CUDA (the race detector), from the same state."""
+    from megatrain.planner.plan import ActivationPolicy as A
+    from megatrain.runtime.backend import CPUBackend
+    from megatrain.runtime.cuda import CUDABackend
+    from megatrain.testing import AsyncFakeCuda
+    from test_race_detector import restore
+
+    with _process_group(rank, world, init_file, local_world=world):
+        plan = Plan(micro_batches=2, slots=2, prefetch_distance=1, optimizer=OptimizerPlacement.NEXT_FORWARD,
+                    grad_ring=4, activations=(A.OFFLOAD, A.RECOMPUTE, A.OFFLOAD, A.KEEP))
+        trainer = megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=MBS, micro_batches=2, optimizer=OPT,
+                                    max_grad_norm=0.5, plan=plan)
+        snap = [b.clone() for b in trainer.host.blocks] + [s.clone() for s in trainer.host.steps]
+        rows = 2 * MBS
+
+        def run(backend):
+            dist.barrier()  # no rank restores the shared blocks while another still copies them
+            restore(trainer, snap, backend)  # every rank writes the same bytes into them
+            dist.barrier()
+            losses = [trainer.step({n: t[rank * rows:(rank + 1) * rows] for n, t in b.items()}).micro_batch_losses
+                      for b in _global_batches(world, 2, 3)]
+            trainer.flush()
+            return losses, [b.clone() for b in trainer.host.blocks]
+
+        want = run(CPUBackend())
+        fake = AsyncFakeCuda(seed=rank, max_delay_s=2e-3)
+        got = run(CUDABackend(adapter=fake))
+        fake.close()
+        torch.save({"losses": got[0] == want[0], "state": all(torch.equal(x, y) for x, y in zip(got[1], want[1]))},
+                   f"{out}.{rank}")
+
+
+def test_ranks_on_the_asynchronous_fake_cuda_train_exactly_like_on_the_cpu_backend(tmp_path):
+    """GPU readiness of the collectives: with streams as threads and random delays before every op,
+    the ALL_REDUCEs (after asynchronous D2Hs) and the ALL_GATHERs (before the next H2D) of two ranks
+    sharing a node give bitwise the CPU backend's losses and host state."""
+    out = str(tmp_path / "rank")
+    mp.spawn(_async_main, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    for r in range(2):
+        assert torch.load(f"{out}.{r}") == {"losses": True, "state": True}, f"rank {r}"
+
+
 def _hang_main(rank: int, world: int, init_file: str, out: str) -> None:
     """Both ranks train a step and save; then rank 1 hangs and rank 0 steps on."""
     os.environ.update(LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
