@@ -513,6 +513,13 @@ def test_sft_prompt_completion_rows_learn_only_the_completion(tmp_path, tokenize
     assert rows.labels[0].tolist() == [IGNORE_INDEX] * len(prompt) + done + [IGNORE_INDEX] * (
         32 - len(prompt) - len(done))
     assert (rows.input_ids[0, len(prompt) + len(done):] == eot).all()  # padded with end-of-text
+    # The mask covers the example (the end-of-text that ends it included), not the padding, so
+    # tokens/s counts the example's tokens; a batch carries it.
+    assert rows.attention_mask[0].tolist() == [1] * (len(prompt) + len(done)) + [0] * (32 - len(prompt) - len(done))
+    ds = SftDataset(rows, val_fraction=0.5)  # one training row: every batch of one is it
+    batch = next(ds.batches(1))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert torch.equal(batch["attention_mask"][0], torch.from_numpy(rows.attention_mask[ds.train_indices[0]]))
     assert _targets(tokenizer, rows.input_ids[1], rows.labels[1]) == "1" + EOT_TOKEN
     cut = tokenize_sft(tokenizer, read_sft_examples(f), len(prompt) + 2, pad_id=eot)
     assert cut.truncated == 1 and (cut.labels[0] != IGNORE_INDEX).sum() == 2

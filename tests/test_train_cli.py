@@ -678,6 +678,9 @@ def test_task_sft_trains_on_completions_with_the_tokenizers_chat_template(first_
     assert line.startswith("data: 40 SFT examples (0 cut at seq_len) in 32 training + 8 validation rows of 32")
     assert "chat template of tokenizer_config.json" in line
     assert [r["step"] for r in rows(out)] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows(out))
+    # tokens/s counts the examples' tokens, not the padding: every row here is padded (none was cut
+    # and none fills its 32 tokens), so a step of 4 rows counts fewer than 4 x 32.
+    assert all(0 < r["tokens_per_s"] * r["measured_step_s"] < 4 * 32 - 0.5 for r in rows(out)), rows(out)
     assert not (out / "tokens").exists()  # SFT rows are not the token store's windows
     # A bad record: one error line naming the file and line.
     data.write_text(json.dumps(records[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")

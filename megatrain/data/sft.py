@@ -10,7 +10,7 @@ A ``.jsonl`` file holds one example per non-blank line, either
   end-of-text per message; the tokens of ``assistant`` turns are targets, the rest context.
 
 Each example becomes one row of ``seq_len`` tokens (:func:`tokenize_sft`): its tokens, cut at
-``seq_len``, then padding with the end-of-text id; ``labels`` are the token ids at targets and
+``seq_len``, then padding with the end-of-text id (``attention_mask`` 0 there); ``labels`` are the token ids at targets and
 :data:`~megatrain.data.packing.IGNORE_INDEX` (-100) elsewhere (context, padding). Hugging Face
 causal LMs shift labels inside their loss, so a target token is predicted from the tokens
 before it. Rows are padded, not packed: no row holds two examples, so no attention crosses one.
@@ -140,12 +140,14 @@ def read_sft_examples(path: str | Path, *, chat_template: str | None = None,
 
 @dataclass(frozen=True, slots=True)
 class SftRows:
-    """Tokenised examples. ``input_ids``, ``labels``: ``int64[num_rows, seq_len]``; ``truncated``:
+    """Tokenised examples. ``input_ids``, ``labels``, ``attention_mask``: ``int64[num_rows,
+    seq_len]`` (the mask is 1 on the example's tokens, 0 on the padding after them); ``truncated``:
     examples longer than ``seq_len`` (cut at the end)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     truncated: int
+    attention_mask: np.ndarray
 
     @property
     def num_target_tokens(self) -> int:
@@ -164,6 +166,7 @@ def tokenize_sft(tokenizer: Tokenizer, examples: Iterator[Segments], seq_len: in
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     ids_rows: list[np.ndarray] = []
     label_rows: list[np.ndarray] = []
+    lengths: list[int] = []
     truncated = 0
     for n, segments in enumerate(examples):
         ids: list[int] = []
@@ -179,11 +182,13 @@ def tokenize_sft(tokenizer: Tokenizer, examples: Iterator[Segments], seq_len: in
             raise ValueError(f"example {n}: no completion or assistant token within seq_len={seq_len} "
                              "(the prompt fills the row); raise seq_len or shorten the prompt")
         pad = seq_len - len(ids)
+        lengths.append(len(ids))
         ids_rows.append(np.asarray(ids + [pad_id] * pad, dtype=np.int64))
         label_rows.append(np.asarray(labels + [IGNORE_INDEX] * pad, dtype=np.int64))
     if not ids_rows:
         raise ValueError("no SFT examples found (the file holds only blank lines)")
-    return SftRows(np.stack(ids_rows), np.stack(label_rows), truncated)
+    mask = (np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+    return SftRows(np.stack(ids_rows), np.stack(label_rows), truncated, mask)
 
 
 class SftDataset:
@@ -237,7 +242,10 @@ class SftDataset:
                              f"batch_size={batch_size}. Use more examples or a smaller batch.")
 
     def _batch(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        # The mask makes StepResult.tokens (and so tokens/s) count the examples' tokens, not the
+        # padding; with right padding and causal attention it changes no logit of a real token.
         return {"input_ids": torch.from_numpy(self.rows.input_ids[ids]),
+                "attention_mask": torch.from_numpy(self.rows.attention_mask[ids]),
                 "labels": torch.from_numpy(self.rows.labels[ids])}
 
     def batches_per_epoch(self, batch_size: int, split: str = "train") -> int:

@@ -118,8 +118,9 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
 
         model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
     # Packed LM windows carry position_ids that restart per document (per-document attention).
-    names = ("input_ids", "position_ids", "labels") if cfg.task == "lm" and cfg.document_attention \
-        else ("input_ids", "labels")
+    # SFT rows are padded: their mask makes tokens/s count the examples' tokens only.
+    names = ("input_ids", "attention_mask", "labels") if cfg.task == "sft" else \
+        ("input_ids", "position_ids", "labels") if cfg.document_attention else ("input_ids", "labels")
     micro_batches = cfg.micro_batches // world  # each rank's share of the global batch
     planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                    input_names=names,
