@@ -314,22 +314,9 @@ def test_a_hung_rank_makes_the_others_stop_with_a_clear_error_within_the_timeout
     assert (tmp_path / "rank.ckpt" / STATE_DIR / MANIFEST).is_file()
 
 
-RUN_YAML = """\
-model: {model}
-max_bytes: 20000
-seq_len: 32
-global_batch: 4
-micro_batch_size: 2
-lr: 5.0e-3
-eps: 1.0e-6
-warmup_steps: 1
-max_steps: 3
-eval_interval: 2
-eval_batches: 2
-checkpoint_interval: 2
-max_grad_norm: 1.0
-collective_timeout: 60
-"""
+# test_train_cli's run, shortened; eps 1e-6 as OPT above.
+RUN_FLAGS = ["--max-steps", "3", "--warmup-steps", "1", "--eval-interval", "2", "--checkpoint-interval", "2",
+             "--eps", "1e-6", "--collective-timeout", "60"]
 
 
 def test_megatrain_train_under_torchrun_trains_as_one_process_does(tmp_path):
@@ -338,14 +325,14 @@ def test_megatrain_train_under_torchrun_trains_as_one_process_does(tmp_path):
     from safetensors.torch import load_file
 
     from megatrain.cli import main
-    from test_train_cli import write_model
+    from test_train_cli import CONFIG_YAML, write_model
 
-    (tmp_path / "run.yaml").write_text(RUN_YAML.format(model=write_model(tmp_path / "config.json")))
-    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "one")]) == 0
+    (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=write_model(tmp_path / "config.json")))
+    run = ["train", "--config", str(tmp_path / "run.yaml"), *RUN_FLAGS, "--output-dir"]
+    assert main([*run, str(tmp_path / "one")]) == 0
     bin_dir = Path(sys.executable).parent
     proc = subprocess.run([str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2", "--no-python",
-                           str(bin_dir / "megatrain"), "train", "--config", str(tmp_path / "run.yaml"),
-                           "--output-dir", str(tmp_path / "two")],
+                           str(bin_dir / "megatrain"), *run, str(tmp_path / "two")],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
