@@ -7,6 +7,7 @@ A tiny Llama (2 layers, hidden 32, vocab 320) on 20 KB of this Python's standard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -377,6 +378,12 @@ def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
         T.preflight_host_memory(planned, data_bytes=7, available=(host + 6, "test"))
     have = T.available_host_memory()
     assert have is None or have[0] > 0
+    # Two ranks of a node sharing one host copy: the weights and moments once, the rest twice.
+    dp = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, data_parallel=2, optimizer_shards=2))
+    shared = planned.memory.master_weights + planned.memory.adam_moments
+    assert T.preflight_host_memory(dp, data_bytes=7, available=None) == shared + 2 * (host - shared + 7)
+    with pytest.raises(PlanError, match="the node's 2 ranks share the weights and moments"):
+        T.preflight_host_memory(dp, data_bytes=7, available=(host + 7, "test"))
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
