@@ -18,7 +18,8 @@ NVMe I/O buffers) exceed the host memory, it moves one more layer's tile, gradie
 then moments, then masters, each kind largest layer first. Every kind costs the same NVMe traffic
 per byte of host memory freed (one write and one read per step), so the order only prefers what
 frees pinned memory (gradient tiles) and what leaves the H2D path alone (moments before masters).
-The I/O buffers are :data:`NVME_BUFFERS` tiles of the widest placed layer's NVMe bytes, so a read
+The I/O buffers are :data:`NVME_BUFFERS` tiles (fewer when fewer layers are placed) of the widest
+placed layer's NVMe bytes, so a read
 of the next layer overlaps the OPT of this one; the gradient part of them is pinned (a D2H lands
 there).
 
@@ -49,8 +50,9 @@ from megatrain.planner.hardware import PINNED_FRACTION, HardwareSpec
 from megatrain.planner.plan import OptimizerPlacement, Plan
 from megatrain.units import GiB, TiB, human_bytes
 
-NVME_BUFFERS = 2
-"""Host I/O buffers per NVMe stream: one being read or written while the OPT uses the other."""
+NVME_BUFFERS = cost.NVME_BUFFERS
+"""Host I/O buffers per NVMe stream: one being read or written while the OPT uses the other
+(defined in the cost model, which sizes them: ``cost.nvme_buffers``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +221,9 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
     def buffers() -> tuple[int, int]:
         if not per_layer:
             return 0, 0
-        return (NVME_BUFFERS * max(_align(b) for b, _ in per_layer.values()),
-                NVME_BUFFERS * max(_align(g) for _, g in per_layer.values()))
+        count = min(NVME_BUFFERS, len(per_layer))  # as cost.nvme_buffers: one per layer when fewer
+        return (count * max(_align(b) for b, _ in per_layer.values()),
+                count * max(_align(g) for _, g in per_layer.values()))
 
     def fits() -> bool:
         buf, pbuf = buffers()
