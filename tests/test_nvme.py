@@ -508,7 +508,7 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(got[1], want[1])), f"seed {seed}"
 
 
-def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch):
+def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch, capsys):
     import json
 
     import megatrain.runtime.measure
@@ -518,8 +518,6 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch)
     monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
     write_model(tmp_path / "config.json")
     (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json"))
-    nvme_dir = tmp_path / "nvme"
-    nvme_dir.mkdir()
 
     def losses(out, *extra):
         assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(out), "--max-steps", "4",
@@ -528,6 +526,32 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch)
         return [r["loss"] for r in rows if "loss" in r]
 
     want = losses(tmp_path / "ram")
-    got = losses(tmp_path / "nvme_run", "--nvme-dir", str(nvme_dir))
-    assert len(want) == 4 and got == want
-    assert sorted(os.listdir(nvme_dir)) and all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
+    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0)):
+        nvme_dir = tmp_path / f"nvme_{name}"
+        nvme_dir.mkdir()
+        capsys.readouterr()
+        got = losses(tmp_path / f"run_{name}", "--nvme-dir", str(nvme_dir), *extra)
+        assert len(want) == 4 and got == want, name
+        # Every layer's moments without a budget; none when the plan fits the budget in RAM. Said.
+        assert f"NVMe: Adam moments of {on_disk} of 4 trainable layers" in capsys.readouterr().out
+        assert len(os.listdir(nvme_dir)) == on_disk
+        assert all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
+
+
+def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
+    from megatrain.train.loop import nvme_layers
+
+    torch.manual_seed(0)
+    planned = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2)
+    graph, total = planned.graph, planned.memory.host_total
+    every = frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
+    assert nvme_layers(planned, None, str(tmp_path)) == every == {0, 1, 2, 3}
+    assert nvme_layers(planned, "1TiB", str(tmp_path)) == frozenset()
+    # One byte short: the largest layers' moments move until the host total fits, not every layer's.
+    some = nvme_layers(planned, str(total - 1), str(tmp_path))
+    assert some and some < every and 3 in some  # the head (vocab x hidden) is the largest
+    placed = cost.memory_breakdown(graph, dataclasses.replace(planned.plan, nvme_moments=some))
+    assert placed.host_total <= total - 1
+    assert placed.adam_moments == sum(8 * graph.layers[i].trainable_numel for i in every - some)
+    with pytest.raises(PlanError, match="with every Adam moment on NVMe the plan still needs .* of host memory"):
+        nvme_layers(planned, "64KiB", str(tmp_path))

@@ -187,9 +187,15 @@ def _align(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
-def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, hw: HardwareSpec) -> NvmePlacement:
+KINDS = ("gradients", "moments", "masters")
+"""What :func:`place_on_nvme` may move, in the order it moves them."""
+
+
+def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, hw: HardwareSpec,
+                  kinds: tuple[str, ...] = KINDS) -> NvmePlacement:
     """The least state to move to NVMe so that ``memory`` (the plan's breakdown) plus the I/O
     buffers fits ``hw.host_memory_bytes`` and the pinned cap (module docstring, "Choice").
+    ``kinds``: which of :data:`KINDS` may move (``("moments",)``: what the runtime runs today).
 
     Raises:
         PlanError: even with every movable tile on NVMe the host memory is short, or the NVMe
@@ -206,12 +212,13 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
     deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
     # (kind, layer, bytes freed on the host, of which pinned, bytes on disk)
     moves: list[tuple[str, int, int, int]] = []
-    if deferred:
+    if deferred and "gradients" in kinds:
         moves += sorted((("gradients", i, cost.page_up(l.trainable_numel * gsize), True)
                          for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
-    moves += sorted((("moments", i, l.trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT, False)
-                     for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
-    if plan.compute_dtype == "bfloat16":
+    if "moments" in kinds:
+        moves += sorted((("moments", i, l.trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT, False)
+                         for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
+    if plan.compute_dtype == "bfloat16" and "masters" in kinds:
         moves += sorted((("masters", i, l.numel * cost.MASTER_BYTES_PER_ELEMENT, False)
                          for i, l in enumerate(layers) if l.numel), key=lambda m: -m[2])
     chosen: dict[str, set[int]] = {"gradients": set(), "moments": set(), "masters": set()}
@@ -241,11 +248,14 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
         pinned_freed += nbytes if pinned else 0
     buf, pbuf = buffers()
     if not fits():
-        raise PlanError(f"{hw.name}: with every gradient tile, Adam moment"
-                        f"{' and master' if plan.compute_dtype == 'bfloat16' else ''} on NVMe the plan still needs "
+        moved = sorted({kind for kind, *_ in moves}, key=KINDS.index)
+        what = ", ".join({"gradients": "gradient tile", "moments": "Adam moment", "masters": "master"}[k]
+                         for k in moved) or "nothing movable"
+        hint = ("" if plan.compute_dtype == "bfloat16" or "masters" not in kinds
+                else " or compute in bfloat16 (FP32 compute keeps masters in pinned host memory)")
+        raise PlanError(f"{hw.name}: with every {what} on NVMe the plan still needs "
                         f"{human_bytes(memory.host_total - freed + buf)} of host memory, and "
-                        f"{human_bytes(hw.host_memory_bytes)} is there; add host memory"
-                        f"{'' if plan.compute_dtype == 'bfloat16' else ' or compute in bfloat16 (FP32 compute keeps masters in pinned host memory)'}")
+                        f"{human_bytes(hw.host_memory_bytes)} is there; add host memory{hint}")
     placed = [n for kind, i, n, _ in moves if i in chosen[kind]]
     on_disk = sum(_align(n) for n in placed)
     if on_disk > hw.nvme_capacity_bytes:
