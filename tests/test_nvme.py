@@ -282,7 +282,8 @@ def test_verifier_rejects_nvme_op_misuse():
     with pytest.raises(ScheduleError, match="rule 'nvme'"):
         verify(Schedule(tuple(bad), plan, 3), g)
     # The OPT of an NVMe layer steps its moments in the buffer its read filled, and names it.
-    for buf, msg in ((None, "must name an I/O buffer"), (1, "I/O buffer b1 holds nothing read yet")):
+    # One NVMe layer: one I/O buffer (cost.nvme_buffers).
+    for buf, msg in ((None, "must name an I/O buffer"), (1, r"names I/O buffer b1, but the plan has 1")):
         bad = ops[:o] + [dataclasses.replace(ops[o], buf=buf)] + ops[o + 1:]
         with pytest.raises(ScheduleError, match=f"rule 'nvme'.*{msg}"):
             verify(Schedule(tuple(bad), plan, 3), g)
@@ -303,6 +304,19 @@ def test_verifier_rejects_nvme_op_misuse():
     with pytest.raises(ScheduleError, match=r"op #4 NVME_READ:L3:b0 breaks rule 'nvme': it fills I/O buffer b0 while "
                                             r"#3 OPT:L2:r2:b0 may still use it. Fix: make it depend on #3"):
         verify(Schedule(tuple(racy), nf, 4, mode="update"), g4)
+    # An OPT naming the buffer that holds another layer's moments.
+    swapped = list(ok.ops)
+    swapped[4] = Op.parse("OPT:L2:r2:b1", (2,))
+    with pytest.raises(ScheduleError, match=r"op #4 OPT:L2:r2:b1 breaks rule 'nvme': I/O buffer b1 holds layer 3's "
+                                            r"moments, not layer 2's"):
+        verify(Schedule(tuple(swapped), nf, 4, mode="update"), g4)
+    # A buffer the plan does not have (two NVMe layers: two buffers).
+    beyond = list(ok.ops)
+    beyond[3:] = [Op.parse("NVME_READ:L3:b2"), Op.parse("OPT:L2:r2:b0", (2,)), Op.parse("NVME_WRITE:L2:b0", (4,)),
+                  Op.parse("OPT:L3:r3:b2", (3,)), Op.parse("NVME_WRITE:L3:b2", (6,))]
+    with pytest.raises(ScheduleError, match=r"op #3 NVME_READ:L3:b2 breaks rule 'nvme': it names I/O buffer b2, but "
+                                            r"the plan has 2 \(cost.nvme_buffers\)"):
+        verify(Schedule(tuple(beyond), nf, 4, mode="update"), g4)
     # Reading into the other buffer, the same order is safe.
     racy[4:8] = [Op.parse("NVME_READ:L3:b1"), racy[5], Op.parse("OPT:L3:r3:b1", (4,)), Op.parse("NVME_WRITE:L3:b1", (6,))]
     verify(Schedule(tuple(racy), nf, 4, mode="update"), g4)

@@ -490,8 +490,8 @@ def _check_nvme(c: _Context) -> None:
     the write after the last modification), and no two NVMe transfers of one layer's file are
     unordered (in flight at once). No NVMe op names a layer that is not on NVMe.
 
-    I/O buffers (``Op.buf``): such a layer's moments have no rows in host memory, so its OPT names
-    the buffer they are in, and only such an OPT names one. Each buffer is used in turns, one
+    I/O buffers (``Op.buf``, below ``cost.nvme_buffers``' count): such a layer's moments have no
+    rows in host memory, so its OPT names the buffer they are in, and only such an OPT names one. Each buffer is used in turns, one
     layer a turn: an NVME_READ fills it, then only that layer's OPT and NVME_WRITE use it, and the
     next NVME_READ into it happens after every use of the turn before (else it would overwrite
     moments an OPT is stepping or a write is saving)."""
@@ -530,8 +530,12 @@ def _check_nvme(c: _Context) -> None:
             fail(o, "nvme", f"layer {ops[o].layer}'s moments are {where}, so its OPT {rule} I/O buffer",
                  "lower the plan again (add_nvme_io names the buffers)")
     turn: dict[int, list[int]] = {}  # buffer -> the ops of its current turn, its NVME_READ first
+    pool = cost.nvme_buffers(c.graph, c.plan)[0]
     for i in sorted(io + [o for o in by_kind[OpKind.OPT] if ops[o].buf is not None]):
         b = ops[i].buf
+        if b >= pool:
+            fail(i, "nvme", f"it names I/O buffer b{b}, but the plan has {pool} (cost.nvme_buffers)",
+                 "lower the plan again (add_nvme_io hands out cost.NVME_BUFFERS in turn)")
         if ops[i].kind is OpKind.NVME_READ:
             for u in turn.get(b, []):
                 if not before(u, i):
