@@ -682,8 +682,8 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
                 host: HostState | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
     master weights and AdamW moments, 12 bytes per parameter; 4 for a layer of
-    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here), the module's parameters bound to
-    them (a meta-device model is initialised there by its own initialisation), the backend and
+    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here), the module's
+    parameters bound to them (a meta-device model is initialised there by its own initialisation), the backend and
     the executor. On ``device="cuda"`` the train schedule's GPU slots and pinned buffers are
     allocated here too, so that running out of memory is a compile error, not a first-step one;
     the CPU backend makes its (host) buffers at the first step. ``backend``: the one to run on

@@ -318,7 +318,8 @@ def test_verifier_rejects_nvme_op_misuse():
                                             r"the plan has 2 \(cost.nvme_buffers\)"):
         verify(Schedule(tuple(beyond), nf, 4, mode="update"), g4)
     # Reading into the other buffer, the same order is safe.
-    racy[4:8] = [Op.parse("NVME_READ:L3:b1"), racy[5], Op.parse("OPT:L3:r3:b1", (4,)), Op.parse("NVME_WRITE:L3:b1", (6,))]
+    racy[4:8] = [Op.parse("NVME_READ:L3:b1"), racy[5], Op.parse("OPT:L3:r3:b1", (4,)),
+                 Op.parse("NVME_WRITE:L3:b1", (6,))]
     verify(Schedule(tuple(racy), nf, 4, mode="update"), g4)
     # An NVMe op of a layer whose moments are in host memory.
     with pytest.raises(ScheduleError, match="rule 'nvme'.*not on NVMe"):

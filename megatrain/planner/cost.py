@@ -790,7 +790,8 @@ __all__ = [
     "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
-    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "NVME_BUFFERS", "nvme_buffers",
+    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time",
+    "NVME_BUFFERS", "nvme_buffers",
 ]
 
 

@@ -18,10 +18,10 @@ NVMe I/O buffers) exceed the host memory, it moves one more layer's tile, gradie
 then moments, then masters, each kind largest layer first. Every kind costs the same NVMe traffic
 per byte of host memory freed (one write and one read per step), so the order only prefers what
 frees pinned memory (gradient tiles) and what leaves the H2D path alone (moments before masters).
-The I/O buffers are :data:`NVME_BUFFERS` tiles (fewer when fewer layers are placed) of the widest
-placed layer's NVMe bytes, so a read
-of the next layer overlaps the OPT of this one; the gradient part of them is pinned (a D2H lands
-there).
+The I/O buffers are :data:`NVME_BUFFERS` tiles (one per placed layer when fewer) of the widest
+placed layer's NVMe bytes, so a read of the next layer overlaps the OPT of this one; the gradient
+part of them is pinned (a D2H lands there). For moments alone this is ``cost.nvme_buffers``, the
+pool the runtime allocates.
 
 Time. Reads and writes share the drives, so the NVMe I/O stream is busy
 ``read_bytes / nvme_read_bytes_per_s + write_bytes / nvme_write_bytes_per_s`` per step, and the
@@ -195,6 +195,8 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
                   kinds: tuple[str, ...] = KINDS) -> NvmePlacement:
     """The least state to move to NVMe so that ``memory`` (the plan's breakdown) plus the I/O
     buffers fits ``hw.host_memory_bytes`` and the pinned cap (module docstring, "Choice").
+    ``memory`` is the breakdown of ``plan`` with nothing on NVMe (``plan.nvme_moments`` empty), so
+    that :meth:`NvmePlacement.host_total` equals ``cost.memory_breakdown`` of the placed plan.
     ``kinds``: which of :data:`KINDS` may move (``("moments",)``: what the runtime runs today).
 
     Raises:

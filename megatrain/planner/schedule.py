@@ -3,11 +3,12 @@
 Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``H2D:L3:s1:t0``,
 ``FWD:L3:m0:s1``, ``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OPT:L3:a2``,
 ``OFFLOAD:L3:m0:c0``, ``RELOAD:L3:m0:c0``, ``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``,
-``ACC:L3:m1:r0:a2``, ``NVME_READ:L3:b0``, ``OPT:L3:r0:b0``), after the ``_Action`` records of ``torch.distributed.pipelining``. Each op
-names every buffer it touches (see :class:`Op`), so the lowering decides and the runtime reads.
-The op list is in issue order: a topological order of the DAG, and for each stream the order its
-in-order queue runs the ops. ``deps`` are indices of earlier ops
-that must finish first; a dependency that crosses streams becomes an event in the CUDA backend.
+``ACC:L3:m1:r0:a2``, ``NVME_READ:L3:b0``, ``OPT:L3:r0:b0``), after the ``_Action`` records of
+``torch.distributed.pipelining``. Each op names every buffer it touches (see :class:`Op`), so the
+lowering decides and the runtime reads. The op list is in issue order: a topological order of the
+DAG, and for each stream the order its in-order queue runs the ops. ``deps`` are indices of
+earlier ops that must finish first; a dependency that crosses streams becomes an event in the
+CUDA backend.
 """
 
 from __future__ import annotations

@@ -491,10 +491,10 @@ def _check_nvme(c: _Context) -> None:
     unordered (in flight at once). No NVMe op names a layer that is not on NVMe.
 
     I/O buffers (``Op.buf``, below ``cost.nvme_buffers``' count): such a layer's moments have no
-    rows in host memory, so its OPT names the buffer they are in, and only such an OPT names one. Each buffer is used in turns, one
-    layer a turn: an NVME_READ fills it, then only that layer's OPT and NVME_WRITE use it, and the
-    next NVME_READ into it happens after every use of the turn before (else it would overwrite
-    moments an OPT is stepping or a write is saving)."""
+    rows in host memory, so its OPT names the buffer they are in, and only such an OPT names one.
+    Each buffer is used in turns, one layer a turn: an NVME_READ fills it, then only that layer's
+    OPT and NVME_WRITE use it, and the next NVME_READ into it happens after every use of the turn
+    before (else it would overwrite moments an OPT is stepping or a write is saving)."""
     ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
     on_nvme = c.plan.nvme_moments
     io = sorted(by_kind[OpKind.NVME_READ] + by_kind[OpKind.NVME_WRITE])

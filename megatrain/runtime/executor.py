@@ -67,13 +67,15 @@ import torch
 from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
+from megatrain.errors import ConfigError
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph, TracedModel, retarget
 from megatrain.planner.hardware import strict_fp32
 from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
-from megatrain.runtime.host import HostState, PinnedArena
+from megatrain.runtime.host import HostState, PinnedArena, moments_key
+from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -290,8 +292,6 @@ class Executor:
                                           for layer in self.graph.layers if layer.trainable_numel > 0]
         count, nbytes = cost.nvme_buffers(self.graph, plan)
         if count and (len(self._nvme_pool) < count or self._nvme_pool[0].numel() < nbytes):
-            from megatrain.runtime.nvme import aligned_buffer
-
             self._nvme_pool = []  # let the old go first
             self._nvme_pool = [aligned_buffer(nbytes) for _ in range(count)]
         scratch = cost.gradient_scratch_numel(self.graph, plan)
@@ -693,10 +693,6 @@ def _nvme_io(read: bool) -> Handler:
     between its NVMe file (``HostState.nvme``) and I/O buffer ``op.buf`` of the executor's pool,
     on the I/O stream, and wait. The OPT that steps them in the buffer depends on the read; the
     write depends on the OPT. A failed transfer raises NvmeError naming the op and the file."""
-    from megatrain.errors import ConfigError
-    from megatrain.runtime.host import moments_key
-    from megatrain.runtime.nvme import NvmeError
-
     def handler(ctx: _RunContext, i: int, op: Op) -> Work:
         store, key = ctx.ex.host.nvme, moments_key(op.layer)
         if store is None or key not in store.tiles:
