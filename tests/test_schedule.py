@@ -52,10 +52,11 @@ def test_op_fields_are_checked():
 def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
     fields = {OpKind.H2D: dict(slot=slot, tile=other if flag else None), OpKind.FWD: dict(mb=mb, slot=slot),
               OpKind.BWD: dict(mb=mb, slot=slot), OpKind.D2H: dict(slot=slot, ring=ring),
-              OpKind.OPT: dict(ring=ring) if flag else dict(acc=other), OpKind.OFFLOAD: dict(mb=mb, copy=other),
+              OpKind.OPT: dict(ring=ring, buf=other) if flag else dict(acc=other),  # buf: moments on NVMe
+              OpKind.OFFLOAD: dict(mb=mb, copy=other),
               OpKind.RELOAD: dict(mb=mb, copy=other), OpKind.RECOMPUTE: dict(mb=mb, slot=slot),
               OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other),
-              OpKind.NVME_READ: dict(), OpKind.NVME_WRITE: dict(),
+              OpKind.NVME_READ: dict(buf=ring), OpKind.NVME_WRITE: dict(buf=ring),
               OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other)}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
