@@ -65,6 +65,7 @@ import torch
 
 from megatrain.config import AdamW
 from megatrain.errors import CheckpointError
+from megatrain.runtime.host import as_tensor
 
 __all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint"]
 
@@ -630,7 +631,8 @@ def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max
         for group, kind in kinds:
             key = f"{layer['name']}.{kind}"
             numel = layer["numel"] if group == "masters" else layer["trainable_numel"]  # frozen: no moments
-            rows.append(_Entry(key, (numel,), torch.float32, (lambda t=sd[group][key]: t)))
+            # A row on the NVMe tier is read from its file only when its shard is written.
+            rows.append(_Entry(key, (numel,), torch.float32, (lambda t=sd[group][key]: as_tensor(t))))
     opt_shards = _plan_shards(rows, max_shard_bytes)
     for k, shard in enumerate(opt_shards):
         name = f"{STATE_DIR}/{_shard_name('optimizer', k, len(opt_shards))}"

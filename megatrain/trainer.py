@@ -35,7 +35,7 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
-from megatrain.runtime.host import HostState, bind_module
+from megatrain.runtime.host import HostState, NvmeMomentRow, as_tensor, bind_module
 from megatrain.runtime.measure import measure_hardware
 
 
@@ -237,7 +237,10 @@ class Trainer:
                 memory ``"model"`` views, whole, padding included).
             ``"optimizer"``: ``{"<layer>.exp_avg" | "<layer>.exp_avg_sq": Tensor[trainable_numel]}``,
                 the FP32 AdamW moment rows of each layer's trainable prefix (frozen parameters,
-                laid out after it, have none).
+                laid out after it, have none); for a layer whose moments live on NVMe
+                (``Plan.nvme_moments``) an :class:`~megatrain.runtime.host.NvmeMomentRow`, which
+                reads the row from its file (``read()``) and writes one into it (``copy_``), so
+                the state of such layers is never all in host memory at once.
             ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
             ``"step_count"``: ``int``, the steps this trainer has taken.
             ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).
@@ -264,8 +267,8 @@ class Trainer:
             "model": model,
             "buffers": buffers,
             "masters": {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
-            "optimizer": {f"{layer.name}.{kind}": row(li) for li, layer in enumerate(layers)
-                          for kind, row in (("exp_avg", host.exp_avg), ("exp_avg_sq", host.exp_avg_sq))},
+            "optimizer": {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
+                          for k, kind in enumerate(("exp_avg", "exp_avg_sq"))},
             "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
             "step_count": self.step_count,
             "optimizer_settings": self.optimizer,
@@ -306,16 +309,18 @@ class Trainer:
             raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
         with torch.no_grad():
             for dst, src in pairs:
-                if not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.shape == src.shape):
+                if isinstance(dst, NvmeMomentRow):
+                    if not dst.same(src):  # written through to the file
+                        dst.copy_(as_tensor(src))
+                elif isinstance(src, NvmeMomentRow):
+                    dst.copy_(src.read())
+                elif not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.shape == src.shape):
                     dst.copy_(src)
         for li, layer in enumerate(self.graph.layers):
             self.host.steps[li].fill_(float(state["adam_steps"][layer.name]))
         self.step_count = int(state["step_count"])
         self.set_optimizer(state["optimizer_settings"])
         self.drop_pending_updates()
-        from megatrain.runtime.executor import nvme_sync
-
-        nvme_sync(self.executor)  # the NVMe tier's moment files follow the loaded state
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
@@ -707,8 +712,9 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
                 backend: Backend | None = None, nvme_dir: str | None = None,
                 host: HostState | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
-    master weights and AdamW moments, 12 bytes per parameter), the module's parameters bound to
-    them (a meta-device model is initialised there by its own initialisation), the backend and
+    master weights and AdamW moments, 12 bytes per parameter; 4 for a layer of
+    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here), the module's
+    parameters bound to them (a meta-device model is initialised there by its own initialisation), the backend and
     the executor. On ``device="cuda"`` the train schedule's GPU slots and pinned buffers are
     allocated here too, so that running out of memory is a compile error, not a first-step one;
     the CPU backend makes its (host) buffers at the first step. ``backend``: the one to run on
@@ -724,8 +730,9 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
     opt = _optimizer(optimizer)
-    if planned.plan.nvme_moments and nvme_dir is None:
-        raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(planned.plan.nvme_moments)} on NVMe "
+    on_nvme = planned.plan.nvme_moments
+    if on_nvme and nvme_dir is None:
+        raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe "
                           "(Plan.nvme_moments) but no NVMe directory was given: pass nvme_dir= (an existing "
                           "directory on an NVMe drive)")
     backend = make_backend(planned.options.device) if backend is None else backend
@@ -733,6 +740,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     if host is None and planned.plan.data_parallel > 1:
         from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
 
+        if on_nvme:  # the ranks' files would share names in one directory, and shards one file
+            raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and trains "
+                              f"data-parallel over {planned.plan.data_parallel} ranks: not supported yet; keep the "
+                              "moments in host memory (no nvme_dir / --nvme-dir) when training on several ranks")
         dp = data_parallel_host(HostState.shared_nbytes(traced.graph), planned.plan.data_parallel,
                                 planned.plan.optimizer_shards)
         host = HostState(traced.graph, shared=dp.shared, writer=dp.writer)
@@ -740,23 +751,23 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         bind_module(model, host, writer=dp.writer)
         broadcast_masters([host.master(i) for i in range(len(traced.graph.layers))], dp)
     elif host is None:
-        host = HostState(traced.graph)
+        # The NVMe files are made here (zeros, like fresh moments): a missing directory or a full
+        # disk fails at compile, before the model is bound.
+        host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir))
         bind_module(model, host)
     elif [lay.params for lay in host.graph.layers] != [lay.params for lay in traced.graph.layers]:
         raise ConfigError("this plan's layers hold other parameters than the shared host tiles' (the model "
                           "traced differently at this shape); compile the shape with its own trainer")
+    elif host.nvme_moments != on_nvme:
+        raise ConfigError(f"this plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe, the shared host "
+                          f"state those of layers {sorted(host.nvme_moments)}; give every shape's plan the same "
+                          "nvme_moments")
     buffers = {}
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
     executor = Executor(traced, host, backend, opt, buffers)
-    executor.nvme_dir = None if nvme_dir is None else str(nvme_dir)
     if host.data_parallel is not None:
         executor.groups, executor.shard_index = host.data_parallel.groups, host.data_parallel.shard_index
-    if planned.plan.nvme_moments:
-        # Make and fill the NVMe files now: a missing directory or a full disk fails at compile.
-        from megatrain.runtime.executor import nvme_store
-
-        nvme_store(executor, planned.plan.nvme_moments)
     if not isinstance(backend, CPUBackend):
         # Commit the GPU slots and the pinned arena now. The CPU backend's buffers are host memory
         # made at the first run (tests that swap a fake CUDA backend in after compile rely on it).

@@ -362,6 +362,19 @@ def test_megatrain_train_refuses_a_global_batch_the_ranks_cannot_split(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_nvme_moments_with_several_ranks_are_refused_before_anything_is_bound(tmp_path):
+    from megatrain.errors import ConfigError
+
+    model = tiny_llama()
+    own = [p.data_ptr() for p in model.parameters()]
+    planned = megatrain.plan_model(model, seq_len=S, micro_batch_size=MBS)
+    plan = dataclasses.replace(planned.plan, data_parallel=2, nvme_moments=frozenset({1}))
+    with pytest.raises(ConfigError, match="on NVMe and trains data-parallel over 2 ranks: not supported yet"):
+        megatrain.materialize(dataclasses.replace(planned, plan=plan), OPT, nvme_dir=str(tmp_path))
+    assert not list(tmp_path.iterdir())  # no NVMe file made
+    assert [p.data_ptr() for p in model.parameters()] == own  # the module was not bound to host tiles
+
+
 def test_readme_data_parallel_snippet_runs(tmp_path, monkeypatch):
     """The README's example, as one rank of a one-process group (the multi-rank runs are above)."""
     from conftest import readme_snippet

@@ -245,7 +245,16 @@ def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carrie
     assert all(ops[i].stream is Stream.IO for i in list(reads.values()) + list(writes.values()))
     # Round trip through JSON, with the plan's NVMe layers.
     assert Schedule.from_json(s.to_json()) == s
-    assert repr(ops[reads[1]]) == "NVME_READ:L1"
+    # Each NVMe layer's moments pass through one I/O buffer: read into it, stepped in it, written from
+    # it; the two buffers (cost.NVME_BUFFERS) are used in turn; layers in RAM name none.
+    for layer in on_nvme:
+        assert ops[opts[layer]].buf == ops[writes[layer]].buf == ops[reads[layer]].buf
+    assert sorted(ops[i].buf for i in reads.values()) == [0, 0, 1]
+    assert all(ops[i].buf is None for layer, i in opts.items() if layer not in on_nvme)
+    assert repr(ops[reads[1]]) == f"NVME_READ:L1:b{ops[reads[1]].buf}"
+    assert Op.parse("OPT:L3:r0:b1") == Op(OpKind.OPT, 3, ring=0, buf=1)
+    with pytest.raises(ValueError, match="NVME_WRITE op needs buf"):
+        Op.parse("NVME_WRITE:L3")
     # The I/O stream has its own resource: the step is timed with it, and its busy time is the ops'.
     hw = spec(nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e6, nvme_write_bytes_per_s=5e5)
     tl = simulate(s, g, hw)
@@ -269,9 +278,49 @@ def test_verifier_rejects_nvme_op_misuse():
         verify(Schedule(tuple(bad), plan, 3), g)
     # The write no longer waits for the OPT.
     w = next(i for i, op in enumerate(ops) if op.kind is OpKind.NVME_WRITE)
-    bad = ops[:w] + [Op(OpKind.NVME_WRITE, 1)] + ops[w + 1:]
+    bad = ops[:w] + [Op(OpKind.NVME_WRITE, 1, buf=0)] + ops[w + 1:]
     with pytest.raises(ScheduleError, match="rule 'nvme'"):
         verify(Schedule(tuple(bad), plan, 3), g)
+    # The OPT of an NVMe layer steps its moments in the buffer its read filled, and names it.
+    # One NVMe layer: one I/O buffer (cost.nvme_buffers).
+    for buf, msg in ((None, "must name an I/O buffer"), (1, r"names I/O buffer b1, but the plan has 1")):
+        bad = ops[:o] + [dataclasses.replace(ops[o], buf=buf)] + ops[o + 1:]
+        with pytest.raises(ScheduleError, match=f"rule 'nvme'.*{msg}"):
+            verify(Schedule(tuple(bad), plan, 3), g)
+    # A layer in host memory has no buffer.
+    o0 = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer == 0)
+    bad = ops[:o0] + [dataclasses.replace(ops[o0], buf=0)] + ops[o0 + 1:]
+    with pytest.raises(ScheduleError, match="rule 'nvme'.*in host memory, so its OPT names no I/O buffer"):
+        verify(Schedule(tuple(bad), plan, 3), g)
+    # A read into a buffer while the OPT of the layer read into it before may still be stepping there.
+    nf = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, nvme_moments=frozenset({2, 3}))
+    g4 = chain_graph(4)
+    ok = lower(g4, nf, mode="update")
+    assert [repr(op) for op in ok.ops[2:]] == ["NVME_READ:L2:b0", "NVME_READ:L3:b1", "OPT:L2:r2:b0", "NVME_WRITE:L2:b0",
+                                               "OPT:L3:r3:b1", "NVME_WRITE:L3:b1"]
+    racy = list(ok.ops[:2]) + [Op.parse("NVME_READ:L2:b0"), Op.parse("OPT:L2:r2:b0", (2,)), Op.parse("NVME_READ:L3:b0"),
+                               Op.parse("NVME_WRITE:L2:b0", (3,)), Op.parse("OPT:L3:r3:b0", (4,)),
+                               Op.parse("NVME_WRITE:L3:b0", (6,))]
+    with pytest.raises(ScheduleError, match=r"op #4 NVME_READ:L3:b0 breaks rule 'nvme': it fills I/O buffer b0 while "
+                                            r"#3 OPT:L2:r2:b0 may still use it. Fix: make it depend on #3"):
+        verify(Schedule(tuple(racy), nf, 4, mode="update"), g4)
+    # An OPT naming the buffer that holds another layer's moments.
+    swapped = list(ok.ops)
+    swapped[4] = Op.parse("OPT:L2:r2:b1", (2,))
+    with pytest.raises(ScheduleError, match=r"op #4 OPT:L2:r2:b1 breaks rule 'nvme': I/O buffer b1 holds layer 3's "
+                                            r"moments, not layer 2's"):
+        verify(Schedule(tuple(swapped), nf, 4, mode="update"), g4)
+    # A buffer the plan does not have (two NVMe layers: two buffers).
+    beyond = list(ok.ops)
+    beyond[3:] = [Op.parse("NVME_READ:L3:b2"), Op.parse("OPT:L2:r2:b0", (2,)), Op.parse("NVME_WRITE:L2:b0", (4,)),
+                  Op.parse("OPT:L3:r3:b2", (3,)), Op.parse("NVME_WRITE:L3:b2", (6,))]
+    with pytest.raises(ScheduleError, match=r"op #3 NVME_READ:L3:b2 breaks rule 'nvme': it names I/O buffer b2, but "
+                                            r"the plan has 2 \(cost.nvme_buffers\)"):
+        verify(Schedule(tuple(beyond), nf, 4, mode="update"), g4)
+    # Reading into the other buffer, the same order is safe.
+    racy[4:8] = [Op.parse("NVME_READ:L3:b1"), racy[5], Op.parse("OPT:L3:r3:b1", (4,)),
+                 Op.parse("NVME_WRITE:L3:b1", (6,))]
+    verify(Schedule(tuple(racy), nf, 4, mode="update"), g4)
     # An NVMe op of a layer whose moments are in host memory.
     with pytest.raises(ScheduleError, match="rule 'nvme'.*not on NVMe"):
         verify(Schedule(tuple(ops), Plan(), 3), g)
@@ -290,47 +339,152 @@ from conftest import random_batch, tiny_llama  # noqa: E402
 from test_exactness import ADAMW  # noqa: E402
 
 
+from megatrain.errors import StepError  # noqa: E402
+from megatrain.runtime.host import HostState  # noqa: E402
+
+ON_NVME = frozenset({1, 3})  # of tiny_llama(layers=2)'s 4 layers: a decoder layer and the head, not all
+
+
+def _planned(model, max_grad_norm=None, on_nvme=ON_NVME):
+    """The default plan of ``model`` (2 micro-batches of 2 rows of 16 tokens) with the moments of
+    ``on_nvme`` on NVMe."""
+    planned = megatrain.plan_model(model, plan="default", seq_len=16, micro_batch_size=2, micro_batches=2,
+                                   max_grad_norm=max_grad_norm)
+    return dataclasses.replace(planned.plan, nvme_moments=on_nvme)
+
+
+def _compile(model, plan, nvme_dir=None, max_grad_norm=None):
+    return megatrain.compile(model, plan=plan, optimizer=ADAMW, seq_len=16, micro_batch_size=2, micro_batches=2,
+                             max_grad_norm=max_grad_norm, nvme_dir=None if nvme_dir is None else str(nvme_dir))
+
+
+BATCHES = [random_batch(4, 16, 96, seed=s) for s in range(4)]
+
+
+def test_nvme_moments_free_their_host_bytes_as_the_cost_model_counts(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    plan = _planned(copy.deepcopy(model))
+    ram_plan = dataclasses.replace(plan, nvme_moments=frozenset())
+    graph = megatrain.plan_model(copy.deepcopy(model), plan=plan, seq_len=16, micro_batch_size=2,
+                                 micro_batches=2).traced.graph
+    moments = {i: 2 * 4 * graph.layers[i].trainable_numel for i in ON_NVME}  # exp_avg + exp_avg_sq, FP32
+    ram, disk = HostState(graph), HostState(graph, ON_NVME, str(tmp_path))
+    assert ram.nbytes - disk.nbytes == sum(moments.values())
+    for host, p in ((ram, ram_plan), (disk, plan)):  # the persistent state is the planner's figure
+        mem = cost.memory_breakdown(graph, p)
+        assert host.nbytes == mem.master_weights + mem.adam_moments
+    with pytest.raises(ValueError, match=r"keeps its Adam moments on NVMe .*L3\.moments\.tile"):
+        disk.exp_avg(3)
+    # The I/O buffers: two (cost.NVME_BUFFERS), each the widest NVMe layer's moments in whole 4 KiB blocks.
+    mem, mem_ram = cost.memory_breakdown(graph, plan), cost.memory_breakdown(graph, ram_plan)
+    assert mem.nvme_buffers == 2 * -(-max(moments.values()) // 4096) * 4096
+    assert mem_ram.host_total - mem.host_total == sum(moments.values()) - mem.nvme_buffers
+    # ... which is what the executor allocates for them.
+    (tmp_path / "t").mkdir()
+    trainer = _compile(copy.deepcopy(model), plan, tmp_path / "t")
+    trainer.step(BATCHES[0])
+    assert trainer.host.nbytes == disk.nbytes
+    assert sum(b.numel() for b in trainer.executor._nvme_pool) == mem.nvme_buffers
+    # The placement's host figure agrees too: with 1 byte too little host memory it moves moments,
+    # largest layer first, until what they free exceeds the I/O buffers they add by a byte.
+    hw = spec(host_memory_bytes=mem_ram.host_total - 1, pinned_memory_cap_bytes=mem_ram.host_pinned,
+              nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+    placement = place_on_nvme(graph, ram_plan, mem_ram, hw)
+    assert placement.moments and not placement.gradients and not placement.masters
+    placed = cost.memory_breakdown(graph, dataclasses.replace(ram_plan, nvme_moments=placement.moments))
+    assert placement.host_total(mem_ram) == placed.host_total and placed.nvme_buffers == placement.buffer_bytes
+
+
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
 def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_norm):
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
     ref_model = copy.deepcopy(model)
-    kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=max_grad_norm)
-    planned = megatrain.plan_model(copy.deepcopy(model), plan="default", **kw)
-    graph = planned.traced.graph
-    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel]
-    on_nvme = frozenset(trainable[::2] + trainable[-1:])  # some layers on NVMe, some in RAM
-    plan = dataclasses.replace(planned.plan, nvme_moments=on_nvme)
+    plan = _planned(copy.deepcopy(model), max_grad_norm)
     with pytest.raises(ConfigError, match="nvme_dir"):
-        megatrain.compile(copy.deepcopy(model), plan=plan, optimizer=ADAMW, **kw)
-    ref = megatrain.compile(ref_model, plan=planned.plan, optimizer=ADAMW, **kw)
-    got = megatrain.compile(model, plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path), **kw)
-    # The files are made and filled at compile (a missing directory or full disk fails there).
-    assert sorted(os.listdir(tmp_path)) == sorted(f"L{li}.moments.tile" for li in on_nvme)
-    batches = [random_batch(2, 16, 96, seed=s % 3) for s in range(6)]
-    for step, b in enumerate(batches):
+        _compile(copy.deepcopy(model), plan, None, max_grad_norm)
+    ref = _compile(ref_model, dataclasses.replace(plan, nvme_moments=frozenset()), None, max_grad_norm)
+    got = _compile(model, plan, tmp_path, max_grad_norm)
+    # The files are made at compile (a missing directory or full disk fails there).
+    assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
+    for step, b in enumerate(BATCHES + BATCHES[:2]):
         assert got.step(b).loss == ref.step(b).loss, f"step {step}"
-        host = got.executor.host
-        # Evict: the moments of NVMe layers in host memory are garbage between steps, so the next
-        # step's updates are right only if their NVME_READ brought them back from the files.
-        for li in on_nvme:
-            host.exp_avg(li).fill_(float("nan"))
-            host.exp_avg_sq(li).fill_(float("nan"))
-    assert sorted(os.listdir(tmp_path)) == sorted(f"L{li}.moments.tile" for li in on_nvme)
+        # Between steps the I/O buffers hold garbage, so the next step's updates are right only if
+        # their NVME_READs bring the moments back from the files.
+        for buf in got.executor._nvme_pool:
+            buf.view(torch.float32).fill_(float("nan"))
     ref.flush()
     got.flush()
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
+    for li in range(4):
+        assert torch.equal(got.host.read_moments(li), ref.host.read_moments(li)), li
+        assert float(got.host.steps[li]) == float(ref.host.steps[li]) == len(BATCHES) + 2
+
+
+def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path):
+    """Save with moments on NVMe and load into an all-in-RAM trainer, and the reverse: both go on
+    exactly as an uninterrupted run (the optimizer rows of NVMe layers are read from and written
+    to their files)."""
+    torch.manual_seed(0)
+    base = tiny_llama(layers=2)
+    plan = _planned(copy.deepcopy(base), 0.5)
+    ram_plan = dataclasses.replace(plan, nvme_moments=frozenset())
+    for d in ("a", "c"):
+        (tmp_path / d).mkdir()
+    ref = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
+    nv = _compile(copy.deepcopy(base), plan, tmp_path / "a", 0.5)
+    for b in BATCHES[:2]:
+        assert ref.step(b).loss == nv.step(b).loss
+    ref.save(tmp_path / "ckpt_ram")
+    nv.save(tmp_path / "ckpt_nvme")
+    want = [ref.step(b).loss for b in BATCHES[2:]]
+    ref.flush()
+    into_ram = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
+    into_ram.load(tmp_path / "ckpt_nvme")
+    into_nvme = _compile(copy.deepcopy(base), plan, tmp_path / "c", 0.5)
+    into_nvme.load(tmp_path / "ckpt_ram")
+    for t in (into_ram, into_nvme):
+        assert [t.step(b).loss for b in BATCHES[2:]] == want
+        t.flush()
+        for li in range(4):
+            assert torch.equal(t.host.master(li), ref.host.master(li)), li
+            assert torch.equal(t.host.read_moments(li), ref.host.read_moments(li)), li
+    # A trainer's state_dict loads into another directly too: NVMe rows are read, RAM rows written through.
+    into_nvme.load_state_dict(into_ram.state_dict())
+    into_ram.load_state_dict(into_nvme.state_dict())
+    assert torch.equal(into_nvme.host.read_moments(3), ref.host.read_moments(3))
+
+
+def test_truncated_nvme_file_mid_run_names_op_and_file_and_leaves_state(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    t = _compile(model, _planned(copy.deepcopy(model)), tmp_path)
+    t.step(BATCHES[0])
+    masters = [t.host.master(li).clone() for li in range(4)]
+    steps = [float(s) for s in t.host.steps]
+    moments1 = t.host.read_moments(1)
+    os.truncate(tmp_path / "L3.moments.tile", ALIGN)
+    with pytest.raises(StepError, match=r"NvmeError: op #\d+ NVME_READ:L3:b0: NVMe tile file .*L3\.moments\.tile"
+                                        r"' is truncated") as e:
+        t.step(BATCHES[1])
+    assert isinstance(e.value.__cause__, NvmeError)
+    # Nothing was updated from garbage: the head's read failed before any optimizer step (its OPT is
+    # the first), so every master, Adam step and readable moment is as before.
+    assert e.value.updated_layers == ()
+    for li in range(4):
+        assert torch.equal(t.host.master(li), masters[li]), li
+    assert [float(s) for s in t.host.steps] == steps
+    assert torch.equal(t.host.read_moments(1), moments1)
 
 
 def test_readme_nvme_snippet_runs(tmp_path):
-    import pathlib
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = text[text.index("## NVMe tier"):]
-    code = section[section.index("```python") + len("```python"):]
-    code = code[:code.index("```")].replace("/mnt/nvme/run1", str(tmp_path))
+    from conftest import readme_snippet
+
+    code = readme_snippet("## NVMe tier").replace("/mnt/nvme/run1", str(tmp_path))
     ns = {"megatrain": megatrain, "dataclasses": dataclasses, "model": tiny_llama(layers=2)}
-    exec(code, ns)
+    exec(compile(code, "README.md", "exec"), ns)
     trainer = ns["trainer"]
     assert trainer.planned.plan.nvme_moments == frozenset({1, 3})
     assert math.isfinite(trainer.step(random_batch(1, 16, 96, seed=0)).loss)
@@ -356,7 +510,7 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
         t = megatrain.materialize(p, ADAMW, backend=backend, nvme_dir=str(d))
         losses = [t.step(b).loss for b in batches]
         t.flush()
-        return losses, [b.clone() for b in t.executor.host.blocks]
+        return losses, [b.clone() for b in t.host.blocks] + [t.host.read_moments(li) for li in range(4)]
 
     want = run(None, tmp_path)
     for seed in range(2):
@@ -369,32 +523,7 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(got[1], want[1])), f"seed {seed}"
 
 
-def test_checkpoint_load_refills_the_nvme_files(tmp_path):
-    """Loading a checkpoint changes the host moments; the NVMe files must follow, or the next
-    update would read the moments of before the load."""
-    torch.manual_seed(0)
-    base = tiny_llama(layers=2)
-    kw = dict(seq_len=16, micro_batch_size=2)
-    planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
-    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({1, 2}))
-    batches = [random_batch(2, 16, 96, seed=s) for s in range(4)]
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = megatrain.compile(copy.deepcopy(base), plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path / "a"), **kw)
-    for b in batches[:2]:
-        a.step(b)
-    a.save(tmp_path / "ckpt")
-    b = megatrain.compile(copy.deepcopy(base), plan=plan, optimizer=ADAMW, nvme_dir=str(tmp_path / "b"), **kw)
-    b.load(tmp_path / "ckpt")
-    for li in (1, 2):  # evict the host copies: the next update must read the loaded moments from disk
-        b.executor.host.exp_avg(li).fill_(float("nan"))
-        b.executor.host.exp_avg_sq(li).fill_(float("nan"))
-    for batch in batches[2:]:
-        assert b.step(batch).loss == a.step(batch).loss
-    assert all(torch.equal(x, y) for x, y in zip(a.executor.host.blocks, b.executor.host.blocks))
-
-
-def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch):
+def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch, capsys):
     import json
 
     import megatrain.runtime.measure
@@ -404,8 +533,6 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch)
     monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
     write_model(tmp_path / "config.json")
     (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json"))
-    nvme_dir = tmp_path / "nvme"
-    nvme_dir.mkdir()
 
     def losses(out, *extra):
         assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(out), "--max-steps", "4",
@@ -414,6 +541,32 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch)
         return [r["loss"] for r in rows if "loss" in r]
 
     want = losses(tmp_path / "ram")
-    got = losses(tmp_path / "nvme_run", "--nvme-dir", str(nvme_dir))
-    assert len(want) == 4 and got == want
-    assert sorted(os.listdir(nvme_dir)) and all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
+    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0)):
+        nvme_dir = tmp_path / f"nvme_{name}"
+        nvme_dir.mkdir()
+        capsys.readouterr()
+        got = losses(tmp_path / f"run_{name}", "--nvme-dir", str(nvme_dir), *extra)
+        assert len(want) == 4 and got == want, name
+        # Every layer's moments without a budget; none when the plan fits the budget in RAM. Said.
+        assert f"NVMe: Adam moments of {on_disk} of 4 trainable layers" in capsys.readouterr().out
+        assert len(os.listdir(nvme_dir)) == on_disk
+        assert all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
+
+
+def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
+    from megatrain.train.loop import nvme_layers
+
+    torch.manual_seed(0)
+    planned = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2)
+    graph, total = planned.graph, planned.memory.host_total
+    every = frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
+    assert nvme_layers(planned, None, str(tmp_path)) == every == {0, 1, 2, 3}
+    assert nvme_layers(planned, "1TiB", str(tmp_path)) == frozenset()
+    # One byte short: the largest layers' moments move until the host total fits, not every layer's.
+    some = nvme_layers(planned, str(total - 1), str(tmp_path))
+    assert some and some < every and 3 in some  # the head (vocab x hidden) is the largest
+    placed = cost.memory_breakdown(graph, dataclasses.replace(planned.plan, nvme_moments=some))
+    assert placed.host_total <= total - 1
+    assert placed.adam_moments == sum(8 * graph.layers[i].trainable_numel for i in every - some)
+    with pytest.raises(PlanError, match="with every Adam moment on NVMe the plan still needs .* of host memory"):
+        nvme_layers(planned, "64KiB", str(tmp_path))

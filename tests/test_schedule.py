@@ -52,10 +52,11 @@ def test_op_fields_are_checked():
 def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
     fields = {OpKind.H2D: dict(slot=slot, tile=other if flag else None), OpKind.FWD: dict(mb=mb, slot=slot),
               OpKind.BWD: dict(mb=mb, slot=slot), OpKind.D2H: dict(slot=slot, ring=ring),
-              OpKind.OPT: dict(ring=ring) if flag else dict(acc=other), OpKind.OFFLOAD: dict(mb=mb, copy=other),
+              OpKind.OPT: dict(ring=ring, buf=other) if flag else dict(acc=other),  # buf: moments on NVMe
+              OpKind.OFFLOAD: dict(mb=mb, copy=other),
               OpKind.RELOAD: dict(mb=mb, copy=other), OpKind.RECOMPUTE: dict(mb=mb, slot=slot),
               OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other),
-              OpKind.NVME_READ: dict(), OpKind.NVME_WRITE: dict(),
+              OpKind.NVME_READ: dict(buf=ring), OpKind.NVME_WRITE: dict(buf=ring),
               OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other), OpKind.ALL_GATHER: dict()}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
@@ -293,9 +294,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 7
-    doc["version"] = 6
-    with pytest.raises(pydantic.ValidationError, match="version 6 is not 7.*lower the plan again"):
+    assert doc["version"] == 8
+    doc["version"] = 7
+    with pytest.raises(pydantic.ValidationError, match="version 7 is not 8.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 

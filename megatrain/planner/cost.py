@@ -63,6 +63,7 @@ counted as twice the forward, so model FLOPs = 3 x the sum of the layers' traced
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -602,7 +603,10 @@ class MemoryBreakdown:
     and staging rings, the offloaded-checkpoint space and the per-layer norms and flags
     (``pinned_norms``) are pinned, each in whole pages (:func:`pinned_buffers`);
     ``gradient_accumulators`` (per-micro-batch passes only) and ``gradient_scratch`` (the FP32
-    widening of BF16 gradients for the optimizer, :func:`widens_gradients`) are pageable. ``state_pinned`` is true
+    widening of BF16 gradients for the optimizer, :func:`widens_gradients`) are pageable.
+    ``adam_moments`` counts the layers whose moments are in host memory only: those of
+    ``Plan.nvme_moments`` live in their NVMe files and pass through the pageable I/O buffers
+    (``nvme_buffers``, :func:`nvme_buffers`). ``state_pinned`` is true
     when the master rows must be pinned too (``pinned_masters`` bytes, :func:`pinned_master_bytes`):
     with FP32 compute the H2D reads the master row directly, and a DMA needs page-locked memory.
     The moments are never pinned. ``host_pinned`` is the bytes the runtime page-locks, exactly.
@@ -630,12 +634,13 @@ class MemoryBreakdown:
     dynamic_peak: int
     reserve: int
     gradient_scratch: int = 0
+    nvme_buffers: int = 0
 
     @property
     def host_total(self) -> int:
         return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
                 + self.pinned_activations + self.pinned_norms + self.gradient_accumulators
-                + self.gradient_scratch)
+                + self.gradient_scratch + self.nvme_buffers)
 
     @property
     def host_pinned(self) -> int:
@@ -679,6 +684,7 @@ class MemoryBreakdown:
             ("host", "gradient norms and flags (pinned)", self.pinned_norms),
             ("host", "gradient accumulators (FP32)", self.gradient_accumulators),
             ("host", "gradient widening scratch (FP32)", self.gradient_scratch),
+            ("host", "NVMe I/O buffers (Adam moments)", self.nvme_buffers),
             ("host", "total", self.host_total),
             ("host", "of which pinned", self.host_pinned),
             ("gpu", "weight slots", self.weight_slots),
@@ -745,7 +751,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
     bf16 = plan.compute_dtype == "bfloat16"
     return MemoryBreakdown(
         master_weights=numel * MASTER_BYTES_PER_ELEMENT,
-        adam_moments=sum(layer.trainable_numel for layer in layers) * MOMENT_BYTES_PER_ELEMENT,
+        adam_moments=sum(layer.trainable_numel for i, layer in enumerate(layers)
+                         if i not in plan.nvme_moments) * MOMENT_BYTES_PER_ELEMENT,
         gradient_ring=pinned.bytes_of("ring"),
         staging_ring=pinned.bytes_of("staging"),
         pinned_activations=pinned.bytes_of("offload"),
@@ -762,6 +769,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         dynamic_peak=dyn,
         reserve=hw.gpu_reserve_bytes if hw is not None else DEFAULT_GPU_RESERVE_BYTES,
         gradient_scratch=gradient_scratch_numel(graph, plan) * GRAD_ITEMSIZE,
+        nvme_buffers=math.prod(nvme_buffers(graph, plan)),
     )
 
 
@@ -813,6 +821,7 @@ __all__ = [
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
+    "NVME_BUFFERS", "nvme_buffers",
 ]
 
 
@@ -820,6 +829,23 @@ def nvme_bytes(layer: Layer) -> int:
     """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves: its two FP32 Adam moments (8 bytes per
     trainable parameter), padded to the 4096-byte O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
     return -(-layer.trainable_numel * MOMENT_BYTES_PER_ELEMENT // 4096) * 4096
+
+
+NVME_BUFFERS = 2
+"""Host I/O buffers of the NVMe tier: one being read or written while the OPT uses the other
+(the lowering's read-ahead, ``lower.add_nvme_io``, hands them out in turn)."""
+
+
+def nvme_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
+    """``(count, bytes each)`` of the host I/O buffers the moments of ``plan.nvme_moments`` pass
+    through: :data:`NVME_BUFFERS`, or one per NVMe layer when there are fewer (the lowering's
+    ``Op.buf`` indices are below it), each :func:`nvme_bytes` of the widest NVMe layer (whole
+    4096-byte blocks: the runtime reads and writes them with ``O_DIRECT``). ``(0, 0)`` without
+    NVMe layers. Pageable: the moments never go to the GPU."""
+    if not plan.nvme_moments:
+        return 0, 0
+    return (min(NVME_BUFFERS, len(plan.nvme_moments)),
+            max(nvme_bytes(graph.layers[i]) for i in plan.nvme_moments))
 
 
 def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind) -> float:

@@ -57,6 +57,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatrain.errors import PlanError
+from megatrain.planner.cost import NVME_BUFFERS
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
@@ -217,41 +218,46 @@ def add_carried_updates(ops: list[Op], req: _Request) -> list[Op]:
 
 def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     """Pass 5 (plans with ``nvme_moments``): on the I/O stream, an NVME_READ of each such layer's
-    Adam moments before its OPT, and an NVME_WRITE after it. The reads run one OPT ahead (the read
-    of the next NVMe layer is issued before this layer's OPT, two host I/O buffers, as
-    ``planner.nvme.NVME_BUFFERS`` counts), so the in-order I/O stream is not held by a write that
-    waits for its OPT while the next read could run. A write happens after the last modification
-    (it depends on the OPT) and a read before the use (the OPT depends on it); the I/O stream is
-    in order, so no two transfers of one file are in flight at once."""
+    Adam moments into a host I/O buffer before its OPT, which steps them in that buffer
+    (``OPT:L3:r0:b1``), and an NVME_WRITE of the buffer after it. The reads run one OPT ahead (the
+    read of the next NVMe layer is issued before this layer's OPT), so the in-order I/O stream is
+    not held by a write that waits for its OPT while the next read could run; that needs
+    ``cost.NVME_BUFFERS`` (2) buffers, used in turn: the read into a buffer comes after
+    the write that emptied it on the in-order I/O stream, and that write after the OPT. A write
+    happens after the last modification (it depends on the OPT) and a read before the use (the
+    OPT depends on it); no two transfers of one file are in flight at once."""
     plan = req if isinstance(req, Plan) else req.plan
     if not plan.nvme_moments:
         return ops
     order = [i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer in plan.nvme_moments]
-    opts = set(order)
+    buf_of = {i: k % NVME_BUFFERS for k, i in enumerate(order)}  # the k-th read fills buffer k mod 2
     # Where each new op goes: reads before an OPT (the first OPT gets its own read and the next
     # one's; later OPTs get the read of the one after), writes after it.
-    before: dict[int, list[int]] = defaultdict(list)  # old index -> layers to read just before it
+    before: dict[int, list[int]] = defaultdict(list)  # old index -> OPTs (old index) to read for just before it
     for k, i in enumerate(order):
         if k == 0:
-            before[i].append(ops[i].layer)
+            before[i].append(i)
         if k + 1 < len(order):
-            before[i].append(ops[order[k + 1]].layer)
+            before[i].append(order[k + 1])
     new_index, j = [], 0
     for i in range(len(ops)):
         j += len(before.get(i, ()))
         new_index.append(j)
-        j += 1 + (1 if i in opts else 0)
+        j += 1 + (1 if i in buf_of else 0)
     read_at: dict[int, int] = {}
     out: list[Op] = []
     for i, op in enumerate(ops):
-        for layer in before.get(i, ()):
-            read_at[layer] = len(out)
-            out.append(Op(OpKind.NVME_READ, layer))
-        deps = tuple(sorted({new_index[d] for d in op.deps} | ({read_at[op.layer]} if i in opts else set())))
+        for o in before.get(i, ()):
+            read_at[o] = len(out)
+            out.append(Op(OpKind.NVME_READ, ops[o].layer, buf=buf_of[o]))
+        deps = {new_index[d] for d in op.deps}
+        if i in buf_of:
+            deps.add(read_at[i])
+            op = dataclasses.replace(op, buf=buf_of[i])
         at = len(out)
-        out.append(dataclasses.replace(op, deps=deps))
-        if i in opts:
-            out.append(Op(OpKind.NVME_WRITE, op.layer, deps=(at,)))
+        out.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
+        if i in buf_of:
+            out.append(Op(OpKind.NVME_WRITE, op.layer, buf=buf_of[i], deps=(at,)))
     return out
 
 

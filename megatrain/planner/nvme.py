@@ -18,9 +18,10 @@ NVMe I/O buffers) exceed the host memory, it moves one more layer's tile, gradie
 then moments, then masters, each kind largest layer first. Every kind costs the same NVMe traffic
 per byte of host memory freed (one write and one read per step), so the order only prefers what
 frees pinned memory (gradient tiles) and what leaves the H2D path alone (moments before masters).
-The I/O buffers are :data:`NVME_BUFFERS` tiles of the widest placed layer's NVMe bytes, so a read
-of the next layer overlaps the OPT of this one; the gradient part of them is pinned (a D2H lands
-there).
+The I/O buffers are :data:`NVME_BUFFERS` tiles (one per placed layer when fewer) of the widest
+placed layer's NVMe bytes, so a read of the next layer overlaps the OPT of this one; the gradient
+part of them is pinned (a D2H lands there). For moments alone this is ``cost.nvme_buffers``, the
+pool the runtime allocates.
 
 Time. Reads and writes share the drives, so the NVMe I/O stream is busy
 ``read_bytes / nvme_read_bytes_per_s + write_bytes / nvme_write_bytes_per_s`` per step, and the
@@ -49,8 +50,9 @@ from megatrain.planner.hardware import PINNED_FRACTION, HardwareSpec
 from megatrain.planner.plan import OptimizerPlacement, Plan
 from megatrain.units import GiB, TiB, human_bytes
 
-NVME_BUFFERS = 2
-"""Host I/O buffers per NVMe stream: one being read or written while the OPT uses the other."""
+NVME_BUFFERS = cost.NVME_BUFFERS
+"""Host I/O buffers per NVMe stream: one being read or written while the OPT uses the other
+(defined in the cost model, which sizes them: ``cost.nvme_buffers``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +187,17 @@ def _align(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
-def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, hw: HardwareSpec) -> NvmePlacement:
+KINDS = ("gradients", "moments", "masters")
+"""What :func:`place_on_nvme` may move, in the order it moves them."""
+
+
+def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, hw: HardwareSpec,
+                  kinds: tuple[str, ...] = KINDS) -> NvmePlacement:
     """The least state to move to NVMe so that ``memory`` (the plan's breakdown) plus the I/O
     buffers fits ``hw.host_memory_bytes`` and the pinned cap (module docstring, "Choice").
+    ``memory`` is the breakdown of ``plan`` with nothing on NVMe (``plan.nvme_moments`` empty), so
+    that :meth:`NvmePlacement.host_total` equals ``cost.memory_breakdown`` of the placed plan.
+    ``kinds``: which of :data:`KINDS` may move (``("moments",)``: what the runtime runs today).
 
     Raises:
         PlanError: even with every movable tile on NVMe the host memory is short, or the NVMe
@@ -204,12 +214,13 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
     deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
     # (kind, layer, bytes freed on the host, of which pinned, bytes on disk)
     moves: list[tuple[str, int, int, int]] = []
-    if deferred:
+    if deferred and "gradients" in kinds:
         moves += sorted((("gradients", i, cost.page_up(l.trainable_numel * gsize), True)
                          for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
-    moves += sorted((("moments", i, l.trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT, False)
-                     for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
-    if plan.compute_dtype == "bfloat16":
+    if "moments" in kinds:
+        moves += sorted((("moments", i, l.trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT, False)
+                         for i, l in enumerate(layers) if l.trainable_numel), key=lambda m: -m[2])
+    if plan.compute_dtype == "bfloat16" and "masters" in kinds:
         moves += sorted((("masters", i, l.numel * cost.MASTER_BYTES_PER_ELEMENT, False)
                          for i, l in enumerate(layers) if l.numel), key=lambda m: -m[2])
     chosen: dict[str, set[int]] = {"gradients": set(), "moments": set(), "masters": set()}
@@ -219,8 +230,9 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
     def buffers() -> tuple[int, int]:
         if not per_layer:
             return 0, 0
-        return (NVME_BUFFERS * max(_align(b) for b, _ in per_layer.values()),
-                NVME_BUFFERS * max(_align(g) for _, g in per_layer.values()))
+        count = min(NVME_BUFFERS, len(per_layer))  # as cost.nvme_buffers: one per layer when fewer
+        return (count * max(_align(b) for b, _ in per_layer.values()),
+                count * max(_align(g) for _, g in per_layer.values()))
 
     def fits() -> bool:
         buf, pbuf = buffers()
@@ -238,11 +250,14 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
         pinned_freed += nbytes if pinned else 0
     buf, pbuf = buffers()
     if not fits():
-        raise PlanError(f"{hw.name}: with every gradient tile, Adam moment"
-                        f"{' and master' if plan.compute_dtype == 'bfloat16' else ''} on NVMe the plan still needs "
+        moved = sorted({kind for kind, *_ in moves}, key=KINDS.index)
+        what = ", ".join({"gradients": "gradient tile", "moments": "Adam moment", "masters": "master"}[k]
+                         for k in moved) or "nothing movable"
+        hint = ("" if plan.compute_dtype == "bfloat16" or "masters" not in kinds
+                else " or compute in bfloat16 (FP32 compute keeps masters in pinned host memory)")
+        raise PlanError(f"{hw.name}: with every {what} on NVMe the plan still needs "
                         f"{human_bytes(memory.host_total - freed + buf)} of host memory, and "
-                        f"{human_bytes(hw.host_memory_bytes)} is there; add host memory"
-                        f"{'' if plan.compute_dtype == 'bfloat16' else ' or compute in bfloat16 (FP32 compute keeps masters in pinned host memory)'}")
+                        f"{human_bytes(hw.host_memory_bytes)} is there; add host memory{hint}")
     placed = [n for kind, i, n, _ in moves if i in chosen[kind]]
     on_disk = sum(_align(n) for n in placed)
     if on_disk > hw.nvme_capacity_bytes:

@@ -72,8 +72,10 @@ class Plan:
             them (ACC into the FP32 accumulator, OPT into an FP32 scratch); norms and finite flags
             are computed in FP32 on the device.
         nvme_moments: layers whose Adam moments live on the NVMe tier (:mod:`megatrain.planner.nvme`):
-            the lowering reads them (NVME_READ) before the layer's OPT and writes them (NVME_WRITE)
-            after it, on the I/O stream. The runtime needs an NVMe directory (``nvme_dir``).
+            they have no rows in host memory; the lowering reads them (NVME_READ) into a host I/O
+            buffer (``Op.buf``, ``cost.nvme_buffers``) before the layer's OPT, which steps them
+            there, and writes them back (NVME_WRITE) after it, on the I/O stream. The runtime
+            needs an NVMe directory (``nvme_dir``).
         data_parallel: ranks that train one global batch together (torch.distributed, one
             process per rank, each running this schedule on its own micro-batches). >1 lowers an
             ALL_REDUCE of each layer's step gradients (on the COMM stream, after the op that

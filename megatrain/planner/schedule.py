@@ -3,11 +3,12 @@
 Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``H2D:L3:s1:t0``,
 ``FWD:L3:m0:s1``, ``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OPT:L3:a2``,
 ``OFFLOAD:L3:m0:c0``, ``RELOAD:L3:m0:c0``, ``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``,
-``ACC:L3:m1:r0:a2``), after the ``_Action`` records of ``torch.distributed.pipelining``. Each op
-names every buffer it touches (see :class:`Op`), so the lowering decides and the runtime reads.
-The op list is in issue order: a topological order of the DAG, and for each stream the order its
-in-order queue runs the ops. ``deps`` are indices of earlier ops
-that must finish first; a dependency that crosses streams becomes an event in the CUDA backend.
+``ACC:L3:m1:r0:a2``, ``NVME_READ:L3:b0``, ``OPT:L3:r0:b0``), after the ``_Action`` records of
+``torch.distributed.pipelining``. Each op names every buffer it touches (see :class:`Op`), so the
+lowering decides and the runtime reads. The op list is in issue order: a topological order of the
+DAG, and for each stream the order its in-order queue runs the ops. ``deps`` are indices of
+earlier ops that must finish first; a dependency that crosses streams becomes an event in the
+CUDA backend.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 7
+SCHEDULE_FORMAT_VERSION = 8
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
-sharded optimizer's ALL_GATHER and Plan.optimizer_shards; files of earlier versions are refused
-(lower the plan again)."""
+sharded optimizer's ALL_GATHER and Plan.optimizer_shards; 8 the NVMe I/O buffer (``b``) that
+NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; files of earlier
+versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -55,8 +57,8 @@ class OpKind(enum.Enum):
     RECOMPUTE = "RECOMPUTE"  # forward of a layer in the backward phase, to rebuild its checkpoints
     CAST = "CAST"  # host: write a layer's master weights in the compute dtype into a staging tile
     ACC = "ACC"  # host: add one micro-batch's gradients from a ring tile into the layer's accumulator
-    NVME_READ = "NVME_READ"  # read a layer's Adam moments from its NVMe tile into host memory, before its OPT
-    NVME_WRITE = "NVME_WRITE"  # write them back to the NVMe tile after the OPT modified them
+    NVME_READ = "NVME_READ"  # read a layer's Adam moments from its NVMe tile into an I/O buffer, before its OPT
+    NVME_WRITE = "NVME_WRITE"  # write them from that buffer back to the NVMe tile after the OPT modified them
     ALL_REDUCE = "ALL_REDUCE"  # data parallel: average a layer's step gradients (its tile or accumulator) over ranks
     ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
 
@@ -77,27 +79,28 @@ _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: St
               OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO,
               OpKind.ALL_REDUCE: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM}
 
-_ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "copy")
+_ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "copy", "buf")
 """Every index field, in the order a repr writes them."""
-_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc": "a", "copy": "c"}
+_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc": "a", "copy": "c", "buf": "b"}
 _FIELD_OF = {prefix: name for name, prefix in _PREFIX.items()}
 
 # (required fields, optional fields) of each kind. An H2D names the staging tile it reads when the
 # plan computes in BF16 (FP32 copies read the master rows); an OPT reads either a host gradient
-# tile (``ring``) or an accumulator (``acc``), exactly one of them.
+# tile (``ring``) or an accumulator (``acc``), exactly one of them; the OPT of a layer whose moments
+# live on NVMe names the I/O buffer (``buf``) its NVME_READ filled.
 _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.H2D: (("layer", "slot"), ("tile",)),
     OpKind.FWD: (("layer", "mb", "slot"), ()),
     OpKind.BWD: (("layer", "mb", "slot"), ()),
     OpKind.D2H: (("layer", "slot", "ring"), ()),
-    OpKind.OPT: (("layer",), ("ring", "acc")),
+    OpKind.OPT: (("layer",), ("ring", "acc", "buf")),
     OpKind.OFFLOAD: (("layer", "mb", "copy"), ()),
     OpKind.RELOAD: (("layer", "mb", "copy"), ()),
     OpKind.RECOMPUTE: (("layer", "mb", "slot"), ()),
     OpKind.CAST: (("layer", "tile"), ()),
     OpKind.ACC: (("layer", "mb", "ring", "acc"), ()),
-    OpKind.NVME_READ: (("layer",), ()),
-    OpKind.NVME_WRITE: (("layer",), ()),
+    OpKind.NVME_READ: (("layer", "buf"), ()),
+    OpKind.NVME_WRITE: (("layer", "buf"), ()),
     OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
     OpKind.ALL_GATHER: (("layer",), ()),
 }
@@ -107,7 +110,9 @@ def _spelling(kind: OpKind) -> str:
     """How an op of ``kind`` is written, e.g. ``H2D:L<int>:s<int>[:t<int>]``."""
     required, optional = _FIELDS[kind]
     text = ":".join([kind.value] + [f"{_PREFIX[n]}<int>" for n in required])
-    if kind in (OpKind.OPT, OpKind.ALL_REDUCE):
+    if kind is OpKind.OPT:
+        return text + ":(r<int>|a<int>)[:b<int>]"
+    if kind is OpKind.ALL_REDUCE:
         return text + ":(r<int>|a<int>)"
     return text + "".join(f"[:{_PREFIX[n]}<int>]" for n in optional)
 
@@ -127,7 +132,11 @@ class Op:
     - ``acc``: a layer's FP32 host accumulator (per-micro-batch passes), which ACC adds into and
       an OPT steps from;
     - ``copy``: the pinned copy of a layer's checkpoints an OFFLOAD writes and a RELOAD reads (one
-      per micro-batch layer by layer; copy 0, reused, with per-micro-batch passes).
+      per micro-batch layer by layer; copy 0, reused, with per-micro-batch passes);
+    - ``buf``: the host I/O buffer of the NVMe pool (``cost.nvme_buffers``) that an NVME_READ
+      fills with a layer's two Adam moments, the layer's OPT steps them in, and the NVME_WRITE
+      writes back to the layer's file (layers in ``Plan.nvme_moments`` only: their moments have
+      no rows in host memory).
 
     Raises:
         ValueError: a field the kind needs is missing, or one it takes no part in is set.
@@ -141,6 +150,7 @@ class Op:
     tile: int | None = None
     acc: int | None = None
     copy: int | None = None
+    buf: int | None = None
     deps: tuple[int, ...] = field(default=(), compare=True)
 
     def __post_init__(self) -> None:

@@ -488,7 +488,13 @@ def _check_nvme(c: _Context) -> None:
     """Rule ``nvme``: for a layer whose Adam moments live on NVMe (``Plan.nvme_moments``), each OPT
     happens after an NVME_READ of the layer and before an NVME_WRITE of it (the read before the use,
     the write after the last modification), and no two NVMe transfers of one layer's file are
-    unordered (in flight at once). No NVMe op names a layer that is not on NVMe."""
+    unordered (in flight at once). No NVMe op names a layer that is not on NVMe.
+
+    I/O buffers (``Op.buf``, below ``cost.nvme_buffers``' count): such a layer's moments have no
+    rows in host memory, so its OPT names the buffer they are in, and only such an OPT names one.
+    Each buffer is used in turns, one layer a turn: an NVME_READ fills it, then only that layer's
+    OPT and NVME_WRITE use it, and the next NVME_READ into it happens after every use of the turn
+    before (else it would overwrite moments an OPT is stepping or a write is saving)."""
     ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
     on_nvme = c.plan.nvme_moments
     io = sorted(by_kind[OpKind.NVME_READ] + by_kind[OpKind.NVME_WRITE])
@@ -518,6 +524,30 @@ def _check_nvme(c: _Context) -> None:
             if late:
                 fail(late[0], "nvme", f"it writes layer {layer}'s moments while OPT #{o} may be changing them",
                      f"make it depend on #{o}")
+    for o in by_kind[OpKind.OPT]:
+        if (ops[o].buf is not None) != (ops[o].layer in on_nvme):
+            where, rule = (("on NVMe", "must name an") if ops[o].layer in on_nvme else ("in host memory", "names no"))
+            fail(o, "nvme", f"layer {ops[o].layer}'s moments are {where}, so its OPT {rule} I/O buffer",
+                 "lower the plan again (add_nvme_io names the buffers)")
+    turn: dict[int, list[int]] = {}  # buffer -> the ops of its current turn, its NVME_READ first
+    pool = cost.nvme_buffers(c.graph, c.plan)[0]
+    for i in sorted(io + [o for o in by_kind[OpKind.OPT] if ops[o].buf is not None]):
+        b = ops[i].buf
+        if b >= pool:
+            fail(i, "nvme", f"it names I/O buffer b{b}, but the plan has {pool} (cost.nvme_buffers)",
+                 "lower the plan again (add_nvme_io hands out cost.NVME_BUFFERS in turn)")
+        if ops[i].kind is OpKind.NVME_READ:
+            for u in turn.get(b, []):
+                if not before(u, i):
+                    fail(i, "nvme", f"it fills I/O buffer b{b} while #{u} {ops[u]!r} may still use it",
+                         f"make it depend on #{u}")
+            turn[b] = [i]
+        elif b not in turn or ops[turn[b][0]].layer != ops[i].layer:
+            held = f"layer {ops[turn[b][0]].layer}'s moments" if b in turn else "nothing read yet"
+            fail(i, "nvme", f"I/O buffer b{b} holds {held}, not layer {ops[i].layer}'s",
+                 "name the buffer its NVME_READ filled")
+        else:
+            turn[b].append(i)
 
 
 def _check_collectives(c: _Context) -> None:

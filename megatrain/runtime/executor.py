@@ -67,6 +67,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
+from megatrain.errors import ConfigError
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph, TracedModel, retarget
 from megatrain.planner.hardware import strict_fp32
@@ -74,7 +75,8 @@ from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective
-from megatrain.runtime.host import HostState, PinnedArena
+from megatrain.runtime.host import HostState, PinnedArena, moments_key
+from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -217,15 +219,15 @@ class Executor:
         self._liveness: dict[int, tuple[Schedule, Liveness]] = {}
         # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
         self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
-        # The NVMe tier (plans with ``nvme_moments``): the directory the trainer was given, and the
-        # store over it, made at the first schedule that reads or writes NVMe (:meth:`nvme_store`).
-        self.nvme_dir: str | None = None
-        self._nvme = None
         # Data parallel (``materialize`` sets them): the gloo groups of the host collectives
         # (``runtime.distributed.Groups``; None: the default group), and this rank's optimizer
         # shard among the ``Plan.optimizer_shards`` ranks of its node.
         self.groups = None
         self.shard_index = 0
+        # The NVMe tier's host I/O buffers (cost.nvme_buffers; Op.buf indexes them): the moments of
+        # a layer in Plan.nvme_moments, between its NVME_READ and NVME_WRITE. Page-aligned for
+        # O_DIRECT, pageable (the moments never go to the GPU), kept across schedules.
+        self._nvme_pool: list[torch.Tensor] = []
 
     # -- memory ----------------------------------------------------------------------------------
     def allocate(self, schedule: Schedule) -> None:
@@ -243,7 +245,9 @@ class Executor:
         Pinned host memory is exactly ``cost.memory_breakdown(graph, plan).host_pinned``: the
         master rows with FP32 compute (:meth:`HostState.pin_masters`) and one arena laid out by
         ``cost.pinned_buffers`` for the schedule's mode; an arena that already holds every tile
-        the schedule needs (a train arena serves eval and update schedules) is kept.
+        the schedule needs (a train arena serves eval and update schedules) is kept. The NVMe
+        tier's I/O buffers (``cost.nvme_buffers``, pageable) are made when the plan has NVMe
+        layers and kept while large enough.
 
         Raises:
             RuntimeError: a schedule that reads gradients an earlier one left in the host tiles
@@ -292,6 +296,10 @@ class Executor:
             # NEXT_FORWARD they hold the gradients the next schedule's updates read.
             self._buffers.accumulators = [torch.empty((layer.trainable_numel,), dtype=torch.float32)
                                           for layer in self.graph.layers if layer.trainable_numel > 0]
+        count, nbytes = cost.nvme_buffers(self.graph, plan)
+        if count and (len(self._nvme_pool) < count or self._nvme_pool[0].numel() < nbytes):
+            self._nvme_pool = []  # let the old go first
+            self._nvme_pool = [aligned_buffer(nbytes) for _ in range(count)]
         scratch = cost.gradient_scratch_numel(self.graph, plan)
         if scratch and schedule.mode != "eval" and (self._buffers.widened is None
                                                      or self._buffers.widened.numel() < scratch):
@@ -612,17 +620,23 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     """Host AdamW step of one layer from the gradient tile or accumulator the op names (with
-    ``Plan.optimizer_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``); BF16
+    ``Plan.optimizer_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``), on its
+    moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf``; BF16
     gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
     for FP32 masters; the widening is exact)."""
     ex, li = ctx.ex, op.layer
-    lo, n = cost.optimizer_shard(ctx.graph.layers[li].trainable_numel, ctx.schedule.plan.optimizer_shards,
-                                 ex.shard_index)
+    n = ctx.graph.layers[li].trainable_numel
+    lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.optimizer_shards, ex.shard_index)
     h = ex.host
     grads = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
     tile = None
     if grads.dtype != torch.float32:
         tile, grads = grads, ctx.bufs.widened
+    if op.buf is not None:  # moments on NVMe: its NVME_READ brought them into this I/O buffer
+        both = ex._nvme_pool[op.buf][:2 * n * 4].view(torch.float32)
+        exp_avg, exp_avg_sq = both[:n], both[n:]
+    else:
+        exp_avg, exp_avg_sq = h.exp_avg(li), h.exp_avg_sq(li)
     carried = ctx.carried
     cfg = ctx.carried_optimizer if carried else ex.optimizer
     scale = ctx.carried_scale if carried else None
@@ -634,9 +648,9 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             ctx.skipped.append(li)
             return
         if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
-            grads[lo:n].copy_(tile[lo:n])
+            grads[lo:hi].copy_(tile[lo:hi])
         adamw(
-            [h.master(li)[lo:n]], [grads[lo:n]], [h.exp_avg(li)[lo:n]], [h.exp_avg_sq(li)[lo:n]], [],
+            [h.master(li)[lo:hi]], [grads[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
             beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
         ctx.updated.append(li)
@@ -682,75 +696,27 @@ def _reload(ctx: _RunContext, i: int, op: Op) -> Work:
     return run
 
 
-def nvme_store(ex: Executor, layers: frozenset[int]):
-    """The executor's :class:`megatrain.runtime.nvme.NvmeStore` in ``ex.nvme_dir``, one tile per layer
-    of ``layers`` holding its two Adam moments (``exp_avg`` then ``exp_avg_sq``, FP32, contiguous in
-    the host block), made once and filled from the host state, so a loaded checkpoint's moments are
-    on disk before the first NVME_READ.
+def _nvme_io(read: bool) -> Handler:
+    """The handler of NVME_READ (``read``) or NVME_WRITE: move layer ``op.layer``'s two Adam moments
+    between its NVMe file (``HostState.nvme``) and I/O buffer ``op.buf`` of the executor's pool,
+    on the I/O stream, and wait. The OPT that steps them in the buffer depends on the read; the
+    write depends on the OPT. A failed transfer raises NvmeError naming the op and the file."""
+    def handler(ctx: _RunContext, i: int, op: Op) -> Work:
+        store, key = ctx.ex.host.nvme, moments_key(op.layer)
+        if store is None or key not in store.tiles:
+            raise ConfigError(f"op #{i} {op!r}: the schedule keeps layer {op.layer}'s Adam moments on NVMe, but "
+                              "the host state keeps them in host memory (it was made for another plan); compile "
+                              "the trainer with this plan")
+        buf = ctx.ex._nvme_pool[op.buf]
+        move = store.read if read else store.write
 
-    Raises:
-        ConfigError: no ``nvme_dir`` was given, or a later plan puts other layers on NVMe.
-        NvmeError: the directory is missing, or the disk has no room (names the file and the bytes).
-    """
-    from megatrain.errors import ConfigError
-    from megatrain.runtime.nvme import NvmeStore, aligned_buffer
-
-    if ex._nvme is not None:
-        store = ex._nvme[0]
-        missing = [li for li in layers if f"L{li}.moments" not in store.tiles]
-        if missing:
-            raise ConfigError(f"this schedule puts the moments of layers {sorted(missing)} on NVMe, but the "
-                              f"NVMe store in {store.directory!r} was made for others; compile again")
-        return ex._nvme
-    if ex.nvme_dir is None:
-        raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(layers)} on NVMe "
-                          "(Plan.nvme_moments) but no NVMe directory was given: pass nvme_dir= to compile "
-                          "(megatrain train --nvme-dir DIR)")
-    g, h = ex.graph, ex.host
-    sizes = {f"L{li}.moments": 2 * g.layers[li].trainable_numel * 4 for li in sorted(layers)}
-    store = NvmeStore(ex.nvme_dir, sizes)
-    ex._nvme = (store, aligned_buffer(max(sizes.values())))
-    nvme_sync(ex)
-    return ex._nvme
-
-
-def nvme_sync(ex: Executor) -> None:
-    """Write every NVMe layer's moments from the host state to its tile (after the store is made,
-    and after a checkpoint load changed the host state); waits. No-op without an NVMe store."""
-    if ex._nvme is None:
-        return
-    store, staging = ex._nvme
-    for key in store.tiles:
-        store.write_tensor(key, _moments(ex.host, int(key[1:].split(".")[0])), staging)
-
-
-def _moments(h: HostState, li: int) -> torch.Tensor:
-    """Both Adam moments of layer ``li``: one contiguous ``float32[2 * trainable_numel]`` view."""
-    a, b = h.exp_avg(li), h.exp_avg_sq(li)
-    return a.as_strided((a.numel() + b.numel(),), (1,))
-
-
-def _nvme_read(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Read layer ``op.layer``'s Adam moments from its NVMe tile into the host state (I/O stream;
-    the OPT that reads them depends on this op)."""
-    store, staging = nvme_store(ctx.ex, ctx.schedule.plan.nvme_moments)
-    dst = _moments(ctx.ex.host, op.layer)
-    key = f"L{op.layer}.moments"
-
-    def run() -> None:
-        store.read_tensor(key, dst, staging)
-    return run
-
-
-def _nvme_write(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Write layer ``op.layer``'s Adam moments from the host state to its NVMe tile, after its OPT."""
-    store, staging = nvme_store(ctx.ex, ctx.schedule.plan.nvme_moments)
-    src = _moments(ctx.ex.host, op.layer)
-    key = f"L{op.layer}.moments"
-
-    def run() -> None:
-        store.write_tensor(key, src, staging)
-    return run
+        def run() -> None:
+            try:
+                move(key, buf).wait()
+            except NvmeError as e:
+                raise NvmeError(f"op #{i} {op!r}: {e}") from e
+        return run
+    return handler
 
 
 def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
@@ -802,7 +768,7 @@ def _all_gather(ctx: _RunContext, i: int, op: Op) -> Work:
 HANDLERS: dict[OpKind, Handler] = {
     OpKind.H2D: _h2d, OpKind.CAST: _cast, OpKind.FWD: _fwd, OpKind.RECOMPUTE: _fwd, OpKind.BWD: _bwd,
     OpKind.D2H: _d2h, OpKind.ACC: _acc, OpKind.OPT: _opt, OpKind.OFFLOAD: _offload, OpKind.RELOAD: _reload,
-    OpKind.NVME_READ: _nvme_read, OpKind.NVME_WRITE: _nvme_write, OpKind.ALL_REDUCE: _all_reduce,
+    OpKind.NVME_READ: _nvme_io(read=True), OpKind.NVME_WRITE: _nvme_io(read=False), OpKind.ALL_REDUCE: _all_reduce,
     OpKind.ALL_GATHER: _all_gather,
 }
 """How each op kind runs: ``HANDLERS[op.kind](ctx, i, op)`` returns the work the backend launches."""

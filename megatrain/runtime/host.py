@@ -1,5 +1,6 @@
 """Persistent host state: one contiguous block per layer holding FP32 master weights and the two
-AdamW moments (12 bytes per parameter), plus binding the user's module to it, and the pinned arena
+AdamW moments (12 bytes per parameter; 4 for a layer whose moments live on the NVMe tier, see
+:class:`HostState`), plus binding the user's module to it, and the pinned arena
 of a plan's transient host buffers.
 
 After binding, every parameter of the user's module is a view into its layer's master tile, so
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain.errors import UnsupportedModelError
+from megatrain.errors import ConfigError, UnsupportedModelError
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 
@@ -44,12 +45,17 @@ def page_aligned_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)[:nbytes]
 
 
-def _block_bytes(layer) -> int:
-    """Bytes of a layer's block mapping: its master row (rounded up to whole pages, so the row can
-    be pinned alone) and moments, rounded up to whole pages."""
-    n, t = layer.numel, layer.trainable_numel
-    size = max((n + 2 * t) * 4, cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT))
+def _block_bytes(numel: int, moments: int) -> int:
+    """Bytes of a layer's block mapping: its master row of ``numel`` elements (rounded up to whole
+    pages, so the row can be pinned alone) and ``moments`` FP32 elements of Adam moments (0 for a
+    layer whose moments are on NVMe), rounded up to whole pages."""
+    size = max((numel + moments) * 4, cost.page_up(numel * cost.MASTER_BYTES_PER_ELEMENT))
     return -(-size // _ALIGN) * _ALIGN
+
+
+def moments_key(layer: int) -> str:
+    """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s two Adam moments."""
+    return f"L{layer}.moments"
 
 
 class HostState:
@@ -57,23 +63,50 @@ class HostState:
     ``numel + 2 * trainable_numel`` elements: the master row (every parameter, frozen ones
     included), then the AdamW ``exp_avg`` and ``exp_avg_sq`` rows of the trainable prefix only
     (frozen parameters, ``requires_grad=False``, are laid out after it and have no optimizer
-    state). Page-aligned, contiguous and pageable until :meth:`pin_masters`."""
+    state). Page-aligned, contiguous and pageable until :meth:`pin_masters`.
 
-    def __init__(self, graph: LayerGraph, shared: Any = None, writer: bool = True):
-        """``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
-        :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
-        private memory. ``writer``: False on the ranks that map a shared copy another rank fills."""
+    NVMe tier. The layers of ``nvme_moments`` keep their moments in a file each in ``nvme_dir``
+    (``<dir>/L<i>.moments.tile``: ``exp_avg`` then ``exp_avg_sq``, FP32, zeros at first) instead:
+    their block is the master row alone (``numel`` elements), so :attr:`nbytes` is
+    ``8 * trainable_numel`` bytes lower for each. A schedule's NVME_READ brings them into a host
+    I/O buffer for the layer's OPT and its NVME_WRITE takes them back (the executor's pool,
+    ``cost.nvme_buffers``); outside a run, :meth:`read_moments` and :meth:`write_moments` move them
+    between the file and the caller. ``nvme`` is the :class:`~megatrain.runtime.nvme.NvmeStore`
+    (None without NVMe layers).
+
+    Data parallel. ``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
+    :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
+    private memory. ``writer``: False on the ranks that map a shared copy another rank fills.
+
+    Raises:
+        ConfigError: ``nvme_moments`` without ``nvme_dir``, or naming a layer with no trainable
+            parameters.
+        NvmeError: the directory is missing or not writable, or the disk has no room for the files.
+    """
+
+    def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
+                 shared: Any = None, writer: bool = True):
         self.graph = graph
         self.shared = shared
         # Data parallel: the ``runtime.distributed.DataParallelHost`` these tiles were set up with
         # (``materialize``), which later trainers over them (one per batch shape) reuse.
         self.data_parallel: Any = None
+        self.nvme_moments = frozenset(nvme_moments)
+        bad = sorted(i for i in self.nvme_moments if not 0 <= i < len(graph.layers)
+                     or graph.layers[i].trainable_numel == 0)
+        if bad:
+            raise ConfigError(f"nvme_moments names layers {bad}, which have no Adam moments in this graph of "
+                              f"{len(graph.layers)} layers; put only trainable layers on NVMe")
+        if self.nvme_moments and nvme_dir is None:
+            raise ConfigError(f"the Adam moments of layers {sorted(self.nvme_moments)} go to NVMe but no NVMe "
+                              "directory was given: pass nvme_dir= (an existing directory on an NVMe drive)")
         self.blocks: list[torch.Tensor] = []
         self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
-        for layer in graph.layers:
-            n, t = layer.numel, layer.trainable_numel
+        for li, layer in enumerate(graph.layers):
+            n = layer.numel
+            t = 0 if li in self.nvme_moments else layer.trainable_numel
             row = cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT)
-            size = _block_bytes(layer)
+            size = _block_bytes(n, 2 * t)
             raw = page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN)
             block = raw[:(n + 2 * t) * 4].view(torch.float32)
             if writer:
@@ -86,30 +119,76 @@ class HostState:
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
         self._pins: list[Any] = []
         self._pinned_by: Any = None
+        self.nvme = None
+        if self.nvme_moments:
+            from megatrain.runtime.nvme import NvmeStore  # it imports this module
+
+            self.nvme = NvmeStore(nvme_dir, {moments_key(li): 2 * graph.layers[li].trainable_numel * 4
+                                             for li in sorted(self.nvme_moments)})
 
     @staticmethod
     def shared_nbytes(graph: LayerGraph) -> int:
-        """Bytes of shared memory the blocks of ``graph`` take: each rounded up to whole pages."""
-        return sum(_block_bytes(lay) for lay in graph.layers)
+        """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them):
+        each rounded up to whole pages."""
+        return sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
 
     def master(self, layer: int) -> torch.Tensor:
         """``float32[numel]``: the layer's FP32 master weights (frozen parameters included)."""
         return self.blocks[layer][:self.graph.layers[layer].numel]
 
     def exp_avg(self, layer: int) -> torch.Tensor:
-        """``float32[trainable_numel]``: AdamW's first moment of the layer's trainable prefix."""
+        """``float32[trainable_numel]``: AdamW's first moment of the layer's trainable prefix (a view).
+        Raises ValueError for a layer whose moments live on NVMe (use :meth:`read_moments`)."""
         return self._moment(layer, 0)
 
     def exp_avg_sq(self, layer: int) -> torch.Tensor:
-        """``float32[trainable_numel]``: AdamW's second moment of the layer's trainable prefix."""
+        """``float32[trainable_numel]``: AdamW's second moment of the layer's trainable prefix (a view).
+        Raises ValueError for a layer whose moments live on NVMe (use :meth:`read_moments`)."""
         return self._moment(layer, 1)
 
     def _moment(self, layer: int, k: int) -> torch.Tensor:
+        if layer in self.nvme_moments:
+            raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its Adam moments on NVMe "
+                             f"({self.nvme.tiles[moments_key(layer)].path}), not in host memory: read them with "
+                             "HostState.read_moments and write them with write_moments")
         n, t = self.graph.layers[layer].numel, self.graph.layers[layer].trainable_numel
         return self.blocks[layer][n + k * t:n + (k + 1) * t]
 
+    def read_moments(self, layer: int) -> torch.Tensor:
+        """A new ``float32[2 * trainable_numel]`` tensor: the layer's ``exp_avg`` then ``exp_avg_sq``,
+        from host memory or from its NVMe file. Raises NvmeError (naming the file) when the file is
+        missing or truncated."""
+        t = self.graph.layers[layer].trainable_numel
+        out = torch.empty((2 * t,), dtype=torch.float32)
+        if layer in self.nvme_moments:
+            self.nvme.read_tensor(moments_key(layer), out)
+        else:
+            out[:t].copy_(self.exp_avg(layer))
+            out[t:].copy_(self.exp_avg_sq(layer))
+        return out
+
+    def write_moments(self, layer: int, moments: torch.Tensor) -> None:
+        """Set the layer's ``exp_avg`` and ``exp_avg_sq`` from ``moments`` (``float32[2 * trainable_numel]``,
+        in that order), in host memory or in its NVMe file (written through, waited for)."""
+        t = self.graph.layers[layer].trainable_numel
+        if tuple(moments.shape) != (2 * t,) or moments.dtype != torch.float32:
+            raise ValueError(f"layer {self.graph.layers[layer].name!r}: moments must be float32[{2 * t}], not "
+                             f"{moments.dtype} {list(moments.shape)}")
+        if layer in self.nvme_moments:
+            self.nvme.write_tensor(moments_key(layer), moments)
+        else:
+            self.exp_avg(layer).copy_(moments[:t])
+            self.exp_avg_sq(layer).copy_(moments[t:])
+
+    def moment_row(self, layer: int, k: int) -> "torch.Tensor | NvmeMomentRow":
+        """Moment ``k`` (0: ``exp_avg``, 1: ``exp_avg_sq``) of the layer as a state-dict entry: the
+        view of its row in host memory, or an :class:`NvmeMomentRow` that reads and writes the file."""
+        return NvmeMomentRow(self, layer, k) if layer in self.nvme_moments else self._moment(layer, k)
+
     @property
     def nbytes(self) -> int:
+        """Bytes of the persistent FP32 state in host memory: every master row, and the moment rows of
+        the layers not on NVMe (``cost.memory_breakdown``'s ``master_weights + adam_moments``)."""
         return sum(b.numel() * b.element_size() for b in self.blocks)
 
     @property
@@ -136,6 +215,51 @@ class HostState:
     def param_view(self, layer: int, index: int) -> torch.Tensor:
         spec = self.graph.layers[layer].params[index]
         return self.master(layer)[spec.offset:spec.offset + spec.numel].view(spec.shape)
+
+
+class NvmeMomentRow:
+    """One Adam moment row (``k`` 0: ``exp_avg``, 1: ``exp_avg_sq``) of a layer whose moments live
+    on NVMe, as a state-dict entry (``Trainer.state_dict()["optimizer"]``) that holds no host memory:
+    ``shape``/``dtype`` as the tensor would have (``float32[trainable_numel]``), :meth:`read` a new
+    tensor from the file, ``copy_(src)`` writes ``src`` into the file (reading the layer's tile,
+    replacing the row, writing it back), so a checkpoint saves and loads one row at a time."""
+
+    __slots__ = ("host", "layer", "k")
+    dtype = torch.float32
+
+    def __init__(self, host: HostState, layer: int, k: int):
+        self.host, self.layer, self.k = host, layer, k
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.host.graph.layers[self.layer].trainable_numel,))
+
+    def read(self) -> torch.Tensor:
+        t = self.shape[0]
+        return self.host.read_moments(self.layer)[self.k * t:(self.k + 1) * t]
+
+    def copy_(self, src: torch.Tensor) -> "NvmeMomentRow":
+        t = self.shape[0]
+        both = self.host.read_moments(self.layer)
+        both[self.k * t:(self.k + 1) * t].copy_(src)
+        self.host.write_moments(self.layer, both)
+        return self
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def same(self, other: Any) -> bool:
+        """Whether ``other`` is this row of this host state (loading it into itself copies nothing)."""
+        return (isinstance(other, NvmeMomentRow) and other.host is self.host and other.layer == self.layer
+                and other.k == self.k)
+
+    def __repr__(self) -> str:
+        return f"NvmeMomentRow({self.host.graph.layers[self.layer].name!r}, {('exp_avg', 'exp_avg_sq')[self.k]})"
+
+
+def as_tensor(x: "torch.Tensor | NvmeMomentRow") -> torch.Tensor:
+    """``x`` itself, or the tensor an :class:`NvmeMomentRow` reads from its file."""
+    return x.read() if isinstance(x, NvmeMomentRow) else x
 
 
 class PinnedArena:

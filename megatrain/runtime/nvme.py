@@ -1,7 +1,8 @@
 """NVMe tier: file-backed tile storage with asynchronous large-block reads and writes.
 
 Each tile (one layer's FP32 masters, its AdamW moments, or a deferred gradient tile) is one file
-in the NVMe directory, preallocated at setup to its size rounded up to :data:`ALIGN` bytes. A
+in the NVMe directory, preallocated at setup to its size rounded up to :data:`ALIGN` bytes and
+reading as zeros (the files are scratch: one left there by an earlier run is emptied). A
 read or write moves a whole tile between that file and a page-aligned host buffer, split into
 blocks of ``block_bytes`` that a :class:`concurrent.futures.ThreadPoolExecutor` issues with
 ``os.preadv`` / ``os.pwritev`` (which release the GIL), so several blocks are in flight at once
@@ -184,7 +185,9 @@ class NvmeStore:
                             "use a larger disk, or give the plan more host memory")
         for key, t in self.tiles.items():
             try:
-                fd = os.open(t.path, self._flags(os.O_CREAT), 0o600)
+                # Scratch: a file left by an earlier run is emptied, so every tile reads as zeros
+                # (posix_fallocate's blocks read as zeros), as fresh Adam moments are.
+                fd = os.open(t.path, self._flags(os.O_CREAT | os.O_TRUNC), 0o600)
             except OSError as e:
                 raise NvmeError(f"cannot create NVMe tile file {t.path!r}: {e}") from e
             try:

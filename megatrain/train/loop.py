@@ -127,8 +127,14 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
                                    micro_batches=micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
                                    plan="default" if cfg.device == "cpu" else None, hardware=hw)
     if cfg.nvme_dir is not None:
-        # Every trainable layer's moments on NVMe: Plan.nvme_moments, lowered into NVME_READ/NVME_WRITE.
-        on_nvme = frozenset(i for i, layer in enumerate(planned.graph.layers) if layer.trainable_numel)
+        # Plan.nvme_moments, lowered into NVME_READ/NVME_WRITE: the layers the budget needs moved, or all.
+        on_nvme = nvme_layers(planned, cfg.host_memory, cfg.nvme_dir, hw)
+        layers = planned.graph.layers
+        moved = sum(8 * layers[i].trainable_numel for i in on_nvme)
+        echo(f"NVMe: Adam moments of {len(on_nvme)} of {sum(1 for lay in layers if lay.trainable_numel)} trainable "
+             f"layers in {cfg.nvme_dir} ({human_bytes(moved)})"
+             + (f": {', '.join(layers[i].name for i in sorted(on_nvme))}" if on_nvme else "")
+             + "; the rest of the state in host memory")
         planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                        input_names=names, micro_batches=micro_batches, device=cfg.device,
                                        max_grad_norm=cfg.max_grad_norm, hardware=hw,
@@ -139,6 +145,44 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
          f"layers; host memory needed about {human_bytes(needed)}")
     return planned
+
+
+def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, hw=None) -> frozenset[int]:
+    """The layers whose Adam moments ``megatrain train --nvme-dir`` puts on NVMe: every trainable
+    layer without ``host_memory``; with it (a size, ``planner.nvme.parse_bytes``), those
+    :func:`megatrain.planner.nvme.place_on_nvme` moves so that the plan's host bytes
+    (``planned.memory``) fit it, largest first (none when they fit already). The placement's
+    NVMe tier is ``nvme_dir``'s file system (its free space); its rates do not enter the choice.
+
+    Raises:
+        ConfigError: ``host_memory`` is not a size.
+        PlanError: even with every layer's moments on NVMe the plan does not fit ``host_memory``,
+            or the file system has too little free space (the message says what to change).
+    """
+    import shutil
+
+    from megatrain.planner.hardware import HardwareSpec
+    from megatrain.planner.nvme import parse_bytes, place_on_nvme
+    from megatrain.units import human_bytes
+
+    graph = planned.graph
+    if host_memory is None:
+        return frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
+    budget = parse_bytes(host_memory)
+    # The choice reads the host memory, its pinned cap and the NVMe capacity; the rates only time
+    # the traffic, which no one reads here, so the hardware's are kept if it has them, else 1 B/s.
+    base = {} if hw is None else hw.model_dump()
+    spec = HardwareSpec.model_validate({
+        "name": f"host memory {human_bytes(budget)} + NVMe {nvme_dir}", "gpu_memory_bytes": 0, "bf16_flops": 0,
+        "fp32_flops": 0, "h2d_bytes_per_s": 0, "d2h_bytes_per_s": 0, "duplex": False,
+        "host_optimizer_params_per_s": 1.0, **base, "host_memory_bytes": budget,
+        "pinned_memory_cap_bytes": min(budget, base.get("pinned_memory_cap_bytes", budget)),
+        "nvme_capacity_bytes": shutil.disk_usage(nvme_dir).free,
+        "nvme_read_bytes_per_s": base.get("nvme_read_bytes_per_s") or 1.0,
+        "nvme_write_bytes_per_s": base.get("nvme_write_bytes_per_s") or 1.0})
+    # Only moments: gradient tiles and masters on NVMe are planned but not run yet.
+    return place_on_nvme(graph, dataclasses.replace(planned.plan, nvme_moments=frozenset()), planned.memory, spec,
+                         kinds=("moments",)).moments
 
 
 def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
