@@ -29,7 +29,9 @@ def test_public_surface_is_pinned():
         "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes",
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "widens_gradients", "gradient_scratch_numel",
-        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard"}
+        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
+        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS",
+        "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets"}
 
 
 # -- op times --------------------------------------------------------------------------------------
@@ -68,7 +70,7 @@ def test_every_op_kind_has_one_duration_formula():
     assert cost.op_duration(OpKind.RECOMPUTE, g, 1, plan, hw) == cost.fwd_time(g.layers[1], plan, hw)
     assert cost.op_duration(OpKind.NVME_READ, g, 1, plan, hw) == cost.nvme_time(g.layers[1], hw, OpKind.NVME_READ)
     assert cost.nvme_time(g.layers[1], hw, OpKind.NVME_WRITE) == pytest.approx(16384 / 1e9 + 1e-6)
-    assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw)
+    assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw, plan)
     assert cost.op_duration(OpKind.OFFLOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.OFFLOAD)
     assert cost.op_duration(OpKind.RELOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.RELOAD)
     assert cost.op_duration(OpKind.ALL_REDUCE, g, 1, plan, hw) == cost.all_reduce_time(g.layers[1], hw, plan)
@@ -95,8 +97,13 @@ def test_a_sharded_optimizer_step_takes_the_largest_shard_s_time():
     hw = spec(op_latency_s=1e-6, host_optimizer_params_per_s=1e9)
     whole = cost.opt_time(g.layers[0], hw, Plan())
     quarter = cost.opt_time(g.layers[0], hw, Plan(data_parallel=4, optimizer_shards=4))
+    own = cost.opt_time(g.layers[0], hw, Plan(data_parallel=4))
     assert whole == pytest.approx(1e-6 + 4096 / 1e9)
-    assert quarter == pytest.approx(1e-6 + 1024 / 1e9)
+    # A quarter of the tile at a quarter of the node's host bandwidth (four ranks on one DRAM, the
+    # spec's rate being the whole host's): as long as one rank's whole step, and 4x shorter than
+    # four ranks each stepping a copy of their own.
+    assert quarter == pytest.approx(1e-6 + 1024 / (1e9 / 4))
+    assert own - 1e-6 == pytest.approx(4 * (quarter - 1e-6))
 
 
 def test_h2d_time_doubles_when_bandwidth_halves():
