@@ -31,7 +31,7 @@ def test_public_surface_is_pinned():
         "widens_gradients", "gradient_scratch_numel",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
         "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS",
-        "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets"}
+        "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes"}
 
 
 # -- op times --------------------------------------------------------------------------------------

@@ -848,7 +848,7 @@ __all__ = [
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
     "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes", "NodeMemory",
-    "node_memory", "rank_host_budgets",
+    "node_memory", "rank_host_budgets", "persistent_state_bytes",
 ]
 
 
@@ -1014,6 +1014,13 @@ def node_memory(graph: LayerGraph, plan: Plan, mem: MemoryBreakdown) -> NodeMemo
                       per_rank_pinned=mem.host_pinned - mem.pinned_masters)
 
 
+def persistent_state_bytes(graph: LayerGraph) -> int:
+    """Bytes of the persistent host state of ``graph``: FP32 masters of every tile element and two
+    FP32 Adam moments per trainable parameter (``MemoryBreakdown.master_weights + adam_moments``)."""
+    return (sum(layer.numel for layer in graph.layers) * MASTER_BYTES_PER_ELEMENT
+            + sum(layer.trainable_numel for layer in graph.layers) * MOMENT_BYTES_PER_ELEMENT)
+
+
 def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[int, int]:
     """``(host bytes, pinned bytes)`` one rank may plan for, counting the full persistent state in
     it as :func:`memory_breakdown` does, such that a rank's breakdown within them is exactly a
@@ -1022,8 +1029,7 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
     exceeds it. ``plan`` gives the topology and compute dtype; its other knobs are not read."""
     g, ways = plan.gpus_per_node, (plan.nodes if plan.host_state == "shard" else 1)
     copies = g // plan.optimizer_shards
-    numel = sum(layer.numel for layer in graph.layers)
-    state = numel * MASTER_BYTES_PER_ELEMENT + sum(layer.trainable_numel for layer in graph.layers) * MOMENT_BYTES_PER_ELEMENT
+    state = persistent_state_bytes(graph)
     masters = pinned_master_bytes(graph, plan)
     gather = gather_buffer_bytes(graph, plan)
     host = state + (hw.host_memory_bytes - copies * -(-state // ways) - gather) // g
