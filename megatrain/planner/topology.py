@@ -228,7 +228,7 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
     """
     from megatrain.planner.lower import lower
     from megatrain.planner.simulate import simulate
-    from megatrain.planner.solve import SolveRequest, solve
+    from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
     from megatrain.planner.verify import verify
 
     if gpus_per_node < 1 or nodes < 1:
@@ -258,10 +258,15 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
         try:
             sol = solve(SolveRequest(graph, view, global_batch // ranks, compute_dtype,
                                      clip_gradients=clip_gradients), method)
-        except PlanError as e:
-            failures.append(f"{mode}: with {human_bytes(held)} of masters and moments on the node, "
-                            f"{human_bytes(max(0, host - state))} of host memory per rank is left for buffers "
-                            f"and no plan fits it ({_first_sentence(str(e))})")
+        except InfeasibleRequestError as e:
+            r = e.requirements
+            if r.gpu_memory_bytes > hw.gpu_memory_bytes:  # the GPU is the obstacle, whatever the host
+                failures.append(f"{mode}: {_first_sentence(str(e))}")
+            else:
+                what = "a full copy of the masters and moments" if mode == "replicate" else f"1/{nodes} of them"
+                floor = held + cost.gather_buffer_bytes(graph, topo) + gpus_per_node * max(0, r.host_floor_bytes - state)
+                failures.append(f"{mode}: {what}, {human_bytes(held)}, and {gpus_per_node} ranks' smallest buffers "
+                                f"need at least {human_bytes(floor)} of the node's {human_bytes(hw.host_memory_bytes)}")
             continue
         plan = dataclasses.replace(sol.plan, data_parallel=ranks, nodes=nodes, host_state=mode,
                                    optimizer_shards=gpus_per_node)
