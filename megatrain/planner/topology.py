@@ -41,6 +41,7 @@ from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.plan import Plan
 from megatrain.planner.schedule import OpKind
+from megatrain.planner.solve.request import Solution
 from megatrain.units import human_bytes
 
 
@@ -179,7 +180,7 @@ class TopologySolution:
         hardware: the node spec the step was simulated on (interconnect and network attached).
     """
 
-    solution: "Solution"  # noqa: F821 - megatrain.planner.solve.request.Solution, imported lazily
+    solution: Solution
     node: cost.NodeMemory
     host_state: HostStateChoice
     hardware: HardwareSpec
