@@ -152,3 +152,20 @@ def test_host_state_choice_is_validated():
                        (dict(mode="replicate"), "moves no weights over the network")]:
         with pytest.raises(PlanError, match=match):
             dataclasses.replace(ok, **bad)
+
+
+def test_plan_topology_fields_are_validated_and_round_trip_through_schedule_json():
+    from megatrain.planner.lower import lower
+    from megatrain.planner.plan import Plan
+    from megatrain.planner.schedule import Schedule
+
+    plan = Plan(data_parallel=8, nodes=2, host_state="shard")
+    assert plan.gpus_per_node == 4
+    s = lower(chain_graph(3), plan)
+    back = Schedule.from_json(s.to_json())
+    assert back.plan == plan and back.ops == s.ops
+    for bad, match in [(dict(data_parallel=6, nodes=4), "nodes must be >= 1 and divide data_parallel"),
+                       (dict(nodes=0), "nodes must be >= 1"), (dict(host_state="split"), "use 'replicate'"),
+                       (dict(host_state="shard"), "with nodes=1")]:
+        with pytest.raises(PlanError, match=match):
+            Plan(**bad)

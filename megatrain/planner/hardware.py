@@ -87,7 +87,10 @@ class HardwareSpec(pydantic.BaseModel):
 
     Every field is in base units (bytes, seconds, FLOP/s, bytes/s, params/s). A GPU field of 0
     means "not measured / no GPU" (a host-only spec from ``measure_hardware()`` on a machine without CUDA);
-    the cost model refuses to time GPU ops against it.
+    the cost model refuses to time GPU ops against it. For data parallel the spec is one node: the
+    ``intra_node_*`` fields describe the link among its GPUs, the ``network_*`` fields its network
+    to the other nodes (:mod:`megatrain.planner.topology` attaches sourced presets); how many GPUs
+    and nodes a run uses is the Plan's (``Plan.data_parallel``, ``Plan.nodes``).
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
