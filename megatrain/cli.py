@@ -260,7 +260,8 @@ def _topology_rows(ts) -> list[tuple[str, str, str]]:
         ("step time", f"{tl.step_time_s:,.4g} s", "every rank, in lockstep"),
         ("global tokens/s", f"{ts.global_tokens_per_s:,.0f}", f"{plan.data_parallel} ranks x {tl.tokens_per_s:,.0f}"),
         ("bottleneck", tl.bottleneck.value, "busiest stream of a rank"),
-        ("all-reduce busy", f"{comm:,.4g} s", "hierarchical ring of the FP32 gradients, per step"),
+        ("collectives busy", f"{comm:,.4g} s", "per step: hierarchical all-reduce of the FP32 gradients, "
+                                                "the node's barriers after its shards' updates"),
         ("weight all-gathers", f"{choice.network_s_per_step:,.4g} s", "per step, on the H2D path (shard only)"),
     ]
 

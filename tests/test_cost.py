@@ -410,15 +410,18 @@ def test_ranks_of_a_node_split_the_update_and_share_the_host_bandwidth():
     layer = chain_graph(1, numel=16_000).layers[0]
     hw = spec(op_latency_s=1e-6, host_optimizer_params_per_s=1e9, intra_node_bytes_per_s=1e9,
               network_bytes_per_s=1e9)
-    one, node8 = Plan(), Plan(data_parallel=8)
-    shard = Plan(data_parallel=16, nodes=2, host_state="shard")
-    assert cost.optimizer_numel(layer, one) == 16_000
+    one, node8 = Plan(), Plan(data_parallel=8, optimizer_shards=8)
+    own8 = Plan(data_parallel=8)  # eight ranks on one node, each with a copy of its own
+    shard = Plan(data_parallel=16, nodes=2, host_state="shard", optimizer_shards=8)
+    assert cost.optimizer_numel(layer, one) == cost.optimizer_numel(layer, own8) == 16_000
     assert cost.optimizer_numel(layer, node8) == 2_000  # 1/8 of each tile per rank
-    assert cost.optimizer_numel(layer, shard) == 1_000  # and each node only its 1/2
-    assert cost.host_rate(hw, node8) == 1e9 / 8
+    # and each node only its 1/2: 1/16 of the tile, whole 64-byte lines (cost.optimizer_shard)
+    assert cost.optimizer_numel(layer, shard) == 1_008 == -(-16_000 // 16 // 16) * 16
+    assert cost.host_rate(hw, node8) == cost.host_rate(hw, own8) == 1e9 / 8
+    assert cost.opt_time(layer, hw, own8) - 1e-6 == pytest.approx(8 * (cost.opt_time(layer, hw, node8) - 1e-6))
     # The node's DRAM does the same update per step either way: 1/8 of it at 1/8 of the bandwidth.
     assert cost.opt_time(layer, hw, node8) == pytest.approx(cost.opt_time(layer, hw, one), rel=1e-12)
-    assert cost.opt_time(layer, hw, shard) - 1e-6 == pytest.approx((cost.opt_time(layer, hw, one) - 1e-6) / 2)
+    assert cost.opt_time(layer, hw, shard) - 1e-6 == pytest.approx(1_008 / (1e9 / 8))  # about half of one's
     # Each rank casts and accumulates its own whole tile, at its share of the bandwidth.
     assert cost.cast_time(layer, hw, node8) - 1e-6 == pytest.approx(8 * (cost.cast_time(layer, hw) - 1e-6))
     assert cost.acc_time(layer, hw, node8) - 1e-6 == pytest.approx(8 * (cost.acc_time(layer, hw) - 1e-6))
@@ -438,7 +441,9 @@ def test_sharded_weights_are_gathered_over_the_network_before_each_copy():
         cost.weight_gather_time(layer, spec(), shard)
 
 
-@pytest.mark.parametrize("plan", [Plan(data_parallel=4), Plan(data_parallel=8, nodes=2, host_state="shard"),
+@pytest.mark.parametrize("plan", [Plan(data_parallel=4, optimizer_shards=4), Plan(data_parallel=4),
+                                  Plan(data_parallel=8, nodes=2, host_state="shard", optimizer_shards=2),
+                                  Plan(data_parallel=8, nodes=2, host_state="shard", optimizer_shards=4),
                                   Plan(data_parallel=3, nodes=3, host_state="shard", compute_dtype="bfloat16")])
 def test_node_memory_shares_the_state_and_rank_budgets_are_exact(plan):
     g = chain_graph(3, numel=[5000, 7000, 3000])
@@ -447,7 +452,8 @@ def test_node_memory_shares_the_state_and_rank_budgets_are_exact(plan):
     state = mem.master_weights + mem.adam_moments
     assert state == cost.persistent_state_bytes(g)
     ways = plan.nodes if plan.host_state == "shard" else 1
-    assert node.persistent == -(-state // ways)
+    copies = plan.gpus_per_node // plan.optimizer_shards  # ranks with a copy of their own hold one each
+    assert node.persistent == copies * -(-state // ways)
     assert node.per_rank == mem.host_total - state
     assert node.gather_buffers == cost.gather_buffer_bytes(g, plan) == (
         0 if ways == 1 else 2 * cost.page_up(7000 * plan.compute_itemsize))

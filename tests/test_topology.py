@@ -93,9 +93,13 @@ def test_eight_gpus_of_a_node_split_the_optimizer_and_share_one_copy():
     # Compute per rank is 1/8 (2 of the 16 sequences), the all-reduce runs over NVLink only.
     assert busy(eight, Stream.COMPUTE) < busy(one, Stream.COMPUTE) / 2
     n_layers = sum(1 for layer in GRAPH.layers if layer.trainable_numel)
+    ops = eight.solution.schedule.ops
+    assert sum(op.kind is OpKind.ALL_REDUCE for op in ops) == n_layers
+    # The COMM stream: the all-reduces, and the node barriers after the shards' updates (ALL_GATHER).
     want = sum(cost.all_reduce_time(layer, hw, plan) for layer in GRAPH.layers if layer.trainable_numel)
+    want += sum(cost.op_duration(OpKind.ALL_GATHER, GRAPH, op.layer, plan, hw) for op in ops
+                if op.kind is OpKind.ALL_GATHER)
     assert busy(eight, Stream.COMM) == pytest.approx(want, rel=1e-9)
-    assert sum(op.kind is OpKind.ALL_REDUCE for op in eight.solution.schedule.ops) == n_layers
 
 
 def test_a_single_400g_nic_between_two_nodes_costs_eight_times_the_wire_time_of_eight():
