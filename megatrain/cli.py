@@ -60,9 +60,11 @@ def _parser() -> argparse.ArgumentParser:
                                               "state in host memory.")
     p.add_argument("--version", action="version", version=f"megatrain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="plan a model on a GPU and host, and predict its step",
+    plan = sub.add_parser("plan", help="plan a model on a GPU and host (or G GPUs x M nodes), and predict its step",
                           description="Trace a model on the meta device, solve for a plan and report memory "
-                                      "and predicted speed. Exit code 0 when it fits, 3 when it does not, 2 on an error "
+                                      "and predicted speed; with --gpus-per-node/--nodes, one rank's plan, the "
+                                      "node's host memory, the host-state choice across nodes and the global "
+                                      "tokens/s. Exit code 0 when it fits, 3 when it does not, 2 on an error "
                                       "(one `error:` line).")
     plan.add_argument("--model", required=True,
                       help="a preset (llama-2-7b, llama-3-8b, qwen2.5-14b, llama-3-70b, dense-120b) or the "
