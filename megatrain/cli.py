@@ -4,6 +4,8 @@
 reports whether it fits, where the memory goes and how fast a step is predicted to run.
 
     megatrain plan --model llama-3-8b --hardware H100_SXM --seq-len 4096 --global-batch 64 --out plan/
+    megatrain plan --model llama-3-70b --hardware H100_SXM --seq-len 4096 --global-batch 64 \
+        --gpus-per-node 8 --nodes 2 --interconnect nvlink4 --network ndr-8x400g
 
 Exit codes of ``plan``: 0 a plan fits; 2 no plan fits (the PlanError message says the smallest GPU
 and host memory that would and which layer is the obstacle); 1 invalid input (an unknown model or
@@ -58,9 +60,11 @@ def _parser() -> argparse.ArgumentParser:
                                               "state in host memory.")
     p.add_argument("--version", action="version", version=f"megatrain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="plan a model on a GPU and host, and predict its step",
+    plan = sub.add_parser("plan", help="plan a model on a GPU and host (or G GPUs x M nodes), and predict its step",
                           description="Trace a model on the meta device, solve for a plan and report memory "
-                                      "and predicted speed. Exit code 0 when it fits, 3 when it does not, 2 on an error "
+                                      "and predicted speed; with --gpus-per-node/--nodes, one rank's plan, the "
+                                      "node's host memory, the host-state choice across nodes and the global "
+                                      "tokens/s. Exit code 0 when it fits, 3 when it does not, 2 on an error "
                                       "(one `error:` line).")
     plan.add_argument("--model", required=True,
                       help="a preset (llama-2-7b, llama-3-8b, qwen2.5-14b, llama-3-70b, dense-120b) or the "
@@ -87,6 +91,22 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", default=None, metavar="SIZE",
                       help="replace the hardware's host memory, e.g. 512GiB or 1.5TiB (the pinned cap becomes "
                            "90%% of it)")
+    plan.add_argument("--gpus-per-node", type=int, default=1, metavar="G",
+                      help="data parallel: GPUs per node, each a rank training its own share of the global batch; "
+                           "the ranks of a node share one copy of the host state and split its optimizer work "
+                           "(default 1)")
+    plan.add_argument("--nodes", type=int, default=1, metavar="M",
+                      help="data parallel: nodes of --gpus-per-node GPUs each (default 1); with several the planner "
+                           "replicates the host state on every node when it fits, else shards it (1/M per node, "
+                           "weights all-gathered over the network), and says why")
+    plan.add_argument("--interconnect", default=None, metavar="LINK",
+                      help="the GPUs' link within a node for the gradient all-reduce (nvlink4: NVLink 4 + NVSwitch, "
+                           "450 GB/s; pcie5: PCIe Gen5, 40 GB/s NCCL bus bandwidth); needed with --gpus-per-node > 1 "
+                           "unless the hardware JSON sets intra_node_bytes_per_s")
+    plan.add_argument("--network", default=None, metavar="NET",
+                      help="the network between nodes, per node (ndr-8x400g: 8x 400 Gb/s InfiniBand NDR/RoCE, "
+                           "400 GB/s; 400g-1nic: one 400 Gb/s NIC, 50 GB/s); needed with --nodes > 1 unless the "
+                           "hardware JSON sets network_bytes_per_s")
     train = sub.add_parser("train", help="train a causal LM from a config file and flags",
                            description="Train a causal LM with all persistent state in host memory. Settings "
                                        "come from --config (YAML or JSON) and the flags below, which override "
@@ -140,24 +160,28 @@ def _section(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
     return out
 
 
-def format_report(solution, hw, *, model: str, trace_s: float, nvme=None) -> str:
+def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topology=None) -> str:
     """The plan table: fit, host and GPU memory in GiB, knobs, predicted step and streams; with
     ``nvme`` (a :class:`megatrain.planner.nvme.NvmeSolution`) also what went to NVMe, the host
     memory after it and the step time with the NVMe traffic (the host memory table then shows the
-    plan before state moved to NVMe)."""
+    plan before state moved to NVMe). With ``topology`` (a
+    :class:`megatrain.planner.topology.TopologySolution` whose ``solution`` is ``solution``) the
+    tables are one rank's and a "data parallel" section gives the node's host memory, the host-state
+    choice with its reason, and the step and tokens/s of all ranks."""
     from megatrain.planner.schedule import Stream
 
     plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
     if nvme is not None:  # the plan with its NVMe layers, and its step with their I/O ops
         plan, tl = nvme.plan, nvme.timeline
     n = len(g.layers)
-    fits = mem.fits(hw) if nvme is None else nvme.fits
+    fits = topology.fits if topology is not None else mem.fits(hw) if nvme is None else nvme.fits
     lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",
-             f"  seq_len {g.seq_len} x global batch {plan.micro_batches * solution.micro_batch_size}, "
+             f"  seq_len {g.seq_len} x global batch {plan.micro_batches * solution.micro_batch_size * plan.data_parallel}, "
              f"{plan.compute_dtype} compute; traced in {trace_s:.2f} s, solved ({solution.method}) in "
              f"{solution.solve_time_s:.2f} s: {solution.candidates} candidates, {solution.simulated} simulated",
              "", f"fits: {'yes' if fits else 'NO'}", ""]
-    lines += _section("host memory (GiB)", [
+    ranked = " of one rank, the whole state counted" if plan.data_parallel > 1 else ""
+    lines += _section(f"host memory{ranked} (GiB)", [
         ("FP32 master weights", _gib(mem.master_weights), ""),
         ("Adam moments (FP32 x2)", _gib(mem.adam_moments), ""),
         ("gradient ring (pinned)", _gib(mem.gradient_ring), f"{plan.grad_ring} tiles in {_grad_dtype(plan)}"),
@@ -171,7 +195,7 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None) -> str
          f"of cap {_gib(hw.pinned_memory_cap_bytes)} ({_pct(mem.host_pinned, hw.pinned_memory_cap_bytes)})"),
     ])
     lines.append("")
-    lines += _section("GPU memory (GiB)", [
+    lines += _section(f"GPU memory{' of one rank' if plan.data_parallel > 1 else ''} (GiB)", [
         ("weight slots", _gib(mem.weight_slots), f"{cost.weight_slot_count(plan)} slots in {plan.compute_dtype}"),
         ("gradient slots", _gib(mem.gradient_slots), _grad_dtype(plan)),
         ("buffers", _gib(mem.buffers), ""),
@@ -202,7 +226,8 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None) -> str
     busy = tl.busy_fraction
     lines += _section("predicted step", [
         ("step time", f"{tl.step_time_s:,.4g} s", ""),
-        ("tokens/s", f"{tl.tokens_per_s:,.0f}", f"{tl.tokens_per_step:,} tokens per step"),
+        ("tokens/s" + (" per rank" if plan.data_parallel > 1 else ""), f"{tl.tokens_per_s:,.0f}",
+         f"{tl.tokens_per_step:,} tokens per step"),
         ("MFU", f"{tl.mfu:.1%}",
          f"model FLOPs (3 x traced forward, recompute not counted) / {plan.compute_dtype} peak"),
         ("bottleneck", tl.bottleneck.value, "busiest stream"),
@@ -212,7 +237,35 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None) -> str
 
         lines.append("")
         lines += _section("NVMe tier", describe(nvme))
+    if topology is not None:
+        lines.append("")
+        lines += _section("data parallel", _topology_rows(topology))
     return "\n".join(lines)
+
+
+def _topology_rows(ts) -> list[tuple[str, str, str]]:
+    from megatrain.planner.schedule import Stream
+
+    plan, node, hw, tl = ts.plan, ts.node, ts.hardware, ts.solution.timeline
+    choice = ts.host_state
+    comm = tl.busy_s.get(Stream.COMM, 0.0)
+    return [
+        ("ranks", f"{plan.gpus_per_node} x {plan.nodes}", f"GPUs per node x nodes = {plan.data_parallel}"),
+        ("intra-node link", f"{hw.intra_node_bus_bytes_per_s / 1e9:g} GB/s" if plan.gpus_per_node > 1 else "-",
+         "collective bus bandwidth"),
+        ("network", f"{hw.network_bytes_per_s / 1e9:g} GB/s" if plan.nodes > 1 else "-", "per node, one direction"),
+        ("host state", choice.mode, choice.reason),
+        ("host memory per node", _gib(node.total),
+         f"GiB of {_gib(hw.host_memory_bytes)} ({_pct(node.total, hw.host_memory_bytes)})"),
+        ("pinned per node", _gib(node.pinned),
+         f"GiB of cap {_gib(hw.pinned_memory_cap_bytes)} ({_pct(node.pinned, hw.pinned_memory_cap_bytes)})"),
+        ("step time", f"{tl.step_time_s:,.4g} s", "every rank, in lockstep"),
+        ("global tokens/s", f"{ts.global_tokens_per_s:,.0f}", f"{plan.data_parallel} ranks x {tl.tokens_per_s:,.0f}"),
+        ("bottleneck", tl.bottleneck.value, "busiest stream of a rank"),
+        ("collectives busy", f"{comm:,.4g} s", "per step: hierarchical all-reduce of the FP32 gradients, "
+                                                "the node's barriers after its shards' updates"),
+        ("weight all-gathers", f"{choice.network_s_per_step:,.4g} s", "per step, on the H2D path (shard only)"),
+    ]
 
 
 def _short_list(names: list[str], k: int = 4) -> str:
@@ -260,11 +313,21 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; --out names a directory for schedule.json, trace.json and "
                           "timeline.png: give a directory (new or existing)")
+    if args.gpus_per_node < 1 or args.nodes < 1:
+        raise _UsageError(f"megatrain plan: --gpus-per-node ({args.gpus_per_node}) and --nodes ({args.nodes}) must be >= 1")
+    ranks = args.gpus_per_node * args.nodes
+    if ranks > 1 and args.nvme is not None:
+        raise _UsageError("megatrain plan: --nvme with several GPUs is not planned yet; plan one GPU with --nvme, "
+                          "or several without it")
     hw = load_hardware(args.hardware)
     if args.nvme is not None or args.host_memory is not None:
         from megatrain.planner.nvme import parse_bytes, with_nvme
 
         hw = with_nvme(hw, args.nvme, None if args.host_memory is None else parse_bytes(args.host_memory))
+    if args.interconnect is not None or args.network is not None:
+        from megatrain.planner.topology import with_topology
+
+        hw = with_topology(hw, args.interconnect, args.network)
     config = load_model_config(args.model)
     from megatrain.models import check_causal_decoder
 
@@ -274,9 +337,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     model = build_meta_model(config, dtype=getattr(torch, args.compute_dtype))
     graph = trace(model, micro_batch_size=1, seq_len=args.seq_len).graph
     trace_s = time.perf_counter() - t0
-    nvme = None
+    nvme = topology = None
     try:
-        if hw.has_nvme:
+        if ranks > 1:
+            from megatrain.planner.topology import solve_topology
+
+            topology = solve_topology(graph, hw, args.global_batch, gpus_per_node=args.gpus_per_node,
+                                      nodes=args.nodes, compute_dtype=args.compute_dtype,
+                                      clip_gradients=args.clip_gradients, method=args.solver)
+            solution = topology.solution
+        elif hw.has_nvme:
             from megatrain.planner.nvme import solve_with_nvme
 
             nvme = solve_with_nvme(SolveRequest(graph, hw, args.global_batch, args.compute_dtype,
@@ -287,12 +357,14 @@ def _plan_command(args: argparse.Namespace) -> int:
                                           clip_gradients=args.clip_gradients), args.solver)
     except PlanError as e:
         print(f"megatrain plan: {args.model} on {hw.name}, seq_len {args.seq_len} x global batch "
-              f"{args.global_batch}, {args.compute_dtype}: traced {len(graph.layers)} layers in {trace_s:.2f} s")
+              f"{args.global_batch}, {args.compute_dtype}"
+              + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else "")
+              + f": traced {len(graph.layers)} layers in {trace_s:.2f} s")
         print("\nfits: NO\n")
         print(str(e))
         return NO_FIT
     # Planned once: the solver lowered this schedule and verified it against hw (Solution.schedule).
-    print(format_report(solution, hw, model=args.model, trace_s=trace_s, nvme=nvme))
+    print(format_report(solution, hw, model=args.model, trace_s=trace_s, nvme=nvme, topology=topology))
     if args.out is not None:
         try:
             paths = write_outputs(solution, args.out, args.model)

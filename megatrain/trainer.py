@@ -692,8 +692,9 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         # the ranks of a node share one host copy and split its optimizer work.
         from megatrain.runtime.distributed import topology
 
-        plan = dataclasses.replace(plan, data_parallel=world,
-                                   optimizer_shards=topology().local_world if share_host_memory else 1,
+        topo = topology()
+        plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
+                                   optimizer_shards=topo.local_world if share_host_memory else 1,
                                    d2h_dtype="float32" if plan.gradient_dtype != "float32" else plan.d2h_dtype)
     if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)
@@ -740,6 +741,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     if host is None and planned.plan.data_parallel > 1:
         from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
 
+        if planned.plan.host_state == "shard":
+            raise ConfigError(f"the plan shards the host state across its {planned.plan.nodes} nodes "
+                              "(Plan.host_state='shard'), which megatrain plans but does not run yet; train with "
+                              "host_state='replicate' (a full copy per node) on nodes with the host memory for it")
         if on_nvme:  # the ranks' files would share names in one directory, and shards one file
             raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and trains "
                               f"data-parallel over {planned.plan.data_parallel} ranks: not supported yet; keep the "

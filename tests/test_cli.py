@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -138,3 +139,76 @@ def test_plan_with_clipped_gradients_defers_the_optimizer(tmp_path, capsys):
     assert "next forward" in text
     schedule = Schedule.load(out / "schedule.json")
     assert schedule.carries_updates and schedule.plan.grad_ring == schedule.n_layers
+
+
+def _readme_block(heading: str, lang: str) -> str:
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    section = text[text.index(heading + "\n"):]
+    start = section.index(f"```{lang}\n") + len(f"```{lang}\n")
+    return section[start:section.index("```\n", start)]
+
+
+def test_readme_topology_command_prints_what_the_readme_says(capsys):
+    """The README's "Planning for several GPUs and nodes" command, run as written: every line of its
+    printed block appears in the output."""
+    import shlex
+
+    heading = "## Planning for several GPUs and nodes"
+    argv = shlex.split(_readme_block(heading, "bash").strip())
+    assert argv[:2] == ["megatrain", "plan"]
+    assert main(argv[1:]) == 0
+    text = capsys.readouterr().out
+    for line in _readme_block(heading, "text").splitlines():
+        assert line in text.splitlines(), line
+    assert "host state               shard  shard: replicating does not fit" in text
+
+
+def test_plan_for_gpus_and_nodes(tmp_path, capsys):
+    cfg = write_config(tmp_path / "config.json")
+    base = ["plan", "--model", str(cfg), "--hardware", "H100_SXM", "--seq-len", "16", "--global-batch", "4"]
+
+    def rows(text: str, section: str) -> dict[str, str]:
+        block = text.split("\n" + section + "\n")[1].split("\n\n")[0]
+        return {line[2:].split("  ")[0]: line for line in block.splitlines()}
+
+    # 1 x 1 is today's answer, data parallel section and all.
+    assert main(base) == 0
+    alone = capsys.readouterr().out
+    assert main(base + ["--gpus-per-node", "1", "--nodes", "1"]) == 0
+    same = capsys.readouterr().out
+    assert rows(same, "predicted step") == rows(alone, "predicted step") and "data parallel" not in same
+    # 2 GPUs x 2 nodes over NVLink and one NIC.
+    assert main(base + ["--gpus-per-node", "2", "--nodes", "2", "--interconnect", "nvlink4",
+                        "--network", "400g-1nic", "--out", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    dp = rows(text, "data parallel")
+    assert "fits: yes" in text and "global batch 4," in text
+    assert dp["ranks"].split()[1:4] == ["2", "x", "2"] and "= 4" in dp["ranks"]
+    assert "450 GB/s" in dp["intra-node link"] and "50 GB/s" in dp["network"]
+    assert "replicate: a full copy on each node fits" in dp["host state"]
+    per_rank = float(rows(text, "predicted step")["tokens/s per rank"].split()[3].replace(",", ""))
+    total = float(dp["global tokens/s"].split()[2].replace(",", ""))
+    assert total == pytest.approx(4 * per_rank, rel=1e-3)  # both printed to the token
+    schedule = Schedule.load(tmp_path / "out" / "schedule.json")
+    assert (schedule.plan.data_parallel, schedule.plan.nodes, schedule.plan.host_state) == (4, 2, "replicate")
+    # A host that holds half the state but not all of it: sharded, with the reason.
+    assert main(base + ["--nodes", "2", "--network", "400g-1nic", "--host-memory", "320KiB"]) == 0
+    text = capsys.readouterr().out
+    assert ("shard: replicating does not fit (a full copy of the masters and moments, 289.88 KiB, and 1 ranks' "
+            "smallest buffers need at least") in text and "of the node's 320.00 KiB" in text
+    # What is missing is named, with the flag that gives it.
+    for extra, want in [(["--nodes", "2"], "network_bytes_per_s=0.*--network"),
+                        (["--gpus-per-node", "2"], "intra_node_bytes_per_s=0.*--interconnect"),
+                        (["--gpus-per-node", "3"], "global batch 4 does not split over 3 GPUs"),
+                        (["--nodes", "0"], "--nodes \\(0\\) must be >= 1"),
+                        (["--nodes", "2", "--network", "10g"], "no network preset named '10g'"),
+                        (["--nodes", "2", "--nvme", "4xgen4"], "--nvme with several GPUs is not planned yet")]:
+        rc = main(base + extra)
+        out = capsys.readouterr()
+        if "does not split" in want:
+            assert rc == 3 and "fits: NO" in out.out, out
+            assert re.search(want, out.out), out.out
+        else:
+            assert rc == 2 and re.search(want, out.err), (extra, out.err)

@@ -30,7 +30,9 @@ def test_public_surface_is_pinned():
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "widens_gradients", "gradient_scratch_numel",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
-        "NVME_BUFFERS", "nvme_buffers"}
+        "NVME_BUFFERS", "nvme_buffers",
+        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS",
+        "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes"}
 
 
 # -- op times --------------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ def test_every_op_kind_has_one_duration_formula():
     assert cost.op_duration(OpKind.RECOMPUTE, g, 1, plan, hw) == cost.fwd_time(g.layers[1], plan, hw)
     assert cost.op_duration(OpKind.NVME_READ, g, 1, plan, hw) == cost.nvme_time(g.layers[1], hw, OpKind.NVME_READ)
     assert cost.nvme_time(g.layers[1], hw, OpKind.NVME_WRITE) == pytest.approx(16384 / 1e9 + 1e-6)
-    assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw)
+    assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw, plan)
     assert cost.op_duration(OpKind.OFFLOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.OFFLOAD)
     assert cost.op_duration(OpKind.RELOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.RELOAD)
     assert cost.op_duration(OpKind.ALL_REDUCE, g, 1, plan, hw) == cost.all_reduce_time(g.layers[1], hw, plan)
@@ -96,8 +98,13 @@ def test_a_sharded_optimizer_step_takes_the_largest_shard_s_time():
     hw = spec(op_latency_s=1e-6, host_optimizer_params_per_s=1e9)
     whole = cost.opt_time(g.layers[0], hw, Plan())
     quarter = cost.opt_time(g.layers[0], hw, Plan(data_parallel=4, optimizer_shards=4))
+    own = cost.opt_time(g.layers[0], hw, Plan(data_parallel=4))
     assert whole == pytest.approx(1e-6 + 4096 / 1e9)
-    assert quarter == pytest.approx(1e-6 + 1024 / 1e9)
+    # A quarter of the tile at a quarter of the node's host bandwidth (four ranks on one DRAM, the
+    # spec's rate being the whole host's): as long as one rank's whole step, and 4x shorter than
+    # four ranks each stepping a copy of their own.
+    assert quarter == pytest.approx(1e-6 + 1024 / (1e9 / 4))
+    assert own - 1e-6 == pytest.approx(4 * (quarter - 1e-6))
 
 
 def test_h2d_time_doubles_when_bandwidth_halves():
@@ -366,3 +373,96 @@ def test_measure_host(tmp_path):
         assert "host-only" in hw.name
         assert hw.bf16_flops == hw.h2d_bytes_per_s == hw.gpu_memory_bytes == 0
         assert not hw.has_gpu
+
+
+# -- data parallel: topology -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("g, m, lat_i, lat_n, want", [
+    # B = 4 bytes x 16,000 parameters = 64,000 bytes; intra 1 GB/s, network 0.5 GB/s; op latency 1 us.
+    (1, 1, 0.0, 0.0, 0.0),  # one rank: no collective
+    (4, 1, 0.0, 0.0, 1e-6 + 2 * 3 / 4 * 64_000 / 1e9),  # one node: the flat ring
+    (1, 2, 0.0, 0.0, 1e-6 + 2 * 1 / 2 * 64_000 / 0.5e9),  # one GPU per node: the ring over nodes
+    (8, 2, 0.0, 0.0, 1e-6 + 2 * 7 / 8 * 64_000 / 1e9 + 2 * 1 / 2 * 64_000 / 0.5e9),  # RS + AR of B/G + AG
+    (8, 4, 2e-6, 5e-6, 1e-6 + 2 * 7 / 8 * 64_000 / 1e9 + 2 * 7 * 2e-6 + 2 * 3 / 4 * 64_000 / 0.5e9 + 2 * 3 * 5e-6),
+])
+def test_all_reduce_time_is_a_hierarchical_ring(g, m, lat_i, lat_n, want):
+    layer = chain_graph(1, numel=16_000).layers[0]
+    hw = spec(op_latency_s=1e-6, intra_node_bytes_per_s=1e9, network_bytes_per_s=0.5e9,
+              intra_node_latency_s=lat_i, network_latency_s=lat_n)
+    assert cost.all_reduce_time(layer, hw, Plan(data_parallel=g * m, nodes=m)) == pytest.approx(want, rel=1e-12)
+
+
+def test_all_reduce_time_reads_the_legacy_field_and_names_the_missing_rate():
+    layer = chain_graph(1, numel=16_000).layers[0]
+    legacy = HardwareSpec.model_validate_json(spec(allreduce_bytes_per_s=1e9).model_dump_json())
+    new = spec(intra_node_bytes_per_s=1e9)
+    plan = Plan(data_parallel=4)
+    assert legacy.intra_node_bus_bytes_per_s == 1e9
+    assert cost.all_reduce_time(layer, legacy, plan) == cost.all_reduce_time(layer, new, plan)
+    with pytest.raises(ValueError, match="legacy name of intra_node_bytes_per_s"):
+        spec(allreduce_bytes_per_s=1e9, intra_node_bytes_per_s=2e9)
+    with pytest.raises(ConfigError, match="network_bytes_per_s=0.*--network"):
+        cost.all_reduce_time(layer, new, Plan(data_parallel=2, nodes=2))
+    with pytest.raises(ConfigError, match="intra_node_bytes_per_s=0 and allreduce_bytes_per_s=0.*--interconnect"):
+        cost.all_reduce_time(layer, spec(network_bytes_per_s=1e9), Plan(data_parallel=4, nodes=2))
+
+
+def test_ranks_of_a_node_split_the_update_and_share_the_host_bandwidth():
+    layer = chain_graph(1, numel=16_000).layers[0]
+    hw = spec(op_latency_s=1e-6, host_optimizer_params_per_s=1e9, intra_node_bytes_per_s=1e9,
+              network_bytes_per_s=1e9)
+    one, node8 = Plan(), Plan(data_parallel=8, optimizer_shards=8)
+    own8 = Plan(data_parallel=8)  # eight ranks on one node, each with a copy of its own
+    shard = Plan(data_parallel=16, nodes=2, host_state="shard", optimizer_shards=8)
+    assert cost.optimizer_numel(layer, one) == cost.optimizer_numel(layer, own8) == 16_000
+    assert cost.optimizer_numel(layer, node8) == 2_000  # 1/8 of each tile per rank
+    # and each node only its 1/2: 1/16 of the tile, whole 64-byte lines (cost.optimizer_shard)
+    assert cost.optimizer_numel(layer, shard) == 1_008 == -(-16_000 // 16 // 16) * 16
+    assert cost.host_rate(hw, node8) == cost.host_rate(hw, own8) == 1e9 / 8
+    assert cost.opt_time(layer, hw, own8) - 1e-6 == pytest.approx(8 * (cost.opt_time(layer, hw, node8) - 1e-6))
+    # The node's DRAM does the same update per step either way: 1/8 of it at 1/8 of the bandwidth.
+    assert cost.opt_time(layer, hw, node8) == pytest.approx(cost.opt_time(layer, hw, one), rel=1e-12)
+    assert cost.opt_time(layer, hw, shard) - 1e-6 == pytest.approx(1_008 / (1e9 / 8))  # about half of one's
+    # Each rank casts and accumulates its own whole tile, at its share of the bandwidth.
+    assert cost.cast_time(layer, hw, node8) - 1e-6 == pytest.approx(8 * (cost.cast_time(layer, hw) - 1e-6))
+    assert cost.acc_time(layer, hw, node8) - 1e-6 == pytest.approx(8 * (cost.acc_time(layer, hw) - 1e-6))
+
+
+def test_sharded_weights_are_gathered_over_the_network_before_each_copy():
+    layer = chain_graph(1, numel=16_000).layers[0]
+    hw = spec(network_bytes_per_s=0.5e9, network_latency_s=5e-6)
+    rep = Plan(data_parallel=2, nodes=2, compute_dtype="bfloat16")
+    shard = Plan(data_parallel=4, nodes=4, host_state="shard", compute_dtype="bfloat16")
+    assert cost.weight_gather_bytes(layer, rep) == 0 and cost.weight_gather_time(layer, hw, rep) == 0
+    assert cost.weight_gather_bytes(layer, shard) == 3 * 16_000 * 2 // 4  # the other 3 nodes' quarters, BF16
+    want = 24_000 / 0.5e9 + 3 * 5e-6
+    assert cost.weight_gather_time(layer, hw, shard) == pytest.approx(want, rel=1e-12)
+    assert cost.h2d_time(layer, shard, hw) == pytest.approx(cost.h2d_time(layer, rep, hw) + want, rel=1e-12)
+    with pytest.raises(ConfigError, match="network_bytes_per_s=0"):
+        cost.weight_gather_time(layer, spec(), shard)
+
+
+@pytest.mark.parametrize("plan", [Plan(data_parallel=4, optimizer_shards=4), Plan(data_parallel=4),
+                                  Plan(data_parallel=8, nodes=2, host_state="shard", optimizer_shards=2),
+                                  Plan(data_parallel=8, nodes=2, host_state="shard", optimizer_shards=4),
+                                  Plan(data_parallel=3, nodes=3, host_state="shard", compute_dtype="bfloat16")])
+def test_node_memory_shares_the_state_and_rank_budgets_are_exact(plan):
+    g = chain_graph(3, numel=[5000, 7000, 3000])
+    mem = cost.memory_breakdown(g, plan)
+    node = cost.node_memory(g, plan, mem)
+    state = mem.master_weights + mem.adam_moments
+    assert state == cost.persistent_state_bytes(g)
+    ways = plan.nodes if plan.host_state == "shard" else 1
+    copies = plan.gpus_per_node // plan.optimizer_shards  # ranks with a copy of their own hold one each
+    assert node.persistent == copies * -(-state // ways)
+    assert node.per_rank == mem.host_total - state
+    assert node.gather_buffers == cost.gather_buffer_bytes(g, plan) == (
+        0 if ways == 1 else 2 * cost.page_up(7000 * plan.compute_itemsize))
+    assert node.total == node.persistent + node.gather_buffers + plan.gpus_per_node * node.per_rank
+    # One rank's breakdown fits its budgets exactly when the node fits: at the node's size, and
+    # one byte below it.
+    for extra, fits in ((0, True), (-1, False)):
+        hw = spec(host_memory_bytes=node.total + extra, pinned_memory_cap_bytes=node.pinned)
+        host, pinned = cost.rank_host_budgets(g, plan, hw)
+        assert node.fits(hw) is fits
+        assert (mem.host_total <= host and mem.host_pinned <= pinned) is fits

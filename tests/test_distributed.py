@@ -163,7 +163,8 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: fl
                                    OptimizerPlacement.DURING_BACKWARD, grad_ring=8 if clip else 2)
         trainer = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, micro_batches=k, optimizer=OPT,
                                     max_grad_norm=clip, plan=plan)
-        assert (trainer.plan.data_parallel, trainer.plan.optimizer_shards) == (world, local_world)
+        assert (trainer.plan.data_parallel, trainer.plan.optimizer_shards, trainer.plan.nodes) == (
+            world, local_world, world // local_world)
         rows = k * MBS
         results = []
         for b in _global_batches(world, k, steps):
@@ -362,7 +363,7 @@ def test_megatrain_train_refuses_a_global_batch_the_ranks_cannot_split(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
-def test_nvme_moments_with_several_ranks_are_refused_before_anything_is_bound(tmp_path):
+def test_what_several_ranks_cannot_run_yet_is_refused_before_anything_is_bound(tmp_path):
     from megatrain.errors import ConfigError
 
     model = tiny_llama()
@@ -371,6 +372,9 @@ def test_nvme_moments_with_several_ranks_are_refused_before_anything_is_bound(tm
     plan = dataclasses.replace(planned.plan, data_parallel=2, nvme_moments=frozenset({1}))
     with pytest.raises(ConfigError, match="on NVMe and trains data-parallel over 2 ranks: not supported yet"):
         megatrain.materialize(dataclasses.replace(planned, plan=plan), OPT, nvme_dir=str(tmp_path))
+    sharded = dataclasses.replace(planned.plan, data_parallel=2, nodes=2, host_state="shard")
+    with pytest.raises(ConfigError, match="shards the host state across its 2 nodes.*does not run yet"):
+        megatrain.materialize(dataclasses.replace(planned, plan=sharded), OPT)
     assert not list(tmp_path.iterdir())  # no NVMe file made
     assert [p.data_ptr() for p in model.parameters()] == own  # the module was not bound to host tiles
 

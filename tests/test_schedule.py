@@ -294,9 +294,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 8
-    doc["version"] = 7
-    with pytest.raises(pydantic.ValidationError, match="version 7 is not 8.*lower the plan again"):
+    assert doc["version"] == 9
+    doc["version"] = 8
+    with pytest.raises(pydantic.ValidationError, match="version 8 is not 9.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 

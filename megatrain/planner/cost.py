@@ -25,6 +25,15 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
   (:mod:`megatrain.planner.hardware`), so a cast runs at that rate times 28 / 6.
 - ``ACC``: ``layer.trainable_numel`` FP32 additions on the host, two reads and one write (12 bytes
   per element), at the same memory-bound rate (micro-batch 0's copy moves 8 and is counted as 12).
+- ``ALL_REDUCE`` (data parallel): a hierarchical ring all-reduce of the FP32 step gradients over
+  ``plan.gpus_per_node`` GPUs per node and ``plan.nodes`` nodes (:func:`all_reduce_time`).
+
+Data parallel (``plan.data_parallel`` ranks on ``plan.nodes`` nodes). The ranks of a node share its
+host memory bandwidth (:func:`host_rate`); ``plan.optimizer_shards`` of them share one copy of the
+masters and moments (:func:`node_memory`), each rank's OPT stepping its shard of every tile
+(:func:`optimizer_numel`). With ``plan.host_state == "shard"`` a node
+holds and updates ``1 / nodes`` of the state and every H2D first all-gathers the layer's weights
+over the network (:func:`weight_gather_time`).
 
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
@@ -169,8 +178,11 @@ def d2h_bytes(layer: Layer, plan: Plan | None = None) -> int:
 
 
 def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
+    """One weight copy to the GPU; with ``plan.host_state == "shard"`` the layer's weights are first
+    all-gathered over the network (:func:`weight_gather_time`), which the H2D op waits for and is
+    timed with (the gather is not an op of its own: it is on the copy's critical path)."""
     rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
-    return hw.op_latency_s + h2d_bytes(layer, plan) / rate
+    return hw.op_latency_s + h2d_bytes(layer, plan) / rate + weight_gather_time(layer, hw, plan)
 
 
 def d2h_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
@@ -210,19 +222,39 @@ def optimizer_shard(numel: int, shards: int, index: int) -> tuple[int, int]:
 
 
 def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
-    """One host AdamW step over the layer's trainable parameters (with ``plan.optimizer_shards > 1``,
-    over this rank's shard, the largest: :func:`optimizer_shard`; each rank of the node is assumed
-    to step at ``host_optimizer_params_per_s``); with ``plan``'s BF16 gradients read from a host
-    tile (not an FP32 accumulator) it first widens them into the FP32 scratch."""
-    n = layer.trainable_numel
-    if plan is not None and plan.optimizer_shards > 1:
-        lo, hi = optimizer_shard(n, plan.optimizer_shards, 0)
-        n = hi - lo
-    t = hw.op_latency_s + n / hw.host_optimizer_params_per_s
+    """One rank's host AdamW step over its part of the layer's trainable parameters
+    (:func:`optimizer_numel`: all of them for one rank) at its share of the host's memory bandwidth
+    (:func:`host_rate`); with ``plan``'s BF16 gradients read from a host tile (not an FP32
+    accumulator) it first widens them into the FP32 scratch."""
+    n, rate = optimizer_numel(layer, plan), host_rate(hw, plan)
+    t = hw.op_latency_s + n / rate
     if plan is not None and widens_gradients(plan):
-        rate = hw.host_optimizer_params_per_s * ADAMW_BYTES_PER_PARAM / WIDEN_BYTES_PER_ELEMENT
-        t += n / rate
+        t += n / (rate * ADAMW_BYTES_PER_PARAM / WIDEN_BYTES_PER_ELEMENT)
     return t
+
+
+def host_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
+    """AdamW parameters/s one rank's host ops (OPT, CAST, ACC) run at: the node's
+    ``host_optimizer_params_per_s`` over ``plan.gpus_per_node``, the ranks on the node. Those ops
+    are memory-bound (:data:`~megatrain.planner.hardware.ADAMW_BYTES_PER_PARAM`; the spec's rate is
+    the whole host's, all threads) and the ranks of one node run the same schedule at the same time
+    on one DRAM, so each gets an equal share of its bandwidth: ``G`` ranks that each step ``1 / G``
+    of a shared tile take as long as one rank stepping all of it, and ``G`` ranks that each step a
+    whole copy of their own take ``G`` times longer."""
+    return hw.host_optimizer_params_per_s / (plan.gpus_per_node if plan is not None else 1)
+
+
+def optimizer_numel(layer: Layer, plan: Plan | None = None) -> int:
+    """Trainable parameters of ``layer`` one rank's OPT updates: its shard
+    (:func:`optimizer_shard`, the largest) among the ``plan.optimizer_shards`` ranks that share a
+    copy, and with ``plan.host_state == "shard"`` among the ``optimizer_shards x nodes`` ranks that
+    share one copy spread over the nodes (each node holds and updates ``1 / nodes``). All of them
+    for one rank (``plan`` None, or one shard)."""
+    if plan is None:
+        return layer.trainable_numel
+    ways = plan.optimizer_shards * (plan.nodes if plan.host_state == "shard" else 1)
+    lo, hi = optimizer_shard(layer.trainable_numel, ways, 0)
+    return hi - lo
 
 
 def widens_gradients(plan: Plan) -> bool:
@@ -231,15 +263,17 @@ def widens_gradients(plan: Plan) -> bool:
     return plan.gradient_dtype == "bfloat16" and not plan.accumulates_on_host
 
 
-def cast_time(layer: Layer, hw: HardwareSpec) -> float:
-    """One host CAST of the layer's master tile into a BF16 staging tile."""
-    rate = hw.host_optimizer_params_per_s * ADAMW_BYTES_PER_PARAM / CAST_BYTES_PER_ELEMENT
+def cast_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
+    """One host CAST of the layer's master tile into a BF16 staging tile (each rank casts the whole
+    tile for its own GPU, at its share of the host bandwidth, :func:`host_rate`)."""
+    rate = host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / CAST_BYTES_PER_ELEMENT
     return hw.op_latency_s + layer.numel / rate
 
 
-def acc_time(layer: Layer, hw: HardwareSpec) -> float:
-    """One host ACC of a micro-batch's gradients of ``layer`` into its accumulator."""
-    rate = hw.host_optimizer_params_per_s * ADAMW_BYTES_PER_PARAM / ACC_BYTES_PER_ELEMENT
+def acc_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
+    """One host ACC of a micro-batch's gradients of ``layer`` into its accumulator (each rank sums
+    its own micro-batches, at its share of the host bandwidth, :func:`host_rate`)."""
+    rate = host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / ACC_BYTES_PER_ELEMENT
     return hw.op_latency_s + layer.trainable_numel / rate
 
 
@@ -267,8 +301,8 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.OFFLOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.OFFLOAD),
     OpKind.RELOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.RELOAD),
     OpKind.OPT: lambda g, i, plan, hw: opt_time(g.layers[i], hw, plan),
-    OpKind.CAST: lambda g, i, plan, hw: cast_time(g.layers[i], hw),
-    OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw),
+    OpKind.CAST: lambda g, i, plan, hw: cast_time(g.layers[i], hw, plan),
+    OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw, plan),
     OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ),
     OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE),
     OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
@@ -822,6 +856,8 @@ __all__ = [
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
     "NVME_BUFFERS", "nvme_buffers",
+    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes",
+    "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
 ]
 
 
@@ -862,18 +898,166 @@ def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind) -> float:
     return nvme_bytes(layer) / rate + hw.op_latency_s
 
 
+def _intra_rate(hw: HardwareSpec, what: str) -> float:
+    rate = hw.intra_node_bus_bytes_per_s
+    if rate <= 0:
+        raise ConfigError(f"HardwareSpec {hw.name!r} has intra_node_bytes_per_s=0 and allreduce_bytes_per_s=0, so "
+                          f"it cannot time {what} among the GPUs of a node; attach an interconnect "
+                          "(megatrain.planner.topology.with_topology(hw, interconnect='nvlink4'), or "
+                          "megatrain plan --interconnect) or set intra_node_bytes_per_s")
+    return rate
+
+
+def _network_rate(hw: HardwareSpec, what: str) -> float:
+    if hw.network_bytes_per_s <= 0:
+        raise ConfigError(f"HardwareSpec {hw.name!r} has network_bytes_per_s=0, so it cannot time {what} "
+                          "between nodes; attach a network (megatrain.planner.topology.with_topology(hw, "
+                          "network='ndr-8x400g'), or megatrain plan --network) or set network_bytes_per_s")
+    return hw.network_bytes_per_s
+
+
 def all_reduce_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
-    """Seconds an ALL_REDUCE of ``layer``'s FP32 step gradients (4 bytes per trainable parameter)
-    takes over ``plan.data_parallel`` ranks: a ring all-reduce moves ``2 (N - 1) / N`` of the bytes
-    through each rank's link (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for
-    clusters of workstations", JPDC 2009; NCCL's "busbw" is that rate), at
-    ``hw.allreduce_bytes_per_s``, plus the op latency. 0 for one rank.
+    """Seconds an ALL_REDUCE of ``layer``'s FP32 step gradients (``B`` = 4 bytes per trainable
+    parameter) takes over ``plan.data_parallel`` = ``G`` GPUs per node x ``M`` nodes, as a
+    hierarchical ring all-reduce: a reduce-scatter among the node's GPUs, an all-reduce of each
+    GPU's ``B / G`` slice between the nodes (the ``G`` slices in parallel, over the node's NICs
+    together), an all-gather among the node's GPUs::
+
+        2 (G-1)/G x B / intra  +  2 (M-1)/M x B / network  +  2 (G-1) a_intra + 2 (M-1) a_net + op latency
+
+    ``intra`` is ``hw.intra_node_bus_bytes_per_s`` (NCCL's busbw: a ring reduce-scatter or
+    all-gather of ``B`` over ``G`` ranks moves ``(G-1)/G x B`` through each rank's link), ``network``
+    ``hw.network_bytes_per_s`` (the node's: ``G`` slices of ``B/G`` share it, so the slice size and
+    the per-GPU share cancel), ``a_*`` the per-step latencies. Sources: the ring all-reduce is
+    bandwidth-optimal at ``2 (N-1)/N`` of the bytes per rank (Patarasuk & Yuan, "Bandwidth optimal
+    all-reduce algorithms for clusters of workstations", JPDC 2009); reduce-scatter + all-reduce +
+    all-gather is the hierarchical composition of Thakur, Rabenseifner & Gropp, "Optimization of
+    collective communication operations in MPICH" (IJHPCA 2005, section 4), which NCCL's ring and
+    tree algorithms follow across nodes; the busbw convention is nccl-tests' doc/PERFORMANCE.md.
+    With ``M = 1`` it is the flat ring of ``G`` ranks; 0 for one rank.
 
     Raises:
-        ConfigError: ``hw`` has no all-reduce bandwidth and the plan has more than one rank.
+        ConfigError: ``G > 1`` and ``hw`` has no intra-node bandwidth, or ``M > 1`` and no network
+            bandwidth.
     """
-    n = plan.data_parallel
-    if n == 1:
+    if plan.data_parallel == 1:
         return 0.0
-    rate = _rate(hw, "allreduce_bytes_per_s", hw.allreduce_bytes_per_s, "a data-parallel all-reduce")
-    return 2 * (n - 1) / n * layer.trainable_numel * 4 / rate + hw.op_latency_s
+    nbytes = layer.trainable_numel * GRAD_ITEMSIZE
+    g, m = plan.gpus_per_node, plan.nodes
+    t = hw.op_latency_s
+    if g > 1:
+        t += 2 * (g - 1) / g * nbytes / _intra_rate(hw, "a data-parallel all-reduce") + 2 * (g - 1) * hw.intra_node_latency_s
+    if m > 1:
+        t += 2 * (m - 1) / m * nbytes / _network_rate(hw, "a data-parallel all-reduce") + 2 * (m - 1) * hw.network_latency_s
+    return t
+
+
+def weight_gather_bytes(layer: Layer, plan: Plan) -> int:
+    """Bytes of ``layer``'s weights a node receives in one all-gather when the host state is sharded:
+    the other nodes' ``(M-1)/M`` of the tile, in the compute dtype (each node casts its own slice
+    before sending it), rounded up. 0 unless ``plan.host_state == "shard"``."""
+    if plan.host_state != "shard":
+        return 0
+    m = plan.nodes
+    return -(-(m - 1) * layer.numel * plan.compute_itemsize // m)
+
+
+def weight_gather_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
+    """Seconds of a ring all-gather of ``layer``'s weights across the ``plan.nodes`` nodes (ZeRO-3
+    style, Rajbhandari et al. 2020, arXiv:1910.02054): each node receives :func:`weight_gather_bytes`
+    over ``hw.network_bytes_per_s`` in ``M - 1`` steps of ``hw.network_latency_s`` (the ring
+    all-gather, Thakur et al. 2005; one gather per node serves its ``G`` GPUs). 0 unless
+    ``plan.host_state == "shard"``.
+
+    Raises:
+        ConfigError: the plan shards and ``hw`` has no network bandwidth.
+    """
+    if plan.host_state != "shard":
+        return 0.0
+    rate = _network_rate(hw, "the all-gather of sharded weights")
+    return weight_gather_bytes(layer, plan) / rate + (plan.nodes - 1) * hw.network_latency_s
+
+
+GATHER_BUFFERS = 2
+"""Pinned host tiles per node that sharded weights are all-gathered into (host_state "shard"): one
+being received while the GPUs copy from the other."""
+
+
+def gather_buffer_bytes(graph: LayerGraph, plan: Plan) -> int:
+    """Pinned bytes of a node's :data:`GATHER_BUFFERS` tiles, each the widest layer in the compute
+    dtype in whole pages; 0 unless ``plan.host_state == "shard"``."""
+    if plan.host_state != "shard":
+        return 0
+    return GATHER_BUFFERS * page_up(max((layer.numel for layer in graph.layers), default=0) * plan.compute_itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMemory:
+    """Host bytes of one node that runs ``ranks`` ranks of a plan (all sizes in bytes).
+
+    ``persistent``: the FP32 masters and Adam moments the node holds, one copy shared by its ranks
+    (all of them, or ``1 / nodes`` when the state is sharded); ``per_rank``: what each rank holds on
+    its own besides (gradient and staging tiles, offloaded checkpoints, norms and flags, gradient
+    accumulators and scratch: :class:`MemoryBreakdown` less its masters and moments);
+    ``gather_buffers``: the pinned tiles sharded weights are gathered into. Pinned: the shared
+    master rows (FP32 compute, sliced like the masters) and gather buffers, plus each rank's own.
+    """
+
+    ranks: int
+    persistent: int
+    per_rank: int
+    gather_buffers: int
+    shared_pinned: int
+    per_rank_pinned: int
+
+    @property
+    def total(self) -> int:
+        return self.persistent + self.gather_buffers + self.ranks * self.per_rank
+
+    @property
+    def pinned(self) -> int:
+        return self.shared_pinned + self.gather_buffers + self.ranks * self.per_rank_pinned
+
+    def budgets(self, hw: HardwareSpec) -> tuple[tuple[str, int, int], ...]:
+        """``(what, bytes needed, bytes one node of hw has)`` for host memory and its pinned cap."""
+        return (("host memory per node", self.total, hw.host_memory_bytes),
+                ("pinned host memory per node", self.pinned, hw.pinned_memory_cap_bytes))
+
+    def fits(self, hw: HardwareSpec) -> bool:
+        return all(need <= have for _, need, have in self.budgets(hw))
+
+
+def node_memory(graph: LayerGraph, plan: Plan, mem: MemoryBreakdown) -> NodeMemory:
+    """The :class:`NodeMemory` of ``plan`` (``plan.gpus_per_node`` ranks per node, ``plan.host_state``)
+    from one rank's :func:`memory_breakdown` ``mem`` of ``graph``."""
+    ways = plan.nodes if plan.host_state == "shard" else 1
+    copies = plan.gpus_per_node // plan.optimizer_shards  # groups of ranks that share a copy
+    state = mem.master_weights + mem.adam_moments
+    gather = gather_buffer_bytes(graph, plan)
+    return NodeMemory(ranks=plan.gpus_per_node, persistent=copies * -(-state // ways),
+                      per_rank=mem.host_total - state, gather_buffers=gather,
+                      shared_pinned=copies * -(-mem.pinned_masters // ways),
+                      per_rank_pinned=mem.host_pinned - mem.pinned_masters)
+
+
+def persistent_state_bytes(graph: LayerGraph) -> int:
+    """Bytes of the persistent host state of ``graph``: FP32 masters of every tile element and two
+    FP32 Adam moments per trainable parameter (``MemoryBreakdown.master_weights + adam_moments``)."""
+    return (sum(layer.numel for layer in graph.layers) * MASTER_BYTES_PER_ELEMENT
+            + sum(layer.trainable_numel for layer in graph.layers) * MOMENT_BYTES_PER_ELEMENT)
+
+
+def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[int, int]:
+    """``(host bytes, pinned bytes)`` one rank may plan for, counting the full persistent state in
+    it as :func:`memory_breakdown` does, such that a rank's breakdown within them is exactly a
+    node within ``hw`` (:meth:`NodeMemory.fits`): ``state + (node bytes - node's state) / G`` and
+    the same for the pinned masters and cap. Negative when the node's share of the state alone
+    exceeds it. ``plan`` gives the topology and compute dtype; its other knobs are not read."""
+    g, ways = plan.gpus_per_node, (plan.nodes if plan.host_state == "shard" else 1)
+    copies = g // plan.optimizer_shards
+    state = persistent_state_bytes(graph)
+    masters = pinned_master_bytes(graph, plan)
+    gather = gather_buffer_bytes(graph, plan)
+    host = state + (hw.host_memory_bytes - copies * -(-state // ways) - gather) // g
+    pinned = masters + (hw.pinned_memory_cap_bytes - copies * -(-masters // ways) - gather) // g
+    return host, pinned

@@ -87,7 +87,10 @@ class HardwareSpec(pydantic.BaseModel):
 
     Every field is in base units (bytes, seconds, FLOP/s, bytes/s, params/s). A GPU field of 0
     means "not measured / no GPU" (a host-only spec from ``measure_hardware()`` on a machine without CUDA);
-    the cost model refuses to time GPU ops against it.
+    the cost model refuses to time GPU ops against it. For data parallel the spec is one node: the
+    ``intra_node_*`` fields describe the link among its GPUs, the ``network_*`` fields its network
+    to the other nodes (:mod:`megatrain.planner.topology` attaches sourced presets); how many GPUs
+    and nodes a run uses is the Plan's (``Plan.data_parallel``, ``Plan.nodes``).
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
@@ -128,7 +131,20 @@ class HardwareSpec(pydantic.BaseModel):
     allreduce_bytes_per_s: float = Field(0, ge=0, description="data parallel: the bus bandwidth of an all-reduce "
                                                               "of host gradient tiles across the ranks, bytes/s "
                                                               "(NCCL's busbw convention: an all-reduce of B bytes "
-                                                              "over N ranks takes 2(N-1)/N x B / this); 0: not known")
+                                                              "over N ranks takes 2(N-1)/N x B / this); 0: not known. "
+                                                              "Legacy name of intra_node_bytes_per_s: a spec "
+                                                              "gives one of the two or both equal")
+    intra_node_bytes_per_s: float = Field(0, ge=0, description="data parallel: bus bandwidth (NCCL busbw) of a "
+                                                               "collective among the GPUs of one node, bytes/s "
+                                                               "(NVLink/NVSwitch or PCIe); 0: not known "
+                                                               "(allreduce_bytes_per_s is used if set)")
+    intra_node_latency_s: float = Field(0, ge=0, description="seconds per step of a ring collective among the "
+                                                             "GPUs of one node (alpha of the alpha-beta model)")
+    network_bytes_per_s: float = Field(0, ge=0, description="data parallel across nodes: network bandwidth of "
+                                                            "one node in one direction, all its NICs together, "
+                                                            "bytes/s; 0: not known (one node only)")
+    network_latency_s: float = Field(0, ge=0, description="seconds per step of a ring collective between nodes "
+                                                          "(alpha of the alpha-beta model)")
 
     @pydantic.model_validator(mode="after")
     def _pinned_within_host(self) -> "HardwareSpec":
@@ -137,6 +153,21 @@ class HardwareSpec(pydantic.BaseModel):
                              f"({self.pinned_memory_cap_bytes}) exceeds host_memory_bytes "
                              f"({self.host_memory_bytes}); lower the cap")
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _one_intra_node_rate(self) -> "HardwareSpec":
+        a, b = self.allreduce_bytes_per_s, self.intra_node_bytes_per_s
+        if a > 0 and b > 0 and a != b:
+            raise ValueError(f"HardwareSpec {self.name!r}: allreduce_bytes_per_s ({a:g}) is the legacy name of "
+                             f"intra_node_bytes_per_s ({b:g}) and the two differ; give only "
+                             "intra_node_bytes_per_s")
+        return self
+
+    @property
+    def intra_node_bus_bytes_per_s(self) -> float:
+        """The intra-node collective bus bandwidth, bytes/s: ``intra_node_bytes_per_s``, or the legacy
+        ``allreduce_bytes_per_s`` of a spec written before the topology fields; 0 when neither is set."""
+        return self.intra_node_bytes_per_s or self.allreduce_bytes_per_s
 
     @property
     def has_nvme(self) -> bool:

@@ -88,6 +88,19 @@ class Plan:
             and an ALL_GATHER after each OPT (on the COMM stream; on shared memory, a barrier of the
             node's ranks) makes the updated shards every rank's before anything reads the layer's
             master again. 1 (the default): each rank steps whole tiles of a copy of its own.
+        nodes: machines the ``data_parallel`` ranks are spread over, evenly
+            (:attr:`gpus_per_node` each), >= 1 and a divisor of ``data_parallel``. The ranks of one
+            node share its host memory bandwidth, which the host ops run at
+            (:func:`megatrain.planner.cost.host_rate`), and ``optimizer_shards`` of them (a divisor of
+            ``gpus_per_node``) one copy of the persistent state. Topology lives on the Plan, not the HardwareSpec: the spec describes one
+            node's hardware (and ``measure_hardware()`` measures one machine), while how many ranks
+            and nodes a run uses is the run's choice, as ``data_parallel`` is.
+        host_state: where the persistent host state lives when ``nodes > 1``: ``"replicate"`` (the
+            default), a full copy on every node; or ``"shard"``, ``1 / nodes`` of it on each node
+            (ZeRO-3 style: Rajbhandari et al. 2020, arXiv:1910.02054), every layer's weights
+            all-gathered over the network before each use (:func:`megatrain.planner.cost.weight_gather_time`)
+            and each node updating its own ``1 / nodes``. A planning choice
+            (:mod:`megatrain.planner.topology`); the runtime does not execute ``"shard"`` yet.
     """
 
     micro_batches: int = 1
@@ -105,6 +118,8 @@ class Plan:
     nvme_moments: frozenset[int] = frozenset()
     data_parallel: int = 1
     optimizer_shards: int = 1
+    nodes: int = 1
+    host_state: str = "replicate"
 
     def __post_init__(self) -> None:
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
@@ -139,6 +154,16 @@ class Plan:
             raise PlanError(f"Plan.nvme_moments={sorted(self.nvme_moments)}: layer indices must be >= 0")
         if self.data_parallel < 1:
             raise PlanError(f"Plan.data_parallel={self.data_parallel}: the number of ranks is >= 1")
+        if self.nodes < 1 or self.data_parallel % self.nodes:
+            raise PlanError(f"Plan.nodes={self.nodes} with data_parallel={self.data_parallel}: the ranks are spread "
+                            "evenly over the nodes, so nodes must be >= 1 and divide data_parallel; set "
+                            "data_parallel = gpus_per_node x nodes")
+        if self.host_state not in ("replicate", "shard"):
+            raise PlanError(f"Plan.host_state={self.host_state!r}: use 'replicate' (a full copy per node) or 'shard' "
+                            "(1/nodes of it per node)")
+        if self.host_state == "shard" and self.nodes == 1:
+            raise PlanError("Plan.host_state='shard' with nodes=1: sharding splits the host state across nodes; "
+                            "use host_state='replicate' on one node")
         if self.data_parallel > 1 and self.d2h_dtype == "bfloat16":
             raise PlanError("Plan.d2h_dtype='bfloat16' with data_parallel > 1: the ranks' gradients are summed on "
                             "the host, which BF16 would round; use d2h_dtype='float32'")
@@ -146,6 +171,10 @@ class Plan:
             raise PlanError(f"Plan.optimizer_shards={self.optimizer_shards} with data_parallel={self.data_parallel}: "
                             "the ranks that share a node's host state are >= 1 and divide the ranks; use the "
                             "GPUs per node (torchrun --nproc-per-node)")
+        if (self.data_parallel // self.nodes) % self.optimizer_shards:
+            raise PlanError(f"Plan.optimizer_shards={self.optimizer_shards} with {self.data_parallel // self.nodes} "
+                            f"ranks per node (data_parallel={self.data_parallel}, nodes={self.nodes}): the ranks "
+                            "that share a host copy are on one node; use a divisor of the GPUs per node")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""
@@ -171,6 +200,11 @@ class Plan:
     def accumulates_on_host(self) -> bool:
         """Per-micro-batch passes with several micro-batches: gradients are summed on the host."""
         return not self.layer_by_layer and self.micro_batches > 1
+
+    @property
+    def gpus_per_node(self) -> int:
+        """Ranks on each node: ``data_parallel / nodes``."""
+        return self.data_parallel // self.nodes
 
     @property
     def compute_itemsize(self) -> int:

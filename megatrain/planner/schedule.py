@@ -24,13 +24,13 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 8
+SCHEDULE_FORMAT_VERSION = 9
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
 sharded optimizer's ALL_GATHER and Plan.optimizer_shards; 8 the NVMe I/O buffer (``b``) that
-NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; files of earlier
-versions are refused (lower the plan again)."""
+NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; 9 the topology,
+Plan.nodes and Plan.host_state; files of earlier versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -307,6 +307,8 @@ class _PlanModel(pydantic.BaseModel):
     nvme_moments: list[int] = []
     data_parallel: int = 1
     optimizer_shards: int = 1
+    nodes: int = 1
+    host_state: Literal["replicate", "shard"] = "replicate"
 
 
 class _OpModel(pydantic.BaseModel):
@@ -344,7 +346,7 @@ class _ScheduleModel(pydantic.BaseModel):
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
             staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
             nvme_moments=sorted(p.nvme_moments), data_parallel=p.data_parallel,
-            optimizer_shards=p.optimizer_shards),
+            optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -354,7 +356,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
                     cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
-                    data_parallel=p.data_parallel, optimizer_shards=p.optimizer_shards)
+                    data_parallel=p.data_parallel, optimizer_shards=p.optimizer_shards, nodes=p.nodes,
+                    host_state=p.host_state)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

@@ -199,7 +199,9 @@ class Timeline:
         colors = {OpKind.H2D: "tab:blue", OpKind.FWD: "tab:green", OpKind.BWD: "tab:olive",
                   OpKind.D2H: "tab:orange", OpKind.OPT: "tab:purple", OpKind.OFFLOAD: "tab:red",
                   OpKind.RELOAD: "tab:cyan", OpKind.RECOMPUTE: "tab:pink", OpKind.CAST: "tab:gray",
-                  OpKind.ACC: "tab:brown"}
+                  OpKind.ACC: "tab:brown", OpKind.NVME_READ: "goldenrod", OpKind.NVME_WRITE: "darkkhaki",
+                  OpKind.ALL_REDUCE: "teal", OpKind.ALL_GATHER: "darkslategray"}
+        assert colors.keys() == set(OpKind), "every op kind needs a colour"
         fig = Figure(figsize=(12, 6.5), layout="constrained")
         FigureCanvasAgg(fig)
         lanes, mem = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
@@ -213,7 +215,7 @@ class Timeline:
                          [f"{s.value}\n{self.busy_fraction.get(s, 0.0):.0%} busy" for s in streams])
         lanes.set_ylim(len(streams) - 0.5, -1.3)  # inverted, with a free band on top for the legend
         lanes.legend(handles=[Patch(color=c, label=k.value) for k, c in colors.items()],
-                     loc="upper center", ncols=len(colors), fontsize="small", frameon=False)
+                     loc="upper center", ncols=(len(colors) + 1) // 2, fontsize="small", frameon=False)
         lanes.set_title(title or (f"{self.source} step on {self.hardware}: "
                                   f"{self.step_time_s * scale:.3g} {unit}, {self.tokens_per_s:,.0f} tokens/s, "
                                   f"MFU {self.mfu:.1%}, bottleneck {self.bottleneck.value}"))

@@ -1,0 +1,303 @@
+"""Planning for several GPUs and nodes: interconnect and network presets, attaching them to a
+HardwareSpec, and one rank's plan for ``G`` GPUs per node x ``M`` nodes with the choice of where the
+persistent host state lives.
+
+Method. Every rank runs the same schedule on its own micro-batches (``Plan.data_parallel`` =
+``G x M``), so the solver plans one rank (:func:`megatrain.planner.solve.solve`) and the topology is
+added to its plan afterwards (``Plan.nodes``, ``Plan.host_state``, and ``Plan.optimizer_shards = G``:
+the lowering then adds the ALL_REDUCEs and ALL_GATHERs). What the ranks share is host memory: a node
+holds one copy of the FP32 masters and Adam moments for its ``G`` GPUs (or ``1 / M`` of it,
+sharded), and each rank its own buffers
+(:func:`megatrain.planner.cost.node_memory`). The solver sees one rank's share of the node: a spec
+whose host memory and pinned cap are :func:`megatrain.planner.cost.rank_host_budgets`, within which
+one rank's breakdown (whole state included) fits exactly when the node does. The plan is then
+lowered with its topology, verified against that share, and simulated on the node's rates: the
+ALL_REDUCE on the COMM stream (hierarchical ring, :func:`megatrain.planner.cost.all_reduce_time`),
+each rank's ``1 / G`` of every optimizer update at ``1 / G`` of the host bandwidth, and with a
+sharded state a weight all-gather before every H2D.
+
+Host state across nodes (issue 16, part 2). Replicate (a full copy per node, no weight traffic)
+when that fits the node's host memory; else shard (ZeRO-3 style, Rajbhandari et al. 2020,
+arXiv:1910.02054: each node holds and updates ``1 / M``, the weights are all-gathered over the
+network before each use) when that fits; else no plan fits. :class:`HostStateChoice` records the
+bytes needed and available and the network time sharding adds per step. Executing ``"shard"`` is
+not in the runtime yet: the planner answers whether and how fast it would run.
+
+Not modelled: the ``G`` ranks' H2D copies reading one host DRAM at once (each at its PCIe link's
+rate, up to ``G x 53 GB/s`` on a DGX H100 against 614 GB/s of DRAM), and a reduce-scatter in place
+of the ALL_REDUCE when the state is sharded (it would halve the inter-node gradient bytes): the
+ALL_REDUCE is timed as the runtime runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from megatrain.errors import ConfigError, PlanError
+from megatrain.planner import cost
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.plan import Plan
+from megatrain.planner.schedule import OpKind
+from megatrain.planner.solve.request import Solution
+from megatrain.units import human_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A collective's link as the cost model reads it: bus bandwidth in bytes/s (NCCL's busbw
+    convention for an interconnect, one direction of all of a node's NICs for a network), the
+    latency of one step of a ring collective in seconds, and where the numbers come from."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_s <= 0 or self.latency_s < 0:
+            raise ConfigError(f"Link {self.name!r}: bytes_per_s ({self.bytes_per_s}) must be > 0 and latency_s "
+                              f"({self.latency_s}) >= 0")
+
+
+INTERCONNECTS: dict[str, Link] = {
+    "nvlink4": Link(
+        "NVLink 4 + NVSwitch (HGX/DGX H100, H200)", 450e9, 3e-6,
+        "NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU, 900 GB/s bidirectional (NVIDIA H100 "
+        "and H200 datasheets). NCCL all_reduce_perf on 8x H100 SXM5 measures a busbw of 460-480 GB/s at large "
+        "sizes (docs.alayanew.com, 'NCCL-tests in practice', 2026; NVLink SHARP in the switch lets busbw pass "
+        "the link rate) and the p2p test 380 GB/s per direction (github.com/NVIDIA/nccl issue 1264): 450 GB/s, "
+        "the per-direction link rate, sits inside that range. Latency 3 us per ring step: estimate."),
+    "pcie5": Link(
+        "PCIe Gen5 x16, no NVLink", 40e9, 10e-6,
+        "PCIe Gen5 x16: 64 GB/s per direction theoretical (PCI-SIG, 32 GT/s x 16 lanes, 128b/130b); NCCL "
+        "all_reduce_perf on 8x H100 PCIe without NVSwitch measures a busbw of 35-45 GB/s "
+        "(docs.alayanew.com, 'NCCL-tests in practice', 2026): 40 GB/s. Latency 10 us per ring step through "
+        "the host bridges: estimate."),
+}
+"""Intra-node interconnect presets (``megatrain plan --interconnect NAME``), each with its source."""
+
+NETWORKS: dict[str, Link] = {
+    "ndr-8x400g": Link(
+        "8x 400 Gb/s InfiniBand NDR / RoCE per node (one NIC per GPU)", 8 * 50e9, 5e-6,
+        "DGX H100: 8 single-port ConnectX-7 NICs at 400 Gb/s (NVIDIA DGX H100 datasheet); 400 Gb/s = 50 GB/s "
+        "per NIC per direction, 400 GB/s per node. NCCL all_reduce_perf across H100 nodes with NVLink and "
+        "NDR measures a busbw of 400-450 GB/s (saturncloud.io, 'Validating multi-node GPU clusters with "
+        "NCCL tests'), so the link rate is reached. Latency 5 us per ring step (NIC, switch hop, NCCL "
+        "proxy): estimate."),
+    "400g-1nic": Link(
+        "one 400 Gb/s NIC per node", 50e9, 5e-6,
+        "One 400 Gb/s InfiniBand NDR or 400GbE RoCE port (ConnectX-7): 50 GB/s per direction for the whole "
+        "node. Latency 5 us per ring step: estimate, as for ndr-8x400g."),
+}
+"""Inter-node network presets (``megatrain plan --network NAME``), per node, each with its source."""
+
+
+def _link(table: dict[str, Link], name: str | Link, what: str, flag: str) -> Link:
+    if isinstance(name, Link):
+        return name
+    key = name.strip().lower().replace("_", "-")
+    try:
+        return table[key]
+    except KeyError:
+        raise ConfigError(f"no {what} preset named {name!r}; valid names are {sorted(table)} ({flag})") from None
+
+
+def with_topology(hw: HardwareSpec, interconnect: str | Link | None = None,
+                  network: str | Link | None = None) -> HardwareSpec:
+    """``hw`` with an intra-node interconnect (a name of :data:`INTERCONNECTS` or a :class:`Link`)
+    and/or an inter-node network (a name of :data:`NETWORKS` or a Link) attached: their rates and
+    latencies replace ``intra_node_bytes_per_s`` / ``intra_node_latency_s`` and
+    ``network_bytes_per_s`` / ``network_latency_s``; the name records them.
+
+    Raises:
+        ConfigError: an unknown preset name (the message lists the valid ones).
+    """
+    update: dict = {}
+    names = []
+    if interconnect is not None:
+        link = _link(INTERCONNECTS, interconnect, "interconnect", "--interconnect")
+        # The legacy field would contradict the new rate (HardwareSpec refuses two different ones).
+        update.update(intra_node_bytes_per_s=link.bytes_per_s, intra_node_latency_s=link.latency_s,
+                      allreduce_bytes_per_s=0.0)
+        names.append(link.name)
+    if network is not None:
+        link = _link(NETWORKS, network, "network", "--network")
+        update.update(network_bytes_per_s=link.bytes_per_s, network_latency_s=link.latency_s)
+        names.append(link.name)
+    if not update:
+        return hw
+    return HardwareSpec.model_validate({**hw.model_dump(), **update, "name": f"{hw.name} + {' + '.join(names)}"})
+
+
+@dataclass(frozen=True, slots=True)
+class HostStateChoice:
+    """Where a node keeps the persistent host state, and why.
+
+    Attributes:
+        mode: ``"replicate"`` (a full copy per node) or ``"shard"`` (``1 / nodes`` per node).
+        nodes: the nodes of the plan, >= 1; ``"shard"`` needs more than one.
+        need_bytes: host bytes one node needs in this mode (:attr:`NodeMemory.total`).
+        have_bytes: host bytes one node has (``HardwareSpec.host_memory_bytes``).
+        network_s_per_step: seconds of weight all-gathers over the network one step adds on each
+            rank's H2D path (``cost.weight_gather_time`` of every H2D op); 0 when replicated.
+        reason: one sentence with those numbers, and for ``"shard"`` why replicating did not fit.
+    """
+
+    mode: Literal["replicate", "shard"]
+    nodes: int
+    need_bytes: int
+    have_bytes: int
+    network_s_per_step: float
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("replicate", "shard"):
+            raise PlanError(f"HostStateChoice.mode={self.mode!r}: use 'replicate' or 'shard'")
+        if self.nodes < 1 or (self.mode == "shard" and self.nodes == 1):
+            raise PlanError(f"HostStateChoice: mode {self.mode!r} with nodes={self.nodes}; sharding needs >= 2 nodes")
+        if self.need_bytes > self.have_bytes:
+            raise PlanError(f"HostStateChoice: {self.mode} needs {human_bytes(self.need_bytes)} per node but the node "
+                            f"has {human_bytes(self.have_bytes)}; a choice must fit")
+        if self.mode == "replicate" and self.network_s_per_step != 0:
+            raise PlanError("HostStateChoice: a replicated state moves no weights over the network; "
+                            f"network_s_per_step={self.network_s_per_step} must be 0")
+
+
+@dataclass(frozen=True, slots=True)
+class TopologySolution:
+    """One rank's solved plan for ``gpus_per_node x nodes`` GPUs, with the node's memory.
+
+    Attributes:
+        solution: the rank's Solution: its ``plan`` carries the topology (``data_parallel``,
+            ``nodes``, ``host_state``), ``schedule`` is that plan lowered (with its ALL_REDUCEs)
+            and verified, ``timeline`` its simulated step on the node's rates, ``memory`` the
+            rank's breakdown (the whole persistent state counted, as for one GPU).
+        node: the host bytes of one node (:func:`cost.node_memory`).
+        host_state: the replicate-or-shard choice and its reason.
+        hardware: the node spec the step was simulated on (interconnect and network attached).
+    """
+
+    solution: Solution
+    node: cost.NodeMemory
+    host_state: HostStateChoice
+    hardware: HardwareSpec
+
+    @property
+    def plan(self) -> Plan:
+        return self.solution.plan
+
+    @property
+    def ranks(self) -> int:
+        return self.plan.data_parallel
+
+    @property
+    def fits(self) -> bool:
+        """GPU memory per rank and host memory (and its pinned cap) per node all hold."""
+        mem, hw = self.solution.memory, self.hardware
+        return mem.gpu_peak <= hw.gpu_memory_bytes and self.node.fits(hw)
+
+    @property
+    def global_tokens_per_s(self) -> float:
+        """Tokens per second of all ranks together: each rank's simulated rate x ranks (they run the
+        same schedule in lockstep, joined by the collectives)."""
+        return self.solution.timeline.tokens_per_s * self.ranks
+
+
+def _first_sentence(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line.split("; ")[0].rstrip(".")
+
+
+def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gpus_per_node: int, nodes: int,
+                   compute_dtype: Literal["bfloat16", "float32"] = "bfloat16", clip_gradients: bool = False,
+                   method: Literal["milp", "enumerate"] = "milp") -> TopologySolution:
+    """Plan ``graph`` for ``gpus_per_node`` GPUs on each of ``nodes`` nodes of ``hw`` training
+    ``global_batch`` sequences per step together (module docstring, "Method").
+
+    ``global_batch`` is split evenly: each rank plans ``global_batch / (gpus_per_node x nodes)``.
+    The host state is replicated when that fits the node's host memory, else sharded when that
+    fits (module docstring, "Host state across nodes").
+
+    Raises:
+        PlanError: a count below 1, a global batch the ranks cannot split evenly, or no plan fits
+            in either mode (the message gives each mode's reason).
+        ConfigError: ``hw`` lacks the intra-node bandwidth (``gpus_per_node > 1``) or the network
+            bandwidth (``nodes > 1``) (attach them with :func:`with_topology`).
+    """
+    from megatrain.planner.lower import lower
+    from megatrain.planner.simulate import simulate
+    from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
+    from megatrain.planner.verify import verify
+
+    if gpus_per_node < 1 or nodes < 1:
+        raise PlanError(f"gpus_per_node={gpus_per_node}, nodes={nodes}: both must be >= 1")
+    ranks = gpus_per_node * nodes
+    if global_batch % ranks:
+        raise PlanError(f"global batch {global_batch} does not split over {gpus_per_node} GPUs x {nodes} nodes = "
+                        f"{ranks} ranks; use a multiple of {ranks} (each rank trains its own micro-batches)")
+    # Fail on a missing rate before solving, with the message that names the flag to pass.
+    trainable = [layer for layer in graph.layers if layer.trainable_numel]
+    if trainable:
+        cost.all_reduce_time(trainable[0], hw, Plan(data_parallel=ranks, nodes=nodes))
+    state = cost.persistent_state_bytes(graph)
+    failures: list[str] = []
+    for mode in ("replicate", "shard") if nodes > 1 else ("replicate",):
+        topo = Plan(data_parallel=ranks, nodes=nodes, host_state=mode, compute_dtype=compute_dtype,
+                    optimizer_shards=gpus_per_node)
+        host, pinned = cost.rank_host_budgets(graph, topo, hw)
+        held = -(-state // (nodes if mode == "shard" else 1))
+        if host <= state or pinned < 0:
+            what = "a full copy of the masters and moments" if mode == "replicate" else f"1/{nodes} of the masters and moments"
+            failures.append(f"{mode}: {what}, {human_bytes(held)}, leaves no host memory of the node's "
+                            f"{human_bytes(hw.host_memory_bytes)} for {gpus_per_node} ranks' buffers")
+            continue
+        view = hw.model_copy(update={"name": f"{hw.name}, one of {gpus_per_node} ranks per node ({mode})",
+                                     "host_memory_bytes": host, "pinned_memory_cap_bytes": min(pinned, host)})
+        try:
+            sol = solve(SolveRequest(graph, view, global_batch // ranks, compute_dtype,
+                                     clip_gradients=clip_gradients), method)
+        except InfeasibleRequestError as e:
+            r = e.requirements
+            if r.gpu_memory_bytes > hw.gpu_memory_bytes:  # the GPU is the obstacle, whatever the host
+                failures.append(f"{mode}: {_first_sentence(str(e))}")
+            else:
+                what = "a full copy of the masters and moments" if mode == "replicate" else f"1/{nodes} of them"
+                floor = held + cost.gather_buffer_bytes(graph, topo) + gpus_per_node * max(0, r.host_floor_bytes - state)
+                failures.append(f"{mode}: {what}, {human_bytes(held)}, and {gpus_per_node} ranks' smallest buffers "
+                                f"need at least {human_bytes(floor)} of the node's {human_bytes(hw.host_memory_bytes)}")
+            continue
+        plan = dataclasses.replace(sol.plan, data_parallel=ranks, nodes=nodes, host_state=mode,
+                                   optimizer_shards=gpus_per_node)
+        plan.check_against(sol.graph)
+        schedule = lower(sol.graph, plan, carries_updates=sol.schedule.carries_updates)
+        verify(schedule, sol.graph, view)
+        timeline = simulate(schedule, sol.graph, hw)
+        mem = cost.memory_breakdown(sol.graph, plan, hw, schedule)
+        node = cost.node_memory(sol.graph, plan, mem)
+        gathers = [op for op in schedule.ops if op.kind is OpKind.H2D]
+        network_s = sum(cost.weight_gather_time(sol.graph.layers[op.layer], hw, plan) for op in gathers)
+        need = (f"{human_bytes(node.persistent)} of masters and moments + {gpus_per_node} ranks x "
+                f"{human_bytes(node.per_rank)} of buffers"
+                + (f" + {human_bytes(node.gather_buffers)} of gather buffers" if node.gather_buffers else "")
+                + f" = {human_bytes(node.total)} of the node's {human_bytes(hw.host_memory_bytes)}")
+        if mode == "replicate":
+            reason = f"replicate: a full copy on each node fits: {need}; no weights cross the network"
+        else:
+            per_gather = max((cost.weight_gather_bytes(sol.graph.layers[op.layer], plan) for op in gathers), default=0)
+            reason = (f"shard: replicating does not fit ({failures[0].removeprefix('replicate: ')}); 1/{nodes} of "
+                      f"the state per node fits: {need}, for "
+                      f"{network_s:.4g} s of weight all-gathers over the network per step ({len(gathers)} gathers, "
+                      f"up to {human_bytes(per_gather)} each, at {hw.network_bytes_per_s / 1e9:g} GB/s per node)")
+        choice = HostStateChoice(mode, nodes, node.total, hw.host_memory_bytes, network_s, reason)
+        solution = dataclasses.replace(sol, plan=plan, schedule=schedule, timeline=timeline, memory=mem)
+        return TopologySolution(solution, node, choice, hw)
+    raise PlanError(f"no plan fits {gpus_per_node} GPUs per node x {nodes} nodes of {hw.name}: "
+                    + "; ".join(failures) + ". Fix: more nodes (sharding holds 1/nodes of the state each), "
+                    "nodes with more host memory, or an NVMe tier on one GPU (megatrain plan --nvme)")
+
+
+__all__ = ["Link", "INTERCONNECTS", "NETWORKS", "with_topology", "HostStateChoice", "TopologySolution",
+           "solve_topology"]
