@@ -217,12 +217,13 @@ def test_milp_and_enumeration_agree(g, hw, G, frac, dtype):
     check_solution(a, req)
     check_solution(b, req)
     assert a.method == "enumerate" and b.method == "milp"
-    # The two searches differ only in the resident-layer knapsack: the MILP's is exact, the greedy's
-    # (value per byte) is optimal only when the candidates' slots are of one size and otherwise may
-    # leave up to one item's value behind (a plan 25% slower was seen). The knapsack's values are
-    # the solver's per-layer estimates of time saved, not the simulated step, so "never slower" holds
-    # to the 1% the two already agree within where every candidate layer is of one size.
-    assert b.step_time_s <= a.step_time_s * 1.01
+    # The two searches differ only in the resident-layer knapsack: the MILP's is exact for the
+    # knapsack's values (test_milp_knapsack_is_optimal_...), the greedy's (value per byte) only when
+    # the candidates' slots are of one size. The values are the solver's per-layer estimates of H2D
+    # time saved, not the simulated step, so with layers of several sizes either plan may simulate
+    # faster: a plan 25% slower from the greedy was seen, and one 5% slower from the MILP (residents
+    # {0, 1, 2, 4} against {1, 2, 3, 4, 6}, 3.885 ms against 3.693 ms). Where every layer is of
+    # one size the two knapsacks agree, and so do the plans, to 1%.
     if len({layer.numel for layer in g.layers}) == 1:
         assert b.step_time_s == pytest.approx(a.step_time_s, rel=0.01)
 
