@@ -184,12 +184,10 @@ class Trainer:
 
         if self.plan.data_parallel == 1:
             return save_checkpoint(self, path, **kwargs)
-        import torch.distributed as dist
-
         self.flush()
-        out = save_checkpoint(self, path, **kwargs) if dist.get_rank() == 0 else None
-        with collective("the barrier after rank 0's save"):
-            dist.barrier()
+        dp = self.host.data_parallel
+        out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
+        dp.barrier("the barrier after rank 0's save")
         return out
 
     def load(self, path, **kwargs) -> dict:
@@ -215,10 +213,7 @@ class Trainer:
         """Data parallel: every rank read the same files (the ranks of a node wrote the same bytes
         into their shared tiles); none steps before all have."""
         if self.plan.data_parallel > 1:
-            import torch.distributed as dist
-
-            with collective("the barrier after the ranks' load"):
-                dist.barrier()
+            self.host.data_parallel.barrier("the barrier after the ranks' load")
 
     # -- the checkpoint boundary ------------------------------------------------------------------
     def state_dict(self, *, flush: bool = True) -> dict[str, Any]:
@@ -378,7 +373,7 @@ class Trainer:
         else:
             skipped = tuple(out.updates_skipped)
         if self.plan.data_parallel > 1:
-            losses, tokens = _gather_losses(losses, tokens)
+            losses, tokens = _gather_losses(losses, tokens, self.host.data_parallel.groups.world)
         return StepResult(step=self.step_count, loss=sum(losses) / len(losses), micro_batch_losses=losses,
                           tokens=tokens, seconds=seconds,
                           grad_norm=out.grad_norm, applied=out.finite,
@@ -455,16 +450,17 @@ def data_parallel_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _gather_losses(losses: tuple[float, ...], tokens: int) -> tuple[tuple[float, ...], int]:
+def _gather_losses(losses: tuple[float, ...], tokens: int, group) -> tuple[tuple[float, ...], int]:
     """Every rank's micro-batch losses in rank order (the global batch's micro-batches, as one
-    process running them all would list them) and the global token count."""
+    process running them all would list them) and the global token count, gathered in ``group``
+    (the host collectives' gloo group of every rank: the losses are host numbers)."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
     mine = torch.tensor([*losses, float(tokens)], dtype=torch.float64)
     parts = [torch.empty_like(mine) for _ in range(world)]
     with collective("the all-gather of the step's losses"):
-        dist.all_gather(parts, mine)
+        dist.all_gather(parts, mine, group=group)
     return tuple(float(x) for p in parts for x in p[:-1]), int(sum(int(p[-1]) for p in parts))
 
 

@@ -221,6 +221,14 @@ class DataParallelHost:
     shared: SharedHostMemory | None
     writer: bool
 
+    def barrier(self, what: str) -> None:
+        """Wait for every rank, in the gloo group of every rank (``what`` names it in a
+        :class:`CollectiveError`)."""
+        import torch.distributed as dist
+
+        with collective(what):
+            dist.barrier(group=self.groups.world)
+
     @property
     def shard_index(self) -> int:
         """This rank's optimizer shard (``cost.optimizer_shard``): its place in the node when shared."""
