@@ -111,7 +111,10 @@ def _parser() -> argparse.ArgumentParser:
                            description="Train a causal LM with all persistent state in host memory. Settings "
                                        "come from --config (YAML or JSON) and the flags below, which override "
                                        "it. Exit code 0 when the run finishes or a signal stops it after a "
-                                       "checkpoint, 2 on any error.")
+                                       "checkpoint, 2 on any error. Data parallel: run it under torchrun "
+                                       "(torchrun --standalone --nproc-per-node N --no-python megatrain train "
+                                       "...); global_batch is then the rows of a step over all ranks, and "
+                                       "rank 0 writes the outputs.")
     _add_train_flags(train)
     return p
 

@@ -64,7 +64,8 @@ class TrainConfig(pydantic.BaseModel):
                                                        "document start, as Hugging Face packing without padding "
                                                        "does); false: plain causal attention across the window")
     seq_len: int = Field(1024, ge=2, description="tokens per training window")
-    global_batch: int = Field(8, gt=0, description="windows (rows) per optimizer step")
+    global_batch: int = Field(8, gt=0, description="windows (rows) per optimizer step, over all ranks under "
+                                                   "torchrun (a multiple of micro_batch_size x ranks)")
     micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch; global_batch must be a "
                                                        "multiple of it")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
