@@ -228,9 +228,10 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
     assert trainer.step_count == steps
 
 
-def _async_main(rank: int, world: int, init_file: str, out: str) -> None:
-    """One rank of a node of two: the same clipped steps on the CPU backend and on the CUDA backend
-    over the asynchronous fake CUDA (the race detector), from the same state."""
+def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> None:
+    """One rank of a node of two: loads the checkpoint one process saved, then takes the same
+    clipped steps on the CPU backend and on the CUDA backend over the asynchronous fake CUDA (the
+    race detector), from the same state."""
     from megatrain.planner.plan import ActivationPolicy as A
     from megatrain.runtime.backend import CPUBackend
     from megatrain.runtime.cuda import CUDABackend
@@ -240,8 +241,12 @@ def _async_main(rank: int, world: int, init_file: str, out: str) -> None:
     with _process_group(rank, world, init_file, local_world=world):
         plan = Plan(micro_batches=2, slots=2, prefetch_distance=1, optimizer=OptimizerPlacement.NEXT_FORWARD,
                     grad_ring=4, activations=(A.OFFLOAD, A.RECOMPUTE, A.OFFLOAD, A.KEEP))
-        trainer = megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=MBS, micro_batches=2, optimizer=OPT,
+        model = tiny_llama()
+        trainer = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, micro_batches=2, optimizer=OPT,
                                     max_grad_norm=0.5, plan=plan)
+        trainer.load(ckpt)  # every rank reads it into the node's shared tiles
+        saved = torch.load(f"{ckpt}.state")
+        loaded = trainer.step_count == 1 and all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
         snap = [b.clone() for b in trainer.host.blocks] + [s.clone() for s in trainer.host.steps]
         rows = 2 * MBS
 
@@ -258,18 +263,25 @@ def _async_main(rank: int, world: int, init_file: str, out: str) -> None:
         fake = AsyncFakeCuda(seed=rank, max_delay_s=2e-3)
         got = run(CUDABackend(adapter=fake))
         fake.close()
-        torch.save({"losses": got[0] == want[0], "state": all(torch.equal(x, y) for x, y in zip(got[1], want[1]))},
-                   f"{out}.{rank}")
+        torch.save({"loaded": loaded, "losses": got[0] == want[0],
+                    "state": all(torch.equal(x, y) for x, y in zip(got[1], want[1]))}, f"{out}.{rank}")
 
 
 def test_ranks_on_the_asynchronous_fake_cuda_train_exactly_like_on_the_cpu_backend(tmp_path):
     """GPU readiness of the collectives: with streams as threads and random delays before every op,
     the ALL_REDUCEs (after asynchronous D2Hs) and the ALL_GATHERs (before the next H2D) of two ranks
-    sharing a node give bitwise the CPU backend's losses and host state."""
+    sharing a node give bitwise the CPU backend's losses and host state. They start from a
+    checkpoint one process saved (a checkpoint loads into any number of ranks)."""
+    torch.manual_seed(7)  # other weights than any rank's own initialisation
+    model = tiny_llama()
+    one = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, optimizer=OPT)
+    one.step(random_batch(MBS, S, VOCAB, seed=5))
+    one.save(tmp_path / "ckpt")
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, tmp_path / "ckpt.state")
     out = str(tmp_path / "rank")
-    mp.spawn(_async_main, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    mp.spawn(_async_main, args=(2, str(tmp_path / "init"), out, str(tmp_path / "ckpt")), nprocs=2, join=True)
     for r in range(2):
-        assert torch.load(f"{out}.{r}") == {"losses": True, "state": True}, f"rank {r}"
+        assert torch.load(f"{out}.{r}") == {"loaded": True, "losses": True, "state": True}, f"rank {r}"
 
 
 def _hang_main(rank: int, world: int, init_file: str, out: str) -> None:
