@@ -38,6 +38,10 @@ from megatrain.errors import BatchError, ConfigError
 
 __all__ = ["ShapeFreeTrainer", "pad_to_bucket"]
 
+PROBE_SEQ_LEN = 8
+"""Tokens per sequence of the shape :meth:`ShapeFreeTrainer.load` plans when no batch has come yet
+(the host tiles do not depend on the shape; a short one traces fastest)."""
+
 DEFAULT_MAX_SHAPES = 8
 """Plans a :class:`ShapeFreeTrainer` keeps by default: enough for a few ``seq_len`` buckets at a
 couple of batch sizes; each is a traced graph and its schedules (host metadata, no tensors)."""
@@ -209,7 +213,13 @@ class ShapeFreeTrainer:
         return self._current().save(path, **kwargs)
 
     def load(self, path, **kwargs) -> dict:
-        out = self._current().load(path, **kwargs)
+        """Resume from a checkpoint (see ``Trainer.load``). Before any batch, the host tiles are
+        made by planning a probe shape first: the smallest ``seq_len_buckets`` entry, else
+        :data:`PROBE_SEQ_LEN` tokens, at ``micro_batch_size`` (default 1); every shape shares them."""
+        if self.trainer is None:
+            self._switch((self.micro_batch_size or 1,
+                          self.seq_len_buckets[0] if self.seq_len_buckets else PROBE_SEQ_LEN))
+        out = self.trainer.load(path, **kwargs)
         self.step_count = self.trainer.step_count
         return out
 

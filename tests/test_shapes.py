@@ -111,6 +111,27 @@ def test_shape_free_errors_name_the_cause():
         megatrain.compile(model, plan=megatrain.Plan(micro_batches=1))
 
 
+def test_a_checkpoint_loads_before_the_first_batch(tmp_path, count_traces):
+    """Resuming a shape-free trainer: load plans a probe shape to make the host tiles, then the
+    first batch's shape trains from the loaded weights as a fixed-shape trainer does."""
+    from megatrain.shapes import PROBE_SEQ_LEN
+
+    torch.manual_seed(3)
+    saved = megatrain.compile(tiny_llama(), seq_len=16, micro_batch_size=2, optimizer=ADAMW)
+    saved.step(random_batch(2, 16, VOCAB, seed=1))
+    saved.save(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    model = tiny_llama()
+    trainer = megatrain.compile(model, optimizer=ADAMW)
+    del count_traces[:]  # (the fixed-shape trainer's own trace)
+    trainer.load(tmp_path / "ckpt")
+    assert count_traces == [(1, PROBE_SEQ_LEN)] and trainer.step_count == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved.model.parameters()))
+    batch = random_batch(2, 16, VOCAB, seed=2)
+    assert trainer.step(batch).loss == saved.step(batch).loss  # the same state, the same step
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved.model.parameters()))
+
+
 def test_explicit_shapes_still_give_a_trainer():
     torch.manual_seed(0)
     trainer = megatrain.compile(tiny_llama(), seq_len=8)
