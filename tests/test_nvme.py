@@ -253,7 +253,7 @@ def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carrie
     assert all(ops[i].buf is None for layer, i in opts.items() if layer not in on_nvme)
     assert repr(ops[reads[1]]) == f"NVME_READ:L1:b{ops[reads[1]].buf}"
     assert Op.parse("OPT:L3:r0:b1") == Op(OpKind.OPT, 3, ring=0, buf=1)
-    with pytest.raises(ValueError, match="NVME_WRITE op needs buf"):
+    with pytest.raises(ValueError, match=r"NVME_WRITE op names a moments I/O buffer \(buf\) or a gradient I/O buffer"):
         Op.parse("NVME_WRITE:L3")
     # The I/O stream has its own resource: the step is timed with it, and its busy time is the ops'.
     hw = spec(nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e6, nvme_write_bytes_per_s=5e5)
