@@ -331,6 +331,7 @@ def test_verifier_rejects_nvme_op_misuse():
 # -- runtime: bitwise the same training with moments on NVMe (a temp dir) as all in RAM --------------
 
 import copy  # noqa: E402
+import re  # noqa: E402
 import dataclasses  # noqa: E402
 
 import megatrain  # noqa: E402
@@ -570,3 +571,136 @@ def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
     assert placed.adam_moments == sum(8 * graph.layers[i].trainable_numel for i in every - some)
     with pytest.raises(PlanError, match="with every Adam moment on NVMe the plan still needs .* of host memory"):
         nvme_layers(planned, "64KiB", str(tmp_path))
+
+
+# -- gradient tiles on NVMe (Plan.nvme_gradients): deferred (clipped) updates ------------------------
+
+GRADS_ON_NVME = frozenset({0, 1, 3})  # of tiny_llama(layers=2)'s 4 trainable layers: all but layer 2
+ALL_LAYERS = frozenset({0, 1, 2, 3})
+
+
+def _grad_plan(model, moments=frozenset(), grads=GRADS_ON_NVME):
+    """The clipped (NEXT_FORWARD) default plan, 2 micro-batches layer by layer, with the gradient
+    tiles of ``grads`` and the moments of ``moments`` on NVMe."""
+    plan = _planned(model, 0.5, moments)
+    assert plan.optimizer is OptimizerPlacement.NEXT_FORWARD and plan.layer_by_layer and plan.micro_batches == 2
+    return dataclasses.replace(plan, nvme_gradients=grads)
+
+
+@pytest.mark.parametrize("grads,moments", [(ALL_LAYERS, frozenset()), (GRADS_ON_NVME, ON_NVME)],
+                         ids=["grads", "some grads+moments"])
+def test_training_with_gradient_tiles_on_nvme_is_bitwise_all_in_ram(tmp_path, grads, moments):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    ref_model = copy.deepcopy(model)
+    plan = _grad_plan(copy.deepcopy(model), moments, grads)
+    ram_plan = dataclasses.replace(plan, nvme_gradients=frozenset(), nvme_moments=frozenset())
+    with pytest.raises(ConfigError, match=re.escape(f"gradient tiles of layers {sorted(grads)} on NVMe") + ".*nvme_dir"):
+        _compile(copy.deepcopy(model), dataclasses.replace(plan, nvme_moments=frozenset()), None, 0.5)
+    ref = _compile(ref_model, ram_plan, None, 0.5)
+    got = _compile(model, plan, tmp_path, 0.5)
+    assert sorted(os.listdir(tmp_path)) == sorted([f"L{i}.grad.tile" for i in grads]
+                                                  + [f"L{i}.moments.tile" for i in moments])
+    for step, b in enumerate(BATCHES + BATCHES[:2]):
+        assert got.step(b).loss == ref.step(b).loss, f"step {step}"
+        # Between steps the gradient buffers hold garbage (and the NVMe layers' own ring tiles do not
+        # exist), so the carried updates are right only if their NVME_READs bring the tiles back.
+        for buf in got.executor._buffers.nvme_gradients:
+            buf.fill_(float("nan"))
+    ref.flush()
+    got.flush()
+    for (name, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    for li in range(4):
+        assert torch.equal(got.host.read_moments(li), ref.host.read_moments(li)), li
+        assert float(got.host.steps[li]) == float(ref.host.steps[li]) == len(BATCHES) + 2
+    # Pinned host memory drops by the NVMe layers' own gradient tiles, less the two rotating
+    # gradient buffers (each the widest of them, whole pages): the executor's arena as the cost model.
+    # (With all four layers on NVMe that is a saving: two buffers of the widest layer replace four tiles.)
+    graph = got.planned.graph
+    own = sum(cost.page_up(graph.layers[i].trainable_numel * 4) for i in grads)
+    rotating = 2 * max(cost.nvme_gradient_bytes(graph.layers[i], plan) for i in grads)
+    mem, mem_ram = cost.memory_breakdown(graph, plan), cost.memory_breakdown(graph, ram_plan)
+    assert mem.nvme_gradient_buffers == rotating
+    assert mem_ram.host_pinned - mem.host_pinned == own - rotating
+    assert grads != ALL_LAYERS or own - rotating > 0
+    assert ref.executor._arena.nbytes - got.executor._arena.nbytes == own - rotating
+    assert got.executor._arena.nbytes == cost.pinned_buffers(graph, plan, "train").nbytes
+
+
+def test_truncated_gradient_file_names_the_op_and_file(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    t = _compile(model, _grad_plan(copy.deepcopy(model)), tmp_path, 0.5)
+    t.step(BATCHES[0])  # writes every NVMe layer's gradient tile; the next step's OPTs read them
+    os.truncate(tmp_path / "L1.grad.tile", ALIGN)
+    with pytest.raises(StepError, match=r"NvmeError: op #\d+ NVME_READ:L1:g\d: NVMe tile file .*L1\.grad\.tile"
+                                        r"' is truncated") as e:
+        t.step(BATCHES[1])
+    assert isinstance(e.value.__cause__, NvmeError)
+
+
+def test_nvme_gradient_plans_are_refused_where_no_tile_waits():
+    g = chain_graph(3)
+    with pytest.raises(PlanError, match="nvme_gradients=\\[1\\] with optimizer=.*NEXT_FORWARD"):
+        Plan(nvme_gradients=frozenset({1}))  # DURING_BACKWARD: no tile waits for the next step
+    with pytest.raises(PlanError, match="nvme_gradients=\\[1\\] with .*layer_by_layer=False, micro_batches=2"):
+        Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, nvme_gradients=frozenset({1}), layer_by_layer=False,
+             micro_batches=2)
+    with pytest.raises(PlanError, match="nvme_gradients names layers \\[7\\]"):
+        lower(g, Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=3, nvme_gradients=frozenset({7})))
+
+
+def test_verifier_rejects_gradient_tile_nvme_op_misuse():
+    """Hand-mutated schedules of a plan with gradient tiles on NVMe: each is refused by rule
+    'nvme' with a message naming the op."""
+    g = chain_graph(4)
+    plan = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, nvme_gradients=frozenset({1, 2, 3}))
+    s = lower(g, plan, carries_updates=True)
+    verify(s, g)
+    ops = list(s.ops)
+    at = {repr(op): i for i, op in enumerate(ops)}
+
+    def bad(mutated, msg):
+        with pytest.raises(ScheduleError, match=msg):
+            verify(dataclasses.replace(s, ops=tuple(mutated)), g)
+
+    # The carried OPT must read what its NVME_READ filled: drop the dependency on the read.
+    o = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer == 3)
+    r = next(d for d in ops[o].deps if ops[d].kind is OpKind.NVME_READ)
+    m = list(ops)
+    m[o] = dataclasses.replace(ops[o], deps=tuple(d for d in ops[o].deps if d != r))
+    bad(m, rf"op #{o} {ops[o]!r} breaks rule 'nvme': it uses gradient I/O buffer g\d before #{r}")
+    # The write of a D2H's tile must happen after the D2H (the tile complete).
+    w = next(i for i, op in enumerate(ops) if op.kind is OpKind.NVME_WRITE and op.gbuf is not None)
+    m = list(ops)
+    m[w] = dataclasses.replace(ops[w], deps=())
+    bad(m, rf"op #{w} {ops[w]!r} breaks rule 'nvme': it uses gradient I/O buffer g\d before #{w - 1}")
+    # Without the write, the gradients never reach the file the next step reads.
+    d = w - 1
+    m = [op for i, op in enumerate(ops) if i != w]
+    m = [dataclasses.replace(op, deps=tuple(x - (x > w) for x in op.deps if x != w)) for op in m]
+    bad(m, rf"op #{d} {ops[d]!r} breaks rule 'nvme': the gradients it puts in gradient I/O buffer g\d are never "
+           "written")
+    # A D2H reusing a buffer before the previous turn's NVME_WRITE emptied it.
+    d2hs = [i for i, op in enumerate(ops) if op.kind is OpKind.D2H and op.gbuf is not None]
+    later = next(i for i in d2hs[1:] if ops[i].gbuf == ops[d2hs[0]].gbuf)
+    m = list(ops)
+    m[later] = dataclasses.replace(ops[later], deps=tuple(x for x in ops[later].deps if x != d2hs[0] + 1))
+    bad(m, rf"op #{later} {ops[later]!r} breaks rule 'nvme': it fills gradient I/O buffer g\d while #{d2hs[0] + 1}")
+    # An NVMe layer's D2H into its ring tile, and an in-RAM layer's OPT from a gradient buffer.
+    m = list(ops)
+    m[d2hs[0]] = dataclasses.replace(ops[d2hs[0]], gbuf=None, ring=3)
+    # (its own tile has no bytes: the budget rule, which runs first, says so)
+    bad(m, rf"op #{d2hs[0]} D2H:L3:s\d:r3 breaks rule 'budget': layer 3's 1,024 gradients do not fit host tile r3 of 0")
+    o0 = at[next(k for k in at if k.startswith("OPT:L0"))]
+    m = list(ops)
+    m[o0] = dataclasses.replace(ops[o0], ring=None, gbuf=0)
+    bad(m, rf"op #{o0} OPT:L0:g0 breaks rule 'nvme': layer 0's gradient tile is in host memory")
+    # A buffer index outside the pool.
+    m = list(ops)
+    m[r] = dataclasses.replace(ops[r], gbuf=5)
+    bad(m, rf"op #{r} NVME_READ:L3:g5 breaks rule 'nvme': it names gradient I/O buffer g5, but the plan has 2 "
+           r"\(cost.nvme_gradient_buffers\)")
+    # The JSON form keeps the plan's gradient layers and the ops' buffers.
+    assert Schedule.from_json(s.to_json()) == s
