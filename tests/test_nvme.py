@@ -492,9 +492,11 @@ def test_readme_nvme_snippet_runs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
 
 
-def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
+@pytest.mark.parametrize("grads", [frozenset(), frozenset({0, 1, 3})], ids=["moments", "moments+grads"])
+def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads):
     """The CUDA backend runs Stream.IO on a host worker of its own; on the asynchronous fake (random
-    delays before every op) the NVMe plan trains bitwise like the CPU backend."""
+    delays before every op) the NVMe plan trains bitwise like the CPU backend, also with gradient
+    tiles on NVMe (their D2Hs into the rotating pinned buffers wait for the NVME_WRITEs)."""
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import AsyncFakeCuda
 
@@ -502,7 +504,7 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
     base = tiny_llama(layers=2)
     kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=0.5)
     planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
-    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}))
+    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}), nvme_gradients=grads)
     batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
 
     def run(backend, d):
