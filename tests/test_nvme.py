@@ -626,6 +626,16 @@ def test_training_with_gradient_tiles_on_nvme_is_bitwise_all_in_ram(tmp_path, gr
     assert mem.nvme_gradient_buffers == rotating
     assert mem_ram.host_pinned - mem.host_pinned == own - rotating
     assert grads != ALL_LAYERS or own - rotating > 0
+    # The placement moves gradient tiles first, and its host figures are the cost model's of the
+    # placed plan: with one byte too little host memory it moves them until the tiles freed exceed
+    # the two buffers added.
+    hw = spec(host_memory_bytes=mem_ram.host_total - 1, pinned_memory_cap_bytes=mem_ram.host_pinned,
+              nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+    placement = place_on_nvme(graph, ram_plan, mem_ram, hw)
+    assert len(placement.gradients) >= 3 and not placement.moments and not placement.masters
+    placed = cost.memory_breakdown(graph, dataclasses.replace(ram_plan, nvme_gradients=placement.gradients))
+    assert placement.host_total(mem_ram) == placed.host_total <= hw.host_memory_bytes
+    assert placement.host_pinned(mem_ram) == placed.host_pinned
     assert ref.executor._arena.nbytes - got.executor._arena.nbytes == own - rotating
     assert got.executor._arena.nbytes == cost.pinned_buffers(graph, plan, "train").nbytes
 
