@@ -167,13 +167,18 @@ def _check_placement(ns, graph):
     assert ns.fits and ns.host_total <= hw.host_memory_bytes  # ... and fits with it
     assert moved <= p.nvme_bytes <= hw.nvme_capacity_bytes
     assert ns.step_time_s == max(ns.timeline.step_time_s, p.io_time_s)
-    # The plan carries the moment layers; its schedule has their NVMe ops, verified, and adding ops
-    # and edges cannot make the simulated step shorter than the all-in-RAM one.
-    assert ns.plan.nvme_moments == p.moments
+    # The plan carries the moment and gradient-tile layers; its schedule has their NVMe ops (a read of
+    # each, and a write), verified, and adding ops and edges cannot make the simulated step shorter
+    # than the all-in-RAM one. Its host bytes are the cost model's of the placed plan (no masters moved).
+    assert ns.plan.nvme_moments == p.moments and ns.plan.nvme_gradients == p.gradients and not p.masters
     from megatrain.planner.schedule import OpKind as K
     from megatrain.planner.verify import verify as check
     check(ns.schedule, ns.solution.graph)
-    assert sum(op.kind is K.NVME_READ for op in ns.schedule.ops) == len(p.moments)
+    for kind in (K.NVME_READ, K.NVME_WRITE):
+        assert sum(op.kind is kind and op.buf is not None for op in ns.schedule.ops) == len(p.moments)
+        assert sum(op.kind is kind and op.gbuf is not None for op in ns.schedule.ops) == len(p.gradients)
+    placed = cost.memory_breakdown(ns.solution.graph, ns.plan, hw, ns.schedule)
+    assert placed.host_total == ns.host_total and placed.host_pinned == p.host_pinned(mem)
     assert ns.timeline.step_time_s >= ns.simulated_step_s * (1 - 1e-9)
 
 
@@ -184,7 +189,8 @@ def test_dense_120b_with_clipping_fits_h200_1_5tb_with_nvme(dense_120b):
     ns = solve_with_nvme(SolveRequest(dense_120b, with_nvme(preset("H200"), "4xgen5"), 8, "bfloat16",
                                       clip_gradients=True))
     _check_placement(ns, dense_120b)
-    assert ns.placement.gradients  # deferred gradient tiles go first
+    assert ns.placement.gradients  # deferred gradient tiles go first, into the plan itself
+    assert ns.plan.nvme_gradients == ns.placement.gradients
     assert ns.solution.plan.optimizer.name == "NEXT_FORWARD"
 
 
