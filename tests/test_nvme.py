@@ -415,11 +415,18 @@ def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_
     got = _compile(model, plan, tmp_path, max_grad_norm)
     # The files are made at compile (a missing directory or full disk fails there).
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
+    # Between steps the I/O buffers hold garbage, so the next step's updates are right only if
+    # their NVME_READs bring the moments back from the files.
+    _train_alike(ref, got, ref_model, model, lambda: got.executor._nvme_pool)
+
+
+def _train_alike(ref, got, ref_model, model, scratch):
+    """Step trainers ``ref`` and ``got`` (of ``ref_model`` and ``model``) on the same batches, filling
+    the host buffers ``scratch()`` returns with NaN after each step, then flush both: the losses,
+    weights, moments and Adam step counts must be equal, bitwise."""
     for step, b in enumerate(BATCHES + BATCHES[:2]):
         assert got.step(b).loss == ref.step(b).loss, f"step {step}"
-        # Between steps the I/O buffers hold garbage, so the next step's updates are right only if
-        # their NVME_READs bring the moments back from the files.
-        for buf in got.executor._nvme_pool:
+        for buf in scratch():
             buf.view(torch.float32).fill_(float("nan"))
     ref.flush()
     got.flush()
@@ -618,19 +625,9 @@ def test_training_with_gradient_tiles_on_nvme_is_bitwise_all_in_ram(tmp_path, gr
     got = _compile(model, plan, tmp_path, 0.5)
     assert sorted(os.listdir(tmp_path)) == sorted([f"L{i}.grad.tile" for i in grads]
                                                   + [f"L{i}.moments.tile" for i in moments])
-    for step, b in enumerate(BATCHES + BATCHES[:2]):
-        assert got.step(b).loss == ref.step(b).loss, f"step {step}"
-        # Between steps the gradient buffers hold garbage (and the NVMe layers' own ring tiles do not
-        # exist), so the carried updates are right only if their NVME_READs bring the tiles back.
-        for buf in got.executor._buffers.nvme_gradients:
-            buf.fill_(float("nan"))
-    ref.flush()
-    got.flush()
-    for (name, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
-        assert torch.equal(a, b), name
-    for li in range(4):
-        assert torch.equal(got.host.read_moments(li), ref.host.read_moments(li)), li
-        assert float(got.host.steps[li]) == float(ref.host.steps[li]) == len(BATCHES) + 2
+    # Between steps the gradient buffers hold garbage (and the NVMe layers' own ring tiles do not
+    # exist), so the carried updates are right only if their NVME_READs bring the tiles back.
+    _train_alike(ref, got, ref_model, model, lambda: got.executor._buffers.nvme_gradients)
     # Pinned host memory drops by the NVMe layers' own gradient tiles, less the two rotating
     # gradient buffers (each the widest of them, whole pages): the executor's arena as the cost model.
     # (With all four layers on NVMe that is a saving: two buffers of the widest layer replace four tiles.)
