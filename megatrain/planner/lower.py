@@ -282,7 +282,8 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
         write = None
         if i in read_at:
             deps.update(read_at[i])
-            op = dataclasses.replace(op, buf=buf_of.get(i), **({"ring": None, "gbuf": gbuf_of[i]} if i in gbuf_of else {}))
+            grads = {"ring": None, "gbuf": gbuf_of[i]} if i in gbuf_of else {}  # the tile comes from NVMe
+            op = dataclasses.replace(op, buf=buf_of.get(i), **grads)
             if i in gbuf_of:
                 last_use[gbuf_of[i]] = len(out)
             if i in buf_of:

@@ -84,7 +84,8 @@ _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: St
 
 _ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "gbuf", "copy", "buf")
 """Every index field, in the order a repr writes them."""
-_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc": "a", "copy": "c", "buf": "b", "gbuf": "g"}
+_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc": "a", "copy": "c", "buf": "b",
+           "gbuf": "g"}
 _FIELD_OF = {prefix: name for name, prefix in _PREFIX.items()}
 
 # (required fields, optional fields) of each kind. An H2D names the staging tile it reads when the
@@ -185,8 +186,8 @@ class Op:
                    OpKind.D2H: ("ring", "gbuf"), OpKind.NVME_READ: ("buf", "gbuf"),
                    OpKind.NVME_WRITE: ("buf", "gbuf")}.get(self.kind)
         if sources and sum(getattr(self, f) is not None for f in sources) != 1:
-            names = {"ring": "a gradient tile (ring)", "acc": "an accumulator (acc)", "buf": "a moments I/O buffer (buf)",
-                     "gbuf": "a gradient I/O buffer (gbuf)"}
+            names = {"ring": "a gradient tile (ring)", "acc": "an accumulator (acc)",
+                     "buf": "a moments I/O buffer (buf)", "gbuf": "a gradient I/O buffer (gbuf)"}
             said = [names[f] for f in sources]
             raise ValueError(f"{self.kind.value} op names {', '.join(said[:-1])} or {said[-1]}: give exactly one; "
                              f"it is written {_spelling(self.kind)}")
@@ -383,7 +384,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
                     cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
-                    nvme_gradients=frozenset(p.nvme_gradients), data_parallel=p.data_parallel, optimizer_shards=p.optimizer_shards, nodes=p.nodes,
+                    nvme_gradients=frozenset(p.nvme_gradients), data_parallel=p.data_parallel,
+                    optimizer_shards=p.optimizer_shards, nodes=p.nodes,
                     host_state=p.host_state)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)

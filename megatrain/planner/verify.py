@@ -552,7 +552,8 @@ def _check_nvme(c: _Context) -> None:
                  f"{ops[i].kind.value} {rule} gradient I/O buffer (g<k>)", "lower the plan again (add_nvme_io names "
                  "the gradient buffers)")
     _check_turns(c, "buf", [i for i in io + by_kind[OpKind.OPT] if ops[i].buf is not None],
-                 cost.nvme_buffers(c.graph, c.plan)[0], "I/O buffer b", "moments", (OpKind.NVME_READ,), "cost.nvme_buffers")
+                 cost.nvme_buffers(c.graph, c.plan)[0], "I/O buffer b", "moments", (OpKind.NVME_READ,),
+                 "cost.nvme_buffers")
     gio = sorted(i for i in io + by_kind[OpKind.OPT] + by_kind[OpKind.D2H] if ops[i].gbuf is not None)
     _check_turns(c, "gbuf", gio, cost.nvme_gradient_buffers(c.graph, c.plan)[0], "gradient I/O buffer g",
                  "gradient tile", (OpKind.NVME_READ, OpKind.D2H), "cost.nvme_gradient_buffers")
@@ -577,7 +578,8 @@ def _check_turns(c: _Context, field: str, users: list[int], pool: int, name: str
     for i in sorted(users):
         b = getattr(ops[i], field)
         if not 0 <= b < pool:
-            fail(i, "nvme", f"it names {name}{b}, but the plan has {pool} ({source})", "lower the plan again (add_nvme_io hands out cost.NVME_BUFFERS in turn)")
+            fail(i, "nvme", f"it names {name}{b}, but the plan has {pool} ({source})",
+                 "lower the plan again (add_nvme_io hands out cost.NVME_BUFFERS in turn)")
         if ops[i].kind in fillers:
             for u in turn.get(b, []):
                 if not before(u, i):
