@@ -249,9 +249,11 @@ class Executor:
         Pinned host memory is exactly ``cost.memory_breakdown(graph, plan).host_pinned``: the
         master rows with FP32 compute (:meth:`HostState.pin_masters`) and one arena laid out by
         ``cost.pinned_buffers`` for the schedule's mode; an arena that already holds every tile
-        the schedule needs (a train arena serves eval and update schedules) is kept. The NVMe
-        tier's I/O buffers (``cost.nvme_buffers``, pageable) are made when the plan has NVMe
-        layers and kept while large enough.
+        the schedule needs (a train arena serves eval and update schedules) is kept; with
+        ``Plan.nvme_gradients`` it holds their pinned gradient I/O buffers too
+        (``cost.nvme_gradient_buffers``). The NVMe tier's moments I/O buffers
+        (``cost.nvme_buffers``, pageable) are made when the plan has NVMe layers and kept while
+        large enough.
 
         Raises:
             RuntimeError: a schedule that reads gradients an earlier one left in the host tiles
