@@ -557,16 +557,27 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch,
         return [r["loss"] for r in rows if "loss" in r]
 
     want = losses(tmp_path / "ram")
-    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0)):
+    import megatrain.train.loop as loop
+
+    real = loop.nvme_layers
+    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0), ("short", (), 0)):
         nvme_dir = tmp_path / f"nvme_{name}"
         nvme_dir.mkdir()
         capsys.readouterr()
+        if name == "short":  # a budget one byte under the plan's host bytes (known only once planned)
+            monkeypatch.setattr(loop, "nvme_layers", lambda planned, _, d, hw=None: real(
+                planned, str(planned.memory.host_total - 1), d, hw))
         got = losses(tmp_path / f"run_{name}", "--nvme-dir", str(nvme_dir), *extra)
         assert len(want) == 4 and got == want, name
-        # Every layer's moments without a budget; none when the plan fits the budget in RAM. Said.
-        assert f"NVMe: Adam moments of {on_disk} of 4 trainable layers" in capsys.readouterr().out
-        assert len(os.listdir(nvme_dir)) == on_disk
-        assert all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
+        # Every layer's moments without a budget; none when the plan fits the budget in RAM; with
+        # one byte too little, the clipped run's deferred gradient tiles first. Said.
+        out = capsys.readouterr().out
+        assert f"NVMe: Adam moments of {on_disk} of 4 trainable layers" in out
+        files = os.listdir(nvme_dir)
+        assert sum(f.endswith(".moments.tile") for f in files) == on_disk
+        grads = sum(f.endswith(".grad.tile") for f in files)
+        assert (grads > 0) == (name == "short") and len(files) == on_disk + grads
+        assert ("deferred gradient tiles of" in out) == (name == "short")
 
 
 def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):

@@ -121,8 +121,9 @@ class TrainConfig(pydantic.BaseModel):
             raise ValueError(f"global_batch={self.global_batch} is not a multiple of micro_batch_size="
                              f"{self.micro_batch_size}; change one of them")
         if self.host_memory is not None and self.nvme_dir is None:
-            raise ValueError(f"host_memory={self.host_memory!r} chooses which Adam moments and gradient tiles go to NVMe, but no "
-                             "nvme_dir is set; give nvme_dir (a directory on an NVMe drive) or drop host_memory")
+            raise ValueError(f"host_memory={self.host_memory!r} chooses which Adam moments and gradient tiles go "
+                             "to NVMe, but no nvme_dir is set; give nvme_dir (a directory on an NVMe drive) or "
+                             "drop host_memory")
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}; lower "
                              "warmup_steps")
