@@ -739,3 +739,12 @@ def test_verifier_rejects_gradient_tile_nvme_op_misuse():
            r"\(cost.nvme_gradient_buffers\)")
     # The JSON form keeps the plan's gradient layers and the ops' buffers.
     assert Schedule.from_json(s.to_json()) == s
+    # A gradient tile's transfer is timed with its bytes (4 per trainable parameter, whole 4 KiB
+    # blocks), not the moments' (8 per parameter).
+    hw = spec(nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e6, nvme_write_bytes_per_s=5e5)
+    layer = g.layers[ops[r].layer]
+    assert cost.nvme_gradient_bytes(layer, plan) == -(-layer.trainable_numel * 4 // 4096) * 4096
+    assert cost.op_time(ops[r], g, plan, hw) == pytest.approx(cost.nvme_gradient_bytes(layer, plan) / 1e6
+                                                              + hw.op_latency_s)
+    assert cost.op_times(s, g, hw)[w] == pytest.approx(cost.nvme_gradient_bytes(g.layers[ops[w].layer], plan) / 5e5
+                                                       + hw.op_latency_s)
