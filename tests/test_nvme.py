@@ -194,15 +194,25 @@ def test_dense_120b_with_clipping_fits_h200_1_5tb_with_nvme(dense_120b):
     assert ns.solution.plan.optimizer.name == "NEXT_FORWARD"
 
 
-def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, capsys):
+def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, capsys, monkeypatch):
+    import megatrain.planner.nvme as planner_nvme
     from megatrain.cli import main
 
+    # The CLI's own solve is the one checked below (solving again would double the test's time).
+    solved = []
+
+    def keep(request, *a, **kw):
+        solved.append((request, solve_with_nvme(request, *a, **kw)))
+        return solved[-1][1]
+    monkeypatch.setattr(planner_nvme, "solve_with_nvme", keep)
     assert main(["plan", "--model", "dense-120b", "--hardware", "H200", "--seq-len", "4096", "--global-batch", "8",
                  "--host-memory", "512GiB", "--nvme", "4xgen5"]) == 0
     out = capsys.readouterr().out
     assert "fits: yes" in out and "Adam moments on NVMe" in out and "slowdown" in out
     hw = with_nvme(preset("H200"), "4xgen5", parse_bytes("512GiB"))
-    ns = solve_with_nvme(SolveRequest(dense_120b, hw, 8, "bfloat16"))
+    (request, ns), = solved
+    assert request.hardware == hw and request.global_batch == 8 and not request.clip_gradients
+    assert [lay.numel for lay in request.graph.layers] == [lay.numel for lay in dense_120b.layers]
     _check_placement(ns, dense_120b)
     assert ns.placement.moments and not ns.placement.gradients
     from megatrain.planner.schedule import Stream as S

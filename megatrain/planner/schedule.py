@@ -254,7 +254,9 @@ class Schedule:
     D2H is followed by ``ACC:L3:m<mb>:r<k>:a<a>``, which adds ring tile ``k`` into accumulator
     ``a``, layer 3's (micro-batch 0 overwrites it), and ``OPT:L3:a<a>`` steps from the accumulator.
     Where each layer keeps a tile or accumulator of its own, its index is the layer's in
-    :func:`gradient_tiles`.
+    :func:`gradient_tiles`. A layer of ``Plan.nvme_gradients`` keeps its tile on NVMe instead: its
+    D2H lands in gradient I/O buffer ``g`` (``D2H:L3:s1:g0``), ``NVME_WRITE:L3:g0`` writes it to
+    the layer's file, and the next schedule's ``NVME_READ:L3:g1`` brings it back for ``OPT:L3:g1``.
     """
 
     ops: tuple[Op, ...]
