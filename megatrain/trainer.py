@@ -727,10 +727,14 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
     opt = _optimizer(optimizer)
-    on_nvme = planned.plan.nvme_moments
+    on_nvme, grads_on_nvme = planned.plan.nvme_moments, planned.plan.nvme_gradients
     if on_nvme and nvme_dir is None:
         raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe "
                           "(Plan.nvme_moments) but no NVMe directory was given: pass nvme_dir= (an existing "
+                          "directory on an NVMe drive)")
+    if grads_on_nvme and nvme_dir is None:
+        raise ConfigError(f"the plan keeps the deferred gradient tiles of layers {sorted(grads_on_nvme)} on NVMe "
+                          "(Plan.nvme_gradients) but no NVMe directory was given: pass nvme_dir= (an existing "
                           "directory on an NVMe drive)")
     backend = make_backend(planned.options.device) if backend is None else backend
     traced, model = planned.traced, planned.model
@@ -754,7 +758,8 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     elif host is None:
         # The NVMe files are made here (zeros, like fresh moments): a missing directory or a full
         # disk fails at compile, before the model is bound.
-        host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir))
+        host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir),
+                         nvme_gradients=grads_on_nvme, gradient_itemsize=planned.plan.gradient_itemsize)
         bind_module(model, host)
     elif [lay.params for lay in host.graph.layers] != [lay.params for lay in traced.graph.layers]:
         raise ConfigError("this plan's layers hold other parameters than the shared host tiles' (the model "
@@ -763,6 +768,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         raise ConfigError(f"this plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe, the shared host "
                           f"state those of layers {sorted(host.nvme_moments)}; give every shape's plan the same "
                           "nvme_moments")
+    elif not grads_on_nvme <= host.nvme_gradients:
+        raise ConfigError(f"this plan keeps the gradient tiles of layers {sorted(grads_on_nvme)} on NVMe, the shared "
+                          f"host state has files for those of layers {sorted(host.nvme_gradients)}; give every "
+                          "shape's plan the same nvme_gradients")
     buffers = {}
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src

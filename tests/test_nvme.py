@@ -167,13 +167,18 @@ def _check_placement(ns, graph):
     assert ns.fits and ns.host_total <= hw.host_memory_bytes  # ... and fits with it
     assert moved <= p.nvme_bytes <= hw.nvme_capacity_bytes
     assert ns.step_time_s == max(ns.timeline.step_time_s, p.io_time_s)
-    # The plan carries the moment layers; its schedule has their NVMe ops, verified, and adding ops
-    # and edges cannot make the simulated step shorter than the all-in-RAM one.
-    assert ns.plan.nvme_moments == p.moments
+    # The plan carries the moment and gradient-tile layers; its schedule has their NVMe ops (a read of
+    # each, and a write), verified, and adding ops and edges cannot make the simulated step shorter
+    # than the all-in-RAM one. Its host bytes are the cost model's of the placed plan (no masters moved).
+    assert ns.plan.nvme_moments == p.moments and ns.plan.nvme_gradients == p.gradients and not p.masters
     from megatrain.planner.schedule import OpKind as K
     from megatrain.planner.verify import verify as check
     check(ns.schedule, ns.solution.graph)
-    assert sum(op.kind is K.NVME_READ for op in ns.schedule.ops) == len(p.moments)
+    for kind in (K.NVME_READ, K.NVME_WRITE):
+        assert sum(op.kind is kind and op.buf is not None for op in ns.schedule.ops) == len(p.moments)
+        assert sum(op.kind is kind and op.gbuf is not None for op in ns.schedule.ops) == len(p.gradients)
+    placed = cost.memory_breakdown(ns.solution.graph, ns.plan, hw, ns.schedule)
+    assert placed.host_total == ns.host_total and placed.host_pinned == p.host_pinned(mem)
     assert ns.timeline.step_time_s >= ns.simulated_step_s * (1 - 1e-9)
 
 
@@ -184,19 +189,30 @@ def test_dense_120b_with_clipping_fits_h200_1_5tb_with_nvme(dense_120b):
     ns = solve_with_nvme(SolveRequest(dense_120b, with_nvme(preset("H200"), "4xgen5"), 8, "bfloat16",
                                       clip_gradients=True))
     _check_placement(ns, dense_120b)
-    assert ns.placement.gradients  # deferred gradient tiles go first
+    assert ns.placement.gradients  # deferred gradient tiles go first, into the plan itself
+    assert ns.plan.nvme_gradients == ns.placement.gradients
     assert ns.solution.plan.optimizer.name == "NEXT_FORWARD"
 
 
-def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, capsys):
+def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, capsys, monkeypatch):
+    import megatrain.planner.nvme as planner_nvme
     from megatrain.cli import main
 
+    # The CLI's own solve is the one checked below (solving again would double the test's time).
+    solved = []
+
+    def keep(request, *a, **kw):
+        solved.append((request, solve_with_nvme(request, *a, **kw)))
+        return solved[-1][1]
+    monkeypatch.setattr(planner_nvme, "solve_with_nvme", keep)
     assert main(["plan", "--model", "dense-120b", "--hardware", "H200", "--seq-len", "4096", "--global-batch", "8",
                  "--host-memory", "512GiB", "--nvme", "4xgen5"]) == 0
     out = capsys.readouterr().out
     assert "fits: yes" in out and "Adam moments on NVMe" in out and "slowdown" in out
     hw = with_nvme(preset("H200"), "4xgen5", parse_bytes("512GiB"))
-    ns = solve_with_nvme(SolveRequest(dense_120b, hw, 8, "bfloat16"))
+    (request, ns), = solved
+    assert request.hardware == hw and request.global_batch == 8 and not request.clip_gradients
+    assert [lay.numel for lay in request.graph.layers] == [lay.numel for lay in dense_120b.layers]
     _check_placement(ns, dense_120b)
     assert ns.placement.moments and not ns.placement.gradients
     from megatrain.planner.schedule import Stream as S
@@ -253,7 +269,7 @@ def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carrie
     assert all(ops[i].buf is None for layer, i in opts.items() if layer not in on_nvme)
     assert repr(ops[reads[1]]) == f"NVME_READ:L1:b{ops[reads[1]].buf}"
     assert Op.parse("OPT:L3:r0:b1") == Op(OpKind.OPT, 3, ring=0, buf=1)
-    with pytest.raises(ValueError, match="NVME_WRITE op needs buf"):
+    with pytest.raises(ValueError, match=r"NVME_WRITE op names a moments I/O buffer \(buf\) or a gradient I/O buffer"):
         Op.parse("NVME_WRITE:L3")
     # The I/O stream has its own resource: the step is timed with it, and its busy time is the ops'.
     hw = spec(nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e6, nvme_write_bytes_per_s=5e5)
@@ -331,6 +347,7 @@ def test_verifier_rejects_nvme_op_misuse():
 # -- runtime: bitwise the same training with moments on NVMe (a temp dir) as all in RAM --------------
 
 import copy  # noqa: E402
+import re  # noqa: E402
 import dataclasses  # noqa: E402
 
 import megatrain  # noqa: E402
@@ -408,11 +425,18 @@ def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_
     got = _compile(model, plan, tmp_path, max_grad_norm)
     # The files are made at compile (a missing directory or full disk fails there).
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
+    # Between steps the I/O buffers hold garbage, so the next step's updates are right only if
+    # their NVME_READs bring the moments back from the files.
+    _train_alike(ref, got, ref_model, model, lambda: got.executor._nvme_pool)
+
+
+def _train_alike(ref, got, ref_model, model, scratch):
+    """Step trainers ``ref`` and ``got`` (of ``ref_model`` and ``model``) on the same batches, filling
+    the host buffers ``scratch()`` returns with NaN after each step, then flush both: the losses,
+    weights, moments and Adam step counts must be equal, bitwise."""
     for step, b in enumerate(BATCHES + BATCHES[:2]):
         assert got.step(b).loss == ref.step(b).loss, f"step {step}"
-        # Between steps the I/O buffers hold garbage, so the next step's updates are right only if
-        # their NVME_READs bring the moments back from the files.
-        for buf in got.executor._nvme_pool:
+        for buf in scratch():
             buf.view(torch.float32).fill_(float("nan"))
     ref.flush()
     got.flush()
@@ -491,9 +515,11 @@ def test_readme_nvme_snippet_runs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
 
 
-def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
+@pytest.mark.parametrize("grads", [frozenset(), frozenset({0, 1, 3})], ids=["moments", "moments+grads"])
+def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads):
     """The CUDA backend runs Stream.IO on a host worker of its own; on the asynchronous fake (random
-    delays before every op) the NVMe plan trains bitwise like the CPU backend."""
+    delays before every op) the NVMe plan trains bitwise like the CPU backend, also with gradient
+    tiles on NVMe (their D2Hs into the rotating pinned buffers wait for the NVME_WRITEs)."""
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import AsyncFakeCuda
 
@@ -501,7 +527,7 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
     base = tiny_llama(layers=2)
     kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=0.5)
     planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
-    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}))
+    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}), nvme_gradients=grads)
     batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
 
     def run(backend, d):
@@ -541,16 +567,27 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch,
         return [r["loss"] for r in rows if "loss" in r]
 
     want = losses(tmp_path / "ram")
-    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0)):
+    import megatrain.train.loop as loop
+
+    real = loop.nvme_layers
+    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0), ("short", (), 0)):
         nvme_dir = tmp_path / f"nvme_{name}"
         nvme_dir.mkdir()
         capsys.readouterr()
+        if name == "short":  # a budget one byte under the plan's host bytes (known only once planned)
+            monkeypatch.setattr(loop, "nvme_layers", lambda planned, _, d, hw=None: real(
+                planned, str(planned.memory.host_total - 1), d, hw))
         got = losses(tmp_path / f"run_{name}", "--nvme-dir", str(nvme_dir), *extra)
         assert len(want) == 4 and got == want, name
-        # Every layer's moments without a budget; none when the plan fits the budget in RAM. Said.
-        assert f"NVMe: Adam moments of {on_disk} of 4 trainable layers" in capsys.readouterr().out
-        assert len(os.listdir(nvme_dir)) == on_disk
-        assert all(f.endswith(".moments.tile") for f in os.listdir(nvme_dir))
+        # Every layer's moments without a budget; none when the plan fits the budget in RAM; with
+        # one byte too little, the clipped run's deferred gradient tiles first. Said.
+        out = capsys.readouterr().out
+        assert f"NVMe: Adam moments of {on_disk} of 4 trainable layers" in out
+        files = os.listdir(nvme_dir)
+        assert sum(f.endswith(".moments.tile") for f in files) == on_disk
+        grads = sum(f.endswith(".grad.tile") for f in files)
+        assert (grads > 0) == (name == "short") and len(files) == on_disk + grads
+        assert ("deferred gradient tiles of" in out) == (name == "short")
 
 
 def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
@@ -560,13 +597,164 @@ def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
     planned = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2)
     graph, total = planned.graph, planned.memory.host_total
     every = frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
-    assert nvme_layers(planned, None, str(tmp_path)) == every == {0, 1, 2, 3}
-    assert nvme_layers(planned, "1TiB", str(tmp_path)) == frozenset()
+    assert nvme_layers(planned, None, str(tmp_path)) == (every, frozenset()) and every == {0, 1, 2, 3}
+    assert nvme_layers(planned, "1TiB", str(tmp_path)) == (frozenset(), frozenset())
     # One byte short: the largest layers' moments move until the host total fits, not every layer's.
-    some = nvme_layers(planned, str(total - 1), str(tmp_path))
+    some, grads = nvme_layers(planned, str(total - 1), str(tmp_path))
+    assert not grads  # no clipping: no gradient tile waits between steps
     assert some and some < every and 3 in some  # the head (vocab x hidden) is the largest
     placed = cost.memory_breakdown(graph, dataclasses.replace(planned.plan, nvme_moments=some))
     assert placed.host_total <= total - 1
     assert placed.adam_moments == sum(8 * graph.layers[i].trainable_numel for i in every - some)
     with pytest.raises(PlanError, match="with every Adam moment on NVMe the plan still needs .* of host memory"):
         nvme_layers(planned, "64KiB", str(tmp_path))
+    # With clipping (deferred updates) the gradient tiles move first, and the plan runs them.
+    clipped = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2,
+                                   max_grad_norm=0.5)
+    total = clipped.memory.host_total
+    moments, grads = nvme_layers(clipped, str(total - 1), str(tmp_path))
+    assert grads and not moments
+    placed = cost.memory_breakdown(clipped.graph, dataclasses.replace(clipped.plan, nvme_gradients=grads))
+    assert placed.host_total <= total - 1
+
+
+# -- gradient tiles on NVMe (Plan.nvme_gradients): deferred (clipped) updates ------------------------
+
+GRADS_ON_NVME = frozenset({0, 1, 3})  # of tiny_llama(layers=2)'s 4 trainable layers: all but layer 2
+ALL_LAYERS = frozenset({0, 1, 2, 3})
+
+
+def _grad_plan(model, moments=frozenset(), grads=GRADS_ON_NVME):
+    """The clipped (NEXT_FORWARD) default plan, 2 micro-batches layer by layer, with the gradient
+    tiles of ``grads`` and the moments of ``moments`` on NVMe."""
+    plan = _planned(model, 0.5, moments)
+    assert plan.optimizer is OptimizerPlacement.NEXT_FORWARD and plan.layer_by_layer and plan.micro_batches == 2
+    return dataclasses.replace(plan, nvme_gradients=grads)
+
+
+@pytest.mark.parametrize("grads,moments", [(ALL_LAYERS, frozenset()), (GRADS_ON_NVME, ON_NVME)],
+                         ids=["grads", "some grads+moments"])
+def test_training_with_gradient_tiles_on_nvme_is_bitwise_all_in_ram(tmp_path, grads, moments):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    ref_model = copy.deepcopy(model)
+    plan = _grad_plan(copy.deepcopy(model), moments, grads)
+    ram_plan = dataclasses.replace(plan, nvme_gradients=frozenset(), nvme_moments=frozenset())
+    with pytest.raises(ConfigError, match=re.escape(f"gradient tiles of layers {sorted(grads)} on NVMe") + ".*nvme_dir"):
+        _compile(copy.deepcopy(model), dataclasses.replace(plan, nvme_moments=frozenset()), None, 0.5)
+    ref = _compile(ref_model, ram_plan, None, 0.5)
+    got = _compile(model, plan, tmp_path, 0.5)
+    assert sorted(os.listdir(tmp_path)) == sorted([f"L{i}.grad.tile" for i in grads]
+                                                  + [f"L{i}.moments.tile" for i in moments])
+    # Between steps the gradient buffers hold garbage (and the NVMe layers' own ring tiles do not
+    # exist), so the carried updates are right only if their NVME_READs bring the tiles back.
+    _train_alike(ref, got, ref_model, model, lambda: got.executor._buffers.nvme_gradients)
+    # Pinned host memory drops by the NVMe layers' own gradient tiles, less the two rotating
+    # gradient buffers (each the widest of them, whole pages): the executor's arena as the cost model.
+    # (With all four layers on NVMe that is a saving: two buffers of the widest layer replace four tiles.)
+    graph = got.planned.graph
+    own = sum(cost.page_up(graph.layers[i].trainable_numel * 4) for i in grads)
+    rotating = 2 * max(cost.nvme_gradient_bytes(graph.layers[i], plan) for i in grads)
+    mem, mem_ram = cost.memory_breakdown(graph, plan), cost.memory_breakdown(graph, ram_plan)
+    assert mem.nvme_gradient_buffers == rotating
+    assert mem_ram.host_pinned - mem.host_pinned == own - rotating
+    assert grads != ALL_LAYERS or own - rotating > 0
+    # The placement moves gradient tiles first, and its host figures are the cost model's of the
+    # placed plan: with one byte too little host memory it moves them until the tiles freed exceed
+    # the two buffers added.
+    hw = spec(host_memory_bytes=mem_ram.host_total - 1, pinned_memory_cap_bytes=mem_ram.host_pinned,
+              nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+    placement = place_on_nvme(graph, ram_plan, mem_ram, hw)
+    assert len(placement.gradients) >= 3 and not placement.moments and not placement.masters
+    placed = cost.memory_breakdown(graph, dataclasses.replace(ram_plan, nvme_gradients=placement.gradients))
+    assert placement.host_total(mem_ram) == placed.host_total <= hw.host_memory_bytes
+    assert placement.host_pinned(mem_ram) == placed.host_pinned
+    assert ref.executor._arena.nbytes - got.executor._arena.nbytes == own - rotating
+    assert got.executor._arena.nbytes == cost.pinned_buffers(graph, plan, "train").nbytes
+
+
+def test_truncated_gradient_file_names_the_op_and_file(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    t = _compile(model, _grad_plan(copy.deepcopy(model)), tmp_path, 0.5)
+    t.step(BATCHES[0])  # writes every NVMe layer's gradient tile; the next step's OPTs read them
+    os.truncate(tmp_path / "L1.grad.tile", ALIGN)
+    with pytest.raises(StepError, match=r"NvmeError: op #\d+ NVME_READ:L1:g\d: NVMe tile file .*L1\.grad\.tile"
+                                        r"' is truncated") as e:
+        t.step(BATCHES[1])
+    assert isinstance(e.value.__cause__, NvmeError)
+
+
+def test_nvme_gradient_plans_are_refused_where_no_tile_waits():
+    g = chain_graph(3)
+    with pytest.raises(PlanError, match="nvme_gradients=\\[1\\] with optimizer=.*NEXT_FORWARD"):
+        Plan(nvme_gradients=frozenset({1}))  # DURING_BACKWARD: no tile waits for the next step
+    with pytest.raises(PlanError, match="nvme_gradients=\\[1\\] with .*layer_by_layer=False, micro_batches=2"):
+        Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, nvme_gradients=frozenset({1}), layer_by_layer=False,
+             micro_batches=2)
+    with pytest.raises(PlanError, match="nvme_gradients names layers \\[7\\]"):
+        lower(g, Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=3, nvme_gradients=frozenset({7})))
+
+
+def test_verifier_rejects_gradient_tile_nvme_op_misuse():
+    """Hand-mutated schedules of a plan with gradient tiles on NVMe: each is refused by rule
+    'nvme' with a message naming the op."""
+    g = chain_graph(4)
+    plan = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, nvme_gradients=frozenset({1, 2, 3}))
+    s = lower(g, plan, carries_updates=True)
+    verify(s, g)
+    ops = list(s.ops)
+    at = {repr(op): i for i, op in enumerate(ops)}
+
+    def bad(mutated, msg):
+        with pytest.raises(ScheduleError, match=msg):
+            verify(dataclasses.replace(s, ops=tuple(mutated)), g)
+
+    # The carried OPT must read what its NVME_READ filled: drop the dependency on the read.
+    o = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer == 3)
+    r = next(d for d in ops[o].deps if ops[d].kind is OpKind.NVME_READ)
+    m = list(ops)
+    m[o] = dataclasses.replace(ops[o], deps=tuple(d for d in ops[o].deps if d != r))
+    bad(m, rf"op #{o} {ops[o]!r} breaks rule 'nvme': it uses gradient I/O buffer g\d before #{r}")
+    # The write of a D2H's tile must happen after the D2H (the tile complete).
+    w = next(i for i, op in enumerate(ops) if op.kind is OpKind.NVME_WRITE and op.gbuf is not None)
+    m = list(ops)
+    m[w] = dataclasses.replace(ops[w], deps=())
+    bad(m, rf"op #{w} {ops[w]!r} breaks rule 'nvme': it uses gradient I/O buffer g\d before #{w - 1}")
+    # Without the write, the gradients never reach the file the next step reads.
+    d = w - 1
+    m = [op for i, op in enumerate(ops) if i != w]
+    m = [dataclasses.replace(op, deps=tuple(x - (x > w) for x in op.deps if x != w)) for op in m]
+    bad(m, rf"op #{d} {ops[d]!r} breaks rule 'nvme': the gradients it puts in gradient I/O buffer g\d are never "
+           "written")
+    # A D2H reusing a buffer before the previous turn's NVME_WRITE emptied it.
+    d2hs = [i for i, op in enumerate(ops) if op.kind is OpKind.D2H and op.gbuf is not None]
+    later = next(i for i in d2hs[1:] if ops[i].gbuf == ops[d2hs[0]].gbuf)
+    m = list(ops)
+    m[later] = dataclasses.replace(ops[later], deps=tuple(x for x in ops[later].deps if x != d2hs[0] + 1))
+    bad(m, rf"op #{later} {ops[later]!r} breaks rule 'nvme': it fills gradient I/O buffer g\d while #{d2hs[0] + 1}")
+    # An NVMe layer's D2H into its ring tile, and an in-RAM layer's OPT from a gradient buffer.
+    m = list(ops)
+    m[d2hs[0]] = dataclasses.replace(ops[d2hs[0]], gbuf=None, ring=3)
+    # (its own tile has no bytes: the budget rule, which runs first, says so)
+    bad(m, rf"op #{d2hs[0]} D2H:L3:s\d:r3 breaks rule 'budget': layer 3's 1,024 gradients do not fit host tile r3 of 0")
+    o0 = at[next(k for k in at if k.startswith("OPT:L0"))]
+    m = list(ops)
+    m[o0] = dataclasses.replace(ops[o0], ring=None, gbuf=0)
+    bad(m, rf"op #{o0} OPT:L0:g0 breaks rule 'nvme': layer 0's gradient tile is in host memory")
+    # A buffer index outside the pool.
+    m = list(ops)
+    m[r] = dataclasses.replace(ops[r], gbuf=5)
+    bad(m, rf"op #{r} NVME_READ:L3:g5 breaks rule 'nvme': it names gradient I/O buffer g5, but the plan has 2 "
+           r"\(cost.nvme_gradient_buffers\)")
+    # The JSON form keeps the plan's gradient layers and the ops' buffers.
+    assert Schedule.from_json(s.to_json()) == s
+    # A gradient tile's transfer is timed with its bytes (4 per trainable parameter, whole 4 KiB
+    # blocks), not the moments' (8 per parameter).
+    hw = spec(nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e6, nvme_write_bytes_per_s=5e5)
+    layer = g.layers[ops[r].layer]
+    assert cost.nvme_gradient_bytes(layer, plan) == -(-layer.trainable_numel * 4 // 4096) * 4096
+    assert cost.op_time(ops[r], g, plan, hw) == pytest.approx(cost.nvme_gradient_bytes(layer, plan) / 1e6
+                                                              + hw.op_latency_s)
+    assert cost.op_times(s, g, hw)[w] == pytest.approx(cost.nvme_gradient_bytes(g.layers[ops[w].layer], plan) / 5e5
+                                                       + hw.op_latency_s)

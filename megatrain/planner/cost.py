@@ -324,16 +324,19 @@ def op_duration(kind: OpKind, graph: LayerGraph, layer: int, plan: Plan, hw: Har
 
 
 def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
-    """Seconds ``op`` takes on its resource under ``hw`` (:func:`op_duration` of its kind and layer)."""
+    """Seconds ``op`` takes on its resource under ``hw`` (:func:`op_duration` of its kind and layer;
+    an NVMe transfer of a gradient tile, ``Op.gbuf``, moves :func:`nvme_gradient_bytes`)."""
+    if op.gbuf is not None and op.kind in (OpKind.NVME_READ, OpKind.NVME_WRITE):
+        return nvme_time(graph.layers[op.layer], hw, op.kind, nvme_gradient_bytes(graph.layers[op.layer], plan))
     return _DURATION[op.kind](graph, op.layer, plan, hw)
 
 
 def op_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[float, ...]:
-    """``op_time`` of every op of ``schedule``, computed once per (layer, kind)."""
-    cache: dict[tuple[OpKind, int], float] = {}
+    """``op_time`` of every op of ``schedule``, computed once per (layer, kind, what an NVMe op moves)."""
+    cache: dict[tuple[OpKind, int, bool], float] = {}
     out = []
     for op in schedule.ops:
-        key = (op.kind, op.layer)
+        key = (op.kind, op.layer, op.gbuf is not None)
         t = cache.get(key)
         if t is None:
             t = cache[key] = op_time(op, graph, schedule.plan, hw)
@@ -520,7 +523,8 @@ def gradient_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
     widths = [0] * plan.grad_ring
     if plan.optimizer is OptimizerPlacement.NEXT_FORWARD and not plan.accumulates_on_host:
         for layer, k in gradient_tiles(graph).items():
-            if k < plan.grad_ring:
+            # A layer of Plan.nvme_gradients keeps its tile on NVMe: its index stays, sized 0.
+            if k < plan.grad_ring and layer not in plan.nvme_gradients:
                 widths[k] = layers[layer].trainable_numel
         return tuple(widths)
     backward = [i for i in range(len(layers) - 1, -1, -1) if layers[i].trainable_numel > 0]
@@ -559,7 +563,8 @@ def pinned_master_bytes(graph: LayerGraph, plan: Plan) -> int:
 
 
 PinnedKind = str
-"""``"norms"``, ``"flags"``, ``"ring"``, ``"staging"`` or ``"offload"``."""
+"""``"norms"``, ``"flags"``, ``"ring"``, ``"staging"``, ``"offload"`` or ``"nvme_gradients"`` (the
+gradient I/O buffers of ``Plan.nvme_gradients``, :func:`nvme_gradient_buffers`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -606,7 +611,9 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
     staging tiles with BF16 compute, and a region per offloaded checkpoint (``graph.values[v].nbytes``
     for each value of :meth:`LayerGraph.checkpoints` of a layer whose policy is OFFLOAD, for every
     micro-batch layer by layer, once with per-micro-batch passes). ``"eval"``: the staging tiles.
-    ``"update"``: the gradient tiles. Each tile starts on a page and takes whole pages.
+    ``"update"``: the gradient tiles. ``"train"`` and ``"update"`` also hold the gradient I/O
+    buffers of ``Plan.nvme_gradients`` (:func:`nvme_gradient_buffers`: a D2H lands in them, so they
+    are pinned). Each tile starts on a page and takes whole pages.
     """
     regions: list[tuple[PinnedKind, int | tuple[int, int], int]] = []
     n = len(graph.layers)
@@ -614,6 +621,8 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
         if mode == "train":
             regions += [("norms", 0, n * NORM_ITEMSIZE), ("flags", 0, n * FLAG_ITEMSIZE)]
         regions += [("ring", r, w * plan.gradient_itemsize) for r, w in enumerate(gradient_tile_numels(graph, plan))]
+        count, nbytes = nvme_gradient_buffers(graph, plan)
+        regions += [("nvme_gradients", k, nbytes) for k in range(count)]
     if mode in ("train", "eval"):
         regions += [("staging", t, w * STAGING_ITEMSIZE) for t, w in enumerate(staging_tile_numels(graph, plan))]
     if mode == "train":
@@ -669,17 +678,18 @@ class MemoryBreakdown:
     reserve: int
     gradient_scratch: int = 0
     nvme_buffers: int = 0
+    nvme_gradient_buffers: int = 0
 
     @property
     def host_total(self) -> int:
         return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
                 + self.pinned_activations + self.pinned_norms + self.gradient_accumulators
-                + self.gradient_scratch + self.nvme_buffers)
+                + self.gradient_scratch + self.nvme_buffers + self.nvme_gradient_buffers)
 
     @property
     def host_pinned(self) -> int:
         return (self.pinned_masters + self.gradient_ring + self.staging_ring + self.pinned_activations
-                + self.pinned_norms)
+                + self.pinned_norms + self.nvme_gradient_buffers)
 
     @property
     def gpu_fixed(self) -> int:
@@ -719,6 +729,7 @@ class MemoryBreakdown:
             ("host", "gradient accumulators (FP32)", self.gradient_accumulators),
             ("host", "gradient widening scratch (FP32)", self.gradient_scratch),
             ("host", "NVMe I/O buffers (Adam moments)", self.nvme_buffers),
+            ("host", "NVMe I/O buffers (gradient tiles, pinned)", self.nvme_gradient_buffers),
             ("host", "total", self.host_total),
             ("host", "of which pinned", self.host_pinned),
             ("gpu", "weight slots", self.weight_slots),
@@ -804,6 +815,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         reserve=hw.gpu_reserve_bytes if hw is not None else DEFAULT_GPU_RESERVE_BYTES,
         gradient_scratch=gradient_scratch_numel(graph, plan) * GRAD_ITEMSIZE,
         nvme_buffers=math.prod(nvme_buffers(graph, plan)),
+        nvme_gradient_buffers=pinned.bytes_of("nvme_gradients"),
     )
 
 
@@ -855,7 +867,7 @@ __all__ = [
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
-    "NVME_BUFFERS", "nvme_buffers",
+    "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
     "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
 ]
@@ -884,9 +896,29 @@ def nvme_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
             max(nvme_bytes(graph.layers[i]) for i in plan.nvme_moments))
 
 
-def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind) -> float:
-    """Seconds an NVME_READ or NVME_WRITE of ``layer`` takes on the NVMe tier: :func:`nvme_bytes`
-    over ``hw.nvme_read_bytes_per_s`` / ``nvme_write_bytes_per_s``, plus the op latency.
+def nvme_gradient_bytes(layer: Layer, plan: Plan) -> int:
+    """Bytes an NVME_READ or NVME_WRITE of ``layer``'s gradient tile moves (``Op.gbuf``): its
+    trainable gradients in ``plan.gradient_dtype`` (4 or 2 bytes each), padded to 4096 bytes."""
+    return -(-layer.trainable_numel * plan.gradient_itemsize // 4096) * 4096
+
+
+def nvme_gradient_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
+    """``(count, bytes each)`` of the pinned gradient I/O buffers of ``plan.nvme_gradients``
+    (``Op.gbuf`` indexes them): :data:`NVME_BUFFERS`, or one per such layer when there are fewer,
+    each :func:`nvme_gradient_bytes` of the widest such layer. The D2Hs of those layers land in
+    them in turn (each waits for the NVME_WRITE that emptied its buffer) and the next step's
+    NVME_READs fill them for the carried OPTs (``lower.add_nvme_io``). ``(0, 0)`` without such
+    layers. Pinned (a D2H writes them by DMA), in the arena (:func:`pinned_buffers`)."""
+    if not plan.nvme_gradients:
+        return 0, 0
+    return (min(NVME_BUFFERS, len(plan.nvme_gradients)),
+            max(nvme_gradient_bytes(graph.layers[i], plan) for i in plan.nvme_gradients))
+
+
+def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind, nbytes: int | None = None) -> float:
+    """Seconds an NVME_READ or NVME_WRITE of ``layer`` takes on the NVMe tier: ``nbytes`` (default
+    :func:`nvme_bytes`, the moments; a gradient tile's is :func:`nvme_gradient_bytes`) over
+    ``hw.nvme_read_bytes_per_s`` / ``nvme_write_bytes_per_s``, plus the op latency.
 
     Raises:
         ConfigError: ``hw`` has no NVMe rate (attach an array: ``planner.nvme.with_nvme``).
@@ -895,7 +927,7 @@ def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind) -> float:
         rate = _rate(hw, "nvme_read_bytes_per_s", hw.nvme_read_bytes_per_s, "an NVMe read")
     else:
         rate = _rate(hw, "nvme_write_bytes_per_s", hw.nvme_write_bytes_per_s, "an NVMe write")
-    return nvme_bytes(layer) / rate + hw.op_latency_s
+    return (nvme_bytes(layer) if nbytes is None else nbytes) / rate + hw.op_latency_s
 
 
 def _intra_rate(hw: HardwareSpec, what: str) -> float:

@@ -37,7 +37,9 @@ Copies are added after the compute order is fixed (as ``_add_unshard_reshard`` d
   tile of its own, and the OPTs run in the next step's schedule, each on the host stream just
   before its layer's first weight copy (and CAST), so the host optimizer overlaps that step's
   forward (``Schedule.carries_updates``, added by ``add_carried_updates`` once the rest is in
-  place); an ``"update"`` schedule runs only those OPTs.
+  place); an ``"update"`` schedule runs only those OPTs. A layer of ``Plan.nvme_gradients`` has no
+  tile of its own: ``add_nvme_io`` sends its gradients to NVMe after the D2H and reads them back
+  before the carried OPT.
 
 Per-micro-batch passes (``layer_by_layer=False`` with several micro-batches): the visit list
 above is repeated for each micro-batch, one micro-batch per visit, so only that micro-batch's
@@ -217,47 +219,87 @@ def add_carried_updates(ops: list[Op], req: _Request) -> list[Op]:
 
 
 def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
-    """Pass 5 (plans with ``nvme_moments``): on the I/O stream, an NVME_READ of each such layer's
-    Adam moments into a host I/O buffer before its OPT, which steps them in that buffer
-    (``OPT:L3:r0:b1``), and an NVME_WRITE of the buffer after it. The reads run one OPT ahead (the
-    read of the next NVMe layer is issued before this layer's OPT), so the in-order I/O stream is
-    not held by a write that waits for its OPT while the next read could run; that needs
-    ``cost.NVME_BUFFERS`` (2) buffers, used in turn: the read into a buffer comes after
-    the write that emptied it on the in-order I/O stream, and that write after the OPT. A write
-    happens after the last modification (it depends on the OPT) and a read before the use (the
-    OPT depends on it); no two transfers of one file are in flight at once."""
+    """Pass 5 (plans with ``nvme_moments`` or ``nvme_gradients``): the NVMe transfers, on the I/O
+    stream.
+
+    Moments (``nvme_moments``): an NVME_READ of each such layer's Adam moments into a host I/O
+    buffer before its OPT, which steps them in that buffer (``OPT:L3:r0:b1``), and an NVME_WRITE of
+    the buffer after it. The reads run one OPT ahead (the read of the next NVMe layer is issued
+    before this layer's OPT), so the in-order I/O stream is not held by a write that waits for its
+    OPT while the next read could run; that needs ``cost.NVME_BUFFERS`` (2) buffers, used in turn:
+    the read into a buffer comes after the write that emptied it on the in-order I/O stream, and
+    that write after the OPT. A write happens after the last modification (it depends on the OPT)
+    and a read before the use (the OPT depends on it); no two transfers of one file are in flight
+    at once.
+
+    Gradient tiles (``nvme_gradients``, deferred updates only): such a layer's D2H lands in a
+    pinned gradient I/O buffer (``D2H:L3:s1:g0``) instead of a tile of its own, and an
+    NVME_WRITE of it (``NVME_WRITE:L3:g0``) follows at once, since the D2H completes the layer's
+    step gradients (one D2H per layer layer by layer; data parallel is refused by the Plan). The
+    carried OPT of the next step's schedule (and of an ``"update"`` schedule) reads the tile back
+    first: an NVME_READ into a gradient buffer, issued one OPT ahead with the moments' reads, and
+    the OPT steps from it (``OPT:L3:g1``). The ``cost.nvme_gradient_buffers`` buffers are handed
+    out in turn, reads first, then the D2Hs; whatever fills a buffer (a read, a D2H) depends on the
+    op that last used it (the OPT that read it, the NVME_WRITE that emptied it), since those run on
+    other streams than the I/O stream's order alone would cover."""
     plan = req if isinstance(req, Plan) else req.plan
-    if not plan.nvme_moments:
+    if not plan.nvme_moments and not plan.nvme_gradients:
         return ops
-    order = [i for i, op in enumerate(ops) if op.kind is OpKind.OPT and op.layer in plan.nvme_moments]
-    buf_of = {i: k % NVME_BUFFERS for k, i in enumerate(order)}  # the k-th read fills buffer k mod 2
-    # Where each new op goes: reads before an OPT (the first OPT gets its own read and the next
-    # one's; later OPTs get the read of the one after), writes after it.
+    moments, gradients = plan.nvme_moments, plan.nvme_gradients
+    gpool = min(NVME_BUFFERS, len(gradients))  # cost.nvme_gradient_buffers' count
+    order = [i for i, op in enumerate(ops) if op.kind is OpKind.OPT and (op.layer in moments or op.layer in gradients)]
+    buf_of: dict[int, int] = {}  # OPT -> moments buffer
+    gbuf_of: dict[int, int] = {}  # OPT -> gradient buffer
+    for i in order:
+        if ops[i].layer in moments:
+            buf_of[i] = len(buf_of) % NVME_BUFFERS  # the k-th read fills buffer k mod 2
+        if ops[i].layer in gradients:
+            gbuf_of[i] = len(gbuf_of) % gpool
+    # Reads go before an OPT: the first OPT gets its own and the next one's, later OPTs the next one's.
     before: dict[int, list[int]] = defaultdict(list)  # old index -> OPTs (old index) to read for just before it
     for k, i in enumerate(order):
         if k == 0:
             before[i].append(i)
         if k + 1 < len(order):
             before[i].append(order[k + 1])
-    new_index, j = [], 0
-    for i in range(len(ops)):
-        j += len(before.get(i, ()))
-        new_index.append(j)
-        j += 1 + (1 if i in buf_of else 0)
-    read_at: dict[int, int] = {}
+    new_index: list[int] = []
+    read_at: dict[int, list[int]] = defaultdict(list)  # OPT -> its reads (new index)
+    last_use: dict[int, int] = {}  # gradient buffer -> the op (new index) that last used it
+    next_gbuf = len(gbuf_of)
     out: list[Op] = []
     for i, op in enumerate(ops):
         for o in before.get(i, ()):
-            read_at[o] = len(out)
-            out.append(Op(OpKind.NVME_READ, ops[o].layer, buf=buf_of[o]))
+            layer = ops[o].layer
+            if o in buf_of:
+                read_at[o].append(len(out))
+                out.append(Op(OpKind.NVME_READ, layer, buf=buf_of[o]))
+            if o in gbuf_of:
+                g = gbuf_of[o]
+                read_at[o].append(len(out))
+                out.append(Op(OpKind.NVME_READ, layer, gbuf=g, deps=(last_use[g],) if g in last_use else ()))
+                last_use[g] = len(out) - 1
         deps = {new_index[d] for d in op.deps}
-        if i in buf_of:
-            deps.add(read_at[i])
-            op = dataclasses.replace(op, buf=buf_of[i])
-        at = len(out)
+        write = None
+        if i in read_at:
+            deps.update(read_at[i])
+            grads = {"ring": None, "gbuf": gbuf_of[i]} if i in gbuf_of else {}  # the tile comes from NVMe
+            op = dataclasses.replace(op, buf=buf_of.get(i), **grads)
+            if i in gbuf_of:
+                last_use[gbuf_of[i]] = len(out)
+            if i in buf_of:
+                write = Op(OpKind.NVME_WRITE, op.layer, buf=buf_of[i], deps=(len(out),))
+        elif op.kind is OpKind.D2H and op.layer in gradients:
+            g = next_gbuf % gpool
+            next_gbuf += 1
+            if g in last_use:
+                deps.add(last_use[g])  # the buffer's previous content was read or written out
+            op = dataclasses.replace(op, ring=None, gbuf=g)
+            write = Op(OpKind.NVME_WRITE, op.layer, gbuf=g, deps=(len(out),))
+            last_use[g] = len(out) + 1
+        new_index.append(len(out))
         out.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
-        if i in buf_of:
-            out.append(Op(OpKind.NVME_WRITE, op.layer, buf=buf_of[i], deps=(at,)))
+        if write is not None:
+            out.append(write)
     return out
 
 

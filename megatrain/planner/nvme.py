@@ -18,18 +18,22 @@ NVMe I/O buffers) exceed the host memory, it moves one more layer's tile, gradie
 then moments, then masters, each kind largest layer first. Every kind costs the same NVMe traffic
 per byte of host memory freed (one write and one read per step), so the order only prefers what
 frees pinned memory (gradient tiles) and what leaves the H2D path alone (moments before masters).
-The I/O buffers are :data:`NVME_BUFFERS` tiles (one per placed layer when fewer) of the widest
-placed layer's NVMe bytes, so a read of the next layer overlaps the OPT of this one; the gradient
-part of them is pinned (a D2H lands there). For moments alone this is ``cost.nvme_buffers``, the
-pool the runtime allocates.
+The I/O buffers are two pools of :data:`NVME_BUFFERS` tiles each (one per placed layer when
+fewer), so a read of the next layer overlaps the OPT of this one: the gradient tiles' pool, pinned
+(a D2H lands there), each the widest placed gradient tile (``cost.nvme_gradient_buffers``), and
+the pageable pool of the moments (and masters), each the widest placed layer's moments and masters
+(for moments alone ``cost.nvme_buffers``): the pools the runtime allocates. Gradient tiles move
+only where one waits in a tile of its own between steps (NEXT_FORWARD, layer by layer or one
+micro-batch, one rank: ``Plan.nvme_gradients``).
 
 Time. Reads and writes share the drives, so the NVMe I/O stream is busy
 ``read_bytes / nvme_read_bytes_per_s + write_bytes / nvme_write_bytes_per_s`` per step, and the
 predicted step is the larger of the simulated step and that busy time: the I/O stream
 overlaps compute and PCIe, and a step can run no faster than its busiest stream. The moments'
-transfers are ops of the lowered schedule (``Plan.nvme_moments``: NVME_READ before the layer's
-OPT, NVME_WRITE after, on ``Stream.IO``), so the simulator places them in its DAG, waits
-included; the gradient-tile and master transfers are not ops yet and enter through the bound
+and gradient tiles' transfers are ops of the lowered schedule (``Plan.nvme_moments``: NVME_READ
+before the layer's OPT, NVME_WRITE after; ``Plan.nvme_gradients``: NVME_WRITE after the layer's
+D2H, NVME_READ before its carried OPT in the next step; on ``Stream.IO``), so the simulator places
+them in its DAG, waits included; the master transfers are not ops yet and enter through the bound
 only. ``megatrain plan`` reports both and the step with all state in RAM.
 
 Solving. :func:`solve_with_nvme` solves as usual; if no plan fits and the spec has an NVMe tier
@@ -195,9 +199,10 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
                   kinds: tuple[str, ...] = KINDS) -> NvmePlacement:
     """The least state to move to NVMe so that ``memory`` (the plan's breakdown) plus the I/O
     buffers fits ``hw.host_memory_bytes`` and the pinned cap (module docstring, "Choice").
-    ``memory`` is the breakdown of ``plan`` with nothing on NVMe (``plan.nvme_moments`` empty), so
-    that :meth:`NvmePlacement.host_total` equals ``cost.memory_breakdown`` of the placed plan.
-    ``kinds``: which of :data:`KINDS` may move (``("moments",)``: what the runtime runs today).
+    ``memory`` is the breakdown of ``plan`` with nothing on NVMe (``plan.nvme_moments`` and
+    ``plan.nvme_gradients`` empty), so that :meth:`NvmePlacement.host_total` equals
+    ``cost.memory_breakdown`` of the placed plan (masters aside: they are not lowered yet).
+    ``kinds``: which of :data:`KINDS` may move (``("gradients", "moments")``: what the runtime runs).
 
     Raises:
         PlanError: even with every movable tile on NVMe the host memory is short, or the NVMe
@@ -211,7 +216,9 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
                         "(megatrain plan --nvme 4xgen5, or nvme_* fields in the hardware spec)")
     layers = graph.layers
     gsize = plan.gradient_itemsize
-    deferred = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+    # Only a tile of its own that waits for the next step can live on NVMe (Plan.nvme_gradients).
+    deferred = (plan.optimizer is OptimizerPlacement.NEXT_FORWARD and not plan.accumulates_on_host
+                and plan.data_parallel == 1)
     # (kind, layer, bytes freed on the host, of which pinned, bytes on disk)
     moves: list[tuple[str, int, int, int]] = []
     if deferred and "gradients" in kinds:
@@ -224,15 +231,16 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
         moves += sorted((("masters", i, l.numel * cost.MASTER_BYTES_PER_ELEMENT, False)
                          for i, l in enumerate(layers) if l.numel), key=lambda m: -m[2])
     chosen: dict[str, set[int]] = {"gradients": set(), "moments": set(), "masters": set()}
-    per_layer: dict[int, list[int]] = {}  # layer -> [NVMe bytes, of which gradient bytes]
+    per_layer: dict[int, list[int]] = {}  # layer -> [moments and masters bytes, gradient bytes] on NVMe
     freed = pinned_freed = 0
 
     def buffers() -> tuple[int, int]:
-        if not per_layer:
-            return 0, 0
-        count = min(NVME_BUFFERS, len(per_layer))  # as cost.nvme_buffers: one per layer when fewer
-        return (count * max(_align(b) for b, _ in per_layer.values()),
-                count * max(_align(g) for _, g in per_layer.values()))
+        """(all, pinned) bytes of the two pools, as cost.nvme_buffers / cost.nvme_gradient_buffers."""
+        pools = []
+        for k in (0, 1):
+            sizes = [_align(entry[k]) for entry in per_layer.values() if entry[k]]
+            pools.append(min(NVME_BUFFERS, len(sizes)) * max(sizes, default=0))  # one per layer when fewer
+        return pools[0] + pools[1], pools[1]
 
     def fits() -> bool:
         buf, pbuf = buffers()
@@ -244,8 +252,7 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
             break
         chosen[kind].add(i)
         entry = per_layer.setdefault(i, [0, 0])
-        entry[0] += nbytes
-        entry[1] += nbytes if pinned else 0
+        entry[1 if pinned else 0] += nbytes
         freed += nbytes
         pinned_freed += nbytes if pinned else 0
     buf, pbuf = buffers()
@@ -276,11 +283,12 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
 class NvmeSolution:
     """A solved plan (:class:`megatrain.planner.solve.Solution`) with its NVMe placement on ``hardware``.
 
-    ``plan`` is the solver's plan with ``nvme_moments`` set to the placement's moment layers, and
-    ``schedule``/``timeline`` its lowering (NVME_READ/NVME_WRITE ops on the I/O stream) and
-    simulation on ``hardware`` (the solver's own when nothing went to NVMe). ``step_time_s`` is
-    the larger of that simulated step and the NVMe I/O stream's busy time with the gradient and
-    master traffic, which are not ops of the schedule yet (module docstring, "Time");
+    ``plan`` is the solver's plan with ``nvme_moments`` and ``nvme_gradients`` set to the
+    placement's moment and gradient-tile layers, and ``schedule``/``timeline`` its lowering
+    (NVME_READ/NVME_WRITE ops on the I/O stream) and simulation on ``hardware`` (the solver's own
+    when nothing went to NVMe). ``step_time_s`` is the larger of that simulated step and the NVMe
+    I/O stream's busy time with the master traffic too, which is not ops of the schedule yet
+    (module docstring, "Time");
     ``simulated_step_s`` is the solver's simulated step with all state in host memory."""
 
     solution: object
@@ -338,9 +346,9 @@ def solve_with_nvme(request, method: str = "milp") -> NvmeSolution:
                                            "host_memory_bytes": hw.host_memory_bytes + hw.nvme_capacity_bytes})
     sol = solve(replace(request, hardware=relaxed), method)
     placement = place_on_nvme(sol.graph, sol.plan, sol.memory, hw)
-    plan = replace(sol.plan, nvme_moments=placement.moments)
+    plan = replace(sol.plan, nvme_moments=placement.moments, nvme_gradients=placement.gradients)
     schedule = lower(sol.graph, plan, carries_updates=plan.optimizer is OptimizerPlacement.NEXT_FORWARD)
-    # The moments' traffic is now in the schedule; the bound keeps the rest (gradients, masters).
+    # The moments' and gradient tiles' traffic is now in the schedule; the bound keeps the masters'.
     return NvmeSolution(sol, placement, hw, plan, schedule, simulate(schedule, sol.graph, hw))
 
 
@@ -359,7 +367,7 @@ def describe(ns: NvmeSolution) -> list[tuple[str, str, str]]:
         ("host total", human_bytes(ns.host_total), f"of {human_bytes(hw.host_memory_bytes)}"),
         ("NVMe traffic", f"{(p.read_bytes + p.write_bytes) / 1e9:,.1f} GB", "per step, read + write"),
         ("NVMe I/O busy", f"{p.io_time_s:,.4g} s", "per step"),
-        ("step time", f"{ns.step_time_s:,.4g} s", f"simulated with the moments' NVMe ops "
+        ("step time", f"{ns.step_time_s:,.4g} s", f"simulated with the NVMe ops "
                                                   f"{ns.timeline.step_time_s:,.4g} s; all NVMe traffic "
                                                   f"{p.io_time_s:,.4g} s; all state in RAM {ns.simulated_step_s:,.4g} s"),
         ("slowdown", f"{ns.step_time_s / ns.simulated_step_s:.2f}x", "vs the same plan with all state in host memory"),

@@ -76,6 +76,12 @@ class Plan:
             buffer (``Op.buf``, ``cost.nvme_buffers``) before the layer's OPT, which steps them
             there, and writes them back (NVME_WRITE) after it, on the I/O stream. The runtime
             needs an NVMe directory (``nvme_dir``).
+        nvme_gradients: layers whose deferred gradient tile (``OptimizerPlacement.NEXT_FORWARD``,
+            layer-by-layer passes or one micro-batch, one rank) waits on the NVMe tier between
+            steps instead of in a pinned host tile of its own: the layer's D2H lands in a pinned
+            gradient I/O buffer (``Op.gbuf``, ``cost.nvme_gradient_buffers``), an NVME_WRITE takes
+            it to the layer's file, and the next step's NVME_READ brings it back into a gradient
+            I/O buffer for the carried OPT. Needs an NVMe directory (``nvme_dir``).
         data_parallel: ranks that train one global batch together (torch.distributed, one
             process per rank, each running this schedule on its own micro-batches). >1 lowers an
             ALL_REDUCE of each layer's step gradients (on the COMM stream, after the op that
@@ -116,6 +122,7 @@ class Plan:
     cast_once: bool = False
     d2h_dtype: str | None = None
     nvme_moments: frozenset[int] = frozenset()
+    nvme_gradients: frozenset[int] = frozenset()
     data_parallel: int = 1
     optimizer_shards: int = 1
     nodes: int = 1
@@ -152,6 +159,19 @@ class Plan:
             raise PlanError(f"Plan.resident={sorted(self.resident)}: layer indices must be >= 0")
         if any(i < 0 for i in self.nvme_moments):
             raise PlanError(f"Plan.nvme_moments={sorted(self.nvme_moments)}: layer indices must be >= 0")
+        if any(i < 0 for i in self.nvme_gradients):
+            raise PlanError(f"Plan.nvme_gradients={sorted(self.nvme_gradients)}: layer indices must be >= 0")
+        if self.nvme_gradients and (self.optimizer is not OptimizerPlacement.NEXT_FORWARD
+                                    or self.accumulates_on_host or self.data_parallel > 1):
+            # Only a deferred update leaves a gradient tile waiting between steps; per-micro-batch
+            # passes keep an accumulator that every micro-batch adds into (a read-modify-write of
+            # the file per micro-batch, not lowered), and the ALL_REDUCE reads the ring tile.
+            raise PlanError(f"Plan.nvme_gradients={sorted(self.nvme_gradients)} with optimizer={self.optimizer.value}, "
+                            f"layer_by_layer={self.layer_by_layer}, micro_batches={self.micro_batches}, "
+                            f"data_parallel={self.data_parallel}: gradient tiles go to NVMe only when they wait for "
+                            "the next step (optimizer NEXT_FORWARD, i.e. clipped gradients) in a tile of their own "
+                            "(layer-by-layer passes or one micro-batch) on one rank; drop nvme_gradients or change "
+                            "the plan")
         if self.data_parallel < 1:
             raise PlanError(f"Plan.data_parallel={self.data_parallel}: the number of ranks is >= 1")
         if self.nodes < 1 or self.data_parallel % self.nodes:
@@ -189,6 +209,10 @@ class Plan:
         if bad:
             raise PlanError(f"Plan.nvme_moments names layers {bad}, which the graph of {n} layers does not have or "
                             "which have no trainable parameters (so no Adam moments); name trainable layers only")
+        bad = [i for i in sorted(self.nvme_gradients) if i >= n or graph.layers[i].trainable_numel == 0]
+        if bad:
+            raise PlanError(f"Plan.nvme_gradients names layers {bad}, which the graph of {n} layers does not have or "
+                            "which have no trainable parameters (so no gradient tile); name trainable layers only")
         trainable = sum(1 for layer in graph.layers if layer.trainable_numel > 0)
         if (self.optimizer is OptimizerPlacement.NEXT_FORWARD and not self.accumulates_on_host
                 and self.grad_ring < trainable):

@@ -3,7 +3,8 @@
 Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``H2D:L3:s1:t0``,
 ``FWD:L3:m0:s1``, ``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OPT:L3:a2``,
 ``OFFLOAD:L3:m0:c0``, ``RELOAD:L3:m0:c0``, ``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``,
-``ACC:L3:m1:r0:a2``, ``NVME_READ:L3:b0``, ``OPT:L3:r0:b0``), after the ``_Action`` records of
+``ACC:L3:m1:r0:a2``, ``NVME_READ:L3:b0``, ``OPT:L3:r0:b0``, ``D2H:L3:s1:g0``, ``NVME_WRITE:L3:g0``,
+``OPT:L3:g1:b0``), after the ``_Action`` records of
 ``torch.distributed.pipelining``. Each op names every buffer it touches (see :class:`Op`), so the
 lowering decides and the runtime reads. The op list is in issue order: a topological order of the
 DAG, and for each stream the order its in-order queue runs the ops. ``deps`` are indices of
@@ -24,13 +25,15 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 9
+SCHEDULE_FORMAT_VERSION = 10
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
 sharded optimizer's ALL_GATHER and Plan.optimizer_shards; 8 the NVMe I/O buffer (``b``) that
 NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; 9 the topology,
-Plan.nodes and Plan.host_state; files of earlier versions are refused (lower the plan again)."""
+Plan.nodes and Plan.host_state; 10 the gradient I/O buffer (``g``) of Plan.nvme_gradients, which a D2H
+fills, NVME_WRITE/NVME_READ move and a carried OPT reads; files of earlier versions are refused
+(lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -57,8 +60,8 @@ class OpKind(enum.Enum):
     RECOMPUTE = "RECOMPUTE"  # forward of a layer in the backward phase, to rebuild its checkpoints
     CAST = "CAST"  # host: write a layer's master weights in the compute dtype into a staging tile
     ACC = "ACC"  # host: add one micro-batch's gradients from a ring tile into the layer's accumulator
-    NVME_READ = "NVME_READ"  # read a layer's Adam moments from its NVMe tile into an I/O buffer, before its OPT
-    NVME_WRITE = "NVME_WRITE"  # write them from that buffer back to the NVMe tile after the OPT modified them
+    NVME_READ = "NVME_READ"  # read a layer's Adam moments (b) or gradient tile (g) from NVMe into an I/O buffer
+    NVME_WRITE = "NVME_WRITE"  # write them from that buffer to the layer's NVMe file (moments after the OPT)
     ALL_REDUCE = "ALL_REDUCE"  # data parallel: average a layer's step gradients (its tile or accumulator) over ranks
     ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
 
@@ -79,28 +82,37 @@ _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: St
               OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO,
               OpKind.ALL_REDUCE: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM}
 
-_ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "copy", "buf")
+_ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "gbuf", "copy", "buf")
 """Every index field, in the order a repr writes them."""
-_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc": "a", "copy": "c", "buf": "b"}
+_PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc": "a", "copy": "c", "buf": "b",
+           "gbuf": "g"}
 _FIELD_OF = {prefix: name for name, prefix in _PREFIX.items()}
 
 # (required fields, optional fields) of each kind. An H2D names the staging tile it reads when the
 # plan computes in BF16 (FP32 copies read the master rows); an OPT reads either a host gradient
 # tile (``ring``) or an accumulator (``acc``), exactly one of them; the OPT of a layer whose moments
-# live on NVMe names the I/O buffer (``buf``) its NVME_READ filled.
+# live on NVMe names the I/O buffer (``buf``) its NVME_READ filled. A layer of Plan.nvme_gradients
+# has no tile of its own: its D2H names the gradient I/O buffer (``gbuf``) it lands in instead of a
+# ring tile, and its carried OPT the gradient buffer its NVME_READ filled.
+#
+# What an NVMe transfer moves is said by which pool its buffer field names (``b``: the pageable
+# moments pool, ``g``: the pinned gradient pool), not by new op kinds: both are the same operation
+# on the same I/O stream and drives (one file of the layer, one host buffer), timed by one formula
+# of their bytes, and the buffer field must be there anyway for the verifier's turn checks; two
+# more kinds would duplicate every rule and handler for a difference one field already states.
 _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.H2D: (("layer", "slot"), ("tile",)),
     OpKind.FWD: (("layer", "mb", "slot"), ()),
     OpKind.BWD: (("layer", "mb", "slot"), ()),
-    OpKind.D2H: (("layer", "slot", "ring"), ()),
-    OpKind.OPT: (("layer",), ("ring", "acc", "buf")),
+    OpKind.D2H: (("layer", "slot"), ("ring", "gbuf")),
+    OpKind.OPT: (("layer",), ("ring", "acc", "gbuf", "buf")),
     OpKind.OFFLOAD: (("layer", "mb", "copy"), ()),
     OpKind.RELOAD: (("layer", "mb", "copy"), ()),
     OpKind.RECOMPUTE: (("layer", "mb", "slot"), ()),
     OpKind.CAST: (("layer", "tile"), ()),
     OpKind.ACC: (("layer", "mb", "ring", "acc"), ()),
-    OpKind.NVME_READ: (("layer", "buf"), ()),
-    OpKind.NVME_WRITE: (("layer", "buf"), ()),
+    OpKind.NVME_READ: (("layer",), ("buf", "gbuf")),
+    OpKind.NVME_WRITE: (("layer",), ("buf", "gbuf")),
     OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
     OpKind.ALL_GATHER: (("layer",), ()),
 }
@@ -111,7 +123,11 @@ def _spelling(kind: OpKind) -> str:
     required, optional = _FIELDS[kind]
     text = ":".join([kind.value] + [f"{_PREFIX[n]}<int>" for n in required])
     if kind is OpKind.OPT:
-        return text + ":(r<int>|a<int>)[:b<int>]"
+        return text + ":(r<int>|a<int>|g<int>)[:b<int>]"
+    if kind is OpKind.D2H:
+        return text + ":(r<int>|g<int>)"
+    if kind in (OpKind.NVME_READ, OpKind.NVME_WRITE):
+        return text + ":(b<int>|g<int>)"
     if kind is OpKind.ALL_REDUCE:
         return text + ":(r<int>|a<int>)"
     return text + "".join(f"[:{_PREFIX[n]}<int>]" for n in optional)
@@ -136,7 +152,11 @@ class Op:
     - ``buf``: the host I/O buffer of the NVMe pool (``cost.nvme_buffers``) that an NVME_READ
       fills with a layer's two Adam moments, the layer's OPT steps them in, and the NVME_WRITE
       writes back to the layer's file (layers in ``Plan.nvme_moments`` only: their moments have
-      no rows in host memory).
+      no rows in host memory);
+    - ``gbuf``: the pinned gradient I/O buffer of the NVMe pool (``cost.nvme_gradient_buffers``)
+      that a D2H of a layer in ``Plan.nvme_gradients`` fills and an NVME_WRITE empties to the
+      layer's gradient file, or that an NVME_READ fills from that file and the layer's carried
+      OPT steps from.
 
     Raises:
         ValueError: a field the kind needs is missing, or one it takes no part in is set.
@@ -151,6 +171,7 @@ class Op:
     acc: int | None = None
     copy: int | None = None
     buf: int | None = None
+    gbuf: int | None = None
     deps: tuple[int, ...] = field(default=(), compare=True)
 
     def __post_init__(self) -> None:
@@ -161,9 +182,15 @@ class Op:
                 raise ValueError(f"{self.kind.value} op needs {name}: it is written {_spelling(self.kind)}")
             if present and name not in required and name not in optional:
                 raise ValueError(f"{self.kind.value} op takes no {name}: it is written {_spelling(self.kind)}")
-        if self.kind in (OpKind.OPT, OpKind.ALL_REDUCE) and (self.ring is None) == (self.acc is None):
-            raise ValueError(f"{self.kind.value} op reads a gradient tile (ring) or an accumulator (acc): give "
-                             "exactly one")
+        sources = {OpKind.OPT: ("ring", "acc", "gbuf"), OpKind.ALL_REDUCE: ("ring", "acc"),
+                   OpKind.D2H: ("ring", "gbuf"), OpKind.NVME_READ: ("buf", "gbuf"),
+                   OpKind.NVME_WRITE: ("buf", "gbuf")}.get(self.kind)
+        if sources and sum(getattr(self, f) is not None for f in sources) != 1:
+            names = {"ring": "a gradient tile (ring)", "acc": "an accumulator (acc)",
+                     "buf": "a moments I/O buffer (buf)", "gbuf": "a gradient I/O buffer (gbuf)"}
+            said = [names[f] for f in sources]
+            raise ValueError(f"{self.kind.value} op names {', '.join(said[:-1])} or {said[-1]}: give exactly one; "
+                             f"it is written {_spelling(self.kind)}")
 
     @property
     def stream(self) -> Stream:
@@ -227,7 +254,9 @@ class Schedule:
     D2H is followed by ``ACC:L3:m<mb>:r<k>:a<a>``, which adds ring tile ``k`` into accumulator
     ``a``, layer 3's (micro-batch 0 overwrites it), and ``OPT:L3:a<a>`` steps from the accumulator.
     Where each layer keeps a tile or accumulator of its own, its index is the layer's in
-    :func:`gradient_tiles`.
+    :func:`gradient_tiles`. A layer of ``Plan.nvme_gradients`` keeps its tile on NVMe instead: its
+    D2H lands in gradient I/O buffer ``g`` (``D2H:L3:s1:g0``), ``NVME_WRITE:L3:g0`` writes it to
+    the layer's file, and the next schedule's ``NVME_READ:L3:g1`` brings it back for ``OPT:L3:g1``.
     """
 
     ops: tuple[Op, ...]
@@ -305,6 +334,7 @@ class _PlanModel(pydantic.BaseModel):
     cast_once: bool = False
     d2h_dtype: Literal["float32", "bfloat16"] | None = None
     nvme_moments: list[int] = []
+    nvme_gradients: list[int] = []
     data_parallel: int = 1
     optimizer_shards: int = 1
     nodes: int = 1
@@ -345,7 +375,7 @@ class _ScheduleModel(pydantic.BaseModel):
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
             staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
-            nvme_moments=sorted(p.nvme_moments), data_parallel=p.data_parallel,
+            nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), data_parallel=p.data_parallel,
             optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
@@ -356,7 +386,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
                     cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
-                    data_parallel=p.data_parallel, optimizer_shards=p.optimizer_shards, nodes=p.nodes,
+                    nvme_gradients=frozenset(p.nvme_gradients), data_parallel=p.data_parallel,
+                    optimizer_shards=p.optimizer_shards, nodes=p.nodes,
                     host_state=p.host_state)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)

@@ -184,7 +184,8 @@ def _check_budget(c: _Context) -> None:
             fail(i, "budget", f"layer {op.layer} ({layer.numel:,} elements) does not fit staging tile t{op.tile} of "
                  f"{staging_numels[op.tile]:,} (cost.staging_tile_numels)", "with Plan.cast_once cast layer k "
                  "into tile k")
-        if op.kind is OpKind.D2H and 0 <= op.ring < plan.grad_ring and layer.trainable_numel > tile_numels[op.ring]:
+        if op.kind is OpKind.D2H and op.ring is not None and 0 <= op.ring < plan.grad_ring \
+                and layer.trainable_numel > tile_numels[op.ring]:
             fail(i, "budget", f"layer {op.layer}'s {layer.trainable_numel:,} gradients do not fit host tile "
                  f"r{op.ring} of {tile_numels[op.ring]:,} (cost.gradient_tile_numels sizes each tile for the layers "
                  "the lowering gives it)", "assign ring tiles as lower.py does (D2H number k of a step takes tile "
@@ -250,7 +251,8 @@ def _check_gradients(c: _Context) -> None:
                      f"out those of #{i} {op!r}", f"make it depend on #{d}")
     d2h_by_ring: dict[int, list[int]] = defaultdict(list)
     for i in by_kind[OpKind.D2H]:
-        d2h_by_ring[ops[i].ring].append(i)
+        if ops[i].ring is not None:  # a D2H into a gradient I/O buffer (gbuf): rule 'nvme'
+            d2h_by_ring[ops[i].ring].append(i)
     acc_at: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in by_kind[OpKind.ACC]:
         acc_at[(ops[i].layer, ops[i].mb)].append(i)
@@ -306,7 +308,7 @@ def _check_gradients(c: _Context) -> None:
                         fail(i, "gradients", f"it reads layer {op.layer}'s accumulator before #{a} {ops[a]!r} "
                              "adds into it", f"make it depend on #{a}")
             continue
-        if deferred:  # it reads the tile the previous step left: nothing here may overwrite it first
+        if deferred and op.ring is not None:  # the tile the previous step left: nothing here may overwrite it first
             for d in d2h_by_ring[op.ring]:
                 if not before(i, d):
                     fail(d, "gradients", f"it may overwrite host gradient tile r{op.ring}, which holds layer "
@@ -334,7 +336,7 @@ def _check_gradients(c: _Context) -> None:
     if deferred and not accumulating:
         owner: dict[int, int] = {}
         for d in by_kind[OpKind.D2H]:
-            if owner.setdefault(ops[d].ring, ops[d].layer) != ops[d].layer:
+            if ops[d].ring is not None and owner.setdefault(ops[d].ring, ops[d].layer) != ops[d].layer:
                 fail(d, "gradients", f"tile r{ops[d].ring} also receives layer {owner[ops[d].ring]}'s "
                      "gradients; with NEXT_FORWARD each layer's gradients wait in a tile of their own "
                      "until the next step", "use schedule.gradient_tiles for the tile of each layer")
@@ -487,39 +489,52 @@ def _check_updates(c: _Context) -> None:
 def _check_nvme(c: _Context) -> None:
     """Rule ``nvme``: for a layer whose Adam moments live on NVMe (``Plan.nvme_moments``), each OPT
     happens after an NVME_READ of the layer and before an NVME_WRITE of it (the read before the use,
-    the write after the last modification), and no two NVMe transfers of one layer's file are
-    unordered (in flight at once). No NVMe op names a layer that is not on NVMe.
+    the write after the last modification), and no two NVMe transfers of one file of a layer are
+    unordered (in flight at once). No NVMe op names a layer whose moments (``buf``) or gradient
+    tile (``gbuf``) are not on NVMe.
 
     I/O buffers (``Op.buf``, below ``cost.nvme_buffers``' count): such a layer's moments have no
     rows in host memory, so its OPT names the buffer they are in, and only such an OPT names one.
     Each buffer is used in turns, one layer a turn: an NVME_READ fills it, then only that layer's
     OPT and NVME_WRITE use it, and the next NVME_READ into it happens after every use of the turn
-    before (else it would overwrite moments an OPT is stepping or a write is saving)."""
+    before (else it would overwrite moments an OPT is stepping or a write is saving).
+
+    Gradient I/O buffers (``Op.gbuf``, below ``cost.nvme_gradient_buffers``' count), layers of
+    ``Plan.nvme_gradients``: their D2H and their carried OPT name a gradient buffer, never a ring
+    tile (and no other layer's do). Each buffer is used in turns as above, a turn filled by a D2H
+    (then used by that layer's NVME_WRITE, which must be there: the next step's OPT reads the
+    file) or by an NVME_READ (then used by that layer's OPT, which reads what the read filled);
+    every use happens after the fill, and the next fill after every use of the turn before (the
+    write after the tile is complete, the tile reused only after it was written or stepped)."""
     ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
-    on_nvme = c.plan.nvme_moments
+    on_nvme, grads_on_nvme = c.plan.nvme_moments, c.plan.nvme_gradients
     io = sorted(by_kind[OpKind.NVME_READ] + by_kind[OpKind.NVME_WRITE])
     for i in io:
-        if ops[i].layer not in on_nvme:
+        if ops[i].buf is not None and ops[i].layer not in on_nvme:
             fail(i, "nvme", f"layer {ops[i].layer}'s moments are not on NVMe (Plan.nvme_moments)",
                  "drop the op or add the layer to Plan.nvme_moments")
-    by_layer: dict[int, list[int]] = defaultdict(list)
+        if ops[i].gbuf is not None and ops[i].layer not in grads_on_nvme:
+            fail(i, "nvme", f"layer {ops[i].layer}'s gradient tile is not on NVMe (Plan.nvme_gradients)",
+                 "drop the op or add the layer to Plan.nvme_gradients")
+    by_file: dict[tuple[int, bool], list[int]] = defaultdict(list)  # (layer, gradient file?) -> its transfers
     for i in io:
-        by_layer[ops[i].layer].append(i)
-    for layer, mine in by_layer.items():
+        by_file[(ops[i].layer, ops[i].gbuf is not None)].append(i)
+    for mine in by_file.values():
         for a, b in zip(mine, mine[1:]):
             if not before(a, b):
                 fail(b, "nvme", f"it may run while #{a} {ops[a]!r} moves the same file", f"make it depend on #{a}")
     for layer in sorted(on_nvme):
+        mine = by_file.get((layer, False), [])
         for o in c.opt_by_layer.get(layer, []):
-            reads = [i for i in by_layer.get(layer, []) if ops[i].kind is OpKind.NVME_READ and before(i, o)]
+            reads = [i for i in mine if ops[i].kind is OpKind.NVME_READ and before(i, o)]
             if not reads:
                 fail(o, "nvme", f"it steps layer {layer} whose moments are on NVMe, but no NVME_READ of the layer "
                      "happens before it", "lower the plan again (lower adds the reads)")
-            writes = [i for i in by_layer.get(layer, []) if ops[i].kind is OpKind.NVME_WRITE and before(o, i)]
+            writes = [i for i in mine if ops[i].kind is OpKind.NVME_WRITE and before(o, i)]
             if not writes:
                 fail(o, "nvme", f"its update of layer {layer}'s moments is never written back to NVMe",
                      "add an NVME_WRITE that depends on it")
-            late = [i for i in by_layer.get(layer, []) if ops[i].kind is OpKind.NVME_WRITE and not before(o, i)
+            late = [i for i in mine if ops[i].kind is OpKind.NVME_WRITE and not before(o, i)
                     and not before(i, reads[-1])]
             if late:
                 fail(late[0], "nvme", f"it writes layer {layer}'s moments while OPT #{o} may be changing them",
@@ -529,25 +544,64 @@ def _check_nvme(c: _Context) -> None:
             where, rule = (("on NVMe", "must name an") if ops[o].layer in on_nvme else ("in host memory", "names no"))
             fail(o, "nvme", f"layer {ops[o].layer}'s moments are {where}, so its OPT {rule} I/O buffer",
                  "lower the plan again (add_nvme_io names the buffers)")
-    turn: dict[int, list[int]] = {}  # buffer -> the ops of its current turn, its NVME_READ first
-    pool = cost.nvme_buffers(c.graph, c.plan)[0]
-    for i in sorted(io + [o for o in by_kind[OpKind.OPT] if ops[o].buf is not None]):
-        b = ops[i].buf
-        if b >= pool:
-            fail(i, "nvme", f"it names I/O buffer b{b}, but the plan has {pool} (cost.nvme_buffers)",
+    for i in sorted(by_kind[OpKind.OPT] + by_kind[OpKind.D2H]):
+        if ops[i].acc is None and (ops[i].gbuf is not None) != (ops[i].layer in grads_on_nvme):
+            where, rule = (("on NVMe", "must name a") if ops[i].layer in grads_on_nvme
+                           else ("in host memory", "names no"))
+            fail(i, "nvme", f"layer {ops[i].layer}'s gradient tile is {where} (Plan.nvme_gradients), so its "
+                 f"{ops[i].kind.value} {rule} gradient I/O buffer (g<k>)", "lower the plan again (add_nvme_io names "
+                 "the gradient buffers)")
+    _check_turns(c, "buf", [i for i in io + by_kind[OpKind.OPT] if ops[i].buf is not None],
+                 cost.nvme_buffers(c.graph, c.plan)[0], "I/O buffer b", "moments", (OpKind.NVME_READ,),
+                 "cost.nvme_buffers")
+    gio = sorted(i for i in io + by_kind[OpKind.OPT] + by_kind[OpKind.D2H] if ops[i].gbuf is not None)
+    _check_turns(c, "gbuf", gio, cost.nvme_gradient_buffers(c.graph, c.plan)[0], "gradient I/O buffer g",
+                 "gradient tile", (OpKind.NVME_READ, OpKind.D2H), "cost.nvme_gradient_buffers")
+
+
+def _check_turns(c: _Context, field: str, users: list[int], pool: int, name: str, what: str,
+                 fillers: tuple[OpKind, ...], source: str) -> None:
+    """Part of rule ``nvme``: the ops naming buffer ``field`` use each buffer in turns (see
+    :func:`_check_nvme`): a filler opens a turn after every use of the one before; a use belongs
+    to the layer that filled the buffer and happens after the fill; a turn a D2H opened ends with
+    the layer's NVME_WRITE (its gradients reach the file), and an OPT reads a turn a read opened."""
+    ops, fail, before = c.ops, c.fail, c.before
+    turn: dict[int, list[int]] = {}  # buffer -> the ops of its current turn, its filler first
+
+    def close(b: int) -> None:
+        first = ops[turn[b][0]]
+        if first.kind is OpKind.D2H and not any(ops[u].kind is OpKind.NVME_WRITE for u in turn[b]):
+            fail(turn[b][0], "nvme", f"the gradients it puts in {name}{b} are never written to layer "
+                 f"{first.layer}'s NVMe file, which the next step's update reads", "add an NVME_WRITE of the "
+                 "buffer that depends on it")
+
+    for i in sorted(users):
+        b = getattr(ops[i], field)
+        if not 0 <= b < pool:
+            fail(i, "nvme", f"it names {name}{b}, but the plan has {pool} ({source})",
                  "lower the plan again (add_nvme_io hands out cost.NVME_BUFFERS in turn)")
-        if ops[i].kind is OpKind.NVME_READ:
+        if ops[i].kind in fillers:
             for u in turn.get(b, []):
                 if not before(u, i):
-                    fail(i, "nvme", f"it fills I/O buffer b{b} while #{u} {ops[u]!r} may still use it",
+                    fail(i, "nvme", f"it fills {name}{b} while #{u} {ops[u]!r} may still use it",
                          f"make it depend on #{u}")
+            if b in turn:
+                close(b)
             turn[b] = [i]
-        elif b not in turn or ops[turn[b][0]].layer != ops[i].layer:
-            held = f"layer {ops[turn[b][0]].layer}'s moments" if b in turn else "nothing read yet"
-            fail(i, "nvme", f"I/O buffer b{b} holds {held}, not layer {ops[i].layer}'s",
-                 "name the buffer its NVME_READ filled")
-        else:
-            turn[b].append(i)
+            continue
+        if b not in turn or ops[turn[b][0]].layer != ops[i].layer:
+            held = f"layer {ops[turn[b][0]].layer}'s {what}" if b in turn else "nothing read yet"
+            fail(i, "nvme", f"{name}{b} holds {held}, not layer {ops[i].layer}'s",
+                 f"name the buffer its {' or '.join(k.value for k in fillers)} filled")
+        f = turn[b][0]
+        if not before(f, i):
+            fail(i, "nvme", f"it uses {name}{b} before #{f} {ops[f]!r} filled it", f"make it depend on #{f}")
+        if ops[i].kind is OpKind.OPT and ops[f].kind is not OpKind.NVME_READ:
+            fail(i, "nvme", f"it steps from {name}{b}, which #{f} {ops[f]!r} filled with this step's gradients, "
+                 "not the previous step's that its NVME_READ brings back", "read the layer's gradient file first")
+        turn[b].append(i)
+    for b in turn:
+        close(b)
 
 
 def _check_collectives(c: _Context) -> None:

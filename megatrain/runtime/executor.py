@@ -75,7 +75,7 @@ from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective
-from megatrain.runtime.host import HostState, PinnedArena, moments_key
+from megatrain.runtime.host import HostState, PinnedArena, gradient_key, moments_key
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -95,6 +95,10 @@ class _Buffers:
     accumulators: list[torch.Tensor]
     # Pageable FP32 scratch an OPT widens BF16 gradients into (cost.gradient_scratch_numel), or None.
     widened: torch.Tensor | None = None
+    # The pinned gradient I/O buffers of Plan.nvme_gradients (cost.nvme_gradient_buffers, in the
+    # arena; Op.gbuf indexes them), in the gradient dtype: a D2H lands there, an NVME_WRITE empties
+    # one to the layer's file, an NVME_READ fills one for the carried OPT.
+    nvme_gradients: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -245,9 +249,11 @@ class Executor:
         Pinned host memory is exactly ``cost.memory_breakdown(graph, plan).host_pinned``: the
         master rows with FP32 compute (:meth:`HostState.pin_masters`) and one arena laid out by
         ``cost.pinned_buffers`` for the schedule's mode; an arena that already holds every tile
-        the schedule needs (a train arena serves eval and update schedules) is kept. The NVMe
-        tier's I/O buffers (``cost.nvme_buffers``, pageable) are made when the plan has NVMe
-        layers and kept while large enough.
+        the schedule needs (a train arena serves eval and update schedules) is kept; with
+        ``Plan.nvme_gradients`` it holds their pinned gradient I/O buffers too
+        (``cost.nvme_gradient_buffers``). The NVMe tier's moments I/O buffers
+        (``cost.nvme_buffers``, pageable) are made when the plan has NVMe layers and kept while
+        large enough.
 
         Raises:
             RuntimeError: a schedule that reads gradients an earlier one left in the host tiles
@@ -286,7 +292,9 @@ class Executor:
                 grads=[be.device_empty((gwidth,), gdtype) for _, gwidth in sizes],
                 ring=[arena.view("ring", t.key, gdtype) for t in lay.tiles if t.kind == "ring"],
                 staging=[arena.view("staging", t.key, dtype) for t in lay.tiles if t.kind == "staging"],
-                accumulators=accumulators)
+                accumulators=accumulators,
+                nvme_gradients=[arena.view("nvme_gradients", t.key, gdtype) for t in lay.tiles
+                                if t.kind == "nvme_gradients"])
             if arena.has("norms", 0):
                 self._norms = arena.view("norms", 0, torch.float32)
                 self._flags = arena.view("flags", 0, torch.bool)
@@ -580,7 +588,9 @@ def _d2h(ctx: _RunContext, i: int, op: Op) -> Work:
     ex, li = ctx.ex, op.layer
     ctx.trained.append(li)
     n = ctx.graph.layers[li].trainable_numel
-    gslot, tile = ctx.bufs.grads[op.slot][:n], ctx.bufs.ring[op.ring][:n]
+    # A layer of Plan.nvme_gradients lands in the gradient I/O buffer its NVME_WRITE then empties.
+    tile = ctx.bufs.ring[op.ring] if op.gbuf is None else ctx.bufs.nvme_gradients[op.gbuf]
+    gslot, tile = ctx.bufs.grads[op.slot][:n], tile[:n]
     losses = ctx.losses
 
     def run() -> None:
@@ -628,7 +638,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     n = ctx.graph.layers[li].trainable_numel
     lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.optimizer_shards, ex.shard_index)
     h = ex.host
-    grads = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
+    grads = (ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring] if op.ring is not None
+             else ctx.bufs.nvme_gradients[op.gbuf])  # gbuf: a gradient tile its NVME_READ brought back
     tile = None
     if grads.dtype != torch.float32:
         tile, grads = grads, ctx.bufs.widened
@@ -698,16 +709,20 @@ def _reload(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _nvme_io(read: bool) -> Handler:
     """The handler of NVME_READ (``read``) or NVME_WRITE: move layer ``op.layer``'s two Adam moments
-    between its NVMe file (``HostState.nvme``) and I/O buffer ``op.buf`` of the executor's pool,
-    on the I/O stream, and wait. The OPT that steps them in the buffer depends on the read; the
-    write depends on the OPT. A failed transfer raises NvmeError naming the op and the file."""
+    (``op.buf``: I/O buffer of the executor's pool) or its deferred gradient tile (``op.gbuf``: a
+    pinned gradient I/O buffer of the arena) between its NVMe file (``HostState.nvme``) and that
+    buffer, on the I/O stream, and wait. The OPT that steps them in the buffer depends on the read;
+    the moments' write depends on the OPT, a gradient tile's write on the D2H that filled the
+    buffer. A failed transfer raises NvmeError naming the op and the file."""
     def handler(ctx: _RunContext, i: int, op: Op) -> Work:
-        store, key = ctx.ex.host.nvme, moments_key(op.layer)
+        moments = op.buf is not None
+        store, key = ctx.ex.host.nvme, moments_key(op.layer) if moments else gradient_key(op.layer)
         if store is None or key not in store.tiles:
-            raise ConfigError(f"op #{i} {op!r}: the schedule keeps layer {op.layer}'s Adam moments on NVMe, but "
-                              "the host state keeps them in host memory (it was made for another plan); compile "
+            what = "Adam moments" if moments else "gradient tile"
+            raise ConfigError(f"op #{i} {op!r}: the schedule keeps layer {op.layer}'s {what} on NVMe, but "
+                              "the host state has no NVMe file for it (it was made for another plan); compile "
                               "the trainer with this plan")
-        buf = ctx.ex._nvme_pool[op.buf]
+        buf = ctx.ex._nvme_pool[op.buf] if moments else ctx.bufs.nvme_gradients[op.gbuf].view(torch.uint8)
         move = store.read if read else store.write
 
         def run() -> None:

@@ -58,6 +58,12 @@ def moments_key(layer: int) -> str:
     return f"L{layer}.moments"
 
 
+def gradient_key(layer: int) -> str:
+    """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s deferred gradient tile
+    (``Plan.nvme_gradients``): its step gradients between the D2H and the next step's OPT."""
+    return f"L{layer}.grad"
+
+
 class HostState:
     """FP32 tiles for every layer: ``blocks[i]`` is a flat float32 tensor of
     ``numel + 2 * trainable_numel`` elements: the master row (every parameter, frozen ones
@@ -72,34 +78,39 @@ class HostState:
     I/O buffer for the layer's OPT and its NVME_WRITE takes them back (the executor's pool,
     ``cost.nvme_buffers``); outside a run, :meth:`read_moments` and :meth:`write_moments` move them
     between the file and the caller. ``nvme`` is the :class:`~megatrain.runtime.nvme.NvmeStore`
-    (None without NVMe layers).
+    (None without NVMe layers). The layers of ``nvme_gradients`` (``Plan.nvme_gradients``) get a
+    scratch file each for their deferred gradient tile (``<dir>/L<i>.grad.tile``,
+    ``trainable_numel * gradient_itemsize`` bytes), which only the schedule's NVMe ops use.
 
     Data parallel. ``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
     :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
     private memory. ``writer``: False on the ranks that map a shared copy another rank fills.
 
     Raises:
-        ConfigError: ``nvme_moments`` without ``nvme_dir``, or naming a layer with no trainable
-            parameters.
+        ConfigError: ``nvme_moments`` or ``nvme_gradients`` without ``nvme_dir``, or naming a layer
+            with no trainable parameters.
         NvmeError: the directory is missing or not writable, or the disk has no room for the files.
     """
 
     def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
-                 shared: Any = None, writer: bool = True):
+                 shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
+                 gradient_itemsize: int = 4):
         self.graph = graph
         self.shared = shared
         # Data parallel: the ``runtime.distributed.DataParallelHost`` these tiles were set up with
         # (``materialize``), which later trainers over them (one per batch shape) reuse.
         self.data_parallel: Any = None
         self.nvme_moments = frozenset(nvme_moments)
-        bad = sorted(i for i in self.nvme_moments if not 0 <= i < len(graph.layers)
-                     or graph.layers[i].trainable_numel == 0)
-        if bad:
-            raise ConfigError(f"nvme_moments names layers {bad}, which have no Adam moments in this graph of "
-                              f"{len(graph.layers)} layers; put only trainable layers on NVMe")
-        if self.nvme_moments and nvme_dir is None:
-            raise ConfigError(f"the Adam moments of layers {sorted(self.nvme_moments)} go to NVMe but no NVMe "
-                              "directory was given: pass nvme_dir= (an existing directory on an NVMe drive)")
+        self.nvme_gradients = frozenset(nvme_gradients)
+        for what, layers in (("nvme_moments", self.nvme_moments), ("nvme_gradients", self.nvme_gradients)):
+            bad = sorted(i for i in layers if not 0 <= i < len(graph.layers) or graph.layers[i].trainable_numel == 0)
+            if bad:
+                raise ConfigError(f"{what} names layers {bad}, which have no trainable parameters in this graph of "
+                                  f"{len(graph.layers)} layers; put only trainable layers on NVMe")
+        if (self.nvme_moments or self.nvme_gradients) and nvme_dir is None:
+            raise ConfigError(f"the Adam moments of layers {sorted(self.nvme_moments)} and the gradient tiles of "
+                              f"layers {sorted(self.nvme_gradients)} go to NVMe but no NVMe directory was given: "
+                              "pass nvme_dir= (an existing directory on an NVMe drive)")
         self.blocks: list[torch.Tensor] = []
         self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
         for li, layer in enumerate(graph.layers):
@@ -120,11 +131,13 @@ class HostState:
         self._pins: list[Any] = []
         self._pinned_by: Any = None
         self.nvme = None
-        if self.nvme_moments:
+        if self.nvme_moments or self.nvme_gradients:
             from megatrain.runtime.nvme import NvmeStore  # it imports this module
 
-            self.nvme = NvmeStore(nvme_dir, {moments_key(li): 2 * graph.layers[li].trainable_numel * 4
-                                             for li in sorted(self.nvme_moments)})
+            sizes = {moments_key(li): 2 * graph.layers[li].trainable_numel * 4 for li in sorted(self.nvme_moments)}
+            sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
+                          for li in sorted(self.nvme_gradients)})
+            self.nvme = NvmeStore(nvme_dir, sizes)
 
     @staticmethod
     def shared_nbytes(graph: LayerGraph) -> int:

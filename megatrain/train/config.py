@@ -102,16 +102,19 @@ class TrainConfig(pydantic.BaseModel):
                                                                   "died or hangs)")
     nvme_dir: str | None = Field(None, description="an existing directory on an NVMe drive: the Adam "
                                                    "moments of the layers chosen for it (every layer's, or with "
-                                                   "host_memory only those that must leave it) live in files "
+                                                   "host_memory only those that must leave it, and then with "
+                                                   "max_grad_norm also deferred gradient tiles) live in files "
                                                    "there, read before the layer's update and written back "
                                                    "after it (megatrain.runtime.nvme); the files are scratch, "
                                                    "checkpoints stay the source of truth (null: all state in "
                                                    "host memory)")
     host_memory: str | None = Field(None, description="with nvme_dir: the host memory the plan may use, e.g. "
-                                                      "64GiB or 1.5TiB; only the Adam moments that "
+                                                      "64GiB or 1.5TiB; only the state that "
                                                       "megatrain.planner.nvme.place_on_nvme moves so that the "
-                                                      "plan's host bytes (cost.memory_breakdown) fit it go to "
-                                                      "NVMe, largest layers first (null: every layer's)")
+                                                      "plan's host bytes (cost.memory_breakdown) fit it goes to "
+                                                      "NVMe: with max_grad_norm the layers' deferred gradient "
+                                                      "tiles first, then Adam moments, largest layers first "
+                                                      "(null: every layer's Adam moments)")
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
@@ -119,8 +122,9 @@ class TrainConfig(pydantic.BaseModel):
             raise ValueError(f"global_batch={self.global_batch} is not a multiple of micro_batch_size="
                              f"{self.micro_batch_size}; change one of them")
         if self.host_memory is not None and self.nvme_dir is None:
-            raise ValueError(f"host_memory={self.host_memory!r} chooses which Adam moments go to NVMe, but no "
-                             "nvme_dir is set; give nvme_dir (a directory on an NVMe drive) or drop host_memory")
+            raise ValueError(f"host_memory={self.host_memory!r} chooses which Adam moments and gradient tiles go "
+                             "to NVMe, but no nvme_dir is set; give nvme_dir (a directory on an NVMe drive) or "
+                             "drop host_memory")
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}; lower "
                              "warmup_steps")

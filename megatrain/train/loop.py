@@ -127,18 +127,23 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
                                    micro_batches=micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
                                    plan="default" if cfg.device == "cpu" else None, hardware=hw)
     if cfg.nvme_dir is not None:
-        # Plan.nvme_moments, lowered into NVME_READ/NVME_WRITE: the layers the budget needs moved, or all.
-        on_nvme = nvme_layers(planned, cfg.host_memory, cfg.nvme_dir, hw)
+        # Plan.nvme_moments and Plan.nvme_gradients, lowered into NVME_READ/NVME_WRITE: what the
+        # budget needs moved, or every layer's moments.
+        on_nvme, grads_on_nvme = nvme_layers(planned, cfg.host_memory, cfg.nvme_dir, hw)
         layers = planned.graph.layers
         moved = sum(8 * layers[i].trainable_numel for i in on_nvme)
-        echo(f"NVMe: Adam moments of {len(on_nvme)} of {sum(1 for lay in layers if lay.trainable_numel)} trainable "
+        trainable = sum(1 for lay in layers if lay.trainable_numel)
+        echo(f"NVMe: Adam moments of {len(on_nvme)} of {trainable} trainable "
              f"layers in {cfg.nvme_dir} ({human_bytes(moved)})"
              + (f": {', '.join(layers[i].name for i in sorted(on_nvme))}" if on_nvme else "")
+             + (f"; deferred gradient tiles of {len(grads_on_nvme)} of {trainable} layers: "
+                f"{', '.join(layers[i].name for i in sorted(grads_on_nvme))}" if grads_on_nvme else "")
              + "; the rest of the state in host memory")
         planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                        input_names=names, micro_batches=micro_batches, device=cfg.device,
                                        max_grad_norm=cfg.max_grad_norm, hardware=hw,
-                                       plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme))
+                                       plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme,
+                                                                nvme_gradients=grads_on_nvme))
     needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
                                    available=available)
     graph = planned.graph
@@ -147,12 +152,16 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     return planned
 
 
-def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, hw=None) -> frozenset[int]:
-    """The layers whose Adam moments ``megatrain train --nvme-dir`` puts on NVMe: every trainable
-    layer without ``host_memory``; with it (a size, ``planner.nvme.parse_bytes``), those
+def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str,
+                hw=None) -> tuple[frozenset[int], frozenset[int]]:
+    """``(moments, gradients)``: the layers whose Adam moments and whose deferred gradient tiles
+    ``megatrain train --nvme-dir`` puts on NVMe. Without ``host_memory``: every trainable layer's
+    moments, no gradient tile. With it (a size, ``planner.nvme.parse_bytes``), those
     :func:`megatrain.planner.nvme.place_on_nvme` moves so that the plan's host bytes
-    (``planned.memory``) fit it, largest first (none when they fit already). The placement's
-    NVMe tier is ``nvme_dir``'s file system (its free space); its rates do not enter the choice.
+    (``planned.memory``) fit it (none when they fit already): with clipped gradients (the
+    optimizer in the next forward) the layers' gradient tiles first, then moments, each largest
+    first. The placement's NVMe tier is ``nvme_dir``'s file system (its free space); its rates do
+    not enter the choice.
 
     Raises:
         ConfigError: ``host_memory`` is not a size.
@@ -167,7 +176,7 @@ def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, h
 
     graph = planned.graph
     if host_memory is None:
-        return frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
+        return frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel), frozenset()
     budget = parse_bytes(host_memory)
     # The choice reads the host memory, its pinned cap and the NVMe capacity; the rates only time
     # the traffic, which no one reads here, so the hardware's are kept if it has them, else 1 B/s.
@@ -180,9 +189,11 @@ def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, h
         "nvme_capacity_bytes": shutil.disk_usage(nvme_dir).free,
         "nvme_read_bytes_per_s": base.get("nvme_read_bytes_per_s") or 1.0,
         "nvme_write_bytes_per_s": base.get("nvme_write_bytes_per_s") or 1.0})
-    # Only moments: gradient tiles and masters on NVMe are planned but not run yet.
-    return place_on_nvme(graph, dataclasses.replace(planned.plan, nvme_moments=frozenset()), planned.memory, spec,
-                         kinds=("moments",)).moments
+    # Gradient tiles and moments: masters on NVMe are planned but not run yet.
+    placed = place_on_nvme(graph, dataclasses.replace(planned.plan, nvme_moments=frozenset(),
+                                                      nvme_gradients=frozenset()), planned.memory, spec,
+                           kinds=("gradients", "moments"))
+    return placed.moments, placed.gradients
 
 
 def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
