@@ -161,10 +161,14 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: fl
         plan = dataclasses.replace(megatrain.planner.plan.Plan(micro_batches=k, layer_by_layer=layer_by_layer),
                                    optimizer=OptimizerPlacement.NEXT_FORWARD if clip else
                                    OptimizerPlacement.DURING_BACKWARD, grad_ring=8 if clip else 2)
+        # A spec with the node's interconnect and the network: the step is predicted with the collectives.
+        hw = megatrain.preset("H100_SXM").model_copy(update={"intra_node_bytes_per_s": 4.5e11,
+                                                             "network_bytes_per_s": 4e11})
         trainer = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, micro_batches=k, optimizer=OPT,
-                                    max_grad_norm=clip, plan=plan)
+                                    max_grad_norm=clip, plan=plan, hardware=hw)
         assert (trainer.plan.data_parallel, trainer.plan.optimizer_shards, trainer.plan.nodes) == (
             world, local_world, world // local_world)
+        assert trainer.planned.timeline is not None and trainer.planned.timeline.step_time_s > 0
         rows = k * MBS
         results = []
         for b in _global_batches(world, k, steps):
