@@ -9,7 +9,7 @@ the ranks' sum is the node's memory with shared pages counted once. It also repo
 ``HostState.nbytes`` (the FP32 masters and Adam moments of one copy, 12 bytes per parameter).
 
 Usage: ``python bench/dp_host_memory.py [--ranks 2] [--layers 4] [--hidden 512] [--out FILE]``;
-prints a table and writes JSON (default ``bench/results/dp_host_memory-<date>.json``). Linux only.
+prints a table and writes JSON (default ``bench/results/<date>-cpu-dp-host-memory-<ranks>ranks.json``). Linux only.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| host state | ranks | node PSS, shared copy | node PSS, own copies | saved | saved / (ranks-1) copies |")
     print(f"| {shared['host_state_bytes'] / gib:.3f} GiB | {a.ranks} | {shared['node_pss_bytes'] / gib:.3f} GiB | "
           f"{own['node_pss_bytes'] / gib:.3f} GiB | {saved / gib:.3f} GiB | {record['saved_over_copies']:.2f} |")
-    out = a.out or Path(__file__).parent / "results" / f"dp_host_memory-{record['date']}.json"
+    out = a.out or Path(__file__).parent / "results" / f"{record['date']}-cpu-dp-host-memory-{a.ranks}ranks.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
