@@ -1,7 +1,10 @@
 """Lower (LayerGraph, Plan) to a Schedule, as the passes in ``PASSES`` (each a function from the
 previous pass's list and the request to a new list): ``order_compute`` (the visits),
-``assign_slots``, ``add_copies`` (the ops with their weight, checkpoint and gradient copies) and
-``add_carried_updates`` (the previous step's optimizer steps at the start of a NEXT_FORWARD step).
+``assign_slots``, ``add_copies`` (the ops with their weight, checkpoint and gradient copies),
+``add_carried_updates`` (the previous step's optimizer steps at the start of a NEXT_FORWARD step),
+then ``add_nvme_io`` (the NVMe tier's reads and writes), ``add_all_reduce`` (data parallel: each
+layer's gradients averaged over the ranks) and ``add_all_gather`` (a node's ranks sharing one host
+copy: each OPT's shard made every rank's before the layer is read again).
 
 Compute order first. A training step visits layers ``0 .. n-2`` forward, then the last layer
 (which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward. The last
