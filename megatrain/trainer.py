@@ -689,8 +689,11 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         from megatrain.runtime.distributed import topology
 
         topo = topology()
+        shards = topo.local_world if share_host_memory else 1
+        # One node whose ranks share one copy: each rank's OPT reads only its shard, so reduce-scatter.
         plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
-                                   optimizer_shards=topo.local_world if share_host_memory else 1,
+                                   optimizer_shards=shards,
+                                   gradient_reduction="reduce_scatter" if shards == world > 1 else "all_reduce",
                                    d2h_dtype="float32" if plan.gradient_dtype != "float32" else plan.d2h_dtype)
     if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)

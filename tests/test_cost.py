@@ -29,7 +29,7 @@ def test_public_surface_is_pinned():
         "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes",
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "widens_gradients", "gradient_scratch_numel",
-        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
+        "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
         "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
         "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS",
         "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes"}

@@ -326,7 +326,8 @@ def test_a_rank_that_hangs_or_dies_makes_the_others_stop_with_a_clear_error_with
     for p in procs:
         p.kill()
     got = torch.load(f"{out}.0")
-    assert "ALL_REDUCE" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
+    # One node sharing one copy: the gradients are reduce-scattered (Plan.gradient_reduction).
+    assert "REDUCE_SCATTER" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
     assert f"timeout ({HANG_TIMEOUT_S} s" in got["error"] and "restart all of them from the last checkpoint" in got["error"]
     # A hung rank: it waited for the timeout, not for the rank (which sleeps 120 s). A dead one:
     # gloo may see the closed connection at once, or wait for the timeout.

@@ -57,7 +57,8 @@ def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
               OpKind.RELOAD: dict(mb=mb, copy=other), OpKind.RECOMPUTE: dict(mb=mb, slot=slot),
               OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other),
               OpKind.NVME_READ: dict(buf=ring), OpKind.NVME_WRITE: dict(buf=ring),
-              OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other), OpKind.ALL_GATHER: dict()}[kind]
+              OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other),
+              OpKind.REDUCE_SCATTER: dict(ring=ring) if flag else dict(acc=other), OpKind.ALL_GATHER: dict()}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 
@@ -294,9 +295,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 10
-    doc["version"] = 9
-    with pytest.raises(pydantic.ValidationError, match="version 9 is not 10.*lower the plan again"):
+    assert doc["version"] == 11
+    doc["version"] = 10
+    with pytest.raises(pydantic.ValidationError, match="version 10 is not 11.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 

@@ -94,9 +94,12 @@ def test_eight_gpus_of_a_node_split_the_optimizer_and_share_one_copy():
     assert busy(eight, Stream.COMPUTE) < busy(one, Stream.COMPUTE) / 2
     n_layers = sum(1 for layer in GRAPH.layers if layer.trainable_numel)
     ops = eight.solution.schedule.ops
-    assert sum(op.kind is OpKind.ALL_REDUCE for op in ops) == n_layers
-    # The COMM stream: the all-reduces, and the node barriers after the shards' updates (ALL_GATHER).
-    want = sum(cost.all_reduce_time(layer, hw, plan) for layer in GRAPH.layers if layer.trainable_numel)
+    # One node whose ranks share one copy, each stepping its shard: the gradients are reduce-scattered.
+    assert plan.gradient_reduction == "reduce_scatter"
+    assert sum(op.kind is OpKind.REDUCE_SCATTER for op in ops) == n_layers
+    assert not any(op.kind is OpKind.ALL_REDUCE for op in ops)
+    # The COMM stream: the reduce-scatters, and the node barriers after the shards' updates (ALL_GATHER).
+    want = sum(cost.reduce_scatter_time(layer, hw, plan) for layer in GRAPH.layers if layer.trainable_numel)
     want += sum(cost.op_duration(OpKind.ALL_GATHER, GRAPH, op.layer, plan, hw) for op in ops
                 if op.kind is OpKind.ALL_GATHER)
     assert busy(eight, Stream.COMM) == pytest.approx(want, rel=1e-9)

@@ -27,6 +27,8 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
   per element), at the same memory-bound rate (micro-batch 0's copy moves 8 and is counted as 12).
 - ``ALL_REDUCE`` (data parallel): a hierarchical ring all-reduce of the FP32 step gradients over
   ``plan.gpus_per_node`` GPUs per node and ``plan.nodes`` nodes (:func:`all_reduce_time`).
+- ``REDUCE_SCATTER`` (``Plan.gradient_reduction == "reduce_scatter"``, one node): a ring
+  reduce-scatter of them over the node's GPUs, half the all-reduce's bytes (:func:`reduce_scatter_time`).
 
 Data parallel (``plan.data_parallel`` ranks on ``plan.nodes`` nodes). The ranks of a node share its
 host memory bandwidth (:func:`host_rate`); ``plan.optimizer_shards`` of them share one copy of the
@@ -216,9 +218,26 @@ def optimizer_shard(numel: int, shards: int, index: int) -> tuple[int, int]:
     """
     if not 0 <= index < shards:
         raise ValueError(f"optimizer shard {index} of {shards}: the index is in [0, {shards})")
-    per = -(-(-(-numel // SHARD_ALIGN_ELEMENTS)) // shards) * SHARD_ALIGN_ELEMENTS
+    per = _shard_size(numel, shards)
     lo = min(numel, index * per)
     return lo, min(numel, lo + per)
+
+
+def _shard_size(numel: int, shards: int) -> int:
+    """Elements of each but the last of ``shards`` optimizer shards of ``numel``: ``ceil(numel /
+    shards)`` rounded up to :data:`SHARD_ALIGN_ELEMENTS`."""
+    return -(-(-(-numel // SHARD_ALIGN_ELEMENTS)) // shards) * SHARD_ALIGN_ELEMENTS
+
+
+def reduced_numel(numel: int, plan: Plan) -> int:
+    """Elements a host gradient tile or accumulator of a layer with ``numel`` trainable parameters
+    holds under ``plan``: ``numel``, or with ``plan.gradient_reduction == "reduce_scatter"``
+    ``optimizer_shards x`` the shard size of :func:`optimizer_shard` (fewer than ``optimizer_shards x
+    16`` more): a reduce-scatter needs equal chunks, so the tile is padded to them (the executor
+    zeroes the padding before each REDUCE_SCATTER, so it never changes a sum)."""
+    if plan.gradient_reduction != "reduce_scatter":
+        return numel
+    return plan.optimizer_shards * _shard_size(numel, plan.optimizer_shards)
 
 
 def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
@@ -306,6 +325,7 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ),
     OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE),
     OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
+    OpKind.REDUCE_SCATTER: lambda g, i, plan, hw: reduce_scatter_time(g.layers[i], hw, plan),
     # On a node's shared host state the gather moves no bytes: it waits for the other ranks' shards.
     OpKind.ALL_GATHER: lambda g, i, plan, hw: hw.op_latency_s,
 }
@@ -363,7 +383,7 @@ def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
     it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
     layer = graph.layers[op.layer]
     if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE,
-                   OpKind.ALL_GATHER):
+                   OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER):
         return HOST_OP_LAUNCHES
     if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
         n = layer.fwd_launches
@@ -525,13 +545,13 @@ def gradient_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
         for layer, k in gradient_tiles(graph).items():
             # A layer of Plan.nvme_gradients keeps its tile on NVMe: its index stays, sized 0.
             if k < plan.grad_ring and layer not in plan.nvme_gradients:
-                widths[k] = layers[layer].trainable_numel
+                widths[k] = reduced_numel(layers[layer].trainable_numel, plan)
         return tuple(widths)
     backward = [i for i in range(len(layers) - 1, -1, -1) if layers[i].trainable_numel > 0]
     passes = plan.micro_batches if plan.accumulates_on_host else 1
     for k, layer in enumerate(backward * passes):
         r = k % plan.grad_ring
-        widths[r] = max(widths[r], layers[layer].trainable_numel)
+        widths[r] = max(widths[r], reduced_numel(layers[layer].trainable_numel, plan))
     return tuple(widths)
 
 
@@ -804,7 +824,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         state_pinned=not bf16,
         pinned_masters=pinned_master_bytes(graph, plan),
         pinned_norms=pinned.bytes_of("norms") + pinned.bytes_of("flags"),
-        gradient_accumulators=(sum(layer.trainable_numel for layer in layers) * GRAD_ITEMSIZE
+        gradient_accumulators=(sum(reduced_numel(layer.trainable_numel, plan) for layer in layers) * GRAD_ITEMSIZE
                                if plan.accumulates_on_host else 0),
         weight_slots=weight_slots,
         gradient_slots=gradient_slots,
@@ -866,7 +886,7 @@ __all__ = [
     "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
-    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "optimizer_shard",
+    "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
     "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
     "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
@@ -982,6 +1002,36 @@ def all_reduce_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
     if m > 1:
         t += 2 * (m - 1) / m * nbytes / _network_rate(hw, "a data-parallel all-reduce") + 2 * (m - 1) * hw.network_latency_s
     return t
+
+
+def reduce_scatter_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
+    """Seconds a REDUCE_SCATTER of ``layer``'s FP32 step gradients (``B`` = 4 bytes per trainable
+    parameter) takes over the ``G = plan.data_parallel`` ranks of one node (the lowering uses it
+    only there: ``Plan.gradient_reduction``), as a ring reduce-scatter: the first half of the flat
+    ring all-reduce of :func:`all_reduce_time`, so half its bytes and steps::
+
+        (G-1)/G x B / intra  +  (G-1) a_intra  +  op latency
+
+    with ``intra`` = ``hw.intra_node_bus_bytes_per_s`` (nccl-tests' busbw convention,
+    doc/PERFORMANCE.md: a reduce-scatter moves ``(G-1)/G x B`` through each rank's link) and
+    ``a_intra`` = ``hw.intra_node_latency_s`` per ring step. Sources as :func:`all_reduce_time`'s
+    (Patarasuk & Yuan, JPDC 2009; Thakur, Rabenseifner & Gropp, IJHPCA 2005). The padding of the
+    tile to equal shards (fewer than ``G x 16`` elements, :func:`optimizer_shard`) is left out.
+    0 for one rank.
+
+    Raises:
+        ConfigError: ``G > 1`` and ``hw`` has no intra-node bandwidth, or ``plan.nodes > 1``
+            (a reduce-scatter over several nodes would not give each node the whole tile).
+    """
+    if plan.data_parallel == 1:
+        return 0.0
+    if plan.nodes > 1:
+        raise ConfigError(f"a reduce-scatter of the gradients over {plan.nodes} nodes: each node's host copy needs "
+                          "the whole averaged tile; time an all-reduce (all_reduce_time) instead")
+    g = plan.gpus_per_node
+    nbytes = layer.trainable_numel * GRAD_ITEMSIZE
+    return (hw.op_latency_s + (g - 1) / g * nbytes / _intra_rate(hw, "a data-parallel reduce-scatter")
+            + (g - 1) * hw.intra_node_latency_s)
 
 
 def weight_gather_bytes(layer: Layer, plan: Plan) -> int:

@@ -309,12 +309,16 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
 def add_all_reduce(ops: list[Op], req: "_Request") -> list[Op]:
     """Pass 6 (train schedules of plans with ``data_parallel > 1``): after the op that completes a
     layer's step gradients on the host (its last D2H, or with host accumulation its last ACC), an
-    ALL_REDUCE of that tile or accumulator on the COMM stream, which averages it over the ranks;
+    ALL_REDUCE (or, with ``Plan.gradient_reduction == "reduce_scatter"``, a REDUCE_SCATTER) of that
+    tile or accumulator on the COMM stream, which averages it over the ranks;
     the layer's OPT in this schedule depends on it. Each ALL_REDUCE also depends on the one before
     it, so the collectives run in list order on every rank: each rank lowers the same plan, so
     every rank issues the same collectives in the same order (gloo and NCCL match them by order)."""
     if req.plan.data_parallel == 1 or not req.train:
         return ops
+    # Plan.gradient_reduction: on one node whose ranks share one host copy each rank's OPT reads
+    # only its shard, so a REDUCE_SCATTER (half the bytes) gives it all it needs.
+    kind = OpKind.REDUCE_SCATTER if req.plan.gradient_reduction == "reduce_scatter" else OpKind.ALL_REDUCE
     last: dict[int, int] = {}
     for i, op in enumerate(ops):
         if op.kind in (OpKind.D2H, OpKind.ACC):
@@ -339,7 +343,7 @@ def add_all_reduce(ops: list[Op], req: "_Request") -> list[Op]:
             where = {"acc": src.acc} if src.kind is OpKind.ACC else {"ring": src.ring}
             chain = {moved[i]} | ({prev} if prev is not None else set())
             reduce_at[op.layer] = prev = len(out)
-            out.append(Op(OpKind.ALL_REDUCE, op.layer, deps=tuple(sorted(chain)), **where))
+            out.append(Op(kind, op.layer, deps=tuple(sorted(chain)), **where))
     return out
 
 

@@ -107,6 +107,14 @@ class Plan:
             all-gathered over the network before each use (:func:`megatrain.planner.cost.weight_gather_time`)
             and each node updating its own ``1 / nodes``. A planning choice
             (:mod:`megatrain.planner.topology`); the runtime does not execute ``"shard"`` yet.
+        gradient_reduction: how the lowering reduces each layer's step gradients across the
+            ranks: ``"all_reduce"`` (the default; ALL_REDUCE, every rank gets the whole averaged
+            tile) or ``"reduce_scatter"`` (REDUCE_SCATTER, each rank gets the average of only its
+            optimizer shard, :func:`megatrain.planner.cost.optimizer_shard`, which is all its OPT
+            reads: half the all-reduce's bytes). Allowed only where ``optimizer_shards ==
+            data_parallel > 1``: one node whose ranks share one host copy, so the shards the
+            ranks step make up the whole tile of that copy. With several nodes every node's copy
+            needs the whole averaged tile, so the reduction stays an all-reduce.
     """
 
     micro_batches: int = 1
@@ -127,6 +135,7 @@ class Plan:
     optimizer_shards: int = 1
     nodes: int = 1
     host_state: str = "replicate"
+    gradient_reduction: str = "all_reduce"
 
     def __post_init__(self) -> None:
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
@@ -195,6 +204,15 @@ class Plan:
             raise PlanError(f"Plan.optimizer_shards={self.optimizer_shards} with {self.data_parallel // self.nodes} "
                             f"ranks per node (data_parallel={self.data_parallel}, nodes={self.nodes}): the ranks "
                             "that share a host copy are on one node; use a divisor of the GPUs per node")
+        if self.gradient_reduction not in ("all_reduce", "reduce_scatter"):
+            raise PlanError(f"Plan.gradient_reduction={self.gradient_reduction!r}: use 'all_reduce' or "
+                            "'reduce_scatter'")
+        if self.gradient_reduction == "reduce_scatter" and not self.optimizer_shards == self.data_parallel > 1:
+            raise PlanError(f"Plan.gradient_reduction='reduce_scatter' with data_parallel={self.data_parallel} and "
+                            f"optimizer_shards={self.optimizer_shards}: each rank gets only its shard of the "
+                            "averaged gradients, which is enough only when every rank steps a shard of one "
+                            "shared copy (optimizer_shards == data_parallel > 1, one node); use "
+                            "gradient_reduction='all_reduce'")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""

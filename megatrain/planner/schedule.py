@@ -25,14 +25,15 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 10
+SCHEDULE_FORMAT_VERSION = 11
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
 sharded optimizer's ALL_GATHER and Plan.optimizer_shards; 8 the NVMe I/O buffer (``b``) that
 NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; 9 the topology,
 Plan.nodes and Plan.host_state; 10 the gradient I/O buffer (``g``) of Plan.nvme_gradients, which a D2H
-fills, NVME_WRITE/NVME_READ move and a carried OPT reads; files of earlier versions are refused
+fills, NVME_WRITE/NVME_READ move and a carried OPT reads; 11 REDUCE_SCATTER and
+Plan.gradient_reduction; files of earlier versions are refused
 (lower the plan again)."""
 
 
@@ -63,6 +64,7 @@ class OpKind(enum.Enum):
     NVME_READ = "NVME_READ"  # read a layer's Adam moments (b) or gradient tile (g) from NVMe into an I/O buffer
     NVME_WRITE = "NVME_WRITE"  # write them from that buffer to the layer's NVMe file (moments after the OPT)
     ALL_REDUCE = "ALL_REDUCE"  # data parallel: average a layer's step gradients (its tile or accumulator) over ranks
+    REDUCE_SCATTER = "REDUCE_SCATTER"  # like ALL_REDUCE, but each rank gets the average of its optimizer shard only
     ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
 
     @property
@@ -80,7 +82,7 @@ _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: St
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
               OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
               OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO,
-              OpKind.ALL_REDUCE: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM}
+              OpKind.ALL_REDUCE: Stream.COMM, OpKind.REDUCE_SCATTER: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM}
 
 _ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "gbuf", "copy", "buf")
 """Every index field, in the order a repr writes them."""
@@ -114,6 +116,7 @@ _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.NVME_READ: (("layer",), ("buf", "gbuf")),
     OpKind.NVME_WRITE: (("layer",), ("buf", "gbuf")),
     OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
+    OpKind.REDUCE_SCATTER: (("layer",), ("ring", "acc")),
     OpKind.ALL_GATHER: (("layer",), ()),
 }
 
@@ -128,7 +131,7 @@ def _spelling(kind: OpKind) -> str:
         return text + ":(r<int>|g<int>)"
     if kind in (OpKind.NVME_READ, OpKind.NVME_WRITE):
         return text + ":(b<int>|g<int>)"
-    if kind is OpKind.ALL_REDUCE:
+    if kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER):
         return text + ":(r<int>|a<int>)"
     return text + "".join(f"[:{_PREFIX[n]}<int>]" for n in optional)
 
@@ -183,6 +186,7 @@ class Op:
             if present and name not in required and name not in optional:
                 raise ValueError(f"{self.kind.value} op takes no {name}: it is written {_spelling(self.kind)}")
         sources = {OpKind.OPT: ("ring", "acc", "gbuf"), OpKind.ALL_REDUCE: ("ring", "acc"),
+                   OpKind.REDUCE_SCATTER: ("ring", "acc"),
                    OpKind.D2H: ("ring", "gbuf"), OpKind.NVME_READ: ("buf", "gbuf"),
                    OpKind.NVME_WRITE: ("buf", "gbuf")}.get(self.kind)
         if sources and sum(getattr(self, f) is not None for f in sources) != 1:
@@ -339,6 +343,7 @@ class _PlanModel(pydantic.BaseModel):
     optimizer_shards: int = 1
     nodes: int = 1
     host_state: Literal["replicate", "shard"] = "replicate"
+    gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
 
 
 class _OpModel(pydantic.BaseModel):
@@ -376,7 +381,8 @@ class _ScheduleModel(pydantic.BaseModel):
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
             staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
             nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), data_parallel=p.data_parallel,
-            optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state),
+            optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
+            gradient_reduction=p.gradient_reduction),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -388,7 +394,7 @@ class _ScheduleModel(pydantic.BaseModel):
                     cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
                     nvme_gradients=frozenset(p.nvme_gradients), data_parallel=p.data_parallel,
                     optimizer_shards=p.optimizer_shards, nodes=p.nodes,
-                    host_state=p.host_state)
+                    host_state=p.host_state, gradient_reduction=p.gradient_reduction)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

@@ -200,7 +200,8 @@ class Timeline:
                   OpKind.D2H: "tab:orange", OpKind.OPT: "tab:purple", OpKind.OFFLOAD: "tab:red",
                   OpKind.RELOAD: "tab:cyan", OpKind.RECOMPUTE: "tab:pink", OpKind.CAST: "tab:gray",
                   OpKind.ACC: "tab:brown", OpKind.NVME_READ: "goldenrod", OpKind.NVME_WRITE: "darkkhaki",
-                  OpKind.ALL_REDUCE: "teal", OpKind.ALL_GATHER: "darkslategray"}
+                  OpKind.ALL_REDUCE: "teal", OpKind.REDUCE_SCATTER: "cadetblue",
+                  OpKind.ALL_GATHER: "darkslategray"}
         assert colors.keys() == set(OpKind), "every op kind needs a colour"
         fig = Figure(figsize=(12, 6.5), layout="constrained")
         FigureCanvasAgg(fig)

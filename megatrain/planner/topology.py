@@ -12,8 +12,9 @@ sharded), and each rank its own buffers
 whose host memory and pinned cap are :func:`megatrain.planner.cost.rank_host_budgets`, within which
 one rank's breakdown (whole state included) fits exactly when the node does. The plan is then
 lowered with its topology, verified against that share, and simulated on the node's rates: the
-ALL_REDUCE on the COMM stream (hierarchical ring, :func:`megatrain.planner.cost.all_reduce_time`),
-each rank's ``1 / G`` of every optimizer update at ``1 / G`` of the host bandwidth, and with a
+ALL_REDUCE on the COMM stream (hierarchical ring, :func:`megatrain.planner.cost.all_reduce_time`;
+on one node, whose ranks share one copy and each step only its shard, a REDUCE_SCATTER at half the
+bytes, ``Plan.gradient_reduction``, :func:`megatrain.planner.cost.reduce_scatter_time`), each rank's ``1 / G`` of every optimizer update at ``1 / G`` of the host bandwidth, and with a
 sharded state a weight all-gather before every H2D.
 
 Host state across nodes (issue 16, part 2). Replicate (a full copy per node, no weight traffic)
@@ -270,7 +271,8 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
                                 f"need at least {human_bytes(floor)} of the node's {human_bytes(hw.host_memory_bytes)}")
             continue
         plan = dataclasses.replace(sol.plan, data_parallel=ranks, nodes=nodes, host_state=mode,
-                                   optimizer_shards=gpus_per_node)
+                                   optimizer_shards=gpus_per_node,
+                                   gradient_reduction="reduce_scatter" if nodes == 1 < ranks else "all_reduce")
         plan.check_against(sol.graph)
         schedule = lower(sol.graph, plan, carries_updates=sol.schedule.carries_updates)
         verify(schedule, sol.graph, view)

@@ -606,14 +606,22 @@ def _check_turns(c: _Context, field: str, users: list[int], pool: int, name: str
 
 def _check_collectives(c: _Context) -> None:
     """Rule ``collectives`` (data parallel): a train schedule of a plan with ``data_parallel > 1``
-    has one ALL_REDUCE per layer whose step gradients reach the host, reading what the layer's
+    has one ALL_REDUCE (a REDUCE_SCATTER where ``Plan.gradient_reduction`` is ``"reduce_scatter"``,
+    and only there) per layer whose step gradients reach the host, reading what the layer's
     last D2H (or last ACC, with host accumulation) wrote and happening after it; the layer's OPT
     in the schedule happens after it; and the ALL_REDUCEs form one chain (each after the one
     before it), so every rank, running this same schedule, issues the collectives in list order:
     none can overtake another and leave two ranks waiting in different collectives (a deadlock).
     Other schedules have none."""
     ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
-    reduces = by_kind[OpKind.ALL_REDUCE]
+    # Plan.gradient_reduction picks the kind: a REDUCE_SCATTER leaves each rank only its optimizer
+    # shard averaged, which is what its OPT reads only when the plan shares one copy on one node.
+    want = OpKind.REDUCE_SCATTER if c.plan.gradient_reduction == "reduce_scatter" else OpKind.ALL_REDUCE
+    for i in by_kind[OpKind.ALL_REDUCE] + by_kind[OpKind.REDUCE_SCATTER]:
+        if ops[i].kind is not want:
+            fail(i, "collectives", f"the plan has gradient_reduction={c.plan.gradient_reduction!r}, so the "
+                 f"gradients are reduced by {want.value}, not {ops[i].kind.value}", "lower the plan again")
+    reduces = sorted(by_kind[OpKind.ALL_REDUCE] + by_kind[OpKind.REDUCE_SCATTER])
     if c.plan.data_parallel == 1 or c.schedule.mode != "train":
         if reduces:
             fail(reduces[0], "collectives", f"the plan has data_parallel={c.plan.data_parallel} and the schedule is "
@@ -630,7 +638,7 @@ def _check_collectives(c: _Context) -> None:
         got = mine.get(layer, [])
         if len(got) != 1:
             at = got[1] if got else src
-            fail(at, "collectives", f"layer {layer}'s step gradients need exactly one ALL_REDUCE, found {len(got)}",
+            fail(at, "collectives", f"layer {layer}'s step gradients need exactly one {want.value}, found {len(got)}",
                  "lower the plan again (lower adds one after the last D2H or ACC)")
         r = got[0]
         s = ops[src]

@@ -302,7 +302,8 @@ class Executor:
         if plan.accumulates_on_host and schedule.mode != "eval" and not self._buffers.accumulators:
             # Pageable: only host ops (ACC, OPT) touch them. Kept across schedules, since with
             # NEXT_FORWARD they hold the gradients the next schedule's updates read.
-            self._buffers.accumulators = [torch.empty((layer.trainable_numel,), dtype=torch.float32)
+            self._buffers.accumulators = [torch.empty((cost.reduced_numel(layer.trainable_numel, plan),),
+                                                      dtype=torch.float32)
                                           for layer in self.graph.layers if layer.trainable_numel > 0]
         count, nbytes = cost.nvme_buffers(self.graph, plan)
         if count and (len(self._nvme_pool) < count or self._nvme_pool[0].numel() < nbytes):
@@ -613,7 +614,7 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
     the way: the copy and the FP32 sum read it as FP32 (exact), as an FP32 tile of the same values."""
     ex, li = ctx.ex, op.layer
     tile = ctx.bufs.ring[op.ring][:ctx.graph.layers[li].trainable_numel]
-    acc = ctx.bufs.accumulators[op.acc]
+    acc = ctx.bufs.accumulators[op.acc][:tile.numel()]  # longer for a reduce-scatter (cost.reduced_numel)
     last = op.mb == ctx.micro_batches - 1
 
     def run() -> None:
@@ -765,6 +766,52 @@ def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
     return run
 
 
+def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Average layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over
+    the ``plan.data_parallel`` ranks of one node, but only on this rank's optimizer shard
+    ``[lo, hi)`` (``cost.optimizer_shard``), the only part its OPT reads
+    (``Plan.gradient_reduction == "reduce_scatter"``): ``torch.distributed.reduce_scatter_single``
+    of the tile's first ``shards x per`` elements (equal chunks; ``cost.reduced_numel`` made the
+    tile that long, and the padding past the layer's parameters is zeroed first, so it adds only
+    zeros) into a scratch of ``per``, then into ``tile[lo:hi]``, divided by the ranks. Then the
+    layer's global gradient norm: the shard's sum of squares, summed over the ranks in FLOAT64
+    (the square of an FP32 norm overflows FP32 above ~1.8e19, and the partial sums of G ranks are
+    added in a fixed order without FP32's rounding), its square root rounded to FP32; the finite
+    flags ANDed over the ranks as ALL_REDUCE does, so every rank clips and skips alike. Runs on the
+    COMM host worker, in list order (rule 'collectives')."""
+    ex, li = ctx.ex, op.layer
+    plan = ctx.schedule.plan
+    n = ctx.graph.layers[li].trainable_numel
+    shards, world = plan.optimizer_shards, plan.data_parallel
+    full = cost.reduced_numel(n, plan)
+    per = full // shards
+    lo, hi = cost.optimizer_shard(n, shards, ex.shard_index)
+    tile = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
+    tile = tile[:full]
+    group = None if ex.groups is None else ex.groups.world
+
+    def run() -> None:
+        import torch.distributed as dist
+
+        if tile.dtype != torch.float32:
+            raise RuntimeError("data-parallel gradients must be FP32 on the host (Plan.d2h_dtype='float32')")
+        tile[n:].zero_()  # a wider layer's gradients may be there (ring tiles are shared)
+        mine = torch.empty((per,), dtype=torch.float32)
+        with collective(repr(op)):
+            dist.reduce_scatter_single(mine, tile, op=dist.ReduceOp.SUM, group=group)
+        shard = tile[lo:hi]
+        shard.copy_(mine[:hi - lo]).div_(world)
+        local = torch.linalg.vector_norm(shard, dtype=torch.float64)
+        both = torch.stack([local * local, torch.tensor(0.0 if bool(ex._flags[li]) and bool(torch.isfinite(local))
+                                                         else 1.0, dtype=torch.float64)])
+        with collective(repr(op) + " (its squared norms and finite flags)"):
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+        norm = both[0].sqrt()
+        ex._norms[li] = norm.to(torch.float32)
+        ex._flags[li] = bool(both[1].item() == 0) and bool(torch.isfinite(norm))
+    return run
+
+
 def _all_gather(ctx: _RunContext, i: int, op: Op) -> Work:
     """Give every rank of the node the shards of layer ``op.layer`` the others' OPTs stepped: on the
     node's shared host state they are in place already, so this waits until every rank of the node
@@ -784,7 +831,7 @@ HANDLERS: dict[OpKind, Handler] = {
     OpKind.H2D: _h2d, OpKind.CAST: _cast, OpKind.FWD: _fwd, OpKind.RECOMPUTE: _fwd, OpKind.BWD: _bwd,
     OpKind.D2H: _d2h, OpKind.ACC: _acc, OpKind.OPT: _opt, OpKind.OFFLOAD: _offload, OpKind.RELOAD: _reload,
     OpKind.NVME_READ: _nvme_io(read=True), OpKind.NVME_WRITE: _nvme_io(read=False), OpKind.ALL_REDUCE: _all_reduce,
-    OpKind.ALL_GATHER: _all_gather,
+    OpKind.REDUCE_SCATTER: _reduce_scatter, OpKind.ALL_GATHER: _all_gather,
 }
 """How each op kind runs: ``HANDLERS[op.kind](ctx, i, op)`` returns the work the backend launches."""
 assert set(HANDLERS) == set(OpKind), "every op kind needs a handler"
