@@ -392,6 +392,52 @@ def test_all_reduce_time_is_a_hierarchical_ring(g, m, lat_i, lat_n, want):
     assert cost.all_reduce_time(layer, hw, Plan(data_parallel=g * m, nodes=m)) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("g, lat_i, want", [
+    # B = 64,000 bytes as above; intra 1 GB/s; op latency 1 us.
+    (2, 0.0, 1e-6 + 1 / 2 * 64_000 / 1e9),
+    (8, 2e-6, 1e-6 + 7 / 8 * 64_000 / 1e9 + 7 * 2e-6),
+])
+def test_reduce_scatter_time_is_half_the_flat_ring_all_reduce(g, lat_i, want):
+    layer = chain_graph(1, numel=16_000).layers[0]
+    hw = spec(op_latency_s=1e-6, intra_node_bytes_per_s=1e9, intra_node_latency_s=lat_i)
+    plan = Plan(data_parallel=g, optimizer_shards=g, gradient_reduction="reduce_scatter")
+    got = cost.reduce_scatter_time(layer, hw, plan)
+    assert got == pytest.approx(want, rel=1e-12)
+    # Half the bytes and ring steps of the all-reduce on the same node: the all-reduce is a
+    # reduce-scatter then an all-gather.
+    assert 2 * (got - 1e-6) == pytest.approx(cost.all_reduce_time(layer, hw, plan) - 1e-6, rel=1e-12)
+    assert cost.op_duration(OpKind.REDUCE_SCATTER, chain_graph(1, numel=16_000), 0, plan, hw) == got
+    assert cost.reduce_scatter_time(layer, hw, Plan()) == 0.0
+    with pytest.raises(ConfigError, match="reduce-scatter of the gradients over 2 nodes.*all_reduce_time"):
+        cost.reduce_scatter_time(layer, hw, Plan(data_parallel=4, nodes=2))
+
+
+@pytest.mark.parametrize("numel", [1, 15, 16, 1000, 16_385])
+@pytest.mark.parametrize("shards", [2, 3, 8])
+def test_reduce_scatter_tiles_are_padded_to_equal_aligned_shards(numel, shards):
+    plan = Plan(data_parallel=shards, optimizer_shards=shards, gradient_reduction="reduce_scatter")
+    full = cost.reduced_numel(numel, plan)
+    per = full // shards
+    assert full % (shards * cost.SHARD_ALIGN_ELEMENTS) == 0 and numel <= full < numel + shards * cost.SHARD_ALIGN_ELEMENTS
+    # Each rank's optimizer shard lies inside its chunk of the padded tile, at its start.
+    for i in range(shards):
+        lo, hi = cost.optimizer_shard(numel, shards, i)
+        assert lo == min(numel, i * per) and hi <= (i + 1) * per
+    assert cost.reduced_numel(numel, Plan(data_parallel=shards, optimizer_shards=shards)) == numel
+
+
+def test_reduce_scatter_plans_size_the_gradient_tiles_and_accumulators_to_the_padded_shards():
+    g = chain_graph(2, numel=[1024, 2000])
+    rs = dict(data_parallel=3, optimizer_shards=3, gradient_reduction="reduce_scatter")
+    padded = [cost.reduced_numel(n, Plan(**rs)) for n in (1024, 2000)]
+    assert padded == [1056, 2016]  # 3 shards of 352 and of 672 elements (multiples of 16)
+    # The D2Hs take the two tiles from the last layer back: each sized to its padded layer.
+    assert cost.gradient_tile_numels(g, Plan(**rs)) == (padded[1], padded[0])
+    assert cost.gradient_tile_numels(g, Plan(data_parallel=3, optimizer_shards=3)) == (2000, 1024)
+    acc = cost.memory_breakdown(g, Plan(layer_by_layer=False, micro_batches=2, **rs)).gradient_accumulators
+    assert acc == sum(padded) * 4
+
+
 def test_all_reduce_time_reads_the_legacy_field_and_names_the_missing_rate():
     layer = chain_graph(1, numel=16_000).layers[0]
     legacy = HardwareSpec.model_validate_json(spec(allreduce_bytes_per_s=1e9).model_dump_json())

@@ -1,4 +1,5 @@
-"""Data parallel on torch.distributed: ALL_REDUCE ops in the schedule, verified, and training with
+"""Data parallel on torch.distributed: ALL_REDUCE (or, on one node sharing one copy, REDUCE_SCATTER)
+ops in the schedule, verified, and training with
 2 and 4 gloo processes that equals one process training the global batch (FP32, 1e-5)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 
 import megatrain
 from megatrain.checkpoint import MANIFEST, STATE_DIR
-from megatrain.errors import ScheduleError
+from megatrain.errors import PlanError, ScheduleError
 from megatrain.planner.lower import lower
 from megatrain.planner.plan import OptimizerPlacement, Plan
 from megatrain.planner.schedule import OpKind, Schedule
@@ -94,6 +95,49 @@ def test_the_verifier_rejects_collectives_out_of_order_or_missing(graph):
         verify(dataclasses.replace(s, plan=PLANS["during-backward"]), graph)
 
 
+def test_a_node_sharing_one_copy_reduce_scatters_and_the_verifier_holds_the_plan_to_its_choice(graph):
+    """Plan.gradient_reduction='reduce_scatter' (one node, optimizer_shards == data_parallel): one
+    REDUCE_SCATTER per layer in place of the ALL_REDUCE, on the COMM chain, before the OPT; the
+    verifier rejects the other kind, a step that does not wait for it, and the plan refuses it
+    where a rank's shard is not all of what the node needs; the choice survives the JSON file."""
+    plan = dataclasses.replace(PLANS["during-backward"], data_parallel=2, optimizer_shards=2,
+                               gradient_reduction="reduce_scatter")
+    s = lower(graph, plan, "train")
+    verify(s, graph)
+    assert Schedule.from_json(s.to_json()).plan == plan
+    scatters = [i for i, op in enumerate(s.ops) if op.kind is OpKind.REDUCE_SCATTER]
+    assert sorted(s.ops[i].layer for i in scatters) == [i for i, l in enumerate(graph.layers) if l.trainable_numel]
+    assert not any(op.kind is OpKind.ALL_REDUCE for op in s.ops)
+    assert all(s.ops[i].stream.value == "comm" for i in scatters)
+    comm = [i for i, op in enumerate(s.ops) if op.stream.value == "comm"]
+    assert all(comm[k - 1] in s.ops[comm[k]].deps for k in range(1, len(comm)))
+    all_reduce = dataclasses.replace(plan, gradient_reduction="all_reduce")
+    assert lower(graph, all_reduce, "train").ops == tuple(
+        dataclasses.replace(op, kind=OpKind.ALL_REDUCE) if op.kind is OpKind.REDUCE_SCATTER else op for op in s.ops)
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*gradient_reduction='all_reduce'.*not REDUCE_SCATTER"):
+        verify(dataclasses.replace(s, plan=all_reduce), graph)
+
+    def other_kind(ops):
+        ops[scatters[1]] = dataclasses.replace(ops[scatters[1]], kind=OpKind.ALL_REDUCE)
+        return ops
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*reduced by REDUCE_SCATTER, not ALL_REDUCE"):
+        verify(_mutated(s, other_kind), graph)
+
+    def early_step(ops):  # an OPT stops waiting for its layer's REDUCE_SCATTER
+        o = next(i for i, op in enumerate(ops) if op.kind is OpKind.OPT and scatters[0] in op.deps)
+        ops[o] = dataclasses.replace(ops[o], deps=tuple(d for d in ops[o].deps if d != scatters[0]))
+        return ops
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*before its gradients were reduced"):
+        verify(_mutated(s, early_step), graph)
+    for bad in (dict(data_parallel=4, nodes=2, optimizer_shards=2), dict(data_parallel=2), dict(data_parallel=1)):
+        with pytest.raises(PlanError, match="gradient_reduction='reduce_scatter'.*use gradient_reduction='all_reduce'"):
+            Plan(gradient_reduction="reduce_scatter", **bad)
+    with pytest.raises(PlanError, match="gradient_reduction='ring'"):
+        Plan(gradient_reduction="ring")
+
+
 def test_sharded_optimizer_steps_are_gathered_before_any_read_of_the_master(graph):
     """optimizer_shards > 1: one ALL_GATHER per OPT on the COMM chain, before the layer's next H2D
     or CAST; the verifier rejects a read that does not wait for it, a missing gather, and a gather
@@ -151,13 +195,13 @@ def _process_group(rank: int, world: int, init_file: str, local_world: int = 1):
 
 
 def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: float | None, steps: int,
-               layer_by_layer: bool, local_world: int) -> None:
+               layer_by_layer: bool, local_world: int, hidden: int = 32) -> None:
     """One rank: its slice of each global batch (micro-batches rank*k .. rank*k+k-1)."""
     with _process_group(rank, world, init_file, local_world):
         stepped = []  # the elements each of this rank's AdamW calls updated
         real = executor.adamw
         executor.adamw = lambda params, *a, **kw: (stepped.append(sum(p.numel() for p in params)), real(params, *a, **kw))
-        model = tiny_llama()
+        model = tiny_llama(hidden=hidden)
         plan = dataclasses.replace(megatrain.planner.plan.Plan(micro_batches=k, layer_by_layer=layer_by_layer),
                                    optimizer=OptimizerPlacement.NEXT_FORWARD if clip else
                                    OptimizerPlacement.DURING_BACKWARD, grad_ring=8 if clip else 2)
@@ -168,6 +212,12 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: fl
                                     max_grad_norm=clip, plan=plan, hardware=hw)
         assert (trainer.plan.data_parallel, trainer.plan.optimizer_shards, trainer.plan.nodes) == (
             world, local_world, world // local_world)
+        # One node whose ranks share one copy: each rank's OPT reads only its shard, so the gradients
+        # are reduce-scattered; with copies of their own, or several nodes, all-reduced.
+        kind = OpKind.REDUCE_SCATTER if local_world == world else OpKind.ALL_REDUCE
+        assert trainer.plan.gradient_reduction == kind.value.lower()
+        kinds = {op.kind for op in trainer.planned.schedules.steady.ops}
+        assert kind in kinds and not {OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER} - {kind} & kinds
         assert trainer.planned.timeline is not None and trainer.planned.timeline.step_time_s > 0
         rows = k * MBS
         results = []
@@ -177,24 +227,28 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: fl
         trainer.save(f"{out}.ckpt")  # rank 0 writes it, the others wait; it flushes the last update
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
         shared = trainer.host.shared
-        torch.save({"results": results, "state": state, "stepped": sum(stepped),
+        tiles = sum(layer.trainable_numel for layer in trainer.graph.layers)
+        torch.save({"results": results, "state": state, "stepped": sum(stepped), "tiles": tiles,
                     "inode": None if shared is None else shared.inode}, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("world,k,clip,layer_by_layer,local_world", [
-    (2, 1, None, True, 2),
-    (2, 2, 1.0, True, 2),
-    (2, 2, None, False, 1),
-    (4, 1, 0.5, True, 2),
-], ids=["2-ranks-sharing-a-node", "2-ranks-sharing-clipped-2-microbatches", "2-ranks-own-copies-host-accumulation",
+@pytest.mark.parametrize("world,k,clip,layer_by_layer,local_world,hidden", [
+    # Width 40: the blocks (14,480 elements) and the head (3,880) are no multiple of 2 shards x 16,
+    # so the REDUCE_SCATTER of the accumulators reads their zero padding (cost.reduced_numel).
+    (2, 2, None, False, 2, 40),
+    (2, 2, 0.5, True, 2, 32),  # 0.5: below the first steps' global norm (0.79), so the clipping acts
+    (2, 2, None, False, 1, 32),
+    (4, 1, 0.5, True, 2, 32),
+], ids=["2-ranks-sharing-a-node-host-accumulation", "2-ranks-sharing-clipped-2-microbatches", "2-ranks-own-copies-host-accumulation",
         "2-nodes-of-2-clipped"])
-def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, clip, layer_by_layer, local_world):
+def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, clip, layer_by_layer, local_world,
+                                                         hidden):
     steps = 4
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), out, k, clip, steps, layer_by_layer, local_world),
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "init"), out, k, clip, steps, layer_by_layer, local_world, hidden),
              nprocs=world, join=True)
     torch.manual_seed(0)
-    ref = tiny_llama()
+    ref = tiny_llama(hidden=hidden)
     batches = _global_batches(world, k, steps)
     want = eager_losses(copy.deepcopy(ref), batches, world * k, clip, adamw=OPT)
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
@@ -204,13 +258,28 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
     for step, ((loss, per_mb, tokens, _), w) in enumerate(zip(ranks[0]["results"], want)):
         assert abs(loss - w) <= RTOL * abs(w), f"step {step}: {world} ranks {loss} vs one process {w}"
         assert len(per_mb) == world * k and tokens == world * k * MBS * S
+    if clip:
+        # Every rank reports (and clipped with) the global norm of the first step's gradients, which
+        # exceeds the bound, so the clipping acted: the same norm one process gets from the whole
+        # batch (FP32 sums in another order: within RTOL). With a reduce-scatter each rank holds only
+        # its shard averaged: the norm is the ranks' squared shard norms summed.
+        first = copy.deepcopy(ref)
+        for m in range(world * k):
+            part = {n: t[m * MBS:(m + 1) * MBS] for n, t in batches[0].items()}
+            (first(**part).loss / (world * k)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(first.parameters(), float("inf")).item()
+        got = ranks[0]["results"][0][3]
+        assert got > clip and abs(got - norm) <= RTOL * norm, (got, norm)
     eager_losses(ref, batches, world * k, clip, adamw=OPT)  # the same training again, for the weights
     for name, p in ref.named_parameters():
         q = ranks[0]["state"][name]
         err = ((q - p.detach()).norm() / p.detach().norm()).item()
         assert err <= RTOL, f"{name}: relative difference {err:.2e}"
     # One host copy per node, and the node's ranks split every optimizer step between them.
-    trainable = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    # (Each parameter starts a tile on 16 elements: the tiles are the parameters and that padding.)
+    trainable = ranks[0]["tiles"]
+    params = [p.numel() for p in ref.parameters() if p.requires_grad]
+    assert sum(params) <= trainable < sum(params) + 16 * len(params)
     nodes = [[ranks[r]["inode"] for r in range(n, n + local_world)] for n in range(0, world, local_world)]
     if local_world == 1:
         assert all(r["inode"] is None for r in ranks)

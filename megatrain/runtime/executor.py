@@ -772,8 +772,8 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     ``[lo, hi)`` (``cost.optimizer_shard``), the only part its OPT reads
     (``Plan.gradient_reduction == "reduce_scatter"``): ``torch.distributed.reduce_scatter_single``
     of the tile's first ``shards x per`` elements (equal chunks; ``cost.reduced_numel`` made the
-    tile that long, and the padding past the layer's parameters is zeroed first, so it adds only
-    zeros) into a scratch of ``per``, then into ``tile[lo:hi]``, divided by the ranks. Then the
+    tile that long; the padding past the layer's parameters is zeroed first, so the collective sums
+    only zeros there, whose results no one reads) into a scratch of ``per``, then into ``tile[lo:hi]``, divided by the ranks. Then the
     layer's global gradient norm: the shard's sum of squares, summed over the ranks in FLOAT64
     (the square of an FP32 norm overflows FP32 above ~1.8e19, and the partial sums of G ranks are
     added in a fixed order without FP32's rounding), its square root rounded to FP32; the finite
