@@ -775,8 +775,8 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     tile that long; the padding past the layer's parameters is zeroed first, so the collective sums
     only zeros there, whose results no one reads) into a scratch of ``per``, then into ``tile[lo:hi]``, divided by the ranks. Then the
     layer's global gradient norm: the shard's sum of squares, summed over the ranks in FLOAT64
-    (the square of an FP32 norm overflows FP32 above ~1.8e19, and the partial sums of G ranks are
-    added in a fixed order without FP32's rounding), its square root rounded to FP32; the finite
+    (the square of an FP32 norm overflows FP32 above ~1.8e19, and float64 adds the ranks' partial
+    squares with far less rounding than the FP32 norm carries), its square root rounded to FP32; the finite
     flags ANDed over the ranks as ALL_REDUCE does, so every rank clips and skips alike. Runs on the
     COMM host worker, in list order (rule 'collectives')."""
     ex, li = ctx.ex, op.layer
