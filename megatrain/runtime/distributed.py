@@ -6,7 +6,7 @@ Topology. ``torchrun`` gives every process ``RANK``, ``WORLD_SIZE``, ``LOCAL_RAN
 (torchrun numbers them node by node). Without the local variables every rank is a node of its
 own. :func:`topology` reads them once the default process group exists.
 
-Groups. The collectives of a schedule (ALL_REDUCE, ALL_GATHER) read and write host memory, so they
+Groups. The collectives of a schedule (ALL_REDUCE or REDUCE_SCATTER, ALL_GATHER) read and write host memory, so they
 run in gloo groups made here, whatever the default group's backend (NCCL on GPUs reduces device
 memory only): one over every rank and one per node (``new_group`` is called for every node on
 every rank, as torch.distributed requires).
