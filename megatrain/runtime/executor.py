@@ -735,6 +735,18 @@ def _nvme_io(read: bool) -> Handler:
     return handler
 
 
+def _reduced_tile(ctx: _RunContext, op: Op, numel: int) -> tuple[torch.Tensor, Any]:
+    """The first ``numel`` elements of the step gradients a collective op reduces (the ring tile or
+    accumulator it names) and the gloo group of every rank it reduces in (None: the default)."""
+    tile = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
+    return tile[:numel], None if ctx.ex.groups is None else ctx.ex.groups.world
+
+
+def _require_fp32(tile: torch.Tensor) -> None:
+    if tile.dtype != torch.float32:
+        raise RuntimeError("data-parallel gradients must be FP32 on the host (Plan.d2h_dtype='float32')")
+
+
 def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
     """Average layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over
     the ``plan.data_parallel`` ranks of the default ``torch.distributed`` process group (sum, then
@@ -743,17 +755,13 @@ def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
     reduced tile and AND the finite flags over the ranks, so every rank clips with the global norm
     and skips the same updates. Runs on the COMM host worker, in list order (rule 'collectives')."""
     ex, li = ctx.ex, op.layer
-    n = ctx.graph.layers[li].trainable_numel
-    tile = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
-    tile = tile[:n]
+    tile, group = _reduced_tile(ctx, op, ctx.graph.layers[li].trainable_numel)
     world = ctx.schedule.plan.data_parallel
-    group = None if ex.groups is None else ex.groups.world
 
     def run() -> None:
         import torch.distributed as dist
 
-        if tile.dtype != torch.float32:
-            raise RuntimeError("data-parallel gradients must be FP32 on the host (Plan.d2h_dtype='float32')")
+        _require_fp32(tile)
         with collective(repr(op)):
             dist.all_reduce(tile, op=dist.ReduceOp.SUM, group=group)
         tile.div_(world)
@@ -773,12 +781,13 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     (``Plan.gradient_reduction == "reduce_scatter"``): ``torch.distributed.reduce_scatter_single``
     of the tile's first ``shards x per`` elements (equal chunks; ``cost.reduced_numel`` made the
     tile that long; the padding past the layer's parameters is zeroed first, so the collective sums
-    only zeros there, whose results no one reads) into a scratch of ``per``, then into ``tile[lo:hi]``, divided by the ranks. Then the
-    layer's global gradient norm: the shard's sum of squares, summed over the ranks in FLOAT64
-    (the square of an FP32 norm overflows FP32 above ~1.8e19, and float64 adds the ranks' partial
-    squares with far less rounding than the FP32 norm carries), its square root rounded to FP32; the finite
-    flags ANDed over the ranks as ALL_REDUCE does, so every rank clips and skips alike. Runs on the
-    COMM host worker, in list order (rule 'collectives')."""
+    only zeros there, whose results no one reads) into a scratch of ``per``, then into
+    ``tile[lo:hi]``, divided by the ranks. Then the layer's global gradient norm: the shard's sum of
+    squares, summed over the ranks in FLOAT64 (the square of an FP32 norm overflows FP32 above
+    ~1.8e19, and float64 adds the ranks' partial squares with far less rounding than the FP32 norm
+    carries), its square root rounded to FP32; the finite flags ANDed over the ranks as ALL_REDUCE
+    does, so every rank clips and skips alike. Runs on the COMM host worker, in list order (rule
+    'collectives')."""
     ex, li = ctx.ex, op.layer
     plan = ctx.schedule.plan
     n = ctx.graph.layers[li].trainable_numel
@@ -786,15 +795,12 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     full = cost.reduced_numel(n, plan)
     per = full // shards
     lo, hi = cost.optimizer_shard(n, shards, ex.shard_index)
-    tile = ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring]
-    tile = tile[:full]
-    group = None if ex.groups is None else ex.groups.world
+    tile, group = _reduced_tile(ctx, op, full)
 
     def run() -> None:
         import torch.distributed as dist
 
-        if tile.dtype != torch.float32:
-            raise RuntimeError("data-parallel gradients must be FP32 on the host (Plan.d2h_dtype='float32')")
+        _require_fp32(tile)
         tile[n:].zero_()  # a wider layer's gradients may be there (ring tiles are shared)
         mine = torch.empty((per,), dtype=torch.float32)
         with collective(repr(op)):
