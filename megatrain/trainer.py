@@ -21,6 +21,7 @@ from torch import nn
 from megatrain.config import AdamW, CompileOptions, describe_validation
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
 from megatrain.models import check_model
+from megatrain.planner import cost
 from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
 from megatrain.planner.graph import LayerGraph, TracedModel
 from megatrain.planner.hardware import HardwareSpec, load_hardware
@@ -690,11 +691,16 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
         topo = topology()
         shards = topo.local_world if share_host_memory else 1
-        # One node whose ranks share one copy: each rank's OPT reads only its shard, so reduce-scatter.
+        if plan.host_state == "shard" and not share_host_memory:
+            raise ConfigError("the plan shards the host state across nodes (Plan.host_state='shard'), whose ranks "
+                              "share each node's slice; compile with share_host_memory=True")
         plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
-                                   optimizer_shards=shards,
-                                   gradient_reduction="reduce_scatter" if shards == world > 1 else "all_reduce",
+                                   optimizer_shards=shards, gradient_reduction="all_reduce",
                                    d2h_dtype="float32" if plan.gradient_dtype != "float32" else plan.d2h_dtype)
+        # Where every rank steps only its shard of one copy (one node sharing it, or a state
+        # sharded across the nodes: Plan.update_shards), its OPT reads only that: reduce-scatter.
+        if plan.update_shards == world:
+            plan = dataclasses.replace(plan, gradient_reduction="reduce_scatter")
     if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)
         memory, timeline = solution.memory, solution.timeline
@@ -745,13 +751,15 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
                           "directory on an NVMe drive)")
     backend = make_backend(planned.options.device) if backend is None else backend
     traced, model = planned.traced, planned.model
-    if host is None and planned.plan.data_parallel > 1:
+    if host is None and planned.plan.data_parallel > 1 and planned.plan.host_state == "shard":
+        if on_nvme:
+            raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and shards the "
+                              "host state across nodes: not supported yet; keep the moments in host memory (no "
+                              "nvme_dir / --nvme-dir) when training on several ranks")
+        host = _sharded_host(planned)
+    elif host is None and planned.plan.data_parallel > 1:
         from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
 
-        if planned.plan.host_state == "shard":
-            raise ConfigError(f"the plan shards the host state across its {planned.plan.nodes} nodes "
-                              "(Plan.host_state='shard'), which megatrain plans but does not run yet; train with "
-                              "host_state='replicate' (a full copy per node) on nodes with the host memory for it")
         if on_nvme:  # the ranks' files would share names in one directory, and shards one file
             raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and trains "
                               f"data-parallel over {planned.plan.data_parallel} ranks: not supported yet; keep the "
@@ -790,6 +798,34 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         # made at the first run (tests that swap a fake CUDA backend in after compile rely on it).
         executor.allocate(planned.schedules.first)
     return Trainer(planned, opt, host, backend, executor)
+
+
+def _sharded_host(planned: PlannedModel) -> HostState:
+    """The host state of a plan with ``host_state == "shard"``: this node's slice of every layer
+    (``cost.node_slice``) and its gather tiles, in the node's shared memory; global rank 0
+    initialises the module's weights into whole rows of its own and broadcasts them into every
+    node's slice, one layer at a time; then no rank's module keeps its parameters (they are left
+    on the ``meta`` device: the weights live in the slices only). Collective."""
+    from megatrain.runtime.distributed import broadcast_slices, data_parallel_host, topology
+    from megatrain.runtime.host import FullMasters, materialize_buffers, unbind_parameters
+
+    plan, graph, model = planned.plan, planned.traced.graph, planned.model
+    node = topology().node
+    slices = [cost.node_slice(lay.numel, lay.trainable_numel, plan, node) for lay in graph.layers]
+    gather_bytes = cost.gather_buffer_bytes(graph, plan) // cost.GATHER_BUFFERS
+    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes), plan.data_parallel,
+                            plan.optimizer_shards, plan.nodes, sharded=True)
+    host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes)
+    host.data_parallel = dp
+    rows = None
+    if dp.topo.rank == 0:
+        rows = FullMasters(graph)
+        bind_module(model, rows)
+    else:
+        materialize_buffers(model)
+    broadcast_slices(None if rows is None else rows.rows, host, dp)
+    unbind_parameters(model)
+    return host
 
 
 def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: int | None = None,

@@ -301,6 +301,84 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
     assert trainer.step_count == steps
 
 
+def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int) -> None:
+    """One rank of two nodes of two with the host state sharded across the nodes: clipped, two
+    micro-batches, FP32; it saves a checkpoint and what its node holds."""
+    from megatrain.planner import cost
+
+    with _process_group(rank, world, init_file, local_world=2):
+        k = 2
+        plan = Plan(micro_batches=k, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=8, data_parallel=world,
+                    nodes=2, host_state="shard")
+        hw = megatrain.preset("H100_SXM").model_copy(update={"intra_node_bytes_per_s": 4.5e11,
+                                                             "network_bytes_per_s": 4e11})
+        trainer = megatrain.compile(tiny_llama(hidden=40), seq_len=S, micro_batch_size=MBS, micro_batches=k,
+                                    optimizer=OPT, max_grad_norm=0.5, plan=plan, hardware=hw)
+        p = trainer.plan
+        assert (p.host_state, p.nodes, p.optimizer_shards, p.gradient_reduction) == ("shard", 2, 2, "reduce_scatter")
+        rows = k * MBS
+        results = []
+        for b in _global_batches(world, k, steps):
+            res = trainer.step({n: t[rank * rows:(rank + 1) * rows] for n, t in b.items()})
+            results.append((res.loss, res.micro_batch_losses, res.tokens, res.grad_norm))
+        trainer.flush()
+        dist.barrier()  # the other rank of the node has stepped its shards of the last update too
+        host = trainer.host
+        node = cost.node_memory(trainer.graph, p, cost.memory_breakdown(trainer.graph, p))
+        torch.save({"results": results, "slices": host.slices, "masters": [host.master(i).clone()
+                                                                            for i in range(len(host.slices))],
+                    "nbytes": host.nbytes, "persistent": node.persistent, "inode": host.shared.inode},
+                   f"{out}.{rank}")
+
+
+def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process_does(tmp_path):
+    """Plan.host_state='shard', 4 ranks as 2 nodes x 2 (clipped, 2 micro-batches, FP32): each node
+    holds half of the masters and moments, the ranks gather each layer's weights before use, and
+    the losses, the clipped global norm and the final weights equal one process training the
+    global batch within RTOL."""
+    world, k, steps, clip = 4, 2, 3, 0.5
+    out = str(tmp_path / "rank")
+    mp.spawn(_shard_main, args=(world, str(tmp_path / "init"), out, steps), nprocs=world, join=True)
+    torch.manual_seed(0)
+    ref = tiny_llama(hidden=40)
+    graph = trace(copy.deepcopy(ref), micro_batch_size=MBS, seq_len=S, input_names=("input_ids", "labels")).graph
+    batches = _global_batches(world, k, steps)
+    want = eager_losses(copy.deepcopy(ref), batches, world * k, clip, adamw=OPT)
+    ranks = [torch.load(f"{out}.{r}") for r in range(world)]
+    assert all(r["results"] == ranks[0]["results"] for r in ranks)
+    for step, ((loss, per_mb, tokens, _), w) in enumerate(zip(ranks[0]["results"], want)):
+        assert abs(loss - w) <= RTOL * abs(w), f"step {step}: {world} ranks {loss} vs one process {w}"
+    first = copy.deepcopy(ref)
+    for m in range(world * k):
+        part = {n: t[m * MBS:(m + 1) * MBS] for n, t in batches[0].items()}
+        (first(**part).loss / (world * k)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(first.parameters(), float("inf")).item()
+    got = ranks[0]["results"][0][3]
+    assert got > clip and abs(got - norm) <= RTOL * norm, (got, norm)
+    # The two nodes' slices tile every layer exactly; the ranks of a node share one mapping.
+    assert ranks[0]["inode"] == ranks[1]["inode"] != ranks[2]["inode"] == ranks[3]["inode"]
+    full = []
+    for li, layer in enumerate(graph.layers):
+        (a, b), (c, d) = ranks[0]["slices"][li], ranks[2]["slices"][li]
+        assert (a, b, c, d) == (0, c, b, layer.numel)
+        full.append(torch.cat([ranks[0]["masters"][li], ranks[2]["masters"][li]]))
+    eager_losses(ref, batches, world * k, clip, adamw=OPT)  # the same training again, for the weights
+    named = dict(ref.named_parameters())
+    for li, layer in enumerate(graph.layers):
+        for spec in layer.params:
+            q, p = full[li][spec.offset:spec.offset + spec.numel].view(spec.shape), named[spec.name].detach()
+            err = ((q - p).norm() / p.norm()).item()
+            assert err <= RTOL, f"{spec.name}: relative difference {err:.2e}"
+    # Each node holds about half the state: cost.node_memory's 1/M, up to the 16-element alignment
+    # of each of the node's 2 shards per layer (12 bytes per element of masters and moments).
+    from megatrain.planner import cost
+
+    slack = len(graph.layers) * 2 * cost.SHARD_ALIGN_ELEMENTS * 12
+    for r in (0, 2):
+        assert abs(ranks[r]["nbytes"] - ranks[r]["persistent"]) <= slack, (ranks[r]["nbytes"], ranks[r]["persistent"])
+    assert ranks[0]["nbytes"] + ranks[2]["nbytes"] == cost.persistent_state_bytes(graph)
+
+
 def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> None:
     """One rank of a node of two: loads the checkpoint one process saved, then takes the same
     clipped steps on the CPU backend and on the CUDA backend over the asynchronous fake CUDA (the
@@ -463,8 +541,9 @@ def test_what_several_ranks_cannot_run_yet_is_refused_before_anything_is_bound(t
     with pytest.raises(ConfigError, match="on NVMe and trains data-parallel over 2 ranks: not supported yet"):
         megatrain.materialize(dataclasses.replace(planned, plan=plan), OPT, nvme_dir=str(tmp_path))
     sharded = dataclasses.replace(planned.plan, data_parallel=2, nodes=2, host_state="shard")
-    with pytest.raises(ConfigError, match="shards the host state across its 2 nodes.*does not run yet"):
-        megatrain.materialize(dataclasses.replace(planned, plan=sharded), OPT)
+    with pytest.raises(ConfigError, match="moments of layers \\[1\\] on NVMe and shards the host state.*not supported"):
+        megatrain.materialize(dataclasses.replace(planned, plan=dataclasses.replace(
+            sharded, nvme_moments=frozenset({1}))), OPT, nvme_dir=str(tmp_path))
     assert not list(tmp_path.iterdir())  # no NVMe file made
     assert [p.data_ptr() for p in model.parameters()] == own  # the module was not bound to host tiles
 

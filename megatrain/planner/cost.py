@@ -232,12 +232,34 @@ def _shard_size(numel: int, shards: int) -> int:
 def reduced_numel(numel: int, plan: Plan) -> int:
     """Elements a host gradient tile or accumulator of a layer with ``numel`` trainable parameters
     holds under ``plan``: ``numel``, or with ``plan.gradient_reduction == "reduce_scatter"``
-    ``optimizer_shards x`` the shard size of :func:`optimizer_shard` (fewer than ``optimizer_shards x
-    16`` more): a reduce-scatter needs equal chunks, so the tile is padded to them (the executor
-    zeroes the padding before each REDUCE_SCATTER, so it never changes a sum)."""
+    ``update_shards x`` the shard size of :func:`optimizer_shard` (fewer than ``update_shards x
+    16`` more; ``Plan.update_shards``): a reduce-scatter needs equal chunks, so the tile is padded
+    to them (the executor zeroes the padding before each REDUCE_SCATTER, so it never changes a sum)."""
     if plan.gradient_reduction != "reduce_scatter":
         return numel
-    return plan.optimizer_shards * _shard_size(numel, plan.optimizer_shards)
+    return plan.update_shards * _shard_size(numel, plan.update_shards)
+
+
+def node_slice(numel: int, trainable_numel: int, plan: Plan, node: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of a layer's master tile (``numel`` elements, the first
+    ``trainable_numel`` trainable) that node ``node`` holds, with its Adam moments for
+    ``[lo, min(hi, trainable_numel))``. ``[0, numel)`` unless ``plan.host_state == "shard"``; then
+    the union of the optimizer shards (:func:`optimizer_shard` of ``plan.update_shards``) of the
+    node's ``optimizer_shards`` consecutive ranks, so each rank's shard lies in its node's slice,
+    and the last node also holds the frozen parameters after the trainable prefix (they have no
+    shard: nothing steps them). The nodes' slices tile ``[0, numel)`` in node order.
+
+    Raises:
+        ValueError: ``node`` is not in ``[0, plan.nodes)``.
+    """
+    if not 0 <= node < plan.nodes:
+        raise ValueError(f"node {node} of a plan with {plan.nodes} nodes: the index is in [0, {plan.nodes})")
+    if plan.host_state != "shard":
+        return 0, numel
+    ways, g = plan.update_shards, plan.optimizer_shards
+    lo = optimizer_shard(trainable_numel, ways, node * g)[0]
+    hi = numel if node == plan.nodes - 1 else optimizer_shard(trainable_numel, ways, node * g + g - 1)[1]
+    return lo, hi
 
 
 def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
@@ -887,6 +909,7 @@ __all__ = [
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
+    "node_slice",
     "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
     "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
@@ -1006,11 +1029,13 @@ def all_reduce_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
 
 def reduce_scatter_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
     """Seconds a REDUCE_SCATTER of ``layer``'s FP32 step gradients (``B`` = 4 bytes per trainable
-    parameter) takes over the ``G = plan.data_parallel`` ranks of one node (the lowering uses it
-    only there: ``Plan.gradient_reduction``), as a ring reduce-scatter: the first half of the flat
-    ring all-reduce of :func:`all_reduce_time`, so half its bytes and steps::
+    parameter) takes over the ``G = plan.data_parallel`` ranks of one node, or with a state sharded
+    across ``M`` nodes (``host_state == "shard"``) over ``G`` GPUs per node x ``M`` nodes (the
+    lowering uses it only there: ``Plan.gradient_reduction``), as a ring reduce-scatter: the first
+    half of the (hierarchical) ring all-reduce of :func:`all_reduce_time`, so half its bytes and
+    steps::
 
-        (G-1)/G x B / intra  +  (G-1) a_intra  +  op latency
+        (G-1)/G x B / intra  +  (G-1) a_intra  +  (M-1)/M x B / network  +  (M-1) a_net  +  op latency
 
     with ``intra`` = ``hw.intra_node_bus_bytes_per_s`` (nccl-tests' busbw convention,
     doc/PERFORMANCE.md: a reduce-scatter moves ``(G-1)/G x B`` through each rank's link) and
@@ -1020,18 +1045,23 @@ def reduce_scatter_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
     0 for one rank.
 
     Raises:
-        ConfigError: ``G > 1`` and ``hw`` has no intra-node bandwidth, or ``plan.nodes > 1``
-            (a reduce-scatter over several nodes would not give each node the whole tile).
+        ConfigError: ``G > 1`` and ``hw`` has no intra-node bandwidth, ``M > 1`` and no network
+            bandwidth, or ``plan.nodes > 1`` with a replicated state (a reduce-scatter over several
+            nodes would not give each node's copy the whole tile).
     """
     if plan.data_parallel == 1:
         return 0.0
-    if plan.nodes > 1:
+    if plan.nodes > 1 and plan.host_state != "shard":
         raise ConfigError(f"a reduce-scatter of the gradients over {plan.nodes} nodes: each node's host copy needs "
                           "the whole averaged tile; time an all-reduce (all_reduce_time) instead")
-    g = plan.gpus_per_node
+    g, m = plan.gpus_per_node, plan.nodes
     nbytes = layer.trainable_numel * GRAD_ITEMSIZE
-    return (hw.op_latency_s + (g - 1) / g * nbytes / _intra_rate(hw, "a data-parallel reduce-scatter")
-            + (g - 1) * hw.intra_node_latency_s)
+    t = hw.op_latency_s
+    if g > 1:
+        t += (g - 1) / g * nbytes / _intra_rate(hw, "a data-parallel reduce-scatter") + (g - 1) * hw.intra_node_latency_s
+    if m > 1:
+        t += (m - 1) / m * nbytes / _network_rate(hw, "a data-parallel reduce-scatter") + (m - 1) * hw.network_latency_s
+    return t
 
 
 def weight_gather_bytes(layer: Layer, plan: Plan) -> int:
