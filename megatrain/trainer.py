@@ -36,7 +36,7 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
-from megatrain.runtime.host import HostState, NvmeMomentRow, as_tensor, bind_module
+from megatrain.runtime.host import MASTER, HostState, NvmeMomentRow, SlicedRow, as_tensor, bind_module
 from megatrain.runtime.measure import measure_hardware
 
 
@@ -93,6 +93,7 @@ class Trainer:
         self.schedules = planned.schedules
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
+        self._slice_reader = None  # while rank 0 saves a sharded host state (host_state "shard")
         self._token_limits = _token_limits(self.model, self.options.input_names)
 
     @property
@@ -187,7 +188,33 @@ class Trainer:
             return save_checkpoint(self, path, **kwargs)
         self.flush()
         dp = self.host.data_parallel
+        if self.host.sliced:
+            return self._save_sliced(path, **kwargs)
         out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
+        dp.barrier("the barrier after rank 0's save")
+        return out
+
+    def _save_sliced(self, path, **kwargs):
+        """``save`` of a host state sharded across nodes: once every rank's update is in its node's
+        slice, global rank 0 writes the checkpoint, reading each row whole from the node leaders'
+        slices as it goes (``runtime.distributed.SliceReader``, one layer at a time), while the
+        other leaders serve those reads; then every rank waits for the write."""
+        from megatrain.checkpoint import save_checkpoint
+        from megatrain.runtime.distributed import SliceReader
+
+        dp = self.host.data_parallel
+        dp.barrier("the barrier before a sharded save")  # every rank's shards of the last update are in place
+        reader = SliceReader(self.host, dp, self.plan)
+        out = None
+        if dp.topo.rank == 0:
+            self._slice_reader = reader
+            try:
+                out = save_checkpoint(self, path, **kwargs)
+            finally:
+                self._slice_reader = None
+                reader.close()
+        elif dp.writer:
+            reader.serve()
         dp.barrier("the barrier after rank 0's save")
         return out
 
@@ -250,6 +277,8 @@ class Trainer:
         if flush:
             self.flush()
         host, layers = self.host, self.graph.layers
+        if host.sliced:
+            return self._sliced_state_dict()
         model = {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
                  for pi, spec in enumerate(layer.params)}
         # state_dict() returns detached tensors sharing the module's storage: copying into one
@@ -271,6 +300,40 @@ class Trainer:
             "layers": [{"name": layer.name, "numel": layer.numel, "trainable_numel": layer.trainable_numel,
                         "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
         }
+
+    def _sliced_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` of a host state sharded across nodes: the tensors of ``"model"``,
+        ``"masters"`` and ``"optimizer"`` are :class:`~megatrain.runtime.host.SlicedRow` entries
+        (a load writes each node's part; only :meth:`save`, on global rank 0, reads them)."""
+        host, layers = self.host, self.graph.layers
+        fetch = self._fetch_row
+        model = {spec.name: SlicedRow(host, li, MASTER, spec.offset, spec.shape, fetch)
+                 for li, layer in enumerate(layers) for spec in layer.params}
+        aliases = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        buffers = {name: t for name, t in self.model.state_dict().items()
+                   if name not in model and name not in aliases and isinstance(t, torch.Tensor)
+                   and t.device.type != "meta"}
+        return {
+            "model": model,
+            "buffers": buffers,
+            "masters": {f"{layer.name}.master": SlicedRow(host, li, MASTER, 0, (layer.numel,), fetch)
+                        for li, layer in enumerate(layers)},
+            "optimizer": {f"{layer.name}.{kind}": SlicedRow(host, li, k + 1, 0, (layer.trainable_numel,), fetch)
+                          for li, layer in enumerate(layers) for k, kind in enumerate(("exp_avg", "exp_avg_sq"))},
+            "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
+            "step_count": self.step_count,
+            "optimizer_settings": self.optimizer,
+            "layers": [{"name": layer.name, "numel": layer.numel, "trainable_numel": layer.trainable_numel,
+                        "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
+        }
+
+    def _fetch_row(self, layer: int, kind: int) -> torch.Tensor:
+        """A whole row of a sharded host state, gathered to global rank 0 while :meth:`save` runs."""
+        if self._slice_reader is None:
+            raise ConfigError(f"layer {self.graph.layers[layer].name!r}: the host state is sharded across "
+                              f"{self.plan.nodes} nodes (Plan.host_state='shard'), so its weights are read only "
+                              "by Trainer.save, called on every rank; save a checkpoint and read that")
+        return self._slice_reader.row(layer, kind)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`: tensors are copied into the tiles and buffers (a loader that
@@ -305,7 +368,10 @@ class Trainer:
             raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
         with torch.no_grad():
             for dst, src in pairs:
-                if isinstance(dst, NvmeMomentRow):
+                if isinstance(dst, SlicedRow):
+                    if not dst.same(src):  # a load already wrote this node's part through it
+                        dst.copy_(as_tensor(src))
+                elif isinstance(dst, NvmeMomentRow):
                     if not dst.same(src):  # written through to the file
                         dst.copy_(as_tensor(src))
                 elif isinstance(src, NvmeMomentRow):

@@ -301,9 +301,10 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
     assert trainer.step_count == steps
 
 
-def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int) -> None:
+def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int, ckpt: str) -> None:
     """One rank of two nodes of two with the host state sharded across the nodes: clipped, two
-    micro-batches, FP32; it saves a checkpoint and what its node holds."""
+    micro-batches, FP32. It saves a checkpoint of rank 0's initial weights, loads ``ckpt`` (one
+    process's), trains, saves a checkpoint and what its node holds."""
     from megatrain.planner import cost
 
     with _process_group(rank, world, init_file, local_world=2):
@@ -316,6 +317,9 @@ def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int) -> 
                                     optimizer=OPT, max_grad_norm=0.5, plan=plan, hardware=hw)
         p = trainer.plan
         assert (p.host_state, p.nodes, p.optimizer_shards, p.gradient_reduction) == ("shard", 2, 2, "reduce_scatter")
+        assert all(q.device.type == "meta" for q in trainer.model.parameters())  # no rank keeps whole weights
+        trainer.save(f"{out}.init")  # rank 0's initial weights, from the nodes' slices
+        trainer.load(ckpt)
         rows = k * MBS
         results = []
         for b in _global_batches(world, k, steps):
@@ -325,6 +329,7 @@ def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int) -> 
         dist.barrier()  # the other rank of the node has stepped its shards of the last update too
         host = trainer.host
         node = cost.node_memory(trainer.graph, p, cost.memory_breakdown(trainer.graph, p))
+        trainer.save(f"{out}.ckpt")
         torch.save({"results": results, "slices": host.slices, "masters": [host.master(i).clone()
                                                                             for i in range(len(host.slices))],
                     "nbytes": host.nbytes, "persistent": node.persistent, "inode": host.shared.inode},
@@ -335,12 +340,26 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
     """Plan.host_state='shard', 4 ranks as 2 nodes x 2 (clipped, 2 micro-batches, FP32): each node
     holds half of the masters and moments, the ranks gather each layer's weights before use, and
     the losses, the clipped global norm and the final weights equal one process training the
-    global batch within RTOL."""
+    global batch within RTOL. Checkpoints cross world sizes both ways: the ranks start from one
+    process's checkpoint, and the one they save (and one of rank 0's initial weights, broadcast at
+    compile) loads into one process."""
     world, k, steps, clip = 4, 2, 3, 0.5
+    torch.manual_seed(7)  # other weights than any rank's own initialisation
+    start = tiny_llama(hidden=40)
+    ref = copy.deepcopy(start)
+    megatrain.compile(start, seq_len=S, micro_batch_size=MBS, optimizer=OPT).save(tmp_path / "start")
     out = str(tmp_path / "rank")
-    mp.spawn(_shard_main, args=(world, str(tmp_path / "init"), out, steps), nprocs=world, join=True)
+    mp.spawn(_shard_main, args=(world, str(tmp_path / "init"), out, steps, str(tmp_path / "start")), nprocs=world,
+             join=True)
+
+    def loaded(path) -> dict[str, torch.Tensor]:  # a checkpoint's weights, loaded into one process
+        model = tiny_llama(hidden=40)
+        megatrain.compile(model, seq_len=S, micro_batch_size=MBS, optimizer=OPT).load(path)
+        return {n: q.detach().clone() for n, q in model.named_parameters()}
+
     torch.manual_seed(0)
-    ref = tiny_llama(hidden=40)
+    rank0 = tiny_llama(hidden=40)  # rank 0's own initialisation (seeded by its rank)
+    assert all(torch.equal(q, dict(rank0.named_parameters())[n]) for n, q in loaded(f"{out}.init").items())
     graph = trace(copy.deepcopy(ref), micro_batch_size=MBS, seq_len=S, input_names=("input_ids", "labels")).graph
     batches = _global_batches(world, k, steps)
     want = eager_losses(copy.deepcopy(ref), batches, world * k, clip, adamw=OPT)
@@ -363,10 +382,11 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
         assert (a, b, c, d) == (0, c, b, layer.numel)
         full.append(torch.cat([ranks[0]["masters"][li], ranks[2]["masters"][li]]))
     eager_losses(ref, batches, world * k, clip, adamw=OPT)  # the same training again, for the weights
-    named = dict(ref.named_parameters())
+    named, saved = dict(ref.named_parameters()), loaded(f"{out}.ckpt")
     for li, layer in enumerate(graph.layers):
         for spec in layer.params:
             q, p = full[li][spec.offset:spec.offset + spec.numel].view(spec.shape), named[spec.name].detach()
+            assert torch.equal(saved[spec.name], q)  # the checkpoint holds the nodes' slices, whole
             err = ((q - p).norm() / p.norm()).item()
             assert err <= RTOL, f"{spec.name}: relative difference {err:.2e}"
     # Each node holds about half the state: cost.node_memory's 1/M, up to the 16-element alignment

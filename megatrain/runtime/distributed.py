@@ -341,3 +341,74 @@ def broadcast_masters(masters: list[torch.Tensor], dp: DataParallelHost) -> None
         if dp.shared is not None:
             dist.barrier(group=dp.groups.node)
 
+
+
+class SliceReader:
+    """Whole rows of a sliced host state (``Plan.host_state == "shard"``), read on global rank 0
+    from the node leaders' slices, one row at a time, while the other leaders :meth:`serve`: what
+    ``Trainer.save`` writes a checkpoint from. Rank 0 asks for a row (:meth:`row`: a broadcast of
+    ``(layer, kind)`` over the leaders' group), each leader sends its part (padded to the longest,
+    ``dist.gather``), and rank 0 assembles it; :meth:`close` ends the leaders' loops. Rank 0 keeps
+    the last row (a layer's parameters are read one after another), so it holds about one layer
+    beyond its node's slice. ``plan`` gives every node's slice (``cost.node_slice``)."""
+
+    def __init__(self, host: Any, dp: DataParallelHost, plan: Any):
+        from megatrain.planner import cost
+
+        self.host, self.dp = host, dp
+        self.slices = [[cost.node_slice(lay.numel, lay.trainable_numel, plan, n) for lay in host.graph.layers]
+                       for n in range(plan.nodes)]
+        self._last: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def row(self, layer: int, kind: int) -> torch.Tensor:
+        """Rank 0: ``float32[numel]`` (``kind`` 0, the master) or ``float32[trainable_numel]`` (1, 2:
+        the moments) of ``layer``, whole. Collective with the leaders' :meth:`serve`."""
+        import torch.distributed as dist
+
+        if self._last is not None and self._last[0] == (layer, kind):
+            return self._last[1]
+        with collective(f"the gather of layer {layer}'s row {kind} to rank 0 for a save"):
+            dist.broadcast(torch.tensor([layer, kind], dtype=torch.int64), src=0, group=self.dp.groups.leaders)
+            full = self._gather(layer, kind)
+        self._last = ((layer, kind), full)
+        return full
+
+    def serve(self) -> None:
+        """A node leader but rank 0: send this node's part of each row rank 0 asks for, until :meth:`close`."""
+        import torch.distributed as dist
+
+        with collective("the gather of the node's slices to rank 0 for a save"):
+            while True:
+                req = torch.empty((2,), dtype=torch.int64)
+                dist.broadcast(req, src=0, group=self.dp.groups.leaders)
+                if int(req[0]) < 0:
+                    return
+                self._gather(int(req[0]), int(req[1]))
+
+    def close(self) -> None:
+        """Rank 0: end the leaders' :meth:`serve` loops."""
+        import torch.distributed as dist
+
+        self._last = None
+        with collective("the end of the gathers to rank 0 for a save"):
+            dist.broadcast(torch.tensor([-1, 0], dtype=torch.int64), src=0, group=self.dp.groups.leaders)
+
+    def _gather(self, layer: int, kind: int) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        t = self.host.graph.layers[layer].trainable_numel
+        # A node's part: its master slice, or the moments of its slice's trainable elements.
+        parts = [(lo, hi) if kind == 0 else (min(lo, t), min(hi, t)) for lo, hi in (s[layer] for s in self.slices)]
+        chunk = max(1, max(b - a for a, b in parts))
+        a, b = parts[self.dp.topo.node]
+        mine = torch.zeros((chunk,), dtype=torch.float32)
+        local = self.host.master(layer) if kind == 0 else self.host._moment(layer, kind - 1)
+        mine[:b - a].copy_(local[:b - a])
+        got = [torch.empty((chunk,), dtype=torch.float32) for _ in parts] if self.dp.topo.rank == 0 else None
+        dist.gather(mine, got, dst=0, group=self.dp.groups.leaders)
+        if got is None:
+            return None
+        full = torch.empty((parts[-1][1] if kind else self.host.graph.layers[layer].numel,), dtype=torch.float32)
+        for (a, b), part in zip(parts, got):
+            full[a:b].copy_(part[:b - a])
+        return full

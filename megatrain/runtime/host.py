@@ -310,9 +310,59 @@ class NvmeMomentRow:
         return f"NvmeMomentRow({self.host.graph.layers[self.layer].name!r}, {('exp_avg', 'exp_avg_sq')[self.k]})"
 
 
-def as_tensor(x: "torch.Tensor | NvmeMomentRow") -> torch.Tensor:
-    """``x`` itself, or the tensor an :class:`NvmeMomentRow` reads from its file."""
-    return x.read() if isinstance(x, NvmeMomentRow) else x
+MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+"""The rows of a layer's block, as :class:`SlicedRow` names them."""
+
+
+class SlicedRow:
+    """Elements ``[start, start + prod(shape))`` of layer ``layer``'s row ``kind`` (:data:`MASTER`,
+    :data:`EXP_AVG` or :data:`EXP_AVG_SQ`: the whole tile's row, not a node's slice) of a sliced
+    host state (``Plan.host_state == "shard"``), as a state-dict entry (``Trainer.state_dict()``)
+    of ``shape`` and ``dtype`` FP32: ``copy_(src)`` writes the part of ``src`` that lies in this
+    node's slice (every node's ranks, each reading the same file, write their own part: a load
+    needs no collective); :meth:`read` returns the whole row's part, from ``fetch(layer, kind)``
+    (the node leaders' slices gathered to global rank 0 while ``Trainer.save`` runs)."""
+
+    __slots__ = ("host", "layer", "kind", "start", "shape", "fetch")
+    dtype = torch.float32
+
+    def __init__(self, host: HostState, layer: int, kind: int, start: int, shape: tuple[int, ...], fetch: Any):
+        self.host, self.layer, self.kind, self.start, self.fetch = host, layer, kind, start, fetch
+        self.shape = torch.Size(shape)
+
+    def read(self) -> torch.Tensor:
+        n = self.shape.numel()
+        return self.fetch(self.layer, self.kind)[self.start:self.start + n].view(self.shape)
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.read().to(dtype)
+
+    def copy_(self, src: torch.Tensor) -> "SlicedRow":
+        lo, hi = self.host.slices[self.layer]
+        mine = self.host.master(self.layer) if self.kind == MASTER else self.host._moment(self.layer, self.kind - 1)
+        hi = lo + mine.numel()  # a moment row ends at the trainable prefix
+        a, b = max(lo, self.start), min(hi, self.start + self.shape.numel())
+        if a < b:
+            mine[a - lo:b - lo].copy_(src.reshape(-1)[a - self.start:b - self.start])
+        return self
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def same(self, other: Any) -> bool:
+        """Whether ``other`` is this part of this host state (loading it into itself copies nothing)."""
+        return (isinstance(other, SlicedRow) and other.host is self.host and other.layer == self.layer
+                and other.kind == self.kind and other.start == self.start and other.shape == self.shape)
+
+    def __repr__(self) -> str:
+        return (f"SlicedRow({self.host.graph.layers[self.layer].name!r}, "
+                f"{('master', 'exp_avg', 'exp_avg_sq')[self.kind]}, start={self.start}, shape={list(self.shape)})")
+
+
+def as_tensor(x: "torch.Tensor | NvmeMomentRow | SlicedRow") -> torch.Tensor:
+    """``x`` itself, or the tensor an :class:`NvmeMomentRow` reads from its file, or a
+    :class:`SlicedRow` from the nodes' slices."""
+    return x.read() if isinstance(x, (NvmeMomentRow, SlicedRow)) else x
 
 
 class PinnedArena:
