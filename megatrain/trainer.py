@@ -690,7 +690,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                plan: Plan | Literal["default"] | None = None, device: str = "cpu",
                input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
                hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
-               share_host_memory: bool = True) -> PlannedModel:
+               share_host_memory: bool = True, host_state: str | None = None) -> PlannedModel:
     """Plan ``model`` for training, once: ``trace`` it (on whatever device it is on, ``meta``
     included) into a LayerGraph; take ``plan``, the default plan or the solver's; ``lower`` the
     train schedules and ``verify`` them. Allocates nothing and touches no parameter memory; the
@@ -711,6 +711,10 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
             masters and moments in shared memory (``/dev/shm``) and each steps its shard of every
             layer (``Plan.optimizer_shards``); False: each rank keeps a copy of its own and steps
             all of it.
+        host_state: data parallel over several nodes: ``"replicate"`` (a full copy of the masters
+            and moments on every node) or ``"shard"`` (each node holds ``1 / nodes`` of it and the
+            ranks gather each layer's weights before use, ZeRO-3 style: ``Plan.host_state``);
+            None keeps the plan's (``"replicate"`` for the default and solved plans).
 
     Returns:
         The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
@@ -750,6 +754,13 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                           f"update, but the plan runs optimizer steps {plan.optimizer.value}; use a plan with "
                           "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
     world = data_parallel_world()
+    if host_state not in (None, "replicate", "shard"):
+        raise ConfigError(f"host_state={host_state!r}: use 'replicate' (a full copy per node) or 'shard' (1/nodes "
+                          "of it per node)")
+    if host_state == "shard" and world == 1:
+        raise ConfigError("host_state='shard' splits the host state across the nodes of a torch.distributed "
+                          "process group, and there is none (or one rank); run under torchrun on several nodes, "
+                          "or leave host_state unset")
     if world > 1:
         # One rank's plan, and an ALL_REDUCE of every layer's step gradients (FP32 on the host);
         # the ranks of a node share one host copy and split its optimizer work.
@@ -757,6 +768,13 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
         topo = topology()
         shards = topo.local_world if share_host_memory else 1
+        if host_state is not None and host_state != plan.host_state:
+            if host_state == "shard" and topo.world == topo.local_world:
+                raise ConfigError(f"host_state='shard' with all {topo.world} ranks on one node (LOCAL_WORLD_SIZE="
+                                  f"{topo.local_world}): sharding splits the host state across nodes; use "
+                                  "host_state='replicate' on one node")
+            plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
+                                       host_state=host_state, gradient_reduction="all_reduce")
         if plan.host_state == "shard" and not share_host_memory:
             raise ConfigError("the plan shards the host state across nodes (Plan.host_state='shard'), whose ranks "
                               "share each node's slice; compile with share_host_memory=True")
@@ -900,7 +918,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
             nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
-            max_shapes: int | None = None, share_host_memory: bool = True) -> Trainer:
+            max_shapes: int | None = None, share_host_memory: bool = True,
+            host_state: str | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -953,6 +972,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         share_host_memory: data parallel under ``torchrun``: the ranks of a node share one copy
             of the host state and split the optimizer work (True, the default), or each keeps a
             copy (False); see :func:`plan_model`.
+        host_state: data parallel over several nodes: ``"shard"`` holds ``1 / nodes`` of the host
+            state on each node (ZeRO-3 style), ``"replicate"`` a full copy; see :func:`plan_model`.
+            Fixed shapes only (give ``seq_len``).
 
     Raises:
         ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
@@ -968,6 +990,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         if plan is not None and plan != "default":
             raise ConfigError("a Plan is made for one batch shape: give seq_len and micro_batch_size with it, "
                               "or leave plan unset (shape-free compile plans each shape)")
+        if host_state is not None:
+            raise ConfigError(f"host_state={host_state!r} with shape-free compile (seq_len=None): not supported "
+                              "yet; give seq_len and micro_batch_size")
         return ShapeFreeTrainer(model, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                                 seq_len_buckets=seq_len_buckets,
                                 max_shapes=DEFAULT_MAX_SHAPES if max_shapes is None else max_shapes,
@@ -982,7 +1007,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     opt = _optimizer(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
-                         hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory)
+                         hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
+                         host_state=host_state)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 
