@@ -181,8 +181,10 @@ def d2h_bytes(layer: Layer, plan: Plan | None = None) -> int:
 
 def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
     """One weight copy to the GPU; with ``plan.host_state == "shard"`` the layer's weights are first
-    all-gathered over the network (:func:`weight_gather_time`), which the H2D op waits for and is
-    timed with (the gather is not an op of its own: it is on the copy's critical path)."""
+    all-gathered over the network (:func:`weight_gather_time`), which the H2D waits for and is timed
+    with: the schedule's gather (an ALL_GATHER with a gather tile, before the H2D or, with BF16
+    compute, the CAST) is timed at its launch latency only, so the network time is counted once,
+    on the copy's critical path, in the simulator and the topology planner alike."""
     rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
     return hw.op_latency_s + h2d_bytes(layer, plan) / rate + weight_gather_time(layer, hw, plan)
 
@@ -1112,7 +1114,8 @@ class NodeMemory:
     its own besides (gradient and staging tiles, offloaded checkpoints, norms and flags, gradient
     accumulators and scratch: :class:`MemoryBreakdown` less its masters and moments);
     ``gather_buffers``: the pinned tiles sharded weights are gathered into. Pinned: the shared
-    master rows (FP32 compute, sliced like the masters) and gather buffers, plus each rank's own.
+    master rows (FP32 compute; none with a sharded state, whose H2Ds read the gather tiles) and
+    gather buffers, plus each rank's own.
     """
 
     ranks: int
@@ -1148,8 +1151,17 @@ def node_memory(graph: LayerGraph, plan: Plan, mem: MemoryBreakdown) -> NodeMemo
     gather = gather_buffer_bytes(graph, plan)
     return NodeMemory(ranks=plan.gpus_per_node, persistent=copies * -(-state // ways),
                       per_rank=mem.host_total - state, gather_buffers=gather,
-                      shared_pinned=copies * -(-mem.pinned_masters // ways),
+                      shared_pinned=_shared_pinned_masters(mem.pinned_masters, plan),
                       per_rank_pinned=mem.host_pinned - mem.pinned_masters)
+
+
+def _shared_pinned_masters(pinned_masters: int, plan: Plan) -> int:
+    """Pinned bytes of a node's shared master rows, from one copy's ``pinned_masters``: one per group
+    of ranks sharing a copy; none with a sharded state, whose H2Ds read the (pinned) gather tiles,
+    not the master rows (``runtime.host.HostState.pin_masters``)."""
+    if plan.host_state == "shard":
+        return 0
+    return plan.gpus_per_node // plan.optimizer_shards * pinned_masters
 
 
 def persistent_state_bytes(graph: LayerGraph) -> int:
@@ -1171,5 +1183,5 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
     masters = pinned_master_bytes(graph, plan)
     gather = gather_buffer_bytes(graph, plan)
     host = state + (hw.host_memory_bytes - copies * -(-state // ways) - gather) // g
-    pinned = masters + (hw.pinned_memory_cap_bytes - copies * -(-masters // ways) - gather) // g
+    pinned = masters + (hw.pinned_memory_cap_bytes - _shared_pinned_masters(masters, plan) - gather) // g
     return host, pinned
