@@ -264,6 +264,10 @@ class Trainer:
                 (``Plan.nvme_moments``) an :class:`~megatrain.runtime.host.NvmeMomentRow`, which
                 reads the row from its file (``read()``) and writes one into it (``copy_``), so
                 the state of such layers is never all in host memory at once.
+                With a host state sharded across nodes (``Plan.host_state == "shard"``) the entries
+                of ``"model"``, ``"masters"`` and ``"optimizer"`` are
+                :class:`~megatrain.runtime.host.SlicedRow` parts of the whole rows: a load writes
+                this node's part of each; only :meth:`save` (every rank calling it) reads them.
             ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
             ``"step_count"``: ``int``, the steps this trainer has taken.
             ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).
@@ -277,10 +281,12 @@ class Trainer:
         if flush:
             self.flush()
         host, layers = self.host, self.graph.layers
-        if host.sliced:
-            return self._sliced_state_dict()
-        model = {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
-                 for pi, spec in enumerate(layer.params)}
+        model, masters, optimizer = self._sliced_rows() if host.sliced else (
+            {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
+             for pi, spec in enumerate(layer.params)},
+            {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
+            {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
+             for k, kind in enumerate(("exp_avg", "exp_avg_sq"))})
         # state_dict() returns detached tensors sharing the module's storage: copying into one
         # writes the module's buffer.
         # A tied parameter's other names (lm_head.weight) are no buffers: it is saved once, in "model".
@@ -291,9 +297,8 @@ class Trainer:
         return {
             "model": model,
             "buffers": buffers,
-            "masters": {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
-            "optimizer": {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
-                          for k, kind in enumerate(("exp_avg", "exp_avg_sq"))},
+            "masters": masters,
+            "optimizer": optimizer,
             "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
             "step_count": self.step_count,
             "optimizer_settings": self.optimizer,
@@ -301,31 +306,17 @@ class Trainer:
                         "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
         }
 
-    def _sliced_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` of a host state sharded across nodes: the tensors of ``"model"``,
-        ``"masters"`` and ``"optimizer"`` are :class:`~megatrain.runtime.host.SlicedRow` entries
-        (a load writes each node's part; only :meth:`save`, on global rank 0, reads them)."""
-        host, layers = self.host, self.graph.layers
-        fetch = self._fetch_row
-        model = {spec.name: SlicedRow(host, li, MASTER, spec.offset, spec.shape, fetch)
-                 for li, layer in enumerate(layers) for spec in layer.params}
-        aliases = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
-        buffers = {name: t for name, t in self.model.state_dict().items()
-                   if name not in model and name not in aliases and isinstance(t, torch.Tensor)
-                   and t.device.type != "meta"}
-        return {
-            "model": model,
-            "buffers": buffers,
-            "masters": {f"{layer.name}.master": SlicedRow(host, li, MASTER, 0, (layer.numel,), fetch)
-                        for li, layer in enumerate(layers)},
-            "optimizer": {f"{layer.name}.{kind}": SlicedRow(host, li, k + 1, 0, (layer.trainable_numel,), fetch)
-                          for li, layer in enumerate(layers) for k, kind in enumerate(("exp_avg", "exp_avg_sq"))},
-            "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
-            "step_count": self.step_count,
-            "optimizer_settings": self.optimizer,
-            "layers": [{"name": layer.name, "numel": layer.numel, "trainable_numel": layer.trainable_numel,
-                        "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
-        }
+    def _sliced_rows(self) -> tuple[dict[str, SlicedRow], dict[str, SlicedRow], dict[str, SlicedRow]]:
+        """:meth:`state_dict`'s ``"model"``, ``"masters"`` and ``"optimizer"`` of a host state
+        sharded across nodes: :class:`~megatrain.runtime.host.SlicedRow` entries (a load writes
+        each node's part; only :meth:`save`, on global rank 0, reads them)."""
+        host, layers, fetch = self.host, self.graph.layers, self._fetch_row
+        return ({spec.name: SlicedRow(host, li, MASTER, spec.offset, spec.shape, fetch)
+                 for li, layer in enumerate(layers) for spec in layer.params},
+                {f"{layer.name}.master": SlicedRow(host, li, MASTER, 0, (layer.numel,), fetch)
+                 for li, layer in enumerate(layers)},
+                {f"{layer.name}.{kind}": SlicedRow(host, li, k + 1, 0, (layer.trainable_numel,), fetch)
+                 for li, layer in enumerate(layers) for k, kind in enumerate(("exp_avg", "exp_avg_sq"))})
 
     def _fetch_row(self, layer: int, kind: int) -> torch.Tensor:
         """A whole row of a sharded host state, gathered to global rank 0 while :meth:`save` runs."""

@@ -225,7 +225,8 @@ class Executor:
         self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
         # Data parallel (``materialize`` sets them): the gloo groups of the host collectives
         # (``runtime.distributed.Groups``; None: the default group), and this rank's optimizer
-        # shard among the ``Plan.optimizer_shards`` ranks of its node.
+        # shard among the ``Plan.update_shards`` ranks that split each layer (its node's, or with a
+        # state sharded across nodes every rank).
         self.groups = None
         self.shard_index = 0
         # The NVMe tier's host I/O buffers (cost.nvme_buffers; Op.buf indexes them): the moments of
@@ -651,7 +652,8 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     """Host AdamW step of one layer from the gradient tile or accumulator the op names (with
-    ``Plan.optimizer_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``), on its
+    ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
+    state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf``; BF16
     gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
     for FP32 masters; the widening is exact)."""
@@ -798,8 +800,9 @@ def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     """Average layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over
-    the ``plan.data_parallel`` ranks of one node, but only on this rank's optimizer shard
-    ``[lo, hi)`` (``cost.optimizer_shard``), the only part its OPT reads
+    the ``plan.data_parallel`` ranks (of one node, or of every node when the state is sharded
+    across them), but only on this rank's optimizer shard ``[lo, hi)`` (``cost.optimizer_shard``
+    of ``Plan.update_shards``), the only part its OPT reads
     (``Plan.gradient_reduction == "reduce_scatter"``): ``torch.distributed.reduce_scatter_single``
     of the tile's first ``shards x per`` elements (equal chunks; ``cost.reduced_numel`` made the
     tile that long; the padding past the layer's parameters is zeroed first, so the collective sums

@@ -234,7 +234,9 @@ class HostState:
     @property
     def nbytes(self) -> int:
         """Bytes of the persistent FP32 state in host memory: every master row, and the moment rows of
-        the layers not on NVMe (``cost.memory_breakdown``'s ``master_weights + adam_moments``)."""
+        the layers not on NVMe (``cost.memory_breakdown``'s ``master_weights + adam_moments``); of a
+        sliced state, its slices' (``cost.node_memory``'s ``persistent`` for this node, within the
+        shards' 64-byte alignment), without the gather tiles."""
         return sum(b.numel() * b.element_size() for b in self.blocks)
 
     @property
