@@ -468,8 +468,34 @@ def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int, ckp
         host = trainer.host
         node = cost.node_memory(trainer.graph, p, cost.memory_breakdown(trainer.graph, p))
         trainer.save(f"{out}.ckpt")
-        torch.save({"results": results, "slices": host.slices, "masters": [host.master(i).clone()
-                                                                            for i in range(len(host.slices))],
+        masters = [host.master(i).clone() for i in range(len(host.slices))]
+        # GPU readiness of the gathers: from here, one more step on the CPU backend and on the
+        # asynchronous fake CUDA (streams as threads, random delays before every op: an H2D that
+        # read a gather tile too early, or a gather that overwrote one still being read, would
+        # change the result) give bitwise the same losses and slices.
+        from megatrain.runtime.backend import CPUBackend
+        from megatrain.runtime.cuda import CUDABackend
+        from megatrain.testing import AsyncFakeCuda
+        from test_race_detector import restore
+
+        snap = [b.clone() for b in host.blocks] + [t.clone() for t in host.steps]
+        batch = {n: t[rank * rows:(rank + 1) * rows] for n, t in _global_batches(world, k, 1)[0].items()}
+
+        def run(backend):
+            dist.barrier()  # no rank restores the shared slices while another still reads them
+            restore(trainer, snap, backend)
+            dist.barrier()
+            losses = trainer.step(batch).micro_batch_losses
+            trainer.flush()
+            dist.barrier()
+            return losses, [b.clone() for b in host.blocks]
+
+        want = run(CPUBackend())
+        fake = AsyncFakeCuda(seed=rank, max_delay_s=2e-3)
+        got = run(CUDABackend(adapter=fake))
+        fake.close()
+        asynchronous = got[0] == want[0] and all(torch.equal(x, y) for x, y in zip(got[1], want[1]))
+        torch.save({"results": results, "slices": host.slices, "masters": masters, "async": asynchronous,
                     "nbytes": host.nbytes, "persistent": node.persistent, "inode": host.shared.inode},
                    f"{out}.{rank}")
 
@@ -480,7 +506,8 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
     the losses, the clipped global norm and the final weights equal one process training the
     global batch within RTOL. Checkpoints cross world sizes both ways: the ranks start from one
     process's checkpoint, and the one they save (and one of rank 0's initial weights, broadcast at
-    compile) loads into one process."""
+    compile) loads into one process. A step on the asynchronous fake CUDA equals the CPU backend's
+    bitwise."""
     world, k, steps, clip = 4, 2, 2, 0.5
     torch.manual_seed(7)  # other weights than any rank's own initialisation
     start = tiny_llama(hidden=40)
@@ -503,6 +530,7 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
     want = eager_losses(copy.deepcopy(ref), batches, world * k, clip, adamw=OPT)
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     assert all(r["results"] == ranks[0]["results"] for r in ranks)
+    assert all(r["async"] for r in ranks)
     for step, ((loss, per_mb, tokens, _), w) in enumerate(zip(ranks[0]["results"], want)):
         assert abs(loss - w) <= RTOL * abs(w), f"step {step}: {world} ranks {loss} vs one process {w}"
     norm = _first_step_norm(ref, batches[0], world * k)
