@@ -215,6 +215,12 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     assert [lay.numel for lay in request.graph.layers] == [lay.numel for lay in dense_120b.layers]
     _check_placement(ns, dense_120b)
     assert ns.placement.moments and not ns.placement.gradients
+    # The read-ahead was searched: the plan has the count of the fastest placement tried, one buffer
+    # (no read-ahead: the I/O stream waits for every OPT) the slowest, and the report says so.
+    tried = {k: t for k, t, why in ns.searched if t is not None}
+    assert ns.plan.nvme_buffers == min(tried, key=tried.get) and ns.step_time_s == min(tried.values())
+    assert tried[1] > ns.step_time_s and ns.searched[0][0] == 1
+    assert f"NVMe read-ahead          {ns.plan.nvme_buffers} buffers" in out
     from megatrain.planner.schedule import Stream as S
     assert ns.timeline.busy_s[S.IO] == pytest.approx(
         sum(cost.nvme_time(ns.solution.graph.layers[i], hw, k) for i in ns.placement.moments
@@ -244,11 +250,12 @@ from graphs import chain_graph, spec  # noqa: E402
 
 @pytest.mark.parametrize("optimizer,carries", [(OptimizerPlacement.DURING_BACKWARD, False),
                                                (OptimizerPlacement.NEXT_FORWARD, True)])
-def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carries):
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carries, buffers):
     g = chain_graph(5)
     on_nvme = frozenset({1, 3, 4})
     grad_ring = 5 if optimizer is OptimizerPlacement.NEXT_FORWARD else 2
-    plan = Plan(optimizer=optimizer, nvme_moments=on_nvme, grad_ring=grad_ring)
+    plan = Plan(optimizer=optimizer, nvme_moments=on_nvme, grad_ring=grad_ring, nvme_buffers=buffers)
     s = lower(g, plan, carries_updates=carries)
     verify(s, g)
     ops = s.ops
@@ -262,10 +269,18 @@ def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carrie
     # Round trip through JSON, with the plan's NVMe layers.
     assert Schedule.from_json(s.to_json()) == s
     # Each NVMe layer's moments pass through one I/O buffer: read into it, stepped in it, written from
-    # it; the two buffers (cost.NVME_BUFFERS) are used in turn; layers in RAM name none.
+    # it; the plan's buffers (cost.nvme_buffers) are used in turn; layers in RAM name none.
     for layer in on_nvme:
         assert ops[opts[layer]].buf == ops[writes[layer]].buf == ops[reads[layer]].buf
-    assert sorted(ops[i].buf for i in reads.values()) == [0, 0, 1]
+    assert cost.nvme_buffers(g, plan)[0] == buffers
+    in_order = sorted(reads.values())
+    assert [ops[i].buf for i in in_order] == [k % buffers for k in range(3)]
+    # The first `buffers` reads open the schedule; each later one comes right after the write that
+    # emptied its buffer, before the next NVMe layer's OPT.
+    assert in_order[:buffers] == list(range(buffers))
+    for k in range(buffers, 3):
+        emptied = next(writes[lay] for lay in on_nvme if opts[lay] == sorted(opts[x] for x in on_nvme)[k - buffers])
+        assert emptied < in_order[k] < sorted(opts[x] for x in on_nvme)[k - buffers + 1]
     assert all(ops[i].buf is None for layer, i in opts.items() if layer not in on_nvme)
     assert repr(ops[reads[1]]) == f"NVME_READ:L1:b{ops[reads[1]].buf}"
     assert Op.parse("OPT:L3:r0:b1") == Op(OpKind.OPT, 3, ring=0, buf=1)
@@ -312,9 +327,11 @@ def test_verifier_rejects_nvme_op_misuse():
     nf = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, nvme_moments=frozenset({2, 3}))
     g4 = chain_graph(4)
     ok = lower(g4, nf, mode="update")
-    assert [repr(op) for op in ok.ops[2:]] == ["NVME_READ:L2:b0", "NVME_READ:L3:b1", "OPT:L2:r2:b0", "NVME_WRITE:L2:b0",
-                                               "OPT:L3:r3:b1", "NVME_WRITE:L3:b1"]
-    racy = list(ok.ops[:2]) + [Op.parse("NVME_READ:L2:b0"), Op.parse("OPT:L2:r2:b0", (2,)), Op.parse("NVME_READ:L3:b0"),
+    # Both reads at the start (two buffers), ahead of the OPTs of the layers in host memory.
+    assert [repr(op) for op in ok.ops] == ["NVME_READ:L2:b0", "NVME_READ:L3:b1", "OPT:L0:r0", "OPT:L1:r1",
+                                           "OPT:L2:r2:b0", "NVME_WRITE:L2:b0", "OPT:L3:r3:b1", "NVME_WRITE:L3:b1"]
+    prefix = list(ok.ops[2:4])  # the OPTs of the layers in host memory
+    racy = prefix + [Op.parse("NVME_READ:L2:b0"), Op.parse("OPT:L2:r2:b0", (2,)), Op.parse("NVME_READ:L3:b0"),
                                Op.parse("NVME_WRITE:L2:b0", (3,)), Op.parse("OPT:L3:r3:b0", (4,)),
                                Op.parse("NVME_WRITE:L3:b0", (6,))]
     with pytest.raises(ScheduleError, match=r"op #4 NVME_READ:L3:b0 breaks rule 'nvme': it fills I/O buffer b0 while "
@@ -322,13 +339,12 @@ def test_verifier_rejects_nvme_op_misuse():
         verify(Schedule(tuple(racy), nf, 4, mode="update"), g4)
     # An OPT naming the buffer that holds another layer's moments.
     swapped = list(ok.ops)
-    swapped[4] = Op.parse("OPT:L2:r2:b1", (2,))
+    swapped[4] = Op.parse("OPT:L2:r2:b1", (0,))
     with pytest.raises(ScheduleError, match=r"op #4 OPT:L2:r2:b1 breaks rule 'nvme': I/O buffer b1 holds layer 3's "
                                             r"moments, not layer 2's"):
         verify(Schedule(tuple(swapped), nf, 4, mode="update"), g4)
     # A buffer the plan does not have (two NVMe layers: two buffers).
-    beyond = list(ok.ops)
-    beyond[3:] = [Op.parse("NVME_READ:L3:b2"), Op.parse("OPT:L2:r2:b0", (2,)), Op.parse("NVME_WRITE:L2:b0", (4,)),
+    beyond = prefix + [Op.parse("NVME_READ:L2:b0"), Op.parse("NVME_READ:L3:b2"), Op.parse("OPT:L2:r2:b0", (2,)), Op.parse("NVME_WRITE:L2:b0", (4,)),
                   Op.parse("OPT:L3:r3:b2", (3,)), Op.parse("NVME_WRITE:L3:b2", (6,))]
     with pytest.raises(ScheduleError, match=r"op #3 NVME_READ:L3:b2 breaks rule 'nvme': it names I/O buffer b2, but "
                                             r"the plan has 2 \(cost.nvme_buffers\)"):
@@ -378,6 +394,34 @@ def _compile(model, plan, nvme_dir=None, max_grad_norm=None):
 BATCHES = [random_batch(4, 16, 96, seed=s) for s in range(4)]
 
 
+@pytest.mark.parametrize("optimizer", [OptimizerPlacement.DURING_BACKWARD, OptimizerPlacement.NEXT_FORWARD])
+def test_nvme_placement_moves_the_layers_updated_first(optimizer):
+    """place_on_nvme moves the moments of the layers the step updates first (backward order with
+    updates during the backward, forward order with deferred ones); on a step where the NVMe is
+    slow, that beats moving the layers updated last, whose writes would trail the step."""
+    from megatrain.planner.nvme import update_order
+
+    g = chain_graph(6, numel=1 << 16)
+    plan = Plan(optimizer=optimizer, grad_ring=6 if optimizer is OptimizerPlacement.NEXT_FORWARD else 2)
+    first = [5, 4, 3, 2, 1, 0] if optimizer is OptimizerPlacement.DURING_BACKWARD else [0, 1, 2, 3, 4, 5]
+    assert update_order(g, plan) == first
+    mem = cost.memory_breakdown(g, plan)
+    moments = (1 << 16) * 8
+    # Three layers' moments must go: each frees its moments and, up to two, adds an I/O buffer as big.
+    hw = spec(host_memory_bytes=mem.host_total - moments, pinned_memory_cap_bytes=mem.host_total - moments,
+              nvme_capacity_bytes=10**9,
+              nvme_read_bytes_per_s=2e8, nvme_write_bytes_per_s=1e8)
+    p = place_on_nvme(g, plan, mem, hw, kinds=("moments",))
+    assert p.moments == frozenset(first[:3])
+    carries = optimizer is OptimizerPlacement.NEXT_FORWARD
+
+    def step(on_nvme):
+        placed = dataclasses.replace(plan, nvme_moments=on_nvme)
+        return simulate(lower(g, placed, carries_updates=carries), g, hw).step_time_s
+    if optimizer is OptimizerPlacement.DURING_BACKWARD:
+        assert step(p.moments) < step(frozenset(first[3:]))
+
+
 def test_nvme_moments_free_their_host_bytes_as_the_cost_model_counts(tmp_path):
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
@@ -413,12 +457,12 @@ def test_nvme_moments_free_their_host_bytes_as_the_cost_model_counts(tmp_path):
     assert placement.host_total(mem_ram) == placed.host_total and placed.nvme_buffers == placement.buffer_bytes
 
 
-@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
-def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_norm):
+@pytest.mark.parametrize("max_grad_norm,buffers", [(None, 1), (0.5, 2)])
+def test_training_with_moments_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_norm, buffers):
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
     ref_model = copy.deepcopy(model)
-    plan = _planned(copy.deepcopy(model), max_grad_norm)
+    plan = dataclasses.replace(_planned(copy.deepcopy(model), max_grad_norm), nvme_buffers=buffers)
     with pytest.raises(ConfigError, match="nvme_dir"):
         _compile(copy.deepcopy(model), plan, None, max_grad_norm)
     ref = _compile(ref_model, dataclasses.replace(plan, nvme_moments=frozenset()), None, max_grad_norm)
@@ -515,11 +559,13 @@ def test_readme_nvme_snippet_runs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
 
 
-@pytest.mark.parametrize("grads", [frozenset(), frozenset({0, 1, 3})], ids=["moments", "moments+grads"])
-def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads):
+@pytest.mark.parametrize("grads,buffers", [(frozenset(), 3), (frozenset({0, 1, 3}), 2)],
+                         ids=["moments", "moments+grads"])
+def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads, buffers):
     """The CUDA backend runs Stream.IO on a host worker of its own; on the asynchronous fake (random
-    delays before every op) the NVMe plan trains bitwise like the CPU backend, also with gradient
-    tiles on NVMe (their D2Hs into the rotating pinned buffers wait for the NVME_WRITEs)."""
+    delays before every op) the NVMe plan trains bitwise like the CPU backend, with every read
+    at the start of the step (3 buffers for 3 NVMe layers), and with gradient tiles on NVMe (their
+    D2Hs into the rotating pinned buffers wait for the NVME_WRITEs)."""
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import AsyncFakeCuda
 
@@ -527,7 +573,8 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads)
     base = tiny_llama(layers=2)
     kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=0.5)
     planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
-    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}), nvme_gradients=grads)
+    plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}), nvme_gradients=grads,
+                               nvme_buffers=buffers)
     batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
 
     def run(backend, d):
@@ -694,6 +741,8 @@ def test_nvme_gradient_plans_are_refused_where_no_tile_waits():
              micro_batches=2)
     with pytest.raises(PlanError, match="nvme_gradients names layers \\[7\\]"):
         lower(g, Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=3, nvme_gradients=frozenset({7})))
+    with pytest.raises(PlanError, match="nvme_buffers=0: .* use 1 \\(no read-ahead\\) or more"):
+        Plan(nvme_moments=frozenset({1}), nvme_buffers=0)
 
 
 def test_verifier_rejects_gradient_tile_nvme_op_misuse():

@@ -925,19 +925,20 @@ def nvme_bytes(layer: Layer) -> int:
 
 
 NVME_BUFFERS = 2
-"""Host I/O buffers of the NVMe tier: one being read or written while the OPT uses the other
-(the lowering's read-ahead, ``lower.add_nvme_io``, hands them out in turn)."""
+"""Host I/O buffers of the NVMe tier's gradient pool, and the default of the moments' pool
+(``Plan.nvme_buffers``): one being read or written while the OPT uses the other (the lowering's
+read-ahead, ``lower.add_nvme_io``, hands them out in turn)."""
 
 
 def nvme_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
     """``(count, bytes each)`` of the host I/O buffers the moments of ``plan.nvme_moments`` pass
-    through: :data:`NVME_BUFFERS`, or one per NVMe layer when there are fewer (the lowering's
+    through: ``plan.nvme_buffers``, or one per NVMe layer when there are fewer (the lowering's
     ``Op.buf`` indices are below it), each :func:`nvme_bytes` of the widest NVMe layer (whole
     4096-byte blocks: the runtime reads and writes them with ``O_DIRECT``). ``(0, 0)`` without
     NVMe layers. Pageable: the moments never go to the GPU."""
     if not plan.nvme_moments:
         return 0, 0
-    return (min(NVME_BUFFERS, len(plan.nvme_moments)),
+    return (min(plan.nvme_buffers, len(plan.nvme_moments)),
             max(nvme_bytes(graph.layers[i]) for i in plan.nvme_moments))
 
 

@@ -228,13 +228,15 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
 
     Moments (``nvme_moments``): an NVME_READ of each such layer's Adam moments into a host I/O
     buffer before its OPT, which steps them in that buffer (``OPT:L3:r0:b1``), and an NVME_WRITE of
-    the buffer after it. The reads run one OPT ahead (the read of the next NVMe layer is issued
-    before this layer's OPT), so the in-order I/O stream is not held by a write that waits for its
-    OPT while the next read could run; that needs ``cost.NVME_BUFFERS`` (2) buffers, used in turn:
-    the read into a buffer comes after the write that emptied it on the in-order I/O stream, and
-    that write after the OPT. A write happens after the last modification (it depends on the OPT)
-    and a read before the use (the OPT depends on it); no two transfers of one file are in flight
-    at once.
+    the buffer after it. The ``K = plan.nvme_buffers`` buffers (``cost.nvme_buffers``) are used in
+    turn, and the reads run as far ahead as they allow: the first K reads at the start of the
+    schedule (their buffers are empty, and with updates during the backward the I/O stream would
+    otherwise idle through the forward), and the read of the (m+K)-th NVMe OPT's moments just
+    after the write that empties its buffer, i.e. before the (m+1)-th OPT. So the in-order I/O
+    stream is never held by a write that waits for its OPT while a read could run (for K >= 2),
+    and the read into a buffer comes after the write that emptied it on that stream. A write
+    happens after the last modification (it depends on the OPT) and a read before the use (the
+    OPT depends on it); no two transfers of one file are in flight at once.
 
     Gradient tiles (``nvme_gradients``, deferred updates only): such a layer's D2H lands in a
     pinned gradient I/O buffer (``D2H:L3:s1:g0``) instead of a tile of its own, and an
@@ -250,33 +252,39 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     if not plan.nvme_moments and not plan.nvme_gradients:
         return ops
     moments, gradients = plan.nvme_moments, plan.nvme_gradients
+    pool = min(plan.nvme_buffers, len(moments))  # cost.nvme_buffers' count
     gpool = min(NVME_BUFFERS, len(gradients))  # cost.nvme_gradient_buffers' count
     order = [i for i, op in enumerate(ops) if op.kind is OpKind.OPT and (op.layer in moments or op.layer in gradients)]
-    buf_of: dict[int, int] = {}  # OPT -> moments buffer
+    morder = [i for i in order if ops[i].layer in moments]
+    buf_of = {i: k % pool for k, i in enumerate(morder)}  # OPT -> moments buffer: the k-th read fills k mod K
     gbuf_of: dict[int, int] = {}  # OPT -> gradient buffer
     for i in order:
-        if ops[i].layer in moments:
-            buf_of[i] = len(buf_of) % NVME_BUFFERS  # the k-th read fills buffer k mod 2
         if ops[i].layer in gradients:
             gbuf_of[i] = len(gbuf_of) % gpool
-    # Reads go before an OPT: the first OPT gets its own and the next one's, later OPTs the next one's.
-    before: dict[int, list[int]] = defaultdict(list)  # old index -> OPTs (old index) to read for just before it
-    for k, i in enumerate(order):
+    # Moments: the first K reads at the start, then the (m+K)-th just before the (m+1)-th OPT (after the
+    # m-th OPT's write, which empties its buffer). Gradient tiles: one OPT ahead, the first OPT getting its
+    # own and the next one's.
+    mreads: dict[int, list[int]] = defaultdict(list)  # old index -> OPTs whose moments to read just before it
+    for k, i in enumerate(morder):
+        mreads[0 if k < pool else morder[k - pool + 1]].append(i)
+    greads: dict[int, list[int]] = defaultdict(list)
+    gorder = [i for i in order if i in gbuf_of]
+    for k, i in enumerate(gorder):
         if k == 0:
-            before[i].append(i)
-        if k + 1 < len(order):
-            before[i].append(order[k + 1])
+            greads[i].append(i)
+        if k + 1 < len(gorder):
+            greads[i].append(gorder[k + 1])
     new_index: list[int] = []
     read_at: dict[int, list[int]] = defaultdict(list)  # OPT -> its reads (new index)
     last_use: dict[int, int] = {}  # gradient buffer -> the op (new index) that last used it
     next_gbuf = len(gbuf_of)
     out: list[Op] = []
     for i, op in enumerate(ops):
-        for o in before.get(i, ()):
+        for o in mreads.get(i, ()):
+            read_at[o].append(len(out))
+            out.append(Op(OpKind.NVME_READ, ops[o].layer, buf=buf_of[o]))
+        for o in greads.get(i, ()):
             layer = ops[o].layer
-            if o in buf_of:
-                read_at[o].append(len(out))
-                out.append(Op(OpKind.NVME_READ, layer, buf=buf_of[o]))
             if o in gbuf_of:
                 g = gbuf_of[o]
                 read_at[o].append(len(out))

@@ -76,6 +76,13 @@ class Plan:
             buffer (``Op.buf``, ``cost.nvme_buffers``) before the layer's OPT, which steps them
             there, and writes them back (NVME_WRITE) after it, on the I/O stream. The runtime
             needs an NVMe directory (``nvme_dir``).
+        nvme_buffers: host I/O buffers of the moments' pool (``cost.nvme_buffers``), >= 1: how far
+            the NVMe reads run ahead of the OPTs. The first ``nvme_buffers`` reads are issued at
+            the start of the step, so they overlap the forward pass (with updates during the
+            backward the I/O stream is otherwise idle until the first OPT), and each later read
+            waits only for the write that empties its buffer. More buffers keep the I/O stream
+            busy over more of the step, each for the widest NVMe layer's moments in host memory;
+            the planner chooses the count (:func:`megatrain.planner.nvme.solve_with_nvme`).
         nvme_gradients: layers whose deferred gradient tile (``OptimizerPlacement.NEXT_FORWARD``,
             layer-by-layer passes or one micro-batch, one rank) waits on the NVMe tier between
             steps instead of in a pinned host tile of its own: the layer's D2H lands in a pinned
@@ -137,6 +144,7 @@ class Plan:
     d2h_dtype: str | None = None
     nvme_moments: frozenset[int] = frozenset()
     nvme_gradients: frozenset[int] = frozenset()
+    nvme_buffers: int = 2
     data_parallel: int = 1
     optimizer_shards: int = 1
     nodes: int = 1
@@ -174,6 +182,9 @@ class Plan:
             raise PlanError(f"Plan.resident={sorted(self.resident)}: layer indices must be >= 0")
         if any(i < 0 for i in self.nvme_moments):
             raise PlanError(f"Plan.nvme_moments={sorted(self.nvme_moments)}: layer indices must be >= 0")
+        if self.nvme_buffers < 1:
+            raise PlanError(f"Plan.nvme_buffers={self.nvme_buffers}: the NVMe reads need at least one host I/O "
+                            "buffer; use 1 (no read-ahead) or more")
         if any(i < 0 for i in self.nvme_gradients):
             raise PlanError(f"Plan.nvme_gradients={sorted(self.nvme_gradients)}: layer indices must be >= 0")
         if self.nvme_gradients and (self.optimizer is not OptimizerPlacement.NEXT_FORWARD

@@ -25,7 +25,7 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 12
+SCHEDULE_FORMAT_VERSION = 13
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -33,8 +33,9 @@ sharded optimizer's ALL_GATHER and Plan.optimizer_shards; 8 the NVMe I/O buffer 
 NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; 9 the topology,
 Plan.nodes and Plan.host_state; 10 the gradient I/O buffer (``g``) of Plan.nvme_gradients, which a D2H
 fills, NVME_WRITE/NVME_READ move and a carried OPT reads; 11 REDUCE_SCATTER and
-Plan.gradient_reduction; 12 the weight gather of Plan.host_state "shard" (an ALL_GATHER naming its
-gather tile, ``t``); files of earlier versions are refused
+Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); 13 the weight gather of
+Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); files of earlier versions are
+refused
 (lower the plan again)."""
 
 
@@ -344,6 +345,7 @@ class _PlanModel(pydantic.BaseModel):
     d2h_dtype: Literal["float32", "bfloat16"] | None = None
     nvme_moments: list[int] = []
     nvme_gradients: list[int] = []
+    nvme_buffers: int = 2
     data_parallel: int = 1
     optimizer_shards: int = 1
     nodes: int = 1
@@ -385,7 +387,8 @@ class _ScheduleModel(pydantic.BaseModel):
             grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
             staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
-            nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), data_parallel=p.data_parallel,
+            nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
+            data_parallel=p.data_parallel,
             optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
             gradient_reduction=p.gradient_reduction),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
@@ -397,7 +400,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
                     cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
-                    nvme_gradients=frozenset(p.nvme_gradients), data_parallel=p.data_parallel,
+                    nvme_gradients=frozenset(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
+                    data_parallel=p.data_parallel,
                     optimizer_shards=p.optimizer_shards, nodes=p.nodes,
                     host_state=p.host_state, gradient_reduction=p.gradient_reduction)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
