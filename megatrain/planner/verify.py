@@ -718,7 +718,7 @@ def _check_weight_gathers(c: _Context) -> None:
     so every read of one (an FP32 H2D, a BF16 CAST) depends on exactly one ALL_GATHER of its layer
     with a gather tile (``t`` in ``[0, cost.GATHER_BUFFERS)``), and reads that tile; that gather
     happens after every earlier OPT of the layer (the node's shards are stepped before they are
-    gathered); a later gather into the same tile happens after every read of the earlier one (a
+    gathered) and before every later one (no shard changes while it is read); a later gather into the same tile happens after every read of the earlier one (a
     tile is not overwritten while read); and every gather has a reader."""
     ops, fail, before = c.ops, c.fail, c.before
     gathers = c.by_kind[OpKind.ALL_GATHER]
@@ -743,6 +743,9 @@ def _check_weight_gathers(c: _Context) -> None:
             if o < g and not before(o, g):
                 fail(g, "collectives", f"it gathers layer {op.layer}'s slices while OPT #{o} may still be stepping "
                      "this rank's shard of them", f"make it depend on #{o}")
+            if o > g and not before(g, o):
+                fail(o, "collectives", f"it steps layer {op.layer}'s shard while #{g} {ops[g]!r} may still be "
+                     "gathering the node's slice of it", f"make it depend on #{g}")
     by_tile: dict[int, list[int]] = defaultdict(list)
     for g in gathers:
         if g not in read_by:
