@@ -21,6 +21,7 @@ from torch import nn
 from megatrain.config import AdamW, CompileOptions, describe_validation
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
 from megatrain.models import check_model
+from megatrain.planner import cost
 from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
 from megatrain.planner.graph import LayerGraph, TracedModel
 from megatrain.planner.hardware import HardwareSpec, load_hardware
@@ -35,7 +36,7 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
-from megatrain.runtime.host import HostState, NvmeMomentRow, as_tensor, bind_module
+from megatrain.runtime.host import MASTER, HostState, NvmeMomentRow, SlicedRow, as_tensor, bind_module
 from megatrain.runtime.measure import measure_hardware
 
 
@@ -92,6 +93,7 @@ class Trainer:
         self.schedules = planned.schedules
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
+        self._slice_reader = None  # while rank 0 saves a sharded host state (host_state "shard")
         self._token_limits = _token_limits(self.model, self.options.input_names)
 
     @property
@@ -186,7 +188,33 @@ class Trainer:
             return save_checkpoint(self, path, **kwargs)
         self.flush()
         dp = self.host.data_parallel
+        if self.host.sliced:
+            return self._save_sliced(path, **kwargs)
         out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
+        dp.barrier("the barrier after rank 0's save")
+        return out
+
+    def _save_sliced(self, path, **kwargs):
+        """``save`` of a host state sharded across nodes: once every rank's update is in its node's
+        slice, global rank 0 writes the checkpoint, reading each row whole from the node leaders'
+        slices as it goes (``runtime.distributed.SliceReader``, one layer at a time), while the
+        other leaders serve those reads; then every rank waits for the write."""
+        from megatrain.checkpoint import save_checkpoint
+        from megatrain.runtime.distributed import SliceReader
+
+        dp = self.host.data_parallel
+        dp.barrier("the barrier before a sharded save")  # every rank's shards of the last update are in place
+        reader = SliceReader(self.host, dp, self.plan)
+        out = None
+        if dp.topo.rank == 0:
+            self._slice_reader = reader
+            try:
+                out = save_checkpoint(self, path, **kwargs)
+            finally:
+                self._slice_reader = None
+                reader.close()
+        elif dp.writer:
+            reader.serve()
         dp.barrier("the barrier after rank 0's save")
         return out
 
@@ -236,6 +264,10 @@ class Trainer:
                 (``Plan.nvme_moments``) an :class:`~megatrain.runtime.host.NvmeMomentRow`, which
                 reads the row from its file (``read()``) and writes one into it (``copy_``), so
                 the state of such layers is never all in host memory at once.
+                With a host state sharded across nodes (``Plan.host_state == "shard"``) the entries
+                of ``"model"``, ``"masters"`` and ``"optimizer"`` are
+                :class:`~megatrain.runtime.host.SlicedRow` parts of the whole rows: a load writes
+                this node's part of each; only :meth:`save` (every rank calling it) reads them.
             ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
             ``"step_count"``: ``int``, the steps this trainer has taken.
             ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).
@@ -249,8 +281,12 @@ class Trainer:
         if flush:
             self.flush()
         host, layers = self.host, self.graph.layers
-        model = {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
-                 for pi, spec in enumerate(layer.params)}
+        model, masters, optimizer = self._sliced_rows() if host.sliced else (
+            {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
+             for pi, spec in enumerate(layer.params)},
+            {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
+            {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
+             for k, kind in enumerate(("exp_avg", "exp_avg_sq"))})
         # state_dict() returns detached tensors sharing the module's storage: copying into one
         # writes the module's buffer.
         # A tied parameter's other names (lm_head.weight) are no buffers: it is saved once, in "model".
@@ -261,15 +297,34 @@ class Trainer:
         return {
             "model": model,
             "buffers": buffers,
-            "masters": {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
-            "optimizer": {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
-                          for k, kind in enumerate(("exp_avg", "exp_avg_sq"))},
+            "masters": masters,
+            "optimizer": optimizer,
             "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
             "step_count": self.step_count,
             "optimizer_settings": self.optimizer,
             "layers": [{"name": layer.name, "numel": layer.numel, "trainable_numel": layer.trainable_numel,
                         "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
         }
+
+    def _sliced_rows(self) -> tuple[dict[str, SlicedRow], dict[str, SlicedRow], dict[str, SlicedRow]]:
+        """:meth:`state_dict`'s ``"model"``, ``"masters"`` and ``"optimizer"`` of a host state
+        sharded across nodes: :class:`~megatrain.runtime.host.SlicedRow` entries (a load writes
+        each node's part; only :meth:`save`, on global rank 0, reads them)."""
+        host, layers, fetch = self.host, self.graph.layers, self._fetch_row
+        return ({spec.name: SlicedRow(host, li, MASTER, spec.offset, spec.shape, fetch)
+                 for li, layer in enumerate(layers) for spec in layer.params},
+                {f"{layer.name}.master": SlicedRow(host, li, MASTER, 0, (layer.numel,), fetch)
+                 for li, layer in enumerate(layers)},
+                {f"{layer.name}.{kind}": SlicedRow(host, li, k + 1, 0, (layer.trainable_numel,), fetch)
+                 for li, layer in enumerate(layers) for k, kind in enumerate(("exp_avg", "exp_avg_sq"))})
+
+    def _fetch_row(self, layer: int, kind: int) -> torch.Tensor:
+        """A whole row of a sharded host state, gathered to global rank 0 while :meth:`save` runs."""
+        if self._slice_reader is None:
+            raise ConfigError(f"layer {self.graph.layers[layer].name!r}: the host state is sharded across "
+                              f"{self.plan.nodes} nodes (Plan.host_state='shard'), so its weights are read only "
+                              "by Trainer.save, called on every rank; save a checkpoint and read that")
+        return self._slice_reader.row(layer, kind)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`: tensors are copied into the tiles and buffers (a loader that
@@ -304,7 +359,10 @@ class Trainer:
             raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
         with torch.no_grad():
             for dst, src in pairs:
-                if isinstance(dst, NvmeMomentRow):
+                if isinstance(dst, SlicedRow):
+                    if not dst.same(src):  # a load already wrote this node's part through it
+                        dst.copy_(as_tensor(src))
+                elif isinstance(dst, NvmeMomentRow):
                     if not dst.same(src):  # written through to the file
                         dst.copy_(as_tensor(src))
                 elif isinstance(src, NvmeMomentRow):
@@ -623,7 +681,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                plan: Plan | Literal["default"] | None = None, device: str = "cpu",
                input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
                hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
-               share_host_memory: bool = True) -> PlannedModel:
+               share_host_memory: bool = True, host_state: str | None = None) -> PlannedModel:
     """Plan ``model`` for training, once: ``trace`` it (on whatever device it is on, ``meta``
     included) into a LayerGraph; take ``plan``, the default plan or the solver's; ``lower`` the
     train schedules and ``verify`` them. Allocates nothing and touches no parameter memory; the
@@ -644,6 +702,10 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
             masters and moments in shared memory (``/dev/shm``) and each steps its shard of every
             layer (``Plan.optimizer_shards``); False: each rank keeps a copy of its own and steps
             all of it.
+        host_state: data parallel over several nodes: ``"replicate"`` (a full copy of the masters
+            and moments on every node) or ``"shard"`` (each node holds ``1 / nodes`` of it and the
+            ranks gather each layer's weights before use, ZeRO-3 style: ``Plan.host_state``);
+            None keeps the plan's (``"replicate"`` for the default and solved plans).
 
     Returns:
         The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
@@ -683,6 +745,13 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                           f"update, but the plan runs optimizer steps {plan.optimizer.value}; use a plan with "
                           "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
     world = data_parallel_world()
+    if host_state not in (None, "replicate", "shard"):
+        raise ConfigError(f"host_state={host_state!r}: use 'replicate' (a full copy per node) or 'shard' (1/nodes "
+                          "of it per node)")
+    if host_state == "shard" and world == 1:
+        raise ConfigError("host_state='shard' splits the host state across the nodes of a torch.distributed "
+                          "process group, and there is none (or one rank); run under torchrun on several nodes, "
+                          "or leave host_state unset")
     if world > 1:
         # One rank's plan, and an ALL_REDUCE of every layer's step gradients (FP32 on the host);
         # the ranks of a node share one host copy and split its optimizer work.
@@ -690,11 +759,23 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
         topo = topology()
         shards = topo.local_world if share_host_memory else 1
-        # One node whose ranks share one copy: each rank's OPT reads only its shard, so reduce-scatter.
+        if host_state is not None and host_state != plan.host_state:
+            if host_state == "shard" and topo.world == topo.local_world:
+                raise ConfigError(f"host_state='shard' with all {topo.world} ranks on one node (LOCAL_WORLD_SIZE="
+                                  f"{topo.local_world}): sharding splits the host state across nodes; use "
+                                  "host_state='replicate' on one node")
+            plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
+                                       host_state=host_state, gradient_reduction="all_reduce")
+        if plan.host_state == "shard" and not share_host_memory:
+            raise ConfigError("the plan shards the host state across nodes (Plan.host_state='shard'), whose ranks "
+                              "share each node's slice; compile with share_host_memory=True")
         plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
-                                   optimizer_shards=shards,
-                                   gradient_reduction="reduce_scatter" if shards == world > 1 else "all_reduce",
+                                   optimizer_shards=shards, gradient_reduction="all_reduce",
                                    d2h_dtype="float32" if plan.gradient_dtype != "float32" else plan.d2h_dtype)
+        # Where every rank steps only its shard of one copy (one node sharing it, or a state
+        # sharded across the nodes: Plan.update_shards), its OPT reads only that: reduce-scatter.
+        if plan.update_shards == world:
+            plan = dataclasses.replace(plan, gradient_reduction="reduce_scatter")
     if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)
         memory, timeline = solution.memory, solution.timeline
@@ -745,13 +826,15 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
                           "directory on an NVMe drive)")
     backend = make_backend(planned.options.device) if backend is None else backend
     traced, model = planned.traced, planned.model
-    if host is None and planned.plan.data_parallel > 1:
+    if host is None and planned.plan.data_parallel > 1 and planned.plan.host_state == "shard":
+        if on_nvme:
+            raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and shards the "
+                              "host state across nodes: not supported yet; keep the moments in host memory (no "
+                              "nvme_dir / --nvme-dir) when training on several ranks")
+        host = _sharded_host(planned)
+    elif host is None and planned.plan.data_parallel > 1:
         from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
 
-        if planned.plan.host_state == "shard":
-            raise ConfigError(f"the plan shards the host state across its {planned.plan.nodes} nodes "
-                              "(Plan.host_state='shard'), which megatrain plans but does not run yet; train with "
-                              "host_state='replicate' (a full copy per node) on nodes with the host memory for it")
         if on_nvme:  # the ranks' files would share names in one directory, and shards one file
             raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and trains "
                               f"data-parallel over {planned.plan.data_parallel} ranks: not supported yet; keep the "
@@ -792,13 +875,42 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     return Trainer(planned, opt, host, backend, executor)
 
 
+def _sharded_host(planned: PlannedModel) -> HostState:
+    """The host state of a plan with ``host_state == "shard"``: this node's slice of every layer
+    (``cost.node_slice``) and its gather tiles, in the node's shared memory; global rank 0
+    initialises the module's weights into whole rows of its own and broadcasts them into every
+    node's slice, one layer at a time; then no rank's module keeps its parameters (they are left
+    on the ``meta`` device: the weights live in the slices only). Collective."""
+    from megatrain.runtime.distributed import broadcast_slices, data_parallel_host, topology
+    from megatrain.runtime.host import FullMasters, materialize_buffers, unbind_parameters
+
+    plan, graph, model = planned.plan, planned.traced.graph, planned.model
+    node = topology().node
+    slices = [cost.node_slice(lay.numel, lay.trainable_numel, plan, node) for lay in graph.layers]
+    gather_bytes = cost.gather_buffer_bytes(graph, plan) // cost.GATHER_BUFFERS
+    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes), plan.data_parallel,
+                            plan.optimizer_shards, plan.nodes, sharded=True)
+    host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes)
+    host.data_parallel = dp
+    rows = None
+    if dp.topo.rank == 0:
+        rows = FullMasters(graph)
+        bind_module(model, rows)
+    else:
+        materialize_buffers(model)
+    broadcast_slices(None if rows is None else rows.rows, host, dp)
+    unbind_parameters(model)
+    return host
+
+
 def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: int | None = None,
             micro_batches: int = 1, optimizer: AdamW | Mapping | None = None,
             plan: Plan | Literal["default"] | None = None, device: str = "cpu",
             input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
             nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
-            max_shapes: int | None = None, share_host_memory: bool = True) -> Trainer:
+            max_shapes: int | None = None, share_host_memory: bool = True,
+            host_state: str | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -851,6 +963,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         share_host_memory: data parallel under ``torchrun``: the ranks of a node share one copy
             of the host state and split the optimizer work (True, the default), or each keeps a
             copy (False); see :func:`plan_model`.
+        host_state: data parallel over several nodes: ``"shard"`` holds ``1 / nodes`` of the host
+            state on each node (ZeRO-3 style), ``"replicate"`` a full copy; see :func:`plan_model`.
+            Fixed shapes only (give ``seq_len``).
 
     Raises:
         ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
@@ -866,6 +981,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         if plan is not None and plan != "default":
             raise ConfigError("a Plan is made for one batch shape: give seq_len and micro_batch_size with it, "
                               "or leave plan unset (shape-free compile plans each shape)")
+        if host_state is not None:
+            raise ConfigError(f"host_state={host_state!r} with shape-free compile (seq_len=None): not supported "
+                              "yet; give seq_len and micro_batch_size")
         return ShapeFreeTrainer(model, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                                 seq_len_buckets=seq_len_buckets,
                                 max_shapes=DEFAULT_MAX_SHAPES if max_shapes is None else max_shapes,
@@ -880,7 +998,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     opt = _optimizer(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
-                         hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory)
+                         hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
+                         host_state=host_state)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 

@@ -181,8 +181,10 @@ def d2h_bytes(layer: Layer, plan: Plan | None = None) -> int:
 
 def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
     """One weight copy to the GPU; with ``plan.host_state == "shard"`` the layer's weights are first
-    all-gathered over the network (:func:`weight_gather_time`), which the H2D op waits for and is
-    timed with (the gather is not an op of its own: it is on the copy's critical path)."""
+    all-gathered over the network (:func:`weight_gather_time`), which the H2D waits for and is timed
+    with: the schedule's gather (an ALL_GATHER with a gather tile, before the H2D or, with BF16
+    compute, the CAST) is timed at its launch latency only, so the network time is counted once,
+    on the copy's critical path, in the simulator and the topology planner alike."""
     rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
     return hw.op_latency_s + h2d_bytes(layer, plan) / rate + weight_gather_time(layer, hw, plan)
 
@@ -232,12 +234,34 @@ def _shard_size(numel: int, shards: int) -> int:
 def reduced_numel(numel: int, plan: Plan) -> int:
     """Elements a host gradient tile or accumulator of a layer with ``numel`` trainable parameters
     holds under ``plan``: ``numel``, or with ``plan.gradient_reduction == "reduce_scatter"``
-    ``optimizer_shards x`` the shard size of :func:`optimizer_shard` (fewer than ``optimizer_shards x
-    16`` more): a reduce-scatter needs equal chunks, so the tile is padded to them (the executor
-    zeroes the padding before each REDUCE_SCATTER, so it never changes a sum)."""
+    ``update_shards x`` the shard size of :func:`optimizer_shard` (fewer than ``update_shards x
+    16`` more; ``Plan.update_shards``): a reduce-scatter needs equal chunks, so the tile is padded
+    to them (the executor zeroes the padding before each REDUCE_SCATTER, so it never changes a sum)."""
     if plan.gradient_reduction != "reduce_scatter":
         return numel
-    return plan.optimizer_shards * _shard_size(numel, plan.optimizer_shards)
+    return plan.update_shards * _shard_size(numel, plan.update_shards)
+
+
+def node_slice(numel: int, trainable_numel: int, plan: Plan, node: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of a layer's master tile (``numel`` elements, the first
+    ``trainable_numel`` trainable) that node ``node`` holds, with its Adam moments for
+    ``[lo, min(hi, trainable_numel))``. ``[0, numel)`` unless ``plan.host_state == "shard"``; then
+    the union of the optimizer shards (:func:`optimizer_shard` of ``plan.update_shards``) of the
+    node's ``optimizer_shards`` consecutive ranks, so each rank's shard lies in its node's slice,
+    and the last node also holds the frozen parameters after the trainable prefix (they have no
+    shard: nothing steps them). The nodes' slices tile ``[0, numel)`` in node order.
+
+    Raises:
+        ValueError: ``node`` is not in ``[0, plan.nodes)``.
+    """
+    if not 0 <= node < plan.nodes:
+        raise ValueError(f"node {node} of a plan with {plan.nodes} nodes: the index is in [0, {plan.nodes})")
+    if plan.host_state != "shard":
+        return 0, numel
+    ways, g = plan.update_shards, plan.optimizer_shards
+    lo = optimizer_shard(trainable_numel, ways, node * g)[0]
+    hi = numel if node == plan.nodes - 1 else optimizer_shard(trainable_numel, ways, node * g + g - 1)[1]
+    return lo, hi
 
 
 def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
@@ -887,6 +911,7 @@ __all__ = [
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
+    "node_slice",
     "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
     "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
@@ -1007,11 +1032,13 @@ def all_reduce_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
 
 def reduce_scatter_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
     """Seconds a REDUCE_SCATTER of ``layer``'s FP32 step gradients (``B`` = 4 bytes per trainable
-    parameter) takes over the ``G = plan.data_parallel`` ranks of one node (the lowering uses it
-    only there: ``Plan.gradient_reduction``), as a ring reduce-scatter: the first half of the flat
-    ring all-reduce of :func:`all_reduce_time`, so half its bytes and steps::
+    parameter) takes over the ``G = plan.data_parallel`` ranks of one node, or with a state sharded
+    across ``M`` nodes (``host_state == "shard"``) over ``G`` GPUs per node x ``M`` nodes (the
+    lowering uses it only there: ``Plan.gradient_reduction``), as a ring reduce-scatter: the first
+    half of the (hierarchical) ring all-reduce of :func:`all_reduce_time`, so half its bytes and
+    steps::
 
-        (G-1)/G x B / intra  +  (G-1) a_intra  +  op latency
+        (G-1)/G x B / intra  +  (G-1) a_intra  +  (M-1)/M x B / network  +  (M-1) a_net  +  op latency
 
     with ``intra`` = ``hw.intra_node_bus_bytes_per_s`` (nccl-tests' busbw convention,
     doc/PERFORMANCE.md: a reduce-scatter moves ``(G-1)/G x B`` through each rank's link) and
@@ -1021,18 +1048,23 @@ def reduce_scatter_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
     0 for one rank.
 
     Raises:
-        ConfigError: ``G > 1`` and ``hw`` has no intra-node bandwidth, or ``plan.nodes > 1``
-            (a reduce-scatter over several nodes would not give each node the whole tile).
+        ConfigError: ``G > 1`` and ``hw`` has no intra-node bandwidth, ``M > 1`` and no network
+            bandwidth, or ``plan.nodes > 1`` with a replicated state (a reduce-scatter over several
+            nodes would not give each node's copy the whole tile).
     """
     if plan.data_parallel == 1:
         return 0.0
-    if plan.nodes > 1:
+    if plan.nodes > 1 and plan.host_state != "shard":
         raise ConfigError(f"a reduce-scatter of the gradients over {plan.nodes} nodes: each node's host copy needs "
                           "the whole averaged tile; time an all-reduce (all_reduce_time) instead")
-    g = plan.gpus_per_node
+    g, m = plan.gpus_per_node, plan.nodes
     nbytes = layer.trainable_numel * GRAD_ITEMSIZE
-    return (hw.op_latency_s + (g - 1) / g * nbytes / _intra_rate(hw, "a data-parallel reduce-scatter")
-            + (g - 1) * hw.intra_node_latency_s)
+    t = hw.op_latency_s
+    if g > 1:
+        t += (g - 1) / g * nbytes / _intra_rate(hw, "a data-parallel reduce-scatter") + (g - 1) * hw.intra_node_latency_s
+    if m > 1:
+        t += (m - 1) / m * nbytes / _network_rate(hw, "a data-parallel reduce-scatter") + (m - 1) * hw.network_latency_s
+    return t
 
 
 def weight_gather_bytes(layer: Layer, plan: Plan) -> int:
@@ -1083,7 +1115,8 @@ class NodeMemory:
     its own besides (gradient and staging tiles, offloaded checkpoints, norms and flags, gradient
     accumulators and scratch: :class:`MemoryBreakdown` less its masters and moments);
     ``gather_buffers``: the pinned tiles sharded weights are gathered into. Pinned: the shared
-    master rows (FP32 compute, sliced like the masters) and gather buffers, plus each rank's own.
+    master rows (FP32 compute; none with a sharded state, whose H2Ds read the gather tiles) and
+    gather buffers, plus each rank's own.
     """
 
     ranks: int
@@ -1119,8 +1152,17 @@ def node_memory(graph: LayerGraph, plan: Plan, mem: MemoryBreakdown) -> NodeMemo
     gather = gather_buffer_bytes(graph, plan)
     return NodeMemory(ranks=plan.gpus_per_node, persistent=copies * -(-state // ways),
                       per_rank=mem.host_total - state, gather_buffers=gather,
-                      shared_pinned=copies * -(-mem.pinned_masters // ways),
+                      shared_pinned=_shared_pinned_masters(mem.pinned_masters, plan),
                       per_rank_pinned=mem.host_pinned - mem.pinned_masters)
+
+
+def _shared_pinned_masters(pinned_masters: int, plan: Plan) -> int:
+    """Pinned bytes of a node's shared master rows, from one copy's ``pinned_masters``: one per group
+    of ranks sharing a copy; none with a sharded state, whose H2Ds read the (pinned) gather tiles,
+    not the master rows (``runtime.host.HostState.pin_masters``)."""
+    if plan.host_state == "shard":
+        return 0
+    return plan.gpus_per_node // plan.optimizer_shards * pinned_masters
 
 
 def persistent_state_bytes(graph: LayerGraph) -> int:
@@ -1142,5 +1184,5 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
     masters = pinned_master_bytes(graph, plan)
     gather = gather_buffer_bytes(graph, plan)
     host = state + (hw.host_memory_bytes - copies * -(-state // ways) - gather) // g
-    pinned = masters + (hw.pinned_memory_cap_bytes - copies * -(-masters // ways) - gather) // g
+    pinned = masters + (hw.pinned_memory_cap_bytes - _shared_pinned_masters(masters, plan) - gather) // g
     return host, pinned

@@ -4,7 +4,8 @@ previous pass's list and the request to a new list): ``order_compute`` (the visi
 ``add_carried_updates`` (the previous step's optimizer steps at the start of a NEXT_FORWARD step),
 then ``add_nvme_io`` (the NVMe tier's reads and writes), ``add_all_reduce`` (data parallel: each
 layer's gradients averaged over the ranks) and ``add_all_gather`` (a node's ranks sharing one host
-copy: each OPT's shard made every rank's before the layer is read again).
+copy: each OPT's shard made every rank's before the layer is read again; with the host state
+sharded across nodes, a gather of the layer's weights into a gather tile before every read).
 
 Compute order first. A training step visits layers ``0 .. n-2`` forward, then the last layer
 (which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward. The last
@@ -62,7 +63,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatrain.errors import PlanError
-from megatrain.planner.cost import NVME_BUFFERS
+from megatrain.planner.cost import GATHER_BUFFERS, NVME_BUFFERS
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
@@ -364,6 +365,8 @@ def add_all_gather(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     next schedule's reads come after this one ends). Then every COMM op depends on the one before
     it in the list, so the ranks issue all their collectives in one order."""
     plan = req if isinstance(req, Plan) else req.plan
+    if plan.host_state == "shard":
+        return _chain_comm(_add_weight_gathers(ops))
     if plan.optimizer_shards == 1:
         return ops
     before: dict[int, list[int]] = defaultdict(list)  # list position -> the OPTs whose gather goes there
@@ -385,12 +388,51 @@ def add_all_gather(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     for i, op in enumerate(ops):
         extra = {gathers[o] for o in before.get(i, [])}  # the reader waits for its gather
         out[moved[i]] = dataclasses.replace(op, deps=tuple(sorted({moved[d] for d in op.deps} | extra)))
+    return _chain_comm(out)
+
+
+def _chain_comm(out: list[Op]) -> list[Op]:
+    """Make every COMM op depend on the one before it in the list, so the ranks issue all their
+    collectives in one order."""
     prev: int | None = None
     for j, op in enumerate(out):
         if op.stream.value == "comm":
             if prev is not None and prev not in op.deps:
                 out[j] = dataclasses.replace(op, deps=tuple(sorted((*op.deps, prev))))
             prev = j
+    return out
+
+
+def _add_weight_gathers(ops: list[Op]) -> list[Op]:
+    """``add_all_gather`` for ``Plan.host_state == "shard"``: no node holds a whole master, so every
+    read of one (an FP32 H2D, or a BF16 CAST) reads a gather tile instead, filled just before by an
+    ``ALL_GATHER:L<layer>:t<b>`` of the layer (gather tiles ``b`` taken in turn, of
+    ``cost.GATHER_BUFFERS``), which the reader depends on. The gather depends on the layer's latest
+    OPT before it (its node's shards must be stepped first: the executor's gather starts with a
+    barrier of the node's ranks, each past its own OPT) and on the readers of the tile's previous
+    gather (a tile is not overwritten while an H2D or CAST, of any rank of the node, may still read
+    it: the same barrier waits for the other ranks' readers). Update schedules have no reads, so no
+    gathers: the next schedule's gathers see their steps."""
+    n_tiles = GATHER_BUFFERS
+    last_opt: dict[int, int] = {}  # layer -> its latest OPT's new index
+    readers: list[list[int]] = [[] for _ in range(n_tiles)]  # gather tile -> readers of its content
+    moved: list[int] = []
+    out: list[Op] = []
+    turn = 0
+    for op in ops:
+        deps = {moved[d] for d in op.deps}
+        reads_master = (op.kind is OpKind.H2D and op.tile is None) or op.kind is OpKind.CAST
+        if reads_master:
+            b = turn % n_tiles
+            turn += 1
+            gdeps = set(readers[b]) | ({last_opt[op.layer]} if op.layer in last_opt else set())
+            deps.add(len(out))
+            out.append(Op(OpKind.ALL_GATHER, op.layer, tile=b, deps=tuple(sorted(gdeps))))
+            readers[b] = [len(out)]
+        if op.kind is OpKind.OPT:
+            last_opt[op.layer] = len(out)
+        moved.append(len(out))
+        out.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
     return out
 
 

@@ -113,7 +113,11 @@ class Plan:
             (ZeRO-3 style: Rajbhandari et al. 2020, arXiv:1910.02054), every layer's weights
             all-gathered over the network before each use (:func:`megatrain.planner.cost.weight_gather_time`)
             and each node updating its own ``1 / nodes``. A planning choice
-            (:mod:`megatrain.planner.topology`); the runtime does not execute ``"shard"`` yet.
+            (:mod:`megatrain.planner.topology`). The runtime runs it with ``optimizer_shards`` =
+            the GPUs per node: global rank ``r`` steps shard ``r`` of ``data_parallel``
+            (:attr:`update_shards`), node ``n`` holds the union of its ranks' shards
+            (:func:`megatrain.planner.cost.node_slice`), and an ALL_GATHER with a gather tile
+            (``Op.tile``) before every H2D (FP32) or CAST (BF16) gathers the layer's weights.
         gradient_reduction: how the lowering reduces each layer's step gradients across the
             ranks: ``"all_reduce"`` (the default; ALL_REDUCE, every rank gets the whole averaged
             tile) or ``"reduce_scatter"`` (REDUCE_SCATTER, each rank gets the average of only its
@@ -121,7 +125,9 @@ class Plan:
             reads: half the all-reduce's bytes). Allowed only where ``optimizer_shards ==
             data_parallel > 1``: one node whose ranks share one host copy, so the shards the
             ranks step make up the whole tile of that copy. With several nodes every node's copy
-            needs the whole averaged tile, so the reduction stays an all-reduce.
+            needs the whole averaged tile, so the reduction stays an all-reduce, unless the state is
+            sharded across the nodes (``host_state == "shard"`` with ``optimizer_shards`` = the GPUs
+            per node): then each rank's shard is all it steps, over the world (:attr:`update_shards`).
     """
 
     micro_batches: int = 1
@@ -218,12 +224,13 @@ class Plan:
         if self.gradient_reduction not in ("all_reduce", "reduce_scatter"):
             raise PlanError(f"Plan.gradient_reduction={self.gradient_reduction!r}: use 'all_reduce' or "
                             "'reduce_scatter'")
-        if self.gradient_reduction == "reduce_scatter" and not self.optimizer_shards == self.data_parallel > 1:
-            raise PlanError(f"Plan.gradient_reduction='reduce_scatter' with data_parallel={self.data_parallel} and "
-                            f"optimizer_shards={self.optimizer_shards}: each rank gets only its shard of the "
-                            "averaged gradients, which is enough only when every rank steps a shard of one "
-                            "shared copy (optimizer_shards == data_parallel > 1, one node); use "
-                            "gradient_reduction='all_reduce'")
+        if self.gradient_reduction == "reduce_scatter" and not self.update_shards == self.data_parallel > 1:
+            raise PlanError(f"Plan.gradient_reduction='reduce_scatter' with data_parallel={self.data_parallel}, "
+                            f"optimizer_shards={self.optimizer_shards}, nodes={self.nodes} and "
+                            f"host_state={self.host_state!r}: each rank gets only its shard of the averaged "
+                            "gradients, which is enough only when every rank steps a shard of one copy (one "
+                            "node with optimizer_shards == data_parallel > 1, or host_state='shard' with "
+                            "optimizer_shards = the GPUs per node); use gradient_reduction='all_reduce'")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""
@@ -253,6 +260,15 @@ class Plan:
     def accumulates_on_host(self) -> bool:
         """Per-micro-batch passes with several micro-batches: gradients are summed on the host."""
         return not self.layer_by_layer and self.micro_batches > 1
+
+    @property
+    def update_shards(self) -> int:
+        """Ranks whose OPTs split each layer's trainable parameters between them, each stepping its
+        :func:`~megatrain.planner.cost.optimizer_shard`: ``optimizer_shards`` (the ranks of a node
+        that share a copy), times ``nodes`` when the state is sharded across nodes (``host_state
+        == "shard"``: the copy is spread over every node, so with ``optimizer_shards`` = the GPUs
+        per node every rank of the world steps ``1 / data_parallel``)."""
+        return self.optimizer_shards * (self.nodes if self.host_state == "shard" else 1)
 
     @property
     def gpus_per_node(self) -> int:

@@ -25,7 +25,7 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 12
+SCHEDULE_FORMAT_VERSION = 13
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -33,7 +33,9 @@ sharded optimizer's ALL_GATHER and Plan.optimizer_shards; 8 the NVMe I/O buffer 
 NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; 9 the topology,
 Plan.nodes and Plan.host_state; 10 the gradient I/O buffer (``g``) of Plan.nvme_gradients, which a D2H
 fills, NVME_WRITE/NVME_READ move and a carried OPT reads; 11 REDUCE_SCATTER and
-Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); files of earlier versions are refused
+Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); 13 the weight gather of
+Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); files of earlier versions are
+refused
 (lower the plan again)."""
 
 
@@ -66,6 +68,8 @@ class OpKind(enum.Enum):
     ALL_REDUCE = "ALL_REDUCE"  # data parallel: average a layer's step gradients (its tile or accumulator) over ranks
     REDUCE_SCATTER = "REDUCE_SCATTER"  # like ALL_REDUCE, but each rank gets the average of its optimizer shard only
     ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
+    #                            (with a gather tile ``t``, host_state "shard": the whole layer from every node's
+    #                            slice into that node-shared tile, which the next H2D or CAST reads)
 
     @property
     def stream(self) -> Stream:
@@ -117,7 +121,7 @@ _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.NVME_WRITE: (("layer",), ("buf", "gbuf")),
     OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
     OpKind.REDUCE_SCATTER: (("layer",), ("ring", "acc")),
-    OpKind.ALL_GATHER: (("layer",), ()),
+    OpKind.ALL_GATHER: (("layer",), ("tile",)),
 }
 
 
@@ -147,7 +151,9 @@ class Op:
     - ``ring``: a pinned host gradient tile, written by D2H and read by ACC, or by an OPT that
       steps from the tile (layer-by-layer passes);
     - ``tile``: a pinned staging tile, written by CAST and read by a BF16 H2D (None: the H2D reads
-      the FP32 master rows);
+      the FP32 master rows); on an ALL_GATHER (``Plan.host_state == "shard"``), the node's gather
+      tile (one of ``cost.GATHER_BUFFERS``) it gathers the layer's weights into, which the H2D
+      (FP32) or CAST (BF16) that depends on it reads in place of the master rows;
     - ``acc``: a layer's FP32 host accumulator (per-micro-batch passes), which ACC adds into and
       an OPT steps from;
     - ``copy``: the pinned copy of a layer's checkpoints an OFFLOAD writes and a RELOAD reads (one

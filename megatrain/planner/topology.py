@@ -14,20 +14,20 @@ one rank's breakdown (whole state included) fits exactly when the node does. The
 lowered with its topology, verified against that share, and simulated on the node's rates: the
 ALL_REDUCE on the COMM stream (hierarchical ring, :func:`megatrain.planner.cost.all_reduce_time`;
 on one node, whose ranks share one copy and each step only its shard, a REDUCE_SCATTER at half the
-bytes, ``Plan.gradient_reduction``, :func:`megatrain.planner.cost.reduce_scatter_time`), each rank's ``1 / G`` of every optimizer update at ``1 / G`` of the host bandwidth, and with a
-sharded state a weight all-gather before every H2D.
+bytes, ``Plan.gradient_reduction``, :func:`megatrain.planner.cost.reduce_scatter_time`; with a
+state sharded across nodes a hierarchical REDUCE_SCATTER over every rank, each of which steps
+``1 / (G x M)``), each rank's ``1 / G`` of every optimizer update at ``1 / G`` of the host
+bandwidth, and with a sharded state a weight all-gather before every H2D.
 
 Host state across nodes (issue 16, part 2). Replicate (a full copy per node, no weight traffic)
 when that fits the node's host memory; else shard (ZeRO-3 style, Rajbhandari et al. 2020,
 arXiv:1910.02054: each node holds and updates ``1 / M``, the weights are all-gathered over the
 network before each use) when that fits; else no plan fits. :class:`HostStateChoice` records the
-bytes needed and available and the network time sharding adds per step. Executing ``"shard"`` is
-not in the runtime yet: the planner answers whether and how fast it would run.
+bytes needed and available and the network time sharding adds per step. The runtime runs both
+(``"shard"``: :mod:`megatrain.runtime.distributed`, tested on CPU with gloo only).
 
 Not modelled: the ``G`` ranks' H2D copies reading one host DRAM at once (each at its PCIe link's
-rate, up to ``G x 53 GB/s`` on a DGX H100 against 614 GB/s of DRAM), and a reduce-scatter in place
-of the ALL_REDUCE when the state is sharded (it would halve the inter-node gradient bytes): the
-ALL_REDUCE is timed as the runtime runs it.
+rate, up to ``G x 53 GB/s`` on a DGX H100 against 614 GB/s of DRAM).
 """
 
 from __future__ import annotations
@@ -272,7 +272,10 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
             continue
         plan = dataclasses.replace(sol.plan, data_parallel=ranks, nodes=nodes, host_state=mode,
                                    optimizer_shards=gpus_per_node,
-                                   gradient_reduction="reduce_scatter" if nodes == 1 < ranks else "all_reduce")
+                                   # Each rank steps only its shard of one copy (one node, or a state
+                                   # sharded across nodes: Plan.update_shards), so reduce-scatter.
+                                   gradient_reduction=("reduce_scatter" if (nodes == 1 or mode == "shard")
+                                                       and ranks > 1 else "all_reduce"))
         plan.check_against(sol.graph)
         schedule = lower(sol.graph, plan, carries_updates=sol.schedule.carries_updates)
         verify(schedule, sol.graph, view)

@@ -627,6 +627,7 @@ def _check_collectives(c: _Context) -> None:
             fail(reduces[0], "collectives", f"the plan has data_parallel={c.plan.data_parallel} and the schedule is "
                  f"{c.schedule.mode!r}, so nothing is reduced across ranks", "drop the op")
         _check_gathers(c)
+        _check_chain(c, by_kind[OpKind.ALL_GATHER])
         return
     last: dict[int, int] = {}
     for i in sorted(by_kind[OpKind.D2H] + by_kind[OpKind.ACC]):
@@ -654,7 +655,13 @@ def _check_collectives(c: _Context) -> None:
         fail(mine[layer][0], "collectives", f"layer {layer} has no gradients on the host in this schedule",
              "drop the op")
     _check_gathers(c)
-    comm = sorted(reduces + by_kind[OpKind.ALL_GATHER])
+    _check_chain(c, reduces + by_kind[OpKind.ALL_GATHER])
+
+
+def _check_chain(c: _Context, collectives: list[int]) -> None:
+    """Part of rule ``collectives``: the collectives form one chain, each after the one before it."""
+    ops, fail, before = c.ops, c.fail, c.before
+    comm = sorted(collectives)
     for a, b in zip(comm, comm[1:]):
         if not before(a, b):
             fail(b, "collectives", f"it may run before #{a} {ops[a]!r}, so ranks could issue the collectives in "
@@ -668,6 +675,14 @@ def _check_gathers(c: _Context) -> None:
     gather, so no rank reads a master that another rank's shard step is still writing."""
     ops, fail, before = c.ops, c.fail, c.before
     gathers = c.by_kind[OpKind.ALL_GATHER]
+    if c.plan.host_state == "shard":
+        _check_weight_gathers(c)
+        return
+    for g in gathers:
+        if ops[g].tile is not None:
+            fail(g, "collectives", f"it gathers into gather tile t{ops[g].tile}, but the plan has host_state="
+                 f"{c.plan.host_state!r}: every node holds whole masters, so nothing is gathered into a tile",
+                 f"write ALL_GATHER:L{ops[g].layer}")
     if c.plan.optimizer_shards == 1:
         if gathers:
             fail(gathers[0], "collectives", "the plan has optimizer_shards=1: each rank steps whole tiles of its "
@@ -696,6 +711,52 @@ def _check_gathers(c: _Context) -> None:
                          f"their shards of it (OPT #{o})", f"make it depend on ALL_GATHER #{g}")
     for layer, got in sorted(mine.items()):
         fail(got[0], "collectives", f"layer {layer} has no OPT in this schedule", "drop the op")
+
+
+def _check_weight_gathers(c: _Context) -> None:
+    """Part of rule ``collectives`` (``Plan.host_state == "shard"``): no node holds a whole master,
+    so every read of one (an FP32 H2D, a BF16 CAST) depends on exactly one ALL_GATHER of its layer
+    with a gather tile (``t`` in ``[0, cost.GATHER_BUFFERS)``), and reads that tile; that gather
+    happens after every earlier OPT of the layer (the node's shards are stepped before they are
+    gathered) and before every later one (no shard changes while it is read); a later gather into the same tile happens after every read of the earlier one (a
+    tile is not overwritten while read); and every gather has a reader."""
+    ops, fail, before = c.ops, c.fail, c.before
+    gathers = c.by_kind[OpKind.ALL_GATHER]
+    for g in gathers:
+        if ops[g].tile is None or not 0 <= ops[g].tile < cost.GATHER_BUFFERS:
+            fail(g, "collectives", f"the plan shards the host state across {c.plan.nodes} nodes, so a gather "
+                 f"fills one of the node's {cost.GATHER_BUFFERS} gather tiles, and it names "
+                 + ("none" if ops[g].tile is None else f"t{ops[g].tile}"),
+                 f"write ALL_GATHER:L{ops[g].layer}:t<k> with k < {cost.GATHER_BUFFERS} (lower the plan again)")
+    read_by: dict[int, list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        if not ((op.kind is OpKind.H2D and op.tile is None) or op.kind is OpKind.CAST):
+            continue
+        mine = [d for d in op.deps if ops[d].kind is OpKind.ALL_GATHER and ops[d].layer == op.layer]
+        if len(mine) != 1:
+            fail(i, "collectives", f"it reads layer {op.layer}'s weights, which no node holds whole (host_state "
+                 f"'shard'), so it must depend on one ALL_GATHER of the layer, and it depends on {len(mine)}",
+                 f"make it depend on one ALL_GATHER:L{op.layer}:t<k> just before it (lower the plan again)")
+        g = mine[0]
+        read_by[g].append(i)
+        for o in c.opt_by_layer.get(op.layer, []):
+            if o < g and not before(o, g):
+                fail(g, "collectives", f"it gathers layer {op.layer}'s slices while OPT #{o} may still be stepping "
+                     "this rank's shard of them", f"make it depend on #{o}")
+            if o > g and not before(g, o):
+                fail(o, "collectives", f"it steps layer {op.layer}'s shard while #{g} {ops[g]!r} may still be "
+                     "gathering the node's slice of it", f"make it depend on #{g}")
+    by_tile: dict[int, list[int]] = defaultdict(list)
+    for g in gathers:
+        if g not in read_by:
+            fail(g, "collectives", "nothing reads the gather tile it fills", "drop the op")
+        by_tile[ops[g].tile].append(g)
+    for turn in by_tile.values():
+        for a, b in zip(turn, turn[1:]):
+            for r in read_by[a]:
+                if not before(r, b):
+                    fail(b, "collectives", f"it may overwrite gather tile t{ops[b].tile} while #{r} {ops[r]!r} "
+                         f"still reads what #{a} {ops[a]!r} gathered", f"make it depend on #{r}")
 
 
 RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_weights, _check_gradients,

@@ -19,6 +19,17 @@ goes back to the system when the last rank exits, however it exits. The leader i
 weights (each rank's module is bound to views of the shared blocks without writing them), and the
 leaders of all nodes then take global rank 0's weights (a broadcast), so every rank starts from the
 same weights, as DDP's construction does.
+
+Sharded across nodes (``Plan.host_state == "shard"``, ZeRO-3 style: Rajbhandari et al. 2020,
+arXiv:1910.02054). Global rank ``r`` of ``N`` steps shard ``r`` of every layer
+(``cost.optimizer_shard``) and node ``n`` holds only the union of its ranks' shards
+(``cost.node_slice``) of the masters and moments, in its shared mapping, with
+``cost.GATHER_BUFFERS`` gather tiles after them. The gradients are reduce-scattered over every
+rank; before each read of a layer's weights the schedule's ALL_GATHER puts the whole layer, from
+every node's slice, into a gather tile (:func:`gather_weights`). At compile global rank 0
+initialises the weights into whole rows of its own (4 bytes per parameter, dropped after) and
+broadcasts them to the node leaders, one layer at a time (:func:`broadcast_slices`); no module
+keeps its parameters (``host.unbind_parameters``).
 """
 
 from __future__ import annotations
@@ -220,6 +231,7 @@ class DataParallelHost:
     groups: Groups
     shared: SharedHostMemory | None
     writer: bool
+    sharded: bool = False
 
     def barrier(self, what: str) -> None:
         """Wait for every rank, in the gloo group of every rank (``what`` names it in a
@@ -231,17 +243,24 @@ class DataParallelHost:
 
     @property
     def shard_index(self) -> int:
-        """This rank's optimizer shard (``cost.optimizer_shard``): its place in the node when shared."""
+        """This rank's optimizer shard (``cost.optimizer_shard`` of ``Plan.update_shards``): its global
+        rank when the state is sharded across nodes (``sharded``), its place in the node when the
+        node shares one copy, else 0."""
+        if self.sharded:
+            return self.topo.rank
         return self.topo.local_rank if self.shared is not None else 0
 
 
-def data_parallel_host(nbytes: int, data_parallel: int, optimizer_shards: int) -> DataParallelHost:
-    """Set up data parallel for a plan with ``data_parallel`` ranks of which ``optimizer_shards``
-    per node share the host state (``nbytes`` of it, ``HostState.shared_nbytes``). Collective.
+def data_parallel_host(nbytes: int, data_parallel: int, optimizer_shards: int, nodes: int = 1,
+                       sharded: bool = False) -> DataParallelHost:
+    """Set up data parallel for a plan with ``data_parallel`` ranks over ``nodes`` nodes of which
+    ``optimizer_shards`` per node share the host state (``nbytes`` of it, ``HostState.shared_nbytes``;
+    with ``sharded``, ``Plan.host_state == "shard"``, the node's slice of it). Collective.
 
     Raises:
-        ConfigError: the plan's ranks are not the process group's, or its shards not the node's
-            ranks; no room in ``/dev/shm`` (:func:`shared_host_memory`).
+        ConfigError: the plan's ranks or nodes are not the process group's, or its shards not the
+            node's ranks (a sharded state needs every rank of a node sharing its slice); no room in
+            ``/dev/shm`` (:func:`shared_host_memory`).
     """
     topo = topology()
     if data_parallel != topo.world:
@@ -250,10 +269,62 @@ def data_parallel_host(nbytes: int, data_parallel: int, optimizer_shards: int) -
     if optimizer_shards not in (1, topo.local_world):
         raise ConfigError(f"the plan shares each node's host state among optimizer_shards={optimizer_shards} ranks, "
                           f"but a node runs LOCAL_WORLD_SIZE={topo.local_world}; compile on the nodes you train on")
+    if sharded and (optimizer_shards != topo.local_world or nodes != topo.world // topo.local_world):
+        raise ConfigError(f"the plan shards the host state over nodes={nodes} with optimizer_shards={optimizer_shards}, "
+                          f"but the process group has {topo.world // topo.local_world} nodes of LOCAL_WORLD_SIZE="
+                          f"{topo.local_world}: each node's ranks share its slice, so optimizer_shards must be the "
+                          "ranks per node; compile with share_host_memory=True on the nodes you train on")
     g = Groups(topo)
     if optimizer_shards == 1:
-        return DataParallelHost(topo, g, None, True)
-    return DataParallelHost(topo, g, shared_host_memory(nbytes, topo, g.node), topo.leader)
+        return DataParallelHost(topo, g, None, True, sharded)
+    return DataParallelHost(topo, g, shared_host_memory(nbytes, topo, g.node), topo.leader, sharded)
+
+
+def broadcast_slices(rows: list[torch.Tensor] | None, host: Any, dp: DataParallelHost) -> None:
+    """Give every node's slice of the host state (``host``: a sliced ``HostState``) global rank 0's
+    initial master weights: ``rows`` (rank 0 only; None elsewhere) holds each layer's whole FP32
+    row; layer by layer, rank 0 broadcasts it to the node leaders, each of which copies its
+    ``[lo, hi)`` into its node's slice (so a leader holds one whole row at a time besides its
+    slice), then the node's ranks wait for their leader. Collective."""
+    import torch.distributed as dist
+
+    with collective("the broadcast of rank 0's weights to the nodes' slices at compile"):
+        if dp.writer:
+            for li, layer in enumerate(host.graph.layers):
+                row = rows[li] if dp.topo.rank == 0 else torch.empty((layer.numel,), dtype=torch.float32)
+                dist.broadcast(row, src=0, group=dp.groups.leaders)
+                lo, hi = host.slices[li]
+                host.master(li).copy_(row[lo:hi])
+        if dp.shared is not None:
+            dist.barrier(group=dp.groups.node)
+
+
+def gather_weights(host: Any, layer: int, lo_hi: list[tuple[int, int]], dst: torch.Tensor,
+                   dp: DataParallelHost) -> None:
+    """Gather layer ``layer``'s whole master tile into ``dst`` (a node-shared ``numel``-element
+    tile of the compute dtype, FP32 or BF16) from every node's slice of it (``lo_hi[n]``: node
+    ``n``'s ``[lo, hi)``, ``cost.node_slice``): the node's ranks wait for each other (every
+    rank's update of its shard, and every read of ``dst``'s last content, is done), the node
+    leaders all-gather their slices cast to ``dst``'s dtype over the leaders' group (gloo
+    needs equal sizes: each slice is padded to the longest, then copied to its place), and the
+    node's ranks wait again, so none reads ``dst`` before it is whole. Collective; raises
+    ``CollectiveError`` as :func:`collective`."""
+    import torch.distributed as dist
+
+    node_group = dp.groups.node
+    if dp.shared is not None:
+        dist.barrier(group=node_group)
+    if dp.writer:
+        chunk = max(hi - lo for lo, hi in lo_hi)
+        lo, hi = lo_hi[dp.topo.node]
+        mine = torch.zeros((chunk,), dtype=dst.dtype)
+        mine[:hi - lo].copy_(host.master(layer))
+        parts = [torch.empty((chunk,), dtype=dst.dtype) for _ in lo_hi]
+        dist.all_gather(parts, mine, group=dp.groups.leaders)
+        for (a, b), part in zip(lo_hi, parts):
+            dst[a:b].copy_(part[:b - a])
+    if dp.shared is not None:
+        dist.barrier(group=node_group)
 
 
 def broadcast_masters(masters: list[torch.Tensor], dp: DataParallelHost) -> None:
@@ -270,3 +341,74 @@ def broadcast_masters(masters: list[torch.Tensor], dp: DataParallelHost) -> None
         if dp.shared is not None:
             dist.barrier(group=dp.groups.node)
 
+
+
+class SliceReader:
+    """Whole rows of a sliced host state (``Plan.host_state == "shard"``), read on global rank 0
+    from the node leaders' slices, one row at a time, while the other leaders :meth:`serve`: what
+    ``Trainer.save`` writes a checkpoint from. Rank 0 asks for a row (:meth:`row`: a broadcast of
+    ``(layer, kind)`` over the leaders' group), each leader sends its part (padded to the longest,
+    ``dist.gather``), and rank 0 assembles it; :meth:`close` ends the leaders' loops. Rank 0 keeps
+    the last row (a layer's parameters are read one after another), so it holds about one layer
+    beyond its node's slice. ``plan`` gives every node's slice (``cost.node_slice``)."""
+
+    def __init__(self, host: Any, dp: DataParallelHost, plan: Any):
+        from megatrain.planner import cost
+
+        self.host, self.dp = host, dp
+        self.slices = [[cost.node_slice(lay.numel, lay.trainable_numel, plan, n) for lay in host.graph.layers]
+                       for n in range(plan.nodes)]
+        self._last: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def row(self, layer: int, kind: int) -> torch.Tensor:
+        """Rank 0: ``float32[numel]`` (``kind`` 0, the master) or ``float32[trainable_numel]`` (1, 2:
+        the moments) of ``layer``, whole. Collective with the leaders' :meth:`serve`."""
+        import torch.distributed as dist
+
+        if self._last is not None and self._last[0] == (layer, kind):
+            return self._last[1]
+        with collective(f"the gather of layer {layer}'s row {kind} to rank 0 for a save"):
+            dist.broadcast(torch.tensor([layer, kind], dtype=torch.int64), src=0, group=self.dp.groups.leaders)
+            full = self._gather(layer, kind)
+        self._last = ((layer, kind), full)
+        return full
+
+    def serve(self) -> None:
+        """A node leader but rank 0: send this node's part of each row rank 0 asks for, until :meth:`close`."""
+        import torch.distributed as dist
+
+        with collective("the gather of the node's slices to rank 0 for a save"):
+            while True:
+                req = torch.empty((2,), dtype=torch.int64)
+                dist.broadcast(req, src=0, group=self.dp.groups.leaders)
+                if int(req[0]) < 0:
+                    return
+                self._gather(int(req[0]), int(req[1]))
+
+    def close(self) -> None:
+        """Rank 0: end the leaders' :meth:`serve` loops."""
+        import torch.distributed as dist
+
+        self._last = None
+        with collective("the end of the gathers to rank 0 for a save"):
+            dist.broadcast(torch.tensor([-1, 0], dtype=torch.int64), src=0, group=self.dp.groups.leaders)
+
+    def _gather(self, layer: int, kind: int) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        t = self.host.graph.layers[layer].trainable_numel
+        # A node's part: its master slice, or the moments of its slice's trainable elements.
+        parts = [(lo, hi) if kind == 0 else (min(lo, t), min(hi, t)) for lo, hi in (s[layer] for s in self.slices)]
+        chunk = max(1, max(b - a for a, b in parts))
+        a, b = parts[self.dp.topo.node]
+        mine = torch.zeros((chunk,), dtype=torch.float32)
+        local = self.host.master(layer) if kind == 0 else self.host._moment(layer, kind - 1)
+        mine[:b - a].copy_(local[:b - a])
+        got = [torch.empty((chunk,), dtype=torch.float32) for _ in parts] if self.dp.topo.rank == 0 else None
+        dist.gather(mine, got, dst=0, group=self.dp.groups.leaders)
+        if got is None:
+            return None
+        full = torch.empty((parts[-1][1] if kind else self.host.graph.layers[layer].numel,), dtype=torch.float32)
+        for (a, b), part in zip(parts, got):
+            full[a:b].copy_(part[:b - a])
+        return full

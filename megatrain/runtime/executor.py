@@ -225,7 +225,8 @@ class Executor:
         self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
         # Data parallel (``materialize`` sets them): the gloo groups of the host collectives
         # (``runtime.distributed.Groups``; None: the default group), and this rank's optimizer
-        # shard among the ``Plan.optimizer_shards`` ranks of its node.
+        # shard among the ``Plan.update_shards`` ranks that split each layer (its node's, or with a
+        # state sharded across nodes every rank).
         self.groups = None
         self.shard_index = 0
         # The NVMe tier's host I/O buffers (cost.nvme_buffers; Op.buf indexes them): the moments of
@@ -441,15 +442,35 @@ Handler = Callable[[_RunContext, int, Op], Work]
 
 def _h2d(ctx: _RunContext, i: int, op: Op) -> Work:
     """Copy a layer's weights into its slot: from the staging tile the op names (BF16), else from
-    the FP32 master rows."""
+    the FP32 master rows, or with a sliced host state (``Plan.host_state == "shard"``) from the
+    gather tile its ALL_GATHER filled."""
     numel = ctx.graph.layers[op.layer].numel
-    src = ctx.bufs.staging[op.tile][:numel] if op.tile is not None else ctx.ex.host.master(op.layer)
+    src = ctx.bufs.staging[op.tile][:numel] if op.tile is not None else _master_source(ctx, i, op)
     return _copy(ctx.bufs.weights[op.slot][:numel], src)
 
 
 def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
-    master = ctx.ex.host.master(op.layer)
+    master = _master_source(ctx, i, op)
     return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+
+
+def _master_source(ctx: _RunContext, i: int, op: Op) -> torch.Tensor:
+    """The whole master tile of ``op.layer`` that op ``i`` (an FP32 H2D or a CAST) reads: the host
+    state's row, or on a sliced host state the gather tile of the ALL_GATHER it depends on (in the
+    compute dtype; rule 'collectives' checks there is exactly one)."""
+    host = ctx.ex.host
+    if not host.sliced:
+        return host.master(op.layer)
+    ops = ctx.schedule.ops
+    gather = next(ops[d] for d in op.deps if ops[d].kind is OpKind.ALL_GATHER and ops[d].layer == op.layer)
+    return _gather_tile(ctx, gather)
+
+
+def _gather_tile(ctx: _RunContext, op: Op) -> torch.Tensor:
+    """The node-shared gather tile ``op.tile`` as ``op.layer``'s ``numel`` elements of the compute dtype."""
+    dtype = _DTYPES[ctx.compute_dtype]
+    numel = ctx.graph.layers[op.layer].numel
+    return ctx.ex.host.gather[op.tile][:numel * dtype.itemsize].view(dtype)
 
 
 def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
@@ -631,14 +652,16 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     """Host AdamW step of one layer from the gradient tile or accumulator the op names (with
-    ``Plan.optimizer_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``), on its
+    ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
+    state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf``; BF16
     gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
     for FP32 masters; the widening is exact)."""
     ex, li = ctx.ex, op.layer
     n = ctx.graph.layers[li].trainable_numel
-    lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.optimizer_shards, ex.shard_index)
+    lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.update_shards, ex.shard_index)
     h = ex.host
+    base = h.slices[li][0]  # a sliced host state holds the layer from element ``base`` on
     grads = (ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring] if op.ring is not None
              else ctx.bufs.nvme_gradients[op.gbuf])  # gbuf: a gradient tile its NVME_READ brought back
     tile = None
@@ -662,7 +685,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
         if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
             grads[lo:hi].copy_(tile[lo:hi])
         adamw(
-            [h.master(li)[lo:hi]], [grads[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
+            [h.master(li)[lo - base:hi - base]], [grads[lo:hi]], [exp_avg[lo - base:hi - base]],
+            [exp_avg_sq[lo - base:hi - base]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
             beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
         ctx.updated.append(li)
@@ -776,8 +800,9 @@ def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     """Average layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over
-    the ``plan.data_parallel`` ranks of one node, but only on this rank's optimizer shard
-    ``[lo, hi)`` (``cost.optimizer_shard``), the only part its OPT reads
+    the ``plan.data_parallel`` ranks (of one node, or of every node when the state is sharded
+    across them), but only on this rank's optimizer shard ``[lo, hi)`` (``cost.optimizer_shard``
+    of ``Plan.update_shards``), the only part its OPT reads
     (``Plan.gradient_reduction == "reduce_scatter"``): ``torch.distributed.reduce_scatter_single``
     of the tile's first ``shards x per`` elements (equal chunks; ``cost.reduced_numel`` made the
     tile that long; the padding past the layer's parameters is zeroed first, so the collective sums
@@ -791,7 +816,7 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     ex, li = ctx.ex, op.layer
     plan = ctx.schedule.plan
     n = ctx.graph.layers[li].trainable_numel
-    shards, world = plan.optimizer_shards, plan.data_parallel
+    shards, world = plan.update_shards, plan.data_parallel
     full = cost.reduced_numel(n, plan)
     per = full // shards
     lo, hi = cost.optimizer_shard(n, shards, ex.shard_index)
@@ -822,8 +847,25 @@ def _all_gather(ctx: _RunContext, i: int, op: Op) -> Work:
     """Give every rank of the node the shards of layer ``op.layer`` the others' OPTs stepped: on the
     node's shared host state they are in place already, so this waits until every rank of the node
     has reached it, and so finished its OPT of the layer (a barrier of the node's group; runs on the
-    COMM host worker, in list order)."""
-    group = None if ctx.ex.groups is None else ctx.ex.groups.node
+    COMM host worker, in list order). With a gather tile (``op.tile``, ``Plan.host_state ==
+    "shard"``): the layer's whole weights from every node's slice into that node-shared tile, in
+    the compute dtype (``runtime.distributed.gather_weights``), for the H2D or CAST that depends on it."""
+    ex = ctx.ex
+    if op.tile is not None:
+        plan, layer = ctx.schedule.plan, ctx.graph.layers[op.layer]
+        if not ex.host.sliced or ex.host.data_parallel is None:
+            raise ConfigError(f"op #{i} {op!r} gathers a sharded layer, but this host state holds whole tiles (it "
+                              "was made for another plan); compile the trainer with this plan")
+        from megatrain.runtime.distributed import gather_weights
+
+        lo_hi = [cost.node_slice(layer.numel, layer.trainable_numel, plan, n) for n in range(plan.nodes)]
+        dst = _gather_tile(ctx, op)
+
+        def gather() -> None:
+            with collective(repr(op)):
+                gather_weights(ex.host, op.layer, lo_hi, dst, ex.host.data_parallel)
+        return gather
+    group = None if ex.groups is None else ex.groups.node
 
     def run() -> None:
         import torch.distributed as dist

@@ -86,6 +86,16 @@ class HostState:
     :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
     private memory. ``writer``: False on the ranks that map a shared copy another rank fills.
 
+    Slices (``Plan.host_state == "shard"``). ``slices[i] = (lo, hi)``: this node holds only
+    elements ``[lo, hi)`` of layer ``i``'s master tile, and the moments of ``[lo, min(hi,
+    trainable_numel))`` (``cost.node_slice``); its block is those rows alone, and :meth:`master`,
+    :meth:`exp_avg`, :meth:`exp_avg_sq` return them (indexed from ``lo``). None (the default) is
+    every layer whole, ``(0, numel)``: one code path for both. A sliced state also carves
+    ``cost.GATHER_BUFFERS`` gather tiles of ``gather_bytes`` each (:attr:`gather`, ``uint8``) after
+    the blocks, which the schedule's ALL_GATHERs fill with whole layers for the H2D or CAST to read;
+    no parameter of the module can be a view of a master it does not hold (:meth:`param_view`
+    raises).
+
     Raises:
         ConfigError: ``nvme_moments`` or ``nvme_gradients`` without ``nvme_dir``, or naming a layer
             with no trainable parameters.
@@ -94,9 +104,16 @@ class HostState:
 
     def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
-                 gradient_itemsize: int = 4):
+                 gradient_itemsize: int = 4, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0):
         self.graph = graph
         self.shared = shared
+        self.sliced = slices is not None
+        self.slices = list(slices) if slices is not None else [(0, lay.numel) for lay in graph.layers]
+        if len(self.slices) != len(graph.layers) or any(
+                not 0 <= lo <= hi <= lay.numel for (lo, hi), lay in zip(self.slices, graph.layers)):
+            raise ConfigError(f"HostState slices {self.slices} do not fit the graph's {len(graph.layers)} layers "
+                              f"of {[lay.numel for lay in graph.layers]} elements: give one [lo, hi) within each "
+                              "layer's tile (cost.node_slice)")
         # Data parallel: the ``runtime.distributed.DataParallelHost`` these tiles were set up with
         # (``materialize``), which later trainers over them (one per batch shape) reuse.
         self.data_parallel: Any = None
@@ -114,8 +131,8 @@ class HostState:
         self.blocks: list[torch.Tensor] = []
         self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
         for li, layer in enumerate(graph.layers):
-            n = layer.numel
-            t = 0 if li in self.nvme_moments else layer.trainable_numel
+            n, t = self._extent(li)
+            t = 0 if li in self.nvme_moments else t
             row = cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT)
             size = _block_bytes(n, 2 * t)
             raw = page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN)
@@ -126,6 +143,11 @@ class HostState:
                 block[n:].zero_()
             self.blocks.append(block)
             self._rows.append(raw[:row])
+        self.gather: list[torch.Tensor] = []
+        if self.sliced:
+            size = -(-max(gather_bytes, 1) // _ALIGN) * _ALIGN
+            self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN))[:gather_bytes]
+                           for _ in range(cost.GATHER_BUFFERS)]
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
         self._pins: list[Any] = []
@@ -140,14 +162,25 @@ class HostState:
             self.nvme = NvmeStore(nvme_dir, sizes)
 
     @staticmethod
-    def shared_nbytes(graph: LayerGraph) -> int:
-        """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them):
-        each rounded up to whole pages."""
-        return sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
+    def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0) -> int:
+        """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them; of
+        ``slices`` only, with the gather tiles of ``gather_bytes`` each): each rounded up to whole
+        pages."""
+        if slices is None:
+            return sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
+        tiles = cost.GATHER_BUFFERS * (-(-max(gather_bytes, 1) // _ALIGN) * _ALIGN)
+        return tiles + sum(_block_bytes(hi - lo, 2 * max(0, min(hi, lay.trainable_numel) - lo))
+                           for (lo, hi), lay in zip(slices, graph.layers))
+
+    def _extent(self, layer: int) -> tuple[int, int]:
+        """(master elements, moment elements per moment) this state holds of ``layer``."""
+        lo, hi = self.slices[layer]
+        return hi - lo, max(0, min(hi, self.graph.layers[layer].trainable_numel) - lo)
 
     def master(self, layer: int) -> torch.Tensor:
-        """``float32[numel]``: the layer's FP32 master weights (frozen parameters included)."""
-        return self.blocks[layer][:self.graph.layers[layer].numel]
+        """``float32[hi - lo]``: the layer's FP32 master weights (frozen parameters included) this
+        state holds, elements ``[lo, hi)`` of its tile (``slices[layer]``; the whole tile unless sliced)."""
+        return self.blocks[layer][:self._extent(layer)[0]]
 
     def exp_avg(self, layer: int) -> torch.Tensor:
         """``float32[trainable_numel]``: AdamW's first moment of the layer's trainable prefix (a view).
@@ -164,14 +197,14 @@ class HostState:
             raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its Adam moments on NVMe "
                              f"({self.nvme.tiles[moments_key(layer)].path}), not in host memory: read them with "
                              "HostState.read_moments and write them with write_moments")
-        n, t = self.graph.layers[layer].numel, self.graph.layers[layer].trainable_numel
+        n, t = self._extent(layer)
         return self.blocks[layer][n + k * t:n + (k + 1) * t]
 
     def read_moments(self, layer: int) -> torch.Tensor:
         """A new ``float32[2 * trainable_numel]`` tensor: the layer's ``exp_avg`` then ``exp_avg_sq``,
         from host memory or from its NVMe file. Raises NvmeError (naming the file) when the file is
-        missing or truncated."""
-        t = self.graph.layers[layer].trainable_numel
+        missing or truncated. (Of the moment rows this state holds, ``slices``.)"""
+        t = self._extent(layer)[1]
         out = torch.empty((2 * t,), dtype=torch.float32)
         if layer in self.nvme_moments:
             self.nvme.read_tensor(moments_key(layer), out)
@@ -183,7 +216,7 @@ class HostState:
     def write_moments(self, layer: int, moments: torch.Tensor) -> None:
         """Set the layer's ``exp_avg`` and ``exp_avg_sq`` from ``moments`` (``float32[2 * trainable_numel]``,
         in that order), in host memory or in its NVMe file (written through, waited for)."""
-        t = self.graph.layers[layer].trainable_numel
+        t = self._extent(layer)[1]
         if tuple(moments.shape) != (2 * t,) or moments.dtype != torch.float32:
             raise ValueError(f"layer {self.graph.layers[layer].name!r}: moments must be float32[{2 * t}], not "
                              f"{moments.dtype} {list(moments.shape)}")
@@ -201,14 +234,16 @@ class HostState:
     @property
     def nbytes(self) -> int:
         """Bytes of the persistent FP32 state in host memory: every master row, and the moment rows of
-        the layers not on NVMe (``cost.memory_breakdown``'s ``master_weights + adam_moments``)."""
+        the layers not on NVMe (``cost.memory_breakdown``'s ``master_weights + adam_moments``); of a
+        sliced state, its slices' (``cost.node_memory``'s ``persistent`` for this node, within the
+        shards' 64-byte alignment), without the gather tiles."""
         return sum(b.numel() * b.element_size() for b in self.blocks)
 
     @property
     def pinned_nbytes(self) -> int:
         """Bytes of master rows pinned now: ``cost.pinned_master_bytes`` of an FP32 plan on a backend
         that pins (the CPU backend pins nothing), or 0."""
-        return sum(r.numel() for r, pin in zip(self._rows, self._pins) if pin is not None)
+        return sum(r.numel() for r, pin in zip(self.gather if self.sliced else self._rows, self._pins) if pin is not None)
 
     def pin_masters(self, backend: Any) -> None:
         """Page-lock every layer's master row, rounded up to whole pages, through
@@ -217,7 +252,8 @@ class HostState:
         if self._pinned_by is backend:
             return
         self.unpin_masters()
-        self._pins = [backend.host_pin(row) for row in self._rows]
+        # A sliced state's H2Ds read the gather tiles, not the master rows.
+        self._pins = [backend.host_pin(row) for row in (self.gather if self.sliced else self._rows)]
         self._pinned_by = backend
 
     def unpin_masters(self) -> None:
@@ -226,6 +262,12 @@ class HostState:
         self._pinned_by = None
 
     def param_view(self, layer: int, index: int) -> torch.Tensor:
+        """Parameter ``index`` of ``layer`` as a view of its master tile. Raises ConfigError on a
+        sliced state, which holds no whole tile."""
+        if self.sliced:
+            raise ConfigError(f"layer {self.graph.layers[layer].name!r}: this node holds elements {self.slices[layer]} "
+                              "of its master tile only (Plan.host_state='shard'), so no parameter is a view of it; "
+                              "read the weights from a checkpoint (Trainer.save), or train with host_state='replicate'")
         spec = self.graph.layers[layer].params[index]
         return self.master(layer)[spec.offset:spec.offset + spec.numel].view(spec.shape)
 
@@ -270,9 +312,59 @@ class NvmeMomentRow:
         return f"NvmeMomentRow({self.host.graph.layers[self.layer].name!r}, {('exp_avg', 'exp_avg_sq')[self.k]})"
 
 
-def as_tensor(x: "torch.Tensor | NvmeMomentRow") -> torch.Tensor:
-    """``x`` itself, or the tensor an :class:`NvmeMomentRow` reads from its file."""
-    return x.read() if isinstance(x, NvmeMomentRow) else x
+MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+"""The rows of a layer's block, as :class:`SlicedRow` names them."""
+
+
+class SlicedRow:
+    """Elements ``[start, start + prod(shape))`` of layer ``layer``'s row ``kind`` (:data:`MASTER`,
+    :data:`EXP_AVG` or :data:`EXP_AVG_SQ`: the whole tile's row, not a node's slice) of a sliced
+    host state (``Plan.host_state == "shard"``), as a state-dict entry (``Trainer.state_dict()``)
+    of ``shape`` and ``dtype`` FP32: ``copy_(src)`` writes the part of ``src`` that lies in this
+    node's slice (every node's ranks, each reading the same file, write their own part: a load
+    needs no collective); :meth:`read` returns the whole row's part, from ``fetch(layer, kind)``
+    (the node leaders' slices gathered to global rank 0 while ``Trainer.save`` runs)."""
+
+    __slots__ = ("host", "layer", "kind", "start", "shape", "fetch")
+    dtype = torch.float32
+
+    def __init__(self, host: HostState, layer: int, kind: int, start: int, shape: tuple[int, ...], fetch: Any):
+        self.host, self.layer, self.kind, self.start, self.fetch = host, layer, kind, start, fetch
+        self.shape = torch.Size(shape)
+
+    def read(self) -> torch.Tensor:
+        n = self.shape.numel()
+        return self.fetch(self.layer, self.kind)[self.start:self.start + n].view(self.shape)
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.read().to(dtype)
+
+    def copy_(self, src: torch.Tensor) -> "SlicedRow":
+        lo, hi = self.host.slices[self.layer]
+        mine = self.host.master(self.layer) if self.kind == MASTER else self.host._moment(self.layer, self.kind - 1)
+        hi = lo + mine.numel()  # a moment row ends at the trainable prefix
+        a, b = max(lo, self.start), min(hi, self.start + self.shape.numel())
+        if a < b:
+            mine[a - lo:b - lo].copy_(src.reshape(-1)[a - self.start:b - self.start])
+        return self
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def same(self, other: Any) -> bool:
+        """Whether ``other`` is this part of this host state (loading it into itself copies nothing)."""
+        return (isinstance(other, SlicedRow) and other.host is self.host and other.layer == self.layer
+                and other.kind == self.kind and other.start == self.start and other.shape == self.shape)
+
+    def __repr__(self) -> str:
+        return (f"SlicedRow({self.host.graph.layers[self.layer].name!r}, "
+                f"{('master', 'exp_avg', 'exp_avg_sq')[self.kind]}, start={self.start}, shape={list(self.shape)})")
+
+
+def as_tensor(x: "torch.Tensor | NvmeMomentRow | SlicedRow") -> torch.Tensor:
+    """``x`` itself, or the tensor an :class:`NvmeMomentRow` reads from its file, or a
+    :class:`SlicedRow` from the nodes' slices."""
+    return x.read() if isinstance(x, (NvmeMomentRow, SlicedRow)) else x
 
 
 class PinnedArena:
@@ -305,7 +397,51 @@ class PinnedArena:
         return self.memory[t.offset:t.offset + t.nbytes].view(dtype)
 
 
-def bind_module(model: nn.Module, host: HostState, writer: bool = True) -> None:
+class FullMasters:
+    """Whole FP32 master rows of every layer of ``graph`` (``rows[i]``: ``float32[numel]``, private,
+    zero padding), without moments: what global rank 0 initialises the module into
+    (:func:`bind_module` takes it as a host) when the host state is sliced across nodes
+    (``Plan.host_state == "shard"``), before each row is sent to the nodes' slices. 4 bytes per
+    parameter, held until the caller drops it."""
+
+    def __init__(self, graph: LayerGraph):
+        self.graph = graph
+        self.rows = [page_aligned_empty(lay.numel * 4).view(torch.float32) for lay in graph.layers]
+
+    def param_view(self, layer: int, index: int) -> torch.Tensor:
+        spec = self.graph.layers[layer].params[index]
+        return self.rows[layer][spec.offset:spec.offset + spec.numel].view(spec.shape)
+
+
+def materialize_buffers(model: nn.Module) -> None:
+    """Materialise ``model``'s meta-device buffers on the CPU and initialise them by their modules'
+    own initialisation (the rotary tables of a model built on ``meta``), writing no parameter
+    elsewhere than in the module's own tensors: a rank whose parameters are not bound
+    (a sliced host state) still runs its layers with real buffers.
+
+    Raises:
+        UnsupportedModelError: a meta module has no initialisation megatrain can call.
+    """
+    needs_init: dict[str, nn.Module] = {}
+    if _meta_buffers(model, needs_init):
+        _initialise(model, needs_init)
+
+
+def unbind_parameters(model: nn.Module) -> None:
+    """Replace every parameter of ``model`` (each of its names, so ties stay tied) by one of the same
+    shape, dtype and ``requires_grad`` on the ``meta`` device, which holds no memory: with a sliced
+    host state no rank keeps a whole copy of the weights; the trained ones are read from a
+    checkpoint (``Trainer.save``)."""
+    fresh: dict[int, nn.Parameter] = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if id(p) not in fresh:
+            fresh[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                        requires_grad=p.requires_grad)
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, fresh[id(p)])
+
+
+def bind_module(model: nn.Module, host: "HostState | FullMasters", writer: bool = True) -> None:
     """Move every parameter of ``model`` into its master tile and make it a view of the tile.
 
     Parameters on the ``meta`` device are initialised in place by the model's own initialisation:
