@@ -295,9 +295,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 11
-    doc["version"] = 10
-    with pytest.raises(pydantic.ValidationError, match="version 10 is not 11.*lower the plan again"):
+    assert doc["version"] == 12
+    doc["version"] = 11
+    with pytest.raises(pydantic.ValidationError, match="version 11 is not 12.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 
