@@ -35,7 +35,7 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
-from megatrain.runtime.host import HostState, NvmeMomentRow, as_tensor, bind_module
+from megatrain.runtime.host import HostState, NvmeRow, as_tensor, bind_module, unbind_spilled
 from megatrain.runtime.measure import measure_hardware
 
 
@@ -235,7 +235,10 @@ class Trainer:
                 laid out after it, have none); for a layer whose moments live on NVMe
                 (``Plan.nvme_moments``) an :class:`~megatrain.runtime.host.NvmeMomentRow`, which
                 reads the row from its file (``read()``) and writes one into it (``copy_``), so
-                the state of such layers is never all in host memory at once.
+                the state of such layers is never all in host memory at once. Likewise a layer
+                whose master lives on NVMe (``Plan.nvme_masters``) gives
+                :class:`~megatrain.runtime.host.NvmeMasterRow` entries in ``"model"`` and
+                ``"masters"`` (its module parameters are ``meta`` tensors: read them here).
             ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
             ``"step_count"``: ``int``, the steps this trainer has taken.
             ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).
@@ -249,7 +252,7 @@ class Trainer:
         if flush:
             self.flush()
         host, layers = self.host, self.graph.layers
-        model = {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
+        model = {spec.name: host.param_row(li, pi) for li, layer in enumerate(layers)
                  for pi, spec in enumerate(layer.params)}
         # state_dict() returns detached tensors sharing the module's storage: copying into one
         # writes the module's buffer.
@@ -261,7 +264,7 @@ class Trainer:
         return {
             "model": model,
             "buffers": buffers,
-            "masters": {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
+            "masters": {f"{layer.name}.master": host.master_row(li) for li, layer in enumerate(layers)},
             "optimizer": {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
                           for k, kind in enumerate(("exp_avg", "exp_avg_sq"))},
             "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
@@ -304,10 +307,10 @@ class Trainer:
             raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
         with torch.no_grad():
             for dst, src in pairs:
-                if isinstance(dst, NvmeMomentRow):
+                if isinstance(dst, NvmeRow):
                     if not dst.same(src):  # written through to the file
                         dst.copy_(as_tensor(src))
-                elif isinstance(src, NvmeMomentRow):
+                elif isinstance(src, NvmeRow):
                     dst.copy_(src.read())
                 elif not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.shape == src.shape):
                     dst.copy_(src)
@@ -717,7 +720,8 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
                 host: HostState | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
     master weights and AdamW moments, 12 bytes per parameter; 4 for a layer of
-    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here), the module's
+    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here; none for a layer of
+    ``Plan.nvme_masters``, whose initialised master is written to its file here), the module's
     parameters bound to them (a meta-device model is initialised there by its own initialisation), the backend and
     the executor. On ``device="cuda"`` the train schedule's GPU slots and pinned buffers are
     allocated here too, so that running out of memory is a compile error, not a first-step one;
@@ -766,11 +770,21 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         # The NVMe files are made here (zeros, like fresh moments): a missing directory or a full
         # disk fails at compile, before the model is bound.
         host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir),
-                         nvme_gradients=grads_on_nvme, gradient_itemsize=planned.plan.gradient_itemsize)
+                         nvme_gradients=grads_on_nvme, gradient_itemsize=planned.plan.gradient_itemsize,
+                         nvme_masters=planned.plan.nvme_masters)
         bind_module(model, host)
+        if host.nvme_masters:
+            # The initialised masters go to their files (the executor casts its staging tiles from
+            # them before the first run), and the module stops viewing the rows that are dropped.
+            host.spill_masters()
+            unbind_spilled(model, host)
     elif [lay.params for lay in host.graph.layers] != [lay.params for lay in traced.graph.layers]:
         raise ConfigError("this plan's layers hold other parameters than the shared host tiles' (the model "
                           "traced differently at this shape); compile the shape with its own trainer")
+    elif host.nvme_masters != planned.plan.nvme_masters:
+        raise ConfigError(f"this plan keeps the masters of layers {sorted(planned.plan.nvme_masters)} on NVMe, the "
+                          f"shared host state those of layers {sorted(host.nvme_masters)}; give every shape's plan "
+                          "the same nvme_masters")
     elif host.nvme_moments != on_nvme:
         raise ConfigError(f"this plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe, the shared host "
                           f"state those of layers {sorted(host.nvme_moments)}; give every shape's plan the same "

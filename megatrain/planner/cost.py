@@ -633,7 +633,8 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
     staging tiles with BF16 compute, and a region per offloaded checkpoint (``graph.values[v].nbytes``
     for each value of :meth:`LayerGraph.checkpoints` of a layer whose policy is OFFLOAD, for every
     micro-batch layer by layer, once with per-micro-batch passes). ``"eval"``: the staging tiles.
-    ``"update"``: the gradient tiles. ``"train"`` and ``"update"`` also hold the gradient I/O
+    ``"update"``: the gradient tiles (and the staging tiles with ``Plan.nvme_masters``: the CAST
+    after such a layer's OPT fills its tile). ``"train"`` and ``"update"`` also hold the gradient I/O
     buffers of ``Plan.nvme_gradients`` (:func:`nvme_gradient_buffers`: a D2H lands in them, so they
     are pinned). Each tile starts on a page and takes whole pages.
     """
@@ -645,7 +646,8 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
         regions += [("ring", r, w * plan.gradient_itemsize) for r, w in enumerate(gradient_tile_numels(graph, plan))]
         count, nbytes = nvme_gradient_buffers(graph, plan)
         regions += [("nvme_gradients", k, nbytes) for k in range(count)]
-    if mode in ("train", "eval"):
+    if mode in ("train", "eval") or (mode == "update" and plan.nvme_masters):
+        # An update of a layer whose master is on NVMe casts the new master into its staging tile.
         regions += [("staging", t, w * STAGING_ITEMSIZE) for t, w in enumerate(staging_tile_numels(graph, plan))]
     if mode == "train":
         copies = plan.micro_batches if plan.layer_by_layer else 1

@@ -75,7 +75,7 @@ from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective
-from megatrain.runtime.host import HostState, PinnedArena, gradient_key, moments_key
+from megatrain.runtime.host import HostState, PinnedArena, gradient_key
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -232,6 +232,9 @@ class Executor:
         # a layer in Plan.nvme_moments, between its NVME_READ and NVME_WRITE. Page-aligned for
         # O_DIRECT, pageable (the moments never go to the GPU), kept across schedules.
         self._nvme_pool: list[torch.Tensor] = []
+        # (arena, HostState.master_version) whose staging tiles hold the BF16 casts of the masters on
+        # NVMe (Plan.nvme_masters): between steps those tiles are the only copy H2D reads.
+        self._staged: tuple[Any, int] | None = None
 
     # -- memory ----------------------------------------------------------------------------------
     def allocate(self, schedule: Schedule) -> None:
@@ -315,6 +318,27 @@ class Executor:
             self._buffers.widened = torch.empty((scratch,), dtype=torch.float32)  # pageable: host ops only
         return self._buffers
 
+    def _refresh_staging(self) -> None:
+        """Cast the masters on NVMe (``HostState.spilled``) from their files into their layers' own
+        staging tiles when the tiles are new (a new arena: the first run, another layout) or a
+        master was written outside a run (compile, a checkpoint load: ``HostState.master_version``).
+        A run keeps them current itself (the CAST after each such layer's OPT), so this reads
+        nothing between ordinary steps.
+
+        Raises:
+            NvmeError: a file is missing or truncated (naming it)."""
+        h = self.host
+        if not h.spilled or not self._buffers.staging:
+            return
+        if self._staged is not None and self._staged[0] is self._arena and self._staged[1] == h.master_version:
+            return
+        io = self._nvme_pool[0]  # no run is in flight: the pool is free
+        for li in sorted(h.spilled):
+            n = self.graph.layers[li].numel
+            h.nvme.read(h.nvme_key(li), io).wait()
+            self._buffers.staging[li][:n].copy_(io.view(torch.float32)[:n])
+        self._staged = (self._arena, h.master_version)
+
     # -- deferred updates ------------------------------------------------------------------------
     def defer(self, layers: frozenset[int], clip_scale: float | None, optimizer: AdamW | None) -> None:
         """Owe the optimizer steps of ``layers`` to the next schedule that carries updates, each
@@ -343,6 +367,7 @@ class Executor:
         if schedule.mode != "update" and len(micro_batches) != M:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(micro_batches)}")
         bufs = self._ensure_buffers(schedule)
+        self._refresh_staging()
         dev = self.backend.device
         if id(schedule) not in self._liveness:
             self._liveness[id(schedule)] = (schedule, liveness(schedule, g))
@@ -448,7 +473,12 @@ def _h2d(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
-    master = ctx.ex.host.master(op.layer)
+    """Write the layer's master as BF16 into staging tile ``op.tile``: from its master row, or
+    (``op.buf``, ``Plan.nvme_masters``) from the I/O buffer where its OPT just stepped it."""
+    if op.buf is not None:
+        master = ctx.ex._nvme_pool[op.buf].view(torch.float32)[:ctx.graph.layers[op.layer].numel]
+    else:
+        master = ctx.ex.host.master(op.layer)
     return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
 
 
@@ -644,10 +674,13 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     tile = None
     if grads.dtype != torch.float32:
         tile, grads = grads, ctx.bufs.widened
-    if op.buf is not None:  # moments on NVMe: its NVME_READ brought them into this I/O buffer
-        both = ex._nvme_pool[op.buf][:2 * n * 4].view(torch.float32)
-        exp_avg, exp_avg_sq = both[:n], both[n:]
+    if op.buf is not None:  # moments on NVMe: its NVME_READ brought them (after the master) into this I/O buffer
+        m = h._file_master(li)
+        state = ex._nvme_pool[op.buf][:(m + 2 * n) * 4].view(torch.float32)
+        master = state[:m] if m else h.master(li)
+        exp_avg, exp_avg_sq = state[m:m + n], state[m + n:]
     else:
+        master = h.master(li)
         exp_avg, exp_avg_sq = h.exp_avg(li), h.exp_avg_sq(li)
     carried = ctx.carried
     cfg = ctx.carried_optimizer if carried else ex.optimizer
@@ -662,7 +695,7 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
         if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
             grads[lo:hi].copy_(tile[lo:hi])
         adamw(
-            [h.master(li)[lo:hi]], [grads[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
+            [master[lo:hi]], [grads[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
             beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
         ctx.updated.append(li)
@@ -709,15 +742,15 @@ def _reload(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _nvme_io(read: bool) -> Handler:
-    """The handler of NVME_READ (``read``) or NVME_WRITE: move layer ``op.layer``'s two Adam moments
-    (``op.buf``: I/O buffer of the executor's pool) or its deferred gradient tile (``op.gbuf``: a
+    """The handler of NVME_READ (``read``) or NVME_WRITE: move layer ``op.layer``'s two Adam moments,
+    after its master with ``Plan.nvme_masters`` (``op.buf``: I/O buffer of the executor's pool) or its deferred gradient tile (``op.gbuf``: a
     pinned gradient I/O buffer of the arena) between its NVMe file (``HostState.nvme``) and that
     buffer, on the I/O stream, and wait. The OPT that steps them in the buffer depends on the read;
     the moments' write depends on the OPT, a gradient tile's write on the D2H that filled the
     buffer. A failed transfer raises NvmeError naming the op and the file."""
     def handler(ctx: _RunContext, i: int, op: Op) -> Work:
         moments = op.buf is not None
-        store, key = ctx.ex.host.nvme, moments_key(op.layer) if moments else gradient_key(op.layer)
+        store, key = ctx.ex.host.nvme, ctx.ex.host.nvme_key(op.layer) if moments else gradient_key(op.layer)
         if store is None or key not in store.tiles:
             what = "Adam moments" if moments else "gradient tile"
             raise ConfigError(f"op #{i} {op!r}: the schedule keeps layer {op.layer}'s {what} on NVMe, but "

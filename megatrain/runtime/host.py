@@ -58,6 +58,12 @@ def moments_key(layer: int) -> str:
     return f"L{layer}.moments"
 
 
+def state_key(layer: int) -> str:
+    """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s FP32 master and two Adam moments,
+    in that order (``Plan.nvme_masters``: one file, so one read and one write per step)."""
+    return f"L{layer}.state"
+
+
 def gradient_key(layer: int) -> str:
     """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s deferred gradient tile
     (``Plan.nvme_gradients``): its step gradients between the D2H and the next step's OPT."""
@@ -82,6 +88,16 @@ class HostState:
     scratch file each for their deferred gradient tile (``<dir>/L<i>.grad.tile``,
     ``trainable_numel * gradient_itemsize`` bytes), which only the schedule's NVMe ops use.
 
+    Masters on NVMe. The layers of ``nvme_masters`` (a subset of ``nvme_moments``) keep their
+    master too in their file, before the moments (``<dir>/L<i>.state.tile``: master, ``exp_avg``,
+    ``exp_avg_sq``, FP32). Their block holds the master row only until :meth:`spill_masters` (after
+    :func:`bind_module` initialised it) writes it to the file and drops it: from then on the block
+    is empty, :attr:`nbytes` is ``4 * numel`` lower again, :meth:`master` raises, and
+    :meth:`read_master` / :meth:`write_master` (and the state-dict rows :meth:`master_row`,
+    :meth:`param_row`) go through the file. Every write of such a master bumps
+    :attr:`master_version`, so whoever keeps a copy of it (the executor's BF16 staging tiles) knows
+    to refresh it.
+
     Data parallel. ``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
     :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
     private memory. ``writer``: False on the ranks that map a shared copy another rank fills.
@@ -94,7 +110,7 @@ class HostState:
 
     def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
-                 gradient_itemsize: int = 4):
+                 gradient_itemsize: int = 4, nvme_masters: frozenset[int] = frozenset()):
         self.graph = graph
         self.shared = shared
         # Data parallel: the ``runtime.distributed.DataParallelHost`` these tiles were set up with
@@ -102,6 +118,13 @@ class HostState:
         self.data_parallel: Any = None
         self.nvme_moments = frozenset(nvme_moments)
         self.nvme_gradients = frozenset(nvme_gradients)
+        self.nvme_masters = frozenset(nvme_masters)
+        if not self.nvme_masters <= self.nvme_moments:
+            raise ConfigError(f"nvme_masters names layers {sorted(self.nvme_masters - self.nvme_moments)} whose Adam "
+                              "moments are in host memory: a layer's master shares its NVMe file with its moments; "
+                              "add them to nvme_moments")
+        self.spilled: frozenset[int] = frozenset()  # nvme_masters layers whose master row was dropped
+        self.master_version = 0  # bumped by every write of a master on NVMe
         for what, layers in (("nvme_moments", self.nvme_moments), ("nvme_gradients", self.nvme_gradients)):
             bad = sorted(i for i in layers if not 0 <= i < len(graph.layers) or graph.layers[i].trainable_numel == 0)
             if bad:
@@ -112,7 +135,7 @@ class HostState:
                               f"layers {sorted(self.nvme_gradients)} go to NVMe but no NVMe directory was given: "
                               "pass nvme_dir= (an existing directory on an NVMe drive)")
         self.blocks: list[torch.Tensor] = []
-        self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
+        self._rows: list[torch.Tensor | None] = []  # each master row's bytes, whole pages (None: on NVMe)
         for li, layer in enumerate(graph.layers):
             n = layer.numel
             t = 0 if li in self.nvme_moments else layer.trainable_numel
@@ -134,7 +157,8 @@ class HostState:
         if self.nvme_moments or self.nvme_gradients:
             from megatrain.runtime.nvme import NvmeStore  # it imports this module
 
-            sizes = {moments_key(li): 2 * graph.layers[li].trainable_numel * 4 for li in sorted(self.nvme_moments)}
+            sizes = {self.nvme_key(li): (self._file_master(li) + 2 * graph.layers[li].trainable_numel) * 4
+                     for li in sorted(self.nvme_moments)}
             sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
                           for li in sorted(self.nvme_gradients)})
             self.nvme = NvmeStore(nvme_dir, sizes)
@@ -145,9 +169,72 @@ class HostState:
         each rounded up to whole pages."""
         return sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
 
+    def nvme_key(self, layer: int) -> str:
+        """The NVMe tile of a layer of ``nvme_moments``: :func:`state_key` when its master is there
+        too, else :func:`moments_key`."""
+        return state_key(layer) if layer in self.nvme_masters else moments_key(layer)
+
+    def _file_master(self, layer: int) -> int:
+        """FP32 elements of master before the moments in the layer's NVMe file (0: moments only)."""
+        return self.graph.layers[layer].numel if layer in self.nvme_masters else 0
+
+    def spill_masters(self) -> None:
+        """Write the master rows of ``nvme_masters`` (as :func:`bind_module` left them) to their
+        files, zero moments after them, and drop the rows (:class:`HostState`, "Masters on NVMe").
+        The module's parameters of those layers must no longer view them: :func:`bind_module`
+        rebinds them (``unbind_spilled``). Idempotent."""
+        for li in sorted(self.nvme_masters - self.spilled):
+            lay = self.graph.layers[li]
+            state = torch.zeros((lay.numel + 2 * lay.trainable_numel,), dtype=torch.float32)
+            state[:lay.numel].copy_(self.master(li))
+            self.nvme.write_tensor(state_key(li), state)
+            self.blocks[li] = torch.empty((0,), dtype=torch.float32)
+            self._rows[li] = None
+            self.spilled = self.spilled | {li}
+        self.master_version += 1
+
     def master(self, layer: int) -> torch.Tensor:
-        """``float32[numel]``: the layer's FP32 master weights (frozen parameters included)."""
+        """``float32[numel]``: the layer's FP32 master weights (frozen parameters included), a view.
+        Raises ValueError for a layer whose master lives on NVMe (use :meth:`read_master`)."""
+        if layer in self.spilled:
+            raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its FP32 master on NVMe "
+                             f"({self.nvme.tiles[state_key(layer)].path}), not in host memory: read it with "
+                             "HostState.read_master and write it with write_master")
         return self.blocks[layer][:self.graph.layers[layer].numel]
+
+    def read_state(self, layer: int) -> torch.Tensor:
+        """A new ``float32`` tensor of the layer's NVMe file: master (``nvme_masters`` only) then
+        ``exp_avg`` and ``exp_avg_sq``. Raises NvmeError (naming the file) when it is missing or
+        truncated."""
+        lay = self.graph.layers[layer]
+        out = torch.empty((self._file_master(layer) + 2 * lay.trainable_numel,), dtype=torch.float32)
+        self.nvme.read_tensor(self.nvme_key(layer), out)
+        return out
+
+    def _write_state(self, layer: int, state: torch.Tensor) -> None:
+        self.nvme.write_tensor(self.nvme_key(layer), state)
+        if layer in self.nvme_masters:
+            self.master_version += 1
+
+    def read_master(self, layer: int) -> torch.Tensor:
+        """A new ``float32[numel]`` tensor: the layer's master, from host memory or its NVMe file."""
+        if layer in self.spilled:
+            return self.read_state(layer)[:self.graph.layers[layer].numel]
+        return self.master(layer).clone()
+
+    def write_master(self, layer: int, master: torch.Tensor) -> None:
+        """Set the layer's master from ``master`` (``float32[numel]``), in host memory or in its NVMe
+        file (read, replaced, written through and waited for; :attr:`master_version` bumped)."""
+        n = self.graph.layers[layer].numel
+        if tuple(master.shape) != (n,) or master.dtype != torch.float32:
+            raise ValueError(f"layer {self.graph.layers[layer].name!r}: a master must be float32[{n}], not "
+                             f"{master.dtype} {list(master.shape)}")
+        if layer in self.spilled:
+            state = self.read_state(layer)
+            state[:n].copy_(master)
+            self._write_state(layer, state)
+        else:
+            self.master(layer).copy_(master)
 
     def exp_avg(self, layer: int) -> torch.Tensor:
         """``float32[trainable_numel]``: AdamW's first moment of the layer's trainable prefix (a view).
@@ -173,7 +260,9 @@ class HostState:
         missing or truncated."""
         t = self.graph.layers[layer].trainable_numel
         out = torch.empty((2 * t,), dtype=torch.float32)
-        if layer in self.nvme_moments:
+        if layer in self.nvme_masters:
+            out.copy_(self.read_state(layer)[self._file_master(layer):])
+        elif layer in self.nvme_moments:
             self.nvme.read_tensor(moments_key(layer), out)
         else:
             out[:t].copy_(self.exp_avg(layer))
@@ -187,7 +276,11 @@ class HostState:
         if tuple(moments.shape) != (2 * t,) or moments.dtype != torch.float32:
             raise ValueError(f"layer {self.graph.layers[layer].name!r}: moments must be float32[{2 * t}], not "
                              f"{moments.dtype} {list(moments.shape)}")
-        if layer in self.nvme_moments:
+        if layer in self.nvme_masters:
+            state = self.read_state(layer)
+            state[self._file_master(layer):].copy_(moments)
+            self.nvme.write_tensor(state_key(layer), state)  # the master is unchanged: no version bump
+        elif layer in self.nvme_moments:
             self.nvme.write_tensor(moments_key(layer), moments)
         else:
             self.exp_avg(layer).copy_(moments[:t])
@@ -197,6 +290,22 @@ class HostState:
         """Moment ``k`` (0: ``exp_avg``, 1: ``exp_avg_sq``) of the layer as a state-dict entry: the
         view of its row in host memory, or an :class:`NvmeMomentRow` that reads and writes the file."""
         return NvmeMomentRow(self, layer, k) if layer in self.nvme_moments else self._moment(layer, k)
+
+    def master_row(self, layer: int) -> "torch.Tensor | NvmeMasterRow":
+        """The layer's master as a state-dict entry: the view of its row in host memory, or an
+        :class:`NvmeMasterRow` over the whole master in its NVMe file."""
+        if layer in self.spilled:
+            return NvmeMasterRow(self, layer, 0, self.graph.layers[layer].numel,
+                                 (self.graph.layers[layer].numel,), "master")
+        return self.master(layer)
+
+    def param_row(self, layer: int, index: int) -> "torch.Tensor | NvmeMasterRow":
+        """Parameter ``index`` of the layer as a state-dict entry: :meth:`param_view`, or for a layer
+        whose master is on NVMe an :class:`NvmeMasterRow` over the parameter's slice of the file."""
+        if layer in self.spilled:
+            spec = self.graph.layers[layer].params[index]
+            return NvmeMasterRow(self, layer, spec.offset, spec.numel, tuple(spec.shape), spec.name)
+        return self.param_view(layer, index)
 
     @property
     def nbytes(self) -> int:
@@ -217,7 +326,7 @@ class HostState:
         if self._pinned_by is backend:
             return
         self.unpin_masters()
-        self._pins = [backend.host_pin(row) for row in self._rows]
+        self._pins = [None if row is None else backend.host_pin(row) for row in self._rows]
         self._pinned_by = backend
 
     def unpin_masters(self) -> None:
@@ -230,49 +339,70 @@ class HostState:
         return self.master(layer)[spec.offset:spec.offset + spec.numel].view(spec.shape)
 
 
-class NvmeMomentRow:
-    """One Adam moment row (``k`` 0: ``exp_avg``, 1: ``exp_avg_sq``) of a layer whose moments live
-    on NVMe, as a state-dict entry (``Trainer.state_dict()["optimizer"]``) that holds no host memory:
-    ``shape``/``dtype`` as the tensor would have (``float32[trainable_numel]``), :meth:`read` a new
-    tensor from the file, ``copy_(src)`` writes ``src`` into the file (reading the layer's tile,
-    replacing the row, writing it back), so a checkpoint saves and loads one row at a time."""
+class NvmeRow:
+    """A span of FP32 elements of a layer's NVMe file as a state-dict entry that holds no host
+    memory: ``shape``/``dtype`` as the tensor would have, :meth:`read` a new tensor from the file,
+    ``copy_(src)`` writes ``src`` into the file (reading the layer's tile, replacing the span,
+    writing it back: converting as ``Tensor.copy_`` does), ``to(dtype)`` reads and converts, so a
+    checkpoint saves and loads one row at a time. Subclasses say which span."""
 
-    __slots__ = ("host", "layer", "k")
+    __slots__ = ("host", "layer", "start", "numel", "_shape", "what")
     dtype = torch.float32
 
-    def __init__(self, host: HostState, layer: int, k: int):
-        self.host, self.layer, self.k = host, layer, k
+    def __init__(self, host: HostState, layer: int, start: int, numel: int, shape: tuple[int, ...], what: str):
+        self.host, self.layer, self.start, self.numel, self._shape, self.what = host, layer, start, numel, shape, what
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.host.graph.layers[self.layer].trainable_numel,))
+        return torch.Size(self._shape)
 
     def read(self) -> torch.Tensor:
-        t = self.shape[0]
-        return self.host.read_moments(self.layer)[self.k * t:(self.k + 1) * t]
+        return self.host.read_state(self.layer)[self.start:self.start + self.numel].view(self._shape)
 
-    def copy_(self, src: torch.Tensor) -> "NvmeMomentRow":
-        t = self.shape[0]
-        both = self.host.read_moments(self.layer)
-        both[self.k * t:(self.k + 1) * t].copy_(src)
-        self.host.write_moments(self.layer, both)
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.read().to(dtype)
+
+    def copy_(self, src: torch.Tensor) -> "NvmeRow":
+        state = self.host.read_state(self.layer)
+        state[self.start:self.start + self.numel].view(self._shape).copy_(src)
+        self.host._write_state(self.layer, state)
         return self
 
     def is_floating_point(self) -> bool:
         return True
 
     def same(self, other: Any) -> bool:
-        """Whether ``other`` is this row of this host state (loading it into itself copies nothing)."""
-        return (isinstance(other, NvmeMomentRow) and other.host is self.host and other.layer == self.layer
-                and other.k == self.k)
+        """Whether ``other`` is this span of this host state (loading it into itself copies nothing)."""
+        return (isinstance(other, NvmeRow) and other.host is self.host and other.layer == self.layer
+                and other.start == self.start and other.numel == self.numel)
 
     def __repr__(self) -> str:
-        return f"NvmeMomentRow({self.host.graph.layers[self.layer].name!r}, {('exp_avg', 'exp_avg_sq')[self.k]})"
+        return f"{type(self).__name__}({self.host.graph.layers[self.layer].name!r}, {self.what})"
 
 
-def as_tensor(x: "torch.Tensor | NvmeMomentRow") -> torch.Tensor:
-    """``x`` itself, or the tensor an :class:`NvmeMomentRow` reads from its file."""
-    return x.read() if isinstance(x, NvmeMomentRow) else x
+class NvmeMomentRow(NvmeRow):
+    """One Adam moment row (``k`` 0: ``exp_avg``, 1: ``exp_avg_sq``), ``float32[trainable_numel]``,
+    of a layer whose moments live on NVMe (``Trainer.state_dict()["optimizer"]``)."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, host: HostState, layer: int, k: int):
+        t = host.graph.layers[layer].trainable_numel
+        super().__init__(host, layer, host._file_master(layer) + k * t, t, (t,), ("exp_avg", "exp_avg_sq")[k])
+        self.k = k
+
+
+class NvmeMasterRow(NvmeRow):
+    """A layer's FP32 master, or one parameter's slice of it, in the layer's NVMe file
+    (``Plan.nvme_masters``): ``Trainer.state_dict()["masters"]`` and ``["model"]`` entries. A
+    write bumps :attr:`HostState.master_version`."""
+
+    __slots__ = ()
+
+
+def as_tensor(x: "torch.Tensor | NvmeRow") -> torch.Tensor:
+    """``x`` itself, or the tensor an :class:`NvmeRow` reads from its file."""
+    return x.read() if isinstance(x, NvmeRow) else x
 
 
 class PinnedArena:
@@ -360,6 +490,27 @@ def bind_module(model: nn.Module, host: HostState, writer: bool = True) -> None:
                 f"parameter {spec.name!r} was built on the meta device and its module's "
                 "initialisation did not set it: give the module reset_parameters() (or handle it "
                 "in the model's _init_weights), or build the model on the CPU")
+
+
+def unbind_spilled(model: nn.Module, host: HostState) -> None:
+    """Make the parameters of ``model`` that viewed a master row :meth:`HostState.spill_masters`
+    dropped into ``meta`` tensors of their shape (under every name, tied ones included), so that
+    nothing reads a stale or freed copy: their weights are read through ``Trainer.state_dict()``
+    (:class:`NvmeMasterRow`), and the trainer's forward reads the BF16 staging tiles."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    for li in sorted(host.spilled):
+        for spec in host.graph.layers[li].params:
+            mod_name, _, attr = spec.name.rpartition(".")
+            old = getattr(model.get_submodule(mod_name), attr)
+            if old.device.type == "meta":
+                continue
+            bound = nn.Parameter(torch.empty(tuple(spec.shape), dtype=torch.float32, device="meta"),
+                                 requires_grad=old.requires_grad)
+            for alias in aliases.get(id(old), [spec.name]):
+                owner, _, name = alias.rpartition(".")
+                setattr(model.get_submodule(owner), name, bound)
 
 
 def _meta_buffers(model: nn.Module, needs_init: dict[str, nn.Module]) -> bool:
