@@ -117,8 +117,8 @@ def test_bench_nvme_io_small(tmp_path):
 from megatrain.errors import ConfigError, PlanError  # noqa: E402
 from megatrain.planner import cost  # noqa: E402
 from megatrain.planner.hardware import PRESETS, HardwareSpec, preset  # noqa: E402
-from megatrain.planner.nvme import (NVME_ARRAYS, parse_bytes, place_on_nvme, solve_with_nvme,  # noqa: E402
-                                    with_nvme)
+from megatrain.planner.nvme import (NVME_ARRAYS, describe, parse_bytes, place_on_nvme,  # noqa: E402
+                                    solve_with_nvme, with_nvme)
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve  # noqa: E402
 
 
@@ -156,7 +156,7 @@ def test_parse_bytes_rejects():
 
 
 def _check_placement(ns, graph):
-    p, hw, mem = ns.placement, ns.hardware, ns.solution.memory
+    p, hw, mem = ns.placement, ns.hardware, ns.memory
     layers = graph.layers
     moved = (sum(cost.page_up(layers[i].trainable_numel * ns.solution.plan.gradient_itemsize) for i in p.gradients)
              + sum(layers[i].trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT for i in p.moments)
@@ -169,14 +169,18 @@ def _check_placement(ns, graph):
     assert ns.step_time_s == max(ns.timeline.step_time_s, p.io_time_s)
     # The plan carries the moment and gradient-tile layers; its schedule has their NVMe ops (a read of
     # each, and a write), verified, and adding ops and edges cannot make the simulated step shorter
-    # than the all-in-RAM one. Its host bytes are the cost model's of the placed plan (no masters moved).
-    assert ns.plan.nvme_moments == p.moments and ns.plan.nvme_gradients == p.gradients and not p.masters
+    # than the all-in-RAM one. Its host bytes are the cost model's of the placed plan, masters included
+    # (each of those layers' CAST reads its I/O buffer).
+    assert ns.plan.nvme_moments == p.moments and ns.plan.nvme_gradients == p.gradients
+    assert ns.plan.nvme_masters == p.masters <= p.moments
+    assert ns.plan.cast_once == (ns.solution.plan.cast_once or ns.cast_once_set) and ns.cast_once_set <= bool(p.masters)
     from megatrain.planner.schedule import OpKind as K
     from megatrain.planner.verify import verify as check
     check(ns.schedule, ns.solution.graph)
     for kind in (K.NVME_READ, K.NVME_WRITE):
         assert sum(op.kind is kind and op.buf is not None for op in ns.schedule.ops) == len(p.moments)
         assert sum(op.kind is kind and op.gbuf is not None for op in ns.schedule.ops) == len(p.gradients)
+    assert sum(op.kind is K.CAST and op.buf is not None for op in ns.schedule.ops) == len(p.masters)
     placed = cost.memory_breakdown(ns.solution.graph, ns.plan, hw, ns.schedule)
     assert placed.host_total == ns.host_total and placed.host_pinned == p.host_pinned(mem)
     assert ns.timeline.step_time_s >= ns.simulated_step_s * (1 - 1e-9)
@@ -214,7 +218,7 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     assert request.hardware == hw and request.global_batch == 8 and not request.clip_gradients
     assert [lay.numel for lay in request.graph.layers] == [lay.numel for lay in dense_120b.layers]
     _check_placement(ns, dense_120b)
-    assert ns.placement.moments and not ns.placement.gradients
+    assert ns.placement.moments and not ns.placement.gradients and not ns.placement.masters
     from megatrain.planner.schedule import Stream as S
     assert ns.timeline.busy_s[S.IO] == pytest.approx(
         sum(cost.nvme_time(ns.solution.graph.layers[i], hw, k) for i in ns.placement.moments
@@ -228,6 +232,20 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     tiny = with_nvme(hw, None, parse_bytes("8GiB"))
     with pytest.raises(PlanError, match="still needs .* of host memory"):
         place_on_nvme(ns.solution.graph, ns.solution.plan, ns.solution.memory, tiny)
+    # With 320 GiB the moments are not enough: masters follow, which needs each layer's own staging
+    # tile, so cast_once is set and said; the masters' traffic is ops of the schedule.
+    small_host = with_nvme(preset("H200"), "4xgen5", parse_bytes("320GiB"))
+    ns = solve_with_nvme(SolveRequest(dense_120b, small_host, 8, "bfloat16"))
+    _check_placement(ns, dense_120b)
+    assert len(ns.placement.moments) == 98 and ns.placement.masters and ns.cast_once_set
+    assert not ns.solution.plan.cast_once and ns.plan.cast_once
+    assert ns.timeline.busy_s[S.IO] == pytest.approx(
+        sum(cost.nvme_time(ns.solution.graph.layers[i], small_host, k, cost.nvme_bytes(
+            ns.solution.graph.layers[i], i in ns.placement.masters)) for i in ns.placement.moments
+            for k in (OpKind.NVME_READ, OpKind.NVME_WRITE)))
+    rows = {what: (value, note) for what, value, note in describe(ns)}
+    assert rows["FP32 masters on NVMe"] == (f"{len(ns.placement.masters)}/98", "layers; cast_once set: each keeps "
+                                            "its own BF16 staging tile, which H2D reads")
 
 
 # -- schedule: NVME_READ / NVME_WRITE on the I/O stream, lowered, verified, simulated ----------------

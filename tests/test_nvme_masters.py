@@ -182,6 +182,28 @@ def test_masters_on_nvme_free_their_host_bytes_as_the_cost_model_counts(tmp_path
     trainer.step(BATCHES[0])
     assert sum(b.numel() for b in trainer.executor._nvme_pool) == mem.nvme_buffers
     assert os.path.getsize(tmp_path / "L1.state.tile") == -(-12 * graph.layers[1].numel // 4096) * 4096
+    # The placement moves masters once every moment is on NVMe, and its host figure is the cost
+    # model's of the placed plan; a plan without cast_once gets it set (place_with_masters).
+    from megatrain.planner.nvme import place_on_nvme, place_with_masters
+
+    bare = dataclasses.replace(plan, nvme_masters=frozenset(), nvme_moments=frozenset())
+    all_moments = cost.memory_breakdown(graph, dataclasses.replace(bare, nvme_moments=frozenset({0, 1, 2, 3})))
+    hw = spec(host_memory_bytes=all_moments.host_total - 1, pinned_memory_cap_bytes=all_moments.host_pinned,
+              nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+    placement = place_on_nvme(graph, bare, cost.memory_breakdown(graph, bare), hw)
+    assert placement.moments == {0, 1, 2, 3} and placement.masters and placement.masters <= placement.moments
+    placed = cost.memory_breakdown(graph, dataclasses.replace(bare, nvme_moments=placement.moments,
+                                                              nvme_masters=placement.masters))
+    assert placement.host_total(cost.memory_breakdown(graph, bare)) == placed.host_total <= hw.host_memory_bytes
+    ring = dataclasses.replace(bare, cast_once=False)
+    ring_moments = cost.memory_breakdown(graph, dataclasses.replace(ring, nvme_moments=frozenset({0, 1, 2, 3})))
+    hw = spec(host_memory_bytes=ring_moments.host_total - 1, pinned_memory_cap_bytes=ring_moments.host_total - 1,
+              nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+    with pytest.raises(PlanError, match="or set cast_once"):
+        place_on_nvme(graph, ring, cost.memory_breakdown(graph, ring), hw)
+    once, once_memory, again = place_with_masters(graph, ring, cost.memory_breakdown(graph, ring), hw)
+    assert once == dataclasses.replace(ring, cast_once=True) and again.masters
+    assert once_memory == cost.memory_breakdown(graph, once, hw)
 
 
 def test_checkpoint_between_nvme_masters_and_ram_trainers_continues_bitwise(tmp_path):
