@@ -618,10 +618,12 @@ def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
     planned = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2)
     graph, total = planned.graph, planned.memory.host_total
     every = frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
-    assert nvme_layers(planned, None, str(tmp_path)) == (every, frozenset()) and every == {0, 1, 2, 3}
-    assert nvme_layers(planned, "1TiB", str(tmp_path)) == (frozenset(), frozenset())
+    assert nvme_layers(planned, None, str(tmp_path)) == (every, frozenset(), frozenset(), False)
+    assert every == {0, 1, 2, 3}
+    assert nvme_layers(planned, "1TiB", str(tmp_path)) == (frozenset(), frozenset(), frozenset(), False)
     # One byte short: the largest layers' moments move until the host total fits, not every layer's.
-    some, grads = nvme_layers(planned, str(total - 1), str(tmp_path))
+    some, grads, masters, _ = nvme_layers(planned, str(total - 1), str(tmp_path))
+    assert not masters  # FP32 compute: the H2D reads the master rows
     assert not grads  # no clipping: no gradient tile waits between steps
     assert some and some < every and 3 in some  # the head (vocab x hidden) is the largest
     placed = cost.memory_breakdown(graph, dataclasses.replace(planned.plan, nvme_moments=some))
@@ -633,7 +635,7 @@ def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
     clipped = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2,
                                    max_grad_norm=0.5)
     total = clipped.memory.host_total
-    moments, grads = nvme_layers(clipped, str(total - 1), str(tmp_path))
+    moments, grads, _, _ = nvme_layers(clipped, str(total - 1), str(tmp_path))
     assert grads and not moments
     placed = cost.memory_breakdown(clipped.graph, dataclasses.replace(clipped.plan, nvme_gradients=grads))
     assert placed.host_total <= total - 1

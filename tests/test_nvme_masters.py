@@ -299,3 +299,26 @@ def test_masters_on_nvme_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path)
         fake.close()
         assert got[0] == want[0], f"seed {seed}"
         assert all(torch.equal(x, y) for x, y in zip(got[1], want[1])), f"seed {seed}"
+
+
+def test_train_nvme_layers_move_masters_of_a_bf16_plan_and_set_cast_once(tmp_path):
+    """``megatrain train --nvme-dir --host-memory``: when every moment on NVMe is not enough, a BF16
+    plan's masters follow, with cast_once set (the plan had a shared staging ring)."""
+    import megatrain
+    from megatrain.train.loop import nvme_layers
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    plan = dataclasses.replace(_planned(copy.deepcopy(model), None, frozenset()), compute_dtype="bfloat16")
+    planned = megatrain.plan_model(model, plan=plan, seq_len=16, micro_batch_size=2, micro_batches=2)
+    assert not planned.plan.cast_once
+    every = frozenset({0, 1, 2, 3})
+    short = cost.memory_breakdown(planned.graph, dataclasses.replace(plan, nvme_moments=every)).host_total - 1
+    placed = nvme_layers(planned, str(short), str(tmp_path))
+    assert placed.moments == every and placed.masters and placed.masters <= every and placed.cast_once
+    # ... and that plan runs.
+    run = dataclasses.replace(plan, cast_once=True, nvme_moments=placed.moments, nvme_masters=placed.masters)
+    trainer = megatrain.materialize(megatrain.plan_model(model, plan=run, seq_len=16, micro_batch_size=2,
+                                                         micro_batches=2), nvme_dir=str(tmp_path))
+    assert trainer.host.nbytes == sum(4 * planned.graph.layers[i].numel for i in every - placed.masters)
+    assert torch.isfinite(torch.tensor(trainer.step(BATCHES[0]).loss))

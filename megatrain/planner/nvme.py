@@ -314,9 +314,10 @@ def place_with_masters(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdo
     try:
         return plan, memory, place_on_nvme(graph, plan, memory, hw, kinds)
     except PlanError:
-        once = replace(plan, cast_once=True)
-        if "masters" not in kinds or masters_movable(plan) or not masters_movable(once):
+        if ("masters" not in kinds or plan.cast_once or plan.compute_dtype != "bfloat16"
+                or plan.data_parallel > 1):
             raise
+        once = replace(plan, cast_once=True)
     mem = cost.memory_breakdown(graph, once, hw)
     return once, mem, place_on_nvme(graph, once, mem, hw, kinds)  # its error: what is short even with masters moved
 
