@@ -133,6 +133,9 @@ class Trainer:
         except BaseException as e:
             if not isinstance(e, Exception):
                 raise
+            if self.executor.unsaved:
+                raise _unsaved_error("a deferred optimizer step", e, tuple(self.executor.updated),
+                                     self.executor.unsaved) from (cause or e)
             raise StepError(
                 f"a deferred optimizer step failed ({type(e).__name__}: {e}); the updates of layers "
                 f"{sorted(self._pending_layers)} are still pending and the others were applied once: calling "
@@ -153,6 +156,8 @@ class Trainer:
             raise  # another rank failed: no story holds across ranks, and applying more would wait on them
         except BaseException as e:
             ran = tuple(self.executor.updated)
+            if self.executor.unsaved and isinstance(e, Exception):
+                raise _unsaved_error(what, e, ran, self.executor.unsaved) from e
             carried = schedule.carries_updates
             if carried and ran and self._pending_layers:  # part of the previous step's update ran: apply the rest
                 self._apply_pending(e)
@@ -713,6 +718,20 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                 and links:
             timeline = simulate(schedules.steady, graph, hw)
     return PlannedModel(model, options, traced, plan, schedules, memory, hw, timeline, solution)
+
+
+def _unsaved_error(what: str, e: Exception, ran: tuple[int, ...], unsaved: set[int]) -> StepError:
+    """The StepError of a run that stepped NVMe state in an I/O buffer and failed before its
+    NVME_WRITE saved it: those layers' files hold the state from before the step while their Adam
+    step counts (and the BF16 staging tiles of masters on NVMe) advanced, so no story of the
+    trainer's state holds; the way on is the last checkpoint."""
+    lost = sorted(unsaved)
+    return StepError(f"{what} failed while running ({type(e).__name__}: {e}); the optimizer steps of layers "
+                     f"{list(ran)} ran, and those of layers {lost} updated masters or Adam moments in their NVMe I/O "
+                     "buffers that were never written back: their NVMe files hold the state from before the step "
+                     "while their Adam step counts (and BF16 staging tiles) advanced, so the trainer's state is "
+                     "inconsistent. Fix the NVMe directory (space, permissions) and load the last checkpoint "
+                     "(Trainer.load) before training on", updated_layers=ran, unsaved_layers=tuple(lost))
 
 
 def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None, *,

@@ -322,3 +322,31 @@ def test_train_nvme_layers_move_masters_of_a_bf16_plan_and_set_cast_once(tmp_pat
                                                          micro_batches=2), nvme_dir=str(tmp_path))
     assert trainer.host.nbytes == sum(4 * planned.graph.layers[i].numel for i in every - placed.masters)
     assert torch.isfinite(torch.tensor(trainer.step(BATCHES[0]).loss))
+
+
+def test_failed_nvme_write_after_its_opt_names_the_unsaved_layers_and_the_checkpoint(tmp_path, monkeypatch):
+    """An NVME_WRITE that fails after its OPT (the disk full, say): the StepError names the layers
+    whose masters and moments were updated in their I/O buffers but never saved, says the state
+    is inconsistent and to load the last checkpoint; the file indeed still holds the old master."""
+    from megatrain.errors import StepError
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    t = _compile(model, _bf16(copy.deepcopy(model)), tmp_path)
+    t.step(BATCHES[0])
+    before = t.host.read_master(1)
+    store = t.host.nvme
+    real = store.write
+
+    def full(key, buf):
+        if key == "L1.state":
+            raise OSError(28, "No space left on device")
+        return real(key, buf)
+    monkeypatch.setattr(store, "write", full)
+    with pytest.raises(StepError, match=r"OSError: \[Errno 28\] No space left on device\); the optimizer steps of "
+                                        r"layers \[3, 2, 1\] ran, and those of layers \[1\] updated masters or Adam "
+                                        r"moments .*never written back.*load the last checkpoint") as e:
+        t.step(BATCHES[1])
+    assert e.value.unsaved_layers == (1,) and e.value.updated_layers == (3, 2, 1)
+    monkeypatch.setattr(store, "write", real)
+    assert torch.equal(t.host.read_master(1), before) and float(t.host.steps[1]) == 2.0  # the file is behind

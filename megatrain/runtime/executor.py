@@ -219,6 +219,9 @@ class Executor:
         self._flags: torch.Tensor | None = None
         self.deferred = DeferredUpdates()
         self.updated: list[int] = []
+        # Layers whose OPT stepped NVMe state in an I/O buffer that no NVME_WRITE has saved yet, in
+        # the current (or last) run: after a run that raised, their files are behind.
+        self.unsaved: set[int] = set()
         # Per schedule (by identity, holding it alive): the liveness of its checkpoints.
         self._liveness: dict[int, tuple[Schedule, Liveness]] = {}
         # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
@@ -373,6 +376,7 @@ class Executor:
             self._liveness[id(schedule)] = (schedule, liveness(schedule, g))
         ctx = _RunContext(self, schedule, bufs, _Activations(self._liveness[id(schedule)][1]))
         self.updated = ctx.updated
+        self.unsaved = ctx.unsaved
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
                 ctx.acts.put_batch((g.value_by_name(name).id, mb), batch[name].to(dev, non_blocking=True))
@@ -444,6 +448,7 @@ class _RunContext:
         self.events: list[Any] = [None] * len(schedule.ops)
         self.trained: list[int] = []  # layers whose gradients a D2H copied out, in order
         self.updated: list[int] = []  # layers whose optimizer step ran, in order (host worker)
+        self.unsaved: set[int] = set()  # layers stepped in an NVMe I/O buffer whose NVME_WRITE has not completed
         self.skipped: list[int] = []  # layers whose optimizer step was skipped (a non-finite value)
         self.skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
         # Carried (NEXT_FORWARD) updates run with the clipping and AdamW settings of the step that
@@ -698,6 +703,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             [master[lo:hi]], [grads[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
             beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+        if op.buf is not None:
+            ctx.unsaved.add(li)  # until its NVME_WRITE completes
         ctx.updated.append(li)
     return run
 
@@ -764,6 +771,8 @@ def _nvme_io(read: bool) -> Handler:
                 move(key, buf).wait()
             except NvmeError as e:
                 raise NvmeError(f"op #{i} {op!r}: {e}") from e
+            if moments and not read:
+                ctx.unsaved.discard(op.layer)
         return run
     return handler
 
