@@ -468,14 +468,18 @@ def _train_alike(ref, got, ref_model, model, scratch):
         assert float(got.host.steps[li]) == float(ref.host.steps[li]) == len(BATCHES) + 2
 
 
-def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path):
-    """Save with moments on NVMe and load into an all-in-RAM trainer, and the reverse: both go on
-    exactly as an uninterrupted run (the optimizer rows of NVMe layers are read from and written
-    to their files)."""
+@pytest.mark.parametrize("masters", [frozenset(), frozenset({1})], ids=["moments", "masters"])
+def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path, masters):
+    """Save with moments (and, BF16 with cast_once, masters: ``Plan.nvme_masters``) on NVMe and
+    load into an all-in-RAM trainer, and the reverse: both go on exactly as an uninterrupted run
+    (the optimizer rows, and masters, of NVMe layers are read from and written to their files; a
+    load into a masters trainer re-casts its staging tiles, which a step before it made stale)."""
     torch.manual_seed(0)
     base = tiny_llama(layers=2)
     plan = _planned(copy.deepcopy(base), 0.5)
-    ram_plan = dataclasses.replace(plan, nvme_moments=frozenset())
+    if masters:
+        plan = dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
+    ram_plan = dataclasses.replace(plan, nvme_moments=frozenset(), nvme_masters=frozenset())
     for d in ("a", "c"):
         (tmp_path / d).mkdir()
     ref = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
@@ -483,43 +487,52 @@ def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path):
     for b in BATCHES[:2]:
         assert ref.step(b).loss == nv.step(b).loss
     ref.save(tmp_path / "ckpt_ram")
-    nv.save(tmp_path / "ckpt_nvme")
+    # Lossy BF16 shards with masters on NVMe: the FP32 masters are then saved from the files as state rows.
+    nv.save(tmp_path / "ckpt_nvme", dtype="bfloat16" if masters else "float32")
     want = [ref.step(b).loss for b in BATCHES[2:]]
     ref.flush()
     into_ram = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
     into_ram.load(tmp_path / "ckpt_nvme")
     into_nvme = _compile(copy.deepcopy(base), plan, tmp_path / "c", 0.5)
+    into_nvme.step(BATCHES[3])  # its masters and staging tiles now hold other weights than the checkpoint's
     into_nvme.load(tmp_path / "ckpt_ram")
     for t in (into_ram, into_nvme):
         assert [t.step(b).loss for b in BATCHES[2:]] == want
         t.flush()
         for li in range(4):
-            assert torch.equal(t.host.master(li), ref.host.master(li)), li
+            assert torch.equal(t.host.read_master(li), ref.host.master(li)), li
             assert torch.equal(t.host.read_moments(li), ref.host.read_moments(li)), li
+        assert t.step_count == ref.step_count
     # A trainer's state_dict loads into another directly too: NVMe rows are read, RAM rows written through.
     into_nvme.load_state_dict(into_ram.state_dict())
     into_ram.load_state_dict(into_nvme.state_dict())
     assert torch.equal(into_nvme.host.read_moments(3), ref.host.read_moments(3))
+    assert torch.equal(into_nvme.host.read_master(1), ref.host.master(1))
 
 
-def test_truncated_nvme_file_mid_run_names_op_and_file_and_leaves_state(tmp_path):
+@pytest.mark.parametrize("masters", [frozenset(), ON_NVME], ids=["moments", "masters"])
+def test_truncated_nvme_file_mid_run_names_op_and_file_and_leaves_state(tmp_path, masters):
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
-    t = _compile(model, _planned(copy.deepcopy(model)), tmp_path)
+    plan = _planned(copy.deepcopy(model))
+    if masters:  # masters and moments in one file per layer (Plan.nvme_masters, BF16 with cast_once)
+        plan = dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
+    t = _compile(model, plan, tmp_path)
     t.step(BATCHES[0])
-    masters = [t.host.master(li).clone() for li in range(4)]
+    before = [t.host.read_master(li) for li in range(4)]
     steps = [float(s) for s in t.host.steps]
     moments1 = t.host.read_moments(1)
-    os.truncate(tmp_path / "L3.moments.tile", ALIGN)
-    with pytest.raises(StepError, match=r"NvmeError: op #\d+ NVME_READ:L3:b0: NVMe tile file .*L3\.moments\.tile"
+    head = "L3.state" if masters else "L3.moments"
+    os.truncate(tmp_path / f"{head}.tile", ALIGN)
+    with pytest.raises(StepError, match=rf"NvmeError: op #\d+ NVME_READ:L3:b0: NVMe tile file .*{head}\.tile"
                                         r"' is truncated") as e:
         t.step(BATCHES[1])
     assert isinstance(e.value.__cause__, NvmeError)
     # Nothing was updated from garbage: the head's read failed before any optimizer step (its OPT is
-    # the first), so every master, Adam step and readable moment is as before.
+    # the first), so every readable master, Adam step and moment is as before.
     assert e.value.updated_layers == ()
-    for li in range(4):
-        assert torch.equal(t.host.master(li), masters[li]), li
+    for li in range(4 if not masters else 3):
+        assert torch.equal(t.host.read_master(li), before[li]), li
     assert [float(s) for s in t.host.steps] == steps
     assert torch.equal(t.host.read_moments(1), moments1)
 
@@ -536,11 +549,15 @@ def test_readme_nvme_snippet_runs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
 
 
-@pytest.mark.parametrize("grads", [frozenset(), frozenset({0, 1, 3})], ids=["moments", "moments+grads"])
-def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads):
+@pytest.mark.parametrize("grads,masters", [(frozenset(), frozenset()), (frozenset({0, 1, 3}), frozenset()),
+                                           (frozenset(), frozenset({0, 2, 3}))],
+                         ids=["moments", "moments+grads", "moments+masters"])
+def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads, masters):
     """The CUDA backend runs Stream.IO on a host worker of its own; on the asynchronous fake (random
     delays before every op) the NVMe plan trains bitwise like the CPU backend, also with gradient
-    tiles on NVMe (their D2Hs into the rotating pinned buffers wait for the NVME_WRITEs)."""
+    tiles on NVMe (their D2Hs into the rotating pinned buffers wait for the NVME_WRITEs) and with
+    masters on NVMe (BF16, cast_once: the CAST from an I/O buffer must run after its OPT and before
+    its NVME_WRITE and the next read into that buffer)."""
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import AsyncFakeCuda
 
@@ -549,6 +566,8 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads)
     kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=0.5)
     planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
     plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}), nvme_gradients=grads)
+    if masters:
+        plan = dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
     batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
 
     def run(backend, d):
@@ -557,7 +576,7 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads)
         t = megatrain.materialize(p, ADAMW, backend=backend, nvme_dir=str(d))
         losses = [t.step(b).loss for b in batches]
         t.flush()
-        return losses, [b.clone() for b in t.host.blocks] + [t.host.read_moments(li) for li in range(4)]
+        return losses, [t.host.read_master(li) for li in range(4)] + [t.host.read_moments(li) for li in range(4)]
 
     want = run(None, tmp_path)
     for seed in range(2):

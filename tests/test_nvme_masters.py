@@ -1,7 +1,9 @@
 """FP32 master weights on the NVMe tier (``Plan.nvme_masters``): the plan's rules, the lowering
 (the CAST from the I/O buffer between the OPT and the NVME_WRITE), the runtime (no master row in
-host memory; bitwise the all-in-RAM run), checkpoints and the planner's placement. Reuses the
-moments' helpers of test_nvme (tiny_llama, a temp dir as the NVMe tier)."""
+host memory; bitwise the all-in-RAM run) and the planner's placement. Reuses the moments'
+helpers of test_nvme (tiny_llama, a temp dir as the NVMe tier); checkpoints, a truncated file and
+the asynchronous fake CUDA with masters on NVMe are cases of test_nvme's tests of the moments, and
+the dense-120b placement a case of its 512 GiB test."""
 
 from __future__ import annotations
 
@@ -123,9 +125,9 @@ import os  # noqa: E402
 import torch  # noqa: E402
 
 from megatrain.planner import cost  # noqa: E402
-from megatrain.runtime.host import HostState, NvmeMasterRow, as_tensor  # noqa: E402
+from megatrain.runtime.host import HostState, NvmeMasterRow  # noqa: E402
 
-from conftest import random_batch, tiny_llama  # noqa: E402
+from conftest import tiny_llama  # noqa: E402
 from test_nvme import BATCHES, ON_NVME, _compile, _planned, _train_alike  # noqa: E402
 
 MASTERS = frozenset({1})  # of ON_NVME's {1, 3}: layer 3 (the head) keeps its master in RAM, moments on NVMe
@@ -204,101 +206,6 @@ def test_masters_on_nvme_free_their_host_bytes_as_the_cost_model_counts(tmp_path
     once, once_memory, again = place_with_masters(graph, ring, cost.memory_breakdown(graph, ring), hw)
     assert once == dataclasses.replace(ring, cast_once=True) and again.masters
     assert once_memory == cost.memory_breakdown(graph, once, hw)
-
-
-def test_checkpoint_between_nvme_masters_and_ram_trainers_continues_bitwise(tmp_path):
-    """Save with masters (and moments) on NVMe, load into an all-in-RAM trainer, and the reverse:
-    both go on exactly as an uninterrupted run. The load writes the masters into the files and the
-    next step's copies read staging tiles re-cast from them (a stale tile would change the loss)."""
-    torch.manual_seed(0)
-    base = tiny_llama(layers=2)
-    plan = _bf16(copy.deepcopy(base), 0.5)
-    ram_plan = dataclasses.replace(plan, nvme_masters=frozenset(), nvme_moments=frozenset())
-    for d in ("a", "c"):
-        (tmp_path / d).mkdir()
-    ref = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
-    nv = _compile(copy.deepcopy(base), plan, tmp_path / "a", 0.5)
-    for b in BATCHES[:2]:
-        assert ref.step(b).loss == nv.step(b).loss
-    ref.save(tmp_path / "ckpt_ram")
-    nv.save(tmp_path / "ckpt_nvme", dtype="bfloat16")  # lossy shards: the FP32 masters go in the state rows
-    want = [ref.step(b).loss for b in BATCHES[2:]]
-    ref.flush()
-    into_ram = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
-    into_ram.load(tmp_path / "ckpt_nvme")
-    into_nvme = _compile(copy.deepcopy(base), plan, tmp_path / "c", 0.5)
-    into_nvme.step(BATCHES[3])  # its staging tiles now hold other weights than the checkpoint's
-    into_nvme.load(tmp_path / "ckpt_ram")
-    for t in (into_ram, into_nvme):
-        assert [t.step(b).loss for b in BATCHES[2:]] == want
-        t.flush()
-        for li in range(4):
-            assert torch.equal(t.host.read_master(li), ref.host.master(li)), li
-            assert torch.equal(t.host.read_moments(li), ref.host.read_moments(li)), li
-        assert t.step_count == ref.step_count
-    # A trainer's state_dict loads into another directly too: NVMe rows are read, RAM rows written through.
-    into_nvme.load_state_dict(into_ram.state_dict())
-    into_ram.load_state_dict(into_nvme.state_dict())
-    assert torch.equal(into_nvme.host.read_master(1), ref.host.master(1))
-
-
-def test_truncated_master_file_mid_run_names_op_and_file_and_leaves_state(tmp_path):
-    from megatrain.errors import StepError
-    from megatrain.runtime.nvme import ALIGN, NvmeError
-
-    torch.manual_seed(0)
-    model = tiny_llama(layers=2)
-    t = _compile(model, _bf16(copy.deepcopy(model), masters=ON_NVME), tmp_path)
-    t.step(BATCHES[0])
-    masters = [t.host.read_master(li) for li in range(4)]
-    steps = [float(s) for s in t.host.steps]
-    os.truncate(tmp_path / "L3.state.tile", ALIGN)
-    with pytest.raises(StepError, match=r"NvmeError: op #\d+ NVME_READ:L3:b0: NVMe tile file .*L3\.state\.tile"
-                                        r"' is truncated") as e:
-        t.step(BATCHES[1])
-    assert isinstance(e.value.__cause__, NvmeError)
-    # The head's read failed before any optimizer step (its OPT is the first): nothing was updated.
-    assert e.value.updated_layers == ()
-    for li in range(3):
-        assert torch.equal(t.host.read_master(li), masters[li]), li
-    assert [float(s) for s in t.host.steps] == steps
-
-
-def test_masters_on_nvme_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path):
-    """On the asynchronous fake CUDA (random delays before every op) the CAST from the I/O buffer
-    races the NVME_WRITE and the next read into that buffer unless the schedule orders them:
-    bitwise like the CPU backend, with clipping (carried updates) and masters of three layers."""
-    from megatrain.runtime.cuda import CUDABackend
-    from megatrain.testing import AsyncFakeCuda
-
-    import megatrain
-
-    torch.manual_seed(0)
-    base = tiny_llama(layers=2)
-    kw = dict(seq_len=16, micro_batch_size=2, max_grad_norm=0.5)
-    planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
-    plan = dataclasses.replace(planned.plan, compute_dtype="bfloat16", cast_once=True,
-                               nvme_moments=frozenset({0, 2, 3}), nvme_masters=frozenset({0, 2, 3}))
-    batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
-
-    def run(backend, d):
-        model = copy.deepcopy(base)
-        p = megatrain.plan_model(model, plan=plan, **kw)
-        from test_exactness import ADAMW
-        t = megatrain.materialize(p, ADAMW, backend=backend, nvme_dir=str(d))
-        losses = [t.step(b).loss for b in batches]
-        t.flush()
-        return losses, [t.host.read_master(li) for li in range(4)] + [t.host.read_moments(li) for li in range(4)]
-
-    want = run(None, tmp_path)
-    for seed in range(2):
-        fake = AsyncFakeCuda(seed=seed, max_delay_s=2e-3)
-        d = tmp_path / f"s{seed}"
-        d.mkdir()
-        got = run(CUDABackend(adapter=fake), d)
-        fake.close()
-        assert got[0] == want[0], f"seed {seed}"
-        assert all(torch.equal(x, y) for x, y in zip(got[1], want[1])), f"seed {seed}"
 
 
 def test_train_nvme_layers_move_masters_of_a_bf16_plan_and_set_cast_once(tmp_path):

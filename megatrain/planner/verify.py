@@ -28,7 +28,9 @@ dependencies plus program order on each in-order stream. It is computed once as 
   in pinned memory, a layer's offload comes after the reloads of the micro-batches before it;
 - ``staging``: with a BF16 plan, each H2D reads a staging tile that a CAST of its layer filled, with
   no optimizer step of that layer between the CAST and the copy (the tile holds the current
-  master's cast), and no other CAST overwrites the tile before the copy ends;
+  master's cast), and no other CAST overwrites the tile before the copy ends; a layer whose master
+  lives on NVMe (``Plan.nvme_masters``) copies from its own tile, which keeps its cast between
+  steps, and after an OPT of it only from the CAST out of its I/O buffer that follows that OPT;
 - ``budget``: slot, ring and staging indices stay within what the plan allocates, and each op's
   layer fits the slot and host gradient tile it uses, as the cost model sizes them; given a
   HardwareSpec, the cost model's peak GPU memory, pinned host memory and host memory stay within
