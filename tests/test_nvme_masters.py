@@ -183,6 +183,15 @@ def test_masters_on_nvme_free_their_host_bytes_as_the_cost_model_counts(tmp_path
     assert mem.nvme_buffers == 2 * widest
     trainer.step(BATCHES[0])
     assert sum(b.numel() for b in trainer.executor._nvme_pool) == mem.nvme_buffers
+    # A second trainer over the same host state (as a shape-free trainer makes per batch shape) has
+    # staging tiles of its own: once the first has trained, it re-casts them from the files.
+    import megatrain
+    from test_exactness import ADAMW
+
+    other = megatrain.materialize(trainer.planned, ADAMW, nvme_dir=str(tmp_path), host=trainer.host)
+    seen = other.evaluate(BATCHES[1])
+    trainer.step(BATCHES[1])
+    assert other.evaluate(BATCHES[1]) == trainer.evaluate(BATCHES[1]) != seen
     assert os.path.getsize(tmp_path / "L1.state.tile") == -(-12 * graph.layers[1].numel // 4096) * 4096
     # The placement moves masters once every moment is on NVMe, and its host figure is the cost
     # model's of the placed plan; a plan without cast_once gets it set (place_with_masters).

@@ -380,6 +380,7 @@ class Executor:
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
                 ctx.acts.put_batch((g.value_by_name(name).id, mb), batch[name].to(dev, non_blocking=True))
+        done = False
         try:
             try:
                 for i, op in enumerate(schedule.ops):
@@ -393,7 +394,14 @@ class Executor:
                 self.backend.abort()
                 raise
             self.backend.synchronize()
+            done = True
         finally:
+            if ctx.recast:
+                # Masters on NVMe changed: other executors over this host state (other batch shapes)
+                # re-cast their staging tiles; this one's CASTs did, unless the run failed part-way.
+                self.host.master_version += 1
+                if done:
+                    self._staged = (self._arena, self.host.master_version)
             if ctx.carried:
                 d = self.deferred
                 self.deferred = DeferredUpdates(d.layers - set(ctx.updated), d.clip_scale, d.optimizer)
@@ -449,6 +457,7 @@ class _RunContext:
         self.trained: list[int] = []  # layers whose gradients a D2H copied out, in order
         self.updated: list[int] = []  # layers whose optimizer step ran, in order (host worker)
         self.unsaved: set[int] = set()  # layers stepped in an NVMe I/O buffer whose NVME_WRITE has not completed
+        self.recast = False  # a CAST from an I/O buffer ran: a master on NVMe changed
         self.skipped: list[int] = []  # layers whose optimizer step was skipped (a non-finite value)
         self.skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
         # Carried (NEXT_FORWARD) updates run with the clipping and AdamW settings of the step that
@@ -480,11 +489,16 @@ def _h2d(ctx: _RunContext, i: int, op: Op) -> Work:
 def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
     """Write the layer's master as BF16 into staging tile ``op.tile``: from its master row, or
     (``op.buf``, ``Plan.nvme_masters``) from the I/O buffer where its OPT just stepped it."""
-    if op.buf is not None:
-        master = ctx.ex._nvme_pool[op.buf].view(torch.float32)[:ctx.graph.layers[op.layer].numel]
-    else:
+    if op.buf is None:
         master = ctx.ex.host.master(op.layer)
-    return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+        return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+    master = ctx.ex._nvme_pool[op.buf].view(torch.float32)[:ctx.graph.layers[op.layer].numel]
+    copy = _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+
+    def run() -> None:
+        ctx.recast = True
+        copy()
+    return run
 
 
 def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
