@@ -904,7 +904,8 @@ def nvme_bytes(layer: Layer, masters: bool = False) -> int:
     trainable parameter) and, with ``masters`` (``Plan.nvme_masters``: one file holds both), its
     FP32 master before them (4 bytes per parameter, frozen ones included), padded to the 4096-byte
     O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
-    nbytes = layer.trainable_numel * MOMENT_BYTES_PER_ELEMENT + (layer.numel * MASTER_BYTES_PER_ELEMENT if masters else 0)
+    nbytes = (layer.trainable_numel * MOMENT_BYTES_PER_ELEMENT
+              + (layer.numel * MASTER_BYTES_PER_ELEMENT if masters else 0))
     return -(-nbytes // 4096) * 4096
 
 
@@ -915,10 +916,11 @@ NVME_BUFFERS = 2
 
 def nvme_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
     """``(count, bytes each)`` of the host I/O buffers the moments of ``plan.nvme_moments`` (and the
-    masters of ``plan.nvme_masters``) pass through: :data:`NVME_BUFFERS`, or one per NVMe layer when there are fewer (the lowering's
-    ``Op.buf`` indices are below it), each :func:`nvme_bytes` of the widest NVMe layer (whole
-    4096-byte blocks: the runtime reads and writes them with ``O_DIRECT``). ``(0, 0)`` without
-    NVMe layers. Pageable: the moments never go to the GPU."""
+    masters of ``plan.nvme_masters``) pass through: :data:`NVME_BUFFERS`, or one per NVMe layer
+    when there are fewer (the lowering's ``Op.buf`` indices are below it), each :func:`nvme_bytes`
+    of the widest NVMe layer's file (whole 4096-byte blocks: the runtime reads and writes them with
+    ``O_DIRECT``). ``(0, 0)`` without NVMe layers. Pageable: nothing in them goes to the GPU (a
+    master's BF16 copy is cast into its pinned staging tile first)."""
     if not plan.nvme_moments:
         return 0, 0
     return (min(NVME_BUFFERS, len(plan.nvme_moments)),

@@ -693,8 +693,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     tile = None
     if grads.dtype != torch.float32:
         tile, grads = grads, ctx.bufs.widened
-    if op.buf is not None:  # moments on NVMe: its NVME_READ brought them (after the master) into this I/O buffer
-        m = h._file_master(li)
+    if op.buf is not None:  # moments (after the master) on NVMe: its NVME_READ filled this I/O buffer
+        m = h.nvme_master_numel(li)
         state = ex._nvme_pool[op.buf][:(m + 2 * n) * 4].view(torch.float32)
         master = state[:m] if m else h.master(li)
         exp_avg, exp_avg_sq = state[m:m + n], state[m + n:]
@@ -763,8 +763,9 @@ def _reload(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _nvme_io(read: bool) -> Handler:
-    """The handler of NVME_READ (``read``) or NVME_WRITE: move layer ``op.layer``'s two Adam moments,
-    after its master with ``Plan.nvme_masters`` (``op.buf``: I/O buffer of the executor's pool) or its deferred gradient tile (``op.gbuf``: a
+    """The handler of NVME_READ (``read``) or NVME_WRITE: move layer ``op.layer``'s two Adam moments
+    (after its master with ``Plan.nvme_masters``; ``op.buf``: I/O buffer of the executor's pool)
+    or its deferred gradient tile (``op.gbuf``: a
     pinned gradient I/O buffer of the arena) between its NVMe file (``HostState.nvme``) and that
     buffer, on the I/O stream, and wait. The OPT that steps them in the buffer depends on the read;
     the moments' write depends on the OPT, a gradient tile's write on the D2H that filled the

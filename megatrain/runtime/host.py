@@ -1,11 +1,12 @@
 """Persistent host state: one contiguous block per layer holding FP32 master weights and the two
-AdamW moments (12 bytes per parameter; 4 for a layer whose moments live on the NVMe tier, see
-:class:`HostState`), plus binding the user's module to it, and the pinned arena
-of a plan's transient host buffers.
+AdamW moments (12 bytes per parameter; 4 for a layer whose moments live on the NVMe tier, none
+for one whose master lives there too, see :class:`HostState`), plus binding the user's module to
+it, and the pinned arena of a plan's transient host buffers.
 
 After binding, every parameter of the user's module is a view into its layer's master tile, so
 the module holds no storage of its own, ``model.state_dict()`` reads the trained weights, and host
-memory is not doubled.
+memory is not doubled. (A layer whose master lives on NVMe has no tile to view: its parameters
+become ``meta`` tensors, :func:`unbind_spilled`, and ``Trainer.state_dict()`` reads its weights.)
 
 Pinned memory. Only what DMA reads or writes is page-locked, at exact sizes: each block is
 ordinary (pageable) memory that starts on a page, and with FP32 compute, where H2D reads the
@@ -93,10 +94,10 @@ class HostState:
     ``exp_avg_sq``, FP32). Their block holds the master row only until :meth:`spill_masters` (after
     :func:`bind_module` initialised it) writes it to the file and drops it: from then on the block
     is empty, :attr:`nbytes` is ``4 * numel`` lower again, :meth:`master` raises, and
-    :meth:`read_master` / :meth:`write_master` (and the state-dict rows :meth:`master_row`,
-    :meth:`param_row`) go through the file. Every write of such a master bumps
-    :attr:`master_version`, so whoever keeps a copy of it (the executor's BF16 staging tiles) knows
-    to refresh it.
+    :meth:`read_master` and the state-dict rows :meth:`master_row` / :meth:`param_row`
+    (:class:`NvmeMasterRow`, which also write) go through the file. Every write of such a master
+    bumps :attr:`master_version`, so whoever keeps a copy of it (an executor's BF16 staging tiles)
+    knows to refresh it.
 
     Data parallel. ``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
     :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
@@ -104,7 +105,7 @@ class HostState:
 
     Raises:
         ConfigError: ``nvme_moments`` or ``nvme_gradients`` without ``nvme_dir``, or naming a layer
-            with no trainable parameters.
+            with no trainable parameters; ``nvme_masters`` not within ``nvme_moments``.
         NvmeError: the directory is missing or not writable, or the disk has no room for the files.
     """
 
@@ -157,7 +158,7 @@ class HostState:
         if self.nvme_moments or self.nvme_gradients:
             from megatrain.runtime.nvme import NvmeStore  # it imports this module
 
-            sizes = {self.nvme_key(li): (self._file_master(li) + 2 * graph.layers[li].trainable_numel) * 4
+            sizes = {self.nvme_key(li): (self.nvme_master_numel(li) + 2 * graph.layers[li].trainable_numel) * 4
                      for li in sorted(self.nvme_moments)}
             sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
                           for li in sorted(self.nvme_gradients)})
@@ -174,15 +175,16 @@ class HostState:
         too, else :func:`moments_key`."""
         return state_key(layer) if layer in self.nvme_masters else moments_key(layer)
 
-    def _file_master(self, layer: int) -> int:
-        """FP32 elements of master before the moments in the layer's NVMe file (0: moments only)."""
+    def nvme_master_numel(self, layer: int) -> int:
+        """FP32 elements of master before the moments in the layer's NVMe file (its ``numel`` for a
+        layer of ``nvme_masters``, else 0) and in the I/O buffer its NVME_READ fills."""
         return self.graph.layers[layer].numel if layer in self.nvme_masters else 0
 
     def spill_masters(self) -> None:
         """Write the master rows of ``nvme_masters`` (as :func:`bind_module` left them) to their
         files, zero moments after them, and drop the rows (:class:`HostState`, "Masters on NVMe").
-        The module's parameters of those layers must no longer view them: :func:`bind_module`
-        rebinds them (``unbind_spilled``). Idempotent."""
+        The module's parameters of those layers must no longer view them: :func:`unbind_spilled`
+        makes them ``meta`` (``materialize`` calls both). Idempotent."""
         for li in sorted(self.nvme_masters - self.spilled):
             lay = self.graph.layers[li]
             state = torch.zeros((lay.numel + 2 * lay.trainable_numel,), dtype=torch.float32)
@@ -199,7 +201,7 @@ class HostState:
         if layer in self.spilled:
             raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its FP32 master on NVMe "
                              f"({self.nvme.tiles[state_key(layer)].path}), not in host memory: read it with "
-                             "HostState.read_master and write it with write_master")
+                             "HostState.read_master, or read and write it through master_row / param_row")
         return self.blocks[layer][:self.graph.layers[layer].numel]
 
     def read_state(self, layer: int) -> torch.Tensor:
@@ -207,7 +209,7 @@ class HostState:
         ``exp_avg`` and ``exp_avg_sq``. Raises NvmeError (naming the file) when it is missing or
         truncated."""
         lay = self.graph.layers[layer]
-        out = torch.empty((self._file_master(layer) + 2 * lay.trainable_numel,), dtype=torch.float32)
+        out = torch.empty((self.nvme_master_numel(layer) + 2 * lay.trainable_numel,), dtype=torch.float32)
         self.nvme.read_tensor(self.nvme_key(layer), out)
         return out
 
@@ -221,20 +223,6 @@ class HostState:
         if layer in self.spilled:
             return self.read_state(layer)[:self.graph.layers[layer].numel]
         return self.master(layer).clone()
-
-    def write_master(self, layer: int, master: torch.Tensor) -> None:
-        """Set the layer's master from ``master`` (``float32[numel]``), in host memory or in its NVMe
-        file (read, replaced, written through and waited for; :attr:`master_version` bumped)."""
-        n = self.graph.layers[layer].numel
-        if tuple(master.shape) != (n,) or master.dtype != torch.float32:
-            raise ValueError(f"layer {self.graph.layers[layer].name!r}: a master must be float32[{n}], not "
-                             f"{master.dtype} {list(master.shape)}")
-        if layer in self.spilled:
-            state = self.read_state(layer)
-            state[:n].copy_(master)
-            self._write_state(layer, state)
-        else:
-            self.master(layer).copy_(master)
 
     def exp_avg(self, layer: int) -> torch.Tensor:
         """``float32[trainable_numel]``: AdamW's first moment of the layer's trainable prefix (a view).
@@ -261,7 +249,7 @@ class HostState:
         t = self.graph.layers[layer].trainable_numel
         out = torch.empty((2 * t,), dtype=torch.float32)
         if layer in self.nvme_masters:
-            out.copy_(self.read_state(layer)[self._file_master(layer):])
+            out.copy_(self.read_state(layer)[self.nvme_master_numel(layer):])
         elif layer in self.nvme_moments:
             self.nvme.read_tensor(moments_key(layer), out)
         else:
@@ -278,7 +266,7 @@ class HostState:
                              f"{moments.dtype} {list(moments.shape)}")
         if layer in self.nvme_masters:
             state = self.read_state(layer)
-            state[self._file_master(layer):].copy_(moments)
+            state[self.nvme_master_numel(layer):].copy_(moments)
             self.nvme.write_tensor(state_key(layer), state)  # the master is unchanged: no version bump
         elif layer in self.nvme_moments:
             self.nvme.write_tensor(moments_key(layer), moments)
@@ -388,7 +376,7 @@ class NvmeMomentRow(NvmeRow):
 
     def __init__(self, host: HostState, layer: int, k: int):
         t = host.graph.layers[layer].trainable_numel
-        super().__init__(host, layer, host._file_master(layer) + k * t, t, (t,), ("exp_avg", "exp_avg_sq")[k])
+        super().__init__(host, layer, host.nvme_master_numel(layer) + k * t, t, (t,), ("exp_avg", "exp_avg_sq")[k])
         self.k = k
 
 
