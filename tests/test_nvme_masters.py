@@ -140,12 +140,16 @@ def _bf16(model, max_grad_norm=None, masters=MASTERS, moments=ON_NVME):
     return dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
 
 
-@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
-def test_training_with_masters_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_norm):
+@pytest.mark.parametrize("max_grad_norm,layer_by_layer", [(None, True), (0.5, True), (None, False)],
+                         ids=["layer-by-layer", "clipped", "per-micro-batch"])
+def test_training_with_masters_on_nvme_is_bitwise_all_in_ram(tmp_path, max_grad_norm, layer_by_layer):
+    """2 micro-batches, BF16: layer by layer, clipped (the updates carried into the next step and the
+    final flush), and per-micro-batch passes (the layer's copies in every pass read its kept tile,
+    the OPT after the last pass's ACC)."""
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
     ref_model = copy.deepcopy(model)
-    plan = _bf16(copy.deepcopy(model), max_grad_norm)
+    plan = dataclasses.replace(_bf16(copy.deepcopy(model), max_grad_norm), layer_by_layer=layer_by_layer)
     ram_plan = dataclasses.replace(plan, nvme_masters=frozenset(), nvme_moments=frozenset())
     ref = _compile(ref_model, ram_plan, None, max_grad_norm)
     got = _compile(model, plan, tmp_path, max_grad_norm)
