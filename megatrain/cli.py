@@ -174,8 +174,8 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
     from megatrain.planner.schedule import Stream
 
     plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
-    if nvme is not None:  # the plan with its NVMe layers, and its step with their I/O ops
-        plan, tl = nvme.plan, nvme.timeline
+    if nvme is not None:  # the plan with its NVMe layers (cast_once too if masters needed it), and its step
+        plan, tl, mem = nvme.plan, nvme.timeline, nvme.memory
     n = len(g.layers)
     fits = topology.fits if topology is not None else mem.fits(hw) if nvme is None else nvme.fits
     lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",

@@ -35,12 +35,17 @@ class StepError(MegatrainError):
     """A training step raised while its schedule ran (a failing op, out of memory, an interrupt of a
     kernel). The message says what of the trainer's state changed; ``updated_layers`` lists the
     layers whose update from the failed batch was applied (only without ``max_grad_norm``, where
-    each layer is updated as its gradients arrive; empty otherwise). The original exception is the
-    ``__cause__``."""
+    each layer is updated as its gradients arrive; empty otherwise). ``unsaved_layers``: layers
+    whose update ran on NVMe state (``Plan.nvme_moments``) that its NVME_WRITE did not save, so
+    their files are behind their Adam step counts (and staging tiles): load the last checkpoint.
+    The original exception is the ``__cause__``."""
 
-    def __init__(self, message: str, updated_layers: tuple[int, ...] = ()):
+    def __init__(self, message: str, updated_layers: tuple[int, ...] = (), unsaved_layers: tuple[int, ...] = ()):
         super().__init__(message)
         self.updated_layers = updated_layers
+        # Layers whose optimizer step ran in their NVMe I/O buffer but whose NVME_WRITE did not
+        # complete: their files hold the state from before the step (load the last checkpoint).
+        self.unsaved_layers = unsaved_layers
 
 
 class CollectiveError(StepError):

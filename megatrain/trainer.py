@@ -36,7 +36,7 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
-from megatrain.runtime.host import MASTER, HostState, NvmeMomentRow, SlicedRow, as_tensor, bind_module
+from megatrain.runtime.host import MASTER, HostState, NvmeRow, SlicedRow, as_tensor, bind_module, unbind_spilled
 from megatrain.runtime.measure import measure_hardware
 
 
@@ -135,6 +135,9 @@ class Trainer:
         except BaseException as e:
             if not isinstance(e, Exception):
                 raise
+            if self.executor.unsaved:
+                raise _unsaved_error("a deferred optimizer step", e, tuple(self.executor.updated),
+                                     self.executor.unsaved) from (cause or e)
             raise StepError(
                 f"a deferred optimizer step failed ({type(e).__name__}: {e}); the updates of layers "
                 f"{sorted(self._pending_layers)} are still pending and the others were applied once: calling "
@@ -155,6 +158,8 @@ class Trainer:
             raise  # another rank failed: no story holds across ranks, and applying more would wait on them
         except BaseException as e:
             ran = tuple(self.executor.updated)
+            if self.executor.unsaved and isinstance(e, Exception):
+                raise _unsaved_error(what, e, ran, self.executor.unsaved) from e
             carried = schedule.carries_updates
             if carried and ran and self._pending_layers:  # part of the previous step's update ran: apply the rest
                 self._apply_pending(e)
@@ -263,7 +268,10 @@ class Trainer:
                 laid out after it, have none); for a layer whose moments live on NVMe
                 (``Plan.nvme_moments``) an :class:`~megatrain.runtime.host.NvmeMomentRow`, which
                 reads the row from its file (``read()``) and writes one into it (``copy_``), so
-                the state of such layers is never all in host memory at once.
+                the state of such layers is never all in host memory at once. Likewise a layer
+                whose master lives on NVMe (``Plan.nvme_masters``) gives
+                :class:`~megatrain.runtime.host.NvmeMasterRow` entries in ``"model"`` and
+                ``"masters"`` (its module parameters are ``meta`` tensors: read them here).
                 With a host state sharded across nodes (``Plan.host_state == "shard"``) the entries
                 of ``"model"``, ``"masters"`` and ``"optimizer"`` are
                 :class:`~megatrain.runtime.host.SlicedRow` parts of the whole rows: a load writes
@@ -282,9 +290,9 @@ class Trainer:
             self.flush()
         host, layers = self.host, self.graph.layers
         model, masters, optimizer = self._sliced_rows() if host.sliced else (
-            {spec.name: host.param_view(li, pi) for li, layer in enumerate(layers)
+            {spec.name: host.param_row(li, pi) for li, layer in enumerate(layers)
              for pi, spec in enumerate(layer.params)},
-            {f"{layer.name}.master": host.master(li) for li, layer in enumerate(layers)},
+            {f"{layer.name}.master": host.master_row(li) for li, layer in enumerate(layers)},
             {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
              for k, kind in enumerate(("exp_avg", "exp_avg_sq"))})
         # state_dict() returns detached tensors sharing the module's storage: copying into one
@@ -359,13 +367,10 @@ class Trainer:
             raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
         with torch.no_grad():
             for dst, src in pairs:
-                if isinstance(dst, SlicedRow):
-                    if not dst.same(src):  # a load already wrote this node's part through it
-                        dst.copy_(as_tensor(src))
-                elif isinstance(dst, NvmeMomentRow):
+                if isinstance(dst, (NvmeRow, SlicedRow)):
                     if not dst.same(src):  # written through to the file
                         dst.copy_(as_tensor(src))
-                elif isinstance(src, NvmeMomentRow):
+                elif isinstance(src, NvmeRow):
                     dst.copy_(src.read())
                 elif not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.shape == src.shape):
                     dst.copy_(src)
@@ -793,12 +798,27 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
     return PlannedModel(model, options, traced, plan, schedules, memory, hw, timeline, solution)
 
 
+def _unsaved_error(what: str, e: Exception, ran: tuple[int, ...], unsaved: set[int]) -> StepError:
+    """The StepError of a run that stepped NVMe state in an I/O buffer and failed before its
+    NVME_WRITE saved it: those layers' files hold the state from before the step while their Adam
+    step counts (and the BF16 staging tiles of masters on NVMe) advanced, so no story of the
+    trainer's state holds; the way on is the last checkpoint."""
+    lost = sorted(unsaved)
+    return StepError(f"{what} failed while running ({type(e).__name__}: {e}); the optimizer steps of layers "
+                     f"{list(ran)} ran, and those of layers {lost} updated masters or Adam moments in their NVMe I/O "
+                     "buffers that were never written back: their NVMe files hold the state from before the step "
+                     "while their Adam step counts (and BF16 staging tiles) advanced, so the trainer's state is "
+                     "inconsistent. Fix the NVMe directory (space, permissions) and load the last checkpoint "
+                     "(Trainer.load) before training on", updated_layers=ran, unsaved_layers=tuple(lost))
+
+
 def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None, *,
                 backend: Backend | None = None, nvme_dir: str | None = None,
                 host: HostState | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
     master weights and AdamW moments, 12 bytes per parameter; 4 for a layer of
-    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here), the module's
+    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here; none for a layer of
+    ``Plan.nvme_masters``, whose initialised master is written to its file here), the module's
     parameters bound to them (a meta-device model is initialised there by its own initialisation), the backend and
     the executor. On ``device="cuda"`` the train schedule's GPU slots and pinned buffers are
     allocated here too, so that running out of memory is a compile error, not a first-step one;
@@ -849,11 +869,21 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         # The NVMe files are made here (zeros, like fresh moments): a missing directory or a full
         # disk fails at compile, before the model is bound.
         host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir),
-                         nvme_gradients=grads_on_nvme, gradient_itemsize=planned.plan.gradient_itemsize)
+                         nvme_gradients=grads_on_nvme, gradient_itemsize=planned.plan.gradient_itemsize,
+                         nvme_masters=planned.plan.nvme_masters)
         bind_module(model, host)
+        if host.nvme_masters:
+            # The initialised masters go to their files (the executor casts its staging tiles from
+            # them before the first run), and the module stops viewing the rows that are dropped.
+            host.spill_masters()
+            unbind_spilled(model, host)
     elif [lay.params for lay in host.graph.layers] != [lay.params for lay in traced.graph.layers]:
         raise ConfigError("this plan's layers hold other parameters than the shared host tiles' (the model "
                           "traced differently at this shape); compile the shape with its own trainer")
+    elif host.nvme_masters != planned.plan.nvme_masters:
+        raise ConfigError(f"this plan keeps the masters of layers {sorted(planned.plan.nvme_masters)} on NVMe, the "
+                          f"shared host state those of layers {sorted(host.nvme_masters)}; give every shape's plan "
+                          "the same nvme_masters")
     elif host.nvme_moments != on_nvme:
         raise ConfigError(f"this plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe, the shared host "
                           f"state those of layers {sorted(host.nvme_moments)}; give every shape's plan the same "

@@ -117,8 +117,8 @@ def test_bench_nvme_io_small(tmp_path):
 from megatrain.errors import ConfigError, PlanError  # noqa: E402
 from megatrain.planner import cost  # noqa: E402
 from megatrain.planner.hardware import PRESETS, HardwareSpec, preset  # noqa: E402
-from megatrain.planner.nvme import (NVME_ARRAYS, parse_bytes, place_on_nvme, solve_with_nvme,  # noqa: E402
-                                    with_nvme)
+from megatrain.planner.nvme import (NVME_ARRAYS, describe, parse_bytes, place_on_nvme,  # noqa: E402
+                                    solve_with_nvme, with_nvme)
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve  # noqa: E402
 
 
@@ -156,7 +156,7 @@ def test_parse_bytes_rejects():
 
 
 def _check_placement(ns, graph):
-    p, hw, mem = ns.placement, ns.hardware, ns.solution.memory
+    p, hw, mem = ns.placement, ns.hardware, ns.memory
     layers = graph.layers
     moved = (sum(cost.page_up(layers[i].trainable_numel * ns.solution.plan.gradient_itemsize) for i in p.gradients)
              + sum(layers[i].trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT for i in p.moments)
@@ -169,14 +169,18 @@ def _check_placement(ns, graph):
     assert ns.step_time_s == max(ns.timeline.step_time_s, p.io_time_s)
     # The plan carries the moment and gradient-tile layers; its schedule has their NVMe ops (a read of
     # each, and a write), verified, and adding ops and edges cannot make the simulated step shorter
-    # than the all-in-RAM one. Its host bytes are the cost model's of the placed plan (no masters moved).
-    assert ns.plan.nvme_moments == p.moments and ns.plan.nvme_gradients == p.gradients and not p.masters
+    # than the all-in-RAM one. Its host bytes are the cost model's of the placed plan, masters included
+    # (each of those layers' CAST reads its I/O buffer).
+    assert ns.plan.nvme_moments == p.moments and ns.plan.nvme_gradients == p.gradients
+    assert ns.plan.nvme_masters == p.masters <= p.moments
+    assert ns.plan.cast_once == (ns.solution.plan.cast_once or ns.cast_once_set) and ns.cast_once_set <= bool(p.masters)
     from megatrain.planner.schedule import OpKind as K
     from megatrain.planner.verify import verify as check
     check(ns.schedule, ns.solution.graph)
     for kind in (K.NVME_READ, K.NVME_WRITE):
         assert sum(op.kind is kind and op.buf is not None for op in ns.schedule.ops) == len(p.moments)
         assert sum(op.kind is kind and op.gbuf is not None for op in ns.schedule.ops) == len(p.gradients)
+    assert sum(op.kind is K.CAST and op.buf is not None for op in ns.schedule.ops) == len(p.masters)
     placed = cost.memory_breakdown(ns.solution.graph, ns.plan, hw, ns.schedule)
     assert placed.host_total == ns.host_total and placed.host_pinned == p.host_pinned(mem)
     assert ns.timeline.step_time_s >= ns.simulated_step_s * (1 - 1e-9)
@@ -214,7 +218,7 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     assert request.hardware == hw and request.global_batch == 8 and not request.clip_gradients
     assert [lay.numel for lay in request.graph.layers] == [lay.numel for lay in dense_120b.layers]
     _check_placement(ns, dense_120b)
-    assert ns.placement.moments and not ns.placement.gradients
+    assert ns.placement.moments and not ns.placement.gradients and not ns.placement.masters
     # The read-ahead was searched: the plan has the count of the fastest placement tried, one buffer
     # (no read-ahead: the I/O stream waits for every OPT) the slowest, and the report says so.
     tried = {k: t for k, t, why in ns.searched if t is not None}
@@ -234,6 +238,20 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     tiny = with_nvme(hw, None, parse_bytes("8GiB"))
     with pytest.raises(PlanError, match="still needs .* of host memory"):
         place_on_nvme(ns.solution.graph, ns.solution.plan, ns.solution.memory, tiny)
+    # With 320 GiB the moments are not enough: masters follow, which needs each layer's own staging
+    # tile, so cast_once is set and said; the masters' traffic is ops of the schedule.
+    small_host = with_nvme(preset("H200"), "4xgen5", parse_bytes("320GiB"))
+    ns = solve_with_nvme(SolveRequest(dense_120b, small_host, 8, "bfloat16"))
+    _check_placement(ns, dense_120b)
+    assert len(ns.placement.moments) == 98 and ns.placement.masters and ns.cast_once_set
+    assert not ns.solution.plan.cast_once and ns.plan.cast_once
+    assert ns.timeline.busy_s[S.IO] == pytest.approx(
+        sum(cost.nvme_time(ns.solution.graph.layers[i], small_host, k, cost.nvme_bytes(
+            ns.solution.graph.layers[i], i in ns.placement.masters)) for i in ns.placement.moments
+            for k in (OpKind.NVME_READ, OpKind.NVME_WRITE)))
+    rows = {what: (value, note) for what, value, note in describe(ns)}
+    assert rows["FP32 masters on NVMe"] == (f"{len(ns.placement.masters)}/98", "layers; cast_once set: each keeps "
+                                            "its own BF16 staging tile, which H2D reads")
 
 
 # -- schedule: NVME_READ / NVME_WRITE on the I/O stream, lowered, verified, simulated ----------------
@@ -373,7 +391,7 @@ from test_exactness import ADAMW  # noqa: E402
 
 
 from megatrain.errors import StepError  # noqa: E402
-from megatrain.runtime.host import HostState  # noqa: E402
+from megatrain.runtime.host import HostState, as_tensor  # noqa: E402
 
 ON_NVME = frozenset({1, 3})  # of tiny_llama(layers=2)'s 4 layers: a decoder layer and the head, not all
 
@@ -484,21 +502,28 @@ def _train_alike(ref, got, ref_model, model, scratch):
             buf.view(torch.float32).fill_(float("nan"))
     ref.flush()
     got.flush()
-    for (name, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
-        assert torch.equal(a, b), name
+    # Through the trainers' state dicts: a master on NVMe is no module parameter (a meta tensor).
+    mine, theirs = got.state_dict()["model"], ref.state_dict()["model"]
+    assert set(mine) == set(theirs) == set(dict(ref_model.named_parameters()))
+    for name, a in theirs.items():
+        assert torch.equal(as_tensor(mine[name]), a), name
     for li in range(4):
         assert torch.equal(got.host.read_moments(li), ref.host.read_moments(li)), li
         assert float(got.host.steps[li]) == float(ref.host.steps[li]) == len(BATCHES) + 2
 
 
-def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path):
-    """Save with moments on NVMe and load into an all-in-RAM trainer, and the reverse: both go on
-    exactly as an uninterrupted run (the optimizer rows of NVMe layers are read from and written
-    to their files)."""
+@pytest.mark.parametrize("masters", [frozenset(), frozenset({1})], ids=["moments", "masters"])
+def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path, masters):
+    """Save with moments (and, BF16 with cast_once, masters: ``Plan.nvme_masters``) on NVMe and
+    load into an all-in-RAM trainer, and the reverse: both go on exactly as an uninterrupted run
+    (the optimizer rows, and masters, of NVMe layers are read from and written to their files; a
+    load into a masters trainer re-casts its staging tiles, which a step before it made stale)."""
     torch.manual_seed(0)
     base = tiny_llama(layers=2)
     plan = _planned(copy.deepcopy(base), 0.5)
-    ram_plan = dataclasses.replace(plan, nvme_moments=frozenset())
+    if masters:
+        plan = dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
+    ram_plan = dataclasses.replace(plan, nvme_moments=frozenset(), nvme_masters=frozenset())
     for d in ("a", "c"):
         (tmp_path / d).mkdir()
     ref = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
@@ -506,43 +531,52 @@ def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path):
     for b in BATCHES[:2]:
         assert ref.step(b).loss == nv.step(b).loss
     ref.save(tmp_path / "ckpt_ram")
-    nv.save(tmp_path / "ckpt_nvme")
+    # Lossy BF16 shards with masters on NVMe: the FP32 masters are then saved from the files as state rows.
+    nv.save(tmp_path / "ckpt_nvme", dtype="bfloat16" if masters else "float32")
     want = [ref.step(b).loss for b in BATCHES[2:]]
     ref.flush()
     into_ram = _compile(copy.deepcopy(base), ram_plan, None, 0.5)
     into_ram.load(tmp_path / "ckpt_nvme")
     into_nvme = _compile(copy.deepcopy(base), plan, tmp_path / "c", 0.5)
+    into_nvme.step(BATCHES[3])  # its masters and staging tiles now hold other weights than the checkpoint's
     into_nvme.load(tmp_path / "ckpt_ram")
     for t in (into_ram, into_nvme):
         assert [t.step(b).loss for b in BATCHES[2:]] == want
         t.flush()
         for li in range(4):
-            assert torch.equal(t.host.master(li), ref.host.master(li)), li
+            assert torch.equal(t.host.read_master(li), ref.host.master(li)), li
             assert torch.equal(t.host.read_moments(li), ref.host.read_moments(li)), li
+        assert t.step_count == ref.step_count
     # A trainer's state_dict loads into another directly too: NVMe rows are read, RAM rows written through.
     into_nvme.load_state_dict(into_ram.state_dict())
     into_ram.load_state_dict(into_nvme.state_dict())
     assert torch.equal(into_nvme.host.read_moments(3), ref.host.read_moments(3))
+    assert torch.equal(into_nvme.host.read_master(1), ref.host.master(1))
 
 
-def test_truncated_nvme_file_mid_run_names_op_and_file_and_leaves_state(tmp_path):
+@pytest.mark.parametrize("masters", [frozenset(), ON_NVME], ids=["moments", "masters"])
+def test_truncated_nvme_file_mid_run_names_op_and_file_and_leaves_state(tmp_path, masters):
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
-    t = _compile(model, _planned(copy.deepcopy(model)), tmp_path)
+    plan = _planned(copy.deepcopy(model))
+    if masters:  # masters and moments in one file per layer (Plan.nvme_masters, BF16 with cast_once)
+        plan = dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
+    t = _compile(model, plan, tmp_path)
     t.step(BATCHES[0])
-    masters = [t.host.master(li).clone() for li in range(4)]
+    before = [t.host.read_master(li) for li in range(4)]
     steps = [float(s) for s in t.host.steps]
     moments1 = t.host.read_moments(1)
-    os.truncate(tmp_path / "L3.moments.tile", ALIGN)
-    with pytest.raises(StepError, match=r"NvmeError: op #\d+ NVME_READ:L3:b0: NVMe tile file .*L3\.moments\.tile"
+    head = "L3.state" if masters else "L3.moments"
+    os.truncate(tmp_path / f"{head}.tile", ALIGN)
+    with pytest.raises(StepError, match=rf"NvmeError: op #\d+ NVME_READ:L3:b0: NVMe tile file .*{head}\.tile"
                                         r"' is truncated") as e:
         t.step(BATCHES[1])
     assert isinstance(e.value.__cause__, NvmeError)
     # Nothing was updated from garbage: the head's read failed before any optimizer step (its OPT is
-    # the first), so every master, Adam step and readable moment is as before.
+    # the first), so every readable master, Adam step and moment is as before.
     assert e.value.updated_layers == ()
-    for li in range(4):
-        assert torch.equal(t.host.master(li), masters[li]), li
+    for li in range(4 if not masters else 3):
+        assert torch.equal(t.host.read_master(li), before[li]), li
     assert [float(s) for s in t.host.steps] == steps
     assert torch.equal(t.host.read_moments(1), moments1)
 
@@ -559,13 +593,16 @@ def test_readme_nvme_snippet_runs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["L1.moments.tile", "L3.moments.tile"]
 
 
-@pytest.mark.parametrize("grads,buffers", [(frozenset(), 3), (frozenset({0, 1, 3}), 2)],
-                         ids=["moments", "moments+grads"])
-def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads, buffers):
+@pytest.mark.parametrize("grads,masters,buffers", [(frozenset(), frozenset(), 3), (frozenset({0, 1, 3}), frozenset(), 2),
+                                                   (frozenset(), frozenset({0, 2, 3}), 2)],
+                         ids=["moments", "moments+grads", "moments+masters"])
+def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads, masters, buffers):
     """The CUDA backend runs Stream.IO on a host worker of its own; on the asynchronous fake (random
-    delays before every op) the NVMe plan trains bitwise like the CPU backend, with every read
-    at the start of the step (3 buffers for 3 NVMe layers), and with gradient tiles on NVMe (their
-    D2Hs into the rotating pinned buffers wait for the NVME_WRITEs)."""
+    delays before every op) the NVMe plan trains bitwise like the CPU backend, with every read at
+    the start of the step (3 buffers for 3 NVMe layers), with gradient tiles on NVMe (their D2Hs
+    into the rotating pinned buffers wait for the NVME_WRITEs) and with masters on NVMe (BF16,
+    cast_once: the CAST from an I/O buffer must run after its OPT and before its NVME_WRITE and the
+    next read into that buffer)."""
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import AsyncFakeCuda
 
@@ -575,6 +612,8 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads,
     planned = megatrain.plan_model(copy.deepcopy(base), plan="default", **kw)
     plan = dataclasses.replace(planned.plan, nvme_moments=frozenset({0, 2, 3}), nvme_gradients=grads,
                                nvme_buffers=buffers)
+    if masters:
+        plan = dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
     batches = [random_batch(2, 16, 96, seed=s) for s in range(3)]
 
     def run(backend, d):
@@ -583,7 +622,7 @@ def test_nvme_ops_on_async_fake_cuda_train_like_the_cpu_backend(tmp_path, grads,
         t = megatrain.materialize(p, ADAMW, backend=backend, nvme_dir=str(d))
         losses = [t.step(b).loss for b in batches]
         t.flush()
-        return losses, [b.clone() for b in t.host.blocks] + [t.host.read_moments(li) for li in range(4)]
+        return losses, [t.host.read_master(li) for li in range(4)] + [t.host.read_moments(li) for li in range(4)]
 
     want = run(None, tmp_path)
     for seed in range(2):
@@ -644,10 +683,12 @@ def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
     planned = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2)
     graph, total = planned.graph, planned.memory.host_total
     every = frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
-    assert nvme_layers(planned, None, str(tmp_path)) == (every, frozenset()) and every == {0, 1, 2, 3}
-    assert nvme_layers(planned, "1TiB", str(tmp_path)) == (frozenset(), frozenset())
+    assert nvme_layers(planned, None, str(tmp_path)) == (every, frozenset(), frozenset(), False)
+    assert every == {0, 1, 2, 3}
+    assert nvme_layers(planned, "1TiB", str(tmp_path)) == (frozenset(), frozenset(), frozenset(), False)
     # One byte short: the largest layers' moments move until the host total fits, not every layer's.
-    some, grads = nvme_layers(planned, str(total - 1), str(tmp_path))
+    some, grads, masters, _ = nvme_layers(planned, str(total - 1), str(tmp_path))
+    assert not masters  # FP32 compute: the H2D reads the master rows
     assert not grads  # no clipping: no gradient tile waits between steps
     assert some and some < every and 3 in some  # the head (vocab x hidden) is the largest
     placed = cost.memory_breakdown(graph, dataclasses.replace(planned.plan, nvme_moments=some))
@@ -659,7 +700,7 @@ def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
     clipped = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2,
                                    max_grad_norm=0.5)
     total = clipped.memory.host_total
-    moments, grads = nvme_layers(clipped, str(total - 1), str(tmp_path))
+    moments, grads, _, _ = nvme_layers(clipped, str(total - 1), str(tmp_path))
     assert grads and not moments
     placed = cost.memory_breakdown(clipped.graph, dataclasses.replace(clipped.plan, nvme_gradients=grads))
     assert placed.host_total <= total - 1

@@ -346,8 +346,10 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.OPT: lambda g, i, plan, hw: opt_time(g.layers[i], hw, plan),
     OpKind.CAST: lambda g, i, plan, hw: cast_time(g.layers[i], hw, plan),
     OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw, plan),
-    OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ),
-    OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE),
+    OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ,
+                                                       nvme_bytes(g.layers[i], i in plan.nvme_masters)),
+    OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE,
+                                                        nvme_bytes(g.layers[i], i in plan.nvme_masters)),
     OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
     OpKind.REDUCE_SCATTER: lambda g, i, plan, hw: reduce_scatter_time(g.layers[i], hw, plan),
     # On a node's shared host state the gather moves no bytes: it waits for the other ranks' shards.
@@ -655,7 +657,8 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
     staging tiles with BF16 compute, and a region per offloaded checkpoint (``graph.values[v].nbytes``
     for each value of :meth:`LayerGraph.checkpoints` of a layer whose policy is OFFLOAD, for every
     micro-batch layer by layer, once with per-micro-batch passes). ``"eval"``: the staging tiles.
-    ``"update"``: the gradient tiles. ``"train"`` and ``"update"`` also hold the gradient I/O
+    ``"update"``: the gradient tiles (and the staging tiles with ``Plan.nvme_masters``: the CAST
+    after such a layer's OPT fills its tile). ``"train"`` and ``"update"`` also hold the gradient I/O
     buffers of ``Plan.nvme_gradients`` (:func:`nvme_gradient_buffers`: a D2H lands in them, so they
     are pinned). Each tile starts on a page and takes whole pages.
     """
@@ -667,7 +670,8 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
         regions += [("ring", r, w * plan.gradient_itemsize) for r, w in enumerate(gradient_tile_numels(graph, plan))]
         count, nbytes = nvme_gradient_buffers(graph, plan)
         regions += [("nvme_gradients", k, nbytes) for k in range(count)]
-    if mode in ("train", "eval"):
+    if mode in ("train", "eval") or (mode == "update" and plan.nvme_masters):
+        # An update of a layer whose master is on NVMe casts the new master into its staging tile.
         regions += [("staging", t, w * STAGING_ITEMSIZE) for t, w in enumerate(staging_tile_numels(graph, plan))]
     if mode == "train":
         copies = plan.micro_batches if plan.layer_by_layer else 1
@@ -693,7 +697,9 @@ class MemoryBreakdown:
     widening of BF16 gradients for the optimizer, :func:`widens_gradients`) are pageable.
     ``adam_moments`` counts the layers whose moments are in host memory only: those of
     ``Plan.nvme_moments`` live in their NVMe files and pass through the pageable I/O buffers
-    (``nvme_buffers``, :func:`nvme_buffers`). ``state_pinned`` is true
+    (``nvme_buffers``, :func:`nvme_buffers`); likewise ``master_weights`` leaves out the masters of
+    ``Plan.nvme_masters`` (their layers' staging tiles, in ``staging_ring``, hold the BF16 copy
+    H2D reads). ``state_pinned`` is true
     when the master rows must be pinned too (``pinned_masters`` bytes, :func:`pinned_master_bytes`):
     with FP32 compute the H2D reads the master row directly, and a DMA needs page-locked memory.
     The moments are never pinned. ``host_pinned`` is the bytes the runtime page-locks, exactly.
@@ -832,14 +838,14 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
 
         schedule = lower(graph, plan)
     layers = graph.layers
-    numel = sum(layer.numel for layer in layers)
     weight_slots, gradient_slots = slot_bytes(graph, plan.slots, plan.resident, plan.compute_itemsize,
                                               plan.gradient_itemsize)
     pinned = pinned_buffers(graph, plan, "train")
     act, work, dyn = _dynamic_peaks(schedule, activation_liveness(schedule, graph))
     bf16 = plan.compute_dtype == "bfloat16"
     return MemoryBreakdown(
-        master_weights=numel * MASTER_BYTES_PER_ELEMENT,
+        master_weights=sum(layer.numel for i, layer in enumerate(layers)
+                           if i not in plan.nvme_masters) * MASTER_BYTES_PER_ELEMENT,
         adam_moments=sum(layer.trainable_numel for i, layer in enumerate(layers)
                          if i not in plan.nvme_moments) * MOMENT_BYTES_PER_ELEMENT,
         gradient_ring=pinned.bytes_of("ring"),
@@ -918,10 +924,14 @@ __all__ = [
 ]
 
 
-def nvme_bytes(layer: Layer) -> int:
+def nvme_bytes(layer: Layer, masters: bool = False) -> int:
     """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves: its two FP32 Adam moments (8 bytes per
-    trainable parameter), padded to the 4096-byte O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
-    return -(-layer.trainable_numel * MOMENT_BYTES_PER_ELEMENT // 4096) * 4096
+    trainable parameter) and, with ``masters`` (``Plan.nvme_masters``: one file holds both), its
+    FP32 master before them (4 bytes per parameter, frozen ones included), padded to the 4096-byte
+    O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
+    nbytes = (layer.trainable_numel * MOMENT_BYTES_PER_ELEMENT
+              + (layer.numel * MASTER_BYTES_PER_ELEMENT if masters else 0))
+    return -(-nbytes // 4096) * 4096
 
 
 NVME_BUFFERS = 2
@@ -931,15 +941,16 @@ read-ahead, ``lower.add_nvme_io``, hands them out in turn)."""
 
 
 def nvme_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
-    """``(count, bytes each)`` of the host I/O buffers the moments of ``plan.nvme_moments`` pass
-    through: ``plan.nvme_buffers``, or one per NVMe layer when there are fewer (the lowering's
-    ``Op.buf`` indices are below it), each :func:`nvme_bytes` of the widest NVMe layer (whole
-    4096-byte blocks: the runtime reads and writes them with ``O_DIRECT``). ``(0, 0)`` without
-    NVMe layers. Pageable: the moments never go to the GPU."""
+    """``(count, bytes each)`` of the host I/O buffers the moments of ``plan.nvme_moments`` (and the
+    masters of ``plan.nvme_masters``) pass through: ``plan.nvme_buffers``, or one per NVMe layer
+    when there are fewer (the lowering's ``Op.buf`` indices are below it), each :func:`nvme_bytes`
+    of the widest NVMe layer's file (whole 4096-byte blocks: the runtime reads and writes them with
+    ``O_DIRECT``). ``(0, 0)`` without NVMe layers. Pageable: nothing in them goes to the GPU (a
+    master's BF16 copy is cast into its pinned staging tile first)."""
     if not plan.nvme_moments:
         return 0, 0
     return (min(plan.nvme_buffers, len(plan.nvme_moments)),
-            max(nvme_bytes(graph.layers[i]) for i in plan.nvme_moments))
+            max(nvme_bytes(graph.layers[i], i in plan.nvme_masters) for i in plan.nvme_moments))
 
 
 def nvme_gradient_bytes(layer: Layer, plan: Plan) -> int:

@@ -247,7 +247,14 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     the OPT steps from it (``OPT:L3:g1``). The ``cost.nvme_gradient_buffers`` buffers are handed
     out in turn, reads first, then the D2Hs; whatever fills a buffer (a read, a D2H) depends on the
     op that last used it (the OPT that read it, the NVME_WRITE that emptied it), since those run on
-    other streams than the I/O stream's order alone would cover."""
+    other streams than the I/O stream's order alone would cover.
+
+    Masters (``nvme_masters``, a subset of ``nvme_moments``, BF16 with ``cast_once``): the layer's
+    file holds its master before its moments, so the same read and write move both. The OPT steps
+    the master in the buffer; a CAST from the buffer (``CAST:L3:t3:b1``) then writes the new BF16
+    copy into the layer's own staging tile, after the last H2D that read the old one; the
+    NVME_WRITE waits for it too; every later H2D of the layer depends on it. The layer's other H2Ds
+    read the tile as the previous step (or compile) left it, with no CAST of their own."""
     plan = req if isinstance(req, Plan) else req.plan
     if not plan.nvme_moments and not plan.nvme_gradients:
         return ops
@@ -278,6 +285,8 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     read_at: dict[int, list[int]] = defaultdict(list)  # OPT -> its reads (new index)
     last_use: dict[int, int] = {}  # gradient buffer -> the op (new index) that last used it
     next_gbuf = len(gbuf_of)
+    cast_at: dict[int, int] = {}  # layer of Plan.nvme_masters -> the CAST (new index) after its OPT
+    tile_reader: dict[int, int] = {}  # staging tile -> the H2D (new index) that last read it
     out: list[Op] = []
     for i, op in enumerate(ops):
         for o in mreads.get(i, ()):
@@ -291,7 +300,11 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
                 out.append(Op(OpKind.NVME_READ, layer, gbuf=g, deps=(last_use[g],) if g in last_use else ()))
                 last_use[g] = len(out) - 1
         deps = {new_index[d] for d in op.deps}
-        write = None
+        write = cast = None
+        if op.kind is OpKind.H2D and op.layer in cast_at:
+            deps.add(cast_at[op.layer])  # it copies the BF16 cast of the master its OPT made
+        if op.kind is OpKind.H2D and op.tile is not None:
+            tile_reader[op.tile] = len(out)
         if i in read_at:
             deps.update(read_at[i])
             grads = {"ring": None, "gbuf": gbuf_of[i]} if i in gbuf_of else {}  # the tile comes from NVMe
@@ -299,7 +312,16 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
             if i in gbuf_of:
                 last_use[gbuf_of[i]] = len(out)
             if i in buf_of:
-                write = Op(OpKind.NVME_WRITE, op.layer, buf=buf_of[i], deps=(len(out),))
+                after = len(out)
+                if op.layer in plan.nvme_masters:
+                    # The new master is in the buffer only: cast it into the layer's own staging tile
+                    # (after the last copy that read the tile's old cast), then write it back.
+                    t = op.layer
+                    cdeps = (after,) + ((tile_reader[t],) if t in tile_reader else ())
+                    cast = Op(OpKind.CAST, op.layer, tile=t, buf=buf_of[i], deps=tuple(sorted(cdeps)))
+                    after = len(out) + 1
+                write = Op(OpKind.NVME_WRITE, op.layer, buf=buf_of[i],
+                           deps=(len(out), after) if after != len(out) else (after,))
         elif op.kind is OpKind.D2H and op.layer in gradients:
             g = next_gbuf % gpool
             next_gbuf += 1
@@ -310,6 +332,9 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
             last_use[g] = len(out) + 1
         new_index.append(len(out))
         out.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
+        if cast is not None:
+            cast_at[op.layer] = len(out)
+            out.append(cast)
         if write is not None:
             out.append(write)
     return out
@@ -583,13 +608,16 @@ class _Emitter:
                 window = j - plan.prefetch_distance - 1
                 if window >= 0:
                     deps.update(visits[window].ops)
-                cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" else None
+                # A layer whose master is on NVMe (Plan.nvme_masters, cast_once) keeps its BF16 copy
+                # in its own staging tile between steps: the CAST after its OPT (add_nvme_io) fills it.
+                kept = v.layer in plan.nvme_masters
+                cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" and not kept else None
                 if cast is not None:
                     deps.add(cast)
-                tile = self.ops[cast].tile if cast is not None else None
+                tile = self.ops[cast].tile if cast is not None else v.layer if kept else None
                 h = self.emit(Op(OpKind.H2D, v.layer, slot=v.slot, tile=tile, deps=tuple(sorted(deps))))
-                if cast is not None:
-                    self.staging_reader[self.ops[cast].tile] = h
+                if tile is not None:
+                    self.staging_reader[tile] = h
                 st.layer, st.users, st.h2d = v.layer, [], h
                 self.loaded_by[j] = h
             self.emitted_loads += 1

@@ -9,39 +9,47 @@ arXiv:2104.07857, offloads the same three to NVMe):
   before the layer's OPT in the next step;
 - the two FP32 Adam moments (8 bytes per trainable parameter): read before the layer's OPT,
   written after it;
-- the FP32 master weights (4 bytes per parameter), BF16 compute only: read before the OPT and
-  written after it (the CAST of the BF16 copy runs while the master is in its I/O buffer). With
-  FP32 compute the H2D reads the pinned master row itself, so masters stay in host memory.
+- the FP32 master weights (4 bytes per parameter), BF16 compute with ``Plan.cast_once`` only, and
+  only of a layer whose moments are on NVMe too (one file, one read and one write per step): the
+  OPT steps the master in the I/O buffer and the CAST of the new BF16 copy into the layer's own
+  staging tile runs from there, before the write; every H2D reads that tile, so nothing else
+  needs the master. With FP32 compute the H2D reads the pinned master row itself, and with a
+  shared staging ring each copy casts from it, so masters stay in host memory there.
 
 Choice. :func:`place_on_nvme` moves the least it must: while the plan's host bytes (plus the
 NVMe I/O buffers) exceed the host memory, it moves one more layer's tile, gradient tiles first,
 then moments, then masters, each kind in the order the step updates the layers
 (:func:`update_order`). Every kind costs the same NVMe traffic per byte of host memory freed (one
 write and one read per step), so the order of kinds only prefers what frees pinned memory
-(gradient tiles) and what leaves the H2D path alone (moments before masters). Within a kind the
-layers updated first go first: their reads can run ahead and their writes drain while the later
-layers compute and update from host memory, where a layer updated last would leave its write
-trailing the step. (Measured on the planner, dense-120b on an H200 + 4xgen5 without clipping,
-2026-11-25: with 768 GiB of host the step is 58.93 s in this order and 62.58 s moving the
-largest layers first, lowest index first among equals; with 1 TiB 53.76 s against 57.41 s.)
+(gradient tiles) and what leaves the H2D path alone (moments before masters). Moments go before
+masters, and every trainable layer's moments before any master, so the masters placed are always
+a subset of the moments placed (``Plan.nvme_masters`` requires it). A BF16 plan without
+``cast_once`` has no masters to move; :func:`place_with_masters` then sets ``cast_once`` (more
+pinned memory: a staging tile per layer instead of a ring) if that is what makes the plan fit.
+Within a kind the layers updated first go first: their reads can run ahead and their writes drain
+while the later layers compute and update from host memory, where a layer updated last would
+leave its write trailing the step. (Planner predictions, dense-120b on an H200 + 4xgen5 without
+clipping, 2026-11-25: with 768 GiB of host the step is 58.93 s in this order and 62.58 s moving
+the largest layers first, lowest index first among equals; with 1 TiB 53.76 s against 57.41 s.)
 The I/O buffers are two pools (one tile per placed layer when there are fewer layers), so a read
 of the next layer overlaps the OPT of this one: the gradient tiles' pool of :data:`NVME_BUFFERS`
 tiles, pinned (a D2H lands there), each the widest placed gradient tile
-(``cost.nvme_gradient_buffers``), and the pageable pool of the moments (and masters) of
-``plan.nvme_buffers`` tiles, each the widest placed layer's moments and masters (for moments alone
-``cost.nvme_buffers``): the pools the runtime allocates. Gradient tiles move
+(``cost.nvme_gradient_buffers``), and the pageable pool of the moments and masters of
+``plan.nvme_buffers`` tiles, each the widest placed layer's file (``cost.nvme_buffers``): the
+pools the runtime allocates. Gradient tiles move
 only where one waits in a tile of its own between steps (NEXT_FORWARD, layer by layer or one
 micro-batch, one rank: ``Plan.nvme_gradients``).
 
 Time. Reads and writes share the drives, so the NVMe I/O stream is busy
 ``read_bytes / nvme_read_bytes_per_s + write_bytes / nvme_write_bytes_per_s`` per step, and the
 predicted step is the larger of the simulated step and that busy time: the I/O stream
-overlaps compute and PCIe, and a step can run no faster than its busiest stream. The moments'
-and gradient tiles' transfers are ops of the lowered schedule (``Plan.nvme_moments``: NVME_READ
+overlaps compute and PCIe, and a step can run no faster than its busiest stream. Every transfer
+is an op of the lowered schedule (``Plan.nvme_moments`` and ``Plan.nvme_masters``: NVME_READ
 before the layer's OPT, NVME_WRITE after; ``Plan.nvme_gradients``: NVME_WRITE after the layer's
 D2H, NVME_READ before its carried OPT in the next step; on ``Stream.IO``), so the simulator places
-them in its DAG, waits included; the master transfers are not ops yet and enter through the bound
-only. ``megatrain plan`` reports both and the step with all state in RAM.
+them in its DAG, waits included; the busy-time floor stays as a check of the simulation (it counts
+the unpadded bytes, the ops whole 4 KiB blocks). ``megatrain plan`` reports both and the step with
+all state in RAM.
 
 Solving. :func:`solve_with_nvme` solves as usual; if no plan fits and the spec has an NVMe tier
 (:attr:`HardwareSpec.has_nvme`), it solves again with the NVMe capacity added to the host memory
@@ -226,10 +234,11 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
                   kinds: tuple[str, ...] = KINDS) -> NvmePlacement:
     """The least state to move to NVMe so that ``memory`` (the plan's breakdown) plus the I/O
     buffers fits ``hw.host_memory_bytes`` and the pinned cap (module docstring, "Choice").
-    ``memory`` is the breakdown of ``plan`` with nothing on NVMe (``plan.nvme_moments`` and
-    ``plan.nvme_gradients`` empty), so that :meth:`NvmePlacement.host_total` equals
-    ``cost.memory_breakdown`` of the placed plan (masters aside: they are not lowered yet).
-    ``kinds``: which of :data:`KINDS` may move (``("gradients", "moments")``: what the runtime runs).
+    ``memory`` is the breakdown of ``plan`` with nothing on NVMe (``plan.nvme_moments``,
+    ``nvme_gradients`` and ``nvme_masters`` empty), so that :meth:`NvmePlacement.host_total` equals
+    ``cost.memory_breakdown`` of the placed plan. ``kinds``: which of :data:`KINDS` may move.
+    Masters move only where the plan computes in BF16 with ``cast_once`` on one rank, and only of
+    trainable layers (their moments move first: ``Plan.nvme_masters`` is within ``nvme_moments``).
 
     Raises:
         PlanError: even with every movable tile on NVMe the host memory is short, or the NVMe
@@ -255,9 +264,9 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
     if "moments" in kinds:
         moves += [("moments", i, layers[i].trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT, False)
                   for i in order if layers[i].trainable_numel]
-    if plan.compute_dtype == "bfloat16" and "masters" in kinds:
+    if masters_movable(plan) and "masters" in kinds and "moments" in kinds:
         moves += [("masters", i, layers[i].numel * cost.MASTER_BYTES_PER_ELEMENT, False)
-                  for i in order if layers[i].numel]
+                  for i in order if layers[i].trainable_numel]
     chosen: dict[str, set[int]] = {"gradients": set(), "moments": set(), "masters": set()}
     per_layer: dict[int, list[int]] = {}  # layer -> [moments and masters bytes, gradient bytes] on NVMe
     freed = pinned_freed = 0
@@ -289,8 +298,11 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
         moved = sorted({kind for kind, *_ in moves}, key=KINDS.index)
         what = ", ".join({"gradients": "gradient tile", "moments": "Adam moment", "masters": "master"}[k]
                          for k in moved) or "nothing movable"
-        hint = ("" if plan.compute_dtype == "bfloat16" or "masters" not in kinds
-                else " or compute in bfloat16 (FP32 compute keeps masters in pinned host memory)")
+        hint = ("" if masters_movable(plan) or "masters" not in kinds
+                else " or compute in bfloat16 (FP32 compute keeps masters in pinned host memory)"
+                if plan.compute_dtype != "bfloat16" else
+                " or set cast_once (masters go to NVMe only when each layer keeps its own BF16 staging tile)"
+                if not plan.cast_once else "")
         raise PlanError(f"{hw.name}: with every {what} on NVMe the plan still needs "
                         f"{human_bytes(memory.host_total - freed + buf)} of host memory, and "
                         f"{human_bytes(hw.host_memory_bytes)} is there; add host memory{hint}")
@@ -308,19 +320,52 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
                          pinned_buffer_bytes=pbuf, read_bytes=traffic, write_bytes=traffic, io_time_s=io)
 
 
+def masters_movable(plan: Plan) -> bool:
+    """Whether ``plan`` can keep masters on NVMe (``Plan.nvme_masters``): BF16 compute with
+    ``cast_once``, one rank."""
+    return plan.compute_dtype == "bfloat16" and plan.cast_once and plan.data_parallel == 1
+
+
+def place_with_masters(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, hw: HardwareSpec,
+                       kinds: tuple[str, ...] = KINDS) -> tuple[Plan, cost.MemoryBreakdown, NvmePlacement]:
+    """:func:`place_on_nvme`, and where that fails for a BF16 plan on one rank without
+    ``cast_once`` (so without movable masters) and ``kinds`` allows masters, again with
+    ``cast_once`` set (``memory`` then recomputed: a staging tile per layer replaces the ring).
+    Returns the plan the placement is for (``plan``, or it with ``cast_once``; its NVMe fields still
+    empty), its breakdown, and the placement.
+
+    Raises:
+        PlanError: :func:`place_on_nvme`'s: of the try with ``cast_once`` where one was made (what is
+            short even with masters moved), else of the first.
+    """
+    from dataclasses import replace
+
+    try:
+        return plan, memory, place_on_nvme(graph, plan, memory, hw, kinds)
+    except PlanError:
+        if ("masters" not in kinds or plan.cast_once or plan.compute_dtype != "bfloat16"
+                or plan.data_parallel > 1):
+            raise
+        once = replace(plan, cast_once=True)
+    mem = cost.memory_breakdown(graph, once, hw)
+    return once, mem, place_on_nvme(graph, once, mem, hw, kinds)  # its error: what is short even with masters moved
+
+
 @dataclass(frozen=True, slots=True)
 class NvmeSolution:
     """A solved plan (:class:`megatrain.planner.solve.Solution`) with its NVMe placement on ``hardware``.
 
-    ``plan`` is the solver's plan with ``nvme_moments`` and ``nvme_gradients`` set to the
-    placement's moment and gradient-tile layers, and ``schedule``/``timeline`` its lowering
-    (NVME_READ/NVME_WRITE ops on the I/O stream) and simulation on ``hardware`` (the solver's own
-    when nothing went to NVMe). ``step_time_s`` is the larger of that simulated step and the NVMe
-    I/O stream's busy time with the master traffic too, which is not ops of the schedule yet
-    (module docstring, "Time");
-    ``simulated_step_s`` is the solver's simulated step with all state in host memory; ``searched``
-    the ``(Plan.nvme_buffers, step_time_s, why not)`` of each read-ahead tried (the step is None
-    where it was not placed: it does not fit, or it would move masters)."""
+    ``plan`` is the solver's plan with ``nvme_moments``, ``nvme_gradients`` and ``nvme_masters``
+    set to the placement's layers, ``nvme_buffers`` to the read-ahead chosen (and ``cast_once``
+    where masters needed it: ``cast_once_set``), and ``schedule``/``timeline`` its lowering
+    (NVME_READ/NVME_WRITE ops on the I/O stream, the CASTs of masters from their I/O buffers) and
+    simulation on ``hardware`` (the solver's own when nothing went to NVMe). ``memory`` is the
+    breakdown of that plan with nothing on NVMe (the solver's, unless ``cast_once`` was set), which
+    the placement's host figures start from. ``step_time_s`` is the larger of that simulated step
+    and the NVMe I/O stream's busy time (module docstring, "Time"); ``simulated_step_s`` is the
+    solver's simulated step with all state in host memory; ``searched`` the
+    ``(Plan.nvme_buffers, step_time_s, why not)`` of each read-ahead tried (the step is None where
+    the count did not fit)."""
 
     solution: object
     placement: NvmePlacement
@@ -328,6 +373,8 @@ class NvmeSolution:
     plan: Plan
     schedule: object
     timeline: object
+    memory: cost.MemoryBreakdown
+    cast_once_set: bool = False
     searched: tuple[tuple[int, float | None, str], ...] = ()
 
     @property
@@ -340,11 +387,11 @@ class NvmeSolution:
 
     @property
     def host_total(self) -> int:
-        return self.placement.host_total(self.solution.memory)
+        return self.placement.host_total(self.memory)
 
     @property
     def fits(self) -> bool:
-        mem = self.solution.memory
+        mem = self.memory
         return (mem.gpu_peak <= self.hardware.gpu_memory_bytes
                 and self.host_total <= self.hardware.host_memory_bytes
                 and self.placement.host_pinned(mem) <= self.hardware.pinned_memory_cap_bytes
@@ -379,7 +426,7 @@ def solve_with_nvme(request, method: str = "milp") -> NvmeSolution:
     hw = request.hardware
     try:
         sol = solve(request, method)
-        return NvmeSolution(sol, NvmePlacement(), hw, sol.plan, sol.schedule, sol.timeline)
+        return NvmeSolution(sol, NvmePlacement(), hw, sol.plan, sol.schedule, sol.timeline, sol.memory)
     except InfeasibleRequestError:
         if not hw.has_nvme:
             raise
@@ -390,22 +437,19 @@ def solve_with_nvme(request, method: str = "milp") -> NvmeSolution:
     searched: list[tuple[int, float | None, str]] = []
     for count in NVME_BUFFER_CHOICES:
         try:
-            placement = place_on_nvme(sol.graph, replace(sol.plan, nvme_buffers=count), sol.memory, hw)
+            base, memory, placement = place_with_masters(sol.graph, replace(sol.plan, nvme_buffers=count),
+                                                         sol.memory, hw)
         except PlanError:
             if count == NVME_BUFFER_CHOICES[0]:
                 raise  # even the fewest buffers do not fit: no count will
             searched.append((count, None, "does not fit"))
             continue
-        if best is not None and placement.masters and not best.placement.masters:
-            # Master traffic is not ops of the schedule yet, so the simulation cannot weigh it
-            # against the read-ahead: more buffers are not worth moving masters for.
-            searched.append((count, None, "would move masters"))
-            break
-        plan = replace(sol.plan, nvme_moments=placement.moments, nvme_gradients=placement.gradients,
-                       nvme_buffers=count)
+        plan = replace(base, nvme_moments=placement.moments, nvme_gradients=placement.gradients,
+                       nvme_masters=placement.masters)
         schedule = lower(sol.graph, plan, carries_updates=plan.optimizer is OptimizerPlacement.NEXT_FORWARD)
-        # The moments' and gradient tiles' traffic is in the schedule; the bound keeps the masters'.
-        found = NvmeSolution(sol, placement, hw, plan, schedule, simulate(schedule, sol.graph, hw))
+        # Every NVMe transfer (and each master's CAST from its I/O buffer) is an op of the schedule.
+        found = NvmeSolution(sol, placement, hw, plan, schedule, simulate(schedule, sol.graph, hw), memory,
+                             cast_once_set=base.cast_once and not sol.plan.cast_once)
         searched.append((count, found.step_time_s, ""))
         if best is None or found.step_time_s < best.step_time_s:
             best = found
@@ -426,7 +470,9 @@ def describe(ns: NvmeSolution) -> list[tuple[str, str, str]]:
          f"read {hw.nvme_read_bytes_per_s / 1e9:.1f} GB/s, write {hw.nvme_write_bytes_per_s / 1e9:.1f} GB/s"),
         ("gradient tiles on NVMe", f"{len(p.gradients)}/{n}", "deferred (clipped) updates' tiles"),
         ("Adam moments on NVMe", f"{len(p.moments)}/{n}", "layers"),
-        ("FP32 masters on NVMe", f"{len(p.masters)}/{n}", "layers"),
+        ("FP32 masters on NVMe", f"{len(p.masters)}/{n}",
+         "layers; cast_once set: each keeps its own BF16 staging tile, which H2D reads" if ns.cast_once_set
+         else "layers"),
         ("bytes on NVMe", human_bytes(p.nvme_bytes), f"host freed {human_bytes(p.host_freed)}, I/O buffers "
                                                      f"{human_bytes(p.buffer_bytes)}"),
         ("host total", human_bytes(ns.host_total), f"of {human_bytes(hw.host_memory_bytes)}"),

@@ -89,6 +89,15 @@ class Plan:
             gradient I/O buffer (``Op.gbuf``, ``cost.nvme_gradient_buffers``), an NVME_WRITE takes
             it to the layer's file, and the next step's NVME_READ brings it back into a gradient
             I/O buffer for the carried OPT. Needs an NVMe directory (``nvme_dir``).
+        nvme_masters: layers whose FP32 master weights live on the NVMe tier too, in one file with
+            their Adam moments (so a subset of ``nvme_moments``): the NVME_READ before the layer's
+            OPT brings masters and moments into its I/O buffer (12 bytes per trainable parameter,
+            4 per frozen one), the OPT steps them there, a CAST from that buffer writes the new
+            BF16 copy into the layer's staging tile, and the NVME_WRITE (which waits for the CAST)
+            takes them back. BF16 compute with ``cast_once`` only: the layer's own pinned staging
+            tile then keeps its BF16 copy between steps, and that copy is what every H2D reads, so
+            the FP32 master is needed by the OPT alone (with FP32 compute the H2D reads the master
+            row itself; with a shared staging ring each copy would need a CAST from the master).
         data_parallel: ranks that train one global batch together (torch.distributed, one
             process per rank, each running this schedule on its own micro-batches). >1 lowers an
             ALL_REDUCE of each layer's step gradients (on the COMM stream, after the op that
@@ -145,6 +154,7 @@ class Plan:
     nvme_moments: frozenset[int] = frozenset()
     nvme_gradients: frozenset[int] = frozenset()
     nvme_buffers: int = 2
+    nvme_masters: frozenset[int] = frozenset()
     data_parallel: int = 1
     optimizer_shards: int = 1
     nodes: int = 1
@@ -187,6 +197,24 @@ class Plan:
                             "buffer; use 1 (no read-ahead) or more")
         if any(i < 0 for i in self.nvme_gradients):
             raise PlanError(f"Plan.nvme_gradients={sorted(self.nvme_gradients)}: layer indices must be >= 0")
+        if any(i < 0 for i in self.nvme_masters):
+            raise PlanError(f"Plan.nvme_masters={sorted(self.nvme_masters)}: layer indices must be >= 0")
+        if self.nvme_masters and not (self.compute_dtype == "bfloat16" and self.cast_once):
+            # Only a staging tile of the layer's own keeps its BF16 copy between steps, so that no
+            # H2D (nor eval) needs the FP32 master, which then only the OPT reads.
+            raise PlanError(f"Plan.nvme_masters={sorted(self.nvme_masters)} with compute_dtype={self.compute_dtype!r}, "
+                            f"cast_once={self.cast_once}: masters go to NVMe only with BF16 compute and "
+                            "cast_once=True (each layer's own pinned BF16 staging tile is what H2D reads, so only "
+                            "the OPT needs the FP32 master); set compute_dtype='bfloat16' and cast_once=True, or "
+                            "drop nvme_masters")
+        if not self.nvme_masters <= self.nvme_moments:
+            raise PlanError(f"Plan.nvme_masters names layers {sorted(self.nvme_masters - self.nvme_moments)} that "
+                            "are not in nvme_moments: a layer's masters share one NVMe file (one read and one write "
+                            "per step) with its Adam moments; add them to nvme_moments")
+        if self.nvme_masters and self.data_parallel > 1:
+            raise PlanError(f"Plan.nvme_masters={sorted(self.nvme_masters)} with data_parallel={self.data_parallel}: "
+                            "masters on NVMe run on one rank only (the ranks' files and shared host copies are "
+                            "not lowered); drop nvme_masters or train on one rank")
         if self.nvme_gradients and (self.optimizer is not OptimizerPlacement.NEXT_FORWARD
                                     or self.accumulates_on_host or self.data_parallel > 1):
             # Only a deferred update leaves a gradient tile waiting between steps; per-micro-batch

@@ -25,7 +25,7 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 13
+SCHEDULE_FORMAT_VERSION = 14
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -34,8 +34,9 @@ NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; 9
 Plan.nodes and Plan.host_state; 10 the gradient I/O buffer (``g``) of Plan.nvme_gradients, which a D2H
 fills, NVME_WRITE/NVME_READ move and a carried OPT reads; 11 REDUCE_SCATTER and
 Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); 13 the weight gather of
-Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); files of earlier versions are
-refused
+Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); 14 Plan.nvme_masters and the
+CAST from an NVMe I/O buffer (``b``) of a layer whose masters live on NVMe; files of earlier versions
+are refused
 (lower the plan again)."""
 
 
@@ -61,7 +62,7 @@ class OpKind(enum.Enum):
     OFFLOAD = "OFFLOAD"  # copy a layer's output checkpoints (one micro-batch) to pinned host memory
     RELOAD = "RELOAD"  # copy them back to the GPU before the local backwards that read them
     RECOMPUTE = "RECOMPUTE"  # forward of a layer in the backward phase, to rebuild its checkpoints
-    CAST = "CAST"  # host: write a layer's master weights in the compute dtype into a staging tile
+    CAST = "CAST"  # host: write a layer's master weights in the compute dtype into a staging tile (b: from NVMe I/O)
     ACC = "ACC"  # host: add one micro-batch's gradients from a ring tile into the layer's accumulator
     NVME_READ = "NVME_READ"  # read a layer's Adam moments (b) or gradient tile (g) from NVMe into an I/O buffer
     NVME_WRITE = "NVME_WRITE"  # write them from that buffer to the layer's NVMe file (moments after the OPT)
@@ -115,7 +116,7 @@ _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.OFFLOAD: (("layer", "mb", "copy"), ()),
     OpKind.RELOAD: (("layer", "mb", "copy"), ()),
     OpKind.RECOMPUTE: (("layer", "mb", "slot"), ()),
-    OpKind.CAST: (("layer", "tile"), ()),
+    OpKind.CAST: (("layer", "tile"), ("buf",)),
     OpKind.ACC: (("layer", "mb", "ring", "acc"), ()),
     OpKind.NVME_READ: (("layer",), ("buf", "gbuf")),
     OpKind.NVME_WRITE: (("layer",), ("buf", "gbuf")),
@@ -161,7 +162,9 @@ class Op:
     - ``buf``: the host I/O buffer of the NVMe pool (``cost.nvme_buffers``) that an NVME_READ
       fills with a layer's two Adam moments, the layer's OPT steps them in, and the NVME_WRITE
       writes back to the layer's file (layers in ``Plan.nvme_moments`` only: their moments have
-      no rows in host memory);
+      no rows in host memory); with ``Plan.nvme_masters`` the buffer holds the layer's master
+      too, and the CAST after the OPT names it (``CAST:L3:t3:b1``): it casts the new master from
+      the buffer into the layer's staging tile, and the NVME_WRITE waits for it;
     - ``gbuf``: the pinned gradient I/O buffer of the NVMe pool (``cost.nvme_gradient_buffers``)
       that a D2H of a layer in ``Plan.nvme_gradients`` fills and an NVME_WRITE empties to the
       layer's gradient file, or that an NVME_READ fills from that file and the layer's carried
@@ -346,6 +349,7 @@ class _PlanModel(pydantic.BaseModel):
     nvme_moments: list[int] = []
     nvme_gradients: list[int] = []
     nvme_buffers: int = 2
+    nvme_masters: list[int] = []
     data_parallel: int = 1
     optimizer_shards: int = 1
     nodes: int = 1
@@ -388,7 +392,7 @@ class _ScheduleModel(pydantic.BaseModel):
             layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
             staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
             nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
-            data_parallel=p.data_parallel,
+            nvme_masters=sorted(p.nvme_masters), data_parallel=p.data_parallel,
             optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
             gradient_reduction=p.gradient_reduction),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
@@ -401,7 +405,7 @@ class _ScheduleModel(pydantic.BaseModel):
                     optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
                     cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
                     nvme_gradients=frozenset(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
-                    data_parallel=p.data_parallel,
+                    nvme_masters=frozenset(p.nvme_masters), data_parallel=p.data_parallel,
                     optimizer_shards=p.optimizer_shards, nodes=p.nodes,
                     host_state=p.host_state, gradient_reduction=p.gradient_reduction)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,

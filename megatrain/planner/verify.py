@@ -28,7 +28,9 @@ dependencies plus program order on each in-order stream. It is computed once as 
   in pinned memory, a layer's offload comes after the reloads of the micro-batches before it;
 - ``staging``: with a BF16 plan, each H2D reads a staging tile that a CAST of its layer filled, with
   no optimizer step of that layer between the CAST and the copy (the tile holds the current
-  master's cast), and no other CAST overwrites the tile before the copy ends;
+  master's cast), and no other CAST overwrites the tile before the copy ends; a layer whose master
+  lives on NVMe (``Plan.nvme_masters``) copies from its own tile, which keeps its cast between
+  steps, and after an OPT of it only from the CAST out of its I/O buffer that follows that OPT;
 - ``budget``: slot, ring and staging indices stay within what the plan allocates, and each op's
   layer fits the slot and host gradient tile it uses, as the cost model sizes them; given a
   HardwareSpec, the cost model's peak GPU memory, pinned host memory and host memory stay within
@@ -346,12 +348,16 @@ def _check_staging(c: _Context) -> None:
     """Rule ``staging``: a BF16 copy reads the staging tile its layer's CAST filled, with no update in
     between; FP32 copies read the master rows."""
     ops, plan, fail, before, by_kind, opt_by_layer = c.ops, c.plan, c.fail, c.before, c.by_kind, c.opt_by_layer
+    ctx = c  # the loop below names a CAST c
     if plan.compute_dtype != "float32":
         cast_by_tile: dict[int, list[int]] = defaultdict(list)
         for i in by_kind[OpKind.CAST]:
             cast_by_tile[ops[i].tile].append(i)
         for h in by_kind[OpKind.H2D]:
             casts = [d for d in ops[h].deps if ops[d].kind is OpKind.CAST]
+            if ops[h].layer in plan.nvme_masters:
+                _check_kept_tile(ctx, h, casts, cast_by_tile)
+                continue
             if len(casts) != 1 or ops[casts[0]].layer != ops[h].layer:
                 fail(h, "staging", f"a {plan.compute_dtype} copy must read a staging tile that one CAST of "
                      f"layer {ops[h].layer} filled, and it depends on {len(casts)} CASTs of that layer",
@@ -381,15 +387,42 @@ def _check_staging(c: _Context) -> None:
                      f"t{ops[h].tile}", f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
 
 
+def _check_kept_tile(c: _Context, h: int, casts: list[int], cast_by_tile: dict[int, list[int]]) -> None:
+    """Part of rule ``staging``: H2D ``h`` of a layer whose master is on NVMe (``Plan.nvme_masters``)
+    reads the layer's own staging tile, which keeps the BF16 cast of its current master between
+    steps (filled at compile and by the CAST from the I/O buffer after each OPT of the layer). If an
+    OPT of the layer may come before the copy in this schedule, the copy depends on a CAST of the
+    layer after that OPT; no CAST of the tile may run while the copy reads it."""
+    ops, fail, before, layer = c.ops, c.fail, c.before, c.ops[h].layer
+    if ops[h].tile != layer:
+        fail(h, "staging", f"layer {layer}'s master is on NVMe, so its copies read its own staging tile t{layer} "
+             f"(cast_once), not t{ops[h].tile}", f"name tile t{layer}")
+    for o in c.opt_by_layer.get(layer, []):
+        if before(h, o):
+            continue
+        if not any(ops[d].layer == layer and before(o, d) for d in casts):
+            fail(h, "staging", f"#{o} {ops[o]!r} may update layer {layer}'s master before this copy, and the copy "
+                 "depends on no CAST of the layer after it, so it may send the old weights",
+                 f"make it depend on the CAST:L{layer}:t{layer}:b<k> after #{o}")
+    for other in cast_by_tile[layer]:
+        if not before(other, h) and not before(h, other):
+            fail(other, "staging", f"it may overwrite staging tile t{layer} while #{h} {ops[h]!r} reads it",
+                 f"make it depend on #{h}")
+
+
 def _check_coverage(c: _Context) -> None:
     """Rule ``coverage``: each (layer, micro-batch) runs its forward and local backward once, its
     recompute at most once."""
     ops, plan, graph, fail, by_kind, schedule, at = c.ops, c.plan, c.graph, c.fail, c.by_kind, c.schedule, c.at
     M, n, last = plan.micro_batches, len(graph.layers), c.last
-    # An update schedule runs the deferred optimizer steps, and the NVMe transfers of their moments.
+    # An update schedule runs the deferred optimizer steps, and the NVMe transfers of their moments
+    # (and masters, whose new BF16 copy a CAST from the I/O buffer keeps in the layer's staging tile).
     update_kinds = (OpKind.OPT, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_GATHER)
-    if schedule.mode == "update" and sum(len(by_kind[k]) for k in update_kinds) != len(ops):
-        fail(next(i for i, op in enumerate(ops) if op.kind not in update_kinds), "coverage",
+
+    def updates(op) -> bool:
+        return op.kind in update_kinds or (op.kind is OpKind.CAST and op.buf is not None)
+    if schedule.mode == "update" and not all(updates(op) for op in ops):
+        fail(next(i for i, op in enumerate(ops) if not updates(op)), "coverage",
              "an update schedule runs the deferred optimizer steps and nothing else", "lower with mode='update'")
     fwd_layers = range(n - 1) if schedule.mode == "train" else range(n) if schedule.mode == "eval" else ()
     for layer in range(n):
@@ -505,7 +538,11 @@ def _check_nvme(c: _Context) -> None:
     (then used by that layer's NVME_WRITE, which must be there: the next step's OPT reads the
     file) or by an NVME_READ (then used by that layer's OPT, which reads what the read filled);
     every use happens after the fill, and the next fill after every use of the turn before (the
-    write after the tile is complete, the tile reused only after it was written or stepped)."""
+    write after the tile is complete, the tile reused only after it was written or stepped).
+
+    Masters (``Plan.nvme_masters``): the CAST of such a layer, and only of such a layer, names the
+    I/O buffer it casts from (a use of the buffer's turn); after each OPT of the layer a CAST of it
+    happens, and the NVME_WRITE after that OPT waits for the CAST."""
     ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
     on_nvme, grads_on_nvme = c.plan.nvme_moments, c.plan.nvme_gradients
     io = sorted(by_kind[OpKind.NVME_READ] + by_kind[OpKind.NVME_WRITE])
@@ -539,6 +576,26 @@ def _check_nvme(c: _Context) -> None:
             if late:
                 fail(late[0], "nvme", f"it writes layer {layer}'s moments while OPT #{o} may be changing them",
                      f"make it depend on #{o}")
+    masters = c.plan.nvme_masters
+    for i in by_kind[OpKind.CAST]:
+        if (ops[i].buf is not None) != (ops[i].layer in masters):
+            where, rule = (("on NVMe", "must cast from the I/O buffer (b<k>) its OPT stepped")
+                           if ops[i].layer in masters else ("in host memory", "casts from the master row, naming "
+                                                                               "no I/O buffer"))
+            fail(i, "nvme", f"layer {ops[i].layer}'s master is {where} (Plan.nvme_masters), so its CAST {rule}",
+                 "lower the plan again (add_nvme_io places the CAST after the OPT)")
+    for layer in sorted(masters):
+        mine = by_file.get((layer, False), [])
+        for o in c.opt_by_layer.get(layer, []):
+            cast = [i for i in by_kind[OpKind.CAST] if ops[i].layer == layer and before(o, i)]
+            if not cast:
+                fail(o, "nvme", f"it updates layer {layer}'s master in I/O buffer b{ops[o].buf}, but no CAST after it "
+                     f"writes the new BF16 copy into staging tile t{layer}, which every copy of the layer reads",
+                     "lower the plan again (add_nvme_io adds the CAST)")
+            for w in mine:
+                if ops[w].kind is OpKind.NVME_WRITE and before(o, w) and not before(cast[0], w):
+                    fail(w, "nvme", f"it writes layer {layer}'s master back before #{cast[0]} {ops[cast[0]]!r} has "
+                         "cast it from the buffer", f"make it depend on #{cast[0]}")
     for o in by_kind[OpKind.OPT]:
         if (ops[o].buf is not None) != (ops[o].layer in on_nvme):
             where, rule = (("on NVMe", "must name an") if ops[o].layer in on_nvme else ("in host memory", "names no"))
@@ -551,7 +608,7 @@ def _check_nvme(c: _Context) -> None:
             fail(i, "nvme", f"layer {ops[i].layer}'s gradient tile is {where} (Plan.nvme_gradients), so its "
                  f"{ops[i].kind.value} {rule} gradient I/O buffer (g<k>)", "lower the plan again (add_nvme_io names "
                  "the gradient buffers)")
-    _check_turns(c, "buf", [i for i in io + by_kind[OpKind.OPT] if ops[i].buf is not None],
+    _check_turns(c, "buf", sorted(i for i in io + by_kind[OpKind.OPT] + by_kind[OpKind.CAST] if ops[i].buf is not None),
                  cost.nvme_buffers(c.graph, c.plan)[0], "I/O buffer b", "moments", (OpKind.NVME_READ,),
                  "cost.nvme_buffers")
     gio = sorted(i for i in io + by_kind[OpKind.OPT] + by_kind[OpKind.D2H] if ops[i].gbuf is not None)

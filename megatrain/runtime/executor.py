@@ -75,7 +75,7 @@ from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective
-from megatrain.runtime.host import HostState, PinnedArena, gradient_key, moments_key
+from megatrain.runtime.host import HostState, PinnedArena, gradient_key
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -219,6 +219,9 @@ class Executor:
         self._flags: torch.Tensor | None = None
         self.deferred = DeferredUpdates()
         self.updated: list[int] = []
+        # Layers whose OPT stepped NVMe state in an I/O buffer that no NVME_WRITE has saved yet, in
+        # the current (or last) run: after a run that raised, their files are behind.
+        self.unsaved: set[int] = set()
         # Per schedule (by identity, holding it alive): the liveness of its checkpoints.
         self._liveness: dict[int, tuple[Schedule, Liveness]] = {}
         # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
@@ -233,6 +236,9 @@ class Executor:
         # a layer in Plan.nvme_moments, between its NVME_READ and NVME_WRITE. Page-aligned for
         # O_DIRECT, pageable (the moments never go to the GPU), kept across schedules.
         self._nvme_pool: list[torch.Tensor] = []
+        # (arena, HostState.master_version) whose staging tiles hold the BF16 casts of the masters on
+        # NVMe (Plan.nvme_masters): between steps those tiles are the only copy H2D reads.
+        self._staged: tuple[Any, int] | None = None
 
     # -- memory ----------------------------------------------------------------------------------
     def allocate(self, schedule: Schedule) -> None:
@@ -316,6 +322,27 @@ class Executor:
             self._buffers.widened = torch.empty((scratch,), dtype=torch.float32)  # pageable: host ops only
         return self._buffers
 
+    def _refresh_staging(self) -> None:
+        """Cast the masters on NVMe (``HostState.spilled``) from their files into their layers' own
+        staging tiles when the tiles are new (a new arena: the first run, another layout) or a
+        master was written outside a run (compile, a checkpoint load: ``HostState.master_version``).
+        A run keeps them current itself (the CAST after each such layer's OPT), so this reads
+        nothing between ordinary steps.
+
+        Raises:
+            NvmeError: a file is missing or truncated (naming it)."""
+        h = self.host
+        if not h.spilled or not self._buffers.staging:
+            return
+        if self._staged is not None and self._staged[0] is self._arena and self._staged[1] == h.master_version:
+            return
+        io = self._nvme_pool[0]  # no run is in flight: the pool is free
+        for li in sorted(h.spilled):
+            n = self.graph.layers[li].numel
+            h.nvme.read(h.nvme_key(li), io).wait()
+            self._buffers.staging[li][:n].copy_(io.view(torch.float32)[:n])
+        self._staged = (self._arena, h.master_version)
+
     # -- deferred updates ------------------------------------------------------------------------
     def defer(self, layers: frozenset[int], clip_scale: float | None, optimizer: AdamW | None) -> None:
         """Owe the optimizer steps of ``layers`` to the next schedule that carries updates, each
@@ -344,14 +371,17 @@ class Executor:
         if schedule.mode != "update" and len(micro_batches) != M:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(micro_batches)}")
         bufs = self._ensure_buffers(schedule)
+        self._refresh_staging()
         dev = self.backend.device
         if id(schedule) not in self._liveness:
             self._liveness[id(schedule)] = (schedule, liveness(schedule, g))
         ctx = _RunContext(self, schedule, bufs, _Activations(self._liveness[id(schedule)][1]))
         self.updated = ctx.updated
+        self.unsaved = ctx.unsaved
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
                 ctx.acts.put_batch((g.value_by_name(name).id, mb), batch[name].to(dev, non_blocking=True))
+        done = False
         try:
             try:
                 for i, op in enumerate(schedule.ops):
@@ -365,7 +395,14 @@ class Executor:
                 self.backend.abort()
                 raise
             self.backend.synchronize()
+            done = True
         finally:
+            if ctx.recast:
+                # Masters on NVMe changed: other executors over this host state (other batch shapes)
+                # re-cast their staging tiles; this one's CASTs did, unless the run failed part-way.
+                self.host.master_version += 1
+                if done:
+                    self._staged = (self._arena, self.host.master_version)
             if ctx.carried:
                 d = self.deferred
                 self.deferred = DeferredUpdates(d.layers - set(ctx.updated), d.clip_scale, d.optimizer)
@@ -420,6 +457,8 @@ class _RunContext:
         self.events: list[Any] = [None] * len(schedule.ops)
         self.trained: list[int] = []  # layers whose gradients a D2H copied out, in order
         self.updated: list[int] = []  # layers whose optimizer step ran, in order (host worker)
+        self.unsaved: set[int] = set()  # layers stepped in an NVMe I/O buffer whose NVME_WRITE has not completed
+        self.recast = False  # a CAST from an I/O buffer ran: a master on NVMe changed
         self.skipped: list[int] = []  # layers whose optimizer step was skipped (a non-finite value)
         self.skip = False  # a non-finite value was seen: later optimizer steps of the run are skipped
         # Carried (NEXT_FORWARD) updates run with the clipping and AdamW settings of the step that
@@ -450,8 +489,19 @@ def _h2d(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
-    master = _master_source(ctx, i, op)
-    return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+    """Write the layer's master as BF16 into staging tile ``op.tile``: from its master row (or, on a
+    sliced host state, the gather tile its ALL_GATHER filled), or (``op.buf``,
+    ``Plan.nvme_masters``) from the I/O buffer where its OPT just stepped it."""
+    if op.buf is None:
+        master = _master_source(ctx, i, op)
+        return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+    master = ctx.ex._nvme_pool[op.buf].view(torch.float32)[:ctx.graph.layers[op.layer].numel]
+    copy = _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+
+    def run() -> None:
+        ctx.recast = True
+        copy()
+    return run
 
 
 def _master_source(ctx: _RunContext, i: int, op: Op) -> torch.Tensor:
@@ -667,10 +717,13 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     tile = None
     if grads.dtype != torch.float32:
         tile, grads = grads, ctx.bufs.widened
-    if op.buf is not None:  # moments on NVMe: its NVME_READ brought them into this I/O buffer
-        both = ex._nvme_pool[op.buf][:2 * n * 4].view(torch.float32)
-        exp_avg, exp_avg_sq = both[:n], both[n:]
+    if op.buf is not None:  # moments (after the master) on NVMe: its NVME_READ filled this I/O buffer
+        m = h.nvme_master_numel(li)
+        state = ex._nvme_pool[op.buf][:(m + 2 * n) * 4].view(torch.float32)
+        master = state[:m] if m else h.master(li)
+        exp_avg, exp_avg_sq = state[m:m + n], state[m + n:]
     else:
+        master = h.master(li)
         exp_avg, exp_avg_sq = h.exp_avg(li), h.exp_avg_sq(li)
     carried = ctx.carried
     cfg = ctx.carried_optimizer if carried else ex.optimizer
@@ -685,10 +738,12 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
         if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
             grads[lo:hi].copy_(tile[lo:hi])
         adamw(
-            [h.master(li)[lo - base:hi - base]], [grads[lo:hi]], [exp_avg[lo - base:hi - base]],
+            [master[lo - base:hi - base]], [grads[lo:hi]], [exp_avg[lo - base:hi - base]],
             [exp_avg_sq[lo - base:hi - base]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
             beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+        if op.buf is not None:
+            ctx.unsaved.add(li)  # until its NVME_WRITE completes
         ctx.updated.append(li)
     return run
 
@@ -734,14 +789,15 @@ def _reload(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def _nvme_io(read: bool) -> Handler:
     """The handler of NVME_READ (``read``) or NVME_WRITE: move layer ``op.layer``'s two Adam moments
-    (``op.buf``: I/O buffer of the executor's pool) or its deferred gradient tile (``op.gbuf``: a
+    (after its master with ``Plan.nvme_masters``; ``op.buf``: I/O buffer of the executor's pool)
+    or its deferred gradient tile (``op.gbuf``: a
     pinned gradient I/O buffer of the arena) between its NVMe file (``HostState.nvme``) and that
     buffer, on the I/O stream, and wait. The OPT that steps them in the buffer depends on the read;
     the moments' write depends on the OPT, a gradient tile's write on the D2H that filled the
     buffer. A failed transfer raises NvmeError naming the op and the file."""
     def handler(ctx: _RunContext, i: int, op: Op) -> Work:
         moments = op.buf is not None
-        store, key = ctx.ex.host.nvme, moments_key(op.layer) if moments else gradient_key(op.layer)
+        store, key = ctx.ex.host.nvme, ctx.ex.host.nvme_key(op.layer) if moments else gradient_key(op.layer)
         if store is None or key not in store.tiles:
             what = "Adam moments" if moments else "gradient tile"
             raise ConfigError(f"op #{i} {op!r}: the schedule keeps layer {op.layer}'s {what} on NVMe, but "
@@ -755,6 +811,8 @@ def _nvme_io(read: bool) -> Handler:
                 move(key, buf).wait()
             except NvmeError as e:
                 raise NvmeError(f"op #{i} {op!r}: {e}") from e
+            if moments and not read:
+                ctx.unsaved.discard(op.layer)
         return run
     return handler
 

@@ -1,11 +1,12 @@
 """Persistent host state: one contiguous block per layer holding FP32 master weights and the two
-AdamW moments (12 bytes per parameter; 4 for a layer whose moments live on the NVMe tier, see
-:class:`HostState`), plus binding the user's module to it, and the pinned arena
-of a plan's transient host buffers.
+AdamW moments (12 bytes per parameter; 4 for a layer whose moments live on the NVMe tier, none
+for one whose master lives there too, see :class:`HostState`), plus binding the user's module to
+it, and the pinned arena of a plan's transient host buffers.
 
 After binding, every parameter of the user's module is a view into its layer's master tile, so
 the module holds no storage of its own, ``model.state_dict()`` reads the trained weights, and host
-memory is not doubled.
+memory is not doubled. (A layer whose master lives on NVMe has no tile to view: its parameters
+become ``meta`` tensors, :func:`unbind_spilled`, and ``Trainer.state_dict()`` reads its weights.)
 
 Pinned memory. Only what DMA reads or writes is page-locked, at exact sizes: each block is
 ordinary (pageable) memory that starts on a page, and with FP32 compute, where H2D reads the
@@ -58,6 +59,12 @@ def moments_key(layer: int) -> str:
     return f"L{layer}.moments"
 
 
+def state_key(layer: int) -> str:
+    """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s FP32 master and two Adam moments,
+    in that order (``Plan.nvme_masters``: one file, so one read and one write per step)."""
+    return f"L{layer}.state"
+
+
 def gradient_key(layer: int) -> str:
     """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s deferred gradient tile
     (``Plan.nvme_gradients``): its step gradients between the D2H and the next step's OPT."""
@@ -82,6 +89,16 @@ class HostState:
     scratch file each for their deferred gradient tile (``<dir>/L<i>.grad.tile``,
     ``trainable_numel * gradient_itemsize`` bytes), which only the schedule's NVMe ops use.
 
+    Masters on NVMe. The layers of ``nvme_masters`` (a subset of ``nvme_moments``) keep their
+    master too in their file, before the moments (``<dir>/L<i>.state.tile``: master, ``exp_avg``,
+    ``exp_avg_sq``, FP32). Their block holds the master row only until :meth:`spill_masters` (after
+    :func:`bind_module` initialised it) writes it to the file and drops it: from then on the block
+    is empty, :attr:`nbytes` is ``4 * numel`` lower again, :meth:`master` raises, and
+    :meth:`read_master` and the state-dict rows :meth:`master_row` / :meth:`param_row`
+    (:class:`NvmeMasterRow`, which also write) go through the file. Every write of such a master
+    bumps :attr:`master_version`, so whoever keeps a copy of it (an executor's BF16 staging tiles)
+    knows to refresh it.
+
     Data parallel. ``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
     :meth:`shared_nbytes` to carve the blocks from (the ranks of a node share it), or None for
     private memory. ``writer``: False on the ranks that map a shared copy another rank fills.
@@ -98,13 +115,14 @@ class HostState:
 
     Raises:
         ConfigError: ``nvme_moments`` or ``nvme_gradients`` without ``nvme_dir``, or naming a layer
-            with no trainable parameters.
+            with no trainable parameters; ``nvme_masters`` not within ``nvme_moments``.
         NvmeError: the directory is missing or not writable, or the disk has no room for the files.
     """
 
     def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
-                 gradient_itemsize: int = 4, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0):
+                 gradient_itemsize: int = 4, nvme_masters: frozenset[int] = frozenset(),
+                 slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0):
         self.graph = graph
         self.shared = shared
         self.sliced = slices is not None
@@ -119,6 +137,13 @@ class HostState:
         self.data_parallel: Any = None
         self.nvme_moments = frozenset(nvme_moments)
         self.nvme_gradients = frozenset(nvme_gradients)
+        self.nvme_masters = frozenset(nvme_masters)
+        if not self.nvme_masters <= self.nvme_moments:
+            raise ConfigError(f"nvme_masters names layers {sorted(self.nvme_masters - self.nvme_moments)} whose Adam "
+                              "moments are in host memory: a layer's master shares its NVMe file with its moments; "
+                              "add them to nvme_moments")
+        self.spilled: frozenset[int] = frozenset()  # nvme_masters layers whose master row was dropped
+        self.master_version = 0  # bumped by every write of a master on NVMe
         for what, layers in (("nvme_moments", self.nvme_moments), ("nvme_gradients", self.nvme_gradients)):
             bad = sorted(i for i in layers if not 0 <= i < len(graph.layers) or graph.layers[i].trainable_numel == 0)
             if bad:
@@ -129,7 +154,7 @@ class HostState:
                               f"layers {sorted(self.nvme_gradients)} go to NVMe but no NVMe directory was given: "
                               "pass nvme_dir= (an existing directory on an NVMe drive)")
         self.blocks: list[torch.Tensor] = []
-        self._rows: list[torch.Tensor] = []  # each master row's bytes, rounded up to whole pages
+        self._rows: list[torch.Tensor | None] = []  # each master row's bytes, whole pages (None: on NVMe)
         for li, layer in enumerate(graph.layers):
             n, t = self._extent(li)
             t = 0 if li in self.nvme_moments else t
@@ -156,7 +181,8 @@ class HostState:
         if self.nvme_moments or self.nvme_gradients:
             from megatrain.runtime.nvme import NvmeStore  # it imports this module
 
-            sizes = {moments_key(li): 2 * graph.layers[li].trainable_numel * 4 for li in sorted(self.nvme_moments)}
+            sizes = {self.nvme_key(li): (self.nvme_master_numel(li) + 2 * graph.layers[li].trainable_numel) * 4
+                     for li in sorted(self.nvme_moments)}
             sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
                           for li in sorted(self.nvme_gradients)})
             self.nvme = NvmeStore(nvme_dir, sizes)
@@ -177,10 +203,61 @@ class HostState:
         lo, hi = self.slices[layer]
         return hi - lo, max(0, min(hi, self.graph.layers[layer].trainable_numel) - lo)
 
+    def nvme_key(self, layer: int) -> str:
+        """The NVMe tile of a layer of ``nvme_moments``: :func:`state_key` when its master is there
+        too, else :func:`moments_key`."""
+        return state_key(layer) if layer in self.nvme_masters else moments_key(layer)
+
+    def nvme_master_numel(self, layer: int) -> int:
+        """FP32 elements of master before the moments in the layer's NVMe file (its ``numel`` for a
+        layer of ``nvme_masters``, else 0) and in the I/O buffer its NVME_READ fills."""
+        return self.graph.layers[layer].numel if layer in self.nvme_masters else 0
+
+    def spill_masters(self) -> None:
+        """Write the master rows of ``nvme_masters`` (as :func:`bind_module` left them) to their
+        files, zero moments after them, and drop the rows (:class:`HostState`, "Masters on NVMe").
+        The module's parameters of those layers must no longer view them: :func:`unbind_spilled`
+        makes them ``meta`` (``materialize`` calls both). Idempotent."""
+        for li in sorted(self.nvme_masters - self.spilled):
+            lay = self.graph.layers[li]
+            state = torch.zeros((lay.numel + 2 * lay.trainable_numel,), dtype=torch.float32)
+            state[:lay.numel].copy_(self.master(li))
+            self.nvme.write_tensor(state_key(li), state)
+            self.blocks[li] = torch.empty((0,), dtype=torch.float32)
+            self._rows[li] = None
+            self.spilled = self.spilled | {li}
+        self.master_version += 1
+
     def master(self, layer: int) -> torch.Tensor:
         """``float32[hi - lo]``: the layer's FP32 master weights (frozen parameters included) this
-        state holds, elements ``[lo, hi)`` of its tile (``slices[layer]``; the whole tile unless sliced)."""
+        state holds, elements ``[lo, hi)`` of its tile (``slices[layer]``; the whole tile unless
+        sliced), a view. Raises ValueError for a layer whose master lives on NVMe (use
+        :meth:`read_master`)."""
+        if layer in self.spilled:
+            raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its FP32 master on NVMe "
+                             f"({self.nvme.tiles[state_key(layer)].path}), not in host memory: read it with "
+                             "HostState.read_master, or read and write it through master_row / param_row")
         return self.blocks[layer][:self._extent(layer)[0]]
+
+    def read_state(self, layer: int) -> torch.Tensor:
+        """A new ``float32`` tensor of the layer's NVMe file: master (``nvme_masters`` only) then
+        ``exp_avg`` and ``exp_avg_sq``. Raises NvmeError (naming the file) when it is missing or
+        truncated."""
+        lay = self.graph.layers[layer]
+        out = torch.empty((self.nvme_master_numel(layer) + 2 * lay.trainable_numel,), dtype=torch.float32)
+        self.nvme.read_tensor(self.nvme_key(layer), out)
+        return out
+
+    def _write_state(self, layer: int, state: torch.Tensor) -> None:
+        self.nvme.write_tensor(self.nvme_key(layer), state)
+        if layer in self.nvme_masters:
+            self.master_version += 1
+
+    def read_master(self, layer: int) -> torch.Tensor:
+        """A new ``float32[numel]`` tensor: the layer's master, from host memory or its NVMe file."""
+        if layer in self.spilled:
+            return self.read_state(layer)[:self.graph.layers[layer].numel]
+        return self.master(layer).clone()
 
     def exp_avg(self, layer: int) -> torch.Tensor:
         """``float32[trainable_numel]``: AdamW's first moment of the layer's trainable prefix (a view).
@@ -206,7 +283,9 @@ class HostState:
         missing or truncated. (Of the moment rows this state holds, ``slices``.)"""
         t = self._extent(layer)[1]
         out = torch.empty((2 * t,), dtype=torch.float32)
-        if layer in self.nvme_moments:
+        if layer in self.nvme_masters:
+            out.copy_(self.read_state(layer)[self.nvme_master_numel(layer):])
+        elif layer in self.nvme_moments:
             self.nvme.read_tensor(moments_key(layer), out)
         else:
             out[:t].copy_(self.exp_avg(layer))
@@ -220,7 +299,11 @@ class HostState:
         if tuple(moments.shape) != (2 * t,) or moments.dtype != torch.float32:
             raise ValueError(f"layer {self.graph.layers[layer].name!r}: moments must be float32[{2 * t}], not "
                              f"{moments.dtype} {list(moments.shape)}")
-        if layer in self.nvme_moments:
+        if layer in self.nvme_masters:
+            state = self.read_state(layer)
+            state[self.nvme_master_numel(layer):].copy_(moments)
+            self.nvme.write_tensor(state_key(layer), state)  # the master is unchanged: no version bump
+        elif layer in self.nvme_moments:
             self.nvme.write_tensor(moments_key(layer), moments)
         else:
             self.exp_avg(layer).copy_(moments[:t])
@@ -230,6 +313,22 @@ class HostState:
         """Moment ``k`` (0: ``exp_avg``, 1: ``exp_avg_sq``) of the layer as a state-dict entry: the
         view of its row in host memory, or an :class:`NvmeMomentRow` that reads and writes the file."""
         return NvmeMomentRow(self, layer, k) if layer in self.nvme_moments else self._moment(layer, k)
+
+    def master_row(self, layer: int) -> "torch.Tensor | NvmeMasterRow":
+        """The layer's master as a state-dict entry: the view of its row in host memory, or an
+        :class:`NvmeMasterRow` over the whole master in its NVMe file."""
+        if layer in self.spilled:
+            return NvmeMasterRow(self, layer, 0, self.graph.layers[layer].numel,
+                                 (self.graph.layers[layer].numel,), "master")
+        return self.master(layer)
+
+    def param_row(self, layer: int, index: int) -> "torch.Tensor | NvmeMasterRow":
+        """Parameter ``index`` of the layer as a state-dict entry: :meth:`param_view`, or for a layer
+        whose master is on NVMe an :class:`NvmeMasterRow` over the parameter's slice of the file."""
+        if layer in self.spilled:
+            spec = self.graph.layers[layer].params[index]
+            return NvmeMasterRow(self, layer, spec.offset, spec.numel, tuple(spec.shape), spec.name)
+        return self.param_view(layer, index)
 
     @property
     def nbytes(self) -> int:
@@ -252,8 +351,9 @@ class HostState:
         if self._pinned_by is backend:
             return
         self.unpin_masters()
-        # A sliced state's H2Ds read the gather tiles, not the master rows.
-        self._pins = [backend.host_pin(row) for row in (self.gather if self.sliced else self._rows)]
+        # A sliced state's H2Ds read the gather tiles, not the master rows; a master on NVMe has no row.
+        self._pins = [None if row is None else backend.host_pin(row)
+                      for row in (self.gather if self.sliced else self._rows)]
         self._pinned_by = backend
 
     def unpin_masters(self) -> None:
@@ -272,44 +372,65 @@ class HostState:
         return self.master(layer)[spec.offset:spec.offset + spec.numel].view(spec.shape)
 
 
-class NvmeMomentRow:
-    """One Adam moment row (``k`` 0: ``exp_avg``, 1: ``exp_avg_sq``) of a layer whose moments live
-    on NVMe, as a state-dict entry (``Trainer.state_dict()["optimizer"]``) that holds no host memory:
-    ``shape``/``dtype`` as the tensor would have (``float32[trainable_numel]``), :meth:`read` a new
-    tensor from the file, ``copy_(src)`` writes ``src`` into the file (reading the layer's tile,
-    replacing the row, writing it back), so a checkpoint saves and loads one row at a time."""
+class NvmeRow:
+    """A span of FP32 elements of a layer's NVMe file as a state-dict entry that holds no host
+    memory: ``shape``/``dtype`` as the tensor would have, :meth:`read` a new tensor from the file,
+    ``copy_(src)`` writes ``src`` into the file (reading the layer's tile, replacing the span,
+    writing it back: converting as ``Tensor.copy_`` does), ``to(dtype)`` reads and converts, so a
+    checkpoint saves and loads one row at a time. Subclasses say which span."""
 
-    __slots__ = ("host", "layer", "k")
+    __slots__ = ("host", "layer", "start", "numel", "_shape", "what")
     dtype = torch.float32
 
-    def __init__(self, host: HostState, layer: int, k: int):
-        self.host, self.layer, self.k = host, layer, k
+    def __init__(self, host: HostState, layer: int, start: int, numel: int, shape: tuple[int, ...], what: str):
+        self.host, self.layer, self.start, self.numel, self._shape, self.what = host, layer, start, numel, shape, what
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.host.graph.layers[self.layer].trainable_numel,))
+        return torch.Size(self._shape)
 
     def read(self) -> torch.Tensor:
-        t = self.shape[0]
-        return self.host.read_moments(self.layer)[self.k * t:(self.k + 1) * t]
+        return self.host.read_state(self.layer)[self.start:self.start + self.numel].view(self._shape)
 
-    def copy_(self, src: torch.Tensor) -> "NvmeMomentRow":
-        t = self.shape[0]
-        both = self.host.read_moments(self.layer)
-        both[self.k * t:(self.k + 1) * t].copy_(src)
-        self.host.write_moments(self.layer, both)
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.read().to(dtype)
+
+    def copy_(self, src: torch.Tensor) -> "NvmeRow":
+        state = self.host.read_state(self.layer)
+        state[self.start:self.start + self.numel].view(self._shape).copy_(src)
+        self.host._write_state(self.layer, state)
         return self
 
     def is_floating_point(self) -> bool:
         return True
 
     def same(self, other: Any) -> bool:
-        """Whether ``other`` is this row of this host state (loading it into itself copies nothing)."""
-        return (isinstance(other, NvmeMomentRow) and other.host is self.host and other.layer == self.layer
-                and other.k == self.k)
+        """Whether ``other`` is this span of this host state (loading it into itself copies nothing)."""
+        return (isinstance(other, NvmeRow) and other.host is self.host and other.layer == self.layer
+                and other.start == self.start and other.numel == self.numel)
 
     def __repr__(self) -> str:
-        return f"NvmeMomentRow({self.host.graph.layers[self.layer].name!r}, {('exp_avg', 'exp_avg_sq')[self.k]})"
+        return f"{type(self).__name__}({self.host.graph.layers[self.layer].name!r}, {self.what})"
+
+
+class NvmeMomentRow(NvmeRow):
+    """One Adam moment row (``k`` 0: ``exp_avg``, 1: ``exp_avg_sq``), ``float32[trainable_numel]``,
+    of a layer whose moments live on NVMe (``Trainer.state_dict()["optimizer"]``)."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, host: HostState, layer: int, k: int):
+        t = host.graph.layers[layer].trainable_numel
+        super().__init__(host, layer, host.nvme_master_numel(layer) + k * t, t, (t,), ("exp_avg", "exp_avg_sq")[k])
+        self.k = k
+
+
+class NvmeMasterRow(NvmeRow):
+    """A layer's FP32 master, or one parameter's slice of it, in the layer's NVMe file
+    (``Plan.nvme_masters``): ``Trainer.state_dict()["masters"]`` and ``["model"]`` entries. A
+    write bumps :attr:`HostState.master_version`."""
+
+    __slots__ = ()
 
 
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
@@ -361,10 +482,10 @@ class SlicedRow:
                 f"{('master', 'exp_avg', 'exp_avg_sq')[self.kind]}, start={self.start}, shape={list(self.shape)})")
 
 
-def as_tensor(x: "torch.Tensor | NvmeMomentRow | SlicedRow") -> torch.Tensor:
-    """``x`` itself, or the tensor an :class:`NvmeMomentRow` reads from its file, or a
-    :class:`SlicedRow` from the nodes' slices."""
-    return x.read() if isinstance(x, (NvmeMomentRow, SlicedRow)) else x
+def as_tensor(x: "torch.Tensor | NvmeRow | SlicedRow") -> torch.Tensor:
+    """``x`` itself, or the tensor an :class:`NvmeRow` reads from its file, or a :class:`SlicedRow`
+    from the nodes' slices."""
+    return x.read() if isinstance(x, (NvmeRow, SlicedRow)) else x
 
 
 class PinnedArena:
@@ -496,6 +617,27 @@ def bind_module(model: nn.Module, host: "HostState | FullMasters", writer: bool 
                 f"parameter {spec.name!r} was built on the meta device and its module's "
                 "initialisation did not set it: give the module reset_parameters() (or handle it "
                 "in the model's _init_weights), or build the model on the CPU")
+
+
+def unbind_spilled(model: nn.Module, host: HostState) -> None:
+    """Make the parameters of ``model`` that viewed a master row :meth:`HostState.spill_masters`
+    dropped into ``meta`` tensors of their shape (under every name, tied ones included), so that
+    nothing reads a stale or freed copy: their weights are read through ``Trainer.state_dict()``
+    (:class:`NvmeMasterRow`), and the trainer's forward reads the BF16 staging tiles."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    for li in sorted(host.spilled):
+        for spec in host.graph.layers[li].params:
+            mod_name, _, attr = spec.name.rpartition(".")
+            old = getattr(model.get_submodule(mod_name), attr)
+            if old.device.type == "meta":
+                continue
+            bound = nn.Parameter(torch.empty(tuple(spec.shape), dtype=torch.float32, device="meta"),
+                                 requires_grad=old.requires_grad)
+            for alias in aliases.get(id(old), [spec.name]):
+                owner, _, name = alias.rpartition(".")
+                setattr(model.get_submodule(owner), name, bound)
 
 
 def _meta_buffers(model: nn.Module, needs_init: dict[str, nn.Module]) -> bool:

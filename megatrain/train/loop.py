@@ -14,7 +14,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from megatrain.errors import CheckpointError, MegatrainError
 from megatrain.train.config import TrainConfig
@@ -129,7 +129,8 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     if cfg.nvme_dir is not None:
         # Plan.nvme_moments and Plan.nvme_gradients, lowered into NVME_READ/NVME_WRITE: what the
         # budget needs moved, or every layer's moments.
-        on_nvme, grads_on_nvme = nvme_layers(planned, cfg.host_memory, cfg.nvme_dir, hw)
+        placed = nvme_layers(planned, cfg.host_memory, cfg.nvme_dir, hw)
+        on_nvme, grads_on_nvme, masters = placed.moments, placed.gradients, placed.masters
         layers = planned.graph.layers
         moved = sum(8 * layers[i].trainable_numel for i in on_nvme)
         trainable = sum(1 for lay in layers if lay.trainable_numel)
@@ -138,12 +139,17 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
              + (f": {', '.join(layers[i].name for i in sorted(on_nvme))}" if on_nvme else "")
              + (f"; deferred gradient tiles of {len(grads_on_nvme)} of {trainable} layers: "
                 f"{', '.join(layers[i].name for i in sorted(grads_on_nvme))}" if grads_on_nvme else "")
+             + (f"; FP32 masters of {len(masters)} of {trainable} layers: "
+                f"{', '.join(layers[i].name for i in sorted(masters))}" if masters else "")
+             + ("; cast_once set (masters on NVMe need each layer's own BF16 staging tile)"
+                if placed.cast_once and not planned.plan.cast_once else "")
              + "; the rest of the state in host memory")
         planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                        input_names=names, micro_batches=micro_batches, device=cfg.device,
                                        max_grad_norm=cfg.max_grad_norm, hardware=hw,
                                        plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme,
-                                                                nvme_gradients=grads_on_nvme))
+                                                                nvme_gradients=grads_on_nvme, nvme_masters=masters,
+                                                                cast_once=placed.cast_once))
     needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
                                    available=available)
     graph = planned.graph
@@ -152,16 +158,26 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     return planned
 
 
-def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str,
-                hw=None) -> tuple[frozenset[int], frozenset[int]]:
-    """``(moments, gradients)``: the layers whose Adam moments and whose deferred gradient tiles
-    ``megatrain train --nvme-dir`` puts on NVMe. Without ``host_memory``: every trainable layer's
-    moments, no gradient tile. With it (a size, ``planner.nvme.parse_bytes``), those
-    :func:`megatrain.planner.nvme.place_on_nvme` moves so that the plan's host bytes
+class NvmeLayers(NamedTuple):
+    """What ``megatrain train --nvme-dir`` puts on NVMe: the layers whose Adam moments, deferred
+    gradient tiles and FP32 masters live there, and whether the plan computes with ``cast_once``
+    (set where masters needed it)."""
+
+    moments: frozenset[int]
+    gradients: frozenset[int]
+    masters: frozenset[int] = frozenset()
+    cast_once: bool = False
+
+
+def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, hw=None) -> NvmeLayers:
+    """The layers whose Adam moments, deferred gradient tiles and masters ``megatrain train
+    --nvme-dir`` puts on NVMe. Without ``host_memory``: every trainable layer's moments, nothing
+    else. With it (a size, ``planner.nvme.parse_bytes``), those
+    :func:`megatrain.planner.nvme.place_with_masters` moves so that the plan's host bytes
     (``planned.memory``) fit it (none when they fit already): with clipped gradients (the
-    optimizer in the next forward) the layers' gradient tiles first, then moments, each largest
-    first. The placement's NVMe tier is ``nvme_dir``'s file system (its free space); its rates do
-    not enter the choice.
+    optimizer in the next forward) the layers' gradient tiles first, then moments, then (BF16
+    compute on one rank, ``cast_once`` set if needed) masters, each largest first. The placement's
+    NVMe tier is ``nvme_dir``'s file system (its free space); its rates do not enter the choice.
 
     Raises:
         ConfigError: ``host_memory`` is not a size.
@@ -171,12 +187,13 @@ def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str,
     import shutil
 
     from megatrain.planner.hardware import HardwareSpec
-    from megatrain.planner.nvme import parse_bytes, place_on_nvme
+    from megatrain.planner.nvme import parse_bytes, place_with_masters
     from megatrain.units import human_bytes
 
     graph = planned.graph
     if host_memory is None:
-        return frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel), frozenset()
+        return NvmeLayers(frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel), frozenset(),
+                          cast_once=planned.plan.cast_once)
     budget = parse_bytes(host_memory)
     # The choice reads the host memory, its pinned cap and the NVMe capacity; the rates only time
     # the traffic, which no one reads here, so the hardware's are kept if it has them, else 1 B/s.
@@ -189,11 +206,10 @@ def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str,
         "nvme_capacity_bytes": shutil.disk_usage(nvme_dir).free,
         "nvme_read_bytes_per_s": base.get("nvme_read_bytes_per_s") or 1.0,
         "nvme_write_bytes_per_s": base.get("nvme_write_bytes_per_s") or 1.0})
-    # Gradient tiles and moments: masters on NVMe are planned but not run yet.
-    placed = place_on_nvme(graph, dataclasses.replace(planned.plan, nvme_moments=frozenset(),
-                                                      nvme_gradients=frozenset()), planned.memory, spec,
-                           kinds=("gradients", "moments"))
-    return placed.moments, placed.gradients
+    bare = dataclasses.replace(planned.plan, nvme_moments=frozenset(), nvme_gradients=frozenset(),
+                               nvme_masters=frozenset())
+    plan, _, placed = place_with_masters(graph, bare, planned.memory, spec)
+    return NvmeLayers(placed.moments, placed.gradients, placed.masters, plan.cast_once)
 
 
 def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
