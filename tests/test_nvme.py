@@ -196,6 +196,9 @@ def test_dense_120b_with_clipping_fits_h200_1_5tb_with_nvme(dense_120b):
     assert ns.placement.gradients  # deferred gradient tiles go first, into the plan itself
     assert ns.plan.nvme_gradients == ns.placement.gradients
     assert ns.solution.plan.optimizer.name == "NEXT_FORWARD"
+    # No moments on NVMe: no read-ahead to choose, and the report has no line for it.
+    assert not ns.placement.moments and len(ns.searched) == 1
+    assert [row[0] for row in describe(ns)][0] == "NVMe tier"
 
 
 def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, capsys, monkeypatch):

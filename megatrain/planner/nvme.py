@@ -462,10 +462,10 @@ def describe(ns: NvmeSolution) -> list[tuple[str, str, str]]:
     """Rows ``(what, value, note)`` for ``megatrain plan``'s NVMe section."""
     p, hw = ns.placement, ns.hardware
     n = len(ns.solution.graph.layers)
-    return [
-        ("NVMe read-ahead", f"{ns.plan.nvme_buffers} buffers",
-         "host I/O buffers of the moments, chosen by step time: "
-         + ", ".join(f"{k}: {why or f'{t:,.4g} s'}" for k, t, why in ns.searched)),
+    ahead = [("NVMe read-ahead", f"{ns.plan.nvme_buffers} buffers",
+              "host I/O buffers of the moments, chosen by step time: "
+              + ", ".join(f"{k}: {why or f'{t:,.4g} s'}" for k, t, why in ns.searched))] if p.moments else []
+    return ahead + [
         ("NVMe tier", human_bytes(hw.nvme_capacity_bytes),
          f"read {hw.nvme_read_bytes_per_s / 1e9:.1f} GB/s, write {hw.nvme_write_bytes_per_s / 1e9:.1f} GB/s"),
         ("gradient tiles on NVMe", f"{len(p.gradients)}/{n}", "deferred (clipped) updates' tiles"),
