@@ -270,3 +270,34 @@ def test_failed_nvme_write_after_its_opt_names_the_unsaved_layers_and_the_checkp
     assert e.value.unsaved_layers == (1,) and e.value.updated_layers == (3, 2, 1)
     monkeypatch.setattr(store, "write", real)
     assert torch.equal(t.host.read_master(1), before) and float(t.host.steps[1]) == 2.0  # the file is behind
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_masters_on_nvme_are_initialised_in_their_file_not_in_anonymous_memory(tmp_path):
+    """Until spill_masters a layer's master row is its NVMe file mapped: what the initialisation
+    writes is in the file (page cache the kernel may write back and reclaim), not in anonymous
+    memory, so a state larger than host memory is never all in it at compile."""
+    import torch
+
+    from megatrain.runtime.host import HostState, state_key
+
+    numel = 16 << 20  # 64 MiB of FP32 master
+    g = chain_graph(2, numel=numel)
+    host = HostState(g, frozenset({1}), str(tmp_path), nvme_masters=frozenset({1}))
+    assert host.nvme.is_mapped(state_key(1))
+    anon, file = _rss_kib("RssAnon"), _rss_kib("RssFile")
+    host.master(1).copy_(torch.arange(numel, dtype=torch.float32))
+    # 64 MiB written: file-backed pages, not anonymous ones (bounds of half of it leave room for
+    # whatever else the process allocates meanwhile).
+    assert _rss_kib("RssFile") - file > (numel * 4 >> 10) // 2
+    assert _rss_kib("RssAnon") - anon < (numel * 4 >> 10) // 2
+    host.spill_masters()
+    assert host.spilled == {1} and host.blocks[1].numel() == 0
+    state = host.read_state(1)
+    assert torch.equal(state[:numel], torch.arange(numel, dtype=torch.float32))
+    assert not state[numel:].any()  # fresh moments: zeros

@@ -153,6 +153,15 @@ class HostState:
             raise ConfigError(f"the Adam moments of layers {sorted(self.nvme_moments)} and the gradient tiles of "
                               f"layers {sorted(self.nvme_gradients)} go to NVMe but no NVMe directory was given: "
                               "pass nvme_dir= (an existing directory on an NVMe drive)")
+        self.nvme = None
+        if self.nvme_moments or self.nvme_gradients:
+            from megatrain.runtime.nvme import NvmeStore  # it imports this module
+
+            sizes = {self.nvme_key(li): (self.nvme_master_numel(li) + 2 * graph.layers[li].trainable_numel) * 4
+                     for li in sorted(self.nvme_moments)}
+            sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
+                          for li in sorted(self.nvme_gradients)})
+            self.nvme = NvmeStore(nvme_dir, sizes)
         self.blocks: list[torch.Tensor] = []
         self._rows: list[torch.Tensor | None] = []  # each master row's bytes, whole pages (None: on NVMe)
         for li, layer in enumerate(graph.layers):
@@ -160,9 +169,15 @@ class HostState:
             t = 0 if li in self.nvme_moments else t
             row = cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT)
             size = _block_bytes(n, 2 * t)
-            raw = page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN)
+            if li in self.nvme_masters and shared is None:
+                # The master row until spill_masters is the file's own first bytes, mapped: the
+                # initialisation writes it through the page cache, which the kernel writes back
+                # and reclaims, so a state larger than host memory never is all in it at compile.
+                raw = self.nvme.map_tile(state_key(li))
+            else:
+                raw = page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN)
             block = raw[:(n + 2 * t) * 4].view(torch.float32)
-            if writer:
+            if writer and t:
                 # The mapping reads as zeros already; writing them faults its pages in now, as an
                 # allocation would, rather than at the first read (a checkpoint save, say).
                 block[n:].zero_()
@@ -177,15 +192,6 @@ class HostState:
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
         self._pins: list[Any] = []
         self._pinned_by: Any = None
-        self.nvme = None
-        if self.nvme_moments or self.nvme_gradients:
-            from megatrain.runtime.nvme import NvmeStore  # it imports this module
-
-            sizes = {self.nvme_key(li): (self.nvme_master_numel(li) + 2 * graph.layers[li].trainable_numel) * 4
-                     for li in sorted(self.nvme_moments)}
-            sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
-                          for li in sorted(self.nvme_gradients)})
-            self.nvme = NvmeStore(nvme_dir, sizes)
 
     @staticmethod
     def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0) -> int:
@@ -216,13 +222,20 @@ class HostState:
     def spill_masters(self) -> None:
         """Write the master rows of ``nvme_masters`` (as :func:`bind_module` left them) to their
         files, zero moments after them, and drop the rows (:class:`HostState`, "Masters on NVMe").
+        A row that maps its file (private host state: every one) is already there: its dirty
+        pages are written back (``fsync``) and the mapping dropped.
         The module's parameters of those layers must no longer view them: :func:`unbind_spilled`
         makes them ``meta`` (``materialize`` calls both). Idempotent."""
         for li in sorted(self.nvme_masters - self.spilled):
-            lay = self.graph.layers[li]
-            state = torch.zeros((lay.numel + 2 * lay.trainable_numel,), dtype=torch.float32)
-            state[:lay.numel].copy_(self.master(li))
-            self.nvme.write_tensor(state_key(li), state)
+            if self.nvme.is_mapped(state_key(li)):
+                # The row is the file's mapping (__init__): the master is in the file already and
+                # the moments after it are the zeros the file was made with.
+                self.nvme.sync(state_key(li))
+            else:
+                lay = self.graph.layers[li]
+                state = torch.zeros((lay.numel + 2 * lay.trainable_numel,), dtype=torch.float32)
+                state[:lay.numel].copy_(self.master(li))
+                self.nvme.write_tensor(state_key(li), state)
             self.blocks[li] = torch.empty((0,), dtype=torch.float32)
             self._rows[li] = None
             self.spilled = self.spilled | {li}

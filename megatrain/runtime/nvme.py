@@ -143,6 +143,7 @@ class NvmeStore:
             log.warning("NVMe directory %s refuses O_DIRECT (%s); using buffered I/O, which goes "
                         "through the page cache", self.directory, self.fallback_reason)
         self._fds: dict[str, int] = {}
+        self._mapped: set[str] = set()
         self._preallocate()
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megatrain-nvme")
 
@@ -275,6 +276,32 @@ class NvmeStore:
         staging = aligned_buffer(t.nbytes) if staging is None else staging
         self.read(key, staging).wait()
         dst.view(-1).view(torch.uint8).copy_(staging[:dst.nbytes])
+
+    def map_tile(self, key: str) -> torch.Tensor:
+        """Tile ``key``'s file mapped (``MAP_SHARED``) as a ``uint8`` tensor of its padded size:
+        writes go to the file through the page cache, which the kernel writes back and may
+        reclaim, so the bytes need not fit in memory. The store's ``O_DIRECT`` reads and writes of
+        the file stay coherent with it (the kernel writes dirty cached pages back before a direct
+        read and drops them after a direct write); :meth:`sync` forces the write-back."""
+        t = self.tiles[key]
+        self._mapped.add(key)
+        return torch.from_file(t.path, shared=True, size=t.padded, dtype=torch.uint8)
+
+    def is_mapped(self, key: str) -> bool:
+        """Whether :meth:`map_tile` mapped tile ``key``."""
+        return key in self._mapped
+
+    def sync(self, key: str) -> None:
+        """Write tile ``key``'s dirty cached pages (from a :meth:`map_tile` mapping) to the disk
+        and wait (``fsync``).
+
+        Raises:
+            NvmeError: the write-back failed (a full or failing disk), naming the file.
+        """
+        try:
+            os.fsync(self._fds[key])
+        except OSError as e:
+            raise NvmeError(f"cannot write NVMe tile file {self.tiles[key].path!r} back to disk: {e}") from e
 
     def close(self, remove: bool = False) -> None:
         """Wait for in-flight transfers, close the files and, with ``remove``, delete them."""
