@@ -299,7 +299,8 @@ def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) ->
         stored, targets, path, strict=strict,
         ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None),
         ignore_unexpected=getattr(model, "_keys_to_ignore_on_load_unexpected", None))
-    n = _copy_in(stored, targets)
+    with trainer.host.batched_nvme_writes():  # a layer's rows on NVMe: one read and one write of its file
+        n = _copy_in(stored, targets)
     return LoadedWeights(files=tuple(str(f) for f in files), tensors=n, missing=tuple(missing),
                          unexpected=tuple(unexpected))
 
@@ -781,8 +782,9 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     # Now restore: the tensors into the state's views, then the state into the trainer (which
     # copies nothing more, sets the counters and settings, and drops a deferred update: its
     # gradients were of the weights before the load).
-    _copy_in(weights_stored, weight_targets)
-    _copy_in(rows_stored, row_targets)
+    with trainer.host.batched_nvme_writes():  # a layer's rows on NVMe: one read and one write of its file
+        _copy_in(weights_stored, weight_targets)
+        _copy_in(rows_stored, row_targets)
     trainer.load_state_dict({**sd, "adam_steps": {k: float(v) for k, v in ts["adam_steps"].items()},
                              "step_count": int(ts["step_count"]), "optimizer_settings": optimizer})
     _restore_rng(rng_stored, ts["rng"])

@@ -365,7 +365,7 @@ class Trainer:
                 pairs.append((dst, src))
         if set(state["adam_steps"]) != set(mine["adam_steps"]):
             raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
-        with torch.no_grad():
+        with torch.no_grad(), self.host.batched_nvme_writes():
             for dst, src in pairs:
                 if isinstance(dst, (NvmeRow, SlicedRow)):
                     if not dst.same(src):  # written through to the file

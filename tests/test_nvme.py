@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import math
 import os
@@ -542,7 +543,14 @@ def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path, ma
     into_ram.load(tmp_path / "ckpt_nvme")
     into_nvme = _compile(copy.deepcopy(base), plan, tmp_path / "c", 0.5)
     into_nvme.step(BATCHES[3])  # its masters and staging tiles now hold other weights than the checkpoint's
+    writes = collections.Counter()
+    store = into_nvme.host.nvme
+    write = store.write_tensor
+    store.write_tensor = lambda key, *a, **kw: (writes.update([key]), write(key, *a, **kw))[1]
     into_nvme.load(tmp_path / "ckpt_ram")
+    # A layer's rows (master, parameters, moments) are written into its file together, once per
+    # pass over the checkpoint's files (weights, then optimizer rows), not once per row.
+    assert set(writes) == {into_nvme.host.nvme_key(li) for li in ON_NVME} and max(writes.values()) <= 2
     for t in (into_ram, into_nvme):
         assert [t.step(b).loss for b in BATCHES[2:]] == want
         t.flush()

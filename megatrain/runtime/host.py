@@ -22,7 +22,9 @@ twice the plan's figure.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -143,6 +145,7 @@ class HostState:
                               "moments are in host memory: a layer's master shares its NVMe file with its moments; "
                               "add them to nvme_moments")
         self.spilled: frozenset[int] = frozenset()  # nvme_masters layers whose master row was dropped
+        self._batch: tuple[int, torch.Tensor | None] | None = None  # batched_nvme_writes: (layer, its file)
         self.master_version = 0  # bumped by every write of a master on NVMe
         for what, layers in (("nvme_moments", self.nvme_moments), ("nvme_gradients", self.nvme_gradients)):
             bad = sorted(i for i in layers if not 0 <= i < len(graph.layers) or graph.layers[i].trainable_numel == 0)
@@ -254,12 +257,45 @@ class HostState:
 
     def read_state(self, layer: int) -> torch.Tensor:
         """A new ``float32`` tensor of the layer's NVMe file: master (``nvme_masters`` only) then
-        ``exp_avg`` and ``exp_avg_sq``. Raises NvmeError (naming the file) when it is missing or
-        truncated."""
+        ``exp_avg`` and ``exp_avg_sq`` (inside :meth:`batched_nvme_writes`, with its writes not yet
+        written back). Raises NvmeError (naming the file) when it is missing or truncated."""
+        if self._batch is not None and self._batch[0] == layer:
+            return self._batch[1].clone()
         lay = self.graph.layers[layer]
         out = torch.empty((self.nvme_master_numel(layer) + 2 * lay.trainable_numel,), dtype=torch.float32)
         self.nvme.read_tensor(self.nvme_key(layer), out)
         return out
+
+    @contextlib.contextmanager
+    def batched_nvme_writes(self) -> Iterator[None]:
+        """Within it, writes of NVMe rows (:class:`NvmeRow` ``copy_``) of one layer after another go
+        into one copy of the layer's file in memory, written back when a row of another layer is
+        written and at the end: one read and one write of a layer's file for all its rows, instead
+        of one of each per row (a checkpoint load writes a layer's master, its parameters and its
+        moments row by row: at 120B scale, gigabytes per row). Holds at most one layer's file in
+        memory. Nested uses join the outer one."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = (-1, None)
+        try:
+            yield
+        finally:
+            staged, self._batch = self._batch, None
+            if staged[1] is not None:
+                self._write_state(*staged)
+
+    def _state_to_write(self, layer: int) -> torch.Tensor:
+        """The layer's file contents for an :class:`NvmeRow` to change: the batch's copy
+        (:meth:`batched_nvme_writes`; the previous layer's is written back first), or a new read."""
+        if self._batch is None:
+            return self.read_state(layer)
+        if self._batch[0] != layer:
+            previous, self._batch = self._batch, (-1, None)
+            if previous[1] is not None:
+                self._write_state(*previous)
+            self._batch = (layer, self.read_state(layer))
+        return self._batch[1]
 
     def _write_state(self, layer: int, state: torch.Tensor) -> None:
         self.nvme.write_tensor(self.nvme_key(layer), state)
@@ -409,9 +445,10 @@ class NvmeRow:
         return self.read().to(dtype)
 
     def copy_(self, src: torch.Tensor) -> "NvmeRow":
-        state = self.host.read_state(self.layer)
+        state = self.host._state_to_write(self.layer)
         state[self.start:self.start + self.numel].view(self._shape).copy_(src)
-        self.host._write_state(self.layer, state)
+        if self.host._batch is None:  # else written back with the layer's other rows
+            self.host._write_state(self.layer, state)
         return self
 
     def is_floating_point(self) -> bool:
