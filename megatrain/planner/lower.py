@@ -362,32 +362,51 @@ def add_all_gather(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     the others' updated shards (on the node's shared host state: waits until every rank's OPT of
     the layer is done). It goes just before the first later op that reads the layer's master (its
     H2D or CAST), which then depends on it, or at the end of the schedule when none does (the
-    next schedule's reads come after this one ends). Then every COMM op depends on the one before
-    it in the list, so the ranks issue all their collectives in one order."""
+    next schedule's reads come after this one ends). With ``Plan.shared_cast`` each CAST (of this
+    rank's shard into the node's staging tile) gets an ALL_GATHER of its layer just before the
+    first H2D that reads the tile, which every H2D of that CAST waits for; an OPT whose next read
+    of the layer is such a CAST has no gather of its own (the CAST's gather follows it). Then every
+    COMM op depends on the one before it in the list, so the ranks issue all their collectives in
+    one order."""
     plan = req if isinstance(req, Plan) else req.plan
     if plan.host_state == "shard":
         return _chain_comm(_add_weight_gathers(ops))
     if plan.optimizer_shards == 1:
         return ops
-    before: dict[int, list[int]] = defaultdict(list)  # list position -> the OPTs whose gather goes there
+    # Each gather: (layer, the ops it waits for, the ops that wait for it), at a list position.
+    before: dict[int, list[tuple[int, list[int], list[int]]]] = defaultdict(list)
+    cast_gather: dict[int, tuple[int, list[int], list[int]]] = {}  # shared CAST -> its gather
+    if plan.shared_cast:
+        # Plan.shared_cast: each rank casts only its shard into the node's tile, so the tile is
+        # whole only once every rank's CAST is done: a gather (a barrier of the node's ranks)
+        # between the CAST and the H2Ds that read it.
+        for c in (i for i, op in enumerate(ops) if op.kind is OpKind.CAST):
+            readers = [j for j in range(c + 1, len(ops)) if ops[j].kind is OpKind.H2D and c in ops[j].deps]
+            cast_gather[c] = entry = (ops[c].layer, [c], readers)
+            before[readers[0] if readers else len(ops)].append(entry)
     for o in (i for i, op in enumerate(ops) if op.kind is OpKind.OPT):
         layer = ops[o].layer
         reader = next((j for j in range(o + 1, len(ops)) if ops[j].layer == layer
                        and ops[j].kind in (OpKind.H2D, OpKind.CAST)), len(ops))
-        before[reader].append(o)
+        if reader in cast_gather:
+            # The CAST reads only this rank's shard, which its own OPT (earlier on the host
+            # stream) wrote; the gather after the CAST covers the other ranks' OPTs too.
+            cast_gather[reader][1].append(o)
+            continue
+        before[reader].append((layer, [o], [reader] if reader < len(ops) else []))
     moved: list[int] = []
     out: list[Op] = []
-    gathers: dict[int, int] = {}  # the OPT's index -> its ALL_GATHER's new index
+    extra: dict[int, set[int]] = defaultdict(set)  # old index -> the gathers (new index) it waits for
     for i in range(len(ops) + 1):
-        for o in before.get(i, []):
-            gathers[o] = len(out)
-            out.append(Op(OpKind.ALL_GATHER, ops[o].layer, deps=(moved[o],)))
+        for layer, deps, waiters in before.get(i, []):
+            for w in waiters:
+                extra[w].add(len(out))
+            out.append(Op(OpKind.ALL_GATHER, layer, deps=tuple(sorted(moved[d] for d in deps))))
         if i < len(ops):
             moved.append(len(out))
             out.append(ops[i])
     for i, op in enumerate(ops):
-        extra = {gathers[o] for o in before.get(i, [])}  # the reader waits for its gather
-        out[moved[i]] = dataclasses.replace(op, deps=tuple(sorted({moved[d] for d in op.deps} | extra)))
+        out[moved[i]] = dataclasses.replace(op, deps=tuple(sorted({moved[d] for d in op.deps} | extra[i])))
     return _chain_comm(out)
 
 

@@ -128,6 +128,14 @@ class Plan:
             needs the whole averaged tile, so the reduction stays an all-reduce, unless the state is
             sharded across the nodes (``host_state == "shard"`` with ``optimizer_shards`` = the GPUs
             per node): then each rank's shard is all it steps, over the world (:attr:`update_shards`).
+        shared_cast: BF16 ``cast_once`` staging tiles shared by the ``optimizer_shards`` ranks of a
+            node that share one host copy (``host_state == "replicate"``): one tile per layer per node,
+            in the node's shared memory (2 bytes per element per node, not per rank), into which
+            each rank CASTs only its optimizer shard of the layer (:func:`megatrain.planner.cost.cast_shard`,
+            ``1 / optimizer_shards`` of the host traffic); an ALL_GATHER of the layer (a barrier
+            of the node's ranks) between the CASTs and the H2Ds that read the tile makes it whole
+            before any rank copies it (issue 16). False: every rank casts whole layers into tiles
+            of its own.
     """
 
     micro_batches: int = 1
@@ -150,6 +158,7 @@ class Plan:
     nodes: int = 1
     host_state: str = "replicate"
     gradient_reduction: str = "all_reduce"
+    shared_cast: bool = False
 
     def __post_init__(self) -> None:
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
@@ -231,6 +240,12 @@ class Plan:
                             "gradients, which is enough only when every rank steps a shard of one copy (one "
                             "node with optimizer_shards == data_parallel > 1, or host_state='shard' with "
                             "optimizer_shards = the GPUs per node); use gradient_reduction='all_reduce'")
+        if self.shared_cast and not (self.cast_once and self.optimizer_shards > 1 and self.host_state == "replicate"):
+            raise PlanError(f"Plan.shared_cast=True with cast_once={self.cast_once}, optimizer_shards="
+                            f"{self.optimizer_shards}, host_state={self.host_state!r}: the node's ranks share the "
+                            "staging tiles of the host copy they share, a tile per layer (BF16 cast_once), each "
+                            "casting its optimizer shard; use shared_cast=False, or cast_once=True with "
+                            "optimizer_shards > 1 and host_state='replicate'")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""

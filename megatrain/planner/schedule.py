@@ -25,7 +25,7 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 13
+SCHEDULE_FORMAT_VERSION = 14
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -34,8 +34,8 @@ NVME_READ fills, the OPT of an NVMe layer steps in and NVME_WRITE writes from; 9
 Plan.nodes and Plan.host_state; 10 the gradient I/O buffer (``g``) of Plan.nvme_gradients, which a D2H
 fills, NVME_WRITE/NVME_READ move and a carried OPT reads; 11 REDUCE_SCATTER and
 Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); 13 the weight gather of
-Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); files of earlier versions are
-refused
+Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); 14 Plan.shared_cast (a node's
+staging tiles shared, each rank casting its shard); files of earlier versions are refused
 (lower the plan again)."""
 
 
@@ -351,6 +351,7 @@ class _PlanModel(pydantic.BaseModel):
     nodes: int = 1
     host_state: Literal["replicate", "shard"] = "replicate"
     gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
+    shared_cast: bool = False
 
 
 class _OpModel(pydantic.BaseModel):
@@ -390,7 +391,7 @@ class _ScheduleModel(pydantic.BaseModel):
             nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
             data_parallel=p.data_parallel,
             optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
-            gradient_reduction=p.gradient_reduction),
+            gradient_reduction=p.gradient_reduction, shared_cast=p.shared_cast),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -403,7 +404,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     nvme_gradients=frozenset(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
                     data_parallel=p.data_parallel,
                     optimizer_shards=p.optimizer_shards, nodes=p.nodes,
-                    host_state=p.host_state, gradient_reduction=p.gradient_reduction)
+                    host_state=p.host_state, gradient_reduction=p.gradient_reduction,
+                    shared_cast=p.shared_cast)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

@@ -695,6 +695,9 @@ def _check_gathers(c: _Context) -> None:
     for i, op in enumerate(ops):
         if op.kind in (OpKind.H2D, OpKind.CAST):
             readers[op.layer].append(i)
+    if c.plan.shared_cast:
+        _check_shared_casts(c, mine, readers)
+        return
     for layer, steps in sorted(c.opt_by_layer.items()):
         got = mine.pop(layer, [])
         if len(got) != len(steps):
@@ -711,6 +714,46 @@ def _check_gathers(c: _Context) -> None:
                          f"their shards of it (OPT #{o})", f"make it depend on ALL_GATHER #{g}")
     for layer, got in sorted(mine.items()):
         fail(got[0], "collectives", f"layer {layer} has no OPT in this schedule", "drop the op")
+
+
+def _check_shared_casts(c: _Context, mine: dict[int, list[int]], readers: dict[int, list[int]]) -> None:
+    """Part of rule ``collectives`` (``Plan.shared_cast``): each rank CASTs only its shard into the
+    node's staging tile of the layer, so every H2D that reads a CAST waits for an ALL_GATHER of the
+    layer (a barrier of the node's ranks) that happens after that CAST: the tile is whole only once
+    every rank's CAST is done. Each OPT is followed by a gather of its layer that happens after it,
+    every later H2D waits for that gather and every later CAST happens after the OPT (a CAST reads
+    only this rank's shard, which its own OPT wrote; the other ranks' shards are covered by the
+    gather that follows the CAST); and every gather follows an OPT or a CAST of its layer."""
+    ops, fail, before = c.ops, c.fail, c.before
+    covered: set[int] = set()
+    for layer, steps in sorted(c.opt_by_layer.items()):
+        for o in steps:
+            g = next((g for g in mine.get(layer, []) if g > o), None)
+            if g is None or not before(o, g):
+                fail(o, "collectives", f"layer {layer}'s sharded OPT needs an ALL_GATHER of the layer after it",
+                     "lower the plan again (lower adds one after each OPT)")
+            covered.add(g)
+            for r in readers[layer]:
+                if r > o and ops[r].kind is OpKind.H2D and not before(g, r):
+                    fail(r, "collectives", f"it reads layer {layer}'s staging tile while other ranks may still be "
+                         f"stepping their shards of it (OPT #{o})", f"make it depend on ALL_GATHER #{g}")
+                if r > o and ops[r].kind is OpKind.CAST and not before(o, r):
+                    fail(r, "collectives", f"it casts this rank's shard of layer {layer} while OPT #{o} may still "
+                         "step it", f"make it depend on #{o}")
+    for h in c.by_kind[OpKind.H2D]:
+        layer = ops[h].layer
+        for cast in (d for d in ops[h].deps if ops[d].kind is OpKind.CAST):
+            g = next((g for g in mine.get(layer, []) if before(cast, g) and before(g, h)), None)
+            if g is None:
+                fail(h, "collectives", f"it reads the node's shared staging tile t{ops[h].tile}, which CAST #{cast} "
+                     f"{ops[cast]!r} filled with this rank's shard only (Plan.shared_cast), before an ALL_GATHER "
+                     "of the layer after that CAST: other ranks may not have cast theirs yet",
+                     f"make it depend on an ALL_GATHER:L{layer} that depends on #{cast}")
+            covered.add(g)
+    for layer, got in sorted(mine.items()):
+        for g in got:
+            if g not in covered:
+                fail(g, "collectives", f"it follows no OPT or shared CAST of layer {layer}", "drop the op")
 
 
 def _check_weight_gathers(c: _Context) -> None:
