@@ -776,6 +776,9 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         # sharded across the nodes: Plan.update_shards), its OPT reads only that: reduce-scatter.
         if plan.update_shards == world:
             plan = dataclasses.replace(plan, gradient_reduction="reduce_scatter")
+        # The node's ranks that share a host copy share its BF16 staging tiles too, each casting
+        # its shard (1/G of the casts' host traffic), where a tile per layer is cast once a step.
+        plan = dataclasses.replace(plan, shared_cast=plan.cast_once and shards > 1 and plan.host_state == "replicate")
     if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)
         memory, timeline = solution.memory, solution.timeline
@@ -839,9 +842,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
             raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and trains "
                               f"data-parallel over {planned.plan.data_parallel} ranks: not supported yet; keep the "
                               "moments in host memory (no nvme_dir / --nvme-dir) when training on several ranks")
-        dp = data_parallel_host(HostState.shared_nbytes(traced.graph), planned.plan.data_parallel,
+        staging = planned.plan.shared_cast
+        dp = data_parallel_host(HostState.shared_nbytes(traced.graph, staging=staging), planned.plan.data_parallel,
                                 planned.plan.optimizer_shards)
-        host = HostState(traced.graph, shared=dp.shared, writer=dp.writer)
+        host = HostState(traced.graph, shared=dp.shared, writer=dp.writer, staging=staging)
         host.data_parallel = dp
         bind_module(model, host, writer=dp.writer)
         broadcast_masters([host.master(i) for i in range(len(traced.graph.layers))], dp)

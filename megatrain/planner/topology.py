@@ -275,7 +275,9 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
                                    # Each rank steps only its shard of one copy (one node, or a state
                                    # sharded across nodes: Plan.update_shards), so reduce-scatter.
                                    gradient_reduction=("reduce_scatter" if (nodes == 1 or mode == "shard")
-                                                       and ranks > 1 else "all_reduce"))
+                                                       and ranks > 1 else "all_reduce"),
+                                   # The node's ranks share its staging tiles, each casting 1/G.
+                                   shared_cast=sol.plan.cast_once and gpus_per_node > 1 and mode == "replicate")
         plan.check_against(sol.graph)
         schedule = lower(sol.graph, plan, carries_updates=sol.schedule.carries_updates)
         verify(schedule, sol.graph, view)

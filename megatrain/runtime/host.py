@@ -53,6 +53,11 @@ def _block_bytes(numel: int, moments: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
+def _staging_bytes(numel: int) -> int:
+    """Bytes of a shared BF16 staging tile of ``numel`` elements in the mapping: whole pages."""
+    return -(-max(numel * cost.STAGING_ITEMSIZE, 1) // _ALIGN) * _ALIGN
+
+
 def moments_key(layer: int) -> str:
     """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s two Adam moments."""
     return f"L{layer}.moments"
@@ -96,6 +101,10 @@ class HostState:
     no parameter of the module can be a view of a master it does not hold (:meth:`param_view`
     raises).
 
+    ``staging`` (``Plan.shared_cast``): a BF16 staging tile per layer after the blocks
+    (:attr:`staging`, ``[numel]`` each), shared by the node's ranks like the blocks, which each
+    rank's CAST fills with its shard and its H2Ds read whole (:meth:`pin_staging` pins them).
+
     Raises:
         ConfigError: ``nvme_moments`` or ``nvme_gradients`` without ``nvme_dir``, or naming a layer
             with no trainable parameters.
@@ -104,7 +113,8 @@ class HostState:
 
     def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
-                 gradient_itemsize: int = 4, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0):
+                 gradient_itemsize: int = 4, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
+                 staging: bool = False):
         self.graph = graph
         self.shared = shared
         self.sliced = slices is not None
@@ -148,6 +158,13 @@ class HostState:
             size = -(-max(gather_bytes, 1) // _ALIGN) * _ALIGN
             self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN))[:gather_bytes]
                            for _ in range(cost.GATHER_BUFFERS)]
+        # Plan.shared_cast: a BF16 staging tile per layer after the blocks, in the node's shared
+        # mapping, into which each rank casts its shard (its own H2Ds read the whole tile).
+        self.staging: list[torch.Tensor] = [
+            (page_aligned_empty(_staging_bytes(lay.numel)) if shared is None
+             else shared.take(_staging_bytes(lay.numel), _ALIGN))
+            [:lay.numel * cost.STAGING_ITEMSIZE].view(torch.bfloat16) for lay in graph.layers] if staging else []
+        self._staging_pins: list[Any] = []
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
         self._pins: list[Any] = []
@@ -162,12 +179,14 @@ class HostState:
             self.nvme = NvmeStore(nvme_dir, sizes)
 
     @staticmethod
-    def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0) -> int:
+    def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
+                      staging: bool = False) -> int:
         """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them; of
-        ``slices`` only, with the gather tiles of ``gather_bytes`` each): each rounded up to whole
-        pages."""
+        ``slices`` only, with the gather tiles of ``gather_bytes`` each), with ``staging`` a BF16
+        staging tile per layer too (``Plan.shared_cast``): each rounded up to whole pages."""
         if slices is None:
-            return sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
+            tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
+            return tiles + sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
         tiles = cost.GATHER_BUFFERS * (-(-max(gather_bytes, 1) // _ALIGN) * _ALIGN)
         return tiles + sum(_block_bytes(hi - lo, 2 * max(0, min(hi, lay.trainable_numel) - lo))
                            for (lo, hi), lay in zip(slices, graph.layers))
@@ -255,6 +274,13 @@ class HostState:
         # A sliced state's H2Ds read the gather tiles, not the master rows.
         self._pins = [backend.host_pin(row) for row in (self.gather if self.sliced else self._rows)]
         self._pinned_by = backend
+
+    def pin_staging(self, backend: Any) -> None:
+        """Page-lock the shared staging tiles (``Plan.shared_cast``) through ``backend.host_pin``, so
+        this rank's H2Ds read them by DMA (each rank registers the node's one copy in its own
+        process). Idempotent while pinned."""
+        if not self._staging_pins and self.staging:
+            self._staging_pins = [backend.host_pin(t) for t in self.staging]
 
     def unpin_masters(self) -> None:
         """Release the pins of :meth:`pin_masters` (BF16 compute reads staging tiles instead)."""
