@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from megatrain.planner.schedule import OpKind, Schedule
 from megatrain.planner.trace import trace
 from megatrain.planner.verify import verify
 from megatrain.runtime import executor
+from megatrain.trainer import Schedules
 
 from conftest import random_batch, tiny_llama
 from test_exactness import ADAMW, RTOL, eager_losses
@@ -601,8 +603,41 @@ def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> N
         fake = AsyncFakeCuda(seed=rank, max_delay_s=2e-3)
         got = run(CUDABackend(adapter=fake))
         fake.close()
-        torch.save({"loaded": loaded, "losses": got[0] == want[0],
-                    "state": all(torch.equal(x, y) for x, y in zip(got[1], want[1]))}, f"{out}.{rank}")
+        result = {"loaded": loaded, "losses": got[0] == want[0],
+                  "state": all(torch.equal(x, y) for x, y in zip(got[1], want[1]))}
+
+        # BF16 with a staging tile per layer: the node's ranks share the tiles (Plan.shared_cast),
+        # each casting its shard. The same trainer then runs the per-rank casts for comparison.
+        trainer = megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=MBS, micro_batches=2, optimizer=OPT,
+                                    max_grad_norm=0.5, plan=dataclasses.replace(plan, compute_dtype="bfloat16",
+                                                                                cast_once=True))
+        trainer.load(ckpt)
+        snap = [b.clone() for b in trainer.host.blocks] + [s.clone() for s in trainer.host.steps]
+        cast: list[int] = []  # elements each of this rank's CASTs writes
+        real_cast, real_copy = executor.HANDLERS[OpKind.CAST], executor._copy
+
+        def counted(ctx, i, op):
+            executor._copy = lambda dst, src: (cast.append(dst.numel()), real_copy(dst, src))[1]
+            try:
+                return real_cast(ctx, i, op)
+            finally:
+                executor._copy = real_copy
+        executor.HANDLERS[OpKind.CAST] = counted
+        shared = run(CPUBackend())
+        result["shared_cast"] = (trainer.plan.shared_cast, len(trainer.host.staging), sum(cast))
+        fake = AsyncFakeCuda(seed=rank + 2, max_delay_s=2e-3)
+        got = run(CUDABackend(adapter=fake))
+        fake.close()
+        result["bf16_async"] = got[0] == shared[0] and all(torch.equal(x, y) for x, y in zip(got[1], shared[1]))
+        own = dataclasses.replace(trainer.plan, shared_cast=False)
+        trainer.plan, trainer.schedules = own, Schedules.lower(trainer.graph, own)
+        cast.clear()
+        alone = run(CPUBackend())
+        executor.HANDLERS[OpKind.CAST] = real_cast
+        result["own_cast"] = sum(cast)
+        result["bf16_own"] = alone[0] == shared[0] and all(torch.equal(x, y) for x, y in zip(alone[1], shared[1]))
+        result["bf16_losses"] = shared[0]
+        torch.save(result, f"{out}.{rank}")
 
 
 def test_ranks_on_the_asynchronous_fake_cuda_train_exactly_like_on_the_cpu_backend(tmp_path):
@@ -618,8 +653,18 @@ def test_ranks_on_the_asynchronous_fake_cuda_train_exactly_like_on_the_cpu_backe
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, tmp_path / "ckpt.state")
     out = str(tmp_path / "rank")
     mp.spawn(_async_main, args=(2, str(tmp_path / "init"), out, str(tmp_path / "ckpt")), nprocs=2, join=True)
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
     for r in range(2):
-        assert torch.load(f"{out}.{r}") == {"loaded": True, "losses": True, "state": True}, f"rank {r}"
+        assert {k: got[r][k] for k in ("loaded", "losses", "state", "bf16_async", "bf16_own")} == dict.fromkeys(
+            ("loaded", "losses", "state", "bf16_async", "bf16_own"), True), f"rank {r}"
+    # BF16 with a tile per layer: the two ranks share the node's staging tiles, one per layer, and
+    # each casts its shard: together exactly the elements one rank casts alone, each fewer. The
+    # cast is elementwise, so sharing it changes no bit (bf16_own, bf16_async above).
+    (on, tiles, mine), (_, _, theirs) = got[0]["shared_cast"], got[1]["shared_cast"]
+    assert on and tiles == 4
+    assert got[0]["own_cast"] == got[1]["own_cast"] == mine + theirs and 0 < mine < got[0]["own_cast"]
+    assert 0 < theirs < got[0]["own_cast"]
+    assert all(math.isfinite(x) for step in got[0]["bf16_losses"] for x in step)
 
 
 def _hang_main(rank: int, world: int, init_file: str, out: str, how: str) -> None:

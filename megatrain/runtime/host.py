@@ -160,11 +160,14 @@ class HostState:
                            for _ in range(cost.GATHER_BUFFERS)]
         # Plan.shared_cast: a BF16 staging tile per layer after the blocks, in the node's shared
         # mapping, into which each rank casts its shard (its own H2Ds read the whole tile).
-        self.staging: list[torch.Tensor] = [
-            (page_aligned_empty(_staging_bytes(lay.numel)) if shared is None
-             else shared.take(_staging_bytes(lay.numel), _ALIGN))
-            [:lay.numel * cost.STAGING_ITEMSIZE].view(torch.bfloat16) for lay in graph.layers] if staging else []
+        # Whole pages each (``_staging_rows``, what is pinned), viewed as ``numel`` BF16 elements.
+        self._staging_rows: list[torch.Tensor] = [
+            page_aligned_empty(_staging_bytes(lay.numel)) if shared is None
+            else shared.take(_staging_bytes(lay.numel), _ALIGN) for lay in graph.layers] if staging else []
+        self.staging: list[torch.Tensor] = [row[:lay.numel * cost.STAGING_ITEMSIZE].view(torch.bfloat16)
+                                            for row, lay in zip(self._staging_rows, graph.layers)]
         self._staging_pins: list[Any] = []
+        self._staging_pinned_by: Any = None
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
         self._pins: list[Any] = []
@@ -278,9 +281,11 @@ class HostState:
     def pin_staging(self, backend: Any) -> None:
         """Page-lock the shared staging tiles (``Plan.shared_cast``) through ``backend.host_pin``, so
         this rank's H2Ds read them by DMA (each rank registers the node's one copy in its own
-        process). Idempotent while pinned."""
-        if not self._staging_pins and self.staging:
-            self._staging_pins = [backend.host_pin(t) for t in self.staging]
+        process). Idempotent for one backend; pinning for another releases the previous pins."""
+        if self._staging_pinned_by is not backend:
+            self._staging_pins = []
+            self._staging_pins = [backend.host_pin(row) for row in self._staging_rows]
+            self._staging_pinned_by = backend
 
     def unpin_masters(self) -> None:
         """Release the pins of :meth:`pin_masters` (BF16 compute reads staging tiles instead)."""
