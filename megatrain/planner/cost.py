@@ -1214,12 +1214,16 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
     it as :func:`memory_breakdown` does, such that a rank's breakdown within them is exactly a
     node within ``hw`` (:meth:`NodeMemory.fits`): ``state + (node bytes - node's state) / G`` and
     the same for the pinned masters and cap. Negative when the node's share of the state alone
-    exceeds it. ``plan`` gives the topology and compute dtype; its other knobs are not read."""
+    exceeds it. ``plan`` gives the topology and compute dtype, and with ``shared_cast`` the node's
+    shared staging tiles (:func:`shared_staging_bytes`, counted like the state); its other knobs
+    are not read."""
     g, ways = plan.gpus_per_node, (plan.nodes if plan.host_state == "shard" else 1)
     copies = g // plan.optimizer_shards
     state = persistent_state_bytes(graph)
     masters = pinned_master_bytes(graph, plan)
     gather = gather_buffer_bytes(graph, plan)
-    host = state + (hw.host_memory_bytes - copies * -(-state // ways) - gather) // g
-    pinned = masters + (hw.pinned_memory_cap_bytes - _shared_pinned_masters(masters, plan) - gather) // g
+    staging = shared_staging_bytes(graph, plan)  # a rank's breakdown counts the node's tiles whole, as the state
+    host = state + staging + (hw.host_memory_bytes - copies * -(-state // ways) - copies * staging - gather) // g
+    pinned = masters + staging + (hw.pinned_memory_cap_bytes - _shared_pinned_masters(masters, plan)
+                                  - copies * staging - gather) // g
     return host, pinned
