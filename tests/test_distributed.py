@@ -176,6 +176,50 @@ def test_sharded_optimizer_steps_are_gathered_before_any_read_of_the_master(grap
                graph)
 
 
+@pytest.mark.parametrize("base", ["during-backward", "host-accumulation", "clipped-deferred"])
+def test_shared_casts_are_gathered_before_any_copy_reads_the_node_s_tile(graph, base):
+    """Plan.shared_cast: each CAST (of this rank's shard into the node's tile) is followed by an
+    ALL_GATHER of its layer that every H2D of that CAST waits for; a deferred OPT's gather is the
+    CAST's after it. The verifier rejects an H2D that does not wait for the gather after its CAST,
+    a gather that does not wait for the CAST, and the flag where nothing shares a copy."""
+    plan = dataclasses.replace(PLANS[base], data_parallel=2, optimizer_shards=2, compute_dtype="bfloat16",
+                               cast_once=True, shared_cast=True, gradient_reduction="reduce_scatter")
+    carried = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+    for mode in ("train", "eval"):
+        s = lower(graph, plan, mode, carries_updates=carried and mode == "train")
+        verify(s, graph)
+        ops = s.ops
+        for h in (i for i, op in enumerate(ops) if op.kind is OpKind.H2D):
+            (c,) = [d for d in ops[h].deps if ops[d].kind is OpKind.CAST]
+            gathers = [d for d in ops[h].deps if ops[d].kind is OpKind.ALL_GATHER and c in ops[d].deps]
+            assert len(gathers) == 1 and ops[gathers[0]].layer == ops[h].layer
+        casts = sum(op.kind is OpKind.CAST for op in ops)
+        opts = sum(op.kind is OpKind.OPT for op in ops)
+        # One gather per CAST, plus one per OPT whose layer is not cast again after it in this schedule.
+        assert casts == len(graph.layers) and casts <= sum(op.kind is OpKind.ALL_GATHER for op in ops) <= casts + opts
+    h = next(i for i, op in enumerate(s.ops) if op.kind is OpKind.H2D)
+    g = next(d for d in s.ops[h].deps if s.ops[d].kind is OpKind.ALL_GATHER)
+
+    def unwaited(ops):
+        ops[h] = dataclasses.replace(ops[h], deps=tuple(d for d in ops[h].deps if d != g))
+        return ops
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*shared staging tile t0.*other ranks may not"):
+        verify(_mutated(s, unwaited), graph)
+    c = next(d for d in s.ops[h].deps if s.ops[d].kind is OpKind.CAST)
+
+    def early(ops):  # the gather no longer waits for this rank's CAST: it may pass before the shard is in
+        ops[g] = dataclasses.replace(ops[g], deps=tuple(d for d in ops[g].deps if d != c))
+        return ops
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*shared staging tile t0.*other ranks may not"):
+        verify(_mutated(s, early), graph)
+    with pytest.raises(PlanError, match="shared_cast=True with cast_once=True, optimizer_shards=1"):
+        dataclasses.replace(plan, optimizer_shards=1, gradient_reduction="all_reduce")
+    with pytest.raises(PlanError, match="shared_cast=True with cast_once=False"):
+        dataclasses.replace(plan, cast_once=False)
+
+
 SHARD = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, data_parallel=4, nodes=2,
              optimizer_shards=2, host_state="shard", gradient_reduction="reduce_scatter")
 
