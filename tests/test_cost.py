@@ -33,7 +33,7 @@ def test_public_surface_is_pinned():
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
         "node_slice", "cast_shard", "shared_staging_bytes",
         "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
-        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS",
+        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "GATHER_BUFFERS",
         "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes"}
 
 

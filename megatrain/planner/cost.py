@@ -373,7 +373,8 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
     OpKind.REDUCE_SCATTER: lambda g, i, plan, hw: reduce_scatter_time(g.layers[i], hw, plan),
     # On a node's shared host state the gather moves no bytes: it waits for the other ranks' shards.
-    OpKind.ALL_GATHER: lambda g, i, plan, hw: hw.op_latency_s,
+    # Sharded across nodes, the leader's host copies into the gather tile (the network time is the H2D's).
+    OpKind.ALL_GATHER: lambda g, i, plan, hw: hw.op_latency_s + weight_gather_host_time(g.layers[i], hw, plan),
 }
 """The formula of each op kind (module docstring, "Op times"); every op time is looked up here."""
 
@@ -611,8 +612,9 @@ def staging_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
     """Elements of each BF16 staging tile: with ``plan.cast_once`` tile ``k`` is layer ``k``'s and
     sized to it; otherwise each of the ``staging_ring`` tiles is sized for the widest layer (any
     layer may be cast into any tile, and every layer is loaded at least once per step). None with
-    FP32 compute."""
-    if plan.compute_dtype == "float32":
+    FP32 compute, or with the host state sharded across nodes (H2D reads the gather tile:
+    ``Plan.staged``)."""
+    if not plan.staged:
         return ()
     if plan.cast_once:
         return tuple(layer.numel for layer in graph.layers)
@@ -946,7 +948,7 @@ __all__ = [
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
     "node_slice", "cast_shard", "shared_staging_bytes",
     "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
-    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes",
+    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
 ]
 
@@ -1124,6 +1126,23 @@ def weight_gather_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
         return 0.0
     rate = _network_rate(hw, "the all-gather of sharded weights")
     return weight_gather_bytes(layer, plan) / rate + (plan.nodes - 1) * hw.network_latency_s
+
+
+def weight_gather_host_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
+    """Host seconds of the node leader's copies in one weight gather (``runtime.distributed.gather_weights``)
+    when the host state is sharded: it casts its node's slice (:func:`node_slice`, the largest) from
+    the FP32 masters into the compute dtype (4 + itemsize bytes per element), then copies every
+    node's part into the gather tile (2 x itemsize bytes per element of the layer), at one rank's
+    share of the host bandwidth (:func:`host_rate`). 0 unless ``plan.host_state == "shard"``. With
+    BF16 this copy is the only cast of the layer on the node (``Plan.staged`` is False: the H2Ds read
+    the gather tile)."""
+    if plan.host_state != "shard":
+        return 0.0
+    item = plan.compute_itemsize
+    sliced = max(hi - lo for lo, hi in (node_slice(layer.numel, layer.trainable_numel, plan, n)
+                                        for n in range(plan.nodes)))
+    nbytes = sliced * (MASTER_BYTES_PER_ELEMENT + item) + layer.numel * 2 * item
+    return nbytes / (host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM)
 
 
 GATHER_BUFFERS = 2

@@ -602,7 +602,7 @@ class _Emitter:
                 window = j - plan.prefetch_distance - 1
                 if window >= 0:
                     deps.update(visits[window].ops)
-                cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" else None
+                cast = self.emit_cast(v.layer) if plan.staged else None
                 if cast is not None:
                     deps.add(cast)
                 tile = self.ops[cast].tile if cast is not None else None

@@ -57,7 +57,8 @@ class Plan:
             H2D copies move ``numel x itemsize`` bytes per layer. Masters and moments stay FP32;
             gradients too unless they are BF16 where exact (``d2h_dtype``, :attr:`gradient_dtype`).
         staging_ring: host tiles holding compute-dtype copies of layers about to be copied to the
-            GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly).
+            GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly; and
+            with ``host_state == "shard"``: H2D reads the gather tile, :attr:`staged`).
         cast_once: BF16 only. Each layer gets a staging tile of its own, sized to it
             (``staging_ring`` is then unused), which the step's first copy of the layer fills by a
             CAST and its later copies re-read while its master is unchanged: one CAST per layer per
@@ -284,6 +285,15 @@ class Plan:
         == "shard"``: the copy is spread over every node, so with ``optimizer_shards`` = the GPUs
         per node every rank of the world steps ``1 / data_parallel``)."""
         return self.optimizer_shards * (self.nodes if self.host_state == "shard" else 1)
+
+    @property
+    def staged(self) -> bool:
+        """Whether H2D copies read BF16 staging tiles that CASTs fill from the masters: BF16 compute
+        where the node holds whole masters. With ``host_state == "shard"`` the weight gather
+        already fills a node-shared gather tile in the compute dtype, so the H2D reads that tile
+        directly and nothing is cast on the host (``staging_ring`` and ``cast_once`` are then
+        unused, as with FP32 compute)."""
+        return self.compute_dtype != "float32" and self.host_state != "shard"
 
     @property
     def gpus_per_node(self) -> int:

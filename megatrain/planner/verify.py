@@ -344,9 +344,13 @@ def _check_gradients(c: _Context) -> None:
 
 def _check_staging(c: _Context) -> None:
     """Rule ``staging``: a BF16 copy reads the staging tile its layer's CAST filled, with no update in
-    between; FP32 copies read the master rows."""
+    between; FP32 copies read the master rows, and with the host state sharded across nodes every
+    copy reads its gather tile (``Plan.staged``; rule ``collectives`` checks the gather)."""
     ops, plan, fail, before, by_kind, opt_by_layer = c.ops, c.plan, c.fail, c.before, c.by_kind, c.opt_by_layer
-    if plan.compute_dtype != "float32":
+    direct = ("a float32 plan copies the master rows directly" if plan.compute_dtype == "float32" else
+              "a plan with host_state='shard' copies each layer from the gather tile its ALL_GATHER filled, in the "
+              "compute dtype")
+    if plan.staged:
         cast_by_tile: dict[int, list[int]] = defaultdict(list)
         for i in by_kind[OpKind.CAST]:
             cast_by_tile[ops[i].tile].append(i)
@@ -372,13 +376,12 @@ def _check_staging(c: _Context) -> None:
                          "master in between, so the copy may send stale weights",
                          f"cast layer {ops[h].layer} again after #{o} and copy from that cast")
     elif by_kind[OpKind.CAST]:
-        fail(by_kind[OpKind.CAST][0], "staging", "a float32 plan copies the master tiles directly",
-             "drop the CAST ops or lower with compute_dtype='bfloat16'")
+        fail(by_kind[OpKind.CAST][0], "staging", direct, "drop the CAST ops (lower the plan again)")
     else:
         for h in by_kind[OpKind.H2D]:
             if ops[h].tile is not None:
-                fail(h, "staging", f"a float32 plan copies the master rows directly, but it names staging tile "
-                     f"t{ops[h].tile}", f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
+                fail(h, "staging", f"{direct}, but it names staging tile t{ops[h].tile}",
+                     f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
 
 
 def _check_coverage(c: _Context) -> None:

@@ -282,8 +282,8 @@ class Executor:
                 self._host_acts = {}
                 self._arena = PinnedArena(layout, be)
             arena = self._arena
-            if plan.compute_dtype == "float32":
-                self.host.pin_masters(be)  # H2D reads the master rows directly
+            if not plan.staged:
+                self.host.pin_masters(be)  # H2D reads the master rows (or a sliced state's gather tiles) directly
             else:
                 self.host.unpin_masters()
                 if plan.shared_cast:
