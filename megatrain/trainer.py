@@ -892,9 +892,11 @@ def _sharded_host(planned: PlannedModel) -> HostState:
     node = topology().node
     slices = [cost.node_slice(lay.numel, lay.trainable_numel, plan, node) for lay in graph.layers]
     gather_bytes = cost.gather_buffer_bytes(graph, plan) // cost.GATHER_BUFFERS
-    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes), plan.data_parallel,
-                            plan.optimizer_shards, plan.nodes, sharded=True)
-    host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes)
+    scratch = cost.gather_scratch_bytes(graph, plan)
+    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes, scratch_bytes=scratch),
+                            plan.data_parallel, plan.optimizer_shards, plan.nodes, sharded=True)
+    host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes,
+                     scratch_bytes=scratch)
     host.data_parallel = dp
     rows = None
     if dp.topo.rank == 0:

@@ -33,7 +33,7 @@ def test_public_surface_is_pinned():
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
         "node_slice", "cast_shard", "shared_staging_bytes",
         "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
-        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "GATHER_BUFFERS",
+        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS",
         "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes"}
 
 
@@ -537,7 +537,11 @@ def test_node_memory_shares_the_state_and_rank_budgets_are_exact(plan):
     assert node.per_rank_pinned == mem.host_pinned - mem.pinned_masters - staging
     assert node.gather_buffers == cost.gather_buffer_bytes(g, plan) == (
         0 if ways == 1 else 2 * cost.page_up(7000 * plan.compute_itemsize))
-    assert node.total == (node.persistent + node.gather_buffers + node.shared_staging
+    assert node.gather_scratch == cost.gather_scratch_bytes(g, plan) == (
+        0 if ways == 1 else cost.page_up((ways + 1) * max(hi - lo for n in range(ways)
+                                                          for lo, hi in [cost.node_slice(7000, 7000, plan, n)])
+                                         * plan.compute_itemsize))
+    assert node.total == (node.persistent + node.gather_buffers + node.gather_scratch + node.shared_staging
                           + plan.gpus_per_node * node.per_rank)
     # One rank's breakdown fits its budgets exactly when the node fits: at the node's size, and
     # one byte below it.

@@ -948,7 +948,7 @@ __all__ = [
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
     "node_slice", "cast_shard", "shared_staging_bytes",
     "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
-    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "GATHER_BUFFERS", "gather_buffer_bytes",
+    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
 ]
 
@@ -1129,20 +1129,34 @@ def weight_gather_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
 
 
 def weight_gather_host_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
-    """Host seconds of the node leader's copies in one weight gather (``runtime.distributed.gather_weights``)
-    when the host state is sharded: it casts its node's slice (:func:`node_slice`, the largest) from
-    the FP32 masters into the compute dtype (4 + itemsize bytes per element), then copies every
-    node's part into the gather tile (2 x itemsize bytes per element of the layer), at one rank's
-    share of the host bandwidth (:func:`host_rate`). 0 unless ``plan.host_state == "shard"``. With
-    BF16 this copy is the only cast of the layer on the node (``Plan.staged`` is False: the H2Ds read
-    the gather tile)."""
+    """Host seconds of one rank's copies in one weight gather (``runtime.distributed.gather_weights``)
+    when the host state is sharded: the node's ranks cast their shares of the node's slice
+    (:func:`node_slice`, the largest) from the FP32 masters into the compute dtype (4 + itemsize
+    bytes per element), then copy their shares of every node's part into the gather tile (2 x
+    itemsize bytes per element of the layer): ``1 / G`` of those bytes each, at one rank's share
+    of the host bandwidth (:func:`host_rate`). 0 unless ``plan.host_state == "shard"``. With BF16
+    this is the only cast of the layer on the node (``Plan.staged`` is False: the H2Ds read the
+    gather tile)."""
     if plan.host_state != "shard":
         return 0.0
     item = plan.compute_itemsize
     sliced = max(hi - lo for lo, hi in (node_slice(layer.numel, layer.trainable_numel, plan, n)
                                         for n in range(plan.nodes)))
     nbytes = sliced * (MASTER_BYTES_PER_ELEMENT + item) + layer.numel * 2 * item
-    return nbytes / (host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM)
+    return nbytes / plan.optimizer_shards / (host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM)
+
+
+def gather_scratch_bytes(graph: LayerGraph, plan: Plan) -> int:
+    """Bytes of a node's weight-gather scratch (pageable, shared by its ranks): a send buffer of the
+    longest node slice and a receive buffer of ``nodes`` of them, in the compute dtype, for the
+    widest layer, in whole pages (``runtime.distributed.gather_weights``); 0 unless
+    ``plan.host_state == "shard"``."""
+    if plan.host_state != "shard":
+        return 0
+    chunk = max((hi - lo for layer in graph.layers for lo, hi in (node_slice(layer.numel, layer.trainable_numel,
+                                                                             plan, n) for n in range(plan.nodes))),
+                default=0)
+    return page_up((plan.nodes + 1) * chunk * plan.compute_itemsize)
 
 
 GATHER_BUFFERS = 2
@@ -1168,7 +1182,8 @@ class NodeMemory:
     accumulators and scratch: :class:`MemoryBreakdown` less its masters and moments);
     ``gather_buffers``: the pinned tiles sharded weights are gathered into; ``shared_staging``:
     the BF16 staging tiles the node's ranks share (``Plan.shared_cast``, counted once per copy, in
-    ``shared_pinned`` too). Pinned: the shared master rows (FP32 compute; none with a sharded state,
+    ``shared_pinned`` too); ``gather_scratch``: the weight gathers' pageable send and receive
+    buffers (:func:`gather_scratch_bytes`). Pinned: the shared master rows (FP32 compute; none with a sharded state,
     whose H2Ds read the gather tiles), shared staging tiles and gather buffers, plus each rank's own.
     """
 
@@ -1179,10 +1194,12 @@ class NodeMemory:
     shared_pinned: int
     per_rank_pinned: int
     shared_staging: int = 0
+    gather_scratch: int = 0
 
     @property
     def total(self) -> int:
-        return self.persistent + self.gather_buffers + self.shared_staging + self.ranks * self.per_rank
+        return (self.persistent + self.gather_buffers + self.gather_scratch + self.shared_staging
+                + self.ranks * self.per_rank)
 
     @property
     def pinned(self) -> int:
@@ -1209,7 +1226,8 @@ def node_memory(graph: LayerGraph, plan: Plan, mem: MemoryBreakdown) -> NodeMemo
     return NodeMemory(ranks=plan.gpus_per_node, persistent=copies * -(-state // ways),
                       per_rank=mem.host_total - state - staging, gather_buffers=gather,
                       shared_pinned=_shared_pinned_masters(mem.pinned_masters, plan) + copies * staging,
-                      per_rank_pinned=mem.host_pinned - mem.pinned_masters - staging, shared_staging=copies * staging)
+                      per_rank_pinned=mem.host_pinned - mem.pinned_masters - staging, shared_staging=copies * staging,
+                      gather_scratch=gather_scratch_bytes(graph, plan))
 
 
 def _shared_pinned_masters(pinned_masters: int, plan: Plan) -> int:
@@ -1242,7 +1260,9 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
     masters = pinned_master_bytes(graph, plan)
     gather = gather_buffer_bytes(graph, plan)
     staging = shared_staging_bytes(graph, plan)  # a rank's breakdown counts the node's tiles whole, as the state
-    host = state + staging + (hw.host_memory_bytes - copies * -(-state // ways) - copies * staging - gather) // g
+    scratch = gather_scratch_bytes(graph, plan)
+    host = state + staging + (hw.host_memory_bytes - copies * -(-state // ways) - copies * staging - gather
+                              - scratch) // g
     pinned = masters + staging + (hw.pinned_memory_cap_bytes - _shared_pinned_masters(masters, plan)
                                   - copies * staging - gather) // g
     return host, pinned

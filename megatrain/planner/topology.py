@@ -297,7 +297,7 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
                 failures.append(f"{mode}: {_first_sentence(str(e))}")
             else:
                 what = "a full copy of the masters and moments" if mode == "replicate" else f"1/{nodes} of them"
-                floor = held + cost.gather_buffer_bytes(graph, topo) + gpus_per_node * max(0, r.host_floor_bytes - state)
+                floor = held + cost.gather_buffer_bytes(graph, topo) + cost.gather_scratch_bytes(graph, topo) + gpus_per_node * max(0, r.host_floor_bytes - state)
                 failures.append(f"{mode}: {what}, {human_bytes(held)}, and {gpus_per_node} ranks' smallest buffers "
                                 f"need at least {human_bytes(floor)} of the node's {human_bytes(hw.host_memory_bytes)}")
             continue
@@ -322,7 +322,8 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
         network_s = sum(cost.weight_gather_time(sol.graph.layers[op.layer], hw, plan) for op in gathers)
         need = (f"{human_bytes(node.persistent)} of masters and moments + {gpus_per_node} ranks x "
                 f"{human_bytes(node.per_rank)} of buffers"
-                + (f" + {human_bytes(node.gather_buffers)} of gather buffers" if node.gather_buffers else "")
+                + (f" + {human_bytes(node.gather_buffers + node.gather_scratch)} of gather buffers"
+                   if node.gather_buffers else "")
                 + (f" + {human_bytes(node.shared_staging)} of BF16 staging tiles the node's ranks share"
                    if node.shared_staging else "")
                 + f" = {human_bytes(node.total)} of the node's {human_bytes(hw.host_memory_bytes)}")

@@ -53,9 +53,14 @@ def _block_bytes(numel: int, moments: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
+def _pages(nbytes: int) -> int:
+    """``nbytes`` (at least 1) rounded up to whole pages of the mapping."""
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+
+
 def _staging_bytes(numel: int) -> int:
     """Bytes of a shared BF16 staging tile of ``numel`` elements in the mapping: whole pages."""
-    return -(-max(numel * cost.STAGING_ITEMSIZE, 1) // _ALIGN) * _ALIGN
+    return _pages(numel * cost.STAGING_ITEMSIZE)
 
 
 def moments_key(layer: int) -> str:
@@ -99,7 +104,8 @@ class HostState:
     ``cost.GATHER_BUFFERS`` gather tiles of ``gather_bytes`` each (:attr:`gather`, ``uint8``) after
     the blocks, which the schedule's ALL_GATHERs fill with whole layers for the H2D or CAST to read;
     no parameter of the module can be a view of a master it does not hold (:meth:`param_view`
-    raises).
+    raises). ``scratch_bytes``: the weight gathers' send and receive buffers
+    (:attr:`gather_scratch`, ``cost.gather_scratch_bytes``), shared like the tiles.
 
     ``staging`` (``Plan.shared_cast``): a BF16 staging tile per layer after the blocks
     (:attr:`staging`, ``[numel]`` each), shared by the node's ranks like the blocks, which each
@@ -114,7 +120,7 @@ class HostState:
     def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
                  gradient_itemsize: int = 4, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
-                 staging: bool = False):
+                 staging: bool = False, scratch_bytes: int = 0):
         self.graph = graph
         self.shared = shared
         self.sliced = slices is not None
@@ -158,6 +164,11 @@ class HostState:
             size = -(-max(gather_bytes, 1) // _ALIGN) * _ALIGN
             self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN))[:gather_bytes]
                            for _ in range(cost.GATHER_BUFFERS)]
+        # The weight gathers' send and receive buffers (cost.gather_scratch_bytes), shared by the
+        # node's ranks so that each casts and copies its share (runtime.distributed.gather_weights).
+        self.gather_scratch = ((page_aligned_empty(_pages(scratch_bytes)) if shared is None
+                                else shared.take(_pages(scratch_bytes), _ALIGN))[:scratch_bytes]
+                               if self.sliced and scratch_bytes else None)
         # Plan.shared_cast: a BF16 staging tile per layer after the blocks, in the node's shared
         # mapping, into which each rank casts its shard (its own H2Ds read the whole tile).
         # Whole pages each (``_staging_rows``, what is pinned), viewed as ``numel`` BF16 elements.
@@ -183,14 +194,16 @@ class HostState:
 
     @staticmethod
     def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
-                      staging: bool = False) -> int:
+                      staging: bool = False, scratch_bytes: int = 0) -> int:
         """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them; of
         ``slices`` only, with the gather tiles of ``gather_bytes`` each), with ``staging`` a BF16
-        staging tile per layer too (``Plan.shared_cast``): each rounded up to whole pages."""
+        staging tile per layer too (``Plan.shared_cast``), and with ``slices`` the gathers' scratch
+        of ``scratch_bytes`` (``cost.gather_scratch_bytes``): each rounded up to whole pages."""
         if slices is None:
             tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
             return tiles + sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
         tiles = cost.GATHER_BUFFERS * (-(-max(gather_bytes, 1) // _ALIGN) * _ALIGN)
+        tiles += _pages(scratch_bytes) if scratch_bytes else 0
         return tiles + sum(_block_bytes(hi - lo, 2 * max(0, min(hi, lay.trainable_numel) - lo))
                            for (lo, hi), lay in zip(slices, graph.layers))
 
