@@ -546,9 +546,27 @@ def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int, ckp
         got = run(CUDABackend(adapter=fake))
         fake.close()
         asynchronous = got[0] == want[0] and all(torch.equal(x, y) for x, y in zip(got[1], want[1]))
-        torch.save({"results": results, "slices": host.slices, "masters": masters, "async": asynchronous,
-                    "nbytes": host.nbytes, "persistent": node.persistent, "inode": host.shared.inode},
-                   f"{out}.{rank}")
+        nbytes, persistent, inode, slices = host.nbytes, node.persistent, host.shared.inode, host.slices
+        # BF16: the H2Ds read the gather tiles (BF16, filled by the node's ranks' shares), no CAST.
+        # From one process's checkpoint the step's losses are one process's from the same weights
+        # (checked by the caller), and the asynchronous fake CUDA's equal the CPU backend's.
+        trainer = megatrain.compile(tiny_llama(hidden=40), seq_len=S, micro_batch_size=MBS, micro_batches=k,
+                                    optimizer=OPT, max_grad_norm=0.5, host_state="shard",
+                                    plan=dataclasses.replace(plan, compute_dtype="bfloat16"))
+        ops = trainer.schedules.steady.ops
+        direct = not any(op.kind is OpKind.CAST for op in ops) and all(
+            op.tile is None for op in ops if op.kind is OpKind.H2D)
+        trainer.load(ckpt)
+        host = trainer.host
+        snap = [b.clone() for b in host.blocks] + [t.clone() for t in host.steps]
+        bf16 = run(CPUBackend())
+        fake = AsyncFakeCuda(seed=rank + 4, max_delay_s=2e-3)
+        got = run(CUDABackend(adapter=fake))
+        fake.close()
+        bf16_async = got[0] == bf16[0] and all(torch.equal(x, y) for x, y in zip(got[1], bf16[1]))
+        torch.save({"results": results, "slices": slices, "masters": masters, "async": asynchronous,
+                    "nbytes": nbytes, "persistent": persistent, "inode": inode, "bf16_direct": direct,
+                    "bf16_losses": bf16[0], "bf16_async": bf16_async}, f"{out}.{rank}")
 
 
 def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process_does(tmp_path):
@@ -610,6 +628,19 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
     for r in (0, 2):
         assert abs(ranks[r]["nbytes"] - ranks[r]["persistent"]) <= slack, (ranks[r]["nbytes"], ranks[r]["persistent"])
     assert ranks[0]["nbytes"] + ranks[2]["nbytes"] == cost.persistent_state_bytes(graph)
+    # BF16 from the start checkpoint: no CAST, the H2Ds read the gather tiles, and each rank's
+    # first losses are bitwise one process's on its rows (the forward reads the gathered weights,
+    # which are the masters cast to BF16 elementwise, wherever the cast ran).
+    one = megatrain.compile(tiny_llama(hidden=40), seq_len=S, micro_batch_size=MBS, micro_batches=k, optimizer=OPT,
+                            max_grad_norm=clip, plan=Plan(micro_batches=k, optimizer=OptimizerPlacement.NEXT_FORWARD,
+                                                          grad_ring=8, compute_dtype="bfloat16"))
+    rows = k * MBS
+    batch = _global_batches(world, k, 1)[0]
+    for r in range(world):
+        assert ranks[r]["bf16_direct"] and ranks[r]["bf16_async"], f"rank {r}"
+        one.load(tmp_path / "start")
+        mine = one.step({n: t[r * rows:(r + 1) * rows] for n, t in batch.items()}).micro_batch_losses
+        assert ranks[r]["bf16_losses"][r * k:(r + 1) * k] == mine, f"rank {r}"  # (every rank reports all)
 
 
 def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> None:
