@@ -269,11 +269,13 @@ def _topology_rows(ts) -> list[tuple[str, str, str]]:
         ("global tokens/s", f"{ts.global_tokens_per_s:,.0f}", f"{plan.data_parallel} ranks x {tl.tokens_per_s:,.0f}"),
         ("bottleneck", tl.bottleneck.value, "busiest stream of a rank"),
         ("collectives busy", f"{comm:,.4g} s", "per step: " + (
-            "hierarchical reduce-scatter of the FP32 gradients over every rank, the weight gathers' barriers"
+            "hierarchical reduce-scatter of the FP32 gradients over every rank, the weight gathers' barriers "
+            "and the node's share of their host copies"
             if plan.host_state == "shard" else
             "reduce-scatter of the FP32 gradients in the node" if plan.gradient_reduction == "reduce_scatter"
             else "hierarchical all-reduce of the FP32 gradients") + (
-            "" if plan.host_state == "shard" else ", the node's barriers after its shards' updates")),
+            "" if plan.host_state == "shard" else ", the node's barriers after its shards' updates"
+            + (" and shared casts" if plan.shared_cast else ""))),
         ("weight all-gathers", f"{choice.network_s_per_step:,.4g} s", "per step, on the H2D path (shard only)"),
     ]
 

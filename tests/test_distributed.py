@@ -256,6 +256,9 @@ def test_a_state_sharded_across_nodes_gathers_each_layer_before_every_read_of_it
     ev = lower(graph, plan, "eval")
     verify(ev, graph)
     assert sum(op.kind is OpKind.ALL_GATHER for op in ev.ops) == len(_master_reads(ev))
+    # BF16 copies read the gather tile: no CAST, no staging tile (whatever Plan.staging_ring says).
+    assert not any(op.kind is OpKind.CAST or (op.kind is OpKind.H2D and op.tile is not None) for op in s.ops)
+    verify(lower(graph, dataclasses.replace(plan, staging_ring=1), "train", carries_updates=carries), graph)
     if carries:
         up = lower(graph, plan, "update")
         verify(up, graph)

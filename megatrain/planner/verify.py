@@ -163,7 +163,8 @@ def _check_budget(c: _Context) -> None:
                  "use schedule.gradient_tiles for each layer's accumulator")
         if op.ring is not None and not 0 <= op.ring < plan.grad_ring:
             fail(i, "budget", f"ring tile {op.ring} outside the plan's {plan.grad_ring}", "raise Plan.grad_ring")
-        if op.tile is not None and not 0 <= op.tile < len(staging_numels):
+        # (An ALL_GATHER's tile is a gather tile: rule 'collectives' bounds it by cost.GATHER_BUFFERS.)
+        if op.tile is not None and op.kind is not OpKind.ALL_GATHER and not 0 <= op.tile < len(staging_numels):
             fail(i, "budget", f"staging tile {op.tile} outside the plan's {len(staging_numels)}",
                  "raise Plan.staging_ring")
         if op.copy is not None and not 0 <= op.copy < n_copies:
