@@ -818,6 +818,13 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
     opt = _optimizer(optimizer)
+    if host is not None and planned.plan.shared_cast and not host.staging:
+        # Another batch shape's plan made the node's shared mapping without staging tiles (it did
+        # not share casts), and a mapping does not grow: this shape's ranks cast into tiles of
+        # their own, as that plan's did.
+        plan = dataclasses.replace(planned.plan, shared_cast=False)
+        planned = dataclasses.replace(planned, plan=plan, schedules=Schedules.lower(planned.traced.graph, plan),
+                                      memory=memory_breakdown(planned.traced.graph, plan, planned.hardware))
     on_nvme, grads_on_nvme = planned.plan.nvme_moments, planned.plan.nvme_gradients
     if on_nvme and nvme_dir is None:
         raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe "
