@@ -424,8 +424,8 @@ def _chain_comm(out: list[Op]) -> list[Op]:
 
 def _add_weight_gathers(ops: list[Op]) -> list[Op]:
     """``add_all_gather`` for ``Plan.host_state == "shard"``: no node holds a whole master, so every
-    read of one (an FP32 H2D, or a BF16 CAST) reads a gather tile instead, filled just before by an
-    ``ALL_GATHER:L<layer>:t<b>`` of the layer (gather tiles ``b`` taken in turn, of
+    read of one (an H2D, in the compute dtype: no CAST, ``Plan.staged``) reads a gather tile
+    instead, filled just before by an ``ALL_GATHER:L<layer>:t<b>`` of the layer (gather tiles ``b`` taken in turn, of
     ``cost.GATHER_BUFFERS``), which the reader depends on. The gather depends on the layer's latest
     OPT before it (its node's shards must be stepped first: the executor's gather starts with a
     barrier of the node's ranks, each past its own OPT) and on the readers of the tile's previous

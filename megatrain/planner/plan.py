@@ -118,7 +118,8 @@ class Plan:
             the GPUs per node: global rank ``r`` steps shard ``r`` of ``data_parallel``
             (:attr:`update_shards`), node ``n`` holds the union of its ranks' shards
             (:func:`megatrain.planner.cost.node_slice`), and an ALL_GATHER with a gather tile
-            (``Op.tile``) before every H2D (FP32) or CAST (BF16) gathers the layer's weights.
+            (``Op.tile``) before every H2D gathers the layer's weights in the compute dtype, which
+            the H2D reads (no CAST with BF16: :attr:`staged`).
         gradient_reduction: how the lowering reduces each layer's step gradients across the
             ranks: ``"all_reduce"`` (the default; ALL_REDUCE, every rank gets the whole averaged
             tile) or ``"reduce_scatter"`` (REDUCE_SCATTER, each rank gets the average of only its

@@ -69,7 +69,9 @@ class OpKind(enum.Enum):
     REDUCE_SCATTER = "REDUCE_SCATTER"  # like ALL_REDUCE, but each rank gets the average of its optimizer shard only
     ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
     #                            (with a gather tile ``t``, host_state "shard": the whole layer from every node's
-    #                            slice into that node-shared tile, which the next H2D or CAST reads)
+    #                            slice into that node-shared tile, in the compute dtype, which the next H2D
+    #                            reads; with Plan.shared_cast, the node's barrier between its ranks' CASTs
+    #                            of their shards into the shared staging tile and the H2Ds that read it)
 
     @property
     def stream(self) -> Stream:
@@ -151,9 +153,10 @@ class Op:
     - ``ring``: a pinned host gradient tile, written by D2H and read by ACC, or by an OPT that
       steps from the tile (layer-by-layer passes);
     - ``tile``: a pinned staging tile, written by CAST and read by a BF16 H2D (None: the H2D reads
-      the FP32 master rows); on an ALL_GATHER (``Plan.host_state == "shard"``), the node's gather
-      tile (one of ``cost.GATHER_BUFFERS``) it gathers the layer's weights into, which the H2D
-      (FP32) or CAST (BF16) that depends on it reads in place of the master rows;
+      the FP32 master rows; with ``Plan.shared_cast`` the tile is the node's, shared by its ranks);
+      on an ALL_GATHER (``Plan.host_state == "shard"``), the node's gather tile (one of
+      ``cost.GATHER_BUFFERS``) it gathers the layer's weights into, in the compute dtype, which the
+      H2D that depends on it reads in place of the master rows (no CAST: ``Plan.staged``);
     - ``acc``: a layer's FP32 host accumulator (per-micro-batch passes), which ACC adds into and
       an OPT steps from;
     - ``copy``: the pinned copy of a layer's checkpoints an OFFLOAD writes and a RELOAD reads (one

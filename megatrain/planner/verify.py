@@ -762,7 +762,7 @@ def _check_shared_casts(c: _Context, mine: dict[int, list[int]], readers: dict[i
 
 def _check_weight_gathers(c: _Context) -> None:
     """Part of rule ``collectives`` (``Plan.host_state == "shard"``): no node holds a whole master,
-    so every read of one (an FP32 H2D, a BF16 CAST) depends on exactly one ALL_GATHER of its layer
+    so every read of one (an H2D; a CAST in schedules that cast) depends on exactly one ALL_GATHER of its layer
     with a gather tile (``t`` in ``[0, cost.GATHER_BUFFERS)``), and reads that tile; that gather
     happens after every earlier OPT of the layer (the node's shards are stepped before they are
     gathered) and before every later one (no shard changes while it is read); a later gather into the same tile happens after every read of the earlier one (a
