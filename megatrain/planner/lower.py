@@ -379,7 +379,11 @@ def add_all_gather(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     if plan.shared_cast:
         # Plan.shared_cast: each rank casts only its shard into the node's tile, so the tile is
         # whole only once every rank's CAST is done: a gather (a barrier of the node's ranks)
-        # between the CAST and the H2Ds that read it.
+        # between the CAST and the H2Ds that read it. A CAST needs no barrier before it for the
+        # other ranks' H2Ds of the tile's old content: with cast_once a tile is cast again only
+        # after an OPT of its layer, which waits for the layer's gradient reduction, which no rank
+        # enters before its last H2D of the layer in that step; where the master did not change
+        # (a CAST in an eval schedule) the bytes it writes are those already there.
         for c in (i for i, op in enumerate(ops) if op.kind is OpKind.CAST):
             readers = [j for j in range(c + 1, len(ops)) if ops[j].kind is OpKind.H2D and c in ops[j].deps]
             cast_gather[c] = entry = (ops[c].layer, [c], readers)
