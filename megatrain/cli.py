@@ -188,8 +188,10 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
         ("FP32 master weights", _gib(mem.master_weights), ""),
         ("Adam moments (FP32 x2)", _gib(mem.adam_moments), ""),
         ("gradient ring (pinned)", _gib(mem.gradient_ring), f"{plan.grad_ring} tiles in {_grad_dtype(plan)}"),
-        ("staging ring (pinned)", _gib(mem.staging_ring),
-         ("one BF16 tile per layer: each cast once per step" if plan.cast_once else f"{plan.staging_ring} BF16 tiles")
+        ("staging ring (pinned)", _gib(mem.staging_ring + mem.shared_staging),
+         ("one BF16 tile per layer, shared by the node's ranks: each casts its shard once per step"
+          if plan.shared_cast else "one BF16 tile per layer: each cast once per step" if plan.cast_once
+          else f"{plan.staging_ring} BF16 tiles")
          if plan.compute_dtype == "bfloat16" else "unused with FP32 compute"),
         ("pinned activations", _gib(mem.pinned_activations), ""),
         ("total", _gib(mem.host_total),
@@ -217,7 +219,8 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
         ("prefetch distance", str(plan.prefetch_distance), "layer visits ahead"),
         ("resident layers", f"{len(resident)}/{n}", _short_list([g.layers[i].name for i in resident])),
         ("gradient ring", str(plan.grad_ring), f"host tiles; gradients leave the GPU in {_grad_dtype(plan)}"),
-        ("staging ring", "per layer" if plan.cast_once else str(plan.staging_ring), "host tiles"),
+        ("staging ring", "per layer" if plan.cast_once else str(plan.staging_ring),
+         "host tiles shared by the node's ranks" if plan.shared_cast else "host tiles"),
         ("activations", _policy_counts(plan, n), "checkpoints kept on the GPU / offloaded to pinned host "
                                                   "memory / recomputed in the backward"),
         ("layer by layer", "yes" if plan.layer_by_layer else "no",
@@ -266,11 +269,13 @@ def _topology_rows(ts) -> list[tuple[str, str, str]]:
         ("global tokens/s", f"{ts.global_tokens_per_s:,.0f}", f"{plan.data_parallel} ranks x {tl.tokens_per_s:,.0f}"),
         ("bottleneck", tl.bottleneck.value, "busiest stream of a rank"),
         ("collectives busy", f"{comm:,.4g} s", "per step: " + (
-            "hierarchical reduce-scatter of the FP32 gradients over every rank, the weight gathers' barriers"
+            "hierarchical reduce-scatter of the FP32 gradients over every rank, the weight gathers' barriers "
+            "and the node's share of their host copies"
             if plan.host_state == "shard" else
             "reduce-scatter of the FP32 gradients in the node" if plan.gradient_reduction == "reduce_scatter"
             else "hierarchical all-reduce of the FP32 gradients") + (
-            "" if plan.host_state == "shard" else ", the node's barriers after its shards' updates")),
+            "" if plan.host_state == "shard" else ", the node's barriers after its shards' updates"
+            + (" and shared casts" if plan.shared_cast else ""))),
         ("weight all-gathers", f"{choice.network_s_per_step:,.4g} s", "per step, on the H2D path (shard only)"),
     ]
 

@@ -781,6 +781,9 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         # sharded across the nodes: Plan.update_shards), its OPT reads only that: reduce-scatter.
         if plan.update_shards == world:
             plan = dataclasses.replace(plan, gradient_reduction="reduce_scatter")
+        # The node's ranks that share a host copy share its BF16 staging tiles too, each casting
+        # its shard (1/G of the casts' host traffic), where a tile per layer is cast once a step.
+        plan = dataclasses.replace(plan, shared_cast=plan.cast_once and shards > 1 and plan.host_state == "replicate")
     if solution is not None and world == 1:
         schedules = Schedules.lower(graph, plan, steady=solution.schedule)
         memory, timeline = solution.memory, solution.timeline
@@ -835,6 +838,13 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
     opt = _optimizer(optimizer)
+    if host is not None and planned.plan.shared_cast and not host.staging:
+        # Another batch shape's plan made the node's shared mapping without staging tiles (it did
+        # not share casts), and a mapping does not grow: this shape's ranks cast into tiles of
+        # their own, as that plan's did.
+        plan = dataclasses.replace(planned.plan, shared_cast=False)
+        planned = dataclasses.replace(planned, plan=plan, schedules=Schedules.lower(planned.traced.graph, plan),
+                                      memory=memory_breakdown(planned.traced.graph, plan, planned.hardware))
     on_nvme, grads_on_nvme = planned.plan.nvme_moments, planned.plan.nvme_gradients
     if on_nvme and nvme_dir is None:
         raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe "
@@ -859,9 +869,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
             raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and trains "
                               f"data-parallel over {planned.plan.data_parallel} ranks: not supported yet; keep the "
                               "moments in host memory (no nvme_dir / --nvme-dir) when training on several ranks")
-        dp = data_parallel_host(HostState.shared_nbytes(traced.graph), planned.plan.data_parallel,
+        staging = planned.plan.shared_cast
+        dp = data_parallel_host(HostState.shared_nbytes(traced.graph, staging=staging), planned.plan.data_parallel,
                                 planned.plan.optimizer_shards)
-        host = HostState(traced.graph, shared=dp.shared, writer=dp.writer)
+        host = HostState(traced.graph, shared=dp.shared, writer=dp.writer, staging=staging)
         host.data_parallel = dp
         bind_module(model, host, writer=dp.writer)
         broadcast_masters([host.master(i) for i in range(len(traced.graph.layers))], dp)
@@ -918,9 +929,11 @@ def _sharded_host(planned: PlannedModel) -> HostState:
     node = topology().node
     slices = [cost.node_slice(lay.numel, lay.trainable_numel, plan, node) for lay in graph.layers]
     gather_bytes = cost.gather_buffer_bytes(graph, plan) // cost.GATHER_BUFFERS
-    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes), plan.data_parallel,
-                            plan.optimizer_shards, plan.nodes, sharded=True)
-    host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes)
+    scratch = cost.gather_scratch_bytes(graph, plan)
+    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes, scratch_bytes=scratch),
+                            plan.data_parallel, plan.optimizer_shards, plan.nodes, sharded=True)
+    host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes,
+                     scratch_bytes=scratch)
     host.data_parallel = dp
     rows = None
     if dp.topo.rank == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -30,9 +31,9 @@ def test_public_surface_is_pinned():
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",
         "widens_gradients", "gradient_scratch_numel",
         "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
-        "node_slice",
+        "node_slice", "cast_shard", "shared_staging_bytes",
         "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
-        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS",
+        "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS",
         "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes"}
 
 
@@ -475,6 +476,30 @@ def test_ranks_of_a_node_split_the_update_and_share_the_host_bandwidth():
     assert cost.acc_time(layer, hw, node8) - 1e-6 == pytest.approx(8 * (cost.acc_time(layer, hw) - 1e-6))
 
 
+@pytest.mark.parametrize("numel,trainable,shards", [(16_000, 16_000, 8), (16_000, 12_345, 8), (112, 112, 3),
+                                                     (20, 0, 2)])
+def test_a_shared_cast_is_split_by_optimizer_shard_and_costs_its_largest_shard(numel, trainable, shards):
+    # (A frozen tail after the trainable prefix, as graph.Layer lays tiles out.)
+    layer = dataclasses.replace(chain_graph(1, numel=numel).layers[0], trainable_numel=trainable)
+    numel = layer.numel  # (rounded up to the tile alignment)
+    hw = spec(op_latency_s=1e-6, host_optimizer_params_per_s=1e9)
+    own = Plan(data_parallel=shards, optimizer_shards=shards, compute_dtype="bfloat16", cast_once=True)
+    shared = Plan(data_parallel=shards, optimizer_shards=shards, compute_dtype="bfloat16", cast_once=True,
+                  shared_cast=True)
+    parts = [cost.cast_shard(numel, trainable, shared, k) for k in range(shards)]
+    # The ranks' shards tile [0, numel) in rank order: each its optimizer shard (which only its own
+    # OPT writes), the last one also the frozen tail.
+    assert parts[0][0] == 0 and parts[-1][1] == numel and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    assert parts[:-1] == [cost.optimizer_shard(trainable, shards, k) for k in range(shards - 1)]
+    assert all(cost.cast_shard(numel, trainable, own, k) == (0, numel) for k in range(shards))
+    # At 1/G of the host bandwidth each rank casts its largest shard instead of the whole tile:
+    # 6 bytes per element (cost.CAST_BYTES_PER_ELEMENT) over AdamW's 28 (hardware.ADAMW_BYTES_PER_PARAM).
+    rate = 1e9 / shards * 28 / 6
+    largest = max(hi - lo for lo, hi in parts)
+    assert cost.cast_time(layer, hw, shared) == pytest.approx(1e-6 + largest / rate, rel=1e-12)
+    assert cost.cast_time(layer, hw, own) == pytest.approx(1e-6 + numel / rate, rel=1e-12)
+
+
 def test_sharded_weights_are_gathered_over_the_network_before_each_copy():
     layer = chain_graph(1, numel=16_000).layers[0]
     hw = spec(network_bytes_per_s=0.5e9, network_latency_s=5e-6)
@@ -492,7 +517,9 @@ def test_sharded_weights_are_gathered_over_the_network_before_each_copy():
 @pytest.mark.parametrize("plan", [Plan(data_parallel=4, optimizer_shards=4), Plan(data_parallel=4),
                                   Plan(data_parallel=8, nodes=2, host_state="shard", optimizer_shards=2),
                                   Plan(data_parallel=8, nodes=2, host_state="shard", optimizer_shards=4),
-                                  Plan(data_parallel=3, nodes=3, host_state="shard", compute_dtype="bfloat16")])
+                                  Plan(data_parallel=3, nodes=3, host_state="shard", compute_dtype="bfloat16"),
+                                  Plan(data_parallel=8, nodes=2, optimizer_shards=2, compute_dtype="bfloat16",
+                                       cast_once=True, shared_cast=True)])
 def test_node_memory_shares_the_state_and_rank_budgets_are_exact(plan):
     g = chain_graph(3, numel=[5000, 7000, 3000])
     mem = cost.memory_breakdown(g, plan)
@@ -502,10 +529,20 @@ def test_node_memory_shares_the_state_and_rank_budgets_are_exact(plan):
     ways = plan.nodes if plan.host_state == "shard" else 1
     copies = plan.gpus_per_node // plan.optimizer_shards  # ranks with a copy of their own hold one each
     assert node.persistent == copies * -(-state // ways)
-    assert node.per_rank == mem.host_total - state
+    # Plan.shared_cast: a BF16 tile per layer, whole pages, once per copy, in no rank's arena.
+    staging = sum(cost.page_up(n * 2) for n in (5000, 7000, 3000)) if plan.shared_cast else 0
+    assert mem.shared_staging == staging and (mem.staging_ring == 0 or not plan.shared_cast)
+    assert node.shared_staging == copies * staging
+    assert node.per_rank == mem.host_total - state - staging
+    assert node.per_rank_pinned == mem.host_pinned - mem.pinned_masters - staging
     assert node.gather_buffers == cost.gather_buffer_bytes(g, plan) == (
         0 if ways == 1 else 2 * cost.page_up(7000 * plan.compute_itemsize))
-    assert node.total == node.persistent + node.gather_buffers + plan.gpus_per_node * node.per_rank
+    assert node.gather_scratch == cost.gather_scratch_bytes(g, plan) == (
+        0 if ways == 1 else cost.page_up((ways + 1) * max(hi - lo for n in range(ways)
+                                                          for lo, hi in [cost.node_slice(7000, 7000, plan, n)])
+                                         * plan.compute_itemsize))
+    assert node.total == (node.persistent + node.gather_buffers + node.gather_scratch + node.shared_staging
+                          + plan.gpus_per_node * node.per_rank)
     # One rank's breakdown fits its budgets exactly when the node fits: at the node's size, and
     # one byte below it.
     for extra, fits in ((0, True), (-1, False)):

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from megatrain.planner.schedule import OpKind, Schedule
 from megatrain.planner.trace import trace
 from megatrain.planner.verify import verify
 from megatrain.runtime import executor
+from megatrain.trainer import Schedules
 
 from conftest import random_batch, tiny_llama
 from test_exactness import ADAMW, RTOL, eager_losses
@@ -174,6 +176,68 @@ def test_sharded_optimizer_steps_are_gathered_before_any_read_of_the_master(grap
                graph)
 
 
+@pytest.mark.parametrize("base", ["during-backward", "host-accumulation", "clipped-deferred"])
+def test_shared_casts_are_gathered_before_any_copy_reads_the_node_s_tile(graph, base):
+    """Plan.shared_cast: each CAST (of this rank's shard into the node's tile) is followed by an
+    ALL_GATHER of its layer that every H2D of that CAST waits for; a deferred OPT's gather is the
+    CAST's after it. The verifier rejects an H2D that does not wait for the gather after its CAST,
+    a gather that does not wait for the CAST, and the flag where nothing shares a copy."""
+    plan = dataclasses.replace(PLANS[base], data_parallel=2, optimizer_shards=2, compute_dtype="bfloat16",
+                               cast_once=True, shared_cast=True, gradient_reduction="reduce_scatter")
+    carried = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+    for mode in ("train", "eval"):
+        s = lower(graph, plan, mode, carries_updates=carried and mode == "train")
+        verify(s, graph)
+        ops = s.ops
+        for h in (i for i, op in enumerate(ops) if op.kind is OpKind.H2D):
+            (c,) = [d for d in ops[h].deps if ops[d].kind is OpKind.CAST]
+            gathers = [d for d in ops[h].deps if ops[d].kind is OpKind.ALL_GATHER and c in ops[d].deps]
+            assert len(gathers) == 1 and ops[gathers[0]].layer == ops[h].layer
+        casts = sum(op.kind is OpKind.CAST for op in ops)
+        opts = sum(op.kind is OpKind.OPT for op in ops)
+        # One gather per CAST, plus one per OPT whose layer is not cast again after it in this schedule.
+        assert casts == len(graph.layers) and casts <= sum(op.kind is OpKind.ALL_GATHER for op in ops) <= casts + opts
+    h = next(i for i, op in enumerate(s.ops) if op.kind is OpKind.H2D)
+    g = next(d for d in s.ops[h].deps if s.ops[d].kind is OpKind.ALL_GATHER)
+
+    def unwaited(ops):
+        ops[h] = dataclasses.replace(ops[h], deps=tuple(d for d in ops[h].deps if d != g))
+        return ops
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*shared staging tile t0.*other ranks may not"):
+        verify(_mutated(s, unwaited), graph)
+    c = next(d for d in s.ops[h].deps if s.ops[d].kind is OpKind.CAST)
+
+    def early(ops):  # the gather no longer waits for this rank's CAST: it may pass before the shard is in
+        ops[g] = dataclasses.replace(ops[g], deps=tuple(d for d in ops[g].deps if d != c))
+        return ops
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*shared staging tile t0.*other ranks may not"):
+        verify(_mutated(s, early), graph)
+    with pytest.raises(PlanError, match="shared_cast=True with cast_once=True, optimizer_shards=1"):
+        dataclasses.replace(plan, optimizer_shards=1, gradient_reduction="all_reduce")
+    with pytest.raises(PlanError, match="shared_cast=True with cast_once=False"):
+        dataclasses.replace(plan, cast_once=False)
+
+
+def test_a_shape_whose_host_state_has_no_shared_staging_tiles_casts_per_rank(graph):
+    """Batch shapes share the first shape's host state (shapes.py), whose node mapping does not
+    grow: a later plan that shares casts over a state made without staging tiles is run with
+    per-rank casts (shared_cast off, schedules lowered again), not refused at its first step."""
+    from megatrain.runtime.host import HostState
+
+    planned = megatrain.plan_model(tiny_llama(), seq_len=S, micro_batch_size=MBS,
+                                   plan=Plan(compute_dtype="bfloat16", cast_once=True))
+    shared = dataclasses.replace(planned.plan, data_parallel=2, optimizer_shards=2, shared_cast=True,
+                                 gradient_reduction="reduce_scatter")
+    planned = dataclasses.replace(planned, plan=shared)
+    trainer = megatrain.materialize(planned, OPT, host=HostState(planned.traced.graph))
+    assert trainer.plan == dataclasses.replace(shared, shared_cast=False)
+    assert trainer.schedules.first.plan == trainer.plan and trainer.planned.memory.shared_staging == 0
+    assert sum(op.kind is OpKind.ALL_GATHER for op in trainer.schedules.first.ops) == sum(
+        op.kind is OpKind.OPT for op in trainer.schedules.first.ops)  # the OPTs' gathers only
+
+
 SHARD = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, data_parallel=4, nodes=2,
              optimizer_shards=2, host_state="shard", gradient_reduction="reduce_scatter")
 
@@ -210,6 +274,9 @@ def test_a_state_sharded_across_nodes_gathers_each_layer_before_every_read_of_it
     ev = lower(graph, plan, "eval")
     verify(ev, graph)
     assert sum(op.kind is OpKind.ALL_GATHER for op in ev.ops) == len(_master_reads(ev))
+    # BF16 copies read the gather tile: no CAST, no staging tile (whatever Plan.staging_ring says).
+    assert not any(op.kind is OpKind.CAST or (op.kind is OpKind.H2D and op.tile is not None) for op in s.ops)
+    verify(lower(graph, dataclasses.replace(plan, staging_ring=1), "train", carries_updates=carries), graph)
     if carries:
         up = lower(graph, plan, "update")
         verify(up, graph)
@@ -500,9 +567,27 @@ def _shard_main(rank: int, world: int, init_file: str, out: str, steps: int, ckp
         got = run(CUDABackend(adapter=fake))
         fake.close()
         asynchronous = got[0] == want[0] and all(torch.equal(x, y) for x, y in zip(got[1], want[1]))
-        torch.save({"results": results, "slices": host.slices, "masters": masters, "async": asynchronous,
-                    "nbytes": host.nbytes, "persistent": node.persistent, "inode": host.shared.inode},
-                   f"{out}.{rank}")
+        nbytes, persistent, inode, slices = host.nbytes, node.persistent, host.shared.inode, host.slices
+        # BF16: the H2Ds read the gather tiles (BF16, filled by the node's ranks' shares), no CAST.
+        # From one process's checkpoint the step's losses are one process's from the same weights
+        # (checked by the caller), and the asynchronous fake CUDA's equal the CPU backend's.
+        trainer = megatrain.compile(tiny_llama(hidden=40), seq_len=S, micro_batch_size=MBS, micro_batches=k,
+                                    optimizer=OPT, max_grad_norm=0.5, host_state="shard",
+                                    plan=dataclasses.replace(plan, compute_dtype="bfloat16"))
+        ops = trainer.schedules.steady.ops
+        direct = not any(op.kind is OpKind.CAST for op in ops) and all(
+            op.tile is None for op in ops if op.kind is OpKind.H2D)
+        trainer.load(ckpt)
+        host = trainer.host
+        snap = [b.clone() for b in host.blocks] + [t.clone() for t in host.steps]
+        bf16 = run(CPUBackend())
+        fake = AsyncFakeCuda(seed=rank + 4, max_delay_s=2e-3)
+        got = run(CUDABackend(adapter=fake))
+        fake.close()
+        bf16_async = got[0] == bf16[0] and all(torch.equal(x, y) for x, y in zip(got[1], bf16[1]))
+        torch.save({"results": results, "slices": slices, "masters": masters, "async": asynchronous,
+                    "nbytes": nbytes, "persistent": persistent, "inode": inode, "bf16_direct": direct,
+                    "bf16_losses": bf16[0], "bf16_async": bf16_async}, f"{out}.{rank}")
 
 
 def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process_does(tmp_path):
@@ -564,6 +649,19 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
     for r in (0, 2):
         assert abs(ranks[r]["nbytes"] - ranks[r]["persistent"]) <= slack, (ranks[r]["nbytes"], ranks[r]["persistent"])
     assert ranks[0]["nbytes"] + ranks[2]["nbytes"] == cost.persistent_state_bytes(graph)
+    # BF16 from the start checkpoint: no CAST, the H2Ds read the gather tiles, and each rank's
+    # first losses are bitwise one process's on its rows (the forward reads the gathered weights,
+    # which are the masters cast to BF16 elementwise, wherever the cast ran).
+    one = megatrain.compile(tiny_llama(hidden=40), seq_len=S, micro_batch_size=MBS, micro_batches=k, optimizer=OPT,
+                            max_grad_norm=clip, plan=Plan(micro_batches=k, optimizer=OptimizerPlacement.NEXT_FORWARD,
+                                                          grad_ring=8, compute_dtype="bfloat16"))
+    rows = k * MBS
+    batch = _global_batches(world, k, 1)[0]
+    assert all(r["bf16_direct"] and r["bf16_async"] and r["bf16_losses"] == ranks[0]["bf16_losses"] for r in ranks)
+    for r in (0, world - 1):  # a rank of each node (the others' rows are checked the same way)
+        one.load(tmp_path / "start")
+        mine = one.step({n: t[r * rows:(r + 1) * rows] for n, t in batch.items()}).micro_batch_losses
+        assert ranks[r]["bf16_losses"][r * k:(r + 1) * k] == mine, f"rank {r}"  # (every rank reports all)
 
 
 def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> None:
@@ -601,8 +699,41 @@ def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> N
         fake = AsyncFakeCuda(seed=rank, max_delay_s=2e-3)
         got = run(CUDABackend(adapter=fake))
         fake.close()
-        torch.save({"loaded": loaded, "losses": got[0] == want[0],
-                    "state": all(torch.equal(x, y) for x, y in zip(got[1], want[1]))}, f"{out}.{rank}")
+        result = {"loaded": loaded, "losses": got[0] == want[0],
+                  "state": all(torch.equal(x, y) for x, y in zip(got[1], want[1]))}
+
+        # BF16 with a staging tile per layer: the node's ranks share the tiles (Plan.shared_cast),
+        # each casting its shard. The same trainer then runs the per-rank casts for comparison.
+        trainer = megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=MBS, micro_batches=2, optimizer=OPT,
+                                    max_grad_norm=0.5, plan=dataclasses.replace(plan, compute_dtype="bfloat16",
+                                                                                cast_once=True))
+        trainer.load(ckpt)
+        snap = [b.clone() for b in trainer.host.blocks] + [s.clone() for s in trainer.host.steps]
+        cast: list[int] = []  # elements each of this rank's CASTs writes
+        real_cast, real_copy = executor.HANDLERS[OpKind.CAST], executor._copy
+
+        def counted(ctx, i, op):
+            executor._copy = lambda dst, src: (cast.append(dst.numel()), real_copy(dst, src))[1]
+            try:
+                return real_cast(ctx, i, op)
+            finally:
+                executor._copy = real_copy
+        executor.HANDLERS[OpKind.CAST] = counted
+        shared = run(CPUBackend())
+        result["shared_cast"] = (trainer.plan.shared_cast, len(trainer.host.staging), sum(cast))
+        fake = AsyncFakeCuda(seed=rank + 2, max_delay_s=2e-3)
+        got = run(CUDABackend(adapter=fake))
+        fake.close()
+        result["bf16_async"] = got[0] == shared[0] and all(torch.equal(x, y) for x, y in zip(got[1], shared[1]))
+        own = dataclasses.replace(trainer.plan, shared_cast=False)
+        trainer.plan, trainer.schedules = own, Schedules.lower(trainer.graph, own)
+        cast.clear()
+        alone = run(CPUBackend())
+        executor.HANDLERS[OpKind.CAST] = real_cast
+        result["own_cast"] = sum(cast)
+        result["bf16_own"] = alone[0] == shared[0] and all(torch.equal(x, y) for x, y in zip(alone[1], shared[1]))
+        result["bf16_losses"] = shared[0]
+        torch.save(result, f"{out}.{rank}")
 
 
 def test_ranks_on_the_asynchronous_fake_cuda_train_exactly_like_on_the_cpu_backend(tmp_path):
@@ -618,8 +749,18 @@ def test_ranks_on_the_asynchronous_fake_cuda_train_exactly_like_on_the_cpu_backe
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, tmp_path / "ckpt.state")
     out = str(tmp_path / "rank")
     mp.spawn(_async_main, args=(2, str(tmp_path / "init"), out, str(tmp_path / "ckpt")), nprocs=2, join=True)
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
     for r in range(2):
-        assert torch.load(f"{out}.{r}") == {"loaded": True, "losses": True, "state": True}, f"rank {r}"
+        assert {k: got[r][k] for k in ("loaded", "losses", "state", "bf16_async", "bf16_own")} == dict.fromkeys(
+            ("loaded", "losses", "state", "bf16_async", "bf16_own"), True), f"rank {r}"
+    # BF16 with a tile per layer: the two ranks share the node's staging tiles, one per layer, and
+    # each casts its shard: together exactly the elements one rank casts alone, each fewer. The
+    # cast is elementwise, so sharing it changes no bit (bf16_own, bf16_async above).
+    (on, tiles, mine), (_, _, theirs) = got[0]["shared_cast"], got[1]["shared_cast"]
+    assert on and tiles == 4
+    assert got[0]["own_cast"] == got[1]["own_cast"] == mine + theirs and 0 < mine < got[0]["own_cast"]
+    assert 0 < theirs < got[0]["own_cast"]
+    assert all(math.isfinite(x) for step in got[0]["bf16_losses"] for x in step)
 
 
 def _hang_main(rank: int, world: int, init_file: str, out: str, how: str) -> None:

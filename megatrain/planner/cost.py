@@ -231,6 +231,22 @@ def _shard_size(numel: int, shards: int) -> int:
     return -(-(-(-numel // SHARD_ALIGN_ELEMENTS)) // shards) * SHARD_ALIGN_ELEMENTS
 
 
+def cast_shard(numel: int, trainable_numel: int, plan: Plan, index: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of a layer's master tile (``numel`` elements, the first
+    ``trainable_numel`` trainable) that rank ``index`` of a node CASTs into the node's shared
+    staging tile with ``plan.shared_cast``: its optimizer shard (:func:`optimizer_shard` of
+    ``plan.optimizer_shards``), which only its own OPT writes, the node's last rank also the
+    frozen parameters after the trainable prefix (nothing steps them). The ranks' shards tile
+    ``[0, numel)``. Without ``shared_cast``, ``(0, numel)``: each rank casts the whole tile.
+
+    Raises:
+        ValueError: ``index`` is not in ``[0, plan.optimizer_shards)``."""
+    if not plan.shared_cast:
+        return 0, numel
+    lo, hi = optimizer_shard(trainable_numel, plan.optimizer_shards, index)
+    return lo, numel if index == plan.optimizer_shards - 1 else hi
+
+
 def reduced_numel(numel: int, plan: Plan) -> int:
     """Elements a host gradient tile or accumulator of a layer with ``numel`` trainable parameters
     holds under ``plan``: ``numel``, or with ``plan.gradient_reduction == "reduce_scatter"``
@@ -308,9 +324,15 @@ def widens_gradients(plan: Plan) -> bool:
 
 def cast_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
     """One host CAST of the layer's master tile into a BF16 staging tile (each rank casts the whole
-    tile for its own GPU, at its share of the host bandwidth, :func:`host_rate`)."""
+    tile for its own GPU, at its share of the host bandwidth, :func:`host_rate`); with
+    ``plan.shared_cast`` only its shard into the node's shared tile (:func:`cast_shard`, the
+    largest: the last rank's, frozen parameters included)."""
     rate = host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / CAST_BYTES_PER_ELEMENT
-    return hw.op_latency_s + layer.numel / rate
+    numel = layer.numel
+    if plan is not None and plan.shared_cast:
+        numel = max(hi - lo for lo, hi in (cast_shard(layer.numel, layer.trainable_numel, plan, k)
+                                           for k in range(plan.optimizer_shards)))
+    return hw.op_latency_s + numel / rate
 
 
 def acc_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
@@ -353,7 +375,8 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
     OpKind.REDUCE_SCATTER: lambda g, i, plan, hw: reduce_scatter_time(g.layers[i], hw, plan),
     # On a node's shared host state the gather moves no bytes: it waits for the other ranks' shards.
-    OpKind.ALL_GATHER: lambda g, i, plan, hw: hw.op_latency_s,
+    # Sharded across nodes, the leader's host copies into the gather tile (the network time is the H2D's).
+    OpKind.ALL_GATHER: lambda g, i, plan, hw: hw.op_latency_s + weight_gather_host_time(g.layers[i], hw, plan),
 }
 """The formula of each op kind (module docstring, "Op times"); every op time is looked up here."""
 
@@ -591,12 +614,21 @@ def staging_tile_numels(graph: LayerGraph, plan: Plan) -> tuple[int, ...]:
     """Elements of each BF16 staging tile: with ``plan.cast_once`` tile ``k`` is layer ``k``'s and
     sized to it; otherwise each of the ``staging_ring`` tiles is sized for the widest layer (any
     layer may be cast into any tile, and every layer is loaded at least once per step). None with
-    FP32 compute."""
-    if plan.compute_dtype == "float32":
+    FP32 compute, or with the host state sharded across nodes (H2D reads the gather tile:
+    ``Plan.staged``)."""
+    if not plan.staged:
         return ()
     if plan.cast_once:
         return tuple(layer.numel for layer in graph.layers)
     return (max(layer.numel for layer in graph.layers),) * plan.staging_ring
+
+
+def shared_staging_bytes(graph: LayerGraph, plan: Plan) -> int:
+    """Pinned bytes of a node's shared BF16 staging tiles (``plan.shared_cast``: one per layer, in
+    whole pages, once per group of ranks sharing a host copy, not in any rank's arena); 0 without."""
+    if not plan.shared_cast:
+        return 0
+    return sum(page_up(n * STAGING_ITEMSIZE) for n in staging_tile_numels(graph, plan))
 
 
 def pinned_master_bytes(graph: LayerGraph, plan: Plan) -> int:
@@ -670,8 +702,9 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
         regions += [("ring", r, w * plan.gradient_itemsize) for r, w in enumerate(gradient_tile_numels(graph, plan))]
         count, nbytes = nvme_gradient_buffers(graph, plan)
         regions += [("nvme_gradients", k, nbytes) for k in range(count)]
-    if mode in ("train", "eval") or (mode == "update" and plan.nvme_masters):
-        # An update of a layer whose master is on NVMe casts the new master into its staging tile.
+    if (mode in ("train", "eval") or (mode == "update" and plan.nvme_masters)) and not plan.shared_cast:
+        # An update of a layer whose master is on NVMe casts the new master into its staging tile;
+        # shared tiles are the node's (shared_staging_bytes).
         regions += [("staging", t, w * STAGING_ITEMSIZE) for t, w in enumerate(staging_tile_numels(graph, plan))]
     if mode == "train":
         copies = plan.micro_batches if plan.layer_by_layer else 1
@@ -729,17 +762,18 @@ class MemoryBreakdown:
     gradient_scratch: int = 0
     nvme_buffers: int = 0
     nvme_gradient_buffers: int = 0
+    shared_staging: int = 0
 
     @property
     def host_total(self) -> int:
         return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
                 + self.pinned_activations + self.pinned_norms + self.gradient_accumulators
-                + self.gradient_scratch + self.nvme_buffers + self.nvme_gradient_buffers)
+                + self.gradient_scratch + self.nvme_buffers + self.nvme_gradient_buffers + self.shared_staging)
 
     @property
     def host_pinned(self) -> int:
         return (self.pinned_masters + self.gradient_ring + self.staging_ring + self.pinned_activations
-                + self.pinned_norms + self.nvme_gradient_buffers)
+                + self.pinned_norms + self.nvme_gradient_buffers + self.shared_staging)
 
     @property
     def gpu_fixed(self) -> int:
@@ -780,6 +814,7 @@ class MemoryBreakdown:
             ("host", "gradient widening scratch (FP32)", self.gradient_scratch),
             ("host", "NVMe I/O buffers (Adam moments)", self.nvme_buffers),
             ("host", "NVMe I/O buffers (gradient tiles, pinned)", self.nvme_gradient_buffers),
+            ("host", "BF16 staging tiles shared by the node (pinned)", self.shared_staging),
             ("host", "total", self.host_total),
             ("host", "of which pinned", self.host_pinned),
             ("gpu", "weight slots", self.weight_slots),
@@ -866,6 +901,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         gradient_scratch=gradient_scratch_numel(graph, plan) * GRAD_ITEMSIZE,
         nvme_buffers=math.prod(nvme_buffers(graph, plan)),
         nvme_gradient_buffers=pinned.bytes_of("nvme_gradients"),
+        shared_staging=shared_staging_bytes(graph, plan),
     )
 
 
@@ -917,9 +953,9 @@ __all__ = [
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
-    "node_slice",
+    "node_slice", "cast_shard", "shared_staging_bytes",
     "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
-    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "GATHER_BUFFERS", "gather_buffer_bytes",
+    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
 ]
 
@@ -1104,6 +1140,37 @@ def weight_gather_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
     return weight_gather_bytes(layer, plan) / rate + (plan.nodes - 1) * hw.network_latency_s
 
 
+def weight_gather_host_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
+    """Host seconds of one rank's copies in one weight gather (``runtime.distributed.gather_weights``)
+    when the host state is sharded: the node's ranks cast their shares of the node's slice
+    (:func:`node_slice`, the largest) from the FP32 masters into the compute dtype (4 + itemsize
+    bytes per element), then copy their shares of every node's part into the gather tile (2 x
+    itemsize bytes per element of the layer): ``1 / G`` of those bytes each, at one rank's share
+    of the host bandwidth (:func:`host_rate`). 0 unless ``plan.host_state == "shard"``. With BF16
+    this is the only cast of the layer on the node (``Plan.staged`` is False: the H2Ds read the
+    gather tile)."""
+    if plan.host_state != "shard":
+        return 0.0
+    item = plan.compute_itemsize
+    sliced = max(hi - lo for lo, hi in (node_slice(layer.numel, layer.trainable_numel, plan, n)
+                                        for n in range(plan.nodes)))
+    nbytes = sliced * (MASTER_BYTES_PER_ELEMENT + item) + layer.numel * 2 * item
+    return nbytes / plan.optimizer_shards / (host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM)
+
+
+def gather_scratch_bytes(graph: LayerGraph, plan: Plan) -> int:
+    """Bytes of a node's weight-gather scratch (pageable, shared by its ranks): a send buffer of the
+    longest node slice and a receive buffer of ``nodes`` of them, in the compute dtype, for the
+    widest layer, in whole pages (``runtime.distributed.gather_weights``); 0 unless
+    ``plan.host_state == "shard"``."""
+    if plan.host_state != "shard":
+        return 0
+    chunk = max((hi - lo for layer in graph.layers for lo, hi in (node_slice(layer.numel, layer.trainable_numel,
+                                                                             plan, n) for n in range(plan.nodes))),
+                default=0)
+    return page_up((plan.nodes + 1) * chunk * plan.compute_itemsize)
+
+
 GATHER_BUFFERS = 2
 """Pinned host tiles per node that sharded weights are all-gathered into (host_state "shard"): one
 being received while the GPUs copy from the other."""
@@ -1125,9 +1192,11 @@ class NodeMemory:
     (all of them, or ``1 / nodes`` when the state is sharded); ``per_rank``: what each rank holds on
     its own besides (gradient and staging tiles, offloaded checkpoints, norms and flags, gradient
     accumulators and scratch: :class:`MemoryBreakdown` less its masters and moments);
-    ``gather_buffers``: the pinned tiles sharded weights are gathered into. Pinned: the shared
-    master rows (FP32 compute; none with a sharded state, whose H2Ds read the gather tiles) and
-    gather buffers, plus each rank's own.
+    ``gather_buffers``: the pinned tiles sharded weights are gathered into; ``shared_staging``:
+    the BF16 staging tiles the node's ranks share (``Plan.shared_cast``, counted once per copy, in
+    ``shared_pinned`` too); ``gather_scratch``: the weight gathers' pageable send and receive
+    buffers (:func:`gather_scratch_bytes`). Pinned: the shared master rows (FP32 compute; none with a sharded state,
+    whose H2Ds read the gather tiles), shared staging tiles and gather buffers, plus each rank's own.
     """
 
     ranks: int
@@ -1136,10 +1205,13 @@ class NodeMemory:
     gather_buffers: int
     shared_pinned: int
     per_rank_pinned: int
+    shared_staging: int = 0
+    gather_scratch: int = 0
 
     @property
     def total(self) -> int:
-        return self.persistent + self.gather_buffers + self.ranks * self.per_rank
+        return (self.persistent + self.gather_buffers + self.gather_scratch + self.shared_staging
+                + self.ranks * self.per_rank)
 
     @property
     def pinned(self) -> int:
@@ -1161,10 +1233,13 @@ def node_memory(graph: LayerGraph, plan: Plan, mem: MemoryBreakdown) -> NodeMemo
     copies = plan.gpus_per_node // plan.optimizer_shards  # groups of ranks that share a copy
     state = mem.master_weights + mem.adam_moments
     gather = gather_buffer_bytes(graph, plan)
+    # Plan.shared_cast: the staging tiles are a node's, like the state it shares (one per copy).
+    staging = mem.shared_staging
     return NodeMemory(ranks=plan.gpus_per_node, persistent=copies * -(-state // ways),
-                      per_rank=mem.host_total - state, gather_buffers=gather,
-                      shared_pinned=_shared_pinned_masters(mem.pinned_masters, plan),
-                      per_rank_pinned=mem.host_pinned - mem.pinned_masters)
+                      per_rank=mem.host_total - state - staging, gather_buffers=gather,
+                      shared_pinned=_shared_pinned_masters(mem.pinned_masters, plan) + copies * staging,
+                      per_rank_pinned=mem.host_pinned - mem.pinned_masters - staging, shared_staging=copies * staging,
+                      gather_scratch=gather_scratch_bytes(graph, plan))
 
 
 def _shared_pinned_masters(pinned_masters: int, plan: Plan) -> int:
@@ -1188,12 +1263,18 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
     it as :func:`memory_breakdown` does, such that a rank's breakdown within them is exactly a
     node within ``hw`` (:meth:`NodeMemory.fits`): ``state + (node bytes - node's state) / G`` and
     the same for the pinned masters and cap. Negative when the node's share of the state alone
-    exceeds it. ``plan`` gives the topology and compute dtype; its other knobs are not read."""
+    exceeds it. ``plan`` gives the topology and compute dtype, and with ``shared_cast`` the node's
+    shared staging tiles (:func:`shared_staging_bytes`, counted like the state); its other knobs
+    are not read."""
     g, ways = plan.gpus_per_node, (plan.nodes if plan.host_state == "shard" else 1)
     copies = g // plan.optimizer_shards
     state = persistent_state_bytes(graph)
     masters = pinned_master_bytes(graph, plan)
     gather = gather_buffer_bytes(graph, plan)
-    host = state + (hw.host_memory_bytes - copies * -(-state // ways) - gather) // g
-    pinned = masters + (hw.pinned_memory_cap_bytes - _shared_pinned_masters(masters, plan) - gather) // g
+    staging = shared_staging_bytes(graph, plan)  # a rank's breakdown counts the node's tiles whole, as the state
+    scratch = gather_scratch_bytes(graph, plan)
+    host = state + staging + (hw.host_memory_bytes - copies * -(-state // ways) - copies * staging - gather
+                              - scratch) // g
+    pinned = masters + staging + (hw.pinned_memory_cap_bytes - _shared_pinned_masters(masters, plan)
+                                  - copies * staging - gather) // g
     return host, pinned

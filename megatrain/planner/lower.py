@@ -387,32 +387,55 @@ def add_all_gather(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     the others' updated shards (on the node's shared host state: waits until every rank's OPT of
     the layer is done). It goes just before the first later op that reads the layer's master (its
     H2D or CAST), which then depends on it, or at the end of the schedule when none does (the
-    next schedule's reads come after this one ends). Then every COMM op depends on the one before
-    it in the list, so the ranks issue all their collectives in one order."""
+    next schedule's reads come after this one ends). With ``Plan.shared_cast`` each CAST (of this
+    rank's shard into the node's staging tile) gets an ALL_GATHER of its layer just before the
+    first H2D that reads the tile, which every H2D of that CAST waits for; an OPT whose next read
+    of the layer is such a CAST has no gather of its own (the CAST's gather follows it). Then every
+    COMM op depends on the one before it in the list, so the ranks issue all their collectives in
+    one order."""
     plan = req if isinstance(req, Plan) else req.plan
     if plan.host_state == "shard":
         return _chain_comm(_add_weight_gathers(ops))
     if plan.optimizer_shards == 1:
         return ops
-    before: dict[int, list[int]] = defaultdict(list)  # list position -> the OPTs whose gather goes there
+    # Each gather: (layer, the ops it waits for, the ops that wait for it), at a list position.
+    before: dict[int, list[tuple[int, list[int], list[int]]]] = defaultdict(list)
+    cast_gather: dict[int, tuple[int, list[int], list[int]]] = {}  # shared CAST -> its gather
+    if plan.shared_cast:
+        # Plan.shared_cast: each rank casts only its shard into the node's tile, so the tile is
+        # whole only once every rank's CAST is done: a gather (a barrier of the node's ranks)
+        # between the CAST and the H2Ds that read it. A CAST needs no barrier before it for the
+        # other ranks' H2Ds of the tile's old content: with cast_once a tile is cast again only
+        # after an OPT of its layer, which waits for the layer's gradient reduction, which no rank
+        # enters before its last H2D of the layer in that step; where the master did not change
+        # (a CAST in an eval schedule) the bytes it writes are those already there.
+        for c in (i for i, op in enumerate(ops) if op.kind is OpKind.CAST):
+            readers = [j for j in range(c + 1, len(ops)) if ops[j].kind is OpKind.H2D and c in ops[j].deps]
+            cast_gather[c] = entry = (ops[c].layer, [c], readers)
+            before[readers[0] if readers else len(ops)].append(entry)
     for o in (i for i, op in enumerate(ops) if op.kind is OpKind.OPT):
         layer = ops[o].layer
         reader = next((j for j in range(o + 1, len(ops)) if ops[j].layer == layer
                        and ops[j].kind in (OpKind.H2D, OpKind.CAST)), len(ops))
-        before[reader].append(o)
+        if reader in cast_gather:
+            # The CAST reads only this rank's shard, which its own OPT (earlier on the host
+            # stream) wrote; the gather after the CAST covers the other ranks' OPTs too.
+            cast_gather[reader][1].append(o)
+            continue
+        before[reader].append((layer, [o], [reader] if reader < len(ops) else []))
     moved: list[int] = []
     out: list[Op] = []
-    gathers: dict[int, int] = {}  # the OPT's index -> its ALL_GATHER's new index
+    extra: dict[int, set[int]] = defaultdict(set)  # old index -> the gathers (new index) it waits for
     for i in range(len(ops) + 1):
-        for o in before.get(i, []):
-            gathers[o] = len(out)
-            out.append(Op(OpKind.ALL_GATHER, ops[o].layer, deps=(moved[o],)))
+        for layer, deps, waiters in before.get(i, []):
+            for w in waiters:
+                extra[w].add(len(out))
+            out.append(Op(OpKind.ALL_GATHER, layer, deps=tuple(sorted(moved[d] for d in deps))))
         if i < len(ops):
             moved.append(len(out))
             out.append(ops[i])
     for i, op in enumerate(ops):
-        extra = {gathers[o] for o in before.get(i, [])}  # the reader waits for its gather
-        out[moved[i]] = dataclasses.replace(op, deps=tuple(sorted({moved[d] for d in op.deps} | extra)))
+        out[moved[i]] = dataclasses.replace(op, deps=tuple(sorted({moved[d] for d in op.deps} | extra[i])))
     return _chain_comm(out)
 
 
@@ -430,8 +453,8 @@ def _chain_comm(out: list[Op]) -> list[Op]:
 
 def _add_weight_gathers(ops: list[Op]) -> list[Op]:
     """``add_all_gather`` for ``Plan.host_state == "shard"``: no node holds a whole master, so every
-    read of one (an FP32 H2D, or a BF16 CAST) reads a gather tile instead, filled just before by an
-    ``ALL_GATHER:L<layer>:t<b>`` of the layer (gather tiles ``b`` taken in turn, of
+    read of one (an H2D, in the compute dtype: no CAST, ``Plan.staged``) reads a gather tile
+    instead, filled just before by an ``ALL_GATHER:L<layer>:t<b>`` of the layer (gather tiles ``b`` taken in turn, of
     ``cost.GATHER_BUFFERS``), which the reader depends on. The gather depends on the layer's latest
     OPT before it (its node's shards must be stepped first: the executor's gather starts with a
     barrier of the node's ranks, each past its own OPT) and on the readers of the tile's previous
@@ -611,7 +634,7 @@ class _Emitter:
                 # A layer whose master is on NVMe (Plan.nvme_masters, cast_once) keeps its BF16 copy
                 # in its own staging tile between steps: the CAST after its OPT (add_nvme_io) fills it.
                 kept = v.layer in plan.nvme_masters
-                cast = self.emit_cast(v.layer) if plan.compute_dtype != "float32" and not kept else None
+                cast = self.emit_cast(v.layer) if plan.staged and not kept else None
                 if cast is not None:
                     deps.add(cast)
                 tile = self.ops[cast].tile if cast is not None else v.layer if kept else None

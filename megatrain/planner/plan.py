@@ -57,7 +57,8 @@ class Plan:
             H2D copies move ``numel x itemsize`` bytes per layer. Masters and moments stay FP32;
             gradients too unless they are BF16 where exact (``d2h_dtype``, :attr:`gradient_dtype`).
         staging_ring: host tiles holding compute-dtype copies of layers about to be copied to the
-            GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly).
+            GPU (unused when ``compute_dtype`` is float32: H2D reads the master tile directly; and
+            with ``host_state == "shard"``: H2D reads the gather tile, :attr:`staged`).
         cast_once: BF16 only. Each layer gets a staging tile of its own, sized to it
             (``staging_ring`` is then unused), which the step's first copy of the layer fills by a
             CAST and its later copies re-read while its master is unchanged: one CAST per layer per
@@ -126,7 +127,8 @@ class Plan:
             the GPUs per node: global rank ``r`` steps shard ``r`` of ``data_parallel``
             (:attr:`update_shards`), node ``n`` holds the union of its ranks' shards
             (:func:`megatrain.planner.cost.node_slice`), and an ALL_GATHER with a gather tile
-            (``Op.tile``) before every H2D (FP32) or CAST (BF16) gathers the layer's weights.
+            (``Op.tile``) before every H2D gathers the layer's weights in the compute dtype, which
+            the H2D reads (no CAST with BF16: :attr:`staged`).
         gradient_reduction: how the lowering reduces each layer's step gradients across the
             ranks: ``"all_reduce"`` (the default; ALL_REDUCE, every rank gets the whole averaged
             tile) or ``"reduce_scatter"`` (REDUCE_SCATTER, each rank gets the average of only its
@@ -137,6 +139,14 @@ class Plan:
             needs the whole averaged tile, so the reduction stays an all-reduce, unless the state is
             sharded across the nodes (``host_state == "shard"`` with ``optimizer_shards`` = the GPUs
             per node): then each rank's shard is all it steps, over the world (:attr:`update_shards`).
+        shared_cast: BF16 ``cast_once`` staging tiles shared by the ``optimizer_shards`` ranks of a
+            node that share one host copy (``host_state == "replicate"``): one tile per layer per node,
+            in the node's shared memory (2 bytes per element per node, not per rank), into which
+            each rank CASTs only its optimizer shard of the layer (:func:`megatrain.planner.cost.cast_shard`,
+            ``1 / optimizer_shards`` of the host traffic); an ALL_GATHER of the layer (a barrier
+            of the node's ranks) between the CASTs and the H2Ds that read the tile makes it whole
+            before any rank copies it (issue 16). False: every rank casts whole layers into tiles
+            of its own.
     """
 
     micro_batches: int = 1
@@ -160,6 +170,7 @@ class Plan:
     nodes: int = 1
     host_state: str = "replicate"
     gradient_reduction: str = "all_reduce"
+    shared_cast: bool = False
 
     def __post_init__(self) -> None:
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
@@ -259,6 +270,12 @@ class Plan:
                             "gradients, which is enough only when every rank steps a shard of one copy (one "
                             "node with optimizer_shards == data_parallel > 1, or host_state='shard' with "
                             "optimizer_shards = the GPUs per node); use gradient_reduction='all_reduce'")
+        if self.shared_cast and not (self.cast_once and self.optimizer_shards > 1 and self.host_state == "replicate"):
+            raise PlanError(f"Plan.shared_cast=True with cast_once={self.cast_once}, optimizer_shards="
+                            f"{self.optimizer_shards}, host_state={self.host_state!r}: the node's ranks share the "
+                            "staging tiles of the host copy they share, a tile per layer (BF16 cast_once), each "
+                            "casting its optimizer shard; use shared_cast=False, or cast_once=True with "
+                            "optimizer_shards > 1 and host_state='replicate'")
 
     def check_against(self, graph: LayerGraph) -> None:
         """Raise PlanError when the plan does not fit ``graph`` (layer counts and indices)."""
@@ -297,6 +314,15 @@ class Plan:
         == "shard"``: the copy is spread over every node, so with ``optimizer_shards`` = the GPUs
         per node every rank of the world steps ``1 / data_parallel``)."""
         return self.optimizer_shards * (self.nodes if self.host_state == "shard" else 1)
+
+    @property
+    def staged(self) -> bool:
+        """Whether H2D copies read BF16 staging tiles that CASTs fill from the masters: BF16 compute
+        where the node holds whole masters. With ``host_state == "shard"`` the weight gather
+        already fills a node-shared gather tile in the compute dtype, so the H2D reads that tile
+        directly and nothing is cast on the host (``staging_ring`` and ``cast_once`` are then
+        unused, as with FP32 compute)."""
+        return self.compute_dtype != "float32" and self.host_state != "shard"
 
     @property
     def gpus_per_node(self) -> int:

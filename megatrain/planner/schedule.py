@@ -25,7 +25,7 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 14
+SCHEDULE_FORMAT_VERSION = 15
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -35,8 +35,8 @@ Plan.nodes and Plan.host_state; 10 the gradient I/O buffer (``g``) of Plan.nvme_
 fills, NVME_WRITE/NVME_READ move and a carried OPT reads; 11 REDUCE_SCATTER and
 Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); 13 the weight gather of
 Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); 14 Plan.nvme_masters and the
-CAST from an NVMe I/O buffer (``b``) of a layer whose masters live on NVMe; files of earlier versions
-are refused
+CAST from an NVMe I/O buffer (``b``) of a layer whose masters live on NVMe; 15 Plan.shared_cast (a
+node's staging tiles shared, each rank casting its shard); files of earlier versions are refused
 (lower the plan again)."""
 
 
@@ -70,7 +70,9 @@ class OpKind(enum.Enum):
     REDUCE_SCATTER = "REDUCE_SCATTER"  # like ALL_REDUCE, but each rank gets the average of its optimizer shard only
     ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
     #                            (with a gather tile ``t``, host_state "shard": the whole layer from every node's
-    #                            slice into that node-shared tile, which the next H2D or CAST reads)
+    #                            slice into that node-shared tile, in the compute dtype, which the next H2D
+    #                            reads; with Plan.shared_cast, the node's barrier between its ranks' CASTs
+    #                            of their shards into the shared staging tile and the H2Ds that read it)
 
     @property
     def stream(self) -> Stream:
@@ -152,9 +154,10 @@ class Op:
     - ``ring``: a pinned host gradient tile, written by D2H and read by ACC, or by an OPT that
       steps from the tile (layer-by-layer passes);
     - ``tile``: a pinned staging tile, written by CAST and read by a BF16 H2D (None: the H2D reads
-      the FP32 master rows); on an ALL_GATHER (``Plan.host_state == "shard"``), the node's gather
-      tile (one of ``cost.GATHER_BUFFERS``) it gathers the layer's weights into, which the H2D
-      (FP32) or CAST (BF16) that depends on it reads in place of the master rows;
+      the FP32 master rows; with ``Plan.shared_cast`` the tile is the node's, shared by its ranks);
+      on an ALL_GATHER (``Plan.host_state == "shard"``), the node's gather tile (one of
+      ``cost.GATHER_BUFFERS``) it gathers the layer's weights into, in the compute dtype, which the
+      H2D that depends on it reads in place of the master rows (no CAST: ``Plan.staged``);
     - ``acc``: a layer's FP32 host accumulator (per-micro-batch passes), which ACC adds into and
       an OPT steps from;
     - ``copy``: the pinned copy of a layer's checkpoints an OFFLOAD writes and a RELOAD reads (one
@@ -355,6 +358,7 @@ class _PlanModel(pydantic.BaseModel):
     nodes: int = 1
     host_state: Literal["replicate", "shard"] = "replicate"
     gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
+    shared_cast: bool = False
 
 
 class _OpModel(pydantic.BaseModel):
@@ -394,7 +398,7 @@ class _ScheduleModel(pydantic.BaseModel):
             nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
             nvme_masters=sorted(p.nvme_masters), data_parallel=p.data_parallel,
             optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
-            gradient_reduction=p.gradient_reduction),
+            gradient_reduction=p.gradient_reduction, shared_cast=p.shared_cast),
             ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
 
     def to_schedule(self) -> Schedule:
@@ -407,7 +411,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     nvme_gradients=frozenset(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
                     nvme_masters=frozenset(p.nvme_masters), data_parallel=p.data_parallel,
                     optimizer_shards=p.optimizer_shards, nodes=p.nodes,
-                    host_state=p.host_state, gradient_reduction=p.gradient_reduction)
+                    host_state=p.host_state, gradient_reduction=p.gradient_reduction,
+                    shared_cast=p.shared_cast)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
 

@@ -212,6 +212,37 @@ def _first_sentence(text: str) -> str:
     return line.split("; ")[0].rstrip(".")
 
 
+def _with_shared_cast(graph: LayerGraph, plan: Plan, hw: HardwareSpec, view: HardwareSpec,
+                      carries_updates: bool) -> "tuple[Plan, object, object] | None":
+    """``plan`` with a BF16 staging tile per layer shared by the node's ranks (``Plan.cast_once``
+    and ``Plan.shared_cast``: each rank casts ``1 / G`` of each layer once per step, the tiles
+    held once per node), lowered, verified against one rank's share of the node with those tiles
+    counted once (:func:`megatrain.planner.cost.rank_host_budgets`) and simulated on ``hw``:
+    ``(plan, schedule, timeline)``, or None where it does not apply (FP32, one GPU per node, a
+    sharded state) or does not fit. The solver plans one rank, which sees only tiles of its own
+    (a tile per layer is 2 bytes per parameter per rank, more than 8 ranks' share of a node
+    holds for a 120B model), so the planner tries the shared tiles here."""
+    from megatrain.errors import ScheduleError
+    from megatrain.planner.lower import lower
+    from megatrain.planner.simulate import simulate
+    from megatrain.planner.verify import verify
+
+    if plan.compute_dtype != "bfloat16" or plan.optimizer_shards == 1 or plan.host_state != "replicate" \
+            or plan.shared_cast:
+        return None
+    cand = dataclasses.replace(plan, cast_once=True, shared_cast=True)
+    host, pinned = cost.rank_host_budgets(graph, cand, hw)
+    if host <= 0 or pinned < 0:
+        return None
+    share = view.model_copy(update={"host_memory_bytes": host, "pinned_memory_cap_bytes": min(pinned, host)})
+    schedule = lower(graph, cand, carries_updates=carries_updates)
+    try:
+        verify(schedule, graph, share)
+    except ScheduleError:  # the node's memory does not hold the tiles besides the ranks' buffers
+        return None
+    return cand, schedule, simulate(schedule, graph, hw)
+
+
 def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gpus_per_node: int, nodes: int,
                    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16", clip_gradients: bool = False,
                    method: Literal["milp", "enumerate"] = "milp") -> TopologySolution:
@@ -266,7 +297,7 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
                 failures.append(f"{mode}: {_first_sentence(str(e))}")
             else:
                 what = "a full copy of the masters and moments" if mode == "replicate" else f"1/{nodes} of them"
-                floor = held + cost.gather_buffer_bytes(graph, topo) + gpus_per_node * max(0, r.host_floor_bytes - state)
+                floor = held + cost.gather_buffer_bytes(graph, topo) + cost.gather_scratch_bytes(graph, topo) + gpus_per_node * max(0, r.host_floor_bytes - state)
                 failures.append(f"{mode}: {what}, {human_bytes(held)}, and {gpus_per_node} ranks' smallest buffers "
                                 f"need at least {human_bytes(floor)} of the node's {human_bytes(hw.host_memory_bytes)}")
             continue
@@ -275,18 +306,26 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
                                    # Each rank steps only its shard of one copy (one node, or a state
                                    # sharded across nodes: Plan.update_shards), so reduce-scatter.
                                    gradient_reduction=("reduce_scatter" if (nodes == 1 or mode == "shard")
-                                                       and ranks > 1 else "all_reduce"))
+                                                       and ranks > 1 else "all_reduce"),
+                                   # The node's ranks share its staging tiles, each casting 1/G.
+                                   shared_cast=sol.plan.cast_once and gpus_per_node > 1 and mode == "replicate")
         plan.check_against(sol.graph)
         schedule = lower(sol.graph, plan, carries_updates=sol.schedule.carries_updates)
         verify(schedule, sol.graph, view)
         timeline = simulate(schedule, sol.graph, hw)
+        shared = _with_shared_cast(sol.graph, plan, hw, view, sol.schedule.carries_updates)
+        if shared is not None and shared[2].step_time_s < timeline.step_time_s:
+            plan, schedule, timeline = shared
         mem = cost.memory_breakdown(sol.graph, plan, hw, schedule)
         node = cost.node_memory(sol.graph, plan, mem)
         gathers = [op for op in schedule.ops if op.kind is OpKind.H2D]
         network_s = sum(cost.weight_gather_time(sol.graph.layers[op.layer], hw, plan) for op in gathers)
         need = (f"{human_bytes(node.persistent)} of masters and moments + {gpus_per_node} ranks x "
                 f"{human_bytes(node.per_rank)} of buffers"
-                + (f" + {human_bytes(node.gather_buffers)} of gather buffers" if node.gather_buffers else "")
+                + (f" + {human_bytes(node.gather_buffers + node.gather_scratch)} of gather buffers"
+                   if node.gather_buffers else "")
+                + (f" + {human_bytes(node.shared_staging)} of BF16 staging tiles the node's ranks share"
+                   if node.shared_staging else "")
                 + f" = {human_bytes(node.total)} of the node's {human_bytes(hw.host_memory_bytes)}")
         if mode == "replicate":
             reason = f"replicate: a full copy on each node fits: {need}; no weights cross the network"

@@ -165,7 +165,8 @@ def _check_budget(c: _Context) -> None:
                  "use schedule.gradient_tiles for each layer's accumulator")
         if op.ring is not None and not 0 <= op.ring < plan.grad_ring:
             fail(i, "budget", f"ring tile {op.ring} outside the plan's {plan.grad_ring}", "raise Plan.grad_ring")
-        if op.tile is not None and not 0 <= op.tile < len(staging_numels):
+        # (An ALL_GATHER's tile is a gather tile: rule 'collectives' bounds it by cost.GATHER_BUFFERS.)
+        if op.tile is not None and op.kind is not OpKind.ALL_GATHER and not 0 <= op.tile < len(staging_numels):
             fail(i, "budget", f"staging tile {op.tile} outside the plan's {len(staging_numels)}",
                  "raise Plan.staging_ring")
         if op.copy is not None and not 0 <= op.copy < n_copies:
@@ -346,10 +347,14 @@ def _check_gradients(c: _Context) -> None:
 
 def _check_staging(c: _Context) -> None:
     """Rule ``staging``: a BF16 copy reads the staging tile its layer's CAST filled, with no update in
-    between; FP32 copies read the master rows."""
+    between; FP32 copies read the master rows, and with the host state sharded across nodes every
+    copy reads its gather tile (``Plan.staged``; rule ``collectives`` checks the gather)."""
     ops, plan, fail, before, by_kind, opt_by_layer = c.ops, c.plan, c.fail, c.before, c.by_kind, c.opt_by_layer
     ctx = c  # the loop below names a CAST c
-    if plan.compute_dtype != "float32":
+    direct = ("a float32 plan copies the master rows directly" if plan.compute_dtype == "float32" else
+              "a plan with host_state='shard' copies each layer from the gather tile its ALL_GATHER filled, in the "
+              "compute dtype")
+    if plan.staged:
         cast_by_tile: dict[int, list[int]] = defaultdict(list)
         for i in by_kind[OpKind.CAST]:
             cast_by_tile[ops[i].tile].append(i)
@@ -378,13 +383,12 @@ def _check_staging(c: _Context) -> None:
                          "master in between, so the copy may send stale weights",
                          f"cast layer {ops[h].layer} again after #{o} and copy from that cast")
     elif by_kind[OpKind.CAST]:
-        fail(by_kind[OpKind.CAST][0], "staging", "a float32 plan copies the master tiles directly",
-             "drop the CAST ops or lower with compute_dtype='bfloat16'")
+        fail(by_kind[OpKind.CAST][0], "staging", direct, "drop the CAST ops (lower the plan again)")
     else:
         for h in by_kind[OpKind.H2D]:
             if ops[h].tile is not None:
-                fail(h, "staging", f"a float32 plan copies the master rows directly, but it names staging tile "
-                     f"t{ops[h].tile}", f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
+                fail(h, "staging", f"{direct}, but it names staging tile t{ops[h].tile}",
+                     f"write H2D:L{ops[h].layer}:s{ops[h].slot}")
 
 
 def _check_kept_tile(c: _Context, h: int, casts: list[int], cast_by_tile: dict[int, list[int]]) -> None:
@@ -752,6 +756,9 @@ def _check_gathers(c: _Context) -> None:
     for i, op in enumerate(ops):
         if op.kind in (OpKind.H2D, OpKind.CAST):
             readers[op.layer].append(i)
+    if c.plan.shared_cast:
+        _check_shared_casts(c, mine, readers)
+        return
     for layer, steps in sorted(c.opt_by_layer.items()):
         got = mine.pop(layer, [])
         if len(got) != len(steps):
@@ -770,9 +777,49 @@ def _check_gathers(c: _Context) -> None:
         fail(got[0], "collectives", f"layer {layer} has no OPT in this schedule", "drop the op")
 
 
+def _check_shared_casts(c: _Context, mine: dict[int, list[int]], readers: dict[int, list[int]]) -> None:
+    """Part of rule ``collectives`` (``Plan.shared_cast``): each rank CASTs only its shard into the
+    node's staging tile of the layer, so every H2D that reads a CAST waits for an ALL_GATHER of the
+    layer (a barrier of the node's ranks) that happens after that CAST: the tile is whole only once
+    every rank's CAST is done. Each OPT is followed by a gather of its layer that happens after it,
+    every later H2D waits for that gather and every later CAST happens after the OPT (a CAST reads
+    only this rank's shard, which its own OPT wrote; the other ranks' shards are covered by the
+    gather that follows the CAST); and every gather follows an OPT or a CAST of its layer."""
+    ops, fail, before = c.ops, c.fail, c.before
+    covered: set[int] = set()
+    for layer, steps in sorted(c.opt_by_layer.items()):
+        for o in steps:
+            g = next((g for g in mine.get(layer, []) if g > o), None)
+            if g is None or not before(o, g):
+                fail(o, "collectives", f"layer {layer}'s sharded OPT needs an ALL_GATHER of the layer after it",
+                     "lower the plan again (lower adds one after each OPT)")
+            covered.add(g)
+            for r in readers[layer]:
+                if r > o and ops[r].kind is OpKind.H2D and not before(g, r):
+                    fail(r, "collectives", f"it reads layer {layer}'s staging tile while other ranks may still be "
+                         f"stepping their shards of it (OPT #{o})", f"make it depend on ALL_GATHER #{g}")
+                if r > o and ops[r].kind is OpKind.CAST and not before(o, r):
+                    fail(r, "collectives", f"it casts this rank's shard of layer {layer} while OPT #{o} may still "
+                         "step it", f"make it depend on #{o}")
+    for h in c.by_kind[OpKind.H2D]:
+        layer = ops[h].layer
+        for cast in (d for d in ops[h].deps if ops[d].kind is OpKind.CAST):
+            g = next((g for g in mine.get(layer, []) if before(cast, g) and before(g, h)), None)
+            if g is None:
+                fail(h, "collectives", f"it reads the node's shared staging tile t{ops[h].tile}, which CAST #{cast} "
+                     f"{ops[cast]!r} filled with this rank's shard only (Plan.shared_cast), before an ALL_GATHER "
+                     "of the layer after that CAST: other ranks may not have cast theirs yet",
+                     f"make it depend on an ALL_GATHER:L{layer} that depends on #{cast}")
+            covered.add(g)
+    for layer, got in sorted(mine.items()):
+        for g in got:
+            if g not in covered:
+                fail(g, "collectives", f"it follows no OPT or shared CAST of layer {layer}", "drop the op")
+
+
 def _check_weight_gathers(c: _Context) -> None:
     """Part of rule ``collectives`` (``Plan.host_state == "shard"``): no node holds a whole master,
-    so every read of one (an FP32 H2D, a BF16 CAST) depends on exactly one ALL_GATHER of its layer
+    so every read of one (an H2D; a CAST in schedules that cast) depends on exactly one ALL_GATHER of its layer
     with a gather tile (``t`` in ``[0, cost.GATHER_BUFFERS)``), and reads that tile; that gather
     happens after every earlier OPT of the layer (the node's shards are stepped before they are
     gathered) and before every later one (no shard changes while it is read); a later gather into the same tile happens after every read of the earlier one (a

@@ -303,27 +303,49 @@ def gather_weights(host: Any, layer: int, lo_hi: list[tuple[int, int]], dst: tor
                    dp: DataParallelHost) -> None:
     """Gather layer ``layer``'s whole master tile into ``dst`` (a node-shared ``numel``-element
     tile of the compute dtype, FP32 or BF16) from every node's slice of it (``lo_hi[n]``: node
-    ``n``'s ``[lo, hi)``, ``cost.node_slice``): the node's ranks wait for each other (every
-    rank's update of its shard, and every read of ``dst``'s last content, is done), the node
-    leaders all-gather their slices cast to ``dst``'s dtype over the leaders' group (gloo
-    needs equal sizes: each slice is padded to the longest, then copied to its place), and the
-    node's ranks wait again, so none reads ``dst`` before it is whole. Collective; raises
-    ``CollectiveError`` as :func:`collective`."""
+    ``n``'s ``[lo, hi)``, ``cost.node_slice``). The node's ranks wait for each other (every
+    rank's update of its shard, and every read of ``dst``'s last content, is done); each casts
+    its share (``cost.optimizer_shard`` of the slice among the node's ranks) of the node's slice
+    into the shared send buffer (``host.gather_scratch``); once all have, the node leaders
+    all-gather the send buffers over the leaders' group into the shared receive buffer (gloo
+    needs equal sizes: each slice is padded to the longest); then each rank copies its share of
+    the layer into its place in ``dst``, and they wait again, so none reads ``dst`` before it is
+    whole. So the node's host copies are split between its ranks, as their casts are with
+    ``Plan.shared_cast`` (``cost.weight_gather_host_time``). Collective; raises ``CollectiveError``
+    as :func:`collective`."""
     import torch.distributed as dist
 
+    from megatrain.planner import cost
+
     node_group = dp.groups.node
-    if dp.shared is not None:
+    shared = dp.shared is not None
+    ranks, me = (dp.topo.local_world, dp.topo.local_rank) if shared else (1, 0)
+    chunk = max(hi - lo for lo, hi in lo_hi)
+    lo, hi = lo_hi[dp.topo.node]
+    scratch = host.gather_scratch
+    if scratch is None or scratch.numel() < (len(lo_hi) + 1) * chunk * dst.element_size():
+        raise ConfigError(f"the weight gather of layer {layer} needs a scratch of {(len(lo_hi) + 1) * chunk} elements "
+                          "(cost.gather_scratch_bytes), and the sliced host state has "
+                          f"{0 if scratch is None else scratch.numel() // dst.element_size()}; make it with "
+                          "scratch_bytes=cost.gather_scratch_bytes(graph, plan)")
+    flat = scratch[:(len(lo_hi) + 1) * chunk * dst.element_size()].view(dst.dtype)
+    send, recv = flat[:chunk], flat[chunk:]
+    if shared:
+        dist.barrier(group=node_group)
+    a, b = cost.optimizer_shard(hi - lo, ranks, me)
+    send[a:b].copy_(host.master(layer)[a:b])  # this rank's share of the node's slice, cast
+    if shared:
         dist.barrier(group=node_group)
     if dp.writer:
-        chunk = max(hi - lo for lo, hi in lo_hi)
-        lo, hi = lo_hi[dp.topo.node]
-        mine = torch.zeros((chunk,), dtype=dst.dtype)
-        mine[:hi - lo].copy_(host.master(layer))
-        parts = [torch.empty((chunk,), dtype=dst.dtype) for _ in lo_hi]
-        dist.all_gather(parts, mine, group=dp.groups.leaders)
-        for (a, b), part in zip(lo_hi, parts):
-            dst[a:b].copy_(part[:b - a])
-    if dp.shared is not None:
+        dist.all_gather(list(recv.split(chunk)), send, group=dp.groups.leaders)
+    if shared:
+        dist.barrier(group=node_group)
+    a, b = cost.optimizer_shard(dst.numel(), ranks, me)  # this rank's share of the layer
+    for n, (p, q) in enumerate(lo_hi):
+        s, e = max(a, p), min(b, q)
+        if s < e:
+            dst[s:e].copy_(recv[n * chunk + s - p:n * chunk + e - p])
+    if shared:
         dist.barrier(group=node_group)
 
 

@@ -288,10 +288,12 @@ class Executor:
                 self._host_acts = {}
                 self._arena = PinnedArena(layout, be)
             arena = self._arena
-            if plan.compute_dtype == "float32":
-                self.host.pin_masters(be)  # H2D reads the master rows directly
+            if not plan.staged:
+                self.host.pin_masters(be)  # H2D reads the master rows (or a sliced state's gather tiles) directly
             else:
                 self.host.unpin_masters()
+                if plan.shared_cast:
+                    self.host.pin_staging(be)  # the node's shared tiles, which this rank's H2Ds read
             self._buffers = None  # let the old device buffers go before the new ones are made
             lay = arena.layout
             self._buffers = _Buffers(
@@ -480,28 +482,45 @@ Handler = Callable[[_RunContext, int, Op], Work]
 
 
 def _h2d(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Copy a layer's weights into its slot: from the staging tile the op names (BF16), else from
-    the FP32 master rows, or with a sliced host state (``Plan.host_state == "shard"``) from the
-    gather tile its ALL_GATHER filled."""
+    """Copy a layer's weights into its slot: from the staging tile the op names (BF16; with
+    ``Plan.shared_cast`` the node's shared tile of the layer), else from the FP32 master rows, or
+    with a sliced host state (``Plan.host_state == "shard"``) from the gather tile its ALL_GATHER
+    filled."""
     numel = ctx.graph.layers[op.layer].numel
-    src = ctx.bufs.staging[op.tile][:numel] if op.tile is not None else _master_source(ctx, i, op)
+    src = _staging(ctx, op)[:numel] if op.tile is not None else _master_source(ctx, i, op)
     return _copy(ctx.bufs.weights[op.slot][:numel], src)
 
 
 def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Write the layer's master as BF16 into staging tile ``op.tile``: from its master row (or, on a
-    sliced host state, the gather tile its ALL_GATHER filled), or (``op.buf``,
-    ``Plan.nvme_masters``) from the I/O buffer where its OPT just stepped it."""
-    if op.buf is None:
-        master = _master_source(ctx, i, op)
-        return _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
-    master = ctx.ex._nvme_pool[op.buf].view(torch.float32)[:ctx.graph.layers[op.layer].numel]
-    copy = _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
+    """Cast the layer's master tile into the staging tile the op names: from its master row (or, on
+    a sliced host state, the gather tile its ALL_GATHER filled); with ``Plan.shared_cast`` only this
+    rank's shard of it (``cost.cast_shard``) into the node's shared tile, which the ALL_GATHER after
+    the node's CASTs makes whole; or (``op.buf``, ``Plan.nvme_masters``) from the I/O buffer where
+    its OPT just stepped it."""
+    if op.buf is not None:
+        master = ctx.ex._nvme_pool[op.buf].view(torch.float32)[:ctx.graph.layers[op.layer].numel]
+        copy = _copy(ctx.bufs.staging[op.tile][:master.numel()], master)
 
-    def run() -> None:
-        ctx.recast = True
-        copy()
-    return run
+        def run() -> None:
+            ctx.recast = True
+            copy()
+        return run
+    master = _master_source(ctx, i, op)
+    plan, layer = ctx.schedule.plan, ctx.graph.layers[op.layer]
+    lo, hi = cost.cast_shard(layer.numel, layer.trainable_numel, plan, ctx.ex.shard_index)
+    return _copy(_staging(ctx, op)[lo:hi], master[lo:hi])
+
+
+def _staging(ctx: _RunContext, op: Op) -> torch.Tensor:
+    """The staging tile ``op`` (a CAST or BF16 H2D) names: the node's shared tile of its layer with
+    ``Plan.shared_cast`` (``HostState.staging``), else this rank's pinned arena tile."""
+    if not ctx.schedule.plan.shared_cast:
+        return ctx.bufs.staging[op.tile]
+    staging = ctx.ex.host.staging
+    if not staging:
+        raise ConfigError(f"{op!r}: the plan shares the node's staging tiles (Plan.shared_cast), but this host "
+                          "state has none (it was made for another plan); compile the trainer with this plan")
+    return staging[op.tile]
 
 
 def _master_source(ctx: _RunContext, i: int, op: Op) -> torch.Tensor:

@@ -56,6 +56,16 @@ def _block_bytes(numel: int, moments: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
+def _pages(nbytes: int) -> int:
+    """``nbytes`` (at least 1) rounded up to whole pages of the mapping."""
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+
+
+def _staging_bytes(numel: int) -> int:
+    """Bytes of a shared BF16 staging tile of ``numel`` elements in the mapping: whole pages."""
+    return _pages(numel * cost.STAGING_ITEMSIZE)
+
+
 def moments_key(layer: int) -> str:
     """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s two Adam moments."""
     return f"L{layer}.moments"
@@ -113,7 +123,12 @@ class HostState:
     ``cost.GATHER_BUFFERS`` gather tiles of ``gather_bytes`` each (:attr:`gather`, ``uint8``) after
     the blocks, which the schedule's ALL_GATHERs fill with whole layers for the H2D or CAST to read;
     no parameter of the module can be a view of a master it does not hold (:meth:`param_view`
-    raises).
+    raises). ``scratch_bytes``: the weight gathers' send and receive buffers
+    (:attr:`gather_scratch`, ``cost.gather_scratch_bytes``), shared like the tiles.
+
+    ``staging`` (``Plan.shared_cast``): a BF16 staging tile per layer after the blocks
+    (:attr:`staging`, ``[numel]`` each), shared by the node's ranks like the blocks, which each
+    rank's CAST fills with its shard and its H2Ds read whole (:meth:`pin_staging` pins them).
 
     Raises:
         ConfigError: ``nvme_moments`` or ``nvme_gradients`` without ``nvme_dir``, or naming a layer
@@ -124,7 +139,8 @@ class HostState:
     def __init__(self, graph: LayerGraph, nvme_moments: frozenset[int] = frozenset(), nvme_dir: str | None = None,
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
                  gradient_itemsize: int = 4, nvme_masters: frozenset[int] = frozenset(),
-                 slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0):
+                 slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
+                 staging: bool = False, scratch_bytes: int = 0):
         self.graph = graph
         self.shared = shared
         self.sliced = slices is not None
@@ -191,19 +207,38 @@ class HostState:
             size = -(-max(gather_bytes, 1) // _ALIGN) * _ALIGN
             self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN))[:gather_bytes]
                            for _ in range(cost.GATHER_BUFFERS)]
+        # The weight gathers' send and receive buffers (cost.gather_scratch_bytes), shared by the
+        # node's ranks so that each casts and copies its share (runtime.distributed.gather_weights).
+        self.gather_scratch = ((page_aligned_empty(_pages(scratch_bytes)) if shared is None
+                                else shared.take(_pages(scratch_bytes), _ALIGN))[:scratch_bytes]
+                               if self.sliced and scratch_bytes else None)
+        # Plan.shared_cast: a BF16 staging tile per layer after the blocks, in the node's shared
+        # mapping, into which each rank casts its shard (its own H2Ds read the whole tile).
+        # Whole pages each (``_staging_rows``, what is pinned), viewed as ``numel`` BF16 elements.
+        self._staging_rows: list[torch.Tensor] = [
+            page_aligned_empty(_staging_bytes(lay.numel)) if shared is None
+            else shared.take(_staging_bytes(lay.numel), _ALIGN) for lay in graph.layers] if staging else []
+        self.staging: list[torch.Tensor] = [row[:lay.numel * cost.STAGING_ITEMSIZE].view(torch.bfloat16)
+                                            for row, lay in zip(self._staging_rows, graph.layers)]
+        self._staging_pins: list[Any] = []
+        self._staging_pinned_by: Any = None
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
         self._pins: list[Any] = []
         self._pinned_by: Any = None
 
     @staticmethod
-    def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0) -> int:
+    def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
+                      staging: bool = False, scratch_bytes: int = 0) -> int:
         """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them; of
-        ``slices`` only, with the gather tiles of ``gather_bytes`` each): each rounded up to whole
-        pages."""
+        ``slices`` only, with the gather tiles of ``gather_bytes`` each), with ``staging`` a BF16
+        staging tile per layer too (``Plan.shared_cast``), and with ``slices`` the gathers' scratch
+        of ``scratch_bytes`` (``cost.gather_scratch_bytes``): each rounded up to whole pages."""
         if slices is None:
-            return sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
+            tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
+            return tiles + sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
         tiles = cost.GATHER_BUFFERS * (-(-max(gather_bytes, 1) // _ALIGN) * _ALIGN)
+        tiles += _pages(scratch_bytes) if scratch_bytes else 0
         return tiles + sum(_block_bytes(hi - lo, 2 * max(0, min(hi, lay.trainable_numel) - lo))
                            for (lo, hi), lay in zip(slices, graph.layers))
 
@@ -404,6 +439,15 @@ class HostState:
         self._pins = [None if row is None else backend.host_pin(row)
                       for row in (self.gather if self.sliced else self._rows)]
         self._pinned_by = backend
+
+    def pin_staging(self, backend: Any) -> None:
+        """Page-lock the shared staging tiles (``Plan.shared_cast``) through ``backend.host_pin``, so
+        this rank's H2Ds read them by DMA (each rank registers the node's one copy in its own
+        process). Idempotent for one backend; pinning for another releases the previous pins."""
+        if self._staging_pinned_by is not backend:
+            self._staging_pins = []
+            self._staging_pins = [backend.host_pin(row) for row in self._staging_rows]
+            self._staging_pinned_by = backend
 
     def unpin_masters(self) -> None:
         """Release the pins of :meth:`pin_masters` (BF16 compute reads staging tiles instead)."""
