@@ -854,8 +854,10 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     if host is None and planned.plan.data_parallel > 1 and planned.plan.host_state == "shard":
         if on_nvme:
             raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and shards the "
-                              "host state across nodes: not supported yet; keep the moments in host memory (no "
-                              "nvme_dir / --nvme-dir) when training on several ranks")
+                              "host state across nodes (host_state='shard'): not supported: a save reads whole "
+                              "moment rows from one node's files, and with the state sharded no node's files hold "
+                              "them all (a gather of the NVMe rows across nodes is not written); keep the moments "
+                              "in host memory, or use host_state='replicate' (moments on NVMe run under it)")
         host = _sharded_host(planned)
     elif host is None and planned.plan.data_parallel > 1:
         from megatrain.runtime.distributed import broadcast_masters, data_parallel_host

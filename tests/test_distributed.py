@@ -801,11 +801,17 @@ def test_what_several_ranks_cannot_run_yet_is_refused_before_anything_is_bound(t
     model = tiny_llama()
     own = [p.data_ptr() for p in model.parameters()]
     planned = megatrain.plan_model(model, seq_len=S, micro_batch_size=MBS)
-    plan = dataclasses.replace(planned.plan, data_parallel=2, nvme_moments=frozenset({1}))
-    with pytest.raises(ConfigError, match="on NVMe and trains data-parallel over 2 ranks: not supported yet"):
-        megatrain.materialize(dataclasses.replace(planned, plan=plan), OPT, nvme_dir=str(tmp_path))
+    with pytest.raises(PlanError, match="masters on NVMe run on one rank only: each rank's file would hold its "
+                                        "optimizer shard.*keep nvme_moments, which run under data parallel"):
+        dataclasses.replace(planned.plan, data_parallel=2, compute_dtype="bfloat16", cast_once=True,
+                            nvme_moments=frozenset({1}), nvme_masters=frozenset({1}))
+    with pytest.raises(PlanError, match="nvme_gradients.*gradients are reduced in the ring tile.*written out from its "
+                                        "I/O buffer before any reduction"):
+        dataclasses.replace(planned.plan, data_parallel=2, optimizer=OptimizerPlacement.NEXT_FORWARD,
+                            nvme_gradients=frozenset({1}))
     sharded = dataclasses.replace(planned.plan, data_parallel=2, nodes=2, host_state="shard")
-    with pytest.raises(ConfigError, match="moments of layers \\[1\\] on NVMe and shards the host state.*not supported"):
+    with pytest.raises(ConfigError, match="moments of layers \\[1\\] on NVMe and shards the host state.*not supported: a save "
+                                           "reads whole moment rows from one node's files"):
         megatrain.materialize(dataclasses.replace(planned, plan=dataclasses.replace(
             sharded, nvme_moments=frozenset({1}))), OPT, nvme_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="host_state='shard' splits the host state across the nodes.*there is none"):
