@@ -897,3 +897,28 @@ def test_data_parallel_ranks_keep_their_optimizer_shard_of_the_moments_in_files_
     (tmp_path / "L1.r3.moments.tile").unlink()
     with pytest.raises(NvmeError, match=r"L1\.r3\.moments\.tile.* is missing"):
         ranks[0].moment_row(1, 0).read()
+
+
+def test_the_placement_under_data_parallel_sizes_a_rank_s_buffers_and_a_node_s_disk():
+    """place_on_nvme with data_parallel 2 on one node: the I/O buffer holds a rank's shard of the
+    moments (cost.nvme_buffers' size), and the node's drives hold one copy where its two ranks share
+    it, two where each has its own (and move that much each step)."""
+    graph = chain_graph(3, numel=[1000, 20480, 20480])  # 20,480 x 8 bytes: whole 4 KiB blocks
+    whole = 20480 * 8
+    placements = {}
+    for name, extra in (("one", {}), ("shared", dict(data_parallel=2, optimizer_shards=2)),
+                        ("own", dict(data_parallel=2))):
+        plan = Plan(nvme_buffers=1, **extra)
+        mem = cost.memory_breakdown(graph, plan)
+        hw = spec(host_memory_bytes=mem.host_total - 1, pinned_memory_cap_bytes=mem.host_pinned,
+                  nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+        placements[name] = p = place_on_nvme(graph, plan, mem, hw)
+        assert p.buffer_bytes == math.prod(cost.nvme_buffers(graph, dataclasses.replace(plan, nvme_moments=p.moments)))
+    # One rank's buffer of a whole layer frees no more than it takes: two layers move. A shard's
+    # buffer is half a layer: one layer is enough.
+    assert len(placements["one"].moments) == len(placements["own"].moments) == 2
+    assert len(placements["shared"].moments) == 1
+    assert placements["one"].buffer_bytes == placements["own"].buffer_bytes == whole
+    assert placements["shared"].buffer_bytes == whole // 2
+    assert placements["one"].nvme_bytes == 2 * whole and placements["shared"].nvme_bytes == whole
+    assert placements["own"].nvme_bytes == 4 * whole and placements["own"].read_bytes == 4 * whole
