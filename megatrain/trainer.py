@@ -36,7 +36,8 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
-from megatrain.runtime.host import MASTER, HostState, NvmeRow, NvmeShards, SlicedRow, as_tensor, bind_module, unbind_spilled
+from megatrain.runtime.host import (MASTER, HostState, NvmeRow, NvmeShards, SlicedRow, as_tensor, bind_module,
+                                    unbind_spilled)
 from megatrain.runtime.measure import measure_hardware
 
 

@@ -810,8 +810,8 @@ def test_what_several_ranks_cannot_run_yet_is_refused_before_anything_is_bound(t
         dataclasses.replace(planned.plan, data_parallel=2, optimizer=OptimizerPlacement.NEXT_FORWARD,
                             nvme_gradients=frozenset({1}))
     sharded = dataclasses.replace(planned.plan, data_parallel=2, nodes=2, host_state="shard")
-    with pytest.raises(ConfigError, match="moments of layers \\[1\\] on NVMe and shards the host state.*not supported: a save "
-                                           "reads whole moment rows from one node's files"):
+    with pytest.raises(ConfigError, match="moments of layers \\[1\\] on NVMe and shards the host state.*not "
+                                           "supported: a save reads whole moment rows from one node's files"):
         megatrain.materialize(dataclasses.replace(planned, plan=dataclasses.replace(
             sharded, nvme_moments=frozenset({1}))), OPT, nvme_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="host_state='shard' splits the host state across the nodes.*there is none"):

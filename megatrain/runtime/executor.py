@@ -704,7 +704,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     """Host AdamW step of one layer from the gradient tile or accumulator the op names (with
     ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
     state holds the layer from its slice's start on), on its
-    moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf``; BF16
+    moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
+    parallel it holds this rank's shard only, ``HostState.nvme_span``); BF16
     gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
     for FP32 masters; the widening is exact)."""
     ex, li = ctx.ex, op.layer

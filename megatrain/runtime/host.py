@@ -82,8 +82,9 @@ class NvmeShards:
 
     def __post_init__(self) -> None:
         if not (self.ways >= 1 and 0 <= self.index < self.ways and self.first <= self.rank):
-            raise ConfigError(f"NvmeShards(rank={self.rank}, ways={self.ways}, index={self.index}, first={self.first}): "
-                              "the shard index is in [0, ways) and the node's first rank is at most this rank")
+            raise ConfigError(f"NvmeShards(rank={self.rank}, ways={self.ways}, index={self.index}, "
+                              f"first={self.first}): the shard index is in [0, ways) and the node's first rank is "
+                              "at most this rank")
 
     def span(self, trainable_numel: int) -> tuple[int, int]:
         """Elements ``[lo, hi)`` of the layer's moment rows this rank's file holds."""
@@ -125,6 +126,10 @@ class HostState:
     (None without NVMe layers). The layers of ``nvme_gradients`` (``Plan.nvme_gradients``) get a
     scratch file each for their deferred gradient tile (``<dir>/L<i>.grad.tile``,
     ``trainable_numel * gradient_itemsize`` bytes), which only the schedule's NVMe ops use.
+    Under data parallel (``nvme_shards``, :class:`NvmeShards`) each rank's file holds the moments
+    of its optimizer shard only, ``<dir>/L<i>.r<rank>.moments.tile`` (:meth:`nvme_span`), so the
+    node's ranks share one directory; ``read_moments`` / ``write_moments`` move that shard, and
+    :class:`NvmeMomentRow` whole rows.
 
     Masters on NVMe. The layers of ``nvme_masters`` (a subset of ``nvme_moments``) keep their
     master too in their file, before the moments (``<dir>/L<i>.state.tile``: master, ``exp_avg``,
