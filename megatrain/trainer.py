@@ -36,7 +36,8 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
-from megatrain.runtime.host import MASTER, HostState, NvmeRow, SlicedRow, as_tensor, bind_module, unbind_spilled
+from megatrain.runtime.host import (MASTER, HostState, NvmeRow, NvmeShards, SlicedRow, as_tensor, bind_module,
+                                    unbind_spilled)
 from megatrain.runtime.measure import measure_hardware
 
 
@@ -195,6 +196,11 @@ class Trainer:
         dp = self.host.data_parallel
         if self.host.sliced:
             return self._save_sliced(path, **kwargs)
+        if self.host.nvme_shards is not None:
+            # Rank 0 reads the NVMe moments from its node's files (every node holds the whole state,
+            # so the files of node 0's ranks hold every shard: HostState.read_moment): each rank's
+            # last NVME_WRITE must be done first.
+            dp.barrier("the barrier before rank 0 reads the ranks' NVMe files for a save")
         out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
         dp.barrier("the barrier after rank 0's save")
         return out
@@ -859,20 +865,23 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     if host is None and planned.plan.data_parallel > 1 and planned.plan.host_state == "shard":
         if on_nvme:
             raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and shards the "
-                              "host state across nodes: not supported yet; keep the moments in host memory (no "
-                              "nvme_dir / --nvme-dir) when training on several ranks")
+                              "host state across nodes (host_state='shard'): not supported: a save reads whole "
+                              "moment rows from one node's files, and with the state sharded no node's files hold "
+                              "them all (a gather of the NVMe rows across nodes is not written); keep the moments "
+                              "in host memory, or use host_state='replicate' (moments on NVMe run under it)")
         host = _sharded_host(planned)
     elif host is None and planned.plan.data_parallel > 1:
         from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
 
-        if on_nvme:  # the ranks' files would share names in one directory, and shards one file
-            raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and trains "
-                              f"data-parallel over {planned.plan.data_parallel} ranks: not supported yet; keep the "
-                              "moments in host memory (no nvme_dir / --nvme-dir) when training on several ranks")
         staging = planned.plan.shared_cast
-        dp = data_parallel_host(HostState.shared_nbytes(traced.graph, staging=staging), planned.plan.data_parallel,
-                                planned.plan.optimizer_shards)
-        host = HostState(traced.graph, shared=dp.shared, writer=dp.writer, staging=staging)
+        dp = data_parallel_host(HostState.shared_nbytes(traced.graph, staging=staging, nvme_moments=on_nvme),
+                                planned.plan.data_parallel, planned.plan.optimizer_shards)
+        # Each rank's NVMe files hold the moments of what its OPTs step (its optimizer shard, the
+        # whole tile where each rank has a copy), named by its global rank (HostState, NvmeShards).
+        shards = NvmeShards(rank=dp.topo.rank, ways=planned.plan.update_shards, index=dp.shard_index,
+                            first=dp.topo.rank - dp.topo.local_rank) if on_nvme else None
+        host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir), shared=dp.shared,
+                         writer=dp.writer, staging=staging, nvme_shards=shards)
         host.data_parallel = dp
         bind_module(model, host, writer=dp.writer)
         broadcast_masters([host.master(i) for i in range(len(traced.graph.layers))], dp)

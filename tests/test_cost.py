@@ -66,12 +66,36 @@ def test_op_times_by_hand():
         assert cost.op_duration(kind, g, 0, fp32, hw) == expect
 
 
+def test_nvme_bytes_buffers_and_time_count_one_rank_s_shard_at_its_share_of_the_node_s_drives():
+    """Under data parallel a rank's NVMe file holds the moments of what its OPT steps
+    (cost.optimizer_shard): the whole tile with a copy per rank, 1/G with a node's shared copy; the
+    node's G ranks move theirs at once over the node's drives, so each gets 1/G of the spec's rate."""
+    g = chain_graph(2, numel=[1000, 20000])
+    hw = spec(op_latency_s=1e-6, nvme_read_bytes_per_s=2e9, nvme_write_bytes_per_s=1e9)
+    one, own, shared = Plan(), Plan(data_parallel=2), Plan(data_parallel=2, optimizer_shards=2)
+    lay = g.layers[1]
+    # 20,000 moments x 8 bytes = 160,000, padded to 4096: 163,840; a shard of two is 10,000 elements
+    # (ceil(20000 / 2) on 16-element boundaries): 80,000 bytes, padded: 81,920.
+    assert cost.nvme_bytes(lay, plan=one) == cost.nvme_bytes(lay, plan=own) == cost.nvme_bytes(lay) == 163840
+    assert cost.nvme_bytes(lay, plan=shared) == 81920
+    for plan in (one, own, shared):
+        moved = dataclasses.replace(plan, nvme_moments=frozenset({0, 1}))
+        assert cost.nvme_buffers(g, moved) == (2, cost.nvme_bytes(lay, plan=plan))
+    assert cost.nvme_time(lay, hw, OpKind.NVME_READ, plan=one) == pytest.approx(163840 / 2e9 + 1e-6)
+    assert cost.nvme_time(lay, hw, OpKind.NVME_READ, plan=own) == pytest.approx(2 * 163840 / 2e9 + 1e-6)
+    assert cost.nvme_time(lay, hw, OpKind.NVME_WRITE, plan=shared) == pytest.approx(2 * 81920 / 1e9 + 1e-6)
+    # Two nodes of one rank each: each rank has its node's drives to itself.
+    assert cost.nvme_time(lay, hw, OpKind.NVME_READ, plan=Plan(data_parallel=2, nodes=2)) == pytest.approx(
+        163840 / 2e9 + 1e-6)
+
+
 def test_every_op_kind_has_one_duration_formula():
     g = chain_graph(2, numel=[1000, 2000], fwd_flops=[3 * 10**6, 5 * 10**6])
     hw = spec(op_latency_s=1e-6, nvme_read_bytes_per_s=2e9, nvme_write_bytes_per_s=1e9, allreduce_bytes_per_s=1e9)
     plan = Plan(compute_dtype="bfloat16", data_parallel=2)
     assert cost.op_duration(OpKind.RECOMPUTE, g, 1, plan, hw) == cost.fwd_time(g.layers[1], plan, hw)
-    assert cost.op_duration(OpKind.NVME_READ, g, 1, plan, hw) == cost.nvme_time(g.layers[1], hw, OpKind.NVME_READ)
+    assert cost.op_duration(OpKind.NVME_READ, g, 1, plan, hw) == cost.nvme_time(g.layers[1], hw, OpKind.NVME_READ,
+                                                                                plan=plan)
     assert cost.nvme_time(g.layers[1], hw, OpKind.NVME_WRITE) == pytest.approx(16384 / 1e9 + 1e-6)
     assert cost.op_duration(OpKind.CAST, g, 1, plan, hw) == cost.cast_time(g.layers[1], hw, plan)
     assert cost.op_duration(OpKind.OFFLOAD, g, 0, plan, hw) == cost.offload_time(g, 0, hw, OpKind.OFFLOAD)

@@ -664,6 +664,83 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
         assert ranks[r]["bf16_losses"][r * k:(r + 1) * k] == mine, f"rank {r}"  # (every rank reports all)
 
 
+def _nvme_main(rank: int, world: int, init_file: str, out: str, ckpt: str, nvme_dir: str) -> None:
+    """One rank of a node of two sharing one host copy: two trainers of the same weights, one all in
+    RAM and one with the Adam moments of layers 1 and 3 in NVMe files (``nvme_dir``, shared by the
+    ranks), both loading one process's checkpoint, then taking the same clipped steps."""
+    from megatrain.runtime.nvme import align_up
+    from megatrain.planner import cost
+
+    with _process_group(rank, world, init_file, local_world=world):
+        k, clip, on_nvme = 2, 0.5, frozenset({1, 3})
+        plan = Plan(micro_batches=k, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=8)
+        trainers = []
+        for moved in (frozenset(), on_nvme):
+            trainers.append(megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=MBS, micro_batches=k,
+                                              optimizer=OPT, max_grad_norm=clip,
+                                              plan=dataclasses.replace(plan, nvme_moments=moved),
+                                              nvme_dir=nvme_dir if moved else None))
+        ram, disk = trainers
+        assert (disk.plan.optimizer_shards, disk.plan.gradient_reduction, disk.plan.nvme_moments) == (
+            2, "reduce_scatter", on_nvme)
+        rows = k * MBS
+        results: list[list] = [[], []]
+        for t, res in zip(trainers, results):
+            t.load(ckpt)  # every rank writes its shard of the NVMe layers' moments into its own files
+            for b in _global_batches(world, k, 3):
+                r = t.step({n: x[rank * rows:(rank + 1) * rows] for n, x in b.items()})
+                res.append((r.loss, r.micro_batch_losses, r.grad_norm))
+            t.flush()
+        disk.save(f"{out}.ckpt")  # rank 0 reads the moments of layers 1 and 3 from both ranks' files
+        states = [t.state_dict(flush=False) for t in trainers]
+        same_weights = all(torch.equal(states[0]["model"][n], states[1]["model"][n]) for n in states[0]["model"])
+        same_moments = all(torch.equal(states[0]["optimizer"][n], megatrain.runtime.host.as_tensor(v))
+                           for n, v in states[1]["optimizer"].items())
+        files = {}
+        for li in on_nvme:
+            lo, hi = cost.optimizer_shard(disk.graph.layers[li].trainable_numel, 2, rank)
+            path = os.path.join(nvme_dir, f"L{li}.r{rank}.moments.tile")
+            files[li] = (os.path.getsize(path), align_up(2 * (hi - lo) * 4), hi - lo)
+        torch.save({"results": results, "weights": same_weights, "moments": same_moments, "files": files,
+                    "state": {n: p.detach().clone() for n, p in ram.model.named_parameters()},
+                    "exp_avg_sq": megatrain.runtime.host.as_tensor(
+                        states[1]["optimizer"][f"{disk.graph.layers[3].name}.exp_avg_sq"])}, f"{out}.{rank}")
+
+
+def test_two_ranks_with_moments_on_nvme_train_bitwise_as_with_them_in_ram_and_checkpoints_cross(tmp_path):
+    """Plan.nvme_moments under data parallel: 2 ranks sharing a node (FP32, clipped, 2 micro-batches),
+    the moments of layers 1 and 3 in per-rank NVMe files in one directory. Losses, global norms,
+    final weights and moments equal the same 2-rank run with everything in RAM bitwise (same
+    ranks, same shards, same arithmetic); each rank's files hold its optimizer shard (half a layer);
+    the checkpoint of one process (with moments after a step) loads into the ranks, and theirs
+    loads into one process all in RAM."""
+    torch.manual_seed(7)
+    start = megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=MBS, optimizer=OPT)
+    start.step(random_batch(MBS, S, VOCAB, seed=5))  # moments that are not zeros
+    start.save(tmp_path / "start")
+    (tmp_path / "nvme").mkdir()
+    out = str(tmp_path / "rank")
+    mp.spawn(_nvme_main, args=(2, str(tmp_path / "init"), out, str(tmp_path / "start"), str(tmp_path / "nvme")),
+             nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    for r in ranks:
+        ram, disk = r["results"]
+        assert ram == disk and ram == ranks[0]["results"][0]
+        assert r["weights"] and r["moments"]
+        assert ram[0][2] > 0.5  # the first step's global norm exceeds the bound: the clipping acts
+    sizes = [{li: f for li, f in r["files"].items()} for r in ranks]
+    for li in (1, 3):  # each rank's file holds its shard: the two shards make the layer
+        assert all(size == want for size, want, _ in (s[li] for s in sizes))
+        assert sizes[0][li][2] + sizes[1][li][2] == start.graph.layers[li].trainable_numel
+        assert sizes[0][li][2] < start.graph.layers[li].trainable_numel
+    model = tiny_llama()
+    one = megatrain.compile(model, seq_len=S, micro_batch_size=MBS, optimizer=OPT)
+    one.load(f"{out}.ckpt")
+    assert all(torch.equal(p.detach(), ranks[0]["state"][n]) for n, p in model.named_parameters())
+    got = one.state_dict(flush=False)["optimizer"][f"{one.graph.layers[3].name}.exp_avg_sq"]
+    assert torch.equal(got, ranks[0]["exp_avg_sq"]) and got.abs().sum() > 0 and one.step_count == 4
+
+
 def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> None:
     """One rank of a node of two: loads the checkpoint one process saved, then takes the same
     clipped steps on the CPU backend and on the CUDA backend over the asynchronous fake CUDA (the
@@ -865,11 +942,17 @@ def test_what_several_ranks_cannot_run_yet_is_refused_before_anything_is_bound(t
     model = tiny_llama()
     own = [p.data_ptr() for p in model.parameters()]
     planned = megatrain.plan_model(model, seq_len=S, micro_batch_size=MBS)
-    plan = dataclasses.replace(planned.plan, data_parallel=2, nvme_moments=frozenset({1}))
-    with pytest.raises(ConfigError, match="on NVMe and trains data-parallel over 2 ranks: not supported yet"):
-        megatrain.materialize(dataclasses.replace(planned, plan=plan), OPT, nvme_dir=str(tmp_path))
+    with pytest.raises(PlanError, match="masters on NVMe run on one rank only: each rank's file would hold its "
+                                        "optimizer shard.*keep nvme_moments, which run under data parallel"):
+        dataclasses.replace(planned.plan, data_parallel=2, compute_dtype="bfloat16", cast_once=True,
+                            nvme_moments=frozenset({1}), nvme_masters=frozenset({1}))
+    with pytest.raises(PlanError, match="nvme_gradients.*gradients are reduced in the ring tile.*written out from its "
+                                        "I/O buffer before any reduction"):
+        dataclasses.replace(planned.plan, data_parallel=2, optimizer=OptimizerPlacement.NEXT_FORWARD,
+                            nvme_gradients=frozenset({1}))
     sharded = dataclasses.replace(planned.plan, data_parallel=2, nodes=2, host_state="shard")
-    with pytest.raises(ConfigError, match="moments of layers \\[1\\] on NVMe and shards the host state.*not supported"):
+    with pytest.raises(ConfigError, match="moments of layers \\[1\\] on NVMe and shards the host state.*not "
+                                           "supported: a save reads whole moment rows from one node's files"):
         megatrain.materialize(dataclasses.replace(planned, plan=dataclasses.replace(
             sharded, nvme_moments=frozenset({1}))), OPT, nvme_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="host_state='shard' splits the host state across the nodes.*there is none"):

@@ -859,3 +859,66 @@ def test_verifier_rejects_gradient_tile_nvme_op_misuse():
                                                               + hw.op_latency_s)
     assert cost.op_times(s, g, hw)[w] == pytest.approx(cost.nvme_gradient_bytes(g.layers[ops[w].layer], plan) / 5e5
                                                        + hw.op_latency_s)
+
+
+def test_data_parallel_ranks_keep_their_optimizer_shard_of_the_moments_in_files_of_their_own(tmp_path):
+    """Plan.nvme_moments under data parallel (HostState.nvme_shards): the two ranks of a node sharing
+    one copy each keep their optimizer shard (cost.optimizer_shard) of a layer's moments in a file
+    named by their global rank, in one directory; a state-dict row reads the whole row from both
+    files, and a load writes only the rank's own shard. (Two HostStates in one process stand for the
+    ranks; the spawned run is tests/test_distributed.py.)"""
+    from megatrain.runtime.host import NvmeMomentRow, NvmeShards, moments_key
+
+    graph = chain_graph(2, numel=[1000, 2000])
+    ranks = [HostState(graph, frozenset({1}), str(tmp_path), nvme_shards=NvmeShards(rank=2 + r, ways=2, index=r,
+                                                                                       first=2))
+             for r in range(2)]  # node 1 of a 4-rank world: global ranks 2 and 3
+    assert moments_key(1) == "L1.moments" and moments_key(1, 3) == "L1.r3.moments"
+    spans = [h.nvme_span(1) for h in ranks]
+    assert spans == [cost.optimizer_shard(2000, 2, r) for r in range(2)] == [(0, 1008), (1008, 2000)]
+    for r, (lo, hi) in enumerate(spans):  # the file: exp_avg then exp_avg_sq of the shard, 4 KiB blocks
+        assert os.path.getsize(tmp_path / f"L1.r{2 + r}.moments.tile") == nvme.align_up(2 * (hi - lo) * 4)
+    assert sorted(os.listdir(tmp_path)) == ["L1.r2.moments.tile", "L1.r3.moments.tile"]
+    # The I/O buffer the executor sizes (cost.nvme_buffers of the plan) holds the larger shard, not the layer.
+    plan = Plan(data_parallel=2, optimizer_shards=2, nvme_moments=frozenset({1}))
+    assert cost.nvme_buffers(graph, plan) == (1, nvme.align_up(2 * 1008 * 4))
+    want = torch.arange(2000, dtype=torch.float32)
+    for h in ranks:  # every rank loads the same checkpoint row; each writes its own shard
+        NvmeMomentRow(h, 1, 1).copy_(want)
+    for h, (lo, hi) in zip(ranks, spans):
+        mine = h.read_moments(1)
+        assert torch.equal(mine[hi - lo:], want[lo:hi]) and not mine[:hi - lo].any()
+        row = h.moment_row(1, 1)
+        assert row.shape == (2000,) and torch.equal(row.read(), want)  # whole, from both ranks' files
+        assert not h.moment_row(1, 0).read().any()
+    with pytest.raises(ConfigError, match="per-rank NVMe files .*hold Adam moments only"):
+        HostState(graph, frozenset({1}), str(tmp_path), nvme_masters=frozenset({1}),
+                  nvme_shards=NvmeShards(rank=0, ways=1, index=0, first=0))
+    (tmp_path / "L1.r3.moments.tile").unlink()
+    with pytest.raises(NvmeError, match=r"L1\.r3\.moments\.tile.* is missing"):
+        ranks[0].moment_row(1, 0).read()
+
+
+def test_the_placement_under_data_parallel_sizes_a_rank_s_buffers_and_a_node_s_disk():
+    """place_on_nvme with data_parallel 2 on one node: the I/O buffer holds a rank's shard of the
+    moments (cost.nvme_buffers' size), and the node's drives hold one copy where its two ranks share
+    it, two where each has its own (and move that much each step)."""
+    graph = chain_graph(3, numel=[1000, 20480, 20480])  # 20,480 x 8 bytes: whole 4 KiB blocks
+    whole = 20480 * 8
+    placements = {}
+    for name, extra in (("one", {}), ("shared", dict(data_parallel=2, optimizer_shards=2)),
+                        ("own", dict(data_parallel=2))):
+        plan = Plan(nvme_buffers=1, **extra)
+        mem = cost.memory_breakdown(graph, plan)
+        hw = spec(host_memory_bytes=mem.host_total - 1, pinned_memory_cap_bytes=mem.host_pinned,
+                  nvme_capacity_bytes=10**9, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+        placements[name] = p = place_on_nvme(graph, plan, mem, hw)
+        assert p.buffer_bytes == math.prod(cost.nvme_buffers(graph, dataclasses.replace(plan, nvme_moments=p.moments)))
+    # One rank's buffer of a whole layer frees no more than it takes: two layers move. A shard's
+    # buffer is half a layer: one layer is enough.
+    assert len(placements["one"].moments) == len(placements["own"].moments) == 2
+    assert len(placements["shared"].moments) == 1
+    assert placements["one"].buffer_bytes == placements["own"].buffer_bytes == whole
+    assert placements["shared"].buffer_bytes == whole // 2
+    assert placements["one"].nvme_bytes == 2 * whole and placements["shared"].nvme_bytes == whole
+    assert placements["own"].nvme_bytes == 4 * whole and placements["own"].read_bytes == 4 * whole

@@ -384,6 +384,20 @@ def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
     assert T.preflight_host_memory(dp, data_bytes=7, available=None) == shared + 2 * (host - shared + 7)
     with pytest.raises(PlanError, match="the node's 2 ranks share the weights and moments"):
         T.preflight_host_memory(dp, data_bytes=7, available=(host + 7, "test"))
+    # Two ranks of a node with a copy each: both copies are in the node's memory.
+    own = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, data_parallel=2))
+    assert T.preflight_host_memory(own, data_bytes=7, available=None) == 2 * (host + 7)
+    with pytest.raises(PlanError, match="the node's 2 ranks hold 2 copies of the weights and moments"):
+        T.preflight_host_memory(own, data_bytes=7, available=(host + 7, "test"))
+    # Moments on NVMe under data parallel: not in the shared copy; each rank's I/O buffers (its shard's
+    # size, cost.nvme_buffers) count once per rank of the node.
+    nvme_plan = dataclasses.replace(dp.plan, nvme_moments=frozenset(
+        i for i, lay in enumerate(graph.layers) if lay.trainable_numel))
+    mem = memory_breakdown(graph, nvme_plan)
+    on_nvme = dataclasses.replace(dp, plan=nvme_plan, memory=mem)
+    assert mem.adam_moments == 0 and 0 < mem.nvme_buffers < planned.memory.adam_moments
+    assert T.preflight_host_memory(on_nvme, data_bytes=7, available=None) == (
+        mem.master_weights + 2 * (mem.host_total - mem.master_weights + 7))
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])

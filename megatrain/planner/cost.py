@@ -369,9 +369,9 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.CAST: lambda g, i, plan, hw: cast_time(g.layers[i], hw, plan),
     OpKind.ACC: lambda g, i, plan, hw: acc_time(g.layers[i], hw, plan),
     OpKind.NVME_READ: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_READ,
-                                                       nvme_bytes(g.layers[i], i in plan.nvme_masters)),
+                                                       nvme_bytes(g.layers[i], i in plan.nvme_masters, plan), plan),
     OpKind.NVME_WRITE: lambda g, i, plan, hw: nvme_time(g.layers[i], hw, OpKind.NVME_WRITE,
-                                                        nvme_bytes(g.layers[i], i in plan.nvme_masters)),
+                                                        nvme_bytes(g.layers[i], i in plan.nvme_masters, plan), plan),
     OpKind.ALL_REDUCE: lambda g, i, plan, hw: all_reduce_time(g.layers[i], hw, plan),
     OpKind.REDUCE_SCATTER: lambda g, i, plan, hw: reduce_scatter_time(g.layers[i], hw, plan),
     # On a node's shared host state the gather moves no bytes: it waits for the other ranks' shards.
@@ -396,7 +396,8 @@ def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
     """Seconds ``op`` takes on its resource under ``hw`` (:func:`op_duration` of its kind and layer;
     an NVMe transfer of a gradient tile, ``Op.gbuf``, moves :func:`nvme_gradient_bytes`)."""
     if op.gbuf is not None and op.kind in (OpKind.NVME_READ, OpKind.NVME_WRITE):
-        return nvme_time(graph.layers[op.layer], hw, op.kind, nvme_gradient_bytes(graph.layers[op.layer], plan))
+        return nvme_time(graph.layers[op.layer], hw, op.kind, nvme_gradient_bytes(graph.layers[op.layer], plan),
+                         plan)
     return _DURATION[op.kind](graph, op.layer, plan, hw)
 
 
@@ -960,12 +961,14 @@ __all__ = [
 ]
 
 
-def nvme_bytes(layer: Layer, masters: bool = False) -> int:
-    """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves: its two FP32 Adam moments (8 bytes per
-    trainable parameter) and, with ``masters`` (``Plan.nvme_masters``: one file holds both), its
-    FP32 master before them (4 bytes per parameter, frozen ones included), padded to the 4096-byte
-    O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
-    nbytes = (layer.trainable_numel * MOMENT_BYTES_PER_ELEMENT
+def nvme_bytes(layer: Layer, masters: bool = False, plan: Plan | None = None) -> int:
+    """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves on one rank: its two FP32 Adam moments (8
+    bytes per trainable parameter; under ``plan``'s data parallel, of the part one rank steps,
+    :func:`optimizer_numel`: each rank's file holds its optimizer shard, the whole tile where each
+    rank steps a copy of its own) and, with ``masters`` (``Plan.nvme_masters``: one file holds
+    both), its FP32 master before them (4 bytes per parameter, frozen ones included), padded to the
+    4096-byte O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
+    nbytes = (optimizer_numel(layer, plan) * MOMENT_BYTES_PER_ELEMENT
               + (layer.numel * MASTER_BYTES_PER_ELEMENT if masters else 0))
     return -(-nbytes // 4096) * 4096
 
@@ -986,7 +989,7 @@ def nvme_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
     if not plan.nvme_moments:
         return 0, 0
     return (min(plan.nvme_buffers, len(plan.nvme_moments)),
-            max(nvme_bytes(graph.layers[i], i in plan.nvme_masters) for i in plan.nvme_moments))
+            max(nvme_bytes(graph.layers[i], i in plan.nvme_masters, plan) for i in plan.nvme_moments))
 
 
 def nvme_gradient_bytes(layer: Layer, plan: Plan) -> int:
@@ -1008,10 +1011,14 @@ def nvme_gradient_buffers(graph: LayerGraph, plan: Plan) -> tuple[int, int]:
             max(nvme_gradient_bytes(graph.layers[i], plan) for i in plan.nvme_gradients))
 
 
-def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind, nbytes: int | None = None) -> float:
+def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind, nbytes: int | None = None,
+              plan: Plan | None = None) -> float:
     """Seconds an NVME_READ or NVME_WRITE of ``layer`` takes on the NVMe tier: ``nbytes`` (default
     :func:`nvme_bytes`, the moments; a gradient tile's is :func:`nvme_gradient_bytes`) over
-    ``hw.nvme_read_bytes_per_s`` / ``nvme_write_bytes_per_s``, plus the op latency.
+    ``hw.nvme_read_bytes_per_s`` / ``nvme_write_bytes_per_s`` shared by ``plan.gpus_per_node``
+    ranks (the spec's rate is the node's drives'; its ranks run the same schedule at once, each
+    moving its own files: an equal share each, as :func:`host_rate` shares the host's memory
+    bandwidth), plus the op latency.
 
     Raises:
         ConfigError: ``hw`` has no NVMe rate (attach an array: ``planner.nvme.with_nvme``).
@@ -1020,7 +1027,8 @@ def nvme_time(layer: Layer, hw: HardwareSpec, kind: OpKind, nbytes: int | None =
         rate = _rate(hw, "nvme_read_bytes_per_s", hw.nvme_read_bytes_per_s, "an NVMe read")
     else:
         rate = _rate(hw, "nvme_write_bytes_per_s", hw.nvme_write_bytes_per_s, "an NVMe write")
-    return (nvme_bytes(layer) if nbytes is None else nbytes) / rate + hw.op_latency_s
+    share = plan.gpus_per_node if plan is not None else 1
+    return (nvme_bytes(layer, plan=plan) if nbytes is None else nbytes) * share / rate + hw.op_latency_s
 
 
 def _intra_rate(hw: HardwareSpec, what: str) -> float:

@@ -177,10 +177,11 @@ class NvmePlacement:
     Attributes:
         gradients, moments, masters: layer indices whose deferred gradient tile / Adam moments /
             FP32 masters live on NVMe.
-        nvme_bytes: bytes on NVMe (each tile rounded up to 4096 bytes, the O_DIRECT alignment).
+        nvme_bytes: bytes on NVMe (each tile rounded up to 4096 bytes, the O_DIRECT alignment); under
+            data parallel, on one node's drives (every copy of the state its ranks hold).
         host_freed: host bytes the plan no longer holds (of which ``pinned_freed`` were pinned).
         buffer_bytes: host I/O buffers added (of which ``pinned_buffer_bytes`` pinned).
-        read_bytes, write_bytes: NVMe traffic of one step.
+        read_bytes, write_bytes: NVMe traffic of one step (of one node's drives).
         io_time_s: seconds the NVMe I/O stream is busy per step.
     """
 
@@ -290,7 +291,10 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
             break
         chosen[kind].add(i)
         entry = per_layer.setdefault(i, [0, 0])
-        entry[1 if pinned else 0] += nbytes
+        # A rank's I/O buffer holds what its file holds: under data parallel its optimizer shard of
+        # the moments (cost.nvme_bytes); masters and gradient tiles move on one rank only.
+        entry[1 if pinned else 0] += (cost.optimizer_numel(layers[i], plan) * cost.MOMENT_BYTES_PER_ELEMENT
+                                      if kind == "moments" else nbytes)
         freed += nbytes
         pinned_freed += nbytes if pinned else 0
     buf, pbuf = buffers()
@@ -307,13 +311,16 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
                         f"{human_bytes(memory.host_total - freed + buf)} of host memory, and "
                         f"{human_bytes(hw.host_memory_bytes)} is there; add host memory{hint}")
     placed = [n for kind, i, n, _ in moves if i in chosen[kind]]
-    on_disk = sum(_align(n) for n in placed)
+    # The node's drives hold (and move each step) every copy of the state on the node: one where
+    # its ranks share a copy (their files hold its shards), one per rank where each has its own.
+    copies = plan.gpus_per_node // plan.optimizer_shards
+    on_disk = copies * sum(_align(n) for n in placed)
     if on_disk > hw.nvme_capacity_bytes:
         raise PlanError(f"{hw.name}: the NVMe tier needs {human_bytes(on_disk)} and has "
                         f"{human_bytes(hw.nvme_capacity_bytes)}; attach a larger array (e.g. --nvme 8xgen5) or "
                         "more host memory")
     # One write and one read of every placed tile per step.
-    traffic = sum(placed)
+    traffic = copies * sum(placed)
     io = traffic / hw.nvme_read_bytes_per_s + traffic / hw.nvme_write_bytes_per_s
     return NvmePlacement(frozenset(chosen["gradients"]), frozenset(chosen["moments"]), frozenset(chosen["masters"]),
                          nvme_bytes=on_disk, host_freed=freed, pinned_freed=pinned_freed, buffer_bytes=buf,

@@ -223,20 +223,31 @@ class Plan:
                             "are not in nvme_moments: a layer's masters share one NVMe file (one read and one write "
                             "per step) with its Adam moments; add them to nvme_moments")
         if self.nvme_masters and self.data_parallel > 1:
+            # Moments on NVMe run under data parallel (each rank's files hold its optimizer shard),
+            # masters do not: every rank's H2D or CAST reads the whole layer's master, which would
+            # then be split over the ranks' files; a gather of the shards into each rank's staging
+            # tile after the OPTs is not lowered.
             raise PlanError(f"Plan.nvme_masters={sorted(self.nvme_masters)} with data_parallel={self.data_parallel}: "
-                            "masters on NVMe run on one rank only (the ranks' files and shared host copies are "
-                            "not lowered); drop nvme_masters or train on one rank")
+                            "masters on NVMe run on one rank only: each rank's file would hold its optimizer shard "
+                            "of the master, while every rank reads the whole layer's weights (gathering the "
+                            "shards into each rank's staging tile is not lowered); drop nvme_masters (keep "
+                            "nvme_moments, which run under data parallel) or train on one rank")
         if self.nvme_gradients and (self.optimizer is not OptimizerPlacement.NEXT_FORWARD
                                     or self.accumulates_on_host or self.data_parallel > 1):
             # Only a deferred update leaves a gradient tile waiting between steps; per-micro-batch
             # passes keep an accumulator that every micro-batch adds into (a read-modify-write of
-            # the file per micro-batch, not lowered), and the ALL_REDUCE reads the ring tile.
+            # the file per micro-batch, not lowered). Under data parallel the ALL_REDUCE /
+            # REDUCE_SCATTER reads the ring tile (or accumulator), while such a layer's D2H lands
+            # in a gradient I/O buffer that its NVME_WRITE empties at once: reducing in that buffer
+            # before the write is not lowered nor verified.
             raise PlanError(f"Plan.nvme_gradients={sorted(self.nvme_gradients)} with optimizer={self.optimizer.value}, "
                             f"layer_by_layer={self.layer_by_layer}, micro_batches={self.micro_batches}, "
                             f"data_parallel={self.data_parallel}: gradient tiles go to NVMe only when they wait for "
                             "the next step (optimizer NEXT_FORWARD, i.e. clipped gradients) in a tile of their own "
-                            "(layer-by-layer passes or one micro-batch) on one rank; drop nvme_gradients or change "
-                            "the plan")
+                            "(layer-by-layer passes or one micro-batch) on one rank (under data parallel the "
+                            "gradients are reduced in the ring tile, and a tile on NVMe is written out from its I/O "
+                            "buffer before any reduction); drop nvme_gradients (Adam moments on NVMe do run under "
+                            "data parallel) or change the plan")
         if self.data_parallel < 1:
             raise PlanError(f"Plan.data_parallel={self.data_parallel}: the number of ranks is >= 1")
         if self.nodes < 1 or self.data_parallel % self.nodes:

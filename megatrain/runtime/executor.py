@@ -723,7 +723,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     """Host AdamW step of one layer from the gradient tile or accumulator the op names (with
     ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
     state holds the layer from its slice's start on), on its
-    moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf``; BF16
+    moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
+    parallel it holds this rank's shard only, ``HostState.nvme_span``); BF16
     gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
     for FP32 masters; the widening is exact)."""
     ex, li = ctx.ex, op.layer
@@ -736,11 +737,14 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     tile = None
     if grads.dtype != torch.float32:
         tile, grads = grads, ctx.bufs.widened
+    mbase = base  # where the moment rows start in the layer's elements
     if op.buf is not None:  # moments (after the master) on NVMe: its NVME_READ filled this I/O buffer
-        m = h.nvme_master_numel(li)
-        state = ex._nvme_pool[op.buf][:(m + 2 * n) * 4].view(torch.float32)
+        # Under data parallel the file (and so the buffer) holds this rank's shard only: from mbase on.
+        m, (mbase, top) = h.nvme_master_numel(li), h.nvme_span(li)
+        s = top - mbase
+        state = ex._nvme_pool[op.buf][:(m + 2 * s) * 4].view(torch.float32)
         master = state[:m] if m else h.master(li)
-        exp_avg, exp_avg_sq = state[m:m + n], state[m + n:]
+        exp_avg, exp_avg_sq = state[m:m + s], state[m + s:m + 2 * s]
     else:
         master = h.master(li)
         exp_avg, exp_avg_sq = h.exp_avg(li), h.exp_avg_sq(li)
@@ -757,8 +761,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
         if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
             grads[lo:hi].copy_(tile[lo:hi])
         adamw(
-            [master[lo - base:hi - base]], [grads[lo:hi]], [exp_avg[lo - base:hi - base]],
-            [exp_avg_sq[lo - base:hi - base]], [],
+            [master[lo - base:hi - base]], [grads[lo:hi]], [exp_avg[lo - mbase:hi - mbase]],
+            [exp_avg_sq[lo - mbase:hi - mbase]], [],
             [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
             beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
         if op.buf is not None:

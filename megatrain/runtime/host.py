@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,9 +67,44 @@ def _staging_bytes(numel: int) -> int:
     return _pages(numel * cost.STAGING_ITEMSIZE)
 
 
-def moments_key(layer: int) -> str:
-    """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s two Adam moments."""
-    return f"L{layer}.moments"
+def moments_key(layer: int, rank: int | None = None) -> str:
+    """The NVMe tile (file ``<key>.tile``) of layer ``layer``'s two Adam moments; under data parallel
+    (``rank``: the global rank whose optimizer shard the file holds, :class:`NvmeShards`)
+    ``L<layer>.r<rank>.moments``, so the ranks of a node share one directory."""
+    return f"L{layer}.moments" if rank is None else f"L{layer}.r{rank}.moments"
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeShards:
+    """Which part of each layer's Adam moments this rank's NVMe files hold under data parallel
+    (``Plan.nvme_moments`` with ``data_parallel > 1``): its optimizer shard
+    (``cost.optimizer_shard(trainable_numel, ways, index)``: the whole tile where each rank steps a
+    copy of its own, ``ways`` 1; its ``1 / ways`` where the node's ``ways`` ranks share one copy),
+    in files named by its global ``rank`` (:func:`moments_key`). The node's ranks are global ranks
+    ``first .. first + ways - 1`` holding shards ``0 .. ways - 1``, so together the files in one
+    node's directory hold every layer's whole moments (every node holds the same state): any rank
+    reads a whole row from them without a collective (:class:`NvmeMomentRow`)."""
+
+    rank: int
+    ways: int
+    index: int
+    first: int
+
+    def __post_init__(self) -> None:
+        if not (self.ways >= 1 and 0 <= self.index < self.ways and self.first <= self.rank):
+            raise ConfigError(f"NvmeShards(rank={self.rank}, ways={self.ways}, index={self.index}, "
+                              f"first={self.first}): the shard index is in [0, ways) and the node's first rank is "
+                              "at most this rank")
+
+    def span(self, trainable_numel: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of the layer's moment rows this rank's file holds."""
+        return cost.optimizer_shard(trainable_numel, self.ways, self.index)
+
+    def peers(self, trainable_numel: int) -> list[tuple[int, tuple[int, int]]]:
+        """``(global rank, [lo, hi))`` of each of the node's files that together hold the whole rows."""
+        if self.ways == 1:
+            return [(self.rank, (0, trainable_numel))]
+        return [(self.first + k, cost.optimizer_shard(trainable_numel, self.ways, k)) for k in range(self.ways)]
 
 
 def state_key(layer: int) -> str:
@@ -100,6 +136,10 @@ class HostState:
     (None without NVMe layers). The layers of ``nvme_gradients`` (``Plan.nvme_gradients``) get a
     scratch file each for their deferred gradient tile (``<dir>/L<i>.grad.tile``,
     ``trainable_numel * gradient_itemsize`` bytes), which only the schedule's NVMe ops use.
+    Under data parallel (``nvme_shards``, :class:`NvmeShards`) each rank's file holds the moments
+    of its optimizer shard only, ``<dir>/L<i>.r<rank>.moments.tile`` (:meth:`nvme_span`), so the
+    node's ranks share one directory; ``read_moments`` / ``write_moments`` move that shard, and
+    :class:`NvmeMomentRow` whole rows.
 
     Masters on NVMe. The layers of ``nvme_masters`` (a subset of ``nvme_moments``) keep their
     master too in their file, before the moments (``<dir>/L<i>.state.tile``: master, ``exp_avg``,
@@ -140,7 +180,7 @@ class HostState:
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
                  gradient_itemsize: int = 4, nvme_masters: frozenset[int] = frozenset(),
                  slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
-                 staging: bool = False, scratch_bytes: int = 0):
+                 staging: bool = False, scratch_bytes: int = 0, nvme_shards: NvmeShards | None = None):
         self.graph = graph
         self.shared = shared
         self.sliced = slices is not None
@@ -156,6 +196,11 @@ class HostState:
         self.nvme_moments = frozenset(nvme_moments)
         self.nvme_gradients = frozenset(nvme_gradients)
         self.nvme_masters = frozenset(nvme_masters)
+        self.nvme_shards = nvme_shards
+        if nvme_shards is not None and (self.nvme_masters or self.nvme_gradients or self.sliced):
+            raise ConfigError(f"HostState: per-rank NVMe files (nvme_shards) hold Adam moments only, of whole tiles; "
+                              f"masters {sorted(self.nvme_masters)} or gradient tiles {sorted(self.nvme_gradients)} on "
+                              "NVMe, or a sliced state, are not run under data parallel: drop them")
         if not self.nvme_masters <= self.nvme_moments:
             raise ConfigError(f"nvme_masters names layers {sorted(self.nvme_masters - self.nvme_moments)} whose Adam "
                               "moments are in host memory: a layer's master shares its NVMe file with its moments; "
@@ -176,7 +221,9 @@ class HostState:
         if self.nvme_moments or self.nvme_gradients:
             from megatrain.runtime.nvme import NvmeStore  # it imports this module
 
-            sizes = {self.nvme_key(li): (self.nvme_master_numel(li) + 2 * graph.layers[li].trainable_numel) * 4
+            # A rank's file of an empty shard (the last of a small layer) still has a block: the
+            # schedule's NVMe ops move it like any other.
+            sizes = {self.nvme_key(li): max(4, (self.nvme_master_numel(li) + 2 * self.nvme_numel(li)) * 4)
                      for li in sorted(self.nvme_moments)}
             sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
                           for li in sorted(self.nvme_gradients)})
@@ -229,14 +276,17 @@ class HostState:
 
     @staticmethod
     def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
-                      staging: bool = False, scratch_bytes: int = 0) -> int:
-        """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them; of
-        ``slices`` only, with the gather tiles of ``gather_bytes`` each), with ``staging`` a BF16
-        staging tile per layer too (``Plan.shared_cast``), and with ``slices`` the gathers' scratch
-        of ``scratch_bytes`` (``cost.gather_scratch_bytes``): each rounded up to whole pages."""
+                      staging: bool = False, scratch_bytes: int = 0,
+                      nvme_moments: frozenset[int] = frozenset()) -> int:
+        """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them but
+        those of ``nvme_moments``, which are in the ranks' NVMe files; of ``slices`` only, with the
+        gather tiles of ``gather_bytes`` each), with ``staging`` a BF16 staging tile per layer too
+        (``Plan.shared_cast``), and with ``slices`` the gathers' scratch of ``scratch_bytes``
+        (``cost.gather_scratch_bytes``): each rounded up to whole pages."""
         if slices is None:
             tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
-            return tiles + sum(_block_bytes(lay.numel, 2 * lay.trainable_numel) for lay in graph.layers)
+            return tiles + sum(_block_bytes(lay.numel, 0 if li in nvme_moments else 2 * lay.trainable_numel)
+                               for li, lay in enumerate(graph.layers))
         tiles = cost.GATHER_BUFFERS * (-(-max(gather_bytes, 1) // _ALIGN) * _ALIGN)
         tiles += _pages(scratch_bytes) if scratch_bytes else 0
         return tiles + sum(_block_bytes(hi - lo, 2 * max(0, min(hi, lay.trainable_numel) - lo))
@@ -249,8 +299,22 @@ class HostState:
 
     def nvme_key(self, layer: int) -> str:
         """The NVMe tile of a layer of ``nvme_moments``: :func:`state_key` when its master is there
-        too, else :func:`moments_key`."""
-        return state_key(layer) if layer in self.nvme_masters else moments_key(layer)
+        too, else :func:`moments_key` (of this rank under data parallel, ``nvme_shards``)."""
+        if layer in self.nvme_masters:
+            return state_key(layer)
+        return moments_key(layer, None if self.nvme_shards is None else self.nvme_shards.rank)
+
+    def nvme_span(self, layer: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of the layer's moment rows its NVMe file holds: all of them, or
+        under data parallel this rank's optimizer shard (:class:`NvmeShards`)."""
+        t = self.graph.layers[layer].trainable_numel
+        return (0, t) if self.nvme_shards is None else self.nvme_shards.span(t)
+
+    def nvme_numel(self, layer: int) -> int:
+        """FP32 elements of each moment row in the layer's NVMe file and I/O buffer (``hi - lo`` of
+        :meth:`nvme_span`)."""
+        lo, hi = self.nvme_span(layer)
+        return hi - lo
 
     def nvme_master_numel(self, layer: int) -> int:
         """FP32 elements of master before the moments in the layer's NVMe file (its ``numel`` for a
@@ -296,9 +360,24 @@ class HostState:
         written back). Raises NvmeError (naming the file) when it is missing or truncated."""
         if self._batch is not None and self._batch[0] == layer:
             return self._batch[1].clone()
-        lay = self.graph.layers[layer]
-        out = torch.empty((self.nvme_master_numel(layer) + 2 * lay.trainable_numel,), dtype=torch.float32)
+        out = torch.empty((self.nvme_master_numel(layer) + 2 * self.nvme_numel(layer),), dtype=torch.float32)
         self.nvme.read_tensor(self.nvme_key(layer), out)
+        return out
+
+    def read_moment(self, layer: int, k: int) -> torch.Tensor:
+        """A new ``float32[trainable_numel]``: moment ``k`` (0: ``exp_avg``, 1: ``exp_avg_sq``) of a
+        layer of ``nvme_moments``, whole: from this rank's file, or under data parallel from the
+        files of the node's ranks (:meth:`NvmeShards.peers`), read directly (they share the
+        directory; the caller makes sure no rank is writing them, as ``Trainer.save`` does with a
+        barrier). Raises NvmeError naming a file that is missing or truncated."""
+        t = self.graph.layers[layer].trainable_numel
+        if self.nvme_shards is None or self.nvme_shards.ways == 1:
+            s = self.nvme_numel(layer)
+            return self.read_state(layer)[self.nvme_master_numel(layer) + k * s:][:s].clone()
+        out = torch.empty((t,), dtype=torch.float32)
+        for rank, (lo, hi) in self.nvme_shards.peers(t):
+            part = self.nvme.read_foreign(moments_key(layer, rank), max(4, 2 * (hi - lo) * 4))
+            out[lo:hi].copy_(part.view(torch.float32)[k * (hi - lo):(k + 1) * (hi - lo)])
         return out
 
     @contextlib.contextmanager
@@ -356,7 +435,7 @@ class HostState:
     def _moment(self, layer: int, k: int) -> torch.Tensor:
         if layer in self.nvme_moments:
             raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its Adam moments on NVMe "
-                             f"({self.nvme.tiles[moments_key(layer)].path}), not in host memory: read them with "
+                             f"({self.nvme.tiles[self.nvme_key(layer)].path}), not in host memory: read them with "
                              "HostState.read_moments and write them with write_moments")
         n, t = self._extent(layer)
         return self.blocks[layer][n + k * t:n + (k + 1) * t]
@@ -365,12 +444,12 @@ class HostState:
         """A new ``float32[2 * trainable_numel]`` tensor: the layer's ``exp_avg`` then ``exp_avg_sq``,
         from host memory or from its NVMe file. Raises NvmeError (naming the file) when the file is
         missing or truncated. (Of the moment rows this state holds, ``slices``.)"""
-        t = self._extent(layer)[1]
+        t = self.nvme_numel(layer) if layer in self.nvme_moments else self._extent(layer)[1]
         out = torch.empty((2 * t,), dtype=torch.float32)
         if layer in self.nvme_masters:
             out.copy_(self.read_state(layer)[self.nvme_master_numel(layer):])
         elif layer in self.nvme_moments:
-            self.nvme.read_tensor(moments_key(layer), out)
+            self.nvme.read_tensor(self.nvme_key(layer), out)
         else:
             out[:t].copy_(self.exp_avg(layer))
             out[t:].copy_(self.exp_avg_sq(layer))
@@ -388,7 +467,7 @@ class HostState:
             state[self.nvme_master_numel(layer):].copy_(moments)
             self.nvme.write_tensor(state_key(layer), state)  # the master is unchanged: no version bump
         elif layer in self.nvme_moments:
-            self.nvme.write_tensor(moments_key(layer), moments)
+            self.nvme.write_tensor(self.nvme_key(layer), moments)
         else:
             self.exp_avg(layer).copy_(moments[:t])
             self.exp_avg_sq(layer).copy_(moments[t:])
@@ -509,14 +588,30 @@ class NvmeRow:
 
 class NvmeMomentRow(NvmeRow):
     """One Adam moment row (``k`` 0: ``exp_avg``, 1: ``exp_avg_sq``), ``float32[trainable_numel]``,
-    of a layer whose moments live on NVMe (``Trainer.state_dict()["optimizer"]``)."""
+    of a layer whose moments live on NVMe (``Trainer.state_dict()["optimizer"]``). Under data
+    parallel (``HostState.nvme_shards``) this rank's file holds its optimizer shard ``[lo, hi)``
+    only: :meth:`read` assembles the whole row from the node's files
+    (:meth:`HostState.read_moment`), ``copy_(src)`` writes ``src[lo:hi]`` into this rank's file
+    (every rank loading the same checkpoint writes its own shard: no collective)."""
 
-    __slots__ = ("k",)
+    __slots__ = ("k", "lo")
 
     def __init__(self, host: HostState, layer: int, k: int):
         t = host.graph.layers[layer].trainable_numel
-        super().__init__(host, layer, host.nvme_master_numel(layer) + k * t, t, (t,), ("exp_avg", "exp_avg_sq")[k])
-        self.k = k
+        lo, hi = host.nvme_span(layer)
+        super().__init__(host, layer, host.nvme_master_numel(layer) + k * (hi - lo), hi - lo, (t,),
+                         ("exp_avg", "exp_avg_sq")[k])
+        self.k, self.lo = k, lo
+
+    def read(self) -> torch.Tensor:
+        return self.host.read_moment(self.layer, self.k)
+
+    def copy_(self, src: torch.Tensor) -> "NvmeMomentRow":
+        state = self.host._state_to_write(self.layer)
+        state[self.start:self.start + self.numel].copy_(src.reshape(-1)[self.lo:self.lo + self.numel])
+        if self.host._batch is None:  # else written back with the layer's other rows
+            self.host._write_state(self.layer, state)
+        return self
 
 
 class NvmeMasterRow(NvmeRow):

@@ -262,6 +262,23 @@ class NvmeStore:
                 for o, n in self._blocks(t)]
         return NvmeRequest(futs, "read", key)
 
+    def read_foreign(self, key: str, nbytes: int) -> torch.Tensor:
+        """A new ``uint8[nbytes]`` tensor of the file ``<key>.tile`` in this store's directory that
+        another process's store made (not one of :attr:`tiles`, and not truncated or reserved here:
+        it is that store's scratch): under data parallel, another rank's moments
+        (``HostState.read_moment``). Read with buffered I/O, which Linux keeps coherent with that
+        process's ``O_DIRECT`` writes. Raises :class:`NvmeError` naming the file when it is missing
+        or shorter than ``nbytes``."""
+        t = _Tile(os.path.join(self.directory, f"{key}.tile"), nbytes, align_up(nbytes))
+        self._check_file(t)
+        out = aligned_buffer(nbytes)
+        fd = os.open(t.path, os.O_RDONLY)
+        try:
+            self._io(os.preadv, fd, t, memoryview(out.numpy())[:t.padded], 0, "read")
+        finally:
+            os.close(fd)
+        return out[:nbytes]
+
     def write_tensor(self, key: str, src: torch.Tensor, staging: torch.Tensor | None = None) -> None:
         """Write any contiguous CPU tensor (``src.nbytes`` <= the tile's size) to tile ``key`` and
         wait, through ``staging`` (an :func:`aligned_buffer`; one is made if ``None``)."""

@@ -43,9 +43,11 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
     ``data_bytes`` (the token store's reader and a batch, and a tokenizer's training sample:
     :func:`data_pipeline_bytes`; not the corpus, which stays on disk), plus ``checkpoint_bytes``
     (the largest safetensors file loaded, whose pages are mapped while it is read), plus ``built_bytes`` (a model built on the
-    CPU, held until ``materialize`` moves it into the host tiles). Data parallel with a shared
-    host copy (``plan.optimizer_shards`` ranks on the node, each checking before any allocates):
-    the master weights and moments count once and everything else once per rank of the node.
+    CPU, held until ``materialize`` moves it into the host tiles). Data parallel: per node, whose
+    ``plan.gpus_per_node`` ranks each check before any allocates: the master weights and the
+    moments in host memory count once per copy (once where the node's ranks share one,
+    ``plan.optimizer_shards``; once per rank where each has its own), everything else (rings, the
+    NVMe I/O buffers of moments on NVMe, data) once per rank of the node.
 
     Args:
         available: ``(bytes, source)`` from :func:`available_host_memory`, read before the model
@@ -56,15 +58,18 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
             bytes are for, and what to change.
     """
     mem = planned.memory
-    ranks = planned.plan.optimizer_shards  # the ranks of a node that share one copy of the host state
+    ranks = planned.plan.gpus_per_node  # the node's ranks, all in this node's memory
+    copies = ranks // planned.plan.optimizer_shards  # of the host state: each shared by optimizer_shards ranks
     shared = mem.master_weights + mem.adam_moments
-    needed = shared + ranks * (mem.host_total - shared + data_bytes + checkpoint_bytes + built_bytes)
+    needed = copies * shared + ranks * (mem.host_total - shared + data_bytes + checkpoint_bytes + built_bytes)
     if available is None or needed <= available[0]:
         return needed
     parts = [f"FP32 master weights {gib(mem.master_weights)}", f"Adam moments {gib(mem.adam_moments)}",
              f"gradient ring {gib(mem.gradient_ring)}"]
     if ranks > 1:
-        parts.append(f"the node's {ranks} ranks share the weights and moments, the rest counts {ranks} times")
+        parts.append(f"the node's {ranks} ranks " + ("share the weights and moments" if copies == 1 else
+                                                     f"hold {copies} copies of the weights and moments")
+                     + f", the rest counts {ranks} times")
     if mem.staging_ring:
         parts.append(f"staging ring {gib(mem.staging_ring)}")
     if mem.pinned_activations:
