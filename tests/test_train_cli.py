@@ -398,6 +398,59 @@ def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
     assert mem.adam_moments == 0 and 0 < mem.nvme_buffers < planned.memory.adam_moments
     assert T.preflight_host_memory(on_nvme, data_bytes=7, available=None) == (
         mem.master_weights + 2 * (mem.host_total - mem.master_weights + 7))
+    # Two nodes of two ranks sharding the state: each node holds half the weights and moments (and
+    # its gather tiles and scratch: cost.node_memory), the rest once per rank.
+    from megatrain.planner.cost import node_memory
+
+    sharded_plan = dataclasses.replace(dp.plan, data_parallel=4, nodes=2, host_state="shard")
+    smem = memory_breakdown(graph, sharded_plan)
+    sharded = dataclasses.replace(dp, plan=sharded_plan, memory=smem)
+    node = node_memory(graph, sharded_plan, smem)
+    assert node.persistent == -(-shared // 2) and node.gather_buffers > 0
+    assert T.preflight_host_memory(sharded, data_bytes=7, available=None) == node.total + 2 * 7
+    with pytest.raises(PlanError, match=r"share the weights and moments \(1/2 of them: host_state 'shard'\)"):
+        T.preflight_host_memory(sharded, data_bytes=7, available=(node.total, "test"))
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_train_host_state_auto_replicates_where_every_node_holds_a_copy_and_shards_otherwise(tmp_path, monkeypatch,
+                                                                                            fits):
+    """megatrain train --host-state auto on several nodes: the ranks agree (an all-reduce; a
+    one-rank gloo group here) on 'replicate' where the preflight of a full copy passes, else
+    re-plan with 'shard'; the choice and its reason are printed."""
+    import torch.distributed as dist
+
+    import megatrain
+    from megatrain.planner.presets import build_meta_model, load_model_config
+
+    planned = megatrain.plan_model(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))),
+                                   seq_len=16)
+    two_nodes = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, data_parallel=4, nodes=2,
+                                                                       optimizer_shards=2))
+    replanned = []
+    monkeypatch.setattr(megatrain, "plan_model", lambda *a, **kw: replanned.append(kw) or "re-planned")
+
+    def preflight(p):
+        if not fits:
+            raise PlanError("the run needs about 9 GiB")
+        return 123 << 30
+    said = []
+    cfg = T.TrainConfig(model=str(tmp_path / "c.json"), output_dir=str(tmp_path / "o"))
+    assert cfg.host_state == "auto"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        got = megatrain.train.loop._host_state(cfg, two_nodes, None, ("input_ids", "labels"), 1, None,
+                                               said.append, preflight)
+    finally:
+        dist.destroy_process_group()
+    if fits:
+        assert got is two_nodes and not replanned
+        assert said == ["host state: replicate: every node holds a full copy of the masters and moments "
+                        "(this node needs 123.00 GiB)"]
+    else:
+        assert got == "re-planned" and replanned[0]["host_state"] == "shard"
+        assert said[0].startswith("host state: shard: a full copy on every node does not fit the host memory "
+                                  "of this node; each of the 2 nodes holds 1/2")
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])

@@ -100,6 +100,12 @@ class TrainConfig(pydantic.BaseModel):
                                                                   "waits in a collective, or for rank 0's save, "
                                                                   "before it stops with an error naming it (a rank "
                                                                   "died or hangs)")
+    host_state: Literal["auto", "replicate", "shard"] = Field(
+        "auto", description="data parallel over several nodes (torchrun --nnodes > 1): 'replicate' keeps a full copy "
+                            "of the FP32 masters and Adam moments on every node; 'shard' keeps 1/nodes of them on "
+                            "each and gathers every layer's weights over the network before use (ZeRO-3 style); "
+                            "'auto' replicates where every node's available host memory holds the run and shards "
+                            "otherwise, and prints which and why (one node: always replicate)")
     nvme_dir: str | None = Field(None, description="an existing directory on an NVMe drive: the Adam "
                                                    "moments of the layers chosen for it (every layer's, or with "
                                                    "host_memory only those that must leave it, and then with "
@@ -113,8 +119,9 @@ class TrainConfig(pydantic.BaseModel):
                                                       "megatrain.planner.nvme.place_on_nvme moves so that the "
                                                       "plan's host bytes (cost.memory_breakdown) fit it goes to "
                                                       "NVMe: with max_grad_norm the layers' deferred gradient "
-                                                      "tiles first, then Adam moments, largest layers first "
-                                                      "(null: every layer's Adam moments)")
+                                                      "tiles first, then Adam moments, each in the order the "
+                                                      "step updates the layers (null: every layer's Adam "
+                                                      "moments)")
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":

@@ -150,12 +150,57 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
                                        plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme,
                                                                 nvme_gradients=grads_on_nvme, nvme_masters=masters,
                                                                 cast_once=placed.cast_once))
+    if world > 1:
+        planned = _host_state(cfg, planned, model, names, micro_batches, hw, echo,
+                              lambda p: preflight_host_memory(p, data_bytes=data, checkpoint_bytes=shard,
+                                                              built_bytes=built, available=available))
     needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
                                    available=available)
     graph = planned.graph
     echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
          f"layers; host memory needed about {human_bytes(needed)}")
     return planned
+
+
+def _host_state(cfg: TrainConfig, planned: PlannedModel, model, names, micro_batches: int, hw, echo,
+                preflight: Callable[[PlannedModel], int]) -> PlannedModel:
+    """``cfg.host_state`` on several nodes: the planned model with ``Plan.host_state`` 'replicate' or
+    'shard'. 'auto' replicates where every rank's node passes the host-memory ``preflight`` with a
+    full copy (the ranks agree by an all-reduce, so every node makes the same choice) and shards
+    otherwise, and says which and why. One node: replicate."""
+    import megatrain
+    from megatrain.errors import PlanError
+    from megatrain.units import human_bytes
+
+    plan = planned.plan
+    choice = cfg.host_state
+    if plan.nodes == 1 and choice != "shard":  # 'shard' on one node: plan_model says why not
+        return planned
+    if choice == "auto":
+        import torch
+        import torch.distributed as dist
+
+        from megatrain.runtime.distributed import collective
+
+        try:
+            needed, why = preflight(planned), None
+        except PlanError as e:
+            needed, why = None, e
+        fits = torch.tensor([0 if why is None else 1])
+        with collective("the all-reduce of whether every node holds a full copy of the host state"):
+            dist.all_reduce(fits, op=dist.ReduceOp.MAX)
+        choice = "replicate" if int(fits) == 0 else "shard"
+        echo(f"host state: {choice}: " + (
+            f"every node holds a full copy of the masters and moments (this node needs {human_bytes(needed)})"
+            if choice == "replicate" else
+            f"a full copy on every node does not fit the host memory of {'this node' if why else 'another node'}; "
+            f"each of the {plan.nodes} nodes holds 1/{plan.nodes} and the layers' weights are gathered "
+            "before use"))
+    if choice == plan.host_state:
+        return planned
+    return megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                                input_names=names, micro_batches=micro_batches, device=cfg.device,
+                                max_grad_norm=cfg.max_grad_norm, hardware=hw, plan=plan, host_state=choice)
 
 
 class NvmeLayers(NamedTuple):

@@ -47,7 +47,9 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
     ``plan.gpus_per_node`` ranks each check before any allocates: the master weights and the
     moments in host memory count once per copy (once where the node's ranks share one,
     ``plan.optimizer_shards``; once per rank where each has its own), everything else (rings, the
-    NVMe I/O buffers of moments on NVMe, data) once per rank of the node.
+    NVMe I/O buffers of moments on NVMe, data) once per rank of the node; with
+    ``plan.host_state == "shard"`` the node holds ``1 / nodes`` of the weights and moments and its
+    gather tiles (``cost.node_memory``).
 
     Args:
         available: ``(bytes, source)`` from :func:`available_host_memory`, read before the model
@@ -57,11 +59,14 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
         PlanError: the run needs more than is available; the message gives both in GiB, what the
             bytes are for, and what to change.
     """
+    from megatrain.planner.cost import node_memory
+
     mem = planned.memory
     ranks = planned.plan.gpus_per_node  # the node's ranks, all in this node's memory
     copies = ranks // planned.plan.optimizer_shards  # of the host state: each shared by optimizer_shards ranks
-    shared = mem.master_weights + mem.adam_moments
-    needed = copies * shared + ranks * (mem.host_total - shared + data_bytes + checkpoint_bytes + built_bytes)
+    # The cost model's node: the state once per copy (1/nodes of it when sharded across nodes), a
+    # shared cast's tiles and the gather tiles once, the rest once per rank.
+    needed = node_memory(planned.graph, planned.plan, mem).total + ranks * (data_bytes + checkpoint_bytes + built_bytes)
     if available is None or needed <= available[0]:
         return needed
     parts = [f"FP32 master weights {gib(mem.master_weights)}", f"Adam moments {gib(mem.adam_moments)}",
@@ -69,6 +74,8 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
     if ranks > 1:
         parts.append(f"the node's {ranks} ranks " + ("share the weights and moments" if copies == 1 else
                                                      f"hold {copies} copies of the weights and moments")
+                     + (f" (1/{planned.plan.nodes} of them: host_state 'shard')"
+                        if planned.plan.host_state == "shard" else "")
                      + f", the rest counts {ranks} times")
     if mem.staging_ring:
         parts.append(f"staging ring {gib(mem.staging_ring)}")
