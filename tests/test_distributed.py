@@ -922,6 +922,7 @@ def test_megatrain_train_under_torchrun_trains_as_one_process_does(tmp_path):
         err = ((w2[name] - w1[name]).norm() / w1[name].norm()).item()
         assert err <= RTOL, f"{name}: relative difference {err:.2e}"
     assert proc.stdout.count("done: step 3") == 1  # rank 0 prints; the other rank is quiet
+    assert proc.stdout.count("step 3: saved") == 1, proc.stdout  # also where the progress bar writes
 
 
 def test_megatrain_train_refuses_a_global_batch_the_ranks_cannot_split(tmp_path, monkeypatch):

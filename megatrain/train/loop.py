@@ -463,6 +463,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
     with _StopOnSignal() as stop, open(metrics_path if writes else os.devnull, "a", buffering=1) as metrics, \
             tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", file=sys.stderr, disable=not writes,
                  dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
+        # tqdm.write prints even where the bar is disabled: only rank 0 speaks.
+        say = bar.write if writes else (lambda _line: None)
         stopped = ranks.any_stopped(stop.name, groups)
         while step < cfg.max_steps and stopped is None:
             lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
@@ -487,17 +489,17 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
                            "resumes from it" if last_saved is not None
                            else "No checkpoint was saved: the same command starts the run again")
                         + "; add a lower --lr or --max-grad-norm, or --nonfinite skip")
-                bar.write(f"warning: {msg}; skipped (nonfinite: skip)")
+                say(f"warning: {msg}; skipped (nonfinite: skip)")
             if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 val_loss = _evaluate(trainer, dataset, cfg)
                 row["val_loss"] = finite(val_loss)
-                bar.write(f"step {step}: validation loss {val_loss:.4f}")
+                say(f"step {step}: validation loss {val_loss:.4f}")
             rss = host_rss_bytes()
             row["host_rss_mib"] = rss / MiB if rss is not None else None
             metrics.write(json.dumps(row) + "\n")
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
                 save(step)
-                bar.write(f"step {step}: saved {ckpt_path}")
+                say(f"step {step}: saved {ckpt_path}")
             bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}",
                                 refresh=False)
             bar.update(1)
