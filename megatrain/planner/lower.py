@@ -292,13 +292,11 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
         for o in mreads.get(i, ()):
             read_at[o].append(len(out))
             out.append(Op(OpKind.NVME_READ, ops[o].layer, buf=buf_of[o]))
-        for o in greads.get(i, ()):
-            layer = ops[o].layer
-            if o in gbuf_of:
-                g = gbuf_of[o]
-                read_at[o].append(len(out))
-                out.append(Op(OpKind.NVME_READ, layer, gbuf=g, deps=(last_use[g],) if g in last_use else ()))
-                last_use[g] = len(out) - 1
+        for o in greads.get(i, ()):  # gorder holds only OPTs with a gradient buffer
+            g = gbuf_of[o]
+            read_at[o].append(len(out))
+            out.append(Op(OpKind.NVME_READ, ops[o].layer, gbuf=g, deps=(last_use[g],) if g in last_use else ()))
+            last_use[g] = len(out) - 1
         deps = {new_index[d] for d in op.deps}
         write = cast = None
         if op.kind is OpKind.H2D and op.layer in cast_at:

@@ -251,7 +251,7 @@ class HostState:
             self._rows.append(raw[:row])
         self.gather: list[torch.Tensor] = []
         if self.sliced:
-            size = -(-max(gather_bytes, 1) // _ALIGN) * _ALIGN
+            size = _pages(gather_bytes)
             self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN))[:gather_bytes]
                            for _ in range(cost.GATHER_BUFFERS)]
         # The weight gathers' send and receive buffers (cost.gather_scratch_bytes), shared by the
@@ -287,7 +287,7 @@ class HostState:
             tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
             return tiles + sum(_block_bytes(lay.numel, 0 if li in nvme_moments else 2 * lay.trainable_numel)
                                for li, lay in enumerate(graph.layers))
-        tiles = cost.GATHER_BUFFERS * (-(-max(gather_bytes, 1) // _ALIGN) * _ALIGN)
+        tiles = cost.GATHER_BUFFERS * _pages(gather_bytes)
         tiles += _pages(scratch_bytes) if scratch_bytes else 0
         return tiles + sum(_block_bytes(hi - lo, 2 * max(0, min(hi, lay.trainable_numel) - lo))
                            for (lo, hi), lay in zip(slices, graph.layers))
@@ -395,9 +395,14 @@ class HostState:
         try:
             yield
         finally:
-            staged, self._batch = self._batch, None
-            if staged[1] is not None:
-                self._write_state(*staged)
+            self._write_back_batch()
+            self._batch = None
+
+    def _write_back_batch(self) -> None:
+        """Write the batch's staged layer (if any) to its file and leave the batch empty."""
+        staged, self._batch = self._batch, (-1, None)
+        if staged[1] is not None:
+            self._write_state(*staged)
 
     def _state_to_write(self, layer: int) -> torch.Tensor:
         """The layer's file contents for an :class:`NvmeRow` to change: the batch's copy
@@ -405,9 +410,7 @@ class HostState:
         if self._batch is None:
             return self.read_state(layer)
         if self._batch[0] != layer:
-            previous, self._batch = self._batch, (-1, None)
-            if previous[1] is not None:
-                self._write_state(*previous)
+            self._write_back_batch()
             self._batch = (layer, self.read_state(layer))
         return self._batch[1]
 
