@@ -750,8 +750,10 @@ def test_task_sft_trains_on_a_mixture_with_the_tokenizers_chat_template(first_ru
     assert run(setup, out, "--task", "sft", "--data", f"{completions},{chats}:3", "--tokenizer",
                str(tok / "tokenizer.json"), "--max-steps", "2", "--val-fraction", "0.2") == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data: "))
-    assert line.startswith(f"data: 40 SFT examples from {completions} (prompt_completion, 30 -> "), line
-    assert f"{chats} (messages, 10 -> " in line and "0 trimmed to seq_len" in line and "0 dropped (trim)" in line
+    # weights 1:3 over the 32 training examples: 8 completions and 24 chats (each chat about 3 times)
+    assert line.startswith(f"data: 40 SFT examples from {completions} (prompt_completion, 30; 8 a training "
+                           f"epoch), {chats} (messages, 10; 24 a training epoch); 0 trimmed"), line
+    assert "0 dropped (trim)" in line
     assert "packed rows" in line and "the tokenizer's chat template, assistant tokens by prefix differences" in line
     assert f"SFT store {out / 'tokens'} (built)" in line
     assert [r["step"] for r in rows(out)] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows(out))

@@ -132,15 +132,16 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     dataset.batches(cfg.global_batch)
     dataset.eval_batches(cfg.micro_batch_size, 1)
     m = store.manifest
-    sets = ", ".join(f"{d.name} ({d.format}, {d.examples:,}" + (f" -> {c:,} per epoch" if c != d.examples else "")
-                     + ")" for d, c in zip(m.datasets, dataset.counts))
+    mixed = any(s.weight is not None or s.num_samples is not None for s in sources)
+    sets = ", ".join(f"{d.name} ({d.format}, {d.examples:,}" + (f"; {c:,} a training epoch" if mixed else "") + ")"
+                     for d, c in zip(m.datasets, dataset.counts))
     rows = "packed rows" if cfg.sft_packing else "rows"
     fill = dataset.num_train_tokens / max(1, dataset.num_train_rows * cfg.seq_len)
     echo(f"data: {sum(d.examples for d in m.datasets):,} SFT examples from {sets}; {m.trimmed:,} trimmed to seq_len "
          f"(oldest context cut, answer kept), {m.dropped:,} dropped ({cfg.sft_truncation}); "
          f"{len(dataset.train_examples):,} training examples in {dataset.num_train_rows:,} {rows} + "
          f"{len(dataset.val_examples):,} validation examples in {dataset.num_val_rows:,} {rows} of {cfg.seq_len} "
-         f"({fill:.1%} of training tokens real), {m.num_target_tokens:,} target tokens ({cfg.sft_loss} assistant "
+         f"(training rows {fill:.1%} full), {m.num_target_tokens:,} target tokens ({cfg.sft_loss} assistant "
          f"turns); {chat.describe()}{'' if template is None else ' (' + template_origin + ')'}; SFT store {store.path} ({store.origin}); tokenizer: "
          f"{origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} ({time.perf_counter() - t0:.1f} s)")
     return tokenizer, dataset, eot
