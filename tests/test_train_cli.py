@@ -754,7 +754,8 @@ def test_task_sft_trains_on_a_mixture_with_the_tokenizers_chat_template(first_ru
     assert line.startswith(f"data: 40 SFT examples from {completions} (prompt_completion, 30; 8 a training "
                            f"epoch), {chats} (messages, 10; 24 a training epoch); 0 trimmed"), line
     assert "0 dropped (trim)" in line
-    assert "packed rows" in line and "the tokenizer's chat template, assistant tokens by prefix differences" in line
+    assert "packed rows" in line and f"chat template: {tok / 'tokenizer_config.json'}, assistant tokens by prefix " \
+        "differences" in line
     assert f"SFT store {out / 'tokens'} (built)" in line
     assert [r["step"] for r in rows(out)] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows(out))
     assert all(r["examples_trimmed"] == r["examples_dropped"] == 0 for r in rows(out))

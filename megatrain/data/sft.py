@@ -142,10 +142,8 @@ class ChatTokenizer:
                                           eos_token=eos_token, bos_token=self.bos_token)
 
     def describe(self) -> str:
-        """Which template and how its assistant tokens are found, for the ``data:`` line."""
-        how = "generation markers" if self.markers else "prefix differences"
-        which = "megatrain's default" if self.template == DEFAULT_CHAT_TEMPLATE else "the tokenizer's"
-        return f"{which} chat template, assistant tokens by {how}"
+        """How the assistant's tokens are found, for the ``data:`` line."""
+        return f"assistant tokens by {'generation markers' if self.markers else 'prefix differences'}"
 
     def encode(self, example: Chat | Completion) -> Encoded:
         """Tokens and targets of the whole example (module docstring).
@@ -248,9 +246,9 @@ class ChatTokenizer:
         return Encoded(enc.ids[cut:], enc.targets[cut:]), True
 
     def _drop_messages(self, chat: Chat, seq_len: int) -> Encoded | None:
-        """The shortest suffix of the chat, among: without its system message(s), then without each
-        further leading exchange; the first of them that fits (binary search: a suffix renders no
-        longer than a longer suffix), else the shortest. None: nothing can be dropped."""
+        """Of the chat without its system message(s), then without each further leading exchange,
+        the longest that fits ``seq_len`` (a binary search: dropping more never renders longer), else
+        the shortest of them; None when there is nothing to drop."""
         last_train = max(i for i, t in enumerate(chat.train) if t)
         roles = [m["role"] for m in chat.messages]
         system_end = next((i for i, r in enumerate(roles) if r != "system"), len(roles))
@@ -409,7 +407,8 @@ def open_sft_store(path: str | os.PathLike[str], *, verify: Literal["full", "siz
 def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str | os.PathLike[str], *,
                     seq_len: int, truncation: Literal["trim", "drop"] = "trim", progress: bool = True) -> SftStore:
     """Read, tokenise and fit every example of ``sources`` into a new store at ``path`` (replacing
-    any there), streaming: memory holds one example and 8 bytes per example of offsets.
+    any there), streaming: memory holds an example, 8 bytes per example (its length) and a write
+    buffer of about a million tokens.
 
     Raises:
         RecordError: a malformed record (naming the file, the record and the fields expected).
@@ -451,9 +450,8 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
 
             for source in sources:
                 kept = trimmed = dropped = 0
-                fmt = source.format.kind if source.format else None
-                for example, where, detected in iter_examples(source):
-                    fmt = fmt or detected
+                fmt = "?"
+                for example, where, fmt in iter_examples(source):
                     try:
                         enc, cut = chat.fit(example, seq_len, truncation)
                     except RecordError as e:
@@ -462,9 +460,6 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
                     if enc is None:
                         dropped += 1
                         continue
-                    if int(enc.ids.max()) >= vocab:
-                        raise RecordError(f"{where()}: token id {int(enc.ids.max())} is not below the vocabulary "
-                                          f"size {vocab}")
                     kept += 1
                     trimmed += cut
                     lengths.append(len(enc.ids))
@@ -479,7 +474,7 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
                     raise StoreError(f"SFT dataset {source.name!r}: all {dropped} example(s) were dropped: none keeps "
                                      f"its last answer within seq_len={seq_len}; raise seq_len"
                                      + ("" if truncation == "trim" else " or use truncation trim"))
-                infos.append(SftDatasetInfo(name=source.name, format=fmt or "?", examples=kept, trimmed=trimmed,
+                infos.append(SftDatasetInfo(name=source.name, format=fmt, examples=kept, trimmed=trimmed,
                                             dropped=dropped))
             flush()
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)

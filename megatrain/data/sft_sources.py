@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.data.sources import scan_jsonl
 from megatrain.data.sft_formats import SFT_FORMATS, Chat, Completion, RecordError, SftFormat, detect_format, to_example
 
 __all__ = ["REGISTRY_FILE", "SFT_SUFFIXES", "SftSource", "iter_examples", "resolve_sft_data", "sft_data_bytes"]
@@ -291,21 +292,12 @@ def _unreadable(path: Path, builder: str, cause: Exception) -> ValueError:
                 return ValueError(f"{str(path)!r}, record {bad + 1}: not a JSON object; a .json file of SFT data is "
                                   "an array of objects, one per example")
         else:
-            with path.open("rb") as fh:
-                for lineno, raw in enumerate(fh, start=1):
-                    try:
-                        line = raw.decode("utf-8")
-                    except UnicodeDecodeError as e:
-                        return ValueError(f"{str(path)!r}, line {lineno}: not valid UTF-8 ({e})")
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        return ValueError(f"{str(path)!r}, line {lineno}: not valid JSON ({e.msg}); each line "
-                                          "must be one JSON object, one example")
+            try:
+                for where, obj in scan_jsonl(path, "one JSON object, one example"):
                     if not isinstance(obj, dict):
-                        return ValueError(f"{str(path)!r}, line {lineno}: not a JSON object")
+                        return ValueError(f"{where}: not a JSON object")
+            except ValueError as e:
+                return e
     first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     return ValueError(f"{str(path)!r} could not be read as {builder} by datasets: {first}")
 
