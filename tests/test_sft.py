@@ -443,6 +443,12 @@ def test_a_registry_resolves_names_files_formatting_columns_and_tags(tmp_path, c
     bad = _registry(tmp_path, {"x": {"file_name": "qa.csv", "columns": {"promt": "q"}}})
     with pytest.raises(ValueError, match=r"columns \['promt'\] are not LLaMA-Factory columns"):
         resolve_sft_data(f"x@{bad}")
+    bad = _registry(tmp_path, {"x": {"file_name": "qa.csv", "formatting": "sharegpt", "tags": {"rol_tag": "r"}}})
+    with pytest.raises(ValueError, match=r"tags \['rol_tag'\] are not LLaMA-Factory tags"):
+        resolve_sft_data(f"x@{bad}")
+    bad = _registry(tmp_path, {"x": {"file_name": "qa.csv", "formatting": "openai", "tags": {"role_tag": "from"}}})
+    with pytest.raises(ValueError, match="for other tags use formatting sharegpt"):
+        resolve_sft_data(f"x@{bad}")
 
 
 def test_a_saved_dataset_dict_and_its_split(tmp_path, chat):

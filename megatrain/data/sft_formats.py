@@ -62,6 +62,9 @@ _LLAMA_FACTORY_COLUMNS = {"prompt", "query", "response", "history", "messages", 
 _TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
          "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 
+_OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+                "observation_tag": "tool", "system_tag": "system"}
+
 _EXPECTED = {
     "alpaca": "alpaca {{{prompt}, {query}?, {response}, {system}?, {history}?: [[query, response], ...]}}",
     "sharegpt": ("sharegpt {{{messages}: [{{{role_tag}, {content_tag}}}, ...] with {role_tag} one of "
@@ -145,6 +148,11 @@ class SftFormat:
             raise ValueError(f"{where}: multimodal columns {used} are not supported (text-only models)")
         if used := sorted(k for k in ("chosen", "rejected", "kto_tag") if maps["columns"].get(k)):
             raise ValueError(f"{where}: columns {used} are preference or KTO data, not supervised fine-tuning")
+        if unknown := sorted(set(maps["tags"]) - set(_TAGS)):
+            raise ValueError(f"{where}: tags {unknown} are not LLaMA-Factory tags (expected some of {sorted(_TAGS)})")
+        if kind != "sharegpt" and any(maps["tags"].get(k) not in (None, v) for k, v in _OPENAI_TAGS.items()):
+            raise ValueError(f"{where}: the openai formatting reads OpenAI's role/content messages; for other tags "
+                             "use formatting sharegpt with them")
         columns = {k: v for k, v in maps["columns"].items() if k in _COLUMNS[kind]}
         return cls(kind, columns, maps["tags"] if kind == "sharegpt" else {})
 
