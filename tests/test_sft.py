@@ -203,7 +203,8 @@ def _long_chat(system_words: int, exchanges: int, answer_words: int = 2) -> Chat
     messages = [{"role": "system", "content": "rule " * system_words}]
     for i in range(exchanges):
         messages += [{"role": "user", "content": f"question {i} " * 5}, {"role": "assistant", "content": f"old {i}"}]
-    messages += [{"role": "user", "content": "last question"}, {"role": "assistant", "content": "answer " * answer_words}]
+    messages += [{"role": "user", "content": "last question"},
+                 {"role": "assistant", "content": "answer " * answer_words}]
     return Chat(tuple(messages), tuple(m["role"] == "assistant" for m in messages))
 
 

@@ -228,7 +228,8 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
         raise FileNotFoundError(f"{where}: directory {str(path)!r} holds no {'/'.join(SFT_SUFFIXES)} files")
     builders = {_builder(f) for f in files}
     if len(builders) > 1:
-        raise ValueError(f"{where}: directory {str(path)!r} mixes file types ({sorted(builders)}); one type per dataset")
+        raise ValueError(f"{where}: directory {str(path)!r} mixes file types ({sorted(builders)}); give each type "
+                         "its own dataset")
     if split != "train":
         raise ValueError(f"{where}: split {split!r}: data files have only a 'train' split (a split applies to a "
                          "dataset saved with save_to_disk)")

@@ -142,8 +142,9 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
          f"{len(dataset.train_examples):,} training examples in {dataset.num_train_rows:,} {rows} + "
          f"{len(dataset.val_examples):,} validation examples in {dataset.num_val_rows:,} {rows} of {cfg.seq_len} "
          f"(training rows {fill:.1%} full), {m.num_target_tokens:,} target tokens ({cfg.sft_loss} assistant "
-         f"turns); chat template: {template_origin or 'megatrain default'}, {chat.describe()}; SFT store {store.path} ({store.origin}); tokenizer: "
-         f"{origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} ({time.perf_counter() - t0:.1f} s)")
+         f"turns); chat template: {template_origin or 'megatrain default'}, {chat.describe()}; SFT store "
+         f"{store.path} ({store.origin}); tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text "
+         f"{eot!r} ({time.perf_counter() - t0:.1f} s)")
     return tokenizer, dataset, eot
 
 

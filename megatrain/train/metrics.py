@@ -28,8 +28,7 @@ update was not applied (non-finite loss or gradient); ``val_loss`` the validatio
 step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB;
 ``examples_trimmed`` and ``examples_dropped`` (``task: sft``; null otherwise) the fine-tuning
 examples whose oldest context was cut to fit ``seq_len`` and those left out (the run's ``data:``
-line gives the same counts). Non-finite
-floats are written as null (JSON has no NaN)."""
+line gives the same counts). Non-finite floats are written as null (JSON has no NaN)."""
 
 
 def finite(x: float | None) -> float | None:

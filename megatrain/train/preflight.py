@@ -138,10 +138,11 @@ def _refuse(needed: int, parts: list[str], data_bytes: int, checkpoint_bytes: in
         f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available")
 
 
-SFT_LAYOUT_BYTES_PER_DATA_BYTE = 0.125
-"""Host bytes an SFT set's row layout takes per byte of its files: about 32 bytes per example (its
-offset, length, place in the packed rows and in the epoch's order), at one example per 256 bytes
-of data or more (LLaMA-Factory's ``alpaca_en_demo.json`` averages about 700 bytes a record)."""
+SFT_LAYOUT_BYTES_PER_DATA_BYTE = 1.0
+"""Host bytes an SFT set's row layout takes per byte of its files: about 40 bytes per example in
+arrays (length, split, place in the epoch and in the packed rows) and about 100 more while
+best-fit decreasing packs them (Python lists), at one example per 150 bytes of data or more
+(``examples/data/alpaca_demo.json``, short records, has 167 bytes a record)."""
 
 
 def data_pipeline_bytes(cfg: TrainConfig, tokenizer_sample: int = 0) -> int:
