@@ -35,7 +35,7 @@ from megatrain.data import (
     resolve_sft_data,
     train_bpe_tokenizer,
 )
-from megatrain.data.sft import DEFAULT_CHAT_TEMPLATE, Encoded, open_sft_store
+from megatrain.data.sft import Encoded
 from megatrain.data.sft_formats import Chat, Completion, RecordError
 from megatrain.data.sft_sources import iter_examples
 
