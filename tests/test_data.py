@@ -21,7 +21,6 @@ from megatrain.data import (
     DEFAULT_MAX_BYTES,
     EOT_TOKEN,
     IGNORE_INDEX,
-    SftDataset,
     StoreWindows,
     cached_token_store,
     corpus_bytes,
@@ -31,10 +30,7 @@ from megatrain.data import (
     load_documents,
     load_tokenizer,
     pack_documents,
-    read_sft_examples,
-    render_chat,
     tokenize_documents,
-    tokenize_sft,
     train_bpe_tokenizer,
 )
 
@@ -478,110 +474,11 @@ def test_public_surface_of_megatrain_data_is_pinned():
 
     assert sorted(megatrain.data.__all__) == sorted([
         "DEFAULT_MAX_BYTES", "EOT_CANDIDATES", "EOT_TOKEN", "IGNORE_INDEX",
-        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "CorruptStoreError", "PackedRows", "SftDataset", "SftRows",
-        "StoreError", "StoreManifest", "StoreWindows", "TokenStore",
-        "build_token_store", "cached_token_store", "corpus_bytes", "corpus_files",
-        "default_corpus_dir", "encode_documents", "find_eot_token", "iter_file_documents",
-        "load_documents", "load_tokenizer", "open_token_store", "pack_documents", "read_sft_examples",
-        "render_chat", "tokenize_documents", "tokenize_sft", "train_bpe_tokenizer",
+        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "ChatTokenizer", "CorruptStoreError", "PackedRows", "SftDataset",
+        "SftSource", "SftStore", "StoreError", "StoreManifest", "StoreWindows", "TokenStore",
+        "best_fit_decreasing", "build_token_store", "cached_sft_store", "cached_token_store", "corpus_bytes",
+        "corpus_files", "default_corpus_dir", "encode_documents", "find_eot_token", "iter_file_documents",
+        "load_documents", "load_tokenizer", "open_token_store", "pack_documents", "resolve_sft_data",
+        "tokenize_documents", "train_bpe_tokenizer",
     ])
     assert all(hasattr(megatrain.data, name) for name in megatrain.data.__all__)
-
-
-# ---------------------------------------------------------------- supervised fine-tuning
-
-
-def _sft_file(path: Path, records: list) -> Path:
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n", encoding="utf-8")
-    return path
-
-
-def _targets(tokenizer, row_ids, row_labels) -> str:
-    return tokenizer.decode([int(t) for t, y in zip(row_ids, row_labels) if y != IGNORE_INDEX],
-                            skip_special_tokens=False)
-
-
-def test_sft_prompt_completion_rows_learn_only_the_completion(tmp_path, tokenizer):
-    f = _sft_file(tmp_path / "d.jsonl", [{"prompt": "def add(a, b):\n", "completion": "    return a + b\n"},
-                                         "", {"prompt": "x = ", "completion": "1"}])
-    eot = tokenizer.token_to_id(EOT_TOKEN)
-    rows = tokenize_sft(tokenizer, read_sft_examples(f, eot_token=EOT_TOKEN), 32, pad_id=eot)
-    assert rows.input_ids.shape == rows.labels.shape == (2, 32) and rows.truncated == 0
-    prompt = tokenizer.encode("def add(a, b):\n", add_special_tokens=False).ids
-    done = tokenizer.encode("    return a + b\n" + EOT_TOKEN, add_special_tokens=False).ids
-    assert rows.input_ids[0, :len(prompt) + len(done)].tolist() == prompt + done
-    assert rows.labels[0].tolist() == [IGNORE_INDEX] * len(prompt) + done + [IGNORE_INDEX] * (
-        32 - len(prompt) - len(done))
-    assert (rows.input_ids[0, len(prompt) + len(done):] == eot).all()  # padded with end-of-text
-    # The mask covers the example (the end-of-text that ends it included), not the padding, so
-    # tokens/s counts the example's tokens; a batch carries it.
-    assert rows.attention_mask[0].tolist() == [1] * (len(prompt) + len(done)) + [0] * (32 - len(prompt) - len(done))
-    ds = SftDataset(rows, val_fraction=0.5)  # one training row: every batch of one is it
-    batch = next(ds.batches(1))
-    assert set(batch) == {"input_ids", "attention_mask", "labels"}
-    assert torch.equal(batch["attention_mask"][0], torch.from_numpy(rows.attention_mask[ds.train_indices[0]]))
-    assert _targets(tokenizer, rows.input_ids[1], rows.labels[1]) == "1" + EOT_TOKEN
-    cut = tokenize_sft(tokenizer, read_sft_examples(f), len(prompt) + 2, pad_id=eot)
-    assert cut.truncated == 1 and (cut.labels[0] != IGNORE_INDEX).sum() == 2
-
-
-def test_sft_chat_without_and_with_a_template_learns_only_assistant_turns(tmp_path, tokenizer):
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-            {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
-            {"role": "assistant", "content": "6"}]
-    f = _sft_file(tmp_path / "c.jsonl", [{"messages": chat}])
-    eot = tokenizer.token_to_id(EOT_TOKEN)
-    plain = tokenize_sft(tokenizer, read_sft_examples(f), 128, pad_id=eot)
-    assert plain.truncated == 0
-    assert _targets(tokenizer, plain.input_ids[0], plain.labels[0]) == f"<|assistant|>\n4{EOT_TOKEN}" \
-        f"<|assistant|>\n6{EOT_TOKEN}"
-    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
-                "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-    segs = render_chat(chat, template, EOT_TOKEN)
-    # trim_blocks (as transformers renders) drops the newline after each block tag
-    assert "".join(t for t, _ in segs) == f"<system>Be brief.<user>2+2?<assistant>4{EOT_TOKEN}" \
-        f"<user>3+3?<assistant>6{EOT_TOKEN}"
-    assert [t for t, a in segs if a] == [f"4{EOT_TOKEN}", f"6{EOT_TOKEN}"]  # the header is context
-    with pytest.raises(ValueError, match="no 'assistant' message"):
-        render_chat(chat[:2], template, EOT_TOKEN)
-    with pytest.raises(ValueError, match="not a prefix"):
-        render_chat(chat, "{{ messages | length }}", EOT_TOKEN)
-
-
-def test_sft_bad_records_name_the_file_and_line(tmp_path, tokenizer):
-    for records, match in [
-        ([{"prompt": "a", "completion": "b"}, "{oops"], r"b\.jsonl', line 2: not valid JSON"),
-        ([{"prompt": "a"}], r"line 1: an SFT record needs string fields 'prompt' and 'completion'"),
-        (["", {"messages": [{"role": "user"}]}], r"line 2: message 0 must be an object"),
-    ]:
-        f = _sft_file(tmp_path / "b.jsonl", records)
-        with pytest.raises(ValueError, match=match):
-            list(read_sft_examples(f))
-    bad_byte = tmp_path / "latin1.jsonl"  # on line 3, not on the line a chunked decoder stops at
-    bad_byte.write_bytes(b'{"prompt": "a", "completion": "b"}\n\n{"prompt": "caf\xe9", "completion": "b"}\n')
-    with pytest.raises(ValueError, match=r"latin1\.jsonl', line 3: not valid UTF-8"):
-        list(read_sft_examples(bad_byte))
-    with pytest.raises(ValueError, match="must be a .jsonl"):
-        list(read_sft_examples(tmp_path / "x.txt"))
-    with pytest.raises(ValueError, match="only blank lines"):
-        tokenize_sft(tokenizer, read_sft_examples(_sft_file(tmp_path / "e.jsonl", [""])), 8, pad_id=0)
-    long_prompt = _sft_file(tmp_path / "p.jsonl", [{"prompt": "word " * 50, "completion": "x"}])
-    with pytest.raises(ValueError, match="example 0: no completion or assistant token within seq_len=8"):
-        tokenize_sft(tokenizer, read_sft_examples(long_prompt), 8, pad_id=0)
-
-
-def test_sft_dataset_splits_and_resumes_exactly(tmp_path, tokenizer):
-    f = _sft_file(tmp_path / "d.jsonl", [{"prompt": f"q{i} ", "completion": f"a{i}"} for i in range(23)])
-    ds = SftDataset(tokenize_sft(tokenizer, read_sft_examples(f), 16, pad_id=0), val_fraction=0.2, seed=1)
-    assert (ds.num_train_rows, ds.num_val_rows) == (18, 5)
-    assert set(ds.train_indices.tolist()).isdisjoint(ds.val_indices.tolist())
-    whole = [b for _, b in zip(range(20), ds.batches(4, seed=3))]
-    for start in (0, 3, 4, 9):
-        tail = [b for _, b in zip(range(20 - start), ds.batches(4, seed=3, start=start))]
-        assert all(torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
-                   for a, b in zip(tail, whole[start:]))
-    assert len(list(ds.eval_batches(2))) == 2
-    assert ds.fingerprint() == SftDataset(ds.rows, val_fraction=0.2, seed=1).fingerprint() != SftDataset(
-        ds.rows, val_fraction=0.2, seed=2).fingerprint()
-    with pytest.raises(ValueError, match="too small for one batch"):
-        ds.batches(19)

@@ -732,35 +732,40 @@ def test_too_little_text_for_a_batch_leaves_only_the_store_and_the_same_command_
     assert f"token store {out / 'tokens'} (rebuilt (source changed))" in capsys.readouterr().out
 
 
-def test_task_sft_trains_on_completions_with_the_tokenizers_chat_template(first_run, setup, tmp_path, capsys):
-    data = tmp_path / "sft.jsonl"
-    records = [{"prompt": f"def f{i}(x):\n", "completion": f"    return x + {i}\n"} for i in range(30)]
-    records += [{"messages": [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
-                for i in range(10)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    # A tokenizer whose tokenizer_config.json has a chat template: the chats are rendered with it.
+def test_task_sft_trains_on_a_mixture_with_the_tokenizers_chat_template(first_run, setup, tmp_path, capsys):
+    completions, chats = tmp_path / "pc.jsonl", tmp_path / "chats.json"
+    completions.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "completion": f" return x + {i}"}) + "\n"
+                                   for i in range(30)))
+    chats.write_text(json.dumps([{"messages": [{"role": "user", "content": f"{i} + 1?"},
+                                               {"role": "assistant", "content": str(i + 1)}]} for i in range(10)]))
+    # A tokenizer whose tokenizer_config.json has a chat template (no generation markers: the
+    # assistant's tokens are found by prefix differences); the checkpoint keeps it.
     tok = tmp_path / "tok"
     tok.mkdir()
     shutil.copy(first_run / "tokenizer.json", tok / "tokenizer.json")
-    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}")}))
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     out = tmp_path / "out"
-    assert run(setup, out, "--task", "sft", "--data", str(data), "--tokenizer", str(tok / "tokenizer.json"),
-               "--max-steps", "2", "--val-fraction", "0.2") == 0
+    assert run(setup, out, "--task", "sft", "--data", f"{completions},{chats}:3", "--tokenizer",
+               str(tok / "tokenizer.json"), "--max-steps", "2", "--val-fraction", "0.2") == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data: "))
-    assert line.startswith("data: 40 SFT examples (0 cut at seq_len) in 32 training + 8 validation rows of 32")
-    assert "chat template of tokenizer_config.json" in line
+    # weights 1:3 over the 32 training examples: 8 completions and 24 chats (each chat about 3 times)
+    assert line.startswith(f"data: 40 SFT examples from {completions} (prompt_completion, 30; 8 a training "
+                           f"epoch), {chats} (messages, 10; 24 a training epoch); 0 trimmed"), line
+    assert "0 dropped (trim)" in line
+    assert "packed rows" in line and f"chat template: {tok / 'tokenizer_config.json'}, assistant tokens by prefix " \
+        "differences" in line
+    assert f"SFT store {out / 'tokens'} (built)" in line
     assert [r["step"] for r in rows(out)] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows(out))
-    # tokens/s counts the examples' tokens, not the padding: every row here is padded (none was cut
-    # and none fills its 32 tokens), so a step of 4 rows counts fewer than 4 x 32.
-    assert all(0 < r["tokens_per_s"] * r["measured_step_s"] < 4 * 32 - 0.5 for r in rows(out)), rows(out)
-    assert not (out / "tokens").exists()  # SFT rows are not the token store's windows
-    # A bad record: one error line naming the file and line.
-    data.write_text(json.dumps(records[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
-    assert run(setup, tmp_path / "bad", "--task", "sft", "--data", str(data)) == 2
+    assert all(r["examples_trimmed"] == r["examples_dropped"] == 0 for r in rows(out))
+    saved = json.loads((out / "checkpoint" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == template
+    # A bad record: one error line naming the file and the record.
+    chats.write_text(json.dumps([{"messages": [{"role": "user", "content": "hi"}]}]))
+    assert run(setup, tmp_path / "bad", "--task", "sft", "--data", str(chats)) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert "sft.jsonl', line 2: an SFT record needs string fields 'prompt' and 'completion'" in line
+    assert f"error: data: '{chats}', record 1: the chat has no assistant message" in line
 
 
 def test_the_preflight_counts_the_store_reader_not_the_corpus(setup, tmp_path):

@@ -18,21 +18,32 @@ corpora larger than RAM train with flat host memory::
     for step, batch in zip(range(num_steps), data.batches(8, seed=0)):
         loss = model(**batch).loss   # input_ids, labels: LongTensor[8, 256]
 
-Supervised fine-tuning (``sft``): :func:`read_sft_examples` reads ``{"prompt",
-"completion"}`` or chat ``{"messages"}`` JSONL, :func:`tokenize_sft` makes padded
-rows with labels only on the answer, :class:`SftDataset` batches them.
+Supervised fine-tuning (``sft``): :func:`resolve_sft_data` finds the datasets
+(alpaca, sharegpt, chat messages or prompt/completion records in ``.json``,
+``.jsonl``, ``.parquet``, ``.csv`` or saved datasets, or the entries of a
+LLaMA-Factory ``dataset_info.json``), :class:`ChatTokenizer` renders them with a
+chat template and marks the assistant's tokens as targets, :func:`cached_sft_store`
+tokenises them once into a token store, and :class:`SftDataset` packs them into rows::
+
+    sources = resolve_sft_data("alpaca_demo,sharegpt_demo:2@examples/data")
+    chat = ChatTokenizer(tokenizer, None, eos_token=EOT_TOKEN)   # None: the default template
+    store = cached_sft_store(sources, chat, "runs/sft-tokens", seq_len=256)
+    data = SftDataset(store, 256, weights=[s.weight for s in sources])
+    batch = next(data.batches(8))   # input_ids, position_ids, labels: LongTensor[8, 256]
 
 :func:`pack_documents` packs whole documents into rows so that no loss target
-is predicted from another document's text: the rows per-document attention needs.
+is predicted from another document's text: the rows per-document attention needs;
+:func:`best_fit_decreasing` is its packing rule.
 
 Modules: ``sources`` (readers), ``tokenizer``, ``packing``, ``store`` (the
-on-disk token store), ``windows`` (reading it), ``sft`` (fine-tuning examples).
+on-disk token store), ``windows`` (reading it), ``sft_formats``, ``sft_sources``
+and ``sft`` (fine-tuning examples).
 
 Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
 """
 
-from megatrain.data.packing import IGNORE_INDEX, PackedRows, pack_documents
+from megatrain.data.packing import IGNORE_INDEX, PackedRows, best_fit_decreasing, pack_documents
 from megatrain.data.sources import (
     DEFAULT_MAX_BYTES,
     RECORD_SUFFIXES,
@@ -61,7 +72,8 @@ from megatrain.data.tokenizer import (
     tokenize_documents,
     train_bpe_tokenizer,
 )
-from megatrain.data.sft import SftDataset, SftRows, read_sft_examples, render_chat, tokenize_sft
+from megatrain.data.sft import ChatTokenizer, SftDataset, SftStore, cached_sft_store
+from megatrain.data.sft_sources import SftSource, resolve_sft_data
 from megatrain.data.windows import StoreWindows
 
 __all__ = [
@@ -71,15 +83,19 @@ __all__ = [
     "IGNORE_INDEX",
     "RECORD_SUFFIXES",
     "TEXT_SUFFIXES",
+    "ChatTokenizer",
     "CorruptStoreError",
     "PackedRows",
     "SftDataset",
-    "SftRows",
+    "SftSource",
+    "SftStore",
     "StoreError",
     "StoreManifest",
     "StoreWindows",
     "TokenStore",
+    "best_fit_decreasing",
     "build_token_store",
+    "cached_sft_store",
     "cached_token_store",
     "corpus_bytes",
     "corpus_files",
@@ -91,9 +107,7 @@ __all__ = [
     "load_tokenizer",
     "open_token_store",
     "pack_documents",
-    "read_sft_examples",
-    "render_chat",
+    "resolve_sft_data",
     "tokenize_documents",
-    "tokenize_sft",
     "train_bpe_tokenizer",
 ]

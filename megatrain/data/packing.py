@@ -1,18 +1,21 @@
 """Packing tokenized documents into fixed-length rows whose loss targets never cross a document.
 
-See :func:`pack_documents` for the exact rule (best-fit decreasing over pieces that overlap by one
-token; labels ``-100`` at piece starts and padding).
+:func:`best_fit_decreasing` is the bin-packing rule (Johnson et al., "Worst-case performance bounds
+for simple one-dimensional packing algorithms", SIAM J. Comput. 3(4), 1974; the rule TRL's
+``pack_dataset(strategy="bfd")`` packs SFT examples with). :func:`pack_documents` packs
+language-model documents with it (pieces that overlap by one token; labels ``-100`` at piece
+starts and padding); :class:`~megatrain.data.sft.SftDataset` packs fine-tuning examples with it.
 """
 
 from __future__ import annotations
 
-import bisect
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IGNORE_INDEX", "PackedRows", "pack_documents"]
+__all__ = ["IGNORE_INDEX", "PackedRows", "best_fit_decreasing", "pack_documents"]
 
 #: Label value a causal-LM loss ignores (``torch.nn.CrossEntropyLoss``'s and
 #: Hugging Face's ``ignore_index``).
@@ -122,36 +125,22 @@ def pack_documents(
             if start + n >= total:
                 break
             start += seq_len - 1
-    pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
-
-    # Best fit: ``open_rows`` is sorted by (free space, row), so the first
-    # entry with free >= n is the tightest row, the oldest among equals. A
-    # row with fewer than 2 free positions can take no piece and is closed.
-    placements: list[tuple[int, int, int, int, int]] = []  # row, offset, length, doc, start
-    open_rows: list[tuple[int, int]] = []
-    rows = 0
-    for n, i, start in pieces:
-        k = bisect.bisect_left(open_rows, (n, -1))
-        if k < len(open_rows):
-            free, row = open_rows.pop(k)
-        else:
-            free, row = seq_len, rows
-            rows += 1
-        placements.append((row, seq_len - free, n, i, start))
-        if free - n >= 2:
-            bisect.insort(open_rows, (free - n, row))
-
-    input_ids = np.full((rows, seq_len), pad, dtype=np.int64)
-    labels = np.full((rows, seq_len), IGNORE_INDEX, dtype=np.int64)
-    for row, off, n, i, start in placements:
-        a = arrays[i]
-        end = start + n
-        if end <= a.size:
-            seg = a[start:end]
-        else:  # the last piece ends with the end-of-text token
-            seg = np.append(a[start:], eot_id)
-        input_ids[row, off : off + n] = seg
-        labels[row, off + 1 : off + n] = seg[1:]
+    # Pieces were made in (document, start) order, the tie order the rule names.
+    bins = best_fit_decreasing([p[0] for p in pieces], seq_len)
+    input_ids = np.full((len(bins), seq_len), pad, dtype=np.int64)
+    labels = np.full((len(bins), seq_len), IGNORE_INDEX, dtype=np.int64)
+    for row, members in enumerate(bins):
+        off = 0
+        for k in members:
+            n, i, start = pieces[k]
+            a = arrays[i]
+            if start + n <= a.size:
+                seg = a[start:start + n]
+            else:  # the last piece ends with the end-of-text token
+                seg = np.append(a[start:], eot_id)
+            input_ids[row, off : off + n] = seg
+            labels[row, off + 1 : off + n] = seg[1:]
+            off += n
     return PackedRows(
         input_ids=input_ids,
         labels=labels,
@@ -159,3 +148,53 @@ def pack_documents(
         num_pieces=len(pieces),
         num_tokens=sum(p[0] for p in pieces),
     )
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Pack items of the given lengths into as few bins of ``capacity`` as best-fit decreasing does.
+
+    Items are taken in order of decreasing length (ties: lower index first); each goes into the
+    open bin with the least free space that still holds it (ties: the bin opened first), else into
+    a new bin. The result depends only on the arguments.
+
+    Args:
+        lengths: one positive length per item, each at most ``capacity``.
+        capacity: the size of a bin (tokens per row).
+
+    Returns:
+        The bins in the order they were opened, each the indices of its items in the order placed.
+
+    Raises:
+        ValueError: ``capacity < 1``, or a length not in ``[1, capacity]`` (its index is named).
+
+    Runs in ``O(n log n)`` for the sort plus ``O(n (log n + capacity / 64))`` for the placements:
+    the free-space values that some open bin has are the set bits of one integer, so the tightest
+    fit is the lowest set bit at or above the item's length; each value keeps its bins in a heap.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    for i, n in enumerate(lengths):
+        if not 1 <= n <= capacity:
+            raise ValueError(f"item {i} has length {n}, not in [1, capacity={capacity}]")
+    bins: list[list[int]] = []
+    by_free: dict[int, list[int]] = {}  # free space -> heap of bin numbers
+    free_bits = 0  # bit f set iff some open bin has exactly f free
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        n = lengths[i]
+        above = free_bits >> n
+        if above:
+            free = n + (above & -above).bit_length() - 1
+            heap = by_free[free]
+            b = heapq.heappop(heap)
+            if not heap:
+                del by_free[free]
+                free_bits &= ~(1 << free)
+        else:
+            free, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        left = free - n
+        if left:
+            heapq.heappush(by_free.setdefault(left, []), b)
+            free_bits |= 1 << left
+    return bins

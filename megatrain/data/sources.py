@@ -398,6 +398,27 @@ class _RecordError(ValueError):
     """A bad record, located (file and line): raised as is, never re-wrapped."""
 
 
+def scan_jsonl(path: Path, expected: str) -> Iterator[tuple[str, object]]:
+    """``(where, value)`` for each non-blank line of a JSON Lines file, ``where`` naming the file and
+    the 1-based line; a line that is not UTF-8 or not JSON raises a ValueError saying so and that
+    each line must be ``expected``. For the errors ``datasets`` reports without a line."""
+    # Bytes, decoded line by line: a text-mode file decodes ahead in chunks and would report a
+    # bad byte on an earlier line than its own.
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{str(path)!r}, line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _RecordError(f"{where}: not valid UTF-8 ({e})") from None
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _RecordError(f"{where}: not valid JSON ({e.msg}); each line must be {expected}") from None
+
+
 def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None) -> ValueError:
     """The first line of a ``.jsonl`` file that is not an object with a string ``text_field``.
 
@@ -405,24 +426,8 @@ def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None
     pandas ``ValueError``, or a row of None for a missing field), so on any failure the file is
     scanned with :mod:`json` for the line to name. Returns the error to raise.
     """
-    # Bytes, decoded line by line: a text-mode file decodes ahead in chunks and would report a
-    # bad byte on an earlier line than its own.
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return _RecordError(f"{str(path)!r}, line {lineno}: not valid UTF-8 ({e})")
-            if not line.strip():
-                continue
-            where = f"{str(path)!r}, line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                return _RecordError(
-                    f"{where}: not valid JSON ({e.msg}); each line must be a JSON "
-                    f"object with a string field {text_field!r}"
-                )
+    try:
+        for where, obj in scan_jsonl(path, f"a JSON object with a string field {text_field!r}"):
             if not isinstance(obj, dict) or text_field not in obj:
                 return _RecordError(f"{where}: JSON value has no field {text_field!r}")
             if not isinstance(obj[text_field], str):
@@ -430,6 +435,8 @@ def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None
                     f"{where}: field {text_field!r} must be a string, "
                     f"got {type(obj[text_field]).__name__}"
                 )
+    except _RecordError as e:
+        return e
     return _RecordError(f"{str(path)!r} could not be read as JSON Lines: {cause}")
 
 

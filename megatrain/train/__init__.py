@@ -12,7 +12,8 @@ function of a module of this package::
     preflight   that planned model's host bytes + data + a checkpoint shard against MemAvailable,
                 before anything large is allocated
     corpus      tokenizer -> token store (megatrain.data.cached_token_store) -> StoreWindows
-                windows; --task sft: padded rows with labels on the answers (megatrain.data.sft)
+                windows; --task sft: the datasets of data -> the SFT store (chat template, answers
+                kept, megatrain.data.cached_sft_store) -> packed rows (megatrain.data.SftDataset)
     materialize megatrain.materialize of the same planned model: host tiles, backend, executor
     weights     Trainer.load_hf_weights, or Trainer.load for an exact resume
     loop        lr (warm-up + cosine), step, non-finite policy, evaluation, checkpoints,

@@ -33,14 +33,35 @@ class TrainConfig(pydantic.BaseModel):
                                         "empty, or holding this run (same model, data, seq_len, global_batch "
                                         "and seed), which then resumes from its checkpoint or starts over")
     task: Literal["lm", "sft"] = Field("lm", description="lm: language modelling on the text of data; sft: "
-                                                         "supervised fine-tuning on a .jsonl of {prompt, "
-                                                         "completion} or chat {messages} records, loss only on "
-                                                         "completion / assistant tokens, one example per "
-                                                         "row padded to seq_len (the token store is not used)")
-    data: str | None = Field(None, description="a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
+                                                         "supervised fine-tuning on alpaca, sharegpt, chat "
+                                                         "messages or prompt/completion records (see data), loss "
+                                                         "only on completion / assistant tokens, examples packed "
+                                                         "into rows (sft_packing)")
+    data: str | None = Field(None, description="lm: a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
                                                "one such file, or a directory saved with Hugging Face "
                                                "datasets' save_to_disk (default: this Python's standard "
-                                               "library)")
+                                               "library). sft: a .json/.jsonl/.parquet/.csv/.arrow file, a "
+                                               "save_to_disk directory, a directory of such files or with a "
+                                               "LLaMA-Factory dataset_info.json, or NAME,NAME@DIR naming entries "
+                                               "of DIR/dataset_info.json; several comma-separated, each with an "
+                                               "optional mixing weight (a.json:2,b.jsonl)")
+    sft_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion"] = Field(
+        "auto", description="sft: the record format of data files (auto: detected from each file's first "
+                            "record; a dataset_info.json names each dataset's)")
+    chat_template: str | None = Field(None, description="sft: a Jinja chat template file to render chats with "
+                                                        "(default: the tokenizer's, from the chat_template.jinja or "
+                                                        "tokenizer_config.json beside it, else megatrain's "
+                                                        "<|role|> template); saved with the checkpoint's tokenizer")
+    sft_loss: Literal["all", "last"] = Field("all", description="sft: which assistant turns of a chat are loss "
+                                                                "targets: all of them, or only the last")
+    sft_truncation: Literal["trim", "drop"] = Field(
+        "trim", description="sft: an example longer than seq_len loses its oldest context (the system message, then "
+                            "the oldest exchanges, then its first tokens), never its last answer (dropped when that "
+                            "answer alone does not fit); drop: every example longer than seq_len is dropped. The "
+                            "data: line and metrics.jsonl count both")
+    sft_packing: bool = Field(True, description="sft: pack several examples per row (best-fit decreasing; "
+                                                "position_ids restart at each example, so attention stays inside "
+                                                "it); false: one example per row, padded")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
                                                 ".parquet files and saved datasets")
     max_bytes: int | None = Field(3_000_000, gt=0, description="UTF-8 bytes of text, from the corpus's start, "
@@ -211,18 +232,28 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str
         raise ConfigError(f"invalid train config ({where}): {describe_validation(e, missing_hint=_flag_hint)}") from None
 
 
-_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir", "data_cache")
+_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir", "data_cache", "chat_template")
 
 
 def _relative_to(base: Path, loaded: dict) -> dict:
     out = dict(loaded)
     for k in _PATH_FIELDS:
         v = out.get(k)
-        if isinstance(v, str) and v and not Path(v).is_absolute():
+        if k == "data" and isinstance(v, str) and v and not (base / v).exists():
+            out[k] = _relative_data(base, v)
+        elif isinstance(v, str) and v and not Path(v).is_absolute():
             p = base / v
-            if k in ("data", "tokenizer", "output_dir", "data_cache") or p.exists():
+            if k in ("data", "tokenizer", "output_dir", "data_cache", "chat_template") or p.exists():
                 out[k] = str(p)
     return out
+
+
+def _relative_data(base: Path, v: str) -> str:
+    """An SFT data list (``a.json:2,b.jsonl``) or ``NAMES@DIR`` with its paths relative to ``base``."""
+    names, at, directory = v.rpartition("@")
+    if at:
+        return f"{names}@{directory if Path(directory).is_absolute() else base / directory}"
+    return ",".join(item if Path(item).is_absolute() else str(base / item) for item in v.split(","))
 
 
 def _flag_hint(field: str) -> str:

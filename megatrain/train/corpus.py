@@ -62,47 +62,89 @@ def _tokenizer(cfg: TrainConfig, source: ModelSource, sample=None):
     return D.train_bpe_tokenizer(docs, vocab_size=vocab), "byte-level BPE trained here"
 
 
-def _chat_template(cfg: TrainConfig, source: ModelSource) -> str | None:
-    """The ``chat_template`` of the ``tokenizer_config.json`` beside the run's tokenizer file, if any."""
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""Where ``transformers`` saves a tokenizer's chat template, beside ``tokenizer_config.json``."""
+
+
+def _chat_template(cfg: TrainConfig, source: ModelSource) -> tuple[str | None, str | None]:
+    """The chat template of an SFT run and where it came from: ``cfg.chat_template`` (a Jinja file),
+    else the ``chat_template.jinja`` or the ``chat_template`` of the ``tokenizer_config.json`` beside
+    the run's tokenizer file (a list of named templates gives its ``default``), else None (megatrain's)."""
     import json
 
+    if cfg.chat_template is not None:
+        f = Path(cfg.chat_template)
+        if not f.is_file():
+            raise ConfigError(f"chat_template {str(f)!r} does not exist; give a Jinja template file")
+        return f.read_text(encoding="utf-8"), str(f)
     where = Path(cfg.tokenizer) if cfg.tokenizer is not None else source.directory
     if where is None:
-        return None
-    f = (where if where.is_dir() else where.parent) / TOKENIZER_CONFIG_FILE
+        return None, None
+    directory = where if where.is_dir() else where.parent
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), str(directory / CHAT_TEMPLATE_FILE)
+    f = directory / TOKENIZER_CONFIG_FILE
     try:
         template = json.loads(f.read_text(encoding="utf-8")).get("chat_template") if f.is_file() else None
     except (ValueError, AttributeError) as e:
         raise ConfigError(f"{f} is not a JSON object ({e}); fix or remove it") from None
-    return template if isinstance(template, str) else None
+    if isinstance(template, list):  # [{"name", "template"}, ...], as transformers saves several
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if isinstance(template, str):
+        return template, str(f)
+    return None, None
 
 
-def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo):
+def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     from megatrain import data as D
+    from megatrain.data.sft_sources import iter_examples
+    from megatrain.data.sft_formats import Chat
 
     t0 = time.perf_counter()
     if cfg.data is None:
-        raise ConfigError("task sft needs data: a .jsonl of {prompt, completion} or {messages} records (--data)")
-    vocab = source.config.vocab_size
-    # A BPE learns from the examples' text (in the default rendering: it has no chat template).
-    tokenizer, origin = _tokenizer(cfg, source, lambda: [
-        "".join(t for t, _ in ex) for ex in D.read_sft_examples(cfg.data, eot_token=D.EOT_TOKEN)])
-    _check_vocab(tokenizer, origin, vocab)
+        raise ConfigError("task sft needs data (--data): alpaca, sharegpt, chat messages or prompt/completion "
+                          "records, or a directory with a dataset_info.json")
+    sources = D.resolve_sft_data(cfg.data, sft_format=cfg.sft_format)
+
+    def sample() -> list[str]:  # a BPE learns from the examples' text, the first 10 MB of it
+        texts, size = [], 0
+        for src in sources:
+            for example, _, _ in iter_examples(src):
+                parts = ([m.get("content") or "" for m in example.messages] if isinstance(example, Chat)
+                         else [example.prompt, example.completion])
+                texts.append("\n".join(parts))
+                size += len(texts[-1].encode("utf-8"))
+                if size >= tokenizer_sample_bytes(cfg):
+                    return texts
+        return texts
+
+    tokenizer, origin = _tokenizer(cfg, source, sample)
+    _check_vocab(tokenizer, origin, source.config.vocab_size)
     eot = cfg.eot_token or D.find_eot_token(tokenizer)
-    eot_id = tokenizer.token_to_id(eot)
-    if eot_id is None:
+    if tokenizer.token_to_id(eot) is None:
         raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
-    template = _chat_template(cfg, source)
-    rows = D.tokenize_sft(tokenizer, D.read_sft_examples(cfg.data, chat_template=template, eot_token=eot),
-                          cfg.seq_len, pad_id=eot_id)
-    dataset = D.SftDataset(rows, val_fraction=cfg.val_fraction, seed=cfg.seed)
+    template, template_origin = _chat_template(cfg, source)
+    chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot), loss=cfg.sft_loss)
+    store = D.cached_sft_store(sources, chat, path, seq_len=cfg.seq_len, truncation=cfg.sft_truncation)
+    dataset = D.SftDataset(store, cfg.seq_len, packing=cfg.sft_packing, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                           weights=[s.weight for s in sources], num_samples=[s.num_samples for s in sources])
     dataset.batches(cfg.global_batch)
     dataset.eval_batches(cfg.micro_batch_size, 1)
-    n = rows.input_ids.shape[0]
-    echo(f"data: {n:,} SFT examples ({rows.truncated:,} cut at seq_len) in {dataset.num_train_rows:,} training + "
-         f"{dataset.num_val_rows:,} validation rows of {cfg.seq_len}, {rows.num_target_tokens:,} target tokens; "
-         f"{'chat template of ' + TOKENIZER_CONFIG_FILE if template else 'no chat template'}; tokenizer: {origin}, "
-         f"vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} ({time.perf_counter() - t0:.1f} s)")
+    m = store.manifest
+    mixed = any(s.weight is not None or s.num_samples is not None for s in sources)
+    sets = ", ".join(f"{d.name} ({d.format}, {d.examples:,}" + (f"; {c:,} a training epoch" if mixed else "") + ")"
+                     for d, c in zip(m.datasets, dataset.counts))
+    rows = "packed rows" if cfg.sft_packing else "rows"
+    fill = dataset.num_train_tokens / max(1, dataset.num_train_rows * cfg.seq_len)
+    echo(f"data: {sum(d.examples for d in m.datasets):,} SFT examples from {sets}; {m.trimmed:,} trimmed to seq_len "
+         f"(oldest context cut, answer kept), {m.dropped:,} dropped ({cfg.sft_truncation}); "
+         f"{len(dataset.train_examples):,} training examples in {dataset.num_train_rows:,} {rows} + "
+         f"{len(dataset.val_examples):,} validation examples in {dataset.num_val_rows:,} {rows} of {cfg.seq_len} "
+         f"(training rows {fill:.1%} full), {m.num_target_tokens:,} target tokens ({cfg.sft_loss} assistant "
+         f"turns); chat template: {template_origin or 'megatrain default'}, {chat.describe()}; SFT store "
+         f"{store.path} ({store.origin}); tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text "
+         f"{eot!r} ({time.perf_counter() - t0:.1f} s)")
     return tokenizer, dataset, eot
 
 
@@ -116,8 +158,10 @@ def _check_vocab(tokenizer, origin: str, vocab: int) -> None:
 def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None = None):
     """Tokenizer -> token store -> windows. Returns ``(tokenizer, dataset, eot_token)``.
 
-    With ``task: sft`` instead: tokenizer -> the ``.jsonl`` examples -> padded rows with labels on
-    completion and assistant tokens only (:class:`~megatrain.data.SftDataset`).
+    With ``task: sft`` instead: tokenizer -> the datasets of ``data``
+    (:func:`~megatrain.data.resolve_sft_data`) -> the SFT store at ``path`` (examples rendered with the
+    chat template, fitted to ``seq_len``, labels on completion and assistant tokens only:
+    :func:`~megatrain.data.cached_sft_store`) -> packed or padded rows (:class:`~megatrain.data.SftDataset`).
 
     The store at ``path`` (default :func:`store_dir`) holds the corpus's first ``max_bytes`` bytes
     of text (all of it when ``max_bytes`` is None) tokenised with the run's tokenizer; it is
@@ -136,7 +180,7 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
     path = store_dir(cfg) if path is None else path
     if cfg.task == "sft":
         try:
-            return _prepare_sft(cfg, source, echo)
+            return _prepare_sft(cfg, source, echo, path)
         except (OSError, ValueError, ImportError) as e:
             if isinstance(e, ConfigError):
                 raise
@@ -173,16 +217,23 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
     return tokenizer, dataset, eot
 
 
-def match_special_tokens(model, tokenizer, eot: str, seq_len: int) -> dict:
+def bos_token(tokenizer, eot: str) -> str:
+    """The beginning-of-sequence token: the tokenizer's own (``<|begin_of_text|>``, ``<s>``,
+    ``<bos>``) or, as with GPT-2's byte-level BPE, the end-of-text token."""
+    return next((t for t in BOS_CANDIDATES if tokenizer.token_to_id(t) is not None), eot)
+
+
+def match_special_tokens(model, tokenizer, eot: str, seq_len: int, chat_template: str | None = None) -> dict:
     """Make the model's config and generation config name the tokenizer's special tokens, and
-    return the ``tokenizer_config.json`` that lets ``transformers.AutoTokenizer`` load the checkpoint.
+    return the ``tokenizer_config.json`` that lets ``transformers.AutoTokenizer`` load the checkpoint
+    (with ``chat_template``, the template an SFT run rendered its chats with, when given).
 
     The end-of-text token that ends every document in the token store is the end of sequence; the beginning of
     sequence is the tokenizer's own (``<|begin_of_text|>``, ``<s>``, ``<bos>``) or, as with GPT-2's
     byte-level BPE, the end-of-text token too. A config's default ids (often 1 and 2) would
     otherwise make generation stop on the wrong token.
     """
-    bos = next((t for t in BOS_CANDIDATES if tokenizer.token_to_id(t) is not None), eot)
+    bos = bos_token(tokenizer, eot)
     ids = {"bos_token_id": tokenizer.token_to_id(bos), "eos_token_id": tokenizer.token_to_id(eot)}
     for cfg in (getattr(model, "config", None), getattr(model, "generation_config", None)):
         if cfg is not None:
@@ -191,5 +242,8 @@ def match_special_tokens(model, tokenizer, eot: str, seq_len: int) -> dict:
     gen = getattr(model, "generation_config", None)
     if gen is not None and getattr(gen, "pad_token_id", None) is None:
         gen.pad_token_id = ids["eos_token_id"]  # training windows have no padding token; generate() needs one
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eot,
-            "model_max_length": seq_len}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eot,
+              "model_max_length": seq_len}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config

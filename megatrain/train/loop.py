@@ -117,10 +117,11 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
-    # Packed LM windows carry position_ids that restart per document (per-document attention).
-    # SFT rows are padded: their mask makes tokens/s count the examples' tokens only.
-    names = ("input_ids", "attention_mask", "labels") if cfg.task == "sft" else \
-        ("input_ids", "position_ids", "labels") if cfg.document_attention else ("input_ids", "labels")
+    # Packed LM windows and packed SFT rows carry position_ids that restart per document (per-document
+    # attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only.
+    packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
+    names = ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
+        ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
     micro_batches = cfg.micro_batches // world  # each rank's share of the global batch
     planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                    input_names=names,
@@ -423,7 +424,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped = _materialize_and_load(cfg, planned, source, fingerprint, echo)
     rates = run_rates(cfg, planned, hw, cpu_peak, echo)
-    tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len)
+    tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len,
+                                            getattr(dataset, "chat_template", None))
 
     writes = ranks.rank == 0  # one writer of every output; trainer.save coordinates the ranks itself
     tokenizer_json = tokenizer.to_str()
@@ -477,7 +479,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
             row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
                    "tokens_per_s": res.tokens_per_second, "mfu": mfu, "predicted_step_s": rates.predicted_step_s,
                    "measured_step_s": res.seconds, "applied": bool(res.applied), "val_loss": None,
-                   "host_rss_mib": None}
+                   "host_rss_mib": None, "examples_trimmed": getattr(dataset, "num_trimmed", None),
+                   "examples_dropped": getattr(dataset, "num_dropped", None)}
             if not res.applied:
                 skipped += 1
                 msg = nonfinite_message(step, res, n_layers)

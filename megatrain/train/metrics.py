@@ -18,15 +18,17 @@ if TYPE_CHECKING:
     from megatrain.trainer import PlannedModel
 
 METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "predicted_step_s",
-                 "measured_step_s", "applied", "val_loss", "host_rss_mib")
+                 "measured_step_s", "applied", "val_loss", "host_rss_mib", "examples_trimmed", "examples_dropped")
 """Keys of every ``metrics.jsonl`` row. ``step`` is 1-based; ``loss`` the mean micro-batch loss;
 ``lr`` the learning rate the step used; ``grad_norm`` the global L2 norm of the gradients before
 clipping; ``tokens_per_s`` the step's non-padding tokens (``StepResult.tokens``) over ``measured_step_s``, the
 step's wall time in seconds; ``mfu`` model FLOPs utilisation (module docstring); ``predicted_step_s``
 the simulator's step time on the ``hardware`` spec, seconds, or null; ``applied`` false when the
 update was not applied (non-finite loss or gradient); ``val_loss`` the validation loss when this
-step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB. Non-finite
-floats are written as null (JSON has no NaN)."""
+step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB;
+``examples_trimmed`` and ``examples_dropped`` (``task: sft``; null otherwise) the fine-tuning
+examples whose oldest context was cut to fit ``seq_len`` and those left out (the run's ``data:``
+line gives the same counts). Non-finite floats are written as null (JSON has no NaN)."""
 
 
 def finite(x: float | None) -> float | None:

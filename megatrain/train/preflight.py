@@ -138,30 +138,38 @@ def _refuse(needed: int, parts: list[str], data_bytes: int, checkpoint_bytes: in
         f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available")
 
 
+SFT_LAYOUT_BYTES_PER_DATA_BYTE = 1.0
+"""Host bytes an SFT set's row layout takes per byte of its files: about 40 bytes per example in
+arrays (length, split, place in the epoch and in the packed rows) and about 100 more while
+best-fit decreasing packs them (Python lists), at one example per 150 bytes of data or more
+(``examples/data/alpaca_demo.json``, short records, has 167 bytes a record)."""
+
+
 def data_pipeline_bytes(cfg: TrainConfig, tokenizer_sample: int = 0) -> int:
     """Host bytes of the data pipeline for the preflight: :data:`STORE_READER_BYTES`, a global
     batch (:data:`BATCH_BYTES_PER_TOKEN` per token), and ``tokenizer_sample`` bytes of text that
     train a BPE (:data:`DATA_BYTES_PER_TEXT_BYTE` each; 0 when the tokenizer is given). The corpus
     itself is tokenised into the on-disk store and read through a memory map, so its size does not
-    count (with ``task: sft`` the examples are read into memory and count in full); the store's
-    build runs in worker processes, each bounded by a batch of documents (``megatrain.data.store``),
-    and ends before the model's host state is allocated.
+    count; the store's build runs in worker processes, each bounded by a batch of documents
+    (``megatrain.data.store``), and ends before the model's host state is allocated. With
+    ``task: sft`` the SFT store is built streaming, one example at a time, and the row layout adds
+    :data:`SFT_LAYOUT_BYTES_PER_DATA_BYTE`.
 
     Raises:
         ConfigError: the data path does not exist or holds no corpus file (checked here, before the
             model is built).
     """
     from megatrain.data import corpus_bytes
+    from megatrain.data.sft_sources import sft_data_bytes
 
     try:
-        text = corpus_bytes(cfg.data)
+        text = sft_data_bytes(cfg.data) if cfg.task == "sft" and cfg.data is not None else corpus_bytes(cfg.data)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
-    if cfg.task == "sft":  # the examples are held in memory as padded rows (SFT sets are small)
-        return cfg.global_batch * cfg.seq_len * BATCH_BYTES_PER_TOKEN + text * DATA_BYTES_PER_TEXT_BYTE
     sample = min(text, tokenizer_sample)
+    layout = int(text * SFT_LAYOUT_BYTES_PER_DATA_BYTE) if cfg.task == "sft" else 0
     return (STORE_READER_BYTES + cfg.global_batch * cfg.seq_len * BATCH_BYTES_PER_TOKEN
-            + sample * DATA_BYTES_PER_TEXT_BYTE)
+            + sample * DATA_BYTES_PER_TEXT_BYTE + layout)
 
 
 def largest_safetensors(directory: Path | None) -> int:
