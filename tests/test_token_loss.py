@@ -312,3 +312,20 @@ def test_every_split_of_a_global_batch_gives_the_whole_batch_loss_and_gradients(
         for name, g in grads.items():
             err = ((g - want[name]).norm() / want[name].norm()).item()
             assert err <= RTOL, f"{m} micro-batches x {r} ranks, {name}: relative difference {err:.2e}"
+
+
+def test_bf16_steps_of_uneven_micro_batches_track_eager_autocast_on_the_whole_batch():
+    """BF16 compute, SFT rows in four micro-batches of one row (the last without targets): at every
+    step the loss and gradient norm of eager BF16 autocast on the whole batch at the same weights,
+    within the derived bounds of test_exactness (summation order and the BF16 residual stream; the
+    split adds only FP32 summation order)."""
+    from megatrain.planner.plan import Plan
+
+    from test_exactness import assert_bf16_tracks_eager_autocast
+
+    torch.manual_seed(5)
+    model = tiny_llama(layers=2)
+    trainer = megatrain.compile(model, seq_len=S, micro_batch_size=1, micro_batches=ROWS, optimizer=OPT,
+                                input_names=("input_ids", "attention_mask", "labels"),
+                                plan=Plan(micro_batches=ROWS, compute_dtype="bfloat16"))
+    assert_bf16_tracks_eager_autocast(model, trainer, [_sft(ROWS, s % 2) for s in range(4)], blocks=2)
