@@ -941,8 +941,8 @@ def test_a_rank_that_hangs_or_dies_makes_the_others_stop_with_a_clear_error_with
     for p in procs:
         p.kill()
     got = torch.load(f"{out}.0")
-    # One node sharing one copy: the gradients are reduce-scattered (Plan.gradient_reduction).
-    assert "REDUCE_SCATTER" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
+    # The step's first collective, which rank 0 waits in: the sum of the ranks' supervised tokens.
+    assert "COUNT_REDUCE:L" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
     assert f"timeout ({HANG_TIMEOUT_S} s" in got["error"] and "restart all of them from the last checkpoint" in got["error"]
     # A hung rank: it waited for the timeout, not for the rank (which sleeps 120 s). A dead one:
     # gloo may see the closed connection at once, or wait for the timeout.
