@@ -75,6 +75,10 @@ class CompileOptions(pydantic.BaseModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
     max_grad_norm: float | None = Field(None, gt=0.0, description="clip the gradients to this global L2 "
                                         "norm (as torch.nn.utils.clip_grad_norm_), or None for no clipping")
+    per_token_loss: bool = Field(True, description="the loss of a global batch is the mean over its supervised "
+                                 "tokens (labels not -100, after the shift) across every micro-batch and rank, as "
+                                 "eager PyTorch on the whole batch (Megatron-LM's --calculate-per-token-loss); "
+                                 "False: the mean of the micro-batch means (megatrain.runtime.loss)")
 
     @property
     def global_batch(self) -> int:

@@ -9,6 +9,7 @@ whose ``step`` executes the planned schedules.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
+from megatrain.runtime.loss import loss_weights, micro_batch_means
 from megatrain.runtime.host import (MASTER, HostState, NvmeRow, NvmeShards, SlicedRow, as_tensor, bind_module,
                                     unbind_spilled)
 from megatrain.runtime.measure import measure_hardware
@@ -45,11 +47,20 @@ from megatrain.runtime.measure import measure_hardware
 class StepResult:
     """What one ``Trainer.step`` did.
 
-    ``loss`` is the mean of the micro-batch losses (a float); ``tokens`` the number of input
-    tokens in the global batch that are not padding (``attention_mask == 1`` when the batch has an
-    ``attention_mask``, else every token); ``seconds`` the wall time of the step;
-    ``tokens_per_second`` their ratio. ``grad_norm`` is the global L2 norm of the step's gradients before clipping (FP32, as
-    ``torch.nn.utils.clip_grad_norm_`` returns it; NaN or inf when a gradient was not finite).
+    ``loss`` is the loss of the global batch (a float): the mean of its token losses over its
+    supervised tokens, every label that is not -100 after the model's shift in every micro-batch
+    and on every data-parallel rank, as eager PyTorch computes it on the whole batch (with
+    ``per_token_loss=False``, the mean of the micro-batch means: :mod:`megatrain.runtime.loss`).
+    ``micro_batch_losses``: each micro-batch's own mean loss, every rank's in rank order (the
+    global batch's micro-batches as one process would list them; NaN for a micro-batch without a
+    target, which adds nothing to ``loss``). ``tokens``: the input tokens of the global batch that
+    are not padding (``attention_mask == 1`` when the batch has an ``attention_mask``, else every
+    token); ``supervised_tokens``: the tokens ``loss`` is the mean over (None where the model's
+    loss is not counted); ``seconds`` the wall time of the step; ``tokens_per_second`` is
+    ``tokens / seconds``, the throughput in tokens read, padding excluded (the usual meaning, which
+    MFU counts), not in supervised tokens. ``grad_norm`` is the global L2 norm of the step's
+    gradients before clipping (FP32, as ``torch.nn.utils.clip_grad_norm_`` returns it; NaN or inf
+    when a gradient was not finite).
 
     ``applied`` is False when a loss or a gradient of the step was NaN or infinite: that update is
     not applied. With clipping (optimizer steps deferred to the next step's forward) nothing of it
@@ -67,12 +78,14 @@ class StepResult:
     micro_batch_losses: tuple[float, ...]
     tokens: int
     seconds: float
+    supervised_tokens: int | None = None
     grad_norm: float = float("nan")
     applied: bool = True
     skipped_layers: tuple[int, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
+        """Tokens read (``tokens``: padding excluded, every target and prompt token included) per second."""
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
@@ -144,7 +157,7 @@ class Trainer:
                 f"{sorted(self._pending_layers)} are still pending and the others were applied once: calling "
                 "flush() or step() again applies the rest") from (cause or e)
 
-    def _run_step(self, schedule: Schedule, parts, what: str) -> StepOutput:
+    def _run_step(self, schedule: Schedule, parts, what: str, targets: list[int | None]) -> StepOutput:
         """Run a train or eval schedule. When it raises, the trainer's state is made to match one
         of two stories and the error says which: with deferred updates (NEXT_FORWARD), the
         previous step's update was applied in full (or not at all, and is still pending) and
@@ -154,7 +167,7 @@ class Trainer:
         The executor has closed the backend's run when it raises (``Backend.abort``), and taken the
         carried updates that ran off the pending ones."""
         try:
-            return self.executor.run(schedule, parts)
+            return self.executor.run(schedule, parts, targets)
         except CollectiveError:
             raise  # another rank failed: no story holds across ranks, and applying more would wait on them
         except BaseException as e:
@@ -405,13 +418,20 @@ class Trainer:
         along dim 0 into ``micro_batches`` micro-batches of ``micro_batch_size``. Padding (left or
         right, by ``attention_mask``), ``position_ids`` and packed rows (``position_ids`` that restart
         at 0 for each document: attention does not cross documents) run as the model runs them
-        eagerly with ``use_cache=False``; labels of -100 are ignored by the model's loss.
+        eagerly with ``use_cache=False``; labels of -100 are ignored by the model's loss. The step
+        trains on the loss of the whole global batch: the mean over its supervised tokens, whatever
+        the split into micro-batches and ranks (:mod:`megatrain.runtime.loss`); they are counted
+        from the labels before the step, and a micro-batch without one adds nothing.
 
         Raises:
             BatchError: missing or extra inputs, a shape or dtype other than compiled, an
-                ``attention_mask`` with values other than 0 and 1, or a token id
-                (``input_ids``) or label (``labels``, -100 ignored) outside the model's vocabulary;
-                checked before anything runs, so nothing changes.
+                ``attention_mask`` with values other than 0 and 1, a token id (``input_ids``) or
+                label (``labels``, -100 ignored) outside the model's vocabulary, or a global batch
+                without a supervised token (every label -100 after the shift: its loss would be
+                the mean over nothing); checked before anything runs, so nothing changes. Under
+                data parallel a rank sees the other ranks' labels only in the step's COUNT_REDUCE:
+                a global batch without targets then runs, applies nothing of itself (the previous
+                step's deferred update, if any, is applied) and raises on every rank.
             StepError: the schedule raised while it ran (the cause is chained). With
                 ``max_grad_norm`` (deferred updates) the trainer is then as if the batch had never
                 been given: the previous step's update is applied exactly once, in full or still
@@ -423,13 +443,19 @@ class Trainer:
         o = self.options
         parts = self._split(batch, o.micro_batches)
         tokens = sum(_real_tokens(p) for p in parts)
+        targets = self.executor.targets(parts)
+        if self.plan.data_parallel == 1 and None not in targets and sum(targets) == 0:
+            raise BatchError(_no_targets("the global batch", 1))
         t0 = time.perf_counter()
         if self._pending_layers and self.schedule is self.schedules.first:
             self._apply_pending(None)  # a failure left part of the update pending
-        out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}")
+        out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}", targets)
         seconds = time.perf_counter() - t0
+        if out.supervised_tokens == 0:  # data parallel: the ranks learned it from the COUNT_REDUCE
+            raise BatchError(_no_targets("the global batch", self.plan.data_parallel)
+                             + " Nothing of it was applied")
         self.step_count += 1
-        losses = tuple(out.losses)
+        losses, targets = tuple(out.losses), tuple(out.targets)
         if self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD:
             # The update waits for the next schedule; it is dropped here when anything was not finite.
             # It runs with this step's AdamW settings (a later set_lr is for the next step's update).
@@ -442,29 +468,54 @@ class Trainer:
         else:
             skipped = tuple(out.updates_skipped)
         if self.plan.data_parallel > 1:
-            losses, tokens = _gather_losses(losses, tokens, self.host.data_parallel.groups.world)
-        return StepResult(step=self.step_count, loss=sum(losses) / len(losses), micro_batch_losses=losses,
-                          tokens=tokens, seconds=seconds,
+            losses, targets, tokens = _gather_losses(losses, targets, tokens, self.host.data_parallel.groups.world)
+        weights = loss_weights(targets, out.supervised_tokens, len(losses), per_token=o.per_token_loss)
+        return StepResult(step=self.step_count, loss=sum(w * x for w, x in zip(weights, losses)),
+                          micro_batch_losses=tuple(micro_batch_means(losses, targets)), tokens=tokens,
+                          supervised_tokens=out.supervised_tokens, seconds=seconds,
                           grad_norm=out.grad_norm, applied=out.finite,
                           skipped_layers=skipped)
 
     def evaluate(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> float:
-        """Mean loss over ``batch`` without updating anything.
+        """The loss of ``batch`` without updating anything: the mean of its token losses over its
+        supervised tokens (with ``per_token_loss=False``, the mean of its micro-batch means), as
+        ``step`` reports it. Under data parallel every rank calls it with its part of the batch
+        (any number of rows on each) and gets the loss of all of them together.
 
         ``batch`` has any multiple of ``micro_batch_size`` rows, each ``seq_len`` long.
+
+        Raises:
+            BatchError: a batch ``step`` would refuse, or one without a supervised token (on every
+                rank together, under data parallel).
         """
         rows = self._rows(batch)
         mbs = self.options.micro_batch_size
         if rows % mbs:
             raise BatchError(f"evaluate got {rows} sequences; it needs a multiple of micro_batch_size={mbs}")
         k = rows // mbs
+        parts = self._split(batch, k)
+        targets = self.executor.targets(parts)
         self.flush()
         if k not in self._eval_schedules:
             sched = lower(self.graph, _with_micro_batches(self.plan, k), mode="eval")
             verify(sched, self.graph)
             self._eval_schedules[k] = sched
-        out = self._run_step(self._eval_schedules[k], self._split(batch, k), "evaluate")
-        return sum(out.losses) / len(out.losses)
+        out = self._run_step(self._eval_schedules[k], parts, "evaluate", targets)
+        counted = None not in targets
+        # The sums over this rank's micro-batches of the losses, targets and micro-batch means (a
+        # mean over no target adds nothing), and the micro-batches: the ranks' sums give the loss.
+        means = micro_batch_means(out.losses, targets)
+        sums = [sum(out.losses), sum(targets) if counted else 0, sum(0.0 if math.isnan(m) else m for m in means), k]
+        world = self.plan.data_parallel
+        if world > 1:
+            from megatrain.runtime.distributed import sum_over_ranks
+
+            with collective("the all-reduce of the evaluation's losses"):
+                sums = sum_over_ranks(sums, torch.float64, self.host.data_parallel.groups.world).tolist()
+        total, supervised, mean_sum, micro_batches = sums
+        if counted and supervised == 0:
+            raise BatchError(_no_targets("the evaluated batch", world))
+        return total / supervised if self.options.per_token_loss else mean_sum / micro_batches
 
     # -- batches ---------------------------------------------------------------------------------
     def _as_dict(self, batch) -> dict[str, torch.Tensor]:
@@ -519,18 +570,30 @@ def data_parallel_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _gather_losses(losses: tuple[float, ...], tokens: int, group) -> tuple[tuple[float, ...], int]:
-    """Every rank's micro-batch losses in rank order (the global batch's micro-batches, as one
-    process running them all would list them) and the global token count, gathered in ``group``
-    (the host collectives' gloo group of every rank: the losses are host numbers)."""
+def _gather_losses(losses: tuple[float, ...], targets: tuple[int | None, ...], tokens: int,
+                   group) -> tuple[tuple[float, ...], tuple[int | None, ...], int]:
+    """Every rank's micro-batch losses and supervised tokens in rank order (the global batch's
+    micro-batches, as one process running them all would list them) and the global token count,
+    gathered in ``group`` (the host collectives' gloo group of every rank: the losses are host
+    numbers; float64 holds the counts exactly)."""
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    mine = torch.tensor([*losses, float(tokens)], dtype=torch.float64)
+    world, m = dist.get_world_size(), len(losses)
+    mine = torch.tensor([*losses, *(math.nan if n is None else n for n in targets), tokens], dtype=torch.float64)
     parts = [torch.empty_like(mine) for _ in range(world)]
     with collective("the all-gather of the step's losses"):
         dist.all_gather(parts, mine, group=group)
-    return tuple(float(x) for p in parts for x in p[:-1]), int(sum(int(p[-1]) for p in parts))
+    rows = [p.tolist() for p in parts]
+    return (tuple(x for r in rows for x in r[:m]),
+            tuple(None if math.isnan(n) else int(n) for r in rows for n in r[m:2 * m]),
+            int(sum(r[-1] for r in rows)))
+
+
+def _no_targets(what: str, world: int) -> str:
+    ranks = f" on all {world} ranks" if world > 1 else ""
+    return (f"{what} has no supervised token{ranks}: every label is -100 after the model's shift, so its loss "
+            "would be the mean over nothing (NaN). Drop the batch, or give it labels (-100 marks only the tokens "
+            "the loss skips: padding, prompts, document starts).")
 
 
 def _mask_as_long(mask: torch.Tensor) -> torch.Tensor:
@@ -692,7 +755,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                plan: Plan | Literal["default"] | None = None, device: str = "cpu",
                input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
                hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
-               share_host_memory: bool = True, host_state: str | None = None) -> PlannedModel:
+               share_host_memory: bool = True, host_state: str | None = None,
+               per_token_loss: bool = True) -> PlannedModel:
     """Plan ``model`` for training, once: ``trace`` it (on whatever device it is on, ``meta``
     included) into a LayerGraph; take ``plan``, the default plan or the solver's; ``lower`` the
     train schedules and ``verify`` them. Allocates nothing and touches no parameter memory; the
@@ -700,7 +764,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
     Args:
         model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
-        compute_dtype: as for :func:`compile`.
+        compute_dtype, per_token_loss: as for :func:`compile`.
         plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
             every checkpoint kept), with ``hardware`` used only for the prediction; None: the
             solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
@@ -725,11 +789,12 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
     Raises:
         ConfigError: an option out of range; ``seq_len`` beyond a Hugging Face model's
-            ``max_position_embeddings``; a plan inconsistent with the options.
+            ``max_position_embeddings``; a plan inconsistent with the options; ``per_token_loss``
+            for a model whose loss is not a mean cross-entropy megatrain can count.
         TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
         PlanError, ScheduleError: the plan does not fit the model.
     """
-    options = _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm)
+    options = _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm, per_token_loss)
     if options.device == "cuda":
         make_backend("cuda")  # ConfigError now, before tracing, where CUDA is missing (creates nothing CUDA)
     check_model(model, options.seq_len)
@@ -737,6 +802,11 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
     traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                    input_names=options.input_names)
     graph = traced.graph
+    if options.per_token_loss and traced.count_targets is None:
+        raise ConfigError(f"the loss of a global batch is the mean over its supervised tokens, but megatrain cannot "
+                          f"count this model's ({graph.meta.get('uncounted_loss_because')}); compile with "
+                          "per_token_loss=False to weight each micro-batch's loss equally (the mean of the "
+                          "micro-batch losses)")
     clip = options.max_grad_norm is not None
     solution = None
     if plan is None and (hw is not None or options.device == "cuda"):
@@ -915,7 +985,7 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     buffers = {}
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
-    executor = Executor(traced, host, backend, opt, buffers)
+    executor = Executor(traced, host, backend, opt, buffers, per_token_loss=planned.options.per_token_loss)
     if host.data_parallel is not None:
         executor.groups, executor.shard_index = host.data_parallel.groups, host.data_parallel.shard_index
     if not isinstance(backend, CPUBackend):
@@ -962,7 +1032,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
             nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
             max_shapes: int | None = None, share_host_memory: bool = True,
-            host_state: str | None = None) -> Trainer:
+            host_state: str | None = None, per_token_loss: bool = True) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -1018,6 +1088,12 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         host_state: data parallel over several nodes: ``"shard"`` holds ``1 / nodes`` of the host
             state on each node (ZeRO-3 style), ``"replicate"`` a full copy; see :func:`plan_model`.
             Fixed shapes only (give ``seq_len``).
+        per_token_loss: the loss of a global batch is the mean over its supervised tokens (labels
+            that are not -100, after the model's shift) across every micro-batch and rank, as
+            eager PyTorch computes it on the whole batch (True, the default; needs a model whose
+            loss is a mean cross-entropy). False: the mean of the micro-batch means, each
+            micro-batch weighted equally (Megatron-LM's default; the only way for a model whose
+            loss megatrain cannot count). See :mod:`megatrain.runtime.loss`.
 
     Raises:
         ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
@@ -1041,24 +1117,27 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                                 max_shapes=DEFAULT_MAX_SHAPES if max_shapes is None else max_shapes,
                                 optimizer=optimizer, nvme_dir=nvme_dir, plan=plan, device=device,
                                 input_names=input_names, max_grad_norm=max_grad_norm, hardware=hardware,
-                                compute_dtype=compute_dtype, share_host_memory=share_host_memory)
+                                compute_dtype=compute_dtype, share_host_memory=share_host_memory,
+                                per_token_loss=per_token_loss)
     if seq_len_buckets is not None or max_shapes is not None:
         raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
                           f"seq_len={seq_len} every batch has that length")
     micro_batch_size = 1 if micro_batch_size is None else micro_batch_size
-    _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm)
+    _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm, per_token_loss)
     opt = _optimizer(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
-                         host_state=host_state)
+                         host_state=host_state, per_token_loss=per_token_loss)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 
-def _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm) -> CompileOptions:
+def _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm,
+             per_token_loss) -> CompileOptions:
     try:
         return CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
-                              input_names=tuple(input_names), device=device, max_grad_norm=max_grad_norm)
+                              input_names=tuple(input_names), device=device, max_grad_norm=max_grad_norm,
+                              per_token_loss=per_token_loss)
     except pydantic.ValidationError as e:
         raise ConfigError("invalid settings: " + describe_validation(e)) from None
 

@@ -33,7 +33,7 @@ from megatrain.runtime import executor
 from megatrain.trainer import Schedules
 
 from conftest import random_batch, tiny_llama
-from test_exactness import ADAMW, RTOL, eager_losses
+from test_exactness import ADAMW, RTOL, eager_losses, supervised_tokens
 
 S, MBS, VOCAB = 16, 2, 96
 # As in test_inputs: AdamW's eps bounds how far rounding noise in a near-zero gradient moves an
@@ -62,9 +62,17 @@ def test_every_layer_is_reduced_once_before_its_step_and_in_one_chain(graph, nam
     assert sorted(s.ops[i].layer for i in reduces) == [i for i, l in enumerate(graph.layers) if l.trainable_numel]
     assert all(reduces[k - 1] in s.ops[reduces[k]].deps for k in range(1, len(reduces)))
     assert all(op.stream.value == "comm" for op in s.ops if op.kind is OpKind.ALL_REDUCE)
+    # The global batch's supervised tokens are summed first, before the loss layer's first
+    # backward seeds its loss with 1 / their number, and the other collectives come after.
+    loss_layer = len(graph.layers) - 1
+    first_bwd = next(i for i, op in enumerate(s.ops) if op.kind is OpKind.BWD and op.layer == loss_layer)
+    assert [op for op in s.ops if op.kind is OpKind.COUNT_REDUCE] == [s.ops[0]]
+    assert repr(s.ops[0]) == f"COUNT_REDUCE:L{loss_layer}"
+    assert 0 in s.ops[first_bwd].deps and 0 in s.ops[min(i for i in reduces)].deps
+    assert Schedule.from_json(s.to_json()).ops == s.ops
     # one rank: no collectives, as before
-    assert not any(op.kind is OpKind.ALL_REDUCE for op in lower(graph, PLANS[name], "train").ops)
-    assert not any(op.kind is OpKind.ALL_REDUCE for op in lower(graph, plan, "eval").ops)
+    for one in (lower(graph, PLANS[name], "train"), lower(graph, plan, "eval")):
+        assert not any(op.kind in (OpKind.ALL_REDUCE, OpKind.COUNT_REDUCE) for op in one.ops)
 
 
 def _mutated(s: Schedule, fn) -> Schedule:
@@ -95,6 +103,24 @@ def test_the_verifier_rejects_collectives_out_of_order_or_missing(graph):
         verify(_mutated(s, early_step), graph)
     with pytest.raises(ScheduleError, match="rule 'collectives'.*nothing is reduced across ranks"):
         verify(dataclasses.replace(s, plan=PLANS["during-backward"]), graph)
+    loss_layer = len(graph.layers) - 1
+    first_bwd = next(i for i, op in enumerate(s.ops) if op.kind is OpKind.BWD and op.layer == loss_layer)
+
+    def early_seed(ops):  # the loss layer's first backward stops waiting for the global count
+        ops[first_bwd] = dataclasses.replace(ops[first_bwd], deps=tuple(d for d in ops[first_bwd].deps if d))
+        return ops
+
+    with pytest.raises(ScheduleError, match=rf"op #{first_bwd} .*rule 'collectives'.*seeds the loss with 1 / "
+                                            r"\(the global batch's supervised tokens\) before #0 COUNT_REDUCE"):
+        verify(_mutated(s, early_seed), graph)
+
+    def no_count(ops):  # the count dropped: every dependency on it, and every index after it, shift
+        return [dataclasses.replace(op, deps=tuple(d - 1 for d in op.deps if d)) for op in ops[1:]]
+
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*exactly one COUNT_REDUCE.*found 0"):
+        verify(_mutated(s, no_count), graph)
+    with pytest.raises(ScheduleError, match="rule 'collectives'.*names layer 0, but the loss layer"):
+        verify(_mutated(s, lambda ops: [dataclasses.replace(ops[0], layer=0)] + ops[1:]), graph)
 
 
 def test_a_node_sharing_one_copy_reduce_scatters_and_the_verifier_holds_the_plan_to_its_choice(graph):
@@ -378,18 +404,33 @@ def test_a_sliced_host_state_holds_its_node_part_and_a_load_writes_only_that(gra
         states[0].param_view(li, 0)
 
 
-def _first_step_norm(ref, batch: dict[str, torch.Tensor], micro_batches: int) -> float:
-    """The global gradient norm one process gets from ``batch`` on a copy of ``ref`` (the norm
-    ``clip_grad_norm_`` clips with), micro-batch by micro-batch as the ranks split it."""
+def _first_step_norm(ref, batch: dict[str, torch.Tensor]) -> float:
+    """The global gradient norm one process gets from the whole ``batch`` on a copy of ``ref`` (the
+    norm ``clip_grad_norm_`` clips with)."""
     first = copy.deepcopy(ref)
-    for m in range(micro_batches):
-        part = {n: t[m * MBS:(m + 1) * MBS] for n, t in batch.items()}
-        (first(**part).loss / micro_batches).backward()
+    first(**batch).loss.backward()
     return torch.nn.utils.clip_grad_norm_(first.parameters(), float("inf")).item()
 
 
 def _global_batches(world: int, k: int, steps: int) -> list[dict[str, torch.Tensor]]:
     return [random_batch(world * k * MBS, S, VOCAB, seed=s % 3) for s in range(steps)]
+
+
+def _uneven_batches(world: int, k: int, steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Global batches whose rows hold different numbers of targets: each row's labels are -100 on a
+    prefix of 0 to all of its tokens (as an SFT prompt's are), and in the first batch the last rank's
+    rows have none. Its loss is the mean over the targets of the whole global batch, whichever rank
+    holds them; a mean of the ranks' means would differ."""
+    out = []
+    rows = world * k * MBS
+    for s in range(steps):
+        b = random_batch(rows, S, VOCAB, seed=(seed + s) % 3)
+        prompts = torch.randint(0, S + 1, (rows, 1), generator=torch.Generator().manual_seed(100 * seed + s))
+        b["labels"] = b["labels"].masked_fill(torch.arange(S) < prompts, -100)
+        if s == 0:
+            b["labels"][-k * MBS:] = -100
+        out.append(b)
+    return out
 
 
 @contextlib.contextmanager
@@ -434,16 +475,29 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: fl
         assert kind in kinds and not {OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER} - {kind} & kinds
         assert trainer.planned.timeline is not None and trainer.planned.timeline.step_time_s > 0
         rows = k * MBS
+        mine = lambda b: {n: t[rank * rows:(rank + 1) * rows] for n, t in b.items()}  # noqa: E731
         results = []
-        for b in _global_batches(world, k, steps):
-            res = trainer.step({n: t[rank * rows:(rank + 1) * rows] for n, t in b.items()})
-            results.append((res.loss, res.micro_batch_losses, res.tokens, res.grad_norm))
+        for b in _uneven_batches(world, k, steps):
+            res = trainer.step(mine(b))
+            # (NaN, the mean loss of a micro-batch without targets, as None: NaN != NaN across ranks)
+            per_mb = tuple(None if math.isnan(x) else x for x in res.micro_batch_losses)
+            results.append((res.loss, per_mb, res.tokens, res.grad_norm, res.supervised_tokens))
+        # A global batch without targets: every rank learns it from the COUNT_REDUCE and refuses it;
+        # nothing of it is applied (the weights below are those of the steps above).
+        refused = None
+        try:
+            trainer.step(mine({**b, "labels": torch.full_like(b["labels"], -100)}))
+        except megatrain.errors.BatchError as e:
+            refused = str(e)
         trainer.save(f"{out}.ckpt")  # rank 0 writes it, the others wait; it flushes the last update
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
         shared = trainer.host.shared
         tiles = sum(layer.trainable_numel for layer in trainer.graph.layers)
+        # Each rank evaluates its rows; every rank gets the loss of all of them.
+        val = trainer.evaluate(mine(_uneven_batches(world, k, 1, seed=1)[0]))
         torch.save({"results": results, "state": state, "stepped": sum(stepped), "tiles": tiles,
-                    "inode": None if shared is None else shared.inode}, f"{out}.{rank}")
+                    "inode": None if shared is None else shared.inode, "refused": refused,
+                    "val": val, "steps": trainer.step_count}, f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("world,k,clip,layer_by_layer,local_world,hidden", [
@@ -463,21 +517,24 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
              nprocs=world, join=True)
     torch.manual_seed(0)
     ref = tiny_llama(hidden=hidden)
-    batches = _global_batches(world, k, steps)
+    batches = _uneven_batches(world, k, steps)
     want = eager_losses(copy.deepcopy(ref), batches, world * k, clip, adamw=OPT)
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     for r in ranks:  # every rank reports the global step and holds the same weights
         assert r["results"] == ranks[0]["results"]
         assert all(torch.equal(r["state"][n], ranks[0]["state"][n]) for n in r["state"])
-    for step, ((loss, per_mb, tokens, _), w) in enumerate(zip(ranks[0]["results"], want)):
+    for step, ((loss, per_mb, tokens, _, supervised), w, b) in enumerate(zip(ranks[0]["results"], want, batches)):
         assert abs(loss - w) <= RTOL * abs(w), f"step {step}: {world} ranks {loss} vs one process {w}"
         assert len(per_mb) == world * k and tokens == world * k * MBS * S
+        assert supervised == supervised_tokens(b)
+    assert all(x is None for x in ranks[0]["results"][0][1][-k:])  # the last rank's micro-batches: no target
+    assert all(r["steps"] == steps and f"no supervised token on all {world} ranks" in r["refused"] for r in ranks)
     if clip:
         # Every rank reports (and clipped with) the global norm of the first step's gradients, which
         # exceeds the bound, so the clipping acted: the same norm one process gets from the whole
         # batch (FP32 sums in another order: within RTOL). With a reduce-scatter each rank holds only
-        # its shard averaged: the norm is the ranks' squared shard norms summed.
-        norm = _first_step_norm(ref, batches[0], world * k)
+        # its shard reduced: the norm is the ranks' squared shard norms summed.
+        norm = _first_step_norm(ref, batches[0])
         got = ranks[0]["results"][0][3]
         assert got > clip and abs(got - norm) <= RTOL * norm, (got, norm)
     eager_losses(ref, batches, world * k, clip, adamw=OPT)  # the same training again, for the weights
@@ -485,6 +542,12 @@ def test_ranks_train_the_global_batch_as_one_process_does(tmp_path, world, k, cl
         q = ranks[0]["state"][name]
         err = ((q - p.detach()).norm() / p.detach().norm()).item()
         assert err <= RTOL, f"{name}: relative difference {err:.2e}"
+    # Evaluation under data parallel: the token mean over every rank's rows, the same on every rank,
+    # as one process computes it on the whole batch with the ranks' weights.
+    ref.load_state_dict(ranks[0]["state"], strict=False)
+    with torch.no_grad():
+        val = ref(**_uneven_batches(world, k, 1, seed=1)[0]).loss.item()
+    assert all(r["val"] == ranks[0]["val"] for r in ranks) and abs(ranks[0]["val"] - val) <= RTOL * val
     # One host copy per node, and the node's ranks split every optimizer step between them.
     # (Each parameter starts a tile on 16 elements: the tiles are the parameters and that padding.)
     trainable = ranks[0]["tiles"]
@@ -623,7 +686,7 @@ def test_two_nodes_sharding_the_host_state_train_the_global_batch_as_one_process
     assert all(r["async"] for r in ranks)
     for step, ((loss, per_mb, tokens, _), w) in enumerate(zip(ranks[0]["results"], want)):
         assert abs(loss - w) <= RTOL * abs(w), f"step {step}: {world} ranks {loss} vs one process {w}"
-    norm = _first_step_norm(ref, batches[0], world * k)
+    norm = _first_step_norm(ref, batches[0])
     got = ranks[0]["results"][0][3]
     assert got > clip and abs(got - norm) <= RTOL * norm, (got, norm)
     # The two nodes' slices tile every layer exactly; the ranks of a node share one mapping.
@@ -878,8 +941,8 @@ def test_a_rank_that_hangs_or_dies_makes_the_others_stop_with_a_clear_error_with
     for p in procs:
         p.kill()
     got = torch.load(f"{out}.0")
-    # One node sharing one copy: the gradients are reduce-scattered (Plan.gradient_reduction).
-    assert "REDUCE_SCATTER" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
+    # The step's first collective, which rank 0 waits in: the sum of the ranks' supervised tokens.
+    assert "COUNT_REDUCE:L" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
     assert f"timeout ({HANG_TIMEOUT_S} s" in got["error"] and "restart all of them from the last checkpoint" in got["error"]
     # A hung rank: it waited for the timeout, not for the rank (which sleeps 120 s). A dead one:
     # gloo may see the closed connection at once, or wait for the timeout.

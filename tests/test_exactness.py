@@ -17,11 +17,18 @@ RTOL = 1e-5
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
+def supervised_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The labels a causal LM's loss counts: those not -100 after the shift by one token."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
 def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None = None,
                  precision=contextlib.nullcontext, adamw: dict = ADAMW) -> list[float]:
-    """Eager training with torch.optim.AdamW and gradient accumulation on the model's device (the
-    batches are moved there); each forward runs under ``precision()`` (e.g. BF16 autocast, or
-    strict FP32)."""
+    """Eager training with torch.optim.AdamW on the loss of each whole batch (the mean over its
+    supervised tokens), by gradient accumulation on the model's device (the batches are moved
+    there): each micro-batch's mean loss weighted by its share of the batch's supervised tokens
+    (Hugging Face's ``num_items_in_batch``; a micro-batch without one adds nothing). Each forward
+    runs under ``precision()`` (e.g. BF16 autocast, or strict FP32)."""
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), **adamw)
     out = []
@@ -29,11 +36,15 @@ def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None
         opt.zero_grad()
         total = 0.0
         rows = batch["input_ids"].shape[0] // micro_batches
+        count = supervised_tokens(batch)
         for k in range(micro_batches):
             part = {n: t[k * rows:(k + 1) * rows].to(device) for n, t in batch.items()}
+            share = supervised_tokens(part) / count
+            if not share:
+                continue
             with precision():
                 res = model(**part)
-                loss = (res if isinstance(res, torch.Tensor) else res.loss) / micro_batches
+                loss = (res if isinstance(res, torch.Tensor) else res.loss) * share
             loss.backward()
             total += loss.item()
         if max_grad_norm is not None:

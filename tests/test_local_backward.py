@@ -68,7 +68,7 @@ def _run_bwd(trainer, li: int, weights, acts, seeds, compute_dtype: str, mbs=(0,
     for k, mb in enumerate(mbs):
         grads = {key: t.clone() for key, t in seeds.items() if key[1] == mb}
         with mode or contextlib.nullcontext():
-            local_backward(ex, li, mb, bufs.weights[0], bufs.grads[0], acts, grads, {}, 2, compute_dtype,
+            local_backward(ex, li, mb, bufs.weights[0], bufs.grads[0], acts, grads, {}, lambda: 0.5, compute_dtype,
                            fresh=k == 0)()
     layer = trainer.graph.layers[li]
     return bufs.grads[0].clone(), {vid: grads[(vid, mbs[-1])] for vid in layer.inputs if (vid, mbs[-1]) in grads}

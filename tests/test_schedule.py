@@ -58,7 +58,8 @@ def test_any_op_round_trips(kind, layer, mb, slot, ring, other, flag):
               OpKind.CAST: dict(tile=ring), OpKind.ACC: dict(mb=mb, ring=ring, acc=other),
               OpKind.NVME_READ: dict(buf=ring), OpKind.NVME_WRITE: dict(buf=ring),
               OpKind.ALL_REDUCE: dict(ring=ring) if flag else dict(acc=other),
-              OpKind.REDUCE_SCATTER: dict(ring=ring) if flag else dict(acc=other), OpKind.ALL_GATHER: dict()}[kind]
+              OpKind.REDUCE_SCATTER: dict(ring=ring) if flag else dict(acc=other), OpKind.ALL_GATHER: dict(),
+              OpKind.COUNT_REDUCE: dict()}[kind]
     op = Op(kind, layer, **fields)
     assert Op.parse(repr(op)) == op
 
@@ -295,9 +296,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 15
-    doc["version"] = 14
-    with pytest.raises(pydantic.ValidationError, match="version 14 is not 15.*lower the plan again"):
+    assert doc["version"] == 16
+    doc["version"] = 15
+    with pytest.raises(pydantic.ValidationError, match="version 15 is not 16.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 
@@ -435,7 +436,7 @@ def test_lowering_is_its_passes_in_order():
 
     assert [p.__name__ for p in lower_mod.PASSES] == ["order_compute", "assign_slots", "add_copies",
                                                       "add_carried_updates", "add_nvme_io", "add_all_reduce",
-                                                      "add_all_gather"]
+                                                      "add_all_gather", "add_count_reduce"]
     g = chain_graph(4)
     plan = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4,
                 compute_dtype="bfloat16", staging_ring=2)

@@ -98,8 +98,10 @@ def test_eight_gpus_of_a_node_split_the_optimizer_and_share_one_copy():
     assert plan.gradient_reduction == "reduce_scatter"
     assert sum(op.kind is OpKind.REDUCE_SCATTER for op in ops) == n_layers
     assert not any(op.kind is OpKind.ALL_REDUCE for op in ops)
-    # The COMM stream: the reduce-scatters, and the node barriers after the shards' updates (ALL_GATHER).
-    want = sum(cost.reduce_scatter_time(layer, hw, plan) for layer in GRAPH.layers if layer.trainable_numel)
+    # The COMM stream: the sum of the ranks' supervised tokens (COUNT_REDUCE), the reduce-scatters, and
+    # the node barriers after the shards' updates (ALL_GATHER).
+    want = cost.count_reduce_time(hw, plan)
+    want += sum(cost.reduce_scatter_time(layer, hw, plan) for layer in GRAPH.layers if layer.trainable_numel)
     want += sum(cost.op_duration(OpKind.ALL_GATHER, GRAPH, op.layer, plan, hw) for op in ops
                 if op.kind is OpKind.ALL_GATHER)
     assert busy(eight, Stream.COMM) == pytest.approx(want, rel=1e-9)
@@ -108,7 +110,8 @@ def test_eight_gpus_of_a_node_split_the_optimizer_and_share_one_copy():
 def test_a_single_400g_nic_between_two_nodes_costs_eight_times_the_wire_time_of_eight():
     slow = solve_topology(GRAPH, node("400g-1nic"), 16, gpus_per_node=1, nodes=2, compute_dtype="float32")
     fast = solve_topology(GRAPH, node("ndr-8x400g"), 16, gpus_per_node=1, nodes=2, compute_dtype="float32")
-    ops = sum(op.kind is OpKind.ALL_REDUCE for op in slow.solution.schedule.ops)
+    # (COUNT_REDUCE is an all-reduce too, of one count: its 8 bytes scale with the wire as well)
+    ops = sum(op.kind in (OpKind.ALL_REDUCE, OpKind.COUNT_REDUCE) for op in slow.solution.schedule.ops)
     fixed = ops * (H100_SXM.op_latency_s + 2 * NETWORKS["400g-1nic"].latency_s)  # same latencies in both
     assert busy(slow, Stream.COMM) - fixed == pytest.approx(8 * (busy(fast, Stream.COMM) - fixed), rel=1e-9)
     assert slow.solution.timeline.step_time_s > fast.solution.timeline.step_time_s
@@ -138,7 +141,7 @@ def test_replicate_does_not_fit_shard_does_and_its_gradients_are_reduce_scattere
     # Each rank steps only its shard of the state spread over the nodes (Plan.update_shards), so the
     # gradients are reduce-scattered over every rank: half an all-reduce's bytes and steps over the
     # network (2 x reduce-scatter = all-reduce + one op latency), and the COMM stream is busy with
-    # them and the gathers.
+    # them, the gathers and the sum of the ranks' supervised tokens (COUNT_REDUCE).
     ops = ts.solution.schedule.ops
     assert plan.gradient_reduction == "reduce_scatter" and not any(op.kind is OpKind.ALL_REDUCE for op in ops)
     scatters = [ts.solution.graph.layers[op.layer] for op in ops if op.kind is OpKind.REDUCE_SCATTER]
@@ -146,9 +149,9 @@ def test_replicate_does_not_fit_shard_does_and_its_gradients_are_reduce_scattere
     for layer in scatters:
         assert 2 * cost.reduce_scatter_time(layer, hw, plan) - hw.op_latency_s == pytest.approx(
             cost.all_reduce_time(layer, hw, plan), rel=1e-12)
-    want = sum(cost.reduce_scatter_time(layer, hw, plan) for layer in scatters) + sum(
-        cost.op_duration(OpKind.ALL_GATHER, ts.solution.graph, op.layer, plan, hw) for op in ops
-        if op.kind is OpKind.ALL_GATHER)
+    want = cost.count_reduce_time(hw, plan) + sum(cost.reduce_scatter_time(layer, hw, plan) for layer in scatters)
+    want += sum(cost.op_duration(OpKind.ALL_GATHER, ts.solution.graph, op.layer, plan, hw) for op in ops
+                if op.kind is OpKind.ALL_GATHER)
     assert busy(ts, Stream.COMM) == pytest.approx(want, rel=1e-9)
 
 

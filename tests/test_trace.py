@@ -375,8 +375,9 @@ def test_trace_runs_one_visible_list_of_named_passes():
     """``trace()`` is the pipeline PASSES names, in this order; a new pass is added here on purpose."""
     from megatrain.planner.trace import PASSES
 
-    assert [p.__name__ for p in PASSES] == ["export", "clean", "cut", "fuse_lm_head_loss", "chunk_sequences",
-                                            "share_templates", "measure", "build_graph", "replicate"]
+    assert [p.__name__ for p in PASSES] == ["export", "clean", "sum_token_loss", "cut", "fuse_lm_head_loss",
+                                            "chunk_sequences", "share_templates", "measure", "build_graph",
+                                            "replicate"]
 
 
 def test_public_surface_and_old_import_paths():

@@ -163,6 +163,9 @@ def test_run_writes_metrics_checkpoint_tokenizer_and_plot(first_run, setup):
         assert x["lr"] == T.lr_at(x["step"] - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=STEPS,
                                   min_lr_ratio=cfg.min_lr_ratio)
         assert x["tokens_per_s"] == pytest.approx(4 * 32 / x["measured_step_s"])
+        # windows of 32 tokens: every token is read; the targets are the labels after the shift but
+        # those of documents' first tokens (-100: nothing predicts them across a document boundary)
+        assert x["tokens"] == 4 * 32 and 0 < x["supervised_tokens"] <= 4 * 31
         assert 0 < x["mfu"] < 1 and 0 < x["grad_norm"] < 100 and x["host_rss_mib"] > 50
     # H100_SXM: a tiny model's step is bound by the issuing thread (about 2,000 dispatched ops at
     # launch_overhead_s = 8 us each, ~15 ms), far under 0.1 s and far over nothing.

@@ -29,6 +29,7 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
   ``plan.gpus_per_node`` GPUs per node and ``plan.nodes`` nodes (:func:`all_reduce_time`).
 - ``REDUCE_SCATTER`` (``Plan.gradient_reduction == "reduce_scatter"``, one node): a ring
   reduce-scatter of them over the node's GPUs, half the all-reduce's bytes (:func:`reduce_scatter_time`).
+- ``COUNT_REDUCE`` (data parallel): the same all-reduce of one int64 count (:func:`count_reduce_time`).
 
 Data parallel (``plan.data_parallel`` ranks on ``plan.nodes`` nodes). The ranks of a node share its
 host memory bandwidth (:func:`host_rate`); ``plan.optimizer_shards`` of them share one copy of the
@@ -377,6 +378,7 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     # On a node's shared host state the gather moves no bytes: it waits for the other ranks' shards.
     # Sharded across nodes, the leader's host copies into the gather tile (the network time is the H2D's).
     OpKind.ALL_GATHER: lambda g, i, plan, hw: hw.op_latency_s + weight_gather_host_time(g.layers[i], hw, plan),
+    OpKind.COUNT_REDUCE: lambda g, i, plan, hw: count_reduce_time(hw, plan),
 }
 """The formula of each op kind (module docstring, "Op times"); every op time is looked up here."""
 
@@ -433,7 +435,7 @@ def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
     it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
     layer = graph.layers[op.layer]
     if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE,
-                   OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER):
+                   OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.COUNT_REDUCE):
         return HOST_OP_LAUNCHES
     if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
         n = layer.fwd_launches
@@ -1073,9 +1075,22 @@ def all_reduce_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
         ConfigError: ``G > 1`` and ``hw`` has no intra-node bandwidth, or ``M > 1`` and no network
             bandwidth.
     """
+    return _all_reduce_seconds(layer.trainable_numel * GRAD_ITEMSIZE, hw, plan)
+
+
+COUNT_BYTES = 8
+"""Bytes a COUNT_REDUCE sums over the ranks: one int64 count of supervised tokens."""
+
+
+def count_reduce_time(hw: HardwareSpec, plan: Plan) -> float:
+    """Seconds a COUNT_REDUCE takes: the ring all-reduce of :func:`all_reduce_time` over
+    :data:`COUNT_BYTES` (latency-bound: its per-step latencies and the op latency); 0 for one rank."""
+    return _all_reduce_seconds(COUNT_BYTES, hw, plan)
+
+
+def _all_reduce_seconds(nbytes: int, hw: HardwareSpec, plan: Plan) -> float:
     if plan.data_parallel == 1:
         return 0.0
-    nbytes = layer.trainable_numel * GRAD_ITEMSIZE
     g, m = plan.gpus_per_node, plan.nodes
     t = hw.op_latency_s
     if g > 1:
@@ -1111,7 +1126,7 @@ def reduce_scatter_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float:
         return 0.0
     if plan.nodes > 1 and plan.host_state != "shard":
         raise ConfigError(f"a reduce-scatter of the gradients over {plan.nodes} nodes: each node's host copy needs "
-                          "the whole averaged tile; time an all-reduce (all_reduce_time) instead")
+                          "the whole reduced tile; time an all-reduce (all_reduce_time) instead")
     g, m = plan.gpus_per_node, plan.nodes
     nbytes = layer.trainable_numel * GRAD_ITEMSIZE
     t = hw.op_latency_s

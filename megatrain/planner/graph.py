@@ -193,12 +193,19 @@ class TracedModel:
     ``eval_templates[t]``: template ``t`` as the model's eval mode runs it (dropout off:
     :func:`megatrain.planner.trace.cleanup.without_dropout`) where template ``t`` draws random
     numbers, else None; empty when no template does. Eval schedules run these.
+    ``count_targets``: where the model's loss is a mean cross-entropy, the loss the last layer
+    returns is its sum over the micro-batch's targets, and this ``fx.GraphModule`` takes one
+    micro-batch's inputs (``graph.batch_inputs``, in order) and returns the number of them as a
+    0-dim int64 tensor: the labels the loss counts, after the model's shift
+    (:mod:`megatrain.planner.trace.token_loss`). None where the loss is left as the model wrote it
+    (``graph.meta["uncounted_loss_because"]`` says why).
     """
 
     graph: LayerGraph
     templates: tuple[fx.GraphModule, ...]
     buffer_sources: dict[str, tuple[str, Any]]
     eval_templates: tuple[fx.GraphModule | None, ...] = ()
+    count_targets: fx.GraphModule | None = None
 
 
 def _map_devices(a, device: torch.device):

@@ -3,9 +3,11 @@ previous pass's list and the request to a new list): ``order_compute`` (the visi
 ``assign_slots``, ``add_copies`` (the ops with their weight, checkpoint and gradient copies),
 ``add_carried_updates`` (the previous step's optimizer steps at the start of a NEXT_FORWARD step),
 then ``add_nvme_io`` (the NVMe tier's reads and writes), ``add_all_reduce`` (data parallel: each
-layer's gradients averaged over the ranks) and ``add_all_gather`` (a node's ranks sharing one host
+layer's gradients summed over the ranks), ``add_all_gather`` (a node's ranks sharing one host
 copy: each OPT's shard made every rank's before the layer is read again; with the host state
-sharded across nodes, a gather of the layer's weights into a gather tile before every read).
+sharded across nodes, a gather of the layer's weights into a gather tile before every read) and
+``add_count_reduce`` (data parallel: the global batch's supervised tokens, the loss's divisor,
+summed over the ranks before the loss layer's first backward).
 
 Compute order first. A training step visits layers ``0 .. n-2`` forward, then the last layer
 (which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward. The last
@@ -342,7 +344,8 @@ def add_all_reduce(ops: list[Op], req: "_Request") -> list[Op]:
     """Pass 6 (train schedules of plans with ``data_parallel > 1``): after the op that completes a
     layer's step gradients on the host (its last D2H, or with host accumulation its last ACC), an
     ALL_REDUCE (or, with ``Plan.gradient_reduction == "reduce_scatter"``, a REDUCE_SCATTER) of that
-    tile or accumulator on the COMM stream, which averages it over the ranks;
+    tile or accumulator on the COMM stream, which sums it over the ranks (each rank's gradients are
+    already of its share of the global batch's loss: its summed token losses over the global count);
     the layer's OPT in this schedule depends on it. Each ALL_REDUCE also depends on the one before
     it, so the collectives run in list order on every rank: each rank lowers the same plan, so
     every rank issues the same collectives in the same order (gloo and NCCL match them by order)."""
@@ -482,7 +485,27 @@ def _add_weight_gathers(ops: list[Op]) -> list[Op]:
     return out
 
 
-PASSES = [order_compute, assign_slots, add_copies, add_carried_updates, add_nvme_io, add_all_reduce, add_all_gather]
+def add_count_reduce(ops: list[Op], req: "_Request") -> list[Op]:
+    """Pass 8 (train schedules of plans with ``data_parallel > 1``): a ``COUNT_REDUCE`` of the
+    loss layer first on the COMM stream, which sums the ranks' supervised-token counts into the
+    divisor of the global batch's loss; the loss layer's first local backward (the first op to seed
+    the loss with ``1 / N``) depends on it, and so does the next collective in the list, so the
+    ranks issue it first. It reads only the labels, known before the step, so it goes first: it
+    overlaps the forward phase."""
+    if req.plan.data_parallel == 1 or not req.train:
+        return ops
+    loss_layer = len(req.graph.layers) - 1
+    first_bwd = next(i for i, op in enumerate(ops) if op.kind is OpKind.BWD and op.layer == loss_layer)
+    first_comm = next((i for i, op in enumerate(ops) if op.stream.value == "comm"), None)
+    out = [Op(OpKind.COUNT_REDUCE, loss_layer)]
+    for i, op in enumerate(ops):
+        deps = {d + 1 for d in op.deps} | ({0} if i in (first_bwd, first_comm) else set())
+        out.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
+    return out
+
+
+PASSES = [order_compute, assign_slots, add_copies, add_carried_updates, add_nvme_io, add_all_reduce, add_all_gather,
+          add_count_reduce]
 """The lowering, in order: compute order first, then the passes that add copies and optimizer
 steps (as ``_add_unshard_reshard`` follows the compute order in ``torch.distributed.pipelining``)."""
 

@@ -102,8 +102,10 @@ class Plan:
         data_parallel: ranks that train one global batch together (torch.distributed, one
             process per rank, each running this schedule on its own micro-batches). >1 lowers an
             ALL_REDUCE of each layer's step gradients (on the COMM stream, after the op that
-            completes them on the host, before anything reads them) that averages them over the
-            ranks, so every rank steps the same gradients. 1: one process, no collectives.
+            completes them on the host, before anything reads them) that sums them over the
+            ranks (each rank's are of its share of the global batch's loss), so every rank steps
+            the same gradients, and a COUNT_REDUCE of the step's supervised tokens (the loss's
+            divisor) before the loss layer's first backward. 1: one process, no collectives.
         optimizer_shards: data parallel within a node: how many ranks share one copy of the
             persistent host state (FP32 masters and Adam moments in shared memory,
             :mod:`megatrain.runtime.distributed`) and split its AdamW work. Each of them steps its
@@ -130,13 +132,13 @@ class Plan:
             (``Op.tile``) before every H2D gathers the layer's weights in the compute dtype, which
             the H2D reads (no CAST with BF16: :attr:`staged`).
         gradient_reduction: how the lowering reduces each layer's step gradients across the
-            ranks: ``"all_reduce"`` (the default; ALL_REDUCE, every rank gets the whole averaged
-            tile) or ``"reduce_scatter"`` (REDUCE_SCATTER, each rank gets the average of only its
+            ranks: ``"all_reduce"`` (the default; ALL_REDUCE, every rank gets the whole reduced
+            tile) or ``"reduce_scatter"`` (REDUCE_SCATTER, each rank gets the sum of only its
             optimizer shard, :func:`megatrain.planner.cost.optimizer_shard`, which is all its OPT
             reads: half the all-reduce's bytes). Allowed only where ``optimizer_shards ==
             data_parallel > 1``: one node whose ranks share one host copy, so the shards the
             ranks step make up the whole tile of that copy. With several nodes every node's copy
-            needs the whole averaged tile, so the reduction stays an all-reduce, unless the state is
+            needs the whole reduced tile, so the reduction stays an all-reduce, unless the state is
             sharded across the nodes (``host_state == "shard"`` with ``optimizer_shards`` = the GPUs
             per node): then each rank's shard is all it steps, over the world (:attr:`update_shards`).
         shared_cast: BF16 ``cast_once`` staging tiles shared by the ``optimizer_shards`` ranks of a
@@ -277,7 +279,7 @@ class Plan:
         if self.gradient_reduction == "reduce_scatter" and not self.update_shards == self.data_parallel > 1:
             raise PlanError(f"Plan.gradient_reduction='reduce_scatter' with data_parallel={self.data_parallel}, "
                             f"optimizer_shards={self.optimizer_shards}, nodes={self.nodes} and "
-                            f"host_state={self.host_state!r}: each rank gets only its shard of the averaged "
+                            f"host_state={self.host_state!r}: each rank gets only its shard of the reduced "
                             "gradients, which is enough only when every rank steps a shard of one copy (one "
                             "node with optimizer_shards == data_parallel > 1, or host_state='shard' with "
                             "optimizer_shards = the GPUs per node); use gradient_reduction='all_reduce'")

@@ -4,7 +4,7 @@ Ops are frozen records with a short repr that parses back (``H2D:L3:s1``, ``H2D:
 ``FWD:L3:m0:s1``, ``BWD:L3:m0:s1``, ``D2H:L3:s1:r0``, ``OPT:L3:r0``, ``OPT:L3:a2``,
 ``OFFLOAD:L3:m0:c0``, ``RELOAD:L3:m0:c0``, ``RECOMPUTE:L3:m0:s1``, ``CAST:L3:t0``,
 ``ACC:L3:m1:r0:a2``, ``NVME_READ:L3:b0``, ``OPT:L3:r0:b0``, ``D2H:L3:s1:g0``, ``NVME_WRITE:L3:g0``,
-``OPT:L3:g1:b0``), after the ``_Action`` records of
+``OPT:L3:g1:b0``, ``COUNT_REDUCE:L5``), after the ``_Action`` records of
 ``torch.distributed.pipelining``. Each op names every buffer it touches (see :class:`Op`), so the
 lowering decides and the runtime reads. The op list is in issue order: a topological order of the
 DAG, and for each stream the order its in-order queue runs the ops. ``deps`` are indices of
@@ -25,7 +25,7 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 15
+SCHEDULE_FORMAT_VERSION = 16
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -36,8 +36,9 @@ fills, NVME_WRITE/NVME_READ move and a carried OPT reads; 11 REDUCE_SCATTER and
 Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); 13 the weight gather of
 Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); 14 Plan.nvme_masters and the
 CAST from an NVMe I/O buffer (``b``) of a layer whose masters live on NVMe; 15 Plan.shared_cast (a
-node's staging tiles shared, each rank casting its shard); files of earlier versions are refused
-(lower the plan again)."""
+node's staging tiles shared, each rank casting its shard); 16 COUNT_REDUCE (the step's supervised
+tokens summed over the ranks before the loss layer's first backward); files of earlier versions are
+refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -66,13 +67,15 @@ class OpKind(enum.Enum):
     ACC = "ACC"  # host: add one micro-batch's gradients from a ring tile into the layer's accumulator
     NVME_READ = "NVME_READ"  # read a layer's Adam moments (b) or gradient tile (g) from NVMe into an I/O buffer
     NVME_WRITE = "NVME_WRITE"  # write them from that buffer to the layer's NVMe file (moments after the OPT)
-    ALL_REDUCE = "ALL_REDUCE"  # data parallel: average a layer's step gradients (its tile or accumulator) over ranks
-    REDUCE_SCATTER = "REDUCE_SCATTER"  # like ALL_REDUCE, but each rank gets the average of its optimizer shard only
+    ALL_REDUCE = "ALL_REDUCE"  # data parallel: sum a layer's step gradients (its tile or accumulator) over ranks
+    REDUCE_SCATTER = "REDUCE_SCATTER"  # like ALL_REDUCE, but each rank gets the sum of its optimizer shard only
     ALL_GATHER = "ALL_GATHER"  # sharded optimizer: every rank's updated shard of a layer's master, to every rank
     #                            (with a gather tile ``t``, host_state "shard": the whole layer from every node's
     #                            slice into that node-shared tile, in the compute dtype, which the next H2D
     #                            reads; with Plan.shared_cast, the node's barrier between its ranks' CASTs
     #                            of their shards into the shared staging tile and the H2Ds that read it)
+    COUNT_REDUCE = "COUNT_REDUCE"  # data parallel: sum the step's supervised tokens (the loss's divisor) over the
+    #                                ranks; ``layer`` is the loss layer, whose first local backward reads it
 
     @property
     def stream(self) -> Stream:
@@ -89,7 +92,8 @@ _STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: St
               OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
               OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
               OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO,
-              OpKind.ALL_REDUCE: Stream.COMM, OpKind.REDUCE_SCATTER: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM}
+              OpKind.ALL_REDUCE: Stream.COMM, OpKind.REDUCE_SCATTER: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM,
+              OpKind.COUNT_REDUCE: Stream.COMM}
 
 _ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "gbuf", "copy", "buf")
 """Every index field, in the order a repr writes them."""
@@ -125,6 +129,7 @@ _FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
     OpKind.REDUCE_SCATTER: (("layer",), ("ring", "acc")),
     OpKind.ALL_GATHER: (("layer",), ("tile",)),
+    OpKind.COUNT_REDUCE: (("layer",), ()),
 }
 
 
@@ -273,6 +278,11 @@ class Schedule:
     :func:`gradient_tiles`. A layer of ``Plan.nvme_gradients`` keeps its tile on NVMe instead: its
     D2H lands in gradient I/O buffer ``g`` (``D2H:L3:s1:g0``), ``NVME_WRITE:L3:g0`` writes it to
     the layer's file, and the next schedule's ``NVME_READ:L3:g1`` brings it back for ``OPT:L3:g1``.
+
+    The loss's divisor. Each micro-batch's loss is seeded with ``1 / N``, ``N`` the supervised tokens
+    of the whole global batch. Under data parallel a train schedule's first op is
+    ``COUNT_REDUCE:L<n-1>`` on the COMM stream, which sums the ranks' counts, and the loss layer's
+    first local backward depends on it; with one rank ``N`` is the rank's own count.
     """
 
     ops: tuple[Op, ...]

@@ -201,7 +201,7 @@ class Timeline:
                   OpKind.RELOAD: "tab:cyan", OpKind.RECOMPUTE: "tab:pink", OpKind.CAST: "tab:gray",
                   OpKind.ACC: "tab:brown", OpKind.NVME_READ: "goldenrod", OpKind.NVME_WRITE: "darkkhaki",
                   OpKind.ALL_REDUCE: "teal", OpKind.REDUCE_SCATTER: "cadetblue",
-                  OpKind.ALL_GATHER: "darkslategray"}
+                  OpKind.ALL_GATHER: "darkslategray", OpKind.COUNT_REDUCE: "lightseagreen"}
         assert colors.keys() == set(OpKind), "every op kind needs a colour"
         fig = Figure(figsize=(12, 6.5), layout="constrained")
         FigureCanvasAgg(fig)

@@ -31,6 +31,10 @@ dependencies plus program order on each in-order stream. It is computed once as 
   master's cast), and no other CAST overwrites the tile before the copy ends; a layer whose master
   lives on NVMe (``Plan.nvme_masters``) copies from its own tile, which keeps its cast between
   steps, and after an OPT of it only from the CAST out of its I/O buffer that follows that OPT;
+- ``collectives``: under data parallel each layer's step gradients are reduced once across the
+  ranks before its optimizer step, the global batch's supervised tokens (the loss's divisor) are
+  summed (COUNT_REDUCE) before the loss layer's first local backward, and the collectives form one
+  chain, so every rank issues them in one order;
 - ``budget``: slot, ring and staging indices stay within what the plan allocates, and each op's
   layer fits the slot and host gradient tile it uses, as the cost model sizes them; given a
   HardwareSpec, the cost model's peak GPU memory, pinned host memory and host memory stay within
@@ -670,26 +674,29 @@ def _check_collectives(c: _Context) -> None:
     has one ALL_REDUCE (a REDUCE_SCATTER where ``Plan.gradient_reduction`` is ``"reduce_scatter"``,
     and only there) per layer whose step gradients reach the host, reading what the layer's
     last D2H (or last ACC, with host accumulation) wrote and happening after it; the layer's OPT
-    in the schedule happens after it; and the ALL_REDUCEs form one chain (each after the one
+    in the schedule happens after it; one COUNT_REDUCE of the loss layer happens before every
+    local backward of that layer; and the collectives form one chain (each after the one
     before it), so every rank, running this same schedule, issues the collectives in list order:
     none can overtake another and leave two ranks waiting in different collectives (a deadlock).
     Other schedules have none."""
     ops, fail, before, by_kind = c.ops, c.fail, c.before, c.by_kind
     # Plan.gradient_reduction picks the kind: a REDUCE_SCATTER leaves each rank only its optimizer
-    # shard averaged, which is what its OPT reads only when the plan shares one copy on one node.
+    # shard reduced, which is what its OPT reads only when the plan shares one copy on one node.
     want = OpKind.REDUCE_SCATTER if c.plan.gradient_reduction == "reduce_scatter" else OpKind.ALL_REDUCE
     for i in by_kind[OpKind.ALL_REDUCE] + by_kind[OpKind.REDUCE_SCATTER]:
         if ops[i].kind is not want:
             fail(i, "collectives", f"the plan has gradient_reduction={c.plan.gradient_reduction!r}, so the "
                  f"gradients are reduced by {want.value}, not {ops[i].kind.value}", "lower the plan again")
     reduces = sorted(by_kind[OpKind.ALL_REDUCE] + by_kind[OpKind.REDUCE_SCATTER])
+    counts = by_kind[OpKind.COUNT_REDUCE]
     if c.plan.data_parallel == 1 or c.schedule.mode != "train":
-        if reduces:
-            fail(reduces[0], "collectives", f"the plan has data_parallel={c.plan.data_parallel} and the schedule is "
-                 f"{c.schedule.mode!r}, so nothing is reduced across ranks", "drop the op")
+        if reduces or counts:
+            fail(min(reduces + counts), "collectives", f"the plan has data_parallel={c.plan.data_parallel} and the "
+                 f"schedule is {c.schedule.mode!r}, so nothing is reduced across ranks", "drop the op")
         _check_gathers(c)
         _check_chain(c, by_kind[OpKind.ALL_GATHER])
         return
+    _check_count(c, counts)
     last: dict[int, int] = {}
     for i in sorted(by_kind[OpKind.D2H] + by_kind[OpKind.ACC]):
         last[ops[i].layer] = i
@@ -716,7 +723,28 @@ def _check_collectives(c: _Context) -> None:
         fail(mine[layer][0], "collectives", f"layer {layer} has no gradients on the host in this schedule",
              "drop the op")
     _check_gathers(c)
-    _check_chain(c, reduces + by_kind[OpKind.ALL_GATHER])
+    _check_chain(c, reduces + counts + by_kind[OpKind.ALL_GATHER])
+
+
+def _check_count(c: _Context, counts: list[int]) -> None:
+    """Part of rule ``collectives`` (data-parallel train schedules): one COUNT_REDUCE, of the loss
+    layer, which every local backward of that layer (each seeds its loss with ``1 / N``, ``N`` the
+    global batch's supervised tokens the COUNT_REDUCE sums over the ranks) happens after."""
+    ops, fail = c.ops, c.fail
+    loss_layer = len(c.graph.layers) - 1
+    bwds = [i for i in c.by_kind[OpKind.BWD] if ops[i].layer == loss_layer]
+    if len(counts) != 1:
+        fail(counts[1] if counts else bwds[0], "collectives", f"a data-parallel step needs exactly one COUNT_REDUCE "
+             f"(the global batch's supervised tokens, which the loss is divided by), found {len(counts)}",
+             f"lower the plan again (lower puts COUNT_REDUCE:L{loss_layer} first)")
+    k = counts[0]
+    if ops[k].layer != loss_layer:
+        fail(k, "collectives", f"it names layer {ops[k].layer}, but the loss layer, whose backward reads the count, "
+             f"is {loss_layer}", f"write COUNT_REDUCE:L{loss_layer}")
+    for b in bwds:
+        if not c.before(k, b):
+            fail(b, "collectives", f"it seeds the loss with 1 / (the global batch's supervised tokens) before #{k} "
+                 f"{ops[k]!r} summed them over the ranks", f"make it depend on #{k}")
 
 
 def _check_chain(c: _Context, collectives: list[int]) -> None:

@@ -6,10 +6,10 @@ Topology. ``torchrun`` gives every process ``RANK``, ``WORLD_SIZE``, ``LOCAL_RAN
 (torchrun numbers them node by node). Without the local variables every rank is a node of its
 own. :func:`topology` reads them once the default process group exists.
 
-Groups. The collectives of a schedule (ALL_REDUCE or REDUCE_SCATTER, ALL_GATHER) read and write host memory, so they
-run in gloo groups made here, whatever the default group's backend (NCCL on GPUs reduces device
-memory only): one over every rank and one per node (``new_group`` is called for every node on
-every rank, as torch.distributed requires).
+Groups. The collectives of a schedule (ALL_REDUCE or REDUCE_SCATTER, ALL_GATHER, COUNT_REDUCE) read and
+write host memory, so they run in gloo groups made here, whatever the default group's backend (NCCL
+on GPUs reduces device memory only): one over every rank and one per node (``new_group`` is called
+for every node on every rank, as torch.distributed requires).
 
 Shared host state. With ``Plan.optimizer_shards > 1`` the ranks of a node keep one copy of the
 FP32 masters and Adam moments, not one each: the node's first rank (its leader) creates a file in
@@ -127,6 +127,18 @@ def collective(what: str) -> Iterator[None]:
             f"the process group's timeout ({waited}: init_process_group(timeout=), megatrain train "
             "--collective-timeout) or failed on its own. The ranks' states may differ now, so every rank stops: "
             "restart all of them from the last checkpoint (saves are atomic, so it is complete)") from e
+
+
+def sum_over_ranks(values: list[float] | list[int], dtype: torch.dtype, group: Any) -> torch.Tensor:
+    """``values`` summed elementwise over the ranks of ``group`` (a gloo group; None: the default
+    group), as a host tensor of ``dtype``: the global batch's supervised tokens (COUNT_REDUCE, int64,
+    exact), an evaluation's summed losses and counts (float64). Every rank must call it, in the
+    same order; wrap it in :func:`collective`."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=dtype)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
 
 
 class Groups:

@@ -74,8 +74,9 @@ from megatrain.planner.hardware import strict_fp32
 from megatrain.planner.liveness import BATCH, Liveness, liveness
 from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
-from megatrain.runtime.distributed import collective
+from megatrain.runtime.distributed import collective, sum_over_ranks
 from megatrain.runtime.host import HostState, PinnedArena, gradient_key
+from megatrain.runtime.loss import loss_weights
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -105,13 +106,20 @@ class _Buffers:
 class StepOutput:
     """What one schedule run produced.
 
-    ``losses[mb]``: micro-batch ``mb``'s loss (a float). ``layer_norms``: the L2 norm of each
-    trainable layer's step gradients (FP32, before clipping) by layer index. ``finite``: every loss
-    and every gradient norm of the run was finite. ``updates_skipped``: layers whose optimizer
-    step was skipped because of a non-finite value.
+    ``losses[mb]``: micro-batch ``mb``'s loss as the last layer returns it (a float): its summed
+    token loss where the loss is counted (``TracedModel.count_targets``), else the model's own.
+    ``targets[mb]``: its supervised tokens (None where the loss is not counted). ``supervised_tokens``:
+    the whole global batch's (every rank's, summed by the schedule's COUNT_REDUCE), None where the
+    loss is not counted; when it is 0 no optimizer step of this batch ran (carried ones did).
+    ``layer_norms``: the L2 norm of each trainable layer's step gradients (FP32, before clipping) by
+    layer index. ``finite``: every loss and every gradient norm of the run was finite.
+    ``updates_skipped``: layers whose optimizer step was skipped because of a non-finite value (or a
+    batch without targets).
     """
 
     losses: list[float] = field(default_factory=list)
+    targets: list[int | None] = field(default_factory=list)
+    supervised_tokens: int | None = None
     layer_norms: dict[int, float] = field(default_factory=dict)
     finite: bool = True
     updates_skipped: list[int] = field(default_factory=list)
@@ -196,8 +204,12 @@ class Executor:
     """
 
     def __init__(self, traced: TracedModel, host: HostState, backend: Backend, optimizer: AdamW,
-                 buffers: dict[str, torch.Tensor]):
+                 buffers: dict[str, torch.Tensor], *, per_token_loss: bool = True):
         self.graph: LayerGraph = traced.graph
+        # How the micro-batch losses combine (megatrain.runtime.loss: per_token_loss needs
+        # traced.count_targets); the targets are counted on the host, from the labels, before the step.
+        self.per_token_loss = per_token_loss
+        self._count_targets = None if traced.count_targets is None else retarget(traced.count_targets, "cpu")
         self.host = host
         self.backend = backend
         self.optimizer = optimizer
@@ -357,14 +369,32 @@ class Executor:
         self.deferred = DeferredUpdates()
 
     # -- running ---------------------------------------------------------------------------------
-    def run(self, schedule: Schedule, micro_batches: Sequence[dict[str, torch.Tensor]]) -> StepOutput:
+    def targets(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[int | None]:
+        """The supervised tokens of each micro-batch (``LongTensor`` inputs on the host, by name), as
+        the model's loss counts them: the labels that are not -100 after its shift
+        (``TracedModel.count_targets``); None for each where the loss is not counted."""
+        if self._count_targets is None:
+            return [None] * len(micro_batches)
+        with torch.no_grad():
+            return [int(self._count_targets(*(mb[name].cpu() for name in self.graph.batch_inputs)))
+                    for mb in micro_batches]
+
+    def run(self, schedule: Schedule, micro_batches: Sequence[dict[str, torch.Tensor]],
+            targets: Sequence[int | None] | None = None) -> StepOutput:
         """Run ``schedule`` on ``micro_batches`` (one dict of input tensors per micro-batch).
+
+        ``targets``: the supervised tokens of each micro-batch (:meth:`targets`, which counts them
+        when not given). Each micro-batch's loss is seeded with its weight in the global batch's
+        loss (:func:`megatrain.runtime.loss.loss_weights`), from the global count: this rank's
+        alone, or the ranks' sum that the schedule's COUNT_REDUCE makes. When a counted global
+        batch has no target the step's optimizer steps are skipped (its gradients are zero, and an
+        AdamW step on zeros would still move the weights).
 
         A schedule that carries updates (an ``"update"`` schedule, or a train schedule with
         ``carries_updates``) takes each layer whose update ran off ``deferred``, also when it raises.
 
         Raises:
-            ValueError: ``micro_batches`` is not the plan's number of micro-batches.
+            ValueError: ``micro_batches`` (or ``targets``) is not the plan's number of micro-batches.
             Exception: whatever an op or the backend raised; the backend's run is closed first
                 (``Backend.abort``), so the next run starts afresh.
         """
@@ -372,12 +402,15 @@ class Executor:
         M = schedule.plan.micro_batches
         if schedule.mode != "update" and len(micro_batches) != M:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(micro_batches)}")
+        targets = self.targets(micro_batches) if targets is None else list(targets)
+        if len(targets) != len(micro_batches):
+            raise ValueError(f"{len(targets)} target counts for {len(micro_batches)} micro-batches")
         bufs = self._ensure_buffers(schedule)
         self._refresh_staging()
         dev = self.backend.device
         if id(schedule) not in self._liveness:
             self._liveness[id(schedule)] = (schedule, liveness(schedule, g))
-        ctx = _RunContext(self, schedule, bufs, _Activations(self._liveness[id(schedule)][1]))
+        ctx = _RunContext(self, schedule, bufs, _Activations(self._liveness[id(schedule)][1]), targets)
         self.updated = ctx.updated
         self.unsaved = ctx.unsaved
         for mb, batch in enumerate(micro_batches):
@@ -408,7 +441,7 @@ class Executor:
             if ctx.carried:
                 d = self.deferred
                 self.deferred = DeferredUpdates(d.layers - set(ctx.updated), d.clip_scale, d.optimizer)
-        out = StepOutput(losses=[0.0] * M)
+        out = StepOutput(losses=[0.0] * M, targets=targets, supervised_tokens=ctx.supervised)
         for mb, t in ctx.losses.items():
             out.losses[mb] = float(t)
         out.layer_norms = {li: float(self._norms[li]) for li in ctx.trained}
@@ -444,7 +477,8 @@ class _RunContext:
     another thread (a host worker): the work reads what it needs when it runs.
     """
 
-    def __init__(self, ex: Executor, schedule: Schedule, bufs: _Buffers, acts: "_Activations"):
+    def __init__(self, ex: Executor, schedule: Schedule, bufs: _Buffers, acts: "_Activations",
+                 targets: list[int | None]):
         plan = schedule.plan
         self.ex, self.schedule, self.bufs, self.acts = ex, schedule, bufs, acts
         self.graph = ex.graph
@@ -469,6 +503,26 @@ class _RunContext:
         d = ex.deferred
         self.carried_optimizer = d.optimizer or ex.optimizer
         self.carried_scale = None if d.clip_scale is None else torch.tensor(1.0 / d.clip_scale, dtype=torch.float32)
+        # The loss of the global batch: this rank's targets, and (once known) the global batch's,
+        # from which each micro-batch's weight (the seed of its loss). A COUNT_REDUCE sums the ranks'
+        # counts; without one the global batch is this rank's. (An update schedule has no batch.)
+        self.targets = targets
+        self.counted = None not in targets
+        self.supervised: int | None = None
+        self.weights: list[float] = []
+        if schedule.mode != "update" and not any(op.kind is OpKind.COUNT_REDUCE for op in schedule.ops):
+            self.count(sum(targets) if self.counted else None)
+
+    def count(self, supervised: int | None) -> None:
+        """The global batch has ``supervised`` targets (None: not counted): set each micro-batch's
+        weight; skip this step's optimizer steps when there are none (zero gradients, but AdamW
+        would still move the weights)."""
+        plan = self.schedule.plan
+        self.supervised = supervised
+        self.weights = loss_weights(self.targets, supervised, plan.micro_batches * plan.data_parallel,
+                                    per_token=self.ex.per_token_loss)
+        if supervised == 0:
+            self.skip = True
 
     def waits(self, i: int) -> list[Any]:
         """Handles of op ``i``'s dependencies on other streams (an own-stream one is stream order)."""
@@ -587,7 +641,7 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
     passes accumulate on the host (ACC), so there every local backward starts the slot afresh."""
     mb = op.mb
     work = local_backward(ctx.ex, op.layer, mb, ctx.bufs.weights[op.slot], ctx.bufs.grads[op.slot],
-                          ctx.acts.view(i), ctx.grads, ctx.losses, ctx.micro_batches, ctx.compute_dtype,
+                          ctx.acts.view(i), ctx.grads, ctx.losses, lambda: ctx.weights[mb], ctx.compute_dtype,
                           fresh=mb == 0 or not ctx.layer_by_layer, rng_states=ctx.rng_states)
     done = [(vid, mb) for vid in ctx.graph.layers[op.layer].outputs]
 
@@ -598,13 +652,14 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: torch.Tensor, acts, grads: dict,
-                   losses: dict, M: int, compute_dtype: str, fresh: bool,
+                   losses: dict, weight: Callable[[], float], compute_dtype: str, fresh: bool,
                    rng_states: dict[tuple[int, int], torch.Tensor] | None = None) -> Work:
     """The work of layer ``li``'s local backward for micro-batch ``mb``: recompute its forward from
     ``acts[(input, mb)]`` with weights bound to ``wslot``, then write (``fresh``) or add the weight
     gradients into ``gslot`` (FP32, or BF16 when ``fresh``: the plan's gradient dtype) and add the
-    input gradients into ``grads[(input, mb)]``; the loss, seeded with ``1 / M``, goes into
-    ``losses[mb]``.
+    input gradients into ``grads[(input, mb)]``; the loss goes into ``losses[mb]``, seeded with
+    ``weight()``, read when the work runs (after the COUNT_REDUCE it depends on): the micro-batch's
+    factor in the global batch's loss (:func:`megatrain.runtime.loss.loss_weights`).
 
     A layer that draws random numbers recomputes with the generator state its forward recorded in
     ``rng_states[(li, mb)]`` (taken off it: nothing recomputes the forward after its backward),
@@ -647,8 +702,8 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
                 if vid == g.loss:
                     losses[mb] = t.detach()
                     roots.append(t)
-                    # Step loss is the mean over micro-batches, as in eager accumulation of loss / M.
-                    seeds.append(torch.full_like(t, 1.0 / M))
+                    # The gradient of the global batch's loss, of which this loss is weight() x.
+                    seeds.append(torch.full_like(t, weight()))
                 elif (vid, mb) in grads and t.requires_grad:
                     roots.append(t)
                     seeds.append(grads[(vid, mb)])
@@ -853,15 +908,15 @@ def _require_fp32(tile: torch.Tensor) -> None:
 
 
 def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Average layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over
-    the ``plan.data_parallel`` ranks of the default ``torch.distributed`` process group (sum, then
-    divide: the mean of the ranks' gradients is the gradient of the global batch's mean loss when
-    every rank has as many micro-batches), then recompute the layer's gradient norm from the
-    reduced tile and AND the finite flags over the ranks, so every rank clips with the global norm
-    and skips the same updates. Runs on the COMM host worker, in list order (rule 'collectives')."""
+    """Sum layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over the
+    ``plan.data_parallel`` ranks of the default ``torch.distributed`` process group: each rank's
+    are the gradient of its share of the global batch's loss (its summed token losses over the
+    global count, :mod:`megatrain.runtime.loss`), so their sum is the gradient of that loss. Then
+    recompute the layer's gradient norm from the reduced tile and AND the finite flags over the
+    ranks, so every rank clips with the global norm and skips the same updates. Runs on the COMM
+    host worker, in list order (rule 'collectives')."""
     ex, li = ctx.ex, op.layer
     tile, group = _reduced_tile(ctx, op, ctx.graph.layers[li].trainable_numel)
-    world = ctx.schedule.plan.data_parallel
 
     def run() -> None:
         import torch.distributed as dist
@@ -869,7 +924,6 @@ def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
         _require_fp32(tile)
         with collective(repr(op)):
             dist.all_reduce(tile, op=dist.ReduceOp.SUM, group=group)
-        tile.div_(world)
         norm = torch.linalg.vector_norm(tile)
         flag = torch.tensor([1.0 if bool(ex._flags[li]) and bool(torch.isfinite(norm)) else 0.0])
         with collective(repr(op) + " (its finite flags)"):
@@ -880,7 +934,8 @@ def _all_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Average layer ``op.layer``'s step gradients (the ring tile or accumulator the op names) over
+    """Sum layer ``op.layer``'s step gradients (the ring tile or accumulator the op names, each
+    rank's of its share of the global batch's loss, as :func:`_all_reduce` sums them) over
     the ``plan.data_parallel`` ranks (of one node, or of every node when the state is sharded
     across them), but only on this rank's optimizer shard ``[lo, hi)`` (``cost.optimizer_shard``
     of ``Plan.update_shards``), the only part its OPT reads
@@ -888,7 +943,7 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     of the tile's first ``shards x per`` elements (equal chunks; ``cost.reduced_numel`` made the
     tile that long; the padding past the layer's parameters is zeroed first, so the collective sums
     only zeros there, whose results no one reads) into a scratch of ``per``, then into
-    ``tile[lo:hi]``, divided by the ranks. Then the layer's global gradient norm: the shard's sum of
+    ``tile[lo:hi]``. Then the layer's global gradient norm: the shard's sum of
     squares, summed over the ranks in FLOAT64 (the square of an FP32 norm overflows FP32 above
     ~1.8e19, and float64 adds the ranks' partial squares with far less rounding than the FP32 norm
     carries), its square root rounded to FP32; the finite flags ANDed over the ranks as ALL_REDUCE
@@ -897,7 +952,7 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     ex, li = ctx.ex, op.layer
     plan = ctx.schedule.plan
     n = ctx.graph.layers[li].trainable_numel
-    shards, world = plan.update_shards, plan.data_parallel
+    shards = plan.update_shards
     full = cost.reduced_numel(n, plan)
     per = full // shards
     lo, hi = cost.optimizer_shard(n, shards, ex.shard_index)
@@ -912,7 +967,7 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
         with collective(repr(op)):
             dist.reduce_scatter_single(mine, tile, op=dist.ReduceOp.SUM, group=group)
         shard = tile[lo:hi]
-        shard.copy_(mine[:hi - lo]).div_(world)
+        shard.copy_(mine[:hi - lo])
         local = torch.linalg.vector_norm(shard, dtype=torch.float64)
         both = torch.stack([local * local, torch.tensor(0.0 if bool(ex._flags[li]) and bool(torch.isfinite(local))
                                                          else 1.0, dtype=torch.float64)])
@@ -956,11 +1011,25 @@ def _all_gather(ctx: _RunContext, i: int, op: Op) -> Work:
     return run
 
 
+def _count_reduce(ctx: _RunContext, i: int, op: Op) -> Work:
+    """Sum this rank's supervised tokens over the ranks (the gloo group of every rank): the divisor
+    of the global batch's loss, which the loss layer's local backwards (after this op) seed their
+    losses with. A loss that is not counted sums nothing, but every rank still takes part."""
+    local = sum(ctx.targets) if ctx.counted else 0
+    group = None if ctx.ex.groups is None else ctx.ex.groups.world
+
+    def run() -> None:
+        with collective(repr(op)):
+            n = int(sum_over_ranks([local], torch.int64, group)[0])
+        ctx.count(n if ctx.counted else None)
+    return run
+
+
 HANDLERS: dict[OpKind, Handler] = {
     OpKind.H2D: _h2d, OpKind.CAST: _cast, OpKind.FWD: _fwd, OpKind.RECOMPUTE: _fwd, OpKind.BWD: _bwd,
     OpKind.D2H: _d2h, OpKind.ACC: _acc, OpKind.OPT: _opt, OpKind.OFFLOAD: _offload, OpKind.RELOAD: _reload,
     OpKind.NVME_READ: _nvme_io(read=True), OpKind.NVME_WRITE: _nvme_io(read=False), OpKind.ALL_REDUCE: _all_reduce,
-    OpKind.REDUCE_SCATTER: _reduce_scatter, OpKind.ALL_GATHER: _all_gather,
+    OpKind.REDUCE_SCATTER: _reduce_scatter, OpKind.ALL_GATHER: _all_gather, OpKind.COUNT_REDUCE: _count_reduce,
 }
 """How each op kind runs: ``HANDLERS[op.kind](ctx, i, op)`` returns the work the backend launches."""
 assert set(HANDLERS) == set(OpKind), "every op kind needs a handler"

@@ -477,6 +477,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
             loss = res.loss
             mfu = rates.mfu(res.tokens_per_second / ranks.world)  # per GPU: tokens/s counts every rank's
             row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
+                   "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
                    "tokens_per_s": res.tokens_per_second, "mfu": mfu, "predicted_step_s": rates.predicted_step_s,
                    "measured_step_s": res.seconds, "applied": bool(res.applied), "val_loss": None,
                    "host_rss_mib": None, "examples_trimmed": getattr(dataset, "num_trimmed", None),

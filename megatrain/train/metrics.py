@@ -17,12 +17,16 @@ if TYPE_CHECKING:
     from megatrain.train.config import TrainConfig
     from megatrain.trainer import PlannedModel
 
-METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "predicted_step_s",
-                 "measured_step_s", "applied", "val_loss", "host_rss_mib", "examples_trimmed", "examples_dropped")
-"""Keys of every ``metrics.jsonl`` row. ``step`` is 1-based; ``loss`` the mean micro-batch loss;
-``lr`` the learning rate the step used; ``grad_norm`` the global L2 norm of the gradients before
-clipping; ``tokens_per_s`` the step's non-padding tokens (``StepResult.tokens``) over ``measured_step_s``, the
-step's wall time in seconds; ``mfu`` model FLOPs utilisation (module docstring); ``predicted_step_s``
+METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "supervised_tokens", "tokens_per_s", "mfu",
+                 "predicted_step_s", "measured_step_s", "applied", "val_loss", "host_rss_mib",
+                 "examples_trimmed", "examples_dropped")
+"""Keys of every ``metrics.jsonl`` row. ``step`` is 1-based; ``loss`` the loss of the global batch,
+the mean over its supervised tokens (``StepResult.loss``); ``lr`` the learning rate the step used;
+``grad_norm`` the global L2 norm of the gradients before clipping; ``tokens`` the global batch's
+tokens that are not padding (``StepResult.tokens``: prompts included) and ``supervised_tokens`` those
+the loss is the mean over (labels not -100 after the shift, ``StepResult.supervised_tokens``);
+``tokens_per_s`` is ``tokens`` (not ``supervised_tokens``) over ``measured_step_s``, the step's
+wall time in seconds; ``mfu`` model FLOPs utilisation (module docstring); ``predicted_step_s``
 the simulator's step time on the ``hardware`` spec, seconds, or null; ``applied`` false when the
 update was not applied (non-finite loss or gradient); ``val_loss`` the validation loss when this
 step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB;

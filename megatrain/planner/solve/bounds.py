@@ -30,7 +30,8 @@ SIZE_KINDS = (OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE, OpKind.OFFLOAD, OpKind.R
 STEP_KINDS = (OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST, OpKind.ACC)
 """Op kinds whose duration is the layer's alone (weights, gradients, optimizer state)."""
 
-IO_KINDS = (OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER)
+IO_KINDS = (OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER,
+            OpKind.COUNT_REDUCE)
 """Op kinds the bounds do not time: the solver's candidates keep all state in host memory, and
 :mod:`megatrain.planner.nvme` moves some of it to NVMe after the solve (the NVMe rates may be 0);
 the solver plans one rank (data-parallel collectives are added to its plan afterwards)."""

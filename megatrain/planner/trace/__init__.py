@@ -18,6 +18,9 @@ fields later ones read; each module's docstring gives the method of its pass and
 - :mod:`.cleanup` (``clean``): export's dtype asserts out, random ops that cannot be replayed refused
   (layers with dropout are marked ``Layer.draws_random`` by ``build_graph``), position math kept
   in FP32, grouped-query attention routed through :mod:`megatrain.kernels`;
+- :mod:`.token_loss` (``sum_token_loss``): a mean cross-entropy loss as its sum over the
+  micro-batch's targets, and the graph that counts them from a batch (the global batch's loss is
+  the sum over its targets divided by their count);
 - :mod:`.cut` (``cut``, ``share_templates``, ``build_graph``): stages, values, one GraphModule per
   layer, templates, the LayerGraph records;
 - :mod:`.lm_head` (``fuse_lm_head_loss``): ``lm_head -> cross_entropy`` as one chunked kernel;
@@ -48,12 +51,14 @@ from megatrain.planner.trace.hf import causal_attention
 from megatrain.planner.trace.lm_head import DEFAULT_LOSS_CHUNK_BYTES, chunk_lm_head_loss, fuse_lm_head_loss
 from megatrain.planner.trace.measure import measure
 from megatrain.planner.trace.replicate import pick_blocks, replicate, short_copy, why_not_replicate
+from megatrain.planner.trace.token_loss import sum_token_loss
 from megatrain.planner.trace.seq_chunk import (DEFAULT_SEQ_CHUNK_BYTES, MIXED, chunk_sequence_regions,
                                                chunk_sequences, sequence_dims)
 
 PASSES: tuple[Callable[[TraceContext], None], ...] = (
     export,             # the loss-only wrapper as one aten graph
     clean,              # in every nested graph: asserts out, replayable randomness, FP32 positions, GQA
+    sum_token_loss,     # a mean cross-entropy as its sum over the targets, and a counter of them
     cut,                # stages, values, one GraphModule per layer
     fuse_lm_head_loss,  # before chunk_sequences: the pattern starts at the LM head's linear, which is token-wise
     chunk_sequences,    # large token-wise regions a chunk of the sequence at a time
@@ -93,7 +98,10 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     The three-block copy is traced first when :func:`why_not_replicate` finds the blocks
     interchangeable; if it fails to trace (any TraceError) or its blocks disagree, :data:`PASSES`
     run again on the full model. ``graph.meta`` records ``trace`` (``"replicated"`` or ``"full"``),
-    ``trace_full_because``, ``skip_causal_mask`` and any ``unused_parameters``.
+    ``trace_full_because``, ``skip_causal_mask``, any ``unused_parameters``, and
+    ``uncounted_loss_because`` when the loss is not a mean cross-entropy that
+    :func:`~megatrain.planner.trace.token_loss.sum_token_loss` can sum and count
+    (``TracedModel.count_targets`` is then None).
 
     Raises:
         TraceError: export failed (names the module that was running and the failing op), or a

@@ -104,6 +104,9 @@ class TraceContext:
     buffer_of: dict[str, str] = field(default_factory=dict)  # placeholder -> buffer name
     const_of: dict[str, str] = field(default_factory=dict)  # placeholder -> lifted constant name
     trainable: dict[str, bool] = field(default_factory=dict)  # parameter name -> requires_grad
+    # sum_token_loss
+    count_targets: fx.GraphModule | None = None
+    uncounted_loss_because: str | None = None
     # cut
     loss_node: fx.Node | None = None
     values: list[ValueCut] = field(default_factory=list)

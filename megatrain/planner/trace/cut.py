@@ -303,9 +303,11 @@ def build_graph(ctx: TraceContext) -> None:
     graph = LayerGraph(layers=tuple(layer_recs), values=tuple(value_recs), batch_inputs=o.input_names,
                        loss=ctx.value_of[ctx.loss_node], micro_batch_size=o.micro_batch_size, seq_len=o.seq_len,
                        meta={"model": type(ctx.module).__name__, "block_container": ctx.container})
+    if ctx.uncounted_loss_because is not None:
+        graph.meta["uncounted_loss_because"] = ctx.uncounted_loss_because
     evals = tuple(without_dropout(t) if r else None for t, r in zip(ctx.templates, random_templates))
     ctx.traced = TracedModel(graph=graph, templates=tuple(ctx.templates), buffer_sources=ctx.buffer_sources,
-                             eval_templates=evals if any(random_templates) else ())
+                             eval_templates=evals if any(random_templates) else (), count_targets=ctx.count_targets)
 
 
 def check_covers_params(model: nn.Module, graph: LayerGraph) -> None:

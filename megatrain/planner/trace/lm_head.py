@@ -35,7 +35,7 @@ _LOG_SOFTMAX = {_aten.log_softmax.int, _aten._log_softmax.default}
 _REDUCTION_NAMES = {1: "mean", 2: "sum"}  # at::Reduction; "none" (0) is left unfused
 
 
-def _find_loss(n: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], dict] | None:
+def find_cross_entropy(n: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], dict] | None:
     """If ``n`` computes a cross-entropy: (its logits input, the node whose value is the loss, the
     nodes to remove, the arguments). Matches ``cross_entropy_loss`` and ``nll_loss(log_softmax)``."""
     if n.op != "call_function":
@@ -120,7 +120,7 @@ def chunk_lm_head_loss(gm: fx.GraphModule, chunk_bytes: int = DEFAULT_LOSS_CHUNK
     """
     g = gm.graph
     for node in list(g.nodes):
-        found = _find_loss(node)
+        found = find_cross_entropy(node)
         if found is None:
             continue
         x, loss_node, loss_nodes, args = found
@@ -181,4 +181,4 @@ def fuse_lm_head_loss(ctx: TraceContext) -> None:
             chunk_lm_head_loss(layer.module, ctx.options.loss_chunk_bytes)
 
 
-__all__ = ["DEFAULT_LOSS_CHUNK_BYTES", "chunk_lm_head_loss", "fuse_lm_head_loss"]
+__all__ = ["DEFAULT_LOSS_CHUNK_BYTES", "chunk_lm_head_loss", "find_cross_entropy", "fuse_lm_head_loss"]

@@ -264,7 +264,7 @@ def _replicate(short: TracedModel, model: nn.Module, container: str, picks: Sequ
                 real = f"{container}.{b}.{own(name, j)}"
                 sources[real] = ("buffer", real)
     return TracedModel(graph=graph, templates=short.templates, buffer_sources=sources,
-                       eval_templates=short.eval_templates)
+                       eval_templates=short.eval_templates, count_targets=short.count_targets)
 
 
 def replicate(ctx: TraceContext) -> None:
