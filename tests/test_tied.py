@@ -202,7 +202,7 @@ def test_readme_tied_embeddings_snippet_runs():
 def test_tied_bf16_compute_tracks_eager_autocast():
     """BF16 compute: the copy the LM head reads is the owner's BF16 weight; at every step the loss
     and gradient norm match eager autocast at the same weights (test_exactness's bounds)."""
-    from test_exactness import assert_bf16_tracks_eager_autocast
+    from test_exactness import assert_bf16_tracks_eager
 
     torch.manual_seed(5)
     model = tied_llama()
@@ -210,5 +210,5 @@ def test_tied_bf16_compute_tracks_eager_autocast():
                                 plan=Plan(compute_dtype="bfloat16"))
     assert _tied_value(trainer.traced.graph).dtype == "float32"  # traced in FP32; runs in the slot's dtype
     batches = [random_batch(2, 16, VOCAB, seed=s % 3) for s in range(6)]
-    assert_bf16_tracks_eager_autocast(model, trainer, batches, blocks=2)
+    assert_bf16_tracks_eager(model, trainer, batches, blocks=2)
     assert _is_tied(model)
