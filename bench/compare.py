@@ -6,8 +6,9 @@ embeddings, nothing downloaded) on the same seeded synthetic token batches, with
 batch, micro-batch size, sequence length and AdamW settings, BF16 compute on the GPU and FP32
 master weights and moments. megatrain runs the solver's plan for the spec ``measure_hardware()``
 measures in its own process (its knobs are in the row, ``megatrain_plan``), with BF16 compute as
-the peers' mixed precision runs it: the model traced with BF16 parameters, no autocast. Each system runs in a fresh child process (``--child SYSTEM``) so that
-its peak host memory (``ru_maxrss`` and ``VmHWM`` of that process) and peak GPU memory
+the peers' mixed precision runs it: the model traced with BF16 parameters, no autocast. Each
+system runs in a fresh child process (``--child SYSTEM``) so that its peak host memory
+(``ru_maxrss`` and ``VmHWM`` of that process) and peak GPU memory
 (``torch.cuda.max_memory_allocated``) are its own. A step is one global batch: warm-up steps are
 run and discarded, then each timed step is bracketed by device synchronisations.
 

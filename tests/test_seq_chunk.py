@@ -317,7 +317,7 @@ def test_chunked_training_matches_eager(monkeypatch, make, chunk_bytes):
 
 
 def test_chunked_bf16_compute_tracks_eager_autocast(monkeypatch):
-    """Sequence-chunked regions under BF16 autocast: every step within the derived BF16 bounds of
+    """Sequence-chunked regions with BF16 compute: every step within the derived BF16 bounds of
     eager autocast at the same weights (``test_exactness.bf16_tolerances``)."""
     monkeypatch.setattr(megatrain.trainer, "trace", functools.partial(trace, seq_chunk_bytes=1000))
     torch.manual_seed(5)

@@ -11,10 +11,11 @@ op after another). Here the thread never waits on a host op while it has anythin
 Method. Ops are offered in the schedule's list order (``add``). An op is *ready* when each of its
 host dependencies is done, each of its GPU dependencies was issued (its event exists, so a
 stream can wait on it) and each of its fences (``Schedule.issue_after``: ops that must have
-finished on the device, so the caching allocator can reuse what they read) is done. ``next(done)`` returns the op to issue now: the ready head of a per-stream
-pending queue with the smallest index, else the next offered op if it is ready and its stream has
-nothing pending, else None (an offered op that is not ready joins its stream's pending queue,
-which keeps every stream's own order the list order). Host-stream ops are always ready: their
+finished on the device, so the caching allocator can reuse what they read) is done.
+``next(done)`` returns the op to issue now: the ready head of a per-stream pending queue with the
+smallest index, else the next offered op if it is ready and its stream has nothing pending, else
+None (an offered op that is not ready joins its stream's pending queue, which keeps every stream's
+own order the list order). Host-stream ops are always ready: their
 worker thread does the waiting. A caller that gets None with ops still pending waits for a host op
 to finish, then asks again.
 

@@ -396,8 +396,12 @@ class Executor:
                     fn = HANDLERS[op.kind](ctx, i, op)
                     if info.touches[i]:
                         fn = _then(fn, ctx.acts.view(i).release)
-                    events[i] = launch(info.streams[i], fn, [events[d] for d in info.waits[i]], label=info.labels[i],
-                                       after=[events[f] for f in info.after[i]])
+                    waits = [events[d] for d in info.waits[i]]
+                    if info.after[i]:  # issue fences: only a few ops have them (Schedule.issue_after)
+                        events[i] = launch(info.streams[i], fn, waits, label=info.labels[i],
+                                           after=[events[f] for f in info.after[i]])
+                    else:
+                        events[i] = launch(info.streams[i], fn, waits, label=info.labels[i])
             except BaseException:
                 # The backend drains and closes the run, so the next run opens a fresh entry fence
                 # instead of racing this run's leftovers (its pending ops are dropped).
@@ -525,7 +529,6 @@ class _RunContext:
         d = ex.deferred
         self.carried_optimizer = d.optimizer or ex.optimizer
         self.carried_scale = None if d.clip_scale is None else torch.tensor(1.0 / d.clip_scale, dtype=torch.float32)
-
 
 
 Work = Callable[[], None]

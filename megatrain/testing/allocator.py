@@ -21,8 +21,9 @@ work made a block, the only stream the allocator hands it to again), the peak of
 allocator could not hand out again: ``peak_held`` (live plus freed but waiting for another stream)
 over the tensors that outlive the op that made them, checkpoints and boundary gradients, sampled
 after each op's allocations and before its frees, the moment the cost model's activation peak
-describes (:func:`megatrain.planner.cost.activation_liveness`, :func:`~megatrain.planner.cost.pool_peaks`). Working memory that an op frees
-before it returns is not counted (its bound, ``Layer.work_bytes``, is measured elsewhere).
+describes (:func:`megatrain.planner.cost.activation_liveness`,
+:func:`~megatrain.planner.cost.pool_peaks`). Working memory that an op frees before it returns is
+not counted (its bound, ``Layer.work_bytes``, is measured elsewhere).
 """
 
 from __future__ import annotations

@@ -407,8 +407,9 @@ class Search:
         _, unit = self.unit(c.option, c.policy, c.distance)
         spare = self.hw.gpu_memory_bytes - self.scaled(c.option, unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
         # Every resident layer costs one more slot sized for that layer (cost.slot_numels), so its
-        # weight is its own weights and gradients, and the reserve's rounding of the two tensors. The streaming slots stay sized for the widest
-        # layer here; residents can only narrow them, so the choice is within memory.
+        # weight is its own weights and gradients, and the reserve's rounding of the two tensors. The
+        # streaming slots stay sized for the widest layer here; residents can only narrow them, so
+        # the choice is within memory.
         itemsize = 2 if self.bf16 else 4
         rounded = unit.reserve_parts.with_slots(1).total - unit.reserve if unit.reserve_parts is not None else 0
         weights = [layer.numel * itemsize + layer.trainable_numel * self.gradient_itemsize(c.option) + rounded
