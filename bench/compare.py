@@ -4,8 +4,11 @@ plain PyTorch.
 Method. Every system trains the same Llama architecture (``LlamaForCausalLM`` from a config, untied
 embeddings, nothing downloaded) on the same seeded synthetic token batches, with the same global
 batch, micro-batch size, sequence length and AdamW settings, BF16 compute on the GPU and FP32
-master weights and moments. Each system runs in a fresh child process (``--child SYSTEM``) so that
-its peak host memory (``ru_maxrss`` and ``VmHWM`` of that process) and peak GPU memory
+master weights and moments. megatrain runs the solver's plan for the spec ``measure_hardware()``
+measures in its own process (its knobs are in the row, ``megatrain_plan``), with BF16 compute as
+the peers' mixed precision runs it: the model traced with BF16 parameters, no autocast. Each
+system runs in a fresh child process (``--child SYSTEM``) so that its peak host memory
+(``ru_maxrss`` and ``VmHWM`` of that process) and peak GPU memory
 (``torch.cuda.max_memory_allocated``) are its own. A step is one global batch: warm-up steps are
 run and discarded, then each timed step is bracketed by device synchronisations.
 
@@ -333,11 +336,16 @@ class Skip(Exception):
 # -- the four systems ------------------------------------------------------------------------------
 
 def run_megatrain(cfg: ModelConfig, args) -> dict:
-    """megatrain: the model built on ``meta``, compiled; host tiles hold all persistent state."""
+    """megatrain: the model built on ``meta``, compiled with the solver's plan for the spec measured
+    on this machine (``measure_hardware()``; the dry run plans for ``--sim-preset``), at the
+    benchmark's micro-batch size and count; host tiles hold all persistent state. BF16 compute traces
+    the model with BF16 parameters (FP32 masters and moments stay on the host), as the peers' mixed
+    precision runs it; the dry run computes in FP32 like the others."""
     import torch
     from transformers import LlamaForCausalLM
 
     import megatrain
+    from megatrain.planner.hardware import preset
 
     if not args.dry_run and not torch.cuda.is_available():
         raise Skip("needs CUDA (use --dry-run on a CPU)")
@@ -346,11 +354,16 @@ def run_megatrain(cfg: ModelConfig, args) -> dict:
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg.hf_config(args.seq_len))
-    # BF16 compute (FP32 masters stay on the host); the dry run computes in FP32 like the others.
-    plan = None if args.dry_run else megatrain.Plan(micro_batches=k, compute_dtype="bfloat16")
+    if args.dry_run:
+        hw = preset(args.sim_preset)
+    else:
+        from megatrain.runtime.measure import measure_hardware
+
+        hw = measure_hardware()
     trainer = megatrain.compile(model, seq_len=args.seq_len, micro_batch_size=args.micro_batch,
                                 micro_batches=k, optimizer=megatrain.AdamW(**_adamw_kwargs(args)),
-                                plan=plan, device=device)
+                                hardware=hw, compute_dtype="float32" if args.dry_run else "bfloat16",
+                                device=device)
     own_seconds = []
     last = {}
 
@@ -362,8 +375,20 @@ def run_megatrain(cfg: ModelConfig, args) -> dict:
 
     out = _timed_loop(step, args, cfg)
     out["megatrain_reported_step_s"] = own_seconds[args.warmup:]
+    out["megatrain_plan"] = _plan_summary(trainer)
     out["_finish"] = lambda row: _megatrain_extras(row, trainer, last.get("result"), args)
     return out
+
+
+def _plan_summary(trainer) -> dict:
+    """The plan's knobs and who chose them (the solver's method), for the row: what megatrain ran."""
+    plan, solution = trainer.plan, trainer.planned.solution
+    policies = [p.value for p in plan.activations]
+    return {"chosen_by": f"solver ({solution.method})" if solution is not None else "given",
+            "micro_batches": plan.micro_batches, "slots": plan.slots, "prefetch_distance": plan.prefetch_distance,
+            "resident_layers": len(plan.resident), "grad_ring": plan.grad_ring, "layer_by_layer": plan.layer_by_layer,
+            "optimizer": plan.optimizer.value, "compute_dtype": plan.compute_dtype, "cast_once": plan.cast_once,
+            "checkpoints": {p: policies.count(p) for p in sorted(set(policies))}}
 
 
 def _megatrain_extras(row: dict, trainer, result, args) -> None:
@@ -377,22 +402,17 @@ def _megatrain_extras(row: dict, trainer, result, args) -> None:
         row["stream_busy_measured"] = _stream_dict(getattr(measured, "busy_fraction", None))
         row["megatrain_timeline_step_s"] = getattr(measured, "step_time_s", None)
     try:
-        from megatrain.planner.hardware import preset
         from megatrain.planner.simulate import simulate
     except ImportError as e:  # an older megatrain without a simulator
         row["predicted_note"] = f"no simulator in this megatrain ({e})"
         return
     try:
-        if args.dry_run:
-            # A CPU has no GPU rates to simulate against; a preset exercises the path, labelled so.
-            hw = preset(args.sim_preset)
-            label = f"{args.sim_preset} preset (dry run: not comparable with the CPU time)"
-        else:
-            from megatrain.runtime.measure import measure_hardware
-
-            hw = measure_hardware()
-            label = f"spec measured in this run: {hw.name}"
-        tl = simulate(trainer.schedule, trainer.graph, hw)
+        # The spec the solver planned for (measured in this run; a preset in the dry run, where a
+        # CPU has no GPU rates: labelled so), and its simulation of the schedule that ran.
+        hw = trainer.planned.hardware
+        label = (f"{args.sim_preset} preset (dry run: not comparable with the CPU time)" if args.dry_run
+                 else f"spec measured in this run: {hw.name}")
+        tl = trainer.planned.timeline or simulate(trainer.schedule, trainer.graph, hw)
     except Exception as e:  # noqa: BLE001 - the row records why there is no prediction
         row["predicted_note"] = f"simulator failed: {type(e).__name__}: {e}"
         return

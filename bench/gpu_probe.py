@@ -35,11 +35,14 @@ Sections, in the order they run (``--sections`` picks a subset):
     (``torch.set_num_threads``, capped at the CPU count), on tiles whose working set is at least
     four times the host's total L3 (read from sysfs) so the rates are DRAM rates, not cache rates.
 ``launch``
-    Per-op launch cost: N tiny in-place adds issued from Python on one stream with no
-    synchronisation in between, then one synchronisation; ``issue_s_per_op`` is the issuing
-    thread's time per launch, ``total_s_per_op`` includes draining the queue. Also the cost of
-    one event record plus one cross-stream ``wait_event`` (what the CUDA backend adds per op).
-    The result is checked (the tensor must hold N).
+    Per-op launch cost of a template-like op, ``template_issue_s_per_op``: a small Llama block's
+    forward and local backward as the executor runs a layer, its time on the issuing thread over
+    its aten ops as the tracer counts them (``megatrain.runtime.measure.measure_launch_overhead``;
+    the spec's ``launch_overhead_s``). For reference, N tiny in-place adds issued from Python on
+    one stream with no synchronisation in between, then one synchronisation; ``issue_s_per_op``
+    is the issuing thread's time per launch, ``total_s_per_op`` includes draining the queue. Also
+    the cost of one event record plus one cross-stream ``wait_event`` (what the CUDA backend adds
+    per op). The adds' result is checked (the tensor must hold N).
 ``matmul``
     Square BF16, FP32 with TF32 off, and FP32 with TF32 on (``HardwareSpec.fp32_flops`` is the
     TF32 rate) products on random data, median of 10 after 3 warm-ups, timed with CUDA events;
@@ -54,7 +57,10 @@ Sections, in the order they run (``--sections`` picks a subset):
     recording a timeline (``backend.record``, ``backend.timeline``) beside ``simulate()`` of the
     same schedule on the same spec: step times, per-stream busy fractions, bottlenecks and time per
     op kind, predicted and measured. ``timelines.json`` holds both timelines and ``trace.json``
-    both as a Chrome/Perfetto trace (measured pid 1, predicted pid 2).
+    both as a Chrome/Perfetto trace (measured pid 1, predicted pid 2). ``reserve``: the GPU
+    reserve the step needed (the allocator's peak reserved bytes plus the context, less the plan's
+    own peak) beside the planner's derived one, and the allocator's flush-and-retry count
+    (``num_alloc_retries``: nonzero when it ran out of cached blocks and synchronised).
 ``cuda_tests``
     ``pytest`` in a subprocess over ``tests/``, selecting the tests that need CUDA (marked
     ``cuda``, or skipped with a reason that names CUDA: ``conftest.requires_cuda``), with
@@ -709,9 +715,12 @@ def section_launch(ctx: Ctx) -> dict:
         total.append((t2 - t0) / n)
         if float(x.item()) != float(n):
             raise RuntimeError(f"{n} launches of x.add_(1) left x = {x.item()}, not {n}: launches were lost")
+    from megatrain.runtime.measure import measure_launch_overhead
+
     out = {"ops_per_trial": n, "trials": trials, "kernel": "x.add_(1.0) on a 1-element tensor",
            "issue_s_per_op": statistics.median(issue), "total_s_per_op": statistics.median(total),
-           "issue_s_per_op_all": issue, "total_s_per_op_all": total}
+           "issue_s_per_op_all": issue, "total_s_per_op_all": total,
+           "template_issue_s_per_op": measure_launch_overhead(dev, seconds=0.05 if ctx.dry else 0.5)}
     if ctx.cuda:
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         evs = [torch.cuda.Event() for _ in range(1000)]
@@ -775,9 +784,9 @@ MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "duplex": ("copies", ("duplex",)),
     "host_memory_bytes": ("environment", ("memory", "MemTotal")),
     "host_optimizer_params_per_s": ("host_rates", ("adamw_params_per_s_at_default",)),
-    # Seconds of the issuing thread per dispatched aten op (a kernel launch): the field the simulator's
-    # issue model reads, where this megatrain's HardwareSpec has it.
-    "launch_overhead_s": ("launch", ("issue_s_per_op",)),
+    # Seconds of the issuing thread per dispatched aten op of a template-like layer: the field the
+    # simulator's issue model reads, where this megatrain's HardwareSpec has it.
+    "launch_overhead_s": ("launch", ("template_issue_s_per_op",)),
 }
 """Each HardwareSpec field the probe measures: (section, keys into its result). Fields the spec type
 lacks are left out; fields whose section did not succeed come from ``--fallback-preset``, listed."""
@@ -940,6 +949,20 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
     out["ops"] = len(sched.ops)
     if ctx.cuda:
         out["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        # The GPU reserve this step needed, beside the planner's derived one (cost.gpu_reserve):
+        # what the device held at the peak (the allocator's reserved bytes, the context and its
+        # modules) less the plan's own peak. A spec's gpu_reserve_bytes takes it as measured.
+        from megatrain.planner.cost import memory_breakdown
+
+        planned = memory_breakdown(trainer.graph, trainer.plan, spec, sched)
+        free, total = torch.cuda.mem_get_info()
+        context = total - free - torch.cuda.memory_reserved()
+        stats = torch.cuda.memory_stats()
+        out["reserve"] = {"derived_bytes": planned.reserve, "planned_peak_bytes": planned.gpu_peak,
+                          "max_reserved_bytes": torch.cuda.max_memory_reserved(), "context_bytes": context,
+                          "measured_bytes": torch.cuda.max_memory_reserved() + context
+                          - (planned.gpu_peak - planned.reserve),
+                          "alloc_retries": stats.get("num_alloc_retries", 0)}
         out["host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
                                     if k in ("allocated_bytes.current", "allocated_bytes.peak",
                                              "num_host_alloc", "host_alloc_time.total")}

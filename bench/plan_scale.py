@@ -66,10 +66,10 @@ def run_case(model: str, hardware: str, seq_len: int, global_batch: int, solver:
     hw = preset(hardware)
     row: dict = dict(model=model, hardware=hw.name, seq_len=seq_len, global_batch=global_batch, solver=solver)
     t = time.perf_counter()
-    meta_model = build_meta_model(load_model_config(model), dtype=torch.bfloat16)
+    meta_model = build_meta_model(load_model_config(model), dtype=torch.float32)  # as trace_preset does
     row["build_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    graph = trace(meta_model, micro_batch_size=1, seq_len=seq_len).graph
+    graph = trace(meta_model, micro_batch_size=1, seq_len=seq_len, param_dtype=torch.bfloat16).graph
     row["trace_s"] = time.perf_counter() - t
     largest = max(graph.values, key=lambda v: v.nbytes)
     row.update(params=graph.param_count, layers=len(graph.layers), trace=graph.meta.get("trace"),

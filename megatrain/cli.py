@@ -75,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     plan.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                      help="dtype the GPU computes in (default bfloat16)")
+                      help="dtype the GPU computes in (default bfloat16: the model traced with BF16 "
+                           "parameters, activations and checkpoints in BF16, FP32 masters on the host, as "
+                           "megatrain.compile traces it)")
     plan.add_argument("--clip-gradients", action="store_true",
                       help="the run clips gradients by global norm: optimizer steps wait for every "
                            "gradient and run in the next step's forward (one host gradient tile per layer)")
@@ -206,7 +208,8 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
         ("buffers", _gib(mem.buffers), ""),
         ("activations peak", _gib(mem.activations_peak), "checkpoints + boundary gradients"),
         ("working peak", _gib(mem.working_peak), "largest layer transient"),
-        ("reserve", _gib(mem.reserve), "CUDA context, workspaces, fragmentation"),
+        ("reserve", _gib(mem.reserve), mem.reserve_parts.describe() if mem.reserve_parts is not None
+         else "CUDA context, workspaces, allocator"),
         ("peak", _gib(mem.gpu_peak),
          f"of {_gib(hw.gpu_memory_bytes)} ({_pct(mem.gpu_peak, hw.gpu_memory_bytes)}); activations and "
          "working memory at one instant"),
@@ -313,11 +316,8 @@ def _policy_counts(plan, n_layers: int) -> str:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    import torch
-
-    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.presets import load_model_config, trace_preset
     from megatrain.planner.solve import SolveRequest, solve
-    from megatrain.planner.trace import trace
 
     if args.seq_len < 1 or args.global_batch < 1:
         raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
@@ -345,9 +345,8 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     check_causal_decoder(config, args.model)
     t0 = time.perf_counter()
-    # Activations are recorded in the dtype the model computes in, so trace in the compute dtype.
-    model = build_meta_model(config, dtype=getattr(torch, args.compute_dtype))
-    graph = trace(model, micro_batch_size=1, seq_len=args.seq_len).graph
+    # What compile traces for this model: built in FP32, traced in the compute dtype.
+    graph = trace_preset(config, seq_len=args.seq_len, compute_dtype=args.compute_dtype).graph
     trace_s = time.perf_counter() - t0
     nvme = topology = None
     try:

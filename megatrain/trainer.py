@@ -799,8 +799,10 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         make_backend("cuda")  # ConfigError now, before tracing, where CUDA is missing (creates nothing CUDA)
     check_model(model, options.seq_len)
     hw = _hardware(hardware)
+    # Traced in the compute dtype (a BF16-built template for BF16 compute), as `megatrain plan` traces.
+    dtype = plan.compute_dtype if isinstance(plan, Plan) else _compute_dtype(options, compute_dtype)
     traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
-                   input_names=options.input_names)
+                   input_names=options.input_names, param_dtype=getattr(torch, dtype))
     graph = traced.graph
     if options.per_token_loss and traced.count_targets is None:
         raise ConfigError(f"the loss of a global batch is the mean over its supervised tokens, but megatrain cannot "

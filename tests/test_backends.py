@@ -84,7 +84,7 @@ class Spy(BackendWrapper):
 
     record = property(lambda self: self.inner.record)
 
-    def launch(self, stream, fn, wait_for, label=""):
+    def launch(self, stream, fn, wait_for, label="", after=()):
         k = self.k
         self.k += 1
         op = self.schedule.ops[k]
@@ -109,7 +109,7 @@ class Spy(BackendWrapper):
             with self.lock:
                 self.log.append(("end", k, threading.current_thread().name))
 
-        h = self.inner.launch(stream, run, wait_for, label=repr(op) if self.labels else "")
+        h = self.inner.launch(stream, run, wait_for, label=repr(op) if self.labels else "", after=after)
         self.handles[k] = h
         return h
 
@@ -136,7 +136,8 @@ def test_public_surface():
                                         "TorchCuda"]
     # The fakes are test doubles: they live in megatrain.testing, not in the runtime.
     assert sorted(testing_mod.__all__) == ["AsyncEvent", "AsyncFakeCuda", "AsyncFakeCudaError", "AsyncStream",
-                                           "FakeCuda", "FakeCudaError", "FakeEvent", "FakeStream", "SlowTorchCuda"]
+                                           "CachingAllocatorModel", "FakeCuda", "FakeCudaError", "FakeEvent",
+                                           "FakeStream", "IssueTimeFakeCuda", "SlowTorchCuda"]
 
 
 # -- construction: nothing CUDA until the first launch ---------------------------------------------
@@ -260,7 +261,7 @@ def test_gpu_op_depending_on_a_host_op_waits_pending_and_the_issuing_thread_runs
     after = be.launch(Stream.H2D, lambda: seen.append(("h2d after", h.done())), [])  # behind it: stream order
     be.launch(Stream.COMPUTE, lambda: seen.append(("compute", h.done())), [])  # other streams run on
     assert seen == [("compute", False)], "launch must not block on a host op, nor pass the pending copy"
-    assert not copy.issued.is_set() and copy.event is None and not after.issued.is_set()
+    assert not copy.issued and copy.event is None and not after.issued
     timer = threading.Timer(0.05, gate.set)
     timer.start()
     be.synchronize()  # issues the pending copies once the host op is done

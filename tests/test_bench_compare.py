@@ -65,6 +65,10 @@ def test_dry_run_writes_one_row_per_system(dry_run):
         # 2 timed steps of 4 x 32 tokens, some of them padding (pad fraction 0.25 in a dry run).
         assert len(r["timed_tokens"]) == 2 and all(0 < t < 4 * 32 for t in r["timed_tokens"])
     assert by["megatrain"]["timed_tokens"] == by["torch"]["timed_tokens"]  # the same data for all
+    # megatrain ran the solver's plan for the spec (a preset in the dry run), at the run's micro-batches.
+    plan, settings = by["megatrain"]["megatrain_plan"], meta["settings"]
+    assert plan["chosen_by"].startswith("solver (")
+    assert plan["micro_batches"] * settings["micro_batch"] == settings["global_batch"]
     for r in rows:
         assert r["status"] in ("ok", "skipped"), r
         if r["status"] == "skipped":

@@ -66,6 +66,37 @@ def test_kernel_follows_the_casts_of_a_low_precision_head():
         torch.testing.assert_close(a, e, rtol=2e-2, atol=2e-3)
 
 
+def test_a_bf16_weight_gradient_sums_its_chunks_in_fp32():
+    """The LM head's weight gradient of a BF16 head is ``sum_c dz_c^T h_c`` over the chunks. Summed in
+    FP32 and rounded to BF16 once, every entry is within half a BF16 ulp of the exact sum plus the FP32
+    sum's own error (``chunks`` roundings of at most 2^-24 of the running sum of magnitudes); rounding
+    each chunk's product to BF16 first (as the kernel did) adds up to half an ulp per chunk and
+    breaks that bound."""
+    torch.manual_seed(3)
+    n, d, v, chunk = 512, 16, 24, 8  # 64 chunks
+    h = torch.randn(n, d).bfloat16().requires_grad_()
+    w = torch.randn(v, d).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(4))
+    loss = linear_cross_entropy(h, w, None, y, chunk_tokens=chunk, logits_dtype=torch.float32)
+    (got,) = torch.autograd.grad(loss, [w])
+    # The kernel's own per-chunk softmax gradients (FP32, cast back to BF16 before the matmuls).
+    dzs, hs = [], []
+    for s in range(0, n, chunk):
+        za = F.linear(h[s:s + chunk], w).float()
+        dz = torch.softmax(za, dim=1)
+        dz[torch.arange(za.shape[0]), y[s:s + chunk]] -= 1.0
+        dzs.append((dz / n).bfloat16())
+        hs.append(h[s:s + chunk].detach())
+    products = [dz.t().double() @ hc.double() for dz, hc in zip(dzs, hs)]
+    exact = sum(products)
+    magnitude = sum(p.abs() for p in products)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs()  # the BF16 spacing at |exact|, within 2x
+    bound = ulp / 2 + len(products) * 2.0 ** -24 * magnitude
+    assert ((got.double() - exact).abs() <= bound).all()
+    rounded_per_chunk = sum(p.bfloat16().float() for p in products).bfloat16()
+    assert ((rounded_per_chunk.double() - exact).abs() > bound).any(), "the test must tell the two apart"
+
+
 def test_ignored_tokens_do_not_count_and_all_ignored_is_nan_like_pytorch():
     h, w = torch.randn(6, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
     y = torch.full((6,), -100)

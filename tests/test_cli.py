@@ -63,6 +63,38 @@ def test_plan_exits_2_with_the_minimum_memory_when_nothing_fits(tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_plan_keeps_the_derived_gpu_reserve(tmp_path, capsys):
+    """The GPU reserve is derived (cost.gpu_reserve: context, two cuBLAS workspaces on the compute
+    stream, allocator rounding, per-stream pools), printed with its parts, and kept: the peak the
+    plan fits in counts it, at the least GPU memory any plan needs too; a measured reserve in the
+    spec replaces the derived one."""
+    from megatrain.planner import cost
+
+    cfg = write_config(tmp_path / "config.json")
+
+    def plan(**spec) -> tuple[int, str]:
+        path = tmp_path / "spec.json"
+        H100_SXM.model_copy(update=spec).save(path)
+        rc = main(["plan", "--model", str(cfg), "--hardware", str(path), "--seq-len", "16", "--global-batch", "4",
+                   "--solver", "enumerate"])
+        return rc, capsys.readouterr().out
+
+    rc, text = plan(gpu_memory_bytes=1 * MiB)
+    assert rc == 3
+    least = int(re.search(r"Smallest memory that works: GPU (\d+) bytes", text).group(1))
+    rc, text = plan(gpu_memory_bytes=least)
+    assert rc == 0, text
+    row = next(line for line in text.splitlines() if line.strip().startswith("reserve"))
+    assert "context 1.00 GiB + cuBLAS workspaces 66.00 MiB + allocator rounding" in row, row
+    reserve = float(row.split()[1])
+    assert reserve > (1024 + 66) / 1024, "the reserve holds the context and workspaces at least"
+    peak = next(line for line in text.splitlines() if line.strip().startswith("peak")).split()
+    assert reserve <= float(peak[1]) <= float(peak[3]), "the peak counts the reserve and fits"
+    rc, text = plan(gpu_reserve_bytes=3 * cost.ROUND_LARGE_BYTES)
+    row = next(line for line in text.splitlines() if line.strip().startswith("reserve"))
+    assert rc == 0 and row.split()[1] == "0.01" and "measured (HardwareSpec.gpu_reserve_bytes)" in row, row
+
+
 def test_plan_exits_2_with_one_error_line_on_bad_input(tmp_path, capsys):
     def error_line() -> str:
         err = capsys.readouterr().err

@@ -239,6 +239,31 @@ def test_the_expanding_path_equals_enable_gqa_in_value_and_gradient():
         expand_kv_heads(k, 5)
 
 
+def test_sdpa_is_asked_once_per_call_signature(monkeypatch):
+    """gqa_needs_expansion runs in every forward and recompute of every block: SDPA's checks (and the
+    stand-in tensors they need in the compute dtype) run once per signature, and a change of shape,
+    dtype, causality or grad mode asks again. Checked on CPU through the cached helper CUDA calls."""
+    import megatrain.kernels.attention as attention
+
+    asked = []
+    monkeypatch.setattr(attention, "_ask_sdpa", lambda q, k, v, mask, p, causal, dt: asked.append(dt) or True)
+    monkeypatch.setattr(attention, "_GQA_CHECKS", {})
+    q, k, v, _ = _gqa_inputs()
+    for _ in range(5):
+        assert attention._cached_needs_expansion(q, k, v, None, 0.0, True)
+    assert len(asked) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention._cached_needs_expansion(q, k, v, None, 0.0, True)
+    assert asked[-1] is torch.bfloat16, "under autocast the checks see the autocast dtype"
+    attention._cached_needs_expansion(q, k, v, None, 0.0, False)
+    attention._cached_needs_expansion(q[:1], k[:1], v[:1], None, 0.0, True)
+    with torch.no_grad():
+        attention._cached_needs_expansion(q, k, v, None, 0.0, True)
+    assert len(asked) == 5
+    attention._cached_needs_expansion(q.clone(), k.clone(), v.clone(), None, 0.0, True)
+    assert len(asked) == 5, "new tensors of the same signature read the cached answer"
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_fp32_gqa_on_cuda_expands_and_bf16_keeps_enable_gqa():

@@ -13,7 +13,8 @@ from megatrain.planner import cost, hardware
 from megatrain.planner.hardware import PRESETS, HardwareSpec, load_hardware, preset
 from megatrain.planner.lower import lower
 from megatrain.planner.plan import ActivationPolicy, Plan
-from megatrain.planner.schedule import Op, OpKind, Stream
+from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Stream
+from megatrain.units import MiB
 from megatrain.runtime import measure
 
 
@@ -34,7 +35,9 @@ def test_public_surface_is_pinned():
         "node_slice", "cast_shard", "shared_staging_bytes",
         "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
         "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS",
-        "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes"}
+        "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
+        "allocation_stream", "issue_fences", "pool_peaks", "GpuReserve", "gpu_reserve", "ROUND_LARGE_BYTES",
+        "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS"}
 
 
 # -- op times --------------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ def test_memory_breakdown_static_terms_by_hand():
     rings = 4096 * 4 + 1024 * 4
     assert not bf16.state_pinned and bf16.pinned_masters == 0
     assert bf16.host_pinned == rings + 2 * 4096 * 2 + 2 * page
-    assert bf16.reserve == hardware.DEFAULT_GPU_RESERVE_BYTES  # no spec given
+    assert bf16.reserve == bf16.reserve_parts.derived and bf16.reserve_parts.context == hardware.CUDA_CONTEXT_BYTES
     assert bf16.host_total == total * 4 + (1024 + 4096) * 8 + rings + 2 * 4096 * 2 + 2 * page
     assert bf16.gradient_scratch == 0
     # BF16 gradients (the default where exact): ring tiles and gradient slots halve, and the
@@ -242,6 +245,45 @@ def test_activation_peak_by_hand():
     assert m.gpu_peak == 16384 + 512 + 5 * 4096 + 100
     # The same with the lowered schedule passed in.
     assert cost.memory_breakdown(g, plan, spec(), lower(g, plan)) == m
+
+
+def test_gpu_reserve_by_hand():
+    """The derived reserve, term by term, for a 3-layer chain: the context and two cuBLAS workspaces
+    from the spec; the allocator's rounding of every tensor alive at the busiest compute op (2 slots x
+    weights and gradients, 2 norm/flag tensors, the batch inputs, the checkpoints and gradients alive
+    there and one intermediate per launched aten op) plus a large and a small segment per allocating
+    stream; no pool term without RELOADs. A measured reserve replaces the sum."""
+    g = chain_graph(3, numel=1024)
+    g = dataclasses.replace(g, layers=tuple(dataclasses.replace(x, fwd_launches=10, bwd_launches=30)
+                                            for x in g.layers))
+    plan = Plan(slots=2, prefetch_distance=1)
+    s = lower(g, plan)
+    hw = spec(gpu_reserve_bytes=None, cuda_context_bytes=7 * MiB, cublas_workspace_bytes=3 * MiB)
+    r = cost.gpu_reserve(g, plan, s, hw)
+    assert (r.context, r.workspaces, r.pools, r.measured) == (7 * MiB, 2 * 3 * MiB, 0, None)
+    # The busiest op is the last layer's local backward: both batch inputs, both checkpoints (L0's
+    # output, read later by L1's backward, and L1's, read now), the gradient it makes for L1's
+    # output, and its 30 launched ops.
+    busiest = 2 + 2 + 1 + 30
+    assert r.tensors == 2 * 2 + 2 + busiest
+    assert r.rounding == r.tensors * 2 * MiB + 3 * 22 * MiB
+    assert cost.memory_breakdown(g, plan, hw, s).reserve == r.total == r.derived
+    assert cost.gpu_reserve(g, plan, s, spec(gpu_reserve_bytes=5)).total == 5
+
+
+def test_pool_peaks_split_reloads_from_compute():
+    """With checkpoints offloaded and reloaded, the H2D stream's pool holds the reloads and the
+    compute stream's the rest; the pools' peaks add to at least the combined peak."""
+    g = chain_graph(5, numel=1024)
+    plan = Plan(activations=(ActivationPolicy.OFFLOAD,) * 4 + (ActivationPolicy.KEEP,))
+    s = lower(g, plan)
+    live = cost.activation_liveness(s, g)
+    peaks = cost.pool_peaks(s, live, working=False)
+    act, _, dyn = cost._dynamic_peaks(s, live)
+    assert peaks[Stream.H2D] > 0 and peaks[Stream.COMPUTE] > 0
+    assert peaks[Stream.H2D] + peaks[Stream.COMPUTE] >= act
+    assert sum(live.reload_alloc) == sum(live.reload_free) == 4 * g.values[2].nbytes
+    assert cost.gpu_reserve(g, plan, s).pools == max(0, sum(cost.pool_peaks(s, live).values()) - dyn)
 
 
 def test_activation_liveness_balances():
@@ -399,6 +441,19 @@ def test_measure_host(tmp_path):
         assert "host-only" in hw.name
         assert hw.bf16_flops == hw.h2d_bytes_per_s == hw.gpu_memory_bytes == 0
         assert not hw.has_gpu
+
+
+@pytest.mark.parametrize("major, env, want", [
+    (9, {}, 32 * MiB + MiB),  # Hopper: PyTorch's 32 MiB, and cuBLASLt's 1 MiB
+    (12, {}, 32 * MiB + MiB),  # Blackwell likewise
+    (8, {}, 4096 * 1024 * 2 + 16 * 1024 * 8 + MiB),  # Ampere: ":4096:2:16:8"
+    (9, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 32 * MiB + MiB),
+    (9, {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "0"}, 16 * 1024 * 8),  # deterministic mode
+    (8, {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}, 4096 * 1024 * 2 + 16 * 1024 * 8 + MiB),
+])
+def test_cublas_workspace_bytes_as_pytorch_sizes_them(major, env, want):
+    assert measure.cublas_workspace_bytes(major, env) == want
+    assert hardware.CUBLAS_WORKSPACE_BYTES == measure.cublas_workspace_bytes(9, {})  # the presets' default
 
 
 # -- data parallel: topology -----------------------------------------------------------------------

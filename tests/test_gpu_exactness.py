@@ -23,7 +23,7 @@ from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import FakeCuda
 
 from conftest import random_batch, requires_cuda, tiny_gpt, tiny_llama
-from test_exactness import ADAMW, assert_bf16_tracks_eager_autocast, eager_losses
+from test_exactness import ADAMW, assert_bf16_tracks_eager, eager_losses
 
 SEQ, MBS, VOCAB = 16, 2, 96
 
@@ -141,7 +141,7 @@ def _check_bf16(make, device: str, eager_device: str, steps: int = 30):
         trainer = megatrain.compile(model, **kw)
         trainer.backend = trainer.executor.backend = CUDABackend(adapter=FakeCuda())
     assert trainer.plan.compute_dtype == "bfloat16"
-    got = assert_bf16_tracks_eager_autocast(model, trainer, _batches(steps, 1, "cpu"), blocks=2,
+    got = assert_bf16_tracks_eager(model, trainer, _batches(steps, 1, "cpu"), blocks=2,
                                             eager_device=eager_device)
     assert trainer.executor._buffers.weights[0].dtype is torch.bfloat16
     assert all(b.dtype is torch.float32 for b in trainer.host.blocks), "masters and moments stay FP32"

@@ -132,7 +132,7 @@ def test_dry_run_spec_reads_back_and_names_its_sources(dry):
     assert spec.host_optimizer_params_per_s == s["host_rates"]["adamw_params_per_s_at_default"]
     assert spec.host_memory_bytes == s["environment"]["memory"]["MemTotal"]
     if "launch_overhead_s" in HardwareSpec.model_fields:  # the issue model's per-launch cost, where it exists
-        assert spec.launch_overhead_s == s["launch"]["issue_s_per_op"]
+        assert spec.launch_overhead_s == s["launch"]["template_issue_s_per_op"]
     assert set(s["spec"]["sources"]) >= set(HardwareSpec.model_fields) - {"name"}
 
 

@@ -57,6 +57,24 @@ def test_ready_pending_ops_go_first_lowest_index_first():
     assert drain(q, done.__contains__) == [2, 3, 4]
 
 
+def test_a_fenced_op_waits_until_its_fence_finished_and_other_streams_go_on():
+    """A fence (Schedule.issue_after) is a GPU op that must have *finished*, not only been issued:
+    the fenced op and its stream wait in the pending queue, other streams are issued meanwhile,
+    and waiting_on names the fence a blocked caller can wait for."""
+    q = IssueQueue()
+    q.add(0, D, [])  # an OFFLOAD
+    q.add(1, C, [], after=[0])  # a forward that reuses the checkpoint's memory
+    q.add(2, C, [])  # behind it on the compute stream
+    q.add(3, H, [])  # a weight copy: goes on
+    done = set()
+    assert drain(q, done.__contains__) == [0, 3]
+    assert q.pending_ops() == [1, 2] and q.waiting_on(done.__contains__) == [0]
+    done.add(0)
+    assert drain(q, done.__contains__) == [1, 2] and q.waiting_on(done.__contains__) == []
+    with pytest.raises(ValueError, match="not offered before"):
+        q.add(4, C, [], after=[5])
+
+
 def test_offering_out_of_order_is_an_error():
     q = IssueQueue()
     with pytest.raises(ValueError, match="not offered before"):

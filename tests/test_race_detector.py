@@ -69,14 +69,14 @@ class DropWait(BackendWrapper):
         self.run, self.k = 0, 0
         self.dropped = False
 
-    def launch(self, stream, fn, wait_for, label=""):
+    def launch(self, stream, fn, wait_for, label="", after=()):
         k = self.k
         self.k += 1
         if self.victim is not None and (self.run, k) == self.victim[:2]:
             kept = [h for h in wait_for if h is None or h.index != self.victim[2]]
             self.dropped = len(kept) < len(wait_for)
             wait_for = kept
-        return self.inner.launch(stream, fn, wait_for, label=f"{label}@{self.run}.{k}")
+        return self.inner.launch(stream, fn, wait_for, label=f"{label}@{self.run}.{k}", after=after)
 
     def synchronize(self):
         self.k = 0
@@ -304,7 +304,7 @@ class FailAt(DropWait):
         super().__init__(inner)
         self.at, self.where = k, where
 
-    def launch(self, stream, fn, wait_for, label=""):
+    def launch(self, stream, fn, wait_for, label="", after=()):
         if self.run == 0 and self.k == self.at:
             if self.where == "executor":
                 self.k += 1
@@ -312,7 +312,7 @@ class FailAt(DropWait):
 
             def fn():
                 raise FloatingPointError("injected op failure")
-        return super().launch(stream, fn, wait_for, label)
+        return super().launch(stream, fn, wait_for, label, after)
 
 
 @pytest.mark.parametrize("where", ["FWD", "H2D", "OPT", "executor"])

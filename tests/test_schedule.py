@@ -296,9 +296,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 16
-    doc["version"] = 15
-    with pytest.raises(pydantic.ValidationError, match="version 15 is not 16.*lower the plan again"):
+    assert doc["version"] == 17
+    doc["version"] = 16
+    with pytest.raises(pydantic.ValidationError, match="version 16 is not 17.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 

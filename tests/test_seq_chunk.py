@@ -22,7 +22,7 @@ from megatrain.planner.plan import Plan
 from megatrain.planner.trace import MIXED, chunk_sequence_regions, sequence_dims, trace
 
 from conftest import random_batch, tiny_gpt, tiny_llama
-from test_exactness import ADAMW, assert_bf16_tracks_eager_autocast, assert_same_training
+from test_exactness import ADAMW, assert_bf16_tracks_eager, assert_same_training
 
 aten = torch.ops.aten
 
@@ -317,7 +317,7 @@ def test_chunked_training_matches_eager(monkeypatch, make, chunk_bytes):
 
 
 def test_chunked_bf16_compute_tracks_eager_autocast(monkeypatch):
-    """Sequence-chunked regions under BF16 autocast: every step within the derived BF16 bounds of
+    """Sequence-chunked regions with BF16 compute: every step within the derived BF16 bounds of
     eager autocast at the same weights (``test_exactness.bf16_tolerances``)."""
     monkeypatch.setattr(megatrain.trainer, "trace", functools.partial(trace, seq_chunk_bytes=1000))
     torch.manual_seed(5)
@@ -326,7 +326,7 @@ def test_chunked_bf16_compute_tracks_eager_autocast(monkeypatch):
     trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=ADAMW,
                                 plan=Plan(compute_dtype="bfloat16"))
     assert _calls(trainer.traced.templates[1])
-    assert_bf16_tracks_eager_autocast(model, trainer, batches, blocks=2)
+    assert_bf16_tracks_eager(model, trainer, batches, blocks=2)
 
 
 # -- working memory: the model against measured peaks ------------------------------------------------

@@ -425,3 +425,46 @@ def test_the_trace_and_the_kernels_import_no_runtime():
         assert not {m for m in _imports(path) if m.startswith("megatrain.planner")}, path.name
     top = ast.parse((root / "planner" / "graph.py").read_text()).body
     assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.unparse(n) for n in top)
+
+
+# -- BF16 compute: the BF16-built template ----------------------------------------------------------
+
+def test_bf16_compute_traces_the_bf16_built_model_and_halves_checkpoint_bytes():
+    """Traced with BF16 parameters (what compile does for BF16 compute) every floating value a layer
+    passes on is BF16, half its FP32 bytes, the loss excepted (the model's loss upcasts to FP32), so
+    the plan's checkpoints take half the bytes; the model's own parameters are left as they were."""
+    from megatrain.planner import cost
+    from megatrain.planner.plan import Plan
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+    fp32 = trace(model, micro_batch_size=2, seq_len=16).graph
+    bf16 = trace(model, micro_batch_size=2, seq_len=16, param_dtype=torch.bfloat16).graph
+    assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert (fp32.meta["param_dtype"], bf16.meta["param_dtype"]) == ("float32", "bfloat16")
+    floats = [(a, b) for a, b in zip(fp32.values, bf16.values) if a.dtype == "float32" and a.id != fp32.loss]
+    assert floats and all(b.dtype == "bfloat16" and 2 * b.nbytes == a.nbytes for a, b in floats)
+    assert bf16.values[bf16.loss].dtype == "float32"
+    plan = Plan(micro_batches=2)
+    peak = {g.meta["param_dtype"]: cost.memory_breakdown(g, plan).activations_peak for g in (fp32, bf16)}
+    ints = sum(v.nbytes for v in fp32.values if v.dtype == "int64") * plan.micro_batches
+    assert peak["bfloat16"] - ints <= (peak["float32"] - ints) / 2, peak
+
+
+def test_megatrain_plan_and_compile_trace_the_same_graph():
+    """`megatrain plan` (trace_preset: the model built on meta in FP32, traced in the compute dtype)
+    and compile (the user's FP32 model, traced in the compute dtype) plan the same layer graph."""
+    import megatrain
+    from megatrain.planner.presets import trace_preset
+
+    model = tiny_llama(layers=3)
+    planned = trace_preset(model.config, seq_len=16, compute_dtype="bfloat16", micro_batch_size=2).graph
+    compiled = megatrain.plan_model(model, seq_len=16, micro_batch_size=2, compute_dtype="bfloat16").graph
+    assert [(v.name, v.shape, v.dtype, v.nbytes) for v in planned.values] == \
+        [(v.name, v.shape, v.dtype, v.nbytes) for v in compiled.values]
+    assert [(x.name, x.numel, x.work_bytes, x.fwd_flops, x.bwd_flops, x.fwd_launches, x.bwd_launches)
+            for x in planned.layers] == \
+        [(x.name, x.numel, x.work_bytes, x.fwd_flops, x.bwd_flops, x.fwd_launches, x.bwd_launches)
+         for x in compiled.layers]
+    assert planned.meta["param_dtype"] == compiled.meta["param_dtype"] == "bfloat16"

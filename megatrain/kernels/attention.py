@@ -17,6 +17,14 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+_GQA_CHECKS: dict[tuple, bool] = {}
+""":func:`gqa_needs_expansion`'s answers by :func:`_sdpa_key`: a template calls it on every forward
+and recompute with the same shapes, and asking SDPA's checks costs three tensor allocations."""
+
+_GQA_CHECKS_MAX = 256
+"""Entries kept before the cache starts afresh (a model has a few attention shapes per batch shape)."""
+
+
 def gqa_needs_expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                         dropout_p: float = 0.0, is_causal: bool = False) -> bool:
     """Whether ``scaled_dot_product_attention(..., enable_gqa=True)`` would run on the math kernel here.
@@ -26,13 +34,45 @@ def gqa_needs_expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
     ``check_grouped_query_attention``; huggingface/transformers#46960), and SDPA then silently
     runs the math kernel, which holds ``[B, H, S, S]`` scores. Asks PyTorch's own checks
     (``torch.backends.cuda.can_use_*_attention``) on inputs in the dtype SDPA will compute in
-    (autocast's, inside ``torch.autocast``). Elsewhere False: the CPU flash kernel takes GQA in
-    FP32 and BF16, and ``meta`` (FLOP counting) runs no kernel.
+    (autocast's, inside ``torch.autocast``), once per call signature (:func:`_sdpa_key`: shapes,
+    strides, dtypes, device, mask, dropout, causality, which tensors require grad and which
+    kernels are enabled); later calls with the same signature read the cached answer. Elsewhere
+    False: the CPU flash kernel takes GQA in FP32 and BF16, and ``meta`` (FLOP counting) runs no
+    kernel.
     """
     if q.device.type != "cuda" or q.shape[-3] == k.shape[-3]:
         return False
+    return _cached_needs_expansion(q, k, v, attn_mask, dropout_p, is_causal)
+
+
+def _sdpa_key(q, k, v, attn_mask, dropout_p, is_causal) -> tuple:
+    """Everything SDPA's kernel checks read: the inputs' shapes, strides, compute dtype, device and
+    ``requires_grad``, the mask's shape, strides and dtype, dropout, causality, and the global switches
+    that enable each kernel."""
     dt = _compute_dtype(q)
-    q, k, v = (x if x.dtype == dt else x.to(dt) for x in (q, k, v))
+    cuda = torch.backends.cuda
+    mask = None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype)
+    return (tuple((x.shape, x.stride(), x.requires_grad) for x in (q, k, v)), dt, q.device, mask,
+            dropout_p, is_causal, torch.is_grad_enabled(), cuda.flash_sdp_enabled(),
+            cuda.mem_efficient_sdp_enabled(), getattr(cuda, "cudnn_sdp_enabled", lambda: None)())
+
+
+def _cached_needs_expansion(q, k, v, attn_mask, dropout_p, is_causal) -> bool:
+    key = _sdpa_key(q, k, v, attn_mask, dropout_p, is_causal)
+    got = _GQA_CHECKS.get(key)
+    if got is None:
+        if len(_GQA_CHECKS) >= _GQA_CHECKS_MAX:
+            _GQA_CHECKS.clear()
+        got = _GQA_CHECKS[key] = _ask_sdpa(q, k, v, attn_mask, dropout_p, is_causal, key[1])
+    return got
+
+
+def _ask_sdpa(q, k, v, attn_mask, dropout_p, is_causal, dt: torch.dtype) -> bool:
+    """Whether no fused kernel takes these inputs with ``enable_gqa`` (PyTorch's checks). The checks
+    read metadata only, so inputs of another dtype stand in as uninitialised tensors of the same
+    layout, not copies."""
+    q, k, v = (x if x.dtype == dt else torch.empty_like(x, dtype=dt).requires_grad_(x.requires_grad)
+               for x in (q, k, v))
     cuda = torch.backends.cuda
     params = cuda.SDPAParams(q, k, v, attn_mask, dropout_p, is_causal, True)
     checks = [cuda.can_use_flash_attention, cuda.can_use_efficient_attention,

@@ -30,7 +30,8 @@ Numerics follow the unfused graph: the logits are produced in the dtype ``F.line
 ``logits_dtype`` (what the model's loss casts them to, FP32 for Hugging Face causal LMs) and
 reduced in at least FP32; the gradient is cast back the same way before the two matmuls. Results
 equal the unfused ops up to the order of floating-point sums. A weight gradient narrower than
-FP32 is accumulated over the chunks in FP32 and rounded once at the end.
+FP32 is accumulated over the chunks in FP32, each chunk's product written in FP32 by its GEMM
+(never rounded to the narrow dtype first), and rounded once at the end.
 """
 
 from __future__ import annotations
@@ -113,11 +114,8 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, chunk_tokens
             torch.mm(dz, w, out=grad_h[rows])
         elif need_h:
             grad_h[rows] = dz.mm(w)
-        if need_w and grad_w.dtype == mm_dtype:
-            # addmm with out=, not addmm_: FlopCounterMode counts the former and not the latter.
-            torch.addmm(grad_w, dz.t(), h, out=grad_w)
-        elif need_w:
-            grad_w.add_(dz.t().mm(h))
+        if need_w:
+            _accumulate_product(grad_w, dz.t(), h)
         if need_b:
             grad_b.add_(dz.sum(0))
     loss = total / count if count is not None else total
@@ -125,6 +123,29 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, chunk_tokens
              grad_w.to(weight.dtype) if grad_w is not None else None,
              grad_b.to(bias.dtype) if grad_b is not None else None)
     return loss.to(logits_dtype), grads
+
+
+_CUDA_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
+"""Whether this torch has ``addmm(..., out_dtype=)`` (CUDA kernels only; PyTorch 2.8 on): a BF16 or
+FP16 GEMM that writes and accumulates its FP32 output in FP32, as cuBLAS does with an FP32 ``C``."""
+
+
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b``, every product and partial sum kept in ``acc``'s dtype (FP32 for a low-precision
+    weight gradient): the sum of a chunk is never rounded to ``a``'s dtype before it is added.
+
+    Same dtypes: one ``addmm`` (with ``out=``, not ``addmm_``: FlopCounterMode counts the former and
+    not the latter). BF16/FP16 operands into FP32: on CUDA the GEMM with an FP32 output
+    (``out_dtype``, :data:`_CUDA_OUT_DTYPE`); elsewhere (CPU, meta, CUDA before PyTorch 2.8) the
+    operands are widened to FP32 first, which is exact (a BF16 or FP16 value is an FP32 value) and
+    costs an FP32 copy of each operand (counted by :func:`linear_cross_entropy_work_bytes`).
+    """
+    if a.dtype == acc.dtype:
+        torch.addmm(acc, a, b, out=acc)
+    elif acc.is_cuda and _CUDA_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), out=acc)
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -171,21 +192,27 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def linear_cross_entropy_work_bytes(tokens: int, in_features: int, vocab: int, chunk_tokens: int, *,
-                                    dtype: torch.dtype, logits_dtype: torch.dtype, bias: bool = False) -> int:
+                                    dtype: torch.dtype, logits_dtype: torch.dtype, bias: bool = False,
+                                    device: str = "cuda") -> int:
     """Transient bytes one differentiable call of :func:`linear_cross_entropy` holds at its peak.
 
     ``dtype`` is the matmul dtype. Per chunk: the logits in ``dtype``, their copy in the
     reduction dtype, the softmax gradient in that dtype and its cast back to ``dtype``, and a few
-    per-token vectors. Kept from the forward to the backward: the gradient of ``hidden``
-    (``tokens x in_features``) and of the weight and bias; a weight gradient narrower than FP32 is
-    summed in an FP32 accumulator, with one chunk's product and the final cast beside it. A call
-    without gradients needs only the chunk, so this bounds both.
+    per-token vectors; with a weight narrower than FP32 where the GEMM cannot write FP32 itself
+    (:func:`_accumulate_product`; assumed for a device other than CUDA with ``out_dtype``), FP32
+    copies of the chunk's softmax gradient and hidden rows too. Kept from the forward to the
+    backward: the gradient of ``hidden`` (``tokens x in_features``) and of the weight and bias; a
+    weight gradient narrower than FP32 is summed in an FP32 accumulator, with its final cast beside
+    it. A call without gradients needs only the chunk, so this bounds both. ``device``: where it
+    runs (``"cuda"`` by default: the planner sizes GPU memory).
     """
     item = torch.empty((), dtype=dtype).element_size()
     acc = torch.empty((), dtype=_acc_dtype(logits_dtype)).element_size()
     chunk = min(chunk_tokens, tokens)
     per_chunk = chunk * vocab * (2 * item + 2 * acc) + chunk * 4 * acc
-    weight_grad = vocab * in_features * (item if item >= 4 else 4 + 2 * item)
+    if item < 4 and not (device == "cuda" and _CUDA_OUT_DTYPE):
+        per_chunk += chunk * (vocab + in_features) * 4
+    weight_grad = vocab * in_features * (item if item >= 4 else 4 + item)
     return per_chunk + tokens * in_features * item + weight_grad + (vocab * (item + acc) if bias else 0)
 
 

@@ -46,7 +46,8 @@ Memory (bytes). GPU: weight slots, ``numel x compute_itemsize`` each, and gradie
 ``trainable_numel x plan.gradient_itemsize`` each, sized per slot (:func:`slot_numels`): each of the ``plan.slots``
 streaming slots for the widest layer that is not resident, each resident layer's slot for that
 layer alone (an embedding or LM head much wider than a block then costs only its own slot); buffers
-``sum(layer.buffer_bytes)``; the reserve ``hw.gpu_reserve_bytes``; and, varying over the step,
+``sum(layer.buffer_bytes)``; the reserve (:func:`gpu_reserve`: CUDA context, cuBLAS workspaces, the
+caching allocator's rounding and per-stream pools, or a measured figure); and, varying over the step,
 checkpoints, boundary gradients and the working memory of the running compute op
 (:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
 Adam moments; with per-micro-batch passes also FP32 gradient accumulators, ``trainable_numel x 4``
@@ -74,6 +75,7 @@ counted as twice the forward, so model FLOPs = 3 x the sum of the layers' traced
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -81,11 +83,12 @@ from typing import Callable
 
 from megatrain.errors import ConfigError
 from megatrain.planner.graph import Layer, LayerGraph
-from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, DEFAULT_GPU_RESERVE_BYTES, HardwareSpec
+from megatrain.planner.hardware import (ADAMW_BYTES_PER_PARAM, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
+                                        HardwareSpec)
 from megatrain.planner.liveness import BATCH, liveness
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream, gradient_tiles
-from megatrain.units import human_bytes
+from megatrain.units import MiB, human_bytes
 
 GRAD_ITEMSIZE = 4
 """FP32 gradients: the accumulators, the optimizer's input, and the GPU slot, D2H and host tiles
@@ -494,12 +497,23 @@ class ActivationLiveness:
     produces it) to the end of its producer's local backward. A batch input from the step's start
     to the end of its last reader (or the step's end). Values the last layer produces inside its
     local backward (the loss) are part of that op's working memory.
+
+    Pools. ``reload_alloc`` and ``reload_free`` are the part of ``alloc`` and ``free`` that RELOADs
+    put on the GPU: the CUDA caching allocator keeps a pool per stream and hands a block only to
+    the stream that made it, so the H2D stream's reloaded checkpoints and the compute stream's
+    memory never share blocks (:func:`pool_peaks`). ``alloc_n`` and ``free_n`` count the tensors
+    (one per generation or gradient) behind ``alloc`` and ``free``: the allocator rounds each
+    (:func:`gpu_reserve`).
     """
 
     at_start: int
     alloc: tuple[int, ...]
     free: tuple[int, ...]
     work: tuple[int, ...]
+    reload_alloc: tuple[int, ...] = ()
+    reload_free: tuple[int, ...] = ()
+    alloc_n: tuple[int, ...] = ()
+    free_n: tuple[int, ...] = ()
 
 
 def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLiveness:
@@ -509,6 +523,49 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
     ops = schedule.ops
     n = len(ops)
     alloc, free, work = [0] * n, [0] * n, [0] * n
+    ralloc, rfree = [0] * n, [0] * n
+    nalloc, nfree = [0] * n, [0] * n
+    bwd: dict[tuple[int, int], int] = {}
+    for i, op in enumerate(ops):
+        if op.kind in COMPUTE_KINDS:
+            work[i] = working_bytes(graph.layers[op.layer], op.kind)
+        if op.kind is OpKind.BWD:
+            bwd[(op.layer, op.mb)] = i
+    at_start = 0
+    for g, alloc_at, end in _generation_spans(schedule, graph):
+        nbytes = graph.values[g.key[0]].nbytes
+        reloaded = g.producer != BATCH and ops[g.producer].kind is OpKind.RELOAD
+        if alloc_at < 0:
+            at_start += nbytes
+        elif alloc_at < n:
+            alloc[alloc_at] += nbytes
+            ralloc[alloc_at] += nbytes if reloaded else 0
+            nalloc[alloc_at] += 1
+        if end >= 0 and end < n and alloc_at >= 0:
+            nfree[end] += 1
+        if end >= 0 and end < n:
+            free[end] += nbytes
+            rfree[end] += nbytes if reloaded else 0
+    for mb in range(schedule.plan.micro_batches):
+        for v in graph.values:
+            q = bwd.get((v.producer, mb))
+            grads_from = [bwd[(c, mb)] for c in v.consumers if (c, mb) in bwd]
+            if v.requires_grad and q is not None and grads_from:
+                first = min(grads_from)
+                alloc[first] += v.nbytes
+                free[max(q, first)] += v.nbytes
+                nalloc[first] += 1
+                nfree[max(q, first)] += 1
+    return ActivationLiveness(at_start, tuple(alloc), tuple(free), tuple(work), tuple(ralloc), tuple(rfree),
+                              tuple(nalloc), tuple(nfree))
+
+
+def _generation_spans(schedule: Schedule, graph: LayerGraph):
+    """``(generation, alloc_at, end)`` for each checkpoint generation (:func:`liveness`): the compute
+    op whose start it is counted from (-1: the step's start) and the op at whose end it is freed,
+    by the rules of :class:`ActivationLiveness`."""
+    ops = schedule.ops
+    n = len(ops)
     on_gpu = [op.kind in COMPUTE_KINDS for op in ops]  # the compute stream's ops, computed once
     compute = [i for i in range(n) if on_gpu[i]]
     after = [len(ops)] * (n + 1)  # after[i]: first compute op at or after i
@@ -518,19 +575,13 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
     for i in range(1, n):
         before[i] = i - 1 if on_gpu[i - 1] else before[i - 1]
     waiters: dict[int, int] = {}  # non-compute op -> first compute op that lists it as a dependency
-    bwd: dict[tuple[int, int], int] = {}
     for i, op in enumerate(ops):
         if on_gpu[i]:
-            work[i] = working_bytes(graph.layers[op.layer], op.kind)
             for d in op.deps:
                 if not on_gpu[d]:
                     waiters.setdefault(d, i)
-        if op.kind is OpKind.BWD:
-            bwd[(op.layer, op.mb)] = i
     last_compute = compute[-1] if compute else -1
-    at_start = 0
     for g in liveness(schedule, graph).generations:
-        nbytes = graph.values[g.key[0]].nbytes
         if g.producer == BATCH:
             alloc_at = -1
         elif ops[g.producer].kind is OpKind.RELOAD:
@@ -538,26 +589,80 @@ def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLive
             alloc_at = after[max(waits) + 1] if waits else -1  # it cannot start earlier
         else:
             alloc_at = g.producer
-        if alloc_at < 0:
-            at_start += nbytes
-        elif alloc_at < n:
-            alloc[alloc_at] += nbytes
         end = max((r for r in g.readers if on_gpu[r]), default=alloc_at)
         for o in g.readers:
             if not on_gpu[o]:  # an OFFLOAD: the copy is known done before its first waiter
                 w = waiters.get(o)
                 end = max(end, before[w] if w is not None else last_compute)
-        if end >= 0 and end < n:
-            free[end] += nbytes
-    for mb in range(schedule.plan.micro_batches):
-        for v in graph.values:
-            q = bwd.get((v.producer, mb))
-            grads_from = [bwd[(c, mb)] for c in v.consumers if (c, mb) in bwd]
-            if v.requires_grad and q is not None and grads_from:
-                first = min(grads_from)
-                alloc[first] += v.nbytes
-                free[max(q, first)] += v.nbytes
-    return ActivationLiveness(at_start, tuple(alloc), tuple(free), tuple(work))
+        yield g, alloc_at, end
+
+
+def allocation_stream(kind: OpKind) -> Stream | None:
+    """The stream whose CUDA caching-allocator pool an op of ``kind`` allocates device memory from
+    while it is issued: compute ops allocate their outputs, boundary gradients and working memory on
+    the compute stream, a RELOAD the checkpoints it copies back on the H2D stream; other ops
+    allocate nothing a plan sizes (None)."""
+    if kind in COMPUTE_KINDS:
+        return Stream.COMPUTE
+    return Stream.H2D if kind is OpKind.RELOAD else None
+
+
+def issue_fences(schedule: Schedule, graph: LayerGraph) -> tuple[tuple[int, ...], ...]:
+    """For each op of ``schedule``, the ops that must have *finished* on the device before the issuing
+    thread issues it (``Schedule.issue_after``), so that the CUDA caching allocator never holds more
+    than :func:`activation_liveness` counts; empty tuples for most ops, and ``()`` for a schedule that
+    needs no fence.
+
+    Why. The allocator hands out memory when an op is issued, not when it runs, and takes a block
+    back when the issuing thread drops the tensor; a block another stream read
+    (``Tensor.record_stream``: a checkpoint an OFFLOAD copies out on the D2H stream, one a RELOAD
+    brought in on the H2D stream and compute reads) is reused only once that stream has passed the
+    point where it was freed (PyTorch ``c10/cuda/CUDACachingAllocator.cpp``: ``insert_events`` when
+    a block with stream uses is freed, ``process_events`` before each allocation). An issuing
+    thread far ahead of the device finds every such block still taken and asks for new memory,
+    however early the cost model freed it: with unbounded run-ahead a forward pass of offloaded
+    checkpoints holds all of them at once.
+
+    Rule. A checkpoint generation read on a stream ``s`` other than the one that allocated it
+    (:func:`allocation_stream` of its producer: compute for a FWD or RECOMPUTE, H2D for a RELOAD)
+    is dropped at its last reader ``f`` (list order, as the executor drops it) and freed by the cost
+    model after op ``m``. The first op after both that allocates on the producer's stream, ``j``, is
+    where the cost model first reuses the bytes, so ``j`` waits for the last op of ``s`` at or before
+    ``f`` (that op's completion implies every earlier one's on the in-order stream). Later
+    allocations need no wait of their own: ``j`` was issued before them. Allocations never wait for
+    their own stream: the allocator reuses a block on the stream that made it in stream order.
+    """
+    ops = schedule.ops
+    n = len(ops)
+    pool = [allocation_stream(op.kind) for op in ops]
+    nxt: dict[Stream, list[int]] = {}
+    for s in (Stream.COMPUTE, Stream.H2D):  # nxt[s][i]: first op at or after i that allocates on stream s
+        a = [n] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            a[i] = i if pool[i] is s else a[i + 1]
+        nxt[s] = a
+    last: dict[Stream, list[int]] = {}  # last[s][i]: the last op of stream s at or before i (-1: none)
+    for s in (Stream.COMPUTE, Stream.H2D, Stream.D2H):
+        a, prev = [], -1
+        for op in ops:
+            prev = len(a) if op.stream is s else prev
+            a.append(prev)
+        last[s] = a
+    after: dict[int, dict[Stream, int]] = {}
+    for g, _, end in _generation_spans(schedule, graph):
+        if g.producer == BATCH or not g.readers:
+            continue
+        home = pool[g.producer]
+        f = g.readers[-1]
+        j = nxt[home][max(f, end) + 1]
+        if j == n:
+            continue
+        for s in {ops[r].stream for r in g.readers} - {home}:
+            fence = after.setdefault(j, {})
+            fence[s] = max(fence.get(s, -1), last[s][f])
+    if not after:
+        return ()  # no fences (Schedule.issue_after's "none" form)
+    return tuple(tuple(sorted(after[i].values())) if i in after else () for i in range(n))
 
 
 def _dynamic_peaks(schedule: Schedule, live: ActivationLiveness) -> tuple[int, int, int]:
@@ -573,6 +678,29 @@ def _dynamic_peaks(schedule: Schedule, live: ActivationLiveness) -> tuple[int, i
         dyn_peak = max(dyn_peak, cur + live.work[i])
         cur -= live.free[i]
     return act_peak, work_peak, dyn_peak
+
+
+def pool_peaks(schedule: Schedule, live: ActivationLiveness, working: bool = True) -> dict[Stream, int]:
+    """Peak bytes of each CUDA caching-allocator pool over the compute ops in stream order, by the
+    accounting of :class:`ActivationLiveness`: the compute stream's (checkpoints it computed,
+    boundary gradients, batch inputs and, with ``working``, the running op's working memory) and
+    the H2D stream's (checkpoints RELOADs brought back). Their sum is at least the combined
+    ``dynamic_peak``; the difference is memory the per-stream pools cannot share."""
+    cur = live.at_start
+    reloaded = 0
+    peaks = {Stream.COMPUTE: cur, Stream.H2D: 0}
+    ralloc = live.reload_alloc or (0,) * len(live.alloc)
+    rfree = live.reload_free or (0,) * len(live.free)
+    for i, op in enumerate(schedule.ops):
+        if op.stream is not Stream.COMPUTE:
+            continue
+        cur += live.alloc[i] - ralloc[i]
+        reloaded += ralloc[i]
+        peaks[Stream.COMPUTE] = max(peaks[Stream.COMPUTE], cur + (live.work[i] if working else 0))
+        peaks[Stream.H2D] = max(peaks[Stream.H2D], reloaded)
+        cur -= live.free[i] - rfree[i]
+        reloaded -= rfree[i]
+    return peaks
 
 
 def page_up(nbytes: int) -> int:
@@ -766,6 +894,7 @@ class MemoryBreakdown:
     nvme_buffers: int = 0
     nvme_gradient_buffers: int = 0
     shared_staging: int = 0
+    reserve_parts: GpuReserve | None = None
 
     @property
     def host_total(self) -> int:
@@ -825,7 +954,7 @@ class MemoryBreakdown:
             ("gpu", "buffers", self.buffers),
             ("gpu", "checkpoints + boundary grads (peak)", self.activations_peak),
             ("gpu", "working memory (peak)", self.working_peak),
-            ("gpu", "CUDA context / allocator reserve", self.reserve),
+            ("gpu", "reserve: CUDA context, workspaces, allocator", self.reserve),
             ("gpu", "peak", self.gpu_peak),
         ]
 
@@ -834,6 +963,106 @@ class MemoryBreakdown:
         width = max(len(what) for _, what, _ in self.rows())
         return "\n".join(f"{where:<5} {what:<{width}} {human_bytes(b):>10}"
                          for where, what, b in self.rows())
+
+
+ROUND_LARGE_BYTES = 2 * MiB
+"""The CUDA caching allocator rounds a block over 1 MiB it takes from the driver up to 2 MiB
+(``kRoundLarge``), and hands out a cached block up to 1 MiB larger than asked rather than split
+it (``kSmallSize``), so each tensor of a plan wastes less than this (PyTorch
+``c10/cuda/CUDACachingAllocator.cpp``, constants in ``c10/core/AllocatorConfig.h``)."""
+
+SEGMENT_BYTES = 20 * MiB + 2 * MiB
+"""What one stream's pools can hold beyond their tensors at the segment level: requests of 1 to 10
+MiB are served from 20 MiB segments (``kLargeBuffer``, ``kMinLargeAlloc``) and those up to 1 MiB from
+2 MiB ones (``kSmallBuffer``); one partly used segment of each per stream (same source)."""
+
+ALLOCATING_STREAMS = 3
+"""Streams whose ops allocate from the caching allocator, each a pool of its own: compute (outputs,
+gradients, working memory), H2D (reloaded checkpoints), D2H (gradient norms)."""
+
+SLOT_TENSORS = 2
+"""Device tensors per weight slot: the weights and the gradients (:class:`GpuReserve` rounds each)."""
+
+CUBLAS_HANDLES = 2
+"""cuBLAS handles that run GEMMs on the compute stream, each with its own workspace (PyTorch keys
+workspaces by (handle, stream) and hands each thread its own handle): the issuing thread's (forward
+and recompute) and the autograd engine's device thread's (the backward's GEMMs). No other stream
+runs a GEMM."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReserve:
+    """GPU bytes a step needs beyond the plan's own tensors (``MemoryBreakdown.reserve``), by cause.
+
+    ``context``: the CUDA context and loaded kernel modules (``hw.cuda_context_bytes``);
+    ``workspaces``: :data:`CUBLAS_HANDLES` cuBLAS/cuBLASLt workspaces (``hw.cublas_workspace_bytes``);
+    ``rounding``: the caching allocator's rounding, :data:`ROUND_LARGE_BYTES` per tensor alive at the
+    step's busiest instant (``tensors``: slots, buffers, checkpoints, boundary gradients, and the
+    running op's intermediates, at most one per aten op it dispatches) plus :data:`SEGMENT_BYTES`
+    per :data:`ALLOCATING_STREAMS`; ``pools``: what per-stream pools cannot share (:func:`pool_peaks`:
+    their peaks' sum less the combined dynamic peak; 0 without RELOADs). Attention's own buffers
+    (the FlashAttention-2 backward's FP32 dq accumulator and softmax sums) are part of each layer's
+    working memory (``Layer.work_bytes``), not of this. ``measured``: the spec's
+    ``gpu_reserve_bytes`` (a measured figure), which replaces the sum when given.
+    """
+
+    context: int
+    workspaces: int
+    tensors: int
+    pools: int
+    measured: int | None = None
+
+    @property
+    def rounding(self) -> int:
+        """:data:`ROUND_LARGE_BYTES` per tensor of ``tensors`` plus :data:`SEGMENT_BYTES` per stream."""
+        return ROUND_LARGE_BYTES * self.tensors + SEGMENT_BYTES * ALLOCATING_STREAMS
+
+    @property
+    def derived(self) -> int:
+        return self.context + self.workspaces + self.rounding + self.pools
+
+    def with_slots(self, extra: int) -> "GpuReserve":
+        """The reserve with ``extra`` more weight slots (a weight and a gradient tensor each)."""
+        return dataclasses.replace(self, tensors=self.tensors + SLOT_TENSORS * extra)
+
+    @property
+    def total(self) -> int:
+        return self.measured if self.measured is not None else self.derived
+
+    def describe(self) -> str:
+        """One line: the parts (or that the spec's measured figure is used), binary units."""
+        if self.measured is not None:
+            return f"measured (HardwareSpec.gpu_reserve_bytes); derived would be {human_bytes(self.derived)}"
+        return (f"context {human_bytes(self.context)} + cuBLAS workspaces {human_bytes(self.workspaces)} + "
+                f"allocator rounding {human_bytes(self.rounding)} + per-stream pools {human_bytes(self.pools)}")
+
+
+def gpu_reserve(graph: LayerGraph, plan: Plan, schedule: Schedule, hw: HardwareSpec | None = None,
+                live: ActivationLiveness | None = None) -> GpuReserve:
+    """The GPU reserve of running ``schedule`` (see :class:`GpuReserve`); ``hw`` gives the context and
+    workspace sizes (their defaults, :data:`~megatrain.planner.hardware.CUDA_CONTEXT_BYTES` and
+    :data:`~megatrain.planner.hardware.CUBLAS_WORKSPACE_BYTES`, without it) or a measured reserve."""
+    live = live if live is not None else activation_liveness(schedule, graph)
+    layers = graph.layers
+    # Tensors alive at once: the slots (weights and gradients), the layers' buffers, the batch
+    # inputs, and at each compute op the checkpoints and gradients alive plus its intermediates.
+    fixed = SLOT_TENSORS * weight_slot_count(plan) + sum(len(layer.buffers) for layer in layers) + 2
+    cur = len(graph.batch_inputs) * plan.micro_batches
+    most = cur
+    for i, op in enumerate(schedule.ops):
+        if op.kind not in COMPUTE_KINDS:
+            continue
+        cur += live.alloc_n[i] if live.alloc_n else 0
+        layer = layers[op.layer]
+        most = max(most, cur + (layer.bwd_launches if op.kind is OpKind.BWD else layer.fwd_launches))
+        cur -= live.free_n[i] if live.free_n else 0
+    _, _, dyn = _dynamic_peaks(schedule, live)
+    return GpuReserve(
+        context=hw.cuda_context_bytes if hw is not None else CUDA_CONTEXT_BYTES,
+        workspaces=CUBLAS_HANDLES * (hw.cublas_workspace_bytes if hw is not None else CUBLAS_WORKSPACE_BYTES),
+        tensors=fixed + most,
+        pools=max(0, sum(pool_peaks(schedule, live).values()) - dyn),
+        measured=hw.gpu_reserve_bytes if hw is not None else None)
 
 
 def weight_slot_count(plan: Plan) -> int:
@@ -868,8 +1097,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
 
     The activation peaks depend on the order of the compute ops, which ``schedule`` gives; when
     it is None the plan is lowered here (``lower(graph, plan)``, which raises PlanError for what
-    lowering does not implement). ``hw`` supplies the GPU reserve; without it the default
-    (``hardware.DEFAULT_GPU_RESERVE_BYTES``) is used.
+    lowering does not implement). ``hw`` supplies the sizes the GPU reserve is derived from, or a
+    measured reserve (:func:`gpu_reserve`); without it the defaults are used.
     """
     if schedule is None:
         from megatrain.planner.lower import lower
@@ -879,7 +1108,9 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
     weight_slots, gradient_slots = slot_bytes(graph, plan.slots, plan.resident, plan.compute_itemsize,
                                               plan.gradient_itemsize)
     pinned = pinned_buffers(graph, plan, "train")
-    act, work, dyn = _dynamic_peaks(schedule, activation_liveness(schedule, graph))
+    live = activation_liveness(schedule, graph)
+    act, work, dyn = _dynamic_peaks(schedule, live)
+    reserve = gpu_reserve(graph, plan, schedule, hw, live)
     bf16 = plan.compute_dtype == "bfloat16"
     return MemoryBreakdown(
         master_weights=sum(layer.numel for i, layer in enumerate(layers)
@@ -900,7 +1131,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         activations_peak=act,
         working_peak=work,
         dynamic_peak=dyn,
-        reserve=hw.gpu_reserve_bytes if hw is not None else DEFAULT_GPU_RESERVE_BYTES,
+        reserve=reserve.total,
+        reserve_parts=reserve,
         gradient_scratch=gradient_scratch_numel(graph, plan) * GRAD_ITEMSIZE,
         nvme_buffers=math.prod(nvme_buffers(graph, plan)),
         nvme_gradient_buffers=pinned.bytes_of("nvme_gradients"),
@@ -951,7 +1183,9 @@ __all__ = [
     "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_duration",
     "op_time", "op_times",
     "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
-    "activation_liveness", "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
+    "activation_liveness", "allocation_stream", "issue_fences", "pool_peaks", "GpuReserve", "gpu_reserve",
+    "ROUND_LARGE_BYTES", "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS",
+    "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
     "HOST_PAGE_BYTES",
     "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",

@@ -54,13 +54,28 @@ PyTorch spends a few microseconds in Python and the dispatcher per aten op, and 
 launch adds cudaLaunchKernel's 2-4 us. Measured 2026-11-23 on this project's 2-core CI CPU under
 a load average of 7: a tiny Llama block's forward (100 aten ops at hidden 16, so dispatch-bound)
 at 13.4 us per op at best, its local backward (257 ops) at 27 us; unloaded that is about 4 and
-8 us. A layer's op counts are ``Layer.fwd_launches`` / ``bwd_launches``."""
+8 us. A layer's op counts are ``Layer.fwd_launches`` / ``bwd_launches``. ``measure_hardware()`` on
+a GPU measures it with a template-like op (a small Llama block's forward and local backward over
+their counted ops: ``megatrain.runtime.measure.measure_launch_overhead``), not a one-element add,
+which has no autograd, views or multi-input dispatch and costs less per op."""
 
-DEFAULT_GPU_RESERVE_BYTES = 3 * GiB // 2
-"""GPU memory the plan may not use (1.5 GiB): the CUDA context with lazy module loading takes
-about 0.5 GiB on Hopper (visible in nvidia-smi for a process that only ran torch.cuda.init()),
-cuBLAS/cuDNN workspaces tens of MiB per stream, and the caching allocator's block rounding and
-fragmentation the rest."""
+CUDA_CONTEXT_BYTES = 1 * GiB
+"""GPU memory of the CUDA context and the kernel modules a training step loads, outside PyTorch's
+caching allocator (estimate). PyTorch measured 287 MB of context with lazy module loading and
+667 MB with every kernel of libtorch_cuda loaded (pytorch/pytorch#86509, the PR that made
+``CUDA_MODULE_LOADING=LAZY`` the default); lazy loading grows toward the latter as kernels are first
+used, and cuBLAS's, cuDNN's and the attention kernels' modules come on top, so 1 GiB.
+``measure_hardware()`` measures it on the machine (``mem_get_info`` less the allocator's reserved
+bytes after a template-like layer ran)."""
+
+CUBLAS_WORKSPACE_BYTES = 32 * MiB + 1 * MiB
+"""GPU bytes of one cuBLAS handle's workspaces on one stream, from the caching allocator: PyTorch's
+default cuBLAS workspace, 32 MiB on Hopper and Blackwell (compute capability 9 to 12) and
+``4096 KiB x 2 + 16 KiB x 8`` elsewhere, unless ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT``
+pairs) says otherwise, plus cuBLASLt's own, 1 MiB (``CUBLASLT_WORKSPACE_SIZE``) (PyTorch
+``aten/src/ATen/cuda/CublasHandlePool.cpp``: ``parseChosenWorkspaceSize``,
+``parseCUDABlasLtWorkspaceSize``; one workspace per (handle, stream) pair). The Hopper figure, the
+largest default; ``measure_hardware()`` computes the machine's."""
 
 PINNED_FRACTION = 0.9
 """Pinned (page-locked) host memory cap as a fraction of host memory: the rest stays pageable
@@ -119,9 +134,16 @@ class HardwareSpec(pydantic.BaseModel):
     launch_overhead_s: float = Field(DEFAULT_LAUNCH_OVERHEAD_S, ge=0,
                                      description="seconds the issuing thread spends per dispatched op "
                                                  "(kernel launch, event record or wait)")
-    gpu_reserve_bytes: int = Field(DEFAULT_GPU_RESERVE_BYTES, ge=0,
-                                   description="GPU bytes kept free for the CUDA context, library "
-                                               "workspaces and allocator fragmentation")
+    cuda_context_bytes: int = Field(CUDA_CONTEXT_BYTES, ge=0,
+                                    description="GPU bytes of the CUDA context and loaded kernel modules, "
+                                                "outside PyTorch's caching allocator")
+    cublas_workspace_bytes: int = Field(CUBLAS_WORKSPACE_BYTES, ge=0,
+                                        description="GPU bytes of one cuBLAS handle's workspaces (cuBLAS and "
+                                                    "cuBLASLt) on one stream")
+    gpu_reserve_bytes: int | None = Field(None, ge=0,
+                                          description="measured: GPU bytes a step needs beyond the plan's tensors "
+                                                      "(context, workspaces, allocator rounding and pools); "
+                                                      "replaces the derived reserve (cost.gpu_reserve) when given")
     nvme_capacity_bytes: int = Field(0, ge=0, description="bytes of the NVMe tier (a directory on local NVMe "
                                                          "drives) the plan may fill; 0: no NVMe tier")
     nvme_read_bytes_per_s: float = Field(0, ge=0, description="sustained sequential read rate of the NVMe "

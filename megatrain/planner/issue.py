@@ -9,17 +9,20 @@ on such a host op while the other streams starve (the backward's BWD, D2H, OPT, 
 op after another). Here the thread never waits on a host op while it has anything else to issue.
 
 Method. Ops are offered in the schedule's list order (``add``). An op is *ready* when each of its
-host dependencies is done and each of its GPU dependencies was issued (its event exists, so a
-stream can wait on it). ``next(done)`` returns the op to issue now: the ready head of a per-stream
-pending queue with the smallest index, else the next offered op if it is ready and its stream has
-nothing pending, else None (an offered op that is not ready joins its stream's pending queue,
-which keeps every stream's own order the list order). Host-stream ops are always ready: their
+host dependencies is done, each of its GPU dependencies was issued (its event exists, so a
+stream can wait on it) and each of its fences (``Schedule.issue_after``: ops that must have
+finished on the device, so the caching allocator can reuse what they read) is done.
+``next(done)`` returns the op to issue now: the ready head of a per-stream pending queue with the
+smallest index, else the next offered op if it is ready and its stream has nothing pending, else
+None (an offered op that is not ready joins its stream's pending queue, which keeps every stream's
+own order the list order). Host-stream ops are always ready: their
 worker thread does the waiting. A caller that gets None with ops still pending waits for a host op
 to finish, then asks again.
 
-The CUDA backend calls ``next`` with ``done`` reading the host ops' completion flags; the
-simulator calls it with ``done`` comparing the host ops' simulated end times against the issuing
-thread's clock (:func:`megatrain.planner.simulate.simulate`).
+The CUDA backend calls ``next`` with ``done`` reading the host ops' completion flags and querying
+the fences' CUDA events; the simulator calls it with ``done`` comparing simulated end times against
+the issuing thread's clock (:func:`megatrain.planner.simulate.simulate`). A caller with nothing
+ready waits for a host op or for a fence (``waiting_on``).
 
 Launch counts. :class:`DispatchCounter` counts the aten ops a piece of eager PyTorch dispatches
 (each is one kernel launch on a GPU, and costs the issuing thread ``hw.launch_overhead_s``); the
@@ -43,31 +46,36 @@ class IssueQueue:
     def __init__(self) -> None:
         self._stream: dict[Hashable, Stream] = {}
         self._deps: dict[Hashable, tuple[Hashable, ...]] = {}
+        self._after: dict[Hashable, tuple[Hashable, ...]] = {}
         self._issued: set[Hashable] = set()
         self._offered: deque[Hashable] = deque()
         self._pending: dict[Stream, deque[Hashable]] = {}
+        self._waiting = 0  # ops in the pending queues
         self._order: dict[Hashable, int] = {}
 
-    def add(self, op: Hashable, stream: Stream, deps: Iterable[Hashable]) -> None:
-        """Offer ``op`` (the next op in list order) on ``stream``, after ``deps``.
+    def add(self, op: Hashable, stream: Stream, deps: Iterable[Hashable], after: Iterable[Hashable] = ()) -> None:
+        """Offer ``op`` (the next op in list order) on ``stream``, after ``deps``; with ``after``, also
+        after those ops have finished (its fences, GPU ops offered before it).
 
         Raises:
-            ValueError: ``op`` was offered before, or a dependency was never offered.
+            ValueError: ``op`` was offered before, or a dependency or fence was never offered.
         """
         if op in self._stream:
             raise ValueError(f"op {op!r} was offered twice to the issue queue; offer each op of a run once")
-        deps = tuple(deps)
-        for d in deps:
+        deps, after = tuple(deps), tuple(after)
+        for d in deps + after:
             if d not in self._stream:
                 raise ValueError(f"op {op!r} depends on {d!r}, which was not offered before it: offer ops in "
                                  "a topological (list) order")
         self._order[op] = len(self._order)
         self._stream[op], self._deps[op] = stream, deps
+        if after:
+            self._after[op] = after
         self._offered.append(op)
 
     def pending(self) -> bool:
         """Ops offered but not yet issued."""
-        return bool(self._offered) or any(self._pending.values())
+        return bool(self._offered) or self._waiting > 0
 
     def pending_ops(self) -> list[Hashable]:
         """The offered ops not yet issued, in list order."""
@@ -83,20 +91,29 @@ class IssueQueue:
         for d in self._deps[op]:
             if (not done(d)) if self._stream[d] in HOST_STREAMS else (d not in self._issued):
                 return False
-        return True
+        return all(a in self._issued and done(a) for a in self._after.get(op, ()))
+
+    def waiting_on(self, done: Callable[[Hashable], bool]) -> list[Hashable]:
+        """The fences of the pending queues' heads that are issued and not yet done: what a caller
+        with nothing ready can wait for on the device (besides host ops)."""
+        return [a for q in self._pending.values() if q for a in self._after.get(q[0], ())
+                if a in self._issued and not done(a)]
 
     def next(self, done: Callable[[Hashable], bool]) -> Hashable | None:
         """The op to issue now (marked issued), or None when no offered op is ready.
 
-        ``done(h)``: whether host op ``h`` has finished (a failed host op counts as finished; the
-        caller raises its error when it issues the op that depended on it).
+        ``done(h)``: whether op ``h`` has finished: a host op (a failed one counts as finished; the
+        caller raises its error when it issues the op that depended on it), or a GPU op named as a
+        fence.
         """
         best = None
-        for q in self._pending.values():
-            if q and self._ready(q[0], done) and (best is None or self._order[q[0]] < self._order[best]):
-                best = q[0]
+        if self._waiting:  # the issuing thread's common case, nothing pending, skips the scan
+            for q in self._pending.values():
+                if q and self._ready(q[0], done) and (best is None or self._order[q[0]] < self._order[best]):
+                    best = q[0]
         if best is not None:
             self._pending[self._stream[best]].popleft()
+            self._waiting -= 1
             self._issued.add(best)
             return best
         while self._offered:
@@ -106,6 +123,7 @@ class IssueQueue:
                 self._issued.add(op)
                 return op
             q.append(op)
+            self._waiting += 1
         return None
 
 

@@ -8,6 +8,8 @@ copy: each OPT's shard made every rank's before the layer is read again; with th
 sharded across nodes, a gather of the layer's weights into a gather tile before every read) and
 ``add_count_reduce`` (data parallel: the global batch's supervised tokens, the loss's divisor,
 summed over the ranks before the loss layer's first backward).
+The finished list then gets its ``Schedule.issue_after`` (:func:`~megatrain.planner.cost.issue_fences`:
+what the issuing thread waits for on the device, so the caching allocator holds no more than planned).
 
 Compute order first. A training step visits layers ``0 .. n-2`` forward, then the last layer
 (which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward. The last
@@ -65,7 +67,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatrain.errors import PlanError
-from megatrain.planner.cost import GATHER_BUFFERS, NVME_BUFFERS
+from megatrain.planner.cost import GATHER_BUFFERS, NVME_BUFFERS, issue_fences
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
@@ -115,8 +117,10 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     x: list = []
     for lowering_pass in PASSES:
         x = lowering_pass(x, req)
-    return Schedule(ops=tuple(x), plan=plan, n_layers=n, mode=mode,  # type: ignore[arg-type]
-                    carries_updates=carries_updates)
+    s = Schedule(ops=tuple(x), plan=plan, n_layers=n, mode=mode,  # type: ignore[arg-type]
+                 carries_updates=carries_updates)
+    # What issue waits for on the device, read off the finished op list (cost.issue_fences).
+    return dataclasses.replace(s, issue_after=issue_fences(s, graph))
 
 
 @dataclass(frozen=True, slots=True)

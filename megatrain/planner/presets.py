@@ -159,4 +159,20 @@ def build_meta_model(config, dtype=None):
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
-__all__ = ["MODEL_PRESETS", "dense_decoder_param_count", "load_model_config", "build_meta_model"]
+def trace_preset(config, *, seq_len: int, compute_dtype: str, micro_batch_size: int = 1):
+    """The traced model (``TracedModel``) ``megatrain plan`` plans for ``config``: the causal LM built on
+    the ``meta`` device in FP32, as a model is built for training, and traced in ``compute_dtype``
+    (``trace(..., param_dtype=...)``), which is what ``megatrain.compile`` traces for a model of this
+    config with that compute dtype. Raises ConfigError for a dtype other than float32/bfloat16."""
+    import torch
+
+    from megatrain.errors import ConfigError
+    from megatrain.planner.trace import trace
+
+    if compute_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"compute_dtype={compute_dtype!r}: use 'float32' or 'bfloat16'")
+    return trace(build_meta_model(config, dtype=torch.float32), micro_batch_size=micro_batch_size, seq_len=seq_len,
+                 param_dtype=getattr(torch, compute_dtype))
+
+
+__all__ = ["MODEL_PRESETS", "dense_decoder_param_count", "load_model_config", "build_meta_model", "trace_preset"]

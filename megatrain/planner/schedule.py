@@ -25,7 +25,7 @@ import pydantic
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 16
+SCHEDULE_FORMAT_VERSION = 17
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -37,8 +37,9 @@ Plan.gradient_reduction; 12 Plan.nvme_buffers (the NVMe reads' read-ahead); 13 t
 Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); 14 Plan.nvme_masters and the
 CAST from an NVMe I/O buffer (``b``) of a layer whose masters live on NVMe; 15 Plan.shared_cast (a
 node's staging tiles shared, each rank casting its shard); 16 COUNT_REDUCE (the step's supervised
-tokens summed over the ranks before the loss layer's first backward); files of earlier versions are
-refused (lower the plan again)."""
+tokens summed over the ranks before the loss layer's first backward); 17 Schedule.issue_after (the
+issue fences that bound how far the issuing thread runs ahead of the device); files of earlier
+versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -52,6 +53,10 @@ class Stream(enum.Enum):
     #                the optimizer steps of other layers (it still waits for its own layer's update)
     IO = "io"  # a host worker for NVMe reads and writes (megatrain.runtime.nvme), in list order
     COMM = "comm"  # a host worker for data-parallel collectives (torch.distributed), in list order
+
+    # Members are singletons compared by identity; Enum's own __hash__ is a Python call hashing the
+    # name, and the issuing thread looks streams up several times per op.
+    __hash__ = object.__hash__
 
 
 class OpKind(enum.Enum):
@@ -283,6 +288,11 @@ class Schedule:
     of the whole global batch. Under data parallel a train schedule's first op is
     ``COUNT_REDUCE:L<n-1>`` on the COMM stream, which sums the ranks' counts, and the loss layer's
     first local backward depends on it; with one rank ``N`` is the rank's own count.
+
+    ``issue_after[i]``: the earlier ops that must have *finished* on the device before op ``i`` is
+    issued (its fences), which bounds how far the issuing thread runs ahead of the device where the
+    CUDA caching allocator would otherwise hold more than the cost model counts
+    (:func:`megatrain.planner.cost.issue_fences` derives them). One tuple per op, or empty: no fences.
     """
 
     ops: tuple[Op, ...]
@@ -290,22 +300,30 @@ class Schedule:
     n_layers: int
     mode: Mode = "train"
     carries_updates: bool = False
+    issue_after: tuple[tuple[int, ...], ...] = ()
+
+    def fences(self, i: int) -> tuple[int, ...]:
+        """``issue_after[i]`` (empty for a schedule without fences)."""
+        return self.issue_after[i] if self.issue_after else ()
 
     def of_layers(self, layers: frozenset[int]) -> "Schedule":
         """The ops of ``layers`` alone, in order (an update schedule of some pending layers): a
         dependency on a dropped op becomes a dependency on what that op depended on, so the order
-        the kept ops had through it (the chain of collectives, say) stays."""
+        the kept ops had through it (the chain of collectives, say) stays. A kept op's issue fences
+        on kept ops stay; those on dropped ops go with them (nothing they guarded runs)."""
         index: dict[int, int] = {}
         through: dict[int, frozenset[int]] = {}  # a dropped op -> the kept ops it waited for
         ops: list[Op] = []
+        after: list[tuple[int, ...]] = []
         for i, op in enumerate(self.ops):
             deps = frozenset().union(*({index[d]} if d in index else through[d] for d in op.deps))
             if op.layer in layers:
                 index[i] = len(ops)
                 ops.append(dataclasses.replace(op, deps=tuple(sorted(deps))))
+                after.append(tuple(index[f] for f in self.fences(i) if f in index))
             else:
                 through[i] = deps
-        return dataclasses.replace(self, ops=tuple(ops))
+        return dataclasses.replace(self, ops=tuple(ops), issue_after=tuple(after) if any(after) else ())
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -375,10 +393,12 @@ class _OpModel(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     op: str
     deps: list[int]
+    after: list[int] = []
 
 
 class _ScheduleModel(pydantic.BaseModel):
-    """JSON boundary of a Schedule: ``{"version", "mode", "carries_updates", "n_layers", "plan", "ops"}``."""
+    """JSON boundary of a Schedule: ``{"version", "mode", "carries_updates", "n_layers", "plan", "ops"}``,
+    each op ``{"op", "deps", "after"}`` (``after``: its ``Schedule.issue_after``)."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
     version: int = SCHEDULE_FORMAT_VERSION
@@ -409,7 +429,7 @@ class _ScheduleModel(pydantic.BaseModel):
             nvme_masters=sorted(p.nvme_masters), data_parallel=p.data_parallel,
             optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
             gradient_reduction=p.gradient_reduction, shared_cast=p.shared_cast),
-            ops=[_OpModel(op=repr(o), deps=list(o.deps)) for o in s.ops])
+            ops=[_OpModel(op=repr(o), deps=list(o.deps), after=list(s.fences(i))) for i, o in enumerate(s.ops)])
 
     def to_schedule(self) -> Schedule:
         p = self.plan
@@ -424,7 +444,8 @@ class _ScheduleModel(pydantic.BaseModel):
                     host_state=p.host_state, gradient_reduction=p.gradient_reduction,
                     shared_cast=p.shared_cast)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
-                        n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates)
+                        n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates,
+                        issue_after=tuple(tuple(o.after) for o in self.ops) if any(o.after for o in self.ops) else ())
 
 
 

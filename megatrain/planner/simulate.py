@@ -16,11 +16,13 @@ too, with the runtime's own issue policy (:class:`megatrain.planner.issue.IssueQ
 the CUDA backend uses): ops are offered in list order; issuing op ``i`` costs the thread
 ``cost.launch_times()[i]`` (its dispatched aten ops, event records and waits x
 ``hw.launch_overhead_s``); a GPU op whose host dependency has not finished by the thread's clock
-waits in its stream's pending queue while the thread issues other work, and the thread waits only
-when nothing it holds is ready (until the next host op ends). A GPU op starts no earlier than its
-issue starts and ends no earlier than its issue ends (its last kernel must have been launched); a
-host op starts once it was handed to its worker. The thread acts whenever its clock is strictly
-before every start still to commit, so "done by the clock" is known when it asks.
+waits in its stream's pending queue while the thread issues other work, as does a GPU op whose
+fences (``Schedule.issue_after``: ops that must have finished, so the caching allocator can reuse
+what they read) have not ended by the clock; the thread waits only when nothing it holds is ready
+(until the next host op or fence ends). A GPU op starts no earlier than its issue starts and ends
+no earlier than its issue ends (its last kernel must have been launched); a host op starts once it
+was handed to its worker. The thread acts whenever its clock is strictly before every start still
+to commit, so "done by the clock" is known when it asks.
 
 Deadlock. If ops remain but no queue head has all its dependencies finished, no op can ever
 start: the error lists each blocked head and what it waits for (a dependency queued behind it on
@@ -82,7 +84,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
     # The issuing thread: ``clock`` is when it is next free; ``offered`` ops were handed to it.
     iq = IssueQueue()
     clock, offered = 0.0, 0
-    host_ends: list[float] = []  # heap: end times of committed host ops, for a blocked issuer
+    fenced = {f for i in range(n) for f in schedule.fences(i)}  # ops whose end an issue waits for
+    wake: list[float] = []  # heap: end times of committed host ops and fences, for a blocked issuer
     committed = 0
 
     def done(h: int) -> bool:
@@ -107,8 +110,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
                     t = r
                 if best_s is None or t < best_t or (t == best_t and i < best_i):
                     best_t, best_i, best_s = t, i, s
-        # The issuer acts while it is strictly ahead of every op still to start, so each host op
-        # that is done by its clock has been committed (ops start in non-decreasing time).
+        # The issuer acts while it is strictly ahead of every op still to start, so each op that is
+        # done by its clock (a host op, a fence) has been committed (ops start in non-decreasing time).
         if best_s is None or clock < best_t:
             j = iq.next(done)
             if j is not None:
@@ -120,13 +123,14 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
                 op = ops[offered]
                 # A dependency on a later op (no topological order) cannot be offered; the streams
                 # then stall on it and the deadlock is reported below.
-                iq.add(offered, op.stream, [d for d in op.deps if d < offered and ops[d].stream is not op.stream])
+                iq.add(offered, op.stream, [d for d in op.deps if d < offered and ops[d].stream is not op.stream],
+                       [f for f in schedule.fences(offered) if f < offered])
                 offered += 1
                 continue
-            while host_ends and host_ends[0] <= clock:
-                heapq.heappop(host_ends)
-            if host_ends and (best_s is None or host_ends[0] < best_t):
-                clock = heapq.heappop(host_ends)  # wait for the next host op to finish
+            while wake and wake[0] <= clock:
+                heapq.heappop(wake)
+            if wake and (best_s is None or wake[0] < best_t):
+                clock = heapq.heappop(wake)  # wait for the next host op or fence to finish
                 continue
             if best_s is None:
                 raise ScheduleError(_deadlock_message(schedule, queues, head, active, end))
@@ -134,8 +138,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
         if not host[best_i] and issued_end[best_i] > e:
             e = issued_end[best_i]  # the GPU cannot finish an op before its last kernel is launched
         start[best_i], end[best_i] = best_t, e
-        if host[best_i]:
-            heapq.heappush(host_ends, e)
+        if host[best_i] or best_i in fenced:
+            heapq.heappush(wake, e)
         committed += 1
         stream_free[best_s] = e
         resource_free[resource[best_s]] = e

@@ -45,12 +45,22 @@ class Backend(Protocol):
         first byte on a page, its size whole pages: ``cost.HOST_PAGE_BYTES``), so DMA can read and
         write it; return a handle that releases the pin when dropped (None where nothing is pinned)."""
 
-    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "") -> Any:
+    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "",
+               after: Sequence[Any] = ()) -> Any:
         """Run ``fn`` on ``stream`` after the ops whose handles are in ``wait_for``; return this op's handle.
+        ``after``: handles of GPU ops that must have finished on the device before this op is issued
+        (its issue fences, ``Schedule.issue_after``; nothing to wait for where ops run at once).
 
         ``label`` names the op in errors and is checked against the schedule by ``timeline``
         (pass ``repr(op)``). A ``None`` in ``wait_for`` stands for an op already complete.
         """
+
+    def record_use(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Called from an op's work: ``tensors`` (device memory another op made, perhaps on another
+        stream: a checkpoint an OFFLOAD copies out, one a RELOAD brought in) are read by this op, so
+        the allocator must not reuse their memory before this op's work on its stream has ended,
+        even when they are freed earlier (``Tensor.record_stream``; nothing to do where ops run
+        at once)."""
 
     def synchronize(self) -> None:
         """Block until everything launched has finished; this ends the run (also when it raises)."""
@@ -88,7 +98,8 @@ class CPUBackend(_Recording):
     def host_pin(self, t: torch.Tensor) -> None:
         return None  # no DMA on the CPU backend
 
-    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "") -> None:
+    def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any], label: str = "",
+               after: Sequence[Any] = ()) -> None:
         if self._run_records is None:
             self._run_records = self.record
         index = self._index
@@ -100,6 +111,9 @@ class CPUBackend(_Recording):
         fn()
         self._pending.append(OpTiming(index, stream, label, t0, time.perf_counter()))
         return None
+
+    def record_use(self, tensors: Sequence[torch.Tensor]) -> None:
+        pass  # ops ran to completion already
 
     def abort(self) -> None:
         self._pending = []

@@ -41,10 +41,15 @@ dropped: the executor pins each FP32 master row and one arena of transient host 
 for small scratch buffers; its caching host allocator rounds every block up to a power of two,
 so nothing a plan sizes goes through it. ``device_empty``
 allocates the persistent slots once on the device. Tensors an op allocates inside ``fn`` belong to
-its stream in the caching allocator; the executor frees activations on the issuing thread while
-the GPU may still read them, which is safe because the allocator reuses a block only for later
-work on the same stream. A tensor made on one stream and read on another would need
-``Tensor.record_stream``; no current op does that.
+its stream in the caching allocator, which hands them out when the op is *issued*; the executor
+frees activations on the issuing thread while the GPU may still read them, which is safe because
+the allocator reuses a block only for later work on the same stream, and a block read on another
+stream (``Tensor.record_stream``: a checkpoint an OFFLOAD copies out, one a RELOAD brought in) only
+once that stream has passed the free. So that the allocator finds such blocks free where the cost
+model frees them, an op waits in its pending queue until its issue fences (``after``, the
+schedule's ``issue_after``: :func:`megatrain.planner.cost.issue_fences`) have finished on the
+device; this bounds how far the issuing thread runs ahead of the device exactly where memory
+needs it.
 
 Errors. An exception in a host op is kept by its worker; the worker skips the host ops queued
 after it (their inputs may depend on the failed update), and ``synchronize()`` drains everything
@@ -89,6 +94,11 @@ from megatrain.runtime.recording import OpTiming, _Recording
 
 GPU_STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.D2H)
 
+FENCE_POLL_S = 100e-6
+"""Seconds between polls of an unfinished issue fence while ``synchronize`` has nothing else to
+issue: a CUDA event completing notifies no thread, so the blocked pump queries it (a host op
+finishing wakes it at once)."""
+
 
 class HostOpError(MegatrainError, RuntimeError):
     """An op on the host stream raised; the message names the op, ``__cause__`` is its exception."""
@@ -116,6 +126,11 @@ class CudaApi(Protocol):
     def host_run(self, fn: Callable[[], Any], label: str) -> None:
         """Run host op ``fn`` on the calling (worker) thread."""
 
+    def record_stream(self, t: torch.Tensor) -> None:
+        """Mark device tensor ``t`` as used by the work enqueued on the calling thread's current stream
+        (``Tensor.record_stream``): the caching allocator then reuses its block only after that
+        work, even if ``t`` is freed before."""
+
     def event(self, timing: bool) -> Any:
         """A new event; ``timing`` makes it usable with ``elapsed_s``."""
 
@@ -127,6 +142,9 @@ class CudaApi(Protocol):
 
     def event_synchronize(self, event: Any) -> None:
         """Block the calling thread until ``event`` completed."""
+
+    def event_query(self, event: Any) -> bool:
+        """Whether ``event`` completed, without blocking."""
 
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds from ``start`` to ``end`` (both recorded with timing, both complete)."""
@@ -168,6 +186,10 @@ class TorchCuda:
     def host_run(self, fn: Callable[[], Any], label: str) -> None:
         fn()
 
+    def record_stream(self, t: torch.Tensor) -> None:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
     def event(self, timing: bool) -> torch.cuda.Event:
         # Events without timing are cheaper to record and wait on (cudaEventDisableTiming).
         return torch.cuda.Event(enable_timing=timing)
@@ -180,6 +202,9 @@ class TorchCuda:
 
     def event_synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()
+
+    def event_query(self, event: torch.cuda.Event) -> bool:
+        return event.query()
 
     def elapsed_s(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
@@ -238,17 +263,22 @@ def _check_pinnable(t: torch.Tensor) -> None:
 
 @dataclass(eq=False, slots=True)
 class GpuOp:
-    """Handle of an op launched on a GPU stream. Until it is issued (its host dependencies done)
-    it waits in the backend's pending queue; ``event`` is recorded right after its work once it is.
-    ``issued`` is set then, or when the run is aborted first (``cancelled``)."""
+    """Handle of an op launched on a GPU stream. Until it is issued (its host dependencies and fences
+    done) it waits in the backend's pending queue; ``event`` is recorded right after its work once it
+    is. ``issued`` is set then, or when the run is aborted first (``cancelled``); a host worker that
+    waits for it waits on the backend's condition, which the issuing thread notifies only for an op
+    a worker was handed a dependency on (``watched``). ``complete``: its event is known to have
+    completed (a fence the issuing thread waited for)."""
 
     index: int
     stream: Stream
     label: str
     event: Any = None
     start: Any = None  # the timing event recorded before its work, when recording
-    issued: threading.Event = field(default_factory=threading.Event)
+    issued: bool = False
     cancelled: bool = False
+    watched: bool = False
+    complete: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -360,7 +390,10 @@ class _HostWorker:
                                 op.error, op.skipped_after = d.error, d
                                 break
                         else:
-                            d.issued.wait()  # a pending GPU op has no event yet
+                            if not d.issued:  # a pending GPU op has no event yet
+                                with self._changed:
+                                    while not d.issued:
+                                        self._changed.wait()
                             if d.cancelled:
                                 op.error, op.skipped_after = _Cancelled(d.label), d
                                 break
@@ -421,6 +454,10 @@ class CUDABackend(_Recording):
     def host_pin(self, t: torch.Tensor) -> Any:
         return self.cuda.host_register(t)
 
+    def record_use(self, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            self.cuda.record_stream(t)
+
     # -- streams -----------------------------------------------------------------------------------
     def stream(self, stream: Stream) -> Any:
         """The CUDA stream of ``stream`` (created on first use)."""
@@ -450,15 +487,16 @@ class CUDABackend(_Recording):
 
     # -- launching ---------------------------------------------------------------------------------
     def launch(self, stream: Stream, fn: Callable[[], Any], wait_for: Sequence[Any],
-               label: str = "") -> GpuOp | HostOp:
+               label: str = "", after: Sequence[Any] = ()) -> GpuOp | HostOp:
         """Run ``fn`` on ``stream`` after the ops whose handles are in ``wait_for``; return its handle.
 
         Host streams: ``fn`` is queued to the stream's worker, which first waits for the handles
         in ``wait_for``. GPU streams: ``fn`` runs on the calling thread with the stream current,
         after the stream was told to wait for each GPU handle in ``wait_for``, once every host
-        handle in ``wait_for`` is done: now, or at a later ``launch`` or ``synchronize`` (the op
-        waits in its stream's pending queue meanwhile, and the ops after it on that stream too).
-        This call never blocks on a host op.
+        handle in ``wait_for`` is done and every GPU op in ``after`` (its issue fences,
+        ``Schedule.issue_after``) has finished on the device: now, or at a later ``launch`` or
+        ``synchronize`` (the op waits in its stream's pending queue meanwhile, and the ops after it
+        on that stream too). This call never blocks on a host op or a fence.
 
         Raises:
             HostOpError: a host op that a GPU op issued now depends on failed.
@@ -476,7 +514,7 @@ class CUDABackend(_Recording):
         self._launched.append(op)
         self._fns[index], self._deps[index] = fn, deps
         try:
-            self._issue.add(index, stream, [h.index for h in deps])
+            self._issue.add(index, stream, [h.index for h in deps], [h.index for h in after if h is not None])
             self._pump(block=False)
         except BaseException as e:
             self._abort(e)
@@ -484,24 +522,43 @@ class CUDABackend(_Recording):
         return op
 
     def _pump(self, block: bool) -> None:
-        """Issue every ready op; with ``block``, until none is pending, waiting for host ops."""
-        done = self._host_done
+        """Issue every ready op; with ``block``, until none is pending, waiting for host ops and fences.
+
+        Only the issuing thread touches the issue queue, so issuing takes no lock; the condition
+        guards the check-then-wait of a blocked pump against a host op finishing in between. A pump
+        blocked on a fence (a GPU op, which notifies nobody) re-polls it every
+        :data:`FENCE_POLL_S`, or sooner when a host op finishes."""
+        done = self._done
         while True:
-            with self._changed:
+            if not block:
                 i = self._issue.next(done)
                 if i is None:
-                    if not block or not self._issue.pending():
-                        return
-                    self._changed.wait()
-                    continue
+                    return
+            else:
+                with self._changed:
+                    i = self._issue.next(done)
+                    if i is None:
+                        if not self._issue.pending():
+                            return
+                        self._changed.wait(FENCE_POLL_S if self._issue.waiting_on(done) else None)
+                        continue
             self._issue_op(self._launched[i])
 
-    def _host_done(self, i: int) -> bool:
-        return self._launched[i]._done.is_set()  # type: ignore[union-attr] - only asked for host ops
+    def _done(self, i: int) -> bool:
+        """Whether launch ``i`` finished: a host op, or a GPU op named as a fence (its event queried)."""
+        op = self._launched[i]
+        if isinstance(op, HostOp):
+            return op._done.is_set()
+        if not op.complete and op.event is not None and self.cuda.event_query(op.event):
+            op.complete = True
+        return op.complete
 
     def _issue_op(self, op: GpuOp | HostOp) -> None:
         fn, deps = self._fns.pop(op.index), self._deps.pop(op.index)
         if isinstance(op, HostOp):
+            for h in deps:
+                if isinstance(h, GpuOp) and not h.issued:
+                    h.watched = True  # the worker will wait for its issue: notify then
             self._host_worker(op.stream).submit(op, fn, [h for h in deps if h.stream is not op.stream])
             return
         s = self.stream(op.stream)
@@ -526,7 +583,10 @@ class CUDABackend(_Recording):
             raise
         op.event = self.cuda.event(bool(timing))
         self.cuda.record(op.event, s)
-        op.issued.set()
+        op.issued = True
+        if op.watched:
+            with self._changed:
+                self._changed.notify_all()
 
     def _open_run(self) -> None:
         self._run_records = bool(self.record)
@@ -563,10 +623,12 @@ class CUDABackend(_Recording):
             self._abort(None)
 
     def _abort(self, error: BaseException | None) -> None:
-        for op in self._launched:
-            if isinstance(op, GpuOp) and not op.issued.is_set():
-                op.cancelled = True
-                op.issued.set()  # host ops waiting for it stop waiting
+        with self._changed:
+            for op in self._launched:
+                if isinstance(op, GpuOp) and not op.issued:
+                    op.cancelled = True
+                    op.issued = True
+            self._changed.notify_all()  # host ops waiting for one stop waiting
         self._issue = IssueQueue()
         self._fns, self._deps = {}, {}
         try:

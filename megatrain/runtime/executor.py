@@ -234,8 +234,11 @@ class Executor:
         # Layers whose OPT stepped NVMe state in an I/O buffer that no NVME_WRITE has saved yet, in
         # the current (or last) run: after a run that raised, their files are behind.
         self.unsaved: set[int] = set()
-        # Per schedule (by identity, holding it alive): the liveness of its checkpoints.
-        self._liveness: dict[int, tuple[Schedule, Liveness]] = {}
+        # Per schedule (by identity, holding it alive): what its run reads per op (_IssueInfo).
+        self._issue_info: dict[int, _IssueInfo] = {}
+        # Views of the device slots by (slot tensor, layer), made once per buffers: a layer's weights
+        # bound in a slot, and its gradient slices and padding there (see _bind, _grad_views).
+        self._views: dict[tuple[str, int, int], tuple[torch.Tensor, Any]] = {}
         # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
         self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
         # Data parallel (``materialize`` sets them): the gloo groups of the host collectives
@@ -307,6 +310,7 @@ class Executor:
                 if plan.shared_cast:
                     self.host.pin_staging(be)  # the node's shared tiles, which this rank's H2Ds read
             self._buffers = None  # let the old device buffers go before the new ones are made
+            self._views = {}
             lay = arena.layout
             self._buffers = _Buffers(
                 weights=[be.device_empty((width,), dtype) for width, _ in sizes],
@@ -408,9 +412,10 @@ class Executor:
         bufs = self._ensure_buffers(schedule)
         self._refresh_staging()
         dev = self.backend.device
-        if id(schedule) not in self._liveness:
-            self._liveness[id(schedule)] = (schedule, liveness(schedule, g))
-        ctx = _RunContext(self, schedule, bufs, _Activations(self._liveness[id(schedule)][1]), targets)
+        info = self._issue_info.get(id(schedule))
+        if info is None:
+            info = self._issue_info[id(schedule)] = _IssueInfo.of(schedule, g)
+        ctx = _RunContext(self, schedule, bufs, _Activations(info.live), targets)
         self.updated = ctx.updated
         self.unsaved = ctx.unsaved
         for mb, batch in enumerate(micro_batches):
@@ -419,11 +424,17 @@ class Executor:
         done = False
         try:
             try:
+                events, launch = ctx.events, self.backend.launch
                 for i, op in enumerate(schedule.ops):
                     fn = HANDLERS[op.kind](ctx, i, op)
-                    if ctx.acts.touches(i):
+                    if info.touches[i]:
                         fn = _then(fn, ctx.acts.view(i).release)
-                    ctx.events[i] = self.backend.launch(op.stream, fn, ctx.waits(i), label=repr(op))
+                    waits = [events[d] for d in info.waits[i]]
+                    if info.after[i]:  # issue fences: only a few ops have them (Schedule.issue_after)
+                        events[i] = launch(info.streams[i], fn, waits, label=info.labels[i],
+                                           after=[events[f] for f in info.after[i]])
+                    else:
+                        events[i] = launch(info.streams[i], fn, waits, label=info.labels[i])
             except BaseException:
                 # The backend drains and closes the run, so the next run opens a fresh entry fence
                 # instead of racing this run's leftovers (its pending ops are dropped).
@@ -451,21 +462,70 @@ class Executor:
         return out
 
     def _bind(self, layer: int, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.graph.layers[layer].params]
+        """The layer's weights as views of ``flat`` (a new list; the views of a slot are made once)."""
+        return list(self._view("weights", flat, layer, lambda: tuple(
+            flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.graph.layers[layer].params)))
+
+    def _grad_views(self, layer: int, gslot: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+        """Where each trainable parameter's gradient goes in gradient slot ``gslot``, and the alignment
+        padding between them (which a fresh backward zeroes so the D2H norm and the optimizer see
+        zeros there)."""
+        def make():
+            trained = [p for p in self.graph.layers[layer].params if p.trainable]
+            return (tuple(gslot[p.offset:p.offset + p.numel].view(p.shape) for p in trained),
+                    [gslot[a:b] for a, b in _padding(trained, self.graph.layers[layer].trainable_numel)])
+        return self._view("grads", gslot, layer, make)
+
+    def _view(self, kind: str, base: torch.Tensor, layer: int, make: Callable[[], Any]) -> Any:
+        # Keyed by the tensor's identity; the entry holds the tensor, so the id cannot be reused
+        # while the entry lives (new buffers clear the cache: _ensure_buffers).
+        hit = self._views.get((kind, id(base), layer))
+        if hit is None:
+            hit = self._views[(kind, id(base), layer)] = (base, make())
+        return hit[1]
 
     def _precision(self, compute_dtype: str):
         """FP32 compute is strict IEEE FP32 (TF32 off for the op, the caller's setting restored after:
         :func:`~megatrain.planner.hardware.strict_fp32`), the precision ``megatrain.runtime.measure.measure_hardware()``
-        times FP32 in and eager FP32 training on the CPU computes in. BF16 compute runs the
-        FP32-traced templates under ``torch.autocast``: matmuls in BF16 with FP32 accumulation,
-        reductions and norms in FP32, as eager autocast training does; the weights arrive in BF16
-        already, so autocast's weight casts are no-ops."""
+        times FP32 in and eager FP32 training on the CPU computes in. BF16 compute runs templates
+        traced with BF16 parameters (``graph.meta["param_dtype"]``, what ``compile`` traces) as
+        they are, with no autocast: the model's own code in BF16, its FP32 upcasts (norms, the
+        loss) included, as FSDP2's and DeepSpeed's mixed precision run it. Templates traced in FP32
+        run under ``torch.autocast`` instead: matmuls in BF16 with FP32 accumulation, the rest
+        in FP32; the weights arrive in BF16 already, so autocast's weight casts are no-ops."""
         if compute_dtype == "float32":
             return strict_fp32()
+        if self.graph.meta.get("param_dtype") == compute_dtype:
+            return contextlib.nullcontext()
         return torch.autocast(self.backend.device.type, dtype=_DTYPES[compute_dtype])
 
 
 # -- one run -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _IssueInfo:
+    """What the issuing thread reads per op of one schedule, worked out once and kept per schedule:
+    the liveness of its checkpoints, and per op its stream, label (its repr), the dependencies on
+    other streams it waits for (an own-stream one is stream order), its issue fences
+    (``Schedule.issue_after``) and whether it reads checkpoints."""
+
+    schedule: Schedule  # held alive: Executor._issue_info is keyed by its id
+    live: Liveness
+    streams: tuple[Any, ...]
+    labels: tuple[str, ...]
+    waits: tuple[tuple[int, ...], ...]
+    after: tuple[tuple[int, ...], ...]
+    touches: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, schedule: Schedule, graph: LayerGraph) -> "_IssueInfo":
+        ops = schedule.ops
+        streams = tuple(op.stream for op in ops)
+        live = liveness(schedule, graph)
+        return cls(schedule, live, streams, tuple(repr(op) for op in ops),
+                   tuple(tuple(d for d in op.deps if streams[d] is not streams[i]) for i, op in enumerate(ops)),
+                   tuple(schedule.fences(i) for i in range(len(ops))), tuple(bool(r) for r in live.reads))
+
 
 class _RunContext:
     """What one run of a schedule reads and writes besides the op: the executor (templates, host
@@ -523,12 +583,6 @@ class _RunContext:
                                     per_token=self.ex.per_token_loss)
         if supervised == 0:
             self.skip = True
-
-    def waits(self, i: int) -> list[Any]:
-        """Handles of op ``i``'s dependencies on other streams (an own-stream one is stream order)."""
-        ops = self.schedule.ops
-        op = ops[i]
-        return [self.events[d] for d in op.deps if ops[d].stream is not op.stream and self.events[d] is not None]
 
 
 Work = Callable[[], None]
@@ -607,14 +661,14 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
     if evaluate and layer.template < len(ex.eval_templates) and ex.eval_templates[layer.template] is not None:
         tmpl = ex.eval_templates[layer.template]
     lbufs = ex.layer_buffers[li]
-    slot = ctx.bufs.weights[op.slot]
+    weights = ex._bind(li, ctx.bufs.weights[op.slot])
     loss_id = ctx.graph.loss
     acts = ctx.acts.view(i)
     recompute = op.kind is OpKind.RECOMPUTE
 
     def run() -> None:
         ins = [acts[(v, mb)] for v in layer.inputs]
-        _read_here(ins)
+        ex.backend.record_use(ins)
         state = None
         if layer.draws_random and not evaluate:  # nothing recomputes an eval forward
             # Read when the op runs (is issued, on CUDA): the stream has advanced by every earlier forward.
@@ -627,7 +681,7 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
             else:
                 ctx.rng_states[(li, mb)] = ex.rng.get()
         with torch.no_grad(), ex._precision(ctx.compute_dtype), replaying_rng(ex.rng, state):
-            outs = tmpl(*ex._bind(li, slot[:layer.numel]), *lbufs, *ins)
+            outs = tmpl(*weights, *lbufs, *ins)
         for vid, t in zip(layer.outputs, outs):
             if vid == loss_id:
                 ctx.losses[mb] = t.detach()
@@ -669,11 +723,7 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
     layer = g.layers[li]
     tmpl = ex.templates[layer.template]
     lbufs = ex.layer_buffers[li]
-    # Where each trainable parameter's gradient goes, and the alignment padding between them,
-    # which a fresh backward zeroes so the D2H norm and the optimizer see zeros there.
-    trained = [p for p in layer.params if p.trainable]
-    gviews = [gslot[p.offset:p.offset + p.numel].view(p.shape) for p in trained]
-    gaps = [gslot[a:b] for a, b in _padding(trained, layer.trainable_numel)]
+    gviews, gaps = ex._grad_views(li, gslot)
 
     def run() -> None:
         state = rng_states.pop((li, mb), None) if rng_states is not None and layer.draws_random else None
@@ -691,7 +741,7 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
             diff = []
             for vid in layer.inputs:
                 x = acts[(vid, mb)]
-                _read_here((x,))
+                ex.backend.record_use((x,))
                 if g.values[vid].requires_grad:
                     x = x.detach().requires_grad_(True)
                     diff.append((vid, x))
@@ -840,7 +890,7 @@ def _offload(ctx: _RunContext, i: int, op: Op) -> Work:
     def run() -> None:
         for key, hkey in keys:
             src = acts[key]
-            _read_here((src,))
+            ex.backend.record_use((src,))
             region = arena.view("offload", hkey)
             nbytes = src.numel() * src.element_size()
             if nbytes > region.numel():
@@ -1035,16 +1085,6 @@ HANDLERS: dict[OpKind, Handler] = {
 assert set(HANDLERS) == set(OpKind), "every op kind needs a handler"
 
 
-def _read_here(tensors) -> None:
-    """Tell the CUDA caching allocator that ``tensors`` are used on the current stream, so that
-    memory made on one stream and freed after a read on another (a checkpoint offloaded by the D2H
-    stream, one reloaded by the H2D stream and read by compute) is not reused before that read
-    ends (``Tensor.record_stream``). Nothing to do for CPU tensors."""
-    for t in tensors:
-        if t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
-
-
 def _padding(params, end: int) -> list[tuple[int, int]]:
     """The [start, stop) element ranges of a tile's prefix ``[0, end)`` that no parameter in
     ``params`` (ascending offsets) covers: the alignment padding between and after them."""
@@ -1101,9 +1141,6 @@ class _Activations:
             raise RuntimeError(f"op #{i} reads value {key[0]} of micro-batch {key[1]} as op #{gen.producer} put it on "
                                "the device, but that op has not run yet: the schedule lacks a dependency (or a "
                                "backend ran an op before its dependencies)") from None
-
-    def touches(self, i: int) -> bool:
-        return bool(self._live_info.reads[i])
 
     def view(self, i: int) -> "_ActivationsView":
         return _ActivationsView(self, i)

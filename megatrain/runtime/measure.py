@@ -167,12 +167,123 @@ def measure_adamw(numel: int, seconds: float) -> float:
             return numel * n / elapsed
 
 
+LAUNCH_BLOCK_HIDDEN = 64
+"""Width of the template-like block :func:`measure_launch_overhead` times: tiny, so every kernel
+finishes faster than the issuing thread launches the next one and the time measured is the launch
+path's (Python, the dispatcher, the kernel launch), not the GPU's."""
+
+
+def _llama_like_block(ln1, wq, wk, wv, wo, ln2, wg, wu, wd, x):
+    """A pre-norm Llama decoder block as a function of its weights: RMSNorm, grouped-query causal
+    attention, residual add, RMSNorm, SwiGLU MLP, residual add (Touvron et al. 2023, arXiv:2302.13971)."""
+    import torch.nn.functional as F
+
+    def rms(h, w):
+        return w * (h * (h.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt())
+
+    b, s, d = x.shape
+    heads, kv = 4, 2
+    h = rms(x, ln1)
+    q = F.linear(h, wq).view(b, s, heads, d // heads).transpose(1, 2)
+    k = F.linear(h, wk).view(b, s, kv, d // heads).transpose(1, 2)
+    v = F.linear(h, wv).view(b, s, kv, d // heads).transpose(1, 2)
+    k, v = (t.repeat_interleave(heads // kv, dim=1) for t in (k, v))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+    x = x + F.linear(a, wo)
+    h = rms(x, ln2)
+    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+def measure_launch_overhead(device: str = "cuda", *, seconds: float = 0.3, clock=time.perf_counter) -> float:
+    """Seconds of the issuing thread per dispatched aten op of a template-like op: the field
+    ``HardwareSpec.launch_overhead_s``, which the simulator multiplies by a layer's
+    ``fwd_launches`` / ``bwd_launches``.
+
+    A small Llama block (:func:`_llama_like_block`, hidden :data:`LAUNCH_BLOCK_HIDDEN`, 16 tokens,
+    BF16 on CUDA, FP32 elsewhere) runs as the executor runs a layer: forwards under ``no_grad``
+    (a FWD op) and local backwards (recompute with gradients on, then ``torch.autograd.grad`` for
+    the weights and the input: a BWD op), alternately for about ``seconds``, with the device
+    synchronised only at the ends. Its ops are counted as the tracer counts a layer's
+    (:func:`megatrain.planner.issue.count_launches`, on meta), so measured time over counted ops
+    is the figure the simulator's product needs. A one-element ``x.add_(1)``, the previous
+    measure, costs less per op: it has no autograd, no views and no multi-input dispatch.
+    ``clock``: wall time by default (on a GPU the issuing thread also waits for autograd's device
+    thread); ``time.thread_time`` on a shared CPU, where the backward runs on the calling thread.
+    """
+    import torch
+    import torch.fx as fx
+
+    from megatrain.planner.issue import count_launches
+
+    d, ff = LAUNCH_BLOCK_HIDDEN, 2 * LAUNCH_BLOCK_HIDDEN
+    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    shapes = [(d,), (d, d), (d // 2, d), (d // 2, d), (d, d), (d,), (ff, d), (ff, d), (d, ff)]
+    weights = [(torch.randn(sh, generator=g) * 0.1).to(device, dtype) for sh in shapes]
+    x = torch.randn(1, 16, d, generator=g).to(device, dtype)
+    gm = fx.symbolic_trace(_llama_like_block)
+    fwd_ops, bwd_ops = count_launches(gm, weights + [x], [True] * len(weights) + [True])
+    seed = torch.ones_like(x)
+
+    def forward() -> None:
+        with torch.no_grad():
+            gm(*weights, x)
+
+    def local_backward() -> None:
+        leaves = [w.detach().requires_grad_(True) for w in weights] + [x.detach().requires_grad_(True)]
+        with torch.enable_grad():
+            torch.autograd.grad(gm(*leaves), leaves, seed)
+
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    for _ in range(3):  # first calls load kernels and warm the caches
+        forward()
+        local_backward()
+    sync()
+    reps, t0 = 0, clock()
+    while True:
+        forward()
+        local_backward()
+        reps += 1
+        elapsed = clock() - t0
+        if elapsed >= seconds and reps >= 3:
+            break
+    sync()
+    return elapsed / (reps * (fwd_ops + bwd_ops))
+
+
+def cublas_workspace_bytes(capability_major: int, environ: dict | None = None) -> int:
+    """Bytes of one cuBLAS handle's workspaces on one stream, as PyTorch sizes them
+    (``aten/src/ATen/cuda/CublasHandlePool.cpp``): the cuBLAS workspace from
+    ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` pairs, SIZE in KiB, summed) or by default 32 MiB on
+    compute capability 9 to 12 (Hopper, Blackwell) and ``4096 KiB x 2 + 16 KiB x 8`` before, plus
+    the cuBLASLt workspace, ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024). ``environ`` defaults to
+    ``os.environ``."""
+    import re
+
+    env = os.environ if environ is None else environ
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        cublas = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:
+        cublas = 4096 * 8 * 1024 if 9 <= capability_major <= 12 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    try:
+        lt = int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024
+    except ValueError:
+        lt = 1024 * 1024  # PyTorch warns and keeps its default
+    return cublas + lt
+
+
 def measure_cuda_fields() -> dict:
     """The GPU fields of a spec, measured on the current CUDA device.
 
     GPU memory (``total_memory``), the rate of an :data:`GPU_MATMUL_N`-sided BF16 and strict-FP32
     product (:func:`measure_matmul_flops`), pinned H2D and D2H bandwidth of :data:`COPY_BYTES`
-    copies, and whether both directions run at full rate at once on two streams.
+    copies, whether both directions run at full rate at once on two streams, the issuing thread's
+    cost per launched op of a template-like layer (:func:`measure_launch_overhead`), the memory of
+    the CUDA context and its loaded modules (``mem_get_info``'s used bytes less the caching
+    allocator's reserved ones, once those kernels ran) and the cuBLAS workspace size
+    (:func:`cublas_workspace_bytes`).
 
     Raises:
         ConfigError: torch sees no CUDA device (the GPU fields cannot be measured on a CPU).
@@ -222,8 +333,15 @@ def measure_cuda_fields() -> dict:
     torch.cuda.synchronize()
     concurrent = (time.perf_counter() - t0) / COPY_REPS
     duplex = concurrent < DUPLEX_FRACTION * (nbytes / h2d + nbytes / d2h)
+    del host_src, host_dst, dev_buf, dev_src
+    launch = measure_launch_overhead("cuda")
+    # After the matmuls, copies and a layer's forward and backward have loaded their kernels: what
+    # the device uses beyond the caching allocator is the context and its modules.
+    free, total = torch.cuda.mem_get_info()
+    context = max(0, total - free - torch.cuda.memory_reserved())
     return dict(gpu_memory_bytes=int(props.total_memory), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
-                duplex=duplex, **rates)
+                duplex=duplex, launch_overhead_s=launch, cuda_context_bytes=context,
+                cublas_workspace_bytes=cublas_workspace_bytes(props.major), **rates)
 
 
 def measure_hardware(path: str | os.PathLike | None = None, *, optimizer_numel: int = 4 << 20,
@@ -256,4 +374,5 @@ def measure_hardware(path: str | os.PathLike | None = None, *, optimizer_numel: 
 
 
 __all__ = ["measure_hardware", "measure_matmul_flops", "measure_adamw", "measure_cuda_fields",
+           "measure_launch_overhead", "cublas_workspace_bytes",
            "total_host_memory_bytes", "available_host_memory", "host_rss_bytes"]

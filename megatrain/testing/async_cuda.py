@@ -78,10 +78,15 @@ class AsyncStream:
         self._rng = random.Random(seed)
         self._queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        # Items put and items done: the stream has passed everything enqueued before a moment once
+        # ``done`` reaches what ``enqueued`` was then (megatrain.testing.allocator reads them).
+        self.enqueued = 0
+        self.done = 0
         self.thread = threading.Thread(target=self._loop, name=f"fake-{name}", daemon=True)
         self.thread.start()
 
     def put(self, item: tuple) -> None:
+        self.enqueued += 1  # only the issuing thread puts
         self._queue.put(item)
 
     def join(self) -> None:
@@ -112,6 +117,8 @@ class AsyncStream:
                 if self.error is None:
                     self.error = e
             finally:
+                if item is not _STOP:
+                    self.done += 1
                 self._queue.task_done()
 
 
@@ -183,6 +190,9 @@ class AsyncFakeCuda:
         self._sleep(label, rng)
         fn()
 
+    def record_stream(self, t: torch.Tensor) -> None:
+        pass  # no caching allocator here
+
     def event(self, timing: bool) -> AsyncEvent:
         return AsyncEvent(next(self._ids), timing)
 
@@ -207,6 +217,11 @@ class AsyncFakeCuda:
         if not event.recorded:
             raise AsyncFakeCudaError(f"synchronising on event {event.id}, which was never recorded")
         event.fired.wait()
+
+    def event_query(self, event: AsyncEvent) -> bool:
+        if not event.recorded:
+            raise AsyncFakeCudaError(f"querying event {event.id}, which was never recorded")
+        return event.fired.is_set()
 
     def elapsed_s(self, start: AsyncEvent, end: AsyncEvent) -> float:
         if not (start.timing and end.timing and start.fired.is_set() and end.fired.is_set()):

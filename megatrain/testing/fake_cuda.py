@@ -107,6 +107,9 @@ class FakeCuda:
     def host_run(self, fn: Callable[[], Any], label: str) -> None:
         fn()
 
+    def record_stream(self, t: torch.Tensor) -> None:
+        pass  # no caching allocator here
+
     def event(self, timing: bool) -> FakeEvent:
         return FakeEvent(next(self._ids), timing)
 
@@ -131,6 +134,12 @@ class FakeCuda:
         if not event.recorded:
             self._fail(f"synchronising on event {event.id}, which was never recorded")
         self._log("event_sync", event, threading.current_thread().name)
+
+    def event_query(self, event: FakeEvent) -> bool:
+        """Complete once recorded: work here runs at once."""
+        if not event.recorded:
+            self._fail(f"querying event {event.id}, which was never recorded")
+        return event.recorded
 
     def elapsed_s(self, start: FakeEvent, end: FakeEvent) -> float:
         if not (start.timing and end.timing and start.recorded and end.recorded):

@@ -76,7 +76,8 @@ def replay(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, scale: float
     t0 = time.perf_counter()
     for i, op in enumerate(ops):
         waits = [handles[d] for d in op.deps if ops[d].stream is not op.stream]
-        handles[i] = backend.launch(op.stream, work(i), waits, label=str(i))
+        handles[i] = backend.launch(op.stream, work(i), waits, label=str(i),
+                                    after=[handles[f] for f in schedule.fences(i)])
     backend.synchronize()
     seconds = (time.perf_counter() - t0) / scale
     backend.close()
@@ -98,14 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     times (each replay scaled to about 1.5 s of wall time)."""
     import sys
 
-    from megatrain.planner.presets import build_meta_model, load_model_config
     from megatrain.planner.hardware import preset
+    from megatrain.planner.presets import load_model_config, trace_preset
     from megatrain.planner.solve import SolveRequest, solve
-    from megatrain.planner.trace import trace
 
     args = list(sys.argv[1:] if argv is None else argv)
     model, gpu, batch, seq = (args + ["llama-3-8b", "H100_SXM", "8", "4096"][len(args):])[:4]
-    graph = trace(build_meta_model(load_model_config(model)), micro_batch_size=1, seq_len=int(seq)).graph
+    graph = trace_preset(load_model_config(model), seq_len=int(seq), compute_dtype="bfloat16").graph
     hw = preset(gpu)
     for clip in (False, True):
         sol = solve(SolveRequest(graph, hw, global_batch=int(batch), compute_dtype="bfloat16", clip_gradients=clip))

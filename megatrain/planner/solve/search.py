@@ -73,14 +73,25 @@ def scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, gradient_ring: 
     of a candidate and its gradient tiles' bytes (``gradient_ring``, from
     :func:`cost.gradient_ring_bytes`: the tiles are sized per layer, so not count x unit).
 
-    The cost model defines the slot and staging terms as count x per-unit bytes (``cost.memory_breakdown``).
+    The cost model defines the slot and staging terms as count x per-unit bytes (``cost.memory_breakdown``),
+    and the reserve's rounding as a fixed number of tensors per slot (``cost.GpuReserve``).
     The activation terms (GPU peaks, pinned offload space) are those of the unit's own activation
     policy and micro-batch size: they depend on the order of compute ops and reloads, which the
     policy and the prefetch distance set and no count here changes.
     """
-    return replace(unit, weight_slots=unit.weight_slots * weight_slots,
-                   gradient_slots=unit.gradient_slots * weight_slots,
-                   gradient_ring=gradient_ring, staging_ring=unit.staging_ring * staging_ring)
+    return with_reserve(replace(unit, weight_slots=unit.weight_slots * weight_slots,
+                                gradient_slots=unit.gradient_slots * weight_slots,
+                                gradient_ring=gradient_ring, staging_ring=unit.staging_ring * staging_ring),
+                        weight_slots - 1)
+
+
+def with_reserve(m: cost.MemoryBreakdown, extra_slots: int) -> cost.MemoryBreakdown:
+    """``m`` with ``extra_slots`` more weight slots in its GPU reserve (the allocator rounds each
+    slot's tensors: ``cost.GpuReserve.with_slots``)."""
+    if m.reserve_parts is None or not extra_slots:
+        return m
+    parts = m.reserve_parts.with_slots(extra_slots)
+    return replace(m, reserve=parts.total, reserve_parts=parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +179,8 @@ class Search:
                         layer_by_layer=opt.layer_by_layer)
             sched = lower(opt.graph, plan)
             m = cost.memory_breakdown(opt.graph, plan, self.hw, sched)
-            self.units[key] = (sched, replace(m, weight_slots=m.weight_slots // slots,
-                                              gradient_slots=m.gradient_slots // slots))
+            self.units[key] = (sched, with_reserve(replace(m, weight_slots=m.weight_slots // slots,
+                                                           gradient_slots=m.gradient_slots // slots), 1 - slots))
         return self.units[key]
 
     def ring_bytes(self, opt: SizeOption, grad_ring: int) -> int:
@@ -202,7 +213,7 @@ class Search:
         if not resident:
             return m
         w, g = cost.slot_bytes(opt.graph, slots, resident, 2 if self.bf16 else 4, self.gradient_itemsize(opt))
-        return replace(m, weight_slots=w, gradient_slots=g)
+        return with_reserve(replace(m, weight_slots=w, gradient_slots=g), len(resident))
 
     def gpu_fits(self, unit: cost.MemoryBreakdown, slots: int, cap: int | None = None) -> bool:
         cap = self.hw.gpu_memory_bytes if cap is None else cap
@@ -396,10 +407,12 @@ class Search:
         _, unit = self.unit(c.option, c.policy, c.distance)
         spare = self.hw.gpu_memory_bytes - self.scaled(c.option, unit, c.slots, c.grad_ring, c.staging_ring).gpu_peak
         # Every resident layer costs one more slot sized for that layer (cost.slot_numels), so its
-        # weight is its own weights and gradients. The streaming slots stay sized for the widest
-        # layer here; residents can only narrow them, so the choice is within memory.
+        # weight is its own weights and gradients, and the reserve's rounding of the two tensors. The
+        # streaming slots stay sized for the widest layer here; residents can only narrow them, so
+        # the choice is within memory.
         itemsize = 2 if self.bf16 else 4
-        weights = [layer.numel * itemsize + layer.trainable_numel * self.gradient_itemsize(c.option)
+        rounded = unit.reserve_parts.with_slots(1).total - unit.reserve if unit.reserve_parts is not None else 0
+        weights = [layer.numel * itemsize + layer.trainable_numel * self.gradient_itemsize(c.option) + rounded
                    for layer in c.option.graph.layers]
         room = max(spare, 0)
         key = (c.policy, c.slots, c.distance, room, c.option.layer_by_layer)

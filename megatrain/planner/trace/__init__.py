@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import torch
 from torch import nn
 
 from megatrain.errors import TraceError
@@ -46,7 +47,7 @@ from megatrain.planner.trace.cleanup import (clean, erase_metadata_asserts, inst
                                              keep_position_math_fp32)
 from megatrain.planner.trace.context import TraceContext, TraceOptions
 from megatrain.planner.trace.cut import build_graph, check_covers_params, cut, find_block_container, share_templates
-from megatrain.planner.trace.export import check_model, export
+from megatrain.planner.trace.export import check_model, export, model_dtype
 from megatrain.planner.trace.hf import causal_attention
 from megatrain.planner.trace.lm_head import DEFAULT_LOSS_CHUNK_BYTES, chunk_lm_head_loss, fuse_lm_head_loss
 from megatrain.planner.trace.measure import measure
@@ -80,7 +81,7 @@ def run_passes(ctx: TraceContext) -> TraceContext:
 def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
           input_names: Sequence[str] = ("input_ids", "labels"), replicate_blocks: bool = True,
           loss_chunk_bytes: int | None = DEFAULT_LOSS_CHUNK_BYTES,
-          seq_chunk_bytes: int | None = DEFAULT_SEQ_CHUNK_BYTES) -> TracedModel:
+          seq_chunk_bytes: int | None = DEFAULT_SEQ_CHUNK_BYTES, param_dtype: torch.dtype | None = None) -> TracedModel:
     """Trace ``model`` into a LayerGraph for micro-batches of ``[micro_batch_size, seq_len]``.
 
     ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
@@ -93,12 +94,16 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     one chunk of logits for :func:`chunk_lm_head_loss`, or None to keep the LM head and loss as
     the model wrote them. ``seq_chunk_bytes``: for :func:`chunk_sequence_regions`, the intermediate
     bytes above which a token-wise region of a layer runs in chunks of the sequence, and about the
-    bytes of one chunk's intermediates; None runs every region whole.
+    bytes of one chunk's intermediates; None runs every region whole. ``param_dtype``: trace the
+    model with its floating parameters in this dtype (the compute dtype: BF16 compute traces a
+    BF16-built template, whose activations, checkpoints and residual stream are BF16, as mixed
+    precision in FSDP2 and DeepSpeed runs it), buffers as they are; None traces the parameters'
+    own dtype. ``graph.meta["param_dtype"]`` records the dtype traced in.
 
     The three-block copy is traced first when :func:`why_not_replicate` finds the blocks
     interchangeable; if it fails to trace (any TraceError) or its blocks disagree, :data:`PASSES`
     run again on the full model. ``graph.meta`` records ``trace`` (``"replicated"`` or ``"full"``),
-    ``trace_full_because``, ``skip_causal_mask``, any ``unused_parameters``, and
+    ``trace_full_because``, ``skip_causal_mask``, ``param_dtype``, any ``unused_parameters``, and
     ``uncounted_loss_because`` when the loss is not a mean cross-entropy that
     :func:`~megatrain.planner.trace.token_loss.sum_token_loss` can sum and count
     (``TracedModel.count_targets`` is then None).
@@ -110,7 +115,8 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             blocks called out of order.
     """
     options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),
-                           loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes)
+                           loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes,
+                           param_dtype=param_dtype)
     check_model(model, options.input_names)
     container = find_block_container(model)
     with causal_attention(model, options.input_names) as mask_free:
@@ -129,7 +135,8 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
         if why is not None:
             ctx = run_passes(TraceContext(model=model, module=model, options=options, container=container))
     traced = ctx.traced
-    traced.graph.meta.update(trace="full" if why else "replicated", skip_causal_mask=mask_free)
+    traced.graph.meta.update(trace="full" if why else "replicated", skip_causal_mask=mask_free,
+                             param_dtype=str(param_dtype or model_dtype(model)).removeprefix("torch."))
     if why:
         traced.graph.meta["trace_full_because"] = why
     check_covers_params(model, traced.graph)

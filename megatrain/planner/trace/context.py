@@ -23,7 +23,9 @@ class TraceOptions:
     seq_len]``); ``input_names`` name them in call order. ``loss_chunk_bytes``: bytes of one chunk
     of logits for the LM-head pass, None to keep the model's LM head and loss. ``seq_chunk_bytes``:
     the intermediate bytes above which the sequence-chunk pass runs a token-wise region in chunks,
-    None to run every region whole. Raises TraceError for a size below 1.
+    None to run every region whole. ``param_dtype``: the floating dtype the model's parameters are
+    traced in (the compute dtype: mixed precision's ``param_dtype``), None for theirs. Raises
+    TraceError for a size below 1.
     """
 
     micro_batch_size: int
@@ -31,6 +33,7 @@ class TraceOptions:
     input_names: tuple[str, ...]
     loss_chunk_bytes: int | None
     seq_chunk_bytes: int | None
+    param_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.seq_len < 1:

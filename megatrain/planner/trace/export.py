@@ -10,8 +10,9 @@ the module that was running.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -60,6 +61,11 @@ def _extract_loss(out: Any) -> torch.Tensor:
                          "expects the scalar loss: if these are logits, pass labels among the batch "
                          "inputs; otherwise reduce the loss with mean or sum inside forward")
     return loss
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first floating parameter (float32 when it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -115,6 +121,30 @@ def _export(model: nn.Module, input_names: Sequence[str], example: tuple[torch.T
         tracker.close()
 
 
+@contextlib.contextmanager
+def parameters_as(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Inside the block, ``module``'s floating parameters hold their values cast to ``dtype`` (each
+    parameter's ``.data``, put back after; shared and tied parameters once); buffers keep theirs.
+    This is how mixed precision as PyTorch's FSDP2 (``MixedPrecisionPolicy(param_dtype=...)``) and
+    DeepSpeed's ``bf16`` run a model: parameters in the compute dtype, buffers (rotary frequencies)
+    as the model made them. On the meta device it costs nothing; elsewhere one copy of each
+    parameter in ``dtype`` for the duration. None: nothing changes."""
+    saved: list[tuple[nn.Parameter, torch.Tensor]] = []
+    try:
+        if dtype is not None:
+            seen: set[int] = set()
+            for p in module.parameters():
+                if id(p) in seen or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                seen.add(id(p))
+                saved.append((p, p.data))
+                p.data = p.data.to(dtype)
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
 def strip_wrapper(fqn: str) -> str:
     """``fqn`` as the user's model names it: without the loss wrapper's ``inner.`` prefix."""
     return fqn[len(WRAPPED) + 1:] if fqn.startswith(WRAPPED + ".") else fqn
@@ -143,6 +173,10 @@ def check_model(model: nn.Module, input_names: Sequence[str] = ()) -> None:
 def export(ctx: TraceContext) -> None:
     """Pass: export ``ctx.module`` on batches of zeros and read its graph signature into ``ctx``.
 
+    With ``ctx.options.param_dtype`` the floating parameters are exported in that dtype
+    (:func:`parameters_as`), so the graph computes as the model does built in it: a BF16-built
+    template's residual stream, checkpoints and casts are BF16 where an FP32 model's are FP32.
+
     Fills ``example`` (one ``[micro_batch_size, seq_len]`` long tensor per batch input, on the
     parameters' device), ``program``, ``gm``, ``user_inputs`` and the maps from placeholder names
     to parameter, buffer and constant names (as the user's model names them), and ``trainable``.
@@ -152,7 +186,8 @@ def export(ctx: TraceContext) -> None:
     device = model_device(ctx.module)
     ctx.example = tuple(torch.zeros(o.micro_batch_size, o.seq_len, dtype=torch.long, device=device)
                         for _ in o.input_names)
-    ctx.program = _export(ctx.module, o.input_names, ctx.example)
+    with parameters_as(ctx.module, o.param_dtype):
+        ctx.program = _export(ctx.module, o.input_names, ctx.example)
     ctx.gm = ctx.program.graph_module
     sig = ctx.program.graph_signature
     # A tied parameter has several names (``lm_head.weight`` and ``model.embed_tokens.weight``);
@@ -166,4 +201,4 @@ def export(ctx: TraceContext) -> None:
     ctx.trainable = {name: p.requires_grad for name, p in ctx.module.named_parameters()}
 
 
-__all__ = ["WRAPPED", "check_model", "export", "model_device", "strip_wrapper"]
+__all__ = ["WRAPPED", "check_model", "export", "model_device", "model_dtype", "parameters_as", "strip_wrapper"]

@@ -94,17 +94,28 @@ def _op_memory(gm: fx.GraphModule, n: fx.Node, nbytes, rg: set[fx.Node]) -> tupl
         expanded = 0
         if t is grouped_query_attention:
             # Where it expands K and V to the query heads (FP32 on CUDA), SDPA saves the expanded
-            # copies until the backward, which creates their gradients before summing each group.
+            # copies until the backward, which creates their gradients before summing each group
+            # (as FlashAttention-2's backward does for GQA itself: dk_expanded, dv_expanded).
             k, v = node_val(n.args[1]), node_val(n.args[2])
             expanded = sum(x.numel() * x.element_size() * (q.shape[-3] // x.shape[-3]) for x in (k, v))
-        # The flash and memory-efficient kernels save the FP32 logsumexp of every query row; the
-        # FlashAttention-2 backward accumulates dq in FP32 (Dao 2023, arXiv:2307.08691, algorithm 2).
-        return rows * 4, 0, expanded, q.numel() * 4 + expanded
+        # The flash and memory-efficient kernels save the FP32 logsumexp of every query row. The
+        # FlashAttention-2 backward (Dao 2023, arXiv:2307.08691, algorithm 2) accumulates dq in FP32
+        # and keeps an FP32 row sum per query, both over the sequence rounded up to 128 and dq over
+        # the head size rounded up to 32 (64 beyond 128) (PyTorch flash_attn/flash_api.cpp, mha_bwd:
+        # dq_accum, softmax_d).
+        seq, head = q.shape[-2], q.shape[-1]
+        padded_rows = rows // seq * _round_up(seq, 128)
+        workspace = padded_rows * (_round_up(head, 32 if head <= 128 else 64) + 1) * 4
+        return rows * 4, 0, expanded, workspace + expanded
     nested = [getattr(gm, a.target) for a in n.all_input_nodes
               if a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)]
     if nested:  # a higher-order op: its body's intermediates, while it runs
         return 0, max(_simulate(m, value_bytes, {})[1] for m in nested), 0, 0
     return 0, 0, 0, 0
+
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
 
 
 def _chunked_memory(gm: fx.GraphModule, n: fx.Node, nbytes, rg: set[fx.Node]) -> tuple[int, int, int]:
@@ -215,16 +226,18 @@ def work_bytes(gm: fx.GraphModule, grad_kinds: dict[str, str], flat_bytes: int =
       chunk's recompute and backward (the same simulation over its region, sizes scaled to a
       chunk) plus the chunk gradients of its sliced inputs; :func:`linear_cross_entropy` holds
       :func:`~megatrain.kernels.linear_cross_entropy_work_bytes` at its forward and its gradients
-      until its backward; attention saves an FP32 logsumexp per query row and its backward an FP32
-      dq accumulator; a higher-order op's body its own forward peak.
+      until its backward; attention saves an FP32 logsumexp per query row and its backward holds an
+      FP32 dq accumulator and row sums (FlashAttention-2's workspace, padded as the kernel pads
+      it); a higher-order op's body its own forward peak.
     - End: the parameter gradients (each accumulated in a buffer of its size) are gathered into
       the flat tile's gradient; each parameter's slice backward allocates a zero-filled tile, so
       ``2 * flat_bytes`` is counted on top of what is still alive then.
 
     Not counted (accounted elsewhere, as checkpoints, slots and boundary gradients): the layer's
     inputs, weights and buffers, the gradients arriving for its outputs, and the first
-    contribution to each input's gradient (``grad_kinds[name] == "boundary"``). Workspace inside
-    single aten kernels (matmul, norm) is not modelled: it is small next to the tensors here.
+    contribution to each input's gradient (``grad_kinds[name] == "boundary"``). The cuBLAS
+    workspaces of the matmuls are the GPU reserve's (:func:`megatrain.planner.cost.gpu_reserve`);
+    other single kernels' scratch (norms) is small next to the tensors here.
     Since every intermediate is assumed held from its creation to its own backward step, the
     figure bounds a forward under ``no_grad`` too.
     """
