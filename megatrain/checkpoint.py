@@ -453,6 +453,28 @@ def _is_complete(d: Path) -> bool:
     return (d / STATE_DIR / MANIFEST).is_file()
 
 
+def describe_incomplete(path: Path) -> str:
+    """What the checkpoint directory ``path`` lacks (it has no manifest), for the error that keeps
+    it: the files a complete one holds that are not there, or the interrupted save it looks like."""
+    state = path / STATE_DIR
+    want = ["config.json", f"{STATE_DIR}/{TRAINER_STATE}", f"{STATE_DIR}/{RNG_FILE}", f"{STATE_DIR}/{MANIFEST}"]
+    if (path / INDEX_FILE).is_file():
+        try:
+            want += sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            want.append(f"readable {INDEX_FILE}")
+    else:
+        want.append(SINGLE_FILE)
+    try:
+        want += [f"{STATE_DIR}/{f}" for f in json.loads((state / TRAINER_STATE).read_text())["optimizer_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    missing = [f for f in want if not (path / f).is_file()]
+    return (f"it lacks {', '.join(missing)}" if missing != [f"{STATE_DIR}/{MANIFEST}"] else
+            f"it lacks only {STATE_DIR}/{MANIFEST} (the sha256 of every file, which a save writes last: a "
+            "partial copy, or a lost file)")
+
+
 def _recover(path: Path) -> None:
     """If a crash interrupted the two-rename fallback (no directory at ``path``), move the newest
     complete checkpoint beside it into place: the new one if it was complete, else the old one."""
@@ -537,7 +559,8 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
             JSON-serialisable, or ``path`` an existing file or a non-empty directory that is not a
             megatrain checkpoint (it is never overwritten).
         CheckpointError: also when the file system refused a write (a full disk: ``OSError`` or
-            safetensors' ``SafetensorError`` is the cause); ``path`` is then left as it was.
+            safetensors' ``SafetensorError`` is the cause), or a parameter holds NaN or infinite
+            values (naming it); ``path`` is then left as it was.
     """
     if dtype not in _SAVE_DTYPES:
         raise CheckpointError(f"dtype={dtype!r} is not supported; use one of {sorted(_SAVE_DTYPES)}")
@@ -587,6 +610,16 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     return path
 
 
+def _finite(t: _Target, dtype: torch.dtype) -> torch.Tensor:
+    """``t``'s tensor in ``dtype``; a parameter with a NaN or infinite value is refused (buffers,
+    causal masks say, may hold -inf), so no checkpoint ever holds diverged weights."""
+    out = t.tensor.to(dtype)
+    if t.param and out.is_floating_point() and not bool(torch.isfinite(out).all()):
+        raise CheckpointError(f"parameter {t.name!r} holds NaN or infinite values: the weights diverged, and "
+                              "they are not saved (a checkpoint already at the path is left as it was)")
+    return out
+
+
 def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max_shard_bytes: int,
                extra: dict) -> dict:
     """Write ``sd`` (``Trainer.state_dict()``) and ``model``'s Hugging Face configs under ``root``;
@@ -601,7 +634,7 @@ def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max
     for t in targets.values():
         # Buffers keep their own dtype: they are not trained, and resuming must restore them exactly.
         want = dtype if t.param else t.tensor.dtype
-        entries.append(_Entry(t.name, t.shape, want, (lambda t=t, want=want: t.tensor.to(want))))
+        entries.append(_Entry(t.name, t.shape, want, (lambda t=t, want=want: _finite(t, want))))
     shards = _plan_shards(entries, max_shard_bytes)
     weight_map = {}
     for k, shard in enumerate(shards):

@@ -84,9 +84,17 @@ class TrainConfig(pydantic.BaseModel):
     eval_batches: int = Field(8, gt=0, description="validation micro-batches per evaluation")
     checkpoint_interval: int = Field(500, ge=0, description="save output_dir/checkpoint every this many steps "
                                                             "and at the end (0: only at the end)")
-    nonfinite: Literal["skip", "stop"] = Field("stop", description="a step whose loss or gradient is NaN or "
-                                                                   "infinite is never applied; then skip it "
-                                                                   "and go on, or stop (exit 2, nothing saved)")
+    nonfinite: Literal["skip", "stop"] = Field(
+        "stop", description="a step whose loss or gradient is NaN or infinite, whose update leaves NaN or infinite "
+                            "weights, or (loss_spike) whose loss spikes is never kept: skip it and go on (a deferred "
+                            "update is dropped; one that layers took during backward is undone by rolling back to "
+                            "the last checkpoint and replaying the steps since without it), or stop (exit 2, "
+                            "nothing saved)")
+    max_consecutive_skips: int = Field(10, gt=0, description="nonfinite skip: this many steps in a row not kept stop "
+                                                             "the run (exit 2), keeping its last checkpoint")
+    loss_spike: float | None = Field(None, gt=1, description="a step whose loss exceeds this factor times the mean of "
+                                                             "the last 20 kept steps' losses is treated as a "
+                                                             "non-finite one (null: no spike check)")
     hardware: str | None = Field(None, description="a hardware preset (H100_SXM, H200, GH200, A100_80GB, "
                                                    "RTX_4090) or HardwareSpec JSON file: the simulator's "
                                                    "predicted step, the MFU peak on a GPU, and with "

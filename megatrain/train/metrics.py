@@ -24,8 +24,8 @@ METRIC_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "pred
 clipping; ``tokens_per_s`` the step's non-padding tokens (``StepResult.tokens``) over ``measured_step_s``, the
 step's wall time in seconds; ``mfu`` model FLOPs utilisation (module docstring); ``predicted_step_s``
 the simulator's step time on the ``hardware`` spec, seconds, or null; ``applied`` false when the
-update was not applied (non-finite loss or gradient); ``val_loss`` the validation loss when this
-step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB. Non-finite
+step was not kept (a non-finite loss, gradient or updated weight, or a loss spike:
+:mod:`megatrain.train.guard`); ``val_loss`` the validation loss when this step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB. Non-finite
 floats are written as null (JSON has no NaN)."""
 
 
@@ -124,17 +124,6 @@ def run_rates(cfg: TrainConfig, planned: PlannedModel, hw, cpu_peak: float | Non
     rates = Rates(cost.model_flops_per_token(planned.graph), peak, predicted)
     echo(f"MFU peak: {what}; {rates.flops_per_token / 1e6:,.2f} MFLOPs per token")
     return rates
-
-
-def nonfinite_message(step: int, res, n_layers: int) -> str:
-    bad_loss = not math.isfinite(res.loss)
-    if bad_loss or len(res.skipped_layers) >= n_layers:
-        effect = "the update was not applied"
-    else:  # optimizer steps during backward: the layers whose gradients came first were updated
-        effect = (f"the update was not applied to {len(res.skipped_layers)} of {n_layers} layers (without "
-                  "max_grad_norm each layer is updated as its gradient arrives)")
-    return (f"step {step}: the {'loss' if bad_loss else 'gradient'} is not finite (loss {res.loss}, gradient "
-            f"norm {res.grad_norm}); {effect}")
 
 
 def fmt(x: float | None) -> str:
