@@ -28,22 +28,21 @@ TMP_TAG = ".tmp-"
 """Infix of the temporary files :func:`write_atomic` leaves behind when killed: ``.<name>.tmp-<hex>``."""
 
 
-def disk_error(e: OSError, path: str | os.PathLike, what: str) -> OSError:
-    """``e`` from writing ``path`` as an error that says what to do: for a full disk (or a quota
-    or file-size limit) how much space is left and that the same command runs again; else the
-    OS's own words with the path. ``what`` names the file's role ("metrics.jsonl", "the token
-    store")."""
-    if e.errno in _FULL:
-        try:
-            free = f"{shutil.disk_usage(Path(path).parent).free:,} bytes free"
-        except OSError:
-            free = "free space unknown"
-        reason = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-                  errno.EFBIG: "the file size limit (ulimit -f) was reached"}[e.errno]
-        return DiskFullError(f"cannot write {what} at {path}: {reason} ({free} on its file system); free space "
-                             "(or raise the limit) and run the same command again: what was written before is "
-                             "intact")
-    return e
+def raise_if_full(e: OSError, path: str | os.PathLike, what: str) -> None:
+    """Raise :class:`DiskFullError` from ``e`` when ``e``, from writing ``path``, is a full disk
+    (or a quota or the file size limit): the message names ``what`` ("metrics.jsonl", "the token
+    store"), the free space left and that the same command runs again. Else return: the caller
+    re-raises ``e``, whose own words name the path."""
+    if e.errno not in _FULL:
+        return
+    try:
+        free = f"{shutil.disk_usage(Path(path).parent).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    reason = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+              errno.EFBIG: "the file size limit (ulimit -f) was reached"}[e.errno]
+    raise DiskFullError(f"cannot write {what} at {path}: {reason} ({free} on its file system); free space (or "
+                        "raise the limit) and run the same command again: what was written before is intact") from e
 
 
 class DiskFullError(MegatrainError, OSError):
@@ -74,12 +73,14 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, what: str | None
             os.close(fd)
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except OSError as e:
+    except BaseException as e:
         try:
             tmp.unlink()
         except OSError:
             pass
-        raise disk_error(e, path, what or path.name) from e
+        if isinstance(e, OSError):
+            raise_if_full(e, path, what or path.name)
+        raise
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -164,7 +165,8 @@ class DirectoryLock:
             self._fd = None
 
     def __enter__(self) -> "DirectoryLock":
-        self.acquire()
+        if not self.held:
+            self.acquire()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -322,11 +322,33 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     # Rank 0 writes every output: it holds output_dir's lock for the run.
     lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None
     try:
-        return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock)
+        with _InterruptOnTerm():
+            return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock)
     finally:
         if lock is not None:
             lock.release()
         ranks.close()
+
+
+class _InterruptOnTerm:
+    """Outside the training loop (which finishes its step and saves, ``_StopOnSignal``), SIGTERM
+    interrupts as SIGINT does, with ``KeyboardInterrupt("SIGTERM")``: what is being prepared then
+    cleans up after itself (a token store build removes its temporary directory and stops its
+    workers) instead of the process ending at once, and the CLI exits 143 (128 + SIGTERM)."""
+
+    def __enter__(self) -> "_InterruptOnTerm":
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, _frame) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
 
 
 @dataclass(slots=True)
