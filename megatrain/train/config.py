@@ -131,6 +131,11 @@ class TrainConfig(pydantic.BaseModel):
                                                       "step updates the layers (null: every layer's Adam "
                                                       "moments)")
 
+    nvme_checksums: bool = Field(True, description="with nvme_dir: checksum every block of the NVMe files as it is "
+                                                   "written and check it as it is read, so that a file changed on "
+                                                   "disk stops the step instead of training on other state (costs "
+                                                   "7-14% of the I/O rate on this project's VM: bench/nvme_io.py)")
+
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
         if self.global_batch % self.micro_batch_size:

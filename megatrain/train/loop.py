@@ -270,6 +270,8 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
     optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay)
     trainer = megatrain.materialize(planned, optimizer, nvme_dir=cfg.nvme_dir)
+    if trainer.host.nvme is not None:
+        trainer.host.nvme.checksums = cfg.nvme_checksums
     if source.kind == "weights":
         load_weights(trainer, source, echo)
         echo(f"weights: loaded from {source.directory}")
