@@ -31,9 +31,10 @@ earlier run is reused only if it is a regular file with one link owned by this u
 they write and checked as they read; the ``xxhash`` package, which ``datasets`` depends on), kept
 in memory: a tile overwritten on disk by anything but this store (another process, a failing
 drive) is an error at its next read, not a silently different run. ``bench/nvme_io.py`` measures
-what the checks cost (2026-11-27, this project's 2-core VM, /tmp on ext4: 14% of the write rate,
-7% of the read rate, more than the 5% that would make them free to keep on): ``checksums=False``
-(``megatrain train --nvme-checksums false``) turns them off.
+what the checks cost (2026-11-27, this project's shared 2-core VM, /tmp on ext4, two runs: 14% and
+-1% of the write rate, 7% and -1% of the read rate; not reliably under the 5% that would make them
+free), so they are an option, on by default: ``checksums=False`` (``megatrain train
+--nvme-checksums false``) turns them off.
 
 Errors (all :class:`NvmeError`, naming the file): the directory is missing or not writable; the
 file system has less free space than the tiles need (checked with ``shutil.disk_usage``, counting

@@ -134,7 +134,7 @@ class TrainConfig(pydantic.BaseModel):
     nvme_checksums: bool = Field(True, description="with nvme_dir: checksum every block of the NVMe files as it is "
                                                    "written and check it as it is read, so that a file changed on "
                                                    "disk stops the step instead of training on other state (costs "
-                                                   "7-14% of the I/O rate on this project's VM: bench/nvme_io.py)")
+                                                   "up to 14% of the I/O rate on this project's VM: bench/nvme_io.py)")
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
