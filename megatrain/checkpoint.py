@@ -164,8 +164,29 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     single = path / SINGLE_FILE
     if single.is_file():
         return [single], None
+    refuse_legacy_weights(path)
     raise CheckpointError(f"{path}: has neither {SINGLE_FILE} nor {INDEX_FILE}; point at a directory "
                           "holding Hugging Face safetensors weights")
+
+
+_LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json", ".ckpt")
+
+
+def refuse_legacy_weights(path: Path) -> None:
+    """Refuse a model directory whose weights are PyTorch pickles (``pytorch_model.bin`` and its
+    shards, ``*.pt``): loading one unpickles it, which can run code it holds, so megatrain reads
+    safetensors only. Nothing where there are none.
+
+    Raises:
+        CheckpointError: naming the files and the one-time conversion.
+    """
+    legacy = sorted(p.name for p in path.iterdir() if p.name.endswith(_LEGACY_SUFFIXES)) if path.is_dir() else []
+    if legacy:
+        raise CheckpointError(
+            f"{path}: its weights are PyTorch pickles ({', '.join(legacy[:3])}{' ...' if len(legacy) > 3 else ''}), "
+            "which megatrain does not load (unpickling can run code a file holds); it reads safetensors. Convert "
+            "them once, if you trust the files: python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\" and give {path}-safetensors")
 
 
 def _scan(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, _Stored]:
@@ -724,6 +745,27 @@ def _verify_files(root: Path, manifest: dict) -> None:
                                   "file is truncated or was changed after saving")
         if _sha256(file) != rec["sha256"]:
             raise CheckpointError(f"{file}: sha256 differs from the manifest's; the file is corrupt")
+
+
+def verify_model_files(path: Path) -> None:
+    """For a megatrain checkpoint (``megatrain_state/`` beside the weights), check what loading its
+    weights reads (``config.json``, the model shards and their index) against the sizes and sha256
+    its manifest records. A plain Hugging Face directory has no manifest: nothing to check.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or differs (naming it); ``megatrain_state/``
+            without a manifest (an incomplete checkpoint, saying what it lacks).
+    """
+    state = path / STATE_DIR
+    if not state.is_dir():
+        return
+    if not (state / MANIFEST).is_file():
+        raise CheckpointError(f"{path}: a megatrain checkpoint without {STATE_DIR}/{MANIFEST} ({describe_incomplete(path)}), "
+                              "so its files cannot be checked; copy the checkpoint again from where it was saved")
+    manifest = _read_json(state / MANIFEST)
+    if manifest.get("format") != FORMAT_NAME or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{state / MANIFEST}: not a megatrain manifest")
+    _verify_files(path, {"files": {k: v for k, v in manifest["files"].items() if not k.startswith(f"{STATE_DIR}/")}})
 
 
 def _check_layers(saved: list[dict], now: list[dict], where: Path) -> None:

@@ -119,7 +119,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
         built = sum(p.numel() for p in model.parameters()) * BUILT_BYTES_PER_PARAMETER
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, trust_remote_code=False)
     # Packed LM windows carry position_ids that restart per document (per-document attention).
     # SFT rows are padded: their mask makes tokens/s count the examples' tokens only.
     names = ("input_ids", "attention_mask", "labels") if cfg.task == "sft" else \
