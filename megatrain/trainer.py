@@ -215,8 +215,16 @@ class Trainer:
             # so the files of node 0's ranks hold every shard: HostState.read_moment): each rank's
             # last NVME_WRITE must be done first.
             dp.barrier("the barrier before rank 0 reads the ranks' NVMe files for a save")
-        out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
-        dp.barrier("the barrier after rank 0's save")
+        from megatrain.runtime.distributed import patient_barrier
+
+        try:
+            out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
+        except BaseException as e:
+            patient_barrier("the wait for rank 0's save", failed=e)
+            raise
+        # A save takes as long as the disk needs, longer than a collective should wait: the other
+        # ranks wait while rank 0's heartbeat goes on.
+        patient_barrier("the wait for rank 0's save")
         return out
 
     def _save_sliced(self, path, **kwargs):
@@ -438,6 +446,10 @@ class Trainer:
         parts = self._split(batch, o.micro_batches)
         tokens = sum(_real_tokens(p) for p in parts)
         t0 = time.perf_counter()
+        if self.plan.data_parallel > 1:
+            from megatrain.runtime.distributed import Heartbeat
+
+            Heartbeat.step(f"step {self.step_count + 1}")  # a collective that fails names a rank not there
         rest = ()  # the previous update's layers a failure left pending, applied alone first
         if self._pending_layers and self.schedule is self.schedules.first:
             rest = self._apply_pending(None)

@@ -104,10 +104,11 @@ class TrainConfig(pydantic.BaseModel):
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (null: torch's default)")
-    collective_timeout: float = Field(1800.0, gt=0, description="data parallel (under torchrun): seconds a rank "
-                                                                  "waits in a collective, or for rank 0's save, "
-                                                                  "before it stops with an error naming it (a rank "
-                                                                  "died or hangs)")
+    collective_timeout: float = Field(600.0, gt=0, description="data parallel (under torchrun): seconds a rank "
+                                                                 "waits in a collective (or, while rank 0 prepares "
+                                                                 "the data or saves, for its heartbeat) before it "
+                                                                 "stops with an error naming the rank that died or "
+                                                                 "stopped")
     host_state: Literal["auto", "replicate", "shard"] = Field(
         "auto", description="data parallel over several nodes (torchrun --nnodes > 1): 'replicate' keeps a full copy "
                             "of the FP32 masters and Adam moments on every node; 'shard' keeps 1/nodes of them on "

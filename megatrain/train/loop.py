@@ -388,6 +388,9 @@ class _Ranks:
         if owns:
             dist.init_process_group("cpu:gloo,cuda:nccl" if cfg.device == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+        from megatrain.runtime.distributed import Heartbeat
+
+        Heartbeat.start(interval=min(10.0, cfg.collective_timeout / 10))
         return cls(dist.get_rank(), dist.get_world_size(), local_rank, owns)
 
     def rows(self, batch: dict) -> dict:
@@ -402,17 +405,20 @@ class _Ranks:
         data store and tokenizer are built once per file system and the others reuse them."""
         if self.world == 1:
             return fn()
-        import torch.distributed as dist
-
-        from megatrain.runtime.distributed import collective
+        from megatrain.runtime.distributed import patient_barrier
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         out = None
         for turn in (self.rank == 0, self.rank != 0 and self.rank % local == 0, self.rank % local != 0):
-            if turn:
-                out = fn()
-            with collective("the barrier while rank 0 prepares the data"):
-                dist.barrier()
+            # Preparing the data may take hours (tokenising a large corpus): the others wait for it
+            # while the preparing ranks' heartbeats go on, not for a collective's timeout.
+            try:
+                if turn:
+                    out = fn()
+            except BaseException as e:
+                patient_barrier("the wait while the ranks prepare the data", failed=e)
+                raise
+            patient_barrier("the wait while the ranks prepare the data")
         return out
 
     def any_stopped(self, name: str | None, groups) -> str | None:
