@@ -270,3 +270,27 @@ def test_workers_die_with_a_killed_build(tmp_path):
         proc.kill()
         proc.wait()
     _assert_gone(workers, within=1.5)
+
+
+def test_too_little_disk_for_a_checkpoint_is_refused_before_the_data(setup, tmp_path, capsys, monkeypatch):
+    import shutil as sh
+
+    class Usage:
+        free = 10_000
+
+    real = sh.disk_usage
+    monkeypatch.setattr(sh, "disk_usage", lambda p: Usage if str(p).startswith(str(tmp_path)) else real(p))
+    out = tmp_path / "out"
+    assert run(setup, out) == 2
+    line = error_line(capsys.readouterr().err)
+    assert "not enough disk space for a checkpoint: one takes about" in line and "9.77 KiB free" in line
+    assert not (out / "tokens").exists()  # refused before the data was prepared
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: writes fail with ENOSPC (Linux)")
+def test_a_full_disk_while_writing_metrics_says_so():
+    from megatrain.train.metrics import MetricsLog
+
+    log = MetricsLog(Path("/dev/full"))
+    with pytest.raises(DiskFullError, match=r"cannot write full at /dev/full: the disk is full \("):
+        log.append({"step": 1, "loss": 2.0})

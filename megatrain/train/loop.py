@@ -26,10 +26,10 @@ from megatrain.runtime.measure import available_host_memory, host_rss_bytes, mea
 from megatrain.files import DirectoryLock, write_atomic
 from megatrain.planner.plan import OptimizerPlacement
 from megatrain.train.guard import Guard, Verdict
-from megatrain.train.metrics import finite, fmt, read_metrics, run_rates, save_loss_plot
+from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot
 from megatrain.train.model import ModelSource, load_weights, resolve_model
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
-                                       preflight_cpu_build, preflight_host_memory)
+                                       preflight_cpu_build, preflight_disk, preflight_host_memory)
 from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY,
                                     TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir, check_resume,
                                     train_state)
@@ -472,17 +472,6 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
                        checkpoint=out / CHECKPOINT_DIR, output_dir=out)
 
 
-def _keep_metrics(path: Path, keep: Callable[[dict], bool]) -> None:
-    """Rewrite ``metrics.jsonl`` with the rows ``keep`` keeps, atomically: a kill while it is
-    rewritten leaves the old file."""
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in read_metrics(path) if keep(r)), what=METRICS_FILE)
-
-
-def _read_row(path: Path, step: int) -> dict:
-    """The metrics row of ``step`` (the last one written for it), or a bare one."""
-    return next((r for r in reversed(read_metrics(path)) if r["step"] == step), {"step": step, "loss": None})
-
-
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
     import torch
 
@@ -498,6 +487,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     if finished is not None:
         return _finished(cfg, out, finished, echo)
     planned = _plan(cfg, source, hw, echo, ranks.world)
+    if ranks.rank == 0:
+        preflight_disk(out, planned.graph)
     tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
@@ -514,8 +505,9 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
             lock.acquire()
         write_atomic(out / CONFIG_FILE, cfg.model_dump_json(indent=1) + "\n")
         write_atomic(out / TOKENIZER_FILE, tokenizer_json)
-        # Rows a crashed run wrote after its last checkpoint are run again: drop them.
-        _keep_metrics(metrics_path, lambda r: resuming_here and r["step"] <= start)
+    metrics = MetricsLog(metrics_path if writes else None)
+    # Rows a crashed run wrote after its last checkpoint are run again: drop them.
+    metrics.keep(lambda r: resuming_here and r["step"] <= start)
     ckpt_path = out / CHECKPOINT_DIR
     last_saved: int | None = start if resuming_here else None
     tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
@@ -546,7 +538,6 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     groups = trainer.host.data_parallel.groups if ranks.world > 1 else None
     replay_until = start  # steps up to here ran before a rollback: no rows, evaluations or messages again
     held: dict[int, dict] = {}  # the row of a step a rollback left out, written when the replay reaches it
-    metrics = open(metrics_path if writes else os.devnull, "a", buffering=1)
     try:
         with _StopOnSignal() as stop, tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step",
                                            file=sys.stderr, disable=not writes, dynamic_ncols=True,
@@ -571,33 +562,30 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
             def not_kept(verdict: Verdict, row: dict) -> None:
                 """Skip or roll back ``verdict.blame`` (``row``: the step just run); stop under
                 ``nonfinite: stop`` or past ``max_consecutive_skips``."""
-                nonlocal step, skipped, batches, metrics, replay_until
+                nonlocal step, skipped, batches, replay_until
                 fresh = row["step"] > replay_until  # not a step that a replay runs again
                 if cfg.nonfinite == "stop":
-                    metrics.write(json.dumps({**row, "applied": False}) + "\n")
+                    metrics.append({**row, "applied": False})
                     raise MegatrainError(f"{verdict.why}; stopping without saving (nonfinite: stop). {kept()}; add a "
                                          "lower --lr or --max-grad-norm, or --nonfinite skip")
                 if verdict.action == "skip":
                     trainer.drop_pending_updates()  # a spiking step's deferred update is never applied
                     guard.not_kept[verdict.blame] = verdict.why
                     if fresh:
-                        metrics.write(json.dumps({**row, "applied": False}) + "\n")
+                        metrics.append({**row, "applied": False})
                         say(f"warning: {verdict.why}; skipped: nothing of it was applied (nonfinite: skip)")
                     count_skip(verdict.why)
                     return
                 # Roll back: the checkpoint, then the steps since it again, without those not kept.
                 if writes:
-                    held[verdict.blame] = {**(row if verdict.blame == row["step"] else
-                                              _read_row(metrics_path, verdict.blame)), "applied": False}
+                    held[verdict.blame] = {**(row if verdict.blame == row["step"] else metrics.row(verdict.blame)),
+                                           "applied": False}
                 loaded = trainer.load(ckpt_path)[STATE_KEY]
                 step, skipped, replay_until = int(loaded["step"]), int(loaded["skipped_steps"]), verdict.blame - 1
                 guard.restore(loaded, step)
                 guard.not_kept[verdict.blame] = verdict.why
                 batches = dataset.batches(cfg.global_batch, seed=cfg.seed, start=step)
-                if writes:
-                    metrics.close()
-                    _keep_metrics(metrics_path, lambda r: r["step"] < verdict.blame)
-                    metrics = open(metrics_path, "a", buffering=1)
+                metrics.keep(lambda r: r["step"] < verdict.blame)
                 bar.n = step
                 say(f"warning: {verdict.why}; rolled back to the checkpoint of step {step} to run the steps since "
                     "without it (nonfinite: skip)")
@@ -622,7 +610,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                 step += 1
                 if step in guard.not_kept:  # after a rollback: a step not kept stays out of the replay
                     if step > replay_until:
-                        metrics.write(json.dumps(held.pop(step, {"step": step, "applied": False})) + "\n")
+                        metrics.append(held.pop(step, {"step": step, "applied": False}))
                     count_skip(guard.not_kept[step])
                     bar.update(1)
                     continue
@@ -653,7 +641,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                 rss = host_rss_bytes()
                 row["host_rss_mib"] = rss / MiB if rss is not None else None
                 if not replaying:
-                    metrics.write(json.dumps(row) + "\n")
+                    metrics.append(row)
                 if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
                     if not flushed(row):
                         continue

@@ -54,6 +54,55 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+class MetricsLog:
+    """A run's ``metrics.jsonl``, one row a line: appended (a kill leaves at most a partial last
+    line, which :func:`read_metrics` drops) and, to drop rows, rewritten atomically (a kill leaves
+    the old file). ``path`` None (a rank that writes no outputs): nothing is written.
+
+    Raises (from every method that writes):
+        DiskFullError: the disk is full, naming the file and the space left (``megatrain.files``).
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._f = None
+
+    def _write(self, write) -> None:
+        from megatrain.files import raise_if_full
+
+        try:
+            write()
+        except OSError as e:
+            raise_if_full(e, self.path, self.path.name)
+            raise
+
+    def append(self, row: dict) -> None:
+        if self.path is None:
+            return
+        if self._f is None:
+            self._write(lambda: setattr(self, "_f", open(self.path, "a", buffering=1, encoding="utf-8")))
+        self._write(lambda: self._f.write(json.dumps(row) + "\n"))
+
+    def keep(self, keep) -> None:
+        """Keep only the rows ``keep(row)`` is true for."""
+        if self.path is None:
+            return
+        from megatrain.files import write_atomic
+
+        self.close()
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in read_metrics(self.path) if keep(r)))
+
+    def row(self, step: int) -> dict:
+        """The row of ``step`` (the last written for it), or a bare one."""
+        rows = read_metrics(self.path) if self.path is not None else []
+        return next((r for r in reversed(rows) if r["step"] == step), {"step": step, "loss": None})
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
 def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> None:
     """Draw training loss (applied steps) and validation loss against the step as a PNG.
 
