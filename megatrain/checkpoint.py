@@ -756,16 +756,26 @@ def verify_model_files(path: Path) -> None:
         CheckpointError: a file is missing, truncated or differs (naming it); ``megatrain_state/``
             without a manifest (an incomplete checkpoint, saying what it lacks).
     """
-    state = path / STATE_DIR
-    if not state.is_dir():
+    if not (path / STATE_DIR).is_dir():
         return
+    manifest = _manifest(path, f"a megatrain checkpoint without {STATE_DIR}/{MANIFEST} ({describe_incomplete(path)}), "
+                               "so its files cannot be checked; copy the checkpoint again from where it was saved")
+    _verify_files(path, {"files": {k: v for k, v in manifest["files"].items() if not k.startswith(f"{STATE_DIR}/")}})
+
+
+def _manifest(path: Path, missing: str) -> dict:
+    """The checkpoint's manifest, checked to be one this megatrain reads; ``missing``: the error's
+    words when there is none."""
+    state = path / STATE_DIR
     if not (state / MANIFEST).is_file():
-        raise CheckpointError(f"{path}: a megatrain checkpoint without {STATE_DIR}/{MANIFEST} ({describe_incomplete(path)}), "
-                              "so its files cannot be checked; copy the checkpoint again from where it was saved")
+        raise CheckpointError(f"{path}: {missing}")
     manifest = _read_json(state / MANIFEST)
     if manifest.get("format") != FORMAT_NAME or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{state / MANIFEST}: not a megatrain manifest")
-    _verify_files(path, {"files": {k: v for k, v in manifest["files"].items() if not k.startswith(f"{STATE_DIR}/")}})
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{state / MANIFEST}: format version {manifest['format_version']} is newer than "
+                              f"this megatrain reads ({FORMAT_VERSION}); upgrade megatrain")
+    return manifest
 
 
 def _check_layers(saved: list[dict], now: list[dict], where: Path) -> None:
@@ -817,15 +827,8 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     if not path.is_dir():
         raise CheckpointError(f"{path}: no checkpoint there")
     state = path / STATE_DIR
-    if not (state / MANIFEST).is_file():
-        raise CheckpointError(f"{path}: not a complete megatrain checkpoint ({STATE_DIR}/{MANIFEST} is missing); "
-                              "it is an interrupted save or plain weights: use load_hf_weights for weights only")
-    manifest = _read_json(state / MANIFEST)
-    if manifest.get("format") != FORMAT_NAME or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{state / MANIFEST}: not a megatrain manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{state / MANIFEST}: format version {manifest['format_version']} is newer than "
-                              f"this megatrain reads ({FORMAT_VERSION}); upgrade megatrain")
+    manifest = _manifest(path, f"not a complete megatrain checkpoint ({STATE_DIR}/{MANIFEST} is missing); it is an "
+                               "interrupted save or plain weights: use load_hf_weights for weights only")
     if verify:
         _verify_files(path, manifest)
     ts = _read_json(state / TRAINER_STATE)

@@ -20,41 +20,19 @@ import torch
 from safetensors.torch import load_file
 
 import megatrain.runtime.executor as executor_module
-import megatrain.runtime.measure
 from megatrain.cli import main
 from megatrain.planner.schedule import OpKind
 from megatrain.train.guard import SPIKE_WINDOW, Guard
 from megatrain.trainer import StepResult, Trainer
 
-TINY = dict(model_type="llama", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-RUN = """\
-model: {model}
-max_bytes: 20000
-seq_len: 32
-global_batch: 4
-micro_batch_size: 2
-lr: 5.0e-3
-warmup_steps: 2
-eval_interval: 4
-eval_batches: 2
-checkpoint_interval: 2
-nonfinite: skip
-threads: 1
-"""
+from train_runs import quick_matmul_probe, quick_probe, write_run  # noqa: F401 (an autouse fixture)
 
-
-@pytest.fixture(autouse=True)
-def _quick_matmul_probe(monkeypatch):
-    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("guard")
-    (d / "config.json").write_text(json.dumps(TINY))
-    (d / "run.yaml").write_text(RUN.format(model=d / "config.json"))
-    return d
+    return write_run(tmp_path_factory.mktemp("guard"), lr=5.0e-3, warmup_steps=2, eval_interval=4, checkpoint_interval=2,
+                     nonfinite="skip")
 
 
 def run(setup: Path, out: Path, *extra: str) -> int:
@@ -133,13 +111,13 @@ def test_a_gradient_found_non_finite_after_layers_took_the_update_is_rolled_back
     r = rows(rolled)
     assert [x["step"] for x in r] == [1, 2, 3, 4, 5, 6] and [x["applied"] for x in r] == [True, True, False] + [True] * 3
     monkeypatch.undo()
-    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    quick_probe(monkeypatch)
     _never_runs(monkeypatch, 3)
     reference = tmp_path / "reference"
     assert run(setup, reference, "--max-grad-norm", "none", "--max-steps", "6") == 0
     assert_same_state(rolled, reference)
     monkeypatch.undo()
-    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    quick_probe(monkeypatch)
     plain = tmp_path / "plain"
     assert run(setup, plain, "--max-grad-norm", "none", "--max-steps", "6") == 0
     assert not torch.equal(state(plain)["lm_head.weight"], state(reference)["lm_head.weight"])
@@ -178,7 +156,7 @@ def test_a_deferred_update_that_leaves_nan_weights_is_rolled_back(setup, tmp_pat
     assert f"step {at}: its update made the weights of" in out and "rolled back to the checkpoint of step 2" in out
     assert [x["applied"] for x in rows(rolled)] == [x != at for x in range(1, 7)]
     monkeypatch.undo()
-    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    quick_probe(monkeypatch)
     _never_runs(monkeypatch, at)
     reference = tmp_path / "reference"
     assert run(setup, reference, "--max-steps", "6") == 0
@@ -205,7 +183,7 @@ def test_a_loss_spike_is_not_kept(setup, tmp_path, monkeypatch, capsys, clip):
     assert f"step {k}: the loss, " in capsys.readouterr().out
     assert [x["step"] for x in rows(spiked) if not x["applied"]] == [k]
     monkeypatch.undo()
-    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    quick_probe(monkeypatch)
     _never_runs(monkeypatch, k)
     reference = tmp_path / "reference"
     assert run(setup, reference, *args) == 0

@@ -6,7 +6,6 @@ what a killed run leaves behind does not stop the same command (``megatrain.trai
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 from pathlib import Path
@@ -17,33 +16,12 @@ import megatrain.runtime.measure
 from megatrain.cli import main
 from megatrain.files import DirectoryLock, DiskFullError, LockedError, write_atomic
 
-TINY = dict(model_type="llama", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-RUN = """\
-model: {model}
-max_bytes: 20000
-seq_len: 32
-global_batch: 4
-micro_batch_size: 2
-warmup_steps: 1
-eval_interval: 0
-eval_batches: 2
-checkpoint_interval: 2
-threads: 1
-"""
-
-
-@pytest.fixture(autouse=True)
-def _quick_matmul_probe(monkeypatch):
-    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+from train_runs import error_line, quick_matmul_probe, write_run  # noqa: F401 (an autouse fixture)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("rundir")
-    (d / "config.json").write_text(json.dumps(TINY))
-    (d / "run.yaml").write_text(RUN.format(model=d / "config.json"))
-    return d
+    return write_run(tmp_path_factory.mktemp("rundir"), warmup_steps=1, eval_interval=0, checkpoint_interval=2)
 
 
 def run(setup: Path, out: Path, *extra: str) -> int:
@@ -59,12 +37,6 @@ def finished(setup, tmp_path_factory) -> Path:
     finally:
         megatrain.runtime.measure.MATMUL_SECONDS = keep
     return out
-
-
-def error_line(err: str) -> str:
-    lines = [x for x in err.splitlines() if x.strip() and not x.startswith(("train:", "[transformers]"))]
-    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def snapshot(d: Path) -> dict[str, bytes]:
