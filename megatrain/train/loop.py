@@ -613,6 +613,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                         metrics.append(held.pop(step, {"step": step, "applied": False}))
                     count_skip(guard.not_kept[step])
                     bar.update(1)
+                    stopped = ranks.any_stopped(stop.name, groups)
                     continue
                 trainer.set_lr(lr)
                 res = trainer.step(ranks.rows(batch))
@@ -625,10 +626,9 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                 verdict = guard.judge(step, res, ranks.any_of(res.nonfinite_weights, len(layers), groups), layers)
                 if verdict.action != "keep":
                     not_kept(verdict, row)
-                    if verdict.action == "rollback":
-                        stopped = ranks.any_stopped(stop.name, groups)
-                    else:
+                    if verdict.action == "skip":
                         bar.update(1)
+                    stopped = ranks.any_stopped(stop.name, groups)
                     continue
                 guard.keep(res.loss)
                 replaying = step <= replay_until
