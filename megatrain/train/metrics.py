@@ -1,8 +1,9 @@
-"""A run's metrics: the rows of ``metrics.jsonl``, the MFU and predicted-step rates, the
-non-finite step message and the loss plot."""
+"""A run's metrics: the rows of ``metrics.jsonl`` (:class:`MetricsLog`), the MFU and
+predicted-step rates, and the loss plot."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatrain.errors import ConfigError
+from megatrain.files import raise_if_full, write_atomic
 from megatrain.runtime.measure import measure_matmul_flops
 
 if TYPE_CHECKING:
@@ -68,8 +70,6 @@ class MetricsLog:
         self._f = None
 
     def _write(self, write) -> None:
-        from megatrain.files import raise_if_full
-
         try:
             write()
         except OSError as e:
@@ -87,8 +87,6 @@ class MetricsLog:
         """Keep only the rows ``keep(row)`` is true for."""
         if self.path is None:
             return
-        from megatrain.files import write_atomic
-
         self.close()
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in read_metrics(self.path) if keep(r)))
 
@@ -132,7 +130,9 @@ def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = ""
     ax.set_title(title + (f" ({len(skipped)} skipped steps in red)" if skipped else ""), fontsize="medium")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=100, format="png")
+    write_atomic(path, png.getvalue())  # a kill leaves the last plot, not half of this one
 
 
 @dataclass(frozen=True, slots=True)
