@@ -871,17 +871,23 @@ def _hang_main(rank: int, world: int, init_file: str, out: str, how: str) -> Non
 HANG_TIMEOUT_S = 3
 
 
-@pytest.mark.parametrize("how", ["hangs", "dies", "stops"])
-def test_a_rank_that_hangs_or_dies_makes_the_others_stop_with_a_clear_error_within_the_timeout(tmp_path, how):
+def _two_ranks(main, tmp_path, how: str, watch: int) -> dict:
+    """Run ``main(rank, 2, init file, out, how)`` on two spawned ranks; once rank ``watch`` is done
+    (or two minutes on), kill both (one may hang or be stopped) and return what ``watch`` saved."""
     out = str(tmp_path / "rank")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_hang_main, args=(r, 2, str(tmp_path / "init"), out, how)) for r in range(2)]
+    procs = [ctx.Process(target=main, args=(r, 2, str(tmp_path / "init"), out, how)) for r in range(2)]
     for p in procs:
         p.start()
-    procs[0].join(timeout=120)
+    procs[watch].join(timeout=120)
     for p in procs:
         p.kill()
-    got = torch.load(f"{out}.0")
+    return torch.load(f"{out}.{watch}")
+
+
+@pytest.mark.parametrize("how", ["hangs", "dies", "stops"])
+def test_a_rank_that_hangs_or_dies_makes_the_others_stop_with_a_clear_error_within_the_timeout(tmp_path, how):
+    got = _two_ranks(_hang_main, tmp_path, how, watch=0)
     # One node sharing one copy: the gradients are reduce-scattered (Plan.gradient_reduction).
     assert "REDUCE_SCATTER" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
     assert f"timeout is {HANG_TIMEOUT_S} s" in got["error"] and "restart all of them from the last checkpoint" in got["error"]
@@ -924,15 +930,7 @@ def _patient_main(rank: int, world: int, init_file: str, out: str, how: str) -> 
 def test_the_wait_for_rank_0s_long_work_lasts_while_its_heartbeat_goes_on(tmp_path, how):
     """A save or data preparation longer than the collective timeout is waited for (it stopped a
     healthy run); a rank 0 that stops is named within the timeout (it blocked the others)."""
-    out = str(tmp_path / "rank")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_patient_main, args=(r, 2, str(tmp_path / "init"), out, how)) for r in range(2)]
-    for p in procs:
-        p.start()
-    procs[1].join(timeout=120)
-    for p in procs:
-        p.kill()
-    got = torch.load(f"{out}.1")
+    got = _two_ranks(_patient_main, tmp_path, how, watch=1)
     if how == "works-long":
         assert got["error"] == "no error" and got["seconds"] >= 2 * HANG_TIMEOUT_S
     else:
