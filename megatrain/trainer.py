@@ -136,7 +136,8 @@ class Trainer:
         return self._apply_pending(None) if self._pending_layers else ()
 
     def drop_pending_updates(self) -> None:
-        """Forget a deferred update without applying it (after loading a checkpoint)."""
+        """Forget a deferred update without applying it (after loading a checkpoint, or for a step
+        whose update is not to be kept: ``megatrain train``'s loss-spike check)."""
         self.executor.drop_deferred()
 
     def _apply_pending(self, cause: BaseException | None) -> tuple[int, ...]:

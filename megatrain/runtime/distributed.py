@@ -161,8 +161,13 @@ class Heartbeat:
 
         if cls._current is None and dist.is_initialized():
             store = _store()
-            if store is not None:
-                cls._current = cls(store, dist.get_rank(), interval)
+            try:
+                cls._current = cls(store, dist.get_rank(), interval) if store is not None else None
+            except Exception as e:  # a store that refuses writes: errors then name no rank, waits are barriers
+                import logging
+
+                logging.getLogger(__name__).warning("no heartbeats in the process group's store (%s): a failed "
+                                                    "collective will not name the rank that stopped", e)
         return cls._current
 
     def _beat(self) -> None:
