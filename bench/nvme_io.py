@@ -9,6 +9,10 @@ issue names (one request in flight, no page cache). Each measurement is the best
 runs. Prints and (with ``--json``) writes read/write GB/s of both and megatrain/dd ratios (target
 >= 0.8), with machine and date.
 
+The same transfers run with the store's block checksums (``NvmeStore(checksums=True)``, the
+default: XXH3-64 of each block as it is written, checked as it is read) and without, alternating
+run by run on one set of files, and their rates' ratio is the checksums' cost (target: under 5%).
+
 If the directory refuses O_DIRECT (tmpfs), megatrain falls back to buffered I/O and dd fails; the
 script says so and the numbers are page-cache rates, not the disk's.
 
@@ -53,17 +57,21 @@ def measure(directory: str, gib: float, tile_mib: int, block_mib: int, workers: 
         bufs = [aligned_buffer(tile) for _ in range(ntiles)]
         for b in bufs:
             b.fill_(7)
-        mt_w, mt_r = [], []
+        times: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
         for _ in range(repeat):
-            t = time.perf_counter()
-            for r in [store.write(f"t{i}", b) for i, b in enumerate(bufs)]:
-                r.wait()
-            os.sync() if not store.direct else None
-            mt_w.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            for r in [store.read(f"t{i}", b) for i, b in enumerate(bufs)]:
-                r.wait()
-            mt_r.append(time.perf_counter() - t)
+            for checked in (True, False):
+                store.checksums = checked
+                mt_w, mt_r = times[checked]
+                t = time.perf_counter()
+                for r in [store.write(f"t{i}", b) for i, b in enumerate(bufs)]:
+                    r.wait()
+                os.sync() if not store.direct else None
+                mt_w.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                for r in [store.read(f"t{i}", b) for i, b in enumerate(bufs)]:
+                    r.wait()
+                mt_r.append(time.perf_counter() - t)
+        mt_w, mt_r = times[True]
         direct, reason = store.direct, store.fallback_reason
         store.close(remove=True)
         del bufs
@@ -81,8 +89,11 @@ def measure(directory: str, gib: float, tile_mib: int, block_mib: int, workers: 
         "directory": directory, "bytes": total, "tile_bytes": tile, "block_bytes": block_mib * MIB,
         "workers": workers, "repeat": repeat, "o_direct": direct, "fallback_reason": reason,
         "megatrain_write_GBps": gbs(mt_w), "megatrain_read_GBps": gbs(mt_r),
+        "unchecked_write_GBps": gbs(times[False][0]), "unchecked_read_GBps": gbs(times[False][1]),
         "dd_write_GBps": gbs(dd_w), "dd_read_GBps": gbs(dd_r),
     }
+    out["checksum_write_cost"] = 1 - out["megatrain_write_GBps"] / out["unchecked_write_GBps"]
+    out["checksum_read_cost"] = 1 - out["megatrain_read_GBps"] / out["unchecked_read_GBps"]
     out["write_ratio"] = out["megatrain_write_GBps"] / out["dd_write_GBps"]
     out["read_ratio"] = out["megatrain_read_GBps"] / out["dd_read_GBps"]
     return out
@@ -105,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
           f" ratio {r['write_ratio']:.2f}")
     print(f"read:  megatrain {r['megatrain_read_GBps']:.2f} GB/s, dd iflag=direct {r['dd_read_GBps']:.2f} GB/s,"
           f" ratio {r['read_ratio']:.2f}")
+    print(f"checksums: write {r['unchecked_write_GBps']:.2f} GB/s without, cost {r['checksum_write_cost']:.1%}; "
+          f"read {r['unchecked_read_GBps']:.2f} GB/s without, cost {r['checksum_read_cost']:.1%}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(r, fh, indent=2)

@@ -164,8 +164,29 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     single = path / SINGLE_FILE
     if single.is_file():
         return [single], None
+    refuse_legacy_weights(path)
     raise CheckpointError(f"{path}: has neither {SINGLE_FILE} nor {INDEX_FILE}; point at a directory "
                           "holding Hugging Face safetensors weights")
+
+
+_LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json", ".ckpt")
+
+
+def refuse_legacy_weights(path: Path) -> None:
+    """Refuse a model directory whose weights are PyTorch pickles (``pytorch_model.bin`` and its
+    shards, ``*.pt``): loading one unpickles it, which can run code it holds, so megatrain reads
+    safetensors only. Nothing where there are none.
+
+    Raises:
+        CheckpointError: naming the files and the one-time conversion.
+    """
+    legacy = sorted(p.name for p in path.iterdir() if p.name.endswith(_LEGACY_SUFFIXES)) if path.is_dir() else []
+    if legacy:
+        raise CheckpointError(
+            f"{path}: its weights are PyTorch pickles ({', '.join(legacy[:3])}{' ...' if len(legacy) > 3 else ''}), "
+            "which megatrain does not load (unpickling can run code a file holds); it reads safetensors. Convert "
+            "them once, if you trust the files: python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\" and give {path}-safetensors")
 
 
 def _scan(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, _Stored]:
@@ -453,6 +474,28 @@ def _is_complete(d: Path) -> bool:
     return (d / STATE_DIR / MANIFEST).is_file()
 
 
+def describe_incomplete(path: Path) -> str:
+    """What the checkpoint directory ``path`` lacks (it has no manifest), for the error that keeps
+    it: the files a complete one holds that are not there, or the interrupted save it looks like."""
+    state = path / STATE_DIR
+    want = ["config.json", f"{STATE_DIR}/{TRAINER_STATE}", f"{STATE_DIR}/{RNG_FILE}", f"{STATE_DIR}/{MANIFEST}"]
+    if (path / INDEX_FILE).is_file():
+        try:
+            want += sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            want.append(f"readable {INDEX_FILE}")
+    else:
+        want.append(SINGLE_FILE)
+    try:
+        want += [f"{STATE_DIR}/{f}" for f in json.loads((state / TRAINER_STATE).read_text())["optimizer_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    missing = [f for f in want if not (path / f).is_file()]
+    return (f"it lacks {', '.join(missing)}" if missing != [f"{STATE_DIR}/{MANIFEST}"] else
+            f"it lacks only {STATE_DIR}/{MANIFEST} (the sha256 of every file, which a save writes last: a "
+            "partial copy, or a lost file)")
+
+
 def _recover(path: Path) -> None:
     """If a crash interrupted the two-rename fallback (no directory at ``path``), move the newest
     complete checkpoint beside it into place: the new one if it was complete, else the old one."""
@@ -537,7 +580,8 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
             JSON-serialisable, or ``path`` an existing file or a non-empty directory that is not a
             megatrain checkpoint (it is never overwritten).
         CheckpointError: also when the file system refused a write (a full disk: ``OSError`` or
-            safetensors' ``SafetensorError`` is the cause); ``path`` is then left as it was.
+            safetensors' ``SafetensorError`` is the cause), or a parameter holds NaN or infinite
+            values (naming it); ``path`` is then left as it was.
     """
     if dtype not in _SAVE_DTYPES:
         raise CheckpointError(f"dtype={dtype!r} is not supported; use one of {sorted(_SAVE_DTYPES)}")
@@ -587,6 +631,16 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     return path
 
 
+def _finite(t: _Target, dtype: torch.dtype) -> torch.Tensor:
+    """``t``'s tensor in ``dtype``; a parameter with a NaN or infinite value is refused (buffers,
+    causal masks say, may hold -inf), so no checkpoint ever holds diverged weights."""
+    out = t.tensor.to(dtype)
+    if t.param and out.is_floating_point() and not bool(torch.isfinite(out).all()):
+        raise CheckpointError(f"parameter {t.name!r} holds NaN or infinite values: the weights diverged, and "
+                              "they are not saved (a checkpoint already at the path is left as it was)")
+    return out
+
+
 def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max_shard_bytes: int,
                extra: dict) -> dict:
     """Write ``sd`` (``Trainer.state_dict()``) and ``model``'s Hugging Face configs under ``root``;
@@ -601,7 +655,7 @@ def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max
     for t in targets.values():
         # Buffers keep their own dtype: they are not trained, and resuming must restore them exactly.
         want = dtype if t.param else t.tensor.dtype
-        entries.append(_Entry(t.name, t.shape, want, (lambda t=t, want=want: t.tensor.to(want))))
+        entries.append(_Entry(t.name, t.shape, want, (lambda t=t, want=want: _finite(t, want))))
     shards = _plan_shards(entries, max_shard_bytes)
     weight_map = {}
     for k, shard in enumerate(shards):
@@ -693,6 +747,37 @@ def _verify_files(root: Path, manifest: dict) -> None:
             raise CheckpointError(f"{file}: sha256 differs from the manifest's; the file is corrupt")
 
 
+def verify_model_files(path: Path) -> None:
+    """For a megatrain checkpoint (``megatrain_state/`` beside the weights), check what loading its
+    weights reads (``config.json``, the model shards and their index) against the sizes and sha256
+    its manifest records. A plain Hugging Face directory has no manifest: nothing to check.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or differs (naming it); ``megatrain_state/``
+            without a manifest (an incomplete checkpoint, saying what it lacks).
+    """
+    if not (path / STATE_DIR).is_dir():
+        return
+    manifest = _manifest(path, f"a megatrain checkpoint without {STATE_DIR}/{MANIFEST} ({describe_incomplete(path)}), "
+                               "so its files cannot be checked; copy the checkpoint again from where it was saved")
+    _verify_files(path, {"files": {k: v for k, v in manifest["files"].items() if not k.startswith(f"{STATE_DIR}/")}})
+
+
+def _manifest(path: Path, missing: str) -> dict:
+    """The checkpoint's manifest, checked to be one this megatrain reads; ``missing``: the error's
+    words when there is none."""
+    state = path / STATE_DIR
+    if not (state / MANIFEST).is_file():
+        raise CheckpointError(f"{path}: {missing}")
+    manifest = _read_json(state / MANIFEST)
+    if manifest.get("format") != FORMAT_NAME or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{state / MANIFEST}: not a megatrain manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{state / MANIFEST}: format version {manifest['format_version']} is newer than "
+                              f"this megatrain reads ({FORMAT_VERSION}); upgrade megatrain")
+    return manifest
+
+
 def _check_layers(saved: list[dict], now: list[dict], where: Path) -> None:
     if len(saved) != len(now):
         raise CheckpointError(f"{where}: the checkpoint has {len(saved)} layers but the model has {len(now)}; "
@@ -742,15 +827,8 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     if not path.is_dir():
         raise CheckpointError(f"{path}: no checkpoint there")
     state = path / STATE_DIR
-    if not (state / MANIFEST).is_file():
-        raise CheckpointError(f"{path}: not a complete megatrain checkpoint ({STATE_DIR}/{MANIFEST} is missing); "
-                              "it is an interrupted save or plain weights: use load_hf_weights for weights only")
-    manifest = _read_json(state / MANIFEST)
-    if manifest.get("format") != FORMAT_NAME or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{state / MANIFEST}: not a megatrain manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{state / MANIFEST}: format version {manifest['format_version']} is newer than "
-                              f"this megatrain reads ({FORMAT_VERSION}); upgrade megatrain")
+    manifest = _manifest(path, f"not a complete megatrain checkpoint ({STATE_DIR}/{MANIFEST} is missing); it is an "
+                               "interrupted save or plain weights: use load_hf_weights for weights only")
     if verify:
         _verify_files(path, manifest)
     ts = _read_json(state / TRAINER_STATE)

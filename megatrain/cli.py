@@ -17,9 +17,11 @@ flag (flags win); see :mod:`megatrain.train`.
 
     megatrain train --config run.yaml --max-steps 2000 --output-dir runs/a
 
-Exit codes of ``train``: 0 the run finished, or SIGINT/SIGTERM stopped it after saving a
-checkpoint; 2 any error (``error: <message>`` on stderr: a bad config, model, data or checkpoint,
-not enough host memory, a non-finite step with ``nonfinite: stop``); 130 a second interrupt.
+Exit codes of ``train``: 0 the run finished (or had finished already), or SIGINT/SIGTERM stopped
+it after saving a checkpoint; 2 any error (``error: <message>`` on stderr: a bad config, model,
+data or checkpoint, not enough host memory, a full disk, an output_dir another run holds, a
+non-finite step with ``nonfinite: stop``, too many skipped steps in a row); 130 (SIGINT) or 143
+(SIGTERM) an interrupt before training started, or a second one during it (README, "Failures").
 
 The plan table is plain aligned text, the same on every install: megatrain does not depend on a
 terminal-formatting package, and tests read the output.
@@ -406,7 +408,7 @@ def _train_command(args: argparse.Namespace) -> int:
         print(f"error: interrupted ({e or 'SIGINT'}); nothing more was saved, and a checkpoint already written "
               "is intact: the same command resumes from it (or starts the run again when none was written)",
               file=sys.stderr)
-        return 130
+        return 143 if "SIGTERM" in str(e) else 130  # 128 + the signal, as a shell reports it
     return 0
 
 

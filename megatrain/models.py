@@ -19,11 +19,12 @@ caller's responsibility: their ``forward`` returns the loss they mean.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from megatrain.errors import ConfigError, UnsupportedModelError
 
-__all__ = ["check_causal_decoder", "check_positions", "check_model"]
+__all__ = ["check_causal_decoder", "check_config_values", "check_positions", "check_model", "refuse_remote_code"]
 
 _EXAMPLES = "llama, mistral, qwen2, gemma, phi3, gpt2"
 
@@ -54,6 +55,99 @@ def check_causal_decoder(config: Any, source: str) -> None:
     if what is not None:
         raise UnsupportedModelError(f"{source}: model_type {mt!r} is {what}; megatrain trains causal "
                                     f"decoder-only language models ({_EXAMPLES}, ...): use a config of one")
+
+
+@contextlib.contextmanager
+def config_errors(source: str) -> Iterator[None]:
+    """Turn transformers' own validation of a config (recent versions raise huggingface_hub's
+    ``StrictDataclass*ValidationError``, which is not a ``ValueError``) into one ConfigError naming
+    ``source``."""
+    try:
+        yield
+    except Exception as e:
+        if not type(e).__module__.startswith("huggingface_hub"):
+            raise
+        raise ConfigError(f"{source}: {' '.join(str(e).split()).rstrip('.')}; fix it in the config") from None
+
+
+def refuse_remote_code(model_type: str, raw: dict, source: str) -> None:
+    """Refuse a config whose ``model_type`` transformers does not know but whose ``auto_map``
+    names Python code in the model directory: megatrain never runs it (every transformers call
+    passes ``trust_remote_code=False``), so say that, rather than that the type is unknown. A
+    config with an ``auto_map`` and a type transformers ships (many hub checkpoints keep theirs)
+    is built from transformers' own class.
+
+    Raises:
+        ConfigError: naming the code the config wants run and what to use instead.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    auto_map = raw.get("auto_map")
+    if auto_map and model_type not in CONFIG_MAPPING_NAMES:
+        wanted = ", ".join(sorted({str(v if isinstance(v, str) else v[0]).split(".")[0] + ".py"
+                                   for v in (auto_map.values() if isinstance(auto_map, dict) else [])}))
+        raise ConfigError(f"{source}: model_type {model_type!r} is defined only by the model directory's own Python "
+                          f"code ({wanted or 'auto_map'}), and megatrain never runs code from a model directory "
+                          "(trust_remote_code=False); use a model whose model_type transformers ships (llama, mistral, "
+                          "qwen2, gemma, phi3, gpt2, ...), converting the weights if needed")
+
+
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")
+_POSITIVE_REALS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+
+
+def check_config_values(config: Any, source: str, given: Any = ()) -> None:
+    """Refuse a transformers ``config`` whose sizes and constants cannot describe a model, before
+    anything is built: each a single error rather than a traceback from deep in transformers or
+    the trace (recent transformers validate some of these themselves, older ones none), and a
+    model without blocks rather than a run that trains only its embeddings.
+
+    Args:
+        config: a ``transformers.PretrainedConfig``.
+        source: where it came from, for the message.
+        given: the keys the file set (``head_dim`` given makes the hidden size free of the heads).
+
+    Raises:
+        ConfigError: a size (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ...;
+            named as the config spells it, e.g. GPT-2's ``n_layer``) that is not a positive
+            integer (a string, a fraction, a bool, null where the model needs one, 0 or less); a
+            rotary base or norm epsilon that is not a positive number; attention heads that do not
+            divide the hidden size, or key/value heads that do not divide the heads.
+    """
+    default = None
+    values: dict[str, Any] = {}
+    for name in _SIZES:
+        try:
+            v = getattr(config, name)
+        except AttributeError:
+            continue
+        key = getattr(config, "attribute_map", {}).get(name, name)  # as the file spells it (GPT-2: n_layer)
+        if v is None:
+            if default is None:
+                default = type(config)()
+            if getattr(default, name, None) is None:
+                continue  # the model derives it (GPT-2's n_inner, Llama's num_key_value_heads)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            what = ("must be at least 1: a model without blocks trains only its embeddings and head"
+                    if name == "num_hidden_layers" and isinstance(v, int) and not isinstance(v, bool)
+                    else "must be a positive integer (a number without quotes or a fraction)")
+            raise ConfigError(f"{source}: {key}={v!r} {what}; fix it in the config")
+        values[name] = v
+    rope = getattr(config, "rope_parameters", None)
+    reals = {k: getattr(config, k) for k in _POSITIVE_REALS if getattr(config, k, None) is not None}
+    if isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        reals["rope_theta"] = rope["rope_theta"]
+    for k, v in reals.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ConfigError(f"{source}: {k}={v!r} must be a positive number (without quotes); fix it in the config")
+    heads, hidden, kv = values.get("num_attention_heads"), values.get("hidden_size"), values.get("num_key_value_heads")
+    if heads and hidden and hidden % heads and "head_dim" not in given:
+        raise ConfigError(f"{source}: num_attention_heads={heads} does not divide hidden_size={hidden} (each head takes "
+                          "hidden_size / heads dimensions); change one of them, or give head_dim")
+    if heads and kv and heads % kv:
+        raise ConfigError(f"{source}: num_key_value_heads={kv} does not divide num_attention_heads={heads} (each "
+                          "key/value head serves heads / kv_heads query heads); change one of them")
 
 
 def check_positions(config: Any, seq_len: int, source: str) -> None:

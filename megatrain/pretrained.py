@@ -8,6 +8,7 @@ shard's pages and one tensor while loading, never a second full copy of the weig
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,15 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
         on disk is widened to FP32) and its AdamW moments zero.
 
     Raises:
-        ConfigError: ``path`` is not a directory or has no ``config.json``; ``compile``'s own errors
-            for its arguments.
+        ConfigError: ``path`` is not a directory or has no ``config.json``; the config needs the
+            directory's own Python code (megatrain passes ``trust_remote_code=False`` and runs none)
+            or has a value that cannot describe a model (:func:`megatrain.models.check_config_values`);
+            ``compile``'s own errors for its arguments.
         UnsupportedModelError / TraceError: as ``compile``.
-        CheckpointError: as ``load_hf_weights`` (no weights, a corrupt file, a shape that differs).
+        CheckpointError: as ``load_hf_weights`` (no weights, legacy pickled ``pytorch_model.bin``
+            weights, a corrupt file, a shape that differs); a megatrain checkpoint (with
+            ``megatrain_state/``) whose files differ from the sha256 its manifest records, or that
+            has no manifest.
     """
     root = Path(path)
     if not root.is_dir():
@@ -53,9 +59,23 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
                           "from (save_pretrained writes it beside the weights)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    from megatrain.checkpoint import verify_model_files
+    from megatrain.models import check_config_values, config_errors, refuse_remote_code
+
+    verify_model_files(root)  # a megatrain checkpoint: what is read must match its manifest
+    source = str(root / "config.json")
+    try:
+        raw = json.loads((root / "config.json").read_bytes())
+    except ValueError as e:
+        raise ConfigError(f"{source} is not valid JSON ({e}); save_pretrained writes a JSON object there") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source} holds a JSON {type(raw).__name__}, not an object")
+    refuse_remote_code(str(raw.get("model_type")), raw, source)
+    with config_errors(source):
+        config = AutoConfig.from_pretrained(root, local_files_only=True, trust_remote_code=False)
+    check_config_values(config, source, set(raw))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     trainer = compile(model, **compile_kwargs)
     trainer.load_hf_weights(root, strict=strict)
     return trainer

@@ -68,7 +68,15 @@ class StepResult:
     clipping, each layer's step runs as soon as its gradients arrive during backward: a non-finite
     loss is known before any of them (nothing is applied), but a non-finite gradient in layer ``i``
     is found only when it arrives, so the layers after ``i`` (updated before it) keep their
-    update, and ``skipped_layers`` lists those that were not updated.
+    update, and ``skipped_layers`` lists those that were not updated; ``updated_layers`` lists
+    those that took this batch's update during the step (always empty with deferred updates).
+
+    ``nonfinite_weights``: layers whose optimizer step in this step's run left a NaN or infinite
+    value in their FP32 master (from finite gradients: ``lr x weight_decay > 2``, say). With
+    updates during backward it is this batch's update (the layers after it are then not updated
+    and ``applied`` is False); with deferred updates it is the previous step's, which runs at the
+    start of this one. Those layers keep the bad values: ``megatrain train`` rolls back to its last
+    checkpoint (README, "Failures").
 
     A step that raises returns no StepResult; see ``Trainer.step`` for what it leaves behind.
     """
@@ -82,6 +90,8 @@ class StepResult:
     grad_norm: float = float("nan")
     applied: bool = True
     skipped_layers: tuple[int, ...] = ()
+    updated_layers: tuple[int, ...] = ()
+    nonfinite_weights: tuple[int, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -123,29 +133,34 @@ class Trainer:
         carries = self._pending_layers and self._pending_layers == frozenset(self.schedules.tiles)
         return self.schedules.carrying if carries else self.schedules.first
 
-    def flush(self) -> None:
+    def flush(self) -> tuple[int, ...]:
         """Apply the update the last step deferred (plans whose optimizer steps run in the next
         step's forward, as with ``max_grad_norm``). ``evaluate`` and ``save`` call it; call it
         before reading ``model.state_dict()`` yourself. A no-op when nothing is pending.
+
+        Returns:
+            The layers whose update left a NaN or infinite master (``StepResult.nonfinite_weights``);
+            empty when nothing was pending.
 
         Raises:
             StepError: an optimizer step raised; the updates that ran are not pending any more, the
                 others still are (a later ``flush`` or ``step`` applies them, each exactly once).
         """
-        if self._pending_layers:
-            self._apply_pending(None)
+        return self._apply_pending(None) if self._pending_layers else ()
 
     def drop_pending_updates(self) -> None:
-        """Forget a deferred update without applying it (after loading a checkpoint)."""
+        """Forget a deferred update without applying it (after loading a checkpoint, or for a step
+        whose update is not to be kept: ``megatrain train``'s loss-spike check)."""
         self.executor.drop_deferred()
 
-    def _apply_pending(self, cause: BaseException | None) -> None:
-        """Run the pending layers' optimizer steps alone (an ``"update"`` schedule of just those)."""
+    def _apply_pending(self, cause: BaseException | None) -> tuple[int, ...]:
+        """Run the pending layers' optimizer steps alone (an ``"update"`` schedule of just those);
+        return the layers whose update left a non-finite master."""
         full = self.schedules.update
         sched = full if self._pending_layers == frozenset(self.schedules.tiles) else full.of_layers(
             self._pending_layers)
         try:
-            self.executor.run(sched, [])  # takes each update that ran off the pending ones
+            return tuple(self.executor.run(sched, []).nonfinite_updates)  # takes each update that ran off the pending ones
         except BaseException as e:
             if not isinstance(e, Exception):
                 raise
@@ -214,8 +229,16 @@ class Trainer:
             # so the files of node 0's ranks hold every shard: HostState.read_moment): each rank's
             # last NVME_WRITE must be done first.
             dp.barrier("the barrier before rank 0 reads the ranks' NVMe files for a save")
-        out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
-        dp.barrier("the barrier after rank 0's save")
+        from megatrain.runtime.distributed import patient_barrier
+
+        try:
+            out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
+        except BaseException as e:
+            patient_barrier("the wait for rank 0's save", failed=e)
+            raise
+        # A save takes as long as the disk needs, longer than a collective should wait: the other
+        # ranks wait while rank 0's heartbeat goes on.
+        patient_barrier("the wait for rank 0's save")
         return out
 
     def _save_sliced(self, path, **kwargs):
@@ -447,8 +470,13 @@ class Trainer:
         if self.plan.data_parallel == 1 and None not in targets and sum(targets) == 0:
             raise BatchError(_no_targets("the global batch", 1))
         t0 = time.perf_counter()
+        if self.plan.data_parallel > 1:
+            from megatrain.runtime.distributed import Heartbeat
+
+            Heartbeat.step(f"step {self.step_count + 1}")  # a collective that fails names a rank not there
+        rest = ()  # the previous update's layers a failure left pending, applied alone first
         if self._pending_layers and self.schedule is self.schedules.first:
-            self._apply_pending(None)  # a failure left part of the update pending
+            rest = self._apply_pending(None)  # a failure left part of the update pending
         out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}", targets)
         seconds = time.perf_counter() - t0
         if out.supervised_tokens == 0:  # data parallel: the ranks learned it from the COUNT_REDUCE
@@ -456,7 +484,8 @@ class Trainer:
                              + " Nothing of it was applied")
         self.step_count += 1
         losses, targets = tuple(out.losses), tuple(out.targets)
-        if self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD:
+        deferred = self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD
+        if deferred:
             # The update waits for the next schedule; it is dropped here when anything was not finite.
             # It runs with this step's AdamW settings (a later set_lr is for the next step's update).
             max_norm = o.max_grad_norm
@@ -473,8 +502,9 @@ class Trainer:
         return StepResult(step=self.step_count, loss=sum(w * x for w, x in zip(weights, losses)),
                           micro_batch_losses=tuple(micro_batch_means(losses, targets)), tokens=tokens,
                           supervised_tokens=out.supervised_tokens, seconds=seconds,
-                          grad_norm=out.grad_norm, applied=out.finite,
-                          skipped_layers=skipped)
+                          grad_norm=out.grad_norm, applied=out.finite and (deferred or not out.nonfinite_updates),
+                          skipped_layers=skipped, updated_layers=() if deferred else tuple(self.executor.updated),
+                          nonfinite_weights=rest + tuple(out.nonfinite_updates))
 
     def evaluate(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> float:
         """The loss of ``batch`` without updating anything: the mean of its token losses over its

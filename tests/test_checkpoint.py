@@ -530,3 +530,14 @@ def test_persistent_buffers_round_trip_in_their_own_dtype(tmp_path):
     load_checkpoint(resumed, path)
     assert torch.equal(other.scale, model.scale)
     _assert_equal_weights(_params(resumed), _params(trainer))
+
+
+def test_weights_with_nan_are_never_saved_and_the_previous_checkpoint_stays(tmp_path):
+    trainer = _compile(_seeded_llama(0))
+    path = save_checkpoint(trainer, tmp_path / "ckpt")
+    before = (path / "model.safetensors").read_bytes()
+    trainer.host.master(1)[3] = float("nan")
+    with pytest.raises(CheckpointError, match=r"parameter 'model\.layers\.0\..*' holds NaN or infinite values"):
+        save_checkpoint(trainer, tmp_path / "ckpt")
+    assert (path / "model.safetensors").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no partial save beside it

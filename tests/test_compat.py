@@ -1,6 +1,7 @@
 """Traced templates keep eager numerics across transformers versions: no dtype asserts left in
 nested graphs, rotary angle math in FP32 under BF16 autocast, and grouped-query attention that
-a fused SDPA kernel accepts in FP32."""
+a fused SDPA kernel accepts in FP32. Model configs are checked the same on every version (recent
+transformers validate some values themselves, older ones none), and none runs a directory's code."""
 
 from __future__ import annotations
 
@@ -276,3 +277,59 @@ def test_fp32_gqa_on_cuda_expands_and_bf16_keeps_enable_gqa():
     assert torch.backends.cuda.can_use_efficient_attention(params, True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert not gqa_needs_expansion(q, k, v, is_causal=True)
+
+
+# -- config values: one error, on every transformers version -----------------------------------------
+
+LLAMA = dict(model_type="llama", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"hidden_size": "32"}, "hidden_size"), ({"hidden_size": 32.5}, "hidden_size"),
+    ({"intermediate_size": None}, "intermediate_size"), ({"vocab_size": True}, "vocab_size"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be at least 1"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers=-1 must be at least 1"),
+    ({"num_attention_heads": 5}, r"attention heads \(5\)|num_attention_heads=5 does not divide hidden_size=32"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ({"rope_theta": "fast"}, "rope_theta"), ({"rms_norm_eps": "x"}, "rms_norm_eps"),
+    ({"model_type": "gpt2", "n_layer": 0}, "n_layer=0 must be at least 1"),
+], ids=lambda x: str(x) if isinstance(x, dict) else "")
+def test_an_invalid_model_config_value_is_one_error_naming_it(tmp_path, capsys, change, named):
+    import json
+    import re
+
+    from megatrain.cli import main
+    from megatrain.errors import ConfigError
+    from megatrain.planner.presets import load_model_config
+
+    cfg = {**LLAMA, **change} if change.get("model_type") != "gpt2" else \
+        dict(model_type="gpt2", vocab_size=320, n_embd=32, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
+             n_layer=change["n_layer"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + ".*(" + named + ")"):
+        load_model_config(path)
+    assert main(["plan", "--model", str(path), "--hardware", "H100_SXM", "--seq-len", "32", "--global-batch", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+
+
+def test_a_config_that_needs_the_directorys_own_code_is_refused_and_none_runs(tmp_path, monkeypatch):
+    import json
+
+    from megatrain.errors import ConfigError
+    from megatrain.planner.presets import build_meta_model, load_model_config
+
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked whether to run remote code"))
+    (tmp_path / "modeling_evil.py").write_text("raise SystemExit('remote code ran')\n")
+    custom = {**LLAMA, "model_type": "evil", "auto_map": {"AutoConfig": "modeling_evil.EvilConfig",
+                                                            "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}}
+    (tmp_path / "config.json").write_text(json.dumps(custom))
+    with pytest.raises(ConfigError, match=r"model_type 'evil' is defined only by the model directory's own Python "
+                                          r"code \(modeling_evil.py\).*trust_remote_code=False"):
+        load_model_config(tmp_path / "config.json")
+    # A type transformers ships, with an auto_map left in (as many hub checkpoints have): its own class.
+    (tmp_path / "config.json").write_text(json.dumps({**custom, "model_type": "llama"}))
+    model = build_meta_model(load_model_config(tmp_path / "config.json"))
+    assert type(model).__module__.startswith("transformers.models.llama")

@@ -258,6 +258,36 @@ def test_bpe_vocab_and_special_token(tokenizer):
         train_bpe_tokenizer(["abc"], vocab_size=256)
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.text(alphabet=st.sampled_from("ab \n\u00e9"), max_size=700), max_size=4))
+def test_bounded_words_keep_the_text_and_cut_long_runs(docs):
+    from megatrain.data.tokenizer import MAX_WORD_CHARS, bounded_words
+
+    pieces = list(bounded_words(docs))
+    assert "".join(pieces) == "".join(docs)
+    assert all(len(run) <= MAX_WORD_CHARS for p in pieces for run in p.split())
+
+
+def test_a_line_of_megabytes_without_whitespace_trains_on_bounded_words(monkeypatch):
+    """Such a line made BPE training quadratic (2 MB: 340 s): the trainer's work per merge grows
+    with the longest word. What reaches the trainer is counted, not timed."""
+    from tokenizers import Tokenizer
+
+    from megatrain.data.tokenizer import MAX_WORD_CHARS
+
+    seen = []
+    real = Tokenizer.train_from_iterator
+
+    def spy(self, iterator, **kw):
+        return real(self, (seen.append(t) or t for t in iterator), **kw)
+
+    monkeypatch.setattr(Tokenizer, "train_from_iterator", spy)
+    line = "abcdefghij" * 20_000  # 200 KB, no whitespace
+    tok = train_bpe_tokenizer(["some ordinary words here", line], vocab_size=300)
+    assert max(len(t) for t in seen) == MAX_WORD_CHARS and "".join(seen[1:]) == line
+    assert tok.decode(tok.encode(line).ids) == line  # encoding is not cut: the whole line round-trips
+
+
 def test_bpe_learns_merges(real_docs, tokenizer):
     text = real_docs[0]
     n_tokens = len(tokenizer.encode(text).ids)

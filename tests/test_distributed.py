@@ -915,6 +915,10 @@ def _hang_main(rank: int, world: int, init_file: str, out: str, how: str) -> Non
     trainer.save(f"{out}.ckpt")
     if rank == 1 and how == "dies":
         os._exit(1)
+    if rank == 1 and how == "stops":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSTOP)  # as `kill -STOP`, a debugger or a hung driver: every thread stops
     if rank == 1:
         time.sleep(120)  # hangs (the test kills it)
     start = time.monotonic()
@@ -930,25 +934,71 @@ def _hang_main(rank: int, world: int, init_file: str, out: str, how: str) -> Non
 HANG_TIMEOUT_S = 3
 
 
-@pytest.mark.parametrize("how", ["hangs", "dies"])
-def test_a_rank_that_hangs_or_dies_makes_the_others_stop_with_a_clear_error_within_the_timeout(tmp_path, how):
+def _two_ranks(main, tmp_path, how: str, watch: int) -> dict:
+    """Run ``main(rank, 2, init file, out, how)`` on two spawned ranks; once rank ``watch`` is done
+    (or two minutes on), kill both (one may hang or be stopped) and return what ``watch`` saved."""
     out = str(tmp_path / "rank")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_hang_main, args=(r, 2, str(tmp_path / "init"), out, how)) for r in range(2)]
+    procs = [ctx.Process(target=main, args=(r, 2, str(tmp_path / "init"), out, how)) for r in range(2)]
     for p in procs:
         p.start()
-    procs[0].join(timeout=120)
+    procs[watch].join(timeout=120)
     for p in procs:
         p.kill()
-    got = torch.load(f"{out}.0")
+    return torch.load(f"{out}.{watch}")
+
+
+@pytest.mark.parametrize("how", ["hangs", "dies", "stops"])
+def test_a_rank_that_hangs_or_dies_makes_the_others_stop_with_a_clear_error_within_the_timeout(tmp_path, how):
+    got = _two_ranks(_hang_main, tmp_path, how, watch=0)
     # The step's first collective, which rank 0 waits in: the sum of the ranks' supervised tokens.
     assert "COUNT_REDUCE:L" in got["error"] and "failed on rank 0 of 2" in got["error"], got["error"]
-    assert f"timeout ({HANG_TIMEOUT_S} s" in got["error"] and "restart all of them from the last checkpoint" in got["error"]
+    assert f"timeout is {HANG_TIMEOUT_S} s" in got["error"] and "restart all of them from the last checkpoint" in got["error"]
+    # The rank that stopped is named, from the ranks' heartbeats (the collective's own error names no peer).
+    assert "Rank 1 has not begun step 2 (it last began step 1)" in got["error"] or \
+        "Rank 1 stopped: no heartbeat for" in got["error"], got["error"]
+    if how == "stops":
+        assert "Rank 1 stopped: no heartbeat for" in got["error"], got["error"]
     # A hung rank: it waited for the timeout, not for the rank (which sleeps 120 s). A dead one:
     # gloo may see the closed connection at once, or wait for the timeout.
-    assert (HANG_TIMEOUT_S if how == "hangs" else 0) <= got["seconds"] < 60
+    assert (HANG_TIMEOUT_S if how != "dies" else 0) <= got["seconds"] < 60
     # The checkpoint saved before the hang is complete: its manifest (written last) is there.
     assert (tmp_path / "rank.ckpt" / STATE_DIR / MANIFEST).is_file()
+
+
+def _patient_main(rank: int, world: int, init_file: str, out: str, how: str) -> None:
+    """Rank 0 works for three timeouts (a long save or data preparation) or stops; rank 1 waits."""
+    from megatrain.runtime.distributed import Heartbeat, patient_barrier
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=HANG_TIMEOUT_S))
+    Heartbeat.start(interval=HANG_TIMEOUT_S / 10)
+    if rank == 0:
+        if how == "stops":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3 * HANG_TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        patient_barrier("the wait for rank 0's save")
+        result = "no error"
+    except megatrain.CollectiveError as e:
+        result = str(e)
+    torch.save({"error": result, "seconds": time.monotonic() - start}, f"{out}.{rank}")
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["works-long", "stops"])
+def test_the_wait_for_rank_0s_long_work_lasts_while_its_heartbeat_goes_on(tmp_path, how):
+    """A save or data preparation longer than the collective timeout is waited for (it stopped a
+    healthy run); a rank 0 that stops is named within the timeout (it blocked the others)."""
+    got = _two_ranks(_patient_main, tmp_path, how, watch=1)
+    if how == "works-long":
+        assert got["error"] == "no error" and got["seconds"] >= 2 * HANG_TIMEOUT_S
+    else:
+        assert "the wait for rank 0's save on rank 1: Rank 0 stopped: no heartbeat for" in got["error"], got["error"]
+        assert got["seconds"] < 60
 
 
 # test_train_cli's run, shortened; eps 1e-6 as OPT above.

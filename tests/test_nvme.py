@@ -86,6 +86,78 @@ def test_fallocate_failure_names_file(tmp_path, monkeypatch):
         NvmeStore(tmp_path, {"x": 100})
 
 
+def test_a_symlink_planted_under_a_tile_name_is_refused_and_its_target_untouched(tmp_path):
+    """Shared scratch: a symlink named like a tile made a run overwrite the file it pointed at."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    d = tmp_path / "nvme"
+    d.mkdir()
+    (d / "L0.moments.tile").symlink_to(victim)
+    with pytest.raises(NvmeError, match=r"L0\.moments\.tile' exists and cannot be reused .*symlink"):
+        NvmeStore(d, {"L0.moments": 2 * ALIGN})
+    assert victim.read_text() == "precious"
+    os.link(victim, d / "L1.moments.tile")  # a hard link to another file: two links, refused too
+    with pytest.raises(NvmeError, match=r"L1\.moments\.tile' exists and is not a file this user made .*2 links"):
+        NvmeStore(d, {"L1.moments": 2 * ALIGN})
+    assert victim.read_text() == "precious"
+
+
+def test_files_are_private_and_an_earlier_runs_are_reused(tmp_path):
+    with NvmeStore(tmp_path, {"a": 3 * ALIGN}) as store:
+        store.write("a", aligned_buffer(3 * ALIGN).fill_(9)).wait()
+    os.chmod(tmp_path / "a.tile", 0o644)
+    with NvmeStore(tmp_path, {"a": 3 * ALIGN}) as store:  # emptied: reads as zeros, as fresh moments
+        buf = aligned_buffer(3 * ALIGN)
+        store.read("a", buf).wait()
+        assert not buf.any()
+    assert [p.name for p in tmp_path.iterdir()] == ["a.tile"]  # the O_DIRECT probe file is gone
+    assert (tmp_path / "a.tile").stat().st_mode & 0o777 == 0o600
+
+
+def test_resuming_counts_the_space_of_its_own_old_tiles(tmp_path, monkeypatch):
+    """A disk that holds the tiles once: the second run reuses the first's files. The free space was
+    checked before they were emptied, so a resume failed whenever old tiles filled half the disk."""
+    sizes = {"a": 64 * ALIGN, "b": 32 * ALIGN}
+    capacity = sum(sizes.values()) + ALIGN
+
+    class Usage:  # a file system of `capacity` bytes holding only this directory's files
+        @property
+        def free(self):
+            return capacity - sum(p.stat().st_blocks * 512 for p in tmp_path.iterdir())
+
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda _: Usage())
+    NvmeStore(tmp_path, sizes).close()
+    assert Usage().free < min(sizes.values())  # the old tiles fill the disk
+    NvmeStore(tmp_path, sizes).close()
+    with pytest.raises(NvmeError, match=r"with the \d+ bytes of this store's files from an earlier run"):
+        NvmeStore(tmp_path, {**sizes, "c": 2 * ALIGN})
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["written", "mapped"])
+def test_a_tile_changed_on_disk_is_an_error_at_its_next_read(tmp_path, mapped):
+    n = 3 * ALIGN
+    data = aligned_buffer(n).copy_(_random_bytes(n, 1))
+    with NvmeStore(tmp_path, {"a": n}, block_bytes=ALIGN) as store:
+        if mapped:  # masters on NVMe are first written through a mapping, then synced
+            store.map_tile("a").copy_(data)
+            store.sync("a")
+        else:
+            store.write("a", data).wait()
+        buf = aligned_buffer(n)
+        store.read("a", buf).wait()
+        assert torch.equal(buf, data)
+        with open(tmp_path / "a.tile", "r+b") as f:
+            f.seek(ALIGN + 5)
+            f.write(b"\x01")
+        with pytest.raises(NvmeError, match=r"a\.tile' changed on disk .*4096 bytes at offset 4096 differs"):
+            store.read("a", buf).wait()
+    with NvmeStore(tmp_path, {"a": n}, block_bytes=ALIGN, checksums=False) as store:
+        store.write("a", data).wait()
+        with open(tmp_path / "a.tile", "r+b") as f:
+            f.write(b"\x01")
+        store.read("a", buf).wait()  # not checked
+
+
 def test_bad_input(tmp_path):
     with pytest.raises(NvmeError, match="does not exist"):
         NvmeStore(tmp_path / "nope", {"a": 1})
@@ -590,6 +662,26 @@ def test_truncated_nvme_file_mid_run_names_op_and_file_and_leaves_state(tmp_path
         assert torch.equal(t.host.read_master(li), before[li]), li
     assert [float(s) for s in t.host.steps] == steps
     assert torch.equal(t.host.read_moments(1), moments1)
+
+
+@pytest.mark.parametrize("masters", [frozenset(), ON_NVME], ids=["moments", "masters"])
+def test_a_tile_overwritten_mid_run_stops_the_step_naming_the_file(tmp_path, masters):
+    """It gave a different run, exit 0: now the checksum of the block read differs from the one
+    written, and the step stops before any optimizer step used it."""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    plan = _planned(copy.deepcopy(model))
+    if masters:
+        plan = dataclasses.replace(plan, compute_dtype="bfloat16", cast_once=True, nvme_masters=masters)
+    t = _compile(model, plan, tmp_path)
+    t.step(BATCHES[0])
+    head = "L3.state" if masters else "L3.moments"
+    with open(tmp_path / f"{head}.tile", "r+b") as f:  # another process, or a failing drive
+        f.seek(8)
+        f.write(b"\x7f" * 4)
+    with pytest.raises(StepError, match=rf"NVME_READ:L3:b0: NVMe tile file .*{head}\.tile' changed on disk since "
+                                        r"this run wrote it \(the checksum of the \d+ bytes at offset 0 differs\)"):
+        t.step(BATCHES[1])
 
 
 def test_readme_nvme_snippet_runs(tmp_path):

@@ -60,3 +60,56 @@ def test_tied_embeddings_load_tied_without_a_warning(tmp_path):
     want = eager_losses(ref, batches, 1)
     for a, b in zip(got, want):
         assert abs(a - b) <= RTOL * abs(b)
+
+
+def test_legacy_pickled_weights_are_refused_with_how_to_convert_and_never_unpickled(tmp_path, monkeypatch):
+    """config.json + pytorch_model.bin used to train from random weights without a word."""
+    from megatrain.train.model import resolve_model
+
+    torch.manual_seed(0)
+    tiny_llama().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("unpickled"))
+    for load in (lambda: megatrain.from_pretrained(tmp_path, seq_len=16), lambda: resolve_model(str(tmp_path))):
+        with pytest.raises(megatrain.CheckpointError, match=r"pytorch_model\.bin\).*does not load .*save_pretrained\("):
+            load()
+
+
+def test_a_megatrain_checkpoint_is_checked_against_its_manifest(tmp_path):
+    """A flipped byte in a checkpoint's weights loaded through from_pretrained, with the sha256 of
+    every file beside it."""
+    from megatrain.checkpoint import MANIFEST, STATE_DIR
+
+    torch.manual_seed(0)
+    trainer = megatrain.compile(tiny_llama(), seq_len=16, micro_batch_size=2)
+    ckpt = trainer.save(tmp_path / "ckpt")
+    megatrain.from_pretrained(ckpt, seq_len=16)  # intact: loads
+    shard = ckpt / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(megatrain.CheckpointError, match=r"model\.safetensors: sha256 differs from the manifest"):
+        megatrain.from_pretrained(ckpt, seq_len=16)
+    (ckpt / STATE_DIR / MANIFEST).unlink()
+    with pytest.raises(megatrain.CheckpointError, match=r"without megatrain_state/manifest\.json .*lacks only"):
+        megatrain.from_pretrained(ckpt, seq_len=16)
+
+
+def test_a_directory_that_needs_its_own_code_is_refused_without_asking(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked whether to run remote code"))
+    torch.manual_seed(0)
+    tiny_llama().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "modeling_x.py").write_text("raise SystemExit('remote code ran')\n")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "x", "auto_map": {
+        "AutoConfig": "modeling_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    with pytest.raises(megatrain.ConfigError, match="never runs code from a model directory"):
+        megatrain.from_pretrained(tmp_path, seq_len=16)
+    # A type transformers ships, with an auto_map left in: transformers' own class, no question asked.
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "auto_map": {
+        "AutoConfig": "modeling_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    trainer = megatrain.from_pretrained(tmp_path, seq_len=16)
+    assert type(trainer.model).__module__.startswith("transformers.models.llama")

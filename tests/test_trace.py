@@ -344,23 +344,20 @@ def test_an_attention_mask_input_keeps_the_mask():
 
 
 def test_llama2_7b_at_512k_traces_on_meta_in_seconds_with_no_sequence_squared_value():
-    import time
-
+    """What keeps the trace to seconds is checked, not the seconds (bench/plan_scale.py times it):
+    three blocks are exported and the rest replicated, and nothing S x S is built."""
     from megatrain.planner.presets import build_meta_model, load_model_config
 
     S, d, vocab = 524288, 4096, 32000
     model = build_meta_model(load_model_config("llama-2-7b"), dtype=torch.bfloat16)
-    start = time.perf_counter()
     traced = trace(model, micro_batch_size=1, seq_len=S)
     g = traced.graph
-    seconds = time.perf_counter() - start
     assert g.meta["trace"] == "replicated" and g.meta["skip_causal_mask"] is True
     residual = S * d * 2
     assert max(v.nbytes for v in g.values) == residual, "nothing crosses a layer bigger than the residual stream"
     head = g.layers[-1]
     assert head.fwd_flops == 2 * S * d * vocab and head.bwd_flops == 3 * head.fwd_flops
     assert head.work_bytes < S * vocab * 4 // 2, "the LM head's logits are chunked"
-    assert seconds < 20, f"tracing took {seconds:.1f} s"
     # Each block runs its two token-wise regions (norm, q/k/v, rotary; o proj, norm, MLP) in chunks
     # of the sequence; what stays whole is attention's q, k, v, output and their gradients.
     block = g.layers[1]

@@ -24,7 +24,8 @@ equal size; spawned worker processes tokenise runs into shard files, and the par
 the shards in corpus order while hashing them, so the store's bytes do not depend on the number
 of workers. Everything is written into a temporary directory beside the target and renamed into
 place, so a store is either complete or absent; a crash leaves only the temporary directory,
-which the next build of that directory removes.
+which the next build of that directory removes. One process at a time checks or builds a store
+(a lock file beside it); the workers die with the process that spawned them.
 
 A byte budget (``max_bytes``) takes the corpus's first ``max_bytes`` UTF-8 bytes of document text
 exactly as :func:`~megatrain.data.sources.load_documents` does (the document crossing the budget is
@@ -42,15 +43,16 @@ Reading: :class:`~megatrain.data.windows.StoreWindows`.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
 import mmap
 import os
 import shutil
+import signal
 import time
 import uuid
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -63,6 +65,7 @@ from tokenizers import Tokenizer
 from megatrain.data.sources import _Budget, corpus_files, default_corpus_dir, iter_file_documents
 from megatrain.data.tokenizer import find_eot_token
 from megatrain.errors import MegatrainError
+from megatrain.files import DirectoryLock, raise_if_full
 from megatrain.units import MiB
 
 __all__ = [
@@ -425,11 +428,29 @@ class _Shard:
 _WORKER_TOKENIZER: Tokenizer | None = None
 
 
-def _init_worker(tokenizer_json: str) -> None:
+def _init_worker(tokenizer_json: str, parent: int) -> None:
     global _WORKER_TOKENIZER
+    _die_with_parent(parent)
+    # The parent decides what an interrupt does (it terminates the pool); Ctrl-C reaches the whole
+    # process group, and a worker's KeyboardInterrupt would only add a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Each worker is one of N processes: its encode_batch must not start N threads of its own.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this worker when the process that spawned it dies
+    (``prctl(PR_SET_PDEATHSIG)``), so a build killed with SIGKILL leaves no worker tokenising its
+    shard for minutes. Elsewhere a no-op."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    pr_set_pdeathsig = 1
+    prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the prctl took effect
+        os._exit(1)
 
 
 def _run_task(task: _Task, tokenizer: Tokenizer | None = None) -> _Shard:
@@ -453,7 +474,7 @@ def _run_task(task: _Task, tokenizer: Tokenizer | None = None) -> _Shard:
                 flat.extend(enc.ids)
                 flat.append(task.eot_id)
                 lengths.append(len(enc.ids) + 1)
-            np.asarray(flat, dtype=_le(task.dtype)).tofile(out)
+            out.write(np.asarray(flat, dtype=_le(task.dtype)).data)  # tofile would lose a full disk's errno
             num_tokens += len(flat)
             batch.clear()
             chars = 0
@@ -479,7 +500,8 @@ def _run_task(task: _Task, tokenizer: Tokenizer | None = None) -> _Shard:
                 break
         if batch:
             flush()
-    np.asarray(lengths, dtype=np.int64).tofile(task.out + ".len")
+    with open(task.out + ".len", "wb") as f:
+        f.write(np.asarray(lengths, dtype=np.int64).data)
     return _Shard(task.index, len(lengths), num_tokens, tuple(str(p) for p in skipped), text_bytes)
 
 
@@ -518,19 +540,21 @@ def _tokenise(tasks: list[_Task], tokenizer: Tokenizer, workers: int, progress: 
         else:
             # spawn, not fork: the parent has torch's and tokenizers' thread pools running, and a
             # forked child of a threaded process may deadlock (tokenizers warns and disables its
-            # parallelism after fork for that reason).
-            with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                                     initializer=_init_worker, initargs=(tokenizer.to_str(),)) as pool:
-                futures = {pool.submit(_run_task, t): t for t in tasks}
-                try:
-                    for fut in as_completed(futures):
-                        shard = fut.result()
-                        shards[shard.index] = shard
-                        bar.update(futures[fut].nbytes)
-                except BaseException:
-                    for fut in futures:
-                        fut.cancel()
-                    raise
+            # parallelism after fork for that reason). multiprocessing's Pool, not
+            # concurrent.futures': on an error or an interrupt terminate() stops the workers now,
+            # where the executor's shutdown waits for each to finish its shard.
+            pool = get_context("spawn").Pool(workers, initializer=_init_worker,
+                                             initargs=(tokenizer.to_str(), os.getpid()))
+            try:
+                for shard in pool.imap_unordered(_run_task, tasks):
+                    shards[shard.index] = shard
+                    bar.update(tasks[shard.index].nbytes)
+                pool.close()
+            except BaseException:
+                pool.terminate()
+                raise
+            finally:
+                pool.join()
     finally:
         bar.close()
     return [s for s in shards if s is not None]
@@ -604,8 +628,10 @@ def build_token_store(
             the module docstring); None (the default) reads the whole corpus in parallel.
         workers: tokenising processes; ``None`` is the number of cores this process may run on,
             at most one per shard; ``1`` tokenises in this process (with the tokenizer's own
-            threads). One build per store directory at a time: a build removes the temporary
-            directories it finds beside ``path`` (left by crashed builds).
+            threads). Builds of one store take turns (a lock file beside it, ``.<name>.lock``,
+            which a process that waits names in a warning); a build removes the temporary
+            directories a killed build left beside ``path``. The workers are killed with this
+            process (SIGKILL included, on Linux) and stopped at once by an error or an interrupt.
         progress: show a tqdm bar of source bytes tokenised (on stderr).
 
     Returns:
@@ -619,8 +645,21 @@ def build_token_store(
             the source holds no non-empty document.
         ValueError: ``max_bytes`` is not positive.
     """
-    return _build(_Source.resolve(source), tokenizer, Path(path).absolute(), eot_token=eot_token,
-                  text_field=text_field, max_bytes=max_bytes, workers=workers, progress=progress)
+    path = Path(path).absolute()
+    with _locked(path):
+        return _build(_Source.resolve(source), tokenizer, path, eot_token=eot_token, text_field=text_field,
+                      max_bytes=max_bytes, workers=workers, progress=progress)
+
+
+def _locked(path: Path) -> DirectoryLock:
+    """The lock of the store at ``path`` (``.<name>.lock`` beside it), taken: one process checks,
+    builds or replaces a store at a time; another that wants it waits, saying for whom (and then
+    reuses what the first built). Readers of a built store need no lock: a rebuild renames a new
+    directory into place, and a reader's open memory maps keep the files they map."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = DirectoryLock(path.parent / f".{path.name}.lock", f"the token store {path}")
+    lock.acquire(wait=True, on_wait=logger.warning)
+    return lock
 
 
 def _resolve_eot(tokenizer: Tokenizer, eot_token: str | None) -> tuple[str, int]:
@@ -657,8 +696,8 @@ def _build(src: _Source, tokenizer: Tokenizer, path: Path, *, eot_token: str | N
         raise ValueError(f"workers must be >= 1 or None, got {workers}")
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a build that crashed
+    for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by a build that was killed (the caller holds the lock)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
@@ -687,6 +726,9 @@ def _build(src: _Source, tokenizer: Tokenizer, path: Path, *, eot_token: str | N
             fh.flush()
             os.fsync(fh.fileno())
         _install(tmp, path)
+    except OSError as e:  # a full disk says so, with the space left, not "25013 requested and 0 written"
+        raise_if_full(e, path, "the token store")
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -719,34 +761,35 @@ def cached_token_store(
     Arguments and errors as for :func:`build_token_store` and :func:`open_token_store`.
     """
     path = Path(path).absolute()
-    src = _Source.resolve(source)
-    eot_token, _ = _resolve_eot(tokenizer, eot_token)
-    tok_sha = _sha256(tokenizer.to_str())
-    key = store_key(src.sha256, tok_sha, eot_token, text_field, max_bytes)
-    reason = None
-    if path.exists():
-        try:
-            m = _read_manifest(path)
-        except CorruptStoreError as e:
-            reason = f"corrupt: {e}"
-        else:
-            if m.key == key:
-                try:
-                    store = open_token_store(path, verify=verify)
-                except CorruptStoreError as e:
-                    reason = f"corrupt: {e}"
-                else:
-                    store.origin = "reused"
-                    return store
-            elif m.source_sha256 != src.sha256:
-                reason = "source changed"
-            elif m.tokenizer_sha256 != tok_sha:
-                reason = "tokenizer changed"
+    with _locked(path):
+        src = _Source.resolve(source)
+        eot_token, _ = _resolve_eot(tokenizer, eot_token)
+        tok_sha = _sha256(tokenizer.to_str())
+        key = store_key(src.sha256, tok_sha, eot_token, text_field, max_bytes)
+        reason = None
+        if path.exists():
+            try:
+                m = _read_manifest(path)
+            except CorruptStoreError as e:
+                reason = f"corrupt: {e}"
             else:
-                reason = "options changed"
-        if reason.startswith("corrupt"):
-            logger.warning("token store %s is not usable, rebuilding it: %s", path, reason)
-    store = _build(src, tokenizer, path, eot_token=eot_token, text_field=text_field, max_bytes=max_bytes,
-                   workers=workers, progress=progress)
-    store.origin = "built" if reason is None else f"rebuilt ({reason})"
-    return store
+                if m.key == key:
+                    try:
+                        store = open_token_store(path, verify=verify)
+                    except CorruptStoreError as e:
+                        reason = f"corrupt: {e}"
+                    else:
+                        store.origin = "reused"
+                        return store
+                elif m.source_sha256 != src.sha256:
+                    reason = "source changed"
+                elif m.tokenizer_sha256 != tok_sha:
+                    reason = "tokenizer changed"
+                else:
+                    reason = "options changed"
+            if reason.startswith("corrupt"):
+                logger.warning("token store %s is not usable, rebuilding it: %s", path, reason)
+        store = _build(src, tokenizer, path, eot_token=eot_token, text_field=text_field, max_bytes=max_bytes,
+                       workers=workers, progress=progress)
+        store.origin = "built" if reason is None else f"rebuilt ({reason})"
+        return store

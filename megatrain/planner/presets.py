@@ -98,10 +98,14 @@ def load_model_config(name_or_path: str | os.PathLike):
     ``tie_word_embeddings`` is kept (tied embeddings train as one matrix).
 
     Raises:
-        ConfigError: the name is neither a preset nor an existing file, the file is not JSON, or
-            it has no ``model_type`` transformers knows.
+        ConfigError: the name is neither a preset nor an existing file, the file is not JSON, it
+            has no ``model_type`` transformers knows (one that only its own code defines, through
+            ``auto_map``, says so: megatrain runs no code from a model directory), or a value
+            cannot describe a model (:func:`megatrain.models.check_config_values`).
     """
     from transformers import AutoConfig
+
+    from megatrain.models import check_config_values, config_errors, refuse_remote_code
 
     key = str(name_or_path)
     if key in MODEL_PRESETS:
@@ -129,18 +133,23 @@ def load_model_config(name_or_path: str | os.PathLike):
     if not model_type:
         raise ConfigError(f"{source} has no 'model_type'; a Hugging Face config.json names its "
                           "architecture there (e.g. \"llama\")")
+    refuse_remote_code(model_type, d, source)
+    given = set(d)
     d.update(use_cache=False)
     for k in ("transformers_version", "_name_or_path"):
         d.pop(k, None)
-    try:
-        return AutoConfig.for_model(model_type, **d)
-    except (ValueError, KeyError) as e:
-        # transformers' message lists every model type it knows (about 12,000 characters): keep its
-        # first sentence.
-        first = str(e).split(". ")[0].split("\n")[0][:200]
-        raise ConfigError(f"{source}: transformers cannot build a config of model_type "
-                          f"{model_type!r} ({first}); use a causal decoder's model_type such as "
-                          "llama, mistral, qwen2 or gpt2") from None
+    with config_errors(source):
+        try:
+            config = AutoConfig.for_model(model_type, **d)
+        except (ValueError, KeyError) as e:
+            # transformers' message lists every model type it knows (about 12,000 characters): keep its
+            # first sentence.
+            first = str(e).split(". ")[0].split("\n")[0][:200]
+            raise ConfigError(f"{source}: transformers cannot build a config of model_type "
+                              f"{model_type!r} ({first}); use a causal decoder's model_type such as "
+                              "llama, mistral, qwen2 or gpt2") from None
+    check_config_values(config, source, given)
+    return config
 
 
 def build_meta_model(config, dtype=None):
@@ -156,7 +165,7 @@ def build_meta_model(config, dtype=None):
 
     kwargs = {} if dtype is None else {"dtype": dtype}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kwargs)
 
 
 def trace_preset(config, *, seq_len: int, compute_dtype: str, micro_batch_size: int = 1):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import mmap
 import os
 import shutil
@@ -112,7 +113,7 @@ def world_timeout() -> datetime.timedelta | None:
 def collective(what: str) -> Iterator[None]:
     """Turn a failure of the ``torch.distributed`` calls inside into a :class:`CollectiveError`
     that names ``what`` (an op such as ``ALL_REDUCE:L3``, or "the barrier after a save"), this
-    rank and the timeout."""
+    rank, the timeout and, from the ranks' heartbeats (:class:`Heartbeat`), the rank that stopped."""
     try:
         yield
     except RuntimeError as e:  # gloo and NCCL raise DistBackendError (a RuntimeError), timeouts included
@@ -123,10 +124,174 @@ def collective(what: str) -> Iterator[None]:
         first = (str(e).strip().splitlines() or [repr(e)])[0]
         raise CollectiveError(
             f"data parallel: {what} failed on rank {dist.get_rank()} of {dist.get_world_size()} ({type(e).__name__}: "
-            f"{first}). Another rank died, hung for longer than "
-            f"the process group's timeout ({waited}: init_process_group(timeout=), megatrain train "
-            "--collective-timeout) or failed on its own. The ranks' states may differ now, so every rank stops: "
-            "restart all of them from the last checkpoint (saves are atomic, so it is complete)") from e
+            f"{first}). {who_stopped() or 'Another rank died, hung or failed on its own'} (the process group's "
+            f"timeout is {waited}: init_process_group(timeout=), megatrain train --collective-timeout). The ranks' "
+            "states may differ now, so every rank stops: restart all of them from the last checkpoint (saves are "
+            "atomic, so it is complete)") from e
+
+
+# -- heartbeats: which rank stopped ------------------------------------------------------------------
+
+_HEARTBEAT_KEY = "megatrain/heartbeat/{rank}"
+
+
+class Heartbeat:
+    """Each rank's record, in the process group's key-value store, of when it was last alive and
+    which step it had begun: a daemon thread writes it every ``interval`` seconds, and
+    :meth:`step` when a step begins. A rank that dies or is stopped (SIGSTOP, a hung driver
+    holding the interpreter) stops writing; one stuck in a wait keeps writing but stays at its
+    step. :func:`who_stopped` reads them when a collective fails, so the error names that rank
+    (a collective's own timeout error names no peer). One per process (:meth:`start`)."""
+
+    _current: "Heartbeat | None" = None
+
+    def __init__(self, store, rank: int, interval: float):
+        import threading
+
+        self.store, self.rank, self.interval = store, rank, interval
+        self.step_no, self.what = 0, "setting up"
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="megatrain-heartbeat", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, interval: float) -> "Heartbeat | None":
+        """The process's heartbeat, started once (None without a process group or its store)."""
+        import torch.distributed as dist
+
+        if cls._current is None and dist.is_initialized():
+            store = _store()
+            try:
+                cls._current = cls(store, dist.get_rank(), interval) if store is not None else None
+            except Exception as e:  # a store that refuses writes: errors then name no rank, waits are barriers
+                import logging
+
+                logging.getLogger(__name__).warning("no heartbeats in the process group's store (%s): a failed "
+                                                    "collective will not name the rank that stopped", e)
+        return cls._current
+
+    def _beat(self) -> None:
+        import time
+
+        self.store.set(_HEARTBEAT_KEY.format(rank=self.rank), f"{time.time():.3f}|{self.step_no}|{self.what}")
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            time.sleep(self.interval)
+            try:
+                self._beat()
+            except Exception:  # the store went away (the job is ending): nothing left to tell
+                return
+
+    @classmethod
+    def step(cls, what: str) -> None:
+        """This rank begins ``what`` (a step): recorded at once."""
+        hb = cls._current
+        if hb is not None:
+            hb.step_no += 1
+            hb.what = what
+            try:
+                hb._beat()
+            except Exception:
+                pass
+
+
+def _store():
+    """The default process group's key-value store (torchrun's, or the init method's), or None."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def who_stopped() -> str | None:
+    """A sentence naming the ranks that stopped, from their heartbeats: silent for more than three
+    intervals, or at an earlier step than the others. None when it cannot tell."""
+    import time
+
+    import torch.distributed as dist
+
+    hb = Heartbeat._current
+    if hb is None:
+        return None
+    records = {}
+    try:
+        for r in range(dist.get_world_size()):
+            key = _HEARTBEAT_KEY.format(rank=r)
+            if hb.store.check([key]):
+                t, n, what = hb.store.get(key).decode().split("|", 2)
+                records[r] = (float(t), int(n), what)
+    except Exception:  # the store is gone too
+        return None
+    now = time.time()
+    latest = max((n for _, n, _ in records.values()), default=0)
+    silent = [r for r in range(dist.get_world_size()) if r not in records or now - records[r][0] > 3 * hb.interval]
+    behind = [r for r, (_, n, _) in records.items() if n < latest and r not in silent]
+    parts = [f"rank {r} stopped: no heartbeat for {now - records[r][0]:.0f} s (its last: {records[r][2]})"
+             if r in records else f"rank {r} never reported" for r in silent]
+    ahead = records[max(records, key=lambda q: records[q][1])][2] if records else ""
+    parts += [f"rank {r} has not begun {ahead} (it last began {records[r][2]})" for r in behind]
+    text = "; ".join(parts)
+    return text[:1].upper() + text[1:] if text else None
+
+
+_BARRIERS = itertools.count()
+
+
+def patient_barrier(what: str, failed: BaseException | None = None) -> None:
+    """A barrier over every rank that waits as long as the ranks it waits for are alive, around work
+    of any length (rank 0's data preparation, its save) where a collective's timeout would stop a
+    healthy run: through the store, not a collective, checking the heartbeats of the ranks not
+    there yet. A rank whose heartbeat stops for longer than the process group's timeout is named.
+    Every rank calls it the same number of times; ``failed``: this rank's work raised it, and the
+    others learn so at once (this rank does not wait).
+
+    Raises:
+        CollectiveError: another rank failed, or stopped (naming it and what it last did).
+    """
+    import time
+
+    import torch.distributed as dist
+
+    hb = Heartbeat._current
+    if hb is None or dist.get_world_size() == 1:
+        if failed is None and dist.is_initialized():
+            with collective(what):
+                dist.barrier()
+        return
+    n, me, world = next(_BARRIERS), dist.get_rank(), dist.get_world_size()
+    key = f"megatrain/barrier/{n}/{{}}"
+    hb.store.set(key.format(me), "ok" if failed is None else f"failed: {type(failed).__name__}: {failed}"[:500])
+    if failed is not None:
+        return
+    timeout = (world_timeout() or datetime.timedelta(minutes=30)).total_seconds()
+    pending = [r for r in range(world) if r != me]
+    while pending:
+        try:
+            hb.store.wait([key.format(r) for r in pending], datetime.timedelta(seconds=hb.interval))
+        except RuntimeError:  # not all there yet (DistStoreError on the timeout)
+            pass
+        for r in list(pending):
+            if hb.store.check([key.format(r)]):
+                state = hb.store.get(key.format(r)).decode()
+                if state != "ok":
+                    raise CollectiveError(f"data parallel: {what}: rank {r} {state}; every rank stops: fix that, then "
+                                          "restart all of them (from the last checkpoint, if there is one)")
+                pending.remove(r)
+        beats = {}
+        for r in pending:
+            k = _HEARTBEAT_KEY.format(rank=r)
+            beats[r] = float(hb.store.get(k).decode().split("|")[0]) if hb.store.check([k]) else None
+        now = time.time()
+        gone = [r for r, t in beats.items() if t is not None and now - t > timeout]
+        if gone:
+            raise CollectiveError(f"data parallel: {what} on rank {me}: {who_stopped() or f'rank {gone[0]} stopped'} "
+                                  f"(no heartbeat for longer than the process group's timeout, {timeout:g} s). Every rank "
+                                  "stops: restart all of them (from the last checkpoint, if there is one)")
 
 
 def sum_over_ranks(values: list[float] | list[int], dtype: torch.dtype, group: Any) -> torch.Tensor:
@@ -287,6 +452,8 @@ def data_parallel_host(nbytes: int, data_parallel: int, optimizer_shards: int, n
                           f"{topo.local_world}: each node's ranks share its slice, so optimizer_shards must be the "
                           "ranks per node; compile with share_host_memory=True on the nodes you train on")
     g = Groups(topo)
+    timeout = world_timeout()
+    Heartbeat.start(interval=min(10.0, (timeout.total_seconds() if timeout else 1800.0) / 10))
     if optimizer_shards == 1:
         return DataParallelHost(topo, g, None, True, sharded)
     return DataParallelHost(topo, g, shared_host_memory(nbytes, topo, g.node), topo.leader, sharded)

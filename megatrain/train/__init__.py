@@ -16,8 +16,8 @@ function of a module of this package::
                 kept, megatrain.data.cached_sft_store) -> packed rows (megatrain.data.SftDataset)
     materialize megatrain.materialize of the same planned model: host tiles, backend, executor
     weights     Trainer.load_hf_weights, or Trainer.load for an exact resume
-    loop        lr (warm-up + cosine), step, non-finite policy, evaluation, checkpoints,
-                metrics.jsonl (metrics), progress bar, SIGINT / SIGTERM
+    loop        lr (warm-up + cosine), step, the guard (guard: skip, roll back, stop), evaluation,
+                checkpoints, metrics.jsonl (metrics), progress bar, SIGINT / SIGTERM
     metrics     loss.png, the loss curve (matplotlib, the ``plot`` extra)
 
 ``machine`` holds what this machine offers (host memory, RSS, a matmul rate, a hardware spec).
@@ -33,9 +33,13 @@ RNG states, the step number and the data position come back, so the resumed run 
 batches at the same learning rates as an uninterrupted one.
 
 Re-running a failed run. Whatever stopped a run (a kill before the first checkpoint, ``nonfinite:
-stop``, a second SIGINT, a crash, a full disk), the same command runs again: an ``output_dir``
-holding this run (:data:`~megatrain.train.rundir.RUN_IDENTITY`) resumes from its checkpoint, or starts over when it has none
-(:func:`~megatrain.train.rundir.check_output_dir`). A partial last line of ``metrics.jsonl`` is dropped.
+stop``, a signal while the data was prepared, a second SIGINT, a crash, a full disk), the same
+command runs again: an ``output_dir`` holding this run (:data:`~megatrain.train.rundir.RUN_IDENTITY`)
+resumes from its checkpoint, starts over when it has none, and has nothing to do (exit 0) when it
+finished (:func:`~megatrain.train.rundir.check_output_dir`); a ``checkpoint/`` that is there but
+incomplete is reported, never removed. One run at a time holds ``output_dir`` (a lock file naming
+its process; ``megatrain.files``), and one process at a time builds a token store. Every file of
+the run is written atomically, and a partial last line of ``metrics.jsonl`` is dropped.
 
 Model checks, before anything is built: a causal decoder-only model, and ``seq_len`` within its
 ``max_position_embeddings`` (``megatrain.models``); ``output_dir`` writable.
@@ -56,9 +60,12 @@ when the model is planned (on ``device="cuda"`` it is the solver's own simulatio
 chose for that spec). On the CPU backend it is the step the spec's GPU is predicted to take, next
 to the step this machine measured.
 
-Non-finite steps: ``Trainer.step`` does not apply a step whose loss or gradient is NaN or infinite
-(``StepResult.applied``); ``nonfinite: skip`` logs it and goes on, ``nonfinite: stop`` raises
-without saving. SIGINT and SIGTERM finish the current step, save a checkpoint and return.
+Non-finite steps (:mod:`~megatrain.train.guard`): a step whose loss or gradient is NaN or infinite,
+whose update left a non-finite weight, or (``loss_spike``) whose loss spikes is not kept: its
+deferred update is dropped, or the run rolls back to its last checkpoint and replays the steps
+since without it; ``nonfinite: stop`` raises without saving, and ``max_consecutive_skips`` steps
+in a row not kept stop the run too. SIGINT and SIGTERM finish the current step, save a checkpoint
+and return; before the training loop they interrupt (the CLI exits 130 or 143).
 
 Errors are megatrain.errors types; the CLI prints ``error: <message>`` and exits 2.
 """

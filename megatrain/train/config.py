@@ -105,9 +105,17 @@ class TrainConfig(pydantic.BaseModel):
     eval_batches: int = Field(8, gt=0, description="validation micro-batches per evaluation")
     checkpoint_interval: int = Field(500, ge=0, description="save output_dir/checkpoint every this many steps "
                                                             "and at the end (0: only at the end)")
-    nonfinite: Literal["skip", "stop"] = Field("stop", description="a step whose loss or gradient is NaN or "
-                                                                   "infinite is never applied; then skip it "
-                                                                   "and go on, or stop (exit 2, nothing saved)")
+    nonfinite: Literal["skip", "stop"] = Field(
+        "stop", description="a step whose loss or gradient is NaN or infinite, whose update leaves NaN or infinite "
+                            "weights, or (loss_spike) whose loss spikes is never kept: skip it and go on (a deferred "
+                            "update is dropped; one that layers took during backward is undone by rolling back to "
+                            "the last checkpoint and replaying the steps since without it), or stop (exit 2, "
+                            "nothing saved)")
+    max_consecutive_skips: int = Field(10, gt=0, description="nonfinite skip: this many steps in a row not kept stop "
+                                                             "the run (exit 2), keeping its last checkpoint")
+    loss_spike: float | None = Field(None, gt=1, description="a step whose loss exceeds this factor times the mean of "
+                                                             "the last 20 kept steps' losses is treated as a "
+                                                             "non-finite one (null: no spike check)")
     hardware: str | None = Field(None, description="a hardware preset (H100_SXM, H200, GH200, A100_80GB, "
                                                    "RTX_4090) or HardwareSpec JSON file: the simulator's "
                                                    "predicted step, the MFU peak on a GPU, and with "
@@ -117,10 +125,11 @@ class TrainConfig(pydantic.BaseModel):
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (null: torch's default)")
-    collective_timeout: float = Field(1800.0, gt=0, description="data parallel (under torchrun): seconds a rank "
-                                                                  "waits in a collective, or for rank 0's save, "
-                                                                  "before it stops with an error naming it (a rank "
-                                                                  "died or hangs)")
+    collective_timeout: float = Field(600.0, gt=0, description="data parallel (under torchrun): seconds a rank "
+                                                                 "waits in a collective (or, while rank 0 prepares "
+                                                                 "the data or saves, for its heartbeat) before it "
+                                                                 "stops with an error naming the rank that died or "
+                                                                 "stopped")
     host_state: Literal["auto", "replicate", "shard"] = Field(
         "auto", description="data parallel over several nodes (torchrun --nnodes > 1): 'replicate' keeps a full copy "
                             "of the FP32 masters and Adam moments on every node; 'shard' keeps 1/nodes of them on "
@@ -143,6 +152,11 @@ class TrainConfig(pydantic.BaseModel):
                                                       "tiles first, then Adam moments, each in the order the "
                                                       "step updates the layers (null: every layer's Adam "
                                                       "moments)")
+
+    nvme_checksums: bool = Field(True, description="with nvme_dir: checksum every block of the NVMe files as it is "
+                                                   "written and check it as it is read, so that a file changed on "
+                                                   "disk stops the step instead of training on other state (costs "
+                                                   "up to 14% of the I/O rate on this project's VM: bench/nvme_io.py)")
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":

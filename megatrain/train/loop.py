@@ -23,11 +23,14 @@ from megatrain.train.corpus import (match_special_tokens, prepare_data, store_di
 from megatrain.train.lr import lr_at
 from megatrain.planner.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
-from megatrain.train.metrics import finite, fmt, nonfinite_message, read_metrics, run_rates, save_loss_plot
+from megatrain.files import DirectoryLock, write_atomic
+from megatrain.planner.plan import OptimizerPlacement
+from megatrain.train.guard import Guard, Verdict
+from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot
 from megatrain.train.model import ModelSource, load_weights, resolve_model
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
-                                       preflight_cpu_build, preflight_host_memory)
-from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY,
+                                       preflight_cpu_build, preflight_disk, preflight_host_memory)
+from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY,
                                     TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir, check_resume,
                                     train_state)
 from megatrain.units import MiB
@@ -116,7 +119,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
         built = sum(p.numel() for p in model.parameters()) * BUILT_BYTES_PER_PARAMETER
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, trust_remote_code=False)
     # Packed LM windows and packed SFT rows carry position_ids that restart per document (per-document
     # attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only.
     packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
@@ -261,18 +264,21 @@ def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, h
 def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
                           echo):
     """Materialize the planned model (allocating and initialising the host tiles), then load
-    weights or resume. Returns ``(trainer, start step, skipped steps so far)``."""
+    weights or resume. Returns ``(trainer, start step, skipped steps so far, the checkpoint's
+    train state or {})``."""
     import megatrain
 
     optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay)
     trainer = megatrain.materialize(planned, optimizer, nvme_dir=cfg.nvme_dir)
+    if trainer.host.nvme is not None:
+        trainer.host.nvme.checksums = cfg.nvme_checksums
     if source.kind == "weights":
         load_weights(trainer, source, echo)
         echo(f"weights: loaded from {source.directory}")
-        return trainer, 0, 0
+        return trainer, 0, 0, {}
     if source.kind == "config":
-        return trainer, 0, 0
+        return trainer, 0, 0, {}
     state = trainer.load(source.directory).get(STATE_KEY)
     if state is None:
         raise CheckpointError(f"{source.directory}: a megatrain checkpoint without `megatrain train` state "
@@ -292,7 +298,7 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
              f"{optimizer.model_dump()}")
     trainer.set_optimizer(optimizer)  # the schedule sets lr before every step
     echo(f"resume: step {state['step']} of {source.directory}")
-    return trainer, int(state["step"]), int(state["skipped_steps"])
+    return trainer, int(state["step"]), int(state["skipped_steps"]), state
 
 
 def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResult:
@@ -316,10 +322,36 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
             (naming the step); nothing is saved.
     """
     ranks = _Ranks.start(cfg)
+    # Rank 0 writes every output: it holds output_dir's lock for the run.
+    lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None
     try:
-        return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks)
+        with _InterruptOnTerm():
+            return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock)
     finally:
+        if lock is not None:
+            lock.release()
         ranks.close()
+
+
+class _InterruptOnTerm:
+    """Outside the training loop (which finishes its step and saves, ``_StopOnSignal``), SIGTERM
+    interrupts as SIGINT does, with ``KeyboardInterrupt("SIGTERM")``: what is being prepared then
+    cleans up after itself (a token store build removes its temporary directory and stops its
+    workers) instead of the process ending at once, and the CLI exits 143 (128 + SIGTERM)."""
+
+    def __enter__(self) -> "_InterruptOnTerm":
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, _frame) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
 
 
 @dataclass(slots=True)
@@ -357,6 +389,9 @@ class _Ranks:
         if owns:
             dist.init_process_group("cpu:gloo,cuda:nccl" if cfg.device == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+        from megatrain.runtime.distributed import Heartbeat
+
+        Heartbeat.start(interval=min(10.0, cfg.collective_timeout / 10))
         return cls(dist.get_rank(), dist.get_world_size(), local_rank, owns)
 
     def rows(self, batch: dict) -> dict:
@@ -371,17 +406,20 @@ class _Ranks:
         data store and tokenizer are built once per file system and the others reuse them."""
         if self.world == 1:
             return fn()
-        import torch.distributed as dist
-
-        from megatrain.runtime.distributed import collective
+        from megatrain.runtime.distributed import patient_barrier
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         out = None
         for turn in (self.rank == 0, self.rank != 0 and self.rank % local == 0, self.rank % local != 0):
-            if turn:
-                out = fn()
-            with collective("the barrier while rank 0 prepares the data"):
-                dist.barrier()
+            # Preparing the data may take hours (tokenising a large corpus): the others wait for it
+            # while the preparing ranks' heartbeats go on, not for a collective's timeout.
+            try:
+                if turn:
+                    out = fn()
+            except BaseException as e:
+                patient_barrier("the wait while the ranks prepare the data", failed=e)
+                raise
+            patient_barrier("the wait while the ranks prepare the data")
         return out
 
     def any_stopped(self, name: str | None, groups) -> str | None:
@@ -399,6 +437,22 @@ class _Ranks:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.world)
         return None if int(flag) == 0 else ["SIGINT", "SIGTERM"][int(flag) - 1]
 
+    def any_of(self, layers: tuple[int, ...], n: int, groups) -> tuple[int, ...]:
+        """The layers of ``n`` that any rank lists in ``layers`` (with sharded updates each rank
+        checks its shard of every layer), the same on every rank."""
+        if self.world == 1:
+            return tuple(layers)
+        import torch
+        import torch.distributed as dist
+
+        from megatrain.runtime.distributed import collective
+
+        flags = torch.zeros(n, dtype=torch.int32)
+        flags[list(layers)] = 1
+        with collective("the all-reduce of the layers whose update left non-finite weights"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.world)
+        return tuple(int(i) for i in flags.nonzero().flatten())
+
     def close(self) -> None:
         if self.owns_group:
             import torch.distributed as dist
@@ -406,7 +460,20 @@ class _Ranks:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> TrainResult:
+def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
+    """The run in ``out`` is at ``max_steps`` already: nothing to do (a scheduler that re-runs a
+    finished job gets exit 0), and its last losses as the result."""
+    rows = read_metrics(out / METRICS_FILE)
+    applied = [r for r in rows if r.get("applied")]
+    val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    echo(f"note: {out} holds this run, finished at step {state['step']} (max_steps {cfg.max_steps}): nothing to do; "
+         "raise max_steps to train on")
+    return TrainResult(step=int(state["step"]), skipped_steps=int(state.get("skipped_steps", 0)), stopped_by=None,
+                       loss=applied[-1]["loss"] if applied else None, val_loss=val[-1] if val else None,
+                       checkpoint=out / CHECKPOINT_DIR, output_dir=out)
+
+
+def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
     import torch
 
     if cfg.threads:
@@ -417,12 +484,16 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
     from megatrain.models import check_positions
 
     check_positions(source.config, cfg.seq_len, cfg.model)
-    resuming_here, source = check_output_dir(out, source, cfg, echo)
+    resuming_here, source, finished = check_output_dir(out, source, cfg, echo, lock)
+    if finished is not None:
+        return _finished(cfg, out, finished, echo)
     planned = _plan(cfg, source, hw, echo, ranks.world)
+    if ranks.rank == 0:
+        preflight_disk(out, planned.graph)
     tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
-    trainer, start, skipped = _materialize_and_load(cfg, planned, source, fingerprint, echo)
+    trainer, start, skipped, state = _materialize_and_load(cfg, planned, source, fingerprint, echo)
     rates = run_rates(cfg, planned, hw, cpu_peak, echo)
     tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len,
                                             getattr(dataset, "chat_template", None))
@@ -432,19 +503,24 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
     metrics_path = out / METRICS_FILE
     if writes:
         out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_FILE).write_text(cfg.model_dump_json(indent=1) + "\n")
-        (out / TOKENIZER_FILE).write_text(tokenizer_json)
-        # Rows a crashed run wrote after its last checkpoint are run again: drop them.
-        kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if resuming_here else []
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if lock is not None and not lock.held:  # output_dir did not exist when the run began
+            lock.acquire()
+        write_atomic(out / CONFIG_FILE, cfg.model_dump_json(indent=1) + "\n")
+        write_atomic(out / TOKENIZER_FILE, tokenizer_json)
+    metrics = MetricsLog(metrics_path if writes else None)
+    # Rows a crashed run wrote after its last checkpoint are run again: drop them.
+    metrics.keep(lambda r: resuming_here and r["step"] <= start)
     ckpt_path = out / CHECKPOINT_DIR
     last_saved: int | None = start if resuming_here else None
     tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
+    guard = Guard(deferred=trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD, loss_spike=cfg.loss_spike)
+    guard.restore(state, start)
 
     def save(step: int) -> None:
         nonlocal last_saved
         try:
-            trainer.save(ckpt_path, extra_state=train_state(cfg, step, skipped, fingerprint, tokenizer_sha))
+            trainer.save(ckpt_path, extra_state=train_state(cfg, step, skipped, fingerprint, tokenizer_sha,
+                                                            guard.state()))
         except CheckpointError as e:
             after = (f"the same command resumes from step {last_saved}" if last_saved is not None
                      else "the same command starts the run again")
@@ -452,68 +528,140 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks) -> Trai
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
         if writes:
-            (ckpt_path / TOKENIZER_FILE).write_text(tokenizer_json)
-            (ckpt_path / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=1) + "\n")
+            write_atomic(ckpt_path / TOKENIZER_FILE, tokenizer_json)
+            write_atomic(ckpt_path / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config, indent=1) + "\n")
         last_saved = step
 
     from tqdm import tqdm
 
     step, loss, val_loss = start, None, None
     batches = dataset.batches(cfg.global_batch, seed=cfg.seed, start=start)
-    n_layers = len(trainer.graph.layers)
+    layers = trainer.graph.layers
     groups = trainer.host.data_parallel.groups if ranks.world > 1 else None
-    with _StopOnSignal() as stop, open(metrics_path if writes else os.devnull, "a", buffering=1) as metrics, \
-            tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", file=sys.stderr, disable=not writes,
-                 dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
-        # tqdm.write prints even where the bar is disabled: only rank 0 speaks.
-        say = bar.write if writes else (lambda _line: None)
-        stopped = ranks.any_stopped(stop.name, groups)
-        while step < cfg.max_steps and stopped is None:
-            lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-                       min_lr_ratio=cfg.min_lr_ratio)
-            trainer.set_lr(lr)
-            res = trainer.step(ranks.rows(next(batches)))
-            step += 1
-            loss = res.loss
-            mfu = rates.mfu(res.tokens_per_second / ranks.world)  # per GPU: tokens/s counts every rank's
-            row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
-                   "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
-                   "tokens_per_s": res.tokens_per_second, "mfu": mfu, "predicted_step_s": rates.predicted_step_s,
-                   "measured_step_s": res.seconds, "applied": bool(res.applied), "val_loss": None,
-                   "host_rss_mib": None, "examples_trimmed": getattr(dataset, "num_trimmed", None),
-                   "examples_dropped": getattr(dataset, "num_dropped", None)}
-            if not res.applied:
-                skipped += 1
-                msg = nonfinite_message(step, res, n_layers)
-                if cfg.nonfinite == "stop":
-                    metrics.write(json.dumps(row) + "\n")
-                    raise MegatrainError(
-                        f"{msg}; stopping without saving (nonfinite: stop). "
-                        + (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: the same command "
-                           "resumes from it" if last_saved is not None
-                           else "No checkpoint was saved: the same command starts the run again")
-                        + "; add a lower --lr or --max-grad-norm, or --nonfinite skip")
-                say(f"warning: {msg}; skipped (nonfinite: skip)")
-            if cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps:
-                val_loss = _evaluate(trainer, dataset, cfg)
-                row["val_loss"] = finite(val_loss)
-                say(f"step {step}: validation loss {val_loss:.4f}")
-            rss = host_rss_bytes()
-            row["host_rss_mib"] = rss / MiB if rss is not None else None
-            metrics.write(json.dumps(row) + "\n")
-            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
-                save(step)
-                say(f"step {step}: saved {ckpt_path}")
-            bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}",
-                                refresh=False)
-            bar.update(1)
-            stopped = ranks.any_stopped(stop.name, groups)
-        if stopped is not None:
-            if last_saved != step:
-                save(step)
-            bar.write(f"{stopped}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
-                      "from it")
+    replay_until = start  # steps up to here ran before a rollback: no rows, evaluations or messages again
+    held: dict[int, dict] = {}  # the row of a step a rollback left out, written when the replay reaches it
+    try:
+        with _StopOnSignal() as stop, tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step",
+                                           file=sys.stderr, disable=not writes, dynamic_ncols=True,
+                                           mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
+            # tqdm.write prints even where the bar is disabled: only rank 0 speaks.
+            say = bar.write if writes else (lambda _line: None)
 
+            def count_skip(why: str) -> None:
+                nonlocal skipped
+                skipped += 1
+                guard.in_a_row += 1
+                if guard.in_a_row >= cfg.max_consecutive_skips:
+                    raise MegatrainError(
+                        f"{guard.in_a_row} steps in a row were not kept (the last: {why}): the run diverged; stopping "
+                        f"without saving (max_consecutive_skips={cfg.max_consecutive_skips}). {kept()}; lower --lr"
+                        + (" or set --max-grad-norm" if cfg.max_grad_norm is None else ""))
+
+            def kept() -> str:
+                return (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: the same command resumes from it"
+                        if last_saved is not None else "No checkpoint was saved: the same command starts the run again")
+
+            def not_kept(verdict: Verdict, row: dict) -> None:
+                """Skip or roll back ``verdict.blame`` (``row``: the step just run); stop under
+                ``nonfinite: stop`` or past ``max_consecutive_skips``."""
+                nonlocal step, skipped, batches, replay_until
+                fresh = row["step"] > replay_until  # not a step that a replay runs again
+                if cfg.nonfinite == "stop":
+                    metrics.append({**row, "applied": False})
+                    raise MegatrainError(f"{verdict.why}; stopping without saving (nonfinite: stop). {kept()}; add a "
+                                         "lower --lr or --max-grad-norm, or --nonfinite skip")
+                if verdict.action == "skip":
+                    trainer.drop_pending_updates()  # a spiking step's deferred update is never applied
+                    guard.not_kept[verdict.blame] = verdict.why
+                    if fresh:
+                        metrics.append({**row, "applied": False})
+                        say(f"warning: {verdict.why}; skipped: nothing of it was applied (nonfinite: skip)")
+                    count_skip(verdict.why)
+                    return
+                # Roll back: the checkpoint, then the steps since it again, without those not kept.
+                if writes:
+                    held[verdict.blame] = {**(row if verdict.blame == row["step"] else metrics.row(verdict.blame)),
+                                           "applied": False}
+                loaded = trainer.load(ckpt_path)[STATE_KEY]
+                step, skipped, replay_until = int(loaded["step"]), int(loaded["skipped_steps"]), verdict.blame - 1
+                guard.restore(loaded, step)
+                guard.not_kept[verdict.blame] = verdict.why
+                batches = dataset.batches(cfg.global_batch, seed=cfg.seed, start=step)
+                metrics.keep(lambda r: r["step"] < verdict.blame)
+                bar.n = step
+                say(f"warning: {verdict.why}; rolled back to the checkpoint of step {step} to run the steps since "
+                    "without it (nonfinite: skip)")
+
+            def flushed(row: dict) -> bool:
+                """Apply a deferred update before an evaluation or a save reads it; False when it left
+                non-finite weights (the run rolled back)."""
+                bad = ranks.any_of(trainer.flush(), len(layers), groups)
+                if bad:
+                    not_kept(guard.diverged(step, bad, layers), row)
+                return not bad
+
+            if last_saved is None and cfg.nonfinite == "skip":
+                save(step)  # the state a rollback goes back to
+                say(f"step {step}: saved {ckpt_path} (nonfinite: skip rolls back to the last checkpoint)")
+            stopped = ranks.any_stopped(stop.name, groups)
+            row: dict = {}
+            while step < cfg.max_steps and stopped is None:
+                lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                           min_lr_ratio=cfg.min_lr_ratio)
+                batch = next(batches)
+                step += 1
+                if step in guard.not_kept:  # after a rollback: a step not kept stays out of the replay
+                    if step > replay_until:
+                        metrics.append(held.pop(step, {"step": step, "applied": False}))
+                    count_skip(guard.not_kept[step])
+                    bar.update(1)
+                    stopped = ranks.any_stopped(stop.name, groups)
+                    continue
+                trainer.set_lr(lr)
+                res = trainer.step(ranks.rows(batch))
+                loss = res.loss
+                mfu = rates.mfu(res.tokens_per_second / ranks.world)  # per GPU: tokens/s counts every rank's
+                row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
+                       "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
+                       "tokens_per_s": res.tokens_per_second, "mfu": mfu, "predicted_step_s": rates.predicted_step_s,
+                       "measured_step_s": res.seconds, "applied": bool(res.applied), "val_loss": None,
+                       "host_rss_mib": None, "examples_trimmed": getattr(dataset, "num_trimmed", None),
+                       "examples_dropped": getattr(dataset, "num_dropped", None)}
+                verdict = guard.judge(step, res, ranks.any_of(res.nonfinite_weights, len(layers), groups), layers)
+                if verdict.action != "keep":
+                    not_kept(verdict, row)
+                    if verdict.action == "skip":
+                        bar.update(1)
+                    stopped = ranks.any_stopped(stop.name, groups)
+                    continue
+                guard.keep(res.loss)
+                replaying = step <= replay_until
+                if not replaying and (cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps):
+                    if not flushed(row):
+                        continue
+                    val_loss = _evaluate(trainer, dataset, cfg)
+                    row["val_loss"] = finite(val_loss)
+                    say(f"step {step}: validation loss {val_loss:.4f}")
+                rss = host_rss_bytes()
+                row["host_rss_mib"] = rss / MiB if rss is not None else None
+                if not replaying:
+                    metrics.append(row)
+                if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
+                    if not flushed(row):
+                        continue
+                    save(step)
+                    say(f"step {step}: saved {ckpt_path}")
+                bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}",
+                                    refresh=False)
+                bar.update(1)
+                stopped = ranks.any_stopped(stop.name, groups)
+            if stopped is not None:
+                if last_saved != step and flushed(row):
+                    save(step)
+                bar.write(f"{stopped}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
+                          "from it")
+    finally:
+        metrics.close()
     dataset.close()
     # The ranks' results are the same (losses are gathered): rank 0's rows tell the run's.
     rows = read_metrics(metrics_path) if writes else [{"loss": finite(loss), "applied": loss is not None}]

@@ -1,8 +1,9 @@
-"""A run's metrics: the rows of ``metrics.jsonl``, the MFU and predicted-step rates, the
-non-finite step message and the loss plot."""
+"""A run's metrics: the rows of ``metrics.jsonl`` (:class:`MetricsLog`), the MFU and
+predicted-step rates, and the loss plot."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatrain.errors import ConfigError
+from megatrain.files import raise_if_full, write_atomic
 from megatrain.runtime.measure import measure_matmul_flops
 
 if TYPE_CHECKING:
@@ -28,11 +30,12 @@ the loss is the mean over (labels not -100 after the shift, ``StepResult.supervi
 ``tokens_per_s`` is ``tokens`` (not ``supervised_tokens``) over ``measured_step_s``, the step's
 wall time in seconds; ``mfu`` model FLOPs utilisation (module docstring); ``predicted_step_s``
 the simulator's step time on the ``hardware`` spec, seconds, or null; ``applied`` false when the
-update was not applied (non-finite loss or gradient); ``val_loss`` the validation loss when this
-step evaluated, else null; ``host_rss_mib`` this process's resident set size in MiB;
-``examples_trimmed`` and ``examples_dropped`` (``task: sft``; null otherwise) the fine-tuning
-examples whose oldest context was cut to fit ``seq_len`` and those left out (the run's ``data:``
-line gives the same counts). Non-finite floats are written as null (JSON has no NaN)."""
+step was not kept (a non-finite loss, gradient or updated weight, or a loss spike:
+:mod:`megatrain.train.guard`); ``val_loss`` the validation loss when this step evaluated, else null;
+``host_rss_mib`` this process's resident set size in MiB; ``examples_trimmed`` and
+``examples_dropped`` (``task: sft``; null otherwise) the fine-tuning examples whose oldest context
+was cut to fit ``seq_len`` and those left out (the run's ``data:`` line gives the same counts).
+Non-finite floats are written as null (JSON has no NaN)."""
 
 
 def finite(x: float | None) -> float | None:
@@ -58,6 +61,51 @@ def read_metrics(path: Path) -> list[dict]:
             raise ConfigError(f"{path}: line {i + 1} is not a metrics row with a 'step'; fix or delete it")
         rows.append(row)
     return rows
+
+
+class MetricsLog:
+    """A run's ``metrics.jsonl``, one row a line: appended (a kill leaves at most a partial last
+    line, which :func:`read_metrics` drops) and, to drop rows, rewritten atomically (a kill leaves
+    the old file). ``path`` None (a rank that writes no outputs): nothing is written.
+
+    Raises (from every method that writes):
+        DiskFullError: the disk is full, naming the file and the space left (``megatrain.files``).
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._f = None
+
+    def _write(self, write) -> None:
+        try:
+            write()
+        except OSError as e:
+            raise_if_full(e, self.path, self.path.name)
+            raise
+
+    def append(self, row: dict) -> None:
+        if self.path is None:
+            return
+        if self._f is None:
+            self._write(lambda: setattr(self, "_f", open(self.path, "a", buffering=1, encoding="utf-8")))
+        self._write(lambda: self._f.write(json.dumps(row) + "\n"))
+
+    def keep(self, keep) -> None:
+        """Keep only the rows ``keep(row)`` is true for."""
+        if self.path is None:
+            return
+        self.close()
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in read_metrics(self.path) if keep(r)))
+
+    def row(self, step: int) -> dict:
+        """The row of ``step`` (the last written for it), or a bare one."""
+        rows = read_metrics(self.path) if self.path is not None else []
+        return next((r for r in reversed(rows) if r["step"] == step), {"step": step, "loss": None})
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> None:
@@ -89,7 +137,9 @@ def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = ""
     ax.set_title(title + (f" ({len(skipped)} skipped steps in red)" if skipped else ""), fontsize="medium")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=100, format="png")
+    write_atomic(path, png.getvalue())  # a kill leaves the last plot, not half of this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,17 +180,6 @@ def run_rates(cfg: TrainConfig, planned: PlannedModel, hw, cpu_peak: float | Non
     rates = Rates(cost.model_flops_per_token(planned.graph), peak, predicted)
     echo(f"MFU peak: {what}; {rates.flops_per_token / 1e6:,.2f} MFLOPs per token")
     return rates
-
-
-def nonfinite_message(step: int, res, n_layers: int) -> str:
-    bad_loss = not math.isfinite(res.loss)
-    if bad_loss or len(res.skipped_layers) >= n_layers:
-        effect = "the update was not applied"
-    else:  # optimizer steps during backward: the layers whose gradients came first were updated
-        effect = (f"the update was not applied to {len(res.skipped_layers)} of {n_layers} layers (without "
-                  "max_grad_norm each layer is updated as its gradient arrives)")
-    return (f"step {step}: the {'loss' if bad_loss else 'gradient'} is not finite (loss {res.loss}, gradient "
-            f"norm {res.grad_norm}); {effect}")
 
 
 def fmt(x: float | None) -> str:

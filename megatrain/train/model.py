@@ -34,8 +34,10 @@ def resolve_model(spec: str) -> ModelSource:
         ConfigError: no such file, directory or preset; a directory without config.json; a
             config.json transformers cannot read (not UTF-8, not JSON, an unknown model_type).
         UnsupportedModelError: not a causal decoder (``megatrain.models.check_causal_decoder``).
+        CheckpointError: a directory whose weights are PyTorch pickles (``pytorch_model.bin``),
+            which megatrain does not load (the message says how to convert them).
     """
-    from megatrain.checkpoint import INDEX_FILE, STATE_DIR
+    from megatrain.checkpoint import INDEX_FILE, STATE_DIR, refuse_legacy_weights
     from megatrain.planner.presets import MODEL_PRESETS, load_model_config
 
     p = Path(spec)
@@ -51,6 +53,7 @@ def resolve_model(spec: str) -> ModelSource:
         elif (p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")):
             kind = "weights"
         else:
+            refuse_legacy_weights(p)  # it trained from random weights without a word
             kind = "config"
     elif p.is_file():
         config_file, kind = p, "config"

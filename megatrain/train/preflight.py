@@ -176,3 +176,34 @@ def largest_safetensors(directory: Path | None) -> int:
     if directory is None:
         return 0
     return max((f.stat().st_size for f in directory.glob("*.safetensors")), default=0)
+
+
+def checkpoint_bytes(graph) -> int:
+    """Bytes one checkpoint of ``graph``'s model takes on disk: FP32 weights and two FP32 Adam
+    moments per trainable parameter (buffers, configs and the tokenizer are small beside them)."""
+    return sum(4 * layer.numel + 8 * layer.trainable_numel for layer in graph.layers)
+
+
+def preflight_disk(out: Path, graph) -> int:
+    """Check that ``out``'s file system has room for a checkpoint now, rather than at the first save
+    hours later; return the bytes one takes. A save writes the new checkpoint beside the last one
+    before it replaces it, so the free space must hold a whole checkpoint.
+
+    Raises:
+        PlanError: less space is free than one checkpoint takes; the message gives both and what to
+            change.
+    """
+    import shutil
+
+    from megatrain.units import human_bytes
+
+    need = checkpoint_bytes(graph)
+    where = out
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise PlanError(f"not enough disk space for a checkpoint: one takes about {human_bytes(need)} (FP32 weights "
+                        f"and two Adam moments per parameter), and {where}'s file system has {human_bytes(free)} "
+                        f"free; free {human_bytes(need - free)} there or set output_dir (--output-dir) on a larger disk")
+    return need

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from megatrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from megatrain.files import DirectoryLock
     from megatrain.train.config import TrainConfig
     from megatrain.train.model import ModelSource
 
@@ -26,42 +27,62 @@ STORE_DIR = "tokens"
 STATE_KEY = "megatrain_train"
 STATE_VERSION = 1
 
+LOCK_FILE = ".megatrain.lock"
+"""The lock file of ``output_dir`` (:class:`megatrain.files.DirectoryLock`): one run at a time, naming the holder."""
+
 RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR, STORE_DIR)
-"""What ``megatrain train`` writes in ``output_dir`` (besides the hidden directories of a save)."""
+"""What ``megatrain train`` writes in ``output_dir`` (besides the hidden files of :func:`_is_leftover`)."""
 
 RUN_IDENTITY = ("model", "task", "data", "seq_len", "global_batch", "seed")
 """Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
 
 
-def _is_save_leftover(name: str) -> bool:
+def _is_leftover(name: str) -> bool:
+    """Hidden files a run leaves in ``output_dir``: lock files, and what a kill leaves of a
+    checkpoint save, a token store build or an atomic write (each cleans its own up next time)."""
     from megatrain.checkpoint import _OLD_TAG, _TMP_TAG
+    from megatrain.files import is_leftover
 
-    return name.startswith(f".{CHECKPOINT_DIR}.") and (_TMP_TAG in name or _OLD_TAG in name)
+    return (name == LOCK_FILE or is_leftover(name)
+            or name.startswith(f".{STORE_DIR}.")  # the token store's lock and build directories
+            or name.startswith(f".{CHECKPOINT_DIR}.") and (_TMP_TAG in name or _OLD_TAG in name))
 
 
-def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> tuple[bool, ModelSource]:
+def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
+                     lock: DirectoryLock | None = None) -> tuple[bool, ModelSource, dict | None]:
     """Refuse to mix two runs in one directory, and let a run be re-run with the same command.
 
-    Returns ``(resuming, source)``: resuming the run that lives in ``out`` (from its
-    ``checkpoint/``), with the source to load. ``out`` holding a run with the same
-    :data:`RUN_IDENTITY` settings (its ``train_config.json``) is that run again: with a complete
-    checkpoint it resumes from it; without one (killed before the first save, ``nonfinite: stop``,
-    a crash) its files are removed and it starts over, all but its token store (:data:`STORE_DIR`),
-    which verifies itself when opened and is reused. Then ``out`` must be writable.
+    Returns ``(resuming, source, finished)``: resuming the run that lives in ``out`` (from its
+    ``checkpoint/``), with the source to load; ``finished``: that run's saved state when its
+    checkpoint is at ``max_steps`` already (nothing to do), else None. ``out`` holding a run with
+    the same :data:`RUN_IDENTITY` settings (its ``train_config.json``) is that run again: with a
+    complete checkpoint it resumes from it; without one (killed before the first save,
+    ``nonfinite: stop``, a crash) its files are removed and it starts over, all but its token
+    store (:data:`STORE_DIR`), which verifies itself when opened and is reused. A ``checkpoint/``
+    that is there but incomplete is never removed: the error says what it lacks and what to do.
+    ``lock`` (the run's lock of ``out``) is taken before anything of a run there is read for
+    resuming or removed. Then ``out`` must be writable.
+
+    Raises:
+        ConfigError: ``out`` is a file, holds something else or another run, or is not writable.
+        CheckpointError: ``out/checkpoint`` is incomplete (naming what it lacks).
+        LockedError: another process holds ``lock`` (naming it).
     """
-    from megatrain.checkpoint import _is_complete, _recover
+    from megatrain.checkpoint import _is_complete, _recover, describe_incomplete
+    from megatrain.errors import CheckpointError
     from megatrain.train.model import resolve_model
 
     ckpt = out / CHECKPOINT_DIR
     here = source.kind == "checkpoint" and source.directory.resolve() == ckpt.resolve()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {out} is a file; set output_dir (--output-dir) to a directory")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    held = sorted(p.name for p in out.iterdir() if not _is_leftover(p.name)) if out.is_dir() else []
     # A run that failed after building its token store but before writing anything else (too
     # little text for a batch, say) left only the store: as good as empty, and kept for reuse.
-    if held and held != [STORE_DIR] and not here:
+    ours = bool(held) and held != [STORE_DIR] and not here
+    if ours:
         saved = _saved_settings(out)
-        foreign = [n for n in held if n not in RUN_FILES and not _is_save_leftover(n)]
+        foreign = [n for n in held if n not in RUN_FILES]
         if saved is None or foreign:
             _recover(ckpt)
             hint = (f", or resume the run in it with --model {ckpt}" if _is_complete(ckpt) else "")
@@ -74,11 +95,26 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> 
         if differ:
             raise ConfigError(f"output_dir {out} holds another run ({'; '.join(differ)}); choose another "
                               f"output_dir, or continue that run with its settings (see {out / CONFIG_FILE})")
+    if lock is not None and out.is_dir():
+        lock.acquire()
+    if ours or here:
         _recover(ckpt)
         if _is_complete(ckpt):
-            echo(f"resume: {out} holds this run with a checkpoint; continuing from {ckpt}")
-            source, here = resolve_model(str(ckpt)), True
-        else:
+            state = saved_train_state(ckpt)
+            if state is not None and int(state.get("step", 0)) >= cfg.max_steps:
+                return True, source, state
+            if not here:
+                echo(f"resume: {out} holds this run with a checkpoint; continuing from {ckpt}")
+                source, here = resolve_model(str(ckpt)), True
+        elif any(p.name not in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE) for p in ckpt.iterdir()) \
+                if ckpt.is_dir() else ckpt.exists():
+            raise CheckpointError(
+                f"{ckpt} is not a complete checkpoint: {describe_incomplete(ckpt)}. It may hold trained weights, so "
+                "it is left as it is. To resume from it, put the missing files back (from the copy it came from) and "
+                "run the same command; to start the run over, move it away (or delete it) and run the same command; "
+                "to start a new run from its weights, copy its config.json and model*.safetensors into a new "
+                "directory and give that as --model, with another --output-dir")
+        elif not here:
             import shutil
 
             echo(f"note: {out} holds this run, stopped before its first complete checkpoint; starting it again")
@@ -88,7 +124,20 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo) -> 
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     _check_writable(out)
-    return here, source
+    return here, source, None
+
+
+def saved_train_state(ckpt: Path) -> dict | None:
+    """The ``megatrain train`` state (:func:`train_state`) of the complete checkpoint ``ckpt``,
+    read from its ``trainer_state.json`` without loading anything; None where it has none."""
+    from megatrain.checkpoint import STATE_DIR, TRAINER_STATE
+
+    try:
+        ts = json.loads((ckpt / STATE_DIR / TRAINER_STATE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    state = ts.get("extra_state", {}).get(STATE_KEY) if isinstance(ts, dict) else None
+    return state if isinstance(state, dict) else None
 
 
 def _saved_settings(out: Path) -> dict | None:
@@ -116,8 +165,12 @@ def _check_writable(out: Path) -> None:
                 p.rmdir()
 
 
-def train_state(cfg: TrainConfig, step: int, skipped: int, fingerprint: str, tokenizer_sha: str) -> dict:
+def train_state(cfg: TrainConfig, step: int, skipped: int, fingerprint: str, tokenizer_sha: str,
+                guard: dict | None = None) -> dict:
+    """What a checkpoint keeps of the run (``guard``: ``Guard.state()``, the spike window and the
+    skipped steps in a row)."""
     return {STATE_KEY: {
+        **(guard or {}),
         "version": STATE_VERSION, "step": step, "batches_consumed": step, "skipped_steps": skipped,
         "data_fingerprint": fingerprint, "tokenizer_sha256": tokenizer_sha, "seq_len": cfg.seq_len,
         "global_batch": cfg.global_batch, "seed": cfg.seed,
@@ -137,5 +190,5 @@ def check_resume(state: dict, cfg: TrainConfig, where: Path, fingerprint: str) -
                           f"{state['data_fingerprint'][:12]} there, {fingerprint[:12]} now); resume with the same "
                           "data, max_bytes, text_field, tokenizer, eot_token, val_fraction and seed")
     if state["step"] >= cfg.max_steps:
-        raise ConfigError(f"{where} is at step {state['step']}, and max_steps is {cfg.max_steps}: nothing to do; "
-                          "raise max_steps to train on")
+        raise ConfigError(f"{where} is at step {state['step']}, and max_steps is {cfg.max_steps}: nothing to do in "
+                          "a new output_dir; raise max_steps to train on")
