@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
 from megatrain.errors import ConfigError
@@ -76,6 +75,7 @@ from megatrain.planner.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.host import HostState, PinnedArena, gradient_key
+from megatrain.runtime.host_kernels import HostAdamW
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -93,7 +93,7 @@ class _Buffers:
     staging: list[torch.Tensor]
     # One per trainable layer (schedule.gradient_tiles) with per-micro-batch passes: Op.acc indexes it.
     accumulators: list[torch.Tensor]
-    # Pageable FP32 scratch an OPT widens BF16 gradients into (cost.gradient_scratch_numel), or None.
+    # Pageable FP32 scratch an OPT widens BF16 gradients into, chunk by chunk (cost.gradient_scratch_numel), or None.
     widened: torch.Tensor | None = None
     # The pinned gradient I/O buffers of Plan.nvme_gradients (cost.nvme_gradient_buffers, in the
     # arena; Op.gbuf indexes them), in the gradient dtype: a D2H lands there, an NVME_WRITE empties
@@ -201,6 +201,7 @@ class Executor:
         self.host = host
         self.backend = backend
         self.optimizer = optimizer
+        self.adam = HostAdamW()  # the host AdamW kernel: $MEGATRAIN_HOST_ADAM (DeepSpeed's where installed)
         dev = backend.device
         self.templates = [retarget(gm, dev) for gm in traced.templates]
         # Eval schedules run random templates with dropout off, as the model's eval mode does.
@@ -724,9 +725,9 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
     state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
-    parallel it holds this rank's shard only, ``HostState.nvme_span``); BF16
-    gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
-    for FP32 masters; the widening is exact)."""
+    parallel it holds this rank's shard only, ``HostState.nvme_span``), through the executor's
+    host kernel (:class:`~megatrain.runtime.host_kernels.HostAdamW`: BF16 gradients in a tile are
+    widened exactly, chunk by chunk, in the FP32 scratch)."""
     ex, li = ctx.ex, op.layer
     n = ctx.graph.layers[li].trainable_numel
     lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.update_shards, ex.shard_index)
@@ -734,9 +735,6 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     base = h.slices[li][0]  # a sliced host state holds the layer from element ``base`` on
     grads = (ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring] if op.ring is not None
              else ctx.bufs.nvme_gradients[op.gbuf])  # gbuf: a gradient tile its NVME_READ brought back
-    tile = None
-    if grads.dtype != torch.float32:
-        tile, grads = grads, ctx.bufs.widened
     mbase = base  # where the moment rows start in the layer's elements
     if op.buf is not None:  # moments (after the master) on NVMe: its NVME_READ filled this I/O buffer
         # Under data parallel the file (and so the buffer) holds this rank's shard only: from mbase on.
@@ -758,13 +756,10 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             ctx.skip = True
             ctx.skipped.append(li)
             return
-        if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
-            grads[lo:hi].copy_(tile[lo:hi])
-        adamw(
-            [master[lo - base:hi - base]], [grads[lo:hi]], [exp_avg[lo - mbase:hi - mbase]],
-            [exp_avg_sq[lo - mbase:hi - mbase]], [],
-            [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
-            beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+        # One scratch serves every OPT: they run in order on the host stream.
+        ex.adam.step(master[lo - base:hi - base], grads[lo:hi], exp_avg[lo - mbase:hi - mbase],
+                     exp_avg_sq[lo - mbase:hi - mbase], h.steps[li], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, grad_scale=scale, scratch=ctx.bufs.widened)
         if op.buf is not None:
             ctx.unsaved.add(li)  # until its NVME_WRITE completes
         ctx.updated.append(li)
