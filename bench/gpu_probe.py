@@ -592,7 +592,7 @@ def section_host_rates(ctx: Ctx) -> dict:
     import torch
 
     from megatrain.planner import cost
-    from megatrain.runtime.host_kernels import HostAdamW, deepspeed_installed, set_thread_team
+    from megatrain.runtime.host_kernels import HostAdamW, deepspeed_installed, run_on_team
     from megatrain.runtime.measure import host_cores, host_tile_numel
 
     l3 = l3_cache()["total_bytes"]
@@ -626,31 +626,18 @@ def section_host_rates(ctx: Ctx) -> dict:
     def run_cast():
         dst.copy_(src)
 
-    def rates(t: int) -> dict:
-        # On a thread of its own with a team of t, as the CUDA backend's host workers run.
+    def rates() -> dict:
         out: dict[str, Any] = {}
-
-        def measure():
-            try:
-                set_thread_team(t)
-                for name, fn, n in ([(f"adamw_{k}", adamw(k, grad), adam_numel) for k in kernels]
-                                    + [(f"adamw_{k}_bf16_grads", adamw(k, grad_bf16), adam_numel) for k in kernels]
-                                    + [("cast", run_cast, cast_numel)]):
-                    fn()  # warm: the pool at this size, the pages faulted in
-                    out[name] = n / statistics.median(_repeat_for(fn, min_s))
-            except BaseException as e:  # noqa: BLE001 - re-raised on the section's thread
-                out["error"] = e
-
-        th = threading.Thread(target=measure, name=f"probe-host-{t}", daemon=True)  # a timed-out section leaves it
-        th.start()
-        th.join()
-        if "error" in out:
-            raise out["error"]
+        for name, fn, n in ([(f"adamw_{k}", adamw(k, grad), adam_numel) for k in kernels]
+                            + [(f"adamw_{k}_bf16_grads", adamw(k, grad_bf16), adam_numel) for k in kernels]
+                            + [("cast", run_cast, cast_numel)]):
+            fn()  # warm: the pool at this size, the pages faulted in
+            out[name] = n / statistics.median(_repeat_for(fn, min_s))
         return out
 
     rows = []
     for t in threads:
-        r = rates(t)
+        r = run_on_team(t, rates)  # on a thread of its own with a team of t, as the host workers run
         row = {"threads": t, "cast_elements_per_s": r["cast"], "cast_bytes_per_s": 6 * r["cast"]}
         for k in kernels:
             row[f"adamw_{k}_params_per_s"] = r[f"adamw_{k}"]

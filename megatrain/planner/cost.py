@@ -22,8 +22,8 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
 - ``OFFLOAD``/``RELOAD``: the bytes of the layer's outputs that some layer reads (one micro-batch)
   over ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``.
 - ``CAST``: ``layer.numel`` FP32 reads and BF16 writes (6 bytes per element) on the host, at the
-  measured ``host_cast_elements_per_s`` (:func:`cast_rate`; 3.7x AdamW's parameter rate measured
-  on a 2-core EPYC VM, not the 28 / 6 = 4.67x that bytes alone predict).
+  measured ``host_cast_elements_per_s`` (:func:`cast_rate`; measured at 3.4x AdamW's parameter
+  rate on a 2-core EPYC VM at 1 thread, 1.2x at 2, not the 28 / 6 = 4.67x that bytes alone predict).
 - ``ACC``: ``layer.trainable_numel`` additions into an FP32 accumulator on the host: the tile
   (``plan.gradient_itemsize``) and the accumulator read, the accumulator written, at AdamW's
   memory-bound rate scaled by bytes (``ADAMW_BYTES_PER_PARAM``; micro-batch 0's copy moves a
@@ -55,7 +55,8 @@ checkpoints, boundary gradients and the working memory of the running compute op
 (:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
 Adam moments; with per-micro-batch passes also FP32 gradient accumulators, ``trainable_numel x 4``
 per trainable layer (pageable: only the host reads and writes them); with BF16 gradients that the
-optimizer reads from a host tile, one FP32 scratch of ``OPT_CHUNK_ELEMENTS`` (pageable, 2 MiB).
+optimizer reads from a host tile, one FP32 scratch of ``OPT_CHUNK_ELEMENTS`` per host worker thread
+(pageable, 2 MiB each; :func:`gradient_scratch_numel`).
 
 Pinned host memory is exactly what DMA reads or writes, and :func:`pinned_buffers` lays it out
 for the runtime, which pins the same regions (one arena registered with ``cudaHostRegister``, not
@@ -97,13 +98,16 @@ GRAD_ITEMSIZE = 4
 unless the plan sends BF16 ones (``Plan.gradient_itemsize`` is what those use)."""
 
 OPT_CHUNK_ELEMENTS = 1 << 19
-"""Elements an OPT of BF16 gradients widens at a time into its FP32 scratch (2 MiB), stepping each
-chunk right after (:class:`megatrain.runtime.host_kernels.HostAdamW`). Between writing a chunk's
-element and the kernel reading it back the host moves about 34 bytes per chunk element (the
-widening, the kernel's master and moments): 17 MiB, which the last-level cache holds (32 MiB per
-AMD Zen 4 CCD, 105 MB per Xeon Platinum 8480C socket), so the widened copy stays out of DRAM. A
-multiple of every kernel's vector width (16 FP32 lanes of AVX-512 times DeepSpeed's unroll of 8),
-so that the chunked step is bitwise the unchunked one."""
+"""Elements per intra-op thread that an OPT of BF16 gradients widens at a time into its FP32
+scratch (2 MiB per thread), stepping each chunk right after
+(:class:`megatrain.runtime.host_kernels.HostAdamW`). For one or two threads the chunk stays in the
+last-level cache between its widening and its step (about 34 bytes move per chunk element
+meanwhile: 17 MiB per thread, and an AMD Zen 4 CCD has 32 MiB, a Xeon Platinum 8480C socket 105 MB),
+so the widened copy stays out of DRAM; a larger team gets a chunk as many times larger, so that
+each of the chunk's two parallel regions (the widening, the step) gives every thread half a
+million elements, whose milliseconds dwarf the team's wake-up. A multiple of every kernel's vector
+width (16 FP32 lanes of AVX-512 times DeepSpeed's unroll of 8), so that the chunked step is
+bitwise the unchunked one."""
 
 MASTER_BYTES_PER_ELEMENT = 4
 """FP32 master weight per tile element."""
@@ -367,7 +371,7 @@ def widens_gradients(plan: Plan) -> bool:
 
 def cast_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
     """One host CAST of the layer's master tile into a BF16 staging tile (each rank casts the whole
-    tile for its own GPU, at its share of the host bandwidth, :func:`host_rate`); with
+    tile for its own GPU, at its share of the host's CAST rate, :func:`cast_rate`); with
     ``plan.shared_cast`` only its shard into the node's shared tile (:func:`cast_shard`, the
     largest: the last rank's, frozen parameters included)."""
     rate = cast_rate(hw, plan)
@@ -944,20 +948,23 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         working_peak=work,
         dynamic_peak=dyn,
         reserve=hw.gpu_reserve_bytes if hw is not None else DEFAULT_GPU_RESERVE_BYTES,
-        gradient_scratch=gradient_scratch_numel(graph, plan) * GRAD_ITEMSIZE,
+        gradient_scratch=gradient_scratch_numel(graph, plan, host_worker_threads(hw.host_cores, plan.gpus_per_node)
+                                                if hw is not None and hw.host_cores else 1) * GRAD_ITEMSIZE,
         nvme_buffers=math.prod(nvme_buffers(graph, plan)),
         nvme_gradient_buffers=pinned.bytes_of("nvme_gradients"),
         shared_staging=shared_staging_bytes(graph, plan),
     )
 
 
-def gradient_scratch_numel(graph: LayerGraph, plan: Plan) -> int:
-    """FP32 elements of the host scratch an OPT widens BF16 gradients into, a chunk at a time: one
-    chunk (:data:`OPT_CHUNK_ELEMENTS`, fewer for narrower layers) when :func:`widens_gradients`,
-    else 0. One suffices: OPTs run one at a time, in order, on the host stream."""
+def gradient_scratch_numel(graph: LayerGraph, plan: Plan, threads: int = 1) -> int:
+    """FP32 elements of the host scratch an OPT widens BF16 gradients into, a chunk at a time, on a
+    team of ``threads`` (:data:`OPT_CHUNK_ELEMENTS` per thread, fewer for narrower layers) when
+    :func:`widens_gradients`, else 0. One suffices: OPTs run one at a time, in order, on the host
+    stream. (:func:`memory_breakdown` counts the team of :func:`host_worker_threads` of the spec's
+    ``host_cores``, one thread where it has none.)"""
     if not widens_gradients(plan):
         return 0
-    return min(OPT_CHUNK_ELEMENTS, max((layer.trainable_numel for layer in graph.layers), default=0))
+    return min(OPT_CHUNK_ELEMENTS * threads, max((layer.trainable_numel for layer in graph.layers), default=0))
 
 
 # -- FLOPs and MFU ---------------------------------------------------------------------------------

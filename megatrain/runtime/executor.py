@@ -93,8 +93,6 @@ class _Buffers:
     staging: list[torch.Tensor]
     # One per trainable layer (schedule.gradient_tiles) with per-micro-batch passes: Op.acc indexes it.
     accumulators: list[torch.Tensor]
-    # Pageable FP32 scratch an OPT widens BF16 gradients into, chunk by chunk (cost.gradient_scratch_numel), or None.
-    widened: torch.Tensor | None = None
     # The pinned gradient I/O buffers of Plan.nvme_gradients (cost.nvme_gradient_buffers, in the
     # arena; Op.gbuf indexes them), in the gradient dtype: a D2H lands there, an NVME_WRITE empties
     # one to the layer's file, an NVME_READ fills one for the carried OPT.
@@ -319,10 +317,6 @@ class Executor:
         if count and (len(self._nvme_pool) < count or self._nvme_pool[0].numel() < nbytes):
             self._nvme_pool = []  # let the old go first
             self._nvme_pool = [aligned_buffer(nbytes) for _ in range(count)]
-        scratch = cost.gradient_scratch_numel(self.graph, plan)
-        if scratch and schedule.mode != "eval" and (self._buffers.widened is None
-                                                     or self._buffers.widened.numel() < scratch):
-            self._buffers.widened = torch.empty((scratch,), dtype=torch.float32)  # pageable: host ops only
         return self._buffers
 
     def _refresh_staging(self) -> None:
@@ -727,7 +721,7 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
     parallel it holds this rank's shard only, ``HostState.nvme_span``), through the executor's
     host kernel (:class:`~megatrain.runtime.host_kernels.HostAdamW`: BF16 gradients in a tile are
-    widened exactly, chunk by chunk, in the FP32 scratch)."""
+    widened exactly, chunk by chunk, in its FP32 scratch)."""
     ex, li = ctx.ex, op.layer
     n = ctx.graph.layers[li].trainable_numel
     lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.update_shards, ex.shard_index)
@@ -756,10 +750,9 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             ctx.skip = True
             ctx.skipped.append(li)
             return
-        # One scratch serves every OPT: they run in order on the host stream.
         ex.adam.step(master[lo - base:hi - base], grads[lo:hi], exp_avg[lo - mbase:hi - mbase],
                      exp_avg_sq[lo - mbase:hi - mbase], h.steps[li], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, grad_scale=scale, scratch=ctx.bufs.widened)
+                     weight_decay=cfg.weight_decay, grad_scale=scale)
         if op.buf is not None:
             ctx.unsaved.add(li)  # until its NVME_WRITE completes
         ctx.updated.append(li)

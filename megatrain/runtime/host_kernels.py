@@ -15,8 +15,11 @@ of two kernels, both element-wise, vectorised and parallel over the calling thre
 ``MEGATRAIN_HOST_ADAM`` chooses: ``auto`` (the default) takes DeepSpeed's where the ``deepspeed``
 package is installed and torch's otherwise; ``torch`` or ``deepspeed`` forces one (``deepspeed``
 without the package is an error, as is a DeepSpeed op that fails to build: nothing falls back
-silently). DeepSpeed's kernel is the faster of the two on the x86 hosts measured
-(``bench/host_optimizer.py``: 1.35x torch's on a 2-core AMD EPYC VM at 2 threads, 2026-11-27).
+silently). DeepSpeed's kernel was as fast as torch's or faster on the x86 host measured
+(``bench/host_optimizer.py`` on a shared 2-core AMD EPYC VM, 2026-11-27, tiles four times the L3:
+0.9-1.4x across runs; the issue that asked for it measured 1.35x at 2 threads), and
+:meth:`HostAdamW.step` calls its op with less Python around it than ``DeepSpeedCPUAdam.step`` does
+(17 against 31 us per call).
 Both match ``torch.optim.AdamW`` to the project's 1e-5 (tests/test_host_kernels.py); they differ
 from each other by rounding (DeepSpeed multiplies by ``1 / sqrt(1 - beta2^t)``, keeps ``beta^t`` as
 a running float product, and takes ``lr`` as a float).
@@ -24,14 +27,23 @@ a running float product, and takes ``lr`` as a float).
 Gradients. FP32 gradients are stepped as they are. Neither kernel takes BF16 gradients with FP32
 parameters (torch's raises "expected scalar type Float"; DeepSpeed's types its gradients as its
 parameters and would misread them), so BF16 gradients (``Plan.gradient_dtype``) are widened,
-exactly, chunk by chunk: :data:`CHUNK_ELEMENTS` at a time into a small FP32 scratch that stays in
-the last-level cache, each chunk stepped right after. The widened copy never reaches DRAM: 26 bytes
-of host memory traffic per parameter (2 for the BF16 gradient, 24 for the master and moments), where
-widening the whole tile into an FP32 scratch first costs 34 (and an FP32 gradient tile 28). The
-kernels are element-wise and every chunk but the last is a multiple of their vector width, so the
-chunked step is bitwise the step of the widened tile. A gradient scale (``grad_scale``: the
+exactly, chunk by chunk: :data:`CHUNK_ELEMENTS` per thread of the calling thread's team at a time
+into an FP32 scratch of this object's, each chunk stepped right after. For a team of one or two the
+chunk stays in the last-level cache, so the widened copy never reaches DRAM: 26 bytes of host
+memory traffic per parameter (2 for the BF16 gradient, 24 for the master and moments), where
+widening the whole tile into an FP32 scratch first costs 34 (and an FP32 gradient tile 28); a
+larger team's larger chunks keep each parallel region long, and the scratch small. The kernels are
+element-wise and every chunk but the last is a multiple of their vector width, so the chunked step
+is bitwise the step of the widened tile. A gradient scale (``grad_scale``: the
 gradients are divided by it, torch's convention; a carried update's clip factor) is torch's kernel
-argument; for DeepSpeed's, whose op has none, the chunks are divided in the scratch.
+argument; for DeepSpeed's, whose op has none, the chunks are divided in the scratch. Each chunk
+is two parallel regions (the widening, the step), and a team larger than one waits at each for
+its threads to wake: on a host whose cores are oversubscribed that is a scheduler time slice
+(measured on a 2-core VM under a load of 8, a team of 2 stepped BF16 tiles in chunks of 512 Ki
+elements 10x slower than with one whole-tile widening, in chunks of 1 Mi 3x; a team of 1, that
+VM's budget, :func:`megatrain.planner.cost.host_worker_threads`, 1.6x faster). The chunk grows
+with the team for that reason, and ``host_optimizer_bf16_params_per_s`` is measured, so the cost
+model sees what a host does.
 
 Threads. The kernels parallelise over the *calling thread's* OpenMP team, whose size
 :func:`set_thread_team` sets for that thread alone (the CUDA backend's host workers call it).
@@ -44,12 +56,14 @@ import itertools
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from megatrain.errors import ConfigError
 from megatrain.planner import cost
+
+T = TypeVar("T")
 
 KERNELS = ("torch", "deepspeed")
 """The host AdamW kernels :class:`HostAdamW` runs."""
@@ -58,8 +72,8 @@ HOST_ADAM_ENV = "MEGATRAIN_HOST_ADAM"
 """Environment variable that chooses the kernel: ``auto`` (default), ``torch`` or ``deepspeed``."""
 
 CHUNK_ELEMENTS = cost.OPT_CHUNK_ELEMENTS
-"""Elements per chunk of a chunked step (BF16 gradients, or a gradient scale with DeepSpeed's
-kernel): :data:`megatrain.planner.cost.OPT_CHUNK_ELEMENTS`, which sizes the scratch."""
+"""Elements per intra-op thread of a chunk of a chunked step (BF16 gradients, or a gradient scale
+with DeepSpeed's kernel): :data:`megatrain.planner.cost.OPT_CHUNK_ELEMENTS`, which says why."""
 
 
 def set_thread_team(threads: int) -> None:
@@ -84,6 +98,27 @@ def set_thread_team(threads: int) -> None:
         raise ValueError(f"set_thread_team({threads}): a thread team has at least one thread")
     torch.get_num_threads()
     torch.set_num_threads(threads)
+
+
+def run_on_team(threads: int, fn: Callable[[], T]) -> T:
+    """``fn()`` run on a new thread whose intra-op team is ``threads`` (:func:`set_thread_team`), as
+    the CUDA backend's host workers run their ops, so that the calling thread's team is left alone;
+    returns its result, or raises its exception here."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            set_thread_team(threads)
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name=f"megatrain-team-{threads}", daemon=True)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def deepspeed_installed() -> bool:
@@ -164,8 +199,9 @@ class HostAdamW:
             step: the 0-dim FP32 step count of these tiles (as torch's optimizer state); the call
                 adds one and updates with the new count.
             grad_scale: 0-dim FP32 tensor the gradients are divided by, or None.
-            scratch: FP32 tensor of at least :data:`CHUNK_ELEMENTS` elements (or of ``grad``'s,
-                if fewer) for a chunked step; None: one of this object's own, made at first need.
+            scratch: FP32 tensor for a chunked step, of at least :data:`CHUNK_ELEMENTS` x the
+                calling thread's ``torch.get_num_threads()`` elements (or ``grad``'s, if fewer);
+                None: this object's own, made at first need.
 
         Raises:
             ValueError: a tensor is not contiguous or not of ``param``'s shape, or a dtype other
@@ -187,25 +223,26 @@ class HostAdamW:
         if not chunked:
             run(param, grad, exp_avg, exp_avg_sq)
             return
-        buf = self._chunk_scratch(scratch, grad.numel())
+        chunk = CHUNK_ELEMENTS * torch.get_num_threads()  # this thread's team
+        buf = self._chunk_scratch(scratch, min(chunk, grad.numel()))
         divide = grad_scale if self.kernel == "deepspeed" else None  # torch's kernel divides by grad_scale itself
-        for lo in range(0, grad.numel(), CHUNK_ELEMENTS):
-            hi = min(lo + CHUNK_ELEMENTS, grad.numel())
+        for lo in range(0, grad.numel(), chunk):
+            hi = min(lo + chunk, grad.numel())
             g = buf[:hi - lo].copy_(grad[lo:hi])
             if divide is not None:
                 g.div_(divide)
             run(param[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi])
 
-    def _chunk_scratch(self, scratch: torch.Tensor | None, numel: int) -> torch.Tensor:
-        need = min(numel, CHUNK_ELEMENTS)
+    def _chunk_scratch(self, scratch: torch.Tensor | None, need: int) -> torch.Tensor:
         if scratch is not None:
             if scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < need:
                 raise ValueError(f"HostAdamW.step: the scratch ({scratch.dtype}, {scratch.numel()} elements, "
                                  f"contiguous={scratch.is_contiguous()}) must be contiguous FP32 of at least {need} "
-                                 "elements (CHUNK_ELEMENTS, or the gradients' count if fewer)")
+                                 "elements (CHUNK_ELEMENTS per thread of the team, or the gradients' count if fewer)")
             return scratch.view(-1)
         if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = torch.empty(CHUNK_ELEMENTS, dtype=torch.float32)
+            # Pageable, kept: OPTs run one at a time on the host worker (cost.gradient_scratch_numel).
+            self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch
 
     def _deepspeed_id(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> int:
@@ -229,4 +266,4 @@ def _check_tiles(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 __all__ = ["CHUNK_ELEMENTS", "HOST_ADAM_ENV", "KERNELS", "HostAdamW", "deepspeed_installed", "host_adam_kernel",
-           "set_thread_team"]
+           "run_on_team", "set_thread_team"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -231,7 +230,8 @@ def _rate(numel: int, run: Callable[[], Any], seconds: float) -> float:
             return numel * n / elapsed
 
 
-def measure_adamw(numel: int, seconds: float, *, grad_dtype=None, kernel: str | None = None) -> float:
+def measure_adamw(numel: int, seconds: float, *, grad_dtype: "torch.dtype | None" = None,
+                  kernel: str | None = None) -> float:
     """Parameters per second of megatrain's host AdamW step
     (:class:`~megatrain.runtime.host_kernels.HostAdamW`, ``kernel``: default ``$MEGATRAIN_HOST_ADAM``,
     the one the executor runs) on one flat FP32 tile of ``numel`` elements with ``grad_dtype``
@@ -271,30 +271,17 @@ def measure_host_rates(optimizer_numel: int | None = None, seconds: float = 0.3,
     ``"threads"``, ``"kernel"`` and ``"numel"``, what it measured with."""
     import torch
 
-    from megatrain.runtime.host_kernels import HostAdamW, set_thread_team
+    from megatrain.runtime.host_kernels import HostAdamW, run_on_team
 
     cores = host_cores() if cores is None else cores
     threads = cost.host_worker_threads(cores)
     kernel = HostAdamW(kernel).kernel
     adam_n = optimizer_numel or host_tile_numel(16)
     cast_n = optimizer_numel or host_tile_numel(cost.CAST_BYTES_PER_ELEMENT)
-    out: dict[str, Any] = {}
-
-    def measure() -> None:
-        try:
-            set_thread_team(threads)
-            out.update(host_optimizer_params_per_s=measure_adamw(adam_n, seconds, kernel=kernel),
-                       host_optimizer_bf16_params_per_s=measure_adamw(adam_n, seconds, grad_dtype=torch.bfloat16,
-                                                                      kernel=kernel),
-                       host_cast_elements_per_s=measure_cast(cast_n, seconds))
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            out["error"] = e
-
-    t = threading.Thread(target=measure, name="megatrain-measure-host")
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out.pop("error")
+    out = run_on_team(threads, lambda: dict(
+        host_optimizer_params_per_s=measure_adamw(adam_n, seconds, kernel=kernel),
+        host_optimizer_bf16_params_per_s=measure_adamw(adam_n, seconds, grad_dtype=torch.bfloat16, kernel=kernel),
+        host_cast_elements_per_s=measure_cast(cast_n, seconds)))
     return dict(out, host_cores=cores, threads=threads, kernel=kernel,
                 numel={"adamw": adam_n, "cast": cast_n})
 
