@@ -296,7 +296,8 @@ def run(numel: int | None, threads: int | None, rounds: int, dry: bool) -> dict:
         "working_set_bytes": 16 * numel, "larger_than_l3": 16 * numel > l3 > 0, "rounds": rounds,
         "rates": rates, "ratios": ratios,
         "target": {"megatrain_over_deepspeed_cpu_adam": 1.0,
-                   "met": ratios["megatrain_over_deepspeed_cpu_adam"] >= 1.0 if "deepspeed_cpu_adam" in rates else None},
+                   "met": (ratios["megatrain_over_deepspeed_cpu_adam"] >= 1.0 if "deepspeed_cpu_adam" in rates
+                           else None)},
         "call_us_1024_elements": {k: t * 1e6 for k, t in small.items()},
         "exactness": {"max_rel_err_vs_torch_adamw": exact, "bound": EXACT_RTOL,
                       "ok": all(e <= EXACT_RTOL for e in exact.values())},

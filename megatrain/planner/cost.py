@@ -15,9 +15,10 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
   ``hw.matmul_efficiency``.
 - ``OPT``: ``layer.trainable_numel`` over the host AdamW rate (:func:`optimizer_rate`): from FP32
   gradients ``host_optimizer_params_per_s``; from BF16 gradients read from a host tile (widened
-  chunk by chunk in the cache, :mod:`megatrain.runtime.host_kernels`: 26 bytes of DRAM traffic per
-  parameter, 28 with FP32 gradients) ``host_optimizer_bf16_params_per_s``. Both are measured on
-  tiles larger than the last-level cache (:func:`megatrain.runtime.measure.measure_hardware`).
+  chunk by chunk, :mod:`megatrain.runtime.host_kernels`: 26 bytes of DRAM traffic per parameter
+  where the chunks stay in the cache, 34 where they do not, 28 with FP32 gradients)
+  ``host_optimizer_bf16_params_per_s``. Both are measured on tiles larger than the last-level cache
+  (:func:`megatrain.runtime.measure.measure_hardware`).
 - ``RECOMPUTE``: as ``FWD``.
 - ``OFFLOAD``/``RELOAD``: the bytes of the layer's outputs that some layer reads (one micro-batch)
   over ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``.
@@ -86,7 +87,7 @@ from typing import Callable
 
 from megatrain.errors import ConfigError
 from megatrain.planner.graph import Layer, LayerGraph
-from megatrain.planner.hardware import (ADAMW_BF16_BYTES_PER_PARAM, ADAMW_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
+from megatrain.planner.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
                                         DEFAULT_GPU_RESERVE_BYTES, HardwareSpec)
 from megatrain.planner.liveness import BATCH, liveness
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
@@ -317,12 +318,14 @@ def optimizer_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
     """AdamW parameters/s of one rank's OPT: :func:`host_rate`, or where the plan's OPTs read BF16
     gradient tiles (:func:`widens_gradients`) the spec's ``host_optimizer_bf16_params_per_s`` over
     the node's ranks. A spec without that rate (0: written before it was measured) gets the
-    memory-bound estimate, :func:`host_rate` x 28 / 26 (the BF16 tile moves 2 bytes of the 28)."""
+    memory-bound estimate of a many-core host, whose widened chunks go through DRAM: :func:`host_rate`
+    x 28 / 34 (``ADAMW_WIDENED_BYTES_PER_PARAM``; a small team's chunks stay in the cache and step
+    faster, which a measured rate shows)."""
     if plan is None or not widens_gradients(plan):
         return host_rate(hw, plan)
     if hw.host_optimizer_bf16_params_per_s > 0:
         return hw.host_optimizer_bf16_params_per_s / plan.gpus_per_node
-    return host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / ADAMW_BF16_BYTES_PER_PARAM
+    return host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / ADAMW_WIDENED_BYTES_PER_PARAM
 
 
 def cast_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
@@ -961,7 +964,8 @@ def gradient_scratch_numel(graph: LayerGraph, plan: Plan, threads: int = 1) -> i
     team of ``threads`` (:data:`OPT_CHUNK_ELEMENTS` per thread, fewer for narrower layers) when
     :func:`widens_gradients`, else 0. One suffices: OPTs run one at a time, in order, on the host
     stream. (:func:`memory_breakdown` counts the team of :func:`host_worker_threads` of the spec's
-    ``host_cores``, one thread where it has none.)"""
+    ``host_cores``, one thread where it has none. DeepSpeed's kernel also divides a clipped update's
+    FP32 gradients by the clip scale in such a scratch, which this does not count.)"""
     if not widens_gradients(plan):
         return 0
     return min(OPT_CHUNK_ELEMENTS * threads, max((layer.trainable_numel for layer in graph.layers), default=0))

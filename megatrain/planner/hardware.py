@@ -72,9 +72,11 @@ ADAMW_BYTES_PER_PARAM = 28
 (4 x 4 B) and writes the parameter and both moments (3 x 4 B). The host kernel does ~15 FLOPs per
 parameter, far below a server CPU's vector throughput, so it is memory-bound."""
 
-ADAMW_BF16_BYTES_PER_PARAM = 26
-"""DRAM traffic of one AdamW update from a BF16 gradient tile, widened chunk by chunk in the cache
-(:mod:`megatrain.runtime.host_kernels`): the 4-byte gradient read is a 2-byte one."""
+ADAMW_WIDENED_BYTES_PER_PARAM = 34
+"""DRAM traffic of one AdamW update from a BF16 gradient tile whose widened FP32 copy goes through
+DRAM: the BF16 read (2 B), the FP32 copy written and read back (8 B), and the update's 24 B. A team
+of one or two threads widens chunks that stay in the cache (26 B, :mod:`megatrain.runtime.host_kernels`);
+a many-core host's team widens chunks too large for it, so an estimate counts this."""
 
 CAST_BYTES_PER_ELEMENT = 6
 """DRAM traffic of one CAST element: the FP32 master read (4 B), its BF16 copy written (2 B)."""
@@ -90,7 +92,7 @@ def _host_fields(dram_bytes_per_s: float, cores: int) -> dict:
     theoretical DRAM bandwidth over each kernel's bytes per element, and its core count."""
     rate = dram_bytes_per_s * HOST_BANDWIDTH_FRACTION
     return dict(host_optimizer_params_per_s=rate / ADAMW_BYTES_PER_PARAM,
-                host_optimizer_bf16_params_per_s=rate / ADAMW_BF16_BYTES_PER_PARAM,
+                host_optimizer_bf16_params_per_s=rate / ADAMW_WIDENED_BYTES_PER_PARAM,
                 host_cast_elements_per_s=rate / CAST_BYTES_PER_ELEMENT, host_cores=cores)
 
 
@@ -135,7 +137,7 @@ class HardwareSpec(pydantic.BaseModel):
                                                                          "chunk), parameters/s; 0: not "
                                                                          "measured, estimated from "
                                                                          "host_optimizer_params_per_s by "
-                                                                         "bytes moved (x 28/26)")
+                                                                         "bytes moved (x 28/34)")
     host_cast_elements_per_s: float = Field(0, ge=0, description="CAST rate, FP32 master to BF16 staging "
                                                                  "tile, elements/s, same tiles and threads; "
                                                                  "0: not measured, estimated from "
@@ -303,7 +305,7 @@ H100_SXM = HardwareSpec(
 - h2d/d2h 53 GB/s: PCIe Gen5 x16, 64 GB/s theoretical per direction, ~50-55 GB/s measured pinned.
 - duplex: Hopper has several async copy engines and PCIe is full duplex.
 - host_memory_bytes 2 TiB: DGX H100 system memory (NVIDIA DGX H100 datasheet: 2 TB).
-- host rates (AdamW ~8.8e9 params/s, ~9.5e9 from BF16 gradients, CAST ~4.1e10 elements/s): estimates,
+- host rates (AdamW ~8.8e9 params/s, ~7.2e9 from BF16 gradients, CAST ~4.1e10 elements/s): estimates,
   2x Xeon Platinum 8480C with 8 channels of DDR5-4800 each (614.4 GB/s theoretical) x
   HOST_BANDWIDTH_FRACTION over each kernel's bytes (``_host_fields``); host_cores 112 (2 x 56).
 """

@@ -20,6 +20,7 @@ silently). DeepSpeed's kernel was as fast as torch's or faster on the x86 host m
 0.9-1.4x across runs; the issue that asked for it measured 1.35x at 2 threads), and
 :meth:`HostAdamW.step` calls its op with less Python around it than ``DeepSpeedCPUAdam.step`` does
 (17 against 31 us per call).
+
 Both match ``torch.optim.AdamW`` to the project's 1e-5 (tests/test_host_kernels.py); they differ
 from each other by rounding (DeepSpeed multiplies by ``1 / sqrt(1 - beta2^t)``, keeps ``beta^t`` as
 a running float product, and takes ``lr`` as a float).
@@ -41,7 +42,7 @@ is two parallel regions (the widening, the step), and a team larger than one wai
 its threads to wake: on a host whose cores are oversubscribed that is a scheduler time slice
 (measured on a 2-core VM under a load of 8, a team of 2 stepped BF16 tiles in chunks of 512 Ki
 elements 10x slower than with one whole-tile widening, in chunks of 1 Mi 3x; a team of 1, that
-VM's budget, :func:`megatrain.planner.cost.host_worker_threads`, 1.6x faster). The chunk grows
+VM's budget, :func:`megatrain.planner.cost.host_worker_threads`, 1.5x faster). The chunk grows
 with the team for that reason, and ``host_optimizer_bf16_params_per_s`` is measured, so the cost
 model sees what a host does.
 
@@ -209,17 +210,17 @@ class HostAdamW:
         """
         _check_tiles(param, grad, exp_avg, exp_avg_sq)
         chunked = grad.dtype != torch.float32 or (grad_scale is not None and self.kernel == "deepspeed")
-        step += 1
         if self.kernel == "torch":
             def run(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
                 torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=lr, beta1=betas[0], beta2=betas[1],
                                     weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
                                     grad_scale=grad_scale, found_inf=None)
         else:
-            op, opt_id, count = _deepspeed_op(), self._deepspeed_id(lr, betas, eps, weight_decay), int(step)
+            op, opt_id, count = _deepspeed_op(), self._deepspeed_id(lr, betas, eps, weight_decay), int(step) + 1
 
             def run(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
                 op.adam_update(opt_id, count, lr, betas[0], betas[1], eps, weight_decay, True, p, g, m, v)
+        step += 1  # (torch's kernel reads the new count from the tensor)
         if not chunked:
             run(param, grad, exp_avg, exp_avg_sq)
             return
