@@ -23,8 +23,8 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
 - ``OFFLOAD``/``RELOAD``: the bytes of the layer's outputs that some layer reads (one micro-batch)
   over ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``.
 - ``CAST``: ``layer.numel`` FP32 reads and BF16 writes (6 bytes per element) on the host, at the
-  measured ``host_cast_elements_per_s`` (:func:`cast_rate`; measured at 3.4x AdamW's parameter
-  rate on a 2-core EPYC VM at 1 thread, 1.2x at 2, not the 28 / 6 = 4.67x that bytes alone predict).
+  measured ``host_cast_elements_per_s`` (:func:`cast_rate`; 2.9-3.4x AdamW's parameter rate at 1
+  thread and 1.2-2.0x at 2 on a shared 2-core EPYC VM, not the 28 / 6 = 4.67x that bytes predict).
 - ``ACC``: ``layer.trainable_numel`` additions into an FP32 accumulator on the host: the tile
   (``plan.gradient_itemsize``) and the accumulator read, the accumulator written, at AdamW's
   memory-bound rate scaled by bytes (``ADAMW_BYTES_PER_PARAM``; micro-batch 0's copy moves a
