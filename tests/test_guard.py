@@ -170,8 +170,8 @@ def test_a_loss_spike_is_not_kept(setup, tmp_path, monkeypatch, capsys, clip):
     on = _once_at_step(monkeypatch, k)
     real_run = executor_module.Executor.run
 
-    def run_spiking(self, schedule, micro_batches):
-        out = real_run(self, schedule, micro_batches)
+    def run_spiking(self, schedule, micro_batches, *args, **kwargs):
+        out = real_run(self, schedule, micro_batches, *args, **kwargs)
         if on[0] and schedule.mode == "train":
             out.losses = [x * 10 for x in out.losses]
         return out
