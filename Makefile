@@ -25,8 +25,19 @@ define make-venv
 	$(1)/bin/python -m pip install --quiet $(2) -e "$(EXTRAS)"
 endef
 
+# $(call add-deepspeed,DIR,PIP_INSTALL_ARGS): the [deepspeed] extra (DeepSpeed's CPU Adam, the host
+# AdamW kernel its tests run). DeepSpeed is a source package whose set-up imports torch, so it is built
+# without isolation (setuptools first: Python 3.12's venv has none) and with no op prebuilt
+# (DS_BUILD_OPS=0): its CPU Adam is compiled with ninja and g++ at first use, about 1.5 CPU-minutes,
+# cached in ~/.cache/torch_extensions. make test-oldest runs without it (its tests skip).
+define add-deepspeed
+	$(1)/bin/python -m pip install --quiet $(2) setuptools
+	DS_BUILD_OPS=0 $(1)/bin/python -m pip install --quiet --no-build-isolation $(2) -e ".[deepspeed]"
+endef
+
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(call make-venv,$(VENV),-c constraints.txt)
+	$(call add-deepspeed,$(VENV),-c constraints.txt)
 	touch $@
 
 .venv-oldest/.installed: pyproject.toml constraints-oldest.txt
@@ -48,6 +59,7 @@ test-oldest: .venv-oldest/.installed  ## trace and exactness tests on the oldest
 test-latest:  ## the test suite on today's newest releases; prints how they differ from the lock first
 	rm -rf .venv-latest
 	$(call make-venv,.venv-latest,--upgrade)
+	$(call add-deepspeed,.venv-latest,--upgrade)
 	.venv-latest/bin/python -m pip freeze --exclude-editable | grep -iv '^torch==' > .venv-latest/freeze.txt
 	@echo "== newest releases vs constraints.txt (- locked, + newest) =="
 	@diff <(grep -v '^#' constraints.txt | sort -f) <(sort -f .venv-latest/freeze.txt) | grep '^[<>]' | sed 's/^</-/; s/^>/+/' || echo "(no difference)"

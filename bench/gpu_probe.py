@@ -30,10 +30,14 @@ Sections, in the order they run (``--sections`` picks a subset):
     the exact-size alternative: ``cudaHostRegister`` of an anonymous ``mmap`` of exactly that many
     bytes (``torch.cuda.cudart()``), its time, and whether torch sees the memory as pinned.
 ``host_rates``
-    Host AdamW (``torch.optim.adamw.adamw(fused=True)`` on flat FP32 tensors, the executor's call)
-    and CAST (an FP32 -> BF16 ``copy_``, what a CAST op does) at 1, 2, 4, 8 and 16 threads
-    (``torch.set_num_threads``, capped at the CPU count), on tiles whose working set is at least
-    four times the host's total L3 (read from sysfs) so the rates are DRAM rates, not cache rates.
+    Host AdamW through ``megatrain.runtime.host_kernels.HostAdamW`` (the executor's step) with each
+    kernel installed (torch's fused; DeepSpeed's CPU Adam where ``deepspeed`` is), from FP32 and
+    from BF16 gradients, and CAST (an FP32 -> BF16 ``copy_``, what a CAST op does) at 1, 2, 4, 8 and
+    16 threads and at the host workers' budget (``cost.host_worker_threads``), each on a thread of
+    its own with that team (``set_thread_team``, as the CUDA backend's workers), capped at the CPU
+    count, on tiles whose working set is at least four times the host's total L3 (read from sysfs)
+    so the rates are DRAM rates, not cache rates. The spec takes the rates of the kernel megatrain
+    runs at the budget.
 ``launch``
     Per-op launch cost of a template-like op, ``template_issue_s_per_op``: a small Llama block's
     forward and local backward as the executor runs a layer, its time on the issuing thread over
@@ -99,7 +103,6 @@ import json
 import math
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -119,7 +122,8 @@ if str(ROOT) not in sys.path:
     # still imports.
     sys.path.append(str(ROOT))
 
-from megatrain.units import GiB, MiB  # noqa: E402 - after the path above, so a plain checkout imports
+from megatrain.runtime.measure import l3_cache  # noqa: E402 - after the path above, so a plain checkout imports
+from megatrain.units import GiB, MiB  # noqa: E402
 
 PROBE_FORMAT_VERSION = 1
 SELECT_ENV = "GPU_PROBE_SELECT"
@@ -129,7 +133,7 @@ SELECT_ENV = "GPU_PROBE_SELECT"
 SECTION_ORDER = ("environment", "copies", "pinned_alloc", "host_rates", "launch", "matmul", "spec", "step",
                  "cuda_tests", "race_detector")
 
-DEFAULT_LIMITS_S = {"environment": 30, "copies": 45, "pinned_alloc": 45, "host_rates": 75, "launch": 20,
+DEFAULT_LIMITS_S = {"environment": 30, "copies": 45, "pinned_alloc": 45, "host_rates": 150, "launch": 20,
                     "matmul": 40, "spec": 15, "step": 200, "cuda_tests": 180, "race_detector": 90}
 """Per-section wall-clock limits in seconds on a GPU machine (estimates, with room: on an H100
 host the measurements take 5-30 s each, the 1B step about a minute with compile, the CUDA tests
@@ -324,43 +328,6 @@ def _cmd(argv: list[str], timeout: float = 10.0) -> dict:
 NVIDIA_SMI_FIELDS = ("name", "driver_version", "memory.total", "pcie.link.gen.current", "pcie.link.gen.max",
                      "pcie.link.width.current", "pcie.link.width.max", "clocks.sm", "clocks.max.sm", "clocks.mem",
                      "power.limit", "persistence_mode", "compute_mode", "mig.mode.current")
-
-
-def l3_cache() -> dict:
-    """Total L3 bytes of the host: the sum over distinct L3 instances in sysfs (one per socket or
-    CCX, told apart by their ``shared_cpu_list``), with the per-instance size; where sysfs has no L3
-    (some virtual machines), the total from ``lscpu``'s ``L3 cache:`` line; 0 when neither says."""
-    sysfs = _l3_sysfs()
-    if sysfs["total_bytes"] > 0:
-        return sysfs
-    out = _cmd(["lscpu"]).get("stdout") or ""
-    m = re.search(r"^L3 cache:\s*([\d.]+\s*[KMG]i?B?)", out, re.MULTILINE)
-    if m:
-        return {"total_bytes": _parse_size(m.group(1)), "source": "lscpu (sysfs has no L3)"}
-    return {"total_bytes": 0, "source": "unknown: neither sysfs nor lscpu gives an L3 size"}
-
-
-def _l3_sysfs() -> dict:
-    seen: dict[str, int] = {}
-    base = Path("/sys/devices/system/cpu")
-    for cache in sorted(base.glob("cpu[0-9]*/cache/index[0-9]*")):
-        try:
-            if (cache / "level").read_text().strip() != "3":
-                continue
-            size = _parse_size((cache / "size").read_text().strip())
-            seen[(cache / "shared_cpu_list").read_text().strip()] = size
-        except (OSError, ValueError):
-            continue
-    return {"total_bytes": sum(seen.values()), "instances": len(seen),
-            "instance_bytes": sorted(set(seen.values())), "source": "/sys/devices/system/cpu/*/cache/index*/"}
-
-
-def _parse_size(text: str) -> int:
-    """Bytes in a sysfs/lscpu cache size: ``32768K``, ``1M``, ``16 MiB``, ``512`` (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)I?B?\s*", text.upper())
-    if m is None:
-        raise ValueError(f"cache size {text!r} is not a number with an optional K/M/G unit")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])
 
 
 def _meminfo() -> dict:
@@ -629,59 +596,77 @@ def _register_and_copy(torch, cudart, t, n: int) -> dict:
 
 def section_host_rates(ctx: Ctx) -> dict:
     import torch
-    from torch.optim.adamw import adamw
+
+    from megatrain.planner import cost
+    from megatrain.runtime.host_kernels import HostAdamW, deepspeed_installed, run_on_team
+    from megatrain.runtime.measure import host_cores, host_tile_numel
 
     l3 = l3_cache()["total_bytes"]
-    cpus = os.cpu_count() or 1
-    threads = [t for t in ((1, 2) if ctx.dry else (1, 2, 4, 8, 16)) if t <= cpus] or [1]
+    cores = host_cores()
+    budget = cost.host_worker_threads(cores)  # the threads a rank's host workers run with
+    threads = sorted({t for t in ((1, 2) if ctx.dry else (1, 2, 4, 8, 16)) if t <= cores} | {budget})
     if ctx.dry:
         adam_numel = cast_numel = 1 << 18
     else:
         # Working set at least 4x the total L3 (AdamW touches 16 B/param, a cast 6 B/element), and
         # never under 64M elements (1 GiB for AdamW, above any single host's L3 today, should the L3
         # size be unknown), so the tiles stream from DRAM.
-        adam_numel = _round_up(max(4 * l3 // 16, 64 << 20), 1 << 20)
-        cast_numel = _round_up(max(4 * l3 // 6, 64 << 20), 1 << 20)
+        adam_numel = max(host_tile_numel(16, l3), 64 << 20)
+        cast_numel = max(host_tile_numel(cost.CAST_BYTES_PER_ELEMENT, l3), 64 << 20)
     min_s = 0.02 if ctx.dry else 0.5
+    megatrain_kernel = HostAdamW().kernel
+    kernels = ["torch"] + (["deepspeed"] if deepspeed_installed() else [])
     g = torch.Generator().manual_seed(0)
     p = torch.randn(adam_numel, generator=g)
-    grad = torch.randn(adam_numel, generator=g)
+    grad = torch.randn(adam_numel, generator=g) * 1e-3
+    grad_bf16 = grad.bfloat16()
     m, v, step = torch.zeros(adam_numel), torch.zeros(adam_numel), torch.zeros(())
     src = torch.randn(cast_numel, generator=g)
     dst = torch.empty(cast_numel, dtype=torch.bfloat16)
+    adams = {k: HostAdamW(k) for k in kernels}
 
-    def run_adamw():
-        adamw([p], [grad], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3,
-              weight_decay=0.01, eps=1e-8, maximize=False)
+    def adamw(kernel: str, gradient: torch.Tensor):
+        return lambda: adams[kernel].step(p, gradient, m, v, step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                          weight_decay=0.01)
 
     def run_cast():
         dst.copy_(src)
 
-    default = torch.get_num_threads()
+    def rates() -> dict:
+        out: dict[str, Any] = {}
+        for name, fn, n in ([(f"adamw_{k}", adamw(k, grad), adam_numel) for k in kernels]
+                            + [(f"adamw_{k}_bf16_grads", adamw(k, grad_bf16), adam_numel) for k in kernels]
+                            + [("cast", run_cast, cast_numel)]):
+            fn()  # warm: the pool at this size, the pages faulted in
+            out[name] = n / statistics.median(_repeat_for(fn, min_s))
+        return out
+
     rows = []
-    try:
-        for t in threads:
-            torch.set_num_threads(t)
-            run_adamw()  # warm: the pool at this size
-            run_cast()
-            ta = statistics.median(_repeat_for(run_adamw, min_s))
-            tc = statistics.median(_repeat_for(run_cast, min_s))
-            rows.append({"threads": t, "adamw_s": ta, "adamw_params_per_s": adam_numel / ta,
-                         "adamw_bytes_per_s": 28 * adam_numel / ta, "cast_s": tc,
-                         "cast_elements_per_s": cast_numel / tc, "cast_bytes_per_s": 6 * cast_numel / tc})
-    finally:
-        torch.set_num_threads(default)
+    for t in threads:
+        r = run_on_team(t, rates)  # on a thread of its own with a team of t, as the host workers run
+        row = {"threads": t, "cast_elements_per_s": r["cast"], "cast_bytes_per_s": 6 * r["cast"]}
+        for k in kernels:
+            row[f"adamw_{k}_params_per_s"] = r[f"adamw_{k}"]
+            row[f"adamw_{k}_bf16_grads_params_per_s"] = r[f"adamw_{k}_bf16_grads"]
+        row["adamw_params_per_s"] = row[f"adamw_{megatrain_kernel}_params_per_s"]
+        row["adamw_bf16_grads_params_per_s"] = row[f"adamw_{megatrain_kernel}_bf16_grads_params_per_s"]
+        row["adamw_bytes_per_s"] = 28 * row["adamw_params_per_s"]
+        rows.append(row)
     if not torch.isfinite(p).all():
         raise RuntimeError("host AdamW produced non-finite parameters; the rates are not trustworthy")
-    at_default = min(rows, key=lambda r: (abs(r["threads"] - default), -r["threads"]))
+    at_budget = next(r for r in rows if r["threads"] == budget)
     return {"l3_total_bytes": l3, "adamw_numel": adam_numel, "adamw_working_set_bytes": 16 * adam_numel,
             "cast_numel": cast_numel, "cast_working_set_bytes": 6 * cast_numel,
             "larger_than_l3": 16 * adam_numel > l3 and 6 * cast_numel > l3 and l3 > 0,
-            "bytes_per_param_counted": {"adamw": 28, "cast": 6}, "default_threads": default, "rows": rows,
-            "adamw_params_per_s_at_default": at_default["adamw_params_per_s"],
-            "default_row_threads": at_default["threads"],
+            "bytes_per_param_counted": {"adamw": 28, "cast": 6}, "host_cores": cores, "kernels": kernels,
+            "megatrain_kernel": megatrain_kernel, "budget_threads": budget, "rows": rows,
+            "adamw_params_per_s_at_budget": at_budget["adamw_params_per_s"],
+            "adamw_bf16_grads_params_per_s_at_budget": at_budget["adamw_bf16_grads_params_per_s"],
+            "cast_elements_per_s_at_budget": at_budget["cast_elements_per_s"],
             "note": ("dry run: small tiles that fit in cache" if ctx.dry else
-                     "adamw_bytes_per_s counts 28 B/param (read p, g, m, v; write p, m, v), cast 6 B/element")}
+                     "adamw_bytes_per_s counts 28 B/param (read p, g, m, v; write p, m, v), cast 6 B/element; "
+                     "each row on a thread of its own with that intra-op team (set_thread_team), the "
+                     "megatrain kernel's rate at budget_threads (cost.host_worker_threads) is the spec's")}
 
 
 def _round_up(x: int, k: int) -> int:
@@ -783,7 +768,10 @@ MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "d2h_bytes_per_s": ("copies", ("d2h_bytes_per_s",)),
     "duplex": ("copies", ("duplex",)),
     "host_memory_bytes": ("environment", ("memory", "MemTotal")),
-    "host_optimizer_params_per_s": ("host_rates", ("adamw_params_per_s_at_default",)),
+    "host_optimizer_params_per_s": ("host_rates", ("adamw_params_per_s_at_budget",)),
+    "host_optimizer_bf16_params_per_s": ("host_rates", ("adamw_bf16_grads_params_per_s_at_budget",)),
+    "host_cast_elements_per_s": ("host_rates", ("cast_elements_per_s_at_budget",)),
+    "host_cores": ("host_rates", ("host_cores",)),
     # Seconds of the issuing thread per dispatched aten op of a template-like layer: the field the
     # simulator's issue model reads, where this megatrain's HardwareSpec has it.
     "launch_overhead_s": ("launch", ("template_issue_s_per_op",)),
@@ -1128,7 +1116,8 @@ def summary(ctx: Ctx) -> dict:
         "bf16_TFLOPs": _scale(get("matmul", "bf16", "flops_per_s"), 1e-12),
         "fp32_TFLOPs": _scale(get("matmul", "fp32", "flops_per_s"), 1e-12),
         "tf32_TFLOPs": _scale(get("matmul", "tf32", "flops_per_s"), 1e-12),
-        "adamw_Gparams_per_s": _scale(get("host_rates", "adamw_params_per_s_at_default"), 1e-9),
+        "adamw_Gparams_per_s": _scale(get("host_rates", "adamw_params_per_s_at_budget"), 1e-9),
+        "cast_Gelements_per_s": _scale(get("host_rates", "cast_elements_per_s_at_budget"), 1e-9),
         "launch_us_per_op": _scale(get("launch", "issue_s_per_op"), 1e6),
         "measured_step_s": get("step", "measured", "step_time_s"),
         "predicted_step_s": get("step", "predicted", "step_time_s"),

@@ -118,7 +118,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "checkpoint, 2 on any error. Data parallel: run it under torchrun "
                                        "(torchrun --standalone --nproc-per-node N --no-python megatrain train "
                                        "...); global_batch is then the rows of a step over all ranks, and "
-                                       "rank 0 writes the outputs.")
+                                       "rank 0 writes the outputs.",
+                           epilog="Environment: MEGATRAIN_HOST_ADAM=auto|torch|deepspeed chooses the host AdamW "
+                                  "kernel (auto, the default: DeepSpeed's CPU Adam where pip install "
+                                  "megatrain[deepspeed] installed it, else torch's fused AdamW).")
     _add_train_flags(train)
     return p
 

@@ -40,7 +40,7 @@ from megatrain.runtime.executor import Executor, StepOutput
 from megatrain.runtime.loss import loss_weights, micro_batch_means
 from megatrain.runtime.host import (MASTER, HostState, NvmeRow, NvmeShards, SlicedRow, as_tensor, bind_module,
                                     unbind_spilled)
-from megatrain.runtime.measure import measure_hardware
+from megatrain.runtime.measure import host_cores, measure_hardware
 
 
 @dataclass(frozen=True, slots=True)
@@ -934,7 +934,8 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
     the executor. On ``device="cuda"`` the train schedule's GPU slots and pinned buffers are
     allocated here too, so that running out of memory is a compile error, not a first-step one;
     the CPU backend makes its (host) buffers at the first step. ``backend``: the one to run on
-    (default ``make_backend(planned.options.device)``; tests pass a CUDA backend over FakeCuda).
+    (default ``make_backend(planned.options.device)`` with its host workers' threads,
+    ``cost.host_worker_threads`` of this machine's cores; tests pass a CUDA backend over FakeCuda).
     ``host``: the host tiles of another trainer of the same model (the module already bound to
     them), shared instead of allocated: how a shape-free trainer (``megatrain.shapes``) runs one
     set of weights and moments under the schedules of several batch shapes.
@@ -962,7 +963,11 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         raise ConfigError(f"the plan keeps the deferred gradient tiles of layers {sorted(grads_on_nvme)} on NVMe "
                           "(Plan.nvme_gradients) but no NVMe directory was given: pass nvme_dir= (an existing "
                           "directory on an NVMe drive)")
-    backend = make_backend(planned.options.device) if backend is None else backend
+    if backend is None:
+        # The host workers' thread budget: this rank's share of the cores it runs on (not the
+        # spec's, which may describe another machine).
+        threads = cost.host_worker_threads(host_cores(), planned.plan.gpus_per_node)
+        backend = make_backend(planned.options.device, host_threads=threads)
     traced, model = planned.traced, planned.model
     if host is None and planned.plan.data_parallel > 1 and planned.plan.host_state == "shard":
         if on_nvme:

@@ -23,7 +23,7 @@ from megatrain.planner.timeline import Timeline
 from megatrain.runtime.backend import CPUBackend, make_backend
 from megatrain.runtime.cuda import GPU_STREAMS, CUDABackend, GpuOp, HostOp, HostOpError, TorchCuda
 from megatrain.runtime.host import HostState
-from megatrain.testing import FakeCuda, FakeCudaError, FakeEvent
+from megatrain.testing import AsyncFakeCuda, FakeCuda, FakeCudaError, FakeEvent
 
 from conftest import BackendWrapper, random_batch, requires_cuda, tiny_llama
 
@@ -283,15 +283,86 @@ def test_pending_op_is_issued_at_a_later_launch_once_its_host_dep_is_done():
     be.synchronize()
 
 
-def test_cast_does_not_queue_behind_the_optimizer():
+def test_cast_waits_for_the_running_optimizer_step_only_not_those_queued_behind_it():
     be = CUDABackend(adapter=FakeCuda())
-    gate = threading.Event()
-    be.launch(Stream.HOST, gate.wait, [], label="OPT:L3:r0")
-    cast = be.launch(Stream.CAST, noop, [], label="CAST:L1:t0")
-    cast._done.wait(10)
-    assert cast.done(), "a CAST runs on its own host worker while an OPT holds the optimizer worker"
+    gate, order = threading.Event(), []
+    be.launch(Stream.HOST, lambda: (gate.wait(10), order.append("OPT:L3")), [], label="OPT:L3:r0")
+    for layer in (2, 1):
+        be.launch(Stream.HOST, lambda layer=layer: order.append(f"OPT:L{layer}"), [], label=f"OPT:L{layer}:r0")
+    cast = be.launch(Stream.CAST, lambda: order.append("CAST:L1"), [], label="CAST:L1:t0")
+    time.sleep(0.05)
+    assert not cast.done(), "the host kernels share the cores: a CAST waits for the host op running"
     gate.set()
     be.synchronize()
+    # The CAST asked for the cores while OPT:L3 ran; the OPTs queued behind it asked later.
+    assert order == ["OPT:L3", "CAST:L1", "OPT:L2", "OPT:L1"]
+
+
+def test_host_and_cast_work_never_overlaps_and_each_worker_runs_its_own_thread_team():
+    # The simulator puts HOST and CAST on one resource (cost.resource_of): the runtime must not
+    # overlap them either, and each worker's kernels run with host_threads threads whatever the
+    # issuing thread's team is.
+    fake = AsyncFakeCuda(seed=3, max_delay_s=2e-3)
+    main_threads = torch.get_num_threads()
+    teams, spans = {}, []
+
+    def work(name):
+        def run():
+            t0 = time.perf_counter()
+            teams[name] = torch.get_num_threads()
+            time.sleep(2e-3)
+            spans.append((t0, time.perf_counter()))
+        return run
+    try:
+        be = CUDABackend(adapter=fake, host_threads=3)
+        for k in range(12):
+            d2h = be.launch(Stream.D2H, noop, [], label=f"D2H:L{k}:s0")
+            be.launch(Stream.HOST, work(f"OPT{k}"), [d2h], label=f"OPT:L{k}:r0")
+            be.launch(Stream.CAST, work(f"CAST{k}"), [], label=f"CAST:L{k}:t0")
+        be.synchronize()
+        be.close()
+    finally:
+        fake.close()
+    assert set(teams.values()) == {3} and len(teams) == 24
+    assert torch.get_num_threads() == main_threads, "a worker's team size must not leak into the issuing thread"
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), "host kernels overlapped"
+
+
+def test_host_threads_must_be_positive():
+    with pytest.raises(ValueError, match="at least one thread"):
+        CUDABackend(adapter=FakeCuda(), host_threads=0)
+
+
+def test_a_worker_waiting_for_the_gpu_sleeps_instead_of_spinning():
+    # AsyncFakeCuda makes a thread that synchronises on an event without blocking=True spin, as
+    # CUDA's default scheduling does; a blocking event puts it to sleep. The worker's CPU time
+    # while the D2H it waits for takes WAIT_S: asleep it wakes once (well under a millisecond of
+    # CPU), spinning it burns the core for as much of WAIT_S as the scheduler gives it.
+    wait_s = 0.5
+    fake = AsyncFakeCuda(delay=lambda label: wait_s if label.startswith("D2H") else 0.0)
+    cpu = []
+    try:
+        be = CUDABackend(adapter=fake)
+        d2h = be.launch(Stream.D2H, noop, [], label="D2H:L0:s0")
+        # The worker thread starts here: its CPU time so far is this wait (and its start-up).
+        be.launch(Stream.HOST, lambda: cpu.append(time.thread_time()), [d2h], label="OPT:L0:r0")
+        be.synchronize()
+        be.close()
+    finally:
+        fake.close()
+    assert cpu[0] < 0.1 * wait_s, f"the worker used {cpu[0]:.3f} s of CPU while waiting {wait_s} s for the GPU"
+
+
+def test_fake_cuda_refuses_a_thread_synchronising_on_a_spinning_event():
+    fake = FakeCuda()
+    s = fake.stream()
+    spin, sleep = fake.event(False), fake.event(False, blocking=True)
+    fake.record(spin, s)
+    fake.record(sleep, s)
+    with pytest.raises(FakeCudaError, match="blocking=True"):
+        fake.event_synchronize(spin)
+    fake.event_synchronize(sleep)
 
 
 def test_cast_waits_for_its_host_dependency_on_the_other_worker():

@@ -37,7 +37,8 @@ def test_public_surface_is_pinned():
         "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS",
         "gather_buffer_bytes", "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
         "allocation_stream", "issue_fences", "pool_peaks", "GpuReserve", "gpu_reserve", "ROUND_LARGE_BYTES",
-        "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS"}
+        "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS",
+        "optimizer_rate", "cast_rate", "host_worker_threads", "OPT_CHUNK_ELEMENTS"}
 
 
 # -- op times --------------------------------------------------------------------------------------
@@ -454,6 +455,40 @@ def test_measure_host(tmp_path):
 def test_cublas_workspace_bytes_as_pytorch_sizes_them(major, env, want):
     assert measure.cublas_workspace_bytes(major, env) == want
     assert hardware.CUBLAS_WORKSPACE_BYTES == measure.cublas_workspace_bytes(9, {})  # the presets' default
+
+
+def test_host_rates_come_from_the_spec_and_estimates_fill_what_it_lacks():
+    layer = chain_graph(1, numel=1 << 16).layers[0]
+    n = layer.numel
+    bf16 = Plan(compute_dtype="bfloat16", staging_ring=1)  # OPTs read BF16 gradient tiles
+    old = spec(host_optimizer_params_per_s=1e9)  # a spec saved before the CAST and BF16 rates were measured
+    assert cost.cast_rate(old) == pytest.approx(1e9 * 28 / 6) and cost.optimizer_rate(old, bf16) == pytest.approx(1e9 * 28 / 34)
+    # A measured cast rate (the 2-core EPYC VM: 3.4x the AdamW rate, not the 4.67x bytes predict).
+    hw = spec(host_optimizer_params_per_s=1e9, host_cast_elements_per_s=3.4e9, host_optimizer_bf16_params_per_s=0.8e9)
+    assert cost.cast_time(layer, hw) == pytest.approx(n / 3.4e9)
+    assert cost.opt_time(layer, hw, bf16) == pytest.approx(layer.trainable_numel / 0.8e9)
+    assert cost.opt_time(layer, hw, Plan()) == pytest.approx(layer.trainable_numel / 1e9)
+    # The ranks of a node share every host rate.
+    four = Plan(data_parallel=4, compute_dtype="bfloat16", staging_ring=1)
+    assert cost.cast_rate(hw, four) == 3.4e9 / 4 and cost.optimizer_rate(hw, four) == 0.8e9 / 4
+    # An ACC of BF16 tiles reads 2 bytes less than one of FP32 tiles (10 and 12 of AdamW's 28).
+    acc16 = Plan(compute_dtype="bfloat16", micro_batches=2, layer_by_layer=False)
+    assert acc16.gradient_itemsize == 2
+    assert cost.acc_time(layer, hw, acc16) == pytest.approx(layer.trainable_numel * 10 / 28e9)
+    assert cost.acc_time(layer, hw) == pytest.approx(layer.trainable_numel * 12 / 28e9)
+
+
+@pytest.mark.parametrize("cores, gpus, want", [(2, 1, 1), (16, 1, 15), (112, 8, 13), (4, 8, 1), (1, 1, 1)])
+def test_host_worker_threads_leave_each_rank_a_core_to_issue_from(cores, gpus, want):
+    assert cost.host_worker_threads(cores, gpus) == want
+
+
+def test_host_and_cast_share_one_resource_as_the_runtime_runs_them():
+    for duplex in (True, False):
+        hw = spec(duplex=duplex)
+        assert cost.resource_of(Stream.HOST, hw) is cost.resource_of(Stream.CAST, hw) is cost.Resource.HOST
+    with pytest.raises(ValueError, match="both must be >= 1"):
+        cost.host_worker_threads(0)
 
 
 # -- data parallel: topology -----------------------------------------------------------------------

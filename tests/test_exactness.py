@@ -10,6 +10,7 @@ import torch
 
 import megatrain
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.runtime.host_kernels import HOST_ADAM_ENV, deepspeed_installed
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 
@@ -146,6 +147,18 @@ def test_gradient_clipping_matches_clip_grad_norm(micro_batches):
     trainer = assert_same_training(tiny_llama(layers=2), micro_batches=micro_batches, steps=8, max_grad_norm=0.05)
     assert trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD
     assert trainer.schedules.carrying.carries_updates and trainer.schedule is trainer.schedules.first
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("deepspeed", marks=pytest.mark.skipif(
+    not deepspeed_installed(), reason="DeepSpeed is not installed (pip install megatrain[deepspeed])"))])
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["unclipped", "clipped"])
+def test_each_host_adam_kernel_matches_eager(kernel, max_grad_norm, monkeypatch):
+    """torch's fused AdamW and DeepSpeed's CPU Adam (MEGATRAIN_HOST_ADAM) both train as eager
+    torch.optim.AdamW does; clipped, the carried updates divide by the clip scale."""
+    monkeypatch.setenv(HOST_ADAM_ENV, kernel)
+    torch.manual_seed(4)
+    trainer = assert_same_training(tiny_llama(layers=2), steps=6, max_grad_norm=max_grad_norm)
+    assert trainer.executor.adam.kernel == kernel
 
 
 def test_clipped_gradient_norm_equals_torch():

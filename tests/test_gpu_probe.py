@@ -1,6 +1,6 @@
 """bench/gpu_probe.py: its --dry-run end to end on the CPU, a failing and a hanging section recorded
 while the others run, and the parts that need no run (junit parsing, which tests count as CUDA
-tests, sizes read from sysfs, the section time limit, the budget)."""
+tests, the section time limit, the budget)."""
 
 from __future__ import annotations
 
@@ -105,15 +105,27 @@ def test_dry_run_copies_pinned_launch_and_matmul(dry):
 
 
 def test_dry_run_host_rates(dry):
+    from megatrain.planner import cost
+    from megatrain.runtime.host_kernels import HostAdamW, deepspeed_installed
+    from megatrain.runtime.measure import host_cores
+
     _, doc = dry
     h = doc["sections"]["host_rates"]["result"]
-    assert [r["threads"] for r in h["rows"]] == [t for t in (1, 2) if t <= os.cpu_count()]
+    budget = cost.host_worker_threads(host_cores())
+    assert h["host_cores"] == host_cores() and h["budget_threads"] == budget
+    assert [r["threads"] for r in h["rows"]] == sorted({t for t in (1, 2) if t <= host_cores()} | {budget})
+    assert h["kernels"] == ["torch"] + (["deepspeed"] if deepspeed_installed() else [])
+    assert h["megatrain_kernel"] == HostAdamW().kernel
     for r in h["rows"]:
-        assert r["adamw_params_per_s"] > 0 and r["cast_elements_per_s"] > 0
+        for k in h["kernels"]:
+            assert r[f"adamw_{k}_params_per_s"] > 0 and r[f"adamw_{k}_bf16_grads_params_per_s"] > 0
+        assert r["adamw_params_per_s"] == r[f"adamw_{h['megatrain_kernel']}_params_per_s"]
         assert r["adamw_bytes_per_s"] == pytest.approx(28 * r["adamw_params_per_s"])
-        assert r["cast_bytes_per_s"] == pytest.approx(6 * r["cast_elements_per_s"])
-    row = next(r for r in h["rows"] if r["threads"] == h["default_row_threads"])
-    assert h["adamw_params_per_s_at_default"] == row["adamw_params_per_s"]
+        assert r["cast_bytes_per_s"] == pytest.approx(6 * r["cast_elements_per_s"]) and r["cast_elements_per_s"] > 0
+    row = next(r for r in h["rows"] if r["threads"] == budget)
+    assert h["adamw_params_per_s_at_budget"] == row["adamw_params_per_s"]
+    assert h["adamw_bf16_grads_params_per_s_at_budget"] == row["adamw_bf16_grads_params_per_s"]
+    assert h["cast_elements_per_s_at_budget"] == row["cast_elements_per_s"]
 
 
 def test_dry_run_spec_reads_back_and_names_its_sources(dry):
@@ -129,7 +141,10 @@ def test_dry_run_spec_reads_back_and_names_its_sources(dry):
     assert spec.duplex == s["copies"]["duplex"]
     assert spec.bf16_flops == s["matmul"]["bf16"]["flops_per_s"]
     assert spec.fp32_flops == s["matmul"]["tf32"]["flops_per_s"]
-    assert spec.host_optimizer_params_per_s == s["host_rates"]["adamw_params_per_s_at_default"]
+    assert spec.host_optimizer_params_per_s == s["host_rates"]["adamw_params_per_s_at_budget"]
+    assert spec.host_optimizer_bf16_params_per_s == s["host_rates"]["adamw_bf16_grads_params_per_s_at_budget"]
+    assert spec.host_cast_elements_per_s == s["host_rates"]["cast_elements_per_s_at_budget"]
+    assert spec.host_cores == s["host_rates"]["host_cores"]
     assert spec.host_memory_bytes == s["environment"]["memory"]["MemTotal"]
     if "launch_overhead_s" in HardwareSpec.model_fields:  # the issue model's per-launch cost, where it exists
         assert spec.launch_overhead_s == s["launch"]["template_issue_s_per_op"]
@@ -264,12 +279,6 @@ def test_cuda_test_selection():
     assert not probe._needs_cuda(_item())
 
 
-@pytest.mark.parametrize("text, nbytes", [("32768K", 32 << 20), ("1M", 1 << 20), ("2G", 2 << 30), ("512", 512),
-                                          ("16 MiB", 16 << 20)])
-def test_parse_cache_size(text, nbytes):
-    assert probe._parse_size(text) == nbytes
-
-
 def test_gpu_step_model_is_the_documented_1b():
     from transformers import LlamaForCausalLM
 
@@ -278,12 +287,3 @@ def test_gpu_step_model_is_the_documented_1b():
     h, kv, ffn, vocab = 2048, 8 * 64, 8192, 32000  # hidden, KV heads x head dim, FFN, vocabulary
     block = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
     assert sum(p.numel() for p in model.parameters()) == 16 * block + h + 2 * vocab * h == 1_104_218_112
-
-
-def test_l3_size_falls_back_to_lscpu_when_sysfs_has_none(monkeypatch):
-    monkeypatch.setattr(probe, "_l3_sysfs", lambda: {"total_bytes": 0})
-    lscpu = "L2 cache:                               1 MiB (2 instances)\nL3 cache:          256 MiB (8 instances)\n"
-    monkeypatch.setattr(probe, "_cmd", lambda argv, timeout=10.0: {"stdout": lscpu})
-    assert probe.l3_cache() == {"total_bytes": 256 << 20, "source": "lscpu (sysfs has no L3)"}
-    monkeypatch.setattr(probe, "_cmd", lambda argv, timeout=10.0: {"error": "lscpu not found"})
-    assert probe.l3_cache()["total_bytes"] == 0

@@ -13,18 +13,22 @@ Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the 
 - ``FWD``/``BWD``: ``layer.fwd_flops`` / ``layer.bwd_flops`` (one micro-batch; the local backward
   includes its recompute) over the matmul rate of ``plan.compute_dtype`` times
   ``hw.matmul_efficiency``.
-- ``OPT``: ``layer.trainable_numel`` over ``host_optimizer_params_per_s``; with BF16 gradients
-  read from a host tile it first widens them into an FP32 scratch (fused AdamW takes FP32
-  gradients for FP32 masters), ``WIDEN_BYTES_PER_ELEMENT`` more bytes per element at the same
-  memory-bound rate.
+- ``OPT``: ``layer.trainable_numel`` over the host AdamW rate (:func:`optimizer_rate`): from FP32
+  gradients ``host_optimizer_params_per_s``; from BF16 gradients read from a host tile (widened
+  chunk by chunk, :mod:`megatrain.runtime.host_kernels`: 26 bytes of DRAM traffic per parameter
+  where the chunks stay in the cache, 34 where they do not, 28 with FP32 gradients)
+  ``host_optimizer_bf16_params_per_s``. Both are measured on tiles larger than the last-level cache
+  (:func:`megatrain.runtime.measure.measure_hardware`).
 - ``RECOMPUTE``: as ``FWD``.
 - ``OFFLOAD``/``RELOAD``: the bytes of the layer's outputs that some layer reads (one micro-batch)
   over ``d2h_bytes_per_s`` / ``h2d_bytes_per_s``.
-- ``CAST``: ``layer.numel`` FP32 reads and BF16 writes (6 bytes per element) on the host. The host
-  optimizer's rate is memory-bound at ``ADAMW_BYTES_PER_PARAM`` bytes per parameter
-  (:mod:`megatrain.planner.hardware`), so a cast runs at that rate times 28 / 6.
-- ``ACC``: ``layer.trainable_numel`` FP32 additions on the host, two reads and one write (12 bytes
-  per element), at the same memory-bound rate (micro-batch 0's copy moves 8 and is counted as 12).
+- ``CAST``: ``layer.numel`` FP32 reads and BF16 writes (6 bytes per element) on the host, at the
+  measured ``host_cast_elements_per_s`` (:func:`cast_rate`; 2.9-3.4x AdamW's parameter rate at 1
+  thread and 1.2-2.0x at 2 on a shared 2-core EPYC VM, not the 28 / 6 = 4.67x that bytes predict).
+- ``ACC``: ``layer.trainable_numel`` additions into an FP32 accumulator on the host: the tile
+  (``plan.gradient_itemsize``) and the accumulator read, the accumulator written, at AdamW's
+  memory-bound rate scaled by bytes (``ADAMW_BYTES_PER_PARAM``; micro-batch 0's copy moves a
+  read less and is counted the same).
 - ``ALL_REDUCE`` (data parallel): a hierarchical ring all-reduce of the FP32 step gradients over
   ``plan.gpus_per_node`` GPUs per node and ``plan.nodes`` nodes (:func:`all_reduce_time`).
 - ``REDUCE_SCATTER`` (``Plan.gradient_reduction == "reduce_scatter"``, one node): a ring
@@ -40,7 +44,9 @@ over the network (:func:`weight_gather_time`).
 
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
-serialises.
+serialises. The HOST and CAST streams share one: the runtime runs their work one op at a time,
+each with the rank's whole thread budget (:func:`host_worker_threads`), the threads the host rates
+are measured with.
 
 Memory (bytes). GPU: weight slots, ``numel x compute_itemsize`` each, and gradient slots,
 ``trainable_numel x plan.gradient_itemsize`` each, sized per slot (:func:`slot_numels`): each of the ``plan.slots``
@@ -52,7 +58,8 @@ checkpoints, boundary gradients and the working memory of the running compute op
 (:func:`activation_liveness`). Host: 12 bytes per tile element for the FP32 master and the two
 Adam moments; with per-micro-batch passes also FP32 gradient accumulators, ``trainable_numel x 4``
 per trainable layer (pageable: only the host reads and writes them); with BF16 gradients that the
-optimizer reads from a host tile, one FP32 scratch as wide as the widest trainable layer (pageable).
+optimizer reads from a host tile, one FP32 scratch of ``OPT_CHUNK_ELEMENTS`` per host worker thread
+(pageable, 2 MiB each; :func:`gradient_scratch_numel`).
 
 Pinned host memory is exactly what DMA reads or writes, and :func:`pinned_buffers` lays it out
 for the runtime, which pins the same regions (one arena registered with ``cudaHostRegister``, not
@@ -83,8 +90,8 @@ from typing import Callable
 
 from megatrain.errors import ConfigError
 from megatrain.planner.graph import Layer, LayerGraph
-from megatrain.planner.hardware import (ADAMW_BYTES_PER_PARAM, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
-                                        HardwareSpec)
+from megatrain.planner.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
+                                        CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HardwareSpec)
 from megatrain.planner.liveness import BATCH, liveness
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream, gradient_tiles
@@ -94,8 +101,17 @@ GRAD_ITEMSIZE = 4
 """FP32 gradients: the accumulators, the optimizer's input, and the GPU slot, D2H and host tiles
 unless the plan sends BF16 ones (``Plan.gradient_itemsize`` is what those use)."""
 
-WIDEN_BYTES_PER_ELEMENT = 6
-"""An OPT of BF16 gradients first widens them: reads the BF16 tile (2 B), writes the FP32 scratch (4 B)."""
+OPT_CHUNK_ELEMENTS = 1 << 19
+"""Elements per intra-op thread that an OPT of BF16 gradients widens at a time into its FP32
+scratch (2 MiB per thread), stepping each chunk right after
+(:class:`megatrain.runtime.host_kernels.HostAdamW`). For one or two threads the chunk stays in the
+last-level cache between its widening and its step (about 34 bytes move per chunk element
+meanwhile: 17 MiB per thread, and an AMD Zen 4 CCD has 32 MiB, a Xeon Platinum 8480C socket 105 MB),
+so the widened copy stays out of DRAM; a larger team gets a chunk as many times larger, so that
+each of the chunk's two parallel regions (the widening, the step) gives every thread half a
+million elements, whose milliseconds dwarf the team's wake-up. A multiple of every kernel's vector
+width (16 FP32 lanes of AVX-512 times DeepSpeed's unroll of 8), so that the chunked step is
+bitwise the unchunked one."""
 
 MASTER_BYTES_PER_ELEMENT = 4
 """FP32 master weight per tile element."""
@@ -106,11 +122,9 @@ MOMENT_BYTES_PER_ELEMENT = 8
 STAGING_ITEMSIZE = 2
 """The staging ring holds BF16 copies of the tiles H2D is about to read."""
 
-CAST_BYTES_PER_ELEMENT = 6
-"""A CAST reads the FP32 master (4 B) and writes its BF16 copy (2 B) per element."""
-
 ACC_BYTES_PER_ELEMENT = 12
-"""An ACC reads the ring tile and the accumulator and writes the accumulator, FP32 each."""
+"""An ACC of FP32 gradients reads the ring tile and the accumulator and writes the accumulator
+(4 B each); of BF16 gradients 2 B less (:func:`acc_time`)."""
 
 HOST_PAGE_BYTES = 4096
 """Granularity of pinned host memory: ``cudaHostRegister`` page-locks whole pages, so every pinned
@@ -148,8 +162,9 @@ def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
     if stream is Stream.COMM:
         return Resource.COMM
     if stream is Stream.HOST or stream is Stream.CAST:
-        # Two host workers, one DRAM: AdamW and a cast are both memory-bound, so running them on
-        # two threads at once shares the bandwidth; the model serialises them on one resource.
+        # Two host workers, one DRAM and one thread budget: AdamW and a cast are memory-bound, so
+        # at once they would only share the bandwidth (and oversubscribe the cores); the runtime
+        # runs them one at a time (runtime/cuda.py, "One host CPU budget"), and so does the model.
         return Resource.HOST
     if not hw.duplex:
         return Resource.COPY_ENGINE
@@ -286,25 +301,59 @@ def node_slice(numel: int, trainable_numel: int, plan: Plan, node: int) -> tuple
 
 def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
     """One rank's host AdamW step over its part of the layer's trainable parameters
-    (:func:`optimizer_numel`: all of them for one rank) at its share of the host's memory bandwidth
-    (:func:`host_rate`); with ``plan``'s BF16 gradients read from a host tile (not an FP32
-    accumulator) it first widens them into the FP32 scratch."""
-    n, rate = optimizer_numel(layer, plan), host_rate(hw, plan)
-    t = hw.op_latency_s + n / rate
-    if plan is not None and widens_gradients(plan):
-        t += n / (rate * ADAMW_BYTES_PER_PARAM / WIDEN_BYTES_PER_ELEMENT)
-    return t
+    (:func:`optimizer_numel`: all of them for one rank) at its AdamW rate (:func:`optimizer_rate`:
+    its share of the host's, from BF16 gradient tiles where the plan has them)."""
+    return hw.op_latency_s + optimizer_numel(layer, plan) / optimizer_rate(hw, plan)
 
 
 def host_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
-    """AdamW parameters/s one rank's host ops (OPT, CAST, ACC) run at: the node's
+    """AdamW parameters/s (FP32 gradients) one rank's host ops run at: the node's
     ``host_optimizer_params_per_s`` over ``plan.gpus_per_node``, the ranks on the node. Those ops
     are memory-bound (:data:`~megatrain.planner.hardware.ADAMW_BYTES_PER_PARAM`; the spec's rate is
-    the whole host's, all threads) and the ranks of one node run the same schedule at the same time
-    on one DRAM, so each gets an equal share of its bandwidth: ``G`` ranks that each step ``1 / G``
-    of a shared tile take as long as one rank stepping all of it, and ``G`` ranks that each step a
-    whole copy of their own take ``G`` times longer."""
+    the whole host's, at :func:`host_worker_threads` threads) and the ranks of one node run the
+    same schedule at the same time on one DRAM, so each gets an equal share of its bandwidth:
+    ``G`` ranks that each step ``1 / G`` of a shared tile take as long as one rank stepping all of
+    it, and ``G`` ranks that each step a whole copy of their own take ``G`` times longer."""
     return hw.host_optimizer_params_per_s / (plan.gpus_per_node if plan is not None else 1)
+
+
+def optimizer_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
+    """AdamW parameters/s of one rank's OPT: :func:`host_rate`, or where the plan's OPTs read BF16
+    gradient tiles (:func:`widens_gradients`) the spec's ``host_optimizer_bf16_params_per_s`` over
+    the node's ranks. A spec without that rate (0: written before it was measured) gets the
+    memory-bound estimate of a many-core host, whose widened chunks go through DRAM: :func:`host_rate`
+    x 28 / 34 (``ADAMW_WIDENED_BYTES_PER_PARAM``; a small team's chunks stay in the cache and step
+    faster, which a measured rate shows)."""
+    if plan is None or not widens_gradients(plan):
+        return host_rate(hw, plan)
+    if hw.host_optimizer_bf16_params_per_s > 0:
+        return hw.host_optimizer_bf16_params_per_s / plan.gpus_per_node
+    return host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / ADAMW_WIDENED_BYTES_PER_PARAM
+
+
+def cast_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
+    """Elements/s of one rank's CAST (FP32 master to BF16 staging tile): the spec's
+    ``host_cast_elements_per_s`` over the node's ranks (sharing its bandwidth as :func:`host_rate`
+    does). A spec without it (0: written before it was measured) gets the memory-bound estimate
+    from the AdamW rate, 28 / 6 (``ADAMW_BYTES_PER_PARAM`` / ``CAST_BYTES_PER_ELEMENT``)."""
+    ranks = plan.gpus_per_node if plan is not None else 1
+    if hw.host_cast_elements_per_s > 0:
+        return hw.host_cast_elements_per_s / ranks
+    return host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / CAST_BYTES_PER_ELEMENT
+
+
+def host_worker_threads(cores: int, gpus_per_node: int = 1) -> int:
+    """Intra-op threads of one rank's host workers (HOST and CAST, which take turns on them): the
+    rank's share of the node's ``cores`` less one for its issuing thread, at least 1. The CUDA
+    backend runs its workers with it (:class:`megatrain.runtime.cuda.CUDABackend`) and
+    :func:`megatrain.runtime.measure.measure_hardware` measures the host rates with it (one rank).
+
+    Raises:
+        ValueError: ``cores`` or ``gpus_per_node`` < 1.
+    """
+    if cores < 1 or gpus_per_node < 1:
+        raise ValueError(f"host_worker_threads(cores={cores}, gpus_per_node={gpus_per_node}): both must be >= 1")
+    return max(1, cores // gpus_per_node - 1)
 
 
 def optimizer_numel(layer: Layer, plan: Plan | None = None) -> int:
@@ -321,17 +370,17 @@ def optimizer_numel(layer: Layer, plan: Plan | None = None) -> int:
 
 
 def widens_gradients(plan: Plan) -> bool:
-    """Whether the host optimizer reads BF16 gradients from a host tile and widens them into an FP32
-    scratch first (with per-micro-batch passes ACC widens them into the FP32 accumulator instead)."""
+    """Whether the host optimizer reads BF16 gradients from a host tile, widening them chunk by chunk
+    in an FP32 scratch (with per-micro-batch passes ACC widens them into the FP32 accumulator instead)."""
     return plan.gradient_dtype == "bfloat16" and not plan.accumulates_on_host
 
 
 def cast_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
     """One host CAST of the layer's master tile into a BF16 staging tile (each rank casts the whole
-    tile for its own GPU, at its share of the host bandwidth, :func:`host_rate`); with
+    tile for its own GPU, at its share of the host's CAST rate, :func:`cast_rate`); with
     ``plan.shared_cast`` only its shard into the node's shared tile (:func:`cast_shard`, the
     largest: the last rank's, frozen parameters included)."""
-    rate = host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / CAST_BYTES_PER_ELEMENT
+    rate = cast_rate(hw, plan)
     numel = layer.numel
     if plan is not None and plan.shared_cast:
         numel = max(hi - lo for lo, hi in (cast_shard(layer.numel, layer.trainable_numel, plan, k)
@@ -341,8 +390,10 @@ def cast_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float
 
 def acc_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
     """One host ACC of a micro-batch's gradients of ``layer`` into its accumulator (each rank sums
-    its own micro-batches, at its share of the host bandwidth, :func:`host_rate`)."""
-    rate = host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / ACC_BYTES_PER_ELEMENT
+    its own micro-batches, at its share of the host bandwidth, :func:`host_rate`); a BF16 tile
+    moves 2 bytes per element less than an FP32 one."""
+    nbytes = ACC_BYTES_PER_ELEMENT - GRAD_ITEMSIZE + (plan.gradient_itemsize if plan is not None else GRAD_ITEMSIZE)
+    rate = host_rate(hw, plan) * ADAMW_BYTES_PER_PARAM / nbytes
     return hw.op_latency_s + layer.trainable_numel / rate
 
 
@@ -1133,20 +1184,24 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         dynamic_peak=dyn,
         reserve=reserve.total,
         reserve_parts=reserve,
-        gradient_scratch=gradient_scratch_numel(graph, plan) * GRAD_ITEMSIZE,
+        gradient_scratch=gradient_scratch_numel(graph, plan, host_worker_threads(hw.host_cores, plan.gpus_per_node)
+                                                if hw is not None and hw.host_cores else 1) * GRAD_ITEMSIZE,
         nvme_buffers=math.prod(nvme_buffers(graph, plan)),
         nvme_gradient_buffers=pinned.bytes_of("nvme_gradients"),
         shared_staging=shared_staging_bytes(graph, plan),
     )
 
 
-def gradient_scratch_numel(graph: LayerGraph, plan: Plan) -> int:
-    """FP32 elements of the host scratch an OPT widens BF16 gradients into: the widest trainable
-    layer when :func:`widens_gradients`, else 0. One suffices: OPTs run one at a time, in order,
-    on the host stream."""
+def gradient_scratch_numel(graph: LayerGraph, plan: Plan, threads: int = 1) -> int:
+    """FP32 elements of the host scratch an OPT widens BF16 gradients into, a chunk at a time, on a
+    team of ``threads`` (:data:`OPT_CHUNK_ELEMENTS` per thread, fewer for narrower layers) when
+    :func:`widens_gradients`, else 0. One suffices: OPTs run one at a time, in order, on the host
+    stream. (:func:`memory_breakdown` counts the team of :func:`host_worker_threads` of the spec's
+    ``host_cores``, one thread where it has none. DeepSpeed's kernel also divides a clipped update's
+    FP32 gradients by the clip scale in such a scratch, which this does not count.)"""
     if not widens_gradients(plan):
         return 0
-    return max((layer.trainable_numel for layer in graph.layers), default=0)
+    return min(OPT_CHUNK_ELEMENTS * threads, max((layer.trainable_numel for layer in graph.layers), default=0))
 
 
 # -- FLOPs and MFU ---------------------------------------------------------------------------------
@@ -1192,7 +1247,7 @@ __all__ = [
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
     "node_slice", "cast_shard", "shared_staging_bytes",
     "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_buffers", "nvme_gradient_bytes",
-    "host_rate", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS", "gather_buffer_bytes",
+    "host_rate", "optimizer_rate", "cast_rate", "host_worker_threads", "OPT_CHUNK_ELEMENTS", "optimizer_numel", "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time", "gather_scratch_bytes", "GATHER_BUFFERS", "gather_buffer_bytes",
     "NodeMemory", "node_memory", "rank_host_budgets", "persistent_state_bytes",
 ]
 

@@ -87,14 +87,28 @@ ADAMW_BYTES_PER_PARAM = 28
 (4 x 4 B) and writes the parameter and both moments (3 x 4 B). The host kernel does ~15 FLOPs per
 parameter, far below a server CPU's vector throughput, so it is memory-bound."""
 
+ADAMW_WIDENED_BYTES_PER_PARAM = 34
+"""DRAM traffic of one AdamW update from a BF16 gradient tile whose widened FP32 copy goes through
+DRAM: the BF16 read (2 B), the FP32 copy written and read back (8 B), and the update's 24 B. A team
+of one or two threads widens chunks that stay in the cache (26 B, :mod:`megatrain.runtime.host_kernels`);
+a many-core host's team widens chunks too large for it, so an estimate counts this."""
+
+CAST_BYTES_PER_ELEMENT = 6
+"""DRAM traffic of one CAST element: the FP32 master read (4 B), its BF16 copy written (2 B)."""
+
 HOST_BANDWIDTH_FRACTION = 0.4
 """Fraction of a host's theoretical DRAM bandwidth the optimizer worker sustains (estimate):
 STREAM-like kernels reach 60-80% of peak, and the two copy engines' DMA (up to ~100 GB/s on
 PCIe Gen5, more on NVLink-C2C) and the data loader share the same memory at the same time."""
 
 
-def _adamw_params_per_s(dram_bytes_per_s: float) -> float:
-    return dram_bytes_per_s * HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM
+def _host_fields(dram_bytes_per_s: float, cores: int) -> dict:
+    """A preset's host rates, estimated as memory-bound at ``HOST_BANDWIDTH_FRACTION`` of the
+    theoretical DRAM bandwidth over each kernel's bytes per element, and its core count."""
+    rate = dram_bytes_per_s * HOST_BANDWIDTH_FRACTION
+    return dict(host_optimizer_params_per_s=rate / ADAMW_BYTES_PER_PARAM,
+                host_optimizer_bf16_params_per_s=rate / ADAMW_WIDENED_BYTES_PER_PARAM,
+                host_cast_elements_per_s=rate / CAST_BYTES_PER_ELEMENT, host_cores=cores)
 
 
 class HardwareSpec(pydantic.BaseModel):
@@ -127,8 +141,26 @@ class HardwareSpec(pydantic.BaseModel):
     host_memory_bytes: int = Field(ge=0, description="host DRAM in bytes")
     pinned_memory_cap_bytes: int = Field(ge=0, description="most host memory that may be pinned, in bytes")
     host_optimizer_params_per_s: float = Field(gt=0, description="FP32 AdamW updates per second on the "
-                                                                 "host (parameters/s), fused kernel, all "
-                                                                 "host threads")
+                                                                 "host from FP32 gradients (parameters/s): "
+                                                                 "megatrain's host kernel "
+                                                                 "(runtime.host_kernels) on tiles larger "
+                                                                 "than the last-level cache, at the "
+                                                                 "threads of cost.host_worker_threads("
+                                                                 "host_cores)")
+    host_optimizer_bf16_params_per_s: float = Field(0, ge=0, description="the same from BF16 gradient tiles "
+                                                                         "(widened in the cache, chunk by "
+                                                                         "chunk), parameters/s; 0: not "
+                                                                         "measured, estimated from "
+                                                                         "host_optimizer_params_per_s by "
+                                                                         "bytes moved (x 28/34)")
+    host_cast_elements_per_s: float = Field(0, ge=0, description="CAST rate, FP32 master to BF16 staging "
+                                                                 "tile, elements/s, same tiles and threads; "
+                                                                 "0: not measured, estimated from "
+                                                                 "host_optimizer_params_per_s by bytes "
+                                                                 "moved (x 28/6)")
+    host_cores: int = Field(0, ge=0, description="CPU cores of the host (one node) the host rates were "
+                                                 "measured with, cost.host_worker_threads of them per "
+                                                 "rank; 0: not recorded")
     op_latency_s: float = Field(DEFAULT_OP_LATENCY_S, ge=0,
                                 description="fixed time added to every op in seconds (launch, events)")
     launch_overhead_s: float = Field(DEFAULT_LAUNCH_OVERHEAD_S, ge=0,
@@ -284,7 +316,7 @@ H100_SXM = HardwareSpec(
     duplex=True,
     host_memory_bytes=2 * TiB,
     pinned_memory_cap_bytes=int(2 * TiB * PINNED_FRACTION),
-    host_optimizer_params_per_s=_adamw_params_per_s(614.4e9),
+    **_host_fields(614.4e9, cores=112),
 )
 """NVIDIA H100 SXM5 80GB in a DGX H100-class node.
 
@@ -295,8 +327,9 @@ H100_SXM = HardwareSpec(
 - h2d/d2h 53 GB/s: PCIe Gen5 x16, 64 GB/s theoretical per direction, ~50-55 GB/s measured pinned.
 - duplex: Hopper has several async copy engines and PCIe is full duplex.
 - host_memory_bytes 2 TiB: DGX H100 system memory (NVIDIA DGX H100 datasheet: 2 TB).
-- host_optimizer_params_per_s ~8.8e9: estimate, 2x Xeon Platinum 8480C with 8 channels of
-  DDR5-4800 each (614.4 GB/s theoretical) x HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+- host rates (AdamW ~8.8e9 params/s, ~7.2e9 from BF16 gradients, CAST ~4.1e10 elements/s): estimates,
+  2x Xeon Platinum 8480C with 8 channels of DDR5-4800 each (614.4 GB/s theoretical) x
+  HOST_BANDWIDTH_FRACTION over each kernel's bytes (``_host_fields``); host_cores 112 (2 x 56).
 """
 
 H200 = HardwareSpec(
@@ -309,7 +342,7 @@ H200 = HardwareSpec(
     duplex=True,
     host_memory_bytes=3 * TiB // 2,
     pinned_memory_cap_bytes=int(1.5 * TiB * PINNED_FRACTION),
-    host_optimizer_params_per_s=_adamw_params_per_s(614.4e9),
+    **_host_fields(614.4e9, cores=112),
 )
 """NVIDIA H200 SXM 141GB, host as in the MegaTrain paper (1.5 TB of host memory).
 
@@ -318,9 +351,9 @@ H200 = HardwareSpec(
   same GH100 compute as the H100 SXM.
 - h2d/d2h 53 GB/s: PCIe Gen5 x16 as for H100_SXM.
 - host_memory_bytes 1.5 TiB: DESIGN.md / MegaTrain (arXiv 2604.05091) setup.
-- host_optimizer_params_per_s ~8.8e9: estimate, the host CPUs of DGX H100/H200 (2x Xeon Platinum
-  8480C, 8 channels of DDR5-4800 each, 614.4 GB/s theoretical) x HOST_BANDWIDTH_FRACTION /
-  ADAMW_BYTES_PER_PARAM; the paper does not name its host CPU.
+- host rates and host_cores: estimates for the host CPUs of DGX H100/H200 (2x Xeon Platinum 8480C,
+  8 channels of DDR5-4800 each, 614.4 GB/s theoretical, 112 cores), as for H100_SXM; the paper
+  does not name its host CPU.
 """
 
 GH200 = HardwareSpec(
@@ -333,7 +366,7 @@ GH200 = HardwareSpec(
     duplex=True,
     host_memory_bytes=480 * 10**9,
     pinned_memory_cap_bytes=int(480 * 10**9 * PINNED_FRACTION),
-    host_optimizer_params_per_s=_adamw_params_per_s(546e9),
+    **_host_fields(546e9, cores=72),
 )
 """NVIDIA GH200 Grace Hopper Superchip, 96 GB HBM3 + 480 GB LPDDR5X.
 
@@ -345,8 +378,8 @@ GH200 = HardwareSpec(
 - h2d/d2h 380 GB/s: NVLink-C2C is 900 GB/s total, 450 GB/s per direction (whitepaper); 380 GB/s
   is an estimate of the sustained pinned copy rate (~85% of the link rate, the efficiency pinned
   copies reach on PCIe). ``measure_hardware()`` on the machine replaces it.
-- host_optimizer_params_per_s ~7.8e9: estimate, Grace LPDDR5X up to 546 GB/s (whitepaper) x
-  HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+- host rates: estimates, Grace LPDDR5X up to 546 GB/s (whitepaper) x HOST_BANDWIDTH_FRACTION over
+  each kernel's bytes (AdamW ~7.8e9 params/s); host_cores 72 (Grace, 72 Neoverse V2 cores).
 """
 
 A100_80GB = HardwareSpec(
@@ -359,7 +392,7 @@ A100_80GB = HardwareSpec(
     duplex=True,
     host_memory_bytes=1 * TiB,
     pinned_memory_cap_bytes=int(1 * TiB * PINNED_FRACTION),
-    host_optimizer_params_per_s=_adamw_params_per_s(409.6e9),
+    **_host_fields(409.6e9, cores=128),
 )
 """NVIDIA A100 SXM4 80GB in a DGX A100-class node.
 
@@ -368,8 +401,9 @@ A100_80GB = HardwareSpec(
   NVIDIA A100 datasheet.
 - h2d/d2h 25 GB/s: PCIe Gen4 x16, 32 GB/s theoretical, ~25 GB/s measured pinned.
 - host_memory_bytes 1 TiB: DGX A100 (1 TB standard, 2 TB option).
-- host_optimizer_params_per_s ~5.9e9: estimate, 2x AMD EPYC 7742 with 8 channels of DDR4-3200
-  each (409.6 GB/s theoretical) x HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+- host rates: estimates, 2x AMD EPYC 7742 with 8 channels of DDR4-3200 each (409.6 GB/s
+  theoretical) x HOST_BANDWIDTH_FRACTION over each kernel's bytes (AdamW ~5.9e9 params/s);
+  host_cores 128 (2 x 64).
 """
 
 RTX_4090 = HardwareSpec(
@@ -382,7 +416,7 @@ RTX_4090 = HardwareSpec(
     duplex=True,
     host_memory_bytes=128 * GiB,
     pinned_memory_cap_bytes=int(128 * GiB * PINNED_FRACTION),
-    host_optimizer_params_per_s=_adamw_params_per_s(89.6e9),
+    **_host_fields(89.6e9, cores=16),
 )
 """NVIDIA GeForce RTX 4090 in a desktop workstation.
 
@@ -394,8 +428,8 @@ RTX_4090 = HardwareSpec(
 - duplex: AD102 boards report two async copy engines (cudaDeviceProp.asyncEngineCount == 2);
   ``measure_hardware()`` checks it on the machine.
 - host_memory_bytes 128 GiB: a typical workstation.
-- host_optimizer_params_per_s ~1.3e9: estimate, dual-channel DDR5-5600 (89.6 GB/s theoretical) x
-  HOST_BANDWIDTH_FRACTION / ADAMW_BYTES_PER_PARAM.
+- host rates: estimates, dual-channel DDR5-5600 (89.6 GB/s theoretical) x HOST_BANDWIDTH_FRACTION
+  over each kernel's bytes (AdamW ~1.3e9 params/s); host_cores 16 (a 16-core desktop CPU).
 """
 
 PRESETS: dict[str, HardwareSpec] = {

@@ -127,11 +127,13 @@ class CPUBackend(_Recording):
         self._run_records = None
 
 
-def make_backend(device: str, record: bool = False) -> Backend:
+def make_backend(device: str, record: bool = False, host_threads: int | None = None) -> Backend:
     """The backend for ``device`` ("cpu" or "cuda"). Raises ConfigError for what is not available.
 
-    ``record`` turns on per-op timing (see ``Backend.timeline``). Nothing CUDA is created here:
-    the CUDA backend makes its streams, events and worker thread at the first launch.
+    ``record`` turns on per-op timing (see ``Backend.timeline``). ``host_threads``: the intra-op
+    threads of the CUDA backend's host workers (``CUDABackend``; the CPU backend runs host ops on
+    the calling thread, with its team). Nothing CUDA is created here: the CUDA backend makes its
+    streams, events and worker thread at the first launch.
     """
     from megatrain.errors import ConfigError
 
@@ -143,7 +145,7 @@ def make_backend(device: str, record: bool = False) -> Backend:
                               "install a CUDA build of torch or use device='cpu'")
         from megatrain.runtime.cuda import CUDABackend
 
-        return CUDABackend(record=record)
+        return CUDABackend(record=record, host_threads=host_threads)
     raise ConfigError(f"device={device!r}: use 'cpu' or 'cuda'")
 
 

@@ -14,10 +14,31 @@ Each cross-stream dependency the executor passes is waited on exactly once.
 
 The host workers. ``Stream.HOST`` (AdamW, ACC) and ``Stream.CAST`` (the BF16 staging copies)
 each run on one thread fed by an in-order queue, so host ops run in schedule order per stream,
-overlapped with the GPU, with the issuing thread and with each other: a CAST never queues behind
-the optimizer steps of other layers. A host op that depends on GPU ops (the D2H copy of its
-gradients) calls ``event.synchronize()`` *in its worker*; one that depends on a host op of the
-other worker waits for it there too. Its handle is a future-like :class:`HostOp`.
+overlapped with the GPU and with the issuing thread, and one stream's ops never queue behind
+the other's (their work shares the cores: "One host CPU budget" below). A host op that depends
+on GPU ops (the D2H copy of its gradients) calls ``event.synchronize()`` *in its worker*; one
+that depends on a host op of the other worker waits for it there too. Its handle is a
+future-like :class:`HostOp`.
+
+Waiting without spinning. Every op's event is made with ``blocking=True``
+(``cudaEventBlockingSync``), so a worker that synchronises on one sleeps until the GPU reaches it.
+CUDA's default (``cudaDeviceScheduleAuto``) spins the waiting thread while the process has fewer
+active contexts than cores, so each waiting worker would burn a whole core that the host kernels'
+thread teams need. A blocked thread wakes some microseconds after the event; host ops last
+milliseconds.
+
+One host CPU budget. The host kernels (AdamW, ACC, CAST) are memory-bound, so two of them at once
+only share the DRAM bandwidth that one gets alone, while two full-width OpenMP teams plus the
+issuing thread oversubscribe the cores. The HOST and CAST workers therefore run their ops' work
+one at a time, each with ``host_threads`` intra-op threads (ATen's OpenMP team size is per
+thread: ``torch.set_num_threads`` in a worker sets that worker's team, see
+:func:`megatrain.runtime.host_kernels.set_thread_team`), under one lock granted in the order the
+ops became ready (a worker waits for its dependencies first): what the simulator models, one
+``Resource.HOST`` that the two streams' ops take in turn, the earliest ready first
+(:func:`megatrain.planner.cost.resource_of`).
+A CAST so waits for at most the one host op running, never for the optimizer steps queued behind
+it. The I/O and COMM workers (NVMe reads, collectives) wait on devices and peers, not on the
+cores, and take no part in it.
 
 Issue order (:class:`megatrain.planner.issue.IssueQueue`, shared with the simulator). A CUDA
 stream can wait on a CUDA event, not on a host thread, and enqueuing a GPU op before a host op it
@@ -78,6 +99,7 @@ host dependencies never reach ``wait_event``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -90,6 +112,7 @@ import torch
 from megatrain.errors import MegatrainError
 from megatrain.planner.issue import IssueQueue
 from megatrain.planner.schedule import HOST_STREAMS, Stream
+from megatrain.runtime.host_kernels import set_thread_team
 from megatrain.runtime.recording import OpTiming, _Recording
 
 GPU_STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.D2H)
@@ -131,8 +154,10 @@ class CudaApi(Protocol):
         (``Tensor.record_stream``): the caching allocator then reuses its block only after that
         work, even if ``t`` is freed before."""
 
-    def event(self, timing: bool) -> Any:
-        """A new event; ``timing`` makes it usable with ``elapsed_s``."""
+    def event(self, timing: bool, blocking: bool = False) -> Any:
+        """A new event; ``timing`` makes it usable with ``elapsed_s``; ``blocking``
+        (``cudaEventBlockingSync``) makes ``event_synchronize`` put the calling thread to sleep
+        until the event completes, where CUDA's default spins on a core."""
 
     def record(self, event: Any, stream: Any) -> None:
         """Record ``event`` on ``stream`` (it completes when the stream's work before it has)."""
@@ -141,7 +166,7 @@ class CudaApi(Protocol):
         """Make ``stream``'s later work wait for ``event`` (on the GPU, not the calling thread)."""
 
     def event_synchronize(self, event: Any) -> None:
-        """Block the calling thread until ``event`` completed."""
+        """Block the calling thread until ``event`` completed (spinning unless it was made ``blocking``)."""
 
     def event_query(self, event: Any) -> bool:
         """Whether ``event`` completed, without blocking."""
@@ -190,9 +215,9 @@ class TorchCuda:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
 
-    def event(self, timing: bool) -> torch.cuda.Event:
+    def event(self, timing: bool, blocking: bool = False) -> torch.cuda.Event:
         # Events without timing are cheaper to record and wait on (cudaEventDisableTiming).
-        return torch.cuda.Event(enable_timing=timing)
+        return torch.cuda.Event(enable_timing=timing, blocking=blocking)
 
     def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         event.record(stream)
@@ -342,14 +367,41 @@ def _stop_workers() -> None:
         w.thread.join(timeout=10)
 
 
+class _FifoLock:
+    """A lock granted in the order threads asked for it. ``threading.Lock`` is not: a worker that
+    releases it and asks again at once (its next queued op) usually gets it back before a waiting
+    thread wakes, so one stream's queue could keep the other waiting for many ops."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0  # the next ticket handed out
+        self._serving = 0  # the ticket that holds the lock
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
 class _HostWorker:
     """One thread running one host stream's ops in queue order. Holds no reference to the backend,
     so a backend that is garbage-collected stops its workers (``weakref.finalize`` in CUDABackend).
-    ``changed`` is notified after every op, so the issuing thread can wait for any host op."""
+    ``changed`` is notified after every op, so the issuing thread can wait for any host op.
+    ``budget``: the lock the workers that share the host's cores run their ops' work under, and the
+    intra-op threads each gets (None: torch's default team), or None for a worker outside it."""
 
-    def __init__(self, cuda: CudaApi, stream: Stream, changed: threading.Condition):
+    def __init__(self, cuda: CudaApi, stream: Stream, changed: threading.Condition,
+                 budget: "tuple[_FifoLock, int | None] | None" = None):
         self._cuda = cuda
         self._changed = changed
+        self._budget = budget
         self._queue: queue.Queue = queue.Queue()
         self._failed: HostOp | None = None  # the first failed op, until reported
         self._thread = threading.Thread(target=self._loop, name=f"megatrain-{stream.value}", daemon=True)
@@ -373,6 +425,9 @@ class _HostWorker:
         self._queue.put(_STOP)
 
     def _loop(self) -> None:
+        if self._budget is not None and self._budget[1] is not None:
+            set_thread_team(self._budget[1])
+        lock = self._budget[0] if self._budget is not None else contextlib.nullcontext()
         while True:
             item = self._queue.get()
             try:
@@ -399,9 +454,10 @@ class _HostWorker:
                                 break
                             self._cuda.event_synchronize(d.event)
                     else:
-                        op.start_s = time.perf_counter()
-                        self._cuda.host_run(fn, op.label)
-                        op.end_s = time.perf_counter()
+                        with lock:
+                            op.start_s = time.perf_counter()
+                            self._cuda.host_run(fn, op.label)
+                            op.end_s = time.perf_counter()
                     if op.error is not None:
                         self._failed = op
                 except BaseException as e:  # noqa: BLE001 - kept and re-raised by synchronize()
@@ -424,12 +480,24 @@ class CUDABackend(_Recording):
         adapter: the CUDA calls; :class:`TorchCuda` by default, :class:`FakeCuda` (or
             :class:`megatrain.testing.AsyncFakeCuda`) in CPU tests.
         record: time every op (see ``timeline``); may also be set later as ``backend.record``.
+        host_threads: intra-op threads of the HOST and CAST workers, which run their ops' work one
+            at a time (see "One host CPU budget" in the module docstring):
+            :func:`megatrain.planner.cost.host_worker_threads` of the host's cores. None: torch's
+            default team (the process's thread count), still one op at a time.
+
+    Raises:
+        ValueError: ``host_threads`` < 1.
     """
 
-    def __init__(self, adapter: CudaApi | None = None, *, record: bool = False):
+    def __init__(self, adapter: CudaApi | None = None, *, record: bool = False, host_threads: int | None = None):
+        if host_threads is not None and host_threads < 1:
+            raise ValueError(f"CUDABackend(host_threads={host_threads}): a host worker needs at least one thread; "
+                             "pass cost.host_worker_threads(cores, gpus_per_node), or None for torch's default")
         self.cuda: CudaApi = adapter if adapter is not None else TorchCuda()
         self.device = self.cuda.device
         self.record = record
+        self.host_threads = host_threads
+        self._host_lock = _FifoLock()  # one host op's work at a time: HOST and CAST share the cores
         self._streams: dict[Stream, Any] = {}
         self._workers: dict[Stream, _HostWorker] = {}
         self._changed = threading.Condition()
@@ -471,7 +539,13 @@ class CUDABackend(_Recording):
     def _host_worker(self, stream: Stream) -> _HostWorker:
         w = self._workers.get(stream)
         if w is None:
-            w = self._workers[stream] = _HostWorker(self.cuda, stream, self._changed)
+            budget = None
+            if stream in (Stream.HOST, Stream.CAST):
+                # The issuing thread's team is fixed now, at the size it has, before a worker's
+                # set_num_threads changes the process-wide default it would otherwise start from.
+                torch.get_num_threads()
+                budget = (self._host_lock, self.host_threads)
+            w = self._workers[stream] = _HostWorker(self.cuda, stream, self._changed, budget)
             weakref.finalize(self, w.stop)
         return w
 
@@ -581,7 +655,8 @@ class CUDABackend(_Recording):
             if hasattr(e, "add_note"):  # Python 3.11+
                 e.add_note(f"while launching {_name(op)} on the {op.stream.value} stream")
             raise
-        op.event = self.cuda.event(bool(timing))
+        # Blocking: a host worker may synchronise on it (module docstring, "Waiting without spinning").
+        op.event = self.cuda.event(bool(timing), blocking=True)
         self.cuda.record(op.event, s)
         op.issued = True
         if op.watched:
@@ -590,7 +665,7 @@ class CUDABackend(_Recording):
 
     def _open_run(self) -> None:
         self._run_records = bool(self.record)
-        self._entry = self.cuda.event(self._run_records)
+        self._entry = self.cuda.event(self._run_records, blocking=True)  # host_time waits on it
         self.cuda.record(self._entry, self.cuda.current_stream())
         if self._run_records:
             self._entry_host_s = self.cuda.host_time(self._entry)

@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.optim.adamw import adamw
 
 from megatrain.config import AdamW
 from megatrain.errors import ConfigError
@@ -77,6 +76,7 @@ from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective, sum_over_ranks
 from megatrain.runtime.host import HostState, PinnedArena, gradient_key
 from megatrain.runtime.loss import loss_weights
+from megatrain.runtime.host_kernels import HostAdamW
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -94,8 +94,6 @@ class _Buffers:
     staging: list[torch.Tensor]
     # One per trainable layer (schedule.gradient_tiles) with per-micro-batch passes: Op.acc indexes it.
     accumulators: list[torch.Tensor]
-    # Pageable FP32 scratch an OPT widens BF16 gradients into (cost.gradient_scratch_numel), or None.
-    widened: torch.Tensor | None = None
     # The pinned gradient I/O buffers of Plan.nvme_gradients (cost.nvme_gradient_buffers, in the
     # arena; Op.gbuf indexes them), in the gradient dtype: a D2H lands there, an NVME_WRITE empties
     # one to the layer's file, an NVME_READ fills one for the carried OPT.
@@ -215,6 +213,7 @@ class Executor:
         self.host = host
         self.backend = backend
         self.optimizer = optimizer
+        self.adam = HostAdamW()  # the host AdamW kernel: $MEGATRAIN_HOST_ADAM (DeepSpeed's where installed)
         dev = backend.device
         self.templates = [retarget(gm, dev) for gm in traced.templates]
         # Eval schedules run random templates with dropout off, as the model's eval mode does.
@@ -336,10 +335,6 @@ class Executor:
         if count and (len(self._nvme_pool) < count or self._nvme_pool[0].numel() < nbytes):
             self._nvme_pool = []  # let the old go first
             self._nvme_pool = [aligned_buffer(nbytes) for _ in range(count)]
-        scratch = cost.gradient_scratch_numel(self.graph, plan)
-        if scratch and schedule.mode != "eval" and (self._buffers.widened is None
-                                                     or self._buffers.widened.numel() < scratch):
-            self._buffers.widened = torch.empty((scratch,), dtype=torch.float32)  # pageable: host ops only
         return self._buffers
 
     def _refresh_staging(self) -> None:
@@ -833,9 +828,9 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
     state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
-    parallel it holds this rank's shard only, ``HostState.nvme_span``); BF16
-    gradients in a tile are first widened into the FP32 scratch (fused AdamW needs FP32 gradients
-    for FP32 masters; the widening is exact)."""
+    parallel it holds this rank's shard only, ``HostState.nvme_span``), through the executor's
+    host kernel (:class:`~megatrain.runtime.host_kernels.HostAdamW`: BF16 gradients in a tile are
+    widened exactly, chunk by chunk, in its FP32 scratch)."""
     ex, li = ctx.ex, op.layer
     n = ctx.graph.layers[li].trainable_numel
     lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.update_shards, ex.shard_index)
@@ -843,9 +838,6 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     base = h.slices[li][0]  # a sliced host state holds the layer from element ``base`` on
     grads = (ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring] if op.ring is not None
              else ctx.bufs.nvme_gradients[op.gbuf])  # gbuf: a gradient tile its NVME_READ brought back
-    tile = None
-    if grads.dtype != torch.float32:
-        tile, grads = grads, ctx.bufs.widened
     mbase = base  # where the moment rows start in the layer's elements
     if op.buf is not None:  # moments (after the master) on NVMe: its NVME_READ filled this I/O buffer
         # Under data parallel the file (and so the buffer) holds this rank's shard only: from mbase on.
@@ -867,14 +859,10 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             ctx.skip = True
             ctx.skipped.append(li)
             return
-        if tile is not None:  # one scratch serves every OPT: they run in order on the host stream
-            grads[lo:hi].copy_(tile[lo:hi])
         new = master[lo - base:hi - base]
-        adamw(
-            [new], [grads[lo:hi]], [exp_avg[lo - mbase:hi - mbase]],
-            [exp_avg_sq[lo - mbase:hi - mbase]], [],
-            [h.steps[li]], fused=True, grad_scale=scale, amsgrad=False, beta1=cfg.betas[0],
-            beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+        ex.adam.step(new, grads[lo:hi], exp_avg[lo - mbase:hi - mbase],
+                     exp_avg_sq[lo - mbase:hi - mbase], h.steps[li], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, grad_scale=scale)
         # Finite gradients can still step a master to inf or NaN (lr x weight_decay > 2 flips
         # and grows it every step; moments that overflow), so the guard checks the result. A sum
         # propagates NaN and inf (one that overflows, weights near 3e38 / numel, counts too): one

@@ -6,7 +6,10 @@ CUDA); measuring is the runtime's side of that boundary, so it lives here and re
 - :func:`measure_hardware`: a whole spec, host fields always, GPU fields with CUDA.
 - :func:`measure_matmul_flops`: FLOP/s of one ``n x n`` product on a device, the one matmul timer
   (the spec's ``bf16_flops``/``fp32_flops`` and a run's MFU peak both come from it).
-- :func:`measure_adamw`: parameters per second of the fused host AdamW the runtime runs per layer.
+- :func:`measure_host_rates`: the host rates of a spec (AdamW from FP32 and from BF16 gradients, the
+  CAST), each on tiles several times the last-level cache (:func:`l3_cache`), so that they are DRAM
+  rates as a layer's tiles get, at the intra-op threads the runtime's host workers run with;
+  :func:`measure_adamw` and :func:`measure_cast` time one of them on the calling thread.
 - Host memory from the OS, in bytes: :func:`total_host_memory_bytes`,
   :func:`available_host_memory` and :func:`host_rss_bytes` (Linux ``/proc``, with ``sysconf`` or
   psutil where ``/proc`` has no answer).
@@ -15,10 +18,14 @@ CUDA); measuring is the runtime's side of that boundary, so it lives here and re
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from megatrain.errors import ConfigError
+from megatrain.planner import cost
 from megatrain.planner.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
                                         strict_fp32)
 from megatrain.units import MiB
@@ -43,6 +50,13 @@ engines' fixed cost, so the rate is the link's sustained rate."""
 
 COPY_REPS = 5
 """Copies timed per direction (after one warm-up copy)."""
+
+HOST_TILE_L3_MULTIPLE = 4
+"""The host rates are timed on tiles whose working set is this many times the host's total L3, so
+the tiles stream from DRAM as a layer's do (a 64 MB working set fits the L3 of many server CPUs)."""
+
+HOST_TILE_MIN_NUMEL = 4 << 20
+"""The fewest elements a host-rate tile has, where the L3 size is unknown or small."""
 
 DUPLEX_FRACTION = 0.75
 """Both directions at once in under this fraction of their serial time counts as full duplex: a
@@ -140,22 +154,71 @@ def measure_matmul_flops(device: str = "cpu", dtype=None, *, n: int = MATMUL_N,
                     return 2.0 * n ** 3 * reps / elapsed
 
 
-def measure_adamw(numel: int, seconds: float) -> float:
-    """Parameters per second of the fused host AdamW (``torch.optim.adamw.adamw(fused=True)``, the
-    call the runtime makes per layer) on one flat FP32 tile of ``numel`` elements, timed for about
-    ``seconds`` and at least three calls after two warm-up calls."""
-    import torch
-    from torch.optim.adamw import adamw
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
-    g = torch.Generator().manual_seed(0)
-    p, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
-    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
 
-    def run() -> None:
-        adamw([p], [grad], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.999,
-              lr=1e-3, weight_decay=0.01, eps=1e-8, maximize=False)
+def l3_cache() -> dict:
+    """Total L3 bytes of the host: the sum over distinct L3 instances in sysfs (one per socket or
+    CCX, told apart by their ``shared_cpu_list``), with the per-instance size; where sysfs has no L3
+    (some virtual machines), the total from ``lscpu``'s ``L3 cache:`` line; 0 when neither says.
+    ``{"total_bytes", "source", ...}``."""
+    sysfs = _l3_sysfs()
+    if sysfs["total_bytes"] > 0:
+        return sysfs
+    m = re.search(r"^L3 cache:\s*([\d.]+\s*[KMG]i?B?)", _lscpu(), re.MULTILINE)
+    if m:
+        return {"total_bytes": _parse_size(m.group(1)), "source": "lscpu (sysfs has no L3)"}
+    return {"total_bytes": 0, "source": "unknown: neither sysfs nor lscpu gives an L3 size"}
 
-    # The first calls fault the pages in and start the thread pool; they are not the steady state.
+
+def _l3_sysfs() -> dict:
+    seen: dict[str, int] = {}
+    base = Path("/sys/devices/system/cpu")
+    for cache in sorted(base.glob("cpu[0-9]*/cache/index[0-9]*")):
+        try:
+            if (cache / "level").read_text().strip() != "3":
+                continue
+            size = _parse_size((cache / "size").read_text().strip())
+            seen[(cache / "shared_cpu_list").read_text().strip()] = size
+        except (OSError, ValueError):
+            continue
+    return {"total_bytes": sum(seen.values()), "instances": len(seen),
+            "instance_bytes": sorted(set(seen.values())), "source": "/sys/devices/system/cpu/*/cache/index*/"}
+
+
+def _lscpu() -> str:
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _parse_size(text: str) -> int:
+    """Bytes in a sysfs/lscpu cache size: ``32768K``, ``1M``, ``16 MiB``, ``512`` (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)I?B?\s*", text.upper())
+    if m is None:
+        raise ValueError(f"cache size {text!r} is not a number with an optional K/M/G unit")
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])
+
+
+def host_tile_numel(bytes_per_element: int, l3_bytes: int | None = None) -> int:
+    """Elements of a host-rate tile whose working set (``bytes_per_element`` each: 16 for AdamW's
+    parameter, gradient and moments, 6 for a cast's source and copy) is
+    :data:`HOST_TILE_L3_MULTIPLE` x the L3 (``l3_bytes``, default :func:`l3_cache`), at least
+    :data:`HOST_TILE_MIN_NUMEL`, in whole MiB of elements."""
+    l3 = l3_cache()["total_bytes"] if l3_bytes is None else l3_bytes
+    n = max(HOST_TILE_L3_MULTIPLE * l3 // bytes_per_element, HOST_TILE_MIN_NUMEL)
+    return -(-n // (1 << 20)) * (1 << 20)
+
+
+def _rate(numel: int, run: Callable[[], Any], seconds: float) -> float:
+    """``numel / seconds per call`` of ``run``, timed for about ``seconds`` and at least three calls
+    after two warm-up calls (the first ones fault the pages in and start the thread pool)."""
     for _ in range(2):
         run()
     n, t0 = 0, time.perf_counter()
@@ -274,6 +337,62 @@ def cublas_workspace_bytes(capability_major: int, environ: dict | None = None) -
     return cublas + lt
 
 
+def measure_adamw(numel: int, seconds: float, *, grad_dtype: "torch.dtype | None" = None,
+                  kernel: str | None = None) -> float:
+    """Parameters per second of megatrain's host AdamW step
+    (:class:`~megatrain.runtime.host_kernels.HostAdamW`, ``kernel``: default ``$MEGATRAIN_HOST_ADAM``,
+    the one the executor runs) on one flat FP32 tile of ``numel`` elements with ``grad_dtype``
+    gradients (FP32 by default; BF16 is stepped chunk by chunk, as an OPT from a BF16 tile), on the
+    calling thread's intra-op team, timed as :func:`_rate` does."""
+    import torch
+
+    from megatrain.runtime.host_kernels import HostAdamW
+
+    adam = HostAdamW(kernel)
+    # Constant values: the rate must not depend on the data (no denormals, no NaN paths).
+    p, grad = torch.full((numel,), 0.5), torch.full((numel,), 1e-3, dtype=grad_dtype or torch.float32)
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    return _rate(numel, lambda: adam.step(p, grad, m, v, step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                          weight_decay=0.01), seconds)
+
+
+def measure_cast(numel: int, seconds: float) -> float:
+    """Elements per second of a CAST (an FP32 tile copied into a BF16 one, the executor's ``copy_``)
+    of ``numel`` elements on the calling thread's intra-op team, timed as :func:`_rate` does."""
+    import torch
+
+    src, dst = torch.full((numel,), 0.5), torch.empty(numel, dtype=torch.bfloat16)
+    return _rate(numel, lambda: dst.copy_(src), seconds)
+
+
+def measure_host_rates(optimizer_numel: int | None = None, seconds: float = 0.3, *, cores: int | None = None,
+                       kernel: str | None = None) -> dict:
+    """The host fields of a spec, measured on a thread of their own with the intra-op team a rank's
+    host workers get (:func:`~megatrain.planner.cost.host_worker_threads` of ``cores``, default
+    :func:`host_cores`; the calling thread's team is left alone): ``host_optimizer_params_per_s``
+    and ``host_optimizer_bf16_params_per_s`` (:func:`measure_adamw`, FP32 and BF16 gradients) and
+    ``host_cast_elements_per_s`` (:func:`measure_cast`), each for about ``seconds``, and
+    ``host_cores``. Tiles: ``optimizer_numel`` elements for all three, or by default
+    :func:`host_tile_numel` of each kernel's working set (16 bytes per element for AdamW, 6 for the
+    cast): several times the L3, so the rates are DRAM rates, not cache rates. Also says, under
+    ``"threads"``, ``"kernel"`` and ``"numel"``, what it measured with."""
+    import torch
+
+    from megatrain.runtime.host_kernels import HostAdamW, run_on_team
+
+    cores = host_cores() if cores is None else cores
+    threads = cost.host_worker_threads(cores)
+    kernel = HostAdamW(kernel).kernel
+    adam_n = optimizer_numel or host_tile_numel(16)
+    cast_n = optimizer_numel or host_tile_numel(cost.CAST_BYTES_PER_ELEMENT)
+    out = run_on_team(threads, lambda: dict(
+        host_optimizer_params_per_s=measure_adamw(adam_n, seconds, kernel=kernel),
+        host_optimizer_bf16_params_per_s=measure_adamw(adam_n, seconds, grad_dtype=torch.bfloat16, kernel=kernel),
+        host_cast_elements_per_s=measure_cast(cast_n, seconds)))
+    return dict(out, host_cores=cores, threads=threads, kernel=kernel,
+                numel={"adamw": adam_n, "cast": cast_n})
+
+
 def measure_cuda_fields() -> dict:
     """The GPU fields of a spec, measured on the current CUDA device.
 
@@ -344,23 +463,26 @@ def measure_cuda_fields() -> dict:
                 cublas_workspace_bytes=cublas_workspace_bytes(props.major), **rates)
 
 
-def measure_hardware(path: str | os.PathLike | None = None, *, optimizer_numel: int = 4 << 20,
-                     seconds: float = 0.6) -> HardwareSpec:
+def measure_hardware(path: str | os.PathLike | None = None, *, optimizer_numel: int | None = None,
+                     seconds: float = 0.3) -> HardwareSpec:
     """Measure this machine as a HardwareSpec; save it as JSON to ``path`` when given.
 
     Host: memory (:func:`total_host_memory_bytes`), the pinned cap as ``PINNED_FRACTION`` of it,
-    and optimizer throughput (:func:`measure_adamw` on ``optimizer_numel`` elements for about
-    ``seconds``). With CUDA also the GPU fields (:func:`measure_cuda_fields`), with
-    ``matmul_efficiency = MEASURED_MATMUL_EFFICIENCY`` (the rates are already a real matmul's).
-    Without CUDA the GPU fields are 0 and the name says the spec is host-only (the solver refuses
-    it). About 1 s on a CPU-only machine, a few seconds more with a GPU.
+    and the host rates and cores (:func:`measure_host_rates`: ``optimizer_numel`` elements, by
+    default tiles several times the L3, each rate for about ``seconds``). With CUDA also the GPU
+    fields (:func:`measure_cuda_fields`), with ``matmul_efficiency = MEASURED_MATMUL_EFFICIENCY``
+    (the rates are already a real matmul's). Without CUDA the GPU fields are 0 and the name says
+    the spec is host-only (the solver refuses it). A few seconds on a CPU-only machine (filling
+    the tiles, three rates), a few more with a GPU.
     """
     import torch
 
     host = total_host_memory_bytes()
     cpu = f"{cpu_name()} x{os.cpu_count()}"
+    rates = measure_host_rates(optimizer_numel, seconds)
     fields = dict(host_memory_bytes=host, pinned_memory_cap_bytes=int(host * PINNED_FRACTION),
-                  host_optimizer_params_per_s=measure_adamw(optimizer_numel, seconds))
+                  **{k: rates[k] for k in ("host_optimizer_params_per_s", "host_optimizer_bf16_params_per_s",
+                                           "host_cast_elements_per_s", "host_cores")})
     if torch.cuda.is_available():
         spec = HardwareSpec(**fields, **measure_cuda_fields(), matmul_efficiency=MEASURED_MATMUL_EFFICIENCY,
                             name=f"measured: {torch.cuda.get_device_name()} + {cpu}")
@@ -376,3 +498,8 @@ def measure_hardware(path: str | os.PathLike | None = None, *, optimizer_numel: 
 __all__ = ["measure_hardware", "measure_matmul_flops", "measure_adamw", "measure_cuda_fields",
            "measure_launch_overhead", "cublas_workspace_bytes",
            "total_host_memory_bytes", "available_host_memory", "host_rss_bytes"]
+
+
+__all__ = ["measure_hardware", "measure_matmul_flops", "measure_adamw", "measure_cast", "measure_host_rates",
+           "measure_cuda_fields", "host_cores", "host_tile_numel", "l3_cache", "total_host_memory_bytes",
+           "available_host_memory", "host_rss_bytes"]

@@ -13,7 +13,10 @@ work issued later on another. :class:`AsyncFakeCuda` behaves like a GPU instead:
   generator (``max_delay_s``), or after ``delay(label)`` seconds when a delay function is given,
   so a missing dependency lets a consumer run before its producer, and a test sees it;
 - device and pinned memory is filled with NaN (integers with their maximum), so a read of memory
-  no op wrote yet poisons the result instead of reading a lucky zero.
+  no op wrote yet poisons the result instead of reading a lucky zero;
+- a thread that synchronises on an event waits as CUDA makes it wait: asleep for an event made
+  with ``blocking=True`` (``cudaEventBlockingSync``), else spinning on the event's flag, as CUDA's
+  default scheduling spins a core, so a test can see a waiting thread's CPU time.
 
 A run with a dependency missing then ends in a wrong result or an error; a correct schedule gives
 bitwise the results of the CPU backend whatever the delays (tests/test_race_detector.py).
@@ -60,6 +63,7 @@ class AsyncFakeCudaError(RuntimeError):
 class AsyncEvent:
     id: int
     timing: bool
+    blocking: bool = False
     stream: "AsyncStream | None" = None  # where it was recorded (at the record call)
     time_s: float = 0.0
     fired: threading.Event = field(default_factory=threading.Event)
@@ -193,8 +197,8 @@ class AsyncFakeCuda:
     def record_stream(self, t: torch.Tensor) -> None:
         pass  # no caching allocator here
 
-    def event(self, timing: bool) -> AsyncEvent:
-        return AsyncEvent(next(self._ids), timing)
+    def event(self, timing: bool, blocking: bool = False) -> AsyncEvent:
+        return AsyncEvent(next(self._ids), timing, blocking)
 
     def record(self, event: AsyncEvent, stream: AsyncStream) -> None:
         event.stream = stream
@@ -216,7 +220,11 @@ class AsyncFakeCuda:
     def event_synchronize(self, event: AsyncEvent) -> None:
         if not event.recorded:
             raise AsyncFakeCudaError(f"synchronising on event {event.id}, which was never recorded")
-        event.fired.wait()
+        if event.blocking:
+            event.fired.wait()
+            return
+        while not event.fired.is_set():  # CUDA's default wait: the thread spins on a core
+            pass
 
     def event_query(self, event: AsyncEvent) -> bool:
         if not event.recorded:

@@ -4,8 +4,9 @@ on CPU tensors.
 :class:`FakeCuda` implements :class:`megatrain.runtime.cuda.CudaApi`: its streams run work at once
 on the issuing thread and its events keep the bookkeeping (which stream waited on which event, that
 every event waited on was recorded first, that no stream waits on its own events, and that host
-dependencies never reach ``wait_event``), so misuse that would be a race or a wasted wait on a GPU
-raises :class:`FakeCudaError` at once. For races that need real concurrency see
+dependencies never reach ``wait_event``, and that no thread synchronises on an event made without
+``blocking=True``, which on a GPU would spin a core), so misuse that would be a race, a wasted
+wait or a busy wait on a GPU raises :class:`FakeCudaError` at once. For races that need real concurrency see
 :class:`megatrain.testing.AsyncFakeCuda`.
 """
 
@@ -38,6 +39,7 @@ class FakeStream:
 class FakeEvent:
     id: int
     timing: bool
+    blocking: bool = False  # cudaEventBlockingSync: a thread synchronising on it sleeps instead of spinning
     stream: FakeStream | None = None  # where it was recorded
     seq: int = 0  # its position among the events recorded on that stream (1-based)
     time_s: float = 0.0
@@ -55,7 +57,9 @@ class FakeCuda:
     issued on a stream, ``("event_sync", event, thread name)``, ``("sync",)``. Misuse that would be
     a bug on a GPU raises :class:`FakeCudaError` at once: waiting on (or synchronising, or timing)
     an event never recorded — on a GPU ``cudaStreamWaitEvent`` on such an event returns at once, a
-    silent race — and a stream waiting on its own event, which an in-order stream never needs.
+    silent race —, a stream waiting on its own event, which an in-order stream never needs, and a
+    thread synchronising on an event made without ``blocking=True``, which with CUDA's default
+    scheduling spins that thread on a core until the GPU gets there.
     ``strict=False`` keeps the log but raises nothing.
     """
 
@@ -110,8 +114,8 @@ class FakeCuda:
     def record_stream(self, t: torch.Tensor) -> None:
         pass  # no caching allocator here
 
-    def event(self, timing: bool) -> FakeEvent:
-        return FakeEvent(next(self._ids), timing)
+    def event(self, timing: bool, blocking: bool = False) -> FakeEvent:
+        return FakeEvent(next(self._ids), timing, blocking)
 
     def record(self, event: FakeEvent, stream: FakeStream) -> None:
         with self._lock:
@@ -133,6 +137,10 @@ class FakeCuda:
     def event_synchronize(self, event: FakeEvent) -> None:
         if not event.recorded:
             self._fail(f"synchronising on event {event.id}, which was never recorded")
+        elif not event.blocking:
+            self._fail(f"thread {threading.current_thread().name!r} synchronises on event {event.id}, made without "
+                       "blocking=True: with CUDA's default scheduling the thread would spin a core until the GPU "
+                       "reaches the event; make events that a thread waits on with blocking=True")
         self._log("event_sync", event, threading.current_thread().name)
 
     def event_query(self, event: FakeEvent) -> bool:

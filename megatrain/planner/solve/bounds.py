@@ -55,7 +55,7 @@ class StepTimes:
 
     times: Mapping[OpKind, tuple[float, ...]]
     trainable: tuple[bool, ...]
-    # D2H of FP32 gradients and OPT from FP32 ones (no widening): where the probe's BF16 gradients
+    # D2H of FP32 gradients and OPT from FP32 ones: where the probe's BF16 gradients
     # (``Plan.gradient_dtype`` of one micro-batch) are not what a pass structure sends.
     d2h_fp32: tuple[float, ...] = ()
     opt_fp32: tuple[float, ...] = ()
@@ -63,14 +63,13 @@ class StepTimes:
     def gradient_times(self, size: "SizeOption") -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(D2H, OPT) times per layer for the bounds of ``size``'s pass structure. D2H as its plans
         run it: layer by layer with several micro-batches the slot sums in FP32 (FP32 D2H), else
-        BF16 where the compute is BF16 (``Plan.gradient_dtype``). OPT without the widening of BF16
-        gradients (``cost.widens_gradients``): a bound below every plan's step stays one, and the
-        widening is what it always was relative to the rest (the search ranks candidates of
-        equal bound in order, and a cheaper D2H must not rank them behind ones that send FP32)."""
+        BF16 where the compute is BF16 (``Plan.gradient_dtype``). OPT the faster of stepping from
+        FP32 and from BF16 gradient tiles (``cost.optimizer_rate``: either may be, by the spec's
+        measured rates), so that a bound below every plan's step stays one."""
         if not self.d2h_fp32:
             return self.d2h, self.opt
         multi_l2l = size.micro_batches > 1 and size.layer_by_layer
-        return (self.d2h_fp32 if multi_l2l else self.d2h), self.opt_fp32
+        return (self.d2h_fp32 if multi_l2l else self.d2h), tuple(map(min, self.opt, self.opt_fp32))
 
     @property
     def h2d(self) -> tuple[float, ...]:

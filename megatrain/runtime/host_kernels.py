@@ -1,0 +1,270 @@
+"""The host kernels: the AdamW step of one layer's tiles, and the thread team that runs it.
+
+AdamW. :class:`HostAdamW` steps a flat FP32 master tile and its two FP32 moments in place with one
+of two kernels, both element-wise, vectorised and parallel over the calling thread's OpenMP team:
+
+- ``"torch"``: torch's fused CPU AdamW (``torch._fused_adamw_``, the kernel that
+  ``torch.optim.AdamW(fused=True)`` and ``torch.optim.adamw.adamw(fused=True)`` run);
+- ``"deepspeed"``: DeepSpeed's CPU Adam (the C++ ``cpu_adam`` op behind ``DeepSpeedCPUAdam``,
+  AVX-512/AVX2/NEON; Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840), installed with
+  ``pip install megatrain[deepspeed]``. DeepSpeed builds the op with ninja and the host C++
+  compiler the first time a process loads it (about 1.5 CPU-minutes; the build is cached in
+  ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default) unless it was prebuilt at
+  install (``DS_BUILD_CPU_ADAM=1``).
+
+``MEGATRAIN_HOST_ADAM`` chooses: ``auto`` (the default) takes DeepSpeed's where the ``deepspeed``
+package is installed and torch's otherwise; ``torch`` or ``deepspeed`` forces one (``deepspeed``
+without the package is an error, as is a DeepSpeed op that fails to build: nothing falls back
+silently). DeepSpeed's kernel was as fast as torch's or faster on the x86 host measured
+(``bench/host_optimizer.py`` on a shared 2-core AMD EPYC VM, 2026-11-27, tiles four times the L3:
+0.9-1.4x across runs; the issue that asked for it measured 1.35x at 2 threads), and
+:meth:`HostAdamW.step` calls its op with less Python around it than ``DeepSpeedCPUAdam.step`` does
+(17 against 31 us per call).
+
+Both match ``torch.optim.AdamW`` to the project's 1e-5 (tests/test_host_kernels.py); they differ
+from each other by rounding (DeepSpeed multiplies by ``1 / sqrt(1 - beta2^t)``, keeps ``beta^t`` as
+a running float product, and takes ``lr`` as a float).
+
+Gradients. FP32 gradients are stepped as they are. Neither kernel takes BF16 gradients with FP32
+parameters (torch's raises "expected scalar type Float"; DeepSpeed's types its gradients as its
+parameters and would misread them), so BF16 gradients (``Plan.gradient_dtype``) are widened,
+exactly, chunk by chunk: :data:`CHUNK_ELEMENTS` per thread of the calling thread's team at a time
+into an FP32 scratch of this object's, each chunk stepped right after. For a team of one or two the
+chunk stays in the last-level cache, so the widened copy never reaches DRAM: 26 bytes of host
+memory traffic per parameter (2 for the BF16 gradient, 24 for the master and moments), where
+widening the whole tile into an FP32 scratch first costs 34 (and an FP32 gradient tile 28); a
+larger team's larger chunks keep each parallel region long, and the scratch small. The kernels are
+element-wise and every chunk but the last is a multiple of their vector width, so the chunked step
+is bitwise the step of the widened tile. A gradient scale (``grad_scale``: the
+gradients are divided by it, torch's convention; a carried update's clip factor) is torch's kernel
+argument; for DeepSpeed's, whose op has none, the chunks are divided in the scratch. Each chunk
+is two parallel regions (the widening, the step), and a team larger than one waits at each for
+its threads to wake: on a host whose cores are oversubscribed that is a scheduler time slice
+(measured on a 2-core VM under a load of 8, a team of 2 stepped BF16 tiles in chunks of 512 Ki
+elements 10x slower than with one whole-tile widening, in chunks of 1 Mi 3x; a team of 1, that
+VM's budget, :func:`megatrain.planner.cost.host_worker_threads`, 1.5x faster). The chunk grows
+with the team for that reason, and ``host_optimizer_bf16_params_per_s`` is measured, so the cost
+model sees what a host does.
+
+Threads. The kernels parallelise over the *calling thread's* OpenMP team, whose size
+:func:`set_thread_team` sets for that thread alone (the CUDA backend's host workers call it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import threading
+import weakref
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from megatrain.errors import ConfigError
+from megatrain.planner import cost
+
+T = TypeVar("T")
+
+KERNELS = ("torch", "deepspeed")
+"""The host AdamW kernels :class:`HostAdamW` runs."""
+
+HOST_ADAM_ENV = "MEGATRAIN_HOST_ADAM"
+"""Environment variable that chooses the kernel: ``auto`` (default), ``torch`` or ``deepspeed``."""
+
+CHUNK_ELEMENTS = cost.OPT_CHUNK_ELEMENTS
+"""Elements per intra-op thread of a chunk of a chunked step (BF16 gradients, or a gradient scale
+with DeepSpeed's kernel): :data:`megatrain.planner.cost.OPT_CHUNK_ELEMENTS`, which says why."""
+
+
+def set_thread_team(threads: int) -> None:
+    """Give the calling thread an intra-op team of ``threads`` threads for the ATen (and MKL)
+    kernels it runs from now on, leaving other threads' teams as they are.
+
+    ATen's OpenMP backend keeps the team size in the calling thread's OpenMP state
+    (``omp_set_num_threads``, ``mkl_set_num_threads_local``), and each thread that starts a
+    parallel region gets a pool of its own, so two threads run teams of different sizes at once
+    (torch 2.13, checked by thread counts in ``/proc/self/task``). ``torch.set_num_threads`` also
+    stores the size in a process-wide default that a thread takes at its *first* parallel op
+    (``at::lazy_init_num_threads``): asking ``torch.get_num_threads()`` first makes that first
+    time now, so another thread's later ``set_num_threads`` cannot reset this one's team (without
+    it, a worker ran with the size the other worker set). DeepSpeed's kernel parallelises with
+    ``#pragma omp parallel for``, so the same team size applies to it. With ATen's native thread
+    pool (builds without OpenMP) the pool is process-wide and this sets it for every thread.
+
+    Raises:
+        ValueError: ``threads`` < 1.
+    """
+    if threads < 1:
+        raise ValueError(f"set_thread_team({threads}): a thread team has at least one thread")
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
+def run_on_team(threads: int, fn: Callable[[], T]) -> T:
+    """``fn()`` run on a new thread whose intra-op team is ``threads`` (:func:`set_thread_team`), as
+    the CUDA backend's host workers run their ops, so that the calling thread's team is left alone;
+    returns its result, or raises its exception here."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            set_thread_team(threads)
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name=f"megatrain-team-{threads}", daemon=True)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def deepspeed_installed() -> bool:
+    """Whether the ``deepspeed`` package can be imported (not imported here: that takes seconds)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def host_adam_kernel(setting: str | None = None) -> str:
+    """The kernel ``setting`` (default: ``$MEGATRAIN_HOST_ADAM``, else ``"auto"``) names:
+    ``"deepspeed"`` or ``"torch"``, ``"auto"`` being DeepSpeed's where installed.
+
+    Raises:
+        ConfigError: an unknown setting, or ``"deepspeed"`` without the package.
+    """
+    where = "the argument"
+    if setting is None:
+        setting, where = os.environ.get(HOST_ADAM_ENV, "auto"), f"${HOST_ADAM_ENV}"
+    choice = setting.strip().lower()
+    if choice == "auto":
+        return "deepspeed" if deepspeed_installed() else "torch"
+    if choice not in KERNELS:
+        raise ConfigError(f"host AdamW kernel {setting!r} ({where}): use 'auto', 'torch' or 'deepspeed'")
+    if choice == "deepspeed" and not deepspeed_installed():
+        raise ConfigError(f"host AdamW kernel 'deepspeed' ({where}) but the deepspeed package is not installed: "
+                          "pip install megatrain[deepspeed], or use 'torch'")
+    return choice
+
+
+_DS_LOCK = threading.Lock()
+_DS_OP: Any = None
+_DS_IDS = itertools.count(1 << 20)  # DeepSpeedCPUAdam numbers its optimizers from 0: keep clear of them
+
+
+def _deepspeed_op() -> Any:
+    """DeepSpeed's ``cpu_adam`` op, built (first use, minutes) or loaded once per process."""
+    global _DS_OP
+    with _DS_LOCK:
+        if _DS_OP is None:
+            try:
+                from deepspeed.ops.op_builder import CPUAdamBuilder
+
+                _DS_OP = CPUAdamBuilder().load(verbose=False)
+            except Exception as e:
+                raise ConfigError(f"DeepSpeed's CPU Adam op did not build or load ({type(e).__name__}: {e}); it needs "
+                                  "ninja and a C++ compiler on the first use (or DS_BUILD_CPU_ADAM=1 at install). "
+                                  f"Fix that, or run torch's kernel: {HOST_ADAM_ENV}=torch") from e
+        return _DS_OP
+
+
+class HostAdamW:
+    """AdamW steps of flat FP32 host tiles with one kernel (see the module docstring).
+
+    Args:
+        kernel: ``"auto"``, ``"torch"`` or ``"deepspeed"``; None: ``$MEGATRAIN_HOST_ADAM``
+            (:func:`host_adam_kernel`).
+
+    Raises:
+        ConfigError: as :func:`host_adam_kernel`.
+    """
+
+    def __init__(self, kernel: str | None = None):
+        self.kernel = host_adam_kernel(kernel)
+        self._ds_id: int | None = None
+        self._scratch: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"HostAdamW(kernel={self.kernel!r})"
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             step: torch.Tensor, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+             grad_scale: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+        """One AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place from ``grad``, as
+        ``torch.optim.AdamW`` (decoupled weight decay, bias correction) takes it.
+
+        Args:
+            param, exp_avg, exp_avg_sq: contiguous FP32 tensors of one shape (flat tiles).
+            grad: the gradients, contiguous, that shape, FP32 or BF16.
+            step: the 0-dim FP32 step count of these tiles (as torch's optimizer state); the call
+                adds one and updates with the new count.
+            grad_scale: 0-dim FP32 tensor the gradients are divided by, or None.
+            scratch: FP32 tensor for a chunked step, of at least :data:`CHUNK_ELEMENTS` x the
+                calling thread's ``torch.get_num_threads()`` elements (or ``grad``'s, if fewer);
+                None: this object's own, made at first need.
+
+        Raises:
+            ValueError: a tensor is not contiguous or not of ``param``'s shape, or a dtype other
+                than the above (DeepSpeed's op would update a copy, or misread the gradients).
+        """
+        _check_tiles(param, grad, exp_avg, exp_avg_sq)
+        chunked = grad.dtype != torch.float32 or (grad_scale is not None and self.kernel == "deepspeed")
+        if self.kernel == "torch":
+            def run(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+                torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=lr, beta1=betas[0], beta2=betas[1],
+                                    weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+                                    grad_scale=grad_scale, found_inf=None)
+        else:
+            op, opt_id, count = _deepspeed_op(), self._deepspeed_id(lr, betas, eps, weight_decay), int(step) + 1
+
+            def run(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+                op.adam_update(opt_id, count, lr, betas[0], betas[1], eps, weight_decay, True, p, g, m, v)
+        step += 1  # (torch's kernel reads the new count from the tensor)
+        if not chunked:
+            run(param, grad, exp_avg, exp_avg_sq)
+            return
+        chunk = CHUNK_ELEMENTS * torch.get_num_threads()  # this thread's team
+        buf = self._chunk_scratch(scratch, min(chunk, grad.numel()))
+        divide = grad_scale if self.kernel == "deepspeed" else None  # torch's kernel divides by grad_scale itself
+        for lo in range(0, grad.numel(), chunk):
+            hi = min(lo + chunk, grad.numel())
+            g = buf[:hi - lo].copy_(grad[lo:hi])
+            if divide is not None:
+                g.div_(divide)
+            run(param[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi])
+
+    def _chunk_scratch(self, scratch: torch.Tensor | None, need: int) -> torch.Tensor:
+        if scratch is not None:
+            if scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < need:
+                raise ValueError(f"HostAdamW.step: the scratch ({scratch.dtype}, {scratch.numel()} elements, "
+                                 f"contiguous={scratch.is_contiguous()}) must be contiguous FP32 of at least {need} "
+                                 "elements (CHUNK_ELEMENTS per thread of the team, or the gradients' count if fewer)")
+            return scratch.view(-1)
+        if self._scratch is None or self._scratch.numel() < need:
+            # Pageable, kept: OPTs run one at a time on the host worker (cost.gradient_scratch_numel).
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        return self._scratch
+
+    def _deepspeed_id(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> int:
+        """This object's optimizer in DeepSpeed's op (which keeps ``beta^t`` per optimizer id)."""
+        if self._ds_id is None:
+            op = _deepspeed_op()
+            self._ds_id = next(_DS_IDS)
+            op.create_adam(self._ds_id, lr, betas[0], betas[1], eps, weight_decay, True, False)
+            weakref.finalize(self, op.destroy_adam, self._ds_id)
+        return self._ds_id
+
+
+def _check_tiles(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    named = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    for name, t in named.items():
+        want = (torch.float32, torch.bfloat16) if name == "grad" else (torch.float32,)
+        if t.dtype not in want or not t.is_contiguous() or t.shape != param.shape:
+            raise ValueError(f"HostAdamW.step: {name} is {t.dtype} of shape {tuple(t.shape)} "
+                             f"(contiguous={t.is_contiguous()}); it must be contiguous "
+                             f"{' or '.join(str(d) for d in want)} of param's shape {tuple(param.shape)}")
+
+
+__all__ = ["CHUNK_ELEMENTS", "HOST_ADAM_ENV", "KERNELS", "HostAdamW", "deepspeed_installed", "host_adam_kernel",
+           "run_on_team", "set_thread_team"]

@@ -1,0 +1,219 @@
+"""The host kernels (megatrain.runtime.host_kernels): each AdamW kernel against torch.optim.AdamW,
+the chunked step from BF16 gradients against the step of the widened tile, the kernel setting, and
+per-thread intra-op teams."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatrain.errors import ConfigError
+from megatrain.planner import cost
+from megatrain.runtime import host_kernels
+from megatrain.runtime.host_kernels import CHUNK_ELEMENTS, HostAdamW, host_adam_kernel, run_on_team, set_thread_team
+
+DS = pytest.mark.skipif(not host_kernels.deepspeed_installed(), reason="DeepSpeed is not installed "
+                        "(pip install megatrain[deepspeed])")
+KERNELS = ["torch", pytest.param("deepspeed", marks=DS)]
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# On a team of one, two chunks and a tail that is not a multiple of any vector width (on a team of
+# two, one chunk and that tail): the chunked path's edges.
+NUMEL = 2 * CHUNK_ELEMENTS + 1237
+RTOL = 1e-5
+
+
+def tiles(numel: int = NUMEL, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=g), torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+
+
+def grads(steps: int, numel: int = NUMEL, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(numel, generator=g) * 1e-2).to(dtype) for _ in range(steps)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("clip", [None, 0.25], ids=["unscaled", "grad_scale"])
+def test_kernel_matches_torch_adamw(kernel, grad_dtype, clip):
+    """Ten steps on a tile of two chunks and a tail (a team of one, as a host worker on this CI's two
+    cores): the master and both moments equal torch.optim.AdamW's (stepping the same gradients
+    widened to FP32, times the clip factor) to 1e-5."""
+    run_on_team(1, lambda: _matches_torch_adamw(kernel, grad_dtype, clip))
+
+
+def _matches_torch_adamw(kernel, grad_dtype, clip):
+    p, m, v, step = tiles()
+    ref = torch.nn.Parameter(p.clone())
+    opt = torch.optim.AdamW([ref], foreach=False, **ADAMW)
+    adam = HostAdamW(kernel)
+    scale = None if clip is None else torch.tensor(1.0 / clip)  # the executor's carried clip scale
+    for g in grads(10, dtype=grad_dtype):
+        ref.grad = g.float() if clip is None else g.float() * clip  # (torch's kernel divides g in place)
+        adam.step(p, g, m, v, step, grad_scale=scale, **ADAMW)
+        opt.step()
+    state = opt.state[ref]
+    assert step.item() == state["step"].item() == 10
+    assert rel(p, ref.detach()) <= RTOL
+    assert rel(m, state["exp_avg"]) <= RTOL and rel(v, state["exp_avg_sq"]) <= RTOL
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("clip", [None, 0.25], ids=["unscaled", "grad_scale"])
+@pytest.mark.parametrize("team", [1, 2])
+def test_step_from_bf16_tiles_is_bitwise_the_step_of_the_widened_tile(kernel, clip, team):
+    """The chunked widening gives bitwise what widening the whole tile into an FP32 scratch and
+    stepping that gave (the OPT of BF16 gradients before), whatever the team (and so the chunk):
+    the kernels are element-wise and every chunk but the last is a multiple of their vector width."""
+    run_on_team(team, lambda: _bitwise(kernel, clip))
+
+
+def _bitwise(kernel, clip):
+    (p, m, v, s), (q, mq, vq, sq) = tiles(), tiles()
+    chunked, widened = HostAdamW(kernel), HostAdamW(kernel)
+    scale = None if clip is None else torch.tensor(1.0 / clip)
+    for g in grads(3, dtype=torch.bfloat16):
+        wide = g.float() if scale is None or kernel == "torch" else g.float() / scale  # DeepSpeed's op takes no scale
+        chunked.step(p, g, m, v, s, grad_scale=scale, **ADAMW)
+        widened.step(q, wide, mq, vq, sq, grad_scale=scale if kernel == "torch" else None, **ADAMW)
+    assert torch.equal(p, q) and torch.equal(m, mq) and torch.equal(v, vq)
+    assert chunked._scratch.numel() == min(NUMEL, CHUNK_ELEMENTS * torch.get_num_threads())
+
+
+def test_the_scratch_is_a_chunk_per_thread_and_the_cost_model_counts_it():
+    from graphs import chain_graph, spec
+    from megatrain.planner.plan import Plan
+
+    wide = chain_graph(2, numel=8 * CHUNK_ELEMENTS)
+    bf16 = Plan(compute_dtype="bfloat16", staging_ring=1)
+    assert cost.widens_gradients(bf16)
+    assert cost.gradient_scratch_numel(wide, bf16) == CHUNK_ELEMENTS == cost.OPT_CHUNK_ELEMENTS
+    assert cost.gradient_scratch_numel(wide, bf16, threads=3) == 3 * CHUNK_ELEMENTS
+    assert cost.gradient_scratch_numel(chain_graph(2, numel=1 << 12), bf16, threads=3) == 1 << 12
+    # The plan's memory counts the team of the spec's cores (one thread where it has none).
+    assert cost.memory_breakdown(wide, bf16, spec(host_cores=5)).gradient_scratch == 4 * CHUNK_ELEMENTS * 4
+    assert cost.memory_breakdown(wide, bf16, spec()).gradient_scratch == CHUNK_ELEMENTS * 4
+
+    def too_small():
+        HostAdamW("torch").step(*tiles()[:1], grads(1, dtype=torch.bfloat16)[0], *tiles()[1:],
+                                scratch=torch.empty(CHUNK_ELEMENTS - 1), **ADAMW)
+    with pytest.raises(ValueError, match=f"at least {CHUNK_ELEMENTS} elements"):
+        run_on_team(1, too_small)
+
+
+def test_step_refuses_tiles_the_kernels_would_misread():
+    p, m, v, step = tiles(64)
+    adam = HostAdamW("torch")
+    with pytest.raises(ValueError, match="grad is torch.float16"):
+        adam.step(p, torch.zeros(64, dtype=torch.float16), m, v, step, **ADAMW)
+    with pytest.raises(ValueError, match=r"exp_avg is .* \(contiguous=False\)"):
+        adam.step(p, torch.zeros(64), torch.zeros(128)[::2], v, step, **ADAMW)
+    with pytest.raises(ValueError, match="of param's shape"):
+        adam.step(p, torch.zeros(32), m, v, step, **ADAMW)
+    assert step.item() == 0, "a refused step counts nothing"
+
+
+def test_kernel_setting(monkeypatch):
+    monkeypatch.setattr(host_kernels, "deepspeed_installed", lambda: True)
+    monkeypatch.delenv(host_kernels.HOST_ADAM_ENV, raising=False)
+    assert host_adam_kernel() == "deepspeed" == host_adam_kernel(" Auto ")
+    monkeypatch.setenv(host_kernels.HOST_ADAM_ENV, "torch")
+    assert host_adam_kernel() == "torch" and HostAdamW().kernel == "torch"
+    assert host_adam_kernel("deepspeed") == "deepspeed"
+    monkeypatch.setenv(host_kernels.HOST_ADAM_ENV, "apex")
+    with pytest.raises(ConfigError, match=r"'apex' \(\$MEGATRAIN_HOST_ADAM\): use 'auto', 'torch' or 'deepspeed'"):
+        HostAdamW()
+    monkeypatch.setattr(host_kernels, "deepspeed_installed", lambda: False)
+    assert host_adam_kernel("auto") == "torch"
+    with pytest.raises(ConfigError, match=r"megatrain\[deepspeed\]"):
+        host_adam_kernel("deepspeed")
+
+
+def test_each_thread_keeps_its_own_team():
+    """Two threads with teams of 3 and 1, each set before the other's: each runs its parallel ops
+    with its own size, and the calling thread's team is untouched. Without set_thread_team's
+    first ``get_num_threads`` the first thread would take the second's size at its first parallel
+    op (ATen's lazy per-thread start)."""
+    main = torch.get_num_threads()
+    barrier, seen = threading.Barrier(2), {}
+
+    def worker(name: str, threads: int, first: bool) -> None:
+        if first:
+            set_thread_team(threads)
+        barrier.wait()
+        if not first:
+            set_thread_team(threads)
+        barrier.wait()
+        torch.randn(1 << 16).add_(1)  # a parallel op
+        seen[name] = torch.get_num_threads()
+
+    ts = [threading.Thread(target=worker, args=("a", 3, True)), threading.Thread(target=worker, args=("b", 1, False))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert seen == {"a": 3, "b": 1}
+    assert torch.get_num_threads() == main
+    with pytest.raises(ValueError, match="at least one thread"):
+        set_thread_team(0)
+
+
+# -- bench/host_optimizer.py ------------------------------------------------------------------------------
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "host_optimizer.py"
+    spec = importlib.util.spec_from_file_location("host_optimizer_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_host_optimizer_dry_run(tmp_path):
+    import json
+
+    bench = _bench()
+    out = tmp_path / "r.json"
+    r = bench.main(["--dry-run", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    ds = host_kernels.deepspeed_installed()
+    assert r["megatrain_kernel"] == HostAdamW().kernel and r["rounds"] == 2
+    cases = {"megatrain", "megatrain_torch_kernel", "torch_fused_adamw", "megatrain_bf16_grads", "before_bf16_grads",
+             "cast"} | ({"deepspeed_cpu_adam"} if ds else set())
+    assert set(r["rates"]) == cases and all(x > 0 for x in r["rates"].values())
+    ratios = r["ratios"]
+    pairs = {"megatrain_over_torch_fused_adamw", "megatrain_bf16_grads_over_before_bf16_grads",
+             "megatrain_bf16_grads_over_megatrain", "cast_over_megatrain"}
+    pairs |= {"megatrain_over_deepspeed_cpu_adam", "deepspeed_cpu_adam_over_torch_fused_adamw"} if ds else set()
+    assert set(ratios) == pairs and all(x > 0 for x in ratios.values())
+    if ds:
+        assert r["target"]["met"] == (ratios["megatrain_over_deepspeed_cpu_adam"] >= 1.0)
+    else:
+        assert r["target"]["met"] is None
+    # Every kernel, from FP32 and from BF16 gradients, within the project's bound of torch.optim.AdamW.
+    exact = r["exactness"]["max_rel_err_vs_torch_adamw"]
+    assert len(exact) == (4 if ds else 2) and r["exactness"]["ok"] and max(exact.values()) <= 1e-5
+    assert r["host_streams"]["after_threads"] == r["threads"] and r["host_streams"]["before_threads"] == 2 * r["machine"]["cores"]
+    assert set(r["wait"]) == {"before_spinning_cpu_s_per_s", "after_blocking_cpu_s_per_s"}
+    assert set(r["call_us_1024_elements"]) == {"megatrain", "torch_fused_adamw"} | ({"deepspeed_cpu_adam"} if ds else set())
+
+
+def test_bench_ratios_pair_the_cases_round_by_round():
+    # a is twice b's rate in round 0, as fast in round 1, half in round 2 (a slow spell hits both).
+    times = {"a": (10, [1.0, 2.0, 4.0]), "b": (20, [4.0, 4.0, 4.0])}
+    assert _bench()._paired(times, "a", "b") == 1.0
+    assert _bench()._paired({"a": (10, [1.0, 9.0]), "b": (10, [2.0, 18.0])}, "a", "b") == 2.0
+
+
+def test_bench_host_optimizer_refuses_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        _bench().main(["--threads", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
