@@ -147,7 +147,9 @@ class CudaApi(Protocol):
         """Enqueue ``fn``'s work on ``stream`` (``label`` names the op, for fakes that delay or log)."""
 
     def host_run(self, fn: Callable[[], Any], label: str) -> None:
-        """Run host op ``fn`` on the calling (worker) thread."""
+        """Run host op ``fn`` on the calling (worker) thread. ``fn`` takes the host's shared cores
+        (the lock HOST and CAST work under) itself: a delay injected before calling it is a late
+        start, during which the other host stream runs."""
 
     def record_stream(self, t: torch.Tensor) -> None:
         """Mark device tensor ``t`` as used by the work enqueued on the calling thread's current stream
@@ -454,10 +456,16 @@ class _HostWorker:
                                 break
                             self._cuda.event_synchronize(d.event)
                     else:
-                        with lock:
-                            op.start_s = time.perf_counter()
-                            self._cuda.host_run(fn, op.label)
-                            op.end_s = time.perf_counter()
+                        # The op takes the shared cores inside host_run's call, so a fake CUDA
+                        # layer's injected delay (before it calls) is a late start that leaves the
+                        # other host stream free, not a slow op holding it back.
+                        def work(fn: Callable[[], Any] = fn, op: HostOp = op) -> None:
+                            with lock:
+                                op.start_s = time.perf_counter()
+                                fn()
+                                op.end_s = time.perf_counter()
+
+                        self._cuda.host_run(work, op.label)
                     if op.error is not None:
                         self._failed = op
                 except BaseException as e:  # noqa: BLE001 - kept and re-raised by synchronize()
