@@ -29,7 +29,7 @@ STATE_VERSION = 1
 RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR, STORE_DIR)
 """What ``megatrain train`` writes in ``output_dir`` (besides the hidden directories of a save)."""
 
-RUN_IDENTITY = ("model", "task", "data", "seq_len", "global_batch", "seed")
+RUN_IDENTITY = ("model", "init_from", "task", "data", "seq_len", "global_batch", "seed")
 """Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
 
 
