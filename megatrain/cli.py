@@ -147,9 +147,8 @@ def _default_note(field) -> str:
         return "" if "(default" in field.description else " (required)"
     if field.default is None and ("(default" in field.description or "null" in field.description):
         return ""
-    shown = {True: "true", False: "false", None: "none"}.get(field.default, field.default) \
-        if isinstance(field.default, (bool, type(None))) else field.default
-    return f" (default: {shown})"
+    d = field.default
+    return f" (default: {'none' if d is None else str(d).lower() if isinstance(d, bool) else d})"
 
 
 def _grad_dtype(plan) -> str:

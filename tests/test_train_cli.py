@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -812,7 +813,7 @@ def test_init_from_starts_a_new_sft_run_from_a_pretrained_checkpoint(first_run, 
     ckpt = first_run / "checkpoint"
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n", "completion": f"    return x + {i}\n"}) + "\n"
-                            for i in range(24)))
+                            for i in range(40)))  # 2 validation rows
     sft = ["--task", "sft", "--data", str(data), "--seq-len", "32", "--global-batch", "2", "--micro-batch-size", "2",
            "--warmup-steps", "0", "--eval-batches", "1", "--weight-decay", "0", "--sample-tokens", "0"]
     assert main(["train", "--model", str(ckpt), "--output-dir", str(tmp_path / "resumed"), *sft,
@@ -857,6 +858,20 @@ def test_a_gpu_hardware_spec_with_nvme_dir_trains_without_a_prediction(setup, tm
     assert "note: H100 SXM 80GB (preset) has no NVMe tier to time the plan's NVMe reads and writes" in text
     assert all(r["predicted_step_s"] is None and math.isfinite(r["loss"]) for r in rows(out))
     assert sorted(p.name for p in nvme.iterdir()) == [f"L{i}.moments.tile" for i in range(4)]
+
+
+def test_a_small_preset_trains_from_scratch_on_the_cpu(tmp_path, capsys):
+    """--model llama-30m: the preset's architecture, a byte-level BPE of its 8192-token vocabulary
+    trained on the data, one step on the CPU backend."""
+    out = tmp_path / "out"
+    assert main(["train", "--model", "llama-30m", "--output-dir", str(out), "--max-bytes", "200000", "--seq-len", "32",
+                 "--global-batch", "2", "--micro-batch-size", "2", "--max-steps", "1", "--warmup-steps", "0",
+                 "--eval-batches", "1", "--sample-tokens", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "model: LlamaForCausalLM, 29.37 M parameters" in text, text[:1500]
+    # BPE learns at most the vocabulary's 8192 tokens (fewer from 200 KB of text).
+    assert 257 < int(re.search(r"tokenizer: byte-level BPE trained here, vocab ([\d,]+)", text).group(1).replace(",", "")) <= 8192
+    assert math.isfinite(rows(out)[0]["loss"]) and "sample (greedy): " in text
 
 
 def test_the_preflight_counts_the_store_reader_not_the_corpus(setup, tmp_path):

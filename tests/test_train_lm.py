@@ -39,19 +39,31 @@ def test_make_train_runs_megatrain_train_with_the_examples_config(monkeypatch, t
     assert "runs/token-cache" not in calls[1] and calls[1].count("--output-dir") == 1
 
 
-def test_the_main_job_learns_and_leaves_a_model_that_generates_what_it_printed(tmp_path, capsys):
+def test_the_main_job_learns_and_leaves_a_model_that_generates_what_it_printed(tmp_path, capsys, monkeypatch):
     """40 steps of the main job's model on 400 KB of the standard library. The validation loss
     must fall below 85% of ln(vocab), the loss of the uniform prediction a fresh model starts near;
     the checkpoint loads with transformers' Auto classes and its greedy continuation of the printed
-    prompt is the printed sample."""
+    prompt is the printed sample. With a load average of 9 on this machine the run says it is
+    oversubscribed, at the start and in the progress line."""
+    import os
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import megatrain.runtime.threads
+
+    monkeypatch.setattr(megatrain.runtime.threads, "load_average", lambda: 9.0)
 
     out = tmp_path / "run"
     rc = train_lm.main(["--output-dir", str(out), "--data-cache", str(tmp_path / "tokens"), "--max-bytes", "400000",
                         "--max-steps", "40", "--warmup-steps", "5", "--eval-interval", "0", "--eval-batches", "4",
                         "--sample-tokens", "12"])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert rc == 0, text[-3000:]
+    busy = f"load 9.0 on {os.cpu_count()} CPU{'s' if os.cpu_count() > 1 else ''}: oversubscribed"
+    assert re.search(rf"^threads: \d+ torch intra-op threads? \(.*\), OpenMP wait policy \w+.*; {busy}: steps slow",
+                     text, re.M), text[:2000]
+    assert "MFU " in captured.err and f", {busy}]" in captured.err  # the progress bar's last line
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 41))
     vocab = json.loads((ROOT / "examples" / "tiny-llama" / "config.json").read_text())["vocab_size"]
@@ -85,3 +97,4 @@ def test_user_text_file_and_tokenizer_are_accepted(tmp_path, capsys):
                         "--data-cache", str(tmp_path / "tokens"), "--sample-tokens", "0"])
     out = capsys.readouterr().out
     assert rc == 0 and "vocab 300" in out and "validation loss" in out and "sample" not in out
+    assert "cut the corpus" not in out  # max_bytes is null: all of the corpus

@@ -88,6 +88,19 @@ class ThreadChoice:
                 f"OpenMP wait policy {self.wait_policy}{note}")
 
 
+_TORCH_DEFAULT: list[int] = []
+
+
+def _torch_default_threads() -> int:
+    """torch's own thread count (one per physical core) as this process first saw it, before any
+    choice here changed it: a second run in the same process chooses as the first did."""
+    import torch
+
+    if not _TORCH_DEFAULT:
+        _TORCH_DEFAULT.append(torch.get_num_threads())
+    return _TORCH_DEFAULT[0]
+
+
 def choose_threads(requested: int | None = None) -> ThreadChoice:
     """The CPU backend's intra-op thread count: ``requested`` if given, else ``OMP_NUM_THREADS``
     if set (as torch itself reads it), else torch's default (its physical cores) capped at
@@ -114,7 +127,7 @@ def choose_threads(requested: int | None = None) -> ThreadChoice:
                               "a count such as 2")
         source = "OMP_NUM_THREADS"
     else:
-        threads, source = max(1, min(torch.get_num_threads(), cpus)), CPUS_AVAILABLE
+        threads, source = max(1, min(_torch_default_threads(), cpus)), CPUS_AVAILABLE
     torch.set_num_threads(threads)
     return ThreadChoice(threads, source, wait_policy(), cpus)
 
