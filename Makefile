@@ -1,5 +1,9 @@
 # Set-up and the entry points. Each target creates the virtual environment it needs.
 #
+#   make train         the main job: `megatrain train --config examples/train_lm.yaml` (a small Llama on this
+#                      Python's standard library, on the CPU); ARGS="--max-steps 1000" passes its flags. It
+#                      leaves runs/train_lm-<date-time>/: checkpoint/ (a Hugging Face model with its
+#                      tokenizer), metrics.jsonl, loss.png
 #   make test          the test suite on the locked versions (constraints.txt): what CI runs
 #   make test-oldest   the trace and exactness tests on the oldest supported versions
 #                      (constraints-oldest.txt); CI runs it too
@@ -46,7 +50,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
-train: setup  ## train a small Llama on the Python standard library's source, on the CPU
+train: setup  ## megatrain train with examples/train_lm.yaml: a small Llama on the Python standard library's source, on the CPU
 	$(PY) examples/train_lm.py $(ARGS)
 
 test: setup  ## the test suite (CPU; CUDA tests skip without a GPU)

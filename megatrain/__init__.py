@@ -16,11 +16,34 @@ raises on purpose (each a ``MegatrainError``).
 from megatrain.config import AdamW, CompileOptions
 from megatrain.errors import (BatchError, CheckpointError, CollectiveError, ConfigError, MegatrainError, PlanError,
                               ScheduleError, StepError, TraceError, UnsupportedModelError)
-from megatrain.planner.hardware import HardwareSpec, preset
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
-from megatrain.trainer import PlannedModel, StepResult, Trainer, compile, materialize, plan_model
-from megatrain.pretrained import from_pretrained
+
+# The names below import torch (and the planner, the runtime): loaded on first use (PEP 562), so
+# that `megatrain --help` and the config's validation start in a fraction of a second.
+_LAZY = {
+    "HardwareSpec": "megatrain.planner.hardware", "preset": "megatrain.planner.hardware",
+    "ActivationPolicy": "megatrain.planner.plan", "OptimizerPlacement": "megatrain.planner.plan",
+    "Plan": "megatrain.planner.plan",
+    "InfeasibleRequestError": "megatrain.planner.solve", "SolveRequest": "megatrain.planner.solve",
+    "solve": "megatrain.planner.solve",
+    "PlannedModel": "megatrain.trainer", "StepResult": "megatrain.trainer", "Trainer": "megatrain.trainer",
+    "compile": "megatrain.trainer", "materialize": "megatrain.trainer", "plan_model": "megatrain.trainer",
+    "from_pretrained": "megatrain.pretrained",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # once: later lookups do not come here
+        return value
+    raise AttributeError(f"module 'megatrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

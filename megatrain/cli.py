@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+# Only what parsing needs is imported here: torch, transformers and the planner load when a command
+# runs (`megatrain --help` imports no torch; tests/test_cli.py checks it).
 from megatrain import __version__
 from megatrain.errors import ConfigError, MegatrainError, PlanError
-from megatrain.planner import cost
-from megatrain.planner.hardware import load_hardware
 from megatrain.units import GiB
 
 
@@ -58,6 +58,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from megatrain.planner.presets import preset_names
+
     p = _Parser(prog="megatrain", description="Train large language models on one GPU with all persistent "
                                               "state in host memory.")
     p.add_argument("--version", action="version", version=f"megatrain {__version__}")
@@ -69,8 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                                       "tokens/s. Exit code 0 when it fits, 3 when it does not, 2 on an error "
                                       "(one `error:` line).")
     plan.add_argument("--model", required=True,
-                      help="a preset (llama-2-7b, llama-3-8b, qwen2.5-14b, llama-3-70b, dense-120b) or the "
-                           "path of a Hugging Face config.json")
+                      help=f"a preset ({preset_names()}) or the path of a Hugging Face config.json")
     plan.add_argument("--hardware", required=True,
                       help="a hardware preset (H100_SXM, H200, GH200, A100_80GB, RTX_4090) or the path of a "
                            "HardwareSpec JSON file")
@@ -114,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a causal LM from a config file and flags",
                            description="Train a causal LM with all persistent state in host memory. Settings "
                                        "come from --config (YAML or JSON) and the flags below, which override "
-                                       "it. Exit code 0 when the run finishes or a signal stops it after a "
+                                       "it; an optional setting takes 'none' on the command line (null in "
+                                       "the file). Exit code 0 when the run finishes or a signal stops it after a "
                                        "checkpoint, 2 on any error. Data parallel: run it under torchrun "
                                        "(torchrun --standalone --nproc-per-node N --no-python megatrain train "
                                        "...); global_batch is then the rows of a step over all ranks, and "
@@ -141,10 +143,19 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         if typing.get_origin(field.annotation) is typing.Literal:
             kw["choices"] = list(args)
             kw.pop("metavar")
-        default = "required" if field.is_required() else f"default {field.default!r}"
-        none = "; none for null" if type(None) in args else ""
-        kw["help"] = f"{field.description} ({default}{none})".replace("%", "%%")
+        kw["help"] = (field.description + _default_note(field)).replace("%", "%%")
         parser.add_argument("--" + name.replace("_", "-"), **kw)
+
+
+def _default_note(field) -> str:
+    """`` (default: X)`` after a flag's help, unless its description already says what the default
+    does (a ``(default: ...)`` or ``null: ...`` of its own); ``(required)`` for a required field."""
+    if field.is_required():
+        return "" if "(default" in field.description else " (required)"
+    if field.default is None and ("(default" in field.description or "null" in field.description):
+        return ""
+    d = field.default
+    return f" (default: {'none' if d is None else str(d).lower() if isinstance(d, bool) else d})"
 
 
 def _grad_dtype(plan) -> str:
@@ -172,12 +183,13 @@ def _section(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
 
 def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topology=None) -> str:
     """The plan table: fit, host and GPU memory in GiB, knobs, predicted step and streams; with
-    ``nvme`` (a :class:`megatrain.planner.nvme.NvmeSolution`) also what went to NVMe, the host
-    memory after it and the step time with the NVMe traffic (the host memory table then shows the
-    plan before state moved to NVMe). With ``topology`` (a
+    ``nvme`` (a :class:`megatrain.planner.nvme.NvmeSolution`) also what went to NVMe and the step
+    time with the NVMe traffic (the host memory table subtracts what moved and adds the I/O
+    buffers, so its total is what stays in RAM). With ``topology`` (a
     :class:`megatrain.planner.topology.TopologySolution` whose ``solution`` is ``solution``) the
     tables are one rank's and a "data parallel" section gives the node's host memory, the host-state
     choice with its reason, and the step and tokens/s of all ranks."""
+    from megatrain.planner import cost
     from megatrain.planner.schedule import Stream
 
     plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
@@ -191,6 +203,14 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
              f"{solution.solve_time_s:.2f} s: {solution.candidates} candidates, {solution.simulated} simulated",
              "", f"fits: {'yes' if fits else 'NO'}", ""]
     ranked = " of one rank, the whole state counted" if plan.data_parallel > 1 else ""
+    total, pinned = mem.host_total, mem.host_pinned
+    moved = []  # the NVMe placement's change to the rows above: the total is what stays in RAM
+    if nvme is not None and not nvme.placement.empty:
+        p = nvme.placement
+        total, pinned = p.host_total(mem), p.host_pinned(mem)
+        moved = [("moved to NVMe", "-" + _gib(p.host_freed), "gradient tiles, moments, masters: NVMe tier below"),
+                 ("NVMe I/O buffers", _gib(p.buffer_bytes), f"of which {_gib(p.pinned_buffer_bytes)} pinned")]
+    sharded = topology is not None and plan.host_state == "shard"
     lines += _section(f"host memory{ranked} (GiB)", [
         ("FP32 master weights", _gib(mem.master_weights), ""),
         ("Adam moments (FP32 x2)", _gib(mem.adam_moments), ""),
@@ -201,10 +221,13 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
           else f"{plan.staging_ring} BF16 tiles")
          if plan.compute_dtype == "bfloat16" else "unused with FP32 compute"),
         ("pinned activations", _gib(mem.pinned_activations), ""),
-        ("total", _gib(mem.host_total),
-         f"of {_gib(hw.host_memory_bytes)} ({_pct(mem.host_total, hw.host_memory_bytes)})"),
-        ("of which pinned", _gib(mem.host_pinned),
-         f"of cap {_gib(hw.pinned_memory_cap_bytes)} ({_pct(mem.host_pinned, hw.pinned_memory_cap_bytes)})"),
+        *moved,
+        # Sharded across nodes no node holds the whole state: the node's share is in "data parallel".
+        ("total", _gib(total), f"the whole state; a node holds 1/{plan.nodes} of the masters and moments: "
+                               "'host memory per node' below" if sharded
+         else f"of {_gib(hw.host_memory_bytes)} ({_pct(total, hw.host_memory_bytes)})"),
+        ("of which pinned", _gib(pinned),
+         f"of cap {_gib(hw.pinned_memory_cap_bytes)} ({_pct(pinned, hw.pinned_memory_cap_bytes)})"),
     ])
     lines.append("")
     lines += _section(f"GPU memory{' of one rank' if plan.data_parallel > 1 else ''} (GiB)", [
@@ -320,7 +343,13 @@ def _policy_counts(plan, n_layers: int) -> str:
     return " / ".join(f"{counts[p]} {p.value}" for p in ActivationPolicy)
 
 
+def _progress(line: str) -> None:
+    """A progress line of ``megatrain plan`` on stderr (stdout is the report), shown at once."""
+    print(f"megatrain plan: {line}", file=sys.stderr, flush=True)
+
+
 def _plan_command(args: argparse.Namespace) -> int:
+    from megatrain.planner.hardware import load_hardware
     from megatrain.planner.presets import load_model_config, trace_preset
     from megatrain.planner.solve import SolveRequest, solve
 
@@ -349,10 +378,15 @@ def _plan_command(args: argparse.Namespace) -> int:
     from megatrain.models import check_causal_decoder
 
     check_causal_decoder(config, args.model)
+    _progress(f"tracing {args.model} ({config.num_hidden_layers} layers) on the meta device at seq_len "
+              f"{args.seq_len} ...")
     t0 = time.perf_counter()
     # What compile traces for this model: built in FP32, traced in the compute dtype.
     graph = trace_preset(config, seq_len=args.seq_len, compute_dtype=args.compute_dtype).graph
     trace_s = time.perf_counter() - t0
+    _progress(f"traced {len(graph.layers)} layers in {trace_s:.1f} s; solving ({args.solver}"
+              + (f", {args.gpus_per_node} x {args.nodes} ranks: replicate or shard" if ranks > 1 else "")
+              + (", then NVMe placement and read-ahead" if hw.has_nvme and ranks == 1 else "") + ") ...")
     nvme = topology = None
     try:
         if ranks > 1:
@@ -418,6 +452,9 @@ def _train_command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from megatrain.runtime.threads import prefer_passive_wait
+
+    prefer_passive_wait()  # before anything imports torch: OpenMP reads it once (megatrain.runtime.threads)
     try:
         try:
             args = _parser().parse_args(argv)

@@ -900,11 +900,13 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         memory = memory_breakdown(graph, plan, hw, schedule=schedules.steady)
         timeline = None
         # Data parallel: predicted only where the spec has the links the collectives cross
-        # (cost.all_reduce_time: the node's GPUs' interconnect, the network between nodes).
+        # (cost.all_reduce_time: the node's GPUs' interconnect, the network between nodes); NVMe
+        # ops only where it has the NVMe tier's rates (a GPU preset has none: megatrain train
+        # --hardware H100_SXM --nvme-dir DIR trains without a prediction).
         links = ((plan.gpus_per_node == 1 or hw.intra_node_bus_bytes_per_s > 0)
                  and (plan.nodes == 1 or hw.network_bytes_per_s > 0)) if hw is not None else False
         if hw is not None and hw.has_gpu and hw.peak_flops(plan.compute_dtype) > 0 and hw.d2h_bytes_per_s > 0 \
-                and links:
+                and links and (hw.has_nvme or not (plan.nvme_moments or plan.nvme_gradients or plan.nvme_masters)):
             timeline = simulate(schedules.steady, graph, hw)
     return PlannedModel(model, options, traced, plan, schedules, memory, hw, timeline, solution)
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 
+# Before torch loads OpenMP (megatrain.runtime.threads, as `megatrain train` does): threads that
+# sleep between parallel regions keep the suite's steps from slowing down many times over on a
+# machine other work keeps busy. The tests' subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 

@@ -388,13 +388,13 @@ def _start_child(mode: str, path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, marker
 
 
-def _kill_at_marker(proc: subprocess.Popen, marker: Path, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
+def _kill_at_marker(proc: subprocess.Popen, marker: Path) -> None:
+    # No deadline: on a loaded machine the three children's imports and compiles take minutes, and a
+    # child that cannot reach the kill point exits (a failure named below) rather than hangs.
     while not marker.exists():
         if proc.poll() is not None:
             raise AssertionError(f"child exited with {proc.returncode} before the kill point:\n"
                                  + proc.stdout.read().decode())
-        assert time.monotonic() < deadline, "child never reached the kill point"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -493,8 +493,11 @@ _MEMORY_CHILD = textwrap.dedent("""
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_loading_needs_about_one_shard_of_host_memory_beyond_the_tiles(tmp_path):
     shard_limit = 40 * 2**20
+    # No time limit: the child (import torch, compile, save and load 400 MiB) needed 10 s of CPU but
+    # 42 s of wall time at load 9 on 2 cores, so the 120 s limit it had is what a loaded full-suite run
+    # can break; the memory figures it checks keep their margins there (load: 38 MiB of an 88 MiB bound).
     res = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(tmp_path / "ck"), str(shard_limit)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     m = json.loads(res.stdout.strip().splitlines()[-1])
     shards = sorted((tmp_path / "ck").glob("model-*.safetensors"))

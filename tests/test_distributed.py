@@ -1076,18 +1076,6 @@ def test_what_several_ranks_cannot_run_yet_is_refused_before_anything_is_bound(t
     assert [p.data_ptr() for p in model.parameters()] == own  # the module was not bound to host tiles
 
 
-def test_readme_data_parallel_snippet_runs(tmp_path, monkeypatch):
-    """The README's example, as one rank of a one-process group (the multi-rank runs are above)."""
-    from conftest import readme_snippet
-
-    monkeypatch.chdir(tmp_path)  # it saves dp_checkpoint/ in the working directory
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        exec(compile(readme_snippet("## Data parallel (torch.distributed)"), "README.md", "exec"), {})
-    finally:
-        dist.destroy_process_group()
-
-
 def test_all_reduce_time_is_a_ring_all_reduce(graph):
     from megatrain.errors import ConfigError
     from megatrain.planner import cost

@@ -225,10 +225,3 @@ def test_store_windows_restart_positions_at_each_document(tmp_path):
             want.append(k)
         assert p.tolist() == want
     assert (pos == 0).sum() > len(ids)  # some windows do hold a document start
-
-
-def test_readme_padded_and_packed_snippet_runs(capsys):
-    """The README's example, run as written."""
-    from conftest import readme_snippet
-
-    exec(compile(readme_snippet("### Padded and packed batches"), "README.md", "exec"), {})

@@ -192,13 +192,6 @@ def test_a_file_that_also_stores_the_lm_head_loads_it_once(tmp_path):
     assert torch.equal(trainer.model.lm_head.weight, src.lm_head.weight) and _is_tied(trainer.model)
 
 
-def test_readme_tied_embeddings_snippet_runs():
-    """The README's "Tied embeddings" example, run as written."""
-    from conftest import readme_snippet
-
-    exec(compile(readme_snippet("## Tied embeddings"), "README.md (Tied embeddings)", "exec"), {})
-
-
 def test_tied_bf16_compute_tracks_eager_autocast():
     """BF16 compute: the copy the LM head reads is the owner's BF16 weight; at every step the loss
     and gradient norm match eager autocast at the same weights (test_exactness's bounds)."""

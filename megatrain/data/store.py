@@ -767,7 +767,8 @@ def cached_token_store(
         tok_sha = _sha256(tokenizer.to_str())
         key = store_key(src.sha256, tok_sha, eot_token, text_field, max_bytes)
         reason = None
-        if path.exists():
+        # An empty directory (a fresh tempfile.mkdtemp, a mkdir'd cache) holds no store yet: built, not corrupt.
+        if path.exists() and not (path.is_dir() and not any(path.iterdir())):
             try:
                 m = _read_manifest(path)
             except CorruptStoreError as e:

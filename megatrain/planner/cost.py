@@ -174,6 +174,11 @@ def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
 # -- op times --------------------------------------------------------------------------------------
 
 def _rate(hw: HardwareSpec, field: str, value: float, what: str) -> float:
+    if value <= 0 and field.startswith("nvme_"):
+        raise ConfigError(f"HardwareSpec {hw.name!r} has no NVMe tier ({field}=0), so it cannot time {what}; "
+                          "attach one (megatrain.planner.nvme.with_nvme(hw, '4xgen5'), megatrain plan --nvme "
+                          "4xgen5) or set nvme_capacity_bytes, nvme_read_bytes_per_s and nvme_write_bytes_per_s "
+                          "in a HardwareSpec JSON")
     if value <= 0:
         raise ConfigError(f"HardwareSpec {hw.name!r} has {field}=0, so it cannot time {what}; use a "
                           "preset (megatrain.planner.hardware.preset('H100_SXM')) or "

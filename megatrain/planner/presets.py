@@ -7,7 +7,11 @@ parameters cost no memory, and :func:`megatrain.planner.trace.trace` exports it 
 
 Tied embeddings: a config.json that ties its input and output embeddings stays tied (the shared
 matrix has one owner layer, the prologue; the LM head reads a copy of it through the schedule).
-Each preset below is untied, as in the original.
+Each preset keeps its original's choice: the large ones are untied, the small ones tied.
+
+:data:`SMALL_PRESETS` (30 M to 1.24 B parameters) train on a CPU with ``megatrain train --model
+NAME`` (from scratch: a byte-level BPE of the preset's vocabulary size is trained on the data);
+the others are for planning GPU runs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,32 @@ _LLAMA_COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], hid
                      attention_bias=False, attention_dropout=0.0, mlp_bias=False, initializer_range=0.02,
                      tie_word_embeddings=False, use_cache=False)
 
+_QWEN2_COMMON = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", rope_theta=1000000.0,
+                     use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02, use_cache=False)
+_SMOLLM2 = dict(_LLAMA_COMMON, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_theta=100000.0, tie_word_embeddings=True)
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-30m": dict(
+        _LLAMA_COMMON, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        _SMOLLM2, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, initializer_range=0.041666666666666664),
+    "smollm2-360m": dict(
+        _SMOLLM2, hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+        num_key_value_heads=5),
+    "qwen2.5-0.5b": dict(
+        _QWEN2_COMMON, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        sliding_window=32768, max_window_layers=24, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(
+        _LLAMA_COMMON, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                          original_max_position_embeddings=8192)),
     "llama-2-7b": dict(
         _LLAMA_COMMON, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
@@ -34,11 +63,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
         rms_norm_eps=1e-5, rope_theta=500000.0),
     "qwen2.5-14b": dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", hidden_size=5120,
-        intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
-        vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000.0,
-        use_sliding_window=False, sliding_window=131072, max_window_layers=48, attention_dropout=0.0,
-        initializer_range=0.02, tie_word_embeddings=False, use_cache=False),
+        _QWEN2_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        sliding_window=131072, max_window_layers=48, tie_word_embeddings=False),
     "llama-3-70b": dict(
         _LLAMA_COMMON, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
@@ -49,6 +76,25 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_theta=500000.0),
 }
 """Hugging Face config dicts by preset name.
+
+Small (:data:`SMALL_PRESETS`; tied input and output embeddings, counted once):
+
+- ``llama-30m``: not a released model. A Llama-3-architecture decoder small enough to train on a
+  laptop CPU: 8 layers, hidden 512, 8 query heads of 64 and 4 KV heads, SwiGLU width 3 x hidden,
+  an 8192-token vocabulary. Per block: attention ``2·h² + 2·h·256`` = 786,432, MLP ``3·h·1536`` =
+  2,359,296, two norms ``2·h``; 8 blocks = 25.17 M; embedding ``8192·h`` = 4.19 M; final norm
+  ``h``. Total 29.36 M.
+- ``smollm2-135m``: HuggingFaceTB/SmolLM2-135M config.json (Allal et al. 2025, arXiv:2502.02737):
+  30 layers, hidden 576, 9 query / 3 KV heads, 1536 SwiGLU width, 49152 vocabulary; 134.52 M
+  parameters.
+- ``smollm2-360m``: HuggingFaceTB/SmolLM2-360M config.json: 32 layers, hidden 960, 15 query / 5
+  KV heads, 2560 SwiGLU width; 361.82 M parameters.
+- ``qwen2.5-0.5b``: Qwen/Qwen2.5-0.5B config.json (arXiv:2412.15115): 24 layers, hidden 896, 14
+  query / 2 KV heads, QKV biases, 151936 vocabulary; 494.03 M parameters.
+- ``llama-3.2-1b``: meta-llama/Llama-3.2-1B config.json: 16 layers, hidden 2048, 32 query / 8 KV
+  heads, 8192 SwiGLU width, 128256 vocabulary, Llama 3's RoPE scaling; 1.24 B parameters.
+
+Large (for planning GPU runs; untied, as the originals):
 
 - ``llama-2-7b``: meta-llama/Llama-2-7b-hf config.json (Touvron et al. 2023, arXiv:2307.09288):
   MHA with 32 heads, 11008 SwiGLU width, 32k vocabulary; 6.74B parameters.
@@ -67,6 +113,16 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
   118.39B; embedding and LM head ``2·128256·h`` = 3.15B; final norm ``h``. Total 121.54B
   (:func:`dense_decoder_param_count`). A width of 4·h would give 150B, 8/3·h 130B.
 """
+
+
+SMALL_PRESETS = ("llama-30m", "smollm2-135m", "smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b")
+"""The presets that train on a CPU (30 M to 1.24 B parameters), smallest first."""
+
+
+def preset_names() -> str:
+    """The preset names for a help text: the small ones (CPU) first, then the rest."""
+    large = [n for n in MODEL_PRESETS if n not in SMALL_PRESETS]
+    return f"{', '.join(SMALL_PRESETS)} (train on a CPU); {', '.join(large)}"
 
 
 def dense_decoder_param_count(config: dict[str, Any] | Any) -> int:
@@ -184,4 +240,5 @@ def trace_preset(config, *, seq_len: int, compute_dtype: str, micro_batch_size: 
                  param_dtype=getattr(torch, compute_dtype))
 
 
-__all__ = ["MODEL_PRESETS", "dense_decoder_param_count", "load_model_config", "build_meta_model", "trace_preset"]
+__all__ = ["MODEL_PRESETS", "SMALL_PRESETS", "dense_decoder_param_count", "preset_names", "load_model_config",
+           "build_meta_model", "trace_preset"]

@@ -30,7 +30,16 @@ checkpoint's config and generation config use too), ``loss.png``. Resume by pass
 ``output_dir/checkpoint`` as the model (the run's other settings then come from its
 ``train_config.json``), or by running the same command again: the weights, Adam moments and steps,
 RNG states, the step number and the data position come back, so the resumed run takes the same
-batches at the same learning rates as an uninterrupted one.
+batches at the same learning rates as an uninterrupted one. ``init_from`` is the other way to use
+a checkpoint: a new run that takes only its weights (and tokenizer), from step 0 with fresh AdamW
+state and its own data, batch and schedule (fine-tuning a pretrained checkpoint). At the end the
+run prints where the model directory, ``metrics.jsonl`` and ``loss.png`` are and, on the CPU
+backend, a greedy continuation of a validation prompt (:mod:`~megatrain.train.sample`).
+
+Threads (CPU backend): :func:`megatrain.runtime.threads.choose_threads` sets torch's intra-op
+threads (``threads``, else ``OMP_NUM_THREADS``, else one per available CPU); the CLI asks OpenMP for
+the passive wait policy before torch loads, and the progress line says when the machine is
+oversubscribed.
 
 Re-running a failed run. Whatever stopped a run (a kill before the first checkpoint, ``nonfinite:
 stop``, a signal while the data was prepared, a second SIGINT, a crash, a full disk), the same
@@ -71,13 +80,33 @@ Errors are megatrain.errors types; the CLI prints ``error: <message>`` and exits
 """
 
 from megatrain.train.config import TrainConfig, load_train_config
-from megatrain.train.loop import TrainResult, train
-from megatrain.train.lr import lr_at
-from megatrain.runtime.measure import available_host_memory, measure_matmul_flops
-from megatrain.train.metrics import METRIC_FIELDS, save_loss_plot
-from megatrain.train.model import ModelSource, resolve_model
-from megatrain.train.preflight import DATA_BYTES_PER_TEXT_BYTE, preflight_host_memory
-from megatrain.train.rundir import RUN_FILES, RUN_IDENTITY, STATE_KEY
+
+# The rest imports torch: loaded on first use (PEP 562), so that the CLI's --help and the config's
+# validation need only pydantic.
+_LAZY = {
+    "TrainResult": "megatrain.train.loop", "train": "megatrain.train.loop", "lr_at": "megatrain.train.lr",
+    "available_host_memory": "megatrain.runtime.measure", "measure_matmul_flops": "megatrain.runtime.measure",
+    "METRIC_FIELDS": "megatrain.train.metrics", "save_loss_plot": "megatrain.train.metrics",
+    "ModelSource": "megatrain.train.model", "resolve_model": "megatrain.train.model",
+    "DATA_BYTES_PER_TEXT_BYTE": "megatrain.train.preflight", "preflight_host_memory": "megatrain.train.preflight",
+    "RUN_FILES": "megatrain.train.rundir", "RUN_IDENTITY": "megatrain.train.rundir",
+    "STATE_KEY": "megatrain.train.rundir",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'megatrain.train' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DATA_BYTES_PER_TEXT_BYTE",

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from megatrain.config import describe_validation
 from megatrain.errors import ConfigError
+from megatrain.planner.presets import preset_names
 from megatrain.train.rundir import CONFIG_FILE
 
 
@@ -25,10 +26,17 @@ class TrainConfig(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: str = Field(description="a Hugging Face config.json (or a directory holding only one) to train "
-                                   "from scratch; a directory of safetensors weights with its config.json to "
-                                   "start from them; or a megatrain checkpoint directory (with "
-                                   "megatrain_state/) to resume exactly")
+    model: str = Field(description=f"a preset ({preset_names()}), a Hugging Face config.json (or a directory holding "
+                                   "only one) to train from scratch; a directory of safetensors weights with its "
+                                   "config.json to start from them; or a megatrain checkpoint directory (with "
+                                   "megatrain_state/) to resume exactly (default with init_from: init_from's "
+                                   "config.json)")
+    init_from: str | None = Field(None, description="a new run from the weights of this directory (a megatrain "
+                                                    "checkpoint such as another run's output_dir/checkpoint, or "
+                                                    "Hugging Face safetensors weights): only the weights are "
+                                                    "taken, not a resume: step 0, fresh AdamW state, this run's "
+                                                    "data, batch and learning-rate schedule; its tokenizer.json "
+                                                    "is the run's tokenizer unless tokenizer is set")
     output_dir: str = Field(description="where metrics.jsonl, checkpoint/, tokenizer.json and loss.png go; "
                                         "empty, or holding this run (same model, data, seq_len, global_batch "
                                         "and seed), which then resumes from its checkpoint or starts over")
@@ -64,11 +72,11 @@ class TrainConfig(pydantic.BaseModel):
                                                 "it); false: one example per row, padded")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
                                                 ".parquet files and saved datasets")
-    max_bytes: int | None = Field(3_000_000, gt=0, description="UTF-8 bytes of text, from the corpus's start, "
-                                                               "to tokenise into the token store and train on "
-                                                               "(null: the whole corpus, tokenised in parallel "
-                                                               "processes); a trained BPE learns from at most "
-                                                               "the first 10 MB of it")
+    max_bytes: int | None = Field(None, gt=0, description="train on only the corpus's first this many UTF-8 "
+                                                          "bytes of text (the data line says when it cut the "
+                                                          "corpus); null: all of it, tokenised in parallel into "
+                                                          "the out-of-core token store. A trained BPE learns from "
+                                                          "at most the first 10 MB")
     data_cache: str | None = Field(None, description="the token store's directory: the data tokenised once into "
                                                      "a memory-mapped file that training reads, reused while the "
                                                      "data files, tokenizer, eot_token, text_field and max_bytes "
@@ -124,7 +132,12 @@ class TrainConfig(pydantic.BaseModel):
     device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
-    threads: int | None = Field(None, gt=0, description="torch CPU threads (null: torch's default)")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads of the CPU backend (null: "
+                                                        "OMP_NUM_THREADS if set, else the CPUs this process may "
+                                                        "use; megatrain.runtime.threads)")
+    sample_tokens: int = Field(32, ge=0, description="at the end, print the trained model's greedy continuation "
+                                                     "of a validation prompt, this many tokens (CPU backend; 0: "
+                                                     "none)")
     collective_timeout: float = Field(600.0, gt=0, description="data parallel (under torchrun): seconds a rank "
                                                                  "waits in a collective (or, while rank 0 prepares "
                                                                  "the data or saves, for its heartbeat) before it "
@@ -157,6 +170,13 @@ class TrainConfig(pydantic.BaseModel):
                                                    "written and check it as it is read, so that a file changed on "
                                                    "disk stops the step instead of training on other state (costs "
                                                    "up to 14% of the I/O rate on this project's VM: bench/nvme_io.py)")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _model_from_init_from(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("model") is None and data.get("init_from") is not None:
+            return {**data, "model": data["init_from"]}
+        return data
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
@@ -246,7 +266,7 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str
         raise ConfigError(f"invalid train config ({where}): {describe_validation(e, missing_hint=_flag_hint)}") from None
 
 
-_PATH_FIELDS = ("model", "data", "tokenizer", "hardware", "output_dir", "data_cache", "chat_template")
+_PATH_FIELDS = ("model", "init_from", "data", "tokenizer", "hardware", "output_dir", "data_cache", "chat_template")
 
 
 def _relative_to(base: Path, loaded: dict) -> dict:
@@ -257,7 +277,7 @@ def _relative_to(base: Path, loaded: dict) -> dict:
             out[k] = _relative_data(base, v)
         elif isinstance(v, str) and v and not Path(v).is_absolute():
             p = base / v
-            if k in ("data", "tokenizer", "output_dir", "data_cache", "chat_template") or p.exists():
+            if k in ("init_from", "data", "tokenizer", "output_dir", "data_cache", "chat_template") or p.exists():
                 out[k] = str(p)
     return out
 

@@ -210,6 +210,12 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
             raise
         raise ConfigError(f"data: {e}") from None  # a StoreError too: one error line, prefixed as the rest
     text = f"{m.text_bytes / 1e6:.2f} MB of text" if m.text_bytes is not None else "text"
+    # The budget is spent when the text reaches it (less at most a UTF-8 character cut at the end).
+    if m.max_bytes is not None and m.text_bytes is not None and m.text_bytes > m.max_bytes - 4:
+        echo(f"note: data: max_bytes={m.max_bytes:,} cut the corpus: training on its first {m.text_bytes / 1e6:.2f} "
+             f"MB of text ({m.num_documents:,} documents) of {m.source_files:,} "
+             f"file{'s' if m.source_files != 1 else ''} holding {m.source_bytes / 1e6:.2f} MB on disk; max_bytes: "
+             "null (--max-bytes none) trains on all of it")
     echo(f"data: {m.num_documents:,} documents, {text} -> {m.num_tokens:,} tokens in {dataset.num_train_rows:,} "
          f"training + {dataset.num_val_rows:,} validation windows of {cfg.seq_len}; token store {store.path} "
          f"({store.origin}); tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from megatrain.errors import CheckpointError, MegatrainError
+from megatrain.errors import CheckpointError, ConfigError, MegatrainError
 from megatrain.train.config import TrainConfig
 from megatrain.train.corpus import (match_special_tokens, prepare_data, store_dir, tokenizer_sample_bytes,
                                     trains_tokenizer)
@@ -25,9 +25,10 @@ from megatrain.planner.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
 from megatrain.files import DirectoryLock, write_atomic
 from megatrain.planner.plan import OptimizerPlacement
+from megatrain.runtime.threads import choose_threads, oversubscription
 from megatrain.train.guard import Guard, Verdict
 from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot
-from megatrain.train.model import ModelSource, load_weights, resolve_model
+from megatrain.train.model import ModelSource, init_source, is_run_checkpoint, load_weights, resolve_model
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
                                        preflight_cpu_build, preflight_disk, preflight_host_memory)
 from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY,
@@ -275,7 +276,8 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
         trainer.host.nvme.checksums = cfg.nvme_checksums
     if source.kind == "weights":
         load_weights(trainer, source, echo)
-        echo(f"weights: loaded from {source.directory}")
+        echo(f"weights: loaded from {source.directory}" + (
+            " (init_from: a new run from step 0 with fresh AdamW state; not a resume)" if cfg.init_from else ""))
         return trainer, 0, 0, {}
     if source.kind == "config":
         return trainer, 0, 0, {}
@@ -284,7 +286,11 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
         raise CheckpointError(f"{source.directory}: a megatrain checkpoint without `megatrain train` state "
                               "(no data position to resume from); copy its config.json and model*.safetensors "
                               "into a new directory to start from its weights")
-    check_resume(state, cfg, source.directory, fingerprint)
+    try:
+        check_resume(state, cfg, source.directory, fingerprint)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; or, to start a new run from this checkpoint's weights instead of resuming it, "
+                          f"give --init-from {source.directory} with another output_dir") from None
     now = {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "max_steps": cfg.max_steps,
            "min_lr_ratio": cfg.min_lr_ratio}
     changed = [f"{k}={now[k]} (was {v})" for k, v in state["lr_schedule"].items() if now.get(k) != v]
@@ -476,7 +482,11 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
     import torch
 
-    if cfg.threads:
+    if cfg.device == "cpu":  # the CPU backend's intra-op threads (megatrain.runtime.threads)
+        threads = choose_threads(cfg.threads)
+        busy = oversubscription()
+        echo(threads.describe() + (f"; {busy}: steps slow down by the CPU share other work takes" if busy else ""))
+    elif cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     hw = load_hardware(cfg.hardware) if cfg.hardware else None
@@ -484,6 +494,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     from megatrain.models import check_positions
 
     check_positions(source.config, cfg.seq_len, cfg.model)
+    if cfg.init_from is not None and not is_run_checkpoint(source, out):
+        source = init_source(cfg.init_from, source)
     resuming_here, source, finished = check_output_dir(out, source, cfg, echo, lock)
     if finished is not None:
         return _finished(cfg, out, finished, echo)
@@ -651,8 +663,9 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                         continue
                     save(step)
                     say(f"step {step}: saved {ckpt_path}")
-                bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}",
-                                    refresh=False)
+                busy = oversubscription() if cfg.device == "cpu" else None
+                bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}"
+                                    + (f", {busy}" if busy else ""), refresh=False)
                 bar.update(1)
                 stopped = ranks.any_stopped(stop.name, groups)
             if stopped is not None:
@@ -662,6 +675,18 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                           "from it")
     finally:
         metrics.close()
+
+    sample = None
+    # Generated on the CPU from the module whose parameters are the host tiles (not after a signal,
+    # which asks to stop; not where a parameter lives elsewhere, such as masters on NVMe).
+    if writes and cfg.sample_tokens and stopped is None and cfg.device == "cpu" and all(
+            p.device.type == "cpu" for p in trainer.model.parameters()):
+        from megatrain.train.sample import generate_sample, sample_prompt
+
+        trainer.flush()  # the model's parameters are the host tiles: the last deferred update applied
+        prompt = sample_prompt(dataset, cfg.task, cfg.micro_batch_size, tokenizer)
+        completion = generate_sample(trainer.model, tokenizer, prompt, cfg.sample_tokens)
+        sample = None if completion is None else (prompt, completion)
     dataset.close()
     # The ranks' results are the same (losses are gathered): rank 0's rows tell the run's.
     rows = read_metrics(metrics_path) if writes else [{"loss": finite(loss), "applied": loss is not None}]
@@ -673,6 +698,16 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
             echo(f"note: no {PLOT_FILE}: {e}")
     echo(f"done: step {step}, train loss {fmt(loss)}, validation loss {fmt(val_loss)}, {skipped} skipped "
          f"steps; {out}")
+    if writes:
+        if last_saved is not None:
+            echo(f"model directory: {ckpt_path} (Hugging Face layout with its tokenizer: "
+                 "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)")
+        plot = out / PLOT_FILE
+        echo(f"metrics: {metrics_path}" + (f"; loss curve: {plot}" if plot.is_file() else ""))
+        if sample is not None:
+            from megatrain.train.sample import sample_line
+
+            echo(sample_line(*sample))
     applied = [r for r in rows if r["applied"]]
     return TrainResult(step=step, skipped_steps=skipped, stopped_by=stopped,
                        loss=applied[-1]["loss"] if applied else None, val_loss=finite(val_loss),

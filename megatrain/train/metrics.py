@@ -176,7 +176,12 @@ def run_rates(cfg: TrainConfig, planned: PlannedModel, hw, cpu_peak: float | Non
         predicted = planned.timeline.step_time_s
         echo(f"predicted step on {hw.name}: {predicted:.4g} s (simulated)")
     elif hw is not None:
-        echo(f"note: {hw.name} has no GPU rates; predicted_step_s is null")
+        plan = planned.plan
+        why = ("no NVMe tier to time the plan's NVMe reads and writes (a HardwareSpec JSON with "
+               "nvme_capacity_bytes, nvme_read_bytes_per_s and nvme_write_bytes_per_s has one)"
+               if (plan.nvme_moments or plan.nvme_gradients or plan.nvme_masters) and not hw.has_nvme
+               else "no GPU rates")
+        echo(f"note: {hw.name} has {why}; predicted_step_s is null")
     rates = Rates(cost.model_flops_per_token(planned.graph), peak, predicted)
     echo(f"MFU peak: {what}; {rates.flops_per_token / 1e6:,.2f} MFLOPs per token")
     return rates

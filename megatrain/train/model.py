@@ -79,6 +79,33 @@ def resolve_model(spec: str) -> ModelSource:
     return ModelSource(kind=kind, directory=directory, config=config, tied=tied)
 
 
+def is_run_checkpoint(source: ModelSource, output_dir: Path) -> bool:
+    """Whether ``source`` is the checkpoint of the run in ``output_dir`` (``output_dir/checkpoint``):
+    naming it as the model resumes that run, whatever ``init_from`` says."""
+    from megatrain.train.rundir import CHECKPOINT_DIR
+
+    return source.kind == "checkpoint" and source.directory.resolve() == (output_dir / CHECKPOINT_DIR).resolve()
+
+
+def init_source(init_from: str, model: ModelSource) -> ModelSource:
+    """``TrainConfig.init_from``: the weights of ``init_from`` (a megatrain checkpoint, whose
+    ``megatrain_state/`` is ignored, or a Hugging Face weights directory) for the architecture of
+    ``model``, as a ``"weights"`` source: a new run starts from them, nothing is resumed. Shapes are
+    checked when the weights load (:meth:`megatrain.Trainer.load_hf_weights`, strict by name).
+
+    Raises:
+        ConfigError: ``init_from`` is not a directory with a config.json and safetensors weights.
+    """
+    if not Path(init_from).is_dir():
+        raise ConfigError(f"init_from {init_from} is not a directory; give a megatrain checkpoint (a run's "
+                          "output_dir/checkpoint) or a Hugging Face weights directory")
+    weights = resolve_model(init_from)
+    if weights.kind == "config":
+        raise ConfigError(f"init_from {init_from} holds no safetensors weights; give a megatrain checkpoint (a "
+                          "run's output_dir/checkpoint) or a Hugging Face weights directory")
+    return ModelSource(kind="weights", directory=weights.directory, config=model.config, tied=model.tied)
+
+
 def load_weights(trainer, source: ModelSource, echo) -> None:
     """Copy the weights of a ``"weights"`` source into the trainer (strict: every tensor by name).
     A tied model's shared matrix loads from the one tensor its checkpoint stores."""

@@ -33,7 +33,7 @@ LOCK_FILE = ".megatrain.lock"
 RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINT_DIR, STORE_DIR)
 """What ``megatrain train`` writes in ``output_dir`` (besides the hidden files of :func:`_is_leftover`)."""
 
-RUN_IDENTITY = ("model", "task", "data", "seq_len", "global_batch", "seed")
+RUN_IDENTITY = ("model", "init_from", "task", "data", "seq_len", "global_batch", "seed")
 """Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
 
 
