@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# bench/gpu_session.sh: the whole of one GPU session's measurements in one device command.
+#
+# A GPU session of this workplace has 15 minutes of device time in all (the machine's start, about
+# a minute or two, included) and at most 10 minutes per command; a machine starts bare. This script
+# is that one command: about 9 minutes, every phase under its own time box, and after every phase
+# everything measured so far is packed into $OUT, so a command cut off at its limit still brings
+# back what it finished. At most 3 files come back: $OUT/log, $OUT/res.tgz, $OUT/phases.tsv.
+#
+# Phases, in order (GPU_SESSION_PHASES picks a subset, comma-separated):
+#   setup     the carried wheels (.whl/: pydantic and its needs, DeepSpeed, hjson) into /tmp/site;
+#             DeepSpeed's cpu_adam C++ op compiled in the background at nice 19 (about a minute,
+#             g++ and ninja) while the probe runs
+#   probe     bench/gpu_probe.py: environment, copies, pinned allocation, host AdamW and CAST rates by
+#             thread count, launch cost, matmul rates, a measured HardwareSpec, one ~1B step beside
+#             simulate() (probe.json, spec.json, timelines.json, trace.json)
+#   hostopt   bench/host_optimizer.py: megatrain's host optimizer step against DeepSpeedCPUAdam and
+#             torch fused AdamW, same tiles and threads (after the cpu_adam compile has finished)
+#   compare   bench/compare.py at 1B: megatrain on the solver's plan, then DeepSpeed ZeRO-3 with
+#             parameters and optimizer offloaded to the CPU, same model, batches and accounting
+#   tests     the CUDA tests and the race detector on real streams, in the time that is left
+#
+# Usage
+#   on the device machine (device `run`, carry [".whl"], timeout_s 600):
+#       bash bench/gpu_session.sh
+#   here, on any CPU, to check the harness before spending device minutes (tiny sizes, CPU paths):
+#       bash bench/gpu_session.sh --dry-run            # $OUT defaults to a new temporary directory
+#
+# Time boxes (seconds) can be changed per phase with GPU_SESSION_LIMIT_<PHASE>=S (e.g.
+# GPU_SESSION_LIMIT_PROBE=200); a phase past its box is killed (exit 124 in phases.tsv) and the
+# next phase runs. GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
+# gets more than what is left of it, and the tests phase only what the others left.
+# GPU_SESSION_HANG=<phase> replaces that phase's command by one that never ends, to check on a CPU
+# that a hung phase is cut at its box and the later phases still run and pack.
+set -u
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-}
+if [ -z "$OUT" ]; then
+    OUT=$(mktemp -d /tmp/gpu_session.XXXXXX)
+fi
+mkdir -p "$OUT"
+W=$(mktemp -d /tmp/gpu_session_work.XXXXXX)  # results, packed into $OUT/res.tgz after every phase
+BUDGET=${GPU_SESSION_BUDGET_S:-540}
+PHASES=${GPU_SESSION_PHASES:-setup,probe,hostopt,compare,tests}
+if [ $DRY = 1 ]; then
+    PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+else
+    PY=${PYTHON:-python3}
+fi
+exec > >(tee "$OUT/log") 2>&1
+printf 'phase\trc\tseconds\tbox_s\n' > "$OUT/phases.tsv"
+echo "gpu_session: dry=$DRY out=$OUT budget=${BUDGET}s phases=$PHASES python=$PY"
+
+pack() {  # everything under $W into $OUT/res.tgz, atomically (a cut-off tar leaves the last one)
+    tar czf "$OUT/res.tgz.tmp" -C "$W" . && mv "$OUT/res.tgz.tmp" "$OUT/res.tgz"
+    echo "[t=${SECONDS}s] $1 packed"
+}
+want() { case ",$PHASES," in *",$1,"*) return 0;; esac; return 1; }
+left() { echo $((BUDGET - SECONDS)); }
+box() {  # box PHASE DEFAULT_S cmd...: run cmd under min(DEFAULT_S or its override, what is left)
+    local phase=$1 default=$2; shift 2
+    local var="GPU_SESSION_LIMIT_$(echo "$phase" | tr '[:lower:]' '[:upper:]')"
+    local s=${!var:-$default} t0=$SECONDS rc
+    [ "$s" -gt "$(left)" ] && s=$(left)
+    if [ "$s" -le 5 ]; then
+        printf '%s\tskipped\t0\t%s\n' "$phase" "$s" >> "$OUT/phases.tsv"; echo "[$phase] skipped: ${s}s left"; return 0
+    fi
+    echo "[t=${SECONDS}s] $phase: box ${s}s"
+    if [ "${GPU_SESSION_HANG:-}" = "$phase" ]; then
+        set -- sleep 1000000  # a hang injected to check the time box (tests/test_gpu_session.py)
+    fi
+    timeout -k 10 "$s" "$@"; rc=$?
+    printf '%s\t%s\t%s\t%s\n' "$phase" "$rc" $((SECONDS - t0)) "$s" >> "$OUT/phases.tsv"
+    cp "$OUT/phases.tsv" "$W/phases.tsv"
+    pack "$phase (rc=$rc)"
+    return 0
+}
+
+# -- setup -----------------------------------------------------------------------------------------
+JIT_PID=
+if want setup; then
+    if [ $DRY = 0 ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            || { echo "setup: the carried wheels did not install (carry .whl)"; exit 2; }
+        export PYTHONPATH=/tmp/site:$ROOT PATH=/tmp/site/bin:$PATH DS_SKIP_CUDA_CHECK=1
+        ln -sfn ../examples megatrain/examples  # megatrain.examples as the installed package maps it
+        nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
+    fi
+    nproc; free -g | head -2
+    # cpu_adam compiles at nice 19 beside the probe; a killed compile leaves a lock that blocks the next
+    if "$PY" -c "import deepspeed" 2>/dev/null; then
+        (timeout -s INT 300 nice -n 19 "$PY" -c "import time; t=time.time(); from deepspeed.ops.op_builder.cpu import CPUAdamBuilder as B; B().load(); print('cpu_adam jit s', round(time.time()-t, 1))" > "$W/dsjit.log" 2>&1; echo "rc=$?" >> "$W/dsjit.log") &
+        JIT_PID=$!
+    else
+        echo "deepspeed not importable: no cpu_adam compile" > "$W/dsjit.log"
+    fi
+fi
+wait_jit() {
+    [ -n "$JIT_PID" ] && wait "$JIT_PID"
+    JIT_PID=
+    cat "$W/dsjit.log" 2>/dev/null
+    grep -q rc=0 "$W/dsjit.log" 2>/dev/null || rm -f ~/.cache/torch_extensions/*/cpu_adam/lock
+}
+
+DRYFLAG=(); [ $DRY = 1 ] && DRYFLAG=(--dry-run)
+
+# -- probe: calibration and one measured step beside simulate() --------------------------------------
+if want probe; then
+    if [ $DRY = 1 ]; then
+        box probe 240 "$PY" bench/gpu_probe.py --dry-run --out "$W/probe" --budget-s 200 \
+            --sections environment,host_rates,launch,matmul,spec,step
+    else
+        box probe 230 "$PY" bench/gpu_probe.py --out "$W/probe" --budget-s 210 --steps 3 \
+            --sections environment,copies,pinned_alloc,host_rates,launch,matmul,spec,step
+    fi
+fi
+
+# -- hostopt: megatrain's host optimizer step against DeepSpeedCPUAdam and torch fused AdamW ---------
+if want hostopt; then
+    wait_jit
+    box hostopt 60 "$PY" bench/host_optimizer.py "${DRYFLAG[@]}" --out "$W/host_optimizer.json"
+fi
+
+# -- compare: megatrain and DeepSpeed ZeRO-3 offload at 1B, same batches ----------------------------
+if want compare; then
+    wait_jit
+    mkdir -p "$W/compare"
+    for system in megatrain deepspeed; do
+        if [ $DRY = 1 ]; then
+            [ $system = deepspeed ] && continue  # DeepSpeed needs CUDA; the dry run checks the harness
+            box "compare_$system" 150 "$PY" bench/compare.py --dry-run --system $system --results-dir "$W/compare"
+        else
+            box "compare_$system" 170 "$PY" bench/compare.py --sizes 1b --system $system --seq-len 2048 \
+                --global-batch 16 --micro-batch 2 --warmup 2 --steps 5 --child-timeout 160 --results-dir "$W/compare"
+        fi
+    done
+fi
+
+# -- tests: the CUDA tests and the race detector in what is left --------------------------------------
+if want tests; then
+    L=$(( $(left) - 15 ))
+    if [ $DRY = 1 ]; then
+        box tests "$L" "$PY" bench/gpu_probe.py --dry-run --out "$W/tests" --budget-s "$L" --sections race_detector
+    else
+        box tests "$L" "$PY" bench/gpu_probe.py --out "$W/tests" --budget-s "$L" \
+            --limit cuda_tests=$((L * 6 / 10)) --sections cuda_tests,race_detector
+    fi
+fi
+wait_jit >/dev/null 2>&1
+pack end
+echo "gpu_session: done in ${SECONDS}s; $OUT holds log, phases.tsv, res.tgz"

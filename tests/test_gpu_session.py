@@ -1,0 +1,60 @@
+"""bench/gpu_session.sh, the one command of a GPU session, on the CPU (its --dry-run): a phase that
+hangs is cut at its time box and the phases after it still run and pack their results, and no
+phase outlives the whole command's budget. Both decide whether a session's 15 device minutes bring
+anything back, so they are checked here, where minutes cost nothing."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_session.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and coreutils' timeout")
+
+
+def _session(out: Path, **env: str) -> tuple[dict[str, dict[str, str]], subprocess.CompletedProcess]:
+    """Run the dry run with ``env`` added; return phases.tsv's rows by phase and the process."""
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env})
+    with open(out / "phases.tsv") as f:
+        rows = {r["phase"]: r for r in csv.DictReader(f, delimiter="\t")}
+    return rows, proc
+
+
+def _packed(out: Path) -> set[str]:
+    with tarfile.open(out / "res.tgz") as t:
+        return {Path(n).name for n in t.getnames()}
+
+
+def test_a_hung_phase_is_cut_at_its_box_and_the_next_phase_still_runs_and_packs(tmp_path):
+    rows, proc = _session(tmp_path, GPU_SESSION_PHASES="probe,hostopt", GPU_SESSION_HANG="probe",
+                          GPU_SESSION_LIMIT_PROBE="6")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rows["probe"]["rc"] == "124", rows  # timeout's exit status: cut at the box
+    assert 6 <= int(rows["probe"]["seconds"]) <= 6 + 10, rows  # the box, plus timeout's -k grace at most
+    assert rows["hostopt"]["rc"] == "0", proc.stdout[-3000:]
+    packed = _packed(tmp_path)
+    assert {"host_optimizer.json", "phases.tsv"} <= packed, packed
+    assert (tmp_path / "log").read_text().count("packed") >= 3  # after each phase, and at the end
+
+
+def test_no_phase_outlives_the_budget(tmp_path):
+    # The hung phase's own box (240 s by default) is longer than the whole budget: it gets what is
+    # left of the budget, and the phase after it, with nothing left, is skipped rather than started.
+    rows, proc = _session(tmp_path, GPU_SESSION_PHASES="probe,hostopt", GPU_SESSION_HANG="probe",
+                          GPU_SESSION_BUDGET_S="12")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rows["probe"]["rc"] == "124", rows
+    assert int(rows["probe"]["box_s"]) <= 12, rows
+    assert rows["hostopt"]["rc"] == "skipped", rows
+    assert "phases.tsv" in _packed(tmp_path)
