@@ -4,6 +4,9 @@
 #                      Python's standard library, on the CPU); ARGS="--max-steps 1000" passes its flags. It
 #                      leaves runs/train_lm-<date-time>/: checkpoint/ (a Hugging Face model with its
 #                      tokenizer), metrics.jsonl, loss.png
+#   make sft           fine-tune make train's newest model on examples/data/alpaca_demo.json (--task sft,
+#                      --init-from runs/train_lm-<newest>/checkpoint; examples/sft_lm.yaml); leaves
+#                      runs/sft_lm-<date-time>/ the same way. ARGS as for make train
 #   make test          the test suite on the locked versions (constraints.txt): what CI runs
 #   make test-oldest   the trace and exactness tests on the oldest supported versions
 #                      (constraints-oldest.txt); CI runs it too
@@ -18,7 +21,7 @@ EXTRAS := .[hf,plot,test]
 # The tests that depend most on transformers' modelling code and on torch.export.
 OLDEST_TESTS := tests/test_trace.py tests/test_exactness.py tests/test_compat.py
 
-.PHONY: setup train test test-oldest test-latest lock clean
+.PHONY: setup train sft test test-oldest test-latest lock clean
 
 # $(call make-venv,DIR,PIP_INSTALL_ARGS): a virtual environment with torch (the CPU build 2.13.0,
 # only where no torch is present; any torch >= 2.6 works) and megatrain installed editable.
@@ -52,6 +55,9 @@ setup: $(VENV)/.installed
 
 train: setup  ## megatrain train with examples/train_lm.yaml: a small Llama on the Python standard library's source, on the CPU
 	$(PY) examples/train_lm.py $(ARGS)
+
+sft: setup  ## fine-tune make train's newest model on a bundled alpaca-style set (--task sft --init-from), on the CPU
+	$(PY) examples/sft_lm.py $(ARGS)
 
 test: setup  ## the test suite (CPU; CUDA tests skip without a GPU)
 	$(PY) -m pytest tests $(ARGS)

@@ -11,10 +11,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import megatrain.cli
 import megatrain.runtime.measure
-from megatrain.examples import train_lm
+from megatrain.examples import sft_lm, train_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,42 @@ def test_the_main_job_learns_and_leaves_a_model_that_generates_what_it_printed(t
     gen = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True) == completion
     assert gen.shape[1] > ids.shape[1]
+
+    # make sft on this model: a new run from its weights on the bundled alpaca set, loss on the answers.
+    sft = tmp_path / "sft"
+    rc = sft_lm.main(["--init-from", str(ckpt), "--output-dir", str(sft), "--max-steps", "4", "--warmup-steps", "1",
+                      "--sample-tokens", "0"])
+    text = capsys.readouterr().out
+    assert rc == 0, text[-3000:]
+    assert "(init_from: a new run from step 0 with fresh AdamW state; not a resume)" in text
+    assert re.search(r"^data: 168 SFT examples from .*alpaca_demo\.json \(alpaca, 168\)", text, re.M), text[:3000]
+    rows = [json.loads(line) for line in (sft / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(0 < r["supervised_tokens"] < r["tokens"] for r in rows), rows  # the answers, not the prompts
+    tuned = AutoModelForCausalLM.from_pretrained(sft / "checkpoint")
+    assert AutoTokenizer.from_pretrained(sft / "checkpoint").chat_template  # the template it was trained with
+    assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), model.state_dict().values()))
+
+
+def test_make_sft_fine_tunes_the_newest_make_train_model(monkeypatch, tmp_path, capsys):
+    recipe = re.search(r"^sft:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert recipe.strip() == "$(PY) examples/sft_lm.py $(ARGS)"
+    calls = []
+    monkeypatch.setattr(megatrain.cli, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert sft_lm.main([]) == 2  # no make train run yet: one error line saying what to do
+    assert "run `make train` first, or pass --init-from" in capsys.readouterr().err and not calls
+    for name in ("train_lm-20261127-090000", "train_lm-20261127-100000", "train_lm-20261127-110000"):
+        (tmp_path / "runs" / name / "checkpoint").mkdir(parents=True)
+    for name in ("train_lm-20261127-090000", "train_lm-20261127-100000"):  # the newest has no model yet
+        (tmp_path / "runs" / name / "checkpoint" / "config.json").write_text("{}")
+    assert sft_lm.main(["--max-steps", "7"]) == 0
+    argv = calls[0]
+    assert argv[:3] == ["train", "--config", str(ROOT / "examples" / "sft_lm.yaml")]
+    assert argv[argv.index("--init-from") + 1] == str(Path("runs/train_lm-20261127-100000/checkpoint"))
+    assert argv[argv.index("--output-dir") + 1].startswith("runs/sft_lm-") and argv[-2:] == ["--max-steps", "7"]
+    sft_lm.main(["--init-from", "x"])
+    assert calls[1].count("--init-from") == 1 and "x" in calls[1]
 
 
 def test_user_text_file_and_tokenizer_are_accepted(tmp_path, capsys):
