@@ -225,6 +225,16 @@ def test_a_batch_without_targets_is_refused_and_evaluate_weighs_tokens():
         want = model(**other, use_cache=False).loss.item()
     got = trainer.evaluate(other)
     assert got == pytest.approx(want, rel=RTOL)
+    # megatrain train's validation loss: its micro-batches evaluated as one batch, token-weighted.
+    from megatrain.train.loop import _evaluate
+
+    class Validation:
+        def eval_batches(self, rows, count):
+            assert (rows, count) == (1, ROWS)
+            return iter([{k: v[i:i + 1] for k, v in other.items()} for i in range(ROWS)])
+
+    cfg = mock.Mock(micro_batch_size=1, eval_batches=ROWS)
+    assert _evaluate(trainer, Validation(), cfg) == pytest.approx(want, rel=RTOL)
 
 
 # -- every split, ranks simulated in one process --------------------------------------------------

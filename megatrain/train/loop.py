@@ -14,7 +14,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 from megatrain.errors import CheckpointError, ConfigError, MegatrainError
 from megatrain.train.config import TrainConfig
@@ -86,8 +86,19 @@ class TrainResult:
 
 
 def _evaluate(trainer, dataset, cfg: TrainConfig) -> float:
-    losses = [trainer.evaluate(b) for b in dataset.eval_batches(cfg.micro_batch_size, cfg.eval_batches)]
-    return sum(losses) / len(losses)
+    """The validation loss: the mean token loss over every supervised token of the ``eval_batches``
+    validation micro-batches, evaluated as one batch (so an SFT micro-batch with few answer tokens
+    weighs as little as it holds, as in a training step; the mean of per-batch means would not)."""
+    return trainer.evaluate(concat_batches(list(dataset.eval_batches(cfg.micro_batch_size, cfg.eval_batches))))
+
+
+def concat_batches(batches: list) -> Any:
+    """``batches`` (tensors of rows, or mappings of name to tensor of rows) as one batch, rows in order."""
+    import torch
+
+    if isinstance(batches[0], Mapping):
+        return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    return torch.cat(batches)
 
 
 def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> PlannedModel:
