@@ -462,8 +462,9 @@ def test_public_surface_of_the_schedule_modules():
     from megatrain.planner import verify as verify_mod
     from megatrain.runtime import executor as executor_mod
 
-    assert sorted(schedule_mod.__all__) == ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "Op", "OpKind",
-                                            "SCHEDULE_FORMAT_VERSION", "Schedule", "Stream", "gradient_tiles"]
+    assert sorted(schedule_mod.__all__) == ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "OP_KINDS", "Op", "OpKind",
+                                            "OpKindSpec", "SCHEDULE_FORMAT_VERSION", "Schedule", "Stream",
+                                            "gradient_tiles"]
     assert sorted(lower_mod.__all__) == ["PASSES", "add_carried_updates", "add_copies", "assign_slots", "lower",
                                          "order_compute"]
     assert sorted(verify_mod.__all__) == ["RULES", "happens_before", "verify"]
