@@ -302,6 +302,30 @@ def test_schedule_files_of_an_older_format_are_refused():
         Schedule.from_json(json.dumps(doc))
 
 
+def test_the_plan_in_a_schedule_file_is_the_plan_dataclass_field_by_field():
+    import json
+
+    import pydantic
+
+    plan = Plan(micro_batches=2, layer_by_layer=False, compute_dtype="bfloat16", cast_once=True,
+                resident=frozenset({2, 0}), nvme_moments=frozenset({1, 3}), nvme_masters=frozenset({3}),
+                activations=(ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.KEEP,
+                             ActivationPolicy.KEEP))
+    s = lower(chain_graph(4), plan, "train")
+    doc = json.loads(s.to_json())
+    assert list(doc["plan"]) == [f.name for f in dataclasses.fields(Plan)]  # every field, in order
+    assert doc["plan"]["resident"] == [0, 2] and doc["plan"]["activations"] == ["keep", "offload", "keep", "keep"]
+    assert Schedule.from_json(s.to_json()).plan == plan
+    del doc["plan"]["nvme_buffers"]  # a field left out takes the dataclass's default
+    assert Schedule.from_json(json.dumps(doc)).plan.nvme_buffers == Plan().nvme_buffers
+    doc["plan"]["compute_dtype"] = "float16"  # the dataclass's Literal is the file's
+    with pytest.raises(pydantic.ValidationError, match="compute_dtype"):
+        Schedule.from_json(json.dumps(doc))
+    doc["plan"]["compute_dtype"], doc["plan"]["slot"] = "bfloat16", 3
+    with pytest.raises(pydantic.ValidationError, match="slot"):
+        Schedule.from_json(json.dumps(doc))
+
+
 def test_verifier_catches_a_weight_copy_before_the_deferred_update():
     g = chain_graph(4)
     plan = Plan(optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4)

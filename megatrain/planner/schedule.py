@@ -15,8 +15,8 @@ CUDA backend.
 from __future__ import annotations
 
 import dataclasses
-
 import enum
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -432,30 +432,33 @@ class Schedule:
         return cls.from_json(Path(path).read_text())
 
 
-class _PlanModel(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    micro_batches: int
-    slots: int
-    prefetch_distance: int
-    grad_ring: int
-    resident: list[int]
-    activations: list[ActivationPolicy]
-    layer_by_layer: bool
-    optimizer: OptimizerPlacement
-    compute_dtype: Literal["float32", "bfloat16"]
-    staging_ring: int
-    cast_once: bool = False
-    d2h_dtype: Literal["float32", "bfloat16"] | None = None
-    nvme_moments: list[int] = []
-    nvme_gradients: list[int] = []
-    nvme_buffers: int = 2
-    nvme_masters: list[int] = []
-    data_parallel: int = 1
-    optimizer_shards: int = 1
-    nodes: int = 1
-    host_state: Literal["replicate", "shard"] = "replicate"
-    gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
-    shared_cast: bool = False
+_PLAN_FIELDS = tuple((f.name, typing.get_type_hints(Plan)[f.name], f.default) for f in dataclasses.fields(Plan))
+"""Each field of the Plan dataclass: (name, type, default)."""
+
+
+def _json_type(hint):
+    """A Plan field's type at the JSON boundary: a frozenset or tuple is a list."""
+    return list[typing.get_args(hint)[0]] if typing.get_origin(hint) in (frozenset, tuple) else hint
+
+
+_PlanModel = pydantic.create_model("_PlanModel", __config__=pydantic.ConfigDict(extra="forbid"),
+                                   **{name: (_json_type(hint), default) for name, hint, default in _PLAN_FIELDS})
+"""JSON boundary of a Plan, derived from its dataclass fields (names, order, types, defaults), so a
+field added to Plan is in the schedule file without a second list: a set of layers is written as a
+sorted list, a tuple as a list; ``Plan.__post_init__`` checks the values when a file is read."""
+
+
+def _plan_to_json(plan: Plan) -> pydantic.BaseModel:
+    def value(v):
+        return sorted(v) if isinstance(v, frozenset) else list(v) if isinstance(v, tuple) else v
+    return _PlanModel(**{name: value(getattr(plan, name)) for name, _, _ in _PLAN_FIELDS})
+
+
+def _plan_from_json(model: pydantic.BaseModel) -> Plan:
+    def value(v, hint):
+        origin = typing.get_origin(hint)
+        return origin(v) if origin in (frozenset, tuple) else v
+    return Plan(**{name: value(getattr(model, name), hint) for name, hint, _ in _PLAN_FIELDS})
 
 
 class _OpModel(pydantic.BaseModel):
@@ -488,30 +491,11 @@ class _ScheduleModel(pydantic.BaseModel):
 
     @classmethod
     def from_schedule(cls, s: Schedule) -> "_ScheduleModel":
-        p = s.plan
-        return cls(mode=s.mode, carries_updates=s.carries_updates, n_layers=s.n_layers, plan=_PlanModel(
-            micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
-            grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
-            layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
-            staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
-            nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
-            nvme_masters=sorted(p.nvme_masters), data_parallel=p.data_parallel,
-            optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
-            gradient_reduction=p.gradient_reduction, shared_cast=p.shared_cast),
+        return cls(mode=s.mode, carries_updates=s.carries_updates, n_layers=s.n_layers, plan=_plan_to_json(s.plan),
             ops=[_OpModel(op=repr(o), deps=list(o.deps), after=list(s.fences(i))) for i, o in enumerate(s.ops)])
 
     def to_schedule(self) -> Schedule:
-        p = self.plan
-        plan = Plan(micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
-                    grad_ring=p.grad_ring, resident=frozenset(p.resident),
-                    activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
-                    optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
-                    cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
-                    nvme_gradients=frozenset(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
-                    nvme_masters=frozenset(p.nvme_masters), data_parallel=p.data_parallel,
-                    optimizer_shards=p.optimizer_shards, nodes=p.nodes,
-                    host_state=p.host_state, gradient_reduction=p.gradient_reduction,
-                    shared_cast=p.shared_cast)
+        plan = _plan_from_json(self.plan)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates,
                         issue_after=tuple(tuple(o.after) for o in self.ops) if any(o.after for o in self.ops) else ())
