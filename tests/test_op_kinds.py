@@ -47,9 +47,7 @@ def test_record_fields_are_consistent(kind):
     # A GPU op says what the issuing thread dispatches for it; a host op costs one queue put.
     assert (s.launches is None) == (s.stream in HOST_STREAMS)
     assert (kind in COMPUTE_KINDS) == (s.stream is Stream.COMPUTE)
-    # The text form round-trips, and its spelling names every field the record gives.
-    op = _example(kind)
-    assert Op.parse(repr(op)) == op
+    # Its spelling (in every error about its fields) names every field the record gives.
     for name in s.required + s.optional:
         assert f"{_PREFIX[name]}<int>" in _spelling(kind)
     if s.one_of:  # naming none, or two, of the choice is refused

@@ -10,6 +10,17 @@ lowering decides and the runtime reads. The op list is in issue order: a topolog
 DAG, and for each stream the order its in-order queue runs the ops. ``deps`` are indices of
 earlier ops that must finish first; a dependency that crosses streams becomes an event in the
 CUDA backend.
+
+Op kinds. :data:`OP_KINDS` holds one :class:`OpKindSpec` per kind: its stream (and so its
+resource), its fields and text form, its timeline colour, what issuing it costs, how the solver's
+bounds time it, which GPU values it reads and writes, and which verifier rules check it. The
+per-kind tables elsewhere derive from it. Adding a kind takes its ``OpKind`` member and record
+here, its time formula (``cost._DURATION``), its handler (``runtime.executor.HANDLERS``), the
+lowering pass that emits it and the verifier rules that check it; ``tests/test_op_kinds.py``
+fails until each has it.
+
+JSON. ``Schedule.to_json`` writes ``{"version", "mode", "carries_updates", "n_layers", "plan",
+"ops"}``; the plan's part is derived from the :class:`Plan` dataclass's fields, not listed again.
 """
 
 from __future__ import annotations
