@@ -443,7 +443,8 @@ class Schedule:
         return cls.from_json(Path(path).read_text())
 
 
-_PLAN_FIELDS = tuple((f.name, typing.get_type_hints(Plan)[f.name], f.default) for f in dataclasses.fields(Plan))
+_PLAN_HINTS = typing.get_type_hints(Plan)
+_PLAN_FIELDS = tuple((f.name, _PLAN_HINTS[f.name], f.default) for f in dataclasses.fields(Plan))
 """Each field of the Plan dataclass: (name, type, default)."""
 
 
