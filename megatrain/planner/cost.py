@@ -94,7 +94,8 @@ from megatrain.planner.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYT
                                         CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HardwareSpec)
 from megatrain.planner.liveness import BATCH, liveness
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, HOST_STREAMS, Op, OpKind, Schedule, Stream, gradient_tiles
+from megatrain.planner.schedule import (COMPUTE_KINDS, HOST_STREAMS, OP_KINDS, Op, OpKind, Schedule, Stream,
+                                        gradient_tiles)
 from megatrain.units import MiB, human_bytes
 
 GRAD_ITEMSIZE = 4
@@ -492,19 +493,18 @@ def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
     """Calls the issuing thread makes for ``op``: the aten ops its work dispatches (a layer's
     ``fwd_launches`` / ``bwd_launches`` for compute ops), plus for GPU ops the event recorded after
     it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
-    layer = graph.layers[op.layer]
-    if op.kind in (OpKind.OPT, OpKind.CAST, OpKind.ACC, OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE,
-                   OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.COUNT_REDUCE):
+    launches = OP_KINDS[op.kind].launches  # what its kind dispatches (schedule.OpKindSpec.launches)
+    if launches is None:
         return HOST_OP_LAUNCHES
-    if op.kind in (OpKind.FWD, OpKind.RECOMPUTE):
-        n = layer.fwd_launches
-    elif op.kind is OpKind.BWD:
-        n = layer.bwd_launches
-    elif op.kind is OpKind.D2H:
+    if launches == "fwd":
+        n = graph.layers[op.layer].fwd_launches
+    elif launches == "bwd":
+        n = graph.layers[op.layer].bwd_launches
+    elif launches == "d2h":
         n = D2H_LAUNCHES
-    elif op.kind is OpKind.H2D:
+    elif launches == "copy":
         n = COPY_LAUNCHES
-    else:  # OFFLOAD, RELOAD
+    else:  # "checkpoints"
         n = COPY_LAUNCHES * len(graph.checkpoints(op.layer))
     return n + 1 + gpu_waits
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
-from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule
+from megatrain.planner.schedule import OP_KINDS, OpKind, Schedule
 
 BATCH = -1
 """Producer of a batch input's generation: it is on the device before the run's first op."""
@@ -59,20 +59,23 @@ class Liveness:
 
 
 def reads_of(graph: LayerGraph, kind: OpKind, layer: int) -> tuple[int, ...]:
-    """Ids of the values an op of ``kind`` on ``layer`` reads on the GPU (none for other kinds)."""
-    if kind in COMPUTE_KINDS:
-        return graph.layers[layer].inputs
-    if kind is OpKind.OFFLOAD:
-        return graph.checkpoints(layer)
-    return ()
+    """Ids of the values an op of ``kind`` on ``layer`` reads on the GPU: a compute op's inputs, an
+    OFFLOAD's checkpoints (``OpKindSpec.gpu_reads``; none for other kinds)."""
+    return _values(graph, OP_KINDS[kind].gpu_reads, layer)
 
 
 def writes_of(graph: LayerGraph, kind: OpKind, layer: int) -> tuple[int, ...]:
     """Ids of the values an op of ``kind`` on ``layer`` puts on the GPU: a FWD's or RECOMPUTE's
-    outputs (the loss too, which no op reads), a RELOAD's checkpoints."""
-    if kind in (OpKind.FWD, OpKind.RECOMPUTE):
+    outputs (the loss too, which no op reads), a RELOAD's checkpoints (``OpKindSpec.gpu_writes``)."""
+    return _values(graph, OP_KINDS[kind].gpu_writes, layer)
+
+
+def _values(graph: LayerGraph, which: str | None, layer: int) -> tuple[int, ...]:
+    if which == "inputs":
+        return graph.layers[layer].inputs
+    if which == "outputs":
         return graph.layers[layer].outputs
-    if kind is OpKind.RELOAD:
+    if which == "checkpoints":
         return graph.checkpoints(layer)
     return ()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 from megatrain.errors import PlanError
 from megatrain.planner.graph import LayerGraph
@@ -159,10 +160,10 @@ class Plan:
     activations: tuple[ActivationPolicy, ...] = ()
     layer_by_layer: bool = True
     optimizer: OptimizerPlacement = OptimizerPlacement.DURING_BACKWARD
-    compute_dtype: str = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
     staging_ring: int = 2
     cast_once: bool = False
-    d2h_dtype: str | None = None
+    d2h_dtype: Literal["float32", "bfloat16"] | None = None
     nvme_moments: frozenset[int] = frozenset()
     nvme_gradients: frozenset[int] = frozenset()
     nvme_buffers: int = 2
@@ -170,8 +171,8 @@ class Plan:
     data_parallel: int = 1
     optimizer_shards: int = 1
     nodes: int = 1
-    host_state: str = "replicate"
-    gradient_reduction: str = "all_reduce"
+    host_state: Literal["replicate", "shard"] = "replicate"
+    gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     shared_cast: bool = False
 
     def __post_init__(self) -> None:

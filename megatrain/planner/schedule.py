@@ -10,13 +10,24 @@ lowering decides and the runtime reads. The op list is in issue order: a topolog
 DAG, and for each stream the order its in-order queue runs the ops. ``deps`` are indices of
 earlier ops that must finish first; a dependency that crosses streams becomes an event in the
 CUDA backend.
+
+Op kinds. :data:`OP_KINDS` holds one :class:`OpKindSpec` per kind: its stream (and so its
+resource), its fields and text form, its timeline colour, what issuing it costs, how the solver's
+bounds time it, which GPU values it reads and writes, and which verifier rules check it. The
+per-kind tables elsewhere derive from it. Adding a kind takes its ``OpKind`` member and record
+here, its time formula (``cost._DURATION``), its handler (``runtime.executor.HANDLERS``), the
+lowering pass that emits it and the verifier rules that check it; ``tests/test_op_kinds.py``
+fails until each has it.
+
+JSON. ``Schedule.to_json`` writes ``{"version", "mode", "carries_updates", "n_layers", "plan",
+"ops"}``; the plan's part is derived from the :class:`Plan` dataclass's fields, not listed again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import enum
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -86,19 +97,14 @@ class OpKind(enum.Enum):
     def stream(self) -> Stream:
         return _STREAM_OF[self]
 
+    @property
+    def spec(self) -> "OpKindSpec":
+        """This kind's record in :data:`OP_KINDS`."""
+        return OP_KINDS[self]
+
 
 HOST_STREAMS = frozenset({Stream.HOST, Stream.CAST, Stream.IO, Stream.COMM})
 """Streams whose ops run on host worker threads (the others are GPU streams)."""
-
-COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE})
-"""Op kinds that run a layer's template on the GPU with the layer's weights in a slot."""
-
-_STREAM_OF = {OpKind.H2D: Stream.H2D, OpKind.FWD: Stream.COMPUTE, OpKind.BWD: Stream.COMPUTE,
-              OpKind.D2H: Stream.D2H, OpKind.OPT: Stream.HOST, OpKind.OFFLOAD: Stream.D2H,
-              OpKind.RELOAD: Stream.H2D, OpKind.RECOMPUTE: Stream.COMPUTE, OpKind.CAST: Stream.CAST,
-              OpKind.ACC: Stream.HOST, OpKind.NVME_READ: Stream.IO, OpKind.NVME_WRITE: Stream.IO,
-              OpKind.ALL_REDUCE: Stream.COMM, OpKind.REDUCE_SCATTER: Stream.COMM, OpKind.ALL_GATHER: Stream.COMM,
-              OpKind.COUNT_REDUCE: Stream.COMM}
 
 _ORDER = ("layer", "mb", "slot", "ring", "tile", "acc", "gbuf", "copy", "buf")
 """Every index field, in the order a repr writes them."""
@@ -106,51 +112,128 @@ _PREFIX = {"layer": "L", "mb": "m", "slot": "s", "ring": "r", "tile": "t", "acc"
            "gbuf": "g"}
 _FIELD_OF = {prefix: name for name, prefix in _PREFIX.items()}
 
-# (required fields, optional fields) of each kind. An H2D names the staging tile it reads when the
-# plan computes in BF16 (FP32 copies read the master rows); an OPT reads either a host gradient
-# tile (``ring``) or an accumulator (``acc``), exactly one of them; the OPT of a layer whose moments
-# live on NVMe names the I/O buffer (``buf``) its NVME_READ filled. A layer of Plan.nvme_gradients
-# has no tile of its own: its D2H names the gradient I/O buffer (``gbuf``) it lands in instead of a
-# ring tile, and its carried OPT the gradient buffer its NVME_READ filled.
+
+@dataclass(frozen=True, slots=True)
+class OpKindSpec:
+    """What the IR states about one op kind: the one record a new kind adds, from which every
+    per-kind table of the planner and the runtime derives (:data:`OP_KINDS`).
+
+    What a kind *does* lives with the module that does it, keyed by kind and checked complete
+    (``tests/test_op_kinds.py``): its time formula (``cost._DURATION``), its handler
+    (``runtime.executor.HANDLERS``), where lowering emits it (``lower.py``) and the bodies of the
+    verifier rules named in ``rules``. The IR cannot import the cost model or the runtime, so those
+    three stay there; everything that is a fact about the kind is here.
+
+    Attributes:
+        stream: the in-order queue its ops run on (``OpKind.stream``). Its resource in the
+            simulator, the solver's bounds and the replay backend is the stream's
+            (:func:`megatrain.planner.cost.resource_of`: the GPU, a copy engine, the host, NVMe, the
+            network), and it runs on a host worker iff the stream is in :data:`HOST_STREAMS`.
+        required: index fields (``Op`` attributes after ``layer``, e.g. ``("mb", "slot")``) every op
+            of the kind names; with ``optional`` they are the op's text form (``FWD:L3:m0:s1``),
+            which is its JSON (``{"op": "FWD:L3:m0:s1", ...}``).
+        optional: index fields it may name.
+        one_of: the fields of ``optional`` of which it names exactly one (where its data comes
+            from or goes), in the order its error message lists them.
+        colour: matplotlib colour of its bars in :meth:`Timeline.save_png`.
+        launches: what the issuing thread calls for a GPU op (``cost.launch_count``): ``"copy"``
+            one ``copy_``, ``"checkpoints"`` one per checkpoint of the layer, ``"fwd"`` / ``"bwd"``
+            the layer's dispatched aten ops, ``"d2h"`` ``cost.D2H_LAUNCHES``; None for a host op
+            (one queue put, ``cost.HOST_OP_LAUNCHES``).
+        bounds: how the solver's bounds time it (``solve/bounds.py``): ``"size"`` grows with the
+            micro-batch size, ``"step"`` the layer's alone, ``"untimed"`` added after the solve
+            (the NVMe tier, data-parallel collectives).
+        gpu_reads / gpu_writes: the layer's GPU values it reads / puts on the GPU (liveness):
+            ``"inputs"``, ``"outputs"`` or ``"checkpoints"`` (the layer's outputs another layer
+            reads), or None.
+        rules: the verifier rules (``verify.RULES``, by name without ``_check_``) that check ops of
+            this kind by kind; ``order`` and ``budget``'s index checks hold for every op.
+    """
+
+    stream: Stream
+    required: tuple[str, ...]
+    colour: str
+    bounds: Literal["size", "step", "untimed"]
+    rules: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    one_of: tuple[str, ...] = ()
+    launches: Literal["copy", "checkpoints", "fwd", "bwd", "d2h"] | None = None
+    gpu_reads: Literal["inputs", "checkpoints"] | None = None
+    gpu_writes: Literal["outputs", "checkpoints"] | None = None
+
+
+# Fields of each kind (OpKindSpec.required, optional, one_of). An H2D names the staging tile it reads
+# when the plan computes in BF16 (FP32 copies read the master rows); an OPT reads either a host
+# gradient tile (``ring``) or an accumulator (``acc``), exactly one of them; the OPT of a layer whose
+# moments live on NVMe names the I/O buffer (``buf``) its NVME_READ filled. A layer of
+# Plan.nvme_gradients has no tile of its own: its D2H names the gradient I/O buffer (``gbuf``) it
+# lands in instead of a ring tile, and its carried OPT the gradient buffer its NVME_READ filled.
 #
 # What an NVMe transfer moves is said by which pool its buffer field names (``b``: the pageable
 # moments pool, ``g``: the pinned gradient pool), not by new op kinds: both are the same operation
 # on the same I/O stream and drives (one file of the layer, one host buffer), timed by one formula
 # of their bytes, and the buffer field must be there anyway for the verifier's turn checks; two
 # more kinds would duplicate every rule and handler for a difference one field already states.
-_FIELDS: dict[OpKind, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    OpKind.H2D: (("layer", "slot"), ("tile",)),
-    OpKind.FWD: (("layer", "mb", "slot"), ()),
-    OpKind.BWD: (("layer", "mb", "slot"), ()),
-    OpKind.D2H: (("layer", "slot"), ("ring", "gbuf")),
-    OpKind.OPT: (("layer",), ("ring", "acc", "gbuf", "buf")),
-    OpKind.OFFLOAD: (("layer", "mb", "copy"), ()),
-    OpKind.RELOAD: (("layer", "mb", "copy"), ()),
-    OpKind.RECOMPUTE: (("layer", "mb", "slot"), ()),
-    OpKind.CAST: (("layer", "tile"), ("buf",)),
-    OpKind.ACC: (("layer", "mb", "ring", "acc"), ()),
-    OpKind.NVME_READ: (("layer",), ("buf", "gbuf")),
-    OpKind.NVME_WRITE: (("layer",), ("buf", "gbuf")),
-    OpKind.ALL_REDUCE: (("layer",), ("ring", "acc")),
-    OpKind.REDUCE_SCATTER: (("layer",), ("ring", "acc")),
-    OpKind.ALL_GATHER: (("layer",), ("tile",)),
-    OpKind.COUNT_REDUCE: (("layer",), ()),
+_K, _S = OpKind, Stream
+OP_KINDS: dict[OpKind, OpKindSpec] = {
+    _K.H2D: OpKindSpec(stream=_S.H2D, required=("slot",), optional=("tile",), colour="tab:blue", launches="copy",
+                       bounds="step", rules=("weights", "staging", "updates", "collectives")),
+    _K.FWD: OpKindSpec(stream=_S.COMPUTE, required=("mb", "slot"), colour="tab:green", launches="fwd",
+                       bounds="size", gpu_reads="inputs", gpu_writes="outputs", rules=("weights", "coverage", "data")),
+    _K.BWD: OpKindSpec(stream=_S.COMPUTE, required=("mb", "slot"), colour="tab:olive", launches="bwd",
+                       bounds="size", gpu_reads="inputs",
+                       rules=("weights", "gradients", "coverage", "data", "updates", "collectives")),
+    _K.D2H: OpKindSpec(stream=_S.D2H, required=("slot",), optional=("ring", "gbuf"), one_of=("ring", "gbuf"),
+                       colour="tab:orange", launches="d2h", bounds="step",
+                       rules=("budget", "gradients", "updates", "nvme", "collectives")),
+    _K.OPT: OpKindSpec(stream=_S.HOST, required=(), optional=("ring", "acc", "gbuf", "buf"),
+                       one_of=("ring", "acc", "gbuf"), colour="tab:purple", bounds="step",
+                       rules=("gradients", "coverage", "updates", "nvme")),
+    _K.OFFLOAD: OpKindSpec(stream=_S.D2H, required=("mb", "copy"), colour="tab:red", launches="checkpoints",
+                           bounds="size", gpu_reads="checkpoints", rules=("data",)),
+    _K.RELOAD: OpKindSpec(stream=_S.H2D, required=("mb", "copy"), colour="tab:cyan", launches="checkpoints",
+                          bounds="size", gpu_writes="checkpoints", rules=("data",)),
+    _K.RECOMPUTE: OpKindSpec(stream=_S.COMPUTE, required=("mb", "slot"), colour="tab:pink", launches="fwd",
+                             bounds="size", gpu_reads="inputs", gpu_writes="outputs",
+                             rules=("weights", "coverage", "data")),
+    _K.CAST: OpKindSpec(stream=_S.CAST, required=("tile",), optional=("buf",), colour="tab:gray", bounds="step",
+                        rules=("budget", "staging", "coverage", "updates", "nvme", "collectives")),
+    _K.ACC: OpKindSpec(stream=_S.HOST, required=("mb", "ring", "acc"), colour="tab:brown", bounds="step",
+                       rules=("gradients", "updates", "collectives")),
+    _K.NVME_READ: OpKindSpec(stream=_S.IO, required=(), optional=("buf", "gbuf"), one_of=("buf", "gbuf"),
+                             colour="goldenrod", bounds="untimed", rules=("coverage", "nvme")),
+    _K.NVME_WRITE: OpKindSpec(stream=_S.IO, required=(), optional=("buf", "gbuf"), one_of=("buf", "gbuf"),
+                              colour="darkkhaki", bounds="untimed", rules=("coverage", "nvme")),
+    _K.ALL_REDUCE: OpKindSpec(stream=_S.COMM, required=(), optional=("ring", "acc"), one_of=("ring", "acc"),
+                              colour="teal", bounds="untimed", rules=("collectives",)),
+    _K.REDUCE_SCATTER: OpKindSpec(stream=_S.COMM, required=(), optional=("ring", "acc"), one_of=("ring", "acc"),
+                                  colour="cadetblue", bounds="untimed", rules=("collectives",)),
+    _K.ALL_GATHER: OpKindSpec(stream=_S.COMM, required=(), optional=("tile",), colour="darkslategray",
+                              bounds="untimed", rules=("budget", "coverage", "collectives")),
+    _K.COUNT_REDUCE: OpKindSpec(stream=_S.COMM, required=(), colour="lightseagreen", bounds="untimed",
+                                rules=("collectives",)),
 }
+"""The op kinds, one record each (:class:`OpKindSpec`). Every per-kind table derives from it:
+``OpKind.stream``, :data:`COMPUTE_KINDS`, an op's fields, text form and JSON (``Op``), the timeline's
+colours, ``cost.launch_count``, the solver's kind classes (``solve/bounds.py``) and liveness's
+reads and writes (``liveness.reads_of`` / ``writes_of``)."""
+del _K, _S
+assert list(OP_KINDS) == list(OpKind), "every op kind needs its record in OP_KINDS, in OpKind's order"
+
+_STREAM_OF = {kind: spec.stream for kind, spec in OP_KINDS.items()}
+"""``OpKind.stream``, as a plain dict: the issuing thread looks streams up several times per op."""
+
+COMPUTE_KINDS = frozenset(kind for kind, spec in OP_KINDS.items() if spec.stream is Stream.COMPUTE)
+"""Op kinds that run a layer's template on the GPU with the layer's weights in a slot."""
 
 
 def _spelling(kind: OpKind) -> str:
-    """How an op of ``kind`` is written, e.g. ``H2D:L<int>:s<int>[:t<int>]``."""
-    required, optional = _FIELDS[kind]
-    text = ":".join([kind.value] + [f"{_PREFIX[n]}<int>" for n in required])
-    if kind is OpKind.OPT:
-        return text + ":(r<int>|a<int>|g<int>)[:b<int>]"
-    if kind is OpKind.D2H:
-        return text + ":(r<int>|g<int>)"
-    if kind in (OpKind.NVME_READ, OpKind.NVME_WRITE):
-        return text + ":(b<int>|g<int>)"
-    if kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER):
-        return text + ":(r<int>|a<int>)"
-    return text + "".join(f"[:{_PREFIX[n]}<int>]" for n in optional)
+    """How an op of ``kind`` is written, e.g. ``H2D:L<int>:s<int>[:t<int>]``, ``D2H:L<int>:s<int>:(r<int>|g<int>)``."""
+    spec = OP_KINDS[kind]
+    text = ":".join([kind.value, "L<int>"] + [f"{_PREFIX[n]}<int>" for n in spec.required])
+    if spec.one_of:
+        text += ":(" + "|".join(f"{_PREFIX[n]}<int>" for n in spec.one_of) + ")"
+    return text + "".join(f"[:{_PREFIX[n]}<int>]" for n in spec.optional if n not in spec.one_of)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,17 +283,14 @@ class Op:
     deps: tuple[int, ...] = field(default=(), compare=True)
 
     def __post_init__(self) -> None:
-        required, optional = _FIELDS[self.kind]
+        spec = OP_KINDS[self.kind]
         for name in _ORDER[1:]:
             present = getattr(self, name) is not None
-            if name in required and not present:
+            if name in spec.required and not present:
                 raise ValueError(f"{self.kind.value} op needs {name}: it is written {_spelling(self.kind)}")
-            if present and name not in required and name not in optional:
+            if present and name not in spec.required and name not in spec.optional:
                 raise ValueError(f"{self.kind.value} op takes no {name}: it is written {_spelling(self.kind)}")
-        sources = {OpKind.OPT: ("ring", "acc", "gbuf"), OpKind.ALL_REDUCE: ("ring", "acc"),
-                   OpKind.REDUCE_SCATTER: ("ring", "acc"),
-                   OpKind.D2H: ("ring", "gbuf"), OpKind.NVME_READ: ("buf", "gbuf"),
-                   OpKind.NVME_WRITE: ("buf", "gbuf")}.get(self.kind)
+        sources = spec.one_of
         if sources and sum(getattr(self, f) is not None for f in sources) != 1:
             names = {"ring": "a gradient tile (ring)", "acc": "an accumulator (acc)",
                      "buf": "a moments I/O buffer (buf)", "gbuf": "a gradient I/O buffer (gbuf)"}
@@ -363,30 +443,34 @@ class Schedule:
         return cls.from_json(Path(path).read_text())
 
 
-class _PlanModel(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    micro_batches: int
-    slots: int
-    prefetch_distance: int
-    grad_ring: int
-    resident: list[int]
-    activations: list[ActivationPolicy]
-    layer_by_layer: bool
-    optimizer: OptimizerPlacement
-    compute_dtype: Literal["float32", "bfloat16"]
-    staging_ring: int
-    cast_once: bool = False
-    d2h_dtype: Literal["float32", "bfloat16"] | None = None
-    nvme_moments: list[int] = []
-    nvme_gradients: list[int] = []
-    nvme_buffers: int = 2
-    nvme_masters: list[int] = []
-    data_parallel: int = 1
-    optimizer_shards: int = 1
-    nodes: int = 1
-    host_state: Literal["replicate", "shard"] = "replicate"
-    gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
-    shared_cast: bool = False
+_PLAN_HINTS = typing.get_type_hints(Plan)
+_PLAN_FIELDS = tuple((f.name, _PLAN_HINTS[f.name], f.default) for f in dataclasses.fields(Plan))
+"""Each field of the Plan dataclass: (name, type, default)."""
+
+
+def _json_type(hint):
+    """A Plan field's type at the JSON boundary: a frozenset or tuple is a list."""
+    return list[typing.get_args(hint)[0]] if typing.get_origin(hint) in (frozenset, tuple) else hint
+
+
+_PlanModel = pydantic.create_model("_PlanModel", __config__=pydantic.ConfigDict(extra="forbid"),
+                                   **{name: (_json_type(hint), default) for name, hint, default in _PLAN_FIELDS})
+"""JSON boundary of a Plan, derived from its dataclass fields (names, order, types, defaults), so a
+field added to Plan is in the schedule file without a second list: a set of layers is written as a
+sorted list, a tuple as a list; ``Plan.__post_init__`` checks the values when a file is read."""
+
+
+def _plan_to_json(plan: Plan) -> pydantic.BaseModel:
+    def value(v):
+        return sorted(v) if isinstance(v, frozenset) else list(v) if isinstance(v, tuple) else v
+    return _PlanModel(**{name: value(getattr(plan, name)) for name, _, _ in _PLAN_FIELDS})
+
+
+def _plan_from_json(model: pydantic.BaseModel) -> Plan:
+    def value(v, hint):
+        origin = typing.get_origin(hint)
+        return origin(v) if origin in (frozenset, tuple) else v
+    return Plan(**{name: value(getattr(model, name), hint) for name, hint, _ in _PLAN_FIELDS})
 
 
 class _OpModel(pydantic.BaseModel):
@@ -419,35 +503,16 @@ class _ScheduleModel(pydantic.BaseModel):
 
     @classmethod
     def from_schedule(cls, s: Schedule) -> "_ScheduleModel":
-        p = s.plan
-        return cls(mode=s.mode, carries_updates=s.carries_updates, n_layers=s.n_layers, plan=_PlanModel(
-            micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
-            grad_ring=p.grad_ring, resident=sorted(p.resident), activations=list(p.activations),
-            layer_by_layer=p.layer_by_layer, optimizer=p.optimizer, compute_dtype=p.compute_dtype,
-            staging_ring=p.staging_ring, cast_once=p.cast_once, d2h_dtype=p.d2h_dtype,
-            nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
-            nvme_masters=sorted(p.nvme_masters), data_parallel=p.data_parallel,
-            optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
-            gradient_reduction=p.gradient_reduction, shared_cast=p.shared_cast),
+        return cls(mode=s.mode, carries_updates=s.carries_updates, n_layers=s.n_layers, plan=_plan_to_json(s.plan),
             ops=[_OpModel(op=repr(o), deps=list(o.deps), after=list(s.fences(i))) for i, o in enumerate(s.ops)])
 
     def to_schedule(self) -> Schedule:
-        p = self.plan
-        plan = Plan(micro_batches=p.micro_batches, slots=p.slots, prefetch_distance=p.prefetch_distance,
-                    grad_ring=p.grad_ring, resident=frozenset(p.resident),
-                    activations=tuple(p.activations), layer_by_layer=p.layer_by_layer,
-                    optimizer=p.optimizer, compute_dtype=p.compute_dtype, staging_ring=p.staging_ring,
-                    cast_once=p.cast_once, d2h_dtype=p.d2h_dtype, nvme_moments=frozenset(p.nvme_moments),
-                    nvme_gradients=frozenset(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
-                    nvme_masters=frozenset(p.nvme_masters), data_parallel=p.data_parallel,
-                    optimizer_shards=p.optimizer_shards, nodes=p.nodes,
-                    host_state=p.host_state, gradient_reduction=p.gradient_reduction,
-                    shared_cast=p.shared_cast)
+        plan = _plan_from_json(self.plan)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates,
                         issue_after=tuple(tuple(o.after) for o in self.ops) if any(o.after for o in self.ops) else ())
 
 
 
-__all__ = ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "Op", "OpKind", "SCHEDULE_FORMAT_VERSION", "Schedule", "Stream",
-           "gradient_tiles"]
+__all__ = ["COMPUTE_KINDS", "HOST_STREAMS", "Mode", "OP_KINDS", "Op", "OpKind", "OpKindSpec", "SCHEDULE_FORMAT_VERSION",
+           "Schedule", "Stream", "gradient_tiles"]

@@ -22,7 +22,7 @@ import pydantic
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.schedule import OpKind, Schedule, Stream
+from megatrain.planner.schedule import OP_KINDS, OpKind, Schedule, Stream
 
 TIMELINE_FORMAT_VERSION = 1
 
@@ -196,13 +196,7 @@ class Timeline:
                               "default: pip install matplotlib (or use to_chrome_trace())") from e
 
         scale, unit = (1.0, "s") if self.step_time_s >= 10 else (1e3, "ms")
-        colors = {OpKind.H2D: "tab:blue", OpKind.FWD: "tab:green", OpKind.BWD: "tab:olive",
-                  OpKind.D2H: "tab:orange", OpKind.OPT: "tab:purple", OpKind.OFFLOAD: "tab:red",
-                  OpKind.RELOAD: "tab:cyan", OpKind.RECOMPUTE: "tab:pink", OpKind.CAST: "tab:gray",
-                  OpKind.ACC: "tab:brown", OpKind.NVME_READ: "goldenrod", OpKind.NVME_WRITE: "darkkhaki",
-                  OpKind.ALL_REDUCE: "teal", OpKind.REDUCE_SCATTER: "cadetblue",
-                  OpKind.ALL_GATHER: "darkslategray", OpKind.COUNT_REDUCE: "lightseagreen"}
-        assert colors.keys() == set(OpKind), "every op kind needs a colour"
+        colors = {kind: spec.colour for kind, spec in OP_KINDS.items()}
         fig = Figure(figsize=(12, 6.5), layout="constrained")
         FigureCanvasAgg(fig)
         lanes, mem = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))

@@ -20,18 +20,18 @@ from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.lower import lower
 from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Stream
+from megatrain.planner.schedule import COMPUTE_KINDS, OP_KINDS, OpKind, Stream
 
 OFFLOAD, RECOMPUTE = ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 
-SIZE_KINDS = (OpKind.FWD, OpKind.BWD, OpKind.RECOMPUTE, OpKind.OFFLOAD, OpKind.RELOAD)
-"""Op kinds whose duration grows with the micro-batch size: compute, and checkpoint copies."""
+SIZE_KINDS = tuple(kind for kind, spec in OP_KINDS.items() if spec.bounds == "size")
+"""Op kinds whose duration grows with the micro-batch size: compute, and checkpoint copies
+(``OpKindSpec.bounds``, as the two classes below)."""
 
-STEP_KINDS = (OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST, OpKind.ACC)
+STEP_KINDS = tuple(kind for kind, spec in OP_KINDS.items() if spec.bounds == "step")
 """Op kinds whose duration is the layer's alone (weights, gradients, optimizer state)."""
 
-IO_KINDS = (OpKind.NVME_READ, OpKind.NVME_WRITE, OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER,
-            OpKind.COUNT_REDUCE)
+IO_KINDS = tuple(kind for kind, spec in OP_KINDS.items() if spec.bounds == "untimed")
 """Op kinds the bounds do not time: the solver's candidates keep all state in host memory, and
 :mod:`megatrain.planner.nvme` moves some of it to NVMe after the solve (the NVMe rates may be 0);
 the solver plans one rank (data-parallel collectives are added to its plan afterwards)."""
@@ -234,8 +234,8 @@ _PER_MICRO_BATCH = ({(kind, OpKind.RELOAD) for kind in COMPUTE_KINDS}
 dependency (a checkpoint's copy); every other edge waits for a whole visit, or is within the compute
 stream, which runs a visit's micro-batches back to back."""
 
-_PER_VISIT_ONCE = frozenset({OpKind.H2D, OpKind.D2H, OpKind.OPT, OpKind.CAST})
-"""Kinds issued once per visit or layer; the others once per micro-batch."""
+_PER_VISIT_ONCE = frozenset(kind for kind, spec in OP_KINDS.items() if "mb" not in spec.required)
+"""Kinds issued once per visit or layer (an op names no micro-batch); the others once per micro-batch."""
 
 
 @dataclass(frozen=True, slots=True)
