@@ -387,6 +387,16 @@ class _PlanModel(pydantic.BaseModel):
     host_state: Literal["replicate", "shard"] = "replicate"
     gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     shared_cast: bool = False
+    optimizer_name: str = "adamw"
+
+    @pydantic.model_serializer(mode="wrap")
+    def _omit_adamw(self, handler: pydantic.SerializerFunctionWrapHandler) -> dict:
+        # Written only when not AdamW, so that AdamW's schedule files stay as they were (older
+        # files load as AdamW; an older reader refuses a Lion file by its unknown field).
+        out = handler(self)
+        if out.get("optimizer_name") == "adamw":
+            del out["optimizer_name"]
+        return out
 
 
 class _OpModel(pydantic.BaseModel):
@@ -428,7 +438,7 @@ class _ScheduleModel(pydantic.BaseModel):
             nvme_moments=sorted(p.nvme_moments), nvme_gradients=sorted(p.nvme_gradients), nvme_buffers=p.nvme_buffers,
             nvme_masters=sorted(p.nvme_masters), data_parallel=p.data_parallel,
             optimizer_shards=p.optimizer_shards, nodes=p.nodes, host_state=p.host_state,
-            gradient_reduction=p.gradient_reduction, shared_cast=p.shared_cast),
+            gradient_reduction=p.gradient_reduction, shared_cast=p.shared_cast, optimizer_name=p.optimizer_name),
             ops=[_OpModel(op=repr(o), deps=list(o.deps), after=list(s.fences(i))) for i, o in enumerate(s.ops)])
 
     def to_schedule(self) -> Schedule:
@@ -442,7 +452,7 @@ class _ScheduleModel(pydantic.BaseModel):
                     nvme_masters=frozenset(p.nvme_masters), data_parallel=p.data_parallel,
                     optimizer_shards=p.optimizer_shards, nodes=p.nodes,
                     host_state=p.host_state, gradient_reduction=p.gradient_reduction,
-                    shared_cast=p.shared_cast)
+                    shared_cast=p.shared_cast, optimizer_name=p.optimizer_name)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates,
                         issue_after=tuple(tuple(o.after) for o in self.ops) if any(o.after for o in self.ops) else ())
