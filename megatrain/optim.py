@@ -8,9 +8,6 @@ of the package needs to know of an optimizer is in its :class:`OptimizerSpec`:
   (``"<layer>.<state>"`` in ``Trainer.state_dict()["optimizer"]``);
 - ``state_bytes_per_param``: 4 bytes per state row, what the cost model sizes host memory and the
   NVMe tier with (``cost.MemoryBreakdown.adam_moments``, ``cost.nvme_bytes``);
-- ``host_bytes_per_param``: host memory traffic of one step per parameter with FP32 gradients
-  (every state row read and written, the master read and written, the gradient read); the step is
-  memory-bound, so the cost model scales the measured AdamW rate by AdamW's bytes over these;
 - ``settings``: the pydantic model of its hyper-parameters (``compile(optimizer=...)``);
 - ``kernel``: the name of its host kernel class in :mod:`megatrain.runtime.host_kernels`, whose
   ``update(param, grad, states, step, settings, grad_scale=..., scratch=...)`` steps one flat
@@ -38,14 +35,14 @@ from typing import Mapping
 import pydantic
 from pydantic import Field
 
-from megatrain.config import AdamW, describe_validation
+from megatrain.config import AdamW, OptimizerSettings
 from megatrain.errors import ConfigError
 
 STATE_ITEMSIZE = 4
 """Bytes per element of every optimizer state row: FP32."""
 
 
-class Lion(pydantic.BaseModel):
+class Lion(OptimizerSettings):
     """Lion settings (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms",
     arXiv:2302.06675, Algorithm 2), per parameter ``p`` with gradient ``g`` and moment ``m``::
 
@@ -56,15 +53,6 @@ class Lion(pydantic.BaseModel):
     update has unit magnitude per element, so the paper uses a learning rate 3-10x smaller than
     AdamW's and a weight decay 3-10x larger (section 5).
     """
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    def __init__(self, **settings):
-        """Raises ConfigError (not pydantic's ValidationError) naming each setting out of range."""
-        try:
-            super().__init__(**settings)
-        except pydantic.ValidationError as e:
-            raise ConfigError("invalid Lion settings: " + describe_validation(e)) from None
 
     lr: float = Field(1e-4, ge=0.0, description="learning rate")
     betas: tuple[float, float] = Field((0.9, 0.99), description="beta1 (update interpolation) and beta2 "
@@ -90,16 +78,14 @@ class OptimizerSpec:
         settings: its hyper-parameters' pydantic model.
         states: names of its FP32 state rows per trainable parameter, in storage order (also its
             checkpoint keys); at least one.
-        host_bytes_per_param: host memory bytes one step moves per parameter, FP32 gradients.
         kernel: its host kernel class in :mod:`megatrain.runtime.host_kernels`.
         reference: where the algorithm is published.
         label: how memory tables and messages name its state (``"<label> moments"``).
     """
 
     name: str
-    settings: type[pydantic.BaseModel]
+    settings: type[OptimizerSettings]
     states: tuple[str, ...]
-    host_bytes_per_param: int
     kernel: str
     reference: str
     label: str
@@ -114,15 +100,10 @@ class OptimizerSpec:
         return STATE_ITEMSIZE * len(self.states)
 
 
-def _step_bytes(states: int) -> int:
-    # Read and write the FP32 master and each FP32 state row; read the FP32 gradient.
-    return 2 * STATE_ITEMSIZE * (1 + states) + 4
-
-
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
-    OptimizerSpec("adamw", AdamW, ("exp_avg", "exp_avg_sq"), _step_bytes(2), "HostAdamW",
+    OptimizerSpec("adamw", AdamW, ("exp_avg", "exp_avg_sq"), "HostAdamW",
                   "Loshchilov & Hutter 2019, arXiv:1711.05101", "Adam"),
-    OptimizerSpec("lion", Lion, ("exp_avg",), _step_bytes(1), "HostLion",
+    OptimizerSpec("lion", Lion, ("exp_avg",), "HostLion",
                   "Chen et al. 2023, arXiv:2302.06675", "Lion"),
 )}
 """Every host optimizer, by name."""
@@ -139,7 +120,7 @@ def optimizer_spec(name: str) -> OptimizerSpec:
                           f"{sorted(OPTIMIZERS)}") from None
 
 
-def spec_of(settings: pydantic.BaseModel) -> OptimizerSpec:
+def spec_of(settings: OptimizerSettings) -> OptimizerSpec:
     """The spec whose settings model ``settings`` is."""
     for spec in OPTIMIZERS.values():
         if type(settings) is spec.settings:
@@ -148,7 +129,7 @@ def spec_of(settings: pydantic.BaseModel) -> OptimizerSpec:
                       + ", ".join(f"megatrain.{s.settings.__qualname__}" for s in OPTIMIZERS.values()))
 
 
-def optimizer_settings(optimizer: pydantic.BaseModel | Mapping | None) -> pydantic.BaseModel:
+def optimizer_settings(optimizer: OptimizerSettings | Mapping | None) -> OptimizerSettings:
     """The settings ``optimizer`` gives: a settings object (``megatrain.AdamW``, ``megatrain.Lion``)
     as it is; a mapping of its fields, with ``"name"`` choosing the optimizer (default
     ``"adamw"``), e.g. ``{"name": "lion", "lr": 3e-5, "weight_decay": 0.1}``; None: AdamW's defaults.
@@ -157,7 +138,7 @@ def optimizer_settings(optimizer: pydantic.BaseModel | Mapping | None) -> pydant
         ConfigError: an unknown name, a setting out of range or unknown to that optimizer, or an
             optimizer object (``torch.optim.AdamW(...)``) rather than settings.
     """
-    if isinstance(optimizer, pydantic.BaseModel):
+    if isinstance(optimizer, OptimizerSettings):
         spec_of(optimizer)
         return optimizer
     if optimizer is not None and not isinstance(optimizer, Mapping):

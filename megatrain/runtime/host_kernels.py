@@ -316,15 +316,20 @@ class HostLion:
             raise ValueError(f"HostLion.update: the scratch ({scratch.dtype}, {scratch.numel()} elements) must be "
                              f"contiguous FP32 of at least {2 * chunk} elements (two chunks)")
         scratch = scratch.view(-1)
+        widen = grad.dtype != torch.float32 or grad_scale is not None
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
-            g = scratch[:hi - lo].copy_(grad[lo:hi])
-            if grad_scale is not None:
-                g.div_(grad_scale)
+            g = grad[lo:hi]
+            if widen:  # FP32 gradients are read in place
+                g = scratch[:hi - lo].copy_(g)
+                if grad_scale is not None:
+                    g.div_(grad_scale)
             p, m = param[lo:hi], exp_avg[lo:hi]
             u = torch.mul(m, beta1, out=scratch[chunk:chunk + hi - lo]).add_(g, alpha=1.0 - beta1).sign_()
-            p.mul_(decay).add_(u, alpha=-lr)
-            m.mul_(beta2).add_(g, alpha=1.0 - beta2)
+            if decay != 1.0:
+                p.mul_(decay)
+            p.add_(u, alpha=-lr)
+            m.lerp_(g, 1.0 - beta2)  # beta2 * m + (1 - beta2) * g in one pass
 
 
 def host_kernel(spec: OptimizerSpec) -> "HostAdamW | HostLion":

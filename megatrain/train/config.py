@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import Field
 
-from megatrain.config import describe_validation
+from megatrain.config import OptimizerSettings, describe_validation
 from megatrain import optim
 from megatrain.errors import ConfigError
 from megatrain.planner.presets import preset_names
@@ -203,7 +203,7 @@ class TrainConfig(pydantic.BaseModel):
     def micro_batches(self) -> int:
         return self.global_batch // self.micro_batch_size
 
-    def optimizer_settings(self) -> pydantic.BaseModel:
+    def optimizer_settings(self) -> OptimizerSettings:
         """The host optimizer's settings (``megatrain.AdamW`` or ``megatrain.Lion``) this config gives."""
         fields = dict(lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay)
         return optim.optimizer_settings({"name": self.optimizer, **fields, **({"eps": self.eps} if self.optimizer == "adamw"

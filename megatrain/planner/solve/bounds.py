@@ -38,12 +38,12 @@ the solver plans one rank (data-parallel collectives are added to its plan after
 
 
 def durations(graph: LayerGraph, kinds: Sequence[OpKind], compute_dtype: str,
-              hw: HardwareSpec, optimizer_name: str = "adamw") -> dict[OpKind, tuple[float, ...]]:
+              hw: HardwareSpec) -> dict[OpKind, tuple[float, ...]]:
     """Seconds of one op of each of ``kinds`` on every layer of ``graph`` (one micro-batch, in
     ``compute_dtype``): :func:`cost.op_duration`, indexed ``[kind][layer]``. Gradient ops as a
     plan of one micro-batch runs them (``Plan.gradient_dtype``); :meth:`StepTimes.gradient_times`
-    gives them for other pass structures; OPTs of host optimizer ``optimizer_name``."""
-    probe = Plan(compute_dtype=compute_dtype, optimizer_name=optimizer_name)
+    gives them for other pass structures."""
+    probe = Plan(compute_dtype=compute_dtype)
     n = len(graph.layers)
     return {kind: tuple(cost.op_duration(kind, graph, i, probe, hw) for i in range(n)) for kind in kinds}
 
@@ -92,10 +92,10 @@ class StepTimes:
         return self.times[OpKind.ACC]
 
 
-def step_times(graph: LayerGraph, compute_dtype: str, hw: HardwareSpec, optimizer_name: str = "adamw") -> StepTimes:
-    """The :class:`StepTimes` of ``graph`` in ``compute_dtype`` on ``hw``, stepped by ``optimizer_name``."""
+def step_times(graph: LayerGraph, compute_dtype: str, hw: HardwareSpec) -> StepTimes:
+    """The :class:`StepTimes` of ``graph`` in ``compute_dtype`` on ``hw``."""
     fp32 = Plan(compute_dtype=compute_dtype, d2h_dtype="float32")
-    return StepTimes(durations(graph, STEP_KINDS, compute_dtype, hw, optimizer_name),
+    return StepTimes(durations(graph, STEP_KINDS, compute_dtype, hw),
                      tuple(layer.trainable_numel > 0 for layer in graph.layers),
                      tuple(cost.d2h_time(layer, hw, fp32) for layer in graph.layers),
                      tuple(cost.opt_time(layer, hw, fp32) for layer in graph.layers))

@@ -123,7 +123,7 @@ class SolveRequest:
             forward (``OptimizerPlacement.NEXT_FORWARD``, one host gradient tile per trainable
             layer) and are timed by their steady-state step.
         optimizer_name: the host optimizer (``Plan.optimizer_name``), whose state bytes per
-            parameter the plans' host memory counts and whose host bytes time their OPTs.
+            parameter the plans' host memory counts.
     """
 
     graph: LayerGraph

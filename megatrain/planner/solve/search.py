@@ -137,7 +137,7 @@ class Search:
         self.deferred = request.clip_gradients
         self.ring = max(1, sum(1 for layer in g.layers if layer.trainable_numel > 0))  # NEXT_FORWARD tiles
         self.bf16 = request.compute_dtype == "bfloat16"
-        self.times = step_times(g, request.compute_dtype, self.hw, request.optimizer_name)
+        self.times = step_times(g, request.compute_dtype, self.hw)
         self.options: dict[int, SizeOption] = {}
         self.units: dict[tuple, tuple[Schedule, cost.MemoryBreakdown]] = {}
         self.rings: dict[tuple, int] = {}
