@@ -843,8 +843,8 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     name, mine = ts.get("optimizer_name", "adamw"), trainer.host.optimizer
     if name != mine.name:
         raise CheckpointError(f"{state / TRAINER_STATE}: the checkpoint holds {name}'s optimizer state but the trainer "
-                              f"runs {mine.name} (rows {mine.states}); compile with optimizer={{'name': {name!r}, ...}} "
-                              "to resume it")
+                              f"runs {mine.name} (rows {mine.states}); compile with "
+                              f"optimizer={{'name': {name!r}, ...}} to resume it")
     try:
         optimizer = mine.settings(**ts["optimizer"])
     except Exception as e:

@@ -924,7 +924,8 @@ class MemoryBreakdown:
     """Bytes a plan holds, by purpose, as a CLI prints them (``rows()``, ``format()``).
 
     Host: ``master_weights`` (FP32) and ``adam_moments`` (the FP32 state rows of the plan's
-    optimizer, ``optimizer_name``: AdamW's two moments, Lion's one, :func:`state_bytes_per_param`) persist; the gradient
+    optimizer, ``optimizer_name``: AdamW's two moments, Lion's one, :func:`state_bytes_per_param`)
+    persist; the gradient
     and staging rings, the offloaded-checkpoint space and the per-layer norms and flags
     (``pinned_norms``) are pinned, each in whole pages (:func:`pinned_buffers`);
     ``gradient_accumulators`` (per-micro-batch passes only) and ``gradient_scratch`` (the FP32
@@ -1267,7 +1268,8 @@ __all__ = [
     "ROUND_LARGE_BYTES", "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS",
     "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
     "HOST_PAGE_BYTES",
-    "page_up", "state_bytes_per_param", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
+    "page_up", "state_bytes_per_param",
+    "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
     "node_slice", "cast_shard", "shared_staging_bytes",
@@ -1279,7 +1281,8 @@ __all__ = [
 
 def nvme_bytes(layer: Layer, masters: bool = False, plan: Plan | None = None) -> int:
     """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves on one rank: its FP32 optimizer state
-    (:func:`state_bytes_per_param`, AdamW's two moments: 8 bytes per trainable parameter; under ``plan``'s data parallel, of the part one rank steps,
+    (:func:`state_bytes_per_param`, AdamW's two moments: 8 bytes per trainable parameter; under
+    ``plan``'s data parallel, of the part one rank steps,
     :func:`optimizer_numel`: each rank's file holds its optimizer shard, the whole tile where each
     rank steps a copy of its own) and, with ``masters`` (``Plan.nvme_masters``: one file holds
     both), its FP32 master before them (4 bytes per parameter, frozen ones included), padded to the

@@ -831,7 +831,8 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Host optimizer step (``HostState.optimizer``'s kernel: AdamW, Lion) of one layer from the gradient tile or accumulator the op names (with
+    """Host optimizer step (``HostState.optimizer``'s kernel: AdamW, Lion) of one layer from the
+    gradient tile or accumulator the op names (with
     ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
     state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data

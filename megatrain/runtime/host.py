@@ -369,7 +369,8 @@ class HostState:
         written back). Raises NvmeError (naming the file) when it is missing or truncated."""
         if self._batch is not None and self._batch[0] == layer:
             return self._batch[1].clone()
-        out = torch.empty((self.nvme_master_numel(layer) + self.n_states * self.nvme_numel(layer),), dtype=torch.float32)
+        out = torch.empty((self.nvme_master_numel(layer) + self.n_states * self.nvme_numel(layer),),
+                          dtype=torch.float32)
         self.nvme.read_tensor(self.nvme_key(layer), out)
         return out
 
@@ -496,7 +497,8 @@ class HostState:
                 row.copy_(moments[k * t:(k + 1) * t])
 
     def moment_row(self, layer: int, k: int) -> "torch.Tensor | NvmeMomentRow":
-        """State row ``k`` (of ``optimizer.states``; AdamW 0: ``exp_avg``, 1: ``exp_avg_sq``) of the layer as a state-dict entry: the
+        """State row ``k`` (of ``optimizer.states``; AdamW 0: ``exp_avg``, 1: ``exp_avg_sq``) of the
+        layer as a state-dict entry: the
         view of its row in host memory, or an :class:`NvmeMomentRow` that reads and writes the file."""
         return NvmeMomentRow(self, layer, k) if layer in self.nvme_moments else self._moment(layer, k)
 
@@ -691,7 +693,8 @@ class SlicedRow:
 
     def __repr__(self) -> str:
         return (f"SlicedRow({self.host.graph.layers[self.layer].name!r}, "
-                f"{(('master',) + self.host.optimizer.states)[self.kind]}, start={self.start}, shape={list(self.shape)})")
+                f"{(('master',) + self.host.optimizer.states)[self.kind]}, start={self.start}, "
+                f"shape={list(self.shape)})")
 
 
 def as_tensor(x: "torch.Tensor | NvmeRow | SlicedRow") -> torch.Tensor:
