@@ -279,8 +279,8 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
     if source.kind == "weights":
         load_weights(trainer, source, echo)
         echo(f"weights: loaded from {source.directory}" + (
-            f" (init_from: a new run from step 0 with fresh {cfg.optimizer} state; not a resume)" if cfg.init_from
-            else ""))
+            f" (init_from: a new run from step 0 with fresh {type(optimizer).__name__} state; not a resume)"
+            if cfg.init_from else ""))
         return trainer, 0, 0, {}
     if source.kind == "config":
         return trainer, 0, 0, {}
@@ -303,8 +303,8 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
              "settings come from its train_config.json)")
     saved = trainer.optimizer.model_copy(update={"lr": optimizer.lr})
     if saved != optimizer:
-        echo(f"note: the checkpoint's {cfg.optimizer} settings were {saved.model_dump()}; going on with this config's "
-             f"{optimizer.model_dump()}")
+        echo(f"note: the checkpoint's {type(optimizer).__name__} settings were {saved.model_dump()}; going on with "
+             f"this config's {optimizer.model_dump()}")
     trainer.set_optimizer(optimizer)  # the schedule sets lr before every step
     echo(f"resume: step {state['step']} of {source.directory}")
     return trainer, int(state["step"]), int(state["skipped_steps"]), state
