@@ -14,6 +14,7 @@ raises on purpose (each a ``MegatrainError``).
 """
 
 from megatrain.config import AdamW, CompileOptions
+from megatrain.optim import Lion
 from megatrain.errors import (BatchError, CheckpointError, CollectiveError, ConfigError, MegatrainError, PlanError,
                               ScheduleError, StepError, TraceError, UnsupportedModelError)
 
@@ -58,6 +59,7 @@ __all__ = [
     "StepResult",
     # settings
     "AdamW",
+    "Lion",
     "CompileOptions",
     # planning
     "HardwareSpec",

@@ -12,10 +12,13 @@ tensor, never by a second copy of the model.
       model.safetensors                      one shard, or
       model-00001-of-0000n.safetensors ...   several, with model.safetensors.index.json
       megatrain_state/
-        trainer_state.json                   format version, step count, Adam step per layer,
-                                             AdamW settings, tile layout, RNG states of Python and
-                                             NumPy, the caller's extra_state
-        optimizer.safetensors or             per layer "<layer>.exp_avg", "<layer>.exp_avg_sq" rows of
+        trainer_state.json                   format version, step count, optimizer step per layer,
+                                             optimizer settings (and "optimizer_name" but for AdamW),
+                                             tile layout, RNG states of Python and NumPy, the
+                                             caller's extra_state
+        optimizer.safetensors or             per layer a "<layer>.<state>" row per state of the
+                                             optimizer (megatrain.optim; AdamW "<layer>.exp_avg",
+                                             "<layer>.exp_avg_sq", Lion "<layer>.exp_avg") of
         optimizer-0000k-of-0000n.safetensors the tile (and "<layer>.master" when the model shards are
                                              not FP32, so that resuming stays exact)
         rng.safetensors                      torch CPU (and CUDA) generator states
@@ -63,7 +66,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 import numpy as np
 import torch
 
-from megatrain.config import AdamW
+from megatrain.optim import ADAMW, spec_of
 from megatrain.errors import CheckpointError
 from megatrain.runtime.host import as_tensor
 
@@ -552,7 +555,7 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
     ``path`` afterwards holds ``config.json`` (when the model has a Hugging Face config), the weights
     as ``model.safetensors`` or as ``model-0000k-of-0000n.safetensors`` shards with
     ``model.safetensors.index.json``, which ``transformers.AutoModelForCausalLM.from_pretrained``
-    loads, and ``megatrain_state/`` with the Adam moments and steps, the step count, the AdamW
+    loads, and ``megatrain_state/`` with the optimizer's moments and steps, the step count, the optimizer
     settings, the torch / NumPy / Python RNG states, ``extra_state`` and a manifest holding the
     sha256 of every file (see the module docstring for the layout). What is saved is
     ``trainer.state_dict()``; host memory grows by about one shard (``max_shard_bytes``).
@@ -679,8 +682,9 @@ def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max
 
     # Optimizer state: the moment rows of each tile (and the master row when the shards are lossy).
     rows = []
+    spec = spec_of(sd["optimizer_settings"])
     for layer in sd["layers"]:
-        kinds = [("optimizer", "exp_avg"), ("optimizer", "exp_avg_sq")]
+        kinds = [("optimizer", kind) for kind in spec.states]
         if dtype != torch.float32:
             kinds.insert(0, ("masters", "master"))
         for group, kind in kinds:
@@ -701,6 +705,7 @@ def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max
         "step_count": sd["step_count"],
         "adam_steps": dict(sd["adam_steps"]),
         "optimizer": sd["optimizer_settings"].model_dump(mode="json"),
+        **({} if spec is ADAMW else {"optimizer_name": spec.name}),  # absent: AdamW, as before Lion
         "model_dtype": str(dtype).removeprefix("torch."),
         "master_weights": "model" if dtype == torch.float32 else "state",
         "optimizer_files": [_shard_name("optimizer", k, len(opt_shards)) for k in range(len(opt_shards))],
@@ -800,7 +805,7 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     """Restore a ``save_checkpoint`` checkpoint into a compiled trainer and return its ``extra_state``.
 
     Restores the FP32 master weights, both Adam moments and the Adam step of every layer, the
-    trainer's ``step_count``, its AdamW settings (learning rate included) and the torch CPU (and
+    trainer's ``step_count``, its optimizer settings (learning rate included) and the torch CPU (and
     CUDA, where saved and available), NumPy and Python RNG states, so that training continues bit
     for bit as if it had not stopped. The trainer must be compiled from the same model
     architecture; its current weights (a meta-device model's initialisation, say) are overwritten.
@@ -835,8 +840,13 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
     # The trainer's state as views: files are checked against it, then copied into it in place.
     sd = trainer.state_dict(flush=False)
     _check_layers(ts["layers"], sd["layers"], state / TRAINER_STATE)
+    name, mine = ts.get("optimizer_name", "adamw"), trainer.host.optimizer
+    if name != mine.name:
+        raise CheckpointError(f"{state / TRAINER_STATE}: the checkpoint holds {name}'s optimizer state but the trainer "
+                              f"runs {mine.name} (rows {mine.states}); compile with "
+                              f"optimizer={{'name': {name!r}, ...}} to resume it")
     try:
-        optimizer = AdamW(**ts["optimizer"])
+        optimizer = mine.settings(**ts["optimizer"])
     except Exception as e:
         raise CheckpointError(f"{state / TRAINER_STATE}: optimizer settings are invalid ({e})") from None
 

@@ -257,7 +257,7 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
         ("layer by layer", "yes" if plan.layer_by_layer else "no",
          "all micro-batches per weight load" if plan.layer_by_layer
          else "a pass per micro-batch, gradients summed in host accumulators"),
-        ("optimizer", plan.optimizer.value.replace("_", " "), "host AdamW"),
+        ("optimizer", plan.optimizer.value.replace("_", " "), f"host {plan.optimizer_spec.settings.__name__}"),
     ])
     lines.append("")
     busy = tl.busy_fraction

@@ -10,13 +10,8 @@ from pydantic import Field
 from megatrain.errors import ConfigError
 
 
-class AdamW(pydantic.BaseModel):
-    """AdamW settings (Loshchilov & Hutter 2019, arXiv:1711.05101), as in ``torch.optim.AdamW``.
-
-    The update runs on the host, per layer, over the layer's flat FP32 tiles through torch's fused
-    AdamW kernel (``torch.optim.adamw.adamw(fused=True)``); weight decay is decoupled and applies to
-    every trainable parameter, as ``torch.optim.AdamW`` does with one parameter group.
-    """
+class OptimizerSettings(pydantic.BaseModel):
+    """The hyper-parameters of a host optimizer (``megatrain.optim``): frozen, no unknown fields."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -25,7 +20,16 @@ class AdamW(pydantic.BaseModel):
         try:
             super().__init__(**settings)
         except pydantic.ValidationError as e:
-            raise ConfigError("invalid AdamW settings: " + describe_validation(e)) from None
+            raise ConfigError(f"invalid {type(self).__name__} settings: " + describe_validation(e)) from None
+
+
+class AdamW(OptimizerSettings):
+    """AdamW settings (Loshchilov & Hutter 2019, arXiv:1711.05101), as in ``torch.optim.AdamW``.
+
+    The update runs on the host, per layer, over the layer's flat FP32 tiles through torch's fused
+    AdamW kernel (``torch.optim.adamw.adamw(fused=True)``); weight decay is decoupled and applies to
+    every trainable parameter, as ``torch.optim.AdamW`` does with one parameter group.
+    """
 
     lr: float = Field(1e-3, ge=0.0, description="learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="first and second moment decay, each in [0, 1)")

@@ -35,6 +35,7 @@ from torch import nn
 
 from megatrain.data.packing import IGNORE_INDEX
 from megatrain.errors import BatchError, ConfigError
+from megatrain.optim import optimizer_settings, spec_of
 
 __all__ = ["ShapeFreeTrainer", "pad_to_bucket"]
 
@@ -95,8 +96,6 @@ class ShapeFreeTrainer:
     def __init__(self, model: nn.Module, *, micro_batch_size: int | None = None, micro_batches: int = 1,
                  seq_len_buckets: Sequence[int] | None = None, max_shapes: int = DEFAULT_MAX_SHAPES,
                  optimizer: Any = None, nvme_dir: str | None = None, **compile_kwargs: Any) -> None:
-        from megatrain.trainer import _optimizer
-
         if max_shapes < 1:
             raise ConfigError(f"max_shapes={max_shapes}: keep at least one shape's plan")
         if micro_batches < 1 or (micro_batch_size is not None and micro_batch_size < 1):
@@ -108,7 +107,7 @@ class ShapeFreeTrainer:
         self.micro_batches = micro_batches
         self.seq_len_buckets = tuple(sorted(seq_len_buckets)) if seq_len_buckets else None
         self.max_shapes = max_shapes
-        self.optimizer = _optimizer(optimizer)
+        self.optimizer = optimizer_settings(optimizer)
         self.compile_kwargs = compile_kwargs
         self.nvme_dir = nvme_dir
         self._plans: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
@@ -155,7 +154,8 @@ class ShapeFreeTrainer:
             mbs, seq = key
             try:
                 planned = plan_model(self.model, seq_len=seq, micro_batch_size=mbs,
-                                     micro_batches=self.micro_batches, **self.compile_kwargs)
+                                     micro_batches=self.micro_batches, optimizer_name=spec_of(self.optimizer).name,
+                                     **self.compile_kwargs)
             except Exception as e:
                 e.add_note(f"(planning the batch shape micro_batch_size={mbs}, seq_len={seq})")
                 raise

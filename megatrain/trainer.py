@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megatrain.config import AdamW, CompileOptions, describe_validation
+from megatrain.optim import Lion, optimizer_settings, optimizer_spec, spec_of
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
 from megatrain.models import check_model
 from megatrain.planner import cost
@@ -208,8 +209,16 @@ class Trainer:
             raise StepError(f"{what} failed while running ({type(e).__name__}: {e}); {state}.",
                             updated_layers=updated) from e
 
-    def set_optimizer(self, optimizer: AdamW) -> None:
-        """Use these AdamW settings from the next optimizer step on (moments and steps are kept)."""
+    def set_optimizer(self, optimizer: AdamW | Lion) -> None:
+        """Use these settings from the next optimizer step on (moments and steps are kept).
+
+        Raises:
+            ConfigError: settings of another optimizer than the one the host state is laid out for.
+        """
+        if spec_of(optimizer) is not self.host.optimizer:
+            raise ConfigError(f"set_optimizer: {spec_of(optimizer).name} settings for a trainer whose host state "
+                              f"holds {self.host.optimizer.name}'s rows {self.host.optimizer.states}; the optimizer "
+                              "is fixed at compile: compile again with optimizer= the one you want")
         self.optimizer = optimizer
         self.executor.optimizer = optimizer
 
@@ -305,8 +314,9 @@ class Trainer:
                 dtypes), except those on the ``meta`` device.
             ``"masters"``: ``{"<layer>.master": Tensor[numel]}``, each layer's FP32 master row (the
                 memory ``"model"`` views, whole, padding included).
-            ``"optimizer"``: ``{"<layer>.exp_avg" | "<layer>.exp_avg_sq": Tensor[trainable_numel]}``,
-                the FP32 AdamW moment rows of each layer's trainable prefix (frozen parameters,
+            ``"optimizer"``: ``{"<layer>.<state>": Tensor[trainable_numel]}`` for each state of the
+                optimizer's spec (``megatrain.optim``; AdamW: ``exp_avg``, ``exp_avg_sq``; Lion:
+                ``exp_avg``), the FP32 moment rows of each layer's trainable prefix (frozen parameters,
                 laid out after it, have none); for a layer whose moments live on NVMe
                 (``Plan.nvme_moments``) an :class:`~megatrain.runtime.host.NvmeMomentRow`, which
                 reads the row from its file (``read()``) and writes one into it (``copy_``), so
@@ -318,9 +328,9 @@ class Trainer:
                 of ``"model"``, ``"masters"`` and ``"optimizer"`` are
                 :class:`~megatrain.runtime.host.SlicedRow` parts of the whole rows: a load writes
                 this node's part of each; only :meth:`save` (every rank calling it) reads them.
-            ``"adam_steps"``: ``{layer name: float}``, each layer's AdamW step count.
+            ``"adam_steps"``: ``{layer name: float}``, each layer's optimizer step count.
             ``"step_count"``: ``int``, the steps this trainer has taken.
-            ``"optimizer_settings"``: the ``AdamW`` settings (learning rate included).
+            ``"optimizer_settings"``: the ``AdamW`` or ``Lion`` settings (learning rate included).
             ``"layers"``: the tile layout, one ``{"name", "numel", "trainable_numel", "params":
                 [[name, shape, offset], ...]}`` per layer: what makes another trainer's state fit
                 this one.
@@ -336,7 +346,7 @@ class Trainer:
              for pi, spec in enumerate(layer.params)},
             {f"{layer.name}.master": host.master_row(li) for li, layer in enumerate(layers)},
             {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
-             for k, kind in enumerate(("exp_avg", "exp_avg_sq"))})
+             for k, kind in enumerate(host.optimizer.states)})
         # state_dict() returns detached tensors sharing the module's storage: copying into one
         # writes the module's buffer.
         # A tied parameter's other names (lm_head.weight) are no buffers: it is saved once, in "model".
@@ -366,7 +376,7 @@ class Trainer:
                 {f"{layer.name}.master": SlicedRow(host, li, MASTER, 0, (layer.numel,), fetch)
                  for li, layer in enumerate(layers)},
                 {f"{layer.name}.{kind}": SlicedRow(host, li, k + 1, 0, (layer.trainable_numel,), fetch)
-                 for li, layer in enumerate(layers) for k, kind in enumerate(("exp_avg", "exp_avg_sq"))})
+                 for li, layer in enumerate(layers) for k, kind in enumerate(host.optimizer.states)})
 
     def _fetch_row(self, layer: int, kind: int) -> torch.Tensor:
         """A whole row of a sharded host state, gathered to global rank 0 while :meth:`save` runs."""
@@ -388,6 +398,12 @@ class Trainer:
                 (the message names it); checked before anything changes.
         """
         mine = self.state_dict(flush=False)  # a pending update is dropped, not applied to what is overwritten
+        theirs_spec = spec_of(state["optimizer_settings"])
+        if theirs_spec is not self.host.optimizer:
+            raise CheckpointError(f"load_state_dict: the state is of a {theirs_spec.name} trainer (rows "
+                                  f"{theirs_spec.states}), this trainer runs {self.host.optimizer.name} (rows "
+                                  f"{self.host.optimizer.states}); compile with optimizer={{'name': "
+                                  f"{theirs_spec.name!r}, ...}} to resume it")
         if state["layers"] != mine["layers"]:
             raise CheckpointError("load_state_dict: the state's layer layout differs from this trainer's; load the "
                                   "state of a trainer compiled from the same model")
@@ -786,7 +802,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
                hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
                share_host_memory: bool = True, host_state: str | None = None,
-               per_token_loss: bool = True) -> PlannedModel:
+               per_token_loss: bool = True, optimizer_name: str | None = None) -> PlannedModel:
     """Plan ``model`` for training, once: ``trace`` it (on whatever device it is on, ``meta``
     included) into a LayerGraph; take ``plan``, the default plan or the solver's; ``lower`` the
     train schedules and ``verify`` them. Allocates nothing and touches no parameter memory; the
@@ -811,6 +827,9 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
             and moments on every node) or ``"shard"`` (each node holds ``1 / nodes`` of it and the
             ranks gather each layer's weights before use, ZeRO-3 style: ``Plan.host_state``);
             None keeps the plan's (``"replicate"`` for the default and solved plans).
+        optimizer_name: the host optimizer the plan is for (``Plan.optimizer_name``, a name in
+            :data:`megatrain.optim.OPTIMIZERS`): its state bytes per parameter are what the solver
+            and ``memory`` count. None keeps a given plan's, else ``"adamw"``.
 
     Returns:
         The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
@@ -841,16 +860,22 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                           "micro-batch losses)")
     clip = options.max_grad_norm is not None
     solution = None
+    if optimizer_name is not None:
+        optimizer_spec(optimizer_name)  # ConfigError naming the known ones
     if plan is None and (hw is not None or options.device == "cuda"):
         if hw is None:
             hw = measure_hardware()
-        solution = _solve(graph, options, hw, _compute_dtype(options, compute_dtype))
+        solution = _solve(graph, options, hw, _compute_dtype(options, compute_dtype), optimizer_name or "adamw")
         plan = solution.plan
     elif plan is None or plan == "default":
         plan = dataclasses.replace(default_plan(graph, options.micro_batches, clip_gradients=clip),
-                                   compute_dtype=_compute_dtype(options, compute_dtype))
+                                   compute_dtype=_compute_dtype(options, compute_dtype),
+                                   optimizer_name=optimizer_name or "adamw")
     elif not isinstance(plan, Plan):
         raise ConfigError(f"plan={plan!r}: give a megatrain Plan, 'default' or None (the solver's)")
+    elif optimizer_name is not None:
+        # The optimizer is the caller's choice; a given plan's field only sizes its state.
+        plan = dataclasses.replace(plan, optimizer_name=optimizer_name)
     if plan.micro_batches != options.micro_batches:
         raise ConfigError(f"plan.micro_batches={plan.micro_batches} but micro_batches={options.micro_batches}")
     if clip and plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
@@ -925,11 +950,12 @@ def _unsaved_error(what: str, e: Exception, ran: tuple[int, ...], unsaved: set[i
                      "(Trainer.load) before training on", updated_layers=ran, unsaved_layers=tuple(lost))
 
 
-def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None, *,
+def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None = None, *,
                 backend: Backend | None = None, nvme_dir: str | None = None,
                 host: HostState | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
-    master weights and AdamW moments, 12 bytes per parameter; 4 for a layer of
+    master weights and the optimizer's state rows, ``megatrain.optim``: 12 bytes per parameter with
+    AdamW, 8 with Lion; 4 for a layer of
     ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here; none for a layer of
     ``Plan.nvme_masters``, whose initialised master is written to its file here), the module's
     parameters bound to them (a meta-device model is initialised there by its own initialisation), the backend and
@@ -944,11 +970,15 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
 
     Raises:
         ConfigError: an optimizer setting out of range, or an optimizer object rather than settings;
-            ``device="cuda"`` without CUDA.
+            an optimizer other than the plan's ``optimizer_name``; ``device="cuda"`` without CUDA.
         UnsupportedModelError: a meta-device parameter its module's initialisation does not set.
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
-    opt = _optimizer(optimizer)
+    opt = optimizer_settings(optimizer)
+    spec = spec_of(opt)
+    if planned.plan.optimizer_name != spec.name:
+        raise ConfigError(f"the plan sizes {planned.plan.optimizer_name}'s optimizer state (Plan.optimizer_name) but "
+                          f"the optimizer is {spec.name}; plan with plan_model(..., optimizer_name={spec.name!r})")
     if host is not None and planned.plan.shared_cast and not host.staging:
         # Another batch shape's plan made the node's shared mapping without staging tiles (it did
         # not share casts), and a mapping does not grow: this shape's ranks cast into tiles of
@@ -983,14 +1013,15 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
 
         staging = planned.plan.shared_cast
-        dp = data_parallel_host(HostState.shared_nbytes(traced.graph, staging=staging, nvme_moments=on_nvme),
+        dp = data_parallel_host(HostState.shared_nbytes(traced.graph, staging=staging, nvme_moments=on_nvme,
+                                                        optimizer=spec),
                                 planned.plan.data_parallel, planned.plan.optimizer_shards)
         # Each rank's NVMe files hold the moments of what its OPTs step (its optimizer shard, the
         # whole tile where each rank has a copy), named by its global rank (HostState, NvmeShards).
         shards = NvmeShards(rank=dp.topo.rank, ways=planned.plan.update_shards, index=dp.shard_index,
                             first=dp.topo.rank - dp.topo.local_rank) if on_nvme else None
         host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir), shared=dp.shared,
-                         writer=dp.writer, staging=staging, nvme_shards=shards)
+                         writer=dp.writer, staging=staging, nvme_shards=shards, optimizer=spec)
         host.data_parallel = dp
         bind_module(model, host, writer=dp.writer)
         broadcast_masters([host.master(i) for i in range(len(traced.graph.layers))], dp)
@@ -999,7 +1030,7 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Mapping | None = None,
         # disk fails at compile, before the model is bound.
         host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir),
                          nvme_gradients=grads_on_nvme, gradient_itemsize=planned.plan.gradient_itemsize,
-                         nvme_masters=planned.plan.nvme_masters)
+                         nvme_masters=planned.plan.nvme_masters, optimizer=spec)
         bind_module(model, host)
         if host.nvme_masters:
             # The initialised masters go to their files (the executor casts its staging tiles from
@@ -1048,10 +1079,11 @@ def _sharded_host(planned: PlannedModel) -> HostState:
     slices = [cost.node_slice(lay.numel, lay.trainable_numel, plan, node) for lay in graph.layers]
     gather_bytes = cost.gather_buffer_bytes(graph, plan) // cost.GATHER_BUFFERS
     scratch = cost.gather_scratch_bytes(graph, plan)
-    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes, scratch_bytes=scratch),
+    spec = plan.optimizer_spec
+    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes, scratch_bytes=scratch, optimizer=spec),
                             plan.data_parallel, plan.optimizer_shards, plan.nodes, sharded=True)
     host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes,
-                     scratch_bytes=scratch)
+                     scratch_bytes=scratch, optimizer=spec)
     host.data_parallel = dp
     rows = None
     if dp.topo.rank == 0:
@@ -1065,7 +1097,7 @@ def _sharded_host(planned: PlannedModel) -> HostState:
 
 
 def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: int | None = None,
-            micro_batches: int = 1, optimizer: AdamW | Mapping | None = None,
+            micro_batches: int = 1, optimizer: AdamW | Lion | Mapping | None = None,
             plan: Plan | Literal["default"] | None = None, device: str = "cpu",
             input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
@@ -1077,8 +1109,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
 
     ``plan_model`` traces the model (on whatever device it is on, ``meta`` included) into a
     LayerGraph, takes ``plan`` or chooses one, and lowers and verifies the train schedules, once;
-    ``materialize`` allocates the host tiles (FP32 master weights and AdamW moments, 12 bytes per
-    parameter), binds the module's parameters to them and builds the executor. The model's
+    ``materialize`` allocates the host tiles (FP32 master weights and the optimizer's state: 12
+    bytes per parameter with AdamW's two moments, 8 with Lion's one), binds the module's parameters to them and builds the executor. The model's
     parameters then live only in the tiles: ``model.state_dict()`` shows the trained weights.
 
     Args:
@@ -1092,7 +1124,11 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             divided by ``micro_batches``).
         micro_batches: micro-batches per step (gradient accumulation); the global batch is
             ``micro_batch_size * micro_batches`` sequences.
-        optimizer: ``megatrain.AdamW`` or a dict of its fields (lr, betas, eps, weight_decay).
+        optimizer: the host optimizer's settings (:mod:`megatrain.optim`): ``megatrain.AdamW``
+            (the default), ``megatrain.Lion`` (Chen et al. 2023, arXiv:2302.06675: one FP32
+            moment, 4 bytes of state per parameter against AdamW's 8), or a dict of their fields
+            with ``"name"`` choosing (``{"name": "lion", "lr": 3e-5, "weight_decay": 0.1}``;
+            default ``"adamw"``). The plan counts that optimizer's state bytes.
         plan: a ``Plan``; ``"default"`` for the default plan; by default the solver chooses one
             (see ``hardware``).
         hardware: what to plan for when ``plan`` is None: a ``HardwareSpec``, a preset name
@@ -1163,11 +1199,11 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                           f"seq_len={seq_len} every batch has that length")
     micro_batch_size = 1 if micro_batch_size is None else micro_batch_size
     _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm, per_token_loss)
-    opt = _optimizer(optimizer)  # settings errors before anything is traced
+    opt = optimizer_settings(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
-                         host_state=host_state, per_token_loss=per_token_loss)
+                         host_state=host_state, per_token_loss=per_token_loss, optimizer_name=spec_of(opt).name)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 
@@ -1180,13 +1216,6 @@ def _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_
     except pydantic.ValidationError as e:
         raise ConfigError("invalid settings: " + describe_validation(e)) from None
 
-
-def _optimizer(optimizer: AdamW | Mapping | None) -> AdamW:
-    if optimizer is not None and not isinstance(optimizer, (AdamW, Mapping)):
-        raise ConfigError(f"optimizer={type(optimizer).__module__}.{type(optimizer).__qualname__}: megatrain runs "
-                          "AdamW itself on the host tiles, so it takes the settings, not an optimizer object; pass "
-                          "megatrain.AdamW(lr=..., betas=..., eps=..., weight_decay=...) or a dict of those fields")
-    return optimizer if isinstance(optimizer, AdamW) else AdamW(**dict(optimizer or {}))
 
 
 def _compute_dtype(options: CompileOptions, compute_dtype: str | None) -> str:
@@ -1203,8 +1232,10 @@ def _hardware(hardware: HardwareSpec | str | None) -> HardwareSpec | None:
     raise ConfigError(f"hardware={hardware!r}: give a HardwareSpec, a preset name or a spec .json file")
 
 
-def _solve(graph: LayerGraph, options: CompileOptions, hw: HardwareSpec, dtype: str) -> Solution:
-    """The solver's plan for ``hw`` with the compiled micro-batch size."""
+def _solve(graph: LayerGraph, options: CompileOptions, hw: HardwareSpec, dtype: str,
+           optimizer_name: str = "adamw") -> Solution:
+    """The solver's plan for ``hw`` with the compiled micro-batch size, for ``optimizer_name``'s state."""
     request = SolveRequest(graph, hw, options.global_batch, dtype, clip_gradients=options.max_grad_norm is not None,
-                           limits=SolveLimits(micro_batch_sizes=(options.micro_batch_size,)))
+                           limits=SolveLimits(micro_batch_sizes=(options.micro_batch_size,)),
+                           optimizer_name=optimizer_name)
     return solve(request)

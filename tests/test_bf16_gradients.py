@@ -65,7 +65,7 @@ def test_bf16_d2h_is_bitwise_fp32_d2h(make, M, l2l, clip):
     assert b32.grads[0].dtype is torch.float32 and b32.ring[0].dtype is torch.float32
     # The optimizer reads an FP32 accumulator with per-micro-batch passes, else widens a chunk at a
     # time in its kernel's scratch.
-    assert (t16.executor.adam._scratch is not None) == l2l and t32.executor.adam._scratch is None
+    assert (t16.executor.opt_kernel._scratch is not None) == l2l and t32.executor.opt_kernel._scratch is None
     assert losses16[-1] < losses16[0]
 
 

@@ -158,7 +158,7 @@ def test_each_host_adam_kernel_matches_eager(kernel, max_grad_norm, monkeypatch)
     monkeypatch.setenv(HOST_ADAM_ENV, kernel)
     torch.manual_seed(4)
     trainer = assert_same_training(tiny_llama(layers=2), steps=6, max_grad_norm=max_grad_norm)
-    assert trainer.executor.adam.kernel == kernel
+    assert trainer.executor.opt_kernel.kernel == kernel
 
 
 def test_clipped_gradient_norm_equals_torch():

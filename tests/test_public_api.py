@@ -12,7 +12,7 @@ from megatrain import errors
 def test_public_surface_is_pinned():
     assert sorted(megatrain.__all__) == sorted([
         "compile", "from_pretrained", "plan_model", "materialize", "PlannedModel", "Trainer", "StepResult",
-        "AdamW", "CompileOptions",
+        "AdamW", "Lion", "CompileOptions",
         "HardwareSpec", "preset", "Plan", "OptimizerPlacement", "ActivationPolicy", "SolveRequest", "solve",
         "MegatrainError", "BatchError", "CheckpointError", "CollectiveError", "ConfigError", "InfeasibleRequestError", "PlanError",
         "ScheduleError", "StepError", "TraceError", "UnsupportedModelError"])

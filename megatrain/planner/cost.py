@@ -89,6 +89,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatrain.errors import ConfigError
+from megatrain.optim import ADAMW, OPTIMIZERS
 from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
                                         CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HardwareSpec)
@@ -117,8 +118,15 @@ bitwise the unchunked one."""
 MASTER_BYTES_PER_ELEMENT = 4
 """FP32 master weight per tile element."""
 
-MOMENT_BYTES_PER_ELEMENT = 8
-"""FP32 Adam exp_avg and exp_avg_sq per tile element."""
+MOMENT_BYTES_PER_ELEMENT = ADAMW.state_bytes_per_param
+"""AdamW's FP32 exp_avg and exp_avg_sq per trainable tile element; a plan's own optimizer's is
+:func:`state_bytes_per_param`."""
+
+
+def state_bytes_per_param(plan: Plan | None = None) -> int:
+    """Bytes of optimizer state per trainable parameter under ``plan``'s host optimizer
+    (``Plan.optimizer_name``; None: AdamW's 8): 4 per FP32 state row of its spec."""
+    return (plan.optimizer_spec if plan is not None else ADAMW).state_bytes_per_param
 
 STAGING_ITEMSIZE = 2
 """The staging ring holds BF16 copies of the tiles H2D is about to read."""
@@ -324,12 +332,17 @@ def host_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
 
 
 def optimizer_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
-    """AdamW parameters/s of one rank's OPT: :func:`host_rate`, or where the plan's OPTs read BF16
+    """Parameters/s of one rank's OPT: :func:`host_rate`, or where the plan's OPTs read BF16
     gradient tiles (:func:`widens_gradients`) the spec's ``host_optimizer_bf16_params_per_s`` over
     the node's ranks. A spec without that rate (0: written before it was measured) gets the
     memory-bound estimate of a many-core host, whose widened chunks go through DRAM: :func:`host_rate`
     x 28 / 34 (``ADAMW_WIDENED_BYTES_PER_PARAM``; a small team's chunks stay in the cache and step
-    faster, which a measured rate shows)."""
+    faster, which a measured rate shows). Those rates are AdamW's, and every host optimizer
+    (``plan.optimizer_name``) is timed at them: Lion moves 20 bytes per parameter where AdamW
+    moves 28, but its kernel (torch's element-wise ops, several passes over each cache-sized chunk,
+    :class:`~megatrain.runtime.host_kernels.HostLion`) stepped at 0.8-1.1x torch's fused AdamW
+    rate on this project's 2-core VM (8 Mi-parameter tiles, 1 thread, 2026-11-27), not 28/20 =
+    1.4x; the spec measures no rate of its own."""
     if plan is None or not widens_gradients(plan):
         return host_rate(hw, plan)
     if hw.host_optimizer_bf16_params_per_s > 0:
@@ -910,7 +923,9 @@ def pinned_buffers(graph: LayerGraph, plan: Plan, mode: str = "train") -> Pinned
 class MemoryBreakdown:
     """Bytes a plan holds, by purpose, as a CLI prints them (``rows()``, ``format()``).
 
-    Host: ``master_weights`` (FP32) and ``adam_moments`` (two FP32 moments) persist; the gradient
+    Host: ``master_weights`` (FP32) and ``adam_moments`` (the FP32 state rows of the plan's
+    optimizer, ``optimizer_name``: AdamW's two moments, Lion's one, :func:`state_bytes_per_param`)
+    persist; the gradient
     and staging rings, the offloaded-checkpoint space and the per-layer norms and flags
     (``pinned_norms``) are pinned, each in whole pages (:func:`pinned_buffers`);
     ``gradient_accumulators`` (per-micro-batch passes only) and ``gradient_scratch`` (the FP32
@@ -951,6 +966,7 @@ class MemoryBreakdown:
     nvme_gradient_buffers: int = 0
     shared_staging: int = 0
     reserve_parts: GpuReserve | None = None
+    optimizer_name: str = "adamw"
 
     @property
     def host_total(self) -> int:
@@ -988,11 +1004,15 @@ class MemoryBreakdown:
         """Whether the host budgets hold on ``hw`` (host memory and its pinned cap), GPU aside."""
         return all(need <= have for what, need, have in self.budgets(hw) if what != "GPU memory")
 
+    def _moments_label(self) -> str:
+        spec = OPTIMIZERS[self.optimizer_name]
+        return f"{spec.label} moments (FP32 x{len(spec.states)})"
+
     def rows(self) -> list[tuple[str, str, int]]:
         """``(where, what, bytes)`` rows for a table, totals last in each section."""
         return [
             ("host", "FP32 master weights", self.master_weights),
-            ("host", "Adam moments (FP32 x2)", self.adam_moments),
+            ("host", self._moments_label(), self.adam_moments),
             ("host", "gradient ring (pinned)", self.gradient_ring),
             ("host", "BF16 staging ring (pinned)", self.staging_ring),
             ("host", "offloaded checkpoints (pinned)", self.pinned_activations),
@@ -1000,7 +1020,7 @@ class MemoryBreakdown:
             ("host", "gradient norms and flags (pinned)", self.pinned_norms),
             ("host", "gradient accumulators (FP32)", self.gradient_accumulators),
             ("host", "gradient widening scratch (FP32)", self.gradient_scratch),
-            ("host", "NVMe I/O buffers (Adam moments)", self.nvme_buffers),
+            ("host", f"NVMe I/O buffers ({OPTIMIZERS[self.optimizer_name].label} moments)", self.nvme_buffers),
             ("host", "NVMe I/O buffers (gradient tiles, pinned)", self.nvme_gradient_buffers),
             ("host", "BF16 staging tiles shared by the node (pinned)", self.shared_staging),
             ("host", "total", self.host_total),
@@ -1172,7 +1192,8 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         master_weights=sum(layer.numel for i, layer in enumerate(layers)
                            if i not in plan.nvme_masters) * MASTER_BYTES_PER_ELEMENT,
         adam_moments=sum(layer.trainable_numel for i, layer in enumerate(layers)
-                         if i not in plan.nvme_moments) * MOMENT_BYTES_PER_ELEMENT,
+                         if i not in plan.nvme_moments) * state_bytes_per_param(plan),
+        optimizer_name=plan.optimizer_name,
         gradient_ring=pinned.bytes_of("ring"),
         staging_ring=pinned.bytes_of("staging"),
         pinned_activations=pinned.bytes_of("offload"),
@@ -1247,7 +1268,8 @@ __all__ = [
     "ROUND_LARGE_BYTES", "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS",
     "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
     "HOST_PAGE_BYTES",
-    "page_up", "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
+    "page_up", "state_bytes_per_param",
+    "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",
     "pinned_buffers", "gradient_ring_bytes", "widens_gradients", "gradient_scratch_numel",
     "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu", "all_reduce_time", "reduce_scatter_time", "reduced_numel", "optimizer_shard",
     "node_slice", "cast_shard", "shared_staging_bytes",
@@ -1258,13 +1280,14 @@ __all__ = [
 
 
 def nvme_bytes(layer: Layer, masters: bool = False, plan: Plan | None = None) -> int:
-    """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves on one rank: its two FP32 Adam moments (8
-    bytes per trainable parameter; under ``plan``'s data parallel, of the part one rank steps,
+    """Bytes an NVME_READ or NVME_WRITE of ``layer`` moves on one rank: its FP32 optimizer state
+    (:func:`state_bytes_per_param`, AdamW's two moments: 8 bytes per trainable parameter; under
+    ``plan``'s data parallel, of the part one rank steps,
     :func:`optimizer_numel`: each rank's file holds its optimizer shard, the whole tile where each
     rank steps a copy of its own) and, with ``masters`` (``Plan.nvme_masters``: one file holds
     both), its FP32 master before them (4 bytes per parameter, frozen ones included), padded to the
     4096-byte O_DIRECT alignment (``runtime.nvme.ALIGN``)."""
-    nbytes = (optimizer_numel(layer, plan) * MOMENT_BYTES_PER_ELEMENT
+    nbytes = (optimizer_numel(layer, plan) * state_bytes_per_param(plan)
               + (layer.numel * MASTER_BYTES_PER_ELEMENT if masters else 0))
     return -(-nbytes // 4096) * 4096
 
@@ -1568,11 +1591,12 @@ def _shared_pinned_masters(pinned_masters: int, plan: Plan) -> int:
     return plan.gpus_per_node // plan.optimizer_shards * pinned_masters
 
 
-def persistent_state_bytes(graph: LayerGraph) -> int:
-    """Bytes of the persistent host state of ``graph``: FP32 masters of every tile element and two
-    FP32 Adam moments per trainable parameter (``MemoryBreakdown.master_weights + adam_moments``)."""
+def persistent_state_bytes(graph: LayerGraph, plan: Plan | None = None) -> int:
+    """Bytes of the persistent host state of ``graph``: FP32 masters of every tile element and the
+    optimizer state of ``plan``'s optimizer (None: AdamW's two FP32 moments) per trainable
+    parameter (``MemoryBreakdown.master_weights + adam_moments``)."""
     return (sum(layer.numel for layer in graph.layers) * MASTER_BYTES_PER_ELEMENT
-            + sum(layer.trainable_numel for layer in graph.layers) * MOMENT_BYTES_PER_ELEMENT)
+            + sum(layer.trainable_numel for layer in graph.layers) * state_bytes_per_param(plan))
 
 
 def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[int, int]:
@@ -1585,7 +1609,7 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
     are not read."""
     g, ways = plan.gpus_per_node, (plan.nodes if plan.host_state == "shard" else 1)
     copies = g // plan.optimizer_shards
-    state = persistent_state_bytes(graph)
+    state = persistent_state_bytes(graph, plan)
     masters = pinned_master_bytes(graph, plan)
     gather = gather_buffer_bytes(graph, plan)
     staging = shared_staging_bytes(graph, plan)  # a rank's breakdown counts the node's tiles whole, as the state

@@ -7,8 +7,8 @@ arXiv:2104.07857, offloads the same three to NVMe):
 - the host gradient tile that a deferred update waits on (``Plan.optimizer`` NEXT_FORWARD, used
   when gradients are clipped by their global norm): written once after the D2H lands, read once
   before the layer's OPT in the next step;
-- the two FP32 Adam moments (8 bytes per trainable parameter): read before the layer's OPT,
-  written after it;
+- the optimizer's FP32 moments (``cost.state_bytes_per_param``: AdamW's two, 8 bytes per trainable
+  parameter; Lion's one, 4): read before the layer's OPT, written after it;
 - the FP32 master weights (4 bytes per parameter), BF16 compute with ``Plan.cast_once`` only, and
   only of a layer whose moments are on NVMe too (one file, one read and one write per step): the
   OPT steps the master in the I/O buffer and the CAST of the new BF16 copy into the layer's own
@@ -263,7 +263,7 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
         moves += [("gradients", i, cost.page_up(layers[i].trainable_numel * gsize), True)
                   for i in order if layers[i].trainable_numel]
     if "moments" in kinds:
-        moves += [("moments", i, layers[i].trainable_numel * cost.MOMENT_BYTES_PER_ELEMENT, False)
+        moves += [("moments", i, layers[i].trainable_numel * cost.state_bytes_per_param(plan), False)
                   for i in order if layers[i].trainable_numel]
     if masters_movable(plan) and "masters" in kinds and "moments" in kinds:
         moves += [("masters", i, layers[i].numel * cost.MASTER_BYTES_PER_ELEMENT, False)
@@ -293,7 +293,7 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
         entry = per_layer.setdefault(i, [0, 0])
         # A rank's I/O buffer holds what its file holds: under data parallel its optimizer shard of
         # the moments (cost.nvme_bytes); masters and gradient tiles move on one rank only.
-        entry[1 if pinned else 0] += (cost.optimizer_numel(layers[i], plan) * cost.MOMENT_BYTES_PER_ELEMENT
+        entry[1 if pinned else 0] += (cost.optimizer_numel(layers[i], plan) * cost.state_bytes_per_param(plan)
                                       if kind == "moments" else nbytes)
         freed += nbytes
         pinned_freed += nbytes if pinned else 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatrain.errors import PlanError
+from megatrain.optim import OPTIMIZERS, OptimizerSpec
 from megatrain.planner.graph import LayerGraph
 
 
@@ -150,6 +151,10 @@ class Plan:
             of the node's ranks) between the CASTs and the H2Ds that read the tile makes it whole
             before any rank copies it (issue 16). False: every rank casts whole layers into tiles
             of its own.
+        optimizer_name: the host optimizer the OPTs run (a name in :data:`megatrain.optim.OPTIMIZERS`):
+            its spec sets the optimizer state bytes per trainable parameter the cost model sizes
+            host memory and the NVMe tier with (``"adamw"``: two FP32 moments, 8 bytes;
+            ``"lion"``: one, 4 bytes) and its host traffic per parameter.
     """
 
     micro_batches: int = 1
@@ -174,8 +179,11 @@ class Plan:
     host_state: Literal["replicate", "shard"] = "replicate"
     gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     shared_cast: bool = False
+    optimizer_name: str = "adamw"
 
     def __post_init__(self) -> None:
+        if self.optimizer_name not in OPTIMIZERS:
+            raise PlanError(f"Plan.optimizer_name={self.optimizer_name!r}: use one of {sorted(OPTIMIZERS)}")
         if self.d2h_dtype not in (None, "float32", "bfloat16"):
             raise PlanError(f"Plan.d2h_dtype={self.d2h_dtype!r}: use 'float32', 'bfloat16' or None (the narrowest "
                             "exact one)")
@@ -366,6 +374,11 @@ class Plan:
     def gradient_itemsize(self) -> int:
         """Bytes per weight gradient element in the GPU slot, over D2H and in the host tiles."""
         return 2 if self.gradient_dtype == "bfloat16" else 4
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        """The spec of :attr:`optimizer_name` (state rows, bytes per parameter, host kernel)."""
+        return OPTIMIZERS[self.optimizer_name]
 
     def activation(self, layer: int) -> ActivationPolicy:
         return self.activations[layer] if self.activations else ActivationPolicy.KEEP

@@ -453,11 +453,25 @@ def _json_type(hint):
     return list[typing.get_args(hint)[0]] if typing.get_origin(hint) in (frozenset, tuple) else hint
 
 
-_PlanModel = pydantic.create_model("_PlanModel", __config__=pydantic.ConfigDict(extra="forbid"),
+class _PlanBase(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    @pydantic.model_serializer(mode="wrap")
+    def _omit_adamw(self, handler: pydantic.SerializerFunctionWrapHandler) -> dict:
+        # optimizer_name is written only when not AdamW, so that AdamW's schedule files stay as they
+        # were (older files load as AdamW; an older reader refuses a Lion file by its unknown field).
+        out = handler(self)
+        if out.get("optimizer_name") == "adamw":
+            del out["optimizer_name"]
+        return out
+
+
+_PlanModel = pydantic.create_model("_PlanModel", __base__=_PlanBase,
                                    **{name: (_json_type(hint), default) for name, hint, default in _PLAN_FIELDS})
 """JSON boundary of a Plan, derived from its dataclass fields (names, order, types, defaults), so a
 field added to Plan is in the schedule file without a second list: a set of layers is written as a
-sorted list, a tuple as a list; ``Plan.__post_init__`` checks the values when a file is read."""
+sorted list, a tuple as a list; ``Plan.__post_init__`` checks the values when a file is read. The
+one exception: ``optimizer_name`` is left out when it is ``"adamw"`` (the default)."""
 
 
 def _plan_to_json(plan: Plan) -> pydantic.BaseModel:

@@ -245,13 +245,14 @@ def _with_shared_cast(graph: LayerGraph, plan: Plan, hw: HardwareSpec, view: Har
 
 def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gpus_per_node: int, nodes: int,
                    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16", clip_gradients: bool = False,
-                   method: Literal["milp", "enumerate"] = "milp") -> TopologySolution:
+                   method: Literal["milp", "enumerate"] = "milp", optimizer_name: str = "adamw") -> TopologySolution:
     """Plan ``graph`` for ``gpus_per_node`` GPUs on each of ``nodes`` nodes of ``hw`` training
     ``global_batch`` sequences per step together (module docstring, "Method").
 
     ``global_batch`` is split evenly: each rank plans ``global_batch / (gpus_per_node x nodes)``.
     The host state is replicated when that fits the node's host memory, else sharded when that
-    fits (module docstring, "Host state across nodes").
+    fits (module docstring, "Host state across nodes"). The persistent state counts host optimizer
+    ``optimizer_name``'s state bytes (``Plan.optimizer_name``).
 
     Raises:
         PlanError: a count below 1, a global batch the ranks cannot split evenly, or no plan fits
@@ -274,11 +275,11 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
     trainable = [layer for layer in graph.layers if layer.trainable_numel]
     if trainable:
         cost.all_reduce_time(trainable[0], hw, Plan(data_parallel=ranks, nodes=nodes))
-    state = cost.persistent_state_bytes(graph)
+    state = cost.persistent_state_bytes(graph, Plan(optimizer_name=optimizer_name))
     failures: list[str] = []
     for mode in ("replicate", "shard") if nodes > 1 else ("replicate",):
         topo = Plan(data_parallel=ranks, nodes=nodes, host_state=mode, compute_dtype=compute_dtype,
-                    optimizer_shards=gpus_per_node)
+                    optimizer_shards=gpus_per_node, optimizer_name=optimizer_name)
         host, pinned = cost.rank_host_budgets(graph, topo, hw)
         held = -(-state // (nodes if mode == "shard" else 1))
         if host <= state or pinned < 0:
@@ -290,7 +291,7 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
                                      "host_memory_bytes": host, "pinned_memory_cap_bytes": min(pinned, host)})
         try:
             sol = solve(SolveRequest(graph, view, global_batch // ranks, compute_dtype,
-                                     clip_gradients=clip_gradients), method)
+                                     clip_gradients=clip_gradients, optimizer_name=optimizer_name), method)
         except InfeasibleRequestError as e:
             r = e.requirements
             if r.gpu_memory_bytes > hw.gpu_memory_bytes:  # the GPU is the obstacle, whatever the host

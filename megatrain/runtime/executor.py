@@ -67,6 +67,7 @@ import torch
 
 from megatrain.config import AdamW
 from megatrain.errors import ConfigError
+from megatrain.optim import spec_of
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph, TracedModel, retarget
 from megatrain.planner.hardware import strict_fp32
@@ -76,7 +77,7 @@ from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective, sum_over_ranks
 from megatrain.runtime.host import HostState, PinnedArena, gradient_key
 from megatrain.runtime.loss import loss_weights
-from megatrain.runtime.host_kernels import HostAdamW
+from megatrain.runtime.host_kernels import host_kernel
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -213,7 +214,13 @@ class Executor:
         self.host = host
         self.backend = backend
         self.optimizer = optimizer
-        self.adam = HostAdamW()  # the host AdamW kernel: $MEGATRAIN_HOST_ADAM (DeepSpeed's where installed)
+        spec = spec_of(optimizer)
+        if spec is not host.optimizer:
+            raise ConfigError(f"the optimizer settings are {spec.name}'s but the host state holds "
+                              f"{host.optimizer.name}'s state rows {host.optimizer.states}: make the HostState with "
+                              f"optimizer=optimizer_spec({spec.name!r})")
+        # The spec's host kernel (AdamW's: $MEGATRAIN_HOST_ADAM, DeepSpeed's where installed).
+        self.opt_kernel = host_kernel(spec)
         dev = backend.device
         self.templates = [retarget(gm, dev) for gm in traced.templates]
         # Eval schedules run random templates with dropout off, as the model's eval mode does.
@@ -824,13 +831,14 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 
 
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
-    """Host AdamW step of one layer from the gradient tile or accumulator the op names (with
+    """Host optimizer step (``HostState.optimizer``'s kernel: AdamW, Lion) of one layer from the
+    gradient tile or accumulator the op names (with
     ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
     state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
     parallel it holds this rank's shard only, ``HostState.nvme_span``), through the executor's
-    host kernel (:class:`~megatrain.runtime.host_kernels.HostAdamW`: BF16 gradients in a tile are
-    widened exactly, chunk by chunk, in its FP32 scratch)."""
+    host kernel (:class:`~megatrain.runtime.host_kernels.HostAdamW` or ``HostLion``: BF16 gradients
+    in a tile are widened exactly, chunk by chunk, in its FP32 scratch)."""
     ex, li = ctx.ex, op.layer
     n = ctx.graph.layers[li].trainable_numel
     lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.update_shards, ex.shard_index)
@@ -843,12 +851,12 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
         # Under data parallel the file (and so the buffer) holds this rank's shard only: from mbase on.
         m, (mbase, top) = h.nvme_master_numel(li), h.nvme_span(li)
         s = top - mbase
-        state = ex._nvme_pool[op.buf][:(m + 2 * s) * 4].view(torch.float32)
+        state = ex._nvme_pool[op.buf][:(m + h.n_states * s) * 4].view(torch.float32)
         master = state[:m] if m else h.master(li)
-        exp_avg, exp_avg_sq = state[m:m + s], state[m + s:m + 2 * s]
+        rows = [state[m + k * s:m + (k + 1) * s] for k in range(h.n_states)]
     else:
         master = h.master(li)
-        exp_avg, exp_avg_sq = h.exp_avg(li), h.exp_avg_sq(li)
+        rows = h.state_rows(li)
     carried = ctx.carried
     cfg = ctx.carried_optimizer if carried else ex.optimizer
     scale = ctx.carried_scale if carried else None
@@ -860,9 +868,8 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
             ctx.skipped.append(li)
             return
         new = master[lo - base:hi - base]
-        ex.adam.step(new, grads[lo:hi], exp_avg[lo - mbase:hi - mbase],
-                     exp_avg_sq[lo - mbase:hi - mbase], h.steps[li], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, grad_scale=scale)
+        ex.opt_kernel.update(new, grads[lo:hi], [r[lo - mbase:hi - mbase] for r in rows], h.steps[li], cfg,
+                             grad_scale=scale)
         # Finite gradients can still step a master to inf or NaN (lr x weight_decay > 2 flips
         # and grows it every step; moments that overflow), so the guard checks the result. A sum
         # propagates NaN and inf (one that overflows, weights near 3e38 / numel, counts too): one

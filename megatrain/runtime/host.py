@@ -1,7 +1,8 @@
-"""Persistent host state: one contiguous block per layer holding FP32 master weights and the two
-AdamW moments (12 bytes per parameter; 4 for a layer whose moments live on the NVMe tier, none
-for one whose master lives there too, see :class:`HostState`), plus binding the user's module to
-it, and the pinned arena of a plan's transient host buffers.
+"""Persistent host state: one contiguous block per layer holding FP32 master weights and the
+optimizer's FP32 state rows (:class:`megatrain.optim.OptimizerSpec`: AdamW's two moments, 12 bytes
+per parameter in all; Lion's one, 8; 4 for a layer whose moments live on the NVMe tier, none for
+one whose master lives there too, see :class:`HostState`), plus binding the user's module to it,
+and the pinned arena of a plan's transient host buffers.
 
 After binding, every parameter of the user's module is a view into its layer's master tile, so
 the module holds no storage of its own, ``model.state_dict()`` reads the trained weights, and host
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from megatrain.errors import ConfigError, UnsupportedModelError
+from megatrain.optim import ADAMW, OptimizerSpec
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 
@@ -121,10 +123,12 @@ def gradient_key(layer: int) -> str:
 
 class HostState:
     """FP32 tiles for every layer: ``blocks[i]`` is a flat float32 tensor of
-    ``numel + 2 * trainable_numel`` elements: the master row (every parameter, frozen ones
-    included), then the AdamW ``exp_avg`` and ``exp_avg_sq`` rows of the trainable prefix only
-    (frozen parameters, ``requires_grad=False``, are laid out after it and have no optimizer
-    state). Page-aligned, contiguous and pageable until :meth:`pin_masters`.
+    ``numel + n_states * trainable_numel`` elements: the master row (every parameter, frozen ones
+    included), then the optimizer's state rows of the trainable prefix only, one per name of
+    ``optimizer.states`` (:class:`megatrain.optim.OptimizerSpec`; AdamW's ``exp_avg`` and
+    ``exp_avg_sq``, Lion's ``exp_avg``), FP32 (frozen parameters, ``requires_grad=False``, are
+    laid out after it and have no optimizer state). Page-aligned, contiguous and pageable until
+    :meth:`pin_masters`. The sections below say "moments" for these rows, and give AdamW's.
 
     NVMe tier. The layers of ``nvme_moments`` keep their moments in a file each in ``nvme_dir``
     (``<dir>/L<i>.moments.tile``: ``exp_avg`` then ``exp_avg_sq``, FP32, zeros at first) instead:
@@ -180,8 +184,11 @@ class HostState:
                  shared: Any = None, writer: bool = True, nvme_gradients: frozenset[int] = frozenset(),
                  gradient_itemsize: int = 4, nvme_masters: frozenset[int] = frozenset(),
                  slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
-                 staging: bool = False, scratch_bytes: int = 0, nvme_shards: NvmeShards | None = None):
+                 staging: bool = False, scratch_bytes: int = 0, nvme_shards: NvmeShards | None = None,
+                 optimizer: OptimizerSpec = ADAMW):
         self.graph = graph
+        self.optimizer = optimizer
+        self.n_states = len(optimizer.states)  # FP32 state rows per trainable element
         self.shared = shared
         self.sliced = slices is not None
         self.slices = list(slices) if slices is not None else [(0, lay.numel) for lay in graph.layers]
@@ -223,7 +230,7 @@ class HostState:
 
             # A rank's file of an empty shard (the last of a small layer) still has a block: the
             # schedule's NVMe ops move it like any other.
-            sizes = {self.nvme_key(li): max(4, (self.nvme_master_numel(li) + 2 * self.nvme_numel(li)) * 4)
+            sizes = {self.nvme_key(li): max(4, (self.nvme_master_numel(li) + self.n_states * self.nvme_numel(li)) * 4)
                      for li in sorted(self.nvme_moments)}
             sizes.update({gradient_key(li): graph.layers[li].trainable_numel * gradient_itemsize
                           for li in sorted(self.nvme_gradients)})
@@ -234,7 +241,7 @@ class HostState:
             n, t = self._extent(li)
             t = 0 if li in self.nvme_moments else t
             row = cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT)
-            size = _block_bytes(n, 2 * t)
+            size = _block_bytes(n, self.n_states * t)
             if li in self.nvme_masters and shared is None:
                 # The master row until spill_masters is the file's own first bytes, mapped: the
                 # initialisation writes it through the page cache, which the kernel writes back
@@ -242,7 +249,7 @@ class HostState:
                 raw = self.nvme.map_tile(state_key(li))
             else:
                 raw = page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN)
-            block = raw[:(n + 2 * t) * 4].view(torch.float32)
+            block = raw[:(n + self.n_states * t) * 4].view(torch.float32)
             if writer and t:
                 # The mapping reads as zeros already; writing them faults its pages in now, as an
                 # allocation would, rather than at the first read (a checkpoint save, say).
@@ -277,19 +284,21 @@ class HostState:
     @staticmethod
     def shared_nbytes(graph: LayerGraph, slices: "list[tuple[int, int]] | None" = None, gather_bytes: int = 0,
                       staging: bool = False, scratch_bytes: int = 0,
-                      nvme_moments: frozenset[int] = frozenset()) -> int:
+                      nvme_moments: frozenset[int] = frozenset(), optimizer: OptimizerSpec = ADAMW) -> int:
         """Bytes of shared memory the blocks of ``graph`` take (every layer's moments in them but
         those of ``nvme_moments``, which are in the ranks' NVMe files; of ``slices`` only, with the
         gather tiles of ``gather_bytes`` each), with ``staging`` a BF16 staging tile per layer too
         (``Plan.shared_cast``), and with ``slices`` the gathers' scratch of ``scratch_bytes``
-        (``cost.gather_scratch_bytes``): each rounded up to whole pages."""
+        (``cost.gather_scratch_bytes``): each rounded up to whole pages. ``optimizer``: the spec whose
+        state rows the blocks hold."""
+        k = len(optimizer.states)
         if slices is None:
             tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
-            return tiles + sum(_block_bytes(lay.numel, 0 if li in nvme_moments else 2 * lay.trainable_numel)
+            return tiles + sum(_block_bytes(lay.numel, 0 if li in nvme_moments else k * lay.trainable_numel)
                                for li, lay in enumerate(graph.layers))
         tiles = cost.GATHER_BUFFERS * _pages(gather_bytes)
         tiles += _pages(scratch_bytes) if scratch_bytes else 0
-        return tiles + sum(_block_bytes(hi - lo, 2 * max(0, min(hi, lay.trainable_numel) - lo))
+        return tiles + sum(_block_bytes(hi - lo, k * max(0, min(hi, lay.trainable_numel) - lo))
                            for (lo, hi), lay in zip(slices, graph.layers))
 
     def _extent(self, layer: int) -> tuple[int, int]:
@@ -335,7 +344,7 @@ class HostState:
                 self.nvme.sync(state_key(li))
             else:
                 lay = self.graph.layers[li]
-                state = torch.zeros((lay.numel + 2 * lay.trainable_numel,), dtype=torch.float32)
+                state = torch.zeros((lay.numel + self.n_states * lay.trainable_numel,), dtype=torch.float32)
                 state[:lay.numel].copy_(self.master(li))
                 self.nvme.write_tensor(state_key(li), state)
             self.blocks[li] = torch.empty((0,), dtype=torch.float32)
@@ -360,7 +369,8 @@ class HostState:
         written back). Raises NvmeError (naming the file) when it is missing or truncated."""
         if self._batch is not None and self._batch[0] == layer:
             return self._batch[1].clone()
-        out = torch.empty((self.nvme_master_numel(layer) + 2 * self.nvme_numel(layer),), dtype=torch.float32)
+        out = torch.empty((self.nvme_master_numel(layer) + self.n_states * self.nvme_numel(layer),),
+                          dtype=torch.float32)
         self.nvme.read_tensor(self.nvme_key(layer), out)
         return out
 
@@ -376,7 +386,7 @@ class HostState:
             return self.read_state(layer)[self.nvme_master_numel(layer) + k * s:][:s].clone()
         out = torch.empty((t,), dtype=torch.float32)
         for rank, (lo, hi) in self.nvme_shards.peers(t):
-            part = self.nvme.read_foreign(moments_key(layer, rank), max(4, 2 * (hi - lo) * 4))
+            part = self.nvme.read_foreign(moments_key(layer, rank), max(4, self.n_states * (hi - lo) * 4))
             out[lo:hi].copy_(part.view(torch.float32)[k * (hi - lo):(k + 1) * (hi - lo)])
         return out
 
@@ -436,6 +446,9 @@ class HostState:
         return self._moment(layer, 1)
 
     def _moment(self, layer: int, k: int) -> torch.Tensor:
+        if not 0 <= k < self.n_states:
+            raise ValueError(f"{self.optimizer.name} keeps {self.n_states} state rows per parameter "
+                             f"{self.optimizer.states}, so there is no row {k}; use HostState.state_rows")
         if layer in self.nvme_moments:
             raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its Adam moments on NVMe "
                              f"({self.nvme.tiles[self.nvme_key(layer)].path}), not in host memory: read them with "
@@ -443,28 +456,36 @@ class HostState:
         n, t = self._extent(layer)
         return self.blocks[layer][n + k * t:n + (k + 1) * t]
 
+    def state_rows(self, layer: int) -> list[torch.Tensor]:
+        """The optimizer's state rows of the layer's trainable prefix, ``float32[trainable_numel]``
+        views in the order of ``optimizer.states`` (AdamW: ``exp_avg``, ``exp_avg_sq``). Raises
+        ValueError for a layer whose moments live on NVMe (use :meth:`read_moments`)."""
+        return [self._moment(layer, k) for k in range(self.n_states)]
+
     def read_moments(self, layer: int) -> torch.Tensor:
-        """A new ``float32[2 * trainable_numel]`` tensor: the layer's ``exp_avg`` then ``exp_avg_sq``,
-        from host memory or from its NVMe file. Raises NvmeError (naming the file) when the file is
-        missing or truncated. (Of the moment rows this state holds, ``slices``.)"""
+        """A new ``float32[n_states * trainable_numel]`` tensor: the layer's optimizer state rows one
+        after another (AdamW: ``exp_avg`` then ``exp_avg_sq``), from host memory or from its NVMe
+        file. Raises NvmeError (naming the file) when the file is missing or truncated. (Of the
+        moment rows this state holds, ``slices``.)"""
         t = self.nvme_numel(layer) if layer in self.nvme_moments else self._extent(layer)[1]
-        out = torch.empty((2 * t,), dtype=torch.float32)
+        out = torch.empty((self.n_states * t,), dtype=torch.float32)
         if layer in self.nvme_masters:
             out.copy_(self.read_state(layer)[self.nvme_master_numel(layer):])
         elif layer in self.nvme_moments:
             self.nvme.read_tensor(self.nvme_key(layer), out)
         else:
-            out[:t].copy_(self.exp_avg(layer))
-            out[t:].copy_(self.exp_avg_sq(layer))
+            for k, row in enumerate(self.state_rows(layer)):
+                out[k * t:(k + 1) * t].copy_(row)
         return out
 
     def write_moments(self, layer: int, moments: torch.Tensor) -> None:
-        """Set the layer's ``exp_avg`` and ``exp_avg_sq`` from ``moments`` (``float32[2 * trainable_numel]``,
-        in that order), in host memory or in its NVMe file (written through, waited for)."""
+        """Set the layer's optimizer state rows from ``moments`` (``float32[n_states *
+        trainable_numel]``, in :meth:`read_moments`'s order), in host memory or in its NVMe file
+        (written through, waited for)."""
         t = self._extent(layer)[1]
-        if tuple(moments.shape) != (2 * t,) or moments.dtype != torch.float32:
-            raise ValueError(f"layer {self.graph.layers[layer].name!r}: moments must be float32[{2 * t}], not "
-                             f"{moments.dtype} {list(moments.shape)}")
+        if tuple(moments.shape) != (self.n_states * t,) or moments.dtype != torch.float32:
+            raise ValueError(f"layer {self.graph.layers[layer].name!r}: moments must be "
+                             f"float32[{self.n_states * t}], not {moments.dtype} {list(moments.shape)}")
         if layer in self.nvme_masters:
             state = self.read_state(layer)
             state[self.nvme_master_numel(layer):].copy_(moments)
@@ -472,11 +493,12 @@ class HostState:
         elif layer in self.nvme_moments:
             self.nvme.write_tensor(self.nvme_key(layer), moments)
         else:
-            self.exp_avg(layer).copy_(moments[:t])
-            self.exp_avg_sq(layer).copy_(moments[t:])
+            for k, row in enumerate(self.state_rows(layer)):
+                row.copy_(moments[k * t:(k + 1) * t])
 
     def moment_row(self, layer: int, k: int) -> "torch.Tensor | NvmeMomentRow":
-        """Moment ``k`` (0: ``exp_avg``, 1: ``exp_avg_sq``) of the layer as a state-dict entry: the
+        """State row ``k`` (of ``optimizer.states``; AdamW 0: ``exp_avg``, 1: ``exp_avg_sq``) of the
+        layer as a state-dict entry: the
         view of its row in host memory, or an :class:`NvmeMomentRow` that reads and writes the file."""
         return NvmeMomentRow(self, layer, k) if layer in self.nvme_moments else self._moment(layer, k)
 
@@ -603,7 +625,7 @@ class NvmeMomentRow(NvmeRow):
         t = host.graph.layers[layer].trainable_numel
         lo, hi = host.nvme_span(layer)
         super().__init__(host, layer, host.nvme_master_numel(layer) + k * (hi - lo), hi - lo, (t,),
-                         ("exp_avg", "exp_avg_sq")[k])
+                         host.optimizer.states[k])
         self.k, self.lo = k, lo
 
     def read(self) -> torch.Tensor:
@@ -671,7 +693,8 @@ class SlicedRow:
 
     def __repr__(self) -> str:
         return (f"SlicedRow({self.host.graph.layers[self.layer].name!r}, "
-                f"{('master', 'exp_avg', 'exp_avg_sq')[self.kind]}, start={self.start}, shape={list(self.shape)})")
+                f"{(('master',) + self.host.optimizer.states)[self.kind]}, start={self.start}, "
+                f"shape={list(self.shape)})")
 
 
 def as_tensor(x: "torch.Tensor | NvmeRow | SlicedRow") -> torch.Tensor:

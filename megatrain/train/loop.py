@@ -21,6 +21,7 @@ from megatrain.train.config import TrainConfig
 from megatrain.train.corpus import (match_special_tokens, prepare_data, store_dir, tokenizer_sample_bytes,
                                     trains_tokenizer)
 from megatrain.train.lr import lr_at
+from megatrain.planner import cost
 from megatrain.planner.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
 from megatrain.files import DirectoryLock, write_atomic
@@ -127,7 +128,8 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     model = build_meta_model(source.config, dtype=torch.float32)
     built = 0
     if cfg.device == "cpu":
-        preflight_cpu_build(model, clip=clip, data_bytes=data, checkpoint_bytes=shard, available=available)
+        preflight_cpu_build(model, clip=clip, data_bytes=data, checkpoint_bytes=shard, available=available,
+                            optimizer=cfg.optimizer)
         built = sum(p.numel() for p in model.parameters()) * BUILT_BYTES_PER_PARAMETER
         from transformers import AutoModelForCausalLM
 
@@ -141,14 +143,15 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                    input_names=names,
                                    micro_batches=micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
-                                   plan="default" if cfg.device == "cpu" else None, hardware=hw)
+                                   plan="default" if cfg.device == "cpu" else None, hardware=hw,
+                                   optimizer_name=cfg.optimizer)
     if cfg.nvme_dir is not None:
         # Plan.nvme_moments and Plan.nvme_gradients, lowered into NVME_READ/NVME_WRITE: what the
         # budget needs moved, or every layer's moments.
         placed = nvme_layers(planned, cfg.host_memory, cfg.nvme_dir, hw)
         on_nvme, grads_on_nvme, masters = placed.moments, placed.gradients, placed.masters
         layers = planned.graph.layers
-        moved = sum(8 * layers[i].trainable_numel for i in on_nvme)
+        moved = sum(cost.state_bytes_per_param(planned.plan) * layers[i].trainable_numel for i in on_nvme)
         trainable = sum(1 for lay in layers if lay.trainable_numel)
         echo(f"NVMe: Adam moments of {len(on_nvme)} of {trainable} trainable "
              f"layers in {cfg.nvme_dir} ({human_bytes(moved)})"
@@ -280,15 +283,15 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
     train state or {})``."""
     import megatrain
 
-    optimizer = megatrain.AdamW(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                weight_decay=cfg.weight_decay)
+    optimizer = cfg.optimizer_settings()
     trainer = megatrain.materialize(planned, optimizer, nvme_dir=cfg.nvme_dir)
     if trainer.host.nvme is not None:
         trainer.host.nvme.checksums = cfg.nvme_checksums
     if source.kind == "weights":
         load_weights(trainer, source, echo)
         echo(f"weights: loaded from {source.directory}" + (
-            " (init_from: a new run from step 0 with fresh AdamW state; not a resume)" if cfg.init_from else ""))
+            f" (init_from: a new run from step 0 with fresh {type(optimizer).__name__} state; not a resume)"
+            if cfg.init_from else ""))
         return trainer, 0, 0, {}
     if source.kind == "config":
         return trainer, 0, 0, {}
@@ -311,8 +314,8 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
              "settings come from its train_config.json)")
     saved = trainer.optimizer.model_copy(update={"lr": optimizer.lr})
     if saved != optimizer:
-        echo(f"note: the checkpoint's AdamW settings were {saved.model_dump()}; going on with this config's "
-             f"{optimizer.model_dump()}")
+        echo(f"note: the checkpoint's {type(optimizer).__name__} settings were {saved.model_dump()}; going on with "
+             f"this config's {optimizer.model_dump()}")
     trainer.set_optimizer(optimizer)  # the schedule sets lr before every step
     echo(f"resume: step {state['step']} of {source.directory}")
     return trainer, int(state["step"]), int(state["skipped_steps"]), state

@@ -86,31 +86,32 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
 
 
 def preflight_cpu_build(meta_model, *, clip: bool, data_bytes: int, checkpoint_bytes: int = 0,
-                        available: tuple[int, str] | None) -> int:
+                        available: tuple[int, str] | None, optimizer: str = "adamw") -> int:
     """The bound checked before a model is built on the CPU (to be traced and planned there):
     building it is itself an allocation of 4 bytes per parameter, too large to attempt when the
     run cannot fit. Returns the bytes counted.
 
     Counts, from ``meta_model``'s parameters (a model on the ``meta`` device: nothing traced, no
-    memory), what :func:`preflight_host_memory` will count at least: FP32 master weights and two
-    Adam moments (``cost.MASTER_BYTES_PER_ELEMENT + cost.MOMENT_BYTES_PER_ELEMENT`` per
-    parameter), with ``clip`` a gradient tile per layer (``cost.GRAD_ITEMSIZE`` per parameter),
+    memory), what :func:`preflight_host_memory` will count at least: FP32 master weights and the
+    state of host optimizer ``optimizer`` (``cost.MASTER_BYTES_PER_ELEMENT`` + its spec's
+    ``state_bytes_per_param`` per parameter: 8 for AdamW's two moments, 4 for Lion's one), with ``clip`` a gradient tile per layer (``cost.GRAD_ITEMSIZE`` per parameter),
     the built FP32 model, ``data_bytes`` and ``checkpoint_bytes``. The exact check of the planned
     model follows the build.
 
     Raises:
         PlanError: as :func:`preflight_host_memory`.
     """
+    from megatrain.optim import optimizer_spec
     from megatrain.planner import cost
 
     n = sum(p.numel() for p in meta_model.parameters())
-    master, moments = n * cost.MASTER_BYTES_PER_ELEMENT, n * cost.MOMENT_BYTES_PER_ELEMENT
+    master, moments = n * cost.MASTER_BYTES_PER_ELEMENT, n * optimizer_spec(optimizer).state_bytes_per_param
     grads = n * cost.GRAD_ITEMSIZE if clip else 0
     built = n * BUILT_BYTES_PER_PARAMETER
     needed = master + moments + grads + built + data_bytes + checkpoint_bytes
     if available is None or needed <= available[0]:
         return needed
-    parts = [f"FP32 master weights {gib(master)}", f"Adam moments {gib(moments)}"]
+    parts = [f"FP32 master weights {gib(master)}", f"{optimizer_spec(optimizer).label} moments {gib(moments)}"]
     if grads:
         parts.append(f"gradient tiles {gib(grads)}")
     _refuse(needed, parts, data_bytes, checkpoint_bytes, built, available, n, clip_hint=grads > 0.1 * needed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.errors import PlanError
+from megatrain.optim import OPTIMIZERS
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -96,6 +97,7 @@ def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequ
     the GPU and the host, whichever cannot fit, what takes the bytes and what to change."""
     hw, g = request.hardware, request.graph
     m = req.memory
+    spec = OPTIMIZERS[m.optimizer_name]
     gpu_ok, host_ok = req.fits(hw)
     G, S = request.global_batch, g.seq_len
     hb = human_bytes
@@ -132,7 +134,8 @@ def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequ
         lines.append(
             f"host: needs {hb(req.host_floor_bytes)} (has {hb(hw.host_memory_bytes)}) and "
             f"{hb(req.pinned_floor_bytes)} pinned (cap {hb(hw.pinned_memory_cap_bytes)}) even with no checkpoint "
-            f"offloaded: FP32 master weights {hb(m.master_weights)} and Adam moments {hb(m.adam_moments)} (12 "
+            f"offloaded: FP32 master weights {hb(m.master_weights)} and {spec.label} moments {hb(m.adam_moments)} "
+            f"({cost.MASTER_BYTES_PER_ELEMENT + spec.state_bytes_per_param} "
             f"bytes per parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), "
             + ("one gradient tile per trainable layer, each at its size, " if request.clip_gradients
                else "one gradient tile ")

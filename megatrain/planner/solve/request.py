@@ -122,6 +122,8 @@ class SolveRequest:
             before every gradient is known: plans place the optimizer steps in the next step's
             forward (``OptimizerPlacement.NEXT_FORWARD``, one host gradient tile per trainable
             layer) and are timed by their steady-state step.
+        optimizer_name: the host optimizer (``Plan.optimizer_name``), whose state bytes per
+            parameter the plans' host memory counts.
     """
 
     graph: LayerGraph
@@ -131,12 +133,14 @@ class SolveRequest:
     limits: SolveLimits = SolveLimits()
     graphs: GraphSource | None = field(default=None, compare=False)
     clip_gradients: bool = False
+    optimizer_name: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
             raise PlanError(f"SolveRequest.global_batch={self.global_batch}: at least one sequence per step")
         if self.compute_dtype not in ("bfloat16", "float32"):
             raise PlanError(f"SolveRequest.compute_dtype={self.compute_dtype!r}: use 'bfloat16' or 'float32'")
+        Plan(optimizer_name=self.optimizer_name)  # an unknown name is a PlanError here
         if not self.hardware.has_gpu:
             raise PlanError(f"hardware {self.hardware.name!r} has no GPU rates (a host-only spec): plan with a "
                             "preset such as preset('H100_SXM') or a spec measured on a GPU machine")

@@ -64,7 +64,7 @@ def plan_for(request: SolveRequest, micro_batch_size: int, k: Knobs, layer_by_la
                 prefetch_distance=k.prefetch_distance, grad_ring=k.grad_ring, resident=k.resident,
                 activations=k.activations, layer_by_layer=layer_by_layer, optimizer=placement(request),
                 compute_dtype=request.compute_dtype, staging_ring=max(k.staging_ring, 1),
-                cast_once=k.staging_ring == CAST_ONCE)
+                cast_once=k.staging_ring == CAST_ONCE, optimizer_name=request.optimizer_name)
 
 
 def scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, gradient_ring: int,
@@ -176,7 +176,7 @@ class Search:
             slots = d + 1
             plan = Plan(micro_batches=opt.micro_batches, slots=slots, prefetch_distance=d, grad_ring=1,
                         staging_ring=1, activations=policy, compute_dtype=self.request.compute_dtype,
-                        layer_by_layer=opt.layer_by_layer)
+                        layer_by_layer=opt.layer_by_layer, optimizer_name=self.request.optimizer_name)
             sched = lower(opt.graph, plan)
             m = cost.memory_breakdown(opt.graph, plan, self.hw, sched)
             self.units[key] = (sched, with_reserve(replace(m, weight_slots=m.weight_slots // slots,
