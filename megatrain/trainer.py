@@ -22,6 +22,7 @@ from torch import nn
 from megatrain.config import AdamW, CompileOptions, describe_validation
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
 from megatrain.models import check_model
+from megatrain.planner.trace.vlm import check_image_tokens
 from megatrain.planner import cost
 from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
 from megatrain.planner.graph import LayerGraph, TracedModel
@@ -573,21 +574,27 @@ class Trainer:
     def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
         d = self._as_dict(batch)
         o = self.options
-        want = (k * o.micro_batch_size, o.seq_len)
         for name, t in d.items():
             if not isinstance(t, torch.Tensor):
                 raise BatchError(f"batch[{name!r}] is a {type(t).__name__}, not a tensor")
             if name == "attention_mask":
                 d[name] = t = _mask_as_long(t)
-            if t.dtype != torch.long:
-                raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; token inputs must be torch.long "
-                                 "(int64): convert with .long()")
+            # The traced shape of one micro-batch: [micro_batch_size, seq_len] token ids, or a
+            # vision-language model's images, [micro_batch_size, C, H, W] float32.
+            v = self.graph.value_by_name(name)
+            want = (k * v.shape[0], *v.shape[1:])
+            if str(t.dtype).removeprefix("torch.") != v.dtype:
+                what = ("token inputs must be torch.long (int64): convert with .long()" if v.dtype == "int64"
+                        else f"the model was traced with {v.dtype} {name}: convert with .to(torch.{v.dtype})")
+                raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; {what}")
             if tuple(t.shape) != want:
+                per_row = ", ".join(map(str, v.shape[1:]))
                 raise BatchError(f"batch[{name!r}] has shape {tuple(t.shape)}, but the trainer was compiled "
-                                 f"for [{k} micro-batches x {o.micro_batch_size}, {o.seq_len}] = {list(want)}: "
+                                 f"for [{k} micro-batches x {o.micro_batch_size}, {per_row}] = {list(want)}: "
                                  "pad or crop the batch, or compile again with its shape")
         for name, limit in self._token_limits.items():
             _check_ids(name, d[name], limit)
+        check_image_tokens(self.model, d)
         mbs = o.micro_batch_size
         return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
 
