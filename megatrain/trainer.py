@@ -1118,6 +1118,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``:
             e.g. ``("input_ids", "attention_mask", "labels")`` for padded batches,
             ``("input_ids", "position_ids", "labels")`` for packed documents (see ``Trainer.step``).
+            A vision-language model (LLaVA) also takes ``"pixel_values"``, one
+            ``FloatTensor[3, H, W]`` image per row (``[batch, 3, H, W]`` float32), whose row holds
+            that image's tokens (:mod:`megatrain.planner.trace.vlm`).
         max_grad_norm: clip the gradients to this global L2 norm, as
             ``torch.nn.utils.clip_grad_norm_`` does, or None. Clipping needs every gradient before
             any update, so the optimizer steps then run in the next step's forward

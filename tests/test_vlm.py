@@ -11,6 +11,7 @@ import torch
 
 import megatrain
 from megatrain.errors import BatchError, UnsupportedModelError
+from megatrain.planner.plan import ActivationPolicy, Plan
 from megatrain.planner.schedule import OpKind
 
 from test_exactness import ADAMW, RTOL, eager_losses
@@ -49,13 +50,13 @@ def image_batch(rows: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
 NAMES = ("input_ids", "pixel_values", "labels")
 
 
-def train_both(model, *, steps: int, micro_batches: int, seq_len: int = 24):
+def train_both(model, *, steps: int, micro_batches: int, seq_len: int = 24, plan=None):
     """``steps`` steps of megatrain and of eager AdamW on the same batches; asserts equal losses
     and weights (1e-5); returns the trainer."""
     ref = copy.deepcopy(model)
     batches = [image_batch(2 * micro_batches, seq_len, seed=s % 2) for s in range(steps)]
     trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=2, micro_batches=micro_batches,
-                                optimizer=ADAMW, input_names=NAMES)
+                                optimizer=ADAMW, input_names=NAMES, plan=plan)
     got = [trainer.step(b).loss for b in batches]
     trainer.flush()
     want = eager_losses(ref, batches, micro_batches)
@@ -99,13 +100,22 @@ def test_llava_vision_blocks_are_layers_and_train_as_eager():
             assert {OpKind.BWD, OpKind.D2H} <= {op.kind for op in ops if op.layer == li}, name
 
 
-def test_llava_frozen_vision_tower_trains_projector_and_decoder_as_eager():
+K, OFF, RE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
+
+
+@pytest.mark.parametrize("plan", [
+    None,
+    # The vision blocks' outputs recomputed for the projector's backward, which has no backward of
+    # theirs to run; the projector's output offloaded; one slot.
+    Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=1, activations=(K, RE, RE, OFF, K, K)),
+], ids=["default", "recompute-offload"])
+def test_llava_frozen_vision_tower_trains_projector_and_decoder_as_eager(plan):
     torch.manual_seed(1)
     model = tiny_llava(text_layers=1)
     for p in model.model.vision_tower.parameters():
         p.requires_grad_(False)
     tower = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("model.vision_tower.")}
-    trainer = train_both(model, steps=3, micro_batches=1)
+    trainer = train_both(model, steps=3, micro_batches=1 if plan is None else plan.micro_batches, plan=plan)
     after = dict(model.named_parameters())
     for n, p in tower.items():
         assert torch.equal(after[n], p), f"frozen {n} changed"
@@ -122,6 +132,10 @@ def test_llava_frozen_vision_tower_trains_projector_and_decoder_as_eager():
         assert not [op for op in trainer.schedule.ops
                     if op.layer == li and op.kind in (OpKind.BWD, OpKind.D2H, OpKind.OPT, OpKind.ACC)]
         assert trainer.host.exp_avg(li).numel() == trainer.host.exp_avg_sq(li).numel() == 0
+    if plan is not None:  # the recomputed blocks run forward twice a micro-batch: FWD and RECOMPUTE
+        for li in vision:
+            kinds = [op.kind for op in trainer.schedule.ops if op.layer == li and op.kind in (OpKind.FWD, OpKind.RECOMPUTE)]
+            assert sorted(k.value for k in kinds) == ["FWD", "FWD", "RECOMPUTE", "RECOMPUTE"], kinds
     # The prologue holds the text embedding (trainable) beside the frozen patch embedding.
     prologue = g.layers[names.index("prologue")]
     assert 0 < prologue.trainable_numel < prologue.numel
