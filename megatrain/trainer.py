@@ -303,7 +303,8 @@ class Trainer:
             ``"model"``: ``{name: Tensor}``, each parameter by its ``state_dict`` name (Hugging Face
                 naming), an FP32 view into its layer's master tile, in graph order.
             ``"buffers"``: ``{name: Tensor}``, the module's persistent buffers (its own tensors and
-                dtypes), except those on the ``meta`` device.
+                dtypes), except those on the ``meta`` device, and the parameters no layer holds
+                (``graph.meta["unused_parameters"]``: the loss never reads them, so they never change).
             ``"masters"``: ``{"<layer>.master": Tensor[numel]}``, each layer's FP32 master row (the
                 memory ``"model"`` views, whole, padding included).
             ``"optimizer"``: ``{"<layer>.exp_avg" | "<layer>.exp_avg_sq": Tensor[trainable_numel]}``,
@@ -341,7 +342,10 @@ class Trainer:
         # state_dict() returns detached tensors sharing the module's storage: copying into one
         # writes the module's buffer.
         # A tied parameter's other names (lm_head.weight) are no buffers: it is saved once, in "model".
-        aliases = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        # A parameter the loss never reads (LLaVA's last vision block) is in no layer: it is kept
+        # here as the model holds it, so that a checkpoint is the whole model.
+        placed = {id(p) for name, p in self.model.named_parameters(remove_duplicate=False) if name in model}
+        aliases = {name for name, p in self.model.named_parameters(remove_duplicate=False) if id(p) in placed}
         buffers = {name: t for name, t in self.model.state_dict().items()
                    if name not in model and name not in aliases and isinstance(t, torch.Tensor)
                    and t.device.type != "meta"}

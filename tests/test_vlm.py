@@ -14,7 +14,7 @@ from megatrain.errors import BatchError, UnsupportedModelError
 from megatrain.planner.plan import ActivationPolicy, Plan
 from megatrain.planner.schedule import OpKind
 
-from test_exactness import ADAMW, RTOL, eager_losses
+from test_exactness import ADAMW, RTOL, assert_bf16_tracks_eager, eager_losses
 
 IMAGE_TOKEN = 95
 PATCHES = 16  # (32 / 8) ** 2: image tokens per row with the "default" strategy (CLS dropped)
@@ -194,3 +194,50 @@ def test_plan_reports_the_vision_towers_share(tmp_path, capsys):
     # large and it adds the LM head and loss; the vision blocks' sequence is 17 against 24).
     share = float(rows["compute"][4].rstrip("%"))
     assert 0 < share < 50, rows["compute"]
+
+
+def test_megatrain_train_refuses_a_vision_language_config_it_has_no_image_data_for(tmp_path):
+    import json
+
+    from megatrain.train.model import resolve_model
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_llava().config.to_dict()))
+    with pytest.raises(UnsupportedModelError, match=r"'llava' is a vision-language model.*text only"):
+        resolve_model(str(path))
+
+
+def test_a_checkpoint_loads_with_auto_model_for_image_text_to_text_and_generates(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(3)
+    model = tiny_llava(vision_layers=2, text_layers=1)
+    trainer = megatrain.compile(model, seq_len=24, micro_batch_size=2, input_names=NAMES)
+    batch = image_batch(2, 24, seed=0)
+    trainer.step(batch)
+    trainer.save(tmp_path / "ckpt")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt")
+    assert type(loaded) is type(model)
+    want, got = model.state_dict(), loaded.state_dict()
+    assert set(got) == set(want)
+    # Every tensor, the last vision block's that no layer holds (the loss never reads it) included.
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    out = loaded.generate(input_ids=batch["input_ids"][:1], pixel_values=batch["pixel_values"][:1],
+                          attention_mask=torch.ones(1, 24, dtype=torch.long), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 27)
+
+
+def test_llava_bf16_compute_tracks_eager_mixed_precision():
+    """BF16 compute (the model traced with BF16 parameters, pixel_values cast to BF16 by the patch
+    embedding as eagerly): at every step the loss and gradient norm of the eager model with BF16
+    parameters at the same weights, within test_exactness.bf16_tolerances. Its chain from the
+    embeddings to the logits counts the two vision blocks that run, the projector (two matmuls,
+    as many roundings as a block) and the two decoder blocks: five blocks."""
+    torch.manual_seed(4)
+    model = tiny_llava()
+    batches = [image_batch(2, 24, seed=s % 2) for s in range(3)]
+    trainer = megatrain.compile(model, seq_len=24, micro_batch_size=2, optimizer=ADAMW, compute_dtype="bfloat16",
+                                input_names=NAMES)
+    assert trainer.graph.meta["param_dtype"] == "bfloat16"
+    assert_bf16_tracks_eager(model, trainer, batches, blocks=5, bf16_parameters=True)

@@ -38,7 +38,7 @@ class VisionLanguageFamily:
     ``vision_tower``: the module path of the vision encoder in the ``*ForConditionalGeneration``
     model; its largest block container is cut into layers before the decoder's.
     ``image_shape(config)``: the shape of one row's ``pixel_values`` (one image per row: LLaVA-1.5's
-    SFT recipe, one image per conversation), without the row dimension. ``image_tokens(config)``:
+    SFT recipe, one image per conversation), without the row dimension. ``image_tokens(model)``:
     the image-token id and how many of them one row's ``input_ids`` must hold (one per image
     feature the projector writes into the text embeddings).
     """
@@ -46,7 +46,7 @@ class VisionLanguageFamily:
     model_type: str
     vision_tower: str
     image_shape: Callable[[Any], tuple[int, ...]]
-    image_tokens: Callable[[Any], tuple[int, int]]
+    image_tokens: Callable[[nn.Module], tuple[int, int]]
 
 
 def _llava_shape(config: Any) -> tuple[int, ...]:
@@ -54,12 +54,13 @@ def _llava_shape(config: Any) -> tuple[int, ...]:
     return (v.num_channels, v.image_size, v.image_size)
 
 
-def _llava_tokens(config: Any) -> tuple[int, int]:
-    # LlavaModel.get_image_features keeps every patch, and the CLS position only with the "full"
-    # strategy ("default" drops it: ``selected_image_feature[:, 1:]``).
-    v = config.vision_config
-    patches = (v.image_size // v.patch_size) ** 2
-    return config.image_token_id, patches + (config.vision_feature_select_strategy == "full")
+def _llava_tokens(model: nn.Module) -> tuple[int, int]:
+    # LlavaModel.get_image_features keeps every position of the vision tower's sequence (CLIP's
+    # patches and CLS, SigLIP's patches: ``embeddings.num_positions``), less the first with the
+    # "default" strategy (``selected_image_feature[:, 1:]``).
+    config = model.config
+    positions = model.get_submodule("model.vision_tower").embeddings.num_positions
+    return config.image_token_id, positions - (config.vision_feature_select_strategy == "default")
 
 
 FAMILIES: dict[str, VisionLanguageFamily] = {
@@ -160,7 +161,7 @@ def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> N
     fam = family(getattr(model, "config", None))
     if fam is None or IMAGE_INPUT not in batch or "input_ids" not in batch:
         return
-    token, per_row = fam.image_tokens(model.config)
+    token, per_row = fam.image_tokens(model)
     counts = (batch["input_ids"] == token).sum(dim=1)
     bad = (counts != per_row).nonzero()
     if len(bad):
