@@ -22,7 +22,6 @@ from torch import nn
 from megatrain.config import AdamW, CompileOptions, describe_validation
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
 from megatrain.models import check_model
-from megatrain.planner.trace.vlm import check_image_tokens
 from megatrain.planner import cost
 from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
 from megatrain.planner.graph import LayerGraph, TracedModel
@@ -34,6 +33,7 @@ from megatrain.planner.simulate import simulate
 from megatrain.planner.solve import Solution, SolveLimits, SolveRequest, solve
 from megatrain.planner.timeline import Timeline
 from megatrain.planner.trace import trace
+from megatrain.planner.trace.vlm import check_image_tokens
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective

@@ -88,9 +88,10 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     """Trace ``model`` into a LayerGraph for micro-batches of ``[micro_batch_size, seq_len]``.
 
     ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
-    its scalar loss (a vision-language model of :data:`.vlm.FAMILIES` takes ``pixel_values``, one
-    ``FloatTensor[C, H, W]`` image per row, among them: its vision blocks become layers too, see
-    :mod:`.vlm`) (a tensor, an object with ``.loss`` or a tuple whose first element is the loss).
+    its scalar loss (a tensor, an object with ``.loss`` or a tuple whose first element is the loss).
+    A vision-language model of :data:`.vlm.FAMILIES` (LLaVA) may take ``pixel_values`` among them,
+    ``FloatTensor[micro_batch_size, C, H, W]`` (one image per row): its vision blocks become layers
+    too (:mod:`.vlm`).
     The model may live on the ``meta`` device; no parameter memory is touched either way, and the
     model is not modified.
 

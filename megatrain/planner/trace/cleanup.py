@@ -172,13 +172,19 @@ def drop_unread(gm: fx.GraphModule) -> int:
     reads the vision tower's hidden states before its last block (``vision_feature_layer=-2``), so
     that block's attention would otherwise stay, its weights in a layer with no output, their
     gradients zeros that weight decay would still move (eager AdamW skips them)."""
+    def unread(n: fx.Node) -> bool:
+        if n.op != "call_function" or n.users:
+            return False
+        if not n.is_impure():
+            return True
+        schema = _schema(n)  # impure: only a seeded op that draws nothing and writes no input goes
+        return schema is not None and not schema.is_mutable and not _draws(n)
+
     dropped = 0
     for m in graph_modules(gm):
         before = dropped
-        for n in reversed(list(m.graph.nodes)):
-            if n.op == "call_function" and not n.users and (not n.is_impure() or (_schema(n) is not None
-                                                                                  and not _draws(n)
-                                                                                  and not _schema(n).is_mutable)):
+        for n in reversed(list(m.graph.nodes)):  # users before their inputs: a chain goes in one sweep
+            if unread(n):
                 m.graph.erase_node(n)
                 dropped += 1
         if dropped > before:
@@ -276,8 +282,9 @@ def install_grouped_query_attention(gm: fx.GraphModule) -> int:
 
 
 def clean(ctx: TraceContext) -> None:
-    """Pass: erase export's asserts and the ops nothing reads (:func:`drop_unread`), refuse random ops that cannot be replayed, keep position math in
-    FP32 and route GQA, over ``ctx.gm`` and its nested graphs. Learned values enter at the parameters
+    """Pass: erase export's asserts and the ops nothing reads (:func:`drop_unread`), refuse random
+    ops that cannot be replayed, keep position math in FP32 and route GQA, over ``ctx.gm`` and its
+    nested graphs. Learned values enter at the parameters
     and the floating-point batch inputs. Raises UnsupportedModelError for a random op drawing from
     its own generator (:func:`check_random_ops`)."""
     erase_metadata_asserts(ctx.gm)
@@ -288,5 +295,5 @@ def clean(ctx: TraceContext) -> None:
     install_grouped_query_attention(ctx.gm)
 
 
-__all__ = ["check_random_ops", "clean", "draws_random", "drop_unread", "erase_metadata_asserts", "install_grouped_query_attention",
-           "keep_position_math_fp32", "random_nodes", "without_dropout"]
+__all__ = ["check_random_ops", "clean", "draws_random", "drop_unread", "erase_metadata_asserts",
+           "install_grouped_query_attention", "keep_position_math_fp32", "random_nodes", "without_dropout"]
