@@ -397,7 +397,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     from megatrain.models import check_causal_decoder
 
     check_causal_decoder(config, args.model)
-    _progress(f"tracing {args.model} ({config.get_text_config().num_hidden_layers} layers) on the meta device at seq_len "
+    blocks = config.get_text_config().num_hidden_layers  # a vision-language config keeps them in text_config
+    _progress(f"tracing {args.model} ({blocks} layers) on the meta device at seq_len "
               f"{args.seq_len} ...")
     t0 = time.perf_counter()
     # What compile traces for this model: built in FP32, traced in the compute dtype.

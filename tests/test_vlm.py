@@ -134,7 +134,8 @@ def test_llava_frozen_vision_tower_trains_projector_and_decoder_as_eager(plan):
         assert trainer.host.exp_avg(li).numel() == trainer.host.exp_avg_sq(li).numel() == 0
     if plan is not None:  # the recomputed blocks run forward twice a micro-batch: FWD and RECOMPUTE
         for li in vision:
-            kinds = [op.kind for op in trainer.schedule.ops if op.layer == li and op.kind in (OpKind.FWD, OpKind.RECOMPUTE)]
+            kinds = [op.kind for op in trainer.schedule.ops
+                     if op.layer == li and op.kind in (OpKind.FWD, OpKind.RECOMPUTE)]
             assert sorted(k.value for k in kinds) == ["FWD", "FWD", "RECOMPUTE", "RECOMPUTE"], kinds
     # The prologue holds the text embedding (trainable) beside the frozen patch embedding.
     prologue = g.layers[names.index("prologue")]
@@ -224,7 +225,8 @@ def test_a_checkpoint_loads_with_auto_model_for_image_text_to_text_and_generates
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     out = loaded.generate(input_ids=batch["input_ids"][:1], pixel_values=batch["pixel_values"][:1],
-                          attention_mask=torch.ones(1, 24, dtype=torch.long), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+                          attention_mask=torch.ones(1, 24, dtype=torch.long), max_new_tokens=3, min_new_tokens=3,
+                          do_sample=False)
     assert out.shape == (1, 27)
 
 
