@@ -269,6 +269,7 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
          f"model FLOPs (3 x traced forward, recompute not counted) / {plan.compute_dtype} peak"),
         ("bottleneck", tl.bottleneck.value, "busiest stream"),
     ] + [(f"{s.value} busy", f"{busy.get(s, 0.0):.1%}", f"{tl.busy_s.get(s, 0.0):,.4g} s") for s in Stream])
+    lines += _vision_rows(g, tl, mem)
     if nvme is not None:
         from megatrain.planner.nvme import describe
 
@@ -278,6 +279,24 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
         lines.append("")
         lines += _section("data parallel", _topology_rows(topology))
     return "\n".join(lines)
+
+
+def _vision_rows(g, tl, mem) -> list[str]:
+    """A vision-language model's "vision tower" section: its blocks' share of the parameters, host
+    state and predicted time (:func:`megatrain.planner.trace.vlm.vision_share`); none for others."""
+    from megatrain.planner.trace.vlm import vision_share
+
+    v = vision_share(g, tl, mem)
+    if v is None:
+        return []
+    return [""] + _section(f"vision tower ({g.meta['vision_container']})", [
+        ("layers", f"{v.layers}/{v.total_layers}", "vision blocks, streamed like the decoder's"),
+        ("parameters", f"{v.params:,}", f"{_pct(v.params, v.total_params)} of the model's"),
+        ("host state", _gib(v.host_bytes), f"GiB of masters and moments ({_pct(v.host_bytes, v.total_host_bytes)})"),
+        ("compute time", f"{v.compute_s:,.4g} s", f"{_pct(v.compute_s, v.total_compute_s)} of the compute "
+                                                  "stream's forward, recompute and backward time"),
+        ("weight copies", f"{v.h2d_s:,.4g} s", f"{_pct(v.h2d_s, v.total_h2d_s)} of the H2D time"),
+    ])
 
 
 def _topology_rows(ts) -> list[tuple[str, str, str]]:
@@ -378,7 +397,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     from megatrain.models import check_causal_decoder
 
     check_causal_decoder(config, args.model)
-    _progress(f"tracing {args.model} ({config.num_hidden_layers} layers) on the meta device at seq_len "
+    blocks = config.get_text_config().num_hidden_layers  # a vision-language config keeps them in text_config
+    _progress(f"tracing {args.model} ({blocks} layers) on the meta device at seq_len "
               f"{args.seq_len} ...")
     t0 = time.perf_counter()
     # What compile traces for this model: built in FP32, traced in the compute dtype.

@@ -36,18 +36,27 @@ def check_causal_decoder(config: Any, source: str) -> None:
         config: a ``transformers.PretrainedConfig``.
         source: where it came from, for the message (a file name or ``"the model"``).
 
+    A vision-language family of :data:`megatrain.planner.trace.vlm.FAMILIES` (LLaVA) passes: it
+    trains its decoder on the text with the image features written in.
+
     Raises:
         UnsupportedModelError: an encoder-decoder, an encoder family, or a ``model_type`` with no
-            causal-LM class; the message names the type and the models to use instead.
+            causal-LM class; the message names the type and the models to use instead (for a
+            vision-language family megatrain does not trace, what it lacks).
     """
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
+    from megatrain.planner.trace.vlm import family, refuse_vision_language
+
     mt = getattr(config, "model_type", None)
+    if family(config) is not None:
+        return  # a vision-language model megatrain trains with its images (LLaVA)
     what = None
     if getattr(config, "is_encoder_decoder", False):
         what = "an encoder-decoder model"
     elif mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        refuse_vision_language(config, source)
         what = "not a causal language model (transformers has no causal-LM class for it)"
     elif mt in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         what = "an encoder family with bidirectional attention (its causal-LM class would train a model " \
@@ -158,6 +167,8 @@ def check_positions(config: Any, seq_len: int, source: str) -> None:
             position count: for a rotary model that is the way to train at a longer context, for a
             learned table it only works from scratch, since its saved weights have fewer rows).
     """
+    if hasattr(config, "get_text_config"):  # a vision-language config keeps its positions in text_config
+        config = config.get_text_config()
     n = getattr(config, "max_position_embeddings", None)
     if not isinstance(n, int) or seq_len <= n:
         return

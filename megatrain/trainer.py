@@ -34,6 +34,7 @@ from megatrain.planner.simulate import simulate
 from megatrain.planner.solve import Solution, SolveLimits, SolveRequest, solve
 from megatrain.planner.timeline import Timeline
 from megatrain.planner.trace import trace
+from megatrain.planner.trace.vlm import check_image_tokens
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.distributed import collective
@@ -311,7 +312,8 @@ class Trainer:
             ``"model"``: ``{name: Tensor}``, each parameter by its ``state_dict`` name (Hugging Face
                 naming), an FP32 view into its layer's master tile, in graph order.
             ``"buffers"``: ``{name: Tensor}``, the module's persistent buffers (its own tensors and
-                dtypes), except those on the ``meta`` device.
+                dtypes), except those on the ``meta`` device, and the parameters no layer holds
+                (``graph.meta["unused_parameters"]``: the loss never reads them, so they never change).
             ``"masters"``: ``{"<layer>.master": Tensor[numel]}``, each layer's FP32 master row (the
                 memory ``"model"`` views, whole, padding included).
             ``"optimizer"``: ``{"<layer>.<state>": Tensor[trainable_numel]}`` for each state of the
@@ -350,7 +352,10 @@ class Trainer:
         # state_dict() returns detached tensors sharing the module's storage: copying into one
         # writes the module's buffer.
         # A tied parameter's other names (lm_head.weight) are no buffers: it is saved once, in "model".
-        aliases = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        # A parameter the loss never reads (LLaVA's last vision block) is in no layer: it is kept
+        # here as the model holds it, so that a checkpoint is the whole model.
+        placed = {id(p) for name, p in self.model.named_parameters(remove_duplicate=False) if name in model}
+        aliases = {name for name, p in self.model.named_parameters(remove_duplicate=False) if id(p) in placed}
         buffers = {name: t for name, t in self.model.state_dict().items()
                    if name not in model and name not in aliases and isinstance(t, torch.Tensor)
                    and t.device.type != "meta"}
@@ -589,21 +594,27 @@ class Trainer:
     def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
         d = self._as_dict(batch)
         o = self.options
-        want = (k * o.micro_batch_size, o.seq_len)
         for name, t in d.items():
             if not isinstance(t, torch.Tensor):
                 raise BatchError(f"batch[{name!r}] is a {type(t).__name__}, not a tensor")
             if name == "attention_mask":
                 d[name] = t = _mask_as_long(t)
-            if t.dtype != torch.long:
-                raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; token inputs must be torch.long "
-                                 "(int64): convert with .long()")
+            # The traced shape of one micro-batch: [micro_batch_size, seq_len] token ids, or a
+            # vision-language model's images, [micro_batch_size, C, H, W] float32.
+            v = self.graph.value_by_name(name)
+            want = (k * v.shape[0], *v.shape[1:])
+            if str(t.dtype).removeprefix("torch.") != v.dtype:
+                what = ("token inputs must be torch.long (int64): convert with .long()" if v.dtype == "int64"
+                        else f"the model was traced with {v.dtype} {name}: convert with .to(torch.{v.dtype})")
+                raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; {what}")
             if tuple(t.shape) != want:
+                per_row = ", ".join(map(str, v.shape[1:]))
                 raise BatchError(f"batch[{name!r}] has shape {tuple(t.shape)}, but the trainer was compiled "
-                                 f"for [{k} micro-batches x {o.micro_batch_size}, {o.seq_len}] = {list(want)}: "
+                                 f"for [{k} micro-batches x {o.micro_batch_size}, {per_row}] = {list(want)}: "
                                  "pad or crop the batch, or compile again with its shape")
         for name, limit in self._token_limits.items():
             _check_ids(name, d[name], limit)
+        check_image_tokens(self.model, d)
         mbs = o.micro_batch_size
         return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
 
@@ -1147,6 +1158,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``:
             e.g. ``("input_ids", "attention_mask", "labels")`` for padded batches,
             ``("input_ids", "position_ids", "labels")`` for packed documents (see ``Trainer.step``).
+            A vision-language model (LLaVA) also takes ``"pixel_values"``, one
+            ``FloatTensor[3, H, W]`` image per row (``[batch, 3, H, W]`` float32), whose row holds
+            that image's tokens (:mod:`megatrain.planner.trace.vlm`).
         max_grad_norm: clip the gradients to this global L2 norm, as
             ``torch.nn.utils.clip_grad_norm_`` does, or None. Clipping needs every gradient before
             any update, so the optimizer steps then run in the next step's forward

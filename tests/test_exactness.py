@@ -259,7 +259,7 @@ def assert_bf16_tracks_eager(model, trainer, batches, blocks: int, eager_device:
             res = ref(**{k: t.to(eager_device) for k, t in batch.items()})
         loss = res if isinstance(res, torch.Tensor) else res.loss
         loss.backward()
-        norms = [torch.linalg.vector_norm(q.grad.float()) for q in ref.parameters()]
+        norms = [torch.linalg.vector_norm(q.grad.float()) for q in ref.parameters() if q.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(norms))
         result = trainer.step({k: t.cpu() for k, t in batch.items()})
         what = "eager BF16 (mixed precision)" if bf16_parameters else "eager autocast"

@@ -436,7 +436,9 @@ _DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] 
     OpKind.D2H: lambda g, i, plan, hw: d2h_time(g.layers[i], hw, plan),
     OpKind.FWD: lambda g, i, plan, hw: fwd_time(g.layers[i], plan, hw),
     OpKind.RECOMPUTE: lambda g, i, plan, hw: fwd_time(g.layers[i], plan, hw),
-    OpKind.BWD: lambda g, i, plan, hw: bwd_time(g.layers[i], plan, hw),
+    # A layer with no gradient to compute (a frozen vision tower) is given no BWD: none to time.
+    OpKind.BWD: lambda g, i, plan, hw: (bwd_time(g.layers[i], plan, hw)
+                                        if i == len(g.layers) - 1 or g.has_gradients(i) else 0.0),
     OpKind.OFFLOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.OFFLOAD),
     OpKind.RELOAD: lambda g, i, plan, hw: offload_time(g, i, hw, OpKind.RELOAD),
     OpKind.OPT: lambda g, i, plan, hw: opt_time(g.layers[i], hw, plan),

@@ -172,6 +172,14 @@ class LayerGraph:
         RELOAD of the layer moves (the loss, read by no layer, is not one)."""
         return tuple(vid for vid in self.layers[layer].outputs if self.values[vid].consumers)
 
+    def has_gradients(self, layer: int) -> bool:
+        """Whether layer ``layer``'s local backward computes anything: a gradient of a trainable
+        parameter, or of an input that one depends on. A layer of frozen parameters whose inputs
+        need no gradient (a frozen vision tower, a frozen input embedding) has none, and the
+        schedule gives it no local backward (its forward is all it runs)."""
+        rec = self.layers[layer]
+        return rec.trainable_numel > 0 or any(self.values[v].requires_grad for v in rec.inputs)
+
     def value_by_name(self, name: str) -> Value:
         for v in self.values:
             if v.name == name:

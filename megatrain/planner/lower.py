@@ -172,6 +172,8 @@ def _compute_pass(req: _Request, mb: int | None) -> list[_Visit]:
             visits.append(_Visit(p, OpKind.RECOMPUTE, mb))
 
     for layer in range(n - 1, -1, -1):
+        if layer < n - 1 and not g.has_gradients(layer):
+            continue  # nothing to differentiate (a frozen vision tower): no local backward at all
         rebuild_inputs(layer)
         visits.append(_Visit(layer, OpKind.BWD, mb))
     return visits

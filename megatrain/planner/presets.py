@@ -209,7 +209,9 @@ def load_model_config(name_or_path: str | os.PathLike):
 
 
 def build_meta_model(config, dtype=None):
-    """The causal LM for ``config`` on the ``meta`` device (no parameter memory is allocated).
+    """The causal LM for ``config`` on the ``meta`` device (no parameter memory is allocated); for
+    a vision-language family megatrain trains (:data:`megatrain.planner.trace.vlm.FAMILIES`), its
+    image-text-to-text model (LLaVA: ``LlavaForConditionalGeneration``).
 
     ``dtype`` (a ``torch.dtype``; default: the config's, else float32) is the dtype the model
     computes in, which sets the bytes of the activations a trace records. The presets have no
@@ -217,27 +219,34 @@ def build_meta_model(config, dtype=None):
     draws in its recompute).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from megatrain.planner.trace.vlm import family
 
     kwargs = {} if dtype is None else {"dtype": dtype}
+    auto = AutoModelForCausalLM if family(config) is None else AutoModelForImageTextToText
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=False, **kwargs)
+        return auto.from_config(config, trust_remote_code=False, **kwargs)
 
 
 def trace_preset(config, *, seq_len: int, compute_dtype: str, micro_batch_size: int = 1):
     """The traced model (``TracedModel``) ``megatrain plan`` plans for ``config``: the causal LM built on
     the ``meta`` device in FP32, as a model is built for training, and traced in ``compute_dtype``
     (``trace(..., param_dtype=...)``), which is what ``megatrain.compile`` traces for a model of this
-    config with that compute dtype. Raises ConfigError for a dtype other than float32/bfloat16."""
+    config with that compute dtype (a vision-language model with ``pixel_values``, one image per row).
+    Raises ConfigError for a dtype other than float32/bfloat16."""
     import torch
 
     from megatrain.errors import ConfigError
     from megatrain.planner.trace import trace
+    from megatrain.planner.trace.vlm import IMAGE_INPUT, family
 
     if compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: use 'float32' or 'bfloat16'")
+    # A vision-language model is planned with its images: one per row, through its vision tower.
+    names = ("input_ids", IMAGE_INPUT, "labels") if family(config) is not None else ("input_ids", "labels")
     return trace(build_meta_model(config, dtype=torch.float32), micro_batch_size=micro_batch_size, seq_len=seq_len,
-                 param_dtype=getattr(torch, compute_dtype))
+                 input_names=names, param_dtype=getattr(torch, compute_dtype))
 
 
 __all__ = ["MODEL_PRESETS", "SMALL_PRESETS", "dense_decoder_param_count", "preset_names", "load_model_config",

@@ -14,7 +14,8 @@ dependencies plus program order on each in-order stream. It is computed once as 
   the slot; a host gradient tile is read by its layer's optimizer step (or, with per-micro-batch
   passes, by the ACC of the micro-batch it holds) before another D2H overwrites it; accumulators
   are written by their layer's ACCs in micro-batch order, micro-batch 0's first;
-- ``coverage``: every (layer, micro-batch) runs its forward and local backward exactly once (and
+- ``coverage``: every (layer, micro-batch) runs its forward and local backward exactly once (no
+  local backward for a layer with no gradient to compute: ``LayerGraph.has_gradients``; and
   its recompute at most once); every layer with trainable parameters is updated exactly once, after
   all its micro-batches -- in the same step (optimizer DURING_BACKWARD), or at the start of the next
   step's schedule or an ``"update"`` schedule (NEXT_FORWARD), where the update comes before every
@@ -436,7 +437,7 @@ def _check_coverage(c: _Context) -> None:
     for layer in range(n):
         for mb in range(M):
             want_fwd = 1 if layer in fwd_layers else 0
-            want_bwd = 1 if schedule.mode == "train" else 0
+            want_bwd = 1 if schedule.mode == "train" and (layer == n - 1 or graph.has_gradients(layer)) else 0
             for kind, want in ((OpKind.FWD, want_fwd), (OpKind.BWD, want_bwd), (OpKind.RECOMPUTE, None)):
                 got = at.get((kind, layer, mb), [])
                 if (want is None and len(got) > (1 if schedule.mode == "train" else 0)) or \

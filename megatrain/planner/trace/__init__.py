@@ -27,6 +27,8 @@ fields later ones read; each module's docstring gives the method of its pass and
 - :mod:`.seq_chunk` (``chunk_sequences``): Mini-Sequence Transformer chunking of token-wise regions;
 - :mod:`.measure` (``measure``): work bytes by a liveness simulation, FLOPs and launches on meta;
 - :mod:`.replicate` (``replicate``): the three-block trace repeated to full depth;
+- :mod:`.vlm`: a vision-language model's vision blocks as a second block container, cut before
+  the decoder's, and the shapes of its image inputs;
 - :mod:`.hf` (transformers specifics: causal attention without an ``S x S`` mask, its configs) and
   :mod:`.fx_util` (fx helpers) serve the passes.
 
@@ -53,6 +55,7 @@ from megatrain.planner.trace.lm_head import DEFAULT_LOSS_CHUNK_BYTES, chunk_lm_h
 from megatrain.planner.trace.measure import measure
 from megatrain.planner.trace.replicate import pick_blocks, replicate, short_copy, why_not_replicate
 from megatrain.planner.trace.token_loss import sum_token_loss
+from megatrain.planner.trace.vlm import image_input_shapes, vision_tower
 from megatrain.planner.trace.seq_chunk import (DEFAULT_SEQ_CHUNK_BYTES, MIXED, chunk_sequence_regions,
                                                chunk_sequences, sequence_dims)
 
@@ -86,6 +89,9 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
 
     ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
     its scalar loss (a tensor, an object with ``.loss`` or a tuple whose first element is the loss).
+    A vision-language model of :data:`.vlm.FAMILIES` (LLaVA) may take ``pixel_values`` among them,
+    ``FloatTensor[micro_batch_size, C, H, W]`` (one image per row): its vision blocks become layers
+    too (:mod:`.vlm`).
     The model may live on the ``meta`` device; no parameter memory is touched either way, and the
     model is not modified.
 
@@ -103,7 +109,8 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     The three-block copy is traced first when :func:`why_not_replicate` finds the blocks
     interchangeable; if it fails to trace (any TraceError) or its blocks disagree, :data:`PASSES`
     run again on the full model. ``graph.meta`` records ``trace`` (``"replicated"`` or ``"full"``),
-    ``trace_full_because``, ``skip_causal_mask``, ``param_dtype``, any ``unused_parameters``, and
+    ``trace_full_because``, ``skip_causal_mask``, ``param_dtype``, any ``unused_parameters``, a
+    vision-language model's ``vision_container`` (its vision blocks' layers are named under it), and
     ``uncounted_loss_because`` when the loss is not a mean cross-entropy that
     :func:`~megatrain.planner.trace.token_loss.sum_token_loss` can sum and count
     (``TracedModel.count_targets`` is then None).
@@ -114,13 +121,19 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
         UnsupportedModelError: no trainable parameters, or
             blocks called out of order.
     """
+    shapes = image_input_shapes(model, tuple(input_names), micro_batch_size)
     options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),
                            loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes,
-                           param_dtype=param_dtype)
+                           param_dtype=param_dtype,
+                           input_shapes=tuple((name, shape, dtype) for name, (shape, dtype) in shapes.items()))
     check_model(model, options.input_names)
-    container = find_block_container(model)
+    tower = vision_tower(model, options.input_names)
+    container = find_block_container(model, skip=tower)
+    vision = None if tower is None else f"{tower}.{find_block_container(model.get_submodule(tower))}"
     with causal_attention(model, options.input_names) as mask_free:
         why = why_not_replicate(model, container) if replicate_blocks else "replicate_blocks=False"
+        if vision is not None:
+            why = f"a vision-language model (vision blocks in {vision}) is traced in full"
         ctx = None
         if why is None:
             picks = pick_blocks(len(model.get_submodule(container)))
@@ -133,12 +146,15 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
             else:
                 why = ctx.full_because
         if why is not None:
-            ctx = run_passes(TraceContext(model=model, module=model, options=options, container=container))
+            ctx = run_passes(TraceContext(model=model, module=model, options=options, container=container,
+                                          vision_container=vision))
     traced = ctx.traced
     traced.graph.meta.update(trace="full" if why else "replicated", skip_causal_mask=mask_free,
                              param_dtype=str(param_dtype or model_dtype(model)).removeprefix("torch."))
     if why:
         traced.graph.meta["trace_full_because"] = why
+    if vision is not None:
+        traced.graph.meta["vision_container"] = vision
     check_covers_params(model, traced.graph)
     return traced
 

@@ -33,7 +33,11 @@ _aten = torch.ops.aten
 
 # Ops export inserts to assert the device/dtype seen at trace time; they would pin the graph to
 # the meta device and carry no computation.
-_ASSERT_OPS = {torch.ops.aten._assert_tensor_metadata.default}
+_ASSERT_OPS = {torch.ops.aten._assert_tensor_metadata.default,
+               # torch._check on a tensor (transformers' torch_compilable_check: LLaVA's image-token
+               # count) becomes a host sync (item) and these asserts; the batch is checked on the host
+               # before the step instead (megatrain.planner.trace.vlm.check_image_tokens).
+               torch.ops.aten._assert_scalar.default}
 
 # Random ops the executor replays by restoring the device generator's state (the attention kernels,
 # which draw only when their ``dropout_p`` is not 0, are told apart by that argument instead). Any
@@ -158,6 +162,36 @@ def erase_metadata_asserts(gm: fx.GraphModule) -> int:
     return erased
 
 
+def drop_unread(gm: fx.GraphModule) -> int:
+    """Drop the ops whose results nothing reads, in ``gm`` and every nested graph; returns how many.
+
+    ``Graph.eliminate_dead_code`` keeps every op tagged ``nondeterministic_seeded``, attention
+    included, since it may draw random numbers; one that draws none (attention with ``dropout_p ==
+    0``: :func:`_draws`) is dropped here too, while one that draws is kept, so the generator
+    advances as eagerly. A model computes such dead branches where it discards an output: LLaVA
+    reads the vision tower's hidden states before its last block (``vision_feature_layer=-2``), so
+    that block's attention would otherwise stay, its weights in a layer with no output, their
+    gradients zeros that weight decay would still move (eager AdamW skips them)."""
+    def unread(n: fx.Node) -> bool:
+        if n.op != "call_function" or n.users:
+            return False
+        if not n.is_impure():
+            return True
+        schema = _schema(n)  # impure: only a seeded op that draws nothing and writes no input goes
+        return schema is not None and not schema.is_mutable and not _draws(n)
+
+    dropped = 0
+    for m in graph_modules(gm):
+        before = dropped
+        for n in reversed(list(m.graph.nodes)):  # users before their inputs: a chain goes in one sweep
+            if unread(n):
+                m.graph.erase_node(n)
+                dropped += 1
+        if dropped > before:
+            m.recompile()
+    return dropped
+
+
 # Ops autocast runs in its low-precision dtype (torch/csrc/autograd/autocast_mode.cpp, the
 # ``lower_precision_fp`` lists of CUDA and CPU) that can appear in position arithmetic.
 _AUTOCAST_LOW = {_aten.mm, _aten.bmm, _aten.matmul, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.addmv,
@@ -248,16 +282,18 @@ def install_grouped_query_attention(gm: fx.GraphModule) -> int:
 
 
 def clean(ctx: TraceContext) -> None:
-    """Pass: erase export's asserts, refuse random ops that cannot be replayed, keep position math in
-    FP32 and route GQA, over ``ctx.gm`` and its nested graphs. Learned values enter at the parameters
+    """Pass: erase export's asserts and the ops nothing reads (:func:`drop_unread`), refuse random
+    ops that cannot be replayed, keep position math in FP32 and route GQA, over ``ctx.gm`` and its
+    nested graphs. Learned values enter at the parameters
     and the floating-point batch inputs. Raises UnsupportedModelError for a random op drawing from
     its own generator (:func:`check_random_ops`)."""
     erase_metadata_asserts(ctx.gm)
+    drop_unread(ctx.gm)
     check_random_ops(ctx.gm)
     floats = {ph for ph, x in zip(ctx.user_inputs, ctx.example) if is_float(x)}
     keep_position_math_fp32(ctx.gm, learned=set(ctx.param_of) | floats)
     install_grouped_query_attention(ctx.gm)
 
 
-__all__ = ["check_random_ops", "clean", "draws_random", "erase_metadata_asserts", "install_grouped_query_attention",
-           "keep_position_math_fp32", "random_nodes", "without_dropout"]
+__all__ = ["check_random_ops", "clean", "draws_random", "drop_unread", "erase_metadata_asserts",
+           "install_grouped_query_attention", "keep_position_math_fp32", "random_nodes", "without_dropout"]

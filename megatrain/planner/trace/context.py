@@ -24,7 +24,10 @@ class TraceOptions:
     of logits for the LM-head pass, None to keep the model's LM head and loss. ``seq_chunk_bytes``:
     the intermediate bytes above which the sequence-chunk pass runs a token-wise region in chunks,
     None to run every region whole. ``param_dtype``: the floating dtype the model's parameters are
-    traced in (the compute dtype: mixed precision's ``param_dtype``), None for theirs. Raises
+    traced in (the compute dtype: mixed precision's ``param_dtype``), None for theirs.
+    ``input_shapes``: ``(name, shape, dtype)`` of each batch input that is not a
+    ``[micro_batch_size, seq_len]`` long tensor, its shape that of one micro-batch (a
+    vision-language model's ``pixel_values``: :func:`~.vlm.image_input_shapes`). Raises
     TraceError for a size below 1.
     """
 
@@ -34,6 +37,7 @@ class TraceOptions:
     loss_chunk_bytes: int | None
     seq_chunk_bytes: int | None
     param_dtype: torch.dtype | None = None
+    input_shapes: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.seq_len < 1:
@@ -90,7 +94,8 @@ class TraceContext:
 
     ``model`` is the user's model; ``module`` the one exported: the model itself, or its
     three-block copy keeping blocks ``picks`` of ``container`` (:mod:`.replicate`). The passes
-    never modify ``model``.
+    never modify ``model``. ``vision_container``: a vision-language model's vision blocks, cut into
+    layers of their own before the decoder's (:mod:`.vlm`).
     """
 
     model: nn.Module
@@ -98,6 +103,7 @@ class TraceContext:
     options: TraceOptions
     container: str | None
     picks: tuple[int, ...] | None = None
+    vision_container: str | None = None
     # export
     example: tuple[torch.Tensor, ...] = ()
     program: Any = None  # torch.export.ExportedProgram

@@ -34,10 +34,13 @@ from megatrain.planner.trace.fx_util import is_float, node_val, signature
 if TYPE_CHECKING:
     from megatrain.planner.trace.context import TraceContext
 
-def find_block_container(model: nn.Module) -> str | None:
-    """Name of the ModuleList/Sequential whose children hold the most parameters, or None."""
+def find_block_container(model: nn.Module, skip: str | None = None) -> str | None:
+    """Name of the ModuleList/Sequential whose children hold the most parameters, or None; with
+    ``skip``, among those outside module ``skip`` (a vision-language model's vision tower)."""
     best, best_count = None, 0
     for name, mod in model.named_modules():
+        if skip is not None and (name == skip or name.startswith(skip + ".")):
+            continue
         if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 0:
             count = sum(p.numel() for p in mod.parameters())
             if count > best_count:
@@ -45,47 +48,101 @@ def find_block_container(model: nn.Module) -> str | None:
     return best
 
 
-def _block_of(node: fx.Node, prefix: str) -> int | None:
+def _block_of(node: fx.Node, prefixes: Sequence[str]) -> tuple[int, int] | None:
+    """``(container, block)`` of the block whose module stack ``node`` runs in, or None."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
     for path, _ty in stack.values():
-        if path.startswith(prefix):
-            head = path[len(prefix):].split(".", 1)[0]
-            if head.isdigit():
-                return int(head)
+        for c, prefix in enumerate(prefixes):
+            if path.startswith(prefix):
+                head = path[len(prefix):].split(".", 1)[0]
+                if head.isdigit():
+                    return c, int(head)
     return None
 
 
-def _assign_stages(gm: fx.GraphModule, container: str | None, n_blocks: int) -> tuple[dict[fx.Node, int], list[str]]:
-    """Stage index of every call_function node; stages are [prologue, blocks..., epilogue]."""
+def _assign_stages(gm: fx.GraphModule, containers: Sequence[tuple[str, int]],
+                   param_of: dict[str, str]) -> tuple[dict[fx.Node, int], list[str]]:
+    """Stage index of every call_function node, and the stages' names.
+
+    ``containers``: ``(name, blocks)`` of each block container (a vision-language model's vision
+    blocks, then the decoder's). Stages in call order: ``prologue``, each container's blocks, and
+    between two containers a connector stage (the glue that runs after the last block of one and
+    before the first of the next: LLaVA's projector and the merge of the image features into the
+    text embeddings), then ``epilogue``."""
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    prefix = f"{WRAPPED}.{container}." if container is not None else None
-    block = {n: (_block_of(n, prefix) if prefix else None) for n in calls}
-    last_block_pos = max((i for i, n in enumerate(calls) if block[n] is not None), default=-1)
+    prefixes = [f"{WRAPPED}.{name}." for name, _ in containers]
+    block = {n: _block_of(n, prefixes) for n in calls}
+    in_blocks = [i for i, n in enumerate(calls) if block[n] is not None]
+    last_block_pos = in_blocks[-1] if in_blocks else -1
+    next_container: list[int | None] = [None] * len(calls)  # the container of the next block node
+    upcoming = None
+    for i in range(len(calls) - 1, -1, -1):
+        upcoming = block[calls[i]][0] if block[calls[i]] is not None else upcoming
+        next_container[i] = upcoming
     stage: dict[fx.Node, int] = {}
-    current = -1
+    names = ["prologue"]
+    current: tuple[int, int] | None = None
+    finished: set[int] = set()  # containers left for a later one
+    connector: dict[int, int] = {}  # container left -> its connector stage
     for i, n in enumerate(calls):
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in stage:
             stage[n] = stage[n.args[0]]  # a tuple element stays with the op that made the tuple
             continue
         b = block[n]
         if b is not None:
-            if b < current:
+            if current is not None and b[0] == current[0] and b[1] < current[1]:
+                name = containers[b[0]][0]
                 raise UnsupportedModelError(
-                    f"block {container}.{b} runs after block {container}.{current}: megatrain streams "
+                    f"block {name}.{b[1]} runs after block {name}.{current[1]}: megatrain streams "
                     "blocks in the order they are called, and expects each block's ops to be "
                     "contiguous and in index order")
-            current = b
-            stage[n] = 1 + b
+            if b[0] in finished:
+                raise UnsupportedModelError(
+                    f"the blocks of {containers[b[0]][0]} run again after those of "
+                    f"{containers[current[0]][0]}: megatrain expects each block container's blocks to run "
+                    "once, one container after the other")
+            if current is not None and b[0] != current[0]:
+                finished.add(current[0])
+            if b != current:
+                names.append(f"{containers[b[0]][0]}.{b[1]}")
+                current = b
+            stage[n] = len(names) - 1
         elif i > last_block_pos >= 0:
-            stage[n] = 1 + n_blocks
+            if names[-1] != "epilogue":
+                names.append("epilogue")
+            stage[n] = len(names) - 1
+        elif current is None:
+            stage[n] = 0  # before the first block: the prologue
+        elif next_container[i] != current[0]:
+            # Between the last block of one container and the first of the next: a connector.
+            if current[0] not in connector:
+                connector[current[0]] = len(names)
+                names.append("connector")
+            stage[n] = connector[current[0]]
         else:
-            # Before the first block: the prologue. Between blocks: glue code of the parent's loop
-            # body, which runs with the block before it.
-            stage[n] = 0 if current < 0 else 1 + current
-    names = ["prologue"] + [f"{container}.{b}" for b in range(n_blocks)] + ["epilogue"]
+            # Between blocks: glue code of the parent's loop body, which runs with the block before it.
+            stage[n] = len(names) - 1
+    for s in connector.values():
+        names[s] = _connector_name(stage, s, param_of, names)
     return stage, names
+
+
+def _connector_name(stage: dict[fx.Node, int], s: int, param_of: dict[str, str], names: list[str]) -> str:
+    """A connector stage's name: the module that holds all its parameters (LLaVA's
+    ``model.multi_modal_projector``), or ``connector`` when it has none or they share no module."""
+    params = sorted({param_of[a.name] for n, k in stage.items() if k == s for a in n.all_input_nodes
+                     if a.op == "placeholder" and a.name in param_of})
+    parts = [p.split(".")[:-1] for p in params]
+    common = parts[0] if parts else []
+    for p in parts[1:]:
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    name = ".".join(common)
+    return name if name and name not in names else "connector"
 
 
 def _tie(gm: fx.GraphModule, param: fx.Node, stage: dict[fx.Node, int], readers: dict[fx.Node, set[int]]) -> None:
@@ -130,7 +187,7 @@ def cut(ctx: TraceContext) -> None:
     """Pass: cut ``ctx.gm`` into ``ctx.layers`` at the children of ``ctx.container``.
 
     Fills ``loss_node``, ``values`` (batch inputs, then every node a later layer reads, in graph
-    order), ``value_of``, ``needs_grad`` (nodes computed from a parameter), ``buffer_sources`` and
+    order), ``value_of``, ``needs_grad`` (nodes computed from a trainable parameter), ``buffer_sources`` and
     one :class:`LayerCut` per non-empty stage, its parameters laid out in a flat tile (trainable
     first: the optimizer updates one contiguous prefix of the tile). A parameter read by several
     layers (tied weights) belongs to the first; the others read its copy (:func:`_tie`).
@@ -141,9 +198,9 @@ def cut(ctx: TraceContext) -> None:
             non-tensor value crosses a layer boundary.
     """
     gm, param_of, buffer_of, const_of = ctx.gm, ctx.param_of, ctx.buffer_of, ctx.const_of
-    container = ctx.container
-    n_blocks = len(ctx.module.get_submodule(container)) if container is not None else 0
-    stage, stage_names = _assign_stages(gm, container, n_blocks)
+    containers = [(c, len(ctx.module.get_submodule(c))) for c in (ctx.vision_container, ctx.container)
+                  if c is not None]
+    stage, stage_names = _assign_stages(gm, containers, param_of)
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     user_inputs, input_names, trainable = ctx.user_inputs, ctx.options.input_names, ctx.trainable
 
@@ -195,8 +252,9 @@ def cut(ctx: TraceContext) -> None:
             value_of[n] = len(values)
             values.append(ValueCut(n, f"{names[stage[n]]}:{local[n]}", stage[n]))
 
-    # Does a value depend on a parameter? Propagate from parameter placeholders.
-    needs_grad: set[fx.Node] = {placeholders[p] for p in param_of}
+    # Does a value depend on a trainable parameter? Propagate from their placeholders (a frozen
+    # vision tower's outputs need no gradient, and its layers get no local backward).
+    needs_grad: set[fx.Node] = {placeholders[p] for p, fqn in param_of.items() if trainable[fqn]}
     for n in gm.graph.nodes:
         if n.op == "call_function" and any(a in needs_grad for a in n.all_input_nodes):
             needs_grad.add(n)

@@ -177,15 +177,17 @@ def export(ctx: TraceContext) -> None:
     (:func:`parameters_as`), so the graph computes as the model does built in it: a BF16-built
     template's residual stream, checkpoints and casts are BF16 where an FP32 model's are FP32.
 
-    Fills ``example`` (one ``[micro_batch_size, seq_len]`` long tensor per batch input, on the
-    parameters' device), ``program``, ``gm``, ``user_inputs`` and the maps from placeholder names
+    Fills ``example`` (one ``[micro_batch_size, seq_len]`` long tensor per batch input, or zeros of
+    its ``options.input_shapes`` entry, on the parameters' device), ``program``, ``gm``, ``user_inputs`` and the maps from placeholder names
     to parameter, buffer and constant names (as the user's model names them), and ``trainable``.
     Raises TraceError naming the module that was running when export failed.
     """
     o = ctx.options
     device = model_device(ctx.module)
-    ctx.example = tuple(torch.zeros(o.micro_batch_size, o.seq_len, dtype=torch.long, device=device)
-                        for _ in o.input_names)
+    shapes = {name: (shape, dtype) for name, shape, dtype in o.input_shapes}
+    token = ((o.micro_batch_size, o.seq_len), torch.long)
+    ctx.example = tuple(torch.zeros(*shapes.get(name, token)[0], dtype=shapes.get(name, token)[1], device=device)
+                        for name in o.input_names)
     with parameters_as(ctx.module, o.param_dtype):
         ctx.program = _export(ctx.module, o.input_names, ctx.example)
     ctx.gm = ctx.program.graph_module

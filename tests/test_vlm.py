@@ -1,0 +1,245 @@
+"""Vision-language models: LLaVA's vision tower is layers of the same LayerGraph, training equals eager
+PyTorch + AdamW with the tower trained or frozen, and the families megatrain does not trace are refused
+with what they lack."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.errors import BatchError, UnsupportedModelError
+from megatrain.planner.plan import ActivationPolicy, Plan
+from megatrain.planner.schedule import OpKind
+
+from test_exactness import ADAMW, RTOL, assert_bf16_tracks_eager, eager_losses
+
+IMAGE_TOKEN = 95
+PATCHES = 16  # (32 / 8) ** 2: image tokens per row with the "default" strategy (CLS dropped)
+
+
+def tiny_llava(vision_layers: int = 3, text_layers: int = 2):
+    """A tiny LLaVA: a CLIP vision tower (32x32 images, 8x8 patches) and a Llama decoder; the
+    projector reads the vision tower's second-to-last hidden state (LLaVA-1.5's default), so the
+    last vision block's weights are unused, as in the published checkpoints."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers,
+                              num_attention_heads=4, image_size=32, patch_size=8)
+    text = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=text_layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text,
+                                                     image_token_id=IMAGE_TOKEN, vision_feature_layer=-2,
+                                                     vision_feature_select_strategy="default"))
+
+
+def image_batch(rows: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random text around one random image per row, at a different offset in each row; labels
+    supervise the text only (-100 on the image tokens), as an SFT collator masks them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE_TOKEN, (rows, seq_len), generator=g)
+    for r in range(rows):
+        start = 1 + r % (seq_len - PATCHES - 1)
+        ids[r, start:start + PATCHES] = IMAGE_TOKEN
+    labels = ids.masked_fill(ids == IMAGE_TOKEN, -100)
+    return {"input_ids": ids, "pixel_values": torch.randn(rows, 3, 32, 32, generator=g), "labels": labels}
+
+
+NAMES = ("input_ids", "pixel_values", "labels")
+
+
+def train_both(model, *, steps: int, micro_batches: int, seq_len: int = 24, plan=None):
+    """``steps`` steps of megatrain and of eager AdamW on the same batches; asserts equal losses
+    and weights (1e-5); returns the trainer."""
+    ref = copy.deepcopy(model)
+    batches = [image_batch(2 * micro_batches, seq_len, seed=s % 2) for s in range(steps)]
+    trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=2, micro_batches=micro_batches,
+                                optimizer=ADAMW, input_names=NAMES, plan=plan)
+    got = [trainer.step(b).loss for b in batches]
+    trainer.flush()
+    want = eager_losses(ref, batches, micro_batches)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if name.endswith("self_attn.k_proj.bias"):
+            # Its gradient is zero in exact arithmetic (a key bias adds q.b to every score of a
+            # query, which softmax cancels), so both runs hold rounding noise there, which AdamW
+            # normalises to steps of up to lr whatever its size: no two summation orders agree.
+            continue
+        diff, norm = (p - q).norm().item(), q.norm().item()
+        assert diff <= RTOL * norm, f"{name}: difference {diff:.2e}, norm {norm:.2e}"  # zero biases: 0 <= 0
+    return trainer
+
+
+def test_llava_vision_blocks_are_layers_and_train_as_eager():
+    torch.manual_seed(0)
+    model = tiny_llava()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = train_both(model, steps=3, micro_batches=2)
+    names = [layer.name for layer in trainer.graph.layers]
+    vision = [n for n in names if n.startswith("model.vision_tower.encoder.layers.")]
+    # The projector reads the second-to-last hidden state: the last block never runs.
+    assert vision == ["model.vision_tower.encoder.layers.0", "model.vision_tower.encoder.layers.1"]
+    assert names.index("model.multi_modal_projector") == names.index(vision[-1]) + 1
+    assert names[names.index("model.multi_modal_projector") + 1] == "model.language_model.layers.0"
+    vb = trainer.graph.layers[names.index(vision[0])]
+    assert vb.template == trainer.graph.layers[names.index(vision[1])].template, "vision blocks share a template"
+    unused = set(trainer.graph.meta["unused_parameters"])
+    assert {n for n in before if n.startswith("model.vision_tower.encoder.layers.2.")} <= unused
+    after = dict(model.named_parameters())
+    for n in unused:  # eager AdamW skips a parameter without a gradient, and so does megatrain
+        assert torch.equal(after[n], before[n]), n
+    assert not torch.equal(after["model.vision_tower.encoder.layers.0.mlp.fc1.weight"],
+                           before["model.vision_tower.encoder.layers.0.mlp.fc1.weight"]), "the tower trains"
+    # Every vision layer has its local backward and its gradient copy.
+    ops = trainer.schedule.ops
+    for li, name in enumerate(names):
+        if name in vision:
+            assert {OpKind.BWD, OpKind.D2H} <= {op.kind for op in ops if op.layer == li}, name
+
+
+K, OFF, RE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
+
+
+@pytest.mark.parametrize("plan", [
+    None,
+    # The vision blocks' outputs recomputed for the projector's backward, which has no backward of
+    # theirs to run; the projector's output offloaded; one slot.
+    Plan(micro_batches=2, slots=1, prefetch_distance=0, grad_ring=1, activations=(K, RE, RE, OFF, K, K)),
+], ids=["default", "recompute-offload"])
+def test_llava_frozen_vision_tower_trains_projector_and_decoder_as_eager(plan):
+    torch.manual_seed(1)
+    model = tiny_llava(text_layers=1)
+    for p in model.model.vision_tower.parameters():
+        p.requires_grad_(False)
+    tower = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("model.vision_tower.")}
+    trainer = train_both(model, steps=3, micro_batches=1 if plan is None else plan.micro_batches, plan=plan)
+    after = dict(model.named_parameters())
+    for n, p in tower.items():
+        assert torch.equal(after[n], p), f"frozen {n} changed"
+    g = trainer.graph
+    names = [layer.name for layer in g.layers]
+    vision = [li for li, n in enumerate(names) if n.startswith("model.vision_tower.encoder.layers.")]
+    assert len(vision) == 2
+    for li in vision:
+        layer = g.layers[li]
+        assert layer.trainable_numel == 0
+        assert not any(g.values[v].requires_grad for v in layer.outputs)
+        # No vision gradient is computed: no local backward, gradient copy or optimizer step,
+        # and no optimizer state.
+        assert not [op for op in trainer.schedule.ops
+                    if op.layer == li and op.kind in (OpKind.BWD, OpKind.D2H, OpKind.OPT, OpKind.ACC)]
+        assert trainer.host.exp_avg(li).numel() == trainer.host.exp_avg_sq(li).numel() == 0
+    if plan is not None:  # the recomputed blocks run forward twice a micro-batch: FWD and RECOMPUTE
+        for li in vision:
+            kinds = [op.kind for op in trainer.schedule.ops
+                     if op.layer == li and op.kind in (OpKind.FWD, OpKind.RECOMPUTE)]
+            assert sorted(k.value for k in kinds) == ["FWD", "FWD", "RECOMPUTE", "RECOMPUTE"], kinds
+    # The prologue holds the text embedding (trainable) beside the frozen patch embedding.
+    prologue = g.layers[names.index("prologue")]
+    assert 0 < prologue.trainable_numel < prologue.numel
+
+
+def test_batches_must_match_the_traced_images():
+    torch.manual_seed(2)
+    trainer = megatrain.compile(tiny_llava(vision_layers=2, text_layers=1), seq_len=24, micro_batch_size=2,
+                                input_names=NAMES)
+    good = image_batch(2, 24, seed=0)
+    bad = dict(good, input_ids=good["input_ids"].clone())
+    bad["input_ids"][1, bad["input_ids"][1] == IMAGE_TOKEN] = 3
+    with pytest.raises(BatchError, match=rf"row 1 holds 0 image tokens .* exactly {PATCHES}"):
+        trainer.step(bad)
+    with pytest.raises(BatchError, match=r"dtype torch.float64; .* float32"):
+        trainer.step(dict(good, pixel_values=good["pixel_values"].double()))
+    with pytest.raises(BatchError, match=r"shape \(2, 3, 64, 64\).* \[1 micro-batches x 2, 3, 32, 32\]"):
+        trainer.step(dict(good, pixel_values=torch.zeros(2, 3, 64, 64)))
+    assert trainer.step_count == 0
+    trainer.step(good)
+    assert trainer.step_count == 1
+
+
+def test_unsupported_vision_language_families_are_refused_with_what_they_lack():
+    from transformers import Qwen2VLConfig
+
+    from megatrain.models import check_causal_decoder
+
+    with pytest.raises(UnsupportedModelError, match=r"'qwen2_vl' is a vision-language model .* image_grid_thw"):
+        check_causal_decoder(Qwen2VLConfig(), "config.json")
+    from conftest import tiny_llama
+
+    with pytest.raises(UnsupportedModelError, match=r"'pixel_values' is a batch input only of .*llava"):
+        megatrain.compile(tiny_llama(), seq_len=16, micro_batch_size=1,
+                          input_names=("input_ids", "pixel_values", "labels"))
+
+
+def test_plan_reports_the_vision_towers_share(tmp_path, capsys):
+    import json
+
+    from megatrain.cli import main
+
+    cfg = tiny_llava().config.to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc = main(["plan", "--model", str(path), "--hardware", "H100_SXM", "--seq-len", "24", "--global-batch", "2",
+               "--solver", "enumerate"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    section = text.split("vision tower (model.vision_tower.encoder.layers)")[1].strip().splitlines()[:5]
+    rows = {line.split()[0]: line.split() for line in section}
+    blocks = tiny_llava().model.vision_tower.encoder.layers[:2]  # the third is never run
+    assert rows["layers"][1] == "2/7", rows
+    assert int(rows["parameters"][1].replace(",", "")) == sum(p.numel() for p in blocks.parameters())
+    # The compute stream's share: positive, and below half (the decoder's two blocks are as
+    # large and it adds the LM head and loss; the vision blocks' sequence is 17 against 24).
+    share = float(rows["compute"][4].rstrip("%"))
+    assert 0 < share < 50, rows["compute"]
+
+
+def test_megatrain_train_refuses_a_vision_language_config_it_has_no_image_data_for(tmp_path):
+    import json
+
+    from megatrain.train.model import resolve_model
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_llava().config.to_dict()))
+    with pytest.raises(UnsupportedModelError, match=r"'llava' is a vision-language model.*text only"):
+        resolve_model(str(path))
+
+
+def test_a_checkpoint_loads_with_auto_model_for_image_text_to_text_and_generates(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(3)
+    model = tiny_llava(vision_layers=2, text_layers=1)
+    trainer = megatrain.compile(model, seq_len=24, micro_batch_size=2, input_names=NAMES)
+    batch = image_batch(2, 24, seed=0)
+    trainer.step(batch)
+    trainer.save(tmp_path / "ckpt")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt")
+    assert type(loaded) is type(model)
+    want, got = model.state_dict(), loaded.state_dict()
+    assert set(got) == set(want)
+    # Every tensor, the last vision block's that no layer holds (the loss never reads it) included.
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    out = loaded.generate(input_ids=batch["input_ids"][:1], pixel_values=batch["pixel_values"][:1],
+                          attention_mask=torch.ones(1, 24, dtype=torch.long), max_new_tokens=3, min_new_tokens=3,
+                          do_sample=False)
+    assert out.shape == (1, 27)
+
+
+def test_llava_bf16_compute_tracks_eager_mixed_precision():
+    """BF16 compute (the model traced with BF16 parameters, pixel_values cast to BF16 by the patch
+    embedding as eagerly): at every step the loss and gradient norm of the eager model with BF16
+    parameters at the same weights, within test_exactness.bf16_tolerances. Its chain from the
+    embeddings to the logits counts the two vision blocks that run, the projector (two matmuls,
+    as many roundings as a block) and the two decoder blocks: five blocks."""
+    torch.manual_seed(4)
+    model = tiny_llava()
+    batches = [image_batch(2, 24, seed=s % 2) for s in range(3)]
+    trainer = megatrain.compile(model, seq_len=24, micro_batch_size=2, optimizer=ADAMW, compute_dtype="bfloat16",
+                                input_names=NAMES)
+    assert trainer.graph.meta["param_dtype"] == "bfloat16"
+    assert_bf16_tracks_eager(model, trainer, batches, blocks=5, bf16_parameters=True)
