@@ -290,6 +290,12 @@ def test_cast_waits_for_the_running_optimizer_step_only_not_those_queued_behind_
     for layer in (2, 1):
         be.launch(Stream.HOST, lambda layer=layer: order.append(f"OPT:L{layer}"), [], label=f"OPT:L{layer}:r0")
     cast = be.launch(Stream.CAST, lambda: order.append("CAST:L1"), [], label="CAST:L1:t0")
+    # Until the CAST's worker has asked for the cores (its ticket is the second): on a loaded
+    # machine its thread may take a while to run at all.
+    deadline = time.monotonic() + 30
+    while be._host_lock._next < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert be._host_lock._next == 2, "the CAST's worker never asked for the host's cores"
     time.sleep(0.05)
     assert not cast.done(), "the host kernels share the cores: a CAST waits for the host op running"
     gate.set()
