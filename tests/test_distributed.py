@@ -1037,6 +1037,14 @@ def test_megatrain_train_under_torchrun_trains_as_one_process_does(tmp_path):
         assert err <= RTOL, f"{name}: relative difference {err:.2e}"
     assert proc.stdout.count("done: step 3") == 1  # rank 0 prints; the other rank is quiet
     assert proc.stdout.count("step 3: saved") == 1, proc.stdout  # also where the progress bar writes
+    # One planning front door: `megatrain plan --config` with the run's settings and torchrun's ranks
+    # writes the schedule.json each run wrote (the two ranks' plan: ALL_REDUCEs or REDUCE_SCATTERs).
+    for ranks, d in ((1, "one"), (2, "two")):
+        assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--hardware", "H100_SXM",
+                     "--gpus-per-node", str(ranks), "--out", str(tmp_path / f"plan_{d}")]) == 0
+        ran = (tmp_path / d / "schedule.json").read_bytes()
+        assert (tmp_path / f"plan_{d}" / "schedule.json").read_bytes() == ran, d
+        assert Schedule.from_json(ran.decode()).plan.data_parallel == ranks
 
 
 def test_megatrain_train_refuses_a_global_batch_the_ranks_cannot_split(tmp_path, monkeypatch):

@@ -756,16 +756,20 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch,
         return [r["loss"] for r in rows if "loss" in r]
 
     want = losses(tmp_path / "ram")
-    import megatrain.train.loop as loop
+    from megatrain.planner import front
+    from megatrain.train import load_train_config
+    from megatrain.train.loop import plan_request, planning_model
+    from megatrain.train.model import resolve_model
 
-    real = loop.nvme_layers
-    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0), ("short", (), 0)):
+    # A budget one byte under the host bytes of the run's plan, planned as megatrain train plans it.
+    cfg = load_train_config(tmp_path / "run.yaml", {"output_dir": str(tmp_path / "ram")})
+    total = front.plan(plan_request(cfg, planning_model(cfg, resolve_model(cfg.model)), None,
+                                    front.Topology())).memory.host_total
+    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0),
+                                 ("short", ("--host-memory", str(total - 1)), 0)):
         nvme_dir = tmp_path / f"nvme_{name}"
         nvme_dir.mkdir()
         capsys.readouterr()
-        if name == "short":  # a budget one byte under the plan's host bytes (known only once planned)
-            monkeypatch.setattr(loop, "nvme_layers", lambda planned, _, d, hw=None: real(
-                planned, str(planned.memory.host_total - 1), d, hw))
         got = losses(tmp_path / f"run_{name}", "--nvme-dir", str(nvme_dir), *extra)
         assert len(want) == 4 and got == want, name
         # Every layer's moments without a budget; none when the plan fits the budget in RAM; with
