@@ -209,7 +209,8 @@ def format_report(planned, hw, *, model: str) -> str:
     fits = topology.fits if topology is not None else mem.fits(hw) if nvme is None else nvme.fits
     how = (f"solved ({solution.method}) in {solution.solve_time_s:.2f} s: {solution.candidates} candidates, "
            f"{solution.simulated} simulated" if solution is not None else
-           "the default plan (megatrain train on the CPU backend)" if planned.options.device == "cpu" else "a given plan")
+           "the default plan (megatrain train on the CPU backend)" if planned.options.device == "cpu"
+           else "a given plan")
     lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",
              f"  seq_len {g.seq_len} x global batch "
              f"{plan.micro_batches * planned.options.micro_batch_size * plan.data_parallel}, "

@@ -24,8 +24,8 @@ from megatrain.config import AdamW
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
 from megatrain.materializer import _optimizer, materialize
 from megatrain.planner import front
-from megatrain.planner.front import (PlannedModel, PlanRequest, Schedules, Storage, Topology,  # noqa: F401 (re-exported)
-                                     compile_options)
+# PlannedModel and Schedules are re-exported: `from megatrain.trainer import PlannedModel` stays.
+from megatrain.planner.front import PlannedModel, PlanRequest, Schedules, Storage, Topology, compile_options
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.lower import lower

@@ -247,22 +247,29 @@ def test_shared_casts_are_gathered_before_any_copy_reads_the_node_s_tile(graph, 
         dataclasses.replace(plan, cast_once=False)
 
 
-def test_a_shape_whose_host_state_has_no_shared_staging_tiles_casts_per_rank(graph):
+def test_a_shape_whose_host_state_has_no_shared_staging_tiles_casts_per_rank():
     """Batch shapes share the first shape's host state (shapes.py), whose node mapping does not
-    grow: a later plan that shares casts over a state made without staging tiles is run with
-    per-rank casts (shared_cast off, schedules lowered again), not refused at its first step."""
+    grow: the front door plans a later shape over a state made without staging tiles with per-rank
+    casts (``Storage.shared_staging=False``: shared_cast off, lowered so), and materialize refuses
+    a plan that would share them rather than lower it again."""
+    from megatrain.errors import ConfigError
+    from megatrain.planner import front
     from megatrain.runtime.host import HostState
 
-    planned = megatrain.plan_model(tiny_llama(), seq_len=S, micro_batch_size=MBS,
-                                   plan=Plan(compute_dtype="bfloat16", cast_once=True))
-    shared = dataclasses.replace(planned.plan, data_parallel=2, optimizer_shards=2, shared_cast=True,
-                                 gradient_reduction="reduce_scatter")
-    planned = dataclasses.replace(planned, plan=shared)
-    trainer = megatrain.materialize(planned, OPT, host=HostState(planned.traced.graph))
-    assert trainer.plan == dataclasses.replace(shared, shared_cast=False)
-    assert trainer.schedules.first.plan == trainer.plan and trainer.planned.memory.shared_staging == 0
-    assert sum(op.kind is OpKind.ALL_GATHER for op in trainer.schedules.first.ops) == sum(
-        op.kind is OpKind.OPT for op in trainer.schedules.first.ops)  # the OPTs' gathers only
+    def planned(shared_staging):
+        return front.plan(front.PlanRequest(tiny_llama(), S, 2 * MBS, MBS, plan=Plan(compute_dtype="bfloat16",
+                                                                                      cast_once=True),
+                                            topology=front.Topology(2, 2),
+                                            storage=front.Storage(shared_staging=shared_staging)))
+
+    sharing, own = planned(None), planned(False)
+    assert sharing.plan.shared_cast and sharing.memory.shared_staging > 0
+    assert own.plan == dataclasses.replace(sharing.plan, shared_cast=False)
+    assert own.schedules.first.plan == own.plan and own.memory.shared_staging == 0
+    assert sum(op.kind is OpKind.ALL_GATHER for op in own.schedules.first.ops) == sum(
+        op.kind is OpKind.OPT for op in own.schedules.first.ops)  # the OPTs' gathers only
+    with pytest.raises(ConfigError, match="made without them"):
+        megatrain.materialize(sharing, OPT, host=HostState(sharing.traced.graph))
 
 
 SHARD = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, data_parallel=4, nodes=2,

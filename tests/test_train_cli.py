@@ -466,7 +466,7 @@ def test_megatrain_plan_config_writes_the_schedule_megatrain_train_runs(setup, t
         assert main(["plan", "--config", str(run_yaml), *hw, "--out", str(plan_out)]) == 0
         report = capsys.readouterr().out
         assert main(["train", "--config", str(run_yaml), "--output-dir", str(run_out), "--max-steps", "1",
-                     "--eval-interval", "0"]) == 0
+                     "--warmup-steps", "0", "--eval-interval", "0"]) == 0
         planned, ran = (plan_out / "schedule.json").read_bytes(), (run_out / T.SCHEDULE_FILE).read_bytes()
         assert planned == ran, name
         kinds = {op.kind for op in Schedule.from_json(ran.decode()).ops}

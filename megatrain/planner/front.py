@@ -238,8 +238,9 @@ def plan(request: PlanRequest) -> PlannedModel:
 
     Raises:
         ConfigError: an option out of range; ``seq_len`` beyond a Hugging Face model's
-            ``max_position_embeddings``; a plan inconsistent with the options; ``per_token_loss`` for a model whose
-            loss megatrain cannot count; ``host_state`` impossible for the topology.
+            ``max_position_embeddings``; a plan inconsistent with the options;
+            ``per_token_loss`` for a model whose loss megatrain cannot count; ``host_state``
+            impossible for the topology.
         TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
         PlanError, ScheduleError: the plan does not fit the model (or no plan fits the spec); a
             global batch the ranks and micro-batch size do not split.
@@ -304,7 +305,8 @@ def plan(request: PlanRequest) -> PlannedModel:
         memory = solution.memory if solution is not None and topo.ranks == 1 else \
             memory_breakdown(graph, p, hw, schedule=Schedules.lower(graph, p).steady)
         placed = place_in_directory(graph, p, memory, r.storage.host_memory, r.storage.nvme_dir, hw)
-        decisions.append(placed.describe(graph, r.storage.nvme_dir, cast_once_set=placed.cast_once and not p.cast_once))
+        decisions.append(placed.describe(graph, r.storage.nvme_dir,
+                                         cast_once_set=placed.cast_once and not p.cast_once))
         p = _data_parallel(dataclasses.replace(p, nvme_moments=placed.moments, nvme_gradients=placed.gradients,
                                                nvme_masters=placed.masters, cast_once=placed.cast_once),
                            topo, r.storage, host_state=None)

@@ -176,6 +176,10 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
         return int(flag) == 0
 
     model = planning_model(cfg, source, check_build)
+    if cfg.device == "cuda" and hw is None:  # the solver plans for this GPU, measured (a few seconds)
+        from megatrain.runtime.measure import measure_hardware
+
+        hw = measure_hardware()
     topology = process_topology(host_state=cfg.host_state, fits=fits) if world > 1 else process_topology()
     planned = front.plan(plan_request(cfg, model, hw, topology))
     for line in planned.decisions:
@@ -185,15 +189,6 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
          f"layers; host memory needed about {human_bytes(needed)}")
     return planned
-
-
-def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, hw=None):
-    """The layers whose Adam moments, deferred gradient tiles and masters ``megatrain train
-    --nvme-dir`` puts on NVMe for ``planned`` (its plan and memory, NVMe fields ignored): the
-    front door's decision, :func:`megatrain.planner.nvme.place_in_directory`, which says more."""
-    from megatrain.planner.nvme import place_in_directory
-
-    return place_in_directory(planned.graph, planned.plan, planned.memory, host_memory, nvme_dir, hw)
 
 
 def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
