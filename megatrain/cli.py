@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "checkpoint, 2 on any error. Data parallel: run it under torchrun "
                                        "(torchrun --standalone --nproc-per-node N --no-python megatrain train "
                                        "...); global_batch is then the rows of a step over all ranks, and "
-                                       "rank 0 writes the outputs.",
+                                       "rank 0 writes the outputs. output_dir/schedule.json is the schedule the run executes, "
+                                       "byte for byte what `megatrain plan --config` with the same file writes.",
                            epilog="Environment: MEGATRAIN_HOST_ADAM=auto|torch|deepspeed chooses the host AdamW "
                                   "kernel (auto, the default: DeepSpeed's CPU Adam where pip install "
                                   "megatrain[deepspeed] installed it, else torch's fused AdamW).")
