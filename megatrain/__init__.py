@@ -5,7 +5,8 @@ model into layers, plans and verifies a schedule of copies and computes, and mov
 into per-layer FP32 host tiles; ``trainer.step(batch)`` then trains one global batch. ``compile``
 is ``materialize(plan_model(...))``: ``plan_model`` decides everything that will run (a frozen
 ``PlannedModel`` with its memory and predicted step) and allocates nothing, so it can be checked
-first.
+first. It, ``megatrain train`` and ``megatrain plan`` all plan through one front door,
+``megatrain.planner.front.plan(PlanRequest(...))``.
 
 What users need besides: the hardware a plan is for (``HardwareSpec``, ``preset("H100_SXM")``),
 the plan's knobs (``Plan``, ``OptimizerPlacement``, ``ActivationPolicy``), the solver

@@ -30,9 +30,9 @@ terminal-formatting package, and tests read the output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -68,16 +68,23 @@ def _parser() -> argparse.ArgumentParser:
                           description="Trace a model on the meta device, solve for a plan and report memory "
                                       "and predicted speed; with --gpus-per-node/--nodes, one rank's plan, the "
                                       "node's host memory, the host-state choice across nodes and the global "
-                                      "tokens/s. Exit code 0 when it fits, 3 when it does not, 2 on an error "
-                                      "(one `error:` line).")
-    plan.add_argument("--model", required=True,
+                                      "tokens/s. With --config, the plan `megatrain train --config` runs with the "
+                                      "same file (and --gpus-per-node/--nodes for torchrun's ranks): its "
+                                      "schedule.json is the one the run writes to its output_dir. Exit code 0 when "
+                                      "it fits, 3 when it does not, 2 on an error (one `error:` line).")
+    plan.add_argument("--config", type=Path, default=None, metavar="RUN",
+                      help="a megatrain train settings file (YAML or JSON): plan what `megatrain train --config RUN` "
+                           "runs, from its model, seq_len, global_batch, micro_batch_size, device, max_grad_norm, "
+                           "hardware (or --hardware), nvme_dir, host_memory and host_state; instead of --model, "
+                           "--seq-len, --global-batch, --compute-dtype and --clip-gradients")
+    plan.add_argument("--model", default=None,
                       help=f"a preset ({preset_names()}) or the path of a Hugging Face config.json")
-    plan.add_argument("--hardware", required=True,
+    plan.add_argument("--hardware", default=None,
                       help="a hardware preset (H100_SXM, H200, GH200, A100_80GB, RTX_4090) or the path of a "
-                           "HardwareSpec JSON file")
-    plan.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    plan.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    plan.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                           "HardwareSpec JSON file (with --config: replaces the run's)")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    plan.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    plan.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default=None,
                       help="dtype the GPU computes in (default bfloat16: the model traced with BF16 "
                            "parameters, activations and checkpoints in BF16, FP32 masters on the host, as "
                            "megatrain.compile traces it)")
@@ -120,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "checkpoint, 2 on any error. Data parallel: run it under torchrun "
                                        "(torchrun --standalone --nproc-per-node N --no-python megatrain train "
                                        "...); global_batch is then the rows of a step over all ranks, and "
-                                       "rank 0 writes the outputs.",
+                                       "rank 0 writes the outputs. output_dir/schedule.json is the schedule the run executes, "
+                                       "byte for byte what `megatrain plan --config` with the same file writes.",
                            epilog="Environment: MEGATRAIN_HOST_ADAM=auto|torch|deepspeed chooses the host AdamW "
                                   "kernel (auto, the default: DeepSpeed's CPU Adam where pip install "
                                   "megatrain[deepspeed] installed it, else torch's fused AdamW).")
@@ -181,26 +189,34 @@ def _section(title: str, rows: list[tuple[str, str, str]]) -> list[str]:
     return out
 
 
-def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topology=None) -> str:
-    """The plan table: fit, host and GPU memory in GiB, knobs, predicted step and streams; with
-    ``nvme`` (a :class:`megatrain.planner.nvme.NvmeSolution`) also what went to NVMe and the step
-    time with the NVMe traffic (the host memory table subtracts what moved and adds the I/O
-    buffers, so its total is what stays in RAM). With ``topology`` (a
-    :class:`megatrain.planner.topology.TopologySolution` whose ``solution`` is ``solution``) the
-    tables are one rank's and a "data parallel" section gives the node's host memory, the host-state
-    choice with its reason, and the step and tokens/s of all ranks."""
+def format_report(planned, hw, *, model: str) -> str:
+    """The plan table of a :class:`megatrain.planner.front.PlannedModel`: fit, host and GPU memory
+    in GiB, knobs, predicted step and streams; with ``planned.nvme`` (the solver's
+    :class:`megatrain.planner.nvme.NvmeSolution`) also what went to NVMe and the step time with the
+    NVMe traffic (the host memory table subtracts what moved and adds the I/O buffers, so its
+    total is what stays in RAM). With ``planned.topology`` (a
+    :class:`megatrain.planner.topology.TopologySolution`) the tables are one rank's and a "data
+    parallel" section gives the node's host memory, the host-state choice with its reason, and the
+    step and tokens/s of all ranks. The front door's other decisions (NVMe layers in a directory,
+    the host state) follow the header."""
     from megatrain.planner import cost
     from megatrain.planner.schedule import Stream
 
-    plan, mem, tl, g = solution.plan, solution.memory, solution.timeline, solution.graph
-    if nvme is not None:  # the plan with its NVMe layers (cast_once too if masters needed it), and its step
-        plan, tl, mem = nvme.plan, nvme.timeline, nvme.memory
+    plan, mem, tl, g = planned.plan, planned.memory, planned.timeline, planned.graph
+    solution, nvme, topology = planned.solution, planned.nvme, planned.topology
+    if nvme is not None:  # the breakdown with nothing on NVMe: the placement's rows say what moved
+        mem = nvme.memory
     n = len(g.layers)
     fits = topology.fits if topology is not None else mem.fits(hw) if nvme is None else nvme.fits
+    how = (f"solved ({solution.method}) in {solution.solve_time_s:.2f} s: {solution.candidates} candidates, "
+           f"{solution.simulated} simulated" if solution is not None else
+           "the default plan (megatrain train on the CPU backend)" if planned.options.device == "cpu"
+           else "a given plan")
     lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",
-             f"  seq_len {g.seq_len} x global batch {plan.micro_batches * solution.micro_batch_size * plan.data_parallel}, "
-             f"{plan.compute_dtype} compute; traced in {trace_s:.2f} s, solved ({solution.method}) in "
-             f"{solution.solve_time_s:.2f} s: {solution.candidates} candidates, {solution.simulated} simulated",
+             f"  seq_len {g.seq_len} x global batch "
+             f"{plan.micro_batches * planned.options.micro_batch_size * plan.data_parallel}, "
+             f"{plan.compute_dtype} compute; traced in {planned.trace_s:.2f} s, {how}",
+             *(f"  {line}" for line in planned.decisions),
              "", f"fits: {'yes' if fits else 'NO'}", ""]
     ranked = " of one rank, the whole state counted" if plan.data_parallel > 1 else ""
     total, pinned = mem.host_total, mem.host_pinned
@@ -213,7 +229,8 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
     sharded = topology is not None and plan.host_state == "shard"
     lines += _section(f"host memory{ranked} (GiB)", [
         ("FP32 master weights", _gib(mem.master_weights), ""),
-        ("Adam moments (FP32 x2)", _gib(mem.adam_moments), ""),
+        (f"{plan.optimizer_spec.label} moments (FP32 x{len(plan.optimizer_spec.states)})", _gib(mem.adam_moments),
+         ""),
         ("gradient ring (pinned)", _gib(mem.gradient_ring), f"{plan.grad_ring} tiles in {_grad_dtype(plan)}"),
         ("staging ring (pinned)", _gib(mem.staging_ring + mem.shared_staging),
          ("one BF16 tile per layer, shared by the node's ranks: each casts its shard once per step"
@@ -245,7 +262,7 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
     lines.append("")
     resident = sorted(plan.resident)
     lines += _section("plan", [
-        ("micro-batch size", str(solution.micro_batch_size), f"{plan.micro_batches} micro-batches per step"),
+        ("micro-batch size", str(planned.options.micro_batch_size), f"{plan.micro_batches} micro-batches per step"),
         ("weight slots", str(plan.slots), "streaming"),
         ("prefetch distance", str(plan.prefetch_distance), "layer visits ahead"),
         ("resident layers", f"{len(resident)}/{n}", _short_list([g.layers[i].name for i in resident])),
@@ -260,16 +277,20 @@ def format_report(solution, hw, *, model: str, trace_s: float, nvme=None, topolo
         ("optimizer", plan.optimizer.value.replace("_", " "), f"host {plan.optimizer_spec.settings.__name__}"),
     ])
     lines.append("")
-    busy = tl.busy_fraction
-    lines += _section("predicted step", [
-        ("step time", f"{tl.step_time_s:,.4g} s", ""),
-        ("tokens/s" + (" per rank" if plan.data_parallel > 1 else ""), f"{tl.tokens_per_s:,.0f}",
-         f"{tl.tokens_per_step:,} tokens per step"),
-        ("MFU", f"{tl.mfu:.1%}",
-         f"model FLOPs (3 x traced forward, recompute not counted) / {plan.compute_dtype} peak"),
-        ("bottleneck", tl.bottleneck.value, "busiest stream"),
-    ] + [(f"{s.value} busy", f"{busy.get(s, 0.0):.1%}", f"{tl.busy_s.get(s, 0.0):,.4g} s") for s in Stream])
-    lines += _vision_rows(g, tl, mem)
+    if tl is None:
+        lines += _section("predicted step", [("step time", "-", f"{hw.name} does not rate every stream this plan "
+                                                                 "uses (a GPU, its links, an NVMe tier)")])
+    else:
+        busy = tl.busy_fraction
+        lines += _section("predicted step", [
+            ("step time", f"{tl.step_time_s:,.4g} s", ""),
+            ("tokens/s" + (" per rank" if plan.data_parallel > 1 else ""), f"{tl.tokens_per_s:,.0f}",
+             f"{tl.tokens_per_step:,} tokens per step"),
+            ("MFU", f"{tl.mfu:.1%}",
+             f"model FLOPs (3 x traced forward, recompute not counted) / {plan.compute_dtype} peak"),
+            ("bottleneck", tl.bottleneck.value, "busiest stream"),
+        ] + [(f"{s.value} busy", f"{busy.get(s, 0.0):.1%}", f"{tl.busy_s.get(s, 0.0):,.4g} s") for s in Stream])
+        lines += _vision_rows(g, tl, mem)
     if nvme is not None:
         from megatrain.planner.nvme import describe
 
@@ -336,18 +357,22 @@ def _short_list(names: list[str], k: int = 4) -> str:
     return ", ".join(names[:k]) + f", ... ({len(names) - k} more)"
 
 
-def write_outputs(solution, out: Path, model: str) -> list[Path]:
-    """DIR/schedule.json, DIR/trace.json (Chrome trace) and DIR/timeline.png; returns the paths.
+def write_outputs(planned, out: Path, model: str) -> list[Path]:
+    """DIR/schedule.json (the steady-state train schedule that runs), and with a prediction
+    DIR/trace.json (Chrome trace) and DIR/timeline.png; returns the paths.
 
     Raises:
         ImportError: matplotlib is not installed (after the two JSON files are written).
     """
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "schedule.json", out / "trace.json", out / "timeline.png"]
-    solution.schedule.save(paths[0])
-    paths[1].write_text(json.dumps(solution.timeline.to_chrome_trace()))
-    tl = solution.timeline
-    solution.timeline.save_png(paths[2], title=(
+    paths = [out / "schedule.json"]
+    planned.schedules.steady.save(paths[0])
+    tl = planned.timeline
+    if tl is None:
+        return paths
+    paths += [out / "trace.json", out / "timeline.png"]
+    paths[1].write_text(json.dumps(tl.to_chrome_trace()))
+    tl.save_png(paths[2], title=(
         f"{model}: predicted step {tl.step_time_s:.4g} s, {tl.tokens_per_s:,.0f} tokens/s, MFU {tl.mfu:.1%}, "
         f"bottleneck {tl.bottleneck.value} ({tl.hardware})"))
     return paths
@@ -368,13 +393,8 @@ def _progress(line: str) -> None:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from megatrain.planner.hardware import load_hardware
-    from megatrain.planner.presets import load_model_config, trace_preset
-    from megatrain.planner.solve import SolveRequest, solve
+    from megatrain.planner import front
 
-    if args.seq_len < 1 or args.global_batch < 1:
-        raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
-                          "must be >= 1")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; --out names a directory for schedule.json, trace.json and "
                           "timeline.png: give a directory (new or existing)")
@@ -384,60 +404,29 @@ def _plan_command(args: argparse.Namespace) -> int:
     if ranks > 1 and args.nvme is not None:
         raise _UsageError("megatrain plan: --nvme with several GPUs is not planned yet; plan one GPU with --nvme, "
                           "or several without it")
-    hw = load_hardware(args.hardware)
-    if args.nvme is not None or args.host_memory is not None:
-        from megatrain.planner.nvme import parse_bytes, with_nvme
+    request, model, hw, summary, tracing = (_run_request if args.config is not None else _flags_request)(args, ranks)
 
-        hw = with_nvme(hw, args.nvme, None if args.host_memory is None else parse_bytes(args.host_memory))
-    if args.interconnect is not None or args.network is not None:
-        from megatrain.planner.topology import with_topology
+    def traced(graph, seconds: float) -> None:
+        _progress(f"traced {len(graph.layers)} layers in {seconds:.1f} s; "
+                  + ("lowering the default plan" if request.plan == "default" else
+                     f"solving ({request.solver}"
+                     + (f", {args.gpus_per_node} x {args.nodes} ranks: replicate or shard" if ranks > 1 else "")
+                     + (", then NVMe placement and read-ahead" if hw.has_nvme and ranks == 1 else "") + ")")
+                  + " ...")
 
-        hw = with_topology(hw, args.interconnect, args.network)
-    config = load_model_config(args.model)
-    from megatrain.models import check_causal_decoder
-
-    check_causal_decoder(config, args.model)
-    blocks = config.get_text_config().num_hidden_layers  # a vision-language config keeps them in text_config
-    _progress(f"tracing {args.model} ({blocks} layers) on the meta device at seq_len "
-              f"{args.seq_len} ...")
-    t0 = time.perf_counter()
-    # What compile traces for this model: built in FP32, traced in the compute dtype.
-    graph = trace_preset(config, seq_len=args.seq_len, compute_dtype=args.compute_dtype).graph
-    trace_s = time.perf_counter() - t0
-    _progress(f"traced {len(graph.layers)} layers in {trace_s:.1f} s; solving ({args.solver}"
-              + (f", {args.gpus_per_node} x {args.nodes} ranks: replicate or shard" if ranks > 1 else "")
-              + (", then NVMe placement and read-ahead" if hw.has_nvme and ranks == 1 else "") + ") ...")
-    nvme = topology = None
+    _progress(tracing)
     try:
-        if ranks > 1:
-            from megatrain.planner.topology import solve_topology
-
-            topology = solve_topology(graph, hw, args.global_batch, gpus_per_node=args.gpus_per_node,
-                                      nodes=args.nodes, compute_dtype=args.compute_dtype,
-                                      clip_gradients=args.clip_gradients, method=args.solver)
-            solution = topology.solution
-        elif hw.has_nvme:
-            from megatrain.planner.nvme import solve_with_nvme
-
-            nvme = solve_with_nvme(SolveRequest(graph, hw, args.global_batch, args.compute_dtype,
-                                                clip_gradients=args.clip_gradients), args.solver)
-            solution = nvme.solution
-        else:
-            solution = solve(SolveRequest(graph, hw, args.global_batch, args.compute_dtype,
-                                          clip_gradients=args.clip_gradients), args.solver)
+        planned = front.plan(dataclasses.replace(request, on_traced=traced))
     except PlanError as e:
-        print(f"megatrain plan: {args.model} on {hw.name}, seq_len {args.seq_len} x global batch "
-              f"{args.global_batch}, {args.compute_dtype}"
-              + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else "")
-              + f": traced {len(graph.layers)} layers in {trace_s:.2f} s")
+        print(f"megatrain plan: {model} on {hw.name}, {summary}")
         print("\nfits: NO\n")
         print(str(e))
         return NO_FIT
-    # Planned once: the solver lowered this schedule and verified it against hw (Solution.schedule).
-    print(format_report(solution, hw, model=args.model, trace_s=trace_s, nvme=nvme, topology=topology))
+    # Planned once, by the front door megatrain train plans with: this is the schedule that runs.
+    print(format_report(planned, hw, model=model))
     if args.out is not None:
         try:
-            paths = write_outputs(solution, args.out, args.model)
+            paths = write_outputs(planned, args.out, model)
         except OSError as e:
             raise ConfigError(f"--out {args.out}: cannot write the plan's files ({e}); give a writable "
                               "directory") from None
@@ -446,6 +435,95 @@ def _plan_command(args: argparse.Namespace) -> int:
         else:
             print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _spec(args: argparse.Namespace, hardware):
+    """The hardware spec, with --nvme/--host-memory and --interconnect/--network attached."""
+    from megatrain.planner.hardware import load_hardware
+
+    hw = load_hardware(hardware)
+    if args.nvme is not None or args.host_memory is not None:
+        from megatrain.planner.nvme import parse_bytes, with_nvme
+
+        hw = with_nvme(hw, args.nvme, None if args.host_memory is None else parse_bytes(args.host_memory))
+    if args.interconnect is not None or args.network is not None:
+        from megatrain.planner.topology import with_topology
+
+        hw = with_topology(hw, args.interconnect, args.network)
+    return hw
+
+
+def _flags_request(args: argparse.Namespace, ranks: int):
+    """``(request, model name, spec, summary, progress line)`` from --model, --hardware, --seq-len, --global-batch:
+    the solver's plan (micro-batch size included) for a GPU of that spec."""
+    from megatrain.models import check_causal_decoder
+    from megatrain.planner.front import PlanRequest, Topology
+    from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.planner.trace.vlm import IMAGE_INPUT, family
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "hardware", "seq_len", "global_batch")
+               if getattr(args, n) is None]
+    if missing:
+        raise _UsageError(f"megatrain plan: the arguments {', '.join(missing)} are required (or --config RUN, a "
+                          "megatrain train run's settings)")
+    if args.seq_len < 1 or args.global_batch < 1:
+        raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
+                          "must be >= 1")
+    dtype = args.compute_dtype or "bfloat16"
+    hw = _spec(args, args.hardware)
+    if ranks > 1 and args.global_batch % ranks == 0:  # (a batch the ranks cannot split: no plan fits, exit 3)
+        from megatrain.planner import cost
+        from megatrain.planner.plan import Plan
+
+        cost.count_reduce_time(hw, Plan(data_parallel=ranks, nodes=args.nodes))  # a missing link names its flag
+    config = load_model_config(args.model)
+    check_causal_decoder(config, args.model)
+    import torch
+
+    # What compile traces for this model: built in FP32, traced in the compute dtype.
+    # A vision-language model is planned with its images: one per row, through its vision tower.
+    names = ("input_ids", IMAGE_INPUT, "labels") if family(config) is not None else ("input_ids", "labels")
+    request = PlanRequest(build_meta_model(config, dtype=torch.float32), args.seq_len, args.global_batch,
+                          micro_batch_size=None, hardware=hw, device="cuda", compute_dtype=dtype, input_names=names,
+                          max_grad_norm=1.0 if args.clip_gradients else None,
+                          topology=Topology(ranks, args.gpus_per_node, host_state="auto"), solver=args.solver)
+    summary = (f"seq_len {args.seq_len} x global batch {args.global_batch}, {dtype}"
+               + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
+    blocks = config.get_text_config().num_hidden_layers  # a vision-language config keeps them in text_config
+    return request, args.model, hw, summary, (f"tracing {args.model} ({blocks} layers) on the meta "
+                                              f"device at seq_len {args.seq_len} ...")
+
+
+def _run_request(args: argparse.Namespace, ranks: int):
+    """``(request, model name, spec, summary, progress line)`` from --config: what ``megatrain train --config``
+    with the same file plans, for --gpus-per-node x --nodes ranks (torchrun's)."""
+    from megatrain.planner.front import Topology
+    from megatrain.train import load_train_config
+    from megatrain.train.loop import plan_request, planning_model
+    from megatrain.train.model import resolve_model
+
+    given = [f"--{n.replace('_', '-')}" for n in ("model", "seq_len", "global_batch") if getattr(args, n) is not None]
+    given += ["--compute-dtype"] * (args.compute_dtype is not None) + ["--clip-gradients"] * args.clip_gradients
+    if given:
+        raise _UsageError(f"megatrain plan --config: {', '.join(given)} come from the run's settings (its model, "
+                          "seq_len, global_batch, max_grad_norm, device); change them in the file")
+    # Planning reads no output_dir; the file may leave it to megatrain train's --output-dir.
+    overrides = {"output_dir": "."} | ({} if args.hardware is None else {"hardware": args.hardware})
+    cfg = load_train_config(args.config, overrides, saved_run=False)
+    if cfg.hardware is None:
+        raise ConfigError(f"megatrain plan --config {args.config}: the run names no hardware to plan for or predict "
+                          "on; give --hardware (a preset or a spec JSON file)")
+    if cfg.global_batch % (ranks * cfg.micro_batch_size):
+        raise ConfigError(f"global_batch {cfg.global_batch} does not split over {ranks} ranks in micro-batches of "
+                          f"{cfg.micro_batch_size}; use a multiple of {ranks * cfg.micro_batch_size}")
+    hw = _spec(args, cfg.hardware)
+    source = resolve_model(cfg.model)
+    request = plan_request(cfg, planning_model(cfg, source), hw,
+                           Topology(ranks, args.gpus_per_node, host_state=cfg.host_state if ranks > 1 else None))
+    summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, device {cfg.device}"
+               + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
+    where = "on the meta device" if cfg.device == "cuda" else "built on the CPU, as megatrain train --device cpu does"
+    return request, cfg.model, hw, summary, f"tracing {cfg.model} ({where}) at seq_len {cfg.seq_len} ..."
 
 
 def _train_command(args: argparse.Namespace) -> int:

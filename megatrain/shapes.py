@@ -153,9 +153,13 @@ class ShapeFreeTrainer:
         if planned is None:
             mbs, seq = key
             try:
+                # Shapes share one host state: a node mapping made without shared staging tiles
+                # (an earlier shape's plan did not share casts) does not grow, so this shape's
+                # ranks cast into tiles of their own.
                 planned = plan_model(self.model, seq_len=seq, micro_batch_size=mbs,
                                      micro_batches=self.micro_batches, optimizer_name=spec_of(self.optimizer).name,
-                                     **self.compile_kwargs)
+                                     **self.compile_kwargs,
+                                     shared_staging=None if self._host is None else bool(self._host.staging))
             except Exception as e:
                 e.add_note(f"(planning the batch shape micro_batch_size={mbs}, seq_len={seq})")
                 raise

@@ -1,48 +1,45 @@
-"""``megatrain.compile``: the visible pipeline, in two stages.
+"""``megatrain.compile`` and the :class:`Trainer` it returns: ``compile`` is
+``materialize(plan_model(...))``.
 
-``plan_model``: trace -> plan (given, default or solved) -> lower -> verify, once, into a frozen
+``plan_model``: this process's topology into the planning front door
+(:func:`megatrain.planner.front.plan`: trace -> plan -> lower -> verify, once) and a frozen
 :class:`PlannedModel` (the schedules that will run, their memory and predicted step).
-``materialize``: host tiles -> bind the module -> backend -> executor, into a :class:`Trainer`,
-whose ``step`` executes the planned schedules.
+``materialize`` (:mod:`megatrain.materializer`): host tiles -> bind the module -> backend ->
+executor, into a :class:`Trainer`, whose ``step`` executes the planned schedules.
+``PlannedModel``, ``Schedules`` and ``materialize`` stay importable from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
-import pydantic
 import torch
 from torch import nn
 
-from megatrain.config import AdamW, CompileOptions, describe_validation
-from megatrain.optim import Lion, optimizer_settings, optimizer_spec, spec_of
+from megatrain.config import AdamW
+from megatrain.optim import Lion, optimizer_settings, spec_of
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
-from megatrain.models import check_model
-from megatrain.planner import cost
-from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
-from megatrain.planner.graph import LayerGraph, TracedModel
-from megatrain.planner.hardware import HardwareSpec, load_hardware
+from megatrain.materializer import materialize
+from megatrain.planner import front
+# PlannedModel and Schedules are re-exported: `from megatrain.trainer import PlannedModel` stays.
+from megatrain.planner.front import PlannedModel, PlanRequest, Schedules, Storage, Topology, compile_options
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import OptimizerPlacement, Plan, default_plan
-from megatrain.planner.schedule import Schedule, gradient_tiles
-from megatrain.planner.simulate import simulate
-from megatrain.planner.solve import Solution, SolveLimits, SolveRequest, solve
-from megatrain.planner.timeline import Timeline
-from megatrain.planner.trace import trace
+from megatrain.planner.plan import OptimizerPlacement, Plan
+from megatrain.planner.schedule import Schedule
 from megatrain.planner.trace.vlm import check_image_tokens
 from megatrain.planner.verify import verify
-from megatrain.runtime.backend import Backend, CPUBackend, make_backend
+from megatrain.runtime.backend import Backend, make_backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
 from megatrain.runtime.loss import loss_weights, micro_batch_means
-from megatrain.runtime.host import (MASTER, HostState, NvmeRow, NvmeShards, SlicedRow, as_tensor, bind_module,
-                                    unbind_spilled)
-from megatrain.runtime.measure import host_cores, measure_hardware
+from megatrain.runtime.host import MASTER, HostState, NvmeRow, SlicedRow, as_tensor
+from megatrain.runtime.measure import measure_hardware
 
 
 @dataclass(frozen=True, slots=True)
@@ -727,101 +724,24 @@ def _with_micro_batches(plan: Plan, k: int) -> Plan:
     return dataclasses.replace(plan, micro_batches=k)
 
 
-@dataclass(frozen=True, slots=True)
-class Schedules:
-    """The train schedules of one plan, lowered and verified once.
-
-    ``first``: a step with no update carried in (every step, with optimizer steps during
-    backward). With NEXT_FORWARD placement also ``carrying`` (a step that starts with the previous
-    step's optimizer steps), ``update`` (those steps alone) and ``tiles`` (each trainable layer's
-    gradient tile).
-    """
-
-    first: Schedule
-    carrying: Schedule | None = None
-    update: Schedule | None = None
-    tiles: tuple[int, ...] = ()
-
-    @property
-    def steady(self) -> Schedule:
-        """The schedule every step after the first runs (``carrying`` with NEXT_FORWARD placement)."""
-        return self.carrying or self.first
-
-    @classmethod
-    def lower(cls, graph: LayerGraph, plan: Plan, steady: Schedule | None = None) -> "Schedules":
-        """Lower and verify ``plan``'s train schedules. ``steady``: the steady-state schedule the
-        solver already lowered and verified (``Solution.schedule``), used as it is rather than
-        lowered a second time."""
-        next_forward = plan.optimizer is OptimizerPlacement.NEXT_FORWARD
-        if steady is not None and (steady.plan != plan or steady.carries_updates != next_forward
-                                   or steady.mode != "train"):
-            raise ValueError("Schedules.lower: steady is not the steady train schedule of this plan")
-
-        def lowered(**kw) -> Schedule:
-            sched = lower(graph, plan, **kw)
-            verify(sched, graph)
-            return sched
-
-        if not next_forward:
-            return cls(steady or lowered(mode="train"))
-        return cls(lowered(mode="train"), steady or lowered(mode="train", carries_updates=True),
-                   lowered(mode="update"), tuple(gradient_tiles(graph)))
-
-
-# ---------------------------------------------------------------------------------------------
-# compile = plan_model (trace, solve, lower, verify: decided once) + materialize (memory, executor)
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True, eq=False)
-class PlannedModel:
-    """A model planned for training: everything that will run, decided once by :func:`plan_model`
-    and turned into a :class:`Trainer` by :func:`materialize`. Nothing is allocated yet.
-
-    Attributes:
-        model: the ``nn.Module`` as given (on any device, ``meta`` included); ``materialize``
-            binds its parameters to the host tiles.
-        options: the validated ``CompileOptions``.
-        traced: the ``TracedModel`` (layer templates and the ``LayerGraph``).
-        plan: the ``Plan`` the schedules were lowered from.
-        schedules: the train ``Schedules`` the trainer runs, lowered and verified once.
-        memory: ``cost.MemoryBreakdown`` of the plan on the graph (bytes): host state, pinned
-            buffers, GPU peak; what a preflight checks.
-        hardware: the ``HardwareSpec`` planned for or predicted on, or None.
-        timeline: the predicted steady-state step on ``hardware`` (``Timeline``; its
-            ``step_time_s`` in seconds): the solver's when it chose the plan, else simulated once
-            here; None without a spec that has GPU rates.
-        solution: the solver's ``Solution`` when it chose the plan (its search statistics), else None.
-    """
-
-    model: nn.Module
-    options: CompileOptions
-    traced: TracedModel
-    plan: Plan
-    schedules: Schedules
-    memory: MemoryBreakdown
-    hardware: HardwareSpec | None = None
-    timeline: Timeline | None = None
-    solution: Solution | None = None
-
-    @property
-    def graph(self) -> LayerGraph:
-        return self.traced.graph
-
-
 def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
                plan: Plan | Literal["default"] | None = None, device: str = "cpu",
                input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
                hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
                share_host_memory: bool = True, host_state: str | None = None,
-               per_token_loss: bool = True, optimizer_name: str | None = None) -> PlannedModel:
-    """Plan ``model`` for training, once: ``trace`` it (on whatever device it is on, ``meta``
-    included) into a LayerGraph; take ``plan``, the default plan or the solver's; ``lower`` the
-    train schedules and ``verify`` them. Allocates nothing and touches no parameter memory; the
-    result is frozen and :func:`materialize` runs exactly its schedules.
+               per_token_loss: bool = True, optimizer_name: str | None = None,
+               shared_staging: bool | None = None) -> PlannedModel:
+    """Plan ``model`` for training, once, through the planning front door
+    (:func:`megatrain.planner.front.plan`), with this process's data-parallel topology (the
+    default ``torch.distributed`` process group and torchrun's ``LOCAL_WORLD_SIZE``): trace it (on
+    whatever device it is on, ``meta`` included) into a LayerGraph; take ``plan``, the default
+    plan or the solver's; decide data parallel; ``lower`` the train schedules and ``verify`` them.
+    Allocates nothing and touches no parameter memory; the result is frozen and
+    :func:`materialize` runs exactly its schedules.
 
     Args:
         model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
-        compute_dtype, per_token_loss: as for :func:`compile`.
+        compute_dtype, per_token_loss: as for :func:`compile` (``micro_batches`` per rank).
         plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
             every checkpoint kept), with ``hardware`` used only for the prediction; None: the
             solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
@@ -841,6 +761,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         optimizer_name: the host optimizer the plan is for (``Plan.optimizer_name``, a name in
             :data:`megatrain.optim.OPTIMIZERS`): its state bytes per parameter are what the solver
             and ``memory`` count. None keeps a given plan's, else ``"adamw"``.
+        shared_staging: ``megatrain.planner.front.Storage.shared_staging`` (a shape-free
+            trainer's host state made without the node's shared staging tiles: False).
 
     Returns:
         The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
@@ -850,101 +772,35 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
     Raises:
         ConfigError: an option out of range; ``seq_len`` beyond a Hugging Face model's
             ``max_position_embeddings``; a plan inconsistent with the options; ``per_token_loss``
-            for a model whose loss is not a mean cross-entropy megatrain can count.
+            for a model whose loss is not a mean cross-entropy megatrain can count;
+            ``device="cuda"`` without CUDA.
         TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
         PlanError, ScheduleError: the plan does not fit the model.
     """
-    options = _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm, per_token_loss)
+    options = compile_options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm,
+                              per_token_loss)
     if options.device == "cuda":
         make_backend("cuda")  # ConfigError now, before tracing, where CUDA is missing (creates nothing CUDA)
-    check_model(model, options.seq_len)
-    hw = _hardware(hardware)
-    # Traced in the compute dtype (a BF16-built template for BF16 compute), as `megatrain plan` traces.
-    dtype = plan.compute_dtype if isinstance(plan, Plan) else _compute_dtype(options, compute_dtype)
-    traced = trace(model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
-                   input_names=options.input_names, param_dtype=getattr(torch, dtype))
-    graph = traced.graph
-    if options.per_token_loss and traced.count_targets is None:
-        raise ConfigError(f"the loss of a global batch is the mean over its supervised tokens, but megatrain cannot "
-                          f"count this model's ({graph.meta.get('uncounted_loss_because')}); compile with "
-                          "per_token_loss=False to weight each micro-batch's loss equally (the mean of the "
-                          "micro-batch losses)")
-    clip = options.max_grad_norm is not None
-    solution = None
-    if optimizer_name is not None:
-        optimizer_spec(optimizer_name)  # ConfigError naming the known ones
-    if plan is None and (hw is not None or options.device == "cuda"):
-        if hw is None:
-            hw = measure_hardware()
-        solution = _solve(graph, options, hw, _compute_dtype(options, compute_dtype), optimizer_name or "adamw")
-        plan = solution.plan
-    elif plan is None or plan == "default":
-        plan = dataclasses.replace(default_plan(graph, options.micro_batches, clip_gradients=clip),
-                                   compute_dtype=_compute_dtype(options, compute_dtype),
-                                   optimizer_name=optimizer_name or "adamw")
-    elif not isinstance(plan, Plan):
-        raise ConfigError(f"plan={plan!r}: give a megatrain Plan, 'default' or None (the solver's)")
-    elif optimizer_name is not None:
-        # The optimizer is the caller's choice; a given plan's field only sizes its state.
-        plan = dataclasses.replace(plan, optimizer_name=optimizer_name)
-    if plan.micro_batches != options.micro_batches:
-        raise ConfigError(f"plan.micro_batches={plan.micro_batches} but micro_batches={options.micro_batches}")
-    if clip and plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
-        raise ConfigError(f"max_grad_norm={options.max_grad_norm} needs the global gradient norm before any "
-                          f"update, but the plan runs optimizer steps {plan.optimizer.value}; use a plan with "
-                          "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
-    world = data_parallel_world()
-    if host_state not in (None, "replicate", "shard"):
-        raise ConfigError(f"host_state={host_state!r}: use 'replicate' (a full copy per node) or 'shard' (1/nodes "
-                          "of it per node)")
-    if host_state == "shard" and world == 1:
-        raise ConfigError("host_state='shard' splits the host state across the nodes of a torch.distributed "
-                          "process group, and there is none (or one rank); run under torchrun on several nodes, "
-                          "or leave host_state unset")
-    if world > 1:
-        # One rank's plan, and an ALL_REDUCE of every layer's step gradients (FP32 on the host);
-        # the ranks of a node share one host copy and split its optimizer work.
-        from megatrain.runtime.distributed import topology
+    if plan is None and hardware is None and options.device == "cuda":
+        hardware = measure_hardware()
+    topo = process_topology(share_host_memory, host_state)
+    return front.plan(PlanRequest(model, seq_len, micro_batch_size * micro_batches * topo.ranks, micro_batch_size,
+                                  plan=plan, hardware=hardware, device=device, compute_dtype=compute_dtype,
+                                  input_names=tuple(input_names), max_grad_norm=max_grad_norm,
+                                  per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
+                                  storage=Storage(shared_staging=shared_staging)))
 
-        topo = topology()
-        shards = topo.local_world if share_host_memory else 1
-        if host_state is not None and host_state != plan.host_state:
-            if host_state == "shard" and topo.world == topo.local_world:
-                raise ConfigError(f"host_state='shard' with all {topo.world} ranks on one node (LOCAL_WORLD_SIZE="
-                                  f"{topo.local_world}): sharding splits the host state across nodes; use "
-                                  "host_state='replicate' on one node")
-            plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
-                                       host_state=host_state, gradient_reduction="all_reduce")
-        if plan.host_state == "shard" and not share_host_memory:
-            raise ConfigError("the plan shards the host state across nodes (Plan.host_state='shard'), whose ranks "
-                              "share each node's slice; compile with share_host_memory=True")
-        plan = dataclasses.replace(plan, data_parallel=world, nodes=world // topo.local_world,
-                                   optimizer_shards=shards, gradient_reduction="all_reduce",
-                                   d2h_dtype="float32" if plan.gradient_dtype != "float32" else plan.d2h_dtype)
-        # Where every rank steps only its shard of one copy (one node sharing it, or a state
-        # sharded across the nodes: Plan.update_shards), its OPT reads only that: reduce-scatter.
-        if plan.update_shards == world:
-            plan = dataclasses.replace(plan, gradient_reduction="reduce_scatter")
-        # The node's ranks that share a host copy share its BF16 staging tiles too, each casting
-        # its shard (1/G of the casts' host traffic), where a tile per layer is cast once a step.
-        plan = dataclasses.replace(plan, shared_cast=plan.cast_once and shards > 1 and plan.host_state == "replicate")
-    if solution is not None and world == 1:
-        schedules = Schedules.lower(graph, plan, steady=solution.schedule)
-        memory, timeline = solution.memory, solution.timeline
-    else:
-        schedules = Schedules.lower(graph, plan)
-        memory = memory_breakdown(graph, plan, hw, schedule=schedules.steady)
-        timeline = None
-        # Data parallel: predicted only where the spec has the links the collectives cross
-        # (cost.all_reduce_time: the node's GPUs' interconnect, the network between nodes); NVMe
-        # ops only where it has the NVMe tier's rates (a GPU preset has none: megatrain train
-        # --hardware H100_SXM --nvme-dir DIR trains without a prediction).
-        links = ((plan.gpus_per_node == 1 or hw.intra_node_bus_bytes_per_s > 0)
-                 and (plan.nodes == 1 or hw.network_bytes_per_s > 0)) if hw is not None else False
-        if hw is not None and hw.has_gpu and hw.peak_flops(plan.compute_dtype) > 0 and hw.d2h_bytes_per_s > 0 \
-                and links and (hw.has_nvme or not (plan.nvme_moments or plan.nvme_gradients or plan.nvme_masters)):
-            timeline = simulate(schedules.steady, graph, hw)
-    return PlannedModel(model, options, traced, plan, schedules, memory, hw, timeline, solution)
+
+def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
+    """This process's data-parallel :class:`~megatrain.planner.front.Topology`: the default
+    ``torch.distributed`` process group's ranks (1 without one) and torchrun's
+    ``LOCAL_WORLD_SIZE`` ranks per node."""
+    world = data_parallel_world()
+    if world == 1:
+        return Topology(1, 1, share_host_memory, host_state, fits)
+    from megatrain.runtime.distributed import topology
+
+    return Topology(world, topology().local_world, share_host_memory, host_state, fits)
 
 
 def _unsaved_error(what: str, e: Exception, ran: tuple[int, ...], unsaved: set[int]) -> StepError:
@@ -959,152 +815,6 @@ def _unsaved_error(what: str, e: Exception, ran: tuple[int, ...], unsaved: set[i
                      "while their Adam step counts (and BF16 staging tiles) advanced, so the trainer's state is "
                      "inconsistent. Fix the NVMe directory (space, permissions) and load the last checkpoint "
                      "(Trainer.load) before training on", updated_layers=ran, unsaved_layers=tuple(lost))
-
-
-def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None = None, *,
-                backend: Backend | None = None, nvme_dir: str | None = None,
-                host: HostState | None = None) -> Trainer:
-    """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
-    master weights and the optimizer's state rows, ``megatrain.optim``: 12 bytes per parameter with
-    AdamW, 8 with Lion; 4 for a layer of
-    ``Plan.nvme_moments``, whose moments are files in ``nvme_dir``, made here; none for a layer of
-    ``Plan.nvme_masters``, whose initialised master is written to its file here), the module's
-    parameters bound to them (a meta-device model is initialised there by its own initialisation), the backend and
-    the executor. On ``device="cuda"`` the train schedule's GPU slots and pinned buffers are
-    allocated here too, so that running out of memory is a compile error, not a first-step one;
-    the CPU backend makes its (host) buffers at the first step. ``backend``: the one to run on
-    (default ``make_backend(planned.options.device)`` with its host workers' threads,
-    ``cost.host_worker_threads`` of this machine's cores; tests pass a CUDA backend over FakeCuda).
-    ``host``: the host tiles of another trainer of the same model (the module already bound to
-    them), shared instead of allocated: how a shape-free trainer (``megatrain.shapes``) runs one
-    set of weights and moments under the schedules of several batch shapes.
-
-    Raises:
-        ConfigError: an optimizer setting out of range, or an optimizer object rather than settings;
-            an optimizer other than the plan's ``optimizer_name``; ``device="cuda"`` without CUDA.
-        UnsupportedModelError: a meta-device parameter its module's initialisation does not set.
-        Nothing is bound to the model unless the optimizer settings and the backend are valid.
-    """
-    opt = optimizer_settings(optimizer)
-    spec = spec_of(opt)
-    if planned.plan.optimizer_name != spec.name:
-        raise ConfigError(f"the plan sizes {planned.plan.optimizer_name}'s optimizer state (Plan.optimizer_name) but "
-                          f"the optimizer is {spec.name}; plan with plan_model(..., optimizer_name={spec.name!r})")
-    if host is not None and planned.plan.shared_cast and not host.staging:
-        # Another batch shape's plan made the node's shared mapping without staging tiles (it did
-        # not share casts), and a mapping does not grow: this shape's ranks cast into tiles of
-        # their own, as that plan's did.
-        plan = dataclasses.replace(planned.plan, shared_cast=False)
-        planned = dataclasses.replace(planned, plan=plan, schedules=Schedules.lower(planned.traced.graph, plan),
-                                      memory=memory_breakdown(planned.traced.graph, plan, planned.hardware))
-    on_nvme, grads_on_nvme = planned.plan.nvme_moments, planned.plan.nvme_gradients
-    if on_nvme and nvme_dir is None:
-        raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe "
-                          "(Plan.nvme_moments) but no NVMe directory was given: pass nvme_dir= (an existing "
-                          "directory on an NVMe drive)")
-    if grads_on_nvme and nvme_dir is None:
-        raise ConfigError(f"the plan keeps the deferred gradient tiles of layers {sorted(grads_on_nvme)} on NVMe "
-                          "(Plan.nvme_gradients) but no NVMe directory was given: pass nvme_dir= (an existing "
-                          "directory on an NVMe drive)")
-    if backend is None:
-        # The host workers' thread budget: this rank's share of the cores it runs on (not the
-        # spec's, which may describe another machine).
-        threads = cost.host_worker_threads(host_cores(), planned.plan.gpus_per_node)
-        backend = make_backend(planned.options.device, host_threads=threads)
-    traced, model = planned.traced, planned.model
-    if host is None and planned.plan.data_parallel > 1 and planned.plan.host_state == "shard":
-        if on_nvme:
-            raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe and shards the "
-                              "host state across nodes (host_state='shard'): not supported: a save reads whole "
-                              "moment rows from one node's files, and with the state sharded no node's files hold "
-                              "them all (a gather of the NVMe rows across nodes is not written); keep the moments "
-                              "in host memory, or use host_state='replicate' (moments on NVMe run under it)")
-        host = _sharded_host(planned)
-    elif host is None and planned.plan.data_parallel > 1:
-        from megatrain.runtime.distributed import broadcast_masters, data_parallel_host
-
-        staging = planned.plan.shared_cast
-        dp = data_parallel_host(HostState.shared_nbytes(traced.graph, staging=staging, nvme_moments=on_nvme,
-                                                        optimizer=spec),
-                                planned.plan.data_parallel, planned.plan.optimizer_shards)
-        # Each rank's NVMe files hold the moments of what its OPTs step (its optimizer shard, the
-        # whole tile where each rank has a copy), named by its global rank (HostState, NvmeShards).
-        shards = NvmeShards(rank=dp.topo.rank, ways=planned.plan.update_shards, index=dp.shard_index,
-                            first=dp.topo.rank - dp.topo.local_rank) if on_nvme else None
-        host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir), shared=dp.shared,
-                         writer=dp.writer, staging=staging, nvme_shards=shards, optimizer=spec)
-        host.data_parallel = dp
-        bind_module(model, host, writer=dp.writer)
-        broadcast_masters([host.master(i) for i in range(len(traced.graph.layers))], dp)
-    elif host is None:
-        # The NVMe files are made here (zeros, like fresh moments): a missing directory or a full
-        # disk fails at compile, before the model is bound.
-        host = HostState(traced.graph, on_nvme, None if nvme_dir is None else str(nvme_dir),
-                         nvme_gradients=grads_on_nvme, gradient_itemsize=planned.plan.gradient_itemsize,
-                         nvme_masters=planned.plan.nvme_masters, optimizer=spec)
-        bind_module(model, host)
-        if host.nvme_masters:
-            # The initialised masters go to their files (the executor casts its staging tiles from
-            # them before the first run), and the module stops viewing the rows that are dropped.
-            host.spill_masters()
-            unbind_spilled(model, host)
-    elif [lay.params for lay in host.graph.layers] != [lay.params for lay in traced.graph.layers]:
-        raise ConfigError("this plan's layers hold other parameters than the shared host tiles' (the model "
-                          "traced differently at this shape); compile the shape with its own trainer")
-    elif host.nvme_masters != planned.plan.nvme_masters:
-        raise ConfigError(f"this plan keeps the masters of layers {sorted(planned.plan.nvme_masters)} on NVMe, the "
-                          f"shared host state those of layers {sorted(host.nvme_masters)}; give every shape's plan "
-                          "the same nvme_masters")
-    elif host.nvme_moments != on_nvme:
-        raise ConfigError(f"this plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe, the shared host "
-                          f"state those of layers {sorted(host.nvme_moments)}; give every shape's plan the same "
-                          "nvme_moments")
-    elif not grads_on_nvme <= host.nvme_gradients:
-        raise ConfigError(f"this plan keeps the gradient tiles of layers {sorted(grads_on_nvme)} on NVMe, the shared "
-                          f"host state has files for those of layers {sorted(host.nvme_gradients)}; give every "
-                          "shape's plan the same nvme_gradients")
-    buffers = {}
-    for name, (kind, src) in traced.buffer_sources.items():
-        buffers[name] = model.get_buffer(src) if kind == "buffer" else src
-    executor = Executor(traced, host, backend, opt, buffers, per_token_loss=planned.options.per_token_loss)
-    if host.data_parallel is not None:
-        executor.groups, executor.shard_index = host.data_parallel.groups, host.data_parallel.shard_index
-    if not isinstance(backend, CPUBackend):
-        # Commit the GPU slots and the pinned arena now. The CPU backend's buffers are host memory
-        # made at the first run (tests that swap a fake CUDA backend in after compile rely on it).
-        executor.allocate(planned.schedules.first)
-    return Trainer(planned, opt, host, backend, executor)
-
-
-def _sharded_host(planned: PlannedModel) -> HostState:
-    """The host state of a plan with ``host_state == "shard"``: this node's slice of every layer
-    (``cost.node_slice``) and its gather tiles, in the node's shared memory; global rank 0
-    initialises the module's weights into whole rows of its own and broadcasts them into every
-    node's slice, one layer at a time; then no rank's module keeps its parameters (they are left
-    on the ``meta`` device: the weights live in the slices only). Collective."""
-    from megatrain.runtime.distributed import broadcast_slices, data_parallel_host, topology
-    from megatrain.runtime.host import FullMasters, materialize_buffers, unbind_parameters
-
-    plan, graph, model = planned.plan, planned.traced.graph, planned.model
-    node = topology().node
-    slices = [cost.node_slice(lay.numel, lay.trainable_numel, plan, node) for lay in graph.layers]
-    gather_bytes = cost.gather_buffer_bytes(graph, plan) // cost.GATHER_BUFFERS
-    scratch = cost.gather_scratch_bytes(graph, plan)
-    spec = plan.optimizer_spec
-    dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes, scratch_bytes=scratch, optimizer=spec),
-                            plan.data_parallel, plan.optimizer_shards, plan.nodes, sharded=True)
-    host = HostState(graph, shared=dp.shared, writer=dp.writer, slices=slices, gather_bytes=gather_bytes,
-                     scratch_bytes=scratch, optimizer=spec)
-    host.data_parallel = dp
-    rows = None
-    if dp.topo.rank == 0:
-        rows = FullMasters(graph)
-        bind_module(model, rows)
-    else:
-        materialize_buffers(model)
-    broadcast_slices(None if rows is None else rows.rows, host, dp)
-    unbind_parameters(model)
-    return host
 
 
 def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: int | None = None,
@@ -1212,7 +922,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
                           f"seq_len={seq_len} every batch has that length")
     micro_batch_size = 1 if micro_batch_size is None else micro_batch_size
-    _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm, per_token_loss)
+    compile_options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm, per_token_loss)
     opt = optimizer_settings(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
@@ -1221,35 +931,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 
-def _options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm,
-             per_token_loss) -> CompileOptions:
-    try:
-        return CompileOptions(seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
-                              input_names=tuple(input_names), device=device, max_grad_norm=max_grad_norm,
-                              per_token_loss=per_token_loss)
-    except pydantic.ValidationError as e:
-        raise ConfigError("invalid settings: " + describe_validation(e)) from None
 
 
-
-def _compute_dtype(options: CompileOptions, compute_dtype: str | None) -> str:
-    dtype = compute_dtype or ("bfloat16" if options.device == "cuda" else "float32")
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"compute_dtype={dtype!r}: use 'float32' or 'bfloat16'")
-    return dtype
-
-
-def _hardware(hardware: HardwareSpec | str | None) -> HardwareSpec | None:
-    """A HardwareSpec from itself, a spec ``.json`` file or a preset name (None stays None)."""
-    if hardware is None or isinstance(hardware, (HardwareSpec, str, os.PathLike)):
-        return None if hardware is None else load_hardware(hardware)
-    raise ConfigError(f"hardware={hardware!r}: give a HardwareSpec, a preset name or a spec .json file")
-
-
-def _solve(graph: LayerGraph, options: CompileOptions, hw: HardwareSpec, dtype: str,
-           optimizer_name: str = "adamw") -> Solution:
-    """The solver's plan for ``hw`` with the compiled micro-batch size, for ``optimizer_name``'s state."""
-    request = SolveRequest(graph, hw, options.global_batch, dtype, clip_gradients=options.max_grad_norm is not None,
-                           limits=SolveLimits(micro_batch_sizes=(options.micro_batch_size,)),
-                           optimizer_name=optimizer_name)
-    return solve(request)
+__all__ = ["StepResult", "Trainer", "compile", "materialize", "plan_model", "process_topology", "PlannedModel",
+           "Schedules", "data_parallel_world"]

@@ -240,12 +240,12 @@ def test_the_lm_head_layer_holds_a_chunk_of_logits_not_all_of_them():
 
 def test_training_with_a_many_chunk_loss_matches_eager(monkeypatch):
     import megatrain
-    import megatrain.trainer
+    import megatrain.planner.front
 
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
     ref = copy.deepcopy(model)
-    monkeypatch.setattr(megatrain.trainer, "trace", functools.partial(trace, loss_chunk_bytes=4 * 96 * 5))
+    monkeypatch.setattr(megatrain.planner.front, "trace", functools.partial(trace, loss_chunk_bytes=4 * 96 * 5))
     adamw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, micro_batches=2, optimizer=adamw)
     (node,) = _fused(_epilogue(trainer.traced)[1])

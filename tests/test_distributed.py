@@ -247,22 +247,29 @@ def test_shared_casts_are_gathered_before_any_copy_reads_the_node_s_tile(graph, 
         dataclasses.replace(plan, cast_once=False)
 
 
-def test_a_shape_whose_host_state_has_no_shared_staging_tiles_casts_per_rank(graph):
+def test_a_shape_whose_host_state_has_no_shared_staging_tiles_casts_per_rank():
     """Batch shapes share the first shape's host state (shapes.py), whose node mapping does not
-    grow: a later plan that shares casts over a state made without staging tiles is run with
-    per-rank casts (shared_cast off, schedules lowered again), not refused at its first step."""
+    grow: the front door plans a later shape over a state made without staging tiles with per-rank
+    casts (``Storage.shared_staging=False``: shared_cast off, lowered so), and materialize refuses
+    a plan that would share them rather than lower it again."""
+    from megatrain.errors import ConfigError
+    from megatrain.planner import front
     from megatrain.runtime.host import HostState
 
-    planned = megatrain.plan_model(tiny_llama(), seq_len=S, micro_batch_size=MBS,
-                                   plan=Plan(compute_dtype="bfloat16", cast_once=True))
-    shared = dataclasses.replace(planned.plan, data_parallel=2, optimizer_shards=2, shared_cast=True,
-                                 gradient_reduction="reduce_scatter")
-    planned = dataclasses.replace(planned, plan=shared)
-    trainer = megatrain.materialize(planned, OPT, host=HostState(planned.traced.graph))
-    assert trainer.plan == dataclasses.replace(shared, shared_cast=False)
-    assert trainer.schedules.first.plan == trainer.plan and trainer.planned.memory.shared_staging == 0
-    assert sum(op.kind is OpKind.ALL_GATHER for op in trainer.schedules.first.ops) == sum(
-        op.kind is OpKind.OPT for op in trainer.schedules.first.ops)  # the OPTs' gathers only
+    def planned(shared_staging):
+        return front.plan(front.PlanRequest(tiny_llama(), S, 2 * MBS, MBS, plan=Plan(compute_dtype="bfloat16",
+                                                                                      cast_once=True),
+                                            topology=front.Topology(2, 2),
+                                            storage=front.Storage(shared_staging=shared_staging)))
+
+    sharing, own = planned(None), planned(False)
+    assert sharing.plan.shared_cast and sharing.memory.shared_staging > 0
+    assert own.plan == dataclasses.replace(sharing.plan, shared_cast=False)
+    assert own.schedules.first.plan == own.plan and own.memory.shared_staging == 0
+    assert sum(op.kind is OpKind.ALL_GATHER for op in own.schedules.first.ops) == sum(
+        op.kind is OpKind.OPT for op in own.schedules.first.ops)  # the OPTs' gathers only
+    with pytest.raises(ConfigError, match="made without them"):
+        megatrain.materialize(sharing, OPT, host=HostState(sharing.traced.graph))
 
 
 SHARD = Plan(micro_batches=2, optimizer=OptimizerPlacement.NEXT_FORWARD, grad_ring=4, data_parallel=4, nodes=2,
@@ -1037,6 +1044,14 @@ def test_megatrain_train_under_torchrun_trains_as_one_process_does(tmp_path):
         assert err <= RTOL, f"{name}: relative difference {err:.2e}"
     assert proc.stdout.count("done: step 3") == 1  # rank 0 prints; the other rank is quiet
     assert proc.stdout.count("step 3: saved") == 1, proc.stdout  # also where the progress bar writes
+    # One planning front door: `megatrain plan --config` with the run's settings and torchrun's ranks
+    # writes the schedule.json each run wrote (the two ranks' plan: ALL_REDUCEs or REDUCE_SCATTERs).
+    for ranks, d in ((1, "one"), (2, "two")):
+        assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--hardware", "H100_SXM",
+                     "--gpus-per-node", str(ranks), "--out", str(tmp_path / f"plan_{d}")]) == 0
+        ran = (tmp_path / d / "schedule.json").read_bytes()
+        assert (tmp_path / f"plan_{d}" / "schedule.json").read_bytes() == ran, d
+        assert Schedule.from_json(ran.decode()).plan.data_parallel == ranks
 
 
 def test_megatrain_train_refuses_a_global_batch_the_ranks_cannot_split(tmp_path, monkeypatch):

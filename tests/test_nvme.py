@@ -756,16 +756,20 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch,
         return [r["loss"] for r in rows if "loss" in r]
 
     want = losses(tmp_path / "ram")
-    import megatrain.train.loop as loop
+    from megatrain.planner import front
+    from megatrain.train import load_train_config
+    from megatrain.train.loop import plan_request, planning_model
+    from megatrain.train.model import resolve_model
 
-    real = loop.nvme_layers
-    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0), ("short", (), 0)):
+    # A budget one byte under the host bytes of the run's plan, planned as megatrain train plans it.
+    cfg = load_train_config(tmp_path / "run.yaml", {"output_dir": str(tmp_path / "ram")})
+    total = front.plan(plan_request(cfg, planning_model(cfg, resolve_model(cfg.model)), None,
+                                    front.Topology())).memory.host_total
+    for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0),
+                                 ("short", ("--host-memory", str(total - 1)), 0)):
         nvme_dir = tmp_path / f"nvme_{name}"
         nvme_dir.mkdir()
         capsys.readouterr()
-        if name == "short":  # a budget one byte under the plan's host bytes (known only once planned)
-            monkeypatch.setattr(loop, "nvme_layers", lambda planned, _, d, hw=None: real(
-                planned, str(planned.memory.host_total - 1), d, hw))
         got = losses(tmp_path / f"run_{name}", "--nvme-dir", str(nvme_dir), *extra)
         assert len(want) == 4 and got == want, name
         # Every layer's moments without a budget; none when the plan fits the budget in RAM; with
@@ -780,17 +784,20 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch,
 
 
 def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
-    from megatrain.train.loop import nvme_layers
+    from megatrain.planner.nvme import place_in_directory
+
+    def place(planned, budget):  # what megatrain train --nvme-dir DIR [--host-memory budget] moves there
+        return place_in_directory(planned.graph, planned.plan, planned.memory, budget, str(tmp_path))
 
     torch.manual_seed(0)
     planned = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2)
     graph, total = planned.graph, planned.memory.host_total
     every = frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel)
-    assert nvme_layers(planned, None, str(tmp_path)) == (every, frozenset(), frozenset(), False)
+    assert place(planned, None) == (every, frozenset(), frozenset(), False)
     assert every == {0, 1, 2, 3}
-    assert nvme_layers(planned, "1TiB", str(tmp_path)) == (frozenset(), frozenset(), frozenset(), False)
+    assert place(planned, "1TiB") == (frozenset(), frozenset(), frozenset(), False)
     # One byte short: the largest layers' moments move until the host total fits, not every layer's.
-    some, grads, masters, _ = nvme_layers(planned, str(total - 1), str(tmp_path))
+    some, grads, masters, _ = place(planned, str(total - 1))
     assert not masters  # FP32 compute: the H2D reads the master rows
     assert not grads  # no clipping: no gradient tile waits between steps
     assert some and some < every and 3 in some  # the head (vocab x hidden) is the largest
@@ -798,12 +805,12 @@ def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):
     assert placed.host_total <= total - 1
     assert placed.adam_moments == sum(8 * graph.layers[i].trainable_numel for i in every - some)
     with pytest.raises(PlanError, match="with every Adam moment on NVMe the plan still needs .* of host memory"):
-        nvme_layers(planned, "64KiB", str(tmp_path))
+        place(planned, "64KiB")
     # With clipping (deferred updates) the gradient tiles move first, and the plan runs them.
     clipped = megatrain.plan_model(tiny_llama(layers=2), plan="default", seq_len=16, micro_batch_size=2,
                                    max_grad_norm=0.5)
     total = clipped.memory.host_total
-    moments, grads, _, _ = nvme_layers(clipped, str(total - 1), str(tmp_path))
+    moments, grads, _, _ = place(clipped, str(total - 1))
     assert grads and not moments
     placed = cost.memory_breakdown(clipped.graph, dataclasses.replace(clipped.plan, nvme_gradients=grads))
     assert placed.host_total <= total - 1

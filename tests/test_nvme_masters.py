@@ -225,7 +225,7 @@ def test_train_nvme_layers_move_masters_of_a_bf16_plan_and_set_cast_once(tmp_pat
     """``megatrain train --nvme-dir --host-memory``: when every moment on NVMe is not enough, a BF16
     plan's masters follow, with cast_once set (the plan had a shared staging ring)."""
     import megatrain
-    from megatrain.train.loop import nvme_layers
+    from megatrain.planner.nvme import place_in_directory
 
     torch.manual_seed(0)
     model = tiny_llama(layers=2)
@@ -234,7 +234,7 @@ def test_train_nvme_layers_move_masters_of_a_bf16_plan_and_set_cast_once(tmp_pat
     assert not planned.plan.cast_once
     every = frozenset({0, 1, 2, 3})
     short = cost.memory_breakdown(planned.graph, dataclasses.replace(plan, nvme_moments=every)).host_total - 1
-    placed = nvme_layers(planned, str(short), str(tmp_path))
+    placed = place_in_directory(planned.graph, planned.plan, planned.memory, str(short), str(tmp_path))
     assert placed.moments == every and placed.masters and placed.masters <= every and placed.cast_once
     # ... and that plan runs.
     run = dataclasses.replace(plan, cast_once=True, nvme_moments=placed.moments, nvme_masters=placed.masters)

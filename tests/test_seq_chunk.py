@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import megatrain
-import megatrain.trainer
+import megatrain.planner.front
 from megatrain.kernels import chunk_bounds, grouped_query_attention, sequence_chunked
 from megatrain.planner.graph import retarget
 from megatrain.planner.plan import Plan
@@ -303,7 +303,7 @@ def test_retarget_rewrites_devices_inside_the_regions():
 @pytest.mark.parametrize("make,chunk_bytes", [(tiny_llama, 1000), (tiny_llama, 1), (tiny_gpt, 3000)],
                          ids=["llama-few-chunks", "llama-one-token-chunks", "gpt"])
 def test_chunked_training_matches_eager(monkeypatch, make, chunk_bytes):
-    monkeypatch.setattr(megatrain.trainer, "trace", functools.partial(trace, seq_chunk_bytes=chunk_bytes))
+    monkeypatch.setattr(megatrain.planner.front, "trace", functools.partial(trace, seq_chunk_bytes=chunk_bytes))
     torch.manual_seed(0)
     trainer = assert_same_training(make(layers=2), steps=6, micro_batches=2)
     chunks = [c.args[1] for gm in trainer.traced.templates for c in _calls(gm)]
@@ -319,7 +319,7 @@ def test_chunked_training_matches_eager(monkeypatch, make, chunk_bytes):
 def test_chunked_bf16_compute_tracks_eager_autocast(monkeypatch):
     """Sequence-chunked regions with BF16 compute: every step within the derived BF16 bounds of
     eager autocast at the same weights (``test_exactness.bf16_tolerances``)."""
-    monkeypatch.setattr(megatrain.trainer, "trace", functools.partial(trace, seq_chunk_bytes=1000))
+    monkeypatch.setattr(megatrain.planner.front, "trace", functools.partial(trace, seq_chunk_bytes=1000))
     torch.manual_seed(5)
     model = tiny_llama(layers=2)
     batches = [random_batch(2, 16, 96, seed=s % 3) for s in range(12)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megatrain
-import megatrain.trainer as trainer_module
+import megatrain.planner.front as front  # where the model is traced (once per shape)
 from megatrain.errors import BatchError, ConfigError
 from megatrain.shapes import ShapeFreeTrainer, pad_to_bucket
 
@@ -30,13 +30,13 @@ def _compare(model, ref, got, batches, micro_batches, max_grad_norm=None):
 @pytest.fixture()
 def count_traces(monkeypatch):
     calls = []
-    real = trainer_module.trace
+    real = front.trace
 
     def counting(model, **kw):
         calls.append((kw["micro_batch_size"], kw["seq_len"]))
         return real(model, **kw)
 
-    monkeypatch.setattr(trainer_module, "trace", counting)
+    monkeypatch.setattr(front, "trace", counting)
     return calls
 
 

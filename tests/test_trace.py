@@ -229,14 +229,14 @@ def test_replicated_blocks_equal_the_full_trace(make, seq_chunk_bytes):
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt], ids=["llama", "gpt"])
 def test_replicated_blocks_train_exactly_like_the_full_trace(monkeypatch, make):
     import megatrain
-    import megatrain.trainer
+    import megatrain.planner.front
 
     torch.manual_seed(0)
     model = make(layers=4)
     ref = copy.deepcopy(model)
     batches = [random_batch(2, 16, 96, seed=s) for s in range(2)]
     fast = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=dict(lr=3e-3))
-    monkeypatch.setattr(megatrain.trainer, "trace", functools.partial(trace, replicate_blocks=False))
+    monkeypatch.setattr(megatrain.planner.front, "trace", functools.partial(trace, replicate_blocks=False))
     full = megatrain.compile(ref, seq_len=16, micro_batch_size=2, optimizer=dict(lr=3e-3))
     assert fast.traced.graph.meta["trace"] == "replicated" and full.traced.graph.meta["trace"] == "full"
     assert [fast.step(b).loss for b in batches] == [full.step(b).loss for b in batches]

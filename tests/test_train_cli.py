@@ -357,6 +357,7 @@ def test_host_memory_preflight_refuses_before_allocating(setup, tmp_path, capsys
 def test_a_run_traces_plans_and_simulates_once(setup, tmp_path, monkeypatch):
     """`megatrain train` plans once: the model it preflights is the one that runs, and the
     predicted step is the planned model's (not simulated again after compile)."""
+    import megatrain.planner.front
     import megatrain.trainer
 
     calls = {"trace": 0, "simulate": 0, "lower": 0}
@@ -367,8 +368,9 @@ def test_a_run_traces_plans_and_simulates_once(setup, tmp_path, monkeypatch):
             return fn(*a, **kw)
         return wrapped
 
-    for name in calls:
-        monkeypatch.setattr(megatrain.trainer, name, counting(name, getattr(megatrain.trainer, name)))
+    for name in calls:  # the front door plans; the trainer lowers its eval schedule
+        monkeypatch.setattr(megatrain.planner.front, name, counting(name, getattr(megatrain.planner.front, name)))
+    monkeypatch.setattr(megatrain.trainer, "lower", counting("lower", megatrain.trainer.lower))
     assert main(_train_args(setup, tmp_path / "o", "--hardware", "H100_SXM", "--eval-interval", "0")) == 0
     # Clipping (max_grad_norm: 1.0): the first, carrying and update schedules, then one eval schedule.
     assert calls == {"trace": 1, "simulate": 1, "lower": 4}
@@ -427,44 +429,53 @@ def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
 
 
 @pytest.mark.parametrize("fits", [True, False])
-def test_train_host_state_auto_replicates_where_every_node_holds_a_copy_and_shards_otherwise(tmp_path, monkeypatch,
-                                                                                            fits):
-    """megatrain train --host-state auto on several nodes: the ranks agree (an all-reduce; a
-    one-rank gloo group here) on 'replicate' where the preflight of a full copy passes, else
-    re-plan with 'shard'; the choice and its reason are printed."""
-    import torch.distributed as dist
-
-    import megatrain
+def test_host_state_auto_replicates_where_every_node_holds_a_copy_and_shards_otherwise(tmp_path, fits):
+    """host_state 'auto' on several nodes is the front door's decision: 'replicate' where the
+    caller's check of the replicated plan passes (megatrain train's preflight, agreed by an
+    all-reduce), else 'shard', planned from the one trace; the choice and its reason are said."""
+    from megatrain.planner import front
     from megatrain.planner.presets import build_meta_model, load_model_config
 
-    planned = megatrain.plan_model(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))),
-                                   seq_len=16)
-    two_nodes = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, data_parallel=4, nodes=2,
-                                                                       optimizer_shards=2))
-    replanned = []
-    monkeypatch.setattr(megatrain, "plan_model", lambda *a, **kw: replanned.append(kw) or "re-planned")
+    seen = []
+    topology = front.Topology(4, 2, host_state="auto", fits=lambda p: seen.append(p.plan.host_state) or fits)
+    planned = front.plan(front.PlanRequest(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))),
+                                           seq_len=16, global_batch=4, topology=topology))
+    assert seen == ["replicate"]  # the check saw the replicated plan
+    want = "replicate" if fits else "shard"
+    assert (planned.plan.host_state, planned.plan.data_parallel, planned.plan.nodes) == (want, 4, 2)
+    assert planned.schedules.steady.plan == planned.plan
+    assert planned.decisions[-1].startswith(f"host state: {want}: ")
+    if not fits:
+        assert "each of the 2 nodes holds 1/2" in planned.decisions[-1]
 
-    def preflight(p):
-        if not fits:
-            raise PlanError("the run needs about 9 GiB")
-        return 123 << 30
-    said = []
-    cfg = T.TrainConfig(model=str(tmp_path / "c.json"), output_dir=str(tmp_path / "o"))
-    assert cfg.host_state == "auto"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        got = megatrain.train.loop._host_state(cfg, two_nodes, None, ("input_ids", "labels"), 1, None,
-                                               said.append, preflight)
-    finally:
-        dist.destroy_process_group()
-    if fits:
-        assert got is two_nodes and not replanned
-        assert said == ["host state: replicate: every node holds a full copy of the masters and moments "
-                        "(this node needs 123.00 GiB)"]
-    else:
-        assert got == "re-planned" and replanned[0]["host_state"] == "shard"
-        assert said[0].startswith("host state: shard: a full copy on every node does not fit the host memory "
-                                  "of this node; each of the 2 nodes holds 1/2")
+
+def test_megatrain_plan_config_writes_the_schedule_megatrain_train_runs(setup, tmp_path, capsys):
+    """The issue's test of one planning front door: `megatrain plan --config RUN --out DIR` and
+    `megatrain train --config RUN` write the same schedule.json byte for byte, on one GPU (with a
+    hardware spec, whose prediction the plan reports) and with every layer's Adam moments on NVMe
+    (NVME_READ/NVME_WRITE ops in it). Several ranks: test_distributed's torchrun test."""
+    from megatrain.planner.schedule import OpKind, Schedule
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    for name, extra in (("one", "hardware: H100_SXM\n"), ("nvme", f"nvme_dir: {nvme}\n")):
+        run_yaml = tmp_path / f"{name}.yaml"
+        run_yaml.write_text(CONFIG_YAML.format(model=setup / "config.json") + extra)
+        plan_out, run_out = tmp_path / f"plan_{name}", tmp_path / f"run_{name}"
+        hw = ["--hardware", "H100_SXM"] if name == "nvme" else []
+        assert main(["plan", "--config", str(run_yaml), *hw, "--out", str(plan_out)]) == 0
+        report = capsys.readouterr().out
+        assert main(["train", "--config", str(run_yaml), "--output-dir", str(run_out), "--max-steps", "1",
+                     "--warmup-steps", "0", "--eval-interval", "0"]) == 0
+        planned, ran = (plan_out / "schedule.json").read_bytes(), (run_out / T.SCHEDULE_FILE).read_bytes()
+        assert planned == ran, name
+        kinds = {op.kind for op in Schedule.from_json(ran.decode()).ops}
+        assert (OpKind.NVME_READ in kinds) == (name == "nvme"), name
+        assert "the default plan (megatrain train on the CPU backend)" in report
+        if name == "one":
+            assert "step time" in report and (plan_out / "trace.json").exists()  # predicted on H100_SXM
+        else:
+            assert "NVMe: Adam moments of 4 of 4 trainable layers" in report
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])

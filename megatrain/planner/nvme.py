@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatrain.errors import ConfigError, PlanError
 from megatrain.planner import cost
@@ -490,3 +491,69 @@ def describe(ns: NvmeSolution) -> list[tuple[str, str, str]]:
                                                   f"{p.io_time_s:,.4g} s; all state in RAM {ns.simulated_step_s:,.4g} s"),
         ("slowdown", f"{ns.step_time_s / ns.simulated_step_s:.2f}x", "vs the same plan with all state in host memory"),
     ]
+
+
+class NvmeLayers(NamedTuple):
+    """What a run with an NVMe directory (``megatrain train --nvme-dir``) puts on NVMe: the layers
+    whose Adam moments, deferred gradient tiles and FP32 masters live there, and whether the plan
+    computes with ``cast_once`` (set where masters needed it)."""
+
+    moments: frozenset[int]
+    gradients: frozenset[int]
+    masters: frozenset[int] = frozenset()
+    cast_once: bool = False
+
+    def describe(self, graph: LayerGraph, nvme_dir, cast_once_set: bool = False) -> str:
+        """One line: what went to ``nvme_dir`` and what stays in host memory."""
+        layers = graph.layers
+        moved = sum(8 * layers[i].trainable_numel for i in self.moments)
+        trainable = sum(1 for lay in layers if lay.trainable_numel)
+        return (f"NVMe: Adam moments of {len(self.moments)} of {trainable} trainable "
+                f"layers in {nvme_dir} ({human_bytes(moved)})"
+                + (f": {', '.join(layers[i].name for i in sorted(self.moments))}" if self.moments else "")
+                + (f"; deferred gradient tiles of {len(self.gradients)} of {trainable} layers: "
+                   f"{', '.join(layers[i].name for i in sorted(self.gradients))}" if self.gradients else "")
+                + (f"; FP32 masters of {len(self.masters)} of {trainable} layers: "
+                   f"{', '.join(layers[i].name for i in sorted(self.masters))}" if self.masters else "")
+                + ("; cast_once set (masters on NVMe need each layer's own BF16 staging tile)"
+                   if cast_once_set else "")
+                + "; the rest of the state in host memory")
+
+
+def place_in_directory(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, host_memory: int | str | None,
+                       nvme_dir, hw: HardwareSpec | None = None) -> NvmeLayers:
+    """The layers whose Adam moments, deferred gradient tiles and masters a run with the NVMe
+    directory ``nvme_dir`` puts there, for ``plan`` (whose breakdown is ``memory``). Without
+    ``host_memory``: every trainable layer's moments, nothing else. With it (bytes, or a size:
+    :func:`parse_bytes`), those :func:`place_with_masters` moves so that the plan's host bytes fit
+    it (none when they fit already): with clipped gradients (the optimizer in the next forward)
+    the layers' gradient tiles first, then moments, then (BF16 compute on one rank, ``cast_once``
+    set if needed) masters, each largest first. The placement's NVMe tier is ``nvme_dir``'s file
+    system (its free space); its rates do not enter the choice.
+
+    Raises:
+        ConfigError: ``host_memory`` is not a size.
+        PlanError: even with every layer's moments on NVMe the plan does not fit ``host_memory``,
+            or the file system has too little free space (the message says what to change).
+    """
+    import dataclasses
+    import shutil
+
+    if host_memory is None:
+        return NvmeLayers(frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel), frozenset(),
+                          cast_once=plan.cast_once)
+    budget = host_memory if isinstance(host_memory, int) else parse_bytes(host_memory)
+    # The choice reads the host memory, its pinned cap and the NVMe capacity; the rates only time
+    # the traffic, which no one reads here, so the hardware's are kept if it has them, else 1 B/s.
+    base = {} if hw is None else hw.model_dump()
+    spec = HardwareSpec.model_validate({
+        "name": f"host memory {human_bytes(budget)} + NVMe {nvme_dir}", "gpu_memory_bytes": 0, "bf16_flops": 0,
+        "fp32_flops": 0, "h2d_bytes_per_s": 0, "d2h_bytes_per_s": 0, "duplex": False,
+        "host_optimizer_params_per_s": 1.0, **base, "host_memory_bytes": budget,
+        "pinned_memory_cap_bytes": min(budget, base.get("pinned_memory_cap_bytes", budget)),
+        "nvme_capacity_bytes": shutil.disk_usage(nvme_dir).free,
+        "nvme_read_bytes_per_s": base.get("nvme_read_bytes_per_s") or 1.0,
+        "nvme_write_bytes_per_s": base.get("nvme_write_bytes_per_s") or 1.0})
+    bare = dataclasses.replace(plan, nvme_moments=frozenset(), nvme_gradients=frozenset(), nvme_masters=frozenset())
+    placed_plan, _, placed = place_with_masters(graph, bare, memory, spec)
+    return NvmeLayers(placed.moments, placed.gradients, placed.masters, placed_plan.cast_once)

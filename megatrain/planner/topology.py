@@ -243,16 +243,44 @@ def _with_shared_cast(graph: LayerGraph, plan: Plan, hw: HardwareSpec, view: Har
     return cand, schedule, simulate(schedule, graph, hw)
 
 
+def data_parallel_plan(plan: Plan, ranks: int, nodes: int, shards: int, host_state: str,
+                       shared_staging: bool = True) -> Plan:
+    """One rank's ``plan`` for ``ranks`` ranks on ``nodes`` nodes: every rank runs it on its own
+    micro-batches and the lowering adds the collectives. ``shards``: the ranks of a node that
+    share one host copy and split its optimizer steps (``Plan.optimizer_shards``; 1 where each
+    rank keeps a copy). ``host_state``: ``"replicate"`` or ``"shard"`` across the nodes.
+
+    The fields it sets, the one place they are decided for several ranks (``solve_topology``
+    and ``megatrain.planner.front.plan``): the gradients cross D2H in FP32 (the host sums the
+    ranks', which BF16 would round); a REDUCE_SCATTER where every rank steps only its shard of
+    one copy (``Plan.update_shards`` = ``ranks``), else an ALL_REDUCE; and the node's ranks that
+    share a copy share its BF16 staging tiles too, each casting its shard (``Plan.shared_cast``,
+    1/G of the casts' host traffic), where a tile per layer is cast once a step
+    (``Plan.cast_once``) and ``shared_staging`` (False where the host state the plan will share
+    was made without those tiles).
+    """
+    plan = dataclasses.replace(plan, data_parallel=ranks, nodes=nodes, host_state=host_state,
+                               optimizer_shards=shards, gradient_reduction="all_reduce",
+                               d2h_dtype="float32" if ranks > 1 and plan.gradient_dtype != "float32"
+                               else plan.d2h_dtype)
+    if plan.update_shards == ranks > 1:
+        plan = dataclasses.replace(plan, gradient_reduction="reduce_scatter")
+    return dataclasses.replace(plan, shared_cast=plan.cast_once and shards > 1 and host_state == "replicate"
+                               and shared_staging)
+
+
 def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gpus_per_node: int, nodes: int,
                    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16", clip_gradients: bool = False,
-                   method: Literal["milp", "enumerate"] = "milp", optimizer_name: str = "adamw") -> TopologySolution:
+                   method: Literal["milp", "enumerate"] = "milp", optimizer_name: str = "adamw", limits=None,
+                   host_state: Literal["replicate", "shard"] | None = None) -> TopologySolution:
     """Plan ``graph`` for ``gpus_per_node`` GPUs on each of ``nodes`` nodes of ``hw`` training
     ``global_batch`` sequences per step together (module docstring, "Method").
 
     ``global_batch`` is split evenly: each rank plans ``global_batch / (gpus_per_node x nodes)``.
     The host state is replicated when that fits the node's host memory, else sharded when that
-    fits (module docstring, "Host state across nodes"). The persistent state counts host optimizer
-    ``optimizer_name``'s state bytes (``Plan.optimizer_name``).
+    fits (module docstring, "Host state across nodes"); ``host_state`` tries only that mode. The
+    persistent state counts host optimizer ``optimizer_name``'s state bytes (``Plan.optimizer_name``).
+    ``limits``: the solver's ``SolveLimits`` (a fixed micro-batch size, say).
 
     Raises:
         PlanError: a count below 1, a global batch the ranks cannot split evenly, or no plan fits
@@ -277,7 +305,7 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
         cost.all_reduce_time(trainable[0], hw, Plan(data_parallel=ranks, nodes=nodes))
     state = cost.persistent_state_bytes(graph, Plan(optimizer_name=optimizer_name))
     failures: list[str] = []
-    for mode in ("replicate", "shard") if nodes > 1 else ("replicate",):
+    for mode in (host_state,) if host_state else ("replicate", "shard") if nodes > 1 else ("replicate",):
         topo = Plan(data_parallel=ranks, nodes=nodes, host_state=mode, compute_dtype=compute_dtype,
                     optimizer_shards=gpus_per_node, optimizer_name=optimizer_name)
         host, pinned = cost.rank_host_budgets(graph, topo, hw)
@@ -290,8 +318,9 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
         view = hw.model_copy(update={"name": f"{hw.name}, one of {gpus_per_node} ranks per node ({mode})",
                                      "host_memory_bytes": host, "pinned_memory_cap_bytes": min(pinned, host)})
         try:
-            sol = solve(SolveRequest(graph, view, global_batch // ranks, compute_dtype,
-                                     clip_gradients=clip_gradients, optimizer_name=optimizer_name), method)
+            sol = solve(SolveRequest(graph, view, global_batch // ranks, compute_dtype, clip_gradients=clip_gradients,
+                                     optimizer_name=optimizer_name, **({} if limits is None else {"limits": limits})),
+                        method)
         except InfeasibleRequestError as e:
             r = e.requirements
             if r.gpu_memory_bytes > hw.gpu_memory_bytes:  # the GPU is the obstacle, whatever the host
@@ -302,14 +331,7 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
                 failures.append(f"{mode}: {what}, {human_bytes(held)}, and {gpus_per_node} ranks' smallest buffers "
                                 f"need at least {human_bytes(floor)} of the node's {human_bytes(hw.host_memory_bytes)}")
             continue
-        plan = dataclasses.replace(sol.plan, data_parallel=ranks, nodes=nodes, host_state=mode,
-                                   optimizer_shards=gpus_per_node,
-                                   # Each rank steps only its shard of one copy (one node, or a state
-                                   # sharded across nodes: Plan.update_shards), so reduce-scatter.
-                                   gradient_reduction=("reduce_scatter" if (nodes == 1 or mode == "shard")
-                                                       and ranks > 1 else "all_reduce"),
-                                   # The node's ranks share its staging tiles, each casting 1/G.
-                                   shared_cast=sol.plan.cast_once and gpus_per_node > 1 and mode == "replicate")
+        plan = data_parallel_plan(sol.plan, ranks, nodes, gpus_per_node, mode)
         plan.check_against(sol.graph)
         schedule = lower(sol.graph, plan, carries_updates=sol.schedule.carries_updates)
         verify(schedule, sol.graph, view)
@@ -332,7 +354,9 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
             reason = f"replicate: a full copy on each node fits: {need}; no weights cross the network"
         else:
             per_gather = max((cost.weight_gather_bytes(sol.graph.layers[op.layer], plan) for op in gathers), default=0)
-            reason = (f"shard: replicating does not fit ({failures[0].removeprefix('replicate: ')}); 1/{nodes} of "
+            why = (f"replicating does not fit ({failures[0].removeprefix('replicate: ')})" if failures
+                   else "asked for (host_state='shard')")
+            reason = (f"shard: {why}; 1/{nodes} of "
                       f"the state per node fits: {need}, for "
                       f"{network_s:.4g} s of weight all-gathers over the network per step ({len(gathers)} gathers, "
                       f"up to {human_bytes(per_gather)} each, at {hw.network_bytes_per_s / 1e9:g} GB/s per node)")
@@ -345,4 +369,4 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
 
 
 __all__ = ["Link", "INTERCONNECTS", "NETWORKS", "with_topology", "HostStateChoice", "TopologySolution",
-           "solve_topology"]
+           "data_parallel_plan", "solve_topology"]

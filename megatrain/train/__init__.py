@@ -7,8 +7,10 @@ function of a module of this package::
     config      TrainConfig: YAML or JSON file, then flags on top, validated by pydantic
     model       resolve_model: a config.json | Hugging Face weights | a megatrain checkpoint
     rundir      output_dir: this run again (resume or start over), or refuse another run
-    plan        megatrain.plan_model, once: trace, solve, lower, verify (the model on the meta
-                device for CUDA; on the CPU built there, after a parameter-count bound)
+    plan        the planning front door (megatrain.planner.front.plan), once: trace, solve, data
+                parallel, NVMe placement, host state, lower, verify (loop.plan_request: the same
+                request `megatrain plan --config` makes; the model on the meta device for CUDA, on
+                the CPU built there, after a parameter-count bound)
     preflight   that planned model's host bytes + data + a checkpoint shard against MemAvailable,
                 before anything large is allocated
     corpus      tokenizer -> token store (megatrain.data.cached_token_store) -> StoreWindows
@@ -23,7 +25,8 @@ function of a module of this package::
 ``machine`` holds what this machine offers (host memory, RSS, a matmul rate, a hardware spec).
 
 Files in ``output_dir``: ``train_config.json`` (the resolved config of the latest start),
-``tokenizer.json``, ``metrics.jsonl`` (one JSON object per step, see :data:`~megatrain.train.metrics.METRIC_FIELDS`),
+``tokenizer.json``, ``schedule.json`` (the steady-state train schedule the run executes, as
+``megatrain plan --config`` writes it), ``metrics.jsonl`` (one JSON object per step, see :data:`~megatrain.train.metrics.METRIC_FIELDS`),
 ``checkpoint/`` (Hugging Face layout plus ``megatrain_state/``, replaced atomically at every save,
 with copies of ``tokenizer.json`` and a ``tokenizer_config.json`` naming its special tokens, which the
 checkpoint's config and generation config use too), ``loss.png``. Resume by passing
@@ -90,7 +93,7 @@ _LAZY = {
     "ModelSource": "megatrain.train.model", "resolve_model": "megatrain.train.model",
     "DATA_BYTES_PER_TEXT_BYTE": "megatrain.train.preflight", "preflight_host_memory": "megatrain.train.preflight",
     "RUN_FILES": "megatrain.train.rundir", "RUN_IDENTITY": "megatrain.train.rundir",
-    "STATE_KEY": "megatrain.train.rundir",
+    "STATE_KEY": "megatrain.train.rundir", "SCHEDULE_FILE": "megatrain.train.rundir",
 }
 
 

@@ -4,8 +4,6 @@ of the package docstring, then steps, evaluates, checkpoints and writes metrics 
 
 from __future__ import annotations
 
-import dataclasses
-
 import hashlib
 import json
 import os
@@ -14,14 +12,13 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from megatrain.errors import CheckpointError, ConfigError, MegatrainError
 from megatrain.train.config import TrainConfig
 from megatrain.train.corpus import (match_special_tokens, prepare_data, store_dir, tokenizer_sample_bytes,
                                     trains_tokenizer)
 from megatrain.train.lr import lr_at
-from megatrain.planner import cost
 from megatrain.planner.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
 from megatrain.files import DirectoryLock, write_atomic
@@ -32,8 +29,8 @@ from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_r
 from megatrain.train.model import ModelSource, init_source, is_run_checkpoint, load_weights, resolve_model
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
                                        preflight_cpu_build, preflight_disk, preflight_host_memory)
-from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY,
-                                    TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir, check_resume,
+from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE,
+                                    STATE_KEY, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir, check_resume,
                                     train_state)
 from megatrain.units import MiB
 
@@ -102,178 +99,108 @@ def concat_batches(batches: list) -> Any:
     return torch.cat(batches)
 
 
-def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> PlannedModel:
-    """The model, traced and planned once (``megatrain.plan_model``), and the host-memory preflight
-    of that planned model: PlanError before anything large exists when the run cannot fit.
-
-    On ``device="cuda"`` the model stays on the meta device until ``materialize`` initialises it
-    in the host tiles, and the plan is the solver's for ``hw`` (or the measured GPU). On the CPU
-    backend the model is built on the CPU: models branch on the device type while they are traced
+def planning_model(cfg: TrainConfig, source: ModelSource, check: Callable[[Any], None] | None = None):
+    """The model ``megatrain train`` (and ``megatrain plan --config``) plans: on ``device="cuda"``
+    built on the meta device (``materialize`` initialises it in the host tiles); on the CPU
+    backend built on the CPU, because models branch on the device type while they are traced
     (Mixtral's expert histogram takes an int32 input except on the CPU, where histc has no
-    integer kernel), so a model on the meta device would be traced for a GPU. Building it takes 4
-    bytes a parameter, so a bound from the meta model's parameter count is checked first
-    (``preflight_cpu_build``); the plan is the default one, and ``hw`` gives the prediction.
-    """
+    integer kernel), so a model on the meta device would be traced for a GPU. ``check`` sees the
+    meta model before a CPU build (``megatrain train``'s preflight of the build's 4 bytes a
+    parameter)."""
     import torch
 
-    import megatrain
-    from megatrain.units import human_bytes
     from megatrain.planner.presets import build_meta_model
 
-    available = available_host_memory()  # before the build: what the run may use
-    data = data_pipeline_bytes(cfg, tokenizer_sample_bytes(cfg) if trains_tokenizer(cfg, source) else 0)
-    shard = largest_safetensors(source.directory)
-    clip = cfg.max_grad_norm is not None
     torch.manual_seed(cfg.seed)
     model = build_meta_model(source.config, dtype=torch.float32)
-    built = 0
     if cfg.device == "cpu":
-        preflight_cpu_build(model, clip=clip, data_bytes=data, checkpoint_bytes=shard, available=available,
-                            optimizer=cfg.optimizer)
-        built = sum(p.numel() for p in model.parameters()) * BUILT_BYTES_PER_PARAMETER
+        if check is not None:
+            check(model)
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, trust_remote_code=False)
+    return model
+
+
+def plan_request(cfg: TrainConfig, model, hw, topology):
+    """The :class:`megatrain.planner.front.PlanRequest` of a run's settings: what ``megatrain
+    train`` plans and ``megatrain plan --config`` reports, for ``topology`` (a
+    ``megatrain.planner.front.Topology``). On the CPU backend the plan is the default one and
+    ``hw`` gives the prediction; on CUDA the solver's for ``hw``."""
+    from megatrain.planner.front import PlanRequest, Storage
+
     # Packed LM windows and packed SFT rows carry position_ids that restart per document (per-document
     # attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only.
     packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
     names = ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
         ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
-    micro_batches = cfg.micro_batches // world  # each rank's share of the global batch
-    planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                   input_names=names,
-                                   micro_batches=micro_batches, device=cfg.device, max_grad_norm=cfg.max_grad_norm,
-                                   plan="default" if cfg.device == "cpu" else None, hardware=hw,
-                                   optimizer_name=cfg.optimizer)
-    if cfg.nvme_dir is not None:
-        # Plan.nvme_moments and Plan.nvme_gradients, lowered into NVME_READ/NVME_WRITE: what the
-        # budget needs moved, or every layer's moments.
-        placed = nvme_layers(planned, cfg.host_memory, cfg.nvme_dir, hw)
-        on_nvme, grads_on_nvme, masters = placed.moments, placed.gradients, placed.masters
-        layers = planned.graph.layers
-        moved = sum(cost.state_bytes_per_param(planned.plan) * layers[i].trainable_numel for i in on_nvme)
-        trainable = sum(1 for lay in layers if lay.trainable_numel)
-        echo(f"NVMe: Adam moments of {len(on_nvme)} of {trainable} trainable "
-             f"layers in {cfg.nvme_dir} ({human_bytes(moved)})"
-             + (f": {', '.join(layers[i].name for i in sorted(on_nvme))}" if on_nvme else "")
-             + (f"; deferred gradient tiles of {len(grads_on_nvme)} of {trainable} layers: "
-                f"{', '.join(layers[i].name for i in sorted(grads_on_nvme))}" if grads_on_nvme else "")
-             + (f"; FP32 masters of {len(masters)} of {trainable} layers: "
-                f"{', '.join(layers[i].name for i in sorted(masters))}" if masters else "")
-             + ("; cast_once set (masters on NVMe need each layer's own BF16 staging tile)"
-                if placed.cast_once and not planned.plan.cast_once else "")
-             + "; the rest of the state in host memory")
-        planned = megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                       input_names=names, micro_batches=micro_batches, device=cfg.device,
-                                       max_grad_norm=cfg.max_grad_norm, hardware=hw,
-                                       plan=dataclasses.replace(planned.plan, nvme_moments=on_nvme,
-                                                                nvme_gradients=grads_on_nvme, nvme_masters=masters,
-                                                                cast_once=placed.cast_once))
-    if world > 1:
-        planned = _host_state(cfg, planned, model, names, micro_batches, hw, echo,
-                              lambda p: preflight_host_memory(p, data_bytes=data, checkpoint_bytes=shard,
-                                                              built_bytes=built, available=available))
-    needed = preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
-                                   available=available)
-    graph = planned.graph
-    echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
-         f"layers; host memory needed about {human_bytes(needed)}")
-    return planned
+    return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
+                       plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
+                       input_names=names, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
+                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory))
 
 
-def _host_state(cfg: TrainConfig, planned: PlannedModel, model, names, micro_batches: int, hw, echo,
-                preflight: Callable[[PlannedModel], int]) -> PlannedModel:
-    """``cfg.host_state`` on several nodes: the planned model with ``Plan.host_state`` 'replicate' or
-    'shard'. 'auto' replicates where every rank's node passes the host-memory ``preflight`` with a
-    full copy (the ranks agree by an all-reduce, so every node makes the same choice) and shards
-    otherwise, and says which and why. One node: replicate."""
-    import megatrain
+def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> PlannedModel:
+    """The model, traced and planned once (the planning front door,
+    :func:`megatrain.planner.front.plan`, with :func:`plan_request`), and the host-memory
+    preflight of that planned model: PlanError before anything large exists when the run cannot
+    fit. On the CPU backend a bound from the meta model's parameter count is checked before the
+    model is built (``preflight_cpu_build``; :func:`planning_model`). Several nodes with
+    ``host_state: auto``: a full copy per node where every node passes the preflight with it
+    (the ranks agree by an all-reduce), else sharded (the front door's decision; said).
+    """
     from megatrain.errors import PlanError
+    from megatrain.planner import front
+    from megatrain.trainer import process_topology
     from megatrain.units import human_bytes
 
-    plan = planned.plan
-    choice = cfg.host_state
-    if plan.nodes == 1 and choice != "shard":  # 'shard' on one node: plan_model says why not
-        return planned
-    if choice == "auto":
+    available = available_host_memory()  # before the build: what the run may use
+    data = data_pipeline_bytes(cfg, tokenizer_sample_bytes(cfg) if trains_tokenizer(cfg, source) else 0)
+    shard = largest_safetensors(source.directory)
+    clip = cfg.max_grad_norm is not None
+    built = 0
+
+    def check_build(meta) -> None:
+        nonlocal built
+        preflight_cpu_build(meta, clip=clip, data_bytes=data, checkpoint_bytes=shard, available=available,
+                            optimizer=cfg.optimizer)
+        built = sum(p.numel() for p in meta.parameters()) * BUILT_BYTES_PER_PARAMETER
+
+    def preflight(planned: PlannedModel) -> int:
+        return preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
+                                     available=available)
+
+    def fits(planned: PlannedModel) -> bool:
+        """A full copy of the host state fits every node (collective: the ranks agree)."""
         import torch
         import torch.distributed as dist
 
         from megatrain.runtime.distributed import collective
 
         try:
-            needed, why = preflight(planned), None
-        except PlanError as e:
-            needed, why = None, e
-        fits = torch.tensor([0 if why is None else 1])
+            preflight(planned)
+            short = 0
+        except PlanError:
+            short = 1
+        flag = torch.tensor([short])
         with collective("the all-reduce of whether every node holds a full copy of the host state"):
-            dist.all_reduce(fits, op=dist.ReduceOp.MAX)
-        choice = "replicate" if int(fits) == 0 else "shard"
-        echo(f"host state: {choice}: " + (
-            f"every node holds a full copy of the masters and moments (this node needs {human_bytes(needed)})"
-            if choice == "replicate" else
-            f"a full copy on every node does not fit the host memory of {'this node' if why else 'another node'}; "
-            f"each of the {plan.nodes} nodes holds 1/{plan.nodes} and the layers' weights are gathered "
-            "before use"))
-    if choice == plan.host_state:
-        return planned
-    return megatrain.plan_model(model, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                input_names=names, micro_batches=micro_batches, device=cfg.device,
-                                max_grad_norm=cfg.max_grad_norm, hardware=hw, plan=plan, host_state=choice)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) == 0
 
+    model = planning_model(cfg, source, check_build)
+    if cfg.device == "cuda" and hw is None:  # the solver plans for this GPU, measured (a few seconds)
+        from megatrain.runtime.measure import measure_hardware
 
-class NvmeLayers(NamedTuple):
-    """What ``megatrain train --nvme-dir`` puts on NVMe: the layers whose Adam moments, deferred
-    gradient tiles and FP32 masters live there, and whether the plan computes with ``cast_once``
-    (set where masters needed it)."""
-
-    moments: frozenset[int]
-    gradients: frozenset[int]
-    masters: frozenset[int] = frozenset()
-    cast_once: bool = False
-
-
-def nvme_layers(planned: PlannedModel, host_memory: str | None, nvme_dir: str, hw=None) -> NvmeLayers:
-    """The layers whose Adam moments, deferred gradient tiles and masters ``megatrain train
-    --nvme-dir`` puts on NVMe. Without ``host_memory``: every trainable layer's moments, nothing
-    else. With it (a size, ``planner.nvme.parse_bytes``), those
-    :func:`megatrain.planner.nvme.place_with_masters` moves so that the plan's host bytes
-    (``planned.memory``) fit it (none when they fit already): with clipped gradients (the
-    optimizer in the next forward) the layers' gradient tiles first, then moments, then (BF16
-    compute on one rank, ``cast_once`` set if needed) masters, each largest first. The placement's
-    NVMe tier is ``nvme_dir``'s file system (its free space); its rates do not enter the choice.
-
-    Raises:
-        ConfigError: ``host_memory`` is not a size.
-        PlanError: even with every layer's moments on NVMe the plan does not fit ``host_memory``,
-            or the file system has too little free space (the message says what to change).
-    """
-    import shutil
-
-    from megatrain.planner.hardware import HardwareSpec
-    from megatrain.planner.nvme import parse_bytes, place_with_masters
-    from megatrain.units import human_bytes
-
+        hw = measure_hardware()
+    topology = process_topology(host_state=cfg.host_state, fits=fits) if world > 1 else process_topology()
+    planned = front.plan(plan_request(cfg, model, hw, topology))
+    for line in planned.decisions:
+        echo(line)
+    needed = preflight(planned)
     graph = planned.graph
-    if host_memory is None:
-        return NvmeLayers(frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel), frozenset(),
-                          cast_once=planned.plan.cast_once)
-    budget = parse_bytes(host_memory)
-    # The choice reads the host memory, its pinned cap and the NVMe capacity; the rates only time
-    # the traffic, which no one reads here, so the hardware's are kept if it has them, else 1 B/s.
-    base = {} if hw is None else hw.model_dump()
-    spec = HardwareSpec.model_validate({
-        "name": f"host memory {human_bytes(budget)} + NVMe {nvme_dir}", "gpu_memory_bytes": 0, "bf16_flops": 0,
-        "fp32_flops": 0, "h2d_bytes_per_s": 0, "d2h_bytes_per_s": 0, "duplex": False,
-        "host_optimizer_params_per_s": 1.0, **base, "host_memory_bytes": budget,
-        "pinned_memory_cap_bytes": min(budget, base.get("pinned_memory_cap_bytes", budget)),
-        "nvme_capacity_bytes": shutil.disk_usage(nvme_dir).free,
-        "nvme_read_bytes_per_s": base.get("nvme_read_bytes_per_s") or 1.0,
-        "nvme_write_bytes_per_s": base.get("nvme_write_bytes_per_s") or 1.0})
-    bare = dataclasses.replace(planned.plan, nvme_moments=frozenset(), nvme_gradients=frozenset(),
-                               nvme_masters=frozenset())
-    plan, _, placed = place_with_masters(graph, bare, planned.memory, spec)
-    return NvmeLayers(placed.moments, placed.gradients, placed.masters, plan.cast_once)
+    echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
+         f"layers; host memory needed about {human_bytes(needed)}")
+    return planned
 
 
 def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
@@ -532,6 +459,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
         if lock is not None and not lock.held:  # output_dir did not exist when the run began
             lock.acquire()
         write_atomic(out / CONFIG_FILE, cfg.model_dump_json(indent=1) + "\n")
+        write_atomic(out / SCHEDULE_FILE, planned.schedules.steady.to_json())
         write_atomic(out / TOKENIZER_FILE, tokenizer_json)
     metrics = MetricsLog(metrics_path if writes else None)
     # Rows a crashed run wrote after its last checkpoint are run again: drop them.
