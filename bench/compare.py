@@ -55,7 +55,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from megatrain.planner.hardware import cpu_name
+from megatrain.ir.hardware import cpu_name
 from megatrain.units import GiB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,7 +345,7 @@ def run_megatrain(cfg: ModelConfig, args) -> dict:
     from transformers import LlamaForCausalLM
 
     import megatrain
-    from megatrain.planner.hardware import preset
+    from megatrain.ir.hardware import preset
 
     if not args.dry_run and not torch.cuda.is_available():
         raise Skip("needs CUDA (use --dry-run on a CPU)")

@@ -376,7 +376,7 @@ def section_environment(ctx: Ctx) -> dict:
     import torch
 
     import megatrain
-    from megatrain.planner.hardware import cpu_name
+    from megatrain.ir.hardware import cpu_name
 
     env: dict[str, Any] = {"versions": _versions(), "torch_cuda": torch.version.cuda,
                            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
@@ -781,7 +781,7 @@ lacks are left out; fields whose section did not succeed come from ``--fallback-
 
 
 def section_spec(ctx: Ctx) -> dict:
-    from megatrain.planner.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
+    from megatrain.ir.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
                                             preset)
 
     fallback = preset(ctx.args.fallback_preset)

@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from megatrain.planner import cost  # noqa: E402
-from megatrain.planner.hardware import cpu_name  # noqa: E402
+from megatrain.ir.hardware import cpu_name  # noqa: E402
 from megatrain.runtime.host_kernels import HostAdamW, deepspeed_installed, run_on_team, set_thread_team  # noqa: E402
 from megatrain.runtime.measure import host_cores, host_tile_numel, l3_cache  # noqa: E402
 
@@ -196,7 +196,7 @@ def exactness(numel: int = 4096, steps: int = 5) -> dict:
 def host_streams(numel: int, ops: int, threads: int, cores: int) -> dict:
     """Wall seconds of ``ops`` OPTs and ``ops`` CASTs of ``numel`` elements: before, two threads at
     once with a team of ``cores`` each; after, the CUDA backend's HOST and CAST workers (fake CUDA)."""
-    from megatrain.planner.schedule import Stream
+    from megatrain.ir.schedule import Stream
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import FakeCuda
 
@@ -248,7 +248,7 @@ def host_streams(numel: int, ops: int, threads: int, cores: int) -> dict:
 
 def wait_cpu(wait_s: float) -> dict:
     """CPU seconds per second of waiting of a host worker whose op waits ``wait_s`` for a GPU op."""
-    from megatrain.planner.schedule import Stream
+    from megatrain.ir.schedule import Stream
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import AsyncFakeCuda
 

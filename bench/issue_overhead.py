@@ -131,7 +131,7 @@ def worker(layers: int, runs: int, launch: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import megatrain
-    from megatrain.planner.hardware import preset
+    from megatrain.ir.hardware import preset
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing.replay import replay
 

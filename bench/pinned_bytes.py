@@ -32,9 +32,9 @@ import torch
 
 from megatrain.planner import cost
 from megatrain.planner.lower import lower
-from megatrain.planner.hardware import preset
-from megatrain.planner.plan import ActivationPolicy, Plan
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.hardware import preset
+from megatrain.ir.plan import ActivationPolicy, Plan
+from megatrain.ir.schedule import OpKind
 from megatrain.planner.presets import build_meta_model, load_model_config
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve
 from megatrain.planner.trace import trace

@@ -54,8 +54,8 @@ def run_case(model: str, hardware: str, seq_len: int, global_batch: int, solver:
     import torch
 
     from megatrain.errors import PlanError
-    from megatrain.planner.graph import BATCH_PRODUCER
-    from megatrain.planner.hardware import preset
+    from megatrain.ir.graph import BATCH_PRODUCER
+    from megatrain.ir.hardware import preset
     from megatrain.planner.lower import lower
     from megatrain.planner.presets import build_meta_model, load_model_config
     from megatrain.planner.simulate import simulate
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     import transformers  # noqa: F401
 
     import_s = time.perf_counter() - t0
-    from megatrain.planner.hardware import cpu_name
+    from megatrain.ir.hardware import cpu_name
 
     print(f"host: {cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, "
           f"transformers {transformers.__version__}; import {import_s:.2f} s (not counted below)\n")

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatrain.planner.hardware import cpu_name
+from megatrain.ir.hardware import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,9 +22,9 @@ from megatrain.errors import (BatchError, CheckpointError, CollectiveError, Conf
 # The names below import torch (and the planner, the runtime): loaded on first use (PEP 562), so
 # that `megatrain --help` and the config's validation start in a fraction of a second.
 _LAZY = {
-    "HardwareSpec": "megatrain.planner.hardware", "preset": "megatrain.planner.hardware",
-    "ActivationPolicy": "megatrain.planner.plan", "OptimizerPlacement": "megatrain.planner.plan",
-    "Plan": "megatrain.planner.plan",
+    "HardwareSpec": "megatrain.ir.hardware", "preset": "megatrain.ir.hardware",
+    "ActivationPolicy": "megatrain.ir.plan", "OptimizerPlacement": "megatrain.ir.plan",
+    "Plan": "megatrain.ir.plan",
     "InfeasibleRequestError": "megatrain.planner.solve", "SolveRequest": "megatrain.planner.solve",
     "solve": "megatrain.planner.solve",
     "PlannedModel": "megatrain.trainer", "StepResult": "megatrain.trainer", "Trainer": "megatrain.trainer",

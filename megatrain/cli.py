@@ -200,7 +200,7 @@ def format_report(planned, hw, *, model: str) -> str:
     step and tokens/s of all ranks. The front door's other decisions (NVMe layers in a directory,
     the host state) follow the header."""
     from megatrain.planner import cost
-    from megatrain.planner.schedule import Stream
+    from megatrain.ir.schedule import Stream
 
     plan, mem, tl, g = planned.plan, planned.memory, planned.timeline, planned.graph
     solution, nvme, topology = planned.solution, planned.nvme, planned.topology
@@ -321,7 +321,7 @@ def _vision_rows(g, tl, mem) -> list[str]:
 
 
 def _topology_rows(ts) -> list[tuple[str, str, str]]:
-    from megatrain.planner.schedule import Stream
+    from megatrain.ir.schedule import Stream
 
     plan, node, hw, tl = ts.plan, ts.node, ts.hardware, ts.solution.timeline
     choice = ts.host_state
@@ -379,7 +379,7 @@ def write_outputs(planned, out: Path, model: str) -> list[Path]:
 
 
 def _policy_counts(plan, n_layers: int) -> str:
-    from megatrain.planner.plan import ActivationPolicy
+    from megatrain.ir.plan import ActivationPolicy
 
     counts = {p: 0 for p in ActivationPolicy}
     for layer in range(n_layers - 1):  # the last layer's output is the loss: no checkpoint
@@ -439,7 +439,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 def _spec(args: argparse.Namespace, hardware):
     """The hardware spec, with --nvme/--host-memory and --interconnect/--network attached."""
-    from megatrain.planner.hardware import load_hardware
+    from megatrain.ir.hardware import load_hardware
 
     hw = load_hardware(hardware)
     if args.nvme is not None or args.host_memory is not None:
@@ -473,7 +473,7 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     hw = _spec(args, args.hardware)
     if ranks > 1 and args.global_batch % ranks == 0:  # (a batch the ranks cannot split: no plan fits, exit 3)
         from megatrain.planner import cost
-        from megatrain.planner.plan import Plan
+        from megatrain.ir.plan import Plan
 
         cost.count_reduce_time(hw, Plan(data_parallel=ranks, nodes=args.nodes))  # a missing link names its flag
     config = load_model_config(args.model)

@@ -27,11 +27,11 @@ from megatrain.materializer import materialize
 from megatrain.planner import front
 # PlannedModel and Schedules are re-exported: `from megatrain.trainer import PlannedModel` stays.
 from megatrain.planner.front import PlannedModel, PlanRequest, Schedules, Storage, Topology, compile_options
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import OptimizerPlacement, Plan
-from megatrain.planner.schedule import Schedule
+from megatrain.ir.plan import OptimizerPlacement, Plan
+from megatrain.ir.schedule import Schedule
 from megatrain.planner.trace.vlm import check_image_tokens
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, make_backend

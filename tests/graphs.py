@@ -12,8 +12,8 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
-from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
-from megatrain.planner.hardware import HardwareSpec
+from megatrain.ir.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value, align_up
+from megatrain.ir.hardware import HardwareSpec
 
 
 def _per_layer(x: int | Sequence[int], n: int, what: str) -> list[int]:

@@ -16,9 +16,9 @@ import torch
 
 import megatrain
 from megatrain.errors import ConfigError
-from megatrain.planner.hardware import preset
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import HOST_STREAMS, Stream
+from megatrain.ir.hardware import preset
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import HOST_STREAMS, Stream
 from megatrain.planner.timeline import Timeline
 from megatrain.runtime.backend import CPUBackend, make_backend
 from megatrain.runtime.cuda import GPU_STREAMS, CUDABackend, GpuOp, HostOp, HostOpError, TorchCuda

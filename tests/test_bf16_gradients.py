@@ -13,9 +13,9 @@ import torch
 import megatrain
 from megatrain.errors import PlanError
 from megatrain.planner import cost
-from megatrain.planner.hardware import ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM
+from megatrain.ir.hardware import ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import OptimizerPlacement, Plan
+from megatrain.ir.plan import OptimizerPlacement, Plan
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 from graphs import chain_graph, spec

@@ -9,9 +9,9 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.errors import ConfigError
-from megatrain.planner.hardware import H100_SXM, MiB
+from megatrain.ir.hardware import H100_SXM, MiB
 from megatrain.planner.presets import MODEL_PRESETS, dense_decoder_param_count, load_model_config
-from megatrain.planner.schedule import Schedule
+from megatrain.ir.schedule import Schedule
 
 
 def write_config(path, vocab=96, hidden=32, layers=2, tie=False):

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 import megatrain.planner.trace.cleanup as cleanup
 from megatrain.kernels import expand_kv_heads, gqa_needs_expansion, grouped_query_attention, without_autocast
-from megatrain.planner.graph import retarget
+from megatrain.ir.graph import retarget
 from megatrain.planner.trace import trace
 from megatrain.planner.trace.fx_util import bind
 

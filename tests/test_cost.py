@@ -9,11 +9,12 @@ import pytest
 
 from graphs import chain_graph, spec
 from megatrain.errors import ConfigError
-from megatrain.planner import cost, hardware
-from megatrain.planner.hardware import PRESETS, HardwareSpec, load_hardware, preset
+from megatrain.ir import hardware
+from megatrain.planner import cost
+from megatrain.ir.hardware import PRESETS, HardwareSpec, load_hardware, preset
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import ActivationPolicy, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, Op, OpKind, Stream
+from megatrain.ir.plan import ActivationPolicy, Plan
+from megatrain.ir.schedule import COMPUTE_KINDS, Op, OpKind, Stream
 from megatrain.units import MiB
 from megatrain.runtime import measure
 

@@ -25,8 +25,8 @@ import megatrain
 from megatrain.checkpoint import MANIFEST, STATE_DIR
 from megatrain.errors import PlanError, ScheduleError
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import OptimizerPlacement, Plan
-from megatrain.planner.schedule import OpKind, Schedule
+from megatrain.ir.plan import OptimizerPlacement, Plan
+from megatrain.ir.schedule import OpKind, Schedule
 from megatrain.planner.trace import trace
 from megatrain.planner.verify import verify
 from megatrain.runtime import executor
@@ -465,7 +465,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: fl
         real = HostAdamW.step
         HostAdamW.step = lambda self, param, *a, **kw: (stepped.append(param.numel()), real(self, param, *a, **kw))
         model = tiny_llama(hidden=hidden)
-        plan = dataclasses.replace(megatrain.planner.plan.Plan(micro_batches=k, layer_by_layer=layer_by_layer),
+        plan = dataclasses.replace(megatrain.ir.plan.Plan(micro_batches=k, layer_by_layer=layer_by_layer),
                                    optimizer=OptimizerPlacement.NEXT_FORWARD if clip else
                                    OptimizerPlacement.DURING_BACKWARD, grad_ring=8 if clip else 2)
         # A spec with the node's interconnect and the network: the step is predicted with the collectives.
@@ -816,7 +816,7 @@ def _async_main(rank: int, world: int, init_file: str, out: str, ckpt: str) -> N
     """One rank of a node of two: loads the checkpoint one process saved, then takes the same
     clipped steps on the CPU backend and on the CUDA backend over the asynchronous fake CUDA (the
     race detector), from the same state."""
-    from megatrain.planner.plan import ActivationPolicy as A
+    from megatrain.ir.plan import ActivationPolicy as A
     from megatrain.runtime.backend import CPUBackend
     from megatrain.runtime.cuda import CUDABackend
     from megatrain.testing import AsyncFakeCuda
@@ -1094,7 +1094,7 @@ def test_what_several_ranks_cannot_run_yet_is_refused_before_anything_is_bound(t
 def test_all_reduce_time_is_a_ring_all_reduce(graph):
     from megatrain.errors import ConfigError
     from megatrain.planner import cost
-    from megatrain.planner.hardware import preset
+    from megatrain.ir.hardware import preset
 
     layer = next(lay for lay in graph.layers if lay.trainable_numel)
     hw = preset("H100_SXM").model_copy(update={"allreduce_bytes_per_s": 1e9, "op_latency_s": 1e-5})

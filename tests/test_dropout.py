@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.planner.hardware import strict_fp32
-from megatrain.planner.plan import ActivationPolicy, Plan
+from megatrain.ir.hardware import strict_fp32
+from megatrain.ir.plan import ActivationPolicy, Plan
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.runtime.executor import DeviceRng, replaying_rng
 from megatrain.testing import AsyncFakeCuda, FakeCuda

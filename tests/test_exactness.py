@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.runtime.host_kernels import HOST_ADAM_ENV, deepspeed_installed
 
 from conftest import random_batch, tiny_gpt, tiny_llama
@@ -312,7 +312,7 @@ def test_compile_plans_with_the_solver_for_a_given_gpu_and_stays_exact():
     forces checkpoints off the GPU; the run still equals eager training."""
     from dataclasses import replace
 
-    from megatrain.planner.hardware import preset
+    from megatrain.ir.hardware import preset
     from megatrain.planner.solve import SolveLimits, SolveRequest, minimum_requirements, solve
     from megatrain.planner.trace import trace
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatrain.planner import cost
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.schedule import OpKind
 
 from conftest import tiny_llama
 from test_exactness import assert_same_training

@@ -3,7 +3,7 @@ the same device: FP32 megatrain against FP32 eager (TF32 off on both sides) to D
 megatrain against eager BF16 autocast at the same weights, step by step, within bounds derived from BF16's unit roundoff. The GPU tests run behind ``requires_cuda``; beside each, a CPU twin runs the
 same comparison through ``CUDABackend(adapter=FakeCuda())`` against eager on the CPU.
 
-FP32 compute is strict IEEE FP32 (:func:`megatrain.planner.hardware.strict_fp32`): the tests switch
+FP32 compute is strict IEEE FP32 (:func:`megatrain.ir.hardware.strict_fp32`): the tests switch
 TF32 *on* as a user may (``torch.backends.cuda.matmul.fp32_precision = "tf32"``, or
 ``allow_tf32 = True`` before torch 2.9) and check that megatrain's matmuls still ran in FP32 and
 that the user's setting is back after each step."""
@@ -17,8 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatrain
-from megatrain.planner.hardware import strict_fp32
-from megatrain.planner.plan import Plan
+from megatrain.ir.hardware import strict_fp32
+from megatrain.ir.plan import Plan
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import FakeCuda
 

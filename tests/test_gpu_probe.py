@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatrain.planner.hardware import HardwareSpec
+from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parents[1]

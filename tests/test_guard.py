@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import megatrain.runtime.executor as executor_module
 from megatrain.cli import main
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.schedule import OpKind
 from megatrain.runtime.host_kernels import HostAdamW
 from megatrain.train.guard import SPIKE_WINDOW, Guard
 from megatrain.trainer import StepResult, Trainer

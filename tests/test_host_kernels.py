@@ -88,7 +88,7 @@ def _bitwise(kernel, clip):
 
 def test_the_scratch_is_a_chunk_per_thread_and_the_cost_model_counts_it():
     from graphs import chain_graph, spec
-    from megatrain.planner.plan import Plan
+    from megatrain.ir.plan import Plan
 
     wide = chain_graph(2, numel=8 * CHUNK_ELEMENTS)
     bf16 = Plan(compute_dtype="bfloat16", staging_ring=1)

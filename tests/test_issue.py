@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.planner.issue import DispatchCounter, IssueQueue
-from megatrain.planner.schedule import Stream
-from megatrain.planner.graph import retarget
+from megatrain.ir.issue import DispatchCounter, IssueQueue
+from megatrain.ir.schedule import Stream
+from megatrain.ir.graph import retarget
 from megatrain.planner.trace import trace
 
 from conftest import tiny_llama

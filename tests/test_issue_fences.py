@@ -17,11 +17,11 @@ import torch
 
 import megatrain
 from megatrain.planner import cost
-from megatrain.planner.graph import BATCH_PRODUCER
-from megatrain.planner.hardware import preset
+from megatrain.ir.graph import BATCH_PRODUCER
+from megatrain.ir.hardware import preset
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import ActivationPolicy, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule, Stream
+from megatrain.ir.plan import ActivationPolicy, Plan
+from megatrain.ir.schedule import COMPUTE_KINDS, OpKind, Schedule, Stream
 from megatrain.planner.simulate import simulate
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import IssueTimeFakeCuda

@@ -55,7 +55,7 @@ def _run_bwd(trainer, li: int, weights, acts, seeds, compute_dtype: str, mbs=(0,
     """Run the executor's local backward of layer ``li`` on slot 0 for micro-batches ``mbs`` (the first
     fresh, the rest accumulating), the slot's gradients pre-filled with NaN, under the dispatch
     ``mode`` when given; returns the gradient slot and the input gradients of the last micro-batch."""
-    from megatrain.planner.plan import Plan
+    from megatrain.ir.plan import Plan
     from megatrain.planner.lower import lower
     from megatrain.runtime.executor import local_backward
 

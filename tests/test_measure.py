@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatrain.planner import cost
-from megatrain.planner.hardware import HardwareSpec
+from megatrain.ir.hardware import HardwareSpec
 from megatrain.runtime import measure
 
 

@@ -189,7 +189,7 @@ def test_bench_nvme_io_small(tmp_path):
 
 from megatrain.errors import ConfigError, PlanError  # noqa: E402
 from megatrain.planner import cost  # noqa: E402
-from megatrain.planner.hardware import PRESETS, HardwareSpec, preset  # noqa: E402
+from megatrain.ir.hardware import PRESETS, HardwareSpec, preset  # noqa: E402
 from megatrain.planner.nvme import (NVME_ARRAYS, describe, parse_bytes, place_on_nvme,  # noqa: E402
                                     solve_with_nvme, with_nvme)
 from megatrain.planner.solve import InfeasibleRequestError, SolveRequest, solve  # noqa: E402
@@ -247,7 +247,7 @@ def _check_placement(ns, graph):
     assert ns.plan.nvme_moments == p.moments and ns.plan.nvme_gradients == p.gradients
     assert ns.plan.nvme_masters == p.masters <= p.moments
     assert ns.plan.cast_once == (ns.solution.plan.cast_once or ns.cast_once_set) and ns.cast_once_set <= bool(p.masters)
-    from megatrain.planner.schedule import OpKind as K
+    from megatrain.ir.schedule import OpKind as K
     from megatrain.planner.verify import verify as check
     check(ns.schedule, ns.solution.graph)
     for kind in (K.NVME_READ, K.NVME_WRITE):
@@ -301,7 +301,7 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
     assert ns.plan.nvme_buffers == min(tried, key=tried.get) and ns.step_time_s == min(tried.values())
     assert tried[1] > ns.step_time_s and ns.searched[0][0] == 1
     assert f"NVMe read-ahead          {ns.plan.nvme_buffers} buffers" in out
-    from megatrain.planner.schedule import Stream as S
+    from megatrain.ir.schedule import Stream as S
     assert ns.timeline.busy_s[S.IO] == pytest.approx(
         sum(cost.nvme_time(ns.solution.graph.layers[i], hw, k) for i in ns.placement.moments
             for k in (OpKind.NVME_READ, OpKind.NVME_WRITE)))
@@ -334,8 +334,8 @@ def test_dense_120b_without_clipping_fits_h200_512gib_with_nvme(dense_120b, caps
 
 from megatrain.errors import ScheduleError  # noqa: E402
 from megatrain.planner.lower import lower  # noqa: E402
-from megatrain.planner.plan import OptimizerPlacement, Plan  # noqa: E402
-from megatrain.planner.schedule import Op, OpKind, Schedule, Stream  # noqa: E402
+from megatrain.ir.plan import OptimizerPlacement, Plan  # noqa: E402
+from megatrain.ir.schedule import Op, OpKind, Schedule, Stream  # noqa: E402
 from megatrain.planner.simulate import simulate  # noqa: E402
 from megatrain.planner.verify import verify  # noqa: E402
 

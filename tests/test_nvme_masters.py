@@ -13,8 +13,8 @@ import pytest
 
 from megatrain.errors import PlanError, ScheduleError
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import OptimizerPlacement, Plan
-from megatrain.planner.schedule import Op, OpKind, Schedule, Stream
+from megatrain.ir.plan import OptimizerPlacement, Plan
+from megatrain.ir.schedule import Op, OpKind, Schedule, Stream
 from megatrain.planner.verify import verify
 
 from graphs import chain_graph, spec

@@ -14,10 +14,10 @@ import pytest
 
 from graphs import chain_graph, spec
 from megatrain.planner import cost, verify as verify_mod
-from megatrain.planner.liveness import reads_of, writes_of
+from megatrain.ir.liveness import reads_of, writes_of
 from megatrain.planner.nvme import with_nvme
-from megatrain.planner.plan import Plan
-from megatrain.planner.schedule import _ORDER, _PREFIX, COMPUTE_KINDS, HOST_STREAMS, OP_KINDS, Op, OpKind, _spelling
+from megatrain.ir.plan import Plan
+from megatrain.ir.schedule import _ORDER, _PREFIX, COMPUTE_KINDS, HOST_STREAMS, OP_KINDS, Op, OpKind, _spelling
 from megatrain.planner.solve import bounds
 from megatrain.planner.topology import with_topology
 from megatrain.runtime.executor import HANDLERS

@@ -14,8 +14,8 @@ from megatrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from megatrain.errors import ConfigError, PlanError
 from megatrain.optim import OPTIMIZERS, optimizer_settings, optimizer_spec
 from megatrain.planner import cost
-from megatrain.planner.plan import OptimizerPlacement, Plan
-from megatrain.planner.schedule import Schedule
+from megatrain.ir.plan import OptimizerPlacement, Plan
+from megatrain.ir.schedule import Schedule
 from megatrain.runtime.host_kernels import CHUNK_ELEMENTS, HostLion
 
 from conftest import random_batch, tiny_llama

@@ -16,7 +16,7 @@ import torch
 
 import megatrain
 from megatrain.planner import cost
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import FakeCuda, FakeCudaError
 from megatrain.runtime.host import HostState, PinnedArena, page_aligned_empty
@@ -202,7 +202,7 @@ def test_verifier_catches_a_layer_in_a_slot_too_small_for_it():
     from graphs import chain_graph
     from megatrain.errors import ScheduleError
     from megatrain.planner.lower import lower
-    from megatrain.planner.schedule import OpKind
+    from megatrain.ir.schedule import OpKind
     from megatrain.planner.verify import verify
 
     g = chain_graph(5, numel=[8192, 1024, 1024, 1024, 8192])
@@ -220,7 +220,7 @@ def test_verifier_catches_gradients_in_a_tile_too_small_for_them():
     from graphs import chain_graph
     from megatrain.errors import ScheduleError
     from megatrain.planner.lower import lower
-    from megatrain.planner.schedule import OpKind
+    from megatrain.ir.schedule import OpKind
     from megatrain.planner.verify import verify
 
     g = chain_graph(4, numel=[4096, 1024, 1024, 4096])
@@ -241,7 +241,7 @@ def test_verifier_catches_gradients_in_a_tile_too_small_for_them():
 def test_cast_once_trains_bitwise_like_a_cast_per_copy(layer_by_layer):
     """The BF16 copy a reused tile holds is the cast of the same master, so the run is bitwise the
     same as casting before every copy; each layer is cast once per step."""
-    from megatrain.planner.schedule import OpKind
+    from megatrain.ir.schedule import OpKind
 
     base = Plan(micro_batches=2, compute_dtype="bfloat16", layer_by_layer=layer_by_layer)
     ref, _ = compile_on_fake(base)
@@ -264,7 +264,7 @@ def test_verifier_catches_a_copy_of_a_cast_older_than_the_last_update():
     from graphs import chain_graph
     from megatrain.errors import ScheduleError
     from megatrain.planner.lower import lower
-    from megatrain.planner.schedule import Op, OpKind
+    from megatrain.ir.schedule import Op, OpKind
     from megatrain.planner.verify import verify
 
     g = chain_graph(4)

@@ -33,12 +33,18 @@ def test_every_error_class_is_exported_and_is_a_megatrain_error():
 
 def test_public_names_are_the_ones_the_modules_define():
     # Re-exports, not copies: megatrain.X is the object the defining module holds.
-    from megatrain.planner import hardware, plan, solve
+    from megatrain.ir import hardware, plan
+    from megatrain.planner import solve
     from megatrain import trainer
 
     assert megatrain.preset is hardware.preset and megatrain.HardwareSpec is hardware.HardwareSpec
     assert megatrain.OptimizerPlacement is plan.OptimizerPlacement and megatrain.solve is solve.solve
     assert megatrain.compile is trainer.compile and megatrain.PlannedModel is trainer.PlannedModel
+    # The planning front door is megatrain.planner.plan; the IR records live in megatrain.ir.
+    from megatrain import planner
+    from megatrain.planner import front
+
+    assert planner.plan is front.plan and planner.PlanRequest is front.PlanRequest
 
 
 def test_plan_model_then_materialize_is_compile():

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import COMPUTE_KINDS, OpKind, Schedule
 from megatrain.planner.verify import happens_before
 from megatrain.runtime.backend import CPUBackend
 from megatrain.runtime.cuda import CUDABackend

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from megatrain.errors import PlanError, ScheduleError
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import Op, OpKind, Schedule
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import Op, OpKind, Schedule
 from megatrain.planner.verify import happens_before, verify
 
 from graphs import chain_graph
@@ -458,7 +458,7 @@ def test_lowering_is_its_passes_in_order():
     """lower() is PASSES run in order: compute order first, then the passes that add copies and the
     carried updates; running them by hand gives the same schedule."""
     from megatrain.planner import lower as lower_mod
-    from megatrain.planner.schedule import gradient_tiles
+    from megatrain.ir.schedule import gradient_tiles
 
     assert [p.__name__ for p in lower_mod.PASSES] == ["order_compute", "assign_slots", "add_copies",
                                                       "add_carried_updates", "add_nvme_io", "add_all_reduce",
@@ -482,9 +482,9 @@ def test_lowering_is_its_passes_in_order():
 
 
 def test_public_surface_of_the_schedule_modules():
-    from megatrain.planner import liveness as liveness_mod
+    from megatrain.ir import liveness as liveness_mod
     from megatrain.planner import lower as lower_mod
-    from megatrain.planner import schedule as schedule_mod
+    from megatrain.ir import schedule as schedule_mod
     from megatrain.planner import verify as verify_mod
     from megatrain.runtime import executor as executor_mod
 
@@ -505,7 +505,7 @@ def test_liveness_names_each_generation_and_its_readers():
     """Table-driven: in a 3-layer chain (layer 2 computes the loss), one micro-batch, the output of
     layer 0 is read by FWD:L1 and by BWD:L1; with RECOMPUTE of layer 0 the backward reads a second
     generation, the recompute's."""
-    from megatrain.planner.liveness import BATCH, liveness
+    from megatrain.ir.liveness import BATCH, liveness
 
     g = chain_graph(3)
     for policy, producers in [(ActivationPolicy.KEEP, ["FWD"]), (ActivationPolicy.RECOMPUTE, ["FWD", "RECOMPUTE"])]:

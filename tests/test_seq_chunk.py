@@ -17,8 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import megatrain
 import megatrain.planner.front
 from megatrain.kernels import chunk_bounds, grouped_query_attention, sequence_chunked
-from megatrain.planner.graph import retarget
-from megatrain.planner.plan import Plan
+from megatrain.ir.graph import retarget
+from megatrain.ir.plan import Plan
 from megatrain.planner.trace import MIXED, chunk_sequence_regions, sequence_dims, trace
 
 from conftest import random_batch, tiny_gpt, tiny_llama

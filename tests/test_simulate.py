@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from graphs import chain_graph, chain_graphs, hardware_specs, spec
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
-from megatrain.planner.hardware import preset
+from megatrain.ir.hardware import preset
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import Plan
-from megatrain.planner.schedule import Op, OpKind, Schedule, Stream
+from megatrain.ir.plan import Plan
+from megatrain.ir.schedule import Op, OpKind, Schedule, Stream
 from megatrain.planner.simulate import simulate
 from megatrain.planner.timeline import Timeline
 from megatrain.planner.verify import verify

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from graphs import chain_graph, chain_graphs, hardware_specs, spec
 from megatrain.errors import PlanError
 from megatrain.planner import cost, solve as solve_mod
-from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value
-from megatrain.planner.hardware import preset
+from megatrain.ir.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, Value
+from megatrain.ir.hardware import preset
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan, default_plan
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan, default_plan
 from megatrain.planner.presets import MODEL_PRESETS, dense_decoder_param_count
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.schedule import OpKind
 from megatrain.planner.simulate import simulate
 from megatrain.planner.solve import (InfeasibleRequestError, SolveLimits, SolveRequest, greedy_knapsack,
                                      milp_knapsack, minimum_requirements, scale_graph, solve, solve_enumerate,

@@ -13,8 +13,8 @@ import torch
 
 import megatrain
 from megatrain.errors import ScheduleError
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import OpKind
 from megatrain.planner.verify import verify
 
 from conftest import random_batch, tiny_llama
@@ -97,7 +97,7 @@ def test_tied_plan_shapes_match_eager(plan, clip):
 
 def test_tied_solved_plan_matches_eager():
     """The solver plans the tied model for a GPU with the least memory any plan needs."""
-    from megatrain.planner.hardware import preset
+    from megatrain.ir.hardware import preset
     from megatrain.planner.solve import SolveLimits, SolveRequest, minimum_requirements, solve
     from megatrain.planner.trace import trace
 

@@ -28,8 +28,8 @@ from torch import nn
 import megatrain
 from megatrain.errors import BatchError, ConfigError
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import default_plan
-from megatrain.planner.schedule import OpKind, gradient_tiles
+from megatrain.ir.plan import default_plan
+from megatrain.ir.schedule import OpKind, gradient_tiles
 from megatrain.planner.trace import trace
 from megatrain.planner.verify import verify
 from megatrain.runtime import executor as executor_mod
@@ -329,7 +329,7 @@ def test_bf16_steps_of_uneven_micro_batches_track_eager_autocast_on_the_whole_ba
     step the loss and gradient norm of eager BF16 autocast on the whole batch at the same weights,
     within the derived bounds of test_exactness (summation order and the BF16 residual stream; the
     split adds only FP32 summation order)."""
-    from megatrain.planner.plan import Plan
+    from megatrain.ir.plan import Plan
 
     from test_exactness import assert_bf16_tracks_eager
 

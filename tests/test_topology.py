@@ -15,8 +15,8 @@ import pytest
 from graphs import chain_graph
 from megatrain.errors import ConfigError, PlanError
 from megatrain.planner import cost
-from megatrain.planner.hardware import H100_SXM, HardwareSpec
-from megatrain.planner.schedule import OpKind, Stream
+from megatrain.ir.hardware import H100_SXM, HardwareSpec
+from megatrain.ir.schedule import OpKind, Stream
 from megatrain.planner.solve import SolveRequest, solve
 from megatrain.planner.topology import (
     INTERCONNECTS, NETWORKS, HostStateChoice, Link, solve_topology, with_topology,
@@ -178,8 +178,8 @@ def test_host_state_choice_is_validated():
 
 def test_plan_topology_fields_are_validated_and_round_trip_through_schedule_json():
     from megatrain.planner.lower import lower
-    from megatrain.planner.plan import Plan
-    from megatrain.planner.schedule import Schedule
+    from megatrain.ir.plan import Plan
+    from megatrain.ir.schedule import Schedule
 
     plan = Plan(data_parallel=8, nodes=2, host_state="shard")
     assert plan.gpus_per_node == 4

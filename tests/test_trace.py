@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from megatrain.errors import TraceError, UnsupportedModelError
-from megatrain.planner.graph import BATCH_PRODUCER, TILE_ALIGN_ELEMENTS
+from megatrain.ir.graph import BATCH_PRODUCER, TILE_ALIGN_ELEMENTS
 from megatrain.kernels import grouped_query_attention, sequence_chunked
 from megatrain.planner.trace import DEFAULT_SEQ_CHUNK_BYTES, trace
 from megatrain.planner.trace.fx_util import signature
@@ -379,7 +379,7 @@ def test_trace_runs_one_visible_list_of_named_passes():
 
 def test_public_surface_and_old_import_paths():
     import megatrain.kernels as kernels
-    import megatrain.planner.graph as graph
+    import megatrain.ir.graph as graph
     import megatrain.planner.trace as trace_pkg
 
     assert sorted(trace_pkg.__all__) == sorted([
@@ -431,7 +431,7 @@ def test_bf16_compute_traces_the_bf16_built_model_and_halves_checkpoint_bytes():
     passes on is BF16, half its FP32 bytes, the loss excepted (the model's loss upcasts to FP32), so
     the plan's checkpoints take half the bytes; the model's own parameters are left as they were."""
     from megatrain.planner import cost
-    from megatrain.planner.plan import Plan
+    from megatrain.ir.plan import Plan
 
     torch.manual_seed(0)
     model = tiny_llama(layers=2)

@@ -380,7 +380,7 @@ def test_a_run_traces_plans_and_simulates_once(setup, tmp_path, monkeypatch):
 def test_preflight_adds_data_and_shard_bytes_to_the_plan(tmp_path):
     import megatrain
     from megatrain.planner.cost import memory_breakdown
-    from megatrain.planner.plan import default_plan
+    from megatrain.ir.plan import default_plan
     from megatrain.planner.presets import build_meta_model, load_model_config
 
     planned = megatrain.plan_model(build_meta_model(load_model_config(write_model(tmp_path / "c.json"))),
@@ -454,7 +454,7 @@ def test_megatrain_plan_config_writes_the_schedule_megatrain_train_runs(setup, t
     `megatrain train --config RUN` write the same schedule.json byte for byte, on one GPU (with a
     hardware spec, whose prediction the plan reports) and with every layer's Adam moments on NVMe
     (NVME_READ/NVME_WRITE ops in it). Several ranks: test_distributed's torchrun test."""
-    from megatrain.planner.schedule import OpKind, Schedule
+    from megatrain.ir.schedule import OpKind, Schedule
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

@@ -209,7 +209,7 @@ def test_non_finite_loss_applies_nothing_even_during_backward():
 
 
 def test_clipping_needs_deferred_optimizer_steps():
-    from megatrain.planner.plan import Plan
+    from megatrain.ir.plan import Plan
 
     with pytest.raises(ConfigError, match="max_grad_norm=1.0 needs the global gradient norm"):
         megatrain.compile(tiny_llama(layers=1), seq_len=8, micro_batch_size=1, plan=Plan(), max_grad_norm=1.0)

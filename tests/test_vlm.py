@@ -11,8 +11,8 @@ import torch
 
 import megatrain
 from megatrain.errors import BatchError, UnsupportedModelError
-from megatrain.planner.plan import ActivationPolicy, Plan
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.plan import ActivationPolicy, Plan
+from megatrain.ir.schedule import OpKind
 
 from test_exactness import ADAMW, RTOL, assert_bf16_tracks_eager, eager_losses
 

@@ -90,12 +90,12 @@ from typing import Callable
 
 from megatrain.errors import ConfigError
 from megatrain.optim import ADAMW, OPTIMIZERS
-from megatrain.planner.graph import Layer, LayerGraph
-from megatrain.planner.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
+from megatrain.ir.graph import Layer, LayerGraph
+from megatrain.ir.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
                                         CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HardwareSpec)
-from megatrain.planner.liveness import BATCH, liveness
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import (COMPUTE_KINDS, HOST_STREAMS, OP_KINDS, Op, OpKind, Schedule, Stream,
+from megatrain.ir.liveness import BATCH, liveness
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import (COMPUTE_KINDS, HOST_STREAMS, OP_KINDS, Op, OpKind, Schedule, Stream,
                                         gradient_tiles)
 from megatrain.units import MiB, human_bytes
 
@@ -190,7 +190,7 @@ def _rate(hw: HardwareSpec, field: str, value: float, what: str) -> float:
                           "in a HardwareSpec JSON")
     if value <= 0:
         raise ConfigError(f"HardwareSpec {hw.name!r} has {field}=0, so it cannot time {what}; use a "
-                          "preset (megatrain.planner.hardware.preset('H100_SXM')) or "
+                          "preset (megatrain.ir.hardware.preset('H100_SXM')) or "
                           "megatrain.runtime.measure.measure_hardware() on a machine with a GPU")
     return value
 
@@ -323,7 +323,7 @@ def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
 def host_rate(hw: HardwareSpec, plan: Plan | None = None) -> float:
     """AdamW parameters/s (FP32 gradients) one rank's host ops run at: the node's
     ``host_optimizer_params_per_s`` over ``plan.gpus_per_node``, the ranks on the node. Those ops
-    are memory-bound (:data:`~megatrain.planner.hardware.ADAMW_BYTES_PER_PARAM`; the spec's rate is
+    are memory-bound (:data:`~megatrain.ir.hardware.ADAMW_BYTES_PER_PARAM`; the spec's rate is
     the whole host's, at :func:`host_worker_threads` threads) and the ranks of one node run the
     same schedule at the same time on one DRAM, so each gets an equal share of its bandwidth:
     ``G`` ranks that each step ``1 / G`` of a shared tile take as long as one rank stepping all of
@@ -590,7 +590,7 @@ class ActivationLiveness:
 def activation_liveness(schedule: Schedule, graph: LayerGraph) -> ActivationLiveness:
     """The allocation events of checkpoints, boundary gradients and working memory. The
     generations of the checkpoints and their readers come from
-    :func:`megatrain.planner.liveness.liveness`, the walk the executor frees memory by too."""
+    :func:`megatrain.ir.liveness.liveness`, the walk the executor frees memory by too."""
     ops = schedule.ops
     n = len(ops)
     alloc, free, work = [0] * n, [0] * n, [0] * n
@@ -1118,8 +1118,8 @@ class GpuReserve:
 def gpu_reserve(graph: LayerGraph, plan: Plan, schedule: Schedule, hw: HardwareSpec | None = None,
                 live: ActivationLiveness | None = None) -> GpuReserve:
     """The GPU reserve of running ``schedule`` (see :class:`GpuReserve`); ``hw`` gives the context and
-    workspace sizes (their defaults, :data:`~megatrain.planner.hardware.CUDA_CONTEXT_BYTES` and
-    :data:`~megatrain.planner.hardware.CUBLAS_WORKSPACE_BYTES`, without it) or a measured reserve."""
+    workspace sizes (their defaults, :data:`~megatrain.ir.hardware.CUDA_CONTEXT_BYTES` and
+    :data:`~megatrain.ir.hardware.CUBLAS_WORKSPACE_BYTES`, without it) or a measured reserve."""
     live = live if live is not None else activation_liveness(schedule, graph)
     layers = graph.layers
     # Tensors alive at once: the slots (weights and gradients), the layers' buffers, the batch

@@ -47,11 +47,11 @@ from megatrain.optim import optimizer_spec
 from megatrain.models import check_model
 from megatrain.planner import cost
 from megatrain.planner.cost import MemoryBreakdown, memory_breakdown
-from megatrain.planner.graph import LayerGraph, TracedModel
-from megatrain.planner.hardware import HardwareSpec, load_hardware
+from megatrain.ir.graph import LayerGraph, TracedModel
+from megatrain.ir.hardware import HardwareSpec, load_hardware
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import OptimizerPlacement, Plan, default_plan
-from megatrain.planner.schedule import Schedule, gradient_tiles
+from megatrain.ir.plan import OptimizerPlacement, Plan, default_plan
+from megatrain.ir.schedule import Schedule, gradient_tiles
 from megatrain.planner.simulate import simulate
 from megatrain.planner.solve import Solution, SolveLimits, SolveRequest, solve
 from megatrain.planner.timeline import Timeline

@@ -68,9 +68,9 @@ from dataclasses import dataclass, field
 
 from megatrain.errors import PlanError
 from megatrain.planner.cost import GATHER_BUFFERS, NVME_BUFFERS, issue_fences
-from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
+from megatrain.ir.graph import BATCH_PRODUCER, LayerGraph
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
 
 
 @dataclass(slots=True)

@@ -70,10 +70,10 @@ from typing import NamedTuple
 
 from megatrain.errors import ConfigError, PlanError
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import PINNED_FRACTION, HardwareSpec
-from megatrain.planner.plan import OptimizerPlacement, Plan
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import PINNED_FRACTION, HardwareSpec
+from megatrain.ir.plan import OptimizerPlacement, Plan
+from megatrain.ir.schedule import OpKind
 from megatrain.units import GiB, TiB, human_bytes
 
 NVME_BUFFERS = cost.NVME_BUFFERS

@@ -12,7 +12,7 @@ and D2H on a non-duplex spec) the resource goes to whichever op can start first,
 engine serves whichever channel has work.
 
 The issuing thread. On a GPU one Python thread launches every op's kernels, so it is simulated
-too, with the runtime's own issue policy (:class:`megatrain.planner.issue.IssueQueue`, the object
+too, with the runtime's own issue policy (:class:`megatrain.ir.issue.IssueQueue`, the object
 the CUDA backend uses): ops are offered in list order; issuing op ``i`` costs the thread
 ``cost.launch_times()[i]`` (its dispatched aten ops, event records and waits x
 ``hw.launch_overhead_s``); a GPU op whose host dependency has not finished by the thread's clock
@@ -40,10 +40,10 @@ import heapq
 
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.issue import IssueQueue
-from megatrain.planner.schedule import HOST_STREAMS, Schedule, Stream
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.issue import IssueQueue
+from megatrain.ir.schedule import HOST_STREAMS, Schedule, Stream
 from megatrain.planner.timeline import Timeline
 
 _INF = float("inf")

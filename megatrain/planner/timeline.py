@@ -20,9 +20,9 @@ from typing import Iterable, Literal
 import pydantic
 
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.schedule import OP_KINDS, OpKind, Schedule, Stream
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.schedule import OP_KINDS, OpKind, Schedule, Stream
 
 TIMELINE_FORMAT_VERSION = 1
 

@@ -38,10 +38,10 @@ from typing import Literal
 
 from megatrain.errors import ConfigError, PlanError
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.plan import Plan
-from megatrain.planner.schedule import OpKind
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.plan import Plan
+from megatrain.ir.schedule import OpKind
 from megatrain.planner.solve.request import Solution
 from megatrain.units import human_bytes
 

@@ -52,11 +52,11 @@ from typing import Callable, NoReturn
 
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.liveness import BATCH, Liveness, liveness
-from megatrain.planner.plan import OptimizerPlacement
-from megatrain.planner.schedule import COMPUTE_KINDS, OpKind, Schedule, gradient_tiles
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.liveness import BATCH, Liveness, liveness
+from megatrain.ir.plan import OptimizerPlacement
+from megatrain.ir.schedule import COMPUTE_KINDS, OpKind, Schedule, gradient_tiles
 from megatrain.units import human_bytes
 
 
@@ -449,7 +449,7 @@ def _check_coverage(c: _Context) -> None:
 
 def _check_data(c: _Context) -> None:
     """Rule ``data``: every checkpoint read comes after the op that put that generation on the GPU
-    (:mod:`megatrain.planner.liveness`); reloads after their offloads; gradients after their producers."""
+    (:mod:`megatrain.ir.liveness`); reloads after their offloads; gradients after their producers."""
     ops, graph, fail, before, at = c.ops, c.graph, c.fail, c.before, c.at
     producer_layer = {vid: v.producer for vid, v in enumerate(graph.values)}
     live = c.liveness

@@ -4,7 +4,7 @@ The executor walks a Schedule and hands each op to ``Backend.launch`` with the h
 dependencies on other streams; a backend decides nothing about order. ``CPUBackend`` runs each op
 at once on the calling thread (the "device" is the CPU, slots are ordinary tensors, events are
 unnecessary). :class:`megatrain.runtime.cuda.CUDABackend` implements the same interface with one
-CUDA stream per :class:`~megatrain.planner.schedule.Stream`, a CUDA event per launched op, and a
+CUDA stream per :class:`~megatrain.ir.schedule.Stream`, a CUDA event per launched op, and a
 host worker thread for the optimizer stream.
 
 A *run* is everything launched between two ``synchronize()`` calls; the executor runs one
@@ -21,9 +21,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.schedule import Schedule, Stream
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.schedule import Schedule, Stream
 from megatrain.planner.timeline import Timeline
 from megatrain.runtime.recording import OpTiming, _Recording
 

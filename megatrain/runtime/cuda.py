@@ -40,7 +40,7 @@ A CAST so waits for at most the one host op running, never for the optimizer ste
 it. The I/O and COMM workers (NVMe reads, collectives) wait on devices and peers, not on the
 cores, and take no part in it.
 
-Issue order (:class:`megatrain.planner.issue.IssueQueue`, shared with the simulator). A CUDA
+Issue order (:class:`megatrain.ir.issue.IssueQueue`, shared with the simulator). A CUDA
 stream can wait on a CUDA event, not on a host thread, and enqueuing a GPU op before a host op it
 depends on finished would let the GPU read a tile the worker still writes (the staging tile an
 H2D copies, the gradient tile a D2H overwrites). Such a GPU op, and the ops after it on its stream,
@@ -110,8 +110,8 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 import torch
 
 from megatrain.errors import MegatrainError
-from megatrain.planner.issue import IssueQueue
-from megatrain.planner.schedule import HOST_STREAMS, Stream
+from megatrain.ir.issue import IssueQueue
+from megatrain.ir.schedule import HOST_STREAMS, Stream
 from megatrain.runtime.host_kernels import set_thread_team
 from megatrain.runtime.recording import OpTiming, _Recording
 

@@ -28,9 +28,9 @@ forward before it (the last layer's, whose forward it is) draws from the stream 
 would. Layers without random ops pay nothing.
 
 The executor decides nothing: which slot, ring tile, staging tile, accumulator or pinned copy an op
-uses, and in which order, are fields of the op (:class:`~megatrain.planner.schedule.Op`); when a
+uses, and in which order, are fields of the op (:class:`~megatrain.ir.schedule.Op`); when a
 checkpoint on the GPU is read for the last time comes from
-:func:`megatrain.planner.liveness.liveness`, the same function the cost model frees memory by.
+:func:`megatrain.ir.liveness.liveness`, the same function the cost model frees memory by.
 
 Gradient dtype. The gradient slots, the D2H and the host gradient tiles hold
 ``plan.gradient_dtype``: FP32, or BF16 where the plan says so (BF16 compute, one micro-batch's
@@ -69,10 +69,10 @@ from megatrain.config import AdamW
 from megatrain.errors import ConfigError
 from megatrain.optim import spec_of
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph, TracedModel, retarget
-from megatrain.planner.hardware import strict_fp32
-from megatrain.planner.liveness import BATCH, Liveness, liveness
-from megatrain.planner.schedule import Op, OpKind, Schedule
+from megatrain.ir.graph import LayerGraph, TracedModel, retarget
+from megatrain.ir.hardware import strict_fp32
+from megatrain.ir.liveness import BATCH, Liveness, liveness
+from megatrain.ir.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective, sum_over_ranks
 from megatrain.runtime.host import HostState, PinnedArena, gradient_key
@@ -491,7 +491,7 @@ class Executor:
 
     def _precision(self, compute_dtype: str):
         """FP32 compute is strict IEEE FP32 (TF32 off for the op, the caller's setting restored after:
-        :func:`~megatrain.planner.hardware.strict_fp32`), the precision ``megatrain.runtime.measure.measure_hardware()``
+        :func:`~megatrain.ir.hardware.strict_fp32`), the precision ``megatrain.runtime.measure.measure_hardware()``
         times FP32 in and eager FP32 training on the CPU computes in. BF16 compute runs templates
         traced with BF16 parameters (``graph.meta["param_dtype"]``, what ``compile`` traces) as
         they are, with no autocast: the model's own code in BF16, its FP32 upcasts (norms, the
@@ -1112,7 +1112,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> Work:
 
 
 class _Activations:
-    """The checkpoints on the device during one run, by generation (:mod:`megatrain.planner.liveness`).
+    """The checkpoints on the device during one run, by generation (:mod:`megatrain.ir.liveness`).
 
     An op's work may run later than its launch (a GPU op waiting for a host op in the backend's
     pending queue) and on another thread (a fake CUDA stream's worker), so each op reads the

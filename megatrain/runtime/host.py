@@ -35,7 +35,7 @@ from torch import nn
 from megatrain.errors import ConfigError, UnsupportedModelError
 from megatrain.optim import ADAMW, OptimizerSpec
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
+from megatrain.ir.graph import LayerGraph
 
 # Host memory that may be pinned is an anonymous mapping of whole pages (of the larger of the
 # planner's page and the system's): it starts on a page, its storage starts there too (so

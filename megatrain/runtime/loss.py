@@ -34,7 +34,7 @@ def loss_weights(targets: Sequence[int | None], supervised: int | None, micro_ba
     Args:
         targets: the supervised tokens of each micro-batch these weights are for (this rank's, or
             every rank's); None for a micro-batch whose loss is not counted (the model's own loss,
-            :attr:`~megatrain.planner.graph.TracedModel.count_targets` None).
+            :attr:`~megatrain.ir.graph.TracedModel.count_targets` None).
         supervised: the supervised tokens of the whole global batch (every micro-batch of every
             rank), or None where the loss is not counted.
         micro_batches: the micro-batches of the whole global batch (micro-batches x ranks).

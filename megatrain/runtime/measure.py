@@ -1,4 +1,4 @@
-"""Measure this machine: a :class:`~megatrain.planner.hardware.HardwareSpec`, matmul rates, host memory.
+"""Measure this machine: a :class:`~megatrain.ir.hardware.HardwareSpec`, matmul rates, host memory.
 
 The planner plans against a spec and never times anything (it imports no torch timing and no
 CUDA); measuring is the runtime's side of that boundary, so it lives here and returns plain data.
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from megatrain.errors import ConfigError
 from megatrain.planner import cost
-from megatrain.planner.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
+from megatrain.ir.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
                                         strict_fp32)
 from megatrain.units import MiB
 
@@ -126,7 +126,7 @@ def measure_matmul_flops(device: str = "cpu", dtype=None, *, n: int = MATMUL_N,
     Times repeated products for about ``seconds`` (default :data:`MATMUL_SECONDS`) after one
     warm-up product, with the current ``torch.get_num_threads()``, synchronising a CUDA device
     every four products; counts ``2 n^3`` FLOPs per product. FP32 runs under
-    :func:`~megatrain.planner.hardware.strict_fp32` (TF32 off; the caller's setting is restored),
+    :func:`~megatrain.ir.hardware.strict_fp32` (TF32 off; the caller's setting is restored),
     the precision megatrain's FP32 compute runs in, so the rate is the one the runtime gets.
     Uses a private generator, so the global torch RNG (and with it a model's initialisation) is
     untouched.
@@ -267,7 +267,7 @@ def measure_launch_overhead(device: str = "cuda", *, seconds: float = 0.3, clock
     (a FWD op) and local backwards (recompute with gradients on, then ``torch.autograd.grad`` for
     the weights and the input: a BWD op), alternately for about ``seconds``, with the device
     synchronised only at the ends. Its ops are counted as the tracer counts a layer's
-    (:func:`megatrain.planner.issue.count_launches`, on meta), so measured time over counted ops
+    (:func:`megatrain.ir.issue.count_launches`, on meta), so measured time over counted ops
     is the figure the simulator's product needs. A one-element ``x.add_(1)``, the previous
     measure, costs less per op: it has no autograd, no views and no multi-input dispatch.
     ``clock``: wall time by default (on a GPU the issuing thread also waits for autograd's device
@@ -276,7 +276,7 @@ def measure_launch_overhead(device: str = "cuda", *, seconds: float = 0.3, clock
     import torch
     import torch.fx as fx
 
-    from megatrain.planner.issue import count_launches
+    from megatrain.ir.issue import count_launches
 
     d, ff = LAUNCH_BLOCK_HIDDEN, 2 * LAUNCH_BLOCK_HIDDEN
     dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32

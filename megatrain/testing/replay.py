@@ -25,9 +25,9 @@ import time
 from typing import Any, Callable
 
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.schedule import Schedule
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.schedule import Schedule
 from megatrain.planner.simulate import simulate
 from megatrain.testing.async_cuda import AsyncFakeCuda
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     times (each replay scaled to about 1.5 s of wall time)."""
     import sys
 
-    from megatrain.planner.hardware import preset
+    from megatrain.ir.hardware import preset
     from megatrain.planner.presets import load_model_config, trace_preset
     from megatrain.planner.solve import SolveRequest, solve
 

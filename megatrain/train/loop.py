@@ -19,10 +19,10 @@ from megatrain.train.config import TrainConfig
 from megatrain.train.corpus import (match_special_tokens, prepare_data, store_dir, tokenizer_sample_bytes,
                                     trains_tokenizer)
 from megatrain.train.lr import lr_at
-from megatrain.planner.hardware import load_hardware
+from megatrain.ir.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
 from megatrain.files import DirectoryLock, write_atomic
-from megatrain.planner.plan import OptimizerPlacement
+from megatrain.ir.plan import OptimizerPlacement
 from megatrain.runtime.threads import choose_threads, oversubscription
 from megatrain.train.guard import Guard, Verdict
 from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot

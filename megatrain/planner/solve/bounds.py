@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import COMPUTE_KINDS, OP_KINDS, OpKind, Stream
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import COMPUTE_KINDS, OP_KINDS, OpKind, Stream
 
 OFFLOAD, RECOMPUTE = ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.plan import ActivationPolicy
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.plan import ActivationPolicy
 
 KEEP, OFFLOAD, RECOMPUTE = ActivationPolicy.KEEP, ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from megatrain.errors import PlanError
 from megatrain.optim import OPTIMIZERS
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.schedule import COMPUTE_KINDS, Schedule
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.schedule import COMPUTE_KINDS, Schedule
 from megatrain.planner.solve.request import SolveRequest
 from megatrain.units import human_bytes
 

@@ -12,10 +12,10 @@ from typing import Callable, Literal, Mapping
 
 from megatrain.errors import PlanError
 from megatrain.planner import cost
-from megatrain.planner.graph import LayerGraph, Value
-from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.plan import Plan
-from megatrain.planner.schedule import Schedule
+from megatrain.ir.graph import LayerGraph, Value
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.plan import Plan
+from megatrain.ir.schedule import Schedule
 from megatrain.planner.timeline import Timeline
 
 

@@ -18,8 +18,8 @@ from typing import Sequence
 from megatrain.errors import PlanError
 from megatrain.planner import cost
 from megatrain.planner.lower import lower
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.planner.schedule import Schedule
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.schedule import Schedule
 from megatrain.planner.simulate import simulate
 from megatrain.planner.solve.bounds import (Pattern, SizeOption, lower_pattern, pattern_bound, quick_bound,
                                             size_option, step_times)

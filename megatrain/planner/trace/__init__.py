@@ -1,4 +1,4 @@
-"""Trace a model into a :class:`~megatrain.planner.graph.LayerGraph` and one executable template per kind of layer.
+"""Trace a model into a :class:`~megatrain.ir.graph.LayerGraph` and one executable template per kind of layer.
 
 Method. The model, wrapped so that it returns only its scalar loss, is exported with
 ``torch.export.export(strict=False)`` on the device its parameters are on (``meta`` for a model
@@ -32,8 +32,8 @@ fields later ones read; each module's docstring gives the method of its pass and
 - :mod:`.hf` (transformers specifics: causal attention without an ``S x S`` mask, its configs) and
   :mod:`.fx_util` (fx helpers) serve the passes.
 
-The planner's IR (:class:`~megatrain.planner.graph.TracedModel`, :func:`~megatrain.planner.graph.retarget`)
-lives in :mod:`megatrain.planner.graph`; both are re-exported here for old imports.
+The planner's IR (:class:`~megatrain.ir.graph.TracedModel`, :func:`~megatrain.ir.graph.retarget`)
+lives in :mod:`megatrain.ir.graph`; both are re-exported here for old imports.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from megatrain.errors import TraceError
-from megatrain.planner.graph import TracedModel, retarget
+from megatrain.ir.graph import TracedModel, retarget
 from megatrain.planner.trace.cleanup import (clean, erase_metadata_asserts, install_grouped_query_attention,
                                              keep_position_math_fp32)
 from megatrain.planner.trace.context import TraceContext, TraceOptions

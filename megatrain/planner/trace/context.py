@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch.fx as fx
     from torch import nn
 
-    from megatrain.planner.graph import ParamSpec, TracedModel
+    from megatrain.ir.graph import ParamSpec, TracedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class TraceOptions:
 
 @dataclass(frozen=True, slots=True)
 class ValueCut:
-    """A node of export's graph that becomes a :class:`~megatrain.planner.graph.Value`: a batch
+    """A node of export's graph that becomes a :class:`~megatrain.ir.graph.Value`: a batch
     input or a tensor a later layer reads. ``name`` is ``layer:node`` (or the batch input's name);
     ``producer`` the layer index (``BATCH_PRODUCER`` for the batch)."""
 
@@ -63,7 +63,7 @@ class ValueCut:
 
 @dataclass(slots=True)
 class LayerCut:
-    """One layer cut out of export's graph, before it becomes a :class:`~megatrain.planner.graph.Layer`.
+    """One layer cut out of export's graph, before it becomes a :class:`~megatrain.ir.graph.Layer`.
 
     ``module`` is the layer's own ``fx.GraphModule`` ``(*params, *buffers, *inputs) -> outputs``,
     which the LM-head and sequence-chunk passes rewrite in place. ``params``, ``buffers``,

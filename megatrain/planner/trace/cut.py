@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from megatrain.errors import UnsupportedModelError
-from megatrain.planner.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, TracedModel, Value, align_up
+from megatrain.ir.graph import BATCH_PRODUCER, Layer, LayerGraph, ParamSpec, TracedModel, Value, align_up
 from megatrain.planner.trace.cleanup import draws_random, without_dropout
 from megatrain.planner.trace.context import LayerCut, ValueCut
 from megatrain.planner.trace.export import WRAPPED, strip_wrapper

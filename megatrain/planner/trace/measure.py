@@ -3,7 +3,7 @@
 FLOPs are counted by running each template once on the meta device under
 ``torch.utils.flop_counter.FlopCounterMode`` (forward, then forward plus backward for the local
 backward), so attention FLOPs are included exactly as the kernels see them; launches likewise with
-:func:`megatrain.planner.issue.count_launches`. A layer's ``work_bytes`` comes from a liveness
+:func:`megatrain.ir.issue.count_launches`. A layer's ``work_bytes`` comes from a liveness
 simulation of its local backward over the template (:func:`work_bytes`): what its forward creates,
 the gradients its backward creates, and what the chunked kernels hold inside, at the peak.
 """
@@ -19,8 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain.kernels import (chunk_bounds, grouped_query_attention, linear_cross_entropy,
                                linear_cross_entropy_work_bytes, sequence_chunked)
-from megatrain.planner.graph import retarget
-from megatrain.planner.issue import count_launches
+from megatrain.ir.graph import retarget
+from megatrain.ir.issue import count_launches
 from megatrain.planner.trace.fx_util import ATTENTION_OPS, allocates, is_float, node_val, value_bytes
 
 if TYPE_CHECKING:

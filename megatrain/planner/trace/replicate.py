@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
-from megatrain.planner.graph import Layer, LayerGraph, TracedModel
+from megatrain.ir.graph import Layer, LayerGraph, TracedModel
 from megatrain.planner.trace.hf import hf_configs
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ micro-batch has no target. So when the model's loss is a mean cross-entropy,
 :func:`sum_token_loss` rewrites it to the sum over the micro-batch's targets (0 for a micro-batch
 without one) and extracts the ops that turn the labels into the loss's targets (Hugging Face's
 ``pad(labels, (0, 1), -100)[..., 1:]``, a GPT's ``labels[:, 1:]``) into a small graph that counts
-them from a batch before the step: :attr:`~megatrain.planner.graph.TracedModel.count_targets`. The
+them from a batch before the step: :attr:`~megatrain.ir.graph.TracedModel.count_targets`. The
 executor then seeds each micro-batch's summed loss with ``1 / N``, ``N`` the targets of the whole
 global batch (summed over the ranks by the schedule's COUNT_REDUCE).
 
@@ -92,7 +92,7 @@ def _target_counter(gm: fx.GraphModule, ce: fx.Node, inputs: dict[str, str]) -> 
 def sum_token_loss(ctx: TraceContext) -> None:
     """Pass (after ``clean``, before ``cut``): where the exported loss is one mean cross-entropy,
     rewrite it to the sum over the micro-batch's targets and set ``ctx.count_targets`` to the graph
-    that counts them from the batch inputs (:attr:`~megatrain.planner.graph.TracedModel.count_targets`);
+    that counts them from the batch inputs (:attr:`~megatrain.ir.graph.TracedModel.count_targets`);
     else leave the loss and set ``ctx.uncounted_loss_because``."""
     gm = ctx.gm
     ce, why = _why_not(_loss_node(gm))

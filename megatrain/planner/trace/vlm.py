@@ -205,7 +205,7 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
     planned step (``graph``, the ``timeline`` of its schedule, whose records name each op's layer,
     and ``memory``, the ``cost.memory_breakdown`` of the plan); None for a model without vision blocks
     (``graph.meta["vision_container"]`` unset)."""
-    from megatrain.planner.schedule import COMPUTE_KINDS, OpKind
+    from megatrain.ir.schedule import COMPUTE_KINDS, OpKind
 
     container = graph.meta.get("vision_container")
     if container is None:

@@ -36,7 +36,7 @@ from typing import Callable, Hashable, Iterable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatrain.planner.schedule import HOST_STREAMS, Stream
+from megatrain.ir.schedule import HOST_STREAMS, Stream
 
 
 class IssueQueue:
@@ -152,7 +152,7 @@ def count_launches(gm, args, grad_args) -> tuple[int, int]:
     pick the fused kernel but count the fake mode's own meta kernels: 114.)"""
     import torch
 
-    from megatrain.planner.graph import retarget
+    from megatrain.ir.graph import retarget
 
     fn = retarget(gm, torch.device("meta"))
     metas = [torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args]

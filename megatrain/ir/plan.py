@@ -12,7 +12,7 @@ from typing import Literal
 
 from megatrain.errors import PlanError
 from megatrain.optim import OPTIMIZERS, OptimizerSpec
-from megatrain.planner.graph import LayerGraph
+from megatrain.ir.graph import LayerGraph
 
 
 class ActivationPolicy(enum.Enum):

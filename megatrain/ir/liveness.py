@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.planner.graph import BATCH_PRODUCER, LayerGraph
-from megatrain.planner.schedule import OP_KINDS, OpKind, Schedule
+from megatrain.ir.graph import BATCH_PRODUCER, LayerGraph
+from megatrain.ir.schedule import OP_KINDS, OpKind, Schedule
 
 BATCH = -1
 """Producer of a batch input's generation: it is on the device before the run's first op."""

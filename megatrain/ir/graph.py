@@ -118,7 +118,7 @@ class Layer:
     bwd_flops: int
     buffer_bytes: int = 0
     work_bytes: int = 0
-    fwd_launches: int = 0  # aten ops one forward dispatches (megatrain.planner.issue.count_launches)
+    fwd_launches: int = 0  # aten ops one forward dispatches (megatrain.ir.issue.count_launches)
     bwd_launches: int = 0  # the same for one local backward: its recompute plus the backward proper
     draws_random: bool = False  # its forward draws random numbers: recomputes replay the forward's RNG state
 

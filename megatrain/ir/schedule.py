@@ -33,8 +33,8 @@ from typing import Literal
 
 import pydantic
 
-from megatrain.planner.graph import LayerGraph
-from megatrain.planner.plan import ActivationPolicy, OptimizerPlacement, Plan
+from megatrain.ir.graph import LayerGraph
+from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 
 SCHEDULE_FORMAT_VERSION = 17
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
