@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--clip-gradients", action="store_true",
                       help="the run clips gradients by global norm: optimizer steps wait for every "
                            "gradient and run in the next step's forward (one host gradient tile per layer)")
+    plan.add_argument("--optimizer", choices=("adamw", "lion"), default=None,
+                      help="host optimizer whose state the plan counts: adamw (8 bytes per parameter, the "
+                           "default) or lion (4; megatrain.optim)")
     plan.add_argument("--solver", choices=("milp", "enumerate"), default="milp",
                       help="resident-layer selection: MILP knapsack (default) or greedy")
     plan.add_argument("--out", type=Path, default=None,
@@ -485,9 +488,10 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     names = ("input_ids", IMAGE_INPUT, "labels") if family(config) is not None else ("input_ids", "labels")
     request = PlanRequest(build_meta_model(config, dtype=torch.float32), args.seq_len, args.global_batch,
                           micro_batch_size=None, hardware=hw, device="cuda", compute_dtype=dtype, input_names=names,
-                          max_grad_norm=1.0 if args.clip_gradients else None,
+                          max_grad_norm=1.0 if args.clip_gradients else None, optimizer_name=args.optimizer,
                           topology=Topology(ranks, args.gpus_per_node, host_state="auto"), solver=args.solver)
     summary = (f"seq_len {args.seq_len} x global batch {args.global_batch}, {dtype}"
+               + (f", {args.optimizer}" if args.optimizer not in (None, "adamw") else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
     blocks = config.get_text_config().num_hidden_layers  # a vision-language config keeps them in text_config
     return request, args.model, hw, summary, (f"tracing {args.model} ({blocks} layers) on the meta "
@@ -504,9 +508,10 @@ def _run_request(args: argparse.Namespace, ranks: int):
 
     given = [f"--{n.replace('_', '-')}" for n in ("model", "seq_len", "global_batch") if getattr(args, n) is not None]
     given += ["--compute-dtype"] * (args.compute_dtype is not None) + ["--clip-gradients"] * args.clip_gradients
+    given += ["--optimizer"] * (args.optimizer is not None)
     if given:
         raise _UsageError(f"megatrain plan --config: {', '.join(given)} come from the run's settings (its model, "
-                          "seq_len, global_batch, max_grad_norm, device); change them in the file")
+                          "seq_len, global_batch, max_grad_norm, device, optimizer); change them in the file")
     # Planning reads no output_dir; the file may leave it to megatrain train's --output-dir.
     overrides = {"output_dir": "."} | ({} if args.hardware is None else {"hardware": args.hardware})
     cfg = load_train_config(args.config, overrides, saved_run=False)

@@ -229,6 +229,24 @@ def test_plan_with_clipped_gradients_defers_the_optimizer(tmp_path, capsys):
     assert schedule.carries_updates and schedule.plan.grad_ring == schedule.n_layers
 
 
+def test_plan_counts_the_chosen_optimizers_state(tmp_path, capsys):
+    """--optimizer lion plans Lion's one moment: its schedule names the optimizer and the report's
+    moments row holds half of AdamW's bytes (megatrain.optim's state rows: 1 against 2)."""
+    cfg = write_config(tmp_path / "config.json")
+    rows = {}
+    for name in ("adamw", "lion"):
+        out = tmp_path / name
+        rc = main(["plan", "--model", str(cfg), "--hardware", "H100_SXM", "--seq-len", "16", "--global-batch", "2",
+                   "--optimizer", name, "--out", str(out)])
+        text = capsys.readouterr().out
+        assert rc == 0, text
+        assert Schedule.load(out / "schedule.json").plan.optimizer_name == name
+        rows[name] = next(line for line in text.splitlines() if " moments (FP32 x" in line)
+    assert "Adam moments (FP32 x2)" in rows["adamw"] and "Lion moments (FP32 x1)" in rows["lion"], rows
+    assert main(["plan", "--config", str(cfg), "--optimizer", "lion"]) == 2  # the run's file says which
+    assert "--optimizer" in capsys.readouterr().err
+
+
 def _readme_block(heading: str, lang: str) -> str:
     from pathlib import Path
 
