@@ -52,9 +52,9 @@ def test_no_phase_outlives_the_budget(tmp_path):
     # The hung phase's own box (240 s by default) is longer than the whole budget: it gets what is
     # left of the budget, and the phase after it, with nothing left, is skipped rather than started.
     rows, proc = _session(tmp_path, GPU_SESSION_PHASES="probe,hostopt", GPU_SESSION_HANG="probe",
-                          GPU_SESSION_BUDGET_S="12")
+                          GPU_SESSION_BUDGET_S="7")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert rows["probe"]["rc"] == "124", rows
-    assert int(rows["probe"]["box_s"]) <= 12, rows
+    assert int(rows["probe"]["box_s"]) <= 7, rows
     assert rows["hostopt"]["rc"] == "skipped", rows
     assert "phases.tsv" in _packed(tmp_path)
