@@ -285,10 +285,13 @@ def test_pending_op_is_issued_at_a_later_launch_once_its_host_dep_is_done():
 
 def test_cast_waits_for_the_running_optimizer_step_only_not_those_queued_behind_it():
     be = CUDABackend(adapter=FakeCuda())
-    gate, order = threading.Event(), []
-    be.launch(Stream.HOST, lambda: (gate.wait(10), order.append("OPT:L3")), [], label="OPT:L3:r0")
+    gate, running, order = threading.Event(), threading.Event(), []
+    be.launch(Stream.HOST, lambda: (running.set(), gate.wait(10), order.append("OPT:L3")), [], label="OPT:L3:r0")
     for layer in (2, 1):
         be.launch(Stream.HOST, lambda layer=layer: order.append(f"OPT:L{layer}"), [], label=f"OPT:L{layer}:r0")
+    # OPT:L3 holds the cores before the CAST asks for them (on a loaded machine the HOST worker's
+    # thread may otherwise reach the lock after the CAST worker's).
+    assert running.wait(30), "OPT:L3 never ran"
     cast = be.launch(Stream.CAST, lambda: order.append("CAST:L1"), [], label="CAST:L1:t0")
     # Until the CAST's worker has asked for the cores (its ticket is the second): on a loaded
     # machine its thread may take a while to run at all.
