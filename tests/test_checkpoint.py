@@ -513,9 +513,12 @@ def test_loading_needs_about_one_shard_of_host_memory_beyond_the_tiles(tmp_path)
     assert m["peak"] - m["start"] < m["tiles"] + largest_shard + 8 * margin
     # And the load itself, measured from its own start: one shard mapped plus one tensor read.
     assert m["load_delta"] < largest_shard + m["largest_tensor"] + margin
-    # Saving goes through the safetensors library one shard at a time: one copy of the shard's
-    # tensors, never the whole model.
-    assert m["save_delta"] < largest_file + margin, f"largest file {largest_file / 2**20:.1f} MiB"
+    # Saving goes through the safetensors library one shard at a time: the shard's clone, and at
+    # most what the previous shard's freed pages still hold (the allocator may keep them while the
+    # next is built: 38 MiB in most runs, 75 MiB in one full-suite run, 2026-11-27), never the whole
+    # model (the tiles: over 300 MiB).
+    assert m["save_delta"] < 2 * largest_file + margin, f"largest file {largest_file / 2**20:.1f} MiB"
+    assert 2 * largest_file + margin < m["tiles"]  # the bound still tells one shard from the model
 
 
 def test_persistent_buffers_round_trip_in_their_own_dtype(tmp_path):
