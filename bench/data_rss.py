@@ -53,7 +53,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import torch
 
 from megatrain.data import (TEXT_SUFFIXES, StoreWindows, cached_token_store, corpus_files, default_corpus_dir,

@@ -51,6 +51,23 @@ def random_batch(rows: int, seq_len: int, vocab: int, seed: int) -> dict[str, to
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def eager_train(model, batches, opt: torch.optim.Optimizer, max_grad_norm: float | None = None,
+                **forward_kw) -> list[float]:
+    """Eager training, one optimizer step per whole batch: the model's own loss (its mean over
+    the batch's supervised tokens), backward, ``clip_grad_norm_`` when ``max_grad_norm`` is given,
+    ``opt.step()``. Returns each step's loss; ``forward_kw`` goes to every forward."""
+    out = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = model(**batch, **forward_kw).loss
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
 class BackendWrapper:
     """A backend for the executor that forwards everything (memory, ``device``, ``synchronize``,
     ``abort``, ...) to ``inner``; a test's wrapper overrides only what it watches or changes, so a

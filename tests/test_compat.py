@@ -6,7 +6,6 @@ transformers validate some values themselves, older ones none), and none runs a 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import pytest
 import torch

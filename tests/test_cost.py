@@ -14,7 +14,7 @@ from megatrain.planner import cost
 from megatrain.ir.hardware import PRESETS, HardwareSpec, load_hardware, preset
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import ActivationPolicy, Plan
-from megatrain.ir.schedule import COMPUTE_KINDS, Op, OpKind, Stream
+from megatrain.ir.schedule import Op, OpKind, Stream
 from megatrain.units import MiB
 from megatrain.runtime import measure
 

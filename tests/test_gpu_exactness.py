@@ -18,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatrain
 from megatrain.ir.hardware import strict_fp32
-from megatrain.ir.plan import Plan
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import FakeCuda
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 import megatrain
 from megatrain.planner import cost
-from megatrain.ir.graph import BATCH_PRODUCER
 from megatrain.ir.hardware import preset
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import ActivationPolicy, Plan
-from megatrain.ir.schedule import COMPUTE_KINDS, OpKind, Schedule, Stream
+from megatrain.ir.schedule import Schedule, Stream
 from megatrain.planner.simulate import simulate
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import IssueTimeFakeCuda

@@ -18,7 +18,7 @@ from megatrain.ir.plan import OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
 from megatrain.runtime.host_kernels import CHUNK_ELEMENTS, HostLion
 
-from conftest import random_batch, tiny_llama
+from conftest import eager_train, random_batch, tiny_llama
 
 RTOL = 1e-5
 LION = dict(name="lion", lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
@@ -51,16 +51,7 @@ class EagerLion(torch.optim.Optimizer):
 
 def eager_lion_losses(model, batches, max_grad_norm=None):
     opt = EagerLion(model.parameters(), lr=LION["lr"], betas=LION["betas"], weight_decay=LION["weight_decay"])
-    out = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        opt.step()
-        out.append(loss.item())
-    return out
+    return eager_train(model, batches, opt, max_grad_norm)
 
 
 def batches(steps):

@@ -19,7 +19,7 @@ from megatrain.planner import cost
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import FakeCuda, FakeCudaError
-from megatrain.runtime.host import HostState, PinnedArena, page_aligned_empty
+from megatrain.runtime.host import PinnedArena, page_aligned_empty
 
 from conftest import random_batch, requires_cuda, tiny_llama
 

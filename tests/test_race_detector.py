@@ -10,7 +10,6 @@ parameter: on a machine with a GPU the same tests run on real CUDA streams
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from typing import Any, Callable

@@ -227,7 +227,6 @@ def test_sigterm_while_the_token_store_is_built_cleans_up_and_exits_143(setup, t
 def test_workers_die_with_a_killed_build(tmp_path):
     """SIGKILL cannot be handled: the kernel kills the workers with their parent (PR_SET_PDEATHSIG),
     rather than each tokenising its shard on (seconds here, minutes for a large corpus)."""
-    import signal
     import subprocess
     import sys
 

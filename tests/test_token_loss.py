@@ -12,7 +12,6 @@ ranks' gradient tiles are summed, as the ALL_REDUCE sums them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -35,7 +34,7 @@ from megatrain.planner.verify import verify
 from megatrain.runtime import executor as executor_mod
 from megatrain.runtime.loss import loss_weights, micro_batch_means
 
-from conftest import random_batch, tiny_gpt, tiny_llama
+from conftest import eager_train, random_batch, tiny_gpt, tiny_llama
 from test_exactness import RTOL, supervised_tokens
 from test_inputs import FAMILIES, OPT, _packed, _padded
 
@@ -150,19 +149,8 @@ KINDS = {"padded": (functools.partial(_padded, left=False), ("input_ids", "atten
 
 
 def _eager_whole_batch(model, batches, max_grad_norm: float | None) -> list[float]:
-    """Eager training on each whole batch: one forward of every row, the model's own mean over the
-    supervised tokens, torch AdamW (and clip_grad_norm_)."""
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    out = []
-    for b in batches:
-        opt.zero_grad()
-        loss = model(**b, use_cache=False).loss
-        loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        opt.step()
-        out.append(loss.item())
-    return out
+    """Eager training on each whole batch with torch AdamW."""
+    return eager_train(model, batches, torch.optim.AdamW(model.parameters(), **OPT), max_grad_norm, use_cache=False)
 
 
 @pytest.mark.parametrize("family,kind,micro_batches,clip", [

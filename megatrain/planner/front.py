@@ -288,7 +288,8 @@ def plan(request: PlanRequest) -> PlannedModel:
     solution = nvme = topology = None
     p = r.plan
     if p is None and hw is not None:
-        solution, nvme, topology = _solve(graph, options, hw, dtype, r, options.global_batch if mbs else per_rank)
+        solution, nvme, topology = _solve(graph, options, hw, dtype, r, options.global_batch if mbs else per_rank,
+                                          opt_name)
         p = (nvme or solution).plan
         if mbs is None:
             options = options.model_copy(update={"micro_batch_size": solution.micro_batch_size,
@@ -414,9 +415,9 @@ def _choose_host_state(planned: PlannedModel, topo: Topology) -> tuple[str, str]
 
 
 def _solve(graph: LayerGraph, options: CompileOptions, hw: HardwareSpec, dtype: str, r: PlanRequest,
-           rank_batch: int):
+           rank_batch: int, opt_name: str):
     """``(solution, nvme, topology)``: the solver's plan for ``hw``, each rank training
-    ``rank_batch`` sequences a step (``nvme`` an ``NvmeSolution``
+    ``rank_batch`` sequences a step with the host optimizer ``opt_name`` (``nvme`` an ``NvmeSolution``
     where the spec's NVMe tier was searched, ``topology`` a ``TopologySolution`` where the ranks'
     topology was planned; else None)."""
     topo = r.topology
@@ -429,10 +430,10 @@ def _solve(graph: LayerGraph, options: CompileOptions, hw: HardwareSpec, dtype: 
         ts = solve_topology(graph, hw, rank_batch * topo.ranks, gpus_per_node=topo.ranks_per_node,
                             nodes=topo.nodes, compute_dtype=dtype, clip_gradients=clip, method=r.solver,
                             limits=limits, host_state=None if topo.host_state == "auto" else topo.host_state,
-                            optimizer_name=r.optimizer_name or "adamw")
+                            optimizer_name=opt_name)
         return ts.solution, None, ts
     request = SolveRequest(graph, hw, rank_batch, dtype, clip_gradients=clip, limits=limits,
-                           optimizer_name=r.optimizer_name or "adamw")
+                           optimizer_name=opt_name)
     if topo.ranks == 1 and hw.has_nvme and r.storage.nvme_dir is None:
         from megatrain.planner.nvme import solve_with_nvme
 

@@ -422,7 +422,7 @@ def _check_kept_tile(c: _Context, h: int, casts: list[int], cast_by_tile: dict[i
 def _check_coverage(c: _Context) -> None:
     """Rule ``coverage``: each (layer, micro-batch) runs its forward and local backward once, its
     recompute at most once."""
-    ops, plan, graph, fail, by_kind, schedule, at = c.ops, c.plan, c.graph, c.fail, c.by_kind, c.schedule, c.at
+    ops, plan, graph, fail, schedule, at = c.ops, c.plan, c.graph, c.fail, c.schedule, c.at
     M, n, last = plan.micro_batches, len(graph.layers), c.last
     # An update schedule runs the deferred optimizer steps, and the NVMe transfers of their moments
     # (and masters, whose new BF16 copy a CAST from the I/O buffer keeps in the layer's staging tile).
