@@ -1,0 +1,168 @@
+"""Qwen2-VL and Qwen2.5-VL: the vision tower's blocks are layers of the LayerGraph, the grid-derived
+tensors and the M-RoPE positions are made on the host, and training equals eager PyTorch + AdamW on
+the processor's batch layout (flattened patches and image_grid_thw), with the tower trained or
+frozen; BF16 within the derived bounds; bad batches refused before the step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.errors import BatchError
+from megatrain.ir.schedule import OpKind
+
+from test_exactness import ADAMW, RTOL, assert_bf16_tracks_eager, supervised_tokens
+
+transformers = pytest.importorskip("transformers")
+vision_utils = pytest.importorskip("transformers.vision_utils", reason="no precomputed vision tensors in this "
+                                   "transformers: megatrain refuses Qwen2-VL with images there")
+if not hasattr(vision_utils, "get_vision_window_index"):
+    pytest.skip("this transformers' Qwen2-VL computes its grid tensors inside the forward", allow_module_level=True)
+
+IMAGE, VIDEO, START, END = 90, 91, 92, 93
+PATCH = 4  # pixels; a patch flattens to 3 channels x 2 frames x 4 x 4 = 96 values
+GRID = ((1, 4, 4), (1, 4, 8))  # two images per row, 16x16 and 16x32 pixels: 4 + 8 image tokens
+TOKENS = 12
+NAMES = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids", "labels")
+
+
+def tiny_qwen(kind: str = "qwen2_vl", vision_layers: int = 2, text_layers: int = 2):
+    """A tiny Qwen2-VL (or Qwen2.5-VL: a SwiGLU vision MLP, RMSNorm, window attention of 2x2
+    merged tokens in block 0 and full attention in block 1), about 70 K parameters."""
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=text_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None,
+                eos_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                    "rope_theta": 10000.0})
+    tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    vision = dict(depth=vision_layers, num_heads=4, patch_size=PATCH, temporal_patch_size=2, spatial_merge_size=2,
+                  in_channels=3)
+    if kind == "qwen2_vl":
+        config = transformers.Qwen2VLConfig(vision_config=dict(vision, embed_dim=32, hidden_size=32, mlp_ratio=2),
+                                            text_config=text, **tokens)
+        return transformers.Qwen2VLForConditionalGeneration(config)
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=dict(vision, hidden_size=32, intermediate_size=48, out_hidden_size=32, window_size=4 * PATCH,
+                           fullatt_block_indexes=[1]),
+        text_config=text, **tokens)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+
+
+def image_batch(rows: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """A processor-shaped batch: random text around each row's two images (vision start, the
+    image's tokens, vision end) at offsets that differ by row; labels on the text only."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE, (rows, seq_len), generator=g)
+    for r in range(rows):
+        at = 1 + r % 3
+        for t, h, w in GRID:
+            n = t * h * w // 4
+            ids[r, at], ids[r, at + 1:at + 1 + n], ids[r, at + 1 + n] = START, IMAGE, END
+            at += n + 3
+    patches = rows * sum(t * h * w for t, h, w in GRID)
+    return {"input_ids": ids, "pixel_values": torch.randn(patches, 3 * 2 * PATCH * PATCH, generator=g),
+            "image_grid_thw": torch.tensor([g for _ in range(rows) for g in GRID]),
+            "mm_token_type_ids": (ids == IMAGE).int(), "labels": ids.masked_fill(ids == IMAGE, -100)}
+
+
+def micro_batch(batch: dict[str, torch.Tensor], k: int, rows: int) -> dict[str, torch.Tensor]:
+    """Micro-batch ``k`` of ``rows`` rows, its images' patches and grids with it."""
+    per_row = sum(t * h * w for t, h, w in GRID)
+    cut = {"pixel_values": rows * per_row, "image_grid_thw": rows * len(GRID)}
+    return {n: t[k * cut.get(n, rows):(k + 1) * cut.get(n, rows)] for n, t in batch.items()}
+
+
+def train_both(model, *, steps: int, micro_batches: int, seq_len: int = 24):
+    """``steps`` steps of megatrain and of eager AdamW (the whole batch's token-weighted loss by
+    gradient accumulation over the same micro-batches); asserts equal losses and weights (1e-5)."""
+    ref = copy.deepcopy(model)
+    batches = [image_batch(2 * micro_batches, seq_len, seed=s % 2) for s in range(steps)]
+    trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=2, micro_batches=micro_batches,
+                                optimizer=ADAMW, input_names=NAMES, image_grid_thw=GRID)
+    got = [trainer.step(b).loss for b in batches]
+    trainer.flush()
+    opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    for step, batch in enumerate(batches):
+        opt.zero_grad()
+        want = 0.0
+        for k in range(micro_batches):
+            part = micro_batch(batch, k, 2)
+            loss = ref(**part).loss * (supervised_tokens(part) / supervised_tokens(batch))
+            loss.backward()
+            want += loss.item()
+        opt.step()
+        assert abs(got[step] - want) <= RTOL * abs(want), f"step {step}: megatrain {got[step]} vs eager {want}"
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if name.endswith("self_attn.k_proj.bias"):
+            continue  # a zero gradient in exact arithmetic: AdamW scales both runs' rounding noise to lr (test_vlm)
+        diff, norm = (p - q).norm().item(), q.norm().item()
+        assert diff <= RTOL * norm, f"{name}: difference {diff:.2e}, norm {norm:.2e}"
+    return trainer
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_vision_blocks_are_layers_and_train_as_eager(kind):
+    torch.manual_seed(0)
+    model = tiny_qwen(kind)
+    before = model.model.visual.blocks[0].attn.qkv.weight.detach().clone()
+    trainer = train_both(model, steps=2, micro_batches=2)
+    names = [layer.name for layer in trainer.graph.layers]
+    assert names == ["prologue", "model.visual.blocks.0", "model.visual.blocks.1", "model.visual.merger",
+                     "model.language_model.layers.0", "model.language_model.layers.1", "epilogue"]
+    layers = trainer.graph.layers
+    # Qwen2-VL's vision blocks share one template; Qwen2.5-VL's window-attention block reads more
+    # sequence boundaries (a buffer of another shape) than its full-attention block, so each kind
+    # has its own. Each has its local backward and gradient copy.
+    assert (layers[1].template == layers[2].template) == (kind == "qwen2_vl")
+    for li in (1, 2):
+        assert {OpKind.BWD, OpKind.D2H} <= {op.kind for op in trainer.schedule.ops if op.layer == li}
+    assert not torch.equal(model.model.visual.blocks[0].attn.qkv.weight, before), "the tower trains"
+    assert trainer.graph.meta["image_grid_thw"] == [list(g) for g in GRID]
+
+
+def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager():
+    torch.manual_seed(1)
+    model = tiny_qwen(text_layers=1)
+    frozen = [model.model.visual.patch_embed, model.model.visual.blocks]
+    for p in (p for m in frozen for p in m.parameters()):
+        p.requires_grad_(False)
+    tower = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer = train_both(model, steps=2, micro_batches=2)
+    after = dict(model.named_parameters())
+    for n, p in tower.items():
+        assert torch.equal(after[n], p), f"frozen {n} changed"
+    g = trainer.graph
+    for li in (1, 2):  # the vision blocks: no gradient computed, no optimizer state
+        assert g.layers[li].trainable_numel == 0
+        assert not [op for op in trainer.schedule.ops
+                    if op.layer == li and op.kind in (OpKind.BWD, OpKind.D2H, OpKind.OPT, OpKind.ACC)]
+        assert trainer.host.exp_avg(li).numel() == trainer.host.exp_avg_sq(li).numel() == 0
+
+
+def test_qwen2_vl_batches_must_match_the_traced_grid_and_bf16_tracks_eager():
+    """Bad batches are refused before the step; then BF16 compute (the model traced with BF16
+    parameters) matches the eager model with BF16 parameters at the same weights, step by step,
+    within test_exactness.bf16_tolerances: the chain from the embeddings to the logits counts the
+    two vision blocks, the merger (two matmuls, as many roundings as a block) and the two decoder
+    blocks: five blocks."""
+    torch.manual_seed(2)
+    model = tiny_qwen()
+    trainer = megatrain.compile(model, seq_len=24, micro_batch_size=2, optimizer=ADAMW, compute_dtype="bfloat16",
+                                input_names=NAMES, image_grid_thw=GRID)
+    good = image_batch(2, 24, seed=0)
+    with pytest.raises(BatchError, match=r"compiled for 2 image\(s\) per row of grids \[\[1, 4, 4\], \[1, 4, 8\]\]"):
+        trainer.step(dict(good, image_grid_thw=torch.tensor([[1, 8, 8]] * 4)))
+    bad = dict(good, input_ids=good["input_ids"].clone())
+    bad["input_ids"][1, bad["input_ids"][1] == IMAGE] = 3
+    with pytest.raises(BatchError, match=rf"row 1 holds 0 image tokens .* exactly {TOKENS}"):
+        trainer.step(bad)
+    with pytest.raises(BatchError, match=r"dtype torch.float64"):
+        trainer.step(dict(good, pixel_values=good["pixel_values"].double()))
+    with pytest.raises(BatchError, match=r"shape \(2, 48, 96\).* \[96, 96\]"):
+        trainer.step(dict(good, pixel_values=good["pixel_values"].view(2, 48, 96)))
+    assert trainer.step_count == 0
+    assert trainer.graph.meta["param_dtype"] == "bfloat16"
+    assert_bf16_tracks_eager(model, trainer, [image_batch(2, 24, seed=s) for s in range(2)], blocks=5,
+                             bf16_parameters=True)
