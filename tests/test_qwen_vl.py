@@ -166,3 +166,30 @@ def test_qwen2_vl_batches_must_match_the_traced_grid_and_bf16_tracks_eager():
     assert trainer.graph.meta["param_dtype"] == "bfloat16"
     assert_bf16_tracks_eager(model, trainer, [image_batch(2, 24, seed=s) for s in range(2)], blocks=5,
                              bf16_parameters=True)
+
+
+def test_plan_reports_the_qwen2_vl_vision_towers_share(tmp_path, capsys):
+    """``megatrain plan`` traces a Qwen2-VL config with one 448x448 image per row (32 x 32 patches
+    of 14 pixels, 256 image tokens) through its vision tower and reports the tower's share."""
+    import json
+
+    from megatrain.cli import main
+
+    model = tiny_qwen()
+    config = model.config.to_dict()
+    config["vision_config"]["patch_size"] = 14
+    config["text_config"]["max_position_embeddings"] = 512
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    rc = main(["plan", "--model", str(path), "--hardware", "H100_SXM", "--seq-len", "272", "--global-batch", "1",
+               "--solver", "enumerate"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    section = text.split("vision tower (model.visual.blocks)")[1].strip().splitlines()[:5]
+    rows = {line.split()[0]: line.split() for line in section}
+    assert rows["layers"][1] == "2/7", rows
+    assert int(rows["parameters"][1].replace(",", "")) == sum(p.numel() for p in model.model.visual.blocks.parameters())
+    # The vision blocks' ops are counted (1024 patches a row through them) and are not all of the
+    # compute stream's: the decoder, LM head and loss run too. Their weights are copied like any.
+    assert 0 < float(rows["compute"][4].rstrip("%")) < 100, rows["compute"]
+    assert float(rows["weight"][4].rstrip("%")) > 0, rows["weight"]

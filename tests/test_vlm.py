@@ -161,12 +161,13 @@ def test_batches_must_match_the_traced_images():
 
 
 def test_unsupported_vision_language_families_are_refused_with_what_they_lack():
-    from transformers import Qwen2VLConfig
+    from transformers import Qwen2VLConfig, Qwen3VLConfig
 
     from megatrain.models import check_causal_decoder
 
-    with pytest.raises(UnsupportedModelError, match=r"'qwen2_vl' is a vision-language model .* image_grid_thw"):
-        check_causal_decoder(Qwen2VLConfig(), "config.json")
+    with pytest.raises(UnsupportedModelError, match=r"'qwen3_vl' is a vision-language model .* deepstack"):
+        check_causal_decoder(Qwen3VLConfig(), "config.json")
+    check_causal_decoder(Qwen2VLConfig(), "config.json")  # trained with its images (test_qwen_vl)
     from conftest import tiny_llama
 
     with pytest.raises(UnsupportedModelError, match=r"'pixel_values' is a batch input only of .*llava"):

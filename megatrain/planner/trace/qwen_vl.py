@@ -48,7 +48,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from megatrain.errors import BatchError, UnsupportedModelError
+from megatrain.errors import BatchError, ConfigError, UnsupportedModelError
 
 GRID_INPUT = "image_grid_thw"
 """The batch input with each image's patch grid, ``LongTensor[images, 3]`` (frames, rows, columns)."""
@@ -159,7 +159,15 @@ def input_shapes(config: Any, grid: Sequence[Sequence[int]], micro_batch_size: i
                  seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The traced shapes of one micro-batch's images and positions: ``pixel_values``
     ``[micro_batch_size, patches per row, C*T*P*P]`` float32 and :data:`ROPE_INPUT`
-    ``[micro_batch_size, 3, seq_len]`` int64."""
+    ``[micro_batch_size, 3, seq_len]`` int64.
+
+    Raises:
+        ConfigError: a row's images fill more tokens than ``seq_len``.
+    """
+    tokens = image_tokens(config, grid)
+    if tokens > seq_len:
+        raise ConfigError(f"each row's images of grids {[list(g) for g in grid]} fill {tokens} image tokens, more "
+                          f"than seq_len={seq_len}: raise seq_len, or give smaller images (image_grid_thw)")
     patches = sum(t * h * w for t, h, w in grid)
     return {"pixel_values": ((micro_batch_size, patches, patch_features(config)), torch.float32),
             ROPE_INPUT: ((micro_batch_size, 3, seq_len), torch.int64)}
@@ -183,7 +191,9 @@ def vision_constants(model: nn.Module, fam: PatchGridFamily, grid: Sequence[Sequ
                                                       config.patch_size)
         out.update(window_index=index, cu_window_seqlens=cu_window,
                    max_window_seqlen=int((cu_window[1:] - cu_window[:-1]).max()))
-    return out
+    # On the parameters' device, as the buffers they meet are (meta for a model too large to build).
+    device = next(tower.parameters()).device
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
 def trace_call(model: nn.Module, fam: PatchGridFamily, grid: Sequence[Sequence[int]], micro_batch_size: int):
