@@ -50,37 +50,37 @@ def tiny_qwen(kind: str = "qwen2_vl", vision_layers: int = 2, text_layers: int =
     return transformers.Qwen2_5_VLForConditionalGeneration(config)
 
 
-def image_batch(rows: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
-    """A processor-shaped batch: random text around each row's two images (vision start, the
-    image's tokens, vision end) at offsets that differ by row; labels on the text only."""
+def image_batch(rows: int, seq_len: int, seed: int, grid=GRID) -> dict[str, torch.Tensor]:
+    """A processor-shaped batch: random text around each row's images of ``grid`` (vision start,
+    the image's tokens, vision end) at offsets that differ by row; labels on the text only."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, IMAGE, (rows, seq_len), generator=g)
     for r in range(rows):
         at = 1 + r % 3
-        for t, h, w in GRID:
+        for t, h, w in grid:
             n = t * h * w // 4
             ids[r, at], ids[r, at + 1:at + 1 + n], ids[r, at + 1 + n] = START, IMAGE, END
             at += n + 3
-    patches = rows * sum(t * h * w for t, h, w in GRID)
+    patches = rows * sum(t * h * w for t, h, w in grid)
     return {"input_ids": ids, "pixel_values": torch.randn(patches, 3 * 2 * PATCH * PATCH, generator=g),
-            "image_grid_thw": torch.tensor([g for _ in range(rows) for g in GRID]),
+            "image_grid_thw": torch.tensor([g for _ in range(rows) for g in grid]),
             "mm_token_type_ids": (ids == IMAGE).int(), "labels": ids.masked_fill(ids == IMAGE, -100)}
 
 
 def micro_batch(batch: dict[str, torch.Tensor], k: int, rows: int) -> dict[str, torch.Tensor]:
     """Micro-batch ``k`` of ``rows`` rows, its images' patches and grids with it."""
-    per_row = sum(t * h * w for t, h, w in GRID)
-    cut = {"pixel_values": rows * per_row, "image_grid_thw": rows * len(GRID)}
+    total = batch["input_ids"].shape[0]
+    cut = {"pixel_values": rows * batch["pixel_values"].shape[0] // total,
+           "image_grid_thw": rows * batch["image_grid_thw"].shape[0] // total}
     return {n: t[k * cut.get(n, rows):(k + 1) * cut.get(n, rows)] for n, t in batch.items()}
 
 
-def train_both(model, *, steps: int, micro_batches: int, seq_len: int = 24):
-    """``steps`` steps of megatrain and of eager AdamW (the whole batch's token-weighted loss by
-    gradient accumulation over the same micro-batches); asserts equal losses and weights (1e-5)."""
+def train_both(model, batches, *, micro_batches: int, **compile_options):
+    """megatrain and eager AdamW (the whole batch's token-weighted loss by gradient accumulation
+    over the same micro-batches) on ``batches``; asserts equal losses and weights (1e-5)."""
     ref = copy.deepcopy(model)
-    batches = [image_batch(2 * micro_batches, seq_len, seed=s % 2) for s in range(steps)]
-    trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=2, micro_batches=micro_batches,
-                                optimizer=ADAMW, input_names=NAMES, image_grid_thw=GRID)
+    trainer = megatrain.compile(model, micro_batch_size=2, micro_batches=micro_batches, optimizer=ADAMW,
+                                input_names=NAMES, **compile_options)
     got = [trainer.step(b).loss for b in batches]
     trainer.flush()
     opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
@@ -107,7 +107,8 @@ def test_qwen_vl_vision_blocks_are_layers_and_train_as_eager(kind):
     torch.manual_seed(0)
     model = tiny_qwen(kind)
     before = model.model.visual.blocks[0].attn.qkv.weight.detach().clone()
-    trainer = train_both(model, steps=2, micro_batches=2)
+    trainer = train_both(model, [image_batch(4, 24, seed=s) for s in range(2)], micro_batches=2, seq_len=24,
+                         image_grid_thw=GRID)
     names = [layer.name for layer in trainer.graph.layers]
     assert names == ["prologue", "model.visual.blocks.0", "model.visual.blocks.1", "model.visual.merger",
                      "model.language_model.layers.0", "model.language_model.layers.1", "epilogue"]
@@ -122,14 +123,20 @@ def test_qwen_vl_vision_blocks_are_layers_and_train_as_eager(kind):
     assert trainer.graph.meta["image_grid_thw"] == [list(g) for g in GRID]
 
 
-def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager():
+def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager_at_each_grid():
+    """The common recipe (patch embedding and vision blocks frozen, the merger and decoder
+    trained), shape-free: a batch of another image grid is traced and planned as a new shape."""
     torch.manual_seed(1)
     model = tiny_qwen(text_layers=1)
     frozen = [model.model.visual.patch_embed, model.model.visual.blocks]
     for p in (p for m in frozen for p in m.parameters()):
         p.requires_grad_(False)
     tower = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    trainer = train_both(model, steps=2, micro_batches=2)
+    one = ((1, 4, 4),)
+    batches = [image_batch(4, 24, seed=0), image_batch(4, 16, seed=1, grid=one), image_batch(4, 24, seed=2)]
+    shape_free = train_both(model, batches, micro_batches=2)
+    assert shape_free.shapes == [(2, 16, one), (2, 24, GRID)] and shape_free.traces == 2
+    trainer = shape_free.trainer
     after = dict(model.named_parameters())
     for n, p in tower.items():
         assert torch.equal(after[n], p), f"frozen {n} changed"

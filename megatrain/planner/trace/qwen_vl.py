@@ -122,6 +122,29 @@ def row_grid(config: Any, grid: Sequence[Sequence[int]] | None) -> tuple[tuple[i
     return rows
 
 
+def row_grids(batch: Mapping[str, torch.Tensor]) -> tuple[tuple[int, int, int], ...] | None:
+    """The grids of one row's images in a batch with ``image_grid_thw`` (every row alike), or None
+    for a batch without it.
+
+    Raises:
+        BatchError: ``image_grid_thw`` that does not split into the same grids for every row of
+            ``input_ids`` (names what to change).
+    """
+    grids = batch.get(GRID_INPUT)
+    if grids is None:
+        return None
+    rows = batch["input_ids"].shape[0]
+    if grids.dim() != 2 or grids.shape[1] != 3 or grids.shape[0] % rows:
+        raise BatchError(f"batch['image_grid_thw'] has shape {tuple(grids.shape)}; it gives each image's (t, h, w), "
+                         f"the same number of images for each of the {rows} rows: [{rows} x images per row, 3]")
+    per_row = grids.view(rows, -1, 3)
+    if not bool((per_row == per_row[:1]).all()):
+        raise BatchError(f"the rows of this batch carry images of different grids ({grids.tolist()}); megatrain "
+                         "traces one grid per shape, the same for every row: batch images of one size together, "
+                         "or resize them to one size")
+    return tuple(tuple(int(x) for x in g) for g in per_row[0].tolist())
+
+
 def patch_features(config: Any) -> int:
     """Elements of one flattened patch: ``in_channels * temporal_patch_size * patch_size ** 2``."""
     v = config.vision_config
@@ -307,5 +330,5 @@ def prepare_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], names: Se
 
 
 __all__ = ["DEFAULT_IMAGE_PIXELS", "GRID_INPUT", "PatchGridFamily", "ROPE_INPUT", "TOKEN_TYPES", "image_tokens",
-           "input_shapes", "patch_features", "prepare_batch", "row_grid", "trace_call", "traced_names",
+           "input_shapes", "patch_features", "prepare_batch", "row_grid", "row_grids", "trace_call", "traced_names",
            "varlen_attention", "vision_constants"]
