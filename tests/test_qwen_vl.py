@@ -12,59 +12,23 @@ import torch
 
 import megatrain
 from megatrain.errors import BatchError
+from megatrain.examples.train_qwen2_vl import GRID, IMAGE_TOKEN as IMAGE, INPUT_NAMES as NAMES
+from megatrain.examples.train_qwen2_vl import image_batch as example_batch, tiny_qwen_vl as tiny_qwen
 from megatrain.ir.schedule import OpKind
 
 from test_exactness import ADAMW, RTOL, assert_bf16_tracks_eager, supervised_tokens
 
-transformers = pytest.importorskip("transformers")
-vision_utils = pytest.importorskip("transformers.vision_utils", reason="no precomputed vision tensors in this "
-                                   "transformers: megatrain refuses Qwen2-VL with images there")
+vision_utils = pytest.importorskip("transformers.vision_utils", reason="an older transformers (5.4) computes "
+                                   "Qwen2-VL's grid tensors inside its forward: megatrain refuses its images there")
 if not hasattr(vision_utils, "get_vision_window_index"):
     pytest.skip("this transformers' Qwen2-VL computes its grid tensors inside the forward", allow_module_level=True)
 
-IMAGE, VIDEO, START, END = 90, 91, 92, 93
-PATCH = 4  # pixels; a patch flattens to 3 channels x 2 frames x 4 x 4 = 96 values
-GRID = ((1, 4, 4), (1, 4, 8))  # two images per row, 16x16 and 16x32 pixels: 4 + 8 image tokens
-TOKENS = 12
-NAMES = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids", "labels")
-
-
-def tiny_qwen(kind: str = "qwen2_vl", vision_layers: int = 2, text_layers: int = 2):
-    """A tiny Qwen2-VL (or Qwen2.5-VL: a SwiGLU vision MLP, RMSNorm, window attention of 2x2
-    merged tokens in block 0 and full attention in block 1), about 70 K parameters."""
-    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=text_layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None,
-                eos_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
-                                                    "rope_theta": 10000.0})
-    tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    vision = dict(depth=vision_layers, num_heads=4, patch_size=PATCH, temporal_patch_size=2, spatial_merge_size=2,
-                  in_channels=3)
-    if kind == "qwen2_vl":
-        config = transformers.Qwen2VLConfig(vision_config=dict(vision, embed_dim=32, hidden_size=32, mlp_ratio=2),
-                                            text_config=text, **tokens)
-        return transformers.Qwen2VLForConditionalGeneration(config)
-    config = transformers.Qwen2_5_VLConfig(
-        vision_config=dict(vision, hidden_size=32, intermediate_size=48, out_hidden_size=32, window_size=4 * PATCH,
-                           fullatt_block_indexes=[1]),
-        text_config=text, **tokens)
-    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+TOKENS = 12  # a row's image tokens: GRID is a 16x16 and a 16x32 pixel image, 4 + 8 merged tokens
 
 
 def image_batch(rows: int, seq_len: int, seed: int, grid=GRID) -> dict[str, torch.Tensor]:
-    """A processor-shaped batch: random text around each row's images of ``grid`` (vision start,
-    the image's tokens, vision end) at offsets that differ by row; labels on the text only."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, IMAGE, (rows, seq_len), generator=g)
-    for r in range(rows):
-        at = 1 + r % 3
-        for t, h, w in grid:
-            n = t * h * w // 4
-            ids[r, at], ids[r, at + 1:at + 1 + n], ids[r, at + 1 + n] = START, IMAGE, END
-            at += n + 3
-    patches = rows * sum(t * h * w for t, h, w in grid)
-    return {"input_ids": ids, "pixel_values": torch.randn(patches, 3 * 2 * PATCH * PATCH, generator=g),
-            "image_grid_thw": torch.tensor([g for _ in range(rows) for g in grid]),
-            "mm_token_type_ids": (ids == IMAGE).int(), "labels": ids.masked_fill(ids == IMAGE, -100)}
+    """The example's processor-shaped batch: each row's images of ``grid`` in text, labels on the text."""
+    return example_batch(rows, seq_len, torch.Generator().manual_seed(seed), grid)
 
 
 def micro_batch(batch: dict[str, torch.Tensor], k: int, rows: int) -> dict[str, torch.Tensor]:
@@ -123,9 +87,10 @@ def test_qwen_vl_vision_blocks_are_layers_and_train_as_eager(kind):
     assert trainer.graph.meta["image_grid_thw"] == [list(g) for g in GRID]
 
 
-def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager_at_each_grid():
+def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager_at_each_grid(tmp_path):
     """The common recipe (patch embedding and vision blocks frozen, the merger and decoder
-    trained), shape-free: a batch of another image grid is traced and planned as a new shape."""
+    trained), shape-free: a batch of another image grid is traced and planned as a new shape. The
+    checkpoint is a Hugging Face directory."""
     torch.manual_seed(1)
     model = tiny_qwen(text_layers=1)
     frozen = [model.model.visual.patch_embed, model.model.visual.blocks]
@@ -146,6 +111,19 @@ def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager_at_each
         assert not [op for op in trainer.schedule.ops
                     if op.layer == li and op.kind in (OpKind.BWD, OpKind.D2H, OpKind.OPT, OpKind.ACC)]
         assert trainer.host.exp_avg(li).numel() == trainer.host.exp_avg_sq(li).numel() == 0
+    # A Hugging Face directory that AutoModelForImageTextToText loads, every tensor equal, and generates from.
+    from transformers import AutoModelForImageTextToText
+
+    shape_free.save(tmp_path / "ckpt")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt")
+    want, got = model.state_dict(), loaded.state_dict()
+    assert type(loaded) is type(model) and set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    row = micro_batch(batches[0], 0, 1)
+    out = loaded.generate(**{n: t for n, t in row.items() if n != "labels"}, max_new_tokens=2, min_new_tokens=2,
+                          do_sample=False)
+    assert out.shape == (1, 26)
 
 
 def test_qwen2_vl_batches_must_match_the_traced_grid_and_bf16_tracks_eager():

@@ -82,19 +82,31 @@ class PatchGridFamily:
     windowed: bool = False
 
 
-def _vision_utils():
+def _vision_utils(model: nn.Module, tower: nn.Module):
+    """transformers' ``vision_utils``, where this model's code takes what they compute precomputed.
+
+    Raises:
+        UnsupportedModelError: an older transformers (5.4 computes the grid tensors inside the
+            vision tower's forward and has no ``mm_encoder_outputs``), naming the installed version.
+    """
+    import inspect
+    import sys
+
     try:
         from transformers import vision_utils
     except ImportError:
         vision_utils = None
-    if vision_utils is None or not hasattr(vision_utils, "get_vision_window_index"):
+    modeling = sys.modules.get(type(tower).__module__)
+    if (vision_utils is None or not hasattr(vision_utils, "get_vision_window_index")
+            or getattr(modeling, "get_vision_position_ids", None) is not vision_utils.get_vision_position_ids
+            or "mm_encoder_outputs" not in inspect.signature(model.forward).parameters):
         import transformers
 
         raise UnsupportedModelError(
             f"Qwen2-VL and Qwen2.5-VL with images need a transformers whose vision tower takes its grid-derived "
-            f"tensors precomputed (transformers.vision_utils; the installed {transformers.__version__} computes "
-            "them inside the forward, which a fixed-shape trace cannot follow): upgrade transformers, or train "
-            "on text alone (input_names without pixel_values)")
+            f"tensors precomputed (transformers.vision_utils) and whose forward takes mm_encoder_outputs; the "
+            f"installed {transformers.__version__} computes them inside the forward, which a fixed-shape trace "
+            "cannot follow: upgrade transformers, or train on text alone (input_names without pixel_values)")
     return vision_utils
 
 
@@ -202,8 +214,8 @@ def vision_constants(model: nn.Module, fam: PatchGridFamily, grid: Sequence[Sequ
     the images of ``grid``), by transformers' own functions: ``position_ids`` ``[patches, 2]`` of
     the rotary embedding, ``cu_seqlens`` (each image's boundary) and ``max_seqlen``; for a
     windowed tower also ``window_index``, ``cu_window_seqlens`` and ``max_window_seqlen``."""
-    vu = _vision_utils()
     tower = model.get_submodule(fam.vision_tower)
+    vu = _vision_utils(model, tower)
     config = tower.config
     grid_thw = torch.tensor([g for _ in range(micro_batch_size) for g in grid], dtype=torch.long)
     cu = vu.get_vision_cu_seqlens(grid_thw)
