@@ -17,6 +17,7 @@ from megatrain.examples.train_qwen2_vl import image_batch as example_batch, tiny
 from megatrain.ir.schedule import OpKind
 
 from test_exactness import ADAMW, RTOL, assert_bf16_tracks_eager, supervised_tokens
+from test_vlm import plan_vision_section
 
 vision_utils = pytest.importorskip("transformers.vision_utils", reason="an older transformers (5.4) computes "
                                    "Qwen2-VL's grid tensors inside its forward: megatrain refuses its images there")
@@ -156,22 +157,11 @@ def test_qwen2_vl_batches_must_match_the_traced_grid_and_bf16_tracks_eager():
 def test_plan_reports_the_qwen2_vl_vision_towers_share(tmp_path, capsys):
     """``megatrain plan`` traces a Qwen2-VL config with one 448x448 image per row (32 x 32 patches
     of 14 pixels, 256 image tokens) through its vision tower and reports the tower's share."""
-    import json
-
-    from megatrain.cli import main
-
     model = tiny_qwen()
     config = model.config.to_dict()
     config["vision_config"]["patch_size"] = 14
     config["text_config"]["max_position_embeddings"] = 512
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    rc = main(["plan", "--model", str(path), "--hardware", "H100_SXM", "--seq-len", "272", "--global-batch", "1",
-               "--solver", "enumerate"])
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    section = text.split("vision tower (model.visual.blocks)")[1].strip().splitlines()[:5]
-    rows = {line.split()[0]: line.split() for line in section}
+    rows = plan_vision_section(config, tmp_path, capsys, "model.visual.blocks", seq_len=272, global_batch=1)
     assert rows["layers"][1] == "2/7", rows
     assert int(rows["parameters"][1].replace(",", "")) == sum(p.numel() for p in model.model.visual.blocks.parameters())
     # The vision blocks' ops are counted (1024 patches a row through them) and are not all of the

@@ -319,15 +319,10 @@ def prepare_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], names: Se
         raise BatchError(f"batch['pixel_values'] has shape {tuple(pixels.shape)}, but {rows} rows of images of grids "
                          f"{[list(g) for g in grid]} flatten to {list(shape)} ([patches, channels x "
                          "temporal_patch_size x patch_size^2], as the processor returns them)")
-    tokens = image_tokens(config, grid)
-    counts = (ids == config.image_token_id).sum(dim=1)
-    bad = (counts != tokens).nonzero()
-    if len(bad):
-        row = int(bad[0, 0])
-        raise BatchError(
-            f"batch row {row} holds {int(counts[row])} image tokens (id {config.image_token_id}), but its images of "
-            f"grids {[list(g) for g in grid]} fill exactly {tokens}; build input_ids with the model's processor (it "
-            "expands each image placeholder to its grid's tokens)")
+    from megatrain.planner.trace.vlm import refuse_image_token_counts  # (vlm imports this module)
+
+    refuse_image_token_counts(ids, config.image_token_id, image_tokens(config, grid),
+                              f"its images of grids {[list(g) for g in grid]}")
     types = batch.get(TOKEN_TYPES)
     if types is None:
         types = (ids == config.image_token_id).int()

@@ -236,14 +236,25 @@ def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> N
     if not isinstance(fam, VisionLanguageFamily) or IMAGE_INPUT not in batch or "input_ids" not in batch:
         return  # Qwen2-VL's image tokens are checked with its grid (prepare_images)
     token, per_row = fam.image_tokens(model)
-    counts = (batch["input_ids"] == token).sum(dim=1)
+    refuse_image_token_counts(batch["input_ids"], token, per_row, f"each row carries one image of {per_row} features, "
+                                                                  "which")
+
+
+def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int, images: str) -> None:
+    """Refuse ``input_ids`` ``[rows, seq_len]`` unless each row holds ``per_row`` image tokens (id
+    ``token``); ``images`` says what fills them, for the message.
+
+    Raises:
+        BatchError: naming the first row with another count, its count and ``per_row``.
+    """
+    counts = (input_ids == token).sum(dim=1)
     bad = (counts != per_row).nonzero()
     if len(bad):
         row = int(bad[0, 0])
         raise BatchError(
-            f"batch row {row} holds {int(counts[row])} image tokens (id {token}), but each row carries one image "
-            f"of {per_row} features, which fill exactly {per_row} image tokens; build input_ids with the model's "
-            "processor (it expands the image placeholder to that many tokens)")
+            f"batch row {row} holds {int(counts[row])} image tokens (id {token}), but {images} fill exactly {per_row} "
+            "image tokens; build input_ids with the model's processor (it expands each image placeholder to its "
+            "tokens)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,5 +317,6 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
 
 
 __all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "ImageInputs", "VisionLanguageFamily", "VisionShare", "batch_names",
-           "check_image_tokens", "family", "image_inputs", "prepare_images", "refuse_vision_language",
+           "check_image_tokens", "family", "image_inputs", "prepare_images", "refuse_image_token_counts",
+           "refuse_vision_language",
            "vision_share", "vision_tower"]
