@@ -90,13 +90,13 @@ class ShapeFreeTrainer:
 
     ``step``, ``evaluate``, ``flush``, ``set_lr``, ``set_optimizer``, ``save``, ``load`` and
     ``state_dict`` behave as ``Trainer``'s; ``step`` takes a batch of any ``[rows, seq_len]`` (and,
-    for Qwen2-VL, any image grid: ``image_grid_thw``'s grids of one row are part of the shape, every
-    row alike) with
-    ``rows`` a multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
+    for Qwen2-VL, any image grid: the grids ``image_grid_thw`` gives one row, every row alike, are
+    part of the shape) with ``rows`` a multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
     ``rows // micro_batches`` (or of ``micro_batch_size`` rows when given, then ``rows`` must be a
     multiple of it times ``micro_batches``). ``trainer`` is the ``Trainer`` of the last shape run
     (None before the first batch); ``shapes`` the cached ``(micro_batch_size, seq_len)`` keys
-    (``(micro_batch_size, seq_len, grids of a row)`` for Qwen2-VL with images), least recently used first; ``traces`` how many shapes were planned so far.
+    (``(micro_batch_size, seq_len, grids of a row)`` for Qwen2-VL with images), least recently
+    used first; ``traces`` how many shapes were planned so far.
 
     Raises (from ``step``/``evaluate``): BatchError for a batch whose rows do not split, or
     longer than every bucket; what ``compile`` raises for a shape that cannot be planned (a
@@ -120,8 +120,8 @@ class ShapeFreeTrainer:
         self.optimizer = optimizer_settings(optimizer)
         self.compile_kwargs = compile_kwargs
         self.nvme_dir = nvme_dir
-        self._plans: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
-        self._key: tuple[int, int] | None = None
+        self._plans: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._key: tuple | None = None
         self.trainer = None
         self._host = None
         self.step_count = 0
@@ -129,11 +129,11 @@ class ShapeFreeTrainer:
         self._warned = False
 
     @property
-    def shapes(self) -> list[tuple[int, int]]:
+    def shapes(self) -> list[tuple]:
         return list(self._plans)
 
     # -- shape dispatch -----------------------------------------------------------------------------
-    def _prepare(self, batch) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    def _prepare(self, batch) -> tuple[dict[str, torch.Tensor], tuple]:
         if isinstance(batch, torch.Tensor):
             batch = {"input_ids": batch, "labels": batch}
         if not isinstance(batch, Mapping) or not batch:
@@ -152,7 +152,7 @@ class ShapeFreeTrainer:
         grid = row_grids(batch)
         return dict(batch), (mbs, seq) if grid is None else (mbs, seq, grid)
 
-    def _switch(self, key: tuple[int, int]) -> Any:
+    def _switch(self, key: tuple) -> Any:
         from megatrain.trainer import materialize, plan_model
 
         if key == self._key:

@@ -898,7 +898,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         image_grid_thw: Qwen2-VL and Qwen2.5-VL: the patch grid ``(t, h, w)`` of each image of a
             row, every row alike (what the processor returns in ``image_grid_thw`` for one row: a
             448x448 image with 14-pixel patches is ``[(1, 32, 32)]``, the default). A batch of other
-            grids is refused (BatchError naming the grid to compile with). Other models: None.
+            grids is refused (BatchError naming the grid to compile with); shape-free (no
+            ``seq_len``), each batch's grids are its shape's. Other models: None.
         per_token_loss: the loss of a global batch is the mean over its supervised tokens (labels
             that are not -100, after the model's shift) across every micro-batch and rank, as
             eager PyTorch computes it on the whole batch (True, the default; needs a model whose

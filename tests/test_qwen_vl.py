@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.errors import BatchError
+from megatrain.errors import BatchError, ConfigError
 from megatrain.examples.train_qwen2_vl import GRID, IMAGE_TOKEN as IMAGE, INPUT_NAMES as NAMES
 from megatrain.examples.train_qwen2_vl import image_batch as example_batch, tiny_qwen_vl as tiny_qwen
 from megatrain.ir.schedule import OpKind
@@ -128,13 +128,17 @@ def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager_at_each
 
 
 def test_qwen2_vl_batches_must_match_the_traced_grid_and_bf16_tracks_eager():
-    """Bad batches are refused before the step; then BF16 compute (the model traced with BF16
+    """Bad grids are refused at compile, bad batches before the step; then BF16 compute (the model traced with BF16
     parameters) matches the eager model with BF16 parameters at the same weights, step by step,
     within test_exactness.bf16_tolerances: the chain from the embeddings to the logits counts the
     two vision blocks, the merger (two matmuls, as many roundings as a block) and the two decoder
     blocks: five blocks."""
     torch.manual_seed(2)
     model = tiny_qwen()
+    with pytest.raises(ConfigError, match=r"multiples of spatial_merge_size=2"):
+        megatrain.compile(model, seq_len=24, input_names=NAMES, image_grid_thw=[(1, 3, 4)])
+    with pytest.raises(ConfigError, match=r"fill 16 image tokens, more than seq_len=12"):
+        megatrain.compile(model, seq_len=12, input_names=NAMES, image_grid_thw=[(1, 8, 8)])
     trainer = megatrain.compile(model, seq_len=24, micro_batch_size=2, optimizer=ADAMW, compute_dtype="bfloat16",
                                 input_names=NAMES, image_grid_thw=GRID)
     good = image_batch(2, 24, seed=0)

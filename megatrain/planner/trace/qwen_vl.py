@@ -116,8 +116,8 @@ def row_grid(config: Any, grid: Sequence[Sequence[int]] | None) -> tuple[tuple[i
     rounded down to whole merge windows).
 
     Raises:
-        UnsupportedModelError: a grid that is not ``(t, h, w)`` positive integers with ``h`` and
-            ``w`` multiples of the vision config's ``spatial_merge_size``.
+        ConfigError: a grid that is not ``(t, h, w)`` positive integers with ``h`` and ``w``
+            multiples of the vision config's ``spatial_merge_size``.
     """
     v = config.vision_config
     merge = v.spatial_merge_size
@@ -127,7 +127,7 @@ def row_grid(config: Any, grid: Sequence[Sequence[int]] | None) -> tuple[tuple[i
     rows = tuple(tuple(int(x) for x in g) for g in grid)
     bad = [g for g in rows if len(g) != 3 or min(g) < 1 or g[1] % merge or g[2] % merge]
     if not rows or bad:
-        raise UnsupportedModelError(
+        raise ConfigError(
             f"image_grid_thw={list(grid)}: give each image of a row as (t, h, w), positive patch counts with h and w "
             f"multiples of spatial_merge_size={merge} (what the processor returns in image_grid_thw: an image of "
             f"H x W pixels is (1, H / {v.patch_size}, W / {v.patch_size}))")

@@ -78,8 +78,8 @@ FAMILIES: dict[str, VisionLanguageFamily | PatchGridFamily] = {
 """The vision-language families megatrain traces with their images, by ``model_type``."""
 
 REFUSED: dict[str, str] = {
-    "qwen3_vl": "variable image sizes (image_grid_thw), deepstack features added inside the decoder's layers, "
-                "and M-RoPE position ids",
+    "qwen3_vl": "deepstack features (intermediate vision blocks' outputs added inside the decoder's first "
+                "layers) and its interpolated vision position embeddings; Qwen2-VL and Qwen2.5-VL train",
     "llava_next": "AnyRes tiling (a variable number of tiles per image, image_sizes, and the unpadding of "
                   "the feature grid)",
     "llava_onevision": "AnyRes tiling (a variable number of tiles per image and image_sizes)",
@@ -93,7 +93,8 @@ REFUSED: dict[str, str] = {
 
 
 def family(config: Any) -> VisionLanguageFamily | PatchGridFamily | None:
-    """The :class:`VisionLanguageFamily` of a transformers ``config``, or None for other models."""
+    """The :class:`VisionLanguageFamily` (LLaVA) or :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL,
+    Qwen2.5-VL) of a transformers ``config``, or None for other models."""
     return FAMILIES.get(getattr(config, "model_type", None))
 
 
@@ -130,7 +131,8 @@ class ImageInputs:
     ``mrope_position_ids``). ``shapes``: ``{name: (shape of one micro-batch, dtype)}`` of each
     traced input that is not a ``[micro_batch_size, seq_len]`` long tensor. ``call``: how the
     trace's loss wrapper calls the model with them (``call(model, **inputs)``), None for
-    ``model(**inputs)``. ``grid``: the patch grids of one row's images (Qwen2-VL), None otherwise.
+    ``model(**inputs)``. ``grid``: the patch grids of one row's images and ``family`` the
+    :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL), None otherwise.
     """
 
     names: tuple[str, ...]
@@ -158,7 +160,8 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
     Raises:
         UnsupportedModelError: ``pixel_values`` among the inputs of a model that is not a supported
             vision-language model; Qwen2-VL inputs without ``image_grid_thw`` or with
-            ``position_ids``; a malformed ``image_grid_thw``; ``image_grid_thw`` for another model.
+            ``position_ids``; ``image_grid_thw`` for another model.
+        ConfigError: a malformed ``image_grid_thw``, or one whose image tokens exceed ``seq_len``.
     """
     names = tuple(input_names)
     fam = family(getattr(model, "config", None))
@@ -236,8 +239,8 @@ def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> N
     if not isinstance(fam, VisionLanguageFamily) or IMAGE_INPUT not in batch or "input_ids" not in batch:
         return  # Qwen2-VL's image tokens are checked with its grid (prepare_images)
     token, per_row = fam.image_tokens(model)
-    refuse_image_token_counts(batch["input_ids"], token, per_row, f"each row carries one image of {per_row} features, "
-                                                                  "which")
+    refuse_image_token_counts(batch["input_ids"], token, per_row,
+                              f"each row carries one image of {per_row} features, which")
 
 
 def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int, images: str) -> None:
@@ -318,5 +321,4 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
 
 __all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "ImageInputs", "VisionLanguageFamily", "VisionShare", "batch_names",
            "check_image_tokens", "family", "image_inputs", "prepare_images", "refuse_image_token_counts",
-           "refuse_vision_language",
-           "vision_share", "vision_tower"]
+           "refuse_vision_language", "vision_share", "vision_tower"]
