@@ -28,7 +28,8 @@ fields later ones read; each module's docstring gives the method of its pass and
 - :mod:`.measure` (``measure``): work bytes by a liveness simulation, FLOPs and launches on meta;
 - :mod:`.replicate` (``replicate``): the three-block trace repeated to full depth;
 - :mod:`.vlm`: a vision-language model's vision blocks as a second block container, cut before
-  the decoder's, and the shapes of its image inputs;
+  the decoder's, and the shapes of its image inputs; :mod:`.qwen_vl`: Qwen2-VL's and Qwen2.5-VL's
+  value-dependent tensors made on the host (grid-derived constants, M-RoPE positions per batch);
 - :mod:`.hf` (transformers specifics: causal attention without an ``S x S`` mask, its configs) and
   :mod:`.fx_util` (fx helpers) serve the passes.
 
