@@ -23,6 +23,10 @@ follow those, so:
   unchanged: for the export only, the vision config names an attention implementation registered
   through transformers' ``AttentionInterface`` (:func:`varlen_attention`) that takes the
   variable-length keywords (``cu_seq_lens_q``) the model passes to FlashAttention-2's varlen kernel.
+  Its cost: scores over all the micro-batch's patches, ``(rows x patches per row) ** 2`` per head,
+  where the split computes each image's (or window's: Qwen2.5-VL's windows of 8x8 patches make
+  its window blocks' attention the larger overhead); the trace measures, and the planner counts,
+  what runs.
 - The **M-RoPE positions depend on where each row's image tokens are**, so they are a batch input,
   ``mrope_position_ids: LongTensor[rows, 3, seq_len]``, computed per batch on the host by the
   model's own ``get_rope_index`` (:func:`prepare_batch`), and passed to ``forward`` as its
