@@ -462,7 +462,7 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     from megatrain.models import check_causal_decoder
     from megatrain.planner.front import PlanRequest, Topology
     from megatrain.planner.presets import build_meta_model, load_model_config
-    from megatrain.planner.trace.vlm import IMAGE_INPUT, family
+    from megatrain.planner.trace.vlm import batch_names
 
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "hardware", "seq_len", "global_batch")
                if getattr(args, n) is None]
@@ -484,8 +484,9 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     import torch
 
     # What compile traces for this model: built in FP32, traced in the compute dtype.
-    # A vision-language model is planned with its images: one per row, through its vision tower.
-    names = ("input_ids", IMAGE_INPUT, "labels") if family(config) is not None else ("input_ids", "labels")
+    # A vision-language model is planned with its images through its vision tower: LLaVA one per
+    # row, Qwen2-VL one 448x448 image per row (trace.qwen_vl.row_grid).
+    names = batch_names(config)
     request = PlanRequest(build_meta_model(config, dtype=torch.float32), args.seq_len, args.global_batch,
                           micro_batch_size=None, hardware=hw, device="cuda", compute_dtype=dtype, input_names=names,
                           max_grad_norm=1.0 if args.clip_gradients else None, optimizer_name=args.optimizer,

@@ -36,8 +36,8 @@ def check_causal_decoder(config: Any, source: str) -> None:
         config: a ``transformers.PretrainedConfig``.
         source: where it came from, for the message (a file name or ``"the model"``).
 
-    A vision-language family of :data:`megatrain.planner.trace.vlm.FAMILIES` (LLaVA) passes: it
-    trains its decoder on the text with the image features written in.
+    A vision-language family of :data:`megatrain.planner.trace.vlm.FAMILIES` (LLaVA, Qwen2-VL,
+    Qwen2.5-VL) passes: it trains its decoder on the text with the image features written in.
 
     Raises:
         UnsupportedModelError: an encoder-decoder, an encoder family, or a ``model_type`` with no
@@ -51,7 +51,7 @@ def check_causal_decoder(config: Any, source: str) -> None:
 
     mt = getattr(config, "model_type", None)
     if family(config) is not None:
-        return  # a vision-language model megatrain trains with its images (LLaVA)
+        return  # a vision-language model megatrain trains with its images (LLaVA, Qwen2-VL)
     what = None
     if getattr(config, "is_encoder_decoder", False):
         what = "an encoder-decoder model"

@@ -36,6 +36,7 @@ from torch import nn
 from megatrain.data.packing import IGNORE_INDEX
 from megatrain.errors import BatchError, ConfigError
 from megatrain.optim import optimizer_settings, spec_of
+from megatrain.planner.trace.qwen_vl import row_grids
 
 __all__ = ["ShapeFreeTrainer", "pad_to_bucket"]
 
@@ -47,12 +48,16 @@ DEFAULT_MAX_SHAPES = 8
 """Plans a :class:`ShapeFreeTrainer` keeps by default: enough for a few ``seq_len`` buckets at a
 couple of batch sizes; each is a traced graph and its schedules (host metadata, no tensors)."""
 
+_IMAGE_INPUTS = frozenset({"pixel_values", "image_grid_thw"})
+"""A vision-language batch's image inputs, which :func:`pad_to_bucket` leaves as they are."""
+
+
 def pad_to_bucket(batch: Mapping[str, torch.Tensor], buckets: Sequence[int]) -> dict[str, torch.Tensor]:
     """Right-pad every ``[rows, seq]`` tensor of ``batch`` to the smallest bucket ``>= seq``.
 
     ``input_ids`` and unknown inputs are padded with 0, ``labels`` with -100 (ignored by the loss),
     ``attention_mask`` with 0 and ``position_ids`` by continuing each row's last position (so no
-    new document starts in the padding).
+    new document starts in the padding); ``pixel_values`` and ``image_grid_thw`` stay as they are.
 
     Raises:
         BatchError: the batch is longer than the largest bucket (names both; add a bucket).
@@ -67,6 +72,9 @@ def pad_to_bucket(batch: Mapping[str, torch.Tensor], buckets: Sequence[int]) -> 
         return dict(batch)
     out = {}
     for name, t in batch.items():
+        if name in _IMAGE_INPUTS:
+            out[name] = t  # images are not tokens: nothing of theirs follows the sequence length
+            continue
         if name == "position_ids":
             tail = t[:, -1:] + torch.arange(1, pad + 1, dtype=t.dtype)
         else:
@@ -81,12 +89,14 @@ class ShapeFreeTrainer:
     ``seq_len``). See the module docstring for the cache and the buckets.
 
     ``step``, ``evaluate``, ``flush``, ``set_lr``, ``set_optimizer``, ``save``, ``load`` and
-    ``state_dict`` behave as ``Trainer``'s; ``step`` takes a batch of any ``[rows, seq_len]`` with
-    ``rows`` a multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
+    ``state_dict`` behave as ``Trainer``'s; ``step`` takes a batch of any ``[rows, seq_len]`` (and,
+    for Qwen2-VL, any image grid: the grids ``image_grid_thw`` gives one row, every row alike, are
+    part of the shape) with ``rows`` a multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
     ``rows // micro_batches`` (or of ``micro_batch_size`` rows when given, then ``rows`` must be a
     multiple of it times ``micro_batches``). ``trainer`` is the ``Trainer`` of the last shape run
-    (None before the first batch); ``shapes`` the cached ``(micro_batch_size, seq_len)`` keys,
-    least recently used first; ``traces`` how many shapes were planned so far.
+    (None before the first batch); ``shapes`` the cached ``(micro_batch_size, seq_len)`` keys
+    (``(micro_batch_size, seq_len, grids of a row)`` for Qwen2-VL with images), least recently
+    used first; ``traces`` how many shapes were planned so far.
 
     Raises (from ``step``/``evaluate``): BatchError for a batch whose rows do not split, or
     longer than every bucket; what ``compile`` raises for a shape that cannot be planned (a
@@ -110,8 +120,8 @@ class ShapeFreeTrainer:
         self.optimizer = optimizer_settings(optimizer)
         self.compile_kwargs = compile_kwargs
         self.nvme_dir = nvme_dir
-        self._plans: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
-        self._key: tuple[int, int] | None = None
+        self._plans: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._key: tuple | None = None
         self.trainer = None
         self._host = None
         self.step_count = 0
@@ -119,11 +129,11 @@ class ShapeFreeTrainer:
         self._warned = False
 
     @property
-    def shapes(self) -> list[tuple[int, int]]:
+    def shapes(self) -> list[tuple]:
         return list(self._plans)
 
     # -- shape dispatch -----------------------------------------------------------------------------
-    def _prepare(self, batch) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    def _prepare(self, batch) -> tuple[dict[str, torch.Tensor], tuple]:
         if isinstance(batch, torch.Tensor):
             batch = {"input_ids": batch, "labels": batch}
         if not isinstance(batch, Mapping) or not batch:
@@ -139,9 +149,10 @@ class ShapeFreeTrainer:
             raise BatchError(f"batch has {rows} rows, not a multiple of {per_step} (micro_batches="
                              f"{self.micro_batches}, micro_batch_size={self.micro_batch_size}); drop or add rows")
         mbs = self.micro_batch_size or rows // self.micro_batches
-        return dict(batch), (mbs, seq)
+        grid = row_grids(batch)
+        return dict(batch), (mbs, seq) if grid is None else (mbs, seq, grid)
 
-    def _switch(self, key: tuple[int, int]) -> Any:
+    def _switch(self, key: tuple) -> Any:
         from megatrain.trainer import materialize, plan_model
 
         if key == self._key:
@@ -151,17 +162,18 @@ class ShapeFreeTrainer:
             self.trainer = None  # its executor's buffers (GPU slots on CUDA) go with it
         planned = self._plans.get(key)
         if planned is None:
-            mbs, seq = key
+            mbs, seq, *grid = key
             try:
                 # Shapes share one host state: a node mapping made without shared staging tiles
                 # (an earlier shape's plan did not share casts) does not grow, so this shape's
                 # ranks cast into tiles of their own.
                 planned = plan_model(self.model, seq_len=seq, micro_batch_size=mbs,
                                      micro_batches=self.micro_batches, optimizer_name=spec_of(self.optimizer).name,
-                                     **self.compile_kwargs,
+                                     **{**self.compile_kwargs, **({"image_grid_thw": grid[0]} if grid else {})},
                                      shared_staging=None if self._host is None else bool(self._host.staging))
             except Exception as e:
-                e.add_note(f"(planning the batch shape micro_batch_size={mbs}, seq_len={seq})")
+                e.add_note(f"(planning the batch shape micro_batch_size={mbs}, seq_len={seq}"
+                           + (f", image_grid_thw={[list(g) for g in grid[0]]})" if grid else ")"))
                 raise
             self.traces += 1
             self._plans[key] = planned

@@ -32,7 +32,7 @@ from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
-from megatrain.planner.trace.vlm import check_image_tokens
+from megatrain.planner.trace.vlm import check_image_tokens, prepare_images
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, make_backend
 from megatrain.runtime.distributed import collective
@@ -589,8 +589,9 @@ class Trainer:
         return first.shape[0]
 
     def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
-        d = self._as_dict(batch)
         o = self.options
+        # Qwen2-VL: its grids checked, its patches per row and its M-RoPE positions made here.
+        d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"))
         for name, t in d.items():
             if not isinstance(t, torch.Tensor):
                 raise BatchError(f"batch[{name!r}] is a {type(t).__name__}, not a tensor")
@@ -730,7 +731,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
                share_host_memory: bool = True, host_state: str | None = None,
                per_token_loss: bool = True, optimizer_name: str | None = None,
-               shared_staging: bool | None = None) -> PlannedModel:
+               shared_staging: bool | None = None,
+               image_grid_thw: Sequence[Sequence[int]] | None = None) -> PlannedModel:
     """Plan ``model`` for training, once, through the planning front door
     (:func:`megatrain.planner.front.plan`), with this process's data-parallel topology (the
     default ``torch.distributed`` process group and torchrun's ``LOCAL_WORLD_SIZE``): trace it (on
@@ -741,7 +743,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
     Args:
         model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
-        compute_dtype, per_token_loss: as for :func:`compile` (``micro_batches`` per rank).
+        compute_dtype, per_token_loss, image_grid_thw: as for :func:`compile` (``micro_batches`` per
+        rank).
         plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
             every checkpoint kept), with ``hardware`` used only for the prediction; None: the
             solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
@@ -788,7 +791,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                                   plan=plan, hardware=hardware, device=device, compute_dtype=compute_dtype,
                                   input_names=tuple(input_names), max_grad_norm=max_grad_norm,
                                   per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
-                                  storage=Storage(shared_staging=shared_staging)))
+                                  storage=Storage(shared_staging=shared_staging), image_grid_thw=image_grid_thw))
 
 
 def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
@@ -824,7 +827,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
             nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
             max_shapes: int | None = None, share_host_memory: bool = True,
-            host_state: str | None = None, per_token_loss: bool = True) -> Trainer:
+            host_state: str | None = None, per_token_loss: bool = True,
+            image_grid_thw: Sequence[Sequence[int]] | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -870,7 +874,11 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             ``("input_ids", "position_ids", "labels")`` for packed documents (see ``Trainer.step``).
             A vision-language model (LLaVA) also takes ``"pixel_values"``, one
             ``FloatTensor[3, H, W]`` image per row (``[batch, 3, H, W]`` float32), whose row holds
-            that image's tokens (:mod:`megatrain.planner.trace.vlm`).
+            that image's tokens (:mod:`megatrain.planner.trace.vlm`). Qwen2-VL and Qwen2.5-VL take
+            ``("input_ids", "pixel_values", "image_grid_thw", "labels")`` (and optionally
+            ``"mm_token_type_ids"``, ``"attention_mask"``) as their processor returns them: the
+            images' patches ``[patches, C*T*P*P]`` float32 and grids ``[images, 3]``
+            (:mod:`megatrain.planner.trace.qwen_vl`).
         max_grad_norm: clip the gradients to this global L2 norm, as
             ``torch.nn.utils.clip_grad_norm_`` does, or None. Clipping needs every gradient before
             any update, so the optimizer steps then run in the next step's forward
@@ -887,6 +895,11 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         host_state: data parallel over several nodes: ``"shard"`` holds ``1 / nodes`` of the host
             state on each node (ZeRO-3 style), ``"replicate"`` a full copy; see :func:`plan_model`.
             Fixed shapes only (give ``seq_len``).
+        image_grid_thw: Qwen2-VL and Qwen2.5-VL: the patch grid ``(t, h, w)`` of each image of a
+            row, every row alike (what the processor returns in ``image_grid_thw`` for one row: a
+            448x448 image with 14-pixel patches is ``[(1, 32, 32)]``, the default). A batch of other
+            grids is refused (BatchError naming the grid to compile with); shape-free (no
+            ``seq_len``), each batch's grids are its shape's. Other models: None.
         per_token_loss: the loss of a global batch is the mean over its supervised tokens (labels
             that are not -100, after the model's shift) across every micro-batch and rank, as
             eager PyTorch computes it on the whole batch (True, the default; needs a model whose
@@ -917,7 +930,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                                 optimizer=optimizer, nvme_dir=nvme_dir, plan=plan, device=device,
                                 input_names=input_names, max_grad_norm=max_grad_norm, hardware=hardware,
                                 compute_dtype=compute_dtype, share_host_memory=share_host_memory,
-                                per_token_loss=per_token_loss)
+                                per_token_loss=per_token_loss, image_grid_thw=image_grid_thw)
     if seq_len_buckets is not None or max_shapes is not None:
         raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
                           f"seq_len={seq_len} every batch has that length")
@@ -927,7 +940,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
-                         host_state=host_state, per_token_loss=per_token_loss, optimizer_name=spec_of(opt).name)
+                         host_state=host_state, per_token_loss=per_token_loss, optimizer_name=spec_of(opt).name,
+                         image_grid_thw=image_grid_thw)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 

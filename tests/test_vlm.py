@@ -161,12 +161,13 @@ def test_batches_must_match_the_traced_images():
 
 
 def test_unsupported_vision_language_families_are_refused_with_what_they_lack():
-    from transformers import Qwen2VLConfig
+    from transformers import Qwen2VLConfig, Qwen3VLConfig
 
     from megatrain.models import check_causal_decoder
 
-    with pytest.raises(UnsupportedModelError, match=r"'qwen2_vl' is a vision-language model .* image_grid_thw"):
-        check_causal_decoder(Qwen2VLConfig(), "config.json")
+    with pytest.raises(UnsupportedModelError, match=r"'qwen3_vl' is a vision-language model .* deepstack"):
+        check_causal_decoder(Qwen3VLConfig(), "config.json")
+    check_causal_decoder(Qwen2VLConfig(), "config.json")  # trained with its images (test_qwen_vl)
     from conftest import tiny_llama
 
     with pytest.raises(UnsupportedModelError, match=r"'pixel_values' is a batch input only of .*llava"):
@@ -174,20 +175,27 @@ def test_unsupported_vision_language_families_are_refused_with_what_they_lack():
                           input_names=("input_ids", "pixel_values", "labels"))
 
 
-def test_plan_reports_the_vision_towers_share(tmp_path, capsys):
+def plan_vision_section(config: dict, tmp_path, capsys, container: str, seq_len: int,
+                        global_batch: int) -> dict[str, list[str]]:
+    """``megatrain plan`` of a model ``config`` on the H100_SXM preset: the rows of its "vision
+    tower (container)" section, by first word, each split into words."""
     import json
 
     from megatrain.cli import main
 
-    cfg = tiny_llava().config.to_dict()
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    rc = main(["plan", "--model", str(path), "--hardware", "H100_SXM", "--seq-len", "24", "--global-batch", "2",
-               "--solver", "enumerate"])
+    path.write_text(json.dumps(config))
+    rc = main(["plan", "--model", str(path), "--hardware", "H100_SXM", "--seq-len", str(seq_len), "--global-batch",
+               str(global_batch), "--solver", "enumerate"])
     text = capsys.readouterr().out
     assert rc == 0, text
-    section = text.split("vision tower (model.vision_tower.encoder.layers)")[1].strip().splitlines()[:5]
-    rows = {line.split()[0]: line.split() for line in section}
+    section = text.split(f"vision tower ({container})")[1].strip().splitlines()[:5]
+    return {line.split()[0]: line.split() for line in section}
+
+
+def test_plan_reports_the_vision_towers_share(tmp_path, capsys):
+    rows = plan_vision_section(tiny_llava().config.to_dict(), tmp_path, capsys, "model.vision_tower.encoder.layers",
+                               seq_len=24, global_batch=2)
     blocks = tiny_llava().model.vision_tower.encoder.layers[:2]  # the third is never run
     assert rows["layers"][1] == "2/7", rows
     assert int(rows["parameters"][1].replace(",", "")) == sum(p.numel() for p in blocks.parameters())

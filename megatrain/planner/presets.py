@@ -233,20 +233,21 @@ def trace_preset(config, *, seq_len: int, compute_dtype: str, micro_batch_size: 
     """The traced model (``TracedModel``) ``megatrain plan`` plans for ``config``: the causal LM built on
     the ``meta`` device in FP32, as a model is built for training, and traced in ``compute_dtype``
     (``trace(..., param_dtype=...)``), which is what ``megatrain.compile`` traces for a model of this
-    config with that compute dtype (a vision-language model with ``pixel_values``, one image per row).
+    config with that compute dtype (a vision-language model with ``pixel_values``: LLaVA one image
+    per row, Qwen2-VL one 448x448 image per row).
     Raises ConfigError for a dtype other than float32/bfloat16."""
     import torch
 
     from megatrain.errors import ConfigError
     from megatrain.planner.trace import trace
-    from megatrain.planner.trace.vlm import IMAGE_INPUT, family
+    from megatrain.planner.trace.vlm import batch_names
 
     if compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: use 'float32' or 'bfloat16'")
-    # A vision-language model is planned with its images: one per row, through its vision tower.
-    names = ("input_ids", IMAGE_INPUT, "labels") if family(config) is not None else ("input_ids", "labels")
+    # A vision-language model is planned with its images through its vision tower (LLaVA: one per
+    # row; Qwen2-VL: one 448x448 image per row).
     return trace(build_meta_model(config, dtype=torch.float32), micro_batch_size=micro_batch_size, seq_len=seq_len,
-                 input_names=names, param_dtype=getattr(torch, compute_dtype))
+                 input_names=batch_names(config), param_dtype=getattr(torch, compute_dtype))
 
 
 __all__ = ["MODEL_PRESETS", "SMALL_PRESETS", "dense_decoder_param_count", "preset_names", "load_model_config",

@@ -28,7 +28,8 @@ fields later ones read; each module's docstring gives the method of its pass and
 - :mod:`.measure` (``measure``): work bytes by a liveness simulation, FLOPs and launches on meta;
 - :mod:`.replicate` (``replicate``): the three-block trace repeated to full depth;
 - :mod:`.vlm`: a vision-language model's vision blocks as a second block container, cut before
-  the decoder's, and the shapes of its image inputs;
+  the decoder's, and the shapes of its image inputs; :mod:`.qwen_vl`: Qwen2-VL's and Qwen2.5-VL's
+  value-dependent tensors made on the host (grid-derived constants, M-RoPE positions per batch);
 - :mod:`.hf` (transformers specifics: causal attention without an ``S x S`` mask, its configs) and
   :mod:`.fx_util` (fx helpers) serve the passes.
 
@@ -55,7 +56,7 @@ from megatrain.planner.trace.lm_head import DEFAULT_LOSS_CHUNK_BYTES, chunk_lm_h
 from megatrain.planner.trace.measure import measure
 from megatrain.planner.trace.replicate import pick_blocks, replicate, short_copy, why_not_replicate
 from megatrain.planner.trace.token_loss import sum_token_loss
-from megatrain.planner.trace.vlm import image_input_shapes, vision_tower
+from megatrain.planner.trace.vlm import image_inputs, vision_tower
 from megatrain.planner.trace.seq_chunk import (DEFAULT_SEQ_CHUNK_BYTES, MIXED, chunk_sequence_regions,
                                                chunk_sequences, sequence_dims)
 
@@ -84,14 +85,17 @@ def run_passes(ctx: TraceContext) -> TraceContext:
 def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
           input_names: Sequence[str] = ("input_ids", "labels"), replicate_blocks: bool = True,
           loss_chunk_bytes: int | None = DEFAULT_LOSS_CHUNK_BYTES,
-          seq_chunk_bytes: int | None = DEFAULT_SEQ_CHUNK_BYTES, param_dtype: torch.dtype | None = None) -> TracedModel:
+          seq_chunk_bytes: int | None = DEFAULT_SEQ_CHUNK_BYTES, param_dtype: torch.dtype | None = None,
+          image_grid_thw: Sequence[Sequence[int]] | None = None) -> TracedModel:
     """Trace ``model`` into a LayerGraph for micro-batches of ``[micro_batch_size, seq_len]``.
 
     ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
     its scalar loss (a tensor, an object with ``.loss`` or a tuple whose first element is the loss).
     A vision-language model of :data:`.vlm.FAMILIES` (LLaVA) may take ``pixel_values`` among them,
     ``FloatTensor[micro_batch_size, C, H, W]`` (one image per row): its vision blocks become layers
-    too (:mod:`.vlm`).
+    too (:mod:`.vlm`). Qwen2-VL and Qwen2.5-VL take ``pixel_values`` and ``image_grid_thw``, each row
+    the images of the grids ``image_grid_thw`` (``[(t, h, w), ...]``, default one 448x448 image), and
+    are traced with their M-RoPE positions as an input instead of the grid (:mod:`.qwen_vl`).
     The model may live on the ``meta`` device; no parameter memory is touched either way, and the
     model is not modified.
 
@@ -111,6 +115,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     run again on the full model. ``graph.meta`` records ``trace`` (``"replicated"`` or ``"full"``),
     ``trace_full_because``, ``skip_causal_mask``, ``param_dtype``, any ``unused_parameters``, a
     vision-language model's ``vision_container`` (its vision blocks' layers are named under it), and
+    a Qwen2-VL's ``image_grid_thw`` (one row's image grids), and
     ``uncounted_loss_because`` when the loss is not a mean cross-entropy that
     :func:`~megatrain.planner.trace.token_loss.sum_token_loss` can sum and count
     (``TracedModel.count_targets`` is then None).
@@ -121,16 +126,15 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
         UnsupportedModelError: no trainable parameters, or
             blocks called out of order.
     """
-    shapes = image_input_shapes(model, tuple(input_names), micro_batch_size)
-    options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=tuple(input_names),
+    images = image_inputs(model, input_names, micro_batch_size, seq_len, image_grid_thw)
+    options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=images.names,
                            loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes,
-                           param_dtype=param_dtype,
-                           input_shapes=tuple((name, shape, dtype) for name, (shape, dtype) in shapes.items()))
-    check_model(model, options.input_names)
-    tower = vision_tower(model, options.input_names)
+                           param_dtype=param_dtype, call=images.call,
+                           input_shapes=tuple((name, shape, dtype) for name, (shape, dtype) in images.shapes.items()))
+    check_model(model, tuple(input_names))
+    tower, vision = vision_tower(model, options.input_names) or (None, None)
     container = find_block_container(model, skip=tower)
-    vision = None if tower is None else f"{tower}.{find_block_container(model.get_submodule(tower))}"
-    with causal_attention(model, options.input_names) as mask_free:
+    with causal_attention(model, options.input_names) as mask_free, images.attention(model):
         why = why_not_replicate(model, container) if replicate_blocks else "replicate_blocks=False"
         if vision is not None:
             why = f"a vision-language model (vision blocks in {vision}) is traced in full"
@@ -155,6 +159,8 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
         traced.graph.meta["trace_full_because"] = why
     if vision is not None:
         traced.graph.meta["vision_container"] = vision
+    if images.grid is not None:
+        traced.graph.meta["image_grid_thw"] = [list(g) for g in images.grid]
     check_covers_params(model, traced.graph)
     return traced
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from megatrain.errors import TraceError
 
@@ -27,8 +27,9 @@ class TraceOptions:
     traced in (the compute dtype: mixed precision's ``param_dtype``), None for theirs.
     ``input_shapes``: ``(name, shape, dtype)`` of each batch input that is not a
     ``[micro_batch_size, seq_len]`` long tensor, its shape that of one micro-batch (a
-    vision-language model's ``pixel_values``: :func:`~.vlm.image_input_shapes`). Raises
-    TraceError for a size below 1.
+    vision-language model's ``pixel_values``: :func:`~.vlm.image_inputs`). ``call``: how the loss
+    wrapper calls the model with one micro-batch's inputs (``call(model, **inputs)``; Qwen2-VL's
+    :func:`~.qwen_vl.trace_call`), None for ``model(**inputs)``. Raises TraceError for a size below 1.
     """
 
     micro_batch_size: int
@@ -38,6 +39,7 @@ class TraceOptions:
     seq_chunk_bytes: int | None
     param_dtype: torch.dtype | None = None
     input_shapes: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    call: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.seq_len < 1:

@@ -28,16 +28,18 @@ WRAPPED = "inner"  # attribute name of the user's model inside the loss wrapper
 class _LossOnly(nn.Module):
     """Calls the user's model with keyword batch inputs and returns only the scalar loss."""
 
-    def __init__(self, model: nn.Module, input_names: Sequence[str]):
+    def __init__(self, model: nn.Module, input_names: Sequence[str], call=None):
         super().__init__()
         setattr(self, WRAPPED, model)
         self.input_names = tuple(input_names)
+        self.call = call  # a vision-language family's own way to call the model (TraceOptions.call)
         params = inspect.signature(model.forward).parameters
         # A KV cache is for generation; in training it only adds graph inputs and copies.
         self.extra = {"use_cache": False} if "use_cache" in params else {}
 
     def forward(self, *batch: torch.Tensor) -> torch.Tensor:
-        out = getattr(self, WRAPPED)(**dict(zip(self.input_names, batch)), **self.extra)
+        model, inputs = getattr(self, WRAPPED), dict(zip(self.input_names, batch))
+        out = model(**inputs, **self.extra) if self.call is None else self.call(model, **inputs, **self.extra)
         return _extract_loss(out)
 
 
@@ -102,8 +104,8 @@ class _ModuleTracker:
             h.remove()
 
 
-def _export(model: nn.Module, input_names: Sequence[str], example: tuple[torch.Tensor, ...]):
-    wrapper = _LossOnly(model, input_names)
+def _export(model: nn.Module, input_names: Sequence[str], example: tuple[torch.Tensor, ...], call=None):
+    wrapper = _LossOnly(model, input_names, call)
     tracker = _ModuleTracker(model)
     try:
         return torch.export.export(wrapper, example, strict=False)
@@ -189,7 +191,7 @@ def export(ctx: TraceContext) -> None:
     ctx.example = tuple(torch.zeros(*shapes.get(name, token)[0], dtype=shapes.get(name, token)[1], device=device)
                         for name in o.input_names)
     with parameters_as(ctx.module, o.param_dtype):
-        ctx.program = _export(ctx.module, o.input_names, ctx.example)
+        ctx.program = _export(ctx.module, o.input_names, ctx.example, o.call)
     ctx.gm = ctx.program.graph_module
     sig = ctx.program.graph_signature
     # A tied parameter has several names (``lm_head.weight`` and ``model.embed_tokens.weight``);

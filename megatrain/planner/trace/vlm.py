@@ -12,6 +12,10 @@ and the ``epilogue``; the planner streams, keeps, checkpoints and recomputes eac
 A frozen vision tower (``requires_grad=False``, the common LLaVA recipe) has no gradient to
 compute: its layers get no local backward, no gradient copy and no optimizer state.
 
+Qwen2-VL and Qwen2.5-VL take their images as flattened patches with a grid, and their forward
+reads sizes from tensor values; :mod:`.qwen_vl` makes those on the host (the grid fixed per traced
+shape, the M-RoPE positions per batch) so that the same layers come out.
+
 The family table (:data:`FAMILIES`) says what each supported family's batch carries beside the
 token inputs and how many image tokens a row holds; :data:`REFUSED` names, for the vision-language
 families transformers ships that megatrain does not trace, what is missing.
@@ -19,13 +23,16 @@ families transformers ships that megatrain does not trace, what is missing.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from megatrain.errors import BatchError, UnsupportedModelError
+from megatrain.planner.trace import qwen_vl
+from megatrain.planner.trace.qwen_vl import GRID_INPUT, PatchGridFamily
 
 IMAGE_INPUT = "pixel_values"
 """The batch input that carries the images (``FloatTensor``), as transformers' VLMs name it."""
@@ -63,19 +70,16 @@ def _llava_tokens(model: nn.Module) -> tuple[int, int]:
     return config.image_token_id, positions - (config.vision_feature_select_strategy == "default")
 
 
-FAMILIES: dict[str, VisionLanguageFamily] = {
+FAMILIES: dict[str, VisionLanguageFamily | PatchGridFamily] = {
     "llava": VisionLanguageFamily("llava", "model.vision_tower", _llava_shape, _llava_tokens),
+    "qwen2_vl": PatchGridFamily("qwen2_vl", "model.visual"),
+    "qwen2_5_vl": PatchGridFamily("qwen2_5_vl", "model.visual", windowed=True),
 }
 """The vision-language families megatrain traces with their images, by ``model_type``."""
 
 REFUSED: dict[str, str] = {
-    "qwen2_vl": "variable image sizes (pixel_values as a [patches, features] tensor whose length follows "
-                "image_grid_thw) and the vision attention's cu_seqlens split, which export cannot trace to "
-                "fixed shapes, and M-RoPE position ids",
-    "qwen2_5_vl": "variable image sizes (image_grid_thw), windowed vision attention over cu_seqlens, and M-RoPE "
-                  "position ids",
-    "qwen3_vl": "variable image sizes (image_grid_thw), deepstack features added inside the decoder's layers, "
-                "and M-RoPE position ids",
+    "qwen3_vl": "deepstack features (intermediate vision blocks' outputs added inside the decoder's first "
+                "layers) and its interpolated vision position embeddings; Qwen2-VL and Qwen2.5-VL train",
     "llava_next": "AnyRes tiling (a variable number of tiles per image, image_sizes, and the unpadding of "
                   "the feature grid)",
     "llava_onevision": "AnyRes tiling (a variable number of tiles per image and image_sizes)",
@@ -88,8 +92,9 @@ REFUSED: dict[str, str] = {
 """Vision-language families megatrain refuses, by ``model_type``, with what it does not support yet."""
 
 
-def family(config: Any) -> VisionLanguageFamily | None:
-    """The :class:`VisionLanguageFamily` of a transformers ``config``, or None for other models."""
+def family(config: Any) -> VisionLanguageFamily | PatchGridFamily | None:
+    """The :class:`VisionLanguageFamily` (LLaVA) or :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL,
+    Qwen2.5-VL) of a transformers ``config``, or None for other models."""
     return FAMILIES.get(getattr(config, "model_type", None))
 
 
@@ -115,36 +120,108 @@ def refuse_vision_language(config: Any, source: str) -> None:
     raise UnsupportedModelError(
         f"{source}: model_type {mt!r} is a vision-language model that megatrain does not train yet: it lacks "
         f"support for {missing}. Vision-language families megatrain trains: {', '.join(sorted(FAMILIES))} "
-        "(one fixed-size image per row)")
+        "(images of one fixed size per row)")
 
 
-def image_input_shapes(model: nn.Module, input_names: tuple[str, ...],
-                       micro_batch_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The shape of one micro-batch and the dtype of each batch input that is not a token tensor:
-    ``{"pixel_values": ((micro_batch_size, C, H, W), torch.float32)}`` for a supported VLM whose
-    inputs include ``pixel_values``; empty otherwise.
+@dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """How a model's batch inputs are traced (:func:`image_inputs`).
+
+    ``names``: the traced inputs, in call order (Qwen2-VL's ``image_grid_thw`` becomes
+    ``mrope_position_ids``). ``shapes``: ``{name: (shape of one micro-batch, dtype)}`` of each
+    traced input that is not a ``[micro_batch_size, seq_len]`` long tensor. ``call``: how the
+    trace's loss wrapper calls the model with them (``call(model, **inputs)``), None for
+    ``model(**inputs)``. ``grid``: the patch grids of one row's images and ``family`` the
+    :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL), None otherwise.
+    """
+
+    names: tuple[str, ...]
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    call: Callable[..., Any] | None = None
+    grid: tuple[tuple[int, int, int], ...] | None = None
+    family: PatchGridFamily | None = None
+
+    def attention(self, model: nn.Module):
+        """A context for the export: the vision attention of a patch-grid family without its
+        value-dependent split (:func:`.qwen_vl.varlen_attention`); nothing for others."""
+        return contextlib.nullcontext() if self.family is None else qwen_vl.varlen_attention(model, self.family)
+
+
+def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size: int, seq_len: int,
+                 image_grid_thw: Sequence[Sequence[int]] | None = None) -> ImageInputs:
+    """The traced inputs of ``model`` for batches of ``input_names`` (:class:`ImageInputs`).
+
+    LLaVA with ``pixel_values``: ``[micro_batch_size, C, H, W]`` float32 images, one per row.
+    Qwen2-VL / Qwen2.5-VL with ``pixel_values``: each row carries images of the grids
+    ``image_grid_thw`` (default: one 448x448 image; :func:`.qwen_vl.row_grid`), traced as
+    ``[micro_batch_size, patches per row, C*T*P*P]`` float32 patches and the M-RoPE positions
+    (:mod:`.qwen_vl`). Other batches: the names as given, nothing else.
 
     Raises:
         UnsupportedModelError: ``pixel_values`` among the inputs of a model that is not a supported
-            vision-language model.
+            vision-language model; Qwen2-VL inputs without ``image_grid_thw`` or with
+            ``position_ids``; ``image_grid_thw`` for another model.
+        ConfigError: a malformed ``image_grid_thw``, or one whose image tokens exceed ``seq_len``.
     """
-    if IMAGE_INPUT not in input_names:
-        return {}
+    names = tuple(input_names)
     fam = family(getattr(model, "config", None))
+    if image_grid_thw is not None and not (isinstance(fam, PatchGridFamily) and IMAGE_INPUT in names):
+        raise UnsupportedModelError(
+            f"image_grid_thw is the image grid of Qwen2-VL and Qwen2.5-VL batches with pixel_values; "
+            f"{type(model).__name__} with inputs {list(names)} takes none: drop it")
+    if IMAGE_INPUT not in names:
+        return ImageInputs(names, {})
     if fam is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} takes no images megatrain knows how to shape: {IMAGE_INPUT!r} is a batch "
             f"input only of the vision-language families {sorted(FAMILIES)}; drop it from input_names")
-    return {IMAGE_INPUT: ((micro_batch_size, *fam.image_shape(model.config)), torch.float32)}
+    if isinstance(fam, PatchGridFamily):
+        grid = qwen_vl.row_grid(model.config, image_grid_thw)
+        return ImageInputs(qwen_vl.traced_names(names),
+                           qwen_vl.input_shapes(model.config, grid, micro_batch_size, seq_len),
+                           qwen_vl.trace_call(model, fam, grid, micro_batch_size), grid, fam)
+    return ImageInputs(names, {IMAGE_INPUT: ((micro_batch_size, *fam.image_shape(model.config)), torch.float32)})
 
 
-def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> str | None:
-    """The module path of a supported VLM's vision tower (LLaVA: ``model.vision_tower``) when the
-    batch carries ``pixel_values``; None otherwise (a VLM trained on text alone never calls it)."""
+def batch_names(config: Any) -> tuple[str, ...]:
+    """The batch inputs a model of ``config`` is planned with by ``megatrain plan`` and the presets:
+    a vision-language family's with its images, else ``input_ids`` and ``labels``."""
+    fam = family(config)
+    if fam is None:
+        return ("input_ids", "labels")
+    if isinstance(fam, PatchGridFamily):
+        return ("input_ids", IMAGE_INPUT, GRID_INPUT, "labels")
+    return ("input_ids", IMAGE_INPUT, "labels")
+
+
+def prepare_images(model: nn.Module, batch: Mapping[str, torch.Tensor], input_names: Sequence[str],
+                   grid: Sequence[Sequence[int]] | None) -> dict[str, torch.Tensor]:
+    """A batch of ``input_names`` as the traced inputs: for Qwen2-VL with images
+    (:func:`.qwen_vl.prepare_batch`, ``grid`` the traced row's grids), checked and with its M-RoPE
+    positions; any other batch unchanged.
+
+    Raises:
+        BatchError: what :func:`.qwen_vl.prepare_batch` refuses.
+    """
+    fam = family(getattr(model, "config", None))
+    if not isinstance(fam, PatchGridFamily) or grid is None or IMAGE_INPUT not in batch:
+        return dict(batch)
+    return qwen_vl.prepare_batch(model, batch, qwen_vl.traced_names(input_names), grid)
+
+
+def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, str] | None:
+    """The module paths of a supported VLM's vision tower and of its block container (LLaVA:
+    ``model.vision_tower`` and the container holding most of its parameters; Qwen2-VL:
+    ``model.visual`` and ``model.visual.blocks``, named, since its merger's MLP may hold more) when
+    the batch carries ``pixel_values``; None otherwise (a VLM trained on text alone never calls it)."""
+    from megatrain.planner.trace.cut import find_block_container
+
     fam = family(getattr(model, "config", None))
     if IMAGE_INPUT not in input_names or fam is None:
         return None
-    return fam.vision_tower
+    blocks = fam.blocks if isinstance(fam, PatchGridFamily) else find_block_container(
+        model.get_submodule(fam.vision_tower))
+    return fam.vision_tower, f"{fam.vision_tower}.{blocks}"
 
 
 def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
@@ -159,17 +236,28 @@ def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> N
         BatchError: naming the row, its image-token count and the count each row needs.
     """
     fam = family(getattr(model, "config", None))
-    if fam is None or IMAGE_INPUT not in batch or "input_ids" not in batch:
-        return
+    if not isinstance(fam, VisionLanguageFamily) or IMAGE_INPUT not in batch or "input_ids" not in batch:
+        return  # Qwen2-VL's image tokens are checked with its grid (prepare_images)
     token, per_row = fam.image_tokens(model)
-    counts = (batch["input_ids"] == token).sum(dim=1)
+    refuse_image_token_counts(batch["input_ids"], token, per_row,
+                              f"each row carries one image of {per_row} features, which")
+
+
+def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int, images: str) -> None:
+    """Refuse ``input_ids`` ``[rows, seq_len]`` unless each row holds ``per_row`` image tokens (id
+    ``token``); ``images`` says what fills them, for the message.
+
+    Raises:
+        BatchError: naming the first row with another count, its count and ``per_row``.
+    """
+    counts = (input_ids == token).sum(dim=1)
     bad = (counts != per_row).nonzero()
     if len(bad):
         row = int(bad[0, 0])
         raise BatchError(
-            f"batch row {row} holds {int(counts[row])} image tokens (id {token}), but each row carries one image "
-            f"of {per_row} features, which fill exactly {per_row} image tokens; build input_ids with the model's "
-            "processor (it expands the image placeholder to that many tokens)")
+            f"batch row {row} holds {int(counts[row])} image tokens (id {token}), but {images} fill exactly {per_row} "
+            "image tokens; build input_ids with the model's processor (it expands each image placeholder to its "
+            "tokens)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,5 +319,6 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
                        graph.param_count, v_host, host, *times["compute"], *times["h2d"])
 
 
-__all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "VisionLanguageFamily", "VisionShare", "check_image_tokens",
-           "family", "image_input_shapes", "refuse_vision_language", "vision_share", "vision_tower"]
+__all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "ImageInputs", "VisionLanguageFamily", "VisionShare", "batch_names",
+           "check_image_tokens", "family", "image_inputs", "prepare_images", "refuse_image_token_counts",
+           "refuse_vision_language", "vision_share", "vision_tower"]
