@@ -58,6 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
     from megatrain.planner.presets import preset_names
 
     p = _Parser(prog="megatrain", description="Train large language models on one GPU with all persistent "
@@ -80,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", default=None,
                       help=f"a preset ({preset_names()}) or the path of a Hugging Face config.json")
     plan.add_argument("--hardware", default=None,
-                      help="a hardware preset (H100_SXM, H200, GH200, A100_80GB, RTX_4090) or the path of a "
+                      help=f"a hardware preset ({', '.join(HARDWARE_PRESETS)}) or the path of a "
                            "HardwareSpec JSON file (with --config: replaces the run's)")
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     plan.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")

@@ -14,6 +14,7 @@ from pydantic import Field
 from megatrain.config import OptimizerSettings, describe_validation
 from megatrain import optim
 from megatrain.errors import ConfigError
+from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
 from megatrain.planner.presets import preset_names
 from megatrain.train.rundir import CONFIG_FILE
 
@@ -131,8 +132,8 @@ class TrainConfig(pydantic.BaseModel):
     loss_spike: float | None = Field(None, gt=1, description="a step whose loss exceeds this factor times the mean of "
                                                              "the last 20 kept steps' losses is treated as a "
                                                              "non-finite one (null: no spike check)")
-    hardware: str | None = Field(None, description="a hardware preset (H100_SXM, H200, GH200, A100_80GB, "
-                                                   "RTX_4090) or HardwareSpec JSON file: the simulator's "
+    hardware: str | None = Field(None, description=f"a hardware preset ({', '.join(HARDWARE_PRESETS)}) or "
+                                                   "HardwareSpec JSON file: the simulator's "
                                                    "predicted step, the MFU peak on a GPU, and with "
                                                    "device cuda the spec the plan is solved for (default: "
                                                    "the measured GPU)")
