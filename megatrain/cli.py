@@ -59,6 +59,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
+    from megatrain.optim import OPTIMIZERS
     from megatrain.planner.presets import preset_names
 
     p = _Parser(prog="megatrain", description="Train large language models on one GPU with all persistent "
@@ -92,9 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--clip-gradients", action="store_true",
                       help="the run clips gradients by global norm: optimizer steps wait for every "
                            "gradient and run in the next step's forward (one host gradient tile per layer)")
-    plan.add_argument("--optimizer", choices=("adamw", "lion"), default=None,
-                      help="host optimizer whose state the plan counts: adamw (8 bytes per parameter, the "
-                           "default) or lion (4; megatrain.optim)")
+    plan.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                      help="host optimizer whose state the plan counts, in bytes per parameter: "
+                           + ", ".join(f"{name} ({spec.state_bytes_per_param})" for name, spec in OPTIMIZERS.items())
+                           + " (default adamw; megatrain.optim)")
     plan.add_argument("--solver", choices=("milp", "enumerate"), default="milp",
                       help="resident-layer selection: MILP knapsack (default) or greedy")
     plan.add_argument("--out", type=Path, default=None,

@@ -18,6 +18,9 @@ from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
 from megatrain.planner.presets import preset_names
 from megatrain.train.rundir import CONFIG_FILE
 
+OptimizerName = Literal[tuple(optim.OPTIMIZERS)]  # type: ignore[valid-type]
+"""A name of :data:`megatrain.optim.OPTIMIZERS` (the config's ``optimizer``)."""
+
 
 class TrainConfig(pydantic.BaseModel):
     """Everything ``megatrain train`` needs; each field is also a flag (``seq_len`` -> ``--seq-len``).
@@ -102,7 +105,7 @@ class TrainConfig(pydantic.BaseModel):
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     warmup_steps: int = Field(100, ge=0, description="steps of linear warm-up to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decays to lr x this at the last step")
-    optimizer: Literal["adamw", "lion"] = Field(
+    optimizer: OptimizerName = Field(
         "adamw", description="host optimizer: adamw (two FP32 moments, 8 bytes of state per parameter) or lion "
                              "(Chen et al. 2023, arXiv:2302.06675: one FP32 moment, 4 bytes, so more of a model "
                              "fits host memory; it wants an lr 3-10x lower and a weight_decay 3-10x higher "
