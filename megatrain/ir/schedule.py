@@ -33,7 +33,6 @@ from typing import Literal
 
 import pydantic
 
-from megatrain.ir.graph import LayerGraph
 from megatrain.ir.layout import BufferLayout, gradient_tiles
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 
