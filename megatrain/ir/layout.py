@@ -15,8 +15,9 @@ gradient tile to ``shards`` equal chunks (:func:`reduced_numel`), and with ``Pla
 Pinned host memory is exactly what DMA reads or writes, and :func:`pinned_buffers` lays it out
 for the runtime, which pins the same regions (one arena registered with ``cudaHostRegister``, not
 the caching host allocator, which rounds every block up to a power of two): the host gradient
-tiles that D2H writes (``plan.gradient_itemsize`` per element), each sized to the widest layer that uses it (one per trainable layer, at
-its own size, when the optimizer waits for the next step; :func:`gradient_tile_numels`); with BF16
+tiles that D2H writes (``plan.gradient_itemsize`` per element), each sized to the widest layer that
+uses it (one per trainable layer, at its own size, when the optimizer waits for the next step;
+:func:`gradient_tile_numels`); with BF16
 compute the staging tiles that H2D reads, ``max numel x 2`` each (with ``plan.cast_once`` one per
 layer, ``numel x 2``: :func:`staging_tile_numels`); the offloaded checkpoints, one
 region per (value, micro-batch) alive at once; and each layer's gradient norm and finite flag.
@@ -498,11 +499,11 @@ def buffer_layout(graph: LayerGraph, plan: Plan, mode: str = "train") -> BufferL
         gather_scratch_bytes=gather_scratch_bytes(graph, plan), layers=layers)
 
 
-__all__ = ["BufferLayout", "LayerLayout", "buffer_layout", "gradient_tiles", "GRAD_ITEMSIZE", "OPT_CHUNK_ELEMENTS", "MASTER_BYTES_PER_ELEMENT",
-           "MOMENT_BYTES_PER_ELEMENT", "state_bytes_per_param", "STAGING_ITEMSIZE", "HOST_PAGE_BYTES",
-           "NORM_ITEMSIZE", "FLAG_ITEMSIZE", "SHARD_ALIGN_ELEMENTS", "optimizer_shard", "cast_shard",
-           "reduced_numel", "node_slice", "optimizer_numel", "widens_gradients", "page_up", "gradient_tile_numels",
-           "gradient_ring_bytes", "staging_tile_numels", "shared_staging_bytes", "pinned_master_bytes",
-           "PinnedKind", "PinnedTile", "PinnedLayout", "pinned_buffers", "slot_numels", "gradient_scratch_numel",
-           "nvme_bytes", "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_bytes", "nvme_gradient_buffers",
-           "gather_scratch_bytes", "GATHER_BUFFERS", "gather_buffer_bytes"]
+__all__ = ["BufferLayout", "LayerLayout", "buffer_layout", "gradient_tiles", "GRAD_ITEMSIZE", "OPT_CHUNK_ELEMENTS",
+           "MASTER_BYTES_PER_ELEMENT", "MOMENT_BYTES_PER_ELEMENT", "state_bytes_per_param", "STAGING_ITEMSIZE",
+           "HOST_PAGE_BYTES", "NORM_ITEMSIZE", "FLAG_ITEMSIZE", "SHARD_ALIGN_ELEMENTS", "optimizer_shard",
+           "cast_shard", "reduced_numel", "node_slice", "optimizer_numel", "widens_gradients", "page_up",
+           "gradient_tile_numels", "gradient_ring_bytes", "staging_tile_numels", "shared_staging_bytes",
+           "pinned_master_bytes", "PinnedKind", "PinnedTile", "PinnedLayout", "pinned_buffers", "slot_numels",
+           "gradient_scratch_numel", "nvme_bytes", "NVME_BUFFERS", "nvme_buffers", "nvme_gradient_bytes",
+           "nvme_gradient_buffers", "gather_scratch_bytes", "GATHER_BUFFERS", "gather_buffer_bytes"]

@@ -53,7 +53,6 @@ Language Modeling with Pathways", appendix B): the FLOPs of one forward and back
 per token, with recompute not counted, over the step time and the peak rate. The backward is
 counted as twice the forward, so model FLOPs = 3 x the sum of the layers' traced forward FLOPs
 (which include attention as the kernels compute it) per micro-batch.
-
 """
 
 from __future__ import annotations
@@ -63,7 +62,8 @@ from typing import Callable
 
 from megatrain.errors import ConfigError
 from megatrain.ir.graph import Layer, LayerGraph
-from megatrain.ir.hardware import ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT, HardwareSpec
+from megatrain.ir.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
+                                   HardwareSpec)
 from megatrain.ir.layout import (GRAD_ITEMSIZE, MASTER_BYTES_PER_ELEMENT, cast_shard, nvme_bytes, nvme_gradient_bytes,
                                  node_slice, optimizer_numel, widens_gradients)
 from megatrain.ir.plan import Plan

@@ -500,7 +500,8 @@ class CUDABackend(_Recording):
     def __init__(self, adapter: CudaApi | None = None, *, record: bool = False, host_threads: int | None = None):
         if host_threads is not None and host_threads < 1:
             raise ValueError(f"CUDABackend(host_threads={host_threads}): a host worker needs at least one thread; "
-                             "pass megatrain.ir.hardware.host_worker_threads(cores, gpus_per_node), or None for torch's default")
+                             "pass megatrain.ir.hardware.host_worker_threads(cores, gpus_per_node), or None for "
+                             "torch's default")
         self.cuda: CudaApi = adapter if adapter is not None else TorchCuda()
         self.device = self.cuda.device
         self.record = record

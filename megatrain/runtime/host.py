@@ -15,10 +15,10 @@ master row directly, :meth:`HostState.pin_masters` page-locks that row alone (ro
 pages) through the backend's ``host_pin`` (``cudaHostRegister`` on CUDA); the moments are never
 copied to or from the GPU and stay pageable. The gradient and staging tiles, offloaded
 checkpoints and per-layer norms and flags live in one :class:`PinnedArena` laid out by
-``Schedule.layout.pinned`` (:func:`megatrain.ir.layout.pinned_buffers`) and pinned whole. So the bytes the
-runtime pins are the planner's ``memory_breakdown(...).host_pinned``, exactly; ``torch.empty(..., pin_memory=True)`` would
-instead round every block up to a power of two (PyTorch's caching host allocator), pinning up to
-twice the plan's figure.
+``Schedule.layout.pinned`` (:func:`megatrain.ir.layout.pinned_buffers`) and pinned whole. So the
+bytes the runtime pins are the planner's ``memory_breakdown(...).host_pinned``, exactly;
+``torch.empty(..., pin_memory=True)`` would instead round every block up to a power of two
+(PyTorch's caching host allocator), pinning up to twice the plan's figure.
 """
 
 from __future__ import annotations
