@@ -958,7 +958,7 @@ def _check_layout(c: _Context) -> None:
             if region.get((kind, key), -1) < nbytes:
                 fail(i, "layout", f"it needs {nbytes:,} bytes in pinned {kind} region {key!r}, and the layout "
                      f"gives {region.get((kind, key), 'none')}", "lower the plan again")
-        if op.buf is not None and op.kind is not OpKind.ALL_GATHER:
+        if op.buf is not None:  # an NVMe I/O buffer: NVME_READ, NVME_WRITE, OPT, CAST
             count, nbytes = layout.nvme_buffers
             want = cost.nvme_bytes(layer, op.layer in plan.nvme_masters, plan)
             if not 0 <= op.buf < count or nbytes < want:
