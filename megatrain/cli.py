@@ -58,6 +58,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
+    from megatrain.optim import OPTIMIZERS
     from megatrain.planner.presets import preset_names
 
     p = _Parser(prog="megatrain", description="Train large language models on one GPU with all persistent "
@@ -80,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", default=None,
                       help=f"a preset ({preset_names()}) or the path of a Hugging Face config.json")
     plan.add_argument("--hardware", default=None,
-                      help="a hardware preset (H100_SXM, H200, GH200, A100_80GB, RTX_4090) or the path of a "
+                      help=f"a hardware preset ({', '.join(HARDWARE_PRESETS)}) or the path of a "
                            "HardwareSpec JSON file (with --config: replaces the run's)")
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     plan.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
@@ -91,9 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--clip-gradients", action="store_true",
                       help="the run clips gradients by global norm: optimizer steps wait for every "
                            "gradient and run in the next step's forward (one host gradient tile per layer)")
-    plan.add_argument("--optimizer", choices=("adamw", "lion"), default=None,
-                      help="host optimizer whose state the plan counts: adamw (8 bytes per parameter, the "
-                           "default) or lion (4; megatrain.optim)")
+    plan.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                      help="host optimizer whose state the plan counts, in bytes per parameter: "
+                           + ", ".join(f"{name} ({spec.state_bytes_per_param})" for name, spec in OPTIMIZERS.items())
+                           + " (default adamw; megatrain.optim)")
     plan.add_argument("--solver", choices=("milp", "enumerate"), default="milp",
                       help="resident-layer selection: MILP knapsack (default) or greedy")
     plan.add_argument("--out", type=Path, default=None,

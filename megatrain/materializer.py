@@ -13,6 +13,7 @@ from megatrain.config import AdamW
 from megatrain.errors import ConfigError
 from megatrain.optim import Lion, optimizer_settings, spec_of
 from megatrain.planner import cost
+from megatrain.ir.layout import buffer_layout
 from megatrain.planner.front import PlannedModel
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.executor import Executor
@@ -143,7 +144,7 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None 
 
 def _sharded_host(planned: PlannedModel) -> HostState:
     """The host state of a plan with ``host_state == "shard"``: this node's slice of every layer
-    (``cost.node_slice``) and its gather tiles, in the node's shared memory; global rank 0
+    (``Schedule.layout``'s node slices) and its gather tiles, in the node's shared memory; global rank 0
     initialises the module's weights into whole rows of its own and broadcasts them into every
     node's slice, one layer at a time; then no rank's module keeps its parameters (they are left
     on the ``meta`` device: the weights live in the slices only). Collective."""
@@ -152,9 +153,10 @@ def _sharded_host(planned: PlannedModel) -> HostState:
 
     plan, graph, model = planned.plan, planned.traced.graph, planned.model
     node = topology().node
-    slices = [cost.node_slice(lay.numel, lay.trainable_numel, plan, node) for lay in graph.layers]
-    gather_bytes = cost.gather_buffer_bytes(graph, plan) // cost.GATHER_BUFFERS
-    scratch = cost.gather_scratch_bytes(graph, plan)
+    steady = planned.schedules.steady  # its layout is what lowering decided: the slices, gather tiles, scratch
+    layout = steady.layout if steady.layout is not None else buffer_layout(graph, plan)
+    slices = [span.node_slices[node] for span in layout.layers]
+    gather_bytes, scratch = layout.gather_buffers[1], layout.gather_scratch_bytes
     spec = plan.optimizer_spec
     dp = data_parallel_host(HostState.shared_nbytes(graph, slices, gather_bytes, scratch_bytes=scratch, optimizer=spec),
                             plan.data_parallel, plan.optimizer_shards, plan.nodes, sharded=True)

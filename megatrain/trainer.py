@@ -857,7 +857,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         plan: a ``Plan``; ``"default"`` for the default plan; by default the solver chooses one
             (see ``hardware``).
         hardware: what to plan for when ``plan`` is None: a ``HardwareSpec``, a preset name
-            (``"H100_SXM"``, ``"H200"``, ``"GH200"``, ``"A100_80GB"``, ``"RTX_4090"``) or a spec JSON
+            (a key of ``megatrain.ir.hardware.PRESETS``, e.g. ``"H100_SXM"``) or a spec JSON
             file. The solver (``megatrain.planner.solve``) then picks slots, prefetch distance,
             resident layers, checkpoint offload/recompute and the optimizer placement for the
             shortest simulated step that fits, with this micro-batch split. With None: on

@@ -1,7 +1,8 @@
 """Layering, read from the sources: the IR (``megatrain.ir``: graph, plan, schedule, liveness,
-hardware, issue) imports neither the planner nor the runtime; the planner imports no runtime
-(measuring the machine is ``megatrain.runtime.measure``'s); the runtime imports the IR and the cost
-model but no pass that makes a schedule (trace, solve, lower, verify); kernels import neither."""
+hardware, issue, layout) imports neither the planner nor the runtime; the planner imports no runtime
+(measuring the machine is ``megatrain.runtime.measure``'s); the runtime imports the IR (its buffer
+layout is ``Schedule.layout``) and nothing of the planner but the measured Timeline's type; kernels
+import neither."""
 
 import ast
 from pathlib import Path
@@ -29,16 +30,25 @@ def imports(package: str) -> set[tuple[str, str]]:
     return found
 
 
+ALLOWED = {
+    # A measured Timeline is the planner's analysis of the runtime's op records (its GPU memory curve
+    # and MFU come from the cost model): ``Backend.timeline`` hands the records to
+    # ``Timeline.from_records``. Moving the type into the IR would take the cost model with it.
+    ("runtime/recording.py", "megatrain.planner.timeline.Timeline"),
+    ("runtime/backend.py", "megatrain.planner.timeline.Timeline"),
+}
+
+
 @pytest.mark.parametrize("package, forbidden", [
     ("planner", ("megatrain.runtime", "megatrain.trainer", "megatrain.train", "megatrain.testing")),
-    ("runtime", ("megatrain.planner.trace", "megatrain.planner.solve", "megatrain.planner.lower",
-                 "megatrain.planner.verify", "megatrain.trainer", "megatrain.train", "megatrain.testing")),
+    ("runtime", ("megatrain.planner", "megatrain.trainer", "megatrain.train", "megatrain.testing",
+                 "megatrain.materializer")),
     ("kernels", ("megatrain.planner", "megatrain.runtime")),
     ("ir", ("megatrain.planner", "megatrain.runtime", "megatrain.trainer", "megatrain.train", "megatrain.testing",
             "megatrain.materializer")),
 ])
 def test_a_layer_imports_nothing_above_it(package, forbidden):
-    bad = sorted((f, n) for f, n in imports(package) if n.startswith(forbidden))
+    bad = sorted((f, n) for f, n in imports(package) if n.startswith(forbidden) and (f, n) not in ALLOWED)
     assert not bad, f"megatrain/{package} imports {bad}"
 
 

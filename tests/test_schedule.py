@@ -293,9 +293,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 17
-    doc["version"] = 16
-    with pytest.raises(pydantic.ValidationError, match="version 16 is not 17.*lower the plan again"):
+    assert doc["version"] == 18
+    doc["version"] = 17
+    with pytest.raises(pydantic.ValidationError, match="version 17 is not 18.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 
@@ -442,7 +442,7 @@ def test_verifier_rules_are_data_and_each_runs_alone():
 
     assert [r.__name__ for r in verify_mod.RULES] == [
         "_check_order", "_check_budget", "_check_weights", "_check_gradients", "_check_staging",
-        "_check_coverage", "_check_data", "_check_updates", "_check_nvme", "_check_collectives"]
+        "_check_coverage", "_check_data", "_check_updates", "_check_nvme", "_check_collectives", "_check_layout"]
     g = chain_graph(4)
     s = lower(g, Plan(), "train")
     ops = list(s.ops)
@@ -521,3 +521,34 @@ def test_liveness_names_each_generation_and_its_readers():
         assert batch and all(gen.readers for gen in batch)
         for i, reads in enumerate(live.reads):  # every read of a lowered schedule has a generation
             assert all(k is not None and i in live.generations[k].readers for k in reads.values())
+
+
+def test_the_layout_rule_checks_the_recorded_buffer_layout():
+    # Lowering records the layout the runtime allocates from; each corruption of it is refused by name.
+    g = chain_graph(3)
+    sharded = lower(g, Plan(data_parallel=4, nodes=2, host_state="shard", optimizer_shards=2), "train")
+    staged = lower(g, Plan(compute_dtype="bfloat16", staging_ring=2), "train")
+    for s in (sharded, staged):
+        verify(s, g)
+        assert Schedule.from_json(s.to_json()).layout == s.layout
+    lay = sharded.layout
+    assert [span.optimizer_shards for span in lay.layers] == [((0, 256), (256, 512), (512, 768), (768, 1024))] * 3
+    assert [span.node_slices for span in lay.layers] == [((0, 512), (512, 1024))] * 3
+    shard = lay.layers[1].optimizer_shards
+    one = staged.layout
+    t0, t1 = one.pinned.tiles[:2]
+    broken = [
+        (sharded, dataclasses.replace(lay, layers=(lay.layers[0], dataclasses.replace(
+            lay.layers[1], optimizer_shards=((0, shard[0][1] - 1), *shard[1:])), lay.layers[2])), "do not tile"),
+        (sharded, dataclasses.replace(lay, layers=lay.layers[:2]), "lays out 2 layers"),
+        (sharded, dataclasses.replace(lay, gather_scratch_bytes=0), "gather tiles"),
+        (staged, dataclasses.replace(one, pinned=dataclasses.replace(
+            one.pinned, tiles=(t0, dataclasses.replace(t1, offset=t0.offset), *one.pinned.tiles[2:]))), "inside"),
+        (staged, dataclasses.replace(one, slots=((1, 1),) + one.slots[1:]), "does not fit slot 0"),
+        (staged, dataclasses.replace(one, pinned=dataclasses.replace(one.pinned, tiles=tuple(
+            dataclasses.replace(t, nbytes=2) if t.kind in ("staging", "ring") else t for t in one.pinned.tiles))),
+         "bytes in pinned"),
+    ]
+    for s, bad, match in broken:
+        with pytest.raises(ScheduleError, match=f"rule 'layout'.*{match}"):
+            verify(dataclasses.replace(s, layout=bad), g)

@@ -145,7 +145,7 @@ class HardwareSpec(pydantic.BaseModel):
                                                                  "megatrain's host kernel "
                                                                  "(runtime.host_kernels) on tiles larger "
                                                                  "than the last-level cache, at the "
-                                                                 "threads of cost.host_worker_threads("
+                                                                 "threads of hardware.host_worker_threads("
                                                                  "host_cores)")
     host_optimizer_bf16_params_per_s: float = Field(0, ge=0, description="the same from BF16 gradient tiles "
                                                                          "(widened in the cache, chunk by "
@@ -159,7 +159,7 @@ class HardwareSpec(pydantic.BaseModel):
                                                                  "host_optimizer_params_per_s by bytes "
                                                                  "moved (x 28/6)")
     host_cores: int = Field(0, ge=0, description="CPU cores of the host (one node) the host rates were "
-                                                 "measured with, cost.host_worker_threads of them per "
+                                                 "measured with, hardware.host_worker_threads of them per "
                                                  "rank; 0: not recorded")
     op_latency_s: float = Field(DEFAULT_OP_LATENCY_S, ge=0,
                                 description="fixed time added to every op in seconds (launch, events)")
@@ -482,6 +482,20 @@ def load_hardware(hardware: "HardwareSpec | str | os.PathLike") -> HardwareSpec:
                           "megatrain.runtime.measure.measure_hardware(path) or name a preset "
                           f"({sorted(PRESETS)})")
     return preset(str(hardware))
+
+
+def host_worker_threads(cores: int, gpus_per_node: int = 1) -> int:
+    """Intra-op threads of one rank's host workers (HOST and CAST, which take turns on them): the
+    rank's share of the node's ``cores`` less one for its issuing thread, at least 1. The CUDA
+    backend runs its workers with it (:class:`megatrain.runtime.cuda.CUDABackend`) and
+    :func:`megatrain.runtime.measure.measure_hardware` measures the host rates with it (one rank).
+
+    Raises:
+        ValueError: ``cores`` or ``gpus_per_node`` < 1.
+    """
+    if cores < 1 or gpus_per_node < 1:
+        raise ValueError(f"host_worker_threads(cores={cores}, gpus_per_node={gpus_per_node}): both must be >= 1")
+    return max(1, cores // gpus_per_node - 1)
 
 
 __all__ = ["HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200", "GH200", "A100_80GB",

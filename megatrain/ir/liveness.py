@@ -9,7 +9,7 @@ OFFLOADs, which read their layer's checkpoints (:meth:`LayerGraph.checkpoints`).
 
 One walk over the list in issue order serves every consumer, so the rule is written once:
 
-- the cost model (:func:`megatrain.planner.cost.activation_liveness`) frees a generation's bytes
+- the cost model (:func:`megatrain.planner.activations.activation_liveness`) frees a generation's bytes
   after its last reader;
 - the executor drops a generation once its last reader has run (an op's work may run after later
   ops were launched, so it keys reads by generation, never by what a dictionary holds);

@@ -76,10 +76,10 @@ class Plan:
             are computed in FP32 on the device.
         nvme_moments: layers whose Adam moments live on the NVMe tier (:mod:`megatrain.planner.nvme`):
             they have no rows in host memory; the lowering reads them (NVME_READ) into a host I/O
-            buffer (``Op.buf``, ``cost.nvme_buffers``) before the layer's OPT, which steps them
+            buffer (``Op.buf``, ``layout.nvme_buffers``) before the layer's OPT, which steps them
             there, and writes them back (NVME_WRITE) after it, on the I/O stream. The runtime
             needs an NVMe directory (``nvme_dir``).
-        nvme_buffers: host I/O buffers of the moments' pool (``cost.nvme_buffers``), >= 1: how far
+        nvme_buffers: host I/O buffers of the moments' pool (``layout.nvme_buffers``), >= 1: how far
             the NVMe reads run ahead of the OPTs. The first ``nvme_buffers`` reads are issued at
             the start of the step, so they overlap the forward pass (with updates during the
             backward the I/O stream is otherwise idle until the first OPT), and each later read
@@ -89,7 +89,7 @@ class Plan:
         nvme_gradients: layers whose deferred gradient tile (``OptimizerPlacement.NEXT_FORWARD``,
             layer-by-layer passes or one micro-batch, one rank) waits on the NVMe tier between
             steps instead of in a pinned host tile of its own: the layer's D2H lands in a pinned
-            gradient I/O buffer (``Op.gbuf``, ``cost.nvme_gradient_buffers``), an NVME_WRITE takes
+            gradient I/O buffer (``Op.gbuf``, ``layout.nvme_gradient_buffers``), an NVME_WRITE takes
             it to the layer's file, and the next step's NVME_READ brings it back into a gradient
             I/O buffer for the carried OPT. Needs an NVMe directory (``nvme_dir``).
         nvme_masters: layers whose FP32 master weights live on the NVMe tier too, in one file with
@@ -111,32 +111,32 @@ class Plan:
         optimizer_shards: data parallel within a node: how many ranks share one copy of the
             persistent host state (FP32 masters and Adam moments in shared memory,
             :mod:`megatrain.runtime.distributed`) and split its AdamW work. Each of them steps its
-            own contiguous shard of every layer's tile (:func:`megatrain.planner.cost.optimizer_shard`),
+            own contiguous shard of every layer's tile (:func:`megatrain.ir.layout.optimizer_shard`),
             and an ALL_GATHER after each OPT (on the COMM stream; on shared memory, a barrier of the
             node's ranks) makes the updated shards every rank's before anything reads the layer's
             master again. 1 (the default): each rank steps whole tiles of a copy of its own.
         nodes: machines the ``data_parallel`` ranks are spread over, evenly
             (:attr:`gpus_per_node` each), >= 1 and a divisor of ``data_parallel``. The ranks of one
             node share its host memory bandwidth, which the host ops run at
-            (:func:`megatrain.planner.cost.host_rate`), and ``optimizer_shards`` of them (a divisor of
+            (:func:`megatrain.planner.time.host_rate`), and ``optimizer_shards`` of them (a divisor of
             ``gpus_per_node``) one copy of the persistent state. Topology lives on the Plan, not the HardwareSpec: the spec describes one
             node's hardware (and ``measure_hardware()`` measures one machine), while how many ranks
             and nodes a run uses is the run's choice, as ``data_parallel`` is.
         host_state: where the persistent host state lives when ``nodes > 1``: ``"replicate"`` (the
             default), a full copy on every node; or ``"shard"``, ``1 / nodes`` of it on each node
             (ZeRO-3 style: Rajbhandari et al. 2020, arXiv:1910.02054), every layer's weights
-            all-gathered over the network before each use (:func:`megatrain.planner.cost.weight_gather_time`)
+            all-gathered over the network before each use (:func:`megatrain.planner.time.weight_gather_time`)
             and each node updating its own ``1 / nodes``. A planning choice
             (:mod:`megatrain.planner.topology`). The runtime runs it with ``optimizer_shards`` =
             the GPUs per node: global rank ``r`` steps shard ``r`` of ``data_parallel``
             (:attr:`update_shards`), node ``n`` holds the union of its ranks' shards
-            (:func:`megatrain.planner.cost.node_slice`), and an ALL_GATHER with a gather tile
+            (:func:`megatrain.ir.layout.node_slice`), and an ALL_GATHER with a gather tile
             (``Op.tile``) before every H2D gathers the layer's weights in the compute dtype, which
             the H2D reads (no CAST with BF16: :attr:`staged`).
         gradient_reduction: how the lowering reduces each layer's step gradients across the
             ranks: ``"all_reduce"`` (the default; ALL_REDUCE, every rank gets the whole reduced
             tile) or ``"reduce_scatter"`` (REDUCE_SCATTER, each rank gets the sum of only its
-            optimizer shard, :func:`megatrain.planner.cost.optimizer_shard`, which is all its OPT
+            optimizer shard, :func:`megatrain.ir.layout.optimizer_shard`, which is all its OPT
             reads: half the all-reduce's bytes). Allowed only where ``optimizer_shards ==
             data_parallel > 1``: one node whose ranks share one host copy, so the shards the
             ranks step make up the whole tile of that copy. With several nodes every node's copy
@@ -146,7 +146,7 @@ class Plan:
         shared_cast: BF16 ``cast_once`` staging tiles shared by the ``optimizer_shards`` ranks of a
             node that share one host copy (``host_state == "replicate"``): one tile per layer per node,
             in the node's shared memory (2 bytes per element per node, not per rank), into which
-            each rank CASTs only its optimizer shard of the layer (:func:`megatrain.planner.cost.cast_shard`,
+            each rank CASTs only its optimizer shard of the layer (:func:`megatrain.ir.layout.cast_shard`,
             ``1 / optimizer_shards`` of the host traffic); an ALL_GATHER of the layer (a barrier
             of the node's ranks) between the CASTs and the H2Ds that read the tile makes it whole
             before any rank copies it (issue 16). False: every rank casts whole layers into tiles
@@ -331,7 +331,7 @@ class Plan:
     @property
     def update_shards(self) -> int:
         """Ranks whose OPTs split each layer's trainable parameters between them, each stepping its
-        :func:`~megatrain.planner.cost.optimizer_shard`: ``optimizer_shards`` (the ranks of a node
+        :func:`~megatrain.ir.layout.optimizer_shard`: ``optimizer_shards`` (the ranks of a node
         that share a copy), times ``nodes`` when the state is sharded across nodes (``host_state
         == "shard"``: the copy is spread over every node, so with ``optimizer_shards`` = the GPUs
         per node every rank of the world steps ``1 / data_parallel``)."""

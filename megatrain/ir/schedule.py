@@ -15,12 +15,12 @@ Op kinds. :data:`OP_KINDS` holds one :class:`OpKindSpec` per kind: its stream (a
 resource), its fields and text form, its timeline colour, what issuing it costs, how the solver's
 bounds time it, which GPU values it reads and writes, and which verifier rules check it. The
 per-kind tables elsewhere derive from it. Adding a kind takes its ``OpKind`` member and record
-here, its time formula (``cost._DURATION``), its handler (``runtime.executor.HANDLERS``), the
+here, its time formula (``planner.time._DURATION``), its handler (``runtime.executor.HANDLERS``), the
 lowering pass that emits it and the verifier rules that check it; ``tests/test_op_kinds.py``
 fails until each has it.
 
 JSON. ``Schedule.to_json`` writes ``{"version", "mode", "carries_updates", "n_layers", "plan",
-"ops"}``; the plan's part is derived from the :class:`Plan` dataclass's fields, not listed again.
+"ops", "layout"}``; the plan's part is derived from the :class:`Plan` dataclass's fields, not listed again.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Literal
 
 import pydantic
 
-from megatrain.ir.graph import LayerGraph
+from megatrain.ir.layout import BufferLayout, gradient_tiles
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 17
+SCHEDULE_FORMAT_VERSION = 18
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -49,8 +49,9 @@ Plan.host_state "shard" (an ALL_GATHER naming its gather tile, ``t``); 14 Plan.n
 CAST from an NVMe I/O buffer (``b``) of a layer whose masters live on NVMe; 15 Plan.shared_cast (a
 node's staging tiles shared, each rank casting its shard); 16 COUNT_REDUCE (the step's supervised
 tokens summed over the ranks before the loss layer's first backward); 17 Schedule.issue_after (the
-issue fences that bound how far the issuing thread runs ahead of the device); files of earlier
-versions are refused (lower the plan again)."""
+issue fences that bound how far the issuing thread runs ahead of the device); 18 Schedule.layout (the buffer layout
+lowering decided: slots, pinned arena, NVMe and gather buffers, each layer's shards and slices, which
+the runtime reads instead of deriving it); files of earlier versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):
@@ -119,7 +120,7 @@ class OpKindSpec:
     per-kind table of the planner and the runtime derives (:data:`OP_KINDS`).
 
     What a kind *does* lives with the module that does it, keyed by kind and checked complete
-    (``tests/test_op_kinds.py``): its time formula (``cost._DURATION``), its handler
+    (``tests/test_op_kinds.py``): its time formula (``planner.time._DURATION``), its handler
     (``runtime.executor.HANDLERS``), where lowering emits it (``lower.py``) and the bodies of the
     verifier rules named in ``rules``. The IR cannot import the cost model or the runtime, so those
     three stay there; everything that is a fact about the kind is here.
@@ -127,7 +128,7 @@ class OpKindSpec:
     Attributes:
         stream: the in-order queue its ops run on (``OpKind.stream``). Its resource in the
             simulator, the solver's bounds and the replay backend is the stream's
-            (:func:`megatrain.planner.cost.resource_of`: the GPU, a copy engine, the host, NVMe, the
+            (:func:`megatrain.planner.time.resource_of`: the GPU, a copy engine, the host, NVMe, the
             network), and it runs on a host worker iff the stream is in :data:`HOST_STREAMS`.
         required: index fields (``Op`` attributes after ``layer``, e.g. ``("mb", "slot")``) every op
             of the kind names; with ``optional`` they are the op's text form (``FWD:L3:m0:s1``),
@@ -177,7 +178,7 @@ class OpKindSpec:
 _K, _S = OpKind, Stream
 OP_KINDS: dict[OpKind, OpKindSpec] = {
     _K.H2D: OpKindSpec(stream=_S.H2D, required=("slot",), optional=("tile",), colour="tab:blue", launches="copy",
-                       bounds="step", rules=("weights", "staging", "updates", "collectives")),
+                       bounds="step", rules=("weights", "staging", "updates", "collectives", "layout")),
     _K.FWD: OpKindSpec(stream=_S.COMPUTE, required=("mb", "slot"), colour="tab:green", launches="fwd",
                        bounds="size", gpu_reads="inputs", gpu_writes="outputs", rules=("weights", "coverage", "data")),
     _K.BWD: OpKindSpec(stream=_S.COMPUTE, required=("mb", "slot"), colour="tab:olive", launches="bwd",
@@ -185,25 +186,25 @@ OP_KINDS: dict[OpKind, OpKindSpec] = {
                        rules=("weights", "gradients", "coverage", "data", "updates", "collectives")),
     _K.D2H: OpKindSpec(stream=_S.D2H, required=("slot",), optional=("ring", "gbuf"), one_of=("ring", "gbuf"),
                        colour="tab:orange", launches="d2h", bounds="step",
-                       rules=("budget", "gradients", "updates", "nvme", "collectives")),
+                       rules=("budget", "gradients", "updates", "nvme", "collectives", "layout")),
     _K.OPT: OpKindSpec(stream=_S.HOST, required=(), optional=("ring", "acc", "gbuf", "buf"),
                        one_of=("ring", "acc", "gbuf"), colour="tab:purple", bounds="step",
                        rules=("gradients", "coverage", "updates", "nvme")),
     _K.OFFLOAD: OpKindSpec(stream=_S.D2H, required=("mb", "copy"), colour="tab:red", launches="checkpoints",
-                           bounds="size", gpu_reads="checkpoints", rules=("data",)),
+                           bounds="size", gpu_reads="checkpoints", rules=("data", "layout")),
     _K.RELOAD: OpKindSpec(stream=_S.H2D, required=("mb", "copy"), colour="tab:cyan", launches="checkpoints",
                           bounds="size", gpu_writes="checkpoints", rules=("data",)),
     _K.RECOMPUTE: OpKindSpec(stream=_S.COMPUTE, required=("mb", "slot"), colour="tab:pink", launches="fwd",
                              bounds="size", gpu_reads="inputs", gpu_writes="outputs",
                              rules=("weights", "coverage", "data")),
     _K.CAST: OpKindSpec(stream=_S.CAST, required=("tile",), optional=("buf",), colour="tab:gray", bounds="step",
-                        rules=("budget", "staging", "coverage", "updates", "nvme", "collectives")),
+                        rules=("budget", "staging", "coverage", "updates", "nvme", "collectives", "layout")),
     _K.ACC: OpKindSpec(stream=_S.HOST, required=("mb", "ring", "acc"), colour="tab:brown", bounds="step",
                        rules=("gradients", "updates", "collectives")),
     _K.NVME_READ: OpKindSpec(stream=_S.IO, required=(), optional=("buf", "gbuf"), one_of=("buf", "gbuf"),
-                             colour="goldenrod", bounds="untimed", rules=("coverage", "nvme")),
+                             colour="goldenrod", bounds="untimed", rules=("coverage", "nvme", "layout")),
     _K.NVME_WRITE: OpKindSpec(stream=_S.IO, required=(), optional=("buf", "gbuf"), one_of=("buf", "gbuf"),
-                              colour="darkkhaki", bounds="untimed", rules=("coverage", "nvme")),
+                              colour="darkkhaki", bounds="untimed", rules=("coverage", "nvme", "layout")),
     _K.ALL_REDUCE: OpKindSpec(stream=_S.COMM, required=(), optional=("ring", "acc"), one_of=("ring", "acc"),
                               colour="teal", bounds="untimed", rules=("collectives",)),
     _K.REDUCE_SCATTER: OpKindSpec(stream=_S.COMM, required=(), optional=("ring", "acc"), one_of=("ring", "acc"),
@@ -249,19 +250,19 @@ class Op:
     - ``tile``: a pinned staging tile, written by CAST and read by a BF16 H2D (None: the H2D reads
       the FP32 master rows; with ``Plan.shared_cast`` the tile is the node's, shared by its ranks);
       on an ALL_GATHER (``Plan.host_state == "shard"``), the node's gather tile (one of
-      ``cost.GATHER_BUFFERS``) it gathers the layer's weights into, in the compute dtype, which the
+      ``layout.GATHER_BUFFERS``) it gathers the layer's weights into, in the compute dtype, which the
       H2D that depends on it reads in place of the master rows (no CAST: ``Plan.staged``);
     - ``acc``: a layer's FP32 host accumulator (per-micro-batch passes), which ACC adds into and
       an OPT steps from;
     - ``copy``: the pinned copy of a layer's checkpoints an OFFLOAD writes and a RELOAD reads (one
       per micro-batch layer by layer; copy 0, reused, with per-micro-batch passes);
-    - ``buf``: the host I/O buffer of the NVMe pool (``cost.nvme_buffers``) that an NVME_READ
+    - ``buf``: the host I/O buffer of the NVMe pool (``layout.nvme_buffers``) that an NVME_READ
       fills with a layer's two Adam moments, the layer's OPT steps them in, and the NVME_WRITE
       writes back to the layer's file (layers in ``Plan.nvme_moments`` only: their moments have
       no rows in host memory); with ``Plan.nvme_masters`` the buffer holds the layer's master
       too, and the CAST after the OPT names it (``CAST:L3:t3:b1``): it casts the new master from
       the buffer into the layer's staging tile, and the NVME_WRITE waits for it;
-    - ``gbuf``: the pinned gradient I/O buffer of the NVMe pool (``cost.nvme_gradient_buffers``)
+    - ``gbuf``: the pinned gradient I/O buffer of the NVMe pool (``layout.nvme_gradient_buffers``)
       that a D2H of a layer in ``Plan.nvme_gradients`` fills and an NVME_WRITE empties to the
       layer's gradient file, or that an NVME_READ fills from that file and the layer's carried
       OPT steps from.
@@ -332,13 +333,6 @@ class Op:
             raise ValueError(f"{text!r}: {e}") from None
 
 
-def gradient_tiles(graph: LayerGraph) -> dict[int, int]:
-    """The host gradient tile of each trainable layer (in layer order) where each has its own: the
-    ring tile with NEXT_FORWARD placement layer by layer, the accumulator with per-micro-batch
-    passes. Lowering assigns them, the verifier checks them and the cost model sizes them."""
-    trainable = [i for i, layer in enumerate(graph.layers) if layer.trainable_numel > 0]
-    return {layer: k for k, layer in enumerate(trainable)}
-
 
 Mode = Literal["train", "eval", "update"]
 
@@ -372,7 +366,12 @@ class Schedule:
     ``issue_after[i]``: the earlier ops that must have *finished* on the device before op ``i`` is
     issued (its fences), which bounds how far the issuing thread runs ahead of the device where the
     CUDA caching allocator would otherwise hold more than the cost model counts
-    (:func:`megatrain.planner.cost.issue_fences` derives them). One tuple per op, or empty: no fences.
+    (:func:`megatrain.planner.activations.issue_fences` derives them). One tuple per op, or empty: no fences.
+
+    ``layout``: every buffer the schedule runs on, its size and where each rank's and node's part
+    of a tile is (:class:`~megatrain.ir.layout.BufferLayout`), as lowering decided it: the runtime
+    allocates from it and the verifier checks it. None for a schedule built by hand, whose runner
+    derives the one lowering would record (:func:`~megatrain.ir.layout.buffer_layout`).
     """
 
     ops: tuple[Op, ...]
@@ -381,6 +380,7 @@ class Schedule:
     mode: Mode = "train"
     carries_updates: bool = False
     issue_after: tuple[tuple[int, ...], ...] = ()
+    layout: BufferLayout | None = None
 
     def fences(self, i: int) -> tuple[int, ...]:
         """``issue_after[i]`` (empty for a schedule without fences)."""
@@ -496,7 +496,8 @@ class _OpModel(pydantic.BaseModel):
 
 class _ScheduleModel(pydantic.BaseModel):
     """JSON boundary of a Schedule: ``{"version", "mode", "carries_updates", "n_layers", "plan", "ops"}``,
-    each op ``{"op", "deps", "after"}`` (``after``: its ``Schedule.issue_after``)."""
+    each op ``{"op", "deps", "after"}`` (``after``: its ``Schedule.issue_after``), and ``"layout"``, the
+    :class:`~megatrain.ir.layout.BufferLayout`'s fields (null for a schedule without one)."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
     version: int = SCHEDULE_FORMAT_VERSION
@@ -505,6 +506,7 @@ class _ScheduleModel(pydantic.BaseModel):
     n_layers: int
     plan: _PlanModel
     ops: list[_OpModel]
+    layout: BufferLayout | None = None  # its dataclass fields, tuples as lists
 
     @pydantic.field_validator("version")
     @classmethod
@@ -518,13 +520,15 @@ class _ScheduleModel(pydantic.BaseModel):
     @classmethod
     def from_schedule(cls, s: Schedule) -> "_ScheduleModel":
         return cls(mode=s.mode, carries_updates=s.carries_updates, n_layers=s.n_layers, plan=_plan_to_json(s.plan),
-            ops=[_OpModel(op=repr(o), deps=list(o.deps), after=list(s.fences(i))) for i, o in enumerate(s.ops)])
+            ops=[_OpModel(op=repr(o), deps=list(o.deps), after=list(s.fences(i))) for i, o in enumerate(s.ops)],
+            layout=s.layout)
 
     def to_schedule(self) -> Schedule:
         plan = _plan_from_json(self.plan)
         return Schedule(ops=tuple(Op.parse(o.op, tuple(o.deps)) for o in self.ops), plan=plan,
                         n_layers=self.n_layers, mode=self.mode, carries_updates=self.carries_updates,
-                        issue_after=tuple(tuple(o.after) for o in self.ops) if any(o.after for o in self.ops) else ())
+                        issue_after=tuple(tuple(o.after) for o in self.ops) if any(o.after for o in self.ops) else (),
+                        layout=self.layout)
 
 
 

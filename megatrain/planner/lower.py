@@ -8,8 +8,10 @@ copy: each OPT's shard made every rank's before the layer is read again; with th
 sharded across nodes, a gather of the layer's weights into a gather tile before every read) and
 ``add_count_reduce`` (data parallel: the global batch's supervised tokens, the loss's divisor,
 summed over the ranks before the loss layer's first backward).
-The finished list then gets its ``Schedule.issue_after`` (:func:`~megatrain.planner.cost.issue_fences`:
-what the issuing thread waits for on the device, so the caching allocator holds no more than planned).
+The finished list then gets its ``Schedule.issue_after`` (:func:`~megatrain.planner.activations.issue_fences`:
+what the issuing thread waits for on the device, so the caching allocator holds no more than planned)
+and its ``Schedule.layout`` (:func:`~megatrain.ir.layout.buffer_layout`: every buffer's size and each
+rank's and node's offsets in a tile, which the runtime allocates from and the verifier checks).
 
 Compute order first. A training step visits layers ``0 .. n-2`` forward, then the last layer
 (which computes the loss) once in its local backward, then layers ``n-2 .. 0`` backward. The last
@@ -67,8 +69,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatrain.errors import PlanError
-from megatrain.planner.cost import GATHER_BUFFERS, NVME_BUFFERS, issue_fences
+from megatrain.planner.activations import issue_fences
 from megatrain.ir.graph import BATCH_PRODUCER, LayerGraph
+from megatrain.ir.layout import GATHER_BUFFERS, NVME_BUFFERS, buffer_layout
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.ir.schedule import Mode, Op, OpKind, Schedule, gradient_tiles
 
@@ -112,14 +115,14 @@ def lower(graph: LayerGraph, plan: Plan, mode: Mode = "train", *, carries_update
     tiles = gradient_tiles(graph) if deferred or plan.accumulates_on_host else {}
     if mode == "update":
         ops = tuple(add_all_gather(add_nvme_io([_opt(plan, layer, r) for layer, r in tiles.items()], plan), plan))
-        return Schedule(ops=ops, plan=plan, n_layers=n, mode="update")
+        return Schedule(ops=ops, plan=plan, n_layers=n, mode="update", layout=buffer_layout(graph, plan, "update"))
     req = _Request(graph, plan, mode, carries_updates, tiles)
     x: list = []
     for lowering_pass in PASSES:
         x = lowering_pass(x, req)
     s = Schedule(ops=tuple(x), plan=plan, n_layers=n, mode=mode,  # type: ignore[arg-type]
-                 carries_updates=carries_updates)
-    # What issue waits for on the device, read off the finished op list (cost.issue_fences).
+                 carries_updates=carries_updates, layout=buffer_layout(graph, plan, mode))
+    # What issue waits for on the device, read off the finished op list (activations.issue_fences).
     return dataclasses.replace(s, issue_after=issue_fences(s, graph))
 
 
@@ -236,7 +239,7 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
 
     Moments (``nvme_moments``): an NVME_READ of each such layer's Adam moments into a host I/O
     buffer before its OPT, which steps them in that buffer (``OPT:L3:r0:b1``), and an NVME_WRITE of
-    the buffer after it. The ``K = plan.nvme_buffers`` buffers (``cost.nvme_buffers``) are used in
+    the buffer after it. The ``K = plan.nvme_buffers`` buffers (``layout.nvme_buffers``) are used in
     turn, and the reads run as far ahead as they allow: the first K reads at the start of the
     schedule (their buffers are empty, and with updates during the backward the I/O stream would
     otherwise idle through the forward), and the read of the (m+K)-th NVMe OPT's moments just
@@ -252,7 +255,7 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     step gradients (one D2H per layer layer by layer; data parallel is refused by the Plan). The
     carried OPT of the next step's schedule (and of an ``"update"`` schedule) reads the tile back
     first: an NVME_READ into a gradient buffer, issued one OPT ahead with the moments' reads, and
-    the OPT steps from it (``OPT:L3:g1``). The ``cost.nvme_gradient_buffers`` buffers are handed
+    the OPT steps from it (``OPT:L3:g1``). The ``layout.nvme_gradient_buffers`` buffers are handed
     out in turn, reads first, then the D2Hs; whatever fills a buffer (a read, a D2H) depends on the
     op that last used it (the OPT that read it, the NVME_WRITE that emptied it), since those run on
     other streams than the I/O stream's order alone would cover.
@@ -267,8 +270,8 @@ def add_nvme_io(ops: list[Op], req: "_Request | Plan") -> list[Op]:
     if not plan.nvme_moments and not plan.nvme_gradients:
         return ops
     moments, gradients = plan.nvme_moments, plan.nvme_gradients
-    pool = min(plan.nvme_buffers, len(moments))  # cost.nvme_buffers' count
-    gpool = min(NVME_BUFFERS, len(gradients))  # cost.nvme_gradient_buffers' count
+    pool = min(plan.nvme_buffers, len(moments))  # layout.nvme_buffers' count
+    gpool = min(NVME_BUFFERS, len(gradients))  # layout.nvme_gradient_buffers' count
     order = [i for i, op in enumerate(ops) if op.kind is OpKind.OPT and (op.layer in moments or op.layer in gradients)]
     morder = [i for i in order if ops[i].layer in moments]
     buf_of = {i: k % pool for k, i in enumerate(morder)}  # OPT -> moments buffer: the k-th read fills k mod K
@@ -462,7 +465,7 @@ def _add_weight_gathers(ops: list[Op]) -> list[Op]:
     """``add_all_gather`` for ``Plan.host_state == "shard"``: no node holds a whole master, so every
     read of one (an H2D, in the compute dtype: no CAST, ``Plan.staged``) reads a gather tile
     instead, filled just before by an ``ALL_GATHER:L<layer>:t<b>`` of the layer (gather tiles ``b`` taken in turn, of
-    ``cost.GATHER_BUFFERS``), which the reader depends on. The gather depends on the layer's latest
+    ``layout.GATHER_BUFFERS``), which the reader depends on. The gather depends on the layer's latest
     OPT before it (its node's shards must be stepped first: the executor's gather starts with a
     barrier of the node's ranks, each past its own OPT) and on the readers of the tile's previous
     gather (a tile is not overwritten while an H2D or CAST, of any rank of the node, may still read
@@ -548,7 +551,7 @@ class _Emitter:
     def copy_of(self, mb: int) -> int:
         """The pinned copy of a layer's checkpoints that micro-batch ``mb`` is offloaded into: one per
         micro-batch layer by layer; per-micro-batch passes reuse copy 0 (each pass's offload waits
-        for the previous pass's reload: the verifier's 'data' rule), as cost.pinned_buffers sizes it."""
+        for the previous pass's reload: the verifier's 'data' rule), as layout.pinned_buffers sizes it."""
         return mb if self.plan.layer_by_layer else 0
 
     def policy(self, layer: int) -> ActivationPolicy:

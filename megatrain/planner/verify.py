@@ -36,6 +36,9 @@ dependencies plus program order on each in-order stream. It is computed once as 
   ranks before its optimizer step, the global batch's supervised tokens (the loss's divisor) are
   summed (COUNT_REDUCE) before the loss layer's first local backward, and the collectives form one
   chain, so every rank issues them in one order;
+- ``layout``: the buffer layout lowering recorded (``Schedule.layout``) fits the graph, the plan and
+  the ops: shards and slices tile their layer's elements, pinned regions start on pages and do not
+  overlap, and every op's layer fits the slot and buffers it names;
 - ``budget``: slot, ring and staging indices stay within what the plan allocates, and each op's
   layer fits the slot and host gradient tile it uses, as the cost model sizes them; given a
   HardwareSpec, the cost model's peak GPU memory, pinned host memory and host memory stay within
@@ -892,9 +895,106 @@ def _check_weight_gathers(c: _Context) -> None:
                          f"still reads what #{a} {ops[a]!r} gathered", f"make it depend on #{r}")
 
 
+def _check_layout(c: _Context) -> None:
+    """Rule ``layout``: the schedule's :class:`~megatrain.ir.layout.BufferLayout` (when lowering
+    recorded one) fits the graph, the plan and the ops. Each layer's optimizer shards tile its
+    trainable elements in rank order (``Plan.update_shards`` of them) within its host gradient tile
+    (``reduced_numel``: at least the trainable elements, equal chunks for a reduce-scatter); its
+    node slices tile its master tile with ``Plan.host_state == "shard"`` (else each is the whole
+    tile), as its cast shards do with ``Plan.shared_cast``. The pinned arena's regions each start on
+    a page, do not overlap and end within the arena, one per (kind, key); every op's layer fits the
+    slot, ring, staging, offload, gradient and NVMe I/O buffer it names; a sliced state's gather
+    tiles and scratch hold its widest layer."""
+    layout, graph, plan, ops, fail = c.schedule.layout, c.graph, c.plan, c.ops, c.fail
+    if layout is None:
+        return
+
+    def broken(what: str, fix: str = "lower the plan again (megatrain.planner.lower records the layout)") -> NoReturn:
+        raise ScheduleError(f"schedule breaks rule 'layout': {what}. Fix: {fix}.")
+
+    if len(layout.layers) != len(graph.layers):
+        broken(f"it lays out {len(layout.layers)} layers and the graph has {len(graph.layers)}")
+    for li, (span, layer) in enumerate(zip(layout.layers, graph.layers)):
+        _check_tiling(broken, f"layer {li}'s optimizer shards", span.optimizer_shards, plan.update_shards,
+                      layer.trainable_numel, True)
+        _check_tiling(broken, f"layer {li}'s cast shards", span.cast_shards, plan.optimizer_shards, layer.numel,
+                      plan.shared_cast)
+        _check_tiling(broken, f"layer {li}'s node slices", span.node_slices, plan.nodes, layer.numel,
+                      plan.host_state == "shard")
+        chunk = span.optimizer_shards[0][1] - span.optimizer_shards[0][0] if span.optimizer_shards else 0
+        if span.reduced_numel < layer.trainable_numel or (
+                plan.gradient_reduction == "reduce_scatter" and span.reduced_numel != plan.update_shards * chunk):
+            broken(f"layer {li}'s gradient tile holds {span.reduced_numel:,} elements for its "
+                   f"{layer.trainable_numel:,} trainable ones in shards of {chunk:,}")
+    if len(layout.slots) != plan.slots + len(plan.resident):
+        broken(f"it has {len(layout.slots)} GPU slots and the plan {plan.slots} streaming and "
+               f"{len(plan.resident)} resident ones")
+    end, seen = 0, set()
+    for t in layout.pinned.tiles:
+        if t.offset % cost.HOST_PAGE_BYTES or t.offset < end or t.nbytes < 0 or (t.kind, t.key) in seen:
+            broken(f"pinned region {t.kind} {t.key!r} at byte {t.offset:,} starts off a page, inside the region "
+                   f"before it (which ends at {end:,}), or again")
+        end, seen = t.offset + cost.page_up(t.nbytes), seen | {(t.kind, t.key)}
+    if end > layout.pinned.nbytes:
+        broken(f"the pinned regions end at byte {end:,}, past the arena's {layout.pinned.nbytes:,}")
+    region = {(t.kind, t.key): t.nbytes for t in layout.pinned.tiles}
+    staged = plan.staged and not plan.shared_cast  # shared tiles are the node's (HostState.staging)
+    for i, op in enumerate(ops):
+        layer = graph.layers[op.layer]
+        need: list[tuple[str, object, int]] = []
+        if op.slot is not None and 0 <= op.slot < len(layout.slots) and (
+                layer.numel > layout.slots[op.slot][0] or layer.trainable_numel > layout.slots[op.slot][1]):
+            fail(i, "layout", f"layer {op.layer} ({layer.numel:,} elements) does not fit slot {op.slot} of "
+                 f"{layout.slots[op.slot][0]:,}", "lower the plan again")
+        if op.kind is OpKind.D2H and op.ring is not None:
+            need.append(("ring", op.ring, layer.trainable_numel * plan.gradient_itemsize))
+        if op.kind in (OpKind.D2H, OpKind.NVME_READ, OpKind.NVME_WRITE) and op.gbuf is not None:
+            need.append(("nvme_gradients", op.gbuf, layer.trainable_numel * plan.gradient_itemsize))
+        if op.kind in (OpKind.CAST, OpKind.H2D) and op.tile is not None and staged:
+            need.append(("staging", op.tile, layer.numel * cost.STAGING_ITEMSIZE))
+        if op.kind is OpKind.OFFLOAD:
+            need += [("offload", (v, op.copy), graph.values[v].nbytes) for v in graph.checkpoints(op.layer)]
+        for kind, key, nbytes in need:
+            if region.get((kind, key), -1) < nbytes:
+                fail(i, "layout", f"it needs {nbytes:,} bytes in pinned {kind} region {key!r}, and the layout "
+                     f"gives {region.get((kind, key), 'none')}", "lower the plan again")
+        if op.buf is not None:  # an NVMe I/O buffer: NVME_READ, NVME_WRITE, OPT, CAST
+            count, nbytes = layout.nvme_buffers
+            want = cost.nvme_bytes(layer, op.layer in plan.nvme_masters, plan)
+            if not 0 <= op.buf < count or nbytes < want:
+                fail(i, "layout", f"it uses NVMe I/O buffer b{op.buf} for {want:,} bytes, and the layout has "
+                     f"{count} of {nbytes:,}", "lower the plan again")
+    if plan.host_state == "shard":
+        widest = max((lay.numel for lay in graph.layers), default=0) * plan.compute_itemsize
+        slice_max = max((hi - lo for span in layout.layers for lo, hi in span.node_slices), default=0)
+        if layout.gather_buffers[0] != cost.GATHER_BUFFERS or layout.gather_buffers[1] < widest \
+                or layout.gather_scratch_bytes < (plan.nodes + 1) * slice_max * plan.compute_itemsize:
+            broken(f"a sliced host state needs {cost.GATHER_BUFFERS} gather tiles of {widest:,} bytes and a "
+                   f"scratch of {plan.nodes + 1} node slices, and the layout gives {layout.gather_buffers} "
+                   f"and {layout.gather_scratch_bytes:,} bytes")
+
+
+def _check_tiling(broken: Callable[[str], NoReturn], what: str, spans: tuple[tuple[int, int], ...], count: int,
+                  numel: int, split: bool) -> None:
+    """``spans`` are ``count`` ``[lo, hi)`` that tile ``[0, numel)`` in order (``split``), or each ``[0, numel)``."""
+    if len(spans) != count:
+        broken(f"{what} are {len(spans)}, and the plan has {count}")
+    if not split:
+        if any(s != (0, numel) for s in spans):
+            broken(f"{what} {list(spans)} are not each the whole [0, {numel})")
+        return
+    at = 0
+    for lo, hi in spans:
+        if lo != at or hi < lo:
+            broken(f"{what} {list(spans)} do not tile [0, {numel}) in order: one starts at {lo}, not {at}")
+        at = hi
+    if at != numel:
+        broken(f"{what} {list(spans)} end at {at}, not at {numel}")
+
+
 RULES: list[Callable[[_Context], None]] = [_check_order, _check_budget, _check_weights, _check_gradients,
                                            _check_staging, _check_coverage, _check_data, _check_updates,
-                                           _check_nvme, _check_collectives]
+                                           _check_nvme, _check_collectives, _check_layout]
 """The verifier's rules, in the order they run (``order`` first: the others index by dependency)."""
 
 

@@ -35,7 +35,7 @@ thread: ``torch.set_num_threads`` in a worker sets that worker's team, see
 :func:`megatrain.runtime.host_kernels.set_thread_team`), under one lock granted in the order the
 ops became ready (a worker waits for its dependencies first): what the simulator models, one
 ``Resource.HOST`` that the two streams' ops take in turn, the earliest ready first
-(:func:`megatrain.planner.cost.resource_of`).
+(:func:`megatrain.planner.time.resource_of`).
 A CAST so waits for at most the one host op running, never for the optimizer steps queued behind
 it. The I/O and COMM workers (NVMe reads, collectives) wait on devices and peers, not on the
 cores, and take no part in it.
@@ -68,7 +68,7 @@ the allocator reuses a block only for later work on the same stream, and a block
 stream (``Tensor.record_stream``: a checkpoint an OFFLOAD copies out, one a RELOAD brought in) only
 once that stream has passed the free. So that the allocator finds such blocks free where the cost
 model frees them, an op waits in its pending queue until its issue fences (``after``, the
-schedule's ``issue_after``: :func:`megatrain.planner.cost.issue_fences`) have finished on the
+schedule's ``issue_after``: :func:`megatrain.planner.activations.issue_fences`) have finished on the
 device; this bounds how far the issuing thread runs ahead of the device exactly where memory
 needs it.
 
@@ -277,7 +277,7 @@ def _release_pin(release: Callable[[], Any], memory: torch.Tensor) -> None:
 
 
 def _check_pinnable(t: torch.Tensor) -> None:
-    from megatrain.planner.cost import HOST_PAGE_BYTES
+    from megatrain.ir.layout import HOST_PAGE_BYTES
 
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % HOST_PAGE_BYTES or nbytes % HOST_PAGE_BYTES:
@@ -490,7 +490,7 @@ class CUDABackend(_Recording):
         record: time every op (see ``timeline``); may also be set later as ``backend.record``.
         host_threads: intra-op threads of the HOST and CAST workers, which run their ops' work one
             at a time (see "One host CPU budget" in the module docstring):
-            :func:`megatrain.planner.cost.host_worker_threads` of the host's cores. None: torch's
+            :func:`megatrain.ir.hardware.host_worker_threads` of the host's cores. None: torch's
             default team (the process's thread count), still one op at a time.
 
     Raises:
@@ -500,7 +500,8 @@ class CUDABackend(_Recording):
     def __init__(self, adapter: CudaApi | None = None, *, record: bool = False, host_threads: int | None = None):
         if host_threads is not None and host_threads < 1:
             raise ValueError(f"CUDABackend(host_threads={host_threads}): a host worker needs at least one thread; "
-                             "pass cost.host_worker_threads(cores, gpus_per_node), or None for torch's default")
+                             "pass megatrain.ir.hardware.host_worker_threads(cores, gpus_per_node), or None for "
+                             "torch's default")
         self.cuda: CudaApi = adapter if adapter is not None else TorchCuda()
         self.device = self.cuda.device
         self.record = record

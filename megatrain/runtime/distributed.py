@@ -22,9 +22,9 @@ same weights, as DDP's construction does.
 
 Sharded across nodes (``Plan.host_state == "shard"``, ZeRO-3 style: Rajbhandari et al. 2020,
 arXiv:1910.02054). Global rank ``r`` of ``N`` steps shard ``r`` of every layer
-(``cost.optimizer_shard``) and node ``n`` holds only the union of its ranks' shards
-(``cost.node_slice``) of the masters and moments, in its shared mapping, with
-``cost.GATHER_BUFFERS`` gather tiles after them. The gradients are reduce-scattered over every
+(``layout.optimizer_shard``) and node ``n`` holds only the union of its ranks' shards
+(``layout.node_slice``) of the masters and moments, in its shared mapping, with
+``layout.GATHER_BUFFERS`` gather tiles after them. The gradients are reduce-scattered over every
 rank; before each read of a layer's weights the schedule's ALL_GATHER puts the whole layer, from
 every node's slice, into a gather tile (:func:`gather_weights`). At compile global rank 0
 initialises the weights into whole rows of its own (4 bytes per parameter, dropped after) and
@@ -46,6 +46,7 @@ from typing import Any, Iterator
 import torch
 
 from megatrain.errors import CollectiveError, ConfigError
+from megatrain.ir.layout import node_slice, optimizer_shard
 
 SHM_DIR = "/dev/shm"
 """Where the node's shared host state is created (a tmpfs). ``MEGATRAIN_SHM_DIR`` overrides it."""
@@ -420,7 +421,7 @@ class DataParallelHost:
 
     @property
     def shard_index(self) -> int:
-        """This rank's optimizer shard (``cost.optimizer_shard`` of ``Plan.update_shards``): its global
+        """This rank's optimizer shard (``layout.optimizer_shard`` of ``Plan.update_shards``): its global
         rank when the state is sharded across nodes (``sharded``), its place in the node when the
         node shares one copy, else 0."""
         if self.sharded:
@@ -482,19 +483,17 @@ def gather_weights(host: Any, layer: int, lo_hi: list[tuple[int, int]], dst: tor
                    dp: DataParallelHost) -> None:
     """Gather layer ``layer``'s whole master tile into ``dst`` (a node-shared ``numel``-element
     tile of the compute dtype, FP32 or BF16) from every node's slice of it (``lo_hi[n]``: node
-    ``n``'s ``[lo, hi)``, ``cost.node_slice``). The node's ranks wait for each other (every
+    ``n``'s ``[lo, hi)``, ``layout.node_slice``). The node's ranks wait for each other (every
     rank's update of its shard, and every read of ``dst``'s last content, is done); each casts
-    its share (``cost.optimizer_shard`` of the slice among the node's ranks) of the node's slice
+    its share (``layout.optimizer_shard`` of the slice among the node's ranks) of the node's slice
     into the shared send buffer (``host.gather_scratch``); once all have, the node leaders
     all-gather the send buffers over the leaders' group into the shared receive buffer (gloo
     needs equal sizes: each slice is padded to the longest); then each rank copies its share of
     the layer into its place in ``dst``, and they wait again, so none reads ``dst`` before it is
     whole. So the node's host copies are split between its ranks, as their casts are with
-    ``Plan.shared_cast`` (``cost.weight_gather_host_time``). Collective; raises ``CollectiveError``
+    ``Plan.shared_cast`` (``megatrain.planner.time.weight_gather_host_time``). Collective; raises ``CollectiveError``
     as :func:`collective`."""
     import torch.distributed as dist
-
-    from megatrain.planner import cost
 
     node_group = dp.groups.node
     shared = dp.shared is not None
@@ -504,14 +503,14 @@ def gather_weights(host: Any, layer: int, lo_hi: list[tuple[int, int]], dst: tor
     scratch = host.gather_scratch
     if scratch is None or scratch.numel() < (len(lo_hi) + 1) * chunk * dst.element_size():
         raise ConfigError(f"the weight gather of layer {layer} needs a scratch of {(len(lo_hi) + 1) * chunk} elements "
-                          "(cost.gather_scratch_bytes), and the sliced host state has "
+                          "(megatrain.ir.layout.gather_scratch_bytes), and the sliced host state has "
                           f"{0 if scratch is None else scratch.numel() // dst.element_size()}; make it with "
-                          "scratch_bytes=cost.gather_scratch_bytes(graph, plan)")
+                          "scratch_bytes=megatrain.ir.layout.gather_scratch_bytes(graph, plan)")
     flat = scratch[:(len(lo_hi) + 1) * chunk * dst.element_size()].view(dst.dtype)
     send, recv = flat[:chunk], flat[chunk:]
     if shared:
         dist.barrier(group=node_group)
-    a, b = cost.optimizer_shard(hi - lo, ranks, me)
+    a, b = optimizer_shard(hi - lo, ranks, me)
     send[a:b].copy_(host.master(layer)[a:b])  # this rank's share of the node's slice, cast
     if shared:
         dist.barrier(group=node_group)
@@ -519,7 +518,7 @@ def gather_weights(host: Any, layer: int, lo_hi: list[tuple[int, int]], dst: tor
         dist.all_gather(list(recv.split(chunk)), send, group=dp.groups.leaders)
     if shared:
         dist.barrier(group=node_group)
-    a, b = cost.optimizer_shard(dst.numel(), ranks, me)  # this rank's share of the layer
+    a, b = optimizer_shard(dst.numel(), ranks, me)  # this rank's share of the layer
     for n, (p, q) in enumerate(lo_hi):
         s, e = max(a, p), min(b, q)
         if s < e:
@@ -551,13 +550,11 @@ class SliceReader:
     ``(layer, kind)`` over the leaders' group), each leader sends its part (padded to the longest,
     ``dist.gather``), and rank 0 assembles it; :meth:`close` ends the leaders' loops. Rank 0 keeps
     the last row (a layer's parameters are read one after another), so it holds about one layer
-    beyond its node's slice. ``plan`` gives every node's slice (``cost.node_slice``)."""
+    beyond its node's slice. ``plan`` gives every node's slice (``layout.node_slice``)."""
 
     def __init__(self, host: Any, dp: DataParallelHost, plan: Any):
-        from megatrain.planner import cost
-
         self.host, self.dp = host, dp
-        self.slices = [[cost.node_slice(lay.numel, lay.trainable_numel, plan, n) for lay in host.graph.layers]
+        self.slices = [[node_slice(lay.numel, lay.trainable_numel, plan, n) for lay in host.graph.layers]
                        for n in range(plan.nodes)]
         self._last: tuple[tuple[int, int], torch.Tensor] | None = None
 

@@ -68,9 +68,9 @@ import torch
 from megatrain.config import AdamW
 from megatrain.errors import ConfigError
 from megatrain.optim import spec_of
-from megatrain.planner import cost
 from megatrain.ir.graph import LayerGraph, TracedModel, retarget
 from megatrain.ir.hardware import strict_fp32
+from megatrain.ir.layout import BufferLayout, buffer_layout
 from megatrain.ir.liveness import BATCH, Liveness, liveness
 from megatrain.ir.schedule import Op, OpKind, Schedule
 from megatrain.runtime.backend import Backend
@@ -86,7 +86,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass
 class _Buffers:
     """Transient memory a plan sizes: weight and gradient slots on the device; host gradient and
-    staging tiles, views of the pinned arena (each at its own size, ``cost.pinned_buffers``); and
+    staging tiles, views of the pinned arena (each at its own size, ``BufferLayout.pinned``); and
     the pageable accumulators."""
 
     weights: list[torch.Tensor]
@@ -95,7 +95,7 @@ class _Buffers:
     staging: list[torch.Tensor]
     # One per trainable layer (schedule.gradient_tiles) with per-micro-batch passes: Op.acc indexes it.
     accumulators: list[torch.Tensor]
-    # The pinned gradient I/O buffers of Plan.nvme_gradients (cost.nvme_gradient_buffers, in the
+    # The pinned gradient I/O buffers of Plan.nvme_gradients (layout.nvme_gradient_buffers, in the
     # arena; Op.gbuf indexes them), in the gradient dtype: a D2H lands there, an NVME_WRITE empties
     # one to the layer's file, an NVME_READ fills one for the carried OPT.
     nvme_gradients: list[torch.Tensor] = field(default_factory=list)
@@ -247,15 +247,16 @@ class Executor:
         # Views of the device slots by (slot tensor, layer), made once per buffers: a layer's weights
         # bound in a slot, and its gradient slices and padding there (see _bind, _grad_views).
         self._views: dict[tuple[str, int, int], tuple[torch.Tensor, Any]] = {}
-        # Per schedule (likewise): its pinned layout and slot sizes, so a step does not re-derive them.
-        self._sizing: dict[int, tuple[Schedule, cost.PinnedLayout, tuple]] = {}
+        # Per schedule (likewise): its buffer layout (``Schedule.layout``, or for a schedule built
+        # by hand the one lowering would record), so a step does not re-derive it.
+        self._layouts: dict[int, tuple[Schedule, BufferLayout]] = {}
         # Data parallel (``materialize`` sets them): the gloo groups of the host collectives
         # (``runtime.distributed.Groups``; None: the default group), and this rank's optimizer
         # shard among the ``Plan.update_shards`` ranks that split each layer (its node's, or with a
         # state sharded across nodes every rank).
         self.groups = None
         self.shard_index = 0
-        # The NVMe tier's host I/O buffers (cost.nvme_buffers; Op.buf indexes them): the moments of
+        # The NVMe tier's host I/O buffers (BufferLayout.nvme_buffers; Op.buf indexes them): the moments of
         # a layer in Plan.nvme_moments, between its NVME_READ and NVME_WRITE. Page-aligned for
         # O_DIRECT, pageable (the moments never go to the GPU), kept across schedules.
         self._nvme_pool: list[torch.Tensor] = []
@@ -273,16 +274,25 @@ class Executor:
             torch.OutOfMemoryError / RuntimeError: the device or the pinned allocation failed."""
         self._ensure_buffers(schedule)
 
+    def layout(self, schedule: Schedule) -> BufferLayout:
+        """``schedule``'s buffer layout: the one lowering recorded (``Schedule.layout``), or for a
+        schedule built by hand (no layout) the one lowering would record for this executor's graph."""
+        if id(schedule) not in self._layouts:
+            self._layouts[id(schedule)] = (schedule, schedule.layout if schedule.layout is not None
+                                           else buffer_layout(self.graph, schedule.plan, schedule.mode))
+        return self._layouts[id(schedule)][1]
+
     def _ensure_buffers(self, schedule: Schedule) -> _Buffers:
         """The buffers ``schedule`` uses, made when the last ones do not serve it.
 
-        Pinned host memory is exactly ``cost.memory_breakdown(graph, plan).host_pinned``: the
-        master rows with FP32 compute (:meth:`HostState.pin_masters`) and one arena laid out by
-        ``cost.pinned_buffers`` for the schedule's mode; an arena that already holds every tile
-        the schedule needs (a train arena serves eval and update schedules) is kept; with
-        ``Plan.nvme_gradients`` it holds their pinned gradient I/O buffers too
-        (``cost.nvme_gradient_buffers``). The NVMe tier's moments I/O buffers
-        (``cost.nvme_buffers``, pageable) are made when the plan has NVMe layers and kept while
+        Every size comes from the schedule's :class:`~megatrain.ir.layout.BufferLayout`
+        (:meth:`layout`). Pinned host memory is exactly the planner's
+        ``memory_breakdown(graph, plan).host_pinned``: the master rows with FP32 compute
+        (:meth:`HostState.pin_masters`) and one arena laid out as ``layout.pinned`` says; an arena
+        that already holds every tile the schedule needs (a train arena serves eval and update
+        schedules) is kept; with ``Plan.nvme_gradients`` it holds their pinned gradient I/O buffers
+        too. The GPU slots are ``layout.slots`` wide; the NVMe tier's moments I/O buffers
+        (``layout.nvme_buffers``, pageable) are made when the plan has NVMe layers and kept while
         large enough.
 
         Raises:
@@ -290,10 +300,8 @@ class Executor:
                 (carried updates) needs a new arena, which would not hold them.
         """
         plan = schedule.plan
-        if id(schedule) not in self._sizing:
-            self._sizing[id(schedule)] = (schedule, cost.pinned_buffers(self.graph, plan, schedule.mode),
-                                          cost.slot_numels(self.graph, plan.slots, plan.resident))
-        _, layout, sizes = self._sizing[id(schedule)]  # each slot at its own size
+        buffers = self.layout(schedule)
+        layout, sizes = buffers.pinned, buffers.slots  # each slot at its own size
         arena_ok = self._arena is not None and self._arena.layout.covers(layout)
         key = (sizes, plan.compute_dtype, plan.gradient_dtype)
         if self._buffers is None or self._buffer_key != key or not arena_ok:
@@ -335,10 +343,10 @@ class Executor:
         if plan.accumulates_on_host and schedule.mode != "eval" and not self._buffers.accumulators:
             # Pageable: only host ops (ACC, OPT) touch them. Kept across schedules, since with
             # NEXT_FORWARD they hold the gradients the next schedule's updates read.
-            self._buffers.accumulators = [torch.empty((cost.reduced_numel(layer.trainable_numel, plan),),
-                                                      dtype=torch.float32)
-                                          for layer in self.graph.layers if layer.trainable_numel > 0]
-        count, nbytes = cost.nvme_buffers(self.graph, plan)
+            self._buffers.accumulators = [torch.empty((span.reduced_numel,), dtype=torch.float32)
+                                          for layer, span in zip(self.graph.layers, buffers.layers)
+                                          if layer.trainable_numel > 0]
+        count, nbytes = buffers.nvme_buffers
         if count and (len(self._nvme_pool) < count or self._nvme_pool[0].numel() < nbytes):
             self._nvme_pool = []  # let the old go first
             self._nvme_pool = [aligned_buffer(nbytes) for _ in range(count)]
@@ -547,6 +555,7 @@ class _RunContext:
         plan = schedule.plan
         self.ex, self.schedule, self.bufs, self.acts = ex, schedule, bufs, acts
         self.graph = ex.graph
+        self.layers = ex.layout(schedule).layers
         self.micro_batches = plan.micro_batches
         self.compute_dtype = plan.compute_dtype
         self.layer_by_layer = plan.layer_by_layer
@@ -608,7 +617,7 @@ def _h2d(ctx: _RunContext, i: int, op: Op) -> Work:
 def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
     """Cast the layer's master tile into the staging tile the op names: from its master row (or, on
     a sliced host state, the gather tile its ALL_GATHER filled); with ``Plan.shared_cast`` only this
-    rank's shard of it (``cost.cast_shard``) into the node's shared tile, which the ALL_GATHER after
+    rank's shard of it (``LayerLayout.cast_shards``) into the node's shared tile, which the ALL_GATHER after
     the node's CASTs makes whole; or (``op.buf``, ``Plan.nvme_masters``) from the I/O buffer where
     its OPT just stepped it."""
     if op.buf is not None:
@@ -620,8 +629,8 @@ def _cast(ctx: _RunContext, i: int, op: Op) -> Work:
             copy()
         return run
     master = _master_source(ctx, i, op)
-    plan, layer = ctx.schedule.plan, ctx.graph.layers[op.layer]
-    lo, hi = cost.cast_shard(layer.numel, layer.trainable_numel, plan, ctx.ex.shard_index)
+    lo, hi = ctx.layers[op.layer].cast_shards[ctx.ex.shard_index] if ctx.schedule.plan.shared_cast \
+        else (0, ctx.graph.layers[op.layer].numel)
     return _copy(_staging(ctx, op)[lo:hi], master[lo:hi])
 
 
@@ -815,7 +824,7 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
     the way: the copy and the FP32 sum read it as FP32 (exact), as an FP32 tile of the same values."""
     ex, li = ctx.ex, op.layer
     tile = ctx.bufs.ring[op.ring][:ctx.graph.layers[li].trainable_numel]
-    acc = ctx.bufs.accumulators[op.acc][:tile.numel()]  # longer for a reduce-scatter (cost.reduced_numel)
+    acc = ctx.bufs.accumulators[op.acc][:tile.numel()]  # longer for a reduce-scatter (LayerLayout.reduced_numel)
     last = op.mb == ctx.micro_batches - 1
 
     def run() -> None:
@@ -833,7 +842,7 @@ def _acc(ctx: _RunContext, i: int, op: Op) -> Work:
 def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     """Host optimizer step (``HostState.optimizer``'s kernel: AdamW, Lion) of one layer from the
     gradient tile or accumulator the op names (with
-    ``Plan.update_shards > 1``, of this rank's shard of it, ``cost.optimizer_shard``; a sliced host
+    ``Plan.update_shards > 1``, of this rank's shard of it, ``LayerLayout.optimizer_shards``; a sliced host
     state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
     parallel it holds this rank's shard only, ``HostState.nvme_span``), through the executor's
@@ -841,7 +850,7 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     in a tile are widened exactly, chunk by chunk, in its FP32 scratch)."""
     ex, li = ctx.ex, op.layer
     n = ctx.graph.layers[li].trainable_numel
-    lo, hi = cost.optimizer_shard(n, ctx.schedule.plan.update_shards, ex.shard_index)
+    lo, hi = ctx.layers[li].optimizer_shards[ex.shard_index]
     h = ex.host
     base = h.slices[li][0]  # a sliced host state holds the layer from element ``base`` on
     grads = (ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring] if op.ring is not None
@@ -903,7 +912,7 @@ def _offload(ctx: _RunContext, i: int, op: Op) -> Work:
             if nbytes > region.numel():
                 raise RuntimeError(
                     f"checkpoint {g.values[key[0]].name!r} of micro-batch {key[1]} has {nbytes} bytes "
-                    f"but the trace gave it {region.numel()} (its pinned region, cost.pinned_buffers): the "
+                    f"but the trace gave it {region.numel()} (its pinned region, Schedule.layout.pinned): the "
                     "batch shape or dtype differs from the traced one; compile with the shapes you train on")
             dst = ex._host_acts[hkey] = region[:nbytes].view(src.dtype).view(src.shape)
             dst.copy_(src, non_blocking=True)
@@ -994,10 +1003,10 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     """Sum layer ``op.layer``'s step gradients (the ring tile or accumulator the op names, each
     rank's of its share of the global batch's loss, as :func:`_all_reduce` sums them) over
     the ``plan.data_parallel`` ranks (of one node, or of every node when the state is sharded
-    across them), but only on this rank's optimizer shard ``[lo, hi)`` (``cost.optimizer_shard``
+    across them), but only on this rank's optimizer shard ``[lo, hi)`` (``LayerLayout.optimizer_shards``
     of ``Plan.update_shards``), the only part its OPT reads
     (``Plan.gradient_reduction == "reduce_scatter"``): ``torch.distributed.reduce_scatter_single``
-    of the tile's first ``shards x per`` elements (equal chunks; ``cost.reduced_numel`` made the
+    of the tile's first ``shards x per`` elements (equal chunks; ``LayerLayout.reduced_numel`` made the
     tile that long; the padding past the layer's parameters is zeroed first, so the collective sums
     only zeros there, whose results no one reads) into a scratch of ``per``, then into
     ``tile[lo:hi]``. Then the layer's global gradient norm: the shard's sum of
@@ -1010,9 +1019,10 @@ def _reduce_scatter(ctx: _RunContext, i: int, op: Op) -> Work:
     plan = ctx.schedule.plan
     n = ctx.graph.layers[li].trainable_numel
     shards = plan.update_shards
-    full = cost.reduced_numel(n, plan)
+    span = ctx.layers[li]
+    full = span.reduced_numel
     per = full // shards
-    lo, hi = cost.optimizer_shard(n, shards, ex.shard_index)
+    lo, hi = span.optimizer_shards[ex.shard_index]
     tile, group = _reduced_tile(ctx, op, full)
 
     def run() -> None:
@@ -1045,13 +1055,12 @@ def _all_gather(ctx: _RunContext, i: int, op: Op) -> Work:
     the compute dtype (``runtime.distributed.gather_weights``), for the H2D or CAST that depends on it."""
     ex = ctx.ex
     if op.tile is not None:
-        plan, layer = ctx.schedule.plan, ctx.graph.layers[op.layer]
         if not ex.host.sliced or ex.host.data_parallel is None:
             raise ConfigError(f"op #{i} {op!r} gathers a sharded layer, but this host state holds whole tiles (it "
                               "was made for another plan); compile the trainer with this plan")
         from megatrain.runtime.distributed import gather_weights
 
-        lo_hi = [cost.node_slice(layer.numel, layer.trainable_numel, plan, n) for n in range(plan.nodes)]
+        lo_hi = list(ctx.layers[op.layer].node_slices)
         dst = _gather_tile(ctx, op)
 
         def gather() -> None:

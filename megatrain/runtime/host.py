@@ -15,10 +15,10 @@ master row directly, :meth:`HostState.pin_masters` page-locks that row alone (ro
 pages) through the backend's ``host_pin`` (``cudaHostRegister`` on CUDA); the moments are never
 copied to or from the GPU and stay pageable. The gradient and staging tiles, offloaded
 checkpoints and per-layer norms and flags live in one :class:`PinnedArena` laid out by
-:func:`megatrain.planner.cost.pinned_buffers` and pinned whole. So the bytes the runtime pins are
-``cost.memory_breakdown(...).host_pinned``, exactly; ``torch.empty(..., pin_memory=True)`` would
-instead round every block up to a power of two (PyTorch's caching host allocator), pinning up to
-twice the plan's figure.
+``Schedule.layout.pinned`` (:func:`megatrain.ir.layout.pinned_buffers`) and pinned whole. So the
+bytes the runtime pins are the planner's ``memory_breakdown(...).host_pinned``, exactly;
+``torch.empty(..., pin_memory=True)`` would instead round every block up to a power of two
+(PyTorch's caching host allocator), pinning up to twice the plan's figure.
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ from torch import nn
 
 from megatrain.errors import ConfigError, UnsupportedModelError
 from megatrain.optim import ADAMW, OptimizerSpec
-from megatrain.planner import cost
+from megatrain.ir.layout import (GATHER_BUFFERS, HOST_PAGE_BYTES, MASTER_BYTES_PER_ELEMENT, STAGING_ITEMSIZE,
+                                 PinnedLayout, optimizer_shard, page_up)
 from megatrain.ir.graph import LayerGraph
 
 # Host memory that may be pinned is an anonymous mapping of whole pages (of the larger of the
 # planner's page and the system's): it starts on a page, its storage starts there too (so
 # ``Tensor.is_pinned`` sees the registration), and no other allocation shares its pages (two
 # registrations of one page would collide).
-_ALIGN = max(cost.HOST_PAGE_BYTES, mmap.PAGESIZE)
+_ALIGN = max(HOST_PAGE_BYTES, mmap.PAGESIZE)
 
 
 def page_aligned_empty(nbytes: int) -> torch.Tensor:
@@ -55,7 +56,7 @@ def _block_bytes(numel: int, moments: int) -> int:
     """Bytes of a layer's block mapping: its master row of ``numel`` elements (rounded up to whole
     pages, so the row can be pinned alone) and ``moments`` FP32 elements of Adam moments (0 for a
     layer whose moments are on NVMe), rounded up to whole pages."""
-    size = max((numel + moments) * 4, cost.page_up(numel * cost.MASTER_BYTES_PER_ELEMENT))
+    size = max((numel + moments) * 4, page_up(numel * MASTER_BYTES_PER_ELEMENT))
     return -(-size // _ALIGN) * _ALIGN
 
 
@@ -66,7 +67,7 @@ def _pages(nbytes: int) -> int:
 
 def _staging_bytes(numel: int) -> int:
     """Bytes of a shared BF16 staging tile of ``numel`` elements in the mapping: whole pages."""
-    return _pages(numel * cost.STAGING_ITEMSIZE)
+    return _pages(numel * STAGING_ITEMSIZE)
 
 
 def moments_key(layer: int, rank: int | None = None) -> str:
@@ -80,7 +81,7 @@ def moments_key(layer: int, rank: int | None = None) -> str:
 class NvmeShards:
     """Which part of each layer's Adam moments this rank's NVMe files hold under data parallel
     (``Plan.nvme_moments`` with ``data_parallel > 1``): its optimizer shard
-    (``cost.optimizer_shard(trainable_numel, ways, index)``: the whole tile where each rank steps a
+    (``layout.optimizer_shard(trainable_numel, ways, index)``: the whole tile where each rank steps a
     copy of its own, ``ways`` 1; its ``1 / ways`` where the node's ``ways`` ranks share one copy),
     in files named by its global ``rank`` (:func:`moments_key`). The node's ranks are global ranks
     ``first .. first + ways - 1`` holding shards ``0 .. ways - 1``, so together the files in one
@@ -100,13 +101,13 @@ class NvmeShards:
 
     def span(self, trainable_numel: int) -> tuple[int, int]:
         """Elements ``[lo, hi)`` of the layer's moment rows this rank's file holds."""
-        return cost.optimizer_shard(trainable_numel, self.ways, self.index)
+        return optimizer_shard(trainable_numel, self.ways, self.index)
 
     def peers(self, trainable_numel: int) -> list[tuple[int, tuple[int, int]]]:
         """``(global rank, [lo, hi))`` of each of the node's files that together hold the whole rows."""
         if self.ways == 1:
             return [(self.rank, (0, trainable_numel))]
-        return [(self.first + k, cost.optimizer_shard(trainable_numel, self.ways, k)) for k in range(self.ways)]
+        return [(self.first + k, optimizer_shard(trainable_numel, self.ways, k)) for k in range(self.ways)]
 
 
 def state_key(layer: int) -> str:
@@ -135,7 +136,7 @@ class HostState:
     their block is the master row alone (``numel`` elements), so :attr:`nbytes` is
     ``8 * trainable_numel`` bytes lower for each. A schedule's NVME_READ brings them into a host
     I/O buffer for the layer's OPT and its NVME_WRITE takes them back (the executor's pool,
-    ``cost.nvme_buffers``); outside a run, :meth:`read_moments` and :meth:`write_moments` move them
+    ``layout.nvme_buffers``); outside a run, :meth:`read_moments` and :meth:`write_moments` move them
     between the file and the caller. ``nvme`` is the :class:`~megatrain.runtime.nvme.NvmeStore`
     (None without NVMe layers). The layers of ``nvme_gradients`` (``Plan.nvme_gradients``) get a
     scratch file each for their deferred gradient tile (``<dir>/L<i>.grad.tile``,
@@ -161,14 +162,14 @@ class HostState:
 
     Slices (``Plan.host_state == "shard"``). ``slices[i] = (lo, hi)``: this node holds only
     elements ``[lo, hi)`` of layer ``i``'s master tile, and the moments of ``[lo, min(hi,
-    trainable_numel))`` (``cost.node_slice``); its block is those rows alone, and :meth:`master`,
+    trainable_numel))`` (``layout.node_slice``); its block is those rows alone, and :meth:`master`,
     :meth:`exp_avg`, :meth:`exp_avg_sq` return them (indexed from ``lo``). None (the default) is
     every layer whole, ``(0, numel)``: one code path for both. A sliced state also carves
-    ``cost.GATHER_BUFFERS`` gather tiles of ``gather_bytes`` each (:attr:`gather`, ``uint8``) after
+    ``layout.GATHER_BUFFERS`` gather tiles of ``gather_bytes`` each (:attr:`gather`, ``uint8``) after
     the blocks, which the schedule's ALL_GATHERs fill with whole layers for the H2D or CAST to read;
     no parameter of the module can be a view of a master it does not hold (:meth:`param_view`
     raises). ``scratch_bytes``: the weight gathers' send and receive buffers
-    (:attr:`gather_scratch`, ``cost.gather_scratch_bytes``), shared like the tiles.
+    (:attr:`gather_scratch`, ``layout.gather_scratch_bytes``), shared like the tiles.
 
     ``staging`` (``Plan.shared_cast``): a BF16 staging tile per layer after the blocks
     (:attr:`staging`, ``[numel]`` each), shared by the node's ranks like the blocks, which each
@@ -196,7 +197,7 @@ class HostState:
                 not 0 <= lo <= hi <= lay.numel for (lo, hi), lay in zip(self.slices, graph.layers)):
             raise ConfigError(f"HostState slices {self.slices} do not fit the graph's {len(graph.layers)} layers "
                               f"of {[lay.numel for lay in graph.layers]} elements: give one [lo, hi) within each "
-                              "layer's tile (cost.node_slice)")
+                              "layer's tile (layout.node_slice)")
         # Data parallel: the ``runtime.distributed.DataParallelHost`` these tiles were set up with
         # (``materialize``), which later trainers over them (one per batch shape) reuse.
         self.data_parallel: Any = None
@@ -240,7 +241,7 @@ class HostState:
         for li, layer in enumerate(graph.layers):
             n, t = self._extent(li)
             t = 0 if li in self.nvme_moments else t
-            row = cost.page_up(n * cost.MASTER_BYTES_PER_ELEMENT)
+            row = page_up(n * MASTER_BYTES_PER_ELEMENT)
             size = _block_bytes(n, self.n_states * t)
             if li in self.nvme_masters and shared is None:
                 # The master row until spill_masters is the file's own first bytes, mapped: the
@@ -260,8 +261,8 @@ class HostState:
         if self.sliced:
             size = _pages(gather_bytes)
             self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN))[:gather_bytes]
-                           for _ in range(cost.GATHER_BUFFERS)]
-        # The weight gathers' send and receive buffers (cost.gather_scratch_bytes), shared by the
+                           for _ in range(GATHER_BUFFERS)]
+        # The weight gathers' send and receive buffers (layout.gather_scratch_bytes), shared by the
         # node's ranks so that each casts and copies its share (runtime.distributed.gather_weights).
         self.gather_scratch = ((page_aligned_empty(_pages(scratch_bytes)) if shared is None
                                 else shared.take(_pages(scratch_bytes), _ALIGN))[:scratch_bytes]
@@ -272,7 +273,7 @@ class HostState:
         self._staging_rows: list[torch.Tensor] = [
             page_aligned_empty(_staging_bytes(lay.numel)) if shared is None
             else shared.take(_staging_bytes(lay.numel), _ALIGN) for lay in graph.layers] if staging else []
-        self.staging: list[torch.Tensor] = [row[:lay.numel * cost.STAGING_ITEMSIZE].view(torch.bfloat16)
+        self.staging: list[torch.Tensor] = [row[:lay.numel * STAGING_ITEMSIZE].view(torch.bfloat16)
                                             for row, lay in zip(self._staging_rows, graph.layers)]
         self._staging_pins: list[Any] = []
         self._staging_pinned_by: Any = None
@@ -289,14 +290,14 @@ class HostState:
         those of ``nvme_moments``, which are in the ranks' NVMe files; of ``slices`` only, with the
         gather tiles of ``gather_bytes`` each), with ``staging`` a BF16 staging tile per layer too
         (``Plan.shared_cast``), and with ``slices`` the gathers' scratch of ``scratch_bytes``
-        (``cost.gather_scratch_bytes``): each rounded up to whole pages. ``optimizer``: the spec whose
+        (``layout.gather_scratch_bytes``): each rounded up to whole pages. ``optimizer``: the spec whose
         state rows the blocks hold."""
         k = len(optimizer.states)
         if slices is None:
             tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
             return tiles + sum(_block_bytes(lay.numel, 0 if li in nvme_moments else k * lay.trainable_numel)
                                for li, lay in enumerate(graph.layers))
-        tiles = cost.GATHER_BUFFERS * _pages(gather_bytes)
+        tiles = GATHER_BUFFERS * _pages(gather_bytes)
         tiles += _pages(scratch_bytes) if scratch_bytes else 0
         return tiles + sum(_block_bytes(hi - lo, k * max(0, min(hi, lay.trainable_numel) - lo))
                            for (lo, hi), lay in zip(slices, graph.layers))
@@ -521,14 +522,14 @@ class HostState:
     @property
     def nbytes(self) -> int:
         """Bytes of the persistent FP32 state in host memory: every master row, and the moment rows of
-        the layers not on NVMe (``cost.memory_breakdown``'s ``master_weights + adam_moments``); of a
-        sliced state, its slices' (``cost.node_memory``'s ``persistent`` for this node, within the
+        the layers not on NVMe (the planner's ``memory_breakdown``'s ``master_weights + adam_moments``); of a
+        sliced state, its slices' (``node_memory``'s ``persistent`` for this node, within the
         shards' 64-byte alignment), without the gather tiles."""
         return sum(b.numel() * b.element_size() for b in self.blocks)
 
     @property
     def pinned_nbytes(self) -> int:
-        """Bytes of master rows pinned now: ``cost.pinned_master_bytes`` of an FP32 plan on a backend
+        """Bytes of master rows pinned now: ``layout.pinned_master_bytes`` of an FP32 plan on a backend
         that pins (the CPU backend pins nothing), or 0."""
         return sum(r.numel() for r, pin in zip(self.gather if self.sliced else self._rows, self._pins) if pin is not None)
 
@@ -704,14 +705,14 @@ def as_tensor(x: "torch.Tensor | NvmeRow | SlicedRow") -> torch.Tensor:
 
 
 class PinnedArena:
-    """One page-aligned host region holding a :class:`~megatrain.planner.cost.PinnedLayout`'s
+    """One page-aligned host region holding a :class:`~megatrain.ir.layout.PinnedLayout`'s
     tiles, pinned whole through ``backend.host_pin`` (``layout.nbytes`` bytes, exactly).
 
     ``view(kind, key, dtype)`` is the tile as a 1-D ``dtype`` tensor of ``nbytes // itemsize``
     elements. The pin is released when the arena is dropped.
     """
 
-    def __init__(self, layout: cost.PinnedLayout, backend: Any):
+    def __init__(self, layout: PinnedLayout, backend: Any):
         self.layout = layout
         self.memory = page_aligned_empty(layout.nbytes)
         self._tiles = {(t.kind, t.key): t for t in layout.tiles}
@@ -729,7 +730,7 @@ class PinnedArena:
         t = self._tiles.get((kind, key))
         if t is None:
             raise KeyError(f"the pinned arena has no {kind} tile {key!r}: its layout was made for another "
-                           "plan or mode (cost.pinned_buffers)")
+                           "plan or mode (Schedule.layout.pinned)")
         return self.memory[t.offset:t.offset + t.nbytes].view(dtype)
 
 

@@ -44,7 +44,7 @@ is two parallel regions (the widening, the step), and a team larger than one wai
 its threads to wake: on a host whose cores are oversubscribed that is a scheduler time slice
 (measured on a 2-core VM under a load of 8, a team of 2 stepped BF16 tiles in chunks of 512 Ki
 elements 10x slower than with one whole-tile widening, in chunks of 1 Mi 3x; a team of 1, that
-VM's budget, :func:`megatrain.planner.cost.host_worker_threads`, 1.5x faster). The chunk grows
+VM's budget, :func:`megatrain.ir.hardware.host_worker_threads`, 1.5x faster). The chunk grows
 with the team for that reason, and ``host_optimizer_bf16_params_per_s`` is measured, so the cost
 model sees what a host does.
 
@@ -65,7 +65,7 @@ import torch
 
 from megatrain.errors import ConfigError
 from megatrain.optim import OptimizerSpec
-from megatrain.planner import cost
+from megatrain.ir.layout import OPT_CHUNK_ELEMENTS
 
 T = TypeVar("T")
 
@@ -75,9 +75,9 @@ KERNELS = ("torch", "deepspeed")
 HOST_ADAM_ENV = "MEGATRAIN_HOST_ADAM"
 """Environment variable that chooses the kernel: ``auto`` (default), ``torch`` or ``deepspeed``."""
 
-CHUNK_ELEMENTS = cost.OPT_CHUNK_ELEMENTS
+CHUNK_ELEMENTS = OPT_CHUNK_ELEMENTS
 """Elements per intra-op thread of a chunk of a chunked step (BF16 gradients, or a gradient scale
-with DeepSpeed's kernel): :data:`megatrain.planner.cost.OPT_CHUNK_ELEMENTS`, which says why."""
+with DeepSpeed's kernel): :data:`megatrain.ir.layout.OPT_CHUNK_ELEMENTS`, which says why."""
 
 
 def set_thread_team(threads: int) -> None:
@@ -253,7 +253,7 @@ class HostAdamW:
                                  "elements (CHUNK_ELEMENTS per thread of the team, or the gradients' count if fewer)")
             return scratch.view(-1)
         if self._scratch is None or self._scratch.numel() < need:
-            # Pageable, kept: OPTs run one at a time on the host worker (cost.gradient_scratch_numel).
+            # Pageable, kept: OPTs run one at a time on the host worker (layout.gradient_scratch_numel).
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch
 

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatrain.errors import ConfigError
-from megatrain.planner import cost
-from megatrain.ir.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
-                                        strict_fp32)
+from megatrain.ir.hardware import (CAST_BYTES_PER_ELEMENT, MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec,
+                                   cpu_name, host_worker_threads, strict_fp32)
 from megatrain.units import MiB
 
 MATMUL_N = 1024
@@ -368,7 +367,7 @@ def measure_cast(numel: int, seconds: float) -> float:
 def measure_host_rates(optimizer_numel: int | None = None, seconds: float = 0.3, *, cores: int | None = None,
                        kernel: str | None = None) -> dict:
     """The host fields of a spec, measured on a thread of their own with the intra-op team a rank's
-    host workers get (:func:`~megatrain.planner.cost.host_worker_threads` of ``cores``, default
+    host workers get (:func:`~megatrain.ir.hardware.host_worker_threads` of ``cores``, default
     :func:`host_cores`; the calling thread's team is left alone): ``host_optimizer_params_per_s``
     and ``host_optimizer_bf16_params_per_s`` (:func:`measure_adamw`, FP32 and BF16 gradients) and
     ``host_cast_elements_per_s`` (:func:`measure_cast`), each for about ``seconds``, and
@@ -381,10 +380,10 @@ def measure_host_rates(optimizer_numel: int | None = None, seconds: float = 0.3,
     from megatrain.runtime.host_kernels import HostAdamW, run_on_team
 
     cores = host_cores() if cores is None else cores
-    threads = cost.host_worker_threads(cores)
+    threads = host_worker_threads(cores)
     kernel = HostAdamW(kernel).kernel
     adam_n = optimizer_numel or host_tile_numel(16)
-    cast_n = optimizer_numel or host_tile_numel(cost.CAST_BYTES_PER_ELEMENT)
+    cast_n = optimizer_numel or host_tile_numel(CAST_BYTES_PER_ELEMENT)
     out = run_on_team(threads, lambda: dict(
         host_optimizer_params_per_s=measure_adamw(adam_n, seconds, kernel=kernel),
         host_optimizer_bf16_params_per_s=measure_adamw(adam_n, seconds, grad_dtype=torch.bfloat16, kernel=kernel),

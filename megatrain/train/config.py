@@ -14,8 +14,12 @@ from pydantic import Field
 from megatrain.config import OptimizerSettings, describe_validation
 from megatrain import optim
 from megatrain.errors import ConfigError
+from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
 from megatrain.planner.presets import preset_names
 from megatrain.train.rundir import CONFIG_FILE
+
+OptimizerName = Literal[tuple(optim.OPTIMIZERS)]  # type: ignore[valid-type]
+"""A name of :data:`megatrain.optim.OPTIMIZERS` (the config's ``optimizer``)."""
 
 
 class TrainConfig(pydantic.BaseModel):
@@ -101,7 +105,7 @@ class TrainConfig(pydantic.BaseModel):
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     warmup_steps: int = Field(100, ge=0, description="steps of linear warm-up to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decays to lr x this at the last step")
-    optimizer: Literal["adamw", "lion"] = Field(
+    optimizer: OptimizerName = Field(
         "adamw", description="host optimizer: adamw (two FP32 moments, 8 bytes of state per parameter) or lion "
                              "(Chen et al. 2023, arXiv:2302.06675: one FP32 moment, 4 bytes, so more of a model "
                              "fits host memory; it wants an lr 3-10x lower and a weight_decay 3-10x higher "
@@ -131,8 +135,8 @@ class TrainConfig(pydantic.BaseModel):
     loss_spike: float | None = Field(None, gt=1, description="a step whose loss exceeds this factor times the mean of "
                                                              "the last 20 kept steps' losses is treated as a "
                                                              "non-finite one (null: no spike check)")
-    hardware: str | None = Field(None, description="a hardware preset (H100_SXM, H200, GH200, A100_80GB, "
-                                                   "RTX_4090) or HardwareSpec JSON file: the simulator's "
+    hardware: str | None = Field(None, description=f"a hardware preset ({', '.join(HARDWARE_PRESETS)}) or "
+                                                   "HardwareSpec JSON file: the simulator's "
                                                    "predicted step, the MFU peak on a GPU, and with "
                                                    "device cuda the spec the plan is solved for (default: "
                                                    "the measured GPU)")
