@@ -86,6 +86,24 @@ def _bitwise(kernel, clip):
     assert chunked._scratch.numel() == min(NUMEL, CHUNK_ELEMENTS * torch.get_num_threads())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_with_cast_into_is_bitwise_the_step_then_the_cast(kernel, grad_dtype):
+    """cast_into (the step and the BF16 copy for the next H2D, chunk by chunk) leaves the master
+    and moments bitwise as the plain step does and writes bitwise the CAST of the new master, on
+    two chunks and a tail; so it matches torch.optim.AdamW as test_kernel_matches_torch_adamw does."""
+    def run() -> None:
+        (p, m, v, s), (q, mq, vq, sq) = tiles(), tiles()
+        fused, plain = HostAdamW(kernel), HostAdamW(kernel)
+        out = torch.full((NUMEL,), float("nan"), dtype=torch.bfloat16)
+        for g in grads(2, dtype=grad_dtype):
+            fused.step(p, g, m, v, s, cast_into=out, **ADAMW)
+            plain.step(q, g, mq, vq, sq, **ADAMW)
+            assert torch.equal(out, q.bfloat16())
+        assert torch.equal(p, q) and torch.equal(m, mq) and torch.equal(v, vq) and s.item() == sq.item() == 2
+    run_on_team(1, run)
+
+
 def test_the_scratch_is_a_chunk_per_thread_and_the_cost_model_counts_it():
     from graphs import chain_graph, spec
     from megatrain.ir.plan import Plan
@@ -116,6 +134,8 @@ def test_step_refuses_tiles_the_kernels_would_misread():
         adam.step(p, torch.zeros(64), torch.zeros(128)[::2], v, step, **ADAMW)
     with pytest.raises(ValueError, match="of param's shape"):
         adam.step(p, torch.zeros(32), m, v, step, **ADAMW)
+    with pytest.raises(ValueError, match="cast_into is torch.float16 .* must be contiguous torch.bfloat16"):
+        adam.step(p, torch.zeros(64), m, v, step, cast_into=torch.zeros(64, dtype=torch.float16), **ADAMW)
     assert step.item() == 0, "a refused step counts nothing"
 
 
