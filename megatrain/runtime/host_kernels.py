@@ -18,10 +18,17 @@ of two kernels, both element-wise, vectorised and parallel over the calling thre
 package is installed and torch's otherwise; ``torch`` or ``deepspeed`` forces one (``deepspeed``
 without the package is an error, as is a DeepSpeed op that fails to build: nothing falls back
 silently). DeepSpeed's kernel was as fast as torch's or faster on the x86 host measured
-(``bench/host_optimizer.py`` on a shared 2-core AMD EPYC VM, 2026-11-27, tiles four times the L3:
-0.9-1.4x across runs; the issue that asked for it measured 1.35x at 2 threads), and
-:meth:`HostAdamW.step` calls its op with less Python around it than ``DeepSpeedCPUAdam.step`` does
-(17 against 31 us per call).
+(``bench/host_optimizer.py`` on a shared 2-core AMD EPYC VM, 2026-11-27, tiles four times the L3,
+both stepping the same tensors, 1 thread: 1.04-1.06x by CPU seconds in three runs; the issue that
+asked for it measured 1.35x at 2 threads), and :meth:`HostAdamW.step` calls its op with less
+Python around it than ``DeepSpeedCPUAdam.step`` does (11-22 against 28-32 us per call), so on
+large tiles the two step at one rate (1.02-1.03x).
+
+Step and cast. ``HostAdamW.step(cast_into=...)`` also writes the new master in BF16 (what a CAST
+writes for the next H2D), chunk by chunk while each chunk is in the cache: 30 bytes of host
+traffic per parameter where a step and a separate cast take 34, measured 1.05-1.07x
+``DeepSpeedCPUAdam.step`` followed by that cast on the VM above (1 thread; README, "The host
+optimizer and its threads"). The runtime's schedule still runs each CAST as an op of its own.
 
 Both match ``torch.optim.AdamW`` to the project's 1e-5 (tests/test_host_kernels.py); they differ
 from each other by rounding (DeepSpeed multiplies by ``1 / sqrt(1 - beta2^t)``, keeps ``beta^t`` as
