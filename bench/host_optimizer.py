@@ -40,15 +40,15 @@ bytes, and the fused copy saves the cast's read of the master (30 bytes per para
 The comparison is of the host's work for a BF16 H2D, as megatrain runs it; a DeepSpeed that copies
 FP32 masters to the GPU and casts them there moves 4 bytes per parameter over PCIe instead of 2.
 ``call_us_1024_elements`` is each AdamW case's time per call on a 1024-element tile, where the
-Python around the kernel shows (the best of seven batches of calls). Then two before/after pairs of the host workers:
-``host_streams``, the same OPT and CAST work on two threads at once each with a team of all the
-cores (before) and through the CUDA backend's HOST and CAST workers over the fake CUDA layer
-(after: one op at a time under one lock, each with the budget's team), wall seconds; and ``wait``,
-the CPU seconds a host worker burns per second it waits for a GPU op, on the asynchronous fake
-CUDA layer that spins on an event made without ``blocking=True`` as CUDA's default scheduling does
-(before) and sleeps on a blocking one (after). Each kernel's step is also checked against
-``torch.optim.AdamW`` on a small tile (``exactness``, relative error, bound 1e-5). Prints the JSON
-and writes it with ``--out``.
+Python around the kernel shows (the best of seven batches of calls). Then two before/after pairs
+of the host workers: ``host_streams``, the same OPT and CAST work on two threads at once each with
+a team of all the cores (before) and through the CUDA backend's HOST and CAST workers over the
+fake CUDA layer (after: one op at a time under one lock, each with the budget's team), wall
+seconds; and ``wait``, the CPU seconds a host worker burns per second it waits for a GPU op, on
+the asynchronous fake CUDA layer that spins on an event made without ``blocking=True`` as CUDA's
+default scheduling does (before) and sleeps on a blocking one (after). Each kernel's step, plain
+and with ``cast_into``, is also checked against ``torch.optim.AdamW`` on a small tile
+(``exactness``, relative error, bound 1e-5). Prints the JSON and writes it with ``--out``.
 
 Usage::
 
