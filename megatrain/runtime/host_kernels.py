@@ -18,10 +18,17 @@ of two kernels, both element-wise, vectorised and parallel over the calling thre
 package is installed and torch's otherwise; ``torch`` or ``deepspeed`` forces one (``deepspeed``
 without the package is an error, as is a DeepSpeed op that fails to build: nothing falls back
 silently). DeepSpeed's kernel was as fast as torch's or faster on the x86 host measured
-(``bench/host_optimizer.py`` on a shared 2-core AMD EPYC VM, 2026-11-27, tiles four times the L3:
-0.9-1.4x across runs; the issue that asked for it measured 1.35x at 2 threads), and
-:meth:`HostAdamW.step` calls its op with less Python around it than ``DeepSpeedCPUAdam.step`` does
-(17 against 31 us per call).
+(``bench/host_optimizer.py`` on a shared 2-core AMD EPYC VM, 2026-11-27, tiles four times the L3,
+both stepping the same tensors, 1 thread: 1.04-1.06x by CPU seconds in three runs; the issue that
+asked for it measured 1.35x at 2 threads), and :meth:`HostAdamW.step` calls its op with less
+Python around it than ``DeepSpeedCPUAdam.step`` does (11-22 against 28-32 us per call), so on
+large tiles the two step at one rate (1.02-1.03x).
+
+Step and cast. ``HostAdamW.step(cast_into=...)`` also writes the new master in BF16 (what a CAST
+writes for the next H2D), chunk by chunk while each chunk is in the cache: 30 bytes of host
+traffic per parameter where a step and a separate cast take 34, measured 1.05-1.07x
+``DeepSpeedCPUAdam.step`` followed by that cast on the VM above (1 thread; README, "The host
+optimizer and its threads"). The runtime's schedule still runs each CAST as an op of its own.
 
 Both match ``torch.optim.AdamW`` to the project's 1e-5 (tests/test_host_kernels.py); they differ
 from each other by rounding (DeepSpeed multiplies by ``1 / sqrt(1 - beta2^t)``, keeps ``beta^t`` as
@@ -193,9 +200,11 @@ class HostAdamW:
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              step: torch.Tensor, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-             grad_scale: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+             grad_scale: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+             cast_into: torch.Tensor | None = None) -> None:
         """One AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place from ``grad``, as
-        ``torch.optim.AdamW`` (decoupled weight decay, bias correction) takes it.
+        ``torch.optim.AdamW`` (decoupled weight decay, bias correction) takes it; with ``cast_into``,
+        also the updated ``param`` rounded to BF16 into it (what a CAST writes for the next H2D).
 
         Args:
             param, exp_avg, exp_avg_sq: contiguous FP32 tensors of one shape (flat tiles).
@@ -206,13 +215,26 @@ class HostAdamW:
             scratch: FP32 tensor for a chunked step, of at least :data:`CHUNK_ELEMENTS` x the
                 calling thread's ``torch.get_num_threads()`` elements (or ``grad``'s, if fewer);
                 None: this object's own, made at first need.
+            cast_into: contiguous BF16 tensor of ``param``'s shape, or None. The step then runs
+                chunk by chunk (as for BF16 gradients) and casts each stepped chunk of ``param``
+                into it while the chunk is still in the cache: bitwise what stepping and then
+                casting the whole tile gives, without the cast's second read of the master from
+                DRAM (host traffic per parameter 28 + 2 bytes with FP32 gradients, 26 + 2 with
+                BF16 ones, against 28 + 6 for a step and a separate cast). Neither kernel has
+                such an output (DeepSpeed 0.19's ``adam_update`` takes one dtype for parameters
+                and gradients and writes no copy), so the cast is torch's ``copy_``.
 
         Raises:
             ValueError: a tensor is not contiguous or not of ``param``'s shape, or a dtype other
                 than the above (DeepSpeed's op would update a copy, or misread the gradients).
         """
         _check_tiles(param, grad, exp_avg, exp_avg_sq)
-        chunked = grad.dtype != torch.float32 or (grad_scale is not None and self.kernel == "deepspeed")
+        if cast_into is not None and (cast_into.dtype != torch.bfloat16 or not cast_into.is_contiguous()
+                                      or cast_into.shape != param.shape):
+            raise ValueError(f"HostAdamW.step: cast_into is {cast_into.dtype} of shape {tuple(cast_into.shape)} "
+                             f"(contiguous={cast_into.is_contiguous()}); it must be contiguous torch.bfloat16 of "
+                             f"param's shape {tuple(param.shape)}")
+        widen = grad.dtype != torch.float32 or (grad_scale is not None and self.kernel == "deepspeed")
         if self.kernel == "torch":
             def run(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
                 torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=lr, beta1=betas[0], beta2=betas[1],
@@ -224,18 +246,22 @@ class HostAdamW:
             def run(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
                 op.adam_update(opt_id, count, lr, betas[0], betas[1], eps, weight_decay, True, p, g, m, v)
         step += 1  # (torch's kernel reads the new count from the tensor)
-        if not chunked:
+        if not widen and cast_into is None:
             run(param, grad, exp_avg, exp_avg_sq)
             return
         chunk = CHUNK_ELEMENTS * torch.get_num_threads()  # this thread's team
-        buf = self._chunk_scratch(scratch, min(chunk, grad.numel()))
+        buf = self._chunk_scratch(scratch, min(chunk, grad.numel())) if widen else None
         divide = grad_scale if self.kernel == "deepspeed" else None  # torch's kernel divides by grad_scale itself
         for lo in range(0, grad.numel(), chunk):
             hi = min(lo + chunk, grad.numel())
-            g = buf[:hi - lo].copy_(grad[lo:hi])
-            if divide is not None:
-                g.div_(divide)
+            g = grad[lo:hi]
+            if buf is not None:
+                g = buf[:hi - lo].copy_(g)
+                if divide is not None:
+                    g.div_(divide)
             run(param[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi])
+            if cast_into is not None:
+                cast_into[lo:hi].copy_(param[lo:hi])
 
     def update(self, param: torch.Tensor, grad: torch.Tensor, states: "list[torch.Tensor]", step: torch.Tensor,
                settings: Any, *, grad_scale: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
