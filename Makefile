@@ -59,8 +59,11 @@ train: setup  ## megatrain train with examples/train_lm.yaml: a small Llama on t
 sft: setup  ## fine-tune make train's newest model on a bundled alpaca-style set (--task sft --init-from), on the CPU
 	$(PY) examples/sft_lm.py $(ARGS)
 
-test: setup  ## the test suite (CPU; CUDA tests skip without a GPU)
-	$(PY) -m pytest tests $(ARGS)
+# The suite runs in TEST_WORKERS processes (pytest-xdist), one test file per worker at a time
+# (--dist loadfile: a file's module fixtures are built once); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+test: setup  ## the test suite (CPU; CUDA tests skip without a GPU), in TEST_WORKERS=2 worker processes
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-oldest: .venv-oldest/.installed  ## trace and exactness tests on the oldest supported versions
 	.venv-oldest/bin/python -c "import torch, transformers; print('oldest stack: torch', torch.__version__, '- transformers', transformers.__version__)"
