@@ -906,6 +906,7 @@ def section_step(ctx: Ctx) -> dict:
 
 def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: float, params: int) -> dict:
     from megatrain.planner.simulate import simulate
+    from megatrain.planner.timeline import measured_timeline
 
     backend = trainer.backend
     rows = sh.micro_batch_size * sh.micro_batches
@@ -925,7 +926,7 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
         row = {"step": res.step, "loss": res.loss, "wall_s": res.seconds, "warmup": i == 0,
                "applied": res.applied}
         if i > 0:
-            measured = backend.timeline(sched, trainer.graph, spec)
+            measured = measured_timeline(backend, sched, trainer.graph, spec)
             row["timeline_step_s"] = measured.step_time_s
         out["steps"].append(row)
         if not math.isfinite(res.loss):

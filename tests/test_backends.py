@@ -19,7 +19,7 @@ from megatrain.errors import ConfigError
 from megatrain.ir.hardware import preset
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.ir.schedule import HOST_STREAMS, Stream
-from megatrain.planner.timeline import Timeline
+from megatrain.planner.timeline import Timeline, measured_timeline
 from megatrain.runtime.backend import CPUBackend, make_backend
 from megatrain.runtime.cuda import GPU_STREAMS, CUDABackend, GpuOp, HostOp, HostOpError, TorchCuda
 from megatrain.runtime.host import HostState
@@ -574,19 +574,19 @@ def test_fake_cuda_backend_records_a_measured_timeline():
     spy.schedule = trainer.schedule
     use_backend(trainer, spy)
     trainer.step(batches(1)[0])
-    tl = be.timeline(trainer.schedule, trainer.graph, HW)
+    tl = measured_timeline(be, trainer.schedule, trainer.graph, HW)
     check_timeline(tl, trainer.schedule)
     assert tl.busy_s[Stream.HOST] > 0 and tl.busy_s[Stream.COMPUTE] > 0
     assert Timeline.from_json(tl.to_json()) == tl
     # Labels tie the records to the schedule: a schedule with other ops at the same indices is refused.
     shuffled = dataclasses.replace(trainer.schedule, ops=trainer.schedule.ops[::-1])
     with pytest.raises(ValueError, match="labelled 'H2D:L0:s0'"):
-        be.timeline(shuffled, trainer.graph, HW)
+        measured_timeline(be, shuffled, trainer.graph, HW)
     # So is one of another length (the last run is now an evaluation).
     use_backend(trainer, be)
     trainer.evaluate(random_batch(MBS, SEQ, VOCAB, seed=9))
     with pytest.raises(ValueError, match="schedule that ran"):
-        be.timeline(trainer.schedule, trainer.graph, HW)
+        measured_timeline(be, trainer.schedule, trainer.graph, HW)
 
 
 def test_timeline_needs_recording():
@@ -596,7 +596,7 @@ def test_timeline_needs_recording():
     trainer.step(batches(1)[0])
     assert be.last_records == ()
     with pytest.raises(ValueError, match="record = True"):
-        be.timeline(trainer.schedule, trainer.graph, HW)
+        measured_timeline(be, trainer.schedule, trainer.graph, HW)
     be.record = True
     trainer.step(batches(1)[0])
     assert len(be.last_records) == len(trainer.schedule.ops)
@@ -607,14 +607,14 @@ def test_cpu_backend_records_a_measured_timeline():
     be = CPUBackend(record=True)
     use_backend(trainer, be)
     trainer.step(batches(1)[0])
-    tl = be.timeline(trainer.schedule, trainer.graph, HW)
+    tl = measured_timeline(be, trainer.schedule, trainer.graph, HW)
     check_timeline(tl, trainer.schedule)
     recs = sorted(tl.records, key=lambda r: r.start_s)
     assert [r.index for r in recs] == list(range(len(recs))), "the CPU backend runs ops one after another"
     be.record = False
     trainer.step(batches(1)[0])
     with pytest.raises(ValueError, match="record"):
-        be.timeline(trainer.schedule, trainer.graph, HW)
+        measured_timeline(be, trainer.schedule, trainer.graph, HW)
 
 
 # -- host memory: one block per layer, only the master rows pinned --------------------------------
@@ -696,6 +696,6 @@ def test_cuda_backend_records_a_measured_timeline():  # CPU twin: test_fake_cuda
                                 optimizer=ADAMW, device="cuda")
     trainer.backend.record = True
     trainer.step(batches(1)[0])
-    tl = trainer.backend.timeline(trainer.schedule, trainer.graph, HW)
+    tl = measured_timeline(trainer.backend, trainer.schedule, trainer.graph, HW)
     # Host and GPU clocks meet at the run's entry event; allow the launch latency between them.
     check_timeline(tl, trainer.schedule, tol=1e-3)

@@ -30,15 +30,6 @@ def imports(package: str) -> set[tuple[str, str]]:
     return found
 
 
-ALLOWED = {
-    # A measured Timeline is the planner's analysis of the runtime's op records (its GPU memory curve
-    # and MFU come from the cost model): ``Backend.timeline`` hands the records to
-    # ``Timeline.from_records``. Moving the type into the IR would take the cost model with it.
-    ("runtime/recording.py", "megatrain.planner.timeline.Timeline"),
-    ("runtime/backend.py", "megatrain.planner.timeline.Timeline"),
-}
-
-
 @pytest.mark.parametrize("package, forbidden", [
     ("planner", ("megatrain.runtime", "megatrain.trainer", "megatrain.train", "megatrain.testing")),
     ("runtime", ("megatrain.planner", "megatrain.trainer", "megatrain.train", "megatrain.testing",
@@ -48,7 +39,7 @@ ALLOWED = {
             "megatrain.materializer")),
 ])
 def test_a_layer_imports_nothing_above_it(package, forbidden):
-    bad = sorted((f, n) for f, n in imports(package) if n.startswith(forbidden) and (f, n) not in ALLOWED)
+    bad = sorted((f, n) for f, n in imports(package) if n.startswith(forbidden))
     assert not bad, f"megatrain/{package} imports {bad}"
 
 

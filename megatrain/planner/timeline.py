@@ -236,6 +236,29 @@ class Timeline:
         fig.savefig(path, dpi=110)
 
 
+def measured_timeline(backend, schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
+    """The last finished run of ``backend`` (a :class:`megatrain.runtime.backend.Backend` whose
+    ``record`` was on during it) as a measured Timeline of ``schedule`` (``source="measured"``):
+    the backend's timed ops (``backend.last_run``: op index, stream, start and end in seconds)
+    with the memory curves and MFU of this planner's cost model.
+
+    Raises:
+        ValueError: the run was not recorded, or it is not a run of ``schedule`` (another number
+            of ops, or an op whose label is not the schedule's op at that index).
+    """
+    recs = backend.last_run
+    ops = schedule.ops
+    if len(recs) != len(ops):
+        raise ValueError(f"the last run launched {len(recs)} ops, but the schedule has {len(ops)}: pass "
+                         "the schedule that ran (train and eval schedules differ)")
+    for r in recs:
+        if r.label and r.label != repr(ops[r.index]):
+            raise ValueError(f"launch #{r.index} was labelled {r.label!r}, but op #{r.index} of the schedule "
+                             f"is {ops[r.index]!r}: pass the schedule that ran")
+    return Timeline.from_records(schedule, graph, [(r.index, r.stream, r.start_s, r.end_s) for r in recs], hw,
+                                 source="measured")
+
+
 def _gpu_curve(recs: list[OpRecord], live: cost.ActivationLiveness,
                fixed: int) -> tuple[tuple[float, int], ...]:
     """Allocated GPU bytes over time: every change comes from a compute op's start or end."""
@@ -303,4 +326,4 @@ class _TimelineModel(pydantic.BaseModel):
                         pinned_peak_bytes=self.pinned_peak_bytes)
 
 
-__all__ = ["Timeline", "OpRecord", "TIMELINE_FORMAT_VERSION"]
+__all__ = ["Timeline", "OpRecord", "TIMELINE_FORMAT_VERSION", "measured_timeline"]

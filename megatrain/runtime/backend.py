@@ -10,8 +10,9 @@ host worker thread for the optimizer stream.
 A *run* is everything launched between two ``synchronize()`` calls; the executor runs one
 schedule per run and launches its ops in list order, so the k-th launch of a run is op k of the
 schedule. With ``record`` on, a backend times every op of a run, and after ``synchronize()``
-``timeline(schedule, graph, hw)`` returns the run as the same :class:`Timeline` the simulator
-predicts (``source="measured"``), so predicted and measured steps compare field by field.
+``last_run`` holds the timed ops; :func:`megatrain.planner.timeline.measured_timeline` turns
+them into the same Timeline the simulator predicts (``source="measured"``), so predicted and
+measured steps compare field by field.
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from megatrain.ir.graph import LayerGraph
-from megatrain.ir.hardware import HardwareSpec
-from megatrain.ir.schedule import Schedule, Stream
-from megatrain.planner.timeline import Timeline
+from megatrain.ir.schedule import Stream
 from megatrain.runtime.recording import OpTiming, _Recording
 
 
@@ -51,7 +49,7 @@ class Backend(Protocol):
         ``after``: handles of GPU ops that must have finished on the device before this op is issued
         (its issue fences, ``Schedule.issue_after``; nothing to wait for where ops run at once).
 
-        ``label`` names the op in errors and is checked against the schedule by ``timeline``
+        ``label`` names the op in errors and is checked against the schedule by ``measured_timeline``
         (pass ``repr(op)``). A ``None`` in ``wait_for`` stands for an op already complete.
         """
 
@@ -69,8 +67,10 @@ class Backend(Protocol):
         """End the open run after the caller failed mid-run: wait for what was started, drop the
         rest, so the next launch opens a new run. A no-op without an open run."""
 
-    def timeline(self, schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
-        """The last finished run, measured, as a Timeline (needs ``record`` on during the run)."""
+    @property
+    def last_run(self) -> "tuple[OpTiming, ...]":
+        """The timed ops of the last finished run (needs ``record`` on during the run; ValueError
+        where it was not recorded)."""
 
 
 class CPUBackend(_Recording):
@@ -130,7 +130,7 @@ class CPUBackend(_Recording):
 def make_backend(device: str, record: bool = False, host_threads: int | None = None) -> Backend:
     """The backend for ``device`` ("cpu" or "cuda"). Raises ConfigError for what is not available.
 
-    ``record`` turns on per-op timing (see ``Backend.timeline``). ``host_threads``: the intra-op
+    ``record`` turns on per-op timing (see ``Backend.last_run``). ``host_threads``: the intra-op
     threads of the CUDA backend's host workers (``CUDABackend``; the CPU backend runs host ops on
     the calling thread, with its team). Nothing CUDA is created here: the CUDA backend makes its
     streams, events and worker thread at the first launch.
