@@ -487,7 +487,7 @@ class CUDABackend(_Recording):
     Args:
         adapter: the CUDA calls; :class:`TorchCuda` by default, :class:`FakeCuda` (or
             :class:`megatrain.testing.AsyncFakeCuda`) in CPU tests.
-        record: time every op (see ``timeline``); may also be set later as ``backend.record``.
+        record: time every op (see ``last_run``); may also be set later as ``backend.record``.
         host_threads: intra-op threads of the HOST and CAST workers, which run their ops' work one
             at a time (see "One host CPU budget" in the module docstring):
             :func:`megatrain.ir.hardware.host_worker_threads` of the host's cores. None: torch's
