@@ -11,7 +11,8 @@ of the package needs to know of an optimizer is in its :class:`OptimizerSpec`:
 - ``settings``: the pydantic model of its hyper-parameters (``compile(optimizer=...)``);
 - ``kernel``: the name of its host kernel class in :mod:`megatrain.runtime.host_kernels`, whose
   ``update(param, grad, states, step, settings, grad_scale=..., scratch=...)`` steps one flat
-  FP32 tile in place.
+  FP32 tile in place and returns the sum of the updated tile (0-dim FP32: the executor's finite
+  check of the result, summed by the kernel while each chunk is in the cache).
 
 Host storage (``runtime.host.HostState``), the NVMe tier, checkpoints, the cost model (through
 ``Plan.optimizer_name``) and the executor's OPT op read the spec; adding an optimizer is a settings

@@ -12,7 +12,8 @@ import torch
 from megatrain.errors import ConfigError
 from megatrain.planner import cost
 from megatrain.runtime import host_kernels
-from megatrain.runtime.host_kernels import CHUNK_ELEMENTS, HostAdamW, host_adam_kernel, run_on_team, set_thread_team
+from megatrain.runtime.host_kernels import (CHUNK_ELEMENTS, HostAdamW, HostLion, host_adam_kernel, run_on_team,
+                                            set_thread_team)
 
 DS = pytest.mark.skipif(not host_kernels.deepspeed_installed(), reason="DeepSpeed is not installed "
                         "(pip install megatrain[deepspeed])")
@@ -101,6 +102,31 @@ def test_step_with_cast_into_is_bitwise_the_step_then_the_cast(kernel, grad_dtyp
             plain.step(q, g, mq, vq, sq, **ADAMW)
             assert torch.equal(out, q.bfloat16())
         assert torch.equal(p, q) and torch.equal(m, mq) and torch.equal(v, vq) and s.item() == sq.item() == 2
+    run_on_team(1, run)
+
+
+@pytest.mark.parametrize("kernel", KERNELS + ["lion"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_update_returns_the_sum_of_the_stepped_tile_for_the_finite_check(kernel, grad_dtype):
+    """The executor's finite check reads the sum the kernel returns (summed chunk by chunk in the
+    chunked paths): it is the sum of the stepped master, within the worst case of a float32 sum
+    of n positive terms (n * 2^-24 relative; one chunk left out would be off by a third), and it
+    is not finite where one element of the tail chunk is not (Lion's sign turns a NaN gradient
+    into 0, so the master's last element is made inf here, for both optimizers)."""
+    import megatrain
+
+    def run() -> None:
+        opt = HostLion() if kernel == "lion" else HostAdamW(kernel)
+        cfg = megatrain.Lion(lr=1e-3) if kernel == "lion" else megatrain.AdamW(**ADAMW)
+        p, m, v, s = tiles()
+        p.abs_().add_(1.0)
+        states = [m] if kernel == "lion" else [m, v]
+        g = grads(1, dtype=grad_dtype)[0]
+        total = opt.update(p, g, states, s, cfg)
+        assert total.dtype == torch.float32 and total.dim() == 0
+        assert abs(total.item() - p.double().sum().item()) <= NUMEL * 2.0 ** -24 * p.double().sum().item()
+        p[-1] = float("inf")
+        assert not torch.isfinite(opt.update(p, g, states, s, cfg))
     run_on_team(1, run)
 
 

@@ -201,10 +201,15 @@ class HostAdamW:
     def step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              step: torch.Tensor, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
              grad_scale: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-             cast_into: torch.Tensor | None = None) -> None:
+             cast_into: torch.Tensor | None = None) -> torch.Tensor:
         """One AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place from ``grad``, as
         ``torch.optim.AdamW`` (decoupled weight decay, bias correction) takes it; with ``cast_into``,
         also the updated ``param`` rounded to BF16 into it (what a CAST writes for the next H2D).
+        Returns the sum of the updated ``param`` (0-dim FP32; NaN or inf where an element is, or
+        where the sum overflows), for the executor's finite check: in a chunked step each chunk is
+        summed while it is in the cache, sparing the check its own read of the master from DRAM
+        (4 bytes per parameter); an unchunked step (FP32 gradients, nothing to cast) sums the
+        tile after it.
 
         Args:
             param, exp_avg, exp_avg_sq: contiguous FP32 tensors of one shape (flat tiles).
@@ -248,10 +253,11 @@ class HostAdamW:
         step += 1  # (torch's kernel reads the new count from the tensor)
         if not widen and cast_into is None:
             run(param, grad, exp_avg, exp_avg_sq)
-            return
+            return param.sum()
         chunk = CHUNK_ELEMENTS * torch.get_num_threads()  # this thread's team
         buf = self._chunk_scratch(scratch, min(chunk, grad.numel())) if widen else None
         divide = grad_scale if self.kernel == "deepspeed" else None  # torch's kernel divides by grad_scale itself
+        total = torch.zeros((), dtype=torch.float32)
         for lo in range(0, grad.numel(), chunk):
             hi = min(lo + chunk, grad.numel())
             g = grad[lo:hi]
@@ -260,15 +266,19 @@ class HostAdamW:
                 if divide is not None:
                     g.div_(divide)
             run(param[lo:hi], g, exp_avg[lo:hi], exp_avg_sq[lo:hi])
+            total += param[lo:hi].sum()
             if cast_into is not None:
                 cast_into[lo:hi].copy_(param[lo:hi])
+        return total
 
     def update(self, param: torch.Tensor, grad: torch.Tensor, states: "list[torch.Tensor]", step: torch.Tensor,
-               settings: Any, *, grad_scale: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+               settings: Any, *, grad_scale: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None) -> torch.Tensor:
         """The host kernel interface of :class:`megatrain.optim.OptimizerSpec`: :meth:`step` with
-        ``states`` = ``[exp_avg, exp_avg_sq]`` and ``settings`` a :class:`megatrain.AdamW`."""
+        ``states`` = ``[exp_avg, exp_avg_sq]`` and ``settings`` a :class:`megatrain.AdamW`; returns
+        the sum of the updated ``param`` (see :meth:`step`)."""
         exp_avg, exp_avg_sq = states
-        self.step(param, grad, exp_avg, exp_avg_sq, step, lr=settings.lr, betas=settings.betas, eps=settings.eps,
+        return self.step(param, grad, exp_avg, exp_avg_sq, step, lr=settings.lr, betas=settings.betas, eps=settings.eps,
                   weight_decay=settings.weight_decay, grad_scale=grad_scale, scratch=scratch)
 
     def _chunk_scratch(self, scratch: torch.Tensor | None, need: int) -> torch.Tensor:
@@ -315,8 +325,11 @@ class HostLion:
         return "HostLion()"
 
     def update(self, param: torch.Tensor, grad: torch.Tensor, states: "list[torch.Tensor]", step: torch.Tensor,
-               settings: Any, *, grad_scale: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
-        """One Lion update of ``param`` and its moment ``states[0]`` in place from ``grad``.
+               settings: Any, *, grad_scale: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """One Lion update of ``param`` and its moment ``states[0]`` in place from ``grad``; returns
+        the sum of the updated ``param`` (0-dim FP32), each chunk summed while it is in the cache
+        (the executor's finite check, as :meth:`HostAdamW.step`'s).
 
         Args:
             param, states[0]: contiguous FP32 tensors of one shape (flat tiles).
@@ -346,6 +359,7 @@ class HostLion:
                              f"contiguous FP32 of at least {2 * chunk} elements (two chunks)")
         scratch = scratch.view(-1)
         widen = grad.dtype != torch.float32 or grad_scale is not None
+        total = torch.zeros((), dtype=torch.float32)
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             g = grad[lo:hi]
@@ -359,6 +373,8 @@ class HostLion:
                 p.mul_(decay)
             p.add_(u, alpha=-lr)
             m.lerp_(g, 1.0 - beta2)  # beta2 * m + (1 - beta2) * g in one pass
+            total += p.sum()
+        return total
 
 
 def host_kernel(spec: OptimizerSpec) -> "HostAdamW | HostLion":
