@@ -109,17 +109,38 @@ def planning_model(cfg: TrainConfig, source: ModelSource, check: Callable[[Any],
     parameter)."""
     import torch
 
-    from megatrain.planner.presets import build_meta_model
+    from megatrain.planner.presets import auto_model_class, build_meta_model
 
     torch.manual_seed(cfg.seed)
     model = build_meta_model(source.config, dtype=torch.float32)
     if cfg.device == "cpu":
         if check is not None:
             check(model)
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, trust_remote_code=False)
+        model = auto_model_class(source.config).from_config(source.config, dtype=torch.float32,
+                                                            trust_remote_code=False)
     return model
+
+
+def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
+    """The inputs of a run's batches, in ``megatrain.compile(input_names=...)`` order. Packed LM
+    windows and packed SFT rows carry position_ids that restart per document (per-document
+    attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only. A
+    vision-language model's SFT rows are padded, one example and its image each, and carry the
+    image input (``pixel_values``; :class:`megatrain.data.SftDataset` with images).
+
+    Raises:
+        ConfigError: a vision-language model with ``task: lm`` (its data is SFT data with images).
+    """
+    from megatrain.planner.trace.vlm import IMAGE_INPUT, family
+
+    if family(config) is not None:
+        if cfg.task != "sft":
+            raise ConfigError(f"model_type {config.model_type!r} is a vision-language model: it trains on SFT data "
+                              "with images (task: sft, --data with an images column); task lm reads text only")
+        return ("input_ids", "attention_mask", IMAGE_INPUT, "labels")
+    packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
+    return ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
+        ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
 
 
 def plan_request(cfg: TrainConfig, model, hw, topology):
@@ -129,11 +150,7 @@ def plan_request(cfg: TrainConfig, model, hw, topology):
     ``hw`` gives the prediction; on CUDA the solver's for ``hw``."""
     from megatrain.planner.front import PlanRequest, Storage
 
-    # Packed LM windows and packed SFT rows carry position_ids that restart per document (per-document
-    # attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only.
-    packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
-    names = ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
-        ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
+    names = batch_names(cfg, model.config)
     return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
                        input_names=names, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
@@ -444,6 +461,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     if ranks.rank == 0:
         preflight_disk(out, planned.graph)
     tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
+    images = getattr(dataset, "images", None)  # a vision-language run's ChatProcessor
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped, state = _materialize_and_load(cfg, planned, source, fingerprint, echo)
@@ -484,6 +502,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
         if writes:
             write_atomic(ckpt_path / TOKENIZER_FILE, tokenizer_json)
             write_atomic(ckpt_path / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config, indent=1) + "\n")
+            if images is not None:  # its tokenizer, image processor and template: AutoProcessor loads them
+                images.processor.save_pretrained(ckpt_path)
         last_saved = step
 
     from tqdm import tqdm
@@ -621,7 +641,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     sample = None
     # Generated on the CPU from the module whose parameters are the host tiles (not after a signal,
     # which asks to stop; not where a parameter lives elsewhere, such as masters on NVMe).
-    if writes and cfg.sample_tokens and stopped is None and cfg.device == "cpu" and all(
+    # Not for rows with images: the prompt's image tokens need the image's features.
+    if writes and cfg.sample_tokens and stopped is None and cfg.device == "cpu" and images is None and all(
             p.device.type == "cpu" for p in trainer.model.parameters()):
         from megatrain.train.sample import generate_sample, sample_prompt
 
@@ -643,7 +664,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     if writes:
         if last_saved is not None:
             echo(f"model directory: {ckpt_path} (Hugging Face layout with its tokenizer: "
-                 "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)")
+                 + ("AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)" if images is None
+                    else "AutoModelForImageTextToText.from_pretrained and AutoProcessor.from_pretrained load it)"))
         plot = out / PLOT_FILE
         echo(f"metrics: {metrics_path}" + (f"; loss curve: {plot}" if plot.is_file() else ""))
         if sample is not None:
