@@ -218,3 +218,22 @@ def test_a_vision_language_config_needs_image_sft_data_and_a_processor(tmp_path)
         prepare_data(cfg, source, print)
     with pytest.raises(ConfigError, match=r"'llava' is a vision-language model: it trains on SFT data with images"):
         batch_names(cfg.model_copy(update={"task": "lm"}), source.config)
+
+
+def test_a_text_models_chat_tokenizer_joins_text_parts_and_refuses_images(processor):
+    """A text model's template reads strings: messages content given as text parts is their join
+    (the same tokens and targets as the string), and a record with images is an error."""
+    from megatrain.data.sft import ChatTokenizer
+    from megatrain.data.sft_formats import Chat
+
+    chat = ChatTokenizer(processor.tokenizer.backend_tokenizer, None, eos_token=EOT)
+    parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}]
+    as_parts = chat.encode(Chat(({"role": "user", "content": parts}, {"role": "assistant", "content": "Hi."}),
+                                (False, True)))
+    as_text = chat.encode(Chat(({"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}),
+                               (False, True)))
+    assert np.array_equal(as_parts.ids, as_text.ids) and np.array_equal(as_parts.targets, as_text.targets)
+    image = Chat(({"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "Hi."}),
+                 (False, True), images=("a.png",))
+    with pytest.raises(RecordError, match=r"1 image\(s\), and the model reads text only"):
+        chat.encode(image)

@@ -158,11 +158,13 @@ class ChatTokenizer:
 
         Raises:
             RecordError: the template fails, is not prefix-stable, or marks a different number of
-                generation blocks than there are assistant messages; no token is a target.
+                generation blocks than there are assistant messages; no token is a target; the
+                chat has images (a text model's data has none).
         """
         if isinstance(example, Completion):
             text = example.prompt + example.completion + self.eos_token
             return self._tokenize(text, [(len(example.prompt), len(text))])
+        example = self._messages(example)
         train = list(example.train)
         if self.loss == "last":
             last = max(i for i, t in enumerate(train) if t)
@@ -184,6 +186,15 @@ class ChatTokenizer:
                                   "template with {% generation %} markers (--chat-template)")
             spans.append((len(head), len(full)))
         return self._tokenize(text, spans)
+
+    def _messages(self, chat: Chat) -> Chat:
+        """The chat as the template reads it: a text model's content is a string (text parts joined)."""
+        if chat.images:
+            raise RecordError(f"the record has {len(chat.images)} image(s), and the model reads text only: fine-tune "
+                              "a vision-language model (LLaVA) on it, or drop its images")
+        messages = tuple({**m, "content": "".join(p["text"] for p in m["content"])}
+                         if isinstance(m.get("content"), list) else m for m in chat.messages)
+        return Chat(messages, chat.train, chat.tools)
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         try:

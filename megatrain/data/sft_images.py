@@ -68,11 +68,6 @@ def load_image(path: str):
         raise RecordError(f"image file {path!r} cannot be read by Pillow: {e}") from None
 
 
-def _parts(message: dict) -> dict:
-    content = message.get("content")
-    return {**message, "content": [{"type": "text", "text": content}]} if isinstance(content, str) else message
-
-
 class ChatProcessor(ChatTokenizer):
     """A :class:`~megatrain.data.sft.ChatTokenizer` for chats with images, through a processor.
 
@@ -128,9 +123,9 @@ class ChatProcessor(ChatTokenizer):
             raise RecordError(f"the example has {len(images)} image(s), and the model takes "
                               f"{self.images_per_example} per row (megatrain traces one fixed-size image per row); "
                               "give every record of the data exactly that many images (the images column)")
+        enc = super().encode(example)
         if not images:
-            return super().encode(example)
-        enc = super().encode(Chat(tuple(_parts(m) for m in example.messages), example.train, example.tools, images))
+            return enc
         at = np.flatnonzero(enc.ids == self.image_token_id)
         if len(at) != len(images):
             raise RecordError(f"the chat template wrote {len(at)} image token(s) ({self.image_token!r}) for "
@@ -145,6 +140,15 @@ class ChatProcessor(ChatTokenizer):
         ids = np.concatenate(pieces_ids + [enc.ids[prev:]])
         targets = np.concatenate(pieces_tgt + [enc.targets[prev:]])
         return Encoded(ids, targets, tuple(images))
+
+    def _messages(self, chat: Chat) -> Chat:
+        """A chat with images as processors' templates read it: every message's content a list of
+        parts (a string becomes one text part); a chat without images as it is."""
+        if not chat.images:
+            return super()._messages(chat)
+        return Chat(tuple({**m, "content": [{"type": "text", "text": m["content"]}]}
+                          if isinstance(m.get("content"), str) else m for m in chat.messages),
+                    chat.train, chat.tools, chat.images)
 
     def fit(self, example: Chat | Completion, seq_len: int,
             truncation: Literal["trim", "drop"] = "trim") -> tuple[Encoded | None, bool]:
