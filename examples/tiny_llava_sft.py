@@ -45,8 +45,8 @@ def write_processor(directory: Path, chat_template: str | None = None) -> None:
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eot, bos_token=eot, pad_token=eot)
     images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE,
                                                                                "width": IMAGE_SIZE})
-    LlavaProcessor(image_processor=images, tokenizer=hf, patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1,  # CLIP's CLS position, dropped by the "default" strategy
+    LlavaProcessor(image_processor=images, tokenizer=hf, patch_size=PATCH_SIZE,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,  # CLIP's CLS position, dropped by the "default" strategy
                    chat_template=chat_template or DEFAULT_IMAGE_CHAT_TEMPLATE).save_pretrained(directory)
 
 

@@ -194,8 +194,8 @@ def test_megatrain_train_fine_tunes_the_bundled_llava_on_images(tmp_path, capsys
         {"type": "text", "text": "What shape is in the picture?"}]}]
     inputs = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
                                       return_tensors="pt")
-    new = model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-    assert new.shape == (2,)
+    out = model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    assert out.shape == (1, inputs["input_ids"].shape[1] + 2)
 
 
 def test_a_vision_language_config_needs_image_sft_data_and_a_processor(tmp_path):

@@ -467,7 +467,8 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
     num_tokens = num_targets = num_images = 0
     try:
         with open(tmp / TOKENS_FILE, "wb") as tok_out, open(tmp / TARGETS_FILE, "wb") as tgt_out, \
-                open(tmp / IMAGES_FILE, "w", encoding="utf-8") as img_out, tqdm(desc="tokenising SFT examples", unit=" examples", disable=not progress, delay=2.0) as bar:
+                open(tmp / IMAGES_FILE, "w", encoding="utf-8") as img_out, \
+                tqdm(desc="tokenising SFT examples", unit=" examples", disable=not progress, delay=2.0) as bar:
             ids_buf: list[np.ndarray] = []
             tgt_buf: list[np.ndarray] = []
             buffered = 0

@@ -51,7 +51,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format", "to_example"]
+__all__ = ["IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format",
+           "to_example"]
 
 FormatKind = Literal["alpaca", "sharegpt", "messages", "prompt_completion"]
 
@@ -84,7 +85,8 @@ _EXPECTED = {
                  "{user_tag}/{assistant_tag}/{observation_tag}/{function_tag}/{system_tag}, {system}?, {tools}?, "
                  "{images}?: [image file, ...] (one <image> in the text per file)}}"),
     "messages": ("messages {{{messages}: [{{role, content}}, ...] (content a string or a list of "
-                 "{{type: text, text}} / {{type: image}} parts), {tools}?, {images}?: [image file, ...]}} (TRL, OpenAI)"),
+                 "{{type: text, text}} / {{type: image}} parts), {tools}?, {images}?: [image file, ...]}} "
+                 "(TRL, OpenAI)"),
     "prompt_completion": "prompt/completion {{{prompt}, {completion}}} (two strings, or two message lists)",
 }
 
@@ -453,6 +455,10 @@ def _prompt_completion(record: Mapping[str, Any], fmt: SftFormat) -> Chat | Comp
     if isinstance(prompt, list) and isinstance(completion, list):
         p_msgs, _ = _messages(prompt, c["prompt"])
         c_msgs, c_train = _messages(completion, c["completion"])
+        if any(isinstance(m.get("content"), list) and any(p["type"] == "image" for p in m["content"])
+               for m in p_msgs + c_msgs):
+            raise RecordError("image parts are read in the sharegpt and messages formats, not prompt/completion: "
+                              "give the record as {messages, images}")
         return _chat(p_msgs + c_msgs, [False] * len(p_msgs) + c_train, _tools(record, c["tools"]))
     kinds = [type(v).__name__ if v is not None else "missing" for v in (prompt, completion)]
     raise RecordError(f"fields {c['prompt']!r} and {c['completion']!r} must be two strings or two message "
