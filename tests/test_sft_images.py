@@ -237,3 +237,25 @@ def test_a_text_models_chat_tokenizer_joins_text_parts_and_refuses_images(proces
                  (False, True), images=("a.png",))
     with pytest.raises(RecordError, match=r"1 image\(s\), and the model reads text only"):
         chat.encode(image)
+
+
+def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_path):
+    """A processor of another patch size writes 4 image tokens an image where the tiny LLaVA's
+    projector writes 16 features: refused with what to change, before the first step."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from megatrain.errors import ConfigError
+    from megatrain.train.loop import _check_processor
+
+    write_processor(tmp_path / "p")
+    config = json.loads((tmp_path / "p" / "processor_config.json").read_text())
+    (tmp_path / "p" / "processor_config.json").write_text(json.dumps({**config, "patch_size": 16}))
+    chat = ChatProcessor(AutoProcessor.from_pretrained(tmp_path / "p"), None, eos_token=EOT, images_per_example=1)
+    store = build_sft_store(resolve_sft_data(str(EXAMPLES / "data" / "vlm_sft" / "shapes.json")), chat,
+                            tmp_path / "store", seq_len=96, progress=False)
+    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(llava_config())
+    with pytest.raises(ConfigError, match=r"LlavaProcessor\) does not fit the model: .* holds 4 image tokens .* "
+                                          r"one image of 16 features.*Use the model's own processor"):
+        _check_processor(model, ds, chat)

@@ -437,6 +437,21 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
                        checkpoint=out / CHECKPOINT_DIR, output_dir=out)
 
 
+def _check_processor(model, dataset, images) -> None:
+    """Refuse, before training, a processor that writes another number of image tokens per image
+    than the model's projector writes features (a processor of another model or resolution),
+    which the first step would refuse (``check_image_tokens``)."""
+    from megatrain.errors import BatchError
+    from megatrain.planner.trace.vlm import check_image_tokens
+
+    try:
+        check_image_tokens(model, dataset.rows([0]))
+    except BatchError as e:
+        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the first "
+                          f"training row: {e}. Use the model's own processor (its patch_size, image size and "
+                          "vision_feature_select_strategy)") from None
+
+
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
     import torch
 
@@ -462,6 +477,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
         preflight_disk(out, planned.graph)
     tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
     images = getattr(dataset, "images", None)  # a vision-language run's ChatProcessor
+    if images is not None:
+        _check_processor(planned.model, dataset, images)
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped, state = _materialize_and_load(cfg, planned, source, fingerprint, echo)
