@@ -8,8 +8,8 @@ list of parts, the convention of processors' templates), tokenises it and marks 
 image token the template writes per image into as many as the processor writes for that image
 (LLaVA: one per patch feature the projector writes into the text embeddings; Qwen2-VL: one per
 merged patch of the image's grid), counted by calling the processor on that image alone. Image
-tokens are never targets. Images are loaded with Pillow (``PIL.Image.open(...).convert("RGB")``,
-as transformers' ``load_image`` does).
+tokens are never targets. Images are loaded with Pillow (:func:`load_image`, as transformers'
+``load_image`` loads a file).
 
 The image inputs of a row (:meth:`ChatProcessor.image_inputs`) are what the processor returns for
 its images under the names of the image processor's ``model_input_names`` (LLaVA: ``pixel_values``
@@ -48,19 +48,20 @@ DEFAULT_IMAGE_CHAT_TEMPLATE = (
 
 
 def load_image(path: str):
-    """The image file at ``path`` as an RGB ``PIL.Image.Image``.
+    """The image file at ``path`` as an RGB ``PIL.Image.Image``, turned upright by its EXIF
+    orientation: what ``transformers.image_utils.load_image`` gives for a file.
 
     Raises:
         RecordError: the file is missing or Pillow cannot read it (naming the file).
         ImportError: Pillow is missing (``pip install 'megatrain[hf]'``).
     """
     try:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image, ImageOps, UnidentifiedImageError
     except ImportError as e:
         raise ImportError("images are read with Pillow: pip install 'megatrain[hf]'") from e
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")
+            return ImageOps.exif_transpose(im).convert("RGB")
     except FileNotFoundError:
         raise RecordError(f"image file {path!r} does not exist (a relative path is read from the data file's "
                           "directory, or the dataset_info.json's)") from None
