@@ -143,9 +143,12 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
         return texts
 
     # A vision-language model's examples carry one image per row, read by its processor, unpacked.
-    processor = _processor(cfg, source) if family(source.config) is not None else None
-    tokenizer, origin = _tokenizer(cfg, source, sample) if processor is None else \
-        (processor[0].tokenizer.backend_tokenizer, processor[1])
+    if family(source.config) is not None:
+        processor, origin = _processor(cfg, source)
+        tokenizer = processor.tokenizer.backend_tokenizer
+    else:
+        processor = None
+        tokenizer, origin = _tokenizer(cfg, source, sample)
     _check_vocab(tokenizer, origin, source.config.get_text_config().vocab_size)
     eot = cfg.eot_token or D.find_eot_token(tokenizer)
     if tokenizer.token_to_id(eot) is None:
@@ -157,9 +160,9 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     else:
         from megatrain.data.sft_images import ChatProcessor
 
-        chat = ChatProcessor(processor[0], template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
+        chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
                              loss=cfg.sft_loss, images_per_example=1)
-        template_origin = template_origin or ("the processor's" if processor[0].chat_template else None)
+        template_origin = template_origin or ("the processor's" if processor.chat_template else None)
     packing = cfg.sft_packing and processor is None
     store = D.cached_sft_store(sources, chat, path, seq_len=cfg.seq_len, truncation=cfg.sft_truncation)
     dataset = D.SftDataset(store, cfg.seq_len, packing=packing, val_fraction=cfg.val_fraction, seed=cfg.seed,

@@ -516,11 +516,11 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
             raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
-        if writes:
+        if writes and images is not None:  # its tokenizer, image processor and template: AutoProcessor loads them
+            images.processor.save_pretrained(ckpt_path)
+        elif writes:
             write_atomic(ckpt_path / TOKENIZER_FILE, tokenizer_json)
             write_atomic(ckpt_path / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config, indent=1) + "\n")
-            if images is not None:  # its tokenizer, image processor and template: AutoProcessor loads them
-                images.processor.save_pretrained(ckpt_path)
         last_saved = step
 
     from tqdm import tqdm
