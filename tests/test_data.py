@@ -502,8 +502,8 @@ def test_public_surface_of_megatrain_data_is_pinned():
     import megatrain.data
 
     assert sorted(megatrain.data.__all__) == sorted([
-        "DEFAULT_MAX_BYTES", "EOT_CANDIDATES", "EOT_TOKEN", "IGNORE_INDEX",
-        "RECORD_SUFFIXES", "TEXT_SUFFIXES", "ChatTokenizer", "CorruptStoreError", "PackedRows", "SftDataset",
+        "DEFAULT_MAX_BYTES", "EOT_CANDIDATES", "EOT_TOKEN", "IGNORE_INDEX", "RECORD_SUFFIXES", "TEXT_SUFFIXES",
+        "ChatProcessor", "ChatTokenizer", "CorruptStoreError", "PackedRows", "SftDataset",
         "SftSource", "SftStore", "StoreError", "StoreManifest", "StoreWindows", "TokenStore",
         "best_fit_decreasing", "build_token_store", "cached_sft_store", "cached_token_store", "corpus_bytes",
         "corpus_files", "default_corpus_dir", "encode_documents", "find_eot_token", "iter_file_documents",

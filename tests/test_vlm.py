@@ -205,17 +205,6 @@ def test_plan_reports_the_vision_towers_share(tmp_path, capsys):
     assert 0 < share < 50, rows["compute"]
 
 
-def test_megatrain_train_refuses_a_vision_language_config_it_has_no_image_data_for(tmp_path):
-    import json
-
-    from megatrain.train.model import resolve_model
-
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(tiny_llava().config.to_dict()))
-    with pytest.raises(UnsupportedModelError, match=r"'llava' is a vision-language model.*text only"):
-        resolve_model(str(path))
-
-
 def test_a_checkpoint_loads_with_auto_model_for_image_text_to_text_and_generates(tmp_path):
     from transformers import AutoModelForImageTextToText
 

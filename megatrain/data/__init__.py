@@ -31,13 +31,17 @@ tokenises them once into a token store, and :class:`SftDataset` packs them into 
     data = SftDataset(store, 256, weights=[s.weight for s in sources])
     batch = next(data.batches(8))   # input_ids, position_ids, labels: LongTensor[8, 256]
 
+Records with images, for a vision-language model: :class:`ChatProcessor` (the model's
+``AutoProcessor``) in place of the :class:`ChatTokenizer`, and unpacked rows that carry the
+processor's image inputs (``SftDataset(store, 256, packing=False, images=chat)``: ``pixel_values``).
+
 :func:`pack_documents` packs whole documents into rows so that no loss target
 is predicted from another document's text: the rows per-document attention needs;
 :func:`best_fit_decreasing` is its packing rule.
 
 Modules: ``sources`` (readers), ``tokenizer``, ``packing``, ``store`` (the
-on-disk token store), ``windows`` (reading it), ``sft_formats``, ``sft_sources``
-and ``sft`` (fine-tuning examples).
+on-disk token store), ``windows`` (reading it), ``sft_formats``, ``sft_sources``,
+``sft`` and ``sft_images`` (fine-tuning examples).
 
 Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
@@ -73,6 +77,7 @@ from megatrain.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from megatrain.data.sft import ChatTokenizer, SftDataset, SftStore, cached_sft_store
+from megatrain.data.sft_images import ChatProcessor
 from megatrain.data.sft_sources import SftSource, resolve_sft_data
 from megatrain.data.windows import StoreWindows
 
@@ -83,6 +88,7 @@ __all__ = [
     "IGNORE_INDEX",
     "RECORD_SUFFIXES",
     "TEXT_SUFFIXES",
+    "ChatProcessor",
     "ChatTokenizer",
     "CorruptStoreError",
     "PackedRows",

@@ -102,15 +102,18 @@ SFT_FORMAT = "megatrain-sft-store"
 SFT_VERSION = 1
 SFT_FILE = "sft.json"
 TARGETS_FILE = "targets.bin"
+IMAGES_FILE = "images.jsonl"
 _FLUSH_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class Encoded:
-    """One example: ``ids`` and ``targets`` (``np.ndarray`` ``int64`` / ``bool``, same length)."""
+    """One example: ``ids`` and ``targets`` (``np.ndarray`` ``int64`` / ``bool``, same length), and
+    the files of its images (:class:`~megatrain.data.sft_images.ChatProcessor`)."""
 
     ids: np.ndarray
     targets: np.ndarray
+    images: tuple[str, ...] = ()
 
 
 class ChatTokenizer:
@@ -145,16 +148,23 @@ class ChatTokenizer:
         """How the assistant's tokens are found, for the ``data:`` line."""
         return f"assistant tokens by {'generation markers' if self.markers else 'prefix differences'}"
 
+    def key(self) -> list:
+        """What the tokens depend on beyond the tokenizer, template and special tokens (nothing
+        here; a :class:`~megatrain.data.sft_images.ChatProcessor`'s image settings)."""
+        return []
+
     def encode(self, example: Chat | Completion) -> Encoded:
         """Tokens and targets of the whole example (module docstring).
 
         Raises:
             RecordError: the template fails, is not prefix-stable, or marks a different number of
-                generation blocks than there are assistant messages; no token is a target.
+                generation blocks than there are assistant messages; no token is a target; the
+                chat has images (a text model's data has none).
         """
         if isinstance(example, Completion):
             text = example.prompt + example.completion + self.eos_token
             return self._tokenize(text, [(len(example.prompt), len(text))])
+        example = self._messages(example)
         train = list(example.train)
         if self.loss == "last":
             last = max(i for i, t in enumerate(train) if t)
@@ -176,6 +186,15 @@ class ChatTokenizer:
                                   "template with {% generation %} markers (--chat-template)")
             spans.append((len(head), len(full)))
         return self._tokenize(text, spans)
+
+    def _messages(self, chat: Chat) -> Chat:
+        """The chat as the template reads it: a text model's content is a string (text parts joined)."""
+        if chat.images:
+            raise RecordError(f"the record has {len(chat.images)} image(s), and the model reads text only: fine-tune "
+                              "a vision-language model (LLaVA) on it, or drop its images")
+        messages = tuple({**m, "content": "".join(p["text"] for p in m["content"])}
+                         if isinstance(m.get("content"), list) else m for m in chat.messages)
+        return Chat(messages, chat.train, chat.tools)
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         try:
@@ -319,6 +338,10 @@ class SftManifest(BaseModel):
     loss: Literal["all", "last"]
     num_target_tokens: int
     targets_sha256: str
+    num_images: int = 0
+    """Image files the examples name; with any, ``images.jsonl`` lists each example's (one JSON
+    list a line, in example order)."""
+    images_sha256: str | None = None
 
     @property
     def trimmed(self) -> int:
@@ -335,7 +358,8 @@ class SftStore:
     Attributes:
         path, manifest (:class:`SftManifest`), tokens (the :class:`~megatrain.data.store.TokenStore`:
         one document per example), targets (``np.ndarray[uint8]``, ``[num_tokens]``, read-only,
-        mapped), origin (``"opened"``, ``"reused"``, ``"built"``, ``"rebuilt (<reason>)"``).
+        mapped), origin (``"opened"``, ``"reused"``, ``"built"``, ``"rebuilt (<reason>)"``),
+        images (each example's image files, in memory; None for a store without images).
     """
 
     def __init__(self, path: Path, tokens: TokenStore, manifest: SftManifest, *, origin: str = "opened") -> None:
@@ -343,6 +367,10 @@ class SftStore:
         self._fh = open(path / TARGETS_FILE, "rb")
         self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if tokens.num_tokens else None
         self.targets = np.frombuffer(self._mm, dtype=np.uint8) if self._mm else np.zeros(0, np.uint8)
+        self.images: list[list[str]] | None = None
+        if manifest.num_images:
+            with open(path / IMAGES_FILE, encoding="utf-8") as fh:
+                self.images = [json.loads(line) for line in fh]
 
     @property
     def num_examples(self) -> int:
@@ -369,7 +397,7 @@ def sft_store_key(sources: Sequence[SftSource], chat: ChatTokenizer, seq_len: in
                   truncation: str) -> str:
     """sha256 naming what an SFT store holds: equal keys mean equal files."""
     key = [SFT_FORMAT, SFT_VERSION, sources_key(list(sources)), _sha256(chat.hf.backend_tokenizer.to_str()),
-           chat.template, chat.bos_token, chat.eos_token, chat.loss, seq_len, truncation]
+           chat.template, chat.bos_token, chat.eos_token, chat.loss, seq_len, truncation] + chat.key()
     return _sha256(json.dumps(key))
 
 
@@ -398,6 +426,11 @@ def open_sft_store(path: str | os.PathLike[str], *, verify: Literal["full", "siz
         if verify == "full" and _file_sha256(targets) != manifest.targets_sha256:
             raise CorruptStoreError(f"SFT store {str(path)!r}: {TARGETS_FILE} does not match the sha256 in "
                                     f"{SFT_FILE}; rebuild it")
+        images = path / IMAGES_FILE
+        if manifest.num_images and (not images.is_file() or verify == "full"
+                                    and _file_sha256(images) != manifest.images_sha256):
+            raise CorruptStoreError(f"SFT store {str(path)!r}: {IMAGES_FILE} is missing or does not match the "
+                                    f"sha256 in {SFT_FILE}; rebuild it")
     except CorruptStoreError:
         tokens.close()
         raise
@@ -431,9 +464,10 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
     dtype = _dtype_for(vocab)
     lengths = array("q")
     infos: list[SftDatasetInfo] = []
-    num_tokens = num_targets = 0
+    num_tokens = num_targets = num_images = 0
     try:
         with open(tmp / TOKENS_FILE, "wb") as tok_out, open(tmp / TARGETS_FILE, "wb") as tgt_out, \
+                open(tmp / IMAGES_FILE, "w", encoding="utf-8") as img_out, \
                 tqdm(desc="tokenising SFT examples", unit=" examples", disable=not progress, delay=2.0) as bar:
             ids_buf: list[np.ndarray] = []
             tgt_buf: list[np.ndarray] = []
@@ -465,6 +499,8 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
                     lengths.append(len(enc.ids))
                     ids_buf.append(enc.ids)
                     tgt_buf.append(enc.targets)
+                    img_out.write(json.dumps(list(enc.images)) + "\n")
+                    num_images += len(enc.images)
                     buffered += len(enc.ids)
                     num_tokens += len(enc.ids)
                     num_targets += int(enc.targets.sum())
@@ -491,9 +527,13 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
             dtype=dtype.name, num_documents=len(lengths), num_tokens=num_tokens, skipped_files=0,
             skipped_examples=[], tokens_sha256=_file_sha256(tmp / TOKENS_FILE),
             offsets_sha256=_file_sha256(tmp / OFFSETS_FILE), build_seconds=round(time.perf_counter() - t0, 3))
+        if not num_images:
+            (tmp / IMAGES_FILE).unlink()
         manifest = SftManifest(format=SFT_FORMAT, version=SFT_VERSION, key=key, datasets=infos,
                                chat_template=chat.template, seq_len=seq_len, truncation=truncation, loss=chat.loss,
-                               num_target_tokens=num_targets, targets_sha256=_file_sha256(tmp / TARGETS_FILE))
+                               num_target_tokens=num_targets, targets_sha256=_file_sha256(tmp / TARGETS_FILE),
+                               num_images=num_images,
+                               images_sha256=_file_sha256(tmp / IMAGES_FILE) if num_images else None)
         for name, model in ((MANIFEST_FILE, tokens_manifest), (SFT_FILE, manifest)):
             with open(tmp / name, "w", encoding="utf-8") as fh:  # the manifests last: a store is whole or absent
                 fh.write(model.model_dump_json(indent=1))
@@ -562,19 +602,28 @@ class SftDataset:
     Batches: packing: ``input_ids``, ``position_ids`` (0 at each example's first token and at the
     padding's), ``labels``; no packing: ``input_ids``, ``attention_mask`` (0 on padding),
     ``labels``. All ``LongTensor[batch_size, seq_len]``; labels -100 off targets and at every
-    example's first token. Padding is the end-of-text id.
+    example's first token. Padding is the end-of-text id. A store with images is read without
+    packing (an example's images stay in its row) and ``images`` (a
+    :class:`~megatrain.data.sft_images.ChatProcessor`) adds its image inputs by name: each row's
+    :meth:`~megatrain.data.sft_images.ChatProcessor.image_inputs`, concatenated over the rows
+    along dimension 0 (LLaVA: ``pixel_values`` ``FloatTensor[batch_size, C, H, W]``).
 
     Raises:
         ValueError: ``val_fraction`` not in ``(0, 1)``; fewer than two examples; an example longer
             than ``seq_len``; weights or num_samples not one per dataset; a dataset with examples
-            to take but none left for training.
+            to take but none left for training; a store with images read with packing or without
+            ``images``.
     """
 
     def __init__(self, store: SftStore, seq_len: int, *, packing: bool = True, val_fraction: float = 0.05,
                  seed: int = 0, weights: Sequence[float | None] | None = None,
-                 num_samples: Sequence[int | None] | None = None) -> None:
+                 num_samples: Sequence[int | None] | None = None, images=None) -> None:
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if store.images is not None and (packing or images is None):
+            raise ValueError(f"the SFT store {str(store.path)!r} holds examples with images: read it with "
+                             "packing=False (one example per row) and images=<the ChatProcessor that built it>")
+        self.images = images if store.images is not None else None
         n = store.num_examples
         if n < 2:
             raise ValueError(f"SFT data too small: {n} example(s); need at least 2 (one training and one "
@@ -641,9 +690,11 @@ class SftDataset:
         return self.store.manifest.dropped
 
     @property
-    def input_names(self) -> tuple[str, str, str]:
+    def input_names(self) -> tuple[str, ...]:
         """The keys of a batch, in the order ``megatrain.compile(input_names=...)`` takes them."""
-        return ("input_ids", "position_ids", "labels") if self.packing else ("input_ids", "attention_mask", "labels")
+        if self.packing:
+            return ("input_ids", "position_ids", "labels")
+        return ("input_ids", "attention_mask", *(self.images.image_keys if self.images else ()), "labels")
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the store's key and the layout's settings: equal iff the batches are equal."""
@@ -697,7 +748,20 @@ class SftDataset:
             batch["position_ids"] = torch.from_numpy(pos)
         else:
             batch["attention_mask"] = torch.from_numpy((np.arange(s)[None, :] < used[:, None]).astype(np.int64))
+        if self.images is not None:
+            batch.update(self._image_inputs([int(members[ptr[row]]) for row in rows]))
         return batch
+
+    def _image_inputs(self, examples: list[int]) -> dict[str, torch.Tensor]:
+        """The image inputs of the examples' rows, concatenated along dimension 0 per name."""
+        per_row = []
+        for e in examples:
+            try:
+                per_row.append(self.images.image_inputs(self.store.images[e]))
+            except RecordError as err:
+                raise RecordError(f"SFT example {e} of the store {str(self.store.path)!r}: {err}; the store was "
+                                  "built when it could be read: restore the file or rebuild the store") from None
+        return {k: torch.cat([r[k] for r in per_row if k in r]) for k in dict.fromkeys(k for r in per_row for k in r)}
 
     def batches_per_epoch(self, batch_size: int, split: str = "train") -> int:
         return (len(self._split(split)[0]) - 1) // batch_size

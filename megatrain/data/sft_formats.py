@@ -30,6 +30,16 @@ LLaMA-Factory stores them) is wrapped as ``{"type": "function", "function": ...}
 fields may be JSON text (how a CSV file holds them). Keys whose value is null are dropped, as
 ``apply_chat_template`` drops them.
 
+Images (sharegpt and messages): an ``images`` column lists image files, in the order the text
+refers to them. In sharegpt text each :data:`IMAGE_PLACEHOLDER` (``<image>``, LLaMA-Factory's)
+marks where an image goes; in messages content may be a list of parts (TRL's and transformers'
+convention) ``{"type": "text", "text"}`` and ``{"type": "image"}`` (the next file of ``images``,
+or its own ``"path"``/``"image"``: a local file). The number of placeholders must equal the number
+of images (as LLaMA-Factory requires). A message that refers to images becomes a list of parts
+``{"type": "image"}`` and ``{"type": "text", "text"}`` (what processors' chat templates read) and
+:attr:`Chat.images` holds the files, in order, as given (resolved by the reader against the data
+file's directory or the registry's, as LLaMA-Factory resolves them against ``dataset_dir``).
+
 :func:`detect_format` names a record's format from its fields; :func:`to_example` converts one
 record and raises :class:`RecordError` naming the fields it expected.
 """
@@ -41,7 +51,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format", "to_example"]
+__all__ = ["IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format",
+           "to_example"]
 
 FormatKind = Literal["alpaca", "sharegpt", "messages", "prompt_completion"]
 
@@ -53,8 +64,8 @@ SFT_FORMATS: tuple[FormatKind, ...] = ("alpaca", "sharegpt", "messages", "prompt
 _COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
                "history": "history"},
-    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"},
-    "messages": {"messages": "messages", "tools": "tools"},
+    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools", "images": "images"},
+    "messages": {"messages": "messages", "tools": "tools", "images": "images"},
     "prompt_completion": {"prompt": "prompt", "completion": "completion", "tools": "tools"},
 }
 _LLAMA_FACTORY_COLUMNS = {"prompt", "query", "response", "history", "messages", "system", "tools", "images",
@@ -62,14 +73,20 @@ _LLAMA_FACTORY_COLUMNS = {"prompt", "query", "response", "history", "messages", 
 _TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
          "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 
+#: Where an image goes in sharegpt text (LLaMA-Factory's ``IMAGE_PLACEHOLDER``).
+IMAGE_PLACEHOLDER = "<image>"
+
 _OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
                 "observation_tag": "tool", "system_tag": "system"}
 
 _EXPECTED = {
     "alpaca": "alpaca {{{prompt}, {query}?, {response}, {system}?, {history}?: [[query, response], ...]}}",
     "sharegpt": ("sharegpt {{{messages}: [{{{role_tag}, {content_tag}}}, ...] with {role_tag} one of "
-                 "{user_tag}/{assistant_tag}/{observation_tag}/{function_tag}/{system_tag}, {system}?, {tools}?}}"),
-    "messages": "messages {{{messages}: [{{role, content}}, ...], {tools}?}} (TRL, OpenAI)",
+                 "{user_tag}/{assistant_tag}/{observation_tag}/{function_tag}/{system_tag}, {system}?, {tools}?, "
+                 "{images}?: [image file, ...] (one <image> in the text per file)}}"),
+    "messages": ("messages {{{messages}: [{{role, content}}, ...] (content a string or a list of "
+                 "{{type: text, text}} / {{type: image}} parts), {tools}?, {images}?: [image file, ...]}} "
+                 "(TRL, OpenAI)"),
     "prompt_completion": "prompt/completion {{{prompt}, {completion}}} (two strings, or two message lists)",
 }
 
@@ -87,11 +104,13 @@ class Chat:
         messages: ``{"role", "content", ...}`` dicts as the template reads them.
         train: one flag per message: its tokens are loss targets (only assistant messages).
         tools: JSON schemas of the tools offered (``apply_chat_template(tools=...)``), or None.
+    images: the image files of the ``{"type": "image"}`` parts of the messages, in order.
     """
 
     messages: tuple[dict, ...]
     train: tuple[bool, ...]
     tools: tuple[dict, ...] | None = None
+    images: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.train) != len(self.messages):
@@ -144,8 +163,11 @@ class SftFormat:
         if unknown := sorted(set(maps["columns"]) - _LLAMA_FACTORY_COLUMNS):
             raise ValueError(f"{where}: columns {unknown} are not LLaMA-Factory columns (the {formatting} "
                              f"format reads {sorted(_COLUMNS[kind])})")
-        if used := sorted(k for k in ("images", "videos", "audios") if maps["columns"].get(k)):
-            raise ValueError(f"{where}: multimodal columns {used} are not supported (text-only models)")
+        if used := sorted(k for k in ("videos", "audios") if maps["columns"].get(k)):
+            raise ValueError(f"{where}: multimodal columns {used} are not supported (images are: the images column)")
+        if maps["columns"].get("images") and kind == "alpaca":
+            raise ValueError(f"{where}: an images column is read with formatting sharegpt or openai (alpaca reads "
+                             "text only)")
         if used := sorted(k for k in ("chosen", "rejected", "kto_tag") if maps["columns"].get(k)):
             raise ValueError(f"{where}: columns {used} are preference or KTO data, not supervised fine-tuning")
         if unknown := sorted(set(maps["tags"]) - set(_TAGS)):
@@ -254,7 +276,7 @@ def _tools(record: Mapping[str, Any], column: str | None) -> tuple[dict, ...] | 
     return tuple(out) or None
 
 
-def _chat(messages: list[dict], train: list[bool], tools) -> Chat:
+def _chat(messages: list[dict], train: list[bool], tools, images: tuple[str, ...] = ()) -> Chat:
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise RecordError(f"the chat has no assistant message (roles: {roles}), so nothing to learn")
@@ -262,7 +284,35 @@ def _chat(messages: list[dict], train: list[bool], tools) -> Chat:
         raise RecordError("the chat starts with an assistant message: a target needs a context before it")
     if not any(train):
         raise RecordError("every assistant message has weight 0, so nothing to learn")
-    return Chat(tuple(messages), tuple(train), tools)
+    return Chat(tuple(messages), tuple(train), tools, images)
+
+
+def _images(record: Mapping[str, Any], column: str | None) -> list[str]:
+    """The ``images`` column: a list of file paths (empty when absent)."""
+    value = _get(record, column)
+    if value is None or value == "":
+        return []
+    items = _as_list(value, column)
+    if not all(isinstance(p, str) and p for p in items):
+        raise RecordError(f"field {column!r} must be a list of image file paths (strings)")
+    return items
+
+
+def _image_parts(text: str) -> list[dict]:
+    """``text`` with its :data:`IMAGE_PLACEHOLDER` s as ``{"type": "image"}`` parts between text parts."""
+    parts: list[dict] = []
+    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _check_image_count(found: int, images: list[str], column: str | None, what: str) -> None:
+    if found != len(images):
+        raise RecordError(f"the record has {found} {what} and {len(images)} file(s) in field {column!r}; "
+                          "each image the text refers to needs one file, in order")
 
 
 def _alpaca(record: Mapping[str, Any], fmt: SftFormat) -> Chat:
@@ -316,7 +366,14 @@ def _sharegpt(record: Mapping[str, Any], fmt: SftFormat) -> Chat:
             messages.append({"role": "tool", "content": content})
         else:
             messages.append({"role": "user" if role == t["user_tag"] else "assistant", "content": content})
-    return _chat(messages, [m["role"] == "assistant" for m in messages], _tools(record, c["tools"]))
+    images = _images(record, c["images"])
+    if images:  # LLaMA-Factory's placeholders become the parts a processor's chat template reads
+        found = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m.get("content"), str))
+        _check_image_count(found, images, c["images"], f"image placeholder(s) {IMAGE_PLACEHOLDER}")
+        for m in messages:
+            if IMAGE_PLACEHOLDER in (m.get("content") or ""):
+                m["content"] = _image_parts(m["content"])
+    return _chat(messages, [m["role"] == "assistant" for m in messages], _tools(record, c["tools"]), tuple(images))
 
 
 def _function_calls(content: str, column: str) -> list[dict]:
@@ -343,12 +400,37 @@ def _messages(items: Any, column: str) -> tuple[list[dict], list[bool]]:
         if weight not in (0, 1):
             raise RecordError(f"field {column!r}: message {i} has weight {weight!r}; OpenAI's weight is 0 or 1")
         content = m.get("content")
-        if not (isinstance(content, str) or (content is None and m["role"] == "assistant" and m.get("tool_calls"))):
-            raise RecordError(f"field {column!r}: message {i} must have a string 'content' (or, from the "
-                              "assistant, 'tool_calls')")
+        if isinstance(content, list):
+            m["content"] = _content_parts(content, column, i)
+        elif not (isinstance(content, str) or (content is None and m["role"] == "assistant" and m.get("tool_calls"))):
+            raise RecordError(f"field {column!r}: message {i} must have a string 'content', a list of "
+                              "{type: text, text} / {type: image} parts (or, from the assistant, 'tool_calls')")
         messages.append(m)
         train.append(m["role"] == "assistant" and weight == 1)
     return messages, train
+
+
+def _content_parts(content: list, column: str, i: int) -> list[dict]:
+    """Message ``i``'s list of content parts: text parts and image parts (``{"type": "image"}``,
+    with the file, if the part names one, under ``"path"``; nulls dropped, as ``datasets`` fills
+    a part's missing keys with them)."""
+    parts = []
+    for part in content:
+        part = _json(part, column)
+        part = {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            path = next((part[k] for k in ("path", "image") if isinstance(part.get(k), str)), None)
+            if path is None and any(k in part for k in ("url", "base64", "image")):
+                raise RecordError(f"field {column!r}: message {i} has an image part without a local file; give its "
+                                  "path as \"path\" or in the images column (nothing is downloaded)")
+            parts.append({"type": "image", **({"path": path} if path else {})})
+        else:
+            raise RecordError(f"field {column!r}: message {i} has a content part {part!r}; expected "
+                              "{type: text, text: str} or {type: image}")
+    return parts
 
 
 def _messages_record(record: Mapping[str, Any], fmt: SftFormat) -> Chat:
@@ -356,7 +438,13 @@ def _messages_record(record: Mapping[str, Any], fmt: SftFormat) -> Chat:
     if _get(record, c["messages"]) is None:
         raise RecordError(f"field {c['messages']!r} is missing")
     messages, train = _messages(record[c["messages"]], c["messages"])
-    return _chat(messages, train, _tools(record, c["tools"]))
+    column = _images(record, c["images"])
+    parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p["type"] == "image"]
+    bare = [p for p in parts if "path" not in p]
+    _check_image_count(len(bare), column, c["images"], "image part(s) without a path ({type: image})")
+    files = iter(column)
+    images = tuple(p.pop("path") if "path" in p else next(files) for p in parts)
+    return _chat(messages, train, _tools(record, c["tools"]), images)
 
 
 def _prompt_completion(record: Mapping[str, Any], fmt: SftFormat) -> Chat | Completion:
@@ -367,6 +455,10 @@ def _prompt_completion(record: Mapping[str, Any], fmt: SftFormat) -> Chat | Comp
     if isinstance(prompt, list) and isinstance(completion, list):
         p_msgs, _ = _messages(prompt, c["prompt"])
         c_msgs, c_train = _messages(completion, c["completion"])
+        if any(isinstance(m.get("content"), list) and any(p["type"] == "image" for p in m["content"])
+               for m in p_msgs + c_msgs):
+            raise RecordError("image parts are read in the sharegpt and messages formats, not prompt/completion: "
+                              "give the record as {messages, images}")
         return _chat(p_msgs + c_msgs, [False] * len(p_msgs) + c_train, _tools(record, c["tools"]))
     kinds = [type(v).__name__ if v is not None else "missing" for v in (prompt, completion)]
     raise RecordError(f"fields {c['prompt']!r} and {c['completion']!r} must be two strings or two message "

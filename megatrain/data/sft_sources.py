@@ -22,6 +22,11 @@ Each dataset's format is its registry entry's, ``--sft-format``, or detected fro
 (:func:`~megatrain.data.sft_formats.detect_format`). :func:`iter_examples` yields the examples;
 a malformed record is one error naming the file, the record (1-based; for ``.jsonl`` also the
 line) and the fields its format expects.
+
+Image files a record names (its ``images`` column, :mod:`~megatrain.data.sft_formats`) are resolved
+as LLaMA-Factory resolves them against ``dataset_dir``: relative to the registry's ``DIR`` for its
+entries, else to the data file's directory (a saved dataset's parent directory); absolute paths
+stay as they are.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.data.sources import scan_jsonl
@@ -59,6 +64,8 @@ class SftSource:
         split: the split of a saved ``DatasetDict``.
         weight: the mixing weight from ``data`` (None: none given).
         num_samples: the registry's ``num_samples`` (None: every example once).
+        media_dir: the directory image paths are relative to (a registry's ``DIR``); None: each
+            data file's own directory.
     """
 
     name: str
@@ -68,6 +75,7 @@ class SftSource:
     split: str = "train"
     weight: float | None = None
     num_samples: int | None = None
+    media_dir: Path | None = None
 
     def fingerprint(self) -> dict:
         """What the examples depend on: the format and every data file's path, size and mtime."""
@@ -222,7 +230,7 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
     if num_samples is not None and not (isinstance(num_samples, int) and num_samples > 0):
         raise ValueError(f"{where}: num_samples must be a positive integer, got {num_samples!r}")
     if path.is_dir() and _saved_dataset(path):
-        return SftSource(name, (path,), "saved", fmt, split, weight, num_samples)
+        return SftSource(name, (path,), "saved", fmt, split, weight, num_samples, directory)
     files = _data_files(path) if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"{where}: directory {str(path)!r} holds no {'/'.join(SFT_SUFFIXES)} files")
@@ -233,7 +241,7 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
     if split != "train":
         raise ValueError(f"{where}: split {split!r}: data files have only a 'train' split (a split applies to a "
                          "dataset saved with save_to_disk)")
-    return SftSource(name, tuple(files), builders.pop(), fmt, split, weight, num_samples)
+    return SftSource(name, tuple(files), builders.pop(), fmt, split, weight, num_samples, directory)
 
 
 def sft_data_bytes(data: str) -> int:
@@ -367,6 +375,9 @@ def iter_examples(source: SftSource) -> Iterator[tuple[Chat | Completion, Callab
             example = to_example(row, fmt)
         except RecordError as e:
             raise RecordError(f"{_where(path, i)}: {e}") from None
+        if isinstance(example, Chat) and example.images:
+            base = source.media_dir if source.media_dir is not None else path.parent
+            example = replace(example, images=tuple(str(base / p) for p in example.images))
         n += 1
         yield example, (lambda p=path, k=i: _where(p, k)), fmt.kind
     if n == 0:

@@ -219,14 +219,20 @@ def build_meta_model(config, dtype=None):
     draws in its recompute).
     """
     import torch
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    with torch.device("meta"):
+        return auto_model_class(config).from_config(config, trust_remote_code=False, **kwargs)
+
+
+def auto_model_class(config):
+    """The transformers auto class megatrain builds ``config``'s model with: ``AutoModelForCausalLM``,
+    or ``AutoModelForImageTextToText`` for a vision-language family megatrain trains."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from megatrain.planner.trace.vlm import family
 
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    auto = AutoModelForCausalLM if family(config) is None else AutoModelForImageTextToText
-    with torch.device("meta"):
-        return auto.from_config(config, trust_remote_code=False, **kwargs)
+    return AutoModelForCausalLM if family(config) is None else AutoModelForImageTextToText
 
 
 def trace_preset(config, *, seq_len: int, compute_dtype: str, micro_batch_size: int = 1):

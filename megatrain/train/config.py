@@ -49,7 +49,9 @@ class TrainConfig(pydantic.BaseModel):
                                                          "supervised fine-tuning on alpaca, sharegpt, chat "
                                                          "messages or prompt/completion records (see data), loss "
                                                          "only on completion / assistant tokens, examples packed "
-                                                         "into rows (sft_packing)")
+                                                         "into rows (sft_packing); a vision-language model (LLaVA) "
+                                                         "fine-tunes on sharegpt/messages records with images, "
+                                                         "read by its processor (see data)")
     data: str | None = Field(None, description="lm: a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
                                                "one such file, or a directory saved with Hugging Face "
                                                "datasets' save_to_disk (default: this Python's standard "
@@ -57,14 +59,21 @@ class TrainConfig(pydantic.BaseModel):
                                                "save_to_disk directory, a directory of such files or with a "
                                                "LLaMA-Factory dataset_info.json, or NAME,NAME@DIR naming entries "
                                                "of DIR/dataset_info.json; several comma-separated, each with an "
-                                               "optional mixing weight (a.json:2,b.jsonl)")
+                                               "optional mixing weight (a.json:2,b.jsonl). Images (for a "
+                                               "vision-language model): an images column of image files "
+                                               "(relative to the data file's directory, or DIR), one <image> in "
+                                               "sharegpt text or one {type: image} content part in messages per "
+                                               "file, one image per example, read with Pillow by the processor "
+                                               "(AutoProcessor) of the model directory or of tokenizer; such "
+                                               "examples are not packed")
     sft_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion"] = Field(
         "auto", description="sft: the record format of data files (auto: detected from each file's first "
                             "record; a dataset_info.json names each dataset's)")
     chat_template: str | None = Field(None, description="sft: a Jinja chat template file to render chats with "
                                                         "(default: the tokenizer's, from the chat_template.jinja or "
                                                         "tokenizer_config.json beside it, else megatrain's "
-                                                        "<|role|> template); saved with the checkpoint's tokenizer")
+                                                        "<|role|> template; a vision-language model's: its "
+                                                        "processor's); saved with the checkpoint's tokenizer")
     sft_loss: Literal["all", "last"] = Field("all", description="sft: which assistant turns of a chat are loss "
                                                                 "targets: all of them, or only the last")
     sft_truncation: Literal["trim", "drop"] = Field(
@@ -89,7 +98,9 @@ class TrainConfig(pydantic.BaseModel):
                                                      "(default: output_dir/tokens)")
     tokenizer: str | None = Field(None, description="a tokenizers JSON file (default: the model directory's "
                                                     "tokenizer.json, else a byte-level BPE trained on the "
-                                                    "data with the model's vocab_size)")
+                                                    "data with the model's vocab_size); for a vision-language "
+                                                    "model, the processor's directory (AutoProcessor; default: "
+                                                    "the model directory)")
     eot_token: str | None = Field(None, description="the tokenizer's end-of-text token (default: the first of "
                                                     "<|endoftext|>, <|end_of_text|>, </s>, <eos> it has)")
     document_attention: bool = Field(True, description="lm task: each token attends only to earlier tokens of "

@@ -96,10 +96,33 @@ def _chat_template(cfg: TrainConfig, source: ModelSource) -> tuple[str | None, s
     return None, None
 
 
+def _processor(cfg: TrainConfig, source: ModelSource):
+    """The processor (``transformers.AutoProcessor``) of a vision-language run and where it came
+    from: the directory of ``tokenizer``, else the model directory."""
+    where = Path(cfg.tokenizer) if cfg.tokenizer is not None else source.directory
+    hint = ("give --tokenizer DIR, a directory AutoProcessor.from_pretrained loads (the model's processor: "
+            "tokenizer.json, tokenizer_config.json and processor_config.json or preprocessor_config.json)")
+    if where is None:
+        raise ConfigError(f"model_type {source.config.model_type!r} is a vision-language model: its SFT data is read "
+                          f"by its processor, and a bare config names none; {hint}")
+    directory = where if where.is_dir() else where.parent
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(directory)
+    except Exception as e:  # OSError, ValueError, KeyError from a directory that is not a processor's
+        raise ConfigError(f"{directory}: AutoProcessor.from_pretrained cannot load a processor from it "
+                          f"({type(e).__name__}: {e}); {hint}") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise ConfigError(f"{directory} holds a {type(processor).__name__}, no image processor; {hint}")
+    return processor, f"{type(processor).__name__} from {directory}"
+
+
 def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     from megatrain import data as D
     from megatrain.data.sft_sources import iter_examples
     from megatrain.data.sft_formats import Chat
+    from megatrain.planner.trace.vlm import family
 
     t0 = time.perf_counter()
     if cfg.data is None:
@@ -119,30 +142,48 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
                     return texts
         return texts
 
-    tokenizer, origin = _tokenizer(cfg, source, sample)
-    _check_vocab(tokenizer, origin, source.config.vocab_size)
+    # A vision-language model's examples carry one image per row, read by its processor, unpacked.
+    if family(source.config) is not None:
+        processor, origin = _processor(cfg, source)
+        tokenizer = processor.tokenizer.backend_tokenizer
+    else:
+        processor = None
+        tokenizer, origin = _tokenizer(cfg, source, sample)
+    _check_vocab(tokenizer, origin, source.config.get_text_config().vocab_size)
     eot = cfg.eot_token or D.find_eot_token(tokenizer)
     if tokenizer.token_to_id(eot) is None:
         raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
     template, template_origin = _chat_template(cfg, source)
-    chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot), loss=cfg.sft_loss)
+    if processor is None:
+        chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
+                               loss=cfg.sft_loss)
+    else:
+        from megatrain.data.sft_images import ChatProcessor
+
+        chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
+                             loss=cfg.sft_loss, images_per_example=1)
+        template_origin = template_origin or ("the processor's" if processor.chat_template else None)
+    packing = cfg.sft_packing and processor is None
     store = D.cached_sft_store(sources, chat, path, seq_len=cfg.seq_len, truncation=cfg.sft_truncation)
-    dataset = D.SftDataset(store, cfg.seq_len, packing=cfg.sft_packing, val_fraction=cfg.val_fraction, seed=cfg.seed,
-                           weights=[s.weight for s in sources], num_samples=[s.num_samples for s in sources])
+    dataset = D.SftDataset(store, cfg.seq_len, packing=packing, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                           weights=[s.weight for s in sources], num_samples=[s.num_samples for s in sources],
+                           images=chat if processor is not None else None)
     dataset.batches(cfg.global_batch)
     dataset.eval_batches(cfg.micro_batch_size, 1)
     m = store.manifest
     mixed = any(s.weight is not None or s.num_samples is not None for s in sources)
     sets = ", ".join(f"{d.name} ({d.format}, {d.examples:,}" + (f"; {c:,} a training epoch" if mixed else "") + ")"
                      for d, c in zip(m.datasets, dataset.counts))
-    rows = "packed rows" if cfg.sft_packing else "rows"
+    rows = "packed rows" if packing else "rows"
+    images = "" if processor is None else (f"; {m.num_images:,} images, one example and its image a row"
+                                           + (" (image examples are not packed)" if cfg.sft_packing else ""))
     fill = dataset.num_train_tokens / max(1, dataset.num_train_rows * cfg.seq_len)
     echo(f"data: {sum(d.examples for d in m.datasets):,} SFT examples from {sets}; {m.trimmed:,} trimmed to seq_len "
          f"(oldest context cut, answer kept), {m.dropped:,} dropped ({cfg.sft_truncation}); "
          f"{len(dataset.train_examples):,} training examples in {dataset.num_train_rows:,} {rows} + "
          f"{len(dataset.val_examples):,} validation examples in {dataset.num_val_rows:,} {rows} of {cfg.seq_len} "
          f"(training rows {fill:.1%} full), {m.num_target_tokens:,} target tokens ({cfg.sft_loss} assistant "
-         f"turns); chat template: {template_origin or 'megatrain default'}, {chat.describe()}; SFT store "
+         f"turns){images}; chat template: {template_origin or 'megatrain default'}, {chat.describe()}; SFT store "
          f"{store.path} ({store.origin}); tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text "
          f"{eot!r} ({time.perf_counter() - t0:.1f} s)")
     return tokenizer, dataset, eot

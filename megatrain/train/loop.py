@@ -109,17 +109,45 @@ def planning_model(cfg: TrainConfig, source: ModelSource, check: Callable[[Any],
     parameter)."""
     import torch
 
-    from megatrain.planner.presets import build_meta_model
+    from megatrain.planner.presets import auto_model_class, build_meta_model
 
     torch.manual_seed(cfg.seed)
     model = build_meta_model(source.config, dtype=torch.float32)
     if cfg.device == "cpu":
         if check is not None:
             check(model)
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, trust_remote_code=False)
+        model = auto_model_class(source.config).from_config(source.config, dtype=torch.float32,
+                                                            trust_remote_code=False)
     return model
+
+
+def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
+    """The inputs of a run's batches, in ``megatrain.compile(input_names=...)`` order. Packed LM
+    windows and packed SFT rows carry position_ids that restart per document (per-document
+    attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only. A
+    vision-language model's SFT rows are padded, one example and its image each, and carry the
+    image input (``pixel_values``; :class:`megatrain.data.SftDataset` with images).
+
+    Raises:
+        ConfigError: a vision-language model with ``task: lm`` (its data is SFT data with images),
+            or one whose batches need more than one image per row and their grid (Qwen2-VL,
+            Qwen2.5-VL: they train through ``megatrain.compile``, not yet here).
+    """
+    from megatrain.planner.trace.vlm import IMAGE_INPUT, VisionLanguageFamily, family
+
+    if (fam := family(config)) is not None:
+        if cfg.task != "sft":
+            raise ConfigError(f"model_type {config.model_type!r} is a vision-language model: it trains on SFT data "
+                              "with images (task: sft, --data with an images column); task lm reads text only")
+        if not isinstance(fam, VisionLanguageFamily):
+            raise ConfigError(f"model_type {config.model_type!r}: megatrain train fine-tunes LLaVA on images; "
+                              f"{config.model_type} batches carry each row's image grid (image_grid_thw), fixed per "
+                              "traced shape, which its data path does not choose yet. Train it from Python with "
+                              "megatrain.compile(model, image_grid_thw=...) (README, Vision-language models)")
+        return ("input_ids", "attention_mask", IMAGE_INPUT, "labels")
+    packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
+    return ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
+        ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
 
 
 def plan_request(cfg: TrainConfig, model, hw, topology):
@@ -129,11 +157,7 @@ def plan_request(cfg: TrainConfig, model, hw, topology):
     ``hw`` gives the prediction; on CUDA the solver's for ``hw``."""
     from megatrain.planner.front import PlanRequest, Storage
 
-    # Packed LM windows and packed SFT rows carry position_ids that restart per document (per-document
-    # attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only.
-    packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
-    names = ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
-        ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
+    names = batch_names(cfg, model.config)
     return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
                        input_names=names, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
@@ -420,6 +444,21 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
                        checkpoint=out / CHECKPOINT_DIR, output_dir=out)
 
 
+def _check_processor(model, dataset, images) -> None:
+    """Refuse, before training, a processor that writes another number of image tokens per image
+    than the model's projector writes features (a processor of another model or resolution),
+    which the first step would refuse (``check_image_tokens``)."""
+    from megatrain.errors import BatchError
+    from megatrain.planner.trace.vlm import check_image_tokens
+
+    try:
+        check_image_tokens(model, dataset.rows([0]))
+    except BatchError as e:
+        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the first "
+                          f"training row: {e}. Use the model's own processor (its patch_size, image size and "
+                          "vision_feature_select_strategy)") from None
+
+
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
     import torch
 
@@ -444,6 +483,9 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     if ranks.rank == 0:
         preflight_disk(out, planned.graph)
     tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
+    images = getattr(dataset, "images", None)  # a vision-language run's ChatProcessor
+    if images is not None:
+        _check_processor(planned.model, dataset, images)
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped, state = _materialize_and_load(cfg, planned, source, fingerprint, echo)
@@ -481,7 +523,9 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
             raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
-        if writes:
+        if writes and images is not None:  # its tokenizer, image processor and template: AutoProcessor loads them
+            images.processor.save_pretrained(ckpt_path)
+        elif writes:
             write_atomic(ckpt_path / TOKENIZER_FILE, tokenizer_json)
             write_atomic(ckpt_path / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config, indent=1) + "\n")
         last_saved = step
@@ -621,7 +665,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     sample = None
     # Generated on the CPU from the module whose parameters are the host tiles (not after a signal,
     # which asks to stop; not where a parameter lives elsewhere, such as masters on NVMe).
-    if writes and cfg.sample_tokens and stopped is None and cfg.device == "cpu" and all(
+    # Not for rows with images: the prompt's image tokens need the image's features.
+    if writes and cfg.sample_tokens and stopped is None and cfg.device == "cpu" and images is None and all(
             p.device.type == "cpu" for p in trainer.model.parameters()):
         from megatrain.train.sample import generate_sample, sample_prompt
 
@@ -643,7 +688,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     if writes:
         if last_saved is not None:
             echo(f"model directory: {ckpt_path} (Hugging Face layout with its tokenizer: "
-                 "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)")
+                 + ("AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)" if images is None
+                    else "AutoModelForImageTextToText.from_pretrained and AutoProcessor.from_pretrained load it)"))
         plot = out / PLOT_FILE
         echo(f"metrics: {metrics_path}" + (f"; loss curve: {plot}" if plot.is_file() else ""))
         if sample is not None:

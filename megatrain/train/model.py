@@ -33,8 +33,9 @@ def resolve_model(spec: str) -> ModelSource:
     Raises:
         ConfigError: no such file, directory or preset; a directory without config.json; a
             config.json transformers cannot read (not UTF-8, not JSON, an unknown model_type).
-        UnsupportedModelError: not a causal decoder (``megatrain.models.check_causal_decoder``), or
-            a vision-language model (LLaVA), whose data ``megatrain train`` cannot read yet.
+        UnsupportedModelError: not a causal decoder (``megatrain.models.check_causal_decoder``, which
+            lets the vision-language families megatrain traces through: LLaVA trains on SFT data
+            with images, :func:`megatrain.train.corpus.prepare_data`).
         CheckpointError: a directory whose weights are PyTorch pickles (``pytorch_model.bin``),
             which megatrain does not load (the message says how to convert them).
     """
@@ -68,14 +69,6 @@ def resolve_model(spec: str) -> ModelSource:
     from megatrain.models import check_causal_decoder
 
     check_causal_decoder(config, str(config_file or spec))
-    from megatrain.planner.trace.vlm import family
-
-    if family(config) is not None:
-        raise UnsupportedModelError(
-            f"{config_file or spec}: model_type {config.model_type!r} is a vision-language model, and megatrain "
-            "train reads text only (its data has no images yet); train it with megatrain.compile(..., "
-            "input_names=('input_ids', 'pixel_values', 'labels')) on batches with images (README: Vision-language "
-            "models), or plan it with megatrain plan")
     tied = False
     if config_file is not None:
         raw = json.loads(config_file.read_bytes().decode("utf-8"))  # load_model_config parsed it already

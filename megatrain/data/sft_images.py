@@ -1,0 +1,176 @@
+"""Images in fine-tuning data: chats with images -> tokens, targets and the processor's image inputs.
+
+A vision-language model's examples are read by its processor (``transformers.AutoProcessor``: a
+tokenizer, an image processor and a chat template). :class:`ChatProcessor` renders a chat whose
+messages hold ``{"type": "image"}`` parts with the chat template (every message's content as a
+list of parts, the convention of processors' templates), tokenises it and marks its targets as
+:class:`~megatrain.data.sft.ChatTokenizer` does for text (assistant turns), then expands the one
+image token the template writes per image into as many as the processor writes for that image
+(LLaVA: one per patch feature the projector writes into the text embeddings; Qwen2-VL: one per
+merged patch of the image's grid), counted by calling the processor on that image alone. Image
+tokens are never targets. Images are loaded with Pillow (:func:`load_image`, as transformers'
+``load_image`` loads a file).
+
+The image inputs of a row (:meth:`ChatProcessor.image_inputs`) are what the processor returns for
+its images under the names of the image processor's ``model_input_names`` (LLaVA: ``pixel_values``
+``[images, C, H, W]``; Qwen2-VL: ``pixel_values`` ``[patches, features]`` and ``image_grid_thw``
+``[images, 3]``; LLaVA-NeXT also ``image_sizes``), passed on by name: a batch concatenates its
+rows' along dimension 0, the layout every one of these processors gives a list of images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from megatrain.data.sft import ChatTokenizer, Encoded
+from megatrain.data.sft_formats import Chat, Completion, RecordError
+
+__all__ = ["DEFAULT_IMAGE_CHAT_TEMPLATE", "ChatProcessor", "load_image"]
+
+#: The chat template of a processor without one: megatrain's text template
+#: (:data:`~megatrain.data.sft.DEFAULT_CHAT_TEMPLATE`) with content as a list of parts, an image
+#: part written as the processor's image token (``<image>`` here, replaced by the processor's).
+DEFAULT_IMAGE_CHAT_TEMPLATE = (
+    "{%- macro content(c) %}{% if c is string %}{{ c }}{% else %}{% for p in c %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{%- if tools %}<|tools|>\n{{ tools | tojson }}{{ eos_token }}{% endif %}"
+    "{%- for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ content(m['content'] or '') }}"
+    "{% if m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ content(m['content']) }}{{ eos_token }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def load_image(path: str):
+    """The image file at ``path`` as an RGB ``PIL.Image.Image``, turned upright by its EXIF
+    orientation: what ``transformers.image_utils.load_image`` gives for a file.
+
+    Raises:
+        RecordError: the file is missing or Pillow cannot read it (naming the file).
+        ImportError: Pillow is missing (``pip install 'megatrain[hf]'``).
+    """
+    try:
+        from PIL import Image, ImageOps, UnidentifiedImageError
+    except ImportError as e:
+        raise ImportError("images are read with Pillow: pip install 'megatrain[hf]'") from e
+    try:
+        with Image.open(path) as im:
+            return ImageOps.exif_transpose(im).convert("RGB")
+    except FileNotFoundError:
+        raise RecordError(f"image file {path!r} does not exist (a relative path is read from the data file's "
+                          "directory, or the dataset_info.json's)") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise RecordError(f"image file {path!r} cannot be read by Pillow: {e}") from None
+
+
+class ChatProcessor(ChatTokenizer):
+    """A :class:`~megatrain.data.sft.ChatTokenizer` for chats with images, through a processor.
+
+    Args:
+        processor: a ``transformers`` processor with ``tokenizer``, ``image_processor`` and
+            ``image_token`` (``AutoProcessor.from_pretrained(model_dir)``).
+        chat_template: Jinja source; None: the processor's, else :data:`DEFAULT_IMAGE_CHAT_TEMPLATE`.
+        eos_token, bos_token, loss: as :class:`~megatrain.data.sft.ChatTokenizer`.
+        images_per_example: the number of images every example must have (1: a model whose rows
+            carry one image each); None: any.
+
+    Raises:
+        ValueError: the processor has no image token, or its tokenizer does not know it.
+    """
+
+    def __init__(self, processor: Any, chat_template: str | None, *, eos_token: str, bos_token: str | None = None,
+                 loss: Literal["all", "last"] = "all", images_per_example: int | None = None) -> None:
+        self.processor = processor
+        self.image_token = getattr(processor, "image_token", None)
+        tokenizer = processor.tokenizer
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token) if self.image_token else None
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the processor ({type(processor).__name__}) has no image token its tokenizer knows "
+                             f"(image_token={self.image_token!r}); use the model's processor")
+        if chat_template is None:
+            chat_template = processor.chat_template or DEFAULT_IMAGE_CHAT_TEMPLATE.replace("<image>", self.image_token)
+        super().__init__(tokenizer.backend_tokenizer, chat_template, eos_token=eos_token, bos_token=bos_token,
+                         loss=loss)
+        self.image_keys: tuple[str, ...] = tuple(processor.image_processor.model_input_names)
+        self.images_per_example = images_per_example
+
+    def describe(self) -> str:
+        return (f"{super().describe()}; images by {type(self.processor).__name__} (image token "
+                f"{self.image_token!r}, inputs {', '.join(self.image_keys)})")
+
+    def key(self) -> list:
+        """What the stored tokens depend on beyond the tokenizer and template: the image token and
+        the image processor's settings (they decide how many tokens an image expands to)."""
+        return [self.image_token, self.processor.image_processor.to_json_string(),
+                {k: v for k, v in self.processor.to_dict().items() if isinstance(v, (int, str, float, bool))}]
+
+    def encode(self, example: Chat | Completion) -> Encoded:
+        """Tokens and targets of the example with its images' tokens expanded (module docstring);
+        ``Encoded.images`` are its image files.
+
+        Raises:
+            RecordError: as :meth:`ChatTokenizer.encode`; the example has not ``images_per_example``
+                images; the template wrote a different number of image tokens than the example has
+                images; an image file is missing or unreadable.
+        """
+        images = example.images if isinstance(example, Chat) else ()
+        if self.images_per_example is not None and len(images) != self.images_per_example:
+            raise RecordError(f"the example has {len(images)} image(s), and the model takes "
+                              f"{self.images_per_example} per row (megatrain traces one fixed-size image per row); "
+                              "give every record of the data exactly that many images (the images column)")
+        enc = super().encode(example)
+        if not images:
+            return enc
+        at = np.flatnonzero(enc.ids == self.image_token_id)
+        if len(at) != len(images):
+            raise RecordError(f"the chat template wrote {len(at)} image token(s) ({self.image_token!r}) for "
+                              f"{len(images)} image(s); use a template that writes one per {{\"type\": \"image\"}} "
+                              "part (the processor's)")
+        counts = [self.image_tokens(p) for p in images]
+        pieces_ids, pieces_tgt, prev = [], [], 0
+        for a, n in zip(at, counts):
+            pieces_ids += [enc.ids[prev:a], np.full(n, self.image_token_id, dtype=np.int64)]
+            pieces_tgt += [enc.targets[prev:a], np.zeros(n, dtype=bool)]
+            prev = a + 1
+        ids = np.concatenate(pieces_ids + [enc.ids[prev:]])
+        targets = np.concatenate(pieces_tgt + [enc.targets[prev:]])
+        return Encoded(ids, targets, tuple(images))
+
+    def _messages(self, chat: Chat) -> Chat:
+        """A chat with images as processors' templates read it: every message's content a list of
+        parts (a string becomes one text part); a chat without images as it is."""
+        if not chat.images:
+            return super()._messages(chat)
+        return Chat(tuple({**m, "content": [{"type": "text", "text": m["content"]}]}
+                          if isinstance(m.get("content"), str) else m for m in chat.messages),
+                    chat.train, chat.tools, chat.images)
+
+    def fit(self, example: Chat | Completion, seq_len: int,
+            truncation: Literal["trim", "drop"] = "trim") -> tuple[Encoded | None, bool]:
+        """As :meth:`ChatTokenizer.fit`, except that an example with images is kept whole or
+        dropped: cutting it could cut an image's tokens or the message that shows it."""
+        if not (isinstance(example, Chat) and example.images):
+            return super().fit(example, seq_len, truncation)
+        enc = self.encode(example)
+        return (enc, False) if len(enc.ids) <= seq_len else (None, False)
+
+    def image_tokens(self, path: str) -> int:
+        """How many image tokens the processor writes for the image at ``path``."""
+        out = self.processor(text=self.image_token, images=[load_image(path)])
+        return int(np.count_nonzero(np.asarray(out["input_ids"][0]) == self.image_token_id))
+
+    def image_inputs(self, paths: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The processor's image inputs for the images at ``paths`` (module docstring), by name.
+
+        Raises:
+            RecordError: an image file is missing or unreadable.
+        """
+        out = self.processor(text=self.image_token * len(paths), images=[load_image(p) for p in paths],
+                             return_tensors="pt")
+        return {k: out[k] for k in self.image_keys if k in out}
