@@ -28,7 +28,7 @@ from megatrain.optim import OPTIMIZERS
 from megatrain.ir.graph import LayerGraph
 from megatrain.ir.hardware import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, HardwareSpec, host_worker_threads
 from megatrain.ir.layout import (GRAD_ITEMSIZE, MASTER_BYTES_PER_ELEMENT, gather_buffer_bytes, gather_scratch_bytes,
-                                 gradient_scratch_numel, nvme_buffers, nvme_gradient_buffers, pinned_buffers,
+                                 gradient_scratch_numel, nvme_buffers, pinned_buffers,
                                  pinned_master_bytes, reduced_numel, shared_staging_bytes, slot_numels,
                                  state_bytes_per_param)
 from megatrain.ir.plan import Plan

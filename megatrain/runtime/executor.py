@@ -849,7 +849,6 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     host kernel (:class:`~megatrain.runtime.host_kernels.HostAdamW` or ``HostLion``: BF16 gradients
     in a tile are widened exactly, chunk by chunk, in its FP32 scratch)."""
     ex, li = ctx.ex, op.layer
-    n = ctx.graph.layers[li].trainable_numel
     lo, hi = ctx.layers[li].optimizer_shards[ex.shard_index]
     h = ex.host
     base = h.slices[li][0]  # a sliced host state holds the layer from element ``base`` on

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from megatrain.errors import ConfigError, UnsupportedModelError
+from megatrain.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
