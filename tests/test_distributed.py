@@ -463,7 +463,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, k: int, clip: fl
     with _process_group(rank, world, init_file, local_world):
         stepped = []  # the elements each of this rank's AdamW calls updated
         real = HostAdamW.step
-        HostAdamW.step = lambda self, param, *a, **kw: (stepped.append(param.numel()), real(self, param, *a, **kw))
+        HostAdamW.step = lambda self, param, *a, **kw: (stepped.append(param.numel()), real(self, param, *a, **kw))[1]
         model = tiny_llama(hidden=hidden)
         plan = dataclasses.replace(megatrain.ir.plan.Plan(micro_batches=k, layer_by_layer=layer_by_layer),
                                    optimizer=OptimizerPlacement.NEXT_FORWARD if clip else
