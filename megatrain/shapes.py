@@ -37,6 +37,7 @@ from megatrain.data.packing import IGNORE_INDEX
 from megatrain.errors import BatchError, ConfigError
 from megatrain.optim import optimizer_settings, spec_of
 from megatrain.planner.trace.qwen_vl import row_grids
+from megatrain.planner.trace.vlm import row_images
 
 __all__ = ["ShapeFreeTrainer", "pad_to_bucket"]
 
@@ -91,12 +92,14 @@ class ShapeFreeTrainer:
     ``step``, ``evaluate``, ``flush``, ``set_lr``, ``set_optimizer``, ``save``, ``load`` and
     ``state_dict`` behave as ``Trainer``'s; ``step`` takes a batch of any ``[rows, seq_len]`` (and,
     for Qwen2-VL, any image grid: the grids ``image_grid_thw`` gives one row, every row alike, are
-    part of the shape) with ``rows`` a multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
+    part of the shape; for LLaVA, any number of images per row, every row alike: ``pixel_values``
+    ``[rows x images_per_row, C, H, W]``, ``images_per_row`` part of the shape) with ``rows`` a multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
     ``rows // micro_batches`` (or of ``micro_batch_size`` rows when given, then ``rows`` must be a
     multiple of it times ``micro_batches``). ``trainer`` is the ``Trainer`` of the last shape run
     (None before the first batch); ``shapes`` the cached ``(micro_batch_size, seq_len)`` keys
-    (``(micro_batch_size, seq_len, grids of a row)`` for Qwen2-VL with images), least recently
-    used first; ``traces`` how many shapes were planned so far.
+    (``(micro_batch_size, seq_len, grids of a row)`` for Qwen2-VL with images,
+    ``(micro_batch_size, seq_len, images_per_row)`` for LLaVA with more than one image per row),
+    least recently used first; ``traces`` how many shapes were planned so far.
 
     Raises (from ``step``/``evaluate``): BatchError for a batch whose rows do not split, or
     longer than every bucket; what ``compile`` raises for a shape that cannot be planned (a
@@ -133,7 +136,7 @@ class ShapeFreeTrainer:
         return list(self._plans)
 
     # -- shape dispatch -----------------------------------------------------------------------------
-    def _prepare(self, batch) -> tuple[dict[str, torch.Tensor], tuple]:
+    def _prepare(self, batch) -> tuple[dict[str, torch.Tensor], tuple, dict[str, Any]]:
         if isinstance(batch, torch.Tensor):
             batch = {"input_ids": batch, "labels": batch}
         if not isinstance(batch, Mapping) or not batch:
@@ -149,10 +152,16 @@ class ShapeFreeTrainer:
             raise BatchError(f"batch has {rows} rows, not a multiple of {per_step} (micro_batches="
                              f"{self.micro_batches}, micro_batch_size={self.micro_batch_size}); drop or add rows")
         mbs = self.micro_batch_size or rows // self.micro_batches
-        grid = row_grids(batch)
-        return dict(batch), (mbs, seq) if grid is None else (mbs, seq, grid)
+        # The images of a row are part of the shape: the compile options that trace them.
+        layout = {}
+        grid, images = row_grids(batch), row_images(batch)
+        if grid is not None:
+            layout["image_grid_thw"] = grid
+        if images != 1:
+            layout["images_per_row"] = images
+        return dict(batch), (mbs, seq, *layout.values()), layout
 
-    def _switch(self, key: tuple) -> Any:
+    def _switch(self, key: tuple, layout: Mapping[str, Any] | None = None) -> Any:
         from megatrain.trainer import materialize, plan_model
 
         if key == self._key:
@@ -162,18 +171,19 @@ class ShapeFreeTrainer:
             self.trainer = None  # its executor's buffers (GPU slots on CUDA) go with it
         planned = self._plans.get(key)
         if planned is None:
-            mbs, seq, *grid = key
+            mbs, seq, *_ = key
             try:
                 # Shapes share one host state: a node mapping made without shared staging tiles
                 # (an earlier shape's plan did not share casts) does not grow, so this shape's
                 # ranks cast into tiles of their own.
                 planned = plan_model(self.model, seq_len=seq, micro_batch_size=mbs,
                                      micro_batches=self.micro_batches, optimizer_name=spec_of(self.optimizer).name,
-                                     **{**self.compile_kwargs, **({"image_grid_thw": grid[0]} if grid else {})},
+                                     **{**self.compile_kwargs, **(layout or {})},
                                      shared_staging=None if self._host is None else bool(self._host.staging))
             except Exception as e:
                 e.add_note(f"(planning the batch shape micro_batch_size={mbs}, seq_len={seq}"
-                           + (f", image_grid_thw={[list(g) for g in grid[0]]})" if grid else ")"))
+                           + "".join(f", {n}={v if n != 'image_grid_thw' else [list(g) for g in v]}"
+                                     for n, v in (layout or {}).items()) + ")")
                 raise
             self.traces += 1
             self._plans[key] = planned
@@ -196,15 +206,15 @@ class ShapeFreeTrainer:
     # -- Trainer's API ------------------------------------------------------------------------------
     def step(self, batch):
         """One optimizer step on ``batch`` (any shape; see the class docstring). Returns StepResult."""
-        batch, key = self._prepare(batch)
-        result = self._switch(key).step(batch)
+        batch, key, layout = self._prepare(batch)
+        result = self._switch(key, layout).step(batch)
         self.step_count = self.trainer.step_count
         return result
 
     def evaluate(self, batch) -> float:
         """Mean loss over ``batch`` without updating anything."""
-        batch, key = self._prepare(batch)
-        return self._switch(key).evaluate(batch)
+        batch, key, layout = self._prepare(batch)
+        return self._switch(key, layout).evaluate(batch)
 
     def _current(self):
         if self.trainer is None:

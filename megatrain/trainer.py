@@ -583,7 +583,8 @@ class Trainer:
         return dict(batch)
 
     def _rows(self, batch) -> int:
-        first = next(iter(self._as_dict(batch).values()))
+        d = self._as_dict(batch)
+        first = d.get("input_ids", next(iter(d.values())))  # not pixel_values: LLaVA's may hold several per row
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             raise BatchError("batch tensors must be [batch, seq_len]")
         return first.shape[0]
@@ -607,14 +608,19 @@ class Trainer:
                 raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; {what}")
             if tuple(t.shape) != want:
                 per_row = ", ".join(map(str, v.shape[1:]))
+                rows = f"{k} micro-batches x {o.micro_batch_size}"
+                if v.shape[0] != o.micro_batch_size:  # LLaVA's images: images_per_row of them per row
+                    rows += f" rows x images_per_row={v.shape[0] // o.micro_batch_size}"
                 raise BatchError(f"batch[{name!r}] has shape {tuple(t.shape)}, but the trainer was compiled "
-                                 f"for [{k} micro-batches x {o.micro_batch_size}, {per_row}] = {list(want)}: "
+                                 f"for [{rows}, {per_row}] = {list(want)}: "
                                  "pad or crop the batch, or compile again with its shape")
         for name, limit in self._token_limits.items():
             _check_ids(name, d[name], limit)
         check_image_tokens(self.model, d)
-        mbs = o.micro_batch_size
-        return [{n: t[i * mbs:(i + 1) * mbs] for n, t in d.items()} for i in range(k)]
+        # Each input's micro-batch is its traced length along dim 0: micro_batch_size rows, or
+        # LLaVA's micro_batch_size x images_per_row images.
+        per = {n: self.graph.value_by_name(n).shape[0] for n in d}
+        return [{n: t[i * per[n]:(i + 1) * per[n]] for n, t in d.items()} for i in range(k)]
 
 
 def data_parallel_world() -> int:
@@ -732,7 +738,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                share_host_memory: bool = True, host_state: str | None = None,
                per_token_loss: bool = True, optimizer_name: str | None = None,
                shared_staging: bool | None = None,
-               image_grid_thw: Sequence[Sequence[int]] | None = None) -> PlannedModel:
+               image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> PlannedModel:
     """Plan ``model`` for training, once, through the planning front door
     (:func:`megatrain.planner.front.plan`), with this process's data-parallel topology (the
     default ``torch.distributed`` process group and torchrun's ``LOCAL_WORLD_SIZE``): trace it (on
@@ -743,8 +749,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
     Args:
         model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
-        compute_dtype, per_token_loss, image_grid_thw: as for :func:`compile` (``micro_batches`` per
-        rank).
+        compute_dtype, per_token_loss, image_grid_thw, images_per_row: as for :func:`compile`
+        (``micro_batches`` per rank).
         plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
             every checkpoint kept), with ``hardware`` used only for the prediction; None: the
             solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
@@ -791,7 +797,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                                   plan=plan, hardware=hardware, device=device, compute_dtype=compute_dtype,
                                   input_names=tuple(input_names), max_grad_norm=max_grad_norm,
                                   per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
-                                  storage=Storage(shared_staging=shared_staging), image_grid_thw=image_grid_thw))
+                                  storage=Storage(shared_staging=shared_staging), image_grid_thw=image_grid_thw,
+                                  images_per_row=images_per_row))
 
 
 def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
@@ -828,7 +835,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
             max_shapes: int | None = None, share_host_memory: bool = True,
             host_state: str | None = None, per_token_loss: bool = True,
-            image_grid_thw: Sequence[Sequence[int]] | None = None) -> Trainer:
+            image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -872,9 +879,10 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``:
             e.g. ``("input_ids", "attention_mask", "labels")`` for padded batches,
             ``("input_ids", "position_ids", "labels")`` for packed documents (see ``Trainer.step``).
-            A vision-language model (LLaVA) also takes ``"pixel_values"``, one
-            ``FloatTensor[3, H, W]`` image per row (``[batch, 3, H, W]`` float32), whose row holds
-            that image's tokens (:mod:`megatrain.planner.trace.vlm`). Qwen2-VL and Qwen2.5-VL take
+            A vision-language model (LLaVA) also takes ``"pixel_values"``, ``images_per_row``
+            ``FloatTensor[3, H, W]`` images per row (``[batch * images_per_row, 3, H, W]`` float32,
+            row by row), whose row holds those images' tokens in that order
+            (:mod:`megatrain.planner.trace.vlm`). Qwen2-VL and Qwen2.5-VL take
             ``("input_ids", "pixel_values", "image_grid_thw", "labels")`` (and optionally
             ``"mm_token_type_ids"``, ``"attention_mask"``) as their processor returns them: the
             images' patches ``[patches, C*T*P*P]`` float32 and grids ``[images, 3]``
@@ -900,6 +908,10 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             448x448 image with 14-pixel patches is ``[(1, 32, 32)]``, the default). A batch of other
             grids is refused (BatchError naming the grid to compile with); shape-free (no
             ``seq_len``), each batch's grids are its shape's. Other models: None.
+        images_per_row: LLaVA: the images each row carries (default 1), every row alike, row
+            ``r``'s at ``pixel_values[r * images_per_row:(r + 1) * images_per_row]``. A batch with
+            another count is refused (BatchError); shape-free (no ``seq_len``), each batch's count
+            (its ``pixel_values`` over its rows) is its shape's and this argument is not used.
         per_token_loss: the loss of a global batch is the mean over its supervised tokens (labels
             that are not -100, after the model's shift) across every micro-batch and rank, as
             eager PyTorch computes it on the whole batch (True, the default; needs a model whose
@@ -941,7 +953,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
                          host_state=host_state, per_token_loss=per_token_loss, optimizer_name=spec_of(opt).name,
-                         image_grid_thw=image_grid_thw)
+                         image_grid_thw=image_grid_thw, images_per_row=images_per_row)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 

@@ -36,10 +36,11 @@ def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None
     for batch in batches:
         opt.zero_grad()
         total = 0.0
-        rows = batch["input_ids"].shape[0] // micro_batches
         count = supervised_tokens(batch)
         for k in range(micro_batches):
-            part = {n: t[k * rows:(k + 1) * rows].to(device) for n, t in batch.items()}
+            # Each input in micro_batches equal parts along dim 0 (rows; a LLaVA batch's images, several per row).
+            part = {n: t[k * (len(t) // micro_batches):(k + 1) * (len(t) // micro_batches)].to(device)
+                    for n, t in batch.items()}
             share = supervised_tokens(part) / count
             if not share:
                 continue

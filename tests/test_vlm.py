@@ -35,28 +35,34 @@ def tiny_llava(vision_layers: int = 3, text_layers: int = 2):
                                                      vision_feature_select_strategy="default"))
 
 
-def image_batch(rows: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
-    """Random text around one random image per row, at a different offset in each row; labels
-    supervise the text only (-100 on the image tokens), as an SFT collator masks them."""
+def image_batch(rows: int, seq_len: int, seed: int, images_per_row: int = 1) -> dict[str, torch.Tensor]:
+    """Random text around ``images_per_row`` random images per row, at a different offset in each
+    row, one text token apart; labels supervise the text only (-100 on the image tokens), as an SFT
+    collator masks them."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, IMAGE_TOKEN, (rows, seq_len), generator=g)
+    span = images_per_row * (PATCHES + 1)
     for r in range(rows):
-        start = 1 + r % (seq_len - PATCHES - 1)
-        ids[r, start:start + PATCHES] = IMAGE_TOKEN
+        for i in range(images_per_row):
+            start = 1 + r % (seq_len - span) + i * (PATCHES + 1)
+            ids[r, start:start + PATCHES] = IMAGE_TOKEN
     labels = ids.masked_fill(ids == IMAGE_TOKEN, -100)
-    return {"input_ids": ids, "pixel_values": torch.randn(rows, 3, 32, 32, generator=g), "labels": labels}
+    return {"input_ids": ids, "pixel_values": torch.randn(rows * images_per_row, 3, 32, 32, generator=g),
+            "labels": labels}
 
 
 NAMES = ("input_ids", "pixel_values", "labels")
 
 
-def train_both(model, *, steps: int, micro_batches: int, seq_len: int = 24, plan=None):
+def train_both(model, *, steps: int, micro_batches: int, seq_len: int = 24, plan=None, images_per_row: int = 1):
     """``steps`` steps of megatrain and of eager AdamW on the same batches; asserts equal losses
     and weights (1e-5); returns the trainer."""
     ref = copy.deepcopy(model)
-    batches = [image_batch(2 * micro_batches, seq_len, seed=s % 2) for s in range(steps)]
+    batches = [image_batch(2 * micro_batches, seq_len, seed=s % 2, images_per_row=images_per_row)
+               for s in range(steps)]
     trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=2, micro_batches=micro_batches,
-                                optimizer=ADAMW, input_names=NAMES, plan=plan)
+                                optimizer=ADAMW, input_names=NAMES, plan=plan,
+                                images_per_row=images_per_row)
     got = [trainer.step(b).loss for b in batches]
     trainer.flush()
     want = eager_losses(ref, batches, micro_batches)
@@ -240,3 +246,27 @@ def test_llava_bf16_compute_tracks_eager_mixed_precision():
                                 input_names=NAMES)
     assert trainer.graph.meta["param_dtype"] == "bfloat16"
     assert_bf16_tracks_eager(model, trainer, batches, blocks=5, bf16_parameters=True)
+
+
+def test_llava_with_two_images_per_row_trains_as_eager_and_refuses_another_count():
+    """images_per_row=2: pixel_values [rows x 2, C, H, W], each micro-batch's 2 x micro_batch_size
+    images with its rows, each row's 2 x PATCHES image tokens filled in order, as eager does."""
+    torch.manual_seed(4)
+    trainer = train_both(tiny_llava(vision_layers=2, text_layers=1), steps=2, micro_batches=2, seq_len=40,
+                         images_per_row=2)
+    assert trainer.graph.value_by_name("pixel_values").shape[0] == 4  # micro_batch_size 2 x 2 images
+    good = image_batch(4, 40, seed=5, images_per_row=2)
+    one_image = image_batch(4, 40, seed=5)  # one image per row: 16 image tokens, 4 images
+    with pytest.raises(BatchError, match=r"shape \(4, 3, 32, 32\).*\[2 micro-batches x 2 rows x images_per_row=2, "
+                                         r"3, 32, 32\] = \[8, 3, 32, 32\]"):
+        trainer.step(dict(good, pixel_values=one_image["pixel_values"]))
+    with pytest.raises(BatchError, match=rf"row 0 holds {PATCHES} image tokens .* 2 images of {PATCHES} features, "
+                                         rf"which fill exactly {2 * PATCHES}"):
+        trainer.step(dict(good, input_ids=one_image["input_ids"]))
+    assert trainer.step_count == 2
+    # Shape-free: the batch's images per row are part of its shape; an uneven count is refused.
+    shape_free = megatrain.compile(tiny_llava(vision_layers=2, text_layers=1), input_names=NAMES)
+    with pytest.raises(BatchError, match=r"holds 5 images for 4 rows .*images_per_row"):
+        shape_free.step(dict(good, pixel_values=good["pixel_values"][:5]))
+    shape_free.step(good)
+    assert shape_free.shapes == [(4, 40, 2)] and shape_free.traces == 1

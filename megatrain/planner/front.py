@@ -114,8 +114,8 @@ class PlanRequest:
             ``hardware`` (the default plan where there is none).
         hardware: a ``HardwareSpec``, a preset name or a spec JSON file: what the solver plans for
             and the step is predicted on.
-        device, compute_dtype, input_names, max_grad_norm, per_token_loss, image_grid_thw: as for
-            ``megatrain.compile``.
+        device, compute_dtype, input_names, max_grad_norm, per_token_loss, image_grid_thw,
+        images_per_row: as for ``megatrain.compile``.
         optimizer_name: the host optimizer the plan is for (``Plan.optimizer_name``, a name in
             :data:`megatrain.optim.OPTIMIZERS`): its state bytes per parameter are what the solver
             and ``memory`` count. None keeps a given plan's, else ``"adamw"``.
@@ -135,6 +135,7 @@ class PlanRequest:
     max_grad_norm: float | None = None
     per_token_loss: bool = True
     image_grid_thw: Sequence[Sequence[int]] | None = None
+    images_per_row: int = 1
     optimizer_name: str | None = None
     topology: Topology = Topology()
     storage: Storage = Storage()
@@ -272,7 +273,7 @@ def plan(request: PlanRequest) -> PlannedModel:
     t0 = time.perf_counter()
     traced = trace(r.model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                    input_names=options.input_names, param_dtype=getattr(torch, dtype),
-                   image_grid_thw=r.image_grid_thw)
+                   image_grid_thw=r.image_grid_thw, images_per_row=r.images_per_row)
     trace_s = time.perf_counter() - t0
     graph = traced.graph
     if r.on_traced is not None:

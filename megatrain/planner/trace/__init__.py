@@ -86,14 +86,14 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
           input_names: Sequence[str] = ("input_ids", "labels"), replicate_blocks: bool = True,
           loss_chunk_bytes: int | None = DEFAULT_LOSS_CHUNK_BYTES,
           seq_chunk_bytes: int | None = DEFAULT_SEQ_CHUNK_BYTES, param_dtype: torch.dtype | None = None,
-          image_grid_thw: Sequence[Sequence[int]] | None = None) -> TracedModel:
+          image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> TracedModel:
     """Trace ``model`` into a LayerGraph for micro-batches of ``[micro_batch_size, seq_len]``.
 
     ``model(**{name: LongTensor[micro_batch_size, seq_len] for name in input_names})`` must return
     its scalar loss (a tensor, an object with ``.loss`` or a tuple whose first element is the loss).
     A vision-language model of :data:`.vlm.FAMILIES` (LLaVA) may take ``pixel_values`` among them,
-    ``FloatTensor[micro_batch_size, C, H, W]`` (one image per row): its vision blocks become layers
-    too (:mod:`.vlm`). Qwen2-VL and Qwen2.5-VL take ``pixel_values`` and ``image_grid_thw``, each row
+    ``FloatTensor[micro_batch_size * images_per_row, C, H, W]`` (``images_per_row`` images per row,
+    row by row): its vision blocks become layers too (:mod:`.vlm`). Qwen2-VL and Qwen2.5-VL take ``pixel_values`` and ``image_grid_thw``, each row
     the images of the grids ``image_grid_thw`` (``[(t, h, w), ...]``, default one 448x448 image), and
     are traced with their M-RoPE positions as an input instead of the grid (:mod:`.qwen_vl`).
     The model may live on the ``meta`` device; no parameter memory is touched either way, and the
@@ -126,7 +126,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
         UnsupportedModelError: no trainable parameters, or
             blocks called out of order.
     """
-    images = image_inputs(model, input_names, micro_batch_size, seq_len, image_grid_thw)
+    images = image_inputs(model, input_names, micro_batch_size, seq_len, image_grid_thw, images_per_row)
     options = TraceOptions(micro_batch_size=micro_batch_size, seq_len=seq_len, input_names=images.names,
                            loss_chunk_bytes=loss_chunk_bytes, seq_chunk_bytes=seq_chunk_bytes,
                            param_dtype=param_dtype, call=images.call,

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from megatrain.errors import BatchError, UnsupportedModelError
+from megatrain.errors import BatchError, ConfigError, UnsupportedModelError
 from megatrain.planner.trace import qwen_vl
 from megatrain.planner.trace.qwen_vl import GRID_INPUT, PatchGridFamily
 
@@ -44,10 +44,9 @@ class VisionLanguageFamily:
 
     ``vision_tower``: the module path of the vision encoder in the ``*ForConditionalGeneration``
     model; its largest block container is cut into layers before the decoder's.
-    ``image_shape(config)``: the shape of one row's ``pixel_values`` (one image per row: LLaVA-1.5's
-    SFT recipe, one image per conversation), without the row dimension. ``image_tokens(model)``:
-    the image-token id and how many of them one row's ``input_ids`` must hold (one per image
-    feature the projector writes into the text embeddings).
+    ``image_shape(config)``: the shape of one image of ``pixel_values``, without the image
+    dimension. ``image_tokens(model)``: the image-token id and how many of them one image fills in
+    ``input_ids`` (one per image feature the projector writes into the text embeddings).
     """
 
     model_type: str
@@ -120,7 +119,7 @@ def refuse_vision_language(config: Any, source: str) -> None:
     raise UnsupportedModelError(
         f"{source}: model_type {mt!r} is a vision-language model that megatrain does not train yet: it lacks "
         f"support for {missing}. Vision-language families megatrain trains: {', '.join(sorted(FAMILIES))} "
-        "(images of one fixed size per row)")
+        "(images of one fixed size, the same number in every row)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +147,13 @@ class ImageInputs:
 
 
 def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size: int, seq_len: int,
-                 image_grid_thw: Sequence[Sequence[int]] | None = None) -> ImageInputs:
+                 image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> ImageInputs:
     """The traced inputs of ``model`` for batches of ``input_names`` (:class:`ImageInputs`).
 
-    LLaVA with ``pixel_values``: ``[micro_batch_size, C, H, W]`` float32 images, one per row.
+    LLaVA with ``pixel_values``: ``[micro_batch_size * images_per_row, C, H, W]`` float32 images,
+    row ``r``'s at ``[r * images_per_row, (r + 1) * images_per_row)`` in the order of its image
+    tokens (LLaVA's forward scatters the image features into the image-token positions in batch
+    order).
     Qwen2-VL / Qwen2.5-VL with ``pixel_values``: each row carries images of the grids
     ``image_grid_thw`` (default: one 448x448 image; :func:`.qwen_vl.row_grid`), traced as
     ``[micro_batch_size, patches per row, C*T*P*P]`` float32 patches and the M-RoPE positions
@@ -161,10 +163,21 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
         UnsupportedModelError: ``pixel_values`` among the inputs of a model that is not a supported
             vision-language model; Qwen2-VL inputs without ``image_grid_thw`` or with
             ``position_ids``; ``image_grid_thw`` for another model.
-        ConfigError: a malformed ``image_grid_thw``, or one whose image tokens exceed ``seq_len``.
+        UnsupportedModelError: ``images_per_row`` other than 1 for a model that is not LLaVA or
+            without ``pixel_values`` (Qwen2-VL's images per row are its ``image_grid_thw``).
+        ConfigError: a malformed ``image_grid_thw``, or one whose image tokens exceed ``seq_len``;
+            ``images_per_row`` below 1.
     """
     names = tuple(input_names)
     fam = family(getattr(model, "config", None))
+    if isinstance(images_per_row, bool) or not isinstance(images_per_row, int) or images_per_row < 1:
+        raise ConfigError(f"images_per_row={images_per_row!r}: give the number of images each row carries, an int >= 1")
+    if images_per_row != 1 and not (isinstance(fam, VisionLanguageFamily) and IMAGE_INPUT in names):
+        raise UnsupportedModelError(
+            f"images_per_row={images_per_row} is the image count of LLaVA batches with pixel_values; "
+            f"{type(model).__name__} with inputs {list(names)} takes none"
+            + (" (Qwen2-VL and Qwen2.5-VL: give each row's images as image_grid_thw)"
+               if isinstance(fam, PatchGridFamily) else "") + ": drop it")
     if image_grid_thw is not None and not (isinstance(fam, PatchGridFamily) and IMAGE_INPUT in names):
         raise UnsupportedModelError(
             f"image_grid_thw is the image grid of Qwen2-VL and Qwen2.5-VL batches with pixel_values; "
@@ -180,7 +193,8 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
         return ImageInputs(qwen_vl.traced_names(names),
                            qwen_vl.input_shapes(model.config, grid, micro_batch_size, seq_len),
                            qwen_vl.trace_call(model, fam, grid, micro_batch_size), grid, fam)
-    return ImageInputs(names, {IMAGE_INPUT: ((micro_batch_size, *fam.image_shape(model.config)), torch.float32)})
+    return ImageInputs(names, {IMAGE_INPUT: ((micro_batch_size * images_per_row, *fam.image_shape(model.config)),
+                                             torch.float32)})
 
 
 def batch_names(config: Any) -> tuple[str, ...]:
@@ -224,8 +238,29 @@ def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, s
     return fam.vision_tower, f"{fam.vision_tower}.{blocks}"
 
 
+def row_images(batch: Mapping[str, torch.Tensor]) -> int:
+    """The images each row of ``batch`` carries in LLaVA's ``pixel_values`` ``[rows x images per
+    row, C, H, W]`` (rows: ``input_ids``'s); 1 for a batch without such images (none, or Qwen2-VL's
+    patches, whose count per row :func:`.qwen_vl.row_grids` gives).
+
+    Raises:
+        BatchError: ``pixel_values`` whose images do not split evenly over the rows.
+    """
+    images, ids = batch.get(IMAGE_INPUT), batch.get("input_ids")
+    if images is None or ids is None or images.dim() != 4 or GRID_INPUT in batch:
+        return 1
+    rows = ids.shape[0]
+    if not rows or images.shape[0] % rows or not images.shape[0]:
+        raise BatchError(f"batch[{IMAGE_INPUT!r}] holds {images.shape[0]} images for {rows} rows of input_ids; "
+                         "megatrain traces the same number of images for every row (images_per_row): give each "
+                         f"row as many, [{rows} x images_per_row, C, H, W], row r's images at [r * images_per_row, "
+                         "(r + 1) * images_per_row)")
+    return images.shape[0] // rows
+
+
 def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
-    """Refuse a batch whose rows do not each hold as many image tokens as one image has features.
+    """Refuse a batch whose rows do not each hold as many image tokens as their images have
+    features (:func:`row_images` images per row).
 
     The family's forward writes the image features into the text embeddings at the image-token
     positions (``masked_scatter``), which takes the first features in order without checking their
@@ -238,9 +273,10 @@ def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> N
     fam = family(getattr(model, "config", None))
     if not isinstance(fam, VisionLanguageFamily) or IMAGE_INPUT not in batch or "input_ids" not in batch:
         return  # Qwen2-VL's image tokens are checked with its grid (prepare_images)
-    token, per_row = fam.image_tokens(model)
-    refuse_image_token_counts(batch["input_ids"], token, per_row,
-                              f"each row carries one image of {per_row} features, which")
+    token, per_image = fam.image_tokens(model)
+    k = row_images(batch)
+    refuse_image_token_counts(batch["input_ids"], token, k * per_image,
+                              f"each row carries {'one image' if k == 1 else f'{k} images'} of {per_image} features, which")
 
 
 def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int, images: str) -> None:
@@ -321,4 +357,4 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
 
 __all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "ImageInputs", "VisionLanguageFamily", "VisionShare", "batch_names",
            "check_image_tokens", "family", "image_inputs", "prepare_images", "refuse_image_token_counts",
-           "refuse_vision_language", "vision_share", "vision_tower"]
+           "refuse_vision_language", "row_images", "vision_share", "vision_tower"]
