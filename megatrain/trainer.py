@@ -599,7 +599,7 @@ class Trainer:
             if name == "attention_mask":
                 d[name] = t = _mask_as_long(t)
             # The traced shape of one micro-batch: [micro_batch_size, seq_len] token ids, or a
-            # vision-language model's images, [micro_batch_size, C, H, W] float32.
+            # vision-language model's images, [micro_batch_size * images_per_row, C, H, W] float32.
             v = self.graph.value_by_name(name)
             want = (k * v.shape[0], *v.shape[1:])
             if str(t.dtype).removeprefix("torch.") != v.dtype:
@@ -920,10 +920,12 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             loss megatrain cannot count). See :mod:`megatrain.runtime.loss`.
 
     Raises:
-        ConfigError: an option or optimizer setting out of range; ``seq_len`` beyond a Hugging Face
-            model's ``max_position_embeddings`` (``megatrain.models.check_positions``).
+        ConfigError: an option or optimizer setting out of range (``images_per_row`` below 1
+            included); ``seq_len`` beyond a Hugging Face model's ``max_position_embeddings``
+            (``megatrain.models.check_positions``).
         TraceError / UnsupportedModelError: the model cannot be traced or is not supported (a
-            Hugging Face model that is not a causal decoder: ``megatrain.models``).
+            Hugging Face model that is not a causal decoder: ``megatrain.models``; ``images_per_row``
+            other than 1 for a model that is not LLaVA with ``pixel_values``).
         PlanError, ScheduleError: the plan does not fit the model.
         Nothing is bound to the model unless every step before binding succeeded.
     """

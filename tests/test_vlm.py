@@ -270,3 +270,7 @@ def test_llava_with_two_images_per_row_trains_as_eager_and_refuses_another_count
         shape_free.step(dict(good, pixel_values=good["pixel_values"][:5]))
     shape_free.step(good)
     assert shape_free.shapes == [(4, 40, 2)] and shape_free.traces == 1
+    with pytest.raises(UnsupportedModelError, match=r"images_per_row=2 is the image count of LLaVA batches"):
+        megatrain.compile(tiny_llava(), seq_len=24, images_per_row=2)  # a text-only batch
+    with pytest.raises(megatrain.ConfigError, match=r"images_per_row=0"):
+        megatrain.compile(tiny_llava(), seq_len=24, input_names=NAMES, images_per_row=0)

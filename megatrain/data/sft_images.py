@@ -122,7 +122,8 @@ class ChatProcessor(ChatTokenizer):
         images = example.images if isinstance(example, Chat) else ()
         if self.images_per_example is not None and len(images) != self.images_per_example:
             raise RecordError(f"the example has {len(images)} image(s), and the model takes "
-                              f"{self.images_per_example} per row (megatrain traces one fixed-size image per row); "
+                              f"{self.images_per_example} per row (megatrain train traces one fixed-size image per "
+                              "row; several per row train from Python: megatrain.compile(model, images_per_row=k)); "
                               "give every record of the data exactly that many images (the images column)")
         enc = super().encode(example)
         if not images:
