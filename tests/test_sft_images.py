@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -119,27 +120,72 @@ def test_rows_hold_the_processors_tokens_pixels_and_assistant_labels(tmp_path, p
     assert all(int((ref["input_ids"] == chat.image_token_id).sum()) == 16 for ref in refs)  # 4x4 patches each
 
 
-def test_a_step_on_the_readers_batches_equals_eager_adamw(tmp_path, processor):
-    """Two steps of megatrain.compile on the bundled shapes data (padded rows of different lengths,
-    one image each, two micro-batches) equal eager AdamW on the same batches (FP32, 1e-5)."""
+ANSWERS = ["Red.", "A blue one.", "Two squares.", "None.", "Green."]
+
+
+def _shapes_messages(path: Path, k: int) -> tuple[Path, list[list[dict]]]:
+    """A messages file of 5 records with ``k`` of the bundled shape images each (record ``i``:
+    images ``i .. i+k-1`` of the six, in that order; answers of different lengths), and each
+    record's messages."""
+    files = sorted((EXAMPLES / "data" / "vlm_sft" / "images").glob("*.png"))
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    chats = [[{"role": "user", "content": [{"type": "image", "path": str(files[(i + j) % len(files)])}
+                                           for j in range(k)] + [text("Which shapes?")]},
+              {"role": "assistant", "content": [text(a)]}] for i, a in enumerate(ANSWERS)]
+    return _write(path, [{"messages": c} for c in chats]), chats
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["one-image", "two-images"])
+def test_a_step_on_the_readers_batches_equals_eager_adamw(tmp_path, processor, k):
+    """Records with k images each: a batch of the reader holds each row's tokens and assistant
+    labels and, rows in order, their images (pixel_values [rows * k, 3, 32, 32]) as the processor's
+    own apply_chat_template gives them; two steps of megatrain.compile(images_per_row=k) on such
+    batches (padded rows of different lengths, two micro-batches) equal eager AdamW (FP32, 1e-5)."""
     from transformers import LlavaForConditionalGeneration
 
-    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=1)
-    store = build_sft_store(resolve_sft_data(str(EXAMPLES / "data" / "vlm_sft" / "shapes.json")), chat,
-                            tmp_path / "store", seq_len=96, progress=False)
-    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)
+    path, chats = _shapes_messages(tmp_path / "data.jsonl", k)
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=k)
+    store = build_sft_store(resolve_sft_data(str(path)), chat, tmp_path / "store", seq_len=96, progress=False)
+    assert store.manifest.num_images == 5 * k
+    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)  # 4 training rows
     batches = [ds.rows([2 * s, 2 * s + 1]) for s in range(2)]
+    for s, batch in enumerate(batches):
+        refs = [_reference(processor, chats[ds.train_examples[r]]) for r in (2 * s, 2 * s + 1)]
+        assert batch["pixel_values"].shape == (2 * k, 3, 32, 32)
+        assert torch.equal(batch["pixel_values"], torch.cat([ref["pixel_values"] for ref in refs]))
+        for r, ref in enumerate(refs):
+            n = int(batch["attention_mask"][r].sum())
+            assert torch.equal(batch["input_ids"][r, :n], ref["input_ids"])
+            assert torch.equal(batch["labels"][r, :n], ref["labels"])
     lengths = batches[0]["attention_mask"].sum(1)
     assert lengths[0] != lengths[1]  # the padding is masked, not just absent
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(llava_config())
     ref = copy.deepcopy(model)
     trainer = megatrain.compile(model, seq_len=96, micro_batch_size=1, micro_batches=2, optimizer=ADAMW,
-                                input_names=ds.input_names)
+                                input_names=ds.input_names, images_per_row=k)
     got = [trainer.step(b).loss for b in batches]
     want = eager_losses(ref, batches, 2)
     for step, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
+
+
+def test_a_store_built_for_one_image_per_row_is_not_reused_for_two(tmp_path, processor):
+    """The SFT store's key holds the image count per row: the store of one-image records is
+    rebuilt, not reused, for two images a row, and its first record is then refused, naming the
+    record, its count, the run's and --images-per-row."""
+    from megatrain.data import cached_sft_store
+
+    path, _ = _shapes_messages(tmp_path / "data.jsonl", 1)
+    sources = resolve_sft_data(str(path))
+    for k, origin in ((1, "built"), (1, "reused")):
+        chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=k)
+        assert cached_sft_store(sources, chat, tmp_path / "store", seq_len=96, progress=False).origin == origin
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=2)
+    with pytest.raises(RecordError) as e:
+        cached_sft_store(sources, chat, tmp_path / "store", seq_len=96, progress=False)
+    assert f"{str(path)!r}, record 1 (line 1): the example has 1 image(s), and the run takes 2 per row" in str(e.value)
+    assert "--images-per-row" in str(e.value)
 
 
 @pytest.mark.parametrize("record, message", [
@@ -150,7 +196,7 @@ def test_a_step_on_the_readers_batches_equals_eager_adamw(tmp_path, processor):
     ({"conversations": [{"from": "human", "value": "<image><image>Hi"}, {"from": "gpt", "value": "Ok."}],
       "images": ["img/a.png"]}, "2 image placeholder(s) <image> and 1 file(s) in field 'images'"),
     ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Ok."}]},
-     "has 0 image(s), and the model takes 1 per row"),
+     "has 0 image(s), and the run takes 1 per row"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "url": "http://x/y.png"}]},
                    {"role": "assistant", "content": "Ok."}]}, "image part without a local file"),
 ], ids=["missing", "unreadable", "placeholders", "text-only", "url"])
@@ -200,11 +246,12 @@ def test_megatrain_train_fine_tunes_the_bundled_llava_on_images(tmp_path, capsys
 
 def test_a_vision_language_config_needs_image_sft_data_and_a_processor(tmp_path):
     """megatrain train takes a bare LLaVA config.json, and then says what is missing: its
-    processor (for task sft) or SFT data with images (for task lm)."""
+    processor (for task sft) or SFT data with images (for task lm); images_per_row above 1 is
+    LLaVA's alone, and below 1 is no count."""
     from megatrain.errors import ConfigError
-    from megatrain.train.config import TrainConfig
+    from megatrain.train.config import TrainConfig, load_train_config
     from megatrain.train.corpus import prepare_data
-    from megatrain.train.loop import batch_names
+    from megatrain.train.loop import batch_names, plan_request
     from megatrain.train.model import resolve_model
 
     path = tmp_path / "config.json"
@@ -221,9 +268,19 @@ def test_a_vision_language_config_needs_image_sft_data_and_a_processor(tmp_path)
     # Qwen2-VL's rows carry their image grid, which this data path does not choose: refused with
     # the way it does train (megatrain.compile with image_grid_thw).
     from transformers import Qwen2VLConfig
-    with pytest.raises(ConfigError, match=r"'qwen2_vl': megatrain train fine-tunes LLaVA on images.*"
-                                          r"megatrain.compile\(model, image_grid_thw=...\)"):
-        batch_names(cfg, Qwen2VLConfig())
+    for k in (1, 2):
+        with pytest.raises(ConfigError, match=r"'qwen2_vl': megatrain train fine-tunes LLaVA on images.*"
+                                              r"megatrain.compile\(model, image_grid_thw=...\)"):
+            batch_names(cfg.model_copy(update={"images_per_row": k}), Qwen2VLConfig())
+    # images_per_row: LLaVA's images a row; a text model takes none, and a count is at least 1.
+    two = cfg.model_copy(update={"images_per_row": 2})
+    assert batch_names(two, source.config) == ("input_ids", "attention_mask", "pixel_values", "labels")
+    # megatrain train and megatrain plan --config plan it (both build their request with plan_request).
+    assert plan_request(two, SimpleNamespace(config=source.config), None, None).images_per_row == 2
+    with pytest.raises(ConfigError, match=r"images_per_row=2: model_type 'llama' takes no images.*--images-per-row 1"):
+        batch_names(two, source.config.text_config)
+    with pytest.raises(ConfigError, match=r"images_per_row.*greater than or equal to 1"):
+        load_train_config(None, {"model": str(path), "output_dir": str(tmp_path / "run"), "images_per_row": "0"})
 
 
 def test_a_text_models_chat_tokenizer_joins_text_parts_and_refuses_images(processor):

@@ -77,8 +77,8 @@ class ChatProcessor(ChatTokenizer):
             ``image_token`` (``AutoProcessor.from_pretrained(model_dir)``).
         chat_template: Jinja source; None: the processor's, else :data:`DEFAULT_IMAGE_CHAT_TEMPLATE`.
         eos_token, bos_token, loss: as :class:`~megatrain.data.sft.ChatTokenizer`.
-        images_per_example: the number of images every example must have (1: a model whose rows
-            carry one image each); None: any.
+        images_per_example: the number of images every example must have (``megatrain train``'s
+            ``images_per_row``: each example is a row, traced with that many images); None: any.
 
     Raises:
         ValueError: the processor has no image token, or its tokenizer does not know it.
@@ -106,9 +106,11 @@ class ChatProcessor(ChatTokenizer):
 
     def key(self) -> list:
         """What the stored tokens depend on beyond the tokenizer and template: the image token and
-        the image processor's settings (they decide how many tokens an image expands to)."""
+        the image processor's settings (they decide how many tokens an image expands to), and the
+        image count every example must have (a store built for another holds other examples)."""
         return [self.image_token, self.processor.image_processor.to_json_string(),
-                {k: v for k, v in self.processor.to_dict().items() if isinstance(v, (int, str, float, bool))}]
+                {k: v for k, v in self.processor.to_dict().items() if isinstance(v, (int, str, float, bool))},
+                self.images_per_example]
 
     def encode(self, example: Chat | Completion) -> Encoded:
         """Tokens and targets of the example with its images' tokens expanded (module docstring);
@@ -121,10 +123,10 @@ class ChatProcessor(ChatTokenizer):
         """
         images = example.images if isinstance(example, Chat) else ()
         if self.images_per_example is not None and len(images) != self.images_per_example:
-            raise RecordError(f"the example has {len(images)} image(s), and the model takes "
-                              f"{self.images_per_example} per row (megatrain train traces one fixed-size image per "
-                              "row; several per row train from Python: megatrain.compile(model, images_per_row=k)); "
-                              "give every record of the data exactly that many images (the images column)")
+            raise RecordError(f"the example has {len(images)} image(s), and the run takes {self.images_per_example} "
+                              "per row (megatrain train traces the same number of fixed-size images for every row: "
+                              "--images-per-row); give every record of the data exactly that many images (the "
+                              "images column), or set --images-per-row to the count the records have")
         enc = super().encode(example)
         if not images:
             return enc

@@ -142,7 +142,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
                     return texts
         return texts
 
-    # A vision-language model's examples carry one image per row, read by its processor, unpacked.
+    # A vision-language model's examples carry images_per_row images a row, read by its processor, unpacked.
     if family(source.config) is not None:
         processor, origin = _processor(cfg, source)
         tokenizer = processor.tokenizer.backend_tokenizer
@@ -161,7 +161,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
         from megatrain.data.sft_images import ChatProcessor
 
         chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
-                             loss=cfg.sft_loss, images_per_example=1)
+                             loss=cfg.sft_loss, images_per_example=cfg.images_per_row)
         template_origin = template_origin or ("the processor's" if processor.chat_template else None)
     packing = cfg.sft_packing and processor is None
     store = D.cached_sft_store(sources, chat, path, seq_len=cfg.seq_len, truncation=cfg.sft_truncation)
@@ -175,7 +175,8 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     sets = ", ".join(f"{d.name} ({d.format}, {d.examples:,}" + (f"; {c:,} a training epoch" if mixed else "") + ")"
                      for d, c in zip(m.datasets, dataset.counts))
     rows = "packed rows" if packing else "rows"
-    images = "" if processor is None else (f"; {m.num_images:,} images, one example and its image a row"
+    per_row = "its image" if cfg.images_per_row == 1 else f"its {cfg.images_per_row} images"
+    images = "" if processor is None else (f"; {m.num_images:,} images, one example and {per_row} a row"
                                            + (" (image examples are not packed)" if cfg.sft_packing else ""))
     fill = dataset.num_train_tokens / max(1, dataset.num_train_rows * cfg.seq_len)
     echo(f"data: {sum(d.examples for d in m.datasets):,} SFT examples from {sets}; {m.trimmed:,} trimmed to seq_len "

@@ -125,17 +125,23 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
     """The inputs of a run's batches, in ``megatrain.compile(input_names=...)`` order. Packed LM
     windows and packed SFT rows carry position_ids that restart per document (per-document
     attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only. A
-    vision-language model's SFT rows are padded, one example and its image each, and carry the
-    image input (``pixel_values``; :class:`megatrain.data.SftDataset` with images).
+    vision-language model's SFT rows are padded, one example and its ``images_per_row`` images
+    each, and carry the image input (``pixel_values``; :class:`megatrain.data.SftDataset` with
+    images).
 
     Raises:
         ConfigError: a vision-language model with ``task: lm`` (its data is SFT data with images),
-            or one whose batches need more than one image per row and their grid (Qwen2-VL,
-            Qwen2.5-VL: they train through ``megatrain.compile``, not yet here).
+            or one whose batches carry their image grid (Qwen2-VL, Qwen2.5-VL: they train through
+            ``megatrain.compile``, not yet here, with any ``images_per_row``); ``images_per_row``
+            other than 1 for a model without images.
     """
     from megatrain.planner.trace.vlm import IMAGE_INPUT, VisionLanguageFamily, family
 
-    if (fam := family(config)) is not None:
+    if (fam := family(config)) is None and cfg.images_per_row != 1:
+        raise ConfigError(f"images_per_row={cfg.images_per_row}: model_type {config.model_type!r} takes no images; "
+                          "images_per_row is the image count of each row of a vision-language model (LLaVA): "
+                          "leave it at 1 (--images-per-row 1)")
+    if fam is not None:
         if cfg.task != "sft":
             raise ConfigError(f"model_type {config.model_type!r} is a vision-language model: it trains on SFT data "
                               "with images (task: sft, --data with an images column); task lm reads text only")
@@ -160,7 +166,7 @@ def plan_request(cfg: TrainConfig, model, hw, topology):
     names = batch_names(cfg, model.config)
     return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
-                       input_names=names, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
+                       input_names=names, images_per_row=cfg.images_per_row, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
                        topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory))
 
 
