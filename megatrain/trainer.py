@@ -593,6 +593,9 @@ class Trainer:
         o = self.options
         # Qwen2-VL: its grids checked, its patches per row and its M-RoPE positions made here.
         d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"))
+        # Each input's micro-batch is its traced length along dim 0: micro_batch_size rows, or
+        # LLaVA's micro_batch_size x images_per_row images.
+        per: dict[str, int] = {}
         for name, t in d.items():
             if not isinstance(t, torch.Tensor):
                 raise BatchError(f"batch[{name!r}] is a {type(t).__name__}, not a tensor")
@@ -601,6 +604,7 @@ class Trainer:
             # The traced shape of one micro-batch: [micro_batch_size, seq_len] token ids, or a
             # vision-language model's images, [micro_batch_size * images_per_row, C, H, W] float32.
             v = self.graph.value_by_name(name)
+            per[name] = v.shape[0]
             want = (k * v.shape[0], *v.shape[1:])
             if str(t.dtype).removeprefix("torch.") != v.dtype:
                 what = ("token inputs must be torch.long (int64): convert with .long()" if v.dtype == "int64"
@@ -617,9 +621,6 @@ class Trainer:
         for name, limit in self._token_limits.items():
             _check_ids(name, d[name], limit)
         check_image_tokens(self.model, d)
-        # Each input's micro-batch is its traced length along dim 0: micro_batch_size rows, or
-        # LLaVA's micro_batch_size x images_per_row images.
-        per = {n: self.graph.value_by_name(n).shape[0] for n in d}
         return [{n: t[i * per[n]:(i + 1) * per[n]] for n, t in d.items()} for i in range(k)]
 
 
