@@ -1011,7 +1011,8 @@ SUBPROCESS_SECTIONS = ("cuda_tests", "race_detector")
 
 def _pytest(ctx: Ctx, paths: list[str], junit_name: str, select_cuda: bool) -> dict:
     junit = ctx.out / junit_name
-    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", f"--junitxml={junit}", *paths]
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", "--continue-on-collection-errors",
+            f"--junitxml={junit}", *paths]
     env = dict(os.environ)
     if select_cuda:
         argv[3:3] = ["-p", "gpu_probe"]
