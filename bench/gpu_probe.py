@@ -33,7 +33,7 @@ Sections, in the order they run (``--sections`` picks a subset):
     Host AdamW through ``megatrain.runtime.host_kernels.HostAdamW`` (the executor's step) with each
     kernel installed (torch's fused; DeepSpeed's CPU Adam where ``deepspeed`` is), from FP32 and
     from BF16 gradients, and CAST (an FP32 -> BF16 ``copy_``, what a CAST op does) at 1, 2, 4, 8 and
-    16 threads and at the host workers' budget (``cost.host_worker_threads``), each on a thread of
+    16 threads and at the host workers' budget (``megatrain.ir.hardware.host_worker_threads``), each on a thread of
     its own with that team (``set_thread_team``, as the CUDA backend's workers), capped at the CPU
     count, on tiles whose working set is at least four times the host's total L3 (read from sysfs)
     so the rates are DRAM rates, not cache rates. The spec takes the rates of the kernel megatrain
@@ -49,7 +49,7 @@ Sections, in the order they run (``--sections`` picks a subset):
     per op). The adds' result is checked (the tensor must hold N).
 ``matmul``
     Square BF16, FP32 with TF32 off, and FP32 with TF32 on (``HardwareSpec.fp32_flops`` is the
-    TF32 rate) products on random data, median of 10 after 3 warm-ups, timed with CUDA events;
+    TF32-off rate, the one megatrain's strict FP32 ops get) products on random data, median of 10 after 3 warm-ups, timed with CUDA events;
     relative error of two rows against an FP64 reference on the CPU.
 ``spec``
     A ``HardwareSpec`` built from the sections above, saved as ``spec.json`` and read back with
@@ -597,22 +597,23 @@ def _register_and_copy(torch, cudart, t, n: int) -> dict:
 def section_host_rates(ctx: Ctx) -> dict:
     import torch
 
-    from megatrain.planner import cost
+    from megatrain.ir.hardware import CAST_BYTES_PER_ELEMENT, host_worker_threads
     from megatrain.runtime.host_kernels import HostAdamW, deepspeed_installed, run_on_team
     from megatrain.runtime.measure import host_cores, host_tile_numel
 
     l3 = l3_cache()["total_bytes"]
     cores = host_cores()
-    budget = cost.host_worker_threads(cores)  # the threads a rank's host workers run with
+    budget = host_worker_threads(cores)  # the threads a rank's host workers run with
     threads = sorted({t for t in ((1, 2) if ctx.dry else (1, 2, 4, 8, 16)) if t <= cores} | {budget})
+    # Working set at least 4x the total L3 (AdamW touches 16 B/param, a cast 6 B/element), and never
+    # under 64M elements (1 GiB for AdamW, above any single host's L3 today, should the L3 size be
+    # unknown), so the tiles stream from DRAM. Computed in a dry run too (then replaced by small
+    # tiles), so that the dry run checks these lines: a name missing here cost the first GPU session
+    # its host rates.
+    adam_numel = max(host_tile_numel(16, l3), 64 << 20)
+    cast_numel = max(host_tile_numel(CAST_BYTES_PER_ELEMENT, l3), 64 << 20)
     if ctx.dry:
         adam_numel = cast_numel = 1 << 18
-    else:
-        # Working set at least 4x the total L3 (AdamW touches 16 B/param, a cast 6 B/element), and
-        # never under 64M elements (1 GiB for AdamW, above any single host's L3 today, should the L3
-        # size be unknown), so the tiles stream from DRAM.
-        adam_numel = max(host_tile_numel(16, l3), 64 << 20)
-        cast_numel = max(host_tile_numel(cost.CAST_BYTES_PER_ELEMENT, l3), 64 << 20)
     min_s = 0.02 if ctx.dry else 0.5
     megatrain_kernel = HostAdamW().kernel
     kernels = ["torch"] + (["deepspeed"] if deepspeed_installed() else [])
@@ -666,7 +667,7 @@ def section_host_rates(ctx: Ctx) -> dict:
             "note": ("dry run: small tiles that fit in cache" if ctx.dry else
                      "adamw_bytes_per_s counts 28 B/param (read p, g, m, v; write p, m, v), cast 6 B/element; "
                      "each row on a thread of its own with that intra-op team (set_thread_team), the "
-                     "megatrain kernel's rate at budget_threads (cost.host_worker_threads) is the spec's")}
+                     "megatrain kernel's rate at budget_threads (host_worker_threads) is the spec's")}
 
 
 def _round_up(x: int, k: int) -> int:
@@ -763,7 +764,9 @@ def section_matmul(ctx: Ctx) -> dict:
 MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gpu_memory_bytes": ("environment", ("gpu", "total_memory_bytes")),
     "bf16_flops": ("matmul", ("bf16", "flops_per_s")),
-    "fp32_flops": ("matmul", ("tf32", "flops_per_s")),  # the field is the TF32 tensor-core rate
+    # IEEE FP32 (TF32 off): megatrain's FP32 ops run under strict_fp32 (HardwareSpec.fp32_flops). The
+    # first GPU session (H100, 2026-11-27) filled it with the TF32 rate, 394 TFLOP/s for 51.
+    "fp32_flops": ("matmul", ("fp32", "flops_per_s")),
     "h2d_bytes_per_s": ("copies", ("h2d_bytes_per_s",)),  # at the largest size
     "d2h_bytes_per_s": ("copies", ("d2h_bytes_per_s",)),
     "duplex": ("copies", ("duplex",)),
@@ -922,9 +925,12 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
         ids = torch.randint(0, sh.vocab, (rows, sh.seq_len), generator=g)
         backend.record = i > 0  # the first step is the warm-up: allocations, cuBLAS handles
         sched = trainer.schedule  # the schedule this step runs
+        cpu0 = time.thread_time()
         res = trainer.step({"input_ids": ids, "labels": ids})
+        # The issuing thread's CPU seconds in the step (launches, Python, waits that spin): near
+        # wall_s when issuing is what the step waits for.
         row = {"step": res.step, "loss": res.loss, "wall_s": res.seconds, "warmup": i == 0,
-               "applied": res.applied}
+               "applied": res.applied, "issuing_thread_cpu_s": time.thread_time() - cpu0}
         if i > 0:
             measured = measured_timeline(backend, sched, trainer.graph, spec)
             row["timeline_step_s"] = measured.step_time_s
@@ -932,13 +938,14 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
         if not math.isfinite(res.loss):
             raise RuntimeError(f"step {res.step} gave a non-finite loss {res.loss}")
     predicted = simulate(sched, trainer.graph, spec)
+    out["profile"] = _profiled_step(ctx, torch, trainer, sh, g)
     out["measured"] = _timeline_summary(measured)
     out["predicted"] = _timeline_summary(predicted)
     out["predicted_over_measured"] = predicted.step_time_s / measured.step_time_s
     out["ops"] = len(sched.ops)
     if ctx.cuda:
         out["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        # The GPU reserve this step needed, beside the planner's derived one (cost.gpu_reserve):
+        # The GPU reserve this step needed, beside the planner's derived one (megatrain.planner.memory.gpu_reserve):
         # what the device held at the peak (the allocator's reserved bytes, the context and its
         # modules) less the plan's own peak. A spec's gpu_reserve_bytes takes it as measured.
         from megatrain.planner.cost import memory_breakdown
@@ -963,6 +970,43 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
     (ctx.out / "trace.json").write_text(json.dumps(trace))
     out["files"] = ["timelines.json", "trace.json"]
     return out
+
+
+def _profiled_step(ctx: Ctx, torch, trainer, sh: StepShape, g) -> dict:
+    """One more step under ``torch.profiler`` (not recorded in the timeline): whether the GPU idles
+    inside the compute ops, waiting on the issuing thread, or its kernels are slow. The union of all
+    CUDA kernels' intervals over the step's wall time (``gpu_kernel_busy_fraction``), the kernel
+    count, and the top kernels by GPU time and aten ops by the issuing thread's self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = sh.micro_batch_size * sh.micro_batches
+    ids = torch.randint(0, sh.vocab, (rows, sh.seq_len), generator=g)
+    trainer.backend.record = False
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        trainer.step({"input_ids": ids, "labels": ids})
+        if ctx.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy_us, end = 0.0, -math.inf
+    for a, b in kernels:  # union of the kernels' intervals, microseconds
+        if b > end:
+            busy_us += b - max(a, end)
+            end = b
+    avg = prof.key_averages()
+    dev_attr = "device_time_total" if hasattr(avg[0], "device_time_total") else "cuda_time_total"
+
+    def top(key, n=20):
+        chosen = sorted(avg, key=lambda e: getattr(e, key), reverse=True)[:n]
+        return [{"name": e.key[:120], "calls": e.count, "s": getattr(e, key) / 1e6} for e in chosen]
+
+    return {"wall_s": wall, "cuda_kernels": len(kernels), "gpu_kernel_busy_s": busy_us / 1e6,
+            "gpu_kernel_busy_fraction": busy_us / 1e6 / wall,
+            "top_gpu": top(dev_attr) if ctx.cuda else [], "top_self_cpu": top("self_cpu_time_total")}
 
 
 def _plan_dict(plan) -> dict:

@@ -30,6 +30,9 @@
 # GPU_SESSION_LIMIT_PROBE=200); a phase past its box is killed (exit 124 in phases.tsv) and the
 # next phase runs. GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
 # gets more than what is left of it, and the tests phase only what the others left.
+# GPU_SESSION_COMPARE_SIZES (default 1b), GPU_SESSION_COMPARE_WARMUP (2) and GPU_SESSION_COMPARE_STEPS
+# (5) set the compare phase's model size and steps (at 1B on an H100, 2026-11-27: DeepSpeed's 7
+# steps took 100 s of its 170 s box; at 3B take 1 warm-up and 3 steps).
 # GPU_SESSION_HANG=<phase> replaces that phase's command by one that never ends, to check on a CPU
 # that a hung phase is cut at its box and the later phases still run and pack.
 set -u
@@ -125,7 +128,10 @@ if want hostopt; then
     box hostopt 60 "$PY" bench/host_optimizer.py "${DRYFLAG[@]}" --out "$W/host_optimizer.json"
 fi
 
-# -- compare: megatrain and DeepSpeed ZeRO-3 offload at 1B, same batches ----------------------------
+# -- compare: megatrain and DeepSpeed ZeRO-3 offload, same batches (1B unless told) -----------------
+COMPARE_SIZES=${GPU_SESSION_COMPARE_SIZES:-1b}
+COMPARE_WARMUP=${GPU_SESSION_COMPARE_WARMUP:-2}
+COMPARE_STEPS=${GPU_SESSION_COMPARE_STEPS:-5}
 if want compare; then
     wait_jit
     mkdir -p "$W/compare"
@@ -134,8 +140,9 @@ if want compare; then
             [ $system = deepspeed ] && continue  # DeepSpeed needs CUDA; the dry run checks the harness
             box "compare_$system" 150 "$PY" bench/compare.py --dry-run --system $system --results-dir "$W/compare"
         else
-            box "compare_$system" 170 "$PY" bench/compare.py --sizes 1b --system $system --seq-len 2048 \
-                --global-batch 16 --micro-batch 2 --warmup 2 --steps 5 --child-timeout 160 --results-dir "$W/compare"
+            box "compare_$system" 170 "$PY" bench/compare.py --sizes "$COMPARE_SIZES" --system $system --seq-len 2048 \
+                --global-batch 16 --micro-batch 2 --warmup "$COMPARE_WARMUP" --steps "$COMPARE_STEPS" \
+                --child-timeout 160 --results-dir "$W/compare"
         fi
     done
 fi

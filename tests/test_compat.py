@@ -199,6 +199,17 @@ def test_expanded_kv_is_counted_in_the_work_bytes(monkeypatch):
     assert routed - plain >= 2 * b * heads * s * hd * 4
 
 
+def test_gqa_with_attention_dropout_counts_the_math_kernels_scores():
+    """With attention dropout the kernel keeps eager's math kernel (its dropout masks are eager's):
+    the block's modelled working memory grows by the softmax output, the mask and the dropped
+    scores, [B, H, S, S] each (FP32, FP32, bool), that it saves for the backward."""
+    b, s, heads = 2, 64, 4
+    plain = trace(tiny_llama(layers=1).train(), micro_batch_size=b, seq_len=s).graph.layers[1].work_bytes
+    dropped = trace(tiny_llama(layers=1, attention_dropout=0.1).train(), micro_batch_size=b,
+                    seq_len=s).graph.layers[1].work_bytes
+    assert dropped - plain >= b * heads * s * s * (2 * 4 + 1)
+
+
 def _gqa_inputs():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 12, 8, generator=gen) for h in (6, 2, 2))
@@ -272,6 +283,7 @@ def test_fp32_gqa_on_cuda_expands_and_bf16_keeps_enable_gqa():
     as it is. The CPU twins are the tests above."""
     q, k, v = (torch.randn(2, h, 16, 8, device="cuda") for h in (4, 2, 2))
     assert gqa_needs_expansion(q, k, v, is_causal=True)
+    assert not gqa_needs_expansion(q, k, v, dropout_p=0.1, is_causal=True), "dropout keeps eager's math kernel"
     params = torch.backends.cuda.SDPAParams(q, expand_kv_heads(k, 4), expand_kv_heads(v, 4), None, 0.0, True, False)
     assert torch.backends.cuda.can_use_efficient_attention(params, True)
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -62,7 +62,7 @@ def assert_same_training_with_dropout(model, *, plan=None, steps: int = 4, devic
     ref = copy.deepcopy(model).to(device)
     batches = [random_batch(MBS, SEQ, VOCAB, seed=s % 3) for s in range(steps)]
     trainer = megatrain.compile(model, seq_len=SEQ, micro_batch_size=MBS, micro_batches=1, optimizer=ADAMW,
-                                plan=plan or "default", device=device)
+                                compute_dtype="float32", plan=plan or "default", device=device)
     assert any(layer.draws_random for layer in trainer.graph.layers)
     if backend is not None:
         trainer.backend = trainer.executor.backend = backend  # before the first step: every op runs on it
@@ -152,7 +152,7 @@ def test_evaluate_runs_with_dropout_off(family):
     model = MODELS[family](p=0.3)
     ref = copy.deepcopy(model).eval()
     trainer = megatrain.compile(model, seq_len=SEQ, micro_batch_size=MBS, micro_batches=1, optimizer=ADAMW,
-                                plan="default")
+                                compute_dtype="float32", plan="default")
     batch = random_batch(2 * MBS, SEQ, VOCAB, seed=4)
     before = torch.get_rng_state()
     got = trainer.evaluate(batch)

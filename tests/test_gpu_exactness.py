@@ -78,11 +78,18 @@ def _batches(n: int, micro_batches: int, device: str):
 
 
 def _eager(model, batches, micro_batches: int, compute_dtype: str) -> list[float]:
-    """Eager training on the model's device: FP32 with TF32 off, or BF16 autocast with FP32 weights."""
+    """Eager training on the model's device: FP32 with TF32 off, or BF16 autocast with FP32 weights.
+
+    In FP32 the whole training (forward, backward, AdamW) runs under ``strict_fp32``, not only the
+    forward: with a user's TF32 on, an eager backward outside it ran its matmuls in TF32 and drifted
+    from megatrain (whose forward and backward are strict) by 1e-5..2.6e-5 from step 1 on (H100,
+    2026-11-27, bench/gpu_diag_exactness.py: step 0, a forward only, agreed to 7e-9)."""
     device = next(model.parameters()).device
-    precision = (strict_fp32 if compute_dtype == "float32"
-                 else lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-    return eager_losses(model, batches, micro_batches, precision=precision)
+    if compute_dtype == "float32":
+        with strict_fp32():
+            return eager_losses(model, batches, micro_batches)
+    return eager_losses(model, batches, micro_batches,
+                        precision=lambda: torch.autocast(device.type, dtype=torch.bfloat16))
 
 
 def _megatrain(model, batches, micro_batches: int, compute_dtype: str, device: str):

@@ -140,7 +140,7 @@ def test_dry_run_spec_reads_back_and_names_its_sources(dry):
     assert spec.d2h_bytes_per_s == s["copies"]["d2h_bytes_per_s"]
     assert spec.duplex == s["copies"]["duplex"]
     assert spec.bf16_flops == s["matmul"]["bf16"]["flops_per_s"]
-    assert spec.fp32_flops == s["matmul"]["tf32"]["flops_per_s"]
+    assert spec.fp32_flops == s["matmul"]["fp32"]["flops_per_s"], "strict FP32 (TF32 off), the rate megatrain's FP32 ops get"
     assert spec.host_optimizer_params_per_s == s["host_rates"]["adamw_params_per_s_at_budget"]
     assert spec.host_optimizer_bf16_params_per_s == s["host_rates"]["adamw_bf16_grads_params_per_s_at_budget"]
     assert spec.host_cast_elements_per_s == s["host_rates"]["cast_elements_per_s_at_budget"]

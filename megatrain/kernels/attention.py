@@ -39,8 +39,16 @@ def gqa_needs_expansion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
     kernels are enabled); later calls with the same signature read the cached answer. Elsewhere
     False: the CPU flash kernel takes GQA in FP32 and BF16, and ``meta`` (FLOP counting) runs no
     kernel.
+
+    Also False with attention dropout (``dropout_p > 0``): eager PyTorch (transformers'
+    ``enable_gqa=True`` call) then runs the math kernel, which draws its mask with
+    ``native_dropout``, while the memory-efficient kernel draws another mask from the same
+    generator state (its own Philox layout), so expanding would train on other masks than eager
+    training does: on an H100 (2026-11-27, bench/gpu_diag_exactness.py) a 2-layer Llama with
+    attention dropout 0.1 left eager by 4e-4 at step 0 expanded and by 7e-9 on the math kernel.
+    The planner counts the math kernel's saved scores there (``work_bytes``).
     """
-    if q.device.type != "cuda" or q.shape[-3] == k.shape[-3]:
+    if dropout_p > 0 or q.device.type != "cuda" or q.shape[-3] == k.shape[-3]:
         return False
     return _cached_needs_expansion(q, k, v, attn_mask, dropout_p, is_causal)
 
@@ -101,7 +109,8 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     ``H`` a multiple of ``Hkv``; returns ``[..., H, L, Ev]``. Where :func:`gqa_needs_expansion`
     says SDPA would fall back to the math kernel (FP32 on CUDA), ``k`` and ``v`` are expanded to
     ``H`` heads first (:func:`expand_kv_heads`, what transformers' ``repeat_kv`` does), so the
-    memory-efficient kernel runs: the same outputs, gradients equal up to the order of the sums
+    memory-efficient kernel runs (never with attention dropout: eager's masks come from the math
+    kernel): the same outputs, gradients equal up to the order of the sums
     over each group, and ``2 * [..., H, S, E]`` more bytes held until the backward (the planner
     counts them in every case). Elsewhere it is SDPA with ``enable_gqa=True`` itself. ``expand``
     forces either path (None: decide as above). Raises ValueError if ``H`` is not a multiple of

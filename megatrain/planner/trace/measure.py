@@ -98,6 +98,13 @@ def _op_memory(gm: fx.GraphModule, n: fx.Node, nbytes, rg: set[fx.Node]) -> tupl
             # (as FlashAttention-2's backward does for GQA itself: dk_expanded, dv_expanded).
             k, v = node_val(n.args[1]), node_val(n.args[2])
             expanded = sum(x.numel() * x.element_size() * (q.shape[-3] // x.shape[-3]) for x in (k, v))
+            dropout_p = n.args[4] if len(n.args) > 4 else 0.0
+            if not isinstance(dropout_p, (int, float)) or dropout_p > 0:
+                # With attention dropout it runs SDPA's math kernel (eager's masks), which saves the
+                # softmax output, the dropout mask (bool) and the dropped scores, [..., H, L, S]
+                # each, until the backward, and creates their gradients there.
+                scores = rows * k.shape[-2]
+                expanded += scores * (2 * q.element_size() + 1)
         # The flash and memory-efficient kernels save the FP32 logsumexp of every query row. The
         # FlashAttention-2 backward (Dao 2023, arXiv:2307.08691, algorithm 2) accumulates dq in FP32
         # and keeps an FP32 row sum per query, both over the sequence rounded up to 128 and dq over
