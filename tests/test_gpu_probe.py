@@ -287,3 +287,21 @@ def test_gpu_step_model_is_the_documented_1b():
     h, kv, ffn, vocab = 2048, 8 * 64, 8192, 32000  # hidden, KV heads x head dim, FFN, vocabulary
     block = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
     assert sum(p.numel() for p in model.parameters()) == 16 * block + h + 2 * vocab * h == 1_104_218_112
+
+
+def test_resimulating_the_probed_step_on_its_own_spec_gives_its_own_prediction(dry):
+    """bench/resimulate_step.py rebuilds the probe's model and plan from probe.json alone: simulated on
+    the spec the probe predicted with, the step time and every kind's seconds are the probe's own
+    prediction, and the measured side is the timelines file's."""
+    spec = importlib.util.spec_from_file_location("resimulate_step", ROOT / "bench" / "resimulate_step.py")
+    resimulate_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resimulate_step)
+    out, doc = dry
+    step = doc["sections"]["step"]["result"]
+    timelines = json.loads((out / "timelines.json").read_text())
+    got = resimulate_step.resimulate(step, timelines["measured"], HardwareSpec.load(out / "spec.json"))
+    assert got["step"]["predicted_s"] == pytest.approx(step["predicted"]["step_time_s"], rel=1e-9)
+    assert got["step"]["measured_s"] == step["measured"]["step_time_s"]
+    for kind, row in step["predicted"]["by_kind"].items():
+        assert got["by_kind"][kind]["predicted_s"] == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
+        assert got["by_kind"][kind]["measured_s"] == pytest.approx(step["measured"]["by_kind"][kind]["total_s"])
