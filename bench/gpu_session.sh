@@ -31,8 +31,9 @@
 # next phase runs. GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
 # gets more than what is left of it, and the tests phase only what the others left.
 # GPU_SESSION_COMPARE_SIZES (default 1b), GPU_SESSION_COMPARE_WARMUP (2) and GPU_SESSION_COMPARE_STEPS
-# (5) set the compare phase's model size and steps (at 1B on an H100, 2026-11-27: DeepSpeed's 7
-# steps took 100 s of its 170 s box; at 3B take 1 warm-up and 3 steps).
+# (5) set the compare phase's model size and steps; GPU_SESSION_COMPARE_SYSTEMS (default "megatrain
+# deepspeed"; also fsdp2, torch) its systems, each in a box of its own. At 1B on an H100
+# (2026-11-27) DeepSpeed's 7 steps took 100 s of its 170 s box: at 3B take 1 warm-up and 3 steps.
 # GPU_SESSION_HANG=<phase> replaces that phase's command by one that never ends, to check on a CPU
 # that a hung phase is cut at its box and the later phases still run and pack.
 set -u
@@ -132,12 +133,13 @@ fi
 COMPARE_SIZES=${GPU_SESSION_COMPARE_SIZES:-1b}
 COMPARE_WARMUP=${GPU_SESSION_COMPARE_WARMUP:-2}
 COMPARE_STEPS=${GPU_SESSION_COMPARE_STEPS:-5}
+COMPARE_SYSTEMS=${GPU_SESSION_COMPARE_SYSTEMS:-megatrain deepspeed}
 if want compare; then
     wait_jit
     mkdir -p "$W/compare"
-    for system in megatrain deepspeed; do
+    for system in $COMPARE_SYSTEMS; do
         if [ $DRY = 1 ]; then
-            [ $system = deepspeed ] && continue  # DeepSpeed needs CUDA; the dry run checks the harness
+            [ $system != megatrain ] && continue  # the peers need CUDA; the dry run checks the harness
             box "compare_$system" 150 "$PY" bench/compare.py --dry-run --system $system --results-dir "$W/compare"
         else
             box "compare_$system" 170 "$PY" bench/compare.py --sizes "$COMPARE_SIZES" --system $system --seq-len 2048 \
