@@ -14,6 +14,8 @@
 #   probe     bench/gpu_probe.py: environment, copies, pinned allocation, host AdamW and CAST rates by
 #             thread count, launch cost, matmul rates, a measured HardwareSpec, one ~1B step beside
 #             simulate() (probe.json, spec.json, timelines.json, trace.json)
+#   block     bench/gpu_block.py: one decoder block at the probe's shape as megatrain's template, the
+#             same in CUDA graphs, and transformers' eager layer: GPU, synced and issuing time each
 #   hostopt   bench/host_optimizer.py: megatrain's host optimizer step against DeepSpeedCPUAdam and
 #             torch fused AdamW, same tiles and threads (after the cpu_adam compile has finished)
 #   compare   bench/compare.py at 1B: megatrain on the solver's plan, then DeepSpeed ZeRO-3 with
@@ -49,7 +51,7 @@ fi
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/gpu_session_work.XXXXXX)  # results, packed into $OUT/res.tgz after every phase
 BUDGET=${GPU_SESSION_BUDGET_S:-540}
-PHASES=${GPU_SESSION_PHASES:-setup,probe,hostopt,compare,tests}
+PHASES=${GPU_SESSION_PHASES:-setup,probe,block,hostopt,compare,tests}
 if [ $DRY = 1 ]; then
     PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 else
@@ -121,6 +123,11 @@ if want probe; then
         box probe 230 "$PY" bench/gpu_probe.py --out "$W/probe" --budget-s 210 --steps 3 \
             --sections environment,copies,pinned_alloc,host_rates,launch,matmul,spec,step
     fi
+fi
+
+# -- block: where a block's compute time goes (template, CUDA graph, eager) ---------------------------
+if want block; then
+    box block 90 "$PY" bench/gpu_block.py "${DRYFLAG[@]}" --out "$W/block.json"
 fi
 
 # -- hostopt: megatrain's host optimizer step against DeepSpeedCPUAdam and torch fused AdamW ---------
