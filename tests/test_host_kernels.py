@@ -232,18 +232,21 @@ def test_bench_host_optimizer_dry_run(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     ds = host_kernels.deepspeed_installed()
     assert r["megatrain_kernel"] == HostAdamW().kernel and r["rounds"] == 2
-    cases = {"megatrain", "megatrain_torch_kernel", "torch_fused_adamw", "megatrain_bf16_grads", "before_bf16_grads",
+    cases = {"megatrain", "megatrain_in_chunks", "megatrain_torch_kernel", "torch_fused_adamw", "megatrain_bf16_grads", "before_bf16_grads",
              "cast", "megatrain_step_and_cast", "megatrain_bf16_grads_step_and_cast", "megatrain_then_cast"}
     cases |= {"deepspeed_cpu_adam", "deepspeed_cpu_adam_then_cast"} if ds else set()
     assert set(r["rates"]) == set(r["rate_spread"]) == set(r["dram_bytes_per_param"]) == cases
     assert all(x > 0 for x in r["rates"].values())
-    # The fused copy saves the separate cast's read of the master: 4 bytes per parameter.
-    assert r["dram_bytes_per_param"]["megatrain_then_cast"] - r["dram_bytes_per_param"]["megatrain_step_and_cast"] == 4
+    # The fused copy saves the separate cast's read of the master and, summing each chunk in the
+    # cache, the whole-tile step's second read for the finite check: 4 + 4 bytes per parameter.
+    dram = r["dram_bytes_per_param"]
+    assert dram["megatrain_then_cast"] - dram["megatrain_step_and_cast"] == 8
+    assert dram["megatrain"] - dram["megatrain_in_chunks"] == 4
     ratios = r["ratios"]
     pairs = {"megatrain_over_torch_fused_adamw", "megatrain_bf16_grads_over_before_bf16_grads",
              "megatrain_bf16_grads_over_megatrain", "cast_over_megatrain",
-             "megatrain_step_and_cast_over_megatrain_then_cast"}
-    pairs |= {"megatrain_over_deepspeed_cpu_adam", "deepspeed_cpu_adam_over_torch_fused_adamw",
+             "megatrain_step_and_cast_over_megatrain_then_cast", "megatrain_in_chunks_over_megatrain"}
+    pairs |= {"megatrain_over_deepspeed_cpu_adam", "megatrain_in_chunks_over_deepspeed_cpu_adam", "deepspeed_cpu_adam_over_torch_fused_adamw",
               "megatrain_step_and_cast_over_deepspeed_cpu_adam_then_cast",
               "megatrain_bf16_grads_step_and_cast_over_deepspeed_cpu_adam_then_cast"} if ds else set()
     assert set(ratios) == set(r["ratio_spread"]) == set(r["cpu_ratios"]) == pairs
