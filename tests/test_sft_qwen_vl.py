@@ -229,3 +229,33 @@ def test_image_size_is_qwen2_vls_and_planned_with_the_run(tmp_path):
             batch_names(cfg.model_copy(update={"images_per_row": 1}), config)
     with pytest.raises(ConfigError, match=r"image_size"):
         load_train_config(None, {"model": str(tmp_path), "output_dir": str(tmp_path / "run"), "image_size": "448"})
+    with pytest.raises(ConfigError, match=r"image_size 8x2000: the processor refuses images of that size.*"
+                                          r"aspect ratio.*--image-size"):
+        image_grid_thw(cfg.model_copy(update={"image_size": "8x2000"}), source)
+
+
+def test_a_processor_of_another_patch_size_is_refused_before_training(tmp_path):
+    """A processor of 8-pixel patches gives a 32x32 image a 4x4 grid of 384-feature patches where
+    the tiny Qwen2-VL's patch embedding takes 96 features: refused, naming the shapes and what to
+    change, before the first step."""
+    from transformers import AutoModelForImageTextToText
+
+    from megatrain.errors import ConfigError
+    from megatrain.train.loop import _check_processor
+
+    write_processor(tmp_path / "p")
+    config = json.loads((tmp_path / "p" / "processor_config.json").read_text())
+    config["image_processor"]["patch_size"] = 8
+    (tmp_path / "p" / "processor_config.json").write_text(json.dumps(config))
+    processor = load_processor(tmp_path / "p", "qwen2_vl")
+    grid = image_grid(processor, (32, 32))
+    assert grid == (1, 4, 4)
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=1, image_size=(32, 32))
+    store = build_sft_store(resolve_sft_data(str(EXAMPLES / "data" / "vlm_sft" / "shapes.json")), chat,
+                            tmp_path / "store", seq_len=96, progress=False)
+    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_config())
+    with pytest.raises(ConfigError, match=r"Qwen2VLProcessorImagesOnly\) does not fit the model: .*pixel_values'\] "
+                                          r"has shape \(16, 384\).*\[16, 96\].*Use the model's own processor"):
+        _check_processor(model, ds, chat, [grid])

@@ -88,10 +88,18 @@ def parse_image_size(text: str) -> tuple[int, int]:
 def image_grid(processor, size: tuple[int, int]) -> tuple[int, int, int]:
     """The grid ``(t, h, w)`` of patches the processor gives an image of ``size`` ``(H, W)``
     pixels (its ``image_grid_thw``; ``h * patch_size`` by ``w * patch_size`` pixels after its
-    ``smart_resize``)."""
+    ``smart_resize``).
+
+    Raises:
+        ConfigError: the processor refuses that size (an aspect ratio of 200 or more).
+    """
     from PIL import Image
 
-    out = processor.image_processor(images=[Image.new("RGB", (size[1], size[0]))])
+    try:
+        out = processor.image_processor(images=[Image.new("RGB", (size[1], size[0]))])
+    except ValueError as e:
+        raise ConfigError(f"image_size {size[0]}x{size[1]}: the processor refuses images of that size ({e}); "
+                          "choose another --image-size") from None
     t, h, w = (int(x) for x in out["image_grid_thw"][0])
     return t, h, w
 
@@ -108,4 +116,3 @@ def run_image_size(processor, image_size: str | None) -> tuple[int, int]:
     _, h, w = image_grid(processor, (_DEFAULT_SIDE, _DEFAULT_SIDE))
     patch = int(processor.image_processor.patch_size)
     return h * patch, w * patch
-

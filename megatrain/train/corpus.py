@@ -129,7 +129,7 @@ def image_grid_thw(cfg: TrainConfig, source: ModelSource) -> tuple[tuple[int, in
     what the run is traced with (``megatrain.compile(image_grid_thw=...)``); None for other models.
 
     Raises:
-        ConfigError: the processor cannot be loaded (:func:`_processor`).
+        ConfigError: the processor cannot be loaded (:func:`_processor`), or refuses ``image_size``.
     """
     from megatrain.data.sft_qwen_vl import image_grid, run_image_size
     from megatrain.planner.trace.qwen_vl import PatchGridFamily
@@ -182,7 +182,6 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
                                loss=cfg.sft_loss)
     else:
         from megatrain.data.sft_images import ChatProcessor
-
         from megatrain.data.sft_qwen_vl import PROCESSORS, run_image_size
 
         size = run_image_size(processor, cfg.image_size) if source.config.model_type in PROCESSORS else None
