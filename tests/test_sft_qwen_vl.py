@@ -191,7 +191,10 @@ def test_megatrain_train_fine_tunes_the_bundled_qwen2_vl_on_images(tmp_path, cap
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
     ckpt = out / "checkpoint"
-    assert json.loads((ckpt / "processor_config.json").read_text())["processor_class"] == "Qwen2VLProcessor"
+    saved = json.loads((ckpt / "processor_config.json").read_text())
+    assert saved["processor_class"] == "Qwen2VLProcessor"
+    video = saved["video_processor"]  # for AutoProcessor with torchvision: the image processor's settings
+    assert (video["video_processor_type"], video["patch_size"], video["merge_size"]) == ("Qwen2VLVideoProcessor", 4, 2)
     model = AutoModelForImageTextToText.from_pretrained(ckpt)
     proc = load_processor(ckpt, "qwen2_vl")
     messages = [{"role": "user", "content": [
@@ -259,3 +262,20 @@ def test_a_processor_of_another_patch_size_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"Qwen2VLProcessorImagesOnly\) does not fit the model: .*pixel_values'\] "
                                           r"has shape \(16, 384\).*\[16, 96\].*Use the model's own processor"):
         _check_processor(model, ds, chat, [grid])
+
+
+def test_the_processor_keeps_its_directorys_video_processor_settings(tmp_path):
+    """A processor directory's video processor settings (nested in processor_config.json, or an
+    older video_preprocessor_config.json) are saved again as they were, not replaced by the image
+    processor's."""
+    write_processor(tmp_path / "p")
+    config = json.loads((tmp_path / "p" / "processor_config.json").read_text())
+    video = {**config["video_processor"], "max_frames": 8}
+    (tmp_path / "p" / "processor_config.json").write_text(json.dumps({**config, "video_processor": video}))
+    load_processor(tmp_path / "p", "qwen2_5_vl").save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "processor_config.json").read_text())
+    assert saved["video_processor"] == video and saved["processor_class"] == "Qwen2_5_VLProcessor"
+    del config["video_processor"]
+    (tmp_path / "p" / "processor_config.json").write_text(json.dumps(config))
+    (tmp_path / "p" / "video_preprocessor_config.json").write_text(json.dumps(video))
+    assert load_processor(tmp_path / "p", "qwen2_vl").video_config == video

@@ -6,8 +6,10 @@ What differs from LLaVA's data path (:mod:`megatrain.data.sft_images`, which rea
   processor beside the image processor, and loading one needs torchvision. megatrain reads
   images only (videos are not supported), so :func:`load_processor` loads the model's processor
   class without it (:func:`images_only`): the same tokenizer, image processor, chat template and
-  image-token expansion (``image_grid_thw.prod() // merge_size ** 2`` tokens an image), and a
-  ``processor_config.json`` that names the model's processor class when saved.
+  image-token expansion (``image_grid_thw.prod() // merge_size ** 2`` tokens an image); saved,
+  its ``processor_config.json`` names the model's processor class and holds a video processor's
+  settings (the directory's it was loaded from, else the image processor's), for
+  ``AutoProcessor`` where torchvision is installed.
 - **One grid a run.** megatrain traces the image grid as part of the shape
   (:mod:`megatrain.planner.trace.qwen_vl`), while the processor gives each image the grid of its
   own size (``smart_resize``: multiples of ``patch_size * merge_size`` within its min and max
@@ -24,6 +26,7 @@ What differs from LLaVA's data path (:mod:`megatrain.data.sft_images`, which rea
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +51,20 @@ def images_only(name: str) -> type:
     base = getattr(transformers, name)
 
     class ImagesOnly(base):
+        video_config: dict | None = None  # the video processor's settings where it was loaded from
+
         # ProcessorMixin takes its sub-processors from this signature: no video_processor.
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
         def to_dict(self) -> dict[str, Any]:
-            return {**super().to_dict(), "processor_class": name}
+            out = super().to_dict()
+            # AutoProcessor (with torchvision) loads the video processor too: the source's settings,
+            # else the image processor's (the same patches, merge and normalisation).
+            video = self.video_config or {**{k: v for k, v in out.get("image_processor", {}).items()
+                                             if k != "image_processor_type"},
+                                          "video_processor_type": "Qwen2VLVideoProcessor"}
+            return {**out, "processor_class": name, "video_processor": video}
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = f"{name}ImagesOnly"
     return ImagesOnly
@@ -67,7 +78,15 @@ def load_processor(directory: Path, model_type: str):
     Raises:
         OSError, ValueError: ``directory`` holds no such processor (transformers' errors).
     """
-    return images_only(PROCESSORS[model_type]).from_pretrained(directory)
+    processor = images_only(PROCESSORS[model_type]).from_pretrained(directory)
+    directory = Path(directory)
+    try:  # transformers 5 nests the sub-processors' settings in processor_config.json; older, a file each
+        processor.video_config = json.loads((directory / "processor_config.json").read_text()).get("video_processor")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if processor.video_config is None and (directory / "video_preprocessor_config.json").is_file():
+        processor.video_config = json.loads((directory / "video_preprocessor_config.json").read_text())
+    return processor
 
 
 def parse_image_size(text: str) -> tuple[int, int]:
