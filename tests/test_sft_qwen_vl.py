@@ -279,3 +279,14 @@ def test_the_processor_keeps_its_directorys_video_processor_settings(tmp_path):
     (tmp_path / "p" / "processor_config.json").write_text(json.dumps(config))
     (tmp_path / "p" / "video_preprocessor_config.json").write_text(json.dumps(video))
     assert load_processor(tmp_path / "p", "qwen2_vl").video_config == video
+
+
+def test_the_bundled_tiny_qwen2_vl_is_what_its_script_writes(tmp_path):
+    """examples/tiny-qwen2-vl holds the files tiny_qwen2_vl_sft.py writes (config, tokenizer,
+    processor and chat template), byte for byte."""
+    write_processor(tmp_path)
+    tiny_config().to_json_file(tmp_path / "config.json")
+    bundled = EXAMPLES / "tiny-qwen2-vl"
+    assert sorted(p.name for p in bundled.iterdir()) == sorted(p.name for p in tmp_path.iterdir())
+    for p in bundled.iterdir():
+        assert p.read_bytes() == (tmp_path / p.name).read_bytes(), p.name
