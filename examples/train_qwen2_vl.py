@@ -30,30 +30,35 @@ GRID = ((1, 4, 4), (1, 4, 8))
 INPUT_NAMES = ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids", "labels")
 
 
+def qwen_vl_config(kind: str = "qwen2_vl", vision_layers: int = 2, text_layers: int = 2, vocab_size: int = 96,
+                   tokens: tuple[int, int, int, int] = (IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END)):
+    """The config of :func:`tiny_qwen_vl`; ``tokens``: the image, video, vision start and vision
+    end token ids, in a vocabulary of ``vocab_size``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    text = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=text_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None,
+                eos_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                    "rope_theta": 10000.0})
+    ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"), tokens))
+    vision = dict(depth=vision_layers, num_heads=4, patch_size=PATCH, temporal_patch_size=2, spatial_merge_size=2,
+                  in_channels=3)
+    if kind == "qwen2_vl":
+        return Qwen2VLConfig(vision_config=dict(vision, embed_dim=32, hidden_size=32, mlp_ratio=2),
+                             text_config=text, **ids)
+    return Qwen2_5_VLConfig(vision_config=dict(vision, hidden_size=32, intermediate_size=48, out_hidden_size=32,
+                                               window_size=4 * PATCH, fullatt_block_indexes=[vision_layers - 1]),
+                            text_config=text, **ids)
+
+
 def tiny_qwen_vl(kind: str = "qwen2_vl", vision_layers: int = 2, text_layers: int = 2):
     """A Qwen2-VL (``kind="qwen2_vl"``) or Qwen2.5-VL (``"qwen2_5_vl"``: SwiGLU vision MLP, RMSNorm,
     windows of 2x2 merged tokens in every block but the last, which attends to the whole image) of
     ``vision_layers`` vision blocks 32 wide and ``text_layers`` decoder blocks 32 wide, 96 tokens
     of vocabulary: about 70 K parameters."""
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
+    from transformers import AutoModelForImageTextToText
 
-    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=text_layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None,
-                eos_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
-                                                    "rope_theta": 10000.0})
-    tokens = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-                  vision_end_token_id=VISION_END)
-    vision = dict(depth=vision_layers, num_heads=4, patch_size=PATCH, temporal_patch_size=2, spatial_merge_size=2,
-                  in_channels=3)
-    if kind == "qwen2_vl":
-        config = Qwen2VLConfig(vision_config=dict(vision, embed_dim=32, hidden_size=32, mlp_ratio=2),
-                               text_config=text, **tokens)
-        return Qwen2VLForConditionalGeneration(config)
-    config = Qwen2_5_VLConfig(vision_config=dict(vision, hidden_size=32, intermediate_size=48, out_hidden_size=32,
-                                                 window_size=4 * PATCH, fullatt_block_indexes=[vision_layers - 1]),
-                              text_config=text, **tokens)
-    return Qwen2_5_VLForConditionalGeneration(config)
+    return AutoModelForImageTextToText.from_config(qwen_vl_config(kind, vision_layers, text_layers))
 
 
 def image_batch(rows: int, seq_len: int, generator: torch.Generator, grid=GRID) -> dict[str, torch.Tensor]:

@@ -507,6 +507,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     with the same file plans, for --gpus-per-node x --nodes ranks (torchrun's)."""
     from megatrain.planner.front import Topology
     from megatrain.train import load_train_config
+    from megatrain.train.corpus import image_grid_thw
     from megatrain.train.loop import plan_request, planning_model
     from megatrain.train.model import resolve_model
 
@@ -528,9 +529,11 @@ def _run_request(args: argparse.Namespace, ranks: int):
     hw = _spec(args, cfg.hardware)
     source = resolve_model(cfg.model)
     request = plan_request(cfg, planning_model(cfg, source), hw,
-                           Topology(ranks, args.gpus_per_node, host_state=cfg.host_state if ranks > 1 else None))
+                           Topology(ranks, args.gpus_per_node, host_state=cfg.host_state if ranks > 1 else None),
+                           image_grid_thw(cfg, source))
     summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, device {cfg.device}"
                + (f", {cfg.images_per_row} images per row" if cfg.images_per_row != 1 else "")
+               + (f", images resized to {cfg.image_size}" if cfg.image_size else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
     where = "on the meta device" if cfg.device == "cuda" else "built on the CPU, as megatrain train --device cpu does"
     return request, cfg.model, hw, summary, f"tracing {cfg.model} ({where}) at seq_len {cfg.seq_len} ..."

@@ -265,13 +265,10 @@ def test_a_vision_language_config_needs_image_sft_data_and_a_processor(tmp_path)
         prepare_data(cfg, source, print)
     with pytest.raises(ConfigError, match=r"'llava' is a vision-language model: it trains on SFT data with images"):
         batch_names(cfg.model_copy(update={"task": "lm"}), source.config)
-    # Qwen2-VL's rows carry their image grid, which this data path does not choose: refused with
-    # the way it does train (megatrain.compile with image_grid_thw).
+    # Qwen2-VL's rows carry their image grid too (tests/test_sft_qwen_vl.py).
     from transformers import Qwen2VLConfig
-    for k in (1, 2):
-        with pytest.raises(ConfigError, match=r"'qwen2_vl': megatrain train fine-tunes LLaVA on images.*"
-                                              r"megatrain.compile\(model, image_grid_thw=...\)"):
-            batch_names(cfg.model_copy(update={"images_per_row": k}), Qwen2VLConfig())
+    assert batch_names(cfg, Qwen2VLConfig()) == ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
+                                                 "labels")
     # images_per_row: LLaVA's images a row; a text model takes none, and a count is at least 1.
     two = cfg.model_copy(update={"images_per_row": 2})
     assert batch_names(two, source.config) == ("input_ids", "attention_mask", "pixel_values", "labels")

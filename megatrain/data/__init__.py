@@ -33,7 +33,9 @@ tokenises them once into a token store, and :class:`SftDataset` packs them into 
 
 Records with images, for a vision-language model: :class:`ChatProcessor` (the model's
 ``AutoProcessor``) in place of the :class:`ChatTokenizer`, and unpacked rows that carry the
-processor's image inputs (``SftDataset(store, 256, packing=False, images=chat)``: ``pixel_values``).
+processor's image inputs (``SftDataset(store, 256, packing=False, images=chat)``: ``pixel_values``;
+Qwen2-VL's also ``image_grid_thw``, its processor and one image size a run in
+:mod:`megatrain.data.sft_qwen_vl`).
 
 :func:`pack_documents` packs whole documents into rows so that no loss target
 is predicted from another document's text: the rows per-document attention needs;

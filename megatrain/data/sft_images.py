@@ -79,13 +79,17 @@ class ChatProcessor(ChatTokenizer):
         eos_token, bos_token, loss: as :class:`~megatrain.data.sft.ChatTokenizer`.
         images_per_example: the number of images every example must have (``megatrain train``'s
             ``images_per_row``: each example is a row, traced with that many images); None: any.
+        image_size: ``(H, W)`` pixels every image is resized to (Pillow, the image processor's
+            ``resample``) before the processor reads it, so that all get one patch grid (Qwen2-VL:
+            :mod:`megatrain.data.sft_qwen_vl`); None: as the file is.
 
     Raises:
         ValueError: the processor has no image token, or its tokenizer does not know it.
     """
 
     def __init__(self, processor: Any, chat_template: str | None, *, eos_token: str, bos_token: str | None = None,
-                 loss: Literal["all", "last"] = "all", images_per_example: int | None = None) -> None:
+                 loss: Literal["all", "last"] = "all", images_per_example: int | None = None,
+                 image_size: tuple[int, int] | None = None) -> None:
         self.processor = processor
         self.image_token = getattr(processor, "image_token", None)
         tokenizer = processor.tokenizer
@@ -99,18 +103,21 @@ class ChatProcessor(ChatTokenizer):
                          loss=loss)
         self.image_keys: tuple[str, ...] = tuple(processor.image_processor.model_input_names)
         self.images_per_example = images_per_example
+        self.image_size = None if image_size is None else tuple(image_size)
 
     def describe(self) -> str:
+        size = "" if self.image_size is None else f", resized to {self.image_size[0]}x{self.image_size[1]}"
         return (f"{super().describe()}; images by {type(self.processor).__name__} (image token "
-                f"{self.image_token!r}, inputs {', '.join(self.image_keys)})")
+                f"{self.image_token!r}, inputs {', '.join(self.image_keys)}{size})")
 
     def key(self) -> list:
         """What the stored tokens depend on beyond the tokenizer and template: the image token and
-        the image processor's settings (they decide how many tokens an image expands to), and the
-        image count every example must have (a store built for another holds other examples)."""
+        the image processor's settings and the size images are resized to (they decide how many
+        tokens an image expands to), and the image count every example must have (a store built
+        for another holds other examples)."""
         return [self.image_token, self.processor.image_processor.to_json_string(),
                 {k: v for k, v in self.processor.to_dict().items() if isinstance(v, (int, str, float, bool))},
-                self.images_per_example]
+                self.images_per_example] + ([list(self.image_size)] if self.image_size is not None else [])
 
     def encode(self, example: Chat | Completion) -> Encoded:
         """Tokens and targets of the example with its images' tokens expanded (module docstring);
@@ -163,9 +170,23 @@ class ChatProcessor(ChatTokenizer):
         enc = self.encode(example)
         return (enc, False) if len(enc.ids) <= seq_len else (None, False)
 
+    def load(self, path: str):
+        """The image at ``path`` (:func:`load_image`), resized to ``image_size`` if set.
+
+        Raises:
+            RecordError: the file is missing or unreadable.
+        """
+        image = load_image(path)
+        if self.image_size is None or image.size == self.image_size[::-1]:
+            return image
+        from PIL import Image
+
+        resample = Image.Resampling(int(getattr(self.processor.image_processor, "resample", Image.Resampling.BICUBIC)))
+        return image.resize(self.image_size[::-1], resample=resample)
+
     def image_tokens(self, path: str) -> int:
         """How many image tokens the processor writes for the image at ``path``."""
-        out = self.processor(text=self.image_token, images=[load_image(path)])
+        out = self.processor(text=self.image_token, images=[self.load(path)])
         return int(np.count_nonzero(np.asarray(out["input_ids"][0]) == self.image_token_id))
 
     def image_inputs(self, paths: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -174,6 +195,6 @@ class ChatProcessor(ChatTokenizer):
         Raises:
             RecordError: an image file is missing or unreadable.
         """
-        out = self.processor(text=self.image_token * len(paths), images=[load_image(p) for p in paths],
+        out = self.processor(text=self.image_token * len(paths), images=[self.load(p) for p in paths],
                              return_tensors="pt")
         return {k: out[k] for k in self.image_keys if k in out}

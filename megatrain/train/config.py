@@ -51,7 +51,8 @@ class TrainConfig(pydantic.BaseModel):
                                                          "only on completion / assistant tokens, examples packed "
                                                          "into rows (sft_packing); a vision-language model (LLaVA) "
                                                          "fine-tunes on sharegpt/messages records with images, "
-                                                         "read by its processor (see data)")
+                                                         "read by its processor (see data); so do Qwen2-VL and "
+                                                         "Qwen2.5-VL (see image_size)")
     data: str | None = Field(None, description="lm: a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
                                                "one such file, or a directory saved with Hugging Face "
                                                "datasets' save_to_disk (default: this Python's standard "
@@ -84,12 +85,21 @@ class TrainConfig(pydantic.BaseModel):
     sft_packing: bool = Field(True, description="sft: pack several examples per row (best-fit decreasing; "
                                                 "position_ids restart at each example, so attention stays inside "
                                                 "it); false: one example per row, padded")
-    images_per_row: int = Field(1, ge=1, description="sft with a vision-language model (LLaVA): the images every "
-                                                     "example carries, each example one row; every record must "
-                                                     "have exactly this many (its images column), and the run is "
-                                                     "traced for this many fixed-size images a row "
-                                                     "(megatrain.compile(images_per_row=...)); 1 for a model without "
-                                                     "images")
+    images_per_row: int = Field(1, ge=1, description="sft with a vision-language model (LLaVA, Qwen2-VL, "
+                                                     "Qwen2.5-VL): the images every example carries, each example "
+                                                     "one row; every record must have exactly this many (its images "
+                                                     "column), and the run is traced for this many fixed-size images "
+                                                     "a row (megatrain.compile(images_per_row=...), or "
+                                                     "image_grid_thw=... for Qwen2-VL); 1 for a model without images")
+    image_size: str | None = Field(None, pattern=r"^[1-9][0-9]*x[1-9][0-9]*$",
+                                   description="sft with Qwen2-VL or Qwen2.5-VL: HxW pixels (height x width, e.g. "
+                                               "448x448) every image is resized to (Pillow, the processor's "
+                                               "resampling, aspect ratio not kept) before the processor reads it, "
+                                               "so that every image has one patch grid, which megatrain traces "
+                                               "(the processor then rounds HxW to multiples of patch_size x "
+                                               "merge_size within its min/max pixels, as for any image); default: "
+                                               "the size the processor gives a 448x448 image. LLaVA's processor "
+                                               "resizes every image itself: not for LLaVA")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
                                                 ".parquet files and saved datasets")
     max_bytes: int | None = Field(None, gt=0, description="train on only the corpus's first this many UTF-8 "

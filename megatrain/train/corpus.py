@@ -97,7 +97,8 @@ def _chat_template(cfg: TrainConfig, source: ModelSource) -> tuple[str | None, s
 
 
 def _processor(cfg: TrainConfig, source: ModelSource):
-    """The processor (``transformers.AutoProcessor``) of a vision-language run and where it came
+    """The processor (``transformers.AutoProcessor``; Qwen2-VL's without its video processor:
+    :func:`megatrain.data.sft_qwen_vl.load_processor`) of a vision-language run and where it came
     from: the directory of ``tokenizer``, else the model directory."""
     where = Path(cfg.tokenizer) if cfg.tokenizer is not None else source.directory
     hint = ("give --tokenizer DIR, a directory AutoProcessor.from_pretrained loads (the model's processor: "
@@ -108,14 +109,36 @@ def _processor(cfg: TrainConfig, source: ModelSource):
     directory = where if where.is_dir() else where.parent
     from transformers import AutoProcessor
 
-    try:
-        processor = AutoProcessor.from_pretrained(directory)
+    from megatrain.data.sft_qwen_vl import PROCESSORS, load_processor
+
+    model_type = source.config.model_type
+    try:  # Qwen2-VL's processor class without its video processor, which needs torchvision
+        processor = load_processor(directory, model_type) if model_type in PROCESSORS else \
+            AutoProcessor.from_pretrained(directory)
     except Exception as e:  # OSError, ValueError, KeyError from a directory that is not a processor's
         raise ConfigError(f"{directory}: AutoProcessor.from_pretrained cannot load a processor from it "
                           f"({type(e).__name__}: {e}); {hint}") from None
     if getattr(processor, "image_processor", None) is None:
         raise ConfigError(f"{directory} holds a {type(processor).__name__}, no image processor; {hint}")
     return processor, f"{type(processor).__name__} from {directory}"
+
+
+def image_grid_thw(cfg: TrainConfig, source: ModelSource) -> tuple[tuple[int, int, int], ...] | None:
+    """Qwen2-VL and Qwen2.5-VL: the patch grids ``(t, h, w)`` of a row's ``images_per_row``
+    images, every image resized to the run's size (``image_size``; :mod:`megatrain.data.sft_qwen_vl`),
+    what the run is traced with (``megatrain.compile(image_grid_thw=...)``); None for other models.
+
+    Raises:
+        ConfigError: the processor cannot be loaded (:func:`_processor`), or refuses ``image_size``.
+    """
+    from megatrain.data.sft_qwen_vl import image_grid, run_image_size
+    from megatrain.planner.trace.qwen_vl import PatchGridFamily
+    from megatrain.planner.trace.vlm import family
+
+    if not isinstance(family(source.config), PatchGridFamily):
+        return None
+    processor, _ = _processor(cfg, source)
+    return (image_grid(processor, run_image_size(processor, cfg.image_size)),) * cfg.images_per_row
 
 
 def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
@@ -159,9 +182,11 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
                                loss=cfg.sft_loss)
     else:
         from megatrain.data.sft_images import ChatProcessor
+        from megatrain.data.sft_qwen_vl import PROCESSORS, run_image_size
 
+        size = run_image_size(processor, cfg.image_size) if source.config.model_type in PROCESSORS else None
         chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
-                             loss=cfg.sft_loss, images_per_example=cfg.images_per_row)
+                             loss=cfg.sft_loss, images_per_example=cfg.images_per_row, image_size=size)
         template_origin = template_origin or ("the processor's" if processor.chat_template else None)
     packing = cfg.sft_packing and processor is None
     store = D.cached_sft_store(sources, chat, path, seq_len=cfg.seq_len, truncation=cfg.sft_truncation)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from megatrain.errors import CheckpointError, ConfigError, MegatrainError
 from megatrain.train.config import TrainConfig
-from megatrain.train.corpus import (match_special_tokens, prepare_data, store_dir, tokenizer_sample_bytes,
-                                    trains_tokenizer)
+from megatrain.train.corpus import (image_grid_thw, match_special_tokens, prepare_data, store_dir,
+                                    tokenizer_sample_bytes, trains_tokenizer)
 from megatrain.train.lr import lr_at
 from megatrain.ir.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
@@ -126,47 +126,50 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
     windows and packed SFT rows carry position_ids that restart per document (per-document
     attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only. A
     vision-language model's SFT rows are padded, one example and its ``images_per_row`` images
-    each, and carry the image input (``pixel_values``; :class:`megatrain.data.SftDataset` with
-    images).
+    each, and carry the image inputs (``pixel_values``, and Qwen2-VL's ``image_grid_thw``;
+    :class:`megatrain.data.SftDataset` with images).
 
     Raises:
-        ConfigError: a vision-language model with ``task: lm`` (its data is SFT data with images),
-            or one whose batches carry their image grid (Qwen2-VL, Qwen2.5-VL: they train through
-            ``megatrain.compile``, not yet here, with any ``images_per_row``); ``images_per_row``
-            other than 1 for a model without images.
+        ConfigError: a vision-language model with ``task: lm`` (its data is SFT data with images);
+            ``images_per_row`` other than 1 for a model without images; ``image_size`` for a model
+            other than Qwen2-VL and Qwen2.5-VL.
     """
-    from megatrain.planner.trace.vlm import IMAGE_INPUT, VisionLanguageFamily, family
+    from megatrain.planner.trace.qwen_vl import GRID_INPUT, PatchGridFamily
+    from megatrain.planner.trace.vlm import IMAGE_INPUT, family
 
     if (fam := family(config)) is None and cfg.images_per_row != 1:
         raise ConfigError(f"images_per_row={cfg.images_per_row}: model_type {config.model_type!r} takes no images; "
-                          "images_per_row is the image count of each row of a vision-language model (LLaVA): "
-                          "leave it at 1 (--images-per-row 1)")
+                          "images_per_row is the image count of each row of a vision-language model (LLaVA, "
+                          "Qwen2-VL): leave it at 1 (--images-per-row 1)")
+    grid = isinstance(fam, PatchGridFamily)
+    if cfg.image_size is not None and not grid:
+        raise ConfigError(f"image_size={cfg.image_size}: model_type {config.model_type!r} takes no image size; it is "
+                          "the size every image of a Qwen2-VL or Qwen2.5-VL run is resized to (one patch grid), "
+                          + ("and LLaVA's processor resizes every image to its own size" if fam is not None else
+                             "and this model reads text only") + ": drop --image-size")
     if fam is not None:
         if cfg.task != "sft":
             raise ConfigError(f"model_type {config.model_type!r} is a vision-language model: it trains on SFT data "
                               "with images (task: sft, --data with an images column); task lm reads text only")
-        if not isinstance(fam, VisionLanguageFamily):
-            raise ConfigError(f"model_type {config.model_type!r}: megatrain train fine-tunes LLaVA on images; "
-                              f"{config.model_type} batches carry each row's image grid (image_grid_thw), fixed per "
-                              "traced shape, which its data path does not choose yet. Train it from Python with "
-                              "megatrain.compile(model, image_grid_thw=...) (README, Vision-language models)")
-        return ("input_ids", "attention_mask", IMAGE_INPUT, "labels")
+        return ("input_ids", "attention_mask", IMAGE_INPUT, *((GRID_INPUT,) if grid else ()), "labels")
     packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
     return ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
         ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
 
 
-def plan_request(cfg: TrainConfig, model, hw, topology):
+def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None):
     """The :class:`megatrain.planner.front.PlanRequest` of a run's settings: what ``megatrain
     train`` plans and ``megatrain plan --config`` reports, for ``topology`` (a
     ``megatrain.planner.front.Topology``). On the CPU backend the plan is the default one and
-    ``hw`` gives the prediction; on CUDA the solver's for ``hw``."""
+    ``hw`` gives the prediction; on CUDA the solver's for ``hw``. ``image_grid_thw``: Qwen2-VL's
+    grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`)."""
     from megatrain.planner.front import PlanRequest, Storage
 
     names = batch_names(cfg, model.config)
     return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
-                       input_names=names, images_per_row=cfg.images_per_row, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
+                       input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
+                       image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
                        topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory))
 
 
@@ -223,7 +226,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
 
         hw = measure_hardware()
     topology = process_topology(host_state=cfg.host_state, fits=fits) if world > 1 else process_topology()
-    planned = front.plan(plan_request(cfg, model, hw, topology))
+    planned = front.plan(plan_request(cfg, model, hw, topology, image_grid_thw(cfg, source)))
     for line in planned.decisions:
         echo(line)
     needed = preflight(planned)
@@ -372,11 +375,19 @@ class _Ranks:
         return cls(dist.get_rank(), dist.get_world_size(), local_rank, owns)
 
     def rows(self, batch: dict) -> dict:
-        """This rank's rows of a global batch: the ``rank``-th of ``world`` equal slices."""
+        """This rank's rows of a global batch: the ``rank``-th of ``world`` equal slices of
+        ``input_ids``' rows, and of every input the same share: an input of ``m`` entries a row
+        (LLaVA's ``images_per_row`` images; Qwen2-VL's patches and grids, each row's a contiguous
+        block of ``pixel_values`` and ``image_grid_thw``) is cut at ``m`` times the row."""
         if self.world == 1:
             return batch
-        n = next(iter(batch.values())).shape[0] // self.world
-        return {k: t[self.rank * n:(self.rank + 1) * n] for k, t in batch.items()}
+        total = batch["input_ids"].shape[0]
+        n = total // self.world
+        out = {}
+        for k, t in batch.items():
+            m = t.shape[0] // total  # every row holds as many: the run traces one layout a row
+            out[k] = t[self.rank * n * m:(self.rank + 1) * n * m]
+        return out
 
     def in_turn(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on rank 0 first, then on the other nodes' first ranks, then on the rest, so the
@@ -450,15 +461,18 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
                        checkpoint=out / CHECKPOINT_DIR, output_dir=out)
 
 
-def _check_processor(model, dataset, images) -> None:
+def _check_processor(model, dataset, images, grid=None) -> None:
     """Refuse, before training, a processor that writes another number of image tokens per image
-    than the model's projector writes features (a processor of another model or resolution),
-    which the first step would refuse (``check_image_tokens``)."""
+    than the model's projector writes features (a processor of another model or resolution), or
+    (Qwen2-VL) another patch grid, patch or image-token count than ``grid``, the traced one: what
+    the first step would refuse (``check_image_tokens``, ``prepare_images``)."""
     from megatrain.errors import BatchError
-    from megatrain.planner.trace.vlm import check_image_tokens
+    from megatrain.planner.trace.vlm import check_image_tokens, prepare_images
 
+    row = dataset.rows([0])
     try:
-        check_image_tokens(model, dataset.rows([0]))
+        check_image_tokens(model, row)
+        prepare_images(model, row, dataset.input_names, grid)  # Qwen2-VL: its grid, patches and image tokens
     except BatchError as e:
         raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the first "
                           f"training row: {e}. Use the model's own processor (its patch_size, image size and "
@@ -491,7 +505,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
     images = getattr(dataset, "images", None)  # a vision-language run's ChatProcessor
     if images is not None:
-        _check_processor(planned.model, dataset, images)
+        _check_processor(planned.model, dataset, images, planned.graph.meta.get("image_grid_thw"))
     fingerprint = dataset.fingerprint()
     cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
     trainer, start, skipped, state = _materialize_and_load(cfg, planned, source, fingerprint, echo)
@@ -695,7 +709,9 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
         if last_saved is not None:
             echo(f"model directory: {ckpt_path} (Hugging Face layout with its tokenizer: "
                  + ("AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)" if images is None
-                    else "AutoModelForImageTextToText.from_pretrained and AutoProcessor.from_pretrained load it)"))
+                    else "AutoModelForImageTextToText.from_pretrained and AutoProcessor.from_pretrained load it"
+                    + ("; Qwen2-VL's AutoProcessor needs torchvision, megatrain.data.sft_qwen_vl.load_processor "
+                       "does without)" if images.image_size is not None else ")")))
         plot = out / PLOT_FILE
         echo(f"metrics: {metrics_path}" + (f"; loss curve: {plot}" if plot.is_file() else ""))
         if sample is not None:

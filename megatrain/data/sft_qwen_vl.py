@@ -1,0 +1,137 @@
+"""Qwen2-VL and Qwen2.5-VL images in SFT data: their processor, and one image size for a run.
+
+What differs from LLaVA's data path (:mod:`megatrain.data.sft_images`, which reads both):
+
+- **The processor.** transformers' ``Qwen2VLProcessor`` and ``Qwen2_5_VLProcessor`` hold a video
+  processor beside the image processor, and loading one needs torchvision. megatrain reads
+  images only (videos are not supported), so :func:`load_processor` loads the model's processor
+  class without it (:func:`images_only`): the same tokenizer, image processor, chat template and
+  image-token expansion (``image_grid_thw.prod() // merge_size ** 2`` tokens an image); saved,
+  its ``processor_config.json`` names the model's processor class and holds a video processor's
+  settings (the directory's it was loaded from, else the image processor's), for
+  ``AutoProcessor`` where torchvision is installed.
+- **One grid a run.** megatrain traces the image grid as part of the shape
+  (:mod:`megatrain.planner.trace.qwen_vl`), while the processor gives each image the grid of its
+  own size (``smart_resize``: multiples of ``patch_size * merge_size`` within its min and max
+  pixels). So every image of a run is resized first to one size, ``H x W`` pixels
+  (:class:`~megatrain.data.sft_images.ChatProcessor`'s ``image_size``), which the processor then
+  turns into one grid, :func:`image_grid`, known when the run is planned. The default size
+  (:func:`run_image_size`) is the processor's own size for a 448 x 448 image (Qwen2-VL's 256
+  image tokens; smaller where its ``max_pixels`` is).
+- **The batch layout** is the processor's: ``pixel_values`` ``[patches, C*T*P*P]`` with each row's
+  images' patches one contiguous block (``t * h * w`` patches an image), ``image_grid_thw``
+  ``[images, 3]``; the rows' concatenated in order, which the trainer and the data-parallel split
+  cut by rows as every row holds the same number of patches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatrain.errors import ConfigError
+
+__all__ = ["PROCESSORS", "image_grid", "images_only", "load_processor", "parse_image_size", "run_image_size"]
+
+PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+"""The processor class of each family, by ``model_type`` (transformers' names)."""
+
+_DEFAULT_SIDE = 448
+"""The side of the square image whose processed size is a run's default (as
+:data:`megatrain.planner.trace.qwen_vl.DEFAULT_IMAGE_PIXELS`, which ``megatrain plan`` plans)."""
+
+
+def images_only(name: str) -> type:
+    """transformers' processor class ``name`` (``"Qwen2VLProcessor"``) without its video
+    processor: constructed from ``(image_processor, tokenizer, chat_template)``, loaded by
+    ``from_pretrained`` from the same directory, saved with ``processor_class`` ``name``."""
+    import transformers
+
+    base = getattr(transformers, name)
+
+    class ImagesOnly(base):
+        video_config: dict | None = None  # the video processor's settings where it was loaded from
+
+        # ProcessorMixin takes its sub-processors from this signature: no video_processor.
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+        def to_dict(self) -> dict[str, Any]:
+            out = super().to_dict()
+            # AutoProcessor (with torchvision) loads the video processor too: the source's settings,
+            # else the image processor's (the same patches, merge and normalisation).
+            video = self.video_config or {**{k: v for k, v in out.get("image_processor", {}).items()
+                                             if k != "image_processor_type"},
+                                          "video_processor_type": "Qwen2VLVideoProcessor"}
+            return {**out, "processor_class": name, "video_processor": video}
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = f"{name}ImagesOnly"
+    return ImagesOnly
+
+
+def load_processor(directory: Path, model_type: str):
+    """The processor of a ``model_type`` of :data:`PROCESSORS` saved in ``directory`` (its
+    tokenizer, image processor and chat template), without its video processor
+    (:func:`images_only`).
+
+    Raises:
+        OSError, ValueError: ``directory`` holds no such processor (transformers' errors).
+    """
+    processor = images_only(PROCESSORS[model_type]).from_pretrained(directory)
+    directory = Path(directory)
+    try:  # transformers 5 nests the sub-processors' settings in processor_config.json; older, a file each
+        processor.video_config = json.loads((directory / "processor_config.json").read_text()).get("video_processor")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if processor.video_config is None and (directory / "video_preprocessor_config.json").is_file():
+        processor.video_config = json.loads((directory / "video_preprocessor_config.json").read_text())
+    return processor
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """``"HxW"`` (pixels, height first) as ``(H, W)``.
+
+    Raises:
+        ConfigError: not two positive integers joined by ``x``.
+    """
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        h = w = 0
+    if h < 1 or w < 1:
+        raise ConfigError(f"image_size {text!r}: give the height and width in pixels as HxW, e.g. 448x448")
+    return h, w
+
+
+def image_grid(processor, size: tuple[int, int]) -> tuple[int, int, int]:
+    """The grid ``(t, h, w)`` of patches the processor gives an image of ``size`` ``(H, W)``
+    pixels (its ``image_grid_thw``; ``h * patch_size`` by ``w * patch_size`` pixels after its
+    ``smart_resize``).
+
+    Raises:
+        ConfigError: the processor refuses that size (an aspect ratio of 200 or more).
+    """
+    from PIL import Image
+
+    try:
+        out = processor.image_processor(images=[Image.new("RGB", (size[1], size[0]))])
+    except ValueError as e:
+        raise ConfigError(f"image_size {size[0]}x{size[1]}: the processor refuses images of that size ({e}); "
+                          "choose another --image-size") from None
+    t, h, w = (int(x) for x in out["image_grid_thw"][0])
+    return t, h, w
+
+
+def run_image_size(processor, image_size: str | None) -> tuple[int, int]:
+    """The size ``(H, W)`` every image of a run is resized to: ``image_size`` (``"HxW"``), else the
+    size the processor gives a 448 x 448 image (:func:`image_grid` times its ``patch_size``).
+
+    Raises:
+        ConfigError: ``image_size`` is not ``HxW``.
+    """
+    if image_size is not None:
+        return parse_image_size(image_size)
+    _, h, w = image_grid(processor, (_DEFAULT_SIDE, _DEFAULT_SIDE))
+    patch = int(processor.image_processor.patch_size)
+    return h * patch, w * patch
