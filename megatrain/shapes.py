@@ -155,7 +155,7 @@ class ShapeFreeTrainer:
         mbs = self.micro_batch_size or rows // self.micro_batches
         # The images of a row are part of the shape: the compile options that trace them.
         layout = {}
-        grid, images = row_grids(batch), row_images(batch)
+        grid, images = row_grids(batch), row_images(batch, self.model)
         if grid is not None:
             layout["image_grid_thw"] = grid
         if images != 1:

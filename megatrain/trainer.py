@@ -32,7 +32,7 @@ from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
-from megatrain.planner.trace.vlm import check_image_tokens, prepare_images
+from megatrain.planner.trace.vlm import IMAGE_INPUT, place_images, prepare_images
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, make_backend
 from megatrain.runtime.distributed import collective
@@ -593,6 +593,10 @@ class Trainer:
         o = self.options
         # Qwen2-VL: its grids checked, its patches per row and its M-RoPE positions made here.
         d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"))
+        if IMAGE_INPUT in d and IMAGE_INPUT in o.input_names:
+            # LLaVA: 0 to images_per_row images a row, each micro-batch's real images first, zeros after.
+            d = place_images(self.model, d, self.graph.value_by_name(IMAGE_INPUT).shape[0] // o.micro_batch_size,
+                             o.micro_batch_size)
         # Each input's micro-batch is its traced length along dim 0: micro_batch_size rows, or
         # LLaVA's micro_batch_size x images_per_row images.
         per: dict[str, int] = {}
@@ -620,7 +624,6 @@ class Trainer:
                                  "pad or crop the batch, or compile again with its shape")
         for name, limit in self._token_limits.items():
             _check_ids(name, d[name], limit)
-        check_image_tokens(self.model, d)
         return [{n: t[i * per[n]:(i + 1) * per[n]] for n, t in d.items()} for i in range(k)]
 
 

@@ -29,6 +29,9 @@ import torch
 from megatrain.data.sft import ChatTokenizer, Encoded
 from megatrain.data.sft_formats import Chat, Completion, RecordError
 
+#: The image input a fixed-size image processor (LLaVA's) writes, ``[images, C, H, W]``.
+IMAGES = "pixel_values"
+
 __all__ = ["DEFAULT_IMAGE_CHAT_TEMPLATE", "ChatProcessor", "load_image"]
 
 #: The chat template of a processor without one: megatrain's text template
@@ -77,8 +80,10 @@ class ChatProcessor(ChatTokenizer):
             ``image_token`` (``AutoProcessor.from_pretrained(model_dir)``).
         chat_template: Jinja source; None: the processor's, else :data:`DEFAULT_IMAGE_CHAT_TEMPLATE`.
         eos_token, bos_token, loss: as :class:`~megatrain.data.sft.ChatTokenizer`.
-        images_per_example: the number of images every example must have (``megatrain train``'s
-            ``images_per_row``: each example is a row, traced with that many images); None: any.
+        images_per_example: the most images an example may have (``megatrain train``'s
+            ``images_per_row``: each example is a row, traced with that many image slots; a row's
+            :meth:`image_inputs` of fixed-size images fill the slots it does not use with zeros);
+            None: any number, not padded.
 
     Raises:
         ValueError: the processor has no image token, or its tokenizer does not know it.
@@ -99,6 +104,7 @@ class ChatProcessor(ChatTokenizer):
                          loss=loss)
         self.image_keys: tuple[str, ...] = tuple(processor.image_processor.model_input_names)
         self.images_per_example = images_per_example
+        self._blank_image: torch.Tensor | None = None
 
     def describe(self) -> str:
         return (f"{super().describe()}; images by {type(self.processor).__name__} (image token "
@@ -107,26 +113,26 @@ class ChatProcessor(ChatTokenizer):
     def key(self) -> list:
         """What the stored tokens depend on beyond the tokenizer and template: the image token and
         the image processor's settings (they decide how many tokens an image expands to), and the
-        image count every example must have (a store built for another holds other examples)."""
+        most images an example may have (a store built for another holds other examples)."""
         return [self.image_token, self.processor.image_processor.to_json_string(),
                 {k: v for k, v in self.processor.to_dict().items() if isinstance(v, (int, str, float, bool))},
-                self.images_per_example]
+                {"max_images": self.images_per_example}]
 
     def encode(self, example: Chat | Completion) -> Encoded:
         """Tokens and targets of the example with its images' tokens expanded (module docstring);
         ``Encoded.images`` are its image files.
 
         Raises:
-            RecordError: as :meth:`ChatTokenizer.encode`; the example has not ``images_per_example``
-                images; the template wrote a different number of image tokens than the example has
+            RecordError: as :meth:`ChatTokenizer.encode`; the example has more than
+                ``images_per_example`` images; the template wrote a different number of image tokens than the example has
                 images; an image file is missing or unreadable.
         """
         images = example.images if isinstance(example, Chat) else ()
-        if self.images_per_example is not None and len(images) != self.images_per_example:
-            raise RecordError(f"the example has {len(images)} image(s), and the run takes {self.images_per_example} "
-                              "per row (megatrain train traces the same number of fixed-size images for every row: "
-                              "--images-per-row); give every record of the data exactly that many images (the "
-                              "images column), or set --images-per-row to the count the records have")
+        if self.images_per_example is not None and len(images) > self.images_per_example:
+            raise RecordError(f"the example has {len(images)} images, and the run takes at most {self.images_per_example} "
+                              "per row (megatrain train traces a fixed number of image slots for every row: "
+                              f"--images-per-row); set --images-per-row {len(images)} (or the most any record "
+                              "has), or give this record fewer images (the images column)")
         enc = super().encode(example)
         if not images:
             return enc
@@ -170,10 +176,31 @@ class ChatProcessor(ChatTokenizer):
 
     def image_inputs(self, paths: Sequence[str]) -> dict[str, torch.Tensor]:
         """The processor's image inputs for the images at ``paths`` (module docstring), by name.
+        With ``images_per_example`` K and fixed-size images (LLaVA's ``pixel_values``
+        ``[images, C, H, W]``), ``K`` slots: the images, then zeros (megatrain's slot layout,
+        :func:`megatrain.planner.trace.vlm.place_images`; a row without images gets K zero slots).
 
         Raises:
             RecordError: an image file is missing or unreadable.
         """
-        out = self.processor(text=self.image_token * len(paths), images=[load_image(p) for p in paths],
-                             return_tensors="pt")
-        return {k: out[k] for k in self.image_keys if k in out}
+        out = {}
+        if paths:
+            out = self.processor(text=self.image_token * len(paths), images=[load_image(p) for p in paths],
+                                 return_tensors="pt")
+            out = {k: out[k] for k in self.image_keys if k in out}
+        k = self.images_per_example
+        if k is None or (IMAGES in out and out[IMAGES].dim() != 4):
+            return out
+        blank = out[IMAGES][:1] if IMAGES in out else self._blank()
+        pad = blank.new_zeros((k - len(paths), *blank.shape[1:]))
+        return {**out, IMAGES: torch.cat([out[IMAGES], pad]) if IMAGES in out else pad}
+
+    def _blank(self) -> torch.Tensor:
+        """One image's ``pixel_values`` (``[1, C, H, W]``) as the image processor writes it: the
+        shape and dtype of the zero slots of a row without images."""
+        from PIL import Image
+
+        if self._blank_image is None:
+            out = self.processor.image_processor(images=[Image.new("RGB", (8, 8))], return_tensors="pt")
+            self._blank_image = torch.as_tensor(out[IMAGES][:1])
+        return self._blank_image

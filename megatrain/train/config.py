@@ -63,7 +63,7 @@ class TrainConfig(pydantic.BaseModel):
                                                "vision-language model): an images column of image files "
                                                "(relative to the data file's directory, or DIR), one <image> in "
                                                "sharegpt text or one {type: image} content part in messages per "
-                                               "file, images_per_row images per example, read with Pillow by "
+                                               "file, up to images_per_row images per example, read with Pillow by "
                                                "the processor (AutoProcessor) of the model directory or of "
                                                "tokenizer; such examples are not packed")
     sft_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion"] = Field(
@@ -84,12 +84,14 @@ class TrainConfig(pydantic.BaseModel):
     sft_packing: bool = Field(True, description="sft: pack several examples per row (best-fit decreasing; "
                                                 "position_ids restart at each example, so attention stays inside "
                                                 "it); false: one example per row, padded")
-    images_per_row: int = Field(1, ge=1, description="sft with a vision-language model (LLaVA): the images every "
-                                                     "example carries, each example one row; every record must "
-                                                     "have exactly this many (its images column), and the run is "
-                                                     "traced for this many fixed-size images a row "
-                                                     "(megatrain.compile(images_per_row=...)); 1 for a model without "
-                                                     "images")
+    images_per_row: int = Field(1, ge=1, description="sft with a vision-language model (LLaVA): the most images "
+                                                     "an example may carry, each example one row (0 to this many: "
+                                                     "text-only records too; a record with more is an error), the "
+                                                     "run traced for this many fixed-size image slots a row, unused "
+                                                     "ones zeros that reach no loss or gradient "
+                                                     "(megatrain.compile(images_per_row=...)); default 1, not read "
+                                                     "from the data: set it to the most images a record has; 1 for "
+                                                     "a model without images")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
                                                 ".parquet files and saved datasets")
     max_bytes: int | None = Field(None, gt=0, description="train on only the corpus's first this many UTF-8 "

@@ -142,7 +142,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
                     return texts
         return texts
 
-    # A vision-language model's examples carry images_per_row images a row, read by its processor, unpacked.
+    # A vision-language model's examples carry up to images_per_row images a row, read by its processor, unpacked.
     if family(source.config) is not None:
         processor, origin = _processor(cfg, source)
         tokenizer = processor.tokenizer.backend_tokenizer
@@ -175,7 +175,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     sets = ", ".join(f"{d.name} ({d.format}, {d.examples:,}" + (f"; {c:,} a training epoch" if mixed else "") + ")"
                      for d, c in zip(m.datasets, dataset.counts))
     rows = "packed rows" if packing else "rows"
-    per_row = "its image" if cfg.images_per_row == 1 else f"its {cfg.images_per_row} images"
+    per_row = "up to one image" if cfg.images_per_row == 1 else f"up to {cfg.images_per_row} images"
     images = "" if processor is None else (f"; {m.num_images:,} images, one example and {per_row} a row"
                                            + (" (image examples are not packed)" if cfg.sft_packing else ""))
     fill = dataset.num_train_tokens / max(1, dataset.num_train_rows * cfg.seq_len)

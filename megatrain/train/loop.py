@@ -125,8 +125,8 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
     """The inputs of a run's batches, in ``megatrain.compile(input_names=...)`` order. Packed LM
     windows and packed SFT rows carry position_ids that restart per document (per-document
     attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only. A
-    vision-language model's SFT rows are padded, one example and its ``images_per_row`` images
-    each, and carry the image input (``pixel_values``; :class:`megatrain.data.SftDataset` with
+    vision-language model's SFT rows are padded, one example and up to ``images_per_row`` images
+    each (``images_per_row`` slots), and carry the image input (``pixel_values``; :class:`megatrain.data.SftDataset` with
     images).
 
     Raises:
@@ -372,11 +372,12 @@ class _Ranks:
         return cls(dist.get_rank(), dist.get_world_size(), local_rank, owns)
 
     def rows(self, batch: dict) -> dict:
-        """This rank's rows of a global batch: the ``rank``-th of ``world`` equal slices."""
+        """This rank's rows of a global batch: the ``rank``-th of ``world`` equal slices of each
+        input (a LLaVA row's ``images_per_row`` image slots go with it: ``pixel_values`` holds
+        ``images_per_row`` entries a row)."""
         if self.world == 1:
             return batch
-        n = next(iter(batch.values())).shape[0] // self.world
-        return {k: t[self.rank * n:(self.rank + 1) * n] for k, t in batch.items()}
+        return {k: t[self.rank * (n := t.shape[0] // self.world):(self.rank + 1) * n] for k, t in batch.items()}
 
     def in_turn(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on rank 0 first, then on the other nodes' first ranks, then on the rest, so the
