@@ -396,3 +396,50 @@ def test_place_images_puts_each_micro_batch_s_real_images_first_from_either_layo
     cut["input_ids"][3, 4] = IMAGE_TOKEN
     with pytest.raises(BatchError, match=rf"row 3 holds 1 image tokens .* not a multiple of the {PATCHES} features"):
         place_images(model, cut, 2, 2)
+
+
+def _dp_rank(rank: int, world: int, init_file: str, out: str) -> None:
+    """One of ``world`` gloo ranks: its rows of a slot-layout global batch, cut as ``megatrain
+    train`` cuts them (``_Ranks.rows``), 2 steps, its weights saved."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatrain.train.loop import _Ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    torch.manual_seed(5)
+    try:
+        model = tiny_llava(vision_layers=2, text_layers=1)
+        trainer = megatrain.compile(model, seq_len=40, micro_batch_size=2, optimizer=ADAMW, input_names=NAMES,
+                                    images_per_row=2)
+        batch = _Ranks(rank, world).rows(in_slots(counted_batch(DP_COUNTS, 40, seed=6), DP_COUNTS, 2, float("nan")))
+        losses = [trainer.step(batch).loss for _ in range(2)]
+        trainer.save(f"{out}.ckpt")  # flushes the last update
+        torch.save({"losses": losses, "state": {n: p.detach().clone() for n, p in model.named_parameters()}},
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+DP_COUNTS = [0, 0, 2, 1]  # rank 0's rows carry no image
+
+
+def test_data_parallel_ranks_take_their_rows_with_their_image_slots_and_train_as_eager(tmp_path):
+    """Two ranks split a slot-layout batch (rows of 0, 0, 2, 1 images, K=2, NaN in unused slots) by
+    rows, each row's slots with it; together they equal eager AdamW on the whole batch's real images."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dp_rank, args=(2, str(tmp_path / "init"), str(tmp_path / "rank")), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank.{r}") for r in range(2)]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    for n, t in ranks[0]["state"].items():
+        assert torch.equal(t, ranks[1]["state"][n]), n
+    torch.manual_seed(5)
+    start = tiny_llava(vision_layers=2, text_layers=1)
+    model = copy.deepcopy(start)
+    model.load_state_dict(ranks[0]["state"], strict=False)
+    assert_trains_as_eager(model, start, ranks[0]["losses"], counted_batch(DP_COUNTS, 40, seed=6), DP_COUNTS,
+                           [range(0, 2), range(2, 4)])
