@@ -318,7 +318,7 @@ def eager_trained(model, batch: dict[str, torch.Tensor], counts: list[int], step
         opt.zero_grad()
         losses.append(0.0)
         for rows in groups:
-            part = {n: batch[n][rows.start:rows.stop] for n in ("input_ids", "labels")}
+            part = {n: t[rows.start:rows.stop] for n, t in batch.items() if n != "pixel_values"}
             first, last = starts[rows.start], starts[rows.stop]
             part["pixel_values"] = batch["pixel_values"][first:last] if last > first else None
             loss = model(**part).loss * (supervised_tokens(part) / total)
