@@ -92,8 +92,9 @@ class ShapeFreeTrainer:
     ``step``, ``evaluate``, ``flush``, ``set_lr``, ``set_optimizer``, ``save``, ``load`` and
     ``state_dict`` behave as ``Trainer``'s; ``step`` takes a batch of any ``[rows, seq_len]`` (and,
     for Qwen2-VL, any image grid: the grids ``image_grid_thw`` gives one row, every row alike, are
-    part of the shape; for LLaVA, any number of images per row, every row alike: ``pixel_values``
-    ``[rows x images_per_row, C, H, W]``, ``images_per_row`` part of the shape) with ``rows`` a
+    part of the shape; for LLaVA, up to any number of images per row: ``pixel_values`` in
+    ``images_per_row`` slots a row, ``[rows x images_per_row, C, H, W]``, or one per real image
+    (``images_per_row`` then the most a row has), ``images_per_row`` part of the shape) with ``rows`` a
     multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
     ``rows // micro_batches`` (or of ``micro_batch_size`` rows when given, then ``rows`` must be a
     multiple of it times ``micro_batches``). ``trainer`` is the ``Trainer`` of the last shape run

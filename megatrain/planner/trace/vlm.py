@@ -119,7 +119,7 @@ def refuse_vision_language(config: Any, source: str) -> None:
     raise UnsupportedModelError(
         f"{source}: model_type {mt!r} is a vision-language model that megatrain does not train yet: it lacks "
         f"support for {missing}. Vision-language families megatrain trains: {', '.join(sorted(FAMILIES))} "
-        "(images of one fixed size, the same number in every row)")
+        "(images of one fixed size, up to a fixed number a row)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +150,10 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
                  image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> ImageInputs:
     """The traced inputs of ``model`` for batches of ``input_names`` (:class:`ImageInputs`).
 
-    LLaVA with ``pixel_values``: ``[micro_batch_size * images_per_row, C, H, W]`` float32 images,
-    row ``r``'s at ``[r * images_per_row, (r + 1) * images_per_row)`` in the order of its image
-    tokens (LLaVA's forward scatters the image features into the image-token positions in batch
-    order).
+    LLaVA with ``pixel_values``: ``[micro_batch_size * images_per_row, C, H, W]`` float32 image
+    slots, the micro-batch's real images first in row order, zeros after (:func:`place_images`:
+    LLaVA's forward scatters the image features into the image-token positions in batch order, so
+    the zeros' features are read by nothing).
     Qwen2-VL / Qwen2.5-VL with ``pixel_values``: each row carries images of the grids
     ``image_grid_thw`` (default: one 448x448 image; :func:`.qwen_vl.row_grid`), traced as
     ``[micro_batch_size, patches per row, C*T*P*P]`` float32 patches and the M-RoPE positions
