@@ -359,9 +359,11 @@ def test_a_text_models_chat_tokenizer_joins_text_parts_and_refuses_images(proces
         chat.encode(image)
 
 
-def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_path):
-    """A processor of another patch size writes 4 image tokens an image where the tiny LLaVA's
-    projector writes 16 features: refused with what to change, before the first step."""
+@pytest.mark.parametrize("patch, tokens", [(16, 4), (4, 64)])
+def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_path, patch, tokens):
+    """A processor of another patch size writes 4 (or 64: four images' worth, which a row's image
+    count read from its tokens would take for 4 images) image tokens an image where the tiny
+    LLaVA's projector writes 16 features: refused with what to change, before the first step."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from megatrain.errors import ConfigError
@@ -369,13 +371,14 @@ def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_
 
     write_processor(tmp_path / "p")
     config = json.loads((tmp_path / "p" / "processor_config.json").read_text())
-    (tmp_path / "p" / "processor_config.json").write_text(json.dumps({**config, "patch_size": 16}))
+    (tmp_path / "p" / "processor_config.json").write_text(json.dumps({**config, "patch_size": patch}))
     chat = ChatProcessor(AutoProcessor.from_pretrained(tmp_path / "p"), None, eos_token=EOT, images_per_example=1)
     store = build_sft_store(resolve_sft_data(str(EXAMPLES / "data" / "vlm_sft" / "shapes.json")), chat,
-                            tmp_path / "store", seq_len=96, progress=False)
-    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)
+                            tmp_path / "store", seq_len=160, progress=False)
+    ds = SftDataset(store, 160, packing=False, val_fraction=0.2, images=chat)
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(llava_config())
-    with pytest.raises(ConfigError, match=r"LlavaProcessor\) does not fit the model: .* holds 4 image tokens .* "
-                                          r"multiple of the 16 features one image fills.*Use the model's own processor"):
+    with pytest.raises(ConfigError, match=rf"LlavaProcessor\) does not fit the model: it writes {tokens} image tokens "
+                                          r"\(id \d+\) for the image .*\.png', and the model reads 16 .*"
+                                          r"Use the model's own processor"):
         _check_processor(model, ds, chat)

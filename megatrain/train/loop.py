@@ -452,18 +452,20 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
 
 
 def _check_processor(model, dataset, images) -> None:
-    """Refuse, before training, a processor that writes another number of image tokens per image
-    than the model's projector writes features (a processor of another model or resolution),
-    which the first step would refuse (``check_image_tokens``)."""
-    from megatrain.errors import BatchError
-    from megatrain.planner.trace.vlm import check_image_tokens
+    """Refuse, before training, a processor whose image token is not the model's, or that writes
+    another number of image tokens per image than the model's projector writes features (a
+    processor of another model or resolution): a row's image count is read from its image tokens
+    (``vlm.image_counts``), so its tokens would not match its images."""
+    from megatrain.planner.trace.vlm import family
 
-    try:
-        check_image_tokens(model, dataset.rows([0]))
-    except BatchError as e:
-        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the first "
-                          f"training row: {e}. Use the model's own processor (its patch_size, image size and "
-                          "vision_feature_select_strategy)") from None
+    token, per_image = family(model.config).image_tokens(model)
+    path = next((p for paths in dataset.store.images or () for p in paths), None)
+    got = (images.image_token_id, None if path is None else images.image_tokens(path))
+    if got[0] != token or got[1] not in (None, per_image):
+        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: it writes "
+                          f"{got[1]} image tokens (id {got[0]}) for the image {path!r}, and the model reads "
+                          f"{per_image} (id {token}, one per feature its projector writes). Use the model's own "
+                          "processor (its image token, patch_size, image size and vision_feature_select_strategy)")
 
 
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
