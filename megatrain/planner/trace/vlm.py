@@ -238,31 +238,28 @@ def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, s
     return fam.vision_tower, f"{fam.vision_tower}.{blocks}"
 
 
-def row_images(batch: Mapping[str, torch.Tensor], model: nn.Module | None = None) -> int:
-    """The image slots per row (``images_per_row``) of a LLaVA batch (:func:`place_images`):
-    ``pixel_values`` ``[rows x K, C, H, W]`` in the slot layout gives ``K``; with ``model``, a batch
-    in Hugging Face's layout (one entry per real image, as many as the rows' image tokens say) gives
-    its largest row count (at least 1). 1 for a batch without such images (none, or Qwen2-VL's
+def row_images(batch: Mapping[str, torch.Tensor], model: nn.Module) -> int:
+    """The image slots per row (``images_per_row``, K) of a LLaVA ``model``'s batch
+    (:func:`place_images`): ``pixel_values`` in Hugging Face's layout (one entry per real image,
+    as many as the rows' image tokens say) gives its most images a row (at least 1); in the slot
+    layout, ``[rows x K, C, H, W]``, K. 1 for a batch without such images (none, or Qwen2-VL's
     patches, whose count per row :func:`.qwen_vl.row_grids` gives).
 
     Raises:
-        BatchError: ``pixel_values`` that fit neither layout (what :func:`image_counts` raises, with
-            ``model``).
+        BatchError: ``pixel_values`` that fit neither layout, or what :func:`image_counts` raises.
     """
     images, ids = batch.get(IMAGE_INPUT), batch.get("input_ids")
-    if images is None or ids is None or images.dim() != 4 or GRID_INPUT in batch:
+    if (images is None or ids is None or images.dim() != 4 or GRID_INPUT in batch
+            or not isinstance(family(getattr(model, "config", None)), VisionLanguageFamily)):
         return 1
-    rows = ids.shape[0]
-    counts = image_counts(model, ids) if isinstance(family(getattr(model, "config", None)),
-                                                    VisionLanguageFamily) else None
-    if counts is not None and images.shape[0] == int(counts.sum()):
+    rows, counts = ids.shape[0], image_counts(model, ids)
+    if images.shape[0] == int(counts.sum()):
         return max(int(counts.max()) if rows else 0, 1)
     if not rows or images.shape[0] % rows or not images.shape[0]:
         raise BatchError(f"batch[{IMAGE_INPUT!r}] holds {images.shape[0]} images for {rows} rows of input_ids; "
                          f"give them in slots, [{rows} x images_per_row, C, H, W] (row r's images first in "
-                         "[r * images_per_row, (r + 1) * images_per_row), zeros after)"
-                         + ("" if counts is None else f", or one per real image in row order ({int(counts.sum())} "
-                            "by the image tokens)"))
+                         "[r * images_per_row, (r + 1) * images_per_row), zeros after), or one per real image in "
+                         f"row order ({int(counts.sum())} by the image tokens)")
     return images.shape[0] // rows
 
 
@@ -275,14 +272,17 @@ def image_counts(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """
     token, per_image = family(model.config).image_tokens(model)
     tokens = (input_ids == token).sum(dim=1)
-    bad = (tokens % per_image).nonzero()
-    if len(bad):
-        row = int(bad[0, 0])
-        raise BatchError(
-            f"batch row {row} holds {int(tokens[row])} image tokens (id {token}), not a multiple of the {per_image} "
-            "features one image fills; build input_ids with the model's processor (it expands each image "
-            "placeholder to its tokens)")
+    _refuse_rows(tokens, tokens % per_image != 0, token, f"not a multiple of the {per_image} features one image fills")
     return tokens // per_image
+
+
+def _refuse_rows(tokens: torch.Tensor, bad: torch.Tensor, token: int, why: str) -> None:
+    """Raise a BatchError for the first row ``bad`` marks, with its count of ``tokens`` and ``why``."""
+    rows = bad.nonzero()
+    if len(rows):
+        row = int(rows[0, 0])
+        raise BatchError(f"batch row {row} holds {int(tokens[row])} image tokens (id {token}), {why}; build "
+                         "input_ids with the model's processor (it expands each image placeholder to its tokens)")
 
 
 def place_images(model: nn.Module, batch: Mapping[str, torch.Tensor], images_per_row: int,
@@ -338,22 +338,6 @@ def place_images(model: nn.Module, batch: Mapping[str, torch.Tensor], images_per
     return {**batch, IMAGE_INPUT: out}
 
 
-def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
-    """Refuse a LLaVA batch whose image tokens do not fit its ``pixel_values``
-    (:func:`place_images`, with the images per row :func:`row_images` finds).
-
-    The family's forward writes the image features into the text embeddings at the image-token
-    positions (``masked_scatter``), which takes the first features in order without checking their
-    count once traced; eager transformers raises for a mismatch, and so does this check, before the
-    step. Nothing to check for a batch without ``pixel_values``.
-
-    Raises:
-        BatchError: what :func:`row_images` and :func:`place_images` raise.
-    """
-    if isinstance(family(getattr(model, "config", None)), VisionLanguageFamily) and "input_ids" in batch:
-        place_images(model, batch, row_images(batch, model), max(len(batch["input_ids"]), 1))
-
-
 def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int, images: str) -> None:
     """Refuse ``input_ids`` ``[rows, seq_len]`` unless each row holds ``per_row`` image tokens (id
     ``token``); ``images`` says what fills them, for the message.
@@ -362,13 +346,7 @@ def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int,
         BatchError: naming the first row with another count, its count and ``per_row``.
     """
     counts = (input_ids == token).sum(dim=1)
-    bad = (counts != per_row).nonzero()
-    if len(bad):
-        row = int(bad[0, 0])
-        raise BatchError(
-            f"batch row {row} holds {int(counts[row])} image tokens (id {token}), but {images} fill exactly {per_row} "
-            "image tokens; build input_ids with the model's processor (it expands each image placeholder to its "
-            "tokens)")
+    _refuse_rows(counts, counts != per_row, token, f"but {images} fill exactly {per_row} image tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,5 +409,5 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
 
 
 __all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "ImageInputs", "VisionLanguageFamily", "VisionShare", "batch_names",
-           "check_image_tokens", "family", "image_counts", "image_inputs", "place_images", "prepare_images", "refuse_image_token_counts",
+           "family", "image_counts", "image_inputs", "place_images", "prepare_images", "refuse_image_token_counts",
            "refuse_vision_language", "row_images", "vision_share", "vision_tower"]
