@@ -885,7 +885,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             ``("input_ids", "position_ids", "labels")`` for packed documents (see ``Trainer.step``).
             A vision-language model (LLaVA) also takes ``"pixel_values"``: up to ``images_per_row``
             ``FloatTensor[3, H, W]`` images per row, each row holding its images' tokens in order
-            (see ``images_per_row`` for the two layouts; :mod:`megatrain.planner.trace.vlm`). Qwen2-VL and Qwen2.5-VL take
+            (see ``images_per_row`` for the two layouts; :mod:`megatrain.planner.trace.vlm`).
+            Qwen2-VL and Qwen2.5-VL take
             ``("input_ids", "pixel_values", "image_grid_thw", "labels")`` (and optionally
             ``"mm_token_type_ids"``, ``"attention_mask"``) as their processor returns them: the
             images' patches ``[patches, C*T*P*P]`` float32 and grids ``[images, 3]``

@@ -124,15 +124,15 @@ class ChatProcessor(ChatTokenizer):
 
         Raises:
             RecordError: as :meth:`ChatTokenizer.encode`; the example has more than
-                ``images_per_example`` images; the template wrote a different number of image tokens than the example has
-                images; an image file is missing or unreadable.
+                ``images_per_example`` images; the template wrote a different number of image
+                tokens than the example has images; an image file is missing or unreadable.
         """
         images = example.images if isinstance(example, Chat) else ()
         if self.images_per_example is not None and len(images) > self.images_per_example:
-            raise RecordError(f"the example has {len(images)} images, and the run takes at most {self.images_per_example} "
-                              "per row (megatrain train traces a fixed number of image slots for every row: "
-                              f"--images-per-row); set --images-per-row {len(images)} (or the most any record "
-                              "has), or give this record fewer images (the images column)")
+            raise RecordError(f"the example has {len(images)} images, and the run takes at most "
+                              f"{self.images_per_example} per row (megatrain train traces a fixed number of image "
+                              f"slots for every row: --images-per-row); set --images-per-row {len(images)} (or the "
+                              "most any record has), or give this record fewer images (the images column)")
         enc = super().encode(example)
         if not images:
             return enc

@@ -126,8 +126,8 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
     windows and packed SFT rows carry position_ids that restart per document (per-document
     attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only. A
     vision-language model's SFT rows are padded, one example and up to ``images_per_row`` images
-    each (``images_per_row`` slots), and carry the image input (``pixel_values``; :class:`megatrain.data.SftDataset` with
-    images).
+    each (``images_per_row`` slots), and carry the image input (``pixel_values``;
+    :class:`megatrain.data.SftDataset` with images).
 
     Raises:
         ConfigError: a vision-language model with ``task: lm`` (its data is SFT data with images),

@@ -309,8 +309,8 @@ def place_images(model: nn.Module, batch: Mapping[str, torch.Tensor], images_per
             of another count than either layout's.
     """
     images, ids = batch.get(IMAGE_INPUT), batch.get("input_ids")
-    if (not isinstance(family(getattr(model, "config", None)), VisionLanguageFamily) or not isinstance(images, torch.Tensor)
-            or not isinstance(ids, torch.Tensor) or images.dim() != 4):
+    if (not isinstance(family(getattr(model, "config", None)), VisionLanguageFamily)
+            or not isinstance(images, torch.Tensor) or not isinstance(ids, torch.Tensor) or images.dim() != 4):
         return dict(batch)
     counts = image_counts(model, ids)
     rows, k = ids.shape[0], images_per_row
@@ -319,10 +319,10 @@ def place_images(model: nn.Module, batch: Mapping[str, torch.Tensor], images_per
         row = int(over[0, 0])
         raise BatchError(f"batch row {row} holds the image tokens of {int(counts[row])} images, but the trainer was "
                          f"compiled for at most images_per_row={k} a row: compile with images_per_row="
-                         f"{int(counts.max())}, or split the row's images over rows")
+                         f"{int(counts.max())}, or give the row fewer images")
     total = int(counts.sum())
     if images.shape[0] == rows * k:
-        real = images[(torch.arange(k)[None, :] < counts[:, None]).flatten()]
+        real = images[(torch.arange(k, device=counts.device)[None, :] < counts[:, None]).flatten()]
     elif images.shape[0] == total:
         real = images
     else:
