@@ -379,6 +379,6 @@ def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(llava_config())
     with pytest.raises(ConfigError, match=rf"LlavaProcessor\) does not fit the model: it writes {tokens} image tokens "
-                                          r"\(id \d+\) for the image .*\.png', and the model reads 16 .*"
+                                          r"\(id \d+\) for the image .*\.png', and the model reads 16 an image .*"
                                           r"Use the model's own processor"):
         _check_processor(model, ds, chat)

@@ -460,12 +460,14 @@ def _check_processor(model, dataset, images) -> None:
 
     token, per_image = family(model.config).image_tokens(model)
     path = next((p for paths in dataset.store.images or () for p in paths), None)
-    got = (images.image_token_id, None if path is None else images.image_tokens(path))
-    if got[0] != token or got[1] not in (None, per_image):
-        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: it writes "
-                          f"{got[1]} image tokens (id {got[0]}) for the image {path!r}, and the model reads "
-                          f"{per_image} (id {token}, one per feature its projector writes). Use the model's own "
-                          "processor (its image token, patch_size, image size and vision_feature_select_strategy)")
+    n = None if path is None else images.image_tokens(path)
+    if images.image_token_id != token or n not in (None, per_image):
+        wrote = f"its image token is id {images.image_token_id}" if n is None else \
+            f"it writes {n} image tokens (id {images.image_token_id}) for the image {path!r}"
+        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: {wrote}, and "
+                          f"the model reads {per_image} an image (id {token}, one per feature its projector writes). "
+                          "Use the model's own processor (its image token, patch_size, image size and "
+                          "vision_feature_select_strategy)")
 
 
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
