@@ -532,7 +532,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
                            Topology(ranks, args.gpus_per_node, host_state=cfg.host_state if ranks > 1 else None),
                            image_grid_thw(cfg, source))
     summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, device {cfg.device}"
-               + (f", {cfg.images_per_row} images per row" if cfg.images_per_row != 1 else "")
+               + (f", images_per_row {cfg.images_per_row}" if cfg.images_per_row != 1 else "")
                + (f", images resized to {cfg.image_size}" if cfg.image_size else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
     where = "on the meta device" if cfg.device == "cuda" else "built on the CPU, as megatrain train --device cpu does"

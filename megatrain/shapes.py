@@ -92,8 +92,9 @@ class ShapeFreeTrainer:
     ``step``, ``evaluate``, ``flush``, ``set_lr``, ``set_optimizer``, ``save``, ``load`` and
     ``state_dict`` behave as ``Trainer``'s; ``step`` takes a batch of any ``[rows, seq_len]`` (and,
     for Qwen2-VL, any image grid: the grids ``image_grid_thw`` gives one row, every row alike, are
-    part of the shape; for LLaVA, any number of images per row, every row alike: ``pixel_values``
-    ``[rows x images_per_row, C, H, W]``, ``images_per_row`` part of the shape) with ``rows`` a
+    part of the shape; for LLaVA, up to any number of images per row: ``pixel_values`` in
+    ``images_per_row`` slots a row, ``[rows x images_per_row, C, H, W]``, or one per real image
+    (``images_per_row`` then the most a row has), ``images_per_row`` part of the shape) with ``rows`` a
     multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
     ``rows // micro_batches`` (or of ``micro_batch_size`` rows when given, then ``rows`` must be a
     multiple of it times ``micro_batches``). ``trainer`` is the ``Trainer`` of the last shape run
@@ -155,7 +156,7 @@ class ShapeFreeTrainer:
         mbs = self.micro_batch_size or rows // self.micro_batches
         # The images of a row are part of the shape: the compile options that trace them.
         layout = {}
-        grid, images = row_grids(batch), row_images(batch)
+        grid, images = row_grids(batch), row_images(batch, self.model)
         if grid is not None:
             layout["image_grid_thw"] = grid
         if images != 1:

@@ -32,7 +32,7 @@ from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
-from megatrain.planner.trace.vlm import check_image_tokens, prepare_images
+from megatrain.planner.trace.vlm import IMAGE_INPUT, place_images, prepare_images
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, make_backend
 from megatrain.runtime.distributed import collective
@@ -593,6 +593,10 @@ class Trainer:
         o = self.options
         # Qwen2-VL: its grids checked, its patches per row and its M-RoPE positions made here.
         d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"))
+        if IMAGE_INPUT in d and IMAGE_INPUT in o.input_names:
+            # LLaVA: 0 to images_per_row images a row, each micro-batch's real images first, zeros after.
+            d = place_images(self.model, d, self.graph.value_by_name(IMAGE_INPUT).shape[0] // o.micro_batch_size,
+                             o.micro_batch_size)
         # Each input's micro-batch is its traced length along dim 0: micro_batch_size rows, or
         # LLaVA's micro_batch_size x images_per_row images.
         per: dict[str, int] = {}
@@ -620,7 +624,6 @@ class Trainer:
                                  "pad or crop the batch, or compile again with its shape")
         for name, limit in self._token_limits.items():
             _check_ids(name, d[name], limit)
-        check_image_tokens(self.model, d)
         return [{n: t[i * per[n]:(i + 1) * per[n]] for n, t in d.items()} for i in range(k)]
 
 
@@ -880,10 +883,10 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         input_names: the keyword inputs of ``forward``, each a ``LongTensor[batch, seq_len]``:
             e.g. ``("input_ids", "attention_mask", "labels")`` for padded batches,
             ``("input_ids", "position_ids", "labels")`` for packed documents (see ``Trainer.step``).
-            A vision-language model (LLaVA) also takes ``"pixel_values"``, ``images_per_row``
-            ``FloatTensor[3, H, W]`` images per row (``[batch * images_per_row, 3, H, W]`` float32,
-            row by row), whose row holds those images' tokens in that order
-            (:mod:`megatrain.planner.trace.vlm`). Qwen2-VL and Qwen2.5-VL take
+            A vision-language model (LLaVA) also takes ``"pixel_values"``: up to ``images_per_row``
+            ``FloatTensor[3, H, W]`` images per row, each row holding its images' tokens in order
+            (see ``images_per_row`` for the two layouts; :mod:`megatrain.planner.trace.vlm`).
+            Qwen2-VL and Qwen2.5-VL take
             ``("input_ids", "pixel_values", "image_grid_thw", "labels")`` (and optionally
             ``"mm_token_type_ids"``, ``"attention_mask"``) as their processor returns them: the
             images' patches ``[patches, C*T*P*P]`` float32 and grids ``[images, 3]``
@@ -909,10 +912,18 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             448x448 image with 14-pixel patches is ``[(1, 32, 32)]``, the default). A batch of other
             grids is refused (BatchError naming the grid to compile with); shape-free (no
             ``seq_len``), each batch's grids are its shape's. Other models: None.
-        images_per_row: LLaVA: the images each row carries (default 1), every row alike, row
-            ``r``'s at ``pixel_values[r * images_per_row:(r + 1) * images_per_row]``. A batch with
-            another count is refused (BatchError); shape-free (no ``seq_len``), each batch's count
-            (its ``pixel_values`` over its rows) is its shape's and this argument is not used.
+        images_per_row: LLaVA: the most images a row carries (K, default 1); a row carries 0 to K,
+            as many as its image tokens (``image_token_id``, one per image feature) say. The trace
+            and plan hold K image slots a row whatever a batch's counts. ``pixel_values`` float32
+            comes as K slots a row, ``[batch * K, 3, H, W]``, row ``r``'s images first in
+            ``[r * K, (r + 1) * K)`` and any values in its unused slots; or in Hugging Face's layout,
+            ``[images, 3, H, W]``, each real image once, rows in order (as a processor returns a
+            batch; told apart by the count; with K images in every row they are the same). Unused
+            slots become zeros whose features no image token reads: they add nothing to the loss
+            or to any gradient (``vlm.place_images``). A row with more than K images, a partial
+            image's tokens, or an image count fitting neither layout is refused (BatchError);
+            shape-free (no ``seq_len``), K is each batch's (its slots, or its most images a row)
+            and this argument is not used.
         per_token_loss: the loss of a global batch is the mean over its supervised tokens (labels
             that are not -100, after the model's shift) across every micro-batch and rank, as
             eager PyTorch computes it on the whole batch (True, the default; needs a model whose

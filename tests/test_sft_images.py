@@ -57,7 +57,7 @@ def _reference(processor, messages: list[dict]) -> dict[str, torch.Tensor]:
                                         return_tensors="pt")
     ids = out["input_ids"][0]
     labels = torch.where(out["assistant_masks"][0].bool(), ids, -100)
-    return {"input_ids": ids, "labels": labels, "pixel_values": out["pixel_values"]}
+    return {"input_ids": ids, "labels": labels, **{k: out[k] for k in ("pixel_values",) if k in out}}  # none: text only
 
 
 @pytest.mark.parametrize("markers", [True, False], ids=["generation-markers", "prefix-differences"])
@@ -123,14 +123,15 @@ def test_rows_hold_the_processors_tokens_pixels_and_assistant_labels(tmp_path, p
 ANSWERS = ["Red.", "A blue one.", "Two squares.", "None.", "Green."]
 
 
-def _shapes_messages(path: Path, k: int) -> tuple[Path, list[list[dict]]]:
-    """A messages file of 5 records with ``k`` of the bundled shape images each (record ``i``:
-    images ``i .. i+k-1`` of the six, in that order; answers of different lengths), and each
-    record's messages."""
+def _shapes_messages(path: Path, k: int | list[int]) -> tuple[Path, list[list[dict]]]:
+    """A messages file of 5 records with ``k`` of the bundled shape images each (or ``k[i]`` in
+    record ``i``; its images ``i .. i+k-1`` of the six, in that order; answers of different
+    lengths), and each record's messages."""
     files = sorted((EXAMPLES / "data" / "vlm_sft" / "images").glob("*.png"))
     text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    counts = k if isinstance(k, list) else [k] * len(ANSWERS)
     chats = [[{"role": "user", "content": [{"type": "image", "path": str(files[(i + j) % len(files)])}
-                                           for j in range(k)] + [text("Which shapes?")]},
+                                           for j in range(counts[i])] + [text("Which shapes?")]},
               {"role": "assistant", "content": [text(a)]}] for i, a in enumerate(ANSWERS)]
     return _write(path, [{"messages": c} for c in chats]), chats
 
@@ -170,22 +171,66 @@ def test_a_step_on_the_readers_batches_equals_eager_adamw(tmp_path, processor, k
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
 
 
+def test_records_with_0_to_k_images_fill_k_slots_a_row_and_train_as_eager(tmp_path, processor):
+    """images_per_row=2 as a maximum: records of 0, 1, 2, 0 and 2 images. A batch of the reader
+    holds each row's tokens and labels as the processor's own apply_chat_template gives them and
+    its images in 2 slots a row (pixel_values [rows * 2, 3, 32, 32]: the processor's pixels, then
+    zeros); the losses of two steps of megatrain.compile(images_per_row=2) on it equal eager AdamW's
+    on the whole batch given only the real images (FP32, 1e-5; weights: tests/test_vlm.py)."""
+    from transformers import LlavaForConditionalGeneration
+
+    from test_vlm import eager_trained
+
+    counts = [0, 1, 2, 0, 2]
+    path, chats = _shapes_messages(tmp_path / "data.jsonl", counts)
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=2)
+    store = build_sft_store(resolve_sft_data(str(path)), chat, tmp_path / "store", seq_len=96, progress=False)
+    assert store.manifest.num_images == sum(counts)
+    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)  # 4 training rows
+    batch = ds.rows(range(4))
+    assert batch["pixel_values"].shape == (8, 3, 32, 32)
+    real, row_counts = [], []
+    for r in range(4):
+        ref = _reference(processor, chats[ds.train_examples[r]])
+        n = int(batch["attention_mask"][r].sum())
+        assert torch.equal(batch["input_ids"][r, :n], ref["input_ids"])
+        assert torch.equal(batch["labels"][r, :n], ref["labels"])
+        images = ref.get("pixel_values", torch.zeros(0, 3, 32, 32))
+        assert torch.equal(batch["pixel_values"][2 * r:2 * r + len(images)], images)
+        assert not batch["pixel_values"][2 * r + len(images):2 * r + 2].any()
+        real.append(images)
+        row_counts.append(len(images))
+    assert 0 in row_counts and 2 in row_counts, row_counts
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(llava_config())
+    start = copy.deepcopy(model)
+    trainer = megatrain.compile(model, seq_len=96, micro_batch_size=2, micro_batches=2, optimizer=ADAMW,
+                                input_names=ds.input_names, images_per_row=2)
+    got = [trainer.step(batch).loss for _ in range(2)]
+    trainer.flush()
+    _, want = eager_trained(start, dict(batch, pixel_values=torch.cat(real)), row_counts, 2)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
+
+
 def test_a_store_built_for_one_image_per_row_is_not_reused_for_two(tmp_path, processor):
-    """The SFT store's key holds the image count per row: the store of one-image records is
-    rebuilt, not reused, for two images a row, and its first record is then refused, naming the
-    record, its count, the run's and --images-per-row."""
+    """The SFT store's key holds the most images a row takes: the store built for one image a
+    row is rebuilt, not reused, for two; a record with more images than the run takes is refused,
+    naming the record, its count, the run's and --images-per-row."""
     from megatrain.data import cached_sft_store
 
     path, _ = _shapes_messages(tmp_path / "data.jsonl", 1)
     sources = resolve_sft_data(str(path))
-    for k, origin in ((1, "built"), (1, "reused")):
+    for k, origin in ((1, "built"), (1, "reused"), (2, "rebuilt (options changed)")):
         chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=k)
         assert cached_sft_store(sources, chat, tmp_path / "store", seq_len=96, progress=False).origin == origin
-    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=2)
+    path, _ = _shapes_messages(tmp_path / "two.jsonl", 2)
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=1)
     with pytest.raises(RecordError) as e:
-        cached_sft_store(sources, chat, tmp_path / "store", seq_len=96, progress=False)
-    assert f"{str(path)!r}, record 1 (line 1): the example has 1 image(s), and the run takes 2 per row" in str(e.value)
-    assert "--images-per-row" in str(e.value)
+        cached_sft_store(resolve_sft_data(str(path)), chat, tmp_path / "store2", seq_len=96, progress=False)
+    assert (f"{str(path)!r}, record 1 (line 1): the example has 2 images, and the run takes at most 1 per row"
+            in str(e.value))
+    assert "set --images-per-row 2" in str(e.value)
 
 
 @pytest.mark.parametrize("record, message", [
@@ -195,11 +240,11 @@ def test_a_store_built_for_one_image_per_row_is_not_reused_for_two(tmp_path, pro
       "images": ["img/broken.png"]}, "image file '{data}/img/broken.png' cannot be read by Pillow"),
     ({"conversations": [{"from": "human", "value": "<image><image>Hi"}, {"from": "gpt", "value": "Ok."}],
       "images": ["img/a.png"]}, "2 image placeholder(s) <image> and 1 file(s) in field 'images'"),
-    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Ok."}]},
-     "has 0 image(s), and the run takes 1 per row"),
+    ({"conversations": [{"from": "human", "value": "<image><image>Hi"}, {"from": "gpt", "value": "Ok."}],
+      "images": ["img/a.png", "img/a.png"]}, "has 2 images, and the run takes at most 1 per row"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "url": "http://x/y.png"}]},
                    {"role": "assistant", "content": "Ok."}]}, "image part without a local file"),
-], ids=["missing", "unreadable", "placeholders", "text-only", "url"])
+], ids=["missing", "unreadable", "placeholders", "too-many", "url"])
 def test_a_bad_image_record_is_an_error_naming_the_file_and_record(tmp_path, processor, record, message):
     data = tmp_path / "data"
     _png(data / "img" / "a.png", (32, 32), 0)
@@ -217,20 +262,32 @@ def test_a_bad_image_record_is_an_error_naming_the_file_and_record(tmp_path, pro
     assert message.format(data=data) in str(e.value)
 
 
-def test_megatrain_train_fine_tunes_the_bundled_llava_on_images(tmp_path, capsys):
-    """The README's command, 2 steps: the data line counts the images, the checkpoint loads with
-    AutoModelForImageTextToText and AutoProcessor and generates from an image."""
+def test_megatrain_train_fine_tunes_the_bundled_llava_on_images(tmp_path, capsys, monkeypatch):
+    """The README's command, 2 steps, with 4 text-only records beside the bundled images' 12 (0 or
+    1 image a row under the default --images-per-row 1): the data line counts the images, the
+    checkpoint loads with AutoModelForImageTextToText and AutoProcessor and generates from an image."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from megatrain.cli import main
 
+    text = _write(tmp_path / "text.jsonl", [{"conversations": [{"from": "human", "value": f"Say {w}."},
+                                                                {"from": "gpt", "value": w}]}
+                                            for w in ("red", "blue", "green", "yellow")])
+    import megatrain.trainer as trainer_module
+    from megatrain.planner.trace.vlm import image_counts, place_images
+
+    counts = []  # images of each row stepped
+    monkeypatch.setattr(trainer_module, "place_images", lambda model, batch, *a: (
+        counts.extend(image_counts(model, batch["input_ids"]).tolist()), place_images(model, batch, *a))[1])
     out = tmp_path / "run"
     assert main(["train", "--task", "sft", "--model", str(EXAMPLES / "tiny-llava"), "--data",
-                 str(EXAMPLES / "data" / "vlm_sft" / "shapes.json"), "--output-dir", str(out), "--seq-len", "96",
+                 f"{EXAMPLES / 'data' / 'vlm_sft' / 'shapes.json'},{text}", "--output-dir", str(out), "--seq-len", "96",
                  "--global-batch", "4", "--micro-batch-size", "2", "--val-fraction", "0.2", "--max-steps", "2",
                  "--warmup-steps", "0", "--eval-interval", "0"]) == 0
     log = capsys.readouterr().out
-    assert "12 images, one example and its image a row (image examples are not packed)" in log
+    assert "16 SFT examples" in log
+    assert 0 in counts and 1 in counts, counts  # text-only rows and rows with an image were trained
+    assert "12 images, one example and up to one image a row (image examples are not packed)" in log
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
     model = AutoModelForImageTextToText.from_pretrained(out / "checkpoint")
@@ -299,9 +356,11 @@ def test_a_text_models_chat_tokenizer_joins_text_parts_and_refuses_images(proces
         chat.encode(image)
 
 
-def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_path):
-    """A processor of another patch size writes 4 image tokens an image where the tiny LLaVA's
-    projector writes 16 features: refused with what to change, before the first step."""
+@pytest.mark.parametrize("patch, tokens", [(16, 4), (4, 64)])
+def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_path, patch, tokens):
+    """A processor of another patch size writes 4 (or 64: four images' worth, which a row's image
+    count read from its tokens would take for 4 images) image tokens an image where the tiny
+    LLaVA's projector writes 16 features: refused with what to change, before the first step."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from megatrain.errors import ConfigError
@@ -309,13 +368,14 @@ def test_a_processor_that_does_not_fit_the_model_is_refused_before_training(tmp_
 
     write_processor(tmp_path / "p")
     config = json.loads((tmp_path / "p" / "processor_config.json").read_text())
-    (tmp_path / "p" / "processor_config.json").write_text(json.dumps({**config, "patch_size": 16}))
+    (tmp_path / "p" / "processor_config.json").write_text(json.dumps({**config, "patch_size": patch}))
     chat = ChatProcessor(AutoProcessor.from_pretrained(tmp_path / "p"), None, eos_token=EOT, images_per_example=1)
     store = build_sft_store(resolve_sft_data(str(EXAMPLES / "data" / "vlm_sft" / "shapes.json")), chat,
-                            tmp_path / "store", seq_len=96, progress=False)
-    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)
+                            tmp_path / "store", seq_len=160, progress=False)
+    ds = SftDataset(store, 160, packing=False, val_fraction=0.2, images=chat)
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(llava_config())
-    with pytest.raises(ConfigError, match=r"LlavaProcessor\) does not fit the model: .* holds 4 image tokens .* "
-                                          r"one image of 16 features.*Use the model's own processor"):
+    with pytest.raises(ConfigError, match=rf"LlavaProcessor\) does not fit the model: it writes {tokens} image tokens "
+                                          r"\(id \d+\) for the image .*\.png', and the model reads 16 an image .*"
+                                          r"Use the model's own processor"):
         _check_processor(model, ds, chat)

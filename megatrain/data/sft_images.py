@@ -29,6 +29,9 @@ import torch
 from megatrain.data.sft import ChatTokenizer, Encoded
 from megatrain.data.sft_formats import Chat, Completion, RecordError
 
+#: The image input a fixed-size image processor (LLaVA's) writes, ``[images, C, H, W]``.
+IMAGES = "pixel_values"
+
 __all__ = ["DEFAULT_IMAGE_CHAT_TEMPLATE", "ChatProcessor", "load_image"]
 
 #: The chat template of a processor without one: megatrain's text template
@@ -77,8 +80,12 @@ class ChatProcessor(ChatTokenizer):
             ``image_token`` (``AutoProcessor.from_pretrained(model_dir)``).
         chat_template: Jinja source; None: the processor's, else :data:`DEFAULT_IMAGE_CHAT_TEMPLATE`.
         eos_token, bos_token, loss: as :class:`~megatrain.data.sft.ChatTokenizer`.
-        images_per_example: the number of images every example must have (``megatrain train``'s
-            ``images_per_row``: each example is a row, traced with that many images); None: any.
+        images_per_example: the most images an example may have (``megatrain train``'s
+            ``images_per_row``: each example is a row, traced with that many image slots; a row's
+            :meth:`image_inputs` of fixed-size images fill the slots it does not use with zeros);
+            None: any number, not padded.
+        exact_images: every example must have exactly ``images_per_example`` images (Qwen2-VL and
+            Qwen2.5-VL: a row's patches follow its images' grids, traced per shape).
         image_size: ``(H, W)`` pixels every image is resized to (Pillow, the image processor's
             ``resample``) before the processor reads it, so that all get one patch grid (Qwen2-VL:
             :mod:`megatrain.data.sft_qwen_vl`); None: as the file is.
@@ -89,7 +96,7 @@ class ChatProcessor(ChatTokenizer):
 
     def __init__(self, processor: Any, chat_template: str | None, *, eos_token: str, bos_token: str | None = None,
                  loss: Literal["all", "last"] = "all", images_per_example: int | None = None,
-                 image_size: tuple[int, int] | None = None) -> None:
+                 exact_images: bool = False, image_size: tuple[int, int] | None = None) -> None:
         self.processor = processor
         self.image_token = getattr(processor, "image_token", None)
         tokenizer = processor.tokenizer
@@ -103,7 +110,9 @@ class ChatProcessor(ChatTokenizer):
                          loss=loss)
         self.image_keys: tuple[str, ...] = tuple(processor.image_processor.model_input_names)
         self.images_per_example = images_per_example
+        self.exact_images = exact_images
         self.image_size = None if image_size is None else tuple(image_size)
+        self._blank_image: torch.Tensor | None = None
 
     def describe(self) -> str:
         size = "" if self.image_size is None else f", resized to {self.image_size[0]}x{self.image_size[1]}"
@@ -113,27 +122,34 @@ class ChatProcessor(ChatTokenizer):
     def key(self) -> list:
         """What the stored tokens depend on beyond the tokenizer and template: the image token and
         the image processor's settings and the size images are resized to (they decide how many
-        tokens an image expands to), and the image count every example must have (a store built
-        for another holds other examples)."""
+        tokens an image expands to), and the most images an example may have, or the count every
+        example must have (a store built for another holds other examples)."""
+        count = {"images": self.images_per_example} if self.exact_images else {"max_images": self.images_per_example}
         return [self.image_token, self.processor.image_processor.to_json_string(),
                 {k: v for k, v in self.processor.to_dict().items() if isinstance(v, (int, str, float, bool))},
-                self.images_per_example] + ([list(self.image_size)] if self.image_size is not None else [])
+                count] + ([list(self.image_size)] if self.image_size is not None else [])
 
     def encode(self, example: Chat | Completion) -> Encoded:
         """Tokens and targets of the example with its images' tokens expanded (module docstring);
         ``Encoded.images`` are its image files.
 
         Raises:
-            RecordError: as :meth:`ChatTokenizer.encode`; the example has not ``images_per_example``
-                images; the template wrote a different number of image tokens than the example has
-                images; an image file is missing or unreadable.
+            RecordError: as :meth:`ChatTokenizer.encode`; the example has more than
+                ``images_per_example`` images (with ``exact_images``: not that many); the template wrote a different number of image
+                tokens than the example has images; an image file is missing or unreadable.
         """
         images = example.images if isinstance(example, Chat) else ()
-        if self.images_per_example is not None and len(images) != self.images_per_example:
+        if self.exact_images and self.images_per_example is not None and len(images) != self.images_per_example:
             raise RecordError(f"the example has {len(images)} image(s), and the run takes {self.images_per_example} "
-                              "per row (megatrain train traces the same number of fixed-size images for every row: "
-                              "--images-per-row); give every record of the data exactly that many images (the "
-                              "images column), or set --images-per-row to the count the records have")
+                              "per row (a Qwen2-VL row's patches follow its images' grids, which megatrain traces "
+                              "for every row alike: --images-per-row); give every record of the data exactly that "
+                              "many images (the images column), or set --images-per-row to the count the records "
+                              "have")
+        if self.images_per_example is not None and len(images) > self.images_per_example:
+            raise RecordError(f"the example has {len(images)} images, and the run takes at most "
+                              f"{self.images_per_example} per row (megatrain train traces a fixed number of image "
+                              f"slots for every row: --images-per-row); set --images-per-row {len(images)} (or the "
+                              "most any record has), or give this record fewer images (the images column)")
         enc = super().encode(example)
         if not images:
             return enc
@@ -191,10 +207,31 @@ class ChatProcessor(ChatTokenizer):
 
     def image_inputs(self, paths: Sequence[str]) -> dict[str, torch.Tensor]:
         """The processor's image inputs for the images at ``paths`` (module docstring), by name.
+        With ``images_per_example`` K and fixed-size images (LLaVA's ``pixel_values``
+        ``[images, C, H, W]``), ``K`` slots: the images, then zeros (megatrain's slot layout,
+        :func:`megatrain.planner.trace.vlm.place_images`; a row without images gets K zero slots).
 
         Raises:
             RecordError: an image file is missing or unreadable.
         """
-        out = self.processor(text=self.image_token * len(paths), images=[self.load(p) for p in paths],
-                             return_tensors="pt")
-        return {k: out[k] for k in self.image_keys if k in out}
+        out = {}
+        if paths:
+            out = self.processor(text=self.image_token * len(paths), images=[self.load(p) for p in paths],
+                                 return_tensors="pt")
+            out = {k: out[k] for k in self.image_keys if k in out}
+        k = self.images_per_example
+        if k is None or (IMAGES in out and out[IMAGES].dim() != 4):
+            return out
+        blank = out[IMAGES][:1] if IMAGES in out else self._blank()
+        pad = blank.new_zeros((k - len(paths), *blank.shape[1:]))
+        return {**out, IMAGES: torch.cat([out[IMAGES], pad]) if IMAGES in out else pad}
+
+    def _blank(self) -> torch.Tensor:
+        """One image's ``pixel_values`` (``[1, C, H, W]``) as the image processor writes it: the
+        shape and dtype of the zero slots of a row without images."""
+        from PIL import Image
+
+        if self._blank_image is None:
+            out = self.processor.image_processor(images=[Image.new("RGB", (8, 8))], return_tensors="pt")
+            self._blank_image = torch.as_tensor(out[IMAGES][:1])
+        return self._blank_image

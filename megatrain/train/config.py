@@ -64,7 +64,7 @@ class TrainConfig(pydantic.BaseModel):
                                                "vision-language model): an images column of image files "
                                                "(relative to the data file's directory, or DIR), one <image> in "
                                                "sharegpt text or one {type: image} content part in messages per "
-                                               "file, images_per_row images per example, read with Pillow by "
+                                               "file, up to images_per_row images per example, read with Pillow by "
                                                "the processor (AutoProcessor) of the model directory or of "
                                                "tokenizer; such examples are not packed")
     sft_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion"] = Field(
@@ -86,11 +86,14 @@ class TrainConfig(pydantic.BaseModel):
                                                 "position_ids restart at each example, so attention stays inside "
                                                 "it); false: one example per row, padded")
     images_per_row: int = Field(1, ge=1, description="sft with a vision-language model (LLaVA, Qwen2-VL, "
-                                                     "Qwen2.5-VL): the images every example carries, each example "
-                                                     "one row; every record must have exactly this many (its images "
-                                                     "column), and the run is traced for this many fixed-size images "
-                                                     "a row (megatrain.compile(images_per_row=...), or "
-                                                     "image_grid_thw=... for Qwen2-VL); 1 for a model without images")
+                                                     "Qwen2.5-VL): the most images an example may carry, each example "
+                                                     "one row (LLaVA: 0 to this many, text-only records too; a record "
+                                                     "with more is an error), the run traced for this many fixed-size "
+                                                     "image slots a row, unused ones zeros that reach no loss or "
+                                                     "gradient (megatrain.compile(images_per_row=...)); Qwen2-VL and "
+                                                     "Qwen2.5-VL: exactly this many, every row's patches traced alike "
+                                                     "(image_grid_thw=...); default 1, not read from the data: set it "
+                                                     "to the most images a record has; 1 for a model without images")
     image_size: str | None = Field(None, pattern=r"^[1-9][0-9]*x[1-9][0-9]*$",
                                    description="sft with Qwen2-VL or Qwen2.5-VL: HxW pixels (height x width, e.g. "
                                                "448x448) every image is resized to (Pillow, the processor's "

@@ -125,8 +125,9 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
     """The inputs of a run's batches, in ``megatrain.compile(input_names=...)`` order. Packed LM
     windows and packed SFT rows carry position_ids that restart per document (per-document
     attention). Padded SFT rows carry a mask, so tokens/s counts the examples' tokens only. A
-    vision-language model's SFT rows are padded, one example and its ``images_per_row`` images
-    each, and carry the image inputs (``pixel_values``, and Qwen2-VL's ``image_grid_thw``;
+    vision-language model's SFT rows are padded, one example and up to ``images_per_row`` images
+    each (``images_per_row`` slots; Qwen2-VL: exactly ``images_per_row``), and carry the image
+    inputs (``pixel_values``, and Qwen2-VL's ``image_grid_thw``;
     :class:`megatrain.data.SftDataset` with images).
 
     Raises:
@@ -377,8 +378,8 @@ class _Ranks:
     def rows(self, batch: dict) -> dict:
         """This rank's rows of a global batch: the ``rank``-th of ``world`` equal slices of
         ``input_ids``' rows, and of every input the same share: an input of ``m`` entries a row
-        (LLaVA's ``images_per_row`` images; Qwen2-VL's patches and grids, each row's a contiguous
-        block of ``pixel_values`` and ``image_grid_thw``) is cut at ``m`` times the row."""
+        (LLaVA's ``images_per_row`` image slots; Qwen2-VL's patches and grids, each row's a
+        contiguous block of ``pixel_values`` and ``image_grid_thw``) is cut at ``m`` times the row."""
         if self.world == 1:
             return batch
         total = batch["input_ids"].shape[0]
@@ -462,21 +463,35 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
 
 
 def _check_processor(model, dataset, images, grid=None) -> None:
-    """Refuse, before training, a processor that writes another number of image tokens per image
-    than the model's projector writes features (a processor of another model or resolution), or
-    (Qwen2-VL) another patch grid, patch or image-token count than ``grid``, the traced one: what
-    the first step would refuse (``check_image_tokens``, ``prepare_images``)."""
+    """Refuse, before training, a processor that does not fit the model. LLaVA: its image token is
+    not the model's, or it writes another number of image tokens per image than the model's
+    projector writes features (a processor of another model or resolution): a row's image count is
+    read from its image tokens (``vlm.place_images``), so its tokens would not match its images.
+    Qwen2-VL: another patch grid, patch or image-token count than ``grid``, the traced one, in the
+    first training row (what the first step would refuse: ``prepare_images``)."""
     from megatrain.errors import BatchError
-    from megatrain.planner.trace.vlm import check_image_tokens, prepare_images
+    from megatrain.planner.trace.qwen_vl import PatchGridFamily
+    from megatrain.planner.trace.vlm import family, prepare_images
 
-    row = dataset.rows([0])
-    try:
-        check_image_tokens(model, row)
-        prepare_images(model, row, dataset.input_names, grid)  # Qwen2-VL: its grid, patches and image tokens
-    except BatchError as e:
-        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the first "
-                          f"training row: {e}. Use the model's own processor (its patch_size, image size and "
-                          "vision_feature_select_strategy)") from None
+    fam = family(model.config)
+    if isinstance(fam, PatchGridFamily):
+        try:
+            prepare_images(model, dataset.rows([0]), dataset.input_names, grid)
+        except BatchError as e:
+            raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the "
+                              f"first training row: {e}. Use the model's own processor (its patch_size, "
+                              "merge_size and image size)") from None
+        return
+    token, per_image = fam.image_tokens(model)
+    path = next((p for paths in dataset.store.images or () for p in paths), None)
+    n = None if path is None else images.image_tokens(path)
+    if images.image_token_id != token or n not in (None, per_image):
+        wrote = f"its image token is id {images.image_token_id}" if n is None else \
+            f"it writes {n} image tokens (id {images.image_token_id}) for the image {path!r}"
+        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: {wrote}, and "
+                          f"the model reads {per_image} an image (id {token}, one per feature its projector writes). "
+                          "Use the model's own processor (its image token, patch_size, image size and "
+                          "vision_feature_select_strategy)")
 
 
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:

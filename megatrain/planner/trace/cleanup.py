@@ -36,7 +36,7 @@ _aten = torch.ops.aten
 _ASSERT_OPS = {torch.ops.aten._assert_tensor_metadata.default,
                # torch._check on a tensor (transformers' torch_compilable_check: LLaVA's image-token
                # count) becomes a host sync (item) and these asserts; the batch is checked on the host
-               # before the step instead (megatrain.planner.trace.vlm.check_image_tokens).
+               # before the step instead (megatrain.planner.trace.vlm.place_images).
                torch.ops.aten._assert_scalar.default}
 
 # Random ops the executor replays by restoring the device generator's state (the attention kernels,

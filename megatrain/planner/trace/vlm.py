@@ -119,7 +119,7 @@ def refuse_vision_language(config: Any, source: str) -> None:
     raise UnsupportedModelError(
         f"{source}: model_type {mt!r} is a vision-language model that megatrain does not train yet: it lacks "
         f"support for {missing}. Vision-language families megatrain trains: {', '.join(sorted(FAMILIES))} "
-        "(images of one fixed size, the same number in every row)")
+        "(images of one fixed size, up to a fixed number a row)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +150,10 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
                  image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> ImageInputs:
     """The traced inputs of ``model`` for batches of ``input_names`` (:class:`ImageInputs`).
 
-    LLaVA with ``pixel_values``: ``[micro_batch_size * images_per_row, C, H, W]`` float32 images,
-    row ``r``'s at ``[r * images_per_row, (r + 1) * images_per_row)`` in the order of its image
-    tokens (LLaVA's forward scatters the image features into the image-token positions in batch
-    order).
+    LLaVA with ``pixel_values``: ``[micro_batch_size * images_per_row, C, H, W]`` float32 image
+    slots, the micro-batch's real images first in row order, zeros after (:func:`place_images`:
+    LLaVA's forward scatters the image features into the image-token positions in batch order, so
+    the zeros' features are read by nothing).
     Qwen2-VL / Qwen2.5-VL with ``pixel_values``: each row carries images of the grids
     ``image_grid_thw`` (default: one 448x448 image; :func:`.qwen_vl.row_grid`), traced as
     ``[micro_batch_size, patches per row, C*T*P*P]`` float32 patches and the M-RoPE positions
@@ -238,45 +238,104 @@ def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, s
     return fam.vision_tower, f"{fam.vision_tower}.{blocks}"
 
 
-def row_images(batch: Mapping[str, torch.Tensor]) -> int:
-    """The images each row of ``batch`` carries in LLaVA's ``pixel_values`` ``[rows x images per
-    row, C, H, W]`` (rows: ``input_ids``'s); 1 for a batch without such images (none, or Qwen2-VL's
+def row_images(batch: Mapping[str, torch.Tensor], model: nn.Module) -> int:
+    """The image slots per row (``images_per_row``, K) of a LLaVA ``model``'s batch
+    (:func:`place_images`): ``pixel_values`` in Hugging Face's layout (one entry per real image,
+    as many as the rows' image tokens say) gives its most images a row (at least 1); in the slot
+    layout, ``[rows x K, C, H, W]``, K. 1 for a batch without such images (none, or Qwen2-VL's
     patches, whose count per row :func:`.qwen_vl.row_grids` gives).
 
     Raises:
-        BatchError: ``pixel_values`` whose images do not split evenly over the rows.
+        BatchError: ``pixel_values`` that fit neither layout, or what :func:`image_counts` raises.
     """
     images, ids = batch.get(IMAGE_INPUT), batch.get("input_ids")
-    if images is None or ids is None or images.dim() != 4 or GRID_INPUT in batch:
+    if (images is None or ids is None or images.dim() != 4 or GRID_INPUT in batch
+            or not isinstance(family(getattr(model, "config", None)), VisionLanguageFamily)):
         return 1
-    rows = ids.shape[0]
+    rows, counts = ids.shape[0], image_counts(model, ids)
+    if images.shape[0] == int(counts.sum()):
+        return max(int(counts.max()) if rows else 0, 1)
     if not rows or images.shape[0] % rows or not images.shape[0]:
         raise BatchError(f"batch[{IMAGE_INPUT!r}] holds {images.shape[0]} images for {rows} rows of input_ids; "
-                         "megatrain traces the same number of images for every row (images_per_row): give each "
-                         f"row as many, [{rows} x images_per_row, C, H, W], row r's images at [r * images_per_row, "
-                         "(r + 1) * images_per_row)")
+                         f"give them in slots, [{rows} x images_per_row, C, H, W] (row r's images first in "
+                         "[r * images_per_row, (r + 1) * images_per_row), zeros after), or one per real image in "
+                         f"row order ({int(counts.sum())} by the image tokens)")
     return images.shape[0] // rows
 
 
-def check_image_tokens(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
-    """Refuse a batch whose rows do not each hold as many image tokens as their images have
-    features (:func:`row_images` images per row).
-
-    The family's forward writes the image features into the text embeddings at the image-token
-    positions (``masked_scatter``), which takes the first features in order without checking their
-    count once traced; eager transformers raises for a mismatch, and so does this check, before the
-    step. Nothing to check for a batch without ``pixel_values``.
+def image_counts(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The real images of each row of a LLaVA batch, ``LongTensor[rows]``: its image tokens
+    (``image_token_id``) over the tokens one image fills.
 
     Raises:
-        BatchError: naming the row, its image-token count and the count each row needs.
+        BatchError: a row whose image-token count is not a whole number of images (naming it).
     """
-    fam = family(getattr(model, "config", None))
-    if not isinstance(fam, VisionLanguageFamily) or IMAGE_INPUT not in batch or "input_ids" not in batch:
-        return  # Qwen2-VL's image tokens are checked with its grid (prepare_images)
-    token, per_image = fam.image_tokens(model)
-    k = row_images(batch)
-    refuse_image_token_counts(batch["input_ids"], token, k * per_image,
-                              f"each row carries {'one image' if k == 1 else f'{k} images'} of {per_image} features, which")
+    token, per_image = family(model.config).image_tokens(model)
+    tokens = (input_ids == token).sum(dim=1)
+    _refuse_rows(tokens, tokens % per_image != 0, token, f"not a multiple of the {per_image} features one image fills")
+    return tokens // per_image
+
+
+def _refuse_rows(tokens: torch.Tensor, bad: torch.Tensor, token: int, why: str) -> None:
+    """Raise a BatchError for the first row ``bad`` marks, with its count of ``tokens`` and ``why``."""
+    rows = bad.nonzero()
+    if len(rows):
+        row = int(rows[0, 0])
+        raise BatchError(f"batch row {row} holds {int(tokens[row])} image tokens (id {token}), {why}; build "
+                         "input_ids with the model's processor (it expands each image placeholder to its tokens)")
+
+
+def place_images(model: nn.Module, batch: Mapping[str, torch.Tensor], images_per_row: int,
+                 micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """A LLaVA batch with its images as the traced graph reads them; any other batch unchanged.
+
+    Each row carries 0 to ``images_per_row`` (K) images, as many as its image tokens say
+    (:func:`image_counts`). ``pixel_values`` may come in either layout:
+
+    - slots: ``FloatTensor[rows * K, C, H, W]``, row ``r``'s images first in ``[r * K, (r + 1) * K)``
+      in the order of its image tokens, the rest of its slots padding (any values; zeros are usual);
+    - Hugging Face's: ``FloatTensor[total images, C, H, W]``, every real image in row order, as a
+      processor returns a batch's images.
+
+    Every row having K images, the two are one. The result holds, for each micro-batch of
+    ``micro_batch_size`` rows, ``micro_batch_size * K`` images: its rows' real images in order,
+    then zeros. LLaVA's forward writes the image features into the image-token positions in order
+    (``masked_scatter``), so the real images' features fill exactly the image tokens and the zero
+    padding's features are read by nothing: they add nothing to the loss, and their gradient (and
+    hence their share of every vision gradient) is exactly zero.
+
+    Raises:
+        BatchError: a row with more than K images' tokens, or a partial image's; ``pixel_values``
+            of another count than either layout's.
+    """
+    images, ids = batch.get(IMAGE_INPUT), batch.get("input_ids")
+    if (not isinstance(family(getattr(model, "config", None)), VisionLanguageFamily)
+            or not isinstance(images, torch.Tensor) or not isinstance(ids, torch.Tensor) or images.dim() != 4):
+        return dict(batch)
+    counts = image_counts(model, ids)
+    rows, k = ids.shape[0], images_per_row
+    over = (counts > k).nonzero()
+    if len(over):
+        row = int(over[0, 0])
+        raise BatchError(f"batch row {row} holds the image tokens of {int(counts[row])} images, but the trainer was "
+                         f"compiled for at most images_per_row={k} a row: compile with images_per_row="
+                         f"{int(counts.max())}, or give the row fewer images")
+    total = int(counts.sum())
+    if images.shape[0] == rows * k:
+        real = images[(torch.arange(k, device=counts.device)[None, :] < counts[:, None]).flatten()]
+    elif images.shape[0] == total:
+        real = images
+    else:
+        raise BatchError(
+            f"batch[{IMAGE_INPUT!r}] holds {images.shape[0]} images, and its {rows} rows' image tokens say {total}: "
+            f"give one per real image in row order ([{total}, C, H, W], Hugging Face's layout), or "
+            f"images_per_row={k} slots a row ([{rows * k}, C, H, W], row r's images first at r * {k}, padding after)")
+    out = images.new_zeros((rows * k, *images.shape[1:]))
+    ends = torch.cumsum(counts, 0).tolist()
+    for m in range(0, rows, micro_batch_size):
+        start, end = ends[m - 1] if m else 0, ends[min(m + micro_batch_size, rows) - 1]
+        out[m * k:m * k + end - start] = real[start:end]
+    return {**batch, IMAGE_INPUT: out}
 
 
 def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int, images: str) -> None:
@@ -287,13 +346,7 @@ def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int,
         BatchError: naming the first row with another count, its count and ``per_row``.
     """
     counts = (input_ids == token).sum(dim=1)
-    bad = (counts != per_row).nonzero()
-    if len(bad):
-        row = int(bad[0, 0])
-        raise BatchError(
-            f"batch row {row} holds {int(counts[row])} image tokens (id {token}), but {images} fill exactly {per_row} "
-            "image tokens; build input_ids with the model's processor (it expands each image placeholder to its "
-            "tokens)")
+    _refuse_rows(counts, counts != per_row, token, f"but {images} fill exactly {per_row} image tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,5 +409,5 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
 
 
 __all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "ImageInputs", "VisionLanguageFamily", "VisionShare", "batch_names",
-           "check_image_tokens", "family", "image_inputs", "prepare_images", "refuse_image_token_counts",
+           "family", "image_counts", "image_inputs", "place_images", "prepare_images", "refuse_image_token_counts",
            "refuse_vision_language", "row_images", "vision_share", "vision_tower"]
