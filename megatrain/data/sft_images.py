@@ -83,9 +83,8 @@ class ChatProcessor(ChatTokenizer):
         images_per_example: the most images an example may have (``megatrain train``'s
             ``images_per_row``: each example is a row, traced with that many image slots; a row's
             :meth:`image_inputs` of fixed-size images fill the slots it does not use with zeros);
+            exactly that many with a processor of patch grids (Qwen2-VL's ``image_grid_thw``);
             None: any number, not padded.
-        exact_images: every example must have exactly ``images_per_example`` images (Qwen2-VL and
-            Qwen2.5-VL: a row's patches follow its images' grids, traced per shape).
         image_size: ``(H, W)`` pixels every image is resized to (Pillow, the image processor's
             ``resample``) before the processor reads it, so that all get one patch grid (Qwen2-VL:
             :mod:`megatrain.data.sft_qwen_vl`); None: as the file is.
@@ -96,7 +95,7 @@ class ChatProcessor(ChatTokenizer):
 
     def __init__(self, processor: Any, chat_template: str | None, *, eos_token: str, bos_token: str | None = None,
                  loss: Literal["all", "last"] = "all", images_per_example: int | None = None,
-                 exact_images: bool = False, image_size: tuple[int, int] | None = None) -> None:
+                 image_size: tuple[int, int] | None = None) -> None:
         self.processor = processor
         self.image_token = getattr(processor, "image_token", None)
         tokenizer = processor.tokenizer
@@ -110,7 +109,10 @@ class ChatProcessor(ChatTokenizer):
                          loss=loss)
         self.image_keys: tuple[str, ...] = tuple(processor.image_processor.model_input_names)
         self.images_per_example = images_per_example
-        self.exact_images = exact_images
+        # A processor of patch grids (Qwen2-VL's image_grid_thw): a row's patches follow its images'
+        # grids, which megatrain traces alike for every row, so every example has exactly
+        # images_per_example images, not at most.
+        self.exact_images = "image_grid_thw" in self.image_keys
         self.image_size = None if image_size is None else tuple(image_size)
         self._blank_image: torch.Tensor | None = None
 
@@ -135,7 +137,7 @@ class ChatProcessor(ChatTokenizer):
 
         Raises:
             RecordError: as :meth:`ChatTokenizer.encode`; the example has more than
-                ``images_per_example`` images (with ``exact_images``: not that many); the template wrote a different number of image
+                ``images_per_example`` images (a processor of patch grids: not that many); the template wrote a different number of image
                 tokens than the example has images; an image file is missing or unreadable.
         """
         images = example.images if isinstance(example, Chat) else ()

@@ -187,8 +187,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
 
         size = run_image_size(processor, cfg.image_size) if source.config.model_type in PROCESSORS else None
         chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
-                             loss=cfg.sft_loss, images_per_example=cfg.images_per_row,
-                             exact_images=size is not None, image_size=size)
+                             loss=cfg.sft_loss, images_per_example=cfg.images_per_row, image_size=size)
         template_origin = template_origin or ("the processor's" if processor.chat_template else None)
     packing = cfg.sft_packing and processor is None
     store = D.cached_sft_store(sources, chat, path, seq_len=cfg.seq_len, truncation=cfg.sft_truncation)
@@ -202,7 +201,11 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     sets = ", ".join(f"{d.name} ({d.format}, {d.examples:,}" + (f"; {c:,} a training epoch" if mixed else "") + ")"
                      for d, c in zip(m.datasets, dataset.counts))
     rows = "packed rows" if packing else "rows"
-    per_row = "up to one image" if cfg.images_per_row == 1 else f"up to {cfg.images_per_row} images"
+    k = cfg.images_per_row
+    if getattr(chat, "exact_images", False):  # Qwen2-VL: every row has its k images
+        per_row = "its image" if k == 1 else f"its {k} images"
+    else:
+        per_row = "up to one image" if k == 1 else f"up to {k} images"
     images = "" if processor is None else (f"; {m.num_images:,} images, one example and {per_row} a row"
                                            + (" (image examples are not packed)" if cfg.sft_packing else ""))
     fill = dataset.num_train_tokens / max(1, dataset.num_train_rows * cfg.seq_len)
