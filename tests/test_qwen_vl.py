@@ -155,6 +155,17 @@ def test_qwen_vl_rows_of_different_grids_and_image_counts_train_as_eager(kind, f
     assert trainer.step_count == 2
 
 
+def test_shape_free_qwen2_vl_takes_the_row_with_the_most_patches_as_the_budget():
+    """Shape-free, a batch's budget is the grids of its row with the most patches: the batch of
+    ROWS is planned with one 32x32 image a row, and a batch of the same budget reuses that plan."""
+    torch.manual_seed(0)
+    model = tiny_qwen()
+    shape_free = megatrain.compile(model, micro_batches=2, optimizer=ADAMW, input_names=NAMES)
+    shape_free.step(image_batch(4, 24, seed=0, row_grids=ROWS))
+    shape_free.step(image_batch(4, 24, seed=1, row_grids=[[], [(1, 4, 4)], [], [(1, 8, 8)]]))
+    assert shape_free.shapes == [(2, 24, BUDGET)] and shape_free.traces == 1
+
+
 def test_qwen2_vl_frozen_vision_tower_trains_merger_and_decoder_as_eager_at_each_grid(tmp_path):
     """The common recipe (patch embedding and vision blocks frozen, the merger and decoder
     trained), shape-free: a batch of another image grid is traced and planned as a new shape. The
