@@ -61,19 +61,23 @@ def tiny_qwen_vl(kind: str = "qwen2_vl", vision_layers: int = 2, text_layers: in
     return AutoModelForImageTextToText.from_config(qwen_vl_config(kind, vision_layers, text_layers))
 
 
-def image_batch(rows: int, seq_len: int, generator: torch.Generator, grid=GRID) -> dict[str, torch.Tensor]:
+def image_batch(rows: int, seq_len: int, generator: torch.Generator, grid=GRID,
+                row_grids=None) -> dict[str, torch.Tensor]:
     """Random text around each row's random images of ``grid`` (vision start, the image's tokens,
-    vision end), at offsets that differ by row; labels on the text only."""
+    vision end), at offsets that differ by row; labels on the text only. ``row_grids``: each row's
+    own images instead (``rows`` lists of grids, an empty one for a text-only row)."""
+    row_grids = [list(grid)] * rows if row_grids is None else [list(g) for g in row_grids]
     ids = torch.randint(0, IMAGE_TOKEN, (rows, seq_len), generator=generator)
     for r in range(rows):
         at = 1 + r % 3
-        for t, h, w in grid:
+        for t, h, w in row_grids[r]:
             n = t * h * w // 4  # one token per 2x2 merged patches
             ids[r, at], ids[r, at + 1:at + 1 + n], ids[r, at + 1 + n] = VISION_START, IMAGE_TOKEN, VISION_END
             at += n + 3
-    patches = rows * sum(t * h * w for t, h, w in grid)
+    images = [g for row in row_grids for g in row]
+    patches = sum(t * h * w for t, h, w in images)
     return {"input_ids": ids, "pixel_values": torch.randn(patches, 3 * 2 * PATCH * PATCH, generator=generator),
-            "image_grid_thw": torch.tensor([g for _ in range(rows) for g in grid]),
+            "image_grid_thw": torch.tensor(images, dtype=torch.long).view(-1, 3),
             "mm_token_type_ids": (ids == IMAGE_TOKEN).int(), "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100)}
 
 

@@ -91,8 +91,8 @@ class ShapeFreeTrainer:
 
     ``step``, ``evaluate``, ``flush``, ``set_lr``, ``set_optimizer``, ``save``, ``load`` and
     ``state_dict`` behave as ``Trainer``'s; ``step`` takes a batch of any ``[rows, seq_len]`` (and,
-    for Qwen2-VL, any image grid: the grids ``image_grid_thw`` gives one row, every row alike, are
-    part of the shape; for LLaVA, up to any number of images per row: ``pixel_values`` in
+    for Qwen2-VL, rows of any images: the grids of the row with the most patches are part of the
+    shape, a patch budget every row fits; for LLaVA, up to any number of images per row: ``pixel_values`` in
     ``images_per_row`` slots a row, ``[rows x images_per_row, C, H, W]``, or one per real image
     (``images_per_row`` then the most a row has), ``images_per_row`` part of the shape) with ``rows`` a
     multiple of ``micro_batches``, split into ``micro_batches`` micro-batches of
@@ -156,7 +156,7 @@ class ShapeFreeTrainer:
         mbs = self.micro_batch_size or rows // self.micro_batches
         # The images of a row are part of the shape: the compile options that trace them.
         layout = {}
-        grid, images = row_grids(batch), row_images(batch, self.model)
+        grid, images = row_grids(batch, getattr(self.model, "config", None)), row_images(batch, self.model)
         if grid is not None:
             layout["image_grid_thw"] = grid
         if images != 1:

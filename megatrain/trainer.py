@@ -591,8 +591,9 @@ class Trainer:
 
     def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
         o = self.options
-        # Qwen2-VL: its grids checked, its patches per row and its M-RoPE positions made here.
-        d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"))
+        # Qwen2-VL: its grids checked; each micro-batch's patches, tower inputs and M-RoPE positions made here.
+        d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"),
+                           o.micro_batch_size)
         if IMAGE_INPUT in d and IMAGE_INPUT in o.input_names:
             # LLaVA: 0 to images_per_row images a row, each micro-batch's real images first, zeros after.
             d = place_images(self.model, d, self.graph.value_by_name(IMAGE_INPUT).shape[0] // o.micro_batch_size,
@@ -889,8 +890,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             Qwen2-VL and Qwen2.5-VL take
             ``("input_ids", "pixel_values", "image_grid_thw", "labels")`` (and optionally
             ``"mm_token_type_ids"``, ``"attention_mask"``) as their processor returns them: the
-            images' patches ``[patches, C*T*P*P]`` float32 and grids ``[images, 3]``
-            (:mod:`megatrain.planner.trace.qwen_vl`).
+            images' patches ``[patches, C*T*P*P]`` float32 and grids ``[images, 3]``, every row's
+            images in row order (see ``image_grid_thw``; :mod:`megatrain.planner.trace.qwen_vl`).
         max_grad_norm: clip the gradients to this global L2 norm, as
             ``torch.nn.utils.clip_grad_norm_`` does, or None. Clipping needs every gradient before
             any update, so the optimizer steps then run in the next step's forward
@@ -907,11 +908,17 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         host_state: data parallel over several nodes: ``"shard"`` holds ``1 / nodes`` of the host
             state on each node (ZeRO-3 style), ``"replicate"`` a full copy; see :func:`plan_model`.
             Fixed shapes only (give ``seq_len``).
-        image_grid_thw: Qwen2-VL and Qwen2.5-VL: the patch grid ``(t, h, w)`` of each image of a
-            row, every row alike (what the processor returns in ``image_grid_thw`` for one row: a
-            448x448 image with 14-pixel patches is ``[(1, 32, 32)]``, the default). A batch of other
-            grids is refused (BatchError naming the grid to compile with); shape-free (no
-            ``seq_len``), each batch's grids are its shape's. Other models: None.
+        image_grid_thw: Qwen2-VL and Qwen2.5-VL: patch grids ``(t, h, w)`` (as the processor
+            returns them in ``image_grid_thw``: a 448x448 image with 14-pixel patches is
+            ``[(1, 32, 32)]``, the default) whose patches, ``sum(t * h * w)``, are each row's
+            budget: a row carries any images (of any grids, any number, none) whose patches fit
+            it, as many as its image tokens say, in the order ``image_grid_thw`` lists them. The
+            trace and plan hold the budget's patches a row, each micro-batch's real patches first
+            and zeros after (read by no image token: nothing added to the loss or any gradient;
+            the attention over them is counted, as it runs). A row over the budget is refused
+            (BatchError naming the row, its patches and the grids to compile with); shape-free (no
+            ``seq_len``), the grids of each batch's row with the most patches are its shape's.
+            Other models: None.
         images_per_row: LLaVA: the most images a row carries (K, default 1); a row carries 0 to K,
             as many as its image tokens (``image_token_id``, one per image feature) say. The trace
             and plan hold K image slots a row whatever a batch's counts. ``pixel_values`` float32

@@ -476,7 +476,7 @@ def _check_processor(model, dataset, images, grid=None) -> None:
     fam = family(model.config)
     if isinstance(fam, PatchGridFamily):
         try:
-            prepare_images(model, dataset.rows([0]), dataset.input_names, grid)
+            prepare_images(model, dataset.rows([0]), dataset.input_names, grid, 1)
         except BatchError as e:
             raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the "
                               f"first training row: {e}. Use the model's own processor (its patch_size, "

@@ -94,8 +94,9 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     A vision-language model of :data:`.vlm.FAMILIES` (LLaVA) may take ``pixel_values`` among them,
     ``FloatTensor[micro_batch_size * images_per_row, C, H, W]`` (``images_per_row`` images per row,
     row by row): its vision blocks become layers too (:mod:`.vlm`). Qwen2-VL and Qwen2.5-VL take ``pixel_values`` and ``image_grid_thw``, each row
-    the images of the grids ``image_grid_thw`` (``[(t, h, w), ...]``, default one 448x448 image), and
-    are traced with their M-RoPE positions as an input instead of the grid (:mod:`.qwen_vl`).
+    any images within the patches of the grids ``image_grid_thw`` (``[(t, h, w), ...]``, default one
+    448x448 image), and are traced with their M-RoPE positions and the vision tower's grid-derived
+    tensors as inputs instead of the grid (:mod:`.qwen_vl`).
     The model may live on the ``meta`` device; no parameter memory is touched either way, and the
     model is not modified.
 
@@ -115,7 +116,7 @@ def trace(model: nn.Module, *, micro_batch_size: int, seq_len: int,
     run again on the full model. ``graph.meta`` records ``trace`` (``"replicated"`` or ``"full"``),
     ``trace_full_because``, ``skip_causal_mask``, ``param_dtype``, any ``unused_parameters``, a
     vision-language model's ``vision_container`` (its vision blocks' layers are named under it), and
-    a Qwen2-VL's ``image_grid_thw`` (one row's image grids), and
+    a Qwen2-VL's ``image_grid_thw`` (the grids whose patches are a row's budget), and
     ``uncounted_loss_because`` when the loss is not a mean cross-entropy that
     :func:`~megatrain.planner.trace.token_loss.sum_token_loss` can sum and count
     (``TracedModel.count_targets`` is then None).

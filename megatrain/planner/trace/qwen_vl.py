@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL: images of a fixed patch grid, their value-dependent tensors made on the host.
+"""Qwen2-VL and Qwen2.5-VL: rows of any images within a patch budget, their value-dependent tensors made on the host.
 
 Qwen2-VL (Wang et al., "Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at
 Any Resolution", arXiv:2409.12191; transformers' ``Qwen2VLForConditionalGeneration``) and Qwen2.5-VL
@@ -10,23 +10,32 @@ per-image ``cu_seqlens`` split of the vision attention, Qwen2.5-VL's window inde
 M-RoPE positions (``get_rope_index``, a Python loop over ``input_ids``). A fixed-shape trace cannot
 follow those, so:
 
-- The **image grid is part of the traced shape**: every row carries the same images, of the grids
-  ``image_grid_thw`` given to ``megatrain.compile`` (default: one 448x448 image per row). What
-  depends only on the grid is computed once on the host at trace time by transformers' own
-  functions (``transformers.vision_utils``: ``get_vision_position_ids``,
-  ``get_vision_cu_seqlens``, ``get_vision_window_index``) and given to the vision tower through
-  its precomputed-tensor keywords; the trace holds them as constants, which each layer that reads
-  them gets as a buffer.
+- The **patch budget of a row is part of the traced shape**: the patches of the grids
+  ``image_grid_thw`` given to ``megatrain.compile`` (default: one 448x448 image per row,
+  :func:`patch_budget`). A row may carry any images (native resolutions, any number, none) whose
+  patches fit it. Each micro-batch's ``pixel_values`` are ``[micro_batch_size, budget, C*T*P*P]``:
+  its rows' patches in order, then zeros. The forward writes the merged features into the image
+  tokens in order, so the zeros' features (whole merge groups: every grid's ``h`` and ``w`` are
+  multiples of ``spatial_merge_size``) are read by nothing and get exactly zero gradient.
+- What depends on the grids is a **batch input made on the host** per micro-batch
+  (:func:`prepare_batch`, :func:`vision_inputs`) by transformers' own functions
+  (``transformers.vision_utils``: ``get_vision_position_ids``, ``get_vision_cu_seqlens``,
+  ``get_vision_window_index``) and given to the vision tower through its precomputed-tensor
+  keywords: the rotary position ids, the image boundaries ``cu_seqlens`` and, for Qwen2.5-VL, the
+  window order of the merged tokens and the window boundaries (its inverse, ``argsort``, is the
+  model's own, traced). The padding patches are one segment of their own after the real ones and
+  keep their place in the window order; the boundaries are padded to a fixed length by repeating
+  the last (empty segments).
 - The vision attention's per-image split (``torch.split`` by ``cu_seqlens.tolist()``) becomes one
   SDPA call over the micro-batch's patches with the block-diagonal mask ``cu_seqlens`` describes
   (the same per-image attention: masked keys add exact zeros). The model's attention code runs
   unchanged: for the export only, the vision config names an attention implementation registered
   through transformers' ``AttentionInterface`` (:func:`varlen_attention`) that takes the
   variable-length keywords (``cu_seq_lens_q``) the model passes to FlashAttention-2's varlen kernel.
-  Its cost: scores over all the micro-batch's patches, ``(rows x patches per row) ** 2`` per head,
+  Its cost: scores over all the micro-batch's patch slots, ``(rows x budget) ** 2`` per head,
   where the split computes each image's (or window's: Qwen2.5-VL's windows of 8x8 patches make
   its window blocks' attention the larger overhead); the trace measures, and the planner counts,
-  what runs.
+  what runs, padding included.
 - The **M-RoPE positions depend on where each row's image tokens are**, so they are a batch input,
   ``mrope_position_ids: LongTensor[rows, 3, seq_len]``, computed per batch on the host by the
   model's own ``get_rope_index`` (:func:`prepare_batch`), and passed to ``forward`` as its
@@ -38,7 +47,8 @@ follow those, so:
   connector layer (``model.visual.merger``).
 
 A batch gives ``input_ids``, ``labels``, ``pixel_values`` and ``image_grid_thw`` (and optionally
-``attention_mask`` and ``mm_token_type_ids``) as the model's processor returns them;
+``attention_mask`` and ``mm_token_type_ids``) as the model's processor returns them: each row's
+images in ``image_grid_thw`` in row order, as many as its image tokens say;
 :func:`prepare_batch` checks them (BatchError) and turns them into the traced inputs.
 Videos are not supported.
 """
@@ -61,6 +71,14 @@ TOKEN_TYPES = "mm_token_type_ids"
 ROPE_INPUT = "mrope_position_ids"
 """The traced input with the M-RoPE positions, ``LongTensor[rows, 3, seq_len]`` (temporal, height,
 width), made on the host by :func:`prepare_batch`."""
+VISION_INPUTS = {"vision_position_ids": "position_ids", "vision_cu_seqlens": "cu_seqlens"}
+"""The traced inputs with the vision tower's grid-derived tensors of one micro-batch (made on the host by
+:func:`prepare_batch`), by the tower keyword each is passed as: the rotary position ids ``[micro_batch_size,
+patches per row, 2]`` int64 and the image boundaries ``[micro_batch_size, merged tokens per row + 1]`` int32
+(flattened: the micro-batch's ``cu_seqlens``, repeated at its end)."""
+WINDOW_INPUTS = {"vision_window_index": "window_index", "vision_cu_window_seqlens": "cu_window_seqlens"}
+"""The same for a windowed tower (Qwen2.5-VL): the window order of the merged tokens ``[micro_batch_size,
+merged tokens per row]`` int64 and the window boundaries, as ``vision_cu_seqlens``."""
 DEFAULT_IMAGE_PIXELS = 448
 """The side of the image each row carries by default (Qwen2-VL's processor keeps a 448x448 image
 at that size: 32x32 patches of 14 pixels, 256 image tokens)."""
@@ -138,27 +156,26 @@ def row_grid(config: Any, grid: Sequence[Sequence[int]] | None) -> tuple[tuple[i
     return rows
 
 
-def row_grids(batch: Mapping[str, torch.Tensor]) -> tuple[tuple[int, int, int], ...] | None:
-    """The grids of one row's images in a batch with ``image_grid_thw`` (every row alike), or None
-    for a batch without it.
+def row_grids(batch: Mapping[str, torch.Tensor], config: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """The grids of the images of the row of a batch with ``image_grid_thw`` that carries the most
+    patches (the first such), whose patches are then a budget every row fits (:func:`prepare_batch`);
+    None for a batch without it. ``config``: the model's.
 
     Raises:
-        BatchError: ``image_grid_thw`` that does not split into the same grids for every row of
-            ``input_ids`` (names what to change).
+        BatchError: what :func:`prepare_batch` raises for ``image_grid_thw`` that does not fit the
+            rows' image tokens, or a batch whose rows carry no image at all.
     """
     grids = batch.get(GRID_INPUT)
     if grids is None:
         return None
-    rows = batch["input_ids"].shape[0]
-    if grids.dim() != 2 or grids.shape[1] != 3 or grids.shape[0] % rows:
-        raise BatchError(f"batch['image_grid_thw'] has shape {tuple(grids.shape)}; it gives each image's (t, h, w), "
-                         f"the same number of images for each of the {rows} rows: [{rows} x images per row, 3]")
-    per_row = grids.view(rows, -1, 3)
-    if not bool((per_row == per_row[:1]).all()):
-        raise BatchError(f"the rows of this batch carry images of different grids ({grids.tolist()}); megatrain "
-                         "traces one grid per shape, the same for every row: batch images of one size together, "
-                         "or resize them to one size")
-    return tuple(tuple(int(x) for x in g) for g in per_row[0].tolist())
+    grids = _checked_grids(grids, config)
+    counts = _row_images(config, batch["input_ids"], grids)
+    rows = grids.split(counts)
+    largest = max(rows, key=lambda g: int(g.prod(-1).sum()))
+    if not len(largest):
+        raise BatchError(f"batch[{GRID_INPUT!r}] lists no image: drop pixel_values and image_grid_thw from a batch "
+                         "of text only")
+    return tuple(tuple(int(x) for x in g) for g in largest.tolist())
 
 
 def patch_features(config: Any) -> int:
@@ -173,10 +190,10 @@ def image_tokens(config: Any, grid: Sequence[Sequence[int]]) -> int:
     return sum(t * h * w for t, h, w in grid) // config.vision_config.spatial_merge_size ** 2
 
 
-def traced_names(input_names: Sequence[str]) -> tuple[str, ...]:
+def traced_names(input_names: Sequence[str], fam: PatchGridFamily) -> tuple[str, ...]:
     """The traced inputs for a batch of ``input_names``: ``image_grid_thw`` becomes
-    :data:`ROPE_INPUT` (the grid itself is part of the traced shape), ``mm_token_type_ids`` is read
-    on the host only.
+    :data:`ROPE_INPUT` and the tower's grid-derived inputs (:data:`VISION_INPUTS`, and
+    :data:`WINDOW_INPUTS` for a windowed ``fam``), ``mm_token_type_ids`` is read on the host only.
 
     Raises:
         UnsupportedModelError: ``pixel_values`` without ``image_grid_thw``, or ``position_ids``
@@ -191,14 +208,21 @@ def traced_names(input_names: Sequence[str]) -> tuple[str, ...]:
         raise UnsupportedModelError(
             "position_ids among the inputs of Qwen2-VL with images: megatrain computes its M-RoPE positions from "
             "input_ids and image_grid_thw with the model's get_rope_index; drop position_ids")
-    return tuple(ROPE_INPUT if n == GRID_INPUT else n for n in names if n != TOKEN_TYPES)
+    grid_inputs = (ROPE_INPUT, *VISION_INPUTS, *(WINDOW_INPUTS if fam.windowed else ()))
+    return tuple(x for n in names if n != TOKEN_TYPES for x in (grid_inputs if n == GRID_INPUT else (n,)))
 
 
-def input_shapes(config: Any, grid: Sequence[Sequence[int]], micro_batch_size: int,
+def patch_budget(grid: Sequence[Sequence[int]]) -> int:
+    """The patches a row may carry: those of the images of ``grid``, ``sum(t * h * w)``."""
+    return sum(t * h * w for t, h, w in grid)
+
+
+def input_shapes(config: Any, fam: PatchGridFamily, grid: Sequence[Sequence[int]], micro_batch_size: int,
                  seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The traced shapes of one micro-batch's images and positions: ``pixel_values``
-    ``[micro_batch_size, patches per row, C*T*P*P]`` float32 and :data:`ROPE_INPUT`
-    ``[micro_batch_size, 3, seq_len]`` int64.
+    ``[micro_batch_size, patches per row, C*T*P*P]`` float32 (patches per row: the budget
+    :func:`patch_budget` of ``grid``), :data:`ROPE_INPUT` ``[micro_batch_size, 3, seq_len]`` int64,
+    and the tower's grid-derived inputs (:data:`VISION_INPUTS`, :data:`WINDOW_INPUTS`).
 
     Raises:
         ConfigError: a row's images fill more tokens than ``seq_len``.
@@ -207,49 +231,76 @@ def input_shapes(config: Any, grid: Sequence[Sequence[int]], micro_batch_size: i
     if tokens > seq_len:
         raise ConfigError(f"each row's images of grids {[list(g) for g in grid]} fill {tokens} image tokens, more "
                           f"than seq_len={seq_len}: raise seq_len, or give smaller images (image_grid_thw)")
-    patches = sum(t * h * w for t, h, w in grid)
-    return {"pixel_values": ((micro_batch_size, patches, patch_features(config)), torch.float32),
-            ROPE_INPUT: ((micro_batch_size, 3, seq_len), torch.int64)}
-
-
-def vision_constants(model: nn.Module, fam: PatchGridFamily, grid: Sequence[Sequence[int]],
-                     micro_batch_size: int) -> dict[str, Any]:
-    """The vision tower's grid-derived keywords for one micro-batch (``micro_batch_size`` rows of
-    the images of ``grid``), by transformers' own functions: ``position_ids`` ``[patches, 2]`` of
-    the rotary embedding, ``cu_seqlens`` (each image's boundary) and ``max_seqlen``; for a
-    windowed tower also ``window_index``, ``cu_window_seqlens`` and ``max_window_seqlen``."""
-    tower = model.get_submodule(fam.vision_tower)
-    vu = _vision_utils(model, tower)
-    config = tower.config
-    grid_thw = torch.tensor([g for _ in range(micro_batch_size) for g in grid], dtype=torch.long)
-    cu = vu.get_vision_cu_seqlens(grid_thw)
-    out = {"position_ids": vu.get_vision_position_ids(grid_thw, config.spatial_merge_size),
-           "cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max())}
+    patches, mbs = patch_budget(grid), micro_batch_size
+    merged = patches // config.vision_config.spatial_merge_size ** 2
+    shapes = {"pixel_values": ((mbs, patches, patch_features(config)), torch.float32),
+              ROPE_INPUT: ((mbs, 3, seq_len), torch.int64),
+              "vision_position_ids": ((mbs, patches, 2), torch.int64),
+              "vision_cu_seqlens": ((mbs, merged + 1), torch.int32)}
     if fam.windowed:
-        index, cu_window = vu.get_vision_window_index(grid_thw, config.spatial_merge_size, config.window_size,
-                                                      config.patch_size)
-        out.update(window_index=index, cu_window_seqlens=cu_window,
-                   max_window_seqlen=int((cu_window[1:] - cu_window[:-1]).max()))
-    # On the parameters' device, as the buffers they meet are (meta for a model too large to build).
-    device = next(tower.parameters()).device
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        shapes.update(vision_window_index=((mbs, merged), torch.int64),
+                      vision_cu_window_seqlens=((mbs, merged + 1), torch.int32))
+    return shapes
 
 
-def trace_call(model: nn.Module, fam: PatchGridFamily, grid: Sequence[Sequence[int]], micro_batch_size: int):
+def _boundaries(cu: torch.Tensor, total: int, length: int) -> torch.Tensor:
+    """``cu_seqlens`` of the real patches (ending where they end) then ``total`` repeated to ``length``
+    int32 entries: the padding patches up to ``total`` one segment of their own, the rest empty."""
+    return torch.cat([cu.to(torch.int32), torch.full((length - len(cu),), total, dtype=torch.int32)])
+
+
+def vision_inputs(model: nn.Module, fam: PatchGridFamily, grids: torch.Tensor, micro_batch_size: int,
+                  patches_per_row: int) -> dict[str, torch.Tensor]:
+    """The tower's grid-derived inputs of one micro-batch whose images have the grids ``grids``
+    (``LongTensor[images, 3]``, in row order; the real patches first, then zeros up to
+    ``micro_batch_size * patches_per_row``), by transformers' own functions (``vision_utils``):
+    :data:`VISION_INPUTS` and, for a windowed tower, :data:`WINDOW_INPUTS`, each shaped as
+    :func:`input_shapes` says. The padding patches have rotary position 0, one attention segment
+    of their own, and keep their place in the window order (after every real patch)."""
+    tower = model.get_submodule(fam.vision_tower)
+    vu, config = _vision_utils(model, tower), tower.config
+    merge = config.spatial_merge_size ** 2
+    total, real = micro_batch_size * patches_per_row, int(grids.prod(-1).sum()) if len(grids) else 0
+    length = micro_batch_size * (patches_per_row // merge + 1)
+    position = torch.zeros(total, 2, dtype=torch.long)
+    cu = torch.zeros(1, dtype=torch.int32)
+    if real:
+        position[:real] = vu.get_vision_position_ids(grids, config.spatial_merge_size)
+        cu = vu.get_vision_cu_seqlens(grids)
+    out = {"vision_position_ids": position.view(micro_batch_size, patches_per_row, 2),
+           "vision_cu_seqlens": _boundaries(cu, total, length).view(micro_batch_size, -1)}
+    if fam.windowed:
+        index, cu_window = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32)
+        if real:
+            index, cu_window = vu.get_vision_window_index(grids, config.spatial_merge_size, config.window_size,
+                                                          config.patch_size)
+        index = torch.cat([index, torch.arange(real // merge, total // merge)])
+        out.update(vision_window_index=index.view(micro_batch_size, -1),
+                   vision_cu_window_seqlens=_boundaries(cu_window, total, length).view(micro_batch_size, -1))
+    return out
+
+
+def trace_call(model: nn.Module, fam: PatchGridFamily):
     """The function the trace's loss wrapper calls the model with, for batches of the traced names
     (:func:`traced_names`): the text embedding, the vision tower on the micro-batch's patches with
-    the grid's constants (:func:`vision_constants`), then the model's forward with those features
-    (``mm_encoder_outputs``) and the M-RoPE positions (``position_ids``, ``[3, rows, seq_len]``)."""
+    its grid-derived inputs (:func:`vision_inputs`, flattened over the micro-batch), then the
+    model's forward with those features (``mm_encoder_outputs``) and the M-RoPE positions
+    (``position_ids``, ``[3, rows, seq_len]``)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    constants = vision_constants(model, fam, grid, micro_batch_size)
+    keywords = {**VISION_INPUTS, **(WINDOW_INPUTS if fam.windowed else {})}
 
     def call(m: nn.Module, **batch: torch.Tensor):
         pixels, positions = batch.pop("pixel_values"), batch.pop(ROPE_INPUT)
+        grid = {keyword: batch.pop(name).flatten(0, 1) for name, keyword in keywords.items()}
+        # The varlen attention reads the boundaries only; the longest segment is a bound it ignores.
+        longest = {"max_seqlen": pixels.shape[0] * pixels.shape[1]}
+        if fam.windowed:
+            longest["max_window_seqlen"] = longest["max_seqlen"]
         # First, so that the text embedding is in the prologue with the patch embedding.
         embeds = m.get_input_embeddings()(batch["input_ids"])
         tower = m.get_submodule(fam.vision_tower)
-        features = tower(pixels.flatten(0, 1).type(tower.dtype), grid_thw=None, **constants).pooler_output
+        features = tower(pixels.flatten(0, 1).type(tower.dtype), grid_thw=None, **grid, **longest).pooler_output
         return m(**batch, inputs_embeds=embeds, position_ids=positions.transpose(0, 1),
                  mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=(features,))})
 
@@ -291,42 +342,97 @@ def varlen_attention(model: nn.Module, fam: PatchGridFamily):
         config._attn_implementation = {"": before}
 
 
-def prepare_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], names: Sequence[str],
-                  grid: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-    """A batch as the processor returns it, checked and turned into the traced inputs ``names``
-    (:func:`traced_names`): ``pixel_values`` ``[rows * patches per row, C*T*P*P]`` as ``[rows,
-    patches per row, C*T*P*P]``, and :data:`ROPE_INPUT` from the model's ``get_rope_index`` on the
-    host (with ``mm_token_type_ids`` if given, else the image tokens of ``input_ids``, and the
-    ``attention_mask`` if any). Other inputs pass through.
+def _checked_grids(grids: torch.Tensor, config: Any) -> torch.Tensor:
+    """``image_grid_thw`` as a host ``LongTensor[images, 3]``.
 
     Raises:
-        BatchError: ``image_grid_thw`` other than ``grid`` for every row (names the grid the trainer
-            was compiled for), ``pixel_values`` of another dtype or shape, a row whose image-token
-            count differs from its images' (names the row), ``mm_token_type_ids`` of another shape.
+        BatchError: not ``[images, 3]`` positive integers with ``h`` and ``w`` multiples of
+            ``spatial_merge_size``.
+    """
+    merge = config.vision_config.spatial_merge_size
+    if (grids.dtype.is_floating_point or grids.dim() != 2 or grids.shape[-1] != 3 or bool((grids < 1).any())
+            or bool((grids[:, 1:] % merge).any())):
+        raise BatchError(f"batch['image_grid_thw'] is {grids.tolist()}; give each image's (t, h, w) as integers, "
+                         f"[images, 3], h and w multiples of spatial_merge_size={merge}, as the processor returns them")
+    return grids.long().cpu()
+
+
+def _row_images(config: Any, ids: torch.Tensor, grids: torch.Tensor) -> list[int]:
+    """How many of the images of ``grids`` (in row order) each row of ``ids`` carries: as many as
+    fill its image tokens.
+
+    Raises:
+        BatchError: a row whose image tokens are not those of its next images (names the row), or
+            images left over after the last row.
+    """
+    tokens = (ids == config.image_token_id).sum(dim=1).tolist()
+    per_image = (grids.prod(-1) // config.vision_config.spatial_merge_size ** 2).tolist()
+    counts, at = [], 0
+    for row, want in enumerate(tokens):
+        have, first = 0, at
+        while have < want and at < len(per_image):
+            have, at = have + per_image[at], at + 1
+        if have != want:
+            raise BatchError(
+                f"batch row {row} holds {want} image tokens (id {config.image_token_id}), but its images "
+                f"{grids[first:at].tolist()} (the next of image_grid_thw, in row order) fill {have}: build "
+                "input_ids with the model's processor (it expands each image placeholder to its tokens), with "
+                "image_grid_thw listing every row's images in order")
+        counts.append(at - first)
+    if at != len(per_image):
+        raise BatchError(f"batch['image_grid_thw'] lists {len(per_image)} images, but the rows' image tokens "
+                         f"(id {config.image_token_id}) take only the first {at}: give each image's tokens in "
+                         "input_ids, or drop the images no row shows")
+    return counts
+
+
+def prepare_batch(model: nn.Module, fam: PatchGridFamily, batch: Mapping[str, torch.Tensor], names: Sequence[str],
+                  grid: Sequence[Sequence[int]], micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """A batch as the processor returns it, checked and turned into the traced inputs ``names``
+    (:func:`traced_names`).
+
+    Each row carries any images (none included) whose patches fit the budget of the traced
+    ``grid`` (:func:`patch_budget`), as many as its image tokens say, in the order
+    ``image_grid_thw`` lists them. For each micro-batch of ``micro_batch_size`` rows,
+    ``pixel_values`` ``[micro_batch_size, patches per row, C*T*P*P]`` holds its rows' patches in
+    order, then zeros: Qwen2-VL's forward writes the merged features into the image tokens in
+    order, so the zeros' features are read by nothing and have zero gradient. Its tower inputs
+    (:func:`vision_inputs`) and :data:`ROPE_INPUT` (the model's ``get_rope_index`` on the host,
+    with ``mm_token_type_ids`` if given, else the image tokens of ``input_ids``, and the
+    ``attention_mask`` if any) come with it. Other inputs pass through.
+
+    Raises:
+        BatchError: ``image_grid_thw`` that is not ``[images, 3]`` integers with ``h`` and ``w``
+            multiples of ``spatial_merge_size``; a row whose image tokens are not its images' (names
+            the row); a row whose patches exceed the budget (names the row, its patches, the budget
+            and what to compile with); ``pixel_values`` of another dtype or patch count;
+            ``mm_token_type_ids`` of another shape; rows not a multiple of ``micro_batch_size``.
     """
     config = model.config
     ids, pixels, grids = batch["input_ids"], batch["pixel_values"], batch[GRID_INPUT]
-    rows = ids.shape[0]
-    want = torch.tensor([g for _ in range(rows) for g in grid], dtype=torch.long)
-    if grids.dtype.is_floating_point or tuple(grids.shape) != tuple(want.shape) or not torch.equal(grids.long(), want):
-        raise BatchError(
-            f"batch['image_grid_thw'] is {grids.tolist()}, but the trainer was compiled for {len(grid)} image(s) per "
-            f"row of grids {[list(g) for g in grid]} ({rows} rows: {want.tolist()}): resize the images to that many "
-            f"patches of {config.vision_config.patch_size} pixels (the processor's min_pixels and max_pixels), or "
-            f"compile again with image_grid_thw={[list(g) for g in grid]} changed to theirs")
-    per_row = sum(t * h * w for t, h, w in grid)
-    shape = (rows * per_row, patch_features(config))
+    rows, grids = ids.shape[0], _checked_grids(grids, config)
+    if not rows or rows % micro_batch_size:
+        raise BatchError(f"batch has {rows} rows, not a positive multiple of micro_batch_size={micro_batch_size}: "
+                         "drop or add rows")
+    counts = _row_images(config, ids, grids)
+    budget = patch_budget(grid)
+    patches = [int(g.prod(-1).sum()) for g in grids.split(counts)]
+    for row, n in enumerate(patches):
+        if n > budget:
+            own = grids[sum(counts[:row]):sum(counts[:row + 1])].tolist()
+            raise BatchError(
+                f"batch row {row} carries images of grids {own}, {n} patches, more than the {budget} a row "
+                f"was compiled for (image_grid_thw={[list(g) for g in grid]}): compile with image_grid_thw="
+                f"{own} (or any grids of at least {n} patches), or give the row smaller images (the "
+                "processor's max_pixels)")
+    features = patch_features(config)
     if pixels.dtype != torch.float32:
         raise BatchError(f"batch['pixel_values'] has dtype {pixels.dtype}; the model was traced with float32 "
                          "pixel_values: convert with .to(torch.float32)")
-    if tuple(pixels.shape) != shape:
-        raise BatchError(f"batch['pixel_values'] has shape {tuple(pixels.shape)}, but {rows} rows of images of grids "
-                         f"{[list(g) for g in grid]} flatten to {list(shape)} ([patches, channels x "
-                         "temporal_patch_size x patch_size^2], as the processor returns them)")
-    from megatrain.planner.trace.vlm import refuse_image_token_counts  # (vlm imports this module)
-
-    refuse_image_token_counts(ids, config.image_token_id, image_tokens(config, grid),
-                              f"its images of grids {[list(g) for g in grid]}")
+    if tuple(pixels.shape) != (sum(patches), features):
+        raise BatchError(f"batch['pixel_values'] has shape {tuple(pixels.shape)}, but the images of image_grid_thw "
+                         f"flatten to {[sum(patches), features]} ([patches, channels x temporal_patch_size x "
+                         "patch_size^2], as the processor returns them)")
     types = batch.get(TOKEN_TYPES)
     if types is None:
         types = (ids == config.image_token_id).int()
@@ -334,12 +440,23 @@ def prepare_batch(model: nn.Module, batch: Mapping[str, torch.Tensor], names: Se
         raise BatchError(f"batch[{TOKEN_TYPES!r}] has shape {tuple(types.shape)}; it gives each token of input_ids "
                          f"its modality, {list(ids.shape)}")
     positions, _ = model.get_submodule("model").get_rope_index(
-        ids, mm_token_type_ids=types, image_grid_thw=grids, attention_mask=batch.get("attention_mask"))
-    out = dict(batch, pixel_values=pixels.view(rows, per_row, -1))
+        ids, mm_token_type_ids=types, image_grid_thw=grids.to(ids.device), attention_mask=batch.get("attention_mask"))
+    out = dict(batch)
     out[ROPE_INPUT] = positions.permute(1, 0, 2).contiguous()
+    # Each micro-batch: its rows' patches first, zeros after, and the tower's inputs for them.
+    mb_images = [sum(counts[i:i + micro_batch_size]) for i in range(0, rows, micro_batch_size)]
+    mb_patches = [sum(patches[i:i + micro_batch_size]) for i in range(0, rows, micro_batch_size)]
+    parts = []
+    for g, p in zip(grids.split(mb_images), pixels.split(mb_patches)):
+        padded = torch.cat([p, p.new_zeros(micro_batch_size * budget - len(p), features)])
+        parts.append({"pixel_values": padded.view(micro_batch_size, budget, features),
+                      **vision_inputs(model, fam, g, micro_batch_size, budget)})
+    for name in parts[0]:
+        out[name] = torch.cat([part[name] for part in parts]).to(pixels.device if name == "pixel_values" else
+                                                                 ids.device)
     return {n: out[n] for n in names}
 
 
 __all__ = ["DEFAULT_IMAGE_PIXELS", "GRID_INPUT", "PatchGridFamily", "ROPE_INPUT", "TOKEN_TYPES", "image_tokens",
-           "input_shapes", "patch_features", "prepare_batch", "row_grid", "row_grids", "trace_call", "traced_names",
-           "varlen_attention", "vision_constants"]
+           "input_shapes", "patch_budget", "patch_features", "prepare_batch", "row_grid", "row_grids", "trace_call",
+           "traced_names", "varlen_attention", "vision_inputs", "VISION_INPUTS", "WINDOW_INPUTS"]

@@ -13,8 +13,8 @@ A frozen vision tower (``requires_grad=False``, the common LLaVA recipe) has no 
 compute: its layers get no local backward, no gradient copy and no optimizer state.
 
 Qwen2-VL and Qwen2.5-VL take their images as flattened patches with a grid, and their forward
-reads sizes from tensor values; :mod:`.qwen_vl` makes those on the host (the grid fixed per traced
-shape, the M-RoPE positions per batch) so that the same layers come out.
+reads sizes from tensor values; :mod:`.qwen_vl` makes those on the host per batch (a row's patch
+budget fixed per traced shape) so that the same layers come out.
 
 The family table (:data:`FAMILIES`) says what each supported family's batch carries beside the
 token inputs and how many image tokens a row holds; :data:`REFUSED` names, for the vision-language
@@ -119,7 +119,8 @@ def refuse_vision_language(config: Any, source: str) -> None:
     raise UnsupportedModelError(
         f"{source}: model_type {mt!r} is a vision-language model that megatrain does not train yet: it lacks "
         f"support for {missing}. Vision-language families megatrain trains: {', '.join(sorted(FAMILIES))} "
-        "(images of one fixed size, up to a fixed number a row)")
+        "(LLaVA: images of one size, up to a fixed number a row; Qwen2-VL and Qwen2.5-VL: any images within "
+        "a fixed number of patches a row)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +128,11 @@ class ImageInputs:
     """How a model's batch inputs are traced (:func:`image_inputs`).
 
     ``names``: the traced inputs, in call order (Qwen2-VL's ``image_grid_thw`` becomes
-    ``mrope_position_ids``). ``shapes``: ``{name: (shape of one micro-batch, dtype)}`` of each
-    traced input that is not a ``[micro_batch_size, seq_len]`` long tensor. ``call``: how the
-    trace's loss wrapper calls the model with them (``call(model, **inputs)``), None for
-    ``model(**inputs)``. ``grid``: the patch grids of one row's images and ``family`` the
+    ``mrope_position_ids`` and the vision tower's grid-derived inputs). ``shapes``: ``{name: (shape
+    of one micro-batch, dtype)}`` of each traced input that is not a ``[micro_batch_size, seq_len]``
+    long tensor. ``call``: how the trace's loss wrapper calls the model with them (``call(model,
+    **inputs)``), None for ``model(**inputs)``. ``grid``: the patch grids whose patches are a row's
+    budget and ``family`` the
     :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL), None otherwise.
     """
 
@@ -154,10 +156,10 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
     slots, the micro-batch's real images first in row order, zeros after (:func:`place_images`:
     LLaVA's forward scatters the image features into the image-token positions in batch order, so
     the zeros' features are read by nothing).
-    Qwen2-VL / Qwen2.5-VL with ``pixel_values``: each row carries images of the grids
-    ``image_grid_thw`` (default: one 448x448 image; :func:`.qwen_vl.row_grid`), traced as
-    ``[micro_batch_size, patches per row, C*T*P*P]`` float32 patches and the M-RoPE positions
-    (:mod:`.qwen_vl`). Other batches: the names as given, nothing else.
+    Qwen2-VL / Qwen2.5-VL with ``pixel_values``: each row carries any images within the patches of
+    the grids ``image_grid_thw`` (default: one 448x448 image; :func:`.qwen_vl.row_grid`), traced as
+    ``[micro_batch_size, patches per row, C*T*P*P]`` float32 patches, the M-RoPE positions and the
+    vision tower's grid-derived inputs (:mod:`.qwen_vl`). Other batches: the names as given, nothing else.
 
     Raises:
         UnsupportedModelError: ``pixel_values`` among the inputs of a model that is not a supported
@@ -190,9 +192,9 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
             f"input only of the vision-language families {sorted(FAMILIES)}; drop it from input_names")
     if isinstance(fam, PatchGridFamily):
         grid = qwen_vl.row_grid(model.config, image_grid_thw)
-        return ImageInputs(qwen_vl.traced_names(names),
-                           qwen_vl.input_shapes(model.config, grid, micro_batch_size, seq_len),
-                           qwen_vl.trace_call(model, fam, grid, micro_batch_size), grid, fam)
+        return ImageInputs(qwen_vl.traced_names(names, fam),
+                           qwen_vl.input_shapes(model.config, fam, grid, micro_batch_size, seq_len),
+                           qwen_vl.trace_call(model, fam), grid, fam)
     return ImageInputs(names, {IMAGE_INPUT: ((micro_batch_size * images_per_row, *fam.image_shape(model.config)),
                                              torch.float32)})
 
@@ -209,10 +211,11 @@ def batch_names(config: Any) -> tuple[str, ...]:
 
 
 def prepare_images(model: nn.Module, batch: Mapping[str, torch.Tensor], input_names: Sequence[str],
-                   grid: Sequence[Sequence[int]] | None) -> dict[str, torch.Tensor]:
+                   grid: Sequence[Sequence[int]] | None, micro_batch_size: int) -> dict[str, torch.Tensor]:
     """A batch of ``input_names`` as the traced inputs: for Qwen2-VL with images
-    (:func:`.qwen_vl.prepare_batch`, ``grid`` the traced row's grids), checked and with its M-RoPE
-    positions; any other batch unchanged.
+    (:func:`.qwen_vl.prepare_batch`, ``grid`` the traced row's grids, whose patches are each row's
+    budget), checked, each micro-batch of ``micro_batch_size`` rows with its patches, its vision
+    tower's grid-derived inputs and its M-RoPE positions; any other batch unchanged.
 
     Raises:
         BatchError: what :func:`.qwen_vl.prepare_batch` refuses.
@@ -220,7 +223,7 @@ def prepare_images(model: nn.Module, batch: Mapping[str, torch.Tensor], input_na
     fam = family(getattr(model, "config", None))
     if not isinstance(fam, PatchGridFamily) or grid is None or IMAGE_INPUT not in batch:
         return dict(batch)
-    return qwen_vl.prepare_batch(model, batch, qwen_vl.traced_names(input_names), grid)
+    return qwen_vl.prepare_batch(model, fam, batch, qwen_vl.traced_names(input_names, fam), grid, micro_batch_size)
 
 
 def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -338,17 +341,6 @@ def place_images(model: nn.Module, batch: Mapping[str, torch.Tensor], images_per
     return {**batch, IMAGE_INPUT: out}
 
 
-def refuse_image_token_counts(input_ids: torch.Tensor, token: int, per_row: int, images: str) -> None:
-    """Refuse ``input_ids`` ``[rows, seq_len]`` unless each row holds ``per_row`` image tokens (id
-    ``token``); ``images`` says what fills them, for the message.
-
-    Raises:
-        BatchError: naming the first row with another count, its count and ``per_row``.
-    """
-    counts = (input_ids == token).sum(dim=1)
-    _refuse_rows(counts, counts != per_row, token, f"but {images} fill exactly {per_row} image tokens")
-
-
 @dataclass(frozen=True, slots=True)
 class VisionShare:
     """The vision blocks' share of a planned step (:func:`vision_share`).
@@ -409,5 +401,5 @@ def vision_share(graph, timeline, memory) -> VisionShare | None:
 
 
 __all__ = ["FAMILIES", "IMAGE_INPUT", "REFUSED", "ImageInputs", "VisionLanguageFamily", "VisionShare", "batch_names",
-           "family", "image_counts", "image_inputs", "place_images", "prepare_images", "refuse_image_token_counts",
+           "family", "image_counts", "image_inputs", "place_images", "prepare_images",
            "refuse_vision_language", "row_images", "vision_share", "vision_tower"]
