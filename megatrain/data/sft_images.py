@@ -109,9 +109,10 @@ class ChatProcessor(ChatTokenizer):
                          loss=loss)
         self.image_keys: tuple[str, ...] = tuple(processor.image_processor.model_input_names)
         self.images_per_example = images_per_example
-        # A processor of patch grids (Qwen2-VL's image_grid_thw): a row's patches follow its images'
-        # grids, which megatrain traces alike for every row, so every example has exactly
-        # images_per_example images, not at most.
+        # A processor of patch grids (Qwen2-VL's image_grid_thw): megatrain train gives every example
+        # exactly images_per_example images of one size, so that its rows' patches are alike and
+        # split evenly over micro-batches and ranks (compile itself takes rows of any grids within a
+        # patch budget; the data path does not use that yet).
         self.exact_images = "image_grid_thw" in self.image_keys
         self.image_size = None if image_size is None else tuple(image_size)
         self._blank_image: torch.Tensor | None = None
