@@ -133,10 +133,10 @@ def main() -> None:
     case("fp32_mt_no_cudnn_vs_eager", fp32(lambda: sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
                                           contextlib.nullcontext))
 
-    def eager_pair(dev_a, ctx_a, dev_b, ctx_b):
+    def eager_pair(dev_a, ctx_a, dev_b, ctx_b, mb_a=2, mb_b=2):
         def run():
-            a, sa, ra = _eager(llama, dev_a, b2, 2, ctx_a)
-            b, sb, rb = _eager(llama, dev_b, b2, 2, ctx_b)
+            a, sa, ra = _eager(llama, dev_a, b2, mb_a, ctx_a)
+            b, sb, rb = _eager(llama, dev_b, b2, mb_b, ctx_b)
             return {"rel_loss": _rel(a, b), "weights_rel": _weights_rel(ra, rb), "a_ops": sa, "b_ops": sb}
         return run
 
@@ -155,9 +155,7 @@ def main() -> None:
     case("fp32_user_tf32_mt_math_vs_eager", fp32(lambda: tf32(_math), tf32))
     case("fp32_eager_dev_vs_eager_cpu", eager_pair(dev, contextlib.nullcontext, "cpu", contextlib.nullcontext))
     case("fp32_eager_default_vs_eager_math", eager_pair(dev, contextlib.nullcontext, dev, _math))
-    case("fp32_eager_1mb_vs_2mb", lambda: (lambda a, b: {"rel_loss": _rel(a[0], b[0]),
-                                                           "weights_rel": _weights_rel(a[2], b[2])})(
-        _eager(llama, dev, b2, 1), _eager(llama, dev, b2, 2)))
+    case("fp32_eager_1mb_vs_2mb", eager_pair(dev, contextlib.nullcontext, dev, contextlib.nullcontext, 1, 2))
 
     torch.manual_seed(0)
     drop = tiny_llama(layers=2, attention_dropout=0.1).train()

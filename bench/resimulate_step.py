@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -27,12 +26,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_probe import StepShape, llama_config  # noqa: E402
+from gpu_probe import StepShape, _timeline_summary, llama_config  # noqa: E402
 
 from megatrain.ir.hardware import HardwareSpec  # noqa: E402
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan  # noqa: E402
 from megatrain.planner.front import PlanRequest, plan  # noqa: E402
 from megatrain.planner.simulate import simulate  # noqa: E402
+from megatrain.planner.timeline import Timeline  # noqa: E402
 
 
 def probe_plan(d: dict) -> Plan:
@@ -41,14 +41,6 @@ def probe_plan(d: dict) -> Plan:
                 grad_ring=d["grad_ring"], resident=frozenset(d["resident"]), layer_by_layer=d["layer_by_layer"],
                 optimizer=OptimizerPlacement(d["optimizer"]), compute_dtype=d["compute_dtype"],
                 staging_ring=d["staging_ring"], activations=tuple(ActivationPolicy(a) for a in d["activations"]))
-
-
-def by_kind(records) -> dict[str, float]:
-    """Seconds per op kind of a timeline's records (``KIND:...`` op names, start_s/end_s)."""
-    out: dict[str, float] = defaultdict(float)
-    for r in records:
-        out[r["op"].split(":")[0]] += r["end_s"] - r["start_s"]
-    return dict(out)
 
 
 def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
@@ -65,12 +57,12 @@ def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
     planned = plan(PlanRequest(model, seq_len=shape.seq_len, global_batch=shape.micro_batch_size * p.micro_batches,
                                micro_batch_size=shape.micro_batch_size, plan=p, hardware=spec, device=device,
                                compute_dtype=p.compute_dtype))
-    predicted = simulate(planned.schedules.steady, planned.graph, spec)
-    pk = by_kind(json.loads(predicted.to_json())["records"])
-    mk = by_kind(measured["records"])
+    predicted = _timeline_summary(simulate(planned.schedules.steady, planned.graph, spec))
+    got = _timeline_summary(Timeline.from_json(json.dumps(measured)))
+    pk, mk = ({k: v["total_s"] for k, v in t["by_kind"].items()} for t in (predicted, got))
     rows = {k: {"measured_s": mk.get(k, 0.0), "predicted_s": pk.get(k, 0.0)} for k in sorted(set(pk) | set(mk))}
-    return {"spec": spec.name, "step": {"measured_s": measured["step_time_s"], "predicted_s": predicted.step_time_s},
-            "by_kind": rows, "predicted_bottleneck": predicted.bottleneck.value}
+    return {"spec": spec.name, "step": {"measured_s": got["step_time_s"], "predicted_s": predicted["step_time_s"]},
+            "by_kind": rows, "predicted_bottleneck": predicted["bottleneck"]}
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
-from megatrain.planner.trace.vlm import IMAGE_INPUT, place_images, prepare_images
+from megatrain.planner.trace.vlm import IMAGE_INPUT, prepare_images
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend, make_backend
 from megatrain.runtime.distributed import collective
@@ -591,13 +591,12 @@ class Trainer:
 
     def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
         o = self.options
-        # Qwen2-VL: its grids checked; each micro-batch's patches, tower inputs and M-RoPE positions made here.
+        # A VLM's images as traced: Qwen2-VL's grids checked and each micro-batch's patches, tower
+        # inputs and M-RoPE positions made; LLaVA's real images first in each micro-batch, zeros after.
+        slots = (self.graph.value_by_name(IMAGE_INPUT).shape[0] // o.micro_batch_size
+                 if IMAGE_INPUT in o.input_names else 1)
         d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"),
-                           o.micro_batch_size)
-        if IMAGE_INPUT in d and IMAGE_INPUT in o.input_names:
-            # LLaVA: 0 to images_per_row images a row, each micro-batch's real images first, zeros after.
-            d = place_images(self.model, d, self.graph.value_by_name(IMAGE_INPUT).shape[0] // o.micro_batch_size,
-                             o.micro_batch_size)
+                           o.micro_batch_size, slots)
         # Each input's micro-batch is its traced length along dim 0: micro_batch_size rows, or
         # LLaVA's micro_batch_size x images_per_row images.
         per: dict[str, int] = {}

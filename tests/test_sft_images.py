@@ -273,11 +273,11 @@ def test_megatrain_train_fine_tunes_the_bundled_llava_on_images(tmp_path, capsys
     text = _write(tmp_path / "text.jsonl", [{"conversations": [{"from": "human", "value": f"Say {w}."},
                                                                 {"from": "gpt", "value": w}]}
                                             for w in ("red", "blue", "green", "yellow")])
-    import megatrain.trainer as trainer_module
+    import megatrain.planner.trace.vlm as vlm
     from megatrain.planner.trace.vlm import image_counts, place_images
 
     counts = []  # images of each row stepped
-    monkeypatch.setattr(trainer_module, "place_images", lambda model, batch, *a: (
+    monkeypatch.setattr(vlm, "place_images", lambda model, batch, *a: (
         counts.extend(image_counts(model, batch["input_ids"]).tolist()), place_images(model, batch, *a))[1])
     out = tmp_path / "run"
     assert main(["train", "--task", "sft", "--model", str(EXAMPLES / "tiny-llava"), "--data",

@@ -138,16 +138,17 @@ class ChatProcessor(ChatTokenizer):
 
         Raises:
             RecordError: as :meth:`ChatTokenizer.encode`; the example has more than
-                ``images_per_example`` images (a processor of patch grids: not that many); the template wrote a different number of image
-                tokens than the example has images; an image file is missing or unreadable.
+                ``images_per_example`` images (a processor of patch grids: not that many); the
+                template wrote a different number of image tokens than the example has images; an
+                image file is missing or unreadable.
         """
         images = example.images if isinstance(example, Chat) else ()
         if self.exact_images and self.images_per_example is not None and len(images) != self.images_per_example:
             raise RecordError(f"the example has {len(images)} image(s), and the run takes {self.images_per_example} "
-                              "per row (a Qwen2-VL row's patches follow its images' grids, which megatrain traces "
-                              "for every row alike: --images-per-row); give every record of the data exactly that "
-                              "many images (the images column), or set --images-per-row to the count the records "
-                              "have")
+                              "per row (megatrain train gives every Qwen2-VL row the same images, resized to one "
+                              "size, so that rows split evenly: --images-per-row); give every record of the data "
+                              "exactly that many images (the images column), or set --images-per-row to the count "
+                              "the records have")
         if self.images_per_example is not None and len(images) > self.images_per_example:
             raise RecordError(f"the example has {len(images)} images, and the run takes at most "
                               f"{self.images_per_example} per row (megatrain train traces a fixed number of image "

@@ -10,10 +10,11 @@ What differs from LLaVA's data path (:mod:`megatrain.data.sft_images`, which rea
   its ``processor_config.json`` names the model's processor class and holds a video processor's
   settings (the directory's it was loaded from, else the image processor's), for
   ``AutoProcessor`` where torchvision is installed.
-- **One grid a run.** megatrain traces the image grid as part of the shape
-  (:mod:`megatrain.planner.trace.qwen_vl`), while the processor gives each image the grid of its
-  own size (``smart_resize``: multiples of ``patch_size * merge_size`` within its min and max
-  pixels). So every image of a run is resized first to one size, ``H x W`` pixels
+- **One grid a run.** The processor gives each image the grid of its own size (``smart_resize``:
+  multiples of ``patch_size * merge_size`` within its min and max pixels). The trace takes rows of
+  any grids within a patch budget (:mod:`megatrain.planner.trace.qwen_vl`), but this data path
+  gives every row the same images so that rows split evenly over micro-batches and ranks: every
+  image of a run is resized first to one size, ``H x W`` pixels
   (:class:`~megatrain.data.sft_images.ChatProcessor`'s ``image_size``), which the processor then
   turns into one grid, :func:`image_grid`, known when the run is planned. The default size
   (:func:`run_image_size`) is the processor's own size for a 448 x 448 image (Qwen2-VL's 256
@@ -31,15 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.errors import ConfigError
+from megatrain.planner.trace.qwen_vl import DEFAULT_IMAGE_PIXELS
 
 __all__ = ["PROCESSORS", "image_grid", "images_only", "load_processor", "parse_image_size", "run_image_size"]
 
 PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 """The processor class of each family, by ``model_type`` (transformers' names)."""
 
-_DEFAULT_SIDE = 448
-"""The side of the square image whose processed size is a run's default (as
-:data:`megatrain.planner.trace.qwen_vl.DEFAULT_IMAGE_PIXELS`, which ``megatrain plan`` plans)."""
 
 
 def images_only(name: str) -> type:
@@ -125,13 +124,14 @@ def image_grid(processor, size: tuple[int, int]) -> tuple[int, int, int]:
 
 def run_image_size(processor, image_size: str | None) -> tuple[int, int]:
     """The size ``(H, W)`` every image of a run is resized to: ``image_size`` (``"HxW"``), else the
-    size the processor gives a 448 x 448 image (:func:`image_grid` times its ``patch_size``).
+    size the processor gives a 448 x 448 image (``DEFAULT_IMAGE_PIXELS``, what ``megatrain plan`` plans;
+    :func:`image_grid` times its ``patch_size``).
 
     Raises:
         ConfigError: ``image_size`` is not ``HxW``.
     """
     if image_size is not None:
         return parse_image_size(image_size)
-    _, h, w = image_grid(processor, (_DEFAULT_SIDE, _DEFAULT_SIDE))
+    _, h, w = image_grid(processor, (DEFAULT_IMAGE_PIXELS, DEFAULT_IMAGE_PIXELS))
     patch = int(processor.image_processor.patch_size)
     return h * patch, w * patch

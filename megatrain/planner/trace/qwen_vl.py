@@ -187,7 +187,7 @@ def patch_features(config: Any) -> int:
 def image_tokens(config: Any, grid: Sequence[Sequence[int]]) -> int:
     """Image tokens the images of ``grid`` fill in ``input_ids``: a token per merged
     ``spatial_merge_size ** 2`` patches."""
-    return sum(t * h * w for t, h, w in grid) // config.vision_config.spatial_merge_size ** 2
+    return patch_budget(grid) // config.vision_config.spatial_merge_size ** 2
 
 
 def traced_names(input_names: Sequence[str], fam: PatchGridFamily) -> tuple[str, ...]:
@@ -231,8 +231,7 @@ def input_shapes(config: Any, fam: PatchGridFamily, grid: Sequence[Sequence[int]
     if tokens > seq_len:
         raise ConfigError(f"each row's images of grids {[list(g) for g in grid]} fill {tokens} image tokens, more "
                           f"than seq_len={seq_len}: raise seq_len, or give smaller images (image_grid_thw)")
-    patches, mbs = patch_budget(grid), micro_batch_size
-    merged = patches // config.vision_config.spatial_merge_size ** 2
+    patches, mbs, merged = patch_budget(grid), micro_batch_size, tokens
     shapes = {"pixel_values": ((mbs, patches, patch_features(config)), torch.float32),
               ROPE_INPUT: ((mbs, 3, seq_len), torch.int64),
               "vision_position_ids": ((mbs, patches, 2), torch.int64),
@@ -416,10 +415,11 @@ def prepare_batch(model: nn.Module, fam: PatchGridFamily, batch: Mapping[str, to
                          "drop or add rows")
     counts = _row_images(config, ids, grids)
     budget = patch_budget(grid)
-    patches = [int(g.prod(-1).sum()) for g in grids.split(counts)]
+    per_row = grids.split(counts)
+    patches = [int(g.prod(-1).sum()) for g in per_row]
     for row, n in enumerate(patches):
         if n > budget:
-            own = grids[sum(counts[:row]):sum(counts[:row + 1])].tolist()
+            own = per_row[row].tolist()
             raise BatchError(
                 f"batch row {row} carries images of grids {own}, {n} patches, more than the {budget} a row "
                 f"was compiled for (image_grid_thw={[list(g) for g in grid]}): compile with image_grid_thw="

@@ -211,19 +211,27 @@ def batch_names(config: Any) -> tuple[str, ...]:
 
 
 def prepare_images(model: nn.Module, batch: Mapping[str, torch.Tensor], input_names: Sequence[str],
-                   grid: Sequence[Sequence[int]] | None, micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """A batch of ``input_names`` as the traced inputs: for Qwen2-VL with images
-    (:func:`.qwen_vl.prepare_batch`, ``grid`` the traced row's grids, whose patches are each row's
-    budget), checked, each micro-batch of ``micro_batch_size`` rows with its patches, its vision
-    tower's grid-derived inputs and its M-RoPE positions; any other batch unchanged.
+                   grid: Sequence[Sequence[int]] | None, micro_batch_size: int,
+                   images_per_row: int = 1) -> dict[str, torch.Tensor]:
+    """A batch of ``input_names`` with its images as the traced graph reads them. Qwen2-VL with
+    images (:func:`.qwen_vl.prepare_batch`, ``grid`` the traced row's grids, whose patches are each
+    row's budget): checked, each micro-batch of ``micro_batch_size`` rows with its patches, its
+    vision tower's grid-derived inputs and its M-RoPE positions. LLaVA traced with images
+    (:func:`place_images`, ``images_per_row`` the traced slots a row): each micro-batch's real
+    images first, zeros after. Any other batch unchanged.
 
     Raises:
-        BatchError: what :func:`.qwen_vl.prepare_batch` refuses.
+        BatchError: what :func:`.qwen_vl.prepare_batch` or :func:`place_images` refuses.
     """
     fam = family(getattr(model, "config", None))
-    if not isinstance(fam, PatchGridFamily) or grid is None or IMAGE_INPUT not in batch:
+    if IMAGE_INPUT not in batch:
         return dict(batch)
-    return qwen_vl.prepare_batch(model, fam, batch, qwen_vl.traced_names(input_names, fam), grid, micro_batch_size)
+    if isinstance(fam, PatchGridFamily) and grid is not None:
+        return qwen_vl.prepare_batch(model, fam, batch, qwen_vl.traced_names(input_names, fam), grid,
+                                     micro_batch_size)
+    if isinstance(fam, VisionLanguageFamily) and IMAGE_INPUT in input_names:
+        return place_images(model, batch, images_per_row, micro_batch_size)
+    return dict(batch)
 
 
 def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, str] | None:
