@@ -173,8 +173,21 @@ def test_dry_run_step_measured_beside_predicted(dry):
     assert [r.op for r in measured.records] == [r.op for r in predicted.records]
     assert measured.step_time_s == m["step_time_s"] and predicted.step_time_s == p["step_time_s"]
     trace = json.loads((out / "trace.json").read_text())
-    ops = {pid: sum(1 for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid) for pid in (1, 2)}
+    ops = {pid: sum(1 for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid and e["cat"] != "issue")
+           for pid in (1, 2)}
     assert ops == {1: step["ops"], 2: step["ops"]}
+    # GPU busy or issue-bound: the measured step (FakeCuda runs each op's work as it is issued, so
+    # every GPU op is issue-bound) splits each GPU stream's time; the simulator's has no issue times.
+    assert m["gpu_busy_s"]["compute"] == 0.0
+    assert m["issue_bound_s"]["compute"] == pytest.approx(m["busy_s"]["compute"])
+    assert m["issuing_thread"]["busy_s"] >= m["issue_bound_s"]["compute"]
+    assert 0 <= m["issuing_thread"]["blocked_s"] <= m["issuing_thread"]["busy_s"]
+    assert p["gpu_busy_s"] == {} and p["issuing_thread"] is None
+    summary = doc["summary"]
+    assert summary["compute_gpu_busy_fraction"] == 0.0
+    assert summary["compute_issue_bound_fraction"] == pytest.approx(m["issue_bound_fraction"]["compute"])
+    assert summary["compute_busy_fraction"] == m["busy_fraction"]["compute"]
+    assert summary["issuing_thread_blocked_s"] == m["issuing_thread"]["blocked_s"]
 
 
 def test_dry_run_cuda_tests_select_only_tests_that_need_cuda(dry):
