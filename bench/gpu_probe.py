@@ -63,7 +63,8 @@ Sections, in the order they run (``--sections`` picks a subset):
     op kind, predicted and measured; the measured GPU streams' time split into GPU-busy (each op's
     work all issued) and issue-bound (the op still being issued), and the issuing thread's seconds
     issuing and, of those, off a core (the GIL a host op held, or a core taken), per stream and
-    in the summary. ``timelines.json`` holds both timelines and ``trace.json``
+    in the summary; the tail after the last compute op and what carrying its optimizer steps
+    into the next step could save at most (``tail``). ``timelines.json`` holds both timelines and ``trace.json``
     both as a Chrome/Perfetto trace (measured pid 1, predicted pid 2). ``reserve``: the GPU
     reserve the step needed (the allocator's peak reserved bytes plus the context, less the plan's
     own peak) beside the planner's derived one, and the allocator's flush-and-retry count
@@ -1045,7 +1046,34 @@ def _timeline_summary(tl) -> dict:
             "issuing_thread": {"busy_s": sum(tl.issue_busy_s.values()), "blocked_s": sum(tl.issue_blocked_s.values()),
                                "busy_s_by_stream": per_stream(tl.issue_busy_s),
                                "blocked_s_by_stream": per_stream(tl.issue_blocked_s)} if tl.issue_busy_s else None,
-            "by_kind": by_kind, "gpu_peak_bytes": tl.gpu_peak_bytes, "pinned_peak_bytes": tl.pinned_peak_bytes}
+            "by_kind": by_kind, "gpu_peak_bytes": tl.gpu_peak_bytes, "pinned_peak_bytes": tl.pinned_peak_bytes,
+            "tail": _tail(tl)}
+
+
+def _tail(tl) -> dict | None:
+    """The step's tail: the ops still running after the compute stream's last op ends (with updates
+    during backward, the D2H and optimizer steps of the last layers the backward reaches, which are
+    the first layers of the forward), ``after_last_compute_s`` long.
+
+    ``carry_saving_bound_s``: the most that carrying those optimizer steps into the next step, to
+    run there beside its forward, could save. Exactness has each of them end before its layer's
+    first H2D or CAST of the next step, and they run one at a time on the host (HOST and CAST share
+    the cores), so the next step's forward of layer ``l`` still waits for the carried steps of
+    every tail layer up to ``l``: only the forward of the layers below the highest tail layer can
+    overlap them, and never more than the tail. None without a compute op."""
+    from megatrain.ir.schedule import Op, OpKind, Stream
+
+    compute = [r.end_s for r in tl.records if r.stream is Stream.COMPUTE]
+    if not compute:
+        return None
+    end = max(compute)
+    after = sorted((r for r in tl.records if r.end_s > end), key=lambda r: r.start_s)
+    layers = sorted({Op.parse(r.op).layer for r in after if r.kind is OpKind.OPT})
+    forward = sum(r.duration_s for r in tl.records
+                  if r.kind is OpKind.FWD and layers and Op.parse(r.op).layer < layers[-1])
+    tail = tl.step_time_s - end
+    return {"after_last_compute_s": tail, "ops": [r.op for r in after], "opt_layers": layers,
+            "forward_below_s": forward, "carry_saving_bound_s": min(tail, forward)}
 
 
 # -- the tests, in subprocesses -----------------------------------------------------------------------------
@@ -1193,6 +1221,9 @@ def summary(ctx: Ctx) -> dict:
         "compute_issue_bound_fraction": get("step", "measured", "issue_bound_fraction", "compute"),
         "issuing_thread_busy_s": get("step", "measured", "issuing_thread", "busy_s"),
         "issuing_thread_blocked_s": get("step", "measured", "issuing_thread", "blocked_s"),
+        # After the last compute op: the last layers' optimizer steps, and what carrying them could save.
+        "tail_s": get("step", "measured", "tail", "after_last_compute_s"),
+        "tail_carry_saving_bound_s": get("step", "measured", "tail", "carry_saving_bound_s"),
         "cuda_tests": _test_counts(get("cuda_tests")),
         "race_detector": _test_counts(get("race_detector")),
         "statuses": {k: v["status"] for k, v in ctx.results.items()},
