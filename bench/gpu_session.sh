@@ -143,7 +143,7 @@ fi
 # -- hostopt: megatrain's host optimizer step against DeepSpeedCPUAdam and torch fused AdamW ---------
 if want hostopt; then
     wait_jit
-    box hostopt 60 "$PY" bench/host_optimizer.py "${DRYFLAG[@]}" --out "$W/host_optimizer.json"
+    box hostopt 80 "$PY" bench/host_optimizer.py "${DRYFLAG[@]}" --out "$W/host_optimizer.json"
 fi
 
 # -- compare: megatrain and DeepSpeed ZeRO-3 offload, same batches (1B unless told) -----------------
