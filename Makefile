@@ -33,13 +33,16 @@ define make-venv
 endef
 
 # $(call add-deepspeed,DIR,PIP_INSTALL_ARGS): the [deepspeed] extra (DeepSpeed's CPU Adam, the host
-# AdamW kernel its tests run). DeepSpeed is a source package whose set-up imports torch, so it is built
-# without isolation (setuptools first: Python 3.12's venv has none) and with no op prebuilt
-# (DS_BUILD_OPS=0): its CPU Adam is compiled with ninja and g++ at first use, about 1.5 CPU-minutes,
-# cached in ~/.cache/torch_extensions. make test-oldest runs without it (its tests skip).
+# AdamW kernel its tests run when they ask for it). DeepSpeed is a source package whose set-up imports
+# torch, so it is installed without isolation (setuptools first: Python 3.12's venv has none) and with
+# no op prebuilt (DS_BUILD_OPS=0); then its CPU Adam is compiled once with ninja and g++, about 1.5
+# CPU-minutes, into DIR/torch_extensions (megatrain.runtime.host_kernels.deepspeed_build_dir: one cache
+# per environment, so checkouts do not rebuild over each other's), here rather than in the first test
+# that asks for it. make test-oldest runs without it (its tests skip).
 define add-deepspeed
 	$(1)/bin/python -m pip install --quiet $(2) setuptools
 	DS_BUILD_OPS=0 $(1)/bin/python -m pip install --quiet --no-build-isolation $(2) -e ".[deepspeed]"
+	$(1)/bin/python -c "from megatrain.runtime.host_kernels import HostAdamW; HostAdamW('deepspeed')"
 endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt

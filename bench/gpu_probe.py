@@ -60,7 +60,11 @@ Sections, in the order they run (``--sections`` picks a subset):
     device="cuda", hardware=spec)``, one warm-up step, then measured steps with the CUDA backend
     recording a timeline (``backend.record``, ``backend.timeline``) beside ``simulate()`` of the
     same schedule on the same spec: step times, per-stream busy fractions, bottlenecks and time per
-    op kind, predicted and measured. ``timelines.json`` holds both timelines and ``trace.json``
+    op kind, predicted and measured; the measured GPU streams' time split into GPU-busy (each op's
+    work all issued) and issue-bound (the op still being issued), and the issuing thread's seconds
+    issuing and, of those, off a core (the GIL a host op held, or a core taken), per stream and
+    in the summary; the tail after the last compute op and what carrying its optimizer steps
+    into the next step could save at most (``tail``). ``timelines.json`` holds both timelines and ``trace.json``
     both as a Chrome/Perfetto trace (measured pid 1, predicted pid 2). ``reserve``: the GPU
     reserve the step needed (the allocator's peak reserved bytes plus the context, less the plan's
     own peak) beside the planner's derived one, and the allocator's flush-and-retry count
@@ -1018,16 +1022,58 @@ def _plan_dict(plan) -> dict:
 
 
 def _timeline_summary(tl) -> dict:
+    """A Timeline's figures: step, throughput, per-stream busy time (each op from its start marker
+    to its end marker) and, for a measured CUDA step, its split into GPU-busy time (the op's work
+    all issued) and issue-bound time (the op still being issued), with the issuing thread's
+    seconds issuing and, of those, off a core (``issuing_thread``); seconds per op kind."""
     by_kind: dict[str, dict] = {}
     for r in tl.records:
         k = by_kind.setdefault(r.kind.value, {"count": 0, "total_s": 0.0})
         k["count"] += 1
         k["total_s"] += r.duration_s
+        if r.issued_s is not None:
+            k["gpu_busy_s"] = k.get("gpu_busy_s", 0.0) + r.gpu_busy_s
+            k["issue_bound_s"] = k.get("issue_bound_s", 0.0) + r.issue_bound_s
+
+    def per_stream(d):
+        return {s.value: x for s, x in d.items()}
+
     return {"step_time_s": tl.step_time_s, "hardware": tl.hardware, "tokens_per_s": tl.tokens_per_s,
             "mfu": tl.mfu, "bottleneck": tl.bottleneck.value,
-            "busy_s": {s.value: b for s, b in tl.busy_s.items()},
-            "busy_fraction": {s.value: f for s, f in tl.busy_fraction.items()}, "by_kind": by_kind,
-            "gpu_peak_bytes": tl.gpu_peak_bytes, "pinned_peak_bytes": tl.pinned_peak_bytes}
+            "busy_s": per_stream(tl.busy_s), "busy_fraction": per_stream(tl.busy_fraction),
+            "gpu_busy_s": per_stream(tl.gpu_busy_s), "gpu_busy_fraction": per_stream(tl.gpu_busy_fraction),
+            "issue_bound_s": per_stream(tl.issue_bound_s), "issue_bound_fraction": per_stream(tl.issue_bound_fraction),
+            "issuing_thread": {"busy_s": sum(tl.issue_busy_s.values()), "blocked_s": sum(tl.issue_blocked_s.values()),
+                               "busy_s_by_stream": per_stream(tl.issue_busy_s),
+                               "blocked_s_by_stream": per_stream(tl.issue_blocked_s)} if tl.issue_busy_s else None,
+            "by_kind": by_kind, "gpu_peak_bytes": tl.gpu_peak_bytes, "pinned_peak_bytes": tl.pinned_peak_bytes,
+            "tail": _tail(tl)}
+
+
+def _tail(tl) -> dict | None:
+    """The step's tail: the ops still running after the compute stream's last op ends (with updates
+    during backward, the D2H and optimizer steps of the last layers the backward reaches, which are
+    the first layers of the forward), ``after_last_compute_s`` long.
+
+    ``carry_saving_bound_s``: the most that carrying those optimizer steps into the next step, to
+    run there beside its forward, could save. Exactness has each of them end before its layer's
+    first H2D or CAST of the next step, and they run one at a time on the host (HOST and CAST share
+    the cores), so the next step's forward of layer ``l`` still waits for the carried steps of
+    every tail layer up to ``l``: only the forward of the layers below the highest tail layer can
+    overlap them, and never more than the tail. None without a compute op."""
+    from megatrain.ir.schedule import Op, OpKind, Stream
+
+    compute = [r.end_s for r in tl.records if r.stream is Stream.COMPUTE]
+    if not compute:
+        return None
+    end = max(compute)
+    after = sorted((r for r in tl.records if r.end_s > end), key=lambda r: r.start_s)
+    layers = sorted({Op.parse(r.op).layer for r in after if r.kind is OpKind.OPT})
+    forward = sum(r.duration_s for r in tl.records
+                  if r.kind is OpKind.FWD and layers and Op.parse(r.op).layer < layers[-1])
+    tail = tl.step_time_s - end
+    return {"after_last_compute_s": tail, "ops": [r.op for r in after], "opt_layers": layers,
+            "forward_below_s": forward, "carry_saving_bound_s": min(tail, forward)}
 
 
 # -- the tests, in subprocesses -----------------------------------------------------------------------------
@@ -1168,6 +1214,16 @@ def summary(ctx: Ctx) -> dict:
         "measured_step_s": get("step", "measured", "step_time_s"),
         "predicted_step_s": get("step", "predicted", "step_time_s"),
         "predicted_over_measured": get("step", "predicted_over_measured"),
+        # Compute stream: its ops' time (start to end marker), and of that the GPU busy with work all
+        # issued vs the ops still being issued (the GPU waiting on the issuing thread for part of it).
+        "compute_busy_fraction": get("step", "measured", "busy_fraction", "compute"),
+        "compute_gpu_busy_fraction": get("step", "measured", "gpu_busy_fraction", "compute"),
+        "compute_issue_bound_fraction": get("step", "measured", "issue_bound_fraction", "compute"),
+        "issuing_thread_busy_s": get("step", "measured", "issuing_thread", "busy_s"),
+        "issuing_thread_blocked_s": get("step", "measured", "issuing_thread", "blocked_s"),
+        # After the last compute op: the last layers' optimizer steps, and what carrying them could save.
+        "tail_s": get("step", "measured", "tail", "after_last_compute_s"),
+        "tail_carry_saving_bound_s": get("step", "measured", "tail", "carry_saving_bound_s"),
         "cuda_tests": _test_counts(get("cuda_tests")),
         "race_detector": _test_counts(get("race_detector")),
         "statuses": {k: v["status"] for k, v in ctx.results.items()},

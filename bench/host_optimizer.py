@@ -17,8 +17,8 @@ host memory traffic.
 Cases (parameters updated per second unless said otherwise):
 
 - ``megatrain``: :class:`megatrain.runtime.host_kernels.HostAdamW` with the kernel the executor runs
-  (``$MEGATRAIN_HOST_ADAM``; DeepSpeed's where installed), FP32 gradients;
-- ``megatrain_torch_kernel``: the same step forced onto torch's kernel;
+  (``$MEGATRAIN_HOST_ADAM``; torch's fused AdamW by default), FP32 gradients;
+- ``megatrain_deepspeed_kernel``: the same step on DeepSpeed's kernel (skipped without DeepSpeed);
 - ``deepspeed_cpu_adam``: ``deepspeed.ops.adam.DeepSpeedCPUAdam.step()`` (skipped without DeepSpeed);
 - ``torch_fused_adamw``: ``torch.optim.AdamW(fused=True).step()``;
 - ``megatrain_bf16_grads``: megatrain's step from a BF16 gradient tile (widened chunk by chunk in
@@ -40,7 +40,15 @@ bytes, and the fused copy saves the cast's read of the master (30 bytes per para
 The comparison is of the host's work for a BF16 H2D, as megatrain runs it; a DeepSpeed that copies
 FP32 masters to the GPU and casts them there moves 4 bytes per parameter over PCIe instead of 2.
 ``call_us_1024_elements`` is each AdamW case's time per call on a 1024-element tile, where the
-Python around the kernel shows (the best of seven batches of calls). Then two before/after pairs
+Python around the kernel shows (the best of seven batches of calls).
+
+The issuing thread (``issuing_thread``): a host op runs on a host worker while the main thread
+issues GPU work, so a kernel that holds the Python GIL freezes issue for its whole call (DeepSpeed's
+``adam_update`` does; torch's ops release it). Each case of :data:`STALL_CASES` and each other host
+op the CUDA backend's workers run (ACC, Lion, NVMe write and read: :func:`host_op_cases`) runs on a
+worker thread with the budget's team while the main thread ticks (:func:`issue_stall`): the call's
+time, the issuing thread's longest stall and its stalled fraction. The target (``stall_target``):
+the default kernel's (``megatrain``) stalled fraction < 5%. Then two before/after pairs
 of the host workers: ``host_streams``, the same OPT and CAST work on two threads at once each with
 a team of all the cores (before) and through the CUDA backend's HOST and CAST workers over the
 fake CUDA layer (after: one op at a time under one lock, each with the budget's team), wall
@@ -59,14 +67,19 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import array
+import bisect
 import datetime
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
 import threading
+import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -98,7 +111,7 @@ TARGET_WHAT = ("end to end, what the GPU needs from the host per parameter: the 
 # master (4) and writes BF16 (2), a fused one writes only; the whole-tile widening writes the FP32
 # scratch and reads it back (8).
 # megatrain's whole-tile FP32-gradient step sums the stepped tile after it (the finite check): 4 more.
-DRAM_BYTES = {"megatrain": 32, "megatrain_in_chunks": 28, "megatrain_torch_kernel": 32, "torch_fused_adamw": 28,
+DRAM_BYTES = {"megatrain": 32, "megatrain_in_chunks": 28, "megatrain_deepspeed_kernel": 32, "torch_fused_adamw": 28,
               "deepspeed_cpu_adam": 28,
               "megatrain_bf16_grads": 26, "before_bf16_grads": 34, "cast": 6,
               "megatrain_step_and_cast": 30, "megatrain_bf16_grads_step_and_cast": 28,
@@ -112,9 +125,9 @@ def _deepspeed_adam(params: list[torch.Tensor]):
                             weight_decay=ADAMW["weight_decay"], adamw_mode=True)
 
 
-def kernel_times(numel: int, rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Each case's wall seconds (``"wall"``) and this process's CPU seconds (``"cpu"``, all its
-    threads: the team's) in each of ``rounds`` interleaved rounds, on the calling thread's team.
+def kernel_cases(numel: int) -> dict[str, Callable[[], Any]]:
+    """Each case (the module docstring lists them) as a function that runs it once on the calling
+    thread's team.
 
     Every case steps the same tensors, laid out as ``megatrain.runtime.host.HostState`` lays out a
     layer (one page-aligned mapping holding the master row and the two moment rows; the gradient
@@ -183,7 +196,6 @@ def kernel_times(numel: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     cases: dict[str, Callable[[], Any]] = {
         "megatrain": host_step(None, grad),
         "megatrain_in_chunks": in_chunks(),
-        "megatrain_torch_kernel": host_step("torch", grad),
         "torch_fused_adamw": peer(torch_fused, torch.zeros(())),
         "megatrain_bf16_grads": host_step(None, grad_bf16),
         "before_bf16_grads": host_step("torch", grad_bf16, widen=True),
@@ -193,8 +205,15 @@ def kernel_times(numel: int, rounds: int) -> dict[str, dict[str, list[float]]]:
         "megatrain_then_cast": host_step(None, grad, cast="after"),
     }
     if deepspeed_installed():
+        cases["megatrain_deepspeed_kernel"] = host_step("deepspeed", grad)
         cases["deepspeed_cpu_adam"] = peer(_deepspeed_adam, 0)
         cases["deepspeed_cpu_adam_then_cast"] = peer(_deepspeed_adam, 0, cast=True)
+    return cases
+
+
+def kernel_times(cases: dict[str, Callable[[], Any]], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Each case's wall seconds (``"wall"``) and this process's CPU seconds (``"cpu"``, all its
+    threads: the team's) in each of ``rounds`` interleaved rounds, on the calling thread's team."""
     for fn in cases.values():
         fn()  # warm: pages faulted in, the team started, DeepSpeed's op loaded
     times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in cases}
@@ -210,6 +229,203 @@ def kernel_times(numel: int, rounds: int) -> dict[str, dict[str, list[float]]]:
             times[name]["wall"].append(t1 - t0)
             times[name]["cpu"].append(c1 - c0)
     return times
+
+
+# -- the issuing thread's stalls --------------------------------------------------------------------------
+
+STALL_CASES = ("megatrain", "megatrain_bf16_grads", "megatrain_step_and_cast", "cast", "torch_fused_adamw",
+               "megatrain_deepspeed_kernel", "deepspeed_cpu_adam")
+"""The cases whose stall of the issuing thread is measured (those of DeepSpeed where installed),
+besides the other host ops (:func:`host_op_cases`)."""
+
+STALL_REPS = 7
+"""Calls of each case while the issuing thread ticks (two in a dry run)."""
+
+STALL_TARGET = 0.05
+"""The default kernel's stalled fraction must stay under this (issue 39)."""
+
+STALL_WHAT = ("each case run on a host worker thread (the budget's team) while this process's main thread, the "
+              "issuing thread, ticks (a clock read and a one-element add_, which releases the GIL as a kernel "
+              "launch does): kernel_s the median call; longest_stall_s the longest gap between ticks during a call "
+              "(blocked or preempted); stalled_fraction the time the issuing thread slept (blocked on the GIL: Linux "
+              "schedstat's wall less on-CPU less run-queue time) over the calls' time; preempted_fraction the time it "
+              "waited for a core the machine's other work held. A kernel that holds the GIL stalls the issuing "
+              "thread for its whole call")
+
+STALL_GAP_S = 200e-6
+"""A gap between two ticks of the issuing thread longer than this counts in ``gaps_over_stall_gap_s``
+(and is the stall where Linux's scheduler statistics are missing): the time of about 20 kernel
+launches from Python (8.9-12 us each on the first GPU host, BENCHMARKS.md); the ticks of a free
+thread are a few microseconds apart."""
+
+
+SCHEDSTAT = "/proc/thread-self/schedstat"
+"""Linux: the calling thread's nanoseconds on a CPU and waiting on a run queue (and its time slices)."""
+
+SAMPLE_EVERY = 32
+"""Ticks between two reads of the issuing thread's :data:`SCHEDSTAT` (a read costs a few ticks)."""
+
+CALL_GAP_S = 0.005
+"""Seconds the worker pauses before each measured call (and after the last), as a host worker
+waits on its queue between ops: the issuing thread ticks freely then, and is sampled around each call."""
+
+LONG_SWITCH_INTERVAL_S = 10.0
+"""Python's switch interval while :func:`issue_stall` measures (the default is 5 ms): a thread that
+waits for the GIL then sleeps until it is released, instead of waking every interval to ask for it
+(on a loaded machine each such wake-up waits for a core, which Linux counts as run-queue time, not
+sleep). A call that holds the GIL in C ignores the requests either way, and a GIL-releasing one never
+makes the issuing thread wait for one: it releases the GIL at every tick."""
+
+
+def issue_stall(fn: Callable[[], Any], threads: int, reps: int) -> dict:
+    """What ``fn`` (a host op) does to the issuing thread: ``fn`` runs ``reps`` times (after one
+    warm-up) on a thread of its own with an intra-op team of ``threads`` (``set_thread_team``, as
+    the CUDA backend's host workers run their ops), while the calling thread, standing for the
+    issuing thread, ticks: each tick reads the clock and dispatches one one-element ``add_``,
+    which releases the GIL inside torch's dispatcher as a kernel launch does, so a host op that
+    wants the GIL between its calls gets it as it would from the issuing thread.
+
+    The ticking thread is, at any moment, on a CPU, runnable but waiting for one (other work holds
+    the cores: a preemption), or asleep; it never sleeps but on the GIL. Linux says how long it
+    spent in the first two (:data:`SCHEDSTAT`, read every :data:`SAMPLE_EVERY` ticks), so
+    ``stalled_s`` is the time it slept, blocked on the GIL, while the calls ran (between the
+    samples around each call, merged where no sample fell between two calls: the ticks outside a
+    call do not sleep; the switch interval is :data:`LONG_SWITCH_INTERVAL_S` meanwhile), and
+    ``preempted_s`` the time it waited for a core, which on a loaded machine is most of the gaps
+    between ticks.
+
+    Returns, over the ``reps`` calls: ``kernel_s`` (the median wall seconds of one call, the
+    issuing thread ticking), ``longest_stall_s`` (the longest gap between ticks, or between a
+    call's start or end and the nearest tick, while a call ran: blocked or preempted),
+    ``stalled_s`` and ``stalled_fraction`` (over the calls' summed time), ``preempted_s`` and
+    ``preempted_fraction`` (over the time between the samples around the calls), ``ticks_per_s`` (the issuing thread's ticks per second of the calls).
+    Without :data:`SCHEDSTAT` (not Linux) the stall is the gaps longer than
+    :data:`STALL_GAP_S` (``"stall_from"`` says which). A kernel that holds the GIL for its whole
+    call stalls the issuing thread for about all of it."""
+    spans: list[tuple[float, float]] = []
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
+    error: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            set_thread_team(threads)
+            fn()  # warm: this thread's team started, pages faulted in
+            ready.set()
+            go.wait()  # the issuing thread ticks from now on
+            for _ in range(reps):
+                time.sleep(CALL_GAP_S)  # as a worker waits on its queue between ops: the issuing thread runs free
+                t0 = time.perf_counter()
+                fn()
+                spans.append((t0, time.perf_counter()))
+            time.sleep(CALL_GAP_S)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the issuing thread
+            error.append(e)
+        finally:
+            ready.set()
+            done.set()
+
+    try:
+        fd: int | None = os.open(SCHEDSTAT, os.O_RDONLY)
+    except OSError:
+        fd = None
+    tick = torch.zeros(1)
+    ticks, samples = array.array("d"), array.array("d")  # samples: (time, on-CPU s, run-queue s) triples
+    clock, add = time.perf_counter, tick.add_
+
+    def sample() -> None:
+        if fd is not None:
+            # The clock first: pread releases the GIL, and taking it back may wait for a whole call.
+            now = clock()
+            cpu_ns, wait_ns = os.pread(fd, 64, 0).split()[:2]
+            samples.extend((now, int(cpu_ns) * 1e-9, int(wait_ns) * 1e-9))
+
+    t = threading.Thread(target=worker, name="host-op")
+    t.start()
+    ready.wait()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(LONG_SWITCH_INTERVAL_S)
+    try:
+        sample()
+        go.set()
+        k = 0
+        while not done.is_set():
+            ticks.append(clock())
+            add(1)
+            k += 1
+            if k % SAMPLE_EVERY == 0:
+                sample()
+        sample()
+    finally:
+        go.set()
+        sys.setswitchinterval(interval)
+        t.join()
+    if fd is not None:
+        os.close(fd)
+    if error:
+        raise error[0]
+    times = samples[0::3]
+    longest = gaps_stalled = asleep = waited = total = 0.0
+    n_ticks = 0
+    windows: list[list[int]] = []  # sample index ranges around the calls, merged where they overlap
+    for a, b in spans:
+        lo, hi = bisect.bisect_right(ticks, a), bisect.bisect_left(ticks, b)
+        inside = [a, *ticks[lo:hi], b]
+        gaps = [y - x for x, y in zip(inside, inside[1:])]
+        longest = max(longest, max(gaps))
+        gaps_stalled += sum(g for g in gaps if g > STALL_GAP_S)
+        total += b - a
+        n_ticks += hi - lo
+        if fd is not None:  # the samples just before and just after the call
+            i, j = max(bisect.bisect_right(times, a) - 1, 0), min(bisect.bisect_left(times, b), len(times) - 1)
+            if windows and i <= windows[-1][1]:
+                windows[-1][1] = max(windows[-1][1], j)  # the ticker had no sample between two calls
+            else:
+                windows.append([i, j])
+    sampled = 0.0  # the windows' time: the calls and the ticks around them up to the nearest samples
+    for i, j in windows:
+        wall = times[j] - times[i]
+        on_cpu, queued = samples[3 * j + 1] - samples[3 * i + 1], samples[3 * j + 2] - samples[3 * i + 2]
+        asleep += max(0.0, wall - on_cpu - queued)
+        waited += queued
+        sampled += wall
+    stalled = asleep if fd is not None else gaps_stalled
+    return {"kernel_s": statistics.median(b - a for a, b in spans), "longest_stall_s": longest,
+            "stalled_s": stalled, "stalled_fraction": stalled / total if total > 0 else 0.0,
+            "preempted_s": waited if fd is not None else None,
+            "preempted_fraction": waited / sampled if fd is not None and sampled > 0 else None,
+            "gaps_over_stall_gap_s": gaps_stalled,
+            "stall_from": "schedstat" if fd is not None else "gaps", "ticks_per_s": n_ticks / total if total > 0 else 0.0,
+            "reps": reps}
+
+
+def host_op_cases(numel: int, directory: str) -> dict[str, Callable[[], Any]]:
+    """The host ops besides AdamW and the CAST that the CUDA backend's host workers run, each
+    making the calls its executor handler makes on a tile of ``numel`` elements: ``acc`` (an ACC
+    of the last micro-batch: an FP32 tile added into the layer's accumulator, then its norm),
+    ``lion`` (:class:`~megatrain.runtime.host_kernels.HostLion`, FP32 gradients),
+    ``nvme_write`` and ``nvme_read`` (an NVME_WRITE and an NVME_READ of the tile's bytes through
+    :class:`~megatrain.runtime.nvme.NvmeStore` in ``directory``, block checksums on, and the wait
+    for them, as the I/O worker runs them)."""
+    import megatrain
+    from megatrain.runtime.host_kernels import HostLion
+    from megatrain.runtime.nvme import NvmeStore, aligned_buffer
+
+    g = torch.Generator().manual_seed(4)
+    tile, acc = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    p, m, step = torch.randn(numel, generator=g), torch.zeros(numel), torch.zeros(())
+    lion, lion_cfg = HostLion(), megatrain.Lion(lr=1e-4)
+    nbytes = 4 * numel
+    store = NvmeStore(directory, {"t": nbytes}, checksums=True)
+    buf = aligned_buffer(nbytes)
+    buf.view(torch.float32)[:numel].copy_(tile)
+    weakref.finalize(buf, store.close, True)  # the store (and its file) lives as long as the cases
+
+    def acc_op() -> None:
+        acc.add_(tile)
+        torch.linalg.vector_norm(acc)
+
+    return {"acc": acc_op, "lion": lambda: lion.update(p, tile, [m], step, lion_cfg),
+            "nvme_write": lambda: store.write("t", buf).wait(), "nvme_read": lambda: store.read("t", buf).wait()}
 
 
 def call_seconds(numel: int, calls: int) -> dict[str, float]:
@@ -374,7 +590,16 @@ def run(numel: int | None, threads: int | None, rounds: int, dry: bool) -> dict:
     threads = threads or cost.host_worker_threads(cores)
     l3 = l3_cache()["total_bytes"]
     numel = numel or ((1 << 20) + 1237 if dry else host_tile_numel(16, l3))
-    times = run_on_team(threads, lambda: kernel_times(numel, rounds))
+    cases = kernel_cases(numel)
+    times = run_on_team(threads, lambda: kernel_times(cases, rounds))
+    stalls = {name: issue_stall(cases[name], threads, 2 if dry else STALL_REPS) for name in STALL_CASES if name in cases}
+    with tempfile.TemporaryDirectory(prefix="host_optimizer_") as work:
+        ops = host_op_cases(numel, work)
+        stalls.update({name: issue_stall(fn, threads, 2 if dry else STALL_REPS) for name, fn in ops.items()})
+        del ops  # the NVMe store closes (weakref.finalize) before its directory goes
+    for name, st in stalls.items():
+        st["elements_per_s"] = numel / st["kernel_s"]
+    default = HostAdamW().kernel
     wall = {name: t["wall"] for name, t in times.items()}
     cpu = {name: t["cpu"] for name, t in times.items()}
     rates = {name: numel / statistics.median(t) for name, t in wall.items()}
@@ -395,7 +620,7 @@ def run(numel: int | None, threads: int | None, rounds: int, dry: bool) -> dict:
         "bench": "host_optimizer", "date": datetime.date.today().isoformat(), "dry_run": dry,
         "machine": {"cpu": cpu_name(), "cores": cores, "l3_bytes": l3},
         "versions": {"torch": torch.__version__, "deepspeed": _deepspeed_version()},
-        "megatrain_kernel": HostAdamW().kernel, "threads": threads, "numel": numel,
+        "megatrain_kernel": default, "threads": threads, "numel": numel,
         "working_set_bytes": 16 * numel, "larger_than_l3": 16 * numel > l3 > 0, "rounds": rounds,
         "rates": rates, "rate_spread": {k: _spread([numel / x for x in t]) for k, t in wall.items()},
         "dram_bytes_per_param": {k: DRAM_BYTES[k] for k in times},
@@ -405,6 +630,9 @@ def run(numel: int | None, threads: int | None, rounds: int, dry: bool) -> dict:
                    "cpu_value": cpu_ratios.get(TARGET), "wall_value": ratios.get(TARGET),
                    "met": cpu_ratios[TARGET] >= 1.0 if TARGET in ratios else None,
                    "met_wall": ratios[TARGET] >= 1.0 if TARGET in ratios else None, "what": TARGET_WHAT},
+        "issuing_thread": {"stall_gap_s": STALL_GAP_S, "what": STALL_WHAT, "cases": stalls},
+        "stall_target": {"case": "megatrain", "kernel": default, "stalled_fraction": stalls["megatrain"]["stalled_fraction"],
+                         "at_most": STALL_TARGET, "met": stalls["megatrain"]["stalled_fraction"] < STALL_TARGET},
         "call_us_1024_elements": {k: t * 1e6 for k, t in small.items()},
         "exactness": {"max_rel_err_vs_torch_adamw": exact, "bound": EXACT_RTOL,
                       "ok": all(e <= EXACT_RTOL for e in exact.values())},

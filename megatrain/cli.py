@@ -136,8 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "rank 0 writes the outputs. output_dir/schedule.json is the schedule the run executes, "
                                        "byte for byte what `megatrain plan --config` with the same file writes.",
                            epilog="Environment: MEGATRAIN_HOST_ADAM=auto|torch|deepspeed chooses the host AdamW "
-                                  "kernel (auto, the default: DeepSpeed's CPU Adam where pip install "
-                                  "megatrain[deepspeed] installed it, else torch's fused AdamW).")
+                                  "kernel (auto, the default: torch's fused AdamW, which releases the GIL while it "
+                                  "runs; deepspeed: DeepSpeed's CPU Adam from pip install megatrain[deepspeed], "
+                                  "which holds the GIL and so stalls the GPU work's issue while it runs; its op is "
+                                  "compiled once per environment, with a line that says so).")
     _add_train_flags(train)
     return p
 

@@ -12,11 +12,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-# The suite runs torch's host AdamW kernel wherever DeepSpeed is installed too (it and its
-# subprocesses inherit this), so it tests the same path on every machine; the tests of DeepSpeed's
-# kernel name it (tests/test_host_kernels.py, test_exactness.py) and skip without it.
-os.environ.setdefault("MEGATRAIN_HOST_ADAM", "torch")
-
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

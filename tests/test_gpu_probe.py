@@ -173,8 +173,42 @@ def test_dry_run_step_measured_beside_predicted(dry):
     assert [r.op for r in measured.records] == [r.op for r in predicted.records]
     assert measured.step_time_s == m["step_time_s"] and predicted.step_time_s == p["step_time_s"]
     trace = json.loads((out / "trace.json").read_text())
-    ops = {pid: sum(1 for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid) for pid in (1, 2)}
+    ops = {pid: sum(1 for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid and e["cat"] != "issue")
+           for pid in (1, 2)}
     assert ops == {1: step["ops"], 2: step["ops"]}
+    # GPU busy or issue-bound: the measured step (FakeCuda runs each op's work as it is issued, so
+    # every GPU op is issue-bound) splits each GPU stream's time; the simulator's has no issue times.
+    assert m["gpu_busy_s"]["compute"] == 0.0
+    assert m["issue_bound_s"]["compute"] == pytest.approx(m["busy_s"]["compute"])
+    assert m["issuing_thread"]["busy_s"] >= m["issue_bound_s"]["compute"]
+    assert 0 <= m["issuing_thread"]["blocked_s"] <= m["issuing_thread"]["busy_s"]
+    assert p["gpu_busy_s"] == {} and p["issuing_thread"] is None
+    summary = doc["summary"]
+    assert summary["compute_gpu_busy_fraction"] == 0.0
+    assert summary["compute_issue_bound_fraction"] == pytest.approx(m["issue_bound_fraction"]["compute"])
+    assert summary["compute_busy_fraction"] == m["busy_fraction"]["compute"]
+    assert summary["issuing_thread_blocked_s"] == m["issuing_thread"]["blocked_s"]
+    tail = m["tail"]
+    assert summary["tail_s"] == tail["after_last_compute_s"] >= 0
+    assert 0 <= tail["carry_saving_bound_s"] <= tail["after_last_compute_s"]
+
+
+def test_the_tail_of_the_first_h100_step():
+    """The 1.1B step the first GPU session measured (bench/results/): the compute stream's last op
+    ended 40 ms before the step, with the D2H of layer 0 and the optimizer steps of layers 1 and 0
+    still to run. Carried into the next step they would still run before its forward of layers 0
+    and 1, one at a time, so only the forward of layer 0 (the embedding, 2.7 ms) could overlap them."""
+    from megatrain.ir.schedule import Stream
+
+    doc = json.loads((ROOT / "bench" / "results" / "2026-11-27-h100-step-timelines.json").read_text())
+    tl = Timeline.from_json(json.dumps(doc["measured"]))
+    tail = probe._tail(tl)
+    assert tail["ops"] == ["OPT:L1:r1", "D2H:L0:s4:r2", "OPT:L0:r2"] and tail["opt_layers"] == [0, 1]
+    assert tail["after_last_compute_s"] == pytest.approx(0.0399, abs=1e-4)
+    fwd0 = sum(r.duration_s for r in tl.records if r.op.startswith("FWD:L0:"))
+    assert tail["carry_saving_bound_s"] == tail["forward_below_s"] == pytest.approx(fwd0) == pytest.approx(0.0027, abs=1e-4)
+    assert max(r.end_s for r in tl.records if r.stream is Stream.COMPUTE) + tail["after_last_compute_s"] == \
+        pytest.approx(tl.step_time_s)
 
 
 def test_dry_run_cuda_tests_select_only_tests_that_need_cuda(dry):

@@ -166,12 +166,21 @@ def test_step_refuses_tiles_the_kernels_would_misread():
 
 
 def test_kernel_setting(monkeypatch):
+    """auto is torch's kernel (it releases the GIL) also where DeepSpeed is installed; DeepSpeed's
+    only when asked for, and loaded (built, the first time) when the HostAdamW is made."""
     monkeypatch.setattr(host_kernels, "deepspeed_installed", lambda: True)
+    loads = []
+    monkeypatch.setattr(host_kernels, "_deepspeed_op", loads.append)
     monkeypatch.delenv(host_kernels.HOST_ADAM_ENV, raising=False)
-    assert host_adam_kernel() == "deepspeed" == host_adam_kernel(" Auto ")
+    assert host_adam_kernel() == "torch" == host_adam_kernel(" Auto ") and HostAdamW().kernel == "torch"
+    assert not loads, "DeepSpeed's op is never loaded (or built) unless asked for"
     monkeypatch.setenv(host_kernels.HOST_ADAM_ENV, "torch")
     assert host_adam_kernel() == "torch" and HostAdamW().kernel == "torch"
     assert host_adam_kernel("deepspeed") == "deepspeed"
+    monkeypatch.setenv(host_kernels.HOST_ADAM_ENV, "deepspeed")
+    assert HostAdamW().kernel == "deepspeed" and HostAdamW("deepspeed").kernel == "deepspeed"
+    assert loads == ["MEGATRAIN_HOST_ADAM=deepspeed asks for DeepSpeed's host AdamW kernel",
+                     "HostAdamW(kernel='deepspeed') asks for DeepSpeed's host AdamW kernel"]
     monkeypatch.setenv(host_kernels.HOST_ADAM_ENV, "apex")
     with pytest.raises(ConfigError, match=r"'apex' \(\$MEGATRAIN_HOST_ADAM\): use 'auto', 'torch' or 'deepspeed'"):
         HostAdamW()
@@ -179,6 +188,62 @@ def test_kernel_setting(monkeypatch):
     assert host_adam_kernel("auto") == "torch"
     with pytest.raises(ConfigError, match=r"megatrain\[deepspeed\]"):
         host_adam_kernel("deepspeed")
+
+
+def test_deepspeed_build_cache_is_the_environments_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert host_kernels.deepspeed_build_dir() == str(tmp_path)  # the user's setting wins
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setattr(host_kernels.sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(host_kernels.sys, "base_prefix", "/usr")
+    assert host_kernels.deepspeed_build_dir() == str(tmp_path / "venv" / "torch_extensions" / f"torch-{torch.__version__}")
+    monkeypatch.setattr(host_kernels.sys, "base_prefix", str(tmp_path / "venv"))  # no virtual environment
+    assert host_kernels.deepspeed_build_dir() is None  # torch's default
+
+
+def test_a_deepspeed_build_is_never_silent(monkeypatch, tmp_path, capsys):
+    """A build of DeepSpeed's op says what, why and where before it starts and its time after; it
+    goes to the environment's own cache, with the user's TORCH_EXTENSIONS_DIR (unset here) as it
+    was afterwards; an op already built, or prebuilt at install, loads without a word."""
+    import sys
+    import types
+
+    seen = []
+
+    class Builder:
+        name = "cpu_adam"
+
+        def load(self, verbose=False):
+            import os
+
+            root = os.environ.get("TORCH_EXTENSIONS_DIR")
+            seen.append(root)
+            if not installed["cpu_adam"]:  # DeepSpeed's JIT: torch builds it under TORCH_EXTENSIONS_DIR
+                os.makedirs(os.path.join(root, self.name), exist_ok=True)
+                open(os.path.join(root, self.name, f"{self.name}.so"), "w").close()
+            return "op"
+
+    installed = {"cpu_adam": False}
+    monkeypatch.setitem(sys.modules, "deepspeed.git_version_info", types.SimpleNamespace(installed_ops=installed))
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder", types.SimpleNamespace(CPUAdamBuilder=Builder))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(host_kernels.sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(host_kernels.sys, "base_prefix", "/usr")
+    assert host_kernels._load_deepspeed_op("the test asks for it") == "op"
+    err = capsys.readouterr().err.splitlines()
+    where = host_kernels.deepspeed_build_dir()
+    assert seen == [where] and where.startswith(str(tmp_path / "venv"))
+    assert len(err) == 2, err
+    assert err[0].startswith("megatrain: building DeepSpeed's CPU Adam op (cpu_adam") and "the test asks for it" in err[0]
+    assert err[0].endswith(f"cached in {where}/cpu_adam")
+    assert err[1].startswith("megatrain: DeepSpeed's CPU Adam op built in ") and err[1].endswith(" s")
+    import os
+
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ
+    assert host_kernels._load_deepspeed_op("again") == "op" and capsys.readouterr().err == ""  # cached: loaded quietly
+    installed["cpu_adam"] = True
+    seen.clear()
+    assert host_kernels._load_deepspeed_op("prebuilt") == "op" and capsys.readouterr().err == "" and seen == [None]
 
 
 def test_each_thread_keeps_its_own_team():
@@ -232,9 +297,9 @@ def test_bench_host_optimizer_dry_run(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     ds = host_kernels.deepspeed_installed()
     assert r["megatrain_kernel"] == HostAdamW().kernel and r["rounds"] == 2
-    cases = {"megatrain", "megatrain_in_chunks", "megatrain_torch_kernel", "torch_fused_adamw", "megatrain_bf16_grads", "before_bf16_grads",
+    cases = {"megatrain", "megatrain_in_chunks", "torch_fused_adamw", "megatrain_bf16_grads", "before_bf16_grads",
              "cast", "megatrain_step_and_cast", "megatrain_bf16_grads_step_and_cast", "megatrain_then_cast"}
-    cases |= {"deepspeed_cpu_adam", "deepspeed_cpu_adam_then_cast"} if ds else set()
+    cases |= {"megatrain_deepspeed_kernel", "deepspeed_cpu_adam", "deepspeed_cpu_adam_then_cast"} if ds else set()
     assert set(r["rates"]) == set(r["rate_spread"]) == set(r["dram_bytes_per_param"]) == cases
     assert all(x > 0 for x in r["rates"].values())
     # The fused copy saves the separate cast's read of the master and, summing each chunk in the
@@ -267,6 +332,25 @@ def test_bench_host_optimizer_dry_run(tmp_path):
     assert r["host_streams"]["after_threads"] == r["threads"] and r["host_streams"]["before_threads"] == 2 * r["machine"]["cores"]
     assert set(r["wait"]) == {"before_spinning_cpu_s_per_s", "after_blocking_cpu_s_per_s"}
     assert set(r["call_us_1024_elements"]) == {"megatrain", "torch_fused_adamw"} | ({"deepspeed_cpu_adam"} if ds else set())
+    # The issuing thread beside each kernel and host op: the default kernel's stall is the target.
+    stalls = r["issuing_thread"]["cases"]
+    assert set(stalls) == {c for c in bench.STALL_CASES if c in cases} | {"acc", "lion", "nvme_write", "nvme_read"}
+    for st in stalls.values():
+        assert st["reps"] == 2 and st["kernel_s"] > 0 and 0 <= st["stalled_s"] <= st["gaps_over_stall_gap_s"] + 0.05
+        assert st["stalled_fraction"] == pytest.approx(st["stalled_s"] / (st["kernel_s"] * 2), rel=1.0)
+    assert r["stall_target"] == {"case": "megatrain", "kernel": "torch", "at_most": 0.05,
+                                 "stalled_fraction": stalls["megatrain"]["stalled_fraction"],
+                                 "met": stalls["megatrain"]["stalled_fraction"] < 0.05}
+
+
+def test_issue_stall_sees_a_call_that_holds_the_gil():
+    """The bench's ticker: a call that holds the GIL for its whole length (the builtin sum over a
+    range is one C call, as DeepSpeed's adam_update) lets the issuing thread tick not once while it
+    runs, so the longest stall is the call itself and the GIL sleep is counted as stall, not as
+    waiting for a core. (A GIL-releasing call's figures depend on the machine's load: the bench's.)"""
+    st = _bench().issue_stall(lambda: sum(range(2_000_000)), threads=1, reps=2)
+    assert st["ticks_per_s"] == 0.0
+    assert st["longest_stall_s"] >= st["kernel_s"] * 0.999
 
 
 def test_bench_ratios_pair_the_cases_round_by_round():

@@ -5,6 +5,17 @@ Both sources fill the same type through :meth:`Timeline.from_records`, which tak
 throughput, MFU, per-stream busy time, the bottleneck, memory over time) with the cost model's
 formulas, so a predicted and a measured timeline are compared field by field.
 
+GPU busy or issue-bound. A measured GPU op's record brackets it from its start marker to its end
+marker; on a stream that was idle the start marker completes as it is issued, so the bracket holds
+the op's issue as well as its kernels, and a GPU waiting on the issuing thread (Python, launches,
+a GIL a host op holds) counts as busy in ``busy_s``. The CUDA backend also records when each GPU
+op's issue ended: from then on its whole work is queued and the GPU busy with it. So a measured
+CUDA timeline splits each GPU stream's ``busy_s`` into ``gpu_busy_s`` (after the issue ended: a
+lower bound of the GPU's busy time) and ``issue_bound_s`` (before: the GPU ran what was issued and
+may have waited for the rest), and says the issuing thread's seconds issuing each stream's ops
+(``issue_busy_s``) and, of those, off a core (``issue_blocked_s``: the GIL or a core taken). A
+kernel-level union of GPU busy time needs a profiler (``bench/gpu_probe.py``'s profiled step).
+
 Outputs: versioned JSON (pydantic models at the boundary, round-trips exactly), a Chrome trace /
 Perfetto JSON dict (``to_chrome_trace``; open it at ui.perfetto.dev or chrome://tracing), and a
 PNG (``save_png``).
@@ -15,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Mapping
 
 import pydantic
 
@@ -31,18 +42,47 @@ Source = Literal["simulated", "measured"]
 
 @dataclass(frozen=True, slots=True)
 class OpRecord:
-    """One op's run: ``op`` is its repr (``FWD:L3:m0:s1``), times in seconds from the step's start."""
+    """One op's run: ``op`` is its repr (``FWD:L3:m0:s1``), times in seconds from the step's start.
+
+    A measured GPU op also says when the issuing thread began and ended issuing it
+    (``issue_start_s``, ``issued_s``: its kernels all enqueued; the start may precede the step's
+    first op) and that thread's CPU seconds meanwhile (``issue_cpu_s``); None where unknown (host
+    ops, the CPU backend, a simulated step, a timeline written before they were recorded)."""
 
     index: int
     op: str
     stream: Stream
     start_s: float
     end_s: float
+    issue_start_s: float | None = None
+    issued_s: float | None = None
+    issue_cpu_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.end_s >= self.start_s:
             raise ValueError(f"op #{self.index} {self.op}: ends at {self.end_s} s before it starts at "
                              f"{self.start_s} s")
+        known = [x is not None for x in (self.issue_start_s, self.issued_s, self.issue_cpu_s)]
+        if any(known) and not (all(known) and self.issued_s >= self.issue_start_s and self.issue_cpu_s >= 0):
+            raise ValueError(f"op #{self.index} {self.op}: issue from {self.issue_start_s} to {self.issued_s} s with "
+                             f"{self.issue_cpu_s} CPU s; give all three, the end not before the start, the CPU "
+                             "seconds >= 0 (or none)")
+
+    @property
+    def gpu_busy_s(self) -> float | None:
+        """The part of the op's run after its issue ended, when its whole work was queued on the
+        stream and the GPU busy with it (None without issue times): a lower bound of its GPU time."""
+        if self.issued_s is None:
+            return None
+        return max(0.0, self.end_s - max(self.start_s, self.issued_s))
+
+    @property
+    def issue_bound_s(self) -> float | None:
+        """The part of the op's run before its issue ended: the GPU ran what was issued so far and
+        may have waited for the rest (None without issue times)."""
+        if self.issued_s is None:
+            return None
+        return max(0.0, min(self.issued_s, self.end_s) - self.start_s)
 
     @property
     def kind(self) -> OpKind:
@@ -74,6 +114,14 @@ class Timeline:
             memory of the running compute op).
         pinned_memory: the same for pinned host memory (rings, pinned state, offload space).
         gpu_peak_bytes, pinned_peak_bytes: the curves' maxima.
+        gpu_busy_s, issue_bound_s: per GPU stream whose ops have issue times (a measured CUDA step),
+            the sums of :attr:`OpRecord.gpu_busy_s` (the GPU certainly busy: the op's work all
+            queued) and :attr:`OpRecord.issue_bound_s` (the op's run while it was still being
+            issued: the GPU waited for the issuing thread for part of it); they add up to
+            ``busy_s``. Empty otherwise.
+        issue_busy_s, issue_blocked_s: per GPU stream likewise, the issuing thread's seconds
+            issuing its ops and, of those, the seconds it was off a core (waiting for the GIL a
+            host op held, or for a core the machine's other work held).
     """
 
     source: Source
@@ -91,23 +139,45 @@ class Timeline:
     pinned_memory: tuple[tuple[float, int], ...]
     gpu_peak_bytes: int
     pinned_peak_bytes: int
+    gpu_busy_s: dict[Stream, float] = field(default_factory=dict, hash=False)
+    issue_bound_s: dict[Stream, float] = field(default_factory=dict, hash=False)
+    issue_busy_s: dict[Stream, float] = field(default_factory=dict, hash=False)
+    issue_blocked_s: dict[Stream, float] = field(default_factory=dict, hash=False)
 
     @property
     def busy_fraction(self) -> dict[Stream, float]:
         """Per stream, the fraction of the step it is busy (1.0 for a stream that never idles)."""
+        return self._fraction(self.busy_s)
+
+    @property
+    def gpu_busy_fraction(self) -> dict[Stream, float]:
+        """Per GPU stream with issue times, the fraction of the step the GPU was certainly busy on
+        it (``gpu_busy_s`` over the step)."""
+        return self._fraction(self.gpu_busy_s)
+
+    @property
+    def issue_bound_fraction(self) -> dict[Stream, float]:
+        """Per GPU stream with issue times, the fraction of the step its ops ran while still being issued."""
+        return self._fraction(self.issue_bound_s)
+
+    def _fraction(self, seconds: dict[Stream, float]) -> dict[Stream, float]:
         t = self.step_time_s
-        return {s: (b / t if t > 0 else 0.0) for s, b in self.busy_s.items()}
+        return {s: (b / t if t > 0 else 0.0) for s, b in seconds.items()}
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
     def from_records(cls, schedule: Schedule, graph: LayerGraph,
                      records: Iterable[tuple[int, Stream | str, float, float]], hw: HardwareSpec,
-                     source: Source = "measured") -> "Timeline":
-        """Build a Timeline from one ``(op index, stream, start_s, end_s)`` per op of ``schedule``.
+                     source: Source = "measured", *,
+                     issue: Mapping[int, tuple[float, float, float]] | None = None) -> "Timeline":
+        """Build a Timeline from one ``(op index, stream, start_s, end_s)`` per op of ``schedule``,
+        and for the ops in ``issue`` their ``(issue_start_s, issued_s, issue_cpu_s)`` (see
+        :class:`OpRecord`; on the records' clock).
 
         Times may have any origin (they are shifted so the earliest start is 0). Raises
         ValueError when an op is missing, repeated, out of range or on the wrong stream.
         """
+        issue = issue or {}
         ops = schedule.ops
         rows = sorted((int(i), Stream(s), float(a), float(b)) for i, s, a, b in records)
         seen = [r[0] for r in rows]
@@ -122,11 +192,24 @@ class Timeline:
             if s is not ops[i].stream:
                 raise ValueError(f"record for op #{i} {ops[i]!r} says stream {s.value!r}, but the op "
                                  f"runs on {ops[i].stream.value!r}")
-            recs.append(OpRecord(i, repr(ops[i]), s, a - t0, b - t0))
+            if i in issue:
+                i0, i1, cpu = issue[i]
+                recs.append(OpRecord(i, repr(ops[i]), s, a - t0, b - t0, i0 - t0, i1 - t0, cpu))
+            else:
+                recs.append(OpRecord(i, repr(ops[i]), s, a - t0, b - t0))
         step = max((r.end_s for r in recs), default=0.0)
         busy = {s: 0.0 for s in Stream}
+        gpu_busy: dict[Stream, float] = {}
+        issue_bound: dict[Stream, float] = {}
+        issue_busy: dict[Stream, float] = {}
+        issue_blocked: dict[Stream, float] = {}
         for r in recs:
             busy[r.stream] += r.duration_s
+            if r.issued_s is not None:
+                wall = r.issued_s - r.issue_start_s
+                for d, x in ((gpu_busy, r.gpu_busy_s), (issue_bound, r.issue_bound_s), (issue_busy, wall),
+                             (issue_blocked, max(0.0, wall - r.issue_cpu_s))):
+                    d[r.stream] = d.get(r.stream, 0.0) + x
         bottleneck = max(Stream, key=lambda s: busy[s])  # first of equals: compute, h2d, d2h, host
         plan = schedule.plan
         mem = cost.memory_breakdown(graph, plan, hw, schedule)
@@ -139,7 +222,9 @@ class Timeline:
                    tokens_per_s=tokens / step if step > 0 else 0.0, model_flops_per_step=flops,
                    mfu=cost.mfu(flops, step, plan.compute_dtype, hw), busy_s=busy,
                    bottleneck=bottleneck, gpu_memory=gpu, pinned_memory=pinned,
-                   gpu_peak_bytes=max(b for _, b in gpu), pinned_peak_bytes=max(b for _, b in pinned))
+                   gpu_peak_bytes=max(b for _, b in gpu), pinned_peak_bytes=max(b for _, b in pinned),
+                   gpu_busy_s=gpu_busy, issue_bound_s=issue_bound, issue_busy_s=issue_busy,
+                   issue_blocked_s=issue_blocked)
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_json(self, indent: int | None = None) -> str:
@@ -173,9 +258,19 @@ class Timeline:
                            "args": {"name": s.value}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
                            "args": {"sort_index": tid}})
+        issue_tid = len(tids) + 1  # the issuing thread's lane: when it issued each GPU op
+        if any(r.issued_s is not None for r in self.records):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": issue_tid,
+                           "args": {"name": "issuing thread"}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": issue_tid,
+                           "args": {"sort_index": 0}})
         for r in self.records:
             events.append({"name": r.op, "cat": r.kind.value, "ph": "X", "pid": pid, "tid": tids[r.stream],
                            "ts": r.start_s * 1e6, "dur": r.duration_s * 1e6, "args": {"index": r.index}})
+            if r.issued_s is not None:
+                events.append({"name": r.op, "cat": "issue", "ph": "X", "pid": pid, "tid": issue_tid,
+                               "ts": r.issue_start_s * 1e6, "dur": (r.issued_s - r.issue_start_s) * 1e6,
+                               "args": {"index": r.index, "cpu_us": r.issue_cpu_s * 1e6}})
         for name, curve in (("GPU memory", self.gpu_memory), ("pinned host memory", self.pinned_memory)):
             for t, b in curve:
                 events.append({"name": name, "ph": "C", "pid": pid, "tid": 0, "ts": t * 1e6,
@@ -239,8 +334,9 @@ class Timeline:
 def measured_timeline(backend, schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
     """The last finished run of ``backend`` (a :class:`megatrain.runtime.backend.Backend` whose
     ``record`` was on during it) as a measured Timeline of ``schedule`` (``source="measured"``):
-    the backend's timed ops (``backend.last_run``: op index, stream, start and end in seconds)
-    with the memory curves and MFU of this planner's cost model.
+    the backend's timed ops (``backend.last_run``: op index, stream, start and end in seconds, and
+    for a CUDA backend's GPU ops when their issue began and ended and its CPU seconds) with the
+    memory curves and MFU of this planner's cost model.
 
     Raises:
         ValueError: the run was not recorded, or it is not a run of ``schedule`` (another number
@@ -255,8 +351,9 @@ def measured_timeline(backend, schedule: Schedule, graph: LayerGraph, hw: Hardwa
         if r.label and r.label != repr(ops[r.index]):
             raise ValueError(f"launch #{r.index} was labelled {r.label!r}, but op #{r.index} of the schedule "
                              f"is {ops[r.index]!r}: pass the schedule that ran")
+    issue = {r.index: (r.issue_start_s, r.issued_s, r.issue_cpu_s) for r in recs if r.issued_s is not None}
     return Timeline.from_records(schedule, graph, [(r.index, r.stream, r.start_s, r.end_s) for r in recs], hw,
-                                 source="measured")
+                                 source="measured", issue=issue)
 
 
 def _gpu_curve(recs: list[OpRecord], live: cost.ActivationLiveness,
@@ -280,6 +377,10 @@ class _RecordModel(pydantic.BaseModel):
     stream: Stream
     start_s: float
     end_s: float
+    # Optional, so that timelines written before they were recorded load (bench/results/).
+    issue_start_s: float | None = None
+    issued_s: float | None = None
+    issue_cpu_s: float | None = None
 
 
 class _TimelineModel(pydantic.BaseModel):
@@ -302,6 +403,10 @@ class _TimelineModel(pydantic.BaseModel):
     gpu_memory: list[tuple[float, int]]
     pinned_memory: list[tuple[float, int]]
     records: list[_RecordModel]
+    gpu_busy_s: dict[Stream, float] = {}
+    issue_bound_s: dict[Stream, float] = {}
+    issue_busy_s: dict[Stream, float] = {}
+    issue_blocked_s: dict[Stream, float] = {}
 
     @classmethod
     def from_timeline(cls, t: Timeline) -> "_TimelineModel":
@@ -312,18 +417,23 @@ class _TimelineModel(pydantic.BaseModel):
                    pinned_peak_bytes=t.pinned_peak_bytes, gpu_memory=list(t.gpu_memory),
                    pinned_memory=list(t.pinned_memory),
                    records=[_RecordModel(index=r.index, op=r.op, stream=r.stream, start_s=r.start_s,
-                                         end_s=r.end_s) for r in t.records])
+                                         end_s=r.end_s, issue_start_s=r.issue_start_s, issued_s=r.issued_s,
+                                         issue_cpu_s=r.issue_cpu_s) for r in t.records],
+                   gpu_busy_s=dict(t.gpu_busy_s), issue_bound_s=dict(t.issue_bound_s),
+                   issue_busy_s=dict(t.issue_busy_s), issue_blocked_s=dict(t.issue_blocked_s))
 
     def to_timeline(self) -> Timeline:
         return Timeline(source=self.source, hardware=self.hardware, compute_dtype=self.compute_dtype,
-                        records=tuple(OpRecord(r.index, r.op, r.stream, r.start_s, r.end_s)
-                                      for r in self.records),
+                        records=tuple(OpRecord(r.index, r.op, r.stream, r.start_s, r.end_s, r.issue_start_s,
+                                               r.issued_s, r.issue_cpu_s) for r in self.records),
                         step_time_s=self.step_time_s, tokens_per_step=self.tokens_per_step,
                         tokens_per_s=self.tokens_per_s, model_flops_per_step=self.model_flops_per_step,
                         mfu=self.mfu, busy_s={s: self.busy_s.get(s, 0.0) for s in Stream},
                         bottleneck=self.bottleneck, gpu_memory=tuple(self.gpu_memory),
                         pinned_memory=tuple(self.pinned_memory), gpu_peak_bytes=self.gpu_peak_bytes,
-                        pinned_peak_bytes=self.pinned_peak_bytes)
+                        pinned_peak_bytes=self.pinned_peak_bytes, gpu_busy_s=dict(self.gpu_busy_s),
+                        issue_bound_s=dict(self.issue_bound_s), issue_busy_s=dict(self.issue_busy_s),
+                        issue_blocked_s=dict(self.issue_blocked_s))
 
 
 __all__ = ["Timeline", "OpRecord", "TIMELINE_FORMAT_VERSION", "measured_timeline"]

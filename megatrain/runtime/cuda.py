@@ -86,6 +86,13 @@ Timing (``record``). Each GPU op is bracketed by two ``torch.cuda.Event(enable_t
 the worker. The two clocks meet at the run's entry event: it is synchronized once (the streams
 are idle then, since the previous run ended with ``synchronize()``) and the host time read just
 after it is its time. ``Event.elapsed_time`` turns the GPU events into seconds after the entry.
+A GPU op's bracket starts when the stream reaches its start marker, which on an idle stream is
+as soon as it is recorded, so it spans the op's issue as well as its kernels: a GPU that waits
+for the issuing thread (Python, launches, the GIL a host op holds) looks busy. So the backend also
+records, per GPU op, when the issuing thread began and ended issuing it (host clock) and its CPU
+seconds meanwhile: after the issue ended the op's whole work is queued and the GPU is busy with it
+until the end marker; before, it may have waited (``megatrain.planner.timeline.Timeline``'s
+``gpu_busy_s``, ``issue_bound_s``, ``issue_busy_s`` and ``issue_blocked_s``).
 
 The adapter. Every CUDA call goes through one small object (:class:`TorchCuda`; an op's work is
 enqueued with ``run(stream, fn, label)``, a host op's run with ``host_run(fn, label)``), so tests
@@ -302,6 +309,11 @@ class GpuOp:
     label: str
     event: Any = None
     start: Any = None  # the timing event recorded before its work, when recording
+    # When recording: the issuing thread's clock when it began and ended issuing the op, and its CPU
+    # seconds meanwhile (time.thread_time): the wall time it was not on a core is GIL or core waits.
+    issue_t0: float = 0.0
+    issue_t1: float = 0.0
+    issue_cpu: float = 0.0
     issued: bool = False
     cancelled: bool = False
     watched: bool = False
@@ -644,6 +656,9 @@ class CUDABackend(_Recording):
                     h.watched = True  # the worker will wait for its issue: notify then
             self._host_worker(op.stream).submit(op, fn, [h for h in deps if h.stream is not op.stream])
             return
+        timing = self._run_records
+        if timing:
+            op.issue_t0, cpu0 = time.perf_counter(), time.thread_time()
         s = self.stream(op.stream)
         if op.stream not in self._fenced:
             self.cuda.wait_event(s, self._entry)
@@ -654,7 +669,6 @@ class CUDABackend(_Recording):
                     raise _host_error(h) from h.error
             elif h.stream is not op.stream:  # the same stream is in order already
                 self.cuda.wait_event(s, h.event)
-        timing = self._run_records
         if timing:
             op.start = self.cuda.event(True)
             self.cuda.record(op.start, s)
@@ -667,6 +681,8 @@ class CUDABackend(_Recording):
         # Blocking: a host worker may synchronise on it (module docstring, "Waiting without spinning").
         op.event = self.cuda.event(bool(timing), blocking=True)
         self.cuda.record(op.event, s)
+        if timing:
+            op.issue_t1, op.issue_cpu = time.perf_counter(), time.thread_time() - cpu0
         op.issued = True
         if op.watched:
             with self._changed:
@@ -753,7 +769,8 @@ class CUDABackend(_Recording):
                 yield OpTiming(op.index, op.stream, op.label, op.start_s - host0, op.end_s - host0)
             else:
                 yield OpTiming(op.index, op.stream, op.label, self.cuda.elapsed_s(entry, op.start),
-                               self.cuda.elapsed_s(entry, op.event))
+                               self.cuda.elapsed_s(entry, op.event), issue_start_s=op.issue_t0 - host0,
+                               issued_s=op.issue_t1 - host0, issue_cpu_s=op.issue_cpu)
 
 
 def _unique(handles: Sequence[Any]) -> list[Any]:

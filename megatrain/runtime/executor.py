@@ -219,7 +219,7 @@ class Executor:
             raise ConfigError(f"the optimizer settings are {spec.name}'s but the host state holds "
                               f"{host.optimizer.name}'s state rows {host.optimizer.states}: make the HostState with "
                               f"optimizer=optimizer_spec({spec.name!r})")
-        # The spec's host kernel (AdamW's: $MEGATRAIN_HOST_ADAM, DeepSpeed's where installed).
+        # The spec's host kernel (AdamW's: $MEGATRAIN_HOST_ADAM, torch's fused AdamW by default).
         self.opt_kernel = host_kernel(spec)
         dev = backend.device
         self.templates = [retarget(gm, dev) for gm in traced.templates]

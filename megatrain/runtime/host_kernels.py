@@ -9,26 +9,37 @@ of two kernels, both element-wise, vectorised and parallel over the calling thre
   ``torch.optim.AdamW(fused=True)`` and ``torch.optim.adamw.adamw(fused=True)`` run);
 - ``"deepspeed"``: DeepSpeed's CPU Adam (the C++ ``cpu_adam`` op behind ``DeepSpeedCPUAdam``,
   AVX-512/AVX2/NEON; Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840), installed with
-  ``pip install megatrain[deepspeed]``. DeepSpeed builds the op with ninja and the host C++
-  compiler the first time a process loads it (about 1.5 CPU-minutes; the build is cached in
-  ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default) unless it was prebuilt at
-  install (``DS_BUILD_CPU_ADAM=1``).
+  ``pip install megatrain[deepspeed]``.
 
-``MEGATRAIN_HOST_ADAM`` chooses: ``auto`` (the default) takes DeepSpeed's where the ``deepspeed``
-package is installed and torch's otherwise; ``torch`` or ``deepspeed`` forces one (``deepspeed``
-without the package is an error, as is a DeepSpeed op that fails to build: nothing falls back
-silently). DeepSpeed's kernel was as fast as torch's or faster on the x86 host measured
-(``bench/host_optimizer.py`` on a shared 2-core AMD EPYC VM, 2026-11-27, tiles four times the L3,
-both stepping the same tensors, 1 thread: 1.04-1.06x by CPU seconds in three runs; the issue that
-asked for it measured 1.35x at 2 threads), and :meth:`HostAdamW.step` calls its op with less
-Python around it than ``DeepSpeedCPUAdam.step`` does (11-22 against 28-32 us per call), so on
-large tiles the two step at one rate (1.02-1.03x).
+``MEGATRAIN_HOST_ADAM`` chooses: ``auto`` (the default) and ``torch`` take torch's; ``deepspeed``
+takes DeepSpeed's, only when asked for (without the package it is an error, as is an op that fails
+to build: nothing falls back silently).
+
+Why torch's by default: the issuing thread. torch's kernel releases the Python GIL for its whole
+call (its generated binding dispatches with ``gil_scoped_release``), so while a host worker steps a
+layer the issuing thread goes on launching GPU work. DeepSpeed's ``adam_update`` holds the GIL for
+its whole call (DeepSpeed 0.19.8 ``csrc/adam/cpu_adam.cpp`` binds it without ``gil_scoped_release``):
+every launch waits for the step to end. On the first GPU host (one H100, 16-core Xeon, 2026-11-27)
+that froze the issuing thread for about 270 ms of an 844 ms step (BENCHMARKS.md), and torch's kernel
+stepped the same tiles as fast (3.95 against 3.88 G params/s, ``bench/host_optimizer.py``), which
+also measures each kernel's stall of the issuing thread. DeepSpeed's is kept for a host where it is
+faster; its steps then stall issue for their whole length.
+
+Building DeepSpeed's op. DeepSpeed compiles it with ninja and the host C++ compiler the first time
+a process loads it (about 1.5 CPU-minutes) unless it was prebuilt at install
+(``DS_BUILD_CPU_ADAM=1``). :class:`HostAdamW` loads it when it is made (at compile, not in the
+first step), and a build is never silent: a line on stderr says what is compiled, why and where
+before it starts, and its time after. The build is cached in ``$TORCH_EXTENSIONS_DIR``; where that
+is not set and Python runs in a virtual environment, in one of its own
+(:func:`deepspeed_build_dir`), so two checkouts or environments never rebuild over each other's
+cache; elsewhere in torch's default, ``~/.cache/torch_extensions``. ``make setup`` builds it once
+per environment.
 
 Step and cast. ``HostAdamW.step(cast_into=...)`` also writes the new master in BF16 (what a CAST
 writes for the next H2D), chunk by chunk while each chunk is in the cache: 30 bytes of host
 traffic per parameter where a step and a separate cast take 34, measured 1.05-1.07x
-``DeepSpeedCPUAdam.step`` followed by that cast on the VM above (1 thread; README, "The host
-optimizer and its threads"). The runtime's schedule still runs each CAST as an op of its own.
+``DeepSpeedCPUAdam.step`` followed by that cast on a shared 2-core AMD EPYC VM (2026-11-27, 1
+thread; README, "The host optimizer and its threads"). The runtime's schedule still runs each CAST as an op of its own.
 
 Both match ``torch.optim.AdamW`` to the project's 1e-5 (tests/test_host_kernels.py); they differ
 from each other by rounding (DeepSpeed multiplies by ``1 / sqrt(1 - beta2^t)``, keeps ``beta^t`` as
@@ -61,12 +72,15 @@ Threads. The kernels parallelise over the *calling thread's* OpenMP team, whose 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
+import sys
 import threading
+import time
 import weakref
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -80,7 +94,10 @@ KERNELS = ("torch", "deepspeed")
 """The host AdamW kernels :class:`HostAdamW` runs."""
 
 HOST_ADAM_ENV = "MEGATRAIN_HOST_ADAM"
-"""Environment variable that chooses the kernel: ``auto`` (default), ``torch`` or ``deepspeed``."""
+"""Environment variable that chooses the kernel: ``auto`` (default: torch's), ``torch`` or ``deepspeed``."""
+
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+"""torch's variable for the directory JIT-built C++ extensions (DeepSpeed's ops) are cached in."""
 
 CHUNK_ELEMENTS = OPT_CHUNK_ELEMENTS
 """Elements per intra-op thread of a chunk of a chunked step (BF16 gradients, or a gradient scale
@@ -139,23 +156,43 @@ def deepspeed_installed() -> bool:
 
 def host_adam_kernel(setting: str | None = None) -> str:
     """The kernel ``setting`` (default: ``$MEGATRAIN_HOST_ADAM``, else ``"auto"``) names:
-    ``"deepspeed"`` or ``"torch"``, ``"auto"`` being DeepSpeed's where installed.
+    ``"torch"`` (also for ``"auto"``: it releases the GIL, see the module docstring) or
+    ``"deepspeed"``.
 
     Raises:
         ConfigError: an unknown setting, or ``"deepspeed"`` without the package.
     """
+    return _host_adam_choice(setting)[0]
+
+
+def _host_adam_choice(setting: str | None) -> tuple[str, str]:
+    """:func:`host_adam_kernel`'s choice and where it came from (for the build line)."""
     where = "the argument"
     if setting is None:
         setting, where = os.environ.get(HOST_ADAM_ENV, "auto"), f"${HOST_ADAM_ENV}"
     choice = setting.strip().lower()
     if choice == "auto":
-        return "deepspeed" if deepspeed_installed() else "torch"
+        return "torch", where
     if choice not in KERNELS:
         raise ConfigError(f"host AdamW kernel {setting!r} ({where}): use 'auto', 'torch' or 'deepspeed'")
     if choice == "deepspeed" and not deepspeed_installed():
         raise ConfigError(f"host AdamW kernel 'deepspeed' ({where}) but the deepspeed package is not installed: "
                           "pip install megatrain[deepspeed], or use 'torch'")
-    return choice
+    return choice, where
+
+
+def deepspeed_build_dir() -> str | None:
+    """The directory DeepSpeed's JIT-built ops are cached in when megatrain loads one:
+    ``$TORCH_EXTENSIONS_DIR`` when set; else, when Python runs in a virtual environment
+    (``sys.prefix != sys.base_prefix``), ``<environment>/torch_extensions/torch-<version>`` (one
+    per torch version: an op built against another torch may not load); else None, torch's
+    default (``~/.cache/torch_extensions/<python>_<accelerator>``), shared by every environment of
+    the user."""
+    if os.environ.get(EXTENSIONS_ENV):
+        return os.environ[EXTENSIONS_ENV]
+    if sys.prefix != sys.base_prefix:
+        return os.path.join(sys.prefix, "torch_extensions", f"torch-{torch.__version__}")
+    return None
 
 
 _DS_LOCK = threading.Lock()
@@ -163,20 +200,68 @@ _DS_OP: Any = None
 _DS_IDS = itertools.count(1 << 20)  # DeepSpeedCPUAdam numbers its optimizers from 0: keep clear of them
 
 
-def _deepspeed_op() -> Any:
-    """DeepSpeed's ``cpu_adam`` op, built (first use, minutes) or loaded once per process."""
+def _deepspeed_op(why: str = "DeepSpeed's host AdamW kernel is asked for") -> Any:
+    """DeepSpeed's ``cpu_adam`` op, loaded once per process: prebuilt at install, from the build
+    cache (:func:`deepspeed_build_dir`), or built there first with a line on stderr before and
+    after (``why``: the reason the line gives).
+
+    Raises:
+        ConfigError: the op did not build or load.
+    """
     global _DS_OP
     with _DS_LOCK:
         if _DS_OP is None:
             try:
-                from deepspeed.ops.op_builder import CPUAdamBuilder
-
-                _DS_OP = CPUAdamBuilder().load(verbose=False)
+                _DS_OP = _load_deepspeed_op(why)
             except Exception as e:
                 raise ConfigError(f"DeepSpeed's CPU Adam op did not build or load ({type(e).__name__}: {e}); it needs "
                                   "ninja and a C++ compiler on the first use (or DS_BUILD_CPU_ADAM=1 at install). "
-                                  f"Fix that, or run torch's kernel: {HOST_ADAM_ENV}=torch") from e
+                                  f"Fix that, or run torch's kernel: {HOST_ADAM_ENV}=torch (the default)") from e
         return _DS_OP
+
+
+def _load_deepspeed_op(why: str) -> Any:
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    builder = CPUAdamBuilder()
+    if installed_ops.get(builder.name, False):
+        return builder.load(verbose=False)  # prebuilt at install: nothing to compile
+    root = deepspeed_build_dir()
+    with _environ(EXTENSIONS_ENV, root):
+        from torch.utils.cpp_extension import _get_build_directory
+
+        where = _get_build_directory(builder.name, verbose=False)
+        built = os.path.exists(os.path.join(where, f"{builder.name}.so"))
+        if not built:
+            print(f"megatrain: building DeepSpeed's CPU Adam op ({builder.name}, C++ with ninja and the host compiler, "
+                  f"about 1.5 CPU-minutes, once per environment) because {why}; cached in {where}",
+                  file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        op = builder.load(verbose=False)
+        if not built:
+            print(f"megatrain: DeepSpeed's CPU Adam op built in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
+    return op
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None) -> Iterator[None]:
+    """``os.environ[name] = value`` inside the block (nothing when ``value`` is None), then as before:
+    torch reads ``TORCH_EXTENSIONS_DIR`` when it builds or loads, and other code of the process
+    keeps the user's setting."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 class HostAdamW:
@@ -184,16 +269,21 @@ class HostAdamW:
 
     Args:
         kernel: ``"auto"``, ``"torch"`` or ``"deepspeed"``; None: ``$MEGATRAIN_HOST_ADAM``
-            (:func:`host_adam_kernel`).
+            (:func:`host_adam_kernel`). DeepSpeed's op is loaded (built, the first time in an
+            environment) here.
 
     Raises:
-        ConfigError: as :func:`host_adam_kernel`.
+        ConfigError: as :func:`host_adam_kernel`, or DeepSpeed's op did not build or load.
     """
 
     def __init__(self, kernel: str | None = None):
-        self.kernel = host_adam_kernel(kernel)
+        self.kernel, where = _host_adam_choice(kernel)
         self._ds_id: int | None = None
         self._scratch: torch.Tensor | None = None
+        if self.kernel == "deepspeed":
+            # Now, at compile: a build (minutes) must not hide in the first step's first OPT.
+            asked = f"{HOST_ADAM_ENV}=deepspeed" if where.startswith("$") else "HostAdamW(kernel='deepspeed')"
+            _deepspeed_op(f"{asked} asks for DeepSpeed's host AdamW kernel")
 
     def __repr__(self) -> str:
         return f"HostAdamW(kernel={self.kernel!r})"
@@ -394,6 +484,5 @@ def _check_tiles(param: torch.Tensor, grad: torch.Tensor, *states: torch.Tensor,
                              f"{' or '.join(str(d) for d in want)} of param's shape {tuple(param.shape)}")
 
 
-__all__ = ["CHUNK_ELEMENTS", "HOST_ADAM_ENV", "KERNELS", "HostAdamW", "HostLion", "host_kernel", "deepspeed_installed",
-           "host_adam_kernel",
-           "run_on_team", "set_thread_team"]
+__all__ = ["CHUNK_ELEMENTS", "EXTENSIONS_ENV", "HOST_ADAM_ENV", "KERNELS", "HostAdamW", "HostLion", "host_kernel",
+           "deepspeed_build_dir", "deepspeed_installed", "host_adam_kernel", "run_on_team", "set_thread_team"]

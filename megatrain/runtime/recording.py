@@ -15,13 +15,23 @@ from megatrain.ir.schedule import Stream
 
 @dataclass(frozen=True, slots=True)
 class OpTiming:
-    """When one launched op ran, in seconds on one clock per run (any origin)."""
+    """When one launched op ran, in seconds on one clock per run (any origin).
+
+    ``start_s`` and ``end_s`` bracket the op on its stream: on a GPU stream from the marker recorded
+    before its kernels to the one after them, so an op whose issue is slower than its kernels
+    lasts about as long as its issue. The CUDA backend also records, for a GPU op, when the issuing
+    thread began and ended issuing it (``issue_start_s``, ``issued_s``: every kernel enqueued) and
+    that thread's CPU seconds meanwhile (``issue_cpu_s``: the rest of the issue it was off a core,
+    waiting for the GIL or for a core); None elsewhere (host ops, the CPU backend)."""
 
     index: int
     stream: Stream
     label: str
     start_s: float
     end_s: float
+    issue_start_s: float | None = None
+    issued_s: float | None = None
+    issue_cpu_s: float | None = None
 
 
 class _Recording:
