@@ -25,11 +25,13 @@ OLDEST_TESTS := tests/test_trace.py tests/test_exactness.py tests/test_compat.py
 
 # $(call make-venv,DIR,PIP_INSTALL_ARGS): a virtual environment with torch (the CPU build 2.13.0,
 # only where no torch is present; any torch >= 2.6 works) and megatrain installed editable.
+# The editable installs are -qq: setuptools' "Editable installation" notice (16 lines, twice) is
+# about folders that shadow the package, which no user of this checkout can act on; errors still print.
 define make-venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
 	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/python -m pip install --quiet torch==2.13.0
-	$(1)/bin/python -m pip install --quiet $(2) -e "$(EXTRAS)"
+	$(1)/bin/python -m pip install -qq $(2) -e "$(EXTRAS)"
 endef
 
 # $(call add-deepspeed,DIR,PIP_INSTALL_ARGS): the [deepspeed] extra (DeepSpeed's CPU Adam, the host
@@ -39,7 +41,7 @@ endef
 # cached in ~/.cache/torch_extensions. make test-oldest runs without it (its tests skip).
 define add-deepspeed
 	$(1)/bin/python -m pip install --quiet $(2) setuptools
-	DS_BUILD_OPS=0 $(1)/bin/python -m pip install --quiet --no-build-isolation $(2) -e ".[deepspeed]"
+	DS_BUILD_OPS=0 $(1)/bin/python -m pip install -qq --no-build-isolation $(2) -e ".[deepspeed]"
 endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt

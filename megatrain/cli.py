@@ -274,14 +274,11 @@ def format_report(planned, hw, *, model: str) -> str:
         ("activations peak", _gib(mem.activations_peak), "checkpoints + boundary gradients"),
         ("working peak", _gib(mem.working_peak), "largest layer transient"),
         ("reserve", _gib(mem.reserve), "held for CUDA beyond the plan's tensors, so the step does not run out: "
-         + (mem.reserve_parts.describe() if mem.reserve_parts is not None else "CUDA context, workspaces, allocator"))
-        if mem.reserve or mem.reserve_parts is not None else
-        ("reserve", "-", "none: the CPU backend has no CUDA context, workspaces or caching allocator"),
+         + (mem.reserve_parts.describe() if mem.reserve_parts is not None else "CUDA context, workspaces, allocator")),
         ("peak", _gib(mem.gpu_peak),
          f"of {_gib(hw.gpu_memory_bytes)} ({_pct(mem.gpu_peak, hw.gpu_memory_bytes)}): the rows above, with "
-         "activations and working memory at their busiest instant" + (
-             " and the reserve included; the solver fills the rest with slots, resident layers and checkpoints"
-             if mem.reserve else "")),
+         "activations and working memory at their busiest instant and the reserve included; the solver fills the "
+         "rest with slots, resident layers and checkpoints"),
     ])
     lines.append("")
     resident = sorted(plan.resident)

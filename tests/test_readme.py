@@ -228,3 +228,43 @@ def test_directives_are_read():
     assert [(b.lang, b.skip, b.file, b.code) for b in blocks] == [
         ("bash", "needs GPUs", None, "nvidia-smi\n"), ("yaml", None, "a.yaml", "x: 1\n"), ("python", None, None, "print(1)\n")]
     assert [b.line for b in blocks] == [3, 8, 11]
+
+
+def _slug(title: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_reaches_a_file_and_its_heading():
+    """The front page and the manual link to each other by path and heading: each relative link
+    names a file that exists and, with ``#anchor``, a heading of that file (outside code blocks)."""
+    def headings(path: Path) -> set[str]:
+        found, fenced = set(), False
+        for line in path.read_text().splitlines():
+            fenced ^= line.startswith("```")
+            m = None if fenced else re.match(r"^#+ (.+)$", line)
+            if m:
+                found.add(_slug(m.group(1)))
+        return found
+
+    checked = 0
+    for page in [*PAGES, ROOT / "BENCHMARKS.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"^[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.relative_to(ROOT)}: link {target!r}: no file {file}"
+            if anchor and file.suffix == ".md":
+                assert anchor in headings(file), f"{page.relative_to(ROOT)}: link {target!r}: no such heading"
+            checked += 1
+    assert checked > 50
+
+
+def test_the_readme_is_a_front_page():
+    """README.md is the front page (what it is, the compile example, the two commands, status,
+    links, a tour of the code): at most 250 lines; the manual is docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, len(lines)
+    assert {"## Install and first run", "## The two commands", "## Status", "## The manual",
+            "## A tour of the code"} <= set(lines)

@@ -49,6 +49,8 @@ Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
 """
 
+from megatrain.lazy import lazy_names
+
 # Each name loads its module on first use (PEP 562): the readers and format checks that
 # `megatrain train` runs before it imports torch (megatrain.train.early) import only what they need.
 _LAZY = {
@@ -72,18 +74,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'megatrain.data' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [
