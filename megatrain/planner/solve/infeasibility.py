@@ -144,6 +144,9 @@ def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequ
         else:
             why = f"The obstacle is layer {req.obstacle!r}, where checkpoints plus working memory peak."
             fixes.append("a shorter sequence (the layer's working memory grows with it)")
+            if req.layer_by_layer:
+                fixes.append("a smaller global batch (layer by layer, every micro-batch's checkpoints are on the "
+                             "GPU at once)")
         fixes.insert(0, f"a GPU with at least {hb(req.gpu_memory_bytes)}")
         lines.append(
             f"GPU: needs at least {hb(req.gpu_memory_bytes)} and has {hb(hw.gpu_memory_bytes)}, even with one weight "

@@ -433,6 +433,22 @@ class Search:
         return self.patterns[k]
 
     # -- run ---------------------------------------------------------------------------------------
+    def least_host_on_gpu(self, passes: list[SizeOption], keeps) -> tuple[int, int] | None:
+        """``(host, pinned)`` bytes of the plan that fits this GPU with the least host memory, at
+        the smallest micro-batch size, one slot and distance 0: every checkpoint kept where that fits,
+        else each family at the shallowest depth that fits (offloading no more than it must); None
+        where none fits. What a larger host needs on this GPU."""
+        gpu = self.hw.gpu_memory_bytes
+        found = [(m.host_total, m.host_pinned) for m, _ in keeps if m.gpu_peak <= gpu]
+        for opt in passes:
+            for family in self.families:
+                depth = self.least_depth(opt, family, 0, 1, cap=gpu)
+                if depth is not None:
+                    _, unit = self.unit(opt, family.policy(self.eligible, self.n, depth), 0)
+                    m = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
+                    found += [(m.host_total, m.host_pinned)] if m.gpu_peak <= gpu else []
+        return min(found, default=None)
+
     def requirements(self) -> Requirements:
         """Minimum memory at the smallest micro-batch size (see :class:`Requirements`)."""
         size = min(self.request.micro_batch_sizes())
@@ -448,9 +464,7 @@ class Search:
                 rows.append(((mem.gpu_peak, mem.host_total, p, i), name, opt, sched, mem))
                 if i == 0:
                     keeps.append((mem, opt))
-        # The least host memory of these plans that fit this GPU: what a larger host needs here.
-        on_gpu = min(((row[4].host_total, row[4].host_pinned) for row in rows
-                      if row[4].gpu_peak <= self.hw.gpu_memory_bytes), default=None)
+        on_gpu = self.least_host_on_gpu(passes, keeps)
         (_, _, _, i), name, opt, sched, mem = min(rows, key=lambda row: row[0])
         if i > 0:  # the shallowest depth of that family with the same peak offloads the least
             family = self.families[i - 1]
