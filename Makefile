@@ -7,7 +7,9 @@
 #   make sft           fine-tune make train's newest model on examples/data/alpaca_demo.json (--task sft,
 #                      --init-from runs/train_lm-<newest>/checkpoint; examples/sft_lm.yaml); leaves
 #                      runs/sft_lm-<date-time>/ the same way. ARGS as for make train
-#   make test          the test suite on the locked versions (constraints.txt): what CI runs
+#   make setup         the virtual environment .venv (torch, megatrain and its extras), which train and sft use
+#   make test          the test suite on the locked versions (constraints.txt): what CI runs; it adds
+#                      DeepSpeed to .venv (and builds its CPU Adam op there once) for the tests of that kernel
 #   make test-oldest   the trace and exactness tests on the oldest supported versions
 #                      (constraints-oldest.txt); CI runs it too
 #   make test-latest   the test suite on today's newest releases, after printing how they differ
@@ -25,11 +27,13 @@ OLDEST_TESTS := tests/test_trace.py tests/test_exactness.py tests/test_compat.py
 
 # $(call make-venv,DIR,PIP_INSTALL_ARGS): a virtual environment with torch (the CPU build 2.13.0,
 # only where no torch is present; any torch >= 2.6 works) and megatrain installed editable.
+# The editable installs are -qq: setuptools' "Editable installation" notice (16 lines, twice) is
+# about folders that shadow the package, which no user of this checkout can act on; errors still print.
 define make-venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
 	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/python -m pip install --quiet torch==2.13.0
-	$(1)/bin/python -m pip install --quiet $(2) -e "$(EXTRAS)"
+	$(1)/bin/python -m pip install -qq $(2) -e "$(EXTRAS)"
 endef
 
 # $(call add-deepspeed,DIR,PIP_INSTALL_ARGS): the [deepspeed] extra (DeepSpeed's CPU Adam, the host
@@ -41,12 +45,17 @@ endef
 # that asks for it. make test-oldest runs without it (its tests skip).
 define add-deepspeed
 	$(1)/bin/python -m pip install --quiet $(2) setuptools
-	DS_BUILD_OPS=0 $(1)/bin/python -m pip install --quiet --no-build-isolation $(2) -e ".[deepspeed]"
+	DS_BUILD_OPS=0 $(1)/bin/python -m pip install -qq --no-build-isolation $(2) -e ".[deepspeed]"
 	$(1)/bin/python -c "from megatrain.runtime.host_kernels import HostAdamW; HostAdamW('deepspeed')"
 endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(call make-venv,$(VENV),-c constraints.txt)
+	touch $@
+
+# The suite also runs DeepSpeed's kernel (the tests that name it); training does not need it (the
+# default host AdamW kernel is torch's), so make setup, train and sft leave it out.
+$(VENV)/.deepspeed: $(VENV)/.installed
 	$(call add-deepspeed,$(VENV),-c constraints.txt)
 	touch $@
 
@@ -65,7 +74,7 @@ sft: setup  ## fine-tune make train's newest model on a bundled alpaca-style set
 # The suite runs in TEST_WORKERS processes (pytest-xdist), one test file per worker at a time
 # (--dist loadfile: a file's module fixtures are built once); TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
-test: setup  ## the test suite (CPU; CUDA tests skip without a GPU), in TEST_WORKERS=2 worker processes
+test: $(VENV)/.deepspeed  ## the test suite (CPU; CUDA tests skip without a GPU), in TEST_WORKERS=2 worker processes
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-oldest: .venv-oldest/.installed  ## trace and exactness tests on the oldest supported versions

@@ -41,7 +41,7 @@ MODEL = dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_
              tie_word_embeddings=False)
 CONFIG = dict(max_bytes=3_000_000, seq_len=128, global_batch=16, micro_batch_size=8, lr=3e-3, warmup_steps=30,
               weight_decay=0.1, beta1=0.9, beta2=0.95, max_grad_norm=1.0, eval_interval=40, eval_batches=4,
-              checkpoint_interval=40, nonfinite="stop")
+              checkpoint_interval=40, nonfinite="stop", device="cpu")  # a CPU soak on any machine (device auto: a GPU)
 
 
 def _median(xs: list[float]) -> float:

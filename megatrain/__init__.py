@@ -19,6 +19,8 @@ from megatrain.optim import Lion
 from megatrain.errors import (BatchError, CheckpointError, CollectiveError, ConfigError, MegatrainError, PlanError,
                               ScheduleError, StepError, TraceError, UnsupportedModelError)
 
+from megatrain.lazy import lazy_names
+
 # The names below import torch (and the planner, the runtime): loaded on first use (PEP 562), so
 # that `megatrain --help` and the config's validation start in a fraction of a second.
 _LAZY = {
@@ -33,18 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # once: later lookups do not come here
-        return value
-    raise AttributeError(f"module 'megatrain' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __version__ = "0.1.0"

@@ -7,10 +7,11 @@ reports whether it fits, where the memory goes and how fast a step is predicted 
     megatrain plan --model llama-3-70b --hardware H100_SXM --seq-len 4096 --global-batch 64 \
         --gpus-per-node 8 --nodes 2 --interconnect nvlink4 --network ndr-8x400g
 
-Exit codes of ``plan``: 0 a plan fits; 2 no plan fits (the PlanError message says the smallest GPU
-and host memory that would and which layer is the obstacle); 1 invalid input (an unknown model or
-hardware, a model that is not a causal decoder, a bad option, an ``--out`` that is a file), with one
-``error: <message>`` line on stderr. ``megatrain --version`` prints the version.
+Exit codes of ``plan``: 0 a plan fits; 3 no plan fits (the PlanError message says the least GPU and
+host memory any plan needs, which layer is the obstacle, and each change that would fit); 2 invalid
+input (an unknown model or hardware, a model that is not a causal decoder, a bad option, an ``--out``
+that is a file), with one ``error: <message>`` line on stderr. ``megatrain --version`` prints the
+version.
 
 ``megatrain train`` trains a model from a YAML or JSON config file whose every field is also a
 flag (flags win); see :mod:`megatrain.train`.
@@ -67,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"megatrain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan a model on a GPU and host (or G GPUs x M nodes), and predict its step",
-                          description="Trace a model on the meta device, solve for a plan and report memory "
+                          description="Required: --model, --hardware, --seq-len and --global-batch; or --config "
+                                      "RUN (and --hardware where RUN names none). "
+                                      "Trace a model on the meta device, solve for a plan and report memory "
                                       "and predicted speed; with --gpus-per-node/--nodes, one rank's plan, the "
                                       "node's host memory, the host-state choice across nodes and the global "
                                       "tokens/s. With --config, the plan `megatrain train --config` runs with the "
@@ -80,12 +83,14 @@ def _parser() -> argparse.ArgumentParser:
                            "hardware (or --hardware), nvme_dir, host_memory and host_state; instead of --model, "
                            "--seq-len, --global-batch, --compute-dtype and --clip-gradients")
     plan.add_argument("--model", default=None,
-                      help=f"a preset ({preset_names()}) or the path of a Hugging Face config.json")
+                      help=f"required without --config: a preset ({preset_names()}) or the path of a Hugging Face "
+                           "config.json")
     plan.add_argument("--hardware", default=None,
-                      help=f"a hardware preset ({', '.join(HARDWARE_PRESETS)}) or the path of a "
-                           "HardwareSpec JSON file (with --config: replaces the run's)")
-    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
-    plan.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+                      help=f"required (with --config, where the run names none): a hardware preset "
+                           f"({', '.join(HARDWARE_PRESETS)}) or the path of a HardwareSpec JSON file (with --config: "
+                           "replaces the run's)")
+    plan.add_argument("--seq-len", type=int, default=None, help="required without --config: tokens per sequence")
+    plan.add_argument("--global-batch", type=int, default=None, help="required without --config: sequences per optimizer step")
     plan.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default=None,
                       help="dtype the GPU computes in (default bfloat16: the model traced with BF16 "
                            "parameters, activations and checkpoints in BF16, FP32 masters on the host, as "
@@ -174,6 +179,14 @@ def _default_note(field) -> str:
     return f" (default: {'none' if d is None else str(d).lower() if isinstance(d, bool) else d})"
 
 
+def hardware_sizes(hw) -> str:
+    """``GPU 79.65 GiB, host 2.00 TiB`` (and the NVMe tier's capacity): the sizes a plan is for."""
+    from megatrain.units import human_bytes
+
+    return (f"GPU {human_bytes(hw.gpu_memory_bytes)}, host {human_bytes(hw.host_memory_bytes)}"
+            + (f", NVMe {human_bytes(hw.nvme_capacity_bytes)}" if hw.has_nvme else ""))
+
+
 def _grad_dtype(plan) -> str:
     # BF16 where it is exact (one micro-batch's gradients per slot, BF16 compute): Plan.gradient_dtype.
     return "BF16" if plan.gradient_dtype == "bfloat16" else "FP32"
@@ -220,7 +233,8 @@ def format_report(planned, hw, *, model: str) -> str:
            f"{solution.simulated} simulated" if solution is not None else
            "the default plan (megatrain train on the CPU backend)" if planned.options.device == "cpu"
            else "a given plan")
-    lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name}",
+    lines = [f"megatrain plan: {model} ({g.param_count / 1e9:.3g}B parameters, {n} layers) on {hw.name} "
+             f"({hardware_sizes(hw)})",
              f"  seq_len {g.seq_len} x global batch "
              f"{plan.micro_batches * planned.options.micro_batch_size * plan.data_parallel}, "
              f"{plan.compute_dtype} compute; traced in {planned.trace_s:.2f} s, {how}",
@@ -261,11 +275,12 @@ def format_report(planned, hw, *, model: str) -> str:
         ("buffers", _gib(mem.buffers), ""),
         ("activations peak", _gib(mem.activations_peak), "checkpoints + boundary gradients"),
         ("working peak", _gib(mem.working_peak), "largest layer transient"),
-        ("reserve", _gib(mem.reserve), mem.reserve_parts.describe() if mem.reserve_parts is not None
-         else "CUDA context, workspaces, allocator"),
+        ("reserve", _gib(mem.reserve), "held for CUDA beyond the plan's tensors, so the step does not run out: "
+         + (mem.reserve_parts.describe() if mem.reserve_parts is not None else "CUDA context, workspaces, allocator")),
         ("peak", _gib(mem.gpu_peak),
-         f"of {_gib(hw.gpu_memory_bytes)} ({_pct(mem.gpu_peak, hw.gpu_memory_bytes)}); activations and "
-         "working memory at one instant"),
+         f"of {_gib(hw.gpu_memory_bytes)} ({_pct(mem.gpu_peak, hw.gpu_memory_bytes)}): the rows above, with "
+         "activations and working memory at their busiest instant and the reserve included; the solver fills the "
+         "rest with slots, resident layers and checkpoints"),
     ])
     lines.append("")
     resident = sorted(plan.resident)
@@ -426,7 +441,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     try:
         planned = front.plan(dataclasses.replace(request, on_traced=traced))
     except PlanError as e:
-        print(f"megatrain plan: {model} on {hw.name}, {summary}")
+        print(f"megatrain plan: {model} on {hw.name} ({hardware_sizes(hw)}), {summary}")
         print("\nfits: NO\n")
         print(str(e))
         return NO_FIT
@@ -509,6 +524,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     with the same file plans, for --gpus-per-node x --nodes ranks (torchrun's)."""
     from megatrain.planner.front import Topology
     from megatrain.train import load_train_config
+    from megatrain.train.config import resolve_device
     from megatrain.train.corpus import image_grid_thw
     from megatrain.train.loop import plan_request, planning_model
     from megatrain.train.model import resolve_model
@@ -521,7 +537,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
                           "seq_len, global_batch, max_grad_norm, device, optimizer); change them in the file")
     # Planning reads no output_dir; the file may leave it to megatrain train's --output-dir.
     overrides = {"output_dir": "."} | ({} if args.hardware is None else {"hardware": args.hardware})
-    cfg = load_train_config(args.config, overrides, saved_run=False)
+    cfg, device = resolve_device(load_train_config(args.config, overrides, saved_run=False))
     if cfg.hardware is None:
         raise ConfigError(f"megatrain plan --config {args.config}: the run names no hardware to plan for or predict "
                           "on; give --hardware (a preset or a spec JSON file)")
@@ -533,7 +549,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     request = plan_request(cfg, planning_model(cfg, source), hw,
                            Topology(ranks, args.gpus_per_node, host_state=cfg.host_state if ranks > 1 else None),
                            image_grid_thw(cfg, source))
-    summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, device {cfg.device}"
+    summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, {device}"
                + (f", images_per_row {cfg.images_per_row}" if cfg.images_per_row != 1 else "")
                + (f", images resized to {cfg.image_size}" if cfg.image_size else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
@@ -542,11 +558,15 @@ def _run_request(args: argparse.Namespace, ranks: int):
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    from megatrain.train import load_train_config, train
+    from megatrain.train import load_train_config
+    from megatrain.train.early import check_inputs
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         cfg = load_train_config(args.config, overrides, saved_run=True)
+        check_inputs(cfg)  # paths, formats and first records, before torch and transformers load
+        from megatrain.train import train
+
         train(cfg)
     except MegatrainError as e:
         print(f"error: {e}", file=sys.stderr)

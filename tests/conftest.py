@@ -77,12 +77,30 @@ class BackendWrapper:
         return getattr(self.inner, name)
 
 
-def readme_snippet(heading: str) -> str:
-    """The first ```python block after ``heading`` (a whole heading line, e.g. "### Padded and
-    packed batches") in the repository's README.md, as source code."""
+def manual_section(heading: str) -> str:
+    """The section of README.md or a page of docs/ under the heading ``heading`` (its title, e.g.
+    "Padded and packed batches"; leading ``#`` are ignored, so the heading may move between levels
+    and pages), up to the next heading of its level or above."""
     from pathlib import Path
 
-    text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
-    section = text[text.index(heading + "\n"):]
+    root = Path(__file__).resolve().parent.parent
+    title = heading.lstrip("#").strip()
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        lines = page.read_text().splitlines(keepends=True)
+        levels, fenced = [], False  # each line's heading level (0: not a heading; a code block's "# ..." is not)
+        for line in lines:
+            fenced ^= line.startswith("```")
+            level = len(line) - len(line.lstrip("#"))
+            levels.append(level if level and not fenced and line[level:level + 1] == " " else 0)
+        for i, line in enumerate(lines):
+            if levels[i] and line[levels[i]:].strip() == title:
+                end = next((j for j in range(i + 1, len(lines)) if 0 < levels[j] <= levels[i]), len(lines))
+                return "".join(lines[i:end])
+    raise LookupError(f"no heading {title!r} in README.md or docs/*.md")
+
+
+def readme_snippet(heading: str) -> str:
+    """The first ```python block of the section ``heading`` (:func:`manual_section`), as source code."""
+    section = manual_section(heading)
     start = section.index("```python\n") + len("```python\n")
     return section[start:section.index("```\n", start)]

@@ -1019,7 +1019,7 @@ RUN_FLAGS = ["--max-steps", "3", "--warmup-steps", "1", "--eval-interval", "2", 
 
 
 def test_megatrain_train_under_torchrun_trains_as_one_process_does(tmp_path):
-    """The README's command: two ranks (one node) train the run one process trains; only rank 0
+    """docs/data-parallel.md's command: two ranks (one node) train the run one process trains; only rank 0
     writes the outputs."""
     from safetensors.torch import load_file
 

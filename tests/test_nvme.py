@@ -390,6 +390,29 @@ def test_lowered_nvme_ops_read_before_and_write_after_each_opt(optimizer, carrie
         simulate(s, g, spec())
 
 
+@pytest.mark.parametrize("dtype, clip", [("bfloat16", False), ("bfloat16", True), ("float32", True)])
+def test_least_host_is_the_least_host_an_nvme_tier_leaves(dtype, clip):
+    """nvme.least_host (the NVMe fix an impossible plan's error names): at exactly that host memory
+    and pinned cap the placement fits (with cast_once set where it took the BF16 masters), and a
+    byte less host memory does not."""
+    from megatrain.planner.nvme import least_host, place_with_masters
+
+    g = chain_graph(5, numel=[1 << 12, 1 << 14, 1 << 14, 1 << 14, 1 << 12])
+    plan = Plan(micro_batches=2, compute_dtype=dtype, grad_ring=5 if clip else 2,
+                optimizer=OptimizerPlacement.NEXT_FORWARD if clip else OptimizerPlacement.DURING_BACKWARD)
+    mem = cost.memory_breakdown(g, plan, spec())
+    host, pinned = least_host(g, plan, mem, spec())
+    assert host < mem.host_total
+    nvme_spec = dict(nvme_capacity_bytes=10**12, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9)
+    placed_plan, placed_mem, placed = place_with_masters(
+        g, plan, mem, spec(host_memory_bytes=host, pinned_memory_cap_bytes=pinned, **nvme_spec))
+    assert placed.host_total(placed_mem) <= host and placed.host_pinned(placed_mem) <= pinned
+    assert bool(placed.masters) == (dtype == "bfloat16") == placed_plan.cast_once
+    with pytest.raises(PlanError, match="still needs"):
+        place_with_masters(g, plan, mem, spec(host_memory_bytes=host - 1, pinned_memory_cap_bytes=pinned,
+                                              **nvme_spec))
+
+
 def test_verifier_rejects_nvme_op_misuse():
     g = chain_graph(3)
     plan = Plan(nvme_moments=frozenset({1}))

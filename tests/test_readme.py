@@ -1,9 +1,9 @@
-"""Every code block of README.md runs as written.
+"""Every code block of README.md and of the manual, docs/*.md, runs as written.
 
-The blocks are read from the README in order. ``python`` blocks run in this process, ``bash``
-blocks in bash with the virtual environment's ``bin/`` on ``PATH`` (as after ``source
-.venv/bin/activate``), all in one working directory, the user's, shared by the blocks in README
-order. Two comments before a block's fence say how it is used:
+The blocks are read from README.md and then from each page of docs/ (in name order), in order.
+``python`` blocks run in this process, ``bash`` blocks in bash with the virtual environment's
+``bin/`` on ``PATH`` (as after ``source .venv/bin/activate``), all in one working directory, the
+user's, shared by the blocks in that order. Two comments before a block's fence say how it is used:
 
 - ``<!-- readme-test: file: PATH -->``: the block is a file the text refers to (``run.yaml``, a
   ``config.json``); it is written to ``PATH`` before any block runs, not run.
@@ -34,6 +34,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+"""The files whose blocks run: the front page, then the manual."""
 TINY_MODEL = "tiny-model/config.json"
 """The model the CLI examples train here instead of their 30 M-parameter preset (which
 test_the_complete_config_json_is_the_llama_30m_preset checks): 2 layers, hidden 32, vocab 320."""
@@ -48,14 +50,16 @@ class Block:
     code: str
     file: str | None = None
     skip: str | None = None
+    page: str = "README.md"  # the file, relative to the repository's root
 
     @property
     def id(self) -> str:
-        return f"L{self.line}-{self.lang or 'plain'}"
+        return f"{self.page}:L{self.line}-{self.lang or 'plain'}"
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The fenced blocks of ``text`` with their ``readme-test`` directive (the line before the fence)."""
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
+    """The fenced blocks of ``text`` (the file ``page``) with their ``readme-test`` directive (the
+    line before the fence)."""
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -66,12 +70,12 @@ def readme_blocks(text: str) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         directive = re.match(r"^<!-- readme-test: (skip|file): (.+?) -->$", lines[i - 1]) if i else None
         kw = {directive.group(1): directive.group(2)} if directive else {}
-        blocks.append(Block(i + 1, m.group(1), "\n".join(lines[i + 1:end]) + "\n", **kw))
+        blocks.append(Block(i + 1, m.group(1), "\n".join(lines[i + 1:end]) + "\n", page=page, **kw))
         i = end + 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [b for path in PAGES for b in readme_blocks(path.read_text(), str(path.relative_to(ROOT)))]
 
 TINY: dict[str, list[tuple[str, str]]] = {
     # The first example says "LlamaConfig(...)": a model of the reader's.
@@ -143,7 +147,7 @@ def _sized(block: Block) -> str:
         if key in block.code:
             for old, new in pairs:
                 code, n = re.subn(re.escape(old) + r"(?![\w.])", new.replace("\\", "\\\\"), code)
-                assert n, f"README {block.id}: {old!r} is not in the block any more; update TINY"
+                assert n, f"{block.id}: {old!r} is not in the block any more; update TINY"
     return code
 
 
@@ -182,7 +186,7 @@ def test_the_complete_config_json_is_the_llama_30m_preset(workspace):
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in ("python", "bash")], ids=lambda b: b.id)
 def test_readme_block_runs(block, workspace, monkeypatch, capsys):
     if block.skip:
-        pytest.skip(f"README {block.id}: {block.skip}")
+        pytest.skip(f"{block.id}: {block.skip}")
     monkeypatch.chdir(workspace)
     monkeypatch.setattr("megatrain.runtime.measure.MATMUL_SECONDS", 0.02)
     for key, prepare in PREPARE.items():
@@ -198,7 +202,7 @@ def test_readme_block_runs(block, workspace, monkeypatch, capsys):
                      "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
             monkeypatch.setenv(k, v)
         try:
-            exec(compile(code, f"README.md (line {block.line})", "exec"), {"__name__": "__readme__"})
+            exec(compile(code, f"{block.page} (line {block.line})", "exec"), {"__name__": "__readme__"})
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -209,7 +213,7 @@ def test_readme_block_runs(block, workspace, monkeypatch, capsys):
     # No time limit: on a loaded machine a run may take minutes, and pytest's own timeout (if any) rules.
     proc = subprocess.run(["bash", "-eo", "pipefail", "-c", code], cwd=workspace, env=env, capture_output=True,
                           text=True)
-    assert proc.returncode == 0, f"README {block.id} exited {proc.returncode}:\n{code}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{block.id} exited {proc.returncode}:\n{code}\n{proc.stderr[-4000:]}"
 
 
 def _free_port() -> int:
@@ -224,3 +228,43 @@ def test_directives_are_read():
     assert [(b.lang, b.skip, b.file, b.code) for b in blocks] == [
         ("bash", "needs GPUs", None, "nvidia-smi\n"), ("yaml", None, "a.yaml", "x: 1\n"), ("python", None, None, "print(1)\n")]
     assert [b.line for b in blocks] == [3, 8, 11]
+
+
+def _slug(title: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_reaches_a_file_and_its_heading():
+    """The front page and the manual link to each other by path and heading: each relative link
+    names a file that exists and, with ``#anchor``, a heading of that file (outside code blocks)."""
+    def headings(path: Path) -> set[str]:
+        found, fenced = set(), False
+        for line in path.read_text().splitlines():
+            fenced ^= line.startswith("```")
+            m = None if fenced else re.match(r"^#+ (.+)$", line)
+            if m:
+                found.add(_slug(m.group(1)))
+        return found
+
+    checked = 0
+    for page in [*PAGES, ROOT / "BENCHMARKS.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"^[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.relative_to(ROOT)}: link {target!r}: no file {file}"
+            if anchor and file.suffix == ".md":
+                assert anchor in headings(file), f"{page.relative_to(ROOT)}: link {target!r}: no such heading"
+            checked += 1
+    assert checked > 50
+
+
+def test_the_readme_is_a_front_page():
+    """README.md is the front page (what it is, the compile example, the two commands, status,
+    links, a tour of the code): at most 250 lines; the manual is docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, len(lines)
+    assert {"## Install and first run", "## The two commands", "## Status", "## The manual",
+            "## A tour of the code"} <= set(lines)

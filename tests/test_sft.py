@@ -509,9 +509,9 @@ def test_the_row_layout_does_not_grow_with_the_examples_tokens(tmp_path, chat):
 
 
 def _readme_sft_commands() -> list[str]:
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("### Fine-tuning data (`--task sft`)\n"):]
-    section = section[:section.index("\n## ", 1)]
+    from conftest import manual_section
+
+    section = manual_section("Fine-tuning data (`--task sft`)")
     return [line for line in section.splitlines() if "megatrain train" in line and "--data" in line]
 
 

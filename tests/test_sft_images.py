@@ -263,7 +263,7 @@ def test_a_bad_image_record_is_an_error_naming_the_file_and_record(tmp_path, pro
 
 
 def test_megatrain_train_fine_tunes_the_bundled_llava_on_images(tmp_path, capsys, monkeypatch):
-    """The README's command, 2 steps, with 4 text-only records beside the bundled images' 12 (0 or
+    """docs/vision-language.md's command, 2 steps, with 4 text-only records beside the bundled images' 12 (0 or
     1 image a row under the default --images-per-row 1): the data line counts the images, the
     checkpoint loads with AutoModelForImageTextToText and AutoProcessor and generates from an image."""
     from transformers import AutoModelForImageTextToText, AutoProcessor

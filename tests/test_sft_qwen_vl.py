@@ -175,7 +175,7 @@ def test_a_record_with_another_image_count_is_an_error_naming_it(tmp_path, proce
 
 
 def test_megatrain_train_fine_tunes_the_bundled_qwen2_vl_on_images(tmp_path, capsys):
-    """The README's command, 2 steps: the data line says the images' size; the checkpoint loads
+    """docs/vision-language.md's command, 2 steps: the data line says the images' size; the checkpoint loads
     with AutoModelForImageTextToText, its processor (saved as a Qwen2VLProcessor) with
     load_processor, and it generates from an image."""
     from transformers import AutoModelForImageTextToText

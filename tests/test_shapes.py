@@ -139,7 +139,7 @@ def test_explicit_shapes_still_give_a_trainer():
 
 
 def test_readme_without_shapes_snippet_runs(capsys):
-    """The README's example, run as written."""
+    """docs/python-api.md's example, run as written."""
     from conftest import readme_snippet
 
     exec(compile(readme_snippet("### Without shapes: `megatrain.compile(model)`"), "README.md", "exec"), {})

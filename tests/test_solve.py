@@ -28,6 +28,7 @@ from megatrain.planner.solve.bounds import (SIZE_KINDS, STEP_KINDS, lower_patter
                                             size_option, step_times)
 from megatrain.planner.solve.search import Knobs, plan_for
 from megatrain.planner.verify import verify
+from megatrain.units import human_bytes
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 batches = st.sampled_from([1, 2, 4, 6])
@@ -292,7 +293,8 @@ def test_limits_restrict_the_search():
 
 # -- infeasibility ---------------------------------------------------------------------------------
 
-MINIMA = re.compile(r"GPU (\d+) bytes .*host (\d+) bytes .*pinned (\d+) bytes")
+RAW_BYTES = re.compile(r"\d{5,} bytes|\d{1,3}(,\d{3}){2,} bytes")
+"""A byte count written out in digits: the message gives sizes in binary units (GiB, TiB) only."""
 
 
 @pytest.mark.parametrize("case", ["activations", "slot", "host", "pinned_fp32"])
@@ -311,9 +313,14 @@ def test_infeasible_request_names_minima_and_obstacle_and_the_minima_work(case):
     err = info.value
     assert isinstance(err, InfeasibleRequestError)
     msg = str(err)
-    gpu, host, pinned = map(int, MINIMA.search(msg).groups())
     need = err.requirements
-    assert (gpu, host, pinned) == (need.gpu_memory_bytes, need.host_memory_bytes, need.pinned_memory_bytes)
+    gpu, host, pinned = need.gpu_memory_bytes, need.host_memory_bytes, need.pinned_memory_bytes
+    assert not RAW_BYTES.search(msg), msg
+    # One figure for each least size, the same wherever the message gives it.
+    assert (f"least GPU memory any plan needs is {human_bytes(gpu)}" in msg
+            and f"that plan needs a host of {human_bytes(host)}, {human_bytes(pinned)} pinned" in msg
+            and f"least host memory any plan needs is {human_bytes(need.host_floor_bytes)}" in msg), msg
+    assert msg.splitlines()[-1].startswith("Fix, any one of: (a) ") and "a smaller model" in msg.splitlines()[-1]
     if case in ("activations", "slot"):
         assert "GPU: needs" in msg and "host: needs" not in msg
         assert f"obstacle is layer {need.obstacle!r}" in msg
@@ -322,8 +329,14 @@ def test_infeasible_request_names_minima_and_obstacle_and_the_minima_work(case):
     else:
         assert "host: needs" in msg and "GPU: needs" not in msg
         assert "12 bytes per parameter" in msg
+        assert f"host: needs at least {human_bytes(need.host_floor_bytes)}" in msg
         if case == "pinned_fp32":
             assert "compute in bfloat16" in msg
+        # The host it names fits on this GPU: the least host of a plan that fits here, pinned cap included.
+        fix = spec(gpu_memory_bytes=hw.gpu_memory_bytes, host_memory_bytes=need.host_on_gpu_bytes,
+                   pinned_memory_cap_bytes=need.pinned_on_gpu_bytes)
+        assert f"a host with at least {human_bytes(need.host_on_gpu_bytes)}" in msg
+        check_solution(solve(replace(req, hardware=fix)), replace(req, hardware=fix))
     # The minima are enough: exactly at them a plan fits, one byte less GPU memory and none does.
     at_min = spec(gpu_memory_bytes=gpu, host_memory_bytes=host, pinned_memory_cap_bytes=pinned)
     sol = solve(replace(req, hardware=at_min))
@@ -450,7 +463,11 @@ def test_minimum_gpu_memory_offloads_or_recomputes_and_the_host_floor_offloads_n
     assert keep > 7 * 4 * 16 * 2**20 > 2 * need.gpu_memory_bytes
     assert need.host_floor_bytes <= need.host_memory_bytes and need.pinned_floor_bytes <= need.pinned_memory_bytes
     floor = minimum_requirements(SolveRequest(g, spec(gpu_memory_bytes=need.gpu_memory_bytes), 4, "bfloat16"))
-    assert floor == need  # a function of the request's graph and batch, not of the hardware's sizes
+    # A function of the request's graph and batch, not of the hardware's sizes; but for the least host
+    # of a plan that fits this GPU, which a smaller GPU raises.
+    on_gpu = dict(host_on_gpu_bytes=None, pinned_on_gpu_bytes=None)
+    assert replace(floor, **on_gpu) == replace(need, **on_gpu)
+    assert need.host_floor_bytes <= need.host_on_gpu_bytes <= floor.host_on_gpu_bytes == floor.host_memory_bytes
     assert need.memory.pinned_activations == need.pinned_memory_bytes - need.pinned_floor_bytes
 
 

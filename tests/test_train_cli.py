@@ -677,6 +677,9 @@ def test_the_data_line_reports_the_store_and_a_shared_data_cache_is_reused(setup
     assert main(_train_args(setup, tmp_path / "a", "--data-cache", str(cache))) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("data: "))
+    # The start line names the device and why (the default, device: auto, on this machine's torch).
+    assert out.splitlines()[0].startswith("device: cpu (auto: torch "), out.splitlines()[0]
+    assert json.loads((tmp_path / "a" / "train_config.json").read_text())["device"] == "auto"
     with open_token_store(cache) as store:
         m = store.manifest
         # What max_bytes cut, and how to take it all, say so.
@@ -928,3 +931,59 @@ def test_config_paths_are_relative_to_the_file_and_binary_files_are_reported(tmp
     assert cfg.hardware == "H100_SXM"  # names no file there: a preset
     skipped = []
     assert load_documents(cfg.data, skipped=skipped) == ["x = 1\n"] and skipped == [sub / "corpus" / "b.txt"]
+
+
+@pytest.mark.parametrize("setting, gpus, device, line", [
+    ("auto", 0, "cpu", "device: cpu (auto: torch {v} sees no CUDA GPU)"),
+    ("auto", 2, "cuda", "device: cuda (auto: torch {v} sees 2 CUDA GPUs)"),
+    ("cpu", 1, "cpu", "device: cpu, as set (device: cpu); torch {v} sees 1 CUDA GPU, which this run leaves idle: "
+                      "--device auto or --device cuda trains on it"),
+    ("cpu", 0, "cpu", "device: cpu, as set (torch {v} sees no CUDA GPU)"),
+    ("cuda", 1, "cuda", "device: cuda, as set (torch {v} sees 1 CUDA GPU)"),
+])
+def test_device_auto_takes_the_gpu_torch_sees_and_the_start_line_says_why(setup, monkeypatch, setting, gpus, device,
+                                                                          line):
+    """``device: auto`` (the default) is CUDA where torch sees a CUDA device, else the CPU; a run on
+    the CPU by choice beside a GPU says so (torch.cuda is stubbed: this machine has no GPU)."""
+    import torch
+
+    from megatrain.train.config import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    cfg = T.load_train_config(setup / "run.yaml", {"output_dir": "x", **({} if setting == "auto" else
+                                                                       {"device": setting})})
+    assert T.TrainConfig.model_fields["device"].default == "auto" and cfg.device == setting
+    resolved, said = resolve_device(cfg)
+    assert resolved.device == device and said == line.format(v=torch.__version__)
+
+
+def test_device_cuda_without_a_gpu_is_an_error_that_says_why(setup, monkeypatch):
+    import torch
+
+    from megatrain.train.config import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ConfigError, match=r"device: cuda, but torch .* is a build without CUDA; install a CUDA build"):
+        resolve_device(T.load_train_config(setup / "run.yaml", {"output_dir": "x", "device": "cuda"}))
+
+
+def test_the_loss_plot_names_the_models_directory_not_its_file(tmp_path):
+    """The plot's title: a preset's name, a config.json's directory, a run's checkpoint with its run
+    (never "config.json" or "checkpoint" alone)."""
+    from megatrain.train.model import model_label
+
+    (tmp_path / "tiny-llama").mkdir()
+    write_model(tmp_path / "tiny-llama" / "config.json")
+    (tmp_path / "train_lm-1" / "checkpoint").mkdir(parents=True)
+
+    def label(**kw) -> str:
+        return model_label(T.TrainConfig(output_dir="x", **kw))
+
+    assert label(model="llama-30m") == "llama-30m"
+    assert label(model=str(tmp_path / "tiny-llama" / "config.json")) == "tiny-llama"
+    assert label(model=str(tmp_path / "tiny-llama")) == "tiny-llama"
+    assert label(model=str(tmp_path / "train_lm-1" / "checkpoint")) == "train_lm-1/checkpoint"
+    assert label(init_from=str(tmp_path / "train_lm-1" / "checkpoint")) == "train_lm-1/checkpoint (init_from)"

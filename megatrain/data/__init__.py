@@ -49,39 +49,33 @@ Units: ``max_bytes`` counts UTF-8 bytes of document text; ``seq_len`` and all
 lengths of token arrays count tokens.
 """
 
-from megatrain.data.packing import IGNORE_INDEX, PackedRows, best_fit_decreasing, pack_documents
-from megatrain.data.sources import (
-    DEFAULT_MAX_BYTES,
-    RECORD_SUFFIXES,
-    TEXT_SUFFIXES,
-    corpus_bytes,
-    corpus_files,
-    default_corpus_dir,
-    iter_file_documents,
-    load_documents,
-)
-from megatrain.data.store import (
-    CorruptStoreError,
-    StoreError,
-    StoreManifest,
-    TokenStore,
-    build_token_store,
-    cached_token_store,
-    open_token_store,
-)
-from megatrain.data.tokenizer import (
-    EOT_CANDIDATES,
-    EOT_TOKEN,
-    encode_documents,
-    find_eot_token,
-    load_tokenizer,
-    tokenize_documents,
-    train_bpe_tokenizer,
-)
-from megatrain.data.sft import ChatTokenizer, SftDataset, SftStore, cached_sft_store
-from megatrain.data.sft_images import ChatProcessor
-from megatrain.data.sft_sources import SftSource, resolve_sft_data
-from megatrain.data.windows import StoreWindows
+from megatrain.lazy import lazy_names
+
+# Each name loads its module on first use (PEP 562): the readers and format checks that
+# `megatrain train` runs before it imports torch (megatrain.train.early) import only what they need.
+_LAZY = {
+    "ChatProcessor": "megatrain.data.sft_images", "ChatTokenizer": "megatrain.data.sft",
+    "CorruptStoreError": "megatrain.data.store", "DEFAULT_MAX_BYTES": "megatrain.data.sources",
+    "EOT_CANDIDATES": "megatrain.data.tokenizer", "EOT_TOKEN": "megatrain.data.tokenizer",
+    "IGNORE_INDEX": "megatrain.data.packing", "PackedRows": "megatrain.data.packing",
+    "RECORD_SUFFIXES": "megatrain.data.sources", "SftDataset": "megatrain.data.sft",
+    "SftSource": "megatrain.data.sft_sources", "SftStore": "megatrain.data.sft",
+    "StoreError": "megatrain.data.store", "StoreManifest": "megatrain.data.store",
+    "StoreWindows": "megatrain.data.windows", "TEXT_SUFFIXES": "megatrain.data.sources",
+    "TokenStore": "megatrain.data.store", "best_fit_decreasing": "megatrain.data.packing",
+    "build_token_store": "megatrain.data.store", "cached_sft_store": "megatrain.data.sft",
+    "cached_token_store": "megatrain.data.store", "corpus_bytes": "megatrain.data.sources",
+    "corpus_files": "megatrain.data.sources", "default_corpus_dir": "megatrain.data.sources",
+    "encode_documents": "megatrain.data.tokenizer", "find_eot_token": "megatrain.data.tokenizer",
+    "iter_file_documents": "megatrain.data.sources", "load_documents": "megatrain.data.sources",
+    "load_tokenizer": "megatrain.data.tokenizer", "open_token_store": "megatrain.data.store",
+    "pack_documents": "megatrain.data.packing", "resolve_sft_data": "megatrain.data.sft_sources",
+    "tokenize_documents": "megatrain.data.tokenizer", "train_bpe_tokenizer": "megatrain.data.tokenizer",
+}
+
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
+
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

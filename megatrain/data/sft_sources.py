@@ -32,6 +32,7 @@ stay as they are.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -366,9 +367,15 @@ def iter_examples(source: SftSource) -> Iterator[tuple[Chat | Completion, Callab
             naming the file, the record and the fields expected); no record at all.
         ImportError: ``datasets`` is missing.
     """
+    yield from _examples(source, _rows(source))
+
+
+def _examples(source: SftSource, rows: Iterator[tuple[Path, int, dict]]
+              ) -> Iterator[tuple[Chat | Completion, Callable[[], str], str]]:
+    """:func:`iter_examples` of ``rows`` (``(file, index in the file, record)``, as :func:`_rows` gives)."""
     fmt = source.format
     n = 0
-    for path, i, row in _rows(source):
+    for path, i, row in rows:
         try:
             if fmt is None:
                 fmt = detect_format(row)
@@ -382,6 +389,47 @@ def iter_examples(source: SftSource) -> Iterator[tuple[Chat | Completion, Callab
         yield example, (lambda p=path, k=i: _where(p, k)), fmt.kind
     if n == 0:
         raise ValueError(f"SFT dataset {source.name!r} holds no records")
+
+
+FIRST_RECORDS_MAX_JSON_BYTES = 16 * 2**20
+"""A ``.json`` array is parsed whole by :mod:`json`, so :func:`check_first_records` reads only
+arrays up to this size; larger ones are checked when the store is built."""
+
+
+def check_first_records(source: SftSource, records: int = 8) -> None:
+    """Check the first ``records`` records of each JSON or JSON Lines file of ``source`` as
+    :func:`iter_examples` would (format detected from the first, each an example of it), reading
+    them with :mod:`json` alone (no ``datasets``, no torch): the cheap check ``megatrain train``
+    makes before anything heavy loads. Other files, and ``.json`` arrays over
+    :data:`FIRST_RECORDS_MAX_JSON_BYTES`, are checked when the store is built.
+
+    Raises:
+        ValueError: a line that is not UTF-8 or not JSON; a record that is not an example of the
+            format (:class:`~megatrain.data.sft_formats.RecordError`, naming the file and record).
+    """
+    if source.builder != "json" or any(p.suffix.lower() == ".json" and _is_json_array(p)
+                                       and p.stat().st_size > FIRST_RECORDS_MAX_JSON_BYTES for p in source.files):
+        return  # (an empty dataset is an error only when every file was read)
+
+    def rows() -> Iterator[tuple[Path, int, dict]]:
+        for path in source.files:
+            if path.suffix.lower() == ".jsonl" or (path.suffix.lower() == ".json" and not _is_json_array(path)):
+                values = (obj for _, obj in scan_jsonl(path, "one JSON object, one example"))
+            else:
+                try:
+                    values = json.loads(path.read_bytes().decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise _unreadable(path, "json", e) from None
+                if not isinstance(values, list):
+                    raise ValueError(f"{str(path)!r} holds a JSON {type(values).__name__}; a .json file of SFT data "
+                                     "is an array of objects, one per example")
+            for i, obj in enumerate(itertools.islice(values, records)):
+                if not isinstance(obj, dict):
+                    raise ValueError(f"{_where(path, i)}: not a JSON object")
+                yield path, i, obj
+
+    for _ in _examples(source, rows()):
+        pass
 
 
 def sources_key(sources: list[SftSource]) -> str:

@@ -14,6 +14,7 @@ standard library (:func:`default_corpus_dir`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sysconfig
@@ -426,8 +427,16 @@ def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None
     pandas ``ValueError``, or a row of None for a missing field), so on any failure the file is
     scanned with :mod:`json` for the line to name. Returns the error to raise.
     """
+    return _first_bad_line(path, text_field) or _RecordError(
+        f"{str(path)!r} could not be read as JSON Lines: {cause}")
+
+
+def _first_bad_line(path: Path, text_field: str, limit: int | None = None) -> ValueError | None:
+    """The error for the first of the first ``limit`` lines (all with None) of a ``.jsonl`` file
+    that is not a JSON object with a string ``text_field``; None when they all are."""
     try:
-        for where, obj in scan_jsonl(path, f"a JSON object with a string field {text_field!r}"):
+        for where, obj in itertools.islice(scan_jsonl(path, f"a JSON object with a string field {text_field!r}"),
+                                           limit):
             if not isinstance(obj, dict) or text_field not in obj:
                 return _RecordError(f"{where}: JSON value has no field {text_field!r}")
             if not isinstance(obj[text_field], str):
@@ -437,7 +446,22 @@ def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None
                 )
     except _RecordError as e:
         return e
-    return _RecordError(f"{str(path)!r} could not be read as JSON Lines: {cause}")
+    return None
+
+
+def check_first_records(path: Path, text_field: str = "text", records: int = 8) -> None:
+    """Check the first ``records`` records of a ``.jsonl`` corpus file with :mod:`json` alone (no
+    ``datasets``, no torch): the cheap check ``megatrain train`` makes before anything heavy loads.
+    Other files pass (their readers check them when the store is built).
+
+    Raises:
+        ValueError: a line that is not UTF-8, not JSON, or not an object with a string
+            ``text_field`` (naming the file and the 1-based line), as the reader would raise.
+    """
+    if path.suffix.lower() == ".jsonl":
+        error = _first_bad_line(path, text_field, records)
+        if error is not None:
+            raise error
 
 
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:

@@ -333,7 +333,10 @@ def plan(request: PlanRequest) -> PlannedModel:
         if choice != planned.plan.host_state:
             p = _data_parallel(planned.plan, topo, r.storage, host_state=choice)
             planned = _lowered(r.model, options, traced, graph, p, hw, None, None, None, topo)
-    return dataclasses.replace(planned, decisions=tuple(decisions), trace_s=trace_s)
+    # A plan for the CPU backend and no GPU has no GPU reserve (the reserve is CUDA's: its context,
+    # workspaces, allocator); with a GPU's spec the plan's memory is that GPU's, reserve included.
+    memory = planned.memory.on_cpu() if options.device == "cpu" and hw is None else planned.memory
+    return dataclasses.replace(planned, memory=memory, decisions=tuple(decisions), trace_s=trace_s)
 
 
 def _lowered(model, options, traced, graph, p: Plan, hw, solution, nvme, topology, topo: Topology) -> PlannedModel:

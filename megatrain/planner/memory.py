@@ -160,6 +160,11 @@ class MemoryBreakdown:
         """Whether the host budgets hold on ``hw`` (host memory and its pinned cap), GPU aside."""
         return all(need <= have for what, need, have in self.budgets(hw) if what != "GPU memory")
 
+    def on_cpu(self) -> "MemoryBreakdown":
+        """This breakdown as the CPU backend runs it: no GPU reserve (there is no CUDA context,
+        cuBLAS workspace or caching allocator to hold one), so :meth:`rows` lists none."""
+        return dataclasses.replace(self, reserve=0, reserve_parts=None)
+
     def _moments_label(self) -> str:
         spec = OPTIMIZERS[self.optimizer_name]
         return f"{spec.label} moments (FP32 x{len(spec.states)})"
@@ -186,7 +191,8 @@ class MemoryBreakdown:
             ("gpu", "buffers", self.buffers),
             ("gpu", "checkpoints + boundary grads (peak)", self.activations_peak),
             ("gpu", "working memory (peak)", self.working_peak),
-            ("gpu", "reserve: CUDA context, workspaces, allocator", self.reserve),
+            *([("gpu", "reserve: CUDA context, workspaces, allocator", self.reserve)]
+              if self.reserve or self.reserve_parts is not None else []),
             ("gpu", "peak", self.gpu_peak),
         ]
 

@@ -253,37 +253,13 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
                         f"{human_bytes(hw.host_memory_bytes)} is there and no NVMe tier is attached; attach one "
                         "(megatrain plan --nvme 4xgen5, or nvme_* fields in the hardware spec)")
     layers = graph.layers
-    gsize = plan.gradient_itemsize
-    # Only a tile of its own that waits for the next step can live on NVMe (Plan.nvme_gradients).
-    deferred = (plan.optimizer is OptimizerPlacement.NEXT_FORWARD and not plan.accumulates_on_host
-                and plan.data_parallel == 1)
-    # (kind, layer, bytes freed on the host, of which pinned, bytes on disk)
-    moves: list[tuple[str, int, int, int]] = []
-    order = update_order(graph, plan)
-    if deferred and "gradients" in kinds:
-        moves += [("gradients", i, cost.page_up(layers[i].trainable_numel * gsize), True)
-                  for i in order if layers[i].trainable_numel]
-    if "moments" in kinds:
-        moves += [("moments", i, layers[i].trainable_numel * cost.state_bytes_per_param(plan), False)
-                  for i in order if layers[i].trainable_numel]
-    if masters_movable(plan) and "masters" in kinds and "moments" in kinds:
-        moves += [("masters", i, layers[i].numel * cost.MASTER_BYTES_PER_ELEMENT, False)
-                  for i in order if layers[i].trainable_numel]
+    moves = _moves(graph, plan, kinds, update_order(graph, plan))
     chosen: dict[str, set[int]] = {"gradients": set(), "moments": set(), "masters": set()}
     per_layer: dict[int, list[int]] = {}  # layer -> [moments and masters bytes, gradient bytes] on NVMe
     freed = pinned_freed = 0
 
-    def buffers() -> tuple[int, int]:
-        """(all, pinned) bytes of the two pools, as cost.nvme_buffers (plan.nvme_buffers of them) and
-        cost.nvme_gradient_buffers."""
-        pools = []
-        for k, count in ((0, plan.nvme_buffers), (1, NVME_BUFFERS)):
-            sizes = [_align(entry[k]) for entry in per_layer.values() if entry[k]]
-            pools.append(min(count, len(sizes)) * max(sizes, default=0))  # one per layer when fewer
-        return pools[0] + pools[1], pools[1]
-
     def fits() -> bool:
-        buf, pbuf = buffers()
+        buf, pbuf = _buffers(plan, per_layer)
         return (memory.host_total - freed + buf <= hw.host_memory_bytes
                 and memory.host_pinned - pinned_freed + pbuf <= hw.pinned_memory_cap_bytes)
 
@@ -291,14 +267,10 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
         if fits():
             break
         chosen[kind].add(i)
-        entry = per_layer.setdefault(i, [0, 0])
-        # A rank's I/O buffer holds what its file holds: under data parallel its optimizer shard of
-        # the moments (cost.nvme_bytes); masters and gradient tiles move on one rank only.
-        entry[1 if pinned else 0] += (cost.optimizer_numel(layers[i], plan) * cost.state_bytes_per_param(plan)
-                                      if kind == "moments" else nbytes)
+        _buffered(per_layer, layers[i], plan, kind, nbytes, pinned)
         freed += nbytes
         pinned_freed += nbytes if pinned else 0
-    buf, pbuf = buffers()
+    buf, pbuf = _buffers(plan, per_layer)
     if not fits():
         moved = sorted({kind for kind, *_ in moves}, key=KINDS.index)
         what = ", ".join({"gradients": "gradient tile", "moments": "Adam moment", "masters": "master"}[k]
@@ -326,6 +298,72 @@ def place_on_nvme(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, h
     return NvmePlacement(frozenset(chosen["gradients"]), frozenset(chosen["moments"]), frozenset(chosen["masters"]),
                          nvme_bytes=on_disk, host_freed=freed, pinned_freed=pinned_freed, buffer_bytes=buf,
                          pinned_buffer_bytes=pbuf, read_bytes=traffic, write_bytes=traffic, io_time_s=io)
+
+
+def _moves(graph: LayerGraph, plan: Plan, kinds: tuple[str, ...], order: list[int]) -> list[tuple[str, int, int, bool]]:
+    """What :func:`place_on_nvme` may move, in the order it moves it: ``(kind, layer, host bytes
+    freed, whether they were pinned)``, each kind's layers in ``order``."""
+    layers = graph.layers
+    # Only a tile of its own that waits for the next step can live on NVMe (Plan.nvme_gradients).
+    deferred = (plan.optimizer is OptimizerPlacement.NEXT_FORWARD and not plan.accumulates_on_host
+                and plan.data_parallel == 1)
+    moves: list[tuple[str, int, int, bool]] = []
+    if deferred and "gradients" in kinds:
+        moves += [("gradients", i, cost.page_up(layers[i].trainable_numel * plan.gradient_itemsize), True)
+                  for i in order if layers[i].trainable_numel]
+    if "moments" in kinds:
+        moves += [("moments", i, layers[i].trainable_numel * cost.state_bytes_per_param(plan), False)
+                  for i in order if layers[i].trainable_numel]
+    if masters_movable(plan) and "masters" in kinds and "moments" in kinds:
+        moves += [("masters", i, layers[i].numel * cost.MASTER_BYTES_PER_ELEMENT, False)
+                  for i in order if layers[i].trainable_numel]
+    return moves
+
+
+def _buffered(per_layer: dict[int, list[int]], layer, plan: Plan, kind: str, nbytes: int, pinned: bool) -> None:
+    """Add a moved tile to its layer's ``[moments and masters bytes, gradient bytes]`` on NVMe. A
+    rank's I/O buffer holds what its file holds: under data parallel its optimizer shard of the
+    moments (cost.nvme_bytes); masters and gradient tiles move on one rank only."""
+    entry = per_layer.setdefault(layer.index, [0, 0])
+    entry[1 if pinned else 0] += (cost.optimizer_numel(layer, plan) * cost.state_bytes_per_param(plan)
+                                  if kind == "moments" else nbytes)
+
+
+def _buffers(plan: Plan, per_layer: dict[int, list[int]]) -> tuple[int, int]:
+    """(all, pinned) bytes of the two I/O buffer pools for the layers of ``per_layer``, as
+    cost.nvme_buffers (plan.nvme_buffers of them) and cost.nvme_gradient_buffers."""
+    pools = []
+    for k, count in ((0, plan.nvme_buffers), (1, NVME_BUFFERS)):
+        sizes = [_align(entry[k]) for entry in per_layer.values() if entry[k]]
+        pools.append(min(count, len(sizes)) * max(sizes, default=0))  # one per layer when fewer
+    return pools[0] + pools[1], pools[1]
+
+
+def least_host(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown,
+               hw: HardwareSpec | None = None) -> tuple[int, int]:
+    """``(host bytes, of which pinned)`` that ``plan`` (whose breakdown with nothing on NVMe is
+    ``memory``) still needs with everything :func:`place_on_nvme` may move on NVMe: the least
+    host memory an NVMe tier of any size leaves it. A BF16 plan on one rank without ``cast_once``
+    is also counted with it, as :func:`place_with_masters` would set it (a staging tile per layer,
+    more pinned memory, and its masters movable); the one with less host memory is returned."""
+    from dataclasses import replace
+
+    candidates = [(plan, memory)]
+    if plan.compute_dtype == "bfloat16" and not plan.cast_once and plan.data_parallel == 1:
+        once = replace(plan, cast_once=True)
+        candidates.append((once, cost.memory_breakdown(graph, once, hw)))
+    best = None
+    for p, mem in candidates:
+        per_layer: dict[int, list[int]] = {}
+        freed = pinned_freed = 0
+        for kind, i, nbytes, pinned in _moves(graph, p, KINDS, list(range(len(graph.layers)))):
+            _buffered(per_layer, graph.layers[i], p, kind, nbytes, pinned)
+            freed += nbytes
+            pinned_freed += nbytes if pinned else 0
+        buf, pbuf = _buffers(p, per_layer)
+        found = (mem.host_total - freed + buf, mem.host_pinned - pinned_freed + pbuf)
+        best = found if best is None or found < best else best
+    return best
 
 
 def masters_movable(plan: Plan) -> bool:

@@ -163,6 +163,35 @@ def load_model_config(name_or_path: str | os.PathLike):
 
     from megatrain.models import check_config_values, config_errors, refuse_remote_code
 
+    d, source = read_model_config(name_or_path)
+    model_type = d.pop("model_type")
+    refuse_remote_code(model_type, d, source)
+    given = set(d)
+    d.update(use_cache=False)
+    for k in ("transformers_version", "_name_or_path"):
+        d.pop(k, None)
+    with config_errors(source):
+        try:
+            config = AutoConfig.for_model(model_type, **d)
+        except (ValueError, KeyError) as e:
+            # transformers' message lists every model type it knows (about 12,000 characters): keep its
+            # first sentence.
+            first = str(e).split(". ")[0].split("\n")[0][:200]
+            raise ConfigError(f"{source}: transformers cannot build a config of model_type "
+                              f"{model_type!r} ({first}); use a causal decoder's model_type such as "
+                              "llama, mistral, qwen2 or gpt2") from None
+    check_config_values(config, source, given)
+    return config
+
+
+def read_model_config(name_or_path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """``(the config's fields, where they came from)`` for a preset name or a config.json path (a
+    directory: its config.json), read with :mod:`json` alone: what :func:`load_model_config` gives
+    transformers, and the check ``megatrain train`` makes before it imports torch.
+
+    Raises:
+        ConfigError: no such preset or file; not UTF-8 JSON; not an object; no ``model_type``.
+    """
     key = str(name_or_path)
     if key in MODEL_PRESETS:
         d = copy.deepcopy(MODEL_PRESETS[key])
@@ -185,27 +214,10 @@ def load_model_config(name_or_path: str | os.PathLike):
             raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not an object; pass a Hugging Face "
                               "config.json")
         source = str(path)
-    model_type = d.pop("model_type", None)
-    if not model_type:
+    if not d.get("model_type"):
         raise ConfigError(f"{source} has no 'model_type'; a Hugging Face config.json names its "
                           "architecture there (e.g. \"llama\")")
-    refuse_remote_code(model_type, d, source)
-    given = set(d)
-    d.update(use_cache=False)
-    for k in ("transformers_version", "_name_or_path"):
-        d.pop(k, None)
-    with config_errors(source):
-        try:
-            config = AutoConfig.for_model(model_type, **d)
-        except (ValueError, KeyError) as e:
-            # transformers' message lists every model type it knows (about 12,000 characters): keep its
-            # first sentence.
-            first = str(e).split(". ")[0].split("\n")[0][:200]
-            raise ConfigError(f"{source}: transformers cannot build a config of model_type "
-                              f"{model_type!r} ({first}); use a causal decoder's model_type such as "
-                              "llama, mistral, qwen2 or gpt2") from None
-    check_config_values(config, source, given)
-    return config
+    return d, source
 
 
 def build_meta_model(config, dtype=None):

@@ -1003,7 +1003,8 @@ def _check_memory(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> No
     fixes = {"GPU memory": "lower micro_batch_size, offload or recompute checkpoints, or use fewer slots or "
                            "resident layers",
              "pinned host memory": "use fewer gradient or staging tiles, or fewer offloaded checkpoints",
-             "host memory": "use a machine with more host memory"}
+             "host memory": "use a machine with more host memory, or put optimizer state on NVMe "
+                            "(Plan.nvme_moments; megatrain plan --nvme, megatrain train --nvme-dir)"}
     for what, need, have in mem.budgets(hw):  # the one definition of "fits"
         if need > have:
             fix = fixes[what]

@@ -5,6 +5,10 @@ One run (:func:`train`, in :mod:`~megatrain.train.loop`) is a visible sequence o
 function of a module of this package::
 
     config      TrainConfig: YAML or JSON file, then flags on top, validated by pydantic
+    early       check_inputs, before torch and transformers load (the CLI runs it): output_dir
+                writable, the model's config.json, the files named, the data's files and first records
+    device      resolve_device: device auto is CUDA where torch sees a GPU, else the CPU; the
+                run's first line says which and why
     model       resolve_model: a config.json | Hugging Face weights | a megatrain checkpoint
     rundir      output_dir: this run again (resume or start over), or refuse another run
     plan        the planning front door (megatrain.planner.front.plan), once: trace, solve, data
@@ -82,6 +86,7 @@ and return; before the training loop they interrupt (the CLI exits 130 or 143).
 Errors are megatrain.errors types; the CLI prints ``error: <message>`` and exits 2.
 """
 
+from megatrain.lazy import lazy_names
 from megatrain.train.config import TrainConfig, load_train_config
 
 # The rest imports torch: loaded on first use (PEP 562), so that the CLI's --help and the config's
@@ -97,18 +102,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'megatrain.train' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

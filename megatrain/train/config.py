@@ -170,7 +170,10 @@ class TrainConfig(pydantic.BaseModel):
                                                    "predicted step, the MFU peak on a GPU, and with "
                                                    "device cuda the spec the plan is solved for (default: "
                                                    "the measured GPU)")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="where layers compute")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where layers compute: auto takes the GPU where torch sees a CUDA device, else the CPU; "
+                            "cpu or cuda forces one. The run's first line names the device and why (and, on the CPU "
+                            "by choice, the GPU it leaves idle)")
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads of the CPU backend (null: "
@@ -242,6 +245,35 @@ class TrainConfig(pydantic.BaseModel):
         fields = dict(lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay)
         return optim.optimizer_settings({"name": self.optimizer, **fields, **({"eps": self.eps} if self.optimizer == "adamw"
                                                                         else {})})
+
+
+def resolve_device(cfg: TrainConfig) -> tuple[TrainConfig, str]:
+    """``cfg`` with ``device: auto`` made ``cuda`` where torch sees a CUDA device and ``cpu``
+    otherwise, and the line that says which device the run uses and why (``megatrain train``'s
+    first line). Imports torch; no CUDA context is created (``torch.cuda.device_count`` asks the
+    driver only).
+
+    Raises:
+        ConfigError: ``device: cuda`` where torch sees no CUDA device (a CPU build of torch, or no
+            driver or GPU); the message says which and what to change.
+    """
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    seen = f"torch {torch.__version__} sees {gpus} CUDA GPU{'s' if gpus != 1 else ''}"
+    if not gpus:
+        seen = (f"torch {torch.__version__} is a build without CUDA" if torch.version.cuda is None
+                else f"torch {torch.__version__} sees no CUDA GPU")
+    if cfg.device == "auto":
+        device = "cuda" if gpus else "cpu"
+        return cfg.model_copy(update={"device": device}), f"device: {device} (auto: {seen})"
+    if cfg.device == "cuda" and not gpus:
+        raise ConfigError(f"device: cuda, but {seen}; install a CUDA build of torch on a machine with an NVIDIA GPU, or "
+                          "train on the CPU (--device cpu, or auto)")
+    if cfg.device == "cpu" and gpus:
+        return cfg, (f"device: cpu, as set (device: cpu); {seen}, which this run leaves idle: --device auto or "
+                     "--device cuda trains on it")
+    return cfg, f"device: {cfg.device}, as set ({seen})"
 
 
 def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None, *,

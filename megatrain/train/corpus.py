@@ -141,6 +141,21 @@ def image_grid_thw(cfg: TrainConfig, source: ModelSource) -> tuple[tuple[int, in
     return (image_grid(processor, run_image_size(processor, cfg.image_size)),) * cfg.images_per_row
 
 
+def sft_sources(cfg: TrainConfig):
+    """The datasets of ``cfg.data`` for ``task: sft`` (:func:`megatrain.data.resolve_sft_data`).
+
+    Raises:
+        ConfigError: no data given.
+        FileNotFoundError, ValueError: as :func:`~megatrain.data.resolve_sft_data`.
+    """
+    from megatrain.data.sft_sources import resolve_sft_data
+
+    if cfg.data is None:
+        raise ConfigError("task sft needs data (--data): alpaca, sharegpt, chat messages or prompt/completion "
+                          "records, or a directory with a dataset_info.json")
+    return resolve_sft_data(cfg.data, sft_format=cfg.sft_format)
+
+
 def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     from megatrain import data as D
     from megatrain.data.sft_sources import iter_examples
@@ -148,10 +163,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     from megatrain.planner.trace.vlm import family
 
     t0 = time.perf_counter()
-    if cfg.data is None:
-        raise ConfigError("task sft needs data (--data): alpaca, sharegpt, chat messages or prompt/completion "
-                          "records, or a directory with a dataset_info.json")
-    sources = D.resolve_sft_data(cfg.data, sft_format=cfg.sft_format)
+    sources = sft_sources(cfg)
 
     def sample() -> list[str]:  # a BPE learns from the examples' text, the first 10 MB of it
         texts, size = [], 0
@@ -269,7 +281,7 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
         store = D.cached_token_store(cfg.data, tokenizer, path, eot_token=eot, text_field=cfg.text_field,
                                      max_bytes=cfg.max_bytes)
         m = store.manifest
-        if m.skipped_files:
+        if m.skipped_files and cfg.data is not None:  # (the default corpus's are the stdlib's own test files)
             shown = ", ".join(m.skipped_examples[:3]) + (", ..." if m.skipped_files > 3 else "")
             echo(f"note: data: skipped {m.skipped_files} file{'s' if m.skipped_files > 1 else ''} that are not "
                  f"UTF-8 text ({shown})")

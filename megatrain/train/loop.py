@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from megatrain.errors import CheckpointError, ConfigError, MegatrainError
-from megatrain.train.config import TrainConfig
+from megatrain.train.config import TrainConfig, resolve_device
 from megatrain.train.corpus import (image_grid_thw, match_special_tokens, prepare_data, store_dir,
                                     tokenizer_sample_bytes, trains_tokenizer)
 from megatrain.train.lr import lr_at
@@ -26,7 +26,8 @@ from megatrain.ir.plan import OptimizerPlacement
 from megatrain.runtime.threads import choose_threads, oversubscription
 from megatrain.train.guard import Guard, Verdict
 from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot
-from megatrain.train.model import ModelSource, init_source, is_run_checkpoint, load_weights, resolve_model
+from megatrain.train.model import (ModelSource, init_source, is_run_checkpoint, load_weights, model_label,
+                                   resolve_model)
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
                                        preflight_cpu_build, preflight_disk, preflight_host_memory)
 from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE,
@@ -111,6 +112,7 @@ def planning_model(cfg: TrainConfig, source: ModelSource, check: Callable[[Any],
 
     from megatrain.planner.presets import auto_model_class, build_meta_model
 
+    cfg = resolve_device(cfg)[0]  # device auto: the device this run would take
     torch.manual_seed(cfg.seed)
     model = build_meta_model(source.config, dtype=torch.float32)
     if cfg.device == "cpu":
@@ -166,6 +168,7 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None):
     grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`)."""
     from megatrain.planner.front import PlanRequest, Storage
 
+    cfg = resolve_device(cfg)[0]  # device auto: the device this run would take
     names = batch_names(cfg, model.config)
     return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
@@ -302,12 +305,14 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         MegatrainError: with ``nonfinite="stop"``, a step whose loss or gradient was not finite
             (naming the step); nothing is saved.
     """
+    given = cfg  # train_config.json keeps device: auto as auto, so a resume on another machine chooses again
+    cfg, device = resolve_device(cfg)
     ranks = _Ranks.start(cfg)
     # Rank 0 writes every output: it holds output_dir's lock for the run.
     lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None
     try:
         with _InterruptOnTerm():
-            return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock)
+            return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock, device, given)
     finally:
         if lock is not None:
             lock.release()
@@ -494,9 +499,11 @@ def _check_processor(model, dataset, images, grid=None) -> None:
                           "vision_feature_select_strategy)")
 
 
-def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None) -> TrainResult:
+def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None,
+           device: str, given: TrainConfig) -> TrainResult:
     import torch
 
+    echo(device)
     if cfg.device == "cpu":  # the CPU backend's intra-op threads (megatrain.runtime.threads)
         threads = choose_threads(cfg.threads)
         busy = oversubscription()
@@ -535,7 +542,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
         out.mkdir(parents=True, exist_ok=True)
         if lock is not None and not lock.held:  # output_dir did not exist when the run began
             lock.acquire()
-        write_atomic(out / CONFIG_FILE, cfg.model_dump_json(indent=1) + "\n")
+        write_atomic(out / CONFIG_FILE, given.model_dump_json(indent=1) + "\n")
         write_atomic(out / SCHEDULE_FILE, planned.schedules.steady.to_json())
         write_atomic(out / TOKENIZER_FILE, tokenizer_json)
     metrics = MetricsLog(metrics_path if writes else None)
@@ -714,7 +721,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     rows = read_metrics(metrics_path) if writes else [{"loss": finite(loss), "applied": loss is not None}]
     if writes:
         try:
-            save_loss_plot(rows, out / PLOT_FILE, title=f"{Path(cfg.model).name}: {step} steps, "
+            save_loss_plot(rows, out / PLOT_FILE, title=f"{model_label(cfg)}: {step} steps, "
                                                         f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}")
         except ImportError as e:
             echo(f"note: no {PLOT_FILE}: {e}")

@@ -81,6 +81,25 @@ def resolve_model(spec: str) -> ModelSource:
     return ModelSource(kind=kind, directory=directory, config=config, tied=tied)
 
 
+def model_label(cfg) -> str:
+    """A short name of the run's model for titles (the loss plot's): a preset's name; for a file
+    (a ``config.json``) its directory's name; for a directory its name, with its parent's where the
+    name alone says nothing (a run's ``checkpoint``); ``init_from``'s label for a new run from a
+    checkpoint's weights. ``cfg``: a :class:`~megatrain.train.config.TrainConfig`."""
+    from megatrain.train.rundir import CHECKPOINT_DIR
+
+    def label(spec: str) -> str:
+        p = Path(spec)
+        if not p.exists():
+            return spec  # a preset
+        p = p.resolve()
+        if p.is_file():
+            return p.parent.name
+        return f"{p.parent.name}/{p.name}" if p.name == CHECKPOINT_DIR else p.name
+
+    return f"{label(cfg.init_from)} (init_from)" if cfg.init_from else label(cfg.model)
+
+
 def is_run_checkpoint(source: ModelSource, output_dir: Path) -> bool:
     """Whether ``source`` is the checkpoint of the run in ``output_dir`` (``output_dir/checkpoint``):
     naming it as the model resumes that run, whatever ``init_from`` says."""

@@ -82,7 +82,8 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
     if mem.pinned_activations:
         parts.append(f"pinned activations {gib(mem.pinned_activations)}")
     _refuse(needed, parts, data_bytes, checkpoint_bytes, built_bytes, available, planned.graph.param_count,
-            clip_hint=mem.gradient_ring > 0.1 * needed)
+            clip_hint=mem.gradient_ring > 0.1 * needed,
+            nvme_hint=not (planned.plan.nvme_moments or planned.plan.nvme_masters or planned.plan.nvme_gradients))
 
 
 def preflight_cpu_build(meta_model, *, clip: bool, data_bytes: int, checkpoint_bytes: int = 0,
@@ -114,7 +115,8 @@ def preflight_cpu_build(meta_model, *, clip: bool, data_bytes: int, checkpoint_b
     parts = [f"FP32 master weights {gib(master)}", f"{optimizer_spec(optimizer).label} moments {gib(moments)}"]
     if grads:
         parts.append(f"gradient tiles {gib(grads)}")
-    _refuse(needed, parts, data_bytes, checkpoint_bytes, built, available, n, clip_hint=grads > 0.1 * needed)
+    _refuse(needed, parts, data_bytes, checkpoint_bytes, built, available, n, clip_hint=grads > 0.1 * needed,
+            nvme_hint=False)  # (the CPU backend builds the model in host memory whatever NVMe holds)
 
 
 BUILT_BYTES_PER_PARAMETER = 4
@@ -123,7 +125,7 @@ moves its parameters into the host tiles."""
 
 
 def _refuse(needed: int, parts: list[str], data_bytes: int, checkpoint_bytes: int, built_bytes: int,
-            available: tuple[int, str], params: int, *, clip_hint: bool):
+            available: tuple[int, str], params: int, *, clip_hint: bool, nvme_hint: bool):
     have, where = available
     parts = parts + [f"data and tokenizer about {gib(data_bytes)}"]
     if checkpoint_bytes:
@@ -136,7 +138,9 @@ def _refuse(needed: int, parts: list[str], data_bytes: int, checkpoint_bytes: in
         f"not enough host memory: this run needs about {gib(needed)} ({', '.join(parts)}) but "
         f"{gib(have)} is available ({where}). Each parameter takes 12 bytes of host state "
         f"({params / 1e9:,.2f}B parameters here): train a smaller model,{clip} "
-        f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available")
+        + ("put optimizer state on NVMe (--nvme-dir DIR, with --host-memory SIZE for what stays in RAM; "
+           "megatrain plan --nvme says what moves), " if nvme_hint else "")
+        + f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available")
 
 
 SFT_LAYOUT_BYTES_PER_DATA_BYTE = 1.0

@@ -8,16 +8,17 @@ layer that is the obstacle (the largest slot, or the layer at the activation pea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatrain.errors import PlanError
 from megatrain.optim import OPTIMIZERS
 from megatrain.planner import cost
 from megatrain.ir.graph import LayerGraph
-from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.hardware import PINNED_FRACTION, HardwareSpec
 from megatrain.ir.schedule import COMPUTE_KINDS, Schedule
 from megatrain.planner.solve.request import SolveRequest
-from megatrain.units import human_bytes
+from megatrain.units import GiB, human_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,12 @@ class Requirements:
     that plan needs on the host (offloaded checkpoints and accumulators included), so a machine
     with all three fits it. ``host_floor_bytes`` and ``pinned_floor_bytes`` are the least any plan
     needs on the host (nothing offloaded): below them nothing fits, whatever the GPU.
+
+    ``host_on_gpu_bytes`` and ``pinned_on_gpu_bytes`` are the least host memory of those plans
+    (each activation policy at its deepest, every checkpoint kept, both pass structures) that fit
+    the request's GPU, None where none does: what a larger host needs on this GPU.
+    ``nvme_host_bytes`` and ``nvme_pinned_bytes`` are what the floor's plan still needs on the host
+    with everything an NVMe tier may hold moved there (:func:`megatrain.planner.nvme.least_host`).
 
     ``largest_layer`` sizes every weight slot; ``peak_layer`` runs when checkpoints plus working
     memory peak in the least-GPU plan. ``obstacle`` is the layer that keeps the GPU from fitting:
@@ -53,6 +60,10 @@ class Requirements:
     peak_layer_work_bytes: int
     obstacle: str
     obstacle_is_slot: bool
+    host_on_gpu_bytes: int | None = None
+    pinned_on_gpu_bytes: int | None = None
+    nvme_host_bytes: int | None = None
+    nvme_pinned_bytes: int | None = None
 
     def fits(self, hw: HardwareSpec) -> tuple[bool, bool]:
         """(GPU could fit, host could fit) on ``hw``: each against its own least need. Both true
@@ -92,9 +103,17 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _host_flag(host: int, pinned: int) -> str:
+    """The ``--host-memory`` that gives ``host`` bytes and a pinned cap of ``pinned`` (the cap is
+    :data:`~megatrain.ir.hardware.PINNED_FRACTION` of it), rounded up to a whole GiB."""
+    need = max(host, math.ceil(pinned / PINNED_FRACTION))
+    return f"--host-memory {math.ceil(need / GiB)}GiB"
+
+
 def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequestError:
-    """The error for ``request`` when no plan fits: the least memory that works (``req``), then for
-    the GPU and the host, whichever cannot fit, what takes the bytes and what to change."""
+    """The error for ``request`` when no plan fits: the least memory any plan needs (``req``), then
+    for the GPU and the host, whichever cannot fit, what takes the bytes, and last every change that
+    would fit on its own, each with its size (in binary units: GiB, TiB)."""
     hw, g = request.hardware, request.graph
     m = req.memory
     spec = OPTIMIZERS[m.optimizer_name]
@@ -102,29 +121,36 @@ def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequ
     G, S = request.global_batch, g.seq_len
     hb = human_bytes
     largest = next(layer for layer in g.layers if layer.name == req.largest_layer)
+    policy = "every checkpoint kept" if req.activations == "keep" else f"activation policy {req.activations!r}"
     head = (f"no plan fits a {_count(g.param_count)}-parameter model of {len(g.layers)} layers, global batch "
             f"{G} x {S} tokens, {request.compute_dtype} compute"
-            + (", gradients clipped" if request.clip_gradients else "") + f", on {hw.name!r}. Smallest memory "
-            f"that works: GPU {req.gpu_memory_bytes} bytes ({hb(req.gpu_memory_bytes)}), host "
-            f"{req.host_memory_bytes} bytes ({hb(req.host_memory_bytes)}) of which pinned "
-            f"{req.pinned_memory_bytes} bytes ({hb(req.pinned_memory_bytes)}), with "
-            + ("every checkpoint kept" if req.activations == "keep" else f"activation policy {req.activations!r}")
-            + ("." if req.layer_by_layer else ", each micro-batch in a pass of its own."))
+            + (", gradients clipped" if request.clip_gradients else "")
+            + f", on {hw.name!r} (GPU {hb(hw.gpu_memory_bytes)}, host {hb(hw.host_memory_bytes)} with a pinned cap "
+            f"of {hb(hw.pinned_memory_cap_bytes)}). The least GPU memory any plan needs is {hb(req.gpu_memory_bytes)} "
+            f"(micro-batch size {req.micro_batch_size}, {policy}"
+            + ("" if req.layer_by_layer else ", each micro-batch in a pass of its own")
+            + f"; that plan needs a host of {hb(req.host_memory_bytes)}, {hb(req.pinned_memory_bytes)} pinned); the "
+            f"least host memory any plan needs is {hb(req.host_floor_bytes)}, {hb(req.pinned_floor_bytes)} pinned "
+            "(nothing offloaded).")
     lines = [head]
+    fixes: list[str] = []
     if not gpu_ok:
         slot = m.weight_slots + m.gradient_slots
         if req.obstacle_is_slot:
             why = (f"The obstacle is layer {req.obstacle!r}: its slot alone, with the buffers and reserve, "
-                   f"does not fit. Fix: use a GPU with at least {hb(req.gpu_memory_bytes)}, or make the "
-                   "layer smaller (a smaller vocabulary for an embedding or LM head; megatrain does not split "
-                   "a layer across slots yet).")
+                   "does not fit.")
+            fixes.append("make the layer smaller (a smaller vocabulary for an embedding or LM head; megatrain does "
+                         "not split a layer across slots yet)")
         else:
-            why = (f"The obstacle is layer {req.obstacle!r}, where checkpoints plus working memory peak. Fix: "
-                   "lower the micro-batch size, the global batch or the sequence length (the layer's working "
-                   f"memory grows with them), or use a GPU with at least {hb(req.gpu_memory_bytes)}.")
+            why = f"The obstacle is layer {req.obstacle!r}, where checkpoints plus working memory peak."
+            fixes.append("a shorter sequence (the layer's working memory grows with it)")
+            if req.layer_by_layer:
+                fixes.append("a smaller global batch (layer by layer, every micro-batch's checkpoints are on the "
+                             "GPU at once)")
+        fixes.insert(0, f"a GPU with at least {hb(req.gpu_memory_bytes)}")
         lines.append(
-            f"GPU: needs {hb(req.gpu_memory_bytes)} but has {hb(hw.gpu_memory_bytes)}, even with one weight slot, "
-            f"micro-batch size {req.micro_batch_size}, no resident layer and every checkpoint offloaded or "
+            f"GPU: needs at least {hb(req.gpu_memory_bytes)} and has {hb(hw.gpu_memory_bytes)}, even with one weight "
+            f"slot, micro-batch size {req.micro_batch_size}, no resident layer and every checkpoint offloaded or "
             f"recomputed (the least memory is with {req.activations!r}): the slot, sized for the largest layer "
             f"{req.largest_layer!r} ({largest.numel:,} elements), takes {hb(slot)} with its gradients; the "
             f"checkpoints and boundary gradients still on the GPU peak at {hb(m.activations_peak)}; layer "
@@ -132,8 +158,8 @@ def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequ
             f"{hb(m.buffers)}; reserve {hb(m.reserve)}. " + why)
     if not host_ok:
         lines.append(
-            f"host: needs {hb(req.host_floor_bytes)} (has {hb(hw.host_memory_bytes)}) and "
-            f"{hb(req.pinned_floor_bytes)} pinned (cap {hb(hw.pinned_memory_cap_bytes)}) even with no checkpoint "
+            f"host: needs at least {hb(req.host_floor_bytes)} (has {hb(hw.host_memory_bytes)}) and "
+            f"{hb(req.pinned_floor_bytes)} pinned (cap {hb(hw.pinned_memory_cap_bytes)}), with no checkpoint "
             f"offloaded: FP32 master weights {hb(m.master_weights)} and {spec.label} moments {hb(m.adam_moments)} "
             f"({cost.MASTER_BYTES_PER_ELEMENT + spec.state_bytes_per_param} "
             f"bytes per parameter for all {g.param_count:,}; the largest layer is {req.largest_layer!r}), "
@@ -141,19 +167,37 @@ def infeasible_error(request: SolveRequest, req: Requirements) -> InfeasibleRequ
                else "one gradient tile ")
             + f"{hb(m.gradient_ring)}, one staging tile {hb(m.staging_ring)}"
             + (f", and FP32 compute pins the master weights ({hb(m.pinned_masters)}; H2D reads them directly)"
-               if m.state_pinned else "")
-            + f". Fix: a host with at least {hb(req.host_floor_bytes)} and a pinned cap of "
-            f"{hb(req.pinned_floor_bytes)}" + (", or compute in bfloat16 so only the rings are pinned"
-                                               if m.state_pinned else "")
-            + (", or do not clip gradients (the updates then run during the backward and share a ring of "
-               "a few tiles)" if request.clip_gradients else "") + ".")
+               if m.state_pinned else "") + ".")
+        if gpu_ok and req.host_on_gpu_bytes is not None:
+            fixes.append(f"a host with at least {hb(req.host_on_gpu_bytes)} and a pinned cap of "
+                         f"{hb(req.pinned_on_gpu_bytes)} (megatrain plan "
+                         f"{_host_flag(req.host_on_gpu_bytes, req.pinned_on_gpu_bytes)})")
+        if req.nvme_host_bytes is not None and not hw.has_nvme:
+            moved = f"{spec.label} moments" + (
+                ", the clipped gradients' tiles" if request.clip_gradients else "") + (
+                " and, with BF16 compute, FP32 masters" if request.compute_dtype == "bfloat16" else "")
+            enough = (req.nvme_host_bytes <= hw.host_memory_bytes
+                      and req.nvme_pinned_bytes <= hw.pinned_memory_cap_bytes)
+            fixes.append(
+                f"an NVMe tier for {moved}: megatrain plan --nvme 4xgen5 (or 4xgen4, 8xgen4, 8xgen5), "
+                + ("on this host" if enough else
+                   f"with a host of at least {hb(req.nvme_host_bytes)} and a pinned cap of "
+                   f"{hb(req.nvme_pinned_bytes)} ({_host_flag(req.nvme_host_bytes, req.nvme_pinned_bytes)})")
+                + "; megatrain train --nvme-dir DIR --host-memory SIZE trains so")
+        if m.state_pinned:
+            fixes.append("compute in bfloat16, so that only the rings are pinned")
+    if not gpu_ok and not host_ok:  # neither alone is enough: the least-GPU plan's two sizes together
+        fixes = [f"a GPU with at least {hb(req.gpu_memory_bytes)} and a host with at least "
+                 f"{hb(req.host_memory_bytes)} and a pinned cap of {hb(req.pinned_memory_bytes)}"]
     if gpu_ok and host_ok:
         lines.append(
             f"GPU and host together: the GPU ({hb(hw.gpu_memory_bytes)}) fits only with checkpoints offloaded "
             f"to pinned host memory, and the pinned cap ({hb(hw.pinned_memory_cap_bytes)}) cannot hold them beside "
-            "the gradient and staging rings; recomputing instead does not bring the GPU low enough. Fix: raise "
-            "the pinned cap or host memory, use a GPU with more memory, or lower the global batch or the "
-            "sequence length.")
+            "the gradient and staging rings; recomputing instead does not bring the GPU low enough.")
+        fixes += ["more host memory, for a higher pinned cap (megatrain plan --host-memory SIZE)",
+                  "a GPU with more memory", "a smaller global batch or a shorter sequence"]
+    fixes.append("a smaller model")
+    lines.append("Fix, any one of: " + "; ".join(f"({chr(ord('a') + k)}) {f}" for k, f in enumerate(fixes)) + ".")
     return InfeasibleRequestError("\n".join(lines), req)
 
 

@@ -433,6 +433,22 @@ class Search:
         return self.patterns[k]
 
     # -- run ---------------------------------------------------------------------------------------
+    def least_host_on_gpu(self, passes: list[SizeOption], keeps) -> tuple[int, int] | None:
+        """``(host, pinned)`` bytes of the plan that fits this GPU with the least host memory, at
+        the smallest micro-batch size, one slot and distance 0: every checkpoint kept where that fits,
+        else each family at the shallowest depth that fits (offloading no more than it must); None
+        where none fits. What a larger host needs on this GPU."""
+        gpu = self.hw.gpu_memory_bytes
+        found = [(m.host_total, m.host_pinned) for m, _ in keeps if m.gpu_peak <= gpu]
+        for opt in passes:
+            for family in self.families:
+                depth = self.least_depth(opt, family, 0, 1, cap=gpu)
+                if depth is not None:
+                    _, unit = self.unit(opt, family.policy(self.eligible, self.n, depth), 0)
+                    m = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
+                    found += [(m.host_total, m.host_pinned)] if m.gpu_peak <= gpu else []
+        return min(found, default=None)
+
     def requirements(self) -> Requirements:
         """Minimum memory at the smallest micro-batch size (see :class:`Requirements`)."""
         size = min(self.request.micro_batch_sizes())
@@ -447,7 +463,8 @@ class Search:
                 # Ties: layer by layer (fewer copies), then the simpler policy.
                 rows.append(((mem.gpu_peak, mem.host_total, p, i), name, opt, sched, mem))
                 if i == 0:
-                    keeps.append(mem)
+                    keeps.append((mem, opt))
+        on_gpu = self.least_host_on_gpu(passes, keeps)
         (_, _, _, i), name, opt, sched, mem = min(rows, key=lambda row: row[0])
         if i > 0:  # the shallowest depth of that family with the same peak offloads the least
             family = self.families[i - 1]
@@ -457,14 +474,22 @@ class Search:
                 mem = self.scaled(opt, unit, 1, self.ring_floor(opt), 1)
         # Floors, each the least over the pass structures: per-micro-batch passes hold accumulators
         # (more host memory) but may pin BF16 gradient tiles where layer by layer pins FP32 ones.
-        keep = min(keeps, key=lambda m: (m.host_total, m.host_pinned))
+        keep, keep_opt = min(keeps, key=lambda k: (k[0].host_total, k[0].host_pinned))
+        keep_plan = plan_for(self.request, size, Knobs(slots=1, prefetch_distance=0, grad_ring=self.ring_floor(keep_opt),
+                                                       staging_ring=1), keep_opt.layer_by_layer)
+        from megatrain.planner.nvme import least_host  # (nvme solves through this module: imported here)
+
+        nvme_host, nvme_pinned = least_host(keep_opt.graph, keep_plan, keep, self.hw)
         g = opt.graph
         largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))
         peak = g.layers[peak_op_layer(sched, g)]
         slot = mem.gpu_fixed > self.hw.gpu_memory_bytes
         return Requirements(gpu_memory_bytes=mem.gpu_peak, host_memory_bytes=mem.host_total,
                             pinned_memory_bytes=mem.host_pinned, host_floor_bytes=keep.host_total,
-                            pinned_floor_bytes=min(m.host_pinned for m in keeps), micro_batch_size=size, activations=name,
+                            pinned_floor_bytes=min(m.host_pinned for m, _ in keeps), micro_batch_size=size,
+                            activations=name, host_on_gpu_bytes=None if on_gpu is None else on_gpu[0],
+                            pinned_on_gpu_bytes=None if on_gpu is None else on_gpu[1], nvme_host_bytes=nvme_host,
+                            nvme_pinned_bytes=nvme_pinned,
                             layer_by_layer=opt.layer_by_layer,
                             memory=mem, largest_layer=largest.name, peak_layer=peak.name,
                             peak_layer_work_bytes=peak.work_bytes, obstacle=largest.name if slot else peak.name,
