@@ -293,9 +293,9 @@ def test_schedule_files_of_an_older_format_are_refused():
 
     s = lower(chain_graph(3), Plan(), "train")
     doc = json.loads(s.to_json())
-    assert doc["version"] == 18
-    doc["version"] = 17
-    with pytest.raises(pydantic.ValidationError, match="version 17 is not 18.*lower the plan again"):
+    assert doc["version"] == 19
+    doc["version"] = 18
+    with pytest.raises(pydantic.ValidationError, match="version 18 is not 19.*lower the plan again"):
         Schedule.from_json(json.dumps(doc))
 
 
