@@ -79,7 +79,7 @@ from megatrain.runtime.distributed import collective, sum_over_ranks
 from megatrain.runtime.host import HostState, PinnedArena, gradient_key
 from megatrain.runtime.loss import loss_weights
 from megatrain.runtime.host_kernels import host_kernel
-from megatrain.runtime.graphs import TemplateGraphs, check_backend
+from megatrain.runtime.graphs import TemplateGraphs, check_backend, module_tensors
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
 from megatrain.runtime.templates import (CompileReport, TemplateCompile, announce, compile_error, compile_template,
                                          inductor_counts, inductor_cache_dir, stderr_echo)
@@ -851,7 +851,8 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
             else:
                 ctx.rng_states[(li, mb)] = ex.rng.get()
         with replaying_rng(ex.rng, state):
-            outs = call(ins) if graphs is None else graphs.run(key, call, ins, static=[*weights, *lbufs],
+            outs = call(ins) if graphs is None else graphs.run(key, call, ins,
+                                                               static=[*weights, *lbufs, *module_tensors(tmpl)],
                                                                what=f"{op!r} (layer {layer.name!r})")
         for vid, t in zip(layer.outputs, outs):
             if vid == loss_id:
@@ -924,7 +925,8 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
                 key = ("bwd", id(tmpl), id(wslot), id(gslot), fresh, ex.layout_key(li),
                        tuple(s is not None for s in seeds))
                 res = graphs.run(key, body, ins, seeds, loss_seed=weight() if g.loss in outputs else None,
-                                 static=[wslot, gslot, *lbufs], what=f"the local backward of layer {layer.name!r}")
+                                 static=[wslot, gslot, *lbufs, *module_tensors(tmpl)],
+                                 what=f"the local backward of layer {layer.name!r}")
         loss, gxs = res[0], res[1:]
         if loss is not None:
             losses[mb] = loss

@@ -20,7 +20,8 @@ replay, on the compute stream, in the op's own work: its input checkpoints, the 
 of its outputs, and the loss's seed (a host float, ``StepOutput`` weights, which a capture would
 otherwise bake in: it is written into a one-element device tensor with ``fill_``). Its outputs
 live in the graphs' memory pool and are overwritten by the next replay of any graph, so they are
-copied out (``clone``) right after the replay. Replays, copy-ins and copy-outs are all on the
+copied out (``clone``) right after the replay; an output that is a view of a persistent tensor (a
+tied weight the prologue passes on: a view of its slot) is that view, as in eager mode. Replays, copy-ins and copy-outs are all on the
 compute stream, one op after the other, so one set of static buffers (by position, shape and
 dtype) and one memory pool serve every graph; the pool's size is counted by the memory model
 (:func:`megatrain.planner.memory.graph_pool_bytes`).
@@ -86,6 +87,7 @@ class _Captured:
     seeds: list[torch.Tensor | None]
     loss_seed: torch.Tensor | None
     outs: tuple[torch.Tensor | None, ...]
+    persistent: tuple[bool, ...]  # the output is a view of a persistent tensor (a slot): not copied out
     replays: int = 0
 
 
@@ -127,7 +129,7 @@ class TemplateGraphs:
             cap.loss_seed.fill_(loss_seed)
         self.backend.replay(cap.graph)
         cap.replays += 1
-        return tuple(None if o is None else o.clone() for o in cap.outs)
+        return tuple(None if o is None else o if keep else o.clone() for o, keep in zip(cap.outs, cap.persistent))
 
     def capture_wanted(self, rng, loss_shape: tuple[int, ...], loss_dtype: torch.dtype) -> int:
         """Capture every variant noted since the last call; returns how many. ``rng``: the device's
@@ -158,7 +160,10 @@ class TemplateGraphs:
                 raise ConfigError(f"{w.what or key[0]}: its work cannot be captured in a CUDA graph ({type(e).__name__}: "
                                   f"{str(e)[:500]}); train with cuda_graphs=False (megatrain train --cuda-graphs "
                                   "false)") from e
-            self.captured[key] = _Captured(graph, ins, seeds, loss_seed, tuple(outs))
+            slots = {t.untyped_storage().data_ptr() for t in w.static}
+            self.captured[key] = _Captured(graph, ins, seeds, loss_seed, tuple(outs),
+                                           tuple(o is not None and o.untyped_storage().data_ptr() in slots
+                                                 for o in outs))
         self.capture_s += time.perf_counter() - t0
         return len(wanted)
 
@@ -177,6 +182,23 @@ class TemplateGraphs:
         return sum(c.replays for c in self.captured.values())
 
 
+def module_tensors(fn: Any) -> list[torch.Tensor]:
+    """The tensors a template reads besides its arguments (its ``get_attr`` constants, parameters and
+    buffers; of the module a compiled template wraps): static for a capture."""
+    gm = getattr(fn, "_orig_mod", fn)
+    if not isinstance(gm, torch.nn.Module):
+        return []
+    out = [*gm.parameters(), *gm.buffers()]
+    for node in getattr(getattr(gm, "graph", None), "nodes", ()):
+        if node.op == "get_attr":
+            obj: Any = gm
+            for part in node.target.split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, torch.Tensor):
+                out.append(obj)
+    return out
+
+
 def check_backend(backend: Any) -> None:
     """Raise ConfigError unless ``backend`` captures CUDA graphs (``Plan.cuda_graphs`` needs it)."""
     if not (hasattr(backend, "capture") and hasattr(backend, "replay")):
@@ -184,4 +206,4 @@ def check_backend(backend: Any) -> None:
                           f"{type(backend).__name__} cannot run; train on device='cuda', or set cuda_graphs=False")
 
 
-__all__ = ["Body", "TemplateGraphs", "check_backend"]
+__all__ = ["Body", "TemplateGraphs", "check_backend", "module_tensors"]
