@@ -558,6 +558,9 @@ class Executor:
         ctx = _RunContext(self, schedule, bufs, _Activations(info.live), targets)
         self.updated = ctx.updated
         self.unsaved = ctx.unsaved
+        if ctx.graphs is not None and ctx.graphs.wanted:
+            # Before this run's first op: between runs, and a capture that fails leaves this batch untouched.
+            self._capture()
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
                 ctx.acts.put_batch((g.value_by_name(name).id, mb), batch[name].to(dev, non_blocking=True))
@@ -582,8 +585,6 @@ class Executor:
                 raise
             self.backend.synchronize()
             done = True
-            if ctx.graphs is not None and ctx.graphs.wanted:
-                self._capture()
         finally:
             if not done and ctx.graphs is not None:
                 ctx.graphs.wanted.clear()  # captured after a run that completes
@@ -607,8 +608,8 @@ class Executor:
         return out
 
     def _capture(self) -> None:
-        """Capture the compute ops the run just finished noted for CUDA graphs (``Plan.cuda_graphs``),
-        between runs; said before and timed after (``echo``)."""
+        """Capture the compute ops the last run noted for CUDA graphs (``Plan.cuda_graphs``), before
+        the next run starts; said before and timed after (``echo``)."""
         n = len(self.graphs.wanted)
         self.echo(f"capturing {n} CUDA graph{'s' * (n != 1)} of compute ops (Plan.cuda_graphs; one per template, "
                   "slot and variant, after its first eager run) ...")

@@ -28,9 +28,10 @@ dtype) and one memory pool serve every graph; the pool's size is counted by the 
 
 When. A key's first occurrence in a run runs eagerly (its kernels' lazy initialisation, cuBLAS
 workspaces, the compiled template's first call: the warm-up PyTorch's CUDA graph docs ask for)
-and is noted; after the run has synchronised, :meth:`TemplateGraphs.capture_wanted` captures the
+and is noted; before the next run's first op, :meth:`TemplateGraphs.capture_wanted` captures the
 noted variants (between runs: no event record, host op or other stream's work is in flight, so
-none falls inside a capture). Later runs replay them.
+none falls inside a capture; a capture that fails stops that run before it changed anything).
+Later runs replay them.
 
 Random ops. A captured dropout draws from the device generator's state at replay time (PyTorch
 registers the default CUDA generator with each capture and offsets its Philox counter per replay),
@@ -134,8 +135,8 @@ class TemplateGraphs:
     def capture_wanted(self, rng, loss_shape: tuple[int, ...], loss_dtype: torch.dtype) -> int:
         """Capture every variant noted since the last call; returns how many. ``rng``: the device's
         generator (:class:`~megatrain.runtime.executor.DeviceRng`), left as it was; ``loss_shape``
-        and ``loss_dtype``: the loss's (its seed's static buffer). Call between runs, after the run
-        that noted them has synchronised.
+        and ``loss_dtype``: the loss's (its seed's static buffer). Call between runs (the executor
+        does, before a run's first op).
 
         Raises:
             ConfigError: a variant's work cannot be captured (a host read of a device value, a
