@@ -14,8 +14,10 @@
 #   probe     bench/gpu_probe.py: environment, copies, pinned allocation, host AdamW and CAST rates by
 #             thread count, launch cost, matmul rates, a measured HardwareSpec, one ~1B step beside
 #             simulate() (probe.json, spec.json, timelines.json, trace.json)
-#   block     bench/gpu_block.py: one decoder block at the probe's shape as megatrain's template, the
-#             same in CUDA graphs, and transformers' eager layer: GPU, synced and issuing time each
+#   block     bench/gpu_block.py: a 1B- and a 7B-shaped decoder block (GPU_SESSION_BLOCK_SHAPES, default
+#             "1b,7b") as megatrain's template, compiled (inductor's cold compile of each shape inside
+#             the box: its compile_s is in block.json), compiled in CUDA graphs, the template in CUDA
+#             graphs, and transformers' eager layer: GPU, synced and issuing time and TFLOP/s each
 #   hostopt   bench/host_optimizer.py: megatrain's host optimizer step against DeepSpeedCPUAdam and
 #             torch fused AdamW, same tiles and threads (after the cpu_adam compile has finished)
 #   compare   bench/compare.py at 1B: megatrain on the solver's plan, then DeepSpeed ZeRO-3 with
@@ -125,9 +127,15 @@ if want probe; then
     fi
 fi
 
-# -- block: where a block's compute time goes (template, CUDA graph, eager) ---------------------------
+# -- block: where a block's compute time goes (template, compiled, CUDA graphs, eager) -----------------
+# The box holds both shapes' cold inductor compiles (block.json says each compile_s); the JSON is
+# rewritten after every variant, so a cut keeps what finished (1b first).
 if want block; then
-    box block 90 "$PY" bench/gpu_block.py "${DRYFLAG[@]}" --out "$W/block.json"
+    if [ $DRY = 1 ]; then
+        box block 300 "$PY" bench/gpu_block.py --dry-run --out "$W/block.json"
+    else
+        box block 180 "$PY" bench/gpu_block.py --shapes "${GPU_SESSION_BLOCK_SHAPES:-1b,7b}" --out "$W/block.json"
+    fi
 fi
 
 # -- hostopt: megatrain's host optimizer step against DeepSpeedCPUAdam and torch fused AdamW ---------

@@ -95,3 +95,21 @@ def test_eager_is_the_default_on_the_cpu_and_a_given_plans_choice_is_kept():
                                 templates="eager").plan.templates == "eager"
     with pytest.raises(megatrain.ConfigError, match="templates='fast'"):
         megatrain.plan_model(model, seq_len=16, micro_batch_size=2, templates="fast")
+
+
+def test_megatrain_train_passes_its_templates_and_graphs_settings_to_the_planner():
+    """``megatrain train``'s ``templates`` and ``cuda_graphs`` reach the plan request it (and
+    ``megatrain plan --config``) plans with; the defaults leave the device's choice."""
+    from megatrain.planner.front import Topology, plan
+    from megatrain.train import load_train_config
+    from megatrain.train.loop import plan_request
+
+    model = tiny_llama(layers=1)
+    base = {"model": "llama-30m", "output_dir": "out", "seq_len": 16, "global_batch": 2, "micro_batch_size": 2}
+    req = plan_request(load_train_config(None, base | {"templates": "compiled", "device": "cuda",
+                                                       "cuda_graphs": "auto"}, saved_run=False),
+                       model, None, Topology())
+    assert (req.templates, req.cuda_graphs) == ("compiled", "auto")
+    req = plan_request(load_train_config(None, base, saved_run=False), model, None, Topology())
+    assert (req.templates, req.cuda_graphs) == (None, False)
+    assert plan(req).plan.templates == "eager"

@@ -216,3 +216,31 @@ def test_auto_turns_graphs_on_where_the_planner_finds_the_step_issue_bound(monke
         assert planned.plan.cuda_graphs is verdict and planned.schedules.steady.plan.cuda_graphs is verdict
         assert f"CUDA graphs: {'on' if verdict else 'off'}: judged" in planned.decisions
         assert (planned.memory.graph_pool > 0) is verdict
+
+
+def test_megatrain_plan_takes_the_templates_and_graphs_flags_and_records_them(tmp_path, capsys):
+    """``megatrain plan --templates compiled --cuda-graphs true``: the plan table says both, the GPU
+    memory table has the graphs' pool, and schedule.json's plan records both; the defaults are eager
+    and off."""
+    import re
+
+    from megatrain.cli import main
+    from megatrain.ir.schedule import Schedule
+
+    from test_cli import write_config
+
+    cfg = write_config(tmp_path / "config.json")
+    args = ["plan", "--model", str(cfg), "--hardware", "H100_SXM", "--seq-len", "16", "--global-batch", "4",
+            "--solver", "enumerate"]
+    assert main([*args, "--templates", "compiled", "--cuda-graphs", "true", "--out", str(tmp_path / "on")]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"layer templates +compiled +each compiled once with torch.compile", text)
+    assert re.search(r"CUDA graphs +on +each compute op replayed", text)
+    assert re.search(r"CUDA graphs +\d+\.\d\d +the graphs' memory pool", text)
+    plan = Schedule.load(tmp_path / "on" / "schedule.json").plan
+    assert (plan.templates, plan.cuda_graphs) == ("compiled", True)
+    assert main([*args, "--out", str(tmp_path / "off")]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"layer templates +eager", text) and re.search(r"CUDA graphs +off", text)
+    plan = Schedule.load(tmp_path / "off" / "schedule.json").plan
+    assert (plan.templates, plan.cuda_graphs) == ("eager", False)
