@@ -32,7 +32,9 @@
 #
 # Time boxes (seconds) can be changed per phase with GPU_SESSION_LIMIT_<PHASE>=S (e.g.
 # GPU_SESSION_LIMIT_PROBE=200); a phase past its box is killed (exit 124 in phases.tsv) and the
-# next phase runs. GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
+# next phase runs (the default boxes, probe 230 + block 180 + hostopt 60 + compare 170 s, sum past the
+# budget: the last phases get what is left; GPU_SESSION_BLOCK_SHAPES=1b halves the block phase).
+# GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
 # gets more than what is left of it, and the tests phase only what the others left.
 # GPU_SESSION_COMPARE_SIZES (default 1b), GPU_SESSION_COMPARE_WARMUP (2) and GPU_SESSION_COMPARE_STEPS
 # (5) set the compare phase's model size and steps; GPU_SESSION_COMPARE_SYSTEMS (default "megatrain

@@ -24,7 +24,7 @@ from megatrain.planner.lower import lower
 from megatrain.runtime.cuda import CUDABackend
 from megatrain.testing import FakeCuda, FakeCudaError, FakeGraph
 
-from conftest import random_batch, tiny_llama
+from conftest import random_batch, requires_cuda, tiny_llama
 from graphs import chain_graph
 from test_dropout import TRAIN_SEED, rng_state, tiny_gpt2
 from test_exactness import ADAMW, RTOL, eager_losses
@@ -244,3 +244,54 @@ def test_megatrain_plan_takes_the_templates_and_graphs_flags_and_records_them(tm
     assert re.search(r"layer templates +eager", text) and re.search(r"CUDA graphs +off", text)
     plan = Schedule.load(tmp_path / "off" / "schedule.json").plan
     assert (plan.templates, plan.cuda_graphs) == ("eager", False)
+
+
+# -- on a GPU (CPU twins above: the same runs through FakeCuda) ------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("templates", ["eager", "compiled"])
+def test_cuda_graphs_train_like_eager_on_the_gpu(templates, compile_cache):
+    """FP32, two micro-batches layer by layer, every compute op replayed from a real CUDA graph (of the
+    eager or the compiled template) after the first step: losses and weights within 1e-5 of eager
+    FP32 on the same GPU (TF32 off on both sides)."""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=3)
+    ref = copy.deepcopy(model).cuda()
+    batches = [random_batch(4, 16, 96, seed=s % 3) for s in range(5)]
+    trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, micro_batches=2, optimizer=ADAMW,
+                                device="cuda", compute_dtype="float32", plan="default", templates=templates,
+                                cuda_graphs=True)
+    got = [trainer.step(b).loss for b in batches]
+    assert trainer.executor.graphs.replays > 0
+    with strict_fp32():
+        want = eager_losses(ref, [{k: t.cuda() for k, t in b.items()} for b in batches], 2)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: {a} vs eager {b}"
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        q = q.detach().cpu()
+        assert ((p.detach() - q).norm() / q.norm()).item() <= RTOL, name
+
+
+@requires_cuda
+def test_captured_dropout_replays_the_forwards_masks_on_the_gpu():
+    """The CUDA generator under replay: each forward replay draws from its state then, each
+    recompute's replay from the forward's (DeviceRng set before the replay): eager's masks, and the
+    generator ends in eager's state."""
+    from test_dropout import assert_same_training_with_dropout
+
+    torch.manual_seed(0)
+    trainer = assert_same_training_with_dropout(tiny_gpt2(layers=2), plan=Plan(cuda_graphs=True), device="cuda")
+    assert trainer.executor.graphs.replays > 0
+
+
+@requires_cuda
+def test_compiled_templates_in_cuda_graphs_track_eager_bf16_on_the_gpu(compile_cache):
+    from test_exactness import assert_bf16_tracks_eager
+
+    torch.manual_seed(5)
+    model = tiny_llama(layers=2)
+    trainer = megatrain.compile(model, seq_len=16, micro_batch_size=2, optimizer=ADAMW, device="cuda",
+                                compute_dtype="bfloat16", plan="default", templates="compiled", cuda_graphs=True)
+    batches = [random_batch(2, 16, 96, seed=s % 3) for s in range(6)]
+    assert_bf16_tracks_eager(model, trainer, batches, blocks=2, eager_device="cuda", bf16_parameters=True)
+    assert trainer.executor.graphs.replays > 0

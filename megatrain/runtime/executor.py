@@ -615,7 +615,8 @@ class Executor:
                   "slot and variant, after its first eager run) ...")
         t0 = time.perf_counter()
         loss = self.graph.values[self.graph.loss]
-        self.graphs.capture_wanted(self.rng, loss.shape, getattr(torch, loss.dtype))
+        with replaying_rng(self.rng, self.rng.get()):  # a captured random op leaves no trace
+            self.graphs.capture_wanted(loss.shape, getattr(torch, loss.dtype))
         self.echo(f"captured {n} CUDA graph{'s' * (n != 1)} in {time.perf_counter() - t0:.1f} s "
                   f"({len(self.graphs.captured)} in all)")
 

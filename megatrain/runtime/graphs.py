@@ -132,19 +132,17 @@ class TemplateGraphs:
         cap.replays += 1
         return tuple(None if o is None else o if keep else o.clone() for o, keep in zip(cap.outs, cap.persistent))
 
-    def capture_wanted(self, rng, loss_shape: tuple[int, ...], loss_dtype: torch.dtype) -> int:
-        """Capture every variant noted since the last call; returns how many. ``rng``: the device's
-        generator (:class:`~megatrain.runtime.executor.DeviceRng`), left as it was; ``loss_shape``
-        and ``loss_dtype``: the loss's (its seed's static buffer). Call between runs (the executor
-        does, before a run's first op).
+    def capture_wanted(self, loss_shape: tuple[int, ...], loss_dtype: torch.dtype) -> int:
+        """Capture every variant noted since the last call; returns how many. ``loss_shape`` and
+        ``loss_dtype``: the loss's (its seed's static buffer). Call between runs (the executor does,
+        before a run's first op, with the device's generator state put back after: a capture of a
+        random op may draw from it).
 
         Raises:
             ConfigError: a variant's work cannot be captured (a host read of a device value, a
                 tensor read that is not a static buffer); names it and says to run without graphs.
         """
         import time
-
-        from megatrain.runtime.executor import replaying_rng
 
         wanted, self.wanted = self.wanted, {}
         t0 = time.perf_counter()
@@ -155,8 +153,7 @@ class TemplateGraphs:
             static = [*ins, *(s for s in seeds if s is not None), *([loss_seed] if loss_seed is not None else []),
                       *w.static]
             try:
-                with replaying_rng(rng, rng.get()):
-                    graph, outs = self.backend.capture(lambda: w.body(ins, seeds, loss_seed), static)
+                graph, outs = self.backend.capture(lambda: w.body(ins, seeds, loss_seed), static)
             except Exception as e:
                 raise ConfigError(f"{w.what or key[0]}: its work cannot be captured in a CUDA graph ({type(e).__name__}: "
                                   f"{str(e)[:500]}); train with cuda_graphs=False (megatrain train --cuda-graphs "
