@@ -15,6 +15,14 @@ view of the slot) and its differentiable inputs, and writes each weight's gradie
 of the gradient slot; no autograd graph outlives the op. (A single flat leaf over the slot would
 cost, per parameter, a zero-filled tile and a tile-sized sum in ``slice_backward``.)
 
+How a compute op calls its template (the plan says; :meth:`Executor.template_of`): as traced, or
+with ``Plan.templates == "compiled"`` compiled once per template by ``torch.compile``
+(:mod:`megatrain.runtime.templates`; :meth:`Executor.compile_templates` compiles what a schedule
+needs before its first run, said and timed), and with ``Plan.cuda_graphs`` as the replay of a CUDA
+graph of that call per template, slot and variant (:mod:`megatrain.runtime.graphs`). A local
+backward's device work is :func:`backward_body` in all three: it reads no host value but the loss's
+seed, which a graph takes from a static buffer.
+
 Random ops. A layer whose template draws random numbers (``Layer.draws_random``: dropout) has its
 forward of each micro-batch record the state of its device's default generator just before the
 template runs (:class:`DeviceRng`: ``torch.get_rng_state()`` on the CPU,
@@ -1400,4 +1408,5 @@ def _then(fn: Work, after: Work) -> Work:
     return run
 
 
-__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "local_backward", "replaying_rng"]
+__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "backward_body", "local_backward",
+           "replaying_rng"]

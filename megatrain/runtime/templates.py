@@ -122,8 +122,8 @@ def announce(templates: dict[int, list[str]], why: str) -> str:
     """The line said before compiling: which templates (and the layers sharing each), and why."""
     parts = [f"template {k} ({_layers(names)})" for k, names in sorted(templates.items())]
     return (f"compiling {len(templates)} layer template{'s' * (len(templates) != 1)} with torch.compile "
-            f"(inductor, fullgraph) {why}: {'; '.join(parts)}; cache {inductor_cache_dir()} (cold: about a minute "
-            "per template on a CPU, seconds from the cache) ...")
+            f"(inductor, fullgraph) {why}: {'; '.join(parts)}; cache {inductor_cache_dir()} (cold: a minute or more "
+            "per template on a 2-core CPU, seconds from the cache) ...")
 
 
 def _layers(names: list[str]) -> str:
