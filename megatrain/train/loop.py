@@ -580,6 +580,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                                            mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
             # tqdm.write prints even where the bar is disabled: only rank 0 speaks.
             say = bar.write if writes else (lambda _line: None)
+            trainer.executor.echo = say  # what it compiles or captures later (an eval template, CUDA graphs)
 
             def count_skip(why: str) -> None:
                 nonlocal skipped
