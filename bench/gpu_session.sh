@@ -17,8 +17,10 @@
 #             simulate() (probe.json, spec.json, timelines.json, trace.json); its summary says how
 #             much of the compute stream's time the GPU was busy with work already issued and how
 #             much the ops were still being issued, and the issuing thread's busy and blocked seconds
-#   block     bench/gpu_block.py: one decoder block at the probe's shape as megatrain's template, the
-#             same in CUDA graphs, and transformers' eager layer: GPU, synced and issuing time each
+#   block     bench/gpu_block.py: a 1B- and a 7B-shaped decoder block (GPU_SESSION_BLOCK_SHAPES, default
+#             "1b,7b") as megatrain's template, compiled (inductor's cold compile of each shape inside
+#             the box: its compile_s is in block.json), compiled in CUDA graphs, the template in CUDA
+#             graphs, and transformers' eager layer: GPU, synced and issuing time and TFLOP/s each
 #   hostopt   bench/host_optimizer.py: megatrain's host optimizer step against DeepSpeedCPUAdam and
 #             torch fused AdamW, same tiles and threads, and each kernel's and host op's stall of the
 #             issuing thread (issuing_thread, stall_target: the default kernel under 5%) (after the
@@ -35,7 +37,9 @@
 #
 # Time boxes (seconds) can be changed per phase with GPU_SESSION_LIMIT_<PHASE>=S (e.g.
 # GPU_SESSION_LIMIT_PROBE=200); a phase past its box is killed (exit 124 in phases.tsv) and the
-# next phase runs. GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
+# next phase runs (the default boxes, probe 230 + block 180 + hostopt 60 + compare 170 s, sum past the
+# budget: the last phases get what is left; GPU_SESSION_BLOCK_SHAPES=1b halves the block phase).
+# GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
 # gets more than what is left of it, and the tests phase only what the others left.
 # GPU_SESSION_COMPARE_SIZES (default 1b), GPU_SESSION_COMPARE_WARMUP (2) and GPU_SESSION_COMPARE_STEPS
 # (5) set the compare phase's model size and steps; GPU_SESSION_COMPARE_SYSTEMS (default "megatrain
@@ -135,9 +139,15 @@ if want probe; then
     fi
 fi
 
-# -- block: where a block's compute time goes (template, CUDA graph, eager) ---------------------------
+# -- block: where a block's compute time goes (template, compiled, CUDA graphs, eager) -----------------
+# The box holds both shapes' cold inductor compiles (block.json says each compile_s); the JSON is
+# rewritten after every variant, so a cut keeps what finished (1b first).
 if want block; then
-    box block 90 "$PY" bench/gpu_block.py "${DRYFLAG[@]}" --out "$W/block.json"
+    if [ $DRY = 1 ]; then
+        box block 300 "$PY" bench/gpu_block.py --dry-run --out "$W/block.json"
+    else
+        box block 180 "$PY" bench/gpu_block.py --shapes "${GPU_SESSION_BLOCK_SHAPES:-1b,7b}" --out "$W/block.json"
+    fi
 fi
 
 # -- hostopt: megatrain's host optimizer step against DeepSpeedCPUAdam and torch fused AdamW ---------

@@ -14,6 +14,7 @@ where they are and a greedy sample. Flags are ``megatrain train``'s and win over
 
     python examples/train_lm.py                                   # a few minutes on 2 CPU cores
     python examples/train_lm.py --data notes/ --max-steps 1000    # your text
+    python examples/train_lm.py --templates compiled              # layer templates compiled once (inductor)
     megatrain-train-lm --model smollm2-135m --seq-len 512         # a preset, from scratch
 
 The token store is kept in ``runs/token-cache`` (reused while the data and tokenizer are

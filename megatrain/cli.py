@@ -102,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="host optimizer whose state the plan counts, in bytes per parameter: "
                            + ", ".join(f"{name} ({spec.state_bytes_per_param})" for name, spec in OPTIMIZERS.items())
                            + " (default adamw; megatrain.optim)")
+    plan.add_argument("--templates", choices=("eager", "compiled"), default=None,
+                      help="how the layer templates run: eager, or compiled once each with torch.compile "
+                           "(inductor) when the trainer is built (default eager; with --config the run's); the "
+                           "plan records it (schedule.json: plan.templates)")
+    plan.add_argument("--cuda-graphs", choices=("false", "true", "auto"), default=None,
+                      help="replay each compute op from a CUDA graph captured per template and weight slot: "
+                           "false (the default), true, or auto: on where the step is issue-bound on the hardware "
+                           "(the issuing thread's launches take at least half the compute ops' GPU time)")
     plan.add_argument("--solver", choices=("milp", "enumerate"), default="milp",
                       help="resident-layer selection: MILP knapsack (default) or greedy")
     plan.add_argument("--out", type=Path, default=None,
@@ -277,6 +285,8 @@ def format_report(planned, hw, *, model: str) -> str:
         ("working peak", _gib(mem.working_peak), "largest layer transient"),
         ("reserve", _gib(mem.reserve), "held for CUDA beyond the plan's tensors, so the step does not run out: "
          + (mem.reserve_parts.describe() if mem.reserve_parts is not None else "CUDA context, workspaces, allocator")),
+        *([("CUDA graphs", _gib(mem.graph_pool), "the graphs' memory pool and static buffers")]
+          if mem.graph_pool else []),
         ("peak", _gib(mem.gpu_peak),
          f"of {_gib(hw.gpu_memory_bytes)} ({_pct(mem.gpu_peak, hw.gpu_memory_bytes)}): the rows above, with "
          "activations and working memory at their busiest instant and the reserve included; the solver fills the "
@@ -298,6 +308,11 @@ def format_report(planned, hw, *, model: str) -> str:
          "all micro-batches per weight load" if plan.layer_by_layer
          else "a pass per micro-batch, gradients summed in host accumulators"),
         ("optimizer", plan.optimizer.value.replace("_", " "), f"host {plan.optimizer_spec.settings.__name__}"),
+        ("layer templates", plan.templates, "each compiled once with torch.compile (inductor) when the trainer is "
+                                            "built" if plan.templates == "compiled" else
+                                            "the traced graphs, one kernel per aten op"),
+        ("CUDA graphs", "on" if plan.cuda_graphs else "off",
+         "each compute op replayed from a graph per template and weight slot" if plan.cuda_graphs else ""),
     ])
     lines.append("")
     if tl is None:
@@ -510,13 +525,24 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     request = PlanRequest(build_meta_model(config, dtype=torch.float32), args.seq_len, args.global_batch,
                           micro_batch_size=None, hardware=hw, device="cuda", compute_dtype=dtype, input_names=names,
                           max_grad_norm=1.0 if args.clip_gradients else None, optimizer_name=args.optimizer,
-                          topology=Topology(ranks, args.gpus_per_node, host_state="auto"), solver=args.solver)
+                          topology=Topology(ranks, args.gpus_per_node, host_state="auto"), solver=args.solver,
+                          **_execution_flags(args))
     summary = (f"seq_len {args.seq_len} x global batch {args.global_batch}, {dtype}"
                + (f", {args.optimizer}" if args.optimizer not in (None, "adamw") else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
     blocks = config.get_text_config().num_hidden_layers  # a vision-language config keeps them in text_config
     return request, args.model, hw, summary, (f"tracing {args.model} ({blocks} layers) on the meta "
                                               f"device at seq_len {args.seq_len} ...")
+
+
+def _execution_flags(args: argparse.Namespace) -> dict:
+    """``PlanRequest`` fields of ``--templates`` and ``--cuda-graphs``, where given."""
+    out: dict = {}
+    if args.templates is not None:
+        out["templates"] = args.templates
+    if args.cuda_graphs is not None:
+        out["cuda_graphs"] = {"false": False, "true": True}.get(args.cuda_graphs, args.cuda_graphs)
+    return out
 
 
 def _run_request(args: argparse.Namespace, ranks: int):
@@ -549,6 +575,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     request = plan_request(cfg, planning_model(cfg, source), hw,
                            Topology(ranks, args.gpus_per_node, host_state=cfg.host_state if ranks > 1 else None),
                            image_grid_thw(cfg, source))
+    request = dataclasses.replace(request, **_execution_flags(args))  # --templates/--cuda-graphs replace the run's
     summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, {device}"
                + (f", images_per_row {cfg.images_per_row}" if cfg.images_per_row != 1 else "")
                + (f", images resized to {cfg.image_size}" if cfg.image_size else "")

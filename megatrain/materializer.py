@@ -7,7 +7,7 @@ this module allocates what they say.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from megatrain.config import AdamW
 from megatrain.errors import ConfigError
@@ -17,6 +17,7 @@ from megatrain.ir.layout import buffer_layout
 from megatrain.planner.front import PlannedModel
 from megatrain.runtime.backend import Backend, CPUBackend, make_backend
 from megatrain.runtime.executor import Executor
+from megatrain.runtime.graphs import check_backend
 from megatrain.runtime.host import HostState, NvmeShards, bind_module, unbind_spilled
 from megatrain.runtime.measure import host_cores
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None = None, *,
                 backend: Backend | None = None, nvme_dir: str | None = None,
-                host: HostState | None = None) -> Trainer:
+                host: HostState | None = None, echo: Callable[[str], None] | None = None) -> Trainer:
     """Allocate what ``planned`` runs on and return the :class:`Trainer`: the host tiles (FP32
     master weights and the optimizer's state rows, ``megatrain.optim``: 12 bytes per parameter with
     AdamW, 8 with Lion; 4 for a layer of
@@ -42,10 +43,17 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None 
     them), shared instead of allocated: how a shape-free trainer (``megatrain.shapes``) runs one
     set of weights and moments under the schedules of several batch shapes.
 
+    With ``Plan.templates == "compiled"`` the train schedules' templates are compiled here
+    (``Executor.compile_templates``), each once, with a line before saying what and why and one
+    after with the seconds it took, through ``echo`` (default: stderr); the executor keeps
+    ``echo`` for what it compiles or captures later (an eval template, CUDA graphs).
+
     Raises:
         ConfigError: an optimizer setting out of range, or an optimizer object rather than settings;
-            an optimizer other than the plan's ``optimizer_name``; ``device="cuda"`` without CUDA.
-        UnsupportedModelError: a meta-device parameter its module's initialisation does not set.
+            an optimizer other than the plan's ``optimizer_name``; ``device="cuda"`` without CUDA;
+            ``Plan.cuda_graphs`` on a backend without CUDA graphs.
+        UnsupportedModelError: a meta-device parameter its module's initialisation does not set; a
+            template that cannot be compiled (``Plan.templates == "compiled"``; names it and the node).
         Nothing is bound to the model unless the optimizer settings and the backend are valid.
     """
     opt = optimizer_settings(optimizer)
@@ -75,6 +83,8 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None 
         # spec's, which may describe another machine).
         threads = cost.host_worker_threads(host_cores(), planned.plan.gpus_per_node)
         backend = make_backend(planned.options.device, host_threads=threads)
+    if planned.plan.cuda_graphs:
+        check_backend(backend)  # before anything is bound to the model
     traced, model = planned.traced, planned.model
     if host is None and planned.plan.data_parallel > 1 and planned.plan.host_state == "shard":
         if on_nvme:
@@ -131,12 +141,17 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None 
     for name, (kind, src) in traced.buffer_sources.items():
         buffers[name] = model.get_buffer(src) if kind == "buffer" else src
     executor = Executor(traced, host, backend, opt, buffers, per_token_loss=planned.options.per_token_loss)
+    if echo is not None:
+        executor.echo = echo
     if host.data_parallel is not None:
         executor.groups, executor.shard_index = host.data_parallel.groups, host.data_parallel.shard_index
     if not isinstance(backend, CPUBackend):
         # Commit the GPU slots and the pinned arena now. The CPU backend's buffers are host memory
         # made at the first run (tests that swap a fake CUDA backend in after compile rely on it).
         executor.allocate(planned.schedules.first)
+    for sched in (planned.schedules.first, planned.schedules.carrying):
+        if sched is not None:
+            executor.compile_templates(sched, why="(the plan's templates='compiled'), before the first step")
     from megatrain.trainer import Trainer
 
     return Trainer(planned, opt, host, backend, executor)

@@ -742,7 +742,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                share_host_memory: bool = True, host_state: str | None = None,
                per_token_loss: bool = True, optimizer_name: str | None = None,
                shared_staging: bool | None = None,
-               image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> PlannedModel:
+               image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1,
+               templates: str | None = None, cuda_graphs: bool | str | None = None) -> PlannedModel:
     """Plan ``model`` for training, once, through the planning front door
     (:func:`megatrain.planner.front.plan`), with this process's data-parallel topology (the
     default ``torch.distributed`` process group and torchrun's ``LOCAL_WORLD_SIZE``): trace it (on
@@ -753,8 +754,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
 
     Args:
         model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
-        compute_dtype, per_token_loss, image_grid_thw, images_per_row: as for :func:`compile`
-        (``micro_batches`` per rank).
+        compute_dtype, per_token_loss, image_grid_thw, images_per_row, templates, cuda_graphs: as
+        for :func:`compile` (``micro_batches`` per rank).
         plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
             every checkpoint kept), with ``hardware`` used only for the prediction; None: the
             solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
@@ -802,7 +803,7 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                                   input_names=tuple(input_names), max_grad_norm=max_grad_norm,
                                   per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
                                   storage=Storage(shared_staging=shared_staging), image_grid_thw=image_grid_thw,
-                                  images_per_row=images_per_row))
+                                  images_per_row=images_per_row, templates=templates, cuda_graphs=cuda_graphs))
 
 
 def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
@@ -839,7 +840,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             nvme_dir: str | None = None, seq_len_buckets: Sequence[int] | None = None,
             max_shapes: int | None = None, share_host_memory: bool = True,
             host_state: str | None = None, per_token_loss: bool = True,
-            image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1) -> Trainer:
+            image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1,
+            templates: str | None = None, cuda_graphs: bool | str | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -936,6 +938,21 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             loss is a mean cross-entropy). False: the mean of the micro-batch means, each
             micro-batch weighted equally (Megatron-LM's default; the only way for a model whose
             loss megatrain cannot count). See :mod:`megatrain.runtime.loss`.
+        templates: how the layer templates run (``Plan.templates``): ``"eager"`` (the traced graphs
+            as they are) or ``"compiled"``: each distinct template compiled once with
+            ``torch.compile`` (inductor, whole graph) and shared by every layer using it, here,
+            before the first step, with a line on stderr saying what is compiled and one the
+            seconds it took (``Trainer.executor.compile_reports``); inductor's caches live in
+            ``$MEGATRAIN_CACHE_DIR/inductor`` (default ``~/.cache/megatrain``), so the next run
+            of the same model and shapes loads the kernels. None: a given plan's, else eager on
+            both devices (``megatrain.planner.front.DEFAULT_TEMPLATES``; CUDA's default waits on
+            the GPU measurement). FP32 training stays within 1e-5 of eager, BF16 within the
+            derived BF16 bounds, and dropout draws eager's masks.
+        cuda_graphs: capture each compute op once per template, weight slot and variant in a CUDA
+            graph and replay it (``Plan.cuda_graphs``; the first step runs eagerly and the graphs
+            are captured after it, said on stderr): True, False, or ``"auto"`` (on where the
+            planner finds the step issue-bound on ``hardware``). None: a given plan's, else False.
+            CUDA only.
 
     Raises:
         ConfigError: an option or optimizer setting out of range (``images_per_row`` below 1
@@ -962,7 +979,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                                 optimizer=optimizer, nvme_dir=nvme_dir, plan=plan, device=device,
                                 input_names=input_names, max_grad_norm=max_grad_norm, hardware=hardware,
                                 compute_dtype=compute_dtype, share_host_memory=share_host_memory,
-                                per_token_loss=per_token_loss, image_grid_thw=image_grid_thw)
+                                per_token_loss=per_token_loss, image_grid_thw=image_grid_thw,
+                                **{k: v for k, v in (("templates", templates), ("cuda_graphs", cuda_graphs))
+                                   if v is not None})
     if seq_len_buckets is not None or max_shapes is not None:
         raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
                           f"seq_len={seq_len} every batch has that length")
@@ -973,7 +992,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                          plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
                          host_state=host_state, per_token_loss=per_token_loss, optimizer_name=spec_of(opt).name,
-                         image_grid_thw=image_grid_thw, images_per_row=images_per_row)
+                         image_grid_thw=image_grid_thw, images_per_row=images_per_row, templates=templates,
+                         cuda_graphs=cuda_graphs)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 

@@ -104,3 +104,30 @@ def readme_snippet(heading: str) -> str:
     section = manual_section(heading)
     start = section.index("```python\n") + len("```python\n")
     return section[start:section.index("```\n", start)]
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """megatrain's cache directory (``MEGATRAIN_CACHE_DIR``; inductor's caches under it) for the
+    session's compiled templates, shared by every test and subprocess that compiles (they inherit
+    the variable), and by the xdist workers of one run, so each template and shape compiles cold
+    once per run (a minute or more on a 2-core CPU), not once per test. A ``MEGATRAIN_CACHE_DIR``
+    already set (a developer's persistent cache) is kept."""
+    if os.environ.get("MEGATRAIN_CACHE_DIR"):
+        yield os.environ["MEGATRAIN_CACHE_DIR"]
+        return
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "megatrain-cache"
+    path.mkdir(exist_ok=True)
+    saved = {k: os.environ.get(k) for k in ("MEGATRAIN_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    # Both: inductor reads its own variable, which an earlier compile in this worker may have set.
+    os.environ["MEGATRAIN_CACHE_DIR"] = str(path)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+    try:
+        yield str(path)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

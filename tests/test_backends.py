@@ -137,7 +137,7 @@ def test_public_surface():
     # The fakes are test doubles: they live in megatrain.testing, not in the runtime.
     assert sorted(testing_mod.__all__) == ["AsyncEvent", "AsyncFakeCuda", "AsyncFakeCudaError", "AsyncStream",
                                            "CachingAllocatorModel", "FakeCuda", "FakeCudaError", "FakeEvent",
-                                           "FakeStream", "IssueTimeFakeCuda", "SlowTorchCuda"]
+                                           "FakeGraph", "FakeStream", "IssueTimeFakeCuda", "SlowTorchCuda"]
 
 
 # -- construction: nothing CUDA until the first launch ---------------------------------------------

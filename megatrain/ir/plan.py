@@ -155,6 +155,17 @@ class Plan:
             its spec sets the optimizer state bytes per trainable parameter the cost model sizes
             host memory and the NVMe tier with (``"adamw"``: two FP32 moments, 8 bytes;
             ``"lion"``: one, 4 bytes) and its host traffic per parameter.
+        templates: how the compute ops run the layer templates: ``"eager"`` (the traced
+            ``fx.GraphModule`` as it is, one dispatched kernel per aten op) or ``"compiled"``
+            (each distinct template compiled once with ``torch.compile(fullgraph=True)``, inductor,
+            and shared by every layer that uses it; the backward through AOTAutograd;
+            :mod:`megatrain.runtime.templates`). Compiling happens when the trainer is built, its
+            time reported; the artefacts are cached on disk across runs.
+        cuda_graphs: run each FWD, RECOMPUTE and BWD as the replay of a CUDA graph captured once per
+            (template, weight slot, variant) on static input buffers (:mod:`megatrain.runtime.graphs`):
+            one launch where an eager template issues hundreds, for the graphs' memory pool
+            (``MemoryBreakdown.graph_pool``). CUDA backend only; the planner turns it on where the
+            step is issue-bound when asked (``megatrain.planner.graphs``).
     """
 
     micro_batches: int = 1
@@ -180,8 +191,15 @@ class Plan:
     gradient_reduction: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     shared_cast: bool = False
     optimizer_name: str = "adamw"
+    templates: Literal["eager", "compiled"] = "eager"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        if self.templates not in ("eager", "compiled"):
+            raise PlanError(f"Plan.templates={self.templates!r}: use 'eager' (the traced templates as they are) or "
+                            "'compiled' (torch.compile, once per template)")
+        if not isinstance(self.cuda_graphs, bool):
+            raise PlanError(f"Plan.cuda_graphs={self.cuda_graphs!r}: use True or False")
         if self.optimizer_name not in OPTIMIZERS:
             raise PlanError(f"Plan.optimizer_name={self.optimizer_name!r}: use one of {sorted(OPTIMIZERS)}")
         if self.d2h_dtype not in (None, "float32", "bfloat16"):

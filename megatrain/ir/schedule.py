@@ -36,7 +36,7 @@ import pydantic
 from megatrain.ir.layout import BufferLayout, gradient_tiles
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 
-SCHEDULE_FORMAT_VERSION = 18
+SCHEDULE_FORMAT_VERSION = 19
 """4 named every resource in the op (an H2D's staging tile, an accumulator apart from ring tiles, an
 OFFLOAD's pinned copy); 5 added the NVMe tier's ops (NVME_READ/NVME_WRITE on the IO stream) and
 Plan.nvme_moments; 6 the data-parallel ALL_REDUCE on the COMM stream and Plan.data_parallel; 7 the
@@ -51,7 +51,8 @@ node's staging tiles shared, each rank casting its shard); 16 COUNT_REDUCE (the 
 tokens summed over the ranks before the loss layer's first backward); 17 Schedule.issue_after (the
 issue fences that bound how far the issuing thread runs ahead of the device); 18 Schedule.layout (the buffer layout
 lowering decided: slots, pinned arena, NVMe and gather buffers, each layer's shards and slices, which
-the runtime reads instead of deriving it); files of earlier versions are refused (lower the plan again)."""
+the runtime reads instead of deriving it); 19 Plan.templates (compiled layer templates) and Plan.cuda_graphs;
+files of earlier versions are refused (lower the plan again)."""
 
 
 class Stream(enum.Enum):

@@ -151,7 +151,7 @@ def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, weight)`` computes in here: autocast's, when it is on and would
     cast these inputs, else the inputs' own."""
-    own = torch.result_type(hidden, weight)
+    own = torch.promote_types(hidden.dtype, weight.dtype)
     dev = hidden.device.type
     if (own in (torch.float32, torch.float16, torch.bfloat16) and torch.amp.is_autocast_available(dev)
             and torch.is_autocast_enabled(dev)):

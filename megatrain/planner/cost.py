@@ -23,7 +23,7 @@ __all__ = [
     "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
     "activation_liveness", "allocation_stream", "issue_fences", "pool_peaks", "GpuReserve", "gpu_reserve",
     "ROUND_LARGE_BYTES", "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS",
-    "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown",
+    "MemoryBreakdown", "weight_slot_count", "slot_numels", "slot_bytes", "memory_breakdown", "graph_pool_bytes",
     "HOST_PAGE_BYTES",
     "page_up", "state_bytes_per_param",
     "gradient_tile_numels", "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout",

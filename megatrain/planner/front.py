@@ -121,6 +121,11 @@ class PlanRequest:
             and ``memory`` count. None keeps a given plan's, else ``"adamw"``.
         topology, storage: :class:`Topology` and :class:`Storage`.
         solver: ``"milp"`` or ``"enumerate"`` (``megatrain.planner.solve``).
+        templates: ``Plan.templates``: ``"eager"`` or ``"compiled"``; None keeps a given plan's, else
+            :data:`DEFAULT_TEMPLATES` for the device.
+        cuda_graphs: ``Plan.cuda_graphs``: True, False, or ``"auto"``: on where the step is
+            issue-bound on ``hardware`` (:func:`megatrain.planner.graphs.issue_bound`) and the graphs'
+            pool fits; None keeps a given plan's, else False. CUDA only.
     """
 
     model: nn.Module
@@ -140,6 +145,8 @@ class PlanRequest:
     topology: Topology = Topology()
     storage: Storage = Storage()
     solver: Literal["milp", "enumerate"] = "milp"
+    templates: Literal["eager", "compiled"] | None = None
+    cuda_graphs: bool | Literal["auto"] | None = None
     on_traced: Callable[[LayerGraph, float], None] | None = field(default=None, compare=False)
     """Called with the traced graph and the seconds tracing took, before anything is solved
     (``megatrain plan``'s progress line)."""
@@ -333,10 +340,67 @@ def plan(request: PlanRequest) -> PlannedModel:
         if choice != planned.plan.host_state:
             p = _data_parallel(planned.plan, topo, r.storage, host_state=choice)
             planned = _lowered(r.model, options, traced, graph, p, hw, None, None, None, topo)
+    planned = _execution(planned, r, hw, decisions)
     # A plan for the CPU backend and no GPU has no GPU reserve (the reserve is CUDA's: its context,
     # workspaces, allocator); with a GPU's spec the plan's memory is that GPU's, reserve included.
     memory = planned.memory.on_cpu() if options.device == "cpu" and hw is None else planned.memory
     return dataclasses.replace(planned, memory=memory, decisions=tuple(decisions), trace_s=trace_s)
+
+
+DEFAULT_TEMPLATES = {"cpu": "eager", "cuda": "eager"}
+"""``Plan.templates`` by device where neither the caller nor a given plan says. The CPU backend
+stays eager: compiling costs 50-120 s per template and shape on a 2-core CPU (issue 39, cold cache)
+and its kernels are not issue-bound. CUDA stays eager until the GPU session has measured compiled
+against eager templates side by side (``bench/gpu_block.py``, in ``bench/gpu_session.sh``'s block
+phase); where compiled wins there, this becomes "compiled"."""
+
+
+def _execution(planned: PlannedModel, r: PlanRequest, hw: HardwareSpec | None, decisions: list[str]) -> PlannedModel:
+    """``planned`` with how its compute ops run: ``Plan.templates`` and ``Plan.cuda_graphs`` from
+    the request, a given plan, or the defaults (``"auto"`` graphs where the step is issue-bound);
+    the schedules carry the plan, and the memory counts the graphs' pool. Appends the CUDA-graph
+    decision to ``decisions`` when it was the planner's."""
+    p, device = planned.plan, r.device
+    given = isinstance(r.plan, Plan)
+    if r.templates not in (None, "eager", "compiled"):
+        raise ConfigError(f"templates={r.templates!r}: use 'eager' (the traced templates as they are) or 'compiled' "
+                          "(torch.compile, once per template), or leave it unset")
+    templates = r.templates or (p.templates if given else DEFAULT_TEMPLATES[device])
+    graphs = r.cuda_graphs if r.cuda_graphs is not None else (p.cuda_graphs if given else False)
+    if graphs not in (True, False, "auto"):
+        raise ConfigError(f"cuda_graphs={graphs!r}: use True, False or 'auto' (on where the step is issue-bound)")
+    if r.cuda_graphs is True and device != "cuda":  # a given plan's is checked against the backend it runs on
+        raise ConfigError(f"cuda_graphs=True on device={device!r}: CUDA graphs capture GPU work; train on "
+                          "device='cuda', or leave cuda_graphs off")
+    if graphs == "auto":
+        if device != "cuda":
+            graphs, why = False, "the CPU backend has no CUDA graphs"
+        else:
+            from megatrain.planner.graphs import issue_bound
+
+            graphs, why = issue_bound(planned.schedules.steady, planned.graph, hw)
+        decisions.append(f"CUDA graphs: {'on' if graphs else 'off'}: {why}")
+    if (templates, graphs) == (p.templates, p.cuda_graphs):
+        return planned
+    q = dataclasses.replace(p, templates=templates, cuda_graphs=graphs)
+    s = planned.schedules
+    schedules = Schedules(*(None if x is None else dataclasses.replace(x, plan=q)
+                            for x in (s.first, s.carrying, s.update)), s.tiles)
+    memory = planned.memory
+    if graphs:
+        memory = dataclasses.replace(memory, graph_pool=cost.graph_pool_bytes(planned.graph, schedules.steady))
+        if hw is not None and not memory.fits(hw) and planned.memory.fits(hw):
+            from megatrain.units import human_bytes
+
+            if r.cuda_graphs == "auto":
+                decisions[-1] = (f"CUDA graphs: off: the step is issue-bound, but the graphs' pool and buffers "
+                                 f"({human_bytes(memory.graph_pool)}) do not fit beside the plan")
+                return _execution(planned, dataclasses.replace(r, cuda_graphs=False), hw, [])
+            raise PlanError(f"cuda_graphs=True: the CUDA graphs' memory pool and static buffers "
+                            f"({human_bytes(memory.graph_pool)}) do not fit beside the plan on {hw.name} (GPU peak "
+                            f"{human_bytes(memory.gpu_peak)} of {human_bytes(hw.gpu_memory_bytes)}); turn cuda_graphs "
+                            "off, or plan with a smaller micro-batch")
+    return dataclasses.replace(planned, plan=q, schedules=schedules, memory=memory)
 
 
 def _lowered(model, options, traced, graph, p: Plan, hw, solution, nvme, topology, topo: Topology) -> PlannedModel:
@@ -474,5 +538,5 @@ def _hardware(hardware: HardwareSpec | str | None) -> HardwareSpec | None:
     raise ConfigError(f"hardware={hardware!r}: give a HardwareSpec, a preset name or a spec .json file")
 
 
-__all__ = ["PlanRequest", "Topology", "Storage", "PlannedModel", "Schedules", "plan", "compile_options",
-           "compute_dtype"]
+__all__ = ["DEFAULT_TEMPLATES", "PlanRequest", "Topology", "Storage", "PlannedModel", "Schedules", "plan",
+           "compile_options", "compute_dtype"]

@@ -98,7 +98,8 @@ class MemoryBreakdown:
     GPU: ``weight_slots``, ``gradient_slots``, ``buffers`` and ``reserve`` are allocated for the
     whole step; ``activations_peak`` (checkpoints, boundary gradients, batch inputs) and
     ``working_peak`` (the running compute op's transients) vary, and ``dynamic_peak`` is the peak
-    of their sum at one instant, at most the sum of the two peaks.
+    of their sum at one instant, at most the sum of the two peaks. ``graph_pool``: with
+    ``Plan.cuda_graphs``, what the captured graphs hold for the whole step (:func:`graph_pool_bytes`).
     """
 
     master_weights: int
@@ -123,6 +124,7 @@ class MemoryBreakdown:
     shared_staging: int = 0
     reserve_parts: GpuReserve | None = None
     optimizer_name: str = "adamw"
+    graph_pool: int = 0
 
     @property
     def host_total(self) -> int:
@@ -142,7 +144,9 @@ class MemoryBreakdown:
 
     @property
     def gpu_peak(self) -> int:
-        return self.gpu_fixed + self.dynamic_peak
+        """GPU bytes at the step's peak: the fixed ones plus the dynamic peak, or with CUDA graphs
+        (``graph_pool``) the activations' peak beside the pool where that is larger."""
+        return self.gpu_fixed + max(self.dynamic_peak, self.activations_peak + self.graph_pool)
 
     def budgets(self, hw: HardwareSpec) -> tuple[tuple[str, int, int], ...]:
         """``(what, bytes needed, bytes hw has)`` for each limit a plan must stay within: GPU memory
@@ -193,6 +197,7 @@ class MemoryBreakdown:
             ("gpu", "working memory (peak)", self.working_peak),
             *([("gpu", "reserve: CUDA context, workspaces, allocator", self.reserve)]
               if self.reserve or self.reserve_parts is not None else []),
+            *([("gpu", "CUDA graph pool and static buffers", self.graph_pool)] if self.graph_pool else []),
             ("gpu", "peak", self.gpu_peak),
         ]
 
@@ -303,6 +308,44 @@ def gpu_reserve(graph: LayerGraph, plan: Plan, schedule: Schedule, hw: HardwareS
         measured=hw.gpu_reserve_bytes if hw is not None else None)
 
 
+def graph_pool_bytes(graph: LayerGraph, schedule: Schedule) -> int:
+    """GPU bytes the CUDA graphs of ``Plan.cuda_graphs`` hold for the whole step
+    (:mod:`megatrain.runtime.graphs`; 0 without them), counted from the compute ops of ``schedule``.
+
+    The graphs share one memory pool, replayed one at a time on the compute stream, so the pool
+    holds the largest captured op's intermediates (its ``Layer.work_bytes``) once, plus each graph's
+    outputs, which stay allocated between replays (a forward's output values; a local backward's
+    input gradients and loss). The static input buffers are shared by position, shape and dtype
+    across graphs: at most the widest compute op's inputs and incoming gradients. One graph per
+    (template, slot) and kind, and for a local backward per way it treats the slot (written by a
+    visit's first micro-batch, added to by the others).
+
+    An upper bound by construction: the intermediates of an op that is not captured (none, with
+    graphs on) would come from the caching allocator and are counted in ``working_peak`` too."""
+    if not schedule.plan.cuda_graphs:
+        return 0
+    layers, values = graph.layers, graph.values
+    plan = schedule.plan
+    keys: set[tuple] = set()
+    work = statics = outputs = 0
+    for op in schedule.ops:
+        if op.kind not in COMPUTE_KINDS:
+            continue
+        layer = layers[op.layer]
+        backward = op.kind is OpKind.BWD
+        fresh = op.mb == 0 or not plan.layer_by_layer
+        key = (layer.template, op.slot, backward, fresh if backward else None)
+        ins = sum(values[v].nbytes for v in layer.inputs)
+        outs = sum(values[v].nbytes for v in layer.outputs)
+        work = max(work, layer.work_bytes)
+        statics = max(statics, ins + (outs if backward else 0))
+        if key not in keys:
+            keys.add(key)
+            outputs += sum(values[v].nbytes for v in layer.inputs if values[v].requires_grad) + 4 if backward \
+                else outs
+    return work + statics + outputs
+
+
 def weight_slot_count(plan: Plan) -> int:
     """Streaming slots plus one slot per resident layer."""
     return plan.slots + len(plan.resident)
@@ -364,6 +407,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
         nvme_buffers=math.prod(nvme_buffers(graph, plan)),
         nvme_gradient_buffers=pinned.bytes_of("nvme_gradients"),
         shared_staging=shared_staging_bytes(graph, plan),
+        graph_pool=graph_pool_bytes(graph, schedule),
     )
 
 
@@ -466,4 +510,5 @@ def rank_host_budgets(graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> tuple[
 
 __all__ = ["pool_peaks", "MemoryBreakdown", "ROUND_LARGE_BYTES", "SEGMENT_BYTES", "ALLOCATING_STREAMS",
            "SLOT_TENSORS", "CUBLAS_HANDLES", "GpuReserve", "gpu_reserve", "weight_slot_count", "slot_bytes",
-           "memory_breakdown", "NodeMemory", "node_memory", "persistent_state_bytes", "rank_host_budgets"]
+           "memory_breakdown", "NodeMemory", "node_memory", "persistent_state_bytes", "rank_host_budgets",
+           "graph_pool_bytes"]

@@ -198,6 +198,18 @@ class CudaApi(Protocol):
     def host_register(self, t: torch.Tensor) -> Any:
         """Page-lock ``t``'s bytes in place (page-aligned, whole pages); the handle unpins when dropped."""
 
+    def graph_pool(self) -> Any:
+        """A memory pool CUDA graphs can share (``torch.cuda.graph_pool_handle()``)."""
+
+    def capture(self, stream: Any, fn: Callable[[], Any], pool: Any, static: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+        """Capture ``fn``'s device work on ``stream`` into a new CUDA graph whose allocations come from
+        ``pool``; returns ``(graph, fn's return value)`` (its tensors are the graph's static outputs).
+        ``static``: the tensors made outside the capture that ``fn`` may read (static buffers the caller
+        refreshes before each replay, persistent slots); a fake checks it, CUDA cannot."""
+
+    def replay(self, graph: Any) -> None:
+        """Launch ``graph`` on the calling thread's current stream."""
+
 
 class TorchCuda:
     """The real adapter: ``torch.cuda``. Constructing it touches no CUDA state."""
@@ -268,6 +280,21 @@ class TorchCuda:
                                f"{cudart.cudaGetErrorString(err)}; lower the plan's pinned memory or raise the "
                                "locked-memory limit (ulimit -l)")
         return _Pin(nbytes, lambda: cudart.cudaHostUnregister(ptr), t)
+
+    def graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, stream: torch.cuda.Stream, fn: Callable[[], Any], pool: Any,
+                static: Sequence[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        # torch.cuda.graph synchronises the device and empties the allocator's cache first; the
+        # default generator is registered with the capture, so a replay draws from its state then.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+        return graph, out
+
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        graph.replay()
 
 
 class _Pin:
@@ -532,6 +559,7 @@ class CUDABackend(_Recording):
         self._issue = IssueQueue()
         self._fns: dict[int, Callable[[], Any]] = {}
         self._deps: dict[int, list[GpuOp | HostOp]] = {}
+        self._graph_pool: Any = None  # made at the first capture
 
     # -- memory ------------------------------------------------------------------------------------
     def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -546,6 +574,24 @@ class CUDABackend(_Recording):
     def record_use(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             self.cuda.record_stream(t)
+
+    # -- CUDA graphs (Plan.cuda_graphs, megatrain.runtime.graphs) -------------------------------------
+    def capture(self, fn: Callable[[], Any], static: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
+        """Capture ``fn``'s work on the compute stream in a CUDA graph (all graphs share one pool);
+        returns ``(graph, fn's outputs)``. Between runs only: an event record, a host op or another
+        stream's work must not fall inside a capture.
+
+        Raises:
+            RuntimeError: a run is open."""
+        if self._run_records is not None:
+            raise RuntimeError("CUDABackend.capture during a run: capture between runs (after synchronize())")
+        if self._graph_pool is None:
+            self._graph_pool = self.cuda.graph_pool()
+        return self.cuda.capture(self.stream(Stream.COMPUTE), fn, self._graph_pool, static)
+
+    def replay(self, graph: Any) -> None:
+        """Launch ``graph`` on the current stream (inside an op's work: its stream)."""
+        self.cuda.replay(graph)
 
     # -- streams -----------------------------------------------------------------------------------
     def stream(self, stream: Stream) -> Any:

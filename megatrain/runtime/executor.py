@@ -15,6 +15,14 @@ view of the slot) and its differentiable inputs, and writes each weight's gradie
 of the gradient slot; no autograd graph outlives the op. (A single flat leaf over the slot would
 cost, per parameter, a zero-filled tile and a tile-sized sum in ``slice_backward``.)
 
+How a compute op calls its template (the plan says; :meth:`Executor.template_of`): as traced, or
+with ``Plan.templates == "compiled"`` compiled once per template by ``torch.compile``
+(:mod:`megatrain.runtime.templates`; :meth:`Executor.compile_templates` compiles what a schedule
+needs before its first run, said and timed), and with ``Plan.cuda_graphs`` as the replay of a CUDA
+graph of that call per template, slot and variant (:mod:`megatrain.runtime.graphs`). A local
+backward's device work is :func:`backward_body` in all three: it reads no host value but the loss's
+seed, which a graph takes from a static buffer.
+
 Random ops. A layer whose template draws random numbers (``Layer.draws_random``: dropout) has its
 forward of each micro-batch record the state of its device's default generator just before the
 template runs (:class:`DeviceRng`: ``torch.get_rng_state()`` on the CPU,
@@ -60,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -78,7 +87,10 @@ from megatrain.runtime.distributed import collective, sum_over_ranks
 from megatrain.runtime.host import HostState, PinnedArena, gradient_key
 from megatrain.runtime.loss import loss_weights
 from megatrain.runtime.host_kernels import host_kernel
+from megatrain.runtime.graphs import TemplateGraphs, check_backend, module_tensors
 from megatrain.runtime.nvme import NvmeError, aligned_buffer
+from megatrain.runtime.templates import (CompileReport, TemplateCompile, announce, compile_error, compile_template,
+                                         inductor_counts, inductor_cache_dir, stderr_echo)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -263,6 +275,15 @@ class Executor:
         # (arena, HostState.master_version) whose staging tiles hold the BF16 casts of the masters on
         # NVMe (Plan.nvme_masters): between steps those tiles are the only copy H2D reads.
         self._staged: tuple[Any, int] | None = None
+        # Plan.templates == "compiled": each template object's compiled callable (by id; the
+        # templates are held by self), the call signatures already compiled (warmed), and what
+        # each compile_templates did. ``echo`` says what is compiled before it is, and how long it took.
+        self._compiled: dict[int, Callable[..., Any]] = {}
+        self._warm: set[tuple] = set()
+        self.compile_reports: list[CompileReport] = []
+        self.echo: Callable[[str], None] = stderr_echo
+        # Plan.cuda_graphs: the captured compute ops (made by the first run that needs them).
+        self.graphs: TemplateGraphs | None = None
 
     # -- memory ----------------------------------------------------------------------------------
     def allocate(self, schedule: Schedule) -> None:
@@ -373,6 +394,117 @@ class Executor:
             self._buffers.staging[li][:n].copy_(io.view(torch.float32)[:n])
         self._staged = (self._arena, h.master_version)
 
+    # -- templates -------------------------------------------------------------------------------
+    def template_of(self, li: int, evaluate: bool, compiled: bool) -> Callable[..., Any]:
+        """What a compute op of layer ``li`` calls: its template, or with ``evaluate`` its eval-mode
+        template where it has one (dropout off); with ``compiled`` that template compiled once
+        (:func:`megatrain.runtime.templates.compile_template`) and shared by every layer using it."""
+        k = self.graph.layers[li].template
+        gm = self.templates[k]
+        if evaluate and k < len(self.eval_templates) and self.eval_templates[k] is not None:
+            gm = self.eval_templates[k]
+        if not compiled:
+            return gm
+        fn = self._compiled.get(id(gm))
+        if fn is None:
+            fn = self._compiled[id(gm)] = compile_template(gm)
+        return fn
+
+    def layout_key(self, li: int) -> tuple:
+        """What a captured op of layer ``li`` depends on besides its template and slots: where each
+        parameter sits in the slot and which are trained, and the layer's buffers (by identity)."""
+        layer = self.graph.layers[li]
+        return (tuple((p.offset, p.shape, p.trainable) for p in layer.params),
+                tuple(id(b) for b in self.layer_buffers[li]))
+
+    def compile_templates(self, schedule: Schedule, why: str = "") -> CompileReport | None:
+        """Compile, now, every template call ``schedule``'s compute ops will make that is not compiled
+        yet (``Plan.templates == "compiled"``; else nothing): each template's no-grad forward (FWD,
+        RECOMPUTE; an eval schedule's random layers their eval templates) and its forward and
+        backward with gradients (BWD, for each pattern of trained weights and differentiable inputs
+        among its layers), by calling it once that way on example tensors of the layer's shapes, as
+        :func:`_fwd` and :func:`local_backward` call it. The device's generator is left as it was.
+        Says what it compiles and why before (``echo``), and how long it took after; the report is
+        appended to ``compile_reports``. ``run`` calls it for a schedule it has not seen.
+
+        Returns:
+            The :class:`~megatrain.runtime.templates.CompileReport`, or None when nothing was compiled.
+
+        Raises:
+            UnsupportedModelError: a template cannot be compiled whole; names it, its layers and the
+                node where Dynamo stopped.
+        """
+        if schedule.plan.templates != "compiled":
+            return None
+        todo: dict[tuple, tuple[int, bool, bool]] = {}  # call signature -> (layer, backward, evaluate)
+        for op in schedule.ops:
+            if op.kind not in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.BWD):
+                continue
+            li = op.layer
+            layer = self.graph.layers[li]
+            evaluate = schedule.mode == "eval" and layer.draws_random
+            backward = op.kind is OpKind.BWD
+            fn = self.template_of(li, evaluate, True)
+            sig = (id(fn), backward) + ((tuple(p.trainable for p in layer.params),
+                                         tuple(self.graph.values[v].requires_grad for v in layer.inputs))
+                                        if backward else ())
+            if sig not in self._warm:
+                todo.setdefault(sig, (li, backward, evaluate))
+        if not todo:
+            return None
+        names: dict[int, list[str]] = {}
+        for layer in self.graph.layers:
+            names.setdefault(layer.template, []).append(layer.name)
+        compiling = {self.graph.layers[li].template: names[self.graph.layers[li].template] for li, _, _ in todo.values()}
+        self.echo(announce(compiling, why or f"for the plan's templates='compiled' ({schedule.mode} schedule)"))
+        seconds: dict[int, float] = {}
+        counts: dict[int, list[int]] = {}
+        t_all = time.perf_counter()
+        with replaying_rng(self.rng, self.rng.get()):  # the warm-up's random draws leave no trace
+            for sig, (li, backward, evaluate) in todo.items():
+                k = self.graph.layers[li].template
+                before = inductor_counts()
+                t0 = time.perf_counter()
+                try:
+                    self._warm_up(li, backward, evaluate, schedule.plan)
+                except Exception as e:
+                    gm = self.templates[k]
+                    raise compile_error(e, gm, k, names[k]) from e
+                seconds[k] = seconds.get(k, 0.0) + time.perf_counter() - t0
+                after = inductor_counts()
+                c = counts.setdefault(k, [0, 0])
+                c[0] += after[0] - before[0]
+                c[1] += after[1] - before[1]
+                self._warm.add(sig)
+        report = CompileReport(tuple(TemplateCompile(k, tuple(names[k]), seconds[k], counts[k][0], counts[k][1])
+                                     for k in sorted(seconds)), time.perf_counter() - t_all, inductor_cache_dir())
+        self.compile_reports.append(report)
+        self.echo(report.describe())
+        return report
+
+    def _warm_up(self, li: int, backward: bool, evaluate: bool, plan) -> None:
+        """Call layer ``li``'s compiled template once as a FWD (no grad) or, ``backward``, as a local
+        backward does, on zeros of its weights', inputs' and gradients' shapes (compiling it)."""
+        layer = self.graph.layers[li]
+        dev = self.backend.device
+        dtype = _DTYPES[plan.compute_dtype]
+        weights = [torch.zeros(p.shape, dtype=dtype, device=dev) for p in layer.params]
+        ins = [torch.zeros(self.graph.values[v].shape, dtype=getattr(torch, self.graph.values[v].dtype), device=dev)
+               for v in layer.inputs]
+        lbufs = self.layer_buffers[li]
+        fn = self.template_of(li, evaluate, True)
+        if not backward:
+            with torch.no_grad(), self._precision(plan.compute_dtype):
+                fn(*weights, *lbufs, *ins)
+            return
+        gdtype = _DTYPES[plan.gradient_dtype]
+        gviews = [torch.zeros(p.shape, dtype=gdtype, device=dev) for p in layer.params if p.trainable]
+        seeds = [None if v == self.graph.loss else
+                 torch.ones(self.graph.values[v].shape, dtype=getattr(torch, self.graph.values[v].dtype), device=dev)
+                 for v in layer.outputs]
+        with torch.enable_grad(), self._precision(plan.compute_dtype):
+            backward_body(self, li, fn, weights, lbufs, ins, seeds, 1.0, gviews, [], True)
+
     # -- deferred updates ------------------------------------------------------------------------
     def defer(self, layers: frozenset[int], clip_scale: float | None, optimizer: AdamW | None) -> None:
         """Owe the optimizer steps of ``layers`` to the next schedule that carries updates, each
@@ -426,10 +558,17 @@ class Executor:
         dev = self.backend.device
         info = self._issue_info.get(id(schedule))
         if info is None:
+            self.compile_templates(schedule)  # Plan.templates == "compiled": said and timed, never in a step
             info = self._issue_info[id(schedule)] = _IssueInfo.of(schedule, g)
+        if schedule.plan.cuda_graphs and self.graphs is None:
+            check_backend(self.backend)
+            self.graphs = TemplateGraphs(self.backend)
         ctx = _RunContext(self, schedule, bufs, _Activations(info.live), targets)
         self.updated = ctx.updated
         self.unsaved = ctx.unsaved
+        if ctx.graphs is not None and ctx.graphs.wanted:
+            # Before this run's first op: between runs, and a capture that fails leaves this batch untouched.
+            self._capture()
         for mb, batch in enumerate(micro_batches):
             for name in g.batch_inputs:
                 ctx.acts.put_batch((g.value_by_name(name).id, mb), batch[name].to(dev, non_blocking=True))
@@ -455,6 +594,8 @@ class Executor:
             self.backend.synchronize()
             done = True
         finally:
+            if not done and ctx.graphs is not None:
+                ctx.graphs.wanted.clear()  # captured after a run that completes
             if ctx.recast:
                 # Masters on NVMe changed: other executors over this host state (other batch shapes)
                 # re-cast their staging tiles; this one's CASTs did, unless the run failed part-way.
@@ -473,6 +614,19 @@ class Executor:
         out.updates_skipped = list(ctx.skipped)
         out.nonfinite_updates = list(ctx.nonfinite)
         return out
+
+    def _capture(self) -> None:
+        """Capture the compute ops the last run noted for CUDA graphs (``Plan.cuda_graphs``), before
+        the next run starts; said before and timed after (``echo``)."""
+        n = len(self.graphs.wanted)
+        self.echo(f"capturing {n} CUDA graph{'s' * (n != 1)} of compute ops (Plan.cuda_graphs; one per template, "
+                  "slot and variant, after its first eager run) ...")
+        t0 = time.perf_counter()
+        loss = self.graph.values[self.graph.loss]
+        with replaying_rng(self.rng, self.rng.get()):  # a captured random op leaves no trace
+            self.graphs.capture_wanted(loss.shape, getattr(torch, loss.dtype))
+        self.echo(f"captured {n} CUDA graph{'s' * (n != 1)} in {time.perf_counter() - t0:.1f} s "
+                  f"({len(self.graphs.captured)} in all)")
 
     def _bind(self, layer: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """The layer's weights as views of ``flat`` (a new list; the views of a slot are made once)."""
@@ -559,6 +713,8 @@ class _RunContext:
         self.micro_batches = plan.micro_batches
         self.compute_dtype = plan.compute_dtype
         self.layer_by_layer = plan.layer_by_layer
+        self.compiled = plan.templates == "compiled"
+        self.graphs = ex.graphs if plan.cuda_graphs else None
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         # The generator state each random layer's forward started from, by (layer, mb): its
@@ -668,22 +824,31 @@ def _gather_tile(ctx: _RunContext, op: Op) -> torch.Tensor:
 def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
     """A forward (or a recompute: the same computation in the backward phase). A forward of a layer
     that draws random numbers records the generator state it starts from; a recompute replays it.
-    An eval schedule runs such a layer's eval-mode template (dropout off, ``TracedModel.eval_templates``)."""
+    An eval schedule runs such a layer's eval-mode template (dropout off, ``TracedModel.eval_templates``).
+    With ``Plan.cuda_graphs`` the template runs as the replay of its (template, slot) graph
+    (:class:`megatrain.runtime.graphs.TemplateGraphs`), the same computation on static buffers."""
     ex, li, mb = ctx.ex, op.layer, op.mb
     layer = ctx.graph.layers[li]
-    tmpl = ex.templates[layer.template]
     evaluate = ctx.schedule.mode == "eval" and layer.draws_random
-    if evaluate and layer.template < len(ex.eval_templates) and ex.eval_templates[layer.template] is not None:
-        tmpl = ex.eval_templates[layer.template]
+    tmpl = ex.template_of(li, evaluate, ctx.compiled)
     lbufs = ex.layer_buffers[li]
     weights = ex._bind(li, ctx.bufs.weights[op.slot])
     loss_id = ctx.graph.loss
     acts = ctx.acts.view(i)
     recompute = op.kind is OpKind.RECOMPUTE
+    dtype = ctx.compute_dtype
+    graphs = ctx.graphs
+    key = None if graphs is None else ("fwd", id(tmpl), id(ctx.bufs.weights[op.slot]), ex.layout_key(li))
+
+    def call(ins: Sequence[torch.Tensor], seeds=(), loss_seed=None) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad(), ex._precision(dtype):
+            return tuple(tmpl(*weights, *lbufs, *ins))
 
     def run() -> None:
         ins = [acts[(v, mb)] for v in layer.inputs]
         ex.backend.record_use(ins)
+        if ctx.compiled:
+            ins = [x.contiguous() for x in ins]  # the strides the compiled template was warmed with
         state = None
         if layer.draws_random and not evaluate:  # nothing recomputes an eval forward
             # Read when the op runs (is issued, on CUDA): the stream has advanced by every earlier forward.
@@ -695,8 +860,10 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
                                        "before it: the schedule lacks the forward (or ran it after the recompute)")
             else:
                 ctx.rng_states[(li, mb)] = ex.rng.get()
-        with torch.no_grad(), ex._precision(ctx.compute_dtype), replaying_rng(ex.rng, state):
-            outs = tmpl(*weights, *lbufs, *ins)
+        with replaying_rng(ex.rng, state):
+            outs = call(ins) if graphs is None else graphs.run(key, call, ins,
+                                                               static=[*weights, *lbufs, *module_tensors(tmpl)],
+                                                               what=f"{op!r} (layer {layer.name!r})")
         for vid, t in zip(layer.outputs, outs):
             if vid == loss_id:
                 ctx.losses[mb] = t.detach()
@@ -711,7 +878,8 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
     mb = op.mb
     work = local_backward(ctx.ex, op.layer, mb, ctx.bufs.weights[op.slot], ctx.bufs.grads[op.slot],
                           ctx.acts.view(i), ctx.grads, ctx.losses, lambda: ctx.weights[mb], ctx.compute_dtype,
-                          fresh=mb == 0 or not ctx.layer_by_layer, rng_states=ctx.rng_states)
+                          fresh=mb == 0 or not ctx.layer_by_layer, rng_states=ctx.rng_states, compiled=ctx.compiled,
+                          graphs=ctx.graphs)
     done = [(vid, mb) for vid in ctx.graph.layers[op.layer].outputs]
 
     def drop() -> None:  # the gradients of its outputs were read for the last time
@@ -722,7 +890,8 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: torch.Tensor, acts, grads: dict,
                    losses: dict, weight: Callable[[], float], compute_dtype: str, fresh: bool,
-                   rng_states: dict[tuple[int, int], torch.Tensor] | None = None) -> Work:
+                   rng_states: dict[tuple[int, int], torch.Tensor] | None = None, compiled: bool = False,
+                   graphs: Any = None) -> Work:
     """The work of layer ``li``'s local backward for micro-batch ``mb``: recompute its forward from
     ``acts[(input, mb)]`` with weights bound to ``wslot``, then write (``fresh``) or add the weight
     gradients into ``gslot`` (FP32, or BF16 when ``fresh``: the plan's gradient dtype) and add the
@@ -733,66 +902,110 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
     A layer that draws random numbers recomputes with the generator state its forward recorded in
     ``rng_states[(li, mb)]`` (taken off it: nothing recomputes the forward after its backward),
     the caller's state put back after; without one (no forward ran: the last layer, whose forward
-    this is) it draws from the generator's stream as a forward would."""
+    this is) it draws from the generator's stream as a forward would. ``compiled``: run the
+    layer's compiled template (``Plan.templates``); ``graphs``: the executor's
+    :class:`~megatrain.runtime.graphs.TemplateGraphs` (``Plan.cuda_graphs``), which replays the
+    computation of :func:`backward_body` captured on static buffers (the loss's seed among them,
+    filled with ``weight()`` before the replay)."""
     g = ex.graph
     layer = g.layers[li]
-    tmpl = ex.templates[layer.template]
+    tmpl = ex.template_of(li, False, compiled)
     lbufs = ex.layer_buffers[li]
     gviews, gaps = ex._grad_views(li, gslot)
+    weights = ex._bind(li, wslot)
+    outputs = layer.outputs
+
+    def body(ins: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
+             loss_seed: float | torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with torch.enable_grad(), ex._precision(compute_dtype):
+            return backward_body(ex, li, tmpl, weights, lbufs, ins, seeds, loss_seed, gviews, gaps, fresh)
 
     def run() -> None:
         state = rng_states.pop((li, mb), None) if rng_states is not None and layer.draws_random else None
-        with torch.enable_grad(), ex._precision(compute_dtype), replaying_rng(ex.rng, state):
-            # Each trainable parameter is a leaf of its own (a detached view of the slot), so its
-            # gradient lands in a tensor of its size; a flat leaf would gather them through
-            # slice_backward, one zero-filled and one summed full tile per parameter.
-            weights = ex._bind(li, wslot)
-            leaves = []
-            for k, p in enumerate(layer.params):
-                if p.trainable:
-                    weights[k] = weights[k].detach().requires_grad_(True)
-                    leaves.append(weights[k])
-            ins = []
-            diff = []
-            for vid in layer.inputs:
-                x = acts[(vid, mb)]
-                ex.backend.record_use((x,))
-                if g.values[vid].requires_grad:
-                    x = x.detach().requires_grad_(True)
-                    diff.append((vid, x))
-                ins.append(x)
-            outs = tmpl(*weights, *lbufs, *ins)
-            roots, seeds = [], []
-            for vid, t in zip(layer.outputs, outs):
-                if vid == g.loss:
-                    losses[mb] = t.detach()
-                    roots.append(t)
-                    # The gradient of the global batch's loss, of which this loss is weight() x.
-                    seeds.append(torch.full_like(t, weight()))
-                elif (vid, mb) in grads and t.requires_grad:
-                    roots.append(t)
-                    seeds.append(grads[(vid, mb)])
-            wrt = leaves + [x for _, x in diff]
-            # No gradient reaches the layer: its weights' gradients are zero (written when fresh).
-            res = torch.autograd.grad(roots, wrt, seeds, allow_unused=True) if roots and wrt else [None] * len(wrt)
-        pgrads, res = res[:len(leaves)], res[len(leaves):]
-        # Gradients of BF16 weights are BF16 (autograd returns a leaf's gradient in its dtype): an FP32
-        # slot takes them exactly (copy_/add_ cast), and so does a BF16 one, written fresh only.
-        got = [(v, gp) for v, gp in zip(gviews, pgrads) if gp is not None]
-        if fresh:
-            missing = [v for v, gp in zip(gviews, pgrads) if gp is None]  # the loss does not use it
-            if missing or gaps:
-                torch._foreach_zero_(missing + gaps)
-            if got:
-                torch._foreach_copy_([v for v, _ in got], [gp for _, gp in got])
-        elif got:
-            torch._foreach_add_([v for v, _ in got], [gp for _, gp in got])
-        for (vid, _), gx in zip(diff, res):
+        ins = []
+        for vid in layer.inputs:
+            x = acts[(vid, mb)]
+            ex.backend.record_use((x,))
+            ins.append(x.contiguous() if compiled else x)
+        seeds = [None if vid == g.loss else grads.get((vid, mb)) for vid in outputs]
+        with replaying_rng(ex.rng, state):
+            if graphs is None:
+                res = body(ins, seeds, weight())
+            else:
+                key = ("bwd", id(tmpl), id(wslot), id(gslot), fresh, ex.layout_key(li),
+                       tuple(s is not None for s in seeds))
+                res = graphs.run(key, body, ins, seeds, loss_seed=weight() if g.loss in outputs else None,
+                                 static=[wslot, gslot, *lbufs, *module_tensors(tmpl)],
+                                 what=f"the local backward of layer {layer.name!r}")
+        loss, gxs = res[0], res[1:]
+        if loss is not None:
+            losses[mb] = loss
+        for vid, gx in zip((v for v in layer.inputs if g.values[v].requires_grad), gxs):
             if gx is None:
                 continue
             key = (vid, mb)
             grads[key] = grads[key] + gx if key in grads else gx
     return run
+
+
+def backward_body(ex: Executor, li: int, tmpl: Callable, weights: Sequence[torch.Tensor],
+                  lbufs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
+                  loss_seed: float | torch.Tensor, gviews: Sequence[torch.Tensor], gaps: Sequence[torch.Tensor],
+                  fresh: bool) -> tuple[torch.Tensor | None, ...]:
+    """The device computation of layer ``li``'s local backward, with gradients on: run ``tmpl`` on
+    ``weights`` (views of the slot; each trainable one made a leaf of its own), ``lbufs`` and
+    ``ins`` (the differentiable ones made leaves), then ``torch.autograd.grad`` of the outputs
+    seeded with ``seeds`` (one per output of the layer: its incoming gradient, or None where none
+    arrives) and of the loss seeded with ``loss_seed`` (a float, or a tensor of the loss's shape and
+    dtype holding it), written (``fresh``: padding ``gaps`` and unused weights zeroed) or added into
+    ``gviews``. Returns ``(loss or None, gradient of each differentiable input or None)``. Reads no
+    host value but ``loss_seed`` when it is a float, so that it can be captured in a CUDA graph.
+
+    Each trainable parameter is a leaf of its own, so its gradient lands in a tensor of its size; a
+    flat leaf would gather them through ``slice_backward``, one zero-filled and one summed full tile
+    per parameter."""
+    g = ex.graph
+    layer = g.layers[li]
+    weights = list(weights)
+    leaves = []
+    for k, p in enumerate(layer.params):
+        if p.trainable:
+            weights[k] = weights[k].detach().requires_grad_(True)
+            leaves.append(weights[k])
+    xs, diff = [], []
+    for vid, x in zip(layer.inputs, ins):
+        if g.values[vid].requires_grad:
+            x = x.detach().requires_grad_(True)
+            diff.append(x)
+        xs.append(x)
+    outs = tmpl(*weights, *lbufs, *xs)
+    loss = None
+    roots, grad_outs = [], []
+    for vid, t, seed in zip(layer.outputs, outs, seeds):
+        if vid == g.loss:
+            loss = t.detach()
+            roots.append(t)
+            # The gradient of the global batch's loss, of which this loss is loss_seed x.
+            grad_outs.append(torch.full_like(t, loss_seed) if isinstance(loss_seed, float) else loss_seed)
+        elif seed is not None and t.requires_grad:
+            roots.append(t)
+            grad_outs.append(seed)
+    wrt = leaves + diff
+    # No gradient reaches the layer: its weights' gradients are zero (written when fresh).
+    res = torch.autograd.grad(roots, wrt, grad_outs, allow_unused=True) if roots and wrt else [None] * len(wrt)
+    pgrads, res = res[:len(leaves)], res[len(leaves):]
+    # Gradients of BF16 weights are BF16 (autograd returns a leaf's gradient in its dtype): an FP32
+    # slot takes them exactly (copy_/add_ cast), and so does a BF16 one, written fresh only.
+    got = [(v, gp) for v, gp in zip(gviews, pgrads) if gp is not None]
+    if fresh:
+        missing = [v for v, gp in zip(gviews, pgrads) if gp is None]  # the loss does not use it
+        if missing or gaps:
+            torch._foreach_zero_(missing + list(gaps))
+        if got:
+            torch._foreach_copy_([v for v, _ in got], [gp for _, gp in got])
+    elif got:
+        torch._foreach_add_([v for v, _ in got], [gp for _, gp in got])
+    return (loss, *res)
 
 
 def _d2h(ctx: _RunContext, i: int, op: Op) -> Work:
@@ -1195,4 +1408,5 @@ def _then(fn: Work, after: Work) -> Work:
     return run
 
 
-__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "local_backward", "replaying_rng"]
+__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "backward_body", "local_backward",
+           "replaying_rng"]

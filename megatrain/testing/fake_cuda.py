@@ -18,11 +18,12 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from megatrain.runtime.cuda import _check_pinnable, _Pin
+from megatrain.testing.fake_graph import FakeGraph
 
 
 class FakeCudaError(AssertionError):
@@ -183,6 +184,24 @@ class FakeCuda:
             self.registered[ptr] = nbytes
             self.pin_log.append(("register", ptr, nbytes))
         return _Pin(nbytes, lambda: self._unregister(ptr), t)
+
+    # -- CUDA graphs (megatrain.testing.fake_graph) ------------------------------------------------
+    def graph_pool(self) -> object:
+        return object()
+
+    def capture(self, stream: FakeStream, fn: Callable[[], Any], pool: Any,
+                static: Sequence[torch.Tensor]) -> tuple[FakeGraph, Any]:
+        """Records ``fn``'s aten ops (:class:`~megatrain.testing.fake_graph.FakeGraph`); logs
+        ``("capture", stream)``. Raises FakeCudaError for a read of a tensor that is neither made in
+        the capture nor in ``static`` (a forgotten copy-in), or a host read of a device value."""
+        self._log("capture", stream)
+        with self.use_stream(stream):
+            return FakeGraph.capture(fn, static, FakeCudaError)
+
+    def replay(self, graph: FakeGraph) -> None:
+        """Runs the recorded ops again; logs ``("replay", current stream)``."""
+        self._log("replay", self.current_stream())
+        graph.replay()
 
     def _unregister(self, ptr: int) -> None:
         with self._lock:

@@ -174,6 +174,18 @@ class TrainConfig(pydantic.BaseModel):
         "auto", description="where layers compute: auto takes the GPU where torch sees a CUDA device, else the CPU; "
                             "cpu or cuda forces one. The run's first line names the device and why (and, on the CPU "
                             "by choice, the GPU it leaves idle)")
+    templates: Literal["eager", "compiled"] | None = Field(
+        None, description="how the layer templates run: 'eager' (the traced graphs as they are) or 'compiled' "
+                          "(each distinct template compiled once with torch.compile, inductor, before the first "
+                          "step, said and timed; inductor's caches in $MEGATRAIN_CACHE_DIR/inductor, default "
+                          "~/.cache/megatrain, so a rerun loads them) (default: eager on both devices: on the CPU "
+                          "compiling costs about a minute per template and gains little; on CUDA until measured, "
+                          "README 'Compiled templates and CUDA graphs')")
+    cuda_graphs: bool | Literal["auto"] = Field(
+        False, description="device cuda: replay each compute op (forward, recompute, local backward) from a CUDA "
+                            "graph captured once per template, weight slot and variant after the first step "
+                            "(one launch where an eager block issues hundreds); 'auto': where the planner finds "
+                            "the step issue-bound on the hardware spec")
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
     seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads of the CPU backend (null: "
@@ -231,6 +243,9 @@ class TrainConfig(pydantic.BaseModel):
             raise ValueError(f"host_memory={self.host_memory!r} chooses which Adam moments and gradient tiles go "
                              "to NVMe, but no nvme_dir is set; give nvme_dir (a directory on an NVMe drive) or "
                              "drop host_memory")
+        if self.cuda_graphs is True and self.device != "cuda":
+            raise ValueError(f"cuda_graphs=true with device={self.device!r}: CUDA graphs capture GPU work; set "
+                             "device cuda, or cuda_graphs false")
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}; lower "
                              "warmup_steps")

@@ -174,7 +174,8 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None):
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
                        input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
                        image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
-                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory))
+                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory), templates=cfg.templates,
+                       cuda_graphs=cfg.cuda_graphs)
 
 
 def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> PlannedModel:
@@ -248,7 +249,7 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
     import megatrain
 
     optimizer = cfg.optimizer_settings()
-    trainer = megatrain.materialize(planned, optimizer, nvme_dir=cfg.nvme_dir)
+    trainer = megatrain.materialize(planned, optimizer, nvme_dir=cfg.nvme_dir, echo=echo)
     if trainer.host.nvme is not None:
         trainer.host.nvme.checksums = cfg.nvme_checksums
     if source.kind == "weights":
@@ -586,6 +587,7 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
                                            mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
             # tqdm.write prints even where the bar is disabled: only rank 0 speaks.
             say = bar.write if writes else (lambda _line: None)
+            trainer.executor.echo = say  # what it compiles or captures later (an eval template, CUDA graphs)
 
             def count_skip(why: str) -> None:
                 nonlocal skipped
