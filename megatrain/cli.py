@@ -563,7 +563,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
                           "seq_len, global_batch, max_grad_norm, device, optimizer); change them in the file")
     # Planning reads no output_dir; the file may leave it to megatrain train's --output-dir.
     overrides = {"output_dir": "."} | ({} if args.hardware is None else {"hardware": args.hardware})
-    cfg, device = resolve_device(load_train_config(args.config, overrides, saved_run=False))
+    cfg, device = resolve_device(load_train_config(args.config, overrides, saved_run=False), planning=True)
     if cfg.hardware is None:
         raise ConfigError(f"megatrain plan --config {args.config}: the run names no hardware to plan for or predict "
                           "on; give --hardware (a preset or a spec JSON file)")

@@ -4,7 +4,7 @@ the same tensors (megatrain.testing.FakeGraph). Checked here: the fake itself (a
 static buffers as they are then, a capture refuses a forgotten copy-in and a host read), training
 through captured graphs equals eager (dropout included: the replay draws the forward's masks), what
 is captured and when, the memory model's count of the graphs, and the planner's issue-bound switch.
-What only a GPU can check is listed in README, "Compiled templates and CUDA graphs"."""
+What only a GPU can check is listed in docs/architecture.md, "Compiled templates and CUDA graphs"."""
 
 from __future__ import annotations
 

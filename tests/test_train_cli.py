@@ -968,6 +968,11 @@ def test_device_cuda_without_a_gpu_is_an_error_that_says_why(setup, monkeypatch)
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(ConfigError, match=r"device: cuda, but torch .* is a build without CUDA; install a CUDA build"):
         resolve_device(T.load_train_config(setup / "run.yaml", {"output_dir": "x", "device": "cuda"}))
+    # Planned, not run (megatrain plan --config, the plan megatrain train would make): the GPU's
+    # plan on any machine, as the line says.
+    cfg, line = resolve_device(T.load_train_config(setup / "run.yaml", {"output_dir": "x", "device": "cuda"}),
+                               planning=True)
+    assert cfg.device == "cuda" and line.startswith("device: cuda, as set (planned here, where torch")
 
 
 def test_the_loss_plot_names_the_models_directory_not_its_file(tmp_path):

@@ -180,7 +180,7 @@ class TrainConfig(pydantic.BaseModel):
                           "step, said and timed; inductor's caches in $MEGATRAIN_CACHE_DIR/inductor, default "
                           "~/.cache/megatrain, so a rerun loads them) (default: eager on both devices: on the CPU "
                           "compiling costs about a minute per template and gains little; on CUDA until measured, "
-                          "README 'Compiled templates and CUDA graphs')")
+                          "docs/architecture.md, 'Compiled templates and CUDA graphs')")
     cuda_graphs: bool | Literal["auto"] = Field(
         False, description="device cuda: replay each compute op (forward, recompute, local backward) from a CUDA "
                             "graph captured once per template, weight slot and variant after the first step "
@@ -262,15 +262,16 @@ class TrainConfig(pydantic.BaseModel):
                                                                         else {})})
 
 
-def resolve_device(cfg: TrainConfig) -> tuple[TrainConfig, str]:
+def resolve_device(cfg: TrainConfig, *, planning: bool = False) -> tuple[TrainConfig, str]:
     """``cfg`` with ``device: auto`` made ``cuda`` where torch sees a CUDA device and ``cpu``
     otherwise, and the line that says which device the run uses and why (``megatrain train``'s
     first line). Imports torch; no CUDA context is created (``torch.cuda.device_count`` asks the
-    driver only).
+    driver only). ``planning``: the settings are planned here, not run (``megatrain plan
+    --config``), so ``device: cuda`` is planned for the GPU of the run's hardware on any machine.
 
     Raises:
         ConfigError: ``device: cuda`` where torch sees no CUDA device (a CPU build of torch, or no
-            driver or GPU); the message says which and what to change.
+            driver or GPU) and not ``planning``; the message says which and what to change.
     """
     import torch
 
@@ -282,6 +283,8 @@ def resolve_device(cfg: TrainConfig) -> tuple[TrainConfig, str]:
     if cfg.device == "auto":
         device = "cuda" if gpus else "cpu"
         return cfg.model_copy(update={"device": device}), f"device: {device} (auto: {seen})"
+    if cfg.device == "cuda" and not gpus and planning:
+        return cfg, f"device: cuda, as set (planned here, where {seen})"
     if cfg.device == "cuda" and not gpus:
         raise ConfigError(f"device: cuda, but {seen}; install a CUDA build of torch on a machine with an NVIDIA GPU, or "
                           "train on the CPU (--device cpu, or auto)")

@@ -112,7 +112,7 @@ def planning_model(cfg: TrainConfig, source: ModelSource, check: Callable[[Any],
 
     from megatrain.planner.presets import auto_model_class, build_meta_model
 
-    cfg = resolve_device(cfg)[0]  # device auto: the device this run would take
+    cfg = resolve_device(cfg, planning=True)[0]  # device auto: the device this run would take
     torch.manual_seed(cfg.seed)
     model = build_meta_model(source.config, dtype=torch.float32)
     if cfg.device == "cpu":
@@ -168,7 +168,7 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None):
     grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`)."""
     from megatrain.planner.front import PlanRequest, Storage
 
-    cfg = resolve_device(cfg)[0]  # device auto: the device this run would take
+    cfg = resolve_device(cfg, planning=True)[0]  # device auto: the device this run would take
     names = batch_names(cfg, model.config)
     return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
