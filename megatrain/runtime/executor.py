@@ -146,6 +146,26 @@ class DeferredUpdates:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenHead:
+    """A run whose loss layer returns per-token values instead of its loss (``Executor.run(...,
+    head=)``; :mod:`megatrain.rl` makes them): layer ``layer`` runs ``template`` (its template with
+    the LM head's summed cross-entropy replaced by per-token log-probabilities,
+    :func:`megatrain.planner.trace.token_logprobs.logprobs_template`, retargeted to the device).
+
+    ``keep(mb, t)``, in a forward (an eval schedule): gets micro-batch ``mb``'s per-token output
+    ``t`` (detached) and returns the 0-dim tensor the run reports as its loss. ``seed(mb, t)``, in
+    the layer's local backward (a train schedule): gets ``t`` as autograd recorded it and returns
+    ``(loss, seed)``: the micro-batch's 0-dim loss (its term of the global batch's loss) and
+    ``dloss/dt``, which seeds the layer's backward in place of the loss weight. The layer-local
+    backward and the schedule are the same as for the model's own loss."""
+
+    layer: int
+    template: Any
+    keep: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    seed: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceRng:
     """The default random number generator of ``device``, whose state a recompute replays.
 
@@ -274,6 +294,20 @@ class Executor:
             torch.OutOfMemoryError / RuntimeError: the device or the pinned allocation failed."""
         self._ensure_buffers(schedule)
 
+    def release_device(self) -> int:
+        """Free the GPU weight and gradient slots (the bulk of the device memory a trainer holds
+        between steps), so that another user of the card (a colocated rollout engine) can take
+        it; the next run, or :meth:`allocate`, makes them again. Host buffers (the pinned arena,
+        the accumulators, with any gradients a deferred update still needs) are kept. Returns the
+        bytes freed (0 when none were held); the caller empties the device allocator's cache."""
+        if self._buffers is None:
+            return 0
+        freed = sum(t.numel() * t.element_size() for t in self._buffers.weights + self._buffers.grads)
+        self._buffers.weights, self._buffers.grads = [], []
+        self._views = {}
+        self._buffer_key = None  # the next _ensure_buffers makes the slots again, keeping the arena
+        return freed
+
     def layout(self, schedule: Schedule) -> BufferLayout:
         """``schedule``'s buffer layout: the one lowering recorded (``Schedule.layout``), or for a
         schedule built by hand (no layout) the one lowering would record for this executor's graph."""
@@ -396,11 +430,16 @@ class Executor:
                     for mb in micro_batches]
 
     def run(self, schedule: Schedule, micro_batches: Sequence[dict[str, torch.Tensor]],
-            targets: Sequence[int | None] | None = None) -> StepOutput:
+            targets: Sequence[int | None] | None = None, *, head: TokenHead | None = None,
+            weights: Sequence[torch.Tensor] | None = None) -> StepOutput:
         """Run ``schedule`` on ``micro_batches`` (one dict of input tensors per micro-batch).
 
         ``targets``: the supervised tokens of each micro-batch (:meth:`targets`, which counts them
-        when not given). Each micro-batch's loss is seeded with its weight in the global batch's
+        when not given). ``head``: the loss layer returns per-token values that the head keeps or
+        seeds (:class:`TokenHead`); each micro-batch's loss is then the head's. ``weights``: each
+        layer's weights read from these host rows (``numel`` elements, any float dtype: a frozen
+        reference model's BF16 copy) instead of the master rows, by the H2Ds and CASTs (an eval
+        schedule; the masters, moments and optimizer are not touched). Each micro-batch's loss is seeded with its weight in the global batch's
         loss (:func:`megatrain.runtime.loss.loss_weights`), from the global count: this rank's
         alone, or the ranks' sum that the schedule's COUNT_REDUCE makes. When a counted global
         batch has no target the step's optimizer steps are skipped (its gradients are zero, and an
@@ -428,6 +467,7 @@ class Executor:
         if info is None:
             info = self._issue_info[id(schedule)] = _IssueInfo.of(schedule, g)
         ctx = _RunContext(self, schedule, bufs, _Activations(info.live), targets)
+        ctx.head, ctx.source = head, weights
         self.updated = ctx.updated
         self.unsaved = ctx.unsaved
         for mb, batch in enumerate(micro_batches):
@@ -582,6 +622,8 @@ class _RunContext:
         # from which each micro-batch's weight (the seed of its loss). A COUNT_REDUCE sums the ranks'
         # counts; without one the global batch is this rank's. (An update schedule has no batch.)
         self.targets = targets
+        self.head: TokenHead | None = None  # Executor.run's head and weights
+        self.source: Sequence[torch.Tensor] | None = None
         self.counted = None not in targets
         self.supervised: int | None = None
         self.weights: list[float] = []
@@ -651,6 +693,8 @@ def _master_source(ctx: _RunContext, i: int, op: Op) -> torch.Tensor:
     state's row, or on a sliced host state the gather tile of the ALL_GATHER it depends on (in the
     compute dtype; rule 'collectives' checks there is exactly one)."""
     host = ctx.ex.host
+    if ctx.source is not None:
+        return ctx.source[op.layer]
     if not host.sliced:
         return host.master(op.layer)
     ops = ctx.schedule.ops
@@ -671,9 +715,11 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
     An eval schedule runs such a layer's eval-mode template (dropout off, ``TracedModel.eval_templates``)."""
     ex, li, mb = ctx.ex, op.layer, op.mb
     layer = ctx.graph.layers[li]
-    tmpl = ex.templates[layer.template]
+    head = ctx.head if ctx.head is not None and ctx.head.layer == li else None
+    tmpl = ex.templates[layer.template] if head is None else head.template
     evaluate = ctx.schedule.mode == "eval" and layer.draws_random
-    if evaluate and layer.template < len(ex.eval_templates) and ex.eval_templates[layer.template] is not None:
+    if evaluate and head is None and layer.template < len(ex.eval_templates) \
+            and ex.eval_templates[layer.template] is not None:
         tmpl = ex.eval_templates[layer.template]
     lbufs = ex.layer_buffers[li]
     weights = ex._bind(li, ctx.bufs.weights[op.slot])
@@ -699,7 +745,7 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
             outs = tmpl(*weights, *lbufs, *ins)
         for vid, t in zip(layer.outputs, outs):
             if vid == loss_id:
-                ctx.losses[mb] = t.detach()
+                ctx.losses[mb] = t.detach() if head is None else head.keep(mb, t.detach())
             else:
                 acts[(vid, mb)] = t
     return run
@@ -711,7 +757,8 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
     mb = op.mb
     work = local_backward(ctx.ex, op.layer, mb, ctx.bufs.weights[op.slot], ctx.bufs.grads[op.slot],
                           ctx.acts.view(i), ctx.grads, ctx.losses, lambda: ctx.weights[mb], ctx.compute_dtype,
-                          fresh=mb == 0 or not ctx.layer_by_layer, rng_states=ctx.rng_states)
+                          fresh=mb == 0 or not ctx.layer_by_layer, rng_states=ctx.rng_states,
+                          head=ctx.head if ctx.head is not None and ctx.head.layer == op.layer else None)
     done = [(vid, mb) for vid in ctx.graph.layers[op.layer].outputs]
 
     def drop() -> None:  # the gradients of its outputs were read for the last time
@@ -722,7 +769,8 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
 
 def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: torch.Tensor, acts, grads: dict,
                    losses: dict, weight: Callable[[], float], compute_dtype: str, fresh: bool,
-                   rng_states: dict[tuple[int, int], torch.Tensor] | None = None) -> Work:
+                   rng_states: dict[tuple[int, int], torch.Tensor] | None = None,
+                   head: TokenHead | None = None) -> Work:
     """The work of layer ``li``'s local backward for micro-batch ``mb``: recompute its forward from
     ``acts[(input, mb)]`` with weights bound to ``wslot``, then write (``fresh``) or add the weight
     gradients into ``gslot`` (FP32, or BF16 when ``fresh``: the plan's gradient dtype) and add the
@@ -733,10 +781,11 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
     A layer that draws random numbers recomputes with the generator state its forward recorded in
     ``rng_states[(li, mb)]`` (taken off it: nothing recomputes the forward after its backward),
     the caller's state put back after; without one (no forward ran: the last layer, whose forward
-    this is) it draws from the generator's stream as a forward would."""
+    this is) it draws from the generator's stream as a forward would. ``head`` (of layer ``li``):
+    its template runs, and its ``seed`` gives the loss and the seed of the per-token output."""
     g = ex.graph
     layer = g.layers[li]
-    tmpl = ex.templates[layer.template]
+    tmpl = ex.templates[layer.template] if head is None else head.template
     lbufs = ex.layer_buffers[li]
     gviews, gaps = ex._grad_views(li, gslot)
 
@@ -764,7 +813,11 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
             outs = tmpl(*weights, *lbufs, *ins)
             roots, seeds = [], []
             for vid, t in zip(layer.outputs, outs):
-                if vid == g.loss:
+                if vid == g.loss and head is not None:
+                    losses[mb], seed = head.seed(mb, t)  # the loss is a function of the per-token values
+                    roots.append(t)
+                    seeds.append(seed)
+                elif vid == g.loss:
                     losses[mb] = t.detach()
                     roots.append(t)
                     # The gradient of the global batch's loss, of which this loss is weight() x.
@@ -1195,4 +1248,5 @@ def _then(fn: Work, after: Work) -> Work:
     return run
 
 
-__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "local_backward", "replaying_rng"]
+__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "TokenHead", "local_backward",
+           "replaying_rng"]
