@@ -593,3 +593,75 @@ def test_release_and_retake_the_gpu_between_steps_on_the_fake_cuda_backend():
     assert [r.loss for r in got] == [r.loss for r in want]
     trainers[0].flush(), trainers[1].flush()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+# -- data parallel: two gloo ranks -----------------------------------------------------------------
+
+def _ranks_main(rank: int, world: int, init_file: str, out: str, batches_file: str) -> None:
+    """One of two ranks, each with its half of every global batch: a GRPO step, a DPO step, a
+    batch that rank 1 alone refuses (both raise, nothing is updated), the log-probabilities of its rows."""
+    from test_distributed import _process_group
+
+    with _process_group(rank, world, init_file):
+        grpo, dpo, lp_batch = torch.load(batches_file)
+        half = lambda b: {k: v[rank * 2:(rank + 1) * 2] for k, v in b.items()}  # noqa: E731
+        trainer = megatrain.compile(tiny_llama(), seq_len=S, micro_batch_size=2, optimizer=ADAMW,
+                                    input_names=NAMES, max_grad_norm=1.0)
+        results = [trainer.step(half(grpo), loss=GRPOLoss(kl_coef=0.1, aggregation="token-mean")).loss,
+                   trainer.step(half(dpo), loss=DPOLoss(beta=0.5)).loss]
+        bad = half(grpo)
+        if rank == 1:
+            bad["advantages"] = bad["advantages"].clone()
+            bad["advantages"][0] = float("nan")
+        try:
+            trainer.step(bad, loss=GRPOLoss())
+            refused = ""
+        except BatchError as e:
+            refused = str(e)
+        trainer.flush()
+        torch.save({"results": results, "refused": refused, "steps": trainer.step_count,
+                    "logprobs": trainer.logprobs(half(lp_batch)),
+                    "state": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}, f"{out}.{rank}")
+
+
+def test_grpo_and_dpo_on_two_gloo_ranks_equal_one_process(tmp_path):
+    """The loss's totals (GRPO's tokens, DPO's pairs) are summed over the ranks before the step:
+    two ranks of two rows train as one process on the four (eager, whole batch); a batch one rank
+    refuses stops both, with nothing applied."""
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    ref = tiny_llama()  # rank 0's initial weights (seeded 0), which compile gives every rank
+    batches = (_grpo_batch(ref, ROWS, 0, per_token=True), _dpo_batch(ref, ROWS // 2, 1), _responses(ROWS, 2))
+    torch.save(batches, tmp_path / "batches")
+    out = str(tmp_path / "rank")
+    mp.spawn(_ranks_main, args=(2, str(tmp_path / "init"), out, str(tmp_path / "batches")), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    eager = (functools.partial(eager_grpo, kl_coef=0.1), functools.partial(eager_dpo, beta=0.5))
+    for step, (b, fn) in enumerate(zip(batches[:2], eager)):
+        opt.zero_grad()
+        lp = eager_logprobs(ref, b)
+        want = fn(lp, b)
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        for r in ranks:
+            assert abs(r["results"][step] - want.item()) <= RTOL * _scale(fn, lp, b), (step, r["results"], want)
+    assert all(r["steps"] == 2 for r in ranks)
+    assert "advantages" in ranks[1]["refused"] and "other rank(s) refused" in ranks[0]["refused"]
+    with torch.no_grad():
+        lp = eager_logprobs(ref, batches[2])
+    for rank, r in enumerate(ranks):
+        assert torch.allclose(r["logprobs"], lp[rank * 2:(rank + 1) * 2], rtol=RTOL, atol=RTOL)
+        for name, p in ref.named_parameters():
+            assert _rel(r["state"][name], p.detach()) <= RTOL, name
+
+
+def test_the_example_trains_dpo_from_the_reference():
+    """examples/rl_tiny.py --dpo: at the first step the policy is the reference (every margin 0, the
+    loss log 2); the loss then falls."""
+    from megatrain.examples.rl_tiny import dpo
+
+    losses = dpo(steps=3, pairs=2, seed=0)
+    assert losses[0] == pytest.approx(math.log(2), rel=RTOL) and losses[2] < losses[1] < losses[0]
