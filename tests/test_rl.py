@@ -42,6 +42,7 @@ from megatrain.runtime import executor as executor_mod
 
 from conftest import random_batch, tiny_gpt, tiny_llama
 from test_exactness import ADAMW, RTOL
+from test_token_loss import SPLITS, probes  # noqa: F401 (a fixture: four rows, trainers of 1, 2 and 4 per micro-batch)
 
 S, ROWS, VOCAB = 16, 4, 96
 NAMES = ("input_ids", "attention_mask", "labels")
@@ -115,15 +116,13 @@ def _responses(rows: int, seed: int, *, left: bool = False, prompt_max: int = 8)
     (or left); the mask is 0 and the labels -100 on padding."""
     b = random_batch(rows, S, VOCAB, seed)
     g = torch.Generator().manual_seed(5000 + seed)
-    mask = torch.zeros(rows, S, dtype=torch.long)
-    for i in range(rows):
-        n = int(torch.randint(4, S + 1, (1,), generator=g))
-        prompt = int(torch.randint(1, min(prompt_max, n - 1) + 1, (1,), generator=g))
-        real = slice(S - n, S) if left else slice(0, n)
-        mask[i, real] = 1
-        b["labels"][i, real.start:real.start + prompt] = -100
-    b["attention_mask"] = mask
-    b["labels"] = b["labels"].masked_fill(mask == 0, -100)
+    length = torch.randint(4, S + 1, (rows,), generator=g)
+    prompt = 1 + (torch.rand(rows, generator=g) * (length - 1).clamp(max=prompt_max)).long()  # 1 .. length - 1
+    start = S - length if left else torch.zeros_like(length)
+    pos = torch.arange(S)
+    real = (pos >= start[:, None]) & (pos < (start + length)[:, None])
+    b["attention_mask"] = real.long()
+    b["labels"] = b["labels"].masked_fill(~real | (pos < (start + prompt)[:, None]), -100)
     return b
 
 
@@ -257,20 +256,6 @@ def test_logprobs_refuse_what_they_cannot_align():
 
 
 # -- a step on a per-token loss: every split of the global batch -----------------------------------
-
-SPLITS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)]
-"""(micro-batches, ranks) of a global batch of four rows; each micro-batch holds 4 / (M x R) rows."""
-
-
-@pytest.fixture(scope="module")
-def probes():
-    """One trainer per micro-batch size (1, 2 and 4 rows), all with the same weights, and the eager model."""
-    torch.manual_seed(0)
-    model = tiny_llama()
-    trainers = {mbs: megatrain.compile(copy.deepcopy(model), seq_len=S, micro_batch_size=mbs, optimizer=ADAMW,
-                                       input_names=NAMES) for mbs in (1, 2, 4)}
-    return trainers, model
-
 
 def _split_gradients(trainer, batch, loss, micro_batches: int, ranks: int, layer_by_layer: bool):
     """The loss and gradients of ``batch`` when ``ranks`` ranks of ``micro_batches`` micro-batches
@@ -519,6 +504,27 @@ def test_a_bf16_reference_is_the_model_with_bf16_weights_counted_by_the_planner_
     assert torch.allclose(got, want, rtol=RTOL, atol=RTOL), (got - want).abs().max()
     assert all(torch.equal(trainer.state_dict()["masters"][k], v) for k, v in masters.items())
     assert not torch.allclose(trainer.logprobs(batch), got, atol=1e-3)  # the policy moved on
+
+
+def test_a_bf16_reference_under_bf16_compute_is_the_policy_cast_and_leaves_its_casts_alone():
+    """BF16 compute casts each master to BF16 for the GPU (a CAST into a staging tile, one per layer
+    with cast_once): the reference's copy is that cast, so before any step its log-probabilities
+    are the policy's, bit for bit. Its CASTs write the same tiles; the policy's next step casts its
+    own masters again and trains exactly as a twin that never ran the reference."""
+    from megatrain.ir.plan import Plan
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    twin = copy.deepcopy(model)
+    plan = Plan(micro_batches=2, compute_dtype="bfloat16", cast_once=True)
+    trainers = [megatrain.compile(m, seq_len=S, micro_batch_size=2, micro_batches=2, input_names=NAMES, plan=plan,
+                                  optimizer=ADAMW, reference="bfloat16") for m in (model, twin)]
+    reference = Reference(trainers[0])
+    batch, step = _responses(ROWS, 4), _grpo_batch(model, ROWS, 5)
+    assert torch.equal(reference.logprobs(batch), trainers[0].logprobs(batch))
+    got, want = (t.step(step, loss=GRPOLoss()) for t in trainers)
+    assert got.loss == want.loss and all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert not torch.equal(reference.logprobs(batch), trainers[0].logprobs(batch))
 
 
 def test_plan_reserves_host_memory_for_a_reference_and_the_cli_shows_it(capsys):

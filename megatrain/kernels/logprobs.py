@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.kernels.autocast import no_autocast
-from megatrain.kernels.lm_head import _acc_dtype, _accumulate_product, _matmul_dtype
+from megatrain.kernels.lm_head import _acc_dtype, _backward_chunk, _check_rows, _matmul_dtype
 
 
 def _chunks(hidden, weight, bias, labels, ignore_index, chunk_tokens, logits_dtype, mm_dtype):
@@ -90,13 +90,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 # dz = g * (onehot - softmax), written in place over the chunk's logits
                 dz = torch.exp(z - lse[rows].unsqueeze(1)).mul_(-g.unsqueeze(1))
                 dz.scatter_add_(1, safe, g.unsqueeze(1))
-                dz = dz.to(logits_dtype).to(mm_dtype)
-                if need_h:
-                    grad_h[rows] = dz.mm(w)
-                if need_w:
-                    _accumulate_product(grad_w, dz.t(), h)
-                if need_b:
-                    grad_b.add_(dz.sum(0))
+                _backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
                 None, None, None, None, None, None)
 
@@ -123,11 +117,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         ValueError: ``chunk_tokens < 1``, or ``hidden`` not ``[tokens, features]`` with ``labels``
             ``[tokens]``.
     """
-    if chunk_tokens < 1:
-        raise ValueError(f"linear_logprobs: chunk_tokens must be >= 1, got {chunk_tokens}")
-    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
-        raise ValueError(f"linear_logprobs: hidden must be [tokens, features] and labels [tokens]; got "
-                         f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
+    _check_rows("linear_logprobs", hidden, labels, chunk_tokens)
     mm_dtype = _matmul_dtype(hidden, weight)
     if hidden.device.type == "meta":
         chunk_tokens = max(chunk_tokens, hidden.shape[0])  # as linear_cross_entropy: FLOPs are linear in rows
