@@ -273,6 +273,7 @@ def plan(request: PlanRequest) -> PlannedModel:
                               r.max_grad_norm, r.per_token_loss)
     check_model(r.model, options.seq_len)
     hw = _hardware(r.hardware)
+    _check_reference(r.storage, hw)
     # Traced in the compute dtype (a BF16-built template for BF16 compute), as `megatrain plan` traces.
     dtype = r.plan.compute_dtype if isinstance(r.plan, Plan) else compute_dtype(options, r.compute_dtype)
     t0 = time.perf_counter()
@@ -348,6 +349,16 @@ def plan(request: PlanRequest) -> PlannedModel:
     return dataclasses.replace(planned, decisions=tuple(decisions), trace_s=trace_s)
 
 
+def _check_reference(storage: Storage, hw: HardwareSpec | None) -> None:
+    """Raise ConfigError for a ``Storage.reference`` this planner does not plan."""
+    if storage.reference not in (None, "bfloat16"):
+        raise ConfigError(f"reference={storage.reference!r}: use 'bfloat16' (a frozen BF16 copy of the weights on the "
+                          "host) or None (reference log-probabilities precomputed before training)")
+    if storage.reference is not None and (storage.nvme_dir is not None or (hw is not None and hw.has_nvme)):
+        raise ConfigError("a BF16 reference model on the host with an NVMe tier is not planned yet; plan without the "
+                          "NVMe tier, or precompute the reference log-probabilities before training")
+
+
 def _reference(graph: LayerGraph, storage: Storage, hw: HardwareSpec | None,
                topo: Topology) -> tuple[int, HardwareSpec | None]:
     """``(bytes, spec)``: the host bytes of ``storage.reference`` (a frozen BF16 copy of every
@@ -355,12 +366,6 @@ def _reference(graph: LayerGraph, storage: Storage, hw: HardwareSpec | None,
     node's copies of it (the solver and the NVMe placement then leave it room)."""
     if storage.reference is None:
         return 0, hw
-    if storage.reference != "bfloat16":
-        raise ConfigError(f"reference={storage.reference!r}: use 'bfloat16' (a frozen BF16 copy of the weights on the "
-                          "host) or None (reference log-probabilities precomputed before training)")
-    if storage.nvme_dir is not None or (hw is not None and hw.has_nvme):
-        raise ConfigError("a BF16 reference model on the host with an NVMe tier is not planned yet; plan without the "
-                          "NVMe tier, or precompute the reference log-probabilities before training")
     nbytes = 2 * sum(layer.numel for layer in graph.layers)
     if hw is None:
         return nbytes, hw

@@ -435,11 +435,7 @@ class Executor:
         """Run ``schedule`` on ``micro_batches`` (one dict of input tensors per micro-batch).
 
         ``targets``: the supervised tokens of each micro-batch (:meth:`targets`, which counts them
-        when not given). ``head``: the loss layer returns per-token values that the head keeps or
-        seeds (:class:`TokenHead`); each micro-batch's loss is then the head's. ``weights``: each
-        layer's weights read from these host rows (``numel`` elements, any float dtype: a frozen
-        reference model's BF16 copy) instead of the master rows, by the H2Ds and CASTs (an eval
-        schedule; the masters, moments and optimizer are not touched). Each micro-batch's loss is seeded with its weight in the global batch's
+        when not given). Each micro-batch's loss is seeded with its weight in the global batch's
         loss (:func:`megatrain.runtime.loss.loss_weights`), from the global count: this rank's
         alone, or the ranks' sum that the schedule's COUNT_REDUCE makes. When a counted global
         batch has no target the step's optimizer steps are skipped (its gradients are zero, and an
@@ -447,6 +443,12 @@ class Executor:
 
         A schedule that carries updates (an ``"update"`` schedule, or a train schedule with
         ``carries_updates``) takes each layer whose update ran off ``deferred``, also when it raises.
+
+        ``head``: the loss layer returns per-token values that the head keeps (eval) or seeds
+        (train) instead of the loss (:class:`TokenHead`); each micro-batch's loss is then the
+        head's. ``weights``: each layer's weights are read from these host rows (``numel``
+        elements, any float dtype: a frozen reference model's BF16 copy) instead of its master
+        row, by its H2Ds and CASTs (for an eval schedule: nothing updates them).
 
         Raises:
             ValueError: ``micro_batches`` (or ``targets``) is not the plan's number of micro-batches.
