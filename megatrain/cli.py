@@ -122,6 +122,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", default=None, metavar="SIZE",
                       help="replace the hardware's host memory, e.g. 512GiB or 1.5TiB (the pinned cap becomes "
                            "90%% of it)")
+    plan.add_argument("--reference", choices=("bfloat16",), default=None,
+                      help="preference and RL training: hold a frozen BF16 copy of the weights on the host for the "
+                           "reference model (2 bytes per parameter, megatrain.rl.Reference); the plan leaves it room "
+                           "and the host memory table shows it (default: none, reference log-probabilities "
+                           "precomputed before training)")
     plan.add_argument("--gpus-per-node", type=int, default=1, metavar="G",
                       help="data parallel: GPUs per node, each a rank training its own share of the global batch; "
                            "the ranks of a node share one copy of the host state and split its optimizer work "
@@ -268,6 +273,8 @@ def format_report(planned, hw, *, model: str) -> str:
           else f"{plan.staging_ring} BF16 tiles")
          if plan.compute_dtype == "bfloat16" else "unused with FP32 compute"),
         ("pinned activations", _gib(mem.pinned_activations), ""),
+        *([("BF16 reference weights (frozen)", _gib(mem.reference_weights), "the reference model, pageable")]
+          if mem.reference_weights else []),
         *moved,
         # Sharded across nodes no node holds the whole state: the node's share is in "data parallel".
         ("total", _gib(total), f"the whole state; a node holds 1/{plan.nodes} of the masters and moments: "
@@ -443,6 +450,8 @@ def _plan_command(args: argparse.Namespace) -> int:
         raise _UsageError("megatrain plan: --nvme with several GPUs is not planned yet; plan one GPU with --nvme, "
                           "or several without it")
     request, model, hw, summary, tracing = (_run_request if args.config is not None else _flags_request)(args, ranks)
+    if args.reference is not None:
+        request = dataclasses.replace(request, storage=dataclasses.replace(request.storage, reference=args.reference))
 
     def traced(graph, seconds: float) -> None:
         _progress(f"traced {len(graph.layers)} layers in {seconds:.1f} s; "

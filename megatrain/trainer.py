@@ -15,7 +15,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from megatrain.runtime.executor import Executor, StepOutput
 from megatrain.runtime.loss import loss_weights, micro_batch_means
 from megatrain.runtime.host import MASTER, HostState, NvmeRow, SlicedRow, as_tensor
 from megatrain.runtime.measure import measure_hardware
+
+if TYPE_CHECKING:
+    from megatrain.rl.losses import TokenLoss
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +174,7 @@ class Trainer:
                 f"{sorted(self._pending_layers)} are still pending and the others were applied once: calling "
                 "flush() or step() again applies the rest") from (cause or e)
 
-    def _run_step(self, schedule: Schedule, parts, what: str, targets: list[int | None]) -> StepOutput:
+    def _run_step(self, schedule: Schedule, parts, what: str, targets: list[int | None], **run) -> StepOutput:
         """Run a train or eval schedule. When it raises, the trainer's state is made to match one
         of two stories and the error says which: with deferred updates (NEXT_FORWARD), the
         previous step's update was applied in full (or not at all, and is still pending) and
@@ -179,9 +182,9 @@ class Trainer:
         ``StepError.updated_layers`` took this batch's update once and the rest are untouched.
 
         The executor has closed the backend's run when it raises (``Backend.abort``), and taken the
-        carried updates that ran off the pending ones."""
+        carried updates that ran off the pending ones. ``run``: ``Executor.run``'s ``head`` and ``weights``."""
         try:
-            return self.executor.run(schedule, parts, targets)
+            return self.executor.run(schedule, parts, targets, **run)
         except CollectiveError:
             raise  # another rank failed: no story holds across ranks, and applying more would wait on them
         except BaseException as e:
@@ -450,7 +453,7 @@ class Trainer:
     def graph(self) -> LayerGraph:
         return self.traced.graph
 
-    def step(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> StepResult:
+    def step(self, batch: Mapping[str, torch.Tensor] | torch.Tensor, loss: "TokenLoss | None" = None) -> StepResult:
         """Forward, backward and AdamW update for one global batch.
 
         ``batch`` maps each compiled input name to a ``LongTensor[global_batch, seq_len]`` (a plain
@@ -463,6 +466,16 @@ class Trainer:
         trains on the loss of the whole global batch: the mean over its supervised tokens, whatever
         the split into micro-batches and ranks (:mod:`megatrain.runtime.loss`); they are counted
         from the labels before the step, and a micro-batch without one adds nothing.
+
+        ``loss``: train on this loss of the per-token log-probabilities instead of the model's own
+        (a :class:`megatrain.rl.TokenLoss`: ``megatrain.rl.GRPOLoss``, ``megatrain.rl.DPOLoss``);
+        ``batch`` then also holds the tensors the loss reads (``loss.inputs``: advantages, old and
+        reference log-probabilities, ``[global_batch, seq_len]`` or ``[global_batch]`` float32),
+        split with the rows. The loss is that of the whole global batch, whatever the split into
+        micro-batches and ranks (:mod:`megatrain.rl.losses`); ``StepResult.loss`` is its value
+        and ``micro_batch_losses`` each micro-batch's term of it. Bad input (a row without a
+        target, a non-finite advantage, an odd DPO batch, a tensor of the wrong shape) raises
+        BatchError before anything runs, on every rank under data parallel.
 
         Raises:
             BatchError: missing or extra inputs, a shape or dtype other than compiled, an
@@ -482,10 +495,19 @@ class Trainer:
                 advance. KeyboardInterrupt is re-raised as it is, after the same clean-up.
         """
         o = self.options
+        if loss is not None:
+            from megatrain.rl.logprobs import loss_inputs
+
+            batch, extra = loss_inputs(self, batch, loss)
         parts = self._split(batch, o.micro_batches)
         tokens = sum(_real_tokens(p) for p in parts)
         targets = self.executor.targets(parts)
-        if self.plan.data_parallel == 1 and None not in targets and sum(targets) == 0:
+        head = None
+        if loss is not None:
+            from megatrain.rl.logprobs import loss_head
+
+            head = loss_head(self, parts, extra, loss)  # BatchError on every rank before anything runs
+        elif self.plan.data_parallel == 1 and None not in targets and sum(targets) == 0:
             raise BatchError(_no_targets("the global batch", 1))
         t0 = time.perf_counter()
         if self.plan.data_parallel > 1:
@@ -495,9 +517,9 @@ class Trainer:
         rest = ()  # the previous update's layers a failure left pending, applied alone first
         if self._pending_layers and self.schedule is self.schedules.first:
             rest = self._apply_pending(None)  # a failure left part of the update pending
-        out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}", targets)
+        out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}", targets, head=head)
         seconds = time.perf_counter() - t0
-        if out.supervised_tokens == 0:  # data parallel: the ranks learned it from the COUNT_REDUCE
+        if out.supervised_tokens == 0 and head is None:  # data parallel: the ranks learned it from the COUNT_REDUCE
             raise BatchError(_no_targets("the global batch", self.plan.data_parallel)
                              + " Nothing of it was applied")
         self.step_count += 1
@@ -516,9 +538,13 @@ class Trainer:
             skipped = tuple(out.updates_skipped)
         if self.plan.data_parallel > 1:
             losses, targets, tokens = _gather_losses(losses, targets, tokens, self.host.data_parallel.groups.world)
-        weights = loss_weights(targets, out.supervised_tokens, len(losses), per_token=o.per_token_loss)
+        if head is None:
+            weights = loss_weights(targets, out.supervised_tokens, len(losses), per_token=o.per_token_loss)
+            means = tuple(micro_batch_means(losses, targets))
+        else:  # each micro-batch's loss is its term of the global batch's
+            weights, means = [1.0] * len(losses), losses
         return StepResult(step=self.step_count, loss=sum(w * x for w, x in zip(weights, losses)),
-                          micro_batch_losses=tuple(micro_batch_means(losses, targets)), tokens=tokens,
+                          micro_batch_losses=means, tokens=tokens,
                           supervised_tokens=out.supervised_tokens, seconds=seconds,
                           grad_norm=out.grad_norm, applied=out.finite and (deferred or not out.nonfinite_updates),
                           skipped_layers=skipped, updated_layers=() if deferred else tuple(self.executor.updated),
@@ -544,11 +570,7 @@ class Trainer:
         parts = self._split(batch, k)
         targets = self.executor.targets(parts)
         self.flush()
-        if k not in self._eval_schedules:
-            sched = lower(self.graph, _with_micro_batches(self.plan, k), mode="eval")
-            verify(sched, self.graph)
-            self._eval_schedules[k] = sched
-        out = self._run_step(self._eval_schedules[k], parts, "evaluate", targets)
+        out = self._run_step(self._eval_schedule(k), parts, "evaluate", targets)
         counted = None not in targets
         # The sums over this rank's micro-batches of the losses, targets and micro-batch means (a
         # mean over no target adds nothing), and the micro-batches: the ranks' sums give the loss.
@@ -564,6 +586,48 @@ class Trainer:
         if counted and supervised == 0:
             raise BatchError(_no_targets("the evaluated batch", world))
         return total / supervised if self.options.per_token_loss else mean_sum / micro_batches
+
+    def _eval_schedule(self, micro_batches: int) -> Schedule:
+        """The eval schedule (forward only: no gradient, no optimizer state) of ``micro_batches``
+        micro-batches of this plan, lowered and verified once."""
+        if micro_batches not in self._eval_schedules:
+            sched = lower(self.graph, _with_micro_batches(self.plan, micro_batches), mode="eval")
+            verify(sched, self.graph)
+            self._eval_schedules[micro_batches] = sched
+        return self._eval_schedules[micro_batches]
+
+    def logprobs(self, batch: Mapping[str, torch.Tensor], *, entropy: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The log-probability the model gives each label, forward only: the eval schedule of
+        ``batch``'s micro-batches with the LM head computing ``log_softmax(logits)[label]`` a chunk
+        of tokens at a time (``[tokens, vocab]`` never exists), as eager
+        ``log_softmax(logits.float(), -1).gather(-1, labels)`` on the whole batch. Nothing is
+        updated (a deferred update is applied first, as ``evaluate`` does).
+
+        Alignment: ``out[b, t]`` is the log-probability of ``labels[b, t]`` given the tokens
+        before it (Hugging Face's shift: the logits at ``t - 1`` predict it), and 0 where there is
+        no target (``labels[b, t] == -100``, and ``t == 0``, which nothing predicts):
+        ``megatrain.rl.target_mask(labels)`` is where it is defined. Per-token tensors built on
+        ``labels`` (advantages, a response mask) line up with it.
+
+        Args:
+            batch: a dict of the compiled inputs (``labels`` among them), any multiple of
+                ``micro_batch_size`` rows of ``seq_len``; other keys (a loss's tensors) are ignored.
+            entropy: also return the entropy of each of those predictive distributions (nats,
+                same alignment, 0 where there is no target).
+
+        Returns:
+            ``FloatTensor[rows, seq_len]`` float32 on the CPU; with ``entropy``, ``(logprobs, entropy)``.
+            Under data parallel each rank gets its own rows (every rank calls it, as ``evaluate``).
+
+        Raises:
+            BatchError: a batch ``evaluate`` would refuse (its row count, shapes, dtypes, ids).
+            ConfigError: a model without ``labels`` among its inputs, or whose loss is not a
+                cross-entropy of its LM head (``megatrain.planner.trace.token_logprobs``).
+        """
+        from megatrain.rl.logprobs import token_logprobs
+
+        return token_logprobs(self, batch, entropy=entropy)
 
     # -- batches ---------------------------------------------------------------------------------
     def _as_dict(self, batch) -> dict[str, torch.Tensor]:
@@ -743,7 +807,8 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                per_token_loss: bool = True, optimizer_name: str | None = None,
                shared_staging: bool | None = None,
                image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1,
-               templates: str | None = None, cuda_graphs: bool | str | None = None) -> PlannedModel:
+               templates: str | None = None, cuda_graphs: bool | str | None = None,
+               reference: Literal["bfloat16"] | None = None) -> PlannedModel:
     """Plan ``model`` for training, once, through the planning front door
     (:func:`megatrain.planner.front.plan`), with this process's data-parallel topology (the
     default ``torch.distributed`` process group and torchrun's ``LOCAL_WORLD_SIZE``): trace it (on
@@ -777,6 +842,10 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
             and ``memory`` count. None keeps a given plan's, else ``"adamw"``.
         shared_staging: ``megatrain.planner.front.Storage.shared_staging`` (a shape-free
             trainer's host state made without the node's shared staging tiles: False).
+        reference: ``"bfloat16"``: plan a frozen BF16 copy of the weights for a reference model
+            beside the training state (``megatrain.planner.front.Storage.reference``; 2 bytes per
+            parameter of host memory, counted in ``memory.reference_weights``), which
+            ``megatrain.rl.Reference(trainer)`` then holds.
 
     Returns:
         The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
@@ -802,8 +871,9 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
                                   plan=plan, hardware=hardware, device=device, compute_dtype=compute_dtype,
                                   input_names=tuple(input_names), max_grad_norm=max_grad_norm,
                                   per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
-                                  storage=Storage(shared_staging=shared_staging), image_grid_thw=image_grid_thw,
-                                  images_per_row=images_per_row, templates=templates, cuda_graphs=cuda_graphs))
+                                  storage=Storage(shared_staging=shared_staging, reference=reference),
+                                  image_grid_thw=image_grid_thw, images_per_row=images_per_row, templates=templates,
+                                  cuda_graphs=cuda_graphs))
 
 
 def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
@@ -841,7 +911,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             max_shapes: int | None = None, share_host_memory: bool = True,
             host_state: str | None = None, per_token_loss: bool = True,
             image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1,
-            templates: str | None = None, cuda_graphs: bool | str | None = None) -> Trainer:
+            templates: str | None = None, cuda_graphs: bool | str | None = None,
+            reference: Literal["bfloat16"] | None = None) -> Trainer:
     """Compile ``model`` for training on one device with all persistent state in host memory:
     ``materialize(plan_model(model, ...), optimizer)``.
 
@@ -953,6 +1024,10 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             are captured after it, said on stderr): True, False, or ``"auto"`` (on where the
             planner finds the step issue-bound on ``hardware``). None: a given plan's, else False.
             CUDA only.
+        reference: ``"bfloat16"`` plans host memory for a frozen BF16 copy of the weights, the
+            reference model of preference and RL training (``megatrain.rl.Reference``, 2 bytes per
+            parameter); None (the default) plans none (reference log-probabilities precomputed
+            before training need none: ``megatrain.rl.precompute_reference``). Fixed shapes only.
 
     Raises:
         ConfigError: an option or optimizer setting out of range (``images_per_row`` below 1
@@ -970,8 +1045,9 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         if plan is not None and plan != "default":
             raise ConfigError("a Plan is made for one batch shape: give seq_len and micro_batch_size with it, "
                               "or leave plan unset (shape-free compile plans each shape)")
-        if host_state is not None:
-            raise ConfigError(f"host_state={host_state!r} with shape-free compile (seq_len=None): not supported "
+        if host_state is not None or reference is not None:
+            what = f"host_state={host_state!r}" if host_state is not None else f"reference={reference!r}"
+            raise ConfigError(f"{what} with shape-free compile (seq_len=None): not supported "
                               "yet; give seq_len and micro_batch_size")
         return ShapeFreeTrainer(model, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                                 seq_len_buckets=seq_len_buckets,
@@ -993,7 +1069,7 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
                          hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
                          host_state=host_state, per_token_loss=per_token_loss, optimizer_name=spec_of(opt).name,
                          image_grid_thw=image_grid_thw, images_per_row=images_per_row, templates=templates,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, reference=reference)
     return materialize(planned, opt, nvme_dir=nvme_dir)
 
 

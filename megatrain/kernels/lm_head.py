@@ -108,21 +108,27 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, chunk_tokens
         dz.mul_(valid.to(acc).unsqueeze(1))
         if count is not None:
             dz.div_(count)
-        # Back through the casts the unfused graph made on the way to the loss.
-        dz = dz.to(logits_dtype).to(mm_dtype)
-        if need_h and grad_h.dtype == mm_dtype:
-            torch.mm(dz, w, out=grad_h[rows])
-        elif need_h:
-            grad_h[rows] = dz.mm(w)
-        if need_w:
-            _accumulate_product(grad_w, dz.t(), h)
-        if need_b:
-            grad_b.add_(dz.sum(0))
+        _backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype)
     loss = total / count if count is not None else total
     grads = (grad_h,
              grad_w.to(weight.dtype) if grad_w is not None else None,
              grad_b.to(bias.dtype) if grad_b is not None else None)
     return loss.to(logits_dtype), grads
+
+
+def _backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype) -> None:
+    """From a chunk's logit gradient ``dz`` (reduction dtype): back through the casts the unfused
+    graph made on the way to the loss, then its rows of the gradient of hidden (``grad_h[rows]``)
+    and its shares of the weight's and bias's (added); a None gradient is not wanted."""
+    dz = dz.to(logits_dtype).to(mm_dtype)
+    if grad_h is not None and grad_h.dtype == mm_dtype:
+        torch.mm(dz, w, out=grad_h[rows])
+    elif grad_h is not None:
+        grad_h[rows] = dz.mm(w)
+    if grad_w is not None:
+        _accumulate_product(grad_w, dz.t(), h)
+    if grad_b is not None:
+        grad_b.add_(dz.sum(0))
 
 
 _CUDA_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
@@ -159,6 +165,15 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return own
 
 
+def _check_rows(kernel: str, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> None:
+    """Raise ValueError unless ``chunk_tokens >= 1``, ``hidden`` is ``[tokens, features]`` and ``labels`` ``[tokens]``."""
+    if chunk_tokens < 1:
+        raise ValueError(f"{kernel}: chunk_tokens must be >= 1, got {chunk_tokens}")
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"{kernel}: hidden must be [tokens, features] and labels [tokens]; got "
+                         f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
                          chunk_tokens: int = 2048, logits_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -173,11 +188,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction {reduction!r} is not one of {REDUCTIONS}")
-    if chunk_tokens < 1:
-        raise ValueError(f"linear_cross_entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
-    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
-        raise ValueError(f"linear_cross_entropy: hidden must be [tokens, features] and labels [tokens]; got "
-                         f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
+    _check_rows("linear_cross_entropy", hidden, labels, chunk_tokens)
     mm_dtype = _matmul_dtype(hidden, weight)
     logits_dtype = logits_dtype or mm_dtype
     if hidden.device.type == "meta":

@@ -91,11 +91,16 @@ class Storage:
     the host-memory budget (bytes, or a size such as ``"512GiB"``) the state left in RAM must fit,
     None to put every trainable layer's moments in ``nvme_dir``. ``shared_staging``: False where
     the host state this plan will share (a shape-free trainer's other shapes') was made without
-    the node's shared BF16 staging tiles, so the ranks cast into tiles of their own."""
+    the node's shared BF16 staging tiles, so the ranks cast into tiles of their own.
+    ``reference``: ``"bfloat16"`` to hold a frozen BF16 copy of the weights for a reference model
+    (preference and RL training: :class:`megatrain.rl.Reference`), 2 bytes per tile element of
+    host memory on each rank, which the solver leaves room for and ``MemoryBreakdown.reference_weights``
+    counts; None (the default) for none (a reference precomputed as log-probabilities needs none)."""
 
     nvme_dir: str | os.PathLike | None = None
     host_memory: int | str | None = None
     shared_staging: bool | None = None
+    reference: Literal["bfloat16"] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +280,7 @@ def plan(request: PlanRequest) -> PlannedModel:
                               r.max_grad_norm, r.per_token_loss)
     check_model(r.model, options.seq_len)
     hw = _hardware(r.hardware)
+    _check_reference(r.storage, hw)
     # Traced in the compute dtype (a BF16-built template for BF16 compute), as `megatrain plan` traces.
     dtype = r.plan.compute_dtype if isinstance(r.plan, Plan) else compute_dtype(options, r.compute_dtype)
     t0 = time.perf_counter()
@@ -291,6 +297,7 @@ def plan(request: PlanRequest) -> PlannedModel:
                           "per_token_loss=False to weight each micro-batch's loss equally (the mean of the "
                           "micro-batch losses)")
     _check_host_state(topo)
+    reference, hw_state = _reference(graph, r.storage, hw, topo)
     clip = options.max_grad_norm is not None
     if r.optimizer_name is not None:
         optimizer_spec(r.optimizer_name)  # ConfigError naming the known ones
@@ -298,8 +305,8 @@ def plan(request: PlanRequest) -> PlannedModel:
     solution = nvme = topology = None
     p = r.plan
     if p is None and hw is not None:
-        solution, nvme, topology = _solve(graph, options, hw, dtype, r, options.global_batch if mbs else per_rank,
-                                          opt_name)
+        solution, nvme, topology = _solve(graph, options, hw_state, dtype, r,
+                                          options.global_batch if mbs else per_rank, opt_name)
         p = (nvme or solution).plan
         if mbs is None:
             options = options.model_copy(update={"micro_batch_size": solution.micro_batch_size,
@@ -327,7 +334,7 @@ def plan(request: PlanRequest) -> PlannedModel:
 
         memory = solution.memory if solution is not None and topo.ranks == 1 else \
             memory_breakdown(graph, p, hw, schedule=Schedules.lower(graph, p).steady)
-        placed = place_in_directory(graph, p, memory, r.storage.host_memory, r.storage.nvme_dir, hw)
+        placed = place_in_directory(graph, p, memory, r.storage.host_memory, r.storage.nvme_dir, hw_state)
         decisions.append(placed.describe(graph, r.storage.nvme_dir,
                                          cast_once_set=placed.cast_once and not p.cast_once))
         p = _data_parallel(dataclasses.replace(p, nvme_moments=placed.moments, nvme_gradients=placed.gradients,
@@ -340,6 +347,12 @@ def plan(request: PlanRequest) -> PlannedModel:
         if choice != planned.plan.host_state:
             p = _data_parallel(planned.plan, topo, r.storage, host_state=choice)
             planned = _lowered(r.model, options, traced, graph, p, hw, None, None, None, topo)
+    if reference:
+        from megatrain.units import human_bytes
+
+        planned = dataclasses.replace(planned, memory=dataclasses.replace(planned.memory, reference_weights=reference))
+        decisions.append(f"reference model: a frozen BF16 copy of the weights, {human_bytes(reference)} of host memory"
+                         + (" per rank" if topo.ranks > 1 else "") + ", held beside the training state")
     planned = _execution(planned, r, hw, decisions)
     # A plan for the CPU backend and no GPU has no GPU reserve (the reserve is CUDA's: its context,
     # workspaces, allocator); with a GPU's spec the plan's memory is that GPU's, reserve included.
@@ -401,6 +414,35 @@ def _execution(planned: PlannedModel, r: PlanRequest, hw: HardwareSpec | None, d
                             f"{human_bytes(memory.gpu_peak)} of {human_bytes(hw.gpu_memory_bytes)}); turn cuda_graphs "
                             "off, or plan with a smaller micro-batch")
     return dataclasses.replace(planned, plan=q, schedules=schedules, memory=memory)
+
+
+def _check_reference(storage: Storage, hw: HardwareSpec | None) -> None:
+    """Raise ConfigError for a ``Storage.reference`` this planner does not plan."""
+    if storage.reference not in (None, "bfloat16"):
+        raise ConfigError(f"reference={storage.reference!r}: use 'bfloat16' (a frozen BF16 copy of the weights on the "
+                          "host) or None (reference log-probabilities precomputed before training)")
+    if storage.reference is not None and (storage.nvme_dir is not None or (hw is not None and hw.has_nvme)):
+        raise ConfigError("a BF16 reference model on the host with an NVMe tier is not planned yet; plan without the "
+                          "NVMe tier, or precompute the reference log-probabilities before training")
+
+
+def _reference(graph: LayerGraph, storage: Storage, hw: HardwareSpec | None,
+               topo: Topology) -> tuple[int, HardwareSpec | None]:
+    """``(bytes, spec)``: the host bytes of ``storage.reference`` (a frozen BF16 copy of every
+    tile element, on each rank) and the spec the training state is planned on: ``hw`` less the
+    node's copies of it (the solver and the NVMe placement then leave it room)."""
+    if storage.reference is None:
+        return 0, hw
+    nbytes = 2 * sum(layer.numel for layer in graph.layers)
+    if hw is None:
+        return nbytes, hw
+    left = hw.host_memory_bytes - topo.ranks_per_node * nbytes
+    if left <= 0:
+        raise PlanError(f"{hw.name}: the BF16 reference weights alone ({topo.ranks_per_node} x {nbytes} bytes) fill its "
+                        f"{hw.host_memory_bytes} bytes of host memory; precompute the reference log-probabilities "
+                        "instead")
+    return nbytes, hw.model_copy(update={"host_memory_bytes": left,
+                                         "pinned_memory_cap_bytes": min(hw.pinned_memory_cap_bytes, left)})
 
 
 def _lowered(model, options, traced, graph, p: Plan, hw, solution, nvme, topology, topo: Topology) -> PlannedModel:

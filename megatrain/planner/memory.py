@@ -94,6 +94,9 @@ class MemoryBreakdown:
     when the master rows must be pinned too (``pinned_masters`` bytes, :func:`pinned_master_bytes`):
     with FP32 compute the H2D reads the master row directly, and a DMA needs page-locked memory.
     The moments are never pinned. ``host_pinned`` is the bytes the runtime page-locks, exactly.
+    ``reference_weights``: a frozen BF16 copy of every weight for a reference model (preference
+    and RL training, :class:`megatrain.rl.Reference`; pageable, 2 bytes per tile element), where
+    the plan was asked to hold one (``megatrain.planner.front.Storage.reference``), else 0.
 
     GPU: ``weight_slots``, ``gradient_slots``, ``buffers`` and ``reserve`` are allocated for the
     whole step; ``activations_peak`` (checkpoints, boundary gradients, batch inputs) and
@@ -125,12 +128,14 @@ class MemoryBreakdown:
     reserve_parts: GpuReserve | None = None
     optimizer_name: str = "adamw"
     graph_pool: int = 0
+    reference_weights: int = 0
 
     @property
     def host_total(self) -> int:
         return (self.master_weights + self.adam_moments + self.gradient_ring + self.staging_ring
                 + self.pinned_activations + self.pinned_norms + self.gradient_accumulators
-                + self.gradient_scratch + self.nvme_buffers + self.nvme_gradient_buffers + self.shared_staging)
+                + self.gradient_scratch + self.nvme_buffers + self.nvme_gradient_buffers + self.shared_staging
+                + self.reference_weights)
 
     @property
     def host_pinned(self) -> int:
@@ -185,6 +190,7 @@ class MemoryBreakdown:
             ("host", "gradient norms and flags (pinned)", self.pinned_norms),
             ("host", "gradient accumulators (FP32)", self.gradient_accumulators),
             ("host", "gradient widening scratch (FP32)", self.gradient_scratch),
+            ("host", "BF16 reference weights (frozen)", self.reference_weights),
             ("host", f"NVMe I/O buffers ({OPTIMIZERS[self.optimizer_name].label} moments)", self.nvme_buffers),
             ("host", "NVMe I/O buffers (gradient tiles, pinned)", self.nvme_gradient_buffers),
             ("host", "BF16 staging tiles shared by the node (pinned)", self.shared_staging),

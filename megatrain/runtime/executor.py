@@ -158,6 +158,26 @@ class DeferredUpdates:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenHead:
+    """A run whose loss layer returns per-token values instead of its loss (``Executor.run(...,
+    head=)``; :mod:`megatrain.rl` makes them): layer ``layer`` runs ``template`` (its template with
+    the LM head's summed cross-entropy replaced by per-token log-probabilities,
+    :func:`megatrain.planner.trace.token_logprobs.logprobs_template`, retargeted to the device).
+
+    ``keep(mb, t)``, in a forward (an eval schedule): gets micro-batch ``mb``'s per-token output
+    ``t`` (detached) and returns the 0-dim tensor the run reports as its loss. ``seed(mb, t)``, in
+    the layer's local backward (a train schedule): gets ``t`` as autograd recorded it and returns
+    ``(loss, seed)``: the micro-batch's 0-dim loss (its term of the global batch's loss) and
+    ``dloss/dt``, which seeds the layer's backward in place of the loss weight. The layer-local
+    backward and the schedule are the same as for the model's own loss."""
+
+    layer: int
+    template: Any
+    keep: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    seed: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceRng:
     """The default random number generator of ``device``, whose state a recompute replays.
 
@@ -294,6 +314,20 @@ class Executor:
         Raises:
             torch.OutOfMemoryError / RuntimeError: the device or the pinned allocation failed."""
         self._ensure_buffers(schedule)
+
+    def release_device(self) -> int:
+        """Free the GPU weight and gradient slots (the bulk of the device memory a trainer holds
+        between steps), so that another user of the card (a colocated rollout engine) can take
+        it; the next run, or :meth:`allocate`, makes them again. Host buffers (the pinned arena,
+        the accumulators, with any gradients a deferred update still needs) are kept. Returns the
+        bytes freed (0 when none were held); the caller empties the device allocator's cache."""
+        if self._buffers is None:
+            return 0
+        freed = sum(t.numel() * t.element_size() for t in self._buffers.weights + self._buffers.grads)
+        self._buffers.weights, self._buffers.grads = [], []
+        self._views = {}
+        self._buffer_key = None  # the next _ensure_buffers makes the slots again, keeping the arena
+        return freed
 
     def layout(self, schedule: Schedule) -> BufferLayout:
         """``schedule``'s buffer layout: the one lowering recorded (``Schedule.layout``), or for a
@@ -528,7 +562,8 @@ class Executor:
                     for mb in micro_batches]
 
     def run(self, schedule: Schedule, micro_batches: Sequence[dict[str, torch.Tensor]],
-            targets: Sequence[int | None] | None = None) -> StepOutput:
+            targets: Sequence[int | None] | None = None, *, head: TokenHead | None = None,
+            weights: Sequence[torch.Tensor] | None = None) -> StepOutput:
         """Run ``schedule`` on ``micro_batches`` (one dict of input tensors per micro-batch).
 
         ``targets``: the supervised tokens of each micro-batch (:meth:`targets`, which counts them
@@ -540,6 +575,12 @@ class Executor:
 
         A schedule that carries updates (an ``"update"`` schedule, or a train schedule with
         ``carries_updates``) takes each layer whose update ran off ``deferred``, also when it raises.
+
+        ``head``: the loss layer returns per-token values that the head keeps (eval) or seeds
+        (train) instead of the loss (:class:`TokenHead`); each micro-batch's loss is then the
+        head's. ``weights``: each layer's weights are read from these host rows (``numel``
+        elements, any float dtype: a frozen reference model's BF16 copy) instead of its master
+        row, by its H2Ds and CASTs (for an eval schedule: nothing updates them).
 
         Raises:
             ValueError: ``micro_batches`` (or ``targets``) is not the plan's number of micro-batches.
@@ -564,6 +605,7 @@ class Executor:
             check_backend(self.backend)
             self.graphs = TemplateGraphs(self.backend)
         ctx = _RunContext(self, schedule, bufs, _Activations(info.live), targets)
+        ctx.head, ctx.source = head, weights
         self.updated = ctx.updated
         self.unsaved = ctx.unsaved
         if ctx.graphs is not None and ctx.graphs.wanted:
@@ -738,6 +780,8 @@ class _RunContext:
         # from which each micro-batch's weight (the seed of its loss). A COUNT_REDUCE sums the ranks'
         # counts; without one the global batch is this rank's. (An update schedule has no batch.)
         self.targets = targets
+        self.head: TokenHead | None = None  # Executor.run's head and weights
+        self.source: Sequence[torch.Tensor] | None = None
         self.counted = None not in targets
         self.supervised: int | None = None
         self.weights: list[float] = []
@@ -807,6 +851,8 @@ def _master_source(ctx: _RunContext, i: int, op: Op) -> torch.Tensor:
     state's row, or on a sliced host state the gather tile of the ALL_GATHER it depends on (in the
     compute dtype; rule 'collectives' checks there is exactly one)."""
     host = ctx.ex.host
+    if ctx.source is not None:
+        return ctx.source[op.layer]
     if not host.sliced:
         return host.master(op.layer)
     ops = ctx.schedule.ops
@@ -829,8 +875,9 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
     (:class:`megatrain.runtime.graphs.TemplateGraphs`), the same computation on static buffers."""
     ex, li, mb = ctx.ex, op.layer, op.mb
     layer = ctx.graph.layers[li]
+    head = ctx.head if ctx.head is not None and ctx.head.layer == li else None
     evaluate = ctx.schedule.mode == "eval" and layer.draws_random
-    tmpl = ex.template_of(li, evaluate, ctx.compiled)
+    tmpl = ex.template_of(li, evaluate, ctx.compiled) if head is None else head.template
     lbufs = ex.layer_buffers[li]
     weights = ex._bind(li, ctx.bufs.weights[op.slot])
     loss_id = ctx.graph.loss
@@ -861,12 +908,12 @@ def _fwd(ctx: _RunContext, i: int, op: Op) -> Work:
             else:
                 ctx.rng_states[(li, mb)] = ex.rng.get()
         with replaying_rng(ex.rng, state):
-            outs = call(ins) if graphs is None else graphs.run(key, call, ins,
+            outs = call(ins) if graphs is None or head is not None else graphs.run(key, call, ins,
                                                                static=[*weights, *lbufs, *module_tensors(tmpl)],
                                                                what=f"{op!r} (layer {layer.name!r})")
         for vid, t in zip(layer.outputs, outs):
             if vid == loss_id:
-                ctx.losses[mb] = t.detach()
+                ctx.losses[mb] = t.detach() if head is None else head.keep(mb, t.detach())
             else:
                 acts[(vid, mb)] = t
     return run
@@ -879,7 +926,7 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
     work = local_backward(ctx.ex, op.layer, mb, ctx.bufs.weights[op.slot], ctx.bufs.grads[op.slot],
                           ctx.acts.view(i), ctx.grads, ctx.losses, lambda: ctx.weights[mb], ctx.compute_dtype,
                           fresh=mb == 0 or not ctx.layer_by_layer, rng_states=ctx.rng_states, compiled=ctx.compiled,
-                          graphs=ctx.graphs)
+                          graphs=ctx.graphs, head=ctx.head if ctx.head is not None and ctx.head.layer == op.layer else None)
     done = [(vid, mb) for vid in ctx.graph.layers[op.layer].outputs]
 
     def drop() -> None:  # the gradients of its outputs were read for the last time
@@ -891,7 +938,7 @@ def _bwd(ctx: _RunContext, i: int, op: Op) -> Work:
 def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: torch.Tensor, acts, grads: dict,
                    losses: dict, weight: Callable[[], float], compute_dtype: str, fresh: bool,
                    rng_states: dict[tuple[int, int], torch.Tensor] | None = None, compiled: bool = False,
-                   graphs: Any = None) -> Work:
+                   graphs: Any = None, head: TokenHead | None = None) -> Work:
     """The work of layer ``li``'s local backward for micro-batch ``mb``: recompute its forward from
     ``acts[(input, mb)]`` with weights bound to ``wslot``, then write (``fresh``) or add the weight
     gradients into ``gslot`` (FP32, or BF16 when ``fresh``: the plan's gradient dtype) and add the
@@ -906,10 +953,12 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
     layer's compiled template (``Plan.templates``); ``graphs``: the executor's
     :class:`~megatrain.runtime.graphs.TemplateGraphs` (``Plan.cuda_graphs``), which replays the
     computation of :func:`backward_body` captured on static buffers (the loss's seed among them,
-    filled with ``weight()`` before the replay)."""
+    filled with ``weight()`` before the replay). ``head`` (of layer ``li``): its template runs, and
+    its ``seed`` gives the loss and the seed of the per-token output (never in a CUDA graph: the
+    seed is the loss's function of the per-token values, made on the fly)."""
     g = ex.graph
     layer = g.layers[li]
-    tmpl = ex.template_of(li, False, compiled)
+    tmpl = ex.template_of(li, False, compiled) if head is None else head.template
     lbufs = ex.layer_buffers[li]
     gviews, gaps = ex._grad_views(li, gslot)
     weights = ex._bind(li, wslot)
@@ -918,7 +967,8 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
     def body(ins: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
              loss_seed: float | torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         with torch.enable_grad(), ex._precision(compute_dtype):
-            return backward_body(ex, li, tmpl, weights, lbufs, ins, seeds, loss_seed, gviews, gaps, fresh)
+            return backward_body(ex, li, tmpl, weights, lbufs, ins, seeds, loss_seed, gviews, gaps, fresh,
+                                 head_seed=None if head is None else lambda t: head.seed(mb, t))
 
     def run() -> None:
         state = rng_states.pop((li, mb), None) if rng_states is not None and layer.draws_random else None
@@ -929,7 +979,7 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
             ins.append(x.contiguous() if compiled else x)
         seeds = [None if vid == g.loss else grads.get((vid, mb)) for vid in outputs]
         with replaying_rng(ex.rng, state):
-            if graphs is None:
+            if graphs is None or head is not None:
                 res = body(ins, seeds, weight())
             else:
                 key = ("bwd", id(tmpl), id(wslot), id(gslot), fresh, ex.layout_key(li),
@@ -951,7 +1001,8 @@ def local_backward(ex: Executor, li: int, mb: int, wslot: torch.Tensor, gslot: t
 def backward_body(ex: Executor, li: int, tmpl: Callable, weights: Sequence[torch.Tensor],
                   lbufs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
                   loss_seed: float | torch.Tensor, gviews: Sequence[torch.Tensor], gaps: Sequence[torch.Tensor],
-                  fresh: bool) -> tuple[torch.Tensor | None, ...]:
+                  fresh: bool, head_seed: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+                  ) -> tuple[torch.Tensor | None, ...]:
     """The device computation of layer ``li``'s local backward, with gradients on: run ``tmpl`` on
     ``weights`` (views of the slot; each trainable one made a leaf of its own), ``lbufs`` and
     ``ins`` (the differentiable ones made leaves), then ``torch.autograd.grad`` of the outputs
@@ -960,6 +1011,8 @@ def backward_body(ex: Executor, li: int, tmpl: Callable, weights: Sequence[torch
     dtype holding it), written (``fresh``: padding ``gaps`` and unused weights zeroed) or added into
     ``gviews``. Returns ``(loss or None, gradient of each differentiable input or None)``. Reads no
     host value but ``loss_seed`` when it is a float, so that it can be captured in a CUDA graph.
+    ``head_seed`` (a :class:`TokenHead`'s, for the loss layer's per-token output ``t``): returns
+    ``(loss, dloss/dt)``, the loss reported and the seed of ``t`` in place of ``loss_seed``.
 
     Each trainable parameter is a leaf of its own, so its gradient lands in a tensor of its size; a
     flat leaf would gather them through ``slice_backward``, one zero-filled and one summed full tile
@@ -982,7 +1035,11 @@ def backward_body(ex: Executor, li: int, tmpl: Callable, weights: Sequence[torch
     loss = None
     roots, grad_outs = [], []
     for vid, t, seed in zip(layer.outputs, outs, seeds):
-        if vid == g.loss:
+        if vid == g.loss and head_seed is not None:
+            loss, head_grad = head_seed(t)  # the loss is a function of the per-token values
+            roots.append(t)
+            grad_outs.append(head_grad)
+        elif vid == g.loss:
             loss = t.detach()
             roots.append(t)
             # The gradient of the global batch's loss, of which this loss is loss_seed x.
@@ -1408,5 +1465,5 @@ def _then(fn: Work, after: Work) -> Work:
     return run
 
 
-__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "backward_body", "local_backward",
-           "replaying_rng"]
+__all__ = ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput", "TokenHead", "backward_body",
+           "local_backward", "replaying_rng"]
