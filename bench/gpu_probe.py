@@ -39,10 +39,13 @@ Sections, in the order they run (``--sections`` picks a subset):
     so the rates are DRAM rates, not cache rates. The spec takes the rates of the kernel megatrain
     runs at the budget.
 ``launch``
-    Per-op launch cost of a template-like op, ``template_issue_s_per_op``: a small Llama block's
-    forward and local backward as the executor runs a layer, its time on the issuing thread over
-    its aten ops as the tracer counts them (``megatrain.runtime.measure.measure_launch_overhead``;
-    the spec's ``launch_overhead_s``). For reference, N tiny in-place adds issued from Python on
+    The issuing thread's seconds per dispatched op of megatrain's own template of the step's block,
+    forward and local backward, as the executor runs them (``template_issue``,
+    :func:`template_issue_costs`; the spec's ``launch_overhead_s`` and
+    ``backward_launch_overhead_s``), beside the same for the stand-in block the first session
+    measured (``template_issue_s_per_op``: a small Llama block's forward and local backward over
+    its ops as meta tracing counts them, ``megatrain.runtime.measure.measure_launch_overhead``).
+    For reference, N tiny in-place adds issued from Python on
     one stream with no synchronisation in between, then one synchronisation; ``issue_s_per_op``
     is the issuing thread's time per launch, ``total_s_per_op`` includes draining the queue. Also
     the cost of one event record plus one cross-stream ``wait_event`` (what the CUDA backend adds
@@ -51,6 +54,10 @@ Sections, in the order they run (``--sections`` picks a subset):
     Square BF16, FP32 with TF32 off, and FP32 with TF32 on (``HardwareSpec.fp32_flops`` is the
     TF32-off rate, the one megatrain's strict FP32 ops get) products on random data, median of 10 after 3 warm-ups, timed with CUDA events;
     relative error of two rows against an FP64 reference on the CPU.
+``kernels``
+    The simulator's kernel-model rates at the step's shapes (:func:`section_kernels`): element-wise
+    memory bandwidth, GPU seconds per kernel, fused causal attention forward and backward, the
+    block's matmuls beside the roofline's time, and H2D of a tile a host cast has just written.
 ``spec``
     A ``HardwareSpec`` built from the sections above, saved as ``spec.json`` and read back with
     ``HardwareSpec.load``. ``sources`` names the measurement behind each field.
@@ -134,11 +141,11 @@ SELECT_ENV = "GPU_PROBE_SELECT"
 """Set to ``cuda`` in the pytest subprocesses: this module, loaded as a pytest plugin
 (``-p gpu_probe``), then keeps only the tests that need CUDA."""
 
-SECTION_ORDER = ("environment", "copies", "pinned_alloc", "host_rates", "launch", "matmul", "spec", "step",
-                 "cuda_tests", "race_detector")
+SECTION_ORDER = ("environment", "copies", "pinned_alloc", "host_rates", "launch", "matmul", "kernels", "spec",
+                 "step", "cuda_tests", "race_detector")
 
-DEFAULT_LIMITS_S = {"environment": 30, "copies": 45, "pinned_alloc": 45, "host_rates": 150, "launch": 20,
-                    "matmul": 40, "spec": 15, "step": 200, "cuda_tests": 180, "race_detector": 90}
+DEFAULT_LIMITS_S = {"environment": 30, "copies": 45, "pinned_alloc": 45, "host_rates": 150, "launch": 45,
+                    "matmul": 40, "kernels": 40, "spec": 15, "step": 200, "cuda_tests": 180, "race_detector": 90}
 """Per-section wall-clock limits in seconds on a GPU machine (estimates, with room: on an H100
 host the measurements take 5-30 s each, the 1B step about a minute with compile, the CUDA tests
 about a minute). A section also never gets more than what is left of ``--budget-s``."""
@@ -711,6 +718,14 @@ def section_launch(ctx: Ctx) -> dict:
            "issue_s_per_op": statistics.median(issue), "total_s_per_op": statistics.median(total),
            "issue_s_per_op_all": issue, "total_s_per_op_all": total,
            "template_issue_s_per_op": measure_launch_overhead(dev, seconds=0.05 if ctx.dry else 0.5)}
+    sh = DRY_STEP if ctx.dry else GPU_STEP
+    costs = template_issue_costs(dev, sh, seconds=0.05 if ctx.dry else 0.5, host_work=_host_ops(ctx))
+    out["template_issue"] = costs
+    out["optimizer_issue_stall"] = costs["issue_stall"]["opt"]["stall"]
+    out["cast_issue_stall"] = costs["issue_stall"]["cast"]["stall"]
+    # The spec's issue costs: seconds per dispatched op of megatrain's own template of the step's block.
+    out["template_fwd_s_per_op"] = costs["template"]["fwd_s_per_op"]
+    out["template_bwd_s_per_op"] = costs["template"]["bwd_s_per_op"]
     if ctx.cuda:
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         evs = [torch.cuda.Event() for _ in range(1000)]
@@ -726,6 +741,201 @@ def section_launch(ctx: Ctx) -> dict:
         out["event_record_and_wait_s"] = None
         out["note"] = "dry run: CPU kernels; no events"
     return out
+
+
+def template_issue_costs(device: str, sh: "StepShape", seconds: float = 0.5,
+                         host_work: dict[str, Callable[[], None]] | None = None) -> dict:
+    """Issuing-thread seconds per dispatched op of a layer template's forward (a FWD op) and of its
+    local backward (a BWD op: the leaves detached, the recompute, ``torch.autograd.grad``), as the
+    executor runs them, for two templates on ``device``: the stand-in block
+    ``HardwareSpec.launch_overhead_s`` was first measured with (``runtime.measure._llama_like_block``,
+    hidden 64, 16 tokens) and megatrain's own template of ``sh``'s decoder block (traced by
+    :func:`megatrain.planner.trace.trace` at ``sh``'s micro-batch and sequence, BF16 on CUDA, FP32
+    elsewhere). Ops are counted as the time model counts them (:func:`megatrain.ir.profile.profile_template`,
+    fused attention one op). The four calls are timed one at a time, round-robin for about
+    ``seconds`` each, medians: on a GPU after a synchronisation, by wall clock, so it is the time to
+    issue a call's kernels (the launch queue does not fill within one call), not to run them; on a
+    CPU by the thread's CPU time (the kernels run inline there, and a shared CPU's other load is
+    not counted).
+
+    ``host_work``: host ops by name (the OPT and CAST a host worker runs) whose effect on the issuing
+    thread is measured too (``issue_stall``, :func:`_issue_stalls`).
+
+    On a GPU the template's figures are the spec's ``launch_overhead_s`` and
+    ``backward_launch_overhead_s``. On a CPU at these tiny sizes the ratios between the two templates'
+    figures are what :func:`issue_costs_from_standin` carries to a probe that measured only the
+    stand-in (the first H100 session): megatrain's template's forward ops cost about twice the
+    stand-in's (its ``torch.ops.aten`` calls, casts and views against the stand-in's ``torch``
+    functions)."""
+    import torch
+    import torch.fx as fx
+    from transformers import LlamaForCausalLM
+
+    from megatrain.ir.graph import retarget
+    from megatrain.ir.issue import count_launches
+    from megatrain.ir.profile import profile_template
+    from megatrain.planner.trace import trace
+    from megatrain.runtime.measure import LAUNCH_BLOCK_HIDDEN, _llama_like_block
+
+    cuda = str(device).startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.perf_counter if cuda else time.thread_time
+    g = torch.Generator().manual_seed(0)
+
+    def calls(gm, args: list, grad: list[bool]):
+        def forward() -> None:
+            with torch.no_grad():
+                gm(*args)
+
+        def local_backward() -> None:
+            xs = [a.detach().requires_grad_(True) if q else a for a, q in zip(args, grad)]
+            with torch.enable_grad():
+                outs = gm(*xs)
+                outs = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,)) if o.requires_grad]
+                torch.autograd.grad(outs, [x for x, q in zip(xs, grad) if q], [torch.ones_like(o) for o in outs])
+
+        fwd_p, bwd_p = profile_template(gm, args, grad)
+        counts = {"fwd_ops": fwd_p.launches, "bwd_ops": bwd_p.launches + sum(grad),
+                  "meta_counts": list(count_launches(gm, args, grad))}
+        return forward, local_backward, counts
+
+    d, ff = LAUNCH_BLOCK_HIDDEN, 2 * LAUNCH_BLOCK_HIDDEN
+    shapes = [(d,), (d, d), (d // 2, d), (d // 2, d), (d, d), (d,), (ff, d), (ff, d), (d, ff), (1, 16, d)]
+    standin = [(torch.randn(s, generator=g) * 0.1).to(device, dtype) for s in shapes]
+    three = StepShape(**{**sh.__dict__, "layers": 3})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(three))
+    traced = trace(model, micro_batch_size=sh.micro_batch_size, seq_len=sh.seq_len, param_dtype=dtype)
+    layer = traced.graph.layers[1]  # the first decoder block
+    gm = retarget(traced.templates[layer.template], torch.device(device))
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    args = [(torch.randn(v.shape, generator=g) * 0.02).to(device, v.dtype) if v.is_floating_point()
+            else torch.zeros(v.shape, dtype=v.dtype, device=device) for v in vals]
+    grad = ([p.trainable for p in layer.params] + [False] * len(layer.buffers)
+            + [traced.graph.values[v].requires_grad for v in layer.inputs])
+    templates = {"standin": calls(fx.symbolic_trace(_llama_like_block), standin, [True] * len(standin)),
+                 "template": calls(gm, args, grad)}
+    fns = {(name, part): fn for name, (fwd, bwd, _) in templates.items() for part, fn in (("fwd", fwd), ("bwd", bwd))}
+    for fn in fns.values():  # first calls pick kernels and warm the allocator
+        fn()
+        fn()
+    times: dict = {k: [] for k in fns}
+    t_end = time.perf_counter() + 4 * seconds
+    while min(len(v) for v in times.values()) < 5 or time.perf_counter() < t_end:
+        for k, fn in fns.items():
+            sync()
+            t0 = clock()
+            fn()
+            times[k].append(clock() - t0)
+    sync()
+    out: dict[str, Any] = {"device": str(device), "dtype": str(dtype), "clock": clock.__name__}
+    for name, (_, _, counts) in templates.items():
+        tf, tb = statistics.median(times[(name, "fwd")]), statistics.median(times[(name, "bwd")])
+        out[name] = {**counts, "fwd_s": tf, "bwd_s": tb, "fwd_s_per_op": tf / counts["fwd_ops"],
+                     "bwd_s_per_op": tb / counts["bwd_ops"], "calls": len(times[(name, "fwd")])}
+    out["template"]["shape"] = {"hidden": sh.hidden, "ffn": sh.ffn, "heads": sh.heads, "kv_heads": sh.kv_heads,
+                                "tokens": sh.micro_batch_size * sh.seq_len}
+    out["template_fwd_over_standin_fwd"] = out["template"]["fwd_s_per_op"] / out["standin"]["fwd_s_per_op"]
+    out["template_bwd_over_standin_bwd"] = out["template"]["bwd_s_per_op"] / out["standin"]["bwd_s_per_op"]
+    if host_work:
+        out["issue_stall"] = _issue_stalls(fns[("template", "fwd")], host_work, sync, seconds)
+    return out
+
+
+def _issue_stalls(forward: Callable[[], None], host_work: dict[str, Callable[[], None]], sync, seconds: float) -> dict:
+    """How much each host op slows the issuing thread: the template's ``forward`` timed by wall clock
+    alone and while ``host_work[name]`` runs over and over on a thread of its own (as a host worker
+    runs an OPT or a CAST), alternately; ``stall`` = 1 - alone / during, the fraction of the host op's
+    time the thread could not issue (``HardwareSpec.host_optimizer_issue_stall``,
+    ``host_cast_issue_stall``): about 1 for a kernel that holds the GIL for its whole call, near 0
+    for one that releases it, in between where the host work also takes the thread's core or memory
+    bandwidth."""
+    out: dict[str, Any] = {}
+    for name, work in host_work.items():
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                work()
+
+        alone, during = [], []
+        t_end = time.perf_counter() + 2 * seconds
+        while len(during) < 5 or time.perf_counter() < t_end:
+            sync()
+            t0 = time.perf_counter()
+            forward()
+            alone.append(time.perf_counter() - t0)
+            stop.clear()
+            th = threading.Thread(target=loop, daemon=True)
+            th.start()
+            time.sleep(0.002)  # the host op under way
+            sync()
+            t0 = time.perf_counter()
+            forward()
+            during.append(time.perf_counter() - t0)
+            stop.set()
+            th.join()
+        a, d = statistics.median(alone), statistics.median(during)
+        out[name] = {"alone_s": a, "during_s": d, "stall": min(1.0, max(0.0, 1.0 - a / d)), "calls": len(during)}
+    return out
+
+
+def _host_ops(ctx: Ctx) -> dict[str, Callable[[], None]]:
+    """One layer's host OPT (megatrain's AdamW kernel, FP32 gradients) and CAST (FP32 master to a BF16
+    tile), each on the host workers' thread team (``host_worker_threads``), at the step's block size
+    (a 1B block's 60.8M parameters; 256K on a dry run)."""
+    import torch
+
+    from megatrain.ir.hardware import host_worker_threads
+    from megatrain.runtime.host_kernels import HostAdamW, set_thread_team
+    from megatrain.runtime.measure import host_cores
+
+    numel = (1 << 18) if ctx.dry else 60_821_504
+    team = host_worker_threads(host_cores())
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g) * 1e-3
+    m, v, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    staging = torch.empty(numel, dtype=torch.bfloat16)
+    adam = HostAdamW()
+
+    def opt() -> None:
+        set_thread_team(team)
+        adam.step(p, grad, m, v, step, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    def cast() -> None:
+        set_thread_team(team)
+        staging.copy_(p)
+    return {"opt": opt, "cast": cast}
+
+
+def issue_costs_from_standin(standin_s_per_meta_op: float, ratios: dict, bf16: bool = True) -> tuple[float, float]:
+    """(``launch_overhead_s``, ``backward_launch_overhead_s``) for a probe that measured only the
+    stand-in block (``launch.template_issue_s_per_op``: its forward and local backward's issuing time
+    over its ops as meta tracing counts them, the first H100 session's 12.0 us), converted to
+    megatrain's own template: the stand-in's time per dispatched op (its meta count over its
+    dispatched count, both from its structure), times the template-over-stand-in ratio of the same
+    phase from ``ratios`` (:func:`template_issue_costs` on one CPU: ``template_fwd_over_standin_fwd``,
+    ``template_bwd_over_standin_bwd``). It assumes the stand-in's forward and backward ops cost the
+    same per op on the GPU host (its ops are launch-bound there; on a CPU its backward kernels run
+    inline and cost more), which a probe that measures the template itself does not need."""
+    import torch
+    import torch.fx as fx
+
+    from megatrain.ir.issue import count_launches
+    from megatrain.ir.profile import profile_template
+    from megatrain.runtime.measure import LAUNCH_BLOCK_HIDDEN, _llama_like_block
+
+    d, ff = LAUNCH_BLOCK_HIDDEN, 2 * LAUNCH_BLOCK_HIDDEN
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    shapes = [(d,), (d, d), (d // 2, d), (d // 2, d), (d, d), (d,), (ff, d), (ff, d), (d, ff), (1, 16, d)]
+    args = [torch.empty(s, dtype=dtype, device="meta") for s in shapes]
+    gm = fx.symbolic_trace(_llama_like_block)
+    meta = sum(count_launches(gm, args, [True] * len(args)))
+    fwd, bwd = profile_template(gm, args, [True] * len(args))
+    dispatched = fwd.launches + bwd.launches + len(args)  # + the leaves a local backward detaches
+    per_op = standin_s_per_meta_op * meta / dispatched
+    return per_op * ratios["template_fwd_over_standin_fwd"], per_op * ratios["template_bwd_over_standin_bwd"]
 
 
 # -- matmul -----------------------------------------------------------------------------------------------
@@ -763,6 +973,143 @@ def section_matmul(ctx: Ctx) -> dict:
     return out
 
 
+# -- kernels: the rates of the simulator's kernel model ----------------------------------------------------
+
+def section_kernels(ctx: Ctx) -> dict:
+    """The GPU rates :func:`megatrain.planner.time.kernel_time` reads, at the step's shapes (Llama-3.2-1B's
+    block, 2 x 2048 tokens, BF16; tiny on a dry run), each timed with CUDA events, median of reps:
+
+    - ``memory_bytes_per_s``: the element-wise ops of an unfused block (FP32 RMSNorm: cast, square,
+      row mean, scale, cast back; a residual add; SwiGLU's silu and product; a strided-half ``cat``
+      as rotary embeddings do), their bytes (distinct elements read and written, as the kernel
+      profile counts them) over their summed time;
+    - ``kernel_overhead_s``: GPU seconds per kernel of 1-element adds queued behind matmuls (the
+      issuing thread far ahead), less nothing: their work is nil;
+    - ``attention``: fused causal attention forward and backward at the step's shape (grouped-query
+      heads), useful FLOP/s (``torch.utils.flop_counter``'s count halved for the causal mask);
+    - ``matmuls``: the block's projections forward (``[tokens, in] x [in, out]``) and their weight
+      gradients (``[out, tokens] x [tokens, in]``), FLOP/s each, beside the roofline's prediction from
+      the measured ``bf16_flops`` and ``memory_bytes_per_s`` (not read by the spec: the check of
+      the matmul model by shape);
+    - ``h2d_after_cast_bytes_per_s``: a BF16 layer tile copied to the GPU right after the host cast
+      it from FP32 masters (a CAST then its H2D, as a step runs them: the source is in the CPU's
+      cache, not DRAM, when the copy engine reads it)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    sh = DRY_STEP if ctx.dry else GPU_STEP
+    dev = "cuda" if ctx.cuda else "cpu"
+    dt = torch.bfloat16 if ctx.cuda else torch.float32
+    reps = 3 if ctx.dry else 10
+    tokens, h, f = sh.micro_batch_size * sh.seq_len, sh.hidden, sh.ffn
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape, dtype=dt):
+        return torch.randn(*shape, generator=g).to(dev, dtype)
+
+    def median_s(fn) -> float:
+        return statistics.median(_median_times(fn, cuda=ctx.cuda, reps=reps, warmup=2))
+
+    x, r, w = rnd(tokens, h), rnd(tokens, h), rnd(h)
+    up, gate = rnd(tokens, f), rnd(tokens, f)
+    q4 = rnd(sh.micro_batch_size, sh.heads, sh.seq_len, h // sh.heads)
+    x32 = x.float()
+    ops = {  # name: (work, bytes of the distinct elements read and written)
+        "cast_to_fp32": (lambda: x.float(), x.numel() * (x.element_size() + 4)),
+        "square_fp32": (lambda: x32.pow(2), x32.numel() * 8),
+        "row_mean_fp32": (lambda: x32.mean(-1, keepdim=True), x32.numel() * 4 + tokens * 4),
+        "scale_rows_fp32": (lambda: x32 * x32[:, :1], x32.numel() * 8 + tokens * 4),
+        "cast_to_compute": (lambda: x32.to(dt), x32.numel() * (4 + x.element_size())),
+        "weight_mul": (lambda: w * x, 2 * x.numel() * x.element_size() + w.numel() * w.element_size()),
+        "residual_add": (lambda: x + r, 3 * x.numel() * x.element_size()),
+        "silu": (lambda: F.silu(gate), 2 * gate.numel() * gate.element_size()),
+        "swiglu_mul": (lambda: gate * up, 3 * gate.numel() * gate.element_size()),
+        "rotary_cat": (lambda: torch.cat((-q4[..., q4.shape[-1] // 2:], q4[..., :q4.shape[-1] // 2]), -1),
+                       2 * q4.numel() * q4.element_size()),
+    }
+    elementwise, total_b, total_s = {}, 0, 0.0
+    for name, (fn, nbytes) in ops.items():
+        t = median_s(fn)
+        elementwise[name] = {"bytes": nbytes, "s": t, "bytes_per_s": nbytes / t}
+        total_b, total_s = total_b + nbytes, total_s + t
+    out: dict[str, Any] = {"shape": sh.__dict__, "elementwise": elementwise, "memory_bytes_per_s": total_b / total_s}
+
+    # Tiny kernels queued behind enough matmul work that the thread is far ahead when they run.
+    tiny, n_tiny = torch.zeros(1, device=dev), 200 if ctx.dry else 2000
+    big = rnd(2048, 2048) if ctx.cuda else rnd(64, 64)
+    if ctx.cuda:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        for _ in range(40):  # ~20 ms of matmuls at H100 rates: the thread issues the adds meanwhile
+            big @ big
+        e0.record()
+        for _ in range(n_tiny):
+            tiny.add_(1.0)
+        e1.record()
+        torch.cuda.synchronize()
+        out["kernel_overhead_s"] = e0.elapsed_time(e1) / 1e3 / n_tiny
+    else:
+        t0 = time.perf_counter()
+        for _ in range(n_tiny):
+            tiny.add_(1.0)
+        out["kernel_overhead_s"] = (time.perf_counter() - t0) / n_tiny
+    if float(tiny.item()) != float(n_tiny):
+        raise RuntimeError(f"{n_tiny} adds left {tiny.item()}: kernels were lost")
+
+    b, hq, hkv, s_len, hd = sh.micro_batch_size, sh.heads, sh.kv_heads, sh.seq_len, h // sh.heads
+    q = rnd(b, hq, s_len, hd).requires_grad_(True)
+    k, v = (rnd(b, hkv, s_len, hd).requires_grad_(True) for _ in range(2))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    go = torch.ones_like(o)
+    t_fwd = median_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    t_bwd = median_s(lambda: torch.autograd.grad(o, (q, k, v), go, retain_graph=True))
+    fwd_flops = sdpa_flop_count(q.shape, k.shape, v.shape)
+    bwd_flops = sdpa_backward_flop_count(o.shape, q.shape, k.shape, v.shape)
+    out["attention"] = {"q": list(q.shape), "kv": list(k.shape), "causal": True, "fwd_s": t_fwd, "bwd_s": t_bwd,
+                        "fwd_counted_flops": fwd_flops, "bwd_counted_flops": bwd_flops,
+                        "fwd_useful_flops_per_s": fwd_flops / 2 / t_fwd,
+                        "bwd_useful_flops_per_s": bwd_flops / 2 / t_bwd}
+
+    bf16 = (ctx.measured("matmul") or {}).get("bf16", {}).get("flops_per_s")
+    kv = hkv * hd
+    matmuls = []
+    for m_, k_, n_ in ((tokens, h, h), (tokens, h, kv), (tokens, h, f), (tokens, f, h), (h, tokens, h),
+                       (f, tokens, h), (h, tokens, f)):
+        a, bm = rnd(m_, k_), rnd(k_, n_)
+        t = median_s(lambda: a @ bm)
+        flops, nbytes = 2 * m_ * k_ * n_, (m_ * k_ + k_ * n_ + m_ * n_) * a.element_size()
+        row = {"m": m_, "k": k_, "n": n_, "s": t, "flops_per_s": flops / t}
+        if bf16:
+            row["roofline_s"] = max(flops / bf16, nbytes / out["memory_bytes_per_s"])
+        matmuls.append(row)
+    out["matmuls"] = matmuls
+
+    # A CAST (FP32 masters -> BF16 pinned staging tile) and at once its H2D, as a step runs them.
+    numel = (1 << 16) if ctx.dry else 60_821_504  # one 1B block's tile
+    master = torch.randn(numel, generator=g)
+    staging = torch.empty(numel, dtype=torch.bfloat16, pin_memory=ctx.cuda)
+    slot = torch.empty(numel, dtype=torch.bfloat16, device=dev)
+    times = []
+    for _ in range(reps):
+        staging.copy_(master)
+        if ctx.cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            slot.copy_(staging, non_blocking=True)
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            slot.copy_(staging)
+            times.append(time.perf_counter() - t0)
+    out["h2d_after_cast_bytes_per_s"] = numel * 2 / statistics.median(times)
+    if ctx.dry:
+        out["note"] = "dry run: CPU kernels at tiny sizes; the numbers check the harness, not a GPU"
+    return out
+
+
 # -- spec -------------------------------------------------------------------------------------------------
 
 MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -779,17 +1126,27 @@ MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "host_optimizer_bf16_params_per_s": ("host_rates", ("adamw_bf16_grads_params_per_s_at_budget",)),
     "host_cast_elements_per_s": ("host_rates", ("cast_elements_per_s_at_budget",)),
     "host_cores": ("host_rates", ("host_cores",)),
-    # Seconds of the issuing thread per dispatched aten op of a template-like layer: the field the
-    # simulator's issue model reads, where this megatrain's HardwareSpec has it.
-    "launch_overhead_s": ("launch", ("template_issue_s_per_op",)),
+    # Seconds of the issuing thread per dispatched aten op of megatrain's template of the step's
+    # block, forward and local backward (the 2026-11-27 probe measured a stand-in block instead).
+    "launch_overhead_s": ("launch", ("template_fwd_s_per_op",)),
+    "backward_launch_overhead_s": ("launch", ("template_bwd_s_per_op",)),
+    # The kernel model's GPU rates (planner.time.kernel_time), at the step's shapes.
+    "memory_bytes_per_s": ("kernels", ("memory_bytes_per_s",)),
+    "kernel_overhead_s": ("kernels", ("kernel_overhead_s",)),
+    "attention_flops": ("kernels", ("attention", "fwd_useful_flops_per_s")),
+    "attention_backward_flops": ("kernels", ("attention", "bwd_useful_flops_per_s")),
+    "h2d_after_cast_bytes_per_s": ("kernels", ("h2d_after_cast_bytes_per_s",)),
+    # How much the host OPT (megatrain's kernel) and a CAST slow the issuing thread while they run.
+    "host_optimizer_issue_stall": ("launch", ("optimizer_issue_stall",)),
+    "host_cast_issue_stall": ("launch", ("cast_issue_stall",)),
 }
 """Each HardwareSpec field the probe measures: (section, keys into its result). Fields the spec type
 lacks are left out; fields whose section did not succeed come from ``--fallback-preset``, listed."""
 
 
 def section_spec(ctx: Ctx) -> dict:
-    from megatrain.ir.hardware import (MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION, HardwareSpec, cpu_name,
-                                            preset)
+    from megatrain.ir.hardware import (HOST_KERNEL_ISSUE_STALL, MEASURED_MATMUL_EFFICIENCY, PINNED_FRACTION,
+                                       HardwareSpec, cpu_name, preset)
 
     fallback = preset(ctx.args.fallback_preset)
     known = HardwareSpec.model_fields
@@ -814,6 +1171,18 @@ def section_spec(ctx: Ctx) -> dict:
     sources["pinned_memory_cap_bytes"] = "PINNED_FRACTION x host_memory_bytes"
     fields["matmul_efficiency"] = MEASURED_MATMUL_EFFICIENCY
     sources["matmul_efficiency"] = "MEASURED_MATMUL_EFFICIENCY (an estimate, not measured)"
+    if "bf16_flops" not in from_preset:
+        fields["gemm_efficiency"] = 1.0
+        sources["gemm_efficiency"] = "1.0: bf16_flops is a measured large (8192^3) product's rate"
+    else:
+        fields["gemm_efficiency"] = fallback.gemm_efficiency
+        sources["gemm_efficiency"] = f"{ctx.args.fallback_preset} preset (its bf16_flops is a datasheet peak)"
+    kernel = (ctx.measured("host_rates") or {}).get("megatrain_kernel")
+    if "host_optimizer_issue_stall" in from_preset and kernel in HOST_KERNEL_ISSUE_STALL:
+        from_preset.remove("host_optimizer_issue_stall")
+        fields["host_optimizer_issue_stall"] = HOST_KERNEL_ISSUE_STALL[kernel]
+        sources["host_optimizer_issue_stall"] = (f"HOST_KERNEL_ISSUE_STALL[{kernel!r}] (the kernel host_rates "
+                                                 "measured; launch.optimizer_issue_stall not measured)")
     defaults = [k for k in known if k not in fields and k != "name"]
     for k in defaults:
         sources[k] = "HardwareSpec default (not measured by the probe)"
@@ -860,6 +1229,12 @@ final norm and two 32,000 x 2048 embeddings). Global batch 8 x 2048 tokens as 4 
 
 DRY_STEP = StepShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, seq_len=32,
                      micro_batch_size=2, micro_batches=2)
+
+STANDIN_STEP = StepShape(layers=3, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, seq_len=16,
+                         micro_batch_size=1, micro_batches=1)
+"""The stand-in block's own dimensions (``runtime.measure._llama_like_block``: hidden 64, FFN 128,
+4 heads, 2 KV heads, 16 tokens) as a model: :func:`template_issue_costs` on a CPU at this shape
+compares the two templates' code paths on the same arithmetic (``bench/template_issue.py``)."""
 
 
 def llama_config(sh: StepShape):
@@ -1183,7 +1558,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 SECTIONS: dict[str, Callable[[Ctx], Any]] = {
     "environment": section_environment, "copies": section_copies, "pinned_alloc": section_pinned_alloc,
-    "host_rates": section_host_rates, "launch": section_launch, "matmul": section_matmul, "spec": section_spec,
+    "host_rates": section_host_rates, "launch": section_launch, "matmul": section_matmul,
+    "kernels": section_kernels, "spec": section_spec,
     "step": section_step, "cuda_tests": section_cuda_tests, "race_detector": section_race_detector,
 }
 

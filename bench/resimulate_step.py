@@ -1,17 +1,31 @@
 """The simulator's prediction of a measured GPU step, again, on another ``HardwareSpec``.
 
 ``bench/gpu_probe.py``'s step section measures one Llama step on a GPU and predicts it with the spec
-it built in the same run. When that spec was wrong (a section failed and a preset filled in, or a
-field read the wrong measurement), the question "how far is the simulator from the measurement on
-the right spec?" needs no GPU: this script traces the probe's model on the meta device, lowers the
-*same plan* the probe ran, simulates it on ``--spec`` and prints predicted against measured seconds
-per op kind (FWD, BWD, OPT, CAST, H2D, D2H) and the step, from the probe's timelines file.
+it built in the same run. When that spec was wrong or lacks rates the time model now reads (a
+section failed and a preset filled in, a field read the wrong measurement, a probe older than the
+kernel model), the question "how far is the simulator from the measurement on the right spec?"
+needs no GPU: this script traces the probe's model on the meta device, lowers the *same plan* the
+probe ran, simulates it on ``--spec`` and prints predicted against measured seconds per op kind
+(FWD, BWD, OPT, CAST, H2D, D2H) and the step, from the probe's timelines file.
+
+A spec written before a field existed is completed (:func:`complete_spec`), each filled field with
+its source, printed:
+
+- the kernel model's GPU rates it lacks (``memory_bytes_per_s``, ``attention_flops``,
+  ``attention_backward_flops``) from ``--fallback-preset`` (datasheet-derived estimates, each with
+  its source in ``megatrain.ir.hardware``);
+- the issue costs of megatrain's own template (``launch_overhead_s``, ``backward_launch_overhead_s``)
+  from the probe's stand-in measurement and the template-over-stand-in ratios of ``--issue-ratios``
+  (``bench/template_issue.py``; :func:`gpu_probe.issue_costs_from_standin`);
+- ``host_optimizer_issue_stall`` from the host AdamW kernel the host rates were measured with
+  (``--host-kernel``; ``megatrain.ir.hardware.HOST_KERNEL_ISSUE_STALL``).
 
 Usage (any CPU, about 20 s at 1B)::
 
     python bench/resimulate_step.py --probe bench/results/2026-11-27-h100-probe.json \\
         --timelines bench/results/2026-11-27-h100-step-timelines.json \\
-        --spec bench/results/2026-11-27-h100-spec.json [--json OUT]
+        --spec bench/results/2026-11-27-h100-spec.json \\
+        --issue-ratios bench/results/2026-11-28-cpu-template-issue.json --host-kernel deepspeed [--json OUT]
 """
 
 from __future__ import annotations
@@ -26,13 +40,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_probe import StepShape, _timeline_summary, llama_config  # noqa: E402
+from gpu_probe import StepShape, _timeline_summary, issue_costs_from_standin, llama_config  # noqa: E402
 
-from megatrain.ir.hardware import HardwareSpec  # noqa: E402
+from megatrain.ir.hardware import HOST_KERNEL_ISSUE_STALL, HardwareSpec, preset  # noqa: E402
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan  # noqa: E402
 from megatrain.planner.front import PlanRequest, plan  # noqa: E402
 from megatrain.planner.simulate import simulate  # noqa: E402
 from megatrain.planner.timeline import Timeline  # noqa: E402
+
+KERNEL_RATE_FIELDS = ("memory_bytes_per_s", "attention_flops", "attention_backward_flops")
+"""The kernel model's GPU rates a spec written before them lacks (``HardwareSpec.has_kernel_rates``)."""
 
 
 def probe_plan(d: dict) -> Plan:
@@ -41,6 +58,29 @@ def probe_plan(d: dict) -> Plan:
                 grad_ring=d["grad_ring"], resident=frozenset(d["resident"]), layer_by_layer=d["layer_by_layer"],
                 optimizer=OptimizerPlacement(d["optimizer"]), compute_dtype=d["compute_dtype"],
                 staging_ring=d["staging_ring"], activations=tuple(ActivationPolicy(a) for a in d["activations"]))
+
+
+def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios: dict | None = None,
+                  host_kernel: str | None = None) -> tuple[HardwareSpec, dict[str, str]]:
+    """The spec of JSON ``fields`` with the fields it lacks filled (module docstring), and each filled
+    field's source. ``probe``: the probe.json the step came from (its ``launch`` section)."""
+    fields, filled = dict(fields), {}
+    pre = preset(fallback)
+    for name in KERNEL_RATE_FIELDS:
+        if not fields.get(name):
+            fields[name] = getattr(pre, name)
+            filled[name] = f"{fallback} preset (not measured in this probe)"
+    if "backward_launch_overhead_s" not in fields and ratios is not None:
+        standin = probe["sections"]["launch"]["result"]["template_issue_s_per_op"]
+        fields["launch_overhead_s"], fields["backward_launch_overhead_s"] = issue_costs_from_standin(standin, ratios)
+        filled["launch_overhead_s"] = filled["backward_launch_overhead_s"] = (
+            f"the probe's stand-in block ({standin * 1e6:.2f} us per meta-counted op) x the template / stand-in "
+            f"per-op ratios of {ratios.get('date', '?')} on {ratios.get('machine', '?')} (forward "
+            f"{ratios['template_fwd_over_standin_fwd']:.3f}, backward {ratios['template_bwd_over_standin_bwd']:.3f})")
+    if "host_optimizer_issue_stall" not in fields and host_kernel is not None:
+        fields["host_optimizer_issue_stall"] = HOST_KERNEL_ISSUE_STALL[host_kernel]
+        filled["host_optimizer_issue_stall"] = f"HOST_KERNEL_ISSUE_STALL[{host_kernel!r}]"
+    return HardwareSpec.model_validate(fields), filled
 
 
 def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
@@ -70,11 +110,25 @@ def main() -> None:
     ap.add_argument("--probe", required=True, help="a gpu_probe probe.json with an ok step section")
     ap.add_argument("--timelines", required=True, help="the same run's timelines.json (measured records)")
     ap.add_argument("--spec", required=True, help="a HardwareSpec JSON to predict on")
+    ap.add_argument("--fallback-preset", default="H100_SXM",
+                    help="preset whose kernel rates fill those the spec lacks (default H100_SXM)")
+    ap.add_argument("--issue-ratios", help="bench/template_issue.py's JSON: converts a probe's stand-in issue "
+                                           "cost to megatrain's template's, where the spec lacks it")
+    ap.add_argument("--host-kernel", choices=sorted(HOST_KERNEL_ISSUE_STALL),
+                    help="the host AdamW kernel the spec's host rates were measured with, where the spec lacks "
+                         "host_optimizer_issue_stall")
     ap.add_argument("--json", help="write the comparison here too")
     args = ap.parse_args()
-    step = json.loads(Path(args.probe).read_text())["sections"]["step"]["result"]
-    out = resimulate(step, json.loads(Path(args.timelines).read_text())["measured"], HardwareSpec.load(args.spec))
+    probe = json.loads(Path(args.probe).read_text())
+    ratios = json.loads(Path(args.issue_ratios).read_text()) if args.issue_ratios else None
+    spec, filled = complete_spec(json.loads(Path(args.spec).read_text()), probe, args.fallback_preset, ratios,
+                                 args.host_kernel)
+    out = resimulate(probe["sections"]["step"]["result"], json.loads(Path(args.timelines).read_text())["measured"],
+                     spec)
+    out["filled"] = filled
     print(f"spec: {out['spec']}")
+    for name, source in filled.items():
+        print(f"  {name} = {getattr(spec, name):.4g}: {source}")
     print(f"{'':6} {'measured s':>11} {'predicted s':>12} {'pred/meas':>9}")
     for k, r in [("STEP", out["step"]), *out["by_kind"].items()]:
         ratio = r["predicted_s"] / r["measured_s"] if r["measured_s"] else float("nan")

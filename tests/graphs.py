@@ -103,3 +103,21 @@ def hardware_specs(draw) -> HardwareSpec:
                 matmul_efficiency=draw(st.floats(0.1, 1.0)), duplex=draw(st.booleans()),
                 op_latency_s=draw(st.sampled_from([0.0, 1e-5])),
                 launch_overhead_s=draw(st.sampled_from([0.0, 1e-5])))
+
+
+def with_profiles(graph: LayerGraph, fwd: Sequence, bwd: Sequence) -> LayerGraph:
+    """``graph`` with every layer given the kernel profiles ``fwd`` and ``bwd`` (sequences of
+    :class:`~megatrain.ir.profile.Kernel`), as a traced layer has them."""
+    from dataclasses import replace
+
+    from megatrain.ir.profile import KernelProfile
+
+    f, b = KernelProfile(tuple(fwd)), KernelProfile(tuple(bwd))
+    return replace(graph, layers=tuple(replace(layer, fwd_profile=f, bwd_profile=b) for layer in graph.layers))
+
+
+def kernel_spec(**overrides) -> HardwareSpec:
+    """:func:`spec` with the kernel model's rates: 1 GB/s of GPU memory bandwidth, fused attention at
+    1 GFLOP/s, no per-kernel overhead."""
+    return spec(**{"memory_bytes_per_s": 1e9, "attention_flops": 1e9, "attention_backward_flops": 1e9,
+                   "kernel_overhead_s": 0.0, **overrides})

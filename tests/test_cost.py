@@ -27,7 +27,8 @@ def test_public_surface_is_pinned():
     assert set(cost.__all__) == {
         "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
         "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time",
-        "op_duration", "op_time", "op_times", "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
+        "op_duration", "op_time", "op_times", "kernel_time", "ComputeWork", "compute_work", "compute_works",
+        "fresh_gradients", "issue_stall", "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
         "activation_liveness", "MemoryBreakdown", "weight_slot_count", "memory_breakdown", "graph_pool_bytes",
         "slot_numels", "slot_bytes", "HOST_PAGE_BYTES", "page_up", "gradient_tile_numels", "gradient_ring_bytes", "state_bytes_per_param",
         "staging_tile_numels", "pinned_master_bytes", "PinnedTile", "PinnedLayout", "pinned_buffers",

@@ -94,6 +94,31 @@ def test_dry_run_copies_pinned_launch_and_matmul(dry):
     assert 0 < launch["issue_s_per_op"] <= launch["total_s_per_op"]
     assert all(a <= b for a, b in zip(launch["issue_s_per_op_all"], launch["total_s_per_op_all"]))
 
+    # The issue costs of a layer template as the executor runs it: the stand-in block and megatrain's
+    # own template of the step's block, each op counted once (fused attention one op, fewer than meta
+    # tracing counts).
+    t = launch["template_issue"]
+    for name in ("standin", "template"):
+        r = t[name]
+        assert r["fwd_s_per_op"] > 0 and r["bwd_s_per_op"] > 0 and r["calls"] >= 5
+        assert r["fwd_ops"] < r["meta_counts"][0] and r["bwd_ops"] < r["meta_counts"][1] + 20
+        assert r["fwd_s_per_op"] == pytest.approx(r["fwd_s"] / r["fwd_ops"])
+    assert launch["template_fwd_s_per_op"] == t["template"]["fwd_s_per_op"]
+    for name in ("opt", "cast"):
+        st = t["issue_stall"][name]
+        assert 0 <= st["stall"] <= 1 and st["calls"] >= 5 and st["alone_s"] > 0 and st["during_s"] > 0
+        assert st["stall"] == pytest.approx(min(1.0, max(0.0, 1 - st["alone_s"] / st["during_s"])))
+    assert t["template_fwd_over_standin_fwd"] == pytest.approx(t["template"]["fwd_s_per_op"] / t["standin"]["fwd_s_per_op"])
+
+    k = s["kernels"]
+    assert k["memory_bytes_per_s"] > 0 and k["kernel_overhead_s"] > 0 and k["h2d_after_cast_bytes_per_s"] > 0
+    assert all(r["bytes_per_s"] > 0 for r in k["elementwise"].values())
+    att = k["attention"]
+    assert att["causal"] and att["bwd_counted_flops"] == pytest.approx(2.5 * att["fwd_counted_flops"])
+    assert att["fwd_useful_flops_per_s"] == pytest.approx(att["fwd_counted_flops"] / 2 / att["fwd_s"])
+    # The block's projections forward and their weight gradients, each beside the roofline's time.
+    assert len(k["matmuls"]) == 7 and all(r["flops_per_s"] > 0 and r["roofline_s"] > 0 for r in k["matmuls"])
+
     mm = s["matmul"]
     for key in ("bf16", "fp32", "tf32"):
         assert mm[key]["flops_per_s"] > 0 and math.isfinite(mm[key]["rel_err_vs_fp64"])
@@ -146,8 +171,19 @@ def test_dry_run_spec_reads_back_and_names_its_sources(dry):
     assert spec.host_cast_elements_per_s == s["host_rates"]["cast_elements_per_s_at_budget"]
     assert spec.host_cores == s["host_rates"]["host_cores"]
     assert spec.host_memory_bytes == s["environment"]["memory"]["MemTotal"]
-    if "launch_overhead_s" in HardwareSpec.model_fields:  # the issue model's per-launch cost, where it exists
-        assert spec.launch_overhead_s == s["launch"]["template_issue_s_per_op"]
+    # The issue model's per-op costs: megatrain's own template of the step's block, forward and backward.
+    assert spec.launch_overhead_s == s["launch"]["template_fwd_s_per_op"]
+    assert spec.backward_launch_overhead_s == s["launch"]["template_bwd_s_per_op"]
+    # The kernel model's GPU rates, and the host kernel's GIL behaviour from the kernel measured.
+    k = s["kernels"]
+    assert spec.memory_bytes_per_s == k["memory_bytes_per_s"] and spec.kernel_overhead_s == k["kernel_overhead_s"]
+    assert spec.attention_flops == k["attention"]["fwd_useful_flops_per_s"]
+    assert spec.attention_backward_flops == k["attention"]["bwd_useful_flops_per_s"]
+    assert spec.h2d_after_cast_bytes_per_s == k["h2d_after_cast_bytes_per_s"]
+    assert spec.has_kernel_rates and spec.gemm_efficiency == 1.0
+    # How much the host OPT and a CAST slow the issuing thread, measured on the template's forward.
+    assert spec.host_optimizer_issue_stall == s["launch"]["optimizer_issue_stall"]
+    assert spec.host_cast_issue_stall == s["launch"]["cast_issue_stall"]
     assert set(s["spec"]["sources"]) >= set(HardwareSpec.model_fields) - {"name"}
 
 

@@ -397,3 +397,92 @@ def test_gpu_op_gated_by_a_slow_host_op_does_not_hold_back_other_streams():
     assert cast_end > 0.2  # 1000 elements at 1e3 x 28/6 elements/s
     assert rec[3].end_s < 0.01, "the compute stream was not held back by the host op"
     assert rec[1].start_s >= cast_end and rec[2].start_s >= rec[1].end_s, "h2d keeps its list order"
+
+
+# -- kernel by kernel ---------------------------------------------------------------------------------
+
+def _kernel_by_kernel(issue, gpu, start, issue_start, clock=lambda t, s: t + s):
+    """The oracle: kernel k is issued once the thread has spent ``issue[:k+1]`` (its clock mapping
+    issue seconds to time), runs once issued and once the kernel before it ended."""
+    t, c = start, 0.0
+    for a, g in zip(issue, gpu):
+        c += a
+        if g > 0:
+            t = max(t, clock(issue_start, c)) + g
+    return max(t, clock(issue_start, c))  # the end event, recorded after the last launch
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e-3), st.floats(0, 1e-3)), min_size=1, max_size=40),
+       st.floats(0, 1e-2), st.floats(0, 1e-2))
+@settings(max_examples=200, deadline=None)
+def test_compute_work_ends_when_its_last_kernel_does(kernels, ready, issued):
+    issue, gpu = [a for a, _ in kernels], [g for _, g in kernels]
+    work = cost.ComputeWork(issue, gpu, pre_s=0.0, post_s=0.0)
+    start = max(ready, issued)  # the simulator starts a GPU op no earlier than its issue
+    assert work.gpu_s == pytest.approx(sum(gpu))
+    assert work.issue_s == pytest.approx(sum(issue))
+    assert work.end(start, issued) == pytest.approx(_kernel_by_kernel(issue, gpu, start, issued), abs=1e-12)
+    # GPU-bound and issue-bound are its two limits; their sum bounds it above.
+    assert max(start + sum(gpu), issued + sum(issue)) <= work.end(start, issued) + 1e-12
+    assert work.end(start, issued) <= start + sum(gpu) + sum(issue) + 1e-12
+
+
+def test_compute_work_follows_a_stalled_issuing_thread():
+    issue, gpu = [1.0] * 4, [0.5] * 4
+
+    def stalled(t, s):  # the thread stops for 10 s after 2 s of issuing
+        return t + s + (10.0 if s > 2.0 else 0.0)
+
+    work = cost.ComputeWork(issue, gpu, pre_s=0.0, post_s=0.0)
+    assert work.end(0.0, 0.0) == pytest.approx(4.5)
+    assert work.end(0.0, 0.0, stalled) == pytest.approx(_kernel_by_kernel(issue, gpu, 0.0, 0.0, stalled))
+    assert work.end(0.0, 0.0, stalled) == pytest.approx(14.5)
+
+
+def _opt_then_fwd(stall: float):
+    from graphs import kernel_spec, with_profiles
+    from megatrain.ir.profile import Kernel, KernelKind
+
+    mem = [Kernel("aten.add", KernelKind.MEMORY, nbytes=10**4)] * 100  # 10 us each on the GPU
+    g = with_profiles(chain_graph(2, numel=10**6), mem, mem)
+    # 1e6 parameters at 1e7 params/s: a 0.1 s host step; 100 ops at 1 ms each: 0.1 s of issuing.
+    hw = kernel_spec(launch_overhead_s=1e-3, host_optimizer_params_per_s=1e7, host_optimizer_issue_stall=stall)
+    s = Schedule(ops=(Op(OpKind.OPT, 0, ring=0), Op(OpKind.FWD, 1, mb=0, slot=0)),
+                 plan=Plan(slots=1, prefetch_distance=0), n_layers=2)
+    return s, g, hw, simulate(s, g, hw)
+
+
+def test_a_host_op_that_holds_the_gil_stalls_the_issuing_thread():
+    """DeepSpeed's CPU Adam holds the GIL for its whole call (hardware.HOST_KERNEL_ISSUE_STALL): a
+    forward issued while it runs waits for it; torch's fused AdamW releases the GIL and stalls nothing."""
+    # Times from the step's start (the OPT's, once it was handed to its worker). The forward's issue
+    # (its start event, 100 ops and its end event, 1 ms each: 0.102 s) begins with the step.
+    _, _, _, free = _opt_then_fwd(0.0)
+    _, _, _, held = _opt_then_fwd(1.0)
+    _, _, _, half = _opt_then_fwd(0.5)
+    for tl in (free, held, half):
+        assert tl.records[0].start_s == 0.0 and tl.records[0].end_s == pytest.approx(0.1)
+    assert free.records[1].end_s == pytest.approx(0.102)
+    assert held.records[1].end_s == pytest.approx(0.1 + 0.102)  # every launch waits for the step
+    assert half.records[1].end_s == pytest.approx(0.1 + (0.102 - 0.05))  # half speed while it runs
+
+
+@given(chain_graphs(max_layers=5), st.integers(1, 3), st.floats(0, 1), st.floats(0, 1),
+       st.sampled_from([1e-6, 1e-4]))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_kernel_timelines_keep_every_invariant(g, micro_batches, opt_stall, cast_stall, launch):
+    from graphs import kernel_spec, with_profiles
+    from megatrain.ir.profile import Kernel, KernelKind
+
+    fwd = [Kernel("aten.mm", KernelKind.MATMUL, flops=10**6, nbytes=10**4), Kernel("aten.view", KernelKind.NONE),
+           Kernel("aten.add", KernelKind.MEMORY, nbytes=10**5)]
+    bwd = fwd + [Kernel("aten.mm", KernelKind.MATMUL, flops=2 * 10**6, nbytes=10**4, autograd=True)]
+    g = with_profiles(g, fwd, bwd)
+    hw = kernel_spec(launch_overhead_s=launch, host_optimizer_issue_stall=opt_stall,
+                     host_cast_issue_stall=cast_stall)
+    s, tl = run(g, Plan(micro_batches=micro_batches, compute_dtype="bfloat16"), hw)
+    check_invariants(s, tl, hw, g)
+    works = cost.compute_works(s, g, hw)
+    for r, w in zip(tl.records, works):
+        if w is not None:
+            assert r.duration_s >= w.gpu_s - 1e-12  # a compute op never runs faster than its kernels

@@ -651,7 +651,10 @@ def test_traced_llama2_7b_at_512k_tokens_trains_on_one_gh200(traced_7b_512k):
     check_solution(sol, req)
     assert OFFLOAD in policies_of(sol.plan, len(g.layers))
     assert sol.memory.gpu_peak <= hw.gpu_memory_bytes and sol.memory.host_total <= hw.host_memory_bytes
-    assert sol.timeline.bottleneck.value == "compute" and sol.timeline.mfu > 0.45
+    # MFU counts attention's causal FLOPs whole; FlashAttention-2 on Hopper computes half of them at
+    # 35% (forward) and 30% (backward) of the peak (hardware.FLASH_ATTENTION_*_FRACTION), and at 512k
+    # tokens attention is ~95% of a block's FLOPs: about 0.42.
+    assert sol.timeline.bottleneck.value == "compute" and sol.timeline.mfu > 0.4
 
 
 def test_four_512k_sequences_fit_a_gh200_only_in_passes_of_their_own(traced_7b_512k):
@@ -668,7 +671,47 @@ def test_four_512k_sequences_fit_a_gh200_only_in_passes_of_their_own(traced_7b_5
     # Layer by layer would pin all four sequences' offloaded checkpoints beside the same tiles.
     m = sol.memory
     assert m.host_pinned <= hw.pinned_memory_cap_bytes < 4 * m.pinned_activations + m.host_pinned - m.pinned_activations
-    assert sol.timeline.mfu > 0.45
+    assert sol.timeline.mfu > 0.4  # as one sequence's (above)
+
+
+# -- the issuing thread ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def traced_small_llama() -> LayerGraph:
+    """A 4-block Llama (hidden 512, GQA 8:2) traced at micro-batch 1 x 512 tokens in BF16, with kernel
+    profiles."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatrain.planner.trace import trace
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return trace(model, micro_batch_size=1, seq_len=512, param_dtype=torch.bfloat16).graph
+
+
+def test_micro_batches_are_chosen_large_enough_that_the_gpu_not_issue_is_the_bottleneck(traced_small_llama):
+    """On a GPU whose kernels for one 512-token sequence take less time than the issuing thread needs
+    to launch them (40 us per op), one-sequence micro-batches leave the GPU waiting; the solver picks
+    micro-batches large enough that every forward and local backward is GPU-bound."""
+    g = traced_small_llama
+    hw = preset("H100_SXM").model_copy(update=dict(bf16_flops=2e12, memory_bytes_per_s=1e11, attention_flops=1e12,
+                                                   attention_backward_flops=1e12, launch_overhead_s=40e-6))
+
+    def compute_works(sol):
+        return [w for op, w in zip(sol.schedule.ops, cost.compute_works(sol.schedule, sol.graph, hw))
+                if w is not None and op.kind in (OpKind.FWD, OpKind.BWD) and 0 < op.layer < len(g.layers) - 1]
+
+    req = SolveRequest(g, hw, 8, "bfloat16")
+    ones = solve(replace(req, limits=SolveLimits(micro_batch_sizes=(1,))))
+    assert all(w.issue_s > w.gpu_s for w in compute_works(ones))  # the premise: issue-bound at size 1
+    sol = solve(req)
+    check_solution(sol, req)
+    assert sol.micro_batch_size > 1
+    assert all(w.gpu_s >= w.issue_s for w in compute_works(sol))
+    assert sol.timeline.step_time_s < 0.8 * ones.timeline.step_time_s
 
 
 # -- scale and surface -----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatrain.ir.profile import KernelProfile
+
 if TYPE_CHECKING:
     import torch
     import torch.fx as fx
@@ -103,6 +105,10 @@ class Layer:
     attention with ``dropout_p > 0``; :func:`megatrain.planner.trace.cleanup.draws_random`), so the
     executor records the device generator's state at its forward and restores it for every
     recompute (RECOMPUTE and the local backward), which then draws the same masks.
+    ``fwd_profile`` / ``bwd_profile``: each op one forward / one local backward of one micro-batch
+    dispatches, with its kind, FLOPs and bytes (:func:`megatrain.ir.profile.profile_template`, shared
+    by the layers of a template), which the time model times kernel by kernel; None for a layer
+    built by hand, timed by its FLOPs.
     """
 
     index: int
@@ -121,6 +127,8 @@ class Layer:
     fwd_launches: int = 0  # aten ops one forward dispatches (megatrain.ir.issue.count_launches)
     bwd_launches: int = 0  # the same for one local backward: its recompute plus the backward proper
     draws_random: bool = False  # its forward draws random numbers: recomputes replay the forward's RNG state
+    fwd_profile: KernelProfile | None = None  # the ops one forward dispatches (megatrain.ir.profile)
+    bwd_profile: KernelProfile | None = None  # the same for one local backward
 
     @property
     def param_count(self) -> int:

@@ -43,6 +43,36 @@ MEASURED_MATMUL_EFFICIENCY = 0.85
 """The same fraction for a measured spec, whose FLOP/s fields hold the rate of one large square
 matmul (already below peak), so a layer loses less against it (estimate)."""
 
+LARGE_GEMM_EFFICIENCY = 0.79
+"""Fraction of the datasheet dense BF16 peak one large matmul reaches on Hopper (estimate): about
+780 of 989 TFLOP/s for torch.mm at 8192^3 (Chillee's H100 peak-matmul gist); the first H100 session
+measured 760 (bench/results/2026-11-27-h100-probe.json, ``matmul.bf16``). A preset's
+``gemm_efficiency``; a measured spec's FLOP/s fields are that product's rate already (1.0)."""
+
+HBM_STREAM_FRACTION = 0.9
+"""Fraction of the datasheet memory bandwidth that large element-wise kernels (copies, casts, adds,
+row reductions) reach on HBM GPUs (estimate: PyTorch's vectorised elementwise kernels and
+device-to-device copies reach 85-92% of the datasheet rate on A100 and H100 in public STREAM-like
+measurements). A preset's ``memory_bytes_per_s`` is its datasheet rate times this;
+``bench/gpu_probe.py`` measures it (section ``kernels``)."""
+
+FLASH_ATTENTION_FWD_FRACTION = 0.35
+"""Fraction of the dense BF16 peak the fused attention forward reaches, in useful FLOPs (a causal
+mask counts half: FlashAttention's convention). FlashAttention-2, the kernel behind PyTorch's SDPA
+on Hopper, reaches "only 35% utilization on the H100 GPU" (Shah et al. 2024, "FlashAttention-3",
+arXiv:2407.08608, abstract), at long sequences and head dim 128; shorter sequences and head dim 64
+run below it (estimate; ``bench/gpu_probe.py`` measures it at the step's shape)."""
+
+FLASH_ATTENTION_BWD_FRACTION = 0.30
+"""The same for the fused attention backward, whose five matmuls ``torch.utils.flop_counter`` counts
+as 2.5x the forward: FlashAttention-2 reaches up to 73% of the A100's peak forward and 63% backward
+(Dao 2023, arXiv:2307.08691), so 0.86 of the forward's fraction (estimate)."""
+
+DEFAULT_KERNEL_OVERHEAD_S = 2e-6
+"""GPU seconds each kernel costs beyond its work (estimate): the gap between back-to-back kernels
+on one stream and the ramp of a small grid, 1-3 us on recent GPUs; it sets the floor of the many
+small element-wise kernels of an unfused layer."""
+
 DEFAULT_OP_LATENCY_S = 10e-6
 """Fixed cost added to every op (estimate): launching a layer's kernels or a cudaMemcpyAsync and
 recording/waiting on the events that join it to its dependencies costs a few microseconds each;
@@ -54,10 +84,14 @@ PyTorch spends a few microseconds in Python and the dispatcher per aten op, and 
 launch adds cudaLaunchKernel's 2-4 us. Measured 2026-11-23 on this project's 2-core CI CPU under
 a load average of 7: a tiny Llama block's forward (100 aten ops at hidden 16, so dispatch-bound)
 at 13.4 us per op at best, its local backward (257 ops) at 27 us; unloaded that is about 4 and
-8 us. A layer's op counts are ``Layer.fwd_launches`` / ``bwd_launches``. ``measure_hardware()`` on
-a GPU measures it with a template-like op (a small Llama block's forward and local backward over
-their counted ops: ``megatrain.runtime.measure.measure_launch_overhead``), not a one-element add,
-which has no autograd, views or multi-input dispatch and costs less per op."""
+8 us. A traced layer's ops are counted as a GPU dispatches them (``Layer.fwd_profile``, fused
+attention one op), a hand-built one's by ``Layer.fwd_launches`` / ``bwd_launches``.
+``bench/gpu_probe.py`` measures it on megatrain's own template of the step's block (section
+``launch``); ``measure_hardware()`` on a GPU with a template-like op (a small Llama block's forward
+and local backward over their meta-counted ops: ``megatrain.runtime.measure.measure_launch_overhead``),
+not a one-element add, which has no autograd, views or multi-input dispatch and costs less per op;
+megatrain's own template costs about 1.5x that stand-in per forward op and 1.2x per backward op
+(``bench/template_issue.py``, one CPU, 2026-11-28)."""
 
 CUDA_CONTEXT_BYTES = 1 * GiB
 """GPU memory of the CUDA context and the kernel modules a training step loads, outside PyTorch's
@@ -111,8 +145,38 @@ def _host_fields(dram_bytes_per_s: float, cores: int) -> dict:
                 host_cast_elements_per_s=rate / CAST_BYTES_PER_ELEMENT, host_cores=cores)
 
 
+def _gpu_kernel_fields(bf16_peak: float, hbm_bytes_per_s: float) -> dict:
+    """A preset's kernel-level GPU rates from its datasheet: the large-matmul fraction of the peak,
+    ``HBM_STREAM_FRACTION`` of the memory bandwidth, and the fused attention rates as fractions of
+    the BF16 peak (each constant says where it comes from)."""
+    return dict(gemm_efficiency=LARGE_GEMM_EFFICIENCY, memory_bytes_per_s=hbm_bytes_per_s * HBM_STREAM_FRACTION,
+                attention_flops=bf16_peak * FLASH_ATTENTION_FWD_FRACTION,
+                attention_backward_flops=bf16_peak * FLASH_ATTENTION_BWD_FRACTION)
+
+
+HOST_KERNEL_ISSUE_STALL: dict[str, float] = {"deepspeed": 1.0, "torch": 0.0}
+"""``HardwareSpec.host_optimizer_issue_stall`` of each host AdamW kernel
+(:data:`megatrain.runtime.host_kernels.KERNELS`) where it was not measured: the fraction of its
+step during which the issuing thread cannot run Python.
+
+- ``"deepspeed"``: 1.0. DeepSpeed's ``cpu_adam`` op binds ``adam_update`` without
+  ``gil_scoped_release`` (DeepSpeed 0.19.8, ``csrc/adam/cpu_adam.cpp``), so the GIL is held for the
+  whole call; in the first H100 session's step the block backwards that overlapped a host step took
+  412 ms in all where 142 ms is normal (bench/results/2026-11-27-h100-step-timelines.json).
+- ``"torch"``: 0.0. ``torch._fused_adamw_`` is an ATen op, and torch's Python bindings release the
+  GIL while an op runs.
+
+``bench/host_optimizer.py`` measures the issuing thread's stalled fraction while each kernel runs."""
+
+
 class HardwareSpec(pydantic.BaseModel):
     """One GPU and the host it is attached to, as rates and capacities.
+
+    The kernel-level fields (``memory_bytes_per_s``, ``attention_flops``, ``attention_backward_flops``,
+    ``kernel_overhead_s``, ``gemm_efficiency``, ``launch_overhead_s``, ``backward_launch_overhead_s``)
+    feed the simulator's kernel model (:func:`megatrain.planner.time.kernel_time`,
+    :class:`megatrain.planner.time.ComputeWork`); ``host_*_issue_stall`` how much a host op holds the
+    issuing thread.
 
     Every field is in base units (bytes, seconds, FLOP/s, bytes/s, params/s). A GPU field of 0
     means "not measured / no GPU" (a host-only spec from ``measure_hardware()`` on a machine without CUDA);
@@ -136,6 +200,10 @@ class HardwareSpec(pydantic.BaseModel):
                                                  "backward reach (dimensionless)")
     h2d_bytes_per_s: float = Field(ge=0, description="pinned host-to-device copy bandwidth in bytes/s")
     d2h_bytes_per_s: float = Field(ge=0, description="pinned device-to-host copy bandwidth in bytes/s")
+    h2d_after_cast_bytes_per_s: float = Field(0, ge=0,
+                                              description="pinned host-to-device bandwidth of a staging tile the "
+                                                          "host has just cast (written, so in its caches), "
+                                                          "bytes/s; 0: not measured, h2d_bytes_per_s")
     duplex: bool = Field(description="H2D and D2H run at the same time, each at its full rate (two copy "
                                      "engines and a full-duplex link); if false they share one engine")
     host_memory_bytes: int = Field(ge=0, description="host DRAM in bytes")
@@ -164,8 +232,38 @@ class HardwareSpec(pydantic.BaseModel):
     op_latency_s: float = Field(DEFAULT_OP_LATENCY_S, ge=0,
                                 description="fixed time added to every op in seconds (launch, events)")
     launch_overhead_s: float = Field(DEFAULT_LAUNCH_OVERHEAD_S, ge=0,
-                                     description="seconds the issuing thread spends per dispatched op "
-                                                 "(kernel launch, event record or wait)")
+                                     description="seconds the issuing thread spends per aten op a layer "
+                                                 "template's forward dispatches (FWD, RECOMPUTE), and per event "
+                                                 "record or wait")
+    backward_launch_overhead_s: float | None = Field(None, ge=0,
+                                                     description="seconds the issuing thread spends per aten op a "
+                                                                 "local backward dispatches (its recompute and "
+                                                                 "torch.autograd.grad together); None: "
+                                                                 "launch_overhead_s")
+    gemm_efficiency: float = Field(1.0, gt=0, le=1,
+                                   description="fraction of bf16_flops/fp32_flops one large matmul kernel "
+                                               "reaches: 1.0 where those fields were measured so (8192^3), "
+                                               "LARGE_GEMM_EFFICIENCY for a datasheet peak")
+    memory_bytes_per_s: float = Field(0, ge=0,
+                                      description="GPU memory bandwidth element-wise kernels reach, bytes/s "
+                                                  "(reads plus writes); 0: not known, and layers are timed by "
+                                                  "their FLOPs alone (matmul_efficiency)")
+    attention_flops: float = Field(0, ge=0,
+                                   description="FLOP/s of the fused attention forward kernel in BF16, useful "
+                                               "FLOPs (a causal mask counts half); 0: not known, as "
+                                               "memory_bytes_per_s")
+    attention_backward_flops: float = Field(0, ge=0,
+                                            description="the same for the fused attention backward kernel")
+    kernel_overhead_s: float = Field(DEFAULT_KERNEL_OVERHEAD_S, ge=0,
+                                     description="GPU seconds each kernel costs beyond its work")
+    host_optimizer_issue_stall: float = Field(0.0, ge=0, le=1,
+                                              description="fraction of a host optimizer step's time the "
+                                                          "issuing thread cannot issue (the kernel holds "
+                                                          "the GIL): 1.0 for DeepSpeed's cpu_adam, 0.0 for "
+                                                          "torch's fused AdamW (see HOST_KERNEL_ISSUE_STALL)")
+    host_cast_issue_stall: float = Field(0.0, ge=0, le=1,
+                                         description="the same for a host CAST (torch's copy_ releases the "
+                                                     "GIL: 0.0)")
     cuda_context_bytes: int = Field(CUDA_CONTEXT_BYTES, ge=0,
                                     description="GPU bytes of the CUDA context and loaded kernel modules, "
                                                 "outside PyTorch's caching allocator")
@@ -228,6 +326,19 @@ class HardwareSpec(pydantic.BaseModel):
         """An NVMe tier with capacity and both rates (see :mod:`megatrain.planner.nvme`)."""
         return (self.nvme_capacity_bytes > 0 and self.nvme_read_bytes_per_s > 0
                 and self.nvme_write_bytes_per_s > 0)
+
+    @property
+    def has_kernel_rates(self) -> bool:
+        """The rates the kernel-level time model needs (:mod:`megatrain.planner.time`): memory bandwidth
+        and the fused attention rates; without them layers are timed by their FLOPs alone."""
+        return self.memory_bytes_per_s > 0 and self.attention_flops > 0 and self.attention_backward_flops > 0
+
+    @property
+    def backward_launch_s(self) -> float:
+        """Seconds per aten op a local backward dispatches (``backward_launch_overhead_s``, else
+        ``launch_overhead_s``)."""
+        a = self.backward_launch_overhead_s
+        return self.launch_overhead_s if a is None else a
 
     @property
     def has_gpu(self) -> bool:
@@ -316,6 +427,7 @@ H100_SXM = HardwareSpec(
     duplex=True,
     host_memory_bytes=2 * TiB,
     pinned_memory_cap_bytes=int(2 * TiB * PINNED_FRACTION),
+    **_gpu_kernel_fields(989e12, 3.35e12),
     **_host_fields(614.4e9, cores=112),
 )
 """NVIDIA H100 SXM5 80GB in a DGX H100-class node.
@@ -326,6 +438,9 @@ H100_SXM = HardwareSpec(
   TF32; the TF32 tensor-core rate, 494.5 dense, is not what megatrain's FP32 compute uses).
 - h2d/d2h 53 GB/s: PCIe Gen5 x16, 64 GB/s theoretical per direction, ~50-55 GB/s measured pinned.
 - duplex: Hopper has several async copy engines and PCIe is full duplex.
+- kernel rates (``_gpu_kernel_fields``): memory bandwidth 3.35 TB/s HBM3 (H100 datasheet) x
+  HBM_STREAM_FRACTION; large matmuls at LARGE_GEMM_EFFICIENCY of the peak; fused attention at the
+  FLASH_ATTENTION_*_FRACTION of it (FlashAttention-2 on H100).
 - host_memory_bytes 2 TiB: DGX H100 system memory (NVIDIA DGX H100 datasheet: 2 TB).
 - host rates (AdamW ~8.8e9 params/s, ~7.2e9 from BF16 gradients, CAST ~4.1e10 elements/s): estimates,
   2x Xeon Platinum 8480C with 8 channels of DDR5-4800 each (614.4 GB/s theoretical) x
@@ -342,6 +457,7 @@ H200 = HardwareSpec(
     duplex=True,
     host_memory_bytes=3 * TiB // 2,
     pinned_memory_cap_bytes=int(1.5 * TiB * PINNED_FRACTION),
+    **_gpu_kernel_fields(989e12, 4.8e12),
     **_host_fields(614.4e9, cores=112),
 )
 """NVIDIA H200 SXM 141GB, host as in the MegaTrain paper (1.5 TB of host memory).
@@ -350,6 +466,7 @@ H200 = HardwareSpec(
 - bf16_flops 989 TFLOP/s (dense), fp32_flops 67 TFLOP/s (strict FP32, no TF32): H200 datasheet;
   same GH100 compute as the H100 SXM.
 - h2d/d2h 53 GB/s: PCIe Gen5 x16 as for H100_SXM.
+- kernel rates as H100_SXM's with 4.8 TB/s HBM3e (H200 datasheet).
 - host_memory_bytes 1.5 TiB: DESIGN.md / MegaTrain (arXiv 2604.05091) setup.
 - host rates and host_cores: estimates for the host CPUs of DGX H100/H200 (2x Xeon Platinum 8480C,
   8 channels of DDR5-4800 each, 614.4 GB/s theoretical, 112 cores), as for H100_SXM; the paper
@@ -366,6 +483,7 @@ GH200 = HardwareSpec(
     duplex=True,
     host_memory_bytes=480 * 10**9,
     pinned_memory_cap_bytes=int(480 * 10**9 * PINNED_FRACTION),
+    **_gpu_kernel_fields(989e12, 4.0e12),
     **_host_fields(546e9, cores=72),
 )
 """NVIDIA GH200 Grace Hopper Superchip, 96 GB HBM3 + 480 GB LPDDR5X.
@@ -378,6 +496,7 @@ GH200 = HardwareSpec(
 - h2d/d2h 380 GB/s: NVLink-C2C is 900 GB/s total, 450 GB/s per direction (whitepaper); 380 GB/s
   is an estimate of the sustained pinned copy rate (~85% of the link rate, the efficiency pinned
   copies reach on PCIe). ``measure_hardware()`` on the machine replaces it.
+- kernel rates as H100_SXM's with 4 TB/s HBM3 (the 96 GB GH200's, NVIDIA GH200 datasheet).
 - host rates: estimates, Grace LPDDR5X up to 546 GB/s (whitepaper) x HOST_BANDWIDTH_FRACTION over
   each kernel's bytes (AdamW ~7.8e9 params/s); host_cores 72 (Grace, 72 Neoverse V2 cores).
 """
@@ -392,6 +511,7 @@ A100_80GB = HardwareSpec(
     duplex=True,
     host_memory_bytes=1 * TiB,
     pinned_memory_cap_bytes=int(1 * TiB * PINNED_FRACTION),
+    **_gpu_kernel_fields(312e12, 2.039e12),
     **_host_fields(409.6e9, cores=128),
 )
 """NVIDIA A100 SXM4 80GB in a DGX A100-class node.
@@ -400,6 +520,8 @@ A100_80GB = HardwareSpec(
 - bf16_flops 312 TFLOP/s (dense), fp32_flops 19.5 TFLOP/s (strict FP32; TF32 would be 156):
   NVIDIA A100 datasheet.
 - h2d/d2h 25 GB/s: PCIe Gen4 x16, 32 GB/s theoretical, ~25 GB/s measured pinned.
+- kernel rates as H100_SXM's with 2,039 GB/s HBM2e (A100 80GB SXM datasheet) and its BF16 peak
+  (FlashAttention-2 reaches more of an A100's peak than of an H100's: the fractions are low here).
 - host_memory_bytes 1 TiB: DGX A100 (1 TB standard, 2 TB option).
 - host rates: estimates, 2x AMD EPYC 7742 with 8 channels of DDR4-3200 each (409.6 GB/s
   theoretical) x HOST_BANDWIDTH_FRACTION over each kernel's bytes (AdamW ~5.9e9 params/s);
@@ -416,6 +538,7 @@ RTX_4090 = HardwareSpec(
     duplex=True,
     host_memory_bytes=128 * GiB,
     pinned_memory_cap_bytes=int(128 * GiB * PINNED_FRACTION),
+    **_gpu_kernel_fields(165.2e12, 1.008e12),
     **_host_fields(89.6e9, cores=16),
 )
 """NVIDIA GeForce RTX 4090 in a desktop workstation.
@@ -425,6 +548,7 @@ RTX_4090 = HardwareSpec(
   whitepaper, appendix; the 330 TFLOP/s figure is FP16 accumulate). fp32_flops 82.6 TFLOP/s,
   the peak FP32 (non-tensor) rate, same source (dense TF32 is also 82.6 on this GPU).
 - h2d/d2h 25 GB/s: PCIe Gen4 x16 as for A100_80GB.
+- kernel rates as H100_SXM's with 1,008 GB/s GDDR6X (Ada Lovelace whitepaper) and its BF16 peak.
 - duplex: AD102 boards report two async copy engines (cudaDeviceProp.asyncEngineCount == 2);
   ``measure_hardware()`` checks it on the machine.
 - host_memory_bytes 128 GiB: a typical workstation.

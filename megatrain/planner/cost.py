@@ -19,7 +19,8 @@ from megatrain.planner.time import _DURATION  # noqa: F401
 __all__ = [
     "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
     "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time", "op_duration",
-    "op_time", "op_times",
+    "op_time", "op_times", "kernel_time", "ComputeWork", "compute_work", "compute_works", "fresh_gradients",
+    "issue_stall",
     "launch_count", "launch_times", "working_bytes", "ActivationLiveness",
     "activation_liveness", "allocation_stream", "issue_fences", "pool_peaks", "GpuReserve", "gpu_reserve",
     "ROUND_LARGE_BYTES", "SEGMENT_BYTES", "ALLOCATING_STREAMS", "CUBLAS_HANDLES", "SLOT_TENSORS",

@@ -14,15 +14,28 @@ engine serves whichever channel has work.
 The issuing thread. On a GPU one Python thread launches every op's kernels, so it is simulated
 too, with the runtime's own issue policy (:class:`megatrain.ir.issue.IssueQueue`, the object
 the CUDA backend uses): ops are offered in list order; issuing op ``i`` costs the thread
-``cost.launch_times()[i]`` (its dispatched aten ops, event records and waits x
-``hw.launch_overhead_s``); a GPU op whose host dependency has not finished by the thread's clock
-waits in its stream's pending queue while the thread issues other work, as does a GPU op whose
-fences (``Schedule.issue_after``: ops that must have finished, so the caching allocator can reuse
-what they read) have not ended by the clock; the thread waits only when nothing it holds is ready
-(until the next host op or fence ends). A GPU op starts no earlier than its issue starts and ends
-no earlier than its issue ends (its last kernel must have been launched); a host op starts once it
-was handed to its worker. The thread acts whenever its clock is strictly before every start still
-to commit, so "done by the clock" is known when it asks.
+``cost.launch_times()[i]`` (its dispatched aten ops, event records and waits, at
+``hw.launch_overhead_s`` / ``hw.backward_launch_s`` each); a GPU op whose host dependency has not
+finished by the thread's clock waits in its stream's pending queue while the thread issues other
+work, as does a GPU op whose fences (``Schedule.issue_after``: ops that must have finished, so the
+caching allocator can reuse what they read) have not ended by the clock; the thread waits only
+when nothing it holds is ready (until the next host op or fence ends). A GPU op starts no earlier
+than its issue starts; a host op starts once it was handed to its worker. The thread acts
+whenever its clock is strictly before every start still to commit, so "done by the clock" is
+known when it asks.
+
+Kernel by kernel. A FWD, RECOMPUTE or BWD with a kernel profile (:class:`megatrain.planner.cost.ComputeWork`)
+ends when its last kernel does: each runs once the thread has issued it and the kernel before it
+has ended, so the op is GPU-bound when the thread keeps ahead and issue-bound (the GPU idling
+between kernels) when it falls behind; its end event follows its last launch. Other GPU ops end
+no earlier than their issue ends.
+
+Stalls. A host op whose kernel holds the GIL (``cost.issue_stall``: a fraction of its time, 1 for
+DeepSpeed's CPU Adam) slows the thread by that fraction while it runs: an issue begun before it
+finishes later, and each kernel of a compute op issued after it starts later. So that every such
+stall is known when an issue is timed, the thread issues an op only once every op that starts
+before that issue would end has been committed (a host op cannot start on the strength of an issue
+still under way, and one that stalls the thread is added before the issue it delays).
 
 Deadlock. If ops remain but no queue head has all its dependencies finished, no op can ever
 start: the error lists each blocked head and what it waits for (a dependency queued behind it on
@@ -36,6 +49,7 @@ few milliseconds.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 
 from megatrain.errors import ScheduleError
@@ -65,8 +79,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
                 raise ScheduleError(f"op #{i} {op!r} depends on op #{d}, which does not exist in this "
                                     f"{n}-op schedule. Fix: lower the schedule again.\n"
                                     + schedule.format(marker=i, context=8))
-    dur = cost.op_times(schedule, graph, hw)
-    launch = cost.launch_times(schedule, graph, hw)
+    works = cost.compute_works(schedule, graph, hw)
+    dur = cost.op_times(schedule, graph, hw, works)
+    launch = cost.launch_times(schedule, graph, hw, works)
+    stall = [cost.issue_stall(op.kind, hw) if op.stream in HOST_STREAMS else 0.0 for op in ops]
     queues: dict[Stream, list[int]] = {s: [] for s in Stream}
     for i, op in enumerate(ops):
         queues[op.stream].append(i)
@@ -81,9 +97,13 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
     issued = [_INF] * n  # when the issuing thread started issuing the op
     issued_end = [_INF] * n
     active = [s for s in Stream if queues[s]]
-    # The issuing thread: ``clock`` is when it is next free; ``offered`` ops were handed to it.
+    # The issuing thread: ``clock`` is when it is next free; ``offered`` ops were handed to it;
+    # ``pending`` is the op it issues next, held until every op that starts before that issue ends
+    # has been committed (one of them may be a host op that stalls the thread: ``stalls``).
     iq = IssueQueue()
     clock, offered = 0.0, 0
+    pending = -1
+    stalls = _Stalls()
     fenced = {f for i in range(n) for f in schedule.fences(i)}  # ops whose end an issue waits for
     wake: list[float] = []  # heap: end times of committed host ops and fences, for a blocked issuer
     committed = 0
@@ -113,13 +133,22 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
         # The issuer acts while it is strictly ahead of every op still to start, so each op that is
         # done by its clock (a host op, a fence) has been committed (ops start in non-decreasing time).
         if best_s is None or clock < best_t:
-            j = iq.next(done)
-            if j is not None:
-                issued[j] = clock
-                clock += launch[j]
-                issued_end[j] = clock
-                continue
-            if offered < n:
+            if pending < 0:
+                j = iq.next(done)
+                if j is not None:
+                    pending = j
+                    clock = stalls.resume(clock)
+                    continue
+            if pending >= 0:
+                issue_end = stalls.clock(clock, launch[pending])
+                if best_s is not None and best_t < issue_end:
+                    pass  # an op starts while this one is issued: commit it first (below)
+                else:
+                    issued[pending] = clock
+                    issued_end[pending] = clock = issue_end
+                    pending = -1
+                    continue
+            elif offered < n:
                 op = ops[offered]
                 # A dependency on a later op (no topological order) cannot be offered; the streams
                 # then stall on it and the deadlock is reported below.
@@ -127,18 +156,28 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
                        [f for f in schedule.fences(offered) if f < offered])
                 offered += 1
                 continue
-            while wake and wake[0] <= clock:
-                heapq.heappop(wake)
-            if wake and (best_s is None or wake[0] < best_t):
-                clock = heapq.heappop(wake)  # wait for the next host op or fence to finish
-                continue
-            if best_s is None:
-                raise ScheduleError(_deadlock_message(schedule, queues, head, active, end))
+            else:
+                while wake and wake[0] <= clock:
+                    heapq.heappop(wake)
+                if wake and (best_s is None or wake[0] < best_t):
+                    clock = heapq.heappop(wake)  # wait for the next host op or fence to finish
+                    continue
+                if best_s is None:
+                    raise ScheduleError(_deadlock_message(schedule, queues, head, active, end))
         e = best_t + dur[best_i]
-        if not host[best_i] and issued_end[best_i] > e:
-            e = issued_end[best_i]  # the GPU cannot finish an op before its last kernel is launched
+        if not host[best_i]:
+            work = works[best_i]
+            if work is not None:  # kernel by kernel: the GPU runs each once issued (cost.ComputeWork)
+                e = work.end(best_t, issued[best_i], stalls.clock if stalls.during(issued[best_i], issued_end[best_i])
+                             else None)
+            elif issued_end[best_i] > e:
+                e = issued_end[best_i]  # the GPU cannot finish an op before its last kernel is launched
         start[best_i], end[best_i] = best_t, e
-        if host[best_i] or best_i in fenced:
+        if host[best_i]:
+            heapq.heappush(wake, e)
+            if stall[best_i] > 0:
+                stalls.add(best_t, e, stall[best_i])
+        elif best_i in fenced:
             heapq.heappush(wake, e)
         committed += 1
         stream_free[best_s] = e
@@ -148,6 +187,51 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
             active.remove(best_s)
     records = [(i, ops[i].stream, start[i], end[i]) for i in range(n)]
     return Timeline.from_records(schedule, graph, records, hw, source="simulated")
+
+
+class _Stalls:
+    """The windows in which a host op holds the issuing thread (the GIL), each ``(start, end,
+    fraction)``: the thread issues at ``1 - fraction`` of its speed inside one. Windows are added in
+    start order and do not overlap (the host ops that hold it share one resource), so their ends
+    are in order too."""
+
+    __slots__ = ("windows", "ends")
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[float, float, float]] = []
+        self.ends: list[float] = []
+
+    def add(self, a: float, b: float, f: float) -> None:
+        self.windows.append((a, b, f))
+        self.ends.append(b)
+
+    def resume(self, t: float) -> float:
+        """When a thread free at ``t`` can start issuing: after a window that stops it (fraction 1)."""
+        for a, b, f in self.windows[bisect.bisect_right(self.ends, t):]:
+            if a > t:
+                break
+            if f >= 1.0:
+                t = b
+        return t
+
+    def during(self, t0: float, t1: float) -> bool:
+        """Whether a window overlaps ``[t0, t1)``."""
+        k = bisect.bisect_right(self.ends, t0)
+        return k < len(self.windows) and self.windows[k][0] < t1
+
+    def clock(self, t: float, work: float) -> float:
+        """When ``work`` seconds of issuing begun at ``t`` are done."""
+        for a, b, f in self.windows[bisect.bisect_right(self.ends, t):]:
+            if a >= t + work:
+                break
+            if a > t:
+                work -= a - t
+                t = a
+            if f < 1.0 and (b - t) * (1.0 - f) >= work:
+                return t + work / (1.0 - f)
+            work -= (b - t) * (1.0 - f)
+            t = b
+        return t + work
 
 
 def _deadlock_message(schedule: Schedule, queues: dict[Stream, list[int]], head: dict[Stream, int],

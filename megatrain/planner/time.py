@@ -6,12 +6,19 @@ holds are :mod:`megatrain.planner.memory`'s; where they go, :mod:`megatrain.ir.l
 
 Op times. Every op costs ``hw.op_latency_s`` plus its work over the rate of the resource it uses:
 
-- ``H2D``: ``layer.numel x plan.compute_itemsize`` bytes over ``h2d_bytes_per_s``. The tile is
-  copied whole, alignment padding included, so ``numel`` (not the parameter count) is moved.
+- ``H2D``: ``layer.numel x plan.compute_itemsize`` bytes over ``h2d_bytes_per_s`` (a BF16 tile a
+  CAST has just written: ``h2d_after_cast_bytes_per_s`` where measured). The tile is copied whole,
+  alignment padding included, so ``numel`` (not the parameter count) is moved.
 - ``D2H``: ``layer.trainable_numel x plan.gradient_itemsize`` bytes over ``d2h_bytes_per_s``
-  (FP32 gradients, or BF16 ones where they are exact: :attr:`Plan.gradient_dtype`).
-- ``FWD``/``BWD``: ``layer.fwd_flops`` / ``layer.bwd_flops`` (one micro-batch; the local backward
-  includes its recompute) over the matmul rate of ``plan.compute_dtype`` times
+  (FP32 gradients, or BF16 ones where they are exact: :attr:`Plan.gradient_dtype`), after the
+  slot's norm on the GPU.
+- ``FWD``/``BWD`` (one micro-batch; the local backward includes its recompute), kernel by kernel
+  where the layer has a kernel profile (every op its template dispatches, traced:
+  :mod:`megatrain.ir.profile`) and ``hw`` the kernel rates (:func:`kernel_time`: matmuls by the
+  roofline of their FLOPs and bytes, fused attention at its own rate, element-wise work by its
+  bytes, a fixed cost per kernel); the issuing thread's time per dispatched op interleaves with
+  them (:class:`ComputeWork`). Otherwise (a graph built by hand, a spec without the rates)
+  ``layer.fwd_flops`` / ``layer.bwd_flops`` over the matmul rate of ``plan.compute_dtype`` times
   ``hw.matmul_efficiency``.
 - ``OPT``: ``layer.trainable_numel`` over the host AdamW rate (:func:`optimizer_rate`): from FP32
   gradients ``host_optimizer_params_per_s``; from BF16 gradients read from a host tile (widened
@@ -42,6 +49,11 @@ masters and moments (:func:`node_memory`), each rank's OPT stepping its shard of
 holds and updates ``1 / nodes`` of the state and every H2D first all-gathers the layer's weights
 over the network (:func:`weight_gather_time`).
 
+The issuing thread. One Python thread issues every GPU op (:func:`launch_times`); a host op whose
+kernel holds the GIL stops it while it runs (:func:`issue_stall`: DeepSpeed's CPU Adam, whose
+binding never releases the GIL; ``hardware.HOST_KERNEL_ISSUE_STALL``). The simulator
+(:mod:`megatrain.planner.simulate`) plays it against the GPU.
+
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
 serialises. The HOST and CAST streams share one: the runtime runs their work one op at a time,
@@ -67,6 +79,7 @@ from megatrain.ir.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PE
 from megatrain.ir.layout import (GRAD_ITEMSIZE, MASTER_BYTES_PER_ELEMENT, cast_shard, nvme_bytes, nvme_gradient_bytes,
                                  node_slice, optimizer_numel, widens_gradients)
 from megatrain.ir.plan import Plan
+from megatrain.ir.profile import Kernel, KernelKind
 from megatrain.ir.schedule import HOST_STREAMS, OP_KINDS, Op, OpKind, Schedule, Stream
 
 ACC_BYTES_PER_ELEMENT = 12
@@ -144,24 +157,156 @@ def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
     all-gathered over the network (:func:`weight_gather_time`), which the H2D waits for and is timed
     with: the schedule's gather (an ALL_GATHER with a gather tile, before the H2D or, with BF16
     compute, the CAST) is timed at its launch latency only, so the network time is counted once,
-    on the copy's critical path, in the simulator and the topology planner alike."""
+    on the copy's critical path, in the simulator and the topology planner alike. A staged copy
+    (``plan.staged``: its source a BF16 tile a CAST has just written) runs at
+    ``hw.h2d_after_cast_bytes_per_s`` where that was measured."""
     rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
+    if plan.staged and hw.h2d_after_cast_bytes_per_s > 0:
+        rate = hw.h2d_after_cast_bytes_per_s  # its source a tile a CAST has just written
     return hw.op_latency_s + h2d_bytes(layer, plan) / rate + weight_gather_time(layer, hw, plan)
 
 
+D2H_CHECK_KERNELS = 3
+"""GPU kernels a D2H runs before its copy, on its own stream: the slot's norm, its finiteness, the
+losses' (:func:`megatrain.runtime.executor._d2h`)."""
+
+
 def d2h_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
+    """One gradient copy to the host, after the norm of the slot it copies (read once at the GPU's
+    memory bandwidth, with :data:`D2H_CHECK_KERNELS` kernels, where ``hw`` has the kernel rates)."""
     rate = _rate(hw, "d2h_bytes_per_s", hw.d2h_bytes_per_s, "D2H ops")
-    return hw.op_latency_s + d2h_bytes(layer, plan) / rate
+    check = (d2h_bytes(layer, plan) / hw.memory_bytes_per_s + D2H_CHECK_KERNELS * hw.kernel_overhead_s
+             if hw.has_kernel_rates else 0.0)
+    return hw.op_latency_s + check + d2h_bytes(layer, plan) / rate
 
 
 def fwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
-    """One forward of one micro-batch."""
+    """GPU seconds of one forward of one micro-batch: its kernels' (:func:`compute_work`) where the
+    layer has a kernel profile and ``hw`` the kernel rates, else its FLOPs at :func:`compute_rate`."""
+    work = compute_work(layer, OpKind.FWD, plan, hw)
+    if work is not None:
+        return work.gpu_s
     return hw.op_latency_s + layer.fwd_flops / compute_rate(hw, plan.compute_dtype)
 
 
-def bwd_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
-    """One local backward (recompute plus backward proper) of one micro-batch."""
+def bwd_time(layer: Layer, plan: Plan, hw: HardwareSpec, fresh: bool = True) -> float:
+    """GPU seconds of one local backward (recompute plus backward proper) of one micro-batch, as
+    :func:`fwd_time`; ``fresh``: it writes the gradient slot (the first micro-batch of a visit)
+    rather than adding into it."""
+    work = compute_work(layer, OpKind.BWD, plan, hw, fresh)
+    if work is not None:
+        return work.gpu_s
     return hw.op_latency_s + layer.bwd_flops / compute_rate(hw, plan.compute_dtype)
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+def kernel_time(kernel: Kernel, compute_dtype: str, hw: HardwareSpec) -> float:
+    """GPU seconds of one kernel (``hw.has_kernel_rates``): ``hw.kernel_overhead_s`` plus
+
+    - a matmul: the larger of its FLOPs at ``peak x gemm_efficiency`` and its bytes at
+      ``memory_bytes_per_s`` (the roofline: Williams, Waterman & Patterson 2009, "Roofline: an
+      insightful visual performance model", CACM 52(4)), so a matmul with a small dimension, whose
+      operands are large beside its FLOPs, is timed by its bytes;
+    - fused attention: its useful FLOPs (half the counted ones under a causal mask) at
+      ``attention_flops`` / ``attention_backward_flops`` (FP32 compute: scaled by ``fp32_flops /
+      bf16_flops``), or its bytes if more;
+    - element-wise work, reductions, copies and casts: bytes at ``memory_bytes_per_s``;
+    - a view or an allocation: nothing (0, no overhead).
+    """
+    kind = kernel.kind
+    if kind is KernelKind.NONE:
+        return 0.0
+    memory = kernel.nbytes / hw.memory_bytes_per_s
+    if kind is KernelKind.MEMORY:
+        return hw.kernel_overhead_s + memory
+    if kind is KernelKind.MATMUL:
+        return hw.kernel_overhead_s + max(kernel.flops / (hw.peak_flops(compute_dtype) * hw.gemm_efficiency), memory)
+    rate = hw.attention_flops if kind is KernelKind.ATTENTION else hw.attention_backward_flops
+    if compute_dtype == "float32" and hw.bf16_flops > 0:
+        rate *= hw.fp32_flops / hw.bf16_flops
+    useful = kernel.flops / 2 if kernel.causal else kernel.flops
+    return hw.kernel_overhead_s + max(useful / rate, memory)
+
+
+class ComputeWork:
+    """One FWD/RECOMPUTE/BWD op as the issuing thread and the GPU see it, kernel by kernel.
+
+    The issuing thread issues the op's dispatched ops in order, each costing it its launch time
+    (``hw.launch_overhead_s`` in a forward, ``hw.backward_launch_s`` in a local backward, whose
+    recompute and autograd ops are measured together; :attr:`issue_s` in all, the event record and
+    waits around them included); the GPU runs each kernel once it was issued and its stream is
+    free. Issued from ``I`` on a stream free from ``F``, kernel ``k`` (issued ``C_k`` after ``I``,
+    with ``R_k`` GPU seconds of it and the kernels after it) ends the op no earlier than
+    ``I + C_k + R_k``, and the op's end event, recorded after its last launch, no earlier than
+    ``I + issue_s``, so the op ends at::
+
+        max(F + gpu_s, I + span_s),   span_s = max(issue_s, max_k (C_k + R_k))
+
+    which is GPU-bound (``F + gpu_s``) when the thread keeps ahead and issue-bound otherwise, the
+    GPU idling between kernels. A stalled issuing thread (a host op holding the GIL) delays the
+    ``C_k`` after the stall: :meth:`end` takes the clock that maps issue seconds to time.
+    """
+
+    __slots__ = ("gpu_s", "issue_s", "span_s", "issued", "remaining")
+
+    def __init__(self, issue: list[float], gpu: list[float], pre_s: float, post_s: float):
+        # issue[k], gpu[k]: the issuing thread's and the GPU's seconds of dispatched op k.
+        issued, remaining = [], []
+        c = pre_s
+        for a in issue:
+            c += a
+            issued.append(c)
+        r = 0.0
+        for g in reversed(gpu):
+            r += g
+            remaining.append(r)
+        remaining.reverse()
+        keep = [k for k, g in enumerate(gpu) if g > 0]  # ops without a kernel bound nothing
+        self.gpu_s = r
+        self.issue_s = c + post_s
+        self.issued = tuple(issued[k] for k in keep)
+        self.remaining = tuple(remaining[k] for k in keep)
+        self.span_s = max(self.issue_s, max((a + b for a, b in zip(self.issued, self.remaining)), default=0.0))
+
+    def end(self, start: float, issue_start: float, clock: Callable[[float, float], float] | None = None) -> float:
+        """When the op ends: started on the GPU at ``start`` (its stream free and its dependencies
+        done), issued from ``issue_start``; ``clock(t, s)``: when ``s`` seconds of issuing begun at
+        ``t`` are done (None: ``t + s``, the thread never stalled)."""
+        if clock is None:
+            return max(start + self.gpu_s, issue_start + self.span_s)
+        last = max((clock(issue_start, c) + r for c, r in zip(self.issued, self.remaining)), default=start)
+        return max(start + self.gpu_s, clock(issue_start, self.issue_s), last)
+
+
+def compute_work(layer: Layer, kind: OpKind, plan: Plan, hw: HardwareSpec, fresh: bool = True,
+                 waits: int = 0, grad_inputs: int = 0) -> ComputeWork | None:
+    """The :class:`ComputeWork` of a FWD, RECOMPUTE or BWD of ``layer`` (one micro-batch), or None
+    where the layer has no kernel profile (built by hand) or ``hw`` lacks the kernel rates
+    (``HardwareSpec.has_kernel_rates``): such ops are timed by their FLOPs.
+
+    Besides the template's profile (:attr:`Layer.fwd_profile`, :attr:`Layer.bwd_profile`), the
+    executor's own work: before the kernels ``waits`` stream waits and the start event, after them
+    the end event (``launch_overhead_s`` each); a BWD first detaches each trainable weight and each
+    of its ``grad_inputs`` differentiated inputs as a leaf (one dispatched op each, no kernel) and last writes (``fresh``) or
+    adds its weight gradients, in the compute dtype, into the gradient slot (``plan.gradient_itemsize``
+    per element; one ``_foreach`` op, memory-bound:
+    :func:`megatrain.runtime.executor.local_backward`)."""
+    profile = layer.bwd_profile if kind is OpKind.BWD else layer.fwd_profile
+    if profile is None or not hw.has_kernel_rates:
+        return None
+    dtype = plan.compute_dtype
+    py = hw.launch_overhead_s
+    each = hw.backward_launch_s if kind is OpKind.BWD else py
+    issue = [each] * profile.launches
+    gpu = [kernel_time(k, dtype, hw) for k in profile.kernels]
+    if kind is OpKind.BWD:
+        leaves = sum(1 for p in layer.params if p.trainable) + grad_inputs
+        issue = [each] * leaves + issue + [each]
+        grad_bytes = layer.trainable_numel * (plan.compute_itemsize + plan.gradient_itemsize * (1 if fresh else 2))
+        gpu = [0.0] * leaves + gpu + [kernel_time(Kernel("aten._foreach_copy_", KernelKind.MEMORY, 0, grad_bytes),
+                                                  dtype, hw) if layer.trainable_numel else 0.0]
+    return ComputeWork(issue, gpu, pre_s=(1 + waits) * py, post_s=py)
 
 
 def opt_time(layer: Layer, hw: HardwareSpec, plan: Plan | None = None) -> float:
@@ -289,19 +434,63 @@ def op_duration(kind: OpKind, graph: LayerGraph, layer: int, plan: Plan, hw: Har
 
 def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
     """Seconds ``op`` takes on its resource under ``hw`` (:func:`op_duration` of its kind and layer;
-    an NVMe transfer of a gradient tile, ``Op.gbuf``, moves :func:`nvme_gradient_bytes`)."""
+    an NVMe transfer of a gradient tile, ``Op.gbuf``, moves :func:`nvme_gradient_bytes`; a BWD that
+    adds into its gradient slot, :func:`fresh_gradients`, moves its gradient bytes once more)."""
     if op.gbuf is not None and op.kind in (OpKind.NVME_READ, OpKind.NVME_WRITE):
         return nvme_time(graph.layers[op.layer], hw, op.kind, nvme_gradient_bytes(graph.layers[op.layer], plan),
                          plan)
+    if op.kind is OpKind.BWD and not fresh_gradients(op, plan) and graph.has_gradients(op.layer):
+        return bwd_time(graph.layers[op.layer], plan, hw, fresh=False)
     return _DURATION[op.kind](graph, op.layer, plan, hw)
 
 
-def op_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[float, ...]:
-    """``op_time`` of every op of ``schedule``, computed once per (layer, kind, what an NVMe op moves)."""
-    cache: dict[tuple[OpKind, int, bool], float] = {}
+def fresh_gradients(op: Op, plan: Plan) -> bool:
+    """Whether BWD ``op`` writes its gradient slot afresh (the first micro-batch of a layer-by-layer
+    visit, every micro-batch of per-micro-batch passes) rather than adding into it, as the executor
+    decides (:func:`megatrain.runtime.executor.local_backward`'s ``fresh``)."""
+    return op.mb == 0 or not plan.layer_by_layer
+
+
+def compute_works(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[ComputeWork | None, ...]:
+    """:func:`compute_work` of every op of ``schedule`` (None for other kinds and where it is None),
+    with its waits on other GPU streams and its gradient slot write; made once per distinct case."""
+    plan, ops = schedule.plan, schedule.ops
+    if not hw.has_kernel_rates:
+        return (None,) * len(ops)
+    cache: dict[tuple, ComputeWork | None] = {}
+    out: list[ComputeWork | None] = []
+    for op in ops:
+        if op.kind not in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.BWD):
+            out.append(None)
+            continue
+        layer = graph.layers[op.layer]
+        bwd = op.kind is OpKind.BWD
+        waits = _gpu_waits(op, ops)
+        fresh = fresh_gradients(op, plan) if bwd else True
+        grad_inputs = sum(1 for v in layer.inputs if graph.values[v].requires_grad) if bwd else 0
+        profile = layer.bwd_profile if bwd else layer.fwd_profile
+        key = (id(profile), bwd, fresh, waits, grad_inputs, layer.trainable_numel,
+               sum(1 for p in layer.params if p.trainable))
+        work = cache.get(key, False)
+        if work is False:
+            work = cache[key] = compute_work(layer, op.kind, plan, hw, fresh, waits, grad_inputs)
+        out.append(work)
+    return tuple(out)
+
+
+def op_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec,
+             works: tuple[ComputeWork | None, ...] | None = None) -> tuple[float, ...]:
+    """``op_time`` of every op of ``schedule``, computed once per (layer, kind, what an NVMe op
+    moves, a fresh gradient slot); a compute op with a :class:`ComputeWork` (``works``, default
+    :func:`compute_works`) takes its GPU seconds."""
+    works = compute_works(schedule, graph, hw) if works is None else works
+    cache: dict[tuple[OpKind, int, bool, bool], float] = {}
     out = []
-    for op in schedule.ops:
-        key = (op.kind, op.layer, op.gbuf is not None)
+    for op, work in zip(schedule.ops, works):
+        if work is not None:
+            out.append(work.gpu_s)
+            continue
+        key = (op.kind, op.layer, op.gbuf is not None, op.kind is OpKind.BWD and fresh_gradients(op, schedule.plan))
         t = cache.get(key)
         if t is None:
             t = cache[key] = op_time(op, graph, schedule.plan, hw)
@@ -323,16 +512,19 @@ HOST_OP_LAUNCHES = 1
 
 
 def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
-    """Calls the issuing thread makes for ``op``: the aten ops its work dispatches (a layer's
-    ``fwd_launches`` / ``bwd_launches`` for compute ops), plus for GPU ops the event recorded after
+    """Calls the issuing thread makes for ``op``: the aten ops its work dispatches (for compute ops
+    its kernel profile's, else the layer's ``fwd_launches`` / ``bwd_launches``), plus for GPU ops the event recorded after
     it and ``gpu_waits`` stream waits (its dependencies on other GPU streams)."""
     launches = OP_KINDS[op.kind].launches  # what its kind dispatches (schedule.OpKindSpec.launches)
     if launches is None:
         return HOST_OP_LAUNCHES
-    if launches == "fwd":
-        n = graph.layers[op.layer].fwd_launches
-    elif launches == "bwd":
-        n = graph.layers[op.layer].bwd_launches
+    if launches in ("fwd", "bwd"):
+        layer = graph.layers[op.layer]
+        profile = layer.fwd_profile if launches == "fwd" else layer.bwd_profile
+        if profile is not None:
+            n = profile.launches
+        else:
+            n = layer.fwd_launches if launches == "fwd" else layer.bwd_launches
     elif launches == "d2h":
         n = D2H_LAUNCHES
     elif launches == "copy":
@@ -342,15 +534,36 @@ def launch_count(op: Op, graph: LayerGraph, gpu_waits: int = 0) -> int:
     return n + 1 + gpu_waits
 
 
-def launch_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> tuple[float, ...]:
-    """Seconds the issuing thread spends issuing each op of ``schedule`` (``launch_count`` x
-    ``hw.launch_overhead_s``)."""
+def _gpu_waits(op: Op, ops: tuple[Op, ...]) -> int:
+    """Stream waits the issuing thread records for ``op``: its dependencies on other GPU streams."""
+    return sum(1 for d in op.deps if ops[d].stream is not op.stream and ops[d].stream not in HOST_STREAMS)
+
+
+def launch_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec,
+                 works: tuple[ComputeWork | None, ...] | None = None) -> tuple[float, ...]:
+    """Seconds the issuing thread spends issuing each op of ``schedule``: a compute op with a
+    :class:`ComputeWork` (``works``, default :func:`compute_works`) its ``issue_s``, any other op
+    ``launch_count`` x ``hw.launch_overhead_s``."""
     ops = schedule.ops
+    works = compute_works(schedule, graph, hw) if works is None else works
     out = []
-    for op in ops:
-        waits = sum(1 for d in op.deps if ops[d].stream is not op.stream and ops[d].stream not in HOST_STREAMS)
-        out.append(launch_count(op, graph, waits) * hw.launch_overhead_s)
+    for op, work in zip(ops, works):
+        if work is not None:
+            out.append(work.issue_s)
+        else:
+            out.append(launch_count(op, graph, _gpu_waits(op, ops)) * hw.launch_overhead_s)
     return tuple(out)
+
+
+def issue_stall(kind: OpKind, hw: HardwareSpec) -> float:
+    """Fraction of a host op's time during which the issuing thread cannot issue: an OPT's
+    ``hw.host_optimizer_issue_stall`` (its kernel holds the GIL), a CAST's ``hw.host_cast_issue_stall``;
+    0 for other host ops (torch ops, which release the GIL) and GPU ops."""
+    if kind is OpKind.OPT:
+        return hw.host_optimizer_issue_stall
+    if kind is OpKind.CAST:
+        return hw.host_cast_issue_stall
+    return 0.0
 
 
 # -- FLOPs and MFU ---------------------------------------------------------------------------------
@@ -553,7 +766,8 @@ def weight_gather_host_time(layer: Layer, hw: HardwareSpec, plan: Plan) -> float
 __all__ = ["ACC_BYTES_PER_ELEMENT", "BACKWARD_TO_FORWARD_FLOPS", "Resource", "resource_of", "compute_rate",
            "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time", "fwd_time", "bwd_time", "opt_time", "host_rate",
            "optimizer_rate", "cast_rate", "cast_time", "acc_time", "checkpoint_bytes", "offload_time",
-           "op_duration", "op_time", "op_times", "D2H_LAUNCHES", "COPY_LAUNCHES", "HOST_OP_LAUNCHES",
+           "op_duration", "op_time", "op_times", "kernel_time", "ComputeWork", "compute_work", "compute_works",
+           "fresh_gradients", "issue_stall", "D2H_LAUNCHES", "COPY_LAUNCHES", "HOST_OP_LAUNCHES",
            "launch_count", "launch_times", "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
            "nvme_time", "all_reduce_time", "COUNT_BYTES", "count_reduce_time", "reduce_scatter_time",
            "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time"]

@@ -318,9 +318,10 @@ def solve_topology(graph: LayerGraph, hw: HardwareSpec, global_batch: int, *, gp
         view = hw.model_copy(update={"name": f"{hw.name}, one of {gpus_per_node} ranks per node ({mode})",
                                      "host_memory_bytes": host, "pinned_memory_cap_bytes": min(pinned, host)})
         try:
+            # data_parallel_plan sends FP32 gradients from every rank of several: plan its slots so.
             sol = solve(SolveRequest(graph, view, global_batch // ranks, compute_dtype, clip_gradients=clip_gradients,
-                                     optimizer_name=optimizer_name, **({} if limits is None else {"limits": limits})),
-                        method)
+                                     optimizer_name=optimizer_name, d2h_dtype="float32" if ranks > 1 else None,
+                                     **({} if limits is None else {"limits": limits})), method)
         except InfeasibleRequestError as e:
             r = e.requirements
             if r.gpu_memory_bytes > hw.gpu_memory_bytes:  # the GPU is the obstacle, whatever the host

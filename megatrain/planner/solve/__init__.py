@@ -91,7 +91,11 @@ objective and two lower bounds to prune with.
    is the longest path through the candidate's schedule lowered for one micro-batch, each op
    standing for its ``M`` micro-batches; the simulator respects every edge of that path, so it
    can never beat it. With duplex copies and no per-micro-batch edge between streams (no offload)
-   the simulator adds no other wait and the bound is the simulated step time. Per-micro-batch
+   the simulator adds no other wait and the bound is the simulated step time, unless the issuing
+   thread holds the GPU back: a compute op of a traced layer is timed in the bounds by its GPU
+   seconds (``cost.op_duration``), and in the simulator kernel by kernel against the thread's launch
+   cost (``cost.ComputeWork``), so an issue-bound candidate simulates slower than its bound and a
+   GPU-bound one (larger micro-batches: launches per token fall) at it. Per-micro-batch
    passes break the pattern's premise that a visit's micro-batches run back to back, so their
    candidates are simulated on the cheap bound alone, with the D2H copies and host accumulations
    of every micro-batch in its busy times.

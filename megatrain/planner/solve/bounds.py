@@ -292,7 +292,9 @@ def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) 
     bound too (:func:`cost.resource_of`: the two host workers share one, and without duplex
     copies H2D and D2H share one engine). With duplex copies and ``M = 1`` (or no per-micro-batch
     edge, as with every checkpoint kept) each stream has a resource of its own, the simulator adds
-    no other wait, and the bound is the simulated step time.
+    no other wait, and the bound is the simulated step time, unless compute ops are issue-bound
+    (a traced layer's op is its GPU seconds here, its kernels against the issuing thread in the
+    simulator).
     """
     n = len(p.kinds)
     M = size.micro_batches

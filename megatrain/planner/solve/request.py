@@ -25,7 +25,8 @@ def scale_graph(graph: LayerGraph, micro_batch_size: int) -> LayerGraph:
     """``graph`` (traced for micro-batches of ``graph.micro_batch_size``) for ``micro_batch_size``.
 
     With ``k = micro_batch_size / graph.micro_batch_size`` (an integer), each layer's
-    ``fwd_flops``, ``bwd_flops`` and ``work_bytes`` and the ``nbytes`` of every value whose shape
+    ``fwd_flops``, ``bwd_flops`` and ``work_bytes``, its kernel profiles' FLOPs and bytes
+    (:meth:`~megatrain.ir.profile.KernelProfile.scaled`) and the ``nbytes`` of every value whose shape
     has a dimension equal to the traced micro-batch size (the batch dimension, wherever it is) are
     multiplied by ``k``, and that dimension (the first one of that size) with them. Parameters,
     buffers and values without such a dimension (a ``(seq, seq)`` mask, the scalar loss) are kept.
@@ -56,8 +57,19 @@ def scale_graph(graph: LayerGraph, micro_batch_size: int) -> LayerGraph:
         shape = v.shape[:d] + (v.shape[d] * k,) + v.shape[d + 1:]
         return replace(v, shape=shape, nbytes=v.nbytes * k)
 
+    profiles: dict[int, object] = {}  # layers of a template share one profile: scale it once
+
+    def scale_profile(p):
+        if p is None:
+            return None
+        got = profiles.get(id(p))
+        if got is None:
+            got = profiles[id(p)] = p.scaled(k)
+        return got
+
     layers = tuple(replace(layer, fwd_flops=layer.fwd_flops * k, bwd_flops=layer.bwd_flops * k,
-                           work_bytes=layer.work_bytes * k) for layer in graph.layers)
+                           work_bytes=layer.work_bytes * k, fwd_profile=scale_profile(layer.fwd_profile),
+                           bwd_profile=scale_profile(layer.bwd_profile)) for layer in graph.layers)
     return LayerGraph(layers=layers, values=tuple(scale_value(v) for v in graph.values),
                       batch_inputs=graph.batch_inputs, loss=graph.loss, micro_batch_size=micro_batch_size,
                       seq_len=graph.seq_len, meta=dict(graph.meta, scaled_from_micro_batch_size=b0))
@@ -124,6 +136,11 @@ class SolveRequest:
             layer) and are timed by their steady-state step.
         optimizer_name: the host optimizer (``Plan.optimizer_name``), whose state bytes per
             parameter the plans' host memory counts.
+        d2h_dtype: the weight gradients' dtype in the GPU slots, over D2H and in the host tiles
+            whatever the plan's passes (``Plan.d2h_dtype``): ``"float32"`` for a rank of several,
+            whose host sums the ranks' gradients (``planner.topology.data_parallel_plan``), so that
+            the GPU slots it plans are the ones that rank will hold; None: the plan's own
+            (``Plan.gradient_dtype``).
     """
 
     graph: LayerGraph
@@ -134,6 +151,7 @@ class SolveRequest:
     graphs: GraphSource | None = field(default=None, compare=False)
     clip_gradients: bool = False
     optimizer_name: str = "adamw"
+    d2h_dtype: Literal["float32"] | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:

@@ -64,7 +64,8 @@ def plan_for(request: SolveRequest, micro_batch_size: int, k: Knobs, layer_by_la
                 prefetch_distance=k.prefetch_distance, grad_ring=k.grad_ring, resident=k.resident,
                 activations=k.activations, layer_by_layer=layer_by_layer, optimizer=placement(request),
                 compute_dtype=request.compute_dtype, staging_ring=max(k.staging_ring, 1),
-                cast_once=k.staging_ring == CAST_ONCE, optimizer_name=request.optimizer_name)
+                cast_once=k.staging_ring == CAST_ONCE, optimizer_name=request.optimizer_name,
+                d2h_dtype=request.d2h_dtype)
 
 
 def scaled_memory(unit: cost.MemoryBreakdown, weight_slots: int, gradient_ring: int,
@@ -176,7 +177,8 @@ class Search:
             slots = d + 1
             plan = Plan(micro_batches=opt.micro_batches, slots=slots, prefetch_distance=d, grad_ring=1,
                         staging_ring=1, activations=policy, compute_dtype=self.request.compute_dtype,
-                        layer_by_layer=opt.layer_by_layer, optimizer_name=self.request.optimizer_name)
+                        layer_by_layer=opt.layer_by_layer, optimizer_name=self.request.optimizer_name,
+                        d2h_dtype=self.request.d2h_dtype)
             sched = lower(opt.graph, plan)
             m = cost.memory_breakdown(opt.graph, plan, self.hw, sched)
             self.units[key] = (sched, with_reserve(replace(m, weight_slots=m.weight_slots // slots,
@@ -188,7 +190,8 @@ class Search:
         key = (opt.key, grad_ring)
         if key not in self.rings:
             plan = Plan(micro_batches=opt.micro_batches, grad_ring=grad_ring, layer_by_layer=opt.layer_by_layer,
-                        optimizer=placement(self.request), compute_dtype=self.request.compute_dtype)
+                        optimizer=placement(self.request), compute_dtype=self.request.compute_dtype,
+                        d2h_dtype=self.request.d2h_dtype)
             self.rings[key] = cost.gradient_ring_bytes(opt.graph, plan)
         return self.rings[key]
 
@@ -196,7 +199,7 @@ class Search:
         """Bytes per gradient element in the slots and host tiles of ``opt``'s plans
         (``Plan.gradient_itemsize``: BF16 where BF16 compute makes it exact)."""
         return Plan(micro_batches=opt.micro_batches, layer_by_layer=opt.layer_by_layer,
-                    compute_dtype=self.request.compute_dtype).gradient_itemsize
+                    compute_dtype=self.request.compute_dtype, d2h_dtype=self.request.d2h_dtype).gradient_itemsize
 
     def cast_once_bytes(self, opt: SizeOption) -> int:
         """Pinned bytes of one staging tile per layer, each at its size (``Plan.cast_once``)."""

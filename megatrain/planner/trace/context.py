@@ -128,6 +128,7 @@ class TraceContext:
     # share_templates, measure
     templates: list[fx.GraphModule] = field(default_factory=list)
     flops: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # template -> fwd, bwd FLOPs, launches
+    profiles: dict[int, tuple] = field(default_factory=dict)  # template -> (fwd, bwd) KernelProfile
     # build_graph, replicate
     traced: TracedModel | None = None
     full_because: str | None = None

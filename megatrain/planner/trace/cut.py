@@ -356,7 +356,8 @@ def build_graph(ctx: TraceContext) -> None:
             outputs=tuple(ctx.value_of[o] for o in L.outputs), buffers=buffer_names,
             buffer_bytes=sum(node_val(a).numel() * node_val(a).element_size() for a in L.buffers),
             work_bytes=L.work_bytes, fwd_flops=flops[0], bwd_flops=flops[1], fwd_launches=flops[2],
-            bwd_launches=flops[3], draws_random=random_templates[L.template]))
+            bwd_launches=flops[3], draws_random=random_templates[L.template],
+            fwd_profile=ctx.profiles[L.template][0], bwd_profile=ctx.profiles[L.template][1]))
     o = ctx.options
     graph = LayerGraph(layers=tuple(layer_recs), values=tuple(value_recs), batch_inputs=o.input_names,
                        loss=ctx.value_of[ctx.loss_node], micro_batch_size=o.micro_batch_size, seq_len=o.seq_len,

@@ -1,9 +1,11 @@
-"""Measure each layer: its working memory by a liveness simulation, its FLOPs and kernel launches.
+"""Measure each layer: its working memory by a liveness simulation, its FLOPs, launches and kernel profile.
 
 FLOPs are counted by running each template once on the meta device under
 ``torch.utils.flop_counter.FlopCounterMode`` (forward, then forward plus backward for the local
 backward), so attention FLOPs are included exactly as the kernels see them; launches likewise with
-:func:`megatrain.ir.issue.count_launches`. A layer's ``work_bytes`` comes from a liveness
+:func:`megatrain.ir.issue.count_launches`; each template's kernel profile (every op a forward and a
+local backward dispatch, fused attention counted as the one kernel a GPU runs) with
+:func:`megatrain.ir.profile.profile_template`. A layer's ``work_bytes`` comes from a liveness
 simulation of its local backward over the template (:func:`work_bytes`): what its forward creates,
 the gradients its backward creates, and what the chunked kernels hold inside, at the peak.
 """
@@ -21,6 +23,7 @@ from megatrain.kernels import (chunk_bounds, grouped_query_attention, linear_cro
                                linear_cross_entropy_work_bytes, sequence_chunked)
 from megatrain.ir.graph import retarget
 from megatrain.ir.issue import count_launches
+from megatrain.ir.profile import profile_template
 from megatrain.planner.trace.fx_util import ATTENTION_OPS, allocates, is_float, node_val, value_bytes
 
 if TYPE_CHECKING:
@@ -283,6 +286,7 @@ def measure(ctx: TraceContext) -> None:
         layer.work_bytes = work_bytes(layer.module, kinds,
                                       flat_bytes=_flat_bytes(layer.params, layer.numel, ctx.trainable, ctx.param_of))
     ctx.flops = {}
+    ctx.profiles = {}
     for layer in ctx.layers:
         if layer.template not in ctx.flops:
             tmpl = ctx.templates[layer.template]
@@ -290,6 +294,7 @@ def measure(ctx: TraceContext) -> None:
             grad_args = ([ctx.trainable[ctx.param_of[a.name]] for a in layer.params] + [False] * len(layer.buffers)
                          + [a in ctx.needs_grad and is_float(node_val(a)) for a in layer.inputs])
             ctx.flops[layer.template] = count_flops(tmpl, args, grad_args) + count_launches(tmpl, args, grad_args)
+            ctx.profiles[layer.template] = profile_template(tmpl, args, grad_args)
 
 
 __all__ = ["count_flops", "measure", "work_bytes"]
