@@ -496,7 +496,7 @@ def test_public_surface_of_the_schedule_modules():
     assert sorted(verify_mod.__all__) == ["RULES", "happens_before", "verify"]
     assert sorted(liveness_mod.__all__) == ["BATCH", "Generation", "Liveness", "liveness", "reads_of", "writes_of"]
     assert sorted(executor_mod.__all__) == ["DeferredUpdates", "DeviceRng", "Executor", "HANDLERS", "StepOutput",
-                                            "backward_body", "local_backward", "replaying_rng"]
+                                            "TokenHead", "backward_body", "local_backward", "replaying_rng"]
     assert set(executor_mod.HANDLERS) == set(OpKind)  # every op kind runs through the table
     assert not hasattr(schedule_mod, "schedule_json_schema")  # unused: removed
 
