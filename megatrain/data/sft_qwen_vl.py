@@ -75,9 +75,13 @@ def load_processor(directory: Path, model_type: str):
     (:func:`images_only`).
 
     Raises:
+        ConfigError: the processor is defined only by the directory's own code
+            (:func:`megatrain.hf_load.load_processor`).
         OSError, ValueError: ``directory`` holds no such processor (transformers' errors).
     """
-    processor = images_only(PROCESSORS[model_type]).from_pretrained(directory)
+    from megatrain.hf_load import load_processor as load
+
+    processor = load(directory, images_only(PROCESSORS[model_type]))
     directory = Path(directory)
     try:  # transformers 5 nests the sub-processors' settings in processor_config.json; older, a file each
         processor.video_config = json.loads((directory / "processor_config.json").read_text()).get("video_processor")

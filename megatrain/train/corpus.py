@@ -107,14 +107,15 @@ def _processor(cfg: TrainConfig, source: ModelSource):
         raise ConfigError(f"model_type {source.config.model_type!r} is a vision-language model: its SFT data is read "
                           f"by its processor, and a bare config names none; {hint}")
     directory = where if where.is_dir() else where.parent
-    from transformers import AutoProcessor
-
+    from megatrain import hf_load
     from megatrain.data.sft_qwen_vl import PROCESSORS, load_processor
 
     model_type = source.config.model_type
     try:  # Qwen2-VL's processor class without its video processor, which needs torchvision
         processor = load_processor(directory, model_type) if model_type in PROCESSORS else \
-            AutoProcessor.from_pretrained(directory)
+            hf_load.load_processor(directory)
+    except ConfigError:  # the directory's own code, refused
+        raise
     except Exception as e:  # OSError, ValueError, KeyError from a directory that is not a processor's
         raise ConfigError(f"{directory}: AutoProcessor.from_pretrained cannot load a processor from it "
                           f"({type(e).__name__}: {e}); {hint}") from None
