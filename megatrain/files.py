@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import sys
 from pathlib import Path
 from typing import Callable
@@ -122,8 +123,7 @@ class DirectoryLock:
     def holder(self) -> str:
         """Who holds the lock, as its file says ("pid 123 on host h since ..."), or "another process"."""
         try:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
-                text = f.read().strip()
+            text = read_regular(self.path, 4096).decode("utf-8", errors="replace").strip()
         except OSError:
             text = ""
         return text or "another process"
@@ -134,9 +134,11 @@ class DirectoryLock:
 
         Raises:
             LockedError: held by another process and ``wait`` is False.
+            UnsafeFileError: the lock file is a symlink, a hard link, a FIFO or not a file
+                (:func:`open_lock_file`); nothing was written to it.
             OSError: the lock file cannot be created (an unwritable directory).
         """
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd, ours = open_lock_file(self.path, self.what)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -150,9 +152,10 @@ class DirectoryLock:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
             command = " ".join(sys.argv)[:300]
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {started} ({command})\n".encode(),
-                      0)
+            if ours:  # another user's lock file in a shared directory locks as well, unwritten
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {started} ({command})\n".encode(),
+                          0)
         except BaseException:
             os.close(fd)
             raise
@@ -171,3 +174,101 @@ class DirectoryLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening what another user may have planted: lock files, and paths a data registry names
+# ---------------------------------------------------------------------------------------------
+
+
+class UnsafeFileError(MegatrainError, OSError):
+    """A path megatrain would open or read is not what its name promises: a lock file that is a
+    symlink, a hard link to another file, a FIFO or a device; a path a data registry names that
+    resolves outside the registry's directory. The message names the path and the fix; nothing was
+    written through it."""
+
+
+_NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO opens at once (and is refused)
+
+
+def open_lock_file(path: str | os.PathLike, what: str) -> tuple[int, bool]:
+    """Open the lock file ``path`` as the NVMe tiles are opened: created exclusively (mode 0644)
+    where new; else opened without following a symlink or blocking on a FIFO, and accepted only as
+    a regular file with one link (a hard link planted under the lock's name would let a write
+    through it change its target). Returns ``(fd, ours)``: ``ours`` when this user owns the file,
+    and then ``fd`` is open for reading and writing; another user's lock file (a shared
+    ``data_cache``) is opened read-only, which ``flock`` locks as well, and must not be written.
+
+    Raises:
+        UnsafeFileError: a symlink, a hard link, a FIFO, a directory or a device (naming it, what it
+            locks and the fix: remove it).
+        OSError: the file cannot be created or opened (an unwritable directory).
+    """
+    path = os.fspath(path)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o644), True
+    except FileExistsError:
+        pass
+
+    def refuse(why: str) -> UnsafeFileError:
+        return UnsafeFileError(f"the lock file of {what}, {path}, {why}; megatrain never opens a lock through a "
+                               f"link: remove it (rm {path}) and run again")
+
+    try:
+        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise refuse("is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse(f"is not a regular file ({stat.filemode(st.st_mode)})")
+        if st.st_nlink != 1:
+            raise refuse(f"has {st.st_nlink} hard links (a file linked under the lock's name)")
+        if st.st_uid != os.geteuid():
+            return fd, False
+        wfd = os.open(path, os.O_RDWR | _NO_FOLLOW)
+        wst = os.fstat(wfd)
+        if (wst.st_dev, wst.st_ino) != (st.st_dev, st.st_ino) or wst.st_nlink != 1:  # replaced in between
+            os.close(wfd)
+            raise refuse("changed while it was opened")
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return wfd, True
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the regular file ``path``, opened without following a symlink or
+    blocking on a FIFO.
+
+    Raises:
+        OSError: no such file, a symlink (ELOOP), or not a regular file (EINVAL).
+    """
+    fd = os.open(path, os.O_RDONLY | _NO_FOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def resolve_inside(root: str | os.PathLike, name: str | os.PathLike, what: str) -> Path:
+    """``root / name`` where it resolves (``..`` folded, symlinks followed) inside ``root``: a path
+    a file in ``root`` names (a data registry's ``file_name``) reads nothing outside it. A path the
+    user gives on the command line is not checked: this is for paths that come from a file.
+
+    Raises:
+        UnsafeFileError: ``name`` is absolute, climbs out with ``..``, or is (or passes through) a
+            symlink to outside ``root``; the message names ``what``, where it resolves and the fix.
+    """
+    path = Path(root) / name
+    real, base = path.resolve(), Path(root).resolve()
+    if real != base and base not in real.parents:
+        raise UnsafeFileError(f"{what}: {os.fspath(name)!r} resolves to {real}, outside {os.fspath(root)!r}; a path "
+                              f"read from a file there must stay inside it: move the data into {os.fspath(root)!r}, "
+                              "or give its path on the command line (--data PATH)")
+    return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -133,6 +134,36 @@ def test_a_directory_lock_names_its_holder_and_is_released_when_its_process_ends
     lock.acquire()
     assert lock.held and f"pid {os.getpid()}" in lock.holder()
     lock.release()
+
+
+@pytest.mark.parametrize("planted", ["hard link", "symlink", "fifo", "directory"])
+def test_a_lock_file_planted_in_a_shared_directory_is_refused_and_its_target_untouched(tmp_path, planted):
+    """Issue 44, item 3: a hard link planted as ``.tokens.lock`` in a shared data_cache used to be
+    opened read-write and truncated, overwriting its target. A lock file that is a hard link, a
+    symlink, a FIFO (which must not block) or not a file is refused naming it and the fix; the
+    target keeps its bytes."""
+    from megatrain.files import UnsafeFileError
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    cache = tmp_path / "data_cache"
+    cache.mkdir()
+    lock_file = cache / ".tokens.lock"
+    {"hard link": lambda: os.link(target, lock_file), "symlink": lambda: lock_file.symlink_to(target),
+     "fifo": lambda: os.mkfifo(lock_file), "directory": lambda: lock_file.mkdir()}[planted]()
+    why = {"hard link": "has 2 hard links", "symlink": "is a symbolic link", "fifo": r"is not a regular file \(p",
+           "directory": r"is not a regular file \(d"}[planted]
+    with pytest.raises(UnsafeFileError, match=rf"the lock file of the token store x, {re.escape(str(lock_file))}, "
+                                              rf"{why}.*remove it \(rm "):
+        DirectoryLock(lock_file, "the token store x").acquire()
+    assert target.read_text() == "keep me\n"
+
+
+def test_a_lock_file_of_this_user_is_reused_and_names_its_holder(tmp_path):
+    lock_file = tmp_path / ".lock"
+    lock_file.write_text("pid 1 on host old since then\n" * 100)  # a last holder's record, longer than ours
+    with DirectoryLock(lock_file, "x") as lock:
+        assert lock.holder().startswith(f"pid {os.getpid()} on host") and lock_file.read_text().count("\n") == 1
 
 
 def _children(pid: int) -> list[int]:

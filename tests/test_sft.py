@@ -452,14 +452,44 @@ def test_a_registry_resolves_names_files_formatting_columns_and_tags(tmp_path, c
         resolve_sft_data(f"x@{bad}")
 
 
+def test_a_registry_reads_nothing_outside_its_directory(tmp_path):
+    """Issue 44, item 2: a ``file_name`` that climbs out (``..``), is absolute (``/``: a file at the
+    root of the file system was read) or is a symlink to outside, and a symlinked file in a
+    directory entry, are refused naming where they resolve; the same file given on the command
+    line trains."""
+    from megatrain.files import UnsafeFileError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    record = [{"instruction": "Say 1.", "output": "1"}]
+    write(outside / "x.json", record, "json")
+    d = _registry(tmp_path, {})
+    (d / "link.json").symlink_to(outside / "x.json")
+    (d / "parts").mkdir()
+    write(d / "parts" / "0.json", record, "json")
+    (d / "parts" / "1.json").symlink_to(outside / "x.json")
+    write(d / "in.json", record, "json")
+    _registry(tmp_path, {"up": {"file_name": "../outside/x.json"}, "root": {"file_name": "/"},
+                         "link": {"file_name": "link.json"}, "parts": {"file_name": "parts"},
+                         "in": {"file_name": "in.json"}})
+    for name, resolves in [("up", outside / "x.json"), ("root", Path("/")), ("link", outside / "x.json"),
+                           ("parts", outside / "x.json")]:
+        with pytest.raises(UnsafeFileError, match=rf"dataset '{name}': file(_name)?: '.*' resolves to "
+                                                  rf"{re.escape(str(resolves.resolve()))}, outside .*reg'.*--data PATH"):
+            resolve_sft_data(f"{name}@{d}")
+    assert [s.name for s in resolve_sft_data(f"in@{d}")] == ["in"]
+    (src,) = resolve_sft_data(str(outside / "x.json"))  # named by the user: read
+    assert len(list(iter_examples(src))) == 1
+
+
 def test_a_saved_dataset_dict_and_its_split(tmp_path, chat):
     records = CASES["messages"][0][:1]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
-                          "extra": datasets.Dataset.from_list(records * 2)}).save_to_disk(str(tmp_path / "saved"))
-    _registry(tmp_path, {"dev": {"file_name": "../saved", "formatting": "openai", "split": "extra"}})
+                          "extra": datasets.Dataset.from_list(records * 2)}).save_to_disk(str(tmp_path / "reg/saved"))
+    _registry(tmp_path, {"dev": {"file_name": "saved", "formatting": "openai", "split": "extra"}})
     (src,) = resolve_sft_data(f"dev@{tmp_path / 'reg'}")
     assert len(list(iter_examples(src))) == 2
-    (src,) = resolve_sft_data(str(tmp_path / "saved"))
+    (src,) = resolve_sft_data(str(tmp_path / "reg/saved"))
     assert len(list(iter_examples(src))) == 1  # a saved directory alone: its train split
 
 

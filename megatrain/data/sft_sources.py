@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.data.sources import scan_jsonl
+from megatrain.files import resolve_inside
 from megatrain.data.sft_formats import SFT_FORMATS, Chat, Completion, RecordError, SftFormat, detect_format, to_example
 
 __all__ = ["REGISTRY_FILE", "SFT_SUFFIXES", "SftSource", "iter_examples", "resolve_sft_data", "sft_data_bytes"]
@@ -103,6 +104,8 @@ def resolve_sft_data(data: str, *, sft_format: str = "auto") -> list[SftSource]:
 
     Raises:
         FileNotFoundError: a path, a registry or a registry's ``file_name`` does not exist.
+        megatrain.files.UnsafeFileError: a registry's ``file_name`` (or a file in the directory it
+            names) resolves outside the registry's directory: ``..``, an absolute path, a symlink.
         ValueError: an unknown suffix, name, formatting, column or weight; a hub-only or
             preference entry; ``sft_format`` given with a registry; a directory with no data.
     """
@@ -222,7 +225,7 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
                 f"put the file in {str(directory)!r} and give the entry \"file_name\": \"{name}.jsonl\""
                 + (f"; or name only the local datasets: --data NAME,NAME@{directory}" if every else ""))
         raise ValueError(f"{where} has no file_name (a file or directory in {str(directory)!r})")
-    path = directory / file_name
+    path = resolve_inside(directory, file_name, f"{where}: file_name")
     if not path.exists():
         raise FileNotFoundError(f"{where}: file_name {file_name!r} does not exist ({str(path)!r})")
     fmt = SftFormat.from_registry(entry, where)
@@ -232,7 +235,8 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
         raise ValueError(f"{where}: num_samples must be a positive integer, got {num_samples!r}")
     if path.is_dir() and _saved_dataset(path):
         return SftSource(name, (path,), "saved", fmt, split, weight, num_samples, directory)
-    files = _data_files(path) if path.is_dir() else [path]
+    files = [resolve_inside(directory, f.relative_to(directory), f"{where}: file") for f in _data_files(path)] \
+        if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"{where}: directory {str(path)!r} holds no {'/'.join(SFT_SUFFIXES)} files")
     builders = {_builder(f) for f in files}
