@@ -264,6 +264,12 @@ def _copy_in(stored: Mapping[str, _Stored], targets: Mapping[str, _Target]) -> i
                         src = f.get_tensor(name)
                     except Exception as e:
                         raise CheckpointError(f"{file.name}: cannot read tensor {name!r} ({e})") from None
+                    if src.is_floating_point() and not bool(torch.isfinite(src).all()):
+                        bad = int((~torch.isfinite(src)).sum())
+                        raise CheckpointError(f"{file}: tensor {name!r} holds {bad:,} NaN or infinite values of "
+                                              f"{src.numel():,}; the weights are corrupt (a training run never "
+                                              "saves them so): load them from where they were saved again, or "
+                                              "from an earlier checkpoint")
                     targets[name].tensor.copy_(src)  # converts BF16/F16 to the tile's FP32 exactly
                     del src
                     n += 1
@@ -286,7 +292,7 @@ def _tied_names(stored: dict[str, _Stored], model, targets: Mapping[str, _Target
     return out
 
 
-def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) -> LoadedWeights:
+def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True, verify: bool = True) -> LoadedWeights:
     """Copy Hugging Face safetensors weights into a compiled trainer's FP32 master tiles.
 
     ``path`` is a directory holding ``model.safetensors`` or ``model.safetensors.index.json`` with
@@ -303,16 +309,24 @@ def load_hf_weights(trainer, path: str | os.PathLike, *, strict: bool = True) ->
         path: the weights directory or file.
         strict: with False, tensors the model lacks are skipped and model tensors the files lack are
             left as they are, and both are listed in the result instead of raising.
+        verify: a megatrain checkpoint's weight files (``megatrain_state/`` beside them) are
+            checked against the sizes and sha256 of its manifest before anything is copied
+            (:func:`verify_model_files`, as ``load_checkpoint`` and ``megatrain.from_pretrained``
+            check them); False skips that, for a caller that just did.
 
     Returns:
         ``LoadedWeights``: the files read and the number of tensors copied.
 
     Raises:
-        CheckpointError: no weights at ``path``; a file that is not valid safetensors (truncated or
-            corrupt); a tensor whose shape differs from the model's (naming the file and tensor);
-            with ``strict``, tensors missing from the files or not in the model.
+        CheckpointError: no weights at ``path``; a megatrain checkpoint whose files differ from its
+            manifest (naming the file); a file that is not valid safetensors (truncated or corrupt);
+            a tensor whose shape differs from the model's (naming the file and tensor); with
+            ``strict``, tensors missing from the files or not in the model; a tensor with NaN or
+            infinite values (naming it; the tensors before it in the files were copied already).
     """
     path = Path(path)
+    if verify and path.is_dir():
+        verify_model_files(path)
     files, weight_map = _weight_files(path)
     stored = _scan(files, weight_map)
     # The views to load into; a deferred update stays pending (these weights replace what it was for).
@@ -825,7 +839,9 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
         CheckpointError: no complete checkpoint at ``path`` (an interrupted save, or plain Hugging
             Face weights: use ``load_hf_weights``); a newer format version; a file missing,
             truncated or corrupt (naming the file); a checkpoint of another model (naming the layer,
-            or the file and tensor). These are all detected before the trainer is changed.
+            or the file and tensor). These are all detected before the trainer is changed. A tensor
+            with NaN or infinite values (possible only with ``verify=False`` or a manifest written
+            for them), naming the file and tensor, found while copying: load another checkpoint.
     """
     path = Path(path).absolute()
     _recover(path)

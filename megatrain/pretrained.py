@@ -77,7 +77,7 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     trainer = compile(model, **compile_kwargs)
-    trainer.load_hf_weights(root, strict=strict)
+    trainer.load_hf_weights(root, strict=strict, verify=False)  # verified above, before its config was read
     return trainer
 
 

@@ -286,6 +286,30 @@ def _flip_byte(file: Path, at: int = -5) -> None:
     file.write_bytes(bytes(data))
 
 
+def test_weights_loaded_alone_are_checked_against_the_manifest_and_for_nan(trained, tmp_path):
+    """Issue 44, items 5-6: ``load_hf_weights`` (what ``--init-from`` loads with) used to take a
+    megatrain checkpoint with a flipped byte and NaN weights without a word, where resume and
+    ``from_pretrained`` refused them; a NaN or infinite weight was later blamed on the learning
+    rate. Both are a CheckpointError naming the file (and tensor)."""
+    path = save_checkpoint(trained, tmp_path / "ck")
+    target = _compile(_seeded_llama(9))
+    load_hf_weights(target, path)  # intact
+    shard = path / "model.safetensors"
+    _flip_byte(shard)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: sha256 differs from the manifest"):
+        load_hf_weights(target, path)
+    _flip_byte(shard)  # back
+    plain = tmp_path / "plain"  # Hugging Face weights (no manifest), one value NaN, one infinite
+    plain.mkdir()
+    weights = {k: v.clone() for k, v in _params(trained).items()}
+    name = sorted(weights)[3]
+    weights[name].view(-1)[:2] = torch.tensor([float("nan"), float("inf")])
+    save_file(weights, plain / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{re.escape(name)}' holds 2 NaN or "
+                                              rf"infinite values of {weights[name].numel():,}; the weights are corrupt"):
+        load_hf_weights(target, plain)
+
+
 def test_corrupt_or_mismatched_checkpoints_are_refused_and_nothing_changes(trained, tmp_path):
     path = save_checkpoint(trained, tmp_path / "ck", max_shard_bytes=30_000, extra_state={"k": 1})
     target = _compile(_seeded_llama(9))

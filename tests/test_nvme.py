@@ -799,11 +799,35 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch,
         # one byte too little, the clipped run's deferred gradient tiles first. Said.
         out = capsys.readouterr().out
         assert f"NVMe: Adam moments of {on_disk} of 4 trainable layers" in out
-        files = os.listdir(nvme_dir)
+        files = [f for f in os.listdir(nvme_dir) if f != ".megatrain-nvme.lock"]  # the run's lock of nvme_dir
         assert sum(f.endswith(".moments.tile") for f in files) == on_disk
         grads = sum(f.endswith(".grad.tile") for f in files)
         assert (grads > 0) == (name == "short") and len(files) == on_disk + grads
         assert ("deferred gradient tiles of" in out) == (name == "short")
+
+
+def test_a_second_run_on_an_nvme_dir_in_use_is_refused_naming_the_first(tmp_path, monkeypatch, capsys):
+    """Issue 44, item 4: two runs on one --nvme-dir shared its tile files (with --nvme-checksums
+    false the first run's weights silently changed). The second is one error line, before its data
+    is prepared; once the first ends, the same command runs."""
+    import megatrain.runtime.measure
+    from megatrain.cli import main
+    from megatrain.files import DirectoryLock
+    from test_train_cli import CONFIG_YAML, write_model
+
+    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    write_model(tmp_path / "config.json")
+    (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json"))
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    args = ["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "b"), "--max-steps", "2",
+            "--warmup-steps", "0", "--nvme-dir", str(nvme_dir)]
+    with DirectoryLock(nvme_dir / ".megatrain-nvme.lock", "nvme_dir"):  # the first run, another output_dir
+        assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: nvme_dir {nvme_dir} is in use by pid {os.getpid()} on host ") and "another" in err
+    assert not (tmp_path / "b").exists()  # refused before anything of the run was written
+    assert main(args) == 0
 
 
 def test_train_nvme_layers_follow_the_host_memory_budget(tmp_path):

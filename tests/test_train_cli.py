@@ -828,6 +828,21 @@ def test_task_sft_trains_on_a_mixture_with_the_tokenizers_chat_template(first_ru
     assert f"error: data: '{chats}', record 1: the chat has no assistant message" in line
 
 
+def test_init_from_a_checkpoint_with_a_flipped_byte_is_refused(first_run, setup, tmp_path, capsys):
+    """Issue 44, item 5: --init-from checks a megatrain checkpoint's files against its manifest,
+    as a resume and from_pretrained do (a flipped byte, one weight -0.064 -> -65.1, used to train
+    and exit 0)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(first_run / "checkpoint", ckpt)
+    shard = ckpt / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert run(setup, tmp_path / "out", "--init-from", str(ckpt)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{shard}: sha256 differs from the manifest's; the file is corrupt" in line
+
+
 def test_init_from_starts_a_new_sft_run_from_a_pretrained_checkpoint(first_run, setup, tmp_path, capsys):
     """Pretrain (first_run: 8 steps, global_batch 4), then SFT from its checkpoint with another
     batch and schedule: a new run from step 0 with fresh AdamW state on the checkpoint's weights

@@ -30,9 +30,9 @@ from megatrain.train.model import (ModelSource, init_source, is_run_checkpoint, 
                                    resolve_model)
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
                                        preflight_cpu_build, preflight_disk, preflight_host_memory)
-from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE,
-                                    STATE_KEY, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir, check_resume,
-                                    train_state)
+from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, NVME_LOCK_FILE, PLOT_FILE,
+                                    SCHEDULE_FILE, STATE_KEY, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir,
+                                    check_resume, train_state)
 from megatrain.units import MiB
 
 if TYPE_CHECKING:
@@ -311,12 +311,19 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     ranks = _Ranks.start(cfg)
     # Rank 0 writes every output: it holds output_dir's lock for the run.
     lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None
+    # Two runs on one nvme_dir would share its tile files by name (each run's moments overwriting
+    # the other's): one run at a time, as for output_dir.
+    nvme_lock = DirectoryLock(Path(cfg.nvme_dir) / NVME_LOCK_FILE, f"nvme_dir {cfg.nvme_dir}") \
+        if cfg.nvme_dir is not None and ranks.rank == 0 else None
     try:
+        if nvme_lock is not None:
+            nvme_lock.acquire()
         with _InterruptOnTerm():
             return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock, device, given)
     finally:
-        if lock is not None:
-            lock.release()
+        for held in (lock, nvme_lock):
+            if held is not None:
+                held.release()
         ranks.close()
 
 

@@ -32,6 +32,9 @@ STATE_VERSION = 1
 
 LOCK_FILE = ".megatrain.lock"
 """The lock file of ``output_dir`` (:class:`megatrain.files.DirectoryLock`): one run at a time, naming the holder."""
+NVME_LOCK_FILE = ".megatrain-nvme.lock"
+"""The lock file of ``nvme_dir``: one run at a time keeps its tile files there (a name of its own, so
+that an ``nvme_dir`` that is also the ``output_dir`` takes both locks)."""
 
 RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, CHECKPOINT_DIR, STORE_DIR)
 """What ``megatrain train`` writes in ``output_dir`` (besides the hidden files of :func:`_is_leftover`)."""
@@ -46,7 +49,7 @@ def _is_leftover(name: str) -> bool:
     from megatrain.checkpoint import _OLD_TAG, _TMP_TAG
     from megatrain.files import is_leftover
 
-    return (name == LOCK_FILE or is_leftover(name)
+    return (name in (LOCK_FILE, NVME_LOCK_FILE) or is_leftover(name)
             or name.startswith(f".{STORE_DIR}.")  # the token store's lock and build directories
             or name.startswith(f".{CHECKPOINT_DIR}.") and (_TMP_TAG in name or _OLD_TAG in name))
 
