@@ -516,6 +516,13 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     if args.seq_len < 1 or args.global_batch < 1:
         raise _UsageError(f"megatrain plan: --seq-len ({args.seq_len}) and --global-batch ({args.global_batch}) "
                           "must be >= 1")
+    from megatrain.bounds import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
+
+    for flag, value, limit in (("--seq-len", args.seq_len, MAX_SEQ_LEN), ("--global-batch", args.global_batch,
+                                                                           MAX_GLOBAL_BATCH)):
+        if value > limit:
+            raise _UsageError(f"megatrain plan: {flag} {value:,} is more than megatrain plans ({limit:,}; "
+                              "megatrain.bounds says why); give a smaller one")
     dtype = args.compute_dtype or "bfloat16"
     hw = _spec(args, args.hardware)
     if ranks > 1 and args.global_batch % ranks == 0:  # (a batch the ranks cannot split: no plan fits, exit 3)
@@ -605,10 +612,10 @@ def _train_command(args: argparse.Namespace) -> int:
 
         train(cfg)
     except MegatrainError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
         return 2
     except OSError as e:  # the file system refused a read or write: the message names the path
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
         return 2
     except KeyboardInterrupt as e:
         print(f"error: interrupted ({e or 'SIGINT'}); nothing more was saved, and a checkpoint already written "
@@ -616,6 +623,15 @@ def _train_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 143 if "SIGTERM" in str(e) else 130  # 128 + the signal, as a shell reports it
     return 0
+
+
+def _print_error(e: BaseException | str) -> None:
+    """The one ``error:`` line of a failed command on stderr, at most
+    :data:`megatrain.bounds.MAX_ERROR_CHARS` characters (a message that quotes a huge input keeps
+    its start and end) and on one line."""
+    from megatrain.bounds import shorten
+
+    print("error: " + shorten(" ".join(str(e).splitlines())), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -633,10 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train_command(args)
         return _plan_command(args)
     except _UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
         return 2
     except MegatrainError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _print_error(e)
         return 2
 
 

@@ -60,7 +60,8 @@ def describe_validation(e: pydantic.ValidationError, *, missing_hint: Callable[[
         if err["type"] == "missing":
             parts.append(f"{loc} is required" + (missing_hint(loc) if missing_hint else ""))
         elif loc:
-            parts.append(f"{loc}={err.get('input')!r}: {msg}")
+            given = repr(err.get("input"))  # a value quoted in full would make a line of any length
+            parts.append(f"{loc}={given if len(given) <= 200 else given[:180] + ' ...'}: {msg}")
         else:
             parts.append(msg)
     return "; ".join(parts)

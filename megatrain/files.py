@@ -272,3 +272,26 @@ def resolve_inside(root: str | os.PathLike, name: str | os.PathLike, what: str) 
                               f"read from a file there must stay inside it: move the data into {os.fspath(root)!r}, "
                               "or give its path on the command line (--data PATH)")
     return path
+
+
+def open_regular(path: str | os.PathLike, what: str):
+    """``path`` opened for binary reading, when it is a regular file (symlinks followed): a FIFO, a
+    device or a directory is refused at once instead of a read that blocks forever (a FIFO) or
+    never ends (``/dev/zero``). Returns a file object (close it, or use it in ``with``).
+
+    Raises:
+        UnsafeFileError: not a regular file (naming ``what``, the path and its kind).
+        OSError: no such file, or not readable (its own message names the path).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else \
+                f"not a regular file ({stat.filemode(mode)})"
+            raise UnsafeFileError(f"{what} {os.fspath(path)!r} is {kind}; give a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

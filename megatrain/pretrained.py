@@ -59,6 +59,7 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
                           "from (save_pretrained writes it beside the weights)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from megatrain.bounds import check_model_size
     from megatrain.checkpoint import verify_model_files
     from megatrain.models import check_config_values, config_errors, refuse_remote_code
 
@@ -71,6 +72,7 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} holds a JSON {type(raw).__name__}, not an object")
     refuse_remote_code(str(raw.get("model_type")), raw, source)
+    check_model_size(raw, source)
     with config_errors(source):
         config = AutoConfig.from_pretrained(root, local_files_only=True, trust_remote_code=False)
     check_config_values(config, source, set(raw))

@@ -14,6 +14,7 @@ import functools
 import json
 import re
 import sysconfig
+import time
 from pathlib import Path
 
 import datasets
@@ -186,6 +187,29 @@ def test_a_multi_turn_chats_labels_cover_exactly_its_assistant_turns(tokenizer, 
     text = tokenizer.decode(plain.ids.tolist(), skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\nS.<|im_end|>\n<|im_start|>user\nQ0?")
     assert tokenizer.decode(plain.ids[plain.targets].tolist()) == "A0.<|im_end|>\nA1.<|im_end|>\nA2.<|im_end|>\n"
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", r"took more than 0.5 s"),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{{ 'x' }}{% endfor %}{% endfor %}", r"took more than 0.5 s"),
+    ("{% for m in messages %}{{ m['content'] * 3000 }}{% endfor %}", r"rendered 60,000 characters for one record, more "
+                                                                     r"than any row megatrain trains holds \(1,000"),
+])
+def test_a_chat_template_is_bounded_in_time_and_output(tokenizer, monkeypatch, template, match):
+    """Issue 44, item 7: a template of nested range(99999) loops never finished (and held the run
+    past SIGTERM). Rendering one record is bounded in time and in characters (here lowered to
+    0.5 s and 1,000 characters to keep the test short)."""
+    from megatrain import bounds
+
+    monkeypatch.setattr(bounds, "TEMPLATE_SECONDS", 0.5)
+    monkeypatch.setattr(bounds, "MAX_TEMPLATE_CHARS", 1_000)
+    example = Chat(({"role": "user", "content": "Q?????????"}, {"role": "assistant", "content": "A........."}),
+                   (False, True))
+    t0 = time.perf_counter()
+    with pytest.raises(RecordError, match=match):
+        ChatTokenizer(tokenizer, template, eos_token=EOT).encode(example)
+    assert time.perf_counter() - t0 < 5
+    ChatTokenizer(tokenizer, None, eos_token=EOT).encode(example)  # a template that renders in time: no error
 
 
 def test_templates_that_cannot_be_split_are_errors(tokenizer):

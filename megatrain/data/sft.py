@@ -51,16 +51,17 @@ import shutil
 import time
 import uuid
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tokenizers import Tokenizer
 
+from megatrain import bounds
 from megatrain.data.packing import IGNORE_INDEX, best_fit_decreasing
 from megatrain.data.sft_formats import Chat, Completion, RecordError
 from megatrain.data.sft_sources import SftSource, iter_examples, sources_key
@@ -196,19 +197,34 @@ class ChatTokenizer:
                          if isinstance(m.get("content"), list) else m for m in chat.messages)
         return Chat(messages, chat.train, chat.tools)
 
-    def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
+    def _bounded(self, render: Callable[[], Any]) -> Any:
+        """``render()`` (a template's render) within :data:`megatrain.bounds.TEMPLATE_SECONDS`; its
+        errors as a RecordError."""
+        def slow() -> RecordError:
+            return RecordError(f"the chat template took more than {bounds.TEMPLATE_SECONDS:g} s to render one record "
+                               "(a template renders a chat in milliseconds: a loop in it, or a record of thousands "
+                               "of messages); fix the template or shorten the record")
+
         try:
-            return self.hf.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
-                                               add_generation_prompt=generation_prompt)
+            with bounds.time_limit(bounds.TEMPLATE_SECONDS, slow):
+                return render()
+        except RecordError:
+            raise
         except Exception as e:  # jinja2's errors and the template's own raise_exception
             raise RecordError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
+    def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
+        text = self._bounded(lambda: self.hf.apply_chat_template(
+            messages, tools=tools, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt))
+        if len(text) > bounds.MAX_TEMPLATE_CHARS:
+            raise RecordError(f"the chat template rendered {len(text):,} characters for one record, more than any row "
+                              f"megatrain trains holds ({bounds.MAX_TEMPLATE_CHARS:,}); fix the template")
+        return text
+
     def _encode_marked(self, messages: list[dict], train: list[bool], tools) -> Encoded:
-        try:
-            out = self.hf.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=True,
-                                              return_dict=True, return_assistant_tokens_mask=True)
-        except Exception as e:
-            raise RecordError(f"the chat template failed: {type(e).__name__}: {e}") from None
+        out = self._bounded(lambda: self.hf.apply_chat_template(
+            messages, tools=tools, chat_template=self.template, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True))
         ids = np.asarray(out["input_ids"], dtype=np.int64)
         mask = np.asarray(out["assistant_masks"], dtype=bool)
         edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))

@@ -55,16 +55,29 @@ def load_image(path: str):
     orientation: what ``transformers.image_utils.load_image`` gives for a file.
 
     Raises:
-        RecordError: the file is missing or Pillow cannot read it (naming the file).
+        RecordError: the file is missing, not a regular file (a FIFO is refused, not read), more
+            than :data:`megatrain.bounds.MAX_IMAGE_PIXELS` pixels, or Pillow cannot read it (naming
+            the file).
         ImportError: Pillow is missing (``pip install 'megatrain[hf]'``).
     """
     try:
         from PIL import Image, ImageOps, UnidentifiedImageError
     except ImportError as e:
         raise ImportError("images are read with Pillow: pip install 'megatrain[hf]'") from e
+    from megatrain.bounds import MAX_IMAGE_PIXELS
+    from megatrain.files import UnsafeFileError, open_regular
+
     try:
-        with Image.open(path) as im:
+        with open_regular(path, "image file") as f, Image.open(f) as im:
+            if im.width * im.height > MAX_IMAGE_PIXELS:  # known from the header, before a pixel is decoded
+                raise RecordError(f"image file {path!r} is {im.width}x{im.height}, {im.width * im.height:,} pixels, "
+                                  f"more than megatrain reads ({MAX_IMAGE_PIXELS:,}, Pillow's decompression-bomb "
+                                  "limit); resize it")
             return ImageOps.exif_transpose(im).convert("RGB")
+    except UnsafeFileError as e:
+        raise RecordError(str(e)) from None
+    except Image.DecompressionBombError as e:
+        raise RecordError(f"image file {path!r}: {e}; resize it") from None
     except FileNotFoundError:
         raise RecordError(f"image file {path!r} does not exist (a relative path is read from the data file's "
                           "directory, or the dataset_info.json's)") from None

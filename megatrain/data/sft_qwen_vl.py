@@ -96,7 +96,8 @@ def parse_image_size(text: str) -> tuple[int, int]:
     """``"HxW"`` (pixels, height first) as ``(H, W)``.
 
     Raises:
-        ConfigError: not two positive integers joined by ``x``.
+        ConfigError: not two positive integers joined by ``x``; more pixels than
+            :data:`megatrain.bounds.MAX_IMAGE_PIXELS`.
     """
     try:
         h, w = (int(x) for x in text.lower().split("x"))
@@ -104,6 +105,9 @@ def parse_image_size(text: str) -> tuple[int, int]:
         h = w = 0
     if h < 1 or w < 1:
         raise ConfigError(f"image_size {text!r}: give the height and width in pixels as HxW, e.g. 448x448")
+    from megatrain.bounds import check_image_size
+
+    check_image_size(h, w, f"image_size {text}")
     return h, w
 
 

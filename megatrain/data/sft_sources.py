@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.data.sources import scan_jsonl
+from megatrain.bounds import MAX_NUM_SAMPLES
 from megatrain.files import resolve_inside
 from megatrain.data.sft_formats import SFT_FORMATS, Chat, Completion, RecordError, SftFormat, detect_format, to_example
 
@@ -231,8 +232,13 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
     fmt = SftFormat.from_registry(entry, where)
     split = entry.get("split", "train")
     num_samples = entry.get("num_samples")
-    if num_samples is not None and not (isinstance(num_samples, int) and num_samples > 0):
+    if num_samples is not None and not (isinstance(num_samples, int) and not isinstance(num_samples, bool)
+                                        and num_samples > 0):  # JSON true is no count (it was taken as 1)
         raise ValueError(f"{where}: num_samples must be a positive integer, got {num_samples!r}")
+    if num_samples is not None and num_samples > MAX_NUM_SAMPLES:
+        raise ValueError(f"{where}: num_samples {num_samples:,} is more than megatrain samples from a dataset "
+                         f"({MAX_NUM_SAMPLES:,}, megatrain.bounds.MAX_NUM_SAMPLES: an epoch's index alone would take "
+                         f"{8 * num_samples / 2**30:,.0f} GiB); give a smaller one")
     if path.is_dir() and _saved_dataset(path):
         return SftSource(name, (path,), "saved", fmt, split, weight, num_samples, directory)
     files = [resolve_inside(directory, f.relative_to(directory), f"{where}: file") for f in _data_files(path)] \

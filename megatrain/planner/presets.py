@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatrain.bounds import check_model_size
 from megatrain.errors import ConfigError
 
 _LLAMA_COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
@@ -190,7 +191,8 @@ def read_model_config(name_or_path: str | os.PathLike) -> tuple[dict[str, Any], 
     transformers, and the check ``megatrain train`` makes before it imports torch.
 
     Raises:
-        ConfigError: no such preset or file; not UTF-8 JSON; not an object; no ``model_type``.
+        ConfigError: no such preset or file; not UTF-8 JSON; not an object; no ``model_type``;
+            more layers or parameters than megatrain plans (:func:`megatrain.bounds.check_model_size`).
     """
     key = str(name_or_path)
     if key in MODEL_PRESETS:
@@ -217,6 +219,7 @@ def read_model_config(name_or_path: str | os.PathLike) -> tuple[dict[str, Any], 
     if not d.get("model_type"):
         raise ConfigError(f"{source} has no 'model_type'; a Hugging Face config.json names its "
                           "architecture there (e.g. \"llama\")")
+    check_model_size(d, source)
     return d, source
 
 

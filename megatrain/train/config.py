@@ -12,7 +12,7 @@ import pydantic
 from pydantic import Field
 
 from megatrain.config import OptimizerSettings, describe_validation
-from megatrain import optim
+from megatrain import bounds, optim
 from megatrain.errors import ConfigError
 from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
 from megatrain.planner.presets import preset_names
@@ -29,7 +29,8 @@ class TrainConfig(pydantic.BaseModel):
     directory. Optional fields take ``null`` in a file and ``none`` on the command line.
     """
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    # allow_inf_nan=False: lr .inf or nan would train on (and be reported as "learning rate nan").
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), allow_inf_nan=False)
 
     model: str = Field(description=f"a preset ({preset_names()}), a Hugging Face config.json (or a directory holding "
                                    "only one) to train from scratch; a directory of safetensors weights with its "
@@ -127,8 +128,8 @@ class TrainConfig(pydantic.BaseModel):
                                                        "it in the window (position_ids restart at 0 at every "
                                                        "document start, as Hugging Face packing without padding "
                                                        "does); false: plain causal attention across the window")
-    seq_len: int = Field(1024, ge=2, description="tokens per training window")
-    global_batch: int = Field(8, gt=0, description="windows (rows) per optimizer step, over all ranks under "
+    seq_len: int = Field(1024, ge=2, le=bounds.MAX_SEQ_LEN, description="tokens per training window")
+    global_batch: int = Field(8, gt=0, le=bounds.MAX_GLOBAL_BATCH, description="windows (rows) per optimizer step, over all ranks under "
                                                    "torchrun (a multiple of micro_batch_size x ranks)")
     micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch; global_batch must be a "
                                                        "multiple of it")
@@ -187,7 +188,7 @@ class TrainConfig(pydantic.BaseModel):
                             "(one launch where an eager block issues hundreds); 'auto': where the planner finds "
                             "the step issue-bound on the hardware spec")
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
-    seed: int = Field(0, description="seed of the initialisation, the validation split and the batch order")
+    seed: int = Field(0, ge=-2**63, lt=2**64, description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads of the CPU backend (null: "
                                                         "OMP_NUM_THREADS if set, else the CPUs this process may "
                                                         "use; megatrain.runtime.threads)")
@@ -234,8 +235,23 @@ class TrainConfig(pydantic.BaseModel):
             return {**data, "model": data["init_from"]}
         return data
 
+    @pydantic.field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        # pydantic takes True as 1 for an int field (max_steps: true trained 1 step): a YAML
+        # true/false where a number belongs is a mistake.
+        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{str(value).lower()} is a boolean, not a number; give a number")
+        return value
+
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
+        if self.lr * self.weight_decay >= 1:
+            # Decoupled decay multiplies each weight by 1 - lr x weight_decay every step: at 1 or more
+            # that zeroes or flips every weight, whatever the gradients.
+            raise ValueError(f"lr={self.lr:g} x weight_decay={self.weight_decay:g} = {self.lr * self.weight_decay:g}, "
+                             "but each step multiplies every weight by 1 - lr x weight_decay, which must stay "
+                             f"positive; use weight_decay < {1 / self.lr:g} (1 / lr; usually 0.01-0.1)")
         if self.global_batch % self.micro_batch_size:
             raise ValueError(f"global_batch={self.global_batch} is not a multiple of micro_batch_size="
                              f"{self.micro_batch_size}; change one of them")
@@ -246,6 +262,9 @@ class TrainConfig(pydantic.BaseModel):
         if self.cuda_graphs is True and self.device != "cuda":
             raise ValueError(f"cuda_graphs=true with device={self.device!r}: CUDA graphs capture GPU work; set "
                              "device cuda, or cuda_graphs false")
+        if self.image_size is not None:
+            h, w = (int(x) for x in self.image_size.split("x"))
+            bounds.check_image_size(h, w, f"image_size={self.image_size}")
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}; lower "
                              "warmup_steps")
@@ -339,6 +358,7 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str
             raise
         if loaded is None:
             loaded = {}
+        bounds.check_expanded_size(loaded, f"config file {p}")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of fields, not a {type(loaded).__name__}")
         values.update(_relative_to(p.parent, loaded))
@@ -389,6 +409,14 @@ def _relative_data(base: Path, v: str) -> str:
 
 def _flag_hint(field: str) -> str:
     return f": give --{field.replace('_', '-')} or '{field}:' in the config file"
+
+
+def _numeric(annotation) -> bool:
+    """Whether a field's annotation takes an int or a float (``int``, ``float | None``), not a bool."""
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    return bool not in args and any(a in (int, float) for a in args)
 
 
 def _allows_none(annotation) -> bool:

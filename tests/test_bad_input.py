@@ -1,0 +1,143 @@
+"""Bad input gets one error line (issue 44, items 6-10): settings that used to be taken for
+something else, sizes refused before anything is allocated or traced with the limit named, and
+error lines of bounded length. Each case ran without a word (or hung, or crashed) before."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrain import bounds
+from megatrain.cli import main
+from megatrain.errors import ConfigError
+from megatrain.train.config import load_train_config
+
+MODEL = dict(model_type="llama", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith(("train:", "megatrain plan:", "[transformers]"))]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"lr": float("inf")}, r"lr=inf: Input should be a finite number"),
+    ({"lr": float("nan")}, r"lr=nan: Input should be a finite number"),
+    ({"weight_decay": 1e30}, r"lr=0.0003 x weight_decay=1e\+30 = 3e\+26, but each step multiplies every weight by "
+                             r"1 - lr x weight_decay, which must stay positive; use weight_decay < 3333.33"),
+    ({"max_steps": True}, r"max_steps=True: true is a boolean, not a number"),
+    ({"lr": False}, r"lr=False: false is a boolean, not a number"),
+    ({"seed": 2**70}, r"seed=1180591620717411303424: Input should be less than 18446744073709551616"),
+    ({"global_batch": 10**18}, r"global_batch=1000000000000000000: Input should be less than or equal to 16777216"),
+    ({"image_size": "100000x100000"}, r"image_size=100000x100000 is 10,000,000,000 pixels, more than megatrain reads "
+                                      r"an image at \(89,478,485"),
+])
+def test_settings_that_were_taken_for_something_else_are_refused(tmp_path, settings, match):
+    (tmp_path / "run.json").write_text(json.dumps({"model": "llama-30m", "output_dir": "out", **settings}))
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(tmp_path / "run.json")
+    load_train_config(tmp_path / "run.json", {k: v for k, v in
+                                              {"lr": "1e-3", "weight_decay": "0.1", "max_steps": "500", "seed": "7",
+                                               "global_batch": "8", "image_size": "448x448"}.items()
+                                              if k in settings})  # the same fields with sane values
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_and_briefly(tmp_path, capsys):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    (tmp_path / "run.yaml").write_text("\n".join(levels) + "\nmodel: llama-30m\n")
+    t0 = time.perf_counter()
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "out")]) == 2
+    line = _error(capsys)
+    assert time.perf_counter() - t0 < 10
+    assert "holds more than 100,000 values once its YAML aliases are expanded" in line and len(line) < 400
+
+
+def test_an_error_line_is_capped(capsys):
+    from megatrain.cli import _print_error
+
+    _print_error(ConfigError("x" * 10**6 + "\nend"))
+    line = _error(capsys)
+    assert len(line) <= bounds.MAX_ERROR_CHARS + 7 and line.endswith("x end") and "characters left out" in line
+
+
+@pytest.mark.parametrize("sizes, match", [
+    ({"num_hidden_layers": 10**9}, r"num_hidden_layers 1,000,000,000 is more than megatrain plans \(10,000"),
+    ({"num_hidden_layers": 10**6}, r"num_hidden_layers 1,000,000 is more than megatrain plans \(10,000"),
+    ({"hidden_size": 2**40, "num_attention_heads": 4}, r"make about .* parameters, more than megatrain plans \(1e\+13"),
+    ({"hidden_size": 2**20, "intermediate_size": 2**22, "num_hidden_layers": 2000, "num_attention_heads": 1024,
+      "num_key_value_heads": 1024}, r"about [0-9.]+e\+16 parameters, more than megatrain plans"),
+])
+def test_megatrain_plan_refuses_absurd_sizes_at_once_naming_the_limit(tmp_path, capsys, sizes, match):
+    (tmp_path / "config.json").write_text(json.dumps({**MODEL, **sizes}))
+    t0 = time.perf_counter()
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "H100_SXM", "--seq-len", "32",
+                 "--global-batch", "4"]) == 2
+    assert time.perf_counter() - t0 < 10
+    import re
+
+    assert re.search(match, _error(capsys))
+
+
+def test_megatrain_plan_refuses_an_absurd_batch_naming_the_limit(capsys):
+    assert main(["plan", "--model", "llama-30m", "--hardware", "H100_SXM", "--seq-len", "32",
+                 "--global-batch", str(10**18)]) == 2
+    assert "--global-batch 1,000,000,000,000,000,000 is more than megatrain plans (16,777,216" in _error(capsys)
+
+
+def test_megatrain_train_refuses_a_billion_layers_before_torch(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**MODEL, "num_hidden_layers": 10**9}))
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "num_hidden_layers 1,000,000,000 is more than megatrain plans" in _error(capsys)
+
+
+def test_an_image_that_is_a_fifo_or_a_decompression_bomb_is_a_record_error(tmp_path):
+    from PIL import Image
+
+    from megatrain.data.sft_formats import RecordError
+    from megatrain.data.sft_images import load_image
+
+    fifo = tmp_path / "img.png"
+    os.mkfifo(fifo)
+    done = []
+    t = threading.Thread(target=lambda: done.append(_raises(load_image, str(fifo))), daemon=True)
+    t.start()
+    t.join(10)
+    assert done and isinstance(done[0], RecordError) and f"image file '{fifo}' is a FIFO" in str(done[0])
+    big = tmp_path / "big.png"
+    Image.new("1", (10_000, 9_000)).save(big)  # 90 M pixels, a 1-bit PNG of a few KB
+    with pytest.raises(RecordError, match=r"big.png' is 10000x9000, 90,000,000 pixels, more than megatrain reads "
+                                          r"\(89,478,485"):
+        load_image(str(big))
+    small = tmp_path / "small.png"
+    Image.new("RGB", (4, 3)).save(small)
+    assert load_image(str(small)).size == (4, 3)
+
+
+def _raises(f, *args):
+    try:
+        f(*args)
+    except Exception as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize("num_samples, match", [
+    (True, r"num_samples must be a positive integer, got True"),
+    (10**12, r"num_samples 1,000,000,000,000 is more than megatrain samples from a dataset \(268,435,456"),
+])
+def test_a_registry_num_samples_that_is_no_count_is_refused(tmp_path, num_samples, match):
+    from megatrain.data.sft_sources import resolve_sft_data
+
+    (tmp_path / "a.jsonl").write_text(json.dumps({"instruction": "Say 1.", "output": "1"}) + "\n")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"a": {"file_name": "a.jsonl", "num_samples": num_samples}}))
+    with pytest.raises(ValueError, match=match):
+        resolve_sft_data(str(tmp_path))
