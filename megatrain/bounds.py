@@ -19,9 +19,9 @@ from typing import Any
 
 from megatrain.errors import ConfigError
 
-__all__ = ["MAX_CONFIG_NODES", "MAX_ERROR_CHARS", "MAX_GLOBAL_BATCH", "MAX_IMAGE_PIXELS", "MAX_LAYERS",
+__all__ = ["MAX_CONFIG_NODES", "MAX_ERROR_CHARS", "MAX_GLOBAL_BATCH", "MAX_IMAGE_PIXELS", "MAX_JSON_DEPTH", "MAX_LAYERS",
            "MAX_NUM_SAMPLES", "MAX_PARAMETERS", "MAX_SEQ_LEN", "MAX_TEMPLATE_CHARS", "TEMPLATE_SECONDS",
-           "check_expanded_size", "check_image_size",
+           "check_expanded_size", "check_json_depth", "check_image_size",
            "check_model_size", "shorten", "time_limit"]
 
 MAX_PARAMETERS = 10**13
@@ -43,6 +43,11 @@ rows of 4,096 tokens)."""
 MAX_NUM_SAMPLES = 2**28
 """Examples a data registry's ``num_samples`` takes from one dataset an epoch: 268 M, a hundred times
 the largest public SFT sets (a few million examples); an epoch's int64 index of them is 2 GiB."""
+
+MAX_JSON_DEPTH = 500
+"""Levels of nesting of a JSON data file's values: Python's json reader stops at its recursion limit
+(1,000), and the reader ``datasets`` uses crashed the process (a segfault, no message) on a record
+with an unused field 50,000 levels deep; chat records nest 4 to 8 levels."""
 
 MAX_CONFIG_NODES = 10**5
 """Values in a settings file with its YAML aliases expanded: a run's settings are about 60 scalars;
@@ -179,3 +184,40 @@ def time_limit(seconds: float, error: Callable[[], Exception]) -> Iterator[None]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def check_json_depth(path, limit: int = MAX_JSON_DEPTH, chunk: int = 1 << 22) -> None:
+    """Refuse a JSON or JSON Lines file whose values nest more than ``limit`` levels deep, measured
+    with NumPy over its bytes (brackets inside strings, escapes included, do not count) before a
+    parser recurses into it; about a second a gigabyte.
+
+    Raises:
+        ValueError: naming the file, the byte offset, the depth and the limit.
+    """
+    import numpy as np
+
+    depth, in_string, run, offset = 0, 0, 0, 0  # run: backslashes ending the previous chunk
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            b = np.frombuffer(data, np.uint8)
+            idx = np.arange(len(b))
+            not_bs = b != 0x5C
+            last = np.maximum.accumulate(np.where(not_bs, idx, -1))  # last non-backslash at or before i
+            quotes = np.flatnonzero(b == 0x22)
+            before = quotes - 1  # backslashes right before each quote (an odd count escapes it)
+            prev_last = np.where(before >= 0, last[np.maximum(before, 0)], -1)
+            count = np.where(before >= 0, before - prev_last, 0) + np.where(prev_last == -1, run, 0)
+            toggle = np.zeros(len(b), np.int8)
+            toggle[quotes[count % 2 == 0]] = 1
+            inside = (np.cumsum(toggle, dtype=np.int64) + in_string) % 2 == 1
+            step = ((b == 0x5B) | (b == 0x7B)).astype(np.int64) - ((b == 0x5D) | (b == 0x7D))
+            step[inside] = 0
+            levels = depth + np.cumsum(step)
+            if levels.size and int(levels.max()) > limit:
+                at = offset + int(np.argmax(levels > limit))
+                raise ValueError(f"{str(path)!r}: values nest more than {limit} levels deep (at byte {at:,}), more "
+                                 f"than megatrain reads (megatrain.bounds.MAX_JSON_DEPTH; records of chats nest 4 to "
+                                 "8): flatten or remove that field")
+            depth, in_string = int(levels[-1]), int(inside[-1])
+            run = len(b) - 1 - int(last[-1]) + (run if last[-1] == -1 else 0)
+            offset += len(b)

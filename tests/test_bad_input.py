@@ -93,12 +93,13 @@ def test_megatrain_plan_refuses_an_absurd_batch_naming_the_limit(capsys):
     assert "--global-batch 1,000,000,000,000,000,000 is more than megatrain plans (16,777,216" in _error(capsys)
 
 
-def test_megatrain_train_refuses_a_billion_layers_before_torch(tmp_path, capsys):
+def test_megatrain_train_refuses_a_billion_layers_at_once(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**MODEL, "num_hidden_layers": 10**9}))
     assert main(["train", "--model", str(tmp_path / "config.json"), "--output-dir", str(tmp_path / "out")]) == 2
     assert "num_hidden_layers 1,000,000,000 is more than megatrain plans" in _error(capsys)
 
 
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 def test_an_image_that_is_a_fifo_or_a_decompression_bomb_is_a_record_error(tmp_path):
     from PIL import Image
 
@@ -141,3 +142,28 @@ def test_a_registry_num_samples_that_is_no_count_is_refused(tmp_path, num_sample
     (tmp_path / "dataset_info.json").write_text(json.dumps({"a": {"file_name": "a.jsonl", "num_samples": num_samples}}))
     with pytest.raises(ValueError, match=match):
         resolve_sft_data(str(tmp_path))
+
+
+def test_an_sft_record_nested_50000_levels_deep_is_one_error_line_not_a_segfault(tmp_path, capsys):
+    """Issue 44, item 8: the record used to crash the process (rc 139, no message)."""
+    deep = "[" * 50_000 + "]" * 50_000
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "Say 1.", "output": "1", "junk": ' + deep + "}\n")
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--task", "sft", "--data", str(data),
+                 "--output-dir", str(tmp_path / "out")]) == 2
+    line = _error(capsys)
+    assert f"'{data}': values nest more than 500 levels deep (at byte " in line and "flatten or remove" in line
+    from megatrain.data.sft_sources import iter_examples, resolve_sft_data
+
+    with pytest.raises(ValueError, match="values nest more than 500 levels deep"):  # past the first records too
+        list(iter_examples(resolve_sft_data(str(data))[0]))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 22])
+def test_json_depth_counts_brackets_outside_strings_across_chunks(tmp_path, chunk):
+    f = tmp_path / "x.jsonl"
+    f.write_text(json.dumps({"a": "[" * 50 + '\\"{{' + "\\\\", "b": [[[[1]]]], "c": "}}]]"}) + "\n")
+    bounds.check_json_depth(f, limit=5, chunk=chunk)  # {"b": [[[[ is 5 levels; the strings' brackets do not count
+    with pytest.raises(ValueError, match=r"nest more than 4 levels deep \(at byte "):
+        bounds.check_json_depth(f, limit=4, chunk=chunk)

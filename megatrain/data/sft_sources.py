@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.data.sources import scan_jsonl
-from megatrain.bounds import MAX_NUM_SAMPLES
+from megatrain.bounds import MAX_NUM_SAMPLES, check_json_depth
 from megatrain.files import resolve_inside
 from megatrain.data.sft_formats import SFT_FORMATS, Chat, Completion, RecordError, SftFormat, detect_format, to_example
 
@@ -340,6 +340,8 @@ def _rows(source: SftSource) -> Iterator[tuple[Path, int, dict]]:
             yield path, i, row
         return
     for path in source.files:
+        if source.builder == "json":  # a parser recursing into a deep record crashed the process
+            check_json_depth(path)
         try:
             kwargs = {"features": _csv_as_text(path, ds)} if source.builder == "csv" else {}
             rows = iter(ds.load_dataset(source.builder, data_files=str(path), split="train", streaming=True, **kwargs))
@@ -438,8 +440,13 @@ def check_first_records(source: SftSource, records: int = 8) -> None:
                     raise ValueError(f"{_where(path, i)}: not a JSON object")
                 yield path, i, obj
 
-    for _ in _examples(source, rows()):
-        pass
+    try:
+        for _ in _examples(source, rows()):
+            pass
+    except RecursionError:  # json's own limit, on a record nested about 1,000 levels deep
+        for path in source.files:
+            check_json_depth(path)
+        raise
 
 
 def sources_key(sources: list[SftSource]) -> str:
