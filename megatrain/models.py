@@ -122,7 +122,8 @@ def check_config_values(config: Any, source: str, given: Any = ()) -> None:
             named as the config spells it, e.g. GPT-2's ``n_layer``) that is not a positive
             integer (a string, a fraction, a bool, null where the model needs one, 0 or less); a
             rotary base or norm epsilon that is not a positive number; attention heads that do not
-            divide the hidden size, or key/value heads that do not divide the heads.
+            divide the hidden size, or key/value heads that do not divide the heads; a ``hidden_act``
+            transformers does not know.
     """
     default = None
     values: dict[str, Any] = {}
@@ -157,6 +158,13 @@ def check_config_values(config: Any, source: str, given: Any = ()) -> None:
     if heads and kv and heads % kv:
         raise ConfigError(f"{source}: num_key_value_heads={kv} does not divide num_attention_heads={heads} (each "
                           "key/value head serves heads / kv_heads query heads); change one of them")
+    from transformers.activations import ACT2CLS
+
+    for key in ("hidden_act", "activation_function"):  # (GPT-2 names it activation_function)
+        act = getattr(config, key, None)
+        if isinstance(act, str) and act not in ACT2CLS:  # a KeyError deep in the model's construction
+            raise ConfigError(f"{source}: {key}={act!r} is not an activation transformers knows; use one of "
+                              f"{', '.join(sorted(ACT2CLS))} (llama: silu)")
 
 
 def check_positions(config: Any, seq_len: int, source: str) -> None:

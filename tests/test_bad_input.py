@@ -167,3 +167,28 @@ def test_json_depth_counts_brackets_outside_strings_across_chunks(tmp_path, chun
     bounds.check_json_depth(f, limit=5, chunk=chunk)  # {"b": [[[[ is 5 levels; the strings' brackets do not count
     with pytest.raises(ValueError, match=r"nest more than 4 levels deep \(at byte "):
         bounds.check_json_depth(f, limit=4, chunk=chunk)
+
+
+def test_an_unknown_activation_is_one_error_line(tmp_path, capsys):
+    """Issue 44, item 9: hidden_act: nope was a KeyError traceback from the model's construction."""
+    (tmp_path / "config.json").write_text(json.dumps({**MODEL, "hidden_act": "nope"}))
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "H100_SXM", "--seq-len", "32",
+                 "--global-batch", "4"]) == 2
+    line = _error(capsys)
+    assert "hidden_act='nope' is not an activation transformers knows; use one of " in line and "silu" in line
+
+
+def test_image_parts_given_to_a_text_model_are_one_error_line(tmp_path, capsys):
+    """Issue 44, item 9: records with image parts, for a text-only model, were a TypeError while the
+    run's tokenizer learned from the examples' text."""
+    (tmp_path / "img.png").write_bytes(b"")  # never read: the text model refuses the record first
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "path": str(tmp_path / "img.png")},
+                                                        {"type": "text", "text": "What?"}]},
+                           {"role": "assistant", "content": "A cat."}]}
+    data = tmp_path / "d.jsonl"
+    data.write_text((json.dumps(record) + "\n") * 40)
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--task", "sft", "--data", str(data),
+                 "--seq-len", "32", "--global-batch", "2", "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    line = _error(capsys)
+    assert "the record has 1 image(s), and the model reads text only" in line

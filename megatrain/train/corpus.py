@@ -157,6 +157,13 @@ def sft_sources(cfg: TrainConfig):
     return resolve_sft_data(cfg.data, sft_format=cfg.sft_format)
 
 
+def _text(content) -> str:
+    """A message's text: its string, or its text parts joined (a list of parts also holds images)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content or ""
+
+
 def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     from megatrain import data as D
     from megatrain.data.sft_sources import iter_examples
@@ -170,7 +177,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
         texts, size = [], 0
         for src in sources:
             for example, _, _ in iter_examples(src):
-                parts = ([m.get("content") or "" for m in example.messages] if isinstance(example, Chat)
+                parts = ([_text(m.get("content")) for m in example.messages] if isinstance(example, Chat)
                          else [example.prompt, example.completion])
                 texts.append("\n".join(parts))
                 size += len(texts[-1].encode("utf-8"))
