@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import sys
 from pathlib import Path
@@ -615,7 +616,7 @@ def _train_command(args: argparse.Namespace) -> int:
         _print_error(e)
         return 2
     except OSError as e:  # the file system refused a read or write: the message names the path
-        _print_error(e)
+        _print_error(describe_os_error(e))
         return 2
     except KeyboardInterrupt as e:
         print(f"error: interrupted ({e or 'SIGINT'}); nothing more was saved, and a checkpoint already written "
@@ -623,6 +624,29 @@ def _train_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 143 if "SIGTERM" in str(e) else 130  # 128 + the signal, as a shell reports it
     return 0
+
+
+_OS_FIXES = {
+    errno.EROFS: "the file system is read-only: give directories on a writable one (--output-dir, --data-cache, "
+                 "--nvme-dir)",
+    errno.ENOSPC: "the disk is full: free space, or give a directory on another disk, and run the same command again",
+    errno.EDQUOT: "the disk quota is used up: free space, or give a directory on another disk, and run the same "
+                  "command again",
+    errno.EACCES: "permission denied: give paths this user may read (and, for outputs, write)",
+    errno.EPERM: "the operation is not permitted: give paths this user may read (and, for outputs, write)",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """An ``OSError`` the file system raised, as an error line: its message, the path(s) where its
+    message lacks them, and what to do for the common refusals (a read-only file system, a full
+    disk or quota, a permission)."""
+    text = str(e)
+    for name in (e.filename, e.filename2):
+        if name is not None and str(name) not in text:
+            text += f": {name}"
+    fix = _OS_FIXES.get(e.errno)
+    return text + (f"; {fix}" if fix else "")
 
 
 def _print_error(e: BaseException | str) -> None:

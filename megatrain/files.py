@@ -295,3 +295,21 @@ def open_regular(path: str | os.PathLike, what: str):
     except BaseException:
         os.close(fd)
         raise
+
+
+def check_file_or_directory(path: str | os.PathLike, what: str) -> None:
+    """Refuse an existing ``path`` that is neither a regular file nor a directory (a FIFO, a socket,
+    a device), which reading would block on or never finish (symlinks are followed).
+
+    Raises:
+        UnsafeFileError: naming ``what``, the path and its kind.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing: the caller says so in its own words
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else \
+            f"a device ({stat.filemode(mode)})"
+        raise UnsafeFileError(f"{what} {os.fspath(path)!r} is {kind}, not a file or a directory; give a file or a "
+                              "directory")

@@ -192,3 +192,29 @@ def test_image_parts_given_to_a_text_model_are_one_error_line(tmp_path, capsys):
                  "--seq-len", "32", "--global-batch", "2", "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
     line = _error(capsys)
     assert "the record has 1 image(s), and the model reads text only" in line
+
+
+@pytest.mark.parametrize("task", ["lm", "sft"])
+def test_data_that_is_a_fifo_is_named_so(tmp_path, capsys, task):
+    """Issue 44, items 7 and 10: --data naming a FIFO said "Not a directory" (SFT) or blocked (LM)."""
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--task", task, "--data", str(fifo),
+                 "--output-dir", str(tmp_path / "out")]) == 2
+    assert f"'{fifo}' is a FIFO, not a file or a directory; give a file or a directory" in _error(capsys)
+
+
+@pytest.mark.parametrize("code, fix", [(30, "the file system is read-only: give directories on a writable one"),
+                                       (28, "the disk is full: free space")])
+def test_a_refusal_of_the_file_system_names_the_path_and_the_fix(tmp_path, capsys, monkeypatch, code, fix):
+    """Issue 44, item 10: a raw "[Errno 30] Read-only file system" without the path or the fix."""
+    import megatrain.train
+
+    def refuse(cfg):
+        raise OSError(code, os.strerror(code), str(tmp_path / "out" / "x"))
+
+    monkeypatch.setattr(megatrain.train, "train", refuse)
+    assert main(["train", "--model", "llama-30m", "--output-dir", str(tmp_path / "out")]) == 2
+    line = _error(capsys)
+    assert f"[Errno {code}] {os.strerror(code)}: '{tmp_path / 'out' / 'x'}'; {fix}" in line

@@ -221,6 +221,10 @@ def test_templates_that_cannot_be_split_are_errors(tokenizer):
         ChatTokenizer(tokenizer, twice, eos_token=EOT).encode(example)
     with pytest.raises(RecordError, match="chat template failed: TemplateError: no"):
         ChatTokenizer(tokenizer, "{{ raise_exception('no') }}", eos_token=EOT).encode(example)
+    # Issue 44, item 10: the error names the template's file.
+    with pytest.raises(RecordError, match=r"the chat template \(runs/t.jinja\) failed: TemplateError: no"):
+        ChatTokenizer(tokenizer, "{{ raise_exception('no') }}", eos_token=EOT, template_origin="runs/t.jinja").encode(
+            example)
 
 
 def _long_chat(system_words: int, exchanges: int, answer_words: int = 2) -> Chat:

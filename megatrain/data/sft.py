@@ -126,13 +126,16 @@ class ChatTokenizer:
         eos_token: the end-of-text token (``eos_token`` in templates; ends completions).
         bos_token: ``bos_token`` in templates (None: the end-of-text token).
         loss: ``"all"`` assistant turns are targets, or only the ``"last"``.
+        template_origin: where ``chat_template`` came from (its file), named in the errors of its
+            render.
 
     Raises:
         ImportError: ``transformers`` is missing (``pip install 'megatrain[hf]'``).
     """
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None, *, eos_token: str,
-                 bos_token: str | None = None, loss: Literal["all", "last"] = "all") -> None:
+                 bos_token: str | None = None, loss: Literal["all", "last"] = "all",
+                 template_origin: str | None = None) -> None:
         try:
             from transformers import PreTrainedTokenizerFast
         except ImportError as e:
@@ -140,6 +143,7 @@ class ChatTokenizer:
         if loss not in ("all", "last"):
             raise ValueError(f"loss must be 'all' or 'last', got {loss!r}")
         self.template = chat_template if chat_template is not None else DEFAULT_CHAT_TEMPLATE
+        self.template_name = "the chat template" + (f" ({template_origin})" if template_origin else "")
         self.markers = bool(_GENERATION.search(self.template))
         self.eos_token, self.bos_token, self.loss = eos_token, bos_token or eos_token, loss
         self.hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()),
@@ -201,7 +205,7 @@ class ChatTokenizer:
         """``render()`` (a template's render) within :data:`megatrain.bounds.TEMPLATE_SECONDS`; its
         errors as a RecordError."""
         def slow() -> RecordError:
-            return RecordError(f"the chat template took more than {bounds.TEMPLATE_SECONDS:g} s to render one record "
+            return RecordError(f"{self.template_name} took more than {bounds.TEMPLATE_SECONDS:g} s to render one record "
                                "(a template renders a chat in milliseconds: a loop in it, or a record of thousands "
                                "of messages); fix the template or shorten the record")
 
@@ -211,13 +215,13 @@ class ChatTokenizer:
         except RecordError:
             raise
         except Exception as e:  # jinja2's errors and the template's own raise_exception
-            raise RecordError(f"the chat template failed: {type(e).__name__}: {e}") from None
+            raise RecordError(f"{self.template_name} failed: {type(e).__name__}: {e}") from None
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         text = self._bounded(lambda: self.hf.apply_chat_template(
             messages, tools=tools, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt))
         if len(text) > bounds.MAX_TEMPLATE_CHARS:
-            raise RecordError(f"the chat template rendered {len(text):,} characters for one record, more than any row "
+            raise RecordError(f"{self.template_name} rendered {len(text):,} characters for one record, more than any row "
                               f"megatrain trains holds ({bounds.MAX_TEMPLATE_CHARS:,}); fix the template")
         return text
 

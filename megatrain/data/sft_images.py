@@ -101,6 +101,7 @@ class ChatProcessor(ChatTokenizer):
         image_size: ``(H, W)`` pixels every image is resized to (Pillow, the image processor's
             ``resample``) before the processor reads it, so that all get one patch grid (Qwen2-VL:
             :mod:`megatrain.data.sft_qwen_vl`); None: as the file is.
+        template_origin: where ``chat_template`` came from, named in its render's errors.
 
     Raises:
         ValueError: the processor has no image token, or its tokenizer does not know it.
@@ -108,7 +109,7 @@ class ChatProcessor(ChatTokenizer):
 
     def __init__(self, processor: Any, chat_template: str | None, *, eos_token: str, bos_token: str | None = None,
                  loss: Literal["all", "last"] = "all", images_per_example: int | None = None,
-                 image_size: tuple[int, int] | None = None) -> None:
+                 image_size: tuple[int, int] | None = None, template_origin: str | None = None) -> None:
         self.processor = processor
         self.image_token = getattr(processor, "image_token", None)
         tokenizer = processor.tokenizer
@@ -119,7 +120,7 @@ class ChatProcessor(ChatTokenizer):
         if chat_template is None:
             chat_template = processor.chat_template or DEFAULT_IMAGE_CHAT_TEMPLATE.replace("<image>", self.image_token)
         super().__init__(tokenizer.backend_tokenizer, chat_template, eos_token=eos_token, bos_token=bos_token,
-                         loss=loss)
+                         loss=loss, template_origin=template_origin)
         self.image_keys: tuple[str, ...] = tuple(processor.image_processor.model_input_names)
         self.images_per_example = images_per_example
         # A processor of patch grids (Qwen2-VL's image_grid_thw): megatrain train gives every example

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from megatrain.data.sources import scan_jsonl
 from megatrain.bounds import MAX_NUM_SAMPLES, check_json_depth
-from megatrain.files import resolve_inside
+from megatrain.files import check_file_or_directory, resolve_inside
 from megatrain.data.sft_formats import SFT_FORMATS, Chat, Completion, RecordError, SftFormat, detect_format, to_example
 
 __all__ = ["REGISTRY_FILE", "SFT_SUFFIXES", "SftSource", "iter_examples", "resolve_sft_data", "sft_data_bytes"]
@@ -105,8 +105,9 @@ def resolve_sft_data(data: str, *, sft_format: str = "auto") -> list[SftSource]:
 
     Raises:
         FileNotFoundError: a path, a registry or a registry's ``file_name`` does not exist.
-        megatrain.files.UnsafeFileError: a registry's ``file_name`` (or a file in the directory it
-            names) resolves outside the registry's directory: ``..``, an absolute path, a symlink.
+        megatrain.files.UnsafeFileError: a path that is a FIFO, a socket or a device; a registry's
+            ``file_name`` (or a file in the directory it names) that resolves outside the
+            registry's directory: ``..``, an absolute path, a symlink.
         ValueError: an unknown suffix, name, formatting, column or weight; a hub-only or
             preference entry; ``sft_format`` given with a registry; a directory with no data.
     """
@@ -168,6 +169,7 @@ def _builder(path: Path) -> str:
 
 def _resolve_path(path: Path, weight: float | None, sft_format: str) -> list[SftSource]:
     fmt = None if sft_format == "auto" else SftFormat(sft_format)  # type: ignore[arg-type]
+    check_file_or_directory(path, "SFT data")  # a FIFO was read as a directory ("Not a directory")
     if path.is_file():
         return [SftSource(str(path), (path,), _builder(path), fmt, weight=weight)]
     if _saved_dataset(path):

@@ -105,6 +105,9 @@ def corpus_bytes(source: str | os.PathLike[str] | None = None) -> int:
     path = default_corpus_dir() if source is None else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected {_ACCEPTED}")
+    from megatrain.files import check_file_or_directory
+
+    check_file_or_directory(path, "corpus path")  # a FIFO would block the read forever
     if path.is_dir():
         return sum(f.stat().st_size for f in corpus_files(path))
     return path.stat().st_size
@@ -221,10 +224,14 @@ def corpus_files(source: str | os.PathLike[str] | None = None) -> list[Path]:
         FileNotFoundError: ``source`` does not exist, or a directory holds no file with an
             accepted suffix.
         ValueError: a single file whose suffix is not accepted.
+        megatrain.files.UnsafeFileError: ``source`` is a FIFO, a socket or a device.
     """
     path = default_corpus_dir() if source is None else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected {_ACCEPTED}")
+    from megatrain.files import check_file_or_directory
+
+    check_file_or_directory(path, "corpus path")  # a FIFO would block the read forever
     if path.is_dir():
         saved = _saved_dataset_files(path)
         if saved is not None:

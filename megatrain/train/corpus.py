@@ -200,14 +200,16 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     template, template_origin = _chat_template(cfg, source)
     if processor is None:
         chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
-                               loss=cfg.sft_loss)
+                               loss=cfg.sft_loss, template_origin=template_origin)
     else:
         from megatrain.data.sft_images import ChatProcessor
         from megatrain.data.sft_qwen_vl import PROCESSORS, run_image_size
 
         size = run_image_size(processor, cfg.image_size) if source.config.model_type in PROCESSORS else None
         chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
-                             loss=cfg.sft_loss, images_per_example=cfg.images_per_row, image_size=size)
+                             loss=cfg.sft_loss, images_per_example=cfg.images_per_row, image_size=size,
+                             template_origin=template_origin or ("the processor's" if processor.chat_template
+                                                                 else None))
         template_origin = template_origin or ("the processor's" if processor.chat_template else None)
     packing = cfg.sft_packing and processor is None
     store = D.cached_sft_store(sources, chat, path, seq_len=cfg.seq_len, truncation=cfg.sft_truncation)
