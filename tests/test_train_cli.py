@@ -895,7 +895,7 @@ def test_a_gpu_hardware_spec_with_nvme_dir_trains_without_a_prediction(setup, tm
     text = capsys.readouterr().out
     assert "note: H100 SXM 80GB (preset) has no NVMe tier to time the plan's NVMe reads and writes" in text
     assert all(r["predicted_step_s"] is None and math.isfinite(r["loss"]) for r in rows(out))
-    assert sorted(p.name for p in nvme.iterdir()) == [f"L{i}.moments.tile" for i in range(4)]
+    assert sorted(p.name for p in nvme.iterdir()) == [".megatrain-nvme.lock"] + [f"L{i}.moments.tile" for i in range(4)]
 
 
 def test_a_small_preset_trains_from_scratch_on_the_cpu(tmp_path, capsys):

@@ -246,12 +246,6 @@ class TrainConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
-        if self.lr * self.weight_decay >= 1:
-            # Decoupled decay multiplies each weight by 1 - lr x weight_decay every step: at 1 or more
-            # that zeroes or flips every weight, whatever the gradients.
-            raise ValueError(f"lr={self.lr:g} x weight_decay={self.weight_decay:g} = {self.lr * self.weight_decay:g}, "
-                             "but each step multiplies every weight by 1 - lr x weight_decay, which must stay "
-                             f"positive; use weight_decay < {1 / self.lr:g} (1 / lr; usually 0.01-0.1)")
         if self.global_batch % self.micro_batch_size:
             raise ValueError(f"global_batch={self.global_batch} is not a multiple of micro_batch_size="
                              f"{self.micro_batch_size}; change one of them")

@@ -58,6 +58,7 @@ class Guard:
     window: deque = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     in_a_row: int = 0
     not_kept: dict[int, str] = field(default_factory=dict)  # step -> why
+    decay: str = ""  # decay_hint(lr, weight_decay): said with each non-finite step
 
     def judge(self, step: int, res, bad_weights: tuple[int, ...], layer_names) -> Verdict:
         """The verdict on ``step``'s ``StepResult``. ``bad_weights``: the layers (on any rank) whose
@@ -67,7 +68,7 @@ class Guard:
             return self.diverged(step - 1 if self.deferred else step, bad_weights, layer_names)
         if not res.applied:
             what = "loss" if not math.isfinite(res.loss) else "gradient"
-            why = f"step {step}: the {what} is not finite (loss {res.loss}, gradient norm {res.grad_norm})"
+            why = f"step {step}: the {what} is not finite (loss {res.loss}, gradient norm {res.grad_norm}){self.decay}"
             return Verdict("rollback" if res.updated_layers else "skip", step, why)
         if self.loss_spike is not None and len(self.window) == SPIKE_WINDOW:
             mean = sum(self.window) / len(self.window)
@@ -77,14 +78,13 @@ class Guard:
                 return Verdict("skip" if self.deferred else "rollback", step, why)
         return Verdict("keep", step)
 
-    @staticmethod
-    def diverged(blame: int, bad_weights: tuple[int, ...], layer_names) -> Verdict:
+    def diverged(self, blame: int, bad_weights: tuple[int, ...], layer_names) -> Verdict:
         """Step ``blame``'s update left the masters of ``bad_weights`` NaN or infinite: roll back."""
         names = ", ".join(layer_names[i].name for i in sorted(bad_weights)[:3])
         more = f" and {len(bad_weights) - 3} more" if len(bad_weights) > 3 else ""
         return Verdict("rollback", blame, f"step {blame}: its update made the weights of {names}{more} NaN or "
                                           "infinite (from finite gradients: too high a learning rate or weight "
-                                          "decay)")
+                                          f"decay){self.decay}")
 
     def keep(self, loss: float) -> None:
         """A kept step: its loss joins the window, and the run of skipped steps ends."""
@@ -100,3 +100,14 @@ class Guard:
         self.in_a_row = int(state.get("skipped_in_a_row", 0))
         self.window = deque(state.get("loss_window", ()), maxlen=SPIKE_WINDOW)
         self.not_kept = {s: why for s, why in self.not_kept.items() if s > step}
+
+
+def decay_hint(lr: float, weight_decay: float) -> str:
+    """What a non-finite step's message adds when the decay alone makes the weights diverge: decoupled
+    weight decay multiplies every weight by ``1 - lr x weight_decay`` each step, which at
+    ``lr x weight_decay >= 1`` zeroes or flips it whatever the gradients (``weight_decay: 1e30`` was
+    reported as a non-finite gradient and nothing more); empty otherwise."""
+    if lr * weight_decay < 1:
+        return ""
+    return (f"; lr {lr:g} x weight_decay {weight_decay:g} = {lr * weight_decay:g} >= 1, so each step multiplies every "
+            f"weight by 1 - lr x weight_decay <= 0 whatever the gradients: use weight_decay < {1 / lr:g} (1 / lr)")

@@ -24,7 +24,7 @@ from megatrain.runtime.measure import available_host_memory, host_rss_bytes, mea
 from megatrain.files import DirectoryLock, write_atomic
 from megatrain.ir.plan import OptimizerPlacement
 from megatrain.runtime.threads import choose_threads, oversubscription
-from megatrain.train.guard import Guard, Verdict
+from megatrain.train.guard import Guard, Verdict, decay_hint
 from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot
 from megatrain.train.model import (ModelSource, init_source, is_run_checkpoint, load_weights, model_label,
                                    resolve_model)
@@ -559,7 +559,8 @@ def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: D
     ckpt_path = out / CHECKPOINT_DIR
     last_saved: int | None = start if resuming_here else None
     tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
-    guard = Guard(deferred=trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD, loss_spike=cfg.loss_spike)
+    guard = Guard(deferred=trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD, loss_spike=cfg.loss_spike,
+                  decay=decay_hint(cfg.lr, cfg.weight_decay))
     guard.restore(state, start)
 
     def save(step: int) -> None:
