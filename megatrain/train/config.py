@@ -129,8 +129,9 @@ class TrainConfig(pydantic.BaseModel):
                                                        "document start, as Hugging Face packing without padding "
                                                        "does); false: plain causal attention across the window")
     seq_len: int = Field(1024, ge=2, le=bounds.MAX_SEQ_LEN, description="tokens per training window")
-    global_batch: int = Field(8, gt=0, le=bounds.MAX_GLOBAL_BATCH, description="windows (rows) per optimizer step, over all ranks under "
-                                                   "torchrun (a multiple of micro_batch_size x ranks)")
+    global_batch: int = Field(8, gt=0, le=bounds.MAX_GLOBAL_BATCH,
+                              description="windows (rows) per optimizer step, over all ranks under torchrun (a "
+                                          "multiple of micro_batch_size x ranks)")
     micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch; global_batch must be a "
                                                        "multiple of it")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
@@ -188,7 +189,8 @@ class TrainConfig(pydantic.BaseModel):
                             "(one launch where an eager block issues hundreds); 'auto': where the planner finds "
                             "the step issue-bound on the hardware spec")
     val_fraction: float = Field(0.05, gt=0, lt=1, description="fraction of windows held out for validation")
-    seed: int = Field(0, ge=-2**63, lt=2**64, description="seed of the initialisation, the validation split and the batch order")
+    seed: int = Field(0, ge=-2**63, lt=2**64,  # torch.manual_seed's range (2**70 was an OverflowError)
+                      description="seed of the initialisation, the validation split and the batch order")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads of the CPU backend (null: "
                                                         "OMP_NUM_THREADS if set, else the CPUs this process may "
                                                         "use; megatrain.runtime.threads)")
