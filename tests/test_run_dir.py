@@ -159,6 +159,17 @@ def test_a_lock_file_planted_in_a_shared_directory_is_refused_and_its_target_unt
     assert target.read_text() == "keep me\n"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root")
+def test_another_users_lock_file_in_a_shared_directory_locks_and_is_never_written(tmp_path):
+    lock_file = tmp_path / ".tokens.lock"
+    lock_file.write_text("pid 1 on host other since then\n")
+    os.chown(lock_file, 12345, 12345)
+    with DirectoryLock(lock_file, "the token store x") as lock:
+        assert lock.held and lock_file.read_text() == "pid 1 on host other since then\n"
+        with pytest.raises(LockedError, match="the token store x is in use by pid 1 on host other"):
+            DirectoryLock(lock_file, "the token store x").acquire()
+
+
 def test_a_lock_file_of_this_user_is_reused_and_names_its_holder(tmp_path):
     lock_file = tmp_path / ".lock"
     lock_file.write_text("pid 1 on host old since then\n" * 100)  # a last holder's record, longer than ours
