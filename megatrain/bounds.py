@@ -186,10 +186,10 @@ def time_limit(seconds: float, error: Callable[[], Exception]) -> Iterator[None]
         signal.signal(signal.SIGALRM, old)
 
 
-def check_json_depth(path, limit: int = MAX_JSON_DEPTH, chunk: int = 1 << 22) -> None:
+def check_json_depth(path, limit: int = MAX_JSON_DEPTH, chunk: int = 1 << 20) -> None:
     """Refuse a JSON or JSON Lines file whose values nest more than ``limit`` levels deep, measured
-    with NumPy over its bytes (brackets inside strings, escapes included, do not count) before a
-    parser recurses into it; about a second a gigabyte.
+    with NumPy over its bytes, ``chunk`` at a time (brackets inside strings, escapes included, do not
+    count), before a parser recurses into it.
 
     Raises:
         ValueError: naming the file, the byte offset, the depth and the limit.
@@ -200,24 +200,29 @@ def check_json_depth(path, limit: int = MAX_JSON_DEPTH, chunk: int = 1 << 22) ->
     with open(path, "rb") as f:
         while data := f.read(chunk):
             b = np.frombuffer(data, np.uint8)
-            idx = np.arange(len(b))
-            not_bs = b != 0x5C
-            last = np.maximum.accumulate(np.where(not_bs, idx, -1))  # last non-backslash at or before i
-            quotes = np.flatnonzero(b == 0x22)
-            before = quotes - 1  # backslashes right before each quote (an odd count escapes it)
-            prev_last = np.where(before >= 0, last[np.maximum(before, 0)], -1)
-            count = np.where(before >= 0, before - prev_last, 0) + np.where(prev_last == -1, run, 0)
-            toggle = np.zeros(len(b), np.int8)
-            toggle[quotes[count % 2 == 0]] = 1
-            inside = (np.cumsum(toggle, dtype=np.int64) + in_string) % 2 == 1
-            step = ((b == 0x5B) | (b == 0x7B)).astype(np.int64) - ((b == 0x5D) | (b == 0x7D))
-            step[inside] = 0
-            levels = depth + np.cumsum(step)
+            quote = b == 0x22
+            # A quote after an odd run of backslashes is escaped: each quote right after a
+            # backslash looks up where its run started (a run at the chunk's start continues the
+            # previous chunk's).
+            bs = b == 0x5C
+            starts = np.flatnonzero(np.diff(bs.astype(np.int8), prepend=np.int8(0)) == 1)
+            after = np.flatnonzero(quote[1:] & bs[:-1]) + 1
+            if after.size:
+                start = starts[np.searchsorted(starts, after - 1, side="right") - 1]
+                escaped = (after - start + np.where(start == 0, run, 0)) % 2 == 1
+                quote[after[escaped]] = False
+            if run % 2 and len(b) and quote[0]:
+                quote[0] = False
+            # (uint8 sums wrap, parity stays; small types and chunks keep it fast)
+            outside = 1 - ((quote.view(np.uint8).cumsum(dtype=np.uint8) + in_string) & 1)
+            step = ((b == 0x5B) | (b == 0x7B)).view(np.int8) - ((b == 0x5D) | (b == 0x7D)).view(np.int8)
+            levels = np.cumsum(step * outside.view(np.int8), dtype=np.int32) + depth
             if levels.size and int(levels.max()) > limit:
                 at = offset + int(np.argmax(levels > limit))
                 raise ValueError(f"{str(path)!r}: values nest more than {limit} levels deep (at byte {at:,}), more "
                                  f"than megatrain reads (megatrain.bounds.MAX_JSON_DEPTH; records of chats nest 4 to "
                                  "8): flatten or remove that field")
-            depth, in_string = int(levels[-1]), int(inside[-1])
-            run = len(b) - 1 - int(last[-1]) + (run if last[-1] == -1 else 0)
+            depth, in_string = int(levels[-1]), 1 - int(outside[-1])
+            tail = len(data) - len(data.rstrip(b"\\"))
+            run = tail + (run if tail == len(data) else 0)
             offset += len(b)
