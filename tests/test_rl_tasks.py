@@ -336,3 +336,24 @@ def test_a_raising_reward_stops_the_grpo_run_at_its_step_with_nothing_applied(tm
         sys.path.remove(str(tmp_path))
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _rows(tmp_path)
     assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+@pytest.mark.parametrize("name", ["grpo_arithmetic.yaml", "dpo_preference.yaml"])
+def test_the_example_configs_run(tmp_path, name):
+    cfg = load_train_config(ROOT / "examples" / name, {"output_dir": str(tmp_path / "run"), "max_steps": 2,
+                                                         "threads": 1})
+    assert train(cfg).step == 2 and len(_rows(tmp_path)) == 2
+
+
+def test_the_grpo_reward_rises_on_the_bundled_arithmetic_task(tmp_path):
+    """examples/grpo_arithmetic.yaml for 20 steps. Measured on this project's 2-core VM (2026-12-02,
+    seeds 0-2, 30 steps each, ~14 s): the mean reward of steps 1-5 was 0.022, 0.015, 0.013 and of
+    steps 26-30 0.099, 0.100, 0.099 (by step 16 all three were at 0.09-0.12): the format reward's
+    0.1 once every response starts with an integer. The bound: steps 16-20 at least 0.06 and 3x
+    steps 1-5 (the slowest seed's step 16 was 0.09; chance at init, 0.01-0.02, is a fifth of 0.1)."""
+    cfg = load_train_config(ROOT / "examples" / "grpo_arithmetic.yaml",
+                            {"output_dir": str(tmp_path / "run"), "max_steps": 20, "threads": 1})
+    train(cfg, echo=lambda _line: None)
+    r = [row["reward_mean"] for row in _rows(tmp_path)]
+    first, last = sum(r[:5]) / 5, sum(r[-5:]) / 5
+    assert last >= 0.06 and last >= 3 * first, r
