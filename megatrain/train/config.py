@@ -145,7 +145,8 @@ class TrainConfig(pydantic.BaseModel):
                                                       "end-of-text token); a prompt longer than seq_len - this is "
                                                       "left out (counted)")
     temperature: float = Field(1.0, gt=0, description="grpo: the sampling temperature of the rollouts (top_k and "
-                                                      "top_p off)")
+                                                      "top_p off); the loss's log-probabilities are the model's at "
+                                                      "temperature 1, so only 1 gives an on-policy gradient")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
                                                 ".parquet files and saved datasets")
     max_bytes: int | None = Field(None, gt=0, description="train on only the corpus's first this many UTF-8 "
