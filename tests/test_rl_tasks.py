@@ -90,7 +90,7 @@ def test_bad_preference_records_are_one_error_naming_the_field(record, match):
         to_pair(record, detect_preference_format(record))
 
 
-def test_a_bad_record_stops_the_dpo_run_before_any_step(tmp_path):
+def test_a_bad_record_stops_the_dpo_run_before_the_model_is_built(tmp_path):
     bad = tmp_path / "pairs.jsonl"
     good = {"prompt": "q ", "chosen": "yes", "rejected": "no"}
     bad.write_text("\n".join(json.dumps(r) for r in [good, good, {"prompt": "q ", "chosen": "yes"}]) + "\n")

@@ -520,9 +520,11 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
     lock.acquire()
     try:
         hw = load_hardware(cfg.hardware) if cfg.hardware else None
-        planned = loop._plan(cfg, source, hw, echo)
+        # The data first (small: pairs and prompts are read into memory), so that a bad record is
+        # reported before the model is built.
         prepare = prepare_pairs if cfg.task == "dpo" else prepare_prompts
         tokenizer, eot, data, template = prepare(cfg, source, echo)
+        planned = loop._plan(cfg, source, hw, echo)
         cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
         trainer = loop._materialize_and_load(cfg, planned, source, "", echo)[0]
         rates = run_rates(cfg, planned, hw, cpu_peak, echo)
