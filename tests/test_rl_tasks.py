@@ -336,6 +336,14 @@ def test_a_raising_reward_stops_the_grpo_run_at_its_step_with_nothing_applied(tm
         sys.path.remove(str(tmp_path))
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not _rows(tmp_path)
     assert not (tmp_path / "run" / "checkpoint").exists()
+    # The same output_dir takes the run again (it saved nothing to resume from); another run is refused.
+    lines = []
+    train(_cfg(tmp_path, task="grpo", data=str(DATA / "rl" / "arithmetic.jsonl"), seq_len=12, max_new_tokens=3,
+               global_batch=8, micro_batch_size=8, group_size=4, max_steps=1), echo=lines.append)
+    assert any("starting it over" in line for line in lines) and len(_rows(tmp_path)) == 1
+    with pytest.raises(ConfigError, match="is not empty; task dpo does not resume"):
+        train(_cfg(tmp_path, task="dpo", data=str(DATA / "preference" / "trl_demo.jsonl"), seq_len=64,
+                   global_batch=2, micro_batch_size=2, max_steps=1))
 
 
 @pytest.mark.parametrize("name", ["grpo_arithmetic.yaml", "dpo_preference.yaml"])

@@ -504,7 +504,14 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
     elif cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()):
+    held = {p.name for p in out.iterdir() if p.name != LOCK_FILE} if out.is_dir() else set()
+    leftover = {CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE}
+    if held and held <= leftover and _saved_task(out / CONFIG_FILE) == cfg.task:
+        # A run of this task that stopped before its checkpoint (a reward that raised, say): start over.
+        for name in held:
+            (out / name).unlink()
+        echo(f"note: {out} held a {cfg.task} run that stopped before saving a checkpoint; starting it over")
+    elif held:
         raise ConfigError(f"output_dir {out} is not empty; task {cfg.task} does not resume a run yet: give an empty "
                           "output_dir (--init-from DIR/checkpoint starts a new run from a finished one's weights)")
     reward = load_reward(cfg.reward) if cfg.task == "grpo" else None
@@ -642,6 +649,16 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
                                 checkpoint=ckpt, output_dir=out)
     finally:
         lock.release()
+
+
+def _saved_task(path: Path) -> str | None:
+    """The ``task`` of a run's saved ``train_config.json`` (None: none, or not readable)."""
+    import json
+
+    try:
+        return json.loads(path.read_text()).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def precompute_pairs(trainer, pairs: Pairs, per_step: int) -> "torch.Tensor":
