@@ -324,7 +324,8 @@ class Rollout:
 
     Raises (constructor):
         ConfigError: on CUDA, the model does not fit the free GPU memory in BF16 with room for its
-            KV cache (use an external engine fed by ``rollout_weights``).
+            KV cache (use an external engine fed by ``rollout_weights``); on the CPU, weights that are
+            not all in host memory.
     """
 
     def __init__(self, trainer, eot_id: int, *, max_new_tokens: int, temperature: float):
@@ -333,8 +334,12 @@ class Rollout:
         self.trainer, self.eot_id = trainer, eot_id
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.engine = None
-        if not all(p.device.type == "cpu" for p in trainer.model.parameters()) or \
-                trainer.backend.device.type == "cuda":
+        on_host = all(p.device.type == "cpu" for p in trainer.model.parameters())
+        if trainer.backend.device.type != "cuda" and not on_host:
+            raise ConfigError("rollouts on the CPU backend generate with the model whose parameters are the host "
+                              "tiles, but some of this plan's weights live elsewhere (masters on NVMe); drop nvme_dir "
+                              "for task grpo")
+        if trainer.backend.device.type == "cuda":
             from transformers import AutoModelForCausalLM
 
             from megatrain.rl import release_gpu, retake_gpu
