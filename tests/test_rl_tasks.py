@@ -365,3 +365,29 @@ def test_the_grpo_reward_rises_on_the_bundled_arithmetic_task(tmp_path):
     r = [row["reward_mean"] for row in _rows(tmp_path)]
     first, last = sum(r[:5]) / 5, sum(r[-5:]) / 5
     assert last >= 0.06 and last >= 3 * first, r
+
+
+def test_dpo_rows_share_the_prompt_and_supervise_only_the_responses(tmp_path):
+    """Each pair's two rows: the same prompt tokens (the chat template's render of the user turn and
+    the assistant header, unsupervised), then each response and its end of text as the only labels,
+    right-padded; as SFT tokenises the same chat with loss on the last assistant turn."""
+    from megatrain import data as D
+    from megatrain.train.model import resolve_model
+
+    cfg = _cfg(tmp_path, task="dpo", data=str(DATA / "preference" / "trl_conversational_demo.jsonl"), seq_len=64,
+               global_batch=8, micro_batch_size=4, max_steps=1)
+    tokenizer, eot, pairs, template = rl_tasks.prepare_pairs(cfg, resolve_model(cfg.model), lambda _l: None)
+    assert pairs.num_pairs == 48 and pairs.dropped == 0 and pairs.input_ids.shape == (96, 64)
+    chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, loss="last")
+    chosen, rejected = _first_pair(str(DATA / "preference" / "trl_conversational_demo.jsonl"))
+    for row, example in ((0, chosen), (1, rejected)):
+        enc = chat.encode(example)
+        n = len(enc.ids)
+        assert pairs.input_ids[row, :n].tolist() == enc.ids.tolist()
+        assert (pairs.input_ids[row, n:] == tokenizer.token_to_id(eot)).all()
+        want = torch.full((64,), -100)
+        want[:n][torch.as_tensor(enc.targets)] = torch.as_tensor(enc.ids)[torch.as_tensor(enc.targets)]
+        assert torch.equal(pairs.labels[row], want)
+    first = [int(torch.nonzero(pairs.labels[r] >= 0)[0]) for r in (0, 1)]
+    assert first[0] == first[1] and torch.equal(pairs.input_ids[0, :first[0]], pairs.input_ids[1, :first[0]])
+    assert pairs.labels[0, first[0]:].ne(pairs.labels[1, first[0]:]).any()  # the responses differ
