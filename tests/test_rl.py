@@ -473,6 +473,13 @@ def test_group_advantages_are_grpo_and_dr_grpo_and_refuse_groups_of_one():
         group_advantages(r, 4)
     with pytest.raises(BatchError, match="reward nan of row 2 is not finite"):
         group_advantages(torch.tensor([1.0, 0.0, math.nan, 1.0]), 2)
+    # Equal rewards: no advantage. Eight 0.1s average to 0.1 + 7.5e-9 in FP32, which over eps = 1e-6
+    # would be an advantage of -0.0075 each (what a GRPO run whose groups agree trained on before).
+    r = torch.tensor([0.1] * 8 + [0.0, 1.0] * 4)
+    assert (r[:8] - r[:8].mean()).abs().max() > 0  # the rounding is there
+    adv = group_advantages(r, 8)
+    assert torch.equal(adv[:8], torch.zeros(8)) and adv[8:].abs().min() > 0.9
+    assert torch.equal(group_advantages(r, 8, scale=False)[:8], torch.zeros(8))
 
 
 # -- the reference model ---------------------------------------------------------------------------

@@ -12,6 +12,10 @@
 - A colocated rollout engine: :func:`rollout_weights` (Hugging Face-named BF16 tensors in buckets
   of a given size, as vLLM's and SGLang's weight updates take them), :func:`release_gpu` and
   :func:`retake_gpu` (the GPU's memory handed over between steps).
+
+Beside them, imported on their own: :mod:`megatrain.rl.rewards` (rewards with TRL's signature for
+``megatrain train --task grpo``, and the bundled arithmetic rule reward) and :mod:`megatrain.rl.verl`
+(megatrain as a VERL training backend: the ``verl`` extra).
 """
 
 from megatrain.rl.losses import AGGREGATIONS, DPOLoss, GRPOLoss, TokenLoss, group_advantages, interleave_pairs

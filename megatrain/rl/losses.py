@@ -258,7 +258,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = Tr
     """GRPO's outcome advantages (Shao et al. 2024, arXiv:2402.03300, sec. 4.1.2): each reward minus
     its group's mean, divided by the group's standard deviation (``scale``; Bessel-corrected, as
     ``torch.std``, plus ``eps``); ``scale=False`` leaves the division out (Dr. GRPO,
-    arXiv:2503.20783). ``rewards``: ``[rows]`` float, ``group_size`` consecutive rows per prompt.
+    arXiv:2503.20783). A group whose rewards are all equal gets advantages of exactly 0. ``rewards``: ``[rows]`` float, ``group_size`` consecutive rows per prompt.
     Returns ``[rows]`` float32.
 
     Raises:
@@ -281,7 +281,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = Tr
     adv = r - r.mean(1, keepdim=True)
     if scale:
         adv = adv / (r.std(1, keepdim=True) + eps)
-    return adv.flatten()
+    # A group of equal rewards has no advantage: its mean is rounded (eight 0.1s average to 0.1 + 1 ulp),
+    # and that rounding over eps would otherwise be an advantage of ~0.01 for every response.
+    return torch.where(r.amax(1, keepdim=True) == r.amin(1, keepdim=True), 0.0, adv).flatten()
 
 
 def interleave_pairs(chosen: Tensors, rejected: Tensors) -> dict[str, torch.Tensor]:

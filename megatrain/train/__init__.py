@@ -25,6 +25,8 @@ function of a module of this package::
     loop        lr (warm-up + cosine), step, the guard (guard: skip, roll back, stop), evaluation,
                 checkpoints, metrics.jsonl (metrics), progress bar, SIGINT / SIGTERM
     metrics     loss.png, the loss curve (matplotlib, the ``plot`` extra)
+    rl_tasks    --task dpo and --task grpo: the same stages up to the weights, then preference pairs
+                or prompts, rollouts and rewards, and a loop of their own (train dispatches to it)
 
 ``machine`` holds what this machine offers (host memory, RSS, a matmul rate, a hardware spec).
 

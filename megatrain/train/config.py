@@ -46,14 +46,20 @@ class TrainConfig(pydantic.BaseModel):
     output_dir: str = Field(description="where metrics.jsonl, checkpoint/, tokenizer.json and loss.png go; "
                                         "empty, or holding this run (same model, data, seq_len, global_batch "
                                         "and seed), which then resumes from its checkpoint or starts over")
-    task: Literal["lm", "sft"] = Field("lm", description="lm: language modelling on the text of data; sft: "
+    task: Literal["lm", "sft", "dpo", "grpo"] = Field("lm", description="lm: language modelling on the text of data; sft: "
                                                          "supervised fine-tuning on alpaca, sharegpt, chat "
                                                          "messages or prompt/completion records (see data), loss "
                                                          "only on completion / assistant tokens, examples packed "
                                                          "into rows (sft_packing); a vision-language model (LLaVA) "
                                                          "fine-tunes on sharegpt/messages records with images, "
                                                          "read by its processor (see data); so do Qwen2-VL and "
-                                                         "Qwen2.5-VL (see image_size)")
+                                                         "Qwen2.5-VL (see image_size); dpo: DPO on preference "
+                                                         "pairs (TRL prompt/chosen/rejected, or LLaMA-Factory "
+                                                         "ranking data; see dpo_*); grpo: GRPO on responses the "
+                                                         "current weights generate (transformers' generate) to the "
+                                                         "prompts of data, scored by reward (see group_size, "
+                                                         "kl_coef); global_batch counts rows: a pair is 2, a group "
+                                                         "group_size (docs/rl.md)")
     data: str | None = Field(None, description="lm: a directory of .txt/.py/.md/.rst, .jsonl and .parquet files, "
                                                "one such file, or a directory saved with Hugging Face "
                                                "datasets' save_to_disk (default: this Python's standard "
@@ -104,6 +110,44 @@ class TrainConfig(pydantic.BaseModel):
                                                "merge_size within its min/max pixels, as for any image); default: "
                                                "the size the processor gives a 448x448 image. LLaVA's processor "
                                                "resizes every image itself: not for LLaVA")
+    dpo_beta: float = Field(0.1, gt=0, description="dpo: the temperature beta of the DPO loss (TRL's beta)")
+    dpo_loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="dpo: sigmoid (DPO, Rafailov et al. "
+                                                                            "2023) or ipo (Azar et al. 2023), as "
+                                                                            "TRL's loss_type")
+    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo: conservative DPO's label smoothing "
+                                                                      "(sigmoid only)")
+    dpo_reference: Literal["precompute", "bfloat16"] = Field(
+        "precompute", description="dpo: the reference model: precompute (the initial model's log-probabilities of "
+                                  "every pair, computed once before the first step, 4 bytes a token of host memory; "
+                                  "TRL's precompute_ref_log_probs) or bfloat16 (a frozen BF16 copy of the initial "
+                                  "weights on the host, 2 bytes a parameter, run on each batch)")
+    reward: str = Field("megatrain.rl.rewards:arithmetic_reward",
+                        description="grpo: the reward, module:function with TRL's signature fn(prompts, completions, "
+                                    "**columns) -> list[float] (the prompt set's other columns as keyword lists); "
+                                    "default: the bundled rule reward for examples/data/rl/arithmetic.jsonl (1 for "
+                                    "the exact answer, 0.1 for another integer)")
+    group_size: int = Field(4, description="grpo: responses sampled per prompt, normalised against each other (GRPO's "
+                                           "G; at least 2); global_batch / group_size prompts a step")
+    kl_coef: float = Field(0.0, ge=0, description="grpo: the KL penalty to the reference (GRPO's beta, k3 "
+                                                  "estimator); above 0 the planner holds a frozen BF16 copy of the "
+                                                  "initial weights (TRL's default 0 needs none)")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="grpo: the importance ratio is clipped below at 1 - this "
+                                                         "(PPO's epsilon)")
+    clip_high: float | None = Field(None, ge=0, description="grpo: ... and above at 1 + this (DAPO's clip-higher; "
+                                                            "null: clip_low)")
+    grpo_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="grpo: how token losses are averaged (VERL's loss_agg_mode names): over every "
+                                  "response token of the step (DAPO), per response then over responses (GRPO), or "
+                                  "each response's sum over max_new_tokens (Dr. GRPO)")
+    grpo_updates: int = Field(1, gt=0, description="grpo: optimizer steps on each batch of rollouts (TRL's "
+                                                   "num_iterations, GRPO's mu); above 1 the ratio to the rollout "
+                                                   "policy is clipped and clip_fraction is measured")
+    max_new_tokens: int = Field(16, gt=0, description="grpo: the most tokens generated per response (it ends at the "
+                                                      "end-of-text token); a prompt longer than seq_len - this is "
+                                                      "left out (counted)")
+    temperature: float = Field(1.0, gt=0, description="grpo: the sampling temperature of the rollouts (top_k and "
+                                                      "top_p off); the loss's log-probabilities are the model's at "
+                                                      "temperature 1, so only 1 gives an on-policy gradient")
     text_field: str = Field("text", description="the text field of .jsonl records and text column of "
                                                 ".parquet files and saved datasets")
     max_bytes: int | None = Field(None, gt=0, description="train on only the corpus's first this many UTF-8 "
@@ -261,6 +305,8 @@ class TrainConfig(pydantic.BaseModel):
         if self.image_size is not None:
             h, w = (int(x) for x in self.image_size.split("x"))
             bounds.check_image_size(h, w, f"image_size={self.image_size}")
+        if self.task in ("dpo", "grpo"):
+            _check_rl(self)
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}; lower "
                              "warmup_steps")
@@ -275,6 +321,27 @@ class TrainConfig(pydantic.BaseModel):
         fields = dict(lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay)
         return optim.optimizer_settings({"name": self.optimizer, **fields, **({"eps": self.eps} if self.optimizer == "adamw"
                                                                         else {})})
+
+
+def _check_rl(cfg: "TrainConfig") -> None:
+    """The batch shapes of ``--task dpo`` and ``--task grpo`` (ValueError naming the fix)."""
+    if cfg.task == "dpo" and (cfg.global_batch % 2 or cfg.micro_batch_size % 2):
+        raise ValueError(f"task dpo: global_batch={cfg.global_batch} and micro_batch_size={cfg.micro_batch_size} "
+                         "count rows, a pair's chosen and rejected responses two rows that stay in one "
+                         "micro-batch: make both even")
+    if cfg.task == "dpo" and cfg.dpo_label_smoothing and cfg.dpo_loss_type != "sigmoid":
+        raise ValueError("dpo_label_smoothing applies to dpo_loss_type sigmoid")
+    if cfg.task == "grpo":
+        if cfg.group_size < 2:
+            raise ValueError(f"group_size={cfg.group_size}: GRPO compares the responses to one prompt with each "
+                             "other, so a group needs at least 2 (with 1, every advantage is 0 and nothing is "
+                             "learned); set group_size 2 or more")
+        if cfg.global_batch % cfg.group_size:
+            raise ValueError(f"task grpo: global_batch={cfg.global_batch} rows do not split into groups of "
+                             f"group_size={cfg.group_size}; make global_batch a multiple of it")
+        if cfg.max_new_tokens >= cfg.seq_len:
+            raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in seq_len="
+                             f"{cfg.seq_len}; raise seq_len or lower max_new_tokens")
 
 
 def resolve_device(cfg: TrainConfig, *, planning: bool = False) -> tuple[TrainConfig, str]:

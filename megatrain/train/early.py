@@ -61,6 +61,8 @@ def check_inputs(cfg: TrainConfig) -> None:
 
 
 def _check_data(cfg: TrainConfig) -> None:
+    if cfg.task in ("dpo", "grpo"):  # preference pairs and prompts are read (through datasets) before the plan
+        return
     if cfg.task == "sft":
         from megatrain.data.sft_sources import check_first_records
         from megatrain.train.corpus import sft_sources

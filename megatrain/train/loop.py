@@ -19,6 +19,7 @@ from megatrain.train.config import TrainConfig, resolve_device
 from megatrain.train.corpus import (image_grid_thw, match_special_tokens, prepare_data, store_dir,
                                     tokenizer_sample_bytes, trains_tokenizer)
 from megatrain.train.lr import lr_at
+from megatrain.train.rl_tasks import rl_reference
 from megatrain.ir.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
 from megatrain.files import DirectoryLock, write_atomic
@@ -155,6 +156,8 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
             raise ConfigError(f"model_type {config.model_type!r} is a vision-language model: it trains on SFT data "
                               "with images (task: sft, --data with an images column); task lm reads text only")
         return ("input_ids", "attention_mask", IMAGE_INPUT, *((GRID_INPUT,) if grid else ()), "labels")
+    if cfg.task in ("dpo", "grpo"):  # right-padded rows: a causal model's padding after a row changes nothing in it
+        return ("input_ids", "labels")
     packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
     return ("input_ids", "attention_mask", "labels") if cfg.task == "sft" and not packed else \
         ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
@@ -174,7 +177,8 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None):
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
                        input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
                        image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
-                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory), templates=cfg.templates,
+                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory, reference=rl_reference(cfg)),
+                       templates=cfg.templates,
                        cuda_graphs=cfg.cuda_graphs)
 
 
@@ -308,6 +312,10 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     """
     given = cfg  # train_config.json keeps device: auto as auto, so a resume on another machine chooses again
     cfg, device = resolve_device(cfg)
+    if cfg.task in ("dpo", "grpo"):  # preference and RL training: a run of its own (megatrain.train.rl_tasks)
+        from megatrain.train.rl_tasks import train_rl
+
+        return train_rl(cfg, echo=echo, device=device, given=given)
     ranks = _Ranks.start(cfg)
     # Rank 0 writes every output: it holds output_dir's lock for the run.
     lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None

@@ -168,7 +168,14 @@ def data_pipeline_bytes(cfg: TrainConfig, tokenizer_sample: int = 0) -> int:
     from megatrain.data.sft_sources import sft_data_bytes
 
     try:
-        text = sft_data_bytes(cfg.data) if cfg.task == "sft" and cfg.data is not None else corpus_bytes(cfg.data)
+        if cfg.task == "dpo" and cfg.data is not None:  # the pairs are read into memory (megatrain.train.rl_tasks)
+            from megatrain.data.preference import resolve_preference_data
+
+            text = sum(s.nbytes() for s in resolve_preference_data(cfg.data))
+        elif cfg.task in ("sft", "grpo") and cfg.data is not None:
+            text = sft_data_bytes(cfg.data)
+        else:
+            text = corpus_bytes(cfg.data)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data: {e}") from None
     sample = min(text, tokenizer_sample)

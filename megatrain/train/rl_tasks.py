@@ -1,0 +1,681 @@
+"""``megatrain train --task dpo`` and ``--task grpo``: preference and RL training as a run.
+
+The stages are ``megatrain train``'s (device, model, plan once with its host-memory preflight,
+materialize, weights), then a loop of its own:
+
+- **dpo**: the pairs of ``data`` (:mod:`megatrain.data.preference`: TRL's prompt/chosen/rejected,
+  plain or conversational, and LLaMA-Factory's ranking data), each side tokenised as SFT tokenises
+  an answer (the chat template through ``apply_chat_template``; targets only on the last assistant
+  turn), right-padded to ``seq_len``; the reference's log-probabilities precomputed over every pair
+  before the first step (``dpo_reference: precompute``) or a frozen BF16 copy of the initial weights
+  (``bfloat16``); each step trains on :class:`megatrain.rl.DPOLoss` on ``global_batch / 2`` pairs.
+- **grpo**: the prompts of ``data`` (a ``prompt`` column, a string or a message list, and any other
+  columns, which the reward reads); each step samples ``group_size`` responses to each of
+  ``global_batch / group_size`` prompts with ``transformers``' ``generate`` on the current weights,
+  scores them with ``reward`` (``module:function``, :mod:`megatrain.rl.rewards`), normalises the
+  rewards per group (:func:`megatrain.rl.group_advantages`) and trains on
+  :class:`megatrain.rl.GRPOLoss` (``grpo_updates`` steps per batch of rollouts).
+
+Per-step metrics go to ``metrics.jsonl`` (:data:`DPO_FIELDS`, :data:`GRPO_FIELDS` beside the usual
+loss, lr, grad_norm, tokens and timing) and ``loss.png`` (the loss, and the reward or the DPO reward
+accuracy and margin). Bad input stops the run with one error and no update: a record without a
+chosen or rejected response or with an empty one (before anything is built), a reward function
+that raises or returns a NaN (before that step's update), ``group_size`` 1 (config validation).
+
+Rollouts on the CPU backend generate with ``trainer.model``, whose parameters are the host tiles
+(no copy). On CUDA a BF16 copy of the model on the GPU takes the weights after every step
+(:func:`megatrain.rl.rollout_weights`) and generates while the trainer's GPU slots are released
+(:func:`megatrain.rl.gpu_released`); the model must fit the GPU in BF16 with its KV cache, and a
+larger one needs an external engine (vLLM, SGLang) fed by ``rollout_weights`` (the Python API).
+
+Not here yet: resuming an RL run (an ``output_dir`` holding one is refused; ``init_from`` starts a
+new run from its checkpoint), validation, data parallel under torchrun, the non-finite step guard's
+skip and rollback (a step that is not applied stops the run).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from megatrain.errors import BatchError, ConfigError, MegatrainError
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatrain.train.config import TrainConfig
+
+DPO_FIELDS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin")
+"""DPO's per-step metrics, as TRL's ``DPOTrainer`` logs them (``rewards/chosen``, ...), over the
+step's pairs before its update: ``rewards_chosen`` the mean of ``beta (pi_c - ref_c)``,
+``rewards_rejected`` of ``beta (pi_r - ref_r)``, ``rewards_accuracy`` the fraction of pairs whose
+chosen reward exceeds the rejected one, ``rewards_margin`` the mean difference (``pi``, ``ref``: a
+response's summed log-probabilities, per-token means for IPO, as TRL)."""
+
+GRPO_FIELDS = ("reward_mean", "reward_std", "kl", "clip_fraction", "response_length", "rollout_s")
+"""GRPO's per-step metrics, as TRL's ``GRPOTrainer`` logs them: ``reward_mean`` / ``reward_std`` of
+the step's responses (std Bessel-corrected, over all of them), ``kl`` the mean over response tokens
+of the k3 estimate to the reference before the update (null without a reference), ``clip_fraction``
+the fraction of response tokens whose ratio to the rollout policy is clipped where it matters
+(``r < 1 - clip_low`` with a negative advantage, or ``r > 1 + clip_high`` with a positive one: TRL's
+``clip_ratio/region_mean``; 0 on a batch's first update, where ``r = 1``), ``response_length`` the
+mean tokens generated per response (the end-of-text token counted), ``rollout_s`` the seconds the
+rollouts and rewards took."""
+
+
+def rl_reference(cfg: "TrainConfig") -> str | None:
+    """``"bfloat16"`` when the run holds a frozen BF16 reference (the planner counts it): DPO with
+    ``dpo_reference: bfloat16``, GRPO with ``kl_coef > 0``; else None."""
+    if cfg.task == "grpo" and cfg.kl_coef > 0 or cfg.task == "dpo" and cfg.dpo_reference == "bfloat16":
+        return "bfloat16"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Pairs:
+    """Tokenised preference pairs: ``input_ids`` and ``labels`` ``[2 * pairs, seq_len]`` int64, rows
+    ``2k`` chosen and ``2k + 1`` rejected (:class:`megatrain.rl.DPOLoss`'s layout), right-padded with
+    the end-of-text token (label -100); ``trimmed`` / ``dropped``: pairs whose context was cut / that
+    did not fit ``seq_len``."""
+
+    input_ids: "torch.Tensor"
+    labels: "torch.Tensor"
+    trimmed: int
+    dropped: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.input_ids.shape[0] // 2
+
+    def batch(self, pairs: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+        """The rows of the pairs ``pairs`` (indices), each pair's two rows together."""
+        import torch
+
+        rows = torch.stack((2 * pairs, 2 * pairs + 1), 1).flatten()
+        return {"input_ids": self.input_ids[rows], "labels": self.labels[rows]}
+
+
+def _row(ids, targets, seq_len: int, pad: int):
+    import torch
+
+    row = torch.full((seq_len,), pad, dtype=torch.long)
+    labels = torch.full((seq_len,), -100, dtype=torch.long)
+    row[:len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    t = torch.as_tensor(targets, dtype=torch.bool)
+    labels[:len(ids)][t] = row[:len(ids)][t]
+    return row, labels
+
+
+def _run_tokenizer(cfg: "TrainConfig", source, texts: Callable[[], list[str]]):
+    """The run's tokenizer (``tokenizer``, the model directory's, or a BPE trained on ``texts()``),
+    its end-of-text token, the chat template and the ChatTokenizer of the last assistant turn."""
+    from megatrain import data as D
+    from megatrain.train.corpus import _chat_template, _check_vocab, _tokenizer, bos_token
+
+    tokenizer, origin = _tokenizer(cfg, source, texts)
+    _check_vocab(tokenizer, origin, source.config.vocab_size)
+    eot = cfg.eot_token or D.find_eot_token(tokenizer)
+    if tokenizer.token_to_id(eot) is None:
+        raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
+    template, template_origin = _chat_template(cfg, source)
+    chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot), loss="last")
+    return tokenizer, origin, eot, chat, template, template_origin or "megatrain default"
+
+
+def _example_text(example) -> str:
+    from megatrain.data.sft_formats import Chat
+
+    if isinstance(example, Chat):
+        return "\n".join(str(m.get("content") or "") for m in example.messages)
+    return example.prompt + example.completion
+
+
+def prepare_pairs(cfg: "TrainConfig", source, echo: Callable[[str], None]):
+    """``(tokenizer, eot, Pairs, chat template)`` of ``cfg.data`` for ``task: dpo``.
+
+    Raises:
+        ConfigError: no data; unreadable data or a record that is no preference pair (naming the
+            file and record: a missing or empty chosen or rejected response); fewer pairs that fit
+            ``seq_len`` than one step takes.
+    """
+    import torch
+
+    from megatrain.data.preference import iter_pairs, resolve_preference_data
+    from megatrain.data.sft_formats import RecordError
+
+    if cfg.data is None:
+        raise ConfigError("task dpo needs data (--data): TRL prompt/chosen/rejected records, or a directory whose "
+                          "dataset_info.json has LLaMA-Factory ranking entries")
+    t0 = time.perf_counter()
+    try:
+        sources = resolve_preference_data(cfg.data)
+        raw = [(c, r, where) for s in sources for c, r, where in iter_pairs(s)]
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"data: {e}") from None
+    tokenizer, origin, eot, chat, template, template_origin = _run_tokenizer(
+        cfg, source, lambda: [_example_text(e) for c, r, _ in raw for e in (c, r)])
+    pad = tokenizer.token_to_id(eot)
+    ids, labels = [], []
+    trimmed = dropped = 0
+    for c, r, where in raw:
+        try:
+            (ec, tc), (er, tr) = chat.fit(c, cfg.seq_len, cfg.sft_truncation), chat.fit(r, cfg.seq_len,
+                                                                                       cfg.sft_truncation)
+        except RecordError as e:
+            raise ConfigError(f"data: {where()}: {e}") from None
+        if ec is None or er is None:
+            dropped += 1
+            continue
+        trimmed += bool(tc or tr)
+        for enc in (ec, er):
+            row, lab = _row(enc.ids, enc.targets, cfg.seq_len, pad)
+            ids.append(row)
+            labels.append(lab)
+    pairs = Pairs(torch.stack(ids) if ids else torch.empty(0, cfg.seq_len, dtype=torch.long),
+                  torch.stack(labels) if labels else torch.empty(0, cfg.seq_len, dtype=torch.long), trimmed, dropped)
+    if pairs.num_pairs < cfg.global_batch // 2:
+        raise ConfigError(f"data: {pairs.num_pairs} preference pairs fit seq_len={cfg.seq_len} ({dropped} dropped), "
+                          f"fewer than one step's {cfg.global_batch // 2} (global_batch {cfg.global_batch} rows, 2 a "
+                          "pair); lower global_batch or raise seq_len")
+    echo(f"data: {len(raw):,} preference pairs from {', '.join(s.name for s in sources)}; {trimmed:,} trimmed to "
+         f"seq_len (oldest context cut, responses kept), {dropped:,} dropped; {pairs.num_pairs:,} pairs in "
+         f"{2 * pairs.num_pairs:,} rows of {cfg.seq_len}; chat template: {template_origin}, {chat.describe()}; "
+         f"tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} "
+         f"({time.perf_counter() - t0:.1f} s)")
+    return tokenizer, eot, pairs, template
+
+
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    """The prompts of a GRPO run: ``ids`` (each prompt's tokens, a list of ints), ``prompts`` (as
+    given: a string or a message list, what the reward function gets), ``columns`` (the prompt set's
+    other columns, a list per column); ``dropped``: prompts longer than ``seq_len - max_new_tokens``."""
+
+    ids: list[list[int]]
+    prompts: list[Any]
+    columns: dict[str, list[Any]]
+    dropped: int
+
+
+def encode_prompt(chat, prompt) -> list[int]:
+    """A prompt's token ids: a string as it is (no special tokens, as an SFT completion's prompt);
+    a message list rendered by the chat template with the generation prompt (``apply_chat_template``)."""
+    if isinstance(prompt, str):
+        return chat.hf(prompt, add_special_tokens=False)["input_ids"]
+    text = chat.hf.apply_chat_template(list(prompt), chat_template=chat.template, tokenize=False,
+                                       add_generation_prompt=True)
+    return chat.hf(text, add_special_tokens=False)["input_ids"]
+
+
+def prepare_prompts(cfg: "TrainConfig", source, echo: Callable[[str], None]):
+    """``(tokenizer, eot, Prompts, chat template)`` of ``cfg.data`` for ``task: grpo``: records with a
+    ``prompt`` field (a string, or a list of messages), read through ``datasets``.
+
+    Raises:
+        ConfigError: no data; unreadable data; a record without a prompt (naming it); no prompt
+            that leaves room for ``max_new_tokens`` in ``seq_len``, or fewer prompts than one step takes.
+    """
+    import json
+
+    from megatrain.data.sft_sources import _rows, _where, resolve_sft_data
+
+    if cfg.data is None:
+        raise ConfigError("task grpo needs data (--data): records with a 'prompt' field (e.g. "
+                          "examples/data/rl/arithmetic.jsonl)")
+    t0 = time.perf_counter()
+    records = []
+    try:
+        for s in resolve_sft_data(cfg.data):
+            for path, i, row in _rows(s):
+                prompt = row.get("prompt")
+                if isinstance(prompt, str) and prompt[:1] == "[":
+                    prompt = json.loads(prompt)
+                if not (isinstance(prompt, str) and prompt or isinstance(prompt, list) and prompt):
+                    raise ConfigError(f"data: {_where(path, i)}: field 'prompt' must be a non-empty string or a list "
+                                      f"of messages (TRL's prompt-only format), got {prompt!r}")
+                records.append(row)
+    except (OSError, ValueError, ImportError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"data: {e}") from None
+    if not records:
+        raise ConfigError(f"data {cfg.data!r} holds no prompts")
+    tokenizer, origin, eot, chat, template, template_origin = _run_tokenizer(
+        cfg, source, lambda: [json.dumps(r, default=str) for r in records])
+    room = cfg.seq_len - cfg.max_new_tokens
+    keep = []
+    for r in records:
+        ids = encode_prompt(chat, r["prompt"])
+        if 0 < len(ids) <= room:
+            keep.append((ids, r))
+    names = [k for k in records[0] if k != "prompt"]
+    prompts = Prompts([ids for ids, _ in keep], [r["prompt"] for _, r in keep],
+                      {k: [r.get(k) for _, r in keep] for k in names}, len(records) - len(keep))
+    per_step = cfg.global_batch // cfg.group_size
+    if len(keep) < per_step:
+        raise ConfigError(f"data: {len(keep)} prompts fit seq_len={cfg.seq_len} - max_new_tokens={cfg.max_new_tokens} "
+                          f"tokens ({prompts.dropped} longer), fewer than one step's {per_step}; raise seq_len or "
+                          "lower global_batch")
+    echo(f"data: {len(records):,} prompts, {prompts.dropped:,} left out (longer than seq_len - max_new_tokens = {room} "
+         f"tokens); columns for the reward: {names or 'none'}; chat template (message prompts): {template_origin}; "
+         f"tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} "
+         f"({time.perf_counter() - t0:.1f} s)")
+    return tokenizer, eot, prompts, template
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics of the losses (TRL's definitions)
+# ---------------------------------------------------------------------------------------------
+
+def dpo_metrics(loss, logprobs: "torch.Tensor", mask: "torch.Tensor", ref: "torch.Tensor") -> dict[str, float]:
+    """:data:`DPO_FIELDS` of one batch (pairs in consecutive rows) from the policy's and the
+    reference's per-token log-probabilities (``[rows, seq_len]`` FP32) and ``mask`` (``[rows,
+    seq_len]`` bool), with ``loss`` (a :class:`megatrain.rl.DPOLoss`) giving beta and whether a
+    response's log-probability is its sum (sigmoid) or per-token mean (ipo), as TRL's ``DPOTrainer``."""
+    import torch
+
+    def per_row(lp):
+        s = torch.where(mask, lp, torch.zeros_like(lp)).sum(1)
+        return s / mask.sum(1) if loss.loss_type == "ipo" else s
+
+    rewards = loss.beta * (per_row(logprobs) - per_row(ref))
+    chosen, rejected = rewards[0::2], rewards[1::2]
+    return {"rewards_chosen": float(chosen.mean()), "rewards_rejected": float(rejected.mean()),
+            "rewards_accuracy": float((chosen > rejected).float().mean()),
+            "rewards_margin": float((chosen - rejected).mean())}
+
+
+def grpo_metrics(loss, logprobs: "torch.Tensor", mask: "torch.Tensor", tensors) -> dict[str, float | None]:
+    """``kl`` and ``clip_fraction`` (:data:`GRPO_FIELDS`) of the policy's log-probabilities
+    ``logprobs`` (``[rows, seq_len]``) against ``tensors["ref_logprobs"]`` (if any) and
+    ``tensors["old_logprobs"]`` (the rollout policy's), over the response tokens ``mask``, with
+    ``loss`` (a :class:`megatrain.rl.GRPOLoss`) giving the clip range (TRL's ``GRPOTrainer``)."""
+    import torch
+
+    n = mask.sum()
+    kl = None
+    if "ref_logprobs" in tensors:
+        d = tensors["ref_logprobs"] - logprobs
+        kl = float(torch.where(mask, torch.exp(d) - d - 1, torch.zeros_like(d)).sum() / n)
+    ratio = torch.exp(logprobs - tensors["old_logprobs"])
+    adv = tensors["advantages"]
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    clipped = ((ratio < 1 - loss.clip_low) & (adv < 0)) | ((ratio > 1 + loss.clip_high) & (adv > 0))
+    return {"kl": kl, "clip_fraction": float((clipped & mask).sum() / n)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts
+# ---------------------------------------------------------------------------------------------
+
+class Rollout:
+    """Responses to prompts from ``transformers``' ``generate`` on the trainer's current weights.
+
+    CPU backend: ``trainer.model`` itself, whose parameters are the host tiles (after
+    ``trainer.flush()``). CUDA: a BF16 copy of the model on the GPU, given the weights before every
+    rollout (:func:`megatrain.rl.rollout_weights`), generating while the trainer's slots are released.
+
+    Raises (constructor):
+        ConfigError: on CUDA, the model does not fit the free GPU memory in BF16 with room for its
+            KV cache (use an external engine fed by ``rollout_weights``); on the CPU, weights that are
+            not all in host memory.
+    """
+
+    def __init__(self, trainer, eot_id: int, *, max_new_tokens: int, temperature: float):
+        import torch
+
+        self.trainer, self.eot_id = trainer, eot_id
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.engine = None
+        on_host = all(p.device.type == "cpu" for p in trainer.model.parameters())
+        if trainer.backend.device.type != "cuda" and not on_host:
+            raise ConfigError("rollouts on the CPU backend generate with the model whose parameters are the host "
+                              "tiles, but some of this plan's weights live elsewhere (masters on NVMe); drop nvme_dir "
+                              "for task grpo")
+        if trainer.backend.device.type == "cuda":
+            from transformers import AutoModelForCausalLM
+
+            from megatrain.rl import release_gpu, retake_gpu
+
+            config = trainer.model.config
+            need = 2 * sum(layer.numel for layer in trainer.graph.layers)
+            release_gpu(trainer)
+            free = torch.cuda.mem_get_info()[0]
+            if need * 1.25 > free:
+                retake_gpu(trainer)
+                raise ConfigError(f"rollouts: the model's BF16 weights ({need / 2**30:.2f} GiB, plus its KV cache) do "
+                                  f"not fit the GPU's {free / 2**30:.2f} GiB free beside the trainer: megatrain "
+                                  "train --task grpo generates on this GPU only for models that fit it in BF16; use an "
+                                  "external engine (vLLM, SGLang) fed by megatrain.rl.rollout_weights")
+            self.engine = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
+            retake_gpu(trainer)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+        """One sampled response per prompt (top-k and top-p off, ``temperature``), each its tokens up
+        to and including the first end-of-text token (or ``max_new_tokens`` tokens)."""
+        import torch
+
+        from megatrain.rl import gpu_released, rollout_weights
+
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), self.eot_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompt_ids):  # left padding: every response starts at column `width`
+            ids[i, width - len(p):] = torch.as_tensor(p)
+            attn[i, width - len(p):] = 1
+        kw = dict(max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature, top_k=0,
+                  top_p=1.0, eos_token_id=self.eot_id, pad_token_id=self.eot_id)
+        torch.manual_seed(seed)
+        if self.engine is None:
+            self.trainer.flush()  # the parameters are the host tiles: the last deferred update applied
+            model = self.trainer.model
+            training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=attn, **kw)
+            finally:
+                model.train(training)
+        else:
+            for bucket in rollout_weights(self.trainer, 256 << 20, device="cuda"):
+                self.engine.load_state_dict(dict(bucket), strict=False)
+            with gpu_released(self.trainer), torch.no_grad():
+                out = self.engine.generate(ids.cuda(), attention_mask=attn.cuda(), **kw).cpu()
+        responses = []
+        for row in out[:, width:].tolist():
+            n = row.index(self.eot_id) + 1 if self.eot_id in row else len(row)
+            responses.append(row[:n])
+        return responses
+
+
+def grpo_batch(rollout: Rollout, tokenizer, prompts: Prompts, chosen: Sequence[int], *, group_size: int,
+               seq_len: int, reward: Callable, reward_name: str, seed: int):
+    """One batch of rollouts: ``group_size`` responses to each prompt of ``chosen`` (indices of
+    ``prompts``), scored and normalised per group. Returns ``(batch, rewards, response lengths)``:
+    ``batch`` holds ``input_ids`` and ``labels`` ``[rows, seq_len]`` (prompt, then the response, the
+    only supervised tokens, right-padded with the end-of-text token) and ``advantages`` ``[rows]``
+    FP32; ``rewards`` ``[rows]`` FP32.
+
+    Raises:
+        BatchError: the reward function raised, returned another number of values or a value that
+            is not finite (:func:`megatrain.rl.rewards.score`); before anything is updated.
+    """
+    import torch
+
+    from megatrain.rl import group_advantages
+    from megatrain.rl.rewards import score
+
+    rows = [i for i in chosen for _ in range(group_size)]
+    responses = rollout.generate([prompts.ids[i] for i in rows], seed)
+    eot = rollout.eot_id
+    texts = [tokenizer.decode([t for t in r if t != eot]) for r in responses]
+    columns = {k: [v[i] for i in rows] for k, v in prompts.columns.items()}
+    rewards = score(reward, [prompts.prompts[i] for i in rows], texts, columns, name=reward_name)
+    advantages = group_advantages(rewards, group_size)
+    ids, labels = [], []
+    for i, r in zip(rows, responses):
+        p = prompts.ids[i]
+        row, lab = _row(p + r, [False] * len(p) + [True] * len(r), seq_len, eot)
+        ids.append(row)
+        labels.append(lab)
+    batch = {"input_ids": torch.stack(ids), "labels": torch.stack(labels), "advantages": advantages}
+    return batch, rewards, [len(r) for r in responses]
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+def save_rl_plot(rows: list[dict], path, *, title: str, task: str) -> None:
+    """``loss.png`` of an RL run: the loss per step, and beside it GRPO's mean reward or DPO's
+    reward accuracy and margin.
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``plot`` extra).
+    """
+    import io
+
+    from megatrain.files import write_atomic
+
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("the loss plot needs matplotlib: pip install 'megatrain[plot]'") from e
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    a, b = fig.subplots(1, 2)
+    steps = [r["step"] for r in rows]
+    a.plot(steps, [r["loss"] for r in rows], linewidth=1, label=f"{task} loss")
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    series = ("reward_mean",) if task == "grpo" else ("rewards_accuracy", "rewards_margin")
+    for name in series:
+        b.plot(steps, [r.get(name) for r in rows], linewidth=1, label=name)
+    b.set_xlabel("step")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize="medium")
+    png = io.BytesIO()
+    fig.savefig(png, dpi=100, format="png")
+    write_atomic(path, png.getvalue())
+
+
+def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, given: "TrainConfig"):
+    """Run ``cfg`` (``task`` dpo or grpo, device resolved) to ``max_steps``; module docstring.
+    Returns a :class:`megatrain.train.loop.TrainResult`.
+
+    Raises:
+        ConfigError: as ``megatrain train``, and: data parallel (WORLD_SIZE > 1), an ``output_dir``
+            holding a run, a megatrain checkpoint as ``model`` (a resume), bad preference or prompt
+            data, a reward that cannot be imported.
+        BatchError: the reward function raised or returned a non-finite value (naming the step;
+            that step's update is not made).
+        MegatrainError: a step whose loss or gradient was not finite (not applied; the run stops).
+    """
+    import json
+    import os
+
+    import torch
+
+    from megatrain.files import DirectoryLock, write_atomic
+    from megatrain.models import check_positions
+    from megatrain.rl import DPOLoss, GRPOLoss, Reference, target_mask
+    from megatrain.rl.rewards import load_reward
+    from megatrain.runtime.measure import measure_matmul_flops
+    from megatrain.runtime.threads import choose_threads
+    from megatrain.train import loop
+    from megatrain.train.corpus import match_special_tokens
+    from megatrain.train.lr import lr_at
+    from megatrain.train.metrics import MetricsLog, finite, read_metrics, run_rates
+    from megatrain.train.model import init_source, model_label, resolve_model
+    from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE,
+                                        TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
+    from megatrain.ir.hardware import load_hardware
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"task {cfg.task} runs on one process; data parallel (torchrun) is not there yet for it")
+    echo(device)
+    if cfg.device == "cpu":
+        echo(choose_threads(cfg.threads).describe())
+    elif cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    held = {p.name for p in out.iterdir() if p.name != LOCK_FILE} if out.is_dir() else set()
+    leftover = {CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE}
+    if held and held <= leftover and _saved_task(out / CONFIG_FILE) == cfg.task:
+        # A run of this task that stopped before its checkpoint (a reward that raised, say): start over.
+        for name in held:
+            (out / name).unlink()
+        echo(f"note: {out} held a {cfg.task} run that stopped before saving a checkpoint; starting it over")
+    elif held:
+        raise ConfigError(f"output_dir {out} is not empty; task {cfg.task} does not resume a run yet: give an empty "
+                          "output_dir (--init-from DIR/checkpoint starts a new run from a finished one's weights)")
+    reward = load_reward(cfg.reward) if cfg.task == "grpo" else None
+    source = resolve_model(cfg.model)
+    check_positions(source.config, cfg.seq_len, cfg.model)
+    if cfg.init_from is not None:
+        source = init_source(cfg.init_from, source)
+    if source.kind == "checkpoint":
+        raise ConfigError(f"model {cfg.model} is a megatrain checkpoint: task {cfg.task} does not resume yet; give "
+                          f"--init-from {cfg.model} to start a new run from its weights")
+    out.mkdir(parents=True, exist_ok=True)
+    lock = DirectoryLock(out / LOCK_FILE, f"output_dir {out}")
+    lock.acquire()
+    try:
+        hw = load_hardware(cfg.hardware) if cfg.hardware else None
+        # The data first (small: pairs and prompts are read into memory), so that a bad record is
+        # reported before the model is built.
+        prepare = prepare_pairs if cfg.task == "dpo" else prepare_prompts
+        tokenizer, eot, data, template = prepare(cfg, source, echo)
+        planned = loop._plan(cfg, source, hw, echo)
+        cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
+        trainer = loop._materialize_and_load(cfg, planned, source, "", echo)[0]
+        rates = run_rates(cfg, planned, hw, cpu_peak, echo)
+        tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len, template)
+        tokenizer_json = tokenizer.to_str()
+        write_atomic(out / CONFIG_FILE, given.model_dump_json(indent=1) + "\n")
+        write_atomic(out / TOKENIZER_FILE, tokenizer_json)
+        metrics = MetricsLog(out / METRICS_FILE)
+        ckpt = out / CHECKPOINT_DIR
+
+        def save() -> None:
+            trainer.save(ckpt)
+            write_atomic(ckpt / TOKENIZER_FILE, tokenizer_json)
+            write_atomic(ckpt / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config, indent=1) + "\n")
+
+        reference = Reference(trainer) if rl_reference(cfg) else None
+        g = torch.Generator().manual_seed(cfg.seed)
+        if cfg.task == "dpo":
+            loss = DPOLoss(cfg.dpo_beta, cfg.dpo_loss_type, cfg.dpo_label_smoothing)
+            per_step = cfg.global_batch // 2
+            ref_all = None
+            if reference is None:  # before the first step: the initial policy's log-probabilities of every pair
+                t0 = time.perf_counter()
+                ref_all = precompute_pairs(trainer, data, per_step)
+                echo(f"reference: the initial model's log-probabilities of {data.num_pairs:,} pairs, precomputed "
+                     f"({ref_all.numel() * 4 / 2**20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
+            else:
+                echo(f"reference: a frozen BF16 copy of the initial weights ({reference.nbytes / 2**20:,.1f} MiB)")
+            order = torch.empty(0, dtype=torch.long)
+        else:
+            loss = GRPOLoss(cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.grpo_aggregation, cfg.max_new_tokens)
+            per_step = cfg.global_batch // cfg.group_size
+            rollout = Rollout(trainer, tokenizer.token_to_id(eot), max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature)
+            order = torch.empty(0, dtype=torch.long)
+            echo(f"rollouts: {per_step} prompts x {cfg.group_size} responses a step, up to {cfg.max_new_tokens} tokens "
+                 f"each, transformers' generate on the current weights ("
+                 + ("trainer.model, the host tiles" if rollout.engine is None else "a BF16 copy on the GPU")
+                 + f"); reward {cfg.reward}; KL coefficient {cfg.kl_coef}")
+        n_items = data.num_pairs if cfg.task == "dpo" else len(data.ids)
+
+        def take(k: int):
+            nonlocal order
+            if len(order) < k:  # a new epoch: a seeded permutation of every pair or prompt
+                order = torch.cat([order, torch.randperm(n_items, generator=g)])
+            chosen, order = order[:k], order[k:]
+            return chosen
+
+        step, res, rows = 0, None, []
+        batch, row_extra = None, {}
+        while step < cfg.max_steps:
+            if cfg.task == "dpo":
+                idx = take(per_step)
+                batch = data.batch(idx)
+                if ref_all is not None:
+                    batch["ref_logprobs"] = ref_all[torch.stack((2 * idx, 2 * idx + 1), 1).flatten()]
+                else:
+                    batch["ref_logprobs"] = reference.logprobs(batch)
+                mask = target_mask(batch["labels"])
+                row_extra = dpo_metrics(loss, trainer.logprobs(batch), mask, batch["ref_logprobs"])
+                updates = 1
+            else:
+                t0 = time.perf_counter()
+                try:
+                    batch, rewards, lengths = grpo_batch(rollout, tokenizer, data, take(per_step).tolist(),
+                                                         group_size=cfg.group_size, seq_len=cfg.seq_len,
+                                                         reward=reward, reward_name=f"reward {cfg.reward}",
+                                                         seed=cfg.seed * 1_000_003 + step)
+                except BatchError as e:
+                    raise BatchError(f"step {step + 1}: {e}; nothing of step {step + 1} was applied") from e.__cause__
+                if reference is not None:
+                    batch["ref_logprobs"] = reference.logprobs(batch)
+                batch["old_logprobs"] = trainer.logprobs(batch)  # the rollout policy's (ratio 1 on the first update)
+                mask = target_mask(batch["labels"])
+                rollout_extra = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                                 "response_length": sum(lengths) / len(lengths),
+                                 "rollout_s": time.perf_counter() - t0}
+                updates = min(cfg.grpo_updates, cfg.max_steps - step)
+            for u in range(updates):
+                if cfg.task == "grpo":
+                    current = batch["old_logprobs"] if u == 0 else trainer.logprobs(batch)
+                    row_extra = {**rollout_extra, **grpo_metrics(loss, current, mask, batch)}
+                lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                           min_lr_ratio=cfg.min_lr_ratio)
+                trainer.set_lr(lr)
+                res = trainer.step(batch, loss=loss)
+                step += 1
+                row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
+                       "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
+                       "tokens_per_s": res.tokens_per_second, "mfu": rates.mfu(res.tokens_per_second),
+                       "predicted_step_s": rates.predicted_step_s, "measured_step_s": res.seconds,
+                       "applied": bool(res.applied) and not res.nonfinite_weights, "val_loss": None,
+                       "host_rss_mib": None, "examples_trimmed": getattr(data, "trimmed", None),
+                       "examples_dropped": getattr(data, "dropped", None), **row_extra}
+                metrics.append(row)
+                rows.append(row)
+                if not row["applied"]:
+                    raise MegatrainError(f"step {step}: the loss or a gradient or updated weight was not finite; "
+                                         "the update was not kept and the run stops (lower --lr, set "
+                                         "--max-grad-norm)")
+                shown = (f"reward {row_extra['reward_mean']:.3f}" if cfg.task == "grpo"
+                         else f"accuracy {row_extra['rewards_accuracy']:.2f}, margin {row_extra['rewards_margin']:+.3f}")
+                echo(f"step {step}: loss {res.loss:+.4f}, {shown}")
+                if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
+                    save()
+        save()
+        metrics.close()
+        try:
+            save_rl_plot(read_metrics(out / METRICS_FILE), out / PLOT_FILE, task=cfg.task,
+                         title=f"{model_label(cfg)}: {cfg.task}, {step} steps, global batch {cfg.global_batch}")
+        except ImportError as e:
+            echo(f"note: no {PLOT_FILE}: {e}")
+        echo(f"done: step {step}, loss {res.loss:.4f}; model directory: {ckpt}; metrics: {out / METRICS_FILE}")
+        return loop.TrainResult(step=step, skipped_steps=0, stopped_by=None, loss=finite(res.loss), val_loss=None,
+                                checkpoint=ckpt, output_dir=out)
+    finally:
+        lock.release()
+
+
+def _saved_task(path: Path) -> str | None:
+    """The ``task`` of a run's saved ``train_config.json`` (None: none, or not readable)."""
+    import json
+
+    try:
+        return json.loads(path.read_text()).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def precompute_pairs(trainer, pairs: Pairs, per_step: int) -> "torch.Tensor":
+    """The trainer's per-token log-probabilities of every row of ``pairs`` (``[2 * pairs, seq_len]``
+    FP32), ``per_step`` pairs at a time (the step's shape; the last chunk filled up with the first
+    pairs and cut)."""
+    import torch
+
+    n = pairs.num_pairs
+    out = []
+    for a in range(0, n, per_step):
+        idx = torch.arange(a, a + per_step) % n
+        lp = trainer.logprobs(pairs.batch(idx))
+        out.append(lp[:2 * (min(a + per_step, n) - a)])
+    return torch.cat(out)
