@@ -141,7 +141,8 @@ class MegatrainEngine(BaseEngine):
         if model is None:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(self.model_config.local_path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(self.model_config.local_path, dtype=torch.float32,
+                                                         trust_remote_code=False, local_files_only=True)
         e, o = self.engine_config, self.optimizer_config
         clip = getattr(o, "clip_grad", None)
         self.trainer = megatrain.compile(model, seq_len=e.seq_len, micro_batch_size=e.micro_batch_size,

@@ -354,7 +354,7 @@ class Rollout:
                                   f"not fit the GPU's {free / 2**30:.2f} GiB free beside the trainer: megatrain "
                                   "train --task grpo generates on this GPU only for models that fit it in BF16; use an "
                                   "external engine (vLLM, SGLang) fed by megatrain.rl.rollout_weights")
-            self.engine = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
+            self.engine = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, trust_remote_code=False).to("cuda").eval()
             retake_gpu(trainer)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
