@@ -391,3 +391,19 @@ def test_dpo_rows_share_the_prompt_and_supervise_only_the_responses(tmp_path):
     first = [int(torch.nonzero(pairs.labels[r] >= 0)[0]) for r in (0, 1)]
     assert first[0] == first[1] and torch.equal(pairs.input_ids[0, :first[0]], pairs.input_ids[1, :first[0]])
     assert pairs.labels[0, first[0]:].ne(pairs.labels[1, first[0]:]).any()  # the responses differ
+
+
+def test_a_dpo_run_on_an_nvme_dir_in_use_is_refused_naming_it(tmp_path):
+    """As megatrain train's other tasks (tests/test_nvme.py): one run at a time on an nvme_dir, the
+    second refused before its model is built."""
+    from megatrain.files import DirectoryLock, LockedError
+    from megatrain.train.rundir import NVME_LOCK_FILE
+
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    cfg = _cfg(tmp_path, task="dpo", data=str(DATA / "preference" / "trl_conversational_demo.jsonl"), seq_len=64,
+               global_batch=8, micro_batch_size=4, max_steps=1, nvme_dir=str(nvme_dir))
+    with DirectoryLock(nvme_dir / NVME_LOCK_FILE, "nvme_dir"), \
+            pytest.raises(LockedError, match=f"nvme_dir {nvme_dir} is in use"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoint").exists()

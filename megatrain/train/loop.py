@@ -290,6 +290,14 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
     return trainer, int(state["step"]), int(state["skipped_steps"]), state
 
 
+def nvme_dir_lock(cfg: TrainConfig) -> DirectoryLock | None:
+    """The lock of ``cfg.nvme_dir`` (None without one), not yet acquired. Two runs on one nvme_dir
+    would share its tile files by name (each run's moments overwriting the other's): one run at a
+    time, as for output_dir."""
+    return DirectoryLock(Path(cfg.nvme_dir) / NVME_LOCK_FILE, f"nvme_dir {cfg.nvme_dir}") \
+        if cfg.nvme_dir is not None else None
+
+
 def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResult:
     """Run ``cfg`` to ``max_steps``, or until SIGINT/SIGTERM or a non-finite step with
     ``nonfinite="stop"``.
@@ -319,10 +327,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     ranks = _Ranks.start(cfg)
     # Rank 0 writes every output: it holds output_dir's lock for the run.
     lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None
-    # Two runs on one nvme_dir would share its tile files by name (each run's moments overwriting
-    # the other's): one run at a time, as for output_dir.
-    nvme_lock = DirectoryLock(Path(cfg.nvme_dir) / NVME_LOCK_FILE, f"nvme_dir {cfg.nvme_dir}") \
-        if cfg.nvme_dir is not None and ranks.rank == 0 else None
+    nvme_lock = nvme_dir_lock(cfg) if ranks.rank == 0 else None
     try:
         if nvme_lock is not None:
             nvme_lock.acquire()

@@ -530,7 +530,10 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
     out.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(out / LOCK_FILE, f"output_dir {out}")
     lock.acquire()
+    nvme_lock = loop.nvme_dir_lock(cfg)
     try:
+        if nvme_lock is not None:
+            nvme_lock.acquire()
         hw = load_hardware(cfg.hardware) if cfg.hardware else None
         # The data first (small: pairs and prompts are read into memory), so that a bad record is
         # reported before the model is built.
@@ -653,7 +656,9 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
         return loop.TrainResult(step=step, skipped_steps=0, stopped_by=None, loss=finite(res.loss), val_loss=None,
                                 checkpoint=ckpt, output_dir=out)
     finally:
-        lock.release()
+        for held in (lock, nvme_lock):
+            if held is not None:
+                held.release()
 
 
 def _saved_task(path: Path) -> str | None:
