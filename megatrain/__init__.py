@@ -30,8 +30,8 @@ _LAZY = {
     "InfeasibleRequestError": "megatrain.planner.solve", "SolveRequest": "megatrain.planner.solve",
     "solve": "megatrain.planner.solve",
     "PlannedModel": "megatrain.trainer", "StepResult": "megatrain.trainer", "Trainer": "megatrain.trainer",
-    "compile": "megatrain.trainer", "materialize": "megatrain.trainer", "plan_model": "megatrain.trainer",
-    "from_pretrained": "megatrain.pretrained",
+    "compile": "megatrain.product", "materialize": "megatrain.product", "plan_model": "megatrain.product",
+    "from_pretrained": "megatrain.product",
 }
 
 

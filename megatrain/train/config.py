@@ -16,7 +16,7 @@ from megatrain import optim
 from megatrain.errors import ConfigError
 from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
 from megatrain.planner.presets import preset_names
-from megatrain.train.rundir import CONFIG_FILE
+from megatrain.train.names import CONFIG_FILE
 
 OptimizerName = Literal[tuple(optim.OPTIMIZERS)]  # type: ignore[valid-type]
 """A name of :data:`megatrain.optim.OPTIMIZERS` (the config's ``optimizer``)."""

@@ -189,7 +189,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     """
     from megatrain.errors import PlanError
     from megatrain.planner import front
-    from megatrain.trainer import process_topology
+    from megatrain.product import process_topology
     from megatrain.units import human_bytes
 
     available = available_host_memory()  # before the build: what the run may use
