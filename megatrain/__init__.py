@@ -14,8 +14,8 @@ the plan's knobs (``Plan``, ``OptimizerPlacement``, ``ActivationPolicy``), the s
 raises on purpose (each a ``MegatrainError``).
 """
 
-from megatrain.config import AdamW, CompileOptions
-from megatrain.optim import Lion
+from megatrain.config import CompileOptions
+from megatrain.optim import AdamW, Lion
 from megatrain.errors import (BatchError, CheckpointError, CollectiveError, ConfigError, MegatrainError, PlanError,
                               ScheduleError, StepError, TraceError, UnsupportedModelError)
 

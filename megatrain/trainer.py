@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from megatrain.config import AdamW
+from megatrain.optim import AdamW
 from megatrain.data.packing import IGNORE_INDEX
 from megatrain.optim import Lion, spec_of
 from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError

@@ -71,7 +71,8 @@ from typing import NamedTuple
 from megatrain.errors import ConfigError, PlanError
 from megatrain.planner import cost
 from megatrain.ir.graph import LayerGraph
-from megatrain.ir.hardware import PINNED_FRACTION, HardwareSpec
+# The NVMe array presets are hardware presets, with the others in ir/hardware.py; re-exported here.
+from megatrain.ir.hardware import NVME_ARRAYS, PINNED_FRACTION, HardwareSpec, NvmeArray
 from megatrain.ir.plan import OptimizerPlacement, Plan
 # The placement is below the solver (the solver reports least_host); re-exported here, its documented home.
 from megatrain.planner.nvme_place import (KINDS, NVME_BUFFERS, NvmePlacement, least_host, masters_movable,
@@ -79,47 +80,6 @@ from megatrain.planner.nvme_place import (KINDS, NVME_BUFFERS, NvmePlacement, le
 from megatrain.units import GiB, TiB, human_bytes
 
 
-
-@dataclass(frozen=True, slots=True)
-class NvmeArray:
-    """An array of identical NVMe drives, striped (RAID 0 or one file per drive): capacity and
-    rates are the drive's times ``drives`` (the datasheet's sequential rates, an upper bound on
-    what large direct I/O sustains; ``bench/nvme_io.py`` measures a machine's)."""
-
-    name: str
-    drives: int
-    drive_bytes: int
-    drive_read_bytes_per_s: float
-    drive_write_bytes_per_s: float
-    source: str
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.drives * self.drive_bytes
-
-    @property
-    def read_bytes_per_s(self) -> float:
-        return self.drives * self.drive_read_bytes_per_s
-
-    @property
-    def write_bytes_per_s(self) -> float:
-        return self.drives * self.drive_write_bytes_per_s
-
-
-_MICRON_7450 = ("Micron 7450 PRO 7.68 TB, PCIe Gen4 x4 U.3: sequential read 6,800 MB/s, sequential write "
-                "5,300 MB/s (Micron 7450 SSD product brief)")
-_SAMSUNG_PM1743 = ("Samsung PM1743 7.68 TB, PCIe Gen5 x4: sequential read 13,000 MB/s, sequential write "
-                   "6,600 MB/s (Samsung PM1743 data sheet)")
-
-NVME_ARRAYS: dict[str, NvmeArray] = {
-    "4xgen4": NvmeArray("4x PCIe Gen4 NVMe (Micron 7450 PRO 7.68 TB)", 4, 7_680 * 10**9, 6.8e9, 5.3e9, _MICRON_7450),
-    "8xgen4": NvmeArray("8x PCIe Gen4 NVMe (Micron 7450 PRO 7.68 TB)", 8, 7_680 * 10**9, 6.8e9, 5.3e9, _MICRON_7450),
-    "4xgen5": NvmeArray("4x PCIe Gen5 NVMe (Samsung PM1743 7.68 TB)", 4, 7_680 * 10**9, 13.0e9, 6.6e9,
-                        _SAMSUNG_PM1743),
-    "8xgen5": NvmeArray("8x PCIe Gen5 NVMe (Samsung PM1743 7.68 TB)", 8, 7_680 * 10**9, 13.0e9, 6.6e9,
-                        _SAMSUNG_PM1743),
-}
-"""NVMe array presets by name (``megatrain plan --nvme NAME``), each with its drive's source."""
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,

@@ -7,7 +7,7 @@ from typing import Literal, Mapping, Sequence
 
 from torch import nn
 
-from megatrain.config import AdamW
+from megatrain.optim import AdamW
 from megatrain.errors import ConfigError
 from megatrain.ir.hardware import HardwareSpec
 from megatrain.ir.plan import Plan

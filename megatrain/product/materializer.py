@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from megatrain.config import AdamW
+from megatrain.optim import AdamW
 from megatrain.errors import ConfigError
 from megatrain.optim import Lion, optimizer_settings, spec_of
 from megatrain.planner import cost

@@ -12,6 +12,7 @@ import pydantic
 from pydantic import Field
 
 from megatrain.config import OptimizerSettings, describe_validation
+from megatrain.data.sft_formats import SFT_FORMATS
 from megatrain import optim
 from megatrain.errors import ConfigError
 from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
@@ -20,6 +21,8 @@ from megatrain.train.names import CONFIG_FILE
 
 OptimizerName = Literal[tuple(optim.OPTIMIZERS)]  # type: ignore[valid-type]
 """A name of :data:`megatrain.optim.OPTIMIZERS` (the config's ``optimizer``)."""
+SftFormatName = Literal[("auto", *SFT_FORMATS)]  # type: ignore[valid-type]
+"""``auto`` or a name of :data:`megatrain.data.sft_formats.FORMATS` (the config's ``sft_format``)."""
 
 
 class TrainConfig(pydantic.BaseModel):
@@ -67,7 +70,7 @@ class TrainConfig(pydantic.BaseModel):
                                                "file, up to images_per_row images per example, read with Pillow by "
                                                "the processor (AutoProcessor) of the model directory or of "
                                                "tokenizer; such examples are not packed")
-    sft_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion"] = Field(
+    sft_format: SftFormatName = Field(
         "auto", description="sft: the record format of data files (auto: detected from each file's first "
                             "record; a dataset_info.json names each dataset's)")
     chat_template: str | None = Field(None, description="sft: a Jinja chat template file to render chats with "
