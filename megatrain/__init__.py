@@ -14,8 +14,8 @@ the plan's knobs (``Plan``, ``OptimizerPlacement``, ``ActivationPolicy``), the s
 raises on purpose (each a ``MegatrainError``).
 """
 
-from megatrain.config import AdamW, CompileOptions
-from megatrain.optim import Lion
+from megatrain.config import CompileOptions
+from megatrain.optim import AdamW, Lion
 from megatrain.errors import (BatchError, CheckpointError, CollectiveError, ConfigError, MegatrainError, PlanError,
                               ScheduleError, StepError, TraceError, UnsupportedModelError)
 
@@ -30,8 +30,8 @@ _LAZY = {
     "InfeasibleRequestError": "megatrain.planner.solve", "SolveRequest": "megatrain.planner.solve",
     "solve": "megatrain.planner.solve",
     "PlannedModel": "megatrain.trainer", "StepResult": "megatrain.trainer", "Trainer": "megatrain.trainer",
-    "compile": "megatrain.trainer", "materialize": "megatrain.trainer", "plan_model": "megatrain.trainer",
-    "from_pretrained": "megatrain.pretrained",
+    "compile": "megatrain.product", "materialize": "megatrain.product", "plan_model": "megatrain.product",
+    "from_pretrained": "megatrain.product",
 }
 
 

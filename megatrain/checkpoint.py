@@ -49,8 +49,6 @@ Shards are written by ``safetensors.torch.save_file``, one shard in memory at a 
 from __future__ import annotations
 
 import copy
-import ctypes
-import errno
 import hashlib
 import json
 import os
@@ -68,6 +66,7 @@ import torch
 
 from megatrain.optim import ADAMW, spec_of
 from megatrain.errors import CheckpointError
+from megatrain.files import exchange_paths, file_sha256, fsync_dir, replace_directory
 from megatrain.runtime.host import as_tensor
 
 __all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint"]
@@ -434,14 +433,6 @@ def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, st
     return _Written(h.hexdigest(), path.stat().st_size)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _plan_shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
     """Greedy in order: a new shard starts when the next tensor would overflow the current one; a
     tensor larger than ``max_bytes`` gets a shard of its own (as Hugging Face does)."""
@@ -464,22 +455,9 @@ def _shard_name(stem: str, k: int, n: int) -> str:
 # Moving a finished checkpoint into place, and recovering from a crash while doing so
 # ---------------------------------------------------------------------------------------------
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically with Linux's ``renameat2(RENAME_EXCHANGE)``; False where the C
-    library, kernel or file system does not offer it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+_exchange = exchange_paths
+"""How :func:`_place` swaps a new checkpoint with the previous one (a global here, so that a test can
+take the swap away, as on a file system without ``RENAME_EXCHANGE``)."""
 
 
 def _siblings(path: Path, tag: str) -> list[Path]:
@@ -490,8 +468,15 @@ def _siblings(path: Path, tag: str) -> list[Path]:
                   key=lambda p: p.stat().st_mtime)
 
 
-def _is_complete(d: Path) -> bool:
+def is_complete(d: Path) -> bool:
+    """Whether ``d`` is a complete checkpoint: its manifest, which a save writes last, is there."""
     return (d / STATE_DIR / MANIFEST).is_file()
+
+
+def is_save_leftover(name: str, checkpoint_name: str) -> bool:
+    """Whether the file name ``name`` is what an interrupted save of the checkpoint named
+    ``checkpoint_name`` left beside it: its temporary directory, or the previous checkpoint moved aside."""
+    return name.startswith(f".{checkpoint_name}.") and (_TMP_TAG in name or _OLD_TAG in name)
 
 
 def describe_incomplete(path: Path) -> str:
@@ -516,33 +501,20 @@ def describe_incomplete(path: Path) -> str:
             "partial copy, or a lost file)")
 
 
-def _recover(path: Path) -> None:
+def recover_checkpoint(path: Path) -> None:
     """If a crash interrupted the two-rename fallback (no directory at ``path``), move the newest
     complete checkpoint beside it into place: the new one if it was complete, else the old one."""
     if path.exists():
         return
     for candidate in [*reversed(_siblings(path, _TMP_TAG)), *reversed(_siblings(path, _OLD_TAG))]:
-        if _is_complete(candidate):
+        if is_complete(candidate):
             os.rename(candidate, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
             return
 
 
 def _place(tmp: Path, path: Path) -> None:
-    parent = path.parent
-    if not path.exists():
-        os.rename(tmp, path)
-        _fsync_dir(parent)
-        return
-    if _exchange(tmp, path):
-        _fsync_dir(parent)
-        shutil.rmtree(tmp)  # now the previous checkpoint
-        return
-    old = parent / f".{path.name}.{_OLD_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
-    os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(parent)
-    shutil.rmtree(old)
+    replace_directory(tmp, path, aside_tag=_OLD_TAG, exchange=_exchange)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,8 +588,8 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
                               "lists or numbers") from None
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    _recover(path)
-    if path.exists() and not (path.is_dir() and (_is_complete(path) or not any(path.iterdir()))):
+    recover_checkpoint(path)
+    if path.exists() and not (path.is_dir() and (is_complete(path) or not any(path.iterdir()))):
         raise CheckpointError(f"{path}: exists and is not a megatrain checkpoint; save_checkpoint replaces "
                               "only its own checkpoints: remove it or choose another path")
     # Leftovers of saves that crashed before their rename are never loadable; clear them.
@@ -625,25 +597,25 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
         shutil.rmtree(stale, ignore_errors=True)
 
     tmp = path.parent / f".{path.name}.{_TMP_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
-    had = _is_complete(path)
+    had = is_complete(path)
     try:
         tmp.mkdir()
         manifest = _write_all(trainer.model, state_dict, tmp, _SAVE_DTYPES[dtype], max_shard_bytes, extra)
         state = tmp / STATE_DIR
         # The manifest marks the directory complete, so it appears (by rename) only once every
         # other file and both directories are durable.
-        _fsync_dir(state)
-        _fsync_dir(tmp)
+        fsync_dir(state)
+        fsync_dir(tmp)
         _write_json(state / (MANIFEST + ".part"), manifest)
         os.rename(state / (MANIFEST + ".part"), state / MANIFEST)
-        _fsync_dir(state)
+        fsync_dir(state)
         _place(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         # safetensors reports a failed write (a full disk, a file size limit) as its own
         # SafetensorError, not as an OSError.
         if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
-            kept = (f"the previous checkpoint at {path} is intact" if had and _is_complete(path)
+            kept = (f"the previous checkpoint at {path} is intact" if had and is_complete(path)
                     else f"nothing was written to {path}")
             raise CheckpointError(f"{path}: could not write the checkpoint ({type(e).__name__}: {e}); {kept}. "
                                   "Free disk space (or fix the file system's error) and save again") from e
@@ -748,14 +720,6 @@ def _read_json(file: Path) -> Any:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
 
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _verify_files(root: Path, manifest: dict) -> None:
     for rel, rec in manifest["files"].items():
         file = root / rel
@@ -765,7 +729,7 @@ def _verify_files(root: Path, manifest: dict) -> None:
         if size != rec["bytes"]:
             raise CheckpointError(f"{file}: has {size} bytes but the manifest records {rec['bytes']}; the "
                                   "file is truncated or was changed after saving")
-        if _sha256(file) != rec["sha256"]:
+        if file_sha256(file) != rec["sha256"]:
             raise CheckpointError(f"{file}: sha256 differs from the manifest's; the file is corrupt")
 
 
@@ -847,7 +811,7 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
             for them), naming the file and tensor, found while copying: load another checkpoint.
     """
     path = Path(path).absolute()
-    _recover(path)
+    recover_checkpoint(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no checkpoint there")
     state = path / STATE_DIR

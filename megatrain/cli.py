@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
+    from megatrain.ir.hardware import NVME_ARRAYS, PRESETS as HARDWARE_PRESETS
     from megatrain.optim import OPTIMIZERS
     from megatrain.planner.presets import preset_names
 
@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", type=Path, default=None,
                       help="write schedule.json, trace.json (Chrome trace) and timeline.png here")
     plan.add_argument("--nvme", default=None, metavar="ARRAY",
-                      help="attach an NVMe array to the hardware (4xgen4, 8xgen4, 4xgen5, 8xgen5: striped "
+                      help=f"attach an NVMe array to the hardware ({', '.join(NVME_ARRAYS)}: striped "
                            "Micron 7450 PRO / Samsung PM1743 drives, datasheet rates); when the state does not "
                            "fit in host memory the planner puts gradient tiles, Adam moments and masters of "
                            "some layers on it and reports them and the step time with their traffic")

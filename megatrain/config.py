@@ -23,28 +23,6 @@ class OptimizerSettings(pydantic.BaseModel):
             raise ConfigError(f"invalid {type(self).__name__} settings: " + describe_validation(e)) from None
 
 
-class AdamW(OptimizerSettings):
-    """AdamW settings (Loshchilov & Hutter 2019, arXiv:1711.05101), as in ``torch.optim.AdamW``.
-
-    The update runs on the host, per layer, over the layer's flat FP32 tiles through torch's fused
-    AdamW kernel (``torch.optim.adamw.adamw(fused=True)``); weight decay is decoupled and applies to
-    every trainable parameter, as ``torch.optim.AdamW`` does with one parameter group.
-    """
-
-    lr: float = Field(1e-3, ge=0.0, description="learning rate")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="first and second moment decay, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0.0, description="added to the denominator for stability")
-    weight_decay: float = Field(0.01, ge=0.0, description="decoupled weight decay coefficient")
-
-    @pydantic.field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        for name, b in zip(("beta1", "beta2"), v):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"{name}={b} must be in [0, 1)")
-        return v
-
-
 def describe_validation(e: pydantic.ValidationError, *, missing_hint: Callable[[str], str] | None = None) -> str:
     """pydantic's errors as one line, ``field=value: rule; ...``: the one formatting of every
     settings error megatrain raises (``AdamW``, ``compile``'s options, ``megatrain train``'s config).

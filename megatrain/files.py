@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import hashlib
 import os
 import secrets
 import shutil
@@ -174,6 +175,84 @@ class DirectoryLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# -- hashing and replacing a directory: the one copy of each, for checkpoints and the data stores --
+
+HASH_CHUNK = 8 << 20
+"""Bytes :func:`file_sha256` reads at a time."""
+
+
+def sha256_hex(data: bytes | str) -> str:
+    """The sha256 of ``data`` (``str`` hashed as UTF-8), as hex."""
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of the file at ``path``, as hex. Plain reads into one reused buffer, not a memory
+    map: the page cache holds the file, and the process's resident set does not grow by its size."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two paths atomically with Linux's ``renameat2(RENAME_EXCHANGE)``; False where the C
+    library, kernel or file system does not offer it.
+
+    Raises:
+        OSError: the swap was refused for another reason (its errno and both paths in the message).
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
+
+
+def replace_directory(tmp: str | os.PathLike, path: str | os.PathLike, *, aside_tag: str = "old",
+                      exchange: Callable[[Path, Path], bool] = exchange_paths,
+                      ignore_cleanup_errors: bool = False) -> None:
+    """Move the finished directory ``tmp`` to ``path`` (beside it, on the same file system),
+    replacing what is there, and make the move durable (the parent directory fsynced).
+
+    Where ``path`` exists the two are swapped in one atomic step (``exchange``:
+    :func:`exchange_paths`) and the previous directory, now at ``tmp``, removed; where the file
+    system cannot swap, the previous one is renamed aside to ``.<name>.<aside_tag>-<pid>-<hex>``,
+    ``tmp`` renamed in and the previous one removed. A crash between those two renames leaves no
+    directory at ``path``, and both beside it: the caller that cares finds them by ``aside_tag``
+    (checkpoints recover the newest complete one). ``ignore_cleanup_errors``: a previous directory
+    that cannot be removed is left, not an error (the new one is in place either way).
+    """
+    tmp, path = Path(tmp), Path(path)
+    parent = path.parent
+    if not path.exists():
+        os.rename(tmp, path)
+        fsync_dir(parent)
+        return
+    if exchange(tmp, path):
+        fsync_dir(parent)
+        shutil.rmtree(tmp, ignore_errors=ignore_cleanup_errors)  # now the previous directory
+        return
+    old = parent / f".{path.name}.{aside_tag}-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(path, old)
+    os.rename(tmp, path)
+    fsync_dir(parent)
+    shutil.rmtree(old, ignore_errors=ignore_cleanup_errors)
 
 
 # ---------------------------------------------------------------------------------------------

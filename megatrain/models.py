@@ -28,6 +28,56 @@ __all__ = ["check_causal_decoder", "check_config_values", "check_positions", "ch
 
 _EXAMPLES = "llama, mistral, qwen2, gemma, phi3, gpt2"
 
+VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl")
+"""The vision-language model types megatrain trains with their images; their tracing recipes
+are :data:`megatrain.planner.trace.vlm.FAMILIES` (above this module, which the planner imports),
+which must name the same ones (it checks so when imported)."""
+
+DEFAULT_IMAGE_PIXELS = 448
+"""The side of the image each row carries by default (Qwen2-VL's processor keeps a 448x448 image
+at that size: 32x32 patches of 14 pixels, 256 image tokens): what the planner's patch-grid families
+(``megatrain.planner.trace.qwen_vl``) and the data's processors (``megatrain.data.sft_qwen_vl``) both read."""
+
+REFUSED: dict[str, str] = {
+    "qwen3_vl": "deepstack features (intermediate vision blocks' outputs added inside the decoder's first "
+                "layers) and its interpolated vision position embeddings; Qwen2-VL and Qwen2.5-VL train",
+    "llava_next": "AnyRes tiling (a variable number of tiles per image, image_sizes, and the unpadding of "
+                  "the feature grid)",
+    "llava_onevision": "AnyRes tiling (a variable number of tiles per image and image_sizes)",
+    "internvl": "dynamic tiling (a variable number of 448x448 tiles per image) and its pixel-shuffle projector",
+    "glm4v": "variable image sizes (image_grid_thw) and 3D rotary position ids",
+    "idefics3": "image splitting into a variable number of sub-images",
+    "smolvlm": "image splitting into a variable number of sub-images",
+    "paligemma": "a prefix-LM attention mask (bidirectional over the image and prompt)",
+}
+"""Vision-language families megatrain refuses, by ``model_type``, with what it does not support yet."""
+
+
+def refuse_vision_language(config: Any, source: str) -> None:
+    """Refuse a vision-language ``config`` megatrain does not trace; nothing for other configs.
+
+    Called for a ``model_type`` with no causal-LM class in transformers (Gemma 3, Llama 4 and
+    Mllama have one, and train on text alone through it).
+
+    Raises:
+        UnsupportedModelError: a vision-language family (one of :data:`REFUSED`, an image-text-to-text
+            class of transformers, or a config with a ``vision_config``) not in :data:`VISION_LANGUAGE`; the
+            message names what megatrain lacks for it and the families it trains.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    mt = getattr(config, "model_type", None)
+    if mt in VISION_LANGUAGE or not (mt in REFUSED or mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+                              or getattr(config, "vision_config", None) is not None):
+        return
+    missing = REFUSED.get(mt, "its vision tower and the way its image features join the text (no tracing "
+                              "recipe for this family yet)")
+    raise UnsupportedModelError(
+        f"{source}: model_type {mt!r} is a vision-language model that megatrain does not train yet: it lacks "
+        f"support for {missing}. Vision-language families megatrain trains: {', '.join(sorted(VISION_LANGUAGE))} "
+        "(LLaVA: images of one size, up to a fixed number a row; Qwen2-VL and Qwen2.5-VL: any images within "
+        "a fixed number of patches a row)")
+
 
 def check_causal_decoder(config: Any, source: str) -> None:
     """Refuse a transformers ``config`` that is not a causal decoder-only language model.
@@ -36,7 +86,7 @@ def check_causal_decoder(config: Any, source: str) -> None:
         config: a ``transformers.PretrainedConfig``.
         source: where it came from, for the message (a file name or ``"the model"``).
 
-    A vision-language family of :data:`megatrain.planner.trace.vlm.FAMILIES` (LLaVA, Qwen2-VL,
+    A vision-language family of :data:`VISION_LANGUAGE` (LLaVA, Qwen2-VL,
     Qwen2.5-VL) passes: it trains its decoder on the text with the image features written in.
 
     Raises:
@@ -47,10 +97,8 @@ def check_causal_decoder(config: Any, source: str) -> None:
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
-    from megatrain.planner.trace.vlm import family, refuse_vision_language
-
     mt = getattr(config, "model_type", None)
-    if family(config) is not None:
+    if mt in VISION_LANGUAGE:
         return  # a vision-language model megatrain trains with its images (LLaVA, Qwen2-VL)
     what = None
     if getattr(config, "is_encoder_decoder", False):

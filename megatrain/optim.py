@@ -9,18 +9,20 @@ of the package needs to know of an optimizer is in its :class:`OptimizerSpec`:
 - ``state_bytes_per_param``: 4 bytes per state row, what the cost model sizes host memory and the
   NVMe tier with (``cost.MemoryBreakdown.adam_moments``, ``cost.nvme_bytes``);
 - ``settings``: the pydantic model of its hyper-parameters (``compile(optimizer=...)``);
-- ``kernel``: the name of its host kernel class in :mod:`megatrain.runtime.host_kernels`, whose
+- ``kernel``: the dotted path of its host kernel class (``megatrain.runtime.host_kernels.HostAdamW``),
+  imported by the runtime where it steps (this module stays without torch), whose
   ``update(param, grad, states, step, settings, grad_scale=..., scratch=...)`` steps one flat
   FP32 tile in place and returns the sum of the updated tile (0-dim FP32: the executor's finite
   check of the result, summed by the kernel while each chunk is in the cache).
 
 Host storage (``runtime.host.HostState``), the NVMe tier, checkpoints, the cost model (through
 ``Plan.optimizer_name``) and the executor's OPT op read the spec; adding an optimizer is a settings
-model and a spec here, and a kernel class in ``runtime/host_kernels.py``.
+model and a spec here (its record: settings, states, kernel), and the kernel class its spec names
+(``runtime/host_kernels.py``); every list of optimizer names derives from :data:`OPTIMIZERS`.
 
 The optimizers:
 
-- ``"adamw"``: :class:`megatrain.config.AdamW` (Loshchilov & Hutter 2019, arXiv:1711.05101), two
+- ``"adamw"``: :class:`AdamW` (Loshchilov & Hutter 2019, arXiv:1711.05101), two
   FP32 moments ``exp_avg`` and ``exp_avg_sq``: 8 bytes of state per parameter, 12 with the FP32
   master.
 - ``"lion"``: :class:`Lion` (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms",
@@ -36,11 +38,33 @@ from typing import Mapping
 import pydantic
 from pydantic import Field
 
-from megatrain.config import AdamW, OptimizerSettings
+from megatrain.config import OptimizerSettings
 from megatrain.errors import ConfigError
 
 STATE_ITEMSIZE = 4
 """Bytes per element of every optimizer state row: FP32."""
+
+
+class AdamW(OptimizerSettings):
+    """AdamW settings (Loshchilov & Hutter 2019, arXiv:1711.05101), as in ``torch.optim.AdamW``.
+
+    The update runs on the host, per layer, over the layer's flat FP32 tiles through torch's fused
+    AdamW kernel (``torch.optim.adamw.adamw(fused=True)``); weight decay is decoupled and applies to
+    every trainable parameter, as ``torch.optim.AdamW`` does with one parameter group.
+    """
+
+    lr: float = Field(1e-3, ge=0.0, description="learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="first and second moment decay, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0.0, description="added to the denominator for stability")
+    weight_decay: float = Field(0.01, ge=0.0, description="decoupled weight decay coefficient")
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for name, b in zip(("beta1", "beta2"), v):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{name}={b} must be in [0, 1)")
+        return v
 
 
 class Lion(OptimizerSettings):
@@ -79,7 +103,8 @@ class OptimizerSpec:
         settings: its hyper-parameters' pydantic model.
         states: names of its FP32 state rows per trainable parameter, in storage order (also its
             checkpoint keys); at least one.
-        kernel: its host kernel class in :mod:`megatrain.runtime.host_kernels`.
+        kernel: the dotted path of its host kernel class (``megatrain.runtime.host_kernels.HostLion``):
+            what ``megatrain.runtime.host_kernels.host_kernel`` makes, with no table of its own.
         reference: where the algorithm is published.
         label: how memory tables and messages name its state (``"<label> moments"``).
     """
@@ -102,9 +127,9 @@ class OptimizerSpec:
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (
-    OptimizerSpec("adamw", AdamW, ("exp_avg", "exp_avg_sq"), "HostAdamW",
+    OptimizerSpec("adamw", AdamW, ("exp_avg", "exp_avg_sq"), "megatrain.runtime.host_kernels.HostAdamW",
                   "Loshchilov & Hutter 2019, arXiv:1711.05101", "Adam"),
-    OptimizerSpec("lion", Lion, ("exp_avg",), "HostLion",
+    OptimizerSpec("lion", Lion, ("exp_avg",), "megatrain.runtime.host_kernels.HostLion",
                   "Chen et al. 2023, arXiv:2302.06675", "Lion"),
 )}
 """Every host optimizer, by name."""
@@ -153,5 +178,5 @@ def optimizer_settings(optimizer: OptimizerSettings | Mapping | None) -> Optimiz
     return optimizer_spec(str(name).lower()).settings(**fields)
 
 
-__all__ = ["ADAMW", "Lion", "OPTIMIZERS", "OptimizerSpec", "STATE_ITEMSIZE", "optimizer_settings", "optimizer_spec",
+__all__ = ["ADAMW", "AdamW", "Lion", "OPTIMIZERS", "OptimizerSpec", "STATE_ITEMSIZE", "optimizer_settings", "optimizer_spec",
            "spec_of"]

@@ -23,7 +23,9 @@ from megatrain.runtime import measure
 
 def test_public_surface_is_pinned():
     assert set(hardware.__all__) == {"HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200",
-                                     "GH200", "A100_80GB", "RTX_4090"}
+                                     "GH200", "A100_80GB", "RTX_4090",
+                                     # the NVMe and link presets, moved here from planner/nvme.py and topology.py
+                                     "NvmeArray", "NVME_ARRAYS", "Link", "INTERCONNECTS", "NETWORKS"}
     assert set(cost.__all__) == {
         "Resource", "resource_of", "compute_rate", "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time",
         "fwd_time", "bwd_time", "opt_time", "cast_time", "acc_time", "checkpoint_bytes", "offload_time",

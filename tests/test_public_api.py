@@ -35,7 +35,7 @@ def test_public_names_are_the_ones_the_modules_define():
     # Re-exports, not copies: megatrain.X is the object the defining module holds.
     from megatrain.ir import hardware, plan
     from megatrain.planner import solve
-    from megatrain import trainer
+    from megatrain import product as trainer  # compile and plan_model live in megatrain.product, above the Trainer
 
     assert megatrain.preset is hardware.preset and megatrain.HardwareSpec is hardware.HardwareSpec
     assert megatrain.OptimizerPlacement is plan.OptimizerPlacement and megatrain.solve is solve.solve

@@ -10,7 +10,7 @@ import torch
 import megatrain
 import megatrain.planner.front as front  # where the model is traced (once per shape)
 from megatrain.errors import BatchError, ConfigError
-from megatrain.shapes import ShapeFreeTrainer, pad_to_bucket
+from megatrain.product.shapes import ShapeFreeTrainer, pad_to_bucket
 
 from conftest import random_batch, tiny_llama
 from test_exactness import ADAMW, RTOL, eager_losses
@@ -114,7 +114,7 @@ def test_shape_free_errors_name_the_cause():
 def test_a_checkpoint_loads_before_the_first_batch(tmp_path, count_traces):
     """Resuming a shape-free trainer: load plans a probe shape to make the host tiles, then the
     first batch's shape trains from the loaded weights as a fixed-shape trainer does."""
-    from megatrain.shapes import PROBE_SEQ_LEN
+    from megatrain.product.shapes import PROBE_SEQ_LEN
 
     torch.manual_seed(3)
     saved = megatrain.compile(tiny_llama(), seq_len=16, micro_batch_size=2, optimizer=ADAMW)

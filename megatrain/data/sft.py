@@ -73,13 +73,11 @@ from megatrain.data.store import (
     StoreError,
     StoreManifest,
     TokenStore,
-    _dtype_for,
-    _file_sha256,
-    _install,
-    _le,
-    _sha256,
+    little_endian,
     open_token_store,
+    token_dtype,
 )
+from megatrain.files import file_sha256, replace_directory, sha256_hex
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "ChatTokenizer", "SftDataset", "SftManifest", "SftStore", "build_sft_store",
            "cached_sft_store", "open_sft_store"]
@@ -416,9 +414,9 @@ class SftStore:
 def sft_store_key(sources: Sequence[SftSource], chat: ChatTokenizer, seq_len: int,
                   truncation: str) -> str:
     """sha256 naming what an SFT store holds: equal keys mean equal files."""
-    key = [SFT_FORMAT, SFT_VERSION, sources_key(list(sources)), _sha256(chat.hf.backend_tokenizer.to_str()),
+    key = [SFT_FORMAT, SFT_VERSION, sources_key(list(sources)), sha256_hex(chat.hf.backend_tokenizer.to_str()),
            chat.template, chat.bos_token, chat.eos_token, chat.loss, seq_len, truncation] + chat.key()
-    return _sha256(json.dumps(key))
+    return sha256_hex(json.dumps(key))
 
 
 def open_sft_store(path: str | os.PathLike[str], *, verify: Literal["full", "size"] = "full") -> SftStore:
@@ -443,12 +441,12 @@ def open_sft_store(path: str | os.PathLike[str], *, verify: Literal["full", "siz
         if not targets.is_file() or targets.stat().st_size != tokens.num_tokens:
             raise CorruptStoreError(f"SFT store {str(path)!r}: {TARGETS_FILE} does not hold one byte per token "
                                     f"({tokens.num_tokens:,}); rebuild it")
-        if verify == "full" and _file_sha256(targets) != manifest.targets_sha256:
+        if verify == "full" and file_sha256(targets) != manifest.targets_sha256:
             raise CorruptStoreError(f"SFT store {str(path)!r}: {TARGETS_FILE} does not match the sha256 in "
                                     f"{SFT_FILE}; rebuild it")
         images = path / IMAGES_FILE
         if manifest.num_images and (not images.is_file() or verify == "full"
-                                    and _file_sha256(images) != manifest.images_sha256):
+                                    and file_sha256(images) != manifest.images_sha256):
             raise CorruptStoreError(f"SFT store {str(path)!r}: {IMAGES_FILE} is missing or does not match the "
                                     f"sha256 in {SFT_FILE}; rebuild it")
     except CorruptStoreError:
@@ -481,7 +479,7 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     vocab = chat.hf.backend_tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = _dtype_for(vocab)
+    dtype = token_dtype(vocab)
     lengths = array("q")
     infos: list[SftDatasetInfo] = []
     num_tokens = num_targets = num_images = 0
@@ -496,7 +494,7 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
             def flush() -> None:
                 nonlocal buffered
                 if ids_buf:
-                    np.concatenate(ids_buf).astype(_le(dtype)).tofile(tok_out)
+                    np.concatenate(ids_buf).astype(little_endian(dtype)).tofile(tok_out)
                     np.concatenate(tgt_buf).astype(np.uint8).tofile(tgt_out)
                 ids_buf.clear()
                 tgt_buf.clear()
@@ -542,24 +540,24 @@ def build_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: str
             format="megatrain-token-store", version=1, key=key, source=",".join(s.name for s in sources),
             source_files=sum(len(s.fingerprint()["files"]) for s in sources),
             source_bytes=sum(s.nbytes() for s in sources), source_sha256=src_key,
-            tokenizer_sha256=_sha256(chat.hf.backend_tokenizer.to_str()), vocab_size=vocab,
+            tokenizer_sha256=sha256_hex(chat.hf.backend_tokenizer.to_str()), vocab_size=vocab,
             eot_token=chat.eos_token, eot_id=chat.hf.convert_tokens_to_ids(chat.eos_token), text_field="sft",
             dtype=dtype.name, num_documents=len(lengths), num_tokens=num_tokens, skipped_files=0,
-            skipped_examples=[], tokens_sha256=_file_sha256(tmp / TOKENS_FILE),
-            offsets_sha256=_file_sha256(tmp / OFFSETS_FILE), build_seconds=round(time.perf_counter() - t0, 3))
+            skipped_examples=[], tokens_sha256=file_sha256(tmp / TOKENS_FILE),
+            offsets_sha256=file_sha256(tmp / OFFSETS_FILE), build_seconds=round(time.perf_counter() - t0, 3))
         if not num_images:
             (tmp / IMAGES_FILE).unlink()
         manifest = SftManifest(format=SFT_FORMAT, version=SFT_VERSION, key=key, datasets=infos,
                                chat_template=chat.template, seq_len=seq_len, truncation=truncation, loss=chat.loss,
-                               num_target_tokens=num_targets, targets_sha256=_file_sha256(tmp / TARGETS_FILE),
+                               num_target_tokens=num_targets, targets_sha256=file_sha256(tmp / TARGETS_FILE),
                                num_images=num_images,
-                               images_sha256=_file_sha256(tmp / IMAGES_FILE) if num_images else None)
+                               images_sha256=file_sha256(tmp / IMAGES_FILE) if num_images else None)
         for name, model in ((MANIFEST_FILE, tokens_manifest), (SFT_FILE, manifest)):
             with open(tmp / name, "w", encoding="utf-8") as fh:  # the manifests last: a store is whole or absent
                 fh.write(model.model_dump_json(indent=1))
                 fh.flush()
                 os.fsync(fh.fileno())
-        _install(tmp, path)
+        replace_directory(tmp, path, ignore_cleanup_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -591,7 +589,7 @@ def cached_sft_store(sources: Sequence[SftSource], chat: ChatTokenizer, path: st
                 return store
             reason = ("source changed" if store.tokens.manifest.source_sha256 != sources_key(list(sources))
                       else "tokenizer or template changed" if store.manifest.chat_template != chat.template
-                      or store.tokens.manifest.tokenizer_sha256 != _sha256(chat.hf.backend_tokenizer.to_str())
+                      or store.tokens.manifest.tokenizer_sha256 != sha256_hex(chat.hf.backend_tokenizer.to_str())
                       else "options changed")
             store.close()
     store = build_sft_store(sources, chat, path, seq_len=seq_len, truncation=truncation, progress=progress)

@@ -49,25 +49,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable
 
-__all__ = ["IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format",
+__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format",
            "to_example"]
 
-FormatKind = Literal["alpaca", "sharegpt", "messages", "prompt_completion"]
+FormatKind = str
+"""A name of :data:`FORMATS` (``SftFormat.kind``)."""
 
-#: The formats :func:`to_example` reads (``--sft-format``; ``auto`` detects one per file).
-SFT_FORMATS: tuple[FormatKind, ...] = ("alpaca", "sharegpt", "messages", "prompt_completion")
-
-# Column roles of each format and their default column names: LLaMA-Factory's documented defaults
-# (data/README.md), with system/history/tools on by default (a column the data lacks is skipped).
-_COLUMNS: dict[str, dict[str, str]] = {
-    "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-               "history": "history"},
-    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools", "images": "images"},
-    "messages": {"messages": "messages", "tools": "tools", "images": "images"},
-    "prompt_completion": {"prompt": "prompt", "completion": "completion", "tools": "tools"},
-}
 _LLAMA_FACTORY_COLUMNS = {"prompt", "query", "response", "history", "messages", "system", "tools", "images",
                           "videos", "audios", "chosen", "rejected", "kto_tag"}
 _TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
@@ -78,18 +67,6 @@ IMAGE_PLACEHOLDER = "<image>"
 
 _OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
                 "observation_tag": "tool", "system_tag": "system"}
-
-_EXPECTED = {
-    "alpaca": "alpaca {{{prompt}, {query}?, {response}, {system}?, {history}?: [[query, response], ...]}}",
-    "sharegpt": ("sharegpt {{{messages}: [{{{role_tag}, {content_tag}}}, ...] with {role_tag} one of "
-                 "{user_tag}/{assistant_tag}/{observation_tag}/{function_tag}/{system_tag}, {system}?, {tools}?, "
-                 "{images}?: [image file, ...] (one <image> in the text per file)}}"),
-    "messages": ("messages {{{messages}: [{{role, content}}, ...] (content a string or a list of "
-                 "{{type: text, text}} / {{type: image}} parts), {tools}?, {images}?: [image file, ...]}} "
-                 "(TRL, OpenAI)"),
-    "prompt_completion": "prompt/completion {{{prompt}, {completion}}} (two strings, or two message lists)",
-}
-
 
 class RecordError(ValueError):
     """A record that is not an example of its format. The message says what is wrong; the reader
@@ -135,10 +112,11 @@ class SftFormat:
     tags: Mapping[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kind not in SFT_FORMATS:
+        if self.kind not in FORMATS:
             raise ValueError(f"unknown SFT format {self.kind!r}; expected one of {', '.join(SFT_FORMATS)}")
-        object.__setattr__(self, "columns", {**_COLUMNS[self.kind], **self.columns})
-        object.__setattr__(self, "tags", {**_TAGS, **self.tags} if self.kind == "sharegpt" else {})
+        spec = FORMATS[self.kind]
+        object.__setattr__(self, "columns", {**spec.columns, **self.columns})
+        object.__setattr__(self, "tags", {**spec.tags, **self.tags} if spec.tags is not None else {})
 
     @classmethod
     def from_registry(cls, entry: Mapping[str, Any], where: str) -> SftFormat:
@@ -150,9 +128,11 @@ class SftFormat:
                 strings (naming ``where``).
         """
         formatting = entry.get("formatting", "alpaca")
-        kind = {"alpaca": "alpaca", "sharegpt": "sharegpt", "openai": "messages"}.get(formatting)
+        kinds = {f.formatting: f.name for f in FORMATS.values() if f.formatting is not None}
+        kind = kinds.get(formatting)
         if kind is None:
-            raise ValueError(f"{where}: formatting {formatting!r} is not alpaca, sharegpt or openai")
+            *rest, last = kinds
+            raise ValueError(f"{where}: formatting {formatting!r} is not {', '.join(rest)} or {last}")
         maps = {}
         for key in ("columns", "tags"):
             value = entry.get(key, {})
@@ -162,26 +142,26 @@ class SftFormat:
         # LLaMA-Factory reads every column it knows for any formatting and uses those the format has.
         if unknown := sorted(set(maps["columns"]) - _LLAMA_FACTORY_COLUMNS):
             raise ValueError(f"{where}: columns {unknown} are not LLaMA-Factory columns (the {formatting} "
-                             f"format reads {sorted(_COLUMNS[kind])})")
+                             f"format reads {sorted(FORMATS[kind].columns)})")
         if used := sorted(k for k in ("videos", "audios") if maps["columns"].get(k)):
             raise ValueError(f"{where}: multimodal columns {used} are not supported (images are: the images column)")
-        if maps["columns"].get("images") and kind == "alpaca":
+        if maps["columns"].get("images") and "images" not in FORMATS[kind].columns:
             raise ValueError(f"{where}: an images column is read with formatting sharegpt or openai (alpaca reads "
                              "text only)")
         if used := sorted(k for k in ("chosen", "rejected", "kto_tag") if maps["columns"].get(k)):
             raise ValueError(f"{where}: columns {used} are preference or KTO data, not supervised fine-tuning")
         if unknown := sorted(set(maps["tags"]) - set(_TAGS)):
             raise ValueError(f"{where}: tags {unknown} are not LLaMA-Factory tags (expected some of {sorted(_TAGS)})")
-        if kind != "sharegpt" and any(maps["tags"].get(k) not in (None, v) for k, v in _OPENAI_TAGS.items()):
+        if FORMATS[kind].tags is None and any(maps["tags"].get(k) not in (None, v) for k, v in _OPENAI_TAGS.items()):
             raise ValueError(f"{where}: the openai formatting reads OpenAI's role/content messages; for other tags "
                              "use formatting sharegpt with them")
-        columns = {k: v for k, v in maps["columns"].items() if k in _COLUMNS[kind]}
-        return cls(kind, columns, maps["tags"] if kind == "sharegpt" else {})
+        columns = {k: v for k, v in maps["columns"].items() if k in FORMATS[kind].columns}
+        return cls(kind, columns, maps["tags"] if FORMATS[kind].tags is not None else {})
 
     def expected(self) -> str:
         """The fields this format reads, for error messages."""
         names = {k: v or "-" for k, v in {**self.columns, **self.tags}.items()}
-        return _EXPECTED[self.kind].format(**names)
+        return FORMATS[self.kind].expected.format(**names)
 
     def describe(self) -> dict:
         """JSON-able description (kind, columns, tags): part of the SFT store's key."""
@@ -204,14 +184,12 @@ def detect_format(record: Mapping[str, Any]) -> SftFormat:
         if key in present:
             items = _as_list(record[key], key)
             first = items[0] if items and isinstance(items[0], dict) else {}
-            if "from" in first and "value" in first:
-                return SftFormat("sharegpt", {"messages": key})
-            if "role" in first:
-                return SftFormat("messages", {"messages": key})
-    if {"instruction", "output"} <= present:
-        return SftFormat("alpaca")
-    if {"prompt", "completion"} <= present:
-        return SftFormat("prompt_completion")
+            for f in FORMATS.values():
+                if f.message_keys and f.message_keys <= first.keys():
+                    return SftFormat(f.name, {"messages": key})
+    for f in FORMATS.values():
+        if f.fields and f.fields <= present:
+            return SftFormat(f.name)
     formats = "; ".join(SftFormat(k).expected() for k in SFT_FORMATS)
     raise RecordError(f"fields {sorted(present)} match no SFT format; expected one of: {formats}. Name the "
                       "format with --sft-format, or map the columns in a dataset_info.json")
@@ -226,7 +204,7 @@ def to_example(record: Mapping[str, Any], fmt: SftFormat) -> Chat | Completion:
             fields ``fmt`` expects).
     """
     try:
-        return _CONVERT[fmt.kind](record, fmt)
+        return FORMATS[fmt.kind].convert(record, fmt)
     except RecordError as e:
         raise RecordError(f"{e}; expected {fmt.expected()}") from None
 
@@ -465,5 +443,56 @@ def _prompt_completion(record: Mapping[str, Any], fmt: SftFormat) -> Chat | Comp
                       f"lists, got {kinds[0]} and {kinds[1]}")
 
 
-_CONVERT = {"alpaca": _alpaca, "sharegpt": _sharegpt, "messages": _messages_record,
-            "prompt_completion": _prompt_completion}
+@dataclass(frozen=True, slots=True)
+class FormatSpec:
+    """One SFT record format, complete: adding a format is one more of these in :data:`FORMATS`
+    (``--sft-format``'s choices, the config's and :data:`SFT_FORMATS` derive from it).
+
+    Attributes:
+        name: ``SftFormat.kind`` and the ``--sft-format`` value.
+        columns: each role of the format and its default column: LLaMA-Factory's documented defaults
+            (data/README.md), with system/history/tools on by default (a column the data lacks is skipped).
+        expected: what a record holds, for error messages (``str.format`` over the columns and tags).
+        convert: one record of the format to a :class:`Chat` or :class:`Completion`.
+        tags: the message keys and role names a format with LLaMA-Factory tags reads (sharegpt), or None.
+        formatting: its name as a LLaMA-Factory ``dataset_info.json`` ``formatting``, or None where
+            a registry cannot name it.
+        message_keys: :func:`detect_format`: the keys of a ``messages``/``conversations`` list's first
+            item that make a record this format (empty: not a list format).
+        fields: :func:`detect_format`: the fields (non-null) that make a record this format, tried
+            after the list formats (empty: none).
+    """
+
+    name: str
+    columns: Mapping[str, str]
+    expected: str
+    convert: Callable[[Mapping[str, Any], SftFormat], Chat | Completion]
+    tags: Mapping[str, str] | None = None
+    formatting: str | None = None
+    message_keys: frozenset[str] = frozenset()
+    fields: frozenset[str] = frozenset()
+
+
+FORMATS: dict[str, FormatSpec] = {f.name: f for f in (
+    FormatSpec("alpaca", {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
+                          "history": "history"},
+               "alpaca {{{prompt}, {query}?, {response}, {system}?, {history}?: [[query, response], ...]}}",
+               _alpaca, formatting="alpaca", fields=frozenset({"instruction", "output"})),
+    FormatSpec("sharegpt", {"messages": "conversations", "system": "system", "tools": "tools", "images": "images"},
+               ("sharegpt {{{messages}: [{{{role_tag}, {content_tag}}}, ...] with {role_tag} one of "
+                "{user_tag}/{assistant_tag}/{observation_tag}/{function_tag}/{system_tag}, {system}?, {tools}?, "
+                "{images}?: [image file, ...] (one <image> in the text per file)}}"),
+               _sharegpt, tags=_TAGS, formatting="sharegpt", message_keys=frozenset({"from", "value"})),
+    FormatSpec("messages", {"messages": "messages", "tools": "tools", "images": "images"},
+               ("messages {{{messages}: [{{role, content}}, ...] (content a string or a list of "
+                "{{type: text, text}} / {{type: image}} parts), {tools}?, {images}?: [image file, ...]}} "
+                "(TRL, OpenAI)"),
+               _messages_record, formatting="openai", message_keys=frozenset({"role"})),
+    FormatSpec("prompt_completion", {"prompt": "prompt", "completion": "completion", "tools": "tools"},
+               "prompt/completion {{{prompt}, {completion}}} (two strings, or two message lists)",
+               _prompt_completion, fields=frozenset({"prompt", "completion"})),
+)}
+"""The SFT record formats, by name, in the order :func:`detect_format` tries them."""
+
+#: The formats :func:`to_example` reads (``--sft-format``; ``auto`` detects one per file).
+SFT_FORMATS: tuple[FormatKind, ...] = tuple(FORMATS)

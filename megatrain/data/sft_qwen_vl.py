@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.errors import ConfigError
-from megatrain.planner.trace.qwen_vl import DEFAULT_IMAGE_PIXELS
+from megatrain.models import DEFAULT_IMAGE_PIXELS
 
 __all__ = ["PROCESSORS", "image_grid", "images_only", "load_processor", "parse_image_size", "run_image_size"]
 

@@ -113,7 +113,7 @@ def corpus_bytes(source: str | os.PathLike[str] | None = None) -> int:
     return path.stat().st_size
 
 
-class _Budget:
+class ByteBudget:
     """Tracks the remaining byte budget; ``None`` means unlimited."""
 
     def __init__(self, max_bytes: int | None) -> None:
@@ -193,7 +193,7 @@ def load_documents(
     path = default_corpus_dir() if source is None else Path(source)
     files = corpus_files(path)
     in_directory = path.is_dir()
-    budget = _Budget(max_bytes)
+    budget = ByteBudget(max_bytes)
     docs: list[str] = []
     for f in files:
         # Stopping as soon as the budget is spent (not before the next document) means records

@@ -62,10 +62,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tokenizers import Tokenizer
 
-from megatrain.data.sources import _Budget, corpus_files, default_corpus_dir, iter_file_documents
+from megatrain.data.sources import ByteBudget, corpus_files, default_corpus_dir, iter_file_documents
 from megatrain.data.tokenizer import find_eot_token
 from megatrain.errors import MegatrainError
-from megatrain.files import DirectoryLock, raise_if_full
+from megatrain.files import DirectoryLock, file_sha256, raise_if_full, replace_directory, sha256_hex
 from megatrain.units import MiB
 
 __all__ = [
@@ -159,22 +159,6 @@ class StoreManifest(BaseModel):
 # --------------------------------------------------------------------------
 
 
-def _sha256(data: bytes | str) -> str:
-    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    # Plain reads into one reused buffer, not the memory map: the page cache holds the file, and
-    # the process's resident set does not grow by its size.
-    h = hashlib.sha256()
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 @dataclass(frozen=True, slots=True)
 class _Source:
     """The resolved corpus: its root, its files in reading order and their fingerprint."""
@@ -197,7 +181,7 @@ class _Source:
             files=files,
             in_directory=root.is_dir(),
             sizes=tuple(s.st_size for s in stats),
-            sha256=_sha256(json.dumps(listing, separators=(",", ":"))),
+            sha256=sha256_hex(json.dumps(listing, separators=(",", ":"))),
         )
 
 
@@ -216,16 +200,20 @@ def store_key(source_sha256: str, tokenizer_sha256: str, eot_token: str, text_fi
     key: list = [FORMAT, VERSION, source_sha256, tokenizer_sha256, eot_token, text_field]
     if max_bytes is not None:
         key.append(max_bytes)
-    return _sha256(json.dumps(key))
+    return sha256_hex(json.dumps(key))
 
 
-def _le(dtype: str | np.dtype) -> np.dtype:
+def little_endian(dtype: str | np.dtype) -> np.dtype:
     """``dtype`` little-endian: the file's byte order on every machine."""
     return np.dtype(dtype).newbyteorder("<")
 
 
-def _dtype_for(vocab_size: int) -> np.dtype:
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every token id of a vocabulary of ``vocab_size``."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+_dtype_for = token_dtype  # its earlier name, which tests/test_data_store.py reads
 
 
 # --------------------------------------------------------------------------
@@ -259,7 +247,7 @@ class TokenStore:
         if hasattr(mmap, "MADV_RANDOM"):
             # Windows are read at random: no read-ahead and no mapping of neighbouring pages.
             self._mm.madvise(mmap.MADV_RANDOM)
-        self.tokens = np.frombuffer(self._mm, dtype=_le(manifest.dtype))
+        self.tokens = np.frombuffer(self._mm, dtype=little_endian(manifest.dtype))
         self._offsets: np.ndarray | None = None
 
     @property
@@ -390,7 +378,7 @@ def open_token_store(
     del off
     if verify == "full":
         for f, expected in ((tokens, m.tokens_sha256), (offsets, m.offsets_sha256)):
-            if _file_sha256(f) != expected:
+            if file_sha256(f) != expected:
                 raise corrupt(f"{f.name} does not match the sha256 in {MANIFEST_FILE}")
     return TokenStore(path, m)
 
@@ -462,7 +450,7 @@ def _run_task(task: _Task, tokenizer: Tokenizer | None = None) -> _Shard:
     lengths: list[int] = []
     num_tokens = 0
     text_bytes = 0
-    budget = _Budget(task.max_bytes)
+    budget = ByteBudget(task.max_bytes)
     with open(task.out + ".bin", "wb") as out:
         batch: list[str] = []
         chars = 0
@@ -474,7 +462,7 @@ def _run_task(task: _Task, tokenizer: Tokenizer | None = None) -> _Shard:
                 flat.extend(enc.ids)
                 flat.append(task.eot_id)
                 lengths.append(len(enc.ids) + 1)
-            out.write(np.asarray(flat, dtype=_le(task.dtype)).data)  # tofile would lose a full disk's errno
+            out.write(np.asarray(flat, dtype=little_endian(task.dtype)).data)  # tofile would lose a full disk's errno
             num_tokens += len(flat)
             batch.clear()
             chars = 0
@@ -588,18 +576,7 @@ def _merge(tasks: list[_Task], shards: list[_Shard], tmp: Path, dtype: np.dtype)
     del offsets
     if base != sum(s.num_tokens for s in shards) or base * dtype.itemsize != (tmp / TOKENS_FILE).stat().st_size:
         raise RuntimeError("token store build: shard lengths and shard files disagree (a bug)")
-    return h.hexdigest(), _file_sha256(tmp / OFFSETS_FILE)
-
-
-def _install(tmp: Path, path: Path) -> None:
-    """Move the finished ``tmp`` directory to ``path``, replacing what is there."""
-    trash = None
-    if path.exists():
-        trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(path, trash)
-    os.rename(tmp, path)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    return h.hexdigest(), file_sha256(tmp / OFFSETS_FILE)
 
 
 def build_token_store(
@@ -689,8 +666,8 @@ def _build(src: _Source, tokenizer: Tokenizer, path: Path, *, eot_token: str | N
         raise ValueError(f"max_bytes must be a positive number of bytes or None, got {max_bytes}")
     eot_token, eot_id = _resolve_eot(tokenizer, eot_token)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = _dtype_for(vocab)
-    tok_sha = _sha256(tokenizer.to_str())
+    dtype = token_dtype(vocab)
+    tok_sha = sha256_hex(tokenizer.to_str())
     n_workers = _default_workers() if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers must be >= 1 or None, got {workers}")
@@ -725,7 +702,7 @@ def _build(src: _Source, tokenizer: Tokenizer, path: Path, *, eot_token: str | N
             fh.write(manifest.model_dump_json(indent=1))
             fh.flush()
             os.fsync(fh.fileno())
-        _install(tmp, path)
+        replace_directory(tmp, path, ignore_cleanup_errors=True)
     except OSError as e:  # a full disk says so, with the space left, not "25013 requested and 0 written"
         raise_if_full(e, path, "the token store")
         raise
@@ -764,7 +741,7 @@ def cached_token_store(
     with _locked(path):
         src = _Source.resolve(source)
         eot_token, _ = _resolve_eot(tokenizer, eot_token)
-        tok_sha = _sha256(tokenizer.to_str())
+        tok_sha = sha256_hex(tokenizer.to_str())
         key = store_key(src.sha256, tok_sha, eot_token, text_field, max_bytes)
         reason = None
         # An empty directory (a fresh tempfile.mkdtemp, a mkdir'd cache) holds no store yet: built, not corrupt.

@@ -6,20 +6,20 @@ tensors that cross a layer boundary (the residual stream, but also side values s
 cos/sin tables or the attention mask, which the prologue computes once and every block reads).
 The solver, the lowering pass and the simulator read only the LayerGraph's types; the executable
 templates live beside the graph in :class:`TracedModel`, which :func:`megatrain.planner.trace.trace`
-makes and the runtime runs (after :func:`retarget` to its device). This module imports torch only
-inside :func:`retarget`, so the solver and the simulator plan without it.
+makes and the runtime runs (after :func:`retarget` to its device; defined in :mod:`megatrain.ir.devices`,
+which :mod:`megatrain.ir.profile` uses too). This module never imports torch, so the solver and the
+simulator plan without it.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatrain.ir.devices import retarget  # re-exported: megatrain.ir.graph.retarget is its documented path
 from megatrain.ir.profile import KernelProfile
 
 if TYPE_CHECKING:
-    import torch
     import torch.fx as fx
 
 # Offsets of parameters inside a layer's flat tile are multiples of this many elements, so every
@@ -222,34 +222,3 @@ class TracedModel:
     buffer_sources: dict[str, tuple[str, Any]]
     eval_templates: tuple[fx.GraphModule | None, ...] = ()
     count_targets: fx.GraphModule | None = None
-
-
-def _map_devices(a, device: torch.device):
-    if isinstance(a, type(device)):  # a torch.device, without importing torch here
-        return device
-    if isinstance(a, (list, tuple)):
-        return type(a)(_map_devices(x, device) for x in a)
-    if isinstance(a, dict):
-        return {k: _map_devices(v, device) for k, v in a.items()}
-    return a
-
-
-def retarget(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphModule:
-    """A copy of template ``gm`` whose ops create tensors on ``device``.
-
-    Export records the device it traced on (``meta`` for a model too large to build) in ops such
-    as ``arange(..., device=meta)``; running the template elsewhere needs those rewritten. Nested
-    graphs (higher-order ops such as ``wrap_with_set_grad_enabled``) are rewritten too.
-    """
-    import torch
-    import torch.fx as fx
-
-    device = torch.device(device)
-    out = copy.deepcopy(gm)
-    for mod in out.modules():
-        if isinstance(mod, fx.GraphModule):
-            for n in mod.graph.nodes:
-                n.args = _map_devices(n.args, device)
-                n.kwargs = _map_devices(n.kwargs, device)
-            mod.recompile()
-    return out

@@ -21,6 +21,7 @@ import contextlib
 import os
 import platform
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Iterator
 
 import pydantic
@@ -566,6 +567,100 @@ PRESETS: dict[str, HardwareSpec] = {
 """The presets by canonical name. ``preset`` also accepts lower case, '-' and ' ' for '_'."""
 
 
+# -- the machine's other presets: NVMe arrays (the planner's NVMe tier, megatrain.planner.nvme) and
+# the links of data parallel (megatrain.planner.topology), each number with its source ------------
+
+@dataclass(frozen=True, slots=True)
+class NvmeArray:
+    """An array of identical NVMe drives, striped (RAID 0 or one file per drive): capacity and
+    rates are the drive's times ``drives`` (the datasheet's sequential rates, an upper bound on
+    what large direct I/O sustains; ``bench/nvme_io.py`` measures a machine's)."""
+
+    name: str
+    drives: int
+    drive_bytes: int
+    drive_read_bytes_per_s: float
+    drive_write_bytes_per_s: float
+    source: str
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.drives * self.drive_bytes
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        return self.drives * self.drive_read_bytes_per_s
+
+    @property
+    def write_bytes_per_s(self) -> float:
+        return self.drives * self.drive_write_bytes_per_s
+
+
+_MICRON_7450 = ("Micron 7450 PRO 7.68 TB, PCIe Gen4 x4 U.3: sequential read 6,800 MB/s, sequential write "
+                "5,300 MB/s (Micron 7450 SSD product brief)")
+_SAMSUNG_PM1743 = ("Samsung PM1743 7.68 TB, PCIe Gen5 x4: sequential read 13,000 MB/s, sequential write "
+                   "6,600 MB/s (Samsung PM1743 data sheet)")
+
+NVME_ARRAYS: dict[str, NvmeArray] = {
+    "4xgen4": NvmeArray("4x PCIe Gen4 NVMe (Micron 7450 PRO 7.68 TB)", 4, 7_680 * 10**9, 6.8e9, 5.3e9, _MICRON_7450),
+    "8xgen4": NvmeArray("8x PCIe Gen4 NVMe (Micron 7450 PRO 7.68 TB)", 8, 7_680 * 10**9, 6.8e9, 5.3e9, _MICRON_7450),
+    "4xgen5": NvmeArray("4x PCIe Gen5 NVMe (Samsung PM1743 7.68 TB)", 4, 7_680 * 10**9, 13.0e9, 6.6e9,
+                        _SAMSUNG_PM1743),
+    "8xgen5": NvmeArray("8x PCIe Gen5 NVMe (Samsung PM1743 7.68 TB)", 8, 7_680 * 10**9, 13.0e9, 6.6e9,
+                        _SAMSUNG_PM1743),
+}
+"""NVMe array presets by name (``megatrain plan --nvme NAME``), each with its drive's source."""
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A collective's link as the cost model reads it: bus bandwidth in bytes/s (NCCL's busbw
+    convention for an interconnect, one direction of all of a node's NICs for a network), the
+    latency of one step of a ring collective in seconds, and where the numbers come from."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_s <= 0 or self.latency_s < 0:
+            raise ConfigError(f"Link {self.name!r}: bytes_per_s ({self.bytes_per_s}) must be > 0 and latency_s "
+                              f"({self.latency_s}) >= 0")
+
+
+INTERCONNECTS: dict[str, Link] = {
+    "nvlink4": Link(
+        "NVLink 4 + NVSwitch (HGX/DGX H100, H200)", 450e9, 3e-6,
+        "NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU, 900 GB/s bidirectional (NVIDIA H100 "
+        "and H200 datasheets). NCCL all_reduce_perf on 8x H100 SXM5 measures a busbw of 460-480 GB/s at large "
+        "sizes (docs.alayanew.com, 'NCCL-tests in practice', 2026; NVLink SHARP in the switch lets busbw pass "
+        "the link rate) and the p2p test 380 GB/s per direction (github.com/NVIDIA/nccl issue 1264): 450 GB/s, "
+        "the per-direction link rate, sits inside that range. Latency 3 us per ring step: estimate."),
+    "pcie5": Link(
+        "PCIe Gen5 x16, no NVLink", 40e9, 10e-6,
+        "PCIe Gen5 x16: 64 GB/s per direction theoretical (PCI-SIG, 32 GT/s x 16 lanes, 128b/130b); NCCL "
+        "all_reduce_perf on 8x H100 PCIe without NVSwitch measures a busbw of 35-45 GB/s "
+        "(docs.alayanew.com, 'NCCL-tests in practice', 2026): 40 GB/s. Latency 10 us per ring step through "
+        "the host bridges: estimate."),
+}
+"""Intra-node interconnect presets (``megatrain plan --interconnect NAME``), each with its source."""
+
+NETWORKS: dict[str, Link] = {
+    "ndr-8x400g": Link(
+        "8x 400 Gb/s InfiniBand NDR / RoCE per node (one NIC per GPU)", 8 * 50e9, 5e-6,
+        "DGX H100: 8 single-port ConnectX-7 NICs at 400 Gb/s (NVIDIA DGX H100 datasheet); 400 Gb/s = 50 GB/s "
+        "per NIC per direction, 400 GB/s per node. NCCL all_reduce_perf across H100 nodes with NVLink and "
+        "NDR measures a busbw of 400-450 GB/s (saturncloud.io, 'Validating multi-node GPU clusters with "
+        "NCCL tests'), so the link rate is reached. Latency 5 us per ring step (NIC, switch hop, NCCL "
+        "proxy): estimate."),
+    "400g-1nic": Link(
+        "one 400 Gb/s NIC per node", 50e9, 5e-6,
+        "One 400 Gb/s InfiniBand NDR or 400GbE RoCE port (ConnectX-7): 50 GB/s per direction for the whole "
+        "node. Latency 5 us per ring step: estimate, as for ndr-8x400g."),
+}
+"""Inter-node network presets (``megatrain plan --network NAME``), per node, each with its source."""
+
+
 def preset(name: str) -> HardwareSpec:
     """The preset called ``name`` (``"h100_sxm"``, ``"H100-SXM"`` and ``"H100 SXM"`` all work).
 
@@ -623,4 +718,4 @@ def host_worker_threads(cores: int, gpus_per_node: int = 1) -> int:
 
 
 __all__ = ["HardwareSpec", "PRESETS", "preset", "load_hardware", "H100_SXM", "H200", "GH200", "A100_80GB",
-           "RTX_4090"]
+           "RTX_4090", "NvmeArray", "NVME_ARRAYS", "Link", "INTERCONNECTS", "NETWORKS"]

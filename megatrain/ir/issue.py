@@ -152,7 +152,7 @@ def count_launches(gm, args, grad_args) -> tuple[int, int]:
     pick the fused kernel but count the fake mode's own meta kernels: 114.)"""
     import torch
 
-    from megatrain.ir.graph import retarget
+    from megatrain.ir.devices import retarget
 
     fn = retarget(gm, torch.device("meta"))
     metas = [torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args]

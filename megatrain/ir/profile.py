@@ -103,7 +103,7 @@ def profile_template(gm: Any, args: Sequence[Any], grad_args: Sequence[bool]) ->
     differentiated. Runs on ``meta``; see the module docstring."""
     import torch
 
-    from megatrain.ir.graph import retarget
+    from megatrain.ir.devices import retarget
 
     Recorder, FusedAttention = _recorders()
     fn = retarget(gm, torch.device("meta"))

@@ -15,7 +15,7 @@ Op kinds. :data:`OP_KINDS` holds one :class:`OpKindSpec` per kind: its stream (a
 resource), its fields and text form, its timeline colour, what issuing it costs, how the solver's
 bounds time it, which GPU values it reads and writes, and which verifier rules check it. The
 per-kind tables elsewhere derive from it. Adding a kind takes its ``OpKind`` member and record
-here, its time formula (``planner.time._DURATION``), its handler (``runtime.executor.HANDLERS``), the
+here, its time formula (``planner.time.DURATIONS``), its handler (``runtime.executor.HANDLERS``), the
 lowering pass that emits it and the verifier rules that check it; ``tests/test_op_kinds.py``
 fails until each has it.
 
@@ -121,7 +121,7 @@ class OpKindSpec:
     per-kind table of the planner and the runtime derives (:data:`OP_KINDS`).
 
     What a kind *does* lives with the module that does it, keyed by kind and checked complete
-    (``tests/test_op_kinds.py``): its time formula (``planner.time._DURATION``), its handler
+    (``tests/test_op_kinds.py``): its time formula (``planner.time.DURATIONS``), its handler
     (``runtime.executor.HANDLERS``), where lowering emits it (``lower.py``) and the bodies of the
     verifier rules named in ``rules``. The IR cannot import the cost model or the runtime, so those
     three stay there; everything that is a fact about the kind is here.

@@ -45,7 +45,7 @@ REDUCTIONS = ("mean", "sum")
 """Reductions :func:`linear_cross_entropy` supports; ``none`` would need the per-token losses whole."""
 
 
-def _acc_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     # softmax and logsumexp in FP32 at least, as PyTorch's own kernels accumulate low precision.
     return torch.promote_types(logits_dtype, torch.float32)
 
@@ -76,7 +76,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _forward(hidden, weight, bias, labels, ignore_index, reduction, chunk_tokens, logits_dtype, mm_dtype, needs):
     """The loss and, where ``needs`` says, the gradients of hidden, weight and bias for a unit seed."""
     n = hidden.shape[0]
-    acc = _acc_dtype(logits_dtype)
+    acc = acc_dtype(logits_dtype)
     need_h, need_w, need_b = needs
     w = weight.to(mm_dtype)
     b = bias.to(mm_dtype) if bias is not None else None
@@ -108,7 +108,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, chunk_tokens
         dz.mul_(valid.to(acc).unsqueeze(1))
         if count is not None:
             dz.div_(count)
-        _backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype)
+        backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype)
     loss = total / count if count is not None else total
     grads = (grad_h,
              grad_w.to(weight.dtype) if grad_w is not None else None,
@@ -116,7 +116,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, chunk_tokens
     return loss.to(logits_dtype), grads
 
 
-def _backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype) -> None:
+def backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype) -> None:
     """From a chunk's logit gradient ``dz`` (reduction dtype): back through the casts the unfused
     graph made on the way to the loss, then its rows of the gradient of hidden (``grad_h[rows]``)
     and its shares of the weight's and bias's (added); a None gradient is not wanted."""
@@ -154,7 +154,7 @@ def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
         torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), out=acc)
 
 
-def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, weight)`` computes in here: autocast's, when it is on and would
     cast these inputs, else the inputs' own."""
     own = torch.promote_types(hidden.dtype, weight.dtype)
@@ -165,7 +165,7 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return own
 
 
-def _check_rows(kernel: str, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> None:
+def check_rows(kernel: str, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> None:
     """Raise ValueError unless ``chunk_tokens >= 1``, ``hidden`` is ``[tokens, features]`` and ``labels`` ``[tokens]``."""
     if chunk_tokens < 1:
         raise ValueError(f"{kernel}: chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -188,8 +188,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction {reduction!r} is not one of {REDUCTIONS}")
-    _check_rows("linear_cross_entropy", hidden, labels, chunk_tokens)
-    mm_dtype = _matmul_dtype(hidden, weight)
+    check_rows("linear_cross_entropy", hidden, labels, chunk_tokens)
+    mm_dtype = matmul_dtype(hidden, weight)
     logits_dtype = logits_dtype or mm_dtype
     if hidden.device.type == "meta":
         # The planner runs templates on meta to count FLOPs and shapes: meta tensors hold no memory,
@@ -218,7 +218,7 @@ def linear_cross_entropy_work_bytes(tokens: int, in_features: int, vocab: int, c
     runs (``"cuda"`` by default: the planner sizes GPU memory).
     """
     item = torch.empty((), dtype=dtype).element_size()
-    acc = torch.empty((), dtype=_acc_dtype(logits_dtype)).element_size()
+    acc = torch.empty((), dtype=acc_dtype(logits_dtype)).element_size()
     chunk = min(chunk_tokens, tokens)
     per_chunk = chunk * vocab * (2 * item + 2 * acc) + chunk * 4 * acc
     if item < 4 and not (device == "cuda" and _CUDA_OUT_DTYPE):

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.kernels.autocast import no_autocast
-from megatrain.kernels.lm_head import _acc_dtype, _backward_chunk, _check_rows, _matmul_dtype
+from megatrain.kernels.lm_head import acc_dtype, backward_chunk, check_rows, matmul_dtype
 
 
 def _chunks(hidden, weight, bias, labels, ignore_index, chunk_tokens, logits_dtype, mm_dtype):
     """For each chunk: its rows, hidden rows in ``mm_dtype``, logits in the reduction dtype, its
     targets (ignored ones as 0) and its counted-row mask."""
-    acc = _acc_dtype(logits_dtype)
+    acc = acc_dtype(logits_dtype)
     w = weight.to(mm_dtype)
     b = bias.to(mm_dtype) if bias is not None else None
     for start in range(0, hidden.shape[0], chunk_tokens):
@@ -49,7 +49,7 @@ def _chunks(hidden, weight, bias, labels, ignore_index, chunk_tokens, logits_dty
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_tokens, logits_dtype, mm_dtype, entropy):
-        acc = _acc_dtype(logits_dtype)
+        acc = acc_dtype(logits_dtype)
         n = hidden.shape[0]
         logp = torch.zeros((n,), dtype=acc, device=hidden.device)
         lse = torch.zeros((n,), dtype=acc, device=hidden.device)
@@ -76,7 +76,7 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         ignore_index, chunk_tokens, logits_dtype, mm_dtype = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        acc = _acc_dtype(logits_dtype)
+        acc = acc_dtype(logits_dtype)
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.promote_types(mm_dtype, torch.float32),
                              device=weight.device) if need_w else None
@@ -90,7 +90,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 # dz = g * (onehot - softmax), written in place over the chunk's logits
                 dz = torch.exp(z - lse[rows].unsqueeze(1)).mul_(-g.unsqueeze(1))
                 dz.scatter_add_(1, safe, g.unsqueeze(1))
-                _backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype)
+                backward_chunk(dz, rows, h, w, grad_h, grad_w, grad_b, logits_dtype, mm_dtype)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
                 None, None, None, None, None, None)
 
@@ -117,8 +117,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         ValueError: ``chunk_tokens < 1``, or ``hidden`` not ``[tokens, features]`` with ``labels``
             ``[tokens]``.
     """
-    _check_rows("linear_logprobs", hidden, labels, chunk_tokens)
-    mm_dtype = _matmul_dtype(hidden, weight)
+    check_rows("linear_logprobs", hidden, labels, chunk_tokens)
+    mm_dtype = matmul_dtype(hidden, weight)
     if hidden.device.type == "meta":
         chunk_tokens = max(chunk_tokens, hidden.shape[0])  # as linear_cross_entropy: FLOPs are linear in rows
     return _LinearLogprobs.apply(hidden, weight, bias, labels, ignore_index, chunk_tokens,

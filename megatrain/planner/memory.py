@@ -37,7 +37,7 @@ from megatrain.planner.activations import ActivationLiveness, activation_livenes
 from megatrain.units import MiB, human_bytes
 
 
-def _dynamic_peaks(schedule: Schedule, live: ActivationLiveness) -> tuple[int, int, int]:
+def dynamic_peaks(schedule: Schedule, live: ActivationLiveness) -> tuple[int, int, int]:
     """(activations peak, working peak, peak of their sum) over the compute ops in stream order."""
     cur = act_peak = dyn_peak = live.at_start
     work_peak = 0
@@ -305,7 +305,7 @@ def gpu_reserve(graph: LayerGraph, plan: Plan, schedule: Schedule, hw: HardwareS
         layer = layers[op.layer]
         most = max(most, cur + (layer.bwd_launches if op.kind is OpKind.BWD else layer.fwd_launches))
         cur -= live.free_n[i] if live.free_n else 0
-    _, _, dyn = _dynamic_peaks(schedule, live)
+    _, _, dyn = dynamic_peaks(schedule, live)
     return GpuReserve(
         context=hw.cuda_context_bytes if hw is not None else CUDA_CONTEXT_BYTES,
         workspaces=CUBLAS_HANDLES * (hw.cublas_workspace_bytes if hw is not None else CUBLAS_WORKSPACE_BYTES),
@@ -383,7 +383,7 @@ def memory_breakdown(graph: LayerGraph, plan: Plan, hw: HardwareSpec | None = No
                                               plan.gradient_itemsize)
     pinned = pinned_buffers(graph, plan, "train")
     live = activation_liveness(schedule, graph)
-    act, work, dyn = _dynamic_peaks(schedule, live)
+    act, work, dyn = dynamic_peaks(schedule, live)
     reserve = gpu_reserve(graph, plan, schedule, hw, live)
     bf16 = plan.compute_dtype == "bfloat16"
     return MemoryBreakdown(

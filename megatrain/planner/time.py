@@ -394,7 +394,7 @@ def offload_time(graph: LayerGraph, layer: int, hw: HardwareSpec, kind: OpKind) 
     return hw.op_latency_s + checkpoint_bytes(graph, layer) / rate
 
 
-_DURATION: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] = {
+DURATIONS: dict[OpKind, Callable[[LayerGraph, int, Plan, HardwareSpec], float]] = {
     OpKind.H2D: lambda g, i, plan, hw: h2d_time(g.layers[i], plan, hw),
     OpKind.D2H: lambda g, i, plan, hw: d2h_time(g.layers[i], hw, plan),
     OpKind.FWD: lambda g, i, plan, hw: fwd_time(g.layers[i], plan, hw),
@@ -429,7 +429,7 @@ def op_duration(kind: OpKind, graph: LayerGraph, layer: int, plan: Plan, hw: Har
     Raises:
         ConfigError: ``hw`` has a rate of 0 that the kind needs (a host-only spec timing GPU ops).
     """
-    return _DURATION[kind](graph, layer, plan, hw)
+    return DURATIONS[kind](graph, layer, plan, hw)
 
 
 def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
@@ -441,7 +441,7 @@ def op_time(op: Op, graph: LayerGraph, plan: Plan, hw: HardwareSpec) -> float:
                          plan)
     if op.kind is OpKind.BWD and not fresh_gradients(op, plan) and graph.has_gradients(op.layer):
         return bwd_time(graph.layers[op.layer], plan, hw, fresh=False)
-    return _DURATION[op.kind](graph, op.layer, plan, hw)
+    return DURATIONS[op.kind](graph, op.layer, plan, hw)
 
 
 def fresh_gradients(op: Op, plan: Plan) -> bool:

@@ -39,61 +39,12 @@ from typing import Literal
 from megatrain.errors import ConfigError, PlanError
 from megatrain.planner import cost
 from megatrain.ir.graph import LayerGraph
-from megatrain.ir.hardware import HardwareSpec
+# The link presets are hardware presets, with the others in ir/hardware.py; re-exported here.
+from megatrain.ir.hardware import INTERCONNECTS, NETWORKS, HardwareSpec, Link
 from megatrain.ir.plan import Plan
 from megatrain.ir.schedule import OpKind
 from megatrain.planner.solve.request import Solution
 from megatrain.units import human_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """A collective's link as the cost model reads it: bus bandwidth in bytes/s (NCCL's busbw
-    convention for an interconnect, one direction of all of a node's NICs for a network), the
-    latency of one step of a ring collective in seconds, and where the numbers come from."""
-
-    name: str
-    bytes_per_s: float
-    latency_s: float
-    source: str
-
-    def __post_init__(self) -> None:
-        if self.bytes_per_s <= 0 or self.latency_s < 0:
-            raise ConfigError(f"Link {self.name!r}: bytes_per_s ({self.bytes_per_s}) must be > 0 and latency_s "
-                              f"({self.latency_s}) >= 0")
-
-
-INTERCONNECTS: dict[str, Link] = {
-    "nvlink4": Link(
-        "NVLink 4 + NVSwitch (HGX/DGX H100, H200)", 450e9, 3e-6,
-        "NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU, 900 GB/s bidirectional (NVIDIA H100 "
-        "and H200 datasheets). NCCL all_reduce_perf on 8x H100 SXM5 measures a busbw of 460-480 GB/s at large "
-        "sizes (docs.alayanew.com, 'NCCL-tests in practice', 2026; NVLink SHARP in the switch lets busbw pass "
-        "the link rate) and the p2p test 380 GB/s per direction (github.com/NVIDIA/nccl issue 1264): 450 GB/s, "
-        "the per-direction link rate, sits inside that range. Latency 3 us per ring step: estimate."),
-    "pcie5": Link(
-        "PCIe Gen5 x16, no NVLink", 40e9, 10e-6,
-        "PCIe Gen5 x16: 64 GB/s per direction theoretical (PCI-SIG, 32 GT/s x 16 lanes, 128b/130b); NCCL "
-        "all_reduce_perf on 8x H100 PCIe without NVSwitch measures a busbw of 35-45 GB/s "
-        "(docs.alayanew.com, 'NCCL-tests in practice', 2026): 40 GB/s. Latency 10 us per ring step through "
-        "the host bridges: estimate."),
-}
-"""Intra-node interconnect presets (``megatrain plan --interconnect NAME``), each with its source."""
-
-NETWORKS: dict[str, Link] = {
-    "ndr-8x400g": Link(
-        "8x 400 Gb/s InfiniBand NDR / RoCE per node (one NIC per GPU)", 8 * 50e9, 5e-6,
-        "DGX H100: 8 single-port ConnectX-7 NICs at 400 Gb/s (NVIDIA DGX H100 datasheet); 400 Gb/s = 50 GB/s "
-        "per NIC per direction, 400 GB/s per node. NCCL all_reduce_perf across H100 nodes with NVLink and "
-        "NDR measures a busbw of 400-450 GB/s (saturncloud.io, 'Validating multi-node GPU clusters with "
-        "NCCL tests'), so the link rate is reached. Latency 5 us per ring step (NIC, switch hop, NCCL "
-        "proxy): estimate."),
-    "400g-1nic": Link(
-        "one 400 Gb/s NIC per node", 50e9, 5e-6,
-        "One 400 Gb/s InfiniBand NDR or 400GbE RoCE port (ConnectX-7): 50 GB/s per direction for the whole "
-        "node. Latency 5 us per ring step: estimate, as for ndr-8x400g."),
-}
-"""Inter-node network presets (``megatrain plan --network NAME``), per node, each with its source."""
 
 
 def _link(table: dict[str, Link], name: str | Link, what: str, flag: str) -> Link:

@@ -27,13 +27,12 @@ import torch
 import torch.fx as fx
 
 from megatrain.errors import BatchError, ConfigError
+from megatrain.data.packing import IGNORE_INDEX  # re-exported (rl.__all__): the one label the losses skip
 from megatrain.ir.graph import retarget
 from megatrain.kernels.autocast import no_autocast
 from megatrain.planner.trace.token_logprobs import check_positions, logprobs_template, target_graph, target_positions
 from megatrain.rl.losses import TokenLoss
 from megatrain.runtime.executor import TokenHead
-
-IGNORE_INDEX = -100
 
 
 def target_mask(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

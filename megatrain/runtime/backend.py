@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from megatrain.ir.schedule import Stream
-from megatrain.runtime.recording import OpTiming, _Recording
+from megatrain.runtime.recording import OpTiming, Recording
 
 
 class Backend(Protocol):
@@ -73,7 +73,7 @@ class Backend(Protocol):
         where it was not recorded)."""
 
 
-class CPUBackend(_Recording):
+class CPUBackend(Recording):
     """Runs every op immediately on the calling thread. Streams and events are no-ops.
 
     With ``record`` on, each op is timed with ``time.perf_counter`` around ``fn``; ops never

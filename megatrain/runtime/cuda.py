@@ -120,7 +120,7 @@ from megatrain.errors import MegatrainError
 from megatrain.ir.issue import IssueQueue
 from megatrain.ir.schedule import HOST_STREAMS, Stream
 from megatrain.runtime.host_kernels import set_thread_team
-from megatrain.runtime.recording import OpTiming, _Recording
+from megatrain.runtime.recording import OpTiming, Recording
 
 GPU_STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.D2H)
 
@@ -268,10 +268,10 @@ class TorchCuda:
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def host_register(self, t: torch.Tensor) -> "_Pin":
+    def host_register(self, t: torch.Tensor) -> "Pin":
         # cudaHostRegister locks exactly these pages; the caching host allocator behind
         # pin_memory=True would round the block up to a power of two.
-        _check_pinnable(t)
+        check_pinnable(t)
         cudart = torch.cuda.cudart()
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         err = cudart.cudaHostRegister(ptr, nbytes, 0)
@@ -279,7 +279,7 @@ class TorchCuda:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: "
                                f"{cudart.cudaGetErrorString(err)}; lower the plan's pinned memory or raise the "
                                "locked-memory limit (ulimit -l)")
-        return _Pin(nbytes, lambda: cudart.cudaHostUnregister(ptr), t)
+        return Pin(nbytes, lambda: cudart.cudaHostUnregister(ptr), t)
 
     def graph_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -297,7 +297,7 @@ class TorchCuda:
         graph.replay()
 
 
-class _Pin:
+class Pin:
     """A page-locked region: unpinned when this handle is dropped, and the memory kept alive until then."""
 
     def __init__(self, nbytes: int, release: Callable[[], Any], memory: torch.Tensor):
@@ -310,14 +310,14 @@ def _release_pin(release: Callable[[], Any], memory: torch.Tensor) -> None:
     del memory  # freed (by the caller's reference count) only after the pages are unlocked
 
 
-def _check_pinnable(t: torch.Tensor) -> None:
+def check_pinnable(t: torch.Tensor) -> None:
     from megatrain.ir.layout import HOST_PAGE_BYTES
 
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % HOST_PAGE_BYTES or nbytes % HOST_PAGE_BYTES:
         raise ValueError(f"cannot pin a {t.device.type} tensor of {nbytes} bytes at {t.data_ptr():#x} "
                          f"(contiguous={t.is_contiguous()}): pinning takes contiguous host memory that starts on a "
-                         f"{HOST_PAGE_BYTES}-byte page and is whole pages (megatrain.runtime.host.page_aligned_empty)")
+                         f"{HOST_PAGE_BYTES}-byte page and is whole pages (megatrain.runtime.pages.page_aligned_empty)")
 
 
 # -- op handles -------------------------------------------------------------------------------------
@@ -520,7 +520,7 @@ class _HostWorker:
 
 # -- the backend ------------------------------------------------------------------------------------
 
-class CUDABackend(_Recording):
+class CUDABackend(Recording):
     """Runs a schedule's ops on CUDA streams and host worker threads; see the module docstring.
 
     Args:

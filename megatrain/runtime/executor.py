@@ -74,7 +74,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from megatrain.config import AdamW
+from megatrain.optim import AdamW
 from megatrain.errors import ConfigError
 from megatrain.optim import spec_of
 from megatrain.ir.graph import LayerGraph, TracedModel, retarget

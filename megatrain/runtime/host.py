@@ -24,7 +24,6 @@ bytes the runtime pins are the planner's ``memory_breakdown(...).host_pinned``, 
 from __future__ import annotations
 
 import contextlib
-import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,40 +33,23 @@ from torch import nn
 
 from megatrain.errors import ConfigError, UnsupportedModelError
 from megatrain.optim import ADAMW, OptimizerSpec
-from megatrain.ir.layout import (GATHER_BUFFERS, HOST_PAGE_BYTES, MASTER_BYTES_PER_ELEMENT, STAGING_ITEMSIZE,
+from megatrain.ir.layout import (GATHER_BUFFERS, MASTER_BYTES_PER_ELEMENT, STAGING_ITEMSIZE,
                                  PinnedLayout, optimizer_shard, page_up)
 from megatrain.ir.graph import LayerGraph
-
-# Host memory that may be pinned is an anonymous mapping of whole pages (of the larger of the
-# planner's page and the system's): it starts on a page, its storage starts there too (so
-# ``Tensor.is_pinned`` sees the registration), and no other allocation shares its pages (two
-# registrations of one page would collide).
-_ALIGN = max(HOST_PAGE_BYTES, mmap.PAGESIZE)
-
-
-def page_aligned_empty(nbytes: int) -> torch.Tensor:
-    """Zero-filled pageable ``uint8[nbytes]`` host memory that starts on a page boundary: an
-    anonymous ``mmap`` of ``nbytes`` rounded up to whole pages, whose pages no other allocation uses."""
-    size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)[:nbytes]
-
+# Re-exported: megatrain.runtime.host.page_aligned_empty is where tests and bench/ import it from.
+from megatrain.runtime.pages import PAGE_ALIGN, page_aligned_empty, whole_pages
 
 def _block_bytes(numel: int, moments: int) -> int:
     """Bytes of a layer's block mapping: its master row of ``numel`` elements (rounded up to whole
     pages, so the row can be pinned alone) and ``moments`` FP32 elements of Adam moments (0 for a
     layer whose moments are on NVMe), rounded up to whole pages."""
     size = max((numel + moments) * 4, page_up(numel * MASTER_BYTES_PER_ELEMENT))
-    return -(-size // _ALIGN) * _ALIGN
-
-
-def _pages(nbytes: int) -> int:
-    """``nbytes`` (at least 1) rounded up to whole pages of the mapping."""
-    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    return -(-size // PAGE_ALIGN) * PAGE_ALIGN
 
 
 def _staging_bytes(numel: int) -> int:
     """Bytes of a shared BF16 staging tile of ``numel`` elements in the mapping: whole pages."""
-    return _pages(numel * STAGING_ITEMSIZE)
+    return whole_pages(numel * STAGING_ITEMSIZE)
 
 
 def moments_key(layer: int, rank: int | None = None) -> str:
@@ -227,7 +209,7 @@ class HostState:
                               "pass nvme_dir= (an existing directory on an NVMe drive)")
         self.nvme = None
         if self.nvme_moments or self.nvme_gradients:
-            from megatrain.runtime.nvme import NvmeStore  # it imports this module
+            from megatrain.runtime.nvme import NvmeStore  # lazily: only a plan with state on NVMe needs it
 
             # A rank's file of an empty shard (the last of a small layer) still has a block: the
             # schedule's NVMe ops move it like any other.
@@ -249,7 +231,7 @@ class HostState:
                 # and reclaims, so a state larger than host memory never is all in it at compile.
                 raw = self.nvme.map_tile(state_key(li))
             else:
-                raw = page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN)
+                raw = page_aligned_empty(size) if shared is None else shared.take(size, PAGE_ALIGN)
             block = raw[:(n + self.n_states * t) * 4].view(torch.float32)
             if writer and t:
                 # The mapping reads as zeros already; writing them faults its pages in now, as an
@@ -259,20 +241,20 @@ class HostState:
             self._rows.append(raw[:row])
         self.gather: list[torch.Tensor] = []
         if self.sliced:
-            size = _pages(gather_bytes)
-            self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, _ALIGN))[:gather_bytes]
+            size = whole_pages(gather_bytes)
+            self.gather = [(page_aligned_empty(size) if shared is None else shared.take(size, PAGE_ALIGN))[:gather_bytes]
                            for _ in range(GATHER_BUFFERS)]
         # The weight gathers' send and receive buffers (layout.gather_scratch_bytes), shared by the
         # node's ranks so that each casts and copies its share (runtime.distributed.gather_weights).
-        self.gather_scratch = ((page_aligned_empty(_pages(scratch_bytes)) if shared is None
-                                else shared.take(_pages(scratch_bytes), _ALIGN))[:scratch_bytes]
+        self.gather_scratch = ((page_aligned_empty(whole_pages(scratch_bytes)) if shared is None
+                                else shared.take(whole_pages(scratch_bytes), PAGE_ALIGN))[:scratch_bytes]
                                if self.sliced and scratch_bytes else None)
         # Plan.shared_cast: a BF16 staging tile per layer after the blocks, in the node's shared
         # mapping, into which each rank casts its shard (its own H2Ds read the whole tile).
         # Whole pages each (``_staging_rows``, what is pinned), viewed as ``numel`` BF16 elements.
         self._staging_rows: list[torch.Tensor] = [
             page_aligned_empty(_staging_bytes(lay.numel)) if shared is None
-            else shared.take(_staging_bytes(lay.numel), _ALIGN) for lay in graph.layers] if staging else []
+            else shared.take(_staging_bytes(lay.numel), PAGE_ALIGN) for lay in graph.layers] if staging else []
         self.staging: list[torch.Tensor] = [row[:lay.numel * STAGING_ITEMSIZE].view(torch.bfloat16)
                                             for row, lay in zip(self._staging_rows, graph.layers)]
         self._staging_pins: list[Any] = []
@@ -297,8 +279,8 @@ class HostState:
             tiles = sum(_staging_bytes(lay.numel) for lay in graph.layers) if staging else 0
             return tiles + sum(_block_bytes(lay.numel, 0 if li in nvme_moments else k * lay.trainable_numel)
                                for li, lay in enumerate(graph.layers))
-        tiles = GATHER_BUFFERS * _pages(gather_bytes)
-        tiles += _pages(scratch_bytes) if scratch_bytes else 0
+        tiles = GATHER_BUFFERS * whole_pages(gather_bytes)
+        tiles += whole_pages(scratch_bytes) if scratch_bytes else 0
         return tiles + sum(_block_bytes(hi - lo, k * max(0, min(hi, lay.trainable_numel) - lo))
                            for (lo, hi), lay in zip(slices, graph.layers))
 

@@ -468,8 +468,11 @@ class HostLion:
 
 
 def host_kernel(spec: OptimizerSpec) -> "HostAdamW | HostLion":
-    """A new host kernel of optimizer ``spec`` (the class its ``kernel`` names)."""
-    return {"HostAdamW": HostAdamW, "HostLion": HostLion}[spec.kernel]()
+    """A new host kernel of optimizer ``spec``: the class its ``kernel`` path names."""
+    import importlib
+
+    module, _, name = spec.kernel.rpartition(".")
+    return getattr(importlib.import_module(module), name)()
 
 
 def _check_tiles(param: torch.Tensor, grad: torch.Tensor, *states: torch.Tensor,

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.errors import MegatrainError
-from megatrain.runtime.host import page_aligned_empty
+from megatrain.runtime.pages import page_aligned_empty
 
 log = logging.getLogger(__name__)
 

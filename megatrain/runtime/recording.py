@@ -1,5 +1,5 @@
 """What every backend shares: counting a run's launches and timing them. The timed ops of the last
-finished run (:attr:`_Recording.last_run`) become a measured Timeline in the planner
+finished run (:attr:`Recording.last_run`) become a measured Timeline in the planner
 (:func:`megatrain.planner.timeline.measured_timeline`): the runtime imports no planner module.
 
 Its own module so that :mod:`megatrain.runtime.backend` (the protocol and the CPU backend) and
@@ -34,7 +34,7 @@ class OpTiming:
     issue_cpu_s: float | None = None
 
 
-class _Recording:
+class Recording:
     """What both backends share: counting a run's launches and keeping their timings."""
 
     record: bool = False

@@ -259,10 +259,10 @@ class AsyncFakeCuda:
     def host_register(self, t: torch.Tensor) -> Any:
         """Page-lock ``t`` in place: on CPU nothing to lock; checked as ``TorchCuda`` checks it (page
         alignment, whole pages), and the handle keeps the memory alive as the real one does."""
-        from megatrain.runtime.cuda import _Pin, _check_pinnable
+        from megatrain.runtime.cuda import Pin, check_pinnable
 
-        _check_pinnable(t)
-        return _Pin(t.numel() * t.element_size(), lambda: None, t)
+        check_pinnable(t)
+        return Pin(t.numel() * t.element_size(), lambda: None, t)
 
     def close(self) -> None:
         """Stop the stream threads (after the work queued on them)."""

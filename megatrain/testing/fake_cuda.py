@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from megatrain.runtime.cuda import _check_pinnable, _Pin
+from megatrain.runtime.cuda import check_pinnable, Pin
 from megatrain.testing.fake_graph import FakeGraph
 
 
@@ -171,10 +171,10 @@ class FakeCuda:
         self.pinned_calls.append((tuple(shape), dtype))
         return torch.empty(shape, dtype=dtype)
 
-    def host_register(self, t: torch.Tensor) -> _Pin:
+    def host_register(self, t: torch.Tensor) -> Pin:
         """Logs ``("register", address, bytes)`` in ``pin_log``; raises what ``TorchCuda`` would (and a region that
         overlaps one still registered, which ``cudaHostRegister`` refuses)."""
-        _check_pinnable(t)
+        check_pinnable(t)
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         with self._lock:
             for p, n in self.registered.items():
@@ -183,7 +183,7 @@ class FakeCuda:
                                f"{p:#x} still registered")
             self.registered[ptr] = nbytes
             self.pin_log.append(("register", ptr, nbytes))
-        return _Pin(nbytes, lambda: self._unregister(ptr), t)
+        return Pin(nbytes, lambda: self._unregister(ptr), t)
 
     # -- CUDA graphs (megatrain.testing.fake_graph) ------------------------------------------------
     def graph_pool(self) -> object:

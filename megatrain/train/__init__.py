@@ -1,7 +1,8 @@
 """``megatrain train``: train a causal LM from a config file and flags, with checkpoints, metrics and
 clean failures.
 
-One run (:func:`train`, in :mod:`~megatrain.train.loop`) is a visible sequence of stages, each a
+One run (:func:`train`, in :mod:`~megatrain.train.run`: :mod:`~megatrain.train.loop`'s, or for ``--task dpo``
+and ``grpo`` :mod:`~megatrain.train.rl_tasks`') is a visible sequence of stages, each a
 function of a module of this package::
 
     config      TrainConfig: YAML or JSON file, then flags on top, validated by pydantic
@@ -94,7 +95,7 @@ from megatrain.train.config import TrainConfig, load_train_config
 # The rest imports torch: loaded on first use (PEP 562), so that the CLI's --help and the config's
 # validation need only pydantic.
 _LAZY = {
-    "TrainResult": "megatrain.train.loop", "train": "megatrain.train.loop", "lr_at": "megatrain.train.lr",
+    "TrainResult": "megatrain.train.loop", "train": "megatrain.train.run", "lr_at": "megatrain.train.lr",
     "available_host_memory": "megatrain.runtime.measure", "measure_matmul_flops": "megatrain.runtime.measure",
     "METRIC_FIELDS": "megatrain.train.metrics", "save_loss_plot": "megatrain.train.metrics",
     "ModelSource": "megatrain.train.model", "resolve_model": "megatrain.train.model",

@@ -12,14 +12,17 @@ import pydantic
 from pydantic import Field
 
 from megatrain.config import OptimizerSettings, describe_validation
+from megatrain.data.sft_formats import SFT_FORMATS
 from megatrain import bounds, optim
 from megatrain.errors import ConfigError
 from megatrain.ir.hardware import PRESETS as HARDWARE_PRESETS
 from megatrain.planner.presets import preset_names
-from megatrain.train.rundir import CONFIG_FILE
+from megatrain.train.names import CONFIG_FILE
 
 OptimizerName = Literal[tuple(optim.OPTIMIZERS)]  # type: ignore[valid-type]
 """A name of :data:`megatrain.optim.OPTIMIZERS` (the config's ``optimizer``)."""
+SftFormatName = Literal[("auto", *SFT_FORMATS)]  # type: ignore[valid-type]
+"""``auto`` or a name of :data:`megatrain.data.sft_formats.FORMATS` (the config's ``sft_format``)."""
 
 
 class TrainConfig(pydantic.BaseModel):
@@ -74,7 +77,7 @@ class TrainConfig(pydantic.BaseModel):
                                                "file, up to images_per_row images per example, read with Pillow by "
                                                "the processor (AutoProcessor) of the model directory or of "
                                                "tokenizer; such examples are not packed")
-    sft_format: Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion"] = Field(
+    sft_format: SftFormatName = Field(
         "auto", description="sft: the record format of data files (auto: detected from each file's first "
                             "record; a dataset_info.json names each dataset's)")
     chat_template: str | None = Field(None, description="sft: a Jinja chat template file to render chats with "
@@ -342,6 +345,14 @@ def _check_rl(cfg: "TrainConfig") -> None:
         if cfg.max_new_tokens >= cfg.seq_len:
             raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in seq_len="
                              f"{cfg.seq_len}; raise seq_len or lower max_new_tokens")
+
+
+def rl_reference(cfg: TrainConfig) -> str | None:
+    """``"bfloat16"`` when the run holds a frozen BF16 reference (the planner counts it): DPO with
+    ``dpo_reference: bfloat16``, GRPO with ``kl_coef > 0``; else None."""
+    if cfg.task == "grpo" and cfg.kl_coef > 0 or cfg.task == "dpo" and cfg.dpo_reference == "bfloat16":
+        return "bfloat16"
+    return None
 
 
 def resolve_device(cfg: TrainConfig, *, planning: bool = False) -> tuple[TrainConfig, str]:

@@ -36,10 +36,10 @@ def check_inputs(cfg: TrainConfig) -> None:
             :data:`FIRST_RECORDS` of a JSON Lines file (naming the file and line).
     """
     from megatrain.planner.presets import read_model_config
-    from megatrain.train.rundir import _check_writable
+    from megatrain.train.rundir import check_writable
 
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun rank 0 alone writes (and probes) output_dir
-        _check_writable(Path(cfg.output_dir))
+        check_writable(Path(cfg.output_dir))
     read_model_config(cfg.model)
     if cfg.init_from is not None and not (Path(cfg.init_from) / "config.json").is_file():
         raise ConfigError(f"init_from {cfg.init_from} is not a directory with a config.json; give a megatrain "

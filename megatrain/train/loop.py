@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from megatrain.errors import CheckpointError, ConfigError, MegatrainError
-from megatrain.train.config import TrainConfig, resolve_device
+from megatrain.train.config import TrainConfig, resolve_device, rl_reference
 from megatrain.train.corpus import (image_grid_thw, match_special_tokens, prepare_data, store_dir,
                                     tokenizer_sample_bytes, trains_tokenizer)
 from megatrain.train.lr import lr_at
-from megatrain.train.rl_tasks import rl_reference
 from megatrain.ir.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
 from megatrain.files import DirectoryLock, write_atomic
@@ -193,7 +192,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     """
     from megatrain.errors import PlanError
     from megatrain.planner import front
-    from megatrain.trainer import process_topology
+    from megatrain.product import process_topology
     from megatrain.units import human_bytes
 
     available = available_host_memory()  # before the build: what the run may use
@@ -320,10 +319,9 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     """
     given = cfg  # train_config.json keeps device: auto as auto, so a resume on another machine chooses again
     cfg, device = resolve_device(cfg)
-    if cfg.task in ("dpo", "grpo"):  # preference and RL training: a run of its own (megatrain.train.rl_tasks)
-        from megatrain.train.rl_tasks import train_rl
-
-        return train_rl(cfg, echo=echo, device=device, given=given)
+    if cfg.task in ("dpo", "grpo"):
+        raise ConfigError(f"task {cfg.task} is megatrain.train.rl_tasks' run: call megatrain.train.train, which "
+                          "dispatches by task")
     ranks = _Ranks.start(cfg)
     # Rank 0 writes every output: it holds output_dir's lock for the run.
     lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None

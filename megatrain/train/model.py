@@ -86,7 +86,7 @@ def model_label(cfg) -> str:
     (a ``config.json``) its directory's name; for a directory its name, with its parent's where the
     name alone says nothing (a run's ``checkpoint``); ``init_from``'s label for a new run from a
     checkpoint's weights. ``cfg``: a :class:`~megatrain.train.config.TrainConfig`."""
-    from megatrain.train.rundir import CHECKPOINT_DIR
+    from megatrain.train.names import CHECKPOINT_DIR
 
     def label(spec: str) -> str:
         p = Path(spec)
@@ -103,7 +103,7 @@ def model_label(cfg) -> str:
 def is_run_checkpoint(source: ModelSource, output_dir: Path) -> bool:
     """Whether ``source`` is the checkpoint of the run in ``output_dir`` (``output_dir/checkpoint``):
     naming it as the model resumes that run, whatever ``init_from`` says."""
-    from megatrain.train.rundir import CHECKPOINT_DIR
+    from megatrain.train.names import CHECKPOINT_DIR
 
     return source.kind == "checkpoint" and source.directory.resolve() == (output_dir / CHECKPOINT_DIR).resolve()
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from megatrain.errors import BatchError, ConfigError, MegatrainError
+from megatrain.train.config import rl_reference
 
 if TYPE_CHECKING:
     import torch
@@ -64,14 +65,6 @@ the fraction of response tokens whose ratio to the rollout policy is clipped whe
 ``clip_ratio/region_mean``; 0 on a batch's first update, where ``r = 1``), ``response_length`` the
 mean tokens generated per response (the end-of-text token counted), ``rollout_s`` the seconds the
 rollouts and rewards took."""
-
-
-def rl_reference(cfg: "TrainConfig") -> str | None:
-    """``"bfloat16"`` when the run holds a frozen BF16 reference (the planner counts it): DPO with
-    ``dpo_reference: bfloat16``, GRPO with ``kl_coef > 0``; else None."""
-    if cfg.task == "grpo" and cfg.kl_coef > 0 or cfg.task == "dpo" and cfg.dpo_reference == "bfloat16":
-        return "bfloat16"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

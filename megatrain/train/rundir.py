@@ -16,28 +16,11 @@ if TYPE_CHECKING:
     from megatrain.train.config import TrainConfig
     from megatrain.train.model import ModelSource
 
-CHECKPOINT_DIR = "checkpoint"
-METRICS_FILE = "metrics.jsonl"
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CONFIG_FILE = "train_config.json"
-PLOT_FILE = "loss.png"
-SCHEDULE_FILE = "schedule.json"
-"""The steady-state train schedule the run executes (``Schedule.save``): byte for byte what
-``megatrain plan --config`` with the run's settings writes to ``--out DIR/schedule.json``."""
-STORE_DIR = "tokens"
-"""The run's token store (``megatrain.data.cached_token_store``) unless ``data_cache`` puts it elsewhere."""
-STATE_KEY = "megatrain_train"
-STATE_VERSION = 1
-
-LOCK_FILE = ".megatrain.lock"
-"""The lock file of ``output_dir`` (:class:`megatrain.files.DirectoryLock`): one run at a time, naming the holder."""
-NVME_LOCK_FILE = ".megatrain-nvme.lock"
-"""The lock file of ``nvme_dir``: one run at a time keeps its tile files there (a name of its own, so
-that an ``nvme_dir`` that is also the ``output_dir`` takes both locks)."""
-
-RUN_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE, SCHEDULE_FILE, CHECKPOINT_DIR, STORE_DIR)
-"""What ``megatrain train`` writes in ``output_dir`` (besides the hidden files of :func:`_is_leftover`)."""
+# The file names live on the floor below (train/names.py: train/config.py and train/model.py read
+# them too, and this module imports those); re-exported here, where the run directory is described.
+from megatrain.train.names import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, NVME_LOCK_FILE, PLOT_FILE,
+                                   RUN_FILES, SCHEDULE_FILE, STATE_KEY, STATE_VERSION, STORE_DIR,
+                                   TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
 
 RUN_IDENTITY = ("model", "init_from", "task", "data", "seq_len", "global_batch", "seed")
 """Settings that make an output_dir's run another run: re-running with them unchanged continues it."""
@@ -46,12 +29,12 @@ RUN_IDENTITY = ("model", "init_from", "task", "data", "seq_len", "global_batch",
 def _is_leftover(name: str) -> bool:
     """Hidden files a run leaves in ``output_dir``: lock files, and what a kill leaves of a
     checkpoint save, a token store build or an atomic write (each cleans its own up next time)."""
-    from megatrain.checkpoint import _OLD_TAG, _TMP_TAG
+    from megatrain.checkpoint import is_save_leftover
     from megatrain.files import is_leftover
 
     return (name in (LOCK_FILE, NVME_LOCK_FILE) or is_leftover(name)
             or name.startswith(f".{STORE_DIR}.")  # the token store's lock and build directories
-            or name.startswith(f".{CHECKPOINT_DIR}.") and (_TMP_TAG in name or _OLD_TAG in name))
+            or is_save_leftover(name, CHECKPOINT_DIR))
 
 
 def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
@@ -74,7 +57,7 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
         CheckpointError: ``out/checkpoint`` is incomplete (naming what it lacks).
         LockedError: another process holds ``lock`` (naming it).
     """
-    from megatrain.checkpoint import _is_complete, _recover, describe_incomplete
+    from megatrain.checkpoint import describe_incomplete, is_complete, recover_checkpoint
     from megatrain.errors import CheckpointError
     from megatrain.train.model import resolve_model
 
@@ -90,8 +73,8 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
         saved = _saved_settings(out)
         foreign = [n for n in held if n not in RUN_FILES]
         if saved is None or foreign:
-            _recover(ckpt)
-            hint = (f", or resume the run in it with --model {ckpt}" if _is_complete(ckpt) else "")
+            recover_checkpoint(ckpt)
+            hint = (f", or resume the run in it with --model {ckpt}" if is_complete(ckpt) else "")
             raise ConfigError(f"output_dir {out} is not empty and holds no megatrain run of its own (it holds "
                               f"{', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); choose another "
                               f"output_dir{hint}")
@@ -104,8 +87,8 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
     if lock is not None and out.is_dir():
         lock.acquire()
     if ours or here:
-        _recover(ckpt)
-        if _is_complete(ckpt):
+        recover_checkpoint(ckpt)
+        if is_complete(ckpt):
             state = saved_train_state(ckpt)
             if state is not None and int(state.get("step", 0)) >= cfg.max_steps:
                 return True, source, state
@@ -129,7 +112,7 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
                     continue
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
-    _check_writable(out)
+    check_writable(out)
     return here, source, None
 
 
@@ -154,7 +137,7 @@ def _saved_settings(out: Path) -> dict | None:
     return saved if isinstance(saved, dict) else None
 
 
-def _check_writable(out: Path) -> None:
+def check_writable(out: Path) -> None:
     """Create ``out`` and a file in it (then remove what was made): before data and compile."""
     made = [p for p in (out, *out.parents) if not p.exists()]
     probe = out / f".megatrain-write-test-{os.getpid()}"

@@ -18,6 +18,7 @@ from typing import Sequence
 from megatrain.errors import PlanError
 from megatrain.planner import cost
 from megatrain.planner.lower import lower
+from megatrain.planner.nvme_place import least_host
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
 from megatrain.planner.simulate import simulate
@@ -480,8 +481,6 @@ class Search:
         keep, keep_opt = min(keeps, key=lambda k: (k[0].host_total, k[0].host_pinned))
         keep_plan = plan_for(self.request, size, Knobs(slots=1, prefetch_distance=0, grad_ring=self.ring_floor(keep_opt),
                                                        staging_ring=1), keep_opt.layer_by_layer)
-        from megatrain.planner.nvme import least_host  # (nvme solves through this module: imported here)
-
         nvme_host, nvme_pinned = least_host(keep_opt.graph, keep_plan, keep, self.hw)
         g = opt.graph
         largest = max(g.layers, key=lambda layer: (layer.numel, -layer.index))

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from megatrain.errors import BatchError, ConfigError, UnsupportedModelError
+from megatrain.models import DEFAULT_IMAGE_PIXELS  # re-exported: the planner plans this image size by default
 
 GRID_INPUT = "image_grid_thw"
 """The batch input with each image's patch grid, ``LongTensor[images, 3]`` (frames, rows, columns)."""
@@ -79,9 +80,6 @@ patches per row, 2]`` int64 and the image boundaries ``[micro_batch_size, merged
 WINDOW_INPUTS = {"vision_window_index": "window_index", "vision_cu_window_seqlens": "cu_window_seqlens"}
 """The same for a windowed tower (Qwen2.5-VL): the window order of the merged tokens ``[micro_batch_size,
 merged tokens per row]`` int64 and the window boundaries, as ``vision_cu_seqlens``."""
-DEFAULT_IMAGE_PIXELS = 448
-"""The side of the image each row carries by default (Qwen2-VL's processor keeps a 448x448 image
-at that size: 32x32 patches of 14 pixels, 256 image tokens)."""
 
 _VARLEN_ATTENTION = "megatrain_flash_varlen_sdpa"
 """The attention implementation :func:`varlen_attention` registers. transformers passes the

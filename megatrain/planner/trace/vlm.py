@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 from megatrain.errors import BatchError, ConfigError, UnsupportedModelError
+# The refusals are decided in megatrain.models (below the planner, which checks a model there);
+# re-exported here, where the families are.
+from megatrain.models import REFUSED, VISION_LANGUAGE, refuse_vision_language
 from megatrain.planner.trace import qwen_vl
 from megatrain.planner.trace.qwen_vl import GRID_INPUT, PatchGridFamily
 
@@ -74,53 +77,19 @@ FAMILIES: dict[str, VisionLanguageFamily | PatchGridFamily] = {
     "qwen2_vl": PatchGridFamily("qwen2_vl", "model.visual"),
     "qwen2_5_vl": PatchGridFamily("qwen2_5_vl", "model.visual", windowed=True),
 }
-"""The vision-language families megatrain traces with their images, by ``model_type``."""
+"""The vision-language families megatrain traces with their images, by ``model_type``: the
+tracing recipes of :data:`megatrain.models.VISION_LANGUAGE` (the names, on the floor below the
+planner, where models are accepted or refused)."""
+if tuple(FAMILIES) != VISION_LANGUAGE:
+    raise AssertionError(f"vlm.FAMILIES {tuple(FAMILIES)} and megatrain.models.VISION_LANGUAGE {VISION_LANGUAGE} "
+                         "must name the same families: add a family to both")
 
-REFUSED: dict[str, str] = {
-    "qwen3_vl": "deepstack features (intermediate vision blocks' outputs added inside the decoder's first "
-                "layers) and its interpolated vision position embeddings; Qwen2-VL and Qwen2.5-VL train",
-    "llava_next": "AnyRes tiling (a variable number of tiles per image, image_sizes, and the unpadding of "
-                  "the feature grid)",
-    "llava_onevision": "AnyRes tiling (a variable number of tiles per image and image_sizes)",
-    "internvl": "dynamic tiling (a variable number of 448x448 tiles per image) and its pixel-shuffle projector",
-    "glm4v": "variable image sizes (image_grid_thw) and 3D rotary position ids",
-    "idefics3": "image splitting into a variable number of sub-images",
-    "smolvlm": "image splitting into a variable number of sub-images",
-    "paligemma": "a prefix-LM attention mask (bidirectional over the image and prompt)",
-}
-"""Vision-language families megatrain refuses, by ``model_type``, with what it does not support yet."""
 
 
 def family(config: Any) -> VisionLanguageFamily | PatchGridFamily | None:
     """The :class:`VisionLanguageFamily` (LLaVA) or :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL,
     Qwen2.5-VL) of a transformers ``config``, or None for other models."""
     return FAMILIES.get(getattr(config, "model_type", None))
-
-
-def refuse_vision_language(config: Any, source: str) -> None:
-    """Refuse a vision-language ``config`` megatrain does not trace; nothing for other configs.
-
-    Called for a ``model_type`` with no causal-LM class in transformers (Gemma 3, Llama 4 and
-    Mllama have one, and train on text alone through it).
-
-    Raises:
-        UnsupportedModelError: a vision-language family (one of :data:`REFUSED`, an image-text-to-text
-            class of transformers, or a config with a ``vision_config``) not in :data:`FAMILIES`; the
-            message names what megatrain lacks for it and the families it trains.
-    """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    mt = getattr(config, "model_type", None)
-    if mt in FAMILIES or not (mt in REFUSED or mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-                              or getattr(config, "vision_config", None) is not None):
-        return
-    missing = REFUSED.get(mt, "its vision tower and the way its image features join the text (no tracing "
-                              "recipe for this family yet)")
-    raise UnsupportedModelError(
-        f"{source}: model_type {mt!r} is a vision-language model that megatrain does not train yet: it lacks "
-        f"support for {missing}. Vision-language families megatrain trains: {', '.join(sorted(FAMILIES))} "
-        "(LLaVA: images of one size, up to a fixed number a row; Qwen2-VL and Qwen2.5-VL: any images within "
-        "a fixed number of patches a row)")
 
 
 @dataclass(frozen=True, slots=True)

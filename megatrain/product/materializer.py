@@ -7,9 +7,9 @@ this module allocates what they say.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
-from megatrain.config import AdamW
+from megatrain.optim import AdamW
 from megatrain.errors import ConfigError
 from megatrain.optim import Lion, optimizer_settings, spec_of
 from megatrain.planner import cost
@@ -20,9 +20,7 @@ from megatrain.runtime.executor import Executor
 from megatrain.runtime.graphs import check_backend
 from megatrain.runtime.host import HostState, NvmeShards, bind_module, unbind_spilled
 from megatrain.runtime.measure import host_cores
-
-if TYPE_CHECKING:
-    from megatrain.trainer import Trainer
+from megatrain.trainer import Trainer
 
 
 def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None = None, *,
@@ -40,7 +38,7 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None 
     (default ``make_backend(planned.options.device)`` with its host workers' threads,
     ``cost.host_worker_threads`` of this machine's cores; tests pass a CUDA backend over FakeCuda).
     ``host``: the host tiles of another trainer of the same model (the module already bound to
-    them), shared instead of allocated: how a shape-free trainer (``megatrain.shapes``) runs one
+    them), shared instead of allocated: how a shape-free trainer (:mod:`megatrain.product.shapes`) runs one
     set of weights and moments under the schedules of several batch shapes.
 
     With ``Plan.templates == "compiled"`` the train schedules' templates are compiled here
@@ -152,8 +150,6 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None 
     for sched in (planned.schedules.first, planned.schedules.carrying):
         if sched is not None:
             executor.compile_templates(sched, why="(the plan's templates='compiled'), before the first step")
-    from megatrain.trainer import Trainer
-
     return Trainer(planned, opt, host, backend, executor)
 
 

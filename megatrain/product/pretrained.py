@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from megatrain.errors import ConfigError
-from megatrain.trainer import Trainer, compile
+from megatrain.product.build import compile
+from megatrain.trainer import Trainer
 
 
 def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_kwargs: Any) -> Trainer:

@@ -1,0 +1,110 @@
+"""``plan_model``: a model and this process's data-parallel topology into the planning front door
+(:func:`megatrain.planner.front.plan`: trace -> plan -> lower -> verify, once), a frozen
+:class:`~megatrain.planner.front.PlannedModel` (the schedules that will run, their memory and
+predicted step) that allocates nothing."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+from torch import nn
+
+from megatrain.planner import front
+from megatrain.planner.front import PlannedModel, PlanRequest, Storage, Topology, compile_options
+from megatrain.ir.hardware import HardwareSpec
+from megatrain.ir.plan import Plan
+from megatrain.runtime.backend import make_backend
+from megatrain.runtime.measure import measure_hardware
+from megatrain.trainer import data_parallel_world
+
+
+def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
+               plan: Plan | Literal["default"] | None = None, device: str = "cpu",
+               input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
+               hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
+               share_host_memory: bool = True, host_state: str | None = None,
+               per_token_loss: bool = True, optimizer_name: str | None = None,
+               shared_staging: bool | None = None,
+               image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1,
+               templates: str | None = None, cuda_graphs: bool | str | None = None,
+               reference: Literal["bfloat16"] | None = None) -> PlannedModel:
+    """Plan ``model`` for training, once, through the planning front door
+    (:func:`megatrain.planner.front.plan`), with this process's data-parallel topology (the
+    default ``torch.distributed`` process group and torchrun's ``LOCAL_WORLD_SIZE``): trace it (on
+    whatever device it is on, ``meta`` included) into a LayerGraph; take ``plan``, the default
+    plan or the solver's; decide data parallel; ``lower`` the train schedules and ``verify`` them.
+    Allocates nothing and touches no parameter memory; the result is frozen and
+    :func:`materialize` runs exactly its schedules.
+
+    Args:
+        model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
+        compute_dtype, per_token_loss, image_grid_thw, images_per_row, templates, cuda_graphs: as
+        for :func:`compile` (``micro_batches`` per rank).
+        plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
+            every checkpoint kept), with ``hardware`` used only for the prediction; None: the
+            solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
+            GPU: ``measure_hardware()``, a few seconds), and the default plan on
+            ``device="cpu"`` without one.
+        hardware: a ``HardwareSpec``, a preset name or a spec JSON file: what the solver plans
+            for, and what ``timeline`` predicts the step on.
+        share_host_memory: data parallel (a ``torch.distributed`` process group of several
+            ranks): the ranks of a node (torchrun's ``LOCAL_WORLD_SIZE``) keep one copy of the
+            masters and moments in shared memory (``/dev/shm``) and each steps its shard of every
+            layer (``Plan.optimizer_shards``); False: each rank keeps a copy of its own and steps
+            all of it.
+        host_state: data parallel over several nodes: ``"replicate"`` (a full copy of the masters
+            and moments on every node) or ``"shard"`` (each node holds ``1 / nodes`` of it and the
+            ranks gather each layer's weights before use, ZeRO-3 style: ``Plan.host_state``);
+            None keeps the plan's (``"replicate"`` for the default and solved plans).
+        optimizer_name: the host optimizer the plan is for (``Plan.optimizer_name``, a name in
+            :data:`megatrain.optim.OPTIMIZERS`): its state bytes per parameter are what the solver
+            and ``memory`` count. None keeps a given plan's, else ``"adamw"``.
+        shared_staging: ``megatrain.planner.front.Storage.shared_staging`` (a shape-free
+            trainer's host state made without the node's shared staging tiles: False).
+        reference: ``"bfloat16"``: plan a frozen BF16 copy of the weights for a reference model
+            beside the training state (``megatrain.planner.front.Storage.reference``; 2 bytes per
+            parameter of host memory, counted in ``memory.reference_weights``), which
+            ``megatrain.rl.Reference(trainer)`` then holds.
+
+    Returns:
+        The :class:`PlannedModel`. With a solved plan its ``schedules.steady`` is the solver's own
+        schedule and ``timeline`` the solver's simulation of it (nothing is lowered or simulated
+        twice); with another plan and a spec with GPU rates the steady schedule is simulated once.
+
+    Raises:
+        ConfigError: an option out of range; ``seq_len`` beyond a Hugging Face model's
+            ``max_position_embeddings``; a plan inconsistent with the options; ``per_token_loss``
+            for a model whose loss is not a mean cross-entropy megatrain can count;
+            ``device="cuda"`` without CUDA.
+        TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
+        PlanError, ScheduleError: the plan does not fit the model.
+    """
+    options = compile_options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm,
+                              per_token_loss)
+    if options.device == "cuda":
+        make_backend("cuda")  # ConfigError now, before tracing, where CUDA is missing (creates nothing CUDA)
+    if plan is None and hardware is None and options.device == "cuda":
+        hardware = measure_hardware()
+    topo = process_topology(share_host_memory, host_state)
+    return front.plan(PlanRequest(model, seq_len, micro_batch_size * micro_batches * topo.ranks, micro_batch_size,
+                                  plan=plan, hardware=hardware, device=device, compute_dtype=compute_dtype,
+                                  input_names=tuple(input_names), max_grad_norm=max_grad_norm,
+                                  per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
+                                  storage=Storage(shared_staging=shared_staging, reference=reference),
+                                  image_grid_thw=image_grid_thw, images_per_row=images_per_row, templates=templates,
+                                  cuda_graphs=cuda_graphs))
+
+
+def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
+    """This process's data-parallel :class:`~megatrain.planner.front.Topology`: the default
+    ``torch.distributed`` process group's ranks (1 without one) and torchrun's
+    ``LOCAL_WORLD_SIZE`` ranks per node."""
+    world = data_parallel_world()
+    if world == 1:
+        return Topology(1, 1, share_host_memory, host_state, fits)
+    from megatrain.runtime.distributed import topology
+
+    return Topology(world, topology().local_world, share_host_memory, host_state, fits)
+
+
+__all__ = ["plan_model", "process_topology"]
