@@ -14,7 +14,7 @@
   :func:`retake_gpu` (the GPU's memory handed over between steps).
 
 Beside them, imported on their own: :mod:`megatrain.rl.rewards` (rewards with TRL's signature for
-``megatrain train --task grpo``, and the bundled arithmetic rule reward) and :mod:`megatrain.rl.verl`
+``megatrain train --task grpo``, and the bundled rule rewards) and :mod:`megatrain.rl.verl`
 (megatrain as a VERL training backend: the ``verl`` extra).
 """
 

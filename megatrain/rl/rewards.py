@@ -7,8 +7,10 @@ is its list of messages), one entry per response, and each other column of the p
 keyword argument holding that column's value for each response (``answer=[...]``); it returns one
 float per response. :func:`score` calls one and checks what it returns.
 
-Built in: :func:`arithmetic_reward`, a rule reward for the bundled arithmetic prompt set
-(``examples/data/rl/arithmetic.jsonl``: ``{"prompt": "3+4=", "answer": "7"}``).
+Built in, rule rewards for prompt sets with an ``answer`` column (``{"prompt": "3+4=", "answer":
+"7"}``, ``examples/data/rl/``): :func:`exact_match_reward` (1 for the answer, else 0: its mean is the
+exact-match accuracy; the bundled example's) and :func:`arithmetic_reward` (the same plus a 0.1
+format reward for another integer).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from megatrain.errors import BatchError, ConfigError
 
-__all__ = ["arithmetic_reward", "load_reward", "score"]
+__all__ = ["arithmetic_reward", "exact_match_reward", "load_reward", "score"]
 
 _INT = re.compile(r"\s*(-?\d+)")
 
@@ -39,6 +41,20 @@ def arithmetic_reward(prompts: Sequence[Any], completions: Sequence[str], answer
     for text, want in zip(completions, answer, strict=True):
         m = _INT.match(text)
         out.append(0.0 if m is None else 1.0 if int(m.group(1)) == int(want) else 0.1)
+    return out
+
+
+def exact_match_reward(prompts: Sequence[Any], completions: Sequence[str], answer: Sequence[str],
+                       **_: Any) -> list[float]:
+    """1.0 for a completion whose leading integer (leading whitespace allowed, what follows it
+    ignored, as :func:`arithmetic_reward` reads it) is ``answer``, else 0.0: DeepSeek-R1's accuracy
+    reward without a format reward, so the mean reward of a batch is its exact-match accuracy.
+    ``answer``: the prompt set's column, one string (or int) per completion. Returns
+    ``len(completions)`` floats."""
+    out = []
+    for text, want in zip(completions, answer, strict=True):
+        m = _INT.match(text)
+        out.append(1.0 if m is not None and int(m.group(1)) == int(want) else 0.0)
     return out
 
 
