@@ -114,14 +114,7 @@ def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = ""
     Raises:
         ImportError: matplotlib is not installed (the ``plot`` extra).
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError("the loss plot needs matplotlib: pip install 'megatrain[plot]'") from e
-    # Figure + FigureCanvasAgg, not pyplot: no global backend switch, no GUI.
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure((8, 4.5))
     ax = fig.subplots()
     train = [(r["step"], r["loss"]) for r in rows if r.get("applied") and r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
@@ -137,9 +130,32 @@ def save_loss_plot(rows: list[dict], path: str | os.PathLike, *, title: str = ""
     ax.set_title(title + (f" ({len(skipped)} skipped steps in red)" if skipped else ""), fontsize="medium")
     ax.grid(alpha=0.3)
     ax.legend()
+    save_png(fig, path)
+
+
+def new_figure(figsize: tuple[float, float]):
+    """A matplotlib ``Figure`` of ``figsize`` inches on the Agg canvas: no pyplot, so no global
+    backend switch and no GUI.
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``plot`` extra).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("the loss plot needs matplotlib: pip install 'megatrain[plot]'") from e
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_png(fig, path: str | os.PathLike) -> None:
+    """Write ``fig`` to ``path`` as a PNG at 100 dpi, atomically (a kill leaves the last plot, not
+    half of this one)."""
     png = io.BytesIO()
     fig.savefig(png, dpi=100, format="png")
-    write_atomic(path, png.getvalue())  # a kill leaves the last plot, not half of this one
+    write_atomic(path, png.getvalue())
 
 
 @dataclass(frozen=True, slots=True)

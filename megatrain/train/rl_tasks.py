@@ -433,17 +433,9 @@ def save_rl_plot(rows: list[dict], path, *, title: str, task: str) -> None:
     Raises:
         ImportError: matplotlib is not installed (the ``plot`` extra).
     """
-    import io
+    from megatrain.train.metrics import new_figure, save_png
 
-    from megatrain.files import write_atomic
-
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError("the loss plot needs matplotlib: pip install 'megatrain[plot]'") from e
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure((10, 4.5))
     a, b = fig.subplots(1, 2)
     steps = [r["step"] for r in rows]
     a.plot(steps, [r["loss"] for r in rows], linewidth=1, label=f"{task} loss")
@@ -457,9 +449,7 @@ def save_rl_plot(rows: list[dict], path, *, title: str, task: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title, fontsize="medium")
-    png = io.BytesIO()
-    fig.savefig(png, dpi=100, format="png")
-    write_atomic(path, png.getvalue())
+    save_png(fig, path)
 
 
 def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, given: "TrainConfig"):
