@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -236,3 +237,39 @@ def test_a_weight_decay_that_alone_diverges_is_named_with_each_non_finite_step()
     layer = type("L", (), {"name": "layer0"})()
     assert "use weight_decay < 3333.33" in Guard(deferred=False, loss_spike=None, decay=decay_hint(3e-4, 1e30)).judge(
         2, dataclasses.replace(nan, loss=1.0, applied=True), (0,), [layer]).why
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_number_where_a_string_belongs_is_a_record_error_past_the_first_records(tmp_path, suffix):
+    """Issue 44 round 3, item 1: datasets kept a field of two types as JSON text, so in a .json array
+    ``"output": 42`` trained on "42" (and every other output gained quotes), and in JSON Lines the
+    string "0" became 0 and was blamed."""
+    from megatrain.data.sft_formats import RecordError
+    from megatrain.data.sft_sources import check_first_records, iter_examples, resolve_sft_data
+
+    records = [{"instruction": f"Say {i}.", "output": f"{i}"} for i in range(12)]
+    records[11]["output"] = 42  # record 12, past the 8 the first-records check reads
+    data = tmp_path / f"d{suffix}"
+    data.write_text(json.dumps(records) if suffix == ".json" else "\n".join(json.dumps(r) for r in records) + "\n")
+    source = resolve_sft_data(str(data))[0]
+    check_first_records(source)
+    where = "record 12" + (" (line 12)" if suffix == ".jsonl" else "")
+    with pytest.raises(RecordError, match=rf"'{data}', {re.escape(where)}: field 'output' must be a string, got a int"):
+        list(iter_examples(source))
+
+
+def test_a_field_of_two_legitimate_types_is_read_as_written(tmp_path):
+    """A message's content is text in one record and a list of parts in another: both read as
+    written (datasets' JSON text made "Hi." '"Hi."' in a .json array)."""
+    from megatrain.data.sft_sources import iter_examples, resolve_sft_data
+
+    text = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "0"}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi."}]},
+                          {"role": "assistant", "content": "1"}]}
+    for suffix in (".json", ".jsonl"):
+        data = tmp_path / f"d{suffix}"
+        records = [text] * 3 + [parts]
+        data.write_text(json.dumps(records) if suffix == ".json" else "\n".join(json.dumps(r) for r in records))
+        chats = [ex for ex, _, _ in iter_examples(resolve_sft_data(str(data))[0])]
+        assert [c.messages[0]["content"] for c in chats] == ["Hi."] * 3 + [[{"type": "text", "text": "Hi."}]], suffix
+        assert [c.messages[1]["content"] for c in chats] == ["0"] * 3 + ["1"], suffix
