@@ -426,7 +426,8 @@ def _examples(source: SftSource, rows: Iterator[tuple[Path, int, dict]]
         n += 1
         yield example, (lambda p=path, k=i: _where(p, k)), fmt.kind
     if n == 0:
-        raise ValueError(f"SFT dataset {source.name!r} holds no records")
+        raise ValueError(f"SFT dataset {source.name!r} holds no records (an empty file?); give it records or leave "
+                         "it out of the data")
 
 
 FIRST_RECORDS_MAX_JSON_BYTES = 16 * 2**20
