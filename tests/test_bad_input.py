@@ -299,3 +299,39 @@ def test_an_empty_data_file_is_named_not_a_bare_stop_iteration(tmp_path, capsys,
 
         with pytest.raises(ValueError, match=r"a.jsonl' holds no records \(an empty file\?\)"):
             list(iter_examples(resolve_sft_data(str(data / "a.jsonl"))[0]))
+
+
+def test_a_host_memory_the_plan_fits_only_without_the_data_is_refused_naming_what_fits(tmp_path, monkeypatch, capsys):
+    """Issue 44 round 3, item 2: --host-memory with --nvme-dir fitted only the plan's bytes, so a
+    budget of the plan's host total was accepted with nothing moved while the run (its data, the
+    model built on the CPU) needed more. megatrain train and megatrain plan --config now fit the
+    plan beside those bytes (megatrain.train.loop.host_beside_plan), and refuse naming the least
+    that fits; with that much the run trains and needs no more."""
+    import megatrain.runtime.measure
+    from megatrain.planner import front
+    from megatrain.train.loop import plan_request, planning_model
+    from megatrain.train.model import resolve_model
+    from megatrain.units import human_bytes
+    from test_train_cli import CONFIG_YAML, write_model
+
+    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    write_model(tmp_path / "config.json")
+    (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json"))
+    cfg = load_train_config(tmp_path / "run.yaml", {"output_dir": str(tmp_path / "x")})
+    plan_only = front.plan(plan_request(cfg, planning_model(cfg, resolve_model(cfg.model)), None,
+                                        front.Topology())).memory.host_total
+    (tmp_path / "nvme").mkdir()
+    args = ["--config", str(tmp_path / "run.yaml"), "--nvme-dir", str(tmp_path / "nvme")]
+    train = ["train", *args, "--max-steps", "1", "--warmup-steps", "0"]
+    assert main([*train, "--host-memory", str(plan_only), "--output-dir", str(tmp_path / "a")]) == 2
+    line = _error(capsys)
+    m = re.search(r"give host_memory of at least ([0-9.]+) MiB \(--host-memory (\d+MiB)\)", line)
+    assert m and f"host_memory {human_bytes(plan_only)} is too small" in line, line
+    assert "the run holds" in line and float(m[1]) * 2**20 > plan_only
+    (tmp_path / "nvme.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json")
+                                        + f"nvme_dir: {tmp_path / 'nvme'}\nhost_memory: '{plan_only}'\n")
+    assert main(["plan", "--config", str(tmp_path / "nvme.yaml"), "--hardware", "H100_SXM"]) == 3
+    assert f"give host_memory of at least {m[1]} MiB" in capsys.readouterr().out  # the same answer
+    assert main([*train, "--host-memory", m[2], "--output-dir", str(tmp_path / "b")]) == 0
+    needed = re.search(r"host memory needed about ([0-9.]+) MiB", capsys.readouterr().out)
+    assert needed and float(needed[1]) <= int(m[2][:-3])
