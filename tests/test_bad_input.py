@@ -335,3 +335,57 @@ def test_a_host_memory_the_plan_fits_only_without_the_data_is_refused_naming_wha
     assert main([*train, "--host-memory", m[2], "--output-dir", str(tmp_path / "b")]) == 0
     needed = re.search(r"host memory needed about ([0-9.]+) MiB", capsys.readouterr().out)
     assert needed and float(needed[1]) <= int(m[2][:-3])
+
+
+def test_a_chat_of_too_many_messages_is_refused_at_once_naming_the_limit(tmp_path, capsys):
+    """Issue 44 round 3, item 4: splitting a chat renders its every prefix, time quadratic in its
+    messages: a record with a 10,000-exchange history took 121 s with no word."""
+    from megatrain.data import train_bpe_tokenizer
+    from megatrain.data.sft import ChatTokenizer
+    from megatrain.data.sft_formats import Chat, RecordError
+    from megatrain.data.tokenizer import EOT_TOKEN
+
+    record = {"instruction": "Say 1.", "output": "1", "history": [[f"q{i}", f"a{i}"] for i in range(10_000)]}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    t0 = time.perf_counter()
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--task", "sft", "--data", str(data),
+                 "--seq-len", "32", "--global-batch", "2", "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    line = _error(capsys)
+    assert time.perf_counter() - t0 < 10
+    assert (f"'{data}', record 1 (line 1): the chat has 20,002 messages, more than megatrain renders for one record "
+            f"(megatrain.bounds.MAX_CHAT_MESSAGES, 2,048" in line and "split it into several records" in line), line
+
+    def chat(n):
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(n)]
+        return Chat(tuple(messages), tuple(i % 2 == 1 for i in range(n)))
+
+    with pytest.raises(RecordError, match="the chat has 2,050 messages"):
+        chat(bounds.MAX_CHAT_MESSAGES + 2)
+    t0 = time.perf_counter()  # a chat at the limit splits in time
+    enc = ChatTokenizer(train_bpe_tokenizer(["m0 m1 m2 " * 50], vocab_size=300), None, eos_token=EOT_TOKEN).encode(
+        chat(bounds.MAX_CHAT_MESSAGES))
+    assert enc.targets.any() and time.perf_counter() - t0 < 5
+
+
+def test_all_the_renders_that_split_a_record_share_its_time_bound(monkeypatch):
+    """Issue 44 round 3, item 4: each prefix of a chat rendered within the bound, and all of them
+    together ran unbounded."""
+    from megatrain.data import train_bpe_tokenizer
+    from megatrain.data.sft import ChatTokenizer
+    from megatrain.data.sft_formats import Chat, RecordError
+    from megatrain.data.tokenizer import EOT_TOKEN
+
+    monkeypatch.setattr(bounds, "TEMPLATE_SECONDS", 0.3)
+    template = "{% for m in messages %}{% for i in range(400) %}{% endfor %}{{ m['content'] }}|{% endfor %}"
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(300)]
+    example = Chat(tuple(messages), tuple(i % 2 == 1 for i in range(300)))
+    chat = ChatTokenizer(train_bpe_tokenizer(["m0 m1 m2 " * 50], vocab_size=300), template, eos_token=EOT_TOKEN)
+    t0 = time.perf_counter()
+    chat._render(messages, None, False)  # one render: in time
+    assert time.perf_counter() - t0 < 0.3
+    t0 = time.perf_counter()
+    with pytest.raises(RecordError, match=r"took more than 0.3 s to render one record"):
+        chat.encode(example)  # 300 renders of it: not
+    assert time.perf_counter() - t0 < 3

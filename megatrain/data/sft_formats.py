@@ -51,6 +51,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatrain import bounds
+
 __all__ = ["IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format",
            "to_example"]
 
@@ -115,6 +117,10 @@ class Chat:
     def __post_init__(self) -> None:
         if len(self.train) != len(self.messages):
             raise ValueError(f"{len(self.train)} train flags for {len(self.messages)} messages")
+        if len(self.messages) > bounds.MAX_CHAT_MESSAGES:
+            raise RecordError(f"the chat has {len(self.messages):,} messages, more than megatrain renders for one "
+                              f"record (megatrain.bounds.MAX_CHAT_MESSAGES, {bounds.MAX_CHAT_MESSAGES:,}: splitting a "
+                              "chat takes time quadratic in its messages); split it into several records")
 
 
 @dataclass(frozen=True, slots=True)
