@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import re
 import threading
 import time
@@ -389,3 +390,41 @@ def test_all_the_renders_that_split_a_record_share_its_time_bound(monkeypatch):
     with pytest.raises(RecordError, match=r"took more than 0.3 s to render one record"):
         chat.encode(example)  # 300 renders of it: not
     assert time.perf_counter() - t0 < 3
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="POSIX signals")
+def test_sigterm_while_a_chat_template_renders_ends_the_run_at_once(tmp_path, capsys, monkeypatch):
+    """Issue 44 round 3, item 5: a template of nested range(99999) loops held the run past SIGTERM.
+    SIGTERM during its render ends the run (exit 143, one line) within seconds, well before the
+    render's 10 s bound would. A real SIGTERM, to this process, from a thread, once the render runs."""
+    from megatrain.data.sft import ChatTokenizer
+
+    rendering = threading.Event()
+    bounded = ChatTokenizer._bounded
+
+    def _bounded(self, render):
+        rendering.set()
+        return bounded(self, render)
+
+    monkeypatch.setattr(ChatTokenizer, "_bounded", _bounded)
+    (tmp_path / "t.jinja").write_text("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+                                      "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "d.jsonl").write_text((json.dumps({"instruction": "Say 1.", "output": "1"}) + "\n") * 40)
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    sent = []
+
+    def terminate():
+        if rendering.wait(60):
+            time.sleep(0.5)
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=terminate, daemon=True)
+    t.start()
+    rc = main(["train", "--model", str(tmp_path / "config.json"), "--task", "sft", "--data", str(tmp_path / "d.jsonl"),
+               "--chat-template", str(tmp_path / "t.jinja"), "--seq-len", "32", "--global-batch", "2",
+               "--output-dir", str(tmp_path / "out"), "--device", "cpu"])
+    ended = time.perf_counter()
+    t.join(5)
+    assert sent and rc == 143 and ended - sent[0] < 5, (rc, sent)
+    assert "error: interrupted (SIGTERM)" in _error(capsys)
