@@ -190,10 +190,14 @@ def host_beside_plan(cfg: TrainConfig, source: ModelSource, model=None) -> HostB
         ConfigError: the data path does not exist or holds no corpus file.
     """
     data = data_pipeline_bytes(cfg, tokenizer_sample_bytes(cfg) if trains_tokenizer(cfg, source) else 0)
+    return HostBeside(data, largest_safetensors(source.directory), _built_bytes(model))
+
+
+def _built_bytes(model) -> int:
     params = [] if model is None else list(model.parameters())
-    built = 0 if not params or params[0].device.type == "meta" else \
-        sum(p.numel() for p in params) * BUILT_BYTES_PER_PARAMETER
-    return HostBeside(data, largest_safetensors(source.directory), built)
+    if not params or params[0].device.type == "meta":
+        return 0
+    return sum(p.numel() for p in params) * BUILT_BYTES_PER_PARAMETER
 
 
 def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None, source: ModelSource | None = None):
@@ -253,7 +257,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
                             available=machine, optimizer=cfg.optimizer, nvme=cfg.nvme_dir is not None)
 
     def preflight(planned: PlannedModel) -> int:
-        b = host_beside_plan(cfg, source, model)
+        b = HostBeside(beside.data, beside.checkpoint, _built_bytes(model))  # host_beside_plan(cfg, source, model)
         return preflight_host_memory(planned, data_bytes=b.data, checkpoint_bytes=b.checkpoint, built_bytes=b.built,
                                      available=available)
 
