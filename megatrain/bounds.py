@@ -19,8 +19,8 @@ from typing import Any
 
 from megatrain.errors import ConfigError
 
-__all__ = ["MAX_CHAT_MESSAGES", "MAX_CONFIG_NODES", "MAX_ERROR_CHARS", "MAX_GLOBAL_BATCH", "MAX_IMAGE_PIXELS", "MAX_JSON_DEPTH", "MAX_LAYERS",
-           "MAX_NUM_SAMPLES", "MAX_PARAMETERS", "MAX_SEQ_LEN", "MAX_TEMPLATE_CHARS", "TEMPLATE_SECONDS",
+__all__ = ["MAX_CHAT_MESSAGES", "MAX_CONFIG_NODES", "MAX_ERROR_CHARS", "MAX_GLOBAL_BATCH", "MAX_IMAGE_PIXELS",
+           "MAX_JSON_DEPTH", "MAX_LAYERS", "MAX_NUM_SAMPLES", "MAX_PARAMETERS", "MAX_SEQ_LEN", "MAX_TEMPLATE_CHARS", "TEMPLATE_SECONDS",
            "check_expanded_size", "check_json_depth", "check_image_size",
            "check_model_size", "shorten", "time_limit"]
 

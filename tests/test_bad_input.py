@@ -428,3 +428,18 @@ def test_sigterm_while_a_chat_template_renders_ends_the_run_at_once(tmp_path, ca
     t.join(5)
     assert sent and rc == 143 and ended - sent[0] < 5, (rc, sent)
     assert "error: interrupted (SIGTERM)" in _error(capsys)
+
+
+def test_a_number_in_a_message_is_named_by_record_and_message_counted_from_1(tmp_path):
+    """Issue 44 round 3, item 1: a message's content 42 in a .json array trained on "42"; the error
+    names the record and the message as records are named, from 1 (it said message 1 for the second)."""
+    from megatrain.data.sft_formats import RecordError
+    from megatrain.data.sft_sources import iter_examples, resolve_sft_data
+
+    records = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}"}]}
+               for i in range(12)]
+    records[11]["messages"][1]["content"] = 42
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    with pytest.raises(RecordError, match=r"d.json', record 12: field 'messages': message 2 must have a string "
+                                          r"'content'"):
+        list(iter_examples(resolve_sft_data(str(tmp_path / "d.json"))[0]))
