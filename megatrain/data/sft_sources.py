@@ -5,7 +5,9 @@ with a mixing weight after a colon (``a.json:2,b.jsonl``):
 
 - a ``.json`` (a JSON array of records, or JSON Lines), ``.jsonl``, ``.parquet``, ``.csv`` or
   ``.arrow`` file, read with ``datasets.load_dataset(<builder>, data_files=..., streaming=True)``
-  (records stream from the file: no Arrow cache is written and memory is bounded by a batch);
+  (records stream from the file: no Arrow cache is written and memory is bounded by a batch); a
+  JSON file ``datasets`` refuses (``on_mixed_types=None``: a field of more than one type, which it
+  would otherwise change) is read from there on with :mod:`json`, each value as written;
 - a directory saved with ``datasets``' ``save_to_disk`` (its ``train`` split), read with
   ``datasets.load_from_disk`` (memory-mapped);
 - ``NAME@DIR`` (``a,b:2@data/``): the entries ``NAME`` of ``DIR/dataset_info.json``, a registry as
