@@ -19,8 +19,8 @@ from typing import Any
 
 from megatrain.errors import ConfigError
 
-__all__ = ["MAX_CONFIG_NODES", "MAX_ERROR_CHARS", "MAX_GLOBAL_BATCH", "MAX_IMAGE_PIXELS", "MAX_JSON_DEPTH", "MAX_LAYERS",
-           "MAX_NUM_SAMPLES", "MAX_PARAMETERS", "MAX_SEQ_LEN", "MAX_TEMPLATE_CHARS", "TEMPLATE_SECONDS",
+__all__ = ["MAX_CHAT_MESSAGES", "MAX_CONFIG_NODES", "MAX_ERROR_CHARS", "MAX_GLOBAL_BATCH", "MAX_IMAGE_PIXELS",
+           "MAX_JSON_DEPTH", "MAX_LAYERS", "MAX_NUM_SAMPLES", "MAX_PARAMETERS", "MAX_SEQ_LEN", "MAX_TEMPLATE_CHARS", "TEMPLATE_SECONDS",
            "check_expanded_size", "check_json_depth", "check_image_size",
            "check_model_size", "shorten", "time_limit"]
 
@@ -58,8 +58,16 @@ MAX_IMAGE_PIXELS = 89_478_485
 past which Pillow calls a file a decompression bomb; megatrain resizes and reads no larger."""
 
 TEMPLATE_SECONDS = 10.0
-"""Seconds a chat template may take to render one record: a template renders a chat in milliseconds;
-one of nested ``range(99999)`` loops never finished (and held the run past SIGTERM)."""
+"""Seconds a chat template may take to render one record (all the renders that split it): a template
+renders a chat in milliseconds; one of nested ``range(99999)`` loops never finished (and held the
+run past SIGTERM)."""
+
+MAX_CHAT_MESSAGES = 2**11
+"""Messages of one chat record: a template without ``{% generation %}`` markers is split by
+rendering the chat's every prefix (``megatrain.data.sft``), time quadratic in the messages: 8,192
+short ones took 0.9 s on a loaded 2-core machine, and a record of a 10,000-exchange history 121 s
+with no word. 2,048 (a thousand exchanges; long agent traces have hundreds of messages) render in
+well under a second."""
 
 MAX_TEMPLATE_CHARS = MAX_SEQ_LEN * 16
 """Characters a chat template may render for one record: the longest row megatrain trains

@@ -591,7 +591,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     source = resolve_model(cfg.model)
     request = plan_request(cfg, planning_model(cfg, source), hw,
                            Topology(ranks, args.gpus_per_node, host_state=cfg.host_state if ranks > 1 else None),
-                           image_grid_thw(cfg, source))
+                           image_grid_thw(cfg, source), source)
     request = dataclasses.replace(request, **_execution_flags(args))  # --templates/--cuda-graphs replace the run's
     summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, {device}"
                + (f", images_per_row {cfg.images_per_row}" if cfg.images_per_row != 1 else "")

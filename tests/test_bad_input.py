@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import re
 import threading
 import time
 from pathlib import Path
@@ -236,3 +238,208 @@ def test_a_weight_decay_that_alone_diverges_is_named_with_each_non_finite_step()
     layer = type("L", (), {"name": "layer0"})()
     assert "use weight_decay < 3333.33" in Guard(deferred=False, loss_spike=None, decay=decay_hint(3e-4, 1e30)).judge(
         2, dataclasses.replace(nan, loss=1.0, applied=True), (0,), [layer]).why
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_number_where_a_string_belongs_is_a_record_error_past_the_first_records(tmp_path, suffix):
+    """Issue 44 round 3, item 1: datasets kept a field of two types as JSON text, so in a .json array
+    ``"output": 42`` trained on "42" (and every other output gained quotes), and in JSON Lines the
+    string "0" became 0 and was blamed."""
+    from megatrain.data.sft_formats import RecordError
+    from megatrain.data.sft_sources import check_first_records, iter_examples, resolve_sft_data
+
+    records = [{"instruction": f"Say {i}.", "output": f"{i}"} for i in range(12)]
+    records[11]["output"] = 42  # record 12, past the 8 the first-records check reads
+    data = tmp_path / f"d{suffix}"
+    data.write_text(json.dumps(records) if suffix == ".json" else "\n".join(json.dumps(r) for r in records) + "\n")
+    source = resolve_sft_data(str(data))[0]
+    check_first_records(source)
+    where = "record 12" + (" (line 12)" if suffix == ".jsonl" else "")
+    with pytest.raises(RecordError, match=rf"'{data}', {re.escape(where)}: field 'output' must be a string, got a int"):
+        list(iter_examples(source))
+
+
+def test_a_field_of_two_legitimate_types_is_read_as_written(tmp_path):
+    """A message's content is text in one record and a list of parts in another: both read as
+    written (datasets' JSON text made "Hi." '"Hi."' in a .json array)."""
+    from megatrain.data.sft_sources import iter_examples, resolve_sft_data
+
+    text = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "0"}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi."}]},
+                          {"role": "assistant", "content": "1"}]}
+    for suffix in (".json", ".jsonl"):
+        data = tmp_path / f"d{suffix}"
+        records = [text] * 3 + [parts]
+        data.write_text(json.dumps(records) if suffix == ".json" else "\n".join(json.dumps(r) for r in records))
+        chats = [ex for ex, _, _ in iter_examples(resolve_sft_data(str(data))[0])]
+        assert [c.messages[0]["content"] for c in chats] == ["Hi."] * 3 + [[{"type": "text", "text": "Hi."}]], suffix
+        assert [c.messages[1]["content"] for c in chats] == ["0"] * 3 + ["1"], suffix
+
+
+@pytest.mark.parametrize("task, text", [("lm", ""), ("lm", "\n\n"), ("sft", ""), ("sft", "\n\n")])
+def test_an_empty_data_file_is_named_not_a_bare_stop_iteration(tmp_path, capsys, task, text):
+    """Issue 44 round 3, item 3: datasets raises a bare StopIteration on an empty .jsonl file (it has
+    no first batch to take the columns from); the error line ended in an empty message."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text(text)
+    record = {"text": "Some words. " * 40} if task == "lm" else {"instruction": "Say 1.", "output": "1"}
+    (data / "b.jsonl").write_text((json.dumps(record) + "\n") * 100)
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--task", task, "--data", str(data),
+                 "--seq-len", "32", "--global-batch", "2", "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    line = _error(capsys)
+    assert f"'{data / 'a.jsonl'}'" in line and "holds no records" in line, line
+    if task == "lm":  # and the reader past the first-records check
+        from megatrain.data.sources import iter_file_documents
+
+        with pytest.raises(ValueError, match=r"a.jsonl' holds no records \(it is empty or only blank lines\)"):
+            list(iter_file_documents(data / "a.jsonl"))
+    else:
+        from megatrain.data.sft_sources import iter_examples, resolve_sft_data
+
+        with pytest.raises(ValueError, match=r"a.jsonl' holds no records \(an empty file\?\)"):
+            list(iter_examples(resolve_sft_data(str(data / "a.jsonl"))[0]))
+
+
+def test_a_host_memory_the_plan_fits_only_without_the_data_is_refused_naming_what_fits(tmp_path, monkeypatch, capsys):
+    """Issue 44 round 3, item 2: --host-memory with --nvme-dir fitted only the plan's bytes, so a
+    budget of the plan's host total was accepted with nothing moved while the run (its data, the
+    model built on the CPU) needed more. megatrain train and megatrain plan --config now fit the
+    plan beside those bytes (megatrain.train.loop.host_beside_plan), and refuse naming the least
+    that fits; with that much the run trains and needs no more."""
+    import megatrain.runtime.measure
+    from megatrain.planner import front
+    from megatrain.train.loop import plan_request, planning_model
+    from megatrain.train.model import resolve_model
+    from megatrain.units import human_bytes
+    from test_train_cli import CONFIG_YAML, write_model
+
+    monkeypatch.setattr(megatrain.runtime.measure, "MATMUL_SECONDS", 0.02)
+    write_model(tmp_path / "config.json")
+    (tmp_path / "run.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json"))
+    cfg = load_train_config(tmp_path / "run.yaml", {"output_dir": str(tmp_path / "x")})
+    plan_only = front.plan(plan_request(cfg, planning_model(cfg, resolve_model(cfg.model)), None,
+                                        front.Topology())).memory.host_total
+    (tmp_path / "nvme").mkdir()
+    args = ["--config", str(tmp_path / "run.yaml"), "--nvme-dir", str(tmp_path / "nvme")]
+    train = ["train", *args, "--max-steps", "1", "--warmup-steps", "0"]
+    assert main([*train, "--host-memory", str(plan_only), "--output-dir", str(tmp_path / "a")]) == 2
+    line = _error(capsys)
+    m = re.search(r"give host_memory of at least ([0-9.]+) MiB \(--host-memory (\d+MiB)\)", line)
+    assert m and f"host_memory {human_bytes(plan_only)} is too small" in line, line
+    assert "the run holds" in line and float(m[1]) * 2**20 > plan_only
+    (tmp_path / "nvme.yaml").write_text(CONFIG_YAML.format(model=tmp_path / "config.json")
+                                        + f"nvme_dir: {tmp_path / 'nvme'}\nhost_memory: '{plan_only}'\n")
+    assert main(["plan", "--config", str(tmp_path / "nvme.yaml"), "--hardware", "H100_SXM"]) == 3
+    assert f"give host_memory of at least {m[1]} MiB" in capsys.readouterr().out  # the same answer
+    assert main([*train, "--host-memory", m[2], "--output-dir", str(tmp_path / "b")]) == 0
+    needed = re.search(r"host memory needed about ([0-9.]+) MiB", capsys.readouterr().out)
+    assert needed and float(needed[1]) <= int(m[2][:-3])
+
+
+def test_a_chat_of_too_many_messages_is_refused_at_once_naming_the_limit(tmp_path, capsys):
+    """Issue 44 round 3, item 4: splitting a chat renders its every prefix, time quadratic in its
+    messages: a record with a 10,000-exchange history took 121 s with no word."""
+    from megatrain.data import train_bpe_tokenizer
+    from megatrain.data.sft import ChatTokenizer
+    from megatrain.data.sft_formats import Chat, RecordError
+    from megatrain.data.tokenizer import EOT_TOKEN
+
+    record = {"instruction": "Say 1.", "output": "1", "history": [[f"q{i}", f"a{i}"] for i in range(10_000)]}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    t0 = time.perf_counter()
+    assert main(["train", "--model", str(tmp_path / "config.json"), "--task", "sft", "--data", str(data),
+                 "--seq-len", "32", "--global-batch", "2", "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    line = _error(capsys)
+    assert time.perf_counter() - t0 < 10
+    assert (f"'{data}', record 1 (line 1): the chat has 20,002 messages, more than megatrain renders for one record "
+            f"(megatrain.bounds.MAX_CHAT_MESSAGES, 2,048" in line and "split it into several records" in line), line
+
+    def chat(n):
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(n)]
+        return Chat(tuple(messages), tuple(i % 2 == 1 for i in range(n)))
+
+    with pytest.raises(RecordError, match="the chat has 2,050 messages"):
+        chat(bounds.MAX_CHAT_MESSAGES + 2)
+    t0 = time.perf_counter()  # a chat at the limit splits in time
+    enc = ChatTokenizer(train_bpe_tokenizer(["m0 m1 m2 " * 50], vocab_size=300), None, eos_token=EOT_TOKEN).encode(
+        chat(bounds.MAX_CHAT_MESSAGES))
+    assert enc.targets.any() and time.perf_counter() - t0 < 5
+
+
+def test_all_the_renders_that_split_a_record_share_its_time_bound(monkeypatch):
+    """Issue 44 round 3, item 4: each prefix of a chat rendered within the bound, and all of them
+    together ran unbounded."""
+    from megatrain.data import train_bpe_tokenizer
+    from megatrain.data.sft import ChatTokenizer
+    from megatrain.data.sft_formats import Chat, RecordError
+    from megatrain.data.tokenizer import EOT_TOKEN
+
+    monkeypatch.setattr(bounds, "TEMPLATE_SECONDS", 0.3)
+    template = "{% for m in messages %}{% for i in range(400) %}{% endfor %}{{ m['content'] }}|{% endfor %}"
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(300)]
+    example = Chat(tuple(messages), tuple(i % 2 == 1 for i in range(300)))
+    chat = ChatTokenizer(train_bpe_tokenizer(["m0 m1 m2 " * 50], vocab_size=300), template, eos_token=EOT_TOKEN)
+    t0 = time.perf_counter()
+    chat._render(messages, None, False)  # one render: in time
+    assert time.perf_counter() - t0 < 0.3
+    t0 = time.perf_counter()
+    with pytest.raises(RecordError, match=r"took more than 0.3 s to render one record"):
+        chat.encode(example)  # 300 renders of it: not
+    assert time.perf_counter() - t0 < 3
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="POSIX signals")
+def test_sigterm_while_a_chat_template_renders_ends_the_run_at_once(tmp_path, capsys, monkeypatch):
+    """Issue 44 round 3, item 5: a template of nested range(99999) loops held the run past SIGTERM.
+    SIGTERM during its render ends the run (exit 143, one line) within seconds, well before the
+    render's 10 s bound would. A real SIGTERM, to this process, from a thread, once the render runs."""
+    from megatrain.data.sft import ChatTokenizer
+
+    rendering = threading.Event()
+    bounded = ChatTokenizer._bounded
+
+    def _bounded(self, render):
+        rendering.set()
+        return bounded(self, render)
+
+    monkeypatch.setattr(ChatTokenizer, "_bounded", _bounded)
+    (tmp_path / "t.jinja").write_text("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+                                      "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "d.jsonl").write_text((json.dumps({"instruction": "Say 1.", "output": "1"}) + "\n") * 40)
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    sent = []
+
+    def terminate():
+        if rendering.wait(60):
+            time.sleep(0.5)
+            sent.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=terminate, daemon=True)
+    t.start()
+    rc = main(["train", "--model", str(tmp_path / "config.json"), "--task", "sft", "--data", str(tmp_path / "d.jsonl"),
+               "--chat-template", str(tmp_path / "t.jinja"), "--seq-len", "32", "--global-batch", "2",
+               "--output-dir", str(tmp_path / "out"), "--device", "cpu"])
+    ended = time.perf_counter()
+    t.join(5)
+    assert sent and rc == 143 and ended - sent[0] < 5, (rc, sent)
+    assert "error: interrupted (SIGTERM)" in _error(capsys)
+
+
+def test_a_number_in_a_message_is_named_by_record_and_message_counted_from_1(tmp_path):
+    """Issue 44 round 3, item 1: a message's content 42 in a .json array trained on "42"; the error
+    names the record and the message as records are named, from 1 (it said message 1 for the second)."""
+    from megatrain.data.sft_formats import RecordError
+    from megatrain.data.sft_sources import iter_examples, resolve_sft_data
+
+    records = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}"}]}
+               for i in range(12)]
+    records[11]["messages"][1]["content"] = 42
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    with pytest.raises(RecordError, match=r"d.json', record 12: field 'messages': message 2 must have a string "
+                                          r"'content'"):
+        list(iter_examples(resolve_sft_data(str(tmp_path / "d.json"))[0]))

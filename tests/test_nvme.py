@@ -781,13 +781,16 @@ def test_megatrain_train_with_nvme_dir_matches_all_in_ram(tmp_path, monkeypatch,
     want = losses(tmp_path / "ram")
     from megatrain.planner import front
     from megatrain.train import load_train_config
-    from megatrain.train.loop import plan_request, planning_model
+    from megatrain.train.loop import host_beside_plan, plan_request, planning_model
     from megatrain.train.model import resolve_model
 
-    # A budget one byte under the host bytes of the run's plan, planned as megatrain train plans it.
+    # A budget one byte under the host bytes of the run: its plan's, planned as megatrain train
+    # plans it, and what it holds beside them (its data, the model built on the CPU).
     cfg = load_train_config(tmp_path / "run.yaml", {"output_dir": str(tmp_path / "ram")})
-    total = front.plan(plan_request(cfg, planning_model(cfg, resolve_model(cfg.model)), None,
-                                    front.Topology())).memory.host_total
+    source = resolve_model(cfg.model)
+    model = planning_model(cfg, source)
+    total = front.plan(plan_request(cfg, model, None, front.Topology())).memory.host_total
+    total += host_beside_plan(cfg, source, model).total
     for name, extra, on_disk in (("all", (), 4), ("budget", ("--host-memory", "1TiB"), 0),
                                  ("short", ("--host-memory", str(total - 1)), 0)):
         nvme_dir = tmp_path / f"nvme_{name}"

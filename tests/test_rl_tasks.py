@@ -428,3 +428,35 @@ def test_a_dpo_run_on_an_nvme_dir_in_use_is_refused_naming_it(tmp_path):
             pytest.raises(LockedError, match=f"nvme_dir {nvme_dir} is in use"):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_sigterm_during_a_grpo_run_interrupts_it_and_releases_its_locks(tmp_path):
+    """SIGTERM ends a DPO or GRPO run as it ends megatrain train's other tasks before their loop
+    (KeyboardInterrupt('SIGTERM'): the CLI exits 143); its output_dir and nvme_dir locks are let go,
+    so the same command runs again. Here the reward sends the signal at step 1."""
+    import os
+    import signal
+    import sys
+
+    from megatrain.files import DirectoryLock
+    from megatrain.train.rundir import LOCK_FILE, NVME_LOCK_FILE
+
+    (tmp_path / "term_reward_mod.py").write_text(
+        "import os, signal\ndef reward(prompts, completions, **kw):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return [0.0] * len(completions)\n")
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    kw = dict(task="grpo", data=str(DATA / "rl" / "arithmetic.jsonl"), seq_len=12, max_new_tokens=3, global_batch=8,
+              micro_batch_size=8, group_size=4, max_steps=1, nvme_dir=str(nvme_dir))
+    old = signal.getsignal(signal.SIGTERM)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            train(_cfg(tmp_path, reward="term_reward_mod:reward", **kw))
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert signal.getsignal(signal.SIGTERM) is old and os.getpid()  # the handler is put back
+    for lock in (tmp_path / "run" / LOCK_FILE, nvme_dir / NVME_LOCK_FILE):
+        with DirectoryLock(lock, str(lock)):  # free again: acquiring does not raise
+            pass
+    assert not (tmp_path / "run" / "checkpoint").exists()

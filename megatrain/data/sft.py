@@ -167,6 +167,12 @@ class ChatTokenizer:
         if isinstance(example, Completion):
             text = example.prompt + example.completion + self.eos_token
             return self._tokenize(text, [(len(example.prompt), len(text))])
+        # One bound for all of the record's renders (_bounded's own is then moot): each of a long
+        # chat's prefixes renders in time, and all of them did not.
+        with bounds.time_limit(bounds.TEMPLATE_SECONDS, self._slow):
+            return self._encode_chat(example)
+
+    def _encode_chat(self, example: Chat) -> Encoded:
         example = self._messages(example)
         train = list(example.train)
         if self.loss == "last":
@@ -199,16 +205,16 @@ class ChatTokenizer:
                          if isinstance(m.get("content"), list) else m for m in chat.messages)
         return Chat(messages, chat.train, chat.tools)
 
+    def _slow(self) -> RecordError:
+        return RecordError(f"{self.template_name} took more than {bounds.TEMPLATE_SECONDS:g} s to render one record "
+                           "(a template renders a chat in milliseconds: a loop in it, or a record of thousands "
+                           "of messages); fix the template or shorten the record")
+
     def _bounded(self, render: Callable[[], Any]) -> Any:
         """``render()`` (a template's render) within :data:`megatrain.bounds.TEMPLATE_SECONDS`; its
         errors as a RecordError."""
-        def slow() -> RecordError:
-            return RecordError(f"{self.template_name} took more than {bounds.TEMPLATE_SECONDS:g} s to render one record "
-                               "(a template renders a chat in milliseconds: a loop in it, or a record of thousands "
-                               "of messages); fix the template or shorten the record")
-
         try:
-            with bounds.time_limit(bounds.TEMPLATE_SECONDS, slow):
+            with bounds.time_limit(bounds.TEMPLATE_SECONDS, self._slow):
                 return render()
         except RecordError:
             raise

@@ -51,8 +51,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat", "detect_format",
-           "to_example"]
+from megatrain import bounds
+
+__all__ = ["FORMATS", "IMAGE_PLACEHOLDER", "SFT_FORMATS", "Chat", "Completion", "RecordError", "SftFormat",
+           "detect_format", "to_example"]
 
 FormatKind = str
 """A name of :data:`FORMATS` (``SftFormat.kind``)."""
@@ -92,6 +94,10 @@ class Chat:
     def __post_init__(self) -> None:
         if len(self.train) != len(self.messages):
             raise ValueError(f"{len(self.train)} train flags for {len(self.messages)} messages")
+        if len(self.messages) > bounds.MAX_CHAT_MESSAGES:
+            raise RecordError(f"the chat has {len(self.messages):,} messages, more than megatrain renders for one "
+                              f"record (megatrain.bounds.MAX_CHAT_MESSAGES, {bounds.MAX_CHAT_MESSAGES:,}: splitting a "
+                              "chat takes time quadratic in its messages); split it into several records")
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +325,7 @@ def _sharegpt(record: Mapping[str, Any], fmt: SftFormat) -> Chat:
     role_key, content_key = t["role_tag"], t["content_tag"]
     for i, m in enumerate(items):
         if not (isinstance(m, dict) and isinstance(m.get(role_key), str) and isinstance(m.get(content_key), str)):
-            raise RecordError(f"field {c['messages']!r}: message {i} must be an object with string "
+            raise RecordError(f"field {c['messages']!r}: message {i + 1} must be an object with string "
                               f"{role_key!r} and {content_key!r}")
     system = _string(record, c["system"], required=False)
     if items and t["system_tag"] and items[0][role_key] == t["system_tag"]:
@@ -372,16 +378,16 @@ def _messages(items: Any, column: str) -> tuple[list[dict], list[bool]]:
     messages, train = [], []
     for i, m in enumerate(_as_list(items, column)):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-            raise RecordError(f"field {column!r}: message {i} must be an object with a string 'role'")
+            raise RecordError(f"field {column!r}: message {i + 1} must be an object with a string 'role'")
         m = {k: v for k, v in m.items() if v is not None}
         weight = m.pop("weight", 1)
         if weight not in (0, 1):
-            raise RecordError(f"field {column!r}: message {i} has weight {weight!r}; OpenAI's weight is 0 or 1")
+            raise RecordError(f"field {column!r}: message {i + 1} has weight {weight!r}; OpenAI's weight is 0 or 1")
         content = m.get("content")
         if isinstance(content, list):
             m["content"] = _content_parts(content, column, i)
         elif not (isinstance(content, str) or (content is None and m["role"] == "assistant" and m.get("tool_calls"))):
-            raise RecordError(f"field {column!r}: message {i} must have a string 'content', a list of "
+            raise RecordError(f"field {column!r}: message {i + 1} must have a string 'content', a list of "
                               "{type: text, text} / {type: image} parts (or, from the assistant, 'tool_calls')")
         messages.append(m)
         train.append(m["role"] == "assistant" and weight == 1)
@@ -402,11 +408,11 @@ def _content_parts(content: list, column: str, i: int) -> list[dict]:
         elif kind == "image":
             path = next((part[k] for k in ("path", "image") if isinstance(part.get(k), str)), None)
             if path is None and any(k in part for k in ("url", "base64", "image")):
-                raise RecordError(f"field {column!r}: message {i} has an image part without a local file; give its "
+                raise RecordError(f"field {column!r}: message {i + 1} has an image part without a local file; give its "
                                   "path as \"path\" or in the images column (nothing is downloaded)")
             parts.append({"type": "image", **({"path": path} if path else {})})
         else:
-            raise RecordError(f"field {column!r}: message {i} has a content part {part!r}; expected "
+            raise RecordError(f"field {column!r}: message {i + 1} has a content part {part!r}; expected "
                               "{type: text, text: str} or {type: image}")
     return parts
 

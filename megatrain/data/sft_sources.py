@@ -5,7 +5,9 @@ with a mixing weight after a colon (``a.json:2,b.jsonl``):
 
 - a ``.json`` (a JSON array of records, or JSON Lines), ``.jsonl``, ``.parquet``, ``.csv`` or
   ``.arrow`` file, read with ``datasets.load_dataset(<builder>, data_files=..., streaming=True)``
-  (records stream from the file: no Arrow cache is written and memory is bounded by a batch);
+  (records stream from the file: no Arrow cache is written and memory is bounded by a batch); a
+  JSON file ``datasets`` refuses (``on_mixed_types=None``: a field of more than one type, which it
+  would otherwise change) is read from there on with :mod:`json`, each value as written;
 - a directory saved with ``datasets``' ``save_to_disk`` (its ``train`` split), read with
   ``datasets.load_from_disk`` (memory-mapped);
 - ``NAME@DIR`` (``a,b:2@data/``): the entries ``NAME`` of ``DIR/dataset_info.json``, a registry as
@@ -34,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -276,6 +279,9 @@ def _datasets():
     except ImportError as e:  # a core dependency; only a broken install lacks it
         raise ImportError("reading SFT data needs the `datasets` package: pip install 'datasets>=5.2'") from e
     datasets.disable_progress_bars()
+    # Its JSON reader logs each file it refuses before raising; megatrain reads that file itself
+    # (_rows) and reports what was wrong in its one error line.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     return datasets
 
 
@@ -299,27 +305,13 @@ def _is_json_array(path: Path) -> bool:
 
 
 def _unreadable(path: Path, builder: str, cause: Exception) -> ValueError:
-    """The error for a file ``datasets`` could not read: for JSON, the first malformed line or the
-    parser's position (``datasets`` reports neither); else its own message, with the file."""
-    if builder == "json":
-        if _is_json_array(path):
-            try:
-                value = json.loads(path.read_bytes().decode("utf-8"))
-            except UnicodeDecodeError as e:
-                return ValueError(f"{str(path)!r} is not valid UTF-8 ({e})")
-            except json.JSONDecodeError as e:
-                return ValueError(f"{str(path)!r}, line {e.lineno} column {e.colno}: not valid JSON ({e.msg})")
-            bad = next((i for i, r in enumerate(value) if not isinstance(r, dict)), None)
-            if bad is not None:
-                return ValueError(f"{str(path)!r}, record {bad + 1}: not a JSON object; a .json file of SFT data is "
-                                  "an array of objects, one per example")
-        else:
-            try:
-                for where, obj in scan_jsonl(path, "one JSON object, one example"):
-                    if not isinstance(obj, dict):
-                        return ValueError(f"{where}: not a JSON object")
-            except ValueError as e:
-                return e
+    """The error for a file that could not be read: for a .json array, the parser's position
+    (``datasets`` reports none); else the reader's own message, with the file. (A JSON file
+    ``datasets`` refuses is read with :func:`_json_records`, which names the line.)"""
+    if isinstance(cause, UnicodeDecodeError):
+        return ValueError(f"{str(path)!r} is not valid UTF-8 ({cause})")
+    if isinstance(cause, json.JSONDecodeError):
+        return ValueError(f"{str(path)!r}, line {cause.lineno} column {cause.colno}: not valid JSON ({cause.msg})")
     first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     return ValueError(f"{str(path)!r} could not be read as {builder} by datasets: {first}")
 
@@ -344,21 +336,55 @@ def _rows(source: SftSource) -> Iterator[tuple[Path, int, dict]]:
     for path in source.files:
         if source.builder == "json":  # a parser recursing into a deep record crashed the process
             check_json_depth(path)
+        i = 0
         try:
             kwargs = {"features": _csv_as_text(path, ds)} if source.builder == "csv" else {}
+            if source.builder == "json":
+                # datasets' default ("use_json") keeps a field whose type varies between records by
+                # encoding it as JSON text: in a .json array that text is never decoded (every
+                # string of the field gains quotes, 42 becomes "42"), in JSON Lines a string that
+                # parses as JSON is decoded ("0" becomes 0). Refused instead, and read below.
+                kwargs["on_mixed_types"] = None
             rows = iter(ds.load_dataset(source.builder, data_files=str(path), split="train", streaming=True, **kwargs))
-        except Exception as e:
-            raise _unreadable(path, source.builder, e) from None
-        i = 0
-        while True:
-            try:
-                row = next(rows)
-            except StopIteration:
-                break
-            except Exception as e:  # ArrowInvalid, DatasetGenerationError, UnicodeDecodeError, ...
+            while True:
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    break
+                yield path, i, row
+                i += 1
+        except Exception as e:  # ArrowInvalid, ArrowTypeError, DatasetGenerationError, UnicodeDecodeError, ...
+            if source.builder != "json":
                 raise _unreadable(path, source.builder, e) from None
-            yield path, i, row
-            i += 1
+            # A file datasets refuses (a field of more than one type, a malformed line) is read
+            # from where it stopped with json, which keeps each value's type as written, so
+            # to_example names the record and field of the wrong type, or the line that is not
+            # JSON; a file whose every record is an example (text content in some messages, a
+            # list of parts in others) is read exactly.
+            yield from itertools.islice(_json_records(path), i, None)
+
+
+def _json_records(path: Path) -> Iterator[tuple[Path, int, dict]]:
+    """``(file, index in the file, record)`` for each record of a JSON or JSON Lines file, read with
+    :mod:`json`: each value as written.
+
+    Raises:
+        ValueError: a line (or file) that is not UTF-8 or not JSON; a record that is not an object.
+    """
+    if path.suffix.lower() == ".jsonl" or (path.suffix.lower() == ".json" and not _is_json_array(path)):
+        values = (obj for _, obj in scan_jsonl(path, "one JSON object, one example"))
+    else:
+        try:
+            values = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _unreadable(path, "json", e) from None
+        if not isinstance(values, list):
+            raise ValueError(f"{str(path)!r} holds a JSON {type(values).__name__}; a .json file of SFT data "
+                             "is an array of objects, one per example")
+    for i, obj in enumerate(values):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{_where(path, i)}: not a JSON object")
+        yield path, i, obj
 
 
 def _csv_as_text(path: Path, ds):
@@ -402,7 +428,8 @@ def _examples(source: SftSource, rows: Iterator[tuple[Path, int, dict]]
         n += 1
         yield example, (lambda p=path, k=i: _where(p, k)), fmt.kind
     if n == 0:
-        raise ValueError(f"SFT dataset {source.name!r} holds no records")
+        raise ValueError(f"SFT dataset {source.name!r} holds no records (an empty file?); give it records or leave "
+                         "it out of the data")
 
 
 FIRST_RECORDS_MAX_JSON_BYTES = 16 * 2**20
@@ -427,20 +454,7 @@ def check_first_records(source: SftSource, records: int = 8) -> None:
 
     def rows() -> Iterator[tuple[Path, int, dict]]:
         for path in source.files:
-            if path.suffix.lower() == ".jsonl" or (path.suffix.lower() == ".json" and not _is_json_array(path)):
-                values = (obj for _, obj in scan_jsonl(path, "one JSON object, one example"))
-            else:
-                try:
-                    values = json.loads(path.read_bytes().decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise _unreadable(path, "json", e) from None
-                if not isinstance(values, list):
-                    raise ValueError(f"{str(path)!r} holds a JSON {type(values).__name__}; a .json file of SFT data "
-                                     "is an array of objects, one per example")
-            for i, obj in enumerate(itertools.islice(values, records)):
-                if not isinstance(obj, dict):
-                    raise ValueError(f"{_where(path, i)}: not a JSON object")
-                yield path, i, obj
+            yield from itertools.islice(_json_records(path), records)
 
     try:
         for _ in _examples(source, rows()):

@@ -435,15 +435,18 @@ def _jsonl_error(path: Path, text_field: str, cause: BaseException | None = None
     scanned with :mod:`json` for the line to name. Returns the error to raise.
     """
     return _first_bad_line(path, text_field) or _RecordError(
-        f"{str(path)!r} could not be read as JSON Lines: {cause}")
+        f"{str(path)!r} could not be read as JSON Lines: {str(cause).strip() or type(cause).__name__}")
 
 
 def _first_bad_line(path: Path, text_field: str, limit: int | None = None) -> ValueError | None:
     """The error for the first of the first ``limit`` lines (all with None) of a ``.jsonl`` file
-    that is not a JSON object with a string ``text_field``; None when they all are."""
+    that is not a JSON object with a string ``text_field``, or for a file of no records at all
+    (``datasets`` raised a bare StopIteration on an empty one); None when they all are."""
+    seen = 0
     try:
         for where, obj in itertools.islice(scan_jsonl(path, f"a JSON object with a string field {text_field!r}"),
                                            limit):
+            seen += 1
             if not isinstance(obj, dict) or text_field not in obj:
                 return _RecordError(f"{where}: JSON value has no field {text_field!r}")
             if not isinstance(obj[text_field], str):
@@ -453,6 +456,9 @@ def _first_bad_line(path: Path, text_field: str, limit: int | None = None) -> Va
                 )
     except _RecordError as e:
         return e
+    if not seen:
+        return _RecordError(f"{str(path)!r} holds no records (it is empty or only blank lines); each line must be "
+                            f"a JSON object with a string field {text_field!r}: fill the file or remove it")
     return None
 
 

@@ -95,12 +95,16 @@ class Storage:
     ``reference``: ``"bfloat16"`` to hold a frozen BF16 copy of the weights for a reference model
     (preference and RL training: :class:`megatrain.rl.Reference`), 2 bytes per tile element of
     host memory on each rank, which the solver leaves room for and ``MemoryBreakdown.reference_weights``
-    counts; None (the default) for none (a reference precomputed as log-probabilities needs none)."""
+    counts; None (the default) for none (a reference precomputed as log-probabilities needs none).
+    ``host_reserved``: bytes of ``host_memory`` the run holds beside the plan's state (its data, a
+    checkpoint file being read, a model built on the CPU: ``megatrain.train.loop.host_beside_plan``),
+    so that the state left in RAM fits the rest."""
 
     nvme_dir: str | os.PathLike | None = None
     host_memory: int | str | None = None
     shared_staging: bool | None = None
     reference: Literal["bfloat16"] | None = None
+    host_reserved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +338,8 @@ def plan(request: PlanRequest) -> PlannedModel:
 
         memory = solution.memory if solution is not None and topo.ranks == 1 else \
             memory_breakdown(graph, p, hw, schedule=Schedules.lower(graph, p).steady)
-        placed = place_in_directory(graph, p, memory, r.storage.host_memory, r.storage.nvme_dir, hw_state)
+        placed = place_in_directory(graph, p, memory, r.storage.host_memory, r.storage.nvme_dir, hw_state,
+                                    reserved=r.storage.host_reserved)
         decisions.append(placed.describe(graph, r.storage.nvme_dir,
                                          cast_once_set=placed.cast_once and not p.cast_once))
         p = _data_parallel(dataclasses.replace(p, nvme_moments=placed.moments, nvme_gradients=placed.gradients,

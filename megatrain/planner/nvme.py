@@ -324,7 +324,7 @@ class NvmeLayers(NamedTuple):
 
 
 def place_in_directory(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdown, host_memory: int | str | None,
-                       nvme_dir, hw: HardwareSpec | None = None) -> NvmeLayers:
+                       nvme_dir, hw: HardwareSpec | None = None, reserved: int = 0) -> NvmeLayers:
     """The layers whose Adam moments, deferred gradient tiles and masters a run with the NVMe
     directory ``nvme_dir`` puts there, for ``plan`` (whose breakdown is ``memory``). Without
     ``host_memory``: every trainable layer's moments, nothing else. With it (bytes, or a size:
@@ -332,12 +332,15 @@ def place_in_directory(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdo
     it (none when they fit already): with clipped gradients (the optimizer in the next forward)
     the layers' gradient tiles first, then moments, then (BF16 compute on one rank, ``cast_once``
     set if needed) masters, each largest first. The placement's NVMe tier is ``nvme_dir``'s file
-    system (its free space); its rates do not enter the choice.
+    system (its free space); its rates do not enter the choice. ``reserved``: host bytes the run
+    holds beside the plan's (its data, a checkpoint file being read, a model built on the CPU:
+    ``megatrain.train.loop.host_beside_plan``), which ``host_memory`` must hold too.
 
     Raises:
         ConfigError: ``host_memory`` is not a size.
-        PlanError: even with every layer's moments on NVMe the plan does not fit ``host_memory``,
-            or the file system has too little free space (the message says what to change).
+        PlanError: even with every layer's moments on NVMe the plan does not fit ``host_memory``
+            (less ``reserved``: the message gives the least ``host_memory`` that fits), or the file
+            system has too little free space (the message says what to change).
     """
     import dataclasses
     import shutil
@@ -346,6 +349,16 @@ def place_in_directory(graph: LayerGraph, plan: Plan, memory: cost.MemoryBreakdo
         return NvmeLayers(frozenset(i for i, layer in enumerate(graph.layers) if layer.trainable_numel), frozenset(),
                           cast_once=plan.cast_once)
     budget = host_memory if isinstance(host_memory, int) else parse_bytes(host_memory)
+    if reserved:
+        bare = dataclasses.replace(plan, nvme_moments=frozenset(), nvme_gradients=frozenset(), nvme_masters=frozenset())
+        least = least_host(graph, bare, memory, hw)[0]
+        if least + reserved > budget:
+            raise PlanError(f"host_memory {human_bytes(budget)} is too small: with all it can move on NVMe the plan "
+                            f"still needs {human_bytes(least)} of host memory, and the run holds "
+                            f"{human_bytes(reserved)} beside it (its data, a checkpoint file being read, a model "
+                            f"built on the CPU); give host_memory of at least {human_bytes(least + reserved)} "
+                            f"(--host-memory {-(-(least + reserved) // 2**20)}MiB)")
+        budget -= reserved
     # The choice reads the host memory, its pinned cap and the NVMe capacity; the rates only time
     # the traffic, which no one reads here, so the hardware's are kept if it has them, else 1 B/s.
     base = {} if hw is None else hw.model_dump()

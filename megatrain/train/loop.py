@@ -162,21 +162,65 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
         ("input_ids", "position_ids", "labels") if packed else ("input_ids", "labels")
 
 
-def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None):
+@dataclass(frozen=True, slots=True)
+class HostBeside:
+    """Host bytes one rank of a run holds beside its plan's state (``cost.memory_breakdown``)."""
+
+    data: int
+    """The data pipeline: :func:`megatrain.train.preflight.data_pipeline_bytes`."""
+    checkpoint: int
+    """The largest safetensors file of the model's directory, mapped while it is read."""
+    built: int
+    """A model built on the CPU (to be traced there), until ``materialize`` moves it into the tiles."""
+
+    @property
+    def total(self) -> int:
+        return self.data + self.checkpoint + self.built
+
+
+def host_beside_plan(cfg: TrainConfig, source: ModelSource, model=None) -> HostBeside:
+    """What the host must hold beyond the plan's state, for the preflight
+    (``preflight_host_memory``) and for the planner's NVMe placement under ``host_memory``
+    (``Storage.host_reserved``), so that the two agree: a ``host_memory`` the plan fits only
+    without these used to be accepted. ``model``: the planning model (:func:`planning_model`; its
+    parameters count as built unless on the meta device), None before it exists.
+
+    Raises:
+        ConfigError: the data path does not exist or holds no corpus file.
+    """
+    data = data_pipeline_bytes(cfg, tokenizer_sample_bytes(cfg) if trains_tokenizer(cfg, source) else 0)
+    return HostBeside(data, largest_safetensors(source.directory), _built_bytes(model))
+
+
+def _built_bytes(model) -> int:
+    params = [] if model is None else list(model.parameters())
+    if not params or params[0].device.type == "meta":
+        return 0
+    return sum(p.numel() for p in params) * BUILT_BYTES_PER_PARAMETER
+
+
+def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None, source: ModelSource | None = None):
     """The :class:`megatrain.planner.front.PlanRequest` of a run's settings: what ``megatrain
     train`` plans and ``megatrain plan --config`` reports, for ``topology`` (a
     ``megatrain.planner.front.Topology``). On the CPU backend the plan is the default one and
     ``hw`` gives the prediction; on CUDA the solver's for ``hw``. ``image_grid_thw``: Qwen2-VL's
-    grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`)."""
+    grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`). With ``nvme_dir`` and
+    ``host_memory``, the placement leaves room in ``host_memory`` for :func:`host_beside_plan`
+    (of ``source``, the run's model resolved when None) on each rank of a node."""
     from megatrain.planner.front import PlanRequest, Storage
 
     cfg = resolve_device(cfg, planning=True)[0]  # device auto: the device this run would take
     names = batch_names(cfg, model.config)
+    reserved = 0
+    if cfg.nvme_dir is not None and cfg.host_memory is not None:
+        ranks = 1 if topology is None else topology.ranks_per_node
+        reserved = ranks * host_beside_plan(cfg, source or resolve_model(cfg.model), model).total
     return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
                        plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
                        input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
                        image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
-                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory, reference=rl_reference(cfg)),
+                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory, reference=rl_reference(cfg),
+                                       host_reserved=reserved),
                        templates=cfg.templates,
                        cuda_graphs=cfg.cuda_graphs)
 
@@ -195,20 +239,25 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     from megatrain.product import process_topology
     from megatrain.units import human_bytes
 
-    available = available_host_memory()  # before the build: what the run may use
-    data = data_pipeline_bytes(cfg, tokenizer_sample_bytes(cfg) if trains_tokenizer(cfg, source) else 0)
-    shard = largest_safetensors(source.directory)
-    clip = cfg.max_grad_norm is not None
-    built = 0
+    machine = available = available_host_memory()  # before the build: what the run may use
+    if cfg.nvme_dir is not None and cfg.host_memory is not None:
+        # The budget the NVMe placement fitted the plan and host_beside_plan into (its own error
+        # gives the least that fits); the preflight of the planned run checks it too.
+        from megatrain.planner.nvme import parse_bytes
 
-    def check_build(meta) -> None:
-        nonlocal built
-        preflight_cpu_build(meta, clip=clip, data_bytes=data, checkpoint_bytes=shard, available=available,
-                            optimizer=cfg.optimizer)
-        built = sum(p.numel() for p in meta.parameters()) * BUILT_BYTES_PER_PARAMETER
+        budget = parse_bytes(cfg.host_memory)
+        if available is None or budget < available[0]:
+            available = (budget, f"host_memory {cfg.host_memory}")
+    beside = host_beside_plan(cfg, source)
+    clip = cfg.max_grad_norm is not None
+
+    def check_build(meta) -> None:  # the machine's memory: the placement checks the budget
+        preflight_cpu_build(meta, clip=clip, data_bytes=beside.data, checkpoint_bytes=beside.checkpoint,
+                            available=machine, optimizer=cfg.optimizer, nvme=cfg.nvme_dir is not None)
 
     def preflight(planned: PlannedModel) -> int:
-        return preflight_host_memory(planned, data_bytes=data, checkpoint_bytes=shard, built_bytes=built,
+        b = HostBeside(beside.data, beside.checkpoint, _built_bytes(model))  # host_beside_plan(cfg, source, model)
+        return preflight_host_memory(planned, data_bytes=b.data, checkpoint_bytes=b.checkpoint, built_bytes=b.built,
                                      available=available)
 
     def fits(planned: PlannedModel) -> bool:
@@ -234,7 +283,7 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
 
         hw = measure_hardware()
     topology = process_topology(host_state=cfg.host_state, fits=fits) if world > 1 else process_topology()
-    planned = front.plan(plan_request(cfg, model, hw, topology, image_grid_thw(cfg, source)))
+    planned = front.plan(plan_request(cfg, model, hw, topology, image_grid_thw(cfg, source), source))
     for line in planned.decisions:
         echo(line)
     needed = preflight(planned)
@@ -329,7 +378,7 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     try:
         if nvme_lock is not None:
             nvme_lock.acquire()
-        with _InterruptOnTerm():
+        with InterruptOnTerm():
             return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock, device, given)
     finally:
         for held in (lock, nvme_lock):
@@ -338,13 +387,13 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         ranks.close()
 
 
-class _InterruptOnTerm:
+class InterruptOnTerm:
     """Outside the training loop (which finishes its step and saves, ``_StopOnSignal``), SIGTERM
     interrupts as SIGINT does, with ``KeyboardInterrupt("SIGTERM")``: what is being prepared then
     cleans up after itself (a token store build removes its temporary directory and stops its
     workers) instead of the process ending at once, and the CLI exits 143 (128 + SIGTERM)."""
 
-    def __enter__(self) -> "_InterruptOnTerm":
+    def __enter__(self) -> "InterruptOnTerm":
         self._old = None
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGTERM, self._raise)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatrain.errors import ConfigError, PlanError
-from megatrain.units import GiB, MiB, gib
+from megatrain.units import GiB, MiB, gib, human_bytes
 
 if TYPE_CHECKING:
     from megatrain.train.config import TrainConfig
@@ -87,7 +87,7 @@ def preflight_host_memory(planned: PlannedModel, *, data_bytes: int, checkpoint_
 
 
 def preflight_cpu_build(meta_model, *, clip: bool, data_bytes: int, checkpoint_bytes: int = 0,
-                        available: tuple[int, str] | None, optimizer: str = "adamw") -> int:
+                        available: tuple[int, str] | None, optimizer: str = "adamw", nvme: bool = False) -> int:
     """The bound checked before a model is built on the CPU (to be traced and planned there):
     building it is itself an allocation of 4 bytes per parameter, too large to attempt when the
     run cannot fit. Returns the bytes counted.
@@ -96,8 +96,9 @@ def preflight_cpu_build(meta_model, *, clip: bool, data_bytes: int, checkpoint_b
     memory), what :func:`preflight_host_memory` will count at least: FP32 master weights and the
     state of host optimizer ``optimizer`` (``cost.MASTER_BYTES_PER_ELEMENT`` + its spec's
     ``state_bytes_per_param`` per parameter: 8 for AdamW's two moments, 4 for Lion's one), with ``clip`` a gradient tile per layer (``cost.GRAD_ITEMSIZE`` per parameter),
-    the built FP32 model, ``data_bytes`` and ``checkpoint_bytes``. The exact check of the planned
-    model follows the build.
+    the built FP32 model, ``data_bytes`` and ``checkpoint_bytes``. With ``nvme`` (an NVMe
+    directory, where the placement may move the moments, gradient tiles and masters) only the last
+    three. The exact check of the planned model follows the build.
 
     Raises:
         PlanError: as :func:`preflight_host_memory`.
@@ -108,11 +109,15 @@ def preflight_cpu_build(meta_model, *, clip: bool, data_bytes: int, checkpoint_b
     n = sum(p.numel() for p in meta_model.parameters())
     master, moments = n * cost.MASTER_BYTES_PER_ELEMENT, n * optimizer_spec(optimizer).state_bytes_per_param
     grads = n * cost.GRAD_ITEMSIZE if clip else 0
+    if nvme:  # a lower bound: what the placement may move is not counted
+        master = moments = grads = 0
     built = n * BUILT_BYTES_PER_PARAMETER
     needed = master + moments + grads + built + data_bytes + checkpoint_bytes
     if available is None or needed <= available[0]:
         return needed
     parts = [f"FP32 master weights {gib(master)}", f"{optimizer_spec(optimizer).label} moments {gib(moments)}"]
+    if nvme:
+        parts = ["at least what NVMe cannot hold"]
     if grads:
         parts.append(f"gradient tiles {gib(grads)}")
     _refuse(needed, parts, data_bytes, checkpoint_bytes, built, available, n, clip_hint=grads > 0.1 * needed,
@@ -140,7 +145,9 @@ def _refuse(needed: int, parts: list[str], data_bytes: int, checkpoint_bytes: in
         f"({params / 1e9:,.2f}B parameters here): train a smaller model,{clip} "
         + ("put optimizer state on NVMe (--nvme-dir DIR, with --host-memory SIZE for what stays in RAM; "
            "megatrain plan --nvme says what moves), " if nvme_hint else "")
-        + f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available")
+        + (f"or give host_memory of at least {human_bytes(needed)} (--host-memory {math.ceil(needed / MiB)}MiB)"
+           if where.startswith("host_memory") else
+           f"free host memory, or use a machine with at least {math.ceil(needed / GiB):,} GiB available"))
 
 
 SFT_LAYOUT_BYTES_PER_DATA_BYTE = 1.0

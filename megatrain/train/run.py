@@ -34,8 +34,10 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
         from megatrain.train.loop import train as train_lm
 
         return train_lm(cfg, echo=echo)
+    from megatrain.train.loop import InterruptOnTerm
     from megatrain.train.rl_tasks import train_rl
 
     given = cfg  # train_config.json keeps device: auto as auto
     cfg, device = resolve_device(cfg)
-    return train_rl(cfg, echo=echo, device=device, given=given)
+    with InterruptOnTerm():  # SIGTERM as SIGINT: the run's locks are released, the CLI exits 143
+        return train_rl(cfg, echo=echo, device=device, given=given)
