@@ -65,6 +65,34 @@ def test_every_preference_format_reads_the_same_pair():
     assert sum(1 for s in resolve_preference_data(str(DATA / "preference")) for _ in iter_pairs(s)) == 96
 
 
+def test_a_preference_registry_reads_nothing_outside_its_directory(tmp_path):
+    """Issue 44, item 2, for --task dpo: a ranking entry's file_name that climbs out, is absolute or
+    is a symlink to outside, and a symlinked file in a directory entry, are refused as SFT
+    registries refuse them (sft_sources.entry_path / entry_files); an entry inside reads."""
+    import re
+
+    from megatrain.files import UnsafeFileError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    pair = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n"
+    (outside / "x.jsonl").write_text(pair)
+    d = tmp_path / "reg"
+    (d / "parts").mkdir(parents=True)
+    (d / "in.jsonl").write_text(pair)
+    (d / "link.jsonl").symlink_to(outside / "x.jsonl")
+    (d / "parts" / "0.jsonl").write_text(pair)
+    (d / "parts" / "1.jsonl").symlink_to(outside / "x.jsonl")
+    entries = {"up": "../outside/x.jsonl", "root": "/", "link": "link.jsonl", "parts": "parts", "in": "in.jsonl"}
+    (d / "dataset_info.json").write_text(json.dumps({k: {"file_name": v, "ranking": True} for k, v in entries.items()}))
+    for name, resolves in [("up", outside / "x.jsonl"), ("root", Path("/")), ("link", outside / "x.jsonl"),
+                           ("parts", outside / "x.jsonl")]:
+        with pytest.raises(UnsafeFileError, match=rf"dataset '{name}': file(_name)?: '.*' resolves to "
+                                                  rf"{re.escape(str(resolves.resolve()))}, outside"):
+            resolve_preference_data(f"{name}@{d}")
+    assert [s.name for s in resolve_preference_data(f"in@{d}")] == ["in"]
+
+
 def test_trl_implicit_prompt_is_the_common_prefix():
     user = {"role": "user", "content": "2+2?"}
     rec = {"chosen": [user, {"role": "assistant", "content": "4"}],

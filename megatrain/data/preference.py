@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatrain.data.sft_formats import Chat, Completion, RecordError, SftFormat, to_example
-from megatrain.data.sft_sources import (REGISTRY_FILE, SftSource, _builder, _data_files, _rows, _saved_dataset,
-                                        _where, resolve_sft_data)
+from megatrain.data.sft_sources import (REGISTRY_FILE, SftSource, _builder, _rows, _saved_dataset, _where,
+                                        entry_files, entry_path, read_registry, resolve_sft_data)
 
 __all__ = ["PREFERENCE_FORMATS", "PreferenceFormat", "detect_preference_format", "iter_pairs",
            "resolve_preference_data", "to_pair"]
@@ -239,14 +239,7 @@ def resolve_preference_data(data: str) -> list[SftSource]:
             raise ValueError(f"data {data!r}: mixing weights (NAME:W) apply to SFT data, not preference data")
         return resolve_sft_data(data)
     f = registry / REGISTRY_FILE
-    if not f.is_file():
-        raise FileNotFoundError(f"no {REGISTRY_FILE} in {str(registry)!r} to look dataset names up in")
-    try:
-        info = json.loads(f.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{str(f)!r} is not valid JSON: {e}") from None
-    if not isinstance(info, dict) or not all(isinstance(v, dict) for v in info.values()):
-        raise ValueError(f"{str(f)!r} must be a JSON object of dataset entries")
+    info = read_registry(registry)
     wanted = [n.strip() for n in names.split(",")] if at else [k for k, v in info.items() if v.get("ranking")]
     if not wanted:
         raise ValueError(f"{str(f)!r} has no preference entries (\"ranking\": true) for --task dpo")
@@ -260,13 +253,11 @@ def resolve_preference_data(data: str) -> list[SftSource]:
         if not isinstance(file_name, str) or not file_name:
             raise ValueError(f"{where} has no file_name (a local file or directory): megatrain downloads nothing "
                              "at run time")
-        path = registry / file_name
-        if not path.exists():
-            raise FileNotFoundError(f"{where}: file_name {file_name!r} does not exist ({str(path)!r})")
+        path = entry_path(registry, file_name, where)  # inside the registry's directory (issue 44)
         if path.is_dir() and _saved_dataset(path):
             out.append(SftSource(name, (path,), "saved", fmt, entry.get("split", "train"), media_dir=registry))
             continue
-        files = _data_files(path) if path.is_dir() else [path]
+        files = entry_files(registry, path, where)
         out.append(SftSource(name, tuple(files), _builder(files[0]), fmt, media_dir=registry))
     return out
 

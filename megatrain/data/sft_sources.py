@@ -47,7 +47,8 @@ from megatrain.bounds import MAX_NUM_SAMPLES, check_json_depth
 from megatrain.files import check_file_or_directory, resolve_inside
 from megatrain.data.sft_formats import SFT_FORMATS, Chat, Completion, RecordError, SftFormat, detect_format, to_example
 
-__all__ = ["REGISTRY_FILE", "SFT_SUFFIXES", "SftSource", "iter_examples", "resolve_sft_data", "sft_data_bytes"]
+__all__ = ["REGISTRY_FILE", "SFT_SUFFIXES", "SftSource", "entry_files", "entry_path", "iter_examples", "read_registry",
+           "resolve_sft_data", "sft_data_bytes"]
 
 #: The registry file of a data directory (LLaMA-Factory's name for it).
 REGISTRY_FILE = "dataset_info.json"
@@ -189,20 +190,55 @@ def _resolve_path(path: Path, weight: float | None, sft_format: str) -> list[Sft
     return [SftSource(str(f), (f,), _builder(f), fmt, weight=weight) for f in files]
 
 
-def _resolve_registry(directory: Path, wanted: list[tuple[str, float | None]] | None,
-                      sft_format: str) -> list[SftSource]:
+def read_registry(directory: Path) -> dict[str, dict]:
+    """The entries of ``directory``'s ``dataset_info.json`` (name -> entry), for SFT and preference
+    data alike.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        ValueError: it is not UTF-8 JSON, or not an object of entry objects.
+    """
     registry = directory / REGISTRY_FILE
     if not registry.is_file():
         raise FileNotFoundError(f"no {REGISTRY_FILE} in {str(directory)!r} to look dataset names up in")
-    if sft_format != "auto":
-        raise ValueError(f"sft_format={sft_format} names the format of data files; the entries of {str(registry)!r} "
-                         "name their own (formatting, columns): drop --sft-format")
     try:
         info = json.loads(registry.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{str(registry)!r} is not valid JSON: {e}") from None
     if not isinstance(info, dict) or not all(isinstance(v, dict) for v in info.values()):
         raise ValueError(f"{str(registry)!r} must be a JSON object of dataset entries (name: {{file_name, ...}})")
+    return info
+
+
+def entry_path(directory: Path, file_name: str, where: str) -> Path:
+    """A registry entry's ``file_name`` as a path inside ``directory`` (``files.resolve_inside``:
+    nothing outside the registry's directory is read) that exists.
+
+    Raises:
+        UnsafeFileError: it resolves outside ``directory``.
+        FileNotFoundError: it does not exist.
+    """
+    path = resolve_inside(directory, file_name, f"{where}: file_name")
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: file_name {file_name!r} does not exist ({str(path)!r})")
+    return path
+
+
+def entry_files(directory: Path, path: Path, where: str) -> list[Path]:
+    """The data files of a registry entry's ``path`` (itself, or the data files of a directory),
+    each inside ``directory`` (a symlink in it to outside is refused: ``UnsafeFileError``)."""
+    if not path.is_dir():
+        return [path]
+    return [resolve_inside(directory, f.relative_to(directory), f"{where}: file") for f in _data_files(path)]
+
+
+def _resolve_registry(directory: Path, wanted: list[tuple[str, float | None]] | None,
+                      sft_format: str) -> list[SftSource]:
+    registry = directory / REGISTRY_FILE
+    if registry.is_file() and sft_format != "auto":
+        raise ValueError(f"sft_format={sft_format} names the format of data files; the entries of {str(registry)!r} "
+                         "name their own (formatting, columns): drop --sft-format")
+    info = read_registry(directory)
     if wanted is None:
         wanted = [(name, None) for name in info]
         if not wanted:
@@ -231,9 +267,7 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
                 f"put the file in {str(directory)!r} and give the entry \"file_name\": \"{name}.jsonl\""
                 + (f"; or name only the local datasets: --data NAME,NAME@{directory}" if every else ""))
         raise ValueError(f"{where} has no file_name (a file or directory in {str(directory)!r})")
-    path = resolve_inside(directory, file_name, f"{where}: file_name")
-    if not path.exists():
-        raise FileNotFoundError(f"{where}: file_name {file_name!r} does not exist ({str(path)!r})")
+    path = entry_path(directory, file_name, where)
     fmt = SftFormat.from_registry(entry, where)
     split = entry.get("split", "train")
     num_samples = entry.get("num_samples")
@@ -246,8 +280,7 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
                          f"{8 * num_samples / 2**30:,.0f} GiB); give a smaller one")
     if path.is_dir() and _saved_dataset(path):
         return SftSource(name, (path,), "saved", fmt, split, weight, num_samples, directory)
-    files = [resolve_inside(directory, f.relative_to(directory), f"{where}: file") for f in _data_files(path)] \
-        if path.is_dir() else [path]
+    files = entry_files(directory, path, where)
     if not files:
         raise FileNotFoundError(f"{where}: directory {str(path)!r} holds no {'/'.join(SFT_SUFFIXES)} files")
     builders = {_builder(f) for f in files}
