@@ -93,6 +93,32 @@ def test_a_preference_registry_reads_nothing_outside_its_directory(tmp_path):
     assert [s.name for s in resolve_preference_data(f"in@{d}")] == ["in"]
 
 
+def test_a_preference_registry_entry_is_checked_as_an_sft_entry_is(tmp_path):
+    """A ranking entry's directory with no data files, of mixed file types, or a split on data
+    files gets the SFT registry's error naming the entry (sft_sources.entry_source), not an
+    IndexError or a silently ignored split; the same entries as SFT data get the same errors."""
+    from megatrain.data.sft_sources import resolve_sft_data
+
+    d = tmp_path / "reg"
+    (d / "empty").mkdir(parents=True)
+    (d / "mixed").mkdir()
+    pair = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"})
+    (d / "mixed" / "a.jsonl").write_text(pair + "\n")
+    (d / "mixed" / "b.csv").write_text("prompt,chosen,rejected\np,a,b\n")
+    (d / "one.jsonl").write_text(pair + "\n")
+    entries = {"empty": {"file_name": "empty"}, "mixed": {"file_name": "mixed"},
+               "split": {"file_name": "one.jsonl", "split": "test"}}
+    (d / "dataset_info.json").write_text(json.dumps({k: {**v, "ranking": True} for k, v in entries.items()}))
+    for name, (error, match) in {"empty": (FileNotFoundError, "holds no"), "mixed": (ValueError, "mixes file types"),
+                                 "split": (ValueError, "split 'test'")}.items():
+        with pytest.raises(error, match=rf"dataset '{name}'.*{match}"):
+            resolve_preference_data(f"{name}@{d}")
+    (d / "dataset_info.json").write_text(json.dumps(entries))  # the same entries, as SFT data
+    for name, match in {"empty": "holds no", "mixed": "mixes file types", "split": "split 'test'"}.items():
+        with pytest.raises((FileNotFoundError, ValueError), match=rf"dataset '{name}'.*{match}"):
+            resolve_sft_data(f"{name}@{d}")
+
+
 def test_trl_implicit_prompt_is_the_common_prefix():
     user = {"role": "user", "content": "2+2?"}
     rec = {"chosen": [user, {"role": "assistant", "content": "4"}],

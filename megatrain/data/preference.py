@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatrain.data.sft_formats import Chat, Completion, RecordError, SftFormat, to_example
-from megatrain.data.sft_sources import (REGISTRY_FILE, SftSource, _builder, _rows, _saved_dataset, _where,
-                                        entry_files, entry_path, read_registry, resolve_sft_data)
+from megatrain.data.sft_sources import (REGISTRY_FILE, SftSource, entry_path, entry_source, iter_rows, read_registry,
+                                        record_where, resolve_sft_data)
 
 __all__ = ["PREFERENCE_FORMATS", "PreferenceFormat", "detect_preference_format", "iter_pairs",
            "resolve_preference_data", "to_pair"]
@@ -254,11 +254,7 @@ def resolve_preference_data(data: str) -> list[SftSource]:
             raise ValueError(f"{where} has no file_name (a local file or directory): megatrain downloads nothing "
                              "at run time")
         path = entry_path(registry, file_name, where)  # inside the registry's directory (issue 44)
-        if path.is_dir() and _saved_dataset(path):
-            out.append(SftSource(name, (path,), "saved", fmt, entry.get("split", "train"), media_dir=registry))
-            continue
-        files = entry_files(registry, path, where)
-        out.append(SftSource(name, tuple(files), _builder(files[0]), fmt, media_dir=registry))
+        out.append(entry_source(registry, name, path, where, fmt, split=entry.get("split", "train")))
     return out
 
 
@@ -272,14 +268,14 @@ def iter_pairs(source: SftSource) -> Iterator[tuple[Chat | Completion, Chat | Co
     """
     fmt = source.format if isinstance(source.format, PreferenceFormat) else None
     n = 0
-    for path, i, row in _rows(source):
+    for path, i, row in iter_rows(source):
         try:
             if fmt is None:
                 fmt = detect_preference_format(row)
             chosen, rejected = to_pair(row, fmt)
         except RecordError as e:
-            raise RecordError(f"{_where(path, i)}: {e}") from None
+            raise RecordError(f"{record_where(path, i)}: {e}") from None
         n += 1
-        yield chosen, rejected, (lambda p=path, k=i: _where(p, k))
+        yield chosen, rejected, (lambda p=path, k=i: record_where(p, k))
     if n == 0:
         raise ValueError(f"preference dataset {source.name!r} holds no records")

@@ -47,8 +47,8 @@ from megatrain.bounds import MAX_NUM_SAMPLES, check_json_depth
 from megatrain.files import check_file_or_directory, resolve_inside
 from megatrain.data.sft_formats import SFT_FORMATS, Chat, Completion, RecordError, SftFormat, detect_format, to_example
 
-__all__ = ["REGISTRY_FILE", "SFT_SUFFIXES", "SftSource", "entry_files", "entry_path", "iter_examples", "read_registry",
-           "resolve_sft_data", "sft_data_bytes"]
+__all__ = ["REGISTRY_FILE", "SFT_SUFFIXES", "SftSource", "entry_files", "entry_path", "entry_source", "iter_examples",
+           "iter_rows", "read_registry", "record_where", "resolve_sft_data", "sft_data_bytes"]
 
 #: The registry file of a data directory (LLaMA-Factory's name for it).
 REGISTRY_FILE = "dataset_info.json"
@@ -278,6 +278,21 @@ def _entry(directory: Path, name: str, entry: dict, weight: float | None, every:
         raise ValueError(f"{where}: num_samples {num_samples:,} is more than megatrain samples from a dataset "
                          f"({MAX_NUM_SAMPLES:,}, megatrain.bounds.MAX_NUM_SAMPLES: an epoch's index alone would take "
                          f"{8 * num_samples / 2**30:,.0f} GiB); give a smaller one")
+    return entry_source(directory, name, path, where, fmt, split=split, weight=weight, num_samples=num_samples)
+
+
+def entry_source(directory: Path, name: str, path: Path, where: str, fmt, *, split: str = "train",
+                 weight: float | None = None, num_samples: int | None = None) -> SftSource:
+    """The source of a registry entry whose ``file_name`` resolved to ``path`` (:func:`entry_path`):
+    a dataset saved with ``save_to_disk``, or the data files of a file or directory, all of one type,
+    each inside ``directory``. ``fmt`` is the entry's record format (an SFT or preference format;
+    None: detected); ``where`` names the entry in errors. Shared by SFT and preference registries.
+
+    Raises:
+        FileNotFoundError: a directory that holds no data files.
+        ValueError: a directory of mixed file types; a ``split`` other than ``train`` of data files.
+        UnsafeFileError: a data file that resolves outside ``directory``.
+    """
     if path.is_dir() and _saved_dataset(path):
         return SftSource(name, (path,), "saved", fmt, split, weight, num_samples, directory)
     files = entry_files(directory, path, where)
@@ -313,12 +328,12 @@ def _datasets():
         raise ImportError("reading SFT data needs the `datasets` package: pip install 'datasets>=5.2'") from e
     datasets.disable_progress_bars()
     # Its JSON reader logs each file it refuses before raising; megatrain reads that file itself
-    # (_rows) and reports what was wrong in its one error line.
+    # (:func:`iter_rows`) and reports what was wrong in its one error line.
     logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     return datasets
 
 
-def _where(path: Path, index: int) -> str:
+def record_where(path: Path, index: int) -> str:
     """``'file', record N`` (1-based); for JSON Lines also the line (blank lines hold no record)."""
     where = f"{str(path)!r}, record {index + 1}"
     if path.suffix.lower() == ".jsonl" or (path.suffix.lower() == ".json" and not _is_json_array(path)):
@@ -349,7 +364,7 @@ def _unreadable(path: Path, builder: str, cause: Exception) -> ValueError:
     return ValueError(f"{str(path)!r} could not be read as {builder} by datasets: {first}")
 
 
-def _rows(source: SftSource) -> Iterator[tuple[Path, int, dict]]:
+def iter_rows(source: SftSource) -> Iterator[tuple[Path, int, dict]]:
     """``(file, index in the file, record)`` for every record, in order."""
     ds = _datasets()
     if source.builder == "saved":
@@ -416,7 +431,7 @@ def _json_records(path: Path) -> Iterator[tuple[Path, int, dict]]:
                              "is an array of objects, one per example")
     for i, obj in enumerate(values):
         if not isinstance(obj, dict):
-            raise ValueError(f"{_where(path, i)}: not a JSON object")
+            raise ValueError(f"{record_where(path, i)}: not a JSON object")
         yield path, i, obj
 
 
@@ -440,7 +455,7 @@ def iter_examples(source: SftSource) -> Iterator[tuple[Chat | Completion, Callab
             naming the file, the record and the fields expected); no record at all.
         ImportError: ``datasets`` is missing.
     """
-    yield from _examples(source, _rows(source))
+    yield from _examples(source, iter_rows(source))
 
 
 def _examples(source: SftSource, rows: Iterator[tuple[Path, int, dict]]
@@ -454,12 +469,12 @@ def _examples(source: SftSource, rows: Iterator[tuple[Path, int, dict]]
                 fmt = detect_format(row)
             example = to_example(row, fmt)
         except RecordError as e:
-            raise RecordError(f"{_where(path, i)}: {e}") from None
+            raise RecordError(f"{record_where(path, i)}: {e}") from None
         if isinstance(example, Chat) and example.images:
             base = source.media_dir if source.media_dir is not None else path.parent
             example = replace(example, images=tuple(str(base / p) for p in example.images))
         n += 1
-        yield example, (lambda p=path, k=i: _where(p, k)), fmt.kind
+        yield example, (lambda p=path, k=i: record_where(p, k)), fmt.kind
     if n == 0:
         raise ValueError(f"SFT dataset {source.name!r} holds no records (an empty file?); give it records or leave "
                          "it out of the data")

@@ -217,7 +217,7 @@ def prepare_prompts(cfg: "TrainConfig", source, echo: Callable[[str], None]):
     """
     import json
 
-    from megatrain.data.sft_sources import _rows, _where, resolve_sft_data
+    from megatrain.data.sft_sources import iter_rows, record_where, resolve_sft_data
 
     if cfg.data is None:
         raise ConfigError("task grpo needs data (--data): records with a 'prompt' field (e.g. "
@@ -226,12 +226,12 @@ def prepare_prompts(cfg: "TrainConfig", source, echo: Callable[[str], None]):
     records = []
     try:
         for s in resolve_sft_data(cfg.data):
-            for path, i, row in _rows(s):
+            for path, i, row in iter_rows(s):
                 prompt = row.get("prompt")
                 if isinstance(prompt, str) and prompt[:1] == "[":
                     prompt = json.loads(prompt)
                 if not (isinstance(prompt, str) and prompt or isinstance(prompt, list) and prompt):
-                    raise ConfigError(f"data: {_where(path, i)}: field 'prompt' must be a non-empty string or a list "
+                    raise ConfigError(f"data: {record_where(path, i)}: field 'prompt' must be a non-empty string or a list "
                                       f"of messages (TRL's prompt-only format), got {prompt!r}")
                 records.append(row)
     except (OSError, ValueError, ImportError) as e:
