@@ -852,6 +852,12 @@ def template_issue_costs(device: str, sh: "StepShape", seconds: float = 0.5,
     return out
 
 
+COPY_GATE_CYCLES = 20_000_000
+"""GPU clock cycles of the sleep a timed copy is queued behind (``torch.cuda._sleep``): ~10 ms at
+H100 clocks, twice Python's default switch interval, the longest the issuing thread waits for the
+GIL a looping thread holds."""
+
+
 def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, seconds: float) -> dict:
     """The template's ``forward`` and an H2D weight copy (``numel`` BF16 elements from a pinned tile
     into a GPU slot, on a stream of its own, as a step's H2D), each alone and while the other runs
@@ -861,8 +867,11 @@ def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, sec
     which no measurement then priced.
 
     Each is timed as the step's timeline times an op: on a GPU by CUDA events around it on its stream,
-    the forward from an idle stream (so its issue counts, as a step's issue-bound forward's does), each
-    call waited for; on a CPU (dry run) by wall clock. Medians: ``forward_alone_s``,
+    the forward from an idle stream (so its issue counts, as a step's issue-bound forward's does), the
+    copy queued behind a short GPU sleep on its stream (as a step's H2D is queued behind its wait, so
+    its events bracket the copy alone, not the issuing thread's wait for the GIL the looping forward
+    holds), each call waited for; beside the timed forward the copies run four at a time, so the copy
+    engine stays busy; on a CPU (dry run) by wall clock. Medians: ``forward_alone_s``,
     ``forward_beside_h2d_s``, ``h2d_alone_s``, ``h2d_beside_forward_s``; the copy's rates
     (``h2d_alone_bytes_per_s``, ``h2d_beside_forward_bytes_per_s``) and the forward's slowdown
     (``forward_slowdown`` = 1 - alone / beside, as :func:`_issue_stalls`'s ``stall``)."""
@@ -872,13 +881,15 @@ def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, sec
     slot = torch.empty(numel, dtype=torch.bfloat16, device="cuda" if cuda else "cpu")
     side = torch.cuda.Stream() if cuda else None
 
-    def timed(fn: Callable[[], None], stream) -> float:
+    def timed(fn: Callable[[], None], stream, gate: bool = False) -> float:
         if not cuda:
             t0 = time.perf_counter()
             fn()
             return time.perf_counter() - t0
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
+            if gate:
+                torch.cuda._sleep(COPY_GATE_CYCLES)  # the copy queued before its stream reaches it
             e0.record(stream)
             fn()
             e1.record(stream)
@@ -890,7 +901,11 @@ def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, sec
     def copy() -> None:
         slot.copy_(staging, non_blocking=cuda)
 
-    def beside(fn: Callable[[], None], stream, other: Callable[[], None], other_stream) -> list[float]:
+    def copies() -> None:  # back to back, so the copy engine stays busy while the forward is timed
+        for _ in range(4):
+            copy()
+
+    def beside(fn: Callable[[], None], stream, gate: bool, other: Callable[[], None], other_stream) -> list[float]:
         stop, times = threading.Event(), []
 
         def loop() -> None:
@@ -901,18 +916,18 @@ def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, sec
         time.sleep(0.002)  # the other under way
         t_end = time.perf_counter() + seconds
         while len(times) < 5 or time.perf_counter() < t_end:
-            times.append(timed(fn, stream))
+            times.append(timed(fn, stream, gate))
         stop.set()
         th.join()
         return times
 
     for _ in range(2):  # warm the copy path and the allocator
-        timed(copy, side)
+        timed(copy, side, True)
         timed(forward, main)
     f_alone = statistics.median([timed(forward, main) for _ in range(10)])
-    c_alone = statistics.median([timed(copy, side) for _ in range(10)])
-    f_beside = statistics.median(beside(forward, main, copy, side))
-    c_beside = statistics.median(beside(copy, side, forward, main))
+    c_alone = statistics.median([timed(copy, side, True) for _ in range(10)])
+    f_beside = statistics.median(beside(forward, main, False, copies, side))
+    c_beside = statistics.median(beside(copy, side, True, forward, main))
     if not bool((slot[:1] == 1).all()):
         raise RuntimeError("the H2D beside the forward did not copy its tile")
     nbytes = numel * 2
