@@ -719,8 +719,12 @@ def section_launch(ctx: Ctx) -> dict:
            "issue_s_per_op_all": issue, "total_s_per_op_all": total,
            "template_issue_s_per_op": measure_launch_overhead(dev, seconds=0.05 if ctx.dry else 0.5)}
     sh = DRY_STEP if ctx.dry else GPU_STEP
-    costs = template_issue_costs(dev, sh, seconds=0.05 if ctx.dry else 0.5, host_work=_host_ops(ctx))
+    costs = template_issue_costs(dev, sh, seconds=0.05 if ctx.dry else 0.5, host_work=_host_ops(ctx),
+                                 h2d_numel=(1 << 16) if ctx.dry else 60_821_504)  # one 1B block's tile
     out["template_issue"] = costs
+    # The forward's issue-bound time and an H2D's rate, each beside the other (not read by the spec yet:
+    # the simulator's contention term for them, issue 39's resimulation, needs these first).
+    out["forward_beside_h2d"] = costs["beside_h2d"]
     out["optimizer_issue_stall"] = costs["issue_stall"]["opt"]["stall"]
     out["cast_issue_stall"] = costs["issue_stall"]["cast"]["stall"]
     # The spec's issue costs: seconds per dispatched op of megatrain's own template of the step's block.
@@ -744,7 +748,8 @@ def section_launch(ctx: Ctx) -> dict:
 
 
 def template_issue_costs(device: str, sh: "StepShape", seconds: float = 0.5,
-                         host_work: dict[str, Callable[[], None]] | None = None) -> dict:
+                         host_work: dict[str, Callable[[], None]] | None = None,
+                         h2d_numel: int | None = None) -> dict:
     """Issuing-thread seconds per dispatched op of a layer template's forward (a FWD op) and of its
     local backward (a BWD op: the leaves detached, the recompute, ``torch.autograd.grad``), as the
     executor runs them, for two templates on ``device``: the stand-in block
@@ -759,7 +764,9 @@ def template_issue_costs(device: str, sh: "StepShape", seconds: float = 0.5,
     not counted).
 
     ``host_work``: host ops by name (the OPT and CAST a host worker runs) whose effect on the issuing
-    thread is measured too (``issue_stall``, :func:`_issue_stalls`).
+    thread is measured too (``issue_stall``, :func:`_issue_stalls`). ``h2d_numel``: also the template's
+    forward and an H2D weight copy of that many BF16 elements, each alone and beside the other
+    (``beside_h2d``, :func:`_forward_beside_h2d`).
 
     On a GPU the template's figures are the spec's ``launch_overhead_s`` and
     ``backward_launch_overhead_s``. On a CPU at these tiny sizes the ratios between the two templates'
@@ -840,7 +847,94 @@ def template_issue_costs(device: str, sh: "StepShape", seconds: float = 0.5,
     out["template_bwd_over_standin_bwd"] = out["template"]["bwd_s_per_op"] / out["standin"]["bwd_s_per_op"]
     if host_work:
         out["issue_stall"] = _issue_stalls(fns[("template", "fwd")], host_work, sync, seconds)
+    if h2d_numel:
+        out["beside_h2d"] = _forward_beside_h2d(fns[("template", "fwd")], h2d_numel, cuda, seconds)
     return out
+
+
+COPY_GATE_CYCLES = 20_000_000
+"""GPU clock cycles of the sleep a timed copy is queued behind (``torch.cuda._sleep``): ~10 ms at
+H100 clocks, twice Python's default switch interval, the longest the issuing thread waits for the
+GIL a looping thread holds."""
+
+
+def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, seconds: float) -> dict:
+    """The template's ``forward`` and an H2D weight copy (``numel`` BF16 elements from a pinned tile
+    into a GPU slot, on a stream of its own, as a step's H2D), each alone and while the other runs
+    over and over, as a step's forwards run beside the next layers' copies: the first H100 step's
+    block forwards took 2.06 ms alone and 2.75 ms beside a copy, and its copies ran at ~42 GB/s
+    beside forwards against the copy test's 54 GB/s alone (bench/results/2026-11-27-h100-step-timelines.json),
+    which no measurement then priced.
+
+    Each is timed as the step's timeline times an op: on a GPU by CUDA events around it on its stream,
+    the forward from an idle stream (so its issue counts, as a step's issue-bound forward's does), the
+    copy queued behind a short GPU sleep on its stream (as a step's H2D is queued behind its wait, so
+    its events bracket the copy alone, not the issuing thread's wait for the GIL the looping forward
+    holds), each call waited for; beside the timed forward the copies run four at a time, so the copy
+    engine stays busy; on a CPU (dry run) by wall clock. Medians: ``forward_alone_s``,
+    ``forward_beside_h2d_s``, ``h2d_alone_s``, ``h2d_beside_forward_s``; the copy's rates
+    (``h2d_alone_bytes_per_s``, ``h2d_beside_forward_bytes_per_s``) and the forward's slowdown
+    (``forward_slowdown`` = 1 - alone / beside, as :func:`_issue_stalls`'s ``stall``)."""
+    import torch
+
+    staging = torch.ones(numel, dtype=torch.bfloat16, pin_memory=cuda)
+    slot = torch.empty(numel, dtype=torch.bfloat16, device="cuda" if cuda else "cpu")
+    side = torch.cuda.Stream() if cuda else None
+
+    def timed(fn: Callable[[], None], stream, gate: bool = False) -> float:
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            if gate:
+                torch.cuda._sleep(COPY_GATE_CYCLES)  # the copy queued before its stream reaches it
+            e0.record(stream)
+            fn()
+            e1.record(stream)
+        e1.synchronize()
+        return e0.elapsed_time(e1) / 1e3
+
+    main = torch.cuda.current_stream() if cuda else None
+
+    def copy() -> None:
+        slot.copy_(staging, non_blocking=cuda)
+
+    def copies() -> None:  # back to back, so the copy engine stays busy while the forward is timed
+        for _ in range(4):
+            copy()
+
+    def beside(fn: Callable[[], None], stream, gate: bool, other: Callable[[], None], other_stream) -> list[float]:
+        stop, times = threading.Event(), []
+
+        def loop() -> None:
+            while not stop.is_set():
+                timed(other, other_stream)
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        time.sleep(0.002)  # the other under way
+        t_end = time.perf_counter() + seconds
+        while len(times) < 5 or time.perf_counter() < t_end:
+            times.append(timed(fn, stream, gate))
+        stop.set()
+        th.join()
+        return times
+
+    for _ in range(2):  # warm the copy path and the allocator
+        timed(copy, side, True)
+        timed(forward, main)
+    f_alone = statistics.median([timed(forward, main) for _ in range(10)])
+    c_alone = statistics.median([timed(copy, side, True) for _ in range(10)])
+    f_beside = statistics.median(beside(forward, main, False, copies, side))
+    c_beside = statistics.median(beside(copy, side, True, forward, main))
+    if not bool((slot[:1] == 1).all()):
+        raise RuntimeError("the H2D beside the forward did not copy its tile")
+    nbytes = numel * 2
+    return {"numel": numel, "bytes": nbytes, "forward_alone_s": f_alone, "forward_beside_h2d_s": f_beside,
+            "forward_slowdown": min(1.0, max(0.0, 1.0 - f_alone / f_beside)), "h2d_alone_s": c_alone,
+            "h2d_beside_forward_s": c_beside, "h2d_alone_bytes_per_s": nbytes / c_alone,
+            "h2d_beside_forward_bytes_per_s": nbytes / c_beside}
 
 
 def _issue_stalls(forward: Callable[[], None], host_work: dict[str, Callable[[], None]], sync, seconds: float) -> dict:

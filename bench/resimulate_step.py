@@ -17,21 +17,34 @@ its source, printed:
 - the issue costs of megatrain's own template (``launch_overhead_s``, ``backward_launch_overhead_s``)
   from the probe's stand-in measurement and the template-over-stand-in ratios of ``--issue-ratios``
   (``bench/template_issue.py``; :func:`gpu_probe.issue_costs_from_standin`);
-- ``host_optimizer_issue_stall`` from the host AdamW kernel the host rates were measured with
-  (``--host-kernel``; ``megatrain.ir.hardware.HOST_KERNEL_ISSUE_STALL``).
+- ``host_optimizer_issue_stall`` from the same session's ``bench/host_optimizer.py`` JSON
+  (``--host-optimizer``) where its kernel (``megatrain_kernel``) is DeepSpeed's: ``rates.megatrain``
+  (the OPT: the kernel's call, which holds the GIL, and the finite check's sum, which releases it)
+  over ``rates.deepspeed_cpu_adam`` (the call alone), the fraction of the OPT the call takes; else
+  from the host AdamW kernel the host rates were measured with (``--host-kernel``;
+  ``megatrain.ir.hardware.HOST_KERNEL_ISSUE_STALL``).
+
+The probe ran several timed steps (``steps``: each one's ``timeline_step_s``) and kept the last
+one's timeline; the step is compared with that one (``step``, per op kind as well) and with each
+timed step and their median (``steps``), since a step's timeline can hold a disturbance that no op
+of the schedule explains (2026-11-27: ~100 ms in the backward of layers 3 and 2, no host op
+overlapping two of its slow backwards, an OPT at 2.4x its neighbours' time; the step before it
+took 0.738 s where that one took 0.844 s).
 
 Usage (any CPU, about 20 s at 1B)::
 
     python bench/resimulate_step.py --probe bench/results/2026-11-27-h100-probe.json \\
         --timelines bench/results/2026-11-27-h100-step-timelines.json \\
         --spec bench/results/2026-11-27-h100-spec.json \\
-        --issue-ratios bench/results/2026-11-28-cpu-template-issue.json --host-kernel deepspeed [--json OUT]
+        --issue-ratios bench/results/2026-11-28-cpu-template-issue.json --host-kernel deepspeed \\
+        --host-optimizer bench/results/2026-11-27-h100-host-optimizer.json [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -60,10 +73,24 @@ def probe_plan(d: dict) -> Plan:
                 staging_ring=d["staging_ring"], activations=tuple(ActivationPolicy(a) for a in d["activations"]))
 
 
+def optimizer_call_fraction(host_optimizer: dict) -> float | None:
+    """The fraction of megatrain's OPT (FP32 gradients, whole tile) that DeepSpeed's ``adam_update``
+    call takes, from a ``bench/host_optimizer.py`` JSON whose kernel is DeepSpeed's: its
+    ``rates.megatrain`` over ``rates.deepspeed_cpu_adam`` (parameters/s each; the OPT is that call
+    and the finite check's sum), at most 1; None where it has no such pair."""
+    rates = host_optimizer.get("rates", {})
+    if host_optimizer.get("megatrain_kernel") != "deepspeed" or not rates.get("megatrain") \
+            or not rates.get("deepspeed_cpu_adam"):
+        return None
+    return min(1.0, rates["megatrain"] / rates["deepspeed_cpu_adam"])
+
+
 def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios: dict | None = None,
-                  host_kernel: str | None = None) -> tuple[HardwareSpec, dict[str, str]]:
+                  host_kernel: str | None = None,
+                  host_optimizer: dict | None = None) -> tuple[HardwareSpec, dict[str, str]]:
     """The spec of JSON ``fields`` with the fields it lacks filled (module docstring), and each filled
-    field's source. ``probe``: the probe.json the step came from (its ``launch`` section)."""
+    field's source. ``probe``: the probe.json the step came from (its ``launch`` section);
+    ``host_optimizer``: the same session's ``bench/host_optimizer.py`` JSON."""
     fields, filled = dict(fields), {}
     pre = preset(fallback)
     for name in KERNEL_RATE_FIELDS:
@@ -77,7 +104,14 @@ def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios:
             f"the probe's stand-in block ({standin * 1e6:.2f} us per meta-counted op) x the template / stand-in "
             f"per-op ratios of {ratios.get('date', '?')} on {ratios.get('machine', '?')} (forward "
             f"{ratios['template_fwd_over_standin_fwd']:.3f}, backward {ratios['template_bwd_over_standin_bwd']:.3f})")
-    if "host_optimizer_issue_stall" not in fields and host_kernel is not None:
+    call = optimizer_call_fraction(host_optimizer) if host_optimizer is not None else None
+    if "host_optimizer_issue_stall" not in fields and call is not None:
+        fields["host_optimizer_issue_stall"] = call
+        filled["host_optimizer_issue_stall"] = (
+            f"bench/host_optimizer.py {host_optimizer.get('date', '?')} at {host_optimizer.get('threads', '?')} "
+            f"threads: rates.megatrain {host_optimizer['rates']['megatrain']:.4g} / rates.deepspeed_cpu_adam "
+            f"{host_optimizer['rates']['deepspeed_cpu_adam']:.4g} params/s (the GIL-holding call's share of the OPT)")
+    elif "host_optimizer_issue_stall" not in fields and host_kernel is not None:
         fields["host_optimizer_issue_stall"] = HOST_KERNEL_ISSUE_STALL[host_kernel]
         filled["host_optimizer_issue_stall"] = f"HOST_KERNEL_ISSUE_STALL[{host_kernel!r}]"
     return HardwareSpec.model_validate(fields), filled
@@ -101,8 +135,11 @@ def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
     got = _timeline_summary(Timeline.from_json(json.dumps(measured)))
     pk, mk = ({k: v["total_s"] for k, v in t["by_kind"].items()} for t in (predicted, got))
     rows = {k: {"measured_s": mk.get(k, 0.0), "predicted_s": pk.get(k, 0.0)} for k in sorted(set(pk) | set(mk))}
+    timed = [s["timeline_step_s"] for s in step.get("steps", []) if not s.get("warmup") and "timeline_step_s" in s]
+    steps = {"measured_s": timed, "median_s": statistics.median(timed) if timed else None,
+             "predicted_s": predicted["step_time_s"]}
     return {"spec": spec.name, "step": {"measured_s": got["step_time_s"], "predicted_s": predicted["step_time_s"]},
-            "by_kind": rows, "predicted_bottleneck": predicted["bottleneck"]}
+            "steps": steps, "by_kind": rows, "predicted_bottleneck": predicted["bottleneck"]}
 
 
 def main() -> None:
@@ -117,12 +154,16 @@ def main() -> None:
     ap.add_argument("--host-kernel", choices=sorted(HOST_KERNEL_ISSUE_STALL),
                     help="the host AdamW kernel the spec's host rates were measured with, where the spec lacks "
                          "host_optimizer_issue_stall")
+    ap.add_argument("--host-optimizer", help="the same session's bench/host_optimizer.py JSON: the share of the OPT "
+                                             "its GIL-holding kernel call takes, where the spec lacks "
+                                             "host_optimizer_issue_stall")
     ap.add_argument("--json", help="write the comparison here too")
     args = ap.parse_args()
     probe = json.loads(Path(args.probe).read_text())
     ratios = json.loads(Path(args.issue_ratios).read_text()) if args.issue_ratios else None
+    host_optimizer = json.loads(Path(args.host_optimizer).read_text()) if args.host_optimizer else None
     spec, filled = complete_spec(json.loads(Path(args.spec).read_text()), probe, args.fallback_preset, ratios,
-                                 args.host_kernel)
+                                 args.host_kernel, host_optimizer)
     out = resimulate(probe["sections"]["step"]["result"], json.loads(Path(args.timelines).read_text())["measured"],
                      spec)
     out["filled"] = filled
@@ -133,6 +174,11 @@ def main() -> None:
     for k, r in [("STEP", out["step"]), *out["by_kind"].items()]:
         ratio = r["predicted_s"] / r["measured_s"] if r["measured_s"] else float("nan")
         print(f"{k:6} {r['measured_s']:11.4f} {r['predicted_s']:12.4f} {ratio:9.2f}")
+    st = out["steps"]
+    if st["measured_s"]:
+        each = ", ".join(f"{m:.4f} s ({st['predicted_s'] / m:.2f})" for m in st["measured_s"])
+        print(f"timed steps (predicted/measured): {each}; median {st['median_s']:.4f} s "
+              f"({st['predicted_s'] / st['median_s']:.2f}); the timeline is the last one's")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -109,6 +109,16 @@ def test_dry_run_copies_pinned_launch_and_matmul(dry):
         assert 0 <= st["stall"] <= 1 and st["calls"] >= 5 and st["alone_s"] > 0 and st["during_s"] > 0
         assert st["stall"] == pytest.approx(min(1.0, max(0.0, 1 - st["alone_s"] / st["during_s"])))
     assert t["template_fwd_over_standin_fwd"] == pytest.approx(t["template"]["fwd_s_per_op"] / t["standin"]["fwd_s_per_op"])
+    # The template's forward and a layer tile's H2D, each alone and beside the other (the first H100
+    # step's forwards and copies ran slower beside each other than alone, which nothing priced).
+    b = launch["forward_beside_h2d"]
+    assert b == t["beside_h2d"] and b["numel"] == 1 << 16 and b["bytes"] == 2 * b["numel"]
+    for key in ("forward_alone_s", "forward_beside_h2d_s", "h2d_alone_s", "h2d_beside_forward_s"):
+        assert b[key] > 0
+    assert b["h2d_alone_bytes_per_s"] == pytest.approx(b["bytes"] / b["h2d_alone_s"])
+    assert b["h2d_beside_forward_bytes_per_s"] == pytest.approx(b["bytes"] / b["h2d_beside_forward_s"])
+    slowdown = 1 - b["forward_alone_s"] / b["forward_beside_h2d_s"]
+    assert b["forward_slowdown"] == pytest.approx(min(1.0, max(0.0, slowdown)))
 
     k = s["kernels"]
     assert k["memory_bytes_per_s"] > 0 and k["kernel_overhead_s"] > 0 and k["h2d_after_cast_bytes_per_s"] > 0

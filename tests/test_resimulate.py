@@ -3,17 +3,31 @@ step (BENCHMARKS.md), resimulated on the CPU from the model's structure and that
 rates (``bench/resimulate_step.py``). A drift guard: it fails when the time model moves away from
 what ran.
 
-What the rates say, per op kind (predicted / measured, 2026-11-28): the step 0.89, BWD 0.92 (the
-host AdamW kernel holding the GIL stretches 15 block backwards from ~4.6 to ~20 ms, as measured),
-OPT 0.96, CAST 0.95; FWD 0.74, D2H 0.77, H2D 0.79. The last three miss issue 39's 15% because that
-session measured nothing that prices them, and each is measured from the next session on
-(``bench/gpu_probe.py``): FWD is issue-bound and the issuing cost of megatrain's own template was
-not measured (a stand-in block's was, converted here by ratios measured on a CPU,
-``bench/template_issue.py``), nor how much a concurrent host CAST slows the issuing thread (the
-measured forwards ran ~20% slower while one ran); H2D copies ran at ~43 GB/s against the 54 GB/s
-of the probe's copy test (their source, a tile a CAST had just written, sat in the CPU's caches:
-``kernels.h2d_after_cast_bytes_per_s`` now measures that case); D2H lost ~25 ms to one copy issued
-during a GIL-holding step after the embedding's backward ran long, and to a one-off 30 ms stall.
+What the rates say, per op kind (predicted / measured, 2026-12-02): the step 0.83 against the
+timeline's step and 0.89 against the median of the probe's three timed steps (0.95 against the one
+before it, 0.738 s), BWD 0.84, OPT 0.96, CAST 0.95; FWD 0.74, D2H 0.77, H2D 0.79.
+
+The OPT holds the issuing thread for its kernel's call, DeepSpeed's ``adam_update`` (0.84 of the
+OPT: ``rates.megatrain / rates.deepspeed_cpu_adam`` of that session's host_optimizer.json), and
+frees it for the finite check's sum after it: so the block backwards that overlap an OPT end with
+it, as measured (a whole-OPT hold, the model before, had them ~5 ms longer each and BWD at 0.92 by
+that error). The timeline's step holds ~100 ms that no op of the schedule explains (the backwards
+of layers 3 and 2 at 12-53 ms with no host op beside two of them, OPT:L3 at 2.4x its neighbours),
+which the BWD and STEP ratios against it carry.
+
+The rest misses issue 39's 15% because that session measured nothing that prices it, and each is
+measured from the next session on (``bench/gpu_probe.py``): FWD is issue-bound and the issuing cost
+of megatrain's own template was not measured (a stand-in block's was, converted here by ratios
+measured on a CPU, ``bench/template_issue.py``), nor how much a concurrent host CAST
+(``launch.cast_issue_stall``) or an H2D weight copy (``kernels.concurrent``) slows it: the measured
+block forwards took 2.06 ms with neither beside them, 2.36 with a CAST, 2.75 with an H2D. H2D
+copies ran at ~42 GB/s against the 54 GB/s of the probe's copy test, whether or not a CAST ran
+beside them, while the GPU ran forwards (``kernels.concurrent`` and
+``kernels.h2d_after_cast_bytes_per_s`` measure that); D2H lost ~15 ms to one copy issued as a
+GIL-holding OPT began after the embedding's backward ran long (1.2 ms per micro-batch against 0.4
+predicted), and ~6 ms to the disturbance. The block backwards not beside an OPT took 4.56 ms
+against 4.13 predicted, GPU and issue time nearly equal in the model; the timeline did not record
+issue times (``OpRecord.issue_start_s``, recorded since), so which of the two is short is not known.
 """
 
 from __future__ import annotations
@@ -44,17 +58,77 @@ def h100():
     probe = json.loads((RESULTS / "2026-11-27-h100-probe.json").read_text())
     measured = json.loads((RESULTS / "2026-11-27-h100-step-timelines.json").read_text())["measured"]
     ratios = json.loads((RESULTS / "2026-11-28-cpu-template-issue.json").read_text())
+    host_optimizer = json.loads((RESULTS / "2026-11-27-h100-host-optimizer.json").read_text())
     spec, filled = resim.complete_spec(json.loads((RESULTS / "2026-11-27-h100-spec.json").read_text()), probe,
-                                       "H100_SXM", ratios, host_kernel="deepspeed")  # host-optimizer.json's kernel
+                                       "H100_SXM", ratios, host_kernel="deepspeed", host_optimizer=host_optimizer)
     out = resim.resimulate(probe["sections"]["step"]["result"], measured, spec)
     ratio = {k: r["predicted_s"] / r["measured_s"] for k, r in out["by_kind"].items()}
     ratio["STEP"] = out["step"]["predicted_s"] / out["step"]["measured_s"]
-    return spec, filled, ratio
+    ratio["STEP_MEDIAN"] = out["steps"]["predicted_s"] / out["steps"]["median_s"]
+    return spec, filled, ratio, out, measured
+
+
+def test_the_opt_holds_the_issuing_thread_for_its_kernel_call(h100):
+    """The OPT's share the GIL-holding call takes is the measured rates' ratio (the whole-OPT constant
+    is only the fallback), and DeepSpeed's constant is its bytes' share, near the measurement."""
+    from megatrain.ir.hardware import HOST_KERNEL_ISSUE_STALL
+
+    spec, filled, *_ = h100
+    assert spec.host_optimizer_issue_stall == pytest.approx(3279144314.921853 / 3884673939.9914923)
+    assert "rates.deepspeed_cpu_adam" in filled["host_optimizer_issue_stall"]
+    assert HOST_KERNEL_ISSUE_STALL["deepspeed"] == pytest.approx(28 / 32)
+    assert abs(HOST_KERNEL_ISSUE_STALL["deepspeed"] - spec.host_optimizer_issue_stall) < 0.05
+
+
+def test_block_backwards_beside_an_opt_end_with_it_as_measured(h100):
+    """The backwards the issuing thread was issuing when an OPT took the GIL: each ends about when the
+    OPT does (measured), so in all they are predicted within 15%; a hold for the whole OPT put them
+    ~25% over. Those are the block backwards (layers 4 to 15, outside the disturbance) that overlap
+    an OPT by more than half their measured time."""
+    spec, _, _, _, measured = h100
+    resim = sys.modules["resimulate_step"]
+    recs = measured["records"]
+    opts = [(r["start_s"], r["end_s"]) for r in recs if r["op"].startswith("OPT:")]
+    beside = []
+    for r in recs:
+        layer = int(r["op"].split(":")[1][1:])
+        if r["op"].startswith("BWD:") and 4 <= layer <= 15:
+            a, b = r["start_s"], r["end_s"]
+            if sum(max(0.0, min(b, e) - max(a, s)) for s, e in opts) > 0.5 * (b - a):
+                beside.append(r["index"])
+    assert len(beside) >= 10
+    predicted = _predicted_records(resim, spec)
+    got = sum(predicted[i] for i in beside)
+    want = sum(r["end_s"] - r["start_s"] for r in recs if r["index"] in beside)
+    assert 0.85 <= got / want <= 1.15, (f"{len(beside)} backwards beside an OPT: {got:.4f} s predicted, "
+                                        f"{want:.4f} measured")
+
+
+def _predicted_records(resim, spec) -> dict[int, float]:
+    """Seconds of each op of the probe's step, simulated on ``spec``, by schedule index."""
+    import torch
+
+    from megatrain.planner.front import PlanRequest, plan
+    from megatrain.planner.simulate import simulate
+
+    probe = json.loads((RESULTS / "2026-11-27-h100-probe.json").read_text())
+    step = probe["sections"]["step"]["result"]
+    shape = resim.StepShape(**{k: v for k, v in step["model"].items() if k in resim.StepShape.__dataclass_fields__})
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(resim.llama_config(shape))
+    p = resim.probe_plan(step["plan"])
+    planned = plan(PlanRequest(model, seq_len=shape.seq_len, global_batch=shape.micro_batch_size * p.micro_batches,
+                               micro_batch_size=shape.micro_batch_size, plan=p, hardware=spec, device="cuda",
+                               compute_dtype=p.compute_dtype))
+    tl = simulate(planned.schedules.steady, planned.graph, spec)
+    return {r.index: r.end_s - r.start_s for r in tl.records}
 
 
 def test_the_spec_is_completed_from_measured_rates_and_sourced_presets(h100):
-    spec, filled, _ = h100
-    assert spec.has_kernel_rates and spec.host_optimizer_issue_stall == 1.0
+    spec, filled, *_ = h100
+    assert spec.has_kernel_rates and 0.8 < spec.host_optimizer_issue_stall < 0.9
     assert set(filled) == {"memory_bytes_per_s", "attention_flops", "attention_backward_flops", "launch_overhead_s",
                            "backward_launch_overhead_s", "host_optimizer_issue_stall"}
     # megatrain's template issues each forward op at ~1.5x the stand-in's cost (bench/template_issue.py)
@@ -62,11 +136,13 @@ def test_the_spec_is_completed_from_measured_rates_and_sourced_presets(h100):
 
 
 @pytest.mark.parametrize("kind, low, high", [
-    # Issue 39's target is 10% for the step and 15% per kind; 0.89 misses the first by the forward's
-    # residual, and FWD, D2H and H2D miss the second (module docstring). The bands hold each kind
-    # near what these rates give, so a change to the model that moves one shows here.
-    ("STEP", 0.85, 1.10),
-    ("BWD", 0.85, 1.15),  # within 15%: the GIL stalls modelled
+    # Issue 39's target is 10% for the step and 15% per kind; the step misses the first by the
+    # forward's residual (and, against the timeline's step, its disturbance), and FWD, D2H and H2D
+    # miss the second (module docstring). The bands hold each kind near what these rates give, so a
+    # change to the model that moves one shows here.
+    ("STEP_MEDIAN", 0.85, 1.10),  # the median of the probe's timed steps
+    ("STEP", 0.80, 1.10),  # the timeline's step, ~100 ms of it unexplained (module docstring)
+    ("BWD", 0.80, 1.15),  # the GIL stalls modelled; the disturbance is ~75 ms of the measured BWD
     ("OPT", 0.85, 1.15),
     ("CAST", 0.85, 1.15),
     ("FWD", 0.70, 1.15),

@@ -464,7 +464,41 @@ def test_a_host_op_that_holds_the_gil_stalls_the_issuing_thread():
         assert tl.records[0].start_s == 0.0 and tl.records[0].end_s == pytest.approx(0.1)
     assert free.records[1].end_s == pytest.approx(0.102)
     assert held.records[1].end_s == pytest.approx(0.1 + 0.102)  # every launch waits for the step
-    assert half.records[1].end_s == pytest.approx(0.1 + (0.102 - 0.05))  # half speed while it runs
+    assert half.records[1].end_s == pytest.approx(0.1 + (0.102 - 0.05))  # held for the step's first half
+
+
+def _opt_then_short_fwd(stall: float, cast: bool = False):
+    """A host step (0.1 s; an OPT, or a CAST when ``cast``) and a forward issued as it begins, whose
+    issue (its start event, 10 ops and its end event, 1 ms each: 12 ms) is far shorter than the step."""
+    from graphs import kernel_spec, with_profiles
+    from megatrain.ir.profile import Kernel, KernelKind
+
+    mem = [Kernel("aten.add", KernelKind.MEMORY, nbytes=10**4)] * 10
+    g = with_profiles(chain_graph(2, numel=10**6), mem, mem)
+    # 1e6 elements at 1e7 params/s (OPT) or elements/s (CAST): 0.1 s each.
+    hw = kernel_spec(launch_overhead_s=1e-3, host_optimizer_params_per_s=1e7, host_cast_elements_per_s=1e7,
+                     host_optimizer_issue_stall=stall, host_cast_issue_stall=stall)
+    first = Op(OpKind.CAST, 0, tile=0) if cast else Op(OpKind.OPT, 0, ring=0)
+    plan = Plan(slots=1, prefetch_distance=0, compute_dtype="bfloat16" if cast else "float32")
+    s = Schedule(ops=(first, Op(OpKind.FWD, 1, mb=0, slot=0)), plan=plan, n_layers=2)
+    return simulate(s, g, hw)
+
+
+def test_an_opt_blocks_issue_for_its_kernel_call_then_frees_it():
+    """An OPT's GIL-holding kernel call comes first and its finite check's sum (which releases the GIL)
+    last (HostAdamW.step), so a fraction f of an OPT blocks the thread for the OPT's first f of its
+    time and not after; a CAST's fraction (cores and memory shared) slows it throughout instead. The
+    two differ for an issue shorter than the step: blocked, it waits f x 0.1 s, then runs at full
+    speed; slowed, it runs at 1 - f of its speed from the start."""
+    issue, step = 0.012, 0.1
+    for f in (0.25, 0.5, 0.875):
+        opt, cast = _opt_then_short_fwd(f), _opt_then_short_fwd(f, cast=True)
+        assert opt.records[0].end_s == pytest.approx(step) and cast.records[0].end_s == pytest.approx(step)
+        assert opt.records[1].end_s == pytest.approx(f * step + issue)  # after the call, at full speed
+        assert cast.records[1].end_s == pytest.approx(issue / (1 - f))  # at 1 - f of its speed all along
+    # A whole-call hold (f = 1) is the same either way: nothing is issued until the step ends.
+    assert _opt_then_short_fwd(1.0).records[1].end_s == pytest.approx(step + issue)
+    assert _opt_then_short_fwd(1.0, cast=True).records[1].end_s == pytest.approx(step + issue)
 
 
 @given(chain_graphs(max_layers=5), st.integers(1, 3), st.floats(0, 1), st.floats(0, 1),

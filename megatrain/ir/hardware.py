@@ -155,15 +155,28 @@ def _gpu_kernel_fields(bf16_peak: float, hbm_bytes_per_s: float) -> dict:
                 attention_backward_flops=bf16_peak * FLASH_ATTENTION_BWD_FRACTION)
 
 
-HOST_KERNEL_ISSUE_STALL: dict[str, float] = {"deepspeed": 1.0, "torch": 0.0}
-"""``HardwareSpec.host_optimizer_issue_stall`` of each host AdamW kernel
-(:data:`megatrain.runtime.host_kernels.KERNELS`) where it was not measured: the fraction of its
-step during which the issuing thread cannot run Python.
+FINITE_CHECK_BYTES_PER_PARAM = 4
+"""DRAM traffic per parameter of the finite check after a whole-tile host AdamW step from FP32
+gradients: the updated FP32 master read once more by its sum (``HostAdamW.step``'s
+``param.sum()``, the guard the executor's OPT reads: ``megatrain.runtime.executor._opt``), 32 bytes in all with the
+step's 28 (``bench/host_optimizer.py``'s ``DRAM_BYTES``)."""
 
-- ``"deepspeed"``: 1.0. DeepSpeed's ``cpu_adam`` op binds ``adam_update`` without
+HOST_KERNEL_ISSUE_STALL: dict[str, float] = {
+    "deepspeed": ADAMW_BYTES_PER_PARAM / (ADAMW_BYTES_PER_PARAM + FINITE_CHECK_BYTES_PER_PARAM), "torch": 0.0}
+"""``HardwareSpec.host_optimizer_issue_stall`` of each host AdamW kernel
+(:data:`megatrain.runtime.host_kernels.KERNELS`) where it was not measured: the fraction of an OPT
+during which the issuing thread cannot run Python. The simulator blocks the thread for that
+leading fraction of the OPT (the kernel's call comes first, :mod:`megatrain.planner.simulate`).
+
+- ``"deepspeed"``: 28 / 32 = 0.875. DeepSpeed's ``cpu_adam`` op binds ``adam_update`` without
   ``gil_scoped_release`` (DeepSpeed 0.19.8, ``csrc/adam/cpu_adam.cpp``), so the GIL is held for the
-  whole call; in the first H100 session's step the block backwards that overlapped a host step took
-  412 ms in all where 142 ms is normal (bench/results/2026-11-27-h100-step-timelines.json).
+  whole call; the OPT's finite check after it (``param.sum()``, a torch op) releases the GIL. Both
+  are memory-bound on one DRAM, so the call is its bytes' share of the OPT's:
+  ``ADAMW_BYTES_PER_PARAM`` / (that + ``FINITE_CHECK_BYTES_PER_PARAM``). Measured on the first H100
+  host (bench/results/2026-11-27-h100-host-optimizer.json, 15 threads): ``rates.megatrain`` (the
+  OPT, DeepSpeed's kernel and the sum) over ``rates.deepspeed_cpu_adam`` (the call alone) = 0.844;
+  in that session's step the gradient copy issued as an OPT began waited for the GIL until about
+  0.84 of the OPT, then ran (``D2H:L0``, bench/results/2026-11-27-h100-step-timelines.json).
 - ``"torch"``: 0.0. ``torch._fused_adamw_`` is an ATen op, and torch's Python bindings release the
   GIL while an op runs.
 

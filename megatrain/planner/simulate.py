@@ -30,9 +30,15 @@ has ended, so the op is GPU-bound when the thread keeps ahead and issue-bound (t
 between kernels) when it falls behind; its end event follows its last launch. Other GPU ops end
 no earlier than their issue ends.
 
-Stalls. A host op whose kernel holds the GIL (``cost.issue_stall``: a fraction of its time, 1 for
-DeepSpeed's CPU Adam) slows the thread by that fraction while it runs: an issue begun before it
-finishes later, and each kernel of a compute op issued after it starts later. So that every such
+Stalls. A host op whose kernel holds the GIL or shares the thread's core (``cost.issue_stall``: a
+fraction ``f`` of its time) holds the thread back while it runs: an issue begun before it finishes
+later, and each kernel of a compute op issued after it starts later. Where it does so matters: an
+OPT's kernel call comes first and its finite check (``param.sum()``, which releases the GIL) last
+(``HostAdamW.step``), so an OPT blocks the thread outright for its leading ``f`` and leaves it free
+for the rest (DeepSpeed's CPU Adam: ``f`` = 0.84 measured, ``hardware.HOST_KERNEL_ISSUE_STALL``; the
+first H100 step's ``D2H:L0``, issued as an OPT began, waited until about that point of the OPT); a
+CAST, a torch copy that releases the GIL, slows the thread to ``1 - f`` of its speed throughout
+(cores and memory bandwidth shared). So that every such
 stall is known when an issue is timed, the thread issues an op only once every op that starts
 before that issue would end has been committed (a host op cannot start on the strength of an issue
 still under way, and one that stalls the thread is added before the issue it delays).
@@ -57,7 +63,7 @@ from megatrain.planner import cost
 from megatrain.ir.graph import LayerGraph
 from megatrain.ir.hardware import HardwareSpec
 from megatrain.ir.issue import IssueQueue
-from megatrain.ir.schedule import HOST_STREAMS, Schedule, Stream
+from megatrain.ir.schedule import HOST_STREAMS, OpKind, Schedule, Stream
 from megatrain.planner.timeline import Timeline
 
 _INF = float("inf")
@@ -176,7 +182,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
         if host[best_i]:
             heapq.heappush(wake, e)
             if stall[best_i] > 0:
-                stalls.add(best_t, e, stall[best_i])
+                if ops[best_i].kind is OpKind.OPT:  # the GIL-holding kernel call first, then the sum
+                    stalls.add(best_t, best_t + stall[best_i] * (e - best_t), 1.0)
+                else:
+                    stalls.add(best_t, e, stall[best_i])
         elif best_i in fenced:
             heapq.heappush(wake, e)
         committed += 1

@@ -50,8 +50,9 @@ holds and updates ``1 / nodes`` of the state and every H2D first all-gathers the
 over the network (:func:`weight_gather_time`).
 
 The issuing thread. One Python thread issues every GPU op (:func:`launch_times`); a host op whose
-kernel holds the GIL stops it while it runs (:func:`issue_stall`: DeepSpeed's CPU Adam, whose
-binding never releases the GIL; ``hardware.HOST_KERNEL_ISSUE_STALL``). The simulator
+kernel holds the GIL stops it while that kernel runs (:func:`issue_stall`: DeepSpeed's CPU Adam, whose
+binding never releases the GIL, for the OPT's leading 28/32, the finite check's sum after it releasing it;
+``hardware.HOST_KERNEL_ISSUE_STALL``). The simulator
 (:mod:`megatrain.planner.simulate`) plays it against the GPU.
 
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
@@ -557,8 +558,10 @@ def launch_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec,
 
 def issue_stall(kind: OpKind, hw: HardwareSpec) -> float:
     """Fraction of a host op's time during which the issuing thread cannot issue: an OPT's
-    ``hw.host_optimizer_issue_stall`` (its kernel holds the GIL), a CAST's ``hw.host_cast_issue_stall``;
-    0 for other host ops (torch ops, which release the GIL) and GPU ops."""
+    ``hw.host_optimizer_issue_stall`` (its kernel holds the GIL: the simulator blocks the thread for
+    that leading fraction of the OPT, the kernel's call, and not during the finite check's sum after
+    it), a CAST's ``hw.host_cast_issue_stall`` (spread over the CAST: a slowdown, the cores and memory
+    shared); 0 for other host ops (torch ops, which release the GIL) and GPU ops."""
     if kind is OpKind.OPT:
         return hw.host_optimizer_issue_stall
     if kind is OpKind.CAST:
