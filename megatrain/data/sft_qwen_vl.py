@@ -5,7 +5,8 @@ What differs from LLaVA's data path (:mod:`megatrain.data.sft_images`, which rea
 - **The processor.** transformers' ``Qwen2VLProcessor`` and ``Qwen2_5_VLProcessor`` hold a video
   processor beside the image processor, and loading one needs torchvision. megatrain reads
   images only (videos are not supported), so :func:`load_processor` loads the model's processor
-  class without it (:func:`images_only`): the same tokenizer, image processor, chat template and
+  class (transformers' own, by ``model_type``: :func:`video_processor_class`, no list of families
+  here) without it (:func:`images_only`): the same tokenizer, image processor, chat template and
   image-token expansion (``image_grid_thw.prod() // merge_size ** 2`` tokens an image); saved,
   its ``processor_config.json`` names the model's processor class and holds a video processor's
   settings (the directory's it was loaded from, else the image processor's), for
@@ -34,10 +35,25 @@ from typing import Any
 from megatrain.errors import ConfigError
 from megatrain.models import DEFAULT_IMAGE_PIXELS
 
-__all__ = ["PROCESSORS", "image_grid", "images_only", "load_processor", "parse_image_size", "run_image_size"]
+__all__ = ["image_grid", "images_only", "load_processor", "parse_image_size", "run_image_size",
+           "video_processor_class"]
 
-PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
-"""The processor class of each family, by ``model_type`` (transformers' names)."""
+
+def video_processor_class(model_type: str) -> str | None:
+    """transformers' processor class of ``model_type`` (its ``PROCESSOR_MAPPING_NAMES``) when that
+    class holds a video processor (Qwen2-VL's ``Qwen2VLProcessor``), which megatrain drops
+    (:func:`images_only`); None for a processor of images only (LLaVA's) or a type transformers
+    maps to none. Read from transformers rather than listed, so that a family added to the planner
+    (``megatrain.planner.trace.vlm.FAMILIES``) needs nothing here."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    cls = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(model_type) or "", None)
+    if cls is None:
+        return None
+    # transformers 5 lists the sub-processors by get_attributes(); older versions in ``attributes``.
+    parts = cls.get_attributes() if hasattr(cls, "get_attributes") else getattr(cls, "attributes", ())
+    return cls.__name__ if "video_processor" in parts else None
 
 
 
@@ -70,9 +86,10 @@ def images_only(name: str) -> type:
 
 
 def load_processor(directory: Path, model_type: str):
-    """The processor of a ``model_type`` of :data:`PROCESSORS` saved in ``directory`` (its
-    tokenizer, image processor and chat template), without its video processor
-    (:func:`images_only`).
+    """The processor of a ``model_type`` saved in ``directory`` (its tokenizer, image processor and
+    chat template): one whose class holds a video processor (:func:`video_processor_class`:
+    Qwen2-VL's, Qwen2.5-VL's) without it (:func:`images_only`), any other as
+    ``transformers.AutoProcessor`` loads it (:func:`megatrain.hf_load.load_processor`).
 
     Raises:
         ConfigError: the processor is defined only by the directory's own code
@@ -81,7 +98,10 @@ def load_processor(directory: Path, model_type: str):
     """
     from megatrain.hf_load import load_processor as load
 
-    processor = load(directory, images_only(PROCESSORS[model_type]))
+    name = video_processor_class(model_type)
+    if name is None:
+        return load(directory)
+    processor = load(directory, images_only(name))
     directory = Path(directory)
     try:  # transformers 5 nests the sub-processors' settings in processor_config.json; older, a file each
         processor.video_config = json.loads((directory / "processor_config.json").read_text()).get("video_processor")

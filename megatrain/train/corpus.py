@@ -97,8 +97,8 @@ def _chat_template(cfg: TrainConfig, source: ModelSource) -> tuple[str | None, s
 
 
 def _processor(cfg: TrainConfig, source: ModelSource):
-    """The processor (``transformers.AutoProcessor``; Qwen2-VL's without its video processor:
-    :func:`megatrain.data.sft_qwen_vl.load_processor`) of a vision-language run and where it came
+    """The processor (:func:`megatrain.data.sft_qwen_vl.load_processor`: ``transformers.AutoProcessor``,
+    or a processor class with a video processor, Qwen2-VL's, without it) of a vision-language run and where it came
     from: the directory of ``tokenizer``, else the model directory."""
     where = Path(cfg.tokenizer) if cfg.tokenizer is not None else source.directory
     hint = ("give --tokenizer DIR, a directory AutoProcessor.from_pretrained loads (the model's processor: "
@@ -107,13 +107,10 @@ def _processor(cfg: TrainConfig, source: ModelSource):
         raise ConfigError(f"model_type {source.config.model_type!r} is a vision-language model: its SFT data is read "
                           f"by its processor, and a bare config names none; {hint}")
     directory = where if where.is_dir() else where.parent
-    from megatrain import hf_load
-    from megatrain.data.sft_qwen_vl import PROCESSORS, load_processor
+    from megatrain.data.sft_qwen_vl import load_processor
 
-    model_type = source.config.model_type
-    try:  # Qwen2-VL's processor class without its video processor, which needs torchvision
-        processor = load_processor(directory, model_type) if model_type in PROCESSORS else \
-            hf_load.load_processor(directory)
+    try:  # a processor class with a video processor (Qwen2-VL's) without it: loading one needs torchvision
+        processor = load_processor(directory, source.config.model_type)
     except ConfigError:  # the directory's own code, refused
         raise
     except Exception as e:  # OSError, ValueError, KeyError from a directory that is not a processor's
@@ -133,10 +130,9 @@ def image_grid_thw(cfg: TrainConfig, source: ModelSource) -> tuple[tuple[int, in
         ConfigError: the processor cannot be loaded (:func:`_processor`), or refuses ``image_size``.
     """
     from megatrain.data.sft_qwen_vl import image_grid, run_image_size
-    from megatrain.planner.trace.qwen_vl import PatchGridFamily
     from megatrain.planner.trace.vlm import family
 
-    if not isinstance(family(source.config), PatchGridFamily):
+    if (fam := family(source.config)) is None or not fam.takes_grid:
         return None
     processor, _ = _processor(cfg, source)
     return (image_grid(processor, run_image_size(processor, cfg.image_size)),) * cfg.images_per_row
@@ -203,9 +199,9 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
                                loss=cfg.sft_loss, template_origin=template_origin)
     else:
         from megatrain.data.sft_images import ChatProcessor
-        from megatrain.data.sft_qwen_vl import PROCESSORS, run_image_size
+        from megatrain.data.sft_qwen_vl import run_image_size
 
-        size = run_image_size(processor, cfg.image_size) if source.config.model_type in PROCESSORS else None
+        size = run_image_size(processor, cfg.image_size) if family(source.config).takes_grid else None
         chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
                              loss=cfg.sft_loss, images_per_example=cfg.images_per_row, image_size=size,
                              template_origin=template_origin or ("the processor's" if processor.chat_template

@@ -137,14 +137,13 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
             ``images_per_row`` other than 1 for a model without images; ``image_size`` for a model
             other than Qwen2-VL and Qwen2.5-VL.
     """
-    from megatrain.planner.trace.qwen_vl import GRID_INPUT, PatchGridFamily
-    from megatrain.planner.trace.vlm import IMAGE_INPUT, family
+    from megatrain.planner.trace.vlm import family
 
     if (fam := family(config)) is None and cfg.images_per_row != 1:
         raise ConfigError(f"images_per_row={cfg.images_per_row}: model_type {config.model_type!r} takes no images; "
                           "images_per_row is the image count of each row of a vision-language model (LLaVA, "
                           "Qwen2-VL): leave it at 1 (--images-per-row 1)")
-    grid = isinstance(fam, PatchGridFamily)
+    grid = fam is not None and fam.takes_grid
     if cfg.image_size is not None and not grid:
         raise ConfigError(f"image_size={cfg.image_size}: model_type {config.model_type!r} takes no image size; it is "
                           "the size every image of a Qwen2-VL or Qwen2.5-VL run is resized to (one patch grid), "
@@ -154,7 +153,7 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
         if cfg.task != "sft":
             raise ConfigError(f"model_type {config.model_type!r} is a vision-language model: it trains on SFT data "
                               "with images (task: sft, --data with an images column); task lm reads text only")
-        return ("input_ids", "attention_mask", IMAGE_INPUT, *((GRID_INPUT,) if grid else ()), "labels")
+        return ("input_ids", "attention_mask", *fam.batch_inputs, "labels")
     if cfg.task in ("dpo", "grpo"):  # right-padded rows: a causal model's padding after a row changes nothing in it
         return ("input_ids", "labels")
     packed = cfg.sft_packing if cfg.task == "sft" else cfg.document_attention
@@ -536,35 +535,16 @@ def _finished(cfg: TrainConfig, out: Path, state: dict, echo) -> TrainResult:
 
 
 def _check_processor(model, dataset, images, grid=None) -> None:
-    """Refuse, before training, a processor that does not fit the model. LLaVA: its image token is
-    not the model's, or it writes another number of image tokens per image than the model's
-    projector writes features (a processor of another model or resolution): a row's image count is
-    read from its image tokens (``vlm.place_images``), so its tokens would not match its images.
-    Qwen2-VL: another patch grid, patch or image-token count than ``grid``, the traced one, in the
-    first training row (what the first step would refuse: ``prepare_images``)."""
-    from megatrain.errors import BatchError
-    from megatrain.planner.trace.qwen_vl import PatchGridFamily
-    from megatrain.planner.trace.vlm import family, prepare_images
+    """Refuse, before training, a processor that does not fit the model: its family's
+    :meth:`~megatrain.planner.trace.vlm_family.VisionFamily.check_processor`. LLaVA: its image
+    token is not the model's, or it writes another number of image tokens per image than the
+    model's projector writes features (a processor of another model or resolution): a row's image
+    count is read from its image tokens (``vlm.place_images``), so its tokens would not match its
+    images. Qwen2-VL: another patch grid, patch or image-token count than ``grid``, the traced
+    one, in the first training row (what the first step would refuse: ``prepare_images``)."""
+    from megatrain.planner.trace.vlm import family
 
-    fam = family(model.config)
-    if isinstance(fam, PatchGridFamily):
-        try:
-            prepare_images(model, dataset.rows([0]), dataset.input_names, grid, 1)
-        except BatchError as e:
-            raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the "
-                              f"first training row: {e}. Use the model's own processor (its patch_size, "
-                              "merge_size and image size)") from None
-        return
-    token, per_image = fam.image_tokens(model)
-    path = next((p for paths in dataset.store.images or () for p in paths), None)
-    n = None if path is None else images.image_tokens(path)
-    if images.image_token_id != token or n not in (None, per_image):
-        wrote = f"its image token is id {images.image_token_id}" if n is None else \
-            f"it writes {n} image tokens (id {images.image_token_id}) for the image {path!r}"
-        raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: {wrote}, and "
-                          f"the model reads {per_image} an image (id {token}, one per feature its projector writes). "
-                          "Use the model's own processor (its image token, patch_size, image size and "
-                          "vision_feature_select_strategy)")
+    family(model.config).check_processor(model, dataset, images, grid)
 
 
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None,

@@ -57,13 +57,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from megatrain.errors import BatchError, ConfigError, UnsupportedModelError
 from megatrain.models import DEFAULT_IMAGE_PIXELS  # re-exported: the planner plans this image size by default
+from megatrain.planner.trace.vlm_family import IMAGE_INPUT, ImageInputs
 
 GRID_INPUT = "image_grid_thw"
 """The batch input with each image's patch grid, ``LongTensor[images, 3]`` (frames, rows, columns)."""
@@ -89,17 +90,64 @@ variable-length keywords to implementations whose name contains ``flash``
 
 @dataclass(frozen=True, slots=True)
 class PatchGridFamily:
-    """A vision-language family whose images are flattened patches with a grid (Qwen2-VL's).
+    """A vision-language family whose images are flattened patches with a grid (Qwen2-VL's): a
+    :class:`.vlm_family.VisionFamily` record, each answer this module's.
 
     ``vision_tower``: the module path of the vision encoder; ``blocks``: its block container,
-    within it. ``windowed``: the tower alternates window attention with full attention
-    (Qwen2.5-VL's ``fullatt_block_indexes``).
+    within it (named, since its merger's MLP may hold more parameters). ``windowed``: the tower
+    alternates window attention with full attention (Qwen2.5-VL's ``fullatt_block_indexes``).
     """
 
     model_type: str
     vision_tower: str
     blocks: str = "blocks"
     windowed: bool = False
+
+    batch_inputs: ClassVar[tuple[str, ...]] = (IMAGE_INPUT, GRID_INPUT)
+    takes_grid: ClassVar[bool] = True
+
+    def block_container(self, model: nn.Module) -> str:
+        return self.blocks
+
+    def trace_inputs(self, model: nn.Module, names: tuple[str, ...], micro_batch_size: int, seq_len: int,
+                     image_grid_thw: Sequence[Sequence[int]] | None, images_per_row: int) -> ImageInputs:
+        """Each row any images within the patches of ``image_grid_thw`` (default one 448x448
+        image, :func:`row_grid`), traced as :func:`traced_names` and :func:`input_shapes` say,
+        called by :func:`trace_call`; ``images_per_row`` is 1 (a row's images are its grids).
+
+        Raises:
+            UnsupportedModelError, ConfigError: as :func:`row_grid`, :func:`traced_names` and
+                :func:`input_shapes`.
+        """
+        grid = row_grid(model.config, image_grid_thw)
+        return ImageInputs(traced_names(names, self), input_shapes(model.config, self, grid, micro_batch_size, seq_len),
+                           trace_call(model, self), grid, self)
+
+    def export_attention(self, model: nn.Module):
+        return varlen_attention(model, self)
+
+    def prepare(self, model: nn.Module, batch: Mapping[str, torch.Tensor], input_names: Sequence[str],
+                grid: Sequence[Sequence[int]] | None, micro_batch_size: int,
+                images_per_row: int = 1) -> dict[str, torch.Tensor]:
+        """:func:`prepare_batch` of a batch with images when traced with them (``grid`` the traced
+        row's grids, whose patches are each row's budget); any other batch unchanged."""
+        if IMAGE_INPUT not in batch or grid is None:
+            return dict(batch)
+        return prepare_batch(model, self, batch, traced_names(input_names, self), grid, micro_batch_size)
+
+    def row_images(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> int:
+        return 1  # a row's images are its grids (row_grids), not image slots
+
+    def check_processor(self, model: nn.Module, dataset: Any, images: Any,
+                        grid: Sequence[Sequence[int]] | None = None) -> None:
+        """Refuse another patch grid, patch or image-token count than ``grid``, the traced one, in
+        the first training row: what the first step would refuse (:meth:`prepare`)."""
+        try:
+            self.prepare(model, dataset.rows([0]), dataset.input_names, grid, 1)
+        except BatchError as e:
+            raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: the "
+                              f"first training row: {e}. Use the model's own processor (its patch_size, "
+                              "merge_size and image size)") from None
 
 
 def _vision_utils(model: nn.Module, tower: nn.Module):

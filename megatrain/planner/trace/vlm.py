@@ -16,16 +16,19 @@ Qwen2-VL and Qwen2.5-VL take their images as flattened patches with a grid, and 
 reads sizes from tensor values; :mod:`.qwen_vl` makes those on the host per batch (a row's patch
 budget fixed per traced shape) so that the same layers come out.
 
-The family table (:data:`FAMILIES`) says what each supported family's batch carries beside the
-token inputs and how many image tokens a row holds; :data:`REFUSED` names, for the vision-language
-families transformers ships that megatrain does not trace, what is missing.
+The family table (:data:`FAMILIES`) holds one record per supported family, which answers every
+question megatrain asks of it (:class:`.vlm_family.VisionFamily`: its batch inputs, whether it takes
+an image grid, how it is traced, how a batch is cut into micro-batches, how its processor's output
+is checked): the functions here ask the record of a model's family (:func:`family`), never its
+class. :data:`REFUSED` names, for the vision-language families transformers ships that megatrain
+does not trace, what is missing.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,16 +37,15 @@ from megatrain.errors import BatchError, ConfigError, UnsupportedModelError
 # The refusals are decided in megatrain.models (below the planner, which checks a model there);
 # re-exported here, where the families are.
 from megatrain.models import REFUSED, VISION_LANGUAGE, refuse_vision_language
-from megatrain.planner.trace import qwen_vl
 from megatrain.planner.trace.qwen_vl import GRID_INPUT, PatchGridFamily
-
-IMAGE_INPUT = "pixel_values"
-"""The batch input that carries the images (``FloatTensor``), as transformers' VLMs name it."""
+# Re-exported: the names every family shares, defined below both kinds' modules.
+from megatrain.planner.trace.vlm_family import IMAGE_INPUT, ImageInputs, VisionFamily
 
 
 @dataclass(frozen=True, slots=True)
 class VisionLanguageFamily:
-    """What megatrain needs to know of one vision-language ``model_type``.
+    """A vision-language family of fixed-size images (LLaVA's): a :class:`.vlm_family.VisionFamily`
+    record, each answer this module's.
 
     ``vision_tower``: the module path of the vision encoder in the ``*ForConditionalGeneration``
     model; its largest block container is cut into layers before the decoder's.
@@ -56,6 +58,65 @@ class VisionLanguageFamily:
     vision_tower: str
     image_shape: Callable[[Any], tuple[int, ...]]
     image_tokens: Callable[[nn.Module], tuple[int, int]]
+
+    batch_inputs: ClassVar[tuple[str, ...]] = (IMAGE_INPUT,)
+    takes_grid: ClassVar[bool] = False
+
+    def block_container(self, model: nn.Module) -> str:
+        """The container holding most of the tower's parameters (:func:`.cut.find_block_container`)."""
+        from megatrain.planner.trace.cut import find_block_container
+
+        return find_block_container(model.get_submodule(self.vision_tower))
+
+    def trace_inputs(self, model: nn.Module, names: tuple[str, ...], micro_batch_size: int, seq_len: int,
+                     image_grid_thw: Sequence[Sequence[int]] | None, images_per_row: int) -> ImageInputs:
+        """``pixel_values`` as ``[micro_batch_size * images_per_row, C, H, W]`` float32 image slots
+        (:func:`place_images`); the names as given, called as ``model(**inputs)``."""
+        return ImageInputs(names, {IMAGE_INPUT: ((micro_batch_size * images_per_row, *self.image_shape(model.config)),
+                                                 torch.float32)}, family=self)
+
+    def export_attention(self, model: nn.Module):
+        return contextlib.nullcontext()  # the tower's attention has no value-dependent split
+
+    def prepare(self, model: nn.Module, batch: Mapping[str, torch.Tensor], input_names: Sequence[str],
+                grid: Sequence[Sequence[int]] | None, micro_batch_size: int,
+                images_per_row: int = 1) -> dict[str, torch.Tensor]:
+        """:func:`place_images` of a batch with images when traced with them; any other unchanged."""
+        if IMAGE_INPUT not in batch or IMAGE_INPUT not in input_names:
+            return dict(batch)
+        return place_images(model, batch, images_per_row, micro_batch_size)
+
+    def row_images(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> int:
+        """:func:`row_images` of a LLaVA batch."""
+        images, ids = batch.get(IMAGE_INPUT), batch.get("input_ids")
+        if images is None or ids is None or images.dim() != 4 or GRID_INPUT in batch:
+            return 1
+        rows, counts = ids.shape[0], image_counts(model, ids)
+        if images.shape[0] == int(counts.sum()):
+            return max(int(counts.max()) if rows else 0, 1)
+        if not rows or images.shape[0] % rows or not images.shape[0]:
+            raise BatchError(f"batch[{IMAGE_INPUT!r}] holds {images.shape[0]} images for {rows} rows of input_ids; "
+                             f"give them in slots, [{rows} x images_per_row, C, H, W] (row r's images first in "
+                             "[r * images_per_row, (r + 1) * images_per_row), zeros after), or one per real image "
+                             f"in row order ({int(counts.sum())} by the image tokens)")
+        return images.shape[0] // rows
+
+    def check_processor(self, model: nn.Module, dataset: Any, images: Any,
+                        grid: Sequence[Sequence[int]] | None = None) -> None:
+        """Refuse a processor whose image token is not the model's, or that writes another number
+        of image tokens per image than the model's projector writes features (a processor of
+        another model or resolution): a row's image count is read from its image tokens
+        (:func:`place_images`), so its tokens would not match its images. ``grid`` is unused."""
+        token, per_image = self.image_tokens(model)
+        path = next((p for paths in dataset.store.images or () for p in paths), None)
+        n = None if path is None else images.image_tokens(path)
+        if images.image_token_id != token or n not in (None, per_image):
+            wrote = f"its image token is id {images.image_token_id}" if n is None else \
+                f"it writes {n} image tokens (id {images.image_token_id}) for the image {path!r}"
+            raise ConfigError(f"the processor ({type(images.processor).__name__}) does not fit the model: {wrote}, "
+                              f"and the model reads {per_image} an image (id {token}, one per feature its projector "
+                              "writes). Use the model's own processor (its image token, patch_size, image size and "
+                              "vision_feature_select_strategy)")
 
 
 def _llava_shape(config: Any) -> tuple[int, ...]:
@@ -72,49 +133,25 @@ def _llava_tokens(model: nn.Module) -> tuple[int, int]:
     return config.image_token_id, positions - (config.vision_feature_select_strategy == "default")
 
 
-FAMILIES: dict[str, VisionLanguageFamily | PatchGridFamily] = {
+FAMILIES: dict[str, VisionFamily] = {
     "llava": VisionLanguageFamily("llava", "model.vision_tower", _llava_shape, _llava_tokens),
     "qwen2_vl": PatchGridFamily("qwen2_vl", "model.visual"),
     "qwen2_5_vl": PatchGridFamily("qwen2_5_vl", "model.visual", windowed=True),
 }
-"""The vision-language families megatrain traces with their images, by ``model_type``: the
-tracing recipes of :data:`megatrain.models.VISION_LANGUAGE` (the names, on the floor below the
-planner, where models are accepted or refused)."""
+"""The vision-language families megatrain traces with their images, by ``model_type``: each one
+complete record (:class:`.vlm_family.VisionFamily`) of :data:`megatrain.models.VISION_LANGUAGE`
+(the names, on the floor below the planner, where models are accepted or refused)."""
 if tuple(FAMILIES) != VISION_LANGUAGE:
     raise AssertionError(f"vlm.FAMILIES {tuple(FAMILIES)} and megatrain.models.VISION_LANGUAGE {VISION_LANGUAGE} "
                          "must name the same families: add a family to both")
 
 
 
-def family(config: Any) -> VisionLanguageFamily | PatchGridFamily | None:
-    """The :class:`VisionLanguageFamily` (LLaVA) or :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL,
-    Qwen2.5-VL) of a transformers ``config``, or None for other models."""
+def family(config: Any) -> VisionFamily | None:
+    """The family record (:class:`.vlm_family.VisionFamily`: LLaVA's :class:`VisionLanguageFamily`,
+    Qwen2-VL's and Qwen2.5-VL's :class:`.qwen_vl.PatchGridFamily`) of a transformers ``config``, or
+    None for other models."""
     return FAMILIES.get(getattr(config, "model_type", None))
-
-
-@dataclass(frozen=True, slots=True)
-class ImageInputs:
-    """How a model's batch inputs are traced (:func:`image_inputs`).
-
-    ``names``: the traced inputs, in call order (Qwen2-VL's ``image_grid_thw`` becomes
-    ``mrope_position_ids`` and the vision tower's grid-derived inputs). ``shapes``: ``{name: (shape
-    of one micro-batch, dtype)}`` of each traced input that is not a ``[micro_batch_size, seq_len]``
-    long tensor. ``call``: how the trace's loss wrapper calls the model with them (``call(model,
-    **inputs)``), None for ``model(**inputs)``. ``grid``: the patch grids whose patches are a row's
-    budget and ``family`` the
-    :class:`.qwen_vl.PatchGridFamily` (Qwen2-VL), None otherwise.
-    """
-
-    names: tuple[str, ...]
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    call: Callable[..., Any] | None = None
-    grid: tuple[tuple[int, int, int], ...] | None = None
-    family: PatchGridFamily | None = None
-
-    def attention(self, model: nn.Module):
-        """A context for the export: the vision attention of a patch-grid family without its
-        value-dependent split (:func:`.qwen_vl.varlen_attention`); nothing for others."""
-        return contextlib.nullcontext() if self.family is None else qwen_vl.varlen_attention(model, self.family)
 
 
 def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size: int, seq_len: int,
@@ -141,15 +178,17 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
     """
     names = tuple(input_names)
     fam = family(getattr(model, "config", None))
+    # A row's images are either image slots (images_per_row) or patch grids (image_grid_thw): the family says which.
+    grid = fam is not None and fam.takes_grid
     if isinstance(images_per_row, bool) or not isinstance(images_per_row, int) or images_per_row < 1:
         raise ConfigError(f"images_per_row={images_per_row!r}: give the number of images each row carries, an int >= 1")
-    if images_per_row != 1 and not (isinstance(fam, VisionLanguageFamily) and IMAGE_INPUT in names):
+    if images_per_row != 1 and not (fam is not None and not grid and IMAGE_INPUT in names):
         raise UnsupportedModelError(
             f"images_per_row={images_per_row} is the image count of LLaVA batches with pixel_values; "
             f"{type(model).__name__} with inputs {list(names)} takes none"
             + (" (Qwen2-VL and Qwen2.5-VL: give each row's images as image_grid_thw)"
-               if isinstance(fam, PatchGridFamily) else "") + ": drop it")
-    if image_grid_thw is not None and not (isinstance(fam, PatchGridFamily) and IMAGE_INPUT in names):
+               if grid else "") + ": drop it")
+    if image_grid_thw is not None and not (grid and IMAGE_INPUT in names):
         raise UnsupportedModelError(
             f"image_grid_thw is the image grid of Qwen2-VL and Qwen2.5-VL batches with pixel_values; "
             f"{type(model).__name__} with inputs {list(names)} takes none: drop it")
@@ -159,30 +198,21 @@ def image_inputs(model: nn.Module, input_names: Sequence[str], micro_batch_size:
         raise UnsupportedModelError(
             f"{type(model).__name__} takes no images megatrain knows how to shape: {IMAGE_INPUT!r} is a batch "
             f"input only of the vision-language families {sorted(FAMILIES)}; drop it from input_names")
-    if isinstance(fam, PatchGridFamily):
-        grid = qwen_vl.row_grid(model.config, image_grid_thw)
-        return ImageInputs(qwen_vl.traced_names(names, fam),
-                           qwen_vl.input_shapes(model.config, fam, grid, micro_batch_size, seq_len),
-                           qwen_vl.trace_call(model, fam), grid, fam)
-    return ImageInputs(names, {IMAGE_INPUT: ((micro_batch_size * images_per_row, *fam.image_shape(model.config)),
-                                             torch.float32)})
+    return fam.trace_inputs(model, names, micro_batch_size, seq_len, image_grid_thw, images_per_row)
 
 
 def batch_names(config: Any) -> tuple[str, ...]:
     """The batch inputs a model of ``config`` is planned with by ``megatrain plan`` and the presets:
     a vision-language family's with its images, else ``input_ids`` and ``labels``."""
     fam = family(config)
-    if fam is None:
-        return ("input_ids", "labels")
-    if isinstance(fam, PatchGridFamily):
-        return ("input_ids", IMAGE_INPUT, GRID_INPUT, "labels")
-    return ("input_ids", IMAGE_INPUT, "labels")
+    return ("input_ids", "labels") if fam is None else ("input_ids", *fam.batch_inputs, "labels")
 
 
 def prepare_images(model: nn.Module, batch: Mapping[str, torch.Tensor], input_names: Sequence[str],
                    grid: Sequence[Sequence[int]] | None, micro_batch_size: int,
                    images_per_row: int = 1) -> dict[str, torch.Tensor]:
-    """A batch of ``input_names`` with its images as the traced graph reads them. Qwen2-VL with
+    """A batch of ``input_names`` with its images as the traced graph reads them: the family's
+    :meth:`~.vlm_family.VisionFamily.prepare`, any other model's batch unchanged. Qwen2-VL with
     images (:func:`.qwen_vl.prepare_batch`, ``grid`` the traced row's grids, whose patches are each
     row's budget): checked, each micro-batch of ``micro_batch_size`` rows with its patches, its
     vision tower's grid-derived inputs and its M-RoPE positions. LLaVA traced with images
@@ -193,14 +223,9 @@ def prepare_images(model: nn.Module, batch: Mapping[str, torch.Tensor], input_na
         BatchError: what :func:`.qwen_vl.prepare_batch` or :func:`place_images` refuses.
     """
     fam = family(getattr(model, "config", None))
-    if IMAGE_INPUT not in batch:
+    if fam is None:
         return dict(batch)
-    if isinstance(fam, PatchGridFamily) and grid is not None:
-        return qwen_vl.prepare_batch(model, fam, batch, qwen_vl.traced_names(input_names, fam), grid,
-                                     micro_batch_size)
-    if isinstance(fam, VisionLanguageFamily) and IMAGE_INPUT in input_names:
-        return place_images(model, batch, images_per_row, micro_batch_size)
-    return dict(batch)
+    return fam.prepare(model, batch, input_names, grid, micro_batch_size, images_per_row)
 
 
 def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -208,18 +233,15 @@ def vision_tower(model: nn.Module, input_names: tuple[str, ...]) -> tuple[str, s
     ``model.vision_tower`` and the container holding most of its parameters; Qwen2-VL:
     ``model.visual`` and ``model.visual.blocks``, named, since its merger's MLP may hold more) when
     the batch carries ``pixel_values``; None otherwise (a VLM trained on text alone never calls it)."""
-    from megatrain.planner.trace.cut import find_block_container
-
     fam = family(getattr(model, "config", None))
     if IMAGE_INPUT not in input_names or fam is None:
         return None
-    blocks = fam.blocks if isinstance(fam, PatchGridFamily) else find_block_container(
-        model.get_submodule(fam.vision_tower))
-    return fam.vision_tower, f"{fam.vision_tower}.{blocks}"
+    return fam.vision_tower, f"{fam.vision_tower}.{fam.block_container(model)}"
 
 
 def row_images(batch: Mapping[str, torch.Tensor], model: nn.Module) -> int:
-    """The image slots per row (``images_per_row``, K) of a LLaVA ``model``'s batch
+    """The family's :meth:`~.vlm_family.VisionFamily.row_images` (1 for a model of none): the
+    image slots per row (``images_per_row``, K) of a LLaVA ``model``'s batch
     (:func:`place_images`): ``pixel_values`` in Hugging Face's layout (one entry per real image,
     as many as the rows' image tokens say) gives its most images a row (at least 1); in the slot
     layout, ``[rows x K, C, H, W]``, K. 1 for a batch without such images (none, or Qwen2-VL's
@@ -228,19 +250,8 @@ def row_images(batch: Mapping[str, torch.Tensor], model: nn.Module) -> int:
     Raises:
         BatchError: ``pixel_values`` that fit neither layout, or what :func:`image_counts` raises.
     """
-    images, ids = batch.get(IMAGE_INPUT), batch.get("input_ids")
-    if (images is None or ids is None or images.dim() != 4 or GRID_INPUT in batch
-            or not isinstance(family(getattr(model, "config", None)), VisionLanguageFamily)):
-        return 1
-    rows, counts = ids.shape[0], image_counts(model, ids)
-    if images.shape[0] == int(counts.sum()):
-        return max(int(counts.max()) if rows else 0, 1)
-    if not rows or images.shape[0] % rows or not images.shape[0]:
-        raise BatchError(f"batch[{IMAGE_INPUT!r}] holds {images.shape[0]} images for {rows} rows of input_ids; "
-                         f"give them in slots, [{rows} x images_per_row, C, H, W] (row r's images first in "
-                         "[r * images_per_row, (r + 1) * images_per_row), zeros after), or one per real image in "
-                         f"row order ({int(counts.sum())} by the image tokens)")
-    return images.shape[0] // rows
+    fam = family(getattr(model, "config", None))
+    return 1 if fam is None else fam.row_images(model, batch)
 
 
 def image_counts(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
