@@ -505,8 +505,9 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     """``(request, model name, spec, summary, progress line)`` from --model, --hardware, --seq-len, --global-batch:
     the solver's plan (micro-batch size included) for a GPU of that spec."""
     from megatrain.models import check_causal_decoder
-    from megatrain.planner.front import PlanRequest, Topology
+    from megatrain.planner.front import Topology
     from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.product.planning import plan_request
     from megatrain.planner.trace.vlm import batch_names
 
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "hardware", "seq_len", "global_batch")
@@ -539,11 +540,11 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     # A vision-language model is planned with its images through its vision tower: LLaVA one per
     # row, Qwen2-VL one 448x448 image per row (trace.qwen_vl.row_grid).
     names = batch_names(config)
-    request = PlanRequest(build_meta_model(config, dtype=torch.float32), args.seq_len, args.global_batch,
-                          micro_batch_size=None, hardware=hw, device="cuda", compute_dtype=dtype, input_names=names,
-                          max_grad_norm=1.0 if args.clip_gradients else None, optimizer_name=args.optimizer,
-                          topology=Topology(ranks, args.gpus_per_node, host_state="auto"), solver=args.solver,
-                          **_execution_flags(args))
+    request = plan_request(build_meta_model(config, dtype=torch.float32), seq_len=args.seq_len,
+                           global_batch=args.global_batch, micro_batch_size=None, hardware=hw, device="cuda",
+                           compute_dtype=dtype, input_names=names, max_grad_norm=1.0 if args.clip_gradients else None,
+                           optimizer_name=args.optimizer, topology=Topology(ranks, args.gpus_per_node, host_state="auto"),
+                           solver=args.solver, **_execution_flags(args))
     summary = (f"seq_len {args.seq_len} x global batch {args.global_batch}, {dtype}"
                + (f", {args.optimizer}" if args.optimizer not in (None, "adamw") else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
@@ -567,7 +568,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     with the same file plans, for --gpus-per-node x --nodes ranks (torchrun's)."""
     from megatrain.planner.front import Topology
     from megatrain.train import load_train_config
-    from megatrain.train.config import resolve_device
+    from megatrain.train.config import check_batch_split, resolve_device
     from megatrain.train.corpus import image_grid_thw
     from megatrain.train.loop import plan_request, planning_model
     from megatrain.train.model import resolve_model
@@ -584,9 +585,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     if cfg.hardware is None:
         raise ConfigError(f"megatrain plan --config {args.config}: the run names no hardware to plan for or predict "
                           "on; give --hardware (a preset or a spec JSON file)")
-    if cfg.global_batch % (ranks * cfg.micro_batch_size):
-        raise ConfigError(f"global_batch {cfg.global_batch} does not split over {ranks} ranks in micro-batches of "
-                          f"{cfg.micro_batch_size}; use a multiple of {ranks * cfg.micro_batch_size}")
+    check_batch_split(cfg.global_batch, cfg.micro_batch_size, ranks)
     hw = _spec(args, cfg.hardware)
     source = resolve_model(cfg.model)
     request = plan_request(cfg, planning_model(cfg, source), hw,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from megatrain.errors import CheckpointError, ConfigError, MegatrainError
-from megatrain.train.config import TrainConfig, resolve_device, rl_reference
+from megatrain.train.config import TrainConfig, check_batch_split, resolve_device, rl_reference
 from megatrain.train.corpus import (image_grid_thw, match_special_tokens, prepare_data, store_dir,
                                     tokenizer_sample_bytes, trains_tokenizer)
 from megatrain.train.lr import lr_at
@@ -207,7 +207,7 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None, sou
     grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`). With ``nvme_dir`` and
     ``host_memory``, the placement leaves room in ``host_memory`` for :func:`host_beside_plan`
     (of ``source``, the run's model resolved when None) on each rank of a node."""
-    from megatrain.planner.front import PlanRequest, Storage
+    from megatrain.product.planning import plan_request as request
 
     cfg = resolve_device(cfg, planning=True)[0]  # device auto: the device this run would take
     names = batch_names(cfg, model.config)
@@ -215,14 +215,12 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None, sou
     if cfg.nvme_dir is not None and cfg.host_memory is not None:
         ranks = 1 if topology is None else topology.ranks_per_node
         reserved = ranks * host_beside_plan(cfg, source or resolve_model(cfg.model), model).total
-    return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
-                       plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
-                       input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
-                       image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
-                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory, reference=rl_reference(cfg),
-                                       host_reserved=reserved),
-                       templates=cfg.templates,
-                       cuda_graphs=cfg.cuda_graphs)
+    return request(model, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch_size=cfg.micro_batch_size,
+                   plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
+                   input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
+                   image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
+                   topology=topology, nvme_dir=cfg.nvme_dir, host_memory=cfg.host_memory,
+                   reference=rl_reference(cfg), host_reserved=reserved, templates=cfg.templates, cuda_graphs=cfg.cuda_graphs)
 
 
 def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> PlannedModel:
@@ -427,12 +425,7 @@ class _Ranks:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return cls()
-        from megatrain.errors import ConfigError
-
-        if cfg.global_batch % (cfg.micro_batch_size * world):
-            raise ConfigError(f"global_batch={cfg.global_batch} rows do not split into {world} ranks' micro-batches of "
-                              f"micro_batch_size={cfg.micro_batch_size}: make global_batch a multiple of "
-                              f"{cfg.micro_batch_size * world} (micro_batch_size x ranks)")
+        check_batch_split(cfg.global_batch, cfg.micro_batch_size, world)
         import torch
         import torch.distributed as dist
 
