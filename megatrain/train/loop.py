@@ -1,6 +1,8 @@
-"""The run: :func:`train` takes a :class:`~megatrain.train.config.TrainConfig` through the stages
-of the package docstring, then steps, evaluates, checkpoints and writes metrics until
-``max_steps``, a signal or a non-finite step."""
+"""The run: :func:`train` holds the ranks and locks of a
+:class:`~megatrain.train.config.TrainConfig`'s run and takes it through :class:`Run`'s stages (those
+of the package docstring), which step, evaluate, checkpoint and write metrics until ``max_steps``, a
+signal or a non-finite step. What the DPO/GRPO run shares with it is :mod:`megatrain.train.stages`'
+and this module's :func:`_plan` and :func:`_materialize_and_load`."""
 
 from __future__ import annotations
 
