@@ -60,10 +60,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatrain.ir.hardware import NVME_ARRAYS, PRESETS as HARDWARE_PRESETS
-    from megatrain.optim import OPTIMIZERS
-    from megatrain.planner.presets import preset_names
-
     p = _Parser(prog="megatrain", description="Train large language models on one GPU with all persistent "
                                               "state in host memory.")
     p.add_argument("--version", action="version", version=f"megatrain {__version__}")
@@ -78,6 +74,32 @@ def _parser() -> argparse.ArgumentParser:
                                       "same file (and --gpus-per-node/--nodes for torchrun's ranks): its "
                                       "schedule.json is the one the run writes to its output_dir. Exit code 0 when "
                                       "it fits, 3 when it does not, 2 on an error (one `error:` line).")
+    _add_plan_flags(plan)
+    train = sub.add_parser("train", help="train a causal LM from a config file and flags",
+                           description="Train a causal LM with all persistent state in host memory. Settings "
+                                       "come from --config (YAML or JSON) and the flags below, which override "
+                                       "it; an optional setting takes 'none' on the command line (null in "
+                                       "the file). Exit code 0 when the run finishes or a signal stops it after a "
+                                       "checkpoint, 2 on any error. Data parallel: run it under torchrun "
+                                       "(torchrun --standalone --nproc-per-node N --no-python megatrain train "
+                                       "...); global_batch is then the rows of a step over all ranks, and "
+                                       "rank 0 writes the outputs. output_dir/schedule.json is the schedule the run executes, "
+                                       "byte for byte what `megatrain plan --config` with the same file writes.",
+                           epilog="Environment: MEGATRAIN_HOST_ADAM=auto|torch|deepspeed chooses the host AdamW "
+                                  "kernel (auto, the default: torch's fused AdamW, which releases the GIL while it "
+                                  "runs; deepspeed: DeepSpeed's CPU Adam from pip install megatrain[deepspeed], "
+                                  "which holds the GIL and so stalls the GPU work's issue while it runs; its op is "
+                                  "compiled once per environment, with a line that says so).")
+    _add_train_flags(train)
+    return p
+
+
+def _add_plan_flags(plan: argparse.ArgumentParser) -> None:
+    """``megatrain plan``'s flags."""
+    from megatrain.ir.hardware import NVME_ARRAYS, PRESETS as HARDWARE_PRESETS
+    from megatrain.optim import OPTIMIZERS
+    from megatrain.planner.presets import preset_names
+
     plan.add_argument("--config", type=Path, default=None, metavar="RUN",
                       help="a megatrain train settings file (YAML or JSON): plan what `megatrain train --config RUN` "
                            "runs, from its model, seq_len, global_batch, micro_batch_size, device, max_grad_norm, "
@@ -144,23 +166,6 @@ def _parser() -> argparse.ArgumentParser:
                       help="the network between nodes, per node (ndr-8x400g: 8x 400 Gb/s InfiniBand NDR/RoCE, "
                            "400 GB/s; 400g-1nic: one 400 Gb/s NIC, 50 GB/s); needed with --nodes > 1 unless the "
                            "hardware JSON sets network_bytes_per_s")
-    train = sub.add_parser("train", help="train a causal LM from a config file and flags",
-                           description="Train a causal LM with all persistent state in host memory. Settings "
-                                       "come from --config (YAML or JSON) and the flags below, which override "
-                                       "it; an optional setting takes 'none' on the command line (null in "
-                                       "the file). Exit code 0 when the run finishes or a signal stops it after a "
-                                       "checkpoint, 2 on any error. Data parallel: run it under torchrun "
-                                       "(torchrun --standalone --nproc-per-node N --no-python megatrain train "
-                                       "...); global_batch is then the rows of a step over all ranks, and "
-                                       "rank 0 writes the outputs. output_dir/schedule.json is the schedule the run executes, "
-                                       "byte for byte what `megatrain plan --config` with the same file writes.",
-                           epilog="Environment: MEGATRAIN_HOST_ADAM=auto|torch|deepspeed chooses the host AdamW "
-                                  "kernel (auto, the default: torch's fused AdamW, which releases the GIL while it "
-                                  "runs; deepspeed: DeepSpeed's CPU Adam from pip install megatrain[deepspeed], "
-                                  "which holds the GIL and so stalls the GPU work's issue while it runs; its op is "
-                                  "compiled once per environment, with a line that says so).")
-    _add_train_flags(train)
-    return p
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -234,9 +239,6 @@ def format_report(planned, hw, *, model: str) -> str:
     parallel" section gives the node's host memory, the host-state choice with its reason, and the
     step and tokens/s of all ranks. The front door's other decisions (NVMe layers in a directory,
     the host state) follow the header."""
-    from megatrain.planner import cost
-    from megatrain.ir.schedule import Stream
-
     plan, mem, tl, g = planned.plan, planned.memory, planned.timeline, planned.graph
     solution, nvme, topology = planned.solution, planned.nvme, planned.topology
     if nvme is not None:  # the breakdown with nothing on NVMe: the placement's rows say what moved
@@ -254,6 +256,27 @@ def format_report(planned, hw, *, model: str) -> str:
              f"{plan.compute_dtype} compute; traced in {planned.trace_s:.2f} s, {how}",
              *(f"  {line}" for line in planned.decisions),
              "", f"fits: {'yes' if fits else 'NO'}", ""]
+    lines += _host_rows(planned, mem, hw)
+    lines.append("")
+    lines += _gpu_rows(plan, mem, hw)
+    lines.append("")
+    lines += _plan_rows(planned, n)
+    lines.append("")
+    lines += _step_rows(plan, tl, hw, g, mem)
+    if nvme is not None:
+        from megatrain.planner.nvme import describe
+
+        lines.append("")
+        lines += _section("NVMe tier", describe(nvme))
+    if topology is not None:
+        lines.append("")
+        lines += _section("data parallel", _topology_rows(topology))
+    return "\n".join(lines)
+
+
+def _host_rows(planned, mem, hw) -> list[str]:
+    """format_report's host memory section (``mem``: the breakdown with nothing on NVMe)."""
+    plan, nvme, topology = planned.plan, planned.nvme, planned.topology
     ranked = " of one rank, the whole state counted" if plan.data_parallel > 1 else ""
     total, pinned = mem.host_total, mem.host_pinned
     moved = []  # the NVMe placement's change to the rows above: the total is what stays in RAM
@@ -263,7 +286,7 @@ def format_report(planned, hw, *, model: str) -> str:
         moved = [("moved to NVMe", "-" + _gib(p.host_freed), "gradient tiles, moments, masters: NVMe tier below"),
                  ("NVMe I/O buffers", _gib(p.buffer_bytes), f"of which {_gib(p.pinned_buffer_bytes)} pinned")]
     sharded = topology is not None and plan.host_state == "shard"
-    lines += _section(f"host memory{ranked} (GiB)", [
+    return _section(f"host memory{ranked} (GiB)", [
         ("FP32 master weights", _gib(mem.master_weights), ""),
         (f"{plan.optimizer_spec.label} moments (FP32 x{len(plan.optimizer_spec.states)})", _gib(mem.adam_moments),
          ""),
@@ -284,8 +307,13 @@ def format_report(planned, hw, *, model: str) -> str:
         ("of which pinned", _gib(pinned),
          f"of cap {_gib(hw.pinned_memory_cap_bytes)} ({_pct(pinned, hw.pinned_memory_cap_bytes)})"),
     ])
-    lines.append("")
-    lines += _section(f"GPU memory{' of one rank' if plan.data_parallel > 1 else ''} (GiB)", [
+
+
+def _gpu_rows(plan, mem, hw) -> list[str]:
+    """format_report's GPU memory section."""
+    from megatrain.planner import cost
+
+    return _section(f"GPU memory{' of one rank' if plan.data_parallel > 1 else ''} (GiB)", [
         ("weight slots", _gib(mem.weight_slots), f"{cost.weight_slot_count(plan)} slots in {plan.compute_dtype}"),
         ("gradient slots", _gib(mem.gradient_slots), _grad_dtype(plan)),
         ("buffers", _gib(mem.buffers), ""),
@@ -300,9 +328,13 @@ def format_report(planned, hw, *, model: str) -> str:
          "activations and working memory at their busiest instant and the reserve included; the solver fills the "
          "rest with slots, resident layers and checkpoints"),
     ])
-    lines.append("")
+
+
+def _plan_rows(planned, n: int) -> list[str]:
+    """format_report's plan section (``n``: the graph's layers)."""
+    plan, g = planned.plan, planned.graph
     resident = sorted(plan.resident)
-    lines += _section("plan", [
+    return _section("plan", [
         ("micro-batch size", str(planned.options.micro_batch_size), f"{plan.micro_batches} micro-batches per step"),
         ("weight slots", str(plan.slots), "streaming"),
         ("prefetch distance", str(plan.prefetch_distance), "layer visits ahead"),
@@ -322,7 +354,14 @@ def format_report(planned, hw, *, model: str) -> str:
         ("CUDA graphs", "on" if plan.cuda_graphs else "off",
          "each compute op replayed from a graph per template and weight slot" if plan.cuda_graphs else ""),
     ])
-    lines.append("")
+
+
+def _step_rows(plan, tl, hw, g, mem) -> list[str]:
+    """format_report's predicted step section (``tl``: the timeline, None where ``hw`` does not
+    rate every stream), with a vision-language model's vision tower."""
+    from megatrain.ir.schedule import Stream
+
+    lines: list[str] = []
     if tl is None:
         lines += _section("predicted step", [("step time", "-", f"{hw.name} does not rate every stream this plan "
                                                                  "uses (a GPU, its links, an NVMe tier)")])
@@ -337,15 +376,7 @@ def format_report(planned, hw, *, model: str) -> str:
             ("bottleneck", tl.bottleneck.value, "busiest stream"),
         ] + [(f"{s.value} busy", f"{busy.get(s, 0.0):.1%}", f"{tl.busy_s.get(s, 0.0):,.4g} s") for s in Stream])
         lines += _vision_rows(g, tl, mem)
-    if nvme is not None:
-        from megatrain.planner.nvme import describe
-
-        lines.append("")
-        lines += _section("NVMe tier", describe(nvme))
-    if topology is not None:
-        lines.append("")
-        lines += _section("data parallel", _topology_rows(topology))
-    return "\n".join(lines)
+    return lines
 
 
 def _vision_rows(g, tl, mem) -> list[str]:
@@ -505,8 +536,9 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     """``(request, model name, spec, summary, progress line)`` from --model, --hardware, --seq-len, --global-batch:
     the solver's plan (micro-batch size included) for a GPU of that spec."""
     from megatrain.models import check_causal_decoder
-    from megatrain.planner.front import PlanRequest, Topology
+    from megatrain.planner.front import Topology
     from megatrain.planner.presets import build_meta_model, load_model_config
+    from megatrain.product.planning import plan_request
     from megatrain.planner.trace.vlm import batch_names
 
     missing = [f"--{n.replace('_', '-')}" for n in ("model", "hardware", "seq_len", "global_batch")
@@ -539,11 +571,12 @@ def _flags_request(args: argparse.Namespace, ranks: int):
     # A vision-language model is planned with its images through its vision tower: LLaVA one per
     # row, Qwen2-VL one 448x448 image per row (trace.qwen_vl.row_grid).
     names = batch_names(config)
-    request = PlanRequest(build_meta_model(config, dtype=torch.float32), args.seq_len, args.global_batch,
-                          micro_batch_size=None, hardware=hw, device="cuda", compute_dtype=dtype, input_names=names,
-                          max_grad_norm=1.0 if args.clip_gradients else None, optimizer_name=args.optimizer,
-                          topology=Topology(ranks, args.gpus_per_node, host_state="auto"), solver=args.solver,
-                          **_execution_flags(args))
+    request = plan_request(build_meta_model(config, dtype=torch.float32), seq_len=args.seq_len,
+                           global_batch=args.global_batch, micro_batch_size=None, hardware=hw, device="cuda",
+                           compute_dtype=dtype, input_names=names, max_grad_norm=1.0 if args.clip_gradients else None,
+                           optimizer_name=args.optimizer,
+                           topology=Topology(ranks, args.gpus_per_node, host_state="auto"), solver=args.solver,
+                           **_execution_flags(args))
     summary = (f"seq_len {args.seq_len} x global batch {args.global_batch}, {dtype}"
                + (f", {args.optimizer}" if args.optimizer not in (None, "adamw") else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
@@ -567,7 +600,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     with the same file plans, for --gpus-per-node x --nodes ranks (torchrun's)."""
     from megatrain.planner.front import Topology
     from megatrain.train import load_train_config
-    from megatrain.train.config import resolve_device
+    from megatrain.train.config import check_batch_split, resolve_device
     from megatrain.train.corpus import image_grid_thw
     from megatrain.train.loop import plan_request, planning_model
     from megatrain.train.model import resolve_model
@@ -584,9 +617,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     if cfg.hardware is None:
         raise ConfigError(f"megatrain plan --config {args.config}: the run names no hardware to plan for or predict "
                           "on; give --hardware (a preset or a spec JSON file)")
-    if cfg.global_batch % (ranks * cfg.micro_batch_size):
-        raise ConfigError(f"global_batch {cfg.global_batch} does not split over {ranks} ranks in micro-batches of "
-                          f"{cfg.micro_batch_size}; use a multiple of {ranks * cfg.micro_batch_size}")
+    check_batch_split(cfg.global_batch, cfg.micro_batch_size, ranks)
     hw = _spec(args, cfg.hardware)
     source = resolve_model(cfg.model)
     request = plan_request(cfg, planning_model(cfg, source), hw,

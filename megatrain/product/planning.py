@@ -86,13 +86,38 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
     if plan is None and hardware is None and options.device == "cuda":
         hardware = measure_hardware()
     topo = process_topology(share_host_memory, host_state)
-    return front.plan(PlanRequest(model, seq_len, micro_batch_size * micro_batches * topo.ranks, micro_batch_size,
-                                  plan=plan, hardware=hardware, device=device, compute_dtype=compute_dtype,
-                                  input_names=tuple(input_names), max_grad_norm=max_grad_norm,
-                                  per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
-                                  storage=Storage(shared_staging=shared_staging, reference=reference),
-                                  image_grid_thw=image_grid_thw, images_per_row=images_per_row, templates=templates,
-                                  cuda_graphs=cuda_graphs))
+    return front.plan(plan_request(model, seq_len=seq_len, global_batch=micro_batch_size * micro_batches * topo.ranks,
+                                   micro_batch_size=micro_batch_size, plan=plan, hardware=hardware, device=device,
+                                   compute_dtype=compute_dtype, input_names=input_names, max_grad_norm=max_grad_norm,
+                                   per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
+                                   shared_staging=shared_staging, reference=reference, image_grid_thw=image_grid_thw,
+                                   images_per_row=images_per_row, templates=templates, cuda_graphs=cuda_graphs))
+
+
+def plan_request(model: nn.Module, *, seq_len: int, global_batch: int, micro_batch_size: int | None = 1,
+                 plan: Plan | Literal["default"] | None = None, hardware: HardwareSpec | str | None = None,
+                 device: str = "cpu", compute_dtype: str | None = None,
+                 input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
+                 per_token_loss: bool = True, optimizer_name: str | None = None, topology: Topology = Topology(),
+                 nvme_dir: str | None = None, host_memory: int | str | None = None, host_reserved: int = 0,
+                 shared_staging: bool | None = None, reference: Literal["bfloat16"] | None = None,
+                 image_grid_thw: Sequence[Sequence[int]] | None = None, images_per_row: int = 1,
+                 solver: Literal["milp", "enumerate"] = "milp", templates: str | None = None,
+                 cuda_graphs: bool | str | None = None) -> PlanRequest:
+    """The :class:`~megatrain.planner.front.PlanRequest` of compile's flat settings: the one place a
+    request is made, for :func:`plan_model` (and so ``compile``), ``megatrain train``
+    (``megatrain.train.loop.plan_request``, from a run's config) and ``megatrain plan`` (from its
+    flags). ``global_batch``: rows a step over every rank of ``topology``; ``nvme_dir``,
+    ``host_memory``, ``host_reserved`` (bytes), ``shared_staging`` and ``reference`` make its
+    :class:`~megatrain.planner.front.Storage`; the rest are ``PlanRequest``'s fields. Validates
+    nothing: :func:`megatrain.planner.front.plan` does."""
+    return PlanRequest(model, seq_len, global_batch, micro_batch_size, plan=plan, hardware=hardware, device=device,
+                       compute_dtype=compute_dtype, input_names=tuple(input_names), max_grad_norm=max_grad_norm,
+                       per_token_loss=per_token_loss, image_grid_thw=image_grid_thw, images_per_row=images_per_row,
+                       optimizer_name=optimizer_name, topology=topology,
+                       storage=Storage(nvme_dir, host_memory, shared_staging=shared_staging, reference=reference,
+                                       host_reserved=host_reserved),
+                       solver=solver, templates=templates, cuda_graphs=cuda_graphs)
 
 
 def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
@@ -107,4 +132,4 @@ def process_topology(share_host_memory: bool = True, host_state: str | None = No
     return Topology(world, topology().local_world, share_host_memory, host_state, fits)
 
 
-__all__ = ["plan_model", "process_topology"]
+__all__ = ["plan_model", "plan_request", "process_topology"]

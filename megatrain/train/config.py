@@ -297,9 +297,8 @@ class TrainConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
-        if self.global_batch % self.micro_batch_size:
-            raise ValueError(f"global_batch={self.global_batch} is not a multiple of micro_batch_size="
-                             f"{self.micro_batch_size}; change one of them")
+        if (why := batch_split_error(self.global_batch, self.micro_batch_size)) is not None:
+            raise ValueError(why)  # pydantic's error type: load_train_config names the file and field
         if self.host_memory is not None and self.nvme_dir is None:
             raise ValueError(f"host_memory={self.host_memory!r} chooses which Adam moments and gradient tiles go "
                              "to NVMe, but no nvme_dir is set; give nvme_dir (a directory on an NVMe drive) or "
@@ -326,6 +325,32 @@ class TrainConfig(pydantic.BaseModel):
         fields = dict(lr=self.lr, betas=(self.beta1, self.beta2), weight_decay=self.weight_decay)
         return optim.optimizer_settings({"name": self.optimizer, **fields, **({"eps": self.eps} if self.optimizer == "adamw"
                                                                         else {})})
+
+
+def batch_split_error(global_batch: int, micro_batch_size: int, ranks: int = 1) -> str | None:
+    """Why ``global_batch`` rows do not split into ``ranks`` ranks' micro-batches of
+    ``micro_batch_size`` rows each, or None where they do: the one check of a run's batch shape,
+    for the config (one rank), ``megatrain train`` under torchrun and ``megatrain plan --config``
+    (their ranks). ``megatrain.compile`` takes the micro-batches a step, so its global batch
+    always splits."""
+    if global_batch % (micro_batch_size * ranks) == 0:
+        return None
+    if ranks == 1:
+        return (f"global_batch={global_batch} is not a multiple of micro_batch_size={micro_batch_size}; change one of "
+                "them")
+    return (f"global_batch={global_batch} rows do not split into {ranks} ranks' micro-batches of "
+            f"micro_batch_size={micro_batch_size}: make global_batch a multiple of {micro_batch_size * ranks} "
+            "(micro_batch_size x ranks)")
+
+
+def check_batch_split(global_batch: int, micro_batch_size: int, ranks: int = 1) -> None:
+    """:func:`batch_split_error` as an error.
+
+    Raises:
+        ConfigError: the rows do not split (naming the multiple to use).
+    """
+    if (why := batch_split_error(global_batch, micro_batch_size, ranks)) is not None:
+        raise ConfigError(why)
 
 
 def _check_rl(cfg: "TrainConfig") -> None:

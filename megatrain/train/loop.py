@@ -1,11 +1,12 @@
-"""The run: :func:`train` takes a :class:`~megatrain.train.config.TrainConfig` through the stages
-of the package docstring, then steps, evaluates, checkpoints and writes metrics until
-``max_steps``, a signal or a non-finite step."""
+"""The run: :func:`train` holds the ranks and locks of a
+:class:`~megatrain.train.config.TrainConfig`'s run and takes it through :class:`Run`'s stages (those
+of the package docstring), which step, evaluate, checkpoint and write metrics until ``max_steps``, a
+signal or a non-finite step. What the DPO/GRPO run shares with it is :mod:`megatrain.train.stages`'
+and this module's :func:`_plan` and :func:`_materialize_and_load`."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -15,24 +16,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from megatrain.errors import CheckpointError, ConfigError, MegatrainError
-from megatrain.train.config import TrainConfig, resolve_device, rl_reference
+from megatrain.train.config import TrainConfig, check_batch_split, resolve_device, rl_reference
 from megatrain.train.corpus import (image_grid_thw, match_special_tokens, prepare_data, store_dir,
                                     tokenizer_sample_bytes, trains_tokenizer)
 from megatrain.train.lr import lr_at
 from megatrain.ir.hardware import load_hardware
 from megatrain.runtime.measure import available_host_memory, host_rss_bytes, measure_matmul_flops
-from megatrain.files import DirectoryLock, write_atomic
+from megatrain.files import DirectoryLock
 from megatrain.ir.plan import OptimizerPlacement
-from megatrain.runtime.threads import choose_threads, oversubscription
+from megatrain.runtime.threads import oversubscription
 from megatrain.train.guard import Guard, Verdict, decay_hint
 from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot
-from megatrain.train.model import (ModelSource, init_source, is_run_checkpoint, load_weights, model_label,
-                                   resolve_model)
+from megatrain.train.model import ModelSource, load_weights, model_label, resolve_model
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
                                        preflight_cpu_build, preflight_disk, preflight_host_memory)
-from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, NVME_LOCK_FILE, PLOT_FILE,
-                                    SCHEDULE_FILE, STATE_KEY, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, check_output_dir,
+from megatrain.train.rundir import (CHECKPOINT_DIR, LOCK_FILE, METRICS_FILE, PLOT_FILE, STATE_KEY, check_output_dir,
                                     check_resume, train_state)
+from megatrain.train.stages import (Checkpoint, held_locks, model_source, nvme_dir_lock,
+                                    plot_or_note, set_threads, write_run_files)
 from megatrain.units import MiB
 
 if TYPE_CHECKING:
@@ -206,7 +207,7 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None, sou
     grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`). With ``nvme_dir`` and
     ``host_memory``, the placement leaves room in ``host_memory`` for :func:`host_beside_plan`
     (of ``source``, the run's model resolved when None) on each rank of a node."""
-    from megatrain.planner.front import PlanRequest, Storage
+    from megatrain.product.planning import plan_request as request
 
     cfg = resolve_device(cfg, planning=True)[0]  # device auto: the device this run would take
     names = batch_names(cfg, model.config)
@@ -214,14 +215,13 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None, sou
     if cfg.nvme_dir is not None and cfg.host_memory is not None:
         ranks = 1 if topology is None else topology.ranks_per_node
         reserved = ranks * host_beside_plan(cfg, source or resolve_model(cfg.model), model).total
-    return PlanRequest(model, cfg.seq_len, cfg.global_batch, cfg.micro_batch_size,
-                       plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
-                       input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
-                       image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
-                       topology=topology, storage=Storage(cfg.nvme_dir, cfg.host_memory, reference=rl_reference(cfg),
-                                       host_reserved=reserved),
-                       templates=cfg.templates,
-                       cuda_graphs=cfg.cuda_graphs)
+    return request(model, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch_size=cfg.micro_batch_size,
+                   plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
+                   input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
+                   image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
+                   topology=topology, nvme_dir=cfg.nvme_dir, host_memory=cfg.host_memory,
+                   reference=rl_reference(cfg), host_reserved=reserved, templates=cfg.templates,
+                   cuda_graphs=cfg.cuda_graphs)
 
 
 def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> PlannedModel:
@@ -337,14 +337,6 @@ def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: Model
     return trainer, int(state["step"]), int(state["skipped_steps"]), state
 
 
-def nvme_dir_lock(cfg: TrainConfig) -> DirectoryLock | None:
-    """The lock of ``cfg.nvme_dir`` (None without one), not yet acquired. Two runs on one nvme_dir
-    would share its tile files by name (each run's moments overwriting the other's): one run at a
-    time, as for output_dir."""
-    return DirectoryLock(Path(cfg.nvme_dir) / NVME_LOCK_FILE, f"nvme_dir {cfg.nvme_dir}") \
-        if cfg.nvme_dir is not None else None
-
-
 def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResult:
     """Run ``cfg`` to ``max_steps``, or until SIGINT/SIGTERM or a non-finite step with
     ``nonfinite="stop"``.
@@ -375,14 +367,9 @@ def train(cfg: TrainConfig, *, echo: Callable[[str], None] = print) -> TrainResu
     lock = DirectoryLock(Path(cfg.output_dir) / LOCK_FILE, f"output_dir {cfg.output_dir}") if ranks.rank == 0 else None
     nvme_lock = nvme_dir_lock(cfg) if ranks.rank == 0 else None
     try:
-        if nvme_lock is not None:
-            nvme_lock.acquire()
-        with InterruptOnTerm():
+        with held_locks(lock, nvme_lock), InterruptOnTerm():
             return _train(cfg, echo if ranks.rank == 0 else (lambda _line: None), ranks, lock, device, given)
     finally:
-        for held in (lock, nvme_lock):
-            if held is not None:
-                held.release()
         ranks.close()
 
 
@@ -426,12 +413,7 @@ class _Ranks:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return cls()
-        from megatrain.errors import ConfigError
-
-        if cfg.global_batch % (cfg.micro_batch_size * world):
-            raise ConfigError(f"global_batch={cfg.global_batch} rows do not split into {world} ranks' micro-batches of "
-                              f"micro_batch_size={cfg.micro_batch_size}: make global_batch a multiple of "
-                              f"{cfg.micro_batch_size * world} (micro_batch_size x ranks)")
+        check_batch_split(cfg.global_batch, cfg.micro_batch_size, world)
         import torch
         import torch.distributed as dist
 
@@ -549,248 +531,349 @@ def _check_processor(model, dataset, images, grid=None) -> None:
 
 def _train(cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None,
            device: str, given: TrainConfig) -> TrainResult:
-    import torch
-
-    echo(device)
-    if cfg.device == "cpu":  # the CPU backend's intra-op threads (megatrain.runtime.threads)
-        threads = choose_threads(cfg.threads)
-        busy = oversubscription()
-        echo(threads.describe() + (f"; {busy}: steps slow down by the CPU share other work takes" if busy else ""))
-    elif cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.output_dir)
-    hw = load_hardware(cfg.hardware) if cfg.hardware else None
-    source = resolve_model(cfg.model)
-    from megatrain.models import check_positions
-
-    check_positions(source.config, cfg.seq_len, cfg.model)
-    if cfg.init_from is not None and not is_run_checkpoint(source, out):
-        source = init_source(cfg.init_from, source)
-    resuming_here, source, finished = check_output_dir(out, source, cfg, echo, lock)
+    """The stages of :class:`Run`, in order; a finished run in ``output_dir`` is not run again."""
+    run = Run(cfg, echo, ranks, lock, given)
+    finished = run.start(device)
     if finished is not None:
-        return _finished(cfg, out, finished, echo)
-    planned = _plan(cfg, source, hw, echo, ranks.world)
-    if ranks.rank == 0:
-        preflight_disk(out, planned.graph)
-    tokenizer, dataset, eot = ranks.in_turn(lambda: prepare_data(cfg, source, echo, store_dir(cfg)))
-    images = getattr(dataset, "images", None)  # a vision-language run's ChatProcessor
-    if images is not None:
-        _check_processor(planned.model, dataset, images, planned.graph.meta.get("image_grid_thw"))
-    fingerprint = dataset.fingerprint()
-    cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
-    trainer, start, skipped, state = _materialize_and_load(cfg, planned, source, fingerprint, echo)
-    rates = run_rates(cfg, planned, hw, cpu_peak, echo)
-    tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len,
-                                            getattr(dataset, "chat_template", None))
+        return finished
+    run.plan()
+    run.prepare_data()
+    run.open_outputs(run.materialize())
+    run.train_loop()
+    return run.finish()
 
-    writes = ranks.rank == 0  # one writer of every output; trainer.save coordinates the ranks itself
-    tokenizer_json = tokenizer.to_str()
-    metrics_path = out / METRICS_FILE
-    if writes:
-        out.mkdir(parents=True, exist_ok=True)
-        if lock is not None and not lock.held:  # output_dir did not exist when the run began
-            lock.acquire()
-        write_atomic(out / CONFIG_FILE, given.model_dump_json(indent=1) + "\n")
-        write_atomic(out / SCHEDULE_FILE, planned.schedules.steady.to_json())
-        write_atomic(out / TOKENIZER_FILE, tokenizer_json)
-    metrics = MetricsLog(metrics_path if writes else None)
-    # Rows a crashed run wrote after its last checkpoint are run again: drop them.
-    metrics.keep(lambda r: resuming_here and r["step"] <= start)
-    ckpt_path = out / CHECKPOINT_DIR
-    last_saved: int | None = start if resuming_here else None
-    tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
-    guard = Guard(deferred=trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD, loss_spike=cfg.loss_spike,
-                  decay=decay_hint(cfg.lr, cfg.weight_decay))
-    guard.restore(state, start)
 
-    def save(step: int) -> None:
-        nonlocal last_saved
+class Run:
+    """One ``megatrain train`` run of task lm or sft (:func:`train` holds its ranks and locks),
+    as stages each reading the run's config, in the order ``_train`` calls them:
+    :meth:`start` (device, threads, the model, ``output_dir``), :meth:`plan`, :meth:`prepare_data`,
+    :meth:`materialize`, :meth:`open_outputs`, :meth:`train_loop` (one :meth:`train_step` at a
+    time, with :meth:`evaluate` and :meth:`save`, the checkpoint) and :meth:`finish`. The
+    components are :mod:`megatrain.train.stages`' (shared with the DPO/GRPO run), the
+    :class:`~megatrain.train.guard.Guard` and the :class:`~megatrain.train.metrics.MetricsLog`.
+
+    ``lock``: output_dir's lock (rank 0's; None on the others); ``given``: the config as given
+    (``device: auto`` kept), what ``train_config.json`` holds."""
+
+    def __init__(self, cfg: TrainConfig, echo: Callable[[str], None], ranks: _Ranks, lock: DirectoryLock | None,
+                 given: TrainConfig):
+        self.cfg, self.echo, self.ranks, self.lock, self.given = cfg, echo, ranks, lock, given
+        self.out = Path(cfg.output_dir)
+        self.writes = ranks.rank == 0  # one writer of every output; trainer.save coordinates the ranks itself
+        self.metrics_path = self.out / METRICS_FILE
+        self.ckpt_path = self.out / CHECKPOINT_DIR
+
+    # -- preparing ------------------------------------------------------------------------------
+
+    def start(self, device: str) -> TrainResult | None:
+        """The device line, the threads, the hardware spec and the model to start from, and
+        ``output_dir``: this run again (resume or start over) or refused. Returns the result of a
+        run already at ``max_steps`` there (nothing to do), else None."""
+        cfg = self.cfg
+        self.echo(device)
+        set_threads(cfg, self.echo)
+        self.hw = load_hardware(cfg.hardware) if cfg.hardware else None
+        source = model_source(cfg, self.out)
+        self.resuming_here, self.source, finished = check_output_dir(self.out, source, cfg, self.echo, self.lock)
+        return None if finished is None else _finished(cfg, self.out, finished, self.echo)
+
+    def plan(self) -> None:
+        """Trace and plan once, with the host-memory preflight (:func:`_plan`), and the disk's."""
+        self.planned = _plan(self.cfg, self.source, self.hw, self.echo, self.ranks.world)
+        if self.ranks.rank == 0:
+            preflight_disk(self.out, self.planned.graph)
+
+    def prepare_data(self) -> None:
+        """The tokenizer and the token or SFT store (rank by rank: :meth:`_Ranks.in_turn`), and a
+        vision-language run's processor checked against the planned model."""
+        cfg, source, echo = self.cfg, self.source, self.echo
+        self.tokenizer, self.dataset, self.eot = self.ranks.in_turn(lambda: prepare_data(cfg, source, echo,
+                                                                                         store_dir(cfg)))
+        self.images = getattr(self.dataset, "images", None)  # a vision-language run's ChatProcessor
+        if self.images is not None:
+            _check_processor(self.planned.model, self.dataset, self.images,
+                             self.planned.graph.meta.get("image_grid_thw"))
+        self.fingerprint = self.dataset.fingerprint()
+
+    def materialize(self) -> dict:
+        """The host tiles, weights or the resumed state (:func:`_materialize_and_load`), the rates
+        MFU divides by, and the tokenizer's special tokens matched to the model. Returns the
+        checkpoint's train state ({} for a new run)."""
+        cfg = self.cfg
+        cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
+        self.trainer, self.start_step, self.skipped, state = _materialize_and_load(cfg, self.planned, self.source,
+                                                                                   self.fingerprint, self.echo)
+        self.rates = run_rates(cfg, self.planned, self.hw, cpu_peak, self.echo)
+        self.tokenizer_config = match_special_tokens(self.trainer.model, self.tokenizer, self.eot, cfg.seq_len,
+                                                     getattr(self.dataset, "chat_template", None))
+        return state
+
+    def open_outputs(self, state: dict) -> None:
+        """``output_dir``'s files (rank 0: its lock, the config, schedule and tokenizer), the
+        metrics log without the rows a crashed run wrote after its last checkpoint, the checkpoint
+        and the guard, from ``state`` (the resumed train state)."""
+        cfg, start = self.cfg, self.start_step
+        tokenizer_json = self.tokenizer.to_str()
+        if self.writes:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.lock is not None and not self.lock.held:  # output_dir did not exist when the run began
+                self.lock.acquire()
+            write_run_files(self.out, self.given, tokenizer_json, self.planned.schedules.steady.to_json())
+        self.metrics = MetricsLog(self.metrics_path if self.writes else None)
+        # Rows a crashed run wrote after its last checkpoint are run again: drop them.
+        resuming_here = self.resuming_here
+        self.metrics.keep(lambda r: resuming_here and r["step"] <= start)
+        self.checkpoint = Checkpoint(self.trainer, self.ckpt_path, tokenizer_json, self.tokenizer_config,
+                                     processor=None if self.images is None else self.images.processor,
+                                     writes=self.writes, last_saved=start if resuming_here else None)
+        self.tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
+        self.guard = Guard(deferred=self.trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD,
+                           loss_spike=cfg.loss_spike, decay=decay_hint(cfg.lr, cfg.weight_decay))
+        self.guard.restore(state, start)
+
+    # -- the checkpoint and the evaluation ------------------------------------------------------
+
+    @property
+    def last_saved(self) -> int | None:
+        return self.checkpoint.last_saved
+
+    def save(self, step: int) -> None:
+        """The checkpoint of ``step``, with the data position and the guard's state to resume from.
+
+        Raises:
+            CheckpointError: the save failed; the message says what the same command does then.
+        """
         try:
-            trainer.save(ckpt_path, extra_state=train_state(cfg, step, skipped, fingerprint, tokenizer_sha,
-                                                            guard.state()))
+            self.checkpoint.save(step, train_state(self.cfg, step, self.skipped, self.fingerprint, self.tokenizer_sha,
+                                                   self.guard.state()))
         except CheckpointError as e:
-            after = (f"the same command resumes from step {last_saved}" if last_saved is not None
+            after = (f"the same command resumes from step {self.last_saved}" if self.last_saved is not None
                      else "the same command starts the run again")
             raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
-        # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
-        # BPE again (deterministic) and the data fingerprint check catches any difference.
-        if writes and images is not None:  # its tokenizer, image processor and template: AutoProcessor loads them
-            images.processor.save_pretrained(ckpt_path)
-        elif writes:
-            write_atomic(ckpt_path / TOKENIZER_FILE, tokenizer_json)
-            write_atomic(ckpt_path / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config, indent=1) + "\n")
-        last_saved = step
 
-    from tqdm import tqdm
+    def evaluate(self) -> float:
+        """The validation loss (:func:`_evaluate`)."""
+        return _evaluate(self.trainer, self.dataset, self.cfg)
 
-    step, loss, val_loss = start, None, None
-    batches = dataset.batches(cfg.global_batch, seed=cfg.seed, start=start)
-    layers = trainer.graph.layers
-    groups = trainer.host.data_parallel.groups if ranks.world > 1 else None
-    replay_until = start  # steps up to here ran before a rollback: no rows, evaluations or messages again
-    held: dict[int, dict] = {}  # the row of a step a rollback left out, written when the replay reaches it
-    try:
-        with _StopOnSignal() as stop, tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step",
-                                           file=sys.stderr, disable=not writes, dynamic_ncols=True,
-                                           mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
-            # tqdm.write prints even where the bar is disabled: only rank 0 speaks.
-            say = bar.write if writes else (lambda _line: None)
-            trainer.executor.echo = say  # what it compiles or captures later (an eval template, CUDA graphs)
+    # -- the loop -------------------------------------------------------------------------------
 
-            def count_skip(why: str) -> None:
-                nonlocal skipped
-                skipped += 1
-                guard.in_a_row += 1
-                if guard.in_a_row >= cfg.max_consecutive_skips:
-                    raise MegatrainError(
-                        f"{guard.in_a_row} steps in a row were not kept (the last: {why}): the run diverged; stopping "
-                        f"without saving (max_consecutive_skips={cfg.max_consecutive_skips}). {kept()}; lower --lr"
-                        + (" or set --max-grad-norm" if cfg.max_grad_norm is None else ""))
+    def train_loop(self) -> None:
+        """Step to ``max_steps``, or until a stop request (SIGINT/SIGTERM on any rank: the step
+        finishes, a checkpoint is saved); the progress bar on rank 0. Sets ``step``, ``loss``,
+        ``val_loss`` and ``stopped`` (the signal's name, or None)."""
+        from tqdm import tqdm
 
-            def kept() -> str:
-                return (f"The last checkpoint, {ckpt_path}, holds step {last_saved}: the same command resumes from it"
-                        if last_saved is not None else "No checkpoint was saved: the same command starts the run again")
+        cfg, start = self.cfg, self.start_step
+        self.step, self.loss, self.val_loss, self.row = start, None, None, {}
+        self.batches = self.dataset.batches(cfg.global_batch, seed=cfg.seed, start=start)
+        self.layers = self.trainer.graph.layers
+        self.groups = self.trainer.host.data_parallel.groups if self.ranks.world > 1 else None
+        self.replay_until = start  # steps up to here ran before a rollback: no rows, evaluations or messages again
+        self.held: dict[int, dict] = {}  # the row of a step a rollback left out, written when the replay reaches it
+        try:
+            with _StopOnSignal() as stop, tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step",
+                                               file=sys.stderr, disable=not self.writes, dynamic_ncols=True,
+                                               mininterval=0.5 if sys.stderr.isatty() else 10.0) as self.bar:
+                # tqdm.write prints even where the bar is disabled: only rank 0 speaks.
+                self.say = self.bar.write if self.writes else (lambda _line: None)
+                # What the executor compiles or captures later (an eval template, CUDA graphs).
+                self.trainer.executor.echo = self.say
+                if self.last_saved is None and cfg.nonfinite == "skip":
+                    self.save(self.step)  # the state a rollback goes back to
+                    self.say(f"step {self.step}: saved {self.ckpt_path} (nonfinite: skip rolls back to the last "
+                             "checkpoint)")
+                self.stopped = self.ranks.any_stopped(stop.name, self.groups)
+                while self.step < cfg.max_steps and self.stopped is None:
+                    if self.train_step():
+                        self.stopped = self.ranks.any_stopped(stop.name, self.groups)
+                if self.stopped is not None:
+                    if self.last_saved != self.step and self.flushed(self.row):
+                        self.save(self.step)
+                    self.bar.write(f"{self.stopped}: stopped after step {self.step}; saved {self.ckpt_path}. The same "
+                                   "command resumes from it")
+        finally:
+            self.metrics.close()
 
-            def not_kept(verdict: Verdict, row: dict) -> None:
-                """Skip or roll back ``verdict.blame`` (``row``: the step just run); stop under
-                ``nonfinite: stop`` or past ``max_consecutive_skips``."""
-                nonlocal step, skipped, batches, replay_until
-                fresh = row["step"] > replay_until  # not a step that a replay runs again
-                if cfg.nonfinite == "stop":
-                    metrics.append({**row, "applied": False})
-                    raise MegatrainError(f"{verdict.why}; stopping without saving (nonfinite: stop). {kept()}; add a "
-                                         "lower --lr or --max-grad-norm, or --nonfinite skip")
-                if verdict.action == "skip":
-                    trainer.drop_pending_updates()  # a spiking step's deferred update is never applied
-                    guard.not_kept[verdict.blame] = verdict.why
-                    if fresh:
-                        metrics.append({**row, "applied": False})
-                        say(f"warning: {verdict.why}; skipped: nothing of it was applied (nonfinite: skip)")
-                    count_skip(verdict.why)
-                    return
-                # Roll back: the checkpoint, then the steps since it again, without those not kept.
-                if writes:
-                    held[verdict.blame] = {**(row if verdict.blame == row["step"] else metrics.row(verdict.blame)),
-                                           "applied": False}
-                loaded = trainer.load(ckpt_path)[STATE_KEY]
-                step, skipped, replay_until = int(loaded["step"]), int(loaded["skipped_steps"]), verdict.blame - 1
-                guard.restore(loaded, step)
-                guard.not_kept[verdict.blame] = verdict.why
-                batches = dataset.batches(cfg.global_batch, seed=cfg.seed, start=step)
-                metrics.keep(lambda r: r["step"] < verdict.blame)
-                bar.n = step
-                say(f"warning: {verdict.why}; rolled back to the checkpoint of step {step} to run the steps since "
-                    "without it (nonfinite: skip)")
+    def train_step(self) -> bool:
+        """The next step: run (or, replaying after a rollback, leave out a step not kept), judge,
+        then evaluate, log and checkpoint it. Returns False where a deferred update left
+        non-finite weights before an evaluation or a save (the run rolled back): the ranks then
+        skip this step's poll of stop requests."""
+        cfg = self.cfg
+        lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                   min_lr_ratio=cfg.min_lr_ratio)
+        batch = next(self.batches)
+        self.step += 1
+        step = self.step
+        if step in self.guard.not_kept:  # after a rollback: a step not kept stays out of the replay
+            if step > self.replay_until:
+                self.metrics.append(self.held.pop(step, {"step": step, "applied": False}))
+            self.count_skip(self.guard.not_kept[step])
+            self.bar.update(1)
+            return True
+        self.trainer.set_lr(lr)
+        res = self.trainer.step(self.ranks.rows(batch))
+        self.loss = res.loss
+        mfu = self.rates.mfu(res.tokens_per_second / self.ranks.world)  # per GPU: tokens/s counts every rank's
+        self.row = row = {
+            "step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
+            "tokens": res.tokens, "supervised_tokens": res.supervised_tokens, "tokens_per_s": res.tokens_per_second,
+            "mfu": mfu, "predicted_step_s": self.rates.predicted_step_s, "measured_step_s": res.seconds,
+            "applied": bool(res.applied), "val_loss": None, "host_rss_mib": None,
+            "examples_trimmed": getattr(self.dataset, "num_trimmed", None),
+            "examples_dropped": getattr(self.dataset, "num_dropped", None)}
+        verdict = self.guard.judge(step, res, self.ranks.any_of(res.nonfinite_weights, len(self.layers), self.groups),
+                                   self.layers)
+        if verdict.action != "keep":
+            self.not_kept(verdict, row)
+            if verdict.action == "skip":
+                self.bar.update(1)
+            return True
+        self.guard.keep(res.loss)
+        return self._kept(step, row, res, mfu)
 
-            def flushed(row: dict) -> bool:
-                """Apply a deferred update before an evaluation or a save reads it; False when it left
-                non-finite weights (the run rolled back)."""
-                bad = ranks.any_of(trainer.flush(), len(layers), groups)
-                if bad:
-                    not_kept(guard.diverged(step, bad, layers), row)
-                return not bad
+    def _kept(self, step: int, row: dict, res, mfu: float) -> bool:
+        """A step kept: its evaluation, metrics row and checkpoint where due, and the progress bar.
+        False: a deferred update's flush rolled the run back (:meth:`flushed`)."""
+        cfg = self.cfg
+        replaying = step <= self.replay_until
+        if not replaying and (cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps):
+            if not self.flushed(row):
+                return False
+            self.val_loss = self.evaluate()
+            row["val_loss"] = finite(self.val_loss)
+            self.say(f"step {step}: validation loss {self.val_loss:.4f}")
+        rss = host_rss_bytes()
+        row["host_rss_mib"] = rss / MiB if rss is not None else None
+        if not replaying:
+            self.metrics.append(row)
+        if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
+            if not self.flushed(row):
+                return False
+            self.save(step)
+            self.say(f"step {step}: saved {self.ckpt_path}")
+        busy = oversubscription() if cfg.device == "cpu" else None
+        self.bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}"
+                                 + (f", {busy}" if busy else ""), refresh=False)
+        self.bar.update(1)
+        return True
 
-            if last_saved is None and cfg.nonfinite == "skip":
-                save(step)  # the state a rollback goes back to
-                say(f"step {step}: saved {ckpt_path} (nonfinite: skip rolls back to the last checkpoint)")
-            stopped = ranks.any_stopped(stop.name, groups)
-            row: dict = {}
-            while step < cfg.max_steps and stopped is None:
-                lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-                           min_lr_ratio=cfg.min_lr_ratio)
-                batch = next(batches)
-                step += 1
-                if step in guard.not_kept:  # after a rollback: a step not kept stays out of the replay
-                    if step > replay_until:
-                        metrics.append(held.pop(step, {"step": step, "applied": False}))
-                    count_skip(guard.not_kept[step])
-                    bar.update(1)
-                    stopped = ranks.any_stopped(stop.name, groups)
-                    continue
-                trainer.set_lr(lr)
-                res = trainer.step(ranks.rows(batch))
-                loss = res.loss
-                mfu = rates.mfu(res.tokens_per_second / ranks.world)  # per GPU: tokens/s counts every rank's
-                row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
-                       "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
-                       "tokens_per_s": res.tokens_per_second, "mfu": mfu, "predicted_step_s": rates.predicted_step_s,
-                       "measured_step_s": res.seconds, "applied": bool(res.applied), "val_loss": None,
-                       "host_rss_mib": None, "examples_trimmed": getattr(dataset, "num_trimmed", None),
-                       "examples_dropped": getattr(dataset, "num_dropped", None)}
-                verdict = guard.judge(step, res, ranks.any_of(res.nonfinite_weights, len(layers), groups), layers)
-                if verdict.action != "keep":
-                    not_kept(verdict, row)
-                    if verdict.action == "skip":
-                        bar.update(1)
-                    stopped = ranks.any_stopped(stop.name, groups)
-                    continue
-                guard.keep(res.loss)
-                replaying = step <= replay_until
-                if not replaying and (cfg.eval_interval and step % cfg.eval_interval == 0 or step == cfg.max_steps):
-                    if not flushed(row):
-                        continue
-                    val_loss = _evaluate(trainer, dataset, cfg)
-                    row["val_loss"] = finite(val_loss)
-                    say(f"step {step}: validation loss {val_loss:.4f}")
-                rss = host_rss_bytes()
-                row["host_rss_mib"] = rss / MiB if rss is not None else None
-                if not replaying:
-                    metrics.append(row)
-                if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 or step == cfg.max_steps:
-                    if not flushed(row):
-                        continue
-                    save(step)
-                    say(f"step {step}: saved {ckpt_path}")
-                busy = oversubscription() if cfg.device == "cpu" else None
-                bar.set_postfix_str(f"loss {res.loss:.4f}, {res.tokens_per_second:,.0f} tok/s, MFU {mfu:.2%}"
-                                    + (f", {busy}" if busy else ""), refresh=False)
-                bar.update(1)
-                stopped = ranks.any_stopped(stop.name, groups)
-            if stopped is not None:
-                if last_saved != step and flushed(row):
-                    save(step)
-                bar.write(f"{stopped}: stopped after step {step}; saved {ckpt_path}. The same command resumes "
-                          "from it")
-    finally:
-        metrics.close()
+    def kept(self) -> str:
+        """What the last checkpoint holds, for an error that stops the run."""
+        return (f"The last checkpoint, {self.ckpt_path}, holds step {self.last_saved}: the same command resumes from "
+                "it" if self.last_saved is not None else "No checkpoint was saved: the same command starts the run "
+                "again")
 
-    sample = None
-    # Generated on the CPU from the module whose parameters are the host tiles (not after a signal,
-    # which asks to stop; not where a parameter lives elsewhere, such as masters on NVMe).
-    # Not for rows with images: the prompt's image tokens need the image's features.
-    if writes and cfg.sample_tokens and stopped is None and cfg.device == "cpu" and images is None and all(
-            p.device.type == "cpu" for p in trainer.model.parameters()):
+    def count_skip(self, why: str) -> None:
+        """Count a step not kept.
+
+        Raises:
+            MegatrainError: ``max_consecutive_skips`` steps in a row were not kept (nothing saved).
+        """
+        cfg, guard = self.cfg, self.guard
+        self.skipped += 1
+        guard.in_a_row += 1
+        if guard.in_a_row >= cfg.max_consecutive_skips:
+            raise MegatrainError(
+                f"{guard.in_a_row} steps in a row were not kept (the last: {why}): the run diverged; stopping "
+                f"without saving (max_consecutive_skips={cfg.max_consecutive_skips}). {self.kept()}; lower --lr"
+                + (" or set --max-grad-norm" if cfg.max_grad_norm is None else ""))
+
+    def not_kept(self, verdict: Verdict, row: dict) -> None:
+        """Skip or roll back ``verdict.blame`` (``row``: the step just run); stop under
+        ``nonfinite: stop`` or past ``max_consecutive_skips``.
+
+        Raises:
+            MegatrainError: ``nonfinite: stop``, or too many steps in a row not kept.
+        """
+        cfg, guard, metrics = self.cfg, self.guard, self.metrics
+        fresh = row["step"] > self.replay_until  # not a step that a replay runs again
+        if cfg.nonfinite == "stop":
+            metrics.append({**row, "applied": False})
+            raise MegatrainError(f"{verdict.why}; stopping without saving (nonfinite: stop). {self.kept()}; add a "
+                                 "lower --lr or --max-grad-norm, or --nonfinite skip")
+        if verdict.action == "skip":
+            self.trainer.drop_pending_updates()  # a spiking step's deferred update is never applied
+            guard.not_kept[verdict.blame] = verdict.why
+            if fresh:
+                metrics.append({**row, "applied": False})
+                self.say(f"warning: {verdict.why}; skipped: nothing of it was applied (nonfinite: skip)")
+            self.count_skip(verdict.why)
+            return
+        # Roll back: the checkpoint, then the steps since it again, without those not kept.
+        if self.writes:
+            self.held[verdict.blame] = {**(row if verdict.blame == row["step"] else metrics.row(verdict.blame)),
+                                        "applied": False}
+        loaded = self.trainer.load(self.ckpt_path)[STATE_KEY]
+        self.step, self.skipped = int(loaded["step"]), int(loaded["skipped_steps"])
+        self.replay_until = verdict.blame - 1
+        guard.restore(loaded, self.step)
+        guard.not_kept[verdict.blame] = verdict.why
+        self.batches = self.dataset.batches(cfg.global_batch, seed=cfg.seed, start=self.step)
+        metrics.keep(lambda r: r["step"] < verdict.blame)
+        self.bar.n = self.step
+        self.say(f"warning: {verdict.why}; rolled back to the checkpoint of step {self.step} to run the steps since "
+                 "without it (nonfinite: skip)")
+
+    def flushed(self, row: dict) -> bool:
+        """Apply a deferred update before an evaluation or a save reads it; False when it left
+        non-finite weights (the run rolled back)."""
+        bad = self.ranks.any_of(self.trainer.flush(), len(self.layers), self.groups)
+        if bad:
+            self.not_kept(self.guard.diverged(self.step, bad, self.layers), row)
+        return not bad
+
+    # -- the end ----------------------------------------------------------------------------------
+
+    def finish(self) -> TrainResult:
+        """The sample, the data closed, the loss plot, the closing lines, and the result."""
+        sample = self._sample()
+        self.dataset.close()
+        # The ranks' results are the same (losses are gathered): rank 0's rows tell the run's.
+        rows = (read_metrics(self.metrics_path) if self.writes
+                else [{"loss": finite(self.loss), "applied": self.loss is not None}])
+        cfg, step = self.cfg, self.step
+        if self.writes:
+            plot_or_note(lambda: save_loss_plot(rows, self.out / PLOT_FILE, title=(
+                f"{model_label(cfg)}: {step} steps, seq_len {cfg.seq_len} x global batch {cfg.global_batch}")),
+                self.echo)
+        self.echo(f"done: step {step}, train loss {fmt(self.loss)}, validation loss {fmt(self.val_loss)}, "
+                  f"{self.skipped} skipped steps; {self.out}")
+        if self.writes:
+            self._say_outputs(sample)
+        applied = [r for r in rows if r["applied"]]
+        return TrainResult(step=step, skipped_steps=self.skipped, stopped_by=self.stopped,
+                           loss=applied[-1]["loss"] if applied else None, val_loss=finite(self.val_loss),
+                           checkpoint=self.ckpt_path if self.last_saved is not None else None, output_dir=self.out)
+
+    def _sample(self) -> tuple[str, str] | None:
+        """A greedy continuation of a validation prompt, generated on the CPU from the module whose
+        parameters are the host tiles (not after a signal, which asks to stop; not where a
+        parameter lives elsewhere, such as masters on NVMe). Not for rows with images: the
+        prompt's image tokens need the image's features."""
+        cfg, trainer = self.cfg, self.trainer
+        if not (self.writes and cfg.sample_tokens and self.stopped is None and cfg.device == "cpu"
+                and self.images is None and all(p.device.type == "cpu" for p in trainer.model.parameters())):
+            return None
         from megatrain.train.sample import generate_sample, sample_prompt
 
         trainer.flush()  # the model's parameters are the host tiles: the last deferred update applied
-        prompt = sample_prompt(dataset, cfg.task, cfg.micro_batch_size, tokenizer)
-        completion = generate_sample(trainer.model, tokenizer, prompt, cfg.sample_tokens)
-        sample = None if completion is None else (prompt, completion)
-    dataset.close()
-    # The ranks' results are the same (losses are gathered): rank 0's rows tell the run's.
-    rows = read_metrics(metrics_path) if writes else [{"loss": finite(loss), "applied": loss is not None}]
-    if writes:
-        try:
-            save_loss_plot(rows, out / PLOT_FILE, title=f"{model_label(cfg)}: {step} steps, "
-                                                        f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}")
-        except ImportError as e:
-            echo(f"note: no {PLOT_FILE}: {e}")
-    echo(f"done: step {step}, train loss {fmt(loss)}, validation loss {fmt(val_loss)}, {skipped} skipped "
-         f"steps; {out}")
-    if writes:
-        if last_saved is not None:
-            echo(f"model directory: {ckpt_path} (Hugging Face layout with its tokenizer: "
+        prompt = sample_prompt(self.dataset, cfg.task, cfg.micro_batch_size, self.tokenizer)
+        completion = generate_sample(trainer.model, self.tokenizer, prompt, cfg.sample_tokens)
+        return None if completion is None else (prompt, completion)
+
+    def _say_outputs(self, sample: tuple[str, str] | None) -> None:
+        """Where the model directory, the metrics and the loss curve are, and the sample."""
+        images, echo = self.images, self.echo
+        if self.last_saved is not None:
+            echo(f"model directory: {self.ckpt_path} (Hugging Face layout with its tokenizer: "
                  + ("AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)" if images is None
                     else "AutoModelForImageTextToText.from_pretrained and AutoProcessor.from_pretrained load it"
                     + ("; Qwen2-VL's AutoProcessor needs torchvision, megatrain.data.sft_qwen_vl.load_processor "
                        "does without)" if images.image_size is not None else ")")))
-        plot = out / PLOT_FILE
-        echo(f"metrics: {metrics_path}" + (f"; loss curve: {plot}" if plot.is_file() else ""))
+        plot = self.out / PLOT_FILE
+        echo(f"metrics: {self.metrics_path}" + (f"; loss curve: {plot}" if plot.is_file() else ""))
         if sample is not None:
             from megatrain.train.sample import sample_line
 
             echo(sample_line(*sample))
-    applied = [r for r in rows if r["applied"]]
-    return TrainResult(step=step, skipped_steps=skipped, stopped_by=stopped,
-                       loss=applied[-1]["loss"] if applied else None, val_loss=finite(val_loss),
-                       checkpoint=ckpt_path if last_saved is not None else None, output_dir=out)

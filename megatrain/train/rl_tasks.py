@@ -464,184 +464,244 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
             that step's update is not made).
         MegatrainError: a step whose loss or gradient was not finite (not applied; the run stops).
     """
-    import json
     import os
 
-    import torch
-
-    from megatrain.files import DirectoryLock, write_atomic
-    from megatrain.models import check_positions
-    from megatrain.rl import DPOLoss, GRPOLoss, Reference, target_mask
+    from megatrain.files import DirectoryLock
     from megatrain.rl.rewards import load_reward
-    from megatrain.runtime.measure import measure_matmul_flops
-    from megatrain.runtime.threads import choose_threads
-    from megatrain.train import loop
-    from megatrain.train.corpus import match_special_tokens
-    from megatrain.train.lr import lr_at
-    from megatrain.train.metrics import MetricsLog, finite, read_metrics, run_rates
-    from megatrain.train.model import init_source, model_label, resolve_model
-    from megatrain.train.rundir import (CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE,
-                                        TOKENIZER_CONFIG_FILE, TOKENIZER_FILE)
-    from megatrain.ir.hardware import load_hardware
+    from megatrain.train.rundir import LOCK_FILE
+    from megatrain.train.stages import held_locks, model_source, nvme_dir_lock, set_threads
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(f"task {cfg.task} runs on one process; data parallel (torchrun) is not there yet for it")
     echo(device)
-    if cfg.device == "cpu":
-        echo(choose_threads(cfg.threads).describe())
-    elif cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg, echo, load=False)
     out = Path(cfg.output_dir)
-    held = {p.name for p in out.iterdir() if p.name != LOCK_FILE} if out.is_dir() else set()
-    leftover = {CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE}
-    if held and held <= leftover and _saved_task(out / CONFIG_FILE) == cfg.task:
-        # A run of this task that stopped before its checkpoint (a reward that raised, say): start over.
-        for name in held:
-            (out / name).unlink()
-        echo(f"note: {out} held a {cfg.task} run that stopped before saving a checkpoint; starting it over")
-    elif held:
-        raise ConfigError(f"output_dir {out} is not empty; task {cfg.task} does not resume a run yet: give an empty "
-                          "output_dir (--init-from DIR/checkpoint starts a new run from a finished one's weights)")
+    _clear_output_dir(cfg, out, echo)
     reward = load_reward(cfg.reward) if cfg.task == "grpo" else None
-    source = resolve_model(cfg.model)
-    check_positions(source.config, cfg.seq_len, cfg.model)
-    if cfg.init_from is not None:
-        source = init_source(cfg.init_from, source)
+    source = model_source(cfg, out)  # (an RL run's output_dir holds no checkpoint of its own to resume)
     if source.kind == "checkpoint":
         raise ConfigError(f"model {cfg.model} is a megatrain checkpoint: task {cfg.task} does not resume yet; give "
                           f"--init-from {cfg.model} to start a new run from its weights")
     out.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(out / LOCK_FILE, f"output_dir {out}")
     lock.acquire()
-    nvme_lock = loop.nvme_dir_lock(cfg)
-    try:
-        if nvme_lock is not None:
-            nvme_lock.acquire()
+    with held_locks(lock, nvme_dir_lock(cfg)):
+        run = RlRun(cfg, echo, given, source, reward)
+        run.prepare()
+        run.train_loop()
+        return run.finish()
+
+
+def _clear_output_dir(cfg: "TrainConfig", out: Path, echo: Callable[[str], None]) -> None:
+    """An empty ``output_dir``, or one holding only the files of a run of this task that stopped
+    before its checkpoint (a reward that raised, say), which are removed: the run starts over.
+
+    Raises:
+        ConfigError: ``out`` holds anything else (an RL run does not resume yet).
+    """
+    from megatrain.train.rundir import CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, TOKENIZER_FILE
+
+    held = {p.name for p in out.iterdir() if p.name != LOCK_FILE} if out.is_dir() else set()
+    leftover = {CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE}
+    if held and held <= leftover and _saved_task(out / CONFIG_FILE) == cfg.task:
+        for name in held:
+            (out / name).unlink()
+        echo(f"note: {out} held a {cfg.task} run that stopped before saving a checkpoint; starting it over")
+    elif held:
+        raise ConfigError(f"output_dir {out} is not empty; task {cfg.task} does not resume a run yet: give an empty "
+                          "output_dir (--init-from DIR/checkpoint starts a new run from a finished one's weights)")
+
+
+class RlRun:
+    """A DPO or GRPO run's stages once its ``output_dir`` and locks are held (:func:`train_rl`):
+    :meth:`prepare` (the data, then ``megatrain train``'s plan and materialise stages, the run's
+    files, the checkpoint, the loss and its reference or rollouts), :meth:`train_loop` (a batch of
+    pairs or of rollouts, then its updates, each an :meth:`update`) and :meth:`finish` (the last
+    checkpoint, the plot, the result). The checkpoint, the run's files and the plot are
+    :mod:`megatrain.train.stages`', as the LM/SFT run's."""
+
+    def __init__(self, cfg: "TrainConfig", echo: Callable[[str], None], given: "TrainConfig", source, reward):
+        self.cfg, self.echo, self.given, self.source, self.reward = cfg, echo, given, source, reward
+        self.out = Path(cfg.output_dir)
+
+    def prepare(self) -> None:
+        """Everything before the first step. Raises as :func:`train_rl`."""
+        from megatrain.ir.hardware import load_hardware
+        from megatrain.runtime.measure import measure_matmul_flops
+        from megatrain.train import loop
+        from megatrain.train.corpus import match_special_tokens
+        from megatrain.train.metrics import MetricsLog, run_rates
+        from megatrain.train.rundir import CHECKPOINT_DIR, METRICS_FILE
+        from megatrain.train.stages import Checkpoint, write_run_files
+
+        cfg, source, echo = self.cfg, self.source, self.echo
         hw = load_hardware(cfg.hardware) if cfg.hardware else None
         # The data first (small: pairs and prompts are read into memory), so that a bad record is
         # reported before the model is built.
         prepare = prepare_pairs if cfg.task == "dpo" else prepare_prompts
-        tokenizer, eot, data, template = prepare(cfg, source, echo)
+        self.tokenizer, eot, self.data, template = prepare(cfg, source, echo)
         planned = loop._plan(cfg, source, hw, echo)
         cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
-        trainer = loop._materialize_and_load(cfg, planned, source, "", echo)[0]
-        rates = run_rates(cfg, planned, hw, cpu_peak, echo)
-        tokenizer_config = match_special_tokens(trainer.model, tokenizer, eot, cfg.seq_len, template)
-        tokenizer_json = tokenizer.to_str()
-        write_atomic(out / CONFIG_FILE, given.model_dump_json(indent=1) + "\n")
-        write_atomic(out / TOKENIZER_FILE, tokenizer_json)
-        metrics = MetricsLog(out / METRICS_FILE)
-        ckpt = out / CHECKPOINT_DIR
+        self.trainer = loop._materialize_and_load(cfg, planned, source, "", echo)[0]
+        self.rates = run_rates(cfg, planned, hw, cpu_peak, echo)
+        tokenizer_config = match_special_tokens(self.trainer.model, self.tokenizer, eot, cfg.seq_len, template)
+        tokenizer_json = self.tokenizer.to_str()
+        write_run_files(self.out, self.given, tokenizer_json)
+        self.metrics = MetricsLog(self.out / METRICS_FILE)
+        self.checkpoint = Checkpoint(self.trainer, self.out / CHECKPOINT_DIR, tokenizer_json, tokenizer_config)
+        self._prepare_loss(eot)
 
-        def save() -> None:
-            trainer.save(ckpt)
-            write_atomic(ckpt / TOKENIZER_FILE, tokenizer_json)
-            write_atomic(ckpt / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config, indent=1) + "\n")
+    def _prepare_loss(self, eot: str) -> None:
+        """The loss, the rows a step takes, and DPO's reference (precomputed, or a frozen BF16 copy)
+        or GRPO's rollouts; the seeded order of the pairs or prompts."""
+        import torch
 
-        reference = Reference(trainer) if rl_reference(cfg) else None
-        g = torch.Generator().manual_seed(cfg.seed)
+        from megatrain.rl import DPOLoss, GRPOLoss, Reference
+
+        cfg, trainer, data, echo = self.cfg, self.trainer, self.data, self.echo
+        self.reference = Reference(trainer) if rl_reference(cfg) else None
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.order = torch.empty(0, dtype=torch.long)
+        self.ref_all = None
         if cfg.task == "dpo":
-            loss = DPOLoss(cfg.dpo_beta, cfg.dpo_loss_type, cfg.dpo_label_smoothing)
-            per_step = cfg.global_batch // 2
-            ref_all = None
-            if reference is None:  # before the first step: the initial policy's log-probabilities of every pair
+            self.loss = DPOLoss(cfg.dpo_beta, cfg.dpo_loss_type, cfg.dpo_label_smoothing)
+            self.per_step = cfg.global_batch // 2
+            if self.reference is None:  # before the first step: the initial policy's log-probabilities of every pair
                 t0 = time.perf_counter()
-                ref_all = precompute_pairs(trainer, data, per_step)
+                self.ref_all = precompute_pairs(trainer, data, self.per_step)
                 echo(f"reference: the initial model's log-probabilities of {data.num_pairs:,} pairs, precomputed "
-                     f"({ref_all.numel() * 4 / 2**20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
+                     f"({self.ref_all.numel() * 4 / 2**20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
             else:
-                echo(f"reference: a frozen BF16 copy of the initial weights ({reference.nbytes / 2**20:,.1f} MiB)")
-            order = torch.empty(0, dtype=torch.long)
+                echo(f"reference: a frozen BF16 copy of the initial weights ({self.reference.nbytes / 2**20:,.1f} MiB)")
         else:
-            loss = GRPOLoss(cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.grpo_aggregation, cfg.max_new_tokens)
-            per_step = cfg.global_batch // cfg.group_size
-            rollout = Rollout(trainer, tokenizer.token_to_id(eot), max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature)
-            order = torch.empty(0, dtype=torch.long)
-            echo(f"rollouts: {per_step} prompts x {cfg.group_size} responses a step, up to {cfg.max_new_tokens} tokens "
-                 f"each, transformers' generate on the current weights ("
-                 + ("trainer.model, the host tiles" if rollout.engine is None else "a BF16 copy on the GPU")
+            self.loss = GRPOLoss(cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.grpo_aggregation, cfg.max_new_tokens)
+            self.per_step = cfg.global_batch // cfg.group_size
+            self.rollout = Rollout(trainer, self.tokenizer.token_to_id(eot), max_new_tokens=cfg.max_new_tokens,
+                                   temperature=cfg.temperature)
+            echo(f"rollouts: {self.per_step} prompts x {cfg.group_size} responses a step, up to {cfg.max_new_tokens} "
+                 "tokens each, transformers' generate on the current weights ("
+                 + ("trainer.model, the host tiles" if self.rollout.engine is None else "a BF16 copy on the GPU")
                  + f"); reward {cfg.reward}; KL coefficient {cfg.kl_coef}")
-        n_items = data.num_pairs if cfg.task == "dpo" else len(data.ids)
+        self.n_items = data.num_pairs if cfg.task == "dpo" else len(data.ids)
 
-        def take(k: int):
-            nonlocal order
-            if len(order) < k:  # a new epoch: a seeded permutation of every pair or prompt
-                order = torch.cat([order, torch.randperm(n_items, generator=g)])
-            chosen, order = order[:k], order[k:]
-            return chosen
+    def take(self, k: int) -> "torch.Tensor":
+        """The next ``k`` pairs or prompts (indices) of the seeded order."""
+        import torch
 
-        step, res, rows = 0, None, []
-        batch, row_extra = None, {}
-        while step < cfg.max_steps:
-            if cfg.task == "dpo":
-                idx = take(per_step)
-                batch = data.batch(idx)
-                if ref_all is not None:
-                    batch["ref_logprobs"] = ref_all[torch.stack((2 * idx, 2 * idx + 1), 1).flatten()]
-                else:
-                    batch["ref_logprobs"] = reference.logprobs(batch)
-                mask = target_mask(batch["labels"])
-                row_extra = dpo_metrics(loss, trainer.logprobs(batch), mask, batch["ref_logprobs"])
-                updates = 1
-            else:
-                t0 = time.perf_counter()
-                try:
-                    batch, rewards, lengths = grpo_batch(rollout, tokenizer, data, take(per_step).tolist(),
-                                                         group_size=cfg.group_size, seq_len=cfg.seq_len,
-                                                         reward=reward, reward_name=f"reward {cfg.reward}",
-                                                         seed=cfg.seed * 1_000_003 + step)
-                except BatchError as e:
-                    raise BatchError(f"step {step + 1}: {e}; nothing of step {step + 1} was applied") from e.__cause__
-                if reference is not None:
-                    batch["ref_logprobs"] = reference.logprobs(batch)
-                batch["old_logprobs"] = trainer.logprobs(batch)  # the rollout policy's (ratio 1 on the first update)
-                mask = target_mask(batch["labels"])
-                rollout_extra = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                                 "response_length": sum(lengths) / len(lengths),
-                                 "rollout_s": time.perf_counter() - t0}
-                updates = min(cfg.grpo_updates, cfg.max_steps - step)
+        if len(self.order) < k:  # a new epoch: a seeded permutation of every pair or prompt
+            self.order = torch.cat([self.order, torch.randperm(self.n_items, generator=self.generator)])
+        chosen, self.order = self.order[:k], self.order[k:]
+        return chosen
+
+    def train_loop(self) -> None:
+        """Step to ``max_steps``: each batch of pairs one update, each batch of rollouts up to
+        ``grpo_updates`` (never past ``max_steps``)."""
+        cfg = self.cfg
+        self.step, self.res = 0, None
+        while self.step < cfg.max_steps:
+            batch, mask, updates, extra = self.dpo_batch() if cfg.task == "dpo" else self.grpo_batch()
             for u in range(updates):
                 if cfg.task == "grpo":
-                    current = batch["old_logprobs"] if u == 0 else trainer.logprobs(batch)
-                    row_extra = {**rollout_extra, **grpo_metrics(loss, current, mask, batch)}
-                lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-                           min_lr_ratio=cfg.min_lr_ratio)
-                trainer.set_lr(lr)
-                res = trainer.step(batch, loss=loss)
-                step += 1
-                row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
-                       "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
-                       "tokens_per_s": res.tokens_per_second, "mfu": rates.mfu(res.tokens_per_second),
-                       "predicted_step_s": rates.predicted_step_s, "measured_step_s": res.seconds,
-                       "applied": bool(res.applied) and not res.nonfinite_weights, "val_loss": None,
-                       "host_rss_mib": None, "examples_trimmed": getattr(data, "trimmed", None),
-                       "examples_dropped": getattr(data, "dropped", None), **row_extra}
-                metrics.append(row)
-                rows.append(row)
-                if not row["applied"]:
-                    raise MegatrainError(f"step {step}: the loss or a gradient or updated weight was not finite; "
-                                         "the update was not kept and the run stops (lower --lr, set "
-                                         "--max-grad-norm)")
-                shown = (f"reward {row_extra['reward_mean']:.3f}" if cfg.task == "grpo"
-                         else f"accuracy {row_extra['rewards_accuracy']:.2f}, margin {row_extra['rewards_margin']:+.3f}")
-                echo(f"step {step}: loss {res.loss:+.4f}, {shown}")
-                if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
-                    save()
-        save()
-        metrics.close()
+                    current = batch["old_logprobs"] if u == 0 else self.trainer.logprobs(batch)
+                    extra_now = {**extra, **grpo_metrics(self.loss, current, mask, batch)}
+                else:
+                    extra_now = extra
+                self.update(batch, extra_now)
+
+    def dpo_batch(self):
+        """``(batch, target mask, 1 update, DPO_FIELDS)`` of the next pairs, with the reference's
+        log-probabilities."""
+        import torch
+
+        from megatrain.rl import target_mask
+
+        idx = self.take(self.per_step)
+        batch = self.data.batch(idx)
+        if self.ref_all is not None:
+            batch["ref_logprobs"] = self.ref_all[torch.stack((2 * idx, 2 * idx + 1), 1).flatten()]
+        else:
+            batch["ref_logprobs"] = self.reference.logprobs(batch)
+        mask = target_mask(batch["labels"])
+        return batch, mask, 1, dpo_metrics(self.loss, self.trainer.logprobs(batch), mask, batch["ref_logprobs"])
+
+    def grpo_batch(self):
+        """``(batch, target mask, updates, the rollout's GRPO_FIELDS)`` of the next prompts' rollouts.
+
+        Raises:
+            BatchError: the reward function failed (naming the step; nothing of it applied).
+        """
+        from megatrain.rl import target_mask
+
+        cfg, step = self.cfg, self.step
+        t0 = time.perf_counter()
         try:
-            save_rl_plot(read_metrics(out / METRICS_FILE), out / PLOT_FILE, task=cfg.task,
-                         title=f"{model_label(cfg)}: {cfg.task}, {step} steps, global batch {cfg.global_batch}")
-        except ImportError as e:
-            echo(f"note: no {PLOT_FILE}: {e}")
-        echo(f"done: step {step}, loss {res.loss:.4f}; model directory: {ckpt}; metrics: {out / METRICS_FILE}")
-        return loop.TrainResult(step=step, skipped_steps=0, stopped_by=None, loss=finite(res.loss), val_loss=None,
-                                checkpoint=ckpt, output_dir=out)
-    finally:
-        for held in (lock, nvme_lock):
-            if held is not None:
-                held.release()
+            batch, rewards, lengths = grpo_batch(self.rollout, self.tokenizer, self.data,
+                                                 self.take(self.per_step).tolist(), group_size=cfg.group_size,
+                                                 seq_len=cfg.seq_len, reward=self.reward,
+                                                 reward_name=f"reward {cfg.reward}", seed=cfg.seed * 1_000_003 + step)
+        except BatchError as e:
+            raise BatchError(f"step {step + 1}: {e}; nothing of step {step + 1} was applied") from e.__cause__
+        if self.reference is not None:
+            batch["ref_logprobs"] = self.reference.logprobs(batch)
+        batch["old_logprobs"] = self.trainer.logprobs(batch)  # the rollout policy's (ratio 1 on the first update)
+        mask = target_mask(batch["labels"])
+        extra = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                 "response_length": sum(lengths) / len(lengths), "rollout_s": time.perf_counter() - t0}
+        return batch, mask, min(cfg.grpo_updates, cfg.max_steps - step), extra
+
+    def update(self, batch: dict, extra: dict) -> None:
+        """One optimizer step on ``batch``, its metrics row (``extra``: the task's fields), its line,
+        and the checkpoint where due.
+
+        Raises:
+            MegatrainError: the step was not applied (a non-finite loss, gradient or weight).
+        """
+        from megatrain.train.lr import lr_at
+        from megatrain.train.metrics import finite
+
+        cfg = self.cfg
+        lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                   min_lr_ratio=cfg.min_lr_ratio)
+        self.trainer.set_lr(lr)
+        res = self.res = self.trainer.step(batch, loss=self.loss)
+        self.step += 1
+        step = self.step
+        row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
+               "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
+               "tokens_per_s": res.tokens_per_second, "mfu": self.rates.mfu(res.tokens_per_second),
+               "predicted_step_s": self.rates.predicted_step_s, "measured_step_s": res.seconds,
+               "applied": bool(res.applied) and not res.nonfinite_weights, "val_loss": None,
+               "host_rss_mib": None, "examples_trimmed": getattr(self.data, "trimmed", None),
+               "examples_dropped": getattr(self.data, "dropped", None), **extra}
+        self.metrics.append(row)
+        if not row["applied"]:
+            raise MegatrainError(f"step {step}: the loss or a gradient or updated weight was not finite; the update "
+                                 "was not kept and the run stops (lower --lr, set --max-grad-norm)")
+        shown = (f"reward {extra['reward_mean']:.3f}" if cfg.task == "grpo"
+                 else f"accuracy {extra['rewards_accuracy']:.2f}, margin {extra['rewards_margin']:+.3f}")
+        self.echo(f"step {step}: loss {res.loss:+.4f}, {shown}")
+        if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
+            self.checkpoint.save(step)
+
+    def finish(self):
+        """The last checkpoint, the metrics closed, ``loss.png`` and the closing line; the
+        :class:`megatrain.train.loop.TrainResult`."""
+        from megatrain.train.loop import TrainResult
+        from megatrain.train.metrics import finite, read_metrics
+        from megatrain.train.model import model_label
+        from megatrain.train.rundir import METRICS_FILE, PLOT_FILE
+        from megatrain.train.stages import plot_or_note
+
+        cfg, out, step, res = self.cfg, self.out, self.step, self.res
+        self.checkpoint.save(step)
+        self.metrics.close()
+        plot_or_note(lambda: save_rl_plot(read_metrics(out / METRICS_FILE), out / PLOT_FILE, task=cfg.task,
+                                          title=f"{model_label(cfg)}: {cfg.task}, {step} steps, global batch "
+                                                f"{cfg.global_batch}"), self.echo)
+        ckpt = self.checkpoint.path
+        self.echo(f"done: step {step}, loss {res.loss:.4f}; model directory: {ckpt}; metrics: {out / METRICS_FILE}")
+        return TrainResult(step=step, skipped_steps=0, stopped_by=None, loss=finite(res.loss), val_loss=None,
+                           checkpoint=ckpt, output_dir=out)
 
 
 def _saved_task(path: Path) -> str | None:

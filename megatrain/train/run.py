@@ -2,7 +2,8 @@
 
 ``task`` lm and sft are :func:`megatrain.train.loop.train`'s run; dpo and grpo are
 :func:`megatrain.train.rl_tasks.train_rl`'s, which shares the loop's stages up to the weights
-(planning, materialising, the locks) and has a loop of its own. This module sits above both, so
+(planning, materialising) and :mod:`megatrain.train.stages`' (threads, the model, the locks, the run's
+files, the checkpoint, the plot), and has a loop of its own. This module sits above both, so
 neither imports the other's caller.
 """
 
