@@ -42,7 +42,7 @@ def tokenizer_sample_bytes(cfg: TrainConfig) -> int:
     return min(cfg.max_bytes or TOKENIZER_SAMPLE_BYTES, TOKENIZER_SAMPLE_BYTES)
 
 
-def _tokenizer(cfg: TrainConfig, source: ModelSource, sample=None):
+def run_tokenizer(cfg: TrainConfig, source: ModelSource, sample=None):
     """The run's tokenizer and where it came from; a BPE is trained on ``sample()`` (default: the
     first :func:`tokenizer_sample_bytes` of the corpus)."""
     from megatrain import data as D
@@ -66,7 +66,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """Where ``transformers`` saves a tokenizer's chat template, beside ``tokenizer_config.json``."""
 
 
-def _chat_template(cfg: TrainConfig, source: ModelSource) -> tuple[str | None, str | None]:
+def run_chat_template(cfg: TrainConfig, source: ModelSource) -> tuple[str | None, str | None]:
     """The chat template of an SFT run and where it came from: ``cfg.chat_template`` (a Jinja file),
     else the ``chat_template.jinja`` or the ``chat_template`` of the ``tokenizer_config.json`` beside
     the run's tokenizer file (a list of named templates gives its ``default``), else None (megatrain's)."""
@@ -188,12 +188,12 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
         tokenizer = processor.tokenizer.backend_tokenizer
     else:
         processor = None
-        tokenizer, origin = _tokenizer(cfg, source, sample)
-    _check_vocab(tokenizer, origin, source.config.get_text_config().vocab_size)
+        tokenizer, origin = run_tokenizer(cfg, source, sample)
+    check_vocab(tokenizer, origin, source.config.get_text_config().vocab_size)
     eot = cfg.eot_token or D.find_eot_token(tokenizer)
     if tokenizer.token_to_id(eot) is None:
         raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
-    template, template_origin = _chat_template(cfg, source)
+    template, template_origin = run_chat_template(cfg, source)
     if processor is None:
         chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
                                loss=cfg.sft_loss, template_origin=template_origin)
@@ -238,7 +238,12 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     return tokenizer, dataset, eot
 
 
-def _check_vocab(tokenizer, origin: str, vocab: int) -> None:
+def check_vocab(tokenizer, origin: str, vocab: int) -> None:
+    """Refuse a tokenizer (``tokenizers.Tokenizer``) with more tokens than the model's ``vocab``.
+
+    Raises:
+        ConfigError: its ids would index past the embedding.
+    """
     if tokenizer.get_vocab_size() > vocab:
         raise ConfigError(f"the tokenizer ({origin}) has {tokenizer.get_vocab_size()} tokens but the model's "
                           f"vocab_size is {vocab}: token ids would index past the embedding; use a "
@@ -278,8 +283,8 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
     try:
         t0 = time.perf_counter()
         vocab = source.config.vocab_size
-        tokenizer, origin = _tokenizer(cfg, source)
-        _check_vocab(tokenizer, origin, vocab)
+        tokenizer, origin = run_tokenizer(cfg, source)
+        check_vocab(tokenizer, origin, vocab)
         eot = cfg.eot_token or D.find_eot_token(tokenizer)
         if tokenizer.token_to_id(eot) is None:
             raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its "

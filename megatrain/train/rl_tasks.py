@@ -110,14 +110,14 @@ def _run_tokenizer(cfg: "TrainConfig", source, texts: Callable[[], list[str]]):
     """The run's tokenizer (``tokenizer``, the model directory's, or a BPE trained on ``texts()``),
     its end-of-text token, the chat template and the ChatTokenizer of the last assistant turn."""
     from megatrain import data as D
-    from megatrain.train.corpus import _chat_template, _check_vocab, _tokenizer, bos_token
+    from megatrain.train.corpus import bos_token, check_vocab, run_chat_template, run_tokenizer
 
-    tokenizer, origin = _tokenizer(cfg, source, texts)
-    _check_vocab(tokenizer, origin, source.config.vocab_size)
+    tokenizer, origin = run_tokenizer(cfg, source, texts)
+    check_vocab(tokenizer, origin, source.config.vocab_size)
     eot = cfg.eot_token or D.find_eot_token(tokenizer)
     if tokenizer.token_to_id(eot) is None:
         raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
-    template, template_origin = _chat_template(cfg, source)
+    template, template_origin = run_chat_template(cfg, source)
     chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot), loss="last")
     return tokenizer, origin, eot, chat, template, template_origin or "megatrain default"
 
