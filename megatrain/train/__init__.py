@@ -28,6 +28,10 @@ function of a module of this package::
     metrics     loss.png, the loss curve (matplotlib, the ``plot`` extra)
     rl_tasks    --task dpo and --task grpo: the same stages up to the weights, then preference pairs
                 or prompts, rollouts and rewards, and a loop of their own (train dispatches to it)
+    stages      what both runs share: threads, the model source, the NVMe lock, the run files,
+                the checkpoint (with its tokenizer or processor), the loss plot. loop.Run holds
+                the LM/SFT run's stages as methods (start, plan, prepare_data, materialize,
+                open_outputs, train_loop, finish); rl_tasks.RlRun the DPO/GRPO run's
 
 ``machine`` holds what this machine offers (host memory, RSS, a matmul rate, a hardware spec).
 
