@@ -591,7 +591,7 @@ def test_the_runs_chat_template_and_relative_data_specs(tmp_path):
     from types import SimpleNamespace
 
     from megatrain.train import load_train_config
-    from megatrain.train.corpus import _chat_template
+    from megatrain.train.corpus import run_chat_template
 
     tok = tmp_path / "tok"
     tok.mkdir()
@@ -600,15 +600,15 @@ def test_the_runs_chat_template_and_relative_data_specs(tmp_path):
         {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
     cfg = load_train_config(None, {"model": "m", "output_dir": "o", "tokenizer": str(tok / "tokenizer.json")})
     nowhere = SimpleNamespace(directory=None)
-    assert _chat_template(cfg, nowhere) == ("D", str(tok / "tokenizer_config.json"))  # the named default
+    assert run_chat_template(cfg, nowhere) == ("D", str(tok / "tokenizer_config.json"))  # the named default
     (tok / "chat_template.jinja").write_text("J")  # transformers' own file wins
-    assert _chat_template(cfg, nowhere) == ("J", str(tok / "chat_template.jinja"))
+    assert run_chat_template(cfg, nowhere) == ("J", str(tok / "chat_template.jinja"))
     (tmp_path / "mine.jinja").write_text("M")
     run = tmp_path / "run.yaml"
     run.write_text("model: m\noutput_dir: o\ntask: sft\nchat_template: mine.jinja\ndata: a,b:2@data\n")
     cfg = load_train_config(run)
-    assert _chat_template(cfg, nowhere) == ("M", str(tmp_path / "mine.jinja"))  # relative to the file
+    assert run_chat_template(cfg, nowhere) == ("M", str(tmp_path / "mine.jinja"))  # relative to the file
     assert cfg.data == f"a,b:2@{tmp_path / 'data'}"
     run.write_text("model: m\noutput_dir: o\ntask: sft\ndata: x.json:2,y.jsonl\n")
     assert load_train_config(run).data == f"{tmp_path / 'x.json'}:2,{tmp_path / 'y.jsonl'}"
-    assert _chat_template(load_train_config(None, {"model": "m", "output_dir": "o"}), nowhere) == (None, None)
+    assert run_chat_template(load_train_config(None, {"model": "m", "output_dir": "o"}), nowhere) == (None, None)
