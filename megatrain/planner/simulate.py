@@ -63,7 +63,7 @@ from megatrain.planner import cost
 from megatrain.ir.graph import LayerGraph
 from megatrain.ir.hardware import HardwareSpec
 from megatrain.ir.issue import IssueQueue
-from megatrain.ir.schedule import HOST_STREAMS, OpKind, Schedule, Stream
+from megatrain.ir.schedule import HOST_STREAMS, Schedule, Stream
 from megatrain.planner.timeline import Timeline
 
 _INF = float("inf")
@@ -88,7 +88,6 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
     works = cost.compute_works(schedule, graph, hw)
     dur = cost.op_times(schedule, graph, hw, works)
     launch = cost.launch_times(schedule, graph, hw, works)
-    stall = [cost.issue_stall(op.kind, hw) if op.stream in HOST_STREAMS else 0.0 for op in ops]
     queues: dict[Stream, list[int]] = {s: [] for s in Stream}
     for i, op in enumerate(ops):
         queues[op.stream].append(i)
@@ -181,11 +180,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
         start[best_i], end[best_i] = best_t, e
         if host[best_i]:
             heapq.heappush(wake, e)
-            if stall[best_i] > 0:
-                if ops[best_i].kind is OpKind.OPT:  # the GIL-holding kernel call first, then the sum
-                    stalls.add(best_t, best_t + stall[best_i] * (e - best_t), 1.0)
-                else:
-                    stalls.add(best_t, e, stall[best_i])
+            if (span := cost.issue_stall_span(ops[best_i].kind, hw, best_t, e)) is not None:
+                stalls.add(*span)
         elif best_i in fenced:
             heapq.heappush(wake, e)
         committed += 1
