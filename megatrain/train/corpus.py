@@ -190,9 +190,7 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
         processor = None
         tokenizer, origin = run_tokenizer(cfg, source, sample)
     check_vocab(tokenizer, origin, source.config.get_text_config().vocab_size)
-    eot = cfg.eot_token or D.find_eot_token(tokenizer)
-    if tokenizer.token_to_id(eot) is None:
-        raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
+    eot = run_eot_token(cfg, tokenizer, origin)
     template, template_origin = run_chat_template(cfg, source)
     if processor is None:
         chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
@@ -236,6 +234,21 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
          f"{store.path} ({store.origin}); tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text "
          f"{eot!r} ({time.perf_counter() - t0:.1f} s)")
     return tokenizer, dataset, eot
+
+
+def run_eot_token(cfg: TrainConfig, tokenizer, origin: str) -> str:
+    """The run's end-of-text token: ``cfg.eot_token``, else the one ``tokenizer``
+    (``tokenizers.Tokenizer``, from ``origin``) names (:func:`megatrain.data.find_eot_token`).
+
+    Raises:
+        ConfigError: the tokenizer has no such token.
+    """
+    from megatrain import data as D
+
+    eot = cfg.eot_token or D.find_eot_token(tokenizer)
+    if tokenizer.token_to_id(eot) is None:
+        raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
+    return eot
 
 
 def check_vocab(tokenizer, origin: str, vocab: int) -> None:
@@ -285,10 +298,7 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, echo, path: Path | None 
         vocab = source.config.vocab_size
         tokenizer, origin = run_tokenizer(cfg, source)
         check_vocab(tokenizer, origin, vocab)
-        eot = cfg.eot_token or D.find_eot_token(tokenizer)
-        if tokenizer.token_to_id(eot) is None:
-            raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its "
-                              "end-of-sequence token")
+        eot = run_eot_token(cfg, tokenizer, origin)
         store = D.cached_token_store(cfg.data, tokenizer, path, eot_token=eot, text_field=cfg.text_field,
                                      max_bytes=cfg.max_bytes)
         m = store.manifest

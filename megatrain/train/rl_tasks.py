@@ -35,7 +35,6 @@ skip and rollback (a step that is not applied stops the run).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,13 +109,11 @@ def _run_tokenizer(cfg: "TrainConfig", source, texts: Callable[[], list[str]]):
     """The run's tokenizer (``tokenizer``, the model directory's, or a BPE trained on ``texts()``),
     its end-of-text token, the chat template and the ChatTokenizer of the last assistant turn."""
     from megatrain import data as D
-    from megatrain.train.corpus import bos_token, check_vocab, run_chat_template, run_tokenizer
+    from megatrain.train.corpus import bos_token, check_vocab, run_chat_template, run_eot_token, run_tokenizer
 
     tokenizer, origin = run_tokenizer(cfg, source, texts)
     check_vocab(tokenizer, origin, source.config.vocab_size)
-    eot = cfg.eot_token or D.find_eot_token(tokenizer)
-    if tokenizer.token_to_id(eot) is None:
-        raise ConfigError(f"the tokenizer ({origin}) has no token {eot!r}; set eot_token to its end-of-sequence token")
+    eot = run_eot_token(cfg, tokenizer, origin)
     template, template_origin = run_chat_template(cfg, source)
     chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, bos_token=bos_token(tokenizer, eot), loss="last")
     return tokenizer, origin, eot, chat, template, template_origin or "megatrain default"
