@@ -26,7 +26,7 @@ from megatrain.files import DirectoryLock
 from megatrain.ir.plan import OptimizerPlacement
 from megatrain.runtime.threads import oversubscription
 from megatrain.train.guard import Guard, Verdict, decay_hint
-from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot
+from megatrain.train.metrics import MetricsLog, finite, fmt, read_metrics, run_rates, save_loss_plot, step_row
 from megatrain.train.model import ModelSource, load_weights, model_label, resolve_model
 from megatrain.train.preflight import (BUILT_BYTES_PER_PARAMETER, data_pipeline_bytes, largest_safetensors,
                                        preflight_cpu_build, preflight_disk, preflight_host_memory)
@@ -714,14 +714,10 @@ class Run:
         self.trainer.set_lr(lr)
         res = self.trainer.step(self.ranks.rows(batch))
         self.loss = res.loss
-        mfu = self.rates.mfu(res.tokens_per_second / self.ranks.world)  # per GPU: tokens/s counts every rank's
-        self.row = row = {
-            "step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
-            "tokens": res.tokens, "supervised_tokens": res.supervised_tokens, "tokens_per_s": res.tokens_per_second,
-            "mfu": mfu, "predicted_step_s": self.rates.predicted_step_s, "measured_step_s": res.seconds,
-            "applied": bool(res.applied), "val_loss": None, "host_rss_mib": None,
-            "examples_trimmed": getattr(self.dataset, "num_trimmed", None),
-            "examples_dropped": getattr(self.dataset, "num_dropped", None)}
+        self.row = row = step_row(step, res, lr, self.rates, applied=bool(res.applied), ranks=self.ranks.world,
+                                  trimmed=getattr(self.dataset, "num_trimmed", None),
+                                  dropped=getattr(self.dataset, "num_dropped", None))
+        mfu = row["mfu"]
         verdict = self.guard.judge(step, res, self.ranks.any_of(res.nonfinite_weights, len(self.layers), self.groups),
                                    self.layers)
         if verdict.action != "keep":

@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatrain.errors import ConfigError
 from megatrain.files import raise_if_full, write_atomic
@@ -40,6 +40,19 @@ Non-finite floats are written as null (JSON has no NaN)."""
 
 def finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
+
+
+def step_row(step: int, res: Any, lr: float, rates: Rates, *, applied: bool, ranks: int = 1,
+             trimmed: int | None = None, dropped: int | None = None) -> dict:
+    """The :data:`METRIC_FIELDS` row of step ``step`` from its ``StepResult`` ``res`` (``lr``: the
+    learning rate it used; ``applied``: whether it was kept; ``ranks``: the processes whose tokens
+    ``res.tokens_per_second`` counts, MFU being per GPU), ``val_loss`` and ``host_rss_mib`` null
+    until the run fills them in."""
+    return {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
+            "tokens": res.tokens, "supervised_tokens": res.supervised_tokens, "tokens_per_s": res.tokens_per_second,
+            "mfu": rates.mfu(res.tokens_per_second / ranks), "predicted_step_s": rates.predicted_step_s,
+            "measured_step_s": res.seconds, "applied": applied, "val_loss": None, "host_rss_mib": None,
+            "examples_trimmed": trimmed, "examples_dropped": dropped}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -654,7 +654,7 @@ class RlRun:
             MegatrainError: the step was not applied (a non-finite loss, gradient or weight).
         """
         from megatrain.train.lr import lr_at
-        from megatrain.train.metrics import finite
+        from megatrain.train.metrics import step_row
 
         cfg = self.cfg
         lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
@@ -663,13 +663,9 @@ class RlRun:
         res = self.res = self.trainer.step(batch, loss=self.loss)
         self.step += 1
         step = self.step
-        row = {"step": step, "loss": finite(res.loss), "lr": lr, "grad_norm": finite(res.grad_norm),
-               "tokens": res.tokens, "supervised_tokens": res.supervised_tokens,
-               "tokens_per_s": res.tokens_per_second, "mfu": self.rates.mfu(res.tokens_per_second),
-               "predicted_step_s": self.rates.predicted_step_s, "measured_step_s": res.seconds,
-               "applied": bool(res.applied) and not res.nonfinite_weights, "val_loss": None,
-               "host_rss_mib": None, "examples_trimmed": getattr(self.data, "trimmed", None),
-               "examples_dropped": getattr(self.data, "dropped", None), **extra}
+        row = {**step_row(step, res, lr, self.rates, applied=bool(res.applied) and not res.nonfinite_weights,
+                          trimmed=getattr(self.data, "trimmed", None), dropped=getattr(self.data, "dropped", None)),
+               **extra}
         self.metrics.append(row)
         if not row["applied"]:
             raise MegatrainError(f"step {step}: the loss or a gradient or updated weight was not finite; the update "
