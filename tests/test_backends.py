@@ -625,16 +625,16 @@ def test_host_state_pins_only_the_master_rows():
     be = CUDABackend(adapter=fake)
     host = HostState(trainer.graph)
     assert fake.pinned_bytes == 0, "nothing is pinned before a plan asks for it"
-    host.pin_masters(be)
+    host.master_pins.pin(be)
     page = 4096
     rows = [-(-layer.numel * 4 // page) * page for layer in trainer.graph.layers]
-    assert sorted(fake.registered.values()) == sorted(rows) and host.pinned_nbytes == sum(rows)
+    assert sorted(fake.registered.values()) == sorted(rows) and host.master_pins.nbytes == sum(rows)
     assert set(fake.registered) == {b.data_ptr() for b in host.blocks}, "each pin starts at its master row"
     assert all(b.is_contiguous() and b.data_ptr() % page == 0 for b in host.blocks)
     assert fake.pinned_calls == [] and fake.empty_calls == [] and fake.log == []
-    host.pin_masters(be)  # idempotent
+    host.master_pins.pin(be)  # idempotent
     assert len(fake.pin_log) == len(rows)
-    host.unpin_masters()
+    host.master_pins.release()
     assert fake.pinned_bytes == 0 and fake.registered == {}
 
 
@@ -644,7 +644,7 @@ def test_host_state_pins_only_the_master_rows():
 def test_cuda_pinned_host_blocks_are_page_aligned():  # CPU twin: test_host_state_pins_only_the_master_rows
     trainer = compile_one()
     host = HostState(trainer.graph)
-    host.pin_masters(CUDABackend())
+    host.master_pins.pin(CUDABackend())
     for i, b in enumerate(host.blocks):
         layer = trainer.graph.layers[i]
         assert b.is_pinned() and b.is_contiguous() and b.shape == (layer.numel + 2 * layer.trainable_numel,)

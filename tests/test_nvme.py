@@ -645,7 +645,7 @@ def test_checkpoint_between_nvme_and_ram_trainers_continues_bitwise(tmp_path, ma
     into_nvme.load(tmp_path / "ckpt_ram")
     # A layer's rows (master, parameters, moments) are written into its file together, once per
     # pass over the checkpoint's files (weights, then optimizer rows), not once per row.
-    assert set(writes) == {into_nvme.host.nvme_key(li) for li in ON_NVME} and max(writes.values()) <= 2
+    assert set(writes) == {into_nvme.host.nvme_rows.key(li) for li in ON_NVME} and max(writes.values()) <= 2
     for t in (into_ram, into_nvme):
         assert [t.step(b).loss for b in BATCHES[2:]] == want
         t.flush()
@@ -1023,7 +1023,7 @@ def test_data_parallel_ranks_keep_their_optimizer_shard_of_the_moments_in_files_
                                                                                        first=2))
              for r in range(2)]  # node 1 of a 4-rank world: global ranks 2 and 3
     assert moments_key(1) == "L1.moments" and moments_key(1, 3) == "L1.r3.moments"
-    spans = [h.nvme_span(1) for h in ranks]
+    spans = [h.nvme_rows.span(1) for h in ranks]
     assert spans == [cost.optimizer_shard(2000, 2, r) for r in range(2)] == [(0, 1008), (1008, 2000)]
     for r, (lo, hi) in enumerate(spans):  # the file: exp_avg then exp_avg_sq of the shard, 4 KiB blocks
         assert os.path.getsize(tmp_path / f"L1.r{2 + r}.moments.tile") == nvme.align_up(2 * (hi - lo) * 4)

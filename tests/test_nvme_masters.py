@@ -297,7 +297,7 @@ def test_masters_on_nvme_are_initialised_in_their_file_not_in_anonymous_memory(t
     assert _rss_kib("RssFile") - file > (numel * 4 >> 10) // 2
     assert _rss_kib("RssAnon") - anon < (numel * 4 >> 10) // 2
     host.spill_masters()
-    assert host.spilled == {1} and host.blocks[1].numel() == 0
-    state = host.read_state(1)
+    assert host.nvme_rows.spilled == {1} and host.blocks[1].numel() == 0
+    state = host.nvme_rows.read_state(1)
     assert torch.equal(state[:numel], torch.arange(numel, dtype=torch.float32))
     assert not state[numel:].any()  # fresh moments: zeros

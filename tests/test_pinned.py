@@ -66,7 +66,7 @@ def test_pinned_bytes_equal_the_plans_figure(name):
         assert fake.pinned_bytes == mem.host_pinned, (name, fake.pinned_bytes, mem)
     assert fake.pinned_calls == [], "no plan buffer goes through the power-of-two caching host allocator"
     # What is pinned is what DMA touches: master rows only with FP32 compute, never the moments.
-    assert trainer.host.pinned_nbytes == mem.pinned_masters == cost.pinned_master_bytes(trainer.graph, plan)
+    assert trainer.host.master_pins.nbytes == mem.pinned_masters == cost.pinned_master_bytes(trainer.graph, plan)
     assert (mem.pinned_masters > 0) == (plan.compute_dtype == "float32")
     # Each registration is a master row (from its block's first byte, whole pages) or the arena.
     arena = trainer.executor._arena

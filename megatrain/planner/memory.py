@@ -478,7 +478,7 @@ def node_memory(graph: LayerGraph, plan: Plan, mem: MemoryBreakdown) -> NodeMemo
 def _shared_pinned_masters(pinned_masters: int, plan: Plan) -> int:
     """Pinned bytes of a node's shared master rows, from one copy's ``pinned_masters``: one per group
     of ranks sharing a copy; none with a sharded state, whose H2Ds read the (pinned) gather tiles,
-    not the master rows (``runtime.host.HostState.pin_masters``)."""
+    not the master rows (``runtime.host.HostState.master_pins``)."""
     if plan.host_state == "shard":
         return 0
     return plan.gpus_per_node // plan.optimizer_shards * pinned_masters

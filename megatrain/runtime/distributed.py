@@ -432,7 +432,7 @@ class DataParallelHost:
 def data_parallel_host(nbytes: int, data_parallel: int, optimizer_shards: int, nodes: int = 1,
                        sharded: bool = False) -> DataParallelHost:
     """Set up data parallel for a plan with ``data_parallel`` ranks over ``nodes`` nodes of which
-    ``optimizer_shards`` per node share the host state (``nbytes`` of it, ``HostState.shared_nbytes``;
+    ``optimizer_shards`` per node share the host state (``nbytes`` of it, ``host_layout.shared_nbytes``;
     with ``sharded``, ``Plan.host_state == "shard"``, the node's slice of it). Collective.
 
     Raises:
@@ -473,7 +473,7 @@ def broadcast_slices(rows: list[torch.Tensor] | None, host: Any, dp: DataParalle
             for li, layer in enumerate(host.graph.layers):
                 row = rows[li] if dp.topo.rank == 0 else torch.empty((layer.numel,), dtype=torch.float32)
                 dist.broadcast(row, src=0, group=dp.groups.leaders)
-                lo, hi = host.slices[li]
+                lo, hi = host.tile_layout.slices[li]
                 host.master(li).copy_(row[lo:hi])
         if dp.shared is not None:
             dist.barrier(group=dp.groups.node)

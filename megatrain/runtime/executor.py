@@ -292,7 +292,7 @@ class Executor:
         # a layer in Plan.nvme_moments, between its NVME_READ and NVME_WRITE. Page-aligned for
         # O_DIRECT, pageable (the moments never go to the GPU), kept across schedules.
         self._nvme_pool: list[torch.Tensor] = []
-        # (arena, HostState.master_version) whose staging tiles hold the BF16 casts of the masters on
+        # (arena, NvmeTier.master_version) whose staging tiles hold the BF16 casts of the masters on
         # NVMe (Plan.nvme_masters): between steps those tiles are the only copy H2D reads.
         self._staged: tuple[Any, int] | None = None
         # Plan.templates == "compiled": each template object's compiled callable (by id; the
@@ -343,7 +343,7 @@ class Executor:
         Every size comes from the schedule's :class:`~megatrain.ir.layout.BufferLayout`
         (:meth:`layout`). Pinned host memory is exactly the planner's
         ``memory_breakdown(graph, plan).host_pinned``: the master rows with FP32 compute
-        (:meth:`HostState.pin_masters`) and one arena laid out as ``layout.pinned`` says; an arena
+        (``HostState.master_pins``) and one arena laid out as ``layout.pinned`` says; an arena
         that already holds every tile the schedule needs (a train arena serves eval and update
         schedules) is kept; with ``Plan.nvme_gradients`` it holds their pinned gradient I/O buffers
         too. The GPU slots are ``layout.slots`` wide; the NVMe tier's moments I/O buffers
@@ -375,11 +375,11 @@ class Executor:
                 self._arena = PinnedArena(layout, be)
             arena = self._arena
             if not plan.staged:
-                self.host.pin_masters(be)  # H2D reads the master rows (or a sliced state's gather tiles) directly
+                self.host.master_pins.pin(be)  # H2D reads the master rows (or a sliced state's gather tiles) directly
             else:
-                self.host.unpin_masters()
+                self.host.master_pins.release()
                 if plan.shared_cast:
-                    self.host.pin_staging(be)  # the node's shared tiles, which this rank's H2Ds read
+                    self.host.staging_pins.pin(be)  # the node's shared tiles, which this rank's H2Ds read
             self._buffers = None  # let the old device buffers go before the new ones are made
             self._views = {}
             lay = arena.layout
@@ -408,25 +408,25 @@ class Executor:
         return self._buffers
 
     def _refresh_staging(self) -> None:
-        """Cast the masters on NVMe (``HostState.spilled``) from their files into their layers' own
+        """Cast the masters on NVMe (``NvmeTier.spilled``) from their files into their layers' own
         staging tiles when the tiles are new (a new arena: the first run, another layout) or a
-        master was written outside a run (compile, a checkpoint load: ``HostState.master_version``).
+        master was written outside a run (compile, a checkpoint load: ``NvmeTier.master_version``).
         A run keeps them current itself (the CAST after each such layer's OPT), so this reads
         nothing between ordinary steps.
 
         Raises:
             NvmeError: a file is missing or truncated (naming it)."""
-        h = self.host
-        if not h.spilled or not self._buffers.staging:
+        tier = self.host.nvme_rows
+        if not tier.spilled or not self._buffers.staging:
             return
-        if self._staged is not None and self._staged[0] is self._arena and self._staged[1] == h.master_version:
+        if self._staged is not None and self._staged[0] is self._arena and self._staged[1] == tier.master_version:
             return
         io = self._nvme_pool[0]  # no run is in flight: the pool is free
-        for li in sorted(h.spilled):
+        for li in sorted(tier.spilled):
             n = self.graph.layers[li].numel
-            h.nvme.read(h.nvme_key(li), io).wait()
+            tier.store.read(tier.key(li), io).wait()
             self._buffers.staging[li][:n].copy_(io.view(torch.float32)[:n])
-        self._staged = (self._arena, h.master_version)
+        self._staged = (self._arena, tier.master_version)
 
     # -- templates -------------------------------------------------------------------------------
     def template_of(self, li: int, evaluate: bool, compiled: bool) -> Callable[..., Any]:
@@ -641,9 +641,9 @@ class Executor:
             if ctx.recast:
                 # Masters on NVMe changed: other executors over this host state (other batch shapes)
                 # re-cast their staging tiles; this one's CASTs did, unless the run failed part-way.
-                self.host.master_version += 1
+                self.host.nvme_rows.master_version += 1
                 if done:
-                    self._staged = (self._arena, self.host.master_version)
+                    self._staged = (self._arena, self.host.nvme_rows.master_version)
             if ctx.carried:
                 d = self.deferred
                 self.deferred = DeferredUpdates(d.layers - set(ctx.updated), d.clip_scale, d.optimizer)
@@ -853,7 +853,7 @@ def _master_source(ctx: _RunContext, i: int, op: Op) -> torch.Tensor:
     host = ctx.ex.host
     if ctx.source is not None:
         return ctx.source[op.layer]
-    if not host.sliced:
+    if not host.tile_layout.sliced:
         return host.master(op.layer)
     ops = ctx.schedule.ops
     gather = next(ops[d] for d in op.deps if ops[d].kind is OpKind.ALL_GATHER and ops[d].layer == op.layer)
@@ -1115,19 +1115,19 @@ def _opt(ctx: _RunContext, i: int, op: Op) -> Work:
     ``Plan.update_shards > 1``, of this rank's shard of it, ``LayerLayout.optimizer_shards``; a sliced host
     state holds the layer from its slice's start on), on its
     moments in host memory or, for a layer on NVMe, in the I/O buffer ``op.buf`` (under data
-    parallel it holds this rank's shard only, ``HostState.nvme_span``), through the executor's
+    parallel it holds this rank's shard only, ``NvmeTier.span``), through the executor's
     host kernel (:class:`~megatrain.runtime.host_kernels.HostAdamW` or ``HostLion``: BF16 gradients
     in a tile are widened exactly, chunk by chunk, in its FP32 scratch)."""
     ex, li = ctx.ex, op.layer
     lo, hi = ctx.layers[li].optimizer_shards[ex.shard_index]
     h = ex.host
-    base = h.slices[li][0]  # a sliced host state holds the layer from element ``base`` on
+    base = h.tile_layout.slices[li][0]  # a sliced host state holds the layer from element ``base`` on
     grads = (ctx.bufs.accumulators[op.acc] if op.acc is not None else ctx.bufs.ring[op.ring] if op.ring is not None
              else ctx.bufs.nvme_gradients[op.gbuf])  # gbuf: a gradient tile its NVME_READ brought back
     mbase = base  # where the moment rows start in the layer's elements
     if op.buf is not None:  # moments (after the master) on NVMe: its NVME_READ filled this I/O buffer
         # Under data parallel the file (and so the buffer) holds this rank's shard only: from mbase on.
-        m, (mbase, top) = h.nvme_master_numel(li), h.nvme_span(li)
+        m, (mbase, top) = h.nvme_rows.master_numel(li), h.nvme_rows.span(li)
         s = top - mbase
         state = ex._nvme_pool[op.buf][:(m + h.n_states * s) * 4].view(torch.float32)
         master = state[:m] if m else h.master(li)
@@ -1211,7 +1211,7 @@ def _nvme_io(read: bool) -> Handler:
     buffer. A failed transfer raises NvmeError naming the op and the file."""
     def handler(ctx: _RunContext, i: int, op: Op) -> Work:
         moments = op.buf is not None
-        store, key = ctx.ex.host.nvme, ctx.ex.host.nvme_key(op.layer) if moments else gradient_key(op.layer)
+        store, key = ctx.ex.host.nvme, ctx.ex.host.nvme_rows.key(op.layer) if moments else gradient_key(op.layer)
         if store is None or key not in store.tiles:
             what = "Adam moments" if moments else "gradient tile"
             raise ConfigError(f"op #{i} {op!r}: the schedule keeps layer {op.layer}'s {what} on NVMe, but "
@@ -1325,7 +1325,7 @@ def _all_gather(ctx: _RunContext, i: int, op: Op) -> Work:
     the compute dtype (``runtime.distributed.gather_weights``), for the H2D or CAST that depends on it."""
     ex = ctx.ex
     if op.tile is not None:
-        if not ex.host.sliced or ex.host.data_parallel is None:
+        if not ex.host.tile_layout.sliced or ex.host.data_parallel is None:
             raise ConfigError(f"op #{i} {op!r} gathers a sharded layer, but this host state holds whole tiles (it "
                               "was made for another plan); compile the trainer with this plan")
         from megatrain.runtime.distributed import gather_weights

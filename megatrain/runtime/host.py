@@ -22,14 +22,14 @@ those modules define is importable from here too, as before.
 
 Pinned memory. Only what DMA reads or writes is page-locked, at exact sizes: each block is
 ordinary (pageable) memory that starts on a page, and with FP32 compute, where H2D reads the
-master row directly, :meth:`HostState.pin_masters` page-locks that row alone (rounded up to whole
-pages) through the backend's ``host_pin`` (``cudaHostRegister`` on CUDA); the moments are never
-copied to or from the GPU and stay pageable. The gradient and staging tiles, offloaded
-checkpoints and per-layer norms and flags live in one :class:`PinnedArena` laid out by
-``Schedule.layout.pinned`` (:func:`megatrain.ir.layout.pinned_buffers`) and pinned whole. So the
-bytes the runtime pins are the planner's ``memory_breakdown(...).host_pinned``, exactly;
-``torch.empty(..., pin_memory=True)`` would instead round every block up to a power of two
-(PyTorch's caching host allocator), pinning up to twice the plan's figure.
+master row directly, ``HostState.master_pins`` (:class:`~megatrain.runtime.host_pins.RowPins`)
+page-locks that row alone (rounded up to whole pages) through the backend's ``host_pin``
+(``cudaHostRegister`` on CUDA); the moments are never copied to or from the GPU and stay pageable.
+The gradient and staging tiles, offloaded checkpoints and per-layer norms and flags live in one
+:class:`PinnedArena` laid out by ``Schedule.layout.pinned`` (:func:`megatrain.ir.layout.pinned_buffers`)
+and pinned whole. So the bytes the runtime pins are the planner's ``memory_breakdown(...).host_pinned``,
+exactly; ``torch.empty(..., pin_memory=True)`` would instead round every block up to a power of
+two (PyTorch's caching host allocator), pinning up to twice the plan's figure.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class HostState:
     ``optimizer.states`` (:class:`megatrain.optim.OptimizerSpec`; AdamW's ``exp_avg`` and
     ``exp_avg_sq``, Lion's ``exp_avg``), FP32 (frozen parameters, ``requires_grad=False``, are
     laid out after it and have no optimizer state). Page-aligned, contiguous and pageable until
-    :meth:`pin_masters`. The sections below say "moments" for these rows, and give AdamW's.
+    ``master_pins.pin``. The sections below say "moments" for these rows, and give AdamW's.
 
     NVMe tier. The layers of ``nvme_moments`` keep their moments in a file each in ``nvme_dir``
     (``<dir>/L<i>.moments.tile``: ``exp_avg`` then ``exp_avg_sq``, FP32, zeros at first) instead:
@@ -78,7 +78,7 @@ class HostState:
     scratch file each for their deferred gradient tile (``<dir>/L<i>.grad.tile``,
     ``trainable_numel * gradient_itemsize`` bytes), which only the schedule's NVMe ops use.
     Under data parallel (``nvme_shards``, :class:`NvmeShards`) each rank's file holds the moments
-    of its optimizer shard only, ``<dir>/L<i>.r<rank>.moments.tile`` (:meth:`nvme_span`), so the
+    of its optimizer shard only, ``<dir>/L<i>.r<rank>.moments.tile`` (``nvme_rows.span``), so the
     node's ranks share one directory; ``read_moments`` / ``write_moments`` move that shard, and
     :class:`NvmeMomentRow` whole rows.
 
@@ -89,7 +89,7 @@ class HostState:
     is empty, :attr:`nbytes` is ``4 * numel`` lower again, :meth:`master` raises, and
     :meth:`read_master` and the state-dict rows :meth:`master_row` / :meth:`param_row`
     (:class:`NvmeMasterRow`, which also write) go through the file. Every write of such a master
-    bumps :attr:`master_version`, so whoever keeps a copy of it (an executor's BF16 staging tiles)
+    bumps ``nvme_rows.master_version``, so whoever keeps a copy of it (an executor's BF16 staging tiles)
     knows to refresh it.
 
     Data parallel. ``shared``: a :class:`megatrain.runtime.distributed.SharedHostMemory` of at least
@@ -109,7 +109,15 @@ class HostState:
 
     ``staging`` (``Plan.shared_cast``): a BF16 staging tile per layer after the blocks
     (:attr:`staging`, ``[numel]`` each), shared by the node's ranks like the blocks, which each
-    rank's CAST fills with its shard and its H2Ds read whole (:meth:`pin_staging` pins them).
+    rank's CAST fills with its shard and its H2Ds read whole (``staging_pins`` pins them).
+
+    Parts. Each concern is an attribute, which callers use directly: :attr:`tile_layout`
+    (:class:`~megatrain.runtime.host_layout.TileLayout`: ``slices``, ``sliced``, ``extent``),
+    :attr:`nvme_rows` (:class:`~megatrain.runtime.host_nvme.NvmeTier`: the files' ``key``, ``span``,
+    ``master_numel``, ``read_state``, ``read_moment``, ``spilled``, ``master_version``),
+    :attr:`node_tiles` (:class:`~megatrain.runtime.host_shared.NodeTiles`), and :attr:`master_pins`
+    and :attr:`staging_pins` (:class:`~megatrain.runtime.host_pins.RowPins`: ``pin(backend)``,
+    ``release()``, ``nbytes``).
 
     Raises:
         ConfigError: ``nvme_moments`` or ``nvme_gradients`` without ``nvme_dir``, or naming a layer
@@ -151,8 +159,12 @@ class HostState:
         self.staging = self.node_tiles.staging
         # Adam's step count per layer, a tensor because the fused kernel reads it as one.
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in graph.layers]
-        self.master_pins = RowPins()
-        self.staging_pins = RowPins()
+        # FP32 compute's H2Ds read the master rows (whole pages; None: on NVMe), or a sliced state's
+        # gather tiles; the moments are never copied to the GPU and stay pageable. BF16 compute reads
+        # the staging tiles instead (the executor releases these pins then).
+        self.master_pins = RowPins(self.gather if self.sliced else self._rows)
+        # Plan.shared_cast: each rank registers the node's one copy of the staging tiles in its own process.
+        self.staging_pins = RowPins(self.node_tiles.staging_rows)
 
     def _take_block(self, memory: HostMemory, li: int, writer: bool) -> None:
         """Carve layer ``li``'s block (:mod:`megatrain.runtime.host_layout`) and append it and its
@@ -175,6 +187,8 @@ class HostState:
         self.blocks.append(block)
         self._rows.append(raw[:row])
 
+    # Pass-throughs that callers outside megatrain.runtime (the trainer, checkpoint, rl and product
+    # modules, tests) still use; the runtime itself reads tile_layout and nvme_rows directly.
     shared_nbytes = staticmethod(shared_nbytes)
 
     @property
@@ -187,40 +201,6 @@ class HostState:
         """``[lo, hi)`` of each layer's master tile this state holds (``TileLayout.slices``)."""
         return list(self.tile_layout.slices)
 
-    @property
-    def spilled(self) -> frozenset[int]:
-        """The layers of ``nvme_masters`` whose master row :meth:`spill_masters` dropped."""
-        return self.nvme_rows.spilled
-
-    @property
-    def master_version(self) -> int:
-        """Bumped by every write of a master on NVMe (an executor that writes one bumps it too)."""
-        return self.nvme_rows.master_version
-
-    @master_version.setter
-    def master_version(self, value: int) -> None:
-        self.nvme_rows.master_version = value
-
-    # The NVMe tier's names and spans, under the names the executor and tests call (NvmeTier's
-    # methods say what each is).
-    def nvme_key(self, layer: int) -> str:
-        return self.nvme_rows.key(layer)
-
-    def nvme_span(self, layer: int) -> tuple[int, int]:
-        return self.nvme_rows.span(layer)
-
-    def nvme_numel(self, layer: int) -> int:
-        return self.nvme_rows.numel(layer)
-
-    def nvme_master_numel(self, layer: int) -> int:
-        return self.nvme_rows.master_numel(layer)
-
-    def read_state(self, layer: int) -> torch.Tensor:
-        return self.nvme_rows.read_state(layer)
-
-    def read_moment(self, layer: int, k: int) -> torch.Tensor:
-        return self.nvme_rows.read_moment(layer, k)
-
     def batched_nvme_writes(self) -> contextlib.AbstractContextManager[None]:
         """:meth:`NvmeTier.batched_writes`: within it, a layer's NVMe rows are written back once."""
         return self.nvme_rows.batched_writes()
@@ -232,18 +212,18 @@ class HostState:
         pages are written back (``fsync``) and the mapping dropped.
         The module's parameters of those layers must no longer view them: :func:`unbind_spilled`
         makes them ``meta`` (``materialize`` calls both). Idempotent."""
-        for li in sorted(self.nvme_masters - self.spilled):
+        for li in sorted(self.nvme_masters - self.nvme_rows.spilled):
             self.nvme_rows.spill(li, self.master(li))
             self.blocks[li] = torch.empty((0,), dtype=torch.float32)
             self._rows[li] = None
-        self.master_version += 1
+        self.nvme_rows.master_version += 1
 
     def master(self, layer: int) -> torch.Tensor:
         """``float32[hi - lo]``: the layer's FP32 master weights (frozen parameters included) this
         state holds, elements ``[lo, hi)`` of its tile (``slices[layer]``; the whole tile unless
         sliced), a view. Raises ValueError for a layer whose master lives on NVMe (use
         :meth:`read_master`)."""
-        if layer in self.spilled:
+        if layer in self.nvme_rows.spilled:
             raise ValueError(f"layer {self.graph.layers[layer].name!r} keeps its FP32 master on NVMe "
                              f"({self.nvme_rows.path(layer)}), not in host memory: read it with "
                              "HostState.read_master, or read and write it through master_row / param_row")
@@ -251,8 +231,8 @@ class HostState:
 
     def read_master(self, layer: int) -> torch.Tensor:
         """A new ``float32[numel]`` tensor: the layer's master, from host memory or its NVMe file."""
-        if layer in self.spilled:
-            return self.read_state(layer)[:self.graph.layers[layer].numel]
+        if layer in self.nvme_rows.spilled:
+            return self.nvme_rows.read_state(layer)[:self.graph.layers[layer].numel]
         return self.master(layer).clone()
 
     def exp_avg(self, layer: int) -> torch.Tensor:
@@ -318,7 +298,7 @@ class HostState:
     def master_row(self, layer: int) -> "torch.Tensor | NvmeMasterRow":
         """The layer's master as a state-dict entry: the view of its row in host memory, or an
         :class:`NvmeMasterRow` over the whole master in its NVMe file."""
-        if layer in self.spilled:
+        if layer in self.nvme_rows.spilled:
             return NvmeMasterRow(self, layer, 0, self.graph.layers[layer].numel,
                                  (self.graph.layers[layer].numel,), "master")
         return self.master(layer)
@@ -326,7 +306,7 @@ class HostState:
     def param_row(self, layer: int, index: int) -> "torch.Tensor | NvmeMasterRow":
         """Parameter ``index`` of the layer as a state-dict entry: :meth:`param_view`, or for a layer
         whose master is on NVMe an :class:`NvmeMasterRow` over the parameter's slice of the file."""
-        if layer in self.spilled:
+        if layer in self.nvme_rows.spilled:
             spec = self.graph.layers[layer].params[index]
             return NvmeMasterRow(self, layer, spec.offset, spec.numel, tuple(spec.shape), spec.name)
         return self.param_view(layer, index)
@@ -348,29 +328,3 @@ class HostState:
         sliced state, its slices' (``node_memory``'s ``persistent`` for this node, within the
         shards' 64-byte alignment), without the gather tiles."""
         return sum(b.numel() * b.element_size() for b in self.blocks)
-
-    def _pinnable(self) -> "list[torch.Tensor | None]":
-        # A sliced state's H2Ds read the gather tiles, not the master rows; a master on NVMe has no row.
-        return self.gather if self.sliced else self._rows
-
-    @property
-    def pinned_nbytes(self) -> int:
-        """Bytes of master rows pinned now: ``layout.pinned_master_bytes`` of an FP32 plan on a backend
-        that pins (the CPU backend pins nothing), or 0."""
-        return self.master_pins.nbytes(self._pinnable())
-
-    def pin_masters(self, backend: Any) -> None:
-        """Page-lock every layer's master row, rounded up to whole pages, through
-        ``backend.host_pin`` (so FP32 H2D copies read them by DMA); the moments stay pageable.
-        Idempotent for one backend; pinning for another backend releases the previous pins."""
-        self.master_pins.pin(backend, self._pinnable())
-
-    def pin_staging(self, backend: Any) -> None:
-        """Page-lock the shared staging tiles (``Plan.shared_cast``) through ``backend.host_pin``, so
-        this rank's H2Ds read them by DMA (each rank registers the node's one copy in its own
-        process). Idempotent for one backend; pinning for another releases the previous pins."""
-        self.staging_pins.pin(backend, self.node_tiles.staging_rows)
-
-    def unpin_masters(self) -> None:
-        """Release the pins of :meth:`pin_masters` (BF16 compute reads staging tiles instead)."""
-        self.master_pins.release()

@@ -131,7 +131,7 @@ def unbind_spilled(model: nn.Module, host: Any) -> None:
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    for li in sorted(host.spilled):
+    for li in sorted(host.nvme_rows.spilled):
         for spec in host.graph.layers[li].params:
             mod_name, _, attr = spec.name.rpartition(".")
             old = getattr(model.get_submodule(mod_name), attr)

@@ -3,7 +3,8 @@ their own: rows of a layer's NVMe file (:class:`NvmeRow` and its two kinds) and 
 node's slices of a sliced state (:class:`SlicedRow`). Each has a tensor's ``shape`` and ``dtype``,
 ``read()``, ``to(dtype)`` and ``copy_(src)``, so a checkpoint saves and loads one row at a time.
 
-They take the host state as ``host`` and use only its public reads, its slices and its
+They take the host state as ``host`` and use only its public reads, its
+:attr:`~megatrain.runtime.host.HostState.tile_layout` and its
 :attr:`~megatrain.runtime.host.HostState.nvme_rows` (this module cannot import ``HostState``: the
 host state builds these rows).
 """
@@ -34,7 +35,7 @@ class NvmeRow:
         return torch.Size(self._shape)
 
     def read(self) -> torch.Tensor:
-        return self.host.read_state(self.layer)[self.start:self.start + self.numel].view(self._shape)
+        return self.host.nvme_rows.read_state(self.layer)[self.start:self.start + self.numel].view(self._shape)
 
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         return self.read().to(dtype)
@@ -63,20 +64,21 @@ class NvmeMomentRow(NvmeRow):
     of a layer whose moments live on NVMe (``Trainer.state_dict()["optimizer"]``). Under data
     parallel (``HostState.nvme_shards``) this rank's file holds its optimizer shard ``[lo, hi)``
     only: :meth:`read` assembles the whole row from the node's files
-    (:meth:`HostState.read_moment`), ``copy_(src)`` writes ``src[lo:hi]`` into this rank's file
-    (every rank loading the same checkpoint writes its own shard: no collective)."""
+    (:meth:`~megatrain.runtime.host_nvme.NvmeTier.read_moment`), ``copy_(src)`` writes ``src[lo:hi]``
+    into this rank's file (every rank loading the same checkpoint writes its own shard: no
+    collective)."""
 
     __slots__ = ("k", "lo")
 
     def __init__(self, host: Any, layer: int, k: int):
         t = host.graph.layers[layer].trainable_numel
-        lo, hi = host.nvme_span(layer)
-        super().__init__(host, layer, host.nvme_master_numel(layer) + k * (hi - lo), hi - lo, (t,),
+        lo, hi = host.nvme_rows.span(layer)
+        super().__init__(host, layer, host.nvme_rows.master_numel(layer) + k * (hi - lo), hi - lo, (t,),
                          host.optimizer.states[k])
         self.k, self.lo = k, lo
 
     def read(self) -> torch.Tensor:
-        return self.host.read_moment(self.layer, self.k)
+        return self.host.nvme_rows.read_moment(self.layer, self.k)
 
     def copy_(self, src: torch.Tensor) -> "NvmeMomentRow":
         tier = self.host.nvme_rows
@@ -89,7 +91,7 @@ class NvmeMomentRow(NvmeRow):
 class NvmeMasterRow(NvmeRow):
     """A layer's FP32 master, or one parameter's slice of it, in the layer's NVMe file
     (``Plan.nvme_masters``): ``Trainer.state_dict()["masters"]`` and ``["model"]`` entries. A
-    write bumps :attr:`HostState.master_version`."""
+    write bumps :attr:`~megatrain.runtime.host_nvme.NvmeTier.master_version`."""
 
     __slots__ = ()
 
@@ -122,7 +124,7 @@ class SlicedRow:
         return self.read().to(dtype)
 
     def copy_(self, src: torch.Tensor) -> "SlicedRow":
-        lo, hi = self.host.slices[self.layer]
+        lo, hi = self.host.tile_layout.slices[self.layer]
         mine = self.host.master(self.layer) if self.kind == MASTER else self.host._moment(self.layer, self.kind - 1)
         hi = lo + mine.numel()  # a moment row ends at the trainable prefix
         a, b = max(lo, self.start), min(hi, self.start + self.shape.numel())

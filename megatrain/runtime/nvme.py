@@ -358,7 +358,7 @@ class NvmeStore:
         """A new ``uint8[nbytes]`` tensor of the file ``<key>.tile`` in this store's directory that
         another process's store made (not one of :attr:`tiles`, and not truncated or reserved here:
         it is that store's scratch): under data parallel, another rank's moments
-        (``HostState.read_moment``). Read with buffered I/O, which Linux keeps coherent with that
+        (``NvmeTier.read_moment``). Read with buffered I/O, which Linux keeps coherent with that
         process's ``O_DIRECT`` writes. Its checksums live in that process: this read is not checked.
         Raises :class:`NvmeError` naming the file when it is missing, a symlink or shorter than
         ``nbytes``."""
