@@ -56,7 +56,6 @@ def video_processor_class(model_type: str) -> str | None:
     return cls.__name__ if "video_processor" in parts else None
 
 
-
 def images_only(name: str) -> type:
     """transformers' processor class ``name`` (``"Qwen2VLProcessor"``) without its video
     processor: constructed from ``(image_processor, tokenizer, chat_template)``, loaded by
