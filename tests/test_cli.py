@@ -38,6 +38,13 @@ def test_plan_prints_the_table_writes_three_files_and_exits_0(tmp_path, capsys):
         assert row in text, row
     assert "(GiB)" in text and "H100 SXM 80GB" in text
     assert "3 keep / 0 offload / 0 recompute" in text, "an H100 keeps a tiny model's 3 checkpoints"
+    # The solver's micro-batches, and what bounds the simulated step: a tiny model's kernels take less
+    # time than their launches, so its compute ops run while they are still being issued.
+    m = re.search(r"micro-batches: (\d+) of (\d+) sequences? \(the solver's size\); the simulated step is "
+                  r"issue-bound: its compute ops ran ([\d.e+-]+) s of the ([\d.e+-]+) s step while still being "
+                  r"issued, ([\d.e+-]+) s with their work all queued", text)
+    assert m, text
+    assert int(m[1]) * int(m[2]) == 4 and float(m[5]) < float(m[3]) <= float(m[4])
     schedule = Schedule.load(out / "schedule.json")
     assert schedule.n_layers == 4 and schedule.plan.compute_dtype == "bfloat16"
     assert schedule.plan.micro_batches * int(text.split("micro-batch size")[1].split()[0]) == 4

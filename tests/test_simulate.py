@@ -382,6 +382,33 @@ def test_issue_bound_step_takes_at_least_every_launch():
     assert run(g, Plan(micro_batches=2), spec())[1].step_time_s < 0.1 * tl.step_time_s
 
 
+@pytest.mark.parametrize("launch", [1e-3, 0.0])
+def test_issue_times_split_each_gpu_stream_as_a_measured_step_does(launch):
+    """``issue_times=True`` gives each GPU op the simulated thread's issue: the same step, with each
+    GPU stream's busy time split into issue-bound and GPU-busy seconds; host ops have none. Launches
+    of 1 ms against microseconds of work leave every GPU op running while it is still being issued
+    (ends with its issue); free launches leave none."""
+    g = chain_graph(3, numel=1000, fwd_flops=10)
+    hw = spec(launch_overhead_s=launch)
+    s = lower(g, Plan(micro_batches=2))
+    plain, tl = simulate(s, g, hw), simulate(s, g, hw, issue_times=True)
+    assert [(r.start_s, r.end_s) for r in tl.records] == [(r.start_s, r.end_s) for r in plain.records]
+    assert plain.issue_bound_s == plain.gpu_busy_s == {}
+    launches = cost.launch_times(s, g, hw)
+    for r in tl.records:
+        host = r.stream in (Stream.HOST, Stream.CAST)
+        assert (r.issued_s is None) == host
+        if not host:
+            assert r.issue_start_s <= r.start_s and r.issue_cpu_s == launches[r.index]
+            assert r.issued_s - r.issue_start_s >= r.issue_cpu_s - 1e-12  # the rest: a host op held the thread
+    gpu = {r.stream for r in tl.records if r.issued_s is not None}
+    for st_ in gpu:
+        assert tl.gpu_busy_s[st_] + tl.issue_bound_s[st_] == pytest.approx(tl.busy_s[st_], abs=1e-12)
+    if launch:
+        assert tl.issue_bound_s[Stream.COMPUTE] == pytest.approx(tl.busy_s[Stream.COMPUTE])
+    else:
+        assert sum(tl.issue_bound_s.values()) == 0.0
+
 def test_gpu_op_gated_by_a_slow_host_op_does_not_hold_back_other_streams():
     # CAST:L0 is slow; H2D:L0 waits for it in the issuing thread's pending queue, while the
     # independent H2D:L1 (listed after it, on the same stream: it must wait, stream order) and

@@ -51,7 +51,7 @@ from megatrain.ir.graph import LayerGraph, TracedModel
 from megatrain.ir.hardware import HardwareSpec, load_hardware
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import OptimizerPlacement, Plan, default_plan
-from megatrain.ir.schedule import Schedule, gradient_tiles
+from megatrain.ir.schedule import Schedule, Stream, gradient_tiles
 from megatrain.planner.simulate import simulate
 from megatrain.planner.solve import Solution, SolveLimits, SolveRequest, solve
 from megatrain.planner.timeline import Timeline
@@ -331,6 +331,8 @@ def plan(request: PlanRequest) -> PlannedModel:
                           f"update, but the plan runs optimizer steps {p.optimizer.value}; use a plan with "
                           "optimizer=OptimizerPlacement.NEXT_FORWARD (or plan=None)")
     decisions: list[str] = []
+    if solution is not None:
+        decisions.append(_micro_batch_decision(solution, hw_state, chosen=mbs is None))
     if topology is None:
         p = _data_parallel(p, topo, r.storage, host_state=None if topo.host_state == "auto" else topo.host_state)
     if r.storage.nvme_dir is not None:
@@ -529,6 +531,22 @@ def _choose_host_state(planned: PlannedModel, topo: Topology) -> tuple[str, str]
         return "replicate", f"host state: replicate: every node holds a full copy of the masters and moments ({where})"
     return "shard", (f"host state: shard: a full copy on every node does not fit {where}; each of the {p.nodes} "
                      f"nodes holds 1/{p.nodes} and the layers' weights are gathered before use")
+
+
+def _micro_batch_decision(solution: Solution, hw: HardwareSpec, chosen: bool) -> str:
+    """The decisions line of the solver's micro-batches (``chosen``: the size was the solver's) and
+    whether its simulated step is GPU-bound or issue-bound: the seconds its compute ops ran while
+    still being issued against those they ran with their work all queued (``Timeline.issue_bound_s``
+    and ``gpu_busy_s`` of the step simulated with its issuing thread), issue-bound where the first
+    are more. The solver charges the issue time, so where memory allows it picks micro-batches
+    large enough to keep the GPU ahead of the thread (:mod:`megatrain.planner.solve`, item 5)."""
+    tl = simulate(solution.schedule, solution.graph, hw, issue_times=True)
+    bound, busy = tl.issue_bound_s.get(Stream.COMPUTE, 0.0), tl.gpu_busy_s.get(Stream.COMPUTE, 0.0)
+    size, count = solution.micro_batch_size, solution.plan.micro_batches
+    whose = "the solver's size" if chosen else "the given size"
+    return (f"micro-batches: {count} of {size} sequence{'s' * (size != 1)} ({whose}); the simulated step is "
+            f"{'issue-bound' if bound > busy else 'GPU-bound'}: its compute ops ran {bound:.4g} s of the "
+            f"{tl.step_time_s:.4g} s step while still being issued, {busy:.4g} s with their work all queued")
 
 
 def _solve(graph: LayerGraph, options: CompileOptions, hw: HardwareSpec, dtype: str, r: PlanRequest,

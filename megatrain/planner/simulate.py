@@ -69,8 +69,15 @@ from megatrain.planner.timeline import Timeline
 _INF = float("inf")
 
 
-def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timeline:
+def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_times: bool = False) -> Timeline:
     """Predict when every op of ``schedule`` runs on ``hw``; return the simulated Timeline.
+
+    With ``issue_times`` each GPU op's record also says when the simulated issuing thread began and
+    ended issuing it and its launch seconds (the thread's CPU seconds; the rest of the issue's wall
+    time a host op held it), as a measured CUDA step's do, so the timeline splits each GPU stream's
+    busy time into ``gpu_busy_s`` and ``issue_bound_s`` the same way (:class:`Timeline`). Off by
+    default: the solver compares step times only, and a predicted timeline beside a measured one
+    (``bench/gpu_probe.py``) keeps the split to the measured.
 
     Raises:
         ScheduleError: the schedule deadlocks (names the stuck ops and what each waits for), or an
@@ -191,7 +198,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> Timelin
         if head[best_s] == len(queues[best_s]):
             active.remove(best_s)
     records = [(i, ops[i].stream, start[i], end[i]) for i in range(n)]
-    return Timeline.from_records(schedule, graph, records, hw, source="simulated")
+    issue = {i: (issued[i], issued_end[i], launch[i]) for i in range(n) if not host[i]} if issue_times else None
+    return Timeline.from_records(schedule, graph, records, hw, source="simulated", issue=issue)
 
 
 class _Stalls:

@@ -47,7 +47,8 @@ class OpRecord:
     A measured GPU op also says when the issuing thread began and ended issuing it
     (``issue_start_s``, ``issued_s``: its kernels all enqueued; the start may precede the step's
     first op) and that thread's CPU seconds meanwhile (``issue_cpu_s``); None where unknown (host
-    ops, the CPU backend, a simulated step, a timeline written before they were recorded)."""
+    ops, the CPU backend, a simulated step unless ``simulate(..., issue_times=True)`` timed its
+    issuing thread, a timeline written before they were recorded)."""
 
     index: int
     op: str
@@ -114,7 +115,8 @@ class Timeline:
             memory of the running compute op).
         pinned_memory: the same for pinned host memory (rings, pinned state, offload space).
         gpu_peak_bytes, pinned_peak_bytes: the curves' maxima.
-        gpu_busy_s, issue_bound_s: per GPU stream whose ops have issue times (a measured CUDA step),
+        gpu_busy_s, issue_bound_s: per GPU stream whose ops have issue times (a measured CUDA step,
+            or a simulated one with ``issue_times``),
             the sums of :attr:`OpRecord.gpu_busy_s` (the GPU certainly busy: the op's work all
             queued) and :attr:`OpRecord.issue_bound_s` (the op's run while it was still being
             issued: the GPU waited for the issuing thread for part of it); they add up to

@@ -95,7 +95,12 @@ objective and two lower bounds to prune with.
    thread holds the GPU back: a compute op of a traced layer is timed in the bounds by its GPU
    seconds (``cost.op_duration``), and in the simulator kernel by kernel against the thread's launch
    cost (``cost.ComputeWork``), so an issue-bound candidate simulates slower than its bound and a
-   GPU-bound one (larger micro-batches: launches per token fall) at it. Per-micro-batch
+   GPU-bound one (larger micro-batches: launches per token fall) at it. So that small,
+   issue-bound micro-batches are not left to simulate on their GPU seconds alone, both bounds also
+   charge the issuing thread, each launch at its least (:mod:`.bounds`): the quick bound its busy
+   time over the compute ops' launches, the pattern bound each op's end after the launches before
+   it on its stream (a compute op ending a span after its issue began) and the thread's total
+   launch time. Per-micro-batch
    passes break the pattern's premise that a visit's micro-batches run back to back, so their
    candidates are simulated on the cheap bound alone, with the D2H copies and host accumulations
    of every micro-batch in its busy times.

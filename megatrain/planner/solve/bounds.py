@@ -8,11 +8,21 @@ respects every edge of that path, so it never beats it (:mod:`megatrain.planner.
 
 Every op time is :func:`megatrain.planner.cost.op_duration` of its kind (:func:`durations`), and
 every op's stream is ``OpKind.stream``: the bounds re-derive neither.
+
+The issuing thread. One thread issues every op, in each stream's list order, from the step's
+start (:mod:`megatrain.planner.simulate`), and no op ends before its issue does; a compute op with a
+kernel profile ends no earlier than ``span_s`` after its issue began (:class:`cost.ComputeWork`).
+So the thread's total launch time is a busy time like a stream's, and an op's end is bounded by
+the launches of the ops before it on its stream too. Each launch is taken at its least
+(:func:`issue_floors`: no stream waits, no differentiated inputs, a fresh gradient slot), and the
+step's first op may start one host-op launch after the thread does (a CAST or carried OPT first:
+its worker gets it once it is issued), which the bounds give back (:func:`issue_slack`). With
+free launches both terms vanish and the bounds are what they were without them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from megatrain.planner import cost
@@ -20,7 +30,7 @@ from megatrain.ir.graph import LayerGraph
 from megatrain.ir.hardware import HardwareSpec
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
-from megatrain.ir.schedule import COMPUTE_KINDS, OP_KINDS, OpKind, Stream
+from megatrain.ir.schedule import COMPUTE_KINDS, HOST_STREAMS, OP_KINDS, Op, OpKind, Stream
 
 OFFLOAD, RECOMPUTE = ActivationPolicy.OFFLOAD, ActivationPolicy.RECOMPUTE
 
@@ -113,6 +123,9 @@ class SizeOption:
     times: Mapping[OpKind, tuple[float, ...]]
     checkpoints: tuple[int, ...]
     layer_by_layer: bool = True  # False: per-micro-batch passes
+    # Per compute kind and layer, (issue seconds, span seconds) at their least (issue_floors); empty: free
+    issue: Mapping[OpKind, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    issue_slack_s: float = 0.0  # issue_slack of the spec
 
     @property
     def key(self) -> tuple[int, bool]:
@@ -145,7 +158,45 @@ def size_option(size: int, micro_batches: int, graph: LayerGraph, compute_dtype:
     """The :class:`SizeOption` of ``graph`` (traced or scaled for micro-batches of ``size``),
     layer by layer."""
     return SizeOption(size, micro_batches, graph, durations(graph, SIZE_KINDS, compute_dtype, hw),
-                      tuple(cost.checkpoint_bytes(graph, i) for i in range(len(graph.layers))))
+                      tuple(cost.checkpoint_bytes(graph, i) for i in range(len(graph.layers))),
+                      issue=issue_floors(graph, compute_dtype, hw), issue_slack_s=issue_slack(hw))
+
+
+def issue_floors(graph: LayerGraph, compute_dtype: str,
+                 hw: HardwareSpec) -> dict[OpKind, tuple[tuple[float, float], ...]]:
+    """Per compute kind (FWD, RECOMPUTE, BWD) and layer of ``graph`` (one micro-batch), the least
+    ``(issue_s, span_s)`` of an op: the issuing thread's seconds launching it, and the seconds from
+    the start of its issue to its end. With a kernel profile both are :class:`cost.ComputeWork`'s
+    (:func:`cost.compute_work` with no stream waits, no differentiated inputs and a fresh gradient
+    slot, which only shorten them; the probe's gradient dtype, BF16 where exact, is the narrowest);
+    without, the op ends no earlier than its issue, ``cost.launch_count`` launches with no waits.
+    Empty where launching is free."""
+    if hw.launch_overhead_s <= 0 and hw.backward_launch_s <= 0:
+        return {}
+    probe = Plan(compute_dtype=compute_dtype)
+    last = len(graph.layers) - 1
+    out = {}
+    for kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.BWD):
+        row = []
+        for i, layer in enumerate(graph.layers):
+            if kind is OpKind.BWD and i < last and not graph.has_gradients(i):
+                row.append((0.0, 0.0))  # no local backward is lowered (as cost.op_duration: none to time)
+                continue
+            work = cost.compute_work(layer, kind, probe, hw)
+            if work is not None:
+                row.append((work.issue_s, work.span_s))
+            else:
+                t = cost.launch_count(Op(kind, i, mb=0, slot=0), graph) * hw.launch_overhead_s
+                row.append((t, t))
+        out[kind] = tuple(row)
+    return out
+
+
+def issue_slack(hw: HardwareSpec) -> float:
+    """How long after the issuing thread starts the step's first op may start: a host op first (a
+    CAST, a carried OPT) starts once issued, one host-op launch in; a GPU op first starts with its
+    issue. The bounds' issue terms are times from the thread's start, less this."""
+    return cost.HOST_OP_LAUNCHES * hw.launch_overhead_s
 
 
 def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolicy], *, deferred: bool,
@@ -164,7 +215,9 @@ def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolic
     keep every premise for their first pass and last micro-batch (their first forward of layer
     ``k`` waits for ``k + 1`` copies and the rest of the step follows it; the last micro-batch's
     D2H and update of each layer follow its last local backward), and add a D2H and an ACC per
-    micro-batch to the busy times.
+    micro-batch to the busy times. The issuing thread is busy for at least the forwards' and local
+    backwards' launches (``size.issue``), less ``size.issue_slack_s`` (recomputes not counted: whether
+    one runs depends on its readers' local backwards, which the lowering decides).
     """
     n, M = len(t.h2d), size.micro_batches
     passes = 1 if size.layer_by_layer else M
@@ -181,6 +234,9 @@ def quick_bound(size: SizeOption, t: StepTimes, policy: Sequence[ActivationPolic
     if not size.layer_by_layer:
         host += M * sum(t.acc[i] for i in trainable)
     bound = max(compute, h2d, d2h, host, 0.0 if duplex else h2d + d2h)
+    if size.issue:  # the issuing thread launches every forward and local backward (module docstring)
+        issue = M * (sum(a for a, _ in size.issue[OpKind.FWD][:n - 1]) + sum(a for a, _ in size.issue[OpKind.BWD]))
+        bound = max(bound, issue - size.issue_slack_s)
     # Flow shop: the forward of layer k waits for the copies of layers 0..k, and the rest of the
     # forward and the whole backward phase follow it; the turn's local backward (layer n-1) waits
     # for the copy of layer n-1 too, and every local backward follows it (recomputes of its own
@@ -253,6 +309,7 @@ class Pattern:
     layers: tuple[int, ...]
     deps: tuple[tuple[int, ...], ...]
     mb_deps: tuple[tuple[int, ...], ...]
+    launches: tuple[int, ...] = ()  # cost.launch_count of each op with no stream waits (the least)
 
     def copies(self, n_layers: int) -> list[int]:
         """H2D weight copies per layer."""
@@ -276,7 +333,8 @@ def lower_pattern(graph: LayerGraph, plan: Plan) -> Pattern:
             (per if (op.kind, kinds[d]) in _PER_MICRO_BATCH else whole).append(d)
         deps.append(tuple(whole))
         mb_deps.append(tuple(per))
-    return Pattern(kinds, tuple(op.layer for op in ops), tuple(deps), tuple(mb_deps))
+    return Pattern(kinds, tuple(op.layer for op in ops), tuple(deps), tuple(mb_deps),
+                   tuple(cost.launch_count(op, graph) for op in ops))
 
 
 def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) -> float:
@@ -295,6 +353,15 @@ def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) 
     no other wait, and the bound is the simulated step time, unless compute ops are issue-bound
     (a traced layer's op is its GPU seconds here, its kernels against the issuing thread in the
     simulator).
+
+    The issuing thread (module docstring). Per stream, the thread begins issuing an op's first copy
+    no earlier than ``A``, the least launch seconds of the copies before it on that stream; copy
+    ``k`` of ``r`` (``a`` seconds to launch, ending no earlier than ``s`` after its issue began and
+    ``u`` after the copy before it) ends by ``A + (k - 1) a + s + (r - k) u``, the latest of which
+    is ``A + s + (r - 1) max(a, u)``. ``s`` is the compute op's ``span_s`` (:func:`issue_floors`), a
+    launch for any other GPU op (it ends no earlier than its issue), the launch and the op for a
+    host op (its worker gets it once issued). The thread's total launch seconds bound the step too.
+    All of these count from the thread's start, less ``size.issue_slack_s`` (:func:`issue_slack`).
     """
     n = len(p.kinds)
     M = size.micro_batches
@@ -306,6 +373,9 @@ def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) 
     d2h_t, opt_t = t.gradient_times(size)
     unit = {**t.times, **size.times, OpKind.D2H: d2h_t, OpKind.OPT: opt_t}
     kinds, layers, deps, mb_deps = p.kinds, p.layers, p.deps, p.mb_deps
+    works, launched = size.issue, bool(size.issue) and bool(p.launches)
+    py, slack = hw.launch_overhead_s, size.issue_slack_s
+    issued = [-slack] * len(STREAMS)  # per stream: the least launch seconds before its next op
     for i in range(n):
         kind = kinds[i]
         s = _STREAM_INDEX[kind]
@@ -319,10 +389,18 @@ def pattern_bound(p: Pattern, size: SizeOption, t: StepTimes, hw: HardwareSpec) 
         for d in mb_deps[i]:
             if end[d] + u > e:
                 e = end[d] + u
+        if launched:
+            work = works.get(kind)
+            a, span = work[layers[i]] if work is not None else (p.launches[i] * py,) * 2
+            if STREAMS[s] in HOST_STREAMS:
+                span = a + u
+            e = max(e, issued[s] + span + (r - 1) * max(a, u))
+            issued[s] += r * a
         end[i] = stream_end[s] = e
         busy[resource[s]] += r * u
-    return max(max(stream_end), max(busy))
+    thread = sum(issued) + slack * (len(STREAMS) - 1) if launched else 0.0  # every launch, less the slack
+    return max(max(stream_end), max(busy), thread)
 
 
 __all__ = ["SIZE_KINDS", "STEP_KINDS", "IO_KINDS", "STREAMS", "durations", "StepTimes", "step_times", "SizeOption",
-           "size_option", "quick_bound", "Pattern", "lower_pattern", "pattern_bound"]
+           "size_option", "issue_floors", "issue_slack", "quick_bound", "Pattern", "lower_pattern", "pattern_bound"]
