@@ -539,7 +539,7 @@ def _micro_batch_decision(solution: Solution, hw: HardwareSpec, chosen: bool) ->
     still being issued against those they ran with their work all queued (``Timeline.issue_bound_s``
     and ``gpu_busy_s`` of the step simulated with its issuing thread), issue-bound where the first
     are more. The solver charges the issue time, so where memory allows it picks micro-batches
-    large enough to keep the GPU ahead of the thread (:mod:`megatrain.planner.solve`, item 5)."""
+    large enough to keep the GPU ahead of the thread (:mod:`megatrain.planner.solve`)."""
     tl = simulate(solution.schedule, solution.graph, hw, issue_times=True)
     bound, busy = tl.issue_bound_s.get(Stream.COMPUTE, 0.0), tl.gpu_busy_s.get(Stream.COMPUTE, 0.0)
     size, count = solution.micro_batch_size, solution.plan.micro_batches
