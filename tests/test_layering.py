@@ -25,14 +25,14 @@ ROOT = Path(megatrain.__file__).parent
 FLOORS = [
     # what everything may use: errors, units, lazy names, and the kernels (plain torch functions)
     {"megatrain.errors", "megatrain.units", "megatrain.lazy", "megatrain.kernels"},
-    # settings at the boundary (pydantic), files a run writes and opens, the sizes refused at once,
-    # loading from a model directory without its code
-    {"megatrain.config", "megatrain.files", "megatrain.bounds", "megatrain.hf_load"},
-    # optimizers as data
-    {"megatrain.optim"},
+    # settings at the boundary (pydantic), files a run writes and opens, safetensors files read and
+    # written (hashed, in shards), the sizes refused at once, loading from a model directory without its code
+    {"megatrain.config", "megatrain.files", "megatrain.safetensors_io", "megatrain.bounds", "megatrain.hf_load"},
+    # optimizers as data; what a checkpoint directory holds, and its manifest's checks
+    {"megatrain.optim", "megatrain.checkpoint_format"},
     # the records the planner makes and the runtime walks; which models are supported; the front page
-    # (its eager names; the rest load on first use)
-    {"megatrain.ir", "megatrain.models", "megatrain"},
+    # (its eager names; the rest load on first use); Hugging Face weights into a trainer's state_dict
+    {"megatrain.ir", "megatrain.models", "megatrain", "megatrain.hf_weights"},
     # the engine's two halves, and the data, each unaware of the others
     {"megatrain.planner", "megatrain.runtime", "megatrain.data"},
     # what uses both halves: checkpoints (over the runtime's host state), RL heads, the fake CUDA layers

@@ -2,7 +2,7 @@
 
 The model is built on the ``meta`` device from the directory's ``config.json`` (no parameter
 memory), compiled, and its safetensors are then streamed tensor by tensor into the FP32 master
-tiles (:func:`megatrain.checkpoint.load_hf_weights`): host memory holds the tiles, plus about one
+tiles (:func:`megatrain.hf_weights.load_hf_weights`): host memory holds the tiles, plus about one
 shard's pages and one tensor while loading, never a second full copy of the weights.
 """
 
@@ -27,7 +27,7 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
         path: a directory written by ``save_pretrained`` (or ``megatrain``'s ``Trainer.save``):
             ``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
             Nothing is downloaded: a hub name that is not a local directory is refused.
-        strict: as :func:`megatrain.checkpoint.load_hf_weights`: with False, tensors the files lack
+        strict: as :func:`megatrain.hf_weights.load_hf_weights`: with False, tensors the files lack
             keep the model's own initialisation instead of raising.
         **compile_kwargs: :func:`megatrain.compile`'s arguments (``seq_len`` is required, as there;
             ``micro_batch_size``, ``optimizer``, ``hardware``, ...).
@@ -61,7 +61,7 @@ def from_pretrained(path: str | os.PathLike, *, strict: bool = True, **compile_k
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatrain.bounds import check_model_size
-    from megatrain.checkpoint import verify_model_files
+    from megatrain.checkpoint_format import verify_model_files
     from megatrain.models import check_config_values, config_errors, refuse_remote_code
 
     verify_model_files(root)  # a megatrain checkpoint: what is read must match its manifest

@@ -39,8 +39,10 @@ def resolve_model(spec: str) -> ModelSource:
         CheckpointError: a directory whose weights are PyTorch pickles (``pytorch_model.bin``),
             which megatrain does not load (the message says how to convert them).
     """
-    from megatrain.checkpoint import INDEX_FILE, STATE_DIR, refuse_legacy_weights
+    from megatrain.checkpoint_format import STATE_DIR
+    from megatrain.hf_weights import refuse_legacy_weights
     from megatrain.planner.presets import MODEL_PRESETS, load_model_config
+    from megatrain.safetensors_io import INDEX_FILE
 
     p = Path(spec)
     directory = None

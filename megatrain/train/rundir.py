@@ -57,7 +57,8 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
         CheckpointError: ``out/checkpoint`` is incomplete (naming what it lacks).
         LockedError: another process holds ``lock`` (naming it).
     """
-    from megatrain.checkpoint import describe_incomplete, is_complete, recover_checkpoint
+    from megatrain.checkpoint import recover_checkpoint
+    from megatrain.checkpoint_format import describe_incomplete, is_complete
     from megatrain.errors import CheckpointError
     from megatrain.train.model import resolve_model
 
@@ -119,7 +120,7 @@ def check_output_dir(out: Path, source: ModelSource, cfg: TrainConfig, echo,
 def saved_train_state(ckpt: Path) -> dict | None:
     """The ``megatrain train`` state (:func:`train_state`) of the complete checkpoint ``ckpt``,
     read from its ``trainer_state.json`` without loading anything; None where it has none."""
-    from megatrain.checkpoint import STATE_DIR, TRAINER_STATE
+    from megatrain.checkpoint_format import STATE_DIR, TRAINER_STATE
 
     try:
         ts = json.loads((ckpt / STATE_DIR / TRAINER_STATE).read_bytes())
