@@ -16,6 +16,13 @@ from megatrain.ir.schedule import OpKind
 
 from test_exactness import ADAMW, RTOL, assert_bf16_tracks_eager, eager_losses
 
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(num_hidden_layers=1, hidden_size=8,
+                                                                         intermediate_size=8, num_attention_heads=1,
+                                                                         image_size=8, patch_size=4)), "embeddings"):
+    # LLaVA is refused there (test_llava_is_refused_where_transformers_wraps_the_vision_tower)
+    pytest.skip("this transformers (before 5.6) wraps CLIP's vision tower in vision_model", allow_module_level=True)
+
 IMAGE_TOKEN = 95
 PATCHES = 16  # (32 / 8) ** 2: image tokens per row with the "default" strategy (CLS dropped)
 
@@ -179,6 +186,16 @@ def test_unsupported_vision_language_families_are_refused_with_what_they_lack():
     with pytest.raises(UnsupportedModelError, match=r"'pixel_values' is a batch input only of .*llava"):
         megatrain.compile(tiny_llama(), seq_len=16, micro_batch_size=1,
                           input_names=("input_ids", "pixel_values", "labels"))
+
+
+def test_llava_is_refused_where_transformers_wraps_the_vision_tower():
+    # transformers before 5.6 hold CLIP's blocks in vision_tower.vision_model: a tower wrapped so.
+    model = tiny_llava()
+    wrapper = torch.nn.Module()
+    wrapper.vision_model = model.model.vision_tower
+    model.model.vision_tower = wrapper
+    with pytest.raises(UnsupportedModelError, match=r"LLaVA needs a transformers .*5\.6 or later.*vision_model"):
+        megatrain.compile(model, seq_len=32, micro_batch_size=1, input_names=("input_ids", "pixel_values", "labels"))
 
 
 def plan_vision_section(config: dict, tmp_path, capsys, container: str, seq_len: int,

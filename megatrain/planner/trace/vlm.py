@@ -66,7 +66,7 @@ class VisionLanguageFamily:
         """The container holding most of the tower's parameters (:func:`.cut.find_block_container`)."""
         from megatrain.planner.trace.cut import find_block_container
 
-        return find_block_container(model.get_submodule(self.vision_tower))
+        return find_block_container(_unwrapped_tower(model, self.vision_tower))
 
     def trace_inputs(self, model: nn.Module, names: tuple[str, ...], micro_batch_size: int, seq_len: int,
                      image_grid_thw: Sequence[Sequence[int]] | None, images_per_row: int) -> ImageInputs:
@@ -124,12 +124,30 @@ def _llava_shape(config: Any) -> tuple[int, ...]:
     return (v.num_channels, v.image_size, v.image_size)
 
 
+def _unwrapped_tower(model: nn.Module, path: str) -> nn.Module:
+    """The vision tower at ``path``, which holds its embeddings and blocks itself.
+
+    Raises:
+        UnsupportedModelError: a tower that wraps them (``tower.vision_model``: CLIP's and SigLIP's
+            in transformers before 5.6), whose blocks megatrain would name and cut otherwise.
+    """
+    tower = model.get_submodule(path)
+    if not hasattr(tower, "embeddings") and hasattr(tower, "vision_model"):
+        import transformers
+
+        raise UnsupportedModelError(
+            f"LLaVA needs a transformers whose vision tower holds its blocks itself (5.6 or later); the "
+            f"installed {transformers.__version__} wraps them in {path}.vision_model. Upgrade transformers "
+            "(pip install -U 'transformers>=5.6')")
+    return tower
+
+
 def _llava_tokens(model: nn.Module) -> tuple[int, int]:
     # LlavaModel.get_image_features keeps every position of the vision tower's sequence (CLIP's
     # patches and CLS, SigLIP's patches: ``embeddings.num_positions``), less the first with the
     # "default" strategy (``selected_image_feature[:, 1:]``).
     config = model.config
-    positions = model.get_submodule("model.vision_tower").embeddings.num_positions
+    positions = _unwrapped_tower(model, "model.vision_tower").embeddings.num_positions
     return config.image_token_id, positions - (config.vision_feature_select_strategy == "default")
 
 
