@@ -70,7 +70,7 @@ from megatrain.runtime.host import as_tensor
 from megatrain.safetensors_io import (INDEX_FILE, Entry, StoredTensor, Written, open_safetensors, plan_shards,
                                       shard_name, write_bytes, write_json, write_safetensors)
 
-__all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint"]
+__all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint", "save_on_ranks"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _TMP_TAG, _OLD_TAG = "megatrain-tmp", "megatrain-old"
@@ -465,3 +465,62 @@ def _scan_weights(ts: dict, sd: Mapping[str, Any], path: Path) -> tuple[dict[str
         # Masters come from the FP32 rows; the lossy model shards give only the buffers.
         targets = {k: t for k, t in targets.items() if not t.param}
     return stored, targets
+
+
+# -- across data-parallel ranks -----------------------------------------------------------------
+def save_on_ranks(trainer, path: str | os.PathLike, **kwargs) -> Path | None:
+    """``Trainer.save``: :func:`save_checkpoint`, called by every rank under data parallel.
+
+    Every rank holds the same state, so global rank 0 writes it and the others wait for it. A host
+    state on NVMe is read by rank 0 from its node's files, after a barrier that has every rank's
+    last NVME_WRITE done. A host state sharded across nodes (``Plan.host_state == "shard"``) is
+    read whole by rank 0 from the node leaders' slices as it goes
+    (``runtime.distributed.SliceReader``, a layer at a time), while the other leaders serve those
+    reads. One process: :func:`save_checkpoint` itself.
+
+    Args:
+        trainer: a ``megatrain.Trainer``.
+        path, kwargs: as :func:`save_checkpoint`.
+
+    Returns:
+        The checkpoint directory on global rank 0 (and in one process); None on the other ranks.
+
+    Raises:
+        CheckpointError: as :func:`save_checkpoint`, on rank 0; the other ranks' wait then fails
+            too, naming rank 0's failure.
+        CollectiveError: a rank that did not arrive at a barrier.
+    """
+    if trainer.plan.data_parallel == 1:
+        return save_checkpoint(trainer, path, **kwargs)
+    from megatrain.runtime.distributed import SliceReader, patient_barrier
+
+    trainer.flush()
+    dp = trainer.host.data_parallel
+    if trainer.host.sliced:
+        dp.barrier("the barrier before a sharded save")  # every rank's shards of the last update are in place
+        reader = SliceReader(trainer.host, dp, trainer.plan)
+        out = None
+        if dp.topo.rank == 0:
+            trainer.slice_reader = reader
+            try:
+                out = save_checkpoint(trainer, path, **kwargs)
+            finally:
+                trainer.slice_reader = None
+                reader.close()
+        elif dp.writer:
+            reader.serve()
+        dp.barrier("the barrier after rank 0's save")
+        return out
+    if trainer.host.nvme_shards is not None:
+        # Every node holds the whole state, so the files of node 0's ranks hold every shard
+        # (NvmeTier.read_moment): each rank's last NVME_WRITE must be done first.
+        dp.barrier("the barrier before rank 0 reads the ranks' NVMe files for a save")
+    try:
+        out = save_checkpoint(trainer, path, **kwargs) if dp.topo.rank == 0 else None
+    except BaseException as e:
+        patient_barrier("the wait for rank 0's save", failed=e)
+        raise
+    # A save takes as long as the disk needs, longer than a collective should wait: the other
+    # ranks wait while rank 0's heartbeat goes on.
+    patient_barrier("the wait for rank 0's save")
+    return out

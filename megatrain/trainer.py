@@ -2,6 +2,12 @@
 build (:mod:`megatrain.product`, the floor above), whose ``step`` executes the planned schedules over
 host tiles, a backend and an executor it is given. It imports nothing that builds it.
 ``PlannedModel`` and ``Schedules`` (:mod:`megatrain.planner.front`) stay importable from here.
+
+Here are the step, the evaluation and the stories a failed run leaves (deferred updates included).
+The rest of the running object is one concern to a module, on the floor below: the batch checks
+and the micro-batch cut (:mod:`megatrain.batches`), the state as views of the host rows and its
+restore (:mod:`megatrain.training_state`), and checkpoints across data-parallel ranks
+(:mod:`megatrain.checkpoint`).
 """
 
 from __future__ import annotations
@@ -10,28 +16,26 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
-from torch import nn
 
-from megatrain.optim import AdamW
-from megatrain.data.packing import IGNORE_INDEX
-from megatrain.optim import Lion, spec_of
-from megatrain.errors import BatchError, CheckpointError, CollectiveError, ConfigError, StepError
+from megatrain.optim import AdamW, Lion, spec_of
+from megatrain.errors import BatchError, CollectiveError, ConfigError, StepError
 # PlannedModel and Schedules are re-exported: `from megatrain.trainer import PlannedModel` stays.
 from megatrain.planner.front import PlannedModel, Schedules
 from megatrain.ir.graph import LayerGraph
+from megatrain.batches import MicroBatches, no_targets, real_tokens
+from megatrain import training_state
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
-from megatrain.planner.trace.vlm import IMAGE_INPUT, prepare_images
 from megatrain.planner.verify import verify
 from megatrain.runtime.backend import Backend
 from megatrain.runtime.distributed import collective
 from megatrain.runtime.executor import Executor, StepOutput
 from megatrain.runtime.loss import loss_weights, micro_batch_means
-from megatrain.runtime.host import MASTER, HostState, NvmeRow, SlicedRow, as_tensor
+from megatrain.runtime.host import HostState
 
 if TYPE_CHECKING:
     from megatrain.rl.losses import TokenLoss
@@ -111,8 +115,10 @@ class Trainer:
         self.schedules = planned.schedules
         self.step_count = 0
         self._eval_schedules: dict[int, Schedule] = {}
-        self._slice_reader = None  # while rank 0 saves a sharded host state (host_state "shard")
-        self._token_limits = _token_limits(self.model, self.options.input_names)
+        # The SliceReader while rank 0 saves a host state sharded across nodes (host_state "shard"):
+        # the sharded rows of state_dict read through it.
+        self.slice_reader = None
+        self.batches = MicroBatches(self.model, self.graph, self.options.input_names, self.options.micro_batch_size)
 
     @property
     def _pending_layers(self) -> frozenset[int]:
@@ -166,15 +172,21 @@ class Trainer:
                 f"{sorted(self._pending_layers)} are still pending and the others were applied once: calling "
                 "flush() or step() again applies the rest") from (cause or e)
 
-    def _run_step(self, schedule: Schedule, parts, what: str, targets: list[int | None], **run) -> StepOutput:
-        """Run a train or eval schedule. When it raises, the trainer's state is made to match one
-        of two stories and the error says which: with deferred updates (NEXT_FORWARD), the
-        previous step's update was applied in full (or not at all, and is still pending) and
-        nothing of this batch was; with updates during backward, the layers listed in
-        ``StepError.updated_layers`` took this batch's update once and the rest are untouched.
+    def run_schedule(self, schedule: Schedule, parts, what: str, targets: list[int | None], **run) -> StepOutput:
+        """Run a train or eval schedule over ``parts`` (``self.batches.split``'s micro-batches),
+        whose supervised tokens are ``targets`` (``Executor.targets``); ``what`` names the run in
+        errors ("step 3", "evaluate"); ``run``: ``Executor.run``'s ``head`` and ``weights``.
 
-        The executor has closed the backend's run when it raises (``Backend.abort``), and taken the
-        carried updates that ran off the pending ones. ``run``: ``Executor.run``'s ``head`` and ``weights``."""
+        Raises:
+            StepError: the schedule raised. The trainer's state is then made to match one of two
+                stories and the error says which: with deferred updates (NEXT_FORWARD), the
+                previous step's update was applied in full (or not at all, and is still pending)
+                and nothing of this batch was; with updates during backward, the layers listed in
+                ``StepError.updated_layers`` took this batch's update once and the rest are
+                untouched. The executor has closed the backend's run (``Backend.abort``) and taken
+                the carried updates that ran off the pending ones.
+            CollectiveError: another rank failed (no story holds across ranks).
+        """
         try:
             return self.executor.run(schedule, parts, targets, **run)
         except CollectiveError:
@@ -217,55 +229,11 @@ class Trainer:
 
     def save(self, path, **kwargs):
         """Save a Hugging Face-layout checkpoint plus resumable state; see ``megatrain.checkpoint.save_checkpoint``.
-        Data parallel: every rank holds the same state, rank 0 writes it and the others wait for it."""
-        from megatrain.checkpoint import save_checkpoint
+        Data parallel: every rank calls it; every rank holds the same state, rank 0 writes it and
+        the others wait for it (``megatrain.checkpoint.save_on_ranks``)."""
+        from megatrain.checkpoint import save_on_ranks
 
-        if self.plan.data_parallel == 1:
-            return save_checkpoint(self, path, **kwargs)
-        self.flush()
-        dp = self.host.data_parallel
-        if self.host.sliced:
-            return self._save_sliced(path, **kwargs)
-        if self.host.nvme_shards is not None:
-            # Rank 0 reads the NVMe moments from its node's files (every node holds the whole state,
-            # so the files of node 0's ranks hold every shard: HostState.read_moment): each rank's
-            # last NVME_WRITE must be done first.
-            dp.barrier("the barrier before rank 0 reads the ranks' NVMe files for a save")
-        from megatrain.runtime.distributed import patient_barrier
-
-        try:
-            out = save_checkpoint(self, path, **kwargs) if dp.topo.rank == 0 else None
-        except BaseException as e:
-            patient_barrier("the wait for rank 0's save", failed=e)
-            raise
-        # A save takes as long as the disk needs, longer than a collective should wait: the other
-        # ranks wait while rank 0's heartbeat goes on.
-        patient_barrier("the wait for rank 0's save")
-        return out
-
-    def _save_sliced(self, path, **kwargs):
-        """``save`` of a host state sharded across nodes: once every rank's update is in its node's
-        slice, global rank 0 writes the checkpoint, reading each row whole from the node leaders'
-        slices as it goes (``runtime.distributed.SliceReader``, one layer at a time), while the
-        other leaders serve those reads; then every rank waits for the write."""
-        from megatrain.checkpoint import save_checkpoint
-        from megatrain.runtime.distributed import SliceReader
-
-        dp = self.host.data_parallel
-        dp.barrier("the barrier before a sharded save")  # every rank's shards of the last update are in place
-        reader = SliceReader(self.host, dp, self.plan)
-        out = None
-        if dp.topo.rank == 0:
-            self._slice_reader = reader
-            try:
-                out = save_checkpoint(self, path, **kwargs)
-            finally:
-                self._slice_reader = None
-                reader.close()
-        elif dp.writer:
-            reader.serve()
-        dp.barrier("the barrier after rank 0's save")
-        return out
+        return save_on_ranks(self, path, **kwargs)
 
     def load(self, path, **kwargs) -> dict:
         """Resume from ``save``'s checkpoint; returns its ``extra_state``. See ``load_checkpoint``.
@@ -334,54 +302,7 @@ class Trainer:
         """
         if flush:
             self.flush()
-        host, layers = self.host, self.graph.layers
-        model, masters, optimizer = self._sliced_rows() if host.sliced else (
-            {spec.name: host.param_row(li, pi) for li, layer in enumerate(layers)
-             for pi, spec in enumerate(layer.params)},
-            {f"{layer.name}.master": host.master_row(li) for li, layer in enumerate(layers)},
-            {f"{layer.name}.{kind}": host.moment_row(li, k) for li, layer in enumerate(layers)
-             for k, kind in enumerate(host.optimizer.states)})
-        # state_dict() returns detached tensors sharing the module's storage: copying into one
-        # writes the module's buffer.
-        # A tied parameter's other names (lm_head.weight) are no buffers: it is saved once, in "model".
-        # A parameter the loss never reads (LLaVA's last vision block) is in no layer: it is kept
-        # here as the model holds it, so that a checkpoint is the whole model.
-        placed = {id(p) for name, p in self.model.named_parameters(remove_duplicate=False) if name in model}
-        aliases = {name for name, p in self.model.named_parameters(remove_duplicate=False) if id(p) in placed}
-        buffers = {name: t for name, t in self.model.state_dict().items()
-                   if name not in model and name not in aliases and isinstance(t, torch.Tensor)
-                   and t.device.type != "meta"}
-        return {
-            "model": model,
-            "buffers": buffers,
-            "masters": masters,
-            "optimizer": optimizer,
-            "adam_steps": {layer.name: float(host.steps[li]) for li, layer in enumerate(layers)},
-            "step_count": self.step_count,
-            "optimizer_settings": self.optimizer,
-            "layers": [{"name": layer.name, "numel": layer.numel, "trainable_numel": layer.trainable_numel,
-                        "params": [[p.name, list(p.shape), p.offset] for p in layer.params]} for layer in layers],
-        }
-
-    def _sliced_rows(self) -> tuple[dict[str, SlicedRow], dict[str, SlicedRow], dict[str, SlicedRow]]:
-        """:meth:`state_dict`'s ``"model"``, ``"masters"`` and ``"optimizer"`` of a host state
-        sharded across nodes: :class:`~megatrain.runtime.host.SlicedRow` entries (a load writes
-        each node's part; only :meth:`save`, on global rank 0, reads them)."""
-        host, layers, fetch = self.host, self.graph.layers, self._fetch_row
-        return ({spec.name: SlicedRow(host, li, MASTER, spec.offset, spec.shape, fetch)
-                 for li, layer in enumerate(layers) for spec in layer.params},
-                {f"{layer.name}.master": SlicedRow(host, li, MASTER, 0, (layer.numel,), fetch)
-                 for li, layer in enumerate(layers)},
-                {f"{layer.name}.{kind}": SlicedRow(host, li, k + 1, 0, (layer.trainable_numel,), fetch)
-                 for li, layer in enumerate(layers) for k, kind in enumerate(host.optimizer.states)})
-
-    def _fetch_row(self, layer: int, kind: int) -> torch.Tensor:
-        """A whole row of a sharded host state, gathered to global rank 0 while :meth:`save` runs."""
-        if self._slice_reader is None:
-            raise ConfigError(f"layer {self.graph.layers[layer].name!r}: the host state is sharded across "
-                              f"{self.plan.nodes} nodes (Plan.host_state='shard'), so its weights are read only "
-                              "by Trainer.save, called on every rank; save a checkpoint and read that")
-        return self._slice_reader.row(layer, kind)
+        return training_state.state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`: tensors are copied into the tiles and buffers (a loader that
@@ -394,46 +315,7 @@ class Trainer:
             CheckpointError: a layer layout, tensor name or shape that differs from this trainer's
                 (the message names it); checked before anything changes.
         """
-        mine = self.state_dict(flush=False)  # a pending update is dropped, not applied to what is overwritten
-        theirs_spec = spec_of(state["optimizer_settings"])
-        if theirs_spec is not self.host.optimizer:
-            raise CheckpointError(f"load_state_dict: the state is of a {theirs_spec.name} trainer (rows "
-                                  f"{theirs_spec.states}), this trainer runs {self.host.optimizer.name} (rows "
-                                  f"{self.host.optimizer.states}); compile with optimizer={{'name': "
-                                  f"{theirs_spec.name!r}, ...}} to resume it")
-        if state["layers"] != mine["layers"]:
-            raise CheckpointError("load_state_dict: the state's layer layout differs from this trainer's; load the "
-                                  "state of a trainer compiled from the same model")
-        pairs = []
-        for group in ("model", "buffers", "masters", "optimizer"):
-            if group == "masters" and group not in state:
-                continue
-            theirs = state[group]
-            if set(theirs) != set(mine[group]):
-                diff = sorted(set(theirs) ^ set(mine[group]))
-                raise CheckpointError(f"load_state_dict: {group} tensors differ from this trainer's: {diff[:8]}")
-            for name, dst in mine[group].items():
-                src = theirs[name]
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise CheckpointError(f"load_state_dict: {group} tensor {name!r} has shape {list(src.shape)}, "
-                                          f"this trainer's {list(dst.shape)}")
-                pairs.append((dst, src))
-        if set(state["adam_steps"]) != set(mine["adam_steps"]):
-            raise CheckpointError("load_state_dict: adam_steps name other layers than this trainer's")
-        with torch.no_grad(), self.host.batched_nvme_writes():
-            for dst, src in pairs:
-                if isinstance(dst, (NvmeRow, SlicedRow)):
-                    if not dst.same(src):  # written through to the file
-                        dst.copy_(as_tensor(src))
-                elif isinstance(src, NvmeRow):
-                    dst.copy_(src.read())
-                elif not (dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.shape == src.shape):
-                    dst.copy_(src)
-        for li, layer in enumerate(self.graph.layers):
-            self.host.steps[li].fill_(float(state["adam_steps"][layer.name]))
-        self.step_count = int(state["step_count"])
-        self.set_optimizer(state["optimizer_settings"])
-        self.drop_pending_updates()
+        training_state.load_state_dict(self, state)
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the following steps (for a schedule such as warm-up then cosine)."""
@@ -491,8 +373,8 @@ class Trainer:
             from megatrain.rl.logprobs import loss_inputs
 
             batch, extra = loss_inputs(self, batch, loss)
-        parts = self._split(batch, o.micro_batches)
-        tokens = sum(_real_tokens(p) for p in parts)
+        parts = self.batches.split(batch, o.micro_batches)
+        tokens = sum(real_tokens(p) for p in parts)
         targets = self.executor.targets(parts)
         head = None
         if loss is not None:
@@ -500,7 +382,7 @@ class Trainer:
 
             head = loss_head(self, parts, extra, loss)  # BatchError on every rank before anything runs
         elif self.plan.data_parallel == 1 and None not in targets and sum(targets) == 0:
-            raise BatchError(_no_targets("the global batch", 1))
+            raise BatchError(no_targets("the global batch", 1))
         t0 = time.perf_counter()
         if self.plan.data_parallel > 1:
             from megatrain.runtime.distributed import Heartbeat
@@ -509,29 +391,40 @@ class Trainer:
         rest = ()  # the previous update's layers a failure left pending, applied alone first
         if self._pending_layers and self.schedule is self.schedules.first:
             rest = self._apply_pending(None)  # a failure left part of the update pending
-        out = self._run_step(self.schedule, parts, f"step {self.step_count + 1}", targets, head=head)
+        out = self.run_schedule(self.schedule, parts, f"step {self.step_count + 1}", targets, head=head)
         seconds = time.perf_counter() - t0
         if out.supervised_tokens == 0 and head is None:  # data parallel: the ranks learned it from the COUNT_REDUCE
-            raise BatchError(_no_targets("the global batch", self.plan.data_parallel)
+            raise BatchError(no_targets("the global batch", self.plan.data_parallel)
                              + " Nothing of it was applied")
         self.step_count += 1
+        deferred, skipped = self._keep_update(out)
+        return self._result(out, tokens, seconds, head is not None, rest + tuple(out.nonfinite_updates),
+                            deferred, skipped)
+
+    def _keep_update(self, out: StepOutput) -> tuple[bool, tuple[int, ...]]:
+        """The step's update, once its schedule ran: with NEXT_FORWARD it waits for the next
+        schedule, with this step's clipping scale and optimizer settings (a later ``set_lr`` is
+        for the next step's update), or is dropped when anything was not finite. Returns whether
+        it is deferred, and the layers whose update was skipped."""
+        if self.plan.optimizer is not OptimizerPlacement.NEXT_FORWARD:
+            return False, tuple(out.updates_skipped)
+        max_norm = self.options.max_grad_norm
+        # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
+        clip_scale = None if max_norm is None else min(1.0, max_norm / (out.grad_norm + 1e-6))
+        self.executor.defer(frozenset(self.schedules.tiles) if out.finite else frozenset(), clip_scale,
+                            self.optimizer)
+        return True, () if out.finite else tuple(self.schedules.tiles)
+
+    def _result(self, out: StepOutput, tokens: int, seconds: float, own_loss: bool, nonfinite: tuple[int, ...],
+                deferred: bool, skipped: tuple[int, ...]) -> StepResult:
+        """The :class:`StepResult` of a step that ran: every rank's micro-batch losses (gathered
+        under data parallel) weighted into the global batch's loss; ``own_loss``: a
+        ``TokenLoss``'s, whose micro-batch losses are already its terms of the global batch's."""
         losses, targets = tuple(out.losses), tuple(out.targets)
-        deferred = self.plan.optimizer is OptimizerPlacement.NEXT_FORWARD
-        if deferred:
-            # The update waits for the next schedule; it is dropped here when anything was not finite.
-            # It runs with this step's AdamW settings (a later set_lr is for the next step's update).
-            max_norm = o.max_grad_norm
-            # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1.
-            clip_scale = None if max_norm is None else min(1.0, max_norm / (out.grad_norm + 1e-6))
-            self.executor.defer(frozenset(self.schedules.tiles) if out.finite else frozenset(), clip_scale,
-                                self.optimizer)
-            skipped = () if out.finite else tuple(self.schedules.tiles)
-        else:
-            skipped = tuple(out.updates_skipped)
         if self.plan.data_parallel > 1:
             losses, targets, tokens = _gather_losses(losses, targets, tokens, self.host.data_parallel.groups.world)
-        if head is None:
-            weights = loss_weights(targets, out.supervised_tokens, len(losses), per_token=o.per_token_loss)
+        if not own_loss:
+            weights = loss_weights(targets, out.supervised_tokens, len(losses), per_token=self.options.per_token_loss)
             means = tuple(micro_batch_means(losses, targets))
         else:  # each micro-batch's loss is its term of the global batch's
             weights, means = [1.0] * len(losses), losses
@@ -540,7 +433,7 @@ class Trainer:
                           supervised_tokens=out.supervised_tokens, seconds=seconds,
                           grad_norm=out.grad_norm, applied=out.finite and (deferred or not out.nonfinite_updates),
                           skipped_layers=skipped, updated_layers=() if deferred else tuple(self.executor.updated),
-                          nonfinite_weights=rest + tuple(out.nonfinite_updates))
+                          nonfinite_weights=nonfinite)
 
     def evaluate(self, batch: Mapping[str, torch.Tensor] | torch.Tensor) -> float:
         """The loss of ``batch`` without updating anything: the mean of its token losses over its
@@ -554,15 +447,15 @@ class Trainer:
             BatchError: a batch ``step`` would refuse, or one without a supervised token (on every
                 rank together, under data parallel).
         """
-        rows = self._rows(batch)
+        rows = self.batches.rows(batch)
         mbs = self.options.micro_batch_size
         if rows % mbs:
             raise BatchError(f"evaluate got {rows} sequences; it needs a multiple of micro_batch_size={mbs}")
         k = rows // mbs
-        parts = self._split(batch, k)
+        parts = self.batches.split(batch, k)
         targets = self.executor.targets(parts)
         self.flush()
-        out = self._run_step(self._eval_schedule(k), parts, "evaluate", targets)
+        out = self.run_schedule(self.eval_schedule(k), parts, "evaluate", targets)
         counted = None not in targets
         # The sums over this rank's micro-batches of the losses, targets and micro-batch means (a
         # mean over no target adds nothing), and the micro-batches: the ranks' sums give the loss.
@@ -576,10 +469,10 @@ class Trainer:
                 sums = sum_over_ranks(sums, torch.float64, self.host.data_parallel.groups.world).tolist()
         total, supervised, mean_sum, micro_batches = sums
         if counted and supervised == 0:
-            raise BatchError(_no_targets("the evaluated batch", world))
+            raise BatchError(no_targets("the evaluated batch", world))
         return total / supervised if self.options.per_token_loss else mean_sum / micro_batches
 
-    def _eval_schedule(self, micro_batches: int) -> Schedule:
+    def eval_schedule(self, micro_batches: int) -> Schedule:
         """The eval schedule (forward only: no gradient, no optimizer state) of ``micro_batches``
         micro-batches of this plan, lowered and verified once."""
         if micro_batches not in self._eval_schedules:
@@ -621,67 +514,6 @@ class Trainer:
 
         return token_logprobs(self, batch, entropy=entropy)
 
-    # -- batches ---------------------------------------------------------------------------------
-    def _as_dict(self, batch) -> dict[str, torch.Tensor]:
-        names = self.options.input_names
-        if isinstance(batch, torch.Tensor):
-            if not set(names) <= {"input_ids", "labels"} or "input_ids" not in names:
-                raise BatchError(f"a plain tensor batch is taken as input_ids (and labels), but the model "
-                                 f"was compiled with inputs {list(names)}; pass a dict")
-            return {n: batch for n in names}
-        if not isinstance(batch, Mapping):
-            raise BatchError(f"batch must be a dict of tensors or a tensor, not {type(batch).__name__}")
-        extra = sorted(set(batch) - set(names))
-        if extra:
-            raise BatchError(f"batch has inputs {extra} that the model was not compiled with (compiled: "
-                             f"{list(names)}); drop them or compile with input_names including them")
-        _missing(names, set(batch))
-        return dict(batch)
-
-    def _rows(self, batch) -> int:
-        d = self._as_dict(batch)
-        first = d.get("input_ids", next(iter(d.values())))  # not pixel_values: LLaVA's may hold several per row
-        if not isinstance(first, torch.Tensor) or first.dim() == 0:
-            raise BatchError("batch tensors must be [batch, seq_len]")
-        return first.shape[0]
-
-    def _split(self, batch, k: int) -> list[dict[str, torch.Tensor]]:
-        o = self.options
-        # A VLM's images as traced: Qwen2-VL's grids checked and each micro-batch's patches, tower
-        # inputs and M-RoPE positions made; LLaVA's real images first in each micro-batch, zeros after.
-        slots = (self.graph.value_by_name(IMAGE_INPUT).shape[0] // o.micro_batch_size
-                 if IMAGE_INPUT in o.input_names else 1)
-        d = prepare_images(self.model, self._as_dict(batch), o.input_names, self.graph.meta.get("image_grid_thw"),
-                           o.micro_batch_size, slots)
-        # Each input's micro-batch is its traced length along dim 0: micro_batch_size rows, or
-        # LLaVA's micro_batch_size x images_per_row images.
-        per: dict[str, int] = {}
-        for name, t in d.items():
-            if not isinstance(t, torch.Tensor):
-                raise BatchError(f"batch[{name!r}] is a {type(t).__name__}, not a tensor")
-            if name == "attention_mask":
-                d[name] = t = _mask_as_long(t)
-            # The traced shape of one micro-batch: [micro_batch_size, seq_len] token ids, or a
-            # vision-language model's images, [micro_batch_size * images_per_row, C, H, W] float32.
-            v = self.graph.value_by_name(name)
-            per[name] = v.shape[0]
-            want = (k * v.shape[0], *v.shape[1:])
-            if str(t.dtype).removeprefix("torch.") != v.dtype:
-                what = ("token inputs must be torch.long (int64): convert with .long()" if v.dtype == "int64"
-                        else f"the model was traced with {v.dtype} {name}: convert with .to(torch.{v.dtype})")
-                raise BatchError(f"batch[{name!r}] has dtype {t.dtype}; {what}")
-            if tuple(t.shape) != want:
-                per_row = ", ".join(map(str, v.shape[1:]))
-                rows = f"{k} micro-batches x {o.micro_batch_size}"
-                if v.shape[0] != o.micro_batch_size:  # LLaVA's images: images_per_row of them per row
-                    rows += f" rows x images_per_row={v.shape[0] // o.micro_batch_size}"
-                raise BatchError(f"batch[{name!r}] has shape {tuple(t.shape)}, but the trainer was compiled "
-                                 f"for [{rows}, {per_row}] = {list(want)}: "
-                                 "pad or crop the batch, or compile again with its shape")
-        for name, limit in self._token_limits.items():
-            _check_ids(name, d[name], limit)
-        return [{n: t[i * per[n]:(i + 1) * per[n]] for n, t in d.items()} for i in range(k)]
-
 
 def data_parallel_world() -> int:
     """Ranks of the default ``torch.distributed`` process group (1 when none is initialised): how
@@ -708,79 +540,6 @@ def _gather_losses(losses: tuple[float, ...], targets: tuple[int | None, ...], t
     return (tuple(x for r in rows for x in r[:m]),
             tuple(None if math.isnan(n) else int(n) for r in rows for n in r[m:2 * m]),
             int(sum(r[-1] for r in rows)))
-
-
-def _no_targets(what: str, world: int) -> str:
-    ranks = f" on all {world} ranks" if world > 1 else ""
-    return (f"{what} has no supervised token{ranks}: every label is -100 after the model's shift, so its loss "
-            "would be the mean over nothing (NaN). Drop the batch, or give it labels (-100 marks only the tokens "
-            "the loss skips: padding, prompts, document starts).")
-
-
-def _mask_as_long(mask: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face padding mask as the model was traced with it: ``LongTensor`` of 0/1.
-
-    Accepts bool and integer masks (what tokenizers and collators return); values are checked.
-
-    Raises:
-        BatchError: a floating-point mask, or values other than 0 and 1 (an additive mask of
-            0/-inf, or a 4D mask, is not a padding mask).
-    """
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise BatchError(f"batch['attention_mask'] has dtype {mask.dtype}; pass the 0/1 padding mask (1 = real "
-                         "token, 0 = padding) as torch.long or torch.bool, as Hugging Face tokenizers return it")
-    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
-        bad = sorted({int(v) for v in mask.unique()} - {0, 1})[:5]
-        raise BatchError(f"batch['attention_mask'] holds values {bad}; a padding mask is 0 (padding) or 1 "
-                         "(real token)")
-    return mask.long() if mask.dtype != torch.long else mask
-
-
-def _real_tokens(part: Mapping[str, torch.Tensor]) -> int:
-    """Tokens of a micro-batch that are not padding: ``attention_mask.sum()``, else every token."""
-    mask = part.get("attention_mask")
-    if mask is not None:
-        return int(mask.sum())
-    return next(iter(part.values())).numel()
-
-
-def _missing(names: Sequence[str], have: set[str]) -> None:
-    miss = [n for n in names if n not in have]
-    if miss:
-        raise BatchError(f"batch lacks inputs {miss}; the model was compiled with inputs {list(names)}")
-
-
-def _token_limits(model: nn.Module, names: Sequence[str]) -> dict[str, int]:
-    """The exclusive upper bound of ``input_ids`` (the input embedding's rows) and of ``labels``
-    (the output layer's rows), where the model states them: Hugging Face's ``get_input_embeddings``
-    and ``get_output_embeddings`` (labels: else the input bound). Other models are not checked: a
-    guess (say, their first ``nn.Embedding``, which may be a position table) could refuse good
-    batches; an id out of range then fails inside the step, which leaves the trainer as it was."""
-    def call(name: str):
-        fn = getattr(model, name, None)
-        try:
-            return fn() if callable(fn) else None
-        except (NotImplementedError, AttributeError):  # transformers' base class without embeddings
-            return None
-
-    emb = call("get_input_embeddings")
-    head = call("get_output_embeddings")
-    vocab_in = emb.num_embeddings if isinstance(emb, nn.Embedding) else None
-    vocab_out = head.out_features if isinstance(head, nn.Linear) else vocab_in
-    limits = {"input_ids": vocab_in, "labels": vocab_out}
-    return {n: limits[n] for n in names if limits.get(n) is not None}
-
-
-def _check_ids(name: str, t: torch.Tensor, limit: int) -> None:
-    bad = (t < 0) | (t >= limit)
-    if name == "labels":
-        bad &= t != IGNORE_INDEX
-    if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        allowed = f"0..{limit - 1}" + (f" or {IGNORE_INDEX} (ignored)" if name == "labels" else "")
-        raise BatchError(f"batch[{name!r}] holds {int(t[where])} at {list(where)}, but the model has {limit} "
-                         f"{'embedding rows' if name == 'input_ids' else 'output classes'} ({name} must be "
-                         f"{allowed}); use a tokenizer that matches the model's vocab_size")
 
 
 def _with_micro_batches(plan: Plan, k: int) -> Plan:

@@ -518,7 +518,7 @@ def test_loading_needs_about_one_shard_of_host_memory_beyond_the_tiles(tmp_path)
     shard_limit = 40 * 2**20
     # No time limit: the child (import torch, compile, save and load 400 MiB) needed 10 s of CPU but
     # 42 s of wall time at load 9 on 2 cores, so the 120 s limit it had is what a loaded full-suite run
-    # can break; the memory figures it checks keep their margins there (load: 38 MiB of an 88 MiB bound).
+    # can break; the memory figures it checks keep their margins there (load: 38 MiB of a 118 MiB bound).
     res = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(tmp_path / "ck"), str(shard_limit)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -534,8 +534,12 @@ def test_loading_needs_about_one_shard_of_host_memory_beyond_the_tiles(tmp_path)
     # From before compile: the tiles, one shard, and compile's own bookkeeping (traced graphs,
     # templates: about 50 MiB here, independent of the checkpoint).
     assert m["peak"] - m["start"] < m["tiles"] + largest_shard + 8 * margin
-    # And the load itself, measured from its own start: one shard mapped plus one tensor read.
-    assert m["load_delta"] < largest_shard + m["largest_tensor"] + margin
+    # And the load itself, measured from its own start: one shard mapped plus one tensor read, plus
+    # what the allocator keeps of the tensor read before it (glibc raises its mmap threshold to a
+    # freed chunk's size and trims the heap only past twice that, so a freed tensor's pages may
+    # stay: 38 MiB in most runs, 87.7 in one 2-core run, 2026-12-02), never the whole model.
+    assert m["load_delta"] < largest_shard + 2 * m["largest_tensor"] + margin
+    assert largest_shard + 2 * m["largest_tensor"] + margin < m["tiles"] / 2  # still tells one shard from the model
     # Saving goes through the safetensors library one shard at a time: the shard's clone, and at
     # most what the previous shard's freed pages still hold (the allocator may keep them while the
     # next is built: 38 MiB in most runs, 75 MiB in one full-suite run, 2026-11-27), never the whole

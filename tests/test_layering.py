@@ -35,8 +35,9 @@ FLOORS = [
     {"megatrain.ir", "megatrain.models", "megatrain", "megatrain.hf_weights"},
     # the engine's two halves, and the data, each unaware of the others
     {"megatrain.planner", "megatrain.runtime", "megatrain.data"},
-    # what uses both halves: checkpoints (over the runtime's host state), RL heads, the fake CUDA layers
-    {"megatrain.checkpoint", "megatrain.rl", "megatrain.testing"},
+    # what uses both halves: checkpoints (over the runtime's host state), RL heads, the fake CUDA layers;
+    # a batch checked and cut as traced; a trainer's state as views of its host rows
+    {"megatrain.checkpoint", "megatrain.rl", "megatrain.testing", "megatrain.batches", "megatrain.training_state"},
     # the running object
     {"megatrain.trainer"},
     # the product: what builds a Trainer

@@ -137,7 +137,7 @@ def test_a_new_layout_releases_the_old_arena():
     wider = dataclasses.replace(PLANS["bf16"], grad_ring=3, staging_ring=3)
     from megatrain.planner.lower import lower
 
-    trainer.executor.run(lower(trainer.graph, wider), trainer._split(batch, 2))
+    trainer.executor.run(lower(trainer.graph, wider), trainer.batches.split(batch, 2))
     assert fake.pinned_bytes == cost.memory_breakdown(trainer.graph, wider).host_pinned
 
 

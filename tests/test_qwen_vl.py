@@ -130,7 +130,7 @@ def test_qwen_vl_rows_of_different_grids_and_image_counts_train_as_eager(kind, f
         model.model.visual.blocks.requires_grad_(False)
     batches = [image_batch(4, 24, seed=s, row_grids=ROWS) for s in range(2)]
     trainer = train_both(model, batches, micro_batches=2, seq_len=24, image_grid_thw=BUDGET)
-    parts = trainer._split(batches[0], 2)
+    parts = trainer.batches.split(batches[0], 2)
     real = [96, 24]  # each micro-batch's real patches; the zeros after them are its padding
     for part, n in zip(parts, real):
         pixels = part["pixel_values"].flatten(0, 1)

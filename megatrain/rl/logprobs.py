@@ -118,12 +118,12 @@ def token_logprobs(trainer, batch, *, entropy: bool = False, weights=None):
     """``Trainer.logprobs`` (see there); ``weights``: each layer's weights read from these host
     rows instead of the masters (:class:`megatrain.rl.Reference`)."""
     d = _model_batch(trainer, batch)
-    rows, mbs = trainer._rows(d), trainer.options.micro_batch_size
+    rows, mbs = trainer.batches.rows(d), trainer.options.micro_batch_size
     if rows % mbs:
         raise BatchError(f"logprobs got {rows} rows; it needs a multiple of micro_batch_size={mbs}")
     k = rows // mbs
     heads = _heads(trainer)
-    parts = trainer._split(d, k)
+    parts = trainer.batches.split(d, k)
     where = [heads.locate(p) for p in parts]
     targets = trainer.executor.targets(parts)
     trainer.flush()
@@ -134,7 +134,7 @@ def token_logprobs(trainer, batch, *, entropy: bool = False, weights=None):
         return t.new_zeros(())
 
     head = TokenHead(heads.layer, heads.template(trainer, train=False, entropy=entropy), keep=keep)
-    trainer._run_step(trainer._eval_schedule(k), parts, "logprobs", targets, head=head, weights=weights)
+    trainer.run_schedule(trainer.eval_schedule(k), parts, "logprobs", targets, head=head, weights=weights)
     shape = tuple(parts[0]["labels"].shape)
     got = [outs[mb].float().cpu() for mb in range(k)]
     lp = torch.cat([_align(x[0] if entropy else x, *where[mb], shape) for mb, x in enumerate(got)])
@@ -163,7 +163,7 @@ def loss_inputs(trainer, batch, loss: TokenLoss) -> tuple[dict[str, torch.Tensor
         raise BatchError(f"batch has tensors {extra} that neither the model (inputs {list(names)}) nor the loss "
                          f"({type(loss).__name__}: {list(loss.inputs)}) reads; drop them")
     model = {n: t for n, t in batch.items() if n in names}
-    rows, seq = trainer._rows(model), trainer.options.seq_len
+    rows, seq = trainer.batches.rows(model), trainer.options.seq_len
     tensors = {}
     for name in loss.inputs:
         if name not in batch:
