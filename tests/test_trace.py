@@ -269,6 +269,67 @@ def test_a_block_that_differs_is_traced_in_full():
     assert blocks[4] != blocks[0] and len(set(blocks)) == 2
 
 
+def _give_hidden_kernels(model, fn_of_block) -> None:
+    """Each block's attention a dict of its own naming hub-kernel functions, as transformers 5.6
+    and 5.7 build one per module in ``use_kernelized_func`` (``_hidden_kernels``)."""
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.__dict__["_hidden_kernels"] = {"apply_rotary_pos_emb": fn_of_block(i)}
+
+
+def test_blocks_with_equal_per_block_kernel_dicts_are_replicated():
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_llama(layers=6, device="meta")
+    _give_hidden_kernels(model, lambda i: modeling_llama.apply_rotary_pos_emb)
+    dicts = [b.self_attn._hidden_kernels for b in model.model.layers]
+    assert len({id(d) for d in dicts}) == 6 and all(d == dicts[0] for d in dicts)
+    fast = trace(model, micro_batch_size=2, seq_len=16)
+    assert fast.graph.meta["trace"] == "replicated", fast.graph.meta.get("trace_full_because")
+    _assert_same_graph(fast, trace(model, micro_batch_size=2, seq_len=16, replicate_blocks=False))
+
+
+def test_blocks_whose_kernel_dicts_name_different_functions_are_traced_in_full():
+    from transformers.models.llama import modeling_llama
+
+    def other_rotary(q, k, cos, sin, unsqueeze_dim=1):  # another kernel for block 4: not the same block
+        return modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+    model = tiny_llama(layers=6, device="meta")
+    _give_hidden_kernels(model, lambda i: other_rotary if i == 4 else modeling_llama.apply_rotary_pos_emb)
+    g = trace(model, micro_batch_size=1, seq_len=8).graph
+    assert g.meta["trace"] == "full"
+    assert g.meta["trace_full_because"] == (
+        "attribute '_hidden_kernels' of model.layers.<i>.self_attn differs between blocks")
+
+
+@pytest.mark.parametrize("a,b,same", [
+    ({"f": torch.add}, {"f": torch.add}, True),
+    ({"f": torch.add}, {"f": torch.mul}, False),
+    ({"f": torch.add, "g": torch.mul}, {"g": torch.mul, "f": torch.add}, False),  # walked in order
+    ({}, {}, True),
+    ([1, (2, "x")], [1, (2, "x")], True),
+    ([1, (2, "x")], [1, (2, "y")], False),
+    ([1], (1,), False),
+    ({1, 2}, {2, 1}, True),
+    ([torch.zeros(1)], [torch.zeros(1)], False),  # each block's own tensor
+    (functools.partial(torch.add, alpha=2), functools.partial(torch.add, alpha=2), True),
+], ids=["dict-same-fn", "dict-other-fn", "dict-order", "dict-empty", "nested", "nested-differs",
+        "list-vs-tuple", "set", "own-tensors", "partial"])
+def test_block_attributes_compare_containers_by_their_contents(a, b, same):
+    from megatrain.planner.trace.replicate import _attr_key
+
+    assert (_attr_key(a) == _attr_key(b)) is same
+
+
+def test_a_self_referring_container_is_compared_by_identity_past_a_depth():
+    from megatrain.planner.trace.replicate import _attr_key
+
+    a, b = [], []
+    a.append(a)
+    b.append(b)
+    assert _attr_key(a) == _attr_key(a) and _attr_key(a) != _attr_key(b)
+
+
 def test_a_loop_that_treats_a_traced_block_differently_is_traced_in_full():
     class Net(nn.Module):
         def __init__(self):

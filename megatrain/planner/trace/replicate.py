@@ -1,21 +1,21 @@
 """Replicated blocks: trace three blocks and repeat them, when every block is the same.
 
-Export costs time in proportion to the ops it records, ~0.1 s per block of a 120B model. When
-every block is the same module (same module types, parameter and buffer shapes, dtypes and
-``requires_grad``, the same plain attributes but for the block's own index, no per-layer entries
-in a Hugging Face config such as ``layer_types``: :func:`why_not_replicate`), a shallow copy of
-the model keeping three blocks (the first, the middle one, the last; :func:`short_copy`) is traced
-instead, and the full-depth graph is built by repeating the middle block's layer record with its
-parameter names and value ids renumbered (:func:`replicate`). It is used only when the three
-traced blocks agree (one template, the same work bytes and FLOPs, the same wiring: each reads the
-batch, the prologue and the block before it, and only the next layer reads its outputs);
-otherwise, or when the short copy fails to trace, the full model is traced.
-``graph.meta["trace"]`` says which (and ``meta["trace_full_because"]`` why not). What the checks
-cannot see is Python in the model's forward that treats an untraced block differently by its
-position alone (``if i == 17:``) or computes with the number of blocks (``len(self.layers)``,
-which is 3 in the copy; transformers models read ``config.num_hidden_layers``, which the copy
-shares); the check on config lists covers the transformers idiom for per-layer variation
-(``layer_types``).
+Export costs time in proportion to the ops it records, ~0.1 s per block of a 120B model. When every
+block is the same module (same module types, parameter and buffer shapes, dtypes and
+``requires_grad``, the same plain attributes and containers of them but for the block's own index,
+the same shared objects, no per-layer entries in a Hugging Face config such as ``layer_types``:
+:func:`why_not_replicate`), a shallow copy of the model keeping three blocks (the first, the middle
+one, the last; :func:`short_copy`) is traced instead, and the full-depth graph is built by
+repeating the middle block's layer record with its parameter names and value ids renumbered
+(:func:`replicate`). It is used only when the three traced blocks agree (one template, the same
+work bytes and FLOPs, the same wiring: each reads the batch, the prologue and the block before it,
+and only the next layer reads its outputs); otherwise, or when the short copy fails to trace, the
+full model is traced. ``graph.meta["trace"]`` says which (and ``meta["trace_full_because"]`` why
+not). What the checks cannot see is Python in the model's forward that treats an untraced block
+differently by its position alone (``if i == 17:``) or computes with the number of blocks
+(``len(self.layers)``, which is 3 in the copy; transformers models read
+``config.num_hidden_layers``, which the copy shares); the check on config lists covers the
+transformers idiom for per-layer variation (``layer_types``).
 """
 
 from __future__ import annotations
@@ -42,17 +42,40 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
-def _attr_key(v: Any) -> Any:
+# How deep containers in an attribute are compared by their contents; deeper ones by identity
+# (which refuses equal copies, never accepts different ones, and stops at a self-referring list).
+_CONTAINER_DEPTH = 4
+
+
+def _attr_key(v: Any, depth: int = 0) -> Any:
     """An attribute as compared between blocks: plain data by value, anything else by identity
     (a config object all blocks share is the same; a tensor each block keeps is not). A
-    ``functools.partial`` (transformers' activations keep one each) is its function and arguments."""
+    ``functools.partial`` (transformers' activations keep one each) is its function and arguments.
+
+    A built-in container (tuple, list, set, dict) is its contents, each compared by this same rule,
+    so per-block copies of the same entries are equal and a container holding one block's own
+    tensor or function is not. Transformers 5.6 and 5.7 keep such a dict on every module decorated
+    with ``use_kernelized_func``: ``_hidden_kernels``, e.g. ``{"apply_rotary_pos_emb": <function>}``
+    on each Llama ``self_attn``, a new dict per block naming the one module-level function that
+    ``PreTrainedModel.kernelize`` may swap for a Hub kernel (5.4 and 5.5 set that function as a
+    ``rotary_fn`` attribute instead; 5.23 without the ``kernels`` package sets neither). A container
+    subclass that keeps state of its own in ``__dict__`` is compared by identity, as other objects.
+    """
     if isinstance(v, _PLAIN):
         return ("value", v)
-    if isinstance(v, (tuple, list, frozenset)) and all(isinstance(x, _PLAIN) for x in v):
-        return ("value", type(v).__name__, tuple(v))
     if isinstance(v, functools.partial):
-        return ("partial", _attr_key(v.func), tuple(_attr_key(a) for a in v.args),
-                tuple(sorted((k, _attr_key(x)) for k, x in v.keywords.items())))
+        return ("partial", _attr_key(v.func, depth), tuple(_attr_key(a, depth) for a in v.args),
+                tuple(sorted((k, _attr_key(x, depth)) for k, x in v.keywords.items())))
+    if (isinstance(v, (tuple, list, set, frozenset, dict)) and depth < _CONTAINER_DEPTH
+            and not getattr(v, "__dict__", None)):
+        kind = type(v)
+        if isinstance(v, dict):
+            # In order: a forward that walks the dict meets its entries in this order.
+            items = v.items()
+            return ("container", kind, tuple((_attr_key(k, depth + 1), _attr_key(x, depth + 1)) for k, x in items))
+        if isinstance(v, (set, frozenset)):
+            return ("container", kind, frozenset(_attr_key(x, depth + 1) for x in v))
+        return ("container", kind, tuple(_attr_key(x, depth + 1) for x in v))
     return ("object", id(v))
 
 
