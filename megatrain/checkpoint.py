@@ -70,7 +70,7 @@ from megatrain.runtime.host import as_tensor
 from megatrain.safetensors_io import (INDEX_FILE, Entry, StoredTensor, Written, open_safetensors, plan_shards,
                                       shard_name, write_bytes, write_json, write_safetensors)
 
-__all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint", "save_on_ranks"]
+__all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _TMP_TAG, _OLD_TAG = "megatrain-tmp", "megatrain-old"
