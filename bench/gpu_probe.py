@@ -49,7 +49,10 @@ Sections, in the order they run (``--sections`` picks a subset):
     one stream with no synchronisation in between, then one synchronisation; ``issue_s_per_op``
     is the issuing thread's time per launch, ``total_s_per_op`` includes draining the queue. Also
     the cost of one event record plus one cross-stream ``wait_event`` (what the CUDA backend adds
-    per op). The adds' result is checked (the tensor must hold N).
+    per op). The adds' result is checked (the tensor must hold N). And the template's forward and a
+    layer tile's H2D, each alone and beside the other (``forward_beside_h2d``,
+    :func:`_forward_beside_h2d`): the spec's ``h2d_beside_compute_bytes_per_s`` and
+    ``compute_slowdown_beside_h2d``, the simulator's copy/compute contention.
 ``matmul``
     Square BF16, FP32 with TF32 off, and FP32 with TF32 on (``HardwareSpec.fp32_flops`` is the
     TF32-off rate, the one megatrain's strict FP32 ops get) products on random data, median of 10 after 3 warm-ups, timed with CUDA events;
@@ -722,8 +725,8 @@ def section_launch(ctx: Ctx) -> dict:
     costs = template_issue_costs(dev, sh, seconds=0.05 if ctx.dry else 0.5, host_work=_host_ops(ctx),
                                  h2d_numel=(1 << 16) if ctx.dry else 60_821_504)  # one 1B block's tile
     out["template_issue"] = costs
-    # The forward's issue-bound time and an H2D's rate, each beside the other (not read by the spec yet:
-    # the simulator's contention term for them, issue 39's resimulation, needs these first).
+    # The forward's time and an H2D's rate, each beside the other: the spec's copy/compute contention
+    # (h2d_beside_compute_bytes_per_s, compute_slowdown_beside_h2d; MEASURED_FIELDS).
     out["forward_beside_h2d"] = costs["beside_h2d"]
     out["optimizer_issue_stall"] = costs["issue_stall"]["opt"]["stall"]
     out["cast_issue_stall"] = costs["issue_stall"]["cast"]["stall"]
@@ -1233,6 +1236,10 @@ MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     # How much the host OPT (megatrain's kernel) and a CAST slow the issuing thread while they run.
     "host_optimizer_issue_stall": ("launch", ("optimizer_issue_stall",)),
     "host_cast_issue_stall": ("launch", ("cast_issue_stall",)),
+    # How much a layer tile's H2D and the template's forward slow each other (_forward_beside_h2d): the
+    # simulator's copy/compute contention. Presets leave both unmeasured (no contention).
+    "h2d_beside_compute_bytes_per_s": ("launch", ("forward_beside_h2d", "h2d_beside_forward_bytes_per_s")),
+    "compute_slowdown_beside_h2d": ("launch", ("forward_beside_h2d", "forward_slowdown")),
 }
 """Each HardwareSpec field the probe measures: (section, keys into its result). Fields the spec type
 lacks are left out; fields whose section did not succeed come from ``--fallback-preset``, listed."""

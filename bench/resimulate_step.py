@@ -22,7 +22,12 @@ its source, printed:
   (the OPT: the kernel's call, which holds the GIL, and the finite check's sum, which releases it)
   over ``rates.deepspeed_cpu_adam`` (the call alone), the fraction of the OPT the call takes; else
   from the host AdamW kernel the host rates were measured with (``--host-kernel``;
-  ``megatrain.ir.hardware.HOST_KERNEL_ISSUE_STALL``).
+  ``megatrain.ir.hardware.HOST_KERNEL_ISSUE_STALL``);
+- the copy/compute contention (``compute_slowdown_beside_h2d``, ``h2d_beside_compute_bytes_per_s``)
+  from the probe's ``launch.forward_beside_h2d`` where it has that section (the 2026-11-27 probe
+  does not, so there they stay unmeasured: no contention), or given by hand (``--contention
+  SLOWDOWN,H2D_BYTES_PER_S``, over what the spec or the probe says). Factors read off the timeline
+  being checked make a what-if, not a prediction: nothing measured them apart from it.
 
 The probe ran several timed steps (``steps``: each one's ``timeline_step_s``) and kept the last
 one's timeline; the step is compared with that one (``step``, per op kind as well) and with each
@@ -61,6 +66,10 @@ from megatrain.planner.front import PlanRequest, plan  # noqa: E402
 from megatrain.planner.simulate import simulate  # noqa: E402
 from megatrain.planner.timeline import Timeline  # noqa: E402
 
+CONTENTION_FIELDS = {"compute_slowdown_beside_h2d": "forward_slowdown",
+                     "h2d_beside_compute_bytes_per_s": "h2d_beside_forward_bytes_per_s"}
+"""The spec's copy/compute contention fields and their keys in a probe's ``launch.forward_beside_h2d``."""
+
 KERNEL_RATE_FIELDS = ("memory_bytes_per_s", "attention_flops", "attention_backward_flops")
 """The kernel model's GPU rates a spec written before them lacks (``HardwareSpec.has_kernel_rates``)."""
 
@@ -87,10 +96,13 @@ def optimizer_call_fraction(host_optimizer: dict) -> float | None:
 
 def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios: dict | None = None,
                   host_kernel: str | None = None,
-                  host_optimizer: dict | None = None) -> tuple[HardwareSpec, dict[str, str]]:
+                  host_optimizer: dict | None = None,
+                  contention: tuple[float, float] | None = None) -> tuple[HardwareSpec, dict[str, str]]:
     """The spec of JSON ``fields`` with the fields it lacks filled (module docstring), and each filled
     field's source. ``probe``: the probe.json the step came from (its ``launch`` section);
-    ``host_optimizer``: the same session's ``bench/host_optimizer.py`` JSON."""
+    ``host_optimizer``: the same session's ``bench/host_optimizer.py`` JSON; ``contention``:
+    ``(compute_slowdown_beside_h2d, h2d_beside_compute_bytes_per_s)`` given by hand, set whatever the
+    spec or the probe says."""
     fields, filled = dict(fields), {}
     pre = preset(fallback)
     for name in KERNEL_RATE_FIELDS:
@@ -114,7 +126,31 @@ def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios:
     elif "host_optimizer_issue_stall" not in fields and host_kernel is not None:
         fields["host_optimizer_issue_stall"] = HOST_KERNEL_ISSUE_STALL[host_kernel]
         filled["host_optimizer_issue_stall"] = f"HOST_KERNEL_ISSUE_STALL[{host_kernel!r}]"
+    if contention is not None:
+        for name, value in zip(CONTENTION_FIELDS, contention):
+            fields[name] = value
+            filled[name] = "given by hand (--contention)"
+    else:
+        beside = ((probe.get("sections", {}).get("launch") or {}).get("result") or {}).get("forward_beside_h2d")
+        for name, key in CONTENTION_FIELDS.items():
+            if not fields.get(name) and beside and beside.get(key) is not None:
+                fields[name] = beside[key]
+                filled[name] = f"the probe's launch.forward_beside_h2d.{key}"
     return HardwareSpec.model_validate(fields), filled
+
+
+def parse_contention(text: str) -> tuple[float, float]:
+    """``--contention SLOWDOWN,H2D_BYTES_PER_S``: the compute slowdown beside an H2D (a fraction in
+    [0, 1)) and the H2D rate beside compute (bytes/s, 0: not measured)."""
+    try:
+        slowdown, rate = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--contention {text!r}: give SLOWDOWN,H2D_BYTES_PER_S, two numbers, "
+                                         "e.g. 0.25,42e9") from None
+    if not 0 <= slowdown < 1 or rate < 0:
+        raise argparse.ArgumentTypeError(f"--contention {text!r}: SLOWDOWN must be in [0, 1) (a compute op beside "
+                                         "an H2D takes time / (1 - SLOWDOWN)) and H2D_BYTES_PER_S >= 0")
+    return slowdown, rate
 
 
 def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
@@ -142,7 +178,7 @@ def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
             "steps": steps, "by_kind": rows, "predicted_bottleneck": predicted["bottleneck"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--probe", required=True, help="a gpu_probe probe.json with an ok step section")
     ap.add_argument("--timelines", required=True, help="the same run's timelines.json (measured records)")
@@ -157,13 +193,17 @@ def main() -> None:
     ap.add_argument("--host-optimizer", help="the same session's bench/host_optimizer.py JSON: the share of the OPT "
                                              "its GIL-holding kernel call takes, where the spec lacks "
                                              "host_optimizer_issue_stall")
+    ap.add_argument("--contention", type=parse_contention, metavar="SLOWDOWN,H2D_BYTES_PER_S",
+                    help="set the copy/compute contention by hand: a compute op's slowdown beside an H2D (it takes "
+                         "time / (1 - SLOWDOWN)) and the H2D rate beside compute, e.g. 0.25,42e9; else from the "
+                         "probe's launch.forward_beside_h2d where it has it")
     ap.add_argument("--json", help="write the comparison here too")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     probe = json.loads(Path(args.probe).read_text())
     ratios = json.loads(Path(args.issue_ratios).read_text()) if args.issue_ratios else None
     host_optimizer = json.loads(Path(args.host_optimizer).read_text()) if args.host_optimizer else None
     spec, filled = complete_spec(json.loads(Path(args.spec).read_text()), probe, args.fallback_preset, ratios,
-                                 args.host_kernel, host_optimizer)
+                                 args.host_kernel, host_optimizer, args.contention)
     out = resimulate(probe["sections"]["step"]["result"], json.loads(Path(args.timelines).read_text())["measured"],
                      spec)
     out["filled"] = filled

@@ -385,3 +385,35 @@ def test_resimulating_the_probed_step_on_its_own_spec_gives_its_own_prediction(d
     for kind, row in step["predicted"]["by_kind"].items():
         assert got["by_kind"][kind]["predicted_s"] == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
         assert got["by_kind"][kind]["measured_s"] == pytest.approx(step["measured"]["by_kind"][kind]["total_s"])
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_the_spec_reads_the_contention_from_the_forward_beside_an_h2d(tmp_path, measured):
+    """The spec's copy/compute contention comes from launch.forward_beside_h2d (the copy's rate beside
+    the forward, the forward's slowdown beside the copy); a launch section without it (the first H100
+    probe's) leaves both at "no contention", from the preset, which measures neither."""
+    import argparse
+
+    beside = {"forward_slowdown": 0.2, "h2d_beside_forward_bytes_per_s": 40e9}
+    launch = {"forward_beside_h2d": beside} if measured else {"template_fwd_s_per_op": 2e-5}
+    ctx = probe.Ctx(args=argparse.Namespace(fallback_preset="H100_SXM"), out=tmp_path, dry=True,
+                    results={"launch": {"status": "ok", "result": launch}})
+    out = probe.section_spec(ctx)
+    spec = HardwareSpec.load(tmp_path / "spec.json")
+    if measured:
+        assert spec.compute_slowdown_beside_h2d == 0.2 and spec.h2d_beside_compute_bytes_per_s == 40e9
+        assert out["sources"]["compute_slowdown_beside_h2d"] == "launch.forward_beside_h2d.forward_slowdown"
+        assert out["sources"]["h2d_beside_compute_bytes_per_s"] == \
+            "launch.forward_beside_h2d.h2d_beside_forward_bytes_per_s"
+    else:
+        assert not spec.has_contention
+        assert {"compute_slowdown_beside_h2d", "h2d_beside_compute_bytes_per_s"} <= set(out["fields_from_preset"])
+
+
+def test_dry_run_spec_has_the_measured_contention(dry):
+    _, doc = dry
+    s = {k: v["result"] for k, v in doc["sections"].items() if v["status"] == "ok"}
+    spec = HardwareSpec.model_validate(s["spec"]["spec"])
+    b = s["launch"]["forward_beside_h2d"]
+    assert spec.compute_slowdown_beside_h2d == b["forward_slowdown"]
+    assert spec.h2d_beside_compute_bytes_per_s == b["h2d_beside_forward_bytes_per_s"]

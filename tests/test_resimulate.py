@@ -151,3 +151,61 @@ def test_the_spec_is_completed_from_measured_rates_and_sourced_presets(h100):
 ])
 def test_the_measured_h100_step_is_reproduced(h100, kind, low, high):
     assert low <= h100[2][kind] <= high, f"{kind}: predicted / measured {h100[2][kind]:.3f}"
+
+
+def test_the_first_probe_measured_no_contention_so_none_is_filled(h100):
+    """The 2026-11-27 probe has no launch.forward_beside_h2d: its spec stays at "no contention"."""
+    spec, filled, *_ = h100
+    assert not spec.has_contention and not set(filled) & {"compute_slowdown_beside_h2d",
+                                                          "h2d_beside_compute_bytes_per_s"}
+
+
+def _probe_with_contention(slowdown: float, rate: float) -> dict:
+    probe = json.loads((RESULTS / "2026-11-27-h100-probe.json").read_text())
+    probe["sections"]["launch"]["result"]["forward_beside_h2d"] = {"forward_slowdown": slowdown,
+                                                                   "h2d_beside_forward_bytes_per_s": rate}
+    return probe
+
+
+def test_contention_is_read_from_a_probe_that_measured_it(h100):
+    resim = sys.modules["resimulate_step"]
+    fields = json.loads((RESULTS / "2026-11-27-h100-spec.json").read_text())
+    spec, filled = resim.complete_spec(fields, _probe_with_contention(0.1, 45e9))
+    assert spec.compute_slowdown_beside_h2d == 0.1 and spec.h2d_beside_compute_bytes_per_s == 45e9
+    assert filled["compute_slowdown_beside_h2d"] == "the probe's launch.forward_beside_h2d.forward_slowdown"
+    assert filled["h2d_beside_compute_bytes_per_s"] == \
+        "the probe's launch.forward_beside_h2d.h2d_beside_forward_bytes_per_s"
+    # By hand over the probe's; a spec that has them keeps them against the probe.
+    spec, filled = resim.complete_spec(fields, _probe_with_contention(0.1, 45e9), contention=(0.25, 42e9))
+    assert (spec.compute_slowdown_beside_h2d, spec.h2d_beside_compute_bytes_per_s) == (0.25, 42e9)
+    assert filled["compute_slowdown_beside_h2d"] == filled["h2d_beside_compute_bytes_per_s"] == \
+        "given by hand (--contention)"
+    kept, filled = resim.complete_spec({**fields, "compute_slowdown_beside_h2d": 0.3},
+                                       _probe_with_contention(0.1, 45e9))
+    assert kept.compute_slowdown_beside_h2d == 0.3 and "compute_slowdown_beside_h2d" not in filled
+
+
+def test_the_contention_flag_sets_both_fields_by_hand(h100, capsys):
+    """``--contention SLOWDOWN,H2D_BYTES_PER_S`` fills the two fields, printed as given by hand, and the
+    copies beside the forwards then take longer (a what-if on the 11-27 step: module docstring)."""
+    resim = sys.modules["resimulate_step"]
+    *_, out, _ = h100
+    resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
+                "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
+                "--spec", str(RESULTS / "2026-11-27-h100-spec.json"),
+                "--issue-ratios", str(RESULTS / "2026-11-28-cpu-template-issue.json"), "--host-kernel", "deepspeed",
+                "--host-optimizer", str(RESULTS / "2026-11-27-h100-host-optimizer.json"),
+                "--contention", "0.25,42e9"])
+    printed = capsys.readouterr().out
+    assert "  compute_slowdown_beside_h2d = 0.25: given by hand (--contention)" in printed
+    assert "  h2d_beside_compute_bytes_per_s = 4.2e+10: given by hand (--contention)" in printed
+    h2d = next(line.split() for line in printed.splitlines() if line.startswith("H2D "))
+    assert float(h2d[2]) > out["by_kind"]["H2D"]["predicted_s"] * 1.1
+
+
+@pytest.mark.parametrize("text", ["0.25", "1.0,42e9", "-0.1,42e9", "0.25,-1", "a,b"])
+def test_a_bad_contention_flag_names_the_rule(text, capsys):
+    resim = _load("resimulate_step")
+    with pytest.raises(SystemExit):
+        resim.main(["--probe", "p", "--timelines", "t", "--spec", "s", "--contention", text])
+    assert "SLOWDOWN" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from graphs import chain_graph, chain_graphs, hardware_specs, spec
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
-from megatrain.ir.hardware import preset
+from megatrain.ir.hardware import PRESETS, HardwareSpec, preset
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import Plan
 from megatrain.ir.schedule import Op, OpKind, Schedule, Stream
@@ -547,3 +547,127 @@ def test_kernel_timelines_keep_every_invariant(g, micro_batches, opt_stall, cast
     for r, w in zip(tl.records, works):
         if w is not None:
             assert r.duration_s >= w.gpu_s - 1e-12  # a compute op never runs faster than its kernels
+
+
+# -- copy/compute contention ------------------------------------------------------------------------
+
+def _beside(*ops: Op, n_layers: int = 3) -> Schedule:
+    return Schedule(ops=ops, plan=Plan(slots=3, prefetch_distance=2), n_layers=n_layers)
+
+
+# 4 MiB FP32 tiles: an H2D takes 4.194304 ms alone at spec()'s 1 GB/s; a forward of 1e6 FLOPs 1 ms at
+# 1 GFLOP/s, of 1e8 FLOPs 100 ms.
+_TILE = 1 << 20
+_ALONE = _TILE * 4 / 1e9
+
+
+@pytest.mark.parametrize("copy_first", [False, True])
+def test_a_forward_beside_an_h2d_takes_longer_by_the_slowdown(copy_first):
+    """Both start at 0; the forward (1 ms alone) runs wholly beside the copy, at 1 - s of its speed;
+    the copy runs at half its rate while the forward runs, at full rate after it. Either op may be
+    committed first (list order breaks the tie), with the same times."""
+    s, beside = 0.2, 0.5e9
+    g = chain_graph(2, numel=_TILE, fwd_flops=10**6)
+    hw = spec(compute_slowdown_beside_h2d=s, h2d_beside_compute_bytes_per_s=beside)
+    fwd, h2d = Op(OpKind.FWD, 0, mb=0, slot=0), Op(OpKind.H2D, 1, slot=1)
+    tl = simulate(_beside(*((h2d, fwd) if copy_first else (fwd, h2d)), n_layers=2), g, hw)
+    rec = {r.op: r for r in tl.records}
+    f, c = rec[repr(fwd)], rec[repr(h2d)]
+    assert f.start_s == c.start_s == 0.0
+    assert f.duration_s == pytest.approx(1e-3 / (1 - s), rel=1e-12)
+    # While the forward runs the copy moves 0.5 GB/s x 1.25 ms; the rest of its bytes at 1 GB/s.
+    assert c.duration_s == pytest.approx(f.duration_s + (_ALONE - f.duration_s * beside / 1e9), rel=1e-12)
+    # Without the two fields: the times alone.
+    plain = {r.op: r for r in simulate(_beside(fwd, h2d, n_layers=2), g, spec()).records}
+    assert plain[repr(fwd)].duration_s == pytest.approx(1e-3) and plain[repr(h2d)].duration_s == pytest.approx(_ALONE)
+
+
+@pytest.mark.parametrize("copy_first", [False, True])
+def test_an_h2d_beside_compute_moves_its_bytes_at_the_rate_beside(copy_first):
+    """Two copies back to back beside one long forward (100 ms alone): each takes bytes / the rate
+    beside, the second revising the forward the first already slowed; the forward loses s of its speed
+    for the time the copies ran."""
+    s, beside = 0.2, 0.5e9
+    g = chain_graph(3, numel=_TILE, fwd_flops=10**8)
+    hw = spec(compute_slowdown_beside_h2d=s, h2d_beside_compute_bytes_per_s=beside)
+    fwd, h1, h2 = Op(OpKind.FWD, 0, mb=0, slot=0), Op(OpKind.H2D, 1, slot=1), Op(OpKind.H2D, 2, slot=2)
+    tl = simulate(_beside(*((h1, h2, fwd) if copy_first else (fwd, h1, h2))), g, hw)
+    rec = {r.op: r for r in tl.records}
+    copy_s = _TILE * 4 / beside
+    assert rec[repr(h1)].duration_s == pytest.approx(copy_s, rel=1e-12)
+    assert rec[repr(h2)].start_s == pytest.approx(copy_s, rel=1e-12)
+    assert rec[repr(h2)].duration_s == pytest.approx(copy_s, rel=1e-12)
+    assert rec[repr(fwd)].duration_s == pytest.approx(0.1 + 2 * copy_s * s, rel=1e-12)
+    assert tl.step_time_s == pytest.approx(rec[repr(fwd)].end_s)
+
+
+def test_an_issue_bound_forward_absorbs_a_kernel_slowdown_up_to_its_idle_time():
+    """The slowdown applies to a compute op's kernels, not to the issuing thread: a forward with 10 ms
+    of kernels issued over 20 ms ends with its issue beside a copy unless its kernels, slowed, take
+    longer than that (module docstring, "Contention")."""
+    from graphs import kernel_spec, with_profiles
+    from megatrain.ir.profile import Kernel, KernelKind
+
+    mem = [Kernel("aten.add", KernelKind.MEMORY, nbytes=10**5)] * 100  # 100 us each on the GPU
+    g = with_profiles(chain_graph(2, numel=1 << 24), mem, mem)  # a 64 MiB tile: a copy of 67 ms
+    fwd, h2d = Op(OpKind.FWD, 0, mb=0, slot=0), Op(OpKind.H2D, 1, slot=1)
+    took = {}
+    for slowdown in (0.0, 0.4, 0.6):
+        hw = kernel_spec(launch_overhead_s=2e-4, compute_slowdown_beside_h2d=slowdown,
+                         h2d_beside_compute_bytes_per_s=0.5e9)
+        copy, f = simulate(_beside(h2d, fwd, n_layers=2), g, hw).records  # the copy issued first, 0.4 ms
+        assert copy.start_s == 0.0 and copy.end_s > f.end_s and f.start_s == pytest.approx(4e-4)
+        took[slowdown] = f.duration_s
+    issue = 102 * 2e-4  # its start event, 100 ops and its end event
+    assert took[0.0] == pytest.approx(issue) and took[0.4] == pytest.approx(issue)  # 10 ms / 0.6 < 20.4 ms
+    assert took[0.6] == pytest.approx(0.01 / 0.4)  # 25 ms of slowed kernels > 20.4 ms of issue
+
+
+def test_contention_at_its_defaults_leaves_every_time_as_it_was():
+    """A spec written before the two fields, or with them at their defaults, has no contention; one
+    whose rates beside equal its rates alone runs the contention path and gives the same times."""
+    hw = spec()
+    old = json.loads(hw.model_dump_json())
+    del old["h2d_beside_compute_bytes_per_s"], old["compute_slowdown_beside_h2d"]
+    assert HardwareSpec.model_validate(old) == hw and not hw.has_contention
+    assert hw.h2d_beside_compute_bytes_per_s == 0 and hw.compute_slowdown_beside_h2d == 0
+    assert all(not p.has_contention for p in PRESETS.values())
+    assert cost.contention_rates(lower(chain_graph(2), Plan()), chain_graph(2), hw) is None
+
+
+@PROPERTY
+@given(cases(), st.booleans())
+def test_contention_with_rates_beside_equal_to_alone_changes_nothing(case, kernels):
+    g, plan, hw = case
+    if kernels:
+        from graphs import with_profiles
+        from megatrain.ir.profile import Kernel, KernelKind
+
+        fwd = [Kernel("aten.mm", KernelKind.MATMUL, flops=10**6, nbytes=10**4),
+               Kernel("aten.add", KernelKind.MEMORY, nbytes=10**5)]
+        g = with_profiles(g, fwd, fwd + [Kernel("aten.mm", KernelKind.MATMUL, flops=2 * 10**6, nbytes=10**4)])
+        hw = hw.model_copy(update={"memory_bytes_per_s": 1e9, "attention_flops": 1e9, "attention_backward_flops": 1e9,
+                                   "launch_overhead_s": 1e-5})
+    s = lower(g, plan)
+    same = hw.model_copy(update={"h2d_beside_compute_bytes_per_s": hw.h2d_bytes_per_s})
+    assert same.has_contention and set(cost.contention_rates(s, g, same)) <= {1.0}
+    a, b = simulate(s, g, hw), simulate(s, g, same)
+    for x, y in zip(a.records, b.records):
+        assert x.start_s == pytest.approx(y.start_s, rel=1e-9, abs=1e-15)
+        assert x.end_s == pytest.approx(y.end_s, rel=1e-9, abs=1e-15)
+
+
+@PROPERTY
+@given(cases(), st.floats(0, 0.9), st.floats(0.05, 1.0))
+def test_contended_timelines_keep_every_invariant(case, slowdown, beside):
+    """With contention every invariant holds, and copies and compute ops never run faster than alone."""
+    g, plan, hw = case
+    hw = hw.model_copy(update={"compute_slowdown_beside_h2d": slowdown,
+                               "h2d_beside_compute_bytes_per_s": beside * hw.h2d_bytes_per_s})
+    s, tl = run(g, plan, hw)
+    check_invariants(s, tl, hw, g)
+    alone = cost.op_times(s, g, hw)
+    eps = 1e-12 * max(1.0, tl.step_time_s)
+    for r, t in zip(tl.records, alone):
+        if r.stream in (Stream.COMPUTE, Stream.H2D):
+            assert r.duration_s >= t * (1 - 1e-9) - eps

@@ -190,7 +190,9 @@ class HardwareSpec(pydantic.BaseModel):
     ``kernel_overhead_s``, ``gemm_efficiency``, ``launch_overhead_s``, ``backward_launch_overhead_s``)
     feed the simulator's kernel model (:func:`megatrain.planner.time.kernel_time`,
     :class:`megatrain.planner.time.ComputeWork`); ``host_*_issue_stall`` how much a host op holds the
-    issuing thread.
+    issuing thread; ``h2d_beside_compute_bytes_per_s`` and ``compute_slowdown_beside_h2d`` how much a
+    weight copy and a layer's compute slow each other (measured only: presets leave them at "no
+    contention", and so do specs written before them).
 
     Every field is in base units (bytes, seconds, FLOP/s, bytes/s, params/s). A GPU field of 0
     means "not measured / no GPU" (a host-only spec from ``measure_hardware()`` on a machine without CUDA);
@@ -220,6 +222,18 @@ class HardwareSpec(pydantic.BaseModel):
                                                           "bytes/s; 0: not measured, h2d_bytes_per_s")
     duplex: bool = Field(description="H2D and D2H run at the same time, each at its full rate (two copy "
                                      "engines and a full-duplex link); if false they share one engine")
+    h2d_beside_compute_bytes_per_s: float = Field(0, ge=0,
+                                                  description="pinned host-to-device copy bandwidth while the GPU "
+                                                              "runs a layer's forward or backward, bytes/s "
+                                                              "(measured: bench/gpu_probe.py, launch."
+                                                              "forward_beside_h2d.h2d_beside_forward_bytes_per_s); "
+                                                              "0: not measured, h2d_bytes_per_s (no contention)")
+    compute_slowdown_beside_h2d: float = Field(0.0, ge=0, lt=1,
+                                               description="fraction of its speed a layer's forward or backward "
+                                                           "loses while a host-to-device copy runs, dimensionless "
+                                                           "(it takes time / (1 - this) beside one; measured: "
+                                                           "bench/gpu_probe.py, launch.forward_beside_h2d."
+                                                           "forward_slowdown = 1 - alone / beside); 0: none")
     host_memory_bytes: int = Field(ge=0, description="host DRAM in bytes")
     pinned_memory_cap_bytes: int = Field(ge=0, description="most host memory that may be pinned, in bytes")
     host_optimizer_params_per_s: float = Field(gt=0, description="FP32 AdamW updates per second on the "
@@ -353,6 +367,13 @@ class HardwareSpec(pydantic.BaseModel):
         ``launch_overhead_s``)."""
         a = self.backward_launch_overhead_s
         return self.launch_overhead_s if a is None else a
+
+    @property
+    def has_contention(self) -> bool:
+        """Copy/compute contention is measured (``h2d_beside_compute_bytes_per_s`` or
+        ``compute_slowdown_beside_h2d`` set): the simulator slows an H2D-stream copy and a compute op
+        that run at once (:mod:`megatrain.planner.simulate`, "Contention")."""
+        return self.h2d_beside_compute_bytes_per_s > 0 or self.compute_slowdown_beside_h2d > 0
 
     @property
     def has_gpu(self) -> bool:

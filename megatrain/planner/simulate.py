@@ -43,14 +43,38 @@ stall is known when an issue is timed, the thread issues an op only once every o
 before that issue would end has been committed (a host op cannot start on the strength of an issue
 still under way, and one that stalls the thread is added before the issue it delays).
 
+Contention. Where ``hw`` measured it (``HardwareSpec.has_contention``), a copy on the H2D stream
+(H2D, RELOAD) and an op on the compute stream (FWD, RECOMPUTE, BWD) slow each other: a copy in flight
+beside a compute op in flight progresses at its share of its speed alone
+(:func:`megatrain.planner.cost.contention_rates`: its time alone over its time at
+``h2d_beside_compute_bytes_per_s``), and a compute op's kernels beside a copy at ``1 - s``
+(``compute_slowdown_beside_h2d``), each at full speed otherwise; so a copy wholly beside compute
+moves its bytes at the rate beside, and a GPU-bound compute op wholly beside copies takes its time
+alone / (1 - s). The approximation: a compute op's GPU seconds (its kernels', or its FLOP time) run
+from its start as one block, slowed over the overlap, and the op ends at the later of that and its
+issue bound (:meth:`megatrain.planner.cost.ComputeWork.issue_bound`, not slowed: the issuing thread
+does not wait for the GPU), so an issue-bound op absorbs a slowdown of its kernels up to its idle
+time; a copy counts as slowed for its partner's whole interval, as the probe measured it (the copy
+beside a looping forward, issue gaps included), and is timed whole (its interval alone, launch too).
+
+Each stream is in order, so at most one op of each class runs at a time; starts are committed in
+non-decreasing time, so when an op starting at ``t`` is committed, the op of the other class still
+running at ``t`` (if any) started earlier and its own partner has ended, so it has run at full speed
+since then: a copy has ``end - t`` seconds of work left, a compute op its GPU seconds until its GPU
+end. The pair's ends follow in closed form (:func:`_pair`); the earlier op's end moves later, which
+is safe, as nothing committed can depend on an end after ``t`` (a dependant would start after it),
+and its stream's and resource's free times and a fence's wake-up move with it. A later op of the
+new op's class starting before the earlier op ends revises it again the same way: O(1) per commit.
+With neither field set the contention path is skipped and every time is exactly as without it.
+
 Deadlock. If ops remain but no queue head has all its dependencies finished, no op can ever
 start: the error lists each blocked head and what it waits for (a dependency queued behind it on
 its own stream, or behind another blocked head). ``verify`` rules this out for schedules whose
 dependencies point to earlier ops; the simulator still checks, as pipelining's
 ``_simulate_comms_compute`` does.
 
-Cost: O(ops x streams x deps); a 120-layer model with 8 micro-batches (about 2,300 ops) takes a
-few milliseconds.
+Cost: O(ops x streams x deps), contention O(1) more per op; a 120-layer model with 8 micro-batches
+(about 2,300 ops) takes a few milliseconds.
 """
 
 from __future__ import annotations
@@ -95,6 +119,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
     works = cost.compute_works(schedule, graph, hw)
     dur = cost.op_times(schedule, graph, hw, works)
     launch = cost.launch_times(schedule, graph, hw, works)
+    share = cost.contention_rates(schedule, graph, hw, dur)  # None: no contention measured
+    running = {Stream.COMPUTE: -1, Stream.H2D: -1}  # the last op committed on each contending stream
+    gpu_end = [0.0] * n if share is not None else []  # a compute op's GPU seconds end (module docstring)
+    bound = [0.0] * n if share is not None else []  # and its issue bound
     queues: dict[Stream, list[int]] = {s: [] for s in Stream}
     for i, op in enumerate(ops):
         queues[op.stream].append(i)
@@ -180,10 +208,16 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
         if not host[best_i]:
             work = works[best_i]
             if work is not None:  # kernel by kernel: the GPU runs each once issued (cost.ComputeWork)
-                e = work.end(best_t, issued[best_i], stalls.clock if stalls.during(issued[best_i], issued_end[best_i])
-                             else None)
-            elif issued_end[best_i] > e:
-                e = issued_end[best_i]  # the GPU cannot finish an op before its last kernel is launched
+                b = work.issue_bound(issued[best_i], stalls.clock if stalls.during(issued[best_i], issued_end[best_i])
+                                     else None)
+                e = max(best_t + work.gpu_s, b)
+            else:
+                b = issued_end[best_i]  # the GPU cannot finish an op before its last kernel is launched
+                if b > e:
+                    e = b
+            if share is not None and best_s in running:
+                e = _contend(best_i, best_s, best_t, e, b, dur, share, running, gpu_end, bound, end, stream_free,
+                             resource_free, resource, ops, fenced, wake)
         start[best_i], end[best_i] = best_t, e
         if host[best_i]:
             heapq.heappush(wake, e)
@@ -200,6 +234,48 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
     records = [(i, ops[i].stream, start[i], end[i]) for i in range(n)]
     issue = {i: (issued[i], issued_end[i], launch[i]) for i in range(n) if not host[i]} if issue_times else None
     return Timeline.from_records(schedule, graph, records, hw, source="simulated", issue=issue)
+
+
+def _contend(i: int, s: Stream, t: float, e: float, b: float, dur, share, running: dict[Stream, int],
+             gpu_end: list[float], bound: list[float], end: list[float], stream_free, resource_free, resource,
+             ops, fenced: set[int], wake: list[float]) -> float:
+    """Op ``i`` on contending stream ``s`` starts at ``t``, ending at ``e`` alone (``b``: its issue
+    bound); pair it with the op of the other class still running at ``t`` (module docstring,
+    "Contention"), move that one's end, and return op ``i``'s."""
+    compute = s is Stream.COMPUTE
+    other = running[Stream.H2D if compute else Stream.COMPUTE]
+    running[s] = i
+    if compute:  # its GPU seconds (cost.op_times: a ComputeWork's gpu_s)
+        gpu_end[i], bound[i] = t + dur[i], b
+    if other < 0 or end[other] <= t:
+        return e
+    if compute:  # the copy has run at full speed since its last partner ended
+        gpu_end[i], e, moved = _pair(t, gpu_end[i] - t, share[i], b, end[other] - t, share[other])
+    else:
+        gpu_end[other], moved, e = _pair(t, max(0.0, gpu_end[other] - t), share[other], bound[other], e - t,
+                                         share[i])
+    st = ops[other].stream
+    end[other] = stream_free[st] = resource_free[resource[st]] = moved
+    if other in fenced:
+        heapq.heappush(wake, moved)  # the stale earlier entry only wakes the issuer early
+    return e
+
+
+def _pair(t: float, g: float, share_g: float, issue_bound: float, h: float,
+          share_h: float) -> tuple[float, float, float]:
+    """From ``t``, a compute op with ``g`` GPU seconds left (timed alone) that ends no earlier than
+    ``issue_bound``, beside a copy with ``h`` seconds left: the kernels run at ``share_g`` of their
+    speed while the copy runs, the copy at ``share_h`` of its speed until the compute op ends. Returns
+    the compute op's GPU end, its end, and the copy's end."""
+    tg, th = g / share_g, h / share_h
+    if th <= tg:  # the copy ends first, while the kernels run
+        gpu = t + th + (g - share_g * th)
+        return gpu, max(gpu, issue_bound), t + th
+    gpu = t + tg
+    op_end = max(gpu, issue_bound)
+    left, beside = h - share_h * tg, op_end - gpu  # the copy's work left; how long it still runs beside the op
+    copy = gpu + left / share_h if left <= share_h * beside else op_end + (left - share_h * beside)
+    return gpu, op_end, copy
 
 
 class _Stalls:

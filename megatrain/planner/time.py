@@ -55,6 +55,13 @@ binding never releases the GIL, for the OPT's leading 28/32, the finite check's 
 ``hardware.HOST_KERNEL_ISSUE_STALL``). The simulator
 (:mod:`megatrain.planner.simulate`) plays it against the GPU.
 
+Contention. A weight copy to the GPU and a layer's compute slow each other where ``hw`` measured it
+(``h2d_beside_compute_bytes_per_s``, ``compute_slowdown_beside_h2d``: ``bench/gpu_probe.py``'s
+``launch.forward_beside_h2d``; the first H100 step's block forwards took 2.06 ms alone and 2.75
+beside an H2D, its copies ran at ~42 GB/s beside forwards against 54 alone). :func:`contention_rates`
+gives each op's share of its speed alone while the other runs; the simulator applies it over their
+overlap. Op times here are always the times alone.
+
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
 serialises. The HOST and CAST streams share one: the runtime runs their work one op at a time,
@@ -153,18 +160,31 @@ def d2h_bytes(layer: Layer, plan: Plan | None = None) -> int:
     return layer.trainable_numel * (plan.gradient_itemsize if plan is not None else GRAD_ITEMSIZE)
 
 
-def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec) -> float:
+def h2d_time(layer: Layer, plan: Plan, hw: HardwareSpec, beside_compute: bool = False) -> float:
     """One weight copy to the GPU; with ``plan.host_state == "shard"`` the layer's weights are first
     all-gathered over the network (:func:`weight_gather_time`), which the H2D waits for and is timed
     with: the schedule's gather (an ALL_GATHER with a gather tile, before the H2D or, with BF16
     compute, the CAST) is timed at its launch latency only, so the network time is counted once,
     on the copy's critical path, in the simulator and the topology planner alike. A staged copy
     (``plan.staged``: its source a BF16 tile a CAST has just written) runs at
-    ``hw.h2d_after_cast_bytes_per_s`` where that was measured."""
+    ``hw.h2d_after_cast_bytes_per_s`` where that was measured. ``beside_compute``: the copy while the
+    GPU computes (:func:`h2d_beside_compute_factor` of its rate)."""
     rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "H2D ops")
     if plan.staged and hw.h2d_after_cast_bytes_per_s > 0:
         rate = hw.h2d_after_cast_bytes_per_s  # its source a tile a CAST has just written
+    if beside_compute:
+        rate *= h2d_beside_compute_factor(hw)
     return hw.op_latency_s + h2d_bytes(layer, plan) / rate + weight_gather_time(layer, hw, plan)
+
+
+def h2d_beside_compute_factor(hw: HardwareSpec) -> float:
+    """The share of its rate alone a host-to-device copy keeps while the GPU computes:
+    ``hw.h2d_beside_compute_bytes_per_s / hw.h2d_bytes_per_s``, 1 where not measured. A staged copy's
+    rate (``h2d_after_cast_bytes_per_s``) is scaled by the same share: the probe measured the two
+    rates on one tile, not each source."""
+    if hw.h2d_beside_compute_bytes_per_s <= 0 or hw.h2d_bytes_per_s <= 0:
+        return 1.0
+    return hw.h2d_beside_compute_bytes_per_s / hw.h2d_bytes_per_s
 
 
 D2H_CHECK_KERNELS = 3
@@ -274,10 +294,15 @@ class ComputeWork:
         """When the op ends: started on the GPU at ``start`` (its stream free and its dependencies
         done), issued from ``issue_start``; ``clock(t, s)``: when ``s`` seconds of issuing begun at
         ``t`` are done (None: ``t + s``, the thread never stalled)."""
+        return max(start + self.gpu_s, self.issue_bound(issue_start, clock))
+
+    def issue_bound(self, issue_start: float, clock: Callable[[float, float], float] | None = None) -> float:
+        """The earliest the op can end however soon its stream is free: each kernel's issue plus the
+        GPU seconds from it on, and the end event after the last launch (:meth:`end`'s other term)."""
         if clock is None:
-            return max(start + self.gpu_s, issue_start + self.span_s)
-        last = max((clock(issue_start, c) + r for c, r in zip(self.issued, self.remaining)), default=start)
-        return max(start + self.gpu_s, clock(issue_start, self.issue_s), last)
+            return issue_start + self.span_s
+        last = max((clock(issue_start, c) + r for c, r in zip(self.issued, self.remaining)), default=-float("inf"))
+        return max(clock(issue_start, self.issue_s), last)
 
 
 def compute_work(layer: Layer, kind: OpKind, plan: Plan, hw: HardwareSpec, fresh: bool = True,
@@ -386,12 +411,15 @@ def checkpoint_bytes(graph: LayerGraph, layer: int) -> int:
     return sum(graph.values[vid].nbytes for vid in graph.checkpoints(layer))
 
 
-def offload_time(graph: LayerGraph, layer: int, hw: HardwareSpec, kind: OpKind) -> float:
-    """One OFFLOAD (D2H) or RELOAD (H2D) of ``layer``'s checkpoints for one micro-batch."""
+def offload_time(graph: LayerGraph, layer: int, hw: HardwareSpec, kind: OpKind, beside_compute: bool = False) -> float:
+    """One OFFLOAD (D2H) or RELOAD (H2D) of ``layer``'s checkpoints for one micro-batch;
+    ``beside_compute``: a RELOAD while the GPU computes, as :func:`h2d_time`."""
     if kind is OpKind.OFFLOAD:
         rate = _rate(hw, "d2h_bytes_per_s", hw.d2h_bytes_per_s, "OFFLOAD ops")
     else:
         rate = _rate(hw, "h2d_bytes_per_s", hw.h2d_bytes_per_s, "RELOAD ops")
+        if beside_compute:
+            rate *= h2d_beside_compute_factor(hw)
     return hw.op_latency_s + checkpoint_bytes(graph, layer) / rate
 
 
@@ -496,6 +524,42 @@ def op_times(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec,
         if t is None:
             t = cache[key] = op_time(op, graph, schedule.plan, hw)
         out.append(t)
+    return tuple(out)
+
+
+# -- copy/compute contention -----------------------------------------------------------------------
+
+def contention_rates(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec,
+                     dur: tuple[float, ...] | None = None) -> tuple[float, ...] | None:
+    """The share of its speed alone each op of ``schedule`` keeps while an op of the other
+    contending class runs (the simulator's "Contention", :mod:`megatrain.planner.simulate`), or None
+    where ``hw`` measured no contention (``HardwareSpec.has_contention``): a FWD, RECOMPUTE or BWD
+    beside a copy on the H2D stream keeps ``1 - hw.compute_slowdown_beside_h2d`` (the probe measured
+    a forward; a backward is taken to lose the same share); an H2D or RELOAD beside compute keeps
+    its time alone over its time at the rate beside (:func:`h2d_time`, :func:`offload_time` with
+    ``beside_compute``: latency and a gather not slowed); other ops 1. ``dur``: the ops' times
+    alone (default :func:`op_times`)."""
+    if not hw.has_contention:
+        return None
+    plan, ops = schedule.plan, schedule.ops
+    dur = op_times(schedule, graph, hw) if dur is None else dur
+    compute = 1.0 - hw.compute_slowdown_beside_h2d
+    cache: dict[tuple[OpKind, int], float] = {}
+    out = []
+    for op, alone in zip(ops, dur):
+        if op.kind in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.BWD):
+            out.append(compute)
+            continue
+        if op.kind not in (OpKind.H2D, OpKind.RELOAD):
+            out.append(1.0)
+            continue
+        key = (op.kind, op.layer)
+        beside = cache.get(key)
+        if beside is None:
+            beside = cache[key] = (h2d_time(graph.layers[op.layer], plan, hw, beside_compute=True)
+                                   if op.kind is OpKind.H2D else
+                                   offload_time(graph, op.layer, hw, OpKind.RELOAD, beside_compute=True))
+        out.append(alone / beside if beside > 0 else 1.0)
     return tuple(out)
 
 
@@ -787,4 +851,5 @@ __all__ = ["ACC_BYTES_PER_ELEMENT", "BACKWARD_TO_FORWARD_FLOPS", "Resource", "re
            "fresh_gradients", "issue_stall", "issue_stall_span", "D2H_LAUNCHES", "COPY_LAUNCHES", "HOST_OP_LAUNCHES",
            "launch_count", "launch_times", "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
            "nvme_time", "all_reduce_time", "COUNT_BYTES", "count_reduce_time", "reduce_scatter_time",
-           "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time"]
+           "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time",
+           "h2d_beside_compute_factor", "contention_rates"]
