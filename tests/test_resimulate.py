@@ -19,10 +19,10 @@ The rest misses issue 39's 15% because that session measured nothing that prices
 measured from the next session on (``bench/gpu_probe.py``): FWD is issue-bound and the issuing cost
 of megatrain's own template was not measured (a stand-in block's was, converted here by ratios
 measured on a CPU, ``bench/template_issue.py``), nor how much a concurrent host CAST
-(``launch.cast_issue_stall``) or an H2D weight copy (``kernels.concurrent``) slows it: the measured
+(``launch.cast_issue_stall``) or an H2D weight copy (``launch.forward_beside_h2d``, the spec's contention fields) slows it: the measured
 block forwards took 2.06 ms with neither beside them, 2.36 with a CAST, 2.75 with an H2D. H2D
 copies ran at ~42 GB/s against the 54 GB/s of the probe's copy test, whether or not a CAST ran
-beside them, while the GPU ran forwards (``kernels.concurrent`` and
+beside them, while the GPU ran forwards (``launch.forward_beside_h2d`` and
 ``kernels.h2d_after_cast_bytes_per_s`` measure that); D2H lost ~15 ms to one copy issued as a
 GIL-holding OPT began after the embedding's backward ran long (1.2 ms per micro-batch against 0.4
 predicted), and ~6 ms to the disturbance. The block backwards not beside an OPT took 4.56 ms
