@@ -52,7 +52,9 @@ Sections, in the order they run (``--sections`` picks a subset):
     per op). The adds' result is checked (the tensor must hold N). And the template's forward and a
     layer tile's H2D, each alone and beside the other (``forward_beside_h2d``,
     :func:`_forward_beside_h2d`): the spec's ``h2d_beside_compute_bytes_per_s`` and
-    ``compute_slowdown_beside_h2d``, the simulator's copy/compute contention.
+    ``compute_slowdown_beside_h2d``, the simulator's copy/compute contention; and the forward's
+    launches by the thread that has just queued copies, as the runtime's issuing thread does
+    (:func:`_same_thread_beside_h2d`): the spec's ``issue_slowdown_beside_h2d``.
 ``matmul``
     Square BF16, FP32 with TF32 off, and FP32 with TF32 on (``HardwareSpec.fp32_flops`` is the
     TF32-off rate, the one megatrain's strict FP32 ops get) products on random data, median of 10 after 3 warm-ups, timed with CUDA events;
@@ -726,7 +728,8 @@ def section_launch(ctx: Ctx) -> dict:
                                  h2d_numel=(1 << 16) if ctx.dry else 60_821_504)  # one 1B block's tile
     out["template_issue"] = costs
     # The forward's time and an H2D's rate, each beside the other: the spec's copy/compute contention
-    # (h2d_beside_compute_bytes_per_s, compute_slowdown_beside_h2d; MEASURED_FIELDS).
+    # (h2d_beside_compute_bytes_per_s, compute_slowdown_beside_h2d), and the forward's launches beside
+    # copies the same thread queued (issue_slowdown_beside_h2d; MEASURED_FIELDS).
     out["forward_beside_h2d"] = costs["beside_h2d"]
     out["optimizer_issue_stall"] = costs["issue_stall"]["opt"]["stall"]
     out["cast_issue_stall"] = costs["issue_stall"]["cast"]["stall"]
@@ -877,7 +880,17 @@ def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, sec
     engine stays busy; on a CPU (dry run) by wall clock. Medians: ``forward_alone_s``,
     ``forward_beside_h2d_s``, ``h2d_alone_s``, ``h2d_beside_forward_s``; the copy's rates
     (``h2d_alone_bytes_per_s``, ``h2d_beside_forward_bytes_per_s``) and the forward's slowdown
-    (``forward_slowdown`` = 1 - alone / beside, as :func:`_issue_stalls`'s ``stall``)."""
+    (``forward_slowdown`` = 1 - alone / beside, as :func:`_issue_stalls`'s ``stall``).
+
+    Those loop the other op on a second Python thread, which also takes the GIL from the issuing
+    one, so they cannot tell a slower issuing thread from slower kernels. The runtime has one
+    issuing thread, which queues a copy (``non_blocking`` from a pinned tile) and goes on launching;
+    so does the same-thread measurement (:func:`_same_thread_beside_h2d`), whose keys are added:
+    ``forward_issue_alone_s`` and ``forward_issue_beside_h2d_s`` (the forward's launches' wall time
+    alone and beside copies in flight: ``HardwareSpec.issue_slowdown_beside_h2d`` =
+    ``issue_slowdown_beside_h2d`` = 1 - alone / beside in [0, 1)), ``forward_beside_h2d_same_thread_s``
+    (its CUDA-event time beside them) and ``forward_slowdown_same_thread`` (1 - ``forward_alone_s`` /
+    that)."""
     import torch
 
     staging = torch.ones(numel, dtype=torch.bfloat16, pin_memory=cuda)
@@ -931,13 +944,101 @@ def _forward_beside_h2d(forward: Callable[[], None], numel: int, cuda: bool, sec
     c_alone = statistics.median([timed(copy, side, True) for _ in range(10)])
     f_beside = statistics.median(beside(forward, main, False, copies, side))
     c_beside = statistics.median(beside(copy, side, True, forward, main))
+    # Enough copies to stay in flight through the forward twice over, by the times just measured (on
+    # a CPU they run inline, before the forward, so two show the harness).
+    copies_n = max(2, math.ceil(2 * max(f_alone, f_beside) / c_alone)) if cuda else 2
+    same = _same_thread_beside_h2d(forward, copy, copies_n, cuda, side, seconds)
     if not bool((slot[:1] == 1).all()):
         raise RuntimeError("the H2D beside the forward did not copy its tile")
     nbytes = numel * 2
-    return {"numel": numel, "bytes": nbytes, "forward_alone_s": f_alone, "forward_beside_h2d_s": f_beside,
-            "forward_slowdown": min(1.0, max(0.0, 1.0 - f_alone / f_beside)), "h2d_alone_s": c_alone,
-            "h2d_beside_forward_s": c_beside, "h2d_alone_bytes_per_s": nbytes / c_alone,
-            "h2d_beside_forward_bytes_per_s": nbytes / c_beside}
+    out = {"numel": numel, "bytes": nbytes, "forward_alone_s": f_alone, "forward_beside_h2d_s": f_beside,
+           "forward_slowdown": min(1.0, max(0.0, 1.0 - f_alone / f_beside)), "h2d_alone_s": c_alone,
+           "h2d_beside_forward_s": c_beside, "h2d_alone_bytes_per_s": nbytes / c_alone,
+           "h2d_beside_forward_bytes_per_s": nbytes / c_beside, **same}
+    beside_same = same["forward_beside_h2d_same_thread_s"]
+    out["forward_slowdown_same_thread"] = (None if beside_same is None else
+                                           min(1.0, max(0.0, 1.0 - f_alone / beside_same)))
+    return out
+
+
+def _same_thread_beside_h2d(forward: Callable[[], None], copy: Callable[[], None], copies: int, cuda: bool, side,
+                            seconds: float) -> dict:
+    """The template's ``forward`` launched by the thread that has just queued ``copies`` H2D copies
+    (``copy``: ``non_blocking`` from a pinned tile) on the ``side`` stream, as the runtime's one
+    issuing thread does, against the same forward with no copy queued, alternately for about
+    ``seconds`` (at least 5 of each), each from a synchronised GPU.
+
+    Each trial records the forward's issue time (``time.perf_counter`` around the ``forward()`` call,
+    not synchronised: the wall time of its launches) and, on a GPU, its CUDA-event time on its
+    stream. That the copies were in flight is checked, not assumed: an event recorded after them on
+    the side stream must not have completed when the forward's launches returned (``query()``: they
+    ran through the whole issue, having been queued on an idle stream before it), and for the
+    event time must complete after the forward's end event (``elapsed_time``); a trial that fails a
+    check is left out of that median (``copies_in_flight_trials``, ``copies_outlast_forward_trials``
+    count those kept), and a median with no trial is None (the spec then takes the preset's "no
+    slowdown", listed). ``copies`` is sized to twice the forward's time by the caller. On a CPU (dry
+    run) the copies run inline before the forward and nothing is in flight: wall clock both, the
+    checks None. Medians: ``forward_issue_alone_s``, ``forward_issue_beside_h2d_s``,
+    ``forward_beside_h2d_same_thread_s``; ``issue_slowdown_beside_h2d`` = 1 - alone / beside, in
+    [0, 1) (``HardwareSpec.issue_slowdown_beside_h2d``)."""
+    import torch
+
+    def trial(queued: bool) -> tuple[float, float, bool | None, bool | None]:
+        if not cuda:
+            if queued:
+                for _ in range(copies):
+                    copy()
+            t0 = time.perf_counter()
+            forward()
+            t = time.perf_counter() - t0
+            return t, t, None, None
+        torch.cuda.synchronize()
+        done = None
+        if queued:
+            with torch.cuda.stream(side):
+                for _ in range(copies):
+                    copy()
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(side)
+        main = torch.cuda.current_stream()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(main)
+        t0 = time.perf_counter()
+        forward()
+        issue = time.perf_counter() - t0
+        e1.record(main)
+        flying = None if done is None else not done.query()
+        torch.cuda.synchronize()
+        outlast = None if done is None else e0.elapsed_time(done) >= e0.elapsed_time(e1)
+        return issue, e0.elapsed_time(e1) / 1e3, flying, outlast
+
+    trial(True)  # warm
+    alone: list[float] = []
+    beside: list[tuple[float, float, bool | None, bool | None]] = []
+    t_end = time.perf_counter() + seconds
+    while len(beside) < 5 or time.perf_counter() < t_end:
+        alone.append(trial(False)[0])
+        beside.append(trial(True))
+    return {"same_thread_copies": copies, **same_thread_summary(alone, beside)}
+
+
+def same_thread_summary(alone: list[float], beside: list[tuple[float, float, bool | None, bool | None]]) -> dict:
+    """:func:`_same_thread_beside_h2d`'s medians from its trials: ``alone``, the forward's issue
+    seconds with no copy queued; ``beside``, per trial with copies queued ``(issue s, event s, copies
+    still in flight when its launches returned, copies ended after its end event)``, the checks None
+    where not made (a CPU). A trial whose check is False is left out of that median."""
+    issue = [b[0] for b in beside if b[2] is not False]
+    event = [b[1] for b in beside if b[3] is not False]
+    checked = any(b[2] is not None for b in beside)
+    a = statistics.median(alone)
+    b = statistics.median(issue) if issue else None
+    return {"same_thread_trials": len(beside),
+            "copies_in_flight_trials": len(issue) if checked else None,
+            "copies_outlast_forward_trials": len(event) if checked else None,
+            "forward_issue_alone_s": a, "forward_issue_beside_h2d_s": b,
+            "issue_slowdown_beside_h2d": (None if b is None else
+                                          min(math.nextafter(1.0, 0.0), max(0.0, 1.0 - a / b))),
+            "forward_beside_h2d_same_thread_s": statistics.median(event) if event else None}
 
 
 def _issue_stalls(forward: Callable[[], None], host_work: dict[str, Callable[[], None]], sync, seconds: float) -> dict:
@@ -1240,6 +1341,9 @@ MEASURED_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     # simulator's copy/compute contention. Presets leave both unmeasured (no contention).
     "h2d_beside_compute_bytes_per_s": ("launch", ("forward_beside_h2d", "h2d_beside_forward_bytes_per_s")),
     "compute_slowdown_beside_h2d": ("launch", ("forward_beside_h2d", "forward_slowdown")),
+    # How much copies in flight slow the thread that queued them and launches the forward
+    # (_same_thread_beside_h2d): the simulator's issuing thread beside an H2D-stream copy.
+    "issue_slowdown_beside_h2d": ("launch", ("forward_beside_h2d", "issue_slowdown_beside_h2d")),
 }
 """Each HardwareSpec field the probe measures: (section, keys into its result). Fields the spec type
 lacks are left out; fields whose section did not succeed come from ``--fallback-preset``, listed."""

@@ -24,10 +24,12 @@ its source, printed:
   from the host AdamW kernel the host rates were measured with (``--host-kernel``;
   ``megatrain.ir.hardware.HOST_KERNEL_ISSUE_STALL``);
 - the copy/compute contention (``compute_slowdown_beside_h2d``, ``h2d_beside_compute_bytes_per_s``)
-  from the probe's ``launch.forward_beside_h2d`` where it has that section (the 2026-11-27 probe
-  does not, so there they stay unmeasured: no contention), or given by hand (``--contention
-  SLOWDOWN,H2D_BYTES_PER_S``, over what the spec or the probe says). Factors read off the timeline
-  being checked make a what-if, not a prediction: nothing measured them apart from it.
+  and the issuing thread's slowdown beside a copy in flight (``issue_slowdown_beside_h2d``) from the
+  probe's ``launch.forward_beside_h2d`` where it has them (the 2026-11-27 probe has none of them, so
+  there they stay unmeasured: no contention), or given by hand (``--contention
+  SLOWDOWN,H2D_BYTES_PER_S[,ISSUE_SLOWDOWN]``, over what the spec or the probe says; a field not
+  given still comes from the probe). Factors read off the timeline being checked make a what-if,
+  not a prediction: nothing measured them apart from it.
 
 The probe ran several timed steps (``steps``: each one's ``timeline_step_s``) and kept the last
 one's timeline; the step is compared with that one (``step``, per op kind as well) and with each
@@ -67,8 +69,10 @@ from megatrain.planner.simulate import simulate  # noqa: E402
 from megatrain.planner.timeline import Timeline  # noqa: E402
 
 CONTENTION_FIELDS = {"compute_slowdown_beside_h2d": "forward_slowdown",
-                     "h2d_beside_compute_bytes_per_s": "h2d_beside_forward_bytes_per_s"}
-"""The spec's copy/compute contention fields and their keys in a probe's ``launch.forward_beside_h2d``."""
+                     "h2d_beside_compute_bytes_per_s": "h2d_beside_forward_bytes_per_s",
+                     "issue_slowdown_beside_h2d": "issue_slowdown_beside_h2d"}
+"""The spec's contention fields and their keys in a probe's ``launch.forward_beside_h2d``, in the order
+``--contention`` gives them."""
 
 KERNEL_RATE_FIELDS = ("memory_bytes_per_s", "attention_flops", "attention_backward_flops")
 """The kernel model's GPU rates a spec written before them lacks (``HardwareSpec.has_kernel_rates``)."""
@@ -97,12 +101,12 @@ def optimizer_call_fraction(host_optimizer: dict) -> float | None:
 def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios: dict | None = None,
                   host_kernel: str | None = None,
                   host_optimizer: dict | None = None,
-                  contention: tuple[float, float] | None = None) -> tuple[HardwareSpec, dict[str, str]]:
+                  contention: tuple[float, ...] | None = None) -> tuple[HardwareSpec, dict[str, str]]:
     """The spec of JSON ``fields`` with the fields it lacks filled (module docstring), and each filled
     field's source. ``probe``: the probe.json the step came from (its ``launch`` section);
     ``host_optimizer``: the same session's ``bench/host_optimizer.py`` JSON; ``contention``:
-    ``(compute_slowdown_beside_h2d, h2d_beside_compute_bytes_per_s)`` given by hand, set whatever the
-    spec or the probe says."""
+    ``(compute_slowdown_beside_h2d, h2d_beside_compute_bytes_per_s[, issue_slowdown_beside_h2d])``
+    given by hand, set whatever the spec or the probe says (a field it leaves out as without it)."""
     fields, filled = dict(fields), {}
     pre = preset(fallback)
     for name in KERNEL_RATE_FIELDS:
@@ -126,31 +130,36 @@ def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios:
     elif "host_optimizer_issue_stall" not in fields and host_kernel is not None:
         fields["host_optimizer_issue_stall"] = HOST_KERNEL_ISSUE_STALL[host_kernel]
         filled["host_optimizer_issue_stall"] = f"HOST_KERNEL_ISSUE_STALL[{host_kernel!r}]"
-    if contention is not None:
-        for name, value in zip(CONTENTION_FIELDS, contention):
-            fields[name] = value
+    by_hand = dict(zip(CONTENTION_FIELDS, contention or ()))
+    beside = ((probe.get("sections", {}).get("launch") or {}).get("result") or {}).get("forward_beside_h2d")
+    for name, key in CONTENTION_FIELDS.items():
+        if name in by_hand:
+            fields[name] = by_hand[name]
             filled[name] = "given by hand (--contention)"
-    else:
-        beside = ((probe.get("sections", {}).get("launch") or {}).get("result") or {}).get("forward_beside_h2d")
-        for name, key in CONTENTION_FIELDS.items():
-            if not fields.get(name) and beside and beside.get(key) is not None:
-                fields[name] = beside[key]
-                filled[name] = f"the probe's launch.forward_beside_h2d.{key}"
+        elif not fields.get(name) and beside and beside.get(key) is not None:
+            fields[name] = beside[key]
+            filled[name] = f"the probe's launch.forward_beside_h2d.{key}"
     return HardwareSpec.model_validate(fields), filled
 
 
-def parse_contention(text: str) -> tuple[float, float]:
-    """``--contention SLOWDOWN,H2D_BYTES_PER_S``: the compute slowdown beside an H2D (a fraction in
-    [0, 1)) and the H2D rate beside compute (bytes/s, 0: not measured)."""
+def parse_contention(text: str) -> tuple[float, ...]:
+    """``--contention SLOWDOWN,H2D_BYTES_PER_S[,ISSUE_SLOWDOWN]``: the compute slowdown beside an H2D
+    (a fraction in [0, 1)), the H2D rate beside compute (bytes/s, 0: not measured) and, optionally,
+    the issuing thread's slowdown beside a copy in flight (a fraction in [0, 1))."""
     try:
-        slowdown, rate = (float(x) for x in text.split(","))
+        values = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--contention {text!r}: give SLOWDOWN,H2D_BYTES_PER_S, two numbers, "
-                                         "e.g. 0.25,42e9") from None
-    if not 0 <= slowdown < 1 or rate < 0:
+        values = ()
+    if len(values) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"--contention {text!r}: give SLOWDOWN,H2D_BYTES_PER_S[,ISSUE_SLOWDOWN], "
+                                         "two or three numbers, e.g. 0.25,42e9 or 0.25,42e9,0.15")
+    slowdown, rate, *issue = values
+    if not 0 <= slowdown < 1 or rate < 0 or not all(0 <= c < 1 for c in issue):
         raise argparse.ArgumentTypeError(f"--contention {text!r}: SLOWDOWN must be in [0, 1) (a compute op beside "
-                                         "an H2D takes time / (1 - SLOWDOWN)) and H2D_BYTES_PER_S >= 0")
-    return slowdown, rate
+                                         "an H2D takes time / (1 - SLOWDOWN)), H2D_BYTES_PER_S >= 0 and "
+                                         "ISSUE_SLOWDOWN in [0, 1) (the issuing thread beside a copy in flight "
+                                         "issues at 1 - ISSUE_SLOWDOWN of its speed)")
+    return values
 
 
 def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
@@ -193,10 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host-optimizer", help="the same session's bench/host_optimizer.py JSON: the share of the OPT "
                                              "its GIL-holding kernel call takes, where the spec lacks "
                                              "host_optimizer_issue_stall")
-    ap.add_argument("--contention", type=parse_contention, metavar="SLOWDOWN,H2D_BYTES_PER_S",
+    ap.add_argument("--contention", type=parse_contention, metavar="SLOWDOWN,H2D_BYTES_PER_S[,ISSUE_SLOWDOWN]",
                     help="set the copy/compute contention by hand: a compute op's slowdown beside an H2D (it takes "
-                         "time / (1 - SLOWDOWN)) and the H2D rate beside compute, e.g. 0.25,42e9; else from the "
-                         "probe's launch.forward_beside_h2d where it has it")
+                         "time / (1 - SLOWDOWN)), the H2D rate beside compute and, optionally, the issuing "
+                         "thread's slowdown beside a copy in flight, e.g. 0.25,42e9 or 0.25,42e9,0.15; else from "
+                         "the probe's launch.forward_beside_h2d where it has them")
     ap.add_argument("--json", help="write the comparison here too")
     args = ap.parse_args(argv)
     probe = json.loads(Path(args.probe).read_text())

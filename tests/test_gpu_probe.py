@@ -119,6 +119,18 @@ def test_dry_run_copies_pinned_launch_and_matmul(dry):
     assert b["h2d_beside_forward_bytes_per_s"] == pytest.approx(b["bytes"] / b["h2d_beside_forward_s"])
     slowdown = 1 - b["forward_alone_s"] / b["forward_beside_h2d_s"]
     assert b["forward_slowdown"] == pytest.approx(min(1.0, max(0.0, slowdown)))
+    # The same forward launched by the thread that has just queued the copies, as the runtime does
+    # (no second thread): its launches' wall time alone and beside, and its time beside. On the CPU
+    # the copies run inline, so nothing is checked in flight.
+    assert b["same_thread_copies"] == 2 and b["same_thread_trials"] >= 5
+    assert b["copies_in_flight_trials"] is None and b["copies_outlast_forward_trials"] is None
+    for key in ("forward_issue_alone_s", "forward_issue_beside_h2d_s", "forward_beside_h2d_same_thread_s"):
+        assert b[key] > 0
+    issue = 1 - b["forward_issue_alone_s"] / b["forward_issue_beside_h2d_s"]
+    assert 0 <= b["issue_slowdown_beside_h2d"] < 1
+    assert b["issue_slowdown_beside_h2d"] == pytest.approx(max(0.0, issue))
+    assert b["forward_slowdown_same_thread"] == pytest.approx(
+        min(1.0, max(0.0, 1 - b["forward_alone_s"] / b["forward_beside_h2d_same_thread_s"])))
 
     k = s["kernels"]
     assert k["memory_bytes_per_s"] > 0 and k["kernel_overhead_s"] > 0 and k["h2d_after_cast_bytes_per_s"] > 0
@@ -394,7 +406,7 @@ def test_the_spec_reads_the_contention_from_the_forward_beside_an_h2d(tmp_path, 
     probe's) leaves both at "no contention", from the preset, which measures neither."""
     import argparse
 
-    beside = {"forward_slowdown": 0.2, "h2d_beside_forward_bytes_per_s": 40e9}
+    beside = {"forward_slowdown": 0.2, "h2d_beside_forward_bytes_per_s": 40e9, "issue_slowdown_beside_h2d": 0.15}
     launch = {"forward_beside_h2d": beside} if measured else {"template_fwd_s_per_op": 2e-5}
     ctx = probe.Ctx(args=argparse.Namespace(fallback_preset="H100_SXM"), out=tmp_path, dry=True,
                     results={"launch": {"status": "ok", "result": launch}})
@@ -405,9 +417,12 @@ def test_the_spec_reads_the_contention_from_the_forward_beside_an_h2d(tmp_path, 
         assert out["sources"]["compute_slowdown_beside_h2d"] == "launch.forward_beside_h2d.forward_slowdown"
         assert out["sources"]["h2d_beside_compute_bytes_per_s"] == \
             "launch.forward_beside_h2d.h2d_beside_forward_bytes_per_s"
+        assert spec.issue_slowdown_beside_h2d == 0.15
+        assert out["sources"]["issue_slowdown_beside_h2d"] == "launch.forward_beside_h2d.issue_slowdown_beside_h2d"
     else:
-        assert not spec.has_contention
-        assert {"compute_slowdown_beside_h2d", "h2d_beside_compute_bytes_per_s"} <= set(out["fields_from_preset"])
+        assert not spec.has_contention and not spec.has_issue_contention
+        assert {"compute_slowdown_beside_h2d", "h2d_beside_compute_bytes_per_s",
+                "issue_slowdown_beside_h2d"} <= set(out["fields_from_preset"])
 
 
 def test_dry_run_spec_has_the_measured_contention(dry):
@@ -417,3 +432,25 @@ def test_dry_run_spec_has_the_measured_contention(dry):
     b = s["launch"]["forward_beside_h2d"]
     assert spec.compute_slowdown_beside_h2d == b["forward_slowdown"]
     assert spec.h2d_beside_compute_bytes_per_s == b["h2d_beside_forward_bytes_per_s"]
+    assert spec.issue_slowdown_beside_h2d == b["issue_slowdown_beside_h2d"]
+
+
+def test_same_thread_trials_whose_copies_were_not_in_flight_are_left_out():
+    """On a GPU each trial checks that its copies were still in flight when the forward's launches
+    returned (for the issue time) and ended after its end event (for its event time); a trial that
+    fails a check is not counted, and with none left the median is None (the spec then takes the
+    preset's "no slowdown"), never a number measured without copies beside."""
+    alone = [1.0, 1.0, 1.0]
+    beside = [(1.25, 3.0, True, True), (1.25, 3.0, True, False), (9.0, 9.0, False, False)]
+    out = probe.same_thread_summary(alone, beside)
+    assert out["same_thread_trials"] == 3
+    assert out["copies_in_flight_trials"] == 2 and out["copies_outlast_forward_trials"] == 1
+    assert out["forward_issue_beside_h2d_s"] == 1.25 and out["issue_slowdown_beside_h2d"] == pytest.approx(0.2)
+    assert out["forward_beside_h2d_same_thread_s"] == 3.0
+    none = probe.same_thread_summary(alone, [(1.25, 3.0, False, False)])
+    assert none["forward_issue_beside_h2d_s"] is None and none["issue_slowdown_beside_h2d"] is None
+    assert none["forward_beside_h2d_same_thread_s"] is None and none["copies_in_flight_trials"] == 0
+    cpu = probe.same_thread_summary(alone, [(2.0, 2.0, None, None)])  # the dry run: nothing to check
+    assert cpu["copies_in_flight_trials"] is None and cpu["issue_slowdown_beside_h2d"] == pytest.approx(0.5)
+    fast = probe.same_thread_summary([2.0], [(1.0, 1.0, True, True)])  # clamped to [0, 1)
+    assert fast["issue_slowdown_beside_h2d"] == 0.0

@@ -158,12 +158,15 @@ def test_the_first_probe_measured_no_contention_so_none_is_filled(h100):
     spec, filled, *_ = h100
     assert not spec.has_contention and not set(filled) & {"compute_slowdown_beside_h2d",
                                                           "h2d_beside_compute_bytes_per_s"}
+    assert not spec.has_issue_contention and "issue_slowdown_beside_h2d" not in filled
 
 
-def _probe_with_contention(slowdown: float, rate: float) -> dict:
+def _probe_with_contention(slowdown: float, rate: float, issue: float | None = None) -> dict:
     probe = json.loads((RESULTS / "2026-11-27-h100-probe.json").read_text())
-    probe["sections"]["launch"]["result"]["forward_beside_h2d"] = {"forward_slowdown": slowdown,
-                                                                   "h2d_beside_forward_bytes_per_s": rate}
+    beside = {"forward_slowdown": slowdown, "h2d_beside_forward_bytes_per_s": rate}
+    if issue is not None:
+        beside["issue_slowdown_beside_h2d"] = issue
+    probe["sections"]["launch"]["result"]["forward_beside_h2d"] = beside
     return probe
 
 
@@ -183,6 +186,24 @@ def test_contention_is_read_from_a_probe_that_measured_it(h100):
     kept, filled = resim.complete_spec({**fields, "compute_slowdown_beside_h2d": 0.3},
                                        _probe_with_contention(0.1, 45e9))
     assert kept.compute_slowdown_beside_h2d == 0.3 and "compute_slowdown_beside_h2d" not in filled
+    assert kept.issue_slowdown_beside_h2d == 0 and "issue_slowdown_beside_h2d" not in filled
+
+
+def test_the_issue_slowdown_is_read_from_a_probe_that_measured_it(h100):
+    """The same-thread forward beside copies (launch.forward_beside_h2d.issue_slowdown_beside_h2d) fills
+    the spec's issue slowdown; two values by hand leave it to the probe, a third sets it."""
+    resim = sys.modules["resimulate_step"]
+    fields = json.loads((RESULTS / "2026-11-27-h100-spec.json").read_text())
+    probe = _probe_with_contention(0.1, 45e9, issue=0.2)
+    spec, filled = resim.complete_spec(fields, probe)
+    assert spec.issue_slowdown_beside_h2d == 0.2 and spec.has_issue_contention
+    assert filled["issue_slowdown_beside_h2d"] == "the probe's launch.forward_beside_h2d.issue_slowdown_beside_h2d"
+    spec, filled = resim.complete_spec(fields, probe, contention=(0.25, 42e9))
+    assert spec.issue_slowdown_beside_h2d == 0.2 and filled["compute_slowdown_beside_h2d"] == \
+        "given by hand (--contention)"
+    spec, filled = resim.complete_spec(fields, probe, contention=(0.25, 42e9, 0.15))
+    assert spec.issue_slowdown_beside_h2d == 0.15
+    assert filled["issue_slowdown_beside_h2d"] == "given by hand (--contention)"
 
 
 def test_the_contention_flag_sets_both_fields_by_hand(h100, capsys):
@@ -203,7 +224,29 @@ def test_the_contention_flag_sets_both_fields_by_hand(h100, capsys):
     assert float(h2d[2]) > out["by_kind"]["H2D"]["predicted_s"] * 1.1
 
 
-@pytest.mark.parametrize("text", ["0.25", "1.0,42e9", "-0.1,42e9", "0.25,-1", "a,b"])
+def test_the_contention_flag_takes_the_issue_slowdown_third(h100, capsys):
+    """``--contention SLOWDOWN,H2D_BYTES_PER_S,ISSUE_SLOWDOWN`` also sets the issuing thread's slowdown
+    beside a copy in flight, printed as given by hand, and the issue-bound forwards beside the
+    copies then take longer (a what-if on the 11-27 step, not a prediction: module docstring)."""
+    resim = sys.modules["resimulate_step"]
+    printed = {}
+    for text in ("0.25,42e9", "0.25,42e9,0.25"):
+        resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
+                    "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
+                    "--spec", str(RESULTS / "2026-11-27-h100-spec.json"),
+                    "--issue-ratios", str(RESULTS / "2026-11-28-cpu-template-issue.json"), "--host-kernel",
+                    "deepspeed", "--host-optimizer", str(RESULTS / "2026-11-27-h100-host-optimizer.json"),
+                    "--contention", text])
+        printed[text] = capsys.readouterr().out
+    assert "issue_slowdown_beside_h2d" not in printed["0.25,42e9"]
+    assert "  issue_slowdown_beside_h2d = 0.25: given by hand (--contention)" in printed["0.25,42e9,0.25"]
+    fwd = {k: float(next(line.split() for line in p.splitlines() if line.startswith("FWD "))[2])
+           for k, p in printed.items()}
+    assert fwd["0.25,42e9,0.25"] > fwd["0.25,42e9"] * 1.05
+
+
+@pytest.mark.parametrize("text", ["0.25", "1.0,42e9", "-0.1,42e9", "0.25,-1", "a,b", "0.25,42e9,1.0",
+                                  "0.25,42e9,-0.1", "0.25,42e9,0.1,0.1"])
 def test_a_bad_contention_flag_names_the_rule(text, capsys):
     resim = _load("resimulate_step")
     with pytest.raises(SystemExit):

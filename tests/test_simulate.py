@@ -671,3 +671,171 @@ def test_contended_timelines_keep_every_invariant(case, slowdown, beside):
     for r, t in zip(tl.records, alone):
         if r.stream in (Stream.COMPUTE, Stream.H2D):
             assert r.duration_s >= t * (1 - 1e-9) - eps
+
+
+# -- copies in flight slow the issuing thread -------------------------------------------------------
+
+def _copy_then_fwd(issue_slowdown: float, tile: int, **overrides) -> Timeline:
+    """An H2D of a ``tile``-element FP32 tile (issued first, 2 launches: 0.4 ms) and a forward issued
+    right after it, issue-bound: its start event, 100 element-wise ops and its end event at 0.2 ms
+    each (20.4 ms of issue) against 100 x 100 us of kernels."""
+    from graphs import kernel_spec, with_profiles
+    from megatrain.ir.profile import Kernel, KernelKind
+
+    mem = [Kernel("aten.add", KernelKind.MEMORY, nbytes=10**5)] * 100
+    g = with_profiles(chain_graph(2, numel=tile), mem, mem)
+    hw = kernel_spec(launch_overhead_s=2e-4, issue_slowdown_beside_h2d=issue_slowdown, **overrides)
+    return simulate(_beside(Op(OpKind.H2D, 1, slot=1), Op(OpKind.FWD, 0, mb=0, slot=0), n_layers=2), g, hw,
+                    issue_times=True)
+
+
+_FWD_ISSUE = 102 * 2e-4
+
+
+@pytest.mark.parametrize("c", [0.0, 0.2, 0.5])
+def test_a_forward_issued_beside_a_copy_in_flight_issues_at_1_minus_c_of_its_speed(c):
+    """The copy (64 MiB: 67 ms) is in flight for the forward's whole issue, so its 20.4 ms of launches
+    take 20.4 / (1 - c) ms, and the issue-bound forward ends with them; the copy itself is not slowed
+    (that is compute_slowdown's and h2d_beside_compute's, unset here), nor its own launch."""
+    copy, f = _copy_then_fwd(c, 1 << 24).records
+    assert copy.start_s == 0.0 and copy.duration_s == pytest.approx((1 << 24) * 4 / 1e9, rel=1e-12)
+    assert copy.issued_s - copy.issue_start_s == pytest.approx(4e-4, rel=1e-12)
+    assert f.issue_start_s == pytest.approx(4e-4, rel=1e-12) and copy.end_s > f.end_s
+    assert f.issued_s - f.issue_start_s == pytest.approx(_FWD_ISSUE / (1 - c), rel=1e-12)
+    assert f.end_s == pytest.approx(f.issued_s, rel=1e-12)  # issue-bound: 10 ms of kernels
+
+
+@pytest.mark.parametrize("c", [0.2, 0.5])
+def test_only_the_launches_while_the_copy_is_in_flight_are_slowed(c):
+    """A 4 MiB copy (4.19 ms) ends while the forward is issued: the launches over the overlap ``O``
+    take their time / (1 - c), so ``O (1 - c)`` seconds of launching were done in it and the rest at
+    full speed after it: the issue takes 20.4 ms + c x O."""
+    copy, f = _copy_then_fwd(c, 1 << 20).records
+    overlap = copy.end_s - f.issue_start_s
+    assert copy.end_s == pytest.approx(_ALONE, rel=1e-12) and 0 < overlap < _FWD_ISSUE
+    assert f.issued_s - f.issue_start_s == pytest.approx(_FWD_ISSUE + c * overlap, rel=1e-12)
+
+
+def _copy_host_fwd(kind: OpKind, stall: float, c: float) -> Timeline:
+    """A copy (134 ms, issued first: 2 launches of 1 ms), a host op of 0.1 s (a CAST, or an OPT:
+    handed over in 1 launch) and a short forward (its start event, 10 ops and its end event, 1 ms
+    each: 12 ms), issued in that order."""
+    from graphs import kernel_spec, with_profiles
+    from megatrain.ir.profile import Kernel, KernelKind
+
+    cast = kind is OpKind.CAST
+    mem = [Kernel("aten.add", KernelKind.MEMORY, nbytes=10**4)] * 10
+    g = with_profiles(chain_graph(3, numel=[10**6, 1 << (26 if cast else 25), 10**6]), mem, mem)
+    hw = kernel_spec(launch_overhead_s=1e-3, host_optimizer_params_per_s=1e7, host_cast_elements_per_s=1e7,
+                     host_optimizer_issue_stall=stall, host_cast_issue_stall=stall, issue_slowdown_beside_h2d=c)
+    host = Op(OpKind.CAST, 0, tile=0) if cast else Op(OpKind.OPT, 0, ring=0)
+    plan = Plan(slots=3, prefetch_distance=2, compute_dtype="bfloat16" if cast else "float32")
+    s = Schedule(ops=(Op(OpKind.H2D, 1, slot=1), host, Op(OpKind.FWD, 2, mb=0, slot=2)), plan=plan, n_layers=3)
+    return simulate(s, g, hw, issue_times=True)
+
+
+@pytest.mark.parametrize("kind", [OpKind.CAST, OpKind.OPT])
+def test_a_copy_in_flight_and_a_host_op_stall_combine(kind):
+    """Where a CAST slows the thread (to 1 - f) while a copy is in flight (1 - c), the thread issues at
+    (1 - f)(1 - c) of its speed; where an OPT's kernel call stops it, it waits, then issues at 1 - c.
+    The host op's hand-over, issued beside the copy, takes its 1 ms / (1 - c)."""
+    f, c = 0.5, 0.2
+    copy, host, fwd = _copy_host_fwd(kind, f, c).records
+    assert copy.start_s == 0.0 and copy.issued_s == pytest.approx(2e-3) and copy.end_s > fwd.issued_s
+    assert host.start_s == pytest.approx(2e-3 + 1e-3 / (1 - c)) and host.duration_s == pytest.approx(0.1)
+    if kind is OpKind.CAST:
+        assert fwd.issue_start_s == pytest.approx(host.start_s) and fwd.issued_s < host.end_s
+        assert fwd.issued_s - fwd.issue_start_s == pytest.approx(12e-3 / ((1 - f) * (1 - c)))
+        alone = _copy_host_fwd(kind, f, 0.0).records[2]
+        assert alone.issued_s - alone.issue_start_s == pytest.approx(12e-3 / (1 - f))
+    else:
+        assert fwd.issue_start_s == pytest.approx(host.start_s + f * 0.1)  # the GIL-holding call, then free
+        assert fwd.issued_s - fwd.issue_start_s == pytest.approx(12e-3 / (1 - c))
+
+
+@pytest.mark.parametrize("c", [0.25, 0.5])
+def test_a_copy_the_pair_slows_slows_the_forward_it_slows_for_longer(c):
+    """With contention too, the forward committed beside the copy moves the copy's end later (0.5 GB/s
+    beside it), while the forward is still being issued: its issue is re-timed over the copy's new
+    end, so it takes 20.4 ms + c x its overlap with the copy as the timeline has it."""
+    copy, f = _copy_then_fwd(c, 1 << 20, h2d_beside_compute_bytes_per_s=0.5e9).records
+    t = f.start_s
+    assert t == pytest.approx(4e-4) and copy.end_s == pytest.approx(t + (_ALONE - t) / 0.5, rel=1e-12)
+    overlap = copy.end_s - f.issue_start_s
+    assert f.issued_s - f.issue_start_s == pytest.approx(_FWD_ISSUE + c * overlap, rel=1e-12)
+    assert f.end_s == pytest.approx(f.issued_s, rel=1e-12)
+
+
+def test_issue_slowdown_at_its_default_leaves_every_time_as_it_was():
+    """A spec written before the field reads as 0, no preset sets it, and it is apart from the
+    copy/compute contention's ``has_contention``."""
+    hw = spec()
+    old = json.loads(hw.model_dump_json())
+    del old["issue_slowdown_beside_h2d"]
+    assert HardwareSpec.model_validate(old) == hw and hw.issue_slowdown_beside_h2d == 0
+    assert not hw.has_issue_contention and all(not p.has_issue_contention for p in PRESETS.values())
+    one = spec(issue_slowdown_beside_h2d=0.1)
+    assert one.has_issue_contention and not one.has_contention
+    with pytest.raises(ValueError):
+        spec(issue_slowdown_beside_h2d=1.0)
+
+
+@PROPERTY
+@given(cases(), st.booleans(), st.sampled_from([0.0, 0.3]), st.floats(0, 1), st.floats(0, 1))
+def test_issue_slowdown_0_times_every_op_as_the_host_windows_alone(case, kernels, slowdown, opt, cast):
+    """At 0 the simulator keeps no copy window and its thread is the host ops' windows alone, as before
+    the field (compared against that structure: every record exactly equal), whatever else is set."""
+    from unittest import mock
+
+    from megatrain.planner import simulate as simulate_module
+
+    class HostOnly(simulate_module._Stalls):  # the issuing thread as it was: one set of windows
+        host = property(lambda self: self)
+        copies = property(lambda self: pytest.fail("a copy window at issue_slowdown_beside_h2d = 0"))
+
+    g, plan, hw = case
+    if kernels:
+        g, hw = _kernels(g, hw)
+    hw = hw.model_copy(update={"compute_slowdown_beside_h2d": slowdown, "h2d_beside_compute_bytes_per_s":
+                               0.5 * hw.h2d_bytes_per_s if slowdown else 0.0,
+                               "host_optimizer_issue_stall": opt, "host_cast_issue_stall": cast})
+    s = lower(g, plan)
+    got = simulate(s, g, hw, issue_times=True)
+    with mock.patch.object(simulate_module, "_Thread", HostOnly):
+        want = simulate(s, g, hw, issue_times=True)
+    assert got.records == want.records
+
+
+def _kernels(g, hw):
+    from graphs import with_profiles
+    from megatrain.ir.profile import Kernel, KernelKind
+
+    fwd = [Kernel("aten.mm", KernelKind.MATMUL, flops=10**6, nbytes=10**4),
+           Kernel("aten.add", KernelKind.MEMORY, nbytes=10**5)]
+    g = with_profiles(g, fwd, fwd + [Kernel("aten.mm", KernelKind.MATMUL, flops=2 * 10**6, nbytes=10**4)])
+    return g, hw.model_copy(update={"memory_bytes_per_s": 1e9, "attention_flops": 1e9,
+                                    "attention_backward_flops": 1e9, "launch_overhead_s": 1e-5})
+
+
+@PROPERTY
+@given(cases(), st.booleans(), st.floats(0, 0.9), st.sampled_from([0.0, 0.3]), st.floats(0, 1))
+def test_timelines_with_copies_slowing_the_thread_keep_every_invariant(case, kernels, c, slowdown, opt):
+    """Every invariant holds; no issue takes less wall time than its launches, nor, beside copies, less
+    than its launches plus ``c`` x its overlap with them (at least that share was done at 1 - c)."""
+    g, plan, hw = case
+    if kernels:
+        g, hw = _kernels(g, hw)
+    hw = hw.model_copy(update={"issue_slowdown_beside_h2d": c, "compute_slowdown_beside_h2d": slowdown,
+                               "h2d_beside_compute_bytes_per_s": 0.5 * hw.h2d_bytes_per_s if slowdown else 0.0,
+                               "host_optimizer_issue_stall": opt})
+    s, tl = run(g, plan, hw)
+    check_invariants(s, tl, hw, g)
+    timed = simulate(s, g, hw, issue_times=True)
+    copies = [r for r in timed.records if r.stream is Stream.H2D]
+    for r in timed.records:
+        if r.issued_s is None:
+            continue
+        wall = r.issued_s - r.issue_start_s
+        beside = sum(max(0.0, min(r.issued_s, x.end_s) - max(r.issue_start_s, x.start_s))
+                     for x in copies if x.index != r.index)
+        assert wall >= r.issue_cpu_s + c * beside - 1e-9 * max(1.0, tl.step_time_s)

@@ -191,8 +191,9 @@ class HardwareSpec(pydantic.BaseModel):
     feed the simulator's kernel model (:func:`megatrain.planner.time.kernel_time`,
     :class:`megatrain.planner.time.ComputeWork`); ``host_*_issue_stall`` how much a host op holds the
     issuing thread; ``h2d_beside_compute_bytes_per_s`` and ``compute_slowdown_beside_h2d`` how much a
-    weight copy and a layer's compute slow each other (measured only: presets leave them at "no
-    contention", and so do specs written before them).
+    weight copy and a layer's compute slow each other, ``issue_slowdown_beside_h2d`` how much a copy in
+    flight slows the issuing thread (measured only: presets leave them at "no contention", and so do
+    specs written before them).
 
     Every field is in base units (bytes, seconds, FLOP/s, bytes/s, params/s). A GPU field of 0
     means "not measured / no GPU" (a host-only spec from ``measure_hardware()`` on a machine without CUDA);
@@ -234,6 +235,15 @@ class HardwareSpec(pydantic.BaseModel):
                                                            "(it takes time / (1 - this) beside one; measured: "
                                                            "bench/gpu_probe.py, launch.forward_beside_h2d."
                                                            "forward_slowdown = 1 - alone / beside); 0: none")
+    issue_slowdown_beside_h2d: float = Field(0.0, ge=0, lt=1,
+                                             description="fraction of its speed the issuing thread (the Python "
+                                                         "thread that launches every GPU op) loses while a "
+                                                         "host-to-device copy it queued is in flight, "
+                                                         "dimensionless (a launch takes time / (1 - this) beside "
+                                                         "one; measured: bench/gpu_probe.py, launch."
+                                                         "forward_beside_h2d.issue_slowdown_beside_h2d = 1 - "
+                                                         "the forward's launch wall time alone / beside copies "
+                                                         "the same thread queued); 0: none")
     host_memory_bytes: int = Field(ge=0, description="host DRAM in bytes")
     pinned_memory_cap_bytes: int = Field(ge=0, description="most host memory that may be pinned, in bytes")
     host_optimizer_params_per_s: float = Field(gt=0, description="FP32 AdamW updates per second on the "
@@ -374,6 +384,14 @@ class HardwareSpec(pydantic.BaseModel):
         ``compute_slowdown_beside_h2d`` set): the simulator slows an H2D-stream copy and a compute op
         that run at once (:mod:`megatrain.planner.simulate`, "Contention")."""
         return self.h2d_beside_compute_bytes_per_s > 0 or self.compute_slowdown_beside_h2d > 0
+
+    @property
+    def has_issue_contention(self) -> bool:
+        """A copy in flight slows the issuing thread (``issue_slowdown_beside_h2d`` set): the simulator
+        issues at ``1 - issue_slowdown_beside_h2d`` of its speed while an H2D-stream copy runs
+        (:mod:`megatrain.planner.simulate`, "Stalls"). Apart from :attr:`has_contention`, which slows
+        the copy and the GPU's kernels, not the thread."""
+        return self.issue_slowdown_beside_h2d > 0
 
     @property
     def has_gpu(self) -> bool:

@@ -43,6 +43,25 @@ stall is known when an issue is timed, the thread issues an op only once every o
 before that issue would end has been committed (a host op cannot start on the strength of an issue
 still under way, and one that stalls the thread is added before the issue it delays).
 
+Copies in flight. Where ``hw`` measured it (``HardwareSpec.issue_slowdown_beside_h2d``, ``c``), the
+thread issues at ``1 - c`` of its speed while a copy on the H2D stream (H2D, RELOAD) is in flight: the
+probe times the template's forward's launches by wall clock alone and beside copies the same thread
+queued, as the runtime queues them (``bench/gpu_probe.py``, ``_forward_beside_h2d``; the host's
+memory bandwidth or the doorbell writes shared). The thread's speed is then piecewise constant over
+two sets of windows kept apart (:class:`_Thread`): the host ops' (one host resource: they never
+overlap) and the copies' (one in-order stream: nor do they), each in start order; the clock walks
+both at once, the speed in each piece the product of the two speeds (independent causes; an OPT's
+stop stays a stop). A copy's window is its committed ``[start, end)``, known in time by the same
+hold-back as a host op's: once an issue is timed, the only op that can still start before it ends is
+the op just issued, whose dependants start after its issue ends, and a copy does not slow its own
+launch (its window opens after its issue began). One exception, handled: with contention on (below) a
+compute op committed beside a running copy moves the copy's end later, and the copy's window with
+it; every issue timed so far ended by the compute op's start except, when it starts while still
+being issued (an issue-bound forward), its own, which is re-timed with the moved window, its issue
+bound with it and the pair's ends again, to a fixed point (a round moves the copy by at most
+``1 -`` its share of the bound's move and the bound by about ``c`` x the copy's: a contraction; at
+most ``_REBOUND_ROUNDS`` rounds, so the last may leave an error of that order).
+
 Contention. Where ``hw`` measured it (``HardwareSpec.has_contention``), a copy on the H2D stream
 (H2D, RELOAD) and an op on the compute stream (FWD, RECOMPUTE, BWD) slow each other: a copy in flight
 beside a compute op in flight progresses at its share of its speed alone
@@ -52,10 +71,12 @@ beside a compute op in flight progresses at its share of its speed alone
 moves its bytes at the rate beside, and a GPU-bound compute op wholly beside copies takes its time
 alone / (1 - s). The approximation: a compute op's GPU seconds (its kernels', or its FLOP time) run
 from its start as one block, slowed over the overlap, and the op ends at the later of that and its
-issue bound (:meth:`megatrain.planner.cost.ComputeWork.issue_bound`, not slowed: the issuing thread
-does not wait for the GPU), so an issue-bound op absorbs a slowdown of its kernels up to its idle
-time; a copy counts as slowed for its partner's whole interval, as the probe measured it (the copy
-beside a looping forward, issue gaps included), and is timed whole (its interval alone, launch too).
+issue bound (:meth:`megatrain.planner.cost.ComputeWork.issue_bound`, not slowed by these two: the
+issuing thread does not wait for the GPU, and a copy slows it only through
+``issue_slowdown_beside_h2d``, above), so an issue-bound op absorbs a slowdown of its kernels up to
+its idle time; a copy counts as slowed for its partner's whole interval, as the probe measured it
+(the copy beside a looping forward, issue gaps included), and is timed whole (its interval alone,
+launch too).
 
 Each stream is in order, so at most one op of each class runs at a time; starts are committed in
 non-decreasing time, so when an op starting at ``t`` is committed, the op of the other class still
@@ -66,6 +87,8 @@ is safe, as nothing committed can depend on an end after ``t`` (a dependant woul
 and its stream's and resource's free times and a fence's wake-up move with it. A later op of the
 new op's class starting before the earlier op ends revises it again the same way: O(1) per commit.
 With neither field set the contention path is skipped and every time is exactly as without it.
+``issue_slowdown_beside_h2d`` is apart from these two (``HardwareSpec.has_issue_contention``): either
+may be set without the other.
 
 Deadlock. If ops remain but no queue head has all its dependencies finished, no op can ever
 start: the error lists each blocked head and what it waits for (a dependency queued behind it on
@@ -74,13 +97,16 @@ dependencies point to earlier ops; the simulator still checks, as pipelining's
 ``_simulate_comms_compute`` does.
 
 Cost: O(ops x streams x deps), contention O(1) more per op; a 120-layer model with 8 micro-batches
-(about 2,300 ops) takes a few milliseconds.
+(about 2,300 ops) takes a few milliseconds. Copies in flight add a window per copy: an issue's clock
+walks the windows it overlaps (a bisect to the first), a compute op's bound that walk per kernel, as
+the host windows already cost; a re-timed own issue up to ``_REBOUND_ROUNDS`` more bounds.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from typing import Callable
 
 from megatrain.errors import ScheduleError
 from megatrain.planner import cost
@@ -120,6 +146,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
     dur = cost.op_times(schedule, graph, hw, works)
     launch = cost.launch_times(schedule, graph, hw, works)
     share = cost.contention_rates(schedule, graph, hw, dur)  # None: no contention measured
+    slow = hw.issue_slowdown_beside_h2d  # 0: a copy in flight does not slow the issuing thread
     running = {Stream.COMPUTE: -1, Stream.H2D: -1}  # the last op committed on each contending stream
     gpu_end = [0.0] * n if share is not None else []  # a compute op's GPU seconds end (module docstring)
     bound = [0.0] * n if share is not None else []  # and its issue bound
@@ -139,11 +166,12 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
     active = [s for s in Stream if queues[s]]
     # The issuing thread: ``clock`` is when it is next free; ``offered`` ops were handed to it;
     # ``pending`` is the op it issues next, held until every op that starts before that issue ends
-    # has been committed (one of them may be a host op that stalls the thread: ``stalls``).
+    # has been committed (one of them may be a host op that stalls the thread, or a copy that slows
+    # it: ``thread``).
     iq = IssueQueue()
     clock, offered = 0.0, 0
     pending = -1
-    stalls = _Stalls()
+    thread = _Thread()
     fenced = {f for i in range(n) for f in schedule.fences(i)}  # ops whose end an issue waits for
     wake: list[float] = []  # heap: end times of committed host ops and fences, for a blocked issuer
     committed = 0
@@ -177,10 +205,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
                 j = iq.next(done)
                 if j is not None:
                     pending = j
-                    clock = stalls.resume(clock)
+                    clock = thread.resume(clock)
                     continue
             if pending >= 0:
-                issue_end = stalls.clock(clock, launch[pending])
+                issue_end = thread.clock(clock, launch[pending])
                 if best_s is not None and best_t < issue_end:
                     pass  # an op starts while this one is issued: commit it first (below)
                 else:
@@ -208,7 +236,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
         if not host[best_i]:
             work = works[best_i]
             if work is not None:  # kernel by kernel: the GPU runs each once issued (cost.ComputeWork)
-                b = work.issue_bound(issued[best_i], stalls.clock if stalls.during(issued[best_i], issued_end[best_i])
+                b = work.issue_bound(issued[best_i], thread.clock if thread.during(issued[best_i], issued_end[best_i])
                                      else None)
                 e = max(best_t + work.gpu_s, b)
             else:
@@ -216,15 +244,31 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
                 if b > e:
                     e = b
             if share is not None and best_s in running:
+                copy = running[Stream.H2D]
+                rebound = None
+                if (slow and best_s is Stream.COMPUTE and copy >= 0 and best_t < end[copy] < issued_end[best_i]
+                        and clock == issued_end[best_i]):
+                    # Its own issue runs past the running copy's end, which the pair moves later
+                    # (module docstring, "Copies in flight"); nothing was issued since it (the hold-back
+                    # keeps it so; were it not, the issue would keep its first timing).
+                    rebound = _rebound(best_i, thread, issued, issued_end, launch, work)
+                copy_end = end[copy] if copy >= 0 else 0.0
                 e = _contend(best_i, best_s, best_t, e, b, dur, share, running, gpu_end, bound, end, stream_free,
-                             resource_free, resource, ops, fenced, wake)
+                             resource_free, resource, ops, fenced, wake, rebound)
+                if slow and copy >= 0 and end[copy] != copy_end:  # the pair moved the copy's end
+                    thread.copies.move_end(end[copy])
+                if rebound is not None:
+                    clock = issued_end[best_i]
         start[best_i], end[best_i] = best_t, e
         if host[best_i]:
             heapq.heappush(wake, e)
             if (span := cost.issue_stall_span(ops[best_i].kind, hw, best_t, e)) is not None:
-                stalls.add(*span)
-        elif best_i in fenced:
-            heapq.heappush(wake, e)
+                thread.host.add(*span)
+        else:
+            if best_i in fenced:
+                heapq.heappush(wake, e)
+            if slow and best_s is Stream.H2D:
+                thread.copies.add(best_t, e, slow)
         committed += 1
         stream_free[best_s] = e
         resource_free[resource[best_s]] = e
@@ -236,12 +280,32 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
     return Timeline.from_records(schedule, graph, records, hw, source="simulated", issue=issue)
 
 
+_REBOUND_ROUNDS = 16
+"""Most rounds of re-timing a compute op's own issue beside the copy its pair moves (module
+docstring, "Copies in flight"); each shrinks the error by about ``issue_slowdown_beside_h2d`` x the
+copy's lost share (0.25 x 0.22 at the 11-27 what-if's factors), so 16 reach rounding."""
+
+
+def _rebound(i: int, thread: "_Thread", issued: list[float], issued_end: list[float], launch,
+             work: cost.ComputeWork | None) -> Callable[[float], float]:
+    """For compute op ``i``, started while still being issued beside a running copy: a function from
+    the copy's moved end to the op's issue bound, its issue re-timed with the copy's window moved
+    there (``issued_end[i]`` rewritten)."""
+    def rebound(copy_end: float) -> float:
+        thread.copies.move_end(copy_end)
+        issued_end[i] = thread.clock(issued[i], launch[i])
+        return issued_end[i] if work is None else work.issue_bound(issued[i], thread.clock)
+    return rebound
+
+
 def _contend(i: int, s: Stream, t: float, e: float, b: float, dur, share, running: dict[Stream, int],
              gpu_end: list[float], bound: list[float], end: list[float], stream_free, resource_free, resource,
-             ops, fenced: set[int], wake: list[float]) -> float:
+             ops, fenced: set[int], wake: list[float], rebound: Callable[[float], float] | None = None) -> float:
     """Op ``i`` on contending stream ``s`` starts at ``t``, ending at ``e`` alone (``b``: its issue
     bound); pair it with the op of the other class still running at ``t`` (module docstring,
-    "Contention"), move that one's end, and return op ``i``'s."""
+    "Contention"), move that one's end, and return op ``i``'s. ``rebound`` (a compute op whose own
+    issue runs past the copy's end): its issue bound from the copy's moved end, iterated to a fixed
+    point ("Copies in flight")."""
     compute = s is Stream.COMPUTE
     other = running[Stream.H2D if compute else Stream.COMPUTE]
     running[s] = i
@@ -250,7 +314,15 @@ def _contend(i: int, s: Stream, t: float, e: float, b: float, dur, share, runnin
     if other < 0 or end[other] <= t:
         return e
     if compute:  # the copy has run at full speed since its last partner ended
-        gpu_end[i], e, moved = _pair(t, gpu_end[i] - t, share[i], b, end[other] - t, share[other])
+        g, h = gpu_end[i] - t, end[other] - t
+        gpu_end[i], e, moved = _pair(t, g, share[i], b, h, share[other])
+        if rebound is not None:
+            for _ in range(_REBOUND_ROUNDS):
+                again = rebound(moved)
+                if again <= b:
+                    break
+                b = bound[i] = again
+                gpu_end[i], e, moved = _pair(t, g, share[i], b, h, share[other])
     else:
         gpu_end[other], moved, e = _pair(t, max(0.0, gpu_end[other] - t), share[other], bound[other], e - t,
                                          share[i])
@@ -279,10 +351,10 @@ def _pair(t: float, g: float, share_g: float, issue_bound: float, h: float,
 
 
 class _Stalls:
-    """The windows in which a host op holds the issuing thread (the GIL), each ``(start, end,
-    fraction)``: the thread issues at ``1 - fraction`` of its speed inside one. Windows are added in
-    start order and do not overlap (the host ops that hold it share one resource), so their ends
-    are in order too."""
+    """The windows in which one cause slows the issuing thread, each ``(start, end, fraction)``: the
+    thread issues at ``1 - fraction`` of its speed inside one. Windows are added in start order and
+    do not overlap (a host op holding the GIL: the host ops share one resource; a copy in flight: the
+    copies share one in-order stream), so their ends are in order too."""
 
     __slots__ = ("windows", "ends")
 
@@ -293,6 +365,12 @@ class _Stalls:
     def add(self, a: float, b: float, f: float) -> None:
         self.windows.append((a, b, f))
         self.ends.append(b)
+
+    def move_end(self, b: float) -> None:
+        """Move the last window's end to ``b`` (a copy the contention path slowed after its commit)."""
+        a, _, f = self.windows[-1]
+        self.windows[-1] = (a, b, f)
+        self.ends[-1] = b
 
     def resume(self, t: float) -> float:
         """When a thread free at ``t`` can start issuing: after a window that stops it (fraction 1)."""
@@ -321,6 +399,54 @@ class _Stalls:
             work -= (b - t) * (1.0 - f)
             t = b
         return t + work
+
+
+class _Thread:
+    """The issuing thread's speed over time (module docstring, "Stalls", "Copies in flight"): the
+    host ops' windows (``host``, an OPT's stop or a CAST's slowdown) and the copies' (``copies``),
+    each a :class:`_Stalls`; where both hold, the speeds multiply. Only a host window stops the
+    thread (``issue_slowdown_beside_h2d`` < 1). With no copy window the clock is ``host``'s own, so a
+    spec without the copies' slowdown times every issue exactly as before it."""
+
+    __slots__ = ("host", "copies")
+
+    def __init__(self) -> None:
+        self.host = _Stalls()
+        self.copies = _Stalls()
+
+    def resume(self, t: float) -> float:
+        return self.host.resume(t)
+
+    def during(self, t0: float, t1: float) -> bool:
+        return self.host.during(t0, t1) or self.copies.during(t0, t1)
+
+    def clock(self, t: float, work: float) -> float:
+        """When ``work`` seconds of issuing begun at ``t`` are done, through both sets of windows."""
+        if not self.copies.windows:
+            return self.host.clock(t, work)
+        hw_, hs = self.host.windows, len(self.host.windows)
+        cw, cs = self.copies.windows, len(self.copies.windows)
+        i, j = bisect.bisect_right(self.host.ends, t), bisect.bisect_right(self.copies.ends, t)
+        while True:
+            while i < hs and hw_[i][1] <= t:
+                i += 1
+            while j < cs and cw[j][1] <= t:
+                j += 1
+            speed, nxt = 1.0, _INF  # the speed from t to the next window edge
+            for k, n, w in ((i, hs, hw_), (j, cs, cw)):
+                if k < n:
+                    a, b, f = w[k]
+                    if a > t:
+                        nxt = min(nxt, a)
+                    else:
+                        speed *= 1.0 - f
+                        nxt = min(nxt, b)
+            if nxt == _INF:
+                return t + work
+            if speed > 0.0 and (nxt - t) * speed >= work:
+                return t + work / speed
+            work -= (nxt - t) * speed
+            t = nxt
 
 
 def _deadlock_message(schedule: Schedule, queues: dict[Stream, list[int]], head: dict[Stream, int],

@@ -60,7 +60,9 @@ Contention. A weight copy to the GPU and a layer's compute slow each other where
 ``launch.forward_beside_h2d``; the first H100 step's block forwards took 2.06 ms alone and 2.75
 beside an H2D, its copies ran at ~42 GB/s beside forwards against 54 alone). :func:`contention_rates`
 gives each op's share of its speed alone while the other runs; the simulator applies it over their
-overlap. Op times here are always the times alone.
+overlap. A copy in flight may also slow the issuing thread (``issue_slowdown_beside_h2d``, the
+probe's same-thread forward beside copies it queued), which the simulator applies to the thread's
+clock, not here. Op times here are always the times alone.
 
 Resources. Each stream is an in-order queue on one resource; H2D and D2H are separate resources
 when ``hw.duplex`` and one shared copy engine otherwise (:func:`resource_of`), which the simulator
