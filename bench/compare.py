@@ -6,7 +6,9 @@ embeddings, nothing downloaded) on the same seeded synthetic token batches, with
 batch, micro-batch size, sequence length and AdamW settings, BF16 compute on the GPU and FP32
 master weights and moments. megatrain runs the solver's plan for the spec ``measure_hardware()``
 measures in its own process (its knobs are in the row, ``megatrain_plan``), with BF16 compute as
-the peers' mixed precision runs it: the model traced with BF16 parameters, no autocast. Each
+the peers' mixed precision runs it: the model traced with BF16 parameters, no autocast;
+``megatrain-own-plan`` runs the same with the micro-batch size and count the solver chooses for
+the global batch (the split megatrain would pick; the loss is the same for any split). Each
 system runs in a fresh child process (``--child SYSTEM``) so that its peak host memory
 (``ru_maxrss`` and ``VmHWM`` of that process) and peak GPU memory
 (``torch.cuda.max_memory_allocated``) are its own. A step is one global batch: warm-up steps are
@@ -62,7 +64,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout where megatrain is not installed
     sys.path.insert(0, str(ROOT))
 
-SYSTEMS = ("megatrain", "deepspeed", "fsdp2", "torch")
+SYSTEMS = ("megatrain", "megatrain-own-plan", "deepspeed", "fsdp2", "torch")
+"""``megatrain`` runs the benchmark's micro-batch size and count, as the peers do;
+``megatrain-own-plan`` lets the solver choose both for the same global batch and sequence length
+(``PlanRequest.micro_batch_size=None``, as ``megatrain plan`` does), the split megatrain would run."""
 RESULT_MARK = "BENCH_RESULT "
 """A child prints exactly one line starting with this, followed by its row as JSON."""
 
@@ -307,6 +312,7 @@ def _gpu_fit_estimate(cfg: ModelConfig, args) -> int:
 HOST_BYTES_PER_PARAM = {
     # FP32 master and two moments (12 B) plus rings of a few layers.
     "megatrain": 12,
+    "megatrain-own-plan": 12,
     # FP32 master and moments (12 B), FP32 gradient partition on the host (4 B), the offloaded BF16
     # parameter partition (2 B): DeepSpeed ZeRO-3 offload's documented footprint is 18 B/param.
     "deepspeed": 18,
@@ -335,12 +341,15 @@ class Skip(Exception):
 
 # -- the four systems ------------------------------------------------------------------------------
 
-def run_megatrain(cfg: ModelConfig, args) -> dict:
+def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
     """megatrain: the model built on ``meta``, compiled with the solver's plan for the spec measured
     on this machine (``measure_hardware()``; the dry run plans for ``--sim-preset``), at the
-    benchmark's micro-batch size and count; host tiles hold all persistent state. BF16 compute traces
-    the model with BF16 parameters (FP32 masters and moments stay on the host), as the peers' mixed
-    precision runs it; the dry run computes in FP32 like the others."""
+    benchmark's micro-batch size and count, or with ``own_plan`` at the micro-batch size and count
+    the solver chooses for the same global batch (``megatrain.planner.front.plan`` of a request with
+    ``micro_batch_size=None``, then ``materialize``); host tiles hold all persistent state. Each step
+    is given the whole global batch, which the trainer cuts into its plan's micro-batches. BF16
+    compute traces the model with BF16 parameters (FP32 masters and moments stay on the host), as
+    the peers' mixed precision runs it; the dry run computes in FP32 like the others."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -360,10 +369,18 @@ def run_megatrain(cfg: ModelConfig, args) -> dict:
         from megatrain.runtime.measure import measure_hardware
 
         hw = measure_hardware()
-    trainer = megatrain.compile(model, seq_len=args.seq_len, micro_batch_size=args.micro_batch,
-                                micro_batches=k, optimizer=megatrain.AdamW(**_adamw_kwargs(args)),
-                                hardware=hw, compute_dtype="float32" if args.dry_run else "bfloat16",
-                                device=device)
+    dtype = "float32" if args.dry_run else "bfloat16"
+    mbs, given, choice = args.micro_batch, None, None
+    if own_plan:  # the solver's split and plan for the global batch; compiled at that split, that plan
+        from megatrain.planner.front import plan
+        from megatrain.product.planning import plan_request
+
+        choice = plan(plan_request(model, seq_len=args.seq_len, global_batch=args.global_batch,
+                                   micro_batch_size=None, hardware=hw, device=device, compute_dtype=dtype))
+        mbs, k, given = choice.options.micro_batch_size, choice.plan.micro_batches, choice.plan
+    trainer = megatrain.compile(model, seq_len=args.seq_len, micro_batch_size=mbs, micro_batches=k,
+                                optimizer=megatrain.AdamW(**_adamw_kwargs(args)), plan=given, hardware=hw,
+                                compute_dtype=dtype, device=device)
     own_seconds = []
     last = {}
 
@@ -376,6 +393,11 @@ def run_megatrain(cfg: ModelConfig, args) -> dict:
     out = _timed_loop(step, args, cfg)
     out["megatrain_reported_step_s"] = own_seconds[args.warmup:]
     out["megatrain_plan"] = _plan_summary(trainer)
+    if own_plan:
+        mp = out["megatrain_plan"]
+        mp["chosen_by"] = f"solver ({choice.solution.method}), micro-batch size and count included"
+        out["note"] = (f"own plan: micro-batch {mp['micro_batch_size']} x {mp['micro_batches']} "
+                       f"(the solver's, for global batch {args.global_batch})")
     out["_finish"] = lambda row: _megatrain_extras(row, trainer, last.get("result"), args)
     return out
 
@@ -385,6 +407,7 @@ def _plan_summary(trainer) -> dict:
     plan, solution = trainer.plan, trainer.planned.solution
     policies = [p.value for p in plan.activations]
     return {"chosen_by": f"solver ({solution.method})" if solution is not None else "given",
+            "micro_batch_size": trainer.planned.options.micro_batch_size,
             "micro_batches": plan.micro_batches, "slots": plan.slots, "prefetch_distance": plan.prefetch_distance,
             "resident_layers": len(plan.resident), "grad_ring": plan.grad_ring, "layer_by_layer": plan.layer_by_layer,
             "optimizer": plan.optimizer.value, "compute_dtype": plan.compute_dtype, "cast_once": plan.cast_once,
@@ -608,7 +631,8 @@ def run_torch(cfg: ModelConfig, args) -> dict:
 
 
 RUNNERS: dict[str, Callable[[ModelConfig, argparse.Namespace], dict]] = {
-    "megatrain": run_megatrain, "deepspeed": run_deepspeed, "fsdp2": run_fsdp2, "torch": run_torch}
+    "megatrain": run_megatrain, "megatrain-own-plan": lambda cfg, args: run_megatrain(cfg, args, own_plan=True),
+    "deepspeed": run_deepspeed, "fsdp2": run_fsdp2, "torch": run_torch}
 
 
 # -- child: one system, one size -------------------------------------------------------------------

@@ -25,8 +25,11 @@
 #             torch fused AdamW, same tiles and threads, and each kernel's and host op's stall of the
 #             issuing thread (issuing_thread, stall_target: the default kernel under 5%) (after the
 #             cpu_adam compile has finished)
-#   compare   bench/compare.py at 1B: megatrain on the solver's plan, then DeepSpeed ZeRO-3 with
-#             parameters and optimizer offloaded to the CPU, same model, batches and accounting
+#   compare   bench/compare.py at 1B, global batch 16, seq 2048: megatrain on its own plan (the solver
+#             chooses the micro-batch size and count too: megatrain-own-plan), then DeepSpeed ZeRO-3
+#             with parameters and optimizer offloaded to the CPU at micro-batch 2 x 8, then megatrain
+#             at that same 2 x 8 split (the first session's, for continuity); same model, batches and
+#             accounting, each system in a box of its own
 #   tests     the CUDA tests and the race detector on real streams, in the time that is left
 #
 # Usage
@@ -36,14 +39,14 @@
 #       bash bench/gpu_session.sh --dry-run            # $OUT defaults to a new temporary directory
 #
 # Time boxes (seconds) can be changed per phase with GPU_SESSION_LIMIT_<PHASE>=S (e.g.
-# GPU_SESSION_LIMIT_PROBE=200); a phase past its box is killed (exit 124 in phases.tsv) and the
+# GPU_SESSION_LIMIT_PROBE=200, GPU_SESSION_LIMIT_COMPARE_MEGATRAIN_OWN_PLAN=120: upper case, "-" as "_"); a phase past its box is killed (exit 124 in phases.tsv) and the
 # next phase runs (the default boxes, probe 230 + block 180 + hostopt 60 + compare 170 s, sum past the
 # budget: the last phases get what is left; GPU_SESSION_BLOCK_SHAPES=1b halves the block phase).
 # GPU_SESSION_BUDGET_S (default 540) is the whole command's budget: a phase never
 # gets more than what is left of it, and the tests phase only what the others left.
 # GPU_SESSION_COMPARE_SIZES (default 1b), GPU_SESSION_COMPARE_WARMUP (2) and GPU_SESSION_COMPARE_STEPS
-# (5) set the compare phase's model size and steps; GPU_SESSION_COMPARE_SYSTEMS (default "megatrain
-# deepspeed"; also fsdp2, torch) its systems, each in a box of its own. At 1B on an H100
+# (5) set the compare phase's model size and steps; GPU_SESSION_COMPARE_SYSTEMS (default "megatrain-own-plan
+# deepspeed megatrain"; also fsdp2, torch) its systems, each in a box of its own. At 1B on an H100
 # (2026-11-27) DeepSpeed's 7 steps took 100 s of its 170 s box: at 3B take 1 warm-up and 3 steps.
 # GPU_SESSION_HANG=<phase> replaces that phase's command by one that never ends, to check on a CPU
 # that a hung phase is cut at its box and the later phases still run and pack.
@@ -78,7 +81,7 @@ want() { case ",$PHASES," in *",$1,"*) return 0;; esac; return 1; }
 left() { echo $((BUDGET - SECONDS)); }
 box() {  # box PHASE DEFAULT_S cmd...: run cmd under min(DEFAULT_S or its override, what is left)
     local phase=$1 default=$2; shift 2
-    local var="GPU_SESSION_LIMIT_$(echo "$phase" | tr '[:lower:]' '[:upper:]')"
+    local var="GPU_SESSION_LIMIT_$(echo "$phase" | tr '[:lower:]-' '[:upper:]_')"
     local s=${!var:-$default} t0=$SECONDS rc
     [ "$s" -gt "$(left)" ] && s=$(left)
     if [ "$s" -le 5 ]; then
@@ -160,13 +163,13 @@ fi
 COMPARE_SIZES=${GPU_SESSION_COMPARE_SIZES:-1b}
 COMPARE_WARMUP=${GPU_SESSION_COMPARE_WARMUP:-2}
 COMPARE_STEPS=${GPU_SESSION_COMPARE_STEPS:-5}
-COMPARE_SYSTEMS=${GPU_SESSION_COMPARE_SYSTEMS:-megatrain deepspeed}
+COMPARE_SYSTEMS=${GPU_SESSION_COMPARE_SYSTEMS:-megatrain-own-plan deepspeed megatrain}
 if want compare; then
     wait_jit
     mkdir -p "$W/compare"
     for system in $COMPARE_SYSTEMS; do
         if [ $DRY = 1 ]; then
-            [ $system != megatrain ] && continue  # the peers need CUDA; the dry run checks the harness
+            case $system in megatrain*) ;; *) continue ;; esac  # the peers need CUDA; the dry run checks the harness
             box "compare_$system" 150 "$PY" bench/compare.py --dry-run --system $system --results-dir "$W/compare"
         else
             box "compare_$system" 170 "$PY" bench/compare.py --sizes "$COMPARE_SIZES" --system $system --seq-len 2048 \

@@ -70,6 +70,19 @@ def test_dry_run_writes_one_row_per_system(dry_run):
     plan, settings = by["megatrain"]["megatrain_plan"], meta["settings"]
     assert plan["chosen_by"].startswith("solver (")
     assert plan["micro_batches"] * settings["micro_batch"] == settings["global_batch"]
+    # megatrain-own-plan: the solver chose the micro-batch size and count for the same global batch,
+    # and ran them: the same token-weighted loss on every step as the benchmark's split (FP32 in a dry
+    # run; the exactness bound of a micro-batch split, 1e-5).
+    own = by["megatrain-own-plan"]
+    assert own["status"] == "ok", own
+    mp = own["megatrain_plan"]
+    assert mp["chosen_by"].startswith("solver (") and "micro-batch size and count" in mp["chosen_by"]
+    assert mp["micro_batch_size"] * mp["micro_batches"] == settings["global_batch"]
+    assert f"micro-batch {mp['micro_batch_size']} x {mp['micro_batches']}" in own["note"]
+    assert own["timed_tokens"] == by["megatrain"]["timed_tokens"]
+    assert len(own["losses"]) == len(by["megatrain"]["losses"])
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(own["losses"], by["megatrain"]["losses"])), \
+        (own["losses"], by["megatrain"]["losses"])
     for r in rows:
         assert r["status"] in ("ok", "skipped"), r
         if r["status"] == "skipped":

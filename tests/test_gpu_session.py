@@ -58,3 +58,16 @@ def test_no_phase_outlives_the_budget(tmp_path):
     assert int(rows["probe"]["box_s"]) <= 7, rows
     assert rows["hostopt"]["rc"] == "skipped", rows
     assert "phases.tsv" in _packed(tmp_path)
+
+
+def test_the_compare_phase_runs_megatrain_on_its_own_plan_and_at_the_fixed_split(tmp_path):
+    # Issue 40 step 1: megatrain on the solver's micro-batch size and count, and at the 2 x 8 split the
+    # peers run; a system's box is overridden by its name in upper case, "-" as "_" (a shell variable
+    # name cannot hold "-": the override once aborted the phase).
+    rows, proc = _session(tmp_path, GPU_SESSION_PHASES="compare", GPU_SESSION_LIMIT_COMPARE_MEGATRAIN_OWN_PLAN="77")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "invalid variable name" not in proc.stdout + proc.stderr
+    assert rows["compare_megatrain-own-plan"]["rc"] == "0" and rows["compare_megatrain-own-plan"]["box_s"] == "77", rows
+    assert rows["compare_megatrain"]["rc"] == "0", rows
+    assert "compare_deepspeed" not in rows  # the peers need CUDA: the dry run checks megatrain's harness
+    assert "own plan: micro-batch" in (tmp_path / "log").read_text()
