@@ -76,8 +76,10 @@ Sections, in the order they run (``--sections`` picks a subset):
     work all issued) and issue-bound (the op still being issued), and the issuing thread's seconds
     issuing and, of those, off a core (the GIL a host op held, or a core taken), per stream and
     in the summary; the tail after the last compute op and what carrying its optimizer steps
-    into the next step could save at most (``tail``). ``timelines.json`` holds both timelines and ``trace.json``
-    both as a Chrome/Perfetto trace (measured pid 1, predicted pid 2). ``reserve``: the GPU
+    into the next step could save at most (``tail``). The measured side is the timed step of median step
+    time (:func:`median_step`; its row in ``steps`` says ``timeline_kept``): ``timelines.json`` holds it
+    and the prediction (``measured``, ``predicted``), every timed step's timeline (``measured_steps``),
+    and ``trace.json`` the two as a Chrome/Perfetto trace (measured pid 1, predicted pid 2). ``reserve``: the GPU
     reserve the step needed (the allocator's peak reserved bytes plus the context, less the plan's
     own peak) beside the planner's derived one, and the allocator's flush-and-retry count
     (``num_alloc_retries``: nonzero when it ran out of cached blocks and synchronised).
@@ -695,6 +697,8 @@ def _round_up(x: int, k: int) -> int:
 def section_launch(ctx: Ctx) -> dict:
     import torch
 
+    from megatrain.runtime.host_kernels import HostAdamW
+
     n = 2000 if ctx.dry else 20000
     trials = 3 if ctx.dry else 5
     dev = "cuda" if ctx.cuda else "cpu"
@@ -732,6 +736,7 @@ def section_launch(ctx: Ctx) -> dict:
     # copies the same thread queued (issue_slowdown_beside_h2d; MEASURED_FIELDS).
     out["forward_beside_h2d"] = costs["beside_h2d"]
     out["optimizer_issue_stall"] = costs["issue_stall"]["opt"]["stall"]
+    out["optimizer_kernel"] = HostAdamW().kernel  # the host AdamW kernel _host_ops's OPT ran
     out["cast_issue_stall"] = costs["issue_stall"]["cast"]["stall"]
     # The spec's issue costs: seconds per dispatched op of megatrain's own template of the step's block.
     out["template_fwd_s_per_op"] = costs["template"]["fwd_s_per_op"]
@@ -1382,6 +1387,17 @@ def section_spec(ctx: Ctx) -> dict:
     else:
         fields["gemm_efficiency"] = fallback.gemm_efficiency
         sources["gemm_efficiency"] = f"{ctx.args.fallback_preset} preset (its bf16_flops is a datasheet peak)"
+    measured_with = (ctx.measured("launch") or {}).get("optimizer_kernel")
+    if ("host_optimizer_issue_slowdown" in known and "host_optimizer_issue_stall" not in from_preset
+            and HOST_KERNEL_ISSUE_STALL.get(measured_with) == 0.0):
+        # A kernel that releases the GIL slows the issuing thread throughout the OPT rather than
+        # stopping it for a leading share: its measured stall is the spec's slowdown.
+        fields["host_optimizer_issue_slowdown"] = min(fields["host_optimizer_issue_stall"], math.nextafter(1.0, 0.0))
+        sources["host_optimizer_issue_slowdown"] = (f"launch.optimizer_issue_stall ({measured_with!r}'s kernel "
+                                                    "releases the GIL: a slowdown throughout the OPT)")
+        fields["host_optimizer_issue_stall"] = HOST_KERNEL_ISSUE_STALL[measured_with]
+        sources["host_optimizer_issue_stall"] = (f"HOST_KERNEL_ISSUE_STALL[{measured_with!r}] (the GIL is released; "
+                                                 "launch.optimizer_issue_stall is host_optimizer_issue_slowdown)")
     kernel = (ctx.measured("host_rates") or {}).get("megatrain_kernel")
     if "host_optimizer_issue_stall" in from_preset and kernel in HOST_KERNEL_ISSUE_STALL:
         from_preset.remove("host_optimizer_issue_stall")
@@ -1505,6 +1521,7 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
         torch.cuda.reset_peak_memory_stats()
     measured = None
     sched = None
+    timed: list[tuple[int, Any]] = []  # (row index, measured Timeline) of each timed step
     for i in range(1 + ctx.args.steps):
         ids = torch.randint(0, sh.vocab, (rows, sh.seq_len), generator=g)
         backend.record = i > 0  # the first step is the warm-up: allocations, cuBLAS handles
@@ -1516,11 +1533,13 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
         row = {"step": res.step, "loss": res.loss, "wall_s": res.seconds, "warmup": i == 0,
                "applied": res.applied, "issuing_thread_cpu_s": time.thread_time() - cpu0}
         if i > 0:
-            measured = measured_timeline(backend, sched, trainer.graph, spec)
-            row["timeline_step_s"] = measured.step_time_s
+            timed.append((len(out["steps"]), measured_timeline(backend, sched, trainer.graph, spec)))
+            row["timeline_step_s"] = timed[-1][1].step_time_s
         out["steps"].append(row)
         if not math.isfinite(res.loss):
             raise RuntimeError(f"step {res.step} gave a non-finite loss {res.loss}")
+    kept, measured = timed[median_step([t.step_time_s for _, t in timed])]
+    out["steps"][kept]["timeline_kept"] = True
     predicted = simulate(sched, trainer.graph, spec)
     out["profile"] = _profiled_step(ctx, torch, trainer, sh, g)
     out["measured"] = _timeline_summary(measured)
@@ -1547,13 +1566,29 @@ def _measured_step(ctx: Ctx, torch, trainer, spec, sh: StepShape, compile_s: flo
                                     if k in ("allocated_bytes.current", "allocated_bytes.peak",
                                              "num_host_alloc", "host_alloc_time.total")}
     (ctx.out / "timelines.json").write_text(json.dumps(
-        {"measured": json.loads(measured.to_json()), "predicted": json.loads(predicted.to_json())}))
+        {"measured": json.loads(measured.to_json()), "predicted": json.loads(predicted.to_json()),
+         "measured_steps": [{"step": out["steps"][k]["step"], "timeline": json.loads(t.to_json())} for k, t in timed]}))
     trace = measured.to_chrome_trace()
     for ev in predicted.to_chrome_trace()["traceEvents"]:
         trace["traceEvents"].append({**ev, "pid": 2})
     (ctx.out / "trace.json").write_text(json.dumps(trace))
     out["files"] = ["timelines.json", "trace.json"]
     return out
+
+
+def median_step(step_times_s: list[float]) -> int:
+    """Index of the timed step whose timeline the probe compares with the simulator (``measured`` in
+    ``probe.json`` and ``timelines.json``): the one of median step time (seconds), the lower of the
+    middle two for an even count, so one step disturbed by something outside the schedule (the
+    2026-11-27 H100 probe's last step: ~100 ms in two layers' backwards, 0.844 s where the one before
+    took 0.738 s) neither sets the comparison nor is averaged into it; equal times rank in step order.
+
+    Raises:
+        ValueError: no step times."""
+    if not step_times_s:
+        raise ValueError("median_step: no timed steps (the probe runs at least one, --steps >= 1)")
+    order = sorted(range(len(step_times_s)), key=lambda i: (step_times_s[i], i))
+    return order[(len(order) - 1) // 2]
 
 
 def _profiled_step(ctx: Ctx, torch, trainer, sh: StepShape, g) -> dict:
@@ -1843,7 +1878,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall-clock budget of the whole probe; no section starts past it (default 540)")
     ap.add_argument("--limit", action="append", default=[], metavar="SECTION=SECONDS",
                     help="override one section's time limit")
-    ap.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step (default 2)")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up step (default 3: the "
+                    "timeline compared is the median step's)")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers of the step's model (default: 16; dry 2)")
     ap.add_argument("--fallback-preset", default="H100_SXM",
                     help="preset whose values the spec takes, listed, for fields whose measurement failed")

@@ -137,7 +137,7 @@ if want probe; then
         box probe 240 "$PY" bench/gpu_probe.py --dry-run --out "$W/probe" --budget-s 200 \
             --sections environment,host_rates,launch,matmul,spec,step
     else
-        box probe 230 "$PY" bench/gpu_probe.py --out "$W/probe" --budget-s 210 --steps 3 \
+        box probe 230 "$PY" bench/gpu_probe.py --out "$W/probe" --budget-s 210 --steps 5 \
             --sections environment,copies,pinned_alloc,host_rates,launch,matmul,spec,step
     fi
 fi

@@ -31,12 +31,14 @@ its source, printed:
   given still comes from the probe). Factors read off the timeline being checked make a what-if,
   not a prediction: nothing measured them apart from it.
 
-The probe ran several timed steps (``steps``: each one's ``timeline_step_s``) and kept the last
-one's timeline; the step is compared with that one (``step``, per op kind as well) and with each
-timed step and their median (``steps``), since a step's timeline can hold a disturbance that no op
-of the schedule explains (2026-11-27: ~100 ms in the backward of layers 3 and 2, no host op
-overlapping two of its slow backwards, an OPT at 2.4x its neighbours' time; the step before it
-took 0.738 s where that one took 0.844 s).
+The probe ran several timed steps (``steps``: each one's ``timeline_step_s``) and kept one
+timeline as ``measured``: the median step's since 2026-12-03 (``gpu_probe.median_step``; the row
+says ``timeline_kept``), the last one's before. The step is compared with that one (``step``, per op
+kind as well; ``kept`` says which timed step it is) and with each timed step and their median
+(``steps``), since a step's timeline can hold a disturbance that no op of the schedule explains
+(2026-11-27: the last step, the one kept then, has ~100 ms in the backward of layers 3 and 2, no
+host op overlapping two of its slow backwards, an OPT at 2.4x its neighbours' time; the step before
+it took 0.738 s where that one took 0.844 s).
 
 Usage (any CPU, about 20 s at 1B)::
 
@@ -180,11 +182,29 @@ def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
     got = _timeline_summary(Timeline.from_json(json.dumps(measured)))
     pk, mk = ({k: v["total_s"] for k, v in t["by_kind"].items()} for t in (predicted, got))
     rows = {k: {"measured_s": mk.get(k, 0.0), "predicted_s": pk.get(k, 0.0)} for k in sorted(set(pk) | set(mk))}
-    timed = [s["timeline_step_s"] for s in step.get("steps", []) if not s.get("warmup") and "timeline_step_s" in s]
+    rows_timed = [s for s in step.get("steps", []) if not s.get("warmup") and "timeline_step_s" in s]
+    timed = [s["timeline_step_s"] for s in rows_timed]
     steps = {"measured_s": timed, "median_s": statistics.median(timed) if timed else None,
              "predicted_s": predicted["step_time_s"]}
     return {"spec": spec.name, "step": {"measured_s": got["step_time_s"], "predicted_s": predicted["step_time_s"]},
-            "steps": steps, "by_kind": rows, "predicted_bottleneck": predicted["bottleneck"]}
+            "steps": steps, "kept": kept_step(rows_timed, got["step_time_s"]), "by_kind": rows,
+            "predicted_bottleneck": predicted["bottleneck"]}
+
+
+def kept_step(timed: list[dict], step_time_s: float) -> dict | None:
+    """Which of a probe's timed step rows ``timed`` the timelines file's ``measured`` timeline is:
+    ``{"index": i (0-based among the timed steps), "of": len(timed), "rule": "median" | "last" |
+    "matched"}`` (a probe of 2026-12-03 on marks its row ``timeline_kept``, the median step; an older
+    one kept the last; else the row whose ``timeline_step_s`` equals ``step_time_s``), None where no
+    row matches."""
+    for i, r in enumerate(timed):
+        if r.get("timeline_kept"):
+            return {"index": i, "of": len(timed), "rule": "median"}
+    matching = [i for i, r in enumerate(timed) if r["timeline_step_s"] == step_time_s]
+    if not matching:
+        return None
+    i = matching[-1]
+    return {"index": i, "of": len(timed), "rule": "last" if i == len(timed) - 1 else "matched"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,8 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     st = out["steps"]
     if st["measured_s"]:
         each = ", ".join(f"{m:.4f} s ({st['predicted_s'] / m:.2f})" for m in st["measured_s"])
+        kept = out["kept"]
+        which = ("not one of them" if kept is None else
+                 f"timed step {kept['index'] + 1} of {kept['of']}'s" + {"median": " (the median step)",
+                                                                        "last": " (the last)"}.get(kept["rule"], ""))
         print(f"timed steps (predicted/measured): {each}; median {st['median_s']:.4f} s "
-              f"({st['predicted_s'] / st['median_s']:.2f}); the timeline is the last one's")
+              f"({st['predicted_s'] / st['median_s']:.2f}); the timeline is {which}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -252,3 +252,20 @@ def test_a_bad_contention_flag_names_the_rule(text, capsys):
     with pytest.raises(SystemExit):
         resim.main(["--probe", "p", "--timelines", "t", "--spec", "s", "--contention", text])
     assert "SLOWDOWN" in capsys.readouterr().err
+
+
+def test_the_kept_timeline_is_named_the_median_or_the_last(h100, capsys):
+    """Which timed step the timelines file's ``measured`` is: the first H100 probe kept the last of its
+    three (0.844 s), which the printout says; a probe that marks its row ``timeline_kept`` (the
+    median step, ``gpu_probe.median_step``) is named by that mark, not by matching times."""
+    resim = sys.modules["resimulate_step"]
+    *_, out, _ = h100
+    assert out["kept"] == {"index": 2, "of": 3, "rule": "last"}
+    rows = [{"timeline_step_s": 0.79}, {"timeline_step_s": 0.74, "timeline_kept": True}, {"timeline_step_s": 0.84}]
+    assert resim.kept_step(rows, 0.84) == {"index": 1, "of": 3, "rule": "median"}
+    assert resim.kept_step(rows[:1] + rows[2:], 0.79) == {"index": 0, "of": 2, "rule": "matched"}
+    assert resim.kept_step(rows[:1], 0.5) is None
+    resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
+                "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
+                "--spec", str(RESULTS / "2026-11-27-h100-spec.json")])
+    assert "the timeline is timed step 3 of 3's (the last)" in capsys.readouterr().out

@@ -494,9 +494,10 @@ def test_a_host_op_that_holds_the_gil_stalls_the_issuing_thread():
     assert half.records[1].end_s == pytest.approx(0.1 + (0.102 - 0.05))  # held for the step's first half
 
 
-def _opt_then_short_fwd(stall: float, cast: bool = False):
+def _opt_then_short_fwd(stall: float, cast: bool = False, slowdown: float = 0.0):
     """A host step (0.1 s; an OPT, or a CAST when ``cast``) and a forward issued as it begins, whose
-    issue (its start event, 10 ops and its end event, 1 ms each: 12 ms) is far shorter than the step."""
+    issue (its start event, 10 ops and its end event, 1 ms each: 12 ms) is far shorter than the step;
+    ``slowdown``: the OPT's ``host_optimizer_issue_slowdown``."""
     from graphs import kernel_spec, with_profiles
     from megatrain.ir.profile import Kernel, KernelKind
 
@@ -504,7 +505,8 @@ def _opt_then_short_fwd(stall: float, cast: bool = False):
     g = with_profiles(chain_graph(2, numel=10**6), mem, mem)
     # 1e6 elements at 1e7 params/s (OPT) or elements/s (CAST): 0.1 s each.
     hw = kernel_spec(launch_overhead_s=1e-3, host_optimizer_params_per_s=1e7, host_cast_elements_per_s=1e7,
-                     host_optimizer_issue_stall=stall, host_cast_issue_stall=stall)
+                     host_optimizer_issue_stall=stall, host_cast_issue_stall=stall,
+                     host_optimizer_issue_slowdown=slowdown)
     first = Op(OpKind.CAST, 0, tile=0) if cast else Op(OpKind.OPT, 0, ring=0)
     plan = Plan(slots=1, prefetch_distance=0, compute_dtype="bfloat16" if cast else "float32")
     s = Schedule(ops=(first, Op(OpKind.FWD, 1, mb=0, slot=0)), plan=plan, n_layers=2)
@@ -528,10 +530,27 @@ def test_an_opt_blocks_issue_for_its_kernel_call_then_frees_it():
     assert _opt_then_short_fwd(1.0, cast=True).records[1].end_s == pytest.approx(step + issue)
 
 
+def test_an_opt_that_releases_the_gil_slows_issue_after_its_call():
+    """The rest of an OPT after its GIL-holding call (all of torch's fused AdamW, f = 0) slows the
+    thread to 1 - s of its speed (``host_optimizer_issue_slowdown``: the kernel's threads share the
+    cores and memory bandwidth): the 12 ms issue runs at 1 - s from the end of the call on."""
+    issue, step = 0.012, 0.1
+    for f, s in ((0.0, 0.2), (0.0, 0.5), (0.5, 0.2), (0.8, 0.3)):
+        tl = _opt_then_short_fwd(f, slowdown=s)
+        assert tl.records[0].end_s == pytest.approx(step)
+        assert tl.records[1].end_s == pytest.approx(f * step + issue / (1 - s))
+        assert tl.records[1].end_s > _opt_then_short_fwd(f).records[1].end_s  # later than without the slowdown
+    # An issue that outlasts the slowed part finishes the rest at full speed: f = 0.9 leaves 10 ms
+    # slowed by half (5 ms of issuing), then 7 ms at full speed.
+    assert _opt_then_short_fwd(0.9, slowdown=0.5).records[1].end_s == pytest.approx(0.1 + 0.007)
+    # A whole-call hold leaves nothing to slow.
+    assert _opt_then_short_fwd(1.0, slowdown=0.5).records[1].end_s == pytest.approx(step + issue)
+
+
 @given(chain_graphs(max_layers=5), st.integers(1, 3), st.floats(0, 1), st.floats(0, 1),
-       st.sampled_from([1e-6, 1e-4]))
+       st.sampled_from([1e-6, 1e-4]), st.sampled_from([0.0, 0.3, 0.9]))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_kernel_timelines_keep_every_invariant(g, micro_batches, opt_stall, cast_stall, launch):
+def test_kernel_timelines_keep_every_invariant(g, micro_batches, opt_stall, cast_stall, launch, opt_slowdown):
     from graphs import kernel_spec, with_profiles
     from megatrain.ir.profile import Kernel, KernelKind
 
@@ -540,7 +559,7 @@ def test_kernel_timelines_keep_every_invariant(g, micro_batches, opt_stall, cast
     bwd = fwd + [Kernel("aten.mm", KernelKind.MATMUL, flops=2 * 10**6, nbytes=10**4, autograd=True)]
     g = with_profiles(g, fwd, bwd)
     hw = kernel_spec(launch_overhead_s=launch, host_optimizer_issue_stall=opt_stall,
-                     host_cast_issue_stall=cast_stall)
+                     host_cast_issue_stall=cast_stall, host_optimizer_issue_slowdown=opt_slowdown)
     s, tl = run(g, Plan(micro_batches=micro_batches, compute_dtype="bfloat16"), hw)
     check_invariants(s, tl, hw, g)
     works = cost.compute_works(s, g, hw)
@@ -655,6 +674,28 @@ def test_contention_with_rates_beside_equal_to_alone_changes_nothing(case, kerne
     for x, y in zip(a.records, b.records):
         assert x.start_s == pytest.approx(y.start_s, rel=1e-9, abs=1e-15)
         assert x.end_s == pytest.approx(y.end_s, rel=1e-9, abs=1e-15)
+
+
+def test_contention_never_moves_an_end_a_committed_op_relies_on():
+    """Hypothesis found it (2026-12-03): a compute op starts once its issue begins, so one issued after
+    a CAST was committed can start before it, beside the H2D whose staging tile that CAST refills;
+    moving the H2D's end then put it after the CAST's start. Such a copy keeps its end (it is frozen:
+    module docstring, "Contention"), and the compute op beside it is still timed beside it."""
+    from megatrain.ir.plan import OptimizerPlacement
+
+    g = chain_graph(5, numel=[16, 64, 16, 16, 16], trainable=[True, False, False, False, False], fwd_flops=0,
+                    act_bytes=4)
+    plan = Plan(micro_batches=1, slots=2, prefetch_distance=1, layer_by_layer=True,
+                optimizer=OptimizerPlacement.DURING_BACKWARD, compute_dtype="bfloat16")
+    hw = spec(h2d_bytes_per_s=1198191.0, d2h_bytes_per_s=1e6, duplex=False, host_optimizer_params_per_s=685715.0,
+              kernel_overhead_s=2e-6, bf16_flops=1e6, fp32_flops=1e6, op_latency_s=1e-5, launch_overhead_s=1e-5,
+              gpu_reserve_bytes=0)
+    contended = hw.model_copy(update={"h2d_beside_compute_bytes_per_s": 0.5 * hw.h2d_bytes_per_s})
+    s, tl = run(g, plan, contended)
+    check_invariants(s, tl, contended, g)
+    _, alone = run(g, plan, hw)
+    slower = [r.op for r, a in zip(tl.records, alone.records) if r.duration_s > a.duration_s * (1 + 1e-9)]
+    assert any(op.startswith("H2D") for op in slower)  # contention still slows the copies it can
 
 
 @PROPERTY

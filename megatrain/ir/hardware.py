@@ -178,7 +178,9 @@ leading fraction of the OPT (the kernel's call comes first, :mod:`megatrain.plan
   in that session's step the gradient copy issued as an OPT began waited for the GIL until about
   0.84 of the OPT, then ran (``D2H:L0``, bench/results/2026-11-27-h100-step-timelines.json).
 - ``"torch"``: 0.0. ``torch._fused_adamw_`` is an ATen op, and torch's Python bindings release the
-  GIL while an op runs.
+  GIL while an op runs. Its threads still share the cores and the memory bandwidth with the issuing
+  thread, which then issues slower rather than not at all: ``HardwareSpec.host_optimizer_issue_slowdown``,
+  measured by ``bench/gpu_probe.py`` (0 where it was not).
 
 ``bench/host_optimizer.py`` measures the issuing thread's stalled fraction while each kernel runs."""
 
@@ -299,6 +301,15 @@ class HardwareSpec(pydantic.BaseModel):
                                                           "issuing thread cannot issue (the kernel holds "
                                                           "the GIL): 1.0 for DeepSpeed's cpu_adam, 0.0 for "
                                                           "torch's fused AdamW (see HOST_KERNEL_ISSUE_STALL)")
+    host_optimizer_issue_slowdown: float = Field(0.0, ge=0, lt=1,
+                                                 description="fraction of its speed the issuing thread loses while "
+                                                             "the part of a host optimizer step that releases the "
+                                                             "GIL runs (all of torch's fused AdamW; DeepSpeed's "
+                                                             "finite check after its call), dimensionless: the "
+                                                             "kernel's threads take the cores and memory bandwidth "
+                                                             "(measured: bench/gpu_probe.py, launch."
+                                                             "optimizer_issue_stall where launch.optimizer_kernel "
+                                                             "releases the GIL); 0: none")
     host_cast_issue_stall: float = Field(0.0, ge=0, le=1,
                                          description="the same for a host CAST (torch's copy_ releases the "
                                                      "GIL: 0.0)")

@@ -34,11 +34,12 @@ Stalls. A host op whose kernel holds the GIL or shares the thread's core (``cost
 fraction ``f`` of its time) holds the thread back while it runs: an issue begun before it finishes
 later, and each kernel of a compute op issued after it starts later. Where it does so matters: an
 OPT's kernel call comes first and its finite check (``param.sum()``, which releases the GIL) last
-(``HostAdamW.step``), so an OPT blocks the thread outright for its leading ``f`` and leaves it free
-for the rest (DeepSpeed's CPU Adam: ``f`` = 0.84 measured, ``hardware.HOST_KERNEL_ISSUE_STALL``; the
-first H100 step's ``D2H:L0``, issued as an OPT began, waited until about that point of the OPT); a
-CAST, a torch copy that releases the GIL, slows the thread to ``1 - f`` of its speed throughout
-(cores and memory bandwidth shared). So that every such
+(``HostAdamW.step``), so an OPT blocks the thread outright for its leading ``f`` (DeepSpeed's CPU
+Adam: ``f`` = 0.84 measured, ``hardware.HOST_KERNEL_ISSUE_STALL``; the first H100 step's ``D2H:L0``,
+issued as an OPT began, waited until about that point of the OPT) and slows it to ``1 -
+hw.host_optimizer_issue_slowdown`` of its speed for the rest (torch's fused AdamW: ``f`` = 0, a
+slowdown throughout); a CAST, a torch copy that releases the GIL, slows the thread to ``1 - f`` of
+its speed throughout (cores and memory bandwidth shared). So that every such
 stall is known when an issue is timed, the thread issues an op only once every op that starts
 before that issue would end has been committed (a host op cannot start on the strength of an issue
 still under way, and one that stalls the thread is added before the issue it delays).
@@ -82,9 +83,15 @@ Each stream is in order, so at most one op of each class runs at a time; starts 
 non-decreasing time, so when an op starting at ``t`` is committed, the op of the other class still
 running at ``t`` (if any) started earlier and its own partner has ended, so it has run at full speed
 since then: a copy has ``end - t`` seconds of work left, a compute op its GPU seconds until its GPU
-end. The pair's ends follow in closed form (:func:`_pair`); the earlier op's end moves later, which
-is safe, as nothing committed can depend on an end after ``t`` (a dependant would start after it),
-and its stream's and resource's free times and a fence's wake-up move with it. A later op of the
+end. The pair's ends follow in closed form (:func:`_pair`); the earlier op's end moves later, and
+its stream's and resource's free times and a fence's wake-up move with it. That is safe while
+nothing committed relies on that end (a dependant, the op after it on its stream or its resource
+would start after it, so after ``t``), which non-decreasing starts give, but for one exception: a
+compute op starts once its issue begins, so one issued after a host op was committed (the hold-back
+commits the host ops that start during an issue first) may start before that host op and beside a
+copy it depends on (a CAST refilling the staging tile an H2D reads). An op some committed op relies
+on is therefore *frozen*: it keeps its speed alone beside its partner, and so its end (the partner
+is still slowed). A later op of the
 new op's class starting before the earlier op ends revises it again the same way: O(1) per commit.
 With neither field set the contention path is skipped and every time is exactly as without it.
 ``issue_slowdown_beside_h2d`` is apart from these two (``HardwareSpec.has_issue_contention``): either
@@ -150,6 +157,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
     running = {Stream.COMPUTE: -1, Stream.H2D: -1}  # the last op committed on each contending stream
     gpu_end = [0.0] * n if share is not None else []  # a compute op's GPU seconds end (module docstring)
     bound = [0.0] * n if share is not None else []  # and its issue bound
+    # An op whose end a committed op relies on (a dependant, its stream's or resource's next op):
+    # contention no longer moves that end (module docstring, "Contention").
+    frozen = [False] * n if share is not None else []
+    resource_last: dict = {}
     queues: dict[Stream, list[int]] = {s: [] for s in Stream}
     for i, op in enumerate(ops):
         queues[op.stream].append(i)
@@ -254,15 +265,21 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
                     rebound = _rebound(best_i, thread, issued, issued_end, launch, work)
                 copy_end = end[copy] if copy >= 0 else 0.0
                 e = _contend(best_i, best_s, best_t, e, b, dur, share, running, gpu_end, bound, end, stream_free,
-                             resource_free, resource, ops, fenced, wake, rebound)
+                             resource_free, resource, ops, fenced, wake, frozen, rebound)
                 if slow and copy >= 0 and end[copy] != copy_end:  # the pair moved the copy's end
                     thread.copies.move_end(end[copy])
                 if rebound is not None:
                     clock = issued_end[best_i]
         start[best_i], end[best_i] = best_t, e
+        if share is not None:
+            r = resource[best_s]
+            for d in (*deps[best_i], queues[best_s][head[best_s] - 1] if head[best_s] else -1, resource_last.get(r, -1)):
+                if d >= 0:
+                    frozen[d] = True
+            resource_last[r] = best_i
         if host[best_i]:
             heapq.heappush(wake, e)
-            if (span := cost.issue_stall_span(ops[best_i].kind, hw, best_t, e)) is not None:
+            for span in cost.issue_stall_spans(ops[best_i].kind, hw, best_t, e):
                 thread.host.add(*span)
         else:
             if best_i in fenced:
@@ -300,12 +317,13 @@ def _rebound(i: int, thread: "_Thread", issued: list[float], issued_end: list[fl
 
 def _contend(i: int, s: Stream, t: float, e: float, b: float, dur, share, running: dict[Stream, int],
              gpu_end: list[float], bound: list[float], end: list[float], stream_free, resource_free, resource,
-             ops, fenced: set[int], wake: list[float], rebound: Callable[[float], float] | None = None) -> float:
+             ops, fenced: set[int], wake: list[float], frozen: list[bool],
+             rebound: Callable[[float], float] | None = None) -> float:
     """Op ``i`` on contending stream ``s`` starts at ``t``, ending at ``e`` alone (``b``: its issue
     bound); pair it with the op of the other class still running at ``t`` (module docstring,
-    "Contention"), move that one's end, and return op ``i``'s. ``rebound`` (a compute op whose own
-    issue runs past the copy's end): its issue bound from the copy's moved end, iterated to a fixed
-    point ("Copies in flight")."""
+    "Contention"), move that one's end unless it is ``frozen`` (then it keeps its speed alone, and so
+    its end), and return op ``i``'s. ``rebound`` (a compute op whose own issue runs past the copy's
+    end): its issue bound from the copy's moved end, iterated to a fixed point ("Copies in flight")."""
     compute = s is Stream.COMPUTE
     other = running[Stream.H2D if compute else Stream.COMPUTE]
     running[s] = i
@@ -313,19 +331,21 @@ def _contend(i: int, s: Stream, t: float, e: float, b: float, dur, share, runnin
         gpu_end[i], bound[i] = t + dur[i], b
     if other < 0 or end[other] <= t:
         return e
+    kept = 1.0 if frozen[other] else share[other]  # the other op's share of its speed alone
     if compute:  # the copy has run at full speed since its last partner ended
         g, h = gpu_end[i] - t, end[other] - t
-        gpu_end[i], e, moved = _pair(t, g, share[i], b, h, share[other])
+        gpu_end[i], e, moved = _pair(t, g, share[i], b, h, kept)
         if rebound is not None:
             for _ in range(_REBOUND_ROUNDS):
                 again = rebound(moved)
                 if again <= b:
                     break
                 b = bound[i] = again
-                gpu_end[i], e, moved = _pair(t, g, share[i], b, h, share[other])
+                gpu_end[i], e, moved = _pair(t, g, share[i], b, h, kept)
     else:
-        gpu_end[other], moved, e = _pair(t, max(0.0, gpu_end[other] - t), share[other], bound[other], e - t,
-                                         share[i])
+        gpu_end[other], moved, e = _pair(t, max(0.0, gpu_end[other] - t), kept, bound[other], e - t, share[i])
+    if frozen[other]:
+        return e  # its end stays exactly as committed
     st = ops[other].stream
     end[other] = stream_free[st] = resource_free[resource[st]] = moved
     if other in fenced:

@@ -635,18 +635,22 @@ def issue_stall(kind: OpKind, hw: HardwareSpec) -> float:
     return 0.0
 
 
-def issue_stall_span(kind: OpKind, hw: HardwareSpec, start_s: float, end_s: float) -> tuple[float, float, float] | None:
+def issue_stall_spans(kind: OpKind, hw: HardwareSpec, start_s: float,
+                      end_s: float) -> tuple[tuple[float, float, float], ...]:
     """Where a host op that runs over ``[start_s, end_s)`` (seconds) holds the issuing thread back:
-    ``(from_s, to_s, fraction of the thread's speed taken there)``, or None where it does not
-    (:func:`issue_stall` 0). An OPT holds it outright for its leading :func:`issue_stall` share (the
-    GIL-holding kernel call comes first, ``HostAdamW.step``'s finite check after it releases the
-    GIL); a CAST slows it by its share throughout (cores and memory bandwidth shared)."""
+    ``(from_s, to_s, fraction of the thread's speed taken there)`` windows in time order, none where
+    it does not. An OPT holds it outright for its leading :func:`issue_stall` share (the GIL-holding
+    kernel call comes first, ``HostAdamW.step``'s finite check after it releases the GIL), then slows
+    it by ``hw.host_optimizer_issue_slowdown`` for the rest (all of a GIL-releasing kernel's step:
+    its threads share the cores and memory bandwidth); a CAST slows it by its share throughout."""
     f = issue_stall(kind, hw)
-    if f <= 0:
-        return None
     if kind is OpKind.OPT:
-        return start_s, start_s + f * (end_s - start_s), 1.0
-    return start_s, end_s, f
+        mid = start_s + f * (end_s - start_s)
+        slow = hw.host_optimizer_issue_slowdown
+        return tuple(w for w in ((start_s, mid, 1.0), (mid, end_s, slow)) if w[2] > 0 and w[0] < w[1])
+    if f <= 0:
+        return ()
+    return ((start_s, end_s, f),)
 
 
 # -- FLOPs and MFU ---------------------------------------------------------------------------------
@@ -850,7 +854,7 @@ __all__ = ["ACC_BYTES_PER_ELEMENT", "BACKWARD_TO_FORWARD_FLOPS", "Resource", "re
            "h2d_bytes", "d2h_bytes", "h2d_time", "d2h_time", "fwd_time", "bwd_time", "opt_time", "host_rate",
            "optimizer_rate", "cast_rate", "cast_time", "acc_time", "checkpoint_bytes", "offload_time",
            "op_duration", "op_time", "op_times", "kernel_time", "ComputeWork", "compute_work", "compute_works",
-           "fresh_gradients", "issue_stall", "issue_stall_span", "D2H_LAUNCHES", "COPY_LAUNCHES", "HOST_OP_LAUNCHES",
+           "fresh_gradients", "issue_stall", "issue_stall_spans", "D2H_LAUNCHES", "COPY_LAUNCHES", "HOST_OP_LAUNCHES",
            "launch_count", "launch_times", "tokens_per_step", "model_flops_per_token", "flops_per_step", "mfu",
            "nvme_time", "all_reduce_time", "COUNT_BYTES", "count_reduce_time", "reduce_scatter_time",
            "weight_gather_bytes", "weight_gather_time", "weight_gather_host_time",
