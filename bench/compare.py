@@ -345,8 +345,9 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
     """megatrain: the model built on ``meta``, compiled with the solver's plan for the spec measured
     on this machine (``measure_hardware()``; the dry run plans for ``--sim-preset``), at the
     benchmark's micro-batch size and count, or with ``own_plan`` at the micro-batch size and count
-    the solver chooses for the same global batch (``megatrain.planner.front.plan`` of a request with
-    ``micro_batch_size=None``, then ``materialize``); host tiles hold all persistent state. Each step
+    the solver chooses for the same global batch (``megatrain.compile(..., global_batch=...)``
+    without a split: traced, solved and lowered once, then traced again at the chosen size for the
+    templates that run); host tiles hold all persistent state. Each step
     is given the whole global batch, which the trainer cuts into its plan's micro-batches. BF16
     compute traces the model with BF16 parameters (FP32 masters and moments stay on the host), as
     the peers' mixed precision runs it; the dry run computes in FP32 like the others."""
@@ -370,17 +371,11 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
 
         hw = measure_hardware()
     dtype = "float32" if args.dry_run else "bfloat16"
-    mbs, given, choice = args.micro_batch, None, None
-    if own_plan:  # the solver's split and plan for the global batch; compiled at that split, that plan
-        from megatrain.planner.front import plan
-        from megatrain.product.planning import plan_request
-
-        choice = plan(plan_request(model, seq_len=args.seq_len, global_batch=args.global_batch,
-                                   micro_batch_size=None, hardware=hw, device=device, compute_dtype=dtype))
-        mbs, k, given = choice.options.micro_batch_size, choice.plan.micro_batches, choice.plan
-    trainer = megatrain.compile(model, seq_len=args.seq_len, micro_batch_size=mbs, micro_batches=k,
-                                optimizer=megatrain.AdamW(**_adamw_kwargs(args)), plan=given, hardware=hw,
-                                compute_dtype=dtype, device=device)
+    # own_plan: the global batch alone, so the solver chooses the micro-batch size and count with the plan
+    split = {"global_batch": args.global_batch} if own_plan else {"micro_batch_size": args.micro_batch,
+                                                                  "micro_batches": k}
+    trainer = megatrain.compile(model, seq_len=args.seq_len, **split, optimizer=megatrain.AdamW(**_adamw_kwargs(args)),
+                                hardware=hw, compute_dtype=dtype, device=device)
     own_seconds = []
     last = {}
 
@@ -395,7 +390,7 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
     out["megatrain_plan"] = _plan_summary(trainer)
     if own_plan:
         mp = out["megatrain_plan"]
-        mp["chosen_by"] = f"solver ({choice.solution.method}), micro-batch size and count included"
+        mp["chosen_by"] = f"solver ({trainer.planned.solution.method}), micro-batch size and count included"
         out["note"] = (f"own plan: micro-batch {mp['micro_batch_size']} x {mp['micro_batches']} "
                        f"(the solver's, for global batch {args.global_batch})")
     out["_finish"] = lambda row: _megatrain_extras(row, trainer, last.get("result"), args)

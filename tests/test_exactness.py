@@ -84,15 +84,19 @@ def eager_losses(model, batches, micro_batches: int, max_grad_norm: float | None
 
 
 def assert_same_training(model, *, steps=20, micro_batch_size=2, micro_batches=1, seq_len=16, plan=None, vocab=96,
-                         max_grad_norm=None, hardware=None, templates=None, seed=None):
+                         max_grad_norm=None, hardware=None, templates=None, seed=None, global_batch=None):
     """megatrain and eager training of ``model`` on the same batches: losses, gradient norms and final
     weights within RTOL. ``seed``: the generator is seeded with it right before each training (a
-    model with dropout, one micro-batch per step, then draws eager's masks). Returns the trainer."""
+    model with dropout, one micro-batch per step, then draws eager's masks). ``global_batch``:
+    compile with it alone (the split the solver or ``plan`` gives) and train eager on each whole
+    batch of that many rows, one backward. Returns the trainer."""
     ref = copy.deepcopy(model)
-    batches = [random_batch(micro_batch_size * micro_batches, seq_len, vocab, seed=s % 3) for s in range(steps)]
-    trainer = megatrain.compile(model, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                                micro_batches=micro_batches, optimizer=ADAMW, plan=plan, max_grad_norm=max_grad_norm,
-                                hardware=hardware, templates=templates)
+    rows = global_batch or micro_batch_size * micro_batches
+    batches = [random_batch(rows, seq_len, vocab, seed=s % 3) for s in range(steps)]
+    split = dict(global_batch=global_batch) if global_batch else dict(micro_batch_size=micro_batch_size,
+                                                                      micro_batches=micro_batches)
+    trainer = megatrain.compile(model, seq_len=seq_len, **split, optimizer=ADAMW, plan=plan,
+                                max_grad_norm=max_grad_norm, hardware=hardware, templates=templates)
     if seed is not None:
         torch.manual_seed(seed)
     results = [trainer.step(b) for b in batches]
@@ -101,7 +105,7 @@ def assert_same_training(model, *, steps=20, micro_batch_size=2, micro_batches=1
     norms: list[float] = []
     if seed is not None:
         torch.manual_seed(seed)
-    want = eager_losses(ref, batches, micro_batches, max_grad_norm, grad_norms=norms)
+    want = eager_losses(ref, batches, 1 if global_batch else micro_batches, max_grad_norm, grad_norms=norms)
     for step, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
     for step, (r, n) in enumerate(zip(results, norms)):

@@ -246,9 +246,10 @@ class PlannedModel:
 
     @property
     def graph(self) -> LayerGraph:
-        """The graph the schedules were lowered on: the traced one, or the solver's rescaling of
-        it to the micro-batch size the solver chose (``PlanRequest.micro_batch_size=None``)."""
-        return self.solution.graph if self.solution is not None else self.traced.graph
+        """The graph the schedules were lowered on: the traced one, always at the micro-batch size
+        that runs (where the solver chose the size, the model traced again at it; the solver's
+        rescaled graph it chose on is ``solution.graph``)."""
+        return self.traced.graph
 
 
 def plan(request: PlanRequest) -> PlannedModel:
@@ -287,10 +288,14 @@ def plan(request: PlanRequest) -> PlannedModel:
     _check_reference(r.storage, hw)
     # Traced in the compute dtype (a BF16-built template for BF16 compute), as `megatrain plan` traces.
     dtype = r.plan.compute_dtype if isinstance(r.plan, Plan) else compute_dtype(options, r.compute_dtype)
+
+    def traced_at(micro_batch_size: int) -> TracedModel:
+        return trace(r.model, micro_batch_size=micro_batch_size, seq_len=options.seq_len,
+                     input_names=options.input_names, param_dtype=getattr(torch, dtype),
+                     image_grid_thw=r.image_grid_thw, images_per_row=r.images_per_row)
+
     t0 = time.perf_counter()
-    traced = trace(r.model, micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
-                   input_names=options.input_names, param_dtype=getattr(torch, dtype),
-                   image_grid_thw=r.image_grid_thw, images_per_row=r.images_per_row)
+    traced = traced_at(options.micro_batch_size)
     trace_s = time.perf_counter() - t0
     graph = traced.graph
     if r.on_traced is not None:
@@ -309,13 +314,29 @@ def plan(request: PlanRequest) -> PlannedModel:
     solution = nvme = topology = None
     p = r.plan
     if p is None and hw is not None:
-        solution, nvme, topology = _solve(graph, options, hw_state, dtype, r,
-                                          options.global_batch if mbs else per_rank, opt_name)
+        rank_batch = options.global_batch if mbs else per_rank
+        solution, nvme, topology = _solve(graph, options, hw_state, dtype, r, rank_batch, opt_name)
         p = (nvme or solution).plan
+        graph = solution.graph
         if mbs is None:
             options = options.model_copy(update={"micro_batch_size": solution.micro_batch_size,
                                                  "micro_batches": p.micro_batches})
-        graph = solution.graph
+        if graph.micro_batch_size != traced.graph.micro_batch_size:
+            # The solver chose the size on the trace rescaled to it (solve.scale_graph), but a template
+            # runs at the one shape it was exported at: trace again at the chosen size and lower the
+            # solver's plan on that graph, the one the trainer runs. The rescaling over-estimates
+            # activations, but the GPU reserve counts the traced tensors, so at the edge of the GPU's
+            # memory the plan may not fit the graph that runs: then it is solved again at that size
+            # on that graph (the solver's own schedule then runs as it is).
+            t0 = time.perf_counter()
+            traced = _retraced(traced, traced_at(solution.micro_batch_size))
+            trace_s += time.perf_counter() - t0
+            graph = traced.graph
+            if memory_breakdown(graph, p, hw_state, schedule=Schedules.lower(graph, p).steady).gpu_peak \
+                    > hw_state.gpu_memory_bytes:
+                at_size = dataclasses.replace(r, micro_batch_size=solution.micro_batch_size)
+                solution, nvme, topology = _solve(graph, options, hw_state, dtype, at_size, rank_batch, opt_name)
+                p = (nvme or solution).plan
     elif p is None or p == "default":
         p = dataclasses.replace(default_plan(graph, options.micro_batches, clip_gradients=clip), compute_dtype=dtype,
                                 optimizer_name=opt_name)
@@ -338,7 +359,7 @@ def plan(request: PlanRequest) -> PlannedModel:
     if r.storage.nvme_dir is not None:
         from megatrain.planner.nvme import place_in_directory
 
-        memory = solution.memory if solution is not None and topo.ranks == 1 else \
+        memory = solution.memory if solution is not None and topo.ranks == 1 and solution.graph is graph else \
             memory_breakdown(graph, p, hw, schedule=Schedules.lower(graph, p).steady)
         placed = place_in_directory(graph, p, memory, r.storage.host_memory, r.storage.nvme_dir, hw_state,
                                     reserved=r.storage.host_reserved)
@@ -455,14 +476,17 @@ def _reference(graph: LayerGraph, storage: Storage, hw: HardwareSpec | None,
 def _lowered(model, options, traced, graph, p: Plan, hw, solution, nvme, topology, topo: Topology) -> PlannedModel:
     """The train schedules of ``p``, lowered and verified once (the solver's own steady schedule
     where it is ``p``'s), their memory and the predicted step."""
-    if nvme is not None and nvme.plan == p:
+    # The solver's schedules were lowered on its graph; a model traced again at the chosen size
+    # (plan) gets its own.
+    own = solution is not None and solution.graph is graph
+    if own and nvme is not None and nvme.plan == p:
         # The NVMe search's schedule; its ``memory`` is the plan's with nothing on NVMe, so the
         # breakdown of the plan that runs is taken here.
         schedules = Schedules.lower(graph, p, steady=nvme.schedule)
         return PlannedModel(model, options, traced, p, schedules,
                             memory_breakdown(graph, p, hw, schedule=schedules.steady), hw, nvme.timeline, solution,
                             nvme, topology)
-    if solution is not None and solution.plan == p and (topo.ranks == 1 or topology is not None):
+    if own and solution.plan == p and (topo.ranks == 1 or topology is not None):
         schedules = Schedules.lower(graph, p, steady=solution.schedule)
         return PlannedModel(model, options, traced, p, schedules, solution.memory, hw, solution.timeline, solution,
                             nvme, topology)
@@ -478,6 +502,18 @@ def _lowered(model, options, traced, graph, p: Plan, hw, solution, nvme, topolog
             and (hw.has_nvme or not (p.nvme_moments or p.nvme_gradients or p.nvme_masters)):
         timeline = simulate(schedules.steady, graph, hw)
     return PlannedModel(model, options, traced, p, schedules, memory, hw, timeline, solution, nvme, topology)
+
+
+def _retraced(first: TracedModel, again: TracedModel) -> TracedModel:
+    """``again`` (the model traced at the solver's micro-batch size), checked to cut into the layers
+    of ``first`` (the trace the solver planned on), whose per-layer choices the plan holds."""
+    old, new = first.graph.layers, again.graph.layers
+    if [lay.params for lay in old] != [lay.params for lay in new]:
+        raise PlanError(f"traced again at the solver's micro-batch size {again.graph.micro_batch_size}, the model cuts "
+                        f"into {len(new)} layers, not the {len(old)} of its trace at micro-batch size "
+                        f"{first.graph.micro_batch_size} that the solver planned on; give micro_batch_size= "
+                        "(the solver then plans on a trace at that size)")
+    return again
 
 
 def _has_links(hw: HardwareSpec, gpus_per_node: int, nodes: int) -> bool:

@@ -20,7 +20,7 @@ from megatrain.trainer import Trainer
 
 
 def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: int | None = None,
-            micro_batches: int = 1, optimizer: AdamW | Lion | Mapping | None = None,
+            micro_batches: int | None = None, global_batch: int | None = None, optimizer: AdamW | Lion | Mapping | None = None,
             plan: Plan | Literal["default"] | None = None, device: str = "cpu",
             input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
             hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
@@ -46,10 +46,23 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             ``megatrain.shapes.ShapeFreeTrainer`` (:mod:`megatrain.product.shapes`) that plans each batch shape it meets (from the
             first batch on), caches up to ``max_shapes`` of them (default 8) and pads to
             ``seq_len_buckets`` when given (see ``megatrain.shapes``).
-        micro_batch_size: sequences per micro-batch (default 1; shape-free: the batch's rows
-            divided by ``micro_batches``).
-        micro_batches: micro-batches per step (gradient accumulation); the global batch is
-            ``micro_batch_size * micro_batches`` sequences.
+        micro_batch_size: sequences per micro-batch (default 1, or what ``global_batch`` gives;
+            shape-free: the batch's rows divided by ``micro_batches``).
+        micro_batches: micro-batches per step (gradient accumulation; default 1, or what
+            ``global_batch`` gives); the global batch is ``micro_batch_size * micro_batches``
+            sequences (on each rank under data parallel).
+        global_batch: sequences per optimizer step, over every data-parallel rank (each rank's
+            ``step`` then takes ``global_batch / ranks`` of them). Alone (no ``micro_batch_size``,
+            no ``micro_batches``), the solver chooses the micro-batch size and count for the
+            ``hardware`` (given, or measured on ``device="cuda"``) with the rest of the plan: the
+            split whose simulated step is shortest, counting the issuing thread, so it is the one
+            that keeps the GPU, not kernel issue, the bottleneck where memory allows. The model
+            is traced at that size and trained at it: ``trainer.planned.options.micro_batch_size``
+            and ``trainer.plan.micro_batches`` say which, and ``trainer.planned.decisions`` why.
+            With a given ``plan``, its ``micro_batches`` and ``global_batch / (ranks x
+            micro_batches)`` sequences each. With one of ``micro_batch_size`` or
+            ``micro_batches``, the other is what divides ``global_batch``; with both, they must
+            multiply to it. Fixed shapes only (give ``seq_len``).
         optimizer: the host optimizer's settings (:mod:`megatrain.optim`): ``megatrain.AdamW``
             (the default), ``megatrain.Lion`` (Chen et al. 2023, arXiv:2302.06675: one FP32
             moment, 4 bytes of state per parameter against AdamW's 8), or a dict of their fields
@@ -149,7 +162,11 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     Raises:
         ConfigError: an option or optimizer setting out of range (``images_per_row`` below 1
             included); ``seq_len`` beyond a Hugging Face model's ``max_position_embeddings``
-            (``megatrain.models.check_positions``).
+            (``megatrain.models.check_positions``); a ``global_batch`` below 1, without ``seq_len``,
+            that the micro-batches (of the given size, count or plan, times the ranks) do not
+            split or multiply to, or alone where nothing chooses the split (``plan="default"``, or
+            ``device="cpu"`` without ``hardware``: give ``hardware=`` or ``micro_batch_size=``;
+            :func:`megatrain.product.planning.split_global_batch`).
         TraceError / UnsupportedModelError: the model cannot be traced or is not supported (a
             Hugging Face model that is not a causal decoder: ``megatrain.models``; ``images_per_row``
             other than 1 for a model that is not LLaVA with ``pixel_values``).
@@ -157,6 +174,10 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
         Nothing is bound to the model unless every step before binding succeeded.
     """
     if seq_len is None:
+        if global_batch is not None:
+            raise ConfigError(f"global_batch={global_batch} with shape-free compile (seq_len=None): the solver plans "
+                              "the split for one batch shape; give seq_len=, or leave global_batch out (each batch's "
+                              "rows are its global batch, in micro_batches micro-batches)")
         if plan is not None and plan != "default":
             raise ConfigError("a Plan is made for one batch shape: give seq_len and micro_batch_size with it, "
                               "or leave plan unset (shape-free compile plans each shape)")
@@ -164,7 +185,8 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
             what = f"host_state={host_state!r}" if host_state is not None else f"reference={reference!r}"
             raise ConfigError(f"{what} with shape-free compile (seq_len=None): not supported "
                               "yet; give seq_len and micro_batch_size")
-        return ShapeFreeTrainer(model, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+        return ShapeFreeTrainer(model, micro_batch_size=micro_batch_size,
+                                micro_batches=1 if micro_batches is None else micro_batches,
                                 seq_len_buckets=seq_len_buckets,
                                 max_shapes=DEFAULT_MAX_SHAPES if max_shapes is None else max_shapes,
                                 optimizer=optimizer, nvme_dir=nvme_dir, plan=plan, device=device,
@@ -176,11 +198,11 @@ def compile(model: nn.Module, *, seq_len: int | None = None, micro_batch_size: i
     if seq_len_buckets is not None or max_shapes is not None:
         raise ConfigError("seq_len_buckets and max_shapes are for shape-free compile (seq_len=None); with "
                           f"seq_len={seq_len} every batch has that length")
-    micro_batch_size = 1 if micro_batch_size is None else micro_batch_size
-    compile_options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm, per_token_loss)
+    compile_options(seq_len, 1 if micro_batch_size is None else micro_batch_size,
+                    1 if micro_batches is None else micro_batches, input_names, device, max_grad_norm, per_token_loss)
     opt = optimizer_settings(optimizer)  # settings errors before anything is traced
     planned = plan_model(model, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
-                         plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
+                         global_batch=global_batch, plan=plan, device=device, input_names=input_names, max_grad_norm=max_grad_norm,
                          hardware=hardware, compute_dtype=compute_dtype, share_host_memory=share_host_memory,
                          host_state=host_state, per_token_loss=per_token_loss, optimizer_name=spec_of(opt).name,
                          image_grid_thw=image_grid_thw, images_per_row=images_per_row, templates=templates,

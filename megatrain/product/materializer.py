@@ -63,10 +63,12 @@ def materialize(planned: PlannedModel, optimizer: AdamW | Lion | Mapping | None 
         raise ConfigError("this plan shares the node's BF16 staging tiles (Plan.shared_cast), and the shared host "
                           "state was made without them; plan it with shared_staging=False "
                           "(megatrain.planner.front.Storage), as a shape-free trainer does")
-    if planned.graph is not planned.traced.graph:
-        raise ConfigError(f"this plan is for the solver's micro-batch size {planned.options.micro_batch_size}, not "
-                          f"the traced one ({planned.traced.graph.micro_batch_size}); plan with that "
-                          "micro_batch_size to run it")
+    if planned.traced.graph.micro_batch_size != planned.options.micro_batch_size:
+        # The front door traces again at a size the solver chose; a PlannedModel put together by
+        # hand may not have.
+        raise ConfigError(f"this plan is for micro-batches of {planned.options.micro_batch_size}, but its templates "
+                          f"were traced at {planned.traced.graph.micro_batch_size}; plan it with "
+                          "megatrain.planner.front.plan (or plan_model), which traces at the size that runs")
     on_nvme, grads_on_nvme = planned.plan.nvme_moments, planned.plan.nvme_gradients
     if on_nvme and nvme_dir is None:
         raise ConfigError(f"the plan keeps the Adam moments of layers {sorted(on_nvme)} on NVMe "

@@ -9,6 +9,7 @@ from typing import Literal, Sequence
 
 from torch import nn
 
+from megatrain.errors import ConfigError
 from megatrain.planner import front
 from megatrain.planner.front import PlannedModel, PlanRequest, Storage, Topology, compile_options
 from megatrain.ir.hardware import HardwareSpec
@@ -18,7 +19,8 @@ from megatrain.runtime.measure import measure_hardware
 from megatrain.trainer import data_parallel_world
 
 
-def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, micro_batches: int = 1,
+def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int | None = None,
+               micro_batches: int | None = None, global_batch: int | None = None,
                plan: Plan | Literal["default"] | None = None, device: str = "cpu",
                input_names: Sequence[str] = ("input_ids", "labels"), max_grad_norm: float | None = None,
                hardware: HardwareSpec | str | None = None, compute_dtype: str | None = None,
@@ -37,9 +39,11 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
     :func:`materialize` runs exactly its schedules.
 
     Args:
-        model, seq_len, micro_batch_size, micro_batches, device, input_names, max_grad_norm,
-        compute_dtype, per_token_loss, image_grid_thw, images_per_row, templates, cuda_graphs: as
-        for :func:`compile` (``micro_batches`` per rank).
+        model, seq_len, device, input_names, max_grad_norm, compute_dtype, per_token_loss,
+        image_grid_thw, images_per_row, templates, cuda_graphs: as for :func:`compile`.
+        micro_batch_size, micro_batches, global_batch: the split of a step, as for :func:`compile`
+            (:func:`split_global_batch`): ``micro_batches`` per rank, ``global_batch`` over every
+            rank; with ``global_batch`` alone the solver chooses the micro-batch size and count.
         plan: a ``Plan``; ``"default"`` for the default plan (two slots, prefetch distance one,
             every checkpoint kept), with ``hardware`` used only for the prediction; None: the
             solver's plan for ``hardware`` (or, on ``device="cuda"`` without one, for the measured
@@ -75,23 +79,85 @@ def plan_model(model: nn.Module, *, seq_len: int, micro_batch_size: int = 1, mic
         ConfigError: an option out of range; ``seq_len`` beyond a Hugging Face model's
             ``max_position_embeddings``; a plan inconsistent with the options; ``per_token_loss``
             for a model whose loss is not a mean cross-entropy megatrain can count;
-            ``device="cuda"`` without CUDA.
+            ``device="cuda"`` without CUDA; a ``global_batch`` :func:`split_global_batch` refuses.
         TraceError / UnsupportedModelError: the model cannot be traced or is not supported.
         PlanError, ScheduleError: the plan does not fit the model.
     """
-    options = compile_options(seq_len, micro_batch_size, micro_batches, input_names, device, max_grad_norm,
-                              per_token_loss)
+    options = compile_options(seq_len, _or_one(micro_batch_size), _or_one(micro_batches), input_names, device,
+                              max_grad_norm, per_token_loss)
     if options.device == "cuda":
         make_backend("cuda")  # ConfigError now, before tracing, where CUDA is missing (creates nothing CUDA)
+    topo = process_topology(share_host_memory, host_state)
+    rows, micro_batch_size = split_global_batch(global_batch, micro_batch_size, micro_batches, ranks=topo.ranks,
+                                                plan=plan, hardware=hardware, device=options.device)
     if plan is None and hardware is None and options.device == "cuda":
         hardware = measure_hardware()
-    topo = process_topology(share_host_memory, host_state)
-    return front.plan(plan_request(model, seq_len=seq_len, global_batch=micro_batch_size * micro_batches * topo.ranks,
+    return front.plan(plan_request(model, seq_len=seq_len, global_batch=rows,
                                    micro_batch_size=micro_batch_size, plan=plan, hardware=hardware, device=device,
                                    compute_dtype=compute_dtype, input_names=input_names, max_grad_norm=max_grad_norm,
                                    per_token_loss=per_token_loss, optimizer_name=optimizer_name, topology=topo,
                                    shared_staging=shared_staging, reference=reference, image_grid_thw=image_grid_thw,
                                    images_per_row=images_per_row, templates=templates, cuda_graphs=cuda_graphs))
+
+
+def split_global_batch(global_batch: int | None, micro_batch_size: int | None, micro_batches: int | None, *,
+                       ranks: int = 1, plan: Plan | Literal["default"] | None = None,
+                       hardware: HardwareSpec | str | None = None, device: str = "cpu") -> tuple[int, int | None]:
+    """``(global_batch, micro_batch_size)`` of compile's batch settings for ``ranks`` data-parallel
+    ranks: the rows a step over every rank, and the micro-batch size, None where the solver is to
+    choose it (``PlanRequest.micro_batch_size``). The rules, one place for ``compile`` and
+    ``plan_model``:
+
+    - no ``global_batch``: ``micro_batch_size`` (default 1) x ``micro_batches`` (default 1) per
+      rank, as before there was a ``global_batch``;
+    - ``global_batch`` with both: they must multiply to it (x ``ranks``);
+    - ``global_batch`` with one of them: the other is what divides it (it must divide);
+    - ``global_batch`` alone: the solver's size and count, for ``hardware`` (on ``device="cuda"``
+      without one, the measured GPU); with a given ``Plan``, the plan's ``micro_batches`` and the
+      size that fills the global batch. ``plan="default"``, or ``device="cpu"`` without
+      ``hardware``, chooses no split: ConfigError.
+
+    Raises:
+        ConfigError: each rule broken, naming the setting to give or change.
+    """
+    if global_batch is None:
+        return _or_one(micro_batch_size) * _or_one(micro_batches) * ranks, _or_one(micro_batch_size)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch={global_batch!r}: give the rows of a step over every rank, an integer >= 1")
+    over = f" x {ranks} data-parallel ranks" if ranks > 1 else ""
+    if micro_batch_size is not None and micro_batches is not None:
+        if micro_batch_size * micro_batches * ranks != global_batch:
+            raise ConfigError(f"global_batch={global_batch}, but micro_batch_size={micro_batch_size} x micro_batches="
+                              f"{micro_batches}{over} is {micro_batch_size * micro_batches * ranks} rows; give "
+                              "global_batch alone (the solver chooses the split), or a split that multiplies to it")
+        return global_batch, micro_batch_size
+    if micro_batch_size is None and micro_batches is None:
+        if isinstance(plan, Plan):
+            micro_batches = plan.micro_batches
+        elif plan == "default":
+            raise ConfigError(f"global_batch={global_batch} with plan='default': the default plan does not choose a "
+                              "micro-batch size; give micro_batch_size= (or micro_batches=), or plan=None and "
+                              "hardware= for the solver's split")
+        elif hardware is None and device != "cuda":
+            raise ConfigError(f"global_batch={global_batch} without micro_batch_size asks the solver to choose the "
+                              f"micro-batch size and count, but on device={device!r} there is no GPU to plan for; "
+                              "give hardware= (a preset such as 'H100_SXM', a HardwareSpec or a spec JSON file), or "
+                              "micro_batch_size=")
+        else:
+            return global_batch, None
+    if micro_batch_size is None:
+        count = micro_batches * ranks
+        if global_batch % count:
+            whose = "the plan's " if isinstance(plan, Plan) else ""
+            raise ConfigError(f"global_batch={global_batch} does not split into {whose}micro_batches={micro_batches}"
+                              f"{over}; give a global_batch that is a multiple of {count}")
+        return global_batch, global_batch // count
+    if global_batch % (micro_batch_size * ranks):
+        raise ConfigError(f"global_batch={global_batch} does not split into micro-batches of micro_batch_size="
+                          f"{micro_batch_size}{over}; give a global_batch that is a multiple of "
+                          f"{micro_batch_size * ranks}, or a micro_batch_size that divides it (or none: the "
+                          "solver's)")
+    return global_batch, micro_batch_size
 
 
 def plan_request(model: nn.Module, *, seq_len: int, global_batch: int, micro_batch_size: int | None = 1,
@@ -120,6 +186,12 @@ def plan_request(model: nn.Module, *, seq_len: int, global_batch: int, micro_bat
                        solver=solver, templates=templates, cuda_graphs=cuda_graphs)
 
 
+def _or_one(n: int | None) -> int:
+    """A micro-batch size or count not given (None) as its default, 1; a given one as it is (0
+    stays 0, for ``compile_options`` to refuse)."""
+    return 1 if n is None else n
+
+
 def process_topology(share_host_memory: bool = True, host_state: str | None = None, fits=None) -> Topology:
     """This process's data-parallel :class:`~megatrain.planner.front.Topology`: the default
     ``torch.distributed`` process group's ranks (1 without one) and torchrun's
@@ -132,4 +204,4 @@ def process_topology(share_host_memory: bool = True, host_state: str | None = No
     return Topology(world, topology().local_world, share_host_memory, host_state, fits)
 
 
-__all__ = ["plan_model", "plan_request", "process_topology"]
+__all__ = ["plan_model", "plan_request", "process_topology", "split_global_batch"]

@@ -179,8 +179,12 @@ class TrainConfig(pydantic.BaseModel):
     global_batch: int = Field(8, gt=0, le=bounds.MAX_GLOBAL_BATCH,
                               description="windows (rows) per optimizer step, over all ranks under torchrun (a "
                                           "multiple of micro_batch_size x ranks)")
-    micro_batch_size: int = Field(1, gt=0, description="rows per micro-batch; global_batch must be a "
-                                                       "multiple of it")
+    micro_batch_size: int | Literal["auto"] = Field(
+        1, description="rows per micro-batch (global_batch must be a multiple of it), or auto: the solver chooses the "
+                       "micro-batch size and count for global_batch on the hardware (device cuda: the run's hardware "
+                       "or the measured GPU), the split whose simulated step is shortest with kernel issue counted, "
+                       "and the run's 'micro-batches:' line says which and why; the CPU backend runs the default "
+                       "plan, which chooses no split, so give a number there")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     warmup_steps: int = Field(100, ge=0, description="steps of linear warm-up to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decays to lr x this at the last step")
@@ -295,6 +299,13 @@ class TrainConfig(pydantic.BaseModel):
             raise ValueError(f"{str(value).lower()} is a boolean, not a number; give a number")
         return value
 
+    @pydantic.field_validator("micro_batch_size")
+    @classmethod
+    def _positive_micro_batch_size(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError(f"{value} rows: give a micro-batch size >= 1, or auto (the solver's)")
+        return value
+
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
         if (why := batch_split_error(self.global_batch, self.micro_batch_size)) is not None:
@@ -317,8 +328,9 @@ class TrainConfig(pydantic.BaseModel):
         return self
 
     @property
-    def micro_batches(self) -> int:
-        return self.global_batch // self.micro_batch_size
+    def micro_batches(self) -> int | None:
+        """Micro-batches a step (on one rank), or None with ``micro_batch_size: auto`` (the plan's)."""
+        return None if self.micro_batch_size == "auto" else self.global_batch // self.micro_batch_size
 
     def optimizer_settings(self) -> OptimizerSettings:
         """The host optimizer's settings (``megatrain.AdamW`` or ``megatrain.Lion``) this config gives."""
@@ -327,12 +339,18 @@ class TrainConfig(pydantic.BaseModel):
                                                                         else {})})
 
 
-def batch_split_error(global_batch: int, micro_batch_size: int, ranks: int = 1) -> str | None:
+def batch_split_error(global_batch: int, micro_batch_size: int | Literal["auto"], ranks: int = 1) -> str | None:
     """Why ``global_batch`` rows do not split into ``ranks`` ranks' micro-batches of
     ``micro_batch_size`` rows each, or None where they do: the one check of a run's batch shape,
     for the config (one rank), ``megatrain train`` under torchrun and ``megatrain plan --config``
-    (their ranks). ``megatrain.compile`` takes the micro-batches a step, so its global batch
-    always splits."""
+    (their ranks). With ``"auto"`` the rows must split over the ranks (the solver chooses a size
+    that divides each rank's). ``megatrain.compile`` checks its own
+    (``megatrain.product.planning.split_global_batch``)."""
+    if micro_batch_size == "auto":
+        if global_batch % ranks == 0:
+            return None
+        return (f"global_batch={global_batch} rows do not split over {ranks} ranks (micro_batch_size=auto chooses "
+                f"each rank's micro-batches of its share); make global_batch a multiple of {ranks}")
     if global_batch % (micro_batch_size * ranks) == 0:
         return None
     if ranks == 1:
@@ -343,7 +361,7 @@ def batch_split_error(global_batch: int, micro_batch_size: int, ranks: int = 1) 
             "(micro_batch_size x ranks)")
 
 
-def check_batch_split(global_batch: int, micro_batch_size: int, ranks: int = 1) -> None:
+def check_batch_split(global_batch: int, micro_batch_size: int | Literal["auto"], ranks: int = 1) -> None:
     """:func:`batch_split_error` as an error.
 
     Raises:
@@ -355,6 +373,10 @@ def check_batch_split(global_batch: int, micro_batch_size: int, ranks: int = 1) 
 
 def _check_rl(cfg: "TrainConfig") -> None:
     """The batch shapes of ``--task dpo`` and ``--task grpo`` (ValueError naming the fix)."""
+    if cfg.task == "dpo" and cfg.micro_batch_size == "auto":
+        raise ValueError("task dpo with micro_batch_size auto: a pair's chosen and rejected responses are two rows "
+                         "that must stay in one micro-batch, which the solver's split does not promise; give an even "
+                         "micro_batch_size")
     if cfg.task == "dpo" and (cfg.global_batch % 2 or cfg.micro_batch_size % 2):
         raise ValueError(f"task dpo: global_batch={cfg.global_batch} and micro_batch_size={cfg.micro_batch_size} "
                          "count rows, a pair's chosen and rejected responses two rows that stay in one "

@@ -203,19 +203,26 @@ def plan_request(cfg: TrainConfig, model, hw, topology, image_grid_thw=None, sou
     """The :class:`megatrain.planner.front.PlanRequest` of a run's settings: what ``megatrain
     train`` plans and ``megatrain plan --config`` reports, for ``topology`` (a
     ``megatrain.planner.front.Topology``). On the CPU backend the plan is the default one and
-    ``hw`` gives the prediction; on CUDA the solver's for ``hw``. ``image_grid_thw``: Qwen2-VL's
+    ``hw`` gives the prediction; on CUDA the solver's for ``hw``, at the solver's micro-batch size
+    and count with ``micro_batch_size: auto``. ``image_grid_thw``: Qwen2-VL's
     grids of a row's images (:func:`megatrain.train.corpus.image_grid_thw`). With ``nvme_dir`` and
     ``host_memory``, the placement leaves room in ``host_memory`` for :func:`host_beside_plan`
     (of ``source``, the run's model resolved when None) on each rank of a node."""
     from megatrain.product.planning import plan_request as request
 
     cfg = resolve_device(cfg, planning=True)[0]  # device auto: the device this run would take
+    auto = cfg.micro_batch_size == "auto"
+    if auto and cfg.device == "cpu":
+        raise ConfigError("micro_batch_size: auto asks the solver to choose the micro-batch size and count, but on the "
+                          "CPU backend (device: cpu) the run trains the default plan, which chooses no split; give "
+                          "micro_batch_size a number (rows per micro-batch), or train on device cuda")
     names = batch_names(cfg, model.config)
     reserved = 0
     if cfg.nvme_dir is not None and cfg.host_memory is not None:
         ranks = 1 if topology is None else topology.ranks_per_node
         reserved = ranks * host_beside_plan(cfg, source or resolve_model(cfg.model), model).total
-    return request(model, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch_size=cfg.micro_batch_size,
+    return request(model, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                   micro_batch_size=None if auto else cfg.micro_batch_size,
                    plan="default" if cfg.device == "cpu" else None, hardware=hw, device=cfg.device,
                    input_names=names, images_per_row=1 if image_grid_thw else cfg.images_per_row,
                    image_grid_thw=image_grid_thw, max_grad_norm=cfg.max_grad_norm, optimizer_name=cfg.optimizer,
@@ -290,6 +297,14 @@ def _plan(cfg: TrainConfig, source: ModelSource, hw, echo, world: int = 1) -> Pl
     echo(f"model: {type(model).__name__}, {graph.param_count / 1e6:,.2f} M parameters in {len(graph.layers)} "
          f"layers; host memory needed about {human_bytes(needed)}")
     return planned
+
+
+def planned_config(cfg: TrainConfig, planned: PlannedModel) -> TrainConfig:
+    """``cfg`` with ``micro_batch_size: auto`` made the micro-batch size the solver chose (what the
+    validation batches, the data checks and the sample prompt are cut by); else ``cfg``."""
+    if cfg.micro_batch_size != "auto":
+        return cfg
+    return cfg.model_copy(update={"micro_batch_size": planned.options.micro_batch_size})
 
 
 def _materialize_and_load(cfg: TrainConfig, planned: PlannedModel, source: ModelSource, fingerprint: str,
@@ -578,8 +593,11 @@ class Run:
         return None if finished is None else _finished(cfg, self.out, finished, self.echo)
 
     def plan(self) -> None:
-        """Trace and plan once, with the host-memory preflight (:func:`_plan`), and the disk's."""
+        """Trace and plan once, with the host-memory preflight (:func:`_plan`), and the disk's.
+        With ``micro_batch_size: auto`` the stages after it read the planned size
+        (:func:`planned_config`); ``train_config.json`` keeps ``auto``."""
         self.planned = _plan(self.cfg, self.source, self.hw, self.echo, self.ranks.world)
+        self.cfg = planned_config(self.cfg, self.planned)
         if self.ranks.rank == 0:
             preflight_disk(self.out, self.planned.graph)
 
