@@ -29,7 +29,9 @@ its source, printed:
   there they stay unmeasured: no contention), or given by hand (``--contention
   SLOWDOWN,H2D_BYTES_PER_S[,ISSUE_SLOWDOWN]``, over what the spec or the probe says; a field not
   given still comes from the probe). Factors read off the timeline being checked make a what-if,
-  not a prediction: nothing measured them apart from it.
+  not a prediction: nothing measured them apart from it. ``--host-issue CAST[,OPT]`` sets the
+  issuing thread's slowdown beside a host CAST (``host_cast_issue_stall``) and an OPT's GIL-free
+  part (``host_optimizer_issue_slowdown``) the same way, for the same kind of what-if.
 
 The probe ran several timed steps (``steps``: each one's ``timeline_step_s``) and kept one
 timeline as ``measured``: the median step's since 2026-12-03 (``gpu_probe.median_step``; the row
@@ -100,15 +102,22 @@ def optimizer_call_fraction(host_optimizer: dict) -> float | None:
     return min(1.0, rates["megatrain"] / rates["deepspeed_cpu_adam"])
 
 
+HOST_ISSUE_FIELDS = ("host_cast_issue_stall", "host_optimizer_issue_slowdown")
+"""The spec's slowdowns of the issuing thread beside a GIL-releasing host op, in the order
+``--host-issue`` gives them."""
+
+
 def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios: dict | None = None,
                   host_kernel: str | None = None,
                   host_optimizer: dict | None = None,
-                  contention: tuple[float, ...] | None = None) -> tuple[HardwareSpec, dict[str, str]]:
+                  contention: tuple[float, ...] | None = None,
+                  host_issue: tuple[float, ...] | None = None) -> tuple[HardwareSpec, dict[str, str]]:
     """The spec of JSON ``fields`` with the fields it lacks filled (module docstring), and each filled
     field's source. ``probe``: the probe.json the step came from (its ``launch`` section);
     ``host_optimizer``: the same session's ``bench/host_optimizer.py`` JSON; ``contention``:
     ``(compute_slowdown_beside_h2d, h2d_beside_compute_bytes_per_s[, issue_slowdown_beside_h2d])``
-    given by hand, set whatever the spec or the probe says (a field it leaves out as without it)."""
+    given by hand, set whatever the spec or the probe says (a field it leaves out as without it);
+    ``host_issue``: ``(host_cast_issue_stall[, host_optimizer_issue_slowdown])`` given by hand, the same way."""
     fields, filled = dict(fields), {}
     pre = preset(fallback)
     for name in KERNEL_RATE_FIELDS:
@@ -141,7 +150,24 @@ def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios:
         elif not fields.get(name) and beside and beside.get(key) is not None:
             fields[name] = beside[key]
             filled[name] = f"the probe's launch.forward_beside_h2d.{key}"
+    for name, value in zip(HOST_ISSUE_FIELDS, host_issue or ()):
+        fields[name] = value
+        filled[name] = "given by hand (--host-issue)"
     return HardwareSpec.model_validate(fields), filled
+
+
+def parse_host_issue(text: str) -> tuple[float, ...]:
+    """``--host-issue CAST[,OPT]``: the issuing thread's slowdown beside a host CAST and, optionally,
+    beside an OPT's GIL-free part (fractions in [0, 1))."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) not in (1, 2) or not all(0 <= v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--host-issue {text!r}: give CAST[,OPT], one or two fractions in [0, 1) "
+                                         "(the issuing thread beside a CAST, or an OPT's GIL-free part, issues "
+                                         "at 1 - that of its speed), e.g. 0.18 or 0.18,0.1")
+    return values
 
 
 def parse_contention(text: str) -> tuple[float, ...]:
@@ -227,13 +253,17 @@ def main(argv: list[str] | None = None) -> None:
                          "time / (1 - SLOWDOWN)), the H2D rate beside compute and, optionally, the issuing "
                          "thread's slowdown beside a copy in flight, e.g. 0.25,42e9 or 0.25,42e9,0.15; else from "
                          "the probe's launch.forward_beside_h2d where it has them")
+    ap.add_argument("--host-issue", type=parse_host_issue, metavar="CAST[,OPT]",
+                    help="set by hand how much a host CAST and, optionally, an OPT's GIL-free part slow the issuing "
+                         "thread (host_cast_issue_stall, host_optimizer_issue_slowdown), e.g. 0.18 or 0.18,0.1; "
+                         "else the spec's (the 2026-11-27 spec has neither)")
     ap.add_argument("--json", help="write the comparison here too")
     args = ap.parse_args(argv)
     probe = json.loads(Path(args.probe).read_text())
     ratios = json.loads(Path(args.issue_ratios).read_text()) if args.issue_ratios else None
     host_optimizer = json.loads(Path(args.host_optimizer).read_text()) if args.host_optimizer else None
     spec, filled = complete_spec(json.loads(Path(args.spec).read_text()), probe, args.fallback_preset, ratios,
-                                 args.host_kernel, host_optimizer, args.contention)
+                                 args.host_kernel, host_optimizer, args.contention, args.host_issue)
     out = resimulate(probe["sections"]["step"]["result"], json.loads(Path(args.timelines).read_text())["measured"],
                      spec)
     out["filled"] = filled

@@ -269,3 +269,35 @@ def test_the_kept_timeline_is_named_the_median_or_the_last(h100, capsys):
                 "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
                 "--spec", str(RESULTS / "2026-11-27-h100-spec.json")])
     assert "the timeline is timed step 3 of 3's (the last)" in capsys.readouterr().out
+
+
+def test_the_host_issue_flag_slows_the_forwards_beside_the_casts(h100, capsys):
+    """``--host-issue CAST[,OPT]`` sets how much a host CAST (and an OPT's GIL-free part) slow the
+    issuing thread, printed as given by hand; the 11-27 step's forwards, issue-bound and issued
+    while the CASTs run, then take longer, and the backwards beside the OPTs' tails too (a what-if:
+    module docstring)."""
+    resim = sys.modules["resimulate_step"]
+    *_, out, _ = h100
+    rows = {}
+    for flag in ("0.2", "0.2,0.2"):
+        resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
+                    "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
+                    "--spec", str(RESULTS / "2026-11-27-h100-spec.json"),
+                    "--issue-ratios", str(RESULTS / "2026-11-28-cpu-template-issue.json"), "--host-kernel",
+                    "deepspeed", "--host-optimizer", str(RESULTS / "2026-11-27-h100-host-optimizer.json"),
+                    "--host-issue", flag])
+        printed = capsys.readouterr().out
+        rows[flag] = {line.split()[0]: float(line.split()[2]) for line in printed.splitlines()
+                      if line.split() and line.split()[0] in ("FWD", "BWD")}
+        assert "  host_cast_issue_stall = 0.2: given by hand (--host-issue)" in printed
+    assert rows["0.2"]["FWD"] > out["by_kind"]["FWD"]["predicted_s"] * 1.05
+    assert rows["0.2"]["BWD"] == pytest.approx(out["by_kind"]["BWD"]["predicted_s"], abs=1e-4)  # no CAST beside them (printed to 0.1 ms)
+    assert rows["0.2,0.2"]["BWD"] > rows["0.2"]["BWD"]
+
+
+@pytest.mark.parametrize("text", ["", "1.0", "-0.1", "a", "0.1,0.1,0.1", "0.1,1.0"])
+def test_a_bad_host_issue_flag_names_the_rule(text, capsys):
+    resim = _load("resimulate_step")
+    with pytest.raises(SystemExit):
+        resim.main(["--probe", "p", "--timelines", "t", "--spec", "s", "--host-issue", text])
+    assert "CAST[,OPT]" in capsys.readouterr().err
