@@ -66,7 +66,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_probe import StepShape, _timeline_summary, issue_costs_from_standin, llama_config  # noqa: E402
+from gpu_probe import StepShape, _timeline_summary, by_context, issue_costs_from_standin, llama_config  # noqa: E402
 
 from megatrain.ir.hardware import HOST_KERNEL_ISSUE_STALL, HardwareSpec, preset  # noqa: E402
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan  # noqa: E402
@@ -218,44 +218,6 @@ def resimulate(step: dict, measured: dict, spec: HardwareSpec) -> dict:
     return {"spec": spec.name, "step": {"measured_s": got["step_time_s"], "predicted_s": predicted["step_time_s"]},
             "steps": steps, "kept": kept_step(rows_timed, got["step_time_s"]), "by_kind": rows,
             "by_context": by_context(measured_tl, simulated), "predicted_bottleneck": predicted["bottleneck"]}
-
-
-BESIDE_KINDS = ("CAST", "OPT", "H2D", "D2H")
-"""The op kinds whose overlap with a compute op :func:`by_context` names: the host ops that slow the
-issuing thread (CAST, OPT) and the copies that contend with compute (H2D) or share the link (D2H)."""
-
-BESIDE_FRACTION = 0.5
-"""A compute op counts as beside an op kind when ops of that kind overlap at least this share of its
-measured time."""
-
-
-def by_context(measured: Timeline, predicted: Timeline) -> list[dict]:
-    """Compute ops (FWD, RECOMPUTE, BWD) of ``measured`` grouped by op kind and what ran beside them
-    in the measured step (the :data:`BESIDE_KINDS` overlapping at least :data:`BESIDE_FRACTION` of
-    the op; ``"alone"`` for none), each group's median measured and predicted seconds (the same ops
-    in ``predicted``, the same schedule simulated): where a ratio departs from the others, what ran
-    beside those ops is the suspect (2026-11-27: block forwards beside a CAST 2.45 ms, alone
-    2.02 ms, both predicted 1.80). Rows sorted by kind, then context; ops missing from
-    ``predicted`` are left out."""
-    pred = {r.op: r for r in predicted.records}
-    windows: dict[str, list[tuple[float, float]]] = {k: [] for k in BESIDE_KINDS}
-    for r in measured.records:
-        kind = r.op.split(":", 1)[0]
-        if kind in windows:
-            windows[kind].append((r.start_s, r.end_s))
-    groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for r in measured.records:
-        kind = r.op.split(":", 1)[0]
-        if kind not in ("FWD", "RECOMPUTE", "BWD") or r.op not in pred or r.end_s <= r.start_s:
-            continue
-        d = r.end_s - r.start_s
-        beside = [k for k, ws in windows.items()
-                  if sum(max(0.0, min(r.end_s, b) - max(r.start_s, a)) for a, b in ws) >= BESIDE_FRACTION * d]
-        q = pred[r.op]
-        groups.setdefault((kind, "+".join(beside) or "alone"), []).append((d, q.end_s - q.start_s))
-    return [{"kind": kind, "beside": ctx, "ops": len(v), "measured_median_s": statistics.median(m for m, _ in v),
-             "predicted_median_s": statistics.median(p for _, p in v)}
-            for (kind, ctx), v in sorted(groups.items())]
 
 
 def kept_step(timed: list[dict], step_time_s: float) -> dict | None:

@@ -245,6 +245,9 @@ def test_dry_run_step_measured_beside_predicted(dry):
     assert measured.source == "measured" and predicted.source == "simulated"
     assert [r.op for r in measured.records] == [r.op for r in predicted.records]
     assert measured.step_time_s == m["step_time_s"] and predicted.step_time_s == p["step_time_s"]
+    # The compute ops grouped by what ran beside them: every one of the kept step's in one group.
+    assert sum(r["ops"] for r in step["by_context"]) == sum(
+        1 for r in measured.records if r.op.split(":")[0] in ("FWD", "RECOMPUTE", "BWD") and r.end_s > r.start_s)
     # Every timed step's timeline is kept beside it, each with its step number and time.
     each = timelines["measured_steps"]
     assert [e["step"] for e in each] == [r["step"] for r in timed]
