@@ -48,6 +48,13 @@
 # (5) set the compare phase's model size and steps; GPU_SESSION_COMPARE_SYSTEMS (default "megatrain-own-plan
 # deepspeed megatrain"; also fsdp2, torch) its systems, each in a box of its own. At 1B on an H100
 # (2026-11-27) DeepSpeed's 7 steps took 100 s of its 170 s box: at 3B take 1 warm-up and 3 steps.
+# GPU_SESSION_COMPARE_SEQ_LEN (2048), GPU_SESSION_COMPARE_GLOBAL_BATCH (16), GPU_SESSION_COMPARE_MICRO_BATCH
+# (2: the peers' and megatrain's fixed split; megatrain-own-plan chooses its own) and
+# GPU_SESSION_COMPARE_BOX_S (170, each system's box) set the rest; the dry run prints each system's GPU
+# command. Issue 40 step 2 (3B against DeepSpeed and FSDP2), one command per sequence length:
+#   GPU_SESSION_PHASES=setup,compare GPU_SESSION_COMPARE_SIZES=3b GPU_SESSION_COMPARE_WARMUP=1
+#   GPU_SESSION_COMPARE_STEPS=3 GPU_SESSION_COMPARE_SYSTEMS="megatrain-own-plan deepspeed fsdp2"
+#   GPU_SESSION_COMPARE_BOX_S=170 GPU_SESSION_COMPARE_SEQ_LEN=2048 (then 4096) bash bench/gpu_session.sh
 # GPU_SESSION_HANG=<phase> replaces that phase's command by one that never ends, to check on a CPU
 # that a hung phase is cut at its box and the later phases still run and pack.
 set -u
@@ -164,17 +171,24 @@ COMPARE_SIZES=${GPU_SESSION_COMPARE_SIZES:-1b}
 COMPARE_WARMUP=${GPU_SESSION_COMPARE_WARMUP:-2}
 COMPARE_STEPS=${GPU_SESSION_COMPARE_STEPS:-5}
 COMPARE_SYSTEMS=${GPU_SESSION_COMPARE_SYSTEMS:-megatrain-own-plan deepspeed megatrain}
+COMPARE_SEQ_LEN=${GPU_SESSION_COMPARE_SEQ_LEN:-2048}
+COMPARE_GLOBAL_BATCH=${GPU_SESSION_COMPARE_GLOBAL_BATCH:-16}
+COMPARE_MICRO_BATCH=${GPU_SESSION_COMPARE_MICRO_BATCH:-2}
+COMPARE_BOX=${GPU_SESSION_COMPARE_BOX_S:-170}
 if want compare; then
     wait_jit
     mkdir -p "$W/compare"
     for system in $COMPARE_SYSTEMS; do
+        gpu_args=(bench/compare.py --sizes "$COMPARE_SIZES" --system "$system" --seq-len "$COMPARE_SEQ_LEN"
+                  --global-batch "$COMPARE_GLOBAL_BATCH" --micro-batch "$COMPARE_MICRO_BATCH"
+                  --warmup "$COMPARE_WARMUP" --steps "$COMPARE_STEPS" --child-timeout $((COMPARE_BOX - 10))
+                  --results-dir "$W/compare")
         if [ $DRY = 1 ]; then
+            echo "compare_$system on a GPU (box ${COMPARE_BOX}s): $PY ${gpu_args[*]}"
             case $system in megatrain*) ;; *) continue ;; esac  # the peers need CUDA; the dry run checks the harness
-            box "compare_$system" 150 "$PY" bench/compare.py --dry-run --system $system --results-dir "$W/compare"
+            box "compare_$system" 150 "$PY" bench/compare.py --dry-run --system "$system" --results-dir "$W/compare"
         else
-            box "compare_$system" 170 "$PY" bench/compare.py --sizes "$COMPARE_SIZES" --system $system --seq-len 2048 \
-                --global-batch 16 --micro-batch 2 --warmup "$COMPARE_WARMUP" --steps "$COMPARE_STEPS" \
-                --child-timeout 160 --results-dir "$W/compare"
+            box "compare_$system" "$COMPARE_BOX" "$PY" "${gpu_args[@]}"
         fi
     done
 fi

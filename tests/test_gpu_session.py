@@ -71,3 +71,20 @@ def test_the_compare_phase_runs_megatrain_on_its_own_plan_and_at_the_fixed_split
     assert rows["compare_megatrain"]["rc"] == "0", rows
     assert "compare_deepspeed" not in rows  # the peers need CUDA: the dry run checks megatrain's harness
     assert "own plan: micro-batch" in (tmp_path / "log").read_text()
+
+
+def test_the_compare_phase_takes_its_shape_from_the_environment(tmp_path):
+    # Issue 40 step 2 (3B at seq 2048 and 4096 against DeepSpeed and FSDP2) runs this phase with other
+    # sizes, lengths and boxes: the dry run prints each system's GPU command as it would run it.
+    rows, proc = _session(tmp_path, GPU_SESSION_PHASES="compare", GPU_SESSION_COMPARE_SIZES="3b",
+                          GPU_SESSION_COMPARE_SEQ_LEN="4096", GPU_SESSION_COMPARE_GLOBAL_BATCH="8",
+                          GPU_SESSION_COMPARE_MICRO_BATCH="1", GPU_SESSION_COMPARE_BOX_S="120",
+                          GPU_SESSION_COMPARE_SYSTEMS="megatrain-own-plan deepspeed fsdp2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (tmp_path / "log").read_text()
+    for system in ("megatrain-own-plan", "deepspeed", "fsdp2"):
+        line = next(x for x in log.splitlines() if x.startswith(f"compare_{system} on a GPU (box 120s): "))
+        assert (f"bench/compare.py --sizes 3b --system {system} --seq-len 4096 --global-batch 8 --micro-batch 1 "
+                "--warmup 2 --steps 5 --child-timeout 110 --results-dir") in line, line
+    assert rows["compare_megatrain-own-plan"]["rc"] == "0", rows
+    assert "compare_fsdp2" not in rows  # the peers need CUDA
