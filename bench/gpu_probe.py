@@ -1597,16 +1597,17 @@ def by_context(measured: Timeline, predicted: Timeline) -> list[dict]:
     beside those ops is the suspect (2026-11-27: block forwards beside a CAST 2.45 ms, alone
     2.02 ms, both predicted 1.80). Rows sorted by kind, then context; ops missing from
     ``predicted`` are left out."""
+    from megatrain.ir.schedule import OpKind
+
     pred = {r.op: r for r in predicted.records}
     windows: dict[str, list[tuple[float, float]]] = {k: [] for k in BESIDE_KINDS}
     for r in measured.records:
-        kind = r.op.split(":", 1)[0]
-        if kind in windows:
-            windows[kind].append((r.start_s, r.end_s))
+        if r.kind.value in windows:
+            windows[r.kind.value].append((r.start_s, r.end_s))
     groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in measured.records:
-        kind = r.op.split(":", 1)[0]
-        if kind not in ("FWD", "RECOMPUTE", "BWD") or r.op not in pred or r.end_s <= r.start_s:
+        kind = r.kind.value
+        if r.kind not in (OpKind.FWD, OpKind.RECOMPUTE, OpKind.BWD) or r.op not in pred or r.end_s <= r.start_s:
             continue
         d = r.end_s - r.start_s
         beside = [k for k, ws in windows.items()

@@ -158,13 +158,18 @@ def complete_spec(fields: dict, probe: dict, fallback: str = "H100_SXM", ratios:
     return HardwareSpec.model_validate(fields), filled
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    """A flag's comma-separated numbers; () where one is not a number."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        return ()
+
+
 def parse_host_issue(text: str) -> tuple[float, ...]:
     """``--host-issue CAST[,OPT]``: the issuing thread's slowdown beside a host CAST and, optionally,
     beside an OPT's GIL-free part (fractions in [0, 1))."""
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        values = ()
+    values = _floats(text)
     if len(values) not in (1, 2) or not all(0 <= v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"--host-issue {text!r}: give CAST[,OPT], one or two fractions in [0, 1) "
                                          "(the issuing thread beside a CAST, or an OPT's GIL-free part, issues "
@@ -176,10 +181,7 @@ def parse_contention(text: str) -> tuple[float, ...]:
     """``--contention SLOWDOWN,H2D_BYTES_PER_S[,ISSUE_SLOWDOWN]``: the compute slowdown beside an H2D
     (a fraction in [0, 1)), the H2D rate beside compute (bytes/s, 0: not measured) and, optionally,
     the issuing thread's slowdown beside a copy in flight (a fraction in [0, 1))."""
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        values = ()
+    values = _floats(text)
     if len(values) not in (2, 3):
         raise argparse.ArgumentTypeError(f"--contention {text!r}: give SLOWDOWN,H2D_BYTES_PER_S[,ISSUE_SLOWDOWN], "
                                          "two or three numbers, e.g. 0.25,42e9 or 0.25,42e9,0.15")

@@ -206,17 +206,25 @@ def test_the_issue_slowdown_is_read_from_a_probe_that_measured_it(h100):
     assert filled["issue_slowdown_beside_h2d"] == "given by hand (--contention)"
 
 
+def _h100_argv(*extra: str, completed: bool = True) -> list[str]:
+    """``resimulate_step.py``'s arguments for the 2026-11-27 H100 files, the spec completed as the
+    ``h100`` fixture completes it (``completed``: the issue ratios and the host optimizer's JSON),
+    then ``extra``."""
+    argv = ["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
+            "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
+            "--spec", str(RESULTS / "2026-11-27-h100-spec.json")]
+    if completed:
+        argv += ["--issue-ratios", str(RESULTS / "2026-11-28-cpu-template-issue.json"), "--host-kernel", "deepspeed",
+                 "--host-optimizer", str(RESULTS / "2026-11-27-h100-host-optimizer.json")]
+    return [*argv, *extra]
+
+
 def test_the_contention_flag_sets_both_fields_by_hand(h100, capsys):
     """``--contention SLOWDOWN,H2D_BYTES_PER_S`` fills the two fields, printed as given by hand, and the
     copies beside the forwards then take longer (a what-if on the 11-27 step: module docstring)."""
     resim = sys.modules["resimulate_step"]
     *_, out, _ = h100
-    resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
-                "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
-                "--spec", str(RESULTS / "2026-11-27-h100-spec.json"),
-                "--issue-ratios", str(RESULTS / "2026-11-28-cpu-template-issue.json"), "--host-kernel", "deepspeed",
-                "--host-optimizer", str(RESULTS / "2026-11-27-h100-host-optimizer.json"),
-                "--contention", "0.25,42e9"])
+    resim.main(_h100_argv("--contention", "0.25,42e9"))
     printed = capsys.readouterr().out
     assert "  compute_slowdown_beside_h2d = 0.25: given by hand (--contention)" in printed
     assert "  h2d_beside_compute_bytes_per_s = 4.2e+10: given by hand (--contention)" in printed
@@ -231,12 +239,7 @@ def test_the_contention_flag_takes_the_issue_slowdown_third(h100, capsys):
     resim = sys.modules["resimulate_step"]
     printed = {}
     for text in ("0.25,42e9", "0.25,42e9,0.25"):
-        resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
-                    "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
-                    "--spec", str(RESULTS / "2026-11-27-h100-spec.json"),
-                    "--issue-ratios", str(RESULTS / "2026-11-28-cpu-template-issue.json"), "--host-kernel",
-                    "deepspeed", "--host-optimizer", str(RESULTS / "2026-11-27-h100-host-optimizer.json"),
-                    "--contention", text])
+        resim.main(_h100_argv("--contention", text))
         printed[text] = capsys.readouterr().out
     assert "issue_slowdown_beside_h2d" not in printed["0.25,42e9"]
     assert "  issue_slowdown_beside_h2d = 0.25: given by hand (--contention)" in printed["0.25,42e9,0.25"]
@@ -265,9 +268,7 @@ def test_the_kept_timeline_is_named_the_median_or_the_last(h100, capsys):
     assert resim.kept_step(rows, 0.84) == {"index": 1, "of": 3, "rule": "median"}
     assert resim.kept_step(rows[:1] + rows[2:], 0.79) == {"index": 0, "of": 2, "rule": "matched"}
     assert resim.kept_step(rows[:1], 0.5) is None
-    resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
-                "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
-                "--spec", str(RESULTS / "2026-11-27-h100-spec.json")])
+    resim.main(_h100_argv(completed=False))
     assert "the timeline is timed step 3 of 3's (the last)" in capsys.readouterr().out
 
 
@@ -280,12 +281,7 @@ def test_the_host_issue_flag_slows_the_forwards_beside_the_casts(h100, capsys):
     *_, out, _ = h100
     rows = {}
     for flag in ("0.2", "0.2,0.2"):
-        resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
-                    "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
-                    "--spec", str(RESULTS / "2026-11-27-h100-spec.json"),
-                    "--issue-ratios", str(RESULTS / "2026-11-28-cpu-template-issue.json"), "--host-kernel",
-                    "deepspeed", "--host-optimizer", str(RESULTS / "2026-11-27-h100-host-optimizer.json"),
-                    "--host-issue", flag])
+        resim.main(_h100_argv("--host-issue", flag))
         printed = capsys.readouterr().out
         rows[flag] = {line.split()[0]: float(line.split()[2]) for line in printed.splitlines()
                       if len(line.split()) == 4 and line.split()[0] in ("FWD", "BWD")}  # the per-kind table
@@ -332,9 +328,7 @@ def test_compute_ops_are_grouped_by_what_ran_beside_them(h100, capsys):
     assert resim.by_context(m, p) == [
         {"kind": "FWD", "beside": "CAST", "ops": 1, "measured_median_s": 2.0, "predicted_median_s": 1.0},
         {"kind": "FWD", "beside": "alone", "ops": 1, "measured_median_s": 1.0, "predicted_median_s": 1.0}]
-    resim.main(["--probe", str(RESULTS / "2026-11-27-h100-probe.json"),
-                "--timelines", str(RESULTS / "2026-11-27-h100-step-timelines.json"),
-                "--spec", str(RESULTS / "2026-11-27-h100-spec.json")])
+    resim.main(_h100_argv(completed=False))
     printed = capsys.readouterr().out
     assert "compute ops by what ran beside them in the measured step (medians):" in printed
     assert any(line.split()[:2] == ["FWD", "CAST"] for line in printed.splitlines())
