@@ -22,6 +22,8 @@ class ActivationPolicy(enum.Enum):
     OFFLOAD = "offload"  # D2H to pinned host memory after forward, H2D back before backward
     RECOMPUTE = "recompute"  # not stored; recomputed from the previous checkpoint
 
+    __hash__ = object.__hash__  # by identity, as schedule.Stream's: lowering and liveness look policies up per op
+
 
 class OptimizerPlacement(enum.Enum):
     """When a layer's host AdamW step runs."""

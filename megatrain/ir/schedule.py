@@ -95,6 +95,10 @@ class OpKind(enum.Enum):
     COUNT_REDUCE = "COUNT_REDUCE"  # data parallel: sum the step's supervised tokens (the loss's divisor) over the
     #                                ranks; ``layer`` is the loss layer, whose first local backward reads it
 
+    # Compared by identity like Stream's members: the simulator and lowering look kinds up millions of
+    # times per solve, and Enum's own __hash__ is a Python call.
+    __hash__ = object.__hash__
+
     @property
     def stream(self) -> Stream:
         return _STREAM_OF[self]
@@ -302,7 +306,7 @@ class Op:
 
     @property
     def stream(self) -> Stream:
-        return self.kind.stream
+        return _STREAM_OF[self.kind]
 
     def __repr__(self) -> str:
         return ":".join([self.kind.value] + [f"{_PREFIX[f]}{getattr(self, f)}" for f in _ORDER

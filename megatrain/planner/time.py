@@ -111,6 +111,8 @@ class Resource(enum.Enum):
     NVME = "nvme"  # the NVMe drives: reads and writes share them
     COMM = "comm"  # the interconnect the data-parallel collectives use
 
+    __hash__ = object.__hash__  # by identity, as Stream's: simulate() keys dicts by resource per op
+
 
 def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
     """The resource ``stream``'s ops run on under ``hw``."""
