@@ -12,17 +12,16 @@ from typing import Literal
 
 from megatrain.errors import PlanError
 from megatrain.optim import OPTIMIZERS, OptimizerSpec
+from megatrain.ir.enums import IdentityEnum
 from megatrain.ir.graph import LayerGraph
 
 
-class ActivationPolicy(enum.Enum):
+class ActivationPolicy(IdentityEnum):
     """What happens to a layer's boundary activation (its output checkpoint) between passes."""
 
     KEEP = "keep"  # stays in GPU memory until the local backward of its consumers
     OFFLOAD = "offload"  # D2H to pinned host memory after forward, H2D back before backward
     RECOMPUTE = "recompute"  # not stored; recomputed from the previous checkpoint
-
-    __hash__ = object.__hash__  # by identity, as schedule.Stream's: lowering and liveness look policies up per op
 
 
 class OptimizerPlacement(enum.Enum):

@@ -26,13 +26,13 @@ JSON. ``Schedule.to_json`` writes ``{"version", "mode", "carries_updates", "n_la
 from __future__ import annotations
 
 import dataclasses
-import enum
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 import pydantic
 
+from megatrain.ir.enums import IdentityEnum
 from megatrain.ir.layout import BufferLayout, gradient_tiles
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 
@@ -55,7 +55,7 @@ the runtime reads instead of deriving it); 19 Plan.templates (compiled layer tem
 files of earlier versions are refused (lower the plan again)."""
 
 
-class Stream(enum.Enum):
+class Stream(IdentityEnum):
     """The in-order queues a schedule runs on."""
 
     COMPUTE = "compute"
@@ -67,12 +67,7 @@ class Stream(enum.Enum):
     IO = "io"  # a host worker for NVMe reads and writes (megatrain.runtime.nvme), in list order
     COMM = "comm"  # a host worker for data-parallel collectives (torch.distributed), in list order
 
-    # Members are singletons compared by identity; Enum's own __hash__ is a Python call hashing the
-    # name, and the issuing thread looks streams up several times per op.
-    __hash__ = object.__hash__
-
-
-class OpKind(enum.Enum):
+class OpKind(IdentityEnum):
     H2D = "H2D"  # copy a layer's weights (compute dtype) from host into a GPU buffer slot
     FWD = "FWD"  # forward of one layer for one micro-batch; stores its output checkpoint
     BWD = "BWD"  # local backward: recompute the layer's forward from its input checkpoint, then grad
@@ -94,10 +89,6 @@ class OpKind(enum.Enum):
     #                            of their shards into the shared staging tile and the H2Ds that read it)
     COUNT_REDUCE = "COUNT_REDUCE"  # data parallel: sum the step's supervised tokens (the loss's divisor) over the
     #                                ranks; ``layer`` is the loss layer, whose first local backward reads it
-
-    # Compared by identity like Stream's members: the simulator and lowering look kinds up millions of
-    # times per solve, and Enum's own __hash__ is a Python call.
-    __hash__ = object.__hash__
 
     @property
     def stream(self) -> Stream:

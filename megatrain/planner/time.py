@@ -79,10 +79,10 @@ counted as twice the forward, so model FLOPs = 3 x the sum of the layers' traced
 
 from __future__ import annotations
 
-import enum
 from typing import Callable
 
 from megatrain.errors import ConfigError
+from megatrain.ir.enums import IdentityEnum
 from megatrain.ir.graph import Layer, LayerGraph
 from megatrain.ir.hardware import (ADAMW_BYTES_PER_PARAM, ADAMW_WIDENED_BYTES_PER_PARAM, CAST_BYTES_PER_ELEMENT,
                                    HardwareSpec)
@@ -100,7 +100,7 @@ BACKWARD_TO_FORWARD_FLOPS = 2
 """Model FLOPs count a backward as twice the forward (PaLM appendix B; Kaplan et al. 2020)."""
 
 
-class Resource(enum.Enum):
+class Resource(IdentityEnum):
     """What an op occupies while it runs; ops on one resource never overlap."""
 
     GPU = "gpu"  # the SMs, for FWD and BWD
@@ -110,8 +110,6 @@ class Resource(enum.Enum):
     HOST = "host"  # the host optimizer worker
     NVME = "nvme"  # the NVMe drives: reads and writes share them
     COMM = "comm"  # the interconnect the data-parallel collectives use
-
-    __hash__ = object.__hash__  # by identity, as Stream's: simulate() keys dicts by resource per op
 
 
 def resource_of(stream: Stream, hw: HardwareSpec) -> Resource:
