@@ -523,6 +523,26 @@ def test_liveness_names_each_generation_and_its_readers():
             assert all(k is not None and i in live.generations[k].readers for k in reads.values())
 
 
+def test_liveness_is_kept_for_the_same_ops_and_graph_and_walked_again_for_others():
+    # Lowering, the memory model and a Timeline ask for the same schedule's; nothing else may share it.
+    from megatrain.ir import liveness as liveness_mod
+    from megatrain.ir.liveness import liveness
+
+    g = chain_graph(3)
+    keep = lower(g, Plan(), "train")
+    recompute = lower(g, Plan(activations=(ActivationPolicy.RECOMPUTE,) + (ActivationPolicy.KEEP,) * 2), "train")
+    live = liveness(keep, g)
+    assert liveness(dataclasses.replace(keep, issue_after=()), g) is live  # the same ops tuple
+    other = liveness(recompute, g)
+    assert other != live and liveness(keep, g) is live
+    twin = chain_graph(3)  # an equal graph, another object: walked again, the same answer
+    assert liveness(keep, twin) is not live and liveness(keep, twin) == live
+    for mbs in range(1, 2 * liveness_mod._RECENT_SIZE):
+        sched = lower(g, Plan(micro_batches=mbs), "train")
+        assert liveness(sched, g) == liveness_mod._walk(sched, g)
+    assert len(liveness_mod._RECENT) <= liveness_mod._RECENT_SIZE
+
+
 def test_the_layout_rule_checks_the_recorded_buffer_layout():
     # Lowering records the layout the runtime allocates from; each corruption of it is refused by name.
     g = chain_graph(3)

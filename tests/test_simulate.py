@@ -15,7 +15,7 @@ from megatrain.ir.hardware import PRESETS, HardwareSpec, preset
 from megatrain.planner.lower import lower
 from megatrain.ir.plan import Plan
 from megatrain.ir.schedule import Op, OpKind, Schedule, Stream
-from megatrain.planner.simulate import simulate
+from megatrain.planner.simulate import simulate, step_time_s
 from megatrain.planner.timeline import Timeline
 from megatrain.planner.verify import verify
 
@@ -352,6 +352,8 @@ def test_lowered_schedules_never_deadlock_and_respect_the_dag(case):
     s, tl = run(g, plan, hw)
     check_invariants(s, tl, hw, g)
     assert tl.gpu_peak_bytes == cost.memory_breakdown(g, plan, hw, s).gpu_peak
+    # What the solver compares its candidates by: the same float, without the Timeline around it.
+    assert step_time_s(s, g, hw) == tl.step_time_s
 
 
 @PROPERTY

@@ -80,11 +80,31 @@ def _values(graph: LayerGraph, which: str | None, layer: int) -> tuple[int, ...]
     return ()
 
 
+_RECENT: dict[tuple[int, int, int], tuple[tuple, LayerGraph, Liveness]] = {}
+_RECENT_SIZE = 8
+
+
 def liveness(schedule: Schedule, graph: LayerGraph) -> Liveness:
     """The generations of ``schedule``'s checkpoints, in one walk over its ops in list order.
 
     Batch inputs of every micro-batch begin a generation each at the step's start.
+
+    The answers for the last few ``(schedule.ops, graph)`` pairs are kept (both are immutable, and
+    the pair is matched by identity): lowering (its issue fences), the memory model and a
+    Timeline's memory curve each ask for the same schedule's, and the solver asks for thousands.
     """
+    key = (id(schedule.ops), schedule.plan.micro_batches, id(graph))
+    hit = _RECENT.get(key)
+    if hit is not None and hit[0] is schedule.ops and hit[1] is graph:
+        return hit[2]
+    live = _walk(schedule, graph)
+    if len(_RECENT) >= _RECENT_SIZE:
+        _RECENT.pop(next(iter(_RECENT), None), None)  # the oldest
+    _RECENT[key] = (schedule.ops, graph, live)
+    return live
+
+
+def _walk(schedule: Schedule, graph: LayerGraph) -> Liveness:
     producers: list[tuple[Key, int]] = []
     readers: list[list[int]] = []
     current: dict[Key, int] = {}

@@ -141,6 +141,23 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
             op depends on an op that does not exist.
         ConfigError: ``hw`` lacks a rate an op needs (a host-only spec cannot time GPU ops).
     """
+    records, issue = _run(schedule, graph, hw, issue_times)
+    return Timeline.from_records(schedule, graph, records, hw, source="simulated", issue=issue)
+
+
+def step_time_s(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec) -> float:
+    """``simulate(schedule, graph, hw).step_time_s`` (seconds, the same float) without building the
+    Timeline around it: its GPU memory curve (``cost.memory_breakdown``, ``cost.activation_liveness``)
+    and totals cost about as much as the simulation itself, and the solver compares its candidates by
+    step time alone, simulating the one it keeps once more. Raises as :func:`simulate` does."""
+    records, _ = _run(schedule, graph, hw, False)
+    return Timeline.step_of(records)
+
+
+def _run(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, issue_times: bool):
+    """The simulation itself: ``(records, issue)`` for :meth:`Timeline.from_records`, one
+    ``(op index, stream, start_s, end_s)`` per op and, with ``issue_times``, each GPU op's
+    ``(issue_start_s, issued_s, issue_cpu_s)`` (else None)."""
     ops = schedule.ops
     n = len(ops)
     for i, op in enumerate(ops):
@@ -294,7 +311,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, hw: HardwareSpec, *, issue_t
             active.remove(best_s)
     records = [(i, ops[i].stream, start[i], end[i]) for i in range(n)]
     issue = {i: (issued[i], issued_end[i], launch[i]) for i in range(n) if not host[i]} if issue_times else None
-    return Timeline.from_records(schedule, graph, records, hw, source="simulated", issue=issue)
+    return records, issue
 
 
 _REBOUND_ROUNDS = 16
@@ -503,4 +520,4 @@ def _deadlock_message(schedule: Schedule, queues: dict[Stream, list[int]], head:
     return "\n".join(lines)
 
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "step_time_s"]

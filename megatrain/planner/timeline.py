@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal, Mapping
+from typing import Iterable, Literal, Mapping, Sequence
 
 import pydantic
 
@@ -167,6 +167,13 @@ class Timeline:
         return {s: (b / t if t > 0 else 0.0) for s, b in seconds.items()}
 
     # -- construction ------------------------------------------------------------------------------
+    @staticmethod
+    def step_of(records: Sequence[tuple[int, Stream | str, float, float]]) -> float:
+        """The step time (seconds) :meth:`from_records` gives ``records``: the last end after the
+        first start."""
+        t0 = min((r[2] for r in records), default=0.0)
+        return max((float(r[3]) - t0 for r in records), default=0.0)
+
     @classmethod
     def from_records(cls, schedule: Schedule, graph: LayerGraph,
                      records: Iterable[tuple[int, Stream | str, float, float]], hw: HardwareSpec,
@@ -199,7 +206,7 @@ class Timeline:
                 recs.append(OpRecord(i, repr(ops[i]), s, a - t0, b - t0, i0 - t0, i1 - t0, cpu))
             else:
                 recs.append(OpRecord(i, repr(ops[i]), s, a - t0, b - t0))
-        step = max((r.end_s for r in recs), default=0.0)
+        step = cls.step_of(rows)
         busy = {s: 0.0 for s in Stream}
         gpu_busy: dict[Stream, float] = {}
         issue_bound: dict[Stream, float] = {}

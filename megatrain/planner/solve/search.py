@@ -21,14 +21,13 @@ from megatrain.planner.lower import lower
 from megatrain.planner.nvme_place import least_host
 from megatrain.ir.plan import ActivationPolicy, OptimizerPlacement, Plan
 from megatrain.ir.schedule import Schedule
-from megatrain.planner.simulate import simulate
+from megatrain.planner.simulate import simulate, step_time_s
 from megatrain.planner.solve.bounds import (Pattern, SizeOption, lower_pattern, pattern_bound, quick_bound,
                                             size_option, step_times)
 from megatrain.planner.solve.families import Family, eligible_layers, families
 from megatrain.planner.solve.infeasibility import Requirements, infeasible_error, peak_op_layer
 from megatrain.planner.solve.knapsack import Knapsack, greedy_knapsack
 from megatrain.planner.solve.request import Solution, SolveRequest
-from megatrain.planner.timeline import Timeline
 from megatrain.planner.verify import verify
 
 DEFAULT_STAGING_RING = 2
@@ -513,7 +512,7 @@ class Search:
                        and all(self.floor_depth(o, f, 1) is None for f in self.families) for o in passes)):
             raise infeasible_error(request, self.requirements())
         self.start(sizes)
-        best: tuple[float, SizeOption, Schedule, Timeline] | None = None
+        best: tuple[float, SizeOption, Schedule] | None = None
         simulated = 0
         bound = math.inf
         while self.queue:
@@ -542,13 +541,14 @@ class Search:
                 opt, k = item
                 plan = plan_for(request, opt.size, k, opt.layer_by_layer)
                 sched = lower(opt.graph, plan, carries_updates=self.deferred)
-                tl = simulate(sched, opt.graph, hw)
+                step = step_time_s(sched, opt.graph, hw)
                 simulated += 1
-                if best is None or tl.step_time_s < best[0]:
-                    best = (tl.step_time_s, opt, sched, tl)
+                if best is None or step < best[0]:
+                    best = (step, opt, sched)
         if best is None:
             raise infeasible_error(request, self.requirements())
-        _, opt, sched, tl = best
+        _, opt, sched = best
+        tl = simulate(sched, opt.graph, hw)
         plan = sched.plan
         _, unit = self.unit(opt, plan.activations, plan.prefetch_distance)
         staging = CAST_ONCE if plan.cast_once else plan.staging_ring
