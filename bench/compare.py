@@ -1,10 +1,10 @@
 """Side-by-side training throughput on one GPU: megatrain, DeepSpeed ZeRO-3 offload, FSDP2 offload,
 plain PyTorch.
 
-Method. Every system trains the same Llama architecture (``LlamaForCausalLM`` from a config, untied
-embeddings, nothing downloaded) on the same seeded synthetic token batches, with the same global
-batch, micro-batch size, sequence length and AdamW settings, BF16 compute on the GPU and FP32
-master weights and moments. megatrain runs the solver's plan for the spec ``measure_hardware()``
+Method. Every system trains the same model (``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` for
+``qwen2.5-7b``, from a config, untied embeddings, nothing downloaded) on the same seeded synthetic
+token batches, with the same global batch, micro-batch size, sequence length and AdamW settings,
+BF16 compute on the GPU and FP32 master weights and moments. megatrain runs the solver's plan for the spec ``measure_hardware()``
 measures in its own process (its knobs are in the row, ``megatrain_plan``), with BF16 compute as
 the peers' mixed precision runs it: the model traced with BF16 parameters, no autocast;
 ``megatrain-own-plan`` runs the same with the micro-batch size and count the solver chooses for
@@ -27,6 +27,10 @@ Accounting, the same for every system (:func:`model_flops_per_token`):
   score matrix, as PaLM does, although causal kernels skip half of it.
 - TFLOPS = model FLOPs per token x tokens / step time; MFU = TFLOPS / the BF16 matmul rate measured
   on the same GPU in the same run (an 8192^3 product, :func:`measure_peak_matmul`).
+- Also in MegaTrain's accounting (its public ``examples/train.py``: ``6 * num_params * n_tokens``
+  over the step time), for comparing with the figures it reports (~272 TFLOPS for Qwen2.5-7B at
+  seq 1024 on one H100): ``tflops_6n_padded`` = 6 x every parameter (the input embedding included)
+  x every token of the batch, padding included, no attention term, / step time.
 
 ``--dry-run`` runs everything on the CPU with a tiny Llama in FP32 (the peak is then an FP32
 matmul on the CPU, labelled as such): it checks the harness, not the systems' speed.
@@ -77,7 +81,9 @@ RESULT_MARK = "BENCH_RESULT "
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama shape. ``name`` is the size label used in file names and tables."""
+    """A Llama or Qwen2 decoder shape. ``name`` is the size label used in file names and tables;
+    ``family`` ``"llama"`` (``LlamaForCausalLM``) or ``"qwen2"`` (``Qwen2ForCausalLM``: biases on
+    the q, k and v projections)."""
 
     name: str
     vocab_size: int
@@ -86,8 +92,24 @@ class ModelConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    family: str = "llama"
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ModelConfig":
+        """The shape of megatrain's model preset ``name`` (:data:`megatrain.planner.presets.MODEL_PRESETS`)."""
+        from megatrain.planner.presets import MODEL_PRESETS
+
+        c = MODEL_PRESETS[name]
+        if c.get("tie_word_embeddings") or c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) \
+                != c["hidden_size"] // c["num_attention_heads"]:
+            raise ValueError(f"preset {name!r}: the benchmark's shapes have untied embeddings and hidden / heads "
+                             "as the head dimension")
+        return cls(name, c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                   c["num_attention_heads"], c["num_key_value_heads"], c["model_type"])
 
     def __post_init__(self) -> None:
+        if self.family not in ("llama", "qwen2"):
+            raise ValueError(f"model {self.name!r}: family {self.family!r} is not 'llama' or 'qwen2'")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"model {self.name!r}: hidden_size {self.hidden_size} must divide into "
                              f"{self.num_heads} heads, and heads into {self.num_kv_heads} KV heads")
@@ -97,16 +119,18 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     def hf_config(self, seq_len: int):
-        from transformers import LlamaConfig
+        """The transformers config of this shape (``AutoModelForCausalLM.from_config`` builds it)."""
+        from transformers import LlamaConfig, Qwen2Config
 
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                           max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
-                           use_cache=False)
+        kind = Qwen2Config if self.family == "qwen2" else LlamaConfig
+        return kind(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                    intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                    num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                    max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False, use_cache=False)
 
 
-# All GPU sizes use Llama-2's 32,000-token vocabulary so that only depth and width change.
+# The sizes 1b, 3b and 7b use Llama-2's 32,000-token vocabulary so that only depth and width change;
+# the named shapes after them are megatrain's presets of released models (issue 40's 7B-8B step).
 MODELS: dict[str, ModelConfig] = {
     # Llama-2 block shapes at 1.1B (TinyLlama's shape: 22 layers, hidden 2048, GQA with 4 KV heads).
     "1b": ModelConfig("1b", 32000, 2048, 5632, 22, 32, 4),
@@ -114,15 +138,21 @@ MODELS: dict[str, ModelConfig] = {
     "3b": ModelConfig("3b", 32000, 3072, 8192, 28, 24, 8),
     # Llama-2-7B (Touvron et al. 2023, table 2 / the released config).
     "7b": ModelConfig("7b", 32000, 4096, 11008, 32, 32, 32),
+    # Qwen2.5-7B (MegaTrain's public code reports ~272 TFLOPS for it at seq 1024 on one H100) and
+    # Llama-3-8B, as released: their vocabularies, Qwen2's QKV biases.
+    "qwen2.5-7b": ModelConfig.from_preset("qwen2.5-7b"),
+    "llama-3-8b": ModelConfig.from_preset("llama-3-8b"),
     # The dry-run model: small enough that four systems finish in seconds on two CPU cores.
     "tiny": ModelConfig("tiny", 256, 64, 128, 2, 4, 2),
 }
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """All parameters of ``LlamaForCausalLM`` with untied embeddings and no biases."""
+    """All parameters of ``LlamaForCausalLM`` (no biases) or ``Qwen2ForCausalLM`` (biases on q, k
+    and v), untied embeddings."""
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     attn = 2 * h * h + 2 * h * kv  # q and o are h x h; k and v are h x (kv heads x head dim)
+    attn += h + 2 * kv if cfg.family == "qwen2" else 0
     mlp = 3 * h * cfg.intermediate_size  # gate, up, down
     norms = 2 * h
     return cfg.num_layers * (attn + mlp + norms) + h + 2 * cfg.vocab_size * h
@@ -275,7 +305,7 @@ def _batches(args, cfg: ModelConfig):
 def _timed_loop(step_fn: Callable[[dict], float], args, cfg: ModelConfig) -> dict:
     """Run warm-up then timed global steps; ``step_fn(batch) -> mean loss``. Returns timings."""
     batches = _batches(args, cfg)
-    losses, times, tokens = [], [], []
+    losses, times, tokens, padded = [], [], [], []
     for i, batch in enumerate(batches):
         _sync()
         t0 = time.perf_counter()
@@ -286,7 +316,8 @@ def _timed_loop(step_fn: Callable[[dict], float], args, cfg: ModelConfig) -> dic
         if i >= args.warmup:
             times.append(dt)
             tokens.append(count_tokens(batch))
-    return {"losses": losses, "step_times_s": times, "timed_tokens": tokens}
+            padded.append(batch["input_ids"].numel())
+    return {"losses": losses, "step_times_s": times, "timed_tokens": tokens, "timed_padded_tokens": padded}
 
 
 def _adamw_kwargs(args) -> dict:
@@ -352,7 +383,7 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
     compute traces the model with BF16 parameters (FP32 masters and moments stay on the host), as
     the peers' mixed precision runs it; the dry run computes in FP32 like the others."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import megatrain
     from megatrain.ir.hardware import preset
@@ -363,7 +394,7 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
     k = _micro_batches(args)
     torch.manual_seed(args.seed)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg.hf_config(args.seq_len))
+        model = AutoModelForCausalLM.from_config(cfg.hf_config(args.seq_len))
     if args.dry_run:
         hw = preset(args.sim_preset)
     else:
@@ -535,7 +566,7 @@ def run_fsdp2(cfg: ModelConfig, args) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     gpu = not args.dry_run
     if gpu and not torch.cuda.is_available():
@@ -548,7 +579,7 @@ def run_fsdp2(cfg: ModelConfig, args) -> dict:
     try:
         mesh = init_device_mesh(device, (1,))
         torch.manual_seed(args.seed)
-        model = LlamaForCausalLM(cfg.hf_config(args.seq_len))  # FP32, on the host
+        model = AutoModelForCausalLM.from_config(cfg.hf_config(args.seq_len))  # FP32, on the host
         _enable_checkpointing(model)
         kw: dict = {"mesh": mesh}
         if gpu:
@@ -602,7 +633,7 @@ def run_torch(cfg: ModelConfig, args) -> dict:
     (16 B/param and activations) must live on the GPU.
     """
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     gpu = not args.dry_run
     if gpu and not torch.cuda.is_available():
@@ -615,7 +646,7 @@ def run_torch(cfg: ModelConfig, args) -> dict:
             raise Skip(f"does not fit: needs ~{need / GiB:.1f} GiB on the GPU (16 B/param + activations), "
                        f"{free / GiB:.1f} GiB free; pass --force to try anyway")
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(cfg.hf_config(args.seq_len)).to(device)
+    model = AutoModelForCausalLM.from_config(cfg.hf_config(args.seq_len)).to(device)
     _enable_checkpointing(model)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **_adamw_kwargs(args))
     model.train()
@@ -686,6 +717,7 @@ def fill_accounting(row: dict, cfg: ModelConfig, args) -> None:
     row["tflops"] = fpt * total_tok / total_t / 1e12
     peak = getattr(args, "peak_flops", None)
     row["mfu"] = row["tflops"] * 1e12 / peak if peak else None
+    row["tflops_6n_padded"] = 6 * param_count(cfg) * sum(row["timed_padded_tokens"]) / total_t / 1e12
     row["final_loss"] = row["losses"][-1]
 
 
@@ -759,11 +791,12 @@ def _results_path(directory: Path, date: str, device: str, size: str) -> Path:
 
 
 def parent_main(args, argv_used: list[str]) -> int:
-    sizes = ["tiny"] if args.dry_run else [s.strip() for s in args.sizes.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in MODELS]
-    if bad:
+    asked = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    bad = [s for s in asked if s not in MODELS]
+    if bad:  # a dry run checks the sizes a GPU run would be given, then runs the tiny model
         print(f"unknown size(s) {bad}; choose from {sorted(MODELS)}", file=sys.stderr)
         return 2
+    sizes = ["tiny"] if args.dry_run else asked
     systems = list(SYSTEMS) if args.system == "all" else [args.system]
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -830,7 +863,7 @@ def format_table(record: dict) -> str:
     s, v, pk = meta["settings"], meta["versions"], meta["peak_matmul"]
     vers = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "deepspeed", "megatrain", "python") if v.get(k))
     lines = [
-        f"### Llama {model['name']}: {model['params']:,} parameters ({_count(model['params'])}; "
+        f"### {_title(model)}: {model['params']:,} parameters ({_count(model['params'])}; "
         f"N = {model['matmul_params']:,} in matmuls), {model['num_layers']} layers, hidden "
         f"{model['hidden_size']}, FFN {model['intermediate_size']}, {model['num_heads']} heads "
         f"({model['num_kv_heads']} KV), vocab {model['vocab_size']}",
@@ -858,13 +891,23 @@ def format_table(record: dict) -> str:
         pred = f"{r['predicted_step_s']:.4g}" if r.get("predicted_step_s") is not None else "-"
         busy = _busy_cell(r)
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        six_n = r.get("tflops_6n_padded")
         note = "; ".join(x for x in (r.get("note"), r.get("predicted_note"),
+                                     f"{six_n:.3g} TFLOPS as MegaTrain counts (6 N, padded tokens)" if six_n else None,
                                      f"predicted on {r['predicted_hw']}" if r.get("predicted_hw") else None) if x)
         lines.append(f"| {r['system']} | {_count(model['params'])} | {r['tokens_per_s']:.1f} | "
                      f"{r['tflops']:.3g} | {mfu} | {_gib(r.get('peak_gpu_bytes'))} | "
                      f"{_gib(r.get('peak_host_bytes'))} | {r['step_time_s']:.4g} | {pred} | {busy} | "
                      f"{r['final_loss']:.4f} | {note.replace('|', '/')} |")
     return "\n".join(lines)
+
+
+def _title(model: dict) -> str:
+    """A size's heading: ``Llama 1b`` for the benchmark's own Llama shapes, the preset's name
+    (``qwen2.5-7b``) for a released model's."""
+    from megatrain.planner.presets import MODEL_PRESETS
+
+    return model["name"] if model["name"] in MODEL_PRESETS else f"Llama {model['name']}"
 
 
 def _busy_cell(r: dict) -> str:
@@ -883,7 +926,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny Llama (2 layers, hidden 64, vocab 256), seq 32, global batch 4, "
                         "1 warm-up + 2 timed steps: checks the harness end to end")
-    p.add_argument("--sizes", default="1b,3b", help=f"comma-separated sizes from {sorted(MODELS)} (GPU runs)")
+    p.add_argument("--sizes", default="1b,3b", help=f"comma-separated sizes from {sorted(MODELS)} (GPU runs; a "
+                   "dry run checks them and runs the tiny model)")
     p.add_argument("--system", default="all", choices=("all", *SYSTEMS))
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048; 32 in a dry run)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (16; 4 in a dry run)")

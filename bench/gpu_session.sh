@@ -55,6 +55,17 @@
 #   GPU_SESSION_PHASES=setup,compare GPU_SESSION_COMPARE_SIZES=3b GPU_SESSION_COMPARE_WARMUP=1
 #   GPU_SESSION_COMPARE_STEPS=3 GPU_SESSION_COMPARE_SYSTEMS="megatrain-own-plan deepspeed fsdp2"
 #   GPU_SESSION_COMPARE_BOX_S=170 GPU_SESSION_COMPARE_SEQ_LEN=2048 (then 4096) bash bench/gpu_session.sh
+# Issue 40 step 3 (7B-8B, megatrain alone; DeepSpeed's row is its skip, with its 18 B/param host
+# estimate), one command per shape; the batches are where `megatrain plan` on the H200 preset with
+# 128 GiB of host memory stops gaining tokens/s in one pass (2026-12-03, this CPU: qwen2.5-7b at seq
+# 1024 plans 32 x 1, 9,087 tokens/s predicted, 90 GiB of host memory; llama-3-8b at seq 4096 8 x 1,
+# 7,696, 94 GiB; bench/README.md):
+#   GPU_SESSION_PHASES=setup,compare GPU_SESSION_COMPARE_SIZES=qwen2.5-7b GPU_SESSION_COMPARE_SEQ_LEN=1024
+#   GPU_SESSION_COMPARE_GLOBAL_BATCH=32 GPU_SESSION_COMPARE_MICRO_BATCH=32 GPU_SESSION_COMPARE_WARMUP=1
+#   GPU_SESSION_COMPARE_STEPS=3 GPU_SESSION_COMPARE_SYSTEMS="megatrain-own-plan deepspeed"
+#   GPU_SESSION_COMPARE_BOX_S=400 bash bench/gpu_session.sh
+#   (then GPU_SESSION_COMPARE_SIZES=llama-3-8b GPU_SESSION_COMPARE_SEQ_LEN=4096 GPU_SESSION_COMPARE_GLOBAL_BATCH=8
+#   GPU_SESSION_COMPARE_MICRO_BATCH=8); each row also gives TFLOPS as MegaTrain counts them (6 N, padded tokens).
 # GPU_SESSION_HANG=<phase> replaces that phase's command by one that never ends, to check on a CPU
 # that a hung phase is cut at its box and the later phases still run and pack.
 set -u
@@ -186,7 +197,8 @@ if want compare; then
         if [ $DRY = 1 ]; then
             echo "compare_$system on a GPU (box ${COMPARE_BOX}s): $PY ${gpu_args[*]}"
             case $system in megatrain*) ;; *) continue ;; esac  # the peers need CUDA; the dry run checks the harness
-            box "compare_$system" 150 "$PY" bench/compare.py --dry-run --system "$system" --results-dir "$W/compare"
+            box "compare_$system" 150 "$PY" bench/compare.py --dry-run --sizes "$COMPARE_SIZES" --system "$system" \
+                --results-dir "$W/compare"
         else
             box "compare_$system" "$COMPARE_BOX" "$PY" "${gpu_args[@]}"
         fi

@@ -43,6 +43,7 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
     for system in compare.SYSTEMS:
         assert f"| {system} |" in p.stdout
     assert "command: `python bench/compare.py --dry-run" in p.stdout
+    assert "### Llama tiny:" in p.stdout and "TFLOPS as MegaTrain counts (6 N, padded tokens)" in p.stdout
 
 
 def test_dry_run_writes_one_row_per_system(dry_run):
@@ -65,6 +66,9 @@ def test_dry_run_writes_one_row_per_system(dry_run):
         assert r["peak_host_bytes"] > 0
         # 2 timed steps of 4 x 32 tokens, some of them padding (pad fraction 0.25 in a dry run).
         assert len(r["timed_tokens"]) == 2 and all(0 < t < 4 * 32 for t in r["timed_tokens"])
+        assert r["timed_padded_tokens"] == [4 * 32] * 2  # MegaTrain's accounting counts the padding too
+        assert r["tflops_6n_padded"] == pytest.approx(
+            6 * compare.param_count(compare.MODELS["tiny"]) * 2 * 4 * 32 / sum(r["step_times_s"]) / 1e12)
     assert by["megatrain"]["timed_tokens"] == by["torch"]["timed_tokens"]  # the same data for all
     # megatrain ran the solver's plan for the spec (a preset in the dry run), at the run's micro-batches.
     plan, settings = by["megatrain"]["megatrain_plan"], meta["settings"]
@@ -106,25 +110,35 @@ def test_model_flops_per_token_by_hand():
     assert compare.model_flops_per_token(cfg, seq) == 6 * n + attention == 8592
 
     args = Namespace(seq_len=seq, peak_flops=1e6)
-    row = {"step_times_s": [1.0, 3.0], "timed_tokens": [100, 50], "losses": [2.0, 1.5, 1.0]}
+    row = {"step_times_s": [1.0, 3.0], "timed_tokens": [100, 50], "timed_padded_tokens": [120, 120],
+           "losses": [2.0, 1.5, 1.0]}
     compare.fill_accounting(row, cfg, args)
     assert row["tokens_per_s"] == 150 / 4
     assert row["tflops"] == pytest.approx((6 * n * 150 + attention * 150) / 4 / 1e12, rel=1e-15)
     assert row["mfu"] == pytest.approx(row["tflops"] * 1e12 / 1e6)
+    # MegaTrain's accounting: every parameter, every token of the batch (padding too), no attention term.
+    assert row["tflops_6n_padded"] == pytest.approx(6 * n_total * 240 / 4 / 1e12, rel=1e-15)
     assert row["step_time_s"] == 2.0 and row["final_loss"] == 1.0
 
 
 def test_param_count_matches_the_hugging_face_model():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    for name in ("tiny", "1b", "7b"):
+    from megatrain.planner.presets import MODEL_PRESETS, dense_decoder_param_count
+
+    for name in ("tiny", "1b", "7b", "qwen2.5-7b", "llama-3-8b"):
         cfg = compare.MODELS[name]
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg.hf_config(128))
+            model = AutoModelForCausalLM.from_config(cfg.hf_config(128))
         assert sum(p.numel() for p in model.parameters()) == compare.param_count(cfg), name
+        if name in MODEL_PRESETS:  # the released model's shape, as megatrain plan --model plans it
+            assert compare.param_count(cfg) == dense_decoder_param_count(MODEL_PRESETS[name]), name
+    assert type(model).__name__ == "LlamaForCausalLM"
     assert compare.param_count(compare.MODELS["7b"]) == 6_738_415_616  # Llama-2-7B
+    assert compare.param_count(compare.MODELS["qwen2.5-7b"]) == 7_615_616_512  # Qwen2.5-7B: its QKV biases
+    assert compare.MODELS["qwen2.5-7b"].family == "qwen2"
 
 
 def test_tokens_count_excludes_padding():
@@ -148,3 +162,10 @@ def test_deepspeed_config_is_zero3_with_both_offloads():
     assert z["reduce_bucket_size"] == 2048 ** 2 and z["stage3_param_persistence_threshold"] == 20480
     assert c["train_batch_size"] == c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] == 16
     assert c["bf16"]["enabled"] and c["optimizer"]["params"]["betas"] == [0.9, 0.95]
+
+
+def test_a_dry_run_refuses_a_size_a_gpu_run_would_not_know(capsys, tmp_path):
+    # gpu_session.sh's dry run passes the GPU run's --sizes, so a misspelt size fails here, not on the GPU.
+    assert compare.main(["--dry-run", "--sizes", "qwen2.5-7b,llama-3-8B", "--results-dir", str(tmp_path)]) == 2
+    assert "unknown size(s) ['llama-3-8B']" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -63,6 +63,10 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         _LLAMA_COMMON, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
         rms_norm_eps=1e-5, rope_theta=500000.0),
+    "qwen2.5-7b": dict(
+        _QWEN2_COMMON, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        sliding_window=131072, max_window_layers=28, tie_word_embeddings=False),
     "qwen2.5-14b": dict(
         _QWEN2_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -101,6 +105,9 @@ Large (for planning GPU runs; untied, as the originals):
   MHA with 32 heads, 11008 SwiGLU width, 32k vocabulary; 6.74B parameters.
 - ``llama-3-8b``: meta-llama/Meta-Llama-3-8B config.json: GQA with 8 KV heads, 14336 SwiGLU width,
   128256 vocabulary, rope_theta 5e5; 8.03B parameters.
+- ``qwen2.5-7b``: Qwen/Qwen2.5-7B config.json (arXiv:2412.15115): 28 layers, hidden 3584, 28
+  query / 4 KV heads, 18944 SwiGLU width, QKV biases, 152064 vocabulary, untied embeddings; 7.62B
+  parameters (the report's 7.61B). The 7B shape of MegaTrain's public throughput figures.
 - ``qwen2.5-14b``: Qwen/Qwen2.5-14B config.json (Qwen2.5 technical report, arXiv:2412.15115): 48
   layers, 40 query / 8 KV heads, QKV biases (implied by model_type qwen2), untied embeddings;
   14.77B parameters.
