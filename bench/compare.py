@@ -437,7 +437,12 @@ def _plan_summary(trainer) -> dict:
             "micro_batches": plan.micro_batches, "slots": plan.slots, "prefetch_distance": plan.prefetch_distance,
             "resident_layers": len(plan.resident), "grad_ring": plan.grad_ring, "layer_by_layer": plan.layer_by_layer,
             "optimizer": plan.optimizer.value, "compute_dtype": plan.compute_dtype, "cast_once": plan.cast_once,
-            "checkpoints": {p: policies.count(p) for p in sorted(set(policies))}}
+            "checkpoints": {p: policies.count(p) for p in sorted(set(policies))},
+            # The plan's memory (the cost model's), beside the row's measured peak_gpu_reserved_bytes and
+            # peak_host_bytes: issue 40's longest-context step compares the two.
+            "planned_gpu_peak_bytes": trainer.planned.memory.gpu_peak,
+            "planned_host_bytes": trainer.planned.memory.host_total,
+            "planned_pinned_bytes": trainer.planned.memory.host_pinned}
 
 
 def _megatrain_extras(row: dict, trainer, result, args) -> None:

@@ -66,6 +66,14 @@
 #   GPU_SESSION_COMPARE_BOX_S=400 bash bench/gpu_session.sh
 #   (then GPU_SESSION_COMPARE_SIZES=llama-3-8b GPU_SESSION_COMPARE_SEQ_LEN=4096 GPU_SESSION_COMPARE_GLOBAL_BATCH=8
 #   GPU_SESSION_COMPARE_MICRO_BATCH=8); each row also gives TFLOPS as MegaTrain counts them (6 N, padded tokens).
+# Issue 40 step 5 (the longest context): qwen2.5-7b, one sequence, megatrain alone; the row's
+# megatrain_plan holds the plan's GPU peak and host bytes beside the measured ones. On the H200 preset
+# with 128 GiB `megatrain plan` fits 512k tokens (838 s a step predicted: past one command's 10
+# minutes), 256k in 223 s and 128k in 63 s (2026-12-03, this CPU), so 128k first, then 256k:
+#   GPU_SESSION_PHASES=setup,compare GPU_SESSION_COMPARE_SIZES=qwen2.5-7b GPU_SESSION_COMPARE_SEQ_LEN=131072
+#   GPU_SESSION_COMPARE_GLOBAL_BATCH=1 GPU_SESSION_COMPARE_MICRO_BATCH=1 GPU_SESSION_COMPARE_WARMUP=0
+#   GPU_SESSION_COMPARE_STEPS=2 GPU_SESSION_COMPARE_SYSTEMS=megatrain-own-plan GPU_SESSION_COMPARE_BOX_S=500
+#   bash bench/gpu_session.sh        (then _SEQ_LEN=262144 _STEPS=1)
 # GPU_SESSION_HANG=<phase> replaces that phase's command by one that never ends, to check on a CPU
 # that a hung phase is cut at its box and the later phases still run and pack.
 set -u

@@ -74,6 +74,9 @@ def test_dry_run_writes_one_row_per_system(dry_run):
     plan, settings = by["megatrain"]["megatrain_plan"], meta["settings"]
     assert plan["chosen_by"].startswith("solver (")
     assert plan["micro_batches"] * settings["micro_batch"] == settings["global_batch"]
+    # The plan's memory beside the measured peaks (the dry run's plan is for the CPU: no GPU reserve).
+    assert 0 < plan["planned_pinned_bytes"] <= plan["planned_host_bytes"] < by["megatrain"]["peak_host_bytes"]
+    assert plan["planned_gpu_peak_bytes"] > 0
     # megatrain-own-plan: the solver chose the micro-batch size and count for the same global batch,
     # and ran them: the same token-weighted loss on every step as the benchmark's split (FP32 in a dry
     # run; the exactness bound of a micro-batch split, 1e-5).
