@@ -18,6 +18,7 @@ One walk over the list in issue order serves every consumer, so the rule is writ
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from megatrain.ir.graph import BATCH_PRODUCER, LayerGraph
@@ -82,6 +83,7 @@ def _values(graph: LayerGraph, which: str | None, layer: int) -> tuple[int, ...]
 
 _RECENT: dict[tuple[int, int, int], tuple[tuple, LayerGraph, Liveness]] = {}
 _RECENT_SIZE = 8
+_RECENT_LOCK = threading.Lock()
 
 
 def liveness(schedule: Schedule, graph: LayerGraph) -> Liveness:
@@ -98,9 +100,10 @@ def liveness(schedule: Schedule, graph: LayerGraph) -> Liveness:
     if hit is not None and hit[0] is schedule.ops and hit[1] is graph:
         return hit[2]
     live = _walk(schedule, graph)
-    if len(_RECENT) >= _RECENT_SIZE:
-        _RECENT.pop(next(iter(_RECENT), None), None)  # the oldest
-    _RECENT[key] = (schedule.ops, graph, live)
+    with _RECENT_LOCK:  # a planner and an executor may ask from two threads
+        if len(_RECENT) >= _RECENT_SIZE:
+            del _RECENT[next(iter(_RECENT))]  # the oldest
+        _RECENT[key] = (schedule.ops, graph, live)
     return live
 
 
