@@ -172,3 +172,15 @@ def test_a_dry_run_refuses_a_size_a_gpu_run_would_not_know(capsys, tmp_path):
     assert compare.main(["--dry-run", "--sizes", "qwen2.5-7b,llama-3-8B", "--results-dir", str(tmp_path)]) == 2
     assert "unknown size(s) ['llama-3-8B']" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_written_gpu_session_commands_name_sizes_compare_knows():
+    # The later steps' commands in bench/README.md and gpu_session.sh run on a GPU only; a size they
+    # name that compare.py does not know would cost a session's device minutes to find.
+    import re
+
+    for path in (ROOT / "bench" / "README.md", ROOT / "bench" / "gpu_session.sh"):
+        named = re.findall(r"(?:GPU_SESSION_COMPARE_SIZES=|_SIZES=|--sizes )([\w.,-]+)", path.read_text())
+        sizes = {s for group in named for s in group.split(",")}
+        assert {"3b", "qwen2.5-7b", "llama-3-8b"} <= sizes, (path, sizes)
+        assert sizes <= set(compare.MODELS), (path, sizes - set(compare.MODELS))
