@@ -409,11 +409,23 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
                                 hardware=hw, compute_dtype=dtype, device=device)
     own_seconds = []
     last = {}
+    total = args.warmup + args.steps
 
     def step(batch) -> float:
+        # The last timed step is recorded (every op timed on its stream, as gpu_probe's step is): its
+        # measured Timeline goes beside the simulator's in the row (_megatrain_extras).
+        recorded = len(own_seconds) == total - 1
+        trainer.backend.record = recorded
+        sched = trainer.schedule  # the schedule this step runs
         res = trainer.step({"input_ids": batch["input_ids"], "labels": batch["labels"]})
+        trainer.backend.record = False
         own_seconds.append(res.seconds)
         last["result"] = res
+        if recorded:
+            from megatrain.planner.timeline import measured_timeline
+
+            last["timeline"] = (sched, measured_timeline(trainer.backend, sched, trainer.graph,
+                                                         trainer.planned.hardware))
         return res.loss
 
     out = _timed_loop(step, args, cfg)
@@ -424,7 +436,7 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
         mp["chosen_by"] = f"solver ({trainer.planned.solution.method}), micro-batch size and count included"
         out["note"] = (f"own plan: micro-batch {mp['micro_batch_size']} x {mp['micro_batches']} "
                        f"(the solver's, for global batch {args.global_batch})")
-    out["_finish"] = lambda row: _megatrain_extras(row, trainer, last.get("result"), args)
+    out["_finish"] = lambda row: _megatrain_extras(row, trainer, last.get("timeline"), args)
     return out
 
 
@@ -445,16 +457,12 @@ def _plan_summary(trainer) -> dict:
             "planned_pinned_bytes": trainer.planned.memory.host_pinned}
 
 
-def _megatrain_extras(row: dict, trainer, result, args) -> None:
-    """Measured stream busy fractions and the simulator's prediction, where the runtime has them.
-
-    Read with getattr: a measured Timeline comes with the CUDA backend (``trainer.last_timeline``
-    or ``StepResult.timeline``), and is absent before then.
-    """
-    measured = getattr(result, "timeline", None) or getattr(trainer, "last_timeline", None)
-    if measured is not None:
-        row["stream_busy_measured"] = _stream_dict(getattr(measured, "busy_fraction", None))
-        row["megatrain_timeline_step_s"] = getattr(measured, "step_time_s", None)
+def _megatrain_extras(row: dict, trainer, recorded, args) -> None:
+    """The simulator's prediction beside what ran: the step, stream busy fractions and, from the
+    last timed step's measured Timeline (``recorded``: ``(schedule, timeline)``), seconds per op
+    kind and the compute ops grouped by what ran beside them (``gpu_probe.by_context``), measured
+    against the same schedule simulated on the spec the solver planned for; both timelines are
+    written beside the results (``timelines_file``, gpu_probe's ``timelines.json`` layout)."""
     try:
         from megatrain.planner.simulate import simulate
     except ImportError as e:  # an older megatrain without a simulator
@@ -474,6 +482,29 @@ def _megatrain_extras(row: dict, trainer, result, args) -> None:
     row["predicted_hw"] = label
     row["stream_busy_predicted"] = _stream_dict(tl.busy_fraction)
     row["predicted_bottleneck"] = str(getattr(tl.bottleneck, "value", tl.bottleneck))
+    if recorded is None:
+        return
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_probe import _timeline_summary, by_context
+
+    sched, measured = recorded
+    predicted = simulate(sched, trainer.graph, hw)  # the schedule the recorded step ran
+    row["stream_busy_measured"] = _stream_dict(measured.busy_fraction)
+    row["megatrain_timeline_step_s"] = measured.step_time_s
+    got, want = _timeline_summary(measured), _timeline_summary(predicted)
+    kinds = sorted(set(got["by_kind"]) | set(want["by_kind"]))
+    row["by_kind"] = {k: {"measured_s": got["by_kind"].get(k, {}).get("total_s", 0.0),
+                          "predicted_s": want["by_kind"].get(k, {}).get("total_s", 0.0)} for k in kinds}
+    row["by_context"] = by_context(measured, predicted)
+    row["measured_timeline"] = {k: got[k] for k in ("busy_s", "gpu_busy_s", "issue_bound_s", "issuing_thread")}
+    import torch
+
+    path = _results_path(Path(args.results_dir), f"{datetime.now(timezone.utc):%Y-%m-%d}",
+                         "cpu-dry-run" if args.dry_run else torch.cuda.get_device_name(),
+                         f"{args.size}-{args.child}-timelines")
+    path.write_text(json.dumps({"measured": json.loads(measured.to_json()),
+                                "predicted": json.loads(predicted.to_json())}) + "\n")
+    row["timelines_file"] = str(path)
 
 
 def _stream_dict(d) -> dict | None:
@@ -755,7 +786,7 @@ def _versions() -> dict:
 def _child_argv(args, system: str, size: str) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", system, "--size", size]
     for name in ("seq_len", "global_batch", "micro_batch", "warmup", "steps", "lr", "beta1", "beta2",
-                 "eps", "weight_decay", "seed", "pad_fraction", "peak_flops", "sim_preset"):
+                 "eps", "weight_decay", "seed", "pad_fraction", "peak_flops", "sim_preset", "results_dir"):
         v = getattr(args, name)
         if v is not None:
             argv += ["--" + name.replace("_", "-"), repr(v) if isinstance(v, float) else str(v)]

@@ -48,7 +48,7 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
 
 def test_dry_run_writes_one_row_per_system(dry_run):
     _, out = dry_run
-    files = sorted(out.glob("*.json"))
+    files = sorted(out.glob("*-tiny.json"))
     assert len(files) == 1 and files[0].name.endswith("-cpu-dry-run-tiny.json"), files
     record = json.loads(files[0].read_text())
     rows = record["rows"]
@@ -71,6 +71,22 @@ def test_dry_run_writes_one_row_per_system(dry_run):
             6 * compare.param_count(compare.MODELS["tiny"]) * 2 * 4 * 32 / sum(r["step_times_s"]) / 1e12)
     assert by["megatrain"]["timed_tokens"] == by["torch"]["timed_tokens"]  # the same data for all
     # megatrain ran the solver's plan for the spec (a preset in the dry run), at the run's micro-batches.
+    # Both megatrain rows recorded their last timed step: its measured Timeline beside the same
+    # schedule simulated, per op kind and by what ran beside each compute op, both written out.
+    from megatrain.planner.timeline import Timeline
+
+    for system in ("megatrain", "megatrain-own-plan"):
+        r = by[system]
+        assert r["stream_busy_measured"]["compute"] > 0 and r["megatrain_timeline_step_s"] > 0
+        assert r["by_kind"]["FWD"]["measured_s"] > 0 and r["by_kind"]["BWD"]["predicted_s"] > 0
+        assert {c["kind"] for c in r["by_context"]} >= {"FWD", "BWD"}
+        saved = json.loads(Path(r["timelines_file"]).read_text())
+        assert Path(r["timelines_file"]).parent == out and saved["measured"]["source"] == "measured"
+        measured = Timeline.from_json(json.dumps(saved["measured"]))
+        assert measured.step_time_s == r["megatrain_timeline_step_s"]
+        assert sum(x.duration_s for x in measured.records if x.kind.value == "FWD") == \
+            pytest.approx(r["by_kind"]["FWD"]["measured_s"])
+    assert len(set(out.glob("*-timelines.json"))) == 2
     plan, settings = by["megatrain"]["megatrain_plan"], meta["settings"]
     assert plan["chosen_by"].startswith("solver (")
     assert plan["micro_batches"] * settings["micro_batch"] == settings["global_batch"]
