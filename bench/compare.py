@@ -4,9 +4,10 @@ plain PyTorch.
 Method. Every system trains the same model (``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` for
 ``qwen2.5-7b``, from a config, untied embeddings, nothing downloaded) on the same seeded synthetic
 token batches, with the same global batch, micro-batch size, sequence length and AdamW settings,
-BF16 compute on the GPU and FP32 master weights and moments. megatrain runs the solver's plan for the spec ``measure_hardware()``
-measures in its own process (its knobs are in the row, ``megatrain_plan``), with BF16 compute as
-the peers' mixed precision runs it: the model traced with BF16 parameters, no autocast;
+BF16 compute on the GPU and FP32 master weights and moments. megatrain runs the solver's plan for
+the spec ``measure_hardware()`` measures in its own process (its knobs are in the row,
+``megatrain_plan``), with BF16 compute as the peers' mixed precision runs it: the model traced with
+BF16 parameters, no autocast;
 ``megatrain-own-plan`` runs the same with the micro-batch size and count the solver chooses for
 the global batch (the split megatrain would pick; the loss is the same for any split). Each
 system runs in a fresh child process (``--child SYSTEM``) so that its peak host memory
@@ -420,7 +421,6 @@ def run_megatrain(cfg: ModelConfig, args, own_plan: bool = False) -> dict:
         res = trainer.step({"input_ids": batch["input_ids"], "labels": batch["labels"]})
         trainer.backend.record = False
         own_seconds.append(res.seconds)
-        last["result"] = res
         if recorded:
             from megatrain.planner.timeline import measured_timeline
 
@@ -484,6 +484,8 @@ def _megatrain_extras(row: dict, trainer, recorded, args) -> None:
     row["predicted_bottleneck"] = str(getattr(tl.bottleneck, "value", tl.bottleneck))
     if recorded is None:
         return
+    import torch
+
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_probe import _timeline_summary, by_context
 
@@ -497,8 +499,6 @@ def _megatrain_extras(row: dict, trainer, recorded, args) -> None:
                           "predicted_s": want["by_kind"].get(k, {}).get("total_s", 0.0)} for k in kinds}
     row["by_context"] = by_context(measured, predicted)
     row["measured_timeline"] = {k: got[k] for k in ("busy_s", "gpu_busy_s", "issue_bound_s", "issuing_thread")}
-    import torch
-
     path = _results_path(Path(args.results_dir), f"{datetime.now(timezone.utc):%Y-%m-%d}",
                          "cpu-dry-run" if args.dry_run else torch.cuda.get_device_name(),
                          f"{args.size}-{args.child}-timelines")
