@@ -17,6 +17,7 @@
         optimizer-0000k-of-0000n.safetensors the tile (and "<layer>.master" when the model shards are
                                              not FP32, so that resuming stays exact)
         rng.safetensors                      torch CPU (and CUDA) generator states
+        extra.safetensors                    the caller's extra_tensors, where given
         manifest.json                        sha256 and size of every other file; written last
 
 The model shards are what ``transformers.AutoModelForCausalLM.from_pretrained(path)`` reads; the
@@ -59,8 +60,9 @@ from typing import Any, Literal, Mapping
 import numpy as np
 import torch
 
-from megatrain.checkpoint_format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, RNG_FILE, STATE_DIR, TRAINER_STATE,
-                                         is_complete, manifest_of, read_json, read_manifest, verify_files)
+from megatrain.checkpoint_format import (EXTRA_TENSORS_FILE, FORMAT_NAME, FORMAT_VERSION, MANIFEST, RNG_FILE, STATE_DIR,
+                                         TRAINER_STATE, is_complete, manifest_of, read_json, read_manifest,
+                                         verify_files)
 from megatrain.errors import CheckpointError
 from megatrain.files import exchange_paths, fsync_dir, replace_directory
 from megatrain.hf_weights import (LoadedWeights, Target, check_against, copy_in, load_hf_weights, scan, state_targets,
@@ -70,7 +72,8 @@ from megatrain.runtime.host import as_tensor
 from megatrain.safetensors_io import (INDEX_FILE, Entry, StoredTensor, Written, open_safetensors, plan_shards,
                                       shard_name, write_bytes, write_json, write_safetensors)
 
-__all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights", "save_checkpoint"]
+__all__ = ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_extra_tensors", "load_hf_weights",
+           "save_checkpoint"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _TMP_TAG, _OLD_TAG = "megatrain-tmp", "megatrain-old"
@@ -156,7 +159,8 @@ _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32", "bfloat16"] = "float32",
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                    extra_state: Mapping[str, Any] | None = None) -> Path:
+                    extra_state: Mapping[str, Any] | None = None,
+                    extra_tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write the trainer's model in Hugging Face layout plus its resumable training state, atomically.
 
     ``path`` afterwards holds ``config.json`` (when the model has a Hugging Face config), the weights
@@ -181,13 +185,17 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
             extra host memory.
         extra_state: JSON-serialisable dict saved as is and returned by ``load_checkpoint``: the
             learning-rate schedule's state, the data loader's position, and so on.
+        extra_tensors: named CPU tensors saved as they are (any dtype and shape, an empty one
+            included) in ``megatrain_state/extra.safetensors``, inside the same atomic save and
+            manifest, and read back by :func:`load_extra_tensors`: what a run needs to resume
+            besides the trainer (a sampler's generator state, a frozen reference's weights).
 
     Returns:
         The checkpoint directory, as an absolute path.
 
     Raises:
         CheckpointError: ``dtype`` or ``max_shard_bytes`` out of range, ``extra_state`` not
-            JSON-serialisable, or ``path`` an existing file or a non-empty directory that is not a
+            JSON-serialisable, an ``extra_tensors`` value that is not a CPU tensor, or ``path`` an existing file or a non-empty directory that is not a
             megatrain checkpoint (it is never overwritten).
         CheckpointError: also when the file system refused a write (a full disk: ``OSError`` or
             safetensors' ``SafetensorError`` is the cause), or a parameter holds NaN or infinite
@@ -203,14 +211,20 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
         json.dumps(extra, allow_nan=True)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra_state is not JSON-serialisable ({e}); store tensors and arrays as "
-                              "lists or numbers") from None
+                              "lists or numbers, or tensors in extra_tensors") from None
+    tensors = dict(extra_tensors or {})
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise CheckpointError(f"extra_tensors[{name!r}] is {type(t).__name__}"
+                                  f"{'' if not isinstance(t, torch.Tensor) else ' on ' + str(t.device)}: give CPU "
+                                  "tensors (.cpu())")
     path = Path(path).absolute()
     _make_room(path)
     tmp = path.parent / f".{path.name}.{_TMP_TAG}-{os.getpid()}-{secrets.token_hex(4)}"
     had = is_complete(path)
     try:
         tmp.mkdir()
-        manifest = _write_all(trainer.model, state_dict, tmp, _SAVE_DTYPES[dtype], max_shard_bytes, extra)
+        manifest = _write_all(trainer.model, state_dict, tmp, _SAVE_DTYPES[dtype], max_shard_bytes, extra, tensors)
         _write_manifest_last(tmp, manifest)
         _place(tmp, path)
     except BaseException as e:
@@ -262,9 +276,9 @@ def _finite(t: Target, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max_shard_bytes: int,
-               extra: dict) -> dict:
-    """Write ``sd`` (``Trainer.state_dict()``) and ``model``'s Hugging Face configs under ``root``;
-    return the manifest."""
+               extra: dict, tensors: Mapping[str, torch.Tensor]) -> dict:
+    """Write ``sd`` (``Trainer.state_dict()``), ``model``'s Hugging Face configs and the caller's
+    ``tensors`` under ``root``; return the manifest."""
     state = root / STATE_DIR
     state.mkdir()
     files = _write_model(model, sd, root, dtype, max_shard_bytes)
@@ -273,6 +287,10 @@ def _write_all(model, sd: Mapping[str, Any], root: Path, dtype: torch.dtype, max
     files.update({f"{STATE_DIR}/{name}": w for name, w in optimizer_files.items()})
     rng_entries, rng_json = _rng_state()
     files[f"{STATE_DIR}/{RNG_FILE}"] = _write_safetensors(state / RNG_FILE, rng_entries, {"format": "pt"})
+    if tensors:
+        entries = [Entry(k, tuple(v.shape), v.dtype, (lambda v=v: v.contiguous())) for k, v in tensors.items()]
+        files[f"{STATE_DIR}/{EXTRA_TENSORS_FILE}"] = _write_safetensors(state / EXTRA_TENSORS_FILE, entries,
+                                                                        {"format": "pt"})
     trainer_state = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -426,6 +444,29 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, verify: bool = True) ->
                              "step_count": int(ts["step_count"]), "optimizer_settings": optimizer})
     _restore_rng(rng_stored, ts["rng"])
     return dict(ts.get("extra_state") or {})
+
+
+def load_extra_tensors(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The ``extra_tensors`` a :func:`save_checkpoint` checkpoint at ``path`` was given, as new CPU
+    tensors (``{}`` where it was given none). Loads nothing into a trainer.
+
+    Args:
+        verify: check the file's size and sha256 against the manifest first.
+
+    Raises:
+        CheckpointError: no complete checkpoint at ``path``; the file missing, truncated or corrupt
+            (naming it).
+    """
+    path = Path(path).absolute()
+    recover_checkpoint(path)
+    manifest = read_manifest(path, f"not a complete megatrain checkpoint ({STATE_DIR}/{MANIFEST} is missing)")
+    name = f"{STATE_DIR}/{EXTRA_TENSORS_FILE}"
+    if name not in manifest["files"]:
+        return {}
+    if verify:
+        verify_files(path, {"files": {name: manifest["files"][name]}})
+    with open_safetensors(path / name) as f:
+        return {k: f.get_tensor(k).clone() for k in f.keys()}
 
 
 def _optimizer_settings(ts: dict, mine, where: Path):

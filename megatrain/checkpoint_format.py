@@ -17,7 +17,7 @@ from megatrain.errors import CheckpointError
 from megatrain.files import file_sha256
 from megatrain.safetensors_io import INDEX_FILE, SINGLE_FILE, Written
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "RNG_FILE", "STATE_DIR", "TRAINER_STATE",
+__all__ = ["EXTRA_TENSORS_FILE", "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "RNG_FILE", "STATE_DIR", "TRAINER_STATE",
            "describe_incomplete", "is_complete", "manifest_of", "read_json", "read_manifest", "verify_files",
            "verify_model_files"]
 
@@ -27,6 +27,8 @@ STATE_DIR = "megatrain_state"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 RNG_FILE = "rng.safetensors"
+EXTRA_TENSORS_FILE = "extra.safetensors"
+"""The caller's ``extra_tensors`` (``save_checkpoint``), where a save was given any."""
 
 
 def read_json(file: Path) -> Any:

@@ -54,8 +54,8 @@ def _train(trainer, steps: range) -> list[float]:
 
 
 def test_public_surface_is_pinned():
-    assert sorted(ck.__all__) == ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_hf_weights",
-                                  "save_checkpoint"]
+    assert sorted(ck.__all__) == ["CheckpointError", "LoadedWeights", "load_checkpoint", "load_extra_tensors",
+                                  "load_hf_weights", "save_checkpoint"]
     assert issubclass(CheckpointError, MegatrainError)
 
 
@@ -347,6 +347,41 @@ def test_corrupt_or_mismatched_checkpoints_are_refused_and_nothing_changes(train
     _assert_equal_weights(_params(target), before)
     assert load_checkpoint(target, path) == {"k": 1}  # intact again: loads
     _assert_equal_weights(_params(target), _params(trained))
+
+
+def test_extra_tensors_round_trip_in_the_manifest_and_a_corrupt_file_is_caught(trained, tmp_path):
+    """save_checkpoint's extra_tensors (any dtype and shape, an empty one, a non-contiguous view)
+    come back equal from load_extra_tensors, as new tensors, and are in the manifest: a flipped byte
+    or a missing file is refused naming it. A save without any reads back {}."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    extra = {"generator": g.get_state(), "order": torch.tensor([4, 0, 2]), "empty": torch.empty(0, dtype=torch.long),
+             "bf16": torch.randn(5, generator=g).to(torch.bfloat16), "view": base.t()}
+    path = save_checkpoint(trained, tmp_path / "ck", extra_state={"k": 1}, extra_tensors=extra)
+    back = ck.load_extra_tensors(path)
+    assert back.keys() == extra.keys()
+    for k, v in extra.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
+    back["order"][0] = 99  # a copy: the next read is unchanged
+    assert ck.load_extra_tensors(path)["order"][0] == 4
+    target = _compile(_seeded_llama(9))
+    assert load_checkpoint(target, path) == {"k": 1}  # the trainer's own load is unchanged by them
+    f = path / "megatrain_state" / "extra.safetensors"
+    assert "megatrain_state/extra.safetensors" in json.loads((path / "megatrain_state" / "manifest.json")
+                                                            .read_text())["files"]
+    _flip_byte(f)
+    with pytest.raises(CheckpointError, match="extra.safetensors: sha256 differs"):
+        ck.load_extra_tensors(path)
+    with pytest.raises(CheckpointError, match="extra.safetensors: sha256 differs"):
+        load_checkpoint(target, path)  # verified with the rest of the checkpoint
+    _flip_byte(f)
+    f.unlink()
+    with pytest.raises(CheckpointError, match="extra.safetensors"):
+        ck.load_extra_tensors(path)
+    assert ck.load_extra_tensors(save_checkpoint(trained, tmp_path / "plain")) == {}
+    with pytest.raises(CheckpointError, match=r"extra_tensors\['x'\] is list: give CPU tensors"):
+        save_checkpoint(trained, tmp_path / "bad", extra_tensors={"x": [1, 2]})
+    assert not (tmp_path / "bad").exists()
 
 
 def test_save_refuses_bad_arguments_and_foreign_directories(trained, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -400,8 +401,9 @@ def test_a_raising_reward_stops_the_grpo_run_at_its_step_with_nothing_applied(tm
     lines = []
     train(_cfg(tmp_path, task="grpo", data=str(DATA / "rl" / "arithmetic.jsonl"), seq_len=12, max_new_tokens=3,
                global_batch=8, micro_batch_size=8, group_size=4, max_steps=1), echo=lines.append)
-    assert any("starting it over" in line for line in lines) and len(_rows(tmp_path)) == 1
-    with pytest.raises(ConfigError, match="is not empty; task dpo does not resume"):
+    assert any("stopped before its first complete checkpoint; starting it again" in line for line in lines)
+    assert len(_rows(tmp_path)) == 1
+    with pytest.raises(ConfigError, match="holds another run .*task='grpo' there, 'dpo' now"):
         train(_cfg(tmp_path, task="dpo", data=str(DATA / "preference" / "trl_demo.jsonl"), seq_len=64,
                    global_batch=2, micro_batch_size=2, max_steps=1))
 
@@ -484,10 +486,11 @@ def test_a_dpo_run_on_an_nvme_dir_in_use_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "run" / "checkpoint").exists()
 
 
-def test_sigterm_during_a_grpo_run_interrupts_it_and_releases_its_locks(tmp_path):
-    """SIGTERM ends a DPO or GRPO run as it ends megatrain train's other tasks before their loop
-    (KeyboardInterrupt('SIGTERM'): the CLI exits 143); its output_dir and nvme_dir locks are let go,
-    so the same command runs again. Here the reward sends the signal at step 1."""
+def test_sigterm_during_a_grpo_run_saves_a_checkpoint_and_the_same_command_resumes(tmp_path):
+    """SIGTERM ends a DPO or GRPO run as it ends megatrain train's other tasks in their loop: the
+    update under way finishes, a checkpoint is saved, the result says ``stopped_by``, the handlers
+    and the output_dir and nvme_dir locks are let go, and the same command resumes the run. Here
+    the reward sends the signal during step 1's rollouts."""
     import os
     import signal
     import sys
@@ -496,21 +499,118 @@ def test_sigterm_during_a_grpo_run_interrupts_it_and_releases_its_locks(tmp_path
     from megatrain.train.rundir import LOCK_FILE, NVME_LOCK_FILE
 
     (tmp_path / "term_reward_mod.py").write_text(
-        "import os, signal\ndef reward(prompts, completions, **kw):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return [0.0] * len(completions)\n")
+        "import os, signal\ncalls = []\ndef reward(prompts, completions, **kw):\n    calls.append(1)\n"
+        "    if len(calls) == 1:\n        os.kill(os.getpid(), signal.SIGTERM)\n    return [0.0] * len(completions)\n")
     nvme_dir = tmp_path / "nvme"
     nvme_dir.mkdir()
     kw = dict(task="grpo", data=str(DATA / "rl" / "arithmetic.jsonl"), seq_len=12, max_new_tokens=3, global_batch=8,
-              micro_batch_size=8, group_size=4, max_steps=1, nvme_dir=str(nvme_dir))
+              micro_batch_size=8, group_size=4, max_steps=3, nvme_dir=str(nvme_dir), reward="term_reward_mod:reward")
     old = signal.getsignal(signal.SIGTERM)
     sys.path.insert(0, str(tmp_path))
     try:
-        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
-            train(_cfg(tmp_path, reward="term_reward_mod:reward", **kw))
+        lines = []
+        res = train(_cfg(tmp_path, **kw), echo=lines.append)
+        assert res.stopped_by == "SIGTERM" and res.step == 1 and [r["step"] for r in _rows(tmp_path)] == [1]
+        assert any(line.startswith("SIGTERM: stopped after step 1; saved") for line in lines)
+        assert signal.getsignal(signal.SIGTERM) is old and os.getpid()  # the handler is put back
+        for lock in (tmp_path / "run" / LOCK_FILE, nvme_dir / NVME_LOCK_FILE):
+            with DirectoryLock(lock, str(lock)):  # free again: acquiring does not raise
+                pass
+        lines = []
+        res = train(_cfg(tmp_path, **kw), echo=lines.append)
     finally:
         sys.path.remove(str(tmp_path))
-    assert signal.getsignal(signal.SIGTERM) is old and os.getpid()  # the handler is put back
-    for lock in (tmp_path / "run" / LOCK_FILE, nvme_dir / NVME_LOCK_FILE):
-        with DirectoryLock(lock, str(lock)):  # free again: acquiring does not raise
-            pass
-    assert not (tmp_path / "run" / "checkpoint").exists()
+        sys.modules.pop("term_reward_mod", None)
+    assert any("resume: step 1 of" in line for line in lines)
+    assert res.stopped_by is None and res.step == 3 and [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming
+# ---------------------------------------------------------------------------------------------
+
+_TIMING = {"tokens_per_s", "mfu", "measured_step_s", "rollout_s", "host_rss_mib"}
+_DPO = dict(task="dpo", data=str(DATA / "preference" / "trl_conversational_demo.jsonl"), seq_len=64, global_batch=8,
+            micro_batch_size=4, max_steps=5, lr=3e-3)
+_GRPO = dict(task="grpo", data=str(DATA / "rl" / "arithmetic.jsonl"), seq_len=12, max_new_tokens=3, global_batch=8,
+             micro_batch_size=8, group_size=4, max_steps=6, lr=2e-3, kl_coef=0.05, grpo_updates=2)
+
+
+def _final(run: Path):
+    from safetensors.torch import load_file
+
+    rows = [{k: v for k, v in json.loads(line).items() if k not in _TIMING}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return rows, load_file(run / "checkpoint" / "model.safetensors")
+
+
+@pytest.mark.parametrize("kw, interval, crash_before", [
+    (dict(_DPO, dpo_reference="precompute"), 2, 4),
+    (dict(_DPO, dpo_reference="bfloat16"), 2, 4),
+    # grpo_updates 2: the batches of rollouts are steps 1-2, 3-4, 5-6; the checkpoint of step 3 is
+    # between the updates of the second, which the resumed run finishes on the same rollouts.
+    (_GRPO, 3, 5),
+], ids=["dpo-precompute", "dpo-bfloat16", "grpo-mid-batch"])
+def test_a_crashed_rl_run_resumes_to_the_uninterrupted_runs_steps(tmp_path, monkeypatch, kw, interval, crash_before):
+    """A DPO or GRPO run that crashed after a checkpoint, re-run with the same command, continues from
+    the checkpoint (the seeded order, the reference, a pending batch of rollouts restored, the rows
+    after it dropped) and ends where the run never interrupted ends: every metrics row (timings
+    aside) and the final weights within 1e-5. Re-running the finished run does nothing. The data are
+    cut to 12 pairs or 4 prompts, so that the resumed steps cross into the next epoch's order."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(Path(kw["data"]).read_text().splitlines(keepends=True)[:12 if kw["task"] == "dpo" else 4]))
+    kw = {**kw, "data": str(data)}
+    whole = train(_cfg(tmp_path / "whole", **kw))
+    assert whole.step == kw["max_steps"]
+
+    real = rl_tasks.RlRun.update
+
+    def crashing(self, batch, extra):
+        if self.step + 1 == crash_before:
+            raise RuntimeError("killed")
+        return real(self, batch, extra)
+
+    monkeypatch.setattr(rl_tasks.RlRun, "update", crashing)
+    cfg = _cfg(tmp_path, checkpoint_interval=interval, **kw)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(cfg)
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, crash_before))  # rows past the checkpoint too
+    monkeypatch.setattr(rl_tasks.RlRun, "update", real)
+    lines = []
+    res = train(cfg, echo=lines.append)
+    assert any(f"resume: step {interval} of" in line for line in lines), lines
+    assert res.step == kw["max_steps"] and res.stopped_by is None
+    (rows, weights), (want_rows, want) = _final(tmp_path / "run"), _final(tmp_path / "whole" / "run")
+    assert [r["step"] for r in rows] == list(range(1, kw["max_steps"] + 1))
+    for got, exp in zip(rows, want_rows):
+        assert got.keys() == exp.keys()
+        for k in exp:
+            if isinstance(exp[k], float):
+                assert got[k] == pytest.approx(exp[k], abs=1e-5), (got["step"], k)
+            else:
+                assert got[k] == exp[k], (got["step"], k)
+    assert weights.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(weights[k], want[k], rtol=0, atol=1e-5), k
+    lines = []
+    again = train(cfg, echo=lines.append)
+    assert again.step == kw["max_steps"] and any("nothing to do" in line for line in lines)
+    assert _final(tmp_path / "run")[0] == rows
+
+
+def test_resuming_an_rl_run_with_other_position_settings_is_refused(tmp_path):
+    """What fixes the order of the prompts, a batch's updates or the reference must be the
+    checkpoint's (group_size, grpo_updates, a reference or none), and a checkpoint of the other task
+    is not resumed as this one; each refused before the model is built, naming both values."""
+    kw = dict(_GRPO, max_steps=2, checkpoint_interval=1)
+    train(_cfg(tmp_path, **{**kw, "max_steps": 1}))  # a checkpoint at step 1 of 1: raise max_steps to go on
+    for change, match in [({"group_size": 2}, "group_size=4 but this run has group_size=2"),
+                          ({"grpo_updates": 1}, "grpo_updates=2 but this run has grpo_updates=1"),
+                          ({"kl_coef": 0.0}, "reference='bfloat16' but this run has reference=None")]:
+        with pytest.raises(ConfigError, match=match):
+            train(_cfg(tmp_path, **{**kw, **change}))
+    ckpt = tmp_path / "run" / "checkpoint"
+    with pytest.raises(ConfigError, match="is a checkpoint of a task grpo run, not dpo; to start a new run from its "
+                                          f"weights instead, give --init-from {re.escape(str(ckpt))}"):
+        train(_cfg(tmp_path, **{**_DPO, "model": str(ckpt), "output_dir": str(tmp_path / "other")}))
+    assert train(_cfg(tmp_path, **kw)).step == 2  # the same settings go on

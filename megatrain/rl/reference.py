@@ -48,14 +48,18 @@ class Reference:
     Args:
         trainer: a ``Trainer`` compiled with ``reference="bfloat16"`` (its plan counts the copy);
             a deferred update is applied first, so the copy is of the latest weights.
+        weights: instead of the trainer's current weights, a saved copy: ``[sum of the layers'
+            numel]`` BF16 CPU, a former reference's :attr:`weights` (what a resumed run reads back
+            from its checkpoint).
 
     Raises:
         ConfigError: the trainer's plan does not count a reference (compile with
             ``reference="bfloat16"``), or its masters are not all in this host's memory (a state
-            sharded across nodes, masters on NVMe).
+            sharded across nodes, masters on NVMe); ``weights`` of another dtype or size (naming
+            both).
     """
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, weights: torch.Tensor | None = None):
         plan, host = trainer.plan, trainer.host
         if trainer.planned.memory.reference_weights == 0:
             raise ConfigError("this trainer's plan holds no reference model: compile with reference='bfloat16' so that "
@@ -68,14 +72,25 @@ class Reference:
         trainer.flush()
         layers = trainer.graph.layers
         self.trainer = trainer
-        self._flat = torch.empty((sum(layer.numel for layer in layers),), dtype=torch.bfloat16)
+        numel = sum(layer.numel for layer in layers)
+        if weights is not None and (weights.dtype != torch.bfloat16 or weights.shape != (numel,)):
+            raise ConfigError(f"reference weights: {weights.dtype} {tuple(weights.shape)} given, but this model's "
+                              f"reference is torch.bfloat16 ({numel},): a copy saved from another model or plan")
+        self._flat = torch.empty((numel,), dtype=torch.bfloat16) if weights is None else weights.contiguous()
         self.rows: list[torch.Tensor] = []
         at = 0
         for li, layer in enumerate(layers):
             row = self._flat[at:at + layer.numel]
-            row.copy_(host.master(li)[:layer.numel])
+            if weights is None:
+                row.copy_(host.master(li)[:layer.numel])
             self.rows.append(row)
             at += layer.numel
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The copy as one flat tensor, ``[sum of the layers' numel]`` BF16, each layer's rows in
+        order (``Reference(trainer, weights=...)`` takes it back)."""
+        return self._flat
 
     @property
     def nbytes(self) -> int:

@@ -28,9 +28,14 @@ Rollouts on the CPU backend generate with ``trainer.model``, whose parameters ar
 (:func:`megatrain.rl.gpu_released`); the model must fit the GPU in BF16 with its KV cache, and a
 larger one needs an external engine (vLLM, SGLang) fed by ``rollout_weights`` (the Python API).
 
-Not here yet: resuming an RL run (an ``output_dir`` holding one is refused; ``init_from`` starts a
-new run from its checkpoint), validation, data parallel under torchrun, the non-finite step guard's
-skip and rollback (a step that is not applied stops the run).
+A run resumes as ``megatrain train``'s other tasks do (the same command on the same ``output_dir``;
+SIGINT and SIGTERM finish the update under way and save a checkpoint first): each checkpoint holds
+the seeded order, the reference and a pending batch of rollouts beside the trainer's state
+(:class:`RlRun`), so the resumed run takes the uninterrupted run's steps; :data:`RESUME_SETTINGS`
+must be the checkpoint's.
+
+Not here yet: validation, data parallel under torchrun, the non-finite step guard's skip and
+rollback (a step that is not applied stops the run).
 """
 
 from __future__ import annotations
@@ -450,13 +455,17 @@ def save_rl_plot(rows: list[dict], path, *, title: str, task: str) -> None:
 
 
 def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, given: "TrainConfig"):
-    """Run ``cfg`` (``task`` dpo or grpo, device resolved) to ``max_steps``; module docstring.
+    """Run ``cfg`` (``task`` dpo or grpo, device resolved) to ``max_steps``, or until SIGINT or
+    SIGTERM (the update under way finishes, a checkpoint is saved, and the same command resumes
+    from it); module docstring. An ``output_dir`` holding this run continues it from its
+    checkpoint (as ``megatrain train``'s other tasks: :func:`megatrain.train.rundir.check_output_dir`).
     Returns a :class:`megatrain.train.loop.TrainResult`.
 
     Raises:
-        ConfigError: as ``megatrain train``, and: data parallel (WORLD_SIZE > 1), an ``output_dir``
-            holding a run, a megatrain checkpoint as ``model`` (a resume), bad preference or prompt
-            data, a reward that cannot be imported.
+        ConfigError: as ``megatrain train``, and: data parallel (WORLD_SIZE > 1), a checkpoint to
+            resume that is not of this task or was trained with another ``group_size``,
+            ``grpo_updates`` or reference (:data:`RESUME_SETTINGS`), bad preference or prompt data,
+            a reward that cannot be imported.
         BatchError: the reward function raised or returned a non-finite value (naming the step;
             that step's update is not made).
         MegatrainError: a step whose loss or gradient was not finite (not applied; the run stops).
@@ -465,7 +474,8 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
 
     from megatrain.files import DirectoryLock
     from megatrain.rl.rewards import load_reward
-    from megatrain.train.rundir import LOCK_FILE
+    from megatrain.train.loop import _finished
+    from megatrain.train.rundir import LOCK_FILE, check_output_dir, saved_train_state
     from megatrain.train.stages import held_locks, model_source, nvme_dir_lock, set_threads
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -473,56 +483,109 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
     echo(device)
     set_threads(cfg, echo, load=False)
     out = Path(cfg.output_dir)
-    _clear_output_dir(cfg, out, echo)
     reward = load_reward(cfg.reward) if cfg.task == "grpo" else None
-    source = model_source(cfg, out)  # (an RL run's output_dir holds no checkpoint of its own to resume)
-    if source.kind == "checkpoint":
-        raise ConfigError(f"model {cfg.model} is a megatrain checkpoint: task {cfg.task} does not resume yet; give "
-                          f"--init-from {cfg.model} to start a new run from its weights")
-    out.mkdir(parents=True, exist_ok=True)
+    source = model_source(cfg, out)
     lock = DirectoryLock(out / LOCK_FILE, f"output_dir {out}")
-    lock.acquire()
     with held_locks(lock, nvme_dir_lock(cfg)):
-        run = RlRun(cfg, echo, given, source, reward)
+        resuming_here, source, finished = check_output_dir(out, source, cfg, echo, lock)
+        if finished is not None:
+            return _finished(cfg, out, finished, echo)
+        if source.kind == "checkpoint":
+            check_rl_resume(saved_train_state(source.directory), cfg, source.directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if not lock.held:  # output_dir did not exist when the run began
+            lock.acquire()
+        run = RlRun(cfg, echo, given, source, reward, resuming_here)
         run.prepare()
         run.train_loop()
         return run.finish()
 
 
-def _clear_output_dir(cfg: "TrainConfig", out: Path, echo: Callable[[str], None]) -> None:
-    """An empty ``output_dir``, or one holding only the files of a run of this task that stopped
-    before its checkpoint (a reward that raised, say), which are removed: the run starts over.
+RESUME_SETTINGS = {"dpo": ("dpo_reference",), "grpo": ("group_size", "grpo_updates", "reference")}
+"""What a resumed DPO or GRPO run must share with its checkpoint besides ``megatrain train``'s
+(``seq_len``, ``global_batch``, ``seed``, the data): what fixes the order of the pairs or prompts,
+the updates a batch of rollouts gets, and what the reference is (``reference``: GRPO has one where
+``kl_coef > 0``). Other settings (``lr``, ``kl_coef``'s value, ``temperature``, ``reward``, ...)
+apply from the resumed step on."""
+
+
+def _rl_settings(cfg: "TrainConfig") -> dict[str, Any]:
+    return {"task": cfg.task, "dpo_reference": cfg.dpo_reference, "group_size": cfg.group_size,
+            "grpo_updates": cfg.grpo_updates, "reference": rl_reference(cfg)}
+
+
+def check_rl_resume(state: dict | None, cfg: "TrainConfig", where: Path) -> None:
+    """Refuse to resume ``where`` (its ``megatrain train`` state, :func:`saved_train_state`) as
+    ``cfg``'s run: a checkpoint of no DPO/GRPO run, of the other task, or with other
+    :data:`RESUME_SETTINGS`.
 
     Raises:
-        ConfigError: ``out`` holds anything else (an RL run does not resume yet).
+        ConfigError: naming the setting, both values and what to do instead.
     """
-    from megatrain.train.rundir import CONFIG_FILE, LOCK_FILE, METRICS_FILE, PLOT_FILE, TOKENIZER_FILE
+    rl = (state or {}).get("rl")
+    new_run = (f"to start a new run from its weights instead, give --init-from {where} with another "
+               "output_dir")
+    if not isinstance(rl, dict):
+        raise ConfigError(f"{where} is a checkpoint of a task lm or sft run (it holds no DPO/GRPO state), not of a "
+                          f"{cfg.task} run; {new_run}")
+    now = _rl_settings(cfg)
+    if rl.get("task") != cfg.task:
+        raise ConfigError(f"{where} is a checkpoint of a task {rl.get('task')} run, not {cfg.task}; {new_run}")
+    why = {"group_size": "it fixes how many prompts a step takes", "grpo_updates": "it fixes the updates of a batch",
+           "reference": "kl_coef > 0 keeps a BF16 reference, 0 none", "dpo_reference": "it fixes the reference"}
+    for key in RESUME_SETTINGS[cfg.task]:
+        if rl.get(key) != now[key]:
+            raise ConfigError(f"{where} was trained with {key}={rl.get(key)!r} but this run has {key}={now[key]!r} "
+                              f"({why[key]}); resuming needs the checkpoint's; {new_run}")
 
-    held = {p.name for p in out.iterdir() if p.name != LOCK_FILE} if out.is_dir() else set()
-    leftover = {CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, PLOT_FILE}
-    if held and held <= leftover and _saved_task(out / CONFIG_FILE) == cfg.task:
-        for name in held:
-            (out / name).unlink()
-        echo(f"note: {out} held a {cfg.task} run that stopped before saving a checkpoint; starting it over")
-    elif held:
-        raise ConfigError(f"output_dir {out} is not empty; task {cfg.task} does not resume a run yet: give an empty "
-                          "output_dir (--init-from DIR/checkpoint starts a new run from a finished one's weights)")
+
+def data_fingerprint(data: "Pairs | Prompts") -> str:
+    """sha256 of what a run trains on, in order: the pairs' token and label rows, or the prompts'
+    tokens, prompts and reward columns (what a resume checks it was given again)."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    if isinstance(data, Pairs):
+        for t in (data.input_ids, data.labels):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.contiguous().numpy().tobytes())
+    else:
+        h.update(json.dumps([data.ids, data.prompts, data.columns], default=str, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+PENDING_TENSORS = ("input_ids", "labels", "advantages", "old_logprobs", "ref_logprobs")
+"""A GRPO batch of rollouts' tensors, saved with a checkpoint taken between its updates (as
+``pending.<name>``) so that the resumed run makes the batch's remaining updates on the same
+rollouts."""
 
 
 class RlRun:
     """A DPO or GRPO run's stages once its ``output_dir`` and locks are held (:func:`train_rl`):
     :meth:`prepare` (the data, then ``megatrain train``'s plan and materialise stages, the run's
-    files, the checkpoint, the loss and its reference or rollouts), :meth:`train_loop` (a batch of
-    pairs or of rollouts, then its updates, each an :meth:`update`) and :meth:`finish` (the last
-    checkpoint, the plot, the result). The checkpoint, the run's files and the plot are
-    :mod:`megatrain.train.stages`', as the LM/SFT run's."""
+    files, the checkpoint, the loss and its reference or rollouts, or all of it resumed),
+    :meth:`train_loop` (a batch of pairs or of rollouts, then its updates, each an :meth:`update`)
+    and :meth:`finish` (the last checkpoint, the plot, the result). The checkpoint, the run's files
+    and the plot are :mod:`megatrain.train.stages`', as the LM/SFT run's.
 
-    def __init__(self, cfg: "TrainConfig", echo: Callable[[str], None], given: "TrainConfig", source, reward):
+    A checkpoint (:meth:`save`) holds, beside the trainer's state, the seeded order's generator
+    and the pairs or prompts still to take, the reference (the precomputed log-probabilities, or
+    the BF16 copy of the initial weights) and, between the updates of a batch of rollouts, that
+    batch (:data:`PENDING_TENSORS`): a resumed run makes the steps the uninterrupted one would have.
+    """
+
+    def __init__(self, cfg: "TrainConfig", echo: Callable[[str], None], given: "TrainConfig", source, reward,
+                 resuming_here: bool = False):
         self.cfg, self.echo, self.given, self.source, self.reward = cfg, echo, given, source, reward
+        self.resuming_here = resuming_here
         self.out = Path(cfg.output_dir)
 
     def prepare(self) -> None:
         """Everything before the first step. Raises as :func:`train_rl`."""
+        import hashlib
+
+        from megatrain.checkpoint import load_extra_tensors
         from megatrain.ir.hardware import load_hardware
         from megatrain.runtime.measure import measure_matmul_flops
         from megatrain.train import loop
@@ -537,39 +600,59 @@ class RlRun:
         # reported before the model is built.
         prepare = prepare_pairs if cfg.task == "dpo" else prepare_prompts
         self.tokenizer, eot, self.data, template = prepare(cfg, source, echo)
+        self.fingerprint = data_fingerprint(self.data)
         planned = loop._plan(cfg, source, hw, echo)
         cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
-        self.trainer = loop._materialize_and_load(cfg, planned, source, "", echo)[0]
+        self.trainer, self.start, _, state = loop._materialize_and_load(cfg, planned, source, self.fingerprint, echo)
         self.rates = run_rates(cfg, planned, hw, cpu_peak, echo)
         tokenizer_config = match_special_tokens(self.trainer.model, self.tokenizer, eot, cfg.seq_len, template)
         tokenizer_json = self.tokenizer.to_str()
+        self.tokenizer_sha = hashlib.sha256(tokenizer_json.encode()).hexdigest()
         write_run_files(self.out, self.given, tokenizer_json)
         self.metrics = MetricsLog(self.out / METRICS_FILE)
-        self.checkpoint = Checkpoint(self.trainer, self.out / CHECKPOINT_DIR, tokenizer_json, tokenizer_config)
-        self._prepare_loss(eot)
+        # Rows a crashed run wrote after its last checkpoint are run again: drop them.
+        start, here = self.start, self.resuming_here
+        self.metrics.keep(lambda r: here and r["step"] <= start)
+        resumed = source.kind == "checkpoint"
+        self.checkpoint = Checkpoint(self.trainer, self.out / CHECKPOINT_DIR, tokenizer_json, tokenizer_config,
+                                     last_saved=start if here else None)
+        saved = load_extra_tensors(source.directory) if resumed else {}
+        self._prepare_loss(eot, saved, state.get("rl", {}) if resumed else {})
 
-    def _prepare_loss(self, eot: str) -> None:
+    def _prepare_loss(self, eot: str, saved: dict, rl: dict) -> None:
         """The loss, the rows a step takes, and DPO's reference (precomputed, or a frozen BF16 copy)
-        or GRPO's rollouts; the seeded order of the pairs or prompts."""
+        or GRPO's rollouts; the seeded order of the pairs or prompts. ``saved`` / ``rl``: a resumed
+        checkpoint's extra tensors and RL state (empty for a new run)."""
         import torch
 
-        from megatrain.rl import DPOLoss, GRPOLoss, Reference
+        from megatrain.rl import DPOLoss, GRPOLoss, Reference, target_mask
 
         cfg, trainer, data, echo = self.cfg, self.trainer, self.data, self.echo
-        self.reference = Reference(trainer) if rl_reference(cfg) else None
+        if rl_reference(cfg):
+            self.reference = Reference(trainer, weights=saved.get("reference_weights") if rl else None)
+        else:
+            self.reference = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.order = torch.empty(0, dtype=torch.long)
-        self.ref_all = None
+        if rl:
+            self.generator.set_state(saved["order_generator"])
+            self.order = saved["order"]
+        self.ref_all = saved.get("reference_logprobs")
+        self.pending = None  # (batch, target mask, its metrics, its first step, updates made)
         if cfg.task == "dpo":
             self.loss = DPOLoss(cfg.dpo_beta, cfg.dpo_loss_type, cfg.dpo_label_smoothing)
             self.per_step = cfg.global_batch // 2
-            if self.reference is None:  # before the first step: the initial policy's log-probabilities of every pair
+            if self.reference is None and self.ref_all is None:  # a new run: the initial policy's, every pair's
                 t0 = time.perf_counter()
                 self.ref_all = precompute_pairs(trainer, data, self.per_step)
                 echo(f"reference: the initial model's log-probabilities of {data.num_pairs:,} pairs, precomputed "
                      f"({self.ref_all.numel() * 4 / 2**20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
+            elif self.reference is None:
+                echo(f"reference: the initial model's log-probabilities of {data.num_pairs:,} pairs, from the "
+                     "checkpoint")
             else:
-                echo(f"reference: a frozen BF16 copy of the initial weights ({self.reference.nbytes / 2**20:,.1f} MiB)")
+                echo(f"reference: a frozen BF16 copy of the initial weights ({self.reference.nbytes / 2**20:,.1f} MiB"
+                     + (", from the checkpoint)" if rl else ")"))
         else:
             self.loss = GRPOLoss(cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.grpo_aggregation, cfg.max_new_tokens)
             self.per_step = cfg.global_batch // cfg.group_size
@@ -579,6 +662,13 @@ class RlRun:
                  "tokens each, transformers' generate on the current weights ("
                  + ("trainer.model, the host tiles" if self.rollout.engine is None else "a BF16 copy on the GPU")
                  + f"); reward {cfg.reward}; KL coefficient {cfg.kl_coef}")
+            pending = rl.get("pending")
+            if pending:
+                batch = {k: saved[f"pending.{k}"] for k in PENDING_TENSORS if f"pending.{k}" in saved}
+                self.pending = (batch, target_mask(batch["labels"]), pending["extra"], pending["first_step"],
+                                pending["done"])
+                echo(f"resume: the rollouts of step {pending['first_step'] + 1}, {pending['done']} of their updates "
+                     "made, from the checkpoint")
         self.n_items = data.num_pairs if cfg.task == "dpo" else len(data.ids)
 
     def take(self, k: int) -> "torch.Tensor":
@@ -590,23 +680,42 @@ class RlRun:
         chosen, self.order = self.order[:k], self.order[k:]
         return chosen
 
+    def updates(self, first_step: int) -> int:
+        """The updates of the batch taken at step ``first_step + 1``: one of pairs; ``grpo_updates``
+        of rollouts, never past ``max_steps``."""
+        return 1 if self.cfg.task == "dpo" else min(self.cfg.grpo_updates, self.cfg.max_steps - first_step)
+
     def train_loop(self) -> None:
-        """Step to ``max_steps``: each batch of pairs one update, each batch of rollouts up to
-        ``grpo_updates`` (never past ``max_steps``)."""
+        """Step to ``max_steps``, or until SIGINT/SIGTERM (the update under way finishes, then a
+        checkpoint is saved): each batch of pairs one update, each batch of rollouts up to
+        ``grpo_updates``. Sets ``step``, ``res`` (the last step's result) and ``stopped`` (the
+        signal's name, or None)."""
+        from megatrain.train.loop import _StopOnSignal
+
         cfg = self.cfg
-        self.step, self.res = 0, None
-        while self.step < cfg.max_steps:
-            batch, mask, updates, extra = self.dpo_batch() if cfg.task == "dpo" else self.grpo_batch()
-            for u in range(updates):
+        self.step, self.res, self.stopped = self.start, None, None
+        with _StopOnSignal() as stop:
+            while self.step < cfg.max_steps and self.stopped is None:
+                if self.pending is None:
+                    first = self.step
+                    self.pending = (*(self.dpo_batch() if cfg.task == "dpo" else self.grpo_batch()), first, 0)
+                batch, mask, base, first, done = self.pending
+                extra = base
                 if cfg.task == "grpo":
-                    current = batch["old_logprobs"] if u == 0 else self.trainer.logprobs(batch)
-                    extra_now = {**extra, **grpo_metrics(self.loss, current, mask, batch)}
-                else:
-                    extra_now = extra
-                self.update(batch, extra_now)
+                    current = batch["old_logprobs"] if done == 0 else self.trainer.logprobs(batch)
+                    extra = {**base, **grpo_metrics(self.loss, current, mask, batch)}
+                # What a checkpoint of this step keeps: the batch while updates of it remain.
+                self.pending = (batch, mask, base, first, done + 1) if done + 1 < self.updates(first) else None
+                self.update(batch, extra)
+                self.stopped = stop.name
+            if self.stopped is not None:
+                if self.checkpoint.last_saved != self.step:
+                    self.save(self.step)
+                self.echo(f"{self.stopped}: stopped after step {self.step}; saved {self.checkpoint.path}. The same "
+                          "command resumes from it")
 
     def dpo_batch(self):
-        """``(batch, target mask, 1 update, DPO_FIELDS)`` of the next pairs, with the reference's
+        """``(batch, target mask, DPO_FIELDS)`` of the next pairs, with the reference's
         log-probabilities."""
         import torch
 
@@ -619,10 +728,10 @@ class RlRun:
         else:
             batch["ref_logprobs"] = self.reference.logprobs(batch)
         mask = target_mask(batch["labels"])
-        return batch, mask, 1, dpo_metrics(self.loss, self.trainer.logprobs(batch), mask, batch["ref_logprobs"])
+        return batch, mask, dpo_metrics(self.loss, self.trainer.logprobs(batch), mask, batch["ref_logprobs"])
 
     def grpo_batch(self):
-        """``(batch, target mask, updates, the rollout's GRPO_FIELDS)`` of the next prompts' rollouts.
+        """``(batch, target mask, the rollout's GRPO_FIELDS)`` of the next prompts' rollouts.
 
         Raises:
             BatchError: the reward function failed (naming the step; nothing of it applied).
@@ -644,7 +753,7 @@ class RlRun:
         mask = target_mask(batch["labels"])
         extra = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
                  "response_length": sum(lengths) / len(lengths), "rollout_s": time.perf_counter() - t0}
-        return batch, mask, min(cfg.grpo_updates, cfg.max_steps - step), extra
+        return batch, mask, extra
 
     def update(self, batch: dict, extra: dict) -> None:
         """One optimizer step on ``batch``, its metrics row (``extra``: the task's fields), its line,
@@ -652,6 +761,7 @@ class RlRun:
 
         Raises:
             MegatrainError: the step was not applied (a non-finite loss, gradient or weight).
+            CheckpointError: the checkpoint due failed (the message says what the same command does).
         """
         from megatrain.train.lr import lr_at
         from megatrain.train.metrics import step_row
@@ -674,11 +784,41 @@ class RlRun:
                  else f"accuracy {extra['rewards_accuracy']:.2f}, margin {extra['rewards_margin']:+.3f}")
         self.echo(f"step {step}: loss {res.loss:+.4f}, {shown}")
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
-            self.checkpoint.save(step)
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """The checkpoint of ``step``: the trainer, and what the rest of the run needs (the class
+        docstring), as ``extra_tensors`` and the ``rl`` entry of the train state.
+
+        Raises:
+            CheckpointError: the save failed; the message says what the same command does then.
+        """
+        from megatrain.errors import CheckpointError
+        from megatrain.train.rundir import STATE_KEY, train_state
+
+        state = train_state(self.cfg, step, 0, self.fingerprint, self.tokenizer_sha)
+        tensors = {"order_generator": self.generator.get_state(), "order": self.order}
+        if self.ref_all is not None:
+            tensors["reference_logprobs"] = self.ref_all
+        if self.reference is not None:
+            tensors["reference_weights"] = self.reference.weights
+        pending = None
+        if self.pending is not None:
+            batch, _, extra, first, done = self.pending
+            tensors.update({f"pending.{k}": batch[k] for k in PENDING_TENSORS if k in batch})
+            pending = {"first_step": first, "done": done, "extra": extra}
+        state[STATE_KEY]["rl"] = {**_rl_settings(self.cfg), "pending": pending}
+        last = self.checkpoint.last_saved
+        try:
+            self.checkpoint.save(step, state, tensors)
+        except CheckpointError as e:
+            after = f"the same command resumes from step {last}" if last is not None else \
+                "the same command starts the run again"
+            raise CheckpointError(f"step {step}: {e}; then {after}") from e.__cause__
 
     def finish(self):
-        """The last checkpoint, the metrics closed, ``loss.png`` and the closing line; the
-        :class:`megatrain.train.loop.TrainResult`."""
+        """The last checkpoint (unless this step's is saved), the metrics closed, ``loss.png`` and
+        the closing line; the :class:`megatrain.train.loop.TrainResult`."""
         from megatrain.train.loop import TrainResult
         from megatrain.train.metrics import finite, read_metrics
         from megatrain.train.model import model_label
@@ -686,25 +826,18 @@ class RlRun:
         from megatrain.train.stages import plot_or_note
 
         cfg, out, step, res = self.cfg, self.out, self.step, self.res
-        self.checkpoint.save(step)
+        if self.checkpoint.last_saved != step:
+            self.save(step)
         self.metrics.close()
         plot_or_note(lambda: save_rl_plot(read_metrics(out / METRICS_FILE), out / PLOT_FILE, task=cfg.task,
                                           title=f"{model_label(cfg)}: {cfg.task}, {step} steps, global batch "
                                                 f"{cfg.global_batch}"), self.echo)
         ckpt = self.checkpoint.path
-        self.echo(f"done: step {step}, loss {res.loss:.4f}; model directory: {ckpt}; metrics: {out / METRICS_FILE}")
-        return TrainResult(step=step, skipped_steps=0, stopped_by=None, loss=finite(res.loss), val_loss=None,
+        loss = finite(res.loss) if res is not None else None
+        self.echo(f"done: step {step}, loss {'n/a' if loss is None else f'{loss:.4f}'}; model directory: {ckpt}; "
+                  f"metrics: {out / METRICS_FILE}")
+        return TrainResult(step=step, skipped_steps=0, stopped_by=self.stopped, loss=loss, val_loss=None,
                            checkpoint=ckpt, output_dir=out)
-
-
-def _saved_task(path: Path) -> str | None:
-    """The ``task`` of a run's saved ``train_config.json`` (None: none, or not readable)."""
-    import json
-
-    try:
-        return json.loads(path.read_text()).get("task")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def precompute_pairs(trainer, pairs: Pairs, per_step: int) -> "torch.Tensor":

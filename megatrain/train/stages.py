@@ -113,14 +113,15 @@ class Checkpoint:
     last_saved: int | None = field(default=None)
     """The step of the last checkpoint this run wrote or resumed from (None: none yet)."""
 
-    def save(self, step: int, extra_state: dict | None = None) -> None:
+    def save(self, step: int, extra_state: dict | None = None, extra_tensors: dict | None = None) -> None:
         """Save the trainer at ``step`` with ``extra_state`` (``megatrain train``'s data position and
-        guard), then the tokenizer beside it.
+        guard) and ``extra_tensors`` (``save_checkpoint``'s: a DPO/GRPO run's sampler state,
+        reference and pending rollouts), then the tokenizer beside it.
 
         Raises:
             CheckpointError: the save failed (naming the file); the last complete checkpoint stays.
         """
-        self.trainer.save(self.path, extra_state=extra_state)
+        self.trainer.save(self.path, extra_state=extra_state, extra_tensors=extra_tensors)
         # Outside the atomic save, so it may be missing after a crash; the resume then trains the same
         # BPE again (deterministic) and the data fingerprint check catches any difference.
         if self.writes and self.processor is not None:  # its tokenizer, image processor and template
