@@ -511,6 +511,14 @@ def test_a_bf16_reference_is_the_model_with_bf16_weights_counted_by_the_planner_
     assert torch.allclose(got, want, rtol=RTOL, atol=RTOL), (got - want).abs().max()
     assert all(torch.equal(trainer.state_dict()["masters"][k], v) for k, v in masters.items())
     assert not torch.allclose(trainer.logprobs(batch), got, atol=1e-3)  # the policy moved on
+    # A saved copy (what a resumed run reads from its checkpoint) is the same reference on a trainer
+    # whose weights moved on; a copy of another size or dtype is refused naming both.
+    again = Reference(trainer, weights=reference.weights.clone())
+    assert torch.equal(again.logprobs(batch), got)
+    for bad in (reference.weights[:-1], reference.weights.float()):
+        with pytest.raises(ConfigError, match=rf"reference weights: {bad.dtype} \({bad.numel()},\) given, but this "
+                                              rf"model's reference is torch.bfloat16 \({numel},\)"):
+            Reference(trainer, weights=bad)
 
 
 def test_a_bf16_reference_under_bf16_compute_is_the_policy_cast_and_leaves_its_casts_alone():
