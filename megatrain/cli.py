@@ -627,6 +627,7 @@ def _run_request(args: argparse.Namespace, ranks: int):
     summary = (f"seq_len {cfg.seq_len} x global batch {cfg.global_batch}, {device}"
                + (f", images_per_row {cfg.images_per_row}" if cfg.images_per_row != 1 else "")
                + (f", images resized to {cfg.image_size}" if cfg.image_size else "")
+               + (f", images at their own sizes up to {cfg.image_max_pixels:,} pixels" if cfg.image_max_pixels else "")
                + (f", {args.gpus_per_node} GPUs per node x {args.nodes} nodes" if ranks > 1 else ""))
     where = "on the meta device" if cfg.device == "cuda" else "built on the CPU, as megatrain train --device cpu does"
     return request, cfg.model, hw, summary, f"tracing {cfg.model} ({where}) at seq_len {cfg.seq_len} ..."

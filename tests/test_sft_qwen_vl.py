@@ -171,6 +171,96 @@ def test_data_parallel_ranks_take_their_rows_patches_and_grids(tmp_path, process
     assert torch.equal(_Ranks(rank=1, world=2).rows(llava)["pixel_values"], torch.tensor([[4.0], [5.0], [6.0], [7.0]]))
 
 
+def _native_records(path: Path, files: list[Path]) -> list[list[dict]]:
+    """5 records with 2, 0, 1, 2 and 1 images of the PNGs' own sizes."""
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    picks = [[1, 2], [], [4], [5, 0], [2]]
+    chats = [[{"role": "user", "content": [{"type": "image", "path": str(files[j])} for j in pick]
+               + [text("Which shapes?")]}, {"role": "assistant", "content": [text(a)]}]
+             for pick, a in zip(picks, ANSWERS)]
+    path.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n", encoding="utf-8")
+    return chats
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_native_sizes_give_each_image_its_own_grid_and_train_like_eager(tmp_path, processor, kind):
+    """image_max_pixels (ChatProcessor(max_pixels=...)): each image keeps its size and aspect, as
+    the processor's own apply_chat_template gives it with size["longest_edge"] = 512 (a 48x40 image
+    to 4x6 patches; a 32x16 one, 512 pixels, stays 4x8), records of 0 to 2 images; two steps of
+    megatrain.compile(image_grid_thw=2 x native_grid) on such batches (rows of different patches
+    and image counts, two micro-batches) equal eager AdamW on the whole batch (FP32, 1e-5)."""
+    from transformers import AutoModelForImageTextToText
+
+    from megatrain.data.sft_qwen_vl import native_grid
+
+    files = _pngs(tmp_path / "img")
+    chats = _native_records(tmp_path / "data.jsonl", files)
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=2, max_pixels=512)
+    assert native_grid(processor, 512) == (1, 2, 16)  # 512 // 8**2 = 8 merge windows of 2x2 patches
+    store = build_sft_store(resolve_sft_data(str(tmp_path / "data.jsonl")), chat, tmp_path / "store", seq_len=96,
+                            progress=False)
+    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)  # 4 training rows
+    ref_proc = copy.deepcopy(processor)
+    ref_proc.image_processor.size = {"longest_edge": 512, "shortest_edge": 64}
+
+    def reference(messages):
+        def own(part):
+            if part["type"] != "image":
+                return part
+            with Image.open(part["path"]) as im:
+                return {"type": "image", "image": im.convert("RGB")}
+
+        out = ref_proc.apply_chat_template([{**m, "content": [own(q) for q in m["content"]]} for m in messages],
+                                           tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                           return_tensors="pt")
+        return out
+
+    batches = [ds.rows([2 * s, 2 * s + 1]) for s in range(2)]
+    grids = []
+    for s, batch in enumerate(batches):
+        refs = [reference(chats[ds.train_examples[r]]) for r in (2 * s, 2 * s + 1)]
+        for r, ref in enumerate(refs):
+            n = int(batch["attention_mask"][r].sum())
+            assert torch.equal(batch["input_ids"][r, :n], ref["input_ids"][0])
+        with_images = [ref for ref in refs if "image_grid_thw" in ref]
+        for name in ("pixel_values", "image_grid_thw"):
+            want = torch.cat([ref[name] for ref in with_images]) if with_images else batch[name][:0]
+            assert torch.equal(batch[name], want), name
+        grids += batch["image_grid_thw"].tolist()
+    assert all(h * w * 16 <= 512 for _, h, w in grids) and len({tuple(g) for g in grids}) > 2
+    sizes = {SIZES[i]: i for i in range(len(SIZES))}
+    assert chat.image_tokens(str(files[sizes[(48, 40)]])) == 4 * 6 // 4
+    assert chat.image_tokens(str(files[sizes[(32, 16)]])) == 4 * 8 // 4
+    counts = [int((b["input_ids"] == chat.image_token_id).sum(1).gt(0).sum()) for b in batches]
+    assert sum(counts) < 4  # a row without images among them
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_config(kind))
+    ref = copy.deepcopy(model)
+    trainer = megatrain.compile(model, seq_len=96, micro_batch_size=1, micro_batches=2, optimizer=ADAMW,
+                                input_names=ds.input_names, image_grid_thw=[native_grid(processor, 512)] * 2)
+    got = [trainer.step(b).loss for b in batches]
+    # Eager on each whole batch at once (its rows' patches differ: no even cut into micro-batches).
+    want = eager_losses(ref, [{**b, "mm_token_type_ids": (b["input_ids"] == chat.image_token_id).long()}
+                              for b in batches], 1)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
+
+
+def test_native_images_over_the_row_budget_are_refused_naming_them(tmp_path, processor):
+    """An image that smart_resize keeps one merge window high but scales to more than the budget
+    (an aspect ratio of 150 under 512 pixels) is refused when the store is built, naming it."""
+    wide = tmp_path / "wide.png"
+    Image.fromarray(np.zeros((8, 1200, 3), dtype=np.uint8)).save(wide)
+    chats = [[{"role": "user", "content": [{"type": "image", "path": str(wide)}, {"type": "text", "text": "?"}]},
+              {"role": "assistant", "content": [{"type": "text", "text": "A line."}]}]]
+    (tmp_path / "data.jsonl").write_text(json.dumps({"messages": chats[0]}) + "\n")
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=1, max_pixels=512)
+    with pytest.raises(RecordError, match=r"the example's images fill \d+ image tokens .*wide.png.*more than the 8 of "
+                                          r"1 image\(s\) of at most 512 pixels"):
+        build_sft_store(resolve_sft_data(str(tmp_path / "data.jsonl")), chat, tmp_path / "store", seq_len=400,
+                        progress=False)
+
+
 def test_a_record_with_another_image_count_is_an_error_naming_it(tmp_path, processor):
     files = _pngs(tmp_path / "img")
     _records(tmp_path / "data.jsonl", files, 1)
@@ -180,6 +270,37 @@ def test_a_record_with_another_image_count_is_an_error_naming_it(tmp_path, proce
                         progress=False)
     assert f"{str(tmp_path / 'data.jsonl')!r}, record 1 (line 1): the example has 1 image(s), and the run takes 2" \
         in str(e.value)
+
+
+def test_megatrain_train_keeps_native_image_sizes_with_image_max_pixels(tmp_path, capsys):
+    """--image-max-pixels 512 --images-per-row 2: records of 0 to 2 images of their own sizes train
+    (the data line says so); with --image-size too, or for a text
+    model, the run is refused naming the setting (exit 2, before anything is built)."""
+    from megatrain.cli import main
+
+    files = _pngs(tmp_path / "img")
+    _native_records(tmp_path / "data.jsonl", files)
+    out = tmp_path / "run"
+    args = ["train", "--task", "sft", "--model", str(EXAMPLES / "tiny-qwen2-vl"), "--data",
+            str(tmp_path / "data.jsonl"), "--output-dir", str(out), "--seq-len", "96", "--global-batch", "2",
+            "--micro-batch-size", "1", "--val-fraction", "0.2", "--max-steps", "2", "--warmup-steps", "0",
+            "--eval-interval", "0", "--images-per-row", "2", "--image-max-pixels", "512"]
+    assert main(args) == 0
+    log = capsys.readouterr().out
+    assert "up to 2 images (each at its own size, up to 512 pixels) a row" in log, log
+    assert "each at its own size, up to 512 pixels" in log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    assert main(args[:-4] + ["--output-dir", str(tmp_path / "b"), "--image-max-pixels", "512", "--image-size",
+                             "32x32"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    text = ["train", "--task", "sft", "--model", str(EXAMPLES / "tiny_llama_rl.json"), "--data",
+            str(EXAMPLES / "data" / "alpaca_demo.json"), "--output-dir", str(tmp_path / "c"), "--seq-len", "64",
+            "--global-batch", "2", "--micro-batch-size", "1", "--max-steps", "1", "--warmup-steps", "0",
+            "--image-max-pixels", "512"]
+    assert main(text) == 2
+    assert "image_max_pixels=512: model_type 'llama' takes no image sizes" in capsys.readouterr().err
+    assert not (tmp_path / "c" / "checkpoint").exists()
 
 
 def test_megatrain_train_fine_tunes_the_bundled_qwen2_vl_on_images(tmp_path, capsys):

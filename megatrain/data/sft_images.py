@@ -101,6 +101,11 @@ class ChatProcessor(ChatTokenizer):
         image_size: ``(H, W)`` pixels every image is resized to (Pillow, the image processor's
             ``resample``) before the processor reads it, so that all get one patch grid (Qwen2-VL:
             :mod:`megatrain.data.sft_qwen_vl`); None: as the file is.
+        max_pixels: a processor of patch grids only, instead of ``image_size``: every image at its
+            own size and aspect, the processor's ``smart_resize`` told this many pixels at most
+            (its ``size["longest_edge"]``, LLaMA-Factory's ``image_max_pixels``), and 0 to
+            ``images_per_example`` images an example (:func:`~megatrain.data.sft_qwen_vl.native_grid`
+            is then the budget of one image).
         template_origin: where ``chat_template`` came from, named in its render's errors.
 
     Raises:
@@ -109,7 +114,8 @@ class ChatProcessor(ChatTokenizer):
 
     def __init__(self, processor: Any, chat_template: str | None, *, eos_token: str, bos_token: str | None = None,
                  loss: Literal["all", "last"] = "all", images_per_example: int | None = None,
-                 image_size: tuple[int, int] | None = None, template_origin: str | None = None) -> None:
+                 image_size: tuple[int, int] | None = None, max_pixels: int | None = None,
+                 template_origin: str | None = None) -> None:
         self.processor = processor
         self.image_token = getattr(processor, "image_token", None)
         tokenizer = processor.tokenizer
@@ -125,14 +131,25 @@ class ChatProcessor(ChatTokenizer):
         self.images_per_example = images_per_example
         # A processor of patch grids (Qwen2-VL's image_grid_thw): megatrain train gives every example
         # exactly images_per_example images of one size, so that its rows' patches are alike and
-        # split evenly over micro-batches and ranks (compile itself takes rows of any grids within a
-        # patch budget; the data path does not use that yet).
-        self.exact_images = "image_grid_thw" in self.image_keys
+        # split evenly over ranks; or, with max_pixels, each image at its own size and 0 to
+        # images_per_example of them an example, rows of any grids within the traced patch budget.
+        self.grid_images = "image_grid_thw" in self.image_keys
+        if max_pixels is not None and (not self.grid_images or image_size is not None):
+            raise ValueError("max_pixels is for a processor of patch grids (Qwen2-VL's), without image_size")
+        self.exact_images = self.grid_images and max_pixels is None
         self.image_size = None if image_size is None else tuple(image_size)
+        self.max_pixels = max_pixels
+        self._size: dict[str, Any] = {}
+        if max_pixels is not None:
+            size = processor.image_processor.size
+            low = size.get("shortest_edge") if hasattr(size, "get") else getattr(size, "shortest_edge", None)
+            self._size = {"size": {"longest_edge": max_pixels, "shortest_edge": min(low or 1, max_pixels)}}
         self._blank_image: torch.Tensor | None = None
 
     def describe(self) -> str:
         size = "" if self.image_size is None else f", resized to {self.image_size[0]}x{self.image_size[1]}"
+        if self.max_pixels is not None:
+            size = f", each at its own size, up to {self.max_pixels:,} pixels"
         return (f"{super().describe()}; images by {type(self.processor).__name__} (image token "
                 f"{self.image_token!r}, inputs {', '.join(self.image_keys)}{size})")
 
@@ -144,7 +161,8 @@ class ChatProcessor(ChatTokenizer):
         count = {"images": self.images_per_example} if self.exact_images else {"max_images": self.images_per_example}
         return [self.image_token, self.processor.image_processor.to_json_string(),
                 {k: v for k, v in self.processor.to_dict().items() if isinstance(v, (int, str, float, bool))},
-                count] + ([list(self.image_size)] if self.image_size is not None else [])
+                count] + ([list(self.image_size)] if self.image_size is not None else []) \
+            + ([{"max_pixels": self.max_pixels}] if self.max_pixels is not None else [])
 
     def encode(self, example: Chat | Completion) -> Encoded:
         """Tokens and targets of the example with its images' tokens expanded (module docstring);
@@ -177,6 +195,18 @@ class ChatProcessor(ChatTokenizer):
                               f"{len(images)} image(s); use a template that writes one per {{\"type\": \"image\"}} "
                               "part (the processor's)")
         counts = [self.image_tokens(p) for p in images]
+        if self.max_pixels is not None:
+            from megatrain.data.sft_qwen_vl import native_grid
+
+            _, h, w = native_grid(self.processor, self.max_pixels)
+            merge = int(self.processor.image_processor.merge_size)
+            budget = self.images_per_example * h * w // merge ** 2 if self.images_per_example else None
+            if budget is not None and sum(counts) > budget:
+                raise RecordError(f"the example's images fill {sum(counts)} image tokens ({counts} for {list(images)}), "
+                                  f"more than the {budget} of {self.images_per_example} image(s) of at most "
+                                  f"{self.max_pixels:,} pixels a row is traced for (an image of an extreme aspect "
+                                  "ratio keeps one merge window on its short side): crop or resize those images, or "
+                                  "raise --images-per-row or --image-max-pixels")
         pieces_ids, pieces_tgt, prev = [], [], 0
         for a, n in zip(at, counts):
             pieces_ids += [enc.ids[prev:a], np.full(n, self.image_token_id, dtype=np.int64)]
@@ -220,7 +250,7 @@ class ChatProcessor(ChatTokenizer):
 
     def image_tokens(self, path: str) -> int:
         """How many image tokens the processor writes for the image at ``path``."""
-        out = self.processor(text=self.image_token, images=[self.load(path)])
+        out = self.processor(text=self.image_token, images=[self.load(path)], **self._size)
         return int(np.count_nonzero(np.asarray(out["input_ids"][0]) == self.image_token_id))
 
     def image_inputs(self, paths: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -235,14 +265,24 @@ class ChatProcessor(ChatTokenizer):
         out = {}
         if paths:
             out = self.processor(text=self.image_token * len(paths), images=[self.load(p) for p in paths],
-                                 return_tensors="pt")
+                                 return_tensors="pt", **self._size)
             out = {k: out[k] for k in self.image_keys if k in out}
+        elif self.max_pixels is not None:  # a row without images: no patches, no grids
+            return self._no_images()
         k = self.images_per_example
         if k is None or (IMAGES in out and out[IMAGES].dim() != 4):
             return out
         blank = out[IMAGES][:1] if IMAGES in out else self._blank()
         pad = blank.new_zeros((k - len(paths), *blank.shape[1:]))
         return {**out, IMAGES: torch.cat([out[IMAGES], pad]) if IMAGES in out else pad}
+
+    def _no_images(self) -> dict[str, torch.Tensor]:
+        """A patch-grid processor's inputs for no image: ``pixel_values`` ``[0, C*T*P*P]`` float32 and
+        ``image_grid_thw`` ``[0, 3]`` int64, so that a batch of text-only rows still has both."""
+        ip = self.processor.image_processor
+        features = 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+        return {IMAGES: torch.zeros((0, features), dtype=torch.float32),
+                "image_grid_thw": torch.zeros((0, 3), dtype=torch.long)}
 
     def _blank(self) -> torch.Tensor:
         """One image's ``pixel_values`` (``[1, C, H, W]``) as the image processor writes it: the

@@ -20,6 +20,13 @@ What differs from LLaVA's data path (:mod:`megatrain.data.sft_images`, which rea
   turns into one grid, :func:`image_grid`, known when the run is planned. The default size
   (:func:`run_image_size`) is the processor's own size for a 448 x 448 image (Qwen2-VL's 256
   image tokens; smaller where its ``max_pixels`` is).
+- **Or native sizes** (``megatrain train``'s ``image_max_pixels``, LLaMA-Factory's name): each
+  image keeps its own size and aspect, the processor's ``smart_resize`` told ``max_pixels`` at most
+  (``size["longest_edge"]``), and a record carries 0 to ``images_per_row`` images. The run is
+  traced for ``images_per_row`` images of :func:`native_grid`'s patches a row, the most an image
+  under ``max_pixels`` gets; a record whose images' patches exceed that budget (an extreme aspect
+  ratio, which ``smart_resize`` keeps at least one merge window wide) is refused when the store is
+  built. Rows then differ in patches: one process only (data parallel cuts rows evenly).
 - **The batch layout** is the processor's: ``pixel_values`` ``[patches, C*T*P*P]`` with each row's
   images' patches one contiguous block (``t * h * w`` patches an image), ``image_grid_thw``
   ``[images, 3]``; the rows' concatenated in order, which the trainer and the data-parallel split
@@ -35,7 +42,7 @@ from typing import Any
 from megatrain.errors import ConfigError
 from megatrain.models import DEFAULT_IMAGE_PIXELS
 
-__all__ = ["image_grid", "images_only", "load_processor", "parse_image_size", "run_image_size",
+__all__ = ["image_grid", "images_only", "load_processor", "native_grid", "parse_image_size", "run_image_size",
            "video_processor_class"]
 
 
@@ -162,3 +169,24 @@ def run_image_size(processor, image_size: str | None) -> tuple[int, int]:
     _, h, w = image_grid(processor, (DEFAULT_IMAGE_PIXELS, DEFAULT_IMAGE_PIXELS))
     patch = int(processor.image_processor.patch_size)
     return h * patch, w * patch
+
+
+def native_grid(processor, max_pixels: int) -> tuple[int, int, int]:
+    """A grid ``(1, merge, merge * n)`` holding the most patches the processor's ``smart_resize``
+    gives an image of at most ``max_pixels`` pixels: ``n = max_pixels // (patch_size *
+    merge_size) ** 2`` merge windows of ``merge_size ** 2`` patches each (``smart_resize`` rounds
+    each side to whole windows, scaling down until the pixels fit). The budget of one image of a
+    native-size run (``megatrain.compile(image_grid_thw=...)`` counts only its patches).
+
+    Raises:
+        ConfigError: ``max_pixels`` is less than one merge window (``(patch_size * merge_size) ** 2``
+            pixels), the smallest image the processor makes.
+    """
+    ip = processor.image_processor
+    patch, merge = int(ip.patch_size), int(ip.merge_size)
+    windows = max_pixels // (patch * merge) ** 2
+    if windows < 1:
+        raise ConfigError(f"image_max_pixels={max_pixels}: the processor makes every image at least one "
+                          f"{patch * merge}x{patch * merge}-pixel merge window ({(patch * merge) ** 2} pixels); give "
+                          "at least that many")
+    return 1, merge, merge * windows

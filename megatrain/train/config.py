@@ -102,7 +102,8 @@ class TrainConfig(pydantic.BaseModel):
                                                      "image slots a row, unused ones zeros that reach no loss or "
                                                      "gradient (megatrain.compile(images_per_row=...)); Qwen2-VL and "
                                                      "Qwen2.5-VL: exactly this many, every row's patches traced alike "
-                                                     "(image_grid_thw=...); default 1, not read from the data: set it "
+                                                     "(image_grid_thw=...), or 0 to this many with "
+                                                     "image_max_pixels; default 1, not read from the data: set it "
                                                      "to the most images a record has; 1 for a model without images")
     image_size: str | None = Field(None, pattern=r"^[1-9][0-9]*x[1-9][0-9]*$",
                                    description="sft with Qwen2-VL or Qwen2.5-VL: HxW pixels (height x width, e.g. "
@@ -113,6 +114,14 @@ class TrainConfig(pydantic.BaseModel):
                                                "merge_size within its min/max pixels, as for any image); default: "
                                                "the size the processor gives a 448x448 image. LLaVA's processor "
                                                "resizes every image itself: not for LLaVA")
+    image_max_pixels: int | None = Field(None, gt=0, le=bounds.MAX_IMAGE_PIXELS,
+                                         description="sft with Qwen2-VL or Qwen2.5-VL, instead of image_size: every "
+                                                     "image at its own size and aspect ratio, the processor's "
+                                                     "smart_resize given this many pixels at most (LLaMA-Factory's "
+                                                     "image_max_pixels; e.g. 589824 = 768x768), and 0 to "
+                                                     "images_per_row images a record; the run is traced for "
+                                                     "images_per_row images of that many pixels a row. One process "
+                                                     "(not under torchrun). Default: off (image_size)")
     dpo_beta: float = Field(0.1, gt=0, description="dpo: the temperature beta of the DPO loss (TRL's beta)")
     dpo_loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="dpo: sigmoid (DPO, Rafailov et al. "
                                                                             "2023) or ipo (Azar et al. 2023), as "
@@ -320,6 +329,9 @@ class TrainConfig(pydantic.BaseModel):
         if self.image_size is not None:
             h, w = (int(x) for x in self.image_size.split("x"))
             bounds.check_image_size(h, w, f"image_size={self.image_size}")
+        if self.image_max_pixels is not None and self.image_size is not None:
+            raise ValueError(f"image_size={self.image_size} resizes every image to one size and image_max_pixels="
+                             f"{self.image_max_pixels} keeps each image's own: give one of them")
         if self.task in ("dpo", "grpo"):
             _check_rl(self)
         if self.warmup_steps > self.max_steps:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -129,12 +130,14 @@ def image_grid_thw(cfg: TrainConfig, source: ModelSource) -> tuple[tuple[int, in
     Raises:
         ConfigError: the processor cannot be loaded (:func:`_processor`), or refuses ``image_size``.
     """
-    from megatrain.data.sft_qwen_vl import image_grid, run_image_size
+    from megatrain.data.sft_qwen_vl import image_grid, native_grid, run_image_size
     from megatrain.planner.trace.vlm import family
 
     if (fam := family(source.config)) is None or not fam.takes_grid:
         return None
     processor, _ = _processor(cfg, source)
+    if cfg.image_max_pixels is not None:  # native sizes: the most patches an image of that many pixels gets
+        return (native_grid(processor, cfg.image_max_pixels),) * cfg.images_per_row
     return (image_grid(processor, run_image_size(processor, cfg.image_size)),) * cfg.images_per_row
 
 
@@ -199,9 +202,16 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
         from megatrain.data.sft_images import ChatProcessor
         from megatrain.data.sft_qwen_vl import run_image_size
 
-        size = run_image_size(processor, cfg.image_size) if family(source.config).takes_grid else None
+        grid = family(source.config).takes_grid
+        native = grid and cfg.image_max_pixels is not None
+        if native and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(f"image_max_pixels={cfg.image_max_pixels}: rows of images at their own sizes differ in "
+                              "patches, and the data-parallel split cuts a batch's rows evenly: run on one process, "
+                              "or give --image-size (one size for every image) under torchrun")
+        size = run_image_size(processor, cfg.image_size) if grid and not native else None
         chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
                              loss=cfg.sft_loss, images_per_example=cfg.images_per_row, image_size=size,
+                             max_pixels=cfg.image_max_pixels if native else None,
                              template_origin=template_origin or ("the processor's" if processor.chat_template
                                                                  else None))
         template_origin = template_origin or ("the processor's" if processor.chat_template else None)
@@ -220,6 +230,9 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
     k = cfg.images_per_row
     if getattr(chat, "exact_images", False):  # Qwen2-VL: every row has its k images
         per_row = "its image" if k == 1 else f"its {k} images"
+    elif getattr(chat, "max_pixels", None) is not None:  # Qwen2-VL at native sizes
+        per_row = (f"up to {k} image{'s' if k > 1 else ''} (each at its own size, up to {cfg.image_max_pixels:,} "
+                   "pixels)")
     else:
         per_row = "up to one image" if k == 1 else f"up to {k} images"
     images = "" if processor is None else (f"; {m.num_images:,} images, one example and {per_row} a row"

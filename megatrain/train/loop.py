@@ -150,6 +150,11 @@ def batch_names(cfg: TrainConfig, config) -> tuple[str, ...]:
                           "the size every image of a Qwen2-VL or Qwen2.5-VL run is resized to (one patch grid), "
                           + ("and LLaVA's processor resizes every image to its own size" if fam is not None else
                              "and this model reads text only") + ": drop --image-size")
+    if cfg.image_max_pixels is not None and not grid:
+        raise ConfigError(f"image_max_pixels={cfg.image_max_pixels}: model_type {config.model_type!r} takes no image "
+                          "sizes; it keeps each image of a Qwen2-VL or Qwen2.5-VL run at its own size, up to that many "
+                          "pixels, " + ("and LLaVA's processor resizes every image to its own size" if fam is not None
+                                        else "and this model reads text only") + ": drop --image-max-pixels")
     if fam is not None:
         if cfg.task != "sft":
             raise ConfigError(f"model_type {config.model_type!r} is a vision-language model: it trains on SFT data "
@@ -884,7 +889,7 @@ class Run:
                  + ("AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)" if images is None
                     else "AutoModelForImageTextToText.from_pretrained and AutoProcessor.from_pretrained load it"
                     + ("; Qwen2-VL's AutoProcessor needs torchvision, megatrain.data.sft_qwen_vl.load_processor "
-                       "does without)" if images.image_size is not None else ")")))
+                       "does without)" if images.grid_images else ")")))
         plot = self.out / PLOT_FILE
         echo(f"metrics: {self.metrics_path}" + (f"; loss curve: {plot}" if plot.is_file() else ""))
         if sample is not None:
