@@ -104,6 +104,23 @@ def test_the_run_image_size_gives_every_image_one_grid(tmp_path, processor):
     assert {chat.image_tokens(str(f)) for f in files} == {6}
 
 
+def _two_steps_equal_eager(kind, ds, chat, batches, grid, *, eager_micro_batches: int) -> None:
+    """A tiny ``kind`` model compiled for ``grid`` (2 micro-batches of 1 row) takes ``batches``
+    with the losses of eager AdamW (``eager_micro_batches`` even cuts of each batch), FP32 1e-5."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_config(kind))
+    ref = copy.deepcopy(model)
+    trainer = megatrain.compile(model, seq_len=96, micro_batch_size=1, micro_batches=2, optimizer=ADAMW,
+                                input_names=ds.input_names, image_grid_thw=grid)
+    got = [trainer.step(b).loss for b in batches]
+    want = eager_losses(ref, [{**b, "mm_token_type_ids": (b["input_ids"] == chat.image_token_id).long()}
+                              for b in batches], eager_micro_batches)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
+
+
 @pytest.mark.parametrize("kind, k", [("qwen2_vl", 1), ("qwen2_vl", 2), ("qwen2_5_vl", 2)],
                          ids=["one-image", "two-images", "qwen2.5-two-images"])
 def test_a_step_on_the_readers_batches_equals_eager_adamw(tmp_path, processor, kind, k):
@@ -114,8 +131,6 @@ def test_a_step_on_the_readers_batches_equals_eager_adamw(tmp_path, processor, k
     (padded rows of different lengths, two micro-batches: the patches cut by rows) equal eager
     AdamW on the whole batch (FP32, 1e-5); a Qwen2.5-VL of the same sizes too (its processor's
     images are Qwen2-VL's)."""
-    from transformers import AutoModelForImageTextToText
-
     files = _pngs(tmp_path / "img")
     chats = _records(tmp_path / "data.jsonl", files, k)
     chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=k, image_size=(32, 32))
@@ -137,16 +152,7 @@ def test_a_step_on_the_readers_batches_equals_eager_adamw(tmp_path, processor, k
             assert torch.equal((batch["input_ids"][r, :n] == chat.image_token_id).long(), ref["mm_token_type_ids"])
     lengths = batches[0]["attention_mask"].sum(1)
     assert lengths[0] != lengths[1]  # the padding is masked, not just absent
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(tiny_config(kind))
-    ref = copy.deepcopy(model)
-    trainer = megatrain.compile(model, seq_len=96, micro_batch_size=1, micro_batches=2, optimizer=ADAMW,
-                                input_names=ds.input_names, image_grid_thw=[(1, 8, 8)] * k)
-    got = [trainer.step(b).loss for b in batches]
-    want = eager_losses(ref, [{**b, "mm_token_type_ids": (b["input_ids"] == chat.image_token_id).long()}
-                              for b in batches], 2)
-    for step, (a, b) in enumerate(zip(got, want)):
-        assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
+    _two_steps_equal_eager(kind, ds, chat, batches, [(1, 8, 8)] * k, eager_micro_batches=2)
 
 
 def test_data_parallel_ranks_take_their_rows_patches_and_grids(tmp_path, processor):
@@ -189,8 +195,6 @@ def test_native_sizes_give_each_image_its_own_grid_and_train_like_eager(tmp_path
     to 4x6 patches; a 32x16 one, 512 pixels, stays 4x8), records of 0 to 2 images; two steps of
     megatrain.compile(image_grid_thw=2 x native_grid) on such batches (rows of different patches
     and image counts, two micro-batches) equal eager AdamW on the whole batch (FP32, 1e-5)."""
-    from transformers import AutoModelForImageTextToText
-
     from megatrain.data.sft_qwen_vl import native_grid
 
     files = _pngs(tmp_path / "img")
@@ -233,17 +237,8 @@ def test_native_sizes_give_each_image_its_own_grid_and_train_like_eager(tmp_path
     assert chat.image_tokens(str(files[sizes[(32, 16)]])) == 4 * 8 // 4
     counts = [int((b["input_ids"] == chat.image_token_id).sum(1).gt(0).sum()) for b in batches]
     assert sum(counts) < 4  # a row without images among them
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(tiny_config(kind))
-    ref = copy.deepcopy(model)
-    trainer = megatrain.compile(model, seq_len=96, micro_batch_size=1, micro_batches=2, optimizer=ADAMW,
-                                input_names=ds.input_names, image_grid_thw=[native_grid(processor, 512)] * 2)
-    got = [trainer.step(b).loss for b in batches]
     # Eager on each whole batch at once (its rows' patches differ: no even cut into micro-batches).
-    want = eager_losses(ref, [{**b, "mm_token_type_ids": (b["input_ids"] == chat.image_token_id).long()}
-                              for b in batches], 1)
-    for step, (a, b) in enumerate(zip(got, want)):
-        assert abs(a - b) <= RTOL * abs(b), f"step {step}: megatrain {a} vs eager {b}"
+    _two_steps_equal_eager(kind, ds, chat, batches, [native_grid(processor, 512)] * 2, eager_micro_batches=1)
 
 
 def test_native_images_over_the_row_budget_are_refused_naming_them(tmp_path, processor):
