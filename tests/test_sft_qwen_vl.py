@@ -360,6 +360,12 @@ def test_image_size_is_qwen2_vls_and_planned_with_the_run(tmp_path):
     with pytest.raises(ConfigError, match=r"image_size 8x2000: the processor refuses images of that size.*"
                                           r"aspect ratio.*--image-size"):
         image_grid_thw(cfg.model_copy(update={"image_size": "8x2000"}), source)
+    # Native sizes: the run is traced for images_per_row images of the most patches N pixels give.
+    native = cfg.model_copy(update={"image_size": None, "image_max_pixels": 1024})
+    assert image_grid_thw(native, source) == ((1, 2, 32), (1, 2, 32))  # 1024 // 8**2 = 16 windows of 2x2
+    with pytest.raises(ConfigError, match=r"image_max_pixels=63: the processor makes every image at least one "
+                                          r"8x8-pixel merge window"):
+        image_grid_thw(native.model_copy(update={"image_max_pixels": 63}), source)
 
 
 def test_a_processor_of_another_patch_size_is_refused_before_training(tmp_path):
