@@ -173,6 +173,18 @@ def test_data_parallel_ranks_take_their_rows_patches_and_grids(tmp_path, process
         got = _Ranks(rank=rank, world=2).rows(batch)
         want = ds.rows([2 * rank, 2 * rank + 1])
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    # Native sizes (rows of 2, 0, 1 and 2 images of their own grids): cut by each row's own images.
+    native = ChatProcessor(processor, None, eos_token=EOT, images_per_example=2, max_pixels=512)
+    _native_records(tmp_path / "native.jsonl", files)
+    store = build_sft_store(resolve_sft_data(str(tmp_path / "native.jsonl")), native, tmp_path / "native-store",
+                            seq_len=96, progress=False)
+    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=native)
+    batch = ds.rows([0, 1, 2, 3])
+    assert len({int(batch["pixel_values"].shape[0]) // 2, int(ds.rows([0, 1])["pixel_values"].shape[0])}) == 2
+    for rank in range(2):
+        got = _Ranks(rank=rank, world=2).rows(batch, tiny_config("qwen2_vl"))
+        want = ds.rows([2 * rank, 2 * rank + 1])
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     llava = {"input_ids": torch.arange(4)[:, None].expand(4, 8), "pixel_values": torch.arange(8.0)[:, None]}
     assert torch.equal(_Ranks(rank=1, world=2).rows(llava)["pixel_values"], torch.tensor([[4.0], [5.0], [6.0], [7.0]]))
 

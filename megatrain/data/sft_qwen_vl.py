@@ -26,7 +26,8 @@ What differs from LLaVA's data path (:mod:`megatrain.data.sft_images`, which rea
   traced for ``images_per_row`` images of :func:`native_grid`'s patches a row, the most an image
   under ``max_pixels`` gets; a record whose images' patches exceed that budget (an extreme aspect
   ratio, which ``smart_resize`` keeps at least one merge window wide) is refused when the store is
-  built. Rows then differ in patches: one process only (data parallel cuts rows evenly).
+  built. Rows then differ in patches: the data-parallel split cuts a batch by each row's own
+  images (:func:`megatrain.planner.trace.qwen_vl.batch_rows`).
 - **The batch layout** is the processor's: ``pixel_values`` ``[patches, C*T*P*P]`` with each row's
   images' patches one contiguous block (``t * h * w`` patches an image), ``image_grid_thw``
   ``[images, 3]``; the rows' concatenated in order, which the trainer and the data-parallel split

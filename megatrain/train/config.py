@@ -120,8 +120,8 @@ class TrainConfig(pydantic.BaseModel):
                                                      "smart_resize given this many pixels at most (LLaMA-Factory's "
                                                      "image_max_pixels; e.g. 589824 = 768x768), and 0 to "
                                                      "images_per_row images a record; the run is traced for "
-                                                     "images_per_row images of that many pixels a row. One process "
-                                                     "(not under torchrun). Default: off (image_size)")
+                                                     "images_per_row images of that many pixels a row. Default: "
+                                                     "off (image_size)")
     dpo_beta: float = Field(0.1, gt=0, description="dpo: the temperature beta of the DPO loss (TRL's beta)")
     dpo_loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="dpo: sigmoid (DPO, Rafailov et al. "
                                                                             "2023) or ipo (Azar et al. 2023), as "

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -204,10 +203,6 @@ def _prepare_sft(cfg: TrainConfig, source: ModelSource, echo, path: Path):
 
         grid = family(source.config).takes_grid
         native = grid and cfg.image_max_pixels is not None
-        if native and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(f"image_max_pixels={cfg.image_max_pixels}: rows of images at their own sizes differ in "
-                              "patches, and the data-parallel split cuts a batch's rows evenly: run on one process, "
-                              "or give --image-size (one size for every image) under torchrun")
         size = run_image_size(processor, cfg.image_size) if grid and not native else None
         chat = ChatProcessor(processor, template, eos_token=eot, bos_token=bos_token(tokenizer, eot),
                              loss=cfg.sft_loss, images_per_example=cfg.images_per_row, image_size=size,

@@ -449,15 +449,21 @@ class _Ranks:
         Heartbeat.start(interval=min(10.0, cfg.collective_timeout / 10))
         return cls(dist.get_rank(), dist.get_world_size(), local_rank, owns)
 
-    def rows(self, batch: dict) -> dict:
+    def rows(self, batch: dict, config: Any = None) -> dict:
         """This rank's rows of a global batch: the ``rank``-th of ``world`` equal slices of
         ``input_ids``' rows, and of every input the same share: an input of ``m`` entries a row
-        (LLaVA's ``images_per_row`` image slots; Qwen2-VL's patches and grids, each row's a
-        contiguous block of ``pixel_values`` and ``image_grid_thw``) is cut at ``m`` times the row."""
+        (LLaVA's ``images_per_row`` image slots; Qwen2-VL's patches and grids of one size, each
+        row's a contiguous block of ``pixel_values`` and ``image_grid_thw``) is cut at ``m`` times
+        the row. With ``config`` (the model's), a Qwen2-VL batch is cut by its rows' own images
+        and patches instead (rows of any grids: :func:`megatrain.planner.trace.qwen_vl.batch_rows`)."""
         if self.world == 1:
             return batch
         total = batch["input_ids"].shape[0]
         n = total // self.world
+        if config is not None and "image_grid_thw" in batch:
+            from megatrain.planner.trace.qwen_vl import batch_rows
+
+            return batch_rows(config, batch, self.rank * n, (self.rank + 1) * n)
         out = {}
         for k, t in batch.items():
             m = t.shape[0] // total  # every row holds as many: the run traces one layout a row
@@ -735,7 +741,7 @@ class Run:
             self.bar.update(1)
             return True
         self.trainer.set_lr(lr)
-        res = self.trainer.step(self.ranks.rows(batch))
+        res = self.trainer.step(self.ranks.rows(batch, getattr(self.trainer.model, "config", None)))
         self.loss = res.loss
         self.row = row = step_row(step, res, lr, self.rates, applied=bool(res.applied), ranks=self.ranks.world,
                                   trimmed=getattr(self.dataset, "num_trimmed", None),

@@ -431,6 +431,26 @@ def _row_images(config: Any, ids: torch.Tensor, grids: torch.Tensor) -> list[int
     return counts
 
 
+def batch_rows(config: Any, batch: Mapping[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    """Rows ``start:stop`` of a batch as the processor lays it out: every input of one entry a row
+    cut by rows, ``image_grid_thw`` by the rows' images and ``pixel_values`` by their patches (rows
+    of any grids and image counts: each row's are its image tokens'). ``config``: the model's.
+
+    Raises:
+        BatchError: what :func:`prepare_batch` raises for ``image_grid_thw`` that does not fit the
+            rows' image tokens.
+    """
+    ids = batch["input_ids"]
+    grids = _checked_grids(batch[GRID_INPUT], config)
+    counts = _row_images(config, ids, grids)
+    first, last = sum(counts[:start]), sum(counts[:stop])
+    patches = grids.prod(-1).tolist()
+    out = {k: t[start:stop] for k, t in batch.items() if k not in (GRID_INPUT, "pixel_values")}
+    out[GRID_INPUT] = batch[GRID_INPUT][first:last]
+    out["pixel_values"] = batch["pixel_values"][sum(patches[:first]):sum(patches[:last])]
+    return out
+
+
 def prepare_batch(model: nn.Module, fam: PatchGridFamily, batch: Mapping[str, torch.Tensor], names: Sequence[str],
                   grid: Sequence[Sequence[int]], micro_batch_size: int) -> dict[str, torch.Tensor]:
     """A batch as the processor returns it, checked and turned into the traced inputs ``names``
@@ -503,6 +523,6 @@ def prepare_batch(model: nn.Module, fam: PatchGridFamily, batch: Mapping[str, to
     return {n: out[n] for n in names}
 
 
-__all__ = ["DEFAULT_IMAGE_PIXELS", "GRID_INPUT", "PatchGridFamily", "ROPE_INPUT", "TOKEN_TYPES", "image_tokens",
+__all__ = ["DEFAULT_IMAGE_PIXELS", "GRID_INPUT", "PatchGridFamily", "ROPE_INPUT", "TOKEN_TYPES", "batch_rows", "image_tokens",
            "input_shapes", "patch_budget", "patch_features", "prepare_batch", "row_grid", "row_grids", "trace_call",
            "traced_names", "varlen_attention", "vision_inputs", "VISION_INPUTS", "WINDOW_INPUTS"]
