@@ -195,8 +195,9 @@ def save_checkpoint(trainer, path: str | os.PathLike, *, dtype: Literal["float32
 
     Raises:
         CheckpointError: ``dtype`` or ``max_shard_bytes`` out of range, ``extra_state`` not
-            JSON-serialisable, an ``extra_tensors`` value that is not a CPU tensor, or ``path`` an existing file or a non-empty directory that is not a
-            megatrain checkpoint (it is never overwritten).
+            JSON-serialisable, an ``extra_tensors`` value that is not a CPU tensor, or ``path`` an
+            existing file or a non-empty directory that is not a megatrain checkpoint (it is never
+            overwritten).
         CheckpointError: also when the file system refused a write (a full disk: ``OSError`` or
             safetensors' ``SafetensorError`` is the cause), or a parameter holds NaN or infinite
             values (naming it); ``path`` is then left as it was.

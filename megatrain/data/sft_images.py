@@ -203,8 +203,8 @@ class ChatProcessor(ChatTokenizer):
             budget = self.images_per_example * h * w // merge ** 2 if self.images_per_example else None
             if budget is not None and sum(counts) > budget:
                 raise RecordError(f"the example's images fill {sum(counts)} image tokens ({counts} for "
-                                  f"{list(images)}), more than the {budget} of {self.images_per_example} image(s) of at most "
-                                  f"{self.max_pixels:,} pixels a row is traced for (an image of an extreme aspect "
+                                  f"{list(images)}), more than the {budget} of {self.images_per_example} image(s) "
+                                  f"of at most {self.max_pixels:,} pixels a row is traced for (an image of an extreme aspect "
                                   "ratio keeps one merge window on its short side): crop or resize those images, or "
                                   "raise --images-per-row or --image-max-pixels")
         pieces_ids, pieces_tgt, prev = [], [], 0

@@ -523,6 +523,6 @@ def prepare_batch(model: nn.Module, fam: PatchGridFamily, batch: Mapping[str, to
     return {n: out[n] for n in names}
 
 
-__all__ = ["DEFAULT_IMAGE_PIXELS", "GRID_INPUT", "PatchGridFamily", "ROPE_INPUT", "TOKEN_TYPES", "batch_rows", "image_tokens",
-           "input_shapes", "patch_budget", "patch_features", "prepare_batch", "row_grid", "row_grids", "trace_call",
-           "traced_names", "varlen_attention", "vision_inputs", "VISION_INPUTS", "WINDOW_INPUTS"]
+__all__ = ["DEFAULT_IMAGE_PIXELS", "GRID_INPUT", "PatchGridFamily", "ROPE_INPUT", "TOKEN_TYPES", "batch_rows",
+           "image_tokens", "input_shapes", "patch_budget", "patch_features", "prepare_batch", "row_grid", "row_grids",
+           "trace_call", "traced_names", "varlen_attention", "vision_inputs", "VISION_INPUTS", "WINDOW_INPUTS"]
