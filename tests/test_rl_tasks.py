@@ -339,7 +339,7 @@ def _tiny_grpo(tmp_path):
 
     cfg = _cfg(tmp_path, task="grpo", data=str(DATA / "rl" / "arithmetic.jsonl"), seq_len=12, max_new_tokens=3,
                global_batch=8, micro_batch_size=8, group_size=4, max_steps=1)
-    tokenizer, eot, prompts, _ = rl_tasks.prepare_prompts(cfg, resolve_model(cfg.model), lambda _l: None)
+    tokenizer, eot, prompts, _, _ = rl_tasks.prepare_prompts(cfg, resolve_model(cfg.model), lambda _l: None)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -437,7 +437,7 @@ def test_the_bundled_grpo_task_has_one_token_answers(tmp_path):
     from megatrain.train.model import resolve_model
 
     cfg = load_train_config(ROOT / "examples" / "grpo_arithmetic.yaml", {"output_dir": str(tmp_path / "run")})
-    tokenizer, eot, prompts, _ = rl_tasks.prepare_prompts(cfg, resolve_model(cfg.model), lambda _l: None)
+    tokenizer, eot, prompts, _, _ = rl_tasks.prepare_prompts(cfg, resolve_model(cfg.model), lambda _l: None)
     assert len(prompts.ids) == 55 and prompts.dropped == 0 and eot == "<|endoftext|>"
     answers = prompts.columns["answer"]
     assert all(len(tokenizer.encode(a).ids) == 1 for a in answers)
@@ -453,7 +453,7 @@ def test_dpo_rows_share_the_prompt_and_supervise_only_the_responses(tmp_path):
 
     cfg = _cfg(tmp_path, task="dpo", data=str(DATA / "preference" / "trl_conversational_demo.jsonl"), seq_len=64,
                global_batch=8, micro_batch_size=4, max_steps=1)
-    tokenizer, eot, pairs, template = rl_tasks.prepare_pairs(cfg, resolve_model(cfg.model), lambda _l: None)
+    tokenizer, eot, pairs, template, _ = rl_tasks.prepare_pairs(cfg, resolve_model(cfg.model), lambda _l: None)
     assert pairs.num_pairs == 48 and pairs.dropped == 0 and pairs.input_ids.shape == (96, 64)
     chat = D.ChatTokenizer(tokenizer, template, eos_token=eot, loss="last")
     chosen, rejected = _first_pair(str(DATA / "preference" / "trl_conversational_demo.jsonl"))
@@ -614,3 +614,71 @@ def test_resuming_an_rl_run_with_other_position_settings_is_refused(tmp_path):
                                           f"weights instead, give --init-from {re.escape(str(ckpt))}"):
         train(_cfg(tmp_path, **{**_DPO, "model": str(ckpt), "output_dir": str(tmp_path / "other")}))
     assert train(_cfg(tmp_path, **kw)).step == 2  # the same settings go on
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (val_data)
+# ---------------------------------------------------------------------------------------------
+
+def _training_fields(rows):
+    return [{k: v for k, v in r.items() if k not in _TIMING and not k.startswith("val_")} for r in rows]
+
+
+def test_dpo_validation_is_trls_eval_on_the_weights_and_leaves_training_alone(tmp_path):
+    """val_data (here 6 pairs of the training data) is evaluated at every eval_interval and the last
+    step: the rows there carry val_loss and TRL's eval rewards, the others none; the training rows
+    are those of the run without val_data; the last val_loss and accuracy are DPO's on the saved
+    model's eager log-probabilities of the validation pairs against the saved reference's."""
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.checkpoint import load_extra_tensors
+    from megatrain.train.model import resolve_model
+
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(Path(_DPO["data"]).read_text().splitlines(keepends=True)[:6]))
+    kw = dict(_DPO, max_steps=4, eval_interval=2)
+    plain = train(_cfg(tmp_path / "plain", **kw))
+    res = train(_cfg(tmp_path, val_data=str(val), **kw))
+    rows = _rows(tmp_path)
+    assert plain.val_loss is None and res.val_loss == rows[-1]["val_loss"]
+    assert _training_fields(rows) == _training_fields(_rows(tmp_path / "plain"))
+    assert [r["step"] for r in rows if r.get("val_loss") is not None] == [2, 4]
+    assert all(f"val_{k}" in rows[3] and f"val_{k}" not in rows[2] for k in rl_tasks.DPO_FIELDS)
+    cfg = _cfg(tmp_path, val_data=str(val), **kw)
+    *_, pairs = rl_tasks.prepare_pairs(cfg, resolve_model(cfg.model), lambda _l: None)
+    assert pairs.num_pairs == 6
+    ckpt = tmp_path / "run" / "checkpoint"
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    batch = {"input_ids": pairs.input_ids, "labels": pairs.labels}
+    lp, mask = _eager_logps(model, batch), target_mask(pairs.labels)
+    ref = load_extra_tensors(ckpt)["reference_logprobs_val"]
+    loss = DPOLoss(cfg.dpo_beta)
+    want = float(loss(lp, mask, {"ref_logprobs": ref}, {"pairs": 6}))
+    assert rows[-1]["val_loss"] == pytest.approx(want, abs=1e-5)
+    assert rows[-1]["val_rewards_accuracy"] == rl_tasks.dpo_metrics(loss, lp, mask, ref)["rewards_accuracy"]
+    assert rows[-1]["val_loss"] < math.log(2)  # it trained on these pairs
+
+
+def test_grpo_validation_rewards_its_prompts_and_leaves_training_alone(tmp_path):
+    """GRPO's val_data: val_reward_mean and val_reward_std of group_size responses to each of its
+    prompts at the eval steps, the training rows (rollouts, rewards, losses) those of the run
+    without val_data (the validation's sampling leaves the training RNG alone); a val_data with no
+    prompt that fits is refused naming it, and val_data for task lm is refused."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(Path(_GRPO["data"]).read_text().splitlines(keepends=True)[-5:]))
+    kw = dict(_GRPO, max_steps=4, eval_interval=3)
+    train(_cfg(tmp_path / "plain", **kw))
+    lines = []
+    train(_cfg(tmp_path, val_data=str(val), **kw), echo=lines.append)
+    rows = _rows(tmp_path)
+    assert _training_fields(rows) == _training_fields(_rows(tmp_path / "plain"))
+    assert [r["step"] for r in rows if "val_reward_mean" in r] == [3, 4]
+    assert all(0 <= r["val_reward_mean"] <= 1 and r["val_reward_std"] >= 0 for r in rows if "val_reward_mean" in r)
+    assert any("validation: 5 prompts of" in line for line in lines)
+    assert any(line.startswith("step 3:") and "validation reward" in line for line in lines)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"}) + "\n")
+    with pytest.raises(ConfigError, match=r"val_data .*long.jsonl.*none of its 1 prompts fits"):
+        train(_cfg(tmp_path / "other", val_data=str(long), **kw))
+    with pytest.raises(ConfigError, match="val_data is for task dpo and grpo"):
+        _cfg(tmp_path, task="lm", val_data=str(val), max_steps=1)

@@ -77,6 +77,13 @@ class TrainConfig(pydantic.BaseModel):
                                                "file, up to images_per_row images per example, read with Pillow by "
                                                "the processor (AutoProcessor) of the model directory or of "
                                                "tokenizer; such examples are not packed")
+    val_data: str | None = Field(None, description="dpo and grpo: held-out data of the same kind as data "
+                                                   "(preference pairs; prompts with the reward's columns), "
+                                                   "evaluated every eval_interval steps and at the end: DPO's loss, "
+                                                   "reward accuracy and margin over all its pairs (TRL's eval_loss, "
+                                                   "eval_rewards/*), GRPO's mean reward of group_size responses to "
+                                                   "each of its prompts (val_reward_mean); null: no validation. lm "
+                                                   "and sft hold out val_fraction of data instead")
     sft_format: SftFormatName = Field(
         "auto", description="sft: the record format of data files (auto: detected from each file's first "
                             "record; a dataset_info.json names each dataset's)")
@@ -334,6 +341,9 @@ class TrainConfig(pydantic.BaseModel):
                              f"{self.image_max_pixels} keeps each image's own: give one of them")
         if self.task in ("dpo", "grpo"):
             _check_rl(self)
+        elif self.val_data is not None:
+            raise ValueError(f"val_data is for task dpo and grpo; task {self.task} holds out val_fraction of data for "
+                             "validation: drop val_data (or set val_fraction)")
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}; lower "
                              "warmup_steps")
@@ -518,18 +528,20 @@ def load_train_config(path: str | os.PathLike | None = None, overrides: dict[str
         raise ConfigError(f"invalid train config ({where}): {describe_validation(e, missing_hint=_flag_hint)}") from None
 
 
-_PATH_FIELDS = ("model", "init_from", "data", "tokenizer", "hardware", "output_dir", "data_cache", "chat_template")
+_PATH_FIELDS = ("model", "init_from", "data", "val_data", "tokenizer", "hardware", "output_dir", "data_cache",
+                "chat_template")
 
 
 def _relative_to(base: Path, loaded: dict) -> dict:
     out = dict(loaded)
     for k in _PATH_FIELDS:
         v = out.get(k)
-        if k == "data" and isinstance(v, str) and v and not (base / v).exists():
+        if k in ("data", "val_data") and isinstance(v, str) and v and not (base / v).exists():
             out[k] = _relative_data(base, v)
         elif isinstance(v, str) and v and not Path(v).is_absolute():
             p = base / v
-            if k in ("init_from", "data", "tokenizer", "output_dir", "data_cache", "chat_template") or p.exists():
+            if k in ("init_from", "data", "val_data", "tokenizer", "output_dir", "data_cache", "chat_template") \
+                    or p.exists():
                 out[k] = str(p)
     return out
 

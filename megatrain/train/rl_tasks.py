@@ -34,8 +34,11 @@ the seeded order, the reference and a pending batch of rollouts beside the train
 (:class:`RlRun`), so the resumed run takes the uninterrupted run's steps; :data:`RESUME_SETTINGS`
 must be the checkpoint's.
 
-Not here yet: validation, data parallel under torchrun, the non-finite step guard's skip and
-rollback (a step that is not applied stops the run).
+``val_data`` is evaluated every ``eval_interval`` steps and at the end (:meth:`RlRun.evaluate`:
+DPO's loss and rewards on its pairs, GRPO's mean reward on its prompts), into that step's row.
+
+Not here yet: data parallel under torchrun, the non-finite step guard's skip and rollback (a step
+that is not applied stops the run).
 """
 
 from __future__ import annotations
@@ -132,31 +135,31 @@ def _example_text(example) -> str:
     return example.prompt + example.completion
 
 
-def prepare_pairs(cfg: "TrainConfig", source, echo: Callable[[str], None]):
-    """``(tokenizer, eot, Pairs, chat template)`` of ``cfg.data`` for ``task: dpo``.
+def _read_pairs(data: str, what: str):
+    """``(sources, [(chosen, rejected, where), ...])`` of the preference data ``data``.
 
     Raises:
-        ConfigError: no data; unreadable data or a record that is no preference pair (naming the
-            file and record: a missing or empty chosen or rejected response); fewer pairs that fit
-            ``seq_len`` than one step takes.
+        ConfigError: unreadable data or a record that is no preference pair (``what``: the setting).
+    """
+    from megatrain.data.preference import iter_pairs, resolve_preference_data
+
+    try:
+        sources = resolve_preference_data(data)
+        return sources, [(c, r, where) for s in sources for c, r, where in iter_pairs(s)]
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
+def _encode_pairs(cfg: "TrainConfig", raw, chat, pad: int, what: str) -> Pairs:
+    """The pairs of ``raw`` tokenised by ``chat`` into rows of ``seq_len`` (:class:`Pairs`).
+
+    Raises:
+        ConfigError: a record that is no preference pair (``what``: the setting, and the record).
     """
     import torch
 
-    from megatrain.data.preference import iter_pairs, resolve_preference_data
     from megatrain.data.sft_formats import RecordError
 
-    if cfg.data is None:
-        raise ConfigError("task dpo needs data (--data): TRL prompt/chosen/rejected records, or a directory whose "
-                          "dataset_info.json has LLaMA-Factory ranking entries")
-    t0 = time.perf_counter()
-    try:
-        sources = resolve_preference_data(cfg.data)
-        raw = [(c, r, where) for s in sources for c, r, where in iter_pairs(s)]
-    except (OSError, ValueError, ImportError) as e:
-        raise ConfigError(f"data: {e}") from None
-    tokenizer, origin, eot, chat, template, template_origin = _run_tokenizer(
-        cfg, source, lambda: [_example_text(e) for c, r, _ in raw for e in (c, r)])
-    pad = tokenizer.token_to_id(eot)
     ids, labels = [], []
     trimmed = dropped = 0
     for c, r, where in raw:
@@ -164,7 +167,7 @@ def prepare_pairs(cfg: "TrainConfig", source, echo: Callable[[str], None]):
             (ec, tc), (er, tr) = chat.fit(c, cfg.seq_len, cfg.sft_truncation), chat.fit(r, cfg.seq_len,
                                                                                        cfg.sft_truncation)
         except RecordError as e:
-            raise ConfigError(f"data: {where()}: {e}") from None
+            raise ConfigError(f"{what}: {where()}: {e}") from None
         if ec is None or er is None:
             dropped += 1
             continue
@@ -173,18 +176,48 @@ def prepare_pairs(cfg: "TrainConfig", source, echo: Callable[[str], None]):
             row, lab = _row(enc.ids, enc.targets, cfg.seq_len, pad)
             ids.append(row)
             labels.append(lab)
-    pairs = Pairs(torch.stack(ids) if ids else torch.empty(0, cfg.seq_len, dtype=torch.long),
-                  torch.stack(labels) if labels else torch.empty(0, cfg.seq_len, dtype=torch.long), trimmed, dropped)
+    return Pairs(torch.stack(ids) if ids else torch.empty(0, cfg.seq_len, dtype=torch.long),
+                 torch.stack(labels) if labels else torch.empty(0, cfg.seq_len, dtype=torch.long), trimmed, dropped)
+
+
+def prepare_pairs(cfg: "TrainConfig", source, echo: Callable[[str], None]):
+    """``(tokenizer, eot, Pairs, chat template, validation Pairs)`` of ``cfg.data`` and
+    ``cfg.val_data`` (None without) for ``task: dpo``; the tokenizer (when trained) is trained on
+    ``data`` alone.
+
+    Raises:
+        ConfigError: no data; unreadable data or a record that is no preference pair (naming the
+            setting, file and record: a missing or empty chosen or rejected response); fewer pairs
+            that fit ``seq_len`` than one step takes; ``val_data`` with no pair that fits.
+    """
+    if cfg.data is None:
+        raise ConfigError("task dpo needs data (--data): TRL prompt/chosen/rejected records, or a directory whose "
+                          "dataset_info.json has LLaMA-Factory ranking entries")
+    t0 = time.perf_counter()
+    sources, raw = _read_pairs(cfg.data, "data")
+    val_raw = _read_pairs(cfg.val_data, "val_data")[1] if cfg.val_data is not None else None
+    tokenizer, origin, eot, chat, template, template_origin = _run_tokenizer(
+        cfg, source, lambda: [_example_text(e) for c, r, _ in raw for e in (c, r)])
+    pad = tokenizer.token_to_id(eot)
+    pairs = _encode_pairs(cfg, raw, chat, pad, "data")
     if pairs.num_pairs < cfg.global_batch // 2:
-        raise ConfigError(f"data: {pairs.num_pairs} preference pairs fit seq_len={cfg.seq_len} ({dropped} dropped), "
-                          f"fewer than one step's {cfg.global_batch // 2} (global_batch {cfg.global_batch} rows, 2 a "
-                          "pair); lower global_batch or raise seq_len")
-    echo(f"data: {len(raw):,} preference pairs from {', '.join(s.name for s in sources)}; {trimmed:,} trimmed to "
-         f"seq_len (oldest context cut, responses kept), {dropped:,} dropped; {pairs.num_pairs:,} pairs in "
-         f"{2 * pairs.num_pairs:,} rows of {cfg.seq_len}; chat template: {template_origin}, {chat.describe()}; "
+        raise ConfigError(f"data: {pairs.num_pairs} preference pairs fit seq_len={cfg.seq_len} ({pairs.dropped} "
+                          f"dropped), fewer than one step's {cfg.global_batch // 2} (global_batch {cfg.global_batch} "
+                          "rows, 2 a pair); lower global_batch or raise seq_len")
+    val = None
+    if val_raw is not None:
+        val = _encode_pairs(cfg, val_raw, chat, pad, "val_data")
+        if not val.num_pairs:
+            raise ConfigError(f"val_data {cfg.val_data!r}: none of its {len(val_raw)} preference pairs fits "
+                              f"seq_len={cfg.seq_len}; raise seq_len or give other val_data")
+    held = "" if val is None else (f"; validation: {val.num_pairs:,} pairs of {cfg.val_data} ({val.dropped:,} "
+                                   "dropped)")
+    echo(f"data: {len(raw):,} preference pairs from {', '.join(s.name for s in sources)}; {pairs.trimmed:,} trimmed "
+         f"to seq_len (oldest context cut, responses kept), {pairs.dropped:,} dropped; {pairs.num_pairs:,} pairs in "
+         f"{2 * pairs.num_pairs:,} rows of {cfg.seq_len}{held}; chat template: {template_origin}, {chat.describe()}; "
          f"tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} "
          f"({time.perf_counter() - t0:.1f} s)")
-    return tokenizer, eot, pairs, template
+    return tokenizer, eot, pairs, template, val
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,41 +242,40 @@ def encode_prompt(chat, prompt) -> list[int]:
     return chat.hf(text, add_special_tokens=False)["input_ids"]
 
 
-def prepare_prompts(cfg: "TrainConfig", source, echo: Callable[[str], None]):
-    """``(tokenizer, eot, Prompts, chat template)`` of ``cfg.data`` for ``task: grpo``: records with a
-    ``prompt`` field (a string, or a list of messages), read through ``datasets``.
+def _read_prompts(data: str, what: str) -> list[dict]:
+    """The records of ``data``, each with a non-empty ``prompt`` (a string, or a message list;
+    one given as a JSON string is parsed).
 
     Raises:
-        ConfigError: no data; unreadable data; a record without a prompt (naming it); no prompt
-            that leaves room for ``max_new_tokens`` in ``seq_len``, or fewer prompts than one step takes.
+        ConfigError: unreadable data, a record without a prompt (naming it), or none at all
+            (``what``: the setting).
     """
     import json
 
     from megatrain.data.sft_sources import iter_rows, record_where, resolve_sft_data
 
-    if cfg.data is None:
-        raise ConfigError("task grpo needs data (--data): records with a 'prompt' field (e.g. "
-                          "examples/data/rl/arithmetic.jsonl)")
-    t0 = time.perf_counter()
     records = []
     try:
-        for s in resolve_sft_data(cfg.data):
+        for s in resolve_sft_data(data):
             for path, i, row in iter_rows(s):
                 prompt = row.get("prompt")
                 if isinstance(prompt, str) and prompt[:1] == "[":
                     prompt = json.loads(prompt)
                 if not (isinstance(prompt, str) and prompt or isinstance(prompt, list) and prompt):
-                    raise ConfigError(f"data: {record_where(path, i)}: field 'prompt' must be a non-empty string or a list "
-                                      f"of messages (TRL's prompt-only format), got {prompt!r}")
+                    raise ConfigError(f"{what}: {record_where(path, i)}: field 'prompt' must be a non-empty string or "
+                                      f"a list of messages (TRL's prompt-only format), got {prompt!r}")
                 records.append(row)
     except (OSError, ValueError, ImportError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"data: {e}") from None
+        raise ConfigError(f"{what}: {e}") from None
     if not records:
-        raise ConfigError(f"data {cfg.data!r} holds no prompts")
-    tokenizer, origin, eot, chat, template, template_origin = _run_tokenizer(
-        cfg, source, lambda: [json.dumps(r, default=str) for r in records])
+        raise ConfigError(f"{what} {data!r} holds no prompts")
+    return records
+
+
+def _encode_prompts(cfg: "TrainConfig", records: list[dict], chat) -> Prompts:
+    """The prompts of ``records`` that leave room for ``max_new_tokens`` in ``seq_len``, tokenised."""
     room = cfg.seq_len - cfg.max_new_tokens
     keep = []
     for r in records:
@@ -251,18 +283,51 @@ def prepare_prompts(cfg: "TrainConfig", source, echo: Callable[[str], None]):
         if 0 < len(ids) <= room:
             keep.append((ids, r))
     names = [k for k in records[0] if k != "prompt"]
-    prompts = Prompts([ids for ids, _ in keep], [r["prompt"] for _, r in keep],
-                      {k: [r.get(k) for _, r in keep] for k in names}, len(records) - len(keep))
+    return Prompts([ids for ids, _ in keep], [r["prompt"] for _, r in keep],
+                   {k: [r.get(k) for _, r in keep] for k in names}, len(records) - len(keep))
+
+
+def prepare_prompts(cfg: "TrainConfig", source, echo: Callable[[str], None]):
+    """``(tokenizer, eot, Prompts, chat template, validation Prompts)`` of ``cfg.data`` and
+    ``cfg.val_data`` (None without) for ``task: grpo``: records with a ``prompt`` field (a string,
+    or a list of messages), read through ``datasets``; the tokenizer (when trained) is trained on
+    ``data`` alone.
+
+    Raises:
+        ConfigError: no data; unreadable data; a record without a prompt (naming the setting and
+            record); no prompt that leaves room for ``max_new_tokens`` in ``seq_len``, or fewer
+            prompts than one step takes; ``val_data`` with no prompt that fits.
+    """
+    import json
+
+    if cfg.data is None:
+        raise ConfigError("task grpo needs data (--data): records with a 'prompt' field (e.g. "
+                          "examples/data/rl/arithmetic.jsonl)")
+    t0 = time.perf_counter()
+    records = _read_prompts(cfg.data, "data")
+    val_records = _read_prompts(cfg.val_data, "val_data") if cfg.val_data is not None else None
+    tokenizer, origin, eot, chat, template, template_origin = _run_tokenizer(
+        cfg, source, lambda: [json.dumps(r, default=str) for r in records])
+    room = cfg.seq_len - cfg.max_new_tokens
+    prompts = _encode_prompts(cfg, records, chat)
     per_step = cfg.global_batch // cfg.group_size
-    if len(keep) < per_step:
-        raise ConfigError(f"data: {len(keep)} prompts fit seq_len={cfg.seq_len} - max_new_tokens={cfg.max_new_tokens} "
-                          f"tokens ({prompts.dropped} longer), fewer than one step's {per_step}; raise seq_len or "
-                          "lower global_batch")
+    if len(prompts.ids) < per_step:
+        raise ConfigError(f"data: {len(prompts.ids)} prompts fit seq_len={cfg.seq_len} - max_new_tokens="
+                          f"{cfg.max_new_tokens} tokens ({prompts.dropped} longer), fewer than one step's {per_step}; "
+                          "raise seq_len or lower global_batch")
+    val = None
+    if val_records is not None:
+        val = _encode_prompts(cfg, val_records, chat)
+        if not val.ids:
+            raise ConfigError(f"val_data {cfg.val_data!r}: none of its {len(val_records)} prompts fits seq_len="
+                              f"{cfg.seq_len} - max_new_tokens={cfg.max_new_tokens} tokens; raise seq_len or give "
+                              "other val_data")
+    held = "" if val is None else f"; validation: {len(val.ids):,} prompts of {cfg.val_data} ({val.dropped:,} longer)"
     echo(f"data: {len(records):,} prompts, {prompts.dropped:,} left out (longer than seq_len - max_new_tokens = {room} "
-         f"tokens); columns for the reward: {names or 'none'}; chat template (message prompts): {template_origin}; "
-         f"tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} "
+         f"tokens){held}; columns for the reward: {list(prompts.columns) or 'none'}; chat template (message prompts): "
+         f"{template_origin}; tokenizer: {origin}, vocab {tokenizer.get_vocab_size():,}, end-of-text {eot!r} "
          f"({time.perf_counter() - t0:.1f} s)")
-    return tokenizer, eot, prompts, template
+    return tokenizer, eot, prompts, template, val
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +495,7 @@ def grpo_batch(rollout: Rollout, tokenizer, prompts: Prompts, chosen: Sequence[i
 
 def save_rl_plot(rows: list[dict], path, *, title: str, task: str) -> None:
     """``loss.png`` of an RL run: the loss per step, and beside it GRPO's mean reward or DPO's
-    reward accuracy and margin.
+    reward accuracy and margin; the validation's (``val_data``) as points where evaluated.
 
     Raises:
         ImportError: matplotlib is not installed (the ``plot`` extra).
@@ -446,6 +511,11 @@ def save_rl_plot(rows: list[dict], path, *, title: str, task: str) -> None:
     series = ("reward_mean",) if task == "grpo" else ("rewards_accuracy", "rewards_margin")
     for name in series:
         b.plot(steps, [r.get(name) for r in rows], linewidth=1, label=name)
+    # The evaluations (val_data), as points at their steps.
+    for ax, name in ((a, "val_loss"), (b, "val_reward_mean"), (b, "val_rewards_accuracy")):
+        at = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        if at:
+            ax.plot(*zip(*at), marker="o", linewidth=1, label=name)
     b.set_xlabel("step")
     for ax in (a, b):
         ax.grid(alpha=0.3)
@@ -539,19 +609,22 @@ def check_rl_resume(state: dict | None, cfg: "TrainConfig", where: Path) -> None
                               f"({why[key]}); resuming needs the checkpoint's; {new_run}")
 
 
-def data_fingerprint(data: "Pairs | Prompts") -> str:
-    """sha256 of what a run trains on, in order: the pairs' token and label rows, or the prompts'
-    tokens, prompts and reward columns (what a resume checks it was given again)."""
+def data_fingerprint(data: "Pairs | Prompts", val: "Pairs | Prompts | None" = None) -> str:
+    """sha256 of what a run trains and validates on, in order: the pairs' token and label rows, or
+    the prompts' tokens, prompts and reward columns, of ``data`` then ``val`` (what a resume checks
+    it was given again)."""
     import hashlib
     import json
 
     h = hashlib.sha256()
-    if isinstance(data, Pairs):
-        for t in (data.input_ids, data.labels):
-            h.update(str(tuple(t.shape)).encode())
-            h.update(t.contiguous().numpy().tobytes())
-    else:
-        h.update(json.dumps([data.ids, data.prompts, data.columns], default=str, sort_keys=True).encode())
+    for part in (data, val):
+        if isinstance(part, Pairs):
+            for t in (part.input_ids, part.labels):
+                h.update(str(tuple(t.shape)).encode())
+                h.update(t.contiguous().numpy().tobytes())
+        elif part is not None:
+            h.update(json.dumps([part.ids, part.prompts, part.columns], default=str, sort_keys=True).encode())
+        h.update(b"|")
     return h.hexdigest()
 
 
@@ -599,8 +672,8 @@ class RlRun:
         # The data first (small: pairs and prompts are read into memory), so that a bad record is
         # reported before the model is built.
         prepare = prepare_pairs if cfg.task == "dpo" else prepare_prompts
-        self.tokenizer, eot, self.data, template = prepare(cfg, source, echo)
-        self.fingerprint = data_fingerprint(self.data)
+        self.tokenizer, eot, self.data, template, self.val = prepare(cfg, source, echo)
+        self.fingerprint = data_fingerprint(self.data, self.val)
         planned = loop._plan(cfg, source, hw, echo)
         cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
         self.trainer, self.start, _, state = loop._materialize_and_load(cfg, planned, source, self.fingerprint, echo)
@@ -638,6 +711,7 @@ class RlRun:
             self.generator.set_state(saved["order_generator"])
             self.order = saved["order"]
         self.ref_all = saved.get("reference_logprobs")
+        self.ref_val = saved.get("reference_logprobs_val")
         self.pending = None  # (batch, target mask, its metrics, its first step, updates made)
         if cfg.task == "dpo":
             self.loss = DPOLoss(cfg.dpo_beta, cfg.dpo_loss_type, cfg.dpo_label_smoothing)
@@ -645,8 +719,12 @@ class RlRun:
             if self.reference is None and self.ref_all is None:  # a new run: the initial policy's, every pair's
                 t0 = time.perf_counter()
                 self.ref_all = precompute_pairs(trainer, data, self.per_step)
-                echo(f"reference: the initial model's log-probabilities of {data.num_pairs:,} pairs, precomputed "
-                     f"({self.ref_all.numel() * 4 / 2**20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
+                if self.val is not None:
+                    self.ref_val = precompute_pairs(trainer, self.val, self.per_step)
+                n = data.num_pairs + (self.val.num_pairs if self.val is not None else 0)
+                size = self.ref_all.numel() + (self.ref_val.numel() if self.ref_val is not None else 0)
+                echo(f"reference: the initial model's log-probabilities of {n:,} pairs, precomputed "
+                     f"({size * 4 / 2**20:,.1f} MiB, {time.perf_counter() - t0:.1f} s)")
             elif self.reference is None:
                 echo(f"reference: the initial model's log-probabilities of {data.num_pairs:,} pairs, from the "
                      "checkpoint")
@@ -776,15 +854,63 @@ class RlRun:
         row = {**step_row(step, res, lr, self.rates, applied=bool(res.applied) and not res.nonfinite_weights,
                           trimmed=getattr(self.data, "trimmed", None), dropped=getattr(self.data, "dropped", None)),
                **extra}
-        self.metrics.append(row)
         if not row["applied"]:
+            self.metrics.append(row)
             raise MegatrainError(f"step {step}: the loss or a gradient or updated weight was not finite; the update "
                                  "was not kept and the run stops (lower --lr, set --max-grad-norm)")
+        if self.val is not None and (step == cfg.max_steps or cfg.eval_interval and step % cfg.eval_interval == 0):
+            row.update(self.evaluate())
+        self.metrics.append(row)
         shown = (f"reward {extra['reward_mean']:.3f}" if cfg.task == "grpo"
                  else f"accuracy {extra['rewards_accuracy']:.2f}, margin {extra['rewards_margin']:+.3f}")
+        if "val_reward_mean" in row:
+            shown += f"; validation reward {row['val_reward_mean']:.3f}"
+        elif row.get("val_loss") is not None:
+            shown += f"; validation loss {row['val_loss']:.4f}, accuracy {row['val_rewards_accuracy']:.2f}"
         self.echo(f"step {step}: loss {res.loss:+.4f}, {shown}")
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
             self.save(step)
+
+    def evaluate(self) -> dict[str, float]:
+        """The validation metrics of the current weights on ``val_data``: DPO's ``val_loss`` and
+        ``val_`` + :data:`DPO_FIELDS` over all its pairs (against the precomputed or BF16
+        reference), TRL's ``eval_*``; GRPO's ``val_reward_mean`` and ``val_reward_std`` of
+        ``group_size`` responses to each of its prompts (sampled at ``temperature`` with the same
+        seeds at every evaluation, so that evaluations differ by the weights only; the training
+        RNG is left as it was).
+
+        Raises:
+            BatchError: the reward function failed on a validation response (naming it).
+        """
+        import torch
+
+        from megatrain.rl import target_mask
+        from megatrain.rl.rewards import score
+
+        cfg, val = self.cfg, self.val
+        if cfg.task == "dpo":
+            lp = precompute_pairs(self.trainer, val, self.per_step)
+            ref = self.ref_val if self.ref_val is not None else precompute_pairs(self.reference, val, self.per_step)
+            mask = target_mask(val.labels)
+            loss = float(self.loss(lp, mask, {"ref_logprobs": ref}, {"pairs": val.num_pairs}))
+            return {"val_loss": loss, **{f"val_{k}": v for k, v in dpo_metrics(self.loss, lp, mask, ref).items()}}
+        rewards = []
+        cuda = [torch.cuda.current_device()] if self.trainer.backend.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            for at in range(0, len(val.ids), self.per_step):
+                chunk = list(range(at, min(at + self.per_step, len(val.ids))))
+                rows = [i for i in chunk for _ in range(cfg.group_size)]
+                responses = self.rollout.generate([val.ids[i] for i in rows], seed=cfg.seed * 1_000_003 + 10**12 + at)
+                eot = self.rollout.eot_id
+                texts = [self.tokenizer.decode([t for t in r if t != eot]) for r in responses]
+                columns = {k: [v[i] for i in rows] for k, v in val.columns.items()}
+                try:
+                    rewards.append(score(self.reward, [val.prompts[i] for i in rows], texts, columns,
+                                         name=f"reward {cfg.reward}"))
+                except BatchError as e:
+                    raise BatchError(f"validation after step {self.step}: {e}") from e.__cause__
+        r = torch.cat(rewards)
+        return {"val_reward_mean": float(r.mean()), "val_reward_std": float(r.std()) if len(r) > 1 else 0.0}
 
     def save(self, step: int) -> None:
         """The checkpoint of ``step``: the trainer, and what the rest of the run needs (the class
@@ -800,6 +926,8 @@ class RlRun:
         tensors = {"order_generator": self.generator.get_state(), "order": self.order}
         if self.ref_all is not None:
             tensors["reference_logprobs"] = self.ref_all
+        if self.ref_val is not None:
+            tensors["reference_logprobs_val"] = self.ref_val
         if self.reference is not None:
             tensors["reference_weights"] = self.reference.weights
         pending = None
@@ -834,10 +962,11 @@ class RlRun:
                                                 f"{cfg.global_batch}"), self.echo)
         ckpt = self.checkpoint.path
         loss = finite(res.loss) if res is not None else None
+        val = [r["val_loss"] for r in read_metrics(out / METRICS_FILE) if r.get("val_loss") is not None]
         self.echo(f"done: step {step}, loss {'n/a' if loss is None else f'{loss:.4f}'}; model directory: {ckpt}; "
                   f"metrics: {out / METRICS_FILE}")
-        return TrainResult(step=step, skipped_steps=0, stopped_by=self.stopped, loss=loss, val_loss=None,
-                           checkpoint=ckpt, output_dir=out)
+        return TrainResult(step=step, skipped_steps=0, stopped_by=self.stopped, loss=loss,
+                           val_loss=val[-1] if val else None, checkpoint=ckpt, output_dir=out)
 
 
 def precompute_pairs(trainer, pairs: Pairs, per_step: int) -> "torch.Tensor":
