@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import megatrain
 from megatrain.data.preference import detect_preference_format, iter_pairs, resolve_preference_data, to_pair
 from megatrain.data.sft_formats import Chat, Completion, RecordError
-from megatrain.errors import BatchError, ConfigError
+from megatrain.errors import BatchError, ConfigError, MegatrainError
 from megatrain.rl import DPOLoss, GRPOLoss, target_mask
 from megatrain.rl.rewards import arithmetic_reward, exact_match_reward, load_reward, score
 from megatrain.train import load_train_config, train
@@ -163,6 +163,7 @@ def test_a_bad_record_stops_the_dpo_run_before_the_model_is_built(tmp_path):
     (dict(task="grpo", group_size=3, global_batch=8), "groups of group_size=3"),
     (dict(task="dpo", global_batch=6, micro_batch_size=3), "make both even"),
     (dict(task="grpo", seq_len=8, max_new_tokens=8), "no room for a prompt"),
+    (dict(task="dpo", micro_batch_size=2, loss_spike=3.0), "loss_spike=3.0 with task dpo: the spike check is not"),
 ])
 def test_rl_settings_are_refused_before_anything_runs(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -682,3 +683,37 @@ def test_grpo_validation_rewards_its_prompts_and_leaves_training_alone(tmp_path)
         train(_cfg(tmp_path / "other", val_data=str(long), **kw))
     with pytest.raises(ConfigError, match="val_data is for task dpo and grpo"):
         _cfg(tmp_path, task="lm", val_data=str(val), max_steps=1)
+
+
+def test_nonfinite_skip_drops_a_dpo_step_whose_loss_is_nan_and_goes_on(tmp_path, monkeypatch):
+    """A DPO step whose loss is NaN (its batch's reference log-probabilities made to overflow): with
+    nonfinite stop (the default) the run stops naming the step; with nonfinite skip (max_grad_norm
+    set: the updates wait for the whole gradient) the step is not applied and counted, the run goes
+    on, and a run of 2 steps whose second is skipped ends with the weights of the run of 1 step."""
+    from safetensors.torch import load_file
+
+    real = rl_tasks.RlRun.dpo_batch
+
+    def poisoned(self):
+        batch, mask, extra = real(self)
+        if self.step == 1:  # the batch of step 2: each response's reference sum overflows, inf - inf
+            batch["ref_logprobs"] = torch.where(mask, torch.tensor(3e38), torch.zeros(()))
+        return batch, mask, extra
+
+    kw = dict(_DPO, max_grad_norm=1.0)
+    train(_cfg(tmp_path / "one", **{**kw, "max_steps": 1}))
+    monkeypatch.setattr(rl_tasks.RlRun, "dpo_batch", poisoned)
+    with pytest.raises(MegatrainError, match=r"step 2: the loss is not finite .*nonfinite: stop"):
+        train(_cfg(tmp_path / "stop", **{**kw, "max_steps": 2}))
+    lines = []
+    res = train(_cfg(tmp_path, nonfinite="skip", **{**kw, "max_steps": 2}), echo=lines.append)
+    rows = _rows(tmp_path)
+    assert res.skipped_steps == 1 and res.step == 2 and [r["applied"] for r in rows] == [True, False]
+    assert res.loss == rows[0]["loss"] and any("step 2: the loss is not finite" in line and "skipped" in line
+                                               for line in lines)
+    got = load_file(tmp_path / "run" / "checkpoint" / "model.safetensors")
+    want = load_file(tmp_path / "one" / "run" / "checkpoint" / "model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    lines = []
+    again = train(_cfg(tmp_path, nonfinite="skip", **{**kw, "max_steps": 2}), echo=lines.append)
+    assert again.skipped_steps == 1  # the finished run's count, from its checkpoint

@@ -37,8 +37,11 @@ must be the checkpoint's.
 ``val_data`` is evaluated every ``eval_interval`` steps and at the end (:meth:`RlRun.evaluate`:
 DPO's loss and rewards on its pairs, GRPO's mean reward on its prompts), into that step's row.
 
-Not here yet: data parallel under torchrun, the non-finite step guard's skip and rollback (a step
-that is not applied stops the run).
+A step that is not applied (a non-finite loss or gradient) stops the run, or with ``nonfinite:
+skip`` is counted and skipped where it changed nothing (:meth:`RlRun.not_applied`).
+
+Not here yet: data parallel under torchrun; the rollback to the checkpoint of a step that changed
+weights; ``loss_spike``.
 """
 
 from __future__ import annotations
@@ -505,12 +508,13 @@ def save_rl_plot(rows: list[dict], path, *, title: str, task: str) -> None:
     fig = new_figure((10, 4.5))
     a, b = fig.subplots(1, 2)
     steps = [r["step"] for r in rows]
-    a.plot(steps, [r["loss"] for r in rows], linewidth=1, label=f"{task} loss")
+    nan = float("nan")  # a step not applied has no loss
+    a.plot(steps, [nan if r["loss"] is None else r["loss"] for r in rows], linewidth=1, label=f"{task} loss")
     a.set_xlabel("step")
     a.set_ylabel("loss")
     series = ("reward_mean",) if task == "grpo" else ("rewards_accuracy", "rewards_margin")
     for name in series:
-        b.plot(steps, [r.get(name) for r in rows], linewidth=1, label=name)
+        b.plot(steps, [nan if r.get(name) is None else r[name] for r in rows], linewidth=1, label=name)
     # The evaluations (val_data), as points at their steps.
     for ax, name in ((a, "val_loss"), (b, "val_reward_mean"), (b, "val_rewards_accuracy")):
         at = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
@@ -676,7 +680,9 @@ class RlRun:
         self.fingerprint = data_fingerprint(self.data, self.val)
         planned = loop._plan(cfg, source, hw, echo)
         cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
-        self.trainer, self.start, _, state = loop._materialize_and_load(cfg, planned, source, self.fingerprint, echo)
+        self.trainer, self.start, self.skipped, state = loop._materialize_and_load(cfg, planned, source,
+                                                                                   self.fingerprint, echo)
+        self.in_a_row = 0
         self.rates = run_rates(cfg, planned, hw, cpu_peak, echo)
         tokenizer_config = match_special_tokens(self.trainer.model, self.tokenizer, eot, cfg.seq_len, template)
         tokenizer_json = self.tokenizer.to_str()
@@ -856,8 +862,9 @@ class RlRun:
                **extra}
         if not row["applied"]:
             self.metrics.append(row)
-            raise MegatrainError(f"step {step}: the loss or a gradient or updated weight was not finite; the update "
-                                 "was not kept and the run stops (lower --lr, set --max-grad-norm)")
+            self.not_applied(step, res)
+            return
+        self.in_a_row = 0
         if self.val is not None and (step == cfg.max_steps or cfg.eval_interval and step % cfg.eval_interval == 0):
             row.update(self.evaluate())
         self.metrics.append(row)
@@ -870,6 +877,40 @@ class RlRun:
         self.echo(f"step {step}: loss {res.loss:+.4f}, {shown}")
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
             self.save(step)
+
+    def not_applied(self, step: int, res) -> None:
+        """Step ``step`` was not applied (its loss or a gradient was not finite, or the update it
+        ran left non-finite weights). With ``nonfinite: skip``, where nothing of it changed the
+        weights (no layer took its update during backward, no non-finite weight), it is skipped:
+        counted (``skipped_steps``), said, and the run goes on to the next batch (or update).
+
+        Raises:
+            MegatrainError: ``nonfinite: stop``; a step that changed weights (megatrain train's other
+                tasks roll back to the last checkpoint there; these do not yet); or
+                ``max_consecutive_skips`` steps in a row not applied.
+        """
+        import math
+
+        cfg = self.cfg
+        what = ("an update left NaN or infinite weights" if res.nonfinite_weights
+                else f"the {'loss' if not math.isfinite(res.loss) else 'gradient'} is not finite (loss {res.loss}, "
+                     f"gradient norm {res.grad_norm})")
+        if cfg.nonfinite == "stop":
+            raise MegatrainError(f"step {step}: {what}; the update was not kept and the run stops (nonfinite: stop; "
+                                 "lower --lr, set --max-grad-norm, or --nonfinite skip to go on)")
+        if res.nonfinite_weights or res.updated_layers:
+            raise MegatrainError(f"step {step}: {what}, and some layers took its update during backward "
+                                 f"({len(res.updated_layers or res.nonfinite_weights)} layers): task {cfg.task} does "
+                                 "not roll back to its checkpoint yet, so the run stops; set --max-grad-norm (the "
+                                 "updates then wait for the whole gradient and a bad step changes nothing), or lower "
+                                 "--lr")
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= cfg.max_consecutive_skips:
+            raise MegatrainError(f"{self.in_a_row} steps in a row were not applied (the last: step {step}, {what}): "
+                                 f"the run diverged; stopping (max_consecutive_skips={cfg.max_consecutive_skips}); "
+                                 "lower --lr")
+        self.echo(f"step {step}: {what}; skipped (nothing of it applied; {self.skipped} skipped so far)")
 
     def evaluate(self) -> dict[str, float]:
         """The validation metrics of the current weights on ``val_data``: DPO's ``val_loss`` and
@@ -922,7 +963,7 @@ class RlRun:
         from megatrain.errors import CheckpointError
         from megatrain.train.rundir import STATE_KEY, train_state
 
-        state = train_state(self.cfg, step, 0, self.fingerprint, self.tokenizer_sha)
+        state = train_state(self.cfg, step, self.skipped, self.fingerprint, self.tokenizer_sha)
         tensors = {"order_generator": self.generator.get_state(), "order": self.order}
         if self.ref_all is not None:
             tensors["reference_logprobs"] = self.ref_all
@@ -953,19 +994,21 @@ class RlRun:
         from megatrain.train.rundir import METRICS_FILE, PLOT_FILE
         from megatrain.train.stages import plot_or_note
 
-        cfg, out, step, res = self.cfg, self.out, self.step, self.res
+        cfg, out, step = self.cfg, self.out, self.step
         if self.checkpoint.last_saved != step:
             self.save(step)
         self.metrics.close()
-        plot_or_note(lambda: save_rl_plot(read_metrics(out / METRICS_FILE), out / PLOT_FILE, task=cfg.task,
+        rows = read_metrics(out / METRICS_FILE)
+        plot_or_note(lambda: save_rl_plot(rows, out / PLOT_FILE, task=cfg.task,
                                           title=f"{model_label(cfg)}: {cfg.task}, {step} steps, global batch "
                                                 f"{cfg.global_batch}"), self.echo)
         ckpt = self.checkpoint.path
-        loss = finite(res.loss) if res is not None else None
-        val = [r["val_loss"] for r in read_metrics(out / METRICS_FILE) if r.get("val_loss") is not None]
+        applied = [r["loss"] for r in rows if r.get("applied")]
+        loss = finite(applied[-1]) if applied else None
+        val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
         self.echo(f"done: step {step}, loss {'n/a' if loss is None else f'{loss:.4f}'}; model directory: {ckpt}; "
                   f"metrics: {out / METRICS_FILE}")
-        return TrainResult(step=step, skipped_steps=0, stopped_by=self.stopped, loss=loss,
+        return TrainResult(step=step, skipped_steps=self.skipped, stopped_by=self.stopped, loss=loss,
                            val_loss=val[-1] if val else None, checkpoint=ckpt, output_dir=out)
 
 
