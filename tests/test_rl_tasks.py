@@ -717,3 +717,45 @@ def test_nonfinite_skip_drops_a_dpo_step_whose_loss_is_nan_and_goes_on(tmp_path,
     lines = []
     again = train(_cfg(tmp_path, nonfinite="skip", **{**kw, "max_steps": 2}), echo=lines.append)
     assert again.skipped_steps == 1  # the finished run's count, from its checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# Several reward functions (TRL's reward_funcs and reward_weights)
+# ---------------------------------------------------------------------------------------------
+
+def test_several_reward_functions_are_their_weighted_sum_each_checked_and_named():
+    from megatrain.rl.rewards import RewardSum, load_rewards
+
+    both = load_rewards("megatrain.rl.rewards:exact_match_reward, megatrain.rl.rewards:arithmetic_reward", [1.0, 0.5])
+    completions, answer = ["7", "8", "x", " 7 apples"], ["7", "7", "7", "7"]
+    got = score(both, ["3+4="] * 4, completions, {"answer": answer}, name="r")
+    em, ar = exact_match_reward([], completions, answer), arithmetic_reward([], completions, answer)
+    assert got.tolist() == pytest.approx([a + 0.5 * b for a, b in zip(em, ar)], abs=1e-7)
+    assert both.last["megatrain.rl.rewards:exact_match_reward"].tolist() == em
+    assert both.labels == {"megatrain.rl.rewards:exact_match_reward": "exact_match_reward",
+                           "megatrain.rl.rewards:arithmetic_reward": "arithmetic_reward"}
+    bad = RewardSum([("ok", exact_match_reward), ("m:bad", lambda p, c, **kw: [float("nan")] * len(c))])
+    with pytest.raises(BatchError, match=r"^reward m:bad returned nan for completion 0"):
+        score(bad, ["3+4="], ["7"], {"answer": ["7"]}, name="r")
+    with pytest.raises(ConfigError, match=r"1 weights for 2 reward functions"):
+        load_rewards("megatrain.rl.rewards:exact_match_reward,megatrain.rl.rewards:arithmetic_reward", [1.0])
+    with pytest.raises(ConfigError, match="distinct"):
+        load_rewards("megatrain.rl.rewards:exact_match_reward,megatrain.rl.rewards:exact_match_reward")
+    same = RewardSum([("a.b:f", exact_match_reward), ("c:f", exact_match_reward)])
+    assert same.labels == {"a.b:f": "a_b_f", "c:f": "c_f"}
+
+
+def test_a_grpo_run_with_two_rewards_logs_each_and_trains_on_their_sum(tmp_path):
+    """--reward f,g --reward-weights 1,0.5: each row's reward_mean is the weighted sum of the
+    functions' means, each logged as reward_<function>_mean; weights of another count are refused
+    when the settings are read."""
+    spec = "megatrain.rl.rewards:exact_match_reward,megatrain.rl.rewards:arithmetic_reward"
+    kw = dict(_GRPO, max_steps=2, reward=spec, reward_weights=[1.0, 0.5])
+    train(_cfg(tmp_path, **kw))
+    for r in _rows(tmp_path):
+        want = r["reward_exact_match_reward_mean"] + 0.5 * r["reward_arithmetic_reward_mean"]
+        assert r["reward_mean"] == pytest.approx(want, abs=1e-6)
+        assert r["reward_arithmetic_reward_mean"] >= r["reward_exact_match_reward_mean"]  # 1 or 0.1 vs 1 or 0
+    with pytest.raises(ConfigError, match=r"reward_weights \[1.0\]: 1 weights for 2 reward functions"):
+        _cfg(tmp_path, **{**kw, "reward_weights": [1.0]})
+    assert _cfg(tmp_path, **{**kw, "reward_weights": "1, 0.5"}).reward_weights == [1.0, 0.5]  # as a flag gives it

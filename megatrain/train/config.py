@@ -142,9 +142,14 @@ class TrainConfig(pydantic.BaseModel):
                                   "weights on the host, 2 bytes a parameter, run on each batch)")
     reward: str = Field("megatrain.rl.rewards:arithmetic_reward",
                         description="grpo: the reward, module:function with TRL's signature fn(prompts, completions, "
-                                    "**columns) -> list[float] (the prompt set's other columns as keyword lists); "
-                                    "default: the bundled rule reward for examples/data/rl/arithmetic.jsonl (1 for "
-                                    "the exact answer, 0.1 for another integer)")
+                                    "**columns) -> list[float] (the prompt set's other columns as keyword lists), "
+                                    "or several comma-separated, summed with reward_weights (TRL's reward_funcs; "
+                                    "each one's mean is logged as reward_<function>_mean); default: the bundled rule "
+                                    "reward for examples/data/rl/arithmetic.jsonl (1 for the exact answer, 0.1 for "
+                                    "another integer)")
+    reward_weights: list[float] | None = Field(None, description="grpo: one weight per reward function (TRL's "
+                                                                 "reward_weights), comma-separated as a flag "
+                                                                 "(--reward-weights 1,0.5); null: 1.0 each")
     group_size: int = Field(4, description="grpo: responses sampled per prompt, normalised against each other (GRPO's "
                                            "G; at least 2); global_batch / group_size prompts a step")
     kl_coef: float = Field(0.0, ge=0, description="grpo: the KL penalty to the reference (GRPO's beta, k3 "
@@ -315,6 +320,12 @@ class TrainConfig(pydantic.BaseModel):
             raise ValueError(f"{str(value).lower()} is a boolean, not a number; give a number")
         return value
 
+    @pydantic.field_validator("reward_weights", mode="before")
+    @classmethod
+    def _weights_from_a_flag(cls, value: Any) -> Any:
+        # --reward-weights 1,0.5 (a flag is one string; a config file gives a list)
+        return [w.strip() for w in value.split(",")] if isinstance(value, str) else value
+
     @pydantic.field_validator("micro_batch_size")
     @classmethod
     def _positive_micro_batch_size(cls, value: int | str) -> int | str:
@@ -417,6 +428,10 @@ def _check_rl(cfg: "TrainConfig") -> None:
         if cfg.global_batch % cfg.group_size:
             raise ValueError(f"task grpo: global_batch={cfg.global_batch} rows do not split into groups of "
                              f"group_size={cfg.group_size}; make global_batch a multiple of it")
+        functions = [f.strip() for f in cfg.reward.split(",")]
+        if cfg.reward_weights is not None and len(cfg.reward_weights) != len(functions):
+            raise ValueError(f"reward_weights {cfg.reward_weights}: {len(cfg.reward_weights)} weights for "
+                             f"{len(functions)} reward functions ({', '.join(functions)}); give one per function")
         if cfg.max_new_tokens >= cfg.seq_len:
             raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in seq_len="
                              f"{cfg.seq_len}; raise seq_len or lower max_new_tokens")

@@ -547,7 +547,7 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
     import os
 
     from megatrain.files import DirectoryLock
-    from megatrain.rl.rewards import load_reward
+    from megatrain.rl.rewards import load_rewards
     from megatrain.train.loop import _finished
     from megatrain.train.rundir import LOCK_FILE, check_output_dir, saved_train_state
     from megatrain.train.stages import held_locks, model_source, nvme_dir_lock, set_threads
@@ -557,7 +557,7 @@ def train_rl(cfg: "TrainConfig", *, echo: Callable[[str], None], device: str, gi
     echo(device)
     set_threads(cfg, echo, load=False)
     out = Path(cfg.output_dir)
-    reward = load_reward(cfg.reward) if cfg.task == "grpo" else None
+    reward = load_rewards(cfg.reward, cfg.reward_weights) if cfg.task == "grpo" else None
     source = model_source(cfg, out)
     lock = DirectoryLock(out / LOCK_FILE, f"output_dir {out}")
     with held_locks(lock, nvme_dir_lock(cfg)):
@@ -836,8 +836,18 @@ class RlRun:
         batch["old_logprobs"] = self.trainer.logprobs(batch)  # the rollout policy's (ratio 1 on the first update)
         mask = target_mask(batch["labels"])
         extra = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                 "response_length": sum(lengths) / len(lengths), "rollout_s": time.perf_counter() - t0}
+                 "response_length": sum(lengths) / len(lengths), "rollout_s": time.perf_counter() - t0,
+                 **self.reward_means("reward")}
         return batch, mask, extra
+
+    def reward_means(self, prefix: str) -> dict[str, float]:
+        """With several reward functions, each one's mean over the last scored responses,
+        ``<prefix>_<function>_mean`` (TRL's ``rewards/<function>/mean``); {} with one."""
+        functions = getattr(self.reward, "functions", ())
+        if len(functions) < 2:
+            return {}
+        labels = self.reward.labels
+        return {f"{prefix}_{labels[name]}_mean": float(r.mean()) for name, r in self.reward.last.items()}
 
     def update(self, batch: dict, extra: dict) -> None:
         """One optimizer step on ``batch``, its metrics row (``extra``: the task's fields), its line,
@@ -935,7 +945,7 @@ class RlRun:
             mask = target_mask(val.labels)
             loss = float(self.loss(lp, mask, {"ref_logprobs": ref}, {"pairs": val.num_pairs}))
             return {"val_loss": loss, **{f"val_{k}": v for k, v in dpo_metrics(self.loss, lp, mask, ref).items()}}
-        rewards = []
+        rewards, each = [], {}
         cuda = [torch.cuda.current_device()] if self.trainer.backend.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             for at in range(0, len(val.ids), self.per_step):
@@ -950,8 +960,14 @@ class RlRun:
                                          name=f"reward {cfg.reward}"))
                 except BatchError as e:
                     raise BatchError(f"validation after step {self.step}: {e}") from e.__cause__
+                for name, got in getattr(self.reward, "last", {}).items():
+                    each.setdefault(name, []).append(got)
         r = torch.cat(rewards)
-        return {"val_reward_mean": float(r.mean()), "val_reward_std": float(r.std()) if len(r) > 1 else 0.0}
+        out = {"val_reward_mean": float(r.mean()), "val_reward_std": float(r.std()) if len(r) > 1 else 0.0}
+        if len(each) > 1:  # several reward functions: each one's mean, as in training
+            out.update({f"val_reward_{self.reward.labels[name]}_mean": float(torch.cat(t).mean())
+                        for name, t in each.items()})
+        return out
 
     def save(self, step: int) -> None:
         """The checkpoint of ``step``: the trainer, and what the rest of the run needs (the class
