@@ -253,6 +253,35 @@ def test_native_sizes_give_each_image_its_own_grid_and_train_like_eager(tmp_path
     _two_steps_equal_eager(kind, ds, chat, batches, [native_grid(processor, 512)] * 2, eager_micro_batches=1)
 
 
+def test_a_native_size_batch_of_text_rows_only_trains_like_eager(tmp_path, processor):
+    """With image_max_pixels a batch may hold no image at all: its rows give pixel_values [0, 96]
+    and image_grid_thw [0, 3], the compiled model takes it, and its step's loss is eager's on the
+    text alone."""
+    from transformers import AutoModelForImageTextToText
+
+    from megatrain.data.sft_qwen_vl import native_grid
+
+    files = _pngs(tmp_path / "img")
+    chats = _native_records(tmp_path / "data.jsonl", files)
+    chat = ChatProcessor(processor, None, eos_token=EOT, images_per_example=2, max_pixels=512)
+    store = build_sft_store(resolve_sft_data(str(tmp_path / "data.jsonl")), chat, tmp_path / "store", seq_len=96,
+                            progress=False)
+    ds = SftDataset(store, 96, packing=False, val_fraction=0.2, images=chat)
+    text_only = [r for r in range(ds.num_train_rows) if not any(p["type"] == "image" for m in
+                                                               chats[ds.train_examples[r]] for p in m["content"])]
+    batch = ds.rows(text_only[:1] * 2)
+    assert batch["pixel_values"].shape == (0, 96) and batch["image_grid_thw"].shape == (0, 3)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))
+    ref = copy.deepcopy(model)
+    trainer = megatrain.compile(model, seq_len=96, micro_batch_size=1, micro_batches=2, optimizer=ADAMW,
+                                input_names=ds.input_names, image_grid_thw=[native_grid(processor, 512)] * 2)
+    got = trainer.step(batch).loss
+    text = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    (want,) = eager_losses(ref, [text], 1)
+    assert abs(got - want) <= RTOL * abs(want), (got, want)
+
+
 def test_native_images_over_the_row_budget_are_refused_naming_them(tmp_path, processor):
     """An image that smart_resize keeps one merge window high but scales to more than the budget
     (an aspect ratio of 150 under 512 pixels) is refused when the store is built, naming it."""
