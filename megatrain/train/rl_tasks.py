@@ -38,7 +38,7 @@ must be the checkpoint's.
 DPO's loss and rewards on its pairs, GRPO's mean reward on its prompts), into that step's row.
 
 A step that is not applied (a non-finite loss or gradient) stops the run, or with ``nonfinite:
-skip`` is counted and skipped where it changed nothing (:meth:`RlRun.not_applied`).
+skip`` is counted and skipped where it changed nothing (:meth:`RlRun.not_kept`).
 
 Not here yet: data parallel under torchrun; the rollback to the checkpoint of a step that changed
 weights; ``loss_spike``.
@@ -458,6 +458,25 @@ class Rollout:
         return responses
 
 
+def score_rollouts(rollout: Rollout, tokenizer, prompts: Prompts, chosen: Sequence[int], *, group_size: int,
+                   reward: Callable, reward_name: str, seed: int):
+    """``group_size`` responses to each prompt of ``chosen`` (indices of ``prompts``), sampled with
+    ``seed`` and scored. Returns ``(rows, responses, rewards)``: each response's prompt index, its
+    tokens (up to and including the end-of-text token), and ``rewards`` ``[rows]`` FP32.
+
+    Raises:
+        BatchError: as :func:`megatrain.rl.rewards.score`.
+    """
+    from megatrain.rl.rewards import score
+
+    rows = [i for i in chosen for _ in range(group_size)]
+    responses = rollout.generate([prompts.ids[i] for i in rows], seed)
+    eot = rollout.eot_id
+    texts = [tokenizer.decode([t for t in r if t != eot]) for r in responses]
+    columns = {k: [v[i] for i in rows] for k, v in prompts.columns.items()}
+    return rows, responses, score(reward, [prompts.prompts[i] for i in rows], texts, columns, name=reward_name)
+
+
 def grpo_batch(rollout: Rollout, tokenizer, prompts: Prompts, chosen: Sequence[int], *, group_size: int,
                seq_len: int, reward: Callable, reward_name: str, seed: int):
     """One batch of rollouts: ``group_size`` responses to each prompt of ``chosen`` (indices of
@@ -473,19 +492,14 @@ def grpo_batch(rollout: Rollout, tokenizer, prompts: Prompts, chosen: Sequence[i
     import torch
 
     from megatrain.rl import group_advantages
-    from megatrain.rl.rewards import score
 
-    rows = [i for i in chosen for _ in range(group_size)]
-    responses = rollout.generate([prompts.ids[i] for i in rows], seed)
-    eot = rollout.eot_id
-    texts = [tokenizer.decode([t for t in r if t != eot]) for r in responses]
-    columns = {k: [v[i] for i in rows] for k, v in prompts.columns.items()}
-    rewards = score(reward, [prompts.prompts[i] for i in rows], texts, columns, name=reward_name)
+    rows, responses, rewards = score_rollouts(rollout, tokenizer, prompts, chosen, group_size=group_size,
+                                              reward=reward, reward_name=reward_name, seed=seed)
     advantages = group_advantages(rewards, group_size)
     ids, labels = [], []
     for i, r in zip(rows, responses):
         p = prompts.ids[i]
-        row, lab = _row(p + r, [False] * len(p) + [True] * len(r), seq_len, eot)
+        row, lab = _row(p + r, [False] * len(p) + [True] * len(r), seq_len, rollout.eot_id)
         ids.append(row)
         labels.append(lab)
     batch = {"input_ids": torch.stack(ids), "labels": torch.stack(labels), "advantages": advantages}
@@ -663,10 +677,12 @@ class RlRun:
         import hashlib
 
         from megatrain.checkpoint import load_extra_tensors
+        from megatrain.ir.plan import OptimizerPlacement
         from megatrain.ir.hardware import load_hardware
         from megatrain.runtime.measure import measure_matmul_flops
         from megatrain.train import loop
         from megatrain.train.corpus import match_special_tokens
+        from megatrain.train.guard import Guard, decay_hint
         from megatrain.train.metrics import MetricsLog, run_rates
         from megatrain.train.rundir import CHECKPOINT_DIR, METRICS_FILE
         from megatrain.train.stages import Checkpoint, write_run_files
@@ -682,7 +698,10 @@ class RlRun:
         cpu_peak = measure_matmul_flops("cpu") if cfg.device == "cpu" else None
         self.trainer, self.start, self.skipped, state = loop._materialize_and_load(cfg, planned, source,
                                                                                    self.fingerprint, echo)
-        self.in_a_row = 0
+        # megatrain train's verdict on each step (loss_spike is refused for these tasks: none here)
+        self.guard = Guard(deferred=self.trainer.plan.optimizer is OptimizerPlacement.NEXT_FORWARD,
+                           loss_spike=None, decay=decay_hint(cfg.lr, cfg.weight_decay))
+        self.guard.restore(state, self.start)
         self.rates = run_rates(cfg, planned, hw, cpu_peak, echo)
         tokenizer_config = match_special_tokens(self.trainer.model, self.tokenizer, eot, cfg.seq_len, template)
         tokenizer_json = self.tokenizer.to_str()
@@ -772,12 +791,11 @@ class RlRun:
     def train_loop(self) -> None:
         """Step to ``max_steps``, or until SIGINT/SIGTERM (the update under way finishes, then a
         checkpoint is saved): each batch of pairs one update, each batch of rollouts up to
-        ``grpo_updates``. Sets ``step``, ``res`` (the last step's result) and ``stopped`` (the
-        signal's name, or None)."""
+        ``grpo_updates``. Sets ``step`` and ``stopped`` (the signal's name, or None)."""
         from megatrain.train.loop import _StopOnSignal
 
         cfg = self.cfg
-        self.step, self.res, self.stopped = self.start, None, None
+        self.step, self.stopped = self.start, None
         with _StopOnSignal() as stop:
             while self.step < cfg.max_steps and self.stopped is None:
                 if self.pending is None:
@@ -864,17 +882,18 @@ class RlRun:
         lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                    min_lr_ratio=cfg.min_lr_ratio)
         self.trainer.set_lr(lr)
-        res = self.res = self.trainer.step(batch, loss=self.loss)
+        res = self.trainer.step(batch, loss=self.loss)
         self.step += 1
         step = self.step
-        row = {**step_row(step, res, lr, self.rates, applied=bool(res.applied) and not res.nonfinite_weights,
+        verdict = self.guard.judge(step, res, res.nonfinite_weights, self.trainer.graph.layers)
+        row = {**step_row(step, res, lr, self.rates, applied=verdict.action == "keep",
                           trimmed=getattr(self.data, "trimmed", None), dropped=getattr(self.data, "dropped", None)),
                **extra}
-        if not row["applied"]:
+        if verdict.action != "keep":
             self.metrics.append(row)
-            self.not_applied(step, res)
+            self.not_kept(verdict)
             return
-        self.in_a_row = 0
+        self.guard.keep(res.loss)
         if self.val is not None and (step == cfg.max_steps or cfg.eval_interval and step % cfg.eval_interval == 0):
             row.update(self.evaluate())
         self.metrics.append(row)
@@ -888,39 +907,32 @@ class RlRun:
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
             self.save(step)
 
-    def not_applied(self, step: int, res) -> None:
-        """Step ``step`` was not applied (its loss or a gradient was not finite, or the update it
-        ran left non-finite weights). With ``nonfinite: skip``, where nothing of it changed the
-        weights (no layer took its update during backward, no non-finite weight), it is skipped:
-        counted (``skipped_steps``), said, and the run goes on to the next batch (or update).
+    def not_kept(self, verdict) -> None:
+        """A step the guard did not keep (:meth:`megatrain.train.guard.Guard.judge`: its loss or a
+        gradient was not finite, or an update left non-finite weights). With ``nonfinite: skip`` a
+        ``skip`` verdict (nothing of it changed the weights: deferred updates) is counted
+        (``skipped_steps``), said, and the run goes on to the next batch (or update).
 
         Raises:
-            MegatrainError: ``nonfinite: stop``; a step that changed weights (megatrain train's other
-                tasks roll back to the last checkpoint there; these do not yet); or
-                ``max_consecutive_skips`` steps in a row not applied.
+            MegatrainError: ``nonfinite: stop``; a ``rollback`` verdict (a step that changed weights:
+                megatrain train's other tasks roll back to the last checkpoint there, these do not
+                yet); or ``max_consecutive_skips`` steps in a row not kept.
         """
-        import math
-
-        cfg = self.cfg
-        what = ("an update left NaN or infinite weights" if res.nonfinite_weights
-                else f"the {'loss' if not math.isfinite(res.loss) else 'gradient'} is not finite (loss {res.loss}, "
-                     f"gradient norm {res.grad_norm})")
+        cfg, guard, why = self.cfg, self.guard, verdict.why
         if cfg.nonfinite == "stop":
-            raise MegatrainError(f"step {step}: {what}; the update was not kept and the run stops (nonfinite: stop; "
-                                 "lower --lr, set --max-grad-norm, or --nonfinite skip to go on)")
-        if res.nonfinite_weights or res.updated_layers:
-            raise MegatrainError(f"step {step}: {what}, and some layers took its update during backward "
-                                 f"({len(res.updated_layers or res.nonfinite_weights)} layers): task {cfg.task} does "
-                                 "not roll back to its checkpoint yet, so the run stops; set --max-grad-norm (the "
-                                 "updates then wait for the whole gradient and a bad step changes nothing), or lower "
-                                 "--lr")
+            raise MegatrainError(f"{why}; the update was not kept and the run stops (nonfinite: stop; lower --lr, set "
+                                 "--max-grad-norm, or --nonfinite skip to go on)")
+        if verdict.action == "rollback":
+            raise MegatrainError(f"{why}, and it changed weights (a layer took its update during backward, or an "
+                                 f"update left non-finite weights): task {cfg.task} does not roll back to its "
+                                 "checkpoint yet, so the run stops; set --max-grad-norm (the updates then wait for "
+                                 "the whole gradient and a bad step changes nothing), or lower --lr")
         self.skipped += 1
-        self.in_a_row += 1
-        if self.in_a_row >= cfg.max_consecutive_skips:
-            raise MegatrainError(f"{self.in_a_row} steps in a row were not applied (the last: step {step}, {what}): "
-                                 f"the run diverged; stopping (max_consecutive_skips={cfg.max_consecutive_skips}); "
-                                 "lower --lr")
-        self.echo(f"step {step}: {what}; skipped (nothing of it applied; {self.skipped} skipped so far)")
+        guard.in_a_row += 1
+        if guard.in_a_row >= cfg.max_consecutive_skips:
+            raise MegatrainError(f"{guard.in_a_row} steps in a row were not kept (the last: {why}): the run "
+                                 f"diverged; stopping (max_consecutive_skips={cfg.max_consecutive_skips}); lower --lr")
+        self.echo(f"{why}; skipped (nothing of it applied; {self.skipped} skipped so far)")
 
     def evaluate(self) -> dict[str, float]:
         """The validation metrics of the current weights on ``val_data``: DPO's ``val_loss`` and
@@ -936,7 +948,6 @@ class RlRun:
         import torch
 
         from megatrain.rl import target_mask
-        from megatrain.rl.rewards import score
 
         cfg, val = self.cfg, self.val
         if cfg.task == "dpo":
@@ -949,15 +960,11 @@ class RlRun:
         cuda = [torch.cuda.current_device()] if self.trainer.backend.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             for at in range(0, len(val.ids), self.per_step):
-                chunk = list(range(at, min(at + self.per_step, len(val.ids))))
-                rows = [i for i in chunk for _ in range(cfg.group_size)]
-                responses = self.rollout.generate([val.ids[i] for i in rows], seed=cfg.seed * 1_000_003 + 10**12 + at)
-                eot = self.rollout.eot_id
-                texts = [self.tokenizer.decode([t for t in r if t != eot]) for r in responses]
-                columns = {k: [v[i] for i in rows] for k, v in val.columns.items()}
+                chunk = range(at, min(at + self.per_step, len(val.ids)))
                 try:
-                    rewards.append(score(self.reward, [val.prompts[i] for i in rows], texts, columns,
-                                         name=f"reward {cfg.reward}"))
+                    rewards.append(score_rollouts(self.rollout, self.tokenizer, val, chunk, group_size=cfg.group_size,
+                                                  reward=self.reward, reward_name=f"reward {cfg.reward}",
+                                                  seed=cfg.seed * 1_000_003 + 10**12 + at)[2])
                 except BatchError as e:
                     raise BatchError(f"validation after step {self.step}: {e}") from e.__cause__
                 for name, got in getattr(self.reward, "last", {}).items():
@@ -979,7 +986,7 @@ class RlRun:
         from megatrain.errors import CheckpointError
         from megatrain.train.rundir import STATE_KEY, train_state
 
-        state = train_state(self.cfg, step, self.skipped, self.fingerprint, self.tokenizer_sha)
+        state = train_state(self.cfg, step, self.skipped, self.fingerprint, self.tokenizer_sha, self.guard.state())
         tensors = {"order_generator": self.generator.get_state(), "order": self.order}
         if self.ref_all is not None:
             tensors["reference_logprobs"] = self.ref_all
