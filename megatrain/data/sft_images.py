@@ -140,10 +140,16 @@ class ChatProcessor(ChatTokenizer):
         self.image_size = None if image_size is None else tuple(image_size)
         self.max_pixels = max_pixels
         self._size: dict[str, Any] = {}
+        self._budget: int | None = None  # native sizes: the image tokens a row is traced for
         if max_pixels is not None:
+            from megatrain.data.sft_qwen_vl import native_grid
+
             size = processor.image_processor.size
             low = size.get("shortest_edge") if hasattr(size, "get") else getattr(size, "shortest_edge", None)
             self._size = {"size": {"longest_edge": max_pixels, "shortest_edge": min(low or 1, max_pixels)}}
+            if images_per_example:
+                _, h, w = native_grid(processor, max_pixels)
+                self._budget = images_per_example * h * w // int(processor.image_processor.merge_size) ** 2
         self._blank_image: torch.Tensor | None = None
 
     def describe(self) -> str:
@@ -195,18 +201,12 @@ class ChatProcessor(ChatTokenizer):
                               f"{len(images)} image(s); use a template that writes one per {{\"type\": \"image\"}} "
                               "part (the processor's)")
         counts = [self.image_tokens(p) for p in images]
-        if self.max_pixels is not None:
-            from megatrain.data.sft_qwen_vl import native_grid
-
-            _, h, w = native_grid(self.processor, self.max_pixels)
-            merge = int(self.processor.image_processor.merge_size)
-            budget = self.images_per_example * h * w // merge ** 2 if self.images_per_example else None
-            if budget is not None and sum(counts) > budget:
-                raise RecordError(f"the example's images fill {sum(counts)} image tokens ({counts} for "
-                                  f"{list(images)}), more than the {budget} of {self.images_per_example} image(s) "
-                                  f"of at most {self.max_pixels:,} pixels a row is traced for (an image of an extreme aspect "
-                                  "ratio keeps one merge window on its short side): crop or resize those images, or "
-                                  "raise --images-per-row or --image-max-pixels")
+        if self._budget is not None and sum(counts) > self._budget:
+            raise RecordError(f"the example's images fill {sum(counts)} image tokens ({counts} for {list(images)}), "
+                              f"more than the {self._budget} of {self.images_per_example} image(s) of at most "
+                              f"{self.max_pixels:,} pixels a row is traced for (an image of an extreme aspect ratio "
+                              "keeps one merge window on its short side): crop or resize those images, or raise "
+                              "--images-per-row or --image-max-pixels")
         pieces_ids, pieces_tgt, prev = [], [], 0
         for a, n in zip(at, counts):
             pieces_ids += [enc.ids[prev:a], np.full(n, self.image_token_id, dtype=np.int64)]
